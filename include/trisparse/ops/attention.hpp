@@ -1,0 +1,76 @@
+#pragma once
+/// @file Sparse attention O = softmax(scale * (Q K^T ⊙ A)) V through a plan built once per pattern
+/// and device. The pattern A is binary (values are ignored); rows without entries give zeros.
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "trisparse/core/stream.hpp"
+#include "trisparse/core/tensor.hpp"
+#include "trisparse/graph/csr.hpp"
+
+namespace trisparse {
+
+/// Which implementation computes the attention.
+enum class algorithm : std::uint8_t {
+  automatic,              ///< the fastest one available for the plan's device
+  cpu_reference,          ///< float64 unfused SDDMM -> softmax -> SpMM (the oracle)
+  cpu_fused3s_reference,  ///< float64 blocked online softmax over the BSB format
+  cpu_fused,              ///< fp32 fused, OpenMP over rows, online softmax (the CPU engine)
+  cuda_fused_bsb,         ///< tensor-core fused 3S over BSB (CUDA)
+  cuda_unfused,           ///< SDDMM -> softmax -> SpMM kernels (CUDA)
+};
+std::string_view to_string(algorithm a);
+algorithm parse_algorithm(std::string_view name);
+
+struct plan_options {
+  algorithm algo = algorithm::automatic;  ///< what the plan prepares formats for
+  int tcb_cols = 8;                       ///< BSB tensor-core block width (8 or 16)
+};
+
+struct attention_options {
+  std::optional<double> scale;  ///< default 1/sqrt(head_dim)
+  algorithm algo = algorithm::automatic;  ///< automatic = the plan's algorithm
+};
+
+/// What build() chose and what it cost.
+struct plan_report {
+  algorithm algo = algorithm::automatic;
+  device_kind where = device_kind::cpu;
+  std::int64_t rows = 0, cols = 0, nnz = 0;
+  double build_seconds = 0;
+  std::int64_t format_bytes = 0;
+  std::string format;  ///< "csr", "csr+bsb16x8", ...
+};
+
+/// Holds the formats for one pattern on one device; run() only computes.
+/// Cheap to copy (shared, immutable state).
+class attention_plan {
+ public:
+  /// Builds the formats the algorithm needs. @throws invalid_input if the pattern is broken;
+  /// not_supported if the device or algorithm is not in this build.
+  static attention_plan build(const csr_graph& pattern, device_kind where = device_kind::cpu,
+                              const plan_options& options = {}, stream_ref stream = {});
+
+  /// out = attention(q, k, v). q: [rows, H, D], k: [cols, H, D], v: [cols, H, Dv],
+  /// out: [rows, H, Dv]; all on the plan's device. CPU runs synchronously.
+  /// @throws invalid_input naming the argument whose shape, dtype or device is wrong.
+  void run(const tensor_view& q, const tensor_view& k, const tensor_view& v,
+           const tensor_view& out, const attention_options& options = {},
+           stream_ref stream = {}) const;
+
+  const plan_report& report() const;
+  /// The algorithm that run() uses for `requested` (automatic -> the plan's own).
+  algorithm resolve(algorithm requested) const;
+
+ private:
+  struct state;
+  std::shared_ptr<const state> state_;
+};
+
+/// True when this build has the CUDA backend and a device is visible.
+bool cuda_available();
+
+}  // namespace trisparse

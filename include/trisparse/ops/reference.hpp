@@ -1,0 +1,38 @@
+#pragma once
+/// @file Float64 CPU reference implementations: the oracle every backend is tested against.
+/// Obviously correct rather than fast. Dense operands are [rows, heads, dim] views on the CPU of
+/// any dtype; per-edge operands are [nnz, heads, 1] views in the pattern's CSR entry order.
+/// Attention treats the pattern as binary (its values are ignored); SDDMM and SpMM use the
+/// pattern's values when it has them (1 otherwise).
+#include "trisparse/core/tensor.hpp"
+#include "trisparse/formats/bsb.hpp"
+#include "trisparse/graph/csr.hpp"
+
+namespace trisparse::reference {
+
+/// out[e, h] = a_e * scale * <x[row(e), h, :], y[col(e), h, :]>.
+/// x: [rows, H, D], y: [cols, H, D], out: [nnz, H, 1].
+void sddmm(const csr_graph& pattern, const tensor_view& x, const tensor_view& y,
+           const tensor_view& out, double scale = 1.0);
+
+/// Row-wise max-stabilised softmax over each row's entries: out[e, h] = exp(s_e - m) / sum.
+/// scores, out: [nnz, H, 1]. Rows without entries have nothing to write.
+void softmax(const csr_graph& pattern, const tensor_view& scores, const tensor_view& out);
+
+/// c[i, h, :] = sum_e w[e, h] * b[col(e), h, :]. w: [nnz, H, 1], or a view with data == nullptr
+/// for the pattern's own values (1 when binary). b: [cols, H, D], c: [rows, H, D].
+void spmm(const csr_graph& pattern, const tensor_view& w, const tensor_view& b,
+          const tensor_view& c);
+
+/// O = softmax(scale * Q K^T ⊙ A) V, unfused (SDDMM -> softmax -> SpMM), all in float64.
+/// q: [rows, H, D], k: [cols, H, D], v: [cols, H, Dv], out: [rows, H, Dv]. Empty rows give 0.
+void attention(const csr_graph& pattern, const tensor_view& q, const tensor_view& k,
+               const tensor_view& v, const tensor_view& out, double scale);
+
+/// The same function computed the way the fused kernel does: over the BSB's row windows and
+/// tensor-core blocks in order, with the bitmap as mask and an online (running max, running sum)
+/// softmax, in float64. Checks the format and the blocked algorithm against attention().
+void fused3s(const bsb& format, const tensor_view& q, const tensor_view& k, const tensor_view& v,
+             const tensor_view& out, double scale);
+
+}  // namespace trisparse::reference

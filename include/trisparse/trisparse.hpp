@@ -1,0 +1,18 @@
+#pragma once
+/// @file Everything public in one include.
+#include "trisparse/core/dtype.hpp"
+#include "trisparse/core/error.hpp"
+#include "trisparse/core/numeric.hpp"
+#include "trisparse/core/random.hpp"
+#include "trisparse/core/stream.hpp"
+#include "trisparse/core/tensor.hpp"
+#include "trisparse/formats/bcsr.hpp"
+#include "trisparse/formats/bsb.hpp"
+#include "trisparse/formats/me_bcrs.hpp"
+#include "trisparse/formats/stats.hpp"
+#include "trisparse/graph/csr.hpp"
+#include "trisparse/graph/generate.hpp"
+#include "trisparse/graph/io.hpp"
+#include "trisparse/ops/attention.hpp"
+#include "trisparse/ops/cpu.hpp"
+#include "trisparse/ops/reference.hpp"

@@ -1,0 +1,135 @@
+// Float64 oracles: plain loops, no tricks beyond max-subtraction in the softmax.
+#include "trisparse/ops/reference.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "../../ops/arguments.hpp"
+#include "trisparse/core/error.hpp"
+#include "trisparse/core/numeric.hpp"
+
+namespace trisparse::reference {
+
+namespace {
+double at(const tensor_view& t, std::int64_t r, std::int64_t h, std::int64_t d) {
+  return load_as_double(t.data, t.type, t.offset(r, h, d));
+}
+void put(const tensor_view& t, std::int64_t r, std::int64_t h, std::int64_t d, double x) {
+  store_from_double(t.data, t.type, t.offset(r, h, d), x);
+}
+double dot(const tensor_view& x, std::int64_t i, const tensor_view& y, std::int64_t j, std::int64_t h) {
+  double s = 0;
+  for (std::int64_t d = 0; d < x.dim; ++d) s += at(x, i, h, d) * at(y, j, h, d);
+  return s;
+}
+}  // namespace
+
+void sddmm(const csr_graph& a, const tensor_view& x, const tensor_view& y, const tensor_view& out,
+           double scale) {
+  a.check();
+  check_view(x, "x", a.rows, -1, -1);
+  check_view(y, "y", a.cols, x.heads, x.dim);
+  check_view(out, "out", a.nnz(), x.heads, 1);
+  for (std::int64_t r = 0; r < a.rows; ++r) {
+    for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) {
+      const double w = a.has_values() ? a.values[e] : 1.0;
+      for (std::int64_t h = 0; h < x.heads; ++h) put(out, e, h, 0, w * scale * dot(x, r, y, a.col_idx[e], h));
+    }
+  }
+}
+
+void softmax(const csr_graph& a, const tensor_view& scores, const tensor_view& out) {
+  a.check();
+  check_view(scores, "scores", a.nnz(), -1, 1);
+  check_view(out, "out", a.nnz(), scores.heads, 1);
+  for (std::int64_t r = 0; r < a.rows; ++r) {
+    for (std::int64_t h = 0; h < scores.heads; ++h) {
+      double m = -std::numeric_limits<double>::infinity(), sum = 0;
+      for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) m = std::max(m, at(scores, e, h, 0));
+      for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) sum += std::exp(at(scores, e, h, 0) - m);
+      for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) {
+        put(out, e, h, 0, std::exp(at(scores, e, h, 0) - m) / sum);
+      }
+    }
+  }
+}
+
+void spmm(const csr_graph& a, const tensor_view& w, const tensor_view& b, const tensor_view& c) {
+  a.check();
+  check_view(b, "b", a.cols, -1, -1);
+  check_view(c, "c", a.rows, b.heads, b.dim);
+  if (w.data != nullptr) check_view(w, "w", a.nnz(), b.heads, 1);
+  std::vector<double> acc(b.dim);
+  for (std::int64_t r = 0; r < a.rows; ++r) {
+    for (std::int64_t h = 0; h < b.heads; ++h) {
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) {
+        const double x = w.data != nullptr ? at(w, e, h, 0) : a.has_values() ? a.values[e] : 1.0;
+        for (std::int64_t d = 0; d < b.dim; ++d) acc[d] += x * at(b, a.col_idx[e], h, d);
+      }
+      for (std::int64_t d = 0; d < b.dim; ++d) put(c, r, h, d, acc[d]);
+    }
+  }
+}
+
+void attention(const csr_graph& a, const tensor_view& q, const tensor_view& k, const tensor_view& v,
+               const tensor_view& out, double scale) {
+  a.check();
+  detail::check_attention_args(a.rows, a.cols, q, k, v, out, device_kind::cpu);
+  TRISPARSE_EXPECTS_INPUT(std::isfinite(scale), "scale must be finite");
+  csr_graph binary = a;
+  binary.values.clear();  // attention uses the pattern only
+  std::vector<double> s(binary.nnz() * q.heads), p(s.size());
+  const auto edge_view = [&](std::vector<double>& buf) {
+    return tensor_view::contiguous(buf.data(), dtype::f64, binary.nnz(), q.heads, 1);
+  };
+  sddmm(binary, q, k, edge_view(s), scale);
+  softmax(binary, edge_view(s), edge_view(p));
+  spmm(binary, edge_view(p), v, out);
+}
+
+void fused3s(const bsb& f, const tensor_view& q, const tensor_view& k, const tensor_view& v,
+             const tensor_view& out, double scale) {
+  f.check();
+  detail::check_attention_args(f.rows, f.cols, q, k, v, out, device_kind::cpu);
+  TRISPARSE_EXPECTS_INPUT(std::isfinite(scale), "scale must be finite");
+  constexpr int kR = bsb::kRowWindow;
+  const int c_max = f.tcb_cols;
+  std::vector<double> acc(v.dim), block(c_max);
+  for (const std::int32_t w : f.window_order) {
+    for (int r = 0; r < kR && w * kR + r < f.rows; ++r) {
+      const std::int64_t row = std::int64_t{w} * kR + r;
+      for (std::int64_t h = 0; h < q.heads; ++h) {
+        double m = -std::numeric_limits<double>::infinity(), l = 0;
+        std::fill(acc.begin(), acc.end(), 0.0);
+        for (std::int64_t t = f.tcb_offset[w]; t < f.tcb_offset[w + 1]; ++t) {
+          // One tensor-core block: scores under the bitmap, then one rescale per block.
+          double block_max = -std::numeric_limits<double>::infinity();
+          for (int c = 0; c < c_max; ++c) {
+            if (!f.test(t, r, c)) continue;
+            block[c] = scale * dot(q, row, k, f.col_idx[t * c_max + c], h);
+            block_max = std::max(block_max, block[c]);
+          }
+          if (block_max == -std::numeric_limits<double>::infinity()) continue;
+          const double m_new = std::max(m, block_max);
+          const double correction = std::exp(m - m_new);  // exp(-inf) = 0 on the first block
+          l *= correction;
+          for (auto& x : acc) x *= correction;
+          m = m_new;
+          for (int c = 0; c < c_max; ++c) {
+            if (!f.test(t, r, c)) continue;
+            const double e = std::exp(block[c] - m);
+            l += e;
+            const std::int64_t col = f.col_idx[t * c_max + c];
+            for (std::int64_t d = 0; d < v.dim; ++d) acc[d] += e * at(v, col, h, d);
+          }
+        }
+        for (std::int64_t d = 0; d < v.dim; ++d) put(out, row, h, d, l > 0 ? acc[d] / l : 0.0);
+      }
+    }
+  }
+}
+
+}  // namespace trisparse::reference

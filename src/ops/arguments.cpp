@@ -1,0 +1,31 @@
+#include "arguments.hpp"
+
+#include <cmath>
+#include <string>
+
+#include "trisparse/core/error.hpp"
+
+namespace trisparse::detail {
+
+void check_attention_args(std::int64_t rows, std::int64_t cols, const tensor_view& q,
+                          const tensor_view& k, const tensor_view& v, const tensor_view& out,
+                          device_kind where) {
+  check_view(q, "q", rows, -1, -1);
+  check_view(k, "k", cols, q.heads, q.dim);
+  check_view(v, "v", cols, q.heads, -1);
+  check_view(out, "out", rows, q.heads, v.dim);
+  for (const auto* t : {&q, &k, &v, &out}) {
+    if (t->where != where) {
+      throw invalid_input(std::string(t == &q ? "q" : t == &k ? "k" : t == &v ? "v" : "out") +
+                          " is on " + to_string(t->where) + " but the plan runs on " + to_string(where));
+    }
+  }
+}
+
+double resolve_scale(const std::optional<double>& scale, std::int64_t head_dim) {
+  const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(head_dim)));
+  if (!std::isfinite(s)) throw invalid_input("scale must be finite, got " + std::to_string(s));
+  return s;
+}
+
+}  // namespace trisparse::detail

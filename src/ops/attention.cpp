@@ -1,0 +1,129 @@
+#include "trisparse/ops/attention.hpp"
+
+#include <chrono>
+#include <optional>
+
+#include "../cpu/fused3s/fast.hpp"
+#include "../cuda/common/device.hpp"
+#include "arguments.hpp"
+#include "trisparse/core/error.hpp"
+#include "trisparse/formats/bsb.hpp"
+#include "trisparse/ops/reference.hpp"
+
+namespace trisparse {
+
+std::string_view to_string(algorithm a) {
+  switch (a) {
+    case algorithm::automatic: return "automatic";
+    case algorithm::cpu_reference: return "cpu_reference";
+    case algorithm::cpu_fused3s_reference: return "cpu_fused3s_reference";
+    case algorithm::cpu_fused: return "cpu_fused";
+    case algorithm::cuda_fused_bsb: return "cuda_fused_bsb";
+    case algorithm::cuda_unfused: return "cuda_unfused";
+  }
+  return "?";
+}
+
+algorithm parse_algorithm(std::string_view name) {
+  for (const auto a : {algorithm::automatic, algorithm::cpu_reference, algorithm::cpu_fused3s_reference,
+                       algorithm::cpu_fused, algorithm::cuda_fused_bsb, algorithm::cuda_unfused}) {
+    if (to_string(a) == name) return a;
+  }
+  if (name == "auto") return algorithm::automatic;
+  throw invalid_input("unknown algorithm '" + std::string(name) +
+                      "' (automatic, cpu_reference, cpu_fused3s_reference, cpu_fused, "
+                      "cuda_fused_bsb, cuda_unfused)");
+}
+
+bool cuda_available() { return cuda::device_count() > 0; }
+
+struct attention_plan::state {
+  csr_graph pattern;       // binary: values dropped
+  std::optional<bsb> blocks;
+  plan_report report;
+};
+
+namespace {
+bool runs_on(algorithm a, device_kind d) {
+  const bool cpu = a == algorithm::cpu_reference || a == algorithm::cpu_fused3s_reference || a == algorithm::cpu_fused;
+  return d == device_kind::cpu ? cpu : !cpu;
+}
+}  // namespace
+
+attention_plan attention_plan::build(const csr_graph& pattern, device_kind where,
+                                     const plan_options& options, stream_ref /*stream*/) {
+  const auto t0 = std::chrono::steady_clock::now();
+  pattern.check();
+  algorithm algo = options.algo;
+  if (algo == algorithm::automatic) {
+    algo = where == device_kind::cpu ? algorithm::cpu_fused : algorithm::cuda_fused_bsb;
+  }
+  if (!runs_on(algo, where)) {
+    throw invalid_input("algorithm " + std::string(to_string(algo)) + " does not run on " + to_string(where));
+  }
+  if (where == device_kind::cuda) {
+    throw not_supported("the CUDA attention kernels are not in this build yet; build the plan for "
+                        "device_kind::cpu");
+  }
+  auto s = std::make_shared<state>();
+  s->pattern.rows = pattern.rows;
+  s->pattern.cols = pattern.cols;
+  s->pattern.row_ptr = pattern.row_ptr;
+  s->pattern.col_idx = pattern.col_idx;
+  s->report.format = "csr";
+  if (algo == algorithm::cpu_fused3s_reference) {
+    s->blocks = build_bsb(s->pattern, options.tcb_cols);
+    s->report.format += "+bsb16x" + std::to_string(options.tcb_cols);
+  }
+  s->report.algo = algo;
+  s->report.where = where;
+  s->report.rows = pattern.rows;
+  s->report.cols = pattern.cols;
+  s->report.nnz = pattern.nnz();
+  s->report.format_bytes = static_cast<std::int64_t>(8 * s->pattern.row_ptr.size() + 4 * s->pattern.col_idx.size()) +
+                           (s->blocks ? s->blocks->bytes() : 0);
+  s->report.build_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  attention_plan plan;
+  plan.state_ = std::move(s);
+  return plan;
+}
+
+const plan_report& attention_plan::report() const {
+  TRISPARSE_EXPECTS(state_ != nullptr, "attention_plan used before build()");
+  return state_->report;
+}
+
+algorithm attention_plan::resolve(algorithm requested) const {
+  return requested == algorithm::automatic ? report().algo : requested;
+}
+
+void attention_plan::run(const tensor_view& q, const tensor_view& k, const tensor_view& v,
+                         const tensor_view& out, const attention_options& options,
+                         stream_ref /*stream*/) const {
+  const plan_report& r = report();
+  detail::check_attention_args(r.rows, r.cols, q, k, v, out, r.where);
+  const double scale = detail::resolve_scale(options.scale, q.dim);
+  const algorithm algo = resolve(options.algo);
+  if (!runs_on(algo, r.where)) {
+    throw invalid_input("algorithm " + std::string(to_string(algo)) + " does not run on " + to_string(r.where));
+  }
+  switch (algo) {
+    case algorithm::cpu_reference:
+      reference::attention(state_->pattern, q, k, v, out, scale);
+      return;
+    case algorithm::cpu_fused3s_reference:
+      if (!state_->blocks) {
+        throw invalid_input("this plan holds no BSB format: build it with plan_options.algo = "
+                            "cpu_fused3s_reference");
+      }
+      reference::fused3s(*state_->blocks, q, k, v, out, scale);
+      return;
+    case algorithm::cpu_fused:
+      cpu::fused_attention_unchecked(state_->pattern, q, k, v, out, static_cast<float>(scale));
+      return;
+    default:
+      throw not_supported("algorithm " + std::string(to_string(algo)) + " is not in this build");
+  }
+}
+
+}  // namespace trisparse
