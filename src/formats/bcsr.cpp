@@ -21,40 +21,47 @@ bcsr_view bcsr::view() const {
           values.empty() ? nullptr : values.data()};
 }
 
-bcsr build_bcsr(const csr_graph& g, std::int64_t block) {
+block_mask block_pattern(const csr_graph& g, std::int64_t block) {
   g.check();
   TRISPARSE_EXPECTS_INPUT(block >= 1 && block <= 1024, "BCSR block size must be in [1, 1024]");
-  bcsr f;
-  f.rows = g.rows;
-  f.cols = g.cols;
-  f.block = block;
+  block_mask m;
+  m.rows = g.rows;
+  m.cols = g.cols;
+  m.block = block;
   const std::int64_t brows = (g.rows + block - 1) / block;
+  m.blocks.rows = brows;
+  m.blocks.cols = (g.cols + block - 1) / block;
   std::vector<std::vector<std::int32_t>> cols(brows);
-  const auto value = [&](std::int64_t e) { return g.has_values() ? g.values[e] : 1.0f; };
 #pragma omp parallel for schedule(dynamic, 16)
   for (std::int64_t b = 0; b < brows; ++b) {
     auto& c = cols[b];
     for (std::int64_t r = b * block; r < std::min(g.rows, (b + 1) * block); ++r) {
       for (std::int64_t e = g.row_ptr[r]; e < g.row_ptr[r + 1]; ++e) {
-        if (value(e) != 0.0f) c.push_back(static_cast<std::int32_t>(g.col_idx[e] / block));
+        if (!g.has_values() || g.values[e] != 0.0f) c.push_back(static_cast<std::int32_t>(g.col_idx[e] / block));
       }
     }
     std::sort(c.begin(), c.end());
     c.erase(std::unique(c.begin(), c.end()), c.end());
   }
-  f.row_ptr.assign(brows + 1, 0);
-  for (std::int64_t b = 0; b < brows; ++b) f.row_ptr[b + 1] = f.row_ptr[b] + static_cast<std::int64_t>(cols[b].size());
-  f.col_idx.resize(f.row_ptr.back());
+  m.blocks.row_ptr.assign(brows + 1, 0);
+  for (std::int64_t b = 0; b < brows; ++b) m.blocks.row_ptr[b + 1] = m.blocks.row_ptr[b] + static_cast<std::int64_t>(cols[b].size());
+  m.blocks.col_idx.reserve(m.blocks.row_ptr.back());
+  for (const auto& c : cols) m.blocks.col_idx.insert(m.blocks.col_idx.end(), c.begin(), c.end());
+  return m;
+}
+
+bcsr build_bcsr(const csr_graph& g, std::int64_t block) {
+  bcsr f = build_bcsr(block_pattern(g, block));
   f.values.assign(f.blocks() * block * block, 0.0f);
 #pragma omp parallel for schedule(dynamic, 16)
-  for (std::int64_t b = 0; b < brows; ++b) {
-    const auto& c = cols[b];
-    std::copy(c.begin(), c.end(), f.col_idx.begin() + f.row_ptr[b]);
+  for (std::int64_t b = 0; b < f.block_rows(); ++b) {
+    const auto c0 = f.col_idx.begin() + f.row_ptr[b], c1 = f.col_idx.begin() + f.row_ptr[b + 1];
     for (std::int64_t r = b * block; r < std::min(g.rows, (b + 1) * block); ++r) {
       for (std::int64_t e = g.row_ptr[r]; e < g.row_ptr[r + 1]; ++e) {
-        if (value(e) == 0.0f) continue;
-        const std::int64_t j = std::lower_bound(c.begin(), c.end(), g.col_idx[e] / block) - c.begin();
-        f.values[f.value_index(b, j, r - b * block, g.col_idx[e] % block)] = value(e);
+        const float x = g.has_values() ? g.values[e] : 1.0f;
+        if (x == 0.0f) continue;
+        const std::int64_t j = std::lower_bound(c0, c1, g.col_idx[e] / block) - c0;
+        f.values[f.value_index(b, j, r - b * block, g.col_idx[e] % block)] = x;
       }
     }
   }

@@ -35,6 +35,10 @@ algorithm parse_algorithm(std::string_view name) {
                       "cuda_fused_bsb, cuda_unfused)");
 }
 
+double effective_scale(const attention_options& options, std::int64_t head_dim) {
+  return detail::resolve_scale(options.scale, head_dim);
+}
+
 bool cuda_available() { return cuda::device_count() > 0; }
 
 struct attention_plan::state {

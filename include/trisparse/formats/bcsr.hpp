@@ -38,6 +38,9 @@ struct bcsr {
   void check() const;
 };
 
+/// The blocks of size G that hold at least one entry (with a non-zero value) of g.
+block_mask block_pattern(const csr_graph& g, std::int64_t block);
+
 /// Element pattern -> BCSR with values (1 for a binary pattern, zero fill elsewhere).
 bcsr build_bcsr(const csr_graph& g, std::int64_t block);
 /// Block mask -> BCSR without values (every element of a kept block is active).

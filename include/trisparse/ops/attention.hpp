@@ -35,6 +35,9 @@ struct attention_options {
   algorithm algo = algorithm::automatic;  ///< automatic = the plan's algorithm
 };
 
+/// The scale run() applies: options.scale, or 1/sqrt(head_dim). @throws invalid_input if not finite.
+double effective_scale(const attention_options& options, std::int64_t head_dim);
+
 /// What build() chose and what it cost.
 struct plan_report {
   algorithm algo = algorithm::automatic;

@@ -67,9 +67,16 @@ loaded_graph read_edge_list(byte_source& src, const std::string& name) {
     const std::string_view t = trim(line);
     if (t.empty()) continue;
     if (t.front() == '#' || t.front() == '%') {
-      const std::string lowered = lower(t);
+      // A header line starts with one of its keys ("# nodes: N edges: M directed: no", SNAP's
+      // "# Nodes: N Edges: M"); any other comment is free text.
+      const std::string lowered = lower(trim(t.substr(1)));
+      const bool header = lowered.starts_with("nodes:") || lowered.starts_with("edges:") ||
+                          lowered.starts_with("directed:") || lowered.starts_with("graphs:");
+      if (!header) {
+        if (out.info.description.empty()) out.info.description = std::string(trim(t.substr(1)));
+        continue;
+      }
       std::int64_t v = 0;
-      if (out.info.description.empty()) out.info.description = std::string(trim(t.substr(1)));
       if (header_int(lowered, "nodes", lines, v)) {
         if (v > kMaxId + 1) lines.fail("header declares " + std::to_string(v) + " nodes, more than 32-bit ids allow");
         out.info.declared_nodes = v;

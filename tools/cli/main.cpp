@@ -1,0 +1,41 @@
+// trisparse: sparse attention and sparse formats from the command line.
+#include <cstdio>
+#include <exception>
+
+#include "commands.hpp"
+#include "progress.hpp"
+#include "trisparse/core/error.hpp"
+
+int main(int argc, char** argv) {
+  CLI::App app{"trisparse: sparse attention O = softmax(scale (Q K^T ⊙ A)) V and its sparse formats"};
+  app.require_subcommand(1);
+  bool quiet = false;
+  app.add_flag("-q,--quiet", quiet, "no progress lines on stderr");
+  using trisparse::cli::action;
+  const action info = trisparse::cli::add_info(app);
+  const action run = trisparse::cli::add_run(app);
+  const action convert = trisparse::cli::add_convert(app);
+  const action generate = trisparse::cli::add_generate(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  trisparse::cli::set_quiet(quiet);
+  try {
+    for (auto* sub : app.get_subcommands()) {
+      const std::string name = sub->get_name();
+      if (name == "info") return info();
+      if (name == "run") return run();
+      if (name == "convert") return convert();
+      if (name == "generate") return generate();
+    }
+  } catch (const trisparse::invalid_input& e) {
+    std::fprintf(stderr, "trisparse: error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "trisparse: error: %s\n", e.what());
+    return 1;
+  }
+  return 1;
+}
