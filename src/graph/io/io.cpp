@@ -76,6 +76,7 @@ loaded_graph read_source(std::unique_ptr<io::byte_source> raw, const std::string
   std::unique_ptr<io::byte_source> src = std::make_unique<prefixed_source>(std::move(head), std::move(raw));
   src = io::decompress(std::move(src), c, name, options.max_bytes);
   std::vector<std::byte> text_head = read_head(*src, 16);
+  if (text_head.empty()) io::fail(name, 0, "empty file");
   file_format f = options.format;
   if (f == file_format::automatic) f = detect(text_head, name);
   src = std::make_unique<prefixed_source>(std::move(text_head), std::move(src));

@@ -1,0 +1,90 @@
+#pragma once
+// Helpers shared by the tests: random patterns of awkward shapes, error measures, dataset lookup.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "trisparse/trisparse.hpp"
+
+namespace trisparse::test {
+
+/// ../shared/datasets (or $TRISPARSE_DATASETS), or "" when absent.
+inline std::filesystem::path datasets_dir() {
+  if (const char* env = std::getenv("TRISPARSE_DATASETS")) return env;
+  const std::filesystem::path p = TRISPARSE_DATASETS_DIR;
+  return std::filesystem::exists(p / "MANIFEST.md") ? p : std::filesystem::path{};
+}
+
+#define TRISPARSE_SKIP_WITHOUT_DATASETS()                                                   \
+  do {                                                                                      \
+    if (::trisparse::test::datasets_dir().empty())                                          \
+      GTEST_SKIP() << "../shared/datasets not found (set TRISPARSE_DATASETS): skipping";     \
+  } while (0)
+
+/// Every graph file (*.el.xz) in the datasets folder, sorted.
+inline std::vector<std::filesystem::path> dataset_graphs() {
+  std::vector<std::filesystem::path> out;
+  const auto dir = datasets_dir();
+  if (dir.empty()) return out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    if (e.path().string().ends_with(".el.xz")) out.push_back(e.path());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+/// A random pattern: each row draws a degree in [0, max_degree] (so some rows are empty);
+/// optional duplicates-free. Rectangular when cols != rows.
+inline csr_graph random_pattern(std::int64_t rows, std::int64_t cols, std::int64_t max_degree,
+                                std::uint64_t seed, bool with_values = false) {
+  rng r(seed);
+  coo_graph coo;
+  coo.rows = rows;
+  coo.cols = cols;
+  for (std::int64_t i = 0; i < rows; ++i) {
+    const auto deg = static_cast<std::int64_t>(r.below(static_cast<std::uint64_t>(max_degree + 1)));
+    for (std::int64_t k = 0; k < deg && cols > 0; ++k) {
+      coo.src.push_back(i);
+      coo.dst.push_back(static_cast<std::int64_t>(r.below(static_cast<std::uint64_t>(cols))));
+      if (with_values) coo.values.push_back(static_cast<float>(0.5 + r.uniform()));
+    }
+  }
+  return to_csr(coo);
+}
+
+/// max |a - b| / max |b| over all elements (normwise relative error), and whether all are finite.
+struct error_report {
+  double max_abs = 0, max_ref = 0;
+  bool finite = true;
+  double relative() const { return max_abs / std::max(max_ref, 1e-300); }
+};
+inline error_report compare(const host_tensor& got, const host_tensor& ref) {
+  error_report e;
+  for (std::int64_t i = 0; i < ref.numel(); ++i) {
+    const double g = got.get(i), r = ref.get(i);
+    e.finite = e.finite && std::isfinite(g);
+    e.max_abs = std::max(e.max_abs, std::abs(g - r));
+    e.max_ref = std::max(e.max_ref, std::abs(r));
+  }
+  return e;
+}
+
+/// Random Q/K/V for a pattern. lo = -1 gives signed inputs (negative and zero scores occur).
+struct qkv {
+  host_tensor q, k, v;
+};
+inline qkv random_qkv(const csr_graph& g, std::int64_t heads, std::int64_t dim, dtype t,
+                      std::uint64_t seed, double lo = -1.0, double hi = 1.0) {
+  qkv x{host_tensor(t, g.rows, heads, dim), host_tensor(t, g.cols, heads, dim), host_tensor(t, g.cols, heads, dim)};
+  x.q.fill_uniform(lo, hi, seed);
+  x.k.fill_uniform(lo, hi, seed + 1);
+  x.v.fill_uniform(lo, hi, seed + 2);
+  return x;
+}
+
+}  // namespace trisparse::test

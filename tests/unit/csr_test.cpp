@@ -1,0 +1,102 @@
+#include "support.hpp"
+
+namespace trisparse {
+namespace {
+
+coo_graph small_coo() {
+  coo_graph c;
+  c.rows = c.cols = 4;
+  c.src = {0, 0, 1, 3, 0, 2, 2};
+  c.dst = {2, 1, 1, 0, 2, 3, 2};  // (0,2) twice, loops (1,1), (2,2)
+  return c;
+}
+
+TEST(Csr, BuildSortsAndMergesDuplicates) {
+  const csr_graph g = to_csr(small_coo());
+  g.check();
+  EXPECT_EQ(g.row_ptr, (std::vector<std::int64_t>{0, 2, 3, 5, 6}));
+  EXPECT_EQ(g.col_idx, (std::vector<std::int32_t>{1, 2, 1, 2, 3, 0}));
+}
+
+TEST(Csr, SelfLoopsAddRemoveKeep) {
+  const csr_graph removed = to_csr(small_coo(), {.loops = self_loops::remove});
+  for (std::int64_t r = 0; r < removed.rows; ++r) {
+    for (std::int64_t e = removed.row_ptr[r]; e < removed.row_ptr[r + 1]; ++e) EXPECT_NE(removed.col_idx[e], r);
+  }
+  const csr_graph added = to_csr(small_coo(), {.loops = self_loops::add});
+  EXPECT_EQ(compute_degree_stats(added).self_loops, 4);
+  EXPECT_EQ(added.nnz(), 6 + 2);  // loops at 0 and 3 are new; 1 and 2 existed
+}
+
+TEST(Csr, WeightedDuplicatesSumAndAddedLoopsDoNotDisturbStoredOnes) {
+  coo_graph c;
+  c.rows = c.cols = 2;
+  c.src = {0, 0, 1};
+  c.dst = {1, 1, 1};
+  c.values = {1.5f, 2.0f, 7.0f};
+  const csr_graph g = to_csr(c, {.loops = self_loops::add});
+  EXPECT_EQ(g.col_idx, (std::vector<std::int32_t>{0, 1, 1}));
+  EXPECT_EQ(g.values, (std::vector<float>{1.0f, 3.5f, 7.0f}));
+}
+
+TEST(Csr, SymmetrizeGivesTheTransposeUnion) {
+  const csr_graph g = to_csr(small_coo(), {.symmetrize = true});
+  EXPECT_TRUE(compute_degree_stats(g).symmetric);
+  const csr_graph t = transpose(g);
+  EXPECT_EQ(t.col_idx, g.col_idx);
+  coo_graph rect = small_coo();
+  rect.cols = 5;
+  EXPECT_THROW(to_csr(rect, {.symmetrize = true}), invalid_input);
+}
+
+TEST(Csr, RectangularTransposeRoundTrips) {
+  const csr_graph g = test::random_pattern(37, 91, 12, 3, true);
+  const csr_graph tt = transpose(transpose(g));
+  EXPECT_EQ(tt, g);
+  EXPECT_EQ(transpose(g).rows, 91);
+}
+
+TEST(Csr, CheckCatchesEachBrokenInvariant) {
+  const csr_graph good = test::random_pattern(20, 20, 5, 1, true);
+  good.check();
+  auto broken = [&](auto mutate) {
+    csr_graph g = good;
+    mutate(g);
+    EXPECT_THROW(g.check(), invalid_input);
+  };
+  broken([](csr_graph& g) { g.row_ptr.pop_back(); });
+  broken([](csr_graph& g) { g.row_ptr[0] = 1; });
+  broken([](csr_graph& g) { g.row_ptr.back() += 1; });
+  broken([](csr_graph& g) { std::swap(g.row_ptr[3], g.row_ptr[4]); if (g.row_ptr[3] == g.row_ptr[4]) g.row_ptr[3] += 1; });
+  broken([](csr_graph& g) { g.col_idx[0] = 20; });
+  broken([](csr_graph& g) { g.col_idx[0] = -1; });
+  broken([](csr_graph& g) { g.values.pop_back(); });
+  broken([](csr_graph& g) { g.values[0] = std::nanf(""); });
+  broken([](csr_graph& g) {  // an unsorted row
+    for (std::int64_t r = 0; r < g.rows; ++r) {
+      if (g.degree(r) >= 2) {
+        std::swap(g.col_idx[g.row_ptr[r]], g.col_idx[g.row_ptr[r] + 1]);
+        return;
+      }
+    }
+  });
+}
+
+TEST(Csr, CooCheckRejectsOutOfRange) {
+  coo_graph c = small_coo();
+  c.dst[0] = 4;
+  EXPECT_THROW(to_csr(c), invalid_input);
+}
+
+TEST(Csr, DegreeStats) {
+  const csr_graph g = to_csr(small_coo());
+  const degree_stats s = compute_degree_stats(g);
+  EXPECT_EQ(s.min, 1);
+  EXPECT_EQ(s.max, 2);
+  EXPECT_DOUBLE_EQ(s.mean, 1.5);
+  EXPECT_EQ(s.self_loops, 2);
+  EXPECT_FALSE(s.symmetric);
+}
+
+}  // namespace
+}  // namespace trisparse

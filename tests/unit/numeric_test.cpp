@@ -1,0 +1,77 @@
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "support.hpp"
+
+namespace trisparse {
+namespace {
+
+TEST(Numeric, EveryHalfRoundTripsThroughFloat) {
+  for (std::uint32_t h = 0; h < 65536; ++h) {
+    const float f = half_bits_to_float(static_cast<std::uint16_t>(h));
+    if (std::isnan(f)) {
+      EXPECT_TRUE(std::isnan(half_bits_to_float(float_to_half_bits(f)))) << h;
+      continue;
+    }
+    EXPECT_EQ(float_to_half_bits(f), h) << "half bits " << h;
+  }
+}
+
+TEST(Numeric, HalfRoundsToNearestEven) {
+  EXPECT_EQ(half_bits_to_float(float_to_half_bits(1.0f + 1.0f / 2048)), 1.0f);  // tie -> even
+  EXPECT_EQ(half_bits_to_float(float_to_half_bits(1.0f + 3.0f / 2048)), 1.0f + 4.0f / 2048);
+  EXPECT_EQ(half_bits_to_float(float_to_half_bits(65504.0f)), 65504.0f);
+  EXPECT_TRUE(std::isinf(half_bits_to_float(float_to_half_bits(65520.0f))));  // rounds up to inf
+  EXPECT_EQ(half_bits_to_float(float_to_half_bits(5.9604645e-08f)), 5.9604645e-08f);  // smallest subnormal
+  EXPECT_EQ(half_bits_to_float(float_to_half_bits(2.0e-8f)), 0.0f);
+}
+
+TEST(Numeric, Bf16RoundsToNearestEvenAndKeepsNan) {
+  for (std::uint32_t b = 0; b < 65536; ++b) {
+    const float f = bf16_bits_to_float(static_cast<std::uint16_t>(b));
+    if (std::isnan(f)) continue;
+    EXPECT_EQ(float_to_bf16_bits(f), b);
+  }
+  EXPECT_EQ(bf16_bits_to_float(float_to_bf16_bits(1.0f + 1.0f / 256)), 1.0f);
+  EXPECT_TRUE(std::isnan(bf16_bits_to_float(float_to_bf16_bits(std::numeric_limits<float>::quiet_NaN()))));
+}
+
+TEST(Numeric, DtypeNamesRoundTrip) {
+  for (const auto t : {dtype::f16, dtype::bf16, dtype::f32, dtype::f64}) EXPECT_EQ(parse_dtype(to_string(t)), t);
+  EXPECT_THROW(parse_dtype("int8"), invalid_input);
+}
+
+TEST(Numeric, RngIsDeterministicAndUniform) {
+  rng a(7), b(7), c(8);
+  double sum = 0;
+  bool differs = false;
+  for (int i = 0; i < 100000; ++i) {
+    const double x = a.uniform();
+    EXPECT_EQ(x, b.uniform());
+    differs |= x != c.uniform();
+    ASSERT_GE(x, 0.0);
+    ASSERT_LT(x, 1.0);
+    sum += x;
+  }
+  EXPECT_TRUE(differs);
+  EXPECT_NEAR(sum / 100000, 0.5, 0.01);
+  for (int i = 0; i < 1000; ++i) EXPECT_LT(a.below(7), 7u);
+}
+
+TEST(Tensor, CheckViewNamesTheArgument) {
+  host_tensor t(dtype::f32, 4, 2, 8);
+  EXPECT_NO_THROW(check_view(t.view(), "q", 4, 2, 8));
+  try {
+    check_view(t.view(), "q", 5, 2, 8);
+    FAIL();
+  } catch (const invalid_input& e) {
+    EXPECT_NE(std::string(e.what()).find("q [4, 2, 8]"), std::string::npos) << e.what();
+  }
+  tensor_view overlapping = t.view();
+  overlapping.row_stride = 8;
+  EXPECT_THROW(check_view(overlapping, "k", -1, -1, -1), invalid_input);
+}
+
+}  // namespace
+}  // namespace trisparse
