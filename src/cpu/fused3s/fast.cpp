@@ -45,7 +45,13 @@ f32_operand as_f32(const tensor_view& t) {
   return o;
 }
 
-constexpr std::int64_t kChunk = 64;  // neighbours per online-softmax step
+constexpr std::int64_t kChunk = 64;     // neighbours per online-softmax step
+constexpr std::int64_t kPrefetch = 4;   // neighbours ahead whose K/V rows are prefetched
+
+// Gathered rows are random DRAM accesses: ask for every cache line of a row ahead of use.
+inline void prefetch_row(const float* p, std::int64_t n) {
+  for (std::int64_t d = 0; d < n; d += 16) __builtin_prefetch(p + d);
+}
 
 }  // namespace
 
@@ -74,6 +80,11 @@ void fused_attention_unchecked(const csr_graph& a, const tensor_view& q, const t
           const std::int64_t n = std::min(kChunk, e1 - c0);
           float chunk_max = -std::numeric_limits<float>::infinity();
           for (std::int64_t j = 0; j < n; ++j) {
+            // K ahead for this loop; V of this neighbour for the accumulation loop below.
+            if (j + kPrefetch < n) {
+              prefetch_row(kf.data + std::int64_t{a.col_idx[c0 + j + kPrefetch]} * kf.row_stride + h * kf.head_stride, dk);
+            }
+            prefetch_row(vf.data + std::int64_t{a.col_idx[c0 + j]} * vf.row_stride + h * vf.head_stride, dv);
             const float* kp = kf.data + std::int64_t{a.col_idx[c0 + j]} * kf.row_stride + h * kf.head_stride;
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
