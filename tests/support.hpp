@@ -20,10 +20,10 @@ inline std::filesystem::path datasets_dir() {
   return std::filesystem::exists(p / "MANIFEST.md") ? p : std::filesystem::path{};
 }
 
-#define TRISPARSE_SKIP_WITHOUT_DATASETS()                                                   \
-  do {                                                                                      \
-    if (::trisparse::test::datasets_dir().empty())                                          \
-      GTEST_SKIP() << "../shared/datasets not found (set TRISPARSE_DATASETS): skipping";     \
+#define TRISPARSE_SKIP_WITHOUT_DATASETS()                                                \
+  do {                                                                                   \
+    if (::trisparse::test::datasets_dir().empty())                                       \
+      GTEST_SKIP() << "../shared/datasets not found (set TRISPARSE_DATASETS): skipping"; \
   } while (0)
 
 /// Every graph file (*.el.xz) in the datasets folder, sorted.
@@ -80,7 +80,8 @@ struct qkv {
 };
 inline qkv random_qkv(const csr_graph& g, std::int64_t heads, std::int64_t dim, dtype t,
                       std::uint64_t seed, double lo = -1.0, double hi = 1.0) {
-  qkv x{host_tensor(t, g.rows, heads, dim), host_tensor(t, g.cols, heads, dim), host_tensor(t, g.cols, heads, dim)};
+  qkv x{host_tensor(t, g.rows, heads, dim), host_tensor(t, g.cols, heads, dim),
+        host_tensor(t, g.cols, heads, dim)};
   x.q.fill_uniform(lo, hi, seed);
   x.k.fill_uniform(lo, hi, seed + 1);
   x.v.fill_uniform(lo, hi, seed + 2);

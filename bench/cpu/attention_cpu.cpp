@@ -1,6 +1,6 @@
 // CPU sparse attention benchmark: the fused fp32 engine and the float64 reference on real graphs,
-// median of event-free wall-clock runs over rotating input buffers, with the machine's measured copy
-// bandwidth for comparison. Prints one JSON object per graph.
+// median of event-free wall-clock runs over rotating input buffers, with the machine's measured
+// copy bandwidth for comparison. Prints one JSON object per graph.
 //   bench_attention_cpu [--dim D] [--heads H] [--repeat R] GRAPH...
 #include <omp.h>
 
@@ -55,20 +55,26 @@ int main(int argc, char** argv) {
   std::vector<std::string> graphs;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--dim" && i + 1 < argc) dim = std::stoll(argv[++i]);
-    else if (a == "--heads" && i + 1 < argc) heads = std::stoll(argv[++i]);
-    else if (a == "--repeat" && i + 1 < argc) repeat = std::stoi(argv[++i]);
-    else graphs.push_back(a);
+    if (a == "--dim" && i + 1 < argc)
+      dim = std::stoll(argv[++i]);
+    else if (a == "--heads" && i + 1 < argc)
+      heads = std::stoll(argv[++i]);
+    else if (a == "--repeat" && i + 1 < argc)
+      repeat = std::stoi(argv[++i]);
+    else
+      graphs.push_back(a);
   }
   const double copy_bw = copy_bandwidth();
-  std::printf("{\"copy_bandwidth_gbps\": %.2f, \"threads\": %d}\n", copy_bw * 1e-9, omp_get_max_threads());
+  std::printf("{\"copy_bandwidth_gbps\": %.2f, \"threads\": %d}\n", copy_bw * 1e-9,
+              omp_get_max_threads());
   for (const auto& path : graphs) {
     const csr_graph g = read_graph(path);
     // Two input sets, alternated, so no timed run finds the previous run's operands in cache.
     // fp32 uniform in [0, 1), no scale: the anchors' setting.
     std::vector<host_tensor> q, k, v;
     for (std::uint64_t s = 0; s < 2; ++s) {
-      const std::uint64_t seed = static_cast<std::uint64_t>(clock_type::now().time_since_epoch().count()) + 10 * s;
+      const std::uint64_t seed =
+          static_cast<std::uint64_t>(clock_type::now().time_since_epoch().count()) + 10 * s;
       q.emplace_back(dtype::f32, g.rows, heads, dim);
       k.emplace_back(dtype::f32, g.cols, heads, dim);
       v.emplace_back(dtype::f32, g.cols, heads, dim);
@@ -101,7 +107,8 @@ int main(int argc, char** argv) {
     const double compulsory = 4.0 * hd * static_cast<double>(g.rows + 2 * g.cols + g.rows) +
                               8.0 * static_cast<double>(g.rows + 1) + 4.0 * nnz;
     // Gather bytes: a K and a V row per edge (what a cache-less kernel moves).
-    const double gathered = 8.0 * hd * nnz + 4.0 * hd * static_cast<double>(2 * g.rows) + 12.0 * nnz;
+    const double gathered =
+        8.0 * hd * nnz + 4.0 * hd * static_cast<double>(2 * g.rows) + 12.0 * nnz;
     nlohmann::json j{{"graph", path},
                      {"rows", g.rows},
                      {"nnz", g.nnz()},

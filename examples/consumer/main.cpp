@@ -12,10 +12,11 @@ int main() {
   k.fill_uniform(-1, 1, 2);
   v.fill_uniform(-1, 1, 3);
   const attention_plan plan = attention_plan::build(mask);  // formats built once
-  plan.run(q.view(), k.view(), v.view(), out.view());      // then run as often as needed
+  plan.run(q.view(), k.view(), v.view(), out.view());       // then run as often as needed
   reference::attention(mask, q.view(), k.view(), v.view(), ref.view(), effective_scale({}, 64));
   double err = 0;
-  for (std::int64_t i = 0; i < out.numel(); ++i) err = std::max(err, std::abs(out.get(i) - ref.get(i)));
+  for (std::int64_t i = 0; i < out.numel(); ++i)
+    err = std::max(err, std::abs(out.get(i) - ref.get(i)));
   std::printf("%s: %lld x %lld mask, %lld nonzeros, max abs error vs float64 %.2g\n",
               std::string(to_string(plan.report().algo)).c_str(), static_cast<long long>(mask.rows),
               static_cast<long long>(mask.cols), static_cast<long long>(mask.nnz()), err);

@@ -27,7 +27,7 @@ std::uint16_t float_to_half_bits(float f) {
   }
   const int e = static_cast<int>(exp) - 127 + 15;
   if (e >= 31) return static_cast<std::uint16_t>(sign | 0x7C00u);  // overflow -> inf
-  if (e <= 0) {                                                  // subnormal or zero
+  if (e <= 0) {                                                    // subnormal or zero
     if (e < -10) return sign;
     mant |= 0x800000u;
     const int shift = 14 - e;

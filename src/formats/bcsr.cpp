@@ -9,7 +9,9 @@
 namespace trisparse {
 
 namespace {
-[[noreturn]] void broken(const std::string& why) { throw invalid_input("bcsr invariant broken: " + why); }
+[[noreturn]] void broken(const std::string& why) {
+  throw invalid_input("bcsr invariant broken: " + why);
+}
 }  // namespace
 
 std::int64_t bcsr::bytes() const {
@@ -17,8 +19,9 @@ std::int64_t bcsr::bytes() const {
 }
 
 bcsr_view bcsr::view() const {
-  return {rows, cols, block, block_rows(), block_cols(), blocks(), row_ptr.data(), col_idx.data(),
-          values.empty() ? nullptr : values.data()};
+  return {rows,           cols,           block,
+          block_rows(),   block_cols(),   blocks(),
+          row_ptr.data(), col_idx.data(), values.empty() ? nullptr : values.data()};
 }
 
 block_mask block_pattern(const csr_graph& g, std::int64_t block) {
@@ -37,14 +40,16 @@ block_mask block_pattern(const csr_graph& g, std::int64_t block) {
     auto& c = cols[b];
     for (std::int64_t r = b * block; r < std::min(g.rows, (b + 1) * block); ++r) {
       for (std::int64_t e = g.row_ptr[r]; e < g.row_ptr[r + 1]; ++e) {
-        if (!g.has_values() || g.values[e] != 0.0f) c.push_back(static_cast<std::int32_t>(g.col_idx[e] / block));
+        if (!g.has_values() || g.values[e] != 0.0f)
+          c.push_back(static_cast<std::int32_t>(g.col_idx[e] / block));
       }
     }
     std::sort(c.begin(), c.end());
     c.erase(std::unique(c.begin(), c.end()), c.end());
   }
   m.blocks.row_ptr.assign(brows + 1, 0);
-  for (std::int64_t b = 0; b < brows; ++b) m.blocks.row_ptr[b + 1] = m.blocks.row_ptr[b] + static_cast<std::int64_t>(cols[b].size());
+  for (std::int64_t b = 0; b < brows; ++b)
+    m.blocks.row_ptr[b + 1] = m.blocks.row_ptr[b] + static_cast<std::int64_t>(cols[b].size());
   m.blocks.col_idx.reserve(m.blocks.row_ptr.back());
   for (const auto& c : cols) m.blocks.col_idx.insert(m.blocks.col_idx.end(), c.begin(), c.end());
   return m;
@@ -90,8 +95,10 @@ void bcsr::check() const {
   for (std::int64_t b = 0; b < block_rows(); ++b) {
     if (row_ptr[b + 1] < row_ptr[b]) broken("row_ptr decreases at block row " + std::to_string(b));
     for (std::int64_t e = row_ptr[b]; e < row_ptr[b + 1]; ++e) {
-      if (col_idx[e] < 0 || col_idx[e] >= block_cols()) broken("block column " + std::to_string(col_idx[e]) + " out of range");
-      if (e > row_ptr[b] && col_idx[e] <= col_idx[e - 1]) broken("block columns not increasing in block row " + std::to_string(b));
+      if (col_idx[e] < 0 || col_idx[e] >= block_cols())
+        broken("block column " + std::to_string(col_idx[e]) + " out of range");
+      if (e > row_ptr[b] && col_idx[e] <= col_idx[e - 1])
+        broken("block columns not increasing in block row " + std::to_string(b));
     }
     if (values.empty()) continue;
     const std::int64_t nb = row_ptr[b + 1] - row_ptr[b];
@@ -100,7 +107,8 @@ void bcsr::check() const {
         for (std::int64_t c = 0; c < block; ++c) {
           const float x = values[value_index(b, j, t, c)];
           if (!std::isfinite(x)) broken("non-finite value");
-          if (x != 0.0f && (b * block + t >= rows || std::int64_t{col_idx[row_ptr[b] + j]} * block + c >= cols)) {
+          if (x != 0.0f && (b * block + t >= rows ||
+                            std::int64_t{col_idx[row_ptr[b] + j]} * block + c >= cols)) {
             broken("value outside the matrix in block row " + std::to_string(b));
           }
         }
@@ -131,7 +139,8 @@ csr_graph to_csr(const bcsr& f, bool with_values) {
       for (std::int64_t c = 0; c < f.block; ++c) {
         const float x = f.values[f.value_index(b, j, t, c)];
         if (x == 0.0f) continue;
-        g.col_idx.push_back(static_cast<std::int32_t>(std::int64_t{f.col_idx[f.row_ptr[b] + j]} * f.block + c));
+        g.col_idx.push_back(
+            static_cast<std::int32_t>(std::int64_t{f.col_idx[f.row_ptr[b] + j]} * f.block + c));
         if (with_values) g.values.push_back(x);
       }
     }

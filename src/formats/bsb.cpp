@@ -10,10 +10,13 @@
 namespace trisparse {
 
 namespace {
-[[noreturn]] void broken(const std::string& why) { throw invalid_input("bsb invariant broken: " + why); }
+[[noreturn]] void broken(const std::string& why) {
+  throw invalid_input("bsb invariant broken: " + why);
+}
 
 // Sorted distinct columns of rows [r0, r1).
-void window_columns(const csr_graph& g, std::int64_t r0, std::int64_t r1, std::vector<std::int32_t>& out) {
+void window_columns(const csr_graph& g, std::int64_t r0, std::int64_t r1,
+                    std::vector<std::int32_t>& out) {
   out.assign(g.col_idx.begin() + g.row_ptr[r0], g.col_idx.begin() + g.row_ptr[r1]);
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
@@ -26,13 +29,22 @@ std::int64_t bsb::bytes() const {
 }
 
 bsb_view bsb::view() const {
-  return {rows, cols, windows(), tcbs(), tcb_cols, words_per_tcb(), tcb_offset.data(),
-          col_idx.data(), bitmap.data(), window_order.data()};
+  return {rows,
+          cols,
+          windows(),
+          tcbs(),
+          tcb_cols,
+          words_per_tcb(),
+          tcb_offset.data(),
+          col_idx.data(),
+          bitmap.data(),
+          window_order.data()};
 }
 
 bsb build_bsb(const csr_graph& g, int tcb_cols) {
   g.check();
-  TRISPARSE_EXPECTS_INPUT(tcb_cols == 8 || tcb_cols == 16, "BSB tcb_cols must be 8 or 16, got " + std::to_string(tcb_cols));
+  TRISPARSE_EXPECTS_INPUT(tcb_cols == 8 || tcb_cols == 16,
+                          "BSB tcb_cols must be 8 or 16, got " + std::to_string(tcb_cols));
   constexpr int kR = bsb::kRowWindow;
   bsb f;
   f.rows = g.rows;
@@ -79,9 +91,9 @@ bsb build_bsb(const csr_graph& g, int tcb_cols) {
   }
   f.window_order.resize(windows);
   std::iota(f.window_order.begin(), f.window_order.end(), 0);
-  std::stable_sort(f.window_order.begin(), f.window_order.end(), [&](std::int32_t a, std::int32_t b) {
-    return f.window_tcbs(a) > f.window_tcbs(b);
-  });
+  std::stable_sort(
+      f.window_order.begin(), f.window_order.end(),
+      [&](std::int32_t a, std::int32_t b) { return f.window_tcbs(a) > f.window_tcbs(b); });
   return f;
 }
 
@@ -90,20 +102,26 @@ void bsb::check() const {
   if (tcb_cols != 8 && tcb_cols != 16) broken("tcb_cols is " + std::to_string(tcb_cols));
   if (rows < 0 || cols < 0) broken("negative shape");
   const std::int64_t w_expect = (rows + kR - 1) / kR;
-  if (windows() != w_expect) broken("has " + std::to_string(windows()) + " windows, expected " + std::to_string(w_expect));
+  if (windows() != w_expect)
+    broken("has " + std::to_string(windows()) + " windows, expected " + std::to_string(w_expect));
   if (tcb_offset.front() != 0) broken("tcb_offset[0] != 0");
-  if (static_cast<std::int64_t>(col_idx.size()) != tcbs() * tcb_cols) broken("col_idx size != tcbs * tcb_cols");
-  if (static_cast<std::int64_t>(bitmap.size()) != tcbs() * words_per_tcb()) broken("bitmap size != tcbs * words");
-  if (static_cast<std::int64_t>(window_order.size()) != windows()) broken("window_order size != windows");
+  if (static_cast<std::int64_t>(col_idx.size()) != tcbs() * tcb_cols)
+    broken("col_idx size != tcbs * tcb_cols");
+  if (static_cast<std::int64_t>(bitmap.size()) != tcbs() * words_per_tcb())
+    broken("bitmap size != tcbs * words");
+  if (static_cast<std::int64_t>(window_order.size()) != windows())
+    broken("window_order size != windows");
   std::vector<char> seen(windows(), 0);
   for (std::int64_t i = 0; i < windows(); ++i) {
     const std::int32_t w = window_order[i];
     if (w < 0 || w >= windows() || seen[w]) broken("window_order is not a permutation");
     seen[w] = 1;
-    if (i > 0 && window_tcbs(w) > window_tcbs(window_order[i - 1])) broken("window_order not by decreasing TCB count");
+    if (i > 0 && window_tcbs(w) > window_tcbs(window_order[i - 1]))
+      broken("window_order not by decreasing TCB count");
   }
   for (std::int64_t w = 0; w < windows(); ++w) {
-    if (tcb_offset[w + 1] < tcb_offset[w]) broken("tcb_offset decreases at window " + std::to_string(w));
+    if (tcb_offset[w + 1] < tcb_offset[w])
+      broken("tcb_offset decreases at window " + std::to_string(w));
     const std::int64_t valid_rows = std::min<std::int64_t>(kR, rows - w * kR);
     const std::int64_t s0 = tcb_offset[w] * tcb_cols, s1 = tcb_offset[w + 1] * tcb_cols;
     bool padding = false;
@@ -113,7 +131,8 @@ void bsb::check() const {
       bool any = false;
       for (int r = 0; r < kR; ++r) {
         if (!test(tcb, r, c)) continue;
-        if (r >= valid_rows) broken("bit set on row past the matrix in window " + std::to_string(w));
+        if (r >= valid_rows)
+          broken("bit set on row past the matrix in window " + std::to_string(w));
         any = true;
       }
       if (col_idx[s] == kPadColumn) {
@@ -122,11 +141,14 @@ void bsb::check() const {
         continue;
       }
       if (padding) broken("padding before a column in window " + std::to_string(w));
-      if (col_idx[s] < 0 || col_idx[s] >= cols) broken("column " + std::to_string(col_idx[s]) + " out of range");
-      if (s > s0 && col_idx[s] <= col_idx[s - 1]) broken("columns not increasing in window " + std::to_string(w));
+      if (col_idx[s] < 0 || col_idx[s] >= cols)
+        broken("column " + std::to_string(col_idx[s]) + " out of range");
+      if (s > s0 && col_idx[s] <= col_idx[s - 1])
+        broken("columns not increasing in window " + std::to_string(w));
       if (!any) broken("empty compacted column in window " + std::to_string(w));
     }
-    if (s1 > s0 && col_idx[s1 - tcb_cols] == kPadColumn) broken("an all-padding TCB in window " + std::to_string(w));
+    if (s1 > s0 && col_idx[s1 - tcb_cols] == kPadColumn)
+      broken("an all-padding TCB in window " + std::to_string(w));
   }
 }
 

@@ -10,7 +10,9 @@
 namespace trisparse {
 
 namespace {
-[[noreturn]] void broken(const std::string& why) { throw invalid_input("me_bcrs invariant broken: " + why); }
+[[noreturn]] void broken(const std::string& why) {
+  throw invalid_input("me_bcrs invariant broken: " + why);
+}
 float value_of(const csr_graph& g, std::int64_t e) { return g.has_values() ? g.values[e] : 1.0f; }
 }  // namespace
 
@@ -29,13 +31,16 @@ std::int64_t me_bcrs::sr_bcrs_bytes() const {
 }
 
 me_bcrs_view me_bcrs::view() const {
-  return {rows, cols, windows(), vectors(), vector_rows, block_cols, row_ptr.data(), col_idx.data(), values.data()};
+  return {rows,       cols,           windows(),      vectors(),    vector_rows,
+          block_cols, row_ptr.data(), col_idx.data(), values.data()};
 }
 
 me_bcrs build_me_bcrs(const csr_graph& g, int vector_rows, int block_cols) {
   g.check();
-  TRISPARSE_EXPECTS_INPUT(vector_rows == 8 || vector_rows == 16, "ME-BCRS vector_rows must be 8 or 16");
-  TRISPARSE_EXPECTS_INPUT(block_cols == 4 || block_cols == 8 || block_cols == 16, "ME-BCRS block_cols must be 4, 8 or 16");
+  TRISPARSE_EXPECTS_INPUT(vector_rows == 8 || vector_rows == 16,
+                          "ME-BCRS vector_rows must be 8 or 16");
+  TRISPARSE_EXPECTS_INPUT(block_cols == 4 || block_cols == 8 || block_cols == 16,
+                          "ME-BCRS block_cols must be 4, 8 or 16");
   me_bcrs f;
   f.rows = g.rows;
   f.cols = g.cols;
@@ -55,7 +60,8 @@ me_bcrs build_me_bcrs(const csr_graph& g, int vector_rows, int block_cols) {
     c.erase(std::unique(c.begin(), c.end()), c.end());
   }
   f.row_ptr.assign(windows + 1, 0);
-  for (std::int64_t w = 0; w < windows; ++w) f.row_ptr[w + 1] = f.row_ptr[w] + static_cast<std::int64_t>(cols[w].size());
+  for (std::int64_t w = 0; w < windows; ++w)
+    f.row_ptr[w + 1] = f.row_ptr[w] + static_cast<std::int64_t>(cols[w].size());
   f.col_idx.resize(f.vectors());
   f.values.assign(f.vectors() * vector_rows, 0.0f);
 #pragma omp parallel for schedule(dynamic, 64)
@@ -74,12 +80,15 @@ me_bcrs build_me_bcrs(const csr_graph& g, int vector_rows, int block_cols) {
 }
 
 void me_bcrs::check() const {
-  if (vector_rows != 8 && vector_rows != 16) broken("vector_rows is " + std::to_string(vector_rows));
+  if (vector_rows != 8 && vector_rows != 16)
+    broken("vector_rows is " + std::to_string(vector_rows));
   if (block_cols < 1) broken("block_cols < 1");
-  if (windows() != (rows + vector_rows - 1) / vector_rows) broken("window count does not match rows");
+  if (windows() != (rows + vector_rows - 1) / vector_rows)
+    broken("window count does not match rows");
   if (row_ptr.front() != 0) broken("row_ptr[0] != 0");
   if (static_cast<std::int64_t>(col_idx.size()) != vectors()) broken("col_idx size != vectors");
-  if (static_cast<std::int64_t>(values.size()) != vectors() * vector_rows) broken("values size != vectors * vector_rows");
+  if (static_cast<std::int64_t>(values.size()) != vectors() * vector_rows)
+    broken("values size != vectors * vector_rows");
   for (std::int64_t w = 0; w < windows(); ++w) {
     if (row_ptr[w + 1] < row_ptr[w]) broken("row_ptr decreases at window " + std::to_string(w));
     const std::int64_t n = row_ptr[w + 1] - row_ptr[w];
@@ -87,7 +96,8 @@ void me_bcrs::check() const {
     for (std::int64_t v = 0; v < n; ++v) {
       const std::int32_t c = col_idx[row_ptr[w] + v];
       if (c < 0 || c >= cols) broken("column " + std::to_string(c) + " out of range");
-      if (v > 0 && c <= col_idx[row_ptr[w] + v - 1]) broken("columns not increasing in window " + std::to_string(w));
+      if (v > 0 && c <= col_idx[row_ptr[w] + v - 1])
+        broken("columns not increasing in window " + std::to_string(w));
       bool any = false;
       for (int r = 0; r < vector_rows; ++r) {
         const float x = values[value_index(w, v, r)];

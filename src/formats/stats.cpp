@@ -25,7 +25,8 @@ std::int64_t plain_blocks(const csr_graph& g, int r, int c) {
   std::int64_t b = 0;
   std::vector<std::int32_t> cols;
   for (std::int64_t w = 0; w * r < g.rows; ++w) {
-    cols.assign(g.col_idx.begin() + g.row_ptr[w * r], g.col_idx.begin() + g.row_ptr[std::min(g.rows, (w + 1) * r)]);
+    cols.assign(g.col_idx.begin() + g.row_ptr[w * r],
+                g.col_idx.begin() + g.row_ptr[std::min(g.rows, (w + 1) * r)]);
     for (auto& x : cols) x /= c;
     std::sort(cols.begin(), cols.end());
     b += std::unique(cols.begin(), cols.end()) - cols.begin();
@@ -70,7 +71,8 @@ std::vector<footprint> table3_footprints(const csr_graph& g) {
   constexpr double r = 16, c = 8;
   const bsb f = build_bsb(g, 8);
   const double n = static_cast<double>(g.rows), z = static_cast<double>(g.nnz());
-  const double b = static_cast<double>(f.tcbs()), b_plain = static_cast<double>(plain_blocks(g, 16, 8));
+  const double b = static_cast<double>(f.tcbs()),
+               b_plain = static_cast<double>(plain_blocks(g, 16, 8));
   const auto bytes = [](double bits) { return static_cast<std::int64_t>(std::ceil(bits / 8)); };
   return {
       {"CSR", bytes(32 * (n + 2 * z)), false},

@@ -21,8 +21,8 @@ void csr_graph::check() const {
   if (rows < 0 || cols < 0) broken("csr", "negative shape");
   if (cols > kMaxCols) broken("csr", "cols " + std::to_string(cols) + " exceed 32-bit indices");
   if (static_cast<std::int64_t>(row_ptr.size()) != rows + 1) {
-    broken("csr", "row_ptr has " + std::to_string(row_ptr.size()) + " entries, expected rows + 1 = " +
-                      std::to_string(rows + 1));
+    broken("csr", "row_ptr has " + std::to_string(row_ptr.size()) +
+                      " entries, expected rows + 1 = " + std::to_string(rows + 1));
   }
   if (row_ptr.front() != 0) broken("csr", "row_ptr[0] != 0");
   if (row_ptr.back() != nnz()) broken("csr", "row_ptr[rows] != nnz");
@@ -184,7 +184,8 @@ degree_stats compute_degree_stats(const csr_graph& g) {
     s.empty_rows += d == 0;
     sum += static_cast<double>(d);
     sum2 += static_cast<double>(d) * static_cast<double>(d);
-    for (std::int64_t e = g.row_ptr[r]; e < g.row_ptr[r + 1]; ++e) s.self_loops += g.col_idx[e] == r;
+    for (std::int64_t e = g.row_ptr[r]; e < g.row_ptr[r + 1]; ++e)
+      s.self_loops += g.col_idx[e] == r;
   }
   const double n = static_cast<double>(g.rows);
   s.mean = sum / n;

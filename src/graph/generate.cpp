@@ -93,14 +93,16 @@ batched_graph generate_batch(const batch_options& o) {
   coo_graph coo;
   for (std::int64_t g = 0; g < o.graphs; ++g) {
     const std::int64_t n =
-        o.min_nodes + static_cast<std::int64_t>(r.below(static_cast<std::uint64_t>(o.max_nodes - o.min_nodes + 1)));
+        o.min_nodes + static_cast<std::int64_t>(
+                          r.below(static_cast<std::uint64_t>(o.max_nodes - o.min_nodes + 1)));
     const std::int64_t base = out.graph_ptr.back();
     // A random spanning path keeps each small graph connected, like a molecule's backbone.
     for (std::int64_t i = 1; i < n; ++i) {
       coo.src.push_back(base + i);
       coo.dst.push_back(base + static_cast<std::int64_t>(r.below(static_cast<std::uint64_t>(i))));
     }
-    const auto extra = static_cast<std::int64_t>(std::max(0.0, o.avg_degree * static_cast<double>(n) / 2 - static_cast<double>(n - 1)));
+    const auto extra = static_cast<std::int64_t>(
+        std::max(0.0, o.avg_degree * static_cast<double>(n) / 2 - static_cast<double>(n - 1)));
     for (std::int64_t e = 0; e < extra; ++e) {
       coo.src.push_back(base + static_cast<std::int64_t>(r.below(static_cast<std::uint64_t>(n))));
       coo.dst.push_back(base + static_cast<std::int64_t>(r.below(static_cast<std::uint64_t>(n))));
@@ -116,10 +118,10 @@ batched_graph generate_batch(const batch_options& o) {
 }
 
 csr_graph generate_sequence_mask(const sequence_mask_options& o) {
-  TRISPARSE_EXPECTS_INPUT(o.n >= 0 && o.window >= 0 && o.dilation >= 1 && o.global_tokens >= 0 &&
-                              o.random_per_row >= 0,
-                          "sequence mask needs n, window, global_tokens, random_per_row >= 0 and "
-                          "dilation >= 1");
+  TRISPARSE_EXPECTS_INPUT(
+      o.n >= 0 && o.window >= 0 && o.dilation >= 1 && o.global_tokens >= 0 && o.random_per_row >= 0,
+      "sequence mask needs n, window, global_tokens, random_per_row >= 0 and "
+      "dilation >= 1");
   const std::int64_t n = o.n, g = std::min(o.global_tokens, o.n);
   coo_graph coo;
   coo.rows = coo.cols = n;
@@ -199,7 +201,8 @@ csr_graph block_mask::expand() const {
     const std::int64_t br = i / block;
     for (std::int64_t e = blocks.row_ptr[br]; e < blocks.row_ptr[br + 1]; ++e) {
       const std::int64_t c0 = std::int64_t{blocks.col_idx[e]} * block;
-      for (std::int64_t c = c0; c < std::min(cols, c0 + block); ++c) g.col_idx[at++] = static_cast<std::int32_t>(c);
+      for (std::int64_t c = c0; c < std::min(cols, c0 + block); ++c)
+        g.col_idx[at++] = static_cast<std::int32_t>(c);
     }
   }
   return g;
@@ -219,7 +222,8 @@ block_mask generate_block_random(const block_random_options& o) {
     for (std::int64_t j = 0; j < nb; ++j) {
       const bool draw = r.uniform() >= o.p;  // drawn for every cell: same stream whatever the flags
       if (o.causal && j > i) continue;
-      if (draw || (o.keep_diagonal && i == j)) m.blocks.col_idx.push_back(static_cast<std::int32_t>(j));
+      if (draw || (o.keep_diagonal && i == j))
+        m.blocks.col_idx.push_back(static_cast<std::int32_t>(j));
     }
     m.blocks.row_ptr[i + 1] = static_cast<std::int64_t>(m.blocks.col_idx.size());
   }

@@ -16,8 +16,12 @@ void check_attention_args(std::int64_t rows, std::int64_t cols, const tensor_vie
   check_view(out, "out", rows, q.heads, v.dim);
   for (const auto* t : {&q, &k, &v, &out}) {
     if (t->where != where) {
-      throw invalid_input(std::string(t == &q ? "q" : t == &k ? "k" : t == &v ? "v" : "out") +
-                          " is on " + to_string(t->where) + " but the plan runs on " + to_string(where));
+      throw invalid_input(std::string(t == &q   ? "q"
+                                      : t == &k ? "k"
+                                      : t == &v ? "v"
+                                                : "out") +
+                          " is on " + to_string(t->where) + " but the plan runs on " +
+                          to_string(where));
     }
   }
 }

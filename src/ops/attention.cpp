@@ -14,19 +14,26 @@ namespace trisparse {
 
 std::string_view to_string(algorithm a) {
   switch (a) {
-    case algorithm::automatic: return "automatic";
-    case algorithm::cpu_reference: return "cpu_reference";
-    case algorithm::cpu_fused3s_reference: return "cpu_fused3s_reference";
-    case algorithm::cpu_fused: return "cpu_fused";
-    case algorithm::cuda_fused_bsb: return "cuda_fused_bsb";
-    case algorithm::cuda_unfused: return "cuda_unfused";
+    case algorithm::automatic:
+      return "automatic";
+    case algorithm::cpu_reference:
+      return "cpu_reference";
+    case algorithm::cpu_fused3s_reference:
+      return "cpu_fused3s_reference";
+    case algorithm::cpu_fused:
+      return "cpu_fused";
+    case algorithm::cuda_fused_bsb:
+      return "cuda_fused_bsb";
+    case algorithm::cuda_unfused:
+      return "cuda_unfused";
   }
   return "?";
 }
 
 algorithm parse_algorithm(std::string_view name) {
-  for (const auto a : {algorithm::automatic, algorithm::cpu_reference, algorithm::cpu_fused3s_reference,
-                       algorithm::cpu_fused, algorithm::cuda_fused_bsb, algorithm::cuda_unfused}) {
+  for (const auto a :
+       {algorithm::automatic, algorithm::cpu_reference, algorithm::cpu_fused3s_reference,
+        algorithm::cpu_fused, algorithm::cuda_fused_bsb, algorithm::cuda_unfused}) {
     if (to_string(a) == name) return a;
   }
   if (name == "auto") return algorithm::automatic;
@@ -42,14 +49,15 @@ double effective_scale(const attention_options& options, std::int64_t head_dim) 
 bool cuda_available() { return cuda::device_count() > 0; }
 
 struct attention_plan::state {
-  csr_graph pattern;       // binary: values dropped
+  csr_graph pattern;  // binary: values dropped
   std::optional<bsb> blocks;
   plan_report report;
 };
 
 namespace {
 bool runs_on(algorithm a, device_kind d) {
-  const bool cpu = a == algorithm::cpu_reference || a == algorithm::cpu_fused3s_reference || a == algorithm::cpu_fused;
+  const bool cpu = a == algorithm::cpu_reference || a == algorithm::cpu_fused3s_reference ||
+                   a == algorithm::cpu_fused;
   return d == device_kind::cpu ? cpu : !cpu;
 }
 }  // namespace
@@ -63,11 +71,13 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
     algo = where == device_kind::cpu ? algorithm::cpu_fused : algorithm::cuda_fused_bsb;
   }
   if (!runs_on(algo, where)) {
-    throw invalid_input("algorithm " + std::string(to_string(algo)) + " does not run on " + to_string(where));
+    throw invalid_input("algorithm " + std::string(to_string(algo)) + " does not run on " +
+                        to_string(where));
   }
   if (where == device_kind::cuda) {
-    throw not_supported("the CUDA attention kernels are not in this build yet; build the plan for "
-                        "device_kind::cpu");
+    throw not_supported(
+        "the CUDA attention kernels are not in this build yet; build the plan for "
+        "device_kind::cpu");
   }
   auto s = std::make_shared<state>();
   s->pattern.rows = pattern.rows;
@@ -84,9 +94,11 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
   s->report.rows = pattern.rows;
   s->report.cols = pattern.cols;
   s->report.nnz = pattern.nnz();
-  s->report.format_bytes = static_cast<std::int64_t>(8 * s->pattern.row_ptr.size() + 4 * s->pattern.col_idx.size()) +
-                           (s->blocks ? s->blocks->bytes() : 0);
-  s->report.build_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  s->report.format_bytes =
+      static_cast<std::int64_t>(8 * s->pattern.row_ptr.size() + 4 * s->pattern.col_idx.size()) +
+      (s->blocks ? s->blocks->bytes() : 0);
+  s->report.build_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   attention_plan plan;
   plan.state_ = std::move(s);
   return plan;
@@ -109,7 +121,8 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
   const double scale = detail::resolve_scale(options.scale, q.dim);
   const algorithm algo = resolve(options.algo);
   if (!runs_on(algo, r.where)) {
-    throw invalid_input("algorithm " + std::string(to_string(algo)) + " does not run on " + to_string(r.where));
+    throw invalid_input("algorithm " + std::string(to_string(algo)) + " does not run on " +
+                        to_string(r.where));
   }
   switch (algo) {
     case algorithm::cpu_reference:
@@ -117,8 +130,9 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
       return;
     case algorithm::cpu_fused3s_reference:
       if (!state_->blocks) {
-        throw invalid_input("this plan holds no BSB format: build it with plan_options.algo = "
-                            "cpu_fused3s_reference");
+        throw invalid_input(
+            "this plan holds no BSB format: build it with plan_options.algo = "
+            "cpu_fused3s_reference");
       }
       reference::fused3s(*state_->blocks, q, k, v, out, scale);
       return;

@@ -9,9 +9,11 @@ namespace trisparse {
 namespace {
 
 double max_rel_error_fused_vs_reference(const csr_graph& g, const test::qkv& x, double scale) {
-  host_tensor ref(dtype::f64, g.rows, x.q.heads(), x.v.dim()), out(dtype::f32, g.rows, x.q.heads(), x.v.dim());
+  host_tensor ref(dtype::f64, g.rows, x.q.heads(), x.v.dim()),
+      out(dtype::f32, g.rows, x.q.heads(), x.v.dim());
   reference::attention(g, x.q.view(), x.k.view(), x.v.view(), ref.view(), scale);
-  cpu::fused_attention(g, x.q.view(), x.k.view(), x.v.view(), out.view(), static_cast<float>(scale));
+  cpu::fused_attention(g, x.q.view(), x.k.view(), x.v.view(), out.view(),
+                       static_cast<float>(scale));
   const auto e = test::compare(out, ref);
   return e.finite ? e.relative() : std::numeric_limits<double>::infinity();
 }
@@ -43,7 +45,8 @@ TEST(PeerBugs, ScoreExactlyZeroIsStillAnEdge) {
   for (std::int64_t r = 0; r < g.rows; ++r) {
     for (std::int64_t d = 0; d < 8; ++d) {
       double mean = 0;
-      for (std::int64_t e = g.row_ptr[r]; e < g.row_ptr[r + 1]; ++e) mean += x.v.get(g.col_idx[e] * 8 + d);
+      for (std::int64_t e = g.row_ptr[r]; e < g.row_ptr[r + 1]; ++e)
+        mean += x.v.get(g.col_idx[e] * 8 + d);
       mean = g.degree(r) > 0 ? mean / static_cast<double>(g.degree(r)) : 0.0;
       EXPECT_NEAR(out.get(r * 8 + d), mean, 1e-6);
     }

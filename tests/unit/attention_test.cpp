@@ -10,7 +10,8 @@ template <dtype T>
 struct type_tag {
   static constexpr dtype value = T;
 };
-using input_types = ::testing::Types<type_tag<dtype::f16>, type_tag<dtype::bf16>, type_tag<dtype::f32>, type_tag<dtype::f64>>;
+using input_types = ::testing::Types<type_tag<dtype::f16>, type_tag<dtype::bf16>,
+                                     type_tag<dtype::f32>, type_tag<dtype::f64>>;
 
 template <class T>
 class AttentionTyped : public ::testing::Test {};
@@ -18,8 +19,9 @@ TYPED_TEST_SUITE(AttentionTyped, input_types);
 
 // The fused fp32 engine against the float64 reference on the same (rounded) inputs: fp32 compute
 // error only, plus the output's rounding.
-void expect_fused_matches_reference(const csr_graph& g, std::int64_t heads, std::int64_t dim, dtype in, dtype out_t,
-                                    std::uint64_t seed, std::optional<double> scale = std::nullopt) {
+void expect_fused_matches_reference(const csr_graph& g, std::int64_t heads, std::int64_t dim,
+                                    dtype in, dtype out_t, std::uint64_t seed,
+                                    std::optional<double> scale = std::nullopt) {
   const auto x = test::random_qkv(g, heads, dim, in, seed);
   host_tensor ref(dtype::f64, g.rows, heads, dim), out(out_t, g.rows, heads, dim);
   out.fill(std::numeric_limits<double>::quiet_NaN());  // poison
@@ -38,7 +40,8 @@ TYPED_TEST(AttentionTyped, FusedMatchesReferenceOnManyShapes) {
     for (const std::int64_t deg : {0, 1, 5, 70}) {
       SCOPED_TRACE("n " + std::to_string(n) + " max degree " + std::to_string(deg));
       ++seed;
-      expect_fused_matches_reference(test::random_pattern(n, n, deg, seed), 1, 32, in, dtype::f32, seed);
+      expect_fused_matches_reference(test::random_pattern(n, n, deg, seed), 1, 32, in, dtype::f32,
+                                     seed);
     }
   }
 }
@@ -71,7 +74,8 @@ TEST(Attention, StridedViewsAreHonoured) {
   // q with padded rows: [50, 2, 16] inside a [50, 40] buffer.
   std::vector<float> padded(50 * 40, std::nanf(""));
   for (std::int64_t r = 0; r < 50; ++r) {
-    for (std::int64_t i = 0; i < 32; ++i) padded[r * 40 + i] = static_cast<float>(x.q.get(r * 32 + i));
+    for (std::int64_t i = 0; i < 32; ++i)
+      padded[r * 40 + i] = static_cast<float>(x.q.get(r * 32 + i));
   }
   tensor_view q = tensor_view::contiguous(padded.data(), dtype::f32, 50, 2, 16);
   q.row_stride = 40;
@@ -115,7 +119,8 @@ TEST(Attention, PlanRunsEveryCpuAlgorithmAndChecksArguments) {
   const auto x = test::random_qkv(g, 2, 32, dtype::f16, 6);
   host_tensor ref(dtype::f64, 90, 2, 32);
   reference::attention(g, x.q.view(), x.k.view(), x.v.view(), ref.view(), 1 / std::sqrt(32.0));
-  for (const auto algo : {algorithm::cpu_reference, algorithm::cpu_fused3s_reference, algorithm::cpu_fused}) {
+  for (const auto algo :
+       {algorithm::cpu_reference, algorithm::cpu_fused3s_reference, algorithm::cpu_fused}) {
     const attention_plan plan = attention_plan::build(g, device_kind::cpu, {.algo = algo});
     EXPECT_EQ(plan.report().algo, algo);
     host_tensor out(dtype::f32, 90, 2, 32);
@@ -130,16 +135,21 @@ TEST(Attention, PlanRunsEveryCpuAlgorithmAndChecksArguments) {
   on_gpu.where = device_kind::cuda;
   host_tensor out(dtype::f32, 90, 2, 32);
   EXPECT_THROW(plan.run(x.q.view(), on_gpu, x.v.view(), out.view()), invalid_input);
-  EXPECT_THROW(plan.run(x.q.view(), x.k.view(), x.v.view(), out.view(), {.algo = algorithm::cpu_fused3s_reference}), invalid_input);
-  EXPECT_THROW(plan.run(x.q.view(), x.k.view(), x.v.view(), out.view(), {.scale = std::nan("")}), invalid_input);
-  EXPECT_THROW(attention_plan::build(g, device_kind::cpu, {.algo = algorithm::cuda_fused_bsb}), invalid_input);
+  EXPECT_THROW(plan.run(x.q.view(), x.k.view(), x.v.view(), out.view(),
+                        {.algo = algorithm::cpu_fused3s_reference}),
+               invalid_input);
+  EXPECT_THROW(plan.run(x.q.view(), x.k.view(), x.v.view(), out.view(), {.scale = std::nan("")}),
+               invalid_input);
+  EXPECT_THROW(attention_plan::build(g, device_kind::cpu, {.algo = algorithm::cuda_fused_bsb}),
+               invalid_input);
   EXPECT_EQ(parse_algorithm("cpu_fused"), algorithm::cpu_fused);
 }
 
 TEST(Attention, ReferenceSddmmSoftmaxSpmmAgreeWithHandComputation) {
   // Row 0 attends to columns 0 and 1 with scores 1 and 3 (scale 1): weights 1/(1+e^2), e^2/(1+e^2).
   csr_graph g{.rows = 2, .cols = 2, .row_ptr = {0, 2, 2}, .col_idx = {0, 1}, .values = {}};
-  host_tensor q(dtype::f64, 2, 1, 1), k(dtype::f64, 2, 1, 1), v(dtype::f64, 2, 1, 1), out(dtype::f64, 2, 1, 1);
+  host_tensor q(dtype::f64, 2, 1, 1), k(dtype::f64, 2, 1, 1), v(dtype::f64, 2, 1, 1),
+      out(dtype::f64, 2, 1, 1);
   q.set(0, 1.0);
   k.set(0, 1.0);
   k.set(1, 3.0);

@@ -21,7 +21,8 @@ TEST(Csr, BuildSortsAndMergesDuplicates) {
 TEST(Csr, SelfLoopsAddRemoveKeep) {
   const csr_graph removed = to_csr(small_coo(), {.loops = self_loops::remove});
   for (std::int64_t r = 0; r < removed.rows; ++r) {
-    for (std::int64_t e = removed.row_ptr[r]; e < removed.row_ptr[r + 1]; ++e) EXPECT_NE(removed.col_idx[e], r);
+    for (std::int64_t e = removed.row_ptr[r]; e < removed.row_ptr[r + 1]; ++e)
+      EXPECT_NE(removed.col_idx[e], r);
   }
   const csr_graph added = to_csr(small_coo(), {.loops = self_loops::add});
   EXPECT_EQ(compute_degree_stats(added).self_loops, 4);
@@ -67,7 +68,10 @@ TEST(Csr, CheckCatchesEachBrokenInvariant) {
   broken([](csr_graph& g) { g.row_ptr.pop_back(); });
   broken([](csr_graph& g) { g.row_ptr[0] = 1; });
   broken([](csr_graph& g) { g.row_ptr.back() += 1; });
-  broken([](csr_graph& g) { std::swap(g.row_ptr[3], g.row_ptr[4]); if (g.row_ptr[3] == g.row_ptr[4]) g.row_ptr[3] += 1; });
+  broken([](csr_graph& g) {
+    std::swap(g.row_ptr[3], g.row_ptr[4]);
+    if (g.row_ptr[3] == g.row_ptr[4]) g.row_ptr[3] += 1;
+  });
   broken([](csr_graph& g) { g.col_idx[0] = 20; });
   broken([](csr_graph& g) { g.col_idx[0] = -1; });
   broken([](csr_graph& g) { g.values.pop_back(); });

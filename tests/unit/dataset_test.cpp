@@ -69,8 +69,8 @@ TEST(DatasetPaper, Table6StatisticsAgreeWithinRounding) {
   // Table 7's deciles for Pubmed.
   const csr_graph pubmed = read_graph(test::datasets_dir() / "pubmed.el.xz");
   const bsb_stats s = compute_stats(build_bsb(pubmed), pubmed.nnz());
-  const std::vector<std::pair<std::int64_t, std::int64_t>> table7{{1, 5}, {5, 6}, {6, 7}, {7, 8}, {8, 9},
-                                                                  {9, 10}, {10, 11}, {11, 12}, {12, 14}, {14, 43}};
+  const std::vector<std::pair<std::int64_t, std::int64_t>> table7{
+      {1, 5}, {5, 6}, {6, 7}, {7, 8}, {8, 9}, {9, 10}, {10, 11}, {11, 12}, {12, 14}, {14, 43}};
   EXPECT_EQ(s.deciles, table7);
 }
 
@@ -79,7 +79,8 @@ TEST(DatasetPaper, BatchedGraphsMatchTheirGraphPointers) {
   for (const auto& e : std::filesystem::directory_iterator(test::datasets_dir())) {
     const std::string p = e.path().string();
     if (!p.ends_with(".graph_ptr.xz")) continue;
-    const std::string graph = p.substr(0, p.size() - std::string(".graph_ptr.xz").size()) + ".el.xz";
+    const std::string graph =
+        p.substr(0, p.size() - std::string(".graph_ptr.xz").size()) + ".el.xz";
     const csr_graph g = read_graph(graph);
     const auto ptr = read_graph_ptr(p, g.rows);
     for (std::size_t b = 0; b + 1 < ptr.size(); ++b) {

@@ -9,7 +9,8 @@ std::vector<std::pair<std::string, csr_graph>> shapes() {
   std::vector<std::pair<std::string, csr_graph>> out;
   out.emplace_back("n17", test::random_pattern(17, 17, 6, 1));
   out.emplace_back("n1", test::random_pattern(1, 1, 1, 2));
-  out.emplace_back("empty", csr_graph{.rows = 40, .cols = 40, .row_ptr = std::vector<std::int64_t>(41, 0)});
+  out.emplace_back("empty",
+                   csr_graph{.rows = 40, .cols = 40, .row_ptr = std::vector<std::int64_t>(41, 0)});
   out.emplace_back("zero_by_zero", csr_graph{});
   out.emplace_back("rect_33x250", test::random_pattern(33, 250, 30, 3));
   out.emplace_back("rect_300x7", test::random_pattern(300, 7, 5, 4));
@@ -76,9 +77,12 @@ TEST(Formats, BsbCheckCatchesCorruption) {
     mutate(f);
     EXPECT_THROW(f.check(), invalid_input);
   };
-  broken([](bsb& f) { f.bitmap[0] = 0; f.bitmap[1] = 0; });                     // empty TCB / column
-  broken([](bsb& f) { std::swap(f.col_idx[0], f.col_idx[1]); });               // unsorted slots
-  broken([](bsb& f) { f.col_idx[0] = static_cast<std::int32_t>(f.cols); });   // out of range
+  broken([](bsb& f) {
+    f.bitmap[0] = 0;
+    f.bitmap[1] = 0;
+  });                                                                        // empty TCB / column
+  broken([](bsb& f) { std::swap(f.col_idx[0], f.col_idx[1]); });             // unsorted slots
+  broken([](bsb& f) { f.col_idx[0] = static_cast<std::int32_t>(f.cols); });  // out of range
   broken([](bsb& f) { std::swap(f.window_order.front(), f.window_order.back()); });
   broken([](bsb& f) { f.tcb_offset.pop_back(); });
   broken([](bsb& f) {  // a bit on a padding slot
@@ -135,7 +139,8 @@ TEST(Formats, BcsrRoundTripsAndUsesTheRowInterleavedLayout) {
       EXPECT_EQ(build_bcsr(block_pattern(g, b)).col_idx, f.col_idx);
     }
   }
-  // Block row 0 holding blocks (0,0) and (0,2) at G = 2: row t=1 of block j=1 starts at t*nb*G + j*G.
+  // Block row 0 holding blocks (0,0) and (0,2) at G = 2: row t=1 of block j=1 starts at t*nb*G +
+  // j*G.
   coo_graph c;
   c.rows = c.cols = 6;
   c.src = {1, 0};

@@ -16,7 +16,7 @@ TEST(Generate, RmatIsDeterministicSymmetricSkewedAndLoopFree) {
   EXPECT_TRUE(s.symmetric);
   EXPECT_EQ(s.self_loops, 0);
   EXPECT_GT(static_cast<double>(s.max), 10 * s.mean);  // power law: hubs far above the mean
-  EXPECT_GT(a.nnz(), 4096 * 8);                       // most of 2 * 8 * 4096 survive dedup
+  EXPECT_GT(a.nnz(), 4096 * 8);                        // most of 2 * 8 * 4096 survive dedup
 }
 
 TEST(Generate, ErdosRenyiHasTheRequestedEdgeCount) {
@@ -28,7 +28,8 @@ TEST(Generate, ErdosRenyiHasTheRequestedEdgeCount) {
 }
 
 TEST(Generate, BatchIsBlockDiagonalAndSymmetric) {
-  const batched_graph b = generate_batch({.graphs = 100, .min_nodes = 5, .max_nodes = 30, .seed = 4});
+  const batched_graph b =
+      generate_batch({.graphs = 100, .min_nodes = 5, .max_nodes = 30, .seed = 4});
   ASSERT_EQ(b.graph_ptr.size(), 101u);
   EXPECT_EQ(b.graph_ptr.back(), b.graph.rows);
   EXPECT_TRUE(compute_degree_stats(b.graph).symmetric);
@@ -49,10 +50,12 @@ TEST(Generate, SequenceMasksHaveTheirDefiningProperty) {
   const std::int64_t n = 200;
   const csr_graph win = sliding_window_mask(n, 3);
   for (std::int64_t i = 0; i < n; ++i) {
-    EXPECT_EQ(win.degree(i), std::min<std::int64_t>(n - 1, i + 3) - std::max<std::int64_t>(0, i - 3) + 1);
+    EXPECT_EQ(win.degree(i),
+              std::min<std::int64_t>(n - 1, i + 3) - std::max<std::int64_t>(0, i - 3) + 1);
   }
   const csr_graph dil = dilated_mask(n, 2, 5);
-  for (std::int64_t e = dil.row_ptr[100]; e < dil.row_ptr[101]; ++e) EXPECT_EQ((dil.col_idx[e] - 100) % 5, 0);
+  for (std::int64_t e = dil.row_ptr[100]; e < dil.row_ptr[101]; ++e)
+    EXPECT_EQ((dil.col_idx[e] - 100) % 5, 0);
   EXPECT_EQ(dil.degree(100), 5);
   const csr_graph causal = causal_mask(n);
   EXPECT_EQ(causal.nnz(), n * (n + 1) / 2);
@@ -61,15 +64,19 @@ TEST(Generate, SequenceMasksHaveTheirDefiningProperty) {
   EXPECT_EQ(glob.degree(150), 3);  // the two global tokens and itself (window 0)
   const csr_graph bb = bigbird_mask(n, 2, 1, 3, 9);
   for (std::int64_t i = 1; i < n; ++i) {
-    std::set<std::int32_t> cols(bb.col_idx.begin() + bb.row_ptr[i], bb.col_idx.begin() + bb.row_ptr[i + 1]);
+    std::set<std::int32_t> cols(bb.col_idx.begin() + bb.row_ptr[i],
+                                bb.col_idx.begin() + bb.row_ptr[i + 1]);
     EXPECT_TRUE(cols.count(0));  // the global token
-    for (std::int64_t j = std::max<std::int64_t>(0, i - 2); j <= std::min<std::int64_t>(n - 1, i + 2); ++j) {
+    for (std::int64_t j = std::max<std::int64_t>(0, i - 2);
+         j <= std::min<std::int64_t>(n - 1, i + 2); ++j) {
       EXPECT_TRUE(cols.count(static_cast<std::int32_t>(j)));
     }
   }
-  const csr_graph causal_bb = generate_sequence_mask({.n = n, .window = 4, .global_tokens = 2, .random_per_row = 3, .causal = true});
+  const csr_graph causal_bb = generate_sequence_mask(
+      {.n = n, .window = 4, .global_tokens = 2, .random_per_row = 3, .causal = true});
   for (std::int64_t i = 0; i < n; ++i) {
-    for (std::int64_t e = causal_bb.row_ptr[i]; e < causal_bb.row_ptr[i + 1]; ++e) EXPECT_LE(causal_bb.col_idx[e], i);
+    for (std::int64_t e = causal_bb.row_ptr[i]; e < causal_bb.row_ptr[i + 1]; ++e)
+      EXPECT_LE(causal_bb.col_idx[e], i);
   }
 }
 
@@ -80,13 +87,15 @@ TEST(Generate, BlockRandomKeepsAboutOneMinusPAndTheDiagonal) {
   EXPECT_NEAR(static_cast<double>(m.blocks.nnz()) / (nb * nb), 0.1 + 0.9 / nb, 0.01);
   for (std::int64_t i = 0; i < m.blocks.rows; ++i) {
     EXPECT_TRUE(std::binary_search(m.blocks.col_idx.begin() + m.blocks.row_ptr[i],
-                                   m.blocks.col_idx.begin() + m.blocks.row_ptr[i + 1], static_cast<std::int32_t>(i)));
+                                   m.blocks.col_idx.begin() + m.blocks.row_ptr[i + 1],
+                                   static_cast<std::int32_t>(i)));
   }
   const block_mask ragged = generate_block_random({.n = 100, .p = 0.5, .block = 32, .seed = 1});
   const csr_graph e = ragged.expand();
   e.check();
   EXPECT_EQ(e.rows, 100);
-  const block_mask causal = generate_block_random({.n = 512, .p = 0.0, .block = 64, .causal = true});
+  const block_mask causal =
+      generate_block_random({.n = 512, .p = 0.0, .block = 64, .causal = true});
   EXPECT_EQ(causal.blocks.nnz(), 8 * 9 / 2);
 }
 

@@ -44,18 +44,21 @@ TEST(Io, WeightedEdgeListKeepsValues) {
 
 TEST(Io, MatrixMarketGeneralSymmetricAndRectangular) {
   temp_dir d;
-  const auto sym = test::write_text(d / "s.mtx",
-                                    "%%MatrixMarket matrix coordinate pattern symmetric\n% c\n3 3 3\n1 1\n2 1\n3 2\n");
+  const auto sym = test::write_text(
+      d / "s.mtx",
+      "%%MatrixMarket matrix coordinate pattern symmetric\n% c\n3 3 3\n1 1\n2 1\n3 2\n");
   const csr_graph s = read_graph(sym);
   EXPECT_EQ(s.nnz(), 5);  // (1,1) once; (2,1), (3,2) mirrored
   EXPECT_TRUE(compute_degree_stats(s).symmetric);
-  const auto rect = test::write_text(d / "r.mtx", "%%MatrixMarket matrix coordinate real general\n2 5 2\n1 5 1.5\n2 1 -2\n");
+  const auto rect = test::write_text(
+      d / "r.mtx", "%%MatrixMarket matrix coordinate real general\n2 5 2\n1 5 1.5\n2 1 -2\n");
   const csr_graph r = read_graph(rect);
   EXPECT_EQ(r.rows, 2);
   EXPECT_EQ(r.cols, 5);
   EXPECT_EQ(r.values, (std::vector<float>{1.5f, -2.0f}));
   const auto integer = test::write_text(d / "i.mtx.gz", "");
-  test::write_gzip(d / "i.mtx.gz", "%%MatrixMarket matrix coordinate integer general\n2 2 1\n2 2 7\n");
+  test::write_gzip(d / "i.mtx.gz",
+                   "%%MatrixMarket matrix coordinate integer general\n2 2 1\n2 2 7\n");
   EXPECT_EQ(read_graph(integer).values, (std::vector<float>{7.0f}));
 }
 
@@ -82,26 +85,29 @@ TEST(Io, NpzInTheFused3sExportFormat) {
   temp_dir d;
   const std::vector<std::int64_t> src{0, 1, 2, 2}, dst{1, 2, 0, 3};
   for (const bool deflate : {true, false}) {
-    const auto p = test::write_npz(d / "g.npz",
-                                   {{"src_li.npy", test::npy_bytes<std::int64_t>("<i8", {4}, src)},
-                                    {"dst_li.npy", test::npy_bytes<std::int64_t>("<i8", {4}, dst)},
-                                    {"num_nodes.npy", test::npy_bytes<std::int64_t>("<i8", {}, {6})}},
-                                   deflate);
+    const auto p =
+        test::write_npz(d / "g.npz",
+                        {{"src_li.npy", test::npy_bytes<std::int64_t>("<i8", {4}, src)},
+                         {"dst_li.npy", test::npy_bytes<std::int64_t>("<i8", {4}, dst)},
+                         {"num_nodes.npy", test::npy_bytes<std::int64_t>("<i8", {}, {6})}},
+                        deflate);
     const csr_graph g = read_graph(p);
     EXPECT_EQ(g.rows, 6);
     EXPECT_EQ(g.nnz(), 4);
     EXPECT_EQ(g.col_idx, (std::vector<std::int32_t>{1, 2, 0, 3}));
   }
   // int32 arrays, no num_nodes: nodes = max id + 1.
-  const auto p32 = test::write_npz(d / "g32.npz", {{"src_li.npy", test::npy_bytes<std::int32_t>("<i4", {2}, {0, 4})},
-                                                    {"dst_li.npy", test::npy_bytes<std::int32_t>("<i4", {2}, {4, 0})}});
+  const auto p32 = test::write_npz(
+      d / "g32.npz", {{"src_li.npy", test::npy_bytes<std::int32_t>("<i4", {2}, {0, 4})},
+                      {"dst_li.npy", test::npy_bytes<std::int32_t>("<i4", {2}, {4, 0})}});
   EXPECT_EQ(read_graph(p32).rows, 5);
 }
 
 TEST(Io, NpyEdgeIndexCAndFortranOrder) {
   temp_dir d;
   // [2, 3] C order: src row then dst row.
-  const auto c = test::write_bytes(d / "ei.npy", test::npy_bytes<std::int64_t>("<i8", {2, 3}, {0, 1, 2, 1, 2, 0}));
+  const auto c = test::write_bytes(
+      d / "ei.npy", test::npy_bytes<std::int64_t>("<i8", {2, 3}, {0, 1, 2, 1, 2, 0}));
   const csr_graph g = read_graph(c);
   EXPECT_EQ(g.rows, 3);
   EXPECT_EQ(g.col_idx, (std::vector<std::int32_t>{1, 2, 0}));
@@ -117,7 +123,8 @@ TEST(Io, NpyEdgeIndexCAndFortranOrder) {
 
 TEST(Io, GraphPtrFiles) {
   temp_dir d;
-  EXPECT_EQ(read_graph_ptr(test::write_text(d / "p", "0\n3\n7\n"), 7), (std::vector<std::int64_t>{0, 3, 7}));
+  EXPECT_EQ(read_graph_ptr(test::write_text(d / "p", "0\n3\n7\n"), 7),
+            (std::vector<std::int64_t>{0, 3, 7}));
   EXPECT_THROW(read_graph_ptr(test::write_text(d / "q", "0\n3\n2\n"), -1), invalid_input);
   EXPECT_THROW(read_graph_ptr(test::write_text(d / "r", "0\n3\n"), 7), invalid_input);
 }

@@ -23,7 +23,8 @@ TEST(Numeric, HalfRoundsToNearestEven) {
   EXPECT_EQ(half_bits_to_float(float_to_half_bits(1.0f + 3.0f / 2048)), 1.0f + 4.0f / 2048);
   EXPECT_EQ(half_bits_to_float(float_to_half_bits(65504.0f)), 65504.0f);
   EXPECT_TRUE(std::isinf(half_bits_to_float(float_to_half_bits(65520.0f))));  // rounds up to inf
-  EXPECT_EQ(half_bits_to_float(float_to_half_bits(5.9604645e-08f)), 5.9604645e-08f);  // smallest subnormal
+  EXPECT_EQ(half_bits_to_float(float_to_half_bits(5.9604645e-08f)),
+            5.9604645e-08f);  // smallest subnormal
   EXPECT_EQ(half_bits_to_float(float_to_half_bits(2.0e-8f)), 0.0f);
 }
 
@@ -34,11 +35,13 @@ TEST(Numeric, Bf16RoundsToNearestEvenAndKeepsNan) {
     EXPECT_EQ(float_to_bf16_bits(f), b);
   }
   EXPECT_EQ(bf16_bits_to_float(float_to_bf16_bits(1.0f + 1.0f / 256)), 1.0f);
-  EXPECT_TRUE(std::isnan(bf16_bits_to_float(float_to_bf16_bits(std::numeric_limits<float>::quiet_NaN()))));
+  EXPECT_TRUE(
+      std::isnan(bf16_bits_to_float(float_to_bf16_bits(std::numeric_limits<float>::quiet_NaN()))));
 }
 
 TEST(Numeric, DtypeNamesRoundTrip) {
-  for (const auto t : {dtype::f16, dtype::bf16, dtype::f32, dtype::f64}) EXPECT_EQ(parse_dtype(to_string(t)), t);
+  for (const auto t : {dtype::f16, dtype::bf16, dtype::f32, dtype::f64})
+    EXPECT_EQ(parse_dtype(to_string(t)), t);
   EXPECT_THROW(parse_dtype("int8"), invalid_input);
 }
 

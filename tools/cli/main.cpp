@@ -7,7 +7,8 @@
 #include "trisparse/core/error.hpp"
 
 int main(int argc, char** argv) {
-  CLI::App app{"trisparse: sparse attention O = softmax(scale (Q K^T ⊙ A)) V and its sparse formats"};
+  CLI::App app{
+      "trisparse: sparse attention O = softmax(scale (Q K^T ⊙ A)) V and its sparse formats"};
   app.require_subcommand(1);
   bool quiet = false;
   app.add_flag("-q,--quiet", quiet, "no progress lines on stderr");

@@ -48,7 +48,8 @@ csr_graph sub_rows(const csr_graph& g, const std::vector<std::int64_t>& rows) {
   s.cols = g.cols;
   s.row_ptr.assign(1, 0);
   for (const auto r : rows) {
-    s.col_idx.insert(s.col_idx.end(), g.col_idx.begin() + g.row_ptr[r], g.col_idx.begin() + g.row_ptr[r + 1]);
+    s.col_idx.insert(s.col_idx.end(), g.col_idx.begin() + g.row_ptr[r],
+                     g.col_idx.begin() + g.row_ptr[r + 1]);
     s.row_ptr.push_back(s.nnz());
   }
   return s;
@@ -56,9 +57,12 @@ csr_graph sub_rows(const csr_graph& g, const std::vector<std::int64_t>& rows) {
 
 std::string npy_descr(dtype t) {
   switch (t) {
-    case dtype::f16: return "<f2";
-    case dtype::f64: return "<f8";
-    default: return "<f4";  // bf16 is saved widened to f32 (exact)
+    case dtype::f16:
+      return "<f2";
+    case dtype::f64:
+      return "<f8";
+    default:
+      return "<f4";  // bf16 is saved widened to f32 (exact)
   }
 }
 
@@ -76,13 +80,17 @@ void save_tensor(const std::filesystem::path& path, const host_tensor& t) {
 int run_run(const run_args& a) {
   const dtype in_t = parse_dtype(a.type), out_t = parse_dtype(a.out_type);
   const algorithm requested = parse_algorithm(a.algo);
-  TRISPARSE_EXPECTS_INPUT(a.dim >= 1 && a.heads >= 1 && a.repeat >= 1, "--dim, --heads and --repeat must be >= 1");
+  TRISPARSE_EXPECTS_INPUT(a.dim >= 1 && a.heads >= 1 && a.repeat >= 1,
+                          "--dim, --heads and --repeat must be >= 1");
   const csr_graph g = a.path.empty() ? default_graph() : load(a.path, a.read);
   const std::string graph_name = a.path.empty() ? "default (R-MAT scale 15)" : a.path;
 
   device_kind where = device_kind::cpu;
   std::string note;
-  if (cuda_available()) note = "a CUDA device is present but the CUDA kernels are not in this build yet: running on the CPU";
+  if (cuda_available())
+    note =
+        "a CUDA device is present but the CUDA kernels are not in this build yet: running on the "
+        "CPU";
   attention_plan plan;
   {
     phase p("building the plan");
@@ -91,9 +99,13 @@ int run_run(const run_args& a) {
   if (!note.empty() && !a.json) std::fprintf(stderr, "note: %s\n", note.c_str());
 
   // Fresh random inputs each run unless --seed is given.
-  const std::uint64_t seed = a.seed != 0 ? a.seed : static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  const std::uint64_t seed =
+      a.seed != 0
+          ? a.seed
+          : static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
   const double lo = a.range == "unit" ? 0.0 : -1.0;
-  host_tensor q(in_t, g.rows, a.heads, a.dim), k(in_t, g.cols, a.heads, a.dim), v(in_t, g.cols, a.heads, a.dim);
+  host_tensor q(in_t, g.rows, a.heads, a.dim), k(in_t, g.cols, a.heads, a.dim),
+      v(in_t, g.cols, a.heads, a.dim);
   host_tensor out(out_t, g.rows, a.heads, a.dim);
   q.fill_uniform(lo, 1.0, seed);
   k.fill_uniform(lo, 1.0, seed + 1);
@@ -102,9 +114,11 @@ int run_run(const run_args& a) {
 
   std::vector<double> times;
   {
-    phase p("running " + std::string(to_string(plan.resolve(requested))) + " (" + std::to_string(a.repeat) + " timed runs)");
+    phase p("running " + std::string(to_string(plan.resolve(requested))) + " (" +
+            std::to_string(a.repeat) + " timed runs)");
     out.fill(std::nan(""));  // poison: a row the kernel skips shows up in the check
-    plan.run(q.view(), k.view(), v.view(), out.view(), opts);  // warm-up, and the output checked below
+    plan.run(q.view(), k.view(), v.view(), out.view(),
+             opts);  // warm-up, and the output checked below
     host_tensor scratch(out_t, g.rows, a.heads, a.dim);
     for (std::int64_t i = 0; i < a.repeat; ++i) {
       const auto t0 = std::chrono::steady_clock::now();
@@ -115,9 +129,11 @@ int run_run(const run_args& a) {
   std::sort(times.begin(), times.end());
   const double median = times[times.size() / 2];
   const double flops = 4.0 * static_cast<double>(g.nnz()) * static_cast<double>(a.heads * a.dim);
-  const double in_b = static_cast<double>(size_of(in_t)), out_b = static_cast<double>(size_of(out_t));
+  const double in_b = static_cast<double>(size_of(in_t)),
+               out_b = static_cast<double>(size_of(out_t));
   const double hd = static_cast<double>(a.heads * a.dim);
-  const double bytes = static_cast<double>(g.nnz()) * (2 * hd * in_b + 4) + static_cast<double>(g.rows) * (hd * (in_b + out_b) + 8);
+  const double bytes = static_cast<double>(g.nnz()) * (2 * hd * in_b + 4) +
+                       static_cast<double>(g.rows) * (hd * (in_b + out_b) + 8);
 
   // Check sampled rows against the float64 reference.
   double max_abs = 0, max_ref = 0;
@@ -130,7 +146,8 @@ int run_run(const run_args& a) {
       for (std::int64_t r = 0; r < g.rows; ++r) rows.push_back(r);
     } else {
       rng r(seed ^ 0xC0FFEEull);
-      for (std::int64_t i = 0; i < a.check_rows; ++i) rows.push_back(static_cast<std::int64_t>(r.below(static_cast<std::uint64_t>(g.rows))));
+      for (std::int64_t i = 0; i < a.check_rows; ++i)
+        rows.push_back(static_cast<std::int64_t>(r.below(static_cast<std::uint64_t>(g.rows))));
       std::sort(rows.begin(), rows.end());
       rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
     }
@@ -141,7 +158,8 @@ int run_run(const run_args& a) {
     for (std::int64_t i = 0; i < checked; ++i) {
       for (std::int64_t x = 0; x < w; ++x) qs.set(i * w + x, q.get(rows[i] * w + x));
     }
-    reference::attention(sub, qs.view(), k.view(), v.view(), ref.view(), effective_scale({.scale = a.scale}, a.dim));
+    reference::attention(sub, qs.view(), k.view(), v.view(), ref.view(),
+                         effective_scale({.scale = a.scale}, a.dim));
     for (std::int64_t i = 0; i < checked; ++i) {
       for (std::int64_t x = 0; x < w; ++x) {
         const double o = out.get(rows[i] * w + x), r = ref.get(i * w + x);
@@ -167,38 +185,59 @@ int run_run(const run_args& a) {
     save_tensor(dir / "k.npy", k);
     save_tensor(dir / "v.npy", v);
     save_tensor(dir / "o.npy", out);
-    nlohmann::json meta{{"rows", g.rows}, {"cols", g.cols}, {"nnz", g.nnz()}, {"heads", a.heads}, {"dim", a.dim},
-                        {"dtype", a.type}, {"out_dtype", a.out_type}, {"scale", effective_scale({.scale = a.scale}, a.dim)},
-                        {"algorithm", to_string(plan.resolve(requested))},
-                        {"formula", "o[i] = sum_j softmax_j(scale * q[i].k[j] for j in row i) v[j]"}};
+    nlohmann::json meta{
+        {"rows", g.rows},
+        {"cols", g.cols},
+        {"nnz", g.nnz()},
+        {"heads", a.heads},
+        {"dim", a.dim},
+        {"dtype", a.type},
+        {"out_dtype", a.out_type},
+        {"scale", effective_scale({.scale = a.scale}, a.dim)},
+        {"algorithm", to_string(plan.resolve(requested))},
+        {"formula", "o[i] = sum_j softmax_j(scale * q[i].k[j] for j in row i) v[j]"}};
     std::ofstream(dir / "meta.json") << meta.dump(2) << "\n";
   }
 
-  nlohmann::json j{{"graph", graph_name},       {"rows", g.rows},
-                   {"cols", g.cols},            {"nnz", g.nnz()},
-                   {"heads", a.heads},          {"dim", a.dim},
-                   {"dtype", a.type},           {"out_dtype", a.out_type},
+  nlohmann::json j{{"graph", graph_name},
+                   {"rows", g.rows},
+                   {"cols", g.cols},
+                   {"nnz", g.nnz()},
+                   {"heads", a.heads},
+                   {"dim", a.dim},
+                   {"dtype", a.type},
+                   {"out_dtype", a.out_type},
                    {"algorithm", to_string(plan.resolve(requested))},
                    {"device", to_string(where)},
                    {"plan_build_s", plan.report().build_seconds},
-                   {"median_s", median},        {"gflops", flops / median * 1e-9},
+                   {"median_s", median},
+                   {"gflops", flops / median * 1e-9},
                    {"gbps", bytes / median * 1e-9},
-                   {"checked_rows", checked},   {"max_abs_error", max_abs},
-                   {"max_rel_error", rel},      {"tolerance", tol},
+                   {"checked_rows", checked},
+                   {"max_abs_error", max_abs},
+                   {"max_rel_error", rel},
+                   {"tolerance", tol},
                    {"check", pass ? "pass" : "fail"}};
   if (a.json) {
     std::cout << j.dump(2) << "\n";
   } else {
-    std::printf("graph      %s: %lld x %lld, %lld nonzeros\n", graph_name.c_str(), static_cast<long long>(g.rows),
-                static_cast<long long>(g.cols), static_cast<long long>(g.nnz()));
-    std::printf("problem    heads %lld, head_dim %lld, %s in, %s out\n", static_cast<long long>(a.heads),
-                static_cast<long long>(a.dim), a.type.c_str(), a.out_type.c_str());
-    std::printf("backend    %s on %s (plan built in %.3f ms)\n", std::string(to_string(plan.resolve(requested))).c_str(),
-                to_string(where), 1e3 * plan.report().build_seconds);
-    std::printf("time       %.3f ms median of %lld   %.2f GFLOP/s   %.2f GB/s (gathers counted per edge)\n",
-                1e3 * median, static_cast<long long>(a.repeat), flops / median * 1e-9, bytes / median * 1e-9);
-    std::printf("check      %lld sampled rows vs float64 reference: max abs error %.3g, max rel error %.3g (tolerance %.1g): %s\n",
-                static_cast<long long>(checked), max_abs, rel, tol, pass ? "PASS" : "FAIL");
+    std::printf("graph      %s: %lld x %lld, %lld nonzeros\n", graph_name.c_str(),
+                static_cast<long long>(g.rows), static_cast<long long>(g.cols),
+                static_cast<long long>(g.nnz()));
+    std::printf("problem    heads %lld, head_dim %lld, %s in, %s out\n",
+                static_cast<long long>(a.heads), static_cast<long long>(a.dim), a.type.c_str(),
+                a.out_type.c_str());
+    std::printf("backend    %s on %s (plan built in %.3f ms)\n",
+                std::string(to_string(plan.resolve(requested))).c_str(), to_string(where),
+                1e3 * plan.report().build_seconds);
+    std::printf(
+        "time       %.3f ms median of %lld   %.2f GFLOP/s   %.2f GB/s (gathers counted per edge)\n",
+        1e3 * median, static_cast<long long>(a.repeat), flops / median * 1e-9,
+        bytes / median * 1e-9);
+    std::printf(
+        "check      %lld sampled rows vs float64 reference: max abs error %.3g, max rel error %.3g "
+        "(tolerance %.1g): %s\n",
+        static_cast<long long>(checked), max_abs, rel, tol, pass ? "PASS" : "FAIL");
   }
   return pass ? 0 : 3;
 }
@@ -207,21 +246,25 @@ int run_run(const run_args& a) {
 
 action add_run(CLI::App& app) {
   auto a = std::make_shared<run_args>();
-  auto* cmd = app.add_subcommand("run", "sparse attention on GRAPH (default: an embedded R-MAT graph), timed and checked");
+  auto* cmd = app.add_subcommand(
+      "run", "sparse attention on GRAPH (default: an embedded R-MAT graph), timed and checked");
   cmd->add_option("graph", a->path, "graph file; none = the embedded default");
   cmd->add_option("--dim", a->dim, "head dimension")->capture_default_str();
   cmd->add_option("--heads", a->heads, "heads")->capture_default_str();
   cmd->add_option("--dtype", a->type, "Q/K/V dtype: f16, bf16, f32, f64")->capture_default_str();
   cmd->add_option("--out-dtype", a->out_type, "output dtype")->capture_default_str();
   cmd->add_option("--scale", a->scale, "score scale (default 1/sqrt(dim))");
-  cmd->add_option("--algo", a->algo, "automatic, cpu_fused, cpu_reference, cpu_fused3s_reference")->capture_default_str();
+  cmd->add_option("--algo", a->algo, "automatic, cpu_fused, cpu_reference, cpu_fused3s_reference")
+      ->capture_default_str();
   cmd->add_option("--repeat", a->repeat, "timed runs (median reported)")->capture_default_str();
-  cmd->add_option("--check-rows", a->check_rows, "rows checked against the float64 reference")->capture_default_str();
+  cmd->add_option("--check-rows", a->check_rows, "rows checked against the float64 reference")
+      ->capture_default_str();
   cmd->add_option("--range", a->range, "Q/K/V distribution: signed = U[-1,1), unit = U[0,1)")
       ->check(CLI::IsMember({"signed", "unit"}))
       ->capture_default_str();
   cmd->add_option("--seed", a->seed, "seed for Q/K/V (0 = fresh each run)");
-  cmd->add_option("--save", a->save, "write row_ptr, col_idx, q, k, v, o (.npy) and meta.json to DIR");
+  cmd->add_option("--save", a->save,
+                  "write row_ptr, col_idx, q, k, v, o (.npy) and meta.json to DIR");
   cmd->add_flag("--json", a->json, "print JSON");
   add_read_options(*cmd, a->read);
   return [a] { return run_run(*a); };

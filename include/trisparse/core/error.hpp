@@ -41,14 +41,14 @@ template <class E>
 }  // namespace trisparse
 
 /// Throws trisparse::error (with file and line) when cond is false.
-#define TRISPARSE_EXPECTS(cond, message)                                        \
-  do {                                                                          \
+#define TRISPARSE_EXPECTS(cond, message)                                                          \
+  do {                                                                                            \
     if (!(cond)) ::trisparse::detail::fail_at<::trisparse::error>(__FILE__, __LINE__, (message)); \
   } while (0)
 
 /// Throws trisparse::invalid_input (with file and line) when cond is false: for bad arguments.
-#define TRISPARSE_EXPECTS_INPUT(cond, message)                                  \
-  do {                                                                          \
-    if (!(cond))                                                                \
+#define TRISPARSE_EXPECTS_INPUT(cond, message)                                                 \
+  do {                                                                                         \
+    if (!(cond))                                                                               \
       ::trisparse::detail::fail_at<::trisparse::invalid_input>(__FILE__, __LINE__, (message)); \
   } while (0)

@@ -13,10 +13,10 @@ namespace trisparse {
 struct bsb_view {
   std::int64_t rows, cols, windows, tcbs;
   int tcb_cols, words_per_tcb;
-  const std::int64_t* tcb_offset;   ///< [windows + 1]
-  const std::int32_t* col_idx;      ///< [tcbs * tcb_cols]
-  const std::uint64_t* bitmap;      ///< [tcbs * words_per_tcb]
-  const std::int32_t* window_order; ///< [windows]
+  const std::int64_t* tcb_offset;    ///< [windows + 1]
+  const std::int32_t* col_idx;       ///< [tcbs * tcb_cols]
+  const std::uint64_t* bitmap;       ///< [tcbs * words_per_tcb]
+  const std::int32_t* window_order;  ///< [windows]
 };
 
 struct bsb {
@@ -25,11 +25,11 @@ struct bsb {
   static constexpr std::int32_t kPadColumn = -1;
 
   std::int64_t rows = 0, cols = 0;
-  int tcb_cols = 8;                        ///< 8 (16x8 TCBs, 128-bit bitmaps) or 16 (256-bit)
-  std::vector<std::int64_t> tcb_offset{0}; ///< TCB range of each window (the paper's tro)
-  std::vector<std::int32_t> col_idx;       ///< original column of each compacted slot (sptd)
-  std::vector<std::uint64_t> bitmap;       ///< bit (r * tcb_cols + c) of a TCB: row r, slot c
-  std::vector<std::int32_t> window_order;  ///< windows by decreasing TCB count (stable)
+  int tcb_cols = 8;                         ///< 8 (16x8 TCBs, 128-bit bitmaps) or 16 (256-bit)
+  std::vector<std::int64_t> tcb_offset{0};  ///< TCB range of each window (the paper's tro)
+  std::vector<std::int32_t> col_idx;        ///< original column of each compacted slot (sptd)
+  std::vector<std::uint64_t> bitmap;        ///< bit (r * tcb_cols + c) of a TCB: row r, slot c
+  std::vector<std::int32_t> window_order;   ///< windows by decreasing TCB count (stable)
 
   std::int64_t windows() const { return static_cast<std::int64_t>(tcb_offset.size()) - 1; }
   std::int64_t tcbs() const { return tcb_offset.back(); }

@@ -1,8 +1,8 @@
 #pragma once
-/// @file ME-BCRS, the FlashSparse paper's format: windows of `vector_rows` (8 or 16) rows; per window
-/// the nonzero column vectors (columns with a nonzero in the window), sorted; values stored per
-/// tensor-core block of `block_cols` vectors, row-major within the block, without padding the last
-/// block (its width is the residue vectors % block_cols).
+/// @file ME-BCRS, the FlashSparse paper's format: windows of `vector_rows` (8 or 16) rows; per
+/// window the nonzero column vectors (columns with a nonzero in the window), sorted; values stored
+/// per tensor-core block of `block_cols` vectors, row-major within the block, without padding the
+/// last block (its width is the residue vectors % block_cols).
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -22,8 +22,8 @@ struct me_bcrs_view {
 /// A stored value of exactly 0 means "no entry"; a binary pattern stores 1 at every entry.
 struct me_bcrs {
   std::int64_t rows = 0, cols = 0;
-  int vector_rows = 8;   ///< 8 (the paper's 8x1 vectors) or 16 (the 16x1 ablation)
-  int block_cols = 8;    ///< vectors per tensor-core block: 8 (FP16 k=8) or 4 (TF32 k=4)
+  int vector_rows = 8;  ///< 8 (the paper's 8x1 vectors) or 16 (the 16x1 ablation)
+  int block_cols = 8;   ///< vectors per tensor-core block: 8 (FP16 k=8) or 4 (TF32 k=4)
   std::vector<std::int64_t> row_ptr{0};
   std::vector<std::int32_t> col_idx;
   std::vector<float> values;

@@ -26,7 +26,7 @@ bsb_stats compute_stats(const bsb& format, std::int64_t nnz);
 struct footprint {
   std::string format;
   std::int64_t bytes = 0;
-  bool binary = false;   ///< stores only the pattern (no values)
+  bool binary = false;  ///< stores only the pattern (no values)
 };
 /// Table 3 for a pattern: CSR, SR-BCSR, ME-BCRS, BCSR, TCF, ME-TCF, BitTCF, BSB at r = 16, c = 8.
 std::vector<footprint> table3_footprints(const csr_graph& g);

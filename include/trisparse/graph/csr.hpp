@@ -46,9 +46,9 @@ enum class self_loops : std::uint8_t { keep, add, remove };
 
 /// Preprocessing applied by to_csr.
 struct build_options {
-  bool symmetrize = false;                ///< add (j, i) for every (i, j); needs rows == cols
-  self_loops loops = self_loops::keep;    ///< add: every i < min(rows, cols) gets (i, i)
-  bool sum_duplicates = true;             ///< merged duplicates sum their values (else keep first)
+  bool symmetrize = false;              ///< add (j, i) for every (i, j); needs rows == cols
+  self_loops loops = self_loops::keep;  ///< add: every i < min(rows, cols) gets (i, i)
+  bool sum_duplicates = true;           ///< merged duplicates sum their values (else keep first)
 };
 
 /// Builds a CSR with sorted, duplicate-free rows from a COO (O(nnz) bucketing + per-row sort).

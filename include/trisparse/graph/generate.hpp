@@ -33,19 +33,20 @@ struct batch_options {
   std::int64_t graphs = 1024;
   std::int64_t min_nodes = 10;
   std::int64_t max_nodes = 40;
-  double avg_degree = 3;   ///< undirected degree; every graph is symmetric
+  double avg_degree = 3;  ///< undirected degree; every graph is symmetric
   std::uint64_t seed = 1;
 };
 struct batched_graph {
   csr_graph graph;
-  std::vector<std::int64_t> graph_ptr;  ///< graphs + 1 node offsets; graph g owns [ptr[g], ptr[g+1])
+  std::vector<std::int64_t>
+      graph_ptr;  ///< graphs + 1 node offsets; graph g owns [ptr[g], ptr[g+1])
 };
 batched_graph generate_batch(const batch_options& options);
 
 /// Sequence attention masks over n tokens; the parts combine (BigBird = window + global + random).
 struct sequence_mask_options {
   std::int64_t n = 1024;
-  std::int64_t window = 0;          ///< attend to j with |i - j| <= window * dilation, j ≡ i (mod dilation)
+  std::int64_t window = 0;  ///< attend to j with |i - j| <= window * dilation, j ≡ i (mod dilation)
   std::int64_t dilation = 1;        ///< 1 = sliding window; > 1 = dilated / strided
   std::int64_t global_tokens = 0;   ///< the first g tokens attend to all and are attended by all
   std::int64_t random_per_row = 0;  ///< extra uniformly random keys per query

@@ -42,10 +42,10 @@ struct read_options {
 /// What a file says about itself, beyond its edges.
 struct file_info {
   file_format format = file_format::automatic;
-  std::optional<bool> directed;             ///< from an edge-list header or MatrixMarket symmetry
+  std::optional<bool> directed;  ///< from an edge-list header or MatrixMarket symmetry
   std::optional<std::int64_t> declared_nodes;
   std::optional<std::int64_t> declared_edges;
-  std::string description;                  ///< first comment line, if any
+  std::string description;  ///< first comment line, if any
 };
 
 /// A graph as read, before preprocessing.

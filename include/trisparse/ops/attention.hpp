@@ -31,11 +31,12 @@ struct plan_options {
 };
 
 struct attention_options {
-  std::optional<double> scale;  ///< default 1/sqrt(head_dim)
+  std::optional<double> scale;            ///< default 1/sqrt(head_dim)
   algorithm algo = algorithm::automatic;  ///< automatic = the plan's algorithm
 };
 
-/// The scale run() applies: options.scale, or 1/sqrt(head_dim). @throws invalid_input if not finite.
+/// The scale run() applies: options.scale, or 1/sqrt(head_dim). @throws invalid_input if not
+/// finite.
 double effective_scale(const attention_options& options, std::int64_t head_dim);
 
 /// What build() chose and what it cost.
@@ -60,9 +61,8 @@ class attention_plan {
   /// out = attention(q, k, v). q: [rows, H, D], k: [cols, H, D], v: [cols, H, Dv],
   /// out: [rows, H, Dv]; all on the plan's device. CPU runs synchronously.
   /// @throws invalid_input naming the argument whose shape, dtype or device is wrong.
-  void run(const tensor_view& q, const tensor_view& k, const tensor_view& v,
-           const tensor_view& out, const attention_options& options = {},
-           stream_ref stream = {}) const;
+  void run(const tensor_view& q, const tensor_view& k, const tensor_view& v, const tensor_view& out,
+           const attention_options& options = {}, stream_ref stream = {}) const;
 
   const plan_report& report() const;
   /// The algorithm that run() uses for `requested` (automatic -> the plan's own).

@@ -6,9 +6,9 @@
 #include <vector>
 
 #include "../../ops/arguments.hpp"
+#include "fast.hpp"
 #include "trisparse/core/error.hpp"
 #include "trisparse/core/numeric.hpp"
-#include "fast.hpp"
 #include "trisparse/ops/cpu.hpp"
 
 namespace trisparse::cpu {
@@ -35,7 +35,8 @@ f32_operand as_f32(const tensor_view& t) {
   for (std::int64_t r = 0; r < t.rows; ++r) {
     for (std::int64_t h = 0; h < t.heads; ++h) {
       for (std::int64_t d = 0; d < t.dim; ++d) {
-        o.owned[(r * t.heads + h) * t.dim + d] = static_cast<float>(load_as_double(t.data, t.type, t.offset(r, h, d)));
+        o.owned[(r * t.heads + h) * t.dim + d] =
+            static_cast<float>(load_as_double(t.data, t.type, t.offset(r, h, d)));
       }
     }
   }
@@ -45,8 +46,8 @@ f32_operand as_f32(const tensor_view& t) {
   return o;
 }
 
-constexpr std::int64_t kChunk = 64;     // neighbours per online-softmax step
-constexpr std::int64_t kPrefetch = 4;   // neighbours ahead whose K/V rows are prefetched
+constexpr std::int64_t kChunk = 64;    // neighbours per online-softmax step
+constexpr std::int64_t kPrefetch = 4;  // neighbours ahead whose K/V rows are prefetched
 
 // Gathered rows are random DRAM accesses: ask for every cache line of a row ahead of use.
 inline void prefetch_row(const float* p, std::int64_t n) {
@@ -82,10 +83,14 @@ void fused_attention_unchecked(const csr_graph& a, const tensor_view& q, const t
           for (std::int64_t j = 0; j < n; ++j) {
             // K ahead for this loop; V of this neighbour for the accumulation loop below.
             if (j + kPrefetch < n) {
-              prefetch_row(kf.data + std::int64_t{a.col_idx[c0 + j + kPrefetch]} * kf.row_stride + h * kf.head_stride, dk);
+              prefetch_row(kf.data + std::int64_t{a.col_idx[c0 + j + kPrefetch]} * kf.row_stride +
+                               h * kf.head_stride,
+                           dk);
             }
-            prefetch_row(vf.data + std::int64_t{a.col_idx[c0 + j]} * vf.row_stride + h * vf.head_stride, dv);
-            const float* kp = kf.data + std::int64_t{a.col_idx[c0 + j]} * kf.row_stride + h * kf.head_stride;
+            prefetch_row(
+                vf.data + std::int64_t{a.col_idx[c0 + j]} * vf.row_stride + h * vf.head_stride, dv);
+            const float* kp =
+                kf.data + std::int64_t{a.col_idx[c0 + j]} * kf.row_stride + h * kf.head_stride;
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
             for (std::int64_t d = 0; d < dk; ++d) dot += qrow[d] * kp[d];
@@ -102,7 +107,8 @@ void fused_attention_unchecked(const csr_graph& a, const tensor_view& q, const t
           for (std::int64_t j = 0; j < n; ++j) {
             const float p = std::exp2(s[j] - m);
             l += p;
-            const float* vp = vf.data + std::int64_t{a.col_idx[c0 + j]} * vf.row_stride + h * vf.head_stride;
+            const float* vp =
+                vf.data + std::int64_t{a.col_idx[c0 + j]} * vf.row_stride + h * vf.head_stride;
 #pragma omp simd
             for (std::int64_t d = 0; d < dv; ++d) acc[d] += p * vp[d];
           }
@@ -112,7 +118,8 @@ void fused_attention_unchecked(const csr_graph& a, const tensor_view& q, const t
           float* op = static_cast<float*>(out.data) + out.offset(i, h, 0);
           for (std::int64_t d = 0; d < dv; ++d) op[d] = acc[d] * inv;
         } else {
-          for (std::int64_t d = 0; d < dv; ++d) store_from_double(out.data, out.type, out.offset(i, h, d), acc[d] * inv);
+          for (std::int64_t d = 0; d < dv; ++d)
+            store_from_double(out.data, out.type, out.offset(i, h, d), acc[d] * inv);
         }
       }
     }

@@ -19,7 +19,8 @@ double at(const tensor_view& t, std::int64_t r, std::int64_t h, std::int64_t d) 
 void put(const tensor_view& t, std::int64_t r, std::int64_t h, std::int64_t d, double x) {
   store_from_double(t.data, t.type, t.offset(r, h, d), x);
 }
-double dot(const tensor_view& x, std::int64_t i, const tensor_view& y, std::int64_t j, std::int64_t h) {
+double dot(const tensor_view& x, std::int64_t i, const tensor_view& y, std::int64_t j,
+           std::int64_t h) {
   double s = 0;
   for (std::int64_t d = 0; d < x.dim; ++d) s += at(x, i, h, d) * at(y, j, h, d);
   return s;
@@ -35,7 +36,8 @@ void sddmm(const csr_graph& a, const tensor_view& x, const tensor_view& y, const
   for (std::int64_t r = 0; r < a.rows; ++r) {
     for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) {
       const double w = a.has_values() ? a.values[e] : 1.0;
-      for (std::int64_t h = 0; h < x.heads; ++h) put(out, e, h, 0, w * scale * dot(x, r, y, a.col_idx[e], h));
+      for (std::int64_t h = 0; h < x.heads; ++h)
+        put(out, e, h, 0, w * scale * dot(x, r, y, a.col_idx[e], h));
     }
   }
 }
@@ -47,8 +49,10 @@ void softmax(const csr_graph& a, const tensor_view& scores, const tensor_view& o
   for (std::int64_t r = 0; r < a.rows; ++r) {
     for (std::int64_t h = 0; h < scores.heads; ++h) {
       double m = -std::numeric_limits<double>::infinity(), sum = 0;
-      for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) m = std::max(m, at(scores, e, h, 0));
-      for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) sum += std::exp(at(scores, e, h, 0) - m);
+      for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e)
+        m = std::max(m, at(scores, e, h, 0));
+      for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e)
+        sum += std::exp(at(scores, e, h, 0) - m);
       for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) {
         put(out, e, h, 0, std::exp(at(scores, e, h, 0) - m) / sum);
       }

@@ -22,7 +22,8 @@ std::string describe_device(int device) {
     return "";
   }
   char mem[32];
-  std::snprintf(mem, sizeof mem, "%.1f", static_cast<double>(p.totalGlobalMem) / (1024.0 * 1024.0 * 1024.0));
+  std::snprintf(mem, sizeof mem, "%.1f",
+                static_cast<double>(p.totalGlobalMem) / (1024.0 * 1024.0 * 1024.0));
   return std::string(p.name) + " (sm_" + std::to_string(p.major) + std::to_string(p.minor) + ", " +
          std::to_string(p.multiProcessorCount) + " SMs, " + mem + " GiB)";
 }

@@ -36,30 +36,35 @@ T get(std::span<const std::byte> b, std::size_t at) {
 }  // namespace
 
 csr_graph read_cache_bytes(std::span<const std::byte> bytes, const std::string& name) {
-  if (bytes.size() < kHeader + 4) fail(name, 0, "truncated cache file (" + std::to_string(bytes.size()) + " bytes)");
-  if (std::memcmp(bytes.data(), kMagic, 8) != 0) fail(name, 0, "not a trisparse cache file (bad magic)");
+  if (bytes.size() < kHeader + 4)
+    fail(name, 0, "truncated cache file (" + std::to_string(bytes.size()) + " bytes)");
+  if (std::memcmp(bytes.data(), kMagic, 8) != 0)
+    fail(name, 0, "not a trisparse cache file (bad magic)");
   const auto kind = get<std::uint32_t>(bytes, 8), version = get<std::uint32_t>(bytes, 12);
   const auto flags = get<std::uint32_t>(bytes, 16);
   if (kind != kKindCsr) fail(name, 0, "unknown cache content kind " + std::to_string(kind));
   if (version != kVersion) {
-    fail(name, 0, "cache version " + std::to_string(version) + " is not readable by this build (reads " +
-                      std::to_string(kVersion) + "); re-run 'trisparse convert'");
+    fail(name, 0,
+         "cache version " + std::to_string(version) + " is not readable by this build (reads " +
+             std::to_string(kVersion) + "); re-run 'trisparse convert'");
   }
   if ((flags & ~kFlagValues) != 0) fail(name, 0, "unknown cache flags");
   const auto rows = get<std::int64_t>(bytes, 24), cols = get<std::int64_t>(bytes, 32),
              nnz = get<std::int64_t>(bytes, 40);
   if (rows < 0 || cols < 0 || nnz < 0 || cols > std::numeric_limits<std::int32_t>::max() ||
       rows > (std::int64_t{1} << 40) || nnz > (std::int64_t{1} << 40)) {
-    fail(name, 0, "implausible sizes in cache header (rows " + std::to_string(rows) + ", cols " +
-                      std::to_string(cols) + ", nnz " + std::to_string(nnz) + ")");
+    fail(name, 0,
+         "implausible sizes in cache header (rows " + std::to_string(rows) + ", cols " +
+             std::to_string(cols) + ", nnz " + std::to_string(nnz) + ")");
   }
   const bool values = flags & kFlagValues;
   // rows, nnz < 2^40 (checked above): no overflow in 64 bits.
   const std::uint64_t expect = kHeader + 8 * static_cast<std::uint64_t>(rows + 1) +
                                4 * static_cast<std::uint64_t>(nnz) * (values ? 2 : 1) + 4;
   if (expect != bytes.size()) {
-    fail(name, 0, "cache file is " + std::to_string(bytes.size()) + " bytes but its header implies " +
-                      std::to_string(expect) + " (truncated or corrupt)");
+    fail(name, 0,
+         "cache file is " + std::to_string(bytes.size()) + " bytes but its header implies " +
+             std::to_string(expect) + " (truncated or corrupt)");
   }
   const std::size_t body = bytes.size() - 4;
   if (crc_of(bytes.data(), body) != get<std::uint32_t>(bytes, body)) {
@@ -94,7 +99,9 @@ namespace trisparse {
 void write_cache(const csr_graph& g, const std::filesystem::path& path) {
   g.check();
   std::vector<std::byte> out(io::kHeader);
-  const auto put = [&](std::size_t at, const auto& v) { std::memcpy(out.data() + at, &v, sizeof v); };
+  const auto put = [&](std::size_t at, const auto& v) {
+    std::memcpy(out.data() + at, &v, sizeof v);
+  };
   std::memcpy(out.data(), io::kMagic, 8);
   put(8, io::kKindCsr);
   put(12, io::kVersion);

@@ -73,7 +73,8 @@ loaded_graph read_source(std::unique_ptr<io::byte_source> raw, const std::string
                          const read_options& options) {
   std::vector<std::byte> head = read_head(*raw, 8);
   const io::compression c = io::detect_compression(head);
-  std::unique_ptr<io::byte_source> src = std::make_unique<prefixed_source>(std::move(head), std::move(raw));
+  std::unique_ptr<io::byte_source> src =
+      std::make_unique<prefixed_source>(std::move(head), std::move(raw));
   src = io::decompress(std::move(src), c, name, options.max_bytes);
   std::vector<std::byte> text_head = read_head(*src, 16);
   if (text_head.empty()) io::fail(name, 0, "empty file");
@@ -129,11 +130,13 @@ csr_graph read_cache(const std::filesystem::path& path, const read_options& opti
   return io::read_cache_bytes(io::read_all(*raw, path.string(), options.max_bytes), path.string());
 }
 
-std::vector<std::int64_t> read_graph_ptr(const std::filesystem::path& path, std::int64_t num_nodes) {
+std::vector<std::int64_t> read_graph_ptr(const std::filesystem::path& path,
+                                         std::int64_t num_nodes) {
   auto raw = io::open_file(path);
   std::vector<std::byte> head = read_head(*raw, 8);
   const io::compression c = io::detect_compression(head);
-  std::unique_ptr<io::byte_source> src = std::make_unique<prefixed_source>(std::move(head), std::move(raw));
+  std::unique_ptr<io::byte_source> src =
+      std::make_unique<prefixed_source>(std::move(head), std::move(raw));
   src = io::decompress(std::move(src), c, path.string(), std::uint64_t{1} << 34);
   return io::read_graph_ptr(*src, path.string(), num_nodes);
 }
@@ -173,12 +176,18 @@ void write_matrix_market(const csr_graph& g, const std::filesystem::path& path) 
 
 std::string_view to_string(file_format f) {
   switch (f) {
-    case file_format::automatic: return "automatic";
-    case file_format::edge_list: return "edge_list";
-    case file_format::matrix_market: return "matrix_market";
-    case file_format::npz: return "npz";
-    case file_format::npy: return "npy";
-    case file_format::cache: return "cache";
+    case file_format::automatic:
+      return "automatic";
+    case file_format::edge_list:
+      return "edge_list";
+    case file_format::matrix_market:
+      return "matrix_market";
+    case file_format::npz:
+      return "npz";
+    case file_format::npy:
+      return "npy";
+    case file_format::cache:
+      return "cache";
   }
   return "?";
 }

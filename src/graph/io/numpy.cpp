@@ -16,8 +16,8 @@ namespace trisparse::io {
 namespace {
 
 struct npy_array {
-  char kind = 0;          // 'i', 'u', 'f'
-  std::size_t item = 0;   // bytes per element
+  char kind = 0;         // 'i', 'u', 'f'
+  std::size_t item = 0;  // bytes per element
   bool fortran = false;
   std::vector<std::int64_t> shape;
   std::span<const std::byte> data;
@@ -29,13 +29,15 @@ struct npy_array {
 };
 
 // Finds 'key' in the header dict and returns what follows the colon.
-std::string_view dict_value(std::string_view header, std::string_view key, const std::string& where) {
+std::string_view dict_value(std::string_view header, std::string_view key,
+                            const std::string& where) {
   const std::string quoted = "'" + std::string(key) + "'";
   const std::size_t at = header.find(quoted);
   if (at == std::string_view::npos) fail(where, 0, "npy header lacks '" + std::string(key) + "'");
   std::size_t i = at + quoted.size();
   while (i < header.size() && header[i] == ' ') ++i;
-  if (i >= header.size() || header[i] != ':') fail(where, 0, "malformed npy header near '" + std::string(key) + "'");
+  if (i >= header.size() || header[i] != ':')
+    fail(where, 0, "malformed npy header near '" + std::string(key) + "'");
   ++i;
   while (i < header.size() && header[i] == ' ') ++i;
   return header.substr(i);
@@ -59,8 +61,10 @@ npy_array parse_npy(std::span<const std::byte> bytes, const std::string& where) 
   } else {
     fail(where, 0, "unsupported npy version " + std::to_string(major));
   }
-  if (header_len > bytes.size() - header_start || header_len > (1u << 20)) fail(where, 0, "truncated npy header");
-  const std::string_view header(reinterpret_cast<const char*>(bytes.data()) + header_start, header_len);
+  if (header_len > bytes.size() - header_start || header_len > (1u << 20))
+    fail(where, 0, "truncated npy header");
+  const std::string_view header(reinterpret_cast<const char*>(bytes.data()) + header_start,
+                                header_len);
   npy_array a;
   // descr
   std::string_view d = dict_value(header, "descr", where);
@@ -69,7 +73,8 @@ npy_array parse_npy(std::span<const std::byte> bytes, const std::string& where) 
   if (close == std::string_view::npos) fail(where, 0, "unterminated npy descr");
   const std::string_view descr = d.substr(1, close - 1);
   if (descr.size() < 3 || (descr[0] != '<' && descr[0] != '|' && descr[0] != '=')) {
-    fail(where, 0, "unsupported dtype '" + std::string(descr) + "' (little-endian integers or floats only)");
+    fail(where, 0,
+         "unsupported dtype '" + std::string(descr) + "' (little-endian integers or floats only)");
   }
   a.kind = descr[1];
   std::int64_t item = 0;
@@ -80,8 +85,10 @@ npy_array parse_npy(std::span<const std::byte> bytes, const std::string& where) 
   a.item = static_cast<std::size_t>(item);
   // fortran_order
   const std::string_view f = dict_value(header, "fortran_order", where);
-  if (f.starts_with("True")) a.fortran = true;
-  else if (!f.starts_with("False")) fail(where, 0, "npy fortran_order is neither True nor False");
+  if (f.starts_with("True"))
+    a.fortran = true;
+  else if (!f.starts_with("False"))
+    fail(where, 0, "npy fortran_order is neither True nor False");
   // shape
   std::string_view s = dict_value(header, "shape", where);
   if (s.empty() || s[0] != '(') fail(where, 0, "npy shape is not a tuple");
@@ -95,7 +102,8 @@ npy_array parse_npy(std::span<const std::byte> bytes, const std::string& where) 
     std::size_t k = 0;
     while (k < body.size() && body[k] != ',' && body[k] != ' ') ++k;
     std::int64_t dim = 0;
-    if (!parse_int(body.substr(0, k), dim) || dim < 0) fail(where, 0, "bad npy shape entry '" + std::string(body.substr(0, k)) + "'");
+    if (!parse_int(body.substr(0, k), dim) || dim < 0)
+      fail(where, 0, "bad npy shape entry '" + std::string(body.substr(0, k)) + "'");
     if (a.shape.size() >= 8) fail(where, 0, "npy array has too many dimensions");
     a.shape.push_back(dim);
     if (__builtin_mul_overflow(total, dim, &total) || total > (std::int64_t{1} << 48)) {
@@ -107,8 +115,9 @@ npy_array parse_npy(std::span<const std::byte> bytes, const std::string& where) 
   const std::uint64_t need = static_cast<std::uint64_t>(total) * a.item;  // < 2^51: no overflow
   const std::uint64_t have = bytes.size() - data_start;
   if (need != have) {
-    fail(where, 0, "array data is " + std::to_string(have) + " bytes but shape and dtype need " +
-                       std::to_string(need) + (need > have ? " (truncated)" : " (trailing bytes)"));
+    fail(where, 0,
+         "array data is " + std::to_string(have) + " bytes but shape and dtype need " +
+             std::to_string(need) + (need > have ? " (truncated)" : " (trailing bytes)"));
   }
   a.data = bytes.subspan(data_start);
   return a;
@@ -119,10 +128,28 @@ std::int64_t int_at(const npy_array& a, std::int64_t i, const std::string& where
   std::int64_t v = 0;
   if (a.kind == 'i') {
     switch (a.item) {
-      case 1: { std::int8_t x; std::memcpy(&x, p, 1); v = x; break; }
-      case 2: { std::int16_t x; std::memcpy(&x, p, 2); v = x; break; }
-      case 4: { std::int32_t x; std::memcpy(&x, p, 4); v = x; break; }
-      default: { std::memcpy(&v, p, 8); break; }
+      case 1: {
+        std::int8_t x;
+        std::memcpy(&x, p, 1);
+        v = x;
+        break;
+      }
+      case 2: {
+        std::int16_t x;
+        std::memcpy(&x, p, 2);
+        v = x;
+        break;
+      }
+      case 4: {
+        std::int32_t x;
+        std::memcpy(&x, p, 4);
+        v = x;
+        break;
+      }
+      default: {
+        std::memcpy(&v, p, 8);
+        break;
+      }
     }
   } else if (a.kind == 'u') {
     std::uint64_t x = 0;
@@ -138,7 +165,8 @@ std::int64_t int_at(const npy_array& a, std::int64_t i, const std::string& where
 }
 
 void require_int(const npy_array& a, const std::string& where) {
-  if (a.kind == 'f') fail(where, 0, "expected an integer array, found float" + std::to_string(8 * a.item));
+  if (a.kind == 'f')
+    fail(where, 0, "expected an integer array, found float" + std::to_string(8 * a.item));
 }
 
 // Fills edges from two id sequences; nodes = declared or max + 1.
@@ -153,12 +181,15 @@ void fill_edges(loaded_graph& out, const npy_array& a, std::int64_t count,
   for (std::int64_t e = 0; e < count; ++e) {
     const std::int64_t s = int_at(a, src_index(e), where), d = int_at(a, dst_index(e), where);
     for (const std::int64_t id : {s, d}) {
-      if (id < 0) fail(where, 0, "negative node id " + std::to_string(id) + " at edge " + std::to_string(e));
+      if (id < 0)
+        fail(where, 0, "negative node id " + std::to_string(id) + " at edge " + std::to_string(e));
       if (declared_nodes >= 0 && id >= declared_nodes) {
-        fail(where, 0, "node id " + std::to_string(id) + " at edge " + std::to_string(e) +
-                           " out of range for " + std::to_string(declared_nodes) + " nodes");
+        fail(where, 0,
+             "node id " + std::to_string(id) + " at edge " + std::to_string(e) +
+                 " out of range for " + std::to_string(declared_nodes) + " nodes");
       }
-      if (id > kMaxId) fail(where, 0, "node id " + std::to_string(id) + " exceeds the 32-bit index range");
+      if (id > kMaxId)
+        fail(where, 0, "node id " + std::to_string(id) + " exceeds the 32-bit index range");
     }
     out.edges.src[e] = s;
     out.edges.dst[e] = d;
@@ -179,7 +210,8 @@ std::vector<std::byte> zip_entry(zip_t* z, const std::string& entry, const std::
   if (zip_stat(z, entry.c_str(), 0, &st) != 0 || !(st.valid & ZIP_STAT_SIZE)) {
     fail(where, 0, "cannot read archive entry");
   }
-  if (st.size > max_bytes) fail(where, 0, "entry of " + std::to_string(st.size) + " bytes exceeds the limit");
+  if (st.size > max_bytes)
+    fail(where, 0, "entry of " + std::to_string(st.size) + " bytes exceeds the limit");
   std::vector<std::byte> data(st.size);
   zip_file_t* f = zip_fopen(z, entry.c_str(), 0);
   if (f == nullptr) fail(where, 0, std::string("cannot open archive entry: ") + zip_strerror(z));
@@ -190,7 +222,8 @@ std::vector<std::byte> zip_entry(zip_t* z, const std::string& entry, const std::
   const std::string ferr = zip_file_strerror(f);
   zip_fclose(f);
   if (got < 0 || tail < 0) fail(where, 0, "corrupt archive entry (" + ferr + ")");
-  if (static_cast<zip_uint64_t>(got) != st.size || tail != 0) fail(where, 0, "archive entry size does not match its header (truncated?)");
+  if (static_cast<zip_uint64_t>(got) != st.size || tail != 0)
+    fail(where, 0, "archive entry size does not match its header (truncated?)");
   return data;
 }
 
@@ -209,14 +242,19 @@ loaded_graph read_npy_edge_index(std::span<const std::byte> bytes, const std::st
   loaded_graph out;
   out.info.format = file_format::npy;
   if (a.fortran) {
-    fill_edges(out, a, e, [](std::int64_t i) { return 2 * i; }, [](std::int64_t i) { return 2 * i + 1; }, -1, where);
+    fill_edges(
+        out, a, e, [](std::int64_t i) { return 2 * i; }, [](std::int64_t i) { return 2 * i + 1; },
+        -1, where);
   } else {
-    fill_edges(out, a, e, [](std::int64_t i) { return i; }, [e](std::int64_t i) { return e + i; }, -1, where);
+    fill_edges(
+        out, a, e, [](std::int64_t i) { return i; }, [e](std::int64_t i) { return e + i; }, -1,
+        where);
   }
   return out;
 }
 
-loaded_graph read_npz(std::span<const std::byte> bytes, const std::string& name, std::uint64_t max_bytes) {
+loaded_graph read_npz(std::span<const std::byte> bytes, const std::string& name,
+                      std::uint64_t max_bytes) {
   zip_error_t zerr;
   zip_error_init(&zerr);
   zip_source_t* src = zip_source_buffer_create(bytes.data(), bytes.size(), 0, &zerr);
@@ -239,10 +277,13 @@ loaded_graph read_npz(std::span<const std::byte> bytes, const std::string& name,
       const std::string where = name + "[num_nodes]";
       const npy_array a = parse_npy(raw, where);
       require_int(a, where);
-      if (a.count() != 1) fail(where, 0, "expected a single integer, found " + std::to_string(a.count()) + " elements");
+      if (a.count() != 1)
+        fail(where, 0,
+             "expected a single integer, found " + std::to_string(a.count()) + " elements");
       nodes = int_at(a, 0, where);
       if (nodes < 0) fail(where, 0, "negative node count " + std::to_string(nodes));
-      if (nodes > std::numeric_limits<std::int32_t>::max()) fail(where, 0, "node count exceeds the 32-bit index range");
+      if (nodes > std::numeric_limits<std::int32_t>::max())
+        fail(where, 0, "node count exceeds the 32-bit index range");
       out.info.declared_nodes = nodes;
     }
     const auto s_raw = zip_entry(z.get(), "src_li.npy", name, max_bytes);
@@ -254,12 +295,18 @@ loaded_graph read_npz(std::span<const std::byte> bytes, const std::string& name,
     if (s.shape.size() != 1) fail(name + "[src_li]", 0, "expected a 1-D array");
     if (d.shape.size() != 1) fail(name + "[dst_li]", 0, "expected a 1-D array");
     if (s.shape[0] != d.shape[0]) {
-      fail(name + "[dst_li]", 0, "length " + std::to_string(d.shape[0]) + " differs from src_li's " + std::to_string(s.shape[0]));
+      fail(name + "[dst_li]", 0,
+           "length " + std::to_string(d.shape[0]) + " differs from src_li's " +
+               std::to_string(s.shape[0]));
     }
     // Check each array's ids with its own name, then pair them.
     loaded_graph tmp;
-    fill_edges(tmp, d, d.shape[0], [](std::int64_t i) { return i; }, [](std::int64_t i) { return i; }, nodes, name + "[dst_li]");
-    fill_edges(out, s, s.shape[0], [](std::int64_t i) { return i; }, [](std::int64_t i) { return i; }, nodes, name + "[src_li]");
+    fill_edges(
+        tmp, d, d.shape[0], [](std::int64_t i) { return i; }, [](std::int64_t i) { return i; },
+        nodes, name + "[dst_li]");
+    fill_edges(
+        out, s, s.shape[0], [](std::int64_t i) { return i; }, [](std::int64_t i) { return i; },
+        nodes, name + "[src_li]");
     out.edges.dst = std::move(tmp.edges.src);
     const std::int64_t n = std::max(out.edges.rows, tmp.edges.rows);
     out.edges.rows = out.edges.cols = nodes >= 0 ? nodes : n;
@@ -287,8 +334,8 @@ void write_npy(const std::filesystem::path& path, std::string_view descr,
     if (i + 1 < shape.size()) shape_text += " ";
   }
   shape_text += ")";
-  std::string header = "{'descr': '" + std::string(descr) + "', 'fortran_order': False, 'shape': " +
-                       shape_text + ", }";
+  std::string header = "{'descr': '" + std::string(descr) +
+                       "', 'fortran_order': False, 'shape': " + shape_text + ", }";
   const std::size_t unpadded = 10 + header.size() + 1;
   header.append((64 - unpadded % 64) % 64, ' ');
   header.push_back('\n');
@@ -297,7 +344,8 @@ void write_npy(const std::filesystem::path& path, std::string_view descr,
   const unsigned char magic[] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0};
   f.write(reinterpret_cast<const char*>(magic), sizeof magic);
   const std::uint16_t len = static_cast<std::uint16_t>(header.size());
-  const unsigned char len_bytes[] = {static_cast<unsigned char>(len & 0xFF), static_cast<unsigned char>(len >> 8)};
+  const unsigned char len_bytes[] = {static_cast<unsigned char>(len & 0xFF),
+                                     static_cast<unsigned char>(len >> 8)};
   f.write(reinterpret_cast<const char*>(len_bytes), 2);
   f.write(header.data(), static_cast<std::streamsize>(header.size()));
   f.write(static_cast<const char*>(data), static_cast<std::streamsize>(bytes));

@@ -120,7 +120,8 @@ class gzip_source final : public inflating_source {
         in_member_ = false;  // concatenated members: start the next one if bytes follow
         if (inflateReset(&z_) != Z_OK) fail(name_, 0, "gzip decoder reset failed");
       } else if (rc != Z_OK && rc != Z_BUF_ERROR) {
-        fail(name_, 0, std::string("corrupt gzip stream (") + (z_.msg ? z_.msg : "zlib error") + ")");
+        fail(name_, 0,
+             std::string("corrupt gzip stream (") + (z_.msg ? z_.msg : "zlib error") + ")");
       }
     }
     const std::size_t produced = n - z_.avail_out;
@@ -164,9 +165,10 @@ class xz_source final : public inflating_source {
       }
       if (rc == LZMA_BUF_ERROR && raw_eof_) fail(name_, 0, "truncated xz stream");
       if (rc != LZMA_OK && rc != LZMA_BUF_ERROR) {
-        fail(name_, 0, rc == LZMA_MEMLIMIT_ERROR ? "xz stream needs more than 1 GiB to decode"
-                                                 : "corrupt xz stream (lzma error " +
-                                                       std::to_string(static_cast<int>(rc)) + ")");
+        fail(name_, 0,
+             rc == LZMA_MEMLIMIT_ERROR
+                 ? "xz stream needs more than 1 GiB to decode"
+                 : "corrupt xz stream (lzma error " + std::to_string(static_cast<int>(rc)) + ")");
       }
     }
     const std::size_t produced = n - z_.avail_out;
@@ -207,11 +209,13 @@ std::vector<std::byte> read_all(byte_source& src, std::string_view name, std::ui
   std::vector<std::byte> out;
   std::size_t size = 0;
   while (true) {
-    if (out.size() - size < (std::size_t{1} << 16)) out.resize(std::max<std::size_t>(1 << 17, out.size() * 2));
+    if (out.size() - size < (std::size_t{1} << 16))
+      out.resize(std::max<std::size_t>(1 << 17, out.size() * 2));
     const std::size_t k = src.read(out.data() + size, out.size() - size);
     if (k == 0) break;
     size += k;
-    if (size > max_bytes) fail(name, 0, "input exceeds the limit of " + std::to_string(max_bytes) + " bytes");
+    if (size > max_bytes)
+      fail(name, 0, "input exceeds the limit of " + std::to_string(max_bytes) + " bytes");
   }
   out.resize(size);
   return out;
@@ -264,7 +268,9 @@ bool line_reader::next(std::string_view& line) {
 
 std::size_t tokenize(std::string_view line, std::string_view* out, std::size_t max_tokens) {
   std::size_t n = 0, i = 0;
-  const auto sep = [](char c) { return c == ' ' || c == '\t' || c == ',' || c == '\r' || c == '\v' || c == '\f'; };
+  const auto sep = [](char c) {
+    return c == ' ' || c == '\t' || c == ',' || c == '\r' || c == '\v' || c == '\f';
+  };
   while (i < line.size()) {
     while (i < line.size() && sep(line[i])) ++i;
     if (i == line.size()) break;

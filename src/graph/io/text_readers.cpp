@@ -47,7 +47,8 @@ std::int64_t parse_id(std::string_view token, const line_reader& lines, int colu
     lines.fail("non-numeric token '" + std::string(token.substr(0, 40)) + "' in column " +
                std::to_string(column));
   }
-  if (v < 0) lines.fail("negative node id " + std::to_string(v) + " in column " + std::to_string(column));
+  if (v < 0)
+    lines.fail("negative node id " + std::to_string(v) + " in column " + std::to_string(column));
   return v;
 }
 
@@ -78,7 +79,8 @@ loaded_graph read_edge_list(byte_source& src, const std::string& name) {
       }
       std::int64_t v = 0;
       if (header_int(lowered, "nodes", lines, v)) {
-        if (v > kMaxId + 1) lines.fail("header declares " + std::to_string(v) + " nodes, more than 32-bit ids allow");
+        if (v > kMaxId + 1)
+          lines.fail("header declares " + std::to_string(v) + " nodes, more than 32-bit ids allow");
         out.info.declared_nodes = v;
         header_line = lines.line_number();
       }
@@ -89,9 +91,12 @@ loaded_graph read_edge_list(byte_source& src, const std::string& name) {
       const std::size_t d = lowered.find("directed:");
       if (d != std::string::npos) {
         const std::string_view rest = trim(std::string_view(lowered).substr(d + 9));
-        if (rest.starts_with("yes")) out.info.directed = true;
-        else if (rest.starts_with("no")) out.info.directed = false;
-        else lines.fail("header field 'directed' must be yes or no");
+        if (rest.starts_with("yes"))
+          out.info.directed = true;
+        else if (rest.starts_with("no"))
+          out.info.directed = false;
+        else
+          lines.fail("header field 'directed' must be yes or no");
       }
       continue;
     }
@@ -111,11 +116,13 @@ loaded_graph read_edge_list(byte_source& src, const std::string& name) {
         lines.fail("node id " + std::to_string(id) + " out of range: the header declares " +
                    std::to_string(*out.info.declared_nodes) + " nodes");
       }
-      if (id > kMaxId) lines.fail("node id " + std::to_string(id) + " exceeds the 32-bit index range");
+      if (id > kMaxId)
+        lines.fail("node id " + std::to_string(id) + " exceeds the 32-bit index range");
     }
     if (n == 3) {
       double w = 0;
-      if (!parse_float(tok[2], w)) lines.fail("non-numeric or non-finite weight '" + std::string(tok[2].substr(0, 40)) + "'");
+      if (!parse_float(tok[2], w))
+        lines.fail("non-numeric or non-finite weight '" + std::string(tok[2].substr(0, 40)) + "'");
       if (std::abs(w) > std::numeric_limits<float>::max()) lines.fail("weight overflows float32");
       out.edges.values.push_back(static_cast<float>(w));
     }
@@ -128,9 +135,9 @@ loaded_graph read_edge_list(byte_source& src, const std::string& name) {
     fail(name, lines.line_number(), "no edges and no '# nodes:' header");
   }
   if (out.info.declared_edges && *out.info.declared_edges != out.edges.nnz()) {
-    fail(name, header_line, "header declares " + std::to_string(*out.info.declared_edges) +
-                                " edges but the file has " + std::to_string(out.edges.nnz()) +
-                                " (truncated?)");
+    fail(name, header_line,
+         "header declares " + std::to_string(*out.info.declared_edges) +
+             " edges but the file has " + std::to_string(out.edges.nnz()) + " (truncated?)");
   }
   const std::int64_t n = out.info.declared_nodes.value_or(max_id + 1);
   out.edges.rows = out.edges.cols = n;
@@ -148,8 +155,10 @@ loaded_graph read_matrix_market(byte_source& src, const std::string& name) {
   if (tokenize(banner, tok, 6) != 5 || tok[0] != "%%matrixmarket") {
     lines.fail("expected '%%MatrixMarket matrix coordinate <field> <symmetry>'");
   }
-  if (tok[1] != "matrix") lines.fail("object '" + std::string(tok[1]) + "' is not supported (only 'matrix')");
-  if (tok[2] != "coordinate") lines.fail("format '" + std::string(tok[2]) + "' is not supported (only 'coordinate')");
+  if (tok[1] != "matrix")
+    lines.fail("object '" + std::string(tok[1]) + "' is not supported (only 'matrix')");
+  if (tok[2] != "coordinate")
+    lines.fail("format '" + std::string(tok[2]) + "' is not supported (only 'coordinate')");
   const std::string field(tok[3]), sym(tok[4]);
   if (field != "pattern" && field != "real" && field != "integer") {
     lines.fail("field '" + field + "' is not supported (pattern, real or integer)");
@@ -169,9 +178,11 @@ loaded_graph read_matrix_market(byte_source& src, const std::string& name) {
       lines.fail("expected the size line 'rows cols entries'");
     }
     if (rows < 0 || cols < 0 || nnz < 0) lines.fail("negative size in the size line");
-    if (rows > kMaxId + 1 || cols > kMaxId + 1) lines.fail("matrix dimensions exceed the 32-bit index range");
+    if (rows > kMaxId + 1 || cols > kMaxId + 1)
+      lines.fail("matrix dimensions exceed the 32-bit index range");
     if (symmetric && rows != cols) lines.fail("a symmetric matrix must be square");
-    if (rows > 0 && cols > 0 && nnz / rows > cols) lines.fail("more entries declared than the matrix has cells");
+    if (rows > 0 && cols > 0 && nnz / rows > cols)
+      lines.fail("more entries declared than the matrix has cells");
     break;
   }
   if (rows < 0) lines.fail("missing size line");
@@ -188,19 +199,25 @@ loaded_graph read_matrix_market(byte_source& src, const std::string& name) {
     if (t.empty() || t.front() == '%') continue;
     const std::size_t n = tokenize(t, tok, 6);
     if (n != expect) {
-      lines.fail("expected " + std::to_string(expect) + " fields for a " + field + " matrix, found " +
-                 std::to_string(n));
+      lines.fail("expected " + std::to_string(expect) + " fields for a " + field +
+                 " matrix, found " + std::to_string(n));
     }
-    if (++seen > nnz) lines.fail("more entries than the " + std::to_string(nnz) + " the size line declares");
+    if (++seen > nnz)
+      lines.fail("more entries than the " + std::to_string(nnz) + " the size line declares");
     std::int64_t i = 0, j = 0;
-    if (!parse_int(tok[0], i)) lines.fail("non-numeric row index '" + std::string(tok[0].substr(0, 40)) + "'");
-    if (!parse_int(tok[1], j)) lines.fail("non-numeric column index '" + std::string(tok[1].substr(0, 40)) + "'");
-    if (i < 1 || i > rows) lines.fail("row index " + std::to_string(i) + " outside 1.." + std::to_string(rows));
-    if (j < 1 || j > cols) lines.fail("column index " + std::to_string(j) + " outside 1.." + std::to_string(cols));
+    if (!parse_int(tok[0], i))
+      lines.fail("non-numeric row index '" + std::string(tok[0].substr(0, 40)) + "'");
+    if (!parse_int(tok[1], j))
+      lines.fail("non-numeric column index '" + std::string(tok[1].substr(0, 40)) + "'");
+    if (i < 1 || i > rows)
+      lines.fail("row index " + std::to_string(i) + " outside 1.." + std::to_string(rows));
+    if (j < 1 || j > cols)
+      lines.fail("column index " + std::to_string(j) + " outside 1.." + std::to_string(cols));
     float w = 1.0f;
     if (weighted) {
       double v = 0;
-      if (!parse_float(tok[2], v)) lines.fail("non-numeric or non-finite value '" + std::string(tok[2].substr(0, 40)) + "'");
+      if (!parse_float(tok[2], v))
+        lines.fail("non-numeric or non-finite value '" + std::string(tok[2].substr(0, 40)) + "'");
       if (std::abs(v) > std::numeric_limits<float>::max()) lines.fail("value overflows float32");
       w = static_cast<float>(v);
     }
@@ -213,8 +230,9 @@ loaded_graph read_matrix_market(byte_source& src, const std::string& name) {
     if (symmetric && i != j) add(j - 1, i - 1);
   }
   if (seen != nnz) {
-    fail(name, size_line, "the size line declares " + std::to_string(nnz) + " entries but the file has " +
-                              std::to_string(seen) + " (truncated?)");
+    fail(name, size_line,
+         "the size line declares " + std::to_string(nnz) + " entries but the file has " +
+             std::to_string(seen) + " (truncated?)");
   }
   out.edges.rows = rows;
   out.edges.cols = cols;
@@ -232,14 +250,19 @@ std::vector<std::int64_t> read_graph_ptr(byte_source& src, const std::string& na
     std::int64_t v = 0;
     if (!parse_int(t, v)) lines.fail("non-numeric offset '" + std::string(t.substr(0, 40)) + "'");
     if (ptr.empty() && v != 0) lines.fail("the first offset must be 0, found " + std::to_string(v));
-    if (!ptr.empty() && v < ptr.back()) lines.fail("offsets decrease (" + std::to_string(v) + " after " + std::to_string(ptr.back()) + ")");
-    if (num_nodes >= 0 && v > num_nodes) lines.fail("offset " + std::to_string(v) + " beyond the graph's " + std::to_string(num_nodes) + " nodes");
+    if (!ptr.empty() && v < ptr.back())
+      lines.fail("offsets decrease (" + std::to_string(v) + " after " + std::to_string(ptr.back()) +
+                 ")");
+    if (num_nodes >= 0 && v > num_nodes)
+      lines.fail("offset " + std::to_string(v) + " beyond the graph's " +
+                 std::to_string(num_nodes) + " nodes");
     ptr.push_back(v);
   }
   if (ptr.empty()) fail(name, 0, "empty graph pointer file");
   if (num_nodes >= 0 && ptr.back() != num_nodes) {
-    fail(name, lines.line_number(), "last offset " + std::to_string(ptr.back()) +
-                                        " differs from the graph's " + std::to_string(num_nodes) + " nodes");
+    fail(name, lines.line_number(),
+         "last offset " + std::to_string(ptr.back()) + " differs from the graph's " +
+             std::to_string(num_nodes) + " nodes");
   }
   return ptr;
 }
