@@ -83,6 +83,17 @@ TEST(BadInput, DecompressionIsBounded) {
                  {"bomb.el.xz", "exceeds the limit"}, {.max_bytes = 1 << 16});
 }
 
+TEST(BadInput, TinyFileDeclaringHugeGraphIsRejectedBeforeAllocating) {
+  temp_dir d;
+  expect_invalid(test::write_text(d / "h.el", "# nodes: 2147483647 edges: 1\n0 1\n"),
+                 {"h.el", "2147483647 nodes", "over the limit"});
+  expect_invalid(
+      test::write_text(
+          d / "h.mtx",
+          "%%MatrixMarket matrix coordinate pattern general\n2147483647 2147483647 1\n1 1\n"),
+      {"h.mtx", "over the limit"});
+}
+
 TEST(BadInput, OverlongLine) {
   temp_dir d;
   expect_invalid(test::write_text(d / "l.el", "0 1\n" + std::string(3 << 20, '7') + "\n"),

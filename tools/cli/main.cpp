@@ -1,6 +1,7 @@
 // trisparse: sparse attention and sparse formats from the command line.
 #include <cstdio>
 #include <exception>
+#include <new>
 
 #include "commands.hpp"
 #include "progress.hpp"
@@ -34,6 +35,9 @@ int main(int argc, char** argv) {
   } catch (const trisparse::invalid_input& e) {
     std::fprintf(stderr, "trisparse: error: %s\n", e.what());
     return 2;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "trisparse: error: out of memory\n");
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "trisparse: error: %s\n", e.what());
     return 1;

@@ -34,9 +34,9 @@ struct read_options {
   file_format format = file_format::automatic;
   symmetry sym = symmetry::automatic;
   self_loops loops = self_loops::keep;
-  /// Upper bound on decompressed bytes and on array sizes a reader will accept (bounds memory on
-  /// hostile input).
-  std::uint64_t max_bytes = std::uint64_t{1} << 36;
+  /// Upper bound on decompressed bytes, on array sizes, and on the CSR a file's declared sizes
+  /// imply (bounds memory on hostile input: a few bytes can declare 2^31 nodes).
+  std::uint64_t max_bytes = std::uint64_t{1} << 34;
 };
 
 /// What a file says about itself, beyond its edges.

@@ -102,7 +102,18 @@ loaded_graph read_source(std::unique_ptr<io::byte_source> raw, const std::string
   io::fail(name, 0, "unknown file format");
 }
 
-csr_graph finish(const loaded_graph& g, const read_options& options) {
+csr_graph finish(const loaded_graph& g, const read_options& options, const std::string& name) {
+  // A few bytes can declare 2^31 nodes: bound the CSR before allocating it.
+  const std::uint64_t csr_bytes =
+      8 * (static_cast<std::uint64_t>(g.edges.rows) + 1) +
+      12 * static_cast<std::uint64_t>(g.edges.nnz()) * (options.sym == symmetry::as_stored ? 1 : 2);
+  if (csr_bytes > options.max_bytes) {
+    io::fail(name, 0,
+             std::to_string(g.edges.rows) + " nodes and " + std::to_string(g.edges.nnz()) +
+                 " edges need about " + std::to_string(csr_bytes) +
+                 " bytes as CSR, over the limit of " + std::to_string(options.max_bytes) +
+                 " (read_options::max_bytes)");
+  }
   build_options b;
   b.loops = options.loops;
   b.symmetrize = options.sym == symmetry::symmetrize ||
@@ -122,7 +133,7 @@ loaded_graph read_edges_from_memory(std::span<const std::byte> bytes, std::strin
 }
 
 csr_graph read_graph(const std::filesystem::path& path, const read_options& options) {
-  return finish(read_edges(path, options), options);
+  return finish(read_edges(path, options), options, path.string());
 }
 
 csr_graph read_cache(const std::filesystem::path& path, const read_options& options) {
