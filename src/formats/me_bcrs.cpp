@@ -27,7 +27,7 @@ std::int64_t me_bcrs::sr_bcrs_bytes() const {
     const std::int64_t n = row_ptr[w + 1] - row_ptr[w];
     padded += (n + block_cols - 1) / block_cols * block_cols;
   }
-  return 2 * 8 * static_cast<std::int64_t>(row_ptr.size()) + 4 * padded + 4 * padded * vector_rows;
+  return 16 * static_cast<std::int64_t>(row_ptr.size()) + 4 * padded + 4 * padded * vector_rows;
 }
 
 me_bcrs_view me_bcrs::view() const {

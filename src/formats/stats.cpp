@@ -70,9 +70,10 @@ bsb_stats compute_stats(const bsb& f, std::int64_t nnz) {
 std::vector<footprint> table3_footprints(const csr_graph& g) {
   constexpr double r = 16, c = 8;
   const bsb f = build_bsb(g, 8);
-  const double n = static_cast<double>(g.rows), z = static_cast<double>(g.nnz());
-  const double b = static_cast<double>(f.tcbs()),
-               b_plain = static_cast<double>(plain_blocks(g, 16, 8));
+  const auto n = static_cast<double>(g.rows);
+  const auto z = static_cast<double>(g.nnz());
+  const auto b = static_cast<double>(f.tcbs());
+  const auto b_plain = static_cast<double>(plain_blocks(g, 16, 8));
   const auto bytes = [](double bits) { return static_cast<std::int64_t>(std::ceil(bits / 8)); };
   return {
       {"CSR", bytes(32 * (n + 2 * z)), false},

@@ -117,14 +117,14 @@ csr_graph to_csr(const coo_graph& coo, const build_options& options) {
       std::stable_sort(row.begin(), row.end(),
                        [](const auto& x, const auto& y) { return x.first < y.first; });
       std::int64_t out = b;
-      for (std::size_t i = 0; i < row.size(); ++i) {
-        const bool added_loop = std::isnan(row[i].second);
-        if (out > b && cols[out - 1] == row[i].first) {
-          if (options.sum_duplicates && !added_loop) vals[out - 1] += row[i].second;
+      for (const auto& [col, val] : row) {
+        const bool added_loop = std::isnan(val);
+        if (out > b && cols[out - 1] == col) {
+          if (options.sum_duplicates && !added_loop) vals[out - 1] += val;
           continue;
         }
-        cols[out] = row[i].first;
-        vals[out] = added_loop ? 1.0f : row[i].second;
+        cols[out] = col;
+        vals[out] = added_loop ? 1.0f : val;
         ++out;
       }
       kept[r] = out - b;
@@ -187,7 +187,7 @@ degree_stats compute_degree_stats(const csr_graph& g) {
     for (std::int64_t e = g.row_ptr[r]; e < g.row_ptr[r + 1]; ++e)
       s.self_loops += g.col_idx[e] == r;
   }
-  const double n = static_cast<double>(g.rows);
+  const auto n = static_cast<double>(g.rows);
   s.mean = sum / n;
   s.stddev = std::sqrt(std::max(0.0, sum2 / n - s.mean * s.mean));
   if (g.rows == g.cols) {

@@ -7,7 +7,9 @@
 #include "progress.hpp"
 #include "trisparse/core/error.hpp"
 
-int main(int argc, char** argv) {
+namespace {
+
+int run_cli(int argc, char** argv) {
   CLI::App app{
       "trisparse: sparse attention O = softmax(scale (Q K^T ⊙ A)) V and its sparse formats"};
   app.require_subcommand(1);
@@ -43,4 +45,15 @@ int main(int argc, char** argv) {
     return 1;
   }
   return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run_cli(argc, argv);
+  } catch (...) {  // nothing escapes main: the library's errors are handled in run_cli
+    std::fputs("trisparse: error: unexpected exception\n", stderr);
+    return 1;
+  }
 }

@@ -129,9 +129,9 @@ int run_run(const run_args& a) {
   std::sort(times.begin(), times.end());
   const double median = times[times.size() / 2];
   const double flops = 4.0 * static_cast<double>(g.nnz()) * static_cast<double>(a.heads * a.dim);
-  const double in_b = static_cast<double>(size_of(in_t)),
-               out_b = static_cast<double>(size_of(out_t));
-  const double hd = static_cast<double>(a.heads * a.dim);
+  const auto in_b = static_cast<double>(size_of(in_t));
+  const auto out_b = static_cast<double>(size_of(out_t));
+  const auto hd = static_cast<double>(a.heads * a.dim);
   const double bytes = static_cast<double>(g.nnz()) * (2 * hd * in_b + 4) +
                        static_cast<double>(g.rows) * (hd * (in_b + out_b) + 8);
 

@@ -131,7 +131,7 @@ std::int64_t int_at(const npy_array& a, std::int64_t i, const std::string& where
       case 1: {
         std::int8_t x;
         std::memcpy(&x, p, 1);
-        v = x;
+        v = x;  // NOLINT(bugprone-signed-char-misuse): int8 arrays are signed data
         break;
       }
       case 2: {
@@ -343,7 +343,7 @@ void write_npy(const std::filesystem::path& path, std::string_view descr,
   if (!f) throw error(path.string() + ": cannot open for writing");
   const unsigned char magic[] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0};
   f.write(reinterpret_cast<const char*>(magic), sizeof magic);
-  const std::uint16_t len = static_cast<std::uint16_t>(header.size());
+  const auto len = static_cast<std::uint16_t>(header.size());
   const unsigned char len_bytes[] = {static_cast<unsigned char>(len & 0xFF),
                                      static_cast<unsigned char>(len >> 8)};
   f.write(reinterpret_cast<const char*>(len_bytes), 2);
