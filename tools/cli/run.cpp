@@ -174,6 +174,17 @@ int run_run(const run_args& a) {
   const double tol = 1e-5 + 2 * unit_roundoff(out_t);
   const bool pass = finite && rel <= tol;
 
+  const nlohmann::json problem{{"graph", graph_name},
+                               {"rows", g.rows},
+                               {"cols", g.cols},
+                               {"nnz", g.nnz()},
+                               {"heads", a.heads},
+                               {"dim", a.dim},
+                               {"dtype", a.type},
+                               {"out_dtype", a.out_type},
+                               {"scale", effective_scale({.scale = a.scale}, a.dim)},
+                               {"algorithm", to_string(plan.resolve(requested))}};
+
   if (!a.save.empty()) {
     phase p("saving pattern, Q, K, V and O to " + a.save);
     const std::filesystem::path dir(a.save);
@@ -185,39 +196,22 @@ int run_run(const run_args& a) {
     save_tensor(dir / "k.npy", k);
     save_tensor(dir / "v.npy", v);
     save_tensor(dir / "o.npy", out);
-    nlohmann::json meta{
-        {"rows", g.rows},
-        {"cols", g.cols},
-        {"nnz", g.nnz()},
-        {"heads", a.heads},
-        {"dim", a.dim},
-        {"dtype", a.type},
-        {"out_dtype", a.out_type},
-        {"scale", effective_scale({.scale = a.scale}, a.dim)},
-        {"algorithm", to_string(plan.resolve(requested))},
-        {"formula", "o[i] = sum_j softmax_j(scale * q[i].k[j] for j in row i) v[j]"}};
+    nlohmann::json meta = problem;
+    meta["formula"] = "o[i] = sum_j softmax_j(scale * q[i].k[j] for j in row i) v[j]";
     std::ofstream(dir / "meta.json") << meta.dump(2) << "\n";
   }
 
-  nlohmann::json j{{"graph", graph_name},
-                   {"rows", g.rows},
-                   {"cols", g.cols},
-                   {"nnz", g.nnz()},
-                   {"heads", a.heads},
-                   {"dim", a.dim},
-                   {"dtype", a.type},
-                   {"out_dtype", a.out_type},
-                   {"algorithm", to_string(plan.resolve(requested))},
-                   {"device", to_string(where)},
-                   {"plan_build_s", plan.report().build_seconds},
-                   {"median_s", median},
-                   {"gflops", flops / median * 1e-9},
-                   {"gbps", bytes / median * 1e-9},
-                   {"checked_rows", checked},
-                   {"max_abs_error", max_abs},
-                   {"max_rel_error", rel},
-                   {"tolerance", tol},
-                   {"check", pass ? "pass" : "fail"}};
+  nlohmann::json j = problem;
+  j.update({{"device", to_string(where)},
+            {"plan_build_s", plan.report().build_seconds},
+            {"median_s", median},
+            {"gflops", flops / median * 1e-9},
+            {"gbps", bytes / median * 1e-9},
+            {"checked_rows", checked},
+            {"max_abs_error", max_abs},
+            {"max_rel_error", rel},
+            {"tolerance", tol},
+            {"check", pass ? "pass" : "fail"}});
   if (a.json) {
     std::cout << j.dump(2) << "\n";
   } else {
