@@ -44,8 +44,14 @@ void host_tensor::fill(double x) {
   for (std::int64_t i = 0; i < numel(); ++i) set(i, x);
 }
 void host_tensor::fill_uniform(double lo, double hi, std::uint64_t seed) {
-  rng r(seed);
-  for (std::int64_t i = 0; i < numel(); ++i) set(i, lo + (hi - lo) * r.uniform());
+  // Independent streams per chunk: parallel, and the same values whatever the thread count.
+  constexpr std::int64_t kChunk = 1 << 14;
+  const std::int64_t n = numel();
+#pragma omp parallel for schedule(static)
+  for (std::int64_t c = 0; c < (n + kChunk - 1) / kChunk; ++c) {
+    rng r(seed ^ (0x9E3779B97F4A7C15ull * static_cast<std::uint64_t>(c + 1)));
+    for (std::int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) set(i, lo + (hi - lo) * r.uniform());
+  }
 }
 
 }  // namespace trisparse

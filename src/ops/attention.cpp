@@ -4,6 +4,7 @@
 #include <optional>
 
 #include "../cpu/fused3s/fast.hpp"
+#include "../cuda/attention/bsb/plan.hpp"
 #include "../cuda/common/device.hpp"
 #include "arguments.hpp"
 #include "trisparse/core/error.hpp"
@@ -51,6 +52,7 @@ bool cuda_available() { return cuda::device_count() > 0; }
 struct attention_plan::state {
   csr_graph pattern;  // binary: values dropped
   std::optional<bsb> blocks;
+  std::shared_ptr<cuda::fused3s_device_plan> device_blocks;
   plan_report report;
 };
 
@@ -74,10 +76,8 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
     throw invalid_input("algorithm " + std::string(to_string(algo)) + " does not run on " +
                         to_string(where));
   }
-  if (where == device_kind::cuda) {
-    throw not_supported(
-        "the CUDA attention kernels are not in this build yet; build the plan for "
-        "device_kind::cpu");
+  if (algo == algorithm::cuda_unfused) {
+    throw not_supported("the unfused CUDA pipeline (SDDMM -> softmax -> SpMM) is not in this build yet");
   }
   auto s = std::make_shared<state>();
   s->pattern.rows = pattern.rows;
@@ -85,9 +85,16 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
   s->pattern.row_ptr = pattern.row_ptr;
   s->pattern.col_idx = pattern.col_idx;
   s->report.format = "csr";
-  if (algo == algorithm::cpu_fused3s_reference) {
+  if (algo == algorithm::cpu_fused3s_reference || algo == algorithm::cuda_fused_bsb) {
     s->blocks = build_bsb(s->pattern, options.tcb_cols);
     s->report.format += "+bsb16x" + std::to_string(options.tcb_cols);
+  }
+  std::int64_t device_bytes = 0;
+  if (algo == algorithm::cuda_fused_bsb) {
+    // The BSB is built on the host and uploaded; the plan keeps only the device copy.
+    s->device_blocks = cuda::make_fused3s_plan(*s->blocks);
+    s->blocks.reset();
+    device_bytes = cuda::device_bytes(*s->device_blocks);
   }
   s->report.algo = algo;
   s->report.where = where;
@@ -96,7 +103,7 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
   s->report.nnz = pattern.nnz();
   s->report.format_bytes =
       static_cast<std::int64_t>(8 * s->pattern.row_ptr.size() + 4 * s->pattern.col_idx.size()) +
-      (s->blocks ? s->blocks->bytes() : 0);
+      (s->blocks ? s->blocks->bytes() : 0) + device_bytes;
   s->report.build_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   attention_plan plan;
@@ -115,7 +122,7 @@ algorithm attention_plan::resolve(algorithm requested) const {
 
 void attention_plan::run(const tensor_view& q, const tensor_view& k, const tensor_view& v,
                          const tensor_view& out, const attention_options& options,
-                         stream_ref /*stream*/) const {
+                         stream_ref stream) const {
   const plan_report& r = report();
   detail::check_attention_args(r.rows, r.cols, q, k, v, out, r.where);
   const double scale = detail::resolve_scale(options.scale, q.dim);
@@ -138,6 +145,12 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
       return;
     case algorithm::cpu_fused:
       cpu::fused_attention_unchecked(state_->pattern, q, k, v, out, static_cast<float>(scale));
+      return;
+    case algorithm::cuda_fused_bsb:
+      if (!state_->device_blocks) {
+        throw invalid_input("this plan holds no device BSB: build it with plan_options.algo = cuda_fused_bsb");
+      }
+      cuda::run_fused3s(*state_->device_blocks, q, k, v, out, scale, stream);
       return;
     default:
       throw not_supported("algorithm " + std::string(to_string(algo)) + " is not in this build");

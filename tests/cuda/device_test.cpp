@@ -4,10 +4,13 @@
 namespace trisparse {
 namespace {
 
-TEST(Gpu, CudaPlansAreRefusedUntilTheKernelsExist) {
+TEST(Gpu, PlansRunOnTheDeviceOrSayWhyNot) {
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible: skipping";
   const csr_graph g = test::random_pattern(64, 64, 4, 1);
-  EXPECT_THROW(attention_plan::build(g, device_kind::cuda), not_supported);
+  const attention_plan plan = attention_plan::build(g, device_kind::cuda);
+  EXPECT_EQ(plan.report().algo, algorithm::cuda_fused_bsb);
+  EXPECT_GT(plan.report().format_bytes, 0);
+  EXPECT_THROW(attention_plan::build(g, device_kind::cuda, {.algo = algorithm::cuda_unfused}), not_supported);
 }
 
 }  // namespace

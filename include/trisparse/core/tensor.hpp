@@ -66,7 +66,8 @@ class host_tensor {
   double get(std::int64_t i) const;
   void set(std::int64_t i, double x);
   void fill(double x);
-  /// Fills with values uniform in [lo, hi) from a seeded, platform-independent generator.
+  /// Fills with values uniform in [lo, hi) from a seeded, platform-independent generator (in
+  /// parallel; the values do not depend on the thread count).
   void fill_uniform(double lo, double hi, std::uint64_t seed);
   std::byte* data() { return bytes_.data(); }
   const std::byte* data() const { return bytes_.data(); }

@@ -1,7 +1,21 @@
-// Without the CUDA backend there are no devices.
+// Without the CUDA backend there are no devices and no CUDA plans.
+#include "../attention/bsb/plan.hpp"
 #include "device.hpp"
+#include "trisparse/core/error.hpp"
 
 namespace trisparse::cuda {
 int device_count() { return 0; }
 std::string describe_device(int) { return ""; }
+
+struct fused3s_device_plan {};
+std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const bsb&, std::int32_t) {
+  throw not_supported("this build has no CUDA backend (configure with TRISPARSE_CUDA=ON where nvcc exists)");
+}
+void run_fused3s(const fused3s_device_plan&, const tensor_view&, const tensor_view&, const tensor_view&,
+                 const tensor_view&, double, stream_ref) {
+  throw not_supported("this build has no CUDA backend");
+}
+std::int64_t device_bytes(const fused3s_device_plan&) { return 0; }
+std::int64_t work_items(const fused3s_device_plan&) { return 0; }
+std::int64_t split_windows(const fused3s_device_plan&) { return 0; }
 }  // namespace trisparse::cuda

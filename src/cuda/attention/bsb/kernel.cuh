@@ -1,0 +1,264 @@
+#pragma once
+// Fused 3S over BSB: SDDMM (mma m16n8k16), bitmap mask, online softmax (fp32, exp2), SpMM
+// (mma m16n8k8) in one kernel. One warp per work item = a row window (16 query rows) and a range of
+// its 16x8 tensor-core blocks (TCBs); a window with many TCBs is split into several items whose
+// partial (max, sum, O) states merge_kernel combines.
+//
+// Register remapping (the paper's permuted loads, our derivation): the contraction index of Q·Kᵀ is
+// permuted the same way in Q and K so that lane (g = lane/4, t = lane%4) holds the contiguous
+// quarter [t·D/4, (t+1)·D/4) of its Q rows (g, g+8) and of K row col[g]: 16-byte coalesced loads,
+// fragments taken straight from the loaded words. The output column index of P·V is permuted as
+// n = 8j + c -> c·D/8 + j, so the lane holds the contiguous slice [g·D/8, (g+1)·D/8) of V rows
+// col[2t], col[2t+1], and O's accumulators for columns [2t·D/8, ...) and [(2t+1)·D/8, ...): again
+// 16-byte loads and stores. P goes from the S accumulators to the A fragment of P·V in registers.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "../../common/arch/mma.cuh"
+#include "params.hpp"
+
+namespace trisparse::cuda::fused3s {
+
+constexpr float kNegInf = -__builtin_huge_valf();
+
+/// Loads N consecutive 16-bit values (N a multiple of 4) into N/2 registers with 8/16-byte loads.
+template <int N>
+__device__ __forceinline__ void load_halves(const void* src, std::uint32_t (&dst)[N / 2]) {
+  if constexpr (N % 8 == 0) {
+#pragma unroll
+    for (int i = 0; i < N / 8; ++i) {
+      const uint4 v = __ldg(static_cast<const uint4*>(src) + i);
+      dst[4 * i] = v.x;
+      dst[4 * i + 1] = v.y;
+      dst[4 * i + 2] = v.z;
+      dst[4 * i + 3] = v.w;
+    }
+  } else {
+    static_assert(N % 4 == 0);
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      const uint2 v = __ldg(static_cast<const uint2*>(src) + i);
+      dst[2 * i] = v.x;
+      dst[2 * i + 1] = v.y;
+    }
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void zero(std::uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) r[i] = 0;
+}
+
+template <class O>
+__device__ __forceinline__ O from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+/// Stores N floats (converted to O) to consecutive addresses with 16-byte stores where possible.
+template <class O, int N>
+__device__ __forceinline__ void store_run(O* dst, const float (&x)[N]) {
+  if constexpr (sizeof(O) == 4 && N % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      reinterpret_cast<float4*>(dst)[i] = make_float4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3]);
+    }
+  } else if constexpr (sizeof(O) == 2 && N % 8 == 0) {
+#pragma unroll
+    for (int i = 0; i < N / 8; ++i) {
+      uint4 v;
+      std::uint32_t* w = reinterpret_cast<std::uint32_t*>(&v);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const O lo = from_float<O>(x[8 * i + 2 * k]), hi = from_float<O>(x[8 * i + 2 * k + 1]);
+        w[k] = static_cast<std::uint32_t>(*reinterpret_cast<const std::uint16_t*>(&lo)) |
+               (static_cast<std::uint32_t>(*reinterpret_cast<const std::uint16_t*>(&hi)) << 16);
+      }
+      reinterpret_cast<uint4*>(dst)[i] = v;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) dst[i] = from_float<O>(x[i]);
+  }
+}
+
+/// One TCB's operands for one lane: its K quarter-row, its two V slices, the block's bitmap.
+template <int D>
+struct tcb_operands {
+  std::uint32_t k[D / 8];       // K[col[g]][t·D/4 ...]: D/4 halves
+  std::uint32_t v0[D / 16];     // V[col[2t]][g·D/8 ...]: D/8 halves
+  std::uint32_t v1[D / 16];     // V[col[2t+1]][g·D/8 ...]
+  std::uint64_t mask0, mask1;   // rows 0-7, rows 8-15
+};
+
+template <class T, int D>
+__device__ __forceinline__ void load_tcb(const params& p, std::int64_t tcb, int h, int g, int t,
+                                         tcb_operands<D>& op) {
+  const std::int32_t* cols = p.col_idx + tcb * 8;
+  const std::int32_t ck = __ldg(cols + g), c0 = __ldg(cols + 2 * t), c1 = __ldg(cols + 2 * t + 1);
+  const T* k = static_cast<const T*>(p.k) + h * p.k_head;
+  const T* v = static_cast<const T*>(p.v) + h * p.v_head;
+  // Padding slots (-1) load zeros: their P is 0, and 0 * garbage could be NaN.
+  if (ck >= 0) load_halves<D / 4>(k + ck * p.k_row + t * (D / 4), op.k); else zero(op.k);
+  if (c0 >= 0) load_halves<D / 8>(v + c0 * p.v_row + g * (D / 8), op.v0); else zero(op.v0);
+  if (c1 >= 0) load_halves<D / 8>(v + c1 * p.v_row + g * (D / 8), op.v1); else zero(op.v1);
+  op.mask0 = __ldg(p.bitmap + 2 * tcb);
+  op.mask1 = __ldg(p.bitmap + 2 * tcb + 1);
+}
+
+template <class T, int D, class O, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32) fused3s_kernel(const params p) {
+  constexpr int kQ = D / 4;  // halves of a Q/K row per lane
+  constexpr int kV = D / 8;  // halves of a V row per lane = output columns per run
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int item_index = blockIdx.x * kWarps + threadIdx.x / 32;
+  if (item_index >= p.num_items) return;
+  const int h = blockIdx.y;
+  const work_item it = p.items[item_index];
+  const std::int64_t row0 = std::int64_t{it.window} * 16 + g, row1 = row0 + 8;
+
+  // Q rows g and g+8 (zeros past the last row: no read past the end).
+  std::uint32_t q0[kQ / 2], q1[kQ / 2];
+  const T* q = static_cast<const T*>(p.q) + h * p.q_head + t * kQ;
+  if (row0 < p.rows) load_halves<kQ>(q + row0 * p.q_row, q0); else zero(q0);
+  if (row1 < p.rows) load_halves<kQ>(q + row1 * p.q_row, q1); else zero(q1);
+
+  float o[kV][4];
+#pragma unroll
+  for (int j = 0; j < kV; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  float m0 = kNegInf, m1 = kNegInf, l0 = 0.0f, l1 = 0.0f;
+  const int bit = g * 8 + 2 * t;
+
+  // Up to D = 128 the next TCB's operands are loaded while this one computes; at D = 256 the
+  // second copy would not fit in registers (ptxas spills), so loads are not pipelined there.
+  constexpr bool kPipelined = D <= 128;
+  tcb_operands<D> next;
+  if (kPipelined && it.tcb_begin < it.tcb_end) load_tcb<T, D>(p, it.tcb_begin, h, g, t, next);
+  for (std::int32_t tcb = it.tcb_begin; tcb < it.tcb_end; ++tcb) {
+    tcb_operands<D> cur;
+    if constexpr (kPipelined) {
+      cur = next;
+      if (tcb + 1 < it.tcb_end) load_tcb<T, D>(p, tcb + 1, h, g, t, next);  // in flight during compute
+    } else {
+      load_tcb<T, D>(p, tcb, h, g, t, cur);
+    }
+
+    // S = Q · K_tcbᵀ (16 x 8), fp32.
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int st = 0; st < D / 16; ++st) {
+      const std::uint32_t a[4] = {q0[2 * st], q1[2 * st], q0[2 * st + 1], q1[2 * st + 1]};
+      const std::uint32_t b[2] = {cur.k[2 * st], cur.k[2 * st + 1]};
+      arch::mma_16x8x16_f32<T>(s, a, b);
+    }
+    // Bitmap mask (a score of exactly 0 is still an edge), scale folded with log2 e.
+    s[0] = (cur.mask0 >> bit) & 1 ? s[0] * p.scale_log2 : kNegInf;
+    s[1] = (cur.mask0 >> (bit + 1)) & 1 ? s[1] * p.scale_log2 : kNegInf;
+    s[2] = (cur.mask1 >> bit) & 1 ? s[2] * p.scale_log2 : kNegInf;
+    s[3] = (cur.mask1 >> (bit + 1)) & 1 ? s[3] * p.scale_log2 : kNegInf;
+    float x0 = fmaxf(s[0], s[1]), x1 = fmaxf(s[2], s[3]);
+    x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, 1));
+    x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, 2));
+    x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, 1));
+    x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, 2));
+    const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);
+    // "Safe" max: a row with nothing yet keeps -inf and must not make exp2(-inf + inf) = NaN.
+    const float u0 = n0 == kNegInf ? 0.0f : n0, u1 = n1 == kNegInf ? 0.0f : n1;
+    const float c0 = exp2f(m0 - u0), c1 = exp2f(m1 - u1);
+    m0 = n0;
+    m1 = n1;
+    const float p0 = exp2f(s[0] - u0), p1 = exp2f(s[1] - u0), p2 = exp2f(s[2] - u1), p3 = exp2f(s[3] - u1);
+    l0 = l0 * c0 + p0 + p1;
+    l1 = l1 * c1 + p2 + p3;
+    const std::uint32_t pa[2] = {arch::pack2<T>(p0, p1), arch::pack2<T>(p2, p3)};
+    // O = O · diag(c) + P · V_tcb, one m16n8k8 per 8 output columns.
+#pragma unroll
+    for (int j = 0; j < kV; ++j) {
+      o[j][0] *= c0;
+      o[j][1] *= c0;
+      o[j][2] *= c1;
+      o[j][3] *= c1;
+      const std::uint32_t b = j % 2 == 0 ? arch::interleave_lo(cur.v0[j / 2], cur.v1[j / 2])
+                                         : arch::interleave_hi(cur.v0[j / 2], cur.v1[j / 2]);
+      arch::mma_16x8x8_f32<T>(o[j], pa, b);
+    }
+  }
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+
+  float r00[kV], r01[kV], r10[kV], r11[kV];  // rows (g, g+8) x column runs (2t, 2t+1)
+  if (it.part < 0) {
+    const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;  // empty row: 0
+#pragma unroll
+    for (int j = 0; j < kV; ++j) {
+      r00[j] = o[j][0] * i0;
+      r01[j] = o[j][1] * i0;
+      r10[j] = o[j][2] * i1;
+      r11[j] = o[j][3] * i1;
+    }
+    O* out = static_cast<O*>(p.out) + h * p.o_head;
+    if (row0 < p.rows) {
+      store_run<O, kV>(out + row0 * p.o_row + 2 * t * kV, r00);
+      store_run<O, kV>(out + row0 * p.o_row + (2 * t + 1) * kV, r01);
+    }
+    if (row1 < p.rows) {
+      store_run<O, kV>(out + row1 * p.o_row + 2 * t * kV, r10);
+      store_run<O, kV>(out + row1 * p.o_row + (2 * t + 1) * kV, r11);
+    }
+  } else {
+    // Unnormalised partial state for merge_kernel: O [16, D] in natural column order, (m, l) per row.
+#pragma unroll
+    for (int j = 0; j < kV; ++j) {
+      r00[j] = o[j][0];
+      r01[j] = o[j][1];
+      r10[j] = o[j][2];
+      r11[j] = o[j][3];
+    }
+    float* po = p.part_o + (std::int64_t{it.part} * p.heads + h) * 16 * D;
+    store_run<float, kV>(po + g * D + 2 * t * kV, r00);
+    store_run<float, kV>(po + g * D + (2 * t + 1) * kV, r01);
+    store_run<float, kV>(po + (g + 8) * D + 2 * t * kV, r10);
+    store_run<float, kV>(po + (g + 8) * D + (2 * t + 1) * kV, r11);
+    if (t == 0) {
+      float* pml = p.part_ml + (std::int64_t{it.part} * p.heads + h) * 32;
+      pml[2 * g] = m0;
+      pml[2 * g + 1] = l0;
+      pml[2 * (g + 8)] = m1;
+      pml[2 * (g + 8) + 1] = l1;
+    }
+  }
+}
+
+/// Combines the partial states of split windows: one block per (split window, head).
+template <int D, class O>
+__global__ void merge_kernel(const params p) {
+  const split_window s = p.splits[blockIdx.x];
+  const int h = blockIdx.y;
+  O* out = static_cast<O*>(p.out) + h * p.o_head;
+  for (int idx = threadIdx.x; idx < 16 * D; idx += blockDim.x) {
+    const int r = idx / D, d = idx % D;
+    const std::int64_t row = std::int64_t{s.window} * 16 + r;
+    if (row >= p.rows) continue;
+    float m = kNegInf;
+    for (int i = 0; i < s.parts; ++i) m = fmaxf(m, p.part_ml[(std::int64_t{s.first_part + i} * p.heads + h) * 32 + 2 * r]);
+    const float u = m == kNegInf ? 0.0f : m;
+    float l = 0.0f, acc = 0.0f;
+    for (int i = 0; i < s.parts; ++i) {
+      const std::int64_t part = std::int64_t{s.first_part + i} * p.heads + h;
+      const float w = exp2f(p.part_ml[part * 32 + 2 * r] - u);
+      l += w * p.part_ml[part * 32 + 2 * r + 1];
+      acc += w * p.part_o[part * 16 * D + r * D + d];
+    }
+    out[row * p.o_row + d] = from_float<O>(l > 0.0f ? acc / l : 0.0f);
+  }
+}
+
+}  // namespace trisparse::cuda::fused3s

@@ -1,0 +1,185 @@
+// The fused 3S backend's one dispatch point: run-time (dtype, head dim, output dtype) become the
+// kernel's template arguments here and nowhere else.
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "../../common/buffer.cuh"
+#include "../../common/error.cuh"
+#include "kernel.cuh"
+#include "plan.hpp"
+
+namespace trisparse::cuda {
+
+struct fused3s_device_plan {
+  int device = 0;
+  std::int64_t rows = 0, cols = 0;
+  device_buffer<std::int32_t> col_idx;
+  device_buffer<std::uint64_t> bitmap;
+  device_buffer<fused3s::work_item> items;
+  device_buffer<fused3s::split_window> splits;
+  std::int32_t num_items = 0, num_splits = 0, num_parts = 0;
+  // Partial states of split windows, sized for the largest heads x head_dim run so far.
+  mutable std::mutex workspace_mutex;
+  mutable device_buffer<float> part_o, part_ml;
+};
+
+namespace {
+
+constexpr int kWarps = 4;
+
+template <class T, int D, class O>
+void launch(const fused3s::params& p, cudaStream_t s) {
+  if (p.num_items > 0) {
+    const dim3 grid((p.num_items + kWarps - 1) / kWarps, p.heads);
+    fused3s::fused3s_kernel<T, D, O, kWarps><<<grid, kWarps * 32, 0, s>>>(p);
+    TRISPARSE_CUDA_CHECK_LAUNCH();
+  }
+  if (p.num_splits > 0) {
+    fused3s::merge_kernel<D, O><<<dim3(p.num_splits, p.heads), 256, 0, s>>>(p);
+    TRISPARSE_CUDA_CHECK_LAUNCH();
+  }
+}
+
+template <class T, int D>
+void launch_out(dtype out, const fused3s::params& p, cudaStream_t s) {
+  switch (out) {
+    case dtype::f32: return launch<T, D, float>(p, s);
+    case dtype::f16: return launch<T, D, __half>(p, s);
+    case dtype::bf16: return launch<T, D, __nv_bfloat16>(p, s);
+    default: throw invalid_input("fused 3S writes f32, f16 or bf16 output, not " + std::string(to_string(out)));
+  }
+}
+
+template <class T>
+void launch_dim(std::int64_t d, dtype out, const fused3s::params& p, cudaStream_t s) {
+  switch (d) {
+    case 32: return launch_out<T, 32>(out, p, s);
+    case 64: return launch_out<T, 64>(out, p, s);
+    case 128: return launch_out<T, 128>(out, p, s);
+    case 256: return launch_out<T, 256>(out, p, s);
+    default: throw invalid_input("fused 3S supports head_dim 32, 64, 128 or 256, not " + std::to_string(d));
+  }
+}
+
+void check_layout(const tensor_view& t, const char* what) {
+  const auto misaligned = [](std::int64_t x) { return x % 8 != 0; };
+  if (misaligned(t.row_stride) || misaligned(t.head_stride) || reinterpret_cast<std::uintptr_t>(t.data) % 16 != 0) {
+    throw invalid_input(std::string(what) + " " + t.describe() +
+                        ": the CUDA kernel needs 16-byte aligned data and row/head strides that are "
+                        "multiples of 8 elements");
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const bsb& f, std::int32_t split_tcbs) {
+  TRISPARSE_EXPECTS_INPUT(f.tcb_cols == 8, "the CUDA fused 3S kernel takes 16x8 TCBs");
+  auto plan = std::make_shared<fused3s_device_plan>();
+  TRISPARSE_CUDA_TRY(cudaGetDevice(&plan->device));
+  int sms = 0;
+  TRISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, plan->device));
+  plan->rows = f.rows;
+  plan->cols = f.cols;
+  // Cost model: about 16 resident warps per SM; no item may hold more than its share of the total
+  // twice over, and never fewer than 32 TCBs (a split costs a partial write and a merge).
+  const std::int64_t resident = std::int64_t{sms} * 16;
+  const std::int64_t limit =
+      split_tcbs > 0 ? split_tcbs : std::max<std::int64_t>(32, (f.tcbs() + resident - 1) / resident * 2);
+  std::vector<fused3s::work_item> items;
+  std::vector<fused3s::split_window> splits;
+  std::int32_t parts = 0;
+  for (const std::int32_t w : f.window_order) {
+    const auto b = static_cast<std::int32_t>(f.tcb_offset[w]), e = static_cast<std::int32_t>(f.tcb_offset[w + 1]);
+    if (e - b <= limit) {
+      items.push_back({w, b, e, -1});
+      continue;
+    }
+    const auto n = static_cast<std::int32_t>((e - b + limit - 1) / limit);
+    splits.push_back({w, parts, n});
+    for (std::int32_t i = 0; i < n; ++i) {
+      const auto cb = static_cast<std::int32_t>(b + std::int64_t{e - b} * i / n);
+      const auto ce = static_cast<std::int32_t>(b + std::int64_t{e - b} * (i + 1) / n);
+      items.push_back({w, cb, ce, parts + i});
+    }
+    parts += n;
+  }
+  // Largest items first (splits make chunks smaller than whole windows further down the order).
+  std::stable_sort(items.begin(), items.end(), [](const auto& x, const auto& y) {
+    return x.tcb_end - x.tcb_begin > y.tcb_end - y.tcb_begin;
+  });
+  plan->col_idx = device_buffer<std::int32_t>(f.col_idx);
+  plan->bitmap = device_buffer<std::uint64_t>(f.bitmap);
+  plan->items = device_buffer<fused3s::work_item>(items);
+  plan->splits = device_buffer<fused3s::split_window>(splits);
+  plan->num_items = static_cast<std::int32_t>(items.size());
+  plan->num_splits = static_cast<std::int32_t>(splits.size());
+  plan->num_parts = parts;
+  return plan;
+}
+
+void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const tensor_view& k,
+                 const tensor_view& v, const tensor_view& out, double scale, stream_ref stream) {
+  if (q.type != k.type || q.type != v.type || (q.type != dtype::f16 && q.type != dtype::bf16)) {
+    throw invalid_input("fused 3S takes q, k, v all f16 or all bf16 (got " + std::string(to_string(q.type)) +
+                        ", " + std::string(to_string(k.type)) + ", " + std::string(to_string(v.type)) + ")");
+  }
+  if (v.dim != q.dim) throw invalid_input("fused 3S needs v's dim equal to q's (" + std::to_string(q.dim) + ")");
+  check_layout(q, "q");
+  check_layout(k, "k");
+  check_layout(v, "v");
+  check_layout(out, "out");
+  int device = 0;
+  TRISPARSE_CUDA_TRY(cudaGetDevice(&device));
+  if (device != plan.device) {
+    throw invalid_input("the plan was built on device " + std::to_string(plan.device) + " but device " +
+                        std::to_string(device) + " is current");
+  }
+  fused3s::params p{};
+  p.q = q.data;
+  p.k = k.data;
+  p.v = v.data;
+  p.out = out.data;
+  p.q_row = q.row_stride;
+  p.q_head = q.head_stride;
+  p.k_row = k.row_stride;
+  p.k_head = k.head_stride;
+  p.v_row = v.row_stride;
+  p.v_head = v.head_stride;
+  p.o_row = out.row_stride;
+  p.o_head = out.head_stride;
+  p.rows = plan.rows;
+  p.col_idx = plan.col_idx.data();
+  p.bitmap = plan.bitmap.data();
+  p.items = plan.items.data();
+  p.num_items = plan.num_items;
+  p.splits = plan.splits.data();
+  p.num_splits = plan.num_splits;
+  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  p.heads = static_cast<std::int32_t>(q.heads);
+  if (plan.num_parts > 0) {
+    const std::size_t need = static_cast<std::size_t>(plan.num_parts) * q.heads * 16;
+    std::lock_guard<std::mutex> lock(plan.workspace_mutex);
+    if (plan.part_o.size() < need * q.dim) {  // grows once per larger heads x dim, never per call
+      TRISPARSE_CUDA_TRY(cudaDeviceSynchronize());
+      plan.part_o = device_buffer<float>(need * q.dim);
+      plan.part_ml = device_buffer<float>(need * 2);
+    }
+    p.part_o = plan.part_o.data();
+    p.part_ml = plan.part_ml.data();
+  }
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  if (q.type == dtype::f16) launch_dim<__half>(q.dim, out.type, p, s);
+  else launch_dim<__nv_bfloat16>(q.dim, out.type, p, s);
+}
+
+std::int64_t device_bytes(const fused3s_device_plan& plan) {
+  return static_cast<std::int64_t>(plan.col_idx.bytes() + plan.bitmap.bytes() + plan.items.bytes() +
+                                   plan.splits.bytes() + plan.part_o.bytes() + plan.part_ml.bytes());
+}
+std::int64_t work_items(const fused3s_device_plan& plan) { return plan.num_items; }
+std::int64_t split_windows(const fused3s_device_plan& plan) { return plan.num_splits; }
+
+}  // namespace trisparse::cuda

@@ -1,0 +1,37 @@
+#pragma once
+// Host <-> kernel parameters of the fused 3S kernel (plain data, no CUDA headers).
+#include <cstdint>
+
+namespace trisparse::cuda::fused3s {
+
+/// A warp's work: TCBs [tcb_begin, tcb_end) of row window `window`; part >= 0 writes a partial
+/// state into slot `part` (the window is split), part < 0 writes the output.
+struct work_item {
+  std::int32_t window, tcb_begin, tcb_end, part;
+};
+
+/// A window split into `parts` consecutive partial slots from `first_part`.
+struct split_window {
+  std::int32_t window, first_part, parts;
+};
+
+struct params {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;
+  std::int64_t q_row, q_head, k_row, k_head, v_row, v_head, o_row, o_head;  // element strides
+  std::int64_t rows;                     // query rows
+  const std::int32_t* col_idx;           // [tcbs * 8], -1 = padding
+  const std::uint64_t* bitmap;           // [tcbs * 2]
+  const work_item* items;
+  std::int32_t num_items;
+  const split_window* splits;
+  std::int32_t num_splits;
+  float scale_log2;                      // scale * log2(e)
+  float* part_o;                         // [parts, heads, 16, D]
+  float* part_ml;                        // [parts, heads, 16, 2]
+  std::int32_t heads;
+};
+
+}  // namespace trisparse::cuda::fused3s

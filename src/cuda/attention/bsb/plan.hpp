@@ -1,0 +1,32 @@
+#pragma once
+// Host interface of the CUDA fused 3S backend (no CUDA headers: ops/ includes it).
+#include <cstdint>
+#include <memory>
+
+#include "trisparse/core/stream.hpp"
+#include "trisparse/core/tensor.hpp"
+#include "trisparse/formats/bsb.hpp"
+
+namespace trisparse::cuda {
+
+/// The device-resident BSB (16x8 TCBs) and the warps' work list of one pattern.
+struct fused3s_device_plan;
+
+/// Uploads the format and builds the work list: windows in decreasing TCB order, windows of more
+/// than `split_tcbs` TCBs cut into chunks (0 = chosen from the TCB total and the SM count).
+/// @throws not_supported without the CUDA backend; cuda_error on a CUDA failure.
+std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const bsb& format, std::int32_t split_tcbs = 0);
+
+/// out = attention(q, k, v) on the current stream. q, k, v: f16 or bf16, one dtype; out: f32, f16
+/// or bf16; head_dim (= v's dim) 32, 64, 128 or 256; strides multiples of 8 elements, 16-byte
+/// aligned data. Asynchronous. @throws invalid_input for unsupported shapes, dtypes or alignment.
+void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const tensor_view& k,
+                 const tensor_view& v, const tensor_view& out, double scale, stream_ref stream);
+
+/// Device bytes held by the plan (format, work list, partial-state workspace).
+std::int64_t device_bytes(const fused3s_device_plan& plan);
+/// Work items and split windows, for reports.
+std::int64_t work_items(const fused3s_device_plan& plan);
+std::int64_t split_windows(const fused3s_device_plan& plan);
+
+}  // namespace trisparse::cuda

@@ -1,0 +1,45 @@
+#pragma once
+// Test helper: a host_tensor mirrored on the device.
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "support.hpp"
+
+namespace trisparse::test {
+
+inline void cuda_check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+class device_tensor {
+ public:
+  explicit device_tensor(const host_tensor& h) : h_(h) {
+    cuda_check(cudaMalloc(&d_, std::max<std::size_t>(h.size_bytes(), 16)), "cudaMalloc");
+    upload();
+  }
+  ~device_tensor() { cudaFree(d_); }
+  device_tensor(const device_tensor&) = delete;
+  device_tensor& operator=(const device_tensor&) = delete;
+  void upload() { cuda_check(cudaMemcpy(d_, h_.data(), h_.size_bytes(), cudaMemcpyHostToDevice), "upload"); }
+  /// Fills the device copy with 0xFF bytes (NaN in every float type): unwritten outputs show.
+  void poison() { cuda_check(cudaMemset(d_, 0xFF, h_.size_bytes()), "poison"); }
+  host_tensor download() {
+    cuda_check(cudaDeviceSynchronize(), "kernel");
+    cuda_check(cudaMemcpy(h_.data(), d_, h_.size_bytes(), cudaMemcpyDeviceToHost), "download");
+    return h_;
+  }
+  tensor_view view() {
+    tensor_view v = h_.view();
+    v.data = d_;
+    v.where = device_kind::cuda;
+    return v;
+  }
+
+ private:
+  host_tensor h_;
+  void* d_ = nullptr;
+};
+
+}  // namespace trisparse::test

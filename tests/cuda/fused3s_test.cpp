@@ -1,0 +1,173 @@
+// The CUDA fused 3S kernel against the float64 reference (label gpu; skipped without a device).
+#include <limits>
+
+#include "device_tensor.hpp"
+
+namespace trisparse {
+namespace {
+
+#define SKIP_WITHOUT_GPU() \
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible: skipping"
+
+// Rows of a pattern, as their own pattern (checked against the reference on a sample of rows).
+csr_graph sub_rows(const csr_graph& g, const std::vector<std::int64_t>& rows) {
+  csr_graph s{.rows = static_cast<std::int64_t>(rows.size()), .cols = g.cols, .row_ptr = {0}, .col_idx = {}, .values = {}};
+  for (const auto r : rows) {
+    s.col_idx.insert(s.col_idx.end(), g.col_idx.begin() + g.row_ptr[r], g.col_idx.begin() + g.row_ptr[r + 1]);
+    s.row_ptr.push_back(s.nnz());
+  }
+  return s;
+}
+
+struct config {
+  dtype in, out;
+  std::int64_t dim, heads;
+};
+
+std::string name(const config& c) {
+  return std::string(to_string(c.in)) + "->" + std::string(to_string(c.out)) + " d" + std::to_string(c.dim) + " h" +
+         std::to_string(c.heads);
+}
+
+// Tolerance: P is rounded to the input type before P·V, the output to its type; a few of each.
+double tolerance(const config& c) { return 4 * (unit_roundoff(c.in) + unit_roundoff(c.out)) + 1e-5; }
+
+// Runs the kernel twice on fresh signed inputs (or the given transform of them) and checks: every
+// output finite, both runs bitwise equal, sampled rows within tolerance of float64.
+void check(const attention_plan& plan, const csr_graph& g, const config& c, std::uint64_t seed, double lo = -1.0,
+           double hi = 1.0, std::optional<double> scale = std::nullopt, std::int64_t sample = 512, bool zero_q = false) {
+  SCOPED_TRACE(name(c) + " n " + std::to_string(g.rows) + " nnz " + std::to_string(g.nnz()));
+  auto x = test::random_qkv(g, c.heads, c.dim, c.in, seed, lo, hi);
+  if (zero_q) x.q.fill(0.0);
+  test::device_tensor q(x.q), k(x.k), v(x.v), out(host_tensor(c.out, g.rows, c.heads, c.dim));
+  out.poison();
+  plan.run(q.view(), k.view(), v.view(), out.view(), {.scale = scale});
+  const host_tensor first = out.download();
+  out.poison();
+  plan.run(q.view(), k.view(), v.view(), out.view(), {.scale = scale});
+  const host_tensor second = out.download();
+  ASSERT_EQ(std::memcmp(first.data(), second.data(), first.size_bytes()), 0) << "runs differ: a race";
+  std::int64_t not_finite = 0;
+#pragma omp parallel for reduction(+ : not_finite)
+  for (std::int64_t i = 0; i < first.numel(); ++i) not_finite += !std::isfinite(first.get(i));
+  ASSERT_EQ(not_finite, 0) << "unwritten or non-finite outputs";
+  std::vector<std::int64_t> rows;
+  rng r(seed);
+  if (g.rows <= sample) {
+    for (std::int64_t i = 0; i < g.rows; ++i) rows.push_back(i);
+  } else {
+    for (std::int64_t i = 0; i < sample; ++i) rows.push_back(static_cast<std::int64_t>(r.below(g.rows)));
+    rows.push_back(g.rows - 1);  // the last, possibly partial, row window
+    std::sort(rows.begin(), rows.end());
+    rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
+  }
+  const csr_graph sub = sub_rows(g, rows);
+  host_tensor qs(c.in, sub.rows, c.heads, c.dim), ref(dtype::f64, sub.rows, c.heads, c.dim), got(c.out, sub.rows, c.heads, c.dim);
+  const std::int64_t w = c.heads * c.dim;
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    for (std::int64_t e = 0; e < w; ++e) {
+      qs.set(static_cast<std::int64_t>(i) * w + e, x.q.get(rows[i] * w + e));
+      got.set(static_cast<std::int64_t>(i) * w + e, first.get(rows[i] * w + e));
+    }
+  }
+  reference::attention(sub, qs.view(), x.k.view(), x.v.view(), ref.view(), effective_scale({.scale = scale}, c.dim));
+  const auto e = test::compare(got, ref);
+  EXPECT_LE(e.relative(), tolerance(c)) << "max abs " << e.max_abs;
+  for (std::size_t i = 0; i < rows.size(); ++i) {  // empty rows: exactly zero
+    if (g.degree(rows[i]) != 0) continue;
+    for (std::int64_t e2 = 0; e2 < w; ++e2) ASSERT_EQ(got.get(static_cast<std::int64_t>(i) * w + e2), 0.0);
+  }
+}
+
+void check(const csr_graph& g, const config& c, std::uint64_t seed, double lo = -1.0, double hi = 1.0,
+           std::optional<double> scale = std::nullopt, std::int64_t sample = 512, bool zero_q = false) {
+  check(attention_plan::build(g, device_kind::cuda), g, c, seed, lo, hi, scale, sample, zero_q);
+}
+
+std::vector<config> all_configs(std::int64_t heads = 1) {
+  std::vector<config> out;
+  for (const dtype in : {dtype::f16, dtype::bf16}) {
+    for (const std::int64_t d : {32, 64, 128, 256}) {
+      for (const dtype o : {dtype::f32, dtype::f16, dtype::bf16}) out.push_back({in, o, d, heads});
+    }
+  }
+  return out;
+}
+
+TEST(GpuFused3s, EveryTypeAndHeadDimOnRandomGraphs) {
+  SKIP_WITHOUT_GPU();
+  std::uint64_t seed = 1;
+  for (const auto& c : all_configs()) {
+    for (const std::int64_t n : {1, 17, 1000}) {
+      ++seed;
+      check(test::random_pattern(n, n, 40, seed), c, seed);
+    }
+  }
+}
+
+TEST(GpuFused3s, MultiHeadAndRectangular) {
+  SKIP_WITHOUT_GPU();
+  for (const auto& c : all_configs(8)) check(test::random_pattern(300, 1700, 60, 3), c, 7);
+}
+
+TEST(GpuFused3s, AdversarialPatterns) {
+  SKIP_WITHOUT_GPU();
+  const config c{dtype::f16, dtype::f32, 128, 1};
+  // Rows with more than 32 neighbours in a graph with N > 1024 (Fused3S's preprocessing bug).
+  check(test::random_pattern(3000, 3000, 300, 5), c, 5);
+  // Many empty rows, and N = 65537 (no read past the end of Q, K or V).
+  check(test::random_pattern(65537, 65537, 2, 6), c, 6);
+  // One row with 10^5 nonzeros: its window is split across warps and merged.
+  coo_graph heavy{.rows = 2000, .cols = 120000, .src = {}, .dst = {}, .values = {}};
+  for (std::int64_t j = 0; j < 100000; ++j) {
+    heavy.src.push_back(1001);
+    heavy.dst.push_back(j);
+  }
+  for (std::int64_t i = 0; i < 2000; i += 7) {
+    heavy.src.push_back(i);
+    heavy.dst.push_back(i * 13);
+  }
+  for (const auto& cc : all_configs()) check(to_csr(heavy), cc, 8);
+  // A batch of 1024 small graphs.
+  check(generate_batch({.graphs = 1024, .min_nodes = 10, .max_nodes = 60, .seed = 9}).graph, c, 9);
+  // Power-law skew (windows of very different TCB counts).
+  check(generate_rmat({.scale = 16, .edge_factor = 16, .seed = 10}), c, 10);
+}
+
+TEST(GpuFused3s, ScoreEdgeCases) {
+  SKIP_WITHOUT_GPU();
+  const csr_graph g = test::random_pattern(2000, 2000, 50, 11);
+  for (const dtype in : {dtype::f16, dtype::bf16}) {
+    const config c{in, dtype::f32, 64, 2};
+    check(g, c, 12, -1.0, 1.0, 1.0, 512, true);  // q = 0: every score exactly 0, still an edge
+    check(g, c, 13, 0.5, 1.0, -1.0);    // every score negative (a running max starting at 0 fails)
+    check(g, c, 14, 11.0, 13.0, 1.0);   // scores near 1e4 (64 * 12^2): no overflow
+  }
+}
+
+TEST(GpuFused3s, EverySharedDataset) {
+  SKIP_WITHOUT_GPU();
+  TRISPARSE_SKIP_WITHOUT_DATASETS();
+  for (const auto& path : test::dataset_graphs()) {
+    SCOPED_TRACE(path.filename().string());
+    const csr_graph g = read_graph(path);
+    const attention_plan plan = attention_plan::build(g, device_kind::cuda);
+    for (const auto& c : all_configs()) check(plan, g, c, 21, -1.0, 1.0, std::nullopt, 256);
+  }
+}
+
+TEST(GpuFused3s, RejectsWhatItCannotRun) {
+  SKIP_WITHOUT_GPU();
+  const csr_graph g = test::random_pattern(64, 64, 4, 1);
+  const attention_plan plan = attention_plan::build(g, device_kind::cuda);
+  auto x = test::random_qkv(g, 1, 48, dtype::f16, 1);  // head_dim 48
+  test::device_tensor q(x.q), k(x.k), v(x.v), out(host_tensor(dtype::f32, 64, 1, 48));
+  EXPECT_THROW(plan.run(q.view(), k.view(), v.view(), out.view()), invalid_input);
+  auto y = test::random_qkv(g, 1, 64, dtype::f32, 1);  // fp32 inputs
+  test::device_tensor q2(y.q), k2(y.k), v2(y.v), out2(host_tensor(dtype::f32, 64, 1, 64));
+  EXPECT_THROW(plan.run(q2.view(), k2.view(), v2.view(), out2.view()), invalid_input);
+  EXPECT_THROW(plan.run(y.q.view(), k2.view(), v2.view(), out2.view()), invalid_input);  // q on the host
+}
+
+}  // namespace
+}  // namespace trisparse
