@@ -6,7 +6,7 @@
 #         -DCMAKE_CUDA_ARCHITECTURES=90 -DTRISPARSE_DATASETS_DIR=data
 #   cmake --build build/gpu --target gpu_tests bench_fused3s trisparse_cli
 #   mkdir -p data .devlibs && cp ../shared/datasets/* data/ && cp -L /lib/x86_64-linux-gnu/libzip.so.4 /lib/x86_64-linux-gnu/libbz2.so.1.0 .devlibs/
-# and call with carry = [build/gpu, data, .devlibs]. Usage: scripts/gpu_run.sh [tests|sanitize|bench|all]
+# and call with carry = [build/gpu, data, .devlibs]. Usage: scripts/gpu_run.sh [tests|sanitize|bench|sweep|all]
 set -uo pipefail
 out=${OUT:-/tmp/trisparse-out}
 mkdir -p "$out"
@@ -27,6 +27,18 @@ if [ "$what" = sanitize ] || [ "$what" = all ]; then
       --gtest_filter="$filter" > "$out/sanitizer_$tool.log" 2>&1 || status=1
     echo "$tool: $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$out/sanitizer_$tool.log" | tr '\n' ' ')"
   done
+fi
+if [ "$what" = sweep ]; then
+  # The split threshold against the cost model (0) on graphs of each kind.
+  "$b/bench_fused3s" --repeat 20 --split 0,8,16,32,64,100000 data/cora.el.xz data/pubmed.el.xz data/twitch_ru.el.xz \
+    data/musae_github.el.xz data/blogcatalog.el.xz data/snap_web_notredame.el.xz data/tu_nci1.el.xz --rmat 18:10 \
+    > "$out/sweep.jsonl" 2>&1 || status=1
+  python3 -c "
+import json,sys
+for l in open(sys.argv[1]):
+    r=json.loads(l)
+    if 'graph' in r: print(f\"{r['graph']:22s} split {r['split_tcbs']:>6d} {r['kernel_ms']:8.4f} ms err {r['max_rel_error']:.1e}\")
+" "$out/sweep.jsonl"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   "$b/bench_fused3s" --dim 128 --heads 1 --repeat 20 --dtype f16 data/*.el.xz --rmat 18:10 --rmat 20:10 \

@@ -2,7 +2,8 @@
 // event-timed runs after warm-up, rotating input sets larger than the L2), useful GFLOP/s
 // (4·nnz·d·heads), compulsory bandwidth, and a check of the timed output against float64 on
 // sampled rows. One JSON object per line.
-//   bench_fused3s [--dim D] [--heads H] [--repeat R] [--dtype f16|bf16] [--rmat SCALE:EDGEFACTOR]... GRAPH...
+//   bench_fused3s [--dim D] [--heads H] [--repeat R] [--dtype f16|bf16] [--split N,N,...]
+//                 [--rmat SCALE:EDGEFACTOR]... GRAPH...
 #include <cuda_runtime.h>
 #include <omp.h>
 
@@ -54,9 +55,10 @@ csr_graph sub_rows(const csr_graph& g, const std::vector<std::int64_t>& rows) {
   return s;
 }
 
-void bench(const std::string& name, const csr_graph& g, std::int64_t dim, std::int64_t heads, dtype in, int repeat) {
+void bench(const std::string& name, const csr_graph& g, std::int64_t dim, std::int64_t heads, dtype in, int repeat,
+           std::int32_t split) {
   const auto t0 = std::chrono::steady_clock::now();
-  const attention_plan plan = attention_plan::build(g, device_kind::cuda);
+  const attention_plan plan = attention_plan::build(g, device_kind::cuda, {.split_tcbs = split});
   check(cudaDeviceSynchronize(), "plan");
   const double build_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 
@@ -150,6 +152,7 @@ void bench(const std::string& name, const csr_graph& g, std::int64_t dim, std::i
                    {"gflops", 4 * nnz * hd / med * 1e-6},
                    {"compulsory_gbps", bytes / med * 1e-6},
                    {"input_sets", sets},
+                   {"split_tcbs", split},
                    {"max_rel_error", max_abs / std::max(max_ref, 1e-300)},
                    {"all_finite", finite}};
   std::cout << j.dump() << std::endl;
@@ -187,6 +190,7 @@ int main(int argc, char** argv) {
   std::int64_t dim = 128, heads = 1;
   int repeat = 20;
   dtype in = dtype::f16;
+  std::vector<std::int32_t> splits{0};
   std::vector<std::pair<std::string, csr_graph>> graphs;
   std::vector<std::string> paths;
   try {
@@ -196,6 +200,15 @@ int main(int argc, char** argv) {
       else if (a == "--heads" && i + 1 < argc) heads = std::stoll(argv[++i]);
       else if (a == "--repeat" && i + 1 < argc) repeat = std::stoi(argv[++i]);
       else if (a == "--dtype" && i + 1 < argc) in = parse_dtype(argv[++i]);
+      else if (a == "--split" && i + 1 < argc) {  // comma-separated thresholds to sweep; 0 = cost model
+        splits.clear();
+        std::string list = argv[++i];
+        for (std::size_t at = 0; at <= list.size();) {
+          const std::size_t comma = std::min(list.find(',', at), list.size());
+          splits.push_back(std::stoi(list.substr(at, comma - at)));
+          at = comma + 1;
+        }
+      }
       else if (a == "--rmat" && i + 1 < argc) paths.push_back("rmat" + std::string(argv[++i]));
       else paths.push_back(a);
     }
@@ -214,7 +227,7 @@ int main(int argc, char** argv) {
       }
       std::string name = p.substr(p.find_last_of('/') + 1);
       name = name.substr(0, std::min(name.find(".el"), name.find(':')));
-      bench(name, g, dim, heads, in, repeat);
+      for (const auto split : splits) bench(name, g, dim, heads, in, repeat, split);
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_fused3s: %s\n", e.what());

@@ -92,7 +92,7 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
   std::int64_t device_bytes = 0;
   if (algo == algorithm::cuda_fused_bsb) {
     // The BSB is built on the host and uploaded; the plan keeps only the device copy.
-    s->device_blocks = cuda::make_fused3s_plan(*s->blocks);
+    s->device_blocks = cuda::make_fused3s_plan(*s->blocks, options.split_tcbs);
     s->blocks.reset();
     device_bytes = cuda::device_bytes(*s->device_blocks);
   }

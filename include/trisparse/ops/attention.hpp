@@ -28,6 +28,9 @@ algorithm parse_algorithm(std::string_view name);
 struct plan_options {
   algorithm algo = algorithm::automatic;  ///< what the plan prepares formats for
   int tcb_cols = 8;                       ///< BSB tensor-core block width (8 or 16)
+  /// cuda_fused_bsb: row windows with more TCBs are split across warps and merged
+  /// (0 = chosen by the cost model from the TCB count and the device).
+  std::int32_t split_tcbs = 0;
 };
 
 struct attention_options {

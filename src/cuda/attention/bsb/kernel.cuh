@@ -88,28 +88,83 @@ __device__ __forceinline__ void store_run(O* dst, const float (&x)[N]) {
   }
 }
 
-/// One TCB's operands for one lane: its K quarter-row, its two V slices, the block's bitmap.
+/// Where a lane's operands of one TCB are: its K column, its two V columns, the block's bitmap.
+/// Loaded two TCBs ahead, so the row loads that depend on them need not wait.
+struct tcb_meta {
+  std::int32_t ck = -1, c0 = -1, c1 = -1;
+  std::uint64_t mask0 = 0, mask1 = 0;  // rows 0-7, rows 8-15
+};
+
+__device__ __forceinline__ tcb_meta load_meta(const params& p, std::int64_t tcb, int g, int t) {
+  const std::int32_t* cols = p.col_idx + tcb * 8;
+  return {__ldg(cols + g), __ldg(cols + 2 * t), __ldg(cols + 2 * t + 1), __ldg(p.bitmap + 2 * tcb),
+          __ldg(p.bitmap + 2 * tcb + 1)};
+}
+
+/// A lane's rows of one TCB: its K quarter-row and its two V slices.
 template <int D>
-struct tcb_operands {
-  std::uint32_t k[D / 8];       // K[col[g]][t·D/4 ...]: D/4 halves
-  std::uint32_t v0[D / 16];     // V[col[2t]][g·D/8 ...]: D/8 halves
-  std::uint32_t v1[D / 16];     // V[col[2t+1]][g·D/8 ...]
-  std::uint64_t mask0, mask1;   // rows 0-7, rows 8-15
+struct tcb_rows {
+  std::uint32_t k[D / 8];    // K[col[g]][t·D/4 ...]: D/4 halves
+  std::uint32_t v0[D / 16];  // V[col[2t]][g·D/8 ...]: D/8 halves
+  std::uint32_t v1[D / 16];  // V[col[2t+1]][g·D/8 ...]
 };
 
 template <class T, int D>
-__device__ __forceinline__ void load_tcb(const params& p, std::int64_t tcb, int h, int g, int t,
-                                         tcb_operands<D>& op) {
-  const std::int32_t* cols = p.col_idx + tcb * 8;
-  const std::int32_t ck = __ldg(cols + g), c0 = __ldg(cols + 2 * t), c1 = __ldg(cols + 2 * t + 1);
+__device__ __forceinline__ void load_rows(const params& p, const tcb_meta& m, int h, int g, int t, tcb_rows<D>& r) {
   const T* k = static_cast<const T*>(p.k) + h * p.k_head;
   const T* v = static_cast<const T*>(p.v) + h * p.v_head;
   // Padding slots (-1) load zeros: their P is 0, and 0 * garbage could be NaN.
-  if (ck >= 0) load_halves<D / 4>(k + ck * p.k_row + t * (D / 4), op.k); else zero(op.k);
-  if (c0 >= 0) load_halves<D / 8>(v + c0 * p.v_row + g * (D / 8), op.v0); else zero(op.v0);
-  if (c1 >= 0) load_halves<D / 8>(v + c1 * p.v_row + g * (D / 8), op.v1); else zero(op.v1);
-  op.mask0 = __ldg(p.bitmap + 2 * tcb);
-  op.mask1 = __ldg(p.bitmap + 2 * tcb + 1);
+  if (m.ck >= 0) load_halves<D / 4>(k + m.ck * p.k_row + t * (D / 4), r.k); else zero(r.k);
+  if (m.c0 >= 0) load_halves<D / 8>(v + m.c0 * p.v_row + g * (D / 8), r.v0); else zero(r.v0);
+  if (m.c1 >= 0) load_halves<D / 8>(v + m.c1 * p.v_row + g * (D / 8), r.v1); else zero(r.v1);
+}
+
+/// Combines the partial states of a split window (run by the window's last warp): for each row,
+/// m = max m_i, l = sum l_i 2^(m_i - m), O = sum O_i 2^(m_i - m) / l. Lane r < 16 owns row r's
+/// (m, l); each lane owns columns lane + 32c and, per part, issues 8 rows x D/32 independent
+/// coalesced loads (through L2, __ldcg: other SMs wrote the partials).
+template <int D, class O>
+__device__ __forceinline__ void merge_window(const params& p, const split_window& sw, int h, int lane) {
+  constexpr int kC = D / 32;
+  const auto part_base = [&](int i) { return std::int64_t{sw.first_part + i} * p.heads + h; };
+  float m = kNegInf, l = 0.0f;
+  if (lane < 16) {
+    for (int i = 0; i < sw.parts; ++i) m = fmaxf(m, __ldcg(p.part_ml + part_base(i) * 32 + 2 * lane));
+  }
+  const float u = m == kNegInf ? 0.0f : m;  // safe max: an empty row keeps weight 0
+  if (lane < 16) {
+    for (int i = 0; i < sw.parts; ++i) {
+      const float* ml = p.part_ml + part_base(i) * 32 + 2 * lane;
+      l += exp2f(__ldcg(ml) - u) * __ldcg(ml + 1);
+    }
+  }
+  O* out = static_cast<O*>(p.out) + h * p.o_head;
+#pragma unroll
+  for (int r0 = 0; r0 < 16; r0 += 8) {
+    float ur[8];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) ur[r] = __shfl_sync(0xffffffffu, u, r0 + r);
+    float acc[8][kC] = {};
+    for (int i = 0; i < sw.parts; ++i) {
+      const float* po = p.part_o + part_base(i) * 16 * D + r0 * D + lane;
+      const float* ml = p.part_ml + part_base(i) * 32 + 2 * r0;
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        const float w = exp2f(__ldcg(ml + 2 * r) - ur[r]);
+#pragma unroll
+        for (int c = 0; c < kC; ++c) acc[r][c] += w * __ldcg(po + r * D + 32 * c);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      const float lr = __shfl_sync(0xffffffffu, l, r0 + r);
+      const float inv = lr > 0.0f ? 1.0f / lr : 0.0f;
+      const std::int64_t row = std::int64_t{sw.window} * 16 + r0 + r;
+      if (row >= p.rows) continue;
+#pragma unroll
+      for (int c = 0; c < kC; ++c) out[row * p.o_row + lane + 32 * c] = from_float<O>(acc[r][c] * inv);
+    }
+  }
 }
 
 template <class T, int D, class O, int kWarps>
@@ -135,18 +190,24 @@ __global__ void __launch_bounds__(kWarps * 32) fused3s_kernel(const params p) {
   float m0 = kNegInf, m1 = kNegInf, l0 = 0.0f, l1 = 0.0f;
   const int bit = g * 8 + 2 * t;
 
-  // Up to D = 128 the next TCB's operands are loaded while this one computes; at D = 256 the
-  // second copy would not fit in registers (ptxas spills), so loads are not pipelined there.
+  // Pipeline: indices two TCBs ahead, rows one TCB ahead (up to D = 128; at D = 256 a second copy
+  // of the rows would not fit in registers, so rows load at the top of their own iteration).
   constexpr bool kPipelined = D <= 128;
-  tcb_operands<D> next;
-  if (kPipelined && it.tcb_begin < it.tcb_end) load_tcb<T, D>(p, it.tcb_begin, h, g, t, next);
-  for (std::int32_t tcb = it.tcb_begin; tcb < it.tcb_end; ++tcb) {
-    tcb_operands<D> cur;
+  const std::int32_t end = it.tcb_end;
+  tcb_meta meta1 = it.tcb_begin < end ? load_meta(p, it.tcb_begin, g, t) : tcb_meta{};
+  tcb_meta meta2 = it.tcb_begin + 1 < end ? load_meta(p, it.tcb_begin + 1, g, t) : tcb_meta{};
+  tcb_rows<D> next;
+  if (kPipelined && it.tcb_begin < end) load_rows<T, D>(p, meta1, h, g, t, next);
+  for (std::int32_t tcb = it.tcb_begin; tcb < end; ++tcb) {
+    tcb_rows<D> cur;
+    const tcb_meta m = meta1;
+    meta1 = meta2;
+    if (tcb + 2 < end) meta2 = load_meta(p, tcb + 2, g, t);
     if constexpr (kPipelined) {
       cur = next;
-      if (tcb + 1 < it.tcb_end) load_tcb<T, D>(p, tcb + 1, h, g, t, next);  // in flight during compute
+      if (tcb + 1 < end) load_rows<T, D>(p, meta1, h, g, t, next);  // in flight during compute
     } else {
-      load_tcb<T, D>(p, tcb, h, g, t, cur);
+      load_rows<T, D>(p, m, h, g, t, cur);
     }
 
     // S = Q · K_tcbᵀ (16 x 8), fp32.
@@ -158,10 +219,10 @@ __global__ void __launch_bounds__(kWarps * 32) fused3s_kernel(const params p) {
       arch::mma_16x8x16_f32<T>(s, a, b);
     }
     // Bitmap mask (a score of exactly 0 is still an edge), scale folded with log2 e.
-    s[0] = (cur.mask0 >> bit) & 1 ? s[0] * p.scale_log2 : kNegInf;
-    s[1] = (cur.mask0 >> (bit + 1)) & 1 ? s[1] * p.scale_log2 : kNegInf;
-    s[2] = (cur.mask1 >> bit) & 1 ? s[2] * p.scale_log2 : kNegInf;
-    s[3] = (cur.mask1 >> (bit + 1)) & 1 ? s[3] * p.scale_log2 : kNegInf;
+    s[0] = (m.mask0 >> bit) & 1 ? s[0] * p.scale_log2 : kNegInf;
+    s[1] = (m.mask0 >> (bit + 1)) & 1 ? s[1] * p.scale_log2 : kNegInf;
+    s[2] = (m.mask1 >> bit) & 1 ? s[2] * p.scale_log2 : kNegInf;
+    s[3] = (m.mask1 >> (bit + 1)) & 1 ? s[3] * p.scale_log2 : kNegInf;
     float x0 = fmaxf(s[0], s[1]), x1 = fmaxf(s[2], s[3]);
     x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, 1));
     x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, 2));
@@ -214,7 +275,8 @@ __global__ void __launch_bounds__(kWarps * 32) fused3s_kernel(const params p) {
       store_run<O, kV>(out + row1 * p.o_row + (2 * t + 1) * kV, r11);
     }
   } else {
-    // Unnormalised partial state for merge_kernel: O [16, D] in natural column order, (m, l) per row.
+    // Unnormalised partial state, O [16, D] in natural column order and (m, l) per row; the last
+    // warp of the window to finish merges all of them (no second launch).
 #pragma unroll
     for (int j = 0; j < kV; ++j) {
       r00[j] = o[j][0];
@@ -234,30 +296,18 @@ __global__ void __launch_bounds__(kWarps * 32) fused3s_kernel(const params p) {
       pml[2 * (g + 8)] = m1;
       pml[2 * (g + 8) + 1] = l1;
     }
-  }
-}
-
-/// Combines the partial states of split windows: one block per (split window, head).
-template <int D, class O>
-__global__ void merge_kernel(const params p) {
-  const split_window s = p.splits[blockIdx.x];
-  const int h = blockIdx.y;
-  O* out = static_cast<O*>(p.out) + h * p.o_head;
-  for (int idx = threadIdx.x; idx < 16 * D; idx += blockDim.x) {
-    const int r = idx / D, d = idx % D;
-    const std::int64_t row = std::int64_t{s.window} * 16 + r;
-    if (row >= p.rows) continue;
-    float m = kNegInf;
-    for (int i = 0; i < s.parts; ++i) m = fmaxf(m, p.part_ml[(std::int64_t{s.first_part + i} * p.heads + h) * 32 + 2 * r]);
-    const float u = m == kNegInf ? 0.0f : m;
-    float l = 0.0f, acc = 0.0f;
-    for (int i = 0; i < s.parts; ++i) {
-      const std::int64_t part = std::int64_t{s.first_part + i} * p.heads + h;
-      const float w = exp2f(p.part_ml[part * 32 + 2 * r] - u);
-      l += w * p.part_ml[part * 32 + 2 * r + 1];
-      acc += w * p.part_o[part * 16 * D + r * D + d];
+    __threadfence();  // partials visible device-wide before the count says so
+    __syncwarp();
+    int* count = p.split_count + std::int64_t{it.split} * p.heads + h;
+    const split_window sw = p.splits[it.split];
+    int arrived = 0;
+    if (lane == 0) arrived = atomicAdd(count, 1);
+    arrived = __shfl_sync(0xffffffffu, arrived, 0);
+    if (arrived == sw.parts - 1) {
+      __threadfence();
+      merge_window<D, O>(p, sw, h, lane);
+      if (lane == 0) *count = 0;  // ready for the next launch (stream-ordered)
     }
-    out[row * p.o_row + d] = from_float<O>(l > 0.0f ? acc / l : 0.0f);
   }
 }
 

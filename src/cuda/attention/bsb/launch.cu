@@ -24,6 +24,7 @@ struct fused3s_device_plan {
   // Partial states of split windows, sized for the largest heads x head_dim run so far.
   mutable std::mutex workspace_mutex;
   mutable device_buffer<float> part_o, part_ml;
+  mutable device_buffer<std::int32_t> split_count;  // zero between launches
 };
 
 namespace {
@@ -35,10 +36,6 @@ void launch(const fused3s::params& p, cudaStream_t s) {
   if (p.num_items > 0) {
     const dim3 grid((p.num_items + kWarps - 1) / kWarps, p.heads);
     fused3s::fused3s_kernel<T, D, O, kWarps><<<grid, kWarps * 32, 0, s>>>(p);
-    TRISPARSE_CUDA_CHECK_LAUNCH();
-  }
-  if (p.num_splits > 0) {
-    fused3s::merge_kernel<D, O><<<dim3(p.num_splits, p.heads), 256, 0, s>>>(p);
     TRISPARSE_CUDA_CHECK_LAUNCH();
   }
 }
@@ -83,26 +80,31 @@ std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const bsb& f, std::int32_
   TRISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, plan->device));
   plan->rows = f.rows;
   plan->cols = f.cols;
-  // Cost model: about 16 resident warps per SM; no item may hold more than its share of the total
-  // twice over, and never fewer than 32 TCBs (a split costs a partial write and a merge).
+  // Cost model: the kernel ends when its longest item does. With about 16 resident warps per SM,
+  // cap an item at twice the mean work per resident warp. A split costs a 16 x D partial write and
+  // its share of a merge, so the cap has a floor: 16 TCBs once the GPU is full (mean >= 2 TCBs
+  // per resident warp), 8 while it is not. Calibrated on an H200 by sweeping the cap
+  // (bench/results/fused3s_split_sweep_h200.jsonl, docs/notes/fused3s.md).
   const std::int64_t resident = std::int64_t{sms} * 16;
-  const std::int64_t limit =
-      split_tcbs > 0 ? split_tcbs : std::max<std::int64_t>(32, (f.tcbs() + resident - 1) / resident * 2);
+  const std::int64_t mean = (f.tcbs() + resident - 1) / resident;
+  const std::int64_t floor = mean < 2 ? 8 : 16;
+  const std::int64_t limit = split_tcbs > 0 ? split_tcbs : std::max(floor, 2 * mean);
   std::vector<fused3s::work_item> items;
   std::vector<fused3s::split_window> splits;
   std::int32_t parts = 0;
   for (const std::int32_t w : f.window_order) {
     const auto b = static_cast<std::int32_t>(f.tcb_offset[w]), e = static_cast<std::int32_t>(f.tcb_offset[w + 1]);
     if (e - b <= limit) {
-      items.push_back({w, b, e, -1});
+      items.push_back({w, b, e, -1, -1});
       continue;
     }
     const auto n = static_cast<std::int32_t>((e - b + limit - 1) / limit);
+    const auto split = static_cast<std::int32_t>(splits.size());
     splits.push_back({w, parts, n});
     for (std::int32_t i = 0; i < n; ++i) {
       const auto cb = static_cast<std::int32_t>(b + std::int64_t{e - b} * i / n);
       const auto ce = static_cast<std::int32_t>(b + std::int64_t{e - b} * (i + 1) / n);
-      items.push_back({w, cb, ce, parts + i});
+      items.push_back({w, cb, ce, parts + i, split});
     }
     parts += n;
   }
@@ -162,13 +164,17 @@ void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const te
   if (plan.num_parts > 0) {
     const std::size_t need = static_cast<std::size_t>(plan.num_parts) * q.heads * 16;
     std::lock_guard<std::mutex> lock(plan.workspace_mutex);
-    if (plan.part_o.size() < need * q.dim) {  // grows once per larger heads x dim, never per call
+    if (plan.part_o.size() < need * q.dim || plan.split_count.size() < plan.num_splits * static_cast<std::size_t>(q.heads)) {
+      // Grows once per larger heads x dim, never per call of the same shape.
       TRISPARSE_CUDA_TRY(cudaDeviceSynchronize());
       plan.part_o = device_buffer<float>(need * q.dim);
       plan.part_ml = device_buffer<float>(need * 2);
+      plan.split_count = device_buffer<std::int32_t>(static_cast<std::size_t>(plan.num_splits) * q.heads);
+      TRISPARSE_CUDA_TRY(cudaMemset(plan.split_count.data(), 0, plan.split_count.bytes()));
     }
     p.part_o = plan.part_o.data();
     p.part_ml = plan.part_ml.data();
+    p.split_count = plan.split_count.data();
   }
   const auto s = static_cast<cudaStream_t>(stream.handle);
   if (q.type == dtype::f16) launch_dim<__half>(q.dim, out.type, p, s);
@@ -177,7 +183,8 @@ void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const te
 
 std::int64_t device_bytes(const fused3s_device_plan& plan) {
   return static_cast<std::int64_t>(plan.col_idx.bytes() + plan.bitmap.bytes() + plan.items.bytes() +
-                                   plan.splits.bytes() + plan.part_o.bytes() + plan.part_ml.bytes());
+                                   plan.splits.bytes() + plan.part_o.bytes() + plan.part_ml.bytes() +
+                                   plan.split_count.bytes());
 }
 std::int64_t work_items(const fused3s_device_plan& plan) { return plan.num_items; }
 std::int64_t split_windows(const fused3s_device_plan& plan) { return plan.num_splits; }

@@ -5,9 +5,9 @@
 namespace trisparse::cuda::fused3s {
 
 /// A warp's work: TCBs [tcb_begin, tcb_end) of row window `window`; part >= 0 writes a partial
-/// state into slot `part` (the window is split), part < 0 writes the output.
+/// state into slot `part` of split window `split`, part < 0 writes the output.
 struct work_item {
-  std::int32_t window, tcb_begin, tcb_end, part;
+  std::int32_t window, tcb_begin, tcb_end, part, split;
 };
 
 /// A window split into `parts` consecutive partial slots from `first_part`.
@@ -31,6 +31,7 @@ struct params {
   float scale_log2;                      // scale * log2(e)
   float* part_o;                         // [parts, heads, 16, D]
   float* part_ml;                        // [parts, heads, 16, 2]
+  std::int32_t* split_count;             // [splits, heads]: partials done, reset by the merger
   std::int32_t heads;
 };
 
