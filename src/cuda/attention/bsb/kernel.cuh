@@ -167,8 +167,8 @@ __device__ __forceinline__ void merge_window(const params& p, const split_window
   }
 }
 
-template <class T, int D, class O, int kWarps>
-__global__ void __launch_bounds__(kWarps * 32) fused3s_kernel(const params p) {
+template <class T, int D, class O, int kWarps, int kMinBlocks>
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks) fused3s_kernel(const params p) {
   constexpr int kQ = D / 4;  // halves of a Q/K row per lane
   constexpr int kV = D / 8;  // halves of a V row per lane = output columns per run
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;

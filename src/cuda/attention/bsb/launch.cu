@@ -30,12 +30,17 @@ struct fused3s_device_plan {
 namespace {
 
 constexpr int kWarps = 4;
+// Resident blocks of kWarps per SM the register budget is held to (65536 / (blocks * 128) regs).
+// At D = 128 three blocks (168 registers) spill and measured 1.2-1.6x slower than two (H200,
+// docs/notes/fused3s.md); D <= 64 fits four without spilling.
+template <int D>
+constexpr int kMinBlocks = D <= 64 ? 4 : D == 128 ? 2 : 1;
 
 template <class T, int D, class O>
 void launch(const fused3s::params& p, cudaStream_t s) {
   if (p.num_items > 0) {
     const dim3 grid((p.num_items + kWarps - 1) / kWarps, p.heads);
-    fused3s::fused3s_kernel<T, D, O, kWarps><<<grid, kWarps * 32, 0, s>>>(p);
+    fused3s::fused3s_kernel<T, D, O, kWarps, kMinBlocks<D>><<<grid, kWarps * 32, 0, s>>>(p);
     TRISPARSE_CUDA_CHECK_LAUNCH();
   }
 }
