@@ -19,6 +19,11 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,
 if [ "$what" = tests ] || [ "$what" = all ]; then
   "$b/tests/gpu_tests" --gtest_brief=1 > "$out/gpu_tests.log" 2>&1 || status=1
   tail -5 "$out/gpu_tests.log"
+  # The demo on the GPU (embedded default graph), and --save checked independently with NumPy.
+  "$b/trisparse" -q run > "$out/demo.log" 2>&1 || status=1
+  "$b/trisparse" -q run data/cora.el.xz --heads 2 --dim 64 --dtype bf16 --out-dtype f16 --save /tmp/saved \
+    >> "$out/demo.log" 2>&1 && python3 tools/check_saved.py /tmp/saved >> "$out/demo.log" 2>&1 || status=1
+  cat "$out/demo.log"
 fi
 if [ "$what" = sanitize ] || [ "$what" = all ]; then
   filter='GpuFused3s.EveryTypeAndHeadDim*:GpuFused3s.MultiHead*:GpuFused3s.ScoreEdgeCases:Gpu.*'

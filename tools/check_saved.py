@@ -27,7 +27,9 @@ def main(directory: str) -> int:
         p /= p.sum(axis=0)
         ref[i] = np.einsum("nh,nhd->hd", p, v[cols])
     err = np.abs(o - ref).max() / max(np.abs(ref).max(), 1e-300)
-    tol = {"f16": 2e-3, "bf16": 1e-2}.get(meta["out_dtype"], 1e-5)
+    # The GPU rounds P to the input type before P.V; both round the output: a few units of each.
+    u = {"f16": 2.0**-11, "bf16": 2.0**-8, "f32": 2.0**-24, "f64": 0.0}
+    tol = 1e-5 + 4 * (u[meta["dtype"]] + u[meta["out_dtype"]])
     ok = bool(np.isfinite(o).all()) and err <= tol
     print(f"independent NumPy check of {d}: max relative error {err:.3g} (tolerance {tol}): {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1

@@ -30,7 +30,9 @@ void check(cudaError_t e, const char* what) {
 
 struct device_mem {
   void* p = nullptr;
-  explicit device_mem(std::size_t bytes) { check(cudaMalloc(&p, std::max<std::size_t>(bytes, 16)), "cudaMalloc"); }
+  explicit device_mem(std::size_t bytes) {
+    check(cudaMalloc(&p, std::max<std::size_t>(bytes, 16)), "cudaMalloc");
+  }
   ~device_mem() { cudaFree(p); }
   device_mem(const device_mem&) = delete;
   device_mem& operator=(const device_mem&) = delete;
@@ -47,26 +49,34 @@ void fill_uniform16(host_tensor& t, std::uint64_t seed) {
 }
 
 csr_graph sub_rows(const csr_graph& g, const std::vector<std::int64_t>& rows) {
-  csr_graph s{.rows = static_cast<std::int64_t>(rows.size()), .cols = g.cols, .row_ptr = {0}, .col_idx = {}, .values = {}};
+  csr_graph s{.rows = static_cast<std::int64_t>(rows.size()),
+              .cols = g.cols,
+              .row_ptr = {0},
+              .col_idx = {},
+              .values = {}};
   for (const auto r : rows) {
-    s.col_idx.insert(s.col_idx.end(), g.col_idx.begin() + g.row_ptr[r], g.col_idx.begin() + g.row_ptr[r + 1]);
+    s.col_idx.insert(s.col_idx.end(), g.col_idx.begin() + g.row_ptr[r],
+                     g.col_idx.begin() + g.row_ptr[r + 1]);
     s.row_ptr.push_back(s.nnz());
   }
   return s;
 }
 
-void bench(const std::string& name, const csr_graph& g, std::int64_t dim, std::int64_t heads, dtype in, int repeat,
-           std::int32_t split) {
+void bench(const std::string& name, const csr_graph& g, std::int64_t dim, std::int64_t heads,
+           dtype in, int repeat, std::int32_t split) {
   const auto t0 = std::chrono::steady_clock::now();
   const attention_plan plan = attention_plan::build(g, device_kind::cuda, {.split_tcbs = split});
   check(cudaDeviceSynchronize(), "plan");
-  const double build_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  const double build_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 
   const std::size_t set_bytes = static_cast<std::size_t>(g.rows + 2 * g.cols) * heads * dim * 2;
-  const int sets = static_cast<int>(std::clamp<std::size_t>((200u << 20) / std::max<std::size_t>(set_bytes, 1) + 1, 2, 8));
+  const int sets = static_cast<int>(
+      std::clamp<std::size_t>((200u << 20) / std::max<std::size_t>(set_bytes, 1) + 1, 2, 8));
   std::vector<host_tensor> hq, hk, hv;
   std::vector<std::unique_ptr<device_mem>> dq, dk, dv;
-  const auto now = static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  const auto now =
+      static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
   for (int s = 0; s < sets; ++s) {
     hq.emplace_back(in, g.rows, heads, dim);
     hk.emplace_back(in, g.cols, heads, dim);
@@ -77,7 +87,9 @@ void bench(const std::string& name, const csr_graph& g, std::int64_t dim, std::i
     for (auto* pair : {&hq, &hk, &hv}) {
       auto& list = pair == &hq ? dq : pair == &hk ? dk : dv;
       list.push_back(std::make_unique<device_mem>(pair->back().size_bytes()));
-      check(cudaMemcpy(list.back()->p, pair->back().data(), pair->back().size_bytes(), cudaMemcpyHostToDevice), "upload");
+      check(cudaMemcpy(list.back()->p, pair->back().data(), pair->back().size_bytes(),
+                       cudaMemcpyHostToDevice),
+            "upload");
     }
   }
   host_tensor hout(dtype::f32, g.rows, heads, dim);
@@ -90,7 +102,8 @@ void bench(const std::string& name, const csr_graph& g, std::int64_t dim, std::i
   };
   const attention_options opts{.scale = 1.0};
   const auto run = [&](int s) {
-    plan.run(view(hq[s], dq[s]->p), view(hk[s], dk[s]->p), view(hv[s], dv[s]->p), view(hout, dout.p), opts);
+    plan.run(view(hq[s], dq[s]->p), view(hk[s], dk[s]->p), view(hv[s], dv[s]->p),
+             view(hout, dout.p), opts);
   };
   for (int i = 0; i < 3; ++i) run(i % sets);
   cudaEvent_t start, stop;
@@ -116,14 +129,16 @@ void bench(const std::string& name, const csr_graph& g, std::int64_t dim, std::i
   check(cudaMemcpy(hout.data(), dout.p, hout.size_bytes(), cudaMemcpyDeviceToHost), "download");
   std::vector<std::int64_t> rows;
   rng r(now);
-  for (int i = 0; i < 256 && g.rows > 0; ++i) rows.push_back(static_cast<std::int64_t>(r.below(g.rows)));
+  for (int i = 0; i < 256 && g.rows > 0; ++i)
+    rows.push_back(static_cast<std::int64_t>(r.below(g.rows)));
   std::sort(rows.begin(), rows.end());
   rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
   const csr_graph sub = sub_rows(g, rows);
   host_tensor qs(in, sub.rows, heads, dim), ref(dtype::f64, sub.rows, heads, dim);
   const std::int64_t w = heads * dim;
   for (std::size_t i = 0; i < rows.size(); ++i) {
-    for (std::int64_t e = 0; e < w; ++e) qs.set(static_cast<std::int64_t>(i) * w + e, hq[last].get(rows[i] * w + e));
+    for (std::int64_t e = 0; e < w; ++e)
+      qs.set(static_cast<std::int64_t>(i) * w + e, hq[last].get(rows[i] * w + e));
   }
   reference::attention(sub, qs.view(), hk[last].view(), hv[last].view(), ref.view(), 1.0);
   double max_abs = 0, max_ref = 0;
@@ -131,13 +146,15 @@ void bench(const std::string& name, const csr_graph& g, std::int64_t dim, std::i
   for (std::int64_t i = 0; i < hout.numel(); ++i) finite = finite && std::isfinite(hout.get(i));
   for (std::size_t i = 0; i < rows.size(); ++i) {
     for (std::int64_t e = 0; e < w; ++e) {
-      const double o = hout.get(rows[i] * w + e), rf = ref.get(static_cast<std::int64_t>(i) * w + e);
+      const double o = hout.get(rows[i] * w + e),
+                   rf = ref.get(static_cast<std::int64_t>(i) * w + e);
       max_abs = std::max(max_abs, std::abs(o - rf));
       max_ref = std::max(max_ref, std::abs(rf));
     }
   }
   const double nnz = static_cast<double>(g.nnz()), hd = static_cast<double>(w);
-  const double bytes = 2 * hd * static_cast<double>(g.rows + 2 * g.cols) + 4 * hd * static_cast<double>(g.rows) +
+  const double bytes = 2 * hd * static_cast<double>(g.rows + 2 * g.cols) +
+                       4 * hd * static_cast<double>(g.rows) +
                        static_cast<double>(plan.report().format_bytes);
   nlohmann::json j{{"graph", name},
                    {"rows", g.rows},
@@ -160,7 +177,8 @@ void bench(const std::string& name, const csr_graph& g, std::int64_t dim, std::i
   cudaEventDestroy(stop);
 }
 
-// Device-to-device copy bandwidth (bytes read + written per second) of a 1 GiB buffer, median of 10.
+// Device-to-device copy bandwidth (bytes read + written per second) of a 1 GiB buffer, median
+// of 10.
 double copy_bandwidth_gbps() {
   const std::size_t bytes = std::size_t{1} << 30;
   device_mem a(bytes), b(bytes);
@@ -196,11 +214,16 @@ int main(int argc, char** argv) {
   try {
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
-      if (a == "--dim" && i + 1 < argc) dim = std::stoll(argv[++i]);
-      else if (a == "--heads" && i + 1 < argc) heads = std::stoll(argv[++i]);
-      else if (a == "--repeat" && i + 1 < argc) repeat = std::stoi(argv[++i]);
-      else if (a == "--dtype" && i + 1 < argc) in = parse_dtype(argv[++i]);
-      else if (a == "--split" && i + 1 < argc) {  // comma-separated thresholds to sweep; 0 = cost model
+      if (a == "--dim" && i + 1 < argc)
+        dim = std::stoll(argv[++i]);
+      else if (a == "--heads" && i + 1 < argc)
+        heads = std::stoll(argv[++i]);
+      else if (a == "--repeat" && i + 1 < argc)
+        repeat = std::stoi(argv[++i]);
+      else if (a == "--dtype" && i + 1 < argc)
+        in = parse_dtype(argv[++i]);
+      else if (a == "--split" &&
+               i + 1 < argc) {  // comma-separated thresholds to sweep; 0 = cost model
         splits.clear();
         std::string list = argv[++i];
         for (std::size_t at = 0; at <= list.size();) {
@@ -208,20 +231,24 @@ int main(int argc, char** argv) {
           splits.push_back(std::stoi(list.substr(at, comma - at)));
           at = comma + 1;
         }
-      }
-      else if (a == "--rmat" && i + 1 < argc) paths.push_back("rmat" + std::string(argv[++i]));
-      else paths.push_back(a);
+      } else if (a == "--rmat" && i + 1 < argc)
+        paths.push_back("rmat" + std::string(argv[++i]));
+      else
+        paths.push_back(a);
     }
     cudaDeviceProp prop{};
     check(cudaGetDeviceProperties(&prop, 0), "properties");
-    std::cout << nlohmann::json{{"device", prop.name}, {"sms", prop.multiProcessorCount},
-                                {"copy_bandwidth_gbps", copy_bandwidth_gbps()}}.dump()
+    std::cout << nlohmann::json{{"device", prop.name},
+                                {"sms", prop.multiProcessorCount},
+                                {"copy_bandwidth_gbps", copy_bandwidth_gbps()}}
+                     .dump()
               << std::endl;
     for (const auto& p : paths) {
       csr_graph g;
       if (p.rfind("rmat", 0) == 0 && p.find(':') != std::string::npos) {
         const int scale = std::stoi(p.substr(4, p.find(':') - 4));
-        g = generate_rmat({.scale = scale, .edge_factor = std::stod(p.substr(p.find(':') + 1)), .seed = 7});
+        g = generate_rmat(
+            {.scale = scale, .edge_factor = std::stod(p.substr(p.find(':') + 1)), .seed = 7});
       } else {
         g = read_graph(p);
       }

@@ -50,7 +50,8 @@ void host_tensor::fill_uniform(double lo, double hi, std::uint64_t seed) {
 #pragma omp parallel for schedule(static)
   for (std::int64_t c = 0; c < (n + kChunk - 1) / kChunk; ++c) {
     rng r(seed ^ (0x9E3779B97F4A7C15ull * static_cast<std::uint64_t>(c + 1)));
-    for (std::int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) set(i, lo + (hi - lo) * r.uniform());
+    for (std::int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i)
+      set(i, lo + (hi - lo) * r.uniform());
   }
 }
 

@@ -77,7 +77,8 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
                         to_string(where));
   }
   if (algo == algorithm::cuda_unfused) {
-    throw not_supported("the unfused CUDA pipeline (SDDMM -> softmax -> SpMM) is not in this build yet");
+    throw not_supported(
+        "the unfused CUDA pipeline (SDDMM -> softmax -> SpMM) is not in this build yet");
   }
   auto s = std::make_shared<state>();
   s->pattern.rows = pattern.rows;
@@ -148,7 +149,8 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
       return;
     case algorithm::cuda_fused_bsb:
       if (!state_->device_blocks) {
-        throw invalid_input("this plan holds no device BSB: build it with plan_options.algo = cuda_fused_bsb");
+        throw invalid_input(
+            "this plan holds no device BSB: build it with plan_options.algo = cuda_fused_bsb");
       }
       cuda::run_fused3s(*state_->device_blocks, q, k, v, out, scale, stream);
       return;

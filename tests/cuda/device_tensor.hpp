@@ -22,7 +22,9 @@ class device_tensor {
   ~device_tensor() { cudaFree(d_); }
   device_tensor(const device_tensor&) = delete;
   device_tensor& operator=(const device_tensor&) = delete;
-  void upload() { cuda_check(cudaMemcpy(d_, h_.data(), h_.size_bytes(), cudaMemcpyHostToDevice), "upload"); }
+  void upload() {
+    cuda_check(cudaMemcpy(d_, h_.data(), h_.size_bytes(), cudaMemcpyHostToDevice), "upload");
+  }
   /// Fills the device copy with 0xFF bytes (NaN in every float type): unwritten outputs show.
   void poison() { cuda_check(cudaMemset(d_, 0xFF, h_.size_bytes()), "poison"); }
   host_tensor download() {

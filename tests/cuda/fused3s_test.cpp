@@ -11,9 +11,14 @@ namespace {
 
 // Rows of a pattern, as their own pattern (checked against the reference on a sample of rows).
 csr_graph sub_rows(const csr_graph& g, const std::vector<std::int64_t>& rows) {
-  csr_graph s{.rows = static_cast<std::int64_t>(rows.size()), .cols = g.cols, .row_ptr = {0}, .col_idx = {}, .values = {}};
+  csr_graph s{.rows = static_cast<std::int64_t>(rows.size()),
+              .cols = g.cols,
+              .row_ptr = {0},
+              .col_idx = {},
+              .values = {}};
   for (const auto r : rows) {
-    s.col_idx.insert(s.col_idx.end(), g.col_idx.begin() + g.row_ptr[r], g.col_idx.begin() + g.row_ptr[r + 1]);
+    s.col_idx.insert(s.col_idx.end(), g.col_idx.begin() + g.row_ptr[r],
+                     g.col_idx.begin() + g.row_ptr[r + 1]);
     s.row_ptr.push_back(s.nnz());
   }
   return s;
@@ -25,17 +30,20 @@ struct config {
 };
 
 std::string name(const config& c) {
-  return std::string(to_string(c.in)) + "->" + std::string(to_string(c.out)) + " d" + std::to_string(c.dim) + " h" +
-         std::to_string(c.heads);
+  return std::string(to_string(c.in)) + "->" + std::string(to_string(c.out)) + " d" +
+         std::to_string(c.dim) + " h" + std::to_string(c.heads);
 }
 
 // Tolerance: P is rounded to the input type before P·V, the output to its type; a few of each.
-double tolerance(const config& c) { return 4 * (unit_roundoff(c.in) + unit_roundoff(c.out)) + 1e-5; }
+double tolerance(const config& c) {
+  return 4 * (unit_roundoff(c.in) + unit_roundoff(c.out)) + 1e-5;
+}
 
 // Runs the kernel twice on fresh signed inputs (or the given transform of them) and checks: every
 // output finite, both runs bitwise equal, sampled rows within tolerance of float64.
-void check(const attention_plan& plan, const csr_graph& g, const config& c, std::uint64_t seed, double lo = -1.0,
-           double hi = 1.0, std::optional<double> scale = std::nullopt, std::int64_t sample = 512, bool zero_q = false) {
+void check(const attention_plan& plan, const csr_graph& g, const config& c, std::uint64_t seed,
+           double lo = -1.0, double hi = 1.0, std::optional<double> scale = std::nullopt,
+           std::int64_t sample = 512, bool zero_q = false) {
   SCOPED_TRACE(name(c) + " n " + std::to_string(g.rows) + " nnz " + std::to_string(g.nnz()));
   auto x = test::random_qkv(g, c.heads, c.dim, c.in, seed, lo, hi);
   if (zero_q) x.q.fill(0.0);
@@ -46,7 +54,8 @@ void check(const attention_plan& plan, const csr_graph& g, const config& c, std:
   out.poison();
   plan.run(q.view(), k.view(), v.view(), out.view(), {.scale = scale});
   const host_tensor second = out.download();
-  ASSERT_EQ(std::memcmp(first.data(), second.data(), first.size_bytes()), 0) << "runs differ: a race";
+  ASSERT_EQ(std::memcmp(first.data(), second.data(), first.size_bytes()), 0)
+      << "runs differ: a race";
   std::int64_t not_finite = 0;
 #pragma omp parallel for reduction(+ : not_finite)
   for (std::int64_t i = 0; i < first.numel(); ++i) not_finite += !std::isfinite(first.get(i));
@@ -56,13 +65,15 @@ void check(const attention_plan& plan, const csr_graph& g, const config& c, std:
   if (g.rows <= sample) {
     for (std::int64_t i = 0; i < g.rows; ++i) rows.push_back(i);
   } else {
-    for (std::int64_t i = 0; i < sample; ++i) rows.push_back(static_cast<std::int64_t>(r.below(g.rows)));
+    for (std::int64_t i = 0; i < sample; ++i)
+      rows.push_back(static_cast<std::int64_t>(r.below(g.rows)));
     rows.push_back(g.rows - 1);  // the last, possibly partial, row window
     std::sort(rows.begin(), rows.end());
     rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
   }
   const csr_graph sub = sub_rows(g, rows);
-  host_tensor qs(c.in, sub.rows, c.heads, c.dim), ref(dtype::f64, sub.rows, c.heads, c.dim), got(c.out, sub.rows, c.heads, c.dim);
+  host_tensor qs(c.in, sub.rows, c.heads, c.dim), ref(dtype::f64, sub.rows, c.heads, c.dim),
+      got(c.out, sub.rows, c.heads, c.dim);
   const std::int64_t w = c.heads * c.dim;
   for (std::size_t i = 0; i < rows.size(); ++i) {
     for (std::int64_t e = 0; e < w; ++e) {
@@ -70,17 +81,20 @@ void check(const attention_plan& plan, const csr_graph& g, const config& c, std:
       got.set(static_cast<std::int64_t>(i) * w + e, first.get(rows[i] * w + e));
     }
   }
-  reference::attention(sub, qs.view(), x.k.view(), x.v.view(), ref.view(), effective_scale({.scale = scale}, c.dim));
+  reference::attention(sub, qs.view(), x.k.view(), x.v.view(), ref.view(),
+                       effective_scale({.scale = scale}, c.dim));
   const auto e = test::compare(got, ref);
   EXPECT_LE(e.relative(), tolerance(c)) << "max abs " << e.max_abs;
   for (std::size_t i = 0; i < rows.size(); ++i) {  // empty rows: exactly zero
     if (g.degree(rows[i]) != 0) continue;
-    for (std::int64_t e2 = 0; e2 < w; ++e2) ASSERT_EQ(got.get(static_cast<std::int64_t>(i) * w + e2), 0.0);
+    for (std::int64_t e2 = 0; e2 < w; ++e2)
+      ASSERT_EQ(got.get(static_cast<std::int64_t>(i) * w + e2), 0.0);
   }
 }
 
-void check(const csr_graph& g, const config& c, std::uint64_t seed, double lo = -1.0, double hi = 1.0,
-           std::optional<double> scale = std::nullopt, std::int64_t sample = 512, bool zero_q = false) {
+void check(const csr_graph& g, const config& c, std::uint64_t seed, double lo = -1.0,
+           double hi = 1.0, std::optional<double> scale = std::nullopt, std::int64_t sample = 512,
+           bool zero_q = false) {
   check(attention_plan::build(g, device_kind::cuda), g, c, seed, lo, hi, scale, sample, zero_q);
 }
 
@@ -140,8 +154,8 @@ TEST(GpuFused3s, ScoreEdgeCases) {
   for (const dtype in : {dtype::f16, dtype::bf16}) {
     const config c{in, dtype::f32, 64, 2};
     check(g, c, 12, -1.0, 1.0, 1.0, 512, true);  // q = 0: every score exactly 0, still an edge
-    check(g, c, 13, 0.5, 1.0, -1.0);    // every score negative (a running max starting at 0 fails)
-    check(g, c, 14, 11.0, 13.0, 1.0);   // scores near 1e4 (64 * 12^2): no overflow
+    check(g, c, 13, 0.5, 1.0, -1.0);   // every score negative (a running max starting at 0 fails)
+    check(g, c, 14, 11.0, 13.0, 1.0);  // scores near 1e4 (64 * 12^2): no overflow
   }
 }
 
@@ -166,7 +180,8 @@ TEST(GpuFused3s, RejectsWhatItCannotRun) {
   auto y = test::random_qkv(g, 1, 64, dtype::f32, 1);  // fp32 inputs
   test::device_tensor q2(y.q), k2(y.k), v2(y.v), out2(host_tensor(dtype::f32, 64, 1, 64));
   EXPECT_THROW(plan.run(q2.view(), k2.view(), v2.view(), out2.view()), invalid_input);
-  EXPECT_THROW(plan.run(y.q.view(), k2.view(), v2.view(), out2.view()), invalid_input);  // q on the host
+  EXPECT_THROW(plan.run(y.q.view(), k2.view(), v2.view(), out2.view()),
+               invalid_input);  // q on the host
 }
 
 }  // namespace

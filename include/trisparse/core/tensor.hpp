@@ -79,4 +79,35 @@ class host_tensor {
   std::vector<std::byte> bytes_;
 };
 
+/// An owning, densely packed tensor on the current CUDA device (cudaMalloc). Without the CUDA
+/// backend every constructor throws not_supported.
+class device_tensor {
+ public:
+  device_tensor() = default;
+  device_tensor(dtype type, std::int64_t rows, std::int64_t heads, std::int64_t dim);
+  /// A device copy of a host tensor (synchronous).
+  explicit device_tensor(const host_tensor& host);
+  ~device_tensor();
+  device_tensor(device_tensor&& other) noexcept;
+  device_tensor& operator=(device_tensor&& other) noexcept;
+  device_tensor(const device_tensor&) = delete;
+  device_tensor& operator=(const device_tensor&) = delete;
+
+  tensor_view view() const;
+  /// A host copy (synchronises the device first).
+  host_tensor to_host() const;
+  /// Sets every byte (0xFF poisons floats with NaN).
+  void fill_bytes(unsigned char value);
+
+ private:
+  dtype type_ = dtype::f32;
+  std::int64_t rows_ = 0, heads_ = 1, dim_ = 0;
+  int device_ = 0;
+  void* data_ = nullptr;
+};
+
+/// Waits for all work on the current CUDA device (a no-op without the CUDA backend).
+/// @throws cuda_error if earlier asynchronous work failed.
+void device_synchronize();
+
 }  // namespace trisparse

@@ -19,12 +19,14 @@ class device_buffer {
   }
   /// Copies a host vector to a new device buffer (synchronous).
   explicit device_buffer(const std::vector<T>& host) : device_buffer(host.size()) {
-    if (n_ > 0) TRISPARSE_CUDA_TRY(cudaMemcpy(p_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice));
+    if (n_ > 0)
+      TRISPARSE_CUDA_TRY(cudaMemcpy(p_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice));
   }
   ~device_buffer() {
     if (p_ != nullptr) cudaFree(p_);
   }
-  device_buffer(device_buffer&& o) noexcept : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
+  device_buffer(device_buffer&& o) noexcept
+      : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
   device_buffer& operator=(device_buffer&& o) noexcept {
     std::swap(p_, o.p_);
     std::swap(n_, o.n_);

@@ -3,16 +3,33 @@
 #include "device.hpp"
 #include "trisparse/core/error.hpp"
 
+namespace trisparse {
+device_tensor::device_tensor(dtype, std::int64_t, std::int64_t, std::int64_t) {
+  throw not_supported("device_tensor: this build has no CUDA backend");
+}
+device_tensor::device_tensor(const host_tensor&) {
+  throw not_supported("device_tensor: this build has no CUDA backend");
+}
+device_tensor::~device_tensor() = default;
+device_tensor::device_tensor(device_tensor&&) noexcept = default;
+device_tensor& device_tensor::operator=(device_tensor&&) noexcept = default;
+tensor_view device_tensor::view() const { return {}; }
+host_tensor device_tensor::to_host() const { return {}; }
+void device_tensor::fill_bytes(unsigned char) {}
+void device_synchronize() {}
+}  // namespace trisparse
+
 namespace trisparse::cuda {
 int device_count() { return 0; }
 std::string describe_device(int) { return ""; }
 
 struct fused3s_device_plan {};
 std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const bsb&, std::int32_t) {
-  throw not_supported("this build has no CUDA backend (configure with TRISPARSE_CUDA=ON where nvcc exists)");
+  throw not_supported(
+      "this build has no CUDA backend (configure with TRISPARSE_CUDA=ON where nvcc exists)");
 }
-void run_fused3s(const fused3s_device_plan&, const tensor_view&, const tensor_view&, const tensor_view&,
-                 const tensor_view&, double, stream_ref) {
+void run_fused3s(const fused3s_device_plan&, const tensor_view&, const tensor_view&,
+                 const tensor_view&, const tensor_view&, double, stream_ref) {
   throw not_supported("this build has no CUDA backend");
 }
 std::int64_t device_bytes(const fused3s_device_plan&) { return 0; }

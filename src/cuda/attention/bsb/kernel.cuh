@@ -55,11 +55,17 @@ __device__ __forceinline__ void zero(std::uint32_t (&r)[N]) {
 template <class O>
 __device__ __forceinline__ O from_float(float x);
 template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
 template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
 
 /// Stores N floats (converted to O) to consecutive addresses with 16-byte stores where possible.
 template <class O, int N>
@@ -67,7 +73,8 @@ __device__ __forceinline__ void store_run(O* dst, const float (&x)[N]) {
   if constexpr (sizeof(O) == 4 && N % 4 == 0) {
 #pragma unroll
     for (int i = 0; i < N / 4; ++i) {
-      reinterpret_cast<float4*>(dst)[i] = make_float4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3]);
+      reinterpret_cast<float4*>(dst)[i] =
+          make_float4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3]);
     }
   } else if constexpr (sizeof(O) == 2 && N % 8 == 0) {
 #pragma unroll
@@ -110,13 +117,23 @@ struct tcb_rows {
 };
 
 template <class T, int D>
-__device__ __forceinline__ void load_rows(const params& p, const tcb_meta& m, int h, int g, int t, tcb_rows<D>& r) {
+__device__ __forceinline__ void load_rows(const params& p, const tcb_meta& m, int h, int g, int t,
+                                          tcb_rows<D>& r) {
   const T* k = static_cast<const T*>(p.k) + h * p.k_head;
   const T* v = static_cast<const T*>(p.v) + h * p.v_head;
   // Padding slots (-1) load zeros: their P is 0, and 0 * garbage could be NaN.
-  if (m.ck >= 0) load_halves<D / 4>(k + m.ck * p.k_row + t * (D / 4), r.k); else zero(r.k);
-  if (m.c0 >= 0) load_halves<D / 8>(v + m.c0 * p.v_row + g * (D / 8), r.v0); else zero(r.v0);
-  if (m.c1 >= 0) load_halves<D / 8>(v + m.c1 * p.v_row + g * (D / 8), r.v1); else zero(r.v1);
+  if (m.ck >= 0)
+    load_halves<D / 4>(k + m.ck * p.k_row + t * (D / 4), r.k);
+  else
+    zero(r.k);
+  if (m.c0 >= 0)
+    load_halves<D / 8>(v + m.c0 * p.v_row + g * (D / 8), r.v0);
+  else
+    zero(r.v0);
+  if (m.c1 >= 0)
+    load_halves<D / 8>(v + m.c1 * p.v_row + g * (D / 8), r.v1);
+  else
+    zero(r.v1);
 }
 
 /// Combines the partial states of a split window (run by the window's last warp): for each row,
@@ -124,12 +141,14 @@ __device__ __forceinline__ void load_rows(const params& p, const tcb_meta& m, in
 /// (m, l); each lane owns columns lane + 32c and, per part, issues 8 rows x D/32 independent
 /// coalesced loads (through L2, __ldcg: other SMs wrote the partials).
 template <int D, class O>
-__device__ __forceinline__ void merge_window(const params& p, const split_window& sw, int h, int lane) {
+__device__ __forceinline__ void merge_window(const params& p, const split_window& sw, int h,
+                                             int lane) {
   constexpr int kC = D / 32;
   const auto part_base = [&](int i) { return std::int64_t{sw.first_part + i} * p.heads + h; };
   float m = kNegInf, l = 0.0f;
   if (lane < 16) {
-    for (int i = 0; i < sw.parts; ++i) m = fmaxf(m, __ldcg(p.part_ml + part_base(i) * 32 + 2 * lane));
+    for (int i = 0; i < sw.parts; ++i)
+      m = fmaxf(m, __ldcg(p.part_ml + part_base(i) * 32 + 2 * lane));
   }
   const float u = m == kNegInf ? 0.0f : m;  // safe max: an empty row keeps weight 0
   if (lane < 16) {
@@ -162,7 +181,8 @@ __device__ __forceinline__ void merge_window(const params& p, const split_window
       const std::int64_t row = std::int64_t{sw.window} * 16 + r0 + r;
       if (row >= p.rows) continue;
 #pragma unroll
-      for (int c = 0; c < kC; ++c) out[row * p.o_row + lane + 32 * c] = from_float<O>(acc[r][c] * inv);
+      for (int c = 0; c < kC; ++c)
+        out[row * p.o_row + lane + 32 * c] = from_float<O>(acc[r][c] * inv);
     }
   }
 }
@@ -181,8 +201,14 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) fused3s_kernel(const 
   // Q rows g and g+8 (zeros past the last row: no read past the end).
   std::uint32_t q0[kQ / 2], q1[kQ / 2];
   const T* q = static_cast<const T*>(p.q) + h * p.q_head + t * kQ;
-  if (row0 < p.rows) load_halves<kQ>(q + row0 * p.q_row, q0); else zero(q0);
-  if (row1 < p.rows) load_halves<kQ>(q + row1 * p.q_row, q1); else zero(q1);
+  if (row0 < p.rows)
+    load_halves<kQ>(q + row0 * p.q_row, q0);
+  else
+    zero(q0);
+  if (row1 < p.rows)
+    load_halves<kQ>(q + row1 * p.q_row, q1);
+  else
+    zero(q1);
 
   float o[kV][4];
 #pragma unroll
@@ -234,7 +260,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) fused3s_kernel(const 
     const float c0 = exp2f(m0 - u0), c1 = exp2f(m1 - u1);
     m0 = n0;
     m1 = n1;
-    const float p0 = exp2f(s[0] - u0), p1 = exp2f(s[1] - u0), p2 = exp2f(s[2] - u1), p3 = exp2f(s[3] - u1);
+    const float p0 = exp2f(s[0] - u0), p1 = exp2f(s[1] - u0), p2 = exp2f(s[2] - u1),
+                p3 = exp2f(s[3] - u1);
     l0 = l0 * c0 + p0 + p1;
     l1 = l1 * c1 + p2 + p3;
     const std::uint32_t pa[2] = {arch::pack2<T>(p0, p1), arch::pack2<T>(p2, p3)};
@@ -257,7 +284,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) fused3s_kernel(const 
 
   float r00[kV], r01[kV], r10[kV], r11[kV];  // rows (g, g+8) x column runs (2t, 2t+1)
   if (it.part < 0) {
-    const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;  // empty row: 0
+    const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f,
+                i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;  // empty row: 0
 #pragma unroll
     for (int j = 0; j < kV; ++j) {
       r00[j] = o[j][0] * i0;

@@ -34,7 +34,9 @@ constexpr int kWarps = 4;
 // At D = 128 three blocks (168 registers) spill and measured 1.2-1.6x slower than two (H200,
 // docs/notes/fused3s.md); D <= 64 fits four without spilling.
 template <int D>
-constexpr int kMinBlocks = D <= 64 ? 4 : D == 128 ? 2 : 1;
+constexpr int kMinBlocks = D <= 64    ? 4
+                           : D == 128 ? 2
+                                      : 1;
 
 template <class T, int D, class O>
 void launch(const fused3s::params& p, cudaStream_t s) {
@@ -48,30 +50,43 @@ void launch(const fused3s::params& p, cudaStream_t s) {
 template <class T, int D>
 void launch_out(dtype out, const fused3s::params& p, cudaStream_t s) {
   switch (out) {
-    case dtype::f32: return launch<T, D, float>(p, s);
-    case dtype::f16: return launch<T, D, __half>(p, s);
-    case dtype::bf16: return launch<T, D, __nv_bfloat16>(p, s);
-    default: throw invalid_input("fused 3S writes f32, f16 or bf16 output, not " + std::string(to_string(out)));
+    case dtype::f32:
+      return launch<T, D, float>(p, s);
+    case dtype::f16:
+      return launch<T, D, __half>(p, s);
+    case dtype::bf16:
+      return launch<T, D, __nv_bfloat16>(p, s);
+    default:
+      throw invalid_input("fused 3S writes f32, f16 or bf16 output, not " +
+                          std::string(to_string(out)));
   }
 }
 
 template <class T>
 void launch_dim(std::int64_t d, dtype out, const fused3s::params& p, cudaStream_t s) {
   switch (d) {
-    case 32: return launch_out<T, 32>(out, p, s);
-    case 64: return launch_out<T, 64>(out, p, s);
-    case 128: return launch_out<T, 128>(out, p, s);
-    case 256: return launch_out<T, 256>(out, p, s);
-    default: throw invalid_input("fused 3S supports head_dim 32, 64, 128 or 256, not " + std::to_string(d));
+    case 32:
+      return launch_out<T, 32>(out, p, s);
+    case 64:
+      return launch_out<T, 64>(out, p, s);
+    case 128:
+      return launch_out<T, 128>(out, p, s);
+    case 256:
+      return launch_out<T, 256>(out, p, s);
+    default:
+      throw invalid_input("fused 3S supports head_dim 32, 64, 128 or 256, not " +
+                          std::to_string(d));
   }
 }
 
 void check_layout(const tensor_view& t, const char* what) {
   const auto misaligned = [](std::int64_t x) { return x % 8 != 0; };
-  if (misaligned(t.row_stride) || misaligned(t.head_stride) || reinterpret_cast<std::uintptr_t>(t.data) % 16 != 0) {
-    throw invalid_input(std::string(what) + " " + t.describe() +
-                        ": the CUDA kernel needs 16-byte aligned data and row/head strides that are "
-                        "multiples of 8 elements");
+  if (misaligned(t.row_stride) || misaligned(t.head_stride) ||
+      reinterpret_cast<std::uintptr_t>(t.data) % 16 != 0) {
+    throw invalid_input(
+        std::string(what) + " " + t.describe() +
+        ": the CUDA kernel needs 16-byte aligned data and row/head strides that are "
+        "multiples of 8 elements");
   }
 }
 
@@ -98,7 +113,8 @@ std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const bsb& f, std::int32_
   std::vector<fused3s::split_window> splits;
   std::int32_t parts = 0;
   for (const std::int32_t w : f.window_order) {
-    const auto b = static_cast<std::int32_t>(f.tcb_offset[w]), e = static_cast<std::int32_t>(f.tcb_offset[w + 1]);
+    const auto b = static_cast<std::int32_t>(f.tcb_offset[w]),
+               e = static_cast<std::int32_t>(f.tcb_offset[w + 1]);
     if (e - b <= limit) {
       items.push_back({w, b, e, -1, -1});
       continue;
@@ -130,10 +146,12 @@ std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const bsb& f, std::int32_
 void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const tensor_view& k,
                  const tensor_view& v, const tensor_view& out, double scale, stream_ref stream) {
   if (q.type != k.type || q.type != v.type || (q.type != dtype::f16 && q.type != dtype::bf16)) {
-    throw invalid_input("fused 3S takes q, k, v all f16 or all bf16 (got " + std::string(to_string(q.type)) +
-                        ", " + std::string(to_string(k.type)) + ", " + std::string(to_string(v.type)) + ")");
+    throw invalid_input("fused 3S takes q, k, v all f16 or all bf16 (got " +
+                        std::string(to_string(q.type)) + ", " + std::string(to_string(k.type)) +
+                        ", " + std::string(to_string(v.type)) + ")");
   }
-  if (v.dim != q.dim) throw invalid_input("fused 3S needs v's dim equal to q's (" + std::to_string(q.dim) + ")");
+  if (v.dim != q.dim)
+    throw invalid_input("fused 3S needs v's dim equal to q's (" + std::to_string(q.dim) + ")");
   check_layout(q, "q");
   check_layout(k, "k");
   check_layout(v, "v");
@@ -141,8 +159,8 @@ void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const te
   int device = 0;
   TRISPARSE_CUDA_TRY(cudaGetDevice(&device));
   if (device != plan.device) {
-    throw invalid_input("the plan was built on device " + std::to_string(plan.device) + " but device " +
-                        std::to_string(device) + " is current");
+    throw invalid_input("the plan was built on device " + std::to_string(plan.device) +
+                        " but device " + std::to_string(device) + " is current");
   }
   fused3s::params p{};
   p.q = q.data;
@@ -169,12 +187,14 @@ void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const te
   if (plan.num_parts > 0) {
     const std::size_t need = static_cast<std::size_t>(plan.num_parts) * q.heads * 16;
     std::lock_guard<std::mutex> lock(plan.workspace_mutex);
-    if (plan.part_o.size() < need * q.dim || plan.split_count.size() < plan.num_splits * static_cast<std::size_t>(q.heads)) {
+    if (plan.part_o.size() < need * q.dim ||
+        plan.split_count.size() < plan.num_splits * static_cast<std::size_t>(q.heads)) {
       // Grows once per larger heads x dim, never per call of the same shape.
       TRISPARSE_CUDA_TRY(cudaDeviceSynchronize());
       plan.part_o = device_buffer<float>(need * q.dim);
       plan.part_ml = device_buffer<float>(need * 2);
-      plan.split_count = device_buffer<std::int32_t>(static_cast<std::size_t>(plan.num_splits) * q.heads);
+      plan.split_count =
+          device_buffer<std::int32_t>(static_cast<std::size_t>(plan.num_splits) * q.heads);
       TRISPARSE_CUDA_TRY(cudaMemset(plan.split_count.data(), 0, plan.split_count.bytes()));
     }
     p.part_o = plan.part_o.data();
@@ -182,14 +202,16 @@ void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const te
     p.split_count = plan.split_count.data();
   }
   const auto s = static_cast<cudaStream_t>(stream.handle);
-  if (q.type == dtype::f16) launch_dim<__half>(q.dim, out.type, p, s);
-  else launch_dim<__nv_bfloat16>(q.dim, out.type, p, s);
+  if (q.type == dtype::f16)
+    launch_dim<__half>(q.dim, out.type, p, s);
+  else
+    launch_dim<__nv_bfloat16>(q.dim, out.type, p, s);
 }
 
 std::int64_t device_bytes(const fused3s_device_plan& plan) {
   return static_cast<std::int64_t>(plan.col_idx.bytes() + plan.bitmap.bytes() + plan.items.bytes() +
-                                   plan.splits.bytes() + plan.part_o.bytes() + plan.part_ml.bytes() +
-                                   plan.split_count.bytes());
+                                   plan.splits.bytes() + plan.part_o.bytes() +
+                                   plan.part_ml.bytes() + plan.split_count.bytes());
 }
 std::int64_t work_items(const fused3s_device_plan& plan) { return plan.num_items; }
 std::int64_t split_windows(const fused3s_device_plan& plan) { return plan.num_splits; }

@@ -21,17 +21,17 @@ struct params {
   const void* v;
   void* out;
   std::int64_t q_row, q_head, k_row, k_head, v_row, v_head, o_row, o_head;  // element strides
-  std::int64_t rows;                     // query rows
-  const std::int32_t* col_idx;           // [tcbs * 8], -1 = padding
-  const std::uint64_t* bitmap;           // [tcbs * 2]
+  std::int64_t rows;                                                        // query rows
+  const std::int32_t* col_idx;  // [tcbs * 8], -1 = padding
+  const std::uint64_t* bitmap;  // [tcbs * 2]
   const work_item* items;
   std::int32_t num_items;
   const split_window* splits;
   std::int32_t num_splits;
-  float scale_log2;                      // scale * log2(e)
-  float* part_o;                         // [parts, heads, 16, D]
-  float* part_ml;                        // [parts, heads, 16, 2]
-  std::int32_t* split_count;             // [splits, heads]: partials done, reset by the merger
+  float scale_log2;           // scale * log2(e)
+  float* part_o;              // [parts, heads, 16, D]
+  float* part_ml;             // [parts, heads, 16, 2]
+  std::int32_t* split_count;  // [splits, heads]: partials done, reset by the merger
   std::int32_t heads;
 };
 

@@ -15,7 +15,8 @@ struct fused3s_device_plan;
 /// Uploads the format and builds the work list: windows in decreasing TCB order, windows of more
 /// than `split_tcbs` TCBs cut into chunks (0 = chosen from the TCB total and the SM count).
 /// @throws not_supported without the CUDA backend; cuda_error on a CUDA failure.
-std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const bsb& format, std::int32_t split_tcbs = 0);
+std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const bsb& format,
+                                                       std::int32_t split_tcbs = 0);
 
 /// out = attention(q, k, v) on the current stream. q, k, v: f16 or bf16, one dtype; out: f32, f16
 /// or bf16; head_dim (= v's dim) 32, 64, 128 or 256; strides multiples of 8 elements, 16-byte

@@ -25,7 +25,8 @@ __device__ __forceinline__ void mma_16x8x16_f32<__half>(float (&c)[4], const std
 }
 
 template <>
-__device__ __forceinline__ void mma_16x8x16_f32<__nv_bfloat16>(float (&c)[4], const std::uint32_t (&a)[4],
+__device__ __forceinline__ void mma_16x8x16_f32<__nv_bfloat16>(float (&c)[4],
+                                                               const std::uint32_t (&a)[4],
                                                                const std::uint32_t (&b)[2]) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -36,21 +37,26 @@ __device__ __forceinline__ void mma_16x8x16_f32<__nv_bfloat16>(float (&c)[4], co
 
 /// m16n8k8, 16-bit A/B, f32 C/D. a: 2 regs, b: 1 reg, c: 4 floats.
 template <class T>
-__device__ __forceinline__ void mma_16x8x8_f32(float (&c)[4], const std::uint32_t (&a)[2], std::uint32_t b);
+__device__ __forceinline__ void mma_16x8x8_f32(float (&c)[4], const std::uint32_t (&a)[2],
+                                               std::uint32_t b);
 
 template <>
-__device__ __forceinline__ void mma_16x8x8_f32<__half>(float (&c)[4], const std::uint32_t (&a)[2], std::uint32_t b) {
+__device__ __forceinline__ void mma_16x8x8_f32<__half>(float (&c)[4], const std::uint32_t (&a)[2],
+                                                       std::uint32_t b) {
   asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+      "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
+      "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(b));
 }
 
 template <>
-__device__ __forceinline__ void mma_16x8x8_f32<__nv_bfloat16>(float (&c)[4], const std::uint32_t (&a)[2],
+__device__ __forceinline__ void mma_16x8x8_f32<__nv_bfloat16>(float (&c)[4],
+                                                              const std::uint32_t (&a)[2],
                                                               std::uint32_t b) {
   asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+      "mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
+      "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(b));
 }
