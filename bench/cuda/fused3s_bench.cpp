@@ -48,20 +48,6 @@ void fill_uniform16(host_tensor& t, std::uint64_t seed) {
   }
 }
 
-csr_graph sub_rows(const csr_graph& g, const std::vector<std::int64_t>& rows) {
-  csr_graph s{.rows = static_cast<std::int64_t>(rows.size()),
-              .cols = g.cols,
-              .row_ptr = {0},
-              .col_idx = {},
-              .values = {}};
-  for (const auto r : rows) {
-    s.col_idx.insert(s.col_idx.end(), g.col_idx.begin() + g.row_ptr[r],
-                     g.col_idx.begin() + g.row_ptr[r + 1]);
-    s.row_ptr.push_back(s.nnz());
-  }
-  return s;
-}
-
 void bench(const std::string& name, const csr_graph& g, std::int64_t dim, std::int64_t heads,
            dtype in, int repeat, std::int32_t split) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -133,7 +119,7 @@ void bench(const std::string& name, const csr_graph& g, std::int64_t dim, std::i
     rows.push_back(static_cast<std::int64_t>(r.below(g.rows)));
   std::sort(rows.begin(), rows.end());
   rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
-  const csr_graph sub = sub_rows(g, rows);
+  const csr_graph sub = select_rows(g, rows);
   host_tensor qs(in, sub.rows, heads, dim), ref(dtype::f64, sub.rows, heads, dim);
   const std::int64_t w = heads * dim;
   for (std::size_t i = 0; i < rows.size(); ++i) {

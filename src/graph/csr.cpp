@@ -172,6 +172,23 @@ csr_graph transpose(const csr_graph& g) {
   return to_csr(coo);
 }
 
+csr_graph select_rows(const csr_graph& g, std::span<const std::int64_t> rows) {
+  csr_graph s;
+  s.rows = static_cast<std::int64_t>(rows.size());
+  s.cols = g.cols;
+  for (const auto r : rows) {
+    if (r < 0 || r >= g.rows)
+      throw invalid_input("select_rows: row " + std::to_string(r) + " out of range");
+    s.col_idx.insert(s.col_idx.end(), g.col_idx.begin() + g.row_ptr[r],
+                     g.col_idx.begin() + g.row_ptr[r + 1]);
+    if (g.has_values())
+      s.values.insert(s.values.end(), g.values.begin() + g.row_ptr[r],
+                      g.values.begin() + g.row_ptr[r + 1]);
+    s.row_ptr.push_back(s.nnz());
+  }
+  return s;
+}
+
 degree_stats compute_degree_stats(const csr_graph& g) {
   degree_stats s;
   if (g.rows == 0) return s;

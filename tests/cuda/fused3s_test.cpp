@@ -9,21 +9,6 @@ namespace {
 #define SKIP_WITHOUT_GPU() \
   if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible: skipping"
 
-// Rows of a pattern, as their own pattern (checked against the reference on a sample of rows).
-csr_graph sub_rows(const csr_graph& g, const std::vector<std::int64_t>& rows) {
-  csr_graph s{.rows = static_cast<std::int64_t>(rows.size()),
-              .cols = g.cols,
-              .row_ptr = {0},
-              .col_idx = {},
-              .values = {}};
-  for (const auto r : rows) {
-    s.col_idx.insert(s.col_idx.end(), g.col_idx.begin() + g.row_ptr[r],
-                     g.col_idx.begin() + g.row_ptr[r + 1]);
-    s.row_ptr.push_back(s.nnz());
-  }
-  return s;
-}
-
 struct config {
   dtype in, out;
   std::int64_t dim, heads;
@@ -71,7 +56,7 @@ void check(const attention_plan& plan, const csr_graph& g, const config& c, std:
     std::sort(rows.begin(), rows.end());
     rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
   }
-  const csr_graph sub = sub_rows(g, rows);
+  const csr_graph sub = select_rows(g, rows);
   host_tensor qs(c.in, sub.rows, c.heads, c.dim), ref(dtype::f64, sub.rows, c.heads, c.dim),
       got(c.out, sub.rows, c.heads, c.dim);
   const std::int64_t w = c.heads * c.dim;

@@ -92,6 +92,23 @@ TEST(Csr, CooCheckRejectsOutOfRange) {
   EXPECT_THROW(to_csr(c), invalid_input);
 }
 
+TEST(Csr, SelectRowsKeepsEachRowAndItsValues) {
+  const csr_graph g = test::random_pattern(50, 70, 9, 21, true);
+  const std::vector<std::int64_t> rows{49, 3, 3, 0};
+  const csr_graph s = select_rows(g, rows);
+  s.check();
+  ASSERT_EQ(s.rows, 4);
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    ASSERT_EQ(s.degree(static_cast<std::int64_t>(i)), g.degree(rows[i]));
+    for (std::int64_t k = 0; k < s.degree(static_cast<std::int64_t>(i)); ++k) {
+      EXPECT_EQ(s.col_idx[s.row_ptr[i] + k], g.col_idx[g.row_ptr[rows[i]] + k]);
+      EXPECT_EQ(s.values[s.row_ptr[i] + k], g.values[g.row_ptr[rows[i]] + k]);
+    }
+  }
+  const std::vector<std::int64_t> bad{50};
+  EXPECT_THROW(select_rows(g, bad), invalid_input);
+}
+
 TEST(Csr, DegreeStats) {
   const csr_graph g = to_csr(small_coo());
   const degree_stats s = compute_degree_stats(g);

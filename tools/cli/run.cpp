@@ -42,20 +42,6 @@ csr_graph default_graph() {
   return generate_rmat({.scale = 15, .edge_factor = 8, .seed = 42});
 }
 
-// Rows `rows` of a pattern, as their own pattern (for checking a sample against the reference).
-csr_graph sub_rows(const csr_graph& g, const std::vector<std::int64_t>& rows) {
-  csr_graph s;
-  s.rows = static_cast<std::int64_t>(rows.size());
-  s.cols = g.cols;
-  s.row_ptr.assign(1, 0);
-  for (const auto r : rows) {
-    s.col_idx.insert(s.col_idx.end(), g.col_idx.begin() + g.row_ptr[r],
-                     g.col_idx.begin() + g.row_ptr[r + 1]);
-    s.row_ptr.push_back(s.nnz());
-  }
-  return s;
-}
-
 std::string npy_descr(dtype t) {
   switch (t) {
     case dtype::f16:
@@ -175,7 +161,7 @@ int run_run(const run_args& a) {
       rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
     }
     checked = static_cast<std::int64_t>(rows.size());
-    const csr_graph sub = sub_rows(g, rows);
+    const csr_graph sub = select_rows(g, rows);
     host_tensor qs(in_t, checked, a.heads, a.dim), ref(dtype::f64, checked, a.heads, a.dim);
     const std::int64_t w = a.heads * a.dim;
     for (std::int64_t i = 0; i < checked; ++i) {

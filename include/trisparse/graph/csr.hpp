@@ -64,6 +64,11 @@ coo_graph to_coo(const csr_graph& g);
 /// The cols x rows transpose (values follow their entries).
 csr_graph transpose(const csr_graph& g);
 
+/// The given rows of g, in the given order, as a pattern of rows.size() rows and g.cols columns
+/// (values follow). For checking a sample of rows against a reference.
+/// @throws invalid_input if a row is out of range.
+csr_graph select_rows(const csr_graph& g, std::span<const std::int64_t> rows);
+
 /// Degree statistics of the rows.
 struct degree_stats {
   std::int64_t min = 0, max = 0;
