@@ -86,15 +86,15 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
   s->pattern.row_ptr = pattern.row_ptr;
   s->pattern.col_idx = pattern.col_idx;
   s->report.format = "csr";
-  if (algo == algorithm::cpu_fused3s_reference || algo == algorithm::cuda_fused_bsb) {
+  if (algo == algorithm::cpu_fused3s_reference) {
     s->blocks = build_bsb(s->pattern, options.tcb_cols);
     s->report.format += "+bsb16x" + std::to_string(options.tcb_cols);
   }
   std::int64_t device_bytes = 0;
   if (algo == algorithm::cuda_fused_bsb) {
-    // The BSB is built on the host and uploaded; the plan keeps only the device copy.
-    s->device_blocks = cuda::make_fused3s_plan(*s->blocks, options.split_tcbs);
-    s->blocks.reset();
+    // The BSB (16x8) is built on the GPU from the checked pattern; the plan keeps the device copy.
+    s->device_blocks = cuda::make_fused3s_plan(s->pattern, options.split_tcbs);
+    s->report.format += "+bsb16x8 (device)";
     device_bytes = cuda::device_bytes(*s->device_blocks);
   }
   s->report.algo = algo;

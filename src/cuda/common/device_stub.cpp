@@ -17,6 +17,9 @@ tensor_view device_tensor::view() const { return {}; }
 host_tensor device_tensor::to_host() const { return {}; }
 void device_tensor::fill_bytes(unsigned char) {}
 void device_synchronize() {}
+bsb build_bsb_cuda(const csr_graph&) {
+  throw not_supported("build_bsb_cuda: this build has no CUDA backend");
+}
 }  // namespace trisparse
 
 namespace trisparse::cuda {
@@ -24,7 +27,7 @@ int device_count() { return 0; }
 std::string describe_device(int) { return ""; }
 
 struct fused3s_device_plan {};
-std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const bsb&, std::int32_t) {
+std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_graph&, std::int32_t) {
   throw not_supported(
       "this build has no CUDA backend (configure with TRISPARSE_CUDA=ON where nvcc exists)");
 }

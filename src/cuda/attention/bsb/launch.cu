@@ -8,6 +8,7 @@
 
 #include "../../common/buffer.cuh"
 #include "../../common/error.cuh"
+#include "../../formats/bsb_build.cuh"
 #include "kernel.cuh"
 #include "plan.hpp"
 
@@ -92,9 +93,19 @@ void check_layout(const tensor_view& t, const char* what) {
 
 }  // namespace
 
-std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const bsb& f, std::int32_t split_tcbs) {
-  TRISPARSE_EXPECTS_INPUT(f.tcb_cols == 8, "the CUDA fused 3S kernel takes 16x8 TCBs");
+std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_graph& pattern,
+                                                       std::int32_t split_tcbs) {
   auto plan = std::make_shared<fused3s_device_plan>();
+  device_bsb f = build_bsb_device(pattern);
+  // The work list is built on the host from the windows' TCB offsets and order (O(windows) bytes).
+  std::vector<std::int64_t> tcb_offset(f.windows + 1);
+  std::vector<std::int32_t> window_order(f.windows);
+  TRISPARSE_CUDA_TRY(cudaMemcpy(tcb_offset.data(), f.tcb_offset.data(), f.tcb_offset.bytes(),
+                                cudaMemcpyDeviceToHost));
+  if (f.windows > 0) {
+    TRISPARSE_CUDA_TRY(cudaMemcpy(window_order.data(), f.window_order.data(),
+                                  f.window_order.bytes(), cudaMemcpyDeviceToHost));
+  }
   TRISPARSE_CUDA_TRY(cudaGetDevice(&plan->device));
   int sms = 0;
   TRISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, plan->device));
@@ -106,15 +117,15 @@ std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const bsb& f, std::int32_
   // per resident warp), 8 while it is not. Calibrated on an H200 by sweeping the cap
   // (bench/results/fused3s_split_sweep_h200.jsonl, docs/notes/fused3s.md).
   const std::int64_t resident = std::int64_t{sms} * 16;
-  const std::int64_t mean = (f.tcbs() + resident - 1) / resident;
+  const std::int64_t mean = (f.tcbs + resident - 1) / resident;
   const std::int64_t floor = mean < 2 ? 8 : 16;
   const std::int64_t limit = split_tcbs > 0 ? split_tcbs : std::max(floor, 2 * mean);
   std::vector<fused3s::work_item> items;
   std::vector<fused3s::split_window> splits;
   std::int32_t parts = 0;
-  for (const std::int32_t w : f.window_order) {
-    const auto b = static_cast<std::int32_t>(f.tcb_offset[w]),
-               e = static_cast<std::int32_t>(f.tcb_offset[w + 1]);
+  for (const std::int32_t w : window_order) {
+    const auto b = static_cast<std::int32_t>(tcb_offset[w]),
+               e = static_cast<std::int32_t>(tcb_offset[w + 1]);
     if (e - b <= limit) {
       items.push_back({w, b, e, -1, -1});
       continue;
@@ -133,8 +144,8 @@ std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const bsb& f, std::int32_
   std::stable_sort(items.begin(), items.end(), [](const auto& x, const auto& y) {
     return x.tcb_end - x.tcb_begin > y.tcb_end - y.tcb_begin;
   });
-  plan->col_idx = device_buffer<std::int32_t>(f.col_idx);
-  plan->bitmap = device_buffer<std::uint64_t>(f.bitmap);
+  plan->col_idx = std::move(f.col_idx);
+  plan->bitmap = std::move(f.bitmap);
   plan->items = device_buffer<fused3s::work_item>(items);
   plan->splits = device_buffer<fused3s::split_window>(splits);
   plan->num_items = static_cast<std::int32_t>(items.size());

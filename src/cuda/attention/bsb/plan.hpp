@@ -5,17 +5,17 @@
 
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/tensor.hpp"
-#include "trisparse/formats/bsb.hpp"
+#include "trisparse/graph/csr.hpp"
 
 namespace trisparse::cuda {
 
 /// The device-resident BSB (16x8 TCBs) and the warps' work list of one pattern.
 struct fused3s_device_plan;
 
-/// Uploads the format and builds the work list: windows in decreasing TCB order, windows of more
-/// than `split_tcbs` TCBs cut into chunks (0 = chosen from the TCB total and the SM count).
-/// @throws not_supported without the CUDA backend; cuda_error on a CUDA failure.
-std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const bsb& format,
+/// Builds the BSB (16x8) of a checked pattern on the GPU and the work list: windows in decreasing
+/// TCB order, windows of more than `split_tcbs` TCBs cut into chunks (0 = chosen from the TCB total
+/// and the SM count). @throws not_supported without the CUDA backend; cuda_error on a CUDA failure.
+std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_graph& pattern,
                                                        std::int32_t split_tcbs = 0);
 
 /// out = attention(q, k, v) on the current stream. q, k, v: f16 or bf16, one dtype; out: f32, f16
