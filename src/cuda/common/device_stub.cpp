@@ -2,6 +2,7 @@
 #include "../attention/bsb/plan.hpp"
 #include "device.hpp"
 #include "trisparse/core/error.hpp"
+#include "trisparse/formats/bsb.hpp"
 
 namespace trisparse {
 device_tensor::device_tensor(dtype, std::int64_t, std::int64_t, std::int64_t) {
