@@ -4,6 +4,8 @@
 //   bench_attention_cpu [--dim D] [--heads H] [--repeat R] GRAPH...
 #include <omp.h>
 
+#include <CLI/CLI.hpp>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -53,17 +55,12 @@ int main(int argc, char** argv) {
   std::int64_t dim = 128, heads = 1;
   int repeat = 10;
   std::vector<std::string> graphs;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--dim" && i + 1 < argc)
-      dim = std::stoll(argv[++i]);
-    else if (a == "--heads" && i + 1 < argc)
-      heads = std::stoll(argv[++i]);
-    else if (a == "--repeat" && i + 1 < argc)
-      repeat = std::stoi(argv[++i]);
-    else
-      graphs.push_back(a);
-  }
+  CLI::App app{"CPU sparse attention benchmark: cpu_fused and the float64 reference"};
+  app.add_option("graphs", graphs, "graph files")->required();
+  app.add_option("--dim", dim, "head dimension")->capture_default_str();
+  app.add_option("--heads", heads, "heads")->capture_default_str();
+  app.add_option("--repeat", repeat, "timed runs")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
   const double copy_bw = copy_bandwidth();
   std::printf("{\"copy_bandwidth_gbps\": %.2f, \"threads\": %d}\n", copy_bw * 1e-9,
               omp_get_max_threads());

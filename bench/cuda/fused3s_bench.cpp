@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 #include <omp.h>
 
+#include <CLI/CLI.hpp>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -195,33 +197,21 @@ int main(int argc, char** argv) {
   int repeat = 20;
   dtype in = dtype::f16;
   std::vector<std::int32_t> splits{0};
-  std::vector<std::pair<std::string, csr_graph>> graphs;
-  std::vector<std::string> paths;
+  std::vector<std::string> paths, rmats;
+  std::string dtype_name = "f16";
+  CLI::App app{"GPU fused 3S benchmark"};
+  app.add_option("graphs", paths, "graph files");
+  app.add_option("--dim", dim, "head dimension")->capture_default_str();
+  app.add_option("--heads", heads, "heads")->capture_default_str();
+  app.add_option("--repeat", repeat, "timed runs")->capture_default_str();
+  app.add_option("--dtype", dtype_name, "f16 or bf16")->capture_default_str();
+  app.add_option("--split", splits, "split thresholds to sweep, comma-separated (0 = cost model)")
+      ->delimiter(',');
+  app.add_option("--rmat", rmats, "generated R-MAT graphs SCALE:EDGE_FACTOR (after the files)");
+  CLI11_PARSE(app, argc, argv);
+  for (const auto& r : rmats) paths.push_back("rmat" + r);
   try {
-    for (int i = 1; i < argc; ++i) {
-      const std::string a = argv[i];
-      if (a == "--dim" && i + 1 < argc)
-        dim = std::stoll(argv[++i]);
-      else if (a == "--heads" && i + 1 < argc)
-        heads = std::stoll(argv[++i]);
-      else if (a == "--repeat" && i + 1 < argc)
-        repeat = std::stoi(argv[++i]);
-      else if (a == "--dtype" && i + 1 < argc)
-        in = parse_dtype(argv[++i]);
-      else if (a == "--split" &&
-               i + 1 < argc) {  // comma-separated thresholds to sweep; 0 = cost model
-        splits.clear();
-        std::string list = argv[++i];
-        for (std::size_t at = 0; at <= list.size();) {
-          const std::size_t comma = std::min(list.find(',', at), list.size());
-          splits.push_back(std::stoi(list.substr(at, comma - at)));
-          at = comma + 1;
-        }
-      } else if (a == "--rmat" && i + 1 < argc)
-        paths.push_back("rmat" + std::string(argv[++i]));
-      else
-        paths.push_back(a);
-    }
+    in = parse_dtype(dtype_name);
     cudaDeviceProp prop{};
     check(cudaGetDeviceProperties(&prop, 0), "properties");
     std::cout << nlohmann::json{{"device", prop.name},
