@@ -12,4 +12,4 @@ out=${OUT:-$build/bench-cpu}
 mkdir -p "$out"
 echo "# $(date -u +%F) commit $(git -C "$here" rev-parse --short HEAD) $(nproc) cores: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)" | tee "$out/meta.txt"
 "$build/bench_attention_cpu" --dim 128 --heads 1 --repeat 10 "${graphs[@]}" | tee "$out/trisparse.jsonl"
-"$python" "$here/bench/python/pyg_cpu.py" --dim 128 --heads 1 --repeat 10 --threads "$(nproc)" "${graphs[@]}" | tee "$out/pyg.jsonl"
+"$python" "$here/bench/python/pyg_attention.py" --dim 128 --heads 1 --repeat 10 --threads "$(nproc)" "${graphs[@]}" | tee "$out/pyg.jsonl"

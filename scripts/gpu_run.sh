@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (the device tool), in one call: GPU tests on every shared dataset,
-# compute-sanitizer memcheck and racecheck, then the fused 3S benchmark. Logs go under $OUT.
+# compute-sanitizer memcheck and racecheck, the fused 3S benchmark with its in-project baselines
+# (cuSPARSE, dense cuBLAS) and the PyTorch / PyG script. Logs and JSONL go under $OUT.
 # Build here first (the GPU machine has no package registry):
 #   cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRISPARSE_CUDA=ON \
 #         -DCMAKE_CUDA_ARCHITECTURES=90 -DTRISPARSE_DATASETS_DIR=data
 #   cmake --build build/gpu --target gpu_tests bench_fused3s trisparse_cli
 #   mkdir -p data .devlibs && cp ../shared/datasets/* data/ && cp -L /lib/x86_64-linux-gnu/libzip.so.4 /lib/x86_64-linux-gnu/libbz2.so.1.0 .devlibs/
-# and call with carry = [build/gpu, data, .devlibs]. Usage: scripts/gpu_run.sh [tests|sanitize|bench|sweep|all]
+# and call with carry = [build/gpu, data, .devlibs].
+# Usage: scripts/gpu_run.sh [tests|sanitize|bench|matrix|large|sweep|all] (all = tests sanitize bench)
 set -uo pipefail
 out=${OUT:-/tmp/trisparse-out}
 mkdir -p "$out"
-export LD_LIBRARY_PATH=$PWD/.devlibs:${LD_LIBRARY_PATH:-}
+export LD_LIBRARY_PATH=$PWD/.devlibs:/usr/local/cuda/lib64:/usr/local/cuda/lib:${LD_LIBRARY_PATH:-}
 export TRISPARSE_DATASETS=$PWD/data
 b=build/gpu
 what=${1:-all}
 status=0
+run() { [ "$what" = "$1" ] || { [ "$what" = all ] && [ "$1" != matrix ] && [ "$1" != large ] && [ "$1" != sweep ]; }; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv | tee "$out/gpu.txt"
-if [ "$what" = tests ] || [ "$what" = all ]; then
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown) $(date -u +%FT%TZ)" | tee -a "$out/gpu.txt"
+
+if run tests; then
   "$b/tests/gpu_tests" --gtest_brief=1 > "$out/gpu_tests.log" 2>&1 || status=1
   tail -5 "$out/gpu_tests.log"
   # The demo on the GPU (embedded default graph), and --save checked independently with NumPy.
@@ -25,36 +30,60 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     >> "$out/demo.log" 2>&1 && python3 tools/check_saved.py /tmp/saved >> "$out/demo.log" 2>&1 || status=1
   cat "$out/demo.log"
 fi
-if [ "$what" = sanitize ] || [ "$what" = all ]; then
-  filter='GpuFused3s.EveryTypeAndHeadDim*:GpuFused3s.MultiHead*:GpuFused3s.ScoreEdgeCases:Gpu.*:GpuBsbBuild.EqualsTheHostBuilder'
+
+if run sanitize; then
+  # Every GPU test; the per-dataset ones with two type configurations (TRISPARSE_GPU_TEST_QUICK).
   for tool in memcheck racecheck; do
-    compute-sanitizer --tool "$tool" --error-exitcode 9 "$b/tests/gpu_tests" --gtest_brief=1 \
-      --gtest_filter="$filter" > "$out/sanitizer_$tool.log" 2>&1 || status=1
+    TRISPARSE_GPU_TEST_QUICK=1 compute-sanitizer --tool "$tool" --error-exitcode 9 "$b/tests/gpu_tests" \
+      --gtest_brief=1 > "$out/sanitizer_$tool.log" 2>&1 || status=1
     echo "$tool: $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$out/sanitizer_$tool.log" | tr '\n' ' ')"
   done
 fi
+
+gen() {  # generated graphs as edge lists both tools read (R-MAT, seed 7)
+  mkdir -p data/gen
+  for spec in "$@"; do
+    s=${spec%%:*} ef=${spec##*:}
+    [ -f "data/gen/rmat$s.el" ] || "$b/trisparse" -q generate rmat "data/gen/rmat$s.el" --scale "$s" --edge-factor "$ef" --seed 7
+  done
+}
+
+if run bench; then
+  gen 18:10 20:10
+  graphs=(data/*.el.xz data/gen/rmat18.el data/gen/rmat20.el)
+  "$b/bench_fused3s" --dim 128 --heads 1 --repeat 20 --dtype f16 "${graphs[@]}" \
+    > "$out/bench_fused3s.jsonl" 2> "$out/bench_fused3s.err" || status=1
+  python3 bench/python/pyg_attention.py --device cuda --dim 128 --heads 1 --repeat 20 "${graphs[@]}" \
+    > "$out/pyg_cuda.jsonl" 2> "$out/pyg_cuda.err" || status=1
+  python3 bench/compare_anchors.py "$out/bench_fused3s.jsonl" --pyg "$out/pyg_cuda.jsonl" | tail -8
+fi
+
+if [ "$what" = matrix ]; then
+  # D, heads and dtype beyond the anchors' setting, on graphs of each kind.
+  graphs=(data/pubmed.el.xz data/musae_github.el.xz data/blogcatalog.el.xz data/snap_web_notredame.el.xz
+          data/tu_nci1.el.xz data/deezer_egos.el.xz data/reddit10k.el.xz)
+  for dtype in f16 bf16; do
+    for dim in 64 128 256; do
+      for heads in 1 8; do
+        "$b/bench_fused3s" --no-baselines --dim "$dim" --heads "$heads" --dtype "$dtype" --repeat 20 "${graphs[@]}" \
+          >> "$out/matrix.jsonl" 2>> "$out/matrix.err" || status=1
+      done
+    done
+  done
+  grep -c graph "$out/matrix.jsonl"
+fi
+
+if [ "$what" = large ]; then
+  # >= 100M-edge R-MAT (Reddit-like skew) and a 10M-node / 120M-edge uniform graph.
+  "$b/bench_fused3s" --dim 128 --heads 1 --repeat 10 --rmat 23:8 --er 10000000:12 \
+    > "$out/large.jsonl" 2> "$out/large.err" || status=1
+  cat "$out/large.jsonl"
+fi
+
 if [ "$what" = sweep ]; then
   # The split threshold against the cost model (0) on graphs of each kind.
-  "$b/bench_fused3s" --repeat 20 --split 0,8,16,32,64,100000 data/cora.el.xz data/pubmed.el.xz data/twitch_ru.el.xz \
-    data/musae_github.el.xz data/blogcatalog.el.xz data/snap_web_notredame.el.xz data/tu_nci1.el.xz --rmat 18:10 \
-    > "$out/sweep.jsonl" 2>&1 || status=1
-  python3 -c "
-import json,sys
-for l in open(sys.argv[1]):
-    r=json.loads(l)
-    if 'graph' in r: print(f\"{r['graph']:22s} split {r['split_tcbs']:>6d} {r['kernel_ms']:8.4f} ms err {r['max_rel_error']:.1e}\")
-" "$out/sweep.jsonl"
-fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
-  "$b/bench_fused3s" --dim 128 --heads 1 --repeat 20 --dtype f16 data/*.el.xz --rmat 18:10 --rmat 20:10 \
-    > "$out/bench_fused3s.jsonl" 2> "$out/bench_fused3s.err" || status=1
-  python3 - "$out/bench_fused3s.jsonl" <<'PY'
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
-print(rows[0])
-for r in rows[1:]:
-    print(f"{r['graph']:28s} nnz {r['nnz']:>9d} kernel {r['kernel_ms']:8.4f} ms  build {r['build_ms']:8.2f} ms "
-          f"{r['gflops']:8.1f} GFLOP/s {r['compulsory_gbps']:7.1f} GB/s err {r['max_rel_error']:.1e} finite {r['all_finite']}")
-PY
+  "$b/bench_fused3s" --no-baselines --repeat 20 --split 0,8,16,32,64,100000 data/cora.el.xz data/pubmed.el.xz \
+    data/twitch_ru.el.xz data/musae_github.el.xz data/blogcatalog.el.xz data/snap_web_notredame.el.xz \
+    data/tu_nci1.el.xz --rmat 18:10 > "$out/sweep.jsonl" 2>&1 || status=1
 fi
 exit $status

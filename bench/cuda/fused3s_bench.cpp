@@ -12,11 +12,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
+#include "baselines.hpp"
 #include "trisparse/trisparse.hpp"
 
 namespace {
@@ -50,13 +52,117 @@ void fill_uniform16(host_tensor& t, std::uint64_t seed) {
   }
 }
 
-void bench(const std::string& name, const csr_graph& g, std::int64_t dim, std::int64_t heads,
-           dtype in, int repeat, std::int32_t split) {
+struct timing {
+  double median = 0, min = 0, max = 0;
+};
+
+// Median of `repeat` event-timed runs after 3 warm-ups, rotating input sets. queued: a busy-wait
+// kernel runs first so that the events bracket GPU work only (the kernel time a profiler shows);
+// otherwise the host's issue time between the events counts too (the call's latency).
+timing time_runs(int repeat, int sets, bool queued, const std::function<void(int)>& run) {
+  for (int i = 0; i < 3; ++i) run(i % sets);
+  check(cudaDeviceSynchronize(), "warm-up");
+  cudaEvent_t start, stop;
+  check(cudaEventCreate(&start), "event");
+  check(cudaEventCreate(&stop), "event");
+  std::vector<float> ms;
+  for (int i = 0; i < repeat; ++i) {
+    if (queued) bench::gpu_busy_wait(200);
+    check(cudaEventRecord(start), "record");
+    run(i % sets);
+    check(cudaEventRecord(stop), "record");
+    check(cudaEventSynchronize(stop), "sync");
+    float t = 0;
+    check(cudaEventElapsedTime(&t, start, stop), "elapsed");
+    ms.push_back(t);
+  }
+  check(cudaGetLastError(), "timed runs");
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(ms.begin(), ms.end());
+  return {ms[ms.size() / 2], ms.front(), ms.back()};
+}
+
+struct accuracy {
+  double max_rel_error = 0;
+  bool all_finite = true;
+};
+
+// Compares sampled rows of `out` (f32, [rows, heads, dim]) with float64 attention on the same set.
+accuracy check_rows(const csr_graph& g, const host_tensor& q, const host_tensor& k,
+                    const host_tensor& v, const host_tensor& out, std::uint64_t seed) {
+  std::vector<std::int64_t> rows;
+  rng r(seed);
+  for (int i = 0; i < 256 && g.rows > 0; ++i)
+    rows.push_back(static_cast<std::int64_t>(r.below(g.rows)));
+  std::sort(rows.begin(), rows.end());
+  rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
+  const csr_graph sub = select_rows(g, rows);
+  const std::int64_t w = q.heads() * q.dim();
+  host_tensor qs(q.type(), sub.rows, q.heads(), q.dim()),
+      ref(dtype::f64, sub.rows, q.heads(), q.dim());
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    for (std::int64_t e = 0; e < w; ++e)
+      qs.set(static_cast<std::int64_t>(i) * w + e, q.get(rows[i] * w + e));
+  }
+  reference::attention(sub, qs.view(), k.view(), v.view(), ref.view(), 1.0);
+  accuracy a;
+  double max_abs = 0, max_ref = 0;
+  for (std::int64_t i = 0; i < out.numel(); ++i)
+    a.all_finite = a.all_finite && std::isfinite(out.get(i));
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    for (std::int64_t e = 0; e < w; ++e) {
+      const double o = out.get(rows[i] * w + e), rf = ref.get(static_cast<std::int64_t>(i) * w + e);
+      max_abs = std::max(max_abs, std::abs(o - rf));
+      max_ref = std::max(max_ref, std::abs(rf));
+    }
+  }
+  a.max_rel_error = max_abs / std::max(max_ref, 1e-300);
+  return a;
+}
+
+struct settings {
+  std::int64_t dim = 128, heads = 1;
+  int repeat = 20;
+  dtype in = dtype::f16;
+  bool baselines = true;
+  double dense_budget_gib = 16;
+};
+
+void bench_graph(const std::string& name, const csr_graph& g, const settings& cfg,
+                 std::int32_t split, bool with_baselines) {
+  const std::int64_t dim = cfg.dim, heads = cfg.heads;
+  const dtype in = cfg.in;
+  const int repeat = cfg.repeat;
   const auto t0 = std::chrono::steady_clock::now();
   const attention_plan plan = attention_plan::build(g, device_kind::cuda, {.split_tcbs = split});
   check(cudaDeviceSynchronize(), "plan");
   const double build_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  // The same plan from the pattern already on the device (validation, BSB, work list; the build
+  // is synchronous): median of 5.
+  double device_build_ms = 0;
+  {
+    device_mem row_ptr(g.row_ptr.size() * 8), col_idx(g.col_idx.size() * 4);
+    check(cudaMemcpy(row_ptr.p, g.row_ptr.data(), g.row_ptr.size() * 8, cudaMemcpyHostToDevice),
+          "upload");
+    check(cudaMemcpy(col_idx.p, g.col_idx.data(), g.col_idx.size() * 4, cudaMemcpyHostToDevice),
+          "upload");
+    const csr_view view{.rows = g.rows,
+                        .cols = g.cols,
+                        .nnz = g.nnz(),
+                        .row_ptr = static_cast<const std::int64_t*>(row_ptr.p),
+                        .col_idx = static_cast<const std::int32_t*>(col_idx.p)};
+    std::vector<double> ms;
+    for (int i = 0; i < 5; ++i) {
+      const auto t1 = std::chrono::steady_clock::now();
+      const attention_plan p = attention_plan::build(view, {.split_tcbs = split});
+      ms.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t1).count());
+    }
+    std::sort(ms.begin(), ms.end());
+    device_build_ms = ms[ms.size() / 2];
+  }
 
   const std::size_t set_bytes = static_cast<std::size_t>(g.rows + 2 * g.cols) * heads * dim * 2;
   const int sets = static_cast<int>(
@@ -88,62 +194,28 @@ void bench(const std::string& name, const csr_graph& g, std::int64_t dim, std::i
     v.where = device_kind::cuda;
     return v;
   };
-  const attention_options opts{.scale = 1.0};
-  const auto run = [&](int s) {
-    plan.run(view(hq[s], dq[s]->p), view(hk[s], dk[s]->p), view(hv[s], dv[s]->p),
-             view(hout, dout.p), opts);
-  };
-  for (int i = 0; i < 3; ++i) run(i % sets);
-  cudaEvent_t start, stop;
-  check(cudaEventCreate(&start), "event");
-  check(cudaEventCreate(&stop), "event");
-  std::vector<float> ms;
-  for (int i = 0; i < repeat; ++i) {
-    check(cudaEventRecord(start), "record");
-    run(i % sets);
-    check(cudaEventRecord(stop), "record");
-    check(cudaEventSynchronize(stop), "sync");
-    float t = 0;
-    check(cudaEventElapsedTime(&t, start, stop), "elapsed");
-    ms.push_back(t);
-  }
-  check(cudaGetLastError(), "kernel");
-  std::sort(ms.begin(), ms.end());
-  const double med = ms[ms.size() / 2];
-  // Check the last timed set's output against float64 on sampled rows (poisoned first).
+  const tensor_view out_view = view(hout, dout.p);
   const int last = (repeat - 1) % sets;
-  check(cudaMemset(dout.p, 0xFF, hout.size_bytes()), "poison");
-  run(last);
-  check(cudaMemcpy(hout.data(), dout.p, hout.size_bytes(), cudaMemcpyDeviceToHost), "download");
-  std::vector<std::int64_t> rows;
-  rng r(now);
-  for (int i = 0; i < 256 && g.rows > 0; ++i)
-    rows.push_back(static_cast<std::int64_t>(r.below(g.rows)));
-  std::sort(rows.begin(), rows.end());
-  rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
-  const csr_graph sub = select_rows(g, rows);
-  host_tensor qs(in, sub.rows, heads, dim), ref(dtype::f64, sub.rows, heads, dim);
-  const std::int64_t w = heads * dim;
-  for (std::size_t i = 0; i < rows.size(); ++i) {
-    for (std::int64_t e = 0; e < w; ++e)
-      qs.set(static_cast<std::int64_t>(i) * w + e, hq[last].get(rows[i] * w + e));
-  }
-  reference::attention(sub, qs.view(), hk[last].view(), hv[last].view(), ref.view(), 1.0);
-  double max_abs = 0, max_ref = 0;
-  bool finite = true;
-  for (std::int64_t i = 0; i < hout.numel(); ++i) finite = finite && std::isfinite(hout.get(i));
-  for (std::size_t i = 0; i < rows.size(); ++i) {
-    for (std::int64_t e = 0; e < w; ++e) {
-      const double o = hout.get(rows[i] * w + e),
-                   rf = ref.get(static_cast<std::int64_t>(i) * w + e);
-      max_abs = std::max(max_abs, std::abs(o - rf));
-      max_ref = std::max(max_ref, std::abs(rf));
-    }
-  }
-  const double nnz = static_cast<double>(g.nnz()), hd = static_cast<double>(w);
+  // Poisons the output, runs the last timed set once more and checks it against float64.
+  const auto verify = [&](const std::function<void(int)>& run) {
+    check(cudaMemset(dout.p, 0xFF, hout.size_bytes()), "poison");
+    run(last);
+    check(cudaMemcpy(hout.data(), dout.p, hout.size_bytes(), cudaMemcpyDeviceToHost), "download");
+    return check_rows(g, hq[last], hk[last], hv[last], hout, now);
+  };
+  const attention_options opts{.scale = 1.0};
+  const std::function<void(int)> run = [&](int s) {
+    plan.run(view(hq[s], dq[s]->p), view(hk[s], dk[s]->p), view(hv[s], dv[s]->p), out_view, opts);
+  };
+  const timing kernel = time_runs(repeat, sets, true, run);
+  const timing call = time_runs(repeat, sets, false, run);
+  const accuracy acc = verify(run);
+
+  const double nnz = static_cast<double>(g.nnz()), hd = static_cast<double>(heads * dim);
   const double bytes = 2 * hd * static_cast<double>(g.rows + 2 * g.cols) +
                        4 * hd * static_cast<double>(g.rows) +
                        static_cast<double>(plan.report().format_bytes);
+  const double med = kernel.median;
   nlohmann::json j{{"graph", name},
                    {"rows", g.rows},
                    {"nnz", g.nnz()},
@@ -151,18 +223,52 @@ void bench(const std::string& name, const csr_graph& g, std::int64_t dim, std::i
                    {"heads", heads},
                    {"dtype", to_string(in)},
                    {"kernel_ms", med},
-                   {"kernel_ms_min", ms.front()},
-                   {"kernel_ms_max", ms.back()},
+                   {"kernel_ms_min", kernel.min},
+                   {"kernel_ms_max", kernel.max},
+                   {"call_ms", call.median},
                    {"build_ms", build_ms},
+                   {"device_build_ms", device_build_ms},
                    {"gflops", 4 * nnz * hd / med * 1e-6},
                    {"compulsory_gbps", bytes / med * 1e-6},
                    {"input_sets", sets},
                    {"split_tcbs", split},
-                   {"max_rel_error", max_abs / std::max(max_ref, 1e-300)},
-                   {"all_finite", finite}};
+                   {"max_rel_error", acc.max_rel_error},
+                   {"all_finite", acc.all_finite}};
+  if (with_baselines && in == dtype::f16) {
+    nlohmann::json base;
+    for (const bool fp32 : {true, false}) {
+      const std::string key = fp32 ? "cusparse_fp32" : "cusparse_fp16";
+      try {
+        bench::cusparse_pipeline p(g, heads, dim, fp32);
+        for (int s = 0; s < sets; ++s)
+          p.add_inputs(view(hq[s], dq[s]->p), view(hk[s], dk[s]->p), view(hv[s], dv[s]->p));
+        const std::function<void(int)> r = [&](int s) { p.run(s, out_view); };
+        const timing t = time_runs(repeat, sets, true, r);
+        const accuracy a = verify(r);
+        base[key] = {{"ms", t.median},
+                     {"variant", p.describe()},
+                     {"max_rel_error", a.max_rel_error},
+                     {"all_finite", a.all_finite}};
+      } catch (const std::exception& e) {
+        base[key] = {{"skipped", e.what()}};
+      }
+    }
+    const std::size_t need = bench::dense_masked::bytes_needed(g);
+    if (static_cast<double>(need) <= cfg.dense_budget_gib * (1ull << 30)) {
+      bench::dense_masked p(g, heads, dim);
+      for (int s = 0; s < sets; ++s)
+        p.add_inputs(view(hq[s], dq[s]->p), view(hk[s], dk[s]->p), view(hv[s], dv[s]->p));
+      const std::function<void(int)> r = [&](int s) { p.run(s, out_view); };
+      const timing t = time_runs(repeat, sets, true, r);
+      const accuracy a = verify(r);
+      base["dense_cublas"] = {
+          {"ms", t.median}, {"max_rel_error", a.max_rel_error}, {"all_finite", a.all_finite}};
+    } else {
+      base["dense_cublas"] = {{"skipped", "needs " + std::to_string(need >> 20) + " MiB"}};
+    }
+    j["baselines"] = base;
+  }
   std::cout << j.dump() << std::endl;
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
 }
 
 // Device-to-device copy bandwidth (bytes read + written per second) of a 1 GiB buffer, median
@@ -193,25 +299,31 @@ double copy_bandwidth_gbps() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::int64_t dim = 128, heads = 1;
-  int repeat = 20;
-  dtype in = dtype::f16;
+  settings cfg;
   std::vector<std::int32_t> splits{0};
-  std::vector<std::string> paths, rmats;
+  std::vector<std::string> paths, rmats, ers;
   std::string dtype_name = "f16";
   CLI::App app{"GPU fused 3S benchmark"};
   app.add_option("graphs", paths, "graph files");
-  app.add_option("--dim", dim, "head dimension")->capture_default_str();
-  app.add_option("--heads", heads, "heads")->capture_default_str();
-  app.add_option("--repeat", repeat, "timed runs")->capture_default_str();
+  app.add_option("--dim", cfg.dim, "head dimension")->capture_default_str();
+  app.add_option("--heads", cfg.heads, "heads")->capture_default_str();
+  app.add_option("--repeat", cfg.repeat, "timed runs")->capture_default_str();
   app.add_option("--dtype", dtype_name, "f16 or bf16")->capture_default_str();
   app.add_option("--split", splits, "split thresholds to sweep, comma-separated (0 = cost model)")
       ->delimiter(',');
   app.add_option("--rmat", rmats, "generated R-MAT graphs SCALE:EDGE_FACTOR (after the files)");
+  app.add_option("--er", ers, "generated Erdos-Renyi graphs NODES:AVG_DEGREE (after the R-MATs)");
+  app.add_flag("--baselines,!--no-baselines", cfg.baselines,
+               "time the cuSPARSE pipeline and dense cuBLAS attention too (f16 inputs)")
+      ->capture_default_str();
+  app.add_option("--dense-budget-gib", cfg.dense_budget_gib,
+                 "largest rows x cols score matrices the dense baseline allocates")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   for (const auto& r : rmats) paths.push_back("rmat" + r);
+  for (const auto& r : ers) paths.push_back("er" + r);
   try {
-    in = parse_dtype(dtype_name);
+    cfg.in = parse_dtype(dtype_name);
     cudaDeviceProp prop{};
     check(cudaGetDeviceProperties(&prop, 0), "properties");
     std::cout << nlohmann::json{{"device", prop.name},
@@ -221,16 +333,22 @@ int main(int argc, char** argv) {
               << std::endl;
     for (const auto& p : paths) {
       csr_graph g;
-      if (p.rfind("rmat", 0) == 0 && p.find(':') != std::string::npos) {
-        const int scale = std::stoi(p.substr(4, p.find(':') - 4));
-        g = generate_rmat(
-            {.scale = scale, .edge_factor = std::stod(p.substr(p.find(':') + 1)), .seed = 7});
+      const auto colon = p.find(':');
+      if (p.rfind("rmat", 0) == 0 && colon != std::string::npos) {
+        g = generate_rmat({.scale = std::stoi(p.substr(4, colon - 4)),
+                           .edge_factor = std::stod(p.substr(colon + 1)),
+                           .seed = 7});
+      } else if (p.rfind("er", 0) == 0 && colon != std::string::npos) {
+        g = generate_erdos_renyi({.rows = std::stoll(p.substr(2, colon - 2)),
+                                  .avg_degree = std::stod(p.substr(colon + 1)),
+                                  .seed = 7});
       } else {
         g = read_graph(p);
       }
       std::string name = p.substr(p.find_last_of('/') + 1);
       name = name.substr(0, std::min(name.find(".el"), name.find(':')));
-      for (const auto split : splits) bench(name, g, dim, heads, in, repeat, split);
+      for (const auto split : splits)
+        bench_graph(name, g, cfg, split, cfg.baselines && split == splits.front());
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_fused3s: %s\n", e.what());

@@ -64,14 +64,12 @@ bool runs_on(algorithm a, device_kind d) {
 }
 }  // namespace
 
-attention_plan attention_plan::build(const csr_graph& pattern, device_kind where,
-                                     const plan_options& options, stream_ref /*stream*/) {
-  const auto t0 = std::chrono::steady_clock::now();
-  pattern.check();
-  algorithm algo = options.algo;
-  if (algo == algorithm::automatic) {
-    algo = where == device_kind::cpu ? algorithm::cpu_fused : algorithm::cuda_fused_bsb;
-  }
+namespace {
+
+algorithm choose(algorithm requested, device_kind where) {
+  const algorithm algo = requested != algorithm::automatic ? requested
+                         : where == device_kind::cpu       ? algorithm::cpu_fused
+                                                           : algorithm::cuda_fused_bsb;
   if (!runs_on(algo, where)) {
     throw invalid_input("algorithm " + std::string(to_string(algo)) + " does not run on " +
                         to_string(where));
@@ -80,33 +78,81 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
     throw not_supported(
         "the unfused CUDA pipeline (SDDMM -> softmax -> SpMM) is not in this build yet");
   }
+  return algo;
+}
+
+void finish_report(plan_report& r, algorithm algo, device_kind where, std::int64_t rows,
+                   std::int64_t cols, std::int64_t nnz, std::int64_t bytes,
+                   std::chrono::steady_clock::time_point t0) {
+  r.algo = algo;
+  r.where = where;
+  r.rows = rows;
+  r.cols = cols;
+  r.nnz = nnz;
+  r.format_bytes = bytes;
+  r.build_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+attention_plan attention_plan::build(const csr_graph& pattern, device_kind where,
+                                     const plan_options& options, stream_ref stream) {
+  const auto t0 = std::chrono::steady_clock::now();
+  pattern.check();
+  const algorithm algo = choose(options.algo, where);
   auto s = std::make_shared<state>();
-  s->pattern.rows = pattern.rows;
-  s->pattern.cols = pattern.cols;
-  s->pattern.row_ptr = pattern.row_ptr;
-  s->pattern.col_idx = pattern.col_idx;
-  s->report.format = "csr";
-  if (algo == algorithm::cpu_fused3s_reference) {
-    s->blocks = build_bsb(s->pattern, options.tcb_cols);
-    s->report.format += "+bsb16x" + std::to_string(options.tcb_cols);
-  }
-  std::int64_t device_bytes = 0;
+  std::int64_t bytes = 0;
   if (algo == algorithm::cuda_fused_bsb) {
-    // The BSB (16x8) is built on the GPU from the checked pattern; the plan keeps the device copy.
-    s->device_blocks = cuda::make_fused3s_plan(s->pattern, options.split_tcbs);
-    s->report.format += "+bsb16x8 (device)";
-    device_bytes = cuda::device_bytes(*s->device_blocks);
+    // The BSB (16x8) is built on the GPU from the checked pattern; the plan keeps only that.
+    s->device_blocks = cuda::make_fused3s_plan(pattern, options.split_tcbs, stream);
+    s->report.format = "bsb16x8 (device)";
+    bytes = cuda::device_bytes(*s->device_blocks);
+  } else {
+    s->pattern.rows = pattern.rows;
+    s->pattern.cols = pattern.cols;
+    s->pattern.row_ptr = pattern.row_ptr;
+    s->pattern.col_idx = pattern.col_idx;
+    s->report.format = "csr";
+    bytes =
+        static_cast<std::int64_t>(8 * s->pattern.row_ptr.size() + 4 * s->pattern.col_idx.size());
+    if (algo == algorithm::cpu_fused3s_reference) {
+      s->blocks = build_bsb(s->pattern, options.tcb_cols);
+      s->report.format += "+bsb16x" + std::to_string(options.tcb_cols);
+      bytes += s->blocks->bytes();
+    }
   }
-  s->report.algo = algo;
-  s->report.where = where;
-  s->report.rows = pattern.rows;
-  s->report.cols = pattern.cols;
-  s->report.nnz = pattern.nnz();
-  s->report.format_bytes =
-      static_cast<std::int64_t>(8 * s->pattern.row_ptr.size() + 4 * s->pattern.col_idx.size()) +
-      (s->blocks ? s->blocks->bytes() : 0) + device_bytes;
-  s->report.build_seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  finish_report(s->report, algo, where, pattern.rows, pattern.cols, pattern.nnz(), bytes, t0);
+  attention_plan plan;
+  plan.state_ = std::move(s);
+  return plan;
+}
+
+attention_plan attention_plan::build(const csr_view& pattern, const plan_options& options,
+                                     stream_ref stream) {
+  if (pattern.where == device_kind::cpu) {
+    // Host memory: merge repeats and sort rows into a checked csr_graph, then the usual build.
+    TRISPARSE_EXPECTS_INPUT(pattern.rows >= 0 && pattern.nnz >= 0 && pattern.row_ptr != nullptr,
+                            "a CSR view needs rows, nnz >= 0 and row_ptr");
+    coo_graph coo{.rows = pattern.rows, .cols = pattern.cols, .src = {}, .dst = {}, .values = {}};
+    TRISPARSE_EXPECTS_INPUT(pattern.row_ptr[0] == 0 && pattern.row_ptr[pattern.rows] == pattern.nnz,
+                            "CSR view: row_ptr must start at 0 and end at nnz");
+    for (std::int64_t r = 0; r < pattern.rows; ++r) {
+      TRISPARSE_EXPECTS_INPUT(pattern.row_ptr[r] <= pattern.row_ptr[r + 1],
+                              "CSR view: row_ptr decreases at row " + std::to_string(r));
+      for (std::int64_t e = pattern.row_ptr[r]; e < pattern.row_ptr[r + 1]; ++e) {
+        coo.src.push_back(r);
+        coo.dst.push_back(pattern.col_idx[e]);
+      }
+    }
+    return build(to_csr(coo), device_kind::cpu, options, stream);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  const algorithm algo = choose(options.algo, pattern.where);
+  auto s = std::make_shared<state>();
+  s->device_blocks = cuda::make_fused3s_plan(pattern, options.split_tcbs, stream);
+  s->report.format = "bsb16x8 (device)";
+  finish_report(s->report, algo, pattern.where, pattern.rows, pattern.cols, pattern.nnz,
+                cuda::device_bytes(*s->device_blocks), t0);
   attention_plan plan;
   plan.state_ = std::move(s);
   return plan;

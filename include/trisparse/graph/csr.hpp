@@ -4,6 +4,8 @@
 #include <span>
 #include <vector>
 
+#include "trisparse/core/tensor.hpp"
+
 namespace trisparse {
 
 /// A rows x cols sparse matrix in CSR: 64-bit row offsets, 32-bit column indices, optional values.
@@ -24,6 +26,18 @@ struct csr_graph {
   /// @throws invalid_input naming the first broken invariant.
   void check() const;
   bool operator==(const csr_graph&) const = default;
+};
+
+/// A CSR pattern in memory the caller owns, for example on a GPU: row_ptr[rows + 1] offsets,
+/// col_idx[nnz] columns. Plans built from it accept columns that are unsorted or repeated within
+/// a row (repeats are merged: patterns are binary). The pointers must stay valid during the build.
+struct csr_view {
+  std::int64_t rows = 0;
+  std::int64_t cols = 0;
+  std::int64_t nnz = 0;
+  const std::int64_t* row_ptr = nullptr;
+  const std::int32_t* col_idx = nullptr;
+  device_kind where = device_kind::cuda;
 };
 
 /// A rows x cols sparse matrix as an edge list (src = row, dst = column), in any order, with

@@ -60,6 +60,12 @@ class attention_plan {
   /// not_supported if the device or algorithm is not in this build.
   static attention_plan build(const csr_graph& pattern, device_kind where = device_kind::cpu,
                               const plan_options& options = {}, stream_ref stream = {});
+  /// Builds a plan on the view's device from a pattern the caller holds there. On CUDA the view is
+  /// validated and the format built on the device, with no host copy of the pattern (the
+  /// report's build_seconds is then the whole device build). Columns may be unsorted or repeated
+  /// within a row. @throws invalid_input naming the broken invariant.
+  static attention_plan build(const csr_view& pattern, const plan_options& options = {},
+                              stream_ref stream = {});
 
   /// out = attention(q, k, v). q: [rows, H, D], k: [cols, H, D], v: [cols, H, Dv],
   /// out: [rows, H, Dv]; all on the plan's device. CPU runs synchronously; CUDA is asynchronous

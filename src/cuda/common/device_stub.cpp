@@ -28,9 +28,17 @@ int device_count() { return 0; }
 std::string describe_device(int) { return ""; }
 
 struct fused3s_device_plan {};
-std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_graph&, std::int32_t) {
+namespace {
+[[noreturn]] void no_backend() {
   throw not_supported(
       "this build has no CUDA backend (configure with TRISPARSE_CUDA=ON where nvcc exists)");
+}
+}  // namespace
+std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_graph&, std::int32_t, stream_ref) {
+  no_backend();
+}
+std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_view&, std::int32_t, stream_ref) {
+  no_backend();
 }
 void run_fused3s(const fused3s_device_plan&, const tensor_view&, const tensor_view&,
                  const tensor_view&, const tensor_view&, double, stream_ref) {

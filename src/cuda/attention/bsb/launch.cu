@@ -4,13 +4,13 @@
 #include <cmath>
 #include <mutex>
 #include <string>
-#include <vector>
 
 #include "../../common/buffer.cuh"
 #include "../../common/error.cuh"
 #include "../../formats/bsb_build.cuh"
 #include "kernel.cuh"
 #include "plan.hpp"
+#include "work_list.cuh"
 
 namespace trisparse::cuda {
 
@@ -93,19 +93,11 @@ void check_layout(const tensor_view& t, const char* what) {
 
 }  // namespace
 
-std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_graph& pattern,
-                                                       std::int32_t split_tcbs) {
+namespace {
+
+std::shared_ptr<fused3s_device_plan> plan_from(device_bsb f, std::int32_t split_tcbs,
+                                               cudaStream_t s) {
   auto plan = std::make_shared<fused3s_device_plan>();
-  device_bsb f = build_bsb_device(pattern);
-  // The work list is built on the host from the windows' TCB offsets and order (O(windows) bytes).
-  std::vector<std::int64_t> tcb_offset(f.windows + 1);
-  std::vector<std::int32_t> window_order(f.windows);
-  TRISPARSE_CUDA_TRY(cudaMemcpy(tcb_offset.data(), f.tcb_offset.data(), f.tcb_offset.bytes(),
-                                cudaMemcpyDeviceToHost));
-  if (f.windows > 0) {
-    TRISPARSE_CUDA_TRY(cudaMemcpy(window_order.data(), f.window_order.data(),
-                                  f.window_order.bytes(), cudaMemcpyDeviceToHost));
-  }
   TRISPARSE_CUDA_TRY(cudaGetDevice(&plan->device));
   int sms = 0;
   TRISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, plan->device));
@@ -120,38 +112,29 @@ std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_graph& pattern,
   const std::int64_t mean = (f.tcbs + resident - 1) / resident;
   const std::int64_t floor = mean < 2 ? 8 : 16;
   const std::int64_t limit = split_tcbs > 0 ? split_tcbs : std::max(floor, 2 * mean);
-  std::vector<fused3s::work_item> items;
-  std::vector<fused3s::split_window> splits;
-  std::int32_t parts = 0;
-  for (const std::int32_t w : window_order) {
-    const auto b = static_cast<std::int32_t>(tcb_offset[w]),
-               e = static_cast<std::int32_t>(tcb_offset[w + 1]);
-    if (e - b <= limit) {
-      items.push_back({w, b, e, -1, -1});
-      continue;
-    }
-    const auto n = static_cast<std::int32_t>((e - b + limit - 1) / limit);
-    const auto split = static_cast<std::int32_t>(splits.size());
-    splits.push_back({w, parts, n});
-    for (std::int32_t i = 0; i < n; ++i) {
-      const auto cb = static_cast<std::int32_t>(b + std::int64_t{e - b} * i / n);
-      const auto ce = static_cast<std::int32_t>(b + std::int64_t{e - b} * (i + 1) / n);
-      items.push_back({w, cb, ce, parts + i, split});
-    }
-    parts += n;
-  }
-  // Largest items first (splits make chunks smaller than whole windows further down the order).
-  std::stable_sort(items.begin(), items.end(), [](const auto& x, const auto& y) {
-    return x.tcb_end - x.tcb_begin > y.tcb_end - y.tcb_begin;
-  });
+  fused3s::device_work_list list = fused3s::build_work_list(f, limit, s);
   plan->col_idx = std::move(f.col_idx);
   plan->bitmap = std::move(f.bitmap);
-  plan->items = device_buffer<fused3s::work_item>(items);
-  plan->splits = device_buffer<fused3s::split_window>(splits);
-  plan->num_items = static_cast<std::int32_t>(items.size());
-  plan->num_splits = static_cast<std::int32_t>(splits.size());
-  plan->num_parts = parts;
+  plan->items = std::move(list.items);
+  plan->splits = std::move(list.splits);
+  plan->num_items = list.num_items;
+  plan->num_splits = list.num_splits;
+  plan->num_parts = list.num_parts;
   return plan;
+}
+
+}  // namespace
+
+std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_graph& pattern,
+                                                       std::int32_t split_tcbs, stream_ref stream) {
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  return plan_from(build_bsb_device(pattern, s, false), split_tcbs, s);
+}
+
+std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_view& pattern,
+                                                       std::int32_t split_tcbs, stream_ref stream) {
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  return plan_from(build_bsb_device(pattern, s, false, false), split_tcbs, s);
 }
 
 void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const tensor_view& k,

@@ -12,11 +12,16 @@ namespace trisparse::cuda {
 /// The device-resident BSB (16x8 TCBs) and the warps' work list of one pattern.
 struct fused3s_device_plan;
 
-/// Builds the BSB (16x8) of a checked pattern on the GPU and the work list: windows in decreasing
-/// TCB order, windows of more than `split_tcbs` TCBs cut into chunks (0 = chosen from the TCB total
-/// and the SM count). @throws not_supported without the CUDA backend; cuda_error on a CUDA failure.
+/// Builds the BSB (16x8) of a checked host pattern on the GPU (after uploading it) and the work
+/// list: items in decreasing TCB order, windows of more than `split_tcbs` TCBs cut into chunks
+/// (0 = chosen from the TCB total and the SM count). Synchronous on `stream`.
+/// @throws not_supported without the CUDA backend; cuda_error on a CUDA failure.
 std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_graph& pattern,
-                                                       std::int32_t split_tcbs = 0);
+                                                       std::int32_t split_tcbs, stream_ref stream);
+/// The same from a pattern in device memory, checked on the device first.
+/// @throws invalid_input naming the broken invariant.
+std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_view& pattern,
+                                                       std::int32_t split_tcbs, stream_ref stream);
 
 /// out = attention(q, k, v) on the current stream. q, k, v: f16 or bf16, one dtype; out: f32, f16
 /// or bf16; head_dim (= v's dim) 32, 64, 128 or 256; strides multiples of 8 elements, 16-byte

@@ -1,0 +1,59 @@
+#pragma once
+// Baselines the fused 3S benchmark times in the same run (bench only, not the library):
+//   * cusparse_pipeline: cusparseSDDMM -> a stable row softmax of ours -> cusparseSpMM, per head,
+//     in fp32 (Q, K, V converted once, outside the timing) or fp16 (S in fp16 where cuSPARSE
+//     allows it, else fp32; P in fp16; O in fp32);
+//   * dense_masked: cuBLAS S = Q K^T (fp32), a masked row softmax over a dense bit mask writing P
+//     in fp16, cuBLAS O = P V (fp32), per head, where rows x cols fits the given budget.
+// Each object holds its descriptors and buffers. Input sets (q, k, v: [rows|cols, heads, dim] f16
+// device tensors) are registered once before timing; run(set, out) enqueues on the default stream.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "trisparse/trisparse.hpp"
+
+namespace trisparse::bench {
+
+class cusparse_pipeline {
+ public:
+  /// @throws std::runtime_error if cuSPARSE refuses the configuration.
+  cusparse_pipeline(const csr_graph& pattern, std::int64_t heads, std::int64_t dim, bool fp32);
+  ~cusparse_pipeline();
+  cusparse_pipeline(const cusparse_pipeline&) = delete;
+  cusparse_pipeline& operator=(const cusparse_pipeline&) = delete;
+  /// Registers an input set (the fp32 path converts it here, outside any timing); returns its
+  /// index.
+  int add_inputs(const tensor_view& q, const tensor_view& k, const tensor_view& v);
+  /// out: [rows, heads, dim] f32 device tensor.
+  void run(int set, const tensor_view& out);
+  std::string describe() const;
+
+ private:
+  struct state;
+  std::unique_ptr<state> s_;
+};
+
+class dense_masked {
+ public:
+  /// Memory: rows * cols * (4 + 2 + 1/8) bytes.
+  dense_masked(const csr_graph& pattern, std::int64_t heads, std::int64_t dim);
+  ~dense_masked();
+  dense_masked(const dense_masked&) = delete;
+  dense_masked& operator=(const dense_masked&) = delete;
+  int add_inputs(const tensor_view& q, const tensor_view& k, const tensor_view& v);
+  void run(int set, const tensor_view& out);
+  static std::size_t bytes_needed(const csr_graph& pattern);
+
+ private:
+  struct state;
+  std::unique_ptr<state> s_;
+};
+
+/// Keeps the GPU busy for about `microseconds` so that what is enqueued after it is timed without
+/// the host's issue time (events then bracket GPU work only).
+void gpu_busy_wait(int microseconds);
+
+}  // namespace trisparse::bench
