@@ -310,7 +310,8 @@ int main(int argc, char** argv) {
   app.add_option("--repeat", cfg.repeat, "timed runs")->capture_default_str();
   app.add_option("--dtype", dtype_name, "f16 or bf16")->capture_default_str();
   app.add_option("--split", splits, "split thresholds to sweep, comma-separated (0 = cost model)")
-      ->delimiter(',');
+      ->delimiter(',')
+      ->allow_extra_args(false);
   app.add_option("--rmat", rmats, "generated R-MAT graphs SCALE:EDGE_FACTOR (after the files)");
   app.add_option("--er", ers, "generated Erdos-Renyi graphs NODES:AVG_DEGREE (after the R-MATs)");
   app.add_flag("--baselines,!--no-baselines", cfg.baselines,

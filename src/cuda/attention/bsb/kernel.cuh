@@ -1,8 +1,9 @@
 #pragma once
 // Fused 3S over BSB: SDDMM (mma m16n8k16), bitmap mask, online softmax (fp32, exp2), SpMM
-// (mma m16n8k8) in one kernel. One warp per work item = a row window (16 query rows) and a range of
-// its 16x8 tensor-core blocks (TCBs); a window with many TCBs is split into several items whose
-// partial (max, sum, O) states merge_kernel combines.
+// (mma m16n8k8) in one kernel. A warp processes one work item at a time = a row window (16 query
+// rows) and a range of its 16x8 tensor-core blocks (TCBs), for one head; a window with many TCBs is
+// split into several items whose partial (max, sum, O) states the last of them merges. Warps are
+// persistent and claim items from a queue, largest first.
 //
 // Register remapping (the paper's permuted loads, our derivation): the contraction index of Q·Kᵀ is
 // permuted the same way in Q and K so that lane (g = lane/4, t = lane%4) holds the contiguous
@@ -187,15 +188,13 @@ __device__ __forceinline__ void merge_window(const params& p, const split_window
   }
 }
 
-template <class T, int D, class O, int kWarps, int kMinBlocks>
-__global__ void __launch_bounds__(kWarps * 32, kMinBlocks) fused3s_kernel(const params p) {
+/// One work item (a window's TCB range) of head h, by one warp.
+template <class T, int D, class O>
+__device__ __forceinline__ void process_item(const params& p, const work_item& it, int h,
+                                             int lane) {
   constexpr int kQ = D / 4;  // halves of a Q/K row per lane
   constexpr int kV = D / 8;  // halves of a V row per lane = output columns per run
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int item_index = blockIdx.x * kWarps + threadIdx.x / 32;
-  if (item_index >= p.num_items) return;
-  const int h = blockIdx.y;
-  const work_item it = p.items[item_index];
+  const int g = lane / 4, t = lane % 4;
   const std::int64_t row0 = std::int64_t{it.window} * 16 + g, row1 = row0 + 8;
 
   // Q rows g and g+8 (zeros past the last row: no read past the end).
@@ -236,14 +235,17 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) fused3s_kernel(const 
       load_rows<T, D>(p, m, h, g, t, cur);
     }
 
-    // S = Q · K_tcbᵀ (16 x 8), fp32.
-    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    // S = Q · K_tcbᵀ (16 x 8), fp32, in two independent accumulation chains (even and odd k-steps)
+    // so that the dependent mma latency on the critical path halves.
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s_odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int st = 0; st < D / 16; ++st) {
       const std::uint32_t a[4] = {q0[2 * st], q1[2 * st], q0[2 * st + 1], q1[2 * st + 1]};
       const std::uint32_t b[2] = {cur.k[2 * st], cur.k[2 * st + 1]};
-      arch::mma_16x8x16_f32<T>(s, a, b);
+      arch::mma_16x8x16_f32<T>(st % 2 == 0 ? s : s_odd, a, b);
     }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[i] += s_odd[i];
     // Bitmap mask (a score of exactly 0 is still an edge), scale folded with log2 e.
     s[0] = (m.mask0 >> bit) & 1 ? s[0] * p.scale_log2 : kNegInf;
     s[1] = (m.mask0 >> (bit + 1)) & 1 ? s[1] * p.scale_log2 : kNegInf;
@@ -335,6 +337,37 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) fused3s_kernel(const 
       __threadfence();
       merge_window<D, O>(p, sw, h, lane);
       if (lane == 0) *count = 0;  // ready for the next launch (stream-ordered)
+    }
+  }
+}
+
+/// Persistent warps: tasks (item, head) = (task / heads, task % heads), largest items first; a warp
+/// takes task = its global index first, then the next unclaimed one from the queue counter, so
+/// warps that finish early keep working (no idle slots while one block's slowest warp finishes,
+/// no wave quantisation). The last warp to leave resets the queue for the next launch.
+template <class T, int D, class O, int kWarps, int kMinBlocks>
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks) fused3s_kernel(const params p) {
+  const int lane = threadIdx.x % 32;
+  const std::int64_t warps = std::int64_t{gridDim.x} * kWarps;
+  const std::int64_t tasks = std::int64_t{p.num_items} * p.heads;
+  std::int64_t task = std::int64_t{blockIdx.x} * kWarps + threadIdx.x / 32;
+  if (!p.use_queue) {  // one task per warp at most: no claims, nothing to reset
+    if (task < tasks)
+      process_item<T, D, O>(p, p.items[task / p.heads], static_cast<int>(task % p.heads), lane);
+    return;
+  }
+  while (task < tasks) {
+    process_item<T, D, O>(p, p.items[task / p.heads], static_cast<int>(task % p.heads), lane);
+    unsigned long long claimed = 0;
+    if (lane == 0) claimed = atomicAdd(reinterpret_cast<unsigned long long*>(p.queue), 1ull);
+    task = warps + static_cast<std::int64_t>(__shfl_sync(0xffffffffu, claimed, 0));
+  }
+  if (lane == 0) {
+    const unsigned long long left =
+        atomicAdd(reinterpret_cast<unsigned long long*>(p.queue) + 1, 1ull);
+    if (left == static_cast<unsigned long long>(warps) - 1) {
+      p.queue[0] = 0;  // every other warp has left: no more claims this launch
+      p.queue[1] = 0;
     }
   }
 }

@@ -15,8 +15,9 @@
 namespace trisparse::cuda {
 
 struct fused3s_device_plan {
-  int device = 0;
+  int device = 0, sms = 0;
   std::int64_t rows = 0, cols = 0;
+  mutable device_buffer<std::uint64_t> queue;  // the kernel's task queue (zero between runs)
   device_buffer<std::int32_t> col_idx;
   device_buffer<std::uint64_t> bitmap;
   device_buffer<fused3s::work_item> items;
@@ -40,23 +41,36 @@ constexpr int kMinBlocks = D <= 64    ? 4
                                       : 1;
 
 template <class T, int D, class O>
-void launch(const fused3s::params& p, cudaStream_t s) {
-  if (p.num_items > 0) {
-    const dim3 grid((p.num_items + kWarps - 1) / kWarps, p.heads);
-    fused3s::fused3s_kernel<T, D, O, kWarps, kMinBlocks<D>><<<grid, kWarps * 32, 0, s>>>(p);
+void launch(const fused3s::params& p, int sms, cudaStream_t s) {
+  const auto kernel = fused3s::fused3s_kernel<T, D, O, kWarps, kMinBlocks<D>>;
+  // Persistent warps: no more blocks than fit at once (the occupancy of this instantiation, on
+  // the first device it runs on).
+  static const int resident = [&] {
+    int blocks = 0;
+    TRISPARSE_CUDA_TRY(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kWarps * 32, 0));
+    return std::max(blocks, 1);
+  }();
+  const std::int64_t tasks = std::int64_t{p.num_items} * p.heads;
+  if (tasks > 0) {
+    const auto grid = static_cast<unsigned>(
+        std::min<std::int64_t>((tasks + kWarps - 1) / kWarps, std::int64_t{resident} * sms));
+    fused3s::params q = p;
+    q.use_queue = tasks > std::int64_t{grid} * kWarps;  // else every warp has at most one task
+    kernel<<<grid, kWarps * 32, 0, s>>>(q);
     TRISPARSE_CUDA_CHECK_LAUNCH();
   }
 }
 
 template <class T, int D>
-void launch_out(dtype out, const fused3s::params& p, cudaStream_t s) {
+void launch_out(dtype out, const fused3s::params& p, int sms, cudaStream_t s) {
   switch (out) {
     case dtype::f32:
-      return launch<T, D, float>(p, s);
+      return launch<T, D, float>(p, sms, s);
     case dtype::f16:
-      return launch<T, D, __half>(p, s);
+      return launch<T, D, __half>(p, sms, s);
     case dtype::bf16:
-      return launch<T, D, __nv_bfloat16>(p, s);
+      return launch<T, D, __nv_bfloat16>(p, sms, s);
     default:
       throw invalid_input("fused 3S writes f32, f16 or bf16 output, not " +
                           std::string(to_string(out)));
@@ -64,16 +78,16 @@ void launch_out(dtype out, const fused3s::params& p, cudaStream_t s) {
 }
 
 template <class T>
-void launch_dim(std::int64_t d, dtype out, const fused3s::params& p, cudaStream_t s) {
+void launch_dim(std::int64_t d, dtype out, const fused3s::params& p, int sms, cudaStream_t s) {
   switch (d) {
     case 32:
-      return launch_out<T, 32>(out, p, s);
+      return launch_out<T, 32>(out, p, sms, s);
     case 64:
-      return launch_out<T, 64>(out, p, s);
+      return launch_out<T, 64>(out, p, sms, s);
     case 128:
-      return launch_out<T, 128>(out, p, s);
+      return launch_out<T, 128>(out, p, sms, s);
     case 256:
-      return launch_out<T, 256>(out, p, s);
+      return launch_out<T, 256>(out, p, sms, s);
     default:
       throw invalid_input("fused 3S supports head_dim 32, 64, 128 or 256, not " +
                           std::to_string(d));
@@ -99,19 +113,22 @@ std::shared_ptr<fused3s_device_plan> plan_from(device_bsb f, std::int32_t split_
                                                cudaStream_t s) {
   auto plan = std::make_shared<fused3s_device_plan>();
   TRISPARSE_CUDA_TRY(cudaGetDevice(&plan->device));
-  int sms = 0;
-  TRISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, plan->device));
+  TRISPARSE_CUDA_TRY(
+      cudaDeviceGetAttribute(&plan->sms, cudaDevAttrMultiProcessorCount, plan->device));
+  const int sms = plan->sms;
+  plan->queue = device_buffer<std::uint64_t>(2);
+  TRISPARSE_CUDA_TRY(cudaMemsetAsync(plan->queue.data(), 0, plan->queue.bytes(), s));
   plan->rows = f.rows;
   plan->cols = f.cols;
-  // Cost model: the kernel ends when its longest item does. With about 16 resident warps per SM,
-  // cap an item at twice the mean work per resident warp. A split costs a 16 x D partial write and
-  // its share of a merge, so the cap has a floor: 16 TCBs once the GPU is full (mean >= 2 TCBs
-  // per resident warp), 8 while it is not. Calibrated on an H200 by sweeping the cap
-  // (bench/results/fused3s_split_sweep_h200.jsonl, docs/notes/fused3s.md).
-  const std::int64_t resident = std::int64_t{sms} * 16;
-  const std::int64_t mean = (f.tcbs + resident - 1) / resident;
-  const std::int64_t floor = mean < 2 ? 8 : 16;
-  const std::int64_t limit = split_tcbs > 0 ? split_tcbs : std::max(floor, 2 * mean);
+  // Cost model: the kernel ends when its longest item does. Warps claim items largest first, so
+  // an item should be at most a few times the mean work per warp slot (mean = TCBs / (16 * SMs)):
+  // 3x on mid-size graphs, 2x on large ones (a split costs a 16 x D partial write and its share
+  // of a merge), and never below 24 TCBs. Calibrated on an H200 by sweeping the cap over 23 graphs
+  // (bench/results/fused3s_split_sweep_queue_h200.jsonl, docs/notes/fused3s.md).
+  const std::int64_t slots = std::int64_t{sms} * 16;
+  const std::int64_t mean = (f.tcbs + slots - 1) / slots;
+  const std::int64_t limit =
+      split_tcbs > 0 ? split_tcbs : std::max<std::int64_t>(24, std::min(3 * mean, 2 * mean + 8));
   fused3s::device_work_list list = fused3s::build_work_list(f, limit, s);
   plan->col_idx = std::move(f.col_idx);
   plan->bitmap = std::move(f.bitmap);
@@ -178,6 +195,7 @@ void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const te
   p.num_splits = plan.num_splits;
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   p.heads = static_cast<std::int32_t>(q.heads);
+  p.queue = plan.queue.data();
   if (plan.num_parts > 0) {
     const std::size_t need = static_cast<std::size_t>(plan.num_parts) * q.heads * 16;
     std::lock_guard<std::mutex> lock(plan.workspace_mutex);
@@ -197,14 +215,14 @@ void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const te
   }
   const auto s = static_cast<cudaStream_t>(stream.handle);
   if (q.type == dtype::f16)
-    launch_dim<__half>(q.dim, out.type, p, s);
+    launch_dim<__half>(q.dim, out.type, p, plan.sms, s);
   else
-    launch_dim<__nv_bfloat16>(q.dim, out.type, p, s);
+    launch_dim<__nv_bfloat16>(q.dim, out.type, p, plan.sms, s);
 }
 
 std::int64_t device_bytes(const fused3s_device_plan& plan) {
   return static_cast<std::int64_t>(plan.col_idx.bytes() + plan.bitmap.bytes() + plan.items.bytes() +
-                                   plan.splits.bytes() + plan.part_o.bytes() +
+                                   plan.splits.bytes() + plan.queue.bytes() + plan.part_o.bytes() +
                                    plan.part_ml.bytes() + plan.split_count.bytes());
 }
 std::int64_t work_items(const fused3s_device_plan& plan) { return plan.num_items; }

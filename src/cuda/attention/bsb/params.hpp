@@ -33,6 +33,9 @@ struct params {
   float* part_ml;             // [parts, heads, 16, 2]
   std::int32_t* split_count;  // [splits, heads]: partials done, reset by the merger
   std::int32_t heads;
+  std::uint64_t*
+      queue;       // [2]: tasks claimed past the first per warp, warps done; zero between launches
+  bool use_queue;  // false: no more tasks than warps, each takes its own index and stops
 };
 
 }  // namespace trisparse::cuda::fused3s
