@@ -232,6 +232,7 @@ void bench_graph(const std::string& name, const csr_graph& g, const settings& cf
                    {"compulsory_gbps", bytes / med * 1e-6},
                    {"input_sets", sets},
                    {"split_tcbs", split},
+                   {"format", plan.report().format},
                    {"max_rel_error", acc.max_rel_error},
                    {"all_finite", acc.all_finite}};
   if (with_baselines && in == dtype::f16) {

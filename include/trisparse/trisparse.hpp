@@ -13,6 +13,7 @@
 #include "trisparse/graph/csr.hpp"
 #include "trisparse/graph/generate.hpp"
 #include "trisparse/graph/io.hpp"
+#include "trisparse/graph/reorder.hpp"
 #include "trisparse/ops/attention.hpp"
 #include "trisparse/ops/cpu.hpp"
 #include "trisparse/ops/reference.hpp"

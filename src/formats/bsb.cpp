@@ -41,6 +41,24 @@ bsb_view bsb::view() const {
           window_order.data()};
 }
 
+std::int64_t count_tcbs(const csr_graph& g, int tcb_cols) {
+  TRISPARSE_EXPECTS_INPUT(tcb_cols == 8 || tcb_cols == 16,
+                          "BSB tcb_cols must be 8 or 16, got " + std::to_string(tcb_cols));
+  constexpr int kR = bsb::kRowWindow;
+  const std::int64_t windows = (g.rows + kR - 1) / kR;
+  std::int64_t total = 0;
+#pragma omp parallel reduction(+ : total)
+  {
+    std::vector<std::int32_t> cols;
+#pragma omp for schedule(dynamic, 64)
+    for (std::int64_t w = 0; w < windows; ++w) {
+      window_columns(g, w * kR, std::min(g.rows, (w + 1) * kR), cols);
+      total += (static_cast<std::int64_t>(cols.size()) + tcb_cols - 1) / tcb_cols;
+    }
+  }
+  return total;
+}
+
 bsb build_bsb(const csr_graph& g, int tcb_cols) {
   g.check();
   TRISPARSE_EXPECTS_INPUT(tcb_cols == 8 || tcb_cols == 16,

@@ -9,6 +9,7 @@
 #include "arguments.hpp"
 #include "trisparse/core/error.hpp"
 #include "trisparse/formats/bsb.hpp"
+#include "trisparse/graph/reorder.hpp"
 #include "trisparse/ops/reference.hpp"
 
 namespace trisparse {
@@ -104,8 +105,25 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
   std::int64_t bytes = 0;
   if (algo == algorithm::cuda_fused_bsb) {
     // The BSB (16x8) is built on the GPU from the checked pattern; the plan keeps only that.
-    s->device_blocks = cuda::make_fused3s_plan(pattern, options.split_tcbs, stream);
-    s->report.format = "bsb16x8 (device)";
+    // Rows grouped into windows in RCM order where that cuts the TCB count (item 3(d)); the
+    // kernel maps window rows back to query rows.
+    std::vector<std::int64_t> order;
+    csr_graph permuted;
+    const bool square = pattern.rows == pattern.cols && pattern.rows > 1;
+    if (square && (options.order == row_order::rcm ||
+                   (options.order == row_order::automatic && pattern.nnz() <= (4 << 20)))) {
+      order = reverse_cuthill_mckee(pattern);
+      permuted = select_rows(pattern, order);
+      // Fewer TCBs alone do not pay (RCM lengthens the densest windows and adds a row-map load
+      // per item): on the H200 it paid from about a third fewer (docs/notes/fused3s.md).
+      if (options.order == row_order::automatic &&
+          100 * count_tcbs(permuted) > 65 * count_tcbs(pattern)) {
+        order.clear();
+      }
+    }
+    s->device_blocks = cuda::make_fused3s_plan(order.empty() ? pattern : permuted,
+                                               options.split_tcbs, stream, order);
+    s->report.format = order.empty() ? "bsb16x8 (device)" : "bsb16x8 (device), rows in RCM order";
     bytes = cuda::device_bytes(*s->device_blocks);
   } else {
     s->pattern.rows = pattern.rows;
@@ -150,7 +168,7 @@ attention_plan attention_plan::build(const csr_view& pattern, const plan_options
   const algorithm algo = choose(options.algo, pattern.where);
   auto s = std::make_shared<state>();
   s->device_blocks = cuda::make_fused3s_plan(pattern, options.split_tcbs, stream);
-  s->report.format = "bsb16x8 (device)";
+  s->report.format = "bsb16x8 (device)";  // rows in the given order (no reordering on device)
   finish_report(s->report, algo, pattern.where, pattern.rows, pattern.cols, pattern.nnz,
                 cuda::device_bytes(*s->device_blocks), t0);
   attention_plan plan;

@@ -160,6 +160,23 @@ TEST(GpuFused3s, EverySharedDataset) {
   }
 }
 
+TEST(GpuFused3s, RowOrdersGiveTheSameAttention) {
+  SKIP_WITHOUT_GPU();
+  const config c{dtype::f16, dtype::f32, 64, 2};
+  for (const csr_graph& g : {test::random_pattern(3000, 3000, 40, 41),
+                             generate_rmat({.scale = 12, .edge_factor = 8, .seed = 42})}) {
+    for (const row_order o : {row_order::original, row_order::rcm, row_order::automatic}) {
+      const attention_plan plan = attention_plan::build(g, device_kind::cuda, {.order = o});
+      EXPECT_EQ(
+          plan.report().format.find("RCM") != std::string::npos,
+          o == row_order::rcm ||
+              (o == row_order::automatic &&
+               100 * count_tcbs(select_rows(g, reverse_cuthill_mckee(g))) <= 65 * count_tcbs(g)));
+      check(plan, g, c, 43);
+    }
+  }
+}
+
 // A device array for CSR views (freed on scope exit).
 template <class T>
 struct device_array {

@@ -34,7 +34,8 @@ namespace {
       "this build has no CUDA backend (configure with TRISPARSE_CUDA=ON where nvcc exists)");
 }
 }  // namespace
-std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_graph&, std::int32_t, stream_ref) {
+std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_graph&, std::int32_t, stream_ref,
+                                                       const std::vector<std::int64_t>&) {
   no_backend();
 }
 std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_view&, std::int32_t, stream_ref) {

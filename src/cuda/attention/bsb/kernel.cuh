@@ -137,6 +137,11 @@ __device__ __forceinline__ void load_rows(const params& p, const tcb_meta& m, in
     zero(r.v1);
 }
 
+/// The query row (of Q and O) that window slot `slot` holds: the plan's row order, or itself.
+__device__ __forceinline__ std::int64_t source_row(const params& p, std::int64_t slot) {
+  return p.row_map != nullptr ? __ldg(p.row_map + slot) : slot;
+}
+
 /// Combines the partial states of a split window (run by the window's last warp): for each row,
 /// m = max m_i, l = sum l_i 2^(m_i - m), O = sum O_i 2^(m_i - m) / l. Lane r < 16 owns row r's
 /// (m, l); each lane owns columns lane + 32c and, per part, issues 8 rows x D/32 independent
@@ -179,8 +184,9 @@ __device__ __forceinline__ void merge_window(const params& p, const split_window
     for (int r = 0; r < 8; ++r) {
       const float lr = __shfl_sync(0xffffffffu, l, r0 + r);
       const float inv = lr > 0.0f ? 1.0f / lr : 0.0f;
-      const std::int64_t row = std::int64_t{sw.window} * 16 + r0 + r;
-      if (row >= p.rows) continue;
+      const std::int64_t slot = std::int64_t{sw.window} * 16 + r0 + r;
+      if (slot >= p.rows) continue;
+      const std::int64_t row = source_row(p, slot);
 #pragma unroll
       for (int c = 0; c < kC; ++c)
         out[row * p.o_row + lane + 32 * c] = from_float<O>(acc[r][c] * inv);
@@ -195,16 +201,19 @@ __device__ __forceinline__ void process_item(const params& p, const work_item& i
   constexpr int kQ = D / 4;  // halves of a Q/K row per lane
   constexpr int kV = D / 8;  // halves of a V row per lane = output columns per run
   const int g = lane / 4, t = lane % 4;
-  const std::int64_t row0 = std::int64_t{it.window} * 16 + g, row1 = row0 + 8;
+  // Window rows g and g + 8; past the last row: -1 (nothing read or written).
+  const std::int64_t slot0 = std::int64_t{it.window} * 16 + g, slot1 = slot0 + 8;
+  const std::int64_t row0 = slot0 < p.rows ? source_row(p, slot0) : -1,
+                     row1 = slot1 < p.rows ? source_row(p, slot1) : -1;
 
   // Q rows g and g+8 (zeros past the last row: no read past the end).
   std::uint32_t q0[kQ / 2], q1[kQ / 2];
   const T* q = static_cast<const T*>(p.q) + h * p.q_head + t * kQ;
-  if (row0 < p.rows)
+  if (row0 >= 0)
     load_halves<kQ>(q + row0 * p.q_row, q0);
   else
     zero(q0);
-  if (row1 < p.rows)
+  if (row1 >= 0)
     load_halves<kQ>(q + row1 * p.q_row, q1);
   else
     zero(q1);
@@ -296,11 +305,11 @@ __device__ __forceinline__ void process_item(const params& p, const work_item& i
       r11[j] = o[j][3] * i1;
     }
     O* out = static_cast<O*>(p.out) + h * p.o_head;
-    if (row0 < p.rows) {
+    if (row0 >= 0) {
       store_run<O, kV>(out + row0 * p.o_row + 2 * t * kV, r00);
       store_run<O, kV>(out + row0 * p.o_row + (2 * t + 1) * kV, r01);
     }
-    if (row1 < p.rows) {
+    if (row1 >= 0) {
       store_run<O, kV>(out + row1 * p.o_row + 2 * t * kV, r10);
       store_run<O, kV>(out + row1 * p.o_row + (2 * t + 1) * kV, r11);
     }

@@ -17,6 +17,7 @@ namespace trisparse::cuda {
 struct fused3s_device_plan {
   int device = 0, sms = 0;
   std::int64_t rows = 0, cols = 0;
+  device_buffer<std::int64_t> row_map;         // empty: windows hold rows in the caller's order
   mutable device_buffer<std::uint64_t> queue;  // the kernel's task queue (zero between runs)
   device_buffer<std::int32_t> col_idx;
   device_buffer<std::uint64_t> bitmap;
@@ -143,9 +144,12 @@ std::shared_ptr<fused3s_device_plan> plan_from(device_bsb f, std::int32_t split_
 }  // namespace
 
 std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_graph& pattern,
-                                                       std::int32_t split_tcbs, stream_ref stream) {
+                                                       std::int32_t split_tcbs, stream_ref stream,
+                                                       const std::vector<std::int64_t>& row_map) {
   const auto s = static_cast<cudaStream_t>(stream.handle);
-  return plan_from(build_bsb_device(pattern, s, false), split_tcbs, s);
+  auto plan = plan_from(build_bsb_device(pattern, s, false), split_tcbs, s);
+  if (!row_map.empty()) plan->row_map = device_buffer<std::int64_t>(row_map);
+  return plan;
 }
 
 std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_view& pattern,
@@ -187,6 +191,7 @@ void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const te
   p.o_row = out.row_stride;
   p.o_head = out.head_stride;
   p.rows = plan.rows;
+  p.row_map = plan.row_map.size() > 0 ? plan.row_map.data() : nullptr;
   p.col_idx = plan.col_idx.data();
   p.bitmap = plan.bitmap.data();
   p.items = plan.items.data();
@@ -222,8 +227,9 @@ void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const te
 
 std::int64_t device_bytes(const fused3s_device_plan& plan) {
   return static_cast<std::int64_t>(plan.col_idx.bytes() + plan.bitmap.bytes() + plan.items.bytes() +
-                                   plan.splits.bytes() + plan.queue.bytes() + plan.part_o.bytes() +
-                                   plan.part_ml.bytes() + plan.split_count.bytes());
+                                   plan.splits.bytes() + plan.row_map.bytes() + plan.queue.bytes() +
+                                   plan.part_o.bytes() + plan.part_ml.bytes() +
+                                   plan.split_count.bytes());
 }
 std::int64_t work_items(const fused3s_device_plan& plan) { return plan.num_items; }
 std::int64_t split_windows(const fused3s_device_plan& plan) { return plan.num_splits; }

@@ -22,6 +22,7 @@ struct params {
   void* out;
   std::int64_t q_row, q_head, k_row, k_head, v_row, v_head, o_row, o_head;  // element strides
   std::int64_t rows;                                                        // query rows
+  const std::int64_t* row_map;  // [rows]: the query row of each window slot (nullptr: identity)
   const std::int32_t* col_idx;  // [tcbs * 8], -1 = padding
   const std::uint64_t* bitmap;  // [tcbs * 2]
   const work_item* items;

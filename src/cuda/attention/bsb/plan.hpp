@@ -2,6 +2,7 @@
 // Host interface of the CUDA fused 3S backend (no CUDA headers: ops/ includes it).
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/tensor.hpp"
@@ -16,8 +17,11 @@ struct fused3s_device_plan;
 /// list: items in decreasing TCB order, windows of more than `split_tcbs` TCBs cut into chunks
 /// (0 = chosen from the TCB total and the SM count). Synchronous on `stream`.
 /// @throws not_supported without the CUDA backend; cuda_error on a CUDA failure.
+/// `row_map` (empty = identity): the query row that each row of `pattern` stands for, when the
+/// caller has permuted the rows; the kernel reads Q and writes O through it.
 std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_graph& pattern,
-                                                       std::int32_t split_tcbs, stream_ref stream);
+                                                       std::int32_t split_tcbs, stream_ref stream,
+                                                       const std::vector<std::int64_t>& row_map);
 /// The same from a pattern in device memory, checked on the device first.
 /// @throws invalid_input naming the broken invariant.
 std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_view& pattern,
