@@ -149,8 +149,9 @@ attention_plan attention_plan::build(const csr_view& pattern, const plan_options
                                      stream_ref stream) {
   if (pattern.where == device_kind::cpu) {
     // Host memory: merge repeats and sort rows into a checked csr_graph, then the usual build.
-    TRISPARSE_EXPECTS_INPUT(pattern.rows >= 0 && pattern.nnz >= 0 && pattern.row_ptr != nullptr,
-                            "a CSR view needs rows, nnz >= 0 and row_ptr");
+    TRISPARSE_EXPECTS_INPUT(pattern.rows >= 0 && pattern.nnz >= 0 && pattern.row_ptr != nullptr &&
+                                (pattern.nnz == 0 || pattern.col_idx != nullptr),
+                            "a CSR view needs rows, nnz >= 0, row_ptr and (with entries) col_idx");
     coo_graph coo{.rows = pattern.rows, .cols = pattern.cols, .src = {}, .dst = {}, .values = {}};
     TRISPARSE_EXPECTS_INPUT(pattern.row_ptr[0] == 0 && pattern.row_ptr[pattern.rows] == pattern.nnz,
                             "CSR view: row_ptr must start at 0 and end at nnz");

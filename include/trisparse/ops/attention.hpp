@@ -80,8 +80,9 @@ class attention_plan {
 
   /// out = attention(q, k, v). q: [rows, H, D], k: [cols, H, D], v: [cols, H, Dv],
   /// out: [rows, H, Dv]; all on the plan's device. CPU runs synchronously; CUDA is asynchronous
-  /// on `stream`. One CUDA plan's runs must not overlap on different streams (its split-window
-  /// workspace is shared); the first run with a larger heads x head_dim grows that workspace.
+  /// on `stream`. One CUDA plan's runs must not overlap on different streams (its work queue and
+  /// split-window workspace is shared); the first run with a larger heads x head_dim grows that
+  /// workspace.
   /// @throws invalid_input naming the argument whose shape, dtype or device is wrong.
   void run(const tensor_view& q, const tensor_view& k, const tensor_view& v, const tensor_view& out,
            const attention_options& options = {}, stream_ref stream = {}) const;
