@@ -76,7 +76,10 @@ if [ "$what" = matrix ]; then
 fi
 
 if [ "$what" = large ]; then
-  # >= 100M-edge R-MAT (Reddit-like skew) and a 10M-node / 120M-edge uniform graph.
+  # Batches of small graphs (like the batched anchors rows), then a >= 100M-edge R-MAT
+  # (Reddit-like skew) and a 10M-node / 120M-edge uniform graph.
+  "$b/bench_fused3s" --dim 128 --heads 1 --repeat 20 --batch 1024:10:40 --batch 1024:20:60 --batch 8192:10:40 \
+    > "$out/batches.jsonl" 2>> "$out/stderr.log" || status=1
   "$b/bench_fused3s" --dim 128 --heads 1 --repeat 10 --rmat 23:8 --er 10000000:12 \
     > "$out/large.jsonl" 2>> "$out/stderr.log" || status=1
   cat "$out/large.jsonl"

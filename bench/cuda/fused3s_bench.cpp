@@ -1,9 +1,11 @@
-// GPU fused 3S benchmark: per graph, plan build time (host BSB + upload), kernel time (median of
-// event-timed runs after warm-up, rotating input sets larger than the L2), useful GFLOP/s
-// (4·nnz·d·heads), compulsory bandwidth, and a check of the timed output against float64 on
-// sampled rows. One JSON object per line.
+// GPU fused 3S benchmark: per graph, plan build time (from a host CSR and from a device CSR),
+// kernel time (median of event-timed runs after warm-up, rotating input sets larger than the L2;
+// GPU time and call time), useful GFLOP/s (4·nnz·d·heads), compulsory bandwidth, the in-project
+// baselines (cuSPARSE pipeline fp32/fp16, dense cuBLAS), and a check of every timed output against
+// float64 on sampled rows. One JSON object per line.
 //   bench_fused3s [--dim D] [--heads H] [--repeat R] [--dtype f16|bf16] [--split N,N,...]
-//                 [--rmat SCALE:EDGEFACTOR]... GRAPH...
+//                 [--no-baselines] [--rmat SCALE:EF]... [--er N:DEG]... [--batch G:MIN:MAX]...
+//                 GRAPH...
 #include <cuda_runtime.h>
 #include <omp.h>
 
@@ -302,7 +304,7 @@ double copy_bandwidth_gbps() {
 int main(int argc, char** argv) {
   settings cfg;
   std::vector<std::int32_t> splits{0};
-  std::vector<std::string> paths, rmats, ers;
+  std::vector<std::string> paths, rmats, ers, batches;
   std::string dtype_name = "f16";
   CLI::App app{"GPU fused 3S benchmark"};
   app.add_option("graphs", paths, "graph files");
@@ -315,6 +317,8 @@ int main(int argc, char** argv) {
       ->allow_extra_args(false);
   app.add_option("--rmat", rmats, "generated R-MAT graphs SCALE:EDGE_FACTOR (after the files)");
   app.add_option("--er", ers, "generated Erdos-Renyi graphs NODES:AVG_DEGREE (after the R-MATs)");
+  app.add_option("--batch", batches,
+                 "generated batches of small graphs GRAPHS:MIN_NODES:MAX_NODES (after the rest)");
   app.add_flag("--baselines,!--no-baselines", cfg.baselines,
                "time the cuSPARSE pipeline and dense cuBLAS attention too (f16 inputs)")
       ->capture_default_str();
@@ -324,6 +328,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   for (const auto& r : rmats) paths.push_back("rmat" + r);
   for (const auto& r : ers) paths.push_back("er" + r);
+  for (const auto& b : batches) paths.push_back("batch" + b);
   try {
     cfg.in = parse_dtype(dtype_name);
     cudaDeviceProp prop{};
@@ -340,6 +345,13 @@ int main(int argc, char** argv) {
         g = generate_rmat({.scale = std::stoi(p.substr(4, colon - 4)),
                            .edge_factor = std::stod(p.substr(colon + 1)),
                            .seed = 7});
+      } else if (p.rfind("batch", 0) == 0 && colon != std::string::npos) {
+        const auto second = p.find(':', colon + 1);
+        g = generate_batch({.graphs = std::stoll(p.substr(5, colon - 5)),
+                            .min_nodes = std::stoll(p.substr(colon + 1, second - colon - 1)),
+                            .max_nodes = std::stoll(p.substr(second + 1)),
+                            .seed = 7})
+                .graph;
       } else if (p.rfind("er", 0) == 0 && colon != std::string::npos) {
         g = generate_erdos_renyi({.rows = std::stoll(p.substr(2, colon - 2)),
                                   .avg_degree = std::stod(p.substr(colon + 1)),
@@ -348,7 +360,10 @@ int main(int argc, char** argv) {
         g = read_graph(p);
       }
       std::string name = p.substr(p.find_last_of('/') + 1);
-      name = name.substr(0, std::min(name.find(".el"), name.find(':')));
+      if (name.rfind("batch", 0) == 0)
+        std::replace(name.begin(), name.end(), ':', '_');  // batch1024_10_40
+      else
+        name = name.substr(0, std::min(name.find(".el"), name.find(':')));
       for (const auto split : splits)
         bench_graph(name, g, cfg, split, cfg.baselines && split == splits.front());
     }
