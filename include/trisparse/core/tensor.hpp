@@ -87,7 +87,7 @@ class device_tensor {
   device_tensor(dtype type, std::int64_t rows, std::int64_t heads, std::int64_t dim);
   /// A device copy of a host tensor (synchronous).
   explicit device_tensor(const host_tensor& host);
-  ~device_tensor();
+  ~device_tensor();  // NOLINT(performance-trivially-destructible): not in CUDA builds
   device_tensor(device_tensor&& other) noexcept;
   device_tensor& operator=(device_tensor&& other) noexcept;
   device_tensor(const device_tensor&) = delete;
