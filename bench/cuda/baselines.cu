@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "../../src/cuda/common/buffer.cuh"
+#include "../../src/cuda/common/grid.cuh"
 #include "baselines.hpp"
 
 namespace trisparse::bench {
@@ -117,10 +118,6 @@ __global__ void busy_wait(long long cycles) {
   const long long start = clock64();
   while (clock64() - start < cycles) {
   }
-}
-
-unsigned blocks(std::int64_t threads, int per_block) {
-  return static_cast<unsigned>((threads + per_block - 1) / per_block);
 }
 
 struct inputs {
@@ -243,8 +240,8 @@ int cusparse_pipeline::add_inputs(const tensor_view& q, const tensor_view& k,
     inputs in{};
     for (const tensor_view* t : {&q, &k, &v}) {
       device_buffer<float> f(static_cast<std::size_t>(t->numel()));
-      half_to_float<<<blocks(t->numel(), 256), 256>>>(static_cast<const __half*>(t->data), f.data(),
-                                                      t->numel());
+      half_to_float<<<cuda::blocks_for(t->numel(), 256), 256>>>(static_cast<const __half*>(t->data),
+                                                                f.data(), t->numel());
       cuda_check(cudaPeekAtLastError(), "half_to_float");
       (t == &q ? in.q : t == &k ? in.k : in.v) = f.data();
       s.converted.push_back(std::move(f));
@@ -269,7 +266,7 @@ void cusparse_pipeline::run(int set, const tensor_view& out) {
                                CUSPARSE_OPERATION_NON_TRANSPOSE, &s.one, s.q_mat, s.k_mat, &s.zero,
                                s.s_mat, CUDA_R_32F, CUSPARSE_SDDMM_ALG_DEFAULT, s.sddmm_buf.data()),
                  "cusparseSDDMM");
-    const unsigned grid = blocks(s.rows * 32, 256);
+    const unsigned grid = cuda::blocks_for(s.rows * 32, 256);
     if (s.rows > 0) {
       if (s.fp32)
         csr_row_softmax<<<grid, 256>>>(s.row_ptr.data(), s.rows,
@@ -324,8 +321,8 @@ dense_masked::dense_masked(const csr_graph& g, std::int64_t heads, std::int64_t 
   const device_buffer<std::int64_t> row_ptr(g.row_ptr);
   const device_buffer<std::int32_t> col_idx(g.col_idx);
   if (g.rows > 0) {
-    set_mask_bits<<<blocks(g.rows * 32, 256), 256>>>(row_ptr.data(), col_idx.data(), g.rows, words,
-                                                     s.mask.data());
+    set_mask_bits<<<cuda::blocks_for(g.rows * 32, 256), 256>>>(row_ptr.data(), col_idx.data(),
+                                                               g.rows, words, s.mask.data());
     cuda_check(cudaPeekAtLastError(), "set_mask_bits");
   }
   cuda_check(cudaDeviceSynchronize(), "mask");

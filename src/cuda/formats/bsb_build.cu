@@ -16,6 +16,7 @@
 #include <algorithm>
 
 #include "../common/error.cuh"
+#include "../common/grid.cuh"
 #include "bsb_build.cuh"
 #include "trisparse/formats/bsb.hpp"
 
@@ -26,13 +27,8 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / 32;
 
-unsigned blocks_for(std::int64_t n) {
-  return static_cast<unsigned>(std::max<std::int64_t>(1, (n + kThreads - 1) / kThreads));
-}
-unsigned warp_blocks_for(std::int64_t warps) {
-  return static_cast<unsigned>(
-      std::max<std::int64_t>(1, (warps + kWarpsPerBlock - 1) / kWarpsPerBlock));
-}
+unsigned blocks_for(std::int64_t threads) { return cuda::blocks_for(threads, kThreads); }
+unsigned warp_blocks_for(std::int64_t warps) { return cuda::blocks_for(warps, kWarpsPerBlock); }
 __device__ __forceinline__ std::int64_t global_warp() {
   return (blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x) / 32;
 }

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "../../common/error.cuh"
+#include "../../common/grid.cuh"
 #include "work_list.cuh"
 
 namespace trisparse::cuda::fused3s {
@@ -63,9 +64,7 @@ __global__ void emit_items(const std::int64_t* tcb_offset, std::int64_t windows,
   }
 }
 
-unsigned blocks_for(std::int64_t n) {
-  return static_cast<unsigned>(std::max<std::int64_t>(1, (n + kThreads - 1) / kThreads));
-}
+unsigned blocks_for(std::int64_t threads) { return cuda::blocks_for(threads, kThreads); }
 
 }  // namespace
 
