@@ -17,3 +17,4 @@
 #include "trisparse/ops/attention.hpp"
 #include "trisparse/ops/cpu.hpp"
 #include "trisparse/ops/reference.hpp"
+#include "trisparse/ops/sparse.hpp"

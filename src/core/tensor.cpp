@@ -25,9 +25,14 @@ void check_view(const tensor_view& t, const char* what, std::int64_t rows, std::
   if (dim >= 0 && t.dim != dim) fail("expected dim " + std::to_string(dim));
   if (t.rows < 0 || t.heads < 1 || t.dim < 1) fail("needs rows >= 0, heads >= 1, dim >= 1");
   if (t.numel() > 0 && t.data == nullptr) fail("data is null");
-  if (t.head_stride < t.dim) fail("head_stride " + std::to_string(t.head_stride) + " < dim");
-  if (t.rows > 1 && t.row_stride < t.head_stride * (t.heads - 1) + t.dim) {
-    fail("row_stride " + std::to_string(t.row_stride) + " makes rows overlap");
+  // Rows outside heads ([rows, heads, dim] packed) or heads outside rows (one array per head).
+  const bool heads_inner = (t.heads == 1 || t.head_stride >= t.dim) &&
+                           (t.rows <= 1 || t.row_stride >= t.head_stride * (t.heads - 1) + t.dim);
+  const bool rows_inner = (t.rows <= 1 || t.row_stride >= t.dim) &&
+                          (t.heads == 1 || t.head_stride >= t.row_stride * (t.rows - 1) + t.dim);
+  if (!heads_inner && !rows_inner) {
+    fail("row_stride " + std::to_string(t.row_stride) + " and head_stride " +
+         std::to_string(t.head_stride) + " make elements overlap");
   }
 }
 

@@ -1,5 +1,6 @@
 // Without the CUDA backend there are no devices and no CUDA plans.
 #include "../attention/bsb/plan.hpp"
+#include "../sparse/plan.hpp"
 #include "device.hpp"
 #include "trisparse/core/error.hpp"
 #include "trisparse/formats/bsb.hpp"
@@ -48,4 +49,31 @@ void run_fused3s(const fused3s_device_plan&, const tensor_view&, const tensor_vi
 std::int64_t device_bytes(const fused3s_device_plan&) { return 0; }
 std::int64_t work_items(const fused3s_device_plan&) { return 0; }
 std::int64_t split_windows(const fused3s_device_plan&) { return 0; }
+
+struct me_device_plan {};
+std::shared_ptr<me_device_plan> make_me_plan(const csr_graph&, int, std::int32_t, stream_ref) {
+  no_backend();
+}
+std::shared_ptr<me_device_plan> make_me_plan(const csr_view&, const float*, int, std::int32_t,
+                                             stream_ref) {
+  no_backend();
+}
+me_plan_info info(const me_device_plan&) { return {}; }
+void run_spmm(const me_device_plan&, const tensor_view&, const tensor_view&, const tensor_view&,
+              stream_ref) {
+  no_backend();
+}
+void run_sddmm(const me_device_plan&, const tensor_view&, const tensor_view&, const tensor_view&,
+               double, stream_ref) {
+  no_backend();
+}
+void run_softmax(const me_device_plan&, const tensor_view&, const tensor_view&, stream_ref) {
+  no_backend();
+}
+void entries_to_slots(const me_device_plan&, const tensor_view&, const tensor_view&, stream_ref) {
+  no_backend();
+}
+void slots_to_entries(const me_device_plan&, const tensor_view&, const tensor_view&, stream_ref) {
+  no_backend();
+}
 }  // namespace trisparse::cuda

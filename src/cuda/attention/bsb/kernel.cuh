@@ -227,12 +227,12 @@ __device__ __forceinline__ void process_item(const params& p, const work_item& i
   // Pipeline: indices two TCBs ahead, rows one TCB ahead (up to D = 128; at D = 256 a second copy
   // of the rows would not fit in registers, so rows load at the top of their own iteration).
   constexpr bool kPipelined = D <= 128;
-  const std::int32_t end = it.tcb_end;
-  tcb_meta meta1 = it.tcb_begin < end ? load_meta(p, it.tcb_begin, g, t) : tcb_meta{};
-  tcb_meta meta2 = it.tcb_begin + 1 < end ? load_meta(p, it.tcb_begin + 1, g, t) : tcb_meta{};
+  const std::int32_t end = it.end;
+  tcb_meta meta1 = it.begin < end ? load_meta(p, it.begin, g, t) : tcb_meta{};
+  tcb_meta meta2 = it.begin + 1 < end ? load_meta(p, it.begin + 1, g, t) : tcb_meta{};
   tcb_rows<D> next;
-  if (kPipelined && it.tcb_begin < end) load_rows<T, D>(p, meta1, h, g, t, next);
-  for (std::int32_t tcb = it.tcb_begin; tcb < end; ++tcb) {
+  if (kPipelined && it.begin < end) load_rows<T, D>(p, meta1, h, g, t, next);
+  for (std::int32_t tcb = it.begin; tcb < end; ++tcb) {
     tcb_rows<D> cur;
     const tcb_meta m = meta1;
     meta1 = meta2;

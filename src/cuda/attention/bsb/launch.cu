@@ -7,10 +7,10 @@
 
 #include "../../common/buffer.cuh"
 #include "../../common/error.cuh"
+#include "../../common/work_list.cuh"
 #include "../../formats/bsb_build.cuh"
 #include "kernel.cuh"
 #include "plan.hpp"
-#include "work_list.cuh"
 
 namespace trisparse::cuda {
 
@@ -130,7 +130,8 @@ std::shared_ptr<fused3s_device_plan> plan_from(device_bsb f, std::int32_t split_
   const std::int64_t mean = (f.tcbs + slots - 1) / slots;
   const std::int64_t limit =
       split_tcbs > 0 ? split_tcbs : std::max<std::int64_t>(24, std::min(3 * mean, 2 * mean + 8));
-  fused3s::device_work_list list = fused3s::build_work_list(f, limit, s);
+  device_work_list list =
+      build_work_list(f.window_tcbs.data(), f.tcb_offset.data(), f.windows, limit, s);
   plan->col_idx = std::move(f.col_idx);
   plan->bitmap = std::move(f.bitmap);
   plan->items = std::move(list.items);

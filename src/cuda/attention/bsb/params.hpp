@@ -2,18 +2,12 @@
 // Host <-> kernel parameters of the fused 3S kernel (plain data, no CUDA headers).
 #include <cstdint>
 
+#include "../../common/work_item.hpp"
+
 namespace trisparse::cuda::fused3s {
 
-/// A warp's work: TCBs [tcb_begin, tcb_end) of row window `window`; part >= 0 writes a partial
-/// state into slot `part` of split window `split`, part < 0 writes the output.
-struct work_item {
-  std::int32_t window, tcb_begin, tcb_end, part, split;
-};
-
-/// A window split into `parts` consecutive partial slots from `first_part`.
-struct split_window {
-  std::int32_t window, first_part, parts;
-};
+using cuda::split_window;
+using cuda::work_item;  // blocks are TCBs here
 
 struct params {
   const void* q;

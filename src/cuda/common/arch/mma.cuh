@@ -61,6 +61,23 @@ __device__ __forceinline__ void mma_16x8x8_f32<__nv_bfloat16>(float (&c)[4],
       : "r"(a[0]), "r"(a[1]), "r"(b));
 }
 
+/// m16n8k8, tf32 A/B (fp32 bit patterns rounded by to_tf32), f32 C/D. a: 4 regs, b: 2 regs.
+__device__ __forceinline__ void mma_16x8x8_f32_tf32(float (&c)[4], const std::uint32_t (&a)[4],
+                                                    const std::uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+/// fp32 -> tf32 (round to nearest, ties away), as the register the tf32 MMA reads.
+__device__ __forceinline__ std::uint32_t to_tf32(float x) {
+  std::uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+
 /// Two floats -> one register of two 16-bit values (lo in the low half).
 template <class T>
 __device__ __forceinline__ std::uint32_t pack2(float lo, float hi);

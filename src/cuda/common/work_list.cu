@@ -4,11 +4,11 @@
 
 #include <algorithm>
 
-#include "../../common/error.cuh"
-#include "../../common/grid.cuh"
+#include "error.cuh"
+#include "grid.cuh"
 #include "work_list.cuh"
 
-namespace trisparse::cuda::fused3s {
+namespace trisparse::cuda {
 
 namespace {
 
@@ -23,12 +23,12 @@ struct add_counts {
   }
 };
 
-__device__ __forceinline__ std::int32_t pieces(std::int32_t tcbs, std::int64_t limit) {
-  return tcbs > limit ? static_cast<std::int32_t>((tcbs + limit - 1) / limit) : 1;
+__device__ __forceinline__ std::int32_t pieces(std::int32_t blocks, std::int64_t limit) {
+  return blocks > limit ? static_cast<std::int32_t>((blocks + limit - 1) / limit) : 1;
 }
 
 // [windows + 1] counts; the last is zero so that the exclusive scan ends with the totals.
-__global__ void count_items(const std::int32_t* window_tcbs, std::int64_t windows,
+__global__ void count_items(const std::int32_t* window_blocks, std::int64_t windows,
                             std::int64_t limit, counts* out) {
   const std::int64_t w = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
   if (w > windows) return;
@@ -36,17 +36,17 @@ __global__ void count_items(const std::int32_t* window_tcbs, std::int64_t window
     out[w] = {0, 0, 0};
     return;
   }
-  const std::int32_t n = pieces(window_tcbs[w], limit);
+  const std::int32_t n = pieces(window_blocks[w], limit);
   out[w] = {n, n > 1 ? n : 0, n > 1 ? 1 : 0};
 }
 
-__global__ void emit_items(const std::int64_t* tcb_offset, std::int64_t windows, std::int64_t limit,
-                           const counts* offsets, work_item* items, std::int32_t* sizes,
-                           split_window* splits) {
+__global__ void emit_items(const std::int64_t* block_offset, std::int64_t windows,
+                           std::int64_t limit, const counts* offsets, work_item* items,
+                           std::int32_t* sizes, split_window* splits) {
   const std::int64_t w = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
   if (w >= windows) return;
-  const auto b = static_cast<std::int32_t>(tcb_offset[w]),
-             e = static_cast<std::int32_t>(tcb_offset[w + 1]);
+  const auto b = static_cast<std::int32_t>(block_offset[w]),
+             e = static_cast<std::int32_t>(block_offset[w + 1]);
   const std::int32_t n = pieces(e - b, limit);
   const counts at = offsets[w];
   const auto window = static_cast<std::int32_t>(w);
@@ -68,10 +68,11 @@ unsigned blocks_for(std::int64_t threads) { return cuda::blocks_for(threads, kTh
 
 }  // namespace
 
-device_work_list build_work_list(const device_bsb& f, std::int64_t limit, cudaStream_t s) {
-  const std::int64_t windows = f.windows;
+device_work_list build_work_list(const std::int32_t* window_blocks,
+                                 const std::int64_t* block_offset, std::int64_t windows,
+                                 std::int64_t limit, cudaStream_t s) {
   device_buffer<counts> per_window(windows + 1), offsets(windows + 1);
-  count_items<<<blocks_for(windows + 1), kThreads, 0, s>>>(f.window_tcbs.data(), windows, limit,
+  count_items<<<blocks_for(windows + 1), kThreads, 0, s>>>(window_blocks, windows, limit,
                                                            per_window.data());
   TRISPARSE_CUDA_CHECK_LAUNCH();
   std::size_t scan_bytes = 0;
@@ -96,7 +97,7 @@ device_work_list build_work_list(const device_bsb& f, std::int64_t limit, cudaSt
   list.items = device_buffer<work_item>(total.items);
   list.splits = device_buffer<split_window>(total.splits);
   if (windows > 0) {
-    emit_items<<<blocks_for(windows), kThreads, 0, s>>>(f.tcb_offset.data(), windows, limit,
+    emit_items<<<blocks_for(windows), kThreads, 0, s>>>(block_offset, windows, limit,
                                                         offsets.data(), unsorted.data(),
                                                         sizes.data(), list.splits.data());
     TRISPARSE_CUDA_CHECK_LAUNCH();
@@ -113,4 +114,4 @@ device_work_list build_work_list(const device_bsb& f, std::int64_t limit, cudaSt
   return list;
 }
 
-}  // namespace trisparse::cuda::fused3s
+}  // namespace trisparse::cuda

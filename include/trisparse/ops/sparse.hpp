@@ -1,0 +1,83 @@
+#pragma once
+/// @file The sparse kernels GNN layers are made of -- SpMM, SDDMM and a row softmax -- over one
+/// pattern, through a plan built once per pattern and device (on CUDA: FlashSparse's ME-BCRS
+/// with 8x1 vectors and swap-and-transpose tensor-core MMA; on the CPU: the float64 reference).
+///
+/// Per-edge values (SDDMM output, softmax in and out, SpMM's weights) live in the plan's *slot
+/// layout*, so that the three operations chain without reordering: a tensor_view of
+/// [slots(), heads, 1] with slot stride 1 (one contiguous array per head). On the CPU the slot
+/// layout is the CSR entry order. to_slots() and to_entries() convert from and to CSR entry order
+/// ([nnz, heads, 1], any strides).
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "trisparse/core/stream.hpp"
+#include "trisparse/core/tensor.hpp"
+#include "trisparse/graph/csr.hpp"
+
+namespace trisparse {
+
+struct sparse_plan_options {
+  /// CUDA: rows per nonzero vector: 8 (FlashSparse's 8x1 vectors) or 16 (the 16x1 ablation).
+  int vector_rows = 8;
+  /// CUDA: row windows with more 8-vector blocks than this are split across warps
+  /// (0 = chosen from the block total and the device's SM count).
+  std::int32_t split_blocks = 0;
+};
+
+struct sparse_plan_report {
+  device_kind where = device_kind::cpu;
+  std::int64_t rows = 0, cols = 0, nnz = 0;
+  std::int64_t windows = 0, vectors = 0, slots = 0;  ///< CPU: windows = vectors = 0, slots = nnz
+  std::int64_t format_bytes = 0;                     ///< CUDA: ME-BCRS arrays; CPU: the CSR
+  std::int64_t sr_bcrs_bytes = 0;  ///< CUDA: the same pattern padded to whole blocks (SR-BCRS)
+  double build_seconds = 0;
+  std::string format;  ///< "csr" or "me-bcrs8x1" / "me-bcrs16x1"
+};
+
+/// One sparse pattern A (rows x cols, with values or binary = all 1) prepared on one device.
+/// Cheap to copy (shared, immutable state). CUDA runs are asynchronous on `stream`; one plan's
+/// runs must not overlap on different streams (its split-window workspace is shared).
+class sparse_plan {
+ public:
+  /// @throws invalid_input if the pattern is broken; not_supported without the CUDA backend.
+  static sparse_plan build(const csr_graph& pattern, device_kind where = device_kind::cpu,
+                           const sparse_plan_options& options = {}, stream_ref stream = {});
+  /// A CUDA plan from a pattern in device memory (values: device [nnz] floats or nullptr for
+  /// all 1). Columns may be unsorted or repeated within a row (repeats share one slot and their
+  /// values add up). @throws invalid_input naming the broken invariant.
+  static sparse_plan build(const csr_view& pattern, const float* values = nullptr,
+                           const sparse_plan_options& options = {}, stream_ref stream = {});
+
+  /// Length of a per-edge value array in the slot layout.
+  std::int64_t slots() const;
+  const sparse_plan_report& report() const;
+
+  /// c = A_h b_h for every head h. values: [slots, H, 1] per-head weights, or a view with
+  /// data == nullptr for the pattern's own values (shared by all heads). b: [cols, H, n],
+  /// c: [rows, H, n]. CUDA: b f16, bf16 or f32 (computed in tf32), values in b's dtype, c f32 or
+  /// b's dtype; any n (n % 16 == 0 and 16-byte aligned rows run fastest).
+  void spmm(const tensor_view& values, const tensor_view& b, const tensor_view& c,
+            stream_ref stream = {}) const;
+  /// out = scale * A ⊙ (x y^T) in the slot layout: out[e] = a_e * scale * <x[row(e)], y[col(e)]>,
+  /// 0 in slots without an entry. x: [rows, H, d], y: [cols, H, d] (one dtype: f16, bf16 or f32
+  /// as tf32 on CUDA), out: [slots, H, 1] f32 or x's dtype.
+  void sddmm(const tensor_view& x, const tensor_view& y, const tensor_view& out, double scale = 1.0,
+             stream_ref stream = {}) const;
+  /// Max-stabilised row softmax over each row's entries (fp32 inside); slots without an entry
+  /// get 0. scores, out: [slots, H, 1], f32, f16 or bf16; may be the same array.
+  void softmax(const tensor_view& scores, const tensor_view& out, stream_ref stream = {}) const;
+
+  /// entries: [nnz, H, 1] in CSR entry order -> slots: [slots, H, 1] (same dtype; other slots 0).
+  void to_slots(const tensor_view& entries, const tensor_view& slots, stream_ref stream = {}) const;
+  /// slots -> entries in CSR entry order.
+  void to_entries(const tensor_view& slots, const tensor_view& entries,
+                  stream_ref stream = {}) const;
+
+ private:
+  struct state;
+  std::shared_ptr<const state> state_;
+};
+
+}  // namespace trisparse

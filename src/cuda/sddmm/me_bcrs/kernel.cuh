@@ -1,0 +1,130 @@
+#pragma once
+// SDDMM over ME-BCRS with swap-and-transpose: for 16 vectors of a window (two 8-vector blocks),
+// S^T (16 vectors x 8 rows) = Y_cols (16 x d) X_window^T (d x 8), so the window's 8 rows are the
+// MMA's n = 8 and the gathered rows of Y the m = 16. S goes straight into the slot layout the
+// SpMM reads (the paper's output splitting), scaled and masked by the pattern's values; slots
+// without an entry get 0. One warp computes one work item for one head.
+//
+// Thread mapping (lane = 4 g + t): the reduction dimension d is walked in chunks of 32, thread t
+// owning d [8t, 8t + 8) of each chunk (one 16-byte load of 16-bit rows) and feeding those
+// positions to the MMA's k slots in an order both operands share. X's window rows stay in
+// registers for d <= 32 kChunks; longer d is walked in passes that reload them.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "../../common/arch/mma.cuh"
+#include "../../sparse/fragments.cuh"
+#include "../../sparse/params.hpp"
+
+namespace trisparse::cuda::me {
+
+inline constexpr int kSddmmWarps = 4;
+
+template <class T>
+struct sddmm_mma {  // 16-bit: two m16n8k16 steps per 32-d chunk
+  __device__ __forceinline__ static void chunk(float (&acc)[4], const frag<T, 8>& ya,
+                                               const frag<T, 8>& yb, const frag<T, 8>& x) {
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const std::uint32_t a[4] = {ya.r[2 * k], yb.r[2 * k], ya.r[2 * k + 1], yb.r[2 * k + 1]};
+      const std::uint32_t b[2] = {x.r[2 * k], x.r[2 * k + 1]};
+      arch::mma_16x8x16_f32<T>(acc, a, b);
+    }
+  }
+};
+
+template <>
+struct sddmm_mma<float> {  // tf32: four m16n8k8 steps per 32-d chunk
+  __device__ __forceinline__ static void chunk(float (&acc)[4], const frag<float, 8>& ya,
+                                               const frag<float, 8>& yb, const frag<float, 8>& x) {
+    const auto tf = [](std::uint32_t bits) { return arch::to_tf32(__uint_as_float(bits)); };
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const std::uint32_t a[4] = {tf(ya.r[2 * k]), tf(yb.r[2 * k]), tf(ya.r[2 * k + 1]),
+                                  tf(yb.r[2 * k + 1])};
+      const std::uint32_t b[2] = {tf(x.r[2 * k]), tf(x.r[2 * k + 1])};
+      arch::mma_16x8x8_f32_tf32(acc, a, b);
+    }
+  }
+};
+
+template <class T, class O, int kHeight, int kChunks>
+__global__ void __launch_bounds__(kSddmmWarps * 32) sddmm_kernel(const sddmm_params p) {
+  constexpr int kSub = kHeight / 8;
+  const int lane = static_cast<int>(threadIdx.x % 32), g = lane / 4, t = lane % 4;
+  const std::int64_t task = blockIdx.x * std::int64_t{kSddmmWarps} + threadIdx.x / 32;
+  if (task >= p.f.num_items * p.heads) return;
+  const work_item it = p.f.items[task / p.heads];
+  const auto h = static_cast<int>(task % p.heads);
+  const std::int64_t start = p.f.row_ptr[it.window];
+  const std::int64_t nvec = p.f.row_ptr[it.window + 1] - start;
+  const std::int64_t block0 = p.f.block_offset[it.window];
+  const std::int64_t row0 = std::int64_t{it.window} * kHeight;
+  const T* x = static_cast<const T*>(p.x) + h * p.x_head;
+  const T* y = static_cast<const T*>(p.y) + h * p.y_head;
+  O* out = static_cast<O*>(p.out) + h * p.out_head;
+  constexpr std::int64_t kPass = 32 * kChunks;  // d per register pass
+  const std::int64_t passes = (p.d + kPass - 1) / kPass;
+
+  frag<T, 8> xr[kSub][kChunks];
+  const auto load_x = [&](std::int64_t pass) {
+#pragma unroll
+    for (int s = 0; s < kSub; ++s) {
+      const std::int64_t row = row0 + 8 * s + g;
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        const std::int64_t d0 = pass * kPass + 32 * c + 8 * t;
+        const int valid = row < p.f.rows ? static_cast<int>(max(std::int64_t{0}, p.d - d0)) : 0;
+        load_frag(x + (row < p.f.rows ? row : 0) * p.x_row + d0, valid, p.aligned, xr[s][c]);
+      }
+    }
+  };
+  if (passes == 1) load_x(0);
+
+  // Tiles of 16 vectors: blocks (blk, blk + 1) of the item; vectors va (rows g) and vb (g + 8).
+  for (std::int32_t blk = it.begin; blk < it.end; blk += 2) {
+    const std::int64_t first = (blk - block0) * 8;
+    const std::int64_t va = first + g, vb = first + 8 + g;
+    const bool has_b = blk + 1 < it.end;
+    const int ca = va < nvec ? p.f.col_idx[start + va] : -1;
+    const int cb = has_b && vb < nvec ? p.f.col_idx[start + vb] : -1;
+    float acc[kSub][4] = {};
+    for (std::int64_t pass = 0; pass < passes; ++pass) {
+      if (passes > 1) load_x(pass);
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        const std::int64_t d0 = pass * kPass + 32 * c + 8 * t;
+        const int valid = static_cast<int>(max(std::int64_t{0}, p.d - d0));
+        frag<T, 8> ya, yb;
+        load_frag(y + std::int64_t{ca < 0 ? 0 : ca} * p.y_row + d0, ca < 0 ? 0 : valid, p.aligned,
+                  ya);
+        load_frag(y + std::int64_t{cb < 0 ? 0 : cb} * p.y_row + d0, cb < 0 ? 0 : valid, p.aligned,
+                  yb);
+#pragma unroll
+        for (int s = 0; s < kSub; ++s) sddmm_mma<T>::chunk(acc[s], ya, yb, xr[s][c]);
+      }
+    }
+    // acc[s] = S^T(vector va: rows 8s + 2t, +1; vector vb: rows 8s + 2t, +1).
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const std::int64_t v = half == 0 ? va : vb;
+      if (v >= nvec || (half == 1 && !has_b)) continue;
+      const std::uint32_t mask = p.f.mask[start + v];
+#pragma unroll
+      for (int s = 0; s < kSub; ++s) {
+#pragma unroll
+        for (int odd = 0; odd < 2; ++odd) {
+          const int r = 8 * s + 2 * t + odd;
+          const std::int64_t slot = slot_of<kHeight>(start, nvec, v, r);
+          const float value =
+              (mask >> r & 1u) != 0u ? p.scale * p.f.values[slot] * acc[s][2 * half + odd] : 0.0f;
+          out[slot] = from_float<O>(value);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace trisparse::cuda::me

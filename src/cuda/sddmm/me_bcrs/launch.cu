@@ -1,0 +1,90 @@
+// SDDMM over ME-BCRS: the one dispatch point where (x's dtype, out's dtype, vector rows, d
+// register chunks) become the kernel's template arguments.
+#include <cmath>
+#include <string>
+#include <type_traits>
+
+#include "../../common/error.cuh"
+#include "../../common/grid.cuh"
+#include "../../sparse/device_plan.cuh"
+#include "kernel.cuh"
+
+namespace trisparse::cuda {
+
+namespace {
+
+template <class T, class O, int kHeight, int kChunks>
+void launch(const me::sddmm_params& p, cudaStream_t s) {
+  const std::int64_t tasks = p.f.num_items * std::int64_t{p.heads};
+  if (tasks == 0) return;
+  me::sddmm_kernel<T, O, kHeight, kChunks>
+      <<<blocks_for(tasks, me::kSddmmWarps), me::kSddmmWarps * 32, 0, s>>>(p);
+  TRISPARSE_CUDA_CHECK_LAUNCH();
+}
+
+template <class T, class O>
+void launch_shape(int height, const me::sddmm_params& p, cudaStream_t s) {
+  const auto go = [&](auto height_c) {
+    constexpr int kHeight = decltype(height_c)::value;
+    if (p.d <= 32) return launch<T, O, kHeight, 1>(p, s);
+    if (p.d <= 64) return launch<T, O, kHeight, 2>(p, s);
+    if (p.d <= 128) return launch<T, O, kHeight, 4>(p, s);
+    return launch<T, O, kHeight, 8>(p, s);  // longer d in passes of 256
+  };
+  if (height == 8)
+    go(std::integral_constant<int, 8>{});
+  else
+    go(std::integral_constant<int, 16>{});
+}
+
+template <class T>
+void launch_out(dtype out, int height, const me::sddmm_params& p, cudaStream_t s) {
+  if (out == dtype::f32) return launch_shape<T, float>(height, p, s);
+  if constexpr (sizeof(T) == 2) {
+    if (out == me::dtype_of<T>()) return launch_shape<T, T>(height, p, s);
+  }
+  throw invalid_input("SDDMM writes f32 or x's dtype, not " + std::string(to_string(out)));
+}
+
+}  // namespace
+
+void run_sddmm(const me_device_plan& plan, const tensor_view& x, const tensor_view& y,
+               const tensor_view& out, double scale, stream_ref stream) {
+  me::check_device(plan);
+  check_view(x, "x", plan.f.rows, -1, -1);
+  check_view(y, "y", plan.f.cols, x.heads, x.dim);
+  TRISPARSE_EXPECTS_INPUT(x.where == device_kind::cuda && y.where == device_kind::cuda,
+                          "SDDMM needs x and y on the GPU");
+  TRISPARSE_EXPECTS_INPUT(
+      x.type == y.type && (x.type == dtype::f16 || x.type == dtype::bf16 || x.type == dtype::f32),
+      "SDDMM takes x and y in one dtype: f16, bf16 or f32 (tf32); got " + x.describe() + " and " +
+          y.describe());
+  TRISPARSE_EXPECTS_INPUT(std::isfinite(scale), "the SDDMM scale must be finite");
+  me::check_slots(plan, out, "out", x.heads);
+  me::sddmm_params p{};
+  p.f = plan.ref();
+  p.x = x.data;
+  p.x_row = x.row_stride;
+  p.x_head = x.head_stride;
+  p.y = y.data;
+  p.y_row = y.row_stride;
+  p.y_head = y.head_stride;
+  p.out = out.data;
+  p.out_head = out.head_stride;
+  p.d = x.dim;
+  p.heads = static_cast<std::int32_t>(x.heads);
+  p.scale = static_cast<float>(scale);
+  p.aligned = me::vector_aligned(x) && me::vector_aligned(y);
+  if (x.heads == 0 || plan.f.slots() == 0) return;
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  switch (x.type) {
+    case dtype::f16:
+      return launch_out<__half>(out.type, plan.f.vector_rows, p, s);
+    case dtype::bf16:
+      return launch_out<__nv_bfloat16>(out.type, plan.f.vector_rows, p, s);
+    default:
+      return launch_out<float>(out.type, plan.f.vector_rows, p, s);
+  }
+}
+
+}  // namespace trisparse::cuda

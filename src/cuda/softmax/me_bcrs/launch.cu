@@ -1,0 +1,81 @@
+// Row softmax over ME-BCRS slot values: the one dispatch point where (in dtype, out dtype,
+// vector rows) become the kernel's template arguments.
+#include <string>
+
+#include "../../common/error.cuh"
+#include "../../common/grid.cuh"
+#include "../../sparse/device_plan.cuh"
+#include "kernel.cuh"
+
+namespace trisparse::cuda {
+
+namespace {
+
+template <class In, class Out, int kHeight>
+void launch(const me::softmax_params& p, bool split, cudaStream_t s) {
+  const std::int64_t tasks = p.f.num_items * std::int64_t{p.heads};
+  if (tasks == 0) return;
+  const unsigned grid = blocks_for(tasks, me::kSoftmaxWarps);
+  me::softmax_kernel<In, Out, kHeight, false><<<grid, me::kSoftmaxWarps * 32, 0, s>>>(p);
+  TRISPARSE_CUDA_CHECK_LAUNCH();
+  if (split) {
+    me::softmax_kernel<In, Out, kHeight, true><<<grid, me::kSoftmaxWarps * 32, 0, s>>>(p);
+    TRISPARSE_CUDA_CHECK_LAUNCH();
+  }
+}
+
+template <class F>
+void with_type(dtype t, F&& f) {
+  switch (t) {
+    case dtype::f16:
+      return f(__half{});
+    case dtype::bf16:
+      return f(__nv_bfloat16{});
+    case dtype::f32:
+      return f(float{});
+    default:
+      throw invalid_input("softmax takes f32, f16 or bf16 values, not " +
+                          std::string(to_string(t)));
+  }
+}
+
+}  // namespace
+
+void run_softmax(const me_device_plan& plan, const tensor_view& in, const tensor_view& out,
+                 stream_ref stream) {
+  me::check_device(plan);
+  me::check_slots(plan, in, "scores", in.heads);
+  me::check_slots(plan, out, "out", in.heads);
+  me::softmax_params p{};
+  p.f = plan.ref();
+  p.in = in.data;
+  p.in_head = in.head_stride;
+  p.out = out.data;
+  p.out_head = out.head_stride;
+  p.heads = static_cast<std::int32_t>(in.heads);
+  const bool split = plan.num_parts > 0;
+  if (split) {
+    const std::size_t need =
+        static_cast<std::size_t>(plan.num_parts) * in.heads * plan.f.vector_rows * 2;
+    std::lock_guard<std::mutex> lock(plan.mutex);
+    if (plan.part_stats.size() < need) {
+      TRISPARSE_CUDA_TRY(cudaDeviceSynchronize());
+      plan.part_stats = device_buffer<float>(need);
+    }
+    p.part_stats = plan.part_stats.data();
+  }
+  if (in.heads == 0 || plan.f.slots() == 0) return;
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  with_type(in.type, [&](auto in_t) {
+    with_type(out.type, [&](auto out_t) {
+      using In = decltype(in_t);
+      using Out = decltype(out_t);
+      if (plan.f.vector_rows == 8)
+        launch<In, Out, 8>(p, split, s);
+      else
+        launch<In, Out, 16>(p, split, s);
+    });
+  });
+}
+
+}  // namespace trisparse::cuda

@@ -1,0 +1,66 @@
+#pragma once
+// Host <-> kernel parameters of the ME-BCRS kernels (SpMM, SDDMM, softmax): plain data.
+#include <cstdint>
+
+#include "../common/work_item.hpp"
+
+namespace trisparse::cuda::me {
+
+/// The device ME-BCRS and its work list as the kernels read them. Per-edge value arrays are in
+/// the format's slot layout, one array per head (slot stride 1, `*_head` elements apart).
+struct format_ref {
+  const std::int64_t* row_ptr;       // [windows + 1], in vectors
+  const std::int32_t* col_idx;       // [vectors]
+  const std::uint32_t* mask;         // [vectors]: bit r = window row r has an entry
+  const float* values;               // [slots]: the pattern's values
+  const std::int64_t* block_offset;  // [windows + 1], in blocks of 8 vectors
+  std::int64_t rows;
+  const work_item* items;  // blocks are 8-vector blocks, largest items first
+  std::int64_t num_items;
+  const split_window* splits;
+};
+
+/// c[:, h, f_begin + chunk * 16 kTiles ...] = A_h b_h, A_h's values from `a` (slot layout).
+struct spmm_params {
+  format_ref f;
+  const void* a;
+  std::int64_t a_head;
+  const void* b;
+  std::int64_t b_row, b_head;
+  void* c;
+  std::int64_t c_row, c_head;
+  std::int64_t n;        // features (b's and c's dim)
+  std::int64_t f_begin;  // first feature of this launch
+  std::int32_t chunks, heads;
+  bool aligned;               // b and c rows allow 16-byte vector access
+  float* part;                // split windows' partial c: [parts, heads, vector_rows, n]
+  std::int32_t* split_count;  // [splits, heads, chunks]: parts done; the merger resets it
+};
+
+/// out = scale * A ⊙ (x y^T) in slot layout; slots without an entry get 0.
+struct sddmm_params {
+  format_ref f;
+  const void* x;
+  std::int64_t x_row, x_head;
+  const void* y;
+  std::int64_t y_row, y_head;
+  void* out;
+  std::int64_t out_head;
+  std::int64_t d;
+  std::int32_t heads;
+  float scale;
+  bool aligned;  // x and y rows allow 16-byte vector access
+};
+
+/// Row softmax over the entries, slot layout in and out; slots without an entry get 0.
+struct softmax_params {
+  format_ref f;
+  const void* in;
+  std::int64_t in_head;
+  void* out;
+  std::int64_t out_head;
+  std::int32_t heads;
+  float* part_stats;  // split windows' per-part (max, sum): [parts, heads, vector_rows, 2]
+};
+
+}  // namespace trisparse::cuda::me

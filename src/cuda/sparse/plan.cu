@@ -1,0 +1,225 @@
+// The CUDA ME-BCRS plan: build, checks shared by the three operations, layout conversions.
+#include <algorithm>
+#include <string>
+
+#include "../common/error.cuh"
+#include "../common/grid.cuh"
+#include "../common/work_list.cuh"
+#include "device_plan.cuh"
+#include "fragments.cuh"
+
+namespace trisparse::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+std::shared_ptr<me_device_plan> plan_from(device_me_bcrs f, std::int32_t split_blocks,
+                                          cudaStream_t s) {
+  auto plan = std::make_shared<me_device_plan>();
+  TRISPARSE_CUDA_TRY(cudaGetDevice(&plan->device));
+  TRISPARSE_CUDA_TRY(
+      cudaDeviceGetAttribute(&plan->sms, cudaDevAttrMultiProcessorCount, plan->device));
+  std::int64_t blocks = 0;
+  if (f.windows > 0) {
+    TRISPARSE_CUDA_TRY(cudaMemcpyAsync(&blocks, f.block_offset.data() + f.windows,
+                                       sizeof(std::int64_t), cudaMemcpyDeviceToHost, s));
+    TRISPARSE_CUDA_TRY(cudaStreamSynchronize(s));
+  }
+  TRISPARSE_EXPECTS_INPUT(blocks < (std::int64_t{1} << 31),
+                          "the pattern has more than 2^31 blocks of 8 vectors");
+  // A warp's item should be at most about twice the mean work per warp slot (16 per SM), so the
+  // longest item does not outlast the rest; never split below 32 blocks (a split costs a partial
+  // write and a share of a merge).
+  const std::int64_t warp_slots = std::int64_t{plan->sms} * 16;
+  const std::int64_t mean = (blocks + warp_slots - 1) / warp_slots;
+  const std::int64_t limit = split_blocks > 0 ? split_blocks : std::max<std::int64_t>(32, 2 * mean);
+  device_work_list list =
+      build_work_list(f.window_blocks.data(), f.block_offset.data(), f.windows, limit, s);
+  plan->f = std::move(f);
+  plan->items = std::move(list.items);
+  plan->splits = std::move(list.splits);
+  plan->num_items = list.num_items;
+  plan->num_splits = list.num_splits;
+  plan->num_parts = list.num_parts;
+  return plan;
+}
+
+template <class T>
+__global__ void convert(const float* in, T* out, std::int64_t n) {
+  const std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
+  if (i < n) out[i] = me::from_float<T>(in[i]);
+}
+
+// Raw copies between layouts (elements of `Bits` bytes; dtypes are checked equal on the host).
+template <class Bits>
+__global__ void zero_slots(Bits* slots, std::int64_t n, std::int64_t heads, std::int64_t head) {
+  const std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
+  if (i < n * heads) slots[i / n * head + i % n] = Bits{0};
+}
+
+template <class Bits, bool kToSlots>
+__global__ void move_entries(const std::int64_t* entry_slot, std::int64_t nnz, std::int64_t heads,
+                             Bits* slots, std::int64_t slot_head, Bits* entries,
+                             std::int64_t entry_row, std::int64_t entry_head) {
+  const std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
+  if (i >= nnz * heads) return;
+  const std::int64_t e = i / heads, h = i % heads;
+  Bits& s = slots[h * slot_head + entry_slot[e]];
+  Bits& x = entries[e * entry_row + h * entry_head];
+  if constexpr (kToSlots)
+    s = x;
+  else
+    x = s;
+}
+
+template <bool kToSlots>
+void move(const me_device_plan& plan, const tensor_view& entries, const tensor_view& slots,
+          stream_ref stream) {
+  me::check_device(plan);
+  check_view(entries, "entries", plan.f.nnz, -1, 1);
+  TRISPARSE_EXPECTS_INPUT(entries.where == device_kind::cuda, "entries must be on the GPU");
+  me::check_slots(plan, slots, "slots", entries.heads);
+  if (entries.type != slots.type) {
+    throw invalid_input("entries " + entries.describe() + " and slots " + slots.describe() +
+                        " need one dtype");
+  }
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  const std::int64_t heads = entries.heads, n = plan.f.slots(), nnz = plan.f.nnz;
+  const auto run = [&](auto bits) {
+    using B = decltype(bits);
+    if (kToSlots) {
+      zero_slots<<<blocks_for(n * heads, kThreads), kThreads, 0, s>>>(static_cast<B*>(slots.data),
+                                                                      n, heads, slots.head_stride);
+      TRISPARSE_CUDA_CHECK_LAUNCH();
+    }
+    move_entries<B, kToSlots><<<blocks_for(nnz * heads, kThreads), kThreads, 0, s>>>(
+        plan.f.entry_slot.data(), nnz, heads, static_cast<B*>(slots.data), slots.head_stride,
+        static_cast<B*>(entries.data), entries.row_stride, entries.head_stride);
+    TRISPARSE_CUDA_CHECK_LAUNCH();
+  };
+  switch (size_of(entries.type)) {
+    case 2:
+      return run(std::uint16_t{});
+    case 4:
+      return run(std::uint32_t{});
+    default:
+      return run(std::uint64_t{});
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<me_device_plan> make_me_plan(const csr_graph& pattern, int vector_rows,
+                                             std::int32_t split_blocks, stream_ref stream) {
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  return plan_from(build_me_bcrs_device(pattern, vector_rows, s), split_blocks, s);
+}
+
+std::shared_ptr<me_device_plan> make_me_plan(const csr_view& pattern, const float* values,
+                                             int vector_rows, std::int32_t split_blocks,
+                                             stream_ref stream) {
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  return plan_from(build_me_bcrs_device(pattern, values, vector_rows, s, false), split_blocks, s);
+}
+
+me_plan_info info(const me_device_plan& plan) {
+  me_plan_info i;
+  i.windows = plan.f.windows;
+  i.vectors = plan.f.vectors;
+  i.slots = plan.f.slots();
+  i.items = plan.num_items;
+  i.split_windows = plan.num_splits;
+  i.format_bytes = static_cast<std::int64_t>(plan.f.row_ptr.bytes() + plan.f.col_idx.bytes() +
+                                             plan.f.mask.bytes() + plan.f.values.bytes());
+  std::int64_t blocks = 0;
+  if (plan.f.windows > 0) {
+    TRISPARSE_CUDA_TRY(cudaMemcpy(&blocks, plan.f.block_offset.data() + plan.f.windows,
+                                  sizeof(std::int64_t), cudaMemcpyDeviceToHost));
+  }
+  // SR-BCRS: every window padded to whole blocks, a second offset array, 32-bit values.
+  i.sr_bcrs_bytes =
+      16 * (plan.f.windows + 1) + 4 * blocks * 8 + 4 * blocks * 8 * plan.f.vector_rows;
+  i.device_bytes =
+      i.format_bytes +
+      static_cast<std::int64_t>(
+          plan.f.entry_slot.bytes() + plan.f.window_blocks.bytes() + plan.f.block_offset.bytes() +
+          plan.items.bytes() + plan.splits.bytes() + plan.part.bytes() + plan.split_count.bytes() +
+          plan.part_stats.bytes() + plan.values_f16.bytes() + plan.values_bf16.bytes());
+  return i;
+}
+
+void entries_to_slots(const me_device_plan& plan, const tensor_view& entries,
+                      const tensor_view& slots, stream_ref stream) {
+  move<true>(plan, entries, slots, stream);
+}
+void slots_to_entries(const me_device_plan& plan, const tensor_view& slots,
+                      const tensor_view& entries, stream_ref stream) {
+  move<false>(plan, entries, slots, stream);
+}
+
+namespace me {
+
+void check_device(const me_device_plan& plan) {
+  int device = 0;
+  TRISPARSE_CUDA_TRY(cudaGetDevice(&device));
+  if (device != plan.device) {
+    throw invalid_input("the plan was built on device " + std::to_string(plan.device) +
+                        " but device " + std::to_string(device) + " is current");
+  }
+}
+
+void check_slots(const me_device_plan& plan, const tensor_view& t, const char* what,
+                 std::int64_t heads) {
+  TRISPARSE_EXPECTS_INPUT(t.where == device_kind::cuda,
+                          std::string(what) + " " + t.describe() + " must be on the GPU");
+  TRISPARSE_EXPECTS_INPUT(
+      t.rows == plan.f.slots() && t.heads == heads && t.dim == 1 &&
+          (t.rows <= 1 || t.row_stride == 1) && (heads <= 1 || t.head_stride >= t.rows) &&
+          (t.data != nullptr || t.rows == 0),
+      std::string(what) + " " + t.describe() + " must be [" + std::to_string(plan.f.slots()) +
+          ", " + std::to_string(heads) +
+          ", 1] in the plan's slot layout: slot stride 1, heads at least slots apart");
+  TRISPARSE_EXPECTS_INPUT(
+      reinterpret_cast<std::uintptr_t>(t.data) % 8 == 0 && (heads <= 1 || t.head_stride % 2 == 0),
+      std::string(what) + " " + t.describe() + " must be 8-byte aligned with an even head stride");
+}
+
+bool vector_aligned(const tensor_view& t) {
+  const auto bytes = static_cast<std::int64_t>(size_of(t.type));
+  return reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0 && t.row_stride * bytes % 16 == 0 &&
+         t.head_stride * bytes % 16 == 0;
+}
+
+template <class T>
+const T* own_values(const me_device_plan& plan, cudaStream_t s) {
+  if constexpr (sizeof(T) == 4) {
+    return plan.f.values.data();
+  } else {
+    std::lock_guard<std::mutex> lock(plan.mutex);
+    auto& copy = [&]() -> device_buffer<T>& {
+      if constexpr (std::is_same_v<T, __half>)
+        return plan.values_f16;
+      else
+        return plan.values_bf16;
+    }();
+    if (copy.size() != plan.f.values.size()) {
+      copy = device_buffer<T>(plan.f.values.size());
+      const std::int64_t n = plan.f.slots();
+      if (n > 0) {
+        convert<T>
+            <<<blocks_for(n, kThreads), kThreads, 0, s>>>(plan.f.values.data(), copy.data(), n);
+        TRISPARSE_CUDA_CHECK_LAUNCH();
+      }
+    }
+    return copy.data();
+  }
+}
+
+template const float* own_values<float>(const me_device_plan&, cudaStream_t);
+template const __half* own_values<__half>(const me_device_plan&, cudaStream_t);
+template const __nv_bfloat16* own_values<__nv_bfloat16>(const me_device_plan&, cudaStream_t);
+
+}  // namespace me
+
+}  // namespace trisparse::cuda

@@ -1,0 +1,53 @@
+#pragma once
+// Host interface of the CUDA ME-BCRS backend: SpMM, SDDMM and row softmax over one pattern's
+// device format (no CUDA headers: ops/ includes it). Per-edge values are in the plan's slot
+// layout: [slots, heads, 1] views with slot stride 1 (one array per head).
+#include <cstdint>
+#include <memory>
+
+#include "trisparse/core/stream.hpp"
+#include "trisparse/core/tensor.hpp"
+#include "trisparse/graph/csr.hpp"
+
+namespace trisparse::cuda {
+
+struct me_device_plan;
+
+/// Builds the ME-BCRS (vector_rows 8 or 16) of a checked host pattern on the GPU and its work
+/// list (windows of more than `split_blocks` 8-vector blocks cut into shares; 0 = from the block
+/// total and the SM count). Synchronous on `stream`.
+std::shared_ptr<me_device_plan> make_me_plan(const csr_graph& pattern, int vector_rows,
+                                             std::int32_t split_blocks, stream_ref stream);
+/// The same from a pattern in device memory (values: device [nnz] or nullptr for 1s), checked on
+/// the device first. @throws invalid_input naming the broken invariant.
+std::shared_ptr<me_device_plan> make_me_plan(const csr_view& pattern, const float* values,
+                                             int vector_rows, std::int32_t split_blocks,
+                                             stream_ref stream);
+
+struct me_plan_info {
+  std::int64_t windows = 0, vectors = 0, slots = 0, items = 0, split_windows = 0;
+  std::int64_t format_bytes = 0;   // row_ptr, col_idx, mask, values
+  std::int64_t sr_bcrs_bytes = 0;  // the same pattern padded to whole blocks (SR-BCRS)
+  std::int64_t device_bytes = 0;   // everything the plan holds
+};
+me_plan_info info(const me_device_plan& plan);
+
+/// c[rows, H, n] = A b[cols, H, n]. values: slot layout in b's dtype, or data == nullptr for the
+/// pattern's own. b: f16, bf16 (MMA m16n8k8) or f32 (tf32); c: f32 or b's dtype. Asynchronous.
+void run_spmm(const me_device_plan& plan, const tensor_view& values, const tensor_view& b,
+              const tensor_view& c, stream_ref stream);
+/// out[slots, H, 1] = scale * A ⊙ (x y^T), 0 in slots without an entry. x: [rows, H, d],
+/// y: [cols, H, d], one dtype (f16, bf16 or f32 as tf32); out: f32 or x's dtype.
+void run_sddmm(const me_device_plan& plan, const tensor_view& x, const tensor_view& y,
+               const tensor_view& out, double scale, stream_ref stream);
+/// Row softmax of slot values (f32, f16 or bf16 in and out; in place allowed).
+void run_softmax(const me_device_plan& plan, const tensor_view& in, const tensor_view& out,
+                 stream_ref stream);
+/// Per-edge values between CSR entry order ([nnz, H, 1], any strides) and slot layout (same
+/// dtype). to_slots zeroes slots without an entry.
+void entries_to_slots(const me_device_plan& plan, const tensor_view& entries,
+                      const tensor_view& slots, stream_ref stream);
+void slots_to_entries(const me_device_plan& plan, const tensor_view& slots,
+                      const tensor_view& entries, stream_ref stream);
+
+}  // namespace trisparse::cuda

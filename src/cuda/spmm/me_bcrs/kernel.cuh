@@ -1,0 +1,187 @@
+#pragma once
+// SpMM over ME-BCRS with FlashSparse's swap-and-transpose MMA: C^T = B^T A^T, so that the sparse
+// 8-row window block (8 rows x 8 vectors) is the MMA's *right* operand (n = 8) and the gathered
+// dense rows of B are the left one (m = 16 features). One warp computes one work item (a row
+// window's blocks, or a share of a long window's) for one head and one chunk of 16 kTiles
+// features.
+//
+// Thread mapping (lane = 4 g + t): the thread owns the 2 kTiles consecutive features
+// [f, f + 2 kTiles), f = chunk start + 2 kTiles g, and vectors 2t, 2t + 1 of each block. MMA tile
+// i's rows g and g + 8 stand for features f + 2i and f + 2i + 1, so the thread's B fragment is one
+// contiguous piece of each of its two gathered rows (16-byte loads; 8 threads of a group cover
+// 16 kTiles * sizeof(T) contiguous bytes) and its C fragment one contiguous piece of each of its
+// output rows 2t, 2t + 1 -- the paper's memory-efficient mapping, widened from 2x2 to
+// 2 x (2 kTiles) elements. 16-bit types use m16n8k8; fp32 uses tf32 m16n8k8 with the two k
+// halves on vectors 2t and 2t + 1. kHeight = 16 (the 16x1 ablation) runs two n = 8 halves.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "../../common/arch/mma.cuh"
+#include "../../sparse/fragments.cuh"
+#include "../../sparse/params.hpp"
+
+namespace trisparse::cuda::me {
+
+inline constexpr int kSpmmWarps = 4;
+
+/// The MMA of one tile from the thread's two gathered rows (x0: vector 2t, x1: vector 2t + 1) and
+/// its pair of sparse values.
+template <class T>
+struct spmm_mma {
+  template <int kElems>
+  __device__ __forceinline__ static void run(float (&acc)[4], const frag<T, kElems>& x0,
+                                             const frag<T, kElems>& x1, int i,
+                                             const std::uint32_t (&b)[2]) {
+    const std::uint32_t a[2] = {arch::interleave_lo(x0.r[i], x1.r[i]),
+                                arch::interleave_hi(x0.r[i], x1.r[i])};
+    arch::mma_16x8x8_f32<T>(acc, a, b[0]);
+  }
+  __device__ __forceinline__ static void values(const T* v, bool full, int j, int width,
+                                                std::uint32_t (&b)[2]) {
+    if (full) {
+      b[0] = *reinterpret_cast<const std::uint32_t*>(v + j);
+    } else {
+      b[0] =
+          (j < width ? raw_bits(v + j) : 0u) | ((j + 1 < width ? raw_bits(v + j + 1) : 0u) << 16);
+    }
+  }
+};
+
+template <>
+struct spmm_mma<float> {
+  template <int kElems>
+  __device__ __forceinline__ static void run(float (&acc)[4], const frag<float, kElems>& x0,
+                                             const frag<float, kElems>& x1, int i,
+                                             const std::uint32_t (&b)[2]) {
+    const std::uint32_t a[4] = {arch::to_tf32(__uint_as_float(x0.r[2 * i])),
+                                arch::to_tf32(__uint_as_float(x0.r[2 * i + 1])),
+                                arch::to_tf32(__uint_as_float(x1.r[2 * i])),
+                                arch::to_tf32(__uint_as_float(x1.r[2 * i + 1]))};
+    arch::mma_16x8x8_f32_tf32(acc, a, b);
+  }
+  __device__ __forceinline__ static void values(const float* v, bool full, int j, int width,
+                                                std::uint32_t (&b)[2]) {
+    float lo = 0.0f, hi = 0.0f;
+    if (full) {
+      const float2 p = *reinterpret_cast<const float2*>(v + j);
+      lo = p.x;
+      hi = p.y;
+    } else {
+      if (j < width) lo = v[j];
+      if (j + 1 < width) hi = v[j + 1];
+    }
+    b[0] = arch::to_tf32(lo);
+    b[1] = arch::to_tf32(hi);
+  }
+};
+
+template <class T, class O, int kHeight, int kTiles>
+__global__ void __launch_bounds__(kSpmmWarps * 32) spmm_kernel(const spmm_params p) {
+  constexpr int kSub = kHeight / 8;  // n = 8 halves of the window
+  constexpr int kFeat = 2 * kTiles;  // features per thread
+  const int lane = static_cast<int>(threadIdx.x % 32), g = lane / 4, t = lane % 4;
+  const std::int64_t task = blockIdx.x * std::int64_t{kSpmmWarps} + threadIdx.x / 32;
+  const std::int64_t per_item = std::int64_t{p.heads} * p.chunks;
+  if (task >= p.f.num_items * per_item) return;
+  const work_item it = p.f.items[task / per_item];
+  const auto h = static_cast<int>(task / p.chunks % p.heads);
+  const auto chunk = static_cast<int>(task % p.chunks);
+  const std::int64_t start = p.f.row_ptr[it.window];
+  const std::int64_t nvec = p.f.row_ptr[it.window + 1] - start;
+  const std::int64_t block0 = p.f.block_offset[it.window];
+  const std::int64_t f = p.f_begin + std::int64_t{chunk} * 16 * kTiles + kFeat * g;
+  const int valid_f = static_cast<int>(max(std::int64_t{0}, min(std::int64_t{kFeat}, p.n - f)));
+  const T* b = static_cast<const T*>(p.b) + h * p.b_head + f;
+  const T* a = static_cast<const T*>(p.a) + h * p.a_head;
+  const int j = 2 * t;
+
+  float acc[kSub][kTiles][4] = {};
+  for (std::int32_t blk = it.begin; blk < it.end; ++blk) {
+    const std::int64_t first = (blk - block0) * 8;  // the block's first vector in the window
+    const int width = static_cast<int>(min(std::int64_t{8}, nvec - first));
+    const std::int64_t vec = start + first;
+    const int c0 = j < width ? p.f.col_idx[vec + j] : -1;
+    const int c1 = j + 1 < width ? p.f.col_idx[vec + j + 1] : -1;
+    frag<T, kFeat> x0, x1;
+    load_frag(b + std::int64_t{c0 < 0 ? 0 : c0} * p.b_row, c0 < 0 ? 0 : valid_f, p.aligned, x0);
+    load_frag(b + std::int64_t{c1 < 0 ? 0 : c1} * p.b_row, c1 < 0 ? 0 : valid_f, p.aligned, x1);
+#pragma unroll
+    for (int s = 0; s < kSub; ++s) {
+      std::uint32_t bv[2];
+      spmm_mma<T>::values(a + vec * kHeight + (8 * s + g) * width, width == 8, j, width, bv);
+#pragma unroll
+      for (int i = 0; i < kTiles; ++i) spmm_mma<T>::run(acc[s][i], x0, x1, i, bv);
+    }
+  }
+
+  // acc[s][i] = C(rows 8s + 2t, 8s + 2t + 1; features f + 2i, f + 2i + 1): per output row, the
+  // thread's kFeat consecutive features.
+  const auto row_values = [&](int s, int odd, float(&v)[kFeat]) {
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i) {
+      v[2 * i] = acc[s][i][odd];
+      v[2 * i + 1] = acc[s][i][2 + odd];
+    }
+  };
+  const std::int64_t row0 = std::int64_t{it.window} * kHeight;
+  if (it.part < 0) {
+#pragma unroll
+    for (int s = 0; s < kSub; ++s) {
+#pragma unroll
+      for (int odd = 0; odd < 2; ++odd) {
+        const std::int64_t row = row0 + 8 * s + 2 * t + odd;
+        if (row >= p.f.rows) continue;
+        float v[kFeat];
+        row_values(s, odd, v);
+        store_floats(static_cast<O*>(p.c) + row * p.c_row + h * p.c_head + f, v, valid_f,
+                     p.aligned);
+      }
+    }
+    return;
+  }
+  // A share of a split window: write the partial sum; the last share to finish adds all shares
+  // in part order (deterministic) and writes C.
+  float* part = p.part + (std::int64_t{it.part} * p.heads + h) * kHeight * p.n + f;
+#pragma unroll
+  for (int s = 0; s < kSub; ++s) {
+#pragma unroll
+    for (int odd = 0; odd < 2; ++odd) {
+      float v[kFeat];
+      row_values(s, odd, v);
+      store_floats(part + (8 * s + 2 * t + odd) * p.n, v, valid_f, false);
+    }
+  }
+  __threadfence();
+  __syncwarp();
+  const split_window sw = p.f.splits[it.split];
+  std::int32_t* counter = p.split_count + (std::int64_t{it.split} * p.heads + h) * p.chunks + chunk;
+  int done = 0;
+  if (lane == 0) done = atomicAdd(counter, 1);
+  done = __shfl_sync(0xFFFFFFFFu, done, 0);
+  if (done != sw.parts - 1) return;
+  __threadfence();
+  if (lane == 0) *counter = 0;  // ready for the next launch
+#pragma unroll
+  for (int s = 0; s < kSub; ++s) {
+#pragma unroll
+    for (int odd = 0; odd < 2; ++odd) {
+      const int r = 8 * s + 2 * t + odd;
+      const std::int64_t row = row0 + r;
+      if (row >= p.f.rows) continue;
+      float v[kFeat] = {};
+      for (int q = 0; q < sw.parts; ++q) {
+        const float* src =
+            p.part + (std::int64_t{sw.first_part + q} * p.heads + h) * kHeight * p.n + r * p.n + f;
+#pragma unroll
+        for (int e = 0; e < kFeat; ++e) {
+          if (e < valid_f) v[e] += __ldcg(src + e);
+        }
+      }
+      store_floats(static_cast<O*>(p.c) + row * p.c_row + h * p.c_head + f, v, valid_f, p.aligned);
+    }
+  }
+}
+
+}  // namespace trisparse::cuda::me

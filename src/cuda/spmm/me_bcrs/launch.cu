@@ -1,0 +1,135 @@
+// SpMM over ME-BCRS: the one dispatch point where (b's dtype, c's dtype, vector rows, feature
+// tile) become the kernel's template arguments.
+#include <string>
+
+#include "../../common/error.cuh"
+#include "../../common/grid.cuh"
+#include "../../sparse/device_plan.cuh"
+#include "kernel.cuh"
+
+namespace trisparse::cuda {
+
+namespace {
+
+template <class T, class O, int kHeight, int kTiles>
+void launch(const me::spmm_params& p, cudaStream_t s) {
+  const std::int64_t tasks = p.f.num_items * std::int64_t{p.heads} * p.chunks;
+  if (tasks == 0) return;
+  me::spmm_kernel<T, O, kHeight, kTiles>
+      <<<blocks_for(tasks, me::kSpmmWarps), me::kSpmmWarps * 32, 0, s>>>(p);
+  TRISPARSE_CUDA_CHECK_LAUNCH();
+}
+
+template <class T, class O, int kHeight>
+void launch_tiles(int tiles, const me::spmm_params& p, cudaStream_t s) {
+  switch (tiles) {
+    case 1:
+      return launch<T, O, kHeight, 1>(p, s);
+    case 2:
+      return launch<T, O, kHeight, 2>(p, s);
+    case 4:
+      return launch<T, O, kHeight, 4>(p, s);
+    default:
+      return launch<T, O, kHeight, 8>(p, s);
+  }
+}
+
+// Features in chunks of 16 * tiles: the widest tile that n fills, then one narrower chunk for
+// the rest (masked past n).
+template <class T, class O>
+void launch_all(int height, me::spmm_params p, cudaStream_t s) {
+  const auto go = [&](int tiles) {
+    if (height == 8)
+      launch_tiles<T, O, 8>(tiles, p, s);
+    else
+      launch_tiles<T, O, 16>(tiles, p, s);
+  };
+  const int tiles = p.n >= 128 ? 8 : p.n >= 64 ? 4 : p.n >= 32 ? 2 : 1;
+  const std::int64_t main_chunks = p.n / (16 * tiles);
+  const std::int64_t rest = p.n - main_chunks * 16 * tiles;
+  if (main_chunks > 0) {
+    p.f_begin = 0;
+    p.chunks = static_cast<std::int32_t>(main_chunks);
+    go(tiles);
+  }
+  if (rest > 0) {
+    p.f_begin = main_chunks * 16 * tiles;
+    p.chunks = 1;
+    go(rest <= 16 ? 1 : rest <= 32 ? 2 : rest <= 64 ? 4 : 8);
+  }
+}
+
+template <class T>
+void launch_out(dtype out, int height, const me::spmm_params& p, cudaStream_t s) {
+  if (out == dtype::f32) return launch_all<T, float>(height, p, s);
+  if constexpr (sizeof(T) == 2) {
+    if (out == me::dtype_of<T>()) return launch_all<T, T>(height, p, s);
+  }
+  throw invalid_input("SpMM writes c as f32 or in b's dtype, not " + std::string(to_string(out)));
+}
+
+}  // namespace
+
+void run_spmm(const me_device_plan& plan, const tensor_view& values, const tensor_view& b,
+              const tensor_view& c, stream_ref stream) {
+  me::check_device(plan);
+  check_view(b, "b", plan.f.cols, -1, -1);
+  check_view(c, "c", plan.f.rows, b.heads, b.dim);
+  TRISPARSE_EXPECTS_INPUT(b.where == device_kind::cuda && c.where == device_kind::cuda,
+                          "SpMM needs b and c on the GPU");
+  TRISPARSE_EXPECTS_INPUT(
+      b.type == dtype::f16 || b.type == dtype::bf16 || b.type == dtype::f32,
+      "SpMM takes b as f16, bf16 or f32 (tf32), not " + std::string(to_string(b.type)));
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  me::spmm_params p{};
+  p.f = plan.ref();
+  if (values.data != nullptr || values.rows > 0) {
+    me::check_slots(plan, values, "values", b.heads);
+    TRISPARSE_EXPECTS_INPUT(values.type == b.type, "values " + values.describe() +
+                                                       " must have b's dtype (" +
+                                                       std::string(to_string(b.type)) + ")");
+    p.a = values.data;
+    p.a_head = values.head_stride;
+  } else {  // the pattern's own values, shared by every head
+    p.a_head = 0;
+    if (b.type == dtype::f16) p.a = me::own_values<__half>(plan, s);
+    if (b.type == dtype::bf16) p.a = me::own_values<__nv_bfloat16>(plan, s);
+    if (b.type == dtype::f32) p.a = me::own_values<float>(plan, s);
+  }
+  p.b = b.data;
+  p.b_row = b.row_stride;
+  p.b_head = b.head_stride;
+  p.c = c.data;
+  p.c_row = c.row_stride;
+  p.c_head = c.head_stride;
+  p.n = b.dim;
+  p.heads = static_cast<std::int32_t>(b.heads);
+  p.aligned = me::vector_aligned(b) && me::vector_aligned(c);
+  if (plan.num_parts > 0 && b.dim > 0) {
+    const std::size_t chunks = static_cast<std::size_t>(b.dim + 15) / 16;  // an upper bound
+    const std::size_t part =
+        static_cast<std::size_t>(plan.num_parts) * b.heads * plan.f.vector_rows * b.dim;
+    const std::size_t counts = static_cast<std::size_t>(plan.num_splits) * b.heads * chunks;
+    std::lock_guard<std::mutex> lock(plan.mutex);
+    if (plan.part.size() < part || plan.split_count.size() < counts) {
+      // Grows once per larger heads x n, never per call of the same shape.
+      TRISPARSE_CUDA_TRY(cudaDeviceSynchronize());
+      plan.part = device_buffer<float>(std::max(part, plan.part.size()));
+      plan.split_count = device_buffer<std::int32_t>(std::max(counts, plan.split_count.size()));
+      TRISPARSE_CUDA_TRY(cudaMemset(plan.split_count.data(), 0, plan.split_count.bytes()));
+    }
+    p.part = plan.part.data();
+    p.split_count = plan.split_count.data();
+  }
+  if (b.dim == 0 || b.heads == 0 || plan.f.rows == 0) return;
+  switch (b.type) {
+    case dtype::f16:
+      return launch_out<__half>(c.type, plan.f.vector_rows, p, s);
+    case dtype::bf16:
+      return launch_out<__nv_bfloat16>(c.type, plan.f.vector_rows, p, s);
+    default:
+      return launch_out<float>(c.type, plan.f.vector_rows, p, s);
+  }
+}
+
+}  // namespace trisparse::cuda
