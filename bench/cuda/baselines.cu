@@ -5,6 +5,7 @@
 #include <cusparse.h>
 
 #include <cfloat>
+#include <cstring>
 #include <stdexcept>
 #include <vector>
 
@@ -362,6 +363,113 @@ void dense_masked::run(int set, const tensor_view& out) {
                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                "O = P V");
   }
+}
+
+// ---- cuSPARSE SpMM and SDDMM ----
+
+struct cusparse_kernels::state {
+  bool fp32 = true;
+  cudaDataType in_type = CUDA_R_32F, s_type = CUDA_R_32F;
+  cusparseHandle_t handle = nullptr;
+  device_buffer<std::int32_t> row_ptr, col_idx;
+  device_buffer<unsigned char> a_vals, s_vals, spmm_buf, sddmm_buf;
+  cusparseSpMatDescr_t a = nullptr, s = nullptr;
+  cusparseDnMatDescr_t b = nullptr, c = nullptr, x = nullptr, y = nullptr;
+  float one = 1.0f, zero = 0.0f;
+};
+
+cusparse_kernels::cusparse_kernels(const csr_graph& g, bool fp32, std::int64_t n, std::int64_t d)
+    : s_(std::make_unique<state>()) {
+  state& s = *s_;
+  s.fp32 = fp32;
+  s.in_type = fp32 ? CUDA_R_32F : CUDA_R_16F;
+  if (g.nnz() >= (std::int64_t{1} << 31)) throw std::runtime_error("cuSPARSE: nnz >= 2^31");
+  s.row_ptr =
+      device_buffer<std::int32_t>(std::vector<std::int32_t>(g.row_ptr.begin(), g.row_ptr.end()));
+  s.col_idx = device_buffer<std::int32_t>(g.col_idx);
+  const std::size_t elem = fp32 ? 4 : 2;
+  std::vector<unsigned char> host(std::max<std::int64_t>(g.nnz(), 1) * elem);
+  for (std::int64_t e = 0; e < g.nnz(); ++e) {
+    const float v = g.has_values() ? g.values[e] : 1.0f;
+    if (fp32) {
+      std::memcpy(host.data() + 4 * e, &v, 4);
+    } else {
+      const __half h = __float2half_rn(v);
+      std::memcpy(host.data() + 2 * e, &h, 2);
+    }
+  }
+  s.a_vals = device_buffer<unsigned char>(host);
+  sparse_check(cusparseCreate(&s.handle), "cusparseCreate");
+  const auto make_csr = [&](cusparseSpMatDescr_t* m, void* vals, cudaDataType t) {
+    sparse_check(
+        cusparseCreateCsr(m, g.rows, g.cols, g.nnz(), s.row_ptr.data(), s.col_idx.data(), vals,
+                          CUSPARSE_INDEX_32I, CUSPARSE_INDEX_32I, CUSPARSE_INDEX_BASE_ZERO, t),
+        "csr descriptor");
+  };
+  make_csr(&s.a, s.a_vals.data(), s.in_type);
+  sparse_check(cusparseCreateDnMat(&s.b, g.cols, n, n, nullptr, s.in_type, CUSPARSE_ORDER_ROW),
+               "b descriptor");
+  sparse_check(cusparseCreateDnMat(&s.c, g.rows, n, n, nullptr, CUDA_R_32F, CUSPARSE_ORDER_ROW),
+               "c descriptor");
+  // y as a column-major [d, cols] matrix is y^T.
+  sparse_check(cusparseCreateDnMat(&s.x, g.rows, d, d, nullptr, s.in_type, CUSPARSE_ORDER_ROW),
+               "x descriptor");
+  sparse_check(cusparseCreateDnMat(&s.y, d, g.cols, d, nullptr, s.in_type, CUSPARSE_ORDER_COL),
+               "y descriptor");
+  std::size_t bytes = 0;
+  sparse_check(cusparseSpMM_bufferSize(s.handle, CUSPARSE_OPERATION_NON_TRANSPOSE,
+                                       CUSPARSE_OPERATION_NON_TRANSPOSE, &s.one, s.a, s.b, &s.zero,
+                                       s.c, CUDA_R_32F, CUSPARSE_SPMM_ALG_DEFAULT, &bytes),
+               "cusparseSpMM_bufferSize");
+  s.spmm_buf = device_buffer<unsigned char>(std::max<std::size_t>(bytes, 16));
+  for (const cudaDataType t :
+       fp32 ? std::vector{CUDA_R_32F} : std::vector{CUDA_R_16F, CUDA_R_32F}) {
+    if (s.s != nullptr) cusparseDestroySpMat(s.s);
+    s.s_vals = device_buffer<unsigned char>(std::max<std::int64_t>(g.nnz(), 1) *
+                                            (t == CUDA_R_32F ? 4 : 2));
+    make_csr(&s.s, s.s_vals.data(), t);
+    s.s_type = t;
+    if (cusparseSDDMM_bufferSize(s.handle, CUSPARSE_OPERATION_NON_TRANSPOSE,
+                                 CUSPARSE_OPERATION_NON_TRANSPOSE, &s.one, s.x, s.y, &s.zero, s.s,
+                                 CUDA_R_32F, CUSPARSE_SDDMM_ALG_DEFAULT,
+                                 &bytes) == CUSPARSE_STATUS_SUCCESS)
+      break;
+    if (t == CUDA_R_32F) throw std::runtime_error("cusparseSDDMM refuses fp32 S");
+  }
+  s.sddmm_buf = device_buffer<unsigned char>(std::max<std::size_t>(bytes, 16));
+}
+
+cusparse_kernels::~cusparse_kernels() {
+  state& s = *s_;
+  for (auto* m : {s.a, s.s})
+    if (m != nullptr) cusparseDestroySpMat(m);
+  for (auto* m : {s.b, s.c, s.x, s.y})
+    if (m != nullptr) cusparseDestroyDnMat(m);
+  if (s.handle != nullptr) cusparseDestroy(s.handle);
+}
+
+void cusparse_kernels::spmm(const void* b, float* c) {
+  state& s = *s_;
+  sparse_check(cusparseDnMatSetValues(s.b, const_cast<void*>(b)), "b values");
+  sparse_check(cusparseDnMatSetValues(s.c, c), "c values");
+  sparse_check(cusparseSpMM(s.handle, CUSPARSE_OPERATION_NON_TRANSPOSE,
+                            CUSPARSE_OPERATION_NON_TRANSPOSE, &s.one, s.a, s.b, &s.zero, s.c,
+                            CUDA_R_32F, CUSPARSE_SPMM_ALG_DEFAULT, s.spmm_buf.data()),
+               "cusparseSpMM");
+}
+
+void cusparse_kernels::sddmm(const void* x, const void* y) {
+  state& s = *s_;
+  sparse_check(cusparseDnMatSetValues(s.x, const_cast<void*>(x)), "x values");
+  sparse_check(cusparseDnMatSetValues(s.y, const_cast<void*>(y)), "y values");
+  sparse_check(cusparseSDDMM(s.handle, CUSPARSE_OPERATION_NON_TRANSPOSE,
+                             CUSPARSE_OPERATION_NON_TRANSPOSE, &s.one, s.x, s.y, &s.zero, s.s,
+                             CUDA_R_32F, CUSPARSE_SDDMM_ALG_DEFAULT, s.sddmm_buf.data()),
+               "cusparseSDDMM");
+}
+
+std::string cusparse_kernels::describe() const {
+  return s_->fp32 ? "fp32" : (s_->s_type == CUDA_R_16F ? "fp16 (S fp16)" : "fp16 (S fp32)");
 }
 
 }  // namespace trisparse::bench

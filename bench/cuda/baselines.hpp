@@ -52,6 +52,26 @@ class dense_masked {
   std::unique_ptr<state> s_;
 };
 
+/// cuSPARSE's SpMM and SDDMM (CSR, 32-bit indices) for one pattern and its values (1 when binary):
+/// spmm: c[rows, n] (f32) = A b[cols, n]; sddmm: S = (x[rows, d] y[cols, d]^T) on A's entries.
+/// fp32: A, b, x, y, S in f32; otherwise in f16 (S in f16 where cuSPARSE accepts it, else f32).
+/// Dense operands are row-major and contiguous; run on the default stream.
+class cusparse_kernels {
+ public:
+  /// @throws std::runtime_error if cuSPARSE refuses the configuration.
+  cusparse_kernels(const csr_graph& pattern, bool fp32, std::int64_t n, std::int64_t d);
+  ~cusparse_kernels();
+  cusparse_kernels(const cusparse_kernels&) = delete;
+  cusparse_kernels& operator=(const cusparse_kernels&) = delete;
+  void spmm(const void* b, float* c);
+  void sddmm(const void* x, const void* y);
+  std::string describe() const;
+
+ private:
+  struct state;
+  std::unique_ptr<state> s_;
+};
+
 /// Keeps the GPU busy for about `microseconds` so that what is enqueued after it is timed without
 /// the host's issue time (events then bracket GPU work only).
 void gpu_busy_wait(int microseconds);

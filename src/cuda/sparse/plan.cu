@@ -130,8 +130,10 @@ me_plan_info info(const me_device_plan& plan) {
   i.slots = plan.f.slots();
   i.items = plan.num_items;
   i.split_windows = plan.num_splits;
+  // The paper's three arrays (the per-vector entry mask, which keeps explicit zeros apart from
+  // absent entries, is counted in device_bytes).
   i.format_bytes = static_cast<std::int64_t>(plan.f.row_ptr.bytes() + plan.f.col_idx.bytes() +
-                                             plan.f.mask.bytes() + plan.f.values.bytes());
+                                             plan.f.values.bytes());
   std::int64_t blocks = 0;
   if (plan.f.windows > 0) {
     TRISPARSE_CUDA_TRY(cudaMemcpy(&blocks, plan.f.block_offset.data() + plan.f.windows,

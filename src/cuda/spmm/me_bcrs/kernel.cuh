@@ -97,23 +97,50 @@ __global__ void __launch_bounds__(kSpmmWarps * 32) spmm_kernel(const spmm_params
   const T* a = static_cast<const T*>(p.a) + h * p.a_head;
   const int j = 2 * t;
 
-  float acc[kSub][kTiles][4] = {};
-  for (std::int32_t blk = it.begin; blk < it.end; ++blk) {
+  // Software pipeline: block b + 1's rows of B are in flight while block b's MMAs run, and block
+  // b + 2's column indices while block b + 1's rows load.
+  struct block_meta {
+    std::int64_t vec = 0;  // the block's first vector
+    int width = 0, c0 = -1, c1 = -1;
+  };
+  const auto meta = [&](std::int32_t blk) {
+    block_meta m;
+    if (blk >= it.end) return m;
     const std::int64_t first = (blk - block0) * 8;  // the block's first vector in the window
-    const int width = static_cast<int>(min(std::int64_t{8}, nvec - first));
-    const std::int64_t vec = start + first;
-    const int c0 = j < width ? p.f.col_idx[vec + j] : -1;
-    const int c1 = j + 1 < width ? p.f.col_idx[vec + j + 1] : -1;
-    frag<T, kFeat> x0, x1;
-    load_frag(b + std::int64_t{c0 < 0 ? 0 : c0} * p.b_row, c0 < 0 ? 0 : valid_f, p.aligned, x0);
-    load_frag(b + std::int64_t{c1 < 0 ? 0 : c1} * p.b_row, c1 < 0 ? 0 : valid_f, p.aligned, x1);
+    m.width = static_cast<int>(min(std::int64_t{8}, nvec - first));
+    m.vec = start + first;
+    m.c0 = j < m.width ? p.f.col_idx[m.vec + j] : -1;
+    m.c1 = j + 1 < m.width ? p.f.col_idx[m.vec + j + 1] : -1;
+    return m;
+  };
+  const auto load_rows = [&](const block_meta& m, frag<T, kFeat>& x0, frag<T, kFeat>& x1) {
+    load_frag(b + std::int64_t{m.c0 < 0 ? 0 : m.c0} * p.b_row, m.c0 < 0 ? 0 : valid_f, p.aligned,
+              x0);
+    load_frag(b + std::int64_t{m.c1 < 0 ? 0 : m.c1} * p.b_row, m.c1 < 0 ? 0 : valid_f, p.aligned,
+              x1);
+  };
+  float acc[kSub][kTiles][4] = {};
+  block_meta cur = meta(it.begin), next = meta(it.begin + 1);
+  frag<T, kFeat> x0, x1;
+  load_rows(cur, x0, x1);
+  for (std::int32_t blk = it.begin; blk < it.end; ++blk) {
+    frag<T, kFeat> n0, n1;
+    load_rows(next, n0, n1);  // nothing is read past the item (c = -1)
+    const block_meta after = meta(blk + 2);
+    std::uint32_t bv[kSub][2];
+#pragma unroll
+    for (int s = 0; s < kSub; ++s)
+      spmm_mma<T>::values(a + cur.vec * kHeight + (8 * s + g) * cur.width, cur.width == 8, j,
+                          cur.width, bv[s]);
 #pragma unroll
     for (int s = 0; s < kSub; ++s) {
-      std::uint32_t bv[2];
-      spmm_mma<T>::values(a + vec * kHeight + (8 * s + g) * width, width == 8, j, width, bv);
 #pragma unroll
-      for (int i = 0; i < kTiles; ++i) spmm_mma<T>::run(acc[s][i], x0, x1, i, bv);
+      for (int i = 0; i < kTiles; ++i) spmm_mma<T>::run(acc[s][i], x0, x1, i, bv[s]);
     }
+    x0 = n0;
+    x1 = n1;
+    cur = next;
+    next = after;
   }
 
   // acc[s][i] = C(rows 8s + 2t, 8s + 2t + 1; features f + 2i, f + 2i + 1): per output row, the
