@@ -144,10 +144,11 @@ me_plan_info info(const me_device_plan& plan) {
       16 * (plan.f.windows + 1) + 4 * blocks * 8 + 4 * blocks * 8 * plan.f.vector_rows;
   i.device_bytes =
       i.format_bytes +
-      static_cast<std::int64_t>(
-          plan.f.entry_slot.bytes() + plan.f.window_blocks.bytes() + plan.f.block_offset.bytes() +
-          plan.items.bytes() + plan.splits.bytes() + plan.part.bytes() + plan.split_count.bytes() +
-          plan.part_stats.bytes() + plan.values_f16.bytes() + plan.values_bf16.bytes());
+      static_cast<std::int64_t>(plan.f.mask.bytes() + plan.f.entry_slot.bytes() +
+                                plan.f.window_blocks.bytes() + plan.f.block_offset.bytes() +
+                                plan.items.bytes() + plan.splits.bytes() + plan.part.bytes() +
+                                plan.split_count.bytes() + plan.part_stats.bytes() +
+                                plan.values_f16.bytes() + plan.values_bf16.bytes());
   return i;
 }
 
