@@ -8,20 +8,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "trisparse/core/dtype.hpp"
-
 namespace trisparse::cuda::me {
-
-/// The dtype of a device element type.
-template <class T>
-constexpr dtype dtype_of() {
-  if constexpr (std::is_same_v<T, float>)
-    return dtype::f32;
-  else if constexpr (std::is_same_v<T, __half>)
-    return dtype::f16;
-  else
-    return dtype::bf16;
-}
 
 template <class T, int kElems>
 struct frag {

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <string>
 
+#include "../common/current_device.cuh"
 #include "../common/error.cuh"
 #include "../common/grid.cuh"
 #include "../common/work_list.cuh"
@@ -17,9 +18,9 @@ constexpr int kThreads = 256;
 std::shared_ptr<me_device_plan> plan_from(device_me_bcrs f, std::int32_t split_blocks,
                                           cudaStream_t s) {
   auto plan = std::make_shared<me_device_plan>();
-  TRISPARSE_CUDA_TRY(cudaGetDevice(&plan->device));
-  TRISPARSE_CUDA_TRY(
-      cudaDeviceGetAttribute(&plan->sms, cudaDevAttrMultiProcessorCount, plan->device));
+  const device_id_and_sms here = current_device();
+  plan->device = here.device;
+  plan->sms = here.sms;
   std::int64_t blocks = 0;
   if (f.windows > 0) {
     TRISPARSE_CUDA_TRY(cudaMemcpyAsync(&blocks, f.block_offset.data() + f.windows,

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "../../common/buffer.cuh"
+#include "../../common/current_device.cuh"
 #include "../../common/error.cuh"
 #include "../../common/work_list.cuh"
 #include "../../formats/bsb_build.cuh"
@@ -113,9 +114,9 @@ namespace {
 std::shared_ptr<fused3s_device_plan> plan_from(device_bsb f, std::int32_t split_tcbs,
                                                cudaStream_t s) {
   auto plan = std::make_shared<fused3s_device_plan>();
-  TRISPARSE_CUDA_TRY(cudaGetDevice(&plan->device));
-  TRISPARSE_CUDA_TRY(
-      cudaDeviceGetAttribute(&plan->sms, cudaDevAttrMultiProcessorCount, plan->device));
+  const device_id_and_sms here = current_device();
+  plan->device = here.device;
+  plan->sms = here.sms;
   const int sms = plan->sms;
   plan->queue = device_buffer<std::uint64_t>(2);
   TRISPARSE_CUDA_TRY(cudaMemsetAsync(plan->queue.data(), 0, plan->queue.bytes(), s));

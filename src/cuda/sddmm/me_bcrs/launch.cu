@@ -7,6 +7,7 @@
 #include "../../common/error.cuh"
 #include "../../common/grid.cuh"
 #include "../../sparse/device_plan.cuh"
+#include "../../sparse/dispatch.cuh"
 #include "kernel.cuh"
 
 namespace trisparse::cuda {
@@ -35,15 +36,6 @@ void launch_shape(int height, const me::sddmm_params& p, cudaStream_t s) {
     go(std::integral_constant<int, 8>{});
   else
     go(std::integral_constant<int, 16>{});
-}
-
-template <class T>
-void launch_out(dtype out, int height, const me::sddmm_params& p, cudaStream_t s) {
-  if (out == dtype::f32) return launch_shape<T, float>(height, p, s);
-  if constexpr (sizeof(T) == 2) {
-    if (out == me::dtype_of<T>()) return launch_shape<T, T>(height, p, s);
-  }
-  throw invalid_input("SDDMM writes f32 or x's dtype, not " + std::string(to_string(out)));
 }
 
 }  // namespace
@@ -77,14 +69,12 @@ void run_sddmm(const me_device_plan& plan, const tensor_view& x, const tensor_vi
   p.aligned = me::vector_aligned(x) && me::vector_aligned(y);
   if (x.heads == 0 || plan.f.slots() == 0) return;
   const auto s = static_cast<cudaStream_t>(stream.handle);
-  switch (x.type) {
-    case dtype::f16:
-      return launch_out<__half>(out.type, plan.f.vector_rows, p, s);
-    case dtype::bf16:
-      return launch_out<__nv_bfloat16>(out.type, plan.f.vector_rows, p, s);
-    default:
-      return launch_out<float>(out.type, plan.f.vector_rows, p, s);
-  }
+  me::with_element_type(x.type, "SDDMM's x", [&](auto x_t) {
+    using T = decltype(x_t);
+    me::with_output_type<T>(out.type, "SDDMM's out", [&](auto o_t) {
+      launch_shape<T, decltype(o_t)>(plan.f.vector_rows, p, s);
+    });
+  });
 }
 
 }  // namespace trisparse::cuda

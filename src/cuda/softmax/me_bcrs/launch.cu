@@ -5,6 +5,7 @@
 #include "../../common/error.cuh"
 #include "../../common/grid.cuh"
 #include "../../sparse/device_plan.cuh"
+#include "../../sparse/dispatch.cuh"
 #include "kernel.cuh"
 
 namespace trisparse::cuda {
@@ -21,21 +22,6 @@ void launch(const me::softmax_params& p, bool split, cudaStream_t s) {
   if (split) {
     me::softmax_kernel<In, Out, kHeight, true><<<grid, me::kSoftmaxWarps * 32, 0, s>>>(p);
     TRISPARSE_CUDA_CHECK_LAUNCH();
-  }
-}
-
-template <class F>
-void with_type(dtype t, F&& f) {
-  switch (t) {
-    case dtype::f16:
-      return f(__half{});
-    case dtype::bf16:
-      return f(__nv_bfloat16{});
-    case dtype::f32:
-      return f(float{});
-    default:
-      throw invalid_input("softmax takes f32, f16 or bf16 values, not " +
-                          std::string(to_string(t)));
   }
 }
 
@@ -66,8 +52,8 @@ void run_softmax(const me_device_plan& plan, const tensor_view& in, const tensor
   }
   if (in.heads == 0 || plan.f.slots() == 0) return;
   const auto s = static_cast<cudaStream_t>(stream.handle);
-  with_type(in.type, [&](auto in_t) {
-    with_type(out.type, [&](auto out_t) {
+  me::with_element_type(in.type, "softmax's scores", [&](auto in_t) {
+    me::with_element_type(out.type, "softmax's out", [&](auto out_t) {
       using In = decltype(in_t);
       using Out = decltype(out_t);
       if (plan.f.vector_rows == 8)

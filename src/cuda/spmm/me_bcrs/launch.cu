@@ -5,6 +5,7 @@
 #include "../../common/error.cuh"
 #include "../../common/grid.cuh"
 #include "../../sparse/device_plan.cuh"
+#include "../../sparse/dispatch.cuh"
 #include "kernel.cuh"
 
 namespace trisparse::cuda {
@@ -59,15 +60,6 @@ void launch_all(int height, me::spmm_params p, cudaStream_t s) {
   }
 }
 
-template <class T>
-void launch_out(dtype out, int height, const me::spmm_params& p, cudaStream_t s) {
-  if (out == dtype::f32) return launch_all<T, float>(height, p, s);
-  if constexpr (sizeof(T) == 2) {
-    if (out == me::dtype_of<T>()) return launch_all<T, T>(height, p, s);
-  }
-  throw invalid_input("SpMM writes c as f32 or in b's dtype, not " + std::string(to_string(out)));
-}
-
 }  // namespace
 
 void run_spmm(const me_device_plan& plan, const tensor_view& values, const tensor_view& b,
@@ -92,9 +84,8 @@ void run_spmm(const me_device_plan& plan, const tensor_view& values, const tenso
     p.a_head = values.head_stride;
   } else {  // the pattern's own values, shared by every head
     p.a_head = 0;
-    if (b.type == dtype::f16) p.a = me::own_values<__half>(plan, s);
-    if (b.type == dtype::bf16) p.a = me::own_values<__nv_bfloat16>(plan, s);
-    if (b.type == dtype::f32) p.a = me::own_values<float>(plan, s);
+    me::with_element_type(b.type, "SpMM's b",
+                          [&](auto b_t) { p.a = me::own_values<decltype(b_t)>(plan, s); });
   }
   p.b = b.data;
   p.b_row = b.row_stride;
@@ -122,14 +113,12 @@ void run_spmm(const me_device_plan& plan, const tensor_view& values, const tenso
     p.split_count = plan.split_count.data();
   }
   if (b.dim == 0 || b.heads == 0 || plan.f.rows == 0) return;
-  switch (b.type) {
-    case dtype::f16:
-      return launch_out<__half>(c.type, plan.f.vector_rows, p, s);
-    case dtype::bf16:
-      return launch_out<__nv_bfloat16>(c.type, plan.f.vector_rows, p, s);
-    default:
-      return launch_out<float>(c.type, plan.f.vector_rows, p, s);
-  }
+  me::with_element_type(b.type, "SpMM's b", [&](auto b_t) {
+    using T = decltype(b_t);
+    me::with_output_type<T>(c.type, "SpMM's c", [&](auto c_t) {
+      launch_all<T, decltype(c_t)>(plan.f.vector_rows, p, s);
+    });
+  });
 }
 
 }  // namespace trisparse::cuda
