@@ -16,5 +16,6 @@
 #include "trisparse/graph/reorder.hpp"
 #include "trisparse/ops/attention.hpp"
 #include "trisparse/ops/cpu.hpp"
+#include "trisparse/ops/layers.hpp"
 #include "trisparse/ops/reference.hpp"
 #include "trisparse/ops/sparse.hpp"

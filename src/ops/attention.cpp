@@ -1,6 +1,7 @@
 #include "trisparse/ops/attention.hpp"
 
 #include <chrono>
+#include <mutex>
 #include <optional>
 
 #include "../cpu/fused3s/fast.hpp"
@@ -11,6 +12,8 @@
 #include "trisparse/formats/bsb.hpp"
 #include "trisparse/graph/reorder.hpp"
 #include "trisparse/ops/reference.hpp"
+#include "trisparse/ops/sparse.hpp"
+#include "workspace.hpp"
 
 namespace trisparse {
 
@@ -54,7 +57,12 @@ struct attention_plan::state {
   csr_graph pattern;  // binary: values dropped
   std::optional<bsb> blocks;
   std::shared_ptr<cuda::fused3s_device_plan> device_blocks;
+  std::optional<sparse_plan> unfused;  // cuda_unfused: the ME-BCRS and its kernels
   plan_report report;
+  // cuda_unfused's per-edge scores (f32) and probabilities (v's dtype) in the slot layout, grown
+  // by the first run that needs more.
+  mutable std::mutex mutex;
+  mutable device_tensor scores, probs;
 };
 
 namespace {
@@ -75,11 +83,17 @@ algorithm choose(algorithm requested, device_kind where) {
     throw invalid_input("algorithm " + std::string(to_string(algo)) + " does not run on " +
                         to_string(where));
   }
-  if (algo == algorithm::cuda_unfused) {
-    throw not_supported(
-        "the unfused CUDA pipeline (SDDMM -> softmax -> SpMM) is not in this build yet");
-  }
   return algo;
+}
+
+sparse_plan_options unfused_options(const plan_options& o) {
+  return {.vector_rows = 8, .split_blocks = o.split_tcbs, .order = o.order};
+}
+
+void describe_unfused(plan_report& r, const sparse_plan& p) {
+  r.format = p.report().format + " (device)";
+  if (p.report().order != row_order::original)
+    r.format += ", rows in " + std::string(to_string(p.report().order)) + " order";
 }
 
 void finish_report(plan_report& r, algorithm algo, device_kind where, std::int64_t rows,
@@ -103,7 +117,11 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
   const algorithm algo = choose(options.algo, where);
   auto s = std::make_shared<state>();
   std::int64_t bytes = 0;
-  if (algo == algorithm::cuda_fused_bsb) {
+  if (algo == algorithm::cuda_unfused) {
+    s->unfused = sparse_plan::build(pattern, where, unfused_options(options), stream);
+    describe_unfused(s->report, *s->unfused);
+    bytes = s->unfused->report().format_bytes;
+  } else if (algo == algorithm::cuda_fused_bsb) {
     // The BSB (16x8) is built on the GPU from the checked pattern; the plan keeps only that.
     // Rows grouped into windows in RCM order where that cuts the TCB count (item 3(d)); the
     // kernel maps window rows back to query rows.
@@ -168,10 +186,20 @@ attention_plan attention_plan::build(const csr_view& pattern, const plan_options
   const auto t0 = std::chrono::steady_clock::now();
   const algorithm algo = choose(options.algo, pattern.where);
   auto s = std::make_shared<state>();
-  s->device_blocks = cuda::make_fused3s_plan(pattern, options.split_tcbs, stream);
-  s->report.format = "bsb16x8 (device)";  // rows in the given order (no reordering on device)
-  finish_report(s->report, algo, pattern.where, pattern.rows, pattern.cols, pattern.nnz,
-                cuda::device_bytes(*s->device_blocks), t0);
+  std::int64_t bytes = 0;
+  // Rows stay in the given order (no reordering on the device).
+  if (algo == algorithm::cuda_unfused) {
+    sparse_plan_options o = unfused_options(options);
+    o.order = row_order::original;
+    s->unfused = sparse_plan::build(pattern, nullptr, o, stream);
+    describe_unfused(s->report, *s->unfused);
+    bytes = s->unfused->report().format_bytes;
+  } else {
+    s->device_blocks = cuda::make_fused3s_plan(pattern, options.split_tcbs, stream);
+    s->report.format = "bsb16x8 (device)";
+    bytes = cuda::device_bytes(*s->device_blocks);
+  }
+  finish_report(s->report, algo, pattern.where, pattern.rows, pattern.cols, pattern.nnz, bytes, t0);
   attention_plan plan;
   plan.state_ = std::move(s);
   return plan;
@@ -219,6 +247,27 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
       }
       cuda::run_fused3s(*state_->device_blocks, q, k, v, out, scale, stream);
       return;
+    case algorithm::cuda_unfused: {
+      if (!state_->unfused) {
+        throw invalid_input(
+            "this plan holds no device ME-BCRS: build it with plan_options.algo = cuda_unfused");
+      }
+      // scores = scale Q K^T on the pattern (f32) -> row softmax in v's dtype -> out = P V.
+      TRISPARSE_EXPECTS_INPUT(out.type == dtype::f32 || out.type == v.type,
+                              "cuda_unfused writes out as f32 or in v's dtype; out is " +
+                                  out.describe() + ", v " + v.describe());
+      const sparse_plan& p = *state_->unfused;
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      const tensor_view scores =
+          detail::slot_workspace(state_->scores, dtype::f32, p.slots(), q.heads);
+      const tensor_view probs =
+          v.type == dtype::f32 ? scores
+                               : detail::slot_workspace(state_->probs, v.type, p.slots(), q.heads);
+      p.sddmm(q, k, scores, scale, stream);
+      p.softmax(scores, probs, stream);
+      p.spmm(probs, v, out, stream);
+      return;
+    }
     default:
       throw not_supported("algorithm " + std::string(to_string(algo)) + " is not in this build");
   }

@@ -10,8 +10,12 @@ TEST(Gpu, PlansRunOnTheDeviceOrSayWhyNot) {
   const attention_plan plan = attention_plan::build(g, device_kind::cuda);
   EXPECT_EQ(plan.report().algo, algorithm::cuda_fused_bsb);
   EXPECT_GT(plan.report().format_bytes, 0);
-  EXPECT_THROW(attention_plan::build(g, device_kind::cuda, {.algo = algorithm::cuda_unfused}),
-               not_supported);
+  const attention_plan unfused =
+      attention_plan::build(g, device_kind::cuda, {.algo = algorithm::cuda_unfused});
+  EXPECT_EQ(unfused.report().algo, algorithm::cuda_unfused);
+  EXPECT_GT(unfused.report().format_bytes, 0);
+  EXPECT_THROW(attention_plan::build(g, device_kind::cuda, {.algo = algorithm::cpu_fused}),
+               invalid_input);
 }
 
 }  // namespace

@@ -1,4 +1,5 @@
-// The CUDA fused 3S kernel against the float64 reference (label gpu; skipped without a device).
+// The CUDA attention algorithms -- the fused 3S kernel and the unfused SDDMM -> softmax -> SpMM
+// pipeline -- against the float64 reference (label gpu; skipped without a device).
 #include <cstdlib>
 #include <limits>
 
@@ -20,9 +21,11 @@ std::string name(const config& c) {
          std::to_string(c.dim) + " h" + std::to_string(c.heads);
 }
 
-// Tolerance: P is rounded to the input type before P·V, the output to its type; a few of each.
+// Tolerance: P is rounded to the input type before P·V, the output to its type; a few of each
+// (f32 inputs run as tf32: 11 significant bits).
 double tolerance(const config& c) {
-  return 4 * (unit_roundoff(c.in) + unit_roundoff(c.out)) + 1e-5;
+  const double u_in = c.in == dtype::f32 ? std::ldexp(1.0, -11) : unit_roundoff(c.in);
+  return 4 * (u_in + unit_roundoff(c.out)) + 1e-5;
 }
 
 // Runs the kernel twice on fresh signed inputs (or the given transform of them) and checks: every
@@ -78,49 +81,84 @@ void check(const attention_plan& plan, const csr_graph& g, const config& c, std:
   }
 }
 
-void check(const csr_graph& g, const config& c, std::uint64_t seed, double lo = -1.0,
-           double hi = 1.0, std::optional<double> scale = std::nullopt, std::int64_t sample = 512,
-           bool zero_q = false) {
-  check(attention_plan::build(g, device_kind::cuda), g, c, seed, lo, hi, scale, sample, zero_q);
+bool quick() {
+  const char* q = std::getenv("TRISPARSE_GPU_TEST_QUICK");
+  return q != nullptr && *q == '1';
 }
 
-// Every input dtype x head dim x output dtype; under compute-sanitizer (which slows kernels
-// 10-100x) TRISPARSE_GPU_TEST_QUICK=1 keeps two of them, so that every dataset still runs there.
-std::vector<config> all_configs(std::int64_t heads = 1) {
-  if (const char* quick = std::getenv("TRISPARSE_GPU_TEST_QUICK"); quick && *quick == '1')
-    return {{dtype::f16, dtype::f32, 128, heads}, {dtype::bf16, dtype::bf16, 64, heads}};
+// Every input dtype x head dim x output dtype the algorithm runs; under compute-sanitizer (which
+// slows kernels 10-100x) TRISPARSE_GPU_TEST_QUICK=1 keeps two of them, so that every dataset
+// still runs there. The unfused pipeline also takes f32 inputs and any head dim, and writes f32
+// or the inputs' dtype.
+std::vector<config> configs_for(algorithm algo, std::int64_t heads = 1) {
+  const bool unfused = algo == algorithm::cuda_unfused;
+  if (quick()) return {{dtype::f16, dtype::f32, 128, heads}, {dtype::bf16, dtype::bf16, 64, heads}};
   std::vector<config> out;
   for (const dtype in : {dtype::f16, dtype::bf16}) {
     for (const std::int64_t d : {32, 64, 128, 256}) {
-      for (const dtype o : {dtype::f32, dtype::f16, dtype::bf16}) out.push_back({in, o, d, heads});
+      for (const dtype o : {dtype::f32, dtype::f16, dtype::bf16}) {
+        if (!unfused || o == dtype::f32 || o == in) out.push_back({in, o, d, heads});
+      }
     }
+  }
+  if (unfused) {
+    out.push_back({dtype::f32, dtype::f32, 64, heads});
+    out.push_back({dtype::f16, dtype::f32, 48, heads});
+    out.push_back({dtype::f32, dtype::f32, 5, heads});
   }
   return out;
 }
 
-TEST(GpuFused3s, EveryTypeAndHeadDimOnRandomGraphs) {
-  SKIP_WITHOUT_GPU();
+std::string algo_name(const ::testing::TestParamInfo<algorithm>& info) {
+  return std::string(to_string(info.param));
+}
+
+// The tests every CUDA attention algorithm must pass.
+class GpuAttention : public ::testing::TestWithParam<algorithm> {
+ protected:
+  void SetUp() override {
+    if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible: skipping";
+  }
+  attention_plan plan(const csr_graph& g, plan_options o = {}) const {
+    o.algo = GetParam();
+    return attention_plan::build(g, device_kind::cuda, o);
+  }
+  void check_graph(const csr_graph& g, const config& c, std::uint64_t seed, double lo = -1.0,
+                   double hi = 1.0, std::optional<double> scale = std::nullopt,
+                   std::int64_t sample = 512, bool zero_q = false) const {
+    const attention_plan p = plan(g);
+    ASSERT_EQ(p.report().algo, GetParam());
+    check(p, g, c, seed, lo, hi, scale, sample, zero_q);
+  }
+  std::vector<config> all_configs(std::int64_t heads = 1) const {
+    return configs_for(GetParam(), heads);
+  }
+};
+
+INSTANTIATE_TEST_SUITE_P(Cuda, GpuAttention,
+                         ::testing::Values(algorithm::cuda_fused_bsb, algorithm::cuda_unfused),
+                         algo_name);
+
+TEST_P(GpuAttention, EveryTypeAndHeadDimOnRandomGraphs) {
   std::uint64_t seed = 1;
   for (const auto& c : all_configs()) {
     for (const std::int64_t n : {1, 17, 1000}) {
       ++seed;
-      check(test::random_pattern(n, n, 40, seed), c, seed);
+      check_graph(test::random_pattern(n, n, 40, seed), c, seed);
     }
   }
 }
 
-TEST(GpuFused3s, MultiHeadAndRectangular) {
-  SKIP_WITHOUT_GPU();
-  for (const auto& c : all_configs(8)) check(test::random_pattern(300, 1700, 60, 3), c, 7);
+TEST_P(GpuAttention, MultiHeadAndRectangular) {
+  for (const auto& c : all_configs(8)) check_graph(test::random_pattern(300, 1700, 60, 3), c, 7);
 }
 
-TEST(GpuFused3s, AdversarialPatterns) {
-  SKIP_WITHOUT_GPU();
+TEST_P(GpuAttention, AdversarialPatterns) {
   const config c{dtype::f16, dtype::f32, 128, 1};
   // Rows with more than 32 neighbours in a graph with N > 1024 (Fused3S's preprocessing bug).
-  check(test::random_pattern(3000, 3000, 300, 5), c, 5);
+  check_graph(test::random_pattern(3000, 3000, 300, 5), c, 5);
   // Many empty rows, and N = 65537 (no read past the end of Q, K or V).
-  check(test::random_pattern(65537, 65537, 2, 6), c, 6);
+  check_graph(test::random_pattern(65537, 65537, 2, 6), c, 6);
   // One row with 10^5 nonzeros: its window is split across warps and merged.
   coo_graph heavy{.rows = 2000, .cols = 120000, .src = {}, .dst = {}, .values = {}};
   for (std::int64_t j = 0; j < 100000; ++j) {
@@ -131,32 +169,33 @@ TEST(GpuFused3s, AdversarialPatterns) {
     heavy.src.push_back(i);
     heavy.dst.push_back(i * 13);
   }
-  for (const auto& cc : all_configs()) check(to_csr(heavy), cc, 8);
+  for (const auto& cc : all_configs()) check_graph(to_csr(heavy), cc, 8);
   // A batch of 1024 small graphs.
-  check(generate_batch({.graphs = 1024, .min_nodes = 10, .max_nodes = 60, .seed = 9}).graph, c, 9);
+  check_graph(generate_batch({.graphs = 1024, .min_nodes = 10, .max_nodes = 60, .seed = 9}).graph,
+              c, 9);
   // Power-law skew (windows of very different TCB counts).
-  check(generate_rmat({.scale = 16, .edge_factor = 16, .seed = 10}), c, 10);
+  check_graph(generate_rmat({.scale = 16, .edge_factor = 16, .seed = 10}), c, 10);
 }
 
-TEST(GpuFused3s, ScoreEdgeCases) {
-  SKIP_WITHOUT_GPU();
+TEST_P(GpuAttention, ScoreEdgeCases) {
   const csr_graph g = test::random_pattern(2000, 2000, 50, 11);
   for (const dtype in : {dtype::f16, dtype::bf16}) {
     const config c{in, dtype::f32, 64, 2};
-    check(g, c, 12, -1.0, 1.0, 1.0, 512, true);  // q = 0: every score exactly 0, still an edge
-    check(g, c, 13, 0.5, 1.0, -1.0);   // every score negative (a running max starting at 0 fails)
-    check(g, c, 14, 11.0, 13.0, 1.0);  // scores near 1e4 (64 * 12^2): no overflow
+    check_graph(g, c, 12, -1.0, 1.0, 1.0, 512,
+                true);  // q = 0: every score exactly 0, still an edge
+    check_graph(g, c, 13, 0.5, 1.0,
+                -1.0);  // every score negative (a running max starting at 0 fails)
+    check_graph(g, c, 14, 11.0, 13.0, 1.0);  // scores near 1e4 (64 * 12^2): no overflow
   }
 }
 
-TEST(GpuFused3s, EverySharedDataset) {
-  SKIP_WITHOUT_GPU();
+TEST_P(GpuAttention, EverySharedDataset) {
   TRISPARSE_SKIP_WITHOUT_DATASETS();
   for (const auto& path : test::dataset_graphs()) {
     SCOPED_TRACE(path.filename().string());
     const csr_graph g = read_graph(path);
-    const attention_plan plan = attention_plan::build(g, device_kind::cuda);
-    for (const auto& c : all_configs()) check(plan, g, c, 21, -1.0, 1.0, std::nullopt, 256);
+    const attention_plan p = plan(g);
+    for (const auto& c : all_configs()) check(p, g, c, 21, -1.0, 1.0, std::nullopt, 256);
   }
 }
 
@@ -191,8 +230,7 @@ struct device_array {
   device_array& operator=(const device_array&) = delete;
 };
 
-TEST(GpuFused3s, PlanFromDeviceCsrWithUnsortedAndRepeatedColumns) {
-  SKIP_WITHOUT_GPU();
+TEST_P(GpuAttention, PlanFromDeviceCsrWithUnsortedAndRepeatedColumns) {
   for (const std::int64_t n : {1, 17, 3000}) {
     const csr_graph g = test::random_pattern(n, n + 5, 60, static_cast<std::uint64_t>(n));
     // The same pattern with each row reversed and every third entry repeated.
@@ -212,11 +250,12 @@ TEST(GpuFused3s, PlanFromDeviceCsrWithUnsortedAndRepeatedColumns) {
                         .nnz = static_cast<std::int64_t>(cols.size()),
                         .row_ptr = d_ptr.p,
                         .col_idx = d_cols.p};
-    const attention_plan plan = attention_plan::build(view);
-    EXPECT_EQ(plan.report().where, device_kind::cuda);
+    const attention_plan p = attention_plan::build(view, {.algo = GetParam()});
+    EXPECT_EQ(p.report().where, device_kind::cuda);
+    EXPECT_EQ(p.report().algo, GetParam());
     for (const auto& c :
          {config{dtype::f16, dtype::f32, 64, 2}, config{dtype::bf16, dtype::bf16, 128, 1}})
-      check(plan, g, c, 31);
+      check(p, g, c, 31);
     // Host memory views give the same plan on the CPU.
     const csr_view host{.rows = g.rows,
                         .cols = g.cols,
@@ -228,20 +267,45 @@ TEST(GpuFused3s, PlanFromDeviceCsrWithUnsortedAndRepeatedColumns) {
   }
 }
 
-TEST(GpuFused3s, PlanFromDeviceCsrRejectsBrokenViews) {
-  SKIP_WITHOUT_GPU();
+TEST_P(GpuAttention, PlanFromDeviceCsrRejectsBrokenViews) {
   const device_array<std::int64_t> decreasing({0, 3, 2, 4});
   const device_array<std::int64_t> short_end({0, 1, 2, 3});
   const device_array<std::int64_t> good({0, 1, 2, 4});
   const device_array<std::int32_t> cols({0, 1, 2, 3});
   const device_array<std::int32_t> outside({0, 1, 2, 9});
-  const auto view = [](const std::int64_t* p, const std::int32_t* c) {
-    return csr_view{.rows = 3, .cols = 4, .nnz = 4, .row_ptr = p, .col_idx = c};
+  const auto build = [&](const std::int64_t* p, const std::int32_t* c) {
+    return attention_plan::build(
+        csr_view{.rows = 3, .cols = 4, .nnz = 4, .row_ptr = p, .col_idx = c}, {.algo = GetParam()});
   };
-  EXPECT_THROW(attention_plan::build(view(decreasing.p, cols.p)), invalid_input);
-  EXPECT_THROW(attention_plan::build(view(short_end.p, cols.p)), invalid_input);
-  EXPECT_THROW(attention_plan::build(view(good.p, outside.p)), invalid_input);
-  EXPECT_NO_THROW(attention_plan::build(view(good.p, cols.p)));
+  EXPECT_THROW(build(decreasing.p, cols.p), invalid_input);
+  EXPECT_THROW(build(short_end.p, cols.p), invalid_input);
+  EXPECT_THROW(build(good.p, outside.p), invalid_input);
+  EXPECT_NO_THROW(build(good.p, cols.p));
+}
+
+TEST(GpuUnfused, RowOrdersAndWhatItRejects) {
+  SKIP_WITHOUT_GPU();
+  const config c{dtype::f16, dtype::f32, 64, 2};
+  const csr_graph g = generate_rmat({.scale = 12, .edge_factor = 8, .seed = 42});
+  for (const row_order o : {row_order::original, row_order::rcm, row_order::clustered}) {
+    const attention_plan plan =
+        attention_plan::build(g, device_kind::cuda, {.algo = algorithm::cuda_unfused, .order = o});
+    EXPECT_EQ(plan.report().format.find(std::string(to_string(o))) != std::string::npos,
+              o != row_order::original)
+        << plan.report().format;
+    check(plan, g, c, 44);
+  }
+  // out must be f32 or v's dtype; a fused plan cannot run unfused.
+  const attention_plan plan =
+      attention_plan::build(g, device_kind::cuda, {.algo = algorithm::cuda_unfused});
+  auto x = test::random_qkv(g, 1, 32, dtype::f16, 1);
+  test::device_tensor q(x.q), k(x.k), v(x.v), out(host_tensor(dtype::bf16, g.rows, 1, 32));
+  EXPECT_THROW(plan.run(q.view(), k.view(), v.view(), out.view()), invalid_input);
+  test::device_tensor out32(host_tensor(dtype::f32, g.rows, 1, 32));
+  EXPECT_THROW(
+      attention_plan::build(g, device_kind::cuda)
+          .run(q.view(), k.view(), v.view(), out32.view(), {.algo = algorithm::cuda_unfused}),
+      invalid_input);
 }
 
 TEST(GpuFused3s, RejectsWhatItCannotRun) {

@@ -188,18 +188,29 @@ const std::vector<spmm_case>& spmm_cases() {
 
 TEST(SparseCuda, SpmmEveryTypeAndWidthOnRandomPatterns) {
   SKIP_WITHOUT_GPU();
+  // Rows grouped as given, clustered (a row map on output) and, on a square pattern, in RCM order.
+  const csr_graph rect = test::random_pattern(1003, 777, 40, 11, true);  // K not a multiple of 8
+  const csr_graph square = test::random_pattern(1201, 1201, 30, 13, true);
   for (const int vr : {8, 16}) {
-    const csr_graph g = test::random_pattern(1003, 777, 40, 11, true);  // K not a multiple of 8
-    const auto plan = sparse_plan::build(g, device_kind::cuda, {.vector_rows = vr});
-    for (const auto& c : spmm_cases()) check_spmm(plan, g, c, 7);
+    for (const auto& [g, order] :
+         {std::pair{&rect, row_order::original}, std::pair{&rect, row_order::clustered},
+          std::pair{&square, row_order::rcm}}) {
+      SCOPED_TRACE(std::string(to_string(order)) + " rows, vectors " + std::to_string(vr) + "x1");
+      const auto plan =
+          sparse_plan::build(*g, device_kind::cuda, {.vector_rows = vr, .order = order});
+      ASSERT_EQ(plan.report().order, order);
+      for (const auto& c : spmm_cases()) check_spmm(plan, *g, c, 7);
+    }
   }
 }
 
 TEST(SparseCuda, SddmmAndSoftmaxEveryTypeAndDim) {
   SKIP_WITHOUT_GPU();
-  for (const int vr : {8, 16}) {
-    const csr_graph g = test::random_pattern(517, 1300, 60, 12, true);
-    const auto plan = sparse_plan::build(g, device_kind::cuda, {.vector_rows = vr});
+  const csr_graph g = test::random_pattern(517, 1300, 60, 12, true);
+  for (const auto& [vr, order] :
+       {std::pair{8, row_order::original}, std::pair{16, row_order::original},
+        std::pair{8, row_order::clustered}}) {
+    const auto plan = sparse_plan::build(g, device_kind::cuda, {.vector_rows = vr, .order = order});
     for (const dtype in : {dtype::f16, dtype::bf16, dtype::f32}) {
       for (const std::int64_t d : {8, 32, 64, 100, 128, 300})
         check_sddmm_softmax(plan, g, in, dtype::f32, d, 1, 3);
@@ -231,7 +242,10 @@ TEST(SparseCuda, SplitWindowsAndAdversarialPatterns) {
   for (const std::int32_t split : {0, 1, 3}) {
     for (const int vr : {8, 16}) {
       const auto plan =
-          sparse_plan::build(g, device_kind::cuda, {.vector_rows = vr, .split_blocks = split});
+          sparse_plan::build(g, device_kind::cuda,
+                             {.vector_rows = vr,
+                              .split_blocks = split,
+                              .order = split == 3 ? row_order::clustered : row_order::original});
       check_spmm(plan, g, {dtype::f16, dtype::f32, 128, 2, false}, 21);
       check_spmm(plan, g, {dtype::f32, dtype::f32, 264, 1, true}, 22);
       check_spmm(plan, g, {dtype::bf16, dtype::f32, 8, 1, true}, 23);
@@ -288,6 +302,11 @@ TEST(SparseCuda, PlanFromDeviceCsrSumsRepeatedEntries) {
   merged.col_idx = {2, 5, 0};
   merged.values = {2, 4, 7};
   check_spmm(plan, merged, {dtype::f32, dtype::f32, 16, 1, true}, 51);
+  // Without values the pattern is binary: a repeated entry is still one entry of value 1.
+  const auto binary = sparse_plan::build(
+      csr_view{.rows = 3, .cols = 6, .nnz = 4, .row_ptr = d_ptr, .col_idx = d_col});
+  merged.values.clear();
+  check_spmm(binary, merged, {dtype::f32, dtype::f32, 16, 1, true}, 52);
   EXPECT_THROW(sparse_plan::build(
                    csr_view{.rows = 3, .cols = 5, .nnz = 4, .row_ptr = d_ptr, .col_idx = d_col}),
                invalid_input);  // column 5 out of range

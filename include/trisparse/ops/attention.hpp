@@ -10,6 +10,7 @@
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/tensor.hpp"
 #include "trisparse/graph/csr.hpp"
+#include "trisparse/graph/reorder.hpp"
 
 namespace trisparse {
 
@@ -25,22 +26,15 @@ enum class algorithm : std::uint8_t {
 std::string_view to_string(algorithm a);
 algorithm parse_algorithm(std::string_view name);
 
-/// The order in which a CUDA BSB plan groups query rows into 16-row windows (outputs always come
-/// back in the caller's order).
-enum class row_order : std::uint8_t {
-  automatic,  ///< reverse Cuthill-McKee where it cuts the TCB count by >= 35% (square host
-              ///< patterns up to 4M nonzeros), else the original order
-  original,   ///< as given
-  rcm,        ///< reverse Cuthill-McKee (square patterns)
-};
-
 struct plan_options {
   algorithm algo = algorithm::automatic;  ///< what the plan prepares formats for
   int tcb_cols = 8;                       ///< BSB tensor-core block width (8 or 16)
   /// cuda_fused_bsb: row windows with more TCBs are split across warps and merged
   /// (0 = chosen by the cost model from the TCB count and the device).
   std::int32_t split_tcbs = 0;
-  /// cuda_fused_bsb from a host pattern: how query rows are grouped into windows.
+  /// CUDA plans from a host pattern: how query rows are grouped into windows. automatic:
+  /// cuda_fused_bsb uses reverse Cuthill-McKee where it cuts the TCB count by >= 35% (square
+  /// patterns up to 4M nonzeros), else the original order; cuda_unfused as sparse_plan does.
   row_order order = row_order::automatic;
 };
 

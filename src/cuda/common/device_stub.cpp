@@ -1,5 +1,6 @@
 // Without the CUDA backend there are no devices and no CUDA plans.
 #include "../attention/bsb/plan.hpp"
+#include "../layers/dense.hpp"
 #include "../sparse/plan.hpp"
 #include "device.hpp"
 #include "trisparse/core/error.hpp"
@@ -51,7 +52,8 @@ std::int64_t work_items(const fused3s_device_plan&) { return 0; }
 std::int64_t split_windows(const fused3s_device_plan&) { return 0; }
 
 struct me_device_plan {};
-std::shared_ptr<me_device_plan> make_me_plan(const csr_graph&, int, std::int32_t, stream_ref) {
+std::shared_ptr<me_device_plan> make_me_plan(const csr_graph&, int, std::int32_t, stream_ref,
+                                             std::span<const std::int64_t>) {
   no_backend();
 }
 std::shared_ptr<me_device_plan> make_me_plan(const csr_view&, const float*, int, std::int32_t,
@@ -76,4 +78,14 @@ void entries_to_slots(const me_device_plan&, const tensor_view&, const tensor_vi
 void slots_to_entries(const me_device_plan&, const tensor_view&, const tensor_view&, stream_ref) {
   no_backend();
 }
+}  // namespace trisparse::cuda
+
+namespace trisparse::cuda {
+struct blas_handle {};
+std::shared_ptr<blas_handle> make_blas() { no_backend(); }
+void gemm(const blas_handle&, const tensor_view&, const tensor_view&, const tensor_view&,
+          stream_ref) {
+  no_backend();
+}
+void normalize_rows(const tensor_view&, const tensor_view&, stream_ref) { no_backend(); }
 }  // namespace trisparse::cuda

@@ -56,7 +56,10 @@ __global__ void fill_windows(const Key* sorted, const std::uint32_t* ids,
                               const std::int64_t slot =
                                   (start + block) * kHeight + row * width + (rank - block);
                               const std::uint32_t e = ids[i];
-                              atomicAdd(values + slot, in_values != nullptr ? in_values[e] : 1.0f);
+                              if (in_values != nullptr)
+                                atomicAdd(values + slot, in_values[e]);
+                              else
+                                values[slot] = 1.0f;  // binary: a repeat is the same entry
                               entry_slot[e] = slot;
                             });
 }
@@ -133,16 +136,49 @@ device_me_bcrs build_me_bcrs_device(const csr_view& g, const float* values, int 
   return f;
 }
 
-device_me_bcrs build_me_bcrs_device(const csr_graph& g, int vector_rows, cudaStream_t s) {
-  const device_buffer<std::int64_t> row_ptr(g.row_ptr);
-  const device_buffer<std::int32_t> col_idx(g.col_idx);
-  const device_buffer<float> values(g.values);
-  return build_me_bcrs_device(csr_view{.rows = g.rows,
-                                       .cols = g.cols,
-                                       .nnz = g.nnz(),
-                                       .row_ptr = row_ptr.data(),
-                                       .col_idx = col_idx.data()},
-                              g.has_values() ? values.data() : nullptr, vector_rows, s, true);
+namespace {
+
+// entry_slot of the permuted pattern's entries -> of the caller's (position p came from entry
+// origin[p]).
+__global__ void unpermute_entries(const std::int64_t* permuted, const std::int64_t* origin,
+                                  std::int64_t nnz, std::int64_t* out) {
+  const std::int64_t p = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
+  if (p < nnz) out[origin[p]] = permuted[p];
+}
+
+}  // namespace
+
+device_me_bcrs build_me_bcrs_device(const csr_graph& g, int vector_rows, cudaStream_t s,
+                                    std::span<const std::int64_t> order) {
+  const csr_graph permuted = order.empty() ? csr_graph{} : select_rows(g, order);
+  const csr_graph& p = order.empty() ? g : permuted;
+  const device_buffer<std::int64_t> row_ptr(p.row_ptr);
+  const device_buffer<std::int32_t> col_idx(p.col_idx);
+  const device_buffer<float> values(p.values);
+  device_me_bcrs f =
+      build_me_bcrs_device(csr_view{.rows = p.rows,
+                                    .cols = p.cols,
+                                    .nnz = p.nnz(),
+                                    .row_ptr = row_ptr.data(),
+                                    .col_idx = col_idx.data()},
+                           p.has_values() ? values.data() : nullptr, vector_rows, s, true);
+  if (order.empty()) return f;
+  std::vector<std::int64_t> origin;
+  origin.reserve(static_cast<std::size_t>(g.nnz()));
+  for (const std::int64_t r : order) {
+    for (std::int64_t e = g.row_ptr[r]; e < g.row_ptr[r + 1]; ++e) origin.push_back(e);
+  }
+  const device_buffer<std::int64_t> origin_d(origin);
+  device_buffer<std::int64_t> entry_slot(static_cast<std::size_t>(g.nnz()));
+  if (g.nnz() > 0) {
+    unpermute_entries<<<blocks_for(g.nnz(), kThreads), kThreads, 0, s>>>(
+        f.entry_slot.data(), origin_d.data(), g.nnz(), entry_slot.data());
+    TRISPARSE_CUDA_CHECK_LAUNCH();
+  }
+  f.entry_slot = std::move(entry_slot);
+  f.row_map = device_buffer<std::int64_t>(std::vector<std::int64_t>(order.begin(), order.end()));
+  TRISPARSE_CUDA_TRY(cudaStreamSynchronize(s));  // the host arrays above die here
+  return f;
 }
 
 }  // namespace trisparse::cuda

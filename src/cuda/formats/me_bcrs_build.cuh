@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <span>
 
 #include "../common/buffer.cuh"
 #include "trisparse/graph/csr.hpp"
@@ -26,18 +27,24 @@ struct device_me_bcrs {
   device_buffer<std::int64_t> entry_slot;     // [nnz]: the slot of each CSR entry
   device_buffer<std::int32_t> window_blocks;  // [windows + 1]: ceil(vectors / 8), last 0
   device_buffer<std::int64_t> block_offset;   // [windows + 1]: exclusive scan of window_blocks
+  device_buffer<std::int64_t> row_map;        // [rows]: window row i is pattern row row_map[i]
+                                              // (empty: the identity)
 
   std::int64_t slots() const { return vectors * vector_rows; }
 };
 
 /// Builds the ME-BCRS of a CSR pattern on the current device. `values` (device, [nnz]) or nullptr
 /// for a binary pattern (every entry 1). Columns may be unsorted or repeated within a row;
-/// repeated entries share a slot and their values add up. `checked`: the caller has validated
-/// the pattern (otherwise the device checks it and this throws invalid_input). Synchronous.
+/// repeated entries share a slot and their values add up (binary: the slot holds 1). `checked`: the
+/// caller has validated the pattern (otherwise the device checks it and this throws invalid_input).
+/// Synchronous.
 device_me_bcrs build_me_bcrs_device(const csr_view& pattern, const float* values, int vector_rows,
                                     cudaStream_t stream, bool checked);
 
-/// Uploads a host pattern (checked) and its values, and builds the ME-BCRS.
-device_me_bcrs build_me_bcrs_device(const csr_graph& pattern, int vector_rows, cudaStream_t stream);
+/// Uploads a host pattern (checked) and its values, and builds the ME-BCRS with its rows in
+/// `order` (order[i] = the pattern row placed at window row i; empty = as given). entry_slot stays
+/// indexed by the pattern's own entries.
+device_me_bcrs build_me_bcrs_device(const csr_graph& pattern, int vector_rows, cudaStream_t stream,
+                                    std::span<const std::int64_t> order = {});
 
 }  // namespace trisparse::cuda

@@ -31,9 +31,9 @@ struct me_device_plan {
   mutable device_buffer<__nv_bfloat16> values_bf16;
 
   me::format_ref ref() const {
-    return {f.row_ptr.data(),      f.col_idx.data(), f.mask.data(), f.values.data(),
-            f.block_offset.data(), f.rows,           items.data(),  num_items,
-            splits.data()};
+    return {
+        f.row_ptr.data(), f.col_idx.data(), f.mask.data(), f.values.data(), f.block_offset.data(),
+        f.rows,           f.row_map.data(), items.data(),  num_items,       splits.data()};
   }
 };
 

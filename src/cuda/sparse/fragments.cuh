@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "params.hpp"
+
 namespace trisparse::cuda::me {
 
 template <class T, int kElems>
@@ -138,6 +140,11 @@ __device__ __forceinline__ std::int64_t slot_of(std::int64_t start, std::int64_t
   const std::int64_t block = v / 8 * 8;
   const std::int64_t width = n - block < 8 ? n - block : 8;
   return (start + block) * kHeight + r * width + (v - block);
+}
+
+/// The pattern row (of x, c) that window row `row` stands for.
+__device__ __forceinline__ std::int64_t pattern_row(const format_ref& f, std::int64_t row) {
+  return f.row_map != nullptr ? __ldg(f.row_map + row) : row;
 }
 
 }  // namespace trisparse::cuda::me

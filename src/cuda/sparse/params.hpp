@@ -15,7 +15,8 @@ struct format_ref {
   const float* values;               // [slots]: the pattern's values
   const std::int64_t* block_offset;  // [windows + 1], in blocks of 8 vectors
   std::int64_t rows;
-  const work_item* items;  // blocks are 8-vector blocks, largest items first
+  const std::int64_t* row_map;  // [rows]: window row i is pattern row row_map[i]; null = identity
+  const work_item* items;       // blocks are 8-vector blocks, largest items first
   std::int64_t num_items;
   const split_window* splits;
 };

@@ -112,9 +112,10 @@ void move(const me_device_plan& plan, const tensor_view& entries, const tensor_v
 }  // namespace
 
 std::shared_ptr<me_device_plan> make_me_plan(const csr_graph& pattern, int vector_rows,
-                                             std::int32_t split_blocks, stream_ref stream) {
+                                             std::int32_t split_blocks, stream_ref stream,
+                                             std::span<const std::int64_t> order) {
   const auto s = static_cast<cudaStream_t>(stream.handle);
-  return plan_from(build_me_bcrs_device(pattern, vector_rows, s), split_blocks, s);
+  return plan_from(build_me_bcrs_device(pattern, vector_rows, s, order), split_blocks, s);
 }
 
 std::shared_ptr<me_device_plan> make_me_plan(const csr_view& pattern, const float* values,
@@ -145,11 +146,11 @@ me_plan_info info(const me_device_plan& plan) {
       16 * (plan.f.windows + 1) + 4 * blocks * 8 + 4 * blocks * 8 * plan.f.vector_rows;
   i.device_bytes =
       i.format_bytes +
-      static_cast<std::int64_t>(plan.f.mask.bytes() + plan.f.entry_slot.bytes() +
-                                plan.f.window_blocks.bytes() + plan.f.block_offset.bytes() +
-                                plan.items.bytes() + plan.splits.bytes() + plan.part.bytes() +
-                                plan.split_count.bytes() + plan.part_stats.bytes() +
-                                plan.values_f16.bytes() + plan.values_bf16.bytes());
+      static_cast<std::int64_t>(
+          plan.f.mask.bytes() + plan.f.entry_slot.bytes() + plan.f.window_blocks.bytes() +
+          plan.f.block_offset.bytes() + plan.f.row_map.bytes() + plan.items.bytes() +
+          plan.splits.bytes() + plan.part.bytes() + plan.split_count.bytes() +
+          plan.part_stats.bytes() + plan.values_f16.bytes() + plan.values_bf16.bytes());
   return i;
 }
 

@@ -4,6 +4,7 @@
 // layout: [slots, heads, 1] views with slot stride 1 (one array per head).
 #include <cstdint>
 #include <memory>
+#include <span>
 
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/tensor.hpp"
@@ -15,9 +16,11 @@ struct me_device_plan;
 
 /// Builds the ME-BCRS (vector_rows 8 or 16) of a checked host pattern on the GPU and its work
 /// list (windows of more than `split_blocks` 8-vector blocks cut into shares; 0 = from the block
-/// total and the SM count). Synchronous on `stream`.
+/// total and the SM count), with rows grouped into windows in `order` (order[i] = the pattern
+/// row at window row i; empty = as given). Synchronous on `stream`.
 std::shared_ptr<me_device_plan> make_me_plan(const csr_graph& pattern, int vector_rows,
-                                             std::int32_t split_blocks, stream_ref stream);
+                                             std::int32_t split_blocks, stream_ref stream,
+                                             std::span<const std::int64_t> order = {});
 /// The same from a pattern in device memory (values: device [nnz] or nullptr for 1s), checked on
 /// the device first. @throws invalid_input naming the broken invariant.
 std::shared_ptr<me_device_plan> make_me_plan(const csr_view& pattern, const float* values,

@@ -77,7 +77,8 @@ __global__ void __launch_bounds__(kSddmmWarps * 32) sddmm_kernel(const sddmm_par
       for (int c = 0; c < kChunks; ++c) {
         const std::int64_t d0 = pass * kPass + 32 * c + 8 * t;
         const int valid = row < p.f.rows ? static_cast<int>(max(std::int64_t{0}, p.d - d0)) : 0;
-        load_frag(x + (row < p.f.rows ? row : 0) * p.x_row + d0, valid, p.aligned, xr[s][c]);
+        load_frag(x + (row < p.f.rows ? pattern_row(p.f, row) : 0) * p.x_row + d0, valid, p.aligned,
+                  xr[s][c]);
       }
     }
   };

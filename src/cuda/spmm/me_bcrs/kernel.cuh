@@ -162,8 +162,8 @@ __global__ void __launch_bounds__(kSpmmWarps * 32) spmm_kernel(const spmm_params
         if (row >= p.f.rows) continue;
         float v[kFeat];
         row_values(s, odd, v);
-        store_floats(static_cast<O*>(p.c) + row * p.c_row + h * p.c_head + f, v, valid_f,
-                     p.aligned);
+        store_floats(static_cast<O*>(p.c) + pattern_row(p.f, row) * p.c_row + h * p.c_head + f, v,
+                     valid_f, p.aligned);
       }
     }
     return;
@@ -206,7 +206,8 @@ __global__ void __launch_bounds__(kSpmmWarps * 32) spmm_kernel(const spmm_params
           if (e < valid_f) v[e] += __ldcg(src + e);
         }
       }
-      store_floats(static_cast<O*>(p.c) + row * p.c_row + h * p.c_head + f, v, valid_f, p.aligned);
+      store_floats(static_cast<O*>(p.c) + pattern_row(p.f, row) * p.c_row + h * p.c_head + f, v,
+                   valid_f, p.aligned);
     }
   }
 }

@@ -1,0 +1,67 @@
+#pragma once
+/// @file GNN layers built from the sparse kernels (forward): GCN, out = Â (X W) with
+/// Â = D^-1/2 (A + I) D^-1/2, and AGNN, out = softmax(β cos(H_i, H_j) over A + I) H. A layer is
+/// built once per graph and device (the normalised pattern as a sparse_plan) and runs many times.
+/// On CUDA the dense products use cuBLAS and the sparse ones the ME-BCRS kernels; on the CPU
+/// everything runs in float64 (the reference the CUDA layers are tested against).
+///
+/// Row i of the graph lists the nodes whose features flow into node i (PyG's edge (j -> i));
+/// degrees are row lengths, counted with the self loop (as PyG's gcn_norm does).
+#include <cstdint>
+#include <memory>
+
+#include "trisparse/core/stream.hpp"
+#include "trisparse/core/tensor.hpp"
+#include "trisparse/graph/csr.hpp"
+#include "trisparse/graph/reorder.hpp"
+
+namespace trisparse {
+
+struct layer_options {
+  /// Adds (i, i) to every row that lacks it (PyG's default for GCNConv and AGNNConv).
+  bool add_self_loops = true;
+  /// CUDA: how rows are grouped into ME-BCRS windows (see sparse_plan_options::order).
+  row_order order = row_order::automatic;
+};
+
+/// The GCN propagation matrix Â = D^-1/2 (A + I) D^-1/2 as a CSR with values (self loops added
+/// per `add_self_loops`; the pattern's own values are ignored). @throws invalid_input unless
+/// square.
+csr_graph gcn_normalized(const csr_graph& graph, bool add_self_loops = true);
+
+/// out = Â (x w): x [N, 1, F_in], w [F_in, 1, F_out] (row-major weights), out [N, 1, F_out].
+/// CUDA: x and w one dtype (f16, bf16, or f32 computed in tf32), out f32 or x's dtype; the
+/// product is taken in the cheaper order ((Â x) w when F_in < F_out).
+class gcn_layer {
+ public:
+  /// @throws invalid_input unless the graph is square; not_supported without the CUDA backend.
+  static gcn_layer build(const csr_graph& graph, device_kind where = device_kind::cpu,
+                         const layer_options& options = {}, stream_ref stream = {});
+  void forward(const tensor_view& x, const tensor_view& w, const tensor_view& out,
+               stream_ref stream = {}) const;
+  device_kind where() const;
+  std::int64_t nnz() const;  ///< of Â (with the self loops)
+
+ private:
+  struct state;
+  std::shared_ptr<const state> state_;
+};
+
+/// out_i = sum_j softmax_j(β cos(h_i, h_j)) h_j over row i of A (+ I): h [N, 1, F], out [N, 1, F].
+/// CUDA: h f16, bf16 or f32 (tf32), out f32 or h's dtype. Zero rows of h have cosine 0.
+class agnn_layer {
+ public:
+  /// @throws invalid_input unless the graph is square; not_supported without the CUDA backend.
+  static agnn_layer build(const csr_graph& graph, device_kind where = device_kind::cpu,
+                          const layer_options& options = {}, stream_ref stream = {});
+  void forward(const tensor_view& h, double beta, const tensor_view& out,
+               stream_ref stream = {}) const;
+  device_kind where() const;
+  std::int64_t nnz() const;  ///< of the pattern (with the self loops)
+
+ private:
+  struct state;
+  std::shared_ptr<const state> state_;
+};
+
+}  // namespace trisparse

@@ -1,0 +1,130 @@
+// cuBLAS products and the row normalisation of the GNN layers (dense.hpp).
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <mutex>
+#include <string>
+
+#include "../common/error.cuh"
+#include "../common/grid.cuh"
+#include "../sparse/dispatch.cuh"
+#include "../sparse/fragments.cuh"
+#include "dense.hpp"
+
+namespace trisparse::cuda {
+
+namespace {
+
+void blas_try(cublasStatus_t status, const char* what) {
+  if (status != CUBLAS_STATUS_SUCCESS) {
+    throw cuda_error(std::string("cuBLAS ") + what + " failed with status " +
+                     std::to_string(static_cast<int>(status)));
+  }
+}
+
+cudaDataType_t blas_type(dtype t) {
+  switch (t) {
+    case dtype::f16:
+      return CUDA_R_16F;
+    case dtype::bf16:
+      return CUDA_R_16BF;
+    case dtype::f32:
+      return CUDA_R_32F;
+    default:
+      throw invalid_input("the dense products take f16, bf16 or f32, not " +
+                          std::string(to_string(t)));
+  }
+}
+
+void check_matrix(const tensor_view& t, const char* what, std::int64_t rows, std::int64_t cols) {
+  TRISPARSE_EXPECTS_INPUT(t.where == device_kind::cuda,
+                          std::string(what) + " " + t.describe() + " must be on the GPU");
+  check_view(t, what, rows, 1, cols);
+  TRISPARSE_EXPECTS_INPUT(
+      t.rows <= 1 || t.row_stride >= t.dim,
+      std::string(what) + " " + t.describe() + " needs rows at least dim elements apart");
+}
+
+constexpr int kWarps = 8;
+
+template <class T>
+__global__ void normalize_kernel(const T* x, std::int64_t x_row, T* out, std::int64_t out_row,
+                                 std::int64_t rows, std::int64_t dim) {
+  const std::int64_t r = blockIdx.x * std::int64_t{kWarps} + threadIdx.x / 32;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  if (r >= rows) return;
+  const T* xr = x + r * x_row;
+  float sum = 0.0f;
+  for (std::int64_t f = lane; f < dim; f += 32) {
+    const float v = me::to_float(xr[f]);
+    sum += v * v;
+  }
+  for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, o);
+  const float inv = sum > 0.0f ? rsqrtf(sum) : 0.0f;
+  for (std::int64_t f = lane; f < dim; f += 32)
+    out[r * out_row + f] = me::from_float<T>(me::to_float(xr[f]) * inv);
+}
+
+}  // namespace
+
+struct blas_handle {
+  cublasHandle_t h = nullptr;
+  std::mutex mutex;
+  blas_handle() { blas_try(cublasCreate(&h), "create"); }
+  ~blas_handle() {
+    if (h != nullptr) cublasDestroy(h);
+  }
+  blas_handle(const blas_handle&) = delete;
+  blas_handle& operator=(const blas_handle&) = delete;
+};
+
+std::shared_ptr<blas_handle> make_blas() { return std::make_shared<blas_handle>(); }
+
+void gemm(const blas_handle& blas, const tensor_view& a, const tensor_view& b, const tensor_view& c,
+          stream_ref stream) {
+  const std::int64_t m = a.rows, k = a.dim, n = b.dim;
+  check_matrix(a, "a", m, k);
+  check_matrix(b, "b", k, n);
+  check_matrix(c, "c", m, n);
+  TRISPARSE_EXPECTS_INPUT(a.type == b.type,
+                          "a " + a.describe() + " and b " + b.describe() + " need one dtype");
+  TRISPARSE_EXPECTS_INPUT(c.type == dtype::f32 || c.type == a.type,
+                          "c " + c.describe() + " must be f32 or a's dtype");
+  TRISPARSE_EXPECTS_INPUT(
+      m < (std::int64_t{1} << 31) && n < (std::int64_t{1} << 31) && k < (std::int64_t{1} << 31),
+      "the dense product's sizes must be below 2^31");
+  if (m == 0 || n == 0) return;
+  const cudaDataType_t in = blas_type(a.type), out = blas_type(c.type);
+  const cublasComputeType_t compute =
+      a.type == dtype::f32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  const float alpha = 1.0f, beta = 0.0f;
+  auto& handle = const_cast<blas_handle&>(blas);
+  std::lock_guard<std::mutex> lock(handle.mutex);
+  blas_try(cublasSetStream(handle.h, static_cast<cudaStream_t>(stream.handle)), "set stream");
+  // Row-major C = A B is column-major C^T = B^T A^T.
+  blas_try(cublasGemmEx(handle.h, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(n),
+                        static_cast<int>(m), static_cast<int>(k), &alpha, b.data, in,
+                        static_cast<int>(std::max<std::int64_t>(b.row_stride, n)), a.data, in,
+                        static_cast<int>(std::max<std::int64_t>(a.row_stride, k)), &beta, c.data,
+                        out, static_cast<int>(std::max<std::int64_t>(c.row_stride, n)), compute,
+                        CUBLAS_GEMM_DEFAULT),
+           "GemmEx");
+}
+
+void normalize_rows(const tensor_view& x, const tensor_view& out, stream_ref stream) {
+  check_matrix(x, "x", x.rows, x.dim);
+  check_matrix(out, "out", x.rows, x.dim);
+  TRISPARSE_EXPECTS_INPUT(out.type == x.type, "out " + out.describe() + " needs x's dtype");
+  if (x.rows == 0) return;
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  me::with_element_type(x.type, "x", [&](auto t) {
+    using T = decltype(t);
+    normalize_kernel<T><<<blocks_for(x.rows, kWarps), kWarps * 32, 0, s>>>(
+        static_cast<const T*>(x.data), x.row_stride, static_cast<T*>(out.data), out.row_stride,
+        x.rows, x.dim);
+    TRISPARSE_CUDA_CHECK_LAUNCH();
+  });
+}
+
+}  // namespace trisparse::cuda
