@@ -5,10 +5,10 @@
 # Build here first (the GPU machine has no package registry):
 #   cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRISPARSE_CUDA=ON \
 #         -DCMAKE_CUDA_ARCHITECTURES=90 -DTRISPARSE_DATASETS_DIR=data
-#   cmake --build build/gpu --target gpu_tests bench_fused3s bench_sparse trisparse_cli
+#   cmake --build build/gpu --target gpu_tests bench_fused3s bench_sparse bench_layers trisparse_cli
 #   mkdir -p data .devlibs && cp ../shared/datasets/* data/ && cp -L /lib/x86_64-linux-gnu/libzip.so.4 /lib/x86_64-linux-gnu/libbz2.so.1.0 .devlibs/
 # and call with carry = [build/gpu, data, .devlibs].
-# Usage: scripts/gpu_run.sh [tests|sanitize|bench|matrix|large|sweep|sparse|all] (all = tests sanitize bench)
+# Usage: scripts/gpu_run.sh [tests|sanitize|bench|matrix|large|sweep|sparse|layers|all] (all = tests sanitize bench)
 # The device tool brings back at most 8 files per call: run tests+sanitize and bench+large+matrix apart.
 set -uo pipefail
 out=${OUT:-/tmp/trisparse-out}
@@ -18,7 +18,7 @@ export TRISPARSE_DATASETS=$PWD/data
 b=build/gpu
 what=${1:-all}
 status=0
-run() { [ "$what" = "$1" ] || { [ "$what" = all ] && [ "$1" != matrix ] && [ "$1" != large ] && [ "$1" != sweep ] && [ "$1" != sparse ]; }; }
+run() { [ "$what" = "$1" ] || { [ "$what" = all ] && [ "$1" != matrix ] && [ "$1" != large ] && [ "$1" != sweep ] && [ "$1" != sparse ] && [ "$1" != layers ]; }; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv | tee "$out/gpu.txt"
 echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown) $(date -u +%FT%TZ)" | tee -a "$out/gpu.txt"
 
@@ -53,6 +53,15 @@ if run sparse; then  # SpMM / SDDMM / softmax (ME-BCRS) against cuSPARSE, every 
   "$b/bench_sparse" --repeat 20 data/*.el.xz --rmat 18:10 --rmat 20:10 --er 100000:16 --er 1000000:8 \
     > "$out/bench_sparse.jsonl" 2>> "$out/stderr.log" || status=1
   tail -c 600 "$out/bench_sparse.jsonl"
+fi
+
+if run layers; then  # GCN / AGNN forward against PyG's GCNConv / AGNNConv, every dataset
+  graphs=(data/*.el.xz)
+  "$b/bench_layers" --in 128 --out 128 --agnn 128 --repeat 20 "${graphs[@]}" \
+    > "$out/bench_layers.jsonl" 2>> "$out/stderr.log" || status=1
+  python3 bench/python/pyg_layers.py --in-dim 128 --out-dim 128 --agnn-dim 128 --repeat 20 "${graphs[@]}" \
+    > "$out/pyg_layers.jsonl" 2>> "$out/stderr.log" || status=1
+  tail -c 400 "$out/bench_layers.jsonl"; tail -c 400 "$out/pyg_layers.jsonl"
 fi
 
 if run bench; then

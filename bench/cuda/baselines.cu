@@ -1,5 +1,6 @@
-// Baselines of the fused 3S benchmark: the cuSPARSE unfused pipeline and dense masked attention
-// on cuBLAS (see baselines.hpp). Bench code: the library does not depend on cuSPARSE or cuBLAS.
+// Baselines of the benchmarks: the cuSPARSE unfused pipeline, dense masked attention on cuBLAS,
+// cuSPARSE SpMM/SDDMM and CSR row softmaxes (see baselines.hpp). Bench code: the library does not
+// depend on cuSPARSE.
 #include <cublas_v2.h>
 #include <cuda_fp16.h>
 #include <cusparse.h>
@@ -56,15 +57,19 @@ __device__ __forceinline__ float warp_sum(float x) {
 }
 
 // One warp per CSR row: p = exp(s - max) / sum, in fp32; empty rows have no values to write.
-template <class S, class P>
+// kStable = false is the naive exp / sum (one pass fewer; overflows once a score passes ~88).
+template <class S, class P, bool kStable = true>
 __global__ void csr_row_softmax(const std::int64_t* row_ptr, std::int64_t rows, const S* s, P* p) {
   const std::int64_t row = (blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x) / 32;
   const int lane = static_cast<int>(threadIdx.x % 32);
   if (row >= rows) return;
   const std::int64_t b = row_ptr[row], e = row_ptr[row + 1];
-  float m = -FLT_MAX;
-  for (std::int64_t i = b + lane; i < e; i += 32) m = fmaxf(m, to_float(s[i]));
-  m = warp_max(m);
+  float m = 0.0f;
+  if constexpr (kStable) {
+    m = -FLT_MAX;
+    for (std::int64_t i = b + lane; i < e; i += 32) m = fmaxf(m, to_float(s[i]));
+    m = warp_max(m);
+  }
   float sum = 0;
   for (std::int64_t i = b + lane; i < e; i += 32) sum += __expf(to_float(s[i]) - m);
   const float inv = 1.0f / warp_sum(sum);
@@ -470,6 +475,26 @@ void cusparse_kernels::sddmm(const void* x, const void* y) {
 
 std::string cusparse_kernels::describe() const {
   return s_->fp32 ? "fp32" : (s_->s_type == CUDA_R_16F ? "fp16 (S fp16)" : "fp16 (S fp32)");
+}
+
+struct csr_softmax::state {
+  std::int64_t rows;
+  device_buffer<std::int64_t> row_ptr;
+};
+
+csr_softmax::csr_softmax(const csr_graph& pattern)
+    : s_(std::make_unique<state>(
+          state{pattern.rows, device_buffer<std::int64_t>(pattern.row_ptr)})) {}
+csr_softmax::~csr_softmax() = default;
+
+void csr_softmax::run(const float* in, float* out, bool stable) {
+  if (s_->rows == 0) return;
+  const unsigned grid = cuda::blocks_for(s_->rows * 32, 256);
+  if (stable)
+    csr_row_softmax<float, float, true><<<grid, 256>>>(s_->row_ptr.data(), s_->rows, in, out);
+  else
+    csr_row_softmax<float, float, false><<<grid, 256>>>(s_->row_ptr.data(), s_->rows, in, out);
+  cuda_check(cudaPeekAtLastError(), "csr_row_softmax");
 }
 
 }  // namespace trisparse::bench

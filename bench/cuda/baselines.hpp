@@ -72,6 +72,21 @@ class cusparse_kernels {
   std::unique_ptr<state> s_;
 };
 
+/// Row softmax over f32 values in CSR entry order, one warp per row, on the default stream:
+/// max-stabilised, or the naive exp / sum (FlashSparse's comparison; wrong once scores pass ~88).
+class csr_softmax {
+ public:
+  explicit csr_softmax(const csr_graph& pattern);
+  ~csr_softmax();
+  csr_softmax(const csr_softmax&) = delete;
+  csr_softmax& operator=(const csr_softmax&) = delete;
+  void run(const float* in, float* out, bool stable);
+
+ private:
+  struct state;
+  std::unique_ptr<state> s_;
+};
+
 /// Keeps the GPU busy for about `microseconds` so that what is enqueued after it is timed without
 /// the host's issue time (events then bracket GPU work only).
 void gpu_busy_wait(int microseconds);

@@ -2,7 +2,8 @@
 // same run. Per graph: plan build time, ME-BCRS and SR-BCRS footprints; SpMM at each n (ours f16
 // 8x1 and 16x1, ours tf32, cusparseSpMM fp32 and fp16) and SDDMM at each d (the same variants
 // against cusparseSDDMM), median of event-timed kernel runs behind a busy-wait, rotating input
-// sets; GFLOP/s (2 nnz n); our f16 and tf32 outputs checked against float64 on sampled rows.
+// sets; GFLOP/s (2 nnz n); our f16 and tf32 outputs checked against float64 on sampled rows; the
+// plan's row order against the original one; the naive and the stable row softmax.
 // One JSON object per line.
 //   bench_sparse [--n 32,64,128,256] [--d 32,128] [--repeat R] [--rmat S:EF]... [--er N:DEG]...
 //                GRAPH...
@@ -87,6 +88,10 @@ void bench_graph(const std::string& name, const csr_graph& g, const settings& cf
   const double build_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   const sparse_plan p16 = sparse_plan::build(g, device_kind::cuda, {.vector_rows = 16});
+  // The same kernels with the rows as given (the row-order ablation), when the plan reordered.
+  const bool reordered = p8.report().order != row_order::original;
+  const sparse_plan p8o =
+      reordered ? sparse_plan::build(g, device_kind::cuda, {.order = row_order::original}) : p8;
   const auto& r8 = p8.report();
   nlohmann::json j{{"graph", name},
                    {"rows", g.rows},
@@ -94,6 +99,8 @@ void bench_graph(const std::string& name, const csr_graph& g, const settings& cf
                    {"nnz", g.nnz()},
                    {"vectors_8x1", r8.vectors},
                    {"vectors_16x1", p16.report().vectors},
+                   {"vectors_8x1_original_order", p8o.report().vectors},
+                   {"order", to_string(r8.order)},
                    {"build_ms", build_ms},
                    {"me_bcrs_bytes", r8.format_bytes},
                    {"sr_bcrs_bytes", r8.sr_bcrs_bytes}};
@@ -130,6 +137,8 @@ void bench_graph(const std::string& name, const csr_graph& g, const settings& cf
     row["ours_tf32_ms"] = ours(p8, b32);
     row["err_tf32"] = checked(p8, *b32[0]);
     row["ours_f16_16x1_ms"] = ours(p16, b16);
+    row["ours_f16_original_order_ms"] =
+        reordered ? ours(p8o, b16) : row["ours_f16_ms"].get<double>();
     if (cfg.baselines) {
       try {
         cs32 = std::make_unique<bench::cusparse_kernels>(g, true, n, 32);
@@ -155,7 +164,8 @@ void bench_graph(const std::string& name, const csr_graph& g, const settings& cf
   j["spmm"] = spmm;
   // SDDMM (x = y's first rows: square patterns use the same rows) and the softmax after it.
   bench::device_mem s_out(static_cast<std::size_t>(std::max<std::int64_t>(p8.slots(), 1)) * 4),
-      s16_out(static_cast<std::size_t>(std::max<std::int64_t>(p16.slots(), 1)) * 4);
+      s16_out(static_cast<std::size_t>(std::max<std::int64_t>(p16.slots(), 1)) * 4),
+      s_out_original(static_cast<std::size_t>(std::max<std::int64_t>(p8o.slots(), 1)) * 4);
   const auto slots_view = [](const bench::device_mem& m, std::int64_t slots) {
     tensor_view v = tensor_view::contiguous(m.p, dtype::f32, slots, 1, 1, device_kind::cuda);
     return v;
@@ -171,6 +181,8 @@ void bench_graph(const std::string& name, const csr_graph& g, const settings& cf
     row["ours_f16_ms"] = ours(p8, b16, s_out);
     row["ours_tf32_ms"] = ours(p8, b32, s_out);
     row["ours_f16_16x1_ms"] = ours(p16, b16, s16_out);
+    row["ours_f16_original_order_ms"] =
+        reordered ? ours(p8o, b16, s_out_original) : row["ours_f16_ms"].get<double>();
     if (cfg.baselines) {
       try {
         cs32 = std::make_unique<bench::cusparse_kernels>(g, true, 32, d);
@@ -196,6 +208,37 @@ void bench_graph(const std::string& name, const csr_graph& g, const settings& cf
   j["softmax_ms"] = ms_of(time_runs(cfg.repeat, 1, true, [&](int) {
     p8.softmax(slots_view(s_out, p8.slots()), slots_view(s_out, p8.slots()));
   }));
+  // FlashSparse's naive exp / sum softmax against the max-stabilised one, both over the scores in
+  // CSR order (one warp per row), and what the naive one gives when scores reach 100.
+  {
+    bench::csr_softmax csr(g);
+    host_tensor scores(dtype::f32, std::max<std::int64_t>(g.nnz(), 1), 1, 1);
+    scores.fill_uniform(-100.0, 100.0, 77);
+    bench::device_mem in(scores.size_bytes()), out(scores.size_bytes());
+    check(cudaMemcpy(in.p, scores.data(), scores.size_bytes(), cudaMemcpyHostToDevice), "upload");
+    const auto* pin = static_cast<const float*>(in.p);
+    auto* pout = static_cast<float*>(out.p);
+    j["csr_softmax_stable_ms"] =
+        ms_of(time_runs(cfg.repeat, 1, true, [&](int) { csr.run(pin, pout, true); }));
+    j["csr_softmax_naive_ms"] =
+        ms_of(time_runs(cfg.repeat, 1, true, [&](int) { csr.run(pin, pout, false); }));
+    host_tensor got(dtype::f32, scores.rows(), 1, 1);
+    std::int64_t bad = 0;
+    check(cudaMemcpy(got.data(), out.p, got.size_bytes(), cudaMemcpyDeviceToHost), "download");
+    for (std::int64_t i = 0; i < g.nnz(); ++i) bad += !std::isfinite(got.get(i));
+    j["naive_nonfinite_at_100"] = bad;
+    // Ours on the same scores (through the slot layout): every value finite.
+    const tensor_view entries =
+        tensor_view::contiguous(in.p, dtype::f32, g.nnz(), 1, 1, device_kind::cuda);
+    p8.to_slots(entries, slots_view(s_out, p8.slots()));
+    p8.softmax(slots_view(s_out, p8.slots()), slots_view(s_out, p8.slots()));
+    p8.to_entries(slots_view(s_out, p8.slots()),
+                  tensor_view::contiguous(out.p, dtype::f32, g.nnz(), 1, 1, device_kind::cuda));
+    check(cudaMemcpy(got.data(), out.p, got.size_bytes(), cudaMemcpyDeviceToHost), "download");
+    bad = 0;
+    for (std::int64_t i = 0; i < g.nnz(); ++i) bad += !std::isfinite(got.get(i));
+    j["ours_nonfinite_at_100"] = bad;
+  }
   std::cout << j.dump() << std::endl;
 }
 
