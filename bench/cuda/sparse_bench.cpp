@@ -28,6 +28,7 @@ struct settings {
   std::vector<std::int64_t> ns{32, 64, 128, 256}, ds{32, 128};
   int repeat = 20;
   bool baselines = true;
+  std::int32_t split = 0;  // sparse_plan_options::split_blocks (0 = the plan's rule)
 };
 
 // A device tensor of uniform [-1, 1) values, with views of any [rows, 1, dim] prefix shape.
@@ -83,17 +84,22 @@ double ms_of(const bench::timing& t) { return t.median; }
 
 void bench_graph(const std::string& name, const csr_graph& g, const settings& cfg) {
   const auto t0 = std::chrono::steady_clock::now();
-  const sparse_plan p8 = sparse_plan::build(g, device_kind::cuda, {.vector_rows = 8});
+  const sparse_plan p8 =
+      sparse_plan::build(g, device_kind::cuda, {.vector_rows = 8, .split_blocks = cfg.split});
   check(cudaDeviceSynchronize(), "build");
   const double build_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  const sparse_plan p16 = sparse_plan::build(g, device_kind::cuda, {.vector_rows = 16});
+  const sparse_plan p16 =
+      sparse_plan::build(g, device_kind::cuda, {.vector_rows = 16, .split_blocks = cfg.split});
   // The same kernels with the rows as given (the row-order ablation), when the plan reordered.
   const bool reordered = p8.report().order != row_order::original;
   const sparse_plan p8o =
-      reordered ? sparse_plan::build(g, device_kind::cuda, {.order = row_order::original}) : p8;
+      reordered ? sparse_plan::build(g, device_kind::cuda,
+                                     {.split_blocks = cfg.split, .order = row_order::original})
+                : p8;
   const auto& r8 = p8.report();
   nlohmann::json j{{"graph", name},
+                   {"split", cfg.split},
                    {"rows", g.rows},
                    {"cols", g.cols},
                    {"nnz", g.nnz()},
@@ -254,6 +260,8 @@ int main(int argc, char** argv) {
   app.add_option("--repeat", cfg.repeat, "timed runs")->capture_default_str();
   app.add_option("--rmat", rmats, "generated R-MAT graphs SCALE:EDGE_FACTOR (after the files)");
   app.add_option("--er", ers, "generated Erdos-Renyi graphs NODES:AVG_DEGREE (after the R-MATs)");
+  app.add_option("--split", cfg.split, "split windows of more blocks than this (0 = plan's rule)")
+      ->capture_default_str();
   app.add_flag("--baselines,!--no-baselines", cfg.baselines, "time cuSPARSE too")
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);

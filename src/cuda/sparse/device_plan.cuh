@@ -15,12 +15,20 @@
 
 namespace trisparse::cuda {
 
-struct me_device_plan {
-  int device = 0, sms = 0;
-  device_me_bcrs f;
+/// One operation's work list: items (largest first) and the windows split across items.
+struct me_work {
   device_buffer<work_item> items;
   device_buffer<split_window> splits;
   std::int32_t num_items = 0, num_splits = 0, num_parts = 0;
+  std::int64_t bytes() const { return static_cast<std::int64_t>(items.bytes() + splits.bytes()); }
+};
+
+struct me_device_plan {
+  int device = 0, sms = 0;
+  device_me_bcrs f;
+  // Per operation, as its cost of a split differs: SpMM merges partial rows of C (splits cost),
+  // SDDMM's slots are independent (splits are free), softmax merges two numbers per row.
+  me_work spmm_work, sddmm_work, softmax_work;
   // Workspaces, grown by the first run that needs more (under the mutex), and the pattern's own
   // values converted to 16-bit types on first use.
   mutable std::mutex mutex;
@@ -30,10 +38,10 @@ struct me_device_plan {
   mutable device_buffer<__half> values_f16;
   mutable device_buffer<__nv_bfloat16> values_bf16;
 
-  me::format_ref ref() const {
-    return {
-        f.row_ptr.data(), f.col_idx.data(), f.mask.data(), f.values.data(), f.block_offset.data(),
-        f.rows,           f.row_map.data(), items.data(),  num_items,       splits.data()};
+  me::format_ref ref(const me_work& w) const {
+    return {f.row_ptr.data(),      f.col_idx.data(), f.mask.data(),    f.values.data(),
+            f.block_offset.data(), f.rows,           f.row_map.data(), w.items.data(),
+            w.num_items,           w.splits.data()};
   }
 };
 

@@ -29,20 +29,25 @@ std::shared_ptr<me_device_plan> plan_from(device_me_bcrs f, std::int32_t split_b
   }
   TRISPARSE_EXPECTS_INPUT(blocks < (std::int64_t{1} << 31),
                           "the pattern has more than 2^31 blocks of 8 vectors");
-  // A warp's item should be at most about twice the mean work per warp slot (16 per SM), so the
-  // longest item does not outlast the rest; never split below 32 blocks (a split costs a partial
-  // write and a share of a merge).
+  // Split limits (blocks per item; measured on the H200, docs/notes/flashsparse.md). SpMM: an
+  // item at most about twice the mean work per warp slot (16 per SM), never below 32 blocks (a
+  // split writes a partial tile of C and a share of its merge). SDDMM: no merge, so windows are
+  // cut short (4-8 blocks) and the longest item no longer sets the time. Softmax: 8-16.
   const std::int64_t warp_slots = std::int64_t{plan->sms} * 16;
   const std::int64_t mean = (blocks + warp_slots - 1) / warp_slots;
-  const std::int64_t limit = split_blocks > 0 ? split_blocks : std::max<std::int64_t>(32, 2 * mean);
-  device_work_list list =
-      build_work_list(f.window_blocks.data(), f.block_offset.data(), f.windows, limit, s);
+  const auto list = [&](std::int64_t rule, me_work& w) {
+    device_work_list l = build_work_list(f.window_blocks.data(), f.block_offset.data(), f.windows,
+                                         split_blocks > 0 ? split_blocks : rule, s);
+    w.items = std::move(l.items);
+    w.splits = std::move(l.splits);
+    w.num_items = l.num_items;
+    w.num_splits = l.num_splits;
+    w.num_parts = l.num_parts;
+  };
+  list(std::max<std::int64_t>(32, 2 * mean), plan->spmm_work);
+  list(mean <= 16 ? 4 : 8, plan->sddmm_work);
+  list(mean <= 16 ? 8 : 16, plan->softmax_work);
   plan->f = std::move(f);
-  plan->items = std::move(list.items);
-  plan->splits = std::move(list.splits);
-  plan->num_items = list.num_items;
-  plan->num_splits = list.num_splits;
-  plan->num_parts = list.num_parts;
   return plan;
 }
 
@@ -130,8 +135,8 @@ me_plan_info info(const me_device_plan& plan) {
   i.windows = plan.f.windows;
   i.vectors = plan.f.vectors;
   i.slots = plan.f.slots();
-  i.items = plan.num_items;
-  i.split_windows = plan.num_splits;
+  i.items = plan.spmm_work.num_items;
+  i.split_windows = plan.spmm_work.num_splits;
   // The paper's three arrays (the per-vector entry mask, which keeps explicit zeros apart from
   // absent entries, is counted in device_bytes).
   i.format_bytes = static_cast<std::int64_t>(plan.f.row_ptr.bytes() + plan.f.col_idx.bytes() +
@@ -144,13 +149,14 @@ me_plan_info info(const me_device_plan& plan) {
   // SR-BCRS: every window padded to whole blocks, a second offset array, 32-bit values.
   i.sr_bcrs_bytes =
       16 * (plan.f.windows + 1) + 4 * blocks * 8 + 4 * blocks * 8 * plan.f.vector_rows;
-  i.device_bytes =
-      i.format_bytes +
-      static_cast<std::int64_t>(
-          plan.f.mask.bytes() + plan.f.entry_slot.bytes() + plan.f.window_blocks.bytes() +
-          plan.f.block_offset.bytes() + plan.f.row_map.bytes() + plan.items.bytes() +
-          plan.splits.bytes() + plan.part.bytes() + plan.split_count.bytes() +
-          plan.part_stats.bytes() + plan.values_f16.bytes() + plan.values_bf16.bytes());
+  i.device_bytes = i.format_bytes +
+                   static_cast<std::int64_t>(plan.f.mask.bytes() + plan.f.entry_slot.bytes() +
+                                             plan.f.window_blocks.bytes() +
+                                             plan.f.block_offset.bytes() + plan.f.row_map.bytes() +
+                                             plan.spmm_work.bytes() + plan.sddmm_work.bytes() +
+                                             plan.softmax_work.bytes() + plan.part.bytes() +
+                                             plan.split_count.bytes() + plan.part_stats.bytes() +
+                                             plan.values_f16.bytes() + plan.values_bf16.bytes());
   return i;
 }
 

@@ -54,7 +54,7 @@ void run_sddmm(const me_device_plan& plan, const tensor_view& x, const tensor_vi
   TRISPARSE_EXPECTS_INPUT(std::isfinite(scale), "the SDDMM scale must be finite");
   me::check_slots(plan, out, "out", x.heads);
   me::sddmm_params p{};
-  p.f = plan.ref();
+  p.f = plan.ref(plan.sddmm_work);
   p.x = x.data;
   p.x_row = x.row_stride;
   p.x_head = x.head_stride;

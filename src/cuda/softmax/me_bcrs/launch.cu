@@ -33,16 +33,16 @@ void run_softmax(const me_device_plan& plan, const tensor_view& in, const tensor
   me::check_slots(plan, in, "scores", in.heads);
   me::check_slots(plan, out, "out", in.heads);
   me::softmax_params p{};
-  p.f = plan.ref();
+  p.f = plan.ref(plan.softmax_work);
   p.in = in.data;
   p.in_head = in.head_stride;
   p.out = out.data;
   p.out_head = out.head_stride;
   p.heads = static_cast<std::int32_t>(in.heads);
-  const bool split = plan.num_parts > 0;
+  const bool split = plan.softmax_work.num_parts > 0;
   if (split) {
     const std::size_t need =
-        static_cast<std::size_t>(plan.num_parts) * in.heads * plan.f.vector_rows * 2;
+        static_cast<std::size_t>(plan.softmax_work.num_parts) * in.heads * plan.f.vector_rows * 2;
     std::lock_guard<std::mutex> lock(plan.mutex);
     if (plan.part_stats.size() < need) {
       TRISPARSE_CUDA_TRY(cudaDeviceSynchronize());

@@ -74,7 +74,7 @@ void run_spmm(const me_device_plan& plan, const tensor_view& values, const tenso
       "SpMM takes b as f16, bf16 or f32 (tf32), not " + std::string(to_string(b.type)));
   const auto s = static_cast<cudaStream_t>(stream.handle);
   me::spmm_params p{};
-  p.f = plan.ref();
+  p.f = plan.ref(plan.spmm_work);
   if (values.data != nullptr || values.rows > 0) {
     me::check_slots(plan, values, "values", b.heads);
     TRISPARSE_EXPECTS_INPUT(values.type == b.type, "values " + values.describe() +
@@ -96,11 +96,12 @@ void run_spmm(const me_device_plan& plan, const tensor_view& values, const tenso
   p.n = b.dim;
   p.heads = static_cast<std::int32_t>(b.heads);
   p.aligned = me::vector_aligned(b) && me::vector_aligned(c);
-  if (plan.num_parts > 0 && b.dim > 0) {
+  if (plan.spmm_work.num_parts > 0 && b.dim > 0) {
     const std::size_t chunks = static_cast<std::size_t>(b.dim + 15) / 16;  // an upper bound
     const std::size_t part =
-        static_cast<std::size_t>(plan.num_parts) * b.heads * plan.f.vector_rows * b.dim;
-    const std::size_t counts = static_cast<std::size_t>(plan.num_splits) * b.heads * chunks;
+        static_cast<std::size_t>(plan.spmm_work.num_parts) * b.heads * plan.f.vector_rows * b.dim;
+    const std::size_t counts =
+        static_cast<std::size_t>(plan.spmm_work.num_splits) * b.heads * chunks;
     std::lock_guard<std::mutex> lock(plan.mutex);
     if (plan.part.size() < part || plan.split_count.size() < counts) {
       // Grows once per larger heads x n, never per call of the same shape.
