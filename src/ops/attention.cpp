@@ -86,6 +86,16 @@ algorithm choose(algorithm requested, device_kind where) {
   return algo;
 }
 
+// The pattern without its values.
+csr_graph binary_copy(const csr_graph& g) {
+  csr_graph b;
+  b.rows = g.rows;
+  b.cols = g.cols;
+  b.row_ptr = g.row_ptr;
+  b.col_idx = g.col_idx;
+  return b;
+}
+
 sparse_plan_options unfused_options(const plan_options& o) {
   return {.vector_rows = 8, .split_blocks = o.split_tcbs, .order = o.order};
 }
@@ -118,7 +128,8 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
   auto s = std::make_shared<state>();
   std::int64_t bytes = 0;
   if (algo == algorithm::cuda_unfused) {
-    s->unfused = sparse_plan::build(pattern, where, unfused_options(options), stream);
+    // Attention's pattern is binary: a plan from the values would scale the scores by them.
+    s->unfused = sparse_plan::build(binary_copy(pattern), where, unfused_options(options), stream);
     describe_unfused(s->report, *s->unfused);
     bytes = s->unfused->report().format_bytes;
   } else if (algo == algorithm::cuda_fused_bsb) {
@@ -144,10 +155,7 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
     s->report.format = order.empty() ? "bsb16x8 (device)" : "bsb16x8 (device), rows in RCM order";
     bytes = cuda::device_bytes(*s->device_blocks);
   } else {
-    s->pattern.rows = pattern.rows;
-    s->pattern.cols = pattern.cols;
-    s->pattern.row_ptr = pattern.row_ptr;
-    s->pattern.col_idx = pattern.col_idx;
+    s->pattern = binary_copy(pattern);
     s->report.format = "csr";
     bytes =
         static_cast<std::int64_t>(8 * s->pattern.row_ptr.size() + 4 * s->pattern.col_idx.size());
