@@ -50,8 +50,11 @@ gen() {  # generated graphs as edge lists both tools read (R-MAT, seed 7)
 }
 
 if run sparse; then  # SpMM / SDDMM / softmax (ME-BCRS) against cuSPARSE, every dataset + generated
+  # SuiteSparse-like classes (bench/cuda/common.hpp matrix_class) at 10K, 100K and 1M rows.
+  matrices=()
+  for c in fem circuit web lp uniform; do for r in 10000 100000 1000000; do matrices+=(--matrix "$c:$r"); done; done
   "$b/bench_sparse" --repeat 20 data/*.el.xz --rmat 18:10 --rmat 20:10 --er 100000:16 --er 1000000:8 \
-    > "$out/bench_sparse.jsonl" 2>> "$out/stderr.log" || status=1
+    "${matrices[@]}" > "$out/bench_sparse.jsonl" 2>> "$out/stderr.log" || status=1
   tail -c 600 "$out/bench_sparse.jsonl"
 fi
 

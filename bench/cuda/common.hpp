@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -64,11 +65,50 @@ inline timing time_runs(int repeat, int sets, bool queued, const std::function<v
   return {ms[ms.size() / 2], ms.front(), ms.back()};
 }
 
-/// A graph file, or a generated graph: rmatSCALE:EF, erNODES:DEG, batchGRAPHS:MIN:MAX (seed 7).
-/// Returns (short name, graph).
+/// SuiteSparse-like matrices of `rows` rows by class (generate_sparse_matrix, seed 7): fem
+/// (constant 32 per row in a band of +-128), circuit (power law, exponent 1.6, mean 6), web
+/// (power law, exponent 1.3, mean 12), lp (uniform lengths, mean 12, twice as many columns, 4 dense
+/// rows), uniform (uniform lengths, mean 16, random columns). Empty options for another name.
+inline std::optional<sparse_matrix_options> matrix_class(const std::string& kind,
+                                                         std::int64_t rows) {
+  sparse_matrix_options o{.rows = rows, .seed = 7};
+  if (kind == "fem") {
+    o.lengths = row_length_law::constant;
+    o.avg_row = 32;
+    o.band = 128;
+  } else if (kind == "circuit") {
+    o.lengths = row_length_law::power_law;
+    o.exponent = 1.6;
+    o.avg_row = 6;
+  } else if (kind == "web") {
+    o.lengths = row_length_law::power_law;
+    o.exponent = 1.3;
+    o.avg_row = 12;
+  } else if (kind == "lp") {
+    o.lengths = row_length_law::uniform;
+    o.avg_row = 12;
+    o.cols = 2 * rows;
+    o.dense_rows = 4;
+  } else if (kind == "uniform") {
+    o.lengths = row_length_law::uniform;
+    o.avg_row = 16;
+  } else {
+    return std::nullopt;
+  }
+  return o;
+}
+
+/// A graph file, or a generated graph: rmatSCALE:EF, erNODES:DEG, batchGRAPHS:MIN:MAX,
+/// CLASS:ROWS of matrix_class (seed 7). Returns (short name, graph).
 inline std::pair<std::string, csr_graph> load_graph(const std::string& p) {
   csr_graph g;
   const auto colon = p.find(':');
+  if (colon != std::string::npos && matrix_class(p.substr(0, colon), 0)) {
+    std::string name = p;
+    std::replace(name.begin(), name.end(), ':', '_');  // fem_100000
+    return {name, generate_sparse_matrix(
+                      *matrix_class(p.substr(0, colon), std::stoll(p.substr(colon + 1))))};
+  }
   if (p.rfind("rmat", 0) == 0 && colon != std::string::npos) {
     g = generate_rmat({.scale = std::stoi(p.substr(4, colon - 4)),
                        .edge_factor = std::stod(p.substr(colon + 1)),

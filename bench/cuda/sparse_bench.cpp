@@ -29,6 +29,7 @@ struct settings {
   int repeat = 20;
   bool baselines = true;
   std::int32_t split = 0;  // sparse_plan_options::split_blocks (0 = the plan's rule)
+  std::int32_t team = 0;   // sparse_plan_options::team_blocks (0 = the plan's rule)
 };
 
 // A device tensor of uniform [-1, 1) values, with views of any [rows, 1, dim] prefix shape.
@@ -84,22 +85,28 @@ double ms_of(const bench::timing& t) { return t.median; }
 
 void bench_graph(const std::string& name, const csr_graph& g, const settings& cfg) {
   const auto t0 = std::chrono::steady_clock::now();
-  const sparse_plan p8 =
-      sparse_plan::build(g, device_kind::cuda, {.vector_rows = 8, .split_blocks = cfg.split});
+  const sparse_plan p8 = sparse_plan::build(
+      g, device_kind::cuda, {.vector_rows = 8, .split_blocks = cfg.split, .team_blocks = cfg.team});
   check(cudaDeviceSynchronize(), "build");
   const double build_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   const sparse_plan p16 =
-      sparse_plan::build(g, device_kind::cuda, {.vector_rows = 16, .split_blocks = cfg.split});
+      sparse_plan::build(g, device_kind::cuda,
+                         {.vector_rows = 16, .split_blocks = cfg.split, .team_blocks = cfg.team});
+  // SpMM with one warp per work item (no teams), the ablation of team_blocks.
+  const sparse_plan p8w = sparse_plan::build(g, device_kind::cuda, {.team_blocks = -1});
   // The same kernels with the rows as given (the row-order ablation), when the plan reordered.
   const bool reordered = p8.report().order != row_order::original;
   const sparse_plan p8o =
-      reordered ? sparse_plan::build(g, device_kind::cuda,
-                                     {.split_blocks = cfg.split, .order = row_order::original})
-                : p8;
+      reordered
+          ? sparse_plan::build(
+                g, device_kind::cuda,
+                {.split_blocks = cfg.split, .team_blocks = cfg.team, .order = row_order::original})
+          : p8;
   const auto& r8 = p8.report();
   nlohmann::json j{{"graph", name},
                    {"split", cfg.split},
+                   {"team", cfg.team},
                    {"rows", g.rows},
                    {"cols", g.cols},
                    {"nnz", g.nnz()},
@@ -145,6 +152,7 @@ void bench_graph(const std::string& name, const csr_graph& g, const settings& cf
     row["ours_f16_16x1_ms"] = ours(p16, b16);
     row["ours_f16_original_order_ms"] =
         reordered ? ours(p8o, b16) : row["ours_f16_ms"].get<double>();
+    row["ours_f16_single_warp_ms"] = ours(p8w, b16);
     if (cfg.baselines) {
       try {
         cs32 = std::make_unique<bench::cusparse_kernels>(g, true, n, 32);
@@ -252,7 +260,7 @@ void bench_graph(const std::string& name, const csr_graph& g, const settings& cf
 
 int main(int argc, char** argv) {
   settings cfg;
-  std::vector<std::string> paths, rmats, ers;
+  std::vector<std::string> paths, rmats, ers, matrices;
   CLI::App app{"GPU SpMM / SDDMM benchmark (ME-BCRS) against cuSPARSE"};
   app.add_option("graphs", paths, "graph files");
   app.add_option("--n", cfg.ns, "SpMM widths")->delimiter(',')->allow_extra_args(false);
@@ -260,13 +268,21 @@ int main(int argc, char** argv) {
   app.add_option("--repeat", cfg.repeat, "timed runs")->capture_default_str();
   app.add_option("--rmat", rmats, "generated R-MAT graphs SCALE:EDGE_FACTOR (after the files)");
   app.add_option("--er", ers, "generated Erdos-Renyi graphs NODES:AVG_DEGREE (after the R-MATs)");
+  app.add_option("--matrix", matrices,
+                 "generated SuiteSparse-like matrices CLASS:ROWS, CLASS one of fem, circuit, web, "
+                 "lp, uniform (after the Erdos-Renyi graphs)");
   app.add_option("--split", cfg.split, "split windows of more blocks than this (0 = plan's rule)")
+      ->capture_default_str();
+  app.add_option("--team", cfg.team,
+                 "SpMM items of at least this many blocks run on a team of warps (0 = plan's "
+                 "rule, -1 = never)")
       ->capture_default_str();
   app.add_flag("--baselines,!--no-baselines", cfg.baselines, "time cuSPARSE too")
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   for (const auto& r : rmats) paths.push_back("rmat" + r);
   for (const auto& r : ers) paths.push_back("er" + r);
+  for (const auto& m : matrices) paths.push_back(m);
   try {
     cudaDeviceProp prop{};
     check(cudaGetDeviceProperties(&prop, 0), "properties");

@@ -84,6 +84,90 @@ csr_graph generate_erdos_renyi(const erdos_renyi_options& o) {
   return g;
 }
 
+namespace {
+
+// Appends k distinct columns of [lo, lo + m) (k <= m), sorted: draws of the smaller of the set
+// and its complement, redrawn until distinct.
+void distinct_columns(rng& r, std::int64_t lo, std::int64_t m, std::int64_t k,
+                      std::vector<std::int64_t>& scratch, std::vector<std::int32_t>& out) {
+  const bool complement = 2 * k > m;
+  const std::int64_t draw = complement ? m - k : k;
+  scratch.clear();
+  while (static_cast<std::int64_t>(scratch.size()) < draw) {
+    const std::int64_t missing = draw - static_cast<std::int64_t>(scratch.size());
+    for (std::int64_t e = 0; e < missing; ++e)
+      scratch.push_back(static_cast<std::int64_t>(r.below(static_cast<std::uint64_t>(m))));
+    std::sort(scratch.begin(), scratch.end());
+    scratch.erase(std::unique(scratch.begin(), scratch.end()), scratch.end());
+  }
+  if (!complement) {
+    for (const std::int64_t c : scratch) out.push_back(static_cast<std::int32_t>(lo + c));
+    return;
+  }
+  std::size_t skip = 0;
+  for (std::int64_t c = 0; c < m; ++c) {
+    if (skip < scratch.size() && scratch[skip] == c)
+      ++skip;
+    else
+      out.push_back(static_cast<std::int32_t>(lo + c));
+  }
+}
+
+}  // namespace
+
+csr_graph generate_sparse_matrix(const sparse_matrix_options& o) {
+  const std::int64_t cols = o.cols < 0 ? o.rows : o.cols;
+  TRISPARSE_EXPECTS_INPUT(o.rows >= 0 && cols >= 0 && o.band >= 0 && o.dense_rows >= 0,
+                          "sparse matrix needs rows, cols, band and dense_rows >= 0");
+  TRISPARSE_EXPECTS_INPUT(cols < (std::int64_t{1} << 31), "sparse matrix needs cols < 2^31");
+  TRISPARSE_EXPECTS_INPUT(std::isfinite(o.avg_row) && o.avg_row >= 0,
+                          "sparse matrix needs a finite avg_row >= 0");
+  TRISPARSE_EXPECTS_INPUT(o.lengths != row_length_law::power_law || o.exponent > 1,
+                          "a power-law row length needs exponent > 1 (a finite mean)");
+  rng r(o.seed);
+  csr_graph g;
+  g.rows = o.rows;
+  g.cols = cols;
+  g.row_ptr.reserve(static_cast<std::size_t>(o.rows) + 1);
+  g.col_idx.reserve(static_cast<std::size_t>(o.avg_row * static_cast<double>(o.rows)));
+  const std::int64_t dense = std::min(o.dense_rows, o.rows);
+  std::int64_t next_dense = 0;  // the next dense row's index among the dense rows
+  const auto dense_row = [&](std::int64_t k) { return (2 * k + 1) * o.rows / (2 * dense); };
+  const double k_min = o.avg_row * (o.exponent - 1) / o.exponent;  // Pareto scale for the mean
+  std::vector<std::int64_t> scratch;
+  for (std::int64_t i = 0; i < o.rows; ++i) {
+    std::int64_t lo = 0, m = cols;
+    double length = 0;
+    if (next_dense < dense && dense_row(next_dense) == i) {
+      ++next_dense;
+      length = static_cast<double>(cols / 2);
+    } else {
+      if (o.band > 0) {
+        const std::int64_t diagonal = o.rows > 0 ? i * cols / o.rows : 0;
+        lo = std::max<std::int64_t>(0, diagonal - o.band);
+        m = std::min(cols, diagonal + o.band + 1) - lo;
+      }
+      switch (o.lengths) {
+        case row_length_law::constant:
+          length = std::round(o.avg_row);
+          break;
+        case row_length_law::uniform:
+          length = static_cast<double>(
+              r.below(static_cast<std::uint64_t>(2 * std::llround(o.avg_row)) + 1));
+          break;
+        case row_length_law::power_law:
+          length = std::ceil(k_min * std::pow(1.0 - r.uniform(), -1.0 / o.exponent));
+          break;
+      }
+    }
+    const auto k = static_cast<std::int64_t>(std::min(length, static_cast<double>(m)));
+    distinct_columns(r, lo, std::max<std::int64_t>(m, 0), std::max<std::int64_t>(k, 0), scratch,
+                     g.col_idx);
+    g.row_ptr.push_back(g.nnz());
+  }
+  return g;
+}
+
 batched_graph generate_batch(const batch_options& o) {
   TRISPARSE_EXPECTS_INPUT(o.graphs >= 0 && o.min_nodes >= 1 && o.max_nodes >= o.min_nodes,
                           "batch needs graphs >= 0 and 1 <= min_nodes <= max_nodes");

@@ -26,6 +26,10 @@ void check_options(const sparse_plan_options& o) {
   TRISPARSE_EXPECTS_INPUT(o.split_blocks >= 0, "sparse_plan_options.split_blocks must be >= 0");
 }
 
+cuda::me_work_limits limits(const sparse_plan_options& o) {
+  return {o.split_blocks, o.team_blocks};
+}
+
 void fill_device_report(sparse_plan_report& r, const cuda::me_device_plan& plan, int vector_rows) {
   const cuda::me_plan_info i = cuda::info(plan);
   r.where = device_kind::cuda;
@@ -101,8 +105,7 @@ sparse_plan sparse_plan::build(const csr_graph& pattern, device_kind where,
   } else {
     row_order chosen = row_order::original;
     const std::vector<std::int64_t> order = choose_order(pattern, options, chosen);
-    s->device =
-        cuda::make_me_plan(pattern, options.vector_rows, options.split_blocks, stream, order);
+    s->device = cuda::make_me_plan(pattern, options.vector_rows, limits(options), stream, order);
     fill_device_report(s->report, *s->device, options.vector_rows);
     s->report.order = chosen;
   }
@@ -128,8 +131,7 @@ sparse_plan sparse_plan::build(const csr_view& pattern, const float* values,
   s->report.rows = pattern.rows;
   s->report.cols = pattern.cols;
   s->report.nnz = pattern.nnz;
-  s->device =
-      cuda::make_me_plan(pattern, values, options.vector_rows, options.split_blocks, stream);
+  s->device = cuda::make_me_plan(pattern, values, options.vector_rows, limits(options), stream);
   fill_device_report(s->report, *s->device, options.vector_rows);
   s->report.build_seconds = seconds_since(t0);
   sparse_plan p;

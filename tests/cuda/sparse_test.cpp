@@ -239,12 +239,18 @@ TEST(SparseCuda, SplitWindowsAndAdversarialPatterns) {
     }
   }
   const csr_graph g = to_csr(coo);
-  for (const std::int32_t split : {0, 1, 3}) {
+  // (split, team): the plan's rules; 1-block shares; 3-block shares, each on a team of warps (the
+  // partial tiles added in shared memory, then merged through memory); teams on every item of a
+  // block or more; no teams.
+  for (const auto& [split, team] : std::vector<std::pair<std::int32_t, std::int32_t>>{
+           {0, 0}, {1, 0}, {3, 1}, {0, 1}, {0, -1}}) {
     for (const int vr : {8, 16}) {
+      SCOPED_TRACE("split " + std::to_string(split) + " team " + std::to_string(team));
       const auto plan =
           sparse_plan::build(g, device_kind::cuda,
                              {.vector_rows = vr,
                               .split_blocks = split,
+                              .team_blocks = team,
                               .order = split == 3 ? row_order::clustered : row_order::original});
       check_spmm(plan, g, {dtype::f16, dtype::f32, 128, 2, false}, 21);
       check_spmm(plan, g, {dtype::f32, dtype::f32, 264, 1, true}, 22);

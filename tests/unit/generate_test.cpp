@@ -1,3 +1,5 @@
+#include <algorithm>
+#include <cstdlib>
 #include <set>
 
 #include "support.hpp"
@@ -25,6 +27,67 @@ TEST(Generate, ErdosRenyiHasTheRequestedEdgeCount) {
   EXPECT_EQ(g.cols, 700);
   const csr_graph dense = generate_erdos_renyi({.rows = 50, .avg_degree = 40, .seed = 2});
   EXPECT_NEAR(static_cast<double>(dense.nnz()), 2000, 200);
+}
+
+TEST(Generate, SparseMatricesHaveTheirRowLengthLawAndPlacement) {
+  // FEM-like: constant lengths within a band of the diagonal (clipped at the matrix's edges).
+  const sparse_matrix_options fem{
+      .rows = 3000, .avg_row = 20, .lengths = row_length_law::constant, .band = 30, .seed = 3};
+  const csr_graph a = generate_sparse_matrix(fem);
+  ASSERT_NO_THROW(a.check());
+  EXPECT_EQ(a, generate_sparse_matrix(fem));
+  sparse_matrix_options other = fem;
+  other.seed = 4;
+  EXPECT_NE(a, generate_sparse_matrix(other));
+  EXPECT_FALSE(a.has_values());
+  for (std::int64_t i = 0; i < a.rows; ++i) {
+    EXPECT_EQ(a.degree(i), 20);
+    for (std::int64_t e = a.row_ptr[i]; e < a.row_ptr[i + 1]; ++e)
+      ASSERT_LE(std::abs(a.col_idx[e] - i), 30) << "row " << i;
+  }
+  // A band narrower than the length: the row takes the whole band.
+  const csr_graph full = generate_sparse_matrix(
+      {.rows = 100, .avg_row = 50, .lengths = row_length_law::constant, .band = 10});
+  EXPECT_EQ(full.degree(50), 21);
+  EXPECT_EQ(full.degree(0), 11);
+
+  // Uniform lengths in [0, 2 avg] on a wide matrix, with dense rows of half the columns.
+  const csr_graph lp = generate_sparse_matrix({.rows = 20000,
+                                               .cols = 50000,
+                                               .avg_row = 8,
+                                               .lengths = row_length_law::uniform,
+                                               .dense_rows = 4,
+                                               .seed = 5});
+  ASSERT_NO_THROW(lp.check());
+  EXPECT_EQ(lp.cols, 50000);
+  std::int64_t dense = 0, max_sparse = 0, sum_sparse = 0;
+  for (std::int64_t i = 0; i < lp.rows; ++i) {
+    if (lp.degree(i) == 25000) {
+      ++dense;
+    } else {
+      max_sparse = std::max(max_sparse, lp.degree(i));
+      sum_sparse += lp.degree(i);
+    }
+  }
+  EXPECT_EQ(dense, 4);
+  EXPECT_EQ(max_sparse, 16);
+  EXPECT_NEAR(static_cast<double>(sum_sparse) / static_cast<double>(lp.rows - 4), 8.0, 0.2);
+
+  // Power law: a median below the mean and a tail far above it.
+  const csr_graph web = generate_sparse_matrix(
+      {.rows = 50000, .avg_row = 10, .lengths = row_length_law::power_law, .exponent = 1.5});
+  ASSERT_NO_THROW(web.check());
+  std::vector<std::int64_t> lengths;
+  for (std::int64_t i = 0; i < web.rows; ++i) lengths.push_back(web.degree(i));
+  std::sort(lengths.begin(), lengths.end());
+  const double mean = static_cast<double>(web.nnz()) / static_cast<double>(web.rows);
+  EXPECT_GT(mean, 7.0);
+  EXPECT_LT(static_cast<double>(lengths[lengths.size() / 2]), mean);
+  EXPECT_GT(static_cast<double>(lengths.back()), 50 * mean);
+
+  EXPECT_THROW(generate_sparse_matrix({.lengths = row_length_law::power_law, .exponent = 1.0}),
+               invalid_input);
+  EXPECT_THROW(generate_sparse_matrix({.rows = -1}), invalid_input);
 }
 
 TEST(Generate, BatchIsBlockDiagonalAndSymmetric) {

@@ -28,6 +28,30 @@ struct erdos_renyi_options {
 };
 csr_graph generate_erdos_renyi(const erdos_renyi_options& options);
 
+/// How generate_sparse_matrix draws row lengths (mean `avg_row` before clipping at the columns a
+/// row may use): all equal; uniform integers in [0, 2 avg_row]; Pareto with tail exponent
+/// `exponent` (P(length >= k) = (k_min / k)^exponent, rounded up).
+enum class row_length_law { constant, uniform, power_law };
+
+/// A sparse matrix with a chosen row-length distribution and column placement, a stand-in for the
+/// classes of the SuiteSparse collection: constant lengths in a band (FEM, structural), power-law
+/// lengths at random columns (circuit, web), uniform lengths on a wide matrix with a few dense
+/// rows (linear programs). Binary (no values); columns distinct and sorted within a row.
+struct sparse_matrix_options {
+  std::int64_t rows = 10000;
+  std::int64_t cols = -1;  ///< -1: square
+  double avg_row = 16;
+  row_length_law lengths = row_length_law::uniform;
+  double exponent = 1.5;  ///< power_law only; > 1
+  /// > 0: row i's columns lie within `band` of its diagonal column i * cols / rows; 0: anywhere.
+  std::int64_t band = 0;
+  /// Rows (spread evenly) that hold half of all columns, whatever the law and the band.
+  std::int64_t dense_rows = 0;
+  std::uint64_t seed = 1;
+};
+/// @throws invalid_input on negative sizes, avg_row < 0 or exponent <= 1 with power_law.
+csr_graph generate_sparse_matrix(const sparse_matrix_options& options);
+
 /// Many small graphs in one block-diagonal pattern with a graph pointer.
 struct batch_options {
   std::int64_t graphs = 1024;

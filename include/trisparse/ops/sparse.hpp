@@ -25,6 +25,10 @@ struct sparse_plan_options {
   /// CUDA: row windows with more 8-vector blocks than this are split across warps
   /// (0 = chosen from the block total and the device's SM count).
   std::int32_t split_blocks = 0;
+  /// CUDA SpMM: work items of at least this many blocks are shared by the 4 warps of one thread
+  /// block, which add their partial tiles in shared memory (0 = chosen from the block total and
+  /// the SM count, at least 8; negative = never, one warp per item).
+  std::int32_t team_blocks = 0;
   /// CUDA plans from a host pattern: how rows are grouped into windows (results always come back
   /// in the pattern's row order). A window's distinct columns are its vectors, and each vector
   /// costs a gathered row of B (SpMM) or Y (SDDMM), so orders that put rows sharing columns

@@ -52,11 +52,11 @@ std::int64_t work_items(const fused3s_device_plan&) { return 0; }
 std::int64_t split_windows(const fused3s_device_plan&) { return 0; }
 
 struct me_device_plan {};
-std::shared_ptr<me_device_plan> make_me_plan(const csr_graph&, int, std::int32_t, stream_ref,
+std::shared_ptr<me_device_plan> make_me_plan(const csr_graph&, int, me_work_limits, stream_ref,
                                              std::span<const std::int64_t>) {
   no_backend();
 }
-std::shared_ptr<me_device_plan> make_me_plan(const csr_view&, const float*, int, std::int32_t,
+std::shared_ptr<me_device_plan> make_me_plan(const csr_view&, const float*, int, me_work_limits,
                                              stream_ref) {
   no_backend();
 }

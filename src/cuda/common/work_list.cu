@@ -64,13 +64,21 @@ __global__ void emit_items(const std::int64_t* block_offset, std::int64_t window
   }
 }
 
+// sizes are sorted in decreasing order: the one thread at the edge of `large` writes the count.
+__global__ void count_large(const std::int32_t* sizes, std::int64_t n, std::int64_t large,
+                            std::int32_t* out) {
+  const std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
+  if (i < n && sizes[i] >= large && (i + 1 == n || sizes[i + 1] < large))
+    *out = static_cast<std::int32_t>(i + 1);
+}
+
 unsigned blocks_for(std::int64_t threads) { return cuda::blocks_for(threads, kThreads); }
 
 }  // namespace
 
 device_work_list build_work_list(const std::int32_t* window_blocks,
                                  const std::int64_t* block_offset, std::int64_t windows,
-                                 std::int64_t limit, cudaStream_t s) {
+                                 std::int64_t limit, cudaStream_t s, std::int64_t large) {
   device_buffer<counts> per_window(windows + 1), offsets(windows + 1);
   count_items<<<blocks_for(windows + 1), kThreads, 0, s>>>(window_blocks, windows, limit,
                                                            per_window.data());
@@ -109,6 +117,15 @@ device_work_list build_work_list(const std::int32_t* window_blocks,
     TRISPARSE_CUDA_TRY(cub::DeviceRadixSort::SortPairsDescending(
         sort_temp.data(), sort_bytes, sizes.data(), sorted_sizes.data(), unsorted.data(),
         list.items.data(), total.items, 0, 32, s));
+    device_buffer<std::int32_t> num_large(1);  // freed after the synchronisation below
+    if (large > 0 && total.items > 0) {
+      TRISPARSE_CUDA_TRY(cudaMemsetAsync(num_large.data(), 0, sizeof(std::int32_t), s));
+      count_large<<<blocks_for(total.items), kThreads, 0, s>>>(sorted_sizes.data(), total.items,
+                                                               large, num_large.data());
+      TRISPARSE_CUDA_CHECK_LAUNCH();
+      TRISPARSE_CUDA_TRY(cudaMemcpyAsync(&list.num_large, num_large.data(), sizeof(std::int32_t),
+                                         cudaMemcpyDeviceToHost, s));
+    }
     TRISPARSE_CUDA_TRY(cudaStreamSynchronize(s));  // the temporaries are freed on return
   }
   return list;

@@ -20,6 +20,7 @@ struct me_work {
   device_buffer<work_item> items;
   device_buffer<split_window> splits;
   std::int32_t num_items = 0, num_splits = 0, num_parts = 0;
+  std::int32_t team_items = 0;  // SpMM: the leading items that a team of warps shares
   std::int64_t bytes() const { return static_cast<std::int64_t>(items.bytes() + splits.bytes()); }
 };
 
@@ -41,7 +42,7 @@ struct me_device_plan {
   me::format_ref ref(const me_work& w) const {
     return {f.row_ptr.data(),      f.col_idx.data(), f.mask.data(),    f.values.data(),
             f.block_offset.data(), f.rows,           f.row_map.data(), w.items.data(),
-            w.num_items,           w.splits.data()};
+            w.num_items,           w.splits.data(),  w.team_items};
   }
 };
 

@@ -19,6 +19,7 @@ struct format_ref {
   const work_item* items;       // blocks are 8-vector blocks, largest items first
   std::int64_t num_items;
   const split_window* splits;
+  std::int64_t team_items;  // the leading items that one thread block's warps share (SpMM)
 };
 
 /// c[:, h, f_begin + chunk * 16 kTiles ...] = A_h b_h, A_h's values from `a` (slot layout).

@@ -15,8 +15,7 @@ namespace {
 
 constexpr int kThreads = 256;
 
-std::shared_ptr<me_device_plan> plan_from(device_me_bcrs f, std::int32_t split_blocks,
-                                          cudaStream_t s) {
+std::shared_ptr<me_device_plan> plan_from(device_me_bcrs f, me_work_limits limits, cudaStream_t s) {
   auto plan = std::make_shared<me_device_plan>();
   const device_id_and_sms here = current_device();
   plan->device = here.device;
@@ -29,22 +28,33 @@ std::shared_ptr<me_device_plan> plan_from(device_me_bcrs f, std::int32_t split_b
   }
   TRISPARSE_EXPECTS_INPUT(blocks < (std::int64_t{1} << 31),
                           "the pattern has more than 2^31 blocks of 8 vectors");
-  // Split limits (blocks per item; measured on the H200, docs/notes/flashsparse.md). SpMM: an
-  // item at most about twice the mean work per warp slot (16 per SM), never below 32 blocks (a
-  // split writes a partial tile of C and a share of its merge). SDDMM: no merge, so windows are
-  // cut short (4-8 blocks) and the longest item no longer sets the time. Softmax: 8-16.
+  // Split limits (blocks per item; measured on the H200, docs/notes/flashsparse.md). SpMM: items
+  // of at least `team` blocks are shared by the warps of one thread block (partial tiles added in
+  // shared memory), so a window is split only where it is far longer than the mean work per warp
+  // slot (16 per SM): a split writes a partial tile of C and a share of its merge. SDDMM: no
+  // merge, so windows are cut short (4-8 blocks) and the longest item no longer sets the time.
+  // Softmax: 8-16.
   const std::int64_t warp_slots = std::int64_t{plan->sms} * 16;
   const std::int64_t mean = (blocks + warp_slots - 1) / warp_slots;
-  const auto list = [&](std::int64_t rule, me_work& w) {
-    device_work_list l = build_work_list(f.window_blocks.data(), f.block_offset.data(), f.windows,
-                                         split_blocks > 0 ? split_blocks : rule, s);
+  const auto list = [&](std::int64_t rule, me_work& w, std::int64_t team = 0) {
+    device_work_list l =
+        build_work_list(f.window_blocks.data(), f.block_offset.data(), f.windows,
+                        limits.split_blocks > 0 ? limits.split_blocks : rule, s, team);
     w.items = std::move(l.items);
     w.splits = std::move(l.splits);
     w.num_items = l.num_items;
     w.num_splits = l.num_splits;
     w.num_parts = l.num_parts;
+    w.team_items = l.num_large;
   };
-  list(std::max<std::int64_t>(32, 2 * mean), plan->spmm_work);
+  // Teams for items longer than the mean work per warp slot (at least 8 blocks, 2 per warp): a
+  // shorter item's chain does not outlast the kernel, and a team costs each of its warps the
+  // item's set-up and a share of the reduction (on uniform patterns with many items, teams for
+  // every item were 1.4x slower; sweep in docs/notes/flashsparse.md).
+  const std::int64_t team =
+      limits.team_blocks != 0 ? limits.team_blocks : std::max<std::int64_t>(8, mean);
+  list(team > 0 ? std::max<std::int64_t>(64, 4 * mean) : std::max<std::int64_t>(32, 2 * mean),
+       plan->spmm_work, std::max<std::int64_t>(team, 0));
   list(mean <= 16 ? 4 : 8, plan->sddmm_work);
   list(mean <= 16 ? 8 : 16, plan->softmax_work);
   plan->f = std::move(f);
@@ -117,17 +127,17 @@ void move(const me_device_plan& plan, const tensor_view& entries, const tensor_v
 }  // namespace
 
 std::shared_ptr<me_device_plan> make_me_plan(const csr_graph& pattern, int vector_rows,
-                                             std::int32_t split_blocks, stream_ref stream,
+                                             me_work_limits limits, stream_ref stream,
                                              std::span<const std::int64_t> order) {
   const auto s = static_cast<cudaStream_t>(stream.handle);
-  return plan_from(build_me_bcrs_device(pattern, vector_rows, s, order), split_blocks, s);
+  return plan_from(build_me_bcrs_device(pattern, vector_rows, s, order), limits, s);
 }
 
 std::shared_ptr<me_device_plan> make_me_plan(const csr_view& pattern, const float* values,
-                                             int vector_rows, std::int32_t split_blocks,
+                                             int vector_rows, me_work_limits limits,
                                              stream_ref stream) {
   const auto s = static_cast<cudaStream_t>(stream.handle);
-  return plan_from(build_me_bcrs_device(pattern, values, vector_rows, s, false), split_blocks, s);
+  return plan_from(build_me_bcrs_device(pattern, values, vector_rows, s, false), limits, s);
 }
 
 me_plan_info info(const me_device_plan& plan) {
@@ -137,6 +147,7 @@ me_plan_info info(const me_device_plan& plan) {
   i.slots = plan.f.slots();
   i.items = plan.spmm_work.num_items;
   i.split_windows = plan.spmm_work.num_splits;
+  i.team_items = plan.spmm_work.team_items;
   // The paper's three arrays (the per-vector entry mask, which keeps explicit zeros apart from
   // absent entries, is counted in device_bytes).
   i.format_bytes = static_cast<std::int64_t>(plan.f.row_ptr.bytes() + plan.f.col_idx.bytes() +

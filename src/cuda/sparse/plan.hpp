@@ -14,21 +14,27 @@ namespace trisparse::cuda {
 
 struct me_device_plan;
 
+/// How work is cut (sparse_plan_options): windows of more than `split_blocks` 8-vector blocks are
+/// cut into shares; SpMM items of at least `team_blocks` blocks run on a team of warps (negative:
+/// none); 0 = chosen from the block total and the SM count.
+struct me_work_limits {
+  std::int32_t split_blocks = 0, team_blocks = 0;
+};
+
 /// Builds the ME-BCRS (vector_rows 8 or 16) of a checked host pattern on the GPU and its work
-/// list (windows of more than `split_blocks` 8-vector blocks cut into shares; 0 = from the block
-/// total and the SM count), with rows grouped into windows in `order` (order[i] = the pattern
-/// row at window row i; empty = as given). Synchronous on `stream`.
+/// lists, with rows grouped into windows in `order` (order[i] = the pattern row at window row i;
+/// empty = as given). Synchronous on `stream`.
 std::shared_ptr<me_device_plan> make_me_plan(const csr_graph& pattern, int vector_rows,
-                                             std::int32_t split_blocks, stream_ref stream,
+                                             me_work_limits limits, stream_ref stream,
                                              std::span<const std::int64_t> order = {});
 /// The same from a pattern in device memory (values: device [nnz] or nullptr for 1s), checked on
 /// the device first. @throws invalid_input naming the broken invariant.
 std::shared_ptr<me_device_plan> make_me_plan(const csr_view& pattern, const float* values,
-                                             int vector_rows, std::int32_t split_blocks,
+                                             int vector_rows, me_work_limits limits,
                                              stream_ref stream);
 
 struct me_plan_info {
-  std::int64_t windows = 0, vectors = 0, slots = 0, items = 0, split_windows = 0;
+  std::int64_t windows = 0, vectors = 0, slots = 0, items = 0, split_windows = 0, team_items = 0;
   std::int64_t format_bytes = 0;   // row_ptr, col_idx, values (the paper's ME-BCRS)
   std::int64_t sr_bcrs_bytes = 0;  // the same pattern padded to whole blocks (SR-BCRS)
   std::int64_t device_bytes = 0;   // everything the plan holds

@@ -77,28 +77,43 @@ struct spmm_mma<float> {
   }
 };
 
-template <class T, class O, int kHeight, int kTiles>
-__global__ void __launch_bounds__(kSpmmWarps * 32) spmm_kernel(const spmm_params p) {
+/// One warp's share of a task: the task (item, head, feature chunk) and the thread's features.
+struct spmm_task {
+  work_item it;
+  int h, chunk, valid_f;
+  std::int64_t f;
+};
+
+template <int kTiles>
+__device__ __forceinline__ spmm_task spmm_task_at(const spmm_params& p, std::int64_t task, int g) {
+  const std::int64_t per_item = std::int64_t{p.heads} * p.chunks;
+  spmm_task k;
+  k.it = p.f.items[task / per_item];
+  k.h = static_cast<int>(task / p.chunks % p.heads);
+  k.chunk = static_cast<int>(task % p.chunks);
+  k.f = p.f_begin + std::int64_t{k.chunk} * 16 * kTiles + 2 * kTiles * g;
+  k.valid_f = static_cast<int>(max(std::int64_t{0}, min(std::int64_t{2 * kTiles}, p.n - k.f)));
+  return k;
+}
+
+/// acc += the task's blocks first, first + step, ... (< it.end): per block, the 8 (or 16) rows of
+/// the window times the gathered rows of B.
+template <class T, int kHeight, int kTiles>
+__device__ __forceinline__ void spmm_accumulate(const spmm_params& p, const spmm_task& k, int lane,
+                                                std::int32_t first, std::int32_t step,
+                                                float (&acc)[kHeight / 8][kTiles][4]) {
   constexpr int kSub = kHeight / 8;  // n = 8 halves of the window
   constexpr int kFeat = 2 * kTiles;  // features per thread
-  const int lane = static_cast<int>(threadIdx.x % 32), g = lane / 4, t = lane % 4;
-  const std::int64_t task = blockIdx.x * std::int64_t{kSpmmWarps} + threadIdx.x / 32;
-  const std::int64_t per_item = std::int64_t{p.heads} * p.chunks;
-  if (task >= p.f.num_items * per_item) return;
-  const work_item it = p.f.items[task / per_item];
-  const auto h = static_cast<int>(task / p.chunks % p.heads);
-  const auto chunk = static_cast<int>(task % p.chunks);
+  const int j = 2 * (lane % 4);
+  const work_item& it = k.it;
   const std::int64_t start = p.f.row_ptr[it.window];
   const std::int64_t nvec = p.f.row_ptr[it.window + 1] - start;
   const std::int64_t block0 = p.f.block_offset[it.window];
-  const std::int64_t f = p.f_begin + std::int64_t{chunk} * 16 * kTiles + kFeat * g;
-  const int valid_f = static_cast<int>(max(std::int64_t{0}, min(std::int64_t{kFeat}, p.n - f)));
-  const T* b = static_cast<const T*>(p.b) + h * p.b_head + f;
-  const T* a = static_cast<const T*>(p.a) + h * p.a_head;
-  const int j = 2 * t;
+  const T* b = static_cast<const T*>(p.b) + k.h * p.b_head + k.f;
+  const T* a = static_cast<const T*>(p.a) + k.h * p.a_head;
 
-  // Software pipeline: block b + 1's rows of B are in flight while block b's MMAs run, and block
-  // b + 2's column indices while block b + 1's rows load.
+  // Software pipeline: block b + step's rows of B are in flight while block b's MMAs run, and
+  // block b + 2 step's column indices while block b + step's rows load.
   struct block_meta {
     std::int64_t vec = 0;  // the block's first vector
     int width = 0, c0 = -1, c1 = -1;
@@ -106,31 +121,30 @@ __global__ void __launch_bounds__(kSpmmWarps * 32) spmm_kernel(const spmm_params
   const auto meta = [&](std::int32_t blk) {
     block_meta m;
     if (blk >= it.end) return m;
-    const std::int64_t first = (blk - block0) * 8;  // the block's first vector in the window
-    m.width = static_cast<int>(min(std::int64_t{8}, nvec - first));
-    m.vec = start + first;
+    const std::int64_t first_vec = (blk - block0) * 8;  // the block's first vector in the window
+    m.width = static_cast<int>(min(std::int64_t{8}, nvec - first_vec));
+    m.vec = start + first_vec;
     m.c0 = j < m.width ? p.f.col_idx[m.vec + j] : -1;
     m.c1 = j + 1 < m.width ? p.f.col_idx[m.vec + j + 1] : -1;
     return m;
   };
   const auto load_rows = [&](const block_meta& m, frag<T, kFeat>& x0, frag<T, kFeat>& x1) {
-    load_frag(b + std::int64_t{m.c0 < 0 ? 0 : m.c0} * p.b_row, m.c0 < 0 ? 0 : valid_f, p.aligned,
+    load_frag(b + std::int64_t{m.c0 < 0 ? 0 : m.c0} * p.b_row, m.c0 < 0 ? 0 : k.valid_f, p.aligned,
               x0);
-    load_frag(b + std::int64_t{m.c1 < 0 ? 0 : m.c1} * p.b_row, m.c1 < 0 ? 0 : valid_f, p.aligned,
+    load_frag(b + std::int64_t{m.c1 < 0 ? 0 : m.c1} * p.b_row, m.c1 < 0 ? 0 : k.valid_f, p.aligned,
               x1);
   };
-  float acc[kSub][kTiles][4] = {};
-  block_meta cur = meta(it.begin), next = meta(it.begin + 1);
+  block_meta cur = meta(first), next = meta(first + step);
   frag<T, kFeat> x0, x1;
   load_rows(cur, x0, x1);
-  for (std::int32_t blk = it.begin; blk < it.end; ++blk) {
+  for (std::int32_t blk = first; blk < it.end; blk += step) {
     frag<T, kFeat> n0, n1;
     load_rows(next, n0, n1);  // nothing is read past the item (c = -1)
-    const block_meta after = meta(blk + 2);
+    const block_meta after = meta(blk + 2 * step);
     std::uint32_t bv[kSub][2];
 #pragma unroll
     for (int s = 0; s < kSub; ++s)
-      spmm_mma<T>::values(a + cur.vec * kHeight + (8 * s + g) * cur.width, cur.width == 8, j,
+      spmm_mma<T>::values(a + cur.vec * kHeight + (8 * s + lane / 4) * cur.width, cur.width == 8, j,
                           cur.width, bv[s]);
 #pragma unroll
     for (int s = 0; s < kSub; ++s) {
@@ -142,7 +156,16 @@ __global__ void __launch_bounds__(kSpmmWarps * 32) spmm_kernel(const spmm_params
     cur = next;
     next = after;
   }
+}
 
+/// Writes the task's tile of C from acc, or for a share of a split window its partial tile, the
+/// last share to finish adding all shares in part order (deterministic) and writing C.
+template <class O, int kHeight, int kTiles>
+__device__ __forceinline__ void spmm_store(const spmm_params& p, const spmm_task& k, int lane,
+                                           const float (&acc)[kHeight / 8][kTiles][4]) {
+  constexpr int kSub = kHeight / 8;
+  constexpr int kFeat = 2 * kTiles;
+  const int t = lane % 4;
   // acc[s][i] = C(rows 8s + 2t, 8s + 2t + 1; features f + 2i, f + 2i + 1): per output row, the
   // thread's kFeat consecutive features.
   const auto row_values = [&](int s, int odd, float(&v)[kFeat]) {
@@ -152,7 +175,9 @@ __global__ void __launch_bounds__(kSpmmWarps * 32) spmm_kernel(const spmm_params
       v[2 * i + 1] = acc[s][i][2 + odd];
     }
   };
+  const work_item& it = k.it;
   const std::int64_t row0 = std::int64_t{it.window} * kHeight;
+  O* c = static_cast<O*>(p.c) + k.h * p.c_head + k.f;
   if (it.part < 0) {
 #pragma unroll
     for (int s = 0; s < kSub; ++s) {
@@ -162,28 +187,26 @@ __global__ void __launch_bounds__(kSpmmWarps * 32) spmm_kernel(const spmm_params
         if (row >= p.f.rows) continue;
         float v[kFeat];
         row_values(s, odd, v);
-        store_floats(static_cast<O*>(p.c) + pattern_row(p.f, row) * p.c_row + h * p.c_head + f, v,
-                     valid_f, p.aligned);
+        store_floats(c + pattern_row(p.f, row) * p.c_row, v, k.valid_f, p.aligned);
       }
     }
     return;
   }
-  // A share of a split window: write the partial sum; the last share to finish adds all shares
-  // in part order (deterministic) and writes C.
-  float* part = p.part + (std::int64_t{it.part} * p.heads + h) * kHeight * p.n + f;
+  float* part = p.part + (std::int64_t{it.part} * p.heads + k.h) * kHeight * p.n + k.f;
 #pragma unroll
   for (int s = 0; s < kSub; ++s) {
 #pragma unroll
     for (int odd = 0; odd < 2; ++odd) {
       float v[kFeat];
       row_values(s, odd, v);
-      store_floats(part + (8 * s + 2 * t + odd) * p.n, v, valid_f, false);
+      store_floats(part + (8 * s + 2 * t + odd) * p.n, v, k.valid_f, false);
     }
   }
   __threadfence();
   __syncwarp();
   const split_window sw = p.f.splits[it.split];
-  std::int32_t* counter = p.split_count + (std::int64_t{it.split} * p.heads + h) * p.chunks + chunk;
+  std::int32_t* counter =
+      p.split_count + (std::int64_t{it.split} * p.heads + k.h) * p.chunks + k.chunk;
   int done = 0;
   if (lane == 0) done = atomicAdd(counter, 1);
   done = __shfl_sync(0xFFFFFFFFu, done, 0);
@@ -199,17 +222,58 @@ __global__ void __launch_bounds__(kSpmmWarps * 32) spmm_kernel(const spmm_params
       if (row >= p.f.rows) continue;
       float v[kFeat] = {};
       for (int q = 0; q < sw.parts; ++q) {
-        const float* src =
-            p.part + (std::int64_t{sw.first_part + q} * p.heads + h) * kHeight * p.n + r * p.n + f;
+        const float* src = p.part +
+                           (std::int64_t{sw.first_part + q} * p.heads + k.h) * kHeight * p.n +
+                           r * p.n + k.f;
 #pragma unroll
         for (int e = 0; e < kFeat; ++e) {
-          if (e < valid_f) v[e] += __ldcg(src + e);
+          if (e < k.valid_f) v[e] += __ldcg(src + e);
         }
       }
-      store_floats(static_cast<O*>(p.c) + pattern_row(p.f, row) * p.c_row + h * p.c_head + f, v,
-                   valid_f, p.aligned);
+      store_floats(c + pattern_row(p.f, row) * p.c_row, v, k.valid_f, p.aligned);
     }
   }
+}
+
+/// Tasks (item, head, feature chunk). The first team_items x heads x chunks thread blocks take one
+/// task each, its blocks dealt round-robin to the kSpmmWarps warps (one chain of dependent gathers
+/// per warp, a quarter as long), whose tiles are added in shared memory in warp order; the rest
+/// take kSpmmWarps tasks each, one per warp.
+template <class T, class O, int kHeight, int kTiles>
+__global__ void __launch_bounds__(kSpmmWarps * 32) spmm_kernel(const spmm_params p) {
+  constexpr int kAcc = kHeight / 8 * kTiles * 4;  // accumulators per thread
+  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
+  const std::int64_t per_item = std::int64_t{p.heads} * p.chunks;
+  const std::int64_t team_tasks = p.f.team_items * per_item;
+  const bool team = blockIdx.x < team_tasks;
+  const std::int64_t task =
+      team ? std::int64_t{blockIdx.x}
+           : team_tasks + (blockIdx.x - team_tasks) * std::int64_t{kSpmmWarps} + warp;
+  if (task >= p.f.num_items * per_item) return;  // never for a team (no early exit before sync)
+  const spmm_task k = spmm_task_at<kTiles>(p, task, lane / 4);
+  float acc[kHeight / 8][kTiles][4] = {};
+  spmm_accumulate<T, kHeight, kTiles>(p, k, lane, k.it.begin + (team ? warp : 0),
+                                      team ? kSpmmWarps : 1, acc);
+  if (team) {
+    __shared__ float shared[kSpmmWarps - 1][kAcc][32];  // lane-minor: no bank conflicts
+    const auto each = [&](auto&& f) {
+#pragma unroll
+      for (int s = 0; s < kHeight / 8; ++s) {
+#pragma unroll
+        for (int i = 0; i < kTiles; ++i) {
+#pragma unroll
+          for (int q = 0; q < 4; ++q) f(acc[s][i][q], (s * kTiles + i) * 4 + q);
+        }
+      }
+    };
+    if (warp > 0) each([&](float& x, int e) { shared[warp - 1][e][lane] = x; });
+    __syncthreads();
+    if (warp > 0) return;
+#pragma unroll
+    for (int w = 0; w < kSpmmWarps - 1; ++w)
+      each([&](float& x, int e) { x += shared[w][e][lane]; });
+  }
+  spmm_store<O, kHeight, kTiles>(p, k, lane, acc);
 }
 
 }  // namespace trisparse::cuda::me

@@ -3,7 +3,6 @@
 #include <string>
 
 #include "../../common/error.cuh"
-#include "../../common/grid.cuh"
 #include "../../sparse/device_plan.cuh"
 #include "../../sparse/dispatch.cuh"
 #include "kernel.cuh"
@@ -14,10 +13,13 @@ namespace {
 
 template <class T, class O, int kHeight, int kTiles>
 void launch(const me::spmm_params& p, cudaStream_t s) {
-  const std::int64_t tasks = p.f.num_items * std::int64_t{p.heads} * p.chunks;
+  const std::int64_t per_item = std::int64_t{p.heads} * p.chunks;
+  const std::int64_t tasks = p.f.num_items * per_item, team_tasks = p.f.team_items * per_item;
   if (tasks == 0) return;
+  // One thread block per team task, then one warp per task.
+  const std::int64_t grid = team_tasks + (tasks - team_tasks + me::kSpmmWarps - 1) / me::kSpmmWarps;
   me::spmm_kernel<T, O, kHeight, kTiles>
-      <<<blocks_for(tasks, me::kSpmmWarps), me::kSpmmWarps * 32, 0, s>>>(p);
+      <<<static_cast<unsigned>(grid), me::kSpmmWarps * 32, 0, s>>>(p);
   TRISPARSE_CUDA_CHECK_LAUNCH();
 }
 
