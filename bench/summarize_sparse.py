@@ -15,6 +15,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("results")
     ap.add_argument("--table", action="store_true", help="a markdown row per graph (n=128, d=32)")
+    ap.add_argument("--footprint", action="store_true",
+                    help="the ME-BCRS vs SR-BCRS footprint per graph and its distribution "
+                         "(the FlashSparse paper's Table 7 comparison)")
     args = ap.parse_args()
     rows = [json.loads(l) for l in open(args.results) if l.strip().startswith("{\"build")]
     spmm = {}
@@ -39,6 +42,21 @@ def main():
               f"{geomean([s['cusparse_fp32_ms'] / s['ours_tf32_ms'] for _, s in items if 'cusparse_fp32_ms' in s]):.2f}x")
     print("ME-BCRS footprint vs SR-BCRS: mean reduction "
           f"{100 * (1 - sum(r['me_bcrs_bytes'] / r['sr_bcrs_bytes'] for r in rows) / len(rows)):.1f}%")
+    if args.footprint:
+        cut = sorted(100 * (1 - r["me_bcrs_bytes"] / r["sr_bcrs_bytes"]) for r in rows)
+        q = lambda f: cut[min(len(cut) - 1, int(f * len(cut)))]
+        print(f"footprint reduction over {len(cut)} graphs: min {cut[0]:.1f}%, p10 {q(0.1):.1f}%, "
+              f"p25 {q(0.25):.1f}%, median {q(0.5):.1f}%, p75 {q(0.75):.1f}%, p90 {q(0.9):.1f}%, "
+              f"max {cut[-1]:.1f}%")
+        edges = [0, 5, 10, 15, 20, 30, 50, 100]
+        for lo, hi in zip(edges, edges[1:]):
+            n = sum(lo <= c < hi for c in cut)
+            print(f"  {lo:3d}-{hi:3d}%: {n:3d} {'#' * n}")
+        print("| graph | nnz | 8x1 vectors | SR-BCRS MB | ME-BCRS MB | reduction |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for r in sorted(rows, key=lambda r: r["me_bcrs_bytes"] / r["sr_bcrs_bytes"]):
+            print(f"| {r['graph']} | {r['nnz']} | {r['vectors_8x1']} | {r['sr_bcrs_bytes'] / 1e6:.2f} | "
+                  f"{r['me_bcrs_bytes'] / 1e6:.2f} | {100 * (1 - r['me_bcrs_bytes'] / r['sr_bcrs_bytes']):.1f}% |")
     if args.table:
         print("| graph | nnz | SpMM f16 µs | 16x1 µs | tf32 µs | cuSPARSE fp32 µs | fp16 µs | "
               "SDDMM f16 µs | cuSPARSE fp32 µs | softmax µs |")
