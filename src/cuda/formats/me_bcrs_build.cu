@@ -69,6 +69,7 @@ void build(const csr_view& g, const float* in_values, device_me_bcrs& f, cudaStr
   const window_sorted<Key> sorted = sort_windows<Key>(g, kHeight, true, s);
   const std::int64_t windows = sorted.windows;
   f.windows = windows;
+  f.binary = in_values == nullptr;
   device_buffer<std::int64_t> window_vectors(windows + 1);
   f.row_ptr = device_buffer<std::int64_t>(windows + 1);
   f.window_blocks = device_buffer<std::int32_t>(windows + 1);

@@ -20,6 +20,7 @@ inline constexpr int kMeBlockCols = 8;  // vectors per tensor-core block
 struct device_me_bcrs {
   std::int64_t rows = 0, cols = 0, nnz = 0, windows = 0, vectors = 0;
   int vector_rows = 8;
+  bool binary = false;                        // built without values: every entry's value is 1
   device_buffer<std::int64_t> row_ptr;        // [windows + 1], in vectors
   device_buffer<std::int32_t> col_idx;        // [vectors]
   device_buffer<std::uint32_t> mask;          // [vectors]: bit r = row r of the window has an entry

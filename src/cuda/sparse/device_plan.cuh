@@ -42,7 +42,7 @@ struct me_device_plan {
   me::format_ref ref(const me_work& w) const {
     return {f.row_ptr.data(),      f.col_idx.data(), f.mask.data(),    f.values.data(),
             f.block_offset.data(), f.rows,           f.row_map.data(), w.items.data(),
-            w.num_items,           w.splits.data(),  w.team_items};
+            w.num_items,           w.splits.data(),  w.team_items,     f.binary};
   }
 };
 

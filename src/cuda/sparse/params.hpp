@@ -20,6 +20,7 @@ struct format_ref {
   std::int64_t num_items;
   const split_window* splits;
   std::int64_t team_items;  // the leading items that one thread block's warps share (SpMM)
+  bool binary;              // every entry's value is 1 (`values` holds 1 or 0)
 };
 
 /// c[:, h, f_begin + chunk * 16 kTiles ...] = A_h b_h, A_h's values from `a` (slot layout).

@@ -50,8 +50,16 @@ struct sddmm_mma<float> {  // tf32: four m16n8k8 steps per 32-d chunk
   }
 };
 
+/// 16-bit 8x1 kernels at d <= 32 are held to 64 registers (8 blocks of 4 warps per SM): they are
+/// latency-bound, and warps in flight set their speed.
+template <class T, int kHeight, int kChunks>
+constexpr int sddmm_min_blocks() {
+  return sizeof(T) == 2 && kHeight == 8 && kChunks == 1 ? 8 : 0;  // 0: no bound
+}
+
 template <class T, class O, int kHeight, int kChunks>
-__global__ void __launch_bounds__(kSddmmWarps * 32) sddmm_kernel(const sddmm_params p) {
+__global__ void __launch_bounds__(kSddmmWarps * 32, sddmm_min_blocks<T, kHeight, kChunks>())
+    sddmm_kernel(const sddmm_params p) {
   constexpr int kSub = kHeight / 8;
   const int lane = static_cast<int>(threadIdx.x % 32), g = lane / 4, t = lane % 4;
   const std::int64_t task = blockIdx.x * std::int64_t{kSddmmWarps} + threadIdx.x / 32;
@@ -85,12 +93,34 @@ __global__ void __launch_bounds__(kSddmmWarps * 32) sddmm_kernel(const sddmm_par
   if (passes == 1) load_x(0);
 
   // Tiles of 16 vectors: blocks (blk, blk + 1) of the item; vectors va (rows g) and vb (g + 8).
+  // The entry masks (and for valued patterns the values) of the thread's slots are loaded with
+  // the column ids, so that they arrive while Y's rows do and the stores wait for nothing else.
+  constexpr int kOut = kSub * 2;  // slots per vector of the thread: rows 8s + 2t + odd
   for (std::int32_t blk = it.begin; blk < it.end; blk += 2) {
     const std::int64_t first = (blk - block0) * 8;
-    const std::int64_t va = first + g, vb = first + 8 + g;
     const bool has_b = blk + 1 < it.end;
-    const int ca = va < nvec ? p.f.col_idx[start + va] : -1;
-    const int cb = has_b && vb < nvec ? p.f.col_idx[start + vb] : -1;
+    // Per half (block blk + half): its vector g, the slot of row r being base + r * width.
+    std::int64_t base[2];
+    int width[2];
+    bool live[2];
+    int col[2];
+    std::uint32_t mask[2];
+    float value[2][kOut];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const std::int64_t block = first + 8 * half;
+      width[half] = static_cast<int>(min(std::int64_t{8}, nvec - block));
+      live[half] = (half == 0 || has_b) && g < width[half];
+      base[half] = (start + block) * kHeight + g;
+      col[half] = live[half] ? p.f.col_idx[start + block + g] : -1;
+      mask[half] = live[half] ? p.f.mask[start + block + g] : 0u;
+#pragma unroll
+      for (int o = 0; o < kOut; ++o) {
+        const int r = 8 * (o / 2) + 2 * t + o % 2;
+        value[half][o] =
+            p.f.binary || !live[half] ? 1.0f : p.f.values[base[half] + r * width[half]];
+      }
+    }
     float acc[kSub][4] = {};
     for (std::int64_t pass = 0; pass < passes; ++pass) {
       if (passes > 1) load_x(pass);
@@ -99,10 +129,10 @@ __global__ void __launch_bounds__(kSddmmWarps * 32) sddmm_kernel(const sddmm_par
         const std::int64_t d0 = pass * kPass + 32 * c + 8 * t;
         const int valid = static_cast<int>(max(std::int64_t{0}, p.d - d0));
         frag<T, 8> ya, yb;
-        load_frag(y + std::int64_t{ca < 0 ? 0 : ca} * p.y_row + d0, ca < 0 ? 0 : valid, p.aligned,
-                  ya);
-        load_frag(y + std::int64_t{cb < 0 ? 0 : cb} * p.y_row + d0, cb < 0 ? 0 : valid, p.aligned,
-                  yb);
+        load_frag(y + std::int64_t{col[0] < 0 ? 0 : col[0]} * p.y_row + d0, col[0] < 0 ? 0 : valid,
+                  p.aligned, ya);
+        load_frag(y + std::int64_t{col[1] < 0 ? 0 : col[1]} * p.y_row + d0, col[1] < 0 ? 0 : valid,
+                  p.aligned, yb);
 #pragma unroll
         for (int s = 0; s < kSub; ++s) sddmm_mma<T>::chunk(acc[s], ya, yb, xr[s][c]);
       }
@@ -110,19 +140,14 @@ __global__ void __launch_bounds__(kSddmmWarps * 32) sddmm_kernel(const sddmm_par
     // acc[s] = S^T(vector va: rows 8s + 2t, +1; vector vb: rows 8s + 2t, +1).
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const std::int64_t v = half == 0 ? va : vb;
-      if (v >= nvec || (half == 1 && !has_b)) continue;
-      const std::uint32_t mask = p.f.mask[start + v];
+      if (!live[half]) continue;
 #pragma unroll
-      for (int s = 0; s < kSub; ++s) {
-#pragma unroll
-        for (int odd = 0; odd < 2; ++odd) {
-          const int r = 8 * s + 2 * t + odd;
-          const std::int64_t slot = slot_of<kHeight>(start, nvec, v, r);
-          const float value =
-              (mask >> r & 1u) != 0u ? p.scale * p.f.values[slot] * acc[s][2 * half + odd] : 0.0f;
-          out[slot] = from_float<O>(value);
-        }
+      for (int o = 0; o < kOut; ++o) {
+        const int r = 8 * (o / 2) + 2 * t + o % 2;
+        const float v = (mask[half] >> r & 1u) != 0u
+                            ? p.scale * value[half][o] * acc[o / 2][2 * half + o % 2]
+                            : 0.0f;
+        out[base[half] + r * width[half]] = from_float<O>(v);
       }
     }
   }
