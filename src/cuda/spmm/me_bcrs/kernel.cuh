@@ -158,6 +158,29 @@ __device__ __forceinline__ void spmm_accumulate(const spmm_params& p, const spmm
   }
 }
 
+/// Elements [0, valid) of a split window's partial row (written by other thread blocks of this
+/// launch: read through L2, never the non-coherent path); the rest are 0. `aligned`: src is
+/// aligned to 16 bytes.
+template <int kElems>
+__device__ __forceinline__ void load_partial(const float* src, int valid, bool aligned,
+                                             float (&out)[kElems]) {
+  if constexpr (kElems % 4 == 0) {
+    if (valid >= kElems && aligned) {
+#pragma unroll
+      for (int i = 0; i < kElems / 4; ++i) {
+        const float4 x = __ldcg(reinterpret_cast<const float4*>(src) + i);
+        out[4 * i] = x.x;
+        out[4 * i + 1] = x.y;
+        out[4 * i + 2] = x.z;
+        out[4 * i + 3] = x.w;
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < kElems; ++e) out[e] = e < valid ? __ldcg(src + e) : 0.0f;
+}
+
 /// Writes the task's tile of C from acc, or for a share of a split window its partial tile, the
 /// last share to finish adding all shares in part order (deterministic) and writing C.
 template <class O, int kHeight, int kTiles>
@@ -192,6 +215,8 @@ __device__ __forceinline__ void spmm_store(const spmm_params& p, const spmm_task
     }
     return;
   }
+  // Partial rows are 16-byte aligned when n is a multiple of 4 (k.f is a multiple of kFeat).
+  const bool part_aligned = p.n % 4 == 0;
   float* part = p.part + (std::int64_t{it.part} * p.heads + k.h) * kHeight * p.n + k.f;
 #pragma unroll
   for (int s = 0; s < kSub; ++s) {
@@ -199,7 +224,7 @@ __device__ __forceinline__ void spmm_store(const spmm_params& p, const spmm_task
     for (int odd = 0; odd < 2; ++odd) {
       float v[kFeat];
       row_values(s, odd, v);
-      store_floats(part + (8 * s + 2 * t + odd) * p.n, v, k.valid_f, false);
+      store_floats(part + (8 * s + 2 * t + odd) * p.n, v, k.valid_f, part_aligned);
     }
   }
   __threadfence();
@@ -220,14 +245,23 @@ __device__ __forceinline__ void spmm_store(const spmm_params& p, const spmm_task
       const int r = 8 * s + 2 * t + odd;
       const std::int64_t row = row0 + r;
       if (row >= p.f.rows) continue;
+      // The shares' partial rows, added in part order (deterministic). kBatch parts are loaded
+      // before they are added, so the merge costs parts / kBatch round trips, not parts.
+      constexpr int kBatch = 4;
+      const auto src = [&](int q) {
+        return p.part + (std::int64_t{sw.first_part + q} * p.heads + k.h) * kHeight * p.n +
+               r * p.n + k.f;
+      };
       float v[kFeat] = {};
-      for (int q = 0; q < sw.parts; ++q) {
-        const float* src = p.part +
-                           (std::int64_t{sw.first_part + q} * p.heads + k.h) * kHeight * p.n +
-                           r * p.n + k.f;
+      for (int q0 = 0; q0 < sw.parts; q0 += kBatch) {
+        float got[kBatch][kFeat];
 #pragma unroll
-        for (int e = 0; e < kFeat; ++e) {
-          if (e < k.valid_f) v[e] += __ldcg(src + e);
+        for (int b = 0; b < kBatch; ++b)
+          load_partial(src(q0 + b), q0 + b < sw.parts ? k.valid_f : 0, part_aligned, got[b]);
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+#pragma unroll
+          for (int e = 0; e < kFeat; ++e) v[e] += got[b][e];
         }
       }
       store_floats(c + pattern_row(p.f, row) * p.c_row, v, k.valid_f, p.aligned);
