@@ -145,9 +145,6 @@ me_plan_info info(const me_device_plan& plan) {
   i.windows = plan.f.windows;
   i.vectors = plan.f.vectors;
   i.slots = plan.f.slots();
-  i.items = plan.spmm_work.num_items;
-  i.split_windows = plan.spmm_work.num_splits;
-  i.team_items = plan.spmm_work.team_items;
   // The paper's three arrays (the per-vector entry mask, which keeps explicit zeros apart from
   // absent entries, is counted in device_bytes).
   i.format_bytes = static_cast<std::int64_t>(plan.f.row_ptr.bytes() + plan.f.col_idx.bytes() +

@@ -34,7 +34,7 @@ std::shared_ptr<me_device_plan> make_me_plan(const csr_view& pattern, const floa
                                              stream_ref stream);
 
 struct me_plan_info {
-  std::int64_t windows = 0, vectors = 0, slots = 0, items = 0, split_windows = 0, team_items = 0;
+  std::int64_t windows = 0, vectors = 0, slots = 0;
   std::int64_t format_bytes = 0;   // row_ptr, col_idx, values (the paper's ME-BCRS)
   std::int64_t sr_bcrs_bytes = 0;  // the same pattern padded to whole blocks (SR-BCRS)
   std::int64_t device_bytes = 0;   // everything the plan holds
