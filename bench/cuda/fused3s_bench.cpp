@@ -3,7 +3,8 @@
 // GPU time and call time), useful GFLOP/s (4·nnz·d·heads), compulsory bandwidth, the in-project
 // baselines (cuSPARSE pipeline fp32/fp16, dense cuBLAS), and a check of every timed output against
 // float64 on sampled rows. One JSON object per line.
-//   bench_fused3s [--dim D] [--heads H] [--repeat R] [--dtype f16|bf16] [--split N,N,...]
+//   bench_fused3s [--dim D] [--heads H] [--repeat R] [--dtype f16|bf16] [--split N,N,...] [--team
+//   N,N,...]
 //                 [--no-baselines] [--rmat SCALE:EF]... [--er N:DEG]... [--batch G:MIN:MAX]...
 //                 GRAPH...
 #include <cuda_runtime.h>
@@ -89,12 +90,13 @@ struct settings {
 };
 
 void bench_graph(const std::string& name, const csr_graph& g, const settings& cfg,
-                 std::int32_t split, bool with_baselines) {
+                 std::int32_t split, std::int32_t team, bool with_baselines) {
   const std::int64_t dim = cfg.dim, heads = cfg.heads;
   const dtype in = cfg.in;
   const int repeat = cfg.repeat;
   const auto t0 = std::chrono::steady_clock::now();
-  const attention_plan plan = attention_plan::build(g, device_kind::cuda, {.split_tcbs = split});
+  const attention_plan plan =
+      attention_plan::build(g, device_kind::cuda, {.split_tcbs = split, .team_tcbs = team});
   check(cudaDeviceSynchronize(), "plan");
   const double build_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -115,7 +117,8 @@ void bench_graph(const std::string& name, const csr_graph& g, const settings& cf
     std::vector<double> ms;
     for (int i = 0; i < 5; ++i) {
       const auto t1 = std::chrono::steady_clock::now();
-      const attention_plan p = attention_plan::build(view, {.split_tcbs = split});
+      const attention_plan p =
+          attention_plan::build(view, {.split_tcbs = split, .team_tcbs = team});
       ms.push_back(
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t1).count());
     }
@@ -191,6 +194,7 @@ void bench_graph(const std::string& name, const csr_graph& g, const settings& cf
                    {"compulsory_gbps", bytes / med * 1e-6},
                    {"input_sets", sets},
                    {"split_tcbs", split},
+                   {"team_tcbs", team},
                    {"format", plan.report().format},
                    {"max_rel_error", acc.max_rel_error},
                    {"all_finite", acc.all_finite}};
@@ -277,7 +281,7 @@ double copy_bandwidth_gbps() {
 
 int main(int argc, char** argv) {
   settings cfg;
-  std::vector<std::int32_t> splits{0};
+  std::vector<std::int32_t> splits{0}, teams{0};
   std::vector<std::string> paths, rmats, ers, batches;
   std::string dtype_name = "f16";
   CLI::App app{"GPU fused 3S benchmark"};
@@ -287,6 +291,10 @@ int main(int argc, char** argv) {
   app.add_option("--repeat", cfg.repeat, "timed runs")->capture_default_str();
   app.add_option("--dtype", dtype_name, "f16 or bf16")->capture_default_str();
   app.add_option("--split", splits, "split thresholds to sweep, comma-separated (0 = cost model)")
+      ->delimiter(',')
+      ->allow_extra_args(false);
+  app.add_option("--team", teams,
+                 "team thresholds to sweep, comma-separated (0 = the plan's rule, negative = none)")
       ->delimiter(',')
       ->allow_extra_args(false);
   app.add_option("--rmat", rmats, "generated R-MAT graphs SCALE:EDGE_FACTOR (after the files)");
@@ -314,8 +322,12 @@ int main(int argc, char** argv) {
               << std::endl;
     for (const auto& p : paths) {
       const auto [name, g] = bench::load_graph(p);
-      for (const auto split : splits)
-        bench_graph(name, g, cfg, split, cfg.baselines && split == splits.front());
+      for (const auto split : splits) {
+        for (const auto team : teams) {
+          bench_graph(name, g, cfg, split, team,
+                      cfg.baselines && split == splits.front() && team == teams.front());
+        }
+      }
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_fused3s: %s\n", e.what());

@@ -96,6 +96,8 @@ csr_graph binary_copy(const csr_graph& g) {
   return b;
 }
 
+cuda::fused3s_limits fused3s_limits(const plan_options& o) { return {o.split_tcbs, o.team_tcbs}; }
+
 sparse_plan_options unfused_options(const plan_options& o) {
   return {.vector_rows = 8, .split_blocks = o.split_tcbs, .order = o.order};
 }
@@ -151,7 +153,7 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
       }
     }
     s->device_blocks = cuda::make_fused3s_plan(order.empty() ? pattern : permuted,
-                                               options.split_tcbs, stream, order);
+                                               fused3s_limits(options), stream, order);
     s->report.format = order.empty() ? "bsb16x8 (device)" : "bsb16x8 (device), rows in RCM order";
     bytes = cuda::device_bytes(*s->device_blocks);
   } else {
@@ -203,7 +205,7 @@ attention_plan attention_plan::build(const csr_view& pattern, const plan_options
     describe_unfused(s->report, *s->unfused);
     bytes = s->unfused->report().format_bytes;
   } else {
-    s->device_blocks = cuda::make_fused3s_plan(pattern, options.split_tcbs, stream);
+    s->device_blocks = cuda::make_fused3s_plan(pattern, fused3s_limits(options), stream);
     s->report.format = "bsb16x8 (device)";
     bytes = cuda::device_bytes(*s->device_blocks);
   }

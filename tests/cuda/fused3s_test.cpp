@@ -216,6 +216,34 @@ TEST(GpuFused3s, RowOrdersGiveTheSameAttention) {
   }
 }
 
+TEST(GpuFused3s, WorkCutsGiveTheSameAttention) {
+  SKIP_WITHOUT_GPU();
+  // (split, team): the plan's rules; one warp per item; every item on a team, uncut; 5-TCB
+  // shares on teams (members of 1-2 TCBs, some of none: empty states combined); 7-TCB shares on
+  // teams and shorter items on single warps in one launch.
+  const csr_graph skewed = generate_rmat({.scale = 13, .edge_factor = 12, .seed = 51});
+  coo_graph heavy{.rows = 40, .cols = 5000, .src = {}, .dst = {}, .values = {}};
+  for (std::int64_t j = 0; j < 5000; j += 3) {  // one long window, rows 16-31 empty
+    heavy.src.push_back(j % 16);
+    heavy.dst.push_back(j);
+  }
+  heavy.src.push_back(39);
+  heavy.dst.push_back(7);
+  for (const csr_graph& g : {skewed, to_csr(heavy)}) {
+    for (const auto& [split, team] : std::vector<std::pair<std::int32_t, std::int32_t>>{
+             {0, 0}, {0, -1}, {100000, 1}, {5, 1}, {7, 7}}) {
+      SCOPED_TRACE("split " + std::to_string(split) + " team " + std::to_string(team));
+      const attention_plan plan = attention_plan::build(
+          g, device_kind::cuda,
+          {.split_tcbs = split, .team_tcbs = team, .order = row_order::original});
+      for (const auto& c :
+           {config{dtype::f16, dtype::f32, 128, 1}, config{dtype::bf16, dtype::bf16, 64, 3},
+            config{dtype::f16, dtype::f16, 256, 1}, config{dtype::f16, dtype::f32, 32, 2}})
+        check(plan, g, c, 52);
+    }
+  }
+}
+
 // A device array for CSR views (freed on scope exit).
 template <class T>
 struct device_array {

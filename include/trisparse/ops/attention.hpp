@@ -32,6 +32,10 @@ struct plan_options {
   /// cuda_fused_bsb: row windows with more TCBs are split across warps and merged
   /// (0 = chosen by the cost model from the TCB count and the device).
   std::int32_t split_tcbs = 0;
+  /// cuda_fused_bsb: work items of at least this many TCBs are shared by the 4 warps of one
+  /// thread block, which combine their softmax states in shared memory (0 = chosen from the TCB
+  /// count and the device, at least 8; negative = never, one warp per item).
+  std::int32_t team_tcbs = 0;
   /// CUDA plans from a host pattern: how query rows are grouped into windows. automatic:
   /// cuda_fused_bsb uses reverse Cuthill-McKee where it cuts the TCB count by >= 35% (square
   /// patterns up to 4M nonzeros), else the original order; cuda_unfused as sparse_plan does.

@@ -36,11 +36,12 @@ namespace {
       "this build has no CUDA backend (configure with TRISPARSE_CUDA=ON where nvcc exists)");
 }
 }  // namespace
-std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_graph&, std::int32_t, stream_ref,
+std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_graph&, fused3s_limits, stream_ref,
                                                        const std::vector<std::int64_t>&) {
   no_backend();
 }
-std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_view&, std::int32_t, stream_ref) {
+std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_view&, fused3s_limits,
+                                                       stream_ref) {
   no_backend();
 }
 void run_fused3s(const fused3s_device_plan&, const tensor_view&, const tensor_view&,
@@ -48,8 +49,6 @@ void run_fused3s(const fused3s_device_plan&, const tensor_view&, const tensor_vi
   throw not_supported("this build has no CUDA backend");
 }
 std::int64_t device_bytes(const fused3s_device_plan&) { return 0; }
-std::int64_t work_items(const fused3s_device_plan&) { return 0; }
-std::int64_t split_windows(const fused3s_device_plan&) { return 0; }
 
 struct me_device_plan {};
 std::shared_ptr<me_device_plan> make_me_plan(const csr_graph&, int, me_work_limits, stream_ref,

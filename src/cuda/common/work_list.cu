@@ -128,6 +128,7 @@ device_work_list build_work_list(const std::int32_t* window_blocks,
     }
     TRISPARSE_CUDA_TRY(cudaStreamSynchronize(s));  // the temporaries are freed on return
   }
+  list.sizes = std::move(sorted_sizes);
   return list;
 }
 

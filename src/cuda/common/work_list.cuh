@@ -12,6 +12,7 @@ namespace trisparse::cuda {
 struct device_work_list {
   device_buffer<work_item> items;      // largest first
   device_buffer<split_window> splits;  // windows cut into several items
+  device_buffer<std::int32_t> sizes;   // the items' block counts (decreasing)
   std::int32_t num_items = 0, num_splits = 0, num_parts = 0;
   std::int32_t num_large = 0;  // the leading items of at least `large` blocks
 };

@@ -194,10 +194,20 @@ __device__ __forceinline__ void merge_window(const params& p, const split_window
   }
 }
 
-/// One work item (a window's TCB range) of head h, by one warp.
+/// Words of shared memory a team of `warps` needs to combine its states: per warp but the first,
+/// O's accumulators and (m, l) of both rows, in fragment order (word (i, lane): conflict-free).
+template <int D>
+constexpr int team_words(int warps) {
+  return (warps - 1) * (D / 8 * 4 + 4) * 32;
+}
+
+/// One work item (a window's TCB range) of head h, by one warp (team = 1) or by the `team` warps
+/// of a thread block (member = the warp's rank): member w takes the w-th of `team` consecutive
+/// shares of the item's TCBs, and the others hand their (m, l, O) to member 0 through `shared`
+/// (team_words<D>(team) floats), which combines them and finishes the item.
 template <class T, int D, class O>
-__device__ __forceinline__ void process_item(const params& p, const work_item& it, int h,
-                                             int lane) {
+__device__ __forceinline__ void process_item(const params& p, const work_item& it, int h, int lane,
+                                             int member, int team, float* shared) {
   constexpr int kQ = D / 4;  // halves of a Q/K row per lane
   constexpr int kV = D / 8;  // halves of a V row per lane = output columns per run
   const int g = lane / 4, t = lane % 4;
@@ -227,12 +237,15 @@ __device__ __forceinline__ void process_item(const params& p, const work_item& i
   // Pipeline: indices two TCBs ahead, rows one TCB ahead (up to D = 128; at D = 256 a second copy
   // of the rows would not fit in registers, so rows load at the top of their own iteration).
   constexpr bool kPipelined = D <= 128;
-  const std::int32_t end = it.end;
-  tcb_meta meta1 = it.begin < end ? load_meta(p, it.begin, g, t) : tcb_meta{};
-  tcb_meta meta2 = it.begin + 1 < end ? load_meta(p, it.begin + 1, g, t) : tcb_meta{};
+  // A team member's share: the member-th of `team` consecutive near-equal ranges.
+  const std::int32_t size = it.end - it.begin;
+  const std::int32_t begin = it.begin + size * member / team,
+                     end = it.begin + size * (member + 1) / team;
+  tcb_meta meta1 = begin < end ? load_meta(p, begin, g, t) : tcb_meta{};
+  tcb_meta meta2 = begin + 1 < end ? load_meta(p, begin + 1, g, t) : tcb_meta{};
   tcb_rows<D> next;
-  if (kPipelined && it.begin < end) load_rows<T, D>(p, meta1, h, g, t, next);
-  for (std::int32_t tcb = it.begin; tcb < end; ++tcb) {
+  if (kPipelined && begin < end) load_rows<T, D>(p, meta1, h, g, t, next);
+  for (std::int32_t tcb = begin; tcb < end; ++tcb) {
     tcb_rows<D> cur;
     const tcb_meta m = meta1;
     meta1 = meta2;
@@ -287,6 +300,57 @@ __device__ __forceinline__ void process_item(const params& p, const work_item& i
                                          : arch::interleave_hi(cur.v0[j / 2], cur.v1[j / 2]);
       arch::mma_16x8x8_f32<T>(o[j], pa, b);
     }
+  }
+  if (team > 1) {
+    // Members 1.. hand their states over; member 0 rescales each to the common row maxima:
+    // O = sum_w O_w 2^(m_w - m), l = sum_w l_w 2^(m_w - m), m = max_w m_w (rows g, g + 8).
+    constexpr int kWords = kV * 4 + 4;
+    if (member > 0) {
+      float* mine = shared + (member - 1) * kWords * 32 + lane;
+#pragma unroll
+      for (int j = 0; j < kV; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) mine[(4 * j + i) * 32] = o[j][i];
+      }
+      mine[(4 * kV) * 32] = m0;
+      mine[(4 * kV + 1) * 32] = m1;
+      mine[(4 * kV + 2) * 32] = l0;
+      mine[(4 * kV + 3) * 32] = l1;
+    }
+    __syncthreads();
+    if (member > 0) return;
+    float n0 = m0, n1 = m1;
+    for (int w = 1; w < team; ++w) {
+      n0 = fmaxf(n0, shared[((w - 1) * kWords + 4 * kV) * 32 + lane]);
+      n1 = fmaxf(n1, shared[((w - 1) * kWords + 4 * kV + 1) * 32 + lane]);
+    }
+    const float u0 = n0 == kNegInf ? 0.0f : n0, u1 = n1 == kNegInf ? 0.0f : n1;
+    float c0 = exp2f(m0 - u0), c1 = exp2f(m1 - u1);
+    l0 *= c0;
+    l1 *= c1;
+#pragma unroll
+    for (int j = 0; j < kV; ++j) {
+      o[j][0] *= c0;
+      o[j][1] *= c0;
+      o[j][2] *= c1;
+      o[j][3] *= c1;
+    }
+    for (int w = 1; w < team; ++w) {
+      const float* theirs = shared + (w - 1) * kWords * 32 + lane;
+      c0 = exp2f(theirs[(4 * kV) * 32] - u0);
+      c1 = exp2f(theirs[(4 * kV + 1) * 32] - u1);
+      l0 += theirs[(4 * kV + 2) * 32] * c0;
+      l1 += theirs[(4 * kV + 3) * 32] * c1;
+#pragma unroll
+      for (int j = 0; j < kV; ++j) {
+        o[j][0] += theirs[(4 * j) * 32] * c0;
+        o[j][1] += theirs[(4 * j + 1) * 32] * c0;
+        o[j][2] += theirs[(4 * j + 2) * 32] * c1;
+        o[j][3] += theirs[(4 * j + 3) * 32] * c1;
+      }
+    }
+    m0 = n0;
+    m1 = n1;
   }
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
@@ -350,33 +414,62 @@ __device__ __forceinline__ void process_item(const params& p, const work_item& i
   }
 }
 
-/// Persistent warps: tasks (item, head) = (task / heads, task % heads), largest items first; a warp
-/// takes task = its global index first, then the next unclaimed one from the queue counter, so
-/// warps that finish early keep working (no idle slots while one block's slowest warp finishes,
-/// no wave quantisation). The last warp to leave resets the queue for the next launch.
+/// Persistent warps: tasks (item, head) = (task / heads, task % heads), largest items first. The
+/// first team_items * heads tasks run on whole blocks (teams): a block takes team task = its index
+/// first, then the next unclaimed one (queue[2]), until none is left. Then each warp takes the next
+/// unclaimed warp task (queue[0]) -- the first by its global index when there are no teams -- so
+/// warps that finish early keep working (no idle slots while one block's slowest warp finishes, no
+/// wave quantisation). The last warp to leave resets the queue for the next launch.
+/// Without the queue (use_queue false) the grid has one block per team task, then one warp per
+/// warp task. Dynamic shared memory: team_words<D>(kWarps) floats when team_items > 0.
 template <class T, int D, class O, int kWarps, int kMinBlocks>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) fused3s_kernel(const params p) {
-  const int lane = threadIdx.x % 32;
+  extern __shared__ float team_state[];
+  __shared__ unsigned long long claimed;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const std::int64_t warps = std::int64_t{gridDim.x} * kWarps;
   const std::int64_t tasks = std::int64_t{p.num_items} * p.heads;
-  std::int64_t task = std::int64_t{blockIdx.x} * kWarps + threadIdx.x / 32;
-  if (!p.use_queue) {  // one task per warp at most: no claims, nothing to reset
-    if (task < tasks)
-      process_item<T, D, O>(p, p.items[task / p.heads], static_cast<int>(task % p.heads), lane);
-    return;
+  const std::int64_t team_tasks = std::int64_t{p.team_items} * p.heads;
+  const auto claim = [&] {
+    unsigned long long c = 0;
+    if (lane == 0) c = atomicAdd(reinterpret_cast<unsigned long long*>(p.queue), 1ull);
+    return static_cast<std::int64_t>(__shfl_sync(0xffffffffu, c, 0));
+  };
+  // Warp tasks past the first: with teams, blocks leave the team phase at different times, so
+  // every warp task is claimed; without, each warp's first is its global index.
+  const std::int64_t first_claim = team_tasks > 0 ? team_tasks : warps;
+  bool on_team = blockIdx.x < team_tasks;  // the same for the whole block
+  std::int64_t task = blockIdx.x;
+  if (!on_team) {
+    task = !p.use_queue     ? team_tasks + (blockIdx.x - team_tasks) * kWarps + warp
+           : team_tasks > 0 ? first_claim + claim()
+                            : std::int64_t{blockIdx.x} * kWarps + warp;
   }
+  // One call site: the kernel holds one copy of the item loop (two cost registers and spills).
   while (task < tasks) {
-    process_item<T, D, O>(p, p.items[task / p.heads], static_cast<int>(task % p.heads), lane);
-    unsigned long long claimed = 0;
-    if (lane == 0) claimed = atomicAdd(reinterpret_cast<unsigned long long*>(p.queue), 1ull);
-    task = warps + static_cast<std::int64_t>(__shfl_sync(0xffffffffu, claimed, 0));
+    process_item<T, D, O>(p, p.items[task / p.heads], static_cast<int>(task % p.heads), lane,
+                          on_team ? warp : 0, on_team ? kWarps : 1, team_state);
+    if (!p.use_queue) return;  // one task per block (teams) or warp: no claims, nothing to reset
+    if (on_team) {
+      if (threadIdx.x == 0)
+        claimed = atomicAdd(reinterpret_cast<unsigned long long*>(p.queue) + 2, 1ull);
+      __syncthreads();
+      // `claimed` is written again only after the next team task's barrier, which every thread
+      // reaches after reading it here.
+      task = gridDim.x + static_cast<std::int64_t>(claimed);
+      if (task < team_tasks) continue;
+      on_team = false;
+    }
+    task = first_claim + claim();
   }
+  if (!p.use_queue) return;
   if (lane == 0) {
     const unsigned long long left =
         atomicAdd(reinterpret_cast<unsigned long long*>(p.queue) + 1, 1ull);
     if (left == static_cast<unsigned long long>(warps) - 1) {
       p.queue[0] = 0;  // every other warp has left: no more claims this launch
       p.queue[1] = 0;
+      p.queue[2] = 0;
     }
   }
 }

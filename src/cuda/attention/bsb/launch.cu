@@ -25,6 +25,9 @@ struct fused3s_device_plan {
   device_buffer<fused3s::work_item> items;
   device_buffer<fused3s::split_window> splits;
   std::int32_t num_items = 0, num_splits = 0, num_parts = 0;
+  std::int64_t tcbs = 0;
+  std::vector<std::int32_t> item_tcbs;  // host copy of the items' TCB counts (decreasing)
+  std::int32_t team_tcbs = 0;           // fused3s_limits::team_tcbs
   // Partial states of split windows, sized for the largest heads x head_dim run so far.
   mutable std::mutex workspace_mutex;
   mutable device_buffer<float> part_o, part_ml;
@@ -42,37 +45,70 @@ constexpr int kMinBlocks = D <= 64    ? 4
                            : D == 128 ? 2
                                       : 1;
 
+/// How many of the largest items run on teams, with `warp_slots` resident warps. A team costs
+/// each of its warps an item's start (Q rows, the first TCB's indices and rows: about three
+/// memory latencies) and the combine, about 30% more warp time on items of 8-24 TCBs (H200,
+/// docs/notes/fused3s.md), so teams pay only on warp slots that would idle otherwise: when the
+/// tasks do not fill the slots, the largest items of at least 8 TCBs get teams as long as
+/// everything still runs at once (a team takes 4 slots for 1). A positive team_tcbs instead gives
+/// teams to every item of at least that many TCBs.
+std::int32_t team_items(const fused3s_device_plan& plan, std::int64_t heads,
+                        std::int64_t warp_slots) {
+  if (plan.team_tcbs < 0 || heads <= 0) return 0;
+  const std::int64_t t = plan.team_tcbs > 0 ? plan.team_tcbs : 8;
+  const auto end = std::partition_point(plan.item_tcbs.begin(), plan.item_tcbs.end(),
+                                        [&](std::int32_t x) { return x >= t; });
+  const auto eligible = static_cast<std::int64_t>(end - plan.item_tcbs.begin());
+  if (plan.team_tcbs > 0) return static_cast<std::int32_t>(eligible);
+  // Blocks: teams + ceil(other tasks / 4) <= warp_slots / 4.
+  const std::int64_t spare =
+      warp_slots - static_cast<std::int64_t>(plan.item_tcbs.size()) * heads - (kWarps - 1);
+  return static_cast<std::int32_t>(
+      std::clamp<std::int64_t>(spare / ((kWarps - 1) * heads), 0, eligible));
+}
+
 template <class T, int D, class O>
-void launch(const fused3s::params& p, int sms, cudaStream_t s) {
+void launch(const fused3s::params& p, const fused3s_device_plan& plan, cudaStream_t s) {
   const auto kernel = fused3s::fused3s_kernel<T, D, O, kWarps, kMinBlocks<D>>;
-  // Persistent warps: no more blocks than fit at once (the occupancy of this instantiation, on
-  // the first device it runs on).
+  constexpr int kTeamBytes = fused3s::team_words<D>(kWarps) * static_cast<int>(sizeof(float));
+  // Persistent warps: no more blocks than fit at once (the occupancy of this instantiation with
+  // the teams' shared memory, on the first device it runs on).
   static const int resident = [&] {
+    TRISPARSE_CUDA_TRY(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTeamBytes));
     int blocks = 0;
     TRISPARSE_CUDA_TRY(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kWarps * 32, 0));
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kWarps * 32, kTeamBytes));
     return std::max(blocks, 1);
   }();
+  const int sms = plan.sms;
+  fused3s::params q = p;
+  q.team_items = team_items(plan, p.heads, std::int64_t{resident} * sms * kWarps);
   const std::int64_t tasks = std::int64_t{p.num_items} * p.heads;
+  const std::int64_t team_tasks = std::int64_t{q.team_items} * p.heads;
   if (tasks > 0) {
-    const auto grid = static_cast<unsigned>(
-        std::min<std::int64_t>((tasks + kWarps - 1) / kWarps, std::int64_t{resident} * sms));
-    fused3s::params q = p;
-    q.use_queue = tasks > std::int64_t{grid} * kWarps;  // else every warp has at most one task
-    kernel<<<grid, kWarps * 32, 0, s>>>(q);
+    // A block per team task, then a warp per other task, if that fits at once; else persistent.
+    const std::int64_t one_each = team_tasks + (tasks - team_tasks + kWarps - 1) / kWarps;
+    const auto grid =
+        static_cast<unsigned>(std::min<std::int64_t>(one_each, std::int64_t{resident} * sms));
+    q.use_queue = one_each > grid;
+    // Shared memory only with teams: without, the L1 cache keeps all of it for K and V rows.
+    const int shared = team_tasks > 0 ? kTeamBytes : 0;
+    kernel<<<grid, kWarps * 32, shared, s>>>(q);
     TRISPARSE_CUDA_CHECK_LAUNCH();
   }
 }
 
 template <class T, int D>
-void launch_out(dtype out, const fused3s::params& p, int sms, cudaStream_t s) {
+void launch_out(dtype out, const fused3s::params& p, const fused3s_device_plan& plan,
+                cudaStream_t s) {
   switch (out) {
     case dtype::f32:
-      return launch<T, D, float>(p, sms, s);
+      return launch<T, D, float>(p, plan, s);
     case dtype::f16:
-      return launch<T, D, __half>(p, sms, s);
+      return launch<T, D, __half>(p, plan, s);
     case dtype::bf16:
-      return launch<T, D, __nv_bfloat16>(p, sms, s);
+      return launch<T, D, __nv_bfloat16>(p, plan, s);
     default:
       throw invalid_input("fused 3S writes f32, f16 or bf16 output, not " +
                           std::string(to_string(out)));
@@ -80,16 +116,17 @@ void launch_out(dtype out, const fused3s::params& p, int sms, cudaStream_t s) {
 }
 
 template <class T>
-void launch_dim(std::int64_t d, dtype out, const fused3s::params& p, int sms, cudaStream_t s) {
+void launch_dim(std::int64_t d, dtype out, const fused3s::params& p,
+                const fused3s_device_plan& plan, cudaStream_t s) {
   switch (d) {
     case 32:
-      return launch_out<T, 32>(out, p, sms, s);
+      return launch_out<T, 32>(out, p, plan, s);
     case 64:
-      return launch_out<T, 64>(out, p, sms, s);
+      return launch_out<T, 64>(out, p, plan, s);
     case 128:
-      return launch_out<T, 128>(out, p, sms, s);
+      return launch_out<T, 128>(out, p, plan, s);
     case 256:
-      return launch_out<T, 256>(out, p, sms, s);
+      return launch_out<T, 256>(out, p, plan, s);
     default:
       throw invalid_input("fused 3S supports head_dim 32, 64, 128 or 256, not " +
                           std::to_string(d));
@@ -111,14 +148,14 @@ void check_layout(const tensor_view& t, const char* what) {
 
 namespace {
 
-std::shared_ptr<fused3s_device_plan> plan_from(device_bsb f, std::int32_t split_tcbs,
+std::shared_ptr<fused3s_device_plan> plan_from(device_bsb f, fused3s_limits limits,
                                                cudaStream_t s) {
   auto plan = std::make_shared<fused3s_device_plan>();
   const device_id_and_sms here = current_device();
   plan->device = here.device;
   plan->sms = here.sms;
   const int sms = plan->sms;
-  plan->queue = device_buffer<std::uint64_t>(2);
+  plan->queue = device_buffer<std::uint64_t>(3);
   TRISPARSE_CUDA_TRY(cudaMemsetAsync(plan->queue.data(), 0, plan->queue.bytes(), s));
   plan->rows = f.rows;
   plan->cols = f.cols;
@@ -129,10 +166,18 @@ std::shared_ptr<fused3s_device_plan> plan_from(device_bsb f, std::int32_t split_
   // (bench/results/fused3s_split_sweep_queue_h200.jsonl, docs/notes/fused3s.md).
   const std::int64_t slots = std::int64_t{sms} * 16;
   const std::int64_t mean = (f.tcbs + slots - 1) / slots;
-  const std::int64_t limit =
-      split_tcbs > 0 ? split_tcbs : std::max<std::int64_t>(24, std::min(3 * mean, 2 * mean + 8));
+  const std::int64_t limit = limits.split_tcbs > 0
+                                 ? limits.split_tcbs
+                                 : std::max<std::int64_t>(24, std::min(3 * mean, 2 * mean + 8));
   device_work_list list =
       build_work_list(f.window_tcbs.data(), f.tcb_offset.data(), f.windows, limit, s);
+  // Which items run on teams depends on the heads and the head dim (the warp slots), so the
+  // launch chooses them from the sizes.
+  plan->tcbs = f.tcbs;
+  plan->team_tcbs = limits.team_tcbs;
+  plan->item_tcbs.resize(list.num_items);
+  TRISPARSE_CUDA_TRY(cudaMemcpy(plan->item_tcbs.data(), list.sizes.data(), list.sizes.bytes(),
+                                cudaMemcpyDeviceToHost));
   plan->col_idx = std::move(f.col_idx);
   plan->bitmap = std::move(f.bitmap);
   plan->items = std::move(list.items);
@@ -146,18 +191,18 @@ std::shared_ptr<fused3s_device_plan> plan_from(device_bsb f, std::int32_t split_
 }  // namespace
 
 std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_graph& pattern,
-                                                       std::int32_t split_tcbs, stream_ref stream,
+                                                       fused3s_limits limits, stream_ref stream,
                                                        const std::vector<std::int64_t>& row_map) {
   const auto s = static_cast<cudaStream_t>(stream.handle);
-  auto plan = plan_from(build_bsb_device(pattern, s, false), split_tcbs, s);
+  auto plan = plan_from(build_bsb_device(pattern, s, false), limits, s);
   if (!row_map.empty()) plan->row_map = device_buffer<std::int64_t>(row_map);
   return plan;
 }
 
 std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_view& pattern,
-                                                       std::int32_t split_tcbs, stream_ref stream) {
+                                                       fused3s_limits limits, stream_ref stream) {
   const auto s = static_cast<cudaStream_t>(stream.handle);
-  return plan_from(build_bsb_device(pattern, s, false, false), split_tcbs, s);
+  return plan_from(build_bsb_device(pattern, s, false, false), limits, s);
 }
 
 void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const tensor_view& k,
@@ -222,9 +267,9 @@ void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const te
   }
   const auto s = static_cast<cudaStream_t>(stream.handle);
   if (q.type == dtype::f16)
-    launch_dim<__half>(q.dim, out.type, p, plan.sms, s);
+    launch_dim<__half>(q.dim, out.type, p, plan, s);
   else
-    launch_dim<__nv_bfloat16>(q.dim, out.type, p, plan.sms, s);
+    launch_dim<__nv_bfloat16>(q.dim, out.type, p, plan, s);
 }
 
 std::int64_t device_bytes(const fused3s_device_plan& plan) {
@@ -233,7 +278,5 @@ std::int64_t device_bytes(const fused3s_device_plan& plan) {
                                    plan.part_o.bytes() + plan.part_ml.bytes() +
                                    plan.split_count.bytes());
 }
-std::int64_t work_items(const fused3s_device_plan& plan) { return plan.num_items; }
-std::int64_t split_windows(const fused3s_device_plan& plan) { return plan.num_splits; }
 
 }  // namespace trisparse::cuda

@@ -21,6 +21,7 @@ struct params {
   const std::uint64_t* bitmap;  // [tcbs * 2]
   const work_item* items;
   std::int32_t num_items;
+  std::int32_t team_items;  // items [0, team_items) run on all warps of a block (a team)
   const split_window* splits;
   std::int32_t num_splits;
   float scale_log2;           // scale * log2(e)
@@ -28,9 +29,10 @@ struct params {
   float* part_ml;             // [parts, heads, 16, 2]
   std::int32_t* split_count;  // [splits, heads]: partials done, reset by the merger
   std::int32_t heads;
-  std::uint64_t*
-      queue;       // [2]: tasks claimed past the first per warp, warps done; zero between launches
-  bool use_queue;  // false: no more tasks than warps, each takes its own index and stops
+  // [3]: warp tasks claimed, warps done, team tasks claimed past the first per block; zero
+  // between launches.
+  std::uint64_t* queue;
+  bool use_queue;  // false: a block per team task and a warp per other task, no claims
 };
 
 }  // namespace trisparse::cuda::fused3s

@@ -13,19 +13,25 @@ namespace trisparse::cuda {
 /// The device-resident BSB (16x8 TCBs) and the warps' work list of one pattern.
 struct fused3s_device_plan;
 
+/// How work is cut (plan_options): windows of more than `split_tcbs` TCBs are cut into chunks;
+/// items of at least `team_tcbs` TCBs run on all warps of a thread block (negative: none); 0 =
+/// chosen from the TCB total and the SM count.
+struct fused3s_limits {
+  std::int32_t split_tcbs = 0, team_tcbs = 0;
+};
+
 /// Builds the BSB (16x8) of a checked host pattern on the GPU (after uploading it) and the work
-/// list: items in decreasing TCB order, windows of more than `split_tcbs` TCBs cut into chunks
-/// (0 = chosen from the TCB total and the SM count). Synchronous on `stream`.
+/// list: items in decreasing TCB order, cut and shared as `limits` say. Synchronous on `stream`.
 /// @throws not_supported without the CUDA backend; cuda_error on a CUDA failure.
 /// `row_map` (empty = identity): the query row that each row of `pattern` stands for, when the
 /// caller has permuted the rows; the kernel reads Q and writes O through it.
 std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_graph& pattern,
-                                                       std::int32_t split_tcbs, stream_ref stream,
+                                                       fused3s_limits limits, stream_ref stream,
                                                        const std::vector<std::int64_t>& row_map);
 /// The same from a pattern in device memory, checked on the device first.
 /// @throws invalid_input naming the broken invariant.
 std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_view& pattern,
-                                                       std::int32_t split_tcbs, stream_ref stream);
+                                                       fused3s_limits limits, stream_ref stream);
 
 /// out = attention(q, k, v) on the current stream. q, k, v: f16 or bf16, one dtype; out: f32, f16
 /// or bf16; head_dim (= v's dim) 32, 64, 128 or 256; strides multiples of 8 elements, 16-byte
@@ -35,8 +41,5 @@ void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const te
 
 /// Device bytes held by the plan (format, work list, partial-state workspace).
 std::int64_t device_bytes(const fused3s_device_plan& plan);
-/// Work items and split windows, for reports.
-std::int64_t work_items(const fused3s_device_plan& plan);
-std::int64_t split_windows(const fused3s_device_plan& plan);
 
 }  // namespace trisparse::cuda
