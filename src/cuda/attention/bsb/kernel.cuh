@@ -2,8 +2,9 @@
 // Fused 3S over BSB: SDDMM (mma m16n8k16), bitmap mask, online softmax (fp32, exp2), SpMM
 // (mma m16n8k8) in one kernel. A warp processes one work item at a time = a row window (16 query
 // rows) and a range of its 16x8 tensor-core blocks (TCBs), for one head; a window with many TCBs is
-// split into several items whose partial (max, sum, O) states the last of them merges. Warps are
-// persistent and claim items from a queue, largest first.
+// split into several items whose partial (max, sum, O) states the last of them merges. Where warp
+// slots would idle, the largest items run on all 4 warps of a block (a team), their states combined
+// in shared memory. Warps are persistent and claim items from a queue, largest first.
 //
 // Register remapping (the paper's permuted loads, our derivation): the contraction index of Q·Kᵀ is
 // permuted the same way in Q and K so that lane (g = lane/4, t = lane%4) holds the contiguous
