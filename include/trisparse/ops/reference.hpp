@@ -5,6 +5,7 @@
 /// Attention treats the pattern as binary (its values are ignored); SDDMM and SpMM use the
 /// pattern's values when it has them (1 otherwise).
 #include "trisparse/core/tensor.hpp"
+#include "trisparse/formats/block_sparse.hpp"
 #include "trisparse/formats/bsb.hpp"
 #include "trisparse/graph/csr.hpp"
 
@@ -28,6 +29,15 @@ void spmm(const csr_graph& pattern, const tensor_view& w, const tensor_view& b,
 /// q: [rows, H, D], k: [cols, H, D], v: [cols, H, Dv], out: [rows, H, Dv]. Empty rows give 0.
 void attention(const csr_graph& pattern, const tensor_view& q, const tensor_view& k,
                const tensor_view& v, const tensor_view& out, double scale);
+
+/// Block-sparse attention over a ragged batch: for each sequence b and head h, attention() over
+/// mask.expand(b, h) on that sequence's rows of head h. q: [cu_seqlens_q.back(), H, D],
+/// k: [cu_seqlens_k.back(), H, D], v: [.., H, Dv], out: [cu_seqlens_q.back(), H, Dv]; H equal to
+/// mask.heads unless the mask is shared (heads == 1). Rows with no key left give 0.
+/// @throws invalid_input on a broken mask or mismatched shapes.
+void block_sparse_attention(const block_sparse_mask& mask, const tensor_view& q,
+                            const tensor_view& k, const tensor_view& v, const tensor_view& out,
+                            double scale);
 
 /// The same function computed the way the fused kernel does: over the BSB's row windows and
 /// tensor-core blocks in order, with the bitmap as mask and an online (running max, running sum)

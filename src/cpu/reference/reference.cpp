@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "../../ops/arguments.hpp"
@@ -92,6 +93,38 @@ void attention(const csr_graph& a, const tensor_view& q, const tensor_view& k, c
   sddmm(binary, q, k, edge_view(s), scale);
   softmax(binary, edge_view(s), edge_view(p));
   spmm(binary, edge_view(p), v, out);
+}
+
+namespace {
+
+// Rows [row0, row0 + rows) of head h of t, as a one-head view.
+tensor_view slice(const tensor_view& t, std::int64_t row0, std::int64_t rows, std::int64_t h) {
+  tensor_view s = t;
+  s.data = static_cast<char*>(t.data) +
+           t.offset(row0, h, 0) * static_cast<std::int64_t>(size_of(t.type));
+  s.rows = rows;
+  s.heads = 1;
+  return s;
+}
+
+}  // namespace
+
+void block_sparse_attention(const block_sparse_mask& mask, const tensor_view& q,
+                            const tensor_view& k, const tensor_view& v, const tensor_view& out,
+                            double scale) {
+  mask.check();
+  detail::check_attention_args(mask.cu_seqlens_q.back(), mask.cu_seqlens_k.back(), q, k, v, out,
+                               device_kind::cpu);
+  TRISPARSE_EXPECTS_INPUT(mask.heads == 1 || mask.heads == q.heads,
+                          "the mask has " + std::to_string(mask.heads) + " heads, q " +
+                              std::to_string(q.heads) + " (a mask is per head or shared)");
+  for (std::int64_t b = 0; b < mask.batch(); ++b) {
+    const std::int64_t q0 = mask.cu_seqlens_q[b], k0 = mask.cu_seqlens_k[b];
+    for (std::int64_t h = 0; h < q.heads; ++h) {
+      attention(mask.expand(b, h), slice(q, q0, mask.len_q(b), h), slice(k, k0, mask.len_k(b), h),
+                slice(v, k0, mask.len_k(b), h), slice(out, q0, mask.len_q(b), h), scale);
+    }
+  }
 }
 
 void fused3s(const bsb& f, const tensor_view& q, const tensor_view& k, const tensor_view& v,

@@ -1,0 +1,179 @@
+// Block-sparse attention masks: checks, expansion to elements, the layout builders.
+#include "trisparse/formats/block_sparse.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+
+#include "trisparse/core/error.hpp"
+#include "trisparse/core/random.hpp"
+
+namespace trisparse {
+
+namespace {
+
+// The first key that query row i may see is 0; the last, with `causal`, i + (len_k - len_q).
+std::int64_t causal_last_key(std::int64_t i, std::int64_t len_q, std::int64_t len_k) {
+  return i + (len_k - len_q);
+}
+
+void check_offsets(const std::vector<std::int64_t>& cu, const char* name) {
+  TRISPARSE_EXPECTS_INPUT(!cu.empty() && cu.front() == 0,
+                          std::string("block_sparse_mask: ") + name + " must start at 0");
+  for (std::size_t b = 0; b + 1 < cu.size(); ++b) {
+    TRISPARSE_EXPECTS_INPUT(cu[b] <= cu[b + 1], std::string("block_sparse_mask: ") + name +
+                                                    " decreases at sequence " + std::to_string(b));
+  }
+}
+
+}  // namespace
+
+std::int64_t block_sparse_mask::active_blocks() const {
+  std::int64_t n = 0;
+  for (const block_mask& m : masks) n += m.blocks.nnz();
+  return n;
+}
+
+double block_sparse_mask::density() const {
+  std::int64_t all = 0;
+  for (const block_mask& m : masks) all += m.blocks.rows * m.blocks.cols;
+  return all == 0 ? 0.0 : static_cast<double>(active_blocks()) / static_cast<double>(all);
+}
+
+void block_sparse_mask::check() const {
+  TRISPARSE_EXPECTS_INPUT(block >= 1, "block_sparse_mask: block must be >= 1");
+  TRISPARSE_EXPECTS_INPUT(heads >= 1, "block_sparse_mask: heads must be >= 1");
+  check_offsets(cu_seqlens_q, "cu_seqlens_q");
+  check_offsets(cu_seqlens_k, "cu_seqlens_k");
+  TRISPARSE_EXPECTS_INPUT(cu_seqlens_q.size() == cu_seqlens_k.size(),
+                          "block_sparse_mask: cu_seqlens_q and cu_seqlens_k have " +
+                              std::to_string(cu_seqlens_q.size()) + " and " +
+                              std::to_string(cu_seqlens_k.size()) + " offsets");
+  TRISPARSE_EXPECTS_INPUT(static_cast<std::int64_t>(masks.size()) == batch() * heads,
+                          "block_sparse_mask: " + std::to_string(masks.size()) + " masks for " +
+                              std::to_string(batch()) + " sequences x " + std::to_string(heads) +
+                              " heads");
+  for (std::int64_t b = 0; b < batch(); ++b) {
+    for (std::int64_t h = 0; h < heads; ++h) {
+      const block_mask& m = masks[b * heads + h];
+      const std::string where =
+          "block_sparse_mask: sequence " + std::to_string(b) + ", head " + std::to_string(h);
+      TRISPARSE_EXPECTS_INPUT(m.block == block, where + " has block " + std::to_string(m.block) +
+                                                    ", not " + std::to_string(block));
+      TRISPARSE_EXPECTS_INPUT(m.rows == len_q(b) && m.cols == len_k(b),
+                              where + " is " + std::to_string(m.rows) + " x " +
+                                  std::to_string(m.cols) + ", the sequence " +
+                                  std::to_string(len_q(b)) + " x " + std::to_string(len_k(b)));
+      m.check();
+    }
+  }
+}
+
+csr_graph block_sparse_mask::expand(std::int64_t b, std::int64_t h) const {
+  csr_graph g = at(b, h).expand();
+  if (!causal) return g;
+  csr_graph c;
+  c.rows = g.rows;
+  c.cols = g.cols;
+  c.row_ptr.assign(g.rows + 1, 0);
+  for (std::int64_t i = 0; i < g.rows; ++i) {
+    const std::int64_t last = causal_last_key(i, len_q(b), len_k(b));
+    for (std::int64_t e = g.row_ptr[i]; e < g.row_ptr[i + 1]; ++e) {
+      if (g.col_idx[e] <= last) c.col_idx.push_back(g.col_idx[e]);
+    }
+    c.row_ptr[i + 1] = static_cast<std::int64_t>(c.col_idx.size());
+  }
+  return c;
+}
+
+namespace {
+
+// The layout's blocks of one n x n mask (nb x nb blocks), rows sorted.
+block_mask layout_mask(const block_layout_options& o, std::int64_t n, rng& r) {
+  block_mask m;
+  m.rows = m.cols = n;
+  m.block = o.block;
+  const std::int64_t nb = (n + o.block - 1) / o.block;
+  m.blocks.rows = m.blocks.cols = nb;
+  m.blocks.row_ptr.assign(nb + 1, 0);
+  std::vector<char> keep(static_cast<std::size_t>(nb));
+  for (std::int64_t i = 0; i < nb; ++i) {
+    const std::int64_t last = o.causal ? i : nb - 1;  // square: block j has a key <= i iff j <= i
+    for (std::int64_t j = 0; j < nb; ++j) {
+      bool k = false;
+      switch (o.layout) {
+        case block_layout::dense:
+          k = true;
+          break;
+        case block_layout::random:
+          k = r.uniform() >= o.p || i == j;  // drawn for every cell: one stream whatever causal
+          break;
+        case block_layout::window:
+          k = std::abs(i - j) <= o.window;
+          break;
+        case block_layout::strided:
+          k = (i - j) % o.stride == 0;
+          break;
+        case block_layout::global:
+          k = i < o.global || j < o.global || i == j;
+          break;
+        case block_layout::bigbird:
+          k = std::abs(i - j) <= o.window || i < o.global || j < o.global;
+          break;
+      }
+      keep[static_cast<std::size_t>(j)] = static_cast<char>(k);
+    }
+    if (o.layout == block_layout::bigbird) {
+      // `random` distinct key blocks among those the row may use (fewer if fewer are left).
+      std::int64_t free = 0;
+      for (std::int64_t j = 0; j <= last; ++j) free += keep[static_cast<std::size_t>(j)] == 0;
+      for (std::int64_t t = 0; t < std::min(o.random, free); ++t) {
+        auto pick = static_cast<std::int64_t>(r.below(static_cast<std::uint64_t>(free - t)));
+        for (std::int64_t j = 0; j <= last; ++j) {
+          if (keep[static_cast<std::size_t>(j)] == 0 && pick-- == 0) {
+            keep[static_cast<std::size_t>(j)] = 1;
+            break;
+          }
+        }
+      }
+    }
+    for (std::int64_t j = 0; j <= last; ++j) {
+      if (keep[static_cast<std::size_t>(j)] != 0)
+        m.blocks.col_idx.push_back(static_cast<std::int32_t>(j));
+    }
+    m.blocks.row_ptr[i + 1] = static_cast<std::int64_t>(m.blocks.col_idx.size());
+  }
+  return m;
+}
+
+}  // namespace
+
+block_sparse_mask make_block_sparse_mask(const block_layout_options& o,
+                                         std::span<const std::int64_t> seq_lens) {
+  TRISPARSE_EXPECTS_INPUT(o.block >= 1 && o.heads >= 1,
+                          "block-sparse mask: block and heads must be >= 1");
+  TRISPARSE_EXPECTS_INPUT(o.p >= 0 && o.p <= 1, "block-sparse mask: p must lie in [0, 1]");
+  TRISPARSE_EXPECTS_INPUT(o.stride >= 1, "block-sparse mask: stride must be >= 1");
+  TRISPARSE_EXPECTS_INPUT(o.window >= 0 && o.global >= 0 && o.random >= 0,
+                          "block-sparse mask: window, global and random must be >= 0");
+  block_sparse_mask mask;
+  mask.block = o.block;
+  mask.heads = o.heads;
+  mask.causal = o.causal;
+  for (const std::int64_t len : seq_lens) {
+    TRISPARSE_EXPECTS_INPUT(len >= 0, "block-sparse mask: negative sequence length");
+    mask.cu_seqlens_q.push_back(mask.cu_seqlens_q.back() + len);
+  }
+  mask.cu_seqlens_k = mask.cu_seqlens_q;
+  for (std::int64_t b = 0; b < mask.batch(); ++b) {
+    for (std::int64_t h = 0; h < o.heads; ++h) {
+      // Each (sequence, head) its own stream: per-head masks differ, and adding a sequence does
+      // not change the others.
+      rng r(o.seed + 0x9E3779B97F4A7C15ull * static_cast<std::uint64_t>(b * o.heads + h + 1));
+      mask.masks.push_back(layout_mask(o, mask.len_q(b), r));
+    }
+  }
+  return mask;
+}
+
+}  // namespace trisparse

@@ -1,0 +1,243 @@
+// Block-sparse attention masks: each layout's defining property, the checks, causal expansion,
+// and the float64 reference over ragged batches against a direct dense computation.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <set>
+
+#include "support.hpp"
+#include "trisparse/formats/block_sparse.hpp"
+#include "trisparse/ops/reference.hpp"
+
+namespace trisparse {
+namespace {
+
+bool has(const block_mask& m, std::int64_t i, std::int64_t j) {
+  for (std::int64_t e = m.blocks.row_ptr[i]; e < m.blocks.row_ptr[i + 1]; ++e)
+    if (m.blocks.col_idx[e] == j) return true;
+  return false;
+}
+
+std::int64_t blocks_of(std::int64_t n, std::int64_t g) { return (n + g - 1) / g; }
+
+TEST(BlockSparseMask, DeterministicLayoutsKeepExactlyTheirBlocks) {
+  const std::vector<std::int64_t> lens{1000, 64, 1};
+  for (const bool causal : {false, true}) {
+    for (const block_layout l :
+         {block_layout::dense, block_layout::window, block_layout::strided, block_layout::global}) {
+      const block_sparse_mask mask = make_block_sparse_mask(
+          {.layout = l, .block = 32, .window = 2, .stride = 5, .global = 3, .causal = causal},
+          lens);
+      mask.check();
+      ASSERT_EQ(mask.batch(), 3);
+      for (std::int64_t b = 0; b < mask.batch(); ++b) {
+        const block_mask& m = mask.at(b, 0);
+        const std::int64_t nb = blocks_of(lens[b], 32);
+        ASSERT_EQ(m.blocks.rows, nb);
+        for (std::int64_t i = 0; i < nb; ++i) {
+          for (std::int64_t j = 0; j < nb; ++j) {
+            bool want = l == block_layout::dense ||
+                        (l == block_layout::window && std::abs(i - j) <= 2) ||
+                        (l == block_layout::strided && (i - j) % 5 == 0) ||
+                        (l == block_layout::global && (i < 3 || j < 3 || i == j));
+            want = want && (!causal || j <= i);
+            EXPECT_EQ(has(m, i, j), want) << "layout " << static_cast<int>(l) << " block " << i
+                                          << ", " << j << " causal " << causal;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(BlockSparseMask, RandomKeepsTheDiagonalAndAboutOneMinusP) {
+  for (const double p : {0.5, 0.9, 0.99}) {
+    const block_sparse_mask mask =
+        make_block_sparse_mask({.layout = block_layout::random, .block = 16, .p = p, .heads = 4},
+                               std::vector<std::int64_t>{16 * 300});
+    const std::int64_t nb = 300;
+    for (std::int64_t h = 0; h < 4; ++h) {
+      const block_mask& m = mask.at(0, h);
+      for (std::int64_t i = 0; i < nb; ++i) ASSERT_TRUE(has(m, i, i));
+      // Off-diagonal blocks kept: binomial(nb^2 - nb, 1 - p); 6 standard deviations.
+      const double n = static_cast<double>(nb * nb - nb),
+                   kept = static_cast<double>(m.blocks.nnz() - nb);
+      EXPECT_NEAR(kept, n * (1 - p), 6 * std::sqrt(n * p * (1 - p)) + 1) << "p " << p;
+    }
+    // Per-head masks are drawn apart.
+    EXPECT_NE(mask.at(0, 0).blocks.col_idx, mask.at(0, 1).blocks.col_idx);
+  }
+  // The same seed gives the same masks; causal drops only the blocks above the diagonal.
+  const auto full = make_block_sparse_mask({.layout = block_layout::random, .p = 0.7, .seed = 3},
+                                           std::vector<std::int64_t>{4000});
+  const auto causal =
+      make_block_sparse_mask({.layout = block_layout::random, .p = 0.7, .causal = true, .seed = 3},
+                             std::vector<std::int64_t>{4000});
+  for (std::int64_t i = 0; i < full.at(0, 0).blocks.rows; ++i) {
+    for (std::int64_t j = 0; j < full.at(0, 0).blocks.cols; ++j)
+      EXPECT_EQ(has(causal.at(0, 0), i, j), j <= i && has(full.at(0, 0), i, j));
+  }
+}
+
+TEST(BlockSparseMask, BigBirdIsWindowGlobalAndRandomBlocksPerRow) {
+  const block_sparse_mask mask = make_block_sparse_mask({.layout = block_layout::bigbird,
+                                                         .block = 64,
+                                                         .window = 1,
+                                                         .global = 2,
+                                                         .random = 3,
+                                                         .heads = 2},
+                                                        std::vector<std::int64_t>{64 * 40, 64 * 5});
+  for (std::int64_t b = 0; b < 2; ++b) {
+    for (std::int64_t h = 0; h < 2; ++h) {
+      const block_mask& m = mask.at(b, h);
+      const std::int64_t nb = m.blocks.rows;
+      for (std::int64_t i = 0; i < nb; ++i) {
+        std::int64_t structural = 0, extra = 0;
+        for (std::int64_t j = 0; j < nb; ++j) {
+          const bool s = std::abs(i - j) <= 1 || i < 2 || j < 2;
+          structural += s;
+          if (s) {
+            EXPECT_TRUE(has(m, i, j));
+          }
+          extra += !s && has(m, i, j);
+        }
+        EXPECT_EQ(extra, std::min<std::int64_t>(3, nb - structural)) << "row " << i;
+      }
+    }
+  }
+}
+
+TEST(BlockSparseMask, CheckNamesWhatIsBroken) {
+  block_sparse_mask mask = make_block_sparse_mask({.layout = block_layout::window, .block = 16},
+                                                  std::vector<std::int64_t>{100, 50});
+  EXPECT_NO_THROW(mask.check());
+  auto broken = mask;
+  broken.cu_seqlens_q = {0, 100, 90};
+  EXPECT_THROW(broken.check(), invalid_input);
+  broken = mask;
+  broken.masks.pop_back();
+  EXPECT_THROW(broken.check(), invalid_input);
+  broken = mask;
+  broken.masks[1].block = 32;
+  EXPECT_THROW(broken.check(), invalid_input);
+  broken = mask;
+  broken.cu_seqlens_k = {0, 100, 151};  // sequence 1's keys no longer match its mask
+  EXPECT_THROW(broken.check(), invalid_input);
+  EXPECT_THROW(make_block_sparse_mask({.p = 1.5}, std::vector<std::int64_t>{10}), invalid_input);
+  EXPECT_THROW(make_block_sparse_mask({.stride = 0}, std::vector<std::int64_t>{10}), invalid_input);
+}
+
+// Dense softmax attention of one sequence and head, element mask allowed(i, j), in float64.
+void dense_attention(const host_tensor& q, const host_tensor& k, const host_tensor& v,
+                     std::int64_t q0, std::int64_t k0, std::int64_t lq, std::int64_t lk,
+                     std::int64_t h, double scale, const auto& allowed, host_tensor& out) {
+  const std::int64_t heads = q.heads(), d = q.dim();
+  for (std::int64_t i = 0; i < lq; ++i) {
+    std::vector<double> s(lk, -std::numeric_limits<double>::infinity());
+    double m = -std::numeric_limits<double>::infinity();
+    for (std::int64_t j = 0; j < lk; ++j) {
+      if (!allowed(i, j)) continue;
+      double dot = 0;
+      for (std::int64_t c = 0; c < d; ++c)
+        dot += q.get(((q0 + i) * heads + h) * d + c) * k.get(((k0 + j) * heads + h) * d + c);
+      s[j] = scale * dot;
+      m = std::max(m, s[j]);
+    }
+    for (std::int64_t c = 0; c < d; ++c) {
+      double num = 0, den = 0;
+      for (std::int64_t j = 0; j < lk; ++j) {
+        if (s[j] == -std::numeric_limits<double>::infinity()) continue;
+        const double w = std::exp(s[j] - m);
+        den += w;
+        num += w * v.get(((k0 + j) * heads + h) * d + c);
+      }
+      out.set(((q0 + i) * heads + h) * d + c, den > 0 ? num / den : 0.0);
+    }
+  }
+}
+
+TEST(BlockSparseReference, RaggedBatchPerHeadCausalEqualsDenseMaskedAttention) {
+  const std::vector<std::int64_t> lens{70, 1, 33, 0, 100};
+  const std::int64_t heads = 3, d = 8, g = 16;
+  for (const bool causal : {false, true}) {
+    const block_sparse_mask mask = make_block_sparse_mask({.layout = block_layout::random,
+                                                           .block = g,
+                                                           .p = 0.6,
+                                                           .causal = causal,
+                                                           .heads = heads,
+                                                           .seed = 5},
+                                                          lens);
+    const std::int64_t n = mask.cu_seqlens_q.back();
+    host_tensor q(dtype::f32, n, heads, d), k(dtype::f32, n, heads, d), v(dtype::f32, n, heads, d),
+        out(dtype::f64, n, heads, d), want(dtype::f64, n, heads, d);
+    q.fill_uniform(-1, 1, 1);
+    k.fill_uniform(-1, 1, 2);
+    v.fill_uniform(-1, 1, 3);
+    out.fill(std::numeric_limits<double>::quiet_NaN());
+    reference::block_sparse_attention(mask, q.view(), k.view(), v.view(), out.view(), 0.5);
+    for (std::int64_t b = 0; b < mask.batch(); ++b) {
+      for (std::int64_t h = 0; h < heads; ++h) {
+        const block_mask& m = mask.at(b, h);
+        dense_attention(
+            q, k, v, mask.cu_seqlens_q[b], mask.cu_seqlens_k[b], lens[b], lens[b], h, 0.5,
+            [&](std::int64_t i, std::int64_t j) {
+              return has(m, i / g, j / g) && (!causal || j <= i);
+            },
+            want);
+      }
+    }
+    const auto e = test::compare(out, want);
+    EXPECT_TRUE(e.finite);
+    EXPECT_LE(e.relative(), 1e-12) << "causal " << causal;
+  }
+}
+
+TEST(BlockSparseReference, EmptyBlockRowsAndRowsWithoutKeysGiveZeros) {
+  // Sequence 0: block row 1 empty. Sequence 1: rectangular 40 queries x 8 keys, causal aligned at
+  // the bottom right, so queries 0-31 have no key.
+  block_sparse_mask mask;
+  mask.block = 16;
+  mask.causal = true;
+  mask.cu_seqlens_q = {0, 48, 88};
+  mask.cu_seqlens_k = {0, 48, 56};
+  block_mask a{.rows = 48, .cols = 48, .block = 16, .blocks = {}};
+  a.blocks.rows = a.blocks.cols = 3;
+  a.blocks.row_ptr = {0, 1, 1, 3};
+  a.blocks.col_idx = {0, 1, 2};
+  block_mask c{.rows = 40, .cols = 8, .block = 16, .blocks = {}};
+  c.blocks.rows = 3;
+  c.blocks.cols = 1;
+  c.blocks.row_ptr = {0, 1, 2, 3};
+  c.blocks.col_idx = {0, 0, 0};
+  mask.masks = {a, c};
+  mask.check();
+  EXPECT_EQ(mask.expand(1, 0).degree(31), 0);
+  EXPECT_EQ(mask.expand(1, 0).degree(32), 1);
+  EXPECT_EQ(mask.expand(1, 0).degree(39), 8);
+  host_tensor q(dtype::f32, 88, 1, 4), k(dtype::f32, 56, 1, 4), v(dtype::f32, 56, 1, 4),
+      out(dtype::f64, 88, 1, 4);
+  q.fill_uniform(-1, 1, 1);
+  k.fill_uniform(-1, 1, 2);
+  v.fill_uniform(1, 2, 3);  // positive values: a non-empty row's output is positive
+  out.fill(std::numeric_limits<double>::quiet_NaN());
+  reference::block_sparse_attention(mask, q.view(), k.view(), v.view(), out.view(), 1.0);
+  for (std::int64_t i = 0; i < 88; ++i) {
+    const bool empty = (i >= 16 && i < 32) || (i >= 48 && i < 48 + 32);
+    for (std::int64_t c2 = 0; c2 < 4; ++c2) {
+      if (empty)
+        EXPECT_EQ(out.get(i * 4 + c2), 0.0) << "row " << i;
+      else
+        EXPECT_GT(out.get(i * 4 + c2), 0.0) << "row " << i;
+    }
+  }
+  // A mask with 2 heads cannot serve 3 attention heads.
+  block_sparse_mask two = make_block_sparse_mask({.heads = 2}, std::vector<std::int64_t>{8});
+  host_tensor q3(dtype::f32, 8, 3, 4), o3(dtype::f64, 8, 3, 4);
+  EXPECT_THROW(
+      reference::block_sparse_attention(two, q3.view(), q3.view(), q3.view(), o3.view(), 1),
+      invalid_input);
+}
+
+}  // namespace
+}  // namespace trisparse
