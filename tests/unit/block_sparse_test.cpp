@@ -8,6 +8,7 @@
 
 #include "support.hpp"
 #include "trisparse/formats/block_sparse.hpp"
+#include "trisparse/ops/block_sparse.hpp"
 #include "trisparse/ops/reference.hpp"
 
 namespace trisparse {
@@ -237,6 +238,77 @@ TEST(BlockSparseReference, EmptyBlockRowsAndRowsWithoutKeysGiveZeros) {
   EXPECT_THROW(
       reference::block_sparse_attention(two, q3.view(), q3.view(), q3.view(), o3.view(), 1),
       invalid_input);
+}
+
+// The CPU engine (fp32) against the float64 reference: every granularity, causal or not, ragged
+// lengths (0, 1, not multiples of G), per-head and shared masks, every input and output dtype.
+TEST(BlockSparsePlan, CpuEngineMatchesTheReference) {
+  const std::vector<std::int64_t> lens{130, 0, 1, 77, 256};
+  std::uint64_t seed = 10;
+  for (const std::int64_t g : {1, 2, 8, 16, 64, 128}) {
+    for (const bool causal : {false, true}) {
+      for (const std::int64_t mask_heads : {1, 2}) {
+        ++seed;
+        const block_layout l = g <= 8 ? block_layout::bigbird : block_layout::random;
+        const auto plan =
+            block_sparse_attention_plan::build(make_block_sparse_mask({.layout = l,
+                                                                       .block = g,
+                                                                       .p = 0.7,
+                                                                       .window = 3,
+                                                                       .global = 2,
+                                                                       .random = 4,
+                                                                       .causal = causal,
+                                                                       .heads = mask_heads,
+                                                                       .seed = seed},
+                                                                      lens));
+        EXPECT_EQ(plan.report().algo, algorithm::cpu_fused);
+        std::int64_t pairs = 0;
+        for (std::int64_t b = 0; b < plan.mask().batch(); ++b) {
+          for (std::int64_t h = 0; h < mask_heads; ++h) pairs += plan.mask().expand(b, h).nnz();
+        }
+        EXPECT_EQ(plan.report().nnz, pairs);
+        const std::int64_t n = plan.mask().cu_seqlens_q.back(), d = 24;
+        for (const auto& [in, out_type] : std::vector<std::pair<dtype, dtype>>{
+                 {dtype::f32, dtype::f32}, {dtype::f16, dtype::f16}, {dtype::bf16, dtype::f32}}) {
+          SCOPED_TRACE("G " + std::to_string(g) + " causal " + std::to_string(causal) +
+                       " mask heads " + std::to_string(mask_heads) + " " +
+                       std::string(to_string(in)) + "->" + std::string(to_string(out_type)));
+          host_tensor q(in, n, 2, d), k(in, n, 2, d), v(in, n, 2, d), got(out_type, n, 2, d),
+              want(dtype::f64, n, 2, d);
+          q.fill_uniform(-2, 2, seed);
+          k.fill_uniform(-2, 2, seed + 1);
+          v.fill_uniform(-1, 1, seed + 2);
+          got.fill(std::numeric_limits<double>::quiet_NaN());
+          plan.run(q.view(), k.view(), v.view(), got.view());
+          plan.run(q.view(), k.view(), v.view(), want.view(), {.algo = algorithm::cpu_reference});
+          const auto e = test::compare(got, want);
+          EXPECT_TRUE(e.finite);
+          EXPECT_LE(e.relative(), 4 * unit_roundoff(out_type) + 1e-5);
+        }
+      }
+    }
+  }
+}
+
+TEST(BlockSparsePlan, RejectsWhatItCannotRun) {
+  const auto mask =
+      make_block_sparse_mask({.block = 16, .heads = 2}, std::vector<std::int64_t>{40, 24});
+  const auto plan = block_sparse_attention_plan::build(mask);
+  host_tensor q(dtype::f32, 64, 2, 8), o(dtype::f32, 64, 2, 8), short_q(dtype::f32, 63, 2, 8),
+      three(dtype::f32, 64, 3, 8);
+  EXPECT_NO_THROW(plan.run(q.view(), q.view(), q.view(), o.view()));
+  EXPECT_THROW(plan.run(short_q.view(), q.view(), q.view(), o.view()), invalid_input);
+  EXPECT_THROW(plan.run(three.view(), three.view(), three.view(), three.view()), invalid_input);
+  EXPECT_THROW(
+      plan.run(q.view(), q.view(), q.view(), o.view(), {.algo = algorithm::cuda_fused_bsb}),
+      invalid_input);
+  EXPECT_THROW(
+      block_sparse_attention_plan::build(mask, device_kind::cpu, {.algo = algorithm::cuda_unfused}),
+      invalid_input);
+  EXPECT_THROW(block_sparse_attention_plan::build(mask, device_kind::cuda), not_supported);
+  auto broken = mask;
+  broken.masks.pop_back();
+  EXPECT_THROW(block_sparse_attention_plan::build(broken), invalid_input);
 }
 
 }  // namespace

@@ -1,0 +1,46 @@
+#pragma once
+/// @file Block-sparse attention: O = softmax(scale · Q Kᵀ ⊙ M) V for a block mask M at granularity
+/// G over a ragged batch of sequences (formats/block_sparse.hpp), one mask per head or shared.
+#include <memory>
+
+#include "trisparse/core/stream.hpp"
+#include "trisparse/core/tensor.hpp"
+#include "trisparse/formats/block_sparse.hpp"
+#include "trisparse/ops/attention.hpp"
+
+namespace trisparse {
+
+struct block_sparse_plan_options {
+  /// cpu_reference (float64) or cpu_fused (fp32, the CPU engine); automatic = cpu_fused.
+  algorithm algo = algorithm::automatic;
+};
+
+/// Holds one checked mask for one device; run() only computes.
+class block_sparse_attention_plan {
+ public:
+  /// Checks the mask and prepares it. @throws invalid_input naming the broken invariant;
+  /// not_supported for a device or algorithm this build has no block-sparse kernel for (CUDA
+  /// kernels are not in the library yet).
+  static block_sparse_attention_plan build(block_sparse_mask mask,
+                                           device_kind where = device_kind::cpu,
+                                           const block_sparse_plan_options& options = {},
+                                           stream_ref stream = {});
+
+  /// out = attention(q, k, v) under the mask. q: [cu_seqlens_q.back(), H, D],
+  /// k: [cu_seqlens_k.back(), H, D], v: [cu_seqlens_k.back(), H, Dv], out: [cu_seqlens_q.back(),
+  /// H, Dv], on the plan's device; H = the mask's heads unless the mask is shared. Query rows with
+  /// no key left give zeros. @throws invalid_input naming the argument that is wrong.
+  void run(const tensor_view& q, const tensor_view& k, const tensor_view& v, const tensor_view& out,
+           const attention_options& options = {}, stream_ref stream = {}) const;
+
+  /// rows/cols = total query/key rows; nnz = attended (query, key) pairs of one head (all mask
+  /// heads summed when the mask is per head).
+  const plan_report& report() const;
+  const block_sparse_mask& mask() const;
+
+ private:
+  struct state;
+  std::shared_ptr<const state> state_;
+};
+
+}  // namespace trisparse

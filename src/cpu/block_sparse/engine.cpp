@@ -1,0 +1,58 @@
+// The CPU engine's block-sparse attention: one task per (sequence, query block, head); each of its
+// rows walks the active key blocks (contiguous key ranges) in chunks with an online softmax.
+#include "engine.hpp"
+
+#include <algorithm>
+#include <numbers>
+#include <utility>
+#include <vector>
+
+#include "../common/online_softmax.hpp"
+
+namespace trisparse::cpu {
+
+void block_sparse_attention_unchecked(const block_sparse_mask& mask, const tensor_view& q,
+                                      const tensor_view& k, const tensor_view& v,
+                                      const tensor_view& out, float scale) {
+  const f32_operand qf = as_f32(q), kf = as_f32(k), vf = as_f32(v);
+  const std::int64_t heads = q.heads, dk = q.dim, dv = v.dim, g = mask.block;
+  const float scale2 = scale * std::numbers::log2e_v<float>;
+  std::vector<std::pair<std::int64_t, std::int64_t>> block_rows;  // (sequence, query block)
+  for (std::int64_t b = 0; b < mask.batch(); ++b) {
+    for (std::int64_t r = 0; r * g < mask.len_q(b); ++r) block_rows.emplace_back(b, r);
+  }
+  const auto tasks = static_cast<std::int64_t>(block_rows.size()) * heads;
+
+#pragma omp parallel
+  {
+    std::vector<float> qrow(dk);
+    row_state st(dv);
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t task = 0; task < tasks; ++task) {
+      const auto [b, r] = block_rows[task / heads];
+      const std::int64_t h = task % heads;
+      const std::int64_t lq = mask.len_q(b), lk = mask.len_k(b);
+      const std::int64_t q0 = mask.cu_seqlens_q[b], k0 = mask.cu_seqlens_k[b];
+      const csr_graph& blocks = mask.at(b, h).blocks;
+      for (std::int64_t i = r * g; i < std::min(lq, (r + 1) * g); ++i) {
+        const float* qp = qf.row(q0 + i, h);
+        for (std::int64_t d = 0; d < dk; ++d) qrow[d] = qp[d] * scale2;
+        st.reset();
+        // Keys up to `last` (causal: aligned at the bottom right), within the sequence.
+        const std::int64_t last = mask.causal ? std::min(lk - 1, i + (lk - lq)) : lk - 1;
+        for (std::int64_t e = blocks.row_ptr[r]; e < blocks.row_ptr[r + 1]; ++e) {
+          const std::int64_t j0 = std::int64_t{blocks.col_idx[e]} * g;
+          const std::int64_t j1 = std::min(j0 + g, last + 1);
+          for (std::int64_t c0 = j0; c0 < j1; c0 += kChunk) {
+            attend_chunk(
+                qrow.data(), std::min(kChunk, j1 - c0), [&](std::int64_t j) { return k0 + c0 + j; },
+                kf, vf, h, dk, dv, st);
+          }
+        }
+        store_row(st, out, q0 + i, h);
+      }
+    }
+  }
+}
+
+}  // namespace trisparse::cpu

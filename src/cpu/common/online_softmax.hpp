@@ -1,0 +1,116 @@
+#pragma once
+// The CPU engines' shared pieces: fp32 operands, and one query row's online softmax over chunks of
+// keys (running max m, running sum l, accumulator acc), in exp2 with log2 e folded into the scale.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "trisparse/core/numeric.hpp"
+#include "trisparse/core/tensor.hpp"
+
+namespace trisparse::cpu {
+
+/// fp32 operand: the caller's buffer when it already is f32, else a packed converted copy.
+struct f32_operand {
+  const float* data = nullptr;
+  std::int64_t row_stride = 0, head_stride = 0;
+  std::vector<float> owned;
+  const float* row(std::int64_t r, std::int64_t h) const {
+    return data + r * row_stride + h * head_stride;
+  }
+};
+
+inline f32_operand as_f32(const tensor_view& t) {
+  f32_operand o;
+  if (t.type == dtype::f32) {
+    o.data = static_cast<const float*>(t.data);
+    o.row_stride = t.row_stride;
+    o.head_stride = t.head_stride;
+    return o;
+  }
+  o.owned.resize(static_cast<std::size_t>(t.numel()));
+#pragma omp parallel for schedule(static)
+  for (std::int64_t r = 0; r < t.rows; ++r) {
+    for (std::int64_t h = 0; h < t.heads; ++h) {
+      for (std::int64_t d = 0; d < t.dim; ++d) {
+        o.owned[(r * t.heads + h) * t.dim + d] =
+            static_cast<float>(load_as_double(t.data, t.type, t.offset(r, h, d)));
+      }
+    }
+  }
+  o.data = o.owned.data();
+  o.row_stride = t.heads * t.dim;
+  o.head_stride = t.dim;
+  return o;
+}
+
+constexpr std::int64_t kChunk = 64;    // keys per online-softmax step
+constexpr std::int64_t kPrefetch = 4;  // keys ahead whose K rows are prefetched
+
+// Gathered rows are random DRAM accesses: ask for every cache line of a row ahead of use.
+inline void prefetch_row(const float* p, std::int64_t n) {
+  for (std::int64_t d = 0; d < n; d += 16) __builtin_prefetch(p + d);
+}
+
+/// One query row's running softmax state.
+struct row_state {
+  float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
+  std::vector<float> acc, s;
+  explicit row_state(std::int64_t dv) : acc(static_cast<std::size_t>(dv)), s(kChunk) {}
+  void reset() {
+    m = -std::numeric_limits<float>::infinity();
+    l = 0.0f;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+  }
+};
+
+/// Attends qrow (already scaled by scale * log2 e) to n <= kChunk keys, key j at row key_row(j)
+/// of k and v (head h): one rescale of the state per chunk.
+template <class KeyRow>
+inline void attend_chunk(const float* qrow, std::int64_t n, KeyRow key_row, const f32_operand& kf,
+                         const f32_operand& vf, std::int64_t h, std::int64_t dk, std::int64_t dv,
+                         row_state& st) {
+  float chunk_max = -std::numeric_limits<float>::infinity();
+  for (std::int64_t j = 0; j < n; ++j) {
+    // K ahead for this loop; V of this key for the accumulation loop below.
+    if (j + kPrefetch < n) prefetch_row(kf.row(key_row(j + kPrefetch), h), dk);
+    prefetch_row(vf.row(key_row(j), h), dv);
+    const float* kp = kf.row(key_row(j), h);
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (std::int64_t d = 0; d < dk; ++d) dot += qrow[d] * kp[d];
+    st.s[j] = dot;
+    chunk_max = std::max(chunk_max, dot);
+  }
+  if (chunk_max > st.m) {  // rescale the running state once per chunk
+    const float correction = std::exp2(st.m - chunk_max);
+    st.l *= correction;
+#pragma omp simd
+    for (std::int64_t d = 0; d < dv; ++d) st.acc[d] *= correction;
+    st.m = chunk_max;
+  }
+  for (std::int64_t j = 0; j < n; ++j) {
+    const float p = std::exp2(st.s[j] - st.m);
+    st.l += p;
+    const float* vp = vf.row(key_row(j), h);
+#pragma omp simd
+    for (std::int64_t d = 0; d < dv; ++d) st.acc[d] += p * vp[d];
+  }
+}
+
+/// out[i, h, :] = acc / l (zeros for a row that saw no key, never NaN).
+inline void store_row(const row_state& st, const tensor_view& out, std::int64_t i, std::int64_t h) {
+  const float inv = st.l > 0.0f ? 1.0f / st.l : 0.0f;
+  const std::int64_t dv = out.dim;
+  if (out.type == dtype::f32) {
+    float* op = static_cast<float*>(out.data) + out.offset(i, h, 0);
+    for (std::int64_t d = 0; d < dv; ++d) op[d] = st.acc[d] * inv;
+  } else {
+    for (std::int64_t d = 0; d < dv; ++d)
+      store_from_double(out.data, out.type, out.offset(i, h, d), st.acc[d] * inv);
+  }
+}
+
+}  // namespace trisparse::cpu
