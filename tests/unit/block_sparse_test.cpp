@@ -290,6 +290,74 @@ TEST(BlockSparsePlan, CpuEngineMatchesTheReference) {
   }
 }
 
+// Dynamic masks: every chosen block scores at least as high as every block left out, the count is
+// min(top_k, allowed) (+ the diagonal), causal rows choose only blocks they may see, heads differ.
+TEST(BlockSparseTopK, ChoosesTheHighestPooledScores) {
+  const std::vector<std::int64_t> cu{0, 300, 301, 301, 557};
+  const std::int64_t heads = 2, d = 16, g = 32;
+  host_tensor q(dtype::f16, 557, heads, d), k(dtype::f16, 557, heads, d);
+  q.fill_uniform(-1, 1, 7);
+  k.fill_uniform(-1, 1, 8);
+  for (const bool causal : {false, true}) {
+    for (const bool diag : {false, true}) {
+      const block_sparse_mask m =
+          topk_block_mask(q.view(), k.view(), cu, cu,
+                          {.block = g, .top_k = 3, .causal = causal, .keep_diagonal = diag});
+      ASSERT_EQ(m.heads, heads);
+      ASSERT_EQ(m.batch(), 4);
+      for (std::int64_t b = 0; b < m.batch(); ++b) {
+        const std::int64_t len = m.len_q(b), nb = (len + g - 1) / g;
+        for (std::int64_t h = 0; h < heads; ++h) {
+          // Pooled means in float64, as the definition says.
+          const auto mean = [&](const host_tensor& t, std::int64_t blk, std::int64_t c) {
+            double sum = 0;
+            const std::int64_t r0 = blk * g, r1 = std::min(len, r0 + g);
+            for (std::int64_t i = r0; i < r1; ++i) sum += t.get(((cu[b] + i) * heads + h) * d + c);
+            return sum / static_cast<double>(r1 - r0);
+          };
+          const auto score = [&](std::int64_t r, std::int64_t c) {
+            double s2 = 0;
+            for (std::int64_t x = 0; x < d; ++x) s2 += mean(q, r, x) * mean(k, c, x);
+            return s2;
+          };
+          const block_mask& bm = m.at(b, h);
+          for (std::int64_t r = 0; r < nb; ++r) {
+            const std::int64_t allowed = causal ? r + 1 : nb;
+            std::vector<std::int64_t> chosen, left;
+            for (std::int64_t c = 0; c < allowed; ++c) (has(bm, r, c) ? chosen : left).push_back(c);
+            for (std::int64_t c = allowed; c < nb; ++c) EXPECT_FALSE(has(bm, r, c));
+            const std::int64_t want = std::min<std::int64_t>(3, allowed);
+            const bool diag_extra =
+                diag && std::find(chosen.begin(), chosen.end(), r) != chosen.end();
+            ASSERT_GE(static_cast<std::int64_t>(chosen.size()), want);
+            ASSERT_LE(static_cast<std::int64_t>(chosen.size()), want + (diag_extra ? 1 : 0));
+            if (diag) {
+              EXPECT_TRUE(has(bm, r, r));
+            }
+            // The top_k best: all but possibly the diagonal beat everything left out.
+            std::vector<double> kept;
+            for (const std::int64_t c : chosen) kept.push_back(score(r, c));
+            std::sort(kept.rbegin(), kept.rend());
+            for (const std::int64_t c : left)
+              EXPECT_LE(score(r, c), kept[static_cast<std::size_t>(want - 1)] + 1e-12);
+          }
+        }
+      }
+      EXPECT_NE(m.at(0, 0).blocks.col_idx, m.at(0, 1).blocks.col_idx);
+    }
+  }
+  // The mask runs: the plan checks it, and the CPU engine agrees with the reference.
+  const auto plan = block_sparse_attention_plan::build(
+      topk_block_mask(q.view(), k.view(), cu, cu, {.block = g, .top_k = 2, .causal = true}));
+  host_tensor got(dtype::f32, 557, heads, d), want(dtype::f64, 557, heads, d);
+  plan.run(q.view(), k.view(), k.view(), got.view());
+  plan.run(q.view(), k.view(), k.view(), want.view(), {.algo = algorithm::cpu_reference});
+  EXPECT_LE(test::compare(got, want).relative(), 1e-5);
+  EXPECT_THROW(topk_block_mask(q.view(), k.view(), std::vector<std::int64_t>{0, 556}, cu, {}),
+               invalid_input);
+  EXPECT_THROW(topk_block_mask(q.view(), k.view(), cu, cu, {.top_k = -1}), invalid_input);
+}
+
 TEST(BlockSparsePlan, RejectsWhatItCannotRun) {
   const auto mask =
       make_block_sparse_mask({.block = 16, .heads = 2}, std::vector<std::int64_t>{40, 24});

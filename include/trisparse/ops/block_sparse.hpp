@@ -2,6 +2,7 @@
 /// @file Block-sparse attention: O = softmax(scale · Q Kᵀ ⊙ M) V for a block mask M at granularity
 /// G over a ragged batch of sequences (formats/block_sparse.hpp), one mask per head or shared.
 #include <memory>
+#include <span>
 
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/tensor.hpp"
@@ -14,6 +15,25 @@ struct block_sparse_plan_options {
   /// cpu_reference (float64) or cpu_fused (fp32, the CPU engine); automatic = cpu_fused.
   algorithm algo = algorithm::automatic;
 };
+
+/// A dynamic mask from the inputs (block routing, as in MoBA and NSA's selection branch): per
+/// sequence, head and query block r, the `top_k` key blocks c with the highest score
+/// <mean of r's Q rows, mean of c's K rows>, among the blocks the row may attend (causal: c <= r
+/// in block terms, aligned at the bottom right), plus, with keep_diagonal, the block holding the
+/// key aligned with r's last row (r itself when the lengths are equal).
+/// Ties go to the lower block index. One mask per head (heads = q.heads).
+struct topk_mask_options {
+  std::int64_t block = 64;
+  std::int64_t top_k = 8;
+  bool causal = false;
+  bool keep_diagonal = true;
+};
+/// q: [cu_seqlens_q.back(), H, D], k: [cu_seqlens_k.back(), H, D] on the CPU (any dtype).
+/// @throws invalid_input on mismatched shapes or offsets, block < 1 or top_k < 0.
+block_sparse_mask topk_block_mask(const tensor_view& q, const tensor_view& k,
+                                  std::span<const std::int64_t> cu_seqlens_q,
+                                  std::span<const std::int64_t> cu_seqlens_k,
+                                  const topk_mask_options& options);
 
 /// Holds one checked mask for one device; run() only computes.
 class block_sparse_attention_plan {
