@@ -12,11 +12,6 @@ namespace trisparse {
 
 namespace {
 
-// The first key that query row i may see is 0; the last, with `causal`, i + (len_k - len_q).
-std::int64_t causal_last_key(std::int64_t i, std::int64_t len_q, std::int64_t len_k) {
-  return i + (len_k - len_q);
-}
-
 void check_offsets(const std::vector<std::int64_t>& cu, const char* name) {
   TRISPARSE_EXPECTS_INPUT(!cu.empty() && cu.front() == 0,
                           std::string("block_sparse_mask: ") + name + " must start at 0");
@@ -77,7 +72,7 @@ csr_graph block_sparse_mask::expand(std::int64_t b, std::int64_t h) const {
   c.cols = g.cols;
   c.row_ptr.assign(g.rows + 1, 0);
   for (std::int64_t i = 0; i < g.rows; ++i) {
-    const std::int64_t last = causal_last_key(i, len_q(b), len_k(b));
+    const std::int64_t last = last_key(b, i);
     for (std::int64_t e = g.row_ptr[i]; e < g.row_ptr[i + 1]; ++e) {
       if (g.col_idx[e] <= last) c.col_idx.push_back(g.col_idx[e]);
     }

@@ -26,15 +26,14 @@ std::int64_t attended_pairs(const block_sparse_mask& m) {
   std::int64_t n = 0;
   const std::int64_t g = m.block;
   for (std::int64_t b = 0; b < m.batch(); ++b) {
-    const std::int64_t lq = m.len_q(b), lk = m.len_k(b);
+    const std::int64_t lq = m.len_q(b);
     for (std::int64_t h = 0; h < m.heads; ++h) {
       const csr_graph& blocks = m.masks[b * m.heads + h].blocks;
       for (std::int64_t r = 0; r < blocks.rows; ++r) {
         for (std::int64_t e = blocks.row_ptr[r]; e < blocks.row_ptr[r + 1]; ++e) {
           const std::int64_t j0 = std::int64_t{blocks.col_idx[e]} * g;
           for (std::int64_t i = r * g; i < std::min(lq, (r + 1) * g); ++i) {
-            const std::int64_t last = m.causal ? std::min(lk - 1, i + (lk - lq)) : lk - 1;
-            n += std::max<std::int64_t>(0, std::min(j0 + g, last + 1) - j0);
+            n += std::max<std::int64_t>(0, std::min(j0 + g, m.last_key(b, i) + 1) - j0);
           }
         }
       }
@@ -57,8 +56,10 @@ block_sparse_mask topk_block_mask(const tensor_view& q, const tensor_view& k,
   mask.causal = o.causal;
   mask.cu_seqlens_q.assign(cu_seqlens_q.begin(), cu_seqlens_q.end());
   mask.cu_seqlens_k.assign(cu_seqlens_k.begin(), cu_seqlens_k.end());
-  TRISPARSE_EXPECTS_INPUT(!mask.cu_seqlens_q.empty() && !mask.cu_seqlens_k.empty(),
-                          "top-k block mask: cu_seqlens need at least one offset");
+  TRISPARSE_EXPECTS_INPUT(
+      !mask.cu_seqlens_q.empty() && mask.cu_seqlens_q.size() == mask.cu_seqlens_k.size(),
+      "top-k block mask: cu_seqlens_q and cu_seqlens_k need the same number "
+      "(>= 1) of offsets");
   check_view(q, "q", mask.cu_seqlens_q.back(), -1, -1);
   check_view(k, "k", mask.cu_seqlens_k.back(), q.heads, q.dim);
   TRISPARSE_EXPECTS_INPUT(q.where == device_kind::cpu && k.where == device_kind::cpu,
@@ -81,9 +82,7 @@ block_sparse_mask topk_block_mask(const tensor_view& q, const tensor_view& k,
   };
   for (std::int64_t b = 0; b + 1 < static_cast<std::int64_t>(mask.cu_seqlens_q.size()); ++b) {
     const std::int64_t lq = mask.cu_seqlens_q[b + 1] - mask.cu_seqlens_q[b];
-    const std::int64_t lk = b + 1 < static_cast<std::int64_t>(mask.cu_seqlens_k.size())
-                                ? mask.cu_seqlens_k[b + 1] - mask.cu_seqlens_k[b]
-                                : 0;
+    const std::int64_t lk = mask.cu_seqlens_k[b + 1] - mask.cu_seqlens_k[b];
     TRISPARSE_EXPECTS_INPUT(
         lq >= 0 && lk >= 0,
         "top-k block mask: cu_seqlens decrease at sequence " + std::to_string(b));
@@ -102,9 +101,9 @@ block_sparse_mask topk_block_mask(const tensor_view& q, const tensor_view& k,
       for (std::int64_t r = 0; r < nbq; ++r) {
         // The key aligned with the block's last row (bottom right); with causal, the key blocks
         // up to it are those with a key some row of the block may see.
-        const std::int64_t aligned = std::min(lq, (r + 1) * g) - 1 + (lk - lq);
-        const std::int64_t last_key = o.causal ? std::min(lk - 1, aligned) : lk - 1;
-        const std::int64_t allowed = last_key < 0 ? 0 : last_key / g + 1;
+        const std::int64_t row = std::min(lq, (r + 1) * g) - 1, aligned = row + (lk - lq);
+        const std::int64_t last = mask.last_key(b, row);
+        const std::int64_t allowed = last < 0 ? 0 : last / g + 1;
         scored.clear();
         for (std::int64_t c = 0; c < allowed; ++c) {
           double s = 0;

@@ -1,6 +1,7 @@
 #pragma once
 /// @file Block-sparse attention masks: per sequence of a ragged batch and per head (or shared by
 /// all heads), at block granularity G, as sparse transformers define them.
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -31,6 +32,12 @@ struct block_sparse_mask {
   /// The mask that attention head h (of any number of heads when shared) uses for sequence b.
   const block_mask& at(std::int64_t b, std::int64_t h) const {
     return masks[b * heads + (heads == 1 ? 0 : h)];
+  }
+  /// The last key query row i of sequence b may attend (-1: none): len_k - 1, or with causal
+  /// min(len_k - 1, i + len_k - len_q).
+  std::int64_t last_key(std::int64_t b, std::int64_t i) const {
+    const std::int64_t lk = len_k(b);
+    return causal ? std::min(lk - 1, i + (lk - len_q(b))) : lk - 1;
   }
   /// Kept blocks, and their share of all blocks of all (sequence, mask head) pairs.
   std::int64_t active_blocks() const;

@@ -31,15 +31,15 @@ void block_sparse_attention_unchecked(const block_sparse_mask& mask, const tenso
     for (std::int64_t task = 0; task < tasks; ++task) {
       const auto [b, r] = block_rows[task / heads];
       const std::int64_t h = task % heads;
-      const std::int64_t lq = mask.len_q(b), lk = mask.len_k(b);
+      const std::int64_t lq = mask.len_q(b);
       const std::int64_t q0 = mask.cu_seqlens_q[b], k0 = mask.cu_seqlens_k[b];
       const csr_graph& blocks = mask.at(b, h).blocks;
       for (std::int64_t i = r * g; i < std::min(lq, (r + 1) * g); ++i) {
         const float* qp = qf.row(q0 + i, h);
         for (std::int64_t d = 0; d < dk; ++d) qrow[d] = qp[d] * scale2;
         st.reset();
-        // Keys up to `last` (causal: aligned at the bottom right), within the sequence.
-        const std::int64_t last = mask.causal ? std::min(lk - 1, i + (lk - lq)) : lk - 1;
+        // Keys up to `last` (causal: aligned at the bottom right).
+        const std::int64_t last = mask.last_key(b, i);
         for (std::int64_t e = blocks.row_ptr[r]; e < blocks.row_ptr[r + 1]; ++e) {
           const std::int64_t j0 = std::int64_t{blocks.col_idx[e]} * g;
           const std::int64_t j1 = std::min(j0 + g, last + 1);
