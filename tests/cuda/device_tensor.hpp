@@ -2,12 +2,23 @@
 // Test helper: a host_tensor mirrored on the device.
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <stdexcept>
 #include <string>
 
 #include "support.hpp"
 
+#define SKIP_WITHOUT_GPU() \
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible: skipping"
+
 namespace trisparse::test {
+
+/// Normwise tolerance of a GPU kernel's result: `units` roundings of the input type (f32 inputs run
+/// as tf32: 11 significant bits) plus as many of the output type, plus 1e-5.
+inline double gpu_tolerance(dtype in, dtype out, double units) {
+  const double u_in = in == dtype::f32 ? std::ldexp(1.0, -11) : unit_roundoff(in);
+  return units * (u_in + unit_roundoff(out)) + 1e-5;
+}
 
 inline void cuda_check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));

@@ -8,9 +8,6 @@
 namespace trisparse {
 namespace {
 
-#define SKIP_WITHOUT_GPU() \
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible: skipping"
-
 struct config {
   dtype in, out;
   std::int64_t dim, heads;
@@ -21,12 +18,8 @@ std::string name(const config& c) {
          std::to_string(c.dim) + " h" + std::to_string(c.heads);
 }
 
-// Tolerance: P is rounded to the input type before P·V, the output to its type; a few of each
-// (f32 inputs run as tf32: 11 significant bits).
-double tolerance(const config& c) {
-  const double u_in = c.in == dtype::f32 ? std::ldexp(1.0, -11) : unit_roundoff(c.in);
-  return 4 * (u_in + unit_roundoff(c.out)) + 1e-5;
-}
+// Tolerance: P is rounded to the input type before P·V, the output to its type; a few of each.
+double tolerance(const config& c) { return test::gpu_tolerance(c.in, c.out, 4); }
 
 // Runs the kernel twice on fresh signed inputs (or the given transform of them) and checks: every
 // output finite, both runs bitwise equal, sampled rows within tolerance of float64.

@@ -5,13 +5,7 @@
 namespace trisparse {
 namespace {
 
-#define SKIP_WITHOUT_GPU() \
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible: skipping"
-
-double tolerance(dtype in, dtype out) {
-  const double u_in = in == dtype::f32 ? std::ldexp(1.0, -11) : unit_roundoff(in);
-  return 8 * (u_in + unit_roundoff(out)) + 1e-5;
-}
+double tolerance(dtype in, dtype out) { return test::gpu_tolerance(in, out, 8); }
 
 // The layer run twice on the GPU (poisoned output): bitwise equal, finite, near the CPU layer.
 template <class Run>

@@ -8,16 +8,10 @@
 namespace trisparse {
 namespace {
 
-#define SKIP_WITHOUT_GPU() \
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible: skipping"
-
 // 16-bit inputs: products exact, fp32 accumulation, the pattern's own fp32 values rounded to the
 // input type; tf32 rounds both operands to 11 significant bits; the output is rounded to its
 // type. A few units of each (normwise).
-double tolerance(dtype in, dtype out) {
-  const double u_in = in == dtype::f32 ? std::ldexp(1.0, -11) : unit_roundoff(in);
-  return 8 * (u_in + unit_roundoff(out)) + 1e-5;
-}
+double tolerance(dtype in, dtype out) { return test::gpu_tolerance(in, out, 8); }
 
 // Rows to check: all of a small pattern, else a sample plus the last (partial window) row.
 std::vector<std::int64_t> sample_rows(const csr_graph& g, std::uint64_t seed,
