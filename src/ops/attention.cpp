@@ -31,6 +31,8 @@ std::string_view to_string(algorithm a) {
       return "cuda_fused_bsb";
     case algorithm::cuda_unfused:
       return "cuda_unfused";
+    case algorithm::cuda_fused_block:
+      return "cuda_fused_block";
   }
   return "?";
 }
@@ -38,13 +40,14 @@ std::string_view to_string(algorithm a) {
 algorithm parse_algorithm(std::string_view name) {
   for (const auto a :
        {algorithm::automatic, algorithm::cpu_reference, algorithm::cpu_fused3s_reference,
-        algorithm::cpu_fused, algorithm::cuda_fused_bsb, algorithm::cuda_unfused}) {
+        algorithm::cpu_fused, algorithm::cuda_fused_bsb, algorithm::cuda_unfused,
+        algorithm::cuda_fused_block}) {
     if (to_string(a) == name) return a;
   }
   if (name == "auto") return algorithm::automatic;
   throw invalid_input("unknown algorithm '" + std::string(name) +
                       "' (automatic, cpu_reference, cpu_fused3s_reference, cpu_fused, "
-                      "cuda_fused_bsb, cuda_unfused)");
+                      "cuda_fused_bsb, cuda_unfused, cuda_fused_block)");
 }
 
 double effective_scale(const attention_options& options, std::int64_t head_dim) {
@@ -83,6 +86,8 @@ algorithm choose(algorithm requested, device_kind where) {
     throw invalid_input("algorithm " + std::string(to_string(algo)) + " does not run on " +
                         to_string(where));
   }
+  TRISPARSE_EXPECTS_INPUT(algo != algorithm::cuda_fused_block,
+                          "cuda_fused_block runs block masks: build a block_sparse_attention_plan");
   return algo;
 }
 

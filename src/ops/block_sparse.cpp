@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "../cpu/block_sparse/engine.hpp"
+#include "../cuda/attention/block_sparse/plan.hpp"
 #include "arguments.hpp"
 #include "trisparse/core/error.hpp"
 #include "trisparse/core/numeric.hpp"
@@ -17,6 +18,10 @@ namespace trisparse {
 struct block_sparse_attention_plan::state {
   block_sparse_mask mask;
   plan_report report;
+  std::shared_ptr<cuda::block_sparse_device_plan> device;  // cuda_fused_block
+  // cuda_fused_bsb: the element pattern of the whole packed batch (block diagonal over the
+  // sequences), one plan per mask head.
+  std::vector<attention_plan> element;
 };
 
 namespace {
@@ -40,6 +45,37 @@ std::int64_t attended_pairs(const block_sparse_mask& m) {
     }
   }
   return n;
+}
+
+// The element pattern of mask head h over the whole batch: rows are the packed query rows, columns
+// the packed key rows, sequence b's expansion placed at (cu_seqlens_q[b], cu_seqlens_k[b]).
+csr_graph batch_pattern(const block_sparse_mask& m, std::int64_t h) {
+  csr_graph g;
+  g.rows = m.cu_seqlens_q.back();
+  g.cols = m.cu_seqlens_k.back();
+  for (std::int64_t b = 0; b < m.batch(); ++b) {
+    const csr_graph e = m.expand(b, h);
+    const auto col0 = static_cast<std::int32_t>(m.cu_seqlens_k[b]);
+    for (std::int64_t r = 0; r < e.rows; ++r) {
+      for (std::int64_t x = e.row_ptr[r]; x < e.row_ptr[r + 1]; ++x)
+        g.col_idx.push_back(col0 + e.col_idx[x]);
+      g.row_ptr.push_back(g.nnz());
+    }
+  }
+  return g;
+}
+
+// One head of a [rows, heads, dim] view.
+tensor_view head_of(const tensor_view& t, std::int64_t h) {
+  tensor_view one = t;
+  one.data = static_cast<std::byte*>(t.data) +
+             h * t.head_stride * static_cast<std::int64_t>(size_of(t.type));
+  one.heads = 1;
+  return one;
+}
+
+bool runs_on_cuda(algorithm a) {
+  return a == algorithm::cuda_fused_block || a == algorithm::cuda_fused_bsb;
 }
 
 }  // namespace
@@ -131,15 +167,28 @@ block_sparse_mask topk_block_mask(const tensor_view& q, const tensor_view& k,
 
 block_sparse_attention_plan block_sparse_attention_plan::build(
     block_sparse_mask mask, device_kind where, const block_sparse_plan_options& options,
-    stream_ref /*stream*/) {
+    stream_ref stream) {
   const auto t0 = std::chrono::steady_clock::now();
   mask.check();
-  if (where != device_kind::cpu)
-    throw not_supported("block-sparse attention has no CUDA kernel in this build yet");
-  const algorithm algo = options.algo == algorithm::automatic ? algorithm::cpu_fused : options.algo;
-  TRISPARSE_EXPECTS_INPUT(algo == algorithm::cpu_reference || algo == algorithm::cpu_fused,
-                          "block-sparse attention runs cpu_reference or cpu_fused, not " +
-                              std::string(to_string(algo)));
+  // On the GPU: the tensor-core block kernel where the block is a multiple of 16; finer blocks
+  // (G = 1, 2, 8, ...) are element patterns for the fused BSB kernel, whose 16x8 tensor-core
+  // blocks with bitmaps lose nothing to a fine mask (a 16 x 16 tile of the block kernel would
+  // compute and discard every masked element).
+  const algorithm algo = options.algo != algorithm::automatic      ? options.algo
+                         : where == device_kind::cpu               ? algorithm::cpu_fused
+                         : cuda::block_sparse_supports(mask.block) ? algorithm::cuda_fused_block
+                                                                   : algorithm::cuda_fused_bsb;
+  if (where == device_kind::cpu) {
+    TRISPARSE_EXPECTS_INPUT(algo == algorithm::cpu_reference || algo == algorithm::cpu_fused,
+                            "block-sparse attention on the CPU runs cpu_reference or cpu_fused, "
+                            "not " +
+                                std::string(to_string(algo)));
+  } else {
+    TRISPARSE_EXPECTS_INPUT(runs_on_cuda(algo),
+                            "block-sparse attention on CUDA runs cuda_fused_block or "
+                            "cuda_fused_bsb, not " +
+                                std::string(to_string(algo)));
+  }
   auto s = std::make_shared<state>();
   s->report.algo = algo;
   s->report.where = where;
@@ -151,6 +200,20 @@ block_sparse_attention_plan block_sparse_attention_plan::build(
   std::int64_t bytes = 0;
   for (const block_mask& m : mask.masks)
     bytes += static_cast<std::int64_t>(8 * m.blocks.row_ptr.size() + 4 * m.blocks.col_idx.size());
+  if (algo == algorithm::cuda_fused_block) {
+    s->device = cuda::make_block_sparse_plan(mask, stream);
+    bytes = cuda::device_bytes(*s->device);
+    s->report.format += " (device)";
+  } else if (algo == algorithm::cuda_fused_bsb) {
+    bytes = 0;
+    plan_options o;
+    o.algo = algorithm::cuda_fused_bsb;
+    for (std::int64_t h = 0; h < mask.heads; ++h) {
+      s->element.push_back(attention_plan::build(batch_pattern(mask, h), where, o, stream));
+      bytes += s->element.back().report().format_bytes;
+    }
+    s->report.format += " as elements, " + s->element.front().report().format;
+  }
   s->report.format_bytes = bytes;
   s->mask = std::move(mask);
   s->report.build_seconds =
@@ -162,7 +225,7 @@ block_sparse_attention_plan block_sparse_attention_plan::build(
 
 void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k,
                                       const tensor_view& v, const tensor_view& out,
-                                      const attention_options& options, stream_ref) const {
+                                      const attention_options& options, stream_ref stream) const {
   const block_sparse_mask& m = state_->mask;
   detail::check_attention_args(m.cu_seqlens_q.back(), m.cu_seqlens_k.back(), q, k, v, out,
                                state_->report.where);
@@ -171,6 +234,10 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
                               std::to_string(q.heads) + " (a mask is per head or shared)");
   const double scale = detail::resolve_scale(options.scale, q.dim);
   const algorithm algo = options.algo == algorithm::automatic ? state_->report.algo : options.algo;
+  TRISPARSE_EXPECTS_INPUT(runs_on_cuda(algo) == runs_on_cuda(state_->report.algo) &&
+                              (!runs_on_cuda(algo) || algo == state_->report.algo),
+                          "this plan was built for " + std::string(to_string(state_->report.algo)) +
+                              ", not " + std::string(to_string(algo)));
   switch (algo) {
     case algorithm::cpu_reference:
       reference::block_sparse_attention(m, q, k, v, out, scale);
@@ -178,9 +245,25 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
     case algorithm::cpu_fused:
       cpu::block_sparse_attention_unchecked(m, q, k, v, out, static_cast<float>(scale));
       return;
+    case algorithm::cuda_fused_block:
+      cuda::run_block_sparse(*state_->device, q, k, v, out, scale, stream);
+      return;
+    case algorithm::cuda_fused_bsb: {
+      attention_options o = options;
+      o.algo = algorithm::automatic;
+      o.scale = scale;
+      if (m.heads == 1) {
+        state_->element.front().run(q, k, v, out, o, stream);
+        return;
+      }
+      for (std::int64_t h = 0; h < m.heads; ++h) {
+        state_->element[static_cast<std::size_t>(h)].run(head_of(q, h), head_of(k, h),
+                                                         head_of(v, h), head_of(out, h), o, stream);
+      }
+      return;
+    }
     default:
-      throw invalid_input("block-sparse attention runs cpu_reference or cpu_fused, not " +
-                          std::string(to_string(algo)));
+      throw invalid_input("block-sparse attention cannot run " + std::string(to_string(algo)));
   }
 }
 

@@ -373,7 +373,16 @@ TEST(BlockSparsePlan, RejectsWhatItCannotRun) {
   EXPECT_THROW(
       block_sparse_attention_plan::build(mask, device_kind::cpu, {.algo = algorithm::cuda_unfused}),
       invalid_input);
-  EXPECT_THROW(block_sparse_attention_plan::build(mask, device_kind::cuda), not_supported);
+  EXPECT_THROW(block_sparse_attention_plan::build(mask, device_kind::cpu,
+                                                  {.algo = algorithm::cuda_fused_block}),
+               invalid_input);
+  EXPECT_THROW(
+      block_sparse_attention_plan::build(mask, device_kind::cuda, {.algo = algorithm::cpu_fused}),
+      invalid_input);
+  // Without a GPU: not_supported (no CUDA backend) or cuda_error (no device).
+  if (!cuda_available()) {
+    EXPECT_THROW(block_sparse_attention_plan::build(mask, device_kind::cuda), error);
+  }
   auto broken = mask;
   broken.masks.pop_back();
   EXPECT_THROW(block_sparse_attention_plan::build(broken), invalid_input);

@@ -22,6 +22,7 @@ enum class algorithm : std::uint8_t {
   cpu_fused,              ///< fp32 fused, OpenMP over rows, online softmax (the CPU engine)
   cuda_fused_bsb,         ///< tensor-core fused 3S over BSB (CUDA)
   cuda_unfused,           ///< SDDMM -> softmax -> SpMM kernels (CUDA)
+  cuda_fused_block,       ///< block-sparse attention over block masks, G a multiple of 16 (CUDA)
 };
 std::string_view to_string(algorithm a);
 algorithm parse_algorithm(std::string_view name);

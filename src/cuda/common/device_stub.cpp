@@ -1,4 +1,5 @@
 // Without the CUDA backend there are no devices and no CUDA plans.
+#include "../attention/block_sparse/plan.hpp"
 #include "../attention/bsb/plan.hpp"
 #include "../layers/dense.hpp"
 #include "../sparse/plan.hpp"
@@ -87,4 +88,18 @@ void gemm(const blas_handle&, const tensor_view&, const tensor_view&, const tens
   no_backend();
 }
 void normalize_rows(const tensor_view&, const tensor_view&, stream_ref) { no_backend(); }
+}  // namespace trisparse::cuda
+
+namespace trisparse::cuda {
+struct block_sparse_device_plan {};
+bool block_sparse_supports(std::int64_t) { return false; }
+std::shared_ptr<block_sparse_device_plan> make_block_sparse_plan(const block_sparse_mask&,
+                                                                 stream_ref) {
+  no_backend();
+}
+void run_block_sparse(const block_sparse_device_plan&, const tensor_view&, const tensor_view&,
+                      const tensor_view&, const tensor_view&, double, stream_ref) {
+  no_backend();
+}
+std::int64_t device_bytes(const block_sparse_device_plan&) { return 0; }
 }  // namespace trisparse::cuda

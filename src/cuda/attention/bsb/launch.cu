@@ -8,6 +8,7 @@
 #include "../../common/buffer.cuh"
 #include "../../common/current_device.cuh"
 #include "../../common/error.cuh"
+#include "../../common/layout.hpp"
 #include "../../common/work_list.cuh"
 #include "../../formats/bsb_build.cuh"
 #include "kernel.cuh"
@@ -133,21 +134,6 @@ void launch_dim(std::int64_t d, dtype out, const fused3s::params& p,
   }
 }
 
-void check_layout(const tensor_view& t, const char* what) {
-  const auto misaligned = [](std::int64_t x) { return x % 8 != 0; };
-  if (misaligned(t.row_stride) || misaligned(t.head_stride) ||
-      reinterpret_cast<std::uintptr_t>(t.data) % 16 != 0) {
-    throw invalid_input(
-        std::string(what) + " " + t.describe() +
-        ": the CUDA kernel needs 16-byte aligned data and row/head strides that are "
-        "multiples of 8 elements");
-  }
-}
-
-}  // namespace
-
-namespace {
-
 std::shared_ptr<fused3s_device_plan> plan_from(device_bsb f, fused3s_limits limits,
                                                cudaStream_t s) {
   auto plan = std::make_shared<fused3s_device_plan>();
@@ -207,17 +193,13 @@ std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_view& pattern,
 
 void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const tensor_view& k,
                  const tensor_view& v, const tensor_view& out, double scale, stream_ref stream) {
-  if (q.type != k.type || q.type != v.type || (q.type != dtype::f16 && q.type != dtype::bf16)) {
-    throw invalid_input("fused 3S takes q, k, v all f16 or all bf16 (got " +
-                        std::string(to_string(q.type)) + ", " + std::string(to_string(k.type)) +
-                        ", " + std::string(to_string(v.type)) + ")");
-  }
+  check_16bit_inputs(q, k, v, "fused 3S");
   if (v.dim != q.dim)
     throw invalid_input("fused 3S needs v's dim equal to q's (" + std::to_string(q.dim) + ")");
-  check_layout(q, "q");
-  check_layout(k, "k");
-  check_layout(v, "v");
-  check_layout(out, "out");
+  check_16byte_rows(q, "q");
+  check_16byte_rows(k, "k");
+  check_16byte_rows(v, "v");
+  check_16byte_rows(out, "out");
   int device = 0;
   TRISPARSE_CUDA_TRY(cudaGetDevice(&device));
   if (device != plan.device) {

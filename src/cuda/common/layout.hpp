@@ -1,0 +1,34 @@
+#pragma once
+// Layout checks shared by the kernels that move rows in 16-byte pieces (host code).
+#include <cstdint>
+#include <string>
+
+#include "trisparse/core/error.hpp"
+#include "trisparse/core/tensor.hpp"
+
+namespace trisparse::cuda {
+
+/// @throws invalid_input unless `t` has 16-byte aligned data and row and head strides that are
+/// multiples of 8 elements.
+inline void check_16byte_rows(const tensor_view& t, const char* what) {
+  const auto misaligned = [](std::int64_t x) { return x % 8 != 0; };
+  if (misaligned(t.row_stride) || misaligned(t.head_stride) ||
+      reinterpret_cast<std::uintptr_t>(t.data) % 16 != 0) {
+    throw invalid_input(
+        std::string(what) + " " + t.describe() +
+        ": the CUDA kernel needs 16-byte aligned data and row/head strides that are "
+        "multiples of 8 elements");
+  }
+}
+
+/// @throws invalid_input unless q, k and v are all f16 or all bf16.
+inline void check_16bit_inputs(const tensor_view& q, const tensor_view& k, const tensor_view& v,
+                               const char* kernel) {
+  if (q.type != k.type || q.type != v.type || (q.type != dtype::f16 && q.type != dtype::bf16)) {
+    throw invalid_input(std::string(kernel) + " takes q, k, v all f16 or all bf16 (got " +
+                        std::string(to_string(q.type)) + ", " + std::string(to_string(k.type)) +
+                        ", " + std::string(to_string(v.type)) + ")");
+  }
+}
+
+}  // namespace trisparse::cuda

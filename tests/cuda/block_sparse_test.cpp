@@ -1,0 +1,198 @@
+// The CUDA block-sparse attention (the tensor-core block kernel for G a multiple of 16, the fused
+// BSB kernel for finer blocks) against the float64 reference (label gpu; skipped without a
+// device).
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+
+#include "device_tensor.hpp"
+
+namespace trisparse {
+namespace {
+
+struct config {
+  dtype in, out;
+  std::int64_t dim;
+};
+
+bool quick() {
+  const char* q = std::getenv("TRISPARSE_GPU_TEST_QUICK");
+  return q != nullptr && *q == '1';
+}
+
+// Runs the plan twice on poisoned outputs and checks: every output finite, both runs bitwise
+// equal, every row within tolerance of the float64 reference, rows with no key exactly zero.
+void check(const block_sparse_attention_plan& plan, const config& c, std::int64_t heads,
+           std::uint64_t seed, double scale = 0.125, double lo = -1.0, double hi = 1.0) {
+  const block_sparse_mask& m = plan.mask();
+  SCOPED_TRACE(std::string(to_string(c.in)) + "->" + std::string(to_string(c.out)) + " d" +
+               std::to_string(c.dim) + " G" + std::to_string(m.block) + " causal " +
+               std::to_string(m.causal) + " heads " + std::to_string(heads) + "/" +
+               std::to_string(m.heads) + " " + plan.report().format);
+  const std::int64_t nq = m.cu_seqlens_q.back(), nk = m.cu_seqlens_k.back();
+  host_tensor hq(c.in, nq, heads, c.dim), hk(c.in, nk, heads, c.dim), hv(c.in, nk, heads, c.dim);
+  hq.fill_uniform(lo, hi, seed);
+  hk.fill_uniform(lo, hi, seed + 1);
+  hv.fill_uniform(lo, hi, seed + 2);
+  test::device_tensor q(hq), k(hk), v(hv), out(host_tensor(c.out, nq, heads, c.dim));
+  out.poison();
+  plan.run(q.view(), k.view(), v.view(), out.view(), {.scale = scale});
+  const host_tensor first = out.download();
+  out.poison();
+  plan.run(q.view(), k.view(), v.view(), out.view(), {.scale = scale});
+  const host_tensor second = out.download();
+  ASSERT_EQ(std::memcmp(first.data(), second.data(), first.size_bytes()), 0)
+      << "runs differ: a race";
+  host_tensor want(dtype::f64, nq, heads, c.dim);
+  reference::block_sparse_attention(m, hq.view(), hk.view(), hv.view(), want.view(), scale);
+  const auto e = test::compare(first, want);
+  ASSERT_TRUE(e.finite) << "unwritten or non-finite outputs";
+  EXPECT_LE(e.relative(), test::gpu_tolerance(c.in, c.out, 4)) << "max abs " << e.max_abs;
+  std::int64_t wrong_zeros = 0;
+  for (std::int64_t b = 0; b < m.batch(); ++b) {
+    for (std::int64_t h = 0; h < heads; ++h) {
+      const csr_graph pattern = m.expand(b, h);
+      for (std::int64_t i = 0; i < m.len_q(b); ++i) {
+        if (pattern.degree(i) != 0) continue;
+        for (std::int64_t x = 0; x < c.dim; ++x)
+          wrong_zeros += first.get(first.view().offset(m.cu_seqlens_q[b] + i, h, x)) != 0.0;
+      }
+    }
+  }
+  EXPECT_EQ(wrong_zeros, 0) << "rows with no key must give exact zeros";
+}
+
+block_sparse_attention_plan cuda_plan(const block_sparse_mask& m) {
+  return block_sparse_attention_plan::build(m, device_kind::cuda);
+}
+
+// Every block size of the tensor-core kernel x input dtype x head dim x output dtype, on a ragged
+// batch (lengths 0, 1, not multiples of G) with per-head random masks, causal and not.
+TEST(GpuBlockSparse, EveryBlockTypeAndHeadDimAgainstTheReference) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<std::int64_t> lens{1, 300, 0, 517, 64};
+  std::uint64_t seed = 1;
+  for (const std::int64_t g : {16, 32, 64, 128}) {
+    for (const bool causal : {false, true}) {
+      const auto mask = make_block_sparse_mask({.layout = block_layout::random,
+                                                .block = g,
+                                                .p = 0.5,
+                                                .causal = causal,
+                                                .heads = 2,
+                                                .seed = seed++},
+                                               lens);
+      const auto plan = cuda_plan(mask);
+      ASSERT_EQ(plan.report().algo, algorithm::cuda_fused_block);
+      for (const dtype in : {dtype::f16, dtype::bf16}) {
+        for (const std::int64_t d : {64, 128}) {
+          for (const dtype out : {dtype::f32, dtype::f16, dtype::bf16}) {
+            if (quick() && out != (in == dtype::f16 ? dtype::f32 : dtype::bf16)) continue;
+            check(plan, {in, out, d}, 2, seed++);
+          }
+        }
+      }
+    }
+  }
+}
+
+// A shared mask for 3 heads; the report's layouts; a dense mask; one block per row; empty block
+// rows; large and all-negative scores.
+TEST(GpuBlockSparse, LayoutsAndEdgeCases) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<std::int64_t> lens{200, 129, 64};
+  const config c{dtype::f16, dtype::f32, 64};
+  for (const block_layout l : {block_layout::dense, block_layout::window, block_layout::strided,
+                               block_layout::global, block_layout::bigbird}) {
+    for (const bool causal : {false, true}) {
+      const auto mask = make_block_sparse_mask({.layout = l,
+                                                .block = 32,
+                                                .window = l == block_layout::window ? 0 : 1,
+                                                .stride = 3,
+                                                .causal = causal,
+                                                .seed = 9},
+                                               lens);
+      check(cuda_plan(mask), c, 3, 40 + static_cast<std::uint64_t>(l));
+    }
+  }
+  // Every other block row emptied: its rows give zeros.
+  auto mask = make_block_sparse_mask(
+      {.layout = block_layout::random, .block = 64, .p = 0.3, .heads = 2, .seed = 4}, lens);
+  for (block_mask& m : mask.masks) {
+    csr_graph kept;
+    kept.rows = m.blocks.rows;
+    kept.cols = m.blocks.cols;
+    for (std::int64_t r = 0; r < m.blocks.rows; ++r) {
+      if (r % 2 == 0) {
+        for (std::int64_t e = m.blocks.row_ptr[r]; e < m.blocks.row_ptr[r + 1]; ++e)
+          kept.col_idx.push_back(m.blocks.col_idx[e]);
+      }
+      kept.row_ptr.push_back(kept.nnz());
+    }
+    m.blocks = kept;
+  }
+  check(cuda_plan(mask), {dtype::bf16, dtype::bf16, 128}, 2, 77);
+  // Scores near 1e4 (scale 100 on inputs of magnitude <= 1, d = 64) and all-negative scores.
+  const auto dense = make_block_sparse_mask({.layout = block_layout::dense, .block = 16}, lens);
+  check(cuda_plan(dense), c, 1, 5, 100.0);
+  check(cuda_plan(dense), c, 1, 6, 1.0, 0.25, 1.0);
+}
+
+// Rectangular causal sequences (more queries than keys: the first queries see no key) from the
+// dynamic top-k builder.
+TEST(GpuBlockSparse, RectangularCausalTopKMasks) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<std::int64_t> cu_q{0, 300, 301, 700}, cu_k{0, 100, 400, 700};
+  for (const std::int64_t g : {16, 64, 128}) {
+    host_tensor q(dtype::f16, 700, 2, 64), k(dtype::f16, 700, 2, 64);
+    q.fill_uniform(-1, 1, 1);
+    k.fill_uniform(-1, 1, 2);
+    const auto mask =
+        topk_block_mask(q.view(), k.view(), cu_q, cu_k, {.block = g, .top_k = 2, .causal = true});
+    check(cuda_plan(mask), {dtype::f16, dtype::f16, 64}, 2, 11);
+  }
+}
+
+// Blocks finer than 16 go through the fused BSB kernel as element patterns.
+TEST(GpuBlockSparse, FineBlocksRunAsElementPatterns) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<std::int64_t> lens{90, 1, 130};
+  for (const std::int64_t g : {1, 2, 8, 24}) {
+    for (const std::int64_t heads : {1, 2}) {
+      const auto mask = make_block_sparse_mask({.layout = block_layout::random,
+                                                .block = g,
+                                                .p = 0.7,
+                                                .causal = heads == 2,
+                                                .heads = heads,
+                                                .seed = 3},
+                                               lens);
+      const auto plan = cuda_plan(mask);
+      ASSERT_EQ(plan.report().algo, algorithm::cuda_fused_bsb);
+      check(plan, {dtype::bf16, dtype::f32, 64}, 2, 21);
+    }
+  }
+}
+
+TEST(GpuBlockSparse, RejectsWhatItCannotRun) {
+  SKIP_WITHOUT_GPU();
+  const auto mask = make_block_sparse_mask({.block = 16}, std::vector<std::int64_t>{32});
+  const auto plan = cuda_plan(mask);
+  const auto run = [&](dtype in, std::int64_t d, dtype out) {
+    test::device_tensor q(host_tensor(in, 32, 1, d)), o(host_tensor(out, 32, 1, d));
+    plan.run(q.view(), q.view(), q.view(), o.view());
+    test::cuda_check(cudaDeviceSynchronize(), "run");
+  };
+  EXPECT_NO_THROW(run(dtype::f16, 64, dtype::f32));
+  EXPECT_THROW(run(dtype::f16, 32, dtype::f32), invalid_input);
+  EXPECT_THROW(run(dtype::f32, 64, dtype::f32), invalid_input);
+  EXPECT_THROW(run(dtype::f16, 64, dtype::f64), invalid_input);
+  EXPECT_THROW(
+      block_sparse_attention_plan::build(mask, device_kind::cuda, {.algo = algorithm::cpu_fused}),
+      invalid_input);
+  const auto fine = make_block_sparse_mask({.block = 8}, std::vector<std::int64_t>{32});
+  EXPECT_THROW(block_sparse_attention_plan::build(fine, device_kind::cuda,
+                                                  {.algo = algorithm::cuda_fused_block}),
+               not_supported);
+}
+
+}  // namespace
+}  // namespace trisparse
