@@ -8,7 +8,7 @@
 #   cmake --build build/gpu --target gpu_tests bench_fused3s bench_sparse bench_layers trisparse_cli
 #   mkdir -p data .devlibs && cp ../shared/datasets/* data/ && cp -L /lib/x86_64-linux-gnu/libzip.so.4 /lib/x86_64-linux-gnu/libbz2.so.1.0 .devlibs/
 # and call with carry = [build/gpu, data, .devlibs].
-# Usage: scripts/gpu_run.sh [tests|sanitize|bench|matrix|large|sweep|sparse|layers|all] (all = tests sanitize bench)
+# Usage: scripts/gpu_run.sh [tests|sanitize|bench|matrix|large|sweep|sparse|layers|blocksparse|all] (all = tests sanitize bench)
 # The device tool brings back at most 8 files per call: run tests+sanitize and bench+large+matrix apart.
 set -uo pipefail
 out=${OUT:-/tmp/trisparse-out}
@@ -108,5 +108,16 @@ if [ "$what" = sweep ]; then
   "$b/bench_fused3s" --no-baselines --repeat 20 --split 0,8,16,32,64,100000 data/cora.el.xz data/pubmed.el.xz \
     data/twitch_ru.el.xz data/musae_github.el.xz data/blogcatalog.el.xz data/snap_web_notredame.el.xz \
     data/tu_nci1.el.xz --rmat 18:10 > "$out/sweep.jsonl" 2>&1 || status=1
+fi
+
+# Block-sparse attention (issue 5): our kernel over random block masks, then SDPA (flash, cuDNN)
+# and flex_attention with the same masks. BLOCK_SPARSE_ARGS overrides the sweep's extent.
+if [ "$what" = blocksparse ]; then
+  masks=$(mktemp -d)
+  "$b/bench_block_sparse" --export "$masks" ${BLOCK_SPARSE_ARGS:---n 4096,32768 --g 64,128 --p 0.5,0.9,0.95,0.99} \
+    > "$out/block_sparse_ours.jsonl" 2>> "$out/stderr.log" || status=1
+  python3 bench/python/block_sparse.py "$out/block_sparse_ours.jsonl" --mask-dir "$masks" \
+    > "$out/block_sparse.jsonl" 2>> "$out/stderr.log" || status=1
+  tail -c 1500 "$out/block_sparse.jsonl"; tail -5 "$out/stderr.log"
 fi
 exit $status

@@ -23,7 +23,7 @@ constexpr float kNegInf = -__builtin_huge_valf();
 
 /// Shared-memory bytes of one instantiation: Q tile and two stages of K and V tiles.
 template <int D, int BM, int BN>
-constexpr int shared_bytes() {
+__host__ __device__ constexpr int shared_bytes() {
   return (BM + 4 * BN) * D * 2;
 }
 
@@ -33,19 +33,23 @@ __device__ __forceinline__ std::uint32_t swizzled(std::uint32_t base, int row, i
 }
 
 /// Copies `rows` rows of D 16-bit values (row r from src + r * stride) to shared memory at
-/// `base`; rows at or past `valid` are zero-filled without being read.
+/// `base`; rows at or past `valid` are zero-filled without being read. Thread x copies chunk
+/// x % (D/8) of rows x / (D/8) + i * (THREADS / (D/8)): one chunk column, so one swizzle, and
+/// addresses that step by a constant.
 template <int D, int ROWS, int THREADS>
 __device__ __forceinline__ void load_rows(std::uint32_t base, const char* src, std::int64_t stride,
-                                          std::int64_t valid) {
-  constexpr int kChunks = ROWS * D / 8;
-  static_assert(kChunks % THREADS == 0);
+                                          int valid) {
+  constexpr int kPerRow = D / 8, kStep = THREADS / kPerRow;
+  static_assert(THREADS % kPerRow == 0 && ROWS % kStep == 0);
+  const int row = static_cast<int>(threadIdx.x) / kPerRow,
+            chunk = static_cast<int>(threadIdx.x) % kPerRow;
+  const char* from = src + (row * stride + chunk * 8) * 2;
+  const std::int64_t step = kStep * stride * 2;
 #pragma unroll
-  for (int i = 0; i < kChunks / THREADS; ++i) {
-    const int idx = static_cast<int>(threadIdx.x) + i * THREADS;
-    const int row = idx / (D / 8), chunk = idx % (D / 8);
-    const bool ok = row < valid;
-    const char* from = ok ? src + (row * stride + chunk * 8) * 2 : src;
-    arch::cp_async_16(swizzled<D>(base, row, chunk), from, ok);
+  for (int i = 0; i < ROWS / kStep; ++i) {
+    const bool ok = row + i * kStep < valid;
+    arch::cp_async_16(swizzled<D>(base, row + i * kStep, chunk), ok ? from : src, ok);
+    from += step;
   }
 }
 
@@ -58,10 +62,34 @@ __device__ __forceinline__ void store_pair(O* dst, float a, float b) {
   }
 }
 
-template <class T, int D, class O, int BM, int BN>
-__global__ void __launch_bounds__(BM * 2) block_sparse_kernel(const __grid_constant__ params p) {
-  static_assert(D % 64 == 0 && BM % 16 == 0 && BN % 16 == 0);
-  constexpr int kThreads = BM * 2;  // a warp per 16 query rows
+/// 2^x for x <= 0 or -inf (MUFU.EX2, flushing subnormal results to zero).
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+/// Threads of an instantiation: a warp per MT * 16 query rows.
+template <int BM, int MT>
+__host__ __device__ constexpr int threads() {
+  return BM / (16 * MT) * 32;
+}
+
+/// Blocks per SM the registers are held to: 128 registers a thread at D = 64 (16 warps of 4 per
+/// SM), 255 at D = 128 (its accumulators alone take 96).
+template <int D, int BM, int MT>
+__host__ __device__ constexpr int min_blocks() {
+  const int per_sm = (D == 64 ? 512 : 256) / threads<BM, MT>();
+  return per_sm > 1 ? per_sm : 1;
+}
+
+/// MT: m16 tiles per warp; with two, every K and V fragment read from shared memory feeds two
+/// MMAs (but the accumulators of 32 rows do not fit the register cap; launch.cu uses one).
+template <class T, int D, class O, int BM, int BN, int MT>
+__global__ void __launch_bounds__(threads<BM, MT>(), (min_blocks<D, BM, MT>()))
+    block_sparse_kernel(const __grid_constant__ params p) {
+  static_assert(D % 64 == 0 && BM % (16 * MT) == 0 && BN % 16 == 0);
+  constexpr int kThreads = threads<BM, MT>();
   constexpr int kStage = BN * D * 2;
   extern __shared__ uint4 shared_raw[];
   const std::uint32_t sq = arch::shared_address(shared_raw);
@@ -71,30 +99,31 @@ __global__ void __launch_bounds__(BM * 2) block_sparse_kernel(const __grid_const
   const int g = lane / 4, tq = lane % 4;
   const int h = static_cast<int>(blockIdx.x) % p.heads;
   const tile t = p.tiles[blockIdx.x / p.heads];
-  const std::int64_t q0 = p.cu_q[t.seq], lq = p.cu_q[t.seq + 1] - q0;
-  const std::int64_t k0 = p.cu_k[t.seq], lk = p.cu_k[t.seq + 1] - k0;
-  const std::int64_t shift = lk - lq;  // causal: key j is visible to row i iff j <= i + shift
+  const std::int64_t q0 = p.cu_q[t.seq], k0 = p.cu_k[t.seq];
+  const int lq = static_cast<int>(p.cu_q[t.seq + 1] - q0),
+            lk = static_cast<int>(p.cu_k[t.seq + 1] - k0);
+  const int shift = lk - lq;  // causal: key j is visible to row i iff j <= i + shift
   const std::int32_t* row =
       p.row_ptr + p.mask_row[t.seq * p.mask_heads + (p.mask_heads == 1 ? 0 : h)] + t.row0 / p.block;
   const std::int32_t e0 = row[0], e1 = row[1];
   const int sub = p.block / BN;  // key tiles per key block
-  const std::int64_t last_row = min(std::int64_t{t.row0} + BM, lq) - 1;
+  const int last_row = min(t.row0 + BM, lq) - 1;
   // The last key any row of the tile sees, and the last every row sees (no masking up to it).
-  const std::int64_t kmax = p.causal ? min(lk - 1, last_row + shift) : lk - 1;
-  const std::int64_t kall = p.causal ? min(lk - 1, t.row0 + shift) : lk - 1;
-  const std::int64_t tiles = std::int64_t{e1 - e0} * sub;
+  const int kmax = p.causal ? min(lk - 1, last_row + shift) : lk - 1;
+  const int kall = p.causal ? min(lk - 1, t.row0 + shift) : lk - 1;
+  const int tiles = (e1 - e0) * sub;
   // Key start of the it-th tile, or -1 past the end (block lists ascend, so the causal limit
   // ends the walk).
-  const auto key_start = [&](std::int64_t it) -> std::int64_t {
+  const auto key_start = [&](int it) -> int {
     if (it >= tiles) return -1;
-    const std::int64_t j = std::int64_t{p.col_idx[e0 + it / sub]} * p.block + (it % sub) * BN;
+    const int j = p.col_idx[e0 + it / sub] * p.block + (it % sub) * BN;
     return j <= kmax ? j : -1;
   };
 
   const char* qg = static_cast<const char*>(p.q) + ((q0 + t.row0) * p.q_row + h * p.q_head) * 2;
   const char* kg = static_cast<const char*>(p.k) + (k0 * p.k_row + h * p.k_head) * 2;
   const char* vg = static_cast<const char*>(p.v) + (k0 * p.v_row + h * p.v_head) * 2;
-  std::int64_t j_cur = key_start(0);
+  int j_cur = key_start(0);
   if (j_cur >= 0) {
     load_rows<D, BM, kThreads>(sq, qg, p.q_row, lq - t.row0);
     arch::cp_async_commit();
@@ -103,16 +132,22 @@ __global__ void __launch_bounds__(BM * 2) block_sparse_kernel(const __grid_const
     arch::cp_async_commit();
   }
 
-  std::uint32_t qa[D / 16][4];
-  float o[D / 8][4];
+  std::uint32_t qa[MT][D / 16][4];
+  float o[MT][D / 8][4];
 #pragma unroll
-  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
-  const std::int64_t i_lo = t.row0 + warp * 16 + g;  // this thread's rows: i_lo, i_lo + 8
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+  }
+  // Row state of this thread's rows warp * 16 MT + 16 mt + g + 8 r, at [mt][r].
+  float m[MT][2], l[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = kNegInf, l[mt][0] = l[mt][1] = 0.f;
+  const int i_lo = t.row0 + warp * 16 * MT + g;
 
-  for (std::int64_t it = 0; j_cur >= 0; ++it) {
+  for (int it = 0; j_cur >= 0; ++it) {
     const int stage = static_cast<int>(it & 1);
-    const std::int64_t j_next = key_start(it + 1);
+    const int j_next = key_start(it + 1);
     if (j_next >= 0) {
       const std::uint32_t off = (stage ^ 1) * kStage;
       load_rows<D, BN, kThreads>(sk + off, kg + j_next * p.k_row * 2, p.k_row, lk - j_next);
@@ -123,15 +158,22 @@ __global__ void __launch_bounds__(BM * 2) block_sparse_kernel(const __grid_const
     __syncthreads();
     if (it == 0) {
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk)
-        arch::ldmatrix_x4(qa[kk], swizzled<D>(sq, warp * 16 + lane % 16, 2 * kk + lane / 16));
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+          arch::ldmatrix_x4(qa[mt][kk],
+                            swizzled<D>(sq, (warp * MT + mt) * 16 + lane % 16, 2 * kk + lane / 16));
+      }
     }
     const std::uint32_t ks = sk + stage * kStage, vs = sv + stage * kStage;
 
-    // S = Q Kᵀ for this warp's 16 rows and the tile's BN keys.
-    float s[BN / 8][4];
+    // S = Q Kᵀ for this warp's rows and the tile's BN keys.
+    float s[MT][BN / 8][4];
 #pragma unroll
-    for (int n = 0; n < BN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int n = 0; n < BN / 8; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+    }
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
@@ -139,64 +181,81 @@ __global__ void __launch_bounds__(BM * 2) block_sparse_kernel(const __grid_const
         std::uint32_t b[4];
         arch::ldmatrix_x4(
             b, swizzled<D>(ks, np * 16 + lane % 8 + 8 * (lane / 16), 2 * kk + (lane / 8) % 2));
-        arch::mma_16x8x16_f32<T>(s[2 * np], qa[kk], {b[0], b[1]});
-        arch::mma_16x8x16_f32<T>(s[2 * np + 1], qa[kk], {b[2], b[3]});
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          arch::mma_16x8x16_f32<T>(s[mt][2 * np], qa[mt][kk], {b[0], b[1]});
+          arch::mma_16x8x16_f32<T>(s[mt][2 * np + 1], qa[mt][kk], {b[2], b[3]});
+        }
       }
     }
     // Scale (into log2 units) and mask keys past the sequence or the causal limit.
     const bool masked = j_cur + BN - 1 > kall;
 #pragma unroll
-    for (int n = 0; n < BN / 8; ++n) {
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[n][e] *= p.scale_log2;
-        if (masked) {
-          const std::int64_t j = j_cur + n * 8 + 2 * tq + (e & 1);
-          const std::int64_t i = i_lo + (e >> 1) * 8;
-          if (j >= lk || (p.causal && j > i + shift)) s[n][e] = kNegInf;
+      for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[mt][n][e] *= p.scale_log2;
+          if (masked) {
+            const int j = j_cur + n * 8 + 2 * tq + (e & 1);
+            const int i = i_lo + mt * 16 + (e >> 1) * 8;
+            if (j >= lk || (p.causal && j > i + shift)) s[mt][n][e] = kNegInf;
+          }
         }
       }
     }
     // Online softmax: per row the running max m (log2 units) and this thread's partial sum l.
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = kNegInf;
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int n = 0; n < BN / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m[r], mx);
-      const float base = m_new == kNegInf ? 0.f : m_new;  // a row with no key yet stays at 0
-      const float alpha = exp2f(m[r] - base);
-      m[r] = m_new;
-      float sum = 0.f;
+      for (int r = 0; r < 2; ++r) {
+        float mx = kNegInf;
 #pragma unroll
-      for (int n = 0; n < BN / 8; ++n) {
-        s[n][2 * r] = exp2f(s[n][2 * r] - base);
-        s[n][2 * r + 1] = exp2f(s[n][2 * r + 1] - base);
-        sum += s[n][2 * r] + s[n][2 * r + 1];
-      }
-      l[r] = l[r] * alpha + sum;
+        for (int n = 0; n < BN / 8; ++n)
+          mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m[mt][r], mx);
+        const float base = m_new == kNegInf ? 0.f : m_new;  // a row with no key yet stays at 0
+        const float alpha = exp2_approx(m[mt][r] - base);
+        m[mt][r] = m_new;
+        float sum = 0.f;
 #pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        o[n][2 * r] *= alpha;
-        o[n][2 * r + 1] *= alpha;
+        for (int n = 0; n < BN / 8; ++n) {
+          s[mt][n][2 * r] = exp2_approx(s[mt][n][2 * r] - base);
+          s[mt][n][2 * r + 1] = exp2_approx(s[mt][n][2 * r + 1] - base);
+          sum += s[mt][n][2 * r] + s[mt][n][2 * r + 1];
+        }
+        l[mt][r] = l[mt][r] * alpha + sum;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+          o[mt][n][2 * r] *= alpha;
+          o[mt][n][2 * r + 1] *= alpha;
+        }
       }
     }
     // O += P V: P's A fragments straight from the S accumulators.
 #pragma unroll
     for (int kp = 0; kp < BN / 16; ++kp) {
-      const std::uint32_t pa[4] = {arch::pack2<T>(s[2 * kp][0], s[2 * kp][1]),
-                                   arch::pack2<T>(s[2 * kp][2], s[2 * kp][3]),
-                                   arch::pack2<T>(s[2 * kp + 1][0], s[2 * kp + 1][1]),
-                                   arch::pack2<T>(s[2 * kp + 1][2], s[2 * kp + 1][3])};
+      std::uint32_t pa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        pa[mt][0] = arch::pack2<T>(s[mt][2 * kp][0], s[mt][2 * kp][1]);
+        pa[mt][1] = arch::pack2<T>(s[mt][2 * kp][2], s[mt][2 * kp][3]);
+        pa[mt][2] = arch::pack2<T>(s[mt][2 * kp + 1][0], s[mt][2 * kp + 1][1]);
+        pa[mt][3] = arch::pack2<T>(s[mt][2 * kp + 1][2], s[mt][2 * kp + 1][3]);
+      }
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         std::uint32_t b[4];
         arch::ldmatrix_x4_trans(
             b, swizzled<D>(vs, kp * 16 + lane % 8 + 8 * ((lane / 8) % 2), 2 * dp + lane / 16));
-        arch::mma_16x8x16_f32<T>(o[2 * dp], pa, {b[0], b[1]});
-        arch::mma_16x8x16_f32<T>(o[2 * dp + 1], pa, {b[2], b[3]});
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          arch::mma_16x8x16_f32<T>(o[mt][2 * dp], pa[mt], {b[0], b[1]});
+          arch::mma_16x8x16_f32<T>(o[mt][2 * dp + 1], pa[mt], {b[2], b[3]});
+        }
       }
     }
     __syncthreads();  // every warp is done with this stage before it is refilled
@@ -205,16 +264,20 @@ __global__ void __launch_bounds__(BM * 2) block_sparse_kernel(const __grid_const
 
   // O / l; rows with no key (l = 0) give zeros.
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    const std::int64_t i = i_lo + 8 * r;
-    if (i >= lq) continue;
-    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-    O* dst = static_cast<O*>(p.out) + (q0 + i) * p.o_row + h * p.o_head + 2 * tq;
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n)
-      store_pair(dst + 8 * n, o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+    for (int r = 0; r < 2; ++r) {
+      float sum = l[mt][r];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const int i = i_lo + 16 * mt + 8 * r;
+      if (i >= lq) continue;
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      O* dst = static_cast<O*>(p.out) + (q0 + i) * p.o_row + h * p.o_head + 2 * tq;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n)
+        store_pair(dst + 8 * n, o[mt][n][2 * r] * inv, o[mt][n][2 * r + 1] * inv);
+    }
   }
 }
 

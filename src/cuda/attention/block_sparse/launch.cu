@@ -27,18 +27,23 @@ struct block_sparse_device_plan {
 
 namespace {
 
-/// Query rows (= keys) per tile: the largest of 64, 32, 16 that divides the block, so a tile
-/// never crosses a query or key block. 64 rows are 4 warps and a 64-key tile per step.
+/// Query rows per tile: the largest of 64, 32, 16 that divides the block, so a tile never crosses
+/// a query or key block. (128-row tiles of 8 warps measured no faster at G = 128 than two 64-row
+/// tiles: docs/notes/block_sparse.md.)
 std::int64_t tile_rows_for(std::int64_t block) {
   for (const std::int64_t t : {64, 32, 16})
     if (block % t == 0) return t;
   return 0;
 }
 
+// Tiles: BM query rows, BN = BM keys per step, a warp per 16 rows (MT = 1). 32 rows per warp
+// (MT = 2) spilled under the 128-register cap at D = 64 and measured slower without it (H200,
+// docs/notes/block_sparse.md).
 template <class T, int D, class O, int BM>
 void launch(const block_sparse::params& p, std::int32_t tiles, cudaStream_t s) {
-  constexpr int kBytes = block_sparse::shared_bytes<D, BM, BM>();
-  const auto kernel = block_sparse::block_sparse_kernel<T, D, O, BM, BM>;
+  constexpr int BN = BM, MT = 1;
+  constexpr int kBytes = block_sparse::shared_bytes<D, BM, BN>();
+  const auto kernel = block_sparse::block_sparse_kernel<T, D, O, BM, BN, MT>;
   static const bool configured = [&] {
     TRISPARSE_CUDA_TRY(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
@@ -49,7 +54,7 @@ void launch(const block_sparse::params& p, std::int32_t tiles, cudaStream_t s) {
   if (blocks == 0) return;
   if (blocks > std::numeric_limits<std::int32_t>::max())
     throw invalid_input("block-sparse attention: too many query tiles x heads for one launch");
-  kernel<<<static_cast<unsigned>(blocks), BM * 2, kBytes, s>>>(p);
+  kernel<<<static_cast<unsigned>(blocks), block_sparse::threads<BM, MT>(), kBytes, s>>>(p);
   TRISPARSE_CUDA_CHECK_LAUNCH();
 }
 

@@ -1,0 +1,238 @@
+// GPU block-sparse attention benchmark (the report's sweep): per (N, p, G, seed), the mask (random
+// layout, diagonal kept), the plan build time, the kernel time (median of event-timed runs after
+// warm-up, rotating input sets), effective TFLOP/s (4 · attended pairs · D · heads), our kernel on
+// a dense mask at the same N as the in-project dense baseline, and a check of sampled rows of
+// every timed output against float64. One JSON object per line. With --export DIR, each mask is
+// written as DIR/<name>.u8 (uint8 [mask heads, N/G, N/G], 1 = kept) for the PyTorch script.
+//   bench_block_sparse [--n N,...] [--p P,...] [--g G,...] [--seeds S] [--heads H] [--dim D]
+//                      [--dtype f16|bf16] [--causal] [--repeat R] [--max-pairs X] [--export DIR]
+#include <cuda_runtime.h>
+
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "common.hpp"
+#include "trisparse/trisparse.hpp"
+
+namespace {
+
+using namespace trisparse;
+using bench::check;
+using bench::device_mem;
+using bench::time_runs;
+
+struct inputs {
+  std::vector<host_tensor> host;  // q, k, v of set 0 (for the accuracy check)
+  std::vector<std::unique_ptr<device_mem>> mem;
+  std::vector<tensor_view> views;  // [set * 3 + {q, k, v}]
+};
+
+// `sets` sets of Q, K, V, uniform in [-1, 1), on the device.
+inputs make_inputs(dtype t, std::int64_t n, std::int64_t heads, std::int64_t dim, int sets,
+                   std::uint64_t seed) {
+  inputs x;
+  for (int s = 0; s < sets; ++s) {
+    for (int w = 0; w < 3; ++w) {
+      host_tensor h(t, n, heads, dim);
+      h.fill_uniform(-1, 1, seed + static_cast<std::uint64_t>(3 * s + w));
+      x.mem.push_back(std::make_unique<device_mem>(h.size_bytes()));
+      check(cudaMemcpy(x.mem.back()->p, h.data(), h.size_bytes(), cudaMemcpyHostToDevice),
+            "upload");
+      tensor_view v = h.view();
+      v.data = x.mem.back()->p;
+      v.where = device_kind::cuda;
+      x.views.push_back(v);
+      if (s == 0) x.host.push_back(std::move(h));
+    }
+  }
+  return x;
+}
+
+// Max normwise relative error of sampled rows (all heads) against float64 attention computed
+// straight from the mask.
+double check_rows(const block_sparse_mask& m, const inputs& x, const host_tensor& out, double scale,
+                  std::uint64_t seed) {
+  const host_tensor &q = x.host[0], &k = x.host[1], &v = x.host[2];
+  const std::int64_t heads = q.heads(), dim = q.dim(), g = m.block;
+  rng r(seed);
+  double max_err = 0, max_ref = 0;
+  for (int sample = 0; sample < 64; ++sample) {
+    const auto i = static_cast<std::int64_t>(r.below(static_cast<std::uint64_t>(m.len_q(0))));
+    for (std::int64_t h = 0; h < heads; ++h) {
+      const csr_graph& blocks = m.at(0, h).blocks;
+      std::vector<std::int64_t> keys;
+      for (std::int64_t e = blocks.row_ptr[i / g]; e < blocks.row_ptr[i / g + 1]; ++e) {
+        for (std::int64_t j = blocks.col_idx[e] * g;
+             j < std::min((blocks.col_idx[e] + 1) * g, m.last_key(0, i) + 1); ++j)
+          keys.push_back(j);
+      }
+      std::vector<double> s(keys.size());
+      double mx = -1e300;
+      for (std::size_t a = 0; a < keys.size(); ++a) {
+        double dot = 0;
+        for (std::int64_t c = 0; c < dim; ++c)
+          dot += q.get(q.view().offset(i, h, c)) * k.get(k.view().offset(keys[a], h, c));
+        s[a] = dot * scale;
+        mx = std::max(mx, s[a]);
+      }
+      double sum = 0;
+      for (double& e : s) sum += (e = std::exp(e - mx));
+      for (std::int64_t c = 0; c < dim; ++c) {
+        double want = 0;
+        for (std::size_t a = 0; a < keys.size(); ++a)
+          want += s[a] * v.get(v.view().offset(keys[a], h, c));
+        want = keys.empty() ? 0.0 : want / sum;
+        const double got = out.get(out.view().offset(i, h, c));
+        if (!std::isfinite(got)) return INFINITY;
+        max_err = std::max(max_err, std::abs(got - want));
+        max_ref = std::max(max_ref, std::abs(want));
+      }
+    }
+  }
+  return max_err / std::max(max_ref, 1e-300);
+}
+
+void export_mask(const block_sparse_mask& m, const std::string& path) {
+  const std::int64_t nb = m.masks[0].blocks.rows, nc = m.masks[0].blocks.cols;
+  std::vector<std::uint8_t> dense(static_cast<std::size_t>(m.heads * nb * nc), 0);
+  for (std::int64_t h = 0; h < m.heads; ++h) {
+    const csr_graph& b = m.masks[static_cast<std::size_t>(h)].blocks;
+    for (std::int64_t r = 0; r < nb; ++r)
+      for (std::int64_t e = b.row_ptr[r]; e < b.row_ptr[r + 1]; ++e)
+        dense[static_cast<std::size_t>((h * nb + r) * nc + b.col_idx[e])] = 1;
+  }
+  std::ofstream f(path, std::ios::binary);
+  f.write(reinterpret_cast<const char*>(dense.data()), static_cast<std::streamsize>(dense.size()));
+  if (!f) throw std::runtime_error("cannot write " + path);
+}
+
+struct result {
+  double ms = 0, build_s = 0, error = 0;
+  std::int64_t pairs = 0;
+  std::string algo;
+};
+
+result run_one(const block_sparse_mask& mask, const inputs& x, std::int64_t heads, int repeat,
+               std::uint64_t seed) {
+  result res;
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto plan = block_sparse_attention_plan::build(mask, device_kind::cuda);
+  check(cudaDeviceSynchronize(), "plan");
+  res.build_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  res.algo = std::string(to_string(plan.report().algo));
+  res.pairs = plan.report().nnz * (mask.heads == 1 ? heads : 1);
+  const tensor_view& q0 = x.views[0];
+  host_tensor out(dtype::f16, q0.rows, heads, q0.dim);
+  device_mem dout(out.size_bytes());
+  tensor_view o = out.view();
+  o.data = dout.p;
+  o.where = device_kind::cuda;
+  const int sets = static_cast<int>(x.views.size() / 3);
+  const auto call = [&](int s) {
+    plan.run(x.views[3 * s], x.views[3 * s + 1], x.views[3 * s + 2], o);
+  };
+  check(cudaMemset(dout.p, 0xFF, out.size_bytes()), "poison");
+  call(0);
+  check(cudaMemcpy(out.data(), dout.p, out.size_bytes(), cudaMemcpyDeviceToHost), "download");
+  res.error = check_rows(mask, x, out, 1.0 / std::sqrt(static_cast<double>(q0.dim)), seed);
+  res.ms = time_runs(repeat, sets, true, call).median;
+  return res;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"block-sparse attention benchmark (H200)"};
+  std::vector<std::int64_t> ns{1024, 4096, 16384, 32768}, gs{64, 128};
+  std::vector<double> ps{0.5, 0.9, 0.95, 0.99};
+  std::int64_t heads = 8, dim = 64, max_pairs = std::int64_t{1} << 31;
+  int seeds = 1, repeat = 20;
+  std::string type = "f16", export_dir;
+  bool causal = false;
+  app.add_option("--n", ns, "sequence lengths")->delimiter(',');
+  app.add_option("--p", ps, "sparsities (fraction of blocks dropped)")->delimiter(',');
+  app.add_option("--g", gs, "block sizes")->delimiter(',');
+  app.add_option("--seeds", seeds);
+  app.add_option("--heads", heads);
+  app.add_option("--dim", dim);
+  app.add_option("--dtype", type);
+  app.add_option("--repeat", repeat);
+  app.add_option("--max-pairs", max_pairs,
+                 "skip blocks finer than 16 (run as element patterns) with more pairs");
+  app.add_option("--export", export_dir, "write each mask for bench/python/block_sparse.py");
+  app.add_flag("--causal", causal);
+  CLI11_PARSE(app, argc, argv);
+  const dtype t = parse_dtype(type);
+  cudaDeviceProp prop{};
+  check(cudaGetDeviceProperties(&prop, 0), "device");
+  for (const std::int64_t n : ns) {
+    // Input sets: enough to exceed the L2 where they are small.
+    const std::int64_t set_bytes = 3 * n * heads * dim * 2;
+    const int sets = static_cast<int>(std::clamp<std::int64_t>(
+        2 * prop.l2CacheSize / std::max<std::int64_t>(set_bytes, 1) + 1, 1, 4));
+    const inputs x = make_inputs(t, n, heads, dim, sets, static_cast<std::uint64_t>(n));
+    const std::vector<std::int64_t> lens{n};
+    // In-project dense baseline: our kernel on a dense mask (G = 128).
+    const auto dense = make_block_sparse_mask(
+        {.layout = block_layout::dense, .block = 128, .causal = causal}, lens);
+    const result d = run_one(dense, x, heads, repeat, 1);
+    for (const std::int64_t g : gs) {
+      for (const double p : ps) {
+        for (int seed = 1; seed <= seeds; ++seed) {
+          nlohmann::json j{{"n", n},
+                           {"p", p},
+                           {"g", g},
+                           {"seed", seed},
+                           {"heads", heads},
+                           {"dim", dim},
+                           {"dtype", type},
+                           {"causal", causal},
+                           {"gpu", prop.name},
+                           {"dense_ours_ms", d.ms},
+                           {"dense_ours_error", d.error}};
+          const auto mask = make_block_sparse_mask({.layout = block_layout::random,
+                                                    .block = g,
+                                                    .p = p,
+                                                    .causal = causal,
+                                                    .heads = heads,
+                                                    .seed = static_cast<std::uint64_t>(seed)},
+                                                   lens);
+          const std::int64_t pairs_bound = mask.active_blocks() * g * g;
+          j["density"] = mask.density();
+          if (pairs_bound > max_pairs) {
+            j["skipped"] =
+                "more than --max-pairs attended pairs (" + std::to_string(pairs_bound) + ")";
+            std::cout << j.dump() << std::endl;
+            continue;
+          }
+          const result r = run_one(mask, x, heads, repeat, static_cast<std::uint64_t>(seed));
+          j["algo"] = r.algo;
+          j["ms"] = r.ms;
+          j["build_ms"] = 1e3 * r.build_s;
+          j["pairs"] = r.pairs;
+          j["tflops"] = 4.0 * static_cast<double>(r.pairs) * static_cast<double>(dim) / r.ms * 1e-9;
+          j["speedup_vs_dense_ours"] = d.ms / r.ms;
+          j["max_rel_error"] = r.error;
+          if (!export_dir.empty()) {
+            const std::string name = "mask_n" + std::to_string(n) + "_g" + std::to_string(g) +
+                                     "_p" + std::to_string(p) + "_s" + std::to_string(seed) +
+                                     (causal ? "_causal" : "");
+            export_mask(mask, export_dir + "/" + name + ".u8");
+            j["mask_file"] = name + ".u8";
+          }
+          std::cout << j.dump() << std::endl;
+        }
+      }
+    }
+  }
+  return 0;
+}
