@@ -208,9 +208,9 @@ int main(int argc, char** argv) {
                                                    lens);
           const std::int64_t pairs_bound = mask.active_blocks() * g * g;
           j["density"] = mask.density();
-          if (pairs_bound > max_pairs) {
-            j["skipped"] =
-                "more than --max-pairs attended pairs (" + std::to_string(pairs_bound) + ")";
+          if (g % 16 != 0 && pairs_bound > max_pairs) {  // element patterns (the BSB path)
+            j["skipped"] = "element pattern of more than --max-pairs pairs (" +
+                           std::to_string(pairs_bound) + ")";
             std::cout << j.dump() << std::endl;
             continue;
           }

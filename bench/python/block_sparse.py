@@ -74,6 +74,10 @@ def main():
     ap.add_argument("--repeat", type=int, default=20)
     args = ap.parse_args()
     dev = torch.device("cuda")
+    # One compilation per (N, G, kernel options): past Dynamo's default limit of 8 the call would
+    # silently fall back to eager flex_attention (materialising the scores).
+    torch._dynamo.config.recompile_limit = 1024
+    torch._dynamo.config.accumulated_recompile_limit = 4096
     compiled = torch.compile(flex_attention, dynamic=False)
     dense_cache, inputs = {}, {}
     rows = [json.loads(l) for l in open(args.bench_jsonl) if l.strip()]
@@ -114,6 +118,8 @@ def main():
         try:
             if r.get("causal", False):
                 raise ValueError("causal masks are not exported with their element mask")
+            if g < 16:
+                raise ValueError("flex_attention's kernel tiles are at least 16 (BLOCK_M = 8 fails to compile)")
             torch.cuda.synchronize()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
