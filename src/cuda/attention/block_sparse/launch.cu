@@ -138,6 +138,8 @@ std::shared_ptr<block_sparse_device_plan> make_block_sparse_plan(const block_spa
   const std::int64_t g = mask.block;
   for (std::int64_t b = 0; b < mask.batch(); ++b) {
     const std::int64_t lq = mask.len_q(b);
+    // The kernel's row and key arithmetic is 32-bit.
+    narrow(std::max(lq, mask.len_k(b)) + 2 * mask.block, "a sequence length");
     for (std::int64_t r0 = 0; r0 < lq; r0 += bm) {
       const std::int64_t kmax = mask.last_key(b, std::min(lq, r0 + bm) - 1);
       std::int64_t most = 0;
