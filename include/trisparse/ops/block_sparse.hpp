@@ -12,7 +12,10 @@
 namespace trisparse {
 
 struct block_sparse_plan_options {
-  /// cpu_reference (float64) or cpu_fused (fp32, the CPU engine); automatic = cpu_fused.
+  /// On the CPU: cpu_reference (float64) or cpu_fused (fp32, the CPU engine; automatic). On CUDA:
+  /// cuda_fused_block (the tensor-core block kernel, G a multiple of 16; automatic there) or
+  /// cuda_fused_bsb (the mask as an element pattern through the fused BSB kernel; automatic for
+  /// other G).
   algorithm algo = algorithm::automatic;
 };
 
@@ -38,15 +41,17 @@ block_sparse_mask topk_block_mask(const tensor_view& q, const tensor_view& k,
 /// Holds one checked mask for one device; run() only computes.
 class block_sparse_attention_plan {
  public:
-  /// Checks the mask and prepares it. @throws invalid_input naming the broken invariant;
-  /// not_supported for a device or algorithm this build has no block-sparse kernel for (CUDA
-  /// kernels are not in the library yet).
+  /// Checks the mask and prepares it (on CUDA: uploads it and orders the query tiles by work, or
+  /// builds the element patterns' BSB). @throws invalid_input naming the broken invariant or an
+  /// algorithm that does not run on `where`; not_supported without the CUDA backend or for
+  /// cuda_fused_block with a block that is not a multiple of 16.
   static block_sparse_attention_plan build(block_sparse_mask mask,
                                            device_kind where = device_kind::cpu,
                                            const block_sparse_plan_options& options = {},
                                            stream_ref stream = {});
 
-  /// out = attention(q, k, v) under the mask. q: [cu_seqlens_q.back(), H, D],
+  /// out = attention(q, k, v) under the mask (CUDA: asynchronous on `stream`; q, k, v f16 or bf16,
+  /// D 64 or 128 for cuda_fused_block). q: [cu_seqlens_q.back(), H, D],
   /// k: [cu_seqlens_k.back(), H, D], v: [cu_seqlens_k.back(), H, Dv], out: [cu_seqlens_q.back(),
   /// H, Dv], on the plan's device; H = the mask's heads unless the mask is shared. Query rows with
   /// no key left give zeros. @throws invalid_input naming the argument that is wrong.
