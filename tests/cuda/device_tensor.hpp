@@ -3,6 +3,8 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstring>
+#include <functional>
 #include <stdexcept>
 #include <string>
 
@@ -54,5 +56,19 @@ class device_tensor {
   host_tensor h_;
   void* d_ = nullptr;
 };
+
+/// Runs `run` (which writes `out`) twice, poisoning `out` before each, and asserts that both
+/// results are bitwise equal (a race or an unwritten element shows); `first` gets the first.
+inline void run_twice_identically(device_tensor& out, const std::function<void()>& run,
+                                  host_tensor& first) {
+  out.poison();
+  run();
+  first = out.download();
+  out.poison();
+  run();
+  const host_tensor second = out.download();
+  ASSERT_EQ(std::memcmp(first.data(), second.data(), first.size_bytes()), 0)
+      << "runs differ: a race";
+}
 
 }  // namespace trisparse::test

@@ -11,13 +11,9 @@ double tolerance(dtype in, dtype out) { return test::gpu_tolerance(in, out, 8); 
 template <class Run>
 void check_runs(const host_tensor& want, dtype in, dtype out_type, Run&& run) {
   test::device_tensor out(host_tensor(out_type, want.rows(), 1, want.dim()));
-  out.poison();
-  run(out.view());
-  const host_tensor first = out.download();
-  out.poison();
-  run(out.view());
-  const host_tensor second = out.download();
-  ASSERT_EQ(std::memcmp(first.data(), second.data(), first.size_bytes()), 0) << "runs differ";
+  host_tensor first;
+  ASSERT_NO_FATAL_FAILURE(test::run_twice_identically(
+      out, [&] { run(out.view()); }, first));
   for (std::int64_t i = 0; i < first.numel(); ++i)
     ASSERT_TRUE(std::isfinite(first.get(i))) << "unwritten or non-finite output at " << i;
   const auto e = test::compare(first, want);

@@ -69,27 +69,25 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
-/// Threads of an instantiation: a warp per MT * 16 query rows.
-template <int BM, int MT>
+/// Threads of an instantiation: a warp per 16 query rows.
+template <int BM>
 __host__ __device__ constexpr int threads() {
-  return BM / (16 * MT) * 32;
+  return BM / 16 * 32;
 }
 
 /// Blocks per SM the registers are held to: 128 registers a thread at D = 64 (16 warps of 4 per
 /// SM), 255 at D = 128 (its accumulators alone take 96).
-template <int D, int BM, int MT>
+template <int D, int BM>
 __host__ __device__ constexpr int min_blocks() {
-  const int per_sm = (D == 64 ? 512 : 256) / threads<BM, MT>();
+  const int per_sm = (D == 64 ? 512 : 256) / threads<BM>();
   return per_sm > 1 ? per_sm : 1;
 }
 
-/// MT: m16 tiles per warp; with two, every K and V fragment read from shared memory feeds two
-/// MMAs (but the accumulators of 32 rows do not fit the register cap; launch.cu uses one).
-template <class T, int D, class O, int BM, int BN, int MT>
-__global__ void __launch_bounds__(threads<BM, MT>(), (min_blocks<D, BM, MT>()))
+template <class T, int D, class O, int BM, int BN>
+__global__ void __launch_bounds__(threads<BM>(), (min_blocks<D, BM>()))
     block_sparse_kernel(const __grid_constant__ params p) {
-  static_assert(D % 64 == 0 && BM % (16 * MT) == 0 && BN % 16 == 0);
-  constexpr int kThreads = threads<BM, MT>();
+  static_assert(D % 64 == 0 && BM % 16 == 0 && BN % 16 == 0);
+  constexpr int kThreads = threads<BM>();
   constexpr int kStage = BN * D * 2;
   extern __shared__ uint4 shared_raw[];
   const std::uint32_t sq = arch::shared_address(shared_raw);
@@ -132,18 +130,13 @@ __global__ void __launch_bounds__(threads<BM, MT>(), (min_blocks<D, BM, MT>()))
     arch::cp_async_commit();
   }
 
-  std::uint32_t qa[MT][D / 16][4];
-  float o[MT][D / 8][4];
+  std::uint32_t qa[D / 16][4];
+  float o[D / 8][4];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
-  }
-  // Row state of this thread's rows warp * 16 MT + 16 mt + g + 8 r, at [mt][r].
-  float m[MT][2], l[MT][2];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = kNegInf, l[mt][0] = l[mt][1] = 0.f;
-  const int i_lo = t.row0 + warp * 16 * MT + g;
+  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  // Running max (log2 units) and this thread's partial sum of its rows i_lo and i_lo + 8.
+  float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
+  const int i_lo = t.row0 + warp * 16 + g;
 
   for (int it = 0; j_cur >= 0; ++it) {
     const int stage = static_cast<int>(it & 1);
@@ -158,22 +151,15 @@ __global__ void __launch_bounds__(threads<BM, MT>(), (min_blocks<D, BM, MT>()))
     __syncthreads();
     if (it == 0) {
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk)
-          arch::ldmatrix_x4(qa[mt][kk],
-                            swizzled<D>(sq, (warp * MT + mt) * 16 + lane % 16, 2 * kk + lane / 16));
-      }
+      for (int kk = 0; kk < D / 16; ++kk)
+        arch::ldmatrix_x4(qa[kk], swizzled<D>(sq, warp * 16 + lane % 16, 2 * kk + lane / 16));
     }
     const std::uint32_t ks = sk + stage * kStage, vs = sv + stage * kStage;
 
-    // S = Q Kᵀ for this warp's rows and the tile's BN keys.
-    float s[MT][BN / 8][4];
+    // S = Q Kᵀ for this warp's 16 rows and the tile's BN keys.
+    float s[BN / 8][4];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-      for (int n = 0; n < BN / 8; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
-    }
+    for (int n = 0; n < BN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
@@ -181,81 +167,64 @@ __global__ void __launch_bounds__(threads<BM, MT>(), (min_blocks<D, BM, MT>()))
         std::uint32_t b[4];
         arch::ldmatrix_x4(
             b, swizzled<D>(ks, np * 16 + lane % 8 + 8 * (lane / 16), 2 * kk + (lane / 8) % 2));
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          arch::mma_16x8x16_f32<T>(s[mt][2 * np], qa[mt][kk], {b[0], b[1]});
-          arch::mma_16x8x16_f32<T>(s[mt][2 * np + 1], qa[mt][kk], {b[2], b[3]});
-        }
+        arch::mma_16x8x16_f32<T>(s[2 * np], qa[kk], {b[0], b[1]});
+        arch::mma_16x8x16_f32<T>(s[2 * np + 1], qa[kk], {b[2], b[3]});
       }
     }
     // Scale (into log2 units) and mask keys past the sequence or the causal limit.
     const bool masked = j_cur + BN - 1 > kall;
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
+    for (int n = 0; n < BN / 8; ++n) {
 #pragma unroll
-      for (int n = 0; n < BN / 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[mt][n][e] *= p.scale_log2;
-          if (masked) {
-            const int j = j_cur + n * 8 + 2 * tq + (e & 1);
-            const int i = i_lo + mt * 16 + (e >> 1) * 8;
-            if (j >= lk || (p.causal && j > i + shift)) s[mt][n][e] = kNegInf;
-          }
+      for (int e = 0; e < 4; ++e) {
+        s[n][e] *= p.scale_log2;
+        if (masked) {
+          const int j = j_cur + n * 8 + 2 * tq + (e & 1);
+          const int i = i_lo + (e >> 1) * 8;
+          if (j >= lk || (p.causal && j > i + shift)) s[n][e] = kNegInf;
         }
       }
     }
-    // Online softmax: per row the running max m (log2 units) and this thread's partial sum l.
+    // Online softmax of rows i_lo + 8 r.
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
+    for (int r = 0; r < 2; ++r) {
+      float mx = kNegInf;
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float mx = kNegInf;
+      for (int n = 0; n < BN / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[r], mx);
+      const float base = m_new == kNegInf ? 0.f : m_new;  // a row with no key yet stays at 0
+      const float alpha = exp2_approx(m[r] - base);
+      m[r] = m_new;
+      float sum = 0.f;
 #pragma unroll
-        for (int n = 0; n < BN / 8; ++n)
-          mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m[mt][r], mx);
-        const float base = m_new == kNegInf ? 0.f : m_new;  // a row with no key yet stays at 0
-        const float alpha = exp2_approx(m[mt][r] - base);
-        m[mt][r] = m_new;
-        float sum = 0.f;
+      for (int n = 0; n < BN / 8; ++n) {
+        s[n][2 * r] = exp2_approx(s[n][2 * r] - base);
+        s[n][2 * r + 1] = exp2_approx(s[n][2 * r + 1] - base);
+        sum += s[n][2 * r] + s[n][2 * r + 1];
+      }
+      l[r] = l[r] * alpha + sum;
 #pragma unroll
-        for (int n = 0; n < BN / 8; ++n) {
-          s[mt][n][2 * r] = exp2_approx(s[mt][n][2 * r] - base);
-          s[mt][n][2 * r + 1] = exp2_approx(s[mt][n][2 * r + 1] - base);
-          sum += s[mt][n][2 * r] + s[mt][n][2 * r + 1];
-        }
-        l[mt][r] = l[mt][r] * alpha + sum;
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-          o[mt][n][2 * r] *= alpha;
-          o[mt][n][2 * r + 1] *= alpha;
-        }
+      for (int n = 0; n < D / 8; ++n) {
+        o[n][2 * r] *= alpha;
+        o[n][2 * r + 1] *= alpha;
       }
     }
     // O += P V: P's A fragments straight from the S accumulators.
 #pragma unroll
     for (int kp = 0; kp < BN / 16; ++kp) {
-      std::uint32_t pa[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        pa[mt][0] = arch::pack2<T>(s[mt][2 * kp][0], s[mt][2 * kp][1]);
-        pa[mt][1] = arch::pack2<T>(s[mt][2 * kp][2], s[mt][2 * kp][3]);
-        pa[mt][2] = arch::pack2<T>(s[mt][2 * kp + 1][0], s[mt][2 * kp + 1][1]);
-        pa[mt][3] = arch::pack2<T>(s[mt][2 * kp + 1][2], s[mt][2 * kp + 1][3]);
-      }
+      const std::uint32_t pa[4] = {arch::pack2<T>(s[2 * kp][0], s[2 * kp][1]),
+                                   arch::pack2<T>(s[2 * kp][2], s[2 * kp][3]),
+                                   arch::pack2<T>(s[2 * kp + 1][0], s[2 * kp + 1][1]),
+                                   arch::pack2<T>(s[2 * kp + 1][2], s[2 * kp + 1][3])};
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         std::uint32_t b[4];
         arch::ldmatrix_x4_trans(
             b, swizzled<D>(vs, kp * 16 + lane % 8 + 8 * ((lane / 8) % 2), 2 * dp + lane / 16));
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          arch::mma_16x8x16_f32<T>(o[mt][2 * dp], pa[mt], {b[0], b[1]});
-          arch::mma_16x8x16_f32<T>(o[mt][2 * dp + 1], pa[mt], {b[2], b[3]});
-        }
+        arch::mma_16x8x16_f32<T>(o[2 * dp], pa, {b[0], b[1]});
+        arch::mma_16x8x16_f32<T>(o[2 * dp + 1], pa, {b[2], b[3]});
       }
     }
     __syncthreads();  // every warp is done with this stage before it is refilled
@@ -264,20 +233,17 @@ __global__ void __launch_bounds__(threads<BM, MT>(), (min_blocks<D, BM, MT>()))
 
   // O / l; rows with no key (l = 0) give zeros.
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
+  for (int r = 0; r < 2; ++r) {
+    float sum = l[r];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int i = i_lo + 8 * r;
+    if (i >= lq) continue;
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    O* dst = static_cast<O*>(p.out) + (q0 + i) * p.o_row + h * p.o_head + 2 * tq;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float sum = l[mt][r];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const int i = i_lo + 16 * mt + 8 * r;
-      if (i >= lq) continue;
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
-      O* dst = static_cast<O*>(p.out) + (q0 + i) * p.o_row + h * p.o_head + 2 * tq;
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n)
-        store_pair(dst + 8 * n, o[mt][n][2 * r] * inv, o[mt][n][2 * r + 1] * inv);
-    }
+    for (int n = 0; n < D / 8; ++n)
+      store_pair(dst + 8 * n, o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
   }
 }
 

@@ -36,14 +36,14 @@ std::int64_t tile_rows_for(std::int64_t block) {
   return 0;
 }
 
-// Tiles: BM query rows, BN = BM keys per step, a warp per 16 rows (MT = 1). 32 rows per warp
-// (MT = 2) spilled under the 128-register cap at D = 64 and measured slower without it (H200,
-// docs/notes/block_sparse.md).
+// Tiles: BM query rows, BN = BM keys per step, a warp per 16 rows. (32 rows per warp, each K/V
+// fragment feeding two MMAs, spilled under the 128-register cap at D = 64 and measured slower
+// without it: docs/notes/block_sparse.md.)
 template <class T, int D, class O, int BM>
 void launch(const block_sparse::params& p, std::int32_t tiles, cudaStream_t s) {
-  constexpr int BN = BM, MT = 1;
+  constexpr int BN = BM;
   constexpr int kBytes = block_sparse::shared_bytes<D, BM, BN>();
-  const auto kernel = block_sparse::block_sparse_kernel<T, D, O, BM, BN, MT>;
+  const auto kernel = block_sparse::block_sparse_kernel<T, D, O, BM, BN>;
   static const bool configured = [&] {
     TRISPARSE_CUDA_TRY(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
@@ -54,7 +54,7 @@ void launch(const block_sparse::params& p, std::int32_t tiles, cudaStream_t s) {
   if (blocks == 0) return;
   if (blocks > std::numeric_limits<std::int32_t>::max())
     throw invalid_input("block-sparse attention: too many query tiles x heads for one launch");
-  kernel<<<static_cast<unsigned>(blocks), block_sparse::threads<BM, MT>(), kBytes, s>>>(p);
+  kernel<<<static_cast<unsigned>(blocks), block_sparse::threads<BM>(), kBytes, s>>>(p);
   TRISPARSE_CUDA_CHECK_LAUNCH();
 }
 
@@ -184,23 +184,14 @@ void run_block_sparse(const block_sparse_device_plan& plan, const tensor_view& q
   check_16byte_rows(k, "k");
   check_16byte_rows(v, "v");
   check_16byte_rows(out, "out");
-  if (current_device().device != plan.device) {
+  int device = 0;
+  TRISPARSE_CUDA_TRY(cudaGetDevice(&device));
+  if (device != plan.device) {
     throw invalid_input("the plan was built on device " + std::to_string(plan.device) +
-                        " but another device is current");
+                        " but device " + std::to_string(device) + " is current");
   }
   block_sparse::params p{};
-  p.q = q.data;
-  p.k = k.data;
-  p.v = v.data;
-  p.out = out.data;
-  p.q_row = q.row_stride;
-  p.q_head = q.head_stride;
-  p.k_row = k.row_stride;
-  p.k_head = k.head_stride;
-  p.v_row = v.row_stride;
-  p.v_head = v.head_stride;
-  p.o_row = out.row_stride;
-  p.o_head = out.head_stride;
+  static_cast<attention_io&>(p) = attention_io_of(q, k, v, out);
   p.cu_q = plan.cu_q.data();
   p.cu_k = plan.cu_k.data();
   p.mask_row = plan.mask_row.data();

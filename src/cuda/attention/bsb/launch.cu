@@ -207,18 +207,7 @@ void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const te
                         " but device " + std::to_string(device) + " is current");
   }
   fused3s::params p{};
-  p.q = q.data;
-  p.k = k.data;
-  p.v = v.data;
-  p.out = out.data;
-  p.q_row = q.row_stride;
-  p.q_head = q.head_stride;
-  p.k_row = k.row_stride;
-  p.k_head = k.head_stride;
-  p.v_row = v.row_stride;
-  p.v_head = v.head_stride;
-  p.o_row = out.row_stride;
-  p.o_head = out.head_stride;
+  static_cast<attention_io&>(p) = attention_io_of(q, k, v, out);
   p.rows = plan.rows;
   p.row_map = plan.row_map.size() > 0 ? plan.row_map.data() : nullptr;
   p.col_idx = plan.col_idx.data();

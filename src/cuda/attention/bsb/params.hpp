@@ -2,6 +2,8 @@
 // Host <-> kernel parameters of the fused 3S kernel (plain data, no CUDA headers).
 #include <cstdint>
 
+#include "../../common/attention_io.hpp"
+
 #include "../../common/work_item.hpp"
 
 namespace trisparse::cuda::fused3s {
@@ -9,13 +11,8 @@ namespace trisparse::cuda::fused3s {
 using cuda::split_window;
 using cuda::work_item;  // blocks are TCBs here
 
-struct params {
-  const void* q;
-  const void* k;
-  const void* v;
-  void* out;
-  std::int64_t q_row, q_head, k_row, k_head, v_row, v_head, o_row, o_head;  // element strides
-  std::int64_t rows;                                                        // query rows
+struct params : attention_io {
+  std::int64_t rows;            // query rows
   const std::int64_t* row_map;  // [rows]: the query row of each window slot (nullptr: identity)
   const std::int32_t* col_idx;  // [tcbs * 8], -1 = padding
   const std::uint64_t* bitmap;  // [tcbs * 2]
