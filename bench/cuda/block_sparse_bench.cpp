@@ -118,17 +118,18 @@ void export_mask(const block_sparse_mask& m, const std::string& path) {
 struct result {
   double ms = 0, build_s = 0, error = 0;
   std::int64_t pairs = 0;
-  std::string algo;
+  std::string algo, format;
 };
 
 result run_one(const block_sparse_mask& mask, const inputs& x, std::int64_t heads, int repeat,
-               std::uint64_t seed) {
+               std::uint64_t seed, block_kernel kernel = block_kernel::automatic) {
   result res;
   const auto t0 = std::chrono::steady_clock::now();
-  const auto plan = block_sparse_attention_plan::build(mask, device_kind::cuda);
+  const auto plan = block_sparse_attention_plan::build(mask, device_kind::cuda, {.kernel = kernel});
   check(cudaDeviceSynchronize(), "plan");
   res.build_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   res.algo = std::string(to_string(plan.report().algo));
+  res.format = plan.report().format;
   res.pairs = plan.report().nnz * (mask.heads == 1 ? heads : 1);
   const tensor_view& q0 = x.views[0];
   host_tensor out(dtype::f16, q0.rows, heads, q0.dim);
@@ -216,7 +217,14 @@ int main(int argc, char** argv) {
           }
           const result r = run_one(mask, x, heads, repeat, static_cast<std::uint64_t>(seed));
           j["algo"] = r.algo;
+          j["format"] = r.format;
           j["ms"] = r.ms;
+          if (r.format.find("wgmma") != std::string::npos) {  // the sm_80 kernel beside it
+            const result mma = run_one(mask, x, heads, repeat, static_cast<std::uint64_t>(seed),
+                                       block_kernel::mma_sync);
+            j["mma_sync_ms"] = mma.ms;
+            j["mma_sync_max_rel_error"] = mma.error;
+          }
           j["build_ms"] = 1e3 * r.build_s;
           j["pairs"] = r.pairs;
           j["tflops"] = 4.0 * static_cast<double>(r.pairs) * static_cast<double>(dim) / r.ms * 1e-9;

@@ -201,9 +201,9 @@ block_sparse_attention_plan block_sparse_attention_plan::build(
   for (const block_mask& m : mask.masks)
     bytes += static_cast<std::int64_t>(8 * m.blocks.row_ptr.size() + 4 * m.blocks.col_idx.size());
   if (algo == algorithm::cuda_fused_block) {
-    s->device = cuda::make_block_sparse_plan(mask, stream);
+    s->device = cuda::make_block_sparse_plan(mask, options.kernel, stream);
     bytes = cuda::device_bytes(*s->device);
-    s->report.format += " (device)";
+    s->report.format += " (device, " + std::string(cuda::kernel_name(*s->device)) + ")";
   } else if (algo == algorithm::cuda_fused_bsb) {
     bytes = 0;
     plan_options o;

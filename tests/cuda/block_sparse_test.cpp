@@ -1,6 +1,7 @@
 // The CUDA block-sparse attention (the tensor-core block kernel for G a multiple of 16, the fused
 // BSB kernel for finer blocks) against the float64 reference (label gpu; skipped without a
 // device).
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -57,8 +58,24 @@ void check(const block_sparse_attention_plan& plan, const config& c, std::int64_
   EXPECT_EQ(wrong_zeros, 0) << "rows with no key must give exact zeros";
 }
 
-block_sparse_attention_plan cuda_plan(const block_sparse_mask& m) {
-  return block_sparse_attention_plan::build(m, device_kind::cuda);
+block_sparse_attention_plan cuda_plan(const block_sparse_mask& m,
+                                      block_kernel kernel = block_kernel::automatic) {
+  return block_sparse_attention_plan::build(m, device_kind::cuda, {.kernel = kernel});
+}
+
+// Plans for every kernel that runs the mask here: mma.sync always; wgmma too where the block is a
+// multiple of 64 and the device is sm_90 (elsewhere its plan must refuse with not_supported).
+std::vector<block_sparse_attention_plan> plans_for(const block_sparse_mask& m) {
+  std::vector<block_sparse_attention_plan> plans{cuda_plan(m, block_kernel::mma_sync)};
+  EXPECT_NE(plans[0].report().format.find("mma.sync"), std::string::npos);
+  try {
+    plans.push_back(cuda_plan(m, block_kernel::wgmma));
+    EXPECT_EQ(m.block % 64, 0);
+    EXPECT_NE(plans[1].report().format.find("wgmma"), std::string::npos);
+  } catch (const not_supported& e) {
+    if (m.block % 64 == 0) std::printf("[ info ] no wgmma kernel here: %s\n", e.what());
+  }
+  return plans;
 }
 
 // Every block size of the tensor-core kernel x input dtype x head dim x output dtype, on a ragged
@@ -76,13 +93,14 @@ TEST(GpuBlockSparse, EveryBlockTypeAndHeadDimAgainstTheReference) {
                                                 .heads = 2,
                                                 .seed = seed++},
                                                lens);
-      const auto plan = cuda_plan(mask);
-      ASSERT_EQ(plan.report().algo, algorithm::cuda_fused_block);
-      for (const dtype in : {dtype::f16, dtype::bf16}) {
-        for (const std::int64_t d : {64, 128}) {
-          for (const dtype out : {dtype::f32, dtype::f16, dtype::bf16}) {
-            if (quick() && out != (in == dtype::f16 ? dtype::f32 : dtype::bf16)) continue;
-            check(plan, {in, out, d}, 2, seed++);
+      for (const auto& plan : plans_for(mask)) {
+        ASSERT_EQ(plan.report().algo, algorithm::cuda_fused_block);
+        for (const dtype in : {dtype::f16, dtype::bf16}) {
+          for (const std::int64_t d : {64, 128}) {
+            for (const dtype out : {dtype::f32, dtype::f16, dtype::bf16}) {
+              if (quick() && out != (in == dtype::f16 ? dtype::f32 : dtype::bf16)) continue;
+              check(plan, {in, out, d}, 2, seed++);
+            }
           }
         }
       }
@@ -125,11 +143,15 @@ TEST(GpuBlockSparse, LayoutsAndEdgeCases) {
     }
     m.blocks = kept;
   }
-  check(cuda_plan(mask), {dtype::bf16, dtype::bf16, 128}, 2, 77);
-  // Scores near 1e4 (scale 100 on inputs of magnitude <= 1, d = 64) and all-negative scores.
-  const auto dense = make_block_sparse_mask({.layout = block_layout::dense, .block = 16}, lens);
-  check(cuda_plan(dense), c, 1, 5, 100.0);
-  check(cuda_plan(dense), c, 1, 6, 1.0, 0.25, 1.0);
+  for (const auto& plan : plans_for(mask)) check(plan, {dtype::bf16, dtype::bf16, 128}, 2, 77);
+  // Scores near 1e4 (scale 100 on inputs of magnitude <= 1, d = 64) and positive-only inputs.
+  for (const std::int64_t g : {16, 64}) {
+    const auto dense = make_block_sparse_mask({.layout = block_layout::dense, .block = g}, lens);
+    for (const auto& plan : plans_for(dense)) {
+      check(plan, c, 1, 5, 100.0);
+      check(plan, c, 1, 6, 1.0, 0.25, 1.0);
+    }
+  }
 }
 
 // Rectangular causal sequences (more queries than keys: the first queries see no key) from the
@@ -143,7 +165,7 @@ TEST(GpuBlockSparse, RectangularCausalTopKMasks) {
     k.fill_uniform(-1, 1, 2);
     const auto mask =
         topk_block_mask(q.view(), k.view(), cu_q, cu_k, {.block = g, .top_k = 2, .causal = true});
-    check(cuda_plan(mask), {dtype::f16, dtype::f16, 64}, 2, 11);
+    for (const auto& plan : plans_for(mask)) check(plan, {dtype::f16, dtype::f16, 64}, 2, 11);
   }
 }
 
@@ -187,6 +209,8 @@ TEST(GpuBlockSparse, RejectsWhatItCannotRun) {
   EXPECT_THROW(block_sparse_attention_plan::build(fine, device_kind::cuda,
                                                   {.algo = algorithm::cuda_fused_block}),
                not_supported);
+  // wgmma takes blocks that are multiples of 64 only (and sm_90 only).
+  EXPECT_THROW(cuda_plan(mask, block_kernel::wgmma), not_supported);
 }
 
 }  // namespace

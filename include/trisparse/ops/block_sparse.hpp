@@ -11,12 +11,21 @@
 
 namespace trisparse {
 
+/// The tensor-core instructions cuda_fused_block runs on.
+enum class block_kernel {
+  automatic,  ///< wgmma on sm_90 for blocks that are multiples of 64, mma_sync otherwise
+  mma_sync,   ///< warp-level mma.sync (sm_80 and later): 16 query rows a warp
+  wgmma,      ///< warpgroup wgmma (sm_90 only, blocks that are multiples of 64): 64 rows a block
+};
+
 struct block_sparse_plan_options {
   /// On the CPU: cpu_reference (float64) or cpu_fused (fp32, the CPU engine; automatic). On CUDA:
   /// cuda_fused_block (the tensor-core block kernel, G a multiple of 16; automatic there) or
   /// cuda_fused_bsb (the mask as an element pattern through the fused BSB kernel; automatic for
   /// other G).
   algorithm algo = algorithm::automatic;
+  /// cuda_fused_block only; the report's format names the one chosen.
+  block_kernel kernel = block_kernel::automatic;
 };
 
 /// A dynamic mask from the inputs (block routing, as in MoBA and NSA's selection branch): per

@@ -94,9 +94,10 @@ namespace trisparse::cuda {
 struct block_sparse_device_plan {};
 bool block_sparse_supports(std::int64_t) { return false; }
 std::shared_ptr<block_sparse_device_plan> make_block_sparse_plan(const block_sparse_mask&,
-                                                                 stream_ref) {
+                                                                 block_kernel, stream_ref) {
   no_backend();
 }
+const char* kernel_name(const block_sparse_device_plan&) { return ""; }
 void run_block_sparse(const block_sparse_device_plan&, const tensor_view&, const tensor_view&,
                       const tensor_view&, const tensor_view&, double, stream_ref) {
   no_backend();

@@ -1,5 +1,5 @@
-// The fused block-sparse backend's one dispatch point: run-time (dtype, head dim, output dtype,
-// tile) become the kernel's template arguments here and nowhere else.
+// The fused block-sparse backend: plans (kernel choice, tile order) and the one dispatch point of
+// run-time (kernel, tile) to an instantiation; (dtype, head dim, output dtype): dispatch.cuh.
 #include <algorithm>
 #include <limits>
 #include <numeric>
@@ -10,6 +10,7 @@
 #include "../../common/current_device.cuh"
 #include "../../common/error.cuh"
 #include "../../common/layout.hpp"
+#include "dispatch.cuh"
 #include "kernel.cuh"
 #include "plan.hpp"
 
@@ -18,7 +19,7 @@ namespace trisparse::cuda {
 struct block_sparse_device_plan {
   int device = 0;
   std::int64_t block = 0, tile_rows = 0, mask_heads = 1;
-  bool causal = false;
+  bool causal = false, wgmma = false;
   std::int32_t num_tiles = 0;
   device_buffer<std::int64_t> cu_q, cu_k;
   device_buffer<std::int32_t> mask_row, row_ptr, col_idx;
@@ -36,69 +37,39 @@ std::int64_t tile_rows_for(std::int64_t block) {
   return 0;
 }
 
-// Tiles: BM query rows, BN = BM keys per step, a warp per 16 rows. (32 rows per warp, each K/V
-// fragment feeding two MMAs, spilled under the 128-register cap at D = 64 and measured slower
-// without it: docs/notes/block_sparse.md.)
-template <class T, int D, class O, int BM>
-void launch(const block_sparse::params& p, std::int32_t tiles, cudaStream_t s) {
-  constexpr int BN = BM;
-  constexpr int kBytes = block_sparse::shared_bytes<D, BM, BN>();
-  const auto kernel = block_sparse::block_sparse_kernel<T, D, O, BM, BN>;
-  static const bool configured = [&] {
-    TRISPARSE_CUDA_TRY(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
-    return true;
-  }();
-  (void)configured;
-  const std::int64_t blocks = std::int64_t{tiles} * p.heads;
-  if (blocks == 0) return;
-  if (blocks > std::numeric_limits<std::int32_t>::max())
-    throw invalid_input("block-sparse attention: too many query tiles x heads for one launch");
-  kernel<<<static_cast<unsigned>(blocks), block_sparse::threads<BM>(), kBytes, s>>>(p);
-  TRISPARSE_CUDA_CHECK_LAUNCH();
-}
-
-template <class T, int D, class O>
-void launch_tile(std::int64_t bm, const block_sparse::params& p, std::int32_t tiles,
-                 cudaStream_t s) {
-  switch (bm) {
-    case 16:
-      return launch<T, D, O, 16>(p, tiles, s);
-    case 32:
-      return launch<T, D, O, 32>(p, tiles, s);
-    default:
-      return launch<T, D, O, 64>(p, tiles, s);
-  }
-}
-
-template <class T, int D>
-void launch_out(dtype out, std::int64_t bm, const block_sparse::params& p, std::int32_t tiles,
-                cudaStream_t s) {
-  switch (out) {
-    case dtype::f32:
-      return launch_tile<T, D, float>(bm, p, tiles, s);
-    case dtype::f16:
-      return launch_tile<T, D, __half>(bm, p, tiles, s);
-    case dtype::bf16:
-      return launch_tile<T, D, __nv_bfloat16>(bm, p, tiles, s);
-    default:
-      throw invalid_input("block-sparse attention writes f32, f16 or bf16 output, not " +
-                          std::string(to_string(out)));
-  }
-}
-
-template <class T>
-void launch_dim(std::int64_t d, dtype out, std::int64_t bm, const block_sparse::params& p,
+// The mma.sync kernel: BM query rows, BN = BM keys per step, a warp per 16 rows. (32 rows per
+// warp, each K/V fragment feeding two MMAs, spilled under the 128-register cap at D = 64 and
+// measured slower without it: docs/notes/block_sparse.md.)
+void launch_mma(std::int64_t bm, const block_sparse::kernel_key& key, const block_sparse::params& p,
                 std::int32_t tiles, cudaStream_t s) {
-  switch (d) {
-    case 64:
-      return launch_out<T, 64>(out, bm, p, tiles, s);
-    case 128:
-      return launch_out<T, 128>(out, bm, p, tiles, s);
-    default:
-      throw invalid_input("the CUDA block-sparse kernel supports head_dim 64 or 128, not " +
-                          std::to_string(d));
-  }
+  block_sparse::dispatch(key, [&]<class T, int D, class O>() {
+    const auto with_tile = [&]<int BM>() {
+      block_sparse::launch_kernel<block_sparse::block_sparse_kernel<T, D, O, BM, BM>>(
+          block_sparse::threads<BM>(), block_sparse::shared_bytes<D, BM, BM>(), p, tiles, s);
+    };
+    switch (bm) {
+      case 16:
+        return with_tile.template operator()<16>();
+      case 32:
+        return with_tile.template operator()<32>();
+      default:
+        return with_tile.template operator()<64>();
+    }
+  });
+}
+
+// Whether this build holds the wgmma kernel and the current device (compute capability 9.0) runs
+// it.
+bool wgmma_runs_here(int device) {
+#if TRISPARSE_HAVE_SM90A
+  int major = 0, minor = 0;
+  TRISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  TRISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major == 9 && minor == 0;
+#else
+  (void)device;
+  return false;
+#endif
 }
 
 std::int32_t narrow(std::int64_t x, const char* what) {
@@ -111,15 +82,34 @@ std::int32_t narrow(std::int64_t x, const char* what) {
 
 bool block_sparse_supports(std::int64_t block) { return tile_rows_for(block) > 0; }
 
+const char* kernel_name(const block_sparse_device_plan& plan) {
+  return plan.wgmma ? "wgmma" : "mma.sync";
+}
+
 std::shared_ptr<block_sparse_device_plan> make_block_sparse_plan(const block_sparse_mask& mask,
+                                                                 block_kernel kernel,
                                                                  stream_ref /*stream*/) {
-  const std::int64_t bm = tile_rows_for(mask.block);
-  if (bm == 0) {
+  if (tile_rows_for(mask.block) == 0) {
     throw not_supported("the CUDA block-sparse kernel takes blocks that are multiples of 16, not " +
                         std::to_string(mask.block));
   }
   auto plan = std::make_shared<block_sparse_device_plan>();
   plan->device = current_device().device;
+  const bool sm90 = wgmma_runs_here(plan->device);
+  if (kernel == block_kernel::wgmma) {
+    if (!sm90) {
+      throw not_supported(
+          "block_kernel::wgmma needs a compute capability 9.0 device and a build whose CUDA "
+          "architectures include 90");
+    }
+    if (mask.block % 64 != 0) {
+      throw not_supported("block_kernel::wgmma takes blocks that are multiples of 64, not " +
+                          std::to_string(mask.block));
+    }
+  }
+  plan->wgmma = kernel == block_kernel::wgmma ||
+                (kernel == block_kernel::automatic && sm90 && mask.block % 64 == 0);
+  const std::int64_t bm = plan->wgmma ? 64 : tile_rows_for(mask.block);
   plan->block = mask.block;
   plan->tile_rows = bm;
   plan->mask_heads = mask.heads;
@@ -204,10 +194,11 @@ void run_block_sparse(const block_sparse_device_plan& plan, const tensor_view& q
   p.causal = plan.causal;
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   const auto s = static_cast<cudaStream_t>(stream.handle);
-  if (q.type == dtype::f16)
-    launch_dim<__half>(q.dim, out.type, plan.tile_rows, p, plan.num_tiles, s);
-  else
-    launch_dim<__nv_bfloat16>(q.dim, out.type, plan.tile_rows, p, plan.num_tiles, s);
+  const block_sparse::kernel_key key{q.type, out.type, q.dim};
+#if TRISPARSE_HAVE_SM90A
+  if (plan.wgmma) return block_sparse::launch_wgmma(key, p, plan.num_tiles, s);
+#endif
+  launch_mma(plan.tile_rows, key, p, plan.num_tiles, s);
 }
 
 std::int64_t device_bytes(const block_sparse_device_plan& plan) {

@@ -1,0 +1,80 @@
+#pragma once
+// Run-time (dtype, head dim, output dtype) -> the block-sparse kernels' template arguments, and
+// their launch; shared by the mma.sync (launch.cu) and wgmma (launch_sm90.cu) instantiations.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "../../common/error.cuh"
+#include "params.hpp"
+#include "trisparse/core/dtype.hpp"
+#include "trisparse/core/error.hpp"
+
+namespace trisparse::cuda::block_sparse {
+
+struct kernel_key {
+  dtype in, out;
+  std::int64_t dim;
+};
+
+/// Calls f.template operator()<T, D, O>() for the key's input type T (__half, __nv_bfloat16),
+/// head dim D (64, 128) and output type O (float, __half, __nv_bfloat16).
+/// @throws invalid_input for any other dim or output dtype.
+template <class F>
+void dispatch(const kernel_key& key, F&& f) {
+  const auto with_out = [&]<class T, int D>() {
+    switch (key.out) {
+      case dtype::f32:
+        return f.template operator()<T, D, float>();
+      case dtype::f16:
+        return f.template operator()<T, D, __half>();
+      case dtype::bf16:
+        return f.template operator()<T, D, __nv_bfloat16>();
+      default:
+        throw invalid_input("block-sparse attention writes f32, f16 or bf16 output, not " +
+                            std::string(to_string(key.out)));
+    }
+  };
+  const auto with_dim = [&]<class T>() {
+    switch (key.dim) {
+      case 64:
+        return with_out.template operator()<T, 64>();
+      case 128:
+        return with_out.template operator()<T, 128>();
+      default:
+        throw invalid_input("the CUDA block-sparse kernel supports head_dim 64 or 128, not " +
+                            std::to_string(key.dim));
+    }
+  };
+  if (key.in == dtype::f16)
+    with_dim.template operator()<__half>();
+  else
+    with_dim.template operator()<__nv_bfloat16>();
+}
+
+/// Launches Kernel over tiles x heads blocks (its shared-memory limit raised once).
+template <auto Kernel>
+void launch_kernel(int threads, int shared_bytes, const params& p, std::int32_t tiles,
+                   cudaStream_t s) {
+  static const bool configured = [&] {
+    TRISPARSE_CUDA_TRY(
+        cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
+    return true;
+  }();
+  (void)configured;
+  const std::int64_t blocks = std::int64_t{tiles} * p.heads;
+  if (blocks == 0) return;
+  if (blocks > std::numeric_limits<std::int32_t>::max())
+    throw invalid_input("block-sparse attention: too many query tiles x heads for one launch");
+  Kernel<<<static_cast<unsigned>(blocks), threads, shared_bytes, s>>>(p);
+  TRISPARSE_CUDA_CHECK_LAUNCH();
+}
+
+/// The wgmma kernel (64-row tiles, sm_90 only; launch_sm90.cu, built when the architectures
+/// include 90).
+void launch_wgmma(const kernel_key& key, const params& p, std::int32_t tiles, cudaStream_t s);
+
+}  // namespace trisparse::cuda::block_sparse

@@ -1,0 +1,188 @@
+#pragma once
+// What the fused block-sparse kernels (mma.sync, kernel.cuh; wgmma, kernel_sm90.cuh) share: the
+// shared-memory tile layout and its cp.async loader, the walk over a query tile's active key
+// tiles, the online softmax of a 16-row warp slice and the epilogue.
+//
+// Shared-memory tiles hold rows of D 16-bit values as D / 64 panels of 64 columns; panel p of a
+// ROWS-row tile starts at p * ROWS * 128 bytes, and the 16-byte chunk c of row r of a panel sits
+// at chunk c ^ (r % 8) (the 128-byte swizzle wgmma reads, and conflict-free for ldmatrix).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "../../common/arch/copy.cuh"
+#include "../../common/arch/mma.cuh"
+#include "params.hpp"
+
+namespace trisparse::cuda::block_sparse {
+
+constexpr float kNegInf = -__builtin_huge_valf();
+
+/// The address of 16-byte chunk `chunk` (0 .. 7) of panel `panel` of row `row` in a ROWS-row tile
+/// at `base` (callers pass the panel apart, a compile-time 0 at D = 64).
+template <int ROWS>
+__device__ __forceinline__ std::uint32_t swizzled(std::uint32_t base, int row, int panel,
+                                                  int chunk) {
+  return base + static_cast<std::uint32_t>(((panel * ROWS + row) * 8 + (chunk ^ (row & 7))) * 16);
+}
+
+/// Copies `ROWS` rows of D 16-bit values (row r from src + r * stride) into the tile at `base`;
+/// rows at or past `valid` are zero-filled without being read. Thread x copies chunk x % (D/8)
+/// of rows x / (D/8) + i * (THREADS / (D/8)): one chunk column, so addresses that step by a
+/// constant.
+template <int D, int ROWS, int THREADS>
+__device__ __forceinline__ void load_rows(std::uint32_t base, const char* src, std::int64_t stride,
+                                          int valid) {
+  constexpr int kPerRow = D / 8, kStep = THREADS / kPerRow;
+  static_assert(THREADS % kPerRow == 0 && ROWS % kStep == 0);
+  const int row = static_cast<int>(threadIdx.x) / kPerRow,
+            chunk = static_cast<int>(threadIdx.x) % kPerRow;
+  const char* from = src + (row * stride + chunk * 8) * 2;
+  const std::int64_t step = kStep * stride * 2;
+#pragma unroll
+  for (int i = 0; i < ROWS / kStep; ++i) {
+    const bool ok = row + i * kStep < valid;
+    arch::cp_async_16(swizzled<ROWS>(base, row + i * kStep, chunk / 8, chunk % 8), ok ? from : src,
+                      ok);
+    from += step;
+  }
+}
+
+/// 2^x for x <= 0 or -inf (MUFU.EX2, flushing subnormal results to zero).
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+/// The query tile of this thread block (block x = tile * heads + head) and the key tiles of BN
+/// keys it visits: those of its block row's active key blocks, in ascending order, up to the last
+/// key any of its rows sees.
+template <int BM, int BN>
+struct tile_walk {
+  const params& p;
+  int h, lq, lk, row0;
+  std::int64_t q0, k0;
+  int shift;  // causal: key j is visible to row i iff j <= i + shift
+  int kmax;   // the last key any row of the tile sees
+  int kall;   // the last key every row of the tile sees (no masking up to it)
+  int e0, tiles;
+
+  __device__ __forceinline__ explicit tile_walk(const params& params) : p(params) {
+    h = static_cast<int>(blockIdx.x) % p.heads;
+    const tile t = p.tiles[blockIdx.x / p.heads];
+    row0 = t.row0;
+    q0 = p.cu_q[t.seq];
+    k0 = p.cu_k[t.seq];
+    lq = static_cast<int>(p.cu_q[t.seq + 1] - q0);
+    lk = static_cast<int>(p.cu_k[t.seq + 1] - k0);
+    shift = lk - lq;
+    const std::int32_t* row = p.row_ptr +
+                              p.mask_row[t.seq * p.mask_heads + (p.mask_heads == 1 ? 0 : h)] +
+                              t.row0 / p.block;
+    e0 = row[0];
+    tiles = (row[1] - e0) * (p.block / BN);
+    const int last_row = min(t.row0 + BM, lq) - 1;
+    kmax = p.causal ? min(lk - 1, last_row + shift) : lk - 1;
+    kall = p.causal ? min(lk - 1, t.row0 + shift) : lk - 1;
+  }
+
+  /// The first key of the it-th tile, or -1 past the end.
+  __device__ __forceinline__ int key_start(int it) const {
+    if (it >= tiles) return -1;
+    const int sub = p.block / BN;  // key tiles per key block
+    const int j = p.col_idx[e0 + it / sub] * p.block + (it % sub) * BN;
+    return j <= kmax ? j : -1;
+  }
+};
+
+/// One online-softmax step for a warp's 16 rows: s holds S = Q Kᵀ for keys j0 .. j0 + BN - 1 in
+/// the m16n8 accumulator layout (rows i_lo and i_lo + 8, i_lo = the thread's first row); scales
+/// it into log2 units, masks keys past the sequence or the causal limit, updates the running max
+/// m and this thread's partial sums l, rescales o, and leaves P = exp2(s - m) in s.
+template <int BN, int D, int BM>
+__device__ __forceinline__ void softmax_step(float (&s)[BN / 8][4], float (&o)[D / 8][4],
+                                             float (&m)[2], float (&l)[2],
+                                             const tile_walk<BM, BN>& w, int j0, int i_lo) {
+  const int tq = static_cast<int>(threadIdx.x) % 4;
+  const bool masked = j0 + BN - 1 > w.kall;
+#pragma unroll
+  for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[n][e] *= w.p.scale_log2;
+      if (masked) {
+        const int j = j0 + n * 8 + 2 * tq + (e & 1);
+        const int i = i_lo + (e >> 1) * 8;
+        if (j >= w.lk || (w.p.causal && j > i + w.shift)) s[n][e] = kNegInf;
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = kNegInf;
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m[r], mx);
+    const float base = m_new == kNegInf ? 0.f : m_new;  // a row with no key yet stays at 0
+    const float alpha = exp2_approx(m[r] - base);
+    m[r] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n) {
+      s[n][2 * r] = exp2_approx(s[n][2 * r] - base);
+      s[n][2 * r + 1] = exp2_approx(s[n][2 * r + 1] - base);
+      sum += s[n][2 * r] + s[n][2 * r + 1];
+    }
+    l[r] = l[r] * alpha + sum;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      o[n][2 * r] *= alpha;
+      o[n][2 * r + 1] *= alpha;
+    }
+  }
+}
+
+/// P's A fragment for keys 16 kp .. 16 kp + 15, straight from the m16n8 accumulators.
+template <class T, int BN>
+__device__ __forceinline__ void p_fragment(std::uint32_t (&pa)[4], const float (&s)[BN / 8][4],
+                                           int kp) {
+  pa[0] = arch::pack2<T>(s[2 * kp][0], s[2 * kp][1]);
+  pa[1] = arch::pack2<T>(s[2 * kp][2], s[2 * kp][3]);
+  pa[2] = arch::pack2<T>(s[2 * kp + 1][0], s[2 * kp + 1][1]);
+  pa[3] = arch::pack2<T>(s[2 * kp + 1][2], s[2 * kp + 1][3]);
+}
+
+template <class O>
+__device__ __forceinline__ void store_pair(O* dst, float a, float b) {
+  if constexpr (sizeof(O) == 4) {
+    *reinterpret_cast<float2*>(dst) = make_float2(a, b);
+  } else {
+    *reinterpret_cast<std::uint32_t*>(dst) = arch::pack2<O>(a, b);
+  }
+}
+
+/// Writes O / l for the thread's rows i_lo and i_lo + 8 (rows with no key, l = 0, give zeros).
+template <class O, int D, int BM, int BN>
+__device__ __forceinline__ void store_rows(const float (&o)[D / 8][4], const float (&l)[2],
+                                           const tile_walk<BM, BN>& w, int i_lo) {
+  const int tq = static_cast<int>(threadIdx.x) % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sum = l[r];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int i = i_lo + 8 * r;
+    if (i >= w.lq) continue;
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    O* dst = static_cast<O*>(w.p.out) + (w.q0 + i) * w.p.o_row + w.h * w.p.o_head + 2 * tq;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+      store_pair(dst + 8 * n, o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+  }
+}
+
+}  // namespace trisparse::cuda::block_sparse
