@@ -42,11 +42,11 @@ __global__ void __launch_bounds__(threads<BM>(), (min_blocks<D, BM>()))
   const std::uint32_t sk = sq + BM * D * 2, sv = sk + 2 * kStage;
 
   const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
-  const tile_walk<BM, BN> w(p);
+  tile_walk<BM, BN> w(p);
   const char* qg = static_cast<const char*>(p.q) + ((w.q0 + w.row0) * p.q_row + w.h * p.q_head) * 2;
   const char* kg = static_cast<const char*>(p.k) + (w.k0 * p.k_row + w.h * p.k_head) * 2;
   const char* vg = static_cast<const char*>(p.v) + (w.k0 * p.v_row + w.h * p.v_head) * 2;
-  int j_cur = w.key_start(0);
+  int j_cur = w.next();
   if (j_cur >= 0) {
     load_rows<D, BM, kThreads>(sq, qg, p.q_row, w.lq - w.row0);
     arch::cp_async_commit();
@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(threads<BM>(), (min_blocks<D, BM>()))
 
   for (int it = 0; j_cur >= 0; ++it) {
     const int stage = static_cast<int>(it & 1);
-    const int j_next = w.key_start(it + 1);
+    const int j_next = w.next();
     if (j_next >= 0) {
       const std::uint32_t off = (stage ^ 1) * kStage;
       load_rows<D, BN, kThreads>(sk + off, kg + j_next * p.k_row * 2, p.k_row, w.lk - j_next);
@@ -97,7 +97,9 @@ __global__ void __launch_bounds__(threads<BM>(), (min_blocks<D, BM>()))
         arch::mma_16x8x16_f32<T>(s[2 * np + 1], qa[kk], {b[2], b[3]});
       }
     }
-    softmax_step<BN, D>(s, o, m, l, w, j_cur, i_lo);
+    float alpha[2];
+    softmax_step<BN>(s, m, l, alpha, w, j_cur, i_lo);
+    rescale<D>(o, alpha);
     // O += P V: P's A fragments straight from the S accumulators, V through ldmatrix.trans.
 #pragma unroll
     for (int kp = 0; kp < BN / 16; ++kp) {

@@ -58,16 +58,16 @@ __device__ __forceinline__ float exp2_approx(float x) {
 
 /// The query tile of this thread block (block x = tile * heads + head) and the key tiles of BN
 /// keys it visits: those of its block row's active key blocks, in ascending order, up to the last
-/// key any of its rows sees.
+/// key any of its rows sees (next() walks them).
 template <int BM, int BN>
 struct tile_walk {
   const params& p;
   int h, lq, lk, row0;
   std::int64_t q0, k0;
-  int shift;  // causal: key j is visible to row i iff j <= i + shift
-  int kmax;   // the last key any row of the tile sees
-  int kall;   // the last key every row of the tile sees (no masking up to it)
-  int e0, tiles;
+  int shift;             // causal: key j is visible to row i iff j <= i + shift
+  int kmax;              // the last key any row of the tile sees
+  int kall;              // the last key every row of the tile sees (no masking up to it)
+  int e, e_end, u, sub;  // the walk: block e (of the block row's e .. e_end), key tile u of sub
 
   __device__ __forceinline__ explicit tile_walk(const params& params) : p(params) {
     h = static_cast<int>(blockIdx.x) % p.heads;
@@ -81,68 +81,98 @@ struct tile_walk {
     const std::int32_t* row = p.row_ptr +
                               p.mask_row[t.seq * p.mask_heads + (p.mask_heads == 1 ? 0 : h)] +
                               t.row0 / p.block;
-    e0 = row[0];
-    tiles = (row[1] - e0) * (p.block / BN);
+    e = row[0];
+    e_end = row[1];
+    u = 0;
+    sub = p.block / BN;
     const int last_row = min(t.row0 + BM, lq) - 1;
     kmax = p.causal ? min(lk - 1, last_row + shift) : lk - 1;
     kall = p.causal ? min(lk - 1, t.row0 + shift) : lk - 1;
   }
 
-  /// The first key of the it-th tile, or -1 past the end.
-  __device__ __forceinline__ int key_start(int it) const {
-    if (it >= tiles) return -1;
-    const int sub = p.block / BN;  // key tiles per key block
-    const int j = p.col_idx[e0 + it / sub] * p.block + (it % sub) * BN;
+  /// The first key of the next key tile, or -1 past the end (then not to be called again).
+  __device__ __forceinline__ int next() {
+    if (e >= e_end) return -1;
+    const int j = p.col_idx[e] * p.block + u * BN;
+    if (++u == sub) {
+      u = 0;
+      ++e;
+    }
     return j <= kmax ? j : -1;
   }
 };
 
-/// One online-softmax step for a warp's 16 rows: s holds S = Q Kᵀ for keys j0 .. j0 + BN - 1 in
-/// the m16n8 accumulator layout (rows i_lo and i_lo + 8, i_lo = the thread's first row); scales
-/// it into log2 units, masks keys past the sequence or the causal limit, updates the running max
-/// m and this thread's partial sums l, rescales o, and leaves P = exp2(s - m) in s.
-template <int BN, int D, int BM>
-__device__ __forceinline__ void softmax_step(float (&s)[BN / 8][4], float (&o)[D / 8][4],
-                                             float (&m)[2], float (&l)[2],
-                                             const tile_walk<BM, BN>& w, int j0, int i_lo) {
-  const int tq = static_cast<int>(threadIdx.x) % 4;
-  const bool masked = j0 + BN - 1 > w.kall;
-#pragma unroll
-  for (int n = 0; n < BN / 8; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      s[n][e] *= w.p.scale_log2;
-      if (masked) {
-        const int j = j0 + n * 8 + 2 * tq + (e & 1);
-        const int i = i_lo + (e >> 1) * 8;
-        if (j >= w.lk || (w.p.causal && j > i + w.shift)) s[n][e] = kNegInf;
-      }
-    }
-  }
+__device__ __forceinline__ float extreme(float a, float b, bool up) {
+  return up ? fmaxf(a, b) : fminf(a, b);
+}
+
+/// softmax_step's work after the masking: masked elements of s are NaN (which fmaxf and fminf
+/// skip), and with MASKED their P is set to 0.
+template <bool MASKED, int BN>
+__device__ __forceinline__ void softmax_rows(float (&s)[BN / 8][4], float (&m)[2], float (&l)[2],
+                                             float (&alpha)[2], float c) {
+  // max_j c s_j = c max_j s_j for c >= 0, c min_j s_j otherwise: the scale is folded into the
+  // exponent's FMA.
+  const bool up = c >= 0.f;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float mx = kNegInf;
+    float mx = up ? kNegInf : -kNegInf;
 #pragma unroll
-    for (int n = 0; n < BN / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m[r], mx);
+    for (int n = 0; n < BN / 8; ++n)
+      mx = extreme(mx, extreme(s[n][2 * r], s[n][2 * r + 1], up), up);
+    mx = extreme(mx, __shfl_xor_sync(0xffffffffu, mx, 1), up);
+    mx = extreme(mx, __shfl_xor_sync(0xffffffffu, mx, 2), up);
+    const float m_new = fmaxf(m[r], mx * c);            // NaN (c = 0, no key) leaves m
     const float base = m_new == kNegInf ? 0.f : m_new;  // a row with no key yet stays at 0
-    const float alpha = exp2_approx(m[r] - base);
+    alpha[r] = exp2_approx(m[r] - base);
     m[r] = m_new;
     float sum = 0.f;
 #pragma unroll
     for (int n = 0; n < BN / 8; ++n) {
-      s[n][2 * r] = exp2_approx(s[n][2 * r] - base);
-      s[n][2 * r + 1] = exp2_approx(s[n][2 * r + 1] - base);
-      sum += s[n][2 * r] + s[n][2 * r + 1];
-    }
-    l[r] = l[r] * alpha + sum;
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      o[n][2 * r] *= alpha;
-      o[n][2 * r + 1] *= alpha;
+      for (int e = 2 * r; e < 2 * r + 2; ++e) {
+        const float x = exp2_approx(fmaf(s[n][e], c, -base));
+        s[n][e] = MASKED && s[n][e] != s[n][e] ? 0.f : x;
+        sum += s[n][e];
+      }
     }
+    l[r] = l[r] * alpha[r] + sum;
+  }
+}
+
+/// One online-softmax step for a warp's 16 rows: s holds S = Q Kᵀ for keys j0 .. j0 + BN - 1 in
+/// the m16n8 accumulator layout (rows i_lo and i_lo + 8, i_lo = the thread's first row). Masks
+/// keys past the sequence or the causal limit, updates the running max m (log2 units, scale
+/// applied) and this thread's partial sums l, leaves P = exp2(scale log2(e) s - m) in s and in
+/// alpha the factor the output rows must be rescaled by (rescale()).
+template <int BN, int BM>
+__device__ __forceinline__ void softmax_step(float (&s)[BN / 8][4], float (&m)[2], float (&l)[2],
+                                             float (&alpha)[2], const tile_walk<BM, BN>& w, int j0,
+                                             int i_lo) {
+  if (j0 + BN - 1 <= w.kall) return softmax_rows<false, BN>(s, m, l, alpha, w.p.scale_log2);
+  const int tq = static_cast<int>(threadIdx.x) % 4;
+#pragma unroll
+  for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int j = j0 + n * 8 + 2 * tq + (e & 1);
+      const int i = i_lo + (e >> 1) * 8;
+      if (j >= w.lk || (w.p.causal && j > i + w.shift)) s[n][e] = __int_as_float(0x7fffffff);
+    }
+  }
+  softmax_rows<true, BN>(s, m, l, alpha, w.p.scale_log2);
+}
+
+/// o *= alpha row-wise (skipped when no row of the warp changed its max).
+template <int D>
+__device__ __forceinline__ void rescale(float (&o)[D / 8][4], const float (&alpha)[2]) {
+  if (__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) return;
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    o[n][0] *= alpha[0];
+    o[n][1] *= alpha[0];
+    o[n][2] *= alpha[1];
+    o[n][3] *= alpha[1];
   }
 }
 
