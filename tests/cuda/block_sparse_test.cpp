@@ -109,7 +109,7 @@ TEST(GpuBlockSparse, EveryBlockTypeAndHeadDimAgainstTheReference) {
 }
 
 // A shared mask for 3 heads; the report's layouts; a dense mask; one block per row; empty block
-// rows; large and all-negative scores.
+// rows; large, all-positive, negatively scaled and zero-scaled scores.
 TEST(GpuBlockSparse, LayoutsAndEdgeCases) {
   SKIP_WITHOUT_GPU();
   const std::vector<std::int64_t> lens{200, 129, 64};
@@ -150,6 +150,10 @@ TEST(GpuBlockSparse, LayoutsAndEdgeCases) {
     for (const auto& plan : plans_for(dense)) {
       check(plan, c, 1, 5, 100.0);
       check(plan, c, 1, 6, 1.0, 0.25, 1.0);
+      // Negative scales (the kernels negate Q and use |scale|) and a zero scale (uniform weights).
+      check(plan, c, 1, 7, -0.4);
+      check(plan, c, 1, 8, -100.0);
+      check(plan, c, 1, 9, 0.0);
     }
   }
 }

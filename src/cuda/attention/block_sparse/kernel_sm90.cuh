@@ -96,6 +96,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D>())
   for (int kk = 0; kk < D / 16; ++kk)
     arch::ldmatrix_x4(qa[kk], swizzled<kRows>(k_tile(2), warp * 16 + lane % 16, kk / 4,
                                               2 * (kk % 4) + lane / 16));
+  apply_score_sign(qa, p);
   float s[kKeys / 8][4];
   float alpha[2];
   arch::wgmma_fence();

@@ -1,6 +1,7 @@
 // The fused block-sparse backend: plans (kernel choice, tile order) and the one dispatch point of
 // run-time (kernel, tile) to an instantiation; (dtype, head dim, output dtype): dispatch.cuh.
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <numeric>
 #include <string>
@@ -192,7 +193,8 @@ void run_block_sparse(const block_sparse_device_plan& plan, const tensor_view& q
   p.mask_heads = static_cast<std::int32_t>(plan.mask_heads);
   p.block = static_cast<std::int32_t>(plan.block);
   p.causal = plan.causal;
-  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  p.negate_scores = scale < 0;
+  p.scale_log2 = static_cast<float>(std::abs(scale) * 1.4426950408889634);
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const block_sparse::kernel_key key{q.type, out.type, q.dim};
 #if TRISPARSE_HAVE_SM90A

@@ -23,7 +23,8 @@ struct params : attention_io {
   const tile* tiles;  // in launch order (most work first); block x = tile index * heads + head
   std::int32_t heads, mask_heads, block;
   bool causal;
-  float scale_log2;  // scale * log2(e)
+  bool negate_scores;  // the scale is negative: the kernels negate Q and use |scale|
+  float scale_log2;    // |scale| * log2(e)
 };
 
 }  // namespace trisparse::cuda::block_sparse

@@ -102,26 +102,30 @@ struct tile_walk {
   }
 };
 
-__device__ __forceinline__ float extreme(float a, float b, bool up) {
-  return up ? fmaxf(a, b) : fminf(a, b);
+/// Q's fragments negated (the sign bits of both 16-bit halves) where the scale is negative, so
+/// that the softmax sees S negated and a scale >= 0 (params::scale_log2).
+template <int N>
+__device__ __forceinline__ void apply_score_sign(std::uint32_t (&qa)[N][4], const params& p) {
+  if (!p.negate_scores) return;
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) qa[i][j] ^= 0x80008000u;
 }
 
-/// softmax_step's work after the masking: masked elements of s are NaN (which fmaxf and fminf
-/// skip), and with MASKED their P is set to 0.
+/// softmax_step's work after the masking: masked elements of s are NaN (which fmaxf skips), and
+/// with MASKED their P is set to 0. The scale c >= 0 (apply_score_sign) is folded into the
+/// exponent's FMA: max_j c s_j = c max_j s_j.
 template <bool MASKED, int BN>
 __device__ __forceinline__ void softmax_rows(float (&s)[BN / 8][4], float (&m)[2], float (&l)[2],
                                              float (&alpha)[2], float c) {
-  // max_j c s_j = c max_j s_j for c >= 0, c min_j s_j otherwise: the scale is folded into the
-  // exponent's FMA.
-  const bool up = c >= 0.f;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float mx = up ? kNegInf : -kNegInf;
+    float mx = kNegInf;
 #pragma unroll
-    for (int n = 0; n < BN / 8; ++n)
-      mx = extreme(mx, extreme(s[n][2 * r], s[n][2 * r + 1], up), up);
-    mx = extreme(mx, __shfl_xor_sync(0xffffffffu, mx, 1), up);
-    mx = extreme(mx, __shfl_xor_sync(0xffffffffu, mx, 2), up);
+    for (int n = 0; n < BN / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_new = fmaxf(m[r], mx * c);            // NaN (c = 0, no key) leaves m
     const float base = m_new == kNegInf ? 0.f : m_new;  // a row with no key yet stays at 0
     alpha[r] = exp2_approx(m[r] - base);
