@@ -6,6 +6,7 @@
 // written as DIR/<name>.u8 (uint8 [mask heads, N/G, N/G], 1 = kept) for the PyTorch script.
 //   bench_block_sparse [--n N,...] [--p P,...] [--g G,...] [--seeds S] [--heads H] [--dim D]
 //                      [--dtype f16|bf16] [--causal] [--repeat R] [--max-pairs X] [--export DIR]
+//                      [--topk K,...]
 #include <cuda_runtime.h>
 
 #include <CLI/CLI.hpp>
@@ -149,6 +150,55 @@ result run_one(const block_sparse_mask& mask, const inputs& x, std::int64_t head
   return res;
 }
 
+// Dynamic top-k masks (--topk K): the device's selection from Q and K against the attention
+// under the mask it selects, both event-timed on rotating inputs; the selected mask is checked
+// against float64 like every other.
+nlohmann::json run_topk(const inputs& x, std::int64_t n, std::int64_t g, std::int64_t heads,
+                        std::int64_t top_k, bool causal, int repeat) {
+  const std::vector<std::int64_t> cu{0, n};
+  auto plan = topk_block_sparse_plan::build(cu, cu, heads, x.views[0].dim,
+                                            {.block = g, .top_k = top_k, .causal = causal});
+  const tensor_view& q0 = x.views[0];
+  host_tensor out(dtype::f16, q0.rows, heads, q0.dim);
+  device_mem dout(out.size_bytes());
+  tensor_view o = out.view();
+  o.data = dout.p;
+  o.where = device_kind::cuda;
+  const int sets = static_cast<int>(x.views.size() / 3);
+  const auto select = [&](int s) { plan.select(x.views[3 * s], x.views[3 * s + 1]); };
+  const double select_ms = time_runs(repeat, sets, true, select).median;
+  select(0);
+  const block_sparse_mask mask = plan.mask();
+  const auto run = [&](int s) {
+    plan.run(x.views[3 * s], x.views[3 * s + 1], x.views[3 * s + 2], o);
+  };
+  const double attention_ms = time_runs(repeat, sets, true, run).median;
+  // Both on the same inputs: select, then attend (what a caller does every step).
+  const auto both = [&](int s) {
+    select(s);
+    run(s);
+  };
+  const double both_ms = time_runs(repeat, sets, true, both).median;
+  select(0);
+  check(cudaMemset(dout.p, 0xFF, out.size_bytes()), "poison");
+  run(0);
+  check(cudaMemcpy(out.data(), dout.p, out.size_bytes(), cudaMemcpyDeviceToHost), "download");
+  return {
+      {"n", n},
+      {"g", g},
+      {"top_k", top_k},
+      {"heads", heads},
+      {"dim", q0.dim},
+      {"causal", causal},
+      {"format", plan.report().format},
+      {"density", mask.density()},
+      {"select_ms", select_ms},
+      {"attention_ms", attention_ms},
+      {"select_and_attention_ms", both_ms},
+      {"select_over_attention", select_ms / attention_ms},
+      {"max_rel_error", check_rows(mask, x, out, 1.0 / std::sqrt(static_cast<double>(q0.dim)), 1)}};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -159,6 +209,10 @@ int main(int argc, char** argv) {
   int seeds = 1, repeat = 20;
   std::string type = "f16", export_dir;
   bool causal = false;
+  std::vector<std::int64_t> topks;
+  app.add_option("--topk", topks,
+                 "instead of random masks: top-k masks selected on the device, these k")
+      ->delimiter(',');
   app.add_option("--n", ns, "sequence lengths")->delimiter(',');
   app.add_option("--p", ps, "sparsities (fraction of blocks dropped)")->delimiter(',');
   app.add_option("--g", gs, "block sizes")->delimiter(',');
@@ -182,6 +236,17 @@ int main(int argc, char** argv) {
         2 * prop.l2CacheSize / std::max<std::int64_t>(set_bytes, 1) + 1, 1, 4));
     const inputs x = make_inputs(t, n, heads, dim, sets, static_cast<std::uint64_t>(n));
     const std::vector<std::int64_t> lens{n};
+    if (!topks.empty()) {
+      for (const std::int64_t g : gs) {
+        for (const std::int64_t k : topks) {
+          nlohmann::json j = run_topk(x, n, g, heads, k, causal, repeat);
+          j["gpu"] = prop.name;
+          j["dtype"] = type;
+          std::cout << j.dump() << std::endl;
+        }
+      }
+      continue;
+    }
     // In-project dense baseline: our kernel on a dense mask (G = 128).
     const auto dense = make_block_sparse_mask(
         {.layout = block_layout::dense, .block = 128, .causal = causal}, lens);

@@ -1,10 +1,12 @@
 // The CUDA block-sparse attention (the tensor-core block kernel for G a multiple of 16, the fused
 // BSB kernel for finer blocks) against the float64 reference (label gpu; skipped without a
 // device).
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <numeric>
 
 #include "device_tensor.hpp"
 
@@ -189,6 +191,102 @@ TEST(GpuBlockSparse, FineBlocksRunAsElementPatterns) {
       const auto plan = cuda_plan(mask);
       ASSERT_EQ(plan.report().algo, algorithm::cuda_fused_bsb);
       check(plan, {dtype::bf16, dtype::f32, 64}, 2, 21);
+    }
+  }
+}
+
+// Block means (float64) of rows [row0, row0 + rows) of head h.
+std::vector<double> block_mean(const host_tensor& t, std::int64_t row0, std::int64_t rows,
+                               std::int64_t h) {
+  std::vector<double> m(static_cast<std::size_t>(t.view().dim), 0.0);
+  for (std::int64_t i = 0; i < rows; ++i)
+    for (std::int64_t d = 0; d < t.view().dim; ++d)
+      m[static_cast<std::size_t>(d)] +=
+          t.get(t.view().offset(row0 + i, h, d)) / static_cast<double>(rows);
+  return m;
+}
+
+// The device's top-k selection: every row holds min(top_k, allowed) blocks no worse than any
+// allowed block left out (scores in float64; a gap under `tol` is a tie the float32 device may
+// break either way) plus the diagonal; and attention under it equals, bitwise, a plan built from
+// the downloaded mask, itself checked against the float64 reference.
+TEST(GpuBlockSparse, TopKMasksSelectedOnTheDevice) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<std::int64_t> cu_q{0, 300, 301, 818, 882, 882},
+      cu_k{0, 300, 400, 917, 981, 981};
+  const std::int64_t heads = 2, d = 64;
+  std::uint64_t seed = 100;
+  for (const std::int64_t g : {16, 64, 128}) {
+    for (const bool causal : {false, true}) {
+      for (const std::int64_t top_k : {0, 3, 8}) {
+        const topk_mask_options o{
+            .block = g, .top_k = top_k, .causal = causal, .keep_diagonal = top_k != 3};
+        SCOPED_TRACE("G" + std::to_string(g) + " causal " + std::to_string(causal) + " top " +
+                     std::to_string(top_k));
+        host_tensor hq(dtype::f16, cu_q.back(), heads, d), hk(dtype::f16, cu_k.back(), heads, d);
+        hq.fill_uniform(-1, 1, seed++);
+        hk.fill_uniform(-1, 1, seed++);
+        test::device_tensor q(hq), k(hk);
+        auto plan = topk_block_sparse_plan::build(cu_q, cu_k, heads, d, o);
+        EXPECT_THROW(plan.mask(), invalid_input);  // nothing selected yet
+        plan.select(q.view(), k.view());
+        const block_sparse_mask got = plan.mask();
+        const double tol = 1e-5;
+        for (std::int64_t b = 0; b + 1 < static_cast<std::int64_t>(cu_q.size()); ++b) {
+          const std::int64_t lq = got.len_q(b), lk = got.len_k(b);
+          for (std::int64_t h = 0; h < heads; ++h) {
+            const csr_graph& rows = got.masks[static_cast<std::size_t>(b * heads + h)].blocks;
+            for (std::int64_t r = 0; r < rows.rows; ++r) {
+              const std::int64_t row = std::min(lq, (r + 1) * g) - 1;
+              const std::int64_t last = got.last_key(b, row), aligned = row + lk - lq;
+              const std::int64_t allowed = last < 0 ? 0 : last / g + 1;
+              const auto qm = block_mean(hq, cu_q[b] + r * g, std::min(g, lq - r * g), h);
+              std::vector<double> score;
+              for (std::int64_t c = 0; c < allowed; ++c) {
+                const auto km = block_mean(hk, cu_k[b] + c * g, std::min(g, lk - c * g), h);
+                score.push_back(std::inner_product(qm.begin(), qm.end(), km.begin(), 0.0));
+              }
+              std::vector<bool> in(static_cast<std::size_t>(allowed), false);
+              for (std::int64_t e = rows.row_ptr[r]; e < rows.row_ptr[r + 1]; ++e) {
+                ASSERT_LT(rows.col_idx[e], allowed);
+                in[static_cast<std::size_t>(rows.col_idx[e])] = true;
+              }
+              const std::int64_t diagonal =
+                  o.keep_diagonal && aligned >= 0 && lk > 0 ? std::min(aligned, lk - 1) / g : -1;
+              if (diagonal >= 0) {
+                EXPECT_TRUE(in[static_cast<std::size_t>(diagonal)]);
+              }
+              // The top-k part: the chosen blocks other than a diagonal that only the diagonal
+              // rule explains; at least the k-th best score, up to tol.
+              std::vector<double> chosen, left;
+              for (std::int64_t c = 0; c < allowed; ++c)
+                (in[static_cast<std::size_t>(c)] ? chosen : left).push_back(score[c]);
+              const std::int64_t keep = std::min(top_k, allowed);
+              std::sort(chosen.rbegin(), chosen.rend());
+              ASSERT_GE(static_cast<std::int64_t>(chosen.size()), keep);
+              ASSERT_LE(static_cast<std::int64_t>(chosen.size()), keep + (diagonal >= 0));
+              if (keep > 0 && !left.empty()) {
+                const double kth = chosen[static_cast<std::size_t>(keep - 1)];
+                EXPECT_GE(kth, *std::max_element(left.begin(), left.end()) - tol)
+                    << "sequence " << b << " head " << h << " block row " << r;
+              }
+            }
+          }
+        }
+        // Attention under the selected mask: the same bits as a plan of the downloaded mask.
+        if (got.active_blocks() == 0) continue;
+        const auto from_mask = cuda_plan(got);
+        check(from_mask, {dtype::f16, dtype::f32, d}, heads, seed);
+        host_tensor hv(dtype::f16, cu_k.back(), heads, d);
+        hv.fill_uniform(-1, 1, seed++);
+        test::device_tensor v(hv), out(host_tensor(dtype::f32, cu_q.back(), heads, d));
+        host_tensor a, b;
+        ASSERT_NO_FATAL_FAILURE(test::run_twice_identically(
+            out, [&] { plan.run(q.view(), k.view(), v.view(), out.view()); }, a));
+        ASSERT_NO_FATAL_FAILURE(test::run_twice_identically(
+            out, [&] { from_mask.run(q.view(), k.view(), v.view(), out.view()); }, b));
+        EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size_bytes()), 0);
+      }
     }
   }
 }

@@ -77,4 +77,39 @@ class block_sparse_attention_plan {
   std::shared_ptr<const state> state_;
 };
 
+/// Block-sparse attention under top-k masks (topk_block_mask's definition) that the GPU selects
+/// from the inputs on every call: built once for the batch's lengths, heads and options (block a
+/// multiple of 16), select() recomputes the mask on the device from q and k (two launches, no host
+/// synchronisation), run() attends under the last selected mask.
+class topk_block_sparse_plan {
+ public:
+  /// @throws invalid_input for broken offsets, heads or head_dim < 1, top_k < 0; not_supported
+  /// without the CUDA backend, for a block that is not a multiple of 16, or for a sequence with
+  /// more key blocks than the device's shared memory holds scores for.
+  static topk_block_sparse_plan build(std::span<const std::int64_t> cu_seqlens_q,
+                                      std::span<const std::int64_t> cu_seqlens_k,
+                                      std::int64_t heads, std::int64_t head_dim,
+                                      const topk_mask_options& options,
+                                      const block_sparse_plan_options& plan_options = {},
+                                      stream_ref stream = {});
+
+  /// Selects the mask from q: [cu_seqlens_q.back(), heads, head_dim] and k (f16 or bf16, on the
+  /// plan's device); asynchronous on `stream`. @throws invalid_input for other shapes or dtypes.
+  void select(const tensor_view& q, const tensor_view& k, stream_ref stream = {});
+
+  /// out = attention(q, k, v) under the last selected mask, as block_sparse_attention_plan::run.
+  /// @throws invalid_input before the first select().
+  void run(const tensor_view& q, const tensor_view& k, const tensor_view& v, const tensor_view& out,
+           const attention_options& options = {}, stream_ref stream = {}) const;
+
+  /// The last selected mask, downloaded (synchronous on `stream`). @throws invalid_input before
+  /// the first select().
+  block_sparse_mask mask(stream_ref stream = {}) const;
+  const plan_report& report() const;
+
+ private:
+  struct state;
+  std::shared_ptr<state> state_;
+};
+
 }  // namespace trisparse

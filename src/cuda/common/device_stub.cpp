@@ -103,4 +103,14 @@ void run_block_sparse(const block_sparse_device_plan&, const tensor_view&, const
   no_backend();
 }
 std::int64_t device_bytes(const block_sparse_device_plan&) { return 0; }
+struct topk_device_plan {};
+std::shared_ptr<topk_device_plan> make_topk_plan(const block_sparse_mask&, std::int64_t, bool,
+                                                 std::int64_t, block_kernel, stream_ref) {
+  no_backend();
+}
+const block_sparse_device_plan& attention_of(const topk_device_plan&) { no_backend(); }
+void select_topk(topk_device_plan&, const tensor_view&, const tensor_view&, stream_ref) {
+  no_backend();
+}
+std::vector<std::int32_t> download_blocks(const topk_device_plan&, stream_ref) { no_backend(); }
 }  // namespace trisparse::cuda

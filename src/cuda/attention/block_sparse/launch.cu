@@ -11,21 +11,12 @@
 #include "../../common/current_device.cuh"
 #include "../../common/error.cuh"
 #include "../../common/layout.hpp"
+#include "device_plan.cuh"
 #include "dispatch.cuh"
 #include "kernel.cuh"
 #include "plan.hpp"
 
 namespace trisparse::cuda {
-
-struct block_sparse_device_plan {
-  int device = 0;
-  std::int64_t block = 0, tile_rows = 0, mask_heads = 1;
-  bool causal = false, wgmma = false;
-  std::int32_t num_tiles = 0;
-  device_buffer<std::int64_t> cu_q, cu_k;
-  device_buffer<std::int32_t> mask_row, row_ptr, col_idx;
-  device_buffer<block_sparse::tile> tiles;
-};
 
 namespace {
 

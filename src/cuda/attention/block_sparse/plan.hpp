@@ -3,6 +3,7 @@
 // includes it).
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/tensor.hpp"
@@ -37,5 +38,28 @@ void run_block_sparse(const block_sparse_device_plan& plan, const tensor_view& q
                       double scale, stream_ref stream);
 
 std::int64_t device_bytes(const block_sparse_device_plan& plan);
+
+/// An attention plan whose blocks the device selects (top-k block routing).
+struct topk_device_plan;
+
+/// `skeleton`: the batch's lengths, heads, block and causality, with every block row holding
+/// top_k (+ 1 with keep_diagonal) slots (any ascending values; those past a row's allowed blocks
+/// equal to its sequence's key-block count). @throws not_supported as make_block_sparse_plan, or
+/// where one sequence has more key blocks than shared memory holds scores for.
+std::shared_ptr<topk_device_plan> make_topk_plan(const block_sparse_mask& skeleton,
+                                                 std::int64_t top_k, bool keep_diagonal,
+                                                 std::int64_t dim, block_kernel kernel,
+                                                 stream_ref stream);
+
+/// The plan run_block_sparse takes, with the last selected blocks.
+const block_sparse_device_plan& attention_of(const topk_device_plan& plan);
+
+/// Selects the blocks from q and k ([rows, heads, dim], f16 or bf16, on the device), asynchronous
+/// on `stream` (two launches). @throws invalid_input for other shapes, dtypes or devices.
+void select_topk(topk_device_plan& plan, const tensor_view& q, const tensor_view& k,
+                 stream_ref stream);
+
+/// The block slots (synchronous on `stream`): mask m's block row r at (rows before m + r) * slots.
+std::vector<std::int32_t> download_blocks(const topk_device_plan& plan, stream_ref stream);
 
 }  // namespace trisparse::cuda

@@ -1,0 +1,299 @@
+// Top-k block masks on the device (block routing, as topk_block_mask defines them on the CPU):
+// one launch pools the block means of Q and K, one selects per (query block, head) the top_k key
+// blocks by <mean Q, mean K> among those the block may attend, adds the diagonal block, and writes
+// them in ascending order into the attention plan's blocks. Rows have fixed room (top_k + 1
+// slots); unused slots hold the sequence's key-block count, whose first key lies past every
+// row's last, so the attention kernels' walk ends there. No host synchronisation.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <climits>
+#include <string>
+#include <vector>
+
+#include "../../common/buffer.cuh"
+#include "../../common/error.cuh"
+#include "device_plan.cuh"
+#include "plan.hpp"
+
+namespace trisparse::cuda {
+
+struct topk_device_plan {
+  std::shared_ptr<block_sparse_device_plan> attention;
+  std::int32_t heads = 0, dim = 0, block = 0, top_k = 0, cap = 0;
+  bool causal = false, keep_diagonal = false;
+  std::int32_t q_blocks = 0, k_blocks = 0, max_k_blocks = 0;
+  std::int64_t rows_q = 0, rows_k = 0;
+  device_buffer<std::int32_t> q_block_seq, k_block_seq;    // the sequence of each block
+  device_buffer<std::int32_t> q_block_base, k_block_base;  // per sequence: its first block
+  device_buffer<float> pooled_q, pooled_k;                 // [blocks, heads, dim]
+};
+
+namespace {
+
+struct pool_params {
+  const void* q;
+  const void* k;
+  std::int64_t q_row, q_head, k_row, k_head;
+  const std::int64_t* cu_q;
+  const std::int64_t* cu_k;
+  const std::int32_t *q_block_seq, *k_block_seq, *q_block_base, *k_block_base;
+  float *pooled_q, *pooled_k;
+  std::int32_t q_blocks, heads, dim, block;
+};
+
+// Block x of the grid: query block x, or key block x - q_blocks. Thread t averages the columns
+// t, t + blockDim.x, ... of the block's rows over all heads.
+template <class T>
+__global__ void pool_kernel(const __grid_constant__ pool_params p) {
+  const bool is_q = static_cast<std::int32_t>(blockIdx.x) < p.q_blocks;
+  const int x = static_cast<int>(blockIdx.x) - (is_q ? 0 : p.q_blocks);
+  const int b = (is_q ? p.q_block_seq : p.k_block_seq)[x];
+  const int first = x - (is_q ? p.q_block_base : p.k_block_base)[b];
+  const std::int64_t* cu = is_q ? p.cu_q : p.cu_k;
+  const std::int64_t row0 = cu[b] + std::int64_t{first} * p.block;
+  const int rows = static_cast<int>(min(std::int64_t{p.block}, cu[b + 1] - row0));
+  const T* src = static_cast<const T*>(is_q ? p.q : p.k);
+  const std::int64_t row_stride = is_q ? p.q_row : p.k_row,
+                     head_stride = is_q ? p.q_head : p.k_head;
+  float* dst = (is_q ? p.pooled_q : p.pooled_k) + std::int64_t{x} * p.heads * p.dim;
+  for (int c = static_cast<int>(threadIdx.x); c < p.heads * p.dim;
+       c += static_cast<int>(blockDim.x)) {
+    const T* col = src + row0 * row_stride + (c / p.dim) * head_stride + c % p.dim;
+    float acc = 0.f;
+    for (int i = 0; i < rows; ++i) acc += static_cast<float>(col[i * row_stride]);
+    dst[c] = acc / static_cast<float>(rows);
+  }
+}
+
+struct select_params {
+  const float *pooled_q, *pooled_k;
+  const std::int64_t* cu_q;
+  const std::int64_t* cu_k;
+  const std::int32_t *q_block_seq, *q_block_base, *k_block_base;
+  std::int32_t* col_idx;
+  std::int32_t q_blocks, heads, dim, block, top_k, cap, max_k_blocks;
+  bool causal, keep_diagonal;
+};
+
+constexpr int kSelectWarps = 4;
+
+// Shared floats per warp: the pooled query row, the scores of the key blocks, the selection.
+__host__ __device__ constexpr int select_floats(int dim, int max_k_blocks, int cap) {
+  return dim + max_k_blocks + cap;
+}
+
+// A warp per (query block, head): scores, then top_k rounds of a warp argmax (ties to the lower
+// block; a chosen score becomes NaN, which the next rounds skip), the diagonal, and the sorted
+// write.
+__global__ void select_kernel(const __grid_constant__ select_params p) {
+  extern __shared__ float shared[];
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const std::int64_t task = std::int64_t{blockIdx.x} * kSelectWarps + warp;
+  if (task >= std::int64_t{p.q_blocks} * p.heads) return;
+  const int x = static_cast<int>(task / p.heads), h = static_cast<int>(task % p.heads);
+  float* qv = shared + warp * select_floats(p.dim, p.max_k_blocks, p.cap);
+  float* score = qv + p.dim;
+  int* chosen = reinterpret_cast<int*>(score + p.max_k_blocks);
+  const int b = p.q_block_seq[x], r = x - p.q_block_base[b];
+  const int lq = static_cast<int>(p.cu_q[b + 1] - p.cu_q[b]),
+            lk = static_cast<int>(p.cu_k[b + 1] - p.cu_k[b]);
+  const int nbq = (lq + p.block - 1) / p.block, nbk = (lk + p.block - 1) / p.block;
+  const int row = min(lq, (r + 1) * p.block) - 1, aligned = row + lk - lq;
+  const int last = p.causal ? min(aligned, lk - 1) : lk - 1;
+  const int allowed = last < 0 ? 0 : last / p.block + 1;
+  for (int d = lane; d < p.dim; d += 32)
+    qv[d] = p.pooled_q[(std::int64_t{x} * p.heads + h) * p.dim + d];
+  __syncwarp();
+  const float* kp = p.pooled_k + (std::int64_t{p.k_block_base[b]} * p.heads + h) * p.dim;
+  const std::int64_t k_stride = std::int64_t{p.heads} * p.dim;
+  for (int c = lane; c < allowed; c += 32) {
+    float s = 0.f;
+    for (int d = 0; d < p.dim; ++d) s = fmaf(qv[d], kp[c * k_stride + d], s);
+    score[c] = s;
+  }
+  __syncwarp();
+  const int keep = min(p.top_k, allowed);
+  for (int i = 0; i < keep; ++i) {
+    float best = -__builtin_huge_valf();
+    int at = INT_MAX;
+    for (int c = lane; c < allowed; c += 32) {
+      const float v = score[c];
+      if (v == v && (v > best || (v == best && c < at))) {
+        best = v;
+        at = c;
+      }
+    }
+    for (int off = 16; off > 0; off /= 2) {
+      const float ob = __shfl_xor_sync(0xffffffffu, best, off);
+      const int oa = __shfl_xor_sync(0xffffffffu, at, off);
+      if (ob > best || (ob == best && oa < at)) {
+        best = ob;
+        at = oa;
+      }
+    }
+    if (lane == 0) {
+      chosen[i] = at;
+      score[at] = __int_as_float(0x7fffffff);
+    }
+    __syncwarp();
+  }
+  int n = keep;
+  if (p.keep_diagonal && aligned >= 0 && lk > 0) {
+    const int diagonal = min(aligned, lk - 1) / p.block;  // < allowed: its score is set
+    if (score[diagonal] == score[diagonal]) {
+      if (lane == 0) chosen[n] = diagonal;
+      ++n;
+    }
+  }
+  __syncwarp();
+  std::int32_t* out =
+      p.col_idx + (std::int64_t{p.q_block_base[b]} * p.heads + std::int64_t{h} * nbq + r) * p.cap;
+  for (int i = lane; i < p.cap; i += 32) {
+    if (i < n) {
+      const int v = chosen[i];
+      int rank = 0;
+      for (int j = 0; j < n; ++j) rank += chosen[j] < v;
+      out[rank] = v;
+    } else {
+      out[i] = nbk;
+    }
+  }
+}
+
+void check_input(const topk_device_plan& t, const tensor_view& v, std::int64_t rows,
+                 const char* name) {
+  if (v.where != device_kind::cuda || v.rows != rows || v.heads != t.heads || v.dim != t.dim ||
+      (v.type != dtype::f16 && v.type != dtype::bf16)) {
+    throw invalid_input(std::string("top-k selection: ") + name + " must be a CUDA f16 or bf16 [" +
+                        std::to_string(rows) + ", " + std::to_string(t.heads) + ", " +
+                        std::to_string(t.dim) + "] tensor");
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<topk_device_plan> make_topk_plan(const block_sparse_mask& skeleton,
+                                                 std::int64_t top_k, bool keep_diagonal,
+                                                 std::int64_t dim, block_kernel kernel,
+                                                 stream_ref stream) {
+  auto t = std::make_shared<topk_device_plan>();
+  t->attention = make_block_sparse_plan(skeleton, kernel, stream);
+  t->heads = static_cast<std::int32_t>(skeleton.heads);
+  t->dim = static_cast<std::int32_t>(dim);
+  t->block = static_cast<std::int32_t>(skeleton.block);
+  t->top_k = static_cast<std::int32_t>(top_k);
+  t->cap = static_cast<std::int32_t>(top_k + (keep_diagonal ? 1 : 0));
+  t->causal = skeleton.causal;
+  t->keep_diagonal = keep_diagonal;
+  t->rows_q = skeleton.cu_seqlens_q.back();
+  t->rows_k = skeleton.cu_seqlens_k.back();
+  std::vector<std::int32_t> q_seq, k_seq, q_base, k_base;
+  for (std::int64_t b = 0; b < skeleton.batch(); ++b) {
+    const auto nbq = static_cast<std::int32_t>((skeleton.len_q(b) + t->block - 1) / t->block),
+               nbk = static_cast<std::int32_t>((skeleton.len_k(b) + t->block - 1) / t->block);
+    q_base.push_back(static_cast<std::int32_t>(q_seq.size()));
+    k_base.push_back(static_cast<std::int32_t>(k_seq.size()));
+    q_seq.insert(q_seq.end(), static_cast<std::size_t>(nbq), static_cast<std::int32_t>(b));
+    k_seq.insert(k_seq.end(), static_cast<std::size_t>(nbk), static_cast<std::int32_t>(b));
+    t->max_k_blocks = std::max(t->max_k_blocks, nbk);
+  }
+  t->q_blocks = static_cast<std::int32_t>(q_seq.size());
+  t->k_blocks = static_cast<std::int32_t>(k_seq.size());
+  const int bytes = kSelectWarps * select_floats(t->dim, t->max_k_blocks, t->cap) * 4;
+  int device = 0, limit = 0;
+  TRISPARSE_CUDA_TRY(cudaGetDevice(&device));
+  TRISPARSE_CUDA_TRY(
+      cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (bytes > limit) {
+    throw not_supported("top-k selection: " + std::to_string(t->max_k_blocks) +
+                        " key blocks in one sequence need more shared memory than the device has");
+  }
+  TRISPARSE_CUDA_TRY(
+      cudaFuncSetAttribute(select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  t->q_block_seq = device_buffer<std::int32_t>(q_seq);
+  t->k_block_seq = device_buffer<std::int32_t>(k_seq);
+  t->q_block_base = device_buffer<std::int32_t>(q_base);
+  t->k_block_base = device_buffer<std::int32_t>(k_base);
+  t->pooled_q = device_buffer<float>(static_cast<std::size_t>(t->q_blocks) * t->heads * t->dim);
+  t->pooled_k = device_buffer<float>(static_cast<std::size_t>(t->k_blocks) * t->heads * t->dim);
+  return t;
+}
+
+const block_sparse_device_plan& attention_of(const topk_device_plan& t) { return *t.attention; }
+
+void select_topk(topk_device_plan& t, const tensor_view& q, const tensor_view& k,
+                 stream_ref stream) {
+  check_input(t, q, t.rows_q, "q");
+  check_input(t, k, t.rows_k, "k");
+  if (k.type != q.type) throw invalid_input("top-k selection: q and k need the same dtype");
+  int device = 0;
+  TRISPARSE_CUDA_TRY(cudaGetDevice(&device));
+  if (device != t.attention->device) {
+    throw invalid_input("the plan was built on device " + std::to_string(t.attention->device) +
+                        " but device " + std::to_string(device) + " is current");
+  }
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  block_sparse_device_plan& a = *t.attention;
+  const pool_params pp{q.data,
+                       k.data,
+                       q.row_stride,
+                       q.head_stride,
+                       k.row_stride,
+                       k.head_stride,
+                       a.cu_q.data(),
+                       a.cu_k.data(),
+                       t.q_block_seq.data(),
+                       t.k_block_seq.data(),
+                       t.q_block_base.data(),
+                       t.k_block_base.data(),
+                       t.pooled_q.data(),
+                       t.pooled_k.data(),
+                       t.q_blocks,
+                       t.heads,
+                       t.dim,
+                       t.block};
+  const unsigned pool_blocks = static_cast<unsigned>(t.q_blocks + t.k_blocks);
+  if (pool_blocks == 0) return;
+  if (q.type == dtype::f16)
+    pool_kernel<__half><<<pool_blocks, 256, 0, s>>>(pp);
+  else
+    pool_kernel<__nv_bfloat16><<<pool_blocks, 256, 0, s>>>(pp);
+  TRISPARSE_CUDA_CHECK_LAUNCH();
+  const select_params sp{t.pooled_q.data(),
+                         t.pooled_k.data(),
+                         a.cu_q.data(),
+                         a.cu_k.data(),
+                         t.q_block_seq.data(),
+                         t.q_block_base.data(),
+                         t.k_block_base.data(),
+                         a.col_idx.data(),
+                         t.q_blocks,
+                         t.heads,
+                         t.dim,
+                         t.block,
+                         t.top_k,
+                         t.cap,
+                         t.max_k_blocks,
+                         t.causal,
+                         t.keep_diagonal};
+  const std::int64_t tasks = std::int64_t{t.q_blocks} * t.heads;
+  if (tasks == 0 || t.cap == 0) return;
+  const int bytes = kSelectWarps * select_floats(t.dim, t.max_k_blocks, t.cap) * 4;
+  select_kernel<<<static_cast<unsigned>((tasks + kSelectWarps - 1) / kSelectWarps),
+                  32 * kSelectWarps, bytes, s>>>(sp);
+  TRISPARSE_CUDA_CHECK_LAUNCH();
+}
+
+std::vector<std::int32_t> download_blocks(const topk_device_plan& t, stream_ref stream) {
+  std::vector<std::int32_t> cols(t.attention->col_idx.size());
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  TRISPARSE_CUDA_TRY(cudaMemcpyAsync(cols.data(), t.attention->col_idx.data(),
+                                     cols.size() * sizeof(std::int32_t), cudaMemcpyDeviceToHost,
+                                     s));
+  TRISPARSE_CUDA_TRY(cudaStreamSynchronize(s));
+  return cols;
+}
+
+}  // namespace trisparse::cuda
