@@ -119,5 +119,9 @@ if [ "$what" = blocksparse ]; then
   python3 bench/python/block_sparse.py "$out/block_sparse_ours.jsonl" --mask-dir "$masks" \
     > "$out/block_sparse.jsonl" 2>> "$out/stderr.log" || status=1
   tail -c 1500 "$out/block_sparse.jsonl"; tail -5 "$out/stderr.log"
+  # Top-k masks selected on the device: selection time against the attention under the mask.
+  "$b/bench_block_sparse" ${BLOCK_SPARSE_TOPK_ARGS:---n 4096,32768 --g 64,128 --topk 8,26} \
+    > "$out/block_sparse_topk.jsonl" 2>> "$out/stderr.log" || status=1
+  tail -c 600 "$out/block_sparse_topk.jsonl"
 fi
 exit $status
