@@ -208,6 +208,7 @@ __global__ void select_kernel(const __grid_constant__ select_params p) {
         at = oa;
       }
     }
+    __syncwarp();  // every lane's scan of the scores is done before one is overwritten
     if (lane == 0) {
       chosen[i] = at;
       score[at] = __int_as_float(0x7fffffff);
