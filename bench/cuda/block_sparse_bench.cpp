@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -116,6 +117,26 @@ void export_mask(const block_sparse_mask& m, const std::string& path) {
   if (!f) throw std::runtime_error("cannot write " + path);
 }
 
+// An f16 output [rows, heads, dim] on the device and its host copy: poisoned, written once by
+// `run`, downloaded and checked against float64 on sampled rows.
+struct device_output {
+  host_tensor host;
+  device_mem mem;
+  tensor_view view;
+  device_output(const tensor_view& q, std::int64_t heads)
+      : host(dtype::f16, q.rows, heads, q.dim), mem(host.size_bytes()), view(host.view()) {
+    view.data = mem.p;
+    view.where = device_kind::cuda;
+  }
+  double check_once(const block_sparse_mask& mask, const inputs& x, std::uint64_t seed,
+                    const std::function<void()>& run) {
+    check(cudaMemset(mem.p, 0xFF, host.size_bytes()), "poison");
+    run();
+    check(cudaMemcpy(host.data(), mem.p, host.size_bytes(), cudaMemcpyDeviceToHost), "download");
+    return check_rows(mask, x, host, 1.0 / std::sqrt(static_cast<double>(view.dim)), seed);
+  }
+};
+
 struct result {
   double ms = 0, build_s = 0, error = 0;
   std::int64_t pairs = 0;
@@ -132,20 +153,12 @@ result run_one(const block_sparse_mask& mask, const inputs& x, std::int64_t head
   res.algo = std::string(to_string(plan.report().algo));
   res.format = plan.report().format;
   res.pairs = plan.report().nnz * (mask.heads == 1 ? heads : 1);
-  const tensor_view& q0 = x.views[0];
-  host_tensor out(dtype::f16, q0.rows, heads, q0.dim);
-  device_mem dout(out.size_bytes());
-  tensor_view o = out.view();
-  o.data = dout.p;
-  o.where = device_kind::cuda;
+  device_output out(x.views[0], heads);
   const int sets = static_cast<int>(x.views.size() / 3);
   const auto call = [&](int s) {
-    plan.run(x.views[3 * s], x.views[3 * s + 1], x.views[3 * s + 2], o);
+    plan.run(x.views[3 * s], x.views[3 * s + 1], x.views[3 * s + 2], out.view);
   };
-  check(cudaMemset(dout.p, 0xFF, out.size_bytes()), "poison");
-  call(0);
-  check(cudaMemcpy(out.data(), dout.p, out.size_bytes(), cudaMemcpyDeviceToHost), "download");
-  res.error = check_rows(mask, x, out, 1.0 / std::sqrt(static_cast<double>(q0.dim)), seed);
+  res.error = out.check_once(mask, x, seed, [&] { call(0); });
   res.ms = time_runs(repeat, sets, true, call).median;
   return res;
 }
@@ -159,18 +172,14 @@ nlohmann::json run_topk(const inputs& x, std::int64_t n, std::int64_t g, std::in
   auto plan = topk_block_sparse_plan::build(cu, cu, heads, x.views[0].dim,
                                             {.block = g, .top_k = top_k, .causal = causal});
   const tensor_view& q0 = x.views[0];
-  host_tensor out(dtype::f16, q0.rows, heads, q0.dim);
-  device_mem dout(out.size_bytes());
-  tensor_view o = out.view();
-  o.data = dout.p;
-  o.where = device_kind::cuda;
+  device_output out(q0, heads);
   const int sets = static_cast<int>(x.views.size() / 3);
   const auto select = [&](int s) { plan.select(x.views[3 * s], x.views[3 * s + 1]); };
   const double select_ms = time_runs(repeat, sets, true, select).median;
   select(0);
   const block_sparse_mask mask = plan.mask();
   const auto run = [&](int s) {
-    plan.run(x.views[3 * s], x.views[3 * s + 1], x.views[3 * s + 2], o);
+    plan.run(x.views[3 * s], x.views[3 * s + 1], x.views[3 * s + 2], out.view);
   };
   const double attention_ms = time_runs(repeat, sets, true, run).median;
   // Both on the same inputs: select, then attend (what a caller does every step).
@@ -180,23 +189,20 @@ nlohmann::json run_topk(const inputs& x, std::int64_t n, std::int64_t g, std::in
   };
   const double both_ms = time_runs(repeat, sets, true, both).median;
   select(0);
-  check(cudaMemset(dout.p, 0xFF, out.size_bytes()), "poison");
-  run(0);
-  check(cudaMemcpy(out.data(), dout.p, out.size_bytes(), cudaMemcpyDeviceToHost), "download");
-  return {
-      {"n", n},
-      {"g", g},
-      {"top_k", top_k},
-      {"heads", heads},
-      {"dim", q0.dim},
-      {"causal", causal},
-      {"format", plan.report().format},
-      {"density", mask.density()},
-      {"select_ms", select_ms},
-      {"attention_ms", attention_ms},
-      {"select_and_attention_ms", both_ms},
-      {"select_over_attention", select_ms / attention_ms},
-      {"max_rel_error", check_rows(mask, x, out, 1.0 / std::sqrt(static_cast<double>(q0.dim)), 1)}};
+  const double error = out.check_once(mask, x, 1, [&] { run(0); });
+  return {{"n", n},
+          {"g", g},
+          {"top_k", top_k},
+          {"heads", heads},
+          {"dim", q0.dim},
+          {"causal", causal},
+          {"format", plan.report().format},
+          {"density", mask.density()},
+          {"select_ms", select_ms},
+          {"attention_ms", attention_ms},
+          {"select_and_attention_ms", both_ms},
+          {"select_over_attention", select_ms / attention_ms},
+          {"max_rel_error", error}};
 }
 
 }  // namespace

@@ -74,6 +74,18 @@ tensor_view head_of(const tensor_view& t, std::int64_t h) {
   return one;
 }
 
+// A block mask of lq x lk at block g with no blocks yet (row_ptr holds its first 0).
+block_mask empty_block_mask(std::int64_t lq, std::int64_t lk, std::int64_t g) {
+  block_mask m;
+  m.rows = lq;
+  m.cols = lk;
+  m.block = g;
+  m.blocks.rows = (lq + g - 1) / g;
+  m.blocks.cols = (lk + g - 1) / g;
+  m.blocks.row_ptr.assign(1, 0);
+  return m;
+}
+
 bool runs_on_cuda(algorithm a) {
   return a == algorithm::cuda_fused_block || a == algorithm::cuda_fused_bsb;
 }
@@ -122,16 +134,11 @@ block_sparse_mask topk_block_mask(const tensor_view& q, const tensor_view& k,
     TRISPARSE_EXPECTS_INPUT(
         lq >= 0 && lk >= 0,
         "top-k block mask: cu_seqlens decrease at sequence " + std::to_string(b));
-    const std::int64_t nbq = (lq + g - 1) / g, nbk = (lk + g - 1) / g;
+    const std::int64_t nbq = (lq + g - 1) / g;
     for (std::int64_t h = 0; h < heads; ++h) {
       const std::vector<double> qm = pooled(q, mask.cu_seqlens_q[b], lq, h),
                                 km = pooled(k, mask.cu_seqlens_k[b], lk, h);
-      block_mask m;
-      m.rows = lq;
-      m.cols = lk;
-      m.block = g;
-      m.blocks.rows = nbq;
-      m.blocks.cols = nbk;
+      block_mask m = empty_block_mask(lq, lk, g);
       m.blocks.row_ptr.assign(nbq + 1, 0);
       std::vector<std::pair<double, std::int32_t>> scored;
       for (std::int64_t r = 0; r < nbq; ++r) {
@@ -293,13 +300,7 @@ block_sparse_mask topk_rows(const block_sparse_mask& shape, std::int64_t slots, 
     const std::int64_t lq = shape.len_q(b), lk = shape.len_k(b);
     const std::int64_t nbq = (lq + g - 1) / g, nbk = (lk + g - 1) / g;
     for (std::int64_t h = 0; h < shape.heads; ++h) {
-      block_mask bm;
-      bm.rows = lq;
-      bm.cols = lk;
-      bm.block = g;
-      bm.blocks.rows = nbq;
-      bm.blocks.cols = nbk;
-      bm.blocks.row_ptr.assign(1, 0);
+      block_mask bm = empty_block_mask(lq, lk, g);
       for (std::int64_t r = 0; r < nbq; ++r) {
         const std::int64_t last = shape.last_key(b, std::min(lq, (r + 1) * g) - 1);
         const std::int64_t allowed = last < 0 ? 0 : last / g + 1;

@@ -1,6 +1,9 @@
 #pragma once
 // The current CUDA device and its SM count (plans record both when they are built).
+#include <string>
+
 #include "error.cuh"
+#include "trisparse/core/error.hpp"
 
 namespace trisparse::cuda {
 
@@ -13,6 +16,16 @@ inline device_id_and_sms current_device() {
   TRISPARSE_CUDA_TRY(cudaGetDevice(&d.device));
   TRISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, d.device));
   return d;
+}
+
+/// Throws invalid_input unless `plan_device` (where a plan was built) is the current device.
+inline void expect_current_device(int plan_device) {
+  int device = 0;
+  TRISPARSE_CUDA_TRY(cudaGetDevice(&device));
+  if (device != plan_device) {
+    throw invalid_input("the plan was built on device " + std::to_string(plan_device) +
+                        " but device " + std::to_string(device) + " is current");
+  }
 }
 
 }  // namespace trisparse::cuda

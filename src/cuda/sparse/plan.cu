@@ -179,14 +179,7 @@ void slots_to_entries(const me_device_plan& plan, const tensor_view& slots,
 
 namespace me {
 
-void check_device(const me_device_plan& plan) {
-  int device = 0;
-  TRISPARSE_CUDA_TRY(cudaGetDevice(&device));
-  if (device != plan.device) {
-    throw invalid_input("the plan was built on device " + std::to_string(plan.device) +
-                        " but device " + std::to_string(device) + " is current");
-  }
-}
+void check_device(const me_device_plan& plan) { expect_current_device(plan.device); }
 
 void check_slots(const me_device_plan& plan, const tensor_view& t, const char* what,
                  std::int64_t heads) {

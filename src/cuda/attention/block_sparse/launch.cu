@@ -166,12 +166,7 @@ void run_block_sparse(const block_sparse_device_plan& plan, const tensor_view& q
   check_16byte_rows(k, "k");
   check_16byte_rows(v, "v");
   check_16byte_rows(out, "out");
-  int device = 0;
-  TRISPARSE_CUDA_TRY(cudaGetDevice(&device));
-  if (device != plan.device) {
-    throw invalid_input("the plan was built on device " + std::to_string(plan.device) +
-                        " but device " + std::to_string(device) + " is current");
-  }
+  expect_current_device(plan.device);
   block_sparse::params p{};
   static_cast<attention_io&>(p) = attention_io_of(q, k, v, out);
   p.cu_q = plan.cu_q.data();

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "../../common/buffer.cuh"
+#include "../../common/current_device.cuh"
 #include "../../common/error.cuh"
 #include "../../common/layout.hpp"
 #include "device_plan.cuh"
@@ -324,12 +325,7 @@ void select_topk(topk_device_plan& t, const tensor_view& q, const tensor_view& k
   check_input(t, q, t.rows_q, "q");
   check_input(t, k, t.rows_k, "k");
   if (k.type != q.type) throw invalid_input("top-k selection: q and k need the same dtype");
-  int device = 0;
-  TRISPARSE_CUDA_TRY(cudaGetDevice(&device));
-  if (device != t.attention->device) {
-    throw invalid_input("the plan was built on device " + std::to_string(t.attention->device) +
-                        " but device " + std::to_string(device) + " is current");
-  }
+  expect_current_device(t.attention->device);
   const auto s = static_cast<cudaStream_t>(stream.handle);
   block_sparse_device_plan& a = *t.attention;
   const pool_params pp{q.data,
