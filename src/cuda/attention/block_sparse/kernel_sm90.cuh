@@ -27,7 +27,8 @@ __host__ __device__ constexpr int shared_bytes() {
   return kStages * 2 * kKeys * D * 2 + 1024;
 }
 
-/// Blocks per SM the registers are held to: 4 at D = 64 (128 registers), 2 at D = 128.
+/// Blocks per SM the registers are held to: 3 at D = 64 (168 registers; at 4, 128 registers
+/// spilled 24 bytes and measured 7% slower: docs/notes/block_sparse.md, v4), 2 at D = 128.
 template <int D>
 __host__ __device__ constexpr int min_blocks() {
   return D == 64 ? 3 : 2;
