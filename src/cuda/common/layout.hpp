@@ -31,4 +31,20 @@ inline void check_16bit_inputs(const tensor_view& q, const tensor_view& k, const
   }
 }
 
+/// The fused attention kernels' operands: q, k, v all f16 or all bf16, v's dim equal to q's, and
+/// every operand in 16-byte rows. @throws invalid_input naming what is wrong.
+inline void check_attention_operands(const tensor_view& q, const tensor_view& k,
+                                     const tensor_view& v, const tensor_view& out,
+                                     const char* kernel) {
+  check_16bit_inputs(q, k, v, kernel);
+  if (v.dim != q.dim) {
+    throw invalid_input(std::string(kernel) + " needs v's dim equal to q's (" +
+                        std::to_string(q.dim) + ")");
+  }
+  check_16byte_rows(q, "q");
+  check_16byte_rows(k, "k");
+  check_16byte_rows(v, "v");
+  check_16byte_rows(out, "out");
+}
+
 }  // namespace trisparse::cuda

@@ -157,15 +157,7 @@ std::shared_ptr<block_sparse_device_plan> make_block_sparse_plan(const block_spa
 void run_block_sparse(const block_sparse_device_plan& plan, const tensor_view& q,
                       const tensor_view& k, const tensor_view& v, const tensor_view& out,
                       double scale, stream_ref stream) {
-  check_16bit_inputs(q, k, v, "the CUDA block-sparse kernel");
-  if (v.dim != q.dim) {
-    throw invalid_input("the CUDA block-sparse kernel needs v's dim equal to q's (" +
-                        std::to_string(q.dim) + ")");
-  }
-  check_16byte_rows(q, "q");
-  check_16byte_rows(k, "k");
-  check_16byte_rows(v, "v");
-  check_16byte_rows(out, "out");
+  check_attention_operands(q, k, v, out, "the CUDA block-sparse kernel");
   expect_current_device(plan.device);
   block_sparse::params p{};
   static_cast<attention_io&>(p) = attention_io_of(q, k, v, out);

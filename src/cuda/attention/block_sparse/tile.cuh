@@ -13,11 +13,10 @@
 
 #include "../../common/arch/copy.cuh"
 #include "../../common/arch/mma.cuh"
+#include "../../common/online_softmax.cuh"
 #include "params.hpp"
 
 namespace trisparse::cuda::block_sparse {
-
-constexpr float kNegInf = -__builtin_huge_valf();
 
 /// The address of 16-byte chunk `chunk` (0 .. 7) of panel `panel` of row `row` in a ROWS-row tile
 /// at `base` (callers pass the panel apart, a compile-time 0 at D = 64).
@@ -47,13 +46,6 @@ __device__ __forceinline__ void load_rows(std::uint32_t base, const char* src, s
                       ok);
     from += step;
   }
-}
-
-/// 2^x for x <= 0 or -inf (MUFU.EX2, flushing subnormal results to zero).
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
 }
 
 /// The query tile of this thread block (block x = tile * heads + head) and the key tiles of BN
@@ -126,8 +118,8 @@ __device__ __forceinline__ void softmax_rows(float (&s)[BN / 8][4], float (&m)[2
     for (int n = 0; n < BN / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m[r], mx * c);            // NaN (c = 0, no key) leaves m
-    const float base = m_new == kNegInf ? 0.f : m_new;  // a row with no key yet stays at 0
+    const float m_new = fmaxf(m[r], mx * c);  // NaN (c = 0, no key) leaves m
+    const float base = safe_max(m_new);
     alpha[r] = exp2_approx(m[r] - base);
     m[r] = m_new;
     float sum = 0.f;
@@ -170,14 +162,8 @@ __device__ __forceinline__ void softmax_step(float (&s)[BN / 8][4], float (&m)[2
 /// o *= alpha row-wise (skipped when no row of the warp changed its max).
 template <int D>
 __device__ __forceinline__ void rescale(float (&o)[D / 8][4], const float (&alpha)[2]) {
-  if (__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) return;
-#pragma unroll
-  for (int n = 0; n < D / 8; ++n) {
-    o[n][0] *= alpha[0];
-    o[n][1] *= alpha[0];
-    o[n][2] *= alpha[1];
-    o[n][3] *= alpha[1];
-  }
+  if (!__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f))
+    scale_rows(o, alpha[0], alpha[1]);
 }
 
 /// P's A fragment for keys 16 kp .. 16 kp + 15, straight from the m16n8 accumulators.

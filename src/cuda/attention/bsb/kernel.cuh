@@ -19,11 +19,10 @@
 #include <cstdint>
 
 #include "../../common/arch/mma.cuh"
+#include "../../common/online_softmax.cuh"
 #include "params.hpp"
 
 namespace trisparse::cuda::fused3s {
-
-constexpr float kNegInf = -__builtin_huge_valf();
 
 /// Loads N consecutive 16-bit values (N a multiple of 4) into N/2 registers with 8/16-byte loads.
 template <int N>
@@ -94,22 +93,6 @@ __device__ __forceinline__ void store_run(O* dst, const float (&x)[N]) {
   } else {
 #pragma unroll
     for (int i = 0; i < N; ++i) dst[i] = from_float<O>(x[i]);
-  }
-}
-
-/// The maximum to subtract from a row's scores: an empty row (-inf) uses 0, so that its weights
-/// stay exp2(-inf) = 0 instead of exp2(-inf + inf) = NaN.
-__device__ __forceinline__ float safe_max(float m) { return m == kNegInf ? 0.0f : m; }
-
-/// O rows g (columns 0, 1 of each fragment) times c0, rows g + 8 (2, 3) times c1.
-template <int N>
-__device__ __forceinline__ void scale_rows(float (&o)[N][4], float c0, float c1) {
-#pragma unroll
-  for (int j = 0; j < N; ++j) {
-    o[j][0] *= c0;
-    o[j][1] *= c0;
-    o[j][2] *= c1;
-    o[j][3] *= c1;
   }
 }
 

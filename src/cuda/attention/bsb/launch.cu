@@ -193,13 +193,7 @@ std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_view& pattern,
 
 void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const tensor_view& k,
                  const tensor_view& v, const tensor_view& out, double scale, stream_ref stream) {
-  check_16bit_inputs(q, k, v, "fused 3S");
-  if (v.dim != q.dim)
-    throw invalid_input("fused 3S needs v's dim equal to q's (" + std::to_string(q.dim) + ")");
-  check_16byte_rows(q, "q");
-  check_16byte_rows(k, "k");
-  check_16byte_rows(v, "v");
-  check_16byte_rows(out, "out");
+  check_attention_operands(q, k, v, out, "fused 3S");
   expect_current_device(plan.device);
   fused3s::params p{};
   static_cast<attention_io&>(p) = attention_io_of(q, k, v, out);

@@ -1,0 +1,32 @@
+#pragma once
+// Pieces of the online softmax (running max in log2 units, rescaled accumulators) that the fused
+// attention kernels share; fragments in the m16n8 accumulator layout (rows g and g + 8).
+
+namespace trisparse::cuda {
+
+constexpr float kNegInf = -__builtin_huge_valf();
+
+/// The maximum to subtract from a row's scores: an empty row (-inf) uses 0, so that its weights
+/// stay exp2(-inf) = 0 instead of exp2(-inf + inf) = NaN.
+__device__ __forceinline__ float safe_max(float m) { return m == kNegInf ? 0.0f : m; }
+
+/// O rows g (columns 0, 1 of each fragment) times c0, rows g + 8 (2, 3) times c1.
+template <int N>
+__device__ __forceinline__ void scale_rows(float (&o)[N][4], float c0, float c1) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    o[j][0] *= c0;
+    o[j][1] *= c0;
+    o[j][2] *= c1;
+    o[j][3] *= c1;
+  }
+}
+
+/// 2^x for x <= 0 or -inf (MUFU.EX2, flushing subnormal results to zero).
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+}  // namespace trisparse::cuda
