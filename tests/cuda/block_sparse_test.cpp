@@ -206,19 +206,72 @@ std::vector<double> block_mean(const host_tensor& t, std::int64_t row0, std::int
   return m;
 }
 
-// The device's top-k selection: every row holds min(top_k, allowed) blocks no worse than any
-// allowed block left out (scores in float64; a gap under `tol` is a tie the float32 device may
-// break either way) plus the diagonal; and attention under it equals, bitwise, a plan built from
-// the downloaded mask, itself checked against the float64 reference.
+// Every row of a device-selected mask holds min(top_k, allowed) blocks no worse than any allowed
+// block left out (scores in float64; a gap under 1e-5 is a tie the float32 device may break either
+// way) plus the diagonal where o asks for it.
+void expect_topk_rows(const block_sparse_mask& got, const host_tensor& hq, const host_tensor& hk,
+                      const topk_mask_options& o) {
+  const std::int64_t g = o.block, heads = got.heads;
+  const double tol = 1e-5;
+  for (std::int64_t b = 0; b < got.batch(); ++b) {
+    const std::int64_t lq = got.len_q(b), lk = got.len_k(b), nbk = (lk + g - 1) / g;
+    for (std::int64_t h = 0; h < heads; ++h) {
+      std::vector<std::vector<double>> key_means;
+      for (std::int64_t c = 0; c < nbk; ++c)
+        key_means.push_back(
+            block_mean(hk, got.cu_seqlens_k[b] + c * g, std::min(g, lk - c * g), h));
+      const csr_graph& rows = got.masks[static_cast<std::size_t>(b * heads + h)].blocks;
+      for (std::int64_t r = 0; r < rows.rows; ++r) {
+        const std::int64_t row = std::min(lq, (r + 1) * g) - 1;
+        const std::int64_t last = got.last_key(b, row), aligned = row + lk - lq;
+        const std::int64_t allowed = last < 0 ? 0 : last / g + 1;
+        const auto qm = block_mean(hq, got.cu_seqlens_q[b] + r * g, std::min(g, lq - r * g), h);
+        std::vector<double> score;
+        for (std::int64_t c = 0; c < allowed; ++c) {
+          const auto& km = key_means[static_cast<std::size_t>(c)];
+          score.push_back(std::inner_product(qm.begin(), qm.end(), km.begin(), 0.0));
+        }
+        std::vector<bool> in(static_cast<std::size_t>(allowed), false);
+        for (std::int64_t e = rows.row_ptr[r]; e < rows.row_ptr[r + 1]; ++e) {
+          ASSERT_LT(rows.col_idx[e], allowed);
+          in[static_cast<std::size_t>(rows.col_idx[e])] = true;
+        }
+        const std::int64_t diagonal =
+            o.keep_diagonal && aligned >= 0 && lk > 0 ? std::min(aligned, lk - 1) / g : -1;
+        if (diagonal >= 0) {
+          EXPECT_TRUE(in[static_cast<std::size_t>(diagonal)]);
+        }
+        // The top-k part: the chosen blocks other than a diagonal that only the diagonal rule
+        // explains; at least the k-th best score, up to tol.
+        std::vector<double> chosen, left;
+        for (std::int64_t c = 0; c < allowed; ++c)
+          (in[static_cast<std::size_t>(c)] ? chosen : left).push_back(score[c]);
+        const std::int64_t keep = std::min(o.top_k, allowed);
+        std::sort(chosen.rbegin(), chosen.rend());
+        ASSERT_GE(static_cast<std::int64_t>(chosen.size()), keep);
+        ASSERT_LE(static_cast<std::int64_t>(chosen.size()), keep + (diagonal >= 0));
+        if (keep > 0 && !left.empty()) {
+          const double kth = chosen[static_cast<std::size_t>(keep - 1)];
+          EXPECT_GE(kth, *std::max_element(left.begin(), left.end()) - tol)
+              << "sequence " << b << " head " << h << " block row " << r;
+        }
+      }
+    }
+  }
+}
+
+// The device's top-k selection (expect_topk_rows), on ragged sequences, one of 2500 rows (157
+// key blocks at G = 16: three staged chunks); and attention under it equals, bitwise, a plan
+// built from the downloaded mask, itself checked against the float64 reference.
 TEST(GpuBlockSparse, TopKMasksSelectedOnTheDevice) {
   SKIP_WITHOUT_GPU();
-  const std::vector<std::int64_t> cu_q{0, 300, 301, 818, 882, 882},
-      cu_k{0, 300, 400, 917, 981, 981};
+  const std::vector<std::int64_t> cu_q{0, 300, 301, 818, 882, 882, 3382},
+      cu_k{0, 300, 400, 917, 981, 981, 3481};
   const std::int64_t heads = 2, d = 64;
   std::uint64_t seed = 100;
   for (const std::int64_t g : {16, 64, 128}) {
     for (const bool causal : {false, true}) {
-      for (const std::int64_t top_k : {0, 3, 8}) {
+      for (const std::int64_t top_k : {0, 3, 26}) {
         const topk_mask_options o{
             .block = g, .top_k = top_k, .causal = causal, .keep_diagonal = top_k != 3};
         SCOPED_TRACE("G" + std::to_string(g) + " causal " + std::to_string(causal) + " top " +
@@ -231,48 +284,7 @@ TEST(GpuBlockSparse, TopKMasksSelectedOnTheDevice) {
         EXPECT_THROW(plan.mask(), invalid_input);  // nothing selected yet
         plan.select(q.view(), k.view());
         const block_sparse_mask got = plan.mask();
-        const double tol = 1e-5;
-        for (std::int64_t b = 0; b + 1 < static_cast<std::int64_t>(cu_q.size()); ++b) {
-          const std::int64_t lq = got.len_q(b), lk = got.len_k(b);
-          for (std::int64_t h = 0; h < heads; ++h) {
-            const csr_graph& rows = got.masks[static_cast<std::size_t>(b * heads + h)].blocks;
-            for (std::int64_t r = 0; r < rows.rows; ++r) {
-              const std::int64_t row = std::min(lq, (r + 1) * g) - 1;
-              const std::int64_t last = got.last_key(b, row), aligned = row + lk - lq;
-              const std::int64_t allowed = last < 0 ? 0 : last / g + 1;
-              const auto qm = block_mean(hq, cu_q[b] + r * g, std::min(g, lq - r * g), h);
-              std::vector<double> score;
-              for (std::int64_t c = 0; c < allowed; ++c) {
-                const auto km = block_mean(hk, cu_k[b] + c * g, std::min(g, lk - c * g), h);
-                score.push_back(std::inner_product(qm.begin(), qm.end(), km.begin(), 0.0));
-              }
-              std::vector<bool> in(static_cast<std::size_t>(allowed), false);
-              for (std::int64_t e = rows.row_ptr[r]; e < rows.row_ptr[r + 1]; ++e) {
-                ASSERT_LT(rows.col_idx[e], allowed);
-                in[static_cast<std::size_t>(rows.col_idx[e])] = true;
-              }
-              const std::int64_t diagonal =
-                  o.keep_diagonal && aligned >= 0 && lk > 0 ? std::min(aligned, lk - 1) / g : -1;
-              if (diagonal >= 0) {
-                EXPECT_TRUE(in[static_cast<std::size_t>(diagonal)]);
-              }
-              // The top-k part: the chosen blocks other than a diagonal that only the diagonal
-              // rule explains; at least the k-th best score, up to tol.
-              std::vector<double> chosen, left;
-              for (std::int64_t c = 0; c < allowed; ++c)
-                (in[static_cast<std::size_t>(c)] ? chosen : left).push_back(score[c]);
-              const std::int64_t keep = std::min(top_k, allowed);
-              std::sort(chosen.rbegin(), chosen.rend());
-              ASSERT_GE(static_cast<std::int64_t>(chosen.size()), keep);
-              ASSERT_LE(static_cast<std::int64_t>(chosen.size()), keep + (diagonal >= 0));
-              if (keep > 0 && !left.empty()) {
-                const double kth = chosen[static_cast<std::size_t>(keep - 1)];
-                EXPECT_GE(kth, *std::max_element(left.begin(), left.end()) - tol)
-                    << "sequence " << b << " head " << h << " block row " << r;
-              }
-            }
-          }
-        }
+        ASSERT_NO_FATAL_FAILURE(expect_topk_rows(got, hq, hk, o));
         // Attention under the selected mask: the same bits as a plan of the downloaded mask.
         if (got.active_blocks() == 0) continue;
         const auto from_mask = cuda_plan(got);
@@ -286,6 +298,47 @@ TEST(GpuBlockSparse, TopKMasksSelectedOnTheDevice) {
         ASSERT_NO_FATAL_FAILURE(test::run_twice_identically(
             out, [&] { from_mask.run(q.view(), k.view(), v.view(), out.view()); }, b));
         EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size_bytes()), 0);
+      }
+    }
+  }
+}
+
+// Sequences of 2500 and 16400 rows at G = 16 (157 and 1025 key blocks: keys held in registers,
+// and read from shared memory past 1024): random scores (expect_topk_rows), and exact ties (every
+// key row equal, so every key block scores the same), where the device takes the lowest blocks as
+// topk_block_mask does and the whole mask equals the CPU's.
+TEST(GpuBlockSparse, TopKOverManyKeyBlocks) {
+  SKIP_WITHOUT_GPU();
+  for (const std::int64_t len : {2500, 16400}) {
+    const std::vector<std::int64_t> cu{0, len, len + 100};
+    for (const std::int64_t d : {64, 128}) {
+      for (const bool causal : {false, true}) {
+        SCOPED_TRACE("length " + std::to_string(len) + " d " + std::to_string(d) + " causal " +
+                     std::to_string(causal));
+        const topk_mask_options o{
+            .block = 16, .top_k = 26, .causal = causal, .keep_diagonal = true};
+        auto plan = topk_block_sparse_plan::build(cu, cu, 1, d, o);
+        host_tensor hq(dtype::bf16, cu.back(), 1, d), hk(dtype::bf16, cu.back(), 1, d);
+        hq.fill_uniform(-1, 1, 5);
+        for (const bool ties : {false, true}) {
+          if (ties)
+            hk.fill_uniform(0.25, 0.25, 0);
+          else
+            hk.fill_uniform(-1, 1, 6);
+          test::device_tensor q(hq), k(hk);
+          plan.select(q.view(), k.view());
+          const block_sparse_mask got = plan.mask();
+          if (!ties) {
+            ASSERT_NO_FATAL_FAILURE(expect_topk_rows(got, hq, hk, o));
+            continue;
+          }
+          const block_sparse_mask want = topk_block_mask(hq.view(), hk.view(), cu, cu, o);
+          ASSERT_EQ(got.masks.size(), want.masks.size());
+          for (std::size_t i = 0; i < got.masks.size(); ++i) {
+            EXPECT_EQ(got.masks[i].blocks.row_ptr, want.masks[i].blocks.row_ptr);
+            EXPECT_EQ(got.masks[i].blocks.col_idx, want.masks[i].blocks.col_idx);
+          }
+        }
       }
     }
   }

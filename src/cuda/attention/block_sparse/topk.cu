@@ -8,10 +8,11 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <climits>
 #include <string>
 #include <vector>
 
+#include "../../common/arch/copy.cuh"
+#include "../../common/arch/mma.cuh"
 #include "../../common/buffer.cuh"
 #include "../../common/current_device.cuh"
 #include "../../common/error.cuh"
@@ -25,7 +26,8 @@ struct topk_device_plan {
   std::shared_ptr<block_sparse_device_plan> attention;
   std::int32_t heads = 0, dim = 0, block = 0, top_k = 0, cap = 0;
   bool causal = false, keep_diagonal = false;
-  std::int32_t q_blocks = 0, k_blocks = 0, max_k_blocks = 0, warps = 0, num_groups = 0;
+  std::int32_t q_blocks = 0, k_blocks = 0, max_k_blocks = 0, rows = 0, num_groups = 0;
+  std::int32_t held = 0;  // keys a lane holds in registers in the selection (0: shared memory)
   std::int64_t rows_q = 0, rows_k = 0;
   device_buffer<std::int32_t> q_block_seq, k_block_seq;    // the sequence of each block
   device_buffer<std::int32_t> q_block_base, k_block_base;  // per sequence: its first block
@@ -54,7 +56,8 @@ constexpr int kPoolThreads = 256;
 // so the means are deterministic), or with more chunks than threads, chunks t, t + threads, ...
 // of every row.
 template <class T>
-__global__ void __launch_bounds__(kPoolThreads) pool_kernel(const __grid_constant__ pool_params p) {
+__global__ void __launch_bounds__(kPoolThreads, 4)
+    pool_kernel(const __grid_constant__ pool_params p) {
   __shared__ float partial[kPoolThreads * 8];
   const bool is_q = static_cast<std::int32_t>(blockIdx.x) < p.q_blocks;
   const int x = static_cast<int>(blockIdx.x) - (is_q ? 0 : p.q_blocks);
@@ -74,7 +77,7 @@ __global__ void __launch_bounds__(kPoolThreads) pool_kernel(const __grid_constan
     const int c = chunk * 8;
     const T* col = src + row0 * row_stride + (c / p.dim) * head_stride + c % p.dim;
     float acc[8] = {};
-#pragma unroll 4
+#pragma unroll 8
     for (int i = group; i < rows; i += groups) {
       const uint4 raw = *reinterpret_cast<const uint4*>(col + i * row_stride);
       const T* v = reinterpret_cast<const T*>(&raw);
@@ -103,141 +106,336 @@ struct select_params {
   const std::int64_t* cu_q;
   const std::int64_t* cu_k;
   const std::int32_t *q_block_base, *k_block_base;
-  const int2* groups;  // (sequence, first query block) of each block of warps
+  const int2* groups;  // (sequence, first query block) of each selection block
   std::int32_t* col_idx;
-  std::int32_t heads, dim, block, top_k, cap, max_k_blocks, warps;
+  std::int32_t heads, dim, block, top_k, cap, max_k_blocks, rows;
   bool causal, keep_diagonal;
 };
 
-constexpr int kChunk = 64;  // key blocks whose means a block stages at a time
+constexpr int kChunk = 64;           // key blocks whose means a block stages at a time
+constexpr int kSelectThreads = 256;  // 8 warps: one 8-key column of a chunk each
+constexpr int kTileRows = 16;        // the MMA's rows: query blocks per selection block, at most
 
-// Shared floats per warp (a multiple of 4: 16-byte aligned): the pooled query row, the scores of
-// the key blocks, the selection.
-__host__ __device__ constexpr int warp_floats(int dim, int max_k_blocks, int cap) {
-  return (dim + max_k_blocks + cap + 3) / 4 * 4;
+// Shared floats: two stages of key means and the query means' high and low tf32 parts (rows of
+// dim + 4 floats: the MMA fragments' reads, row g and column t of lane 4 g + t, fall in distinct
+// banks), then the scores of `rows` query blocks (score_floats each).
+__host__ __device__ constexpr int select_floats(int rows, int dim, int score_floats) {
+  return (2 * kChunk + 2 * kTileRows) * (dim + 4) + rows * score_floats;
 }
 
-// Shared floats: the staged key means ([kChunk][dim + 4]: 16-byte rows whose float4 reads by
-// consecutive threads fall in distinct banks), then each warp's.
-__host__ __device__ constexpr int select_floats(int warps, int dim, int max_k_blocks, int cap) {
-  return kChunk * (dim + 4) + warps * warp_floats(dim, max_k_blocks, cap);
+// Shared floats for one query block's scores: the 32 R keys the lanes load with R held in
+// registers, or max_k_blocks; a multiple of 4 (16-byte aligned rows).
+__host__ __device__ constexpr int score_floats(int held, int max_k_blocks) {
+  return held > 0 ? 32 * held : (max_k_blocks + 3) / 4 * 4;
 }
 
-// A block of `warps` (2, 4 or 8) warps per (group of consecutive query blocks of one sequence,
-// head), a warp per query block. Scores: the key-block means staged through shared memory, thread
-// t scoring key block t % 64 of the chunk against the query rows of warps 2 (t / 64) and
-// 2 (t / 64) + 1 (one read of the key row for two dot products). Then each warp: top_k rounds of a
-// warp argmax (ties to the lower block; a chosen score becomes NaN, which later rounds skip), the
-// diagonal, and the sorted write; unused slots get the key-block count.
-__global__ void select_kernel(const __grid_constant__ select_params p) {
+// x with the low 13 mantissa bits cleared: a tf32 value, and x - tf32_high(x) is exact (the MMA
+// then reads that remainder to tf32 precision: x to about 2^-21 relative).
+__device__ __forceinline__ float tf32_high(float x) {
+  return __uint_as_float(__float_as_uint(x) & 0xffffe000u);
+}
+
+// The order-preserving unsigned key of a score (larger score, larger key); NaN gets 0, below every
+// number's (-inf's is 0x007fffff), so it is never selected.
+__device__ __forceinline__ unsigned order_key(float v) {
+  const unsigned bits = __float_as_uint(v);
+  if (v != v) return 0u;
+  return (bits & 0x80000000u) != 0u ? ~bits : bits | 0x80000000u;
+}
+
+// One warp's selection over the scores of the `allowed` key blocks in shared memory: the top
+// min(top_k, numbers among them) (ties to the lower block; NaN never) and the diagonal block (-1:
+// none), written in ascending order to out[0, n); out[n, cap) gets `past` (the key-block count).
+// The scores become order keys (order_key); the keep-th largest key t is found bit by bit from the
+// top (a pass per bit counting keys >= t | bit: no pass depends on the scores' distribution); the
+// keys above t are taken, then the first keep - (count above t) equal to t. Lane l holds the keys
+// of blocks l R ... l R + R - 1 in registers (allowed <= 32 R), or with R = 0 they stay in shared
+// memory (the scores' place) and are read in every pass. With registers, once t's top 16 bits are
+// known the keys sharing them are gathered, one per lane, where they fit (the usual case), so the
+// last 16 passes count one key a lane.
+template <int R>
+__device__ void select_row(float* score, int allowed, int top_k, int diagonal, std::int32_t* out,
+                           int cap, int past) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const unsigned below = (1u << lane) - 1u, all = 0xffffffffu;
+  unsigned* key = reinterpret_cast<unsigned*>(score);
+  unsigned held[R > 0 ? R : 1];
+  if constexpr (R > 0) {
+    // Lane l holds keys l R ... l R + R - 1 (16-byte loads where R allows).
+    const auto hold = [&](int j, float x) { held[j] = lane * R + j < allowed ? order_key(x) : 0u; };
+    if constexpr (R % 4 == 0) {
+#pragma unroll
+      for (int j = 0; j < R; j += 4) {
+        const float4 x = *reinterpret_cast<const float4*>(score + lane * R + j);
+        hold(j, x.x);
+        hold(j + 1, x.y);
+        hold(j + 2, x.z);
+        hold(j + 3, x.w);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < R; ++j) hold(j, score[lane * R + j]);
+    }
+    __syncwarp();  // every lane has read its scores before the gathering below overwrites them
+  } else {
+    for (int c = lane; c < allowed; c += 32) key[c] = order_key(score[c]);
+    __syncwarp();
+  }
+  // f(j, key j of this lane) for every j (key 0, which no pass counts, past `allowed`); fully
+  // unrolled over the registers.
+  const auto each = [&](auto&& f) {
+    if constexpr (R > 0) {
+#pragma unroll
+      for (int j = 0; j < R; ++j) f(j, held[j]);
+    } else {
+#pragma unroll 4
+      for (int j = 0; j < (allowed + 31) / 32; ++j) {
+        const int c = lane + 32 * j;
+        f(j, c < allowed ? key[c] : 0u);
+      }
+    }
+  };
+  // The warp's count of keys >= x: each key's borrow from k - x taken off the key count (two
+  // instructions a key; the keys past `allowed` are 0, below any x > 0), in two counters (even and
+  // odd slices) that halve the dependent chain.
+  const auto at_least = [&](unsigned x) {
+    unsigned even = 0, odd = 0;
+    each([&](int j, unsigned k) {
+      unsigned& n = R > 0 && j % 2 == 1 ? odd : even;
+      n += 1;
+      asm("{\n .reg .u32 d;\n sub.cc.u32 d, %1, %2;\n subc.u32 %0, %0, 0;\n}"
+          : "+r"(n)
+          : "r"(k), "r"(x));
+    });
+    return static_cast<int>(__reduce_add_sync(all, even + odd));
+  };
+  const int keep = min(top_k, at_least(1u));  // the numbers: NaN's key is 0
+  unsigned t = ~0u;  // keep = 0: no key is above or equal (valid keys are < 0xffffffff)
+  int need = 0;
+  if (keep > 0) {
+    t = 0u;
+    int bit = 31;
+    for (; bit >= 16; --bit)
+      if (at_least(t | (1u << bit)) >= keep) t |= 1u << bit;
+    if constexpr (R > 0) {
+      // The keys whose top half is t's, gathered into the scores' place in order.
+      const int above = t >= 0xffff0000u ? 0 : at_least(t + 0x10000u);
+      int gathered = 0;
+      each([&](int, unsigned k) {
+        const bool same = (k >> 16) == (t >> 16);
+        const unsigned m = __ballot_sync(all, same);
+        if (same && gathered + __popc(m & below) < 32) key[gathered + __popc(m & below)] = k;
+        gathered += __popc(m);
+      });
+      __syncwarp();
+      if (gathered <= 32) {
+        const unsigned mine = lane < gathered ? key[lane] : 0u;
+        for (; bit >= 0; --bit) {
+          const unsigned candidate = t | (1u << bit);
+          if (above + static_cast<int>(__reduce_add_sync(all, mine >= candidate ? 1u : 0u)) >= keep)
+            t = candidate;
+        }
+        need = keep - above - static_cast<int>(__reduce_add_sync(all, mine > t ? 1u : 0u));
+      }
+    }
+    if (bit >= 0) {  // no gathering: the low half by full passes
+      for (; bit >= 0; --bit)
+        if (at_least(t | (1u << bit)) >= keep) t |= 1u << bit;
+      need = keep - at_least(t + 1);  // t < 0xffffffff: t + 1 counts the keys above t
+    }
+  }
+  // The output in block order: lane l's keys are blocks l S ... l S + S - 1 (S = R, or with
+  // R = 0 the slice of shared memory), so a block's place is the chosen blocks of the lanes before
+  // (a warp scan) plus those before it in its lane; likewise a tie's rank among the ties.
+  const int span = R > 0 ? R : (allowed + 31) / 32;
+  const auto blocked = [&](auto&& f) {
+    if constexpr (R > 0) {
+#pragma unroll
+      for (int j = 0; j < R; ++j) f(lane * R + j, held[j]);
+    } else {
+      for (int c = lane * span; c < min(allowed, (lane + 1) * span); ++c) f(c, key[c]);
+    }
+  };
+  const auto lanes_before = [&](int x) {  // the sum of x over the lanes below this one
+    int sum = x;
+    for (int d = 1; d < 32; d *= 2) {
+      const int y = __shfl_up_sync(all, sum, d);
+      if (lane >= d) sum += y;
+    }
+    return sum - x;
+  };
+  int ties = 0;
+  blocked([&](int, unsigned k) { ties += k == t ? 1 : 0; });
+  int tie = lanes_before(ties), chosen = 0;
+  const auto take = [&](int c, unsigned k) {
+    const bool in = k > t || (k == t && tie < need) || c == diagonal;
+    tie += k == t ? 1 : 0;
+    return in;
+  };
+  blocked([&](int c, unsigned k) { chosen += take(c, k) ? 1 : 0; });
+  int at = lanes_before(chosen);
+  const int n = __shfl_sync(all, at + chosen, 31);
+  tie = lanes_before(ties);
+  blocked([&](int c, unsigned k) {
+    if (take(c, k)) out[at++] = c;
+  });
+  for (int i = n + lane; i < cap; i += 32) out[i] = past;
+}
+
+// A block of 8 warps per (group of `rows` <= 16 consecutive query blocks of one sequence, head).
+// Scores on tensor cores in three tf32 products (high x high + high x low + low x high: the
+// float32 dot product up to a few ulps): the key-block means staged through shared memory in chunks
+// of 64 (cp.async, the next chunk in flight while this one is scored), warp w computing the 16 x 8
+// tile of keys 8 w ... 8 w + 7 of the chunk against the group's query means (rows past the group
+// are zero). Then warp w selects rows w, w + 8 (select_row).
+template <int R>
+__global__ void __launch_bounds__(kSelectThreads)
+    select_kernel(const __grid_constant__ select_params p) {
   extern __shared__ float4 shared4[];
   float* shared = reinterpret_cast<float*>(shared4);
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int g = lane / 4, t = lane % 4;  // the MMA fragments' row group and column
   const int h = static_cast<int>(blockIdx.x) % p.heads;
   const int2 group = p.groups[blockIdx.x / p.heads];
-  const int b = group.x, r = group.y + warp;
-  const int per_warp = warp_floats(p.dim, p.max_k_blocks, p.cap);
-  float* staged = shared;
-  const auto query_of = [&](int w) { return shared + kChunk * (p.dim + 4) + w * per_warp; };
-  float* qv = query_of(warp);
-  float* score = qv + p.dim;
-  int* chosen = reinterpret_cast<int*>(score + p.max_k_blocks);
+  const int b = group.x, stride = p.dim + 4;
+  const int stage_floats = kChunk * stride;
+  float* q_hi = shared + 2 * stage_floats;
+  float* q_lo = q_hi + kTileRows * stride;
+  float* scores = q_lo + kTileRows * stride;
+  const int score_stride = score_floats(R, p.max_k_blocks);
   const int lq = static_cast<int>(p.cu_q[b + 1] - p.cu_q[b]),
             lk = static_cast<int>(p.cu_k[b + 1] - p.cu_k[b]);
   const int nbq = (lq + p.block - 1) / p.block, nbk = (lk + p.block - 1) / p.block;
-  // The key blocks query block rr may attend (0 past the sequence); the group's last row's (the
-  // most: it grows with rr) bounds the staging loop.
-  const auto allowed_of = [&](int rr) {
-    if (rr >= nbq) return 0;
-    const int last_row = min(lq, (rr + 1) * p.block) - 1;
+  const int rows = min(p.rows, nbq - group.y);  // the group's query blocks
+  // The key blocks row i of the group may attend (0 past the group); the last row's (the most: it
+  // grows with the row) bounds the staging loop.
+  const auto allowed_of = [&](int i) {
+    if (i >= rows) return 0;
+    const int last_row = min(lq, (group.y + i + 1) * p.block) - 1;
     const int last = p.causal ? min(last_row + lk - lq, lk - 1) : lk - 1;
     return last < 0 ? 0 : last / p.block + 1;
   };
-  const int allowed = allowed_of(r);
-  const int most = allowed_of(min(group.y + p.warps, nbq) - 1);
-  if (r < nbq) {
-    const float* qs = p.pooled_q + ((std::int64_t{p.q_block_base[b]} + r) * p.heads + h) * p.dim;
-    for (int d = lane; d < p.dim; d += 32) qv[d] = qs[d];
+  const int most = allowed_of(rows - 1);
+  // The query means, split into tf32 high and low parts; zero rows past the group.
+  const float* qs =
+      p.pooled_q + ((std::int64_t{p.q_block_base[b]} + group.y) * p.heads + h) * p.dim;
+  const std::int64_t q_stride = std::int64_t{p.heads} * p.dim;
+  for (int i = static_cast<int>(threadIdx.x); i < kTileRows * p.dim; i += kSelectThreads) {
+    const int row = i / p.dim, d = i - row * p.dim;
+    const float x = row < rows ? qs[row * q_stride + d] : 0.f;
+    const float hi = tf32_high(x);
+    q_hi[row * stride + d] = hi;
+    q_lo[row * stride + d] = x - hi;
   }
   const std::int64_t k_stride = std::int64_t{p.heads} * p.dim;
   const float* kp = p.pooled_k + (std::int64_t{p.k_block_base[b]} * p.heads + h) * p.dim;
-  const int key = static_cast<int>(threadIdx.x) % kChunk,
-            w0 = 2 * (static_cast<int>(threadIdx.x) / kChunk);
-  const int allowed0 = allowed_of(group.y + w0), allowed1 = allowed_of(group.y + w0 + 1);
-  const float4* q0 = reinterpret_cast<const float4*>(query_of(w0));
-  const float4* q1 = reinterpret_cast<const float4*>(query_of(w0 + 1));
-  float* score0 = query_of(w0) + p.dim;
-  float* score1 = query_of(w0 + 1) + p.dim;
-  for (int c0 = 0; c0 < most; c0 += kChunk) {
-    __syncthreads();  // the previous chunk's reads are done (and, first, the query rows written)
+  const int dim4 = p.dim / 4;
+  // Thread i copies the 16-byte pieces i, i + 256, ... of a chunk's rows: (row, piece) steps by
+  // (256 / dim4, 256 % dim4), with no division in the loop.
+  const int first_row = static_cast<int>(threadIdx.x) / dim4,
+            first_piece = static_cast<int>(threadIdx.x) % dim4;
+  const int row_step = kSelectThreads / dim4, piece_step = kSelectThreads % dim4;
+  const auto stage = [&](int c0) {
+    float* to = shared + (c0 / kChunk % 2) * stage_floats;
     const int n = min(kChunk, most - c0);
-    for (int i = static_cast<int>(threadIdx.x); i < n * p.dim; i += 32 * p.warps)
-      staged[(i / p.dim) * (p.dim + 4) + i % p.dim] = kp[(c0 + i / p.dim) * k_stride + i % p.dim];
-    __syncthreads();
-    const int c = c0 + key;
-    if (c < max(allowed0, allowed1)) {
-      const float4* kc = reinterpret_cast<const float4*>(staged + key * (p.dim + 4));
-      float s0 = 0.f, s1 = 0.f;
-      for (int d = 0; d < p.dim / 4; ++d) {
-        const float4 k4 = kc[d], a = q0[d], e = q1[d];
-        s0 = fmaf(a.x, k4.x, fmaf(a.y, k4.y, fmaf(a.z, k4.z, fmaf(a.w, k4.w, s0))));
-        s1 = fmaf(e.x, k4.x, fmaf(e.y, k4.y, fmaf(e.z, k4.z, fmaf(e.w, k4.w, s1))));
-      }
-      if (c < allowed0) score0[c] = s0;
-      if (c < allowed1) score1[c] = s1;
+    if (piece_step == 0) {  // dim4 divides the threads: each thread copies one piece of rows
+      for (int row = first_row; row < n; row += row_step)
+        arch::cp_async_16(arch::shared_address(to + row * stride + 4 * first_piece),
+                          kp + (c0 + row) * k_stride + 4 * first_piece, true);
+      arch::cp_async_commit();
+      return;
     }
-  }
-  __syncthreads();  // every warp's scores written
-  if (r >= nbq) return;
-  __syncwarp();
-  const int keep = min(p.top_k, allowed);
-  for (int i = 0; i < keep; ++i) {
-    float best = -__builtin_huge_valf();
-    int at = INT_MAX;
-    for (int c = lane; c < allowed; c += 32) {
-      const float v = score[c];
-      if (v == v && (v > best || (v == best && c < at))) {
-        best = v;
-        at = c;
+    for (int row = first_row, piece = first_piece; row < n;) {
+      arch::cp_async_16(arch::shared_address(to + row * stride + 4 * piece),
+                        kp + (c0 + row) * k_stride + 4 * piece, true);
+      row += row_step;
+      piece += piece_step;
+      if (piece >= dim4) {
+        piece -= dim4;
+        ++row;
       }
     }
-    for (int off = 16; off > 0; off /= 2) {
-      const float ob = __shfl_xor_sync(0xffffffffu, best, off);
-      const int oa = __shfl_xor_sync(0xffffffffu, at, off);
-      if (ob > best || (ob == best && oa < at)) {
-        best = ob;
-        at = oa;
-      }
-    }
-    __syncwarp();  // every lane's scan of the scores is done before one is overwritten
-    if (lane == 0) {
-      chosen[i] = at;
-      score[at] = __int_as_float(0x7fffffff);
-    }
-    __syncwarp();
-  }
-  const int aligned = min(lq, (r + 1) * p.block) - 1 + lk - lq;
-  int n = keep;
-  if (p.keep_diagonal && aligned >= 0 && lk > 0) {
-    const int diagonal = min(aligned, lk - 1) / p.block;  // < allowed: its score is set
-    if (score[diagonal] == score[diagonal]) {
-      if (lane == 0) chosen[n] = diagonal;
-      ++n;
-    }
-  }
-  __syncwarp();
-  std::int32_t* out =
-      p.col_idx + (std::int64_t{p.q_block_base[b]} * p.heads + std::int64_t{h} * nbq + r) * p.cap;
-  for (int i = lane; i < p.cap; i += 32) {
-    if (i < n) {
-      const int v = chosen[i];
-      int rank = 0;
-      for (int j = 0; j < n; ++j) rank += chosen[j] < v;
-      out[rank] = v;
+    arch::cp_async_commit();
+  };
+  const int allowed_lo = allowed_of(g), allowed_hi = allowed_of(g + 8);  // rows g and g + 8
+  if (most > 0) stage(0);
+  for (int c0 = 0; c0 < most; c0 += kChunk) {
+    if (c0 + kChunk < most) {
+      stage(c0 + kChunk);
+      arch::cp_async_wait<1>();
     } else {
-      out[i] = nbk;
+      arch::cp_async_wait<0>();
     }
+    __syncthreads();  // the chunk has landed for every thread (and, first, the query means)
+    const int c = c0 + 8 * warp;  // the warp's first key block
+    if (c < most) {
+      // B: key block c + g (rows past the chunk hold stale values whose scores are not stored).
+      const float* key = shared + (c0 / kChunk % 2) * stage_floats + (8 * warp + g) * stride;
+      float acc[4] = {}, acc_hl[4] = {}, acc_lh[4] = {};  // three independent MMA chains
+      for (int k0 = 0; k0 < p.dim; k0 += 8) {
+        const std::uint32_t a_hi[4] = {__float_as_uint(q_hi[g * stride + k0 + t]),
+                                       __float_as_uint(q_hi[(g + 8) * stride + k0 + t]),
+                                       __float_as_uint(q_hi[g * stride + k0 + t + 4]),
+                                       __float_as_uint(q_hi[(g + 8) * stride + k0 + t + 4])};
+        const std::uint32_t a_lo[4] = {__float_as_uint(q_lo[g * stride + k0 + t]),
+                                       __float_as_uint(q_lo[(g + 8) * stride + k0 + t]),
+                                       __float_as_uint(q_lo[g * stride + k0 + t + 4]),
+                                       __float_as_uint(q_lo[(g + 8) * stride + k0 + t + 4])};
+        const float k_0 = key[k0 + t], k_1 = key[k0 + t + 4];
+        const float h_0 = tf32_high(k_0), h_1 = tf32_high(k_1);
+        const std::uint32_t b_hi[2] = {__float_as_uint(h_0), __float_as_uint(h_1)};
+        const std::uint32_t b_lo[2] = {__float_as_uint(k_0 - h_0), __float_as_uint(k_1 - h_1)};
+        arch::mma_16x8x8_f32_tf32(acc_lh, a_lo, b_hi);
+        arch::mma_16x8x8_f32_tf32(acc_hl, a_hi, b_lo);
+        arch::mma_16x8x8_f32_tf32(acc, a_hi, b_hi);
+      }
+      for (int e = 0; e < 4; ++e) acc[e] += acc_hl[e] + acc_lh[e];
+      // acc: rows g (0, 1) and g + 8 (2, 3), key blocks c + 2 t and c + 2 t + 1.
+      for (int e = 0; e < 4; ++e) {
+        const int row = e < 2 ? g : g + 8, col = c + 2 * t + e % 2;
+        if (col < (e < 2 ? allowed_lo : allowed_hi)) scores[row * score_stride + col] = acc[e];
+      }
+    }
+    __syncthreads();  // the chunk's reads are done before the stage after next overwrites it
   }
+  for (int i = warp; i < rows; i += kSelectThreads / 32) {
+    const int r = group.y + i, allowed = allowed_of(i);
+    float* score = scores + i * score_stride;
+    // The block holding the key aligned with the query block's last row (< allowed).
+    const int aligned = min(lq, (r + 1) * p.block) - 1 + lk - lq;
+    const int diagonal =
+        p.keep_diagonal && aligned >= 0 && lk > 0 ? min(aligned, lk - 1) / p.block : -1;
+    select_row<R>(
+        score, allowed, p.top_k, diagonal,
+        p.col_idx + (std::int64_t{p.q_block_base[b]} * p.heads + std::int64_t{h} * nbq + r) * p.cap,
+        p.cap, nbk);
+  }
+}
+
+// The selection kernel holding R keys per lane in registers: the fewest that cover max_k_blocks,
+// up to 32 (1024 key blocks); beyond, R = 0 (keys read from shared memory in every pass).
+using select_fn = void (*)(select_params);
+select_fn select_kernel_for(int held) {
+  switch (held) {
+    case 2:
+      return select_kernel<2>;
+    case 4:
+      return select_kernel<4>;
+    case 8:
+      return select_kernel<8>;
+    case 16:
+      return select_kernel<16>;
+    case 32:
+      return select_kernel<32>;
+    default:
+      return select_kernel<0>;
+  }
+}
+
+int held_keys(int max_k_blocks) {
+  for (const int r : {2, 4, 8, 16, 32})
+    if (32 * r >= max_k_blocks) return r;
+  return 0;
 }
 
 void check_input(const topk_device_plan& t, const tensor_view& v, std::int64_t rows,
@@ -284,29 +482,35 @@ std::shared_ptr<topk_device_plan> make_topk_plan(const block_sparse_mask& skelet
   }
   t->q_blocks = static_cast<std::int32_t>(q_seq.size());
   t->k_blocks = static_cast<std::int32_t>(k_seq.size());
-  // Warps per selection block: the most of 8, 4, 2 whose scores fit in shared memory.
-  int device = 0, limit = 0;
+  // Query blocks per selection block: the most of 16, 8, ..., 1 whose scores fit in shared
+  // memory, then halved (down to 4) while the blocks would not cover the SMs.
+  int device = 0, limit = 0, sms = 0;
   TRISPARSE_CUDA_TRY(cudaGetDevice(&device));
   TRISPARSE_CUDA_TRY(
       cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  for (const int w : {8, 4, 2}) {
-    if (select_floats(w, t->dim, t->max_k_blocks, t->cap) * 4 <= limit) {
-      t->warps = w;
-      break;
-    }
-  }
-  if (t->warps == 0) {
+  TRISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  t->held = held_keys(t->max_k_blocks);
+  for (int rows = kTileRows; rows >= 1 && t->rows == 0; rows /= 2)
+    if (select_floats(rows, t->dim, score_floats(t->held, t->max_k_blocks)) * 4 <= limit)
+      t->rows = rows;
+  if (t->rows == 0) {
     throw not_supported("top-k selection: " + std::to_string(t->max_k_blocks) +
                         " key blocks in one sequence need more shared memory than the device has");
   }
-  TRISPARSE_CUDA_TRY(
-      cudaFuncSetAttribute(select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           select_floats(t->warps, t->dim, t->max_k_blocks, t->cap) * 4));
-  std::vector<int2> groups;
-  for (std::int64_t b = 0; b < skeleton.batch(); ++b) {
-    const auto nbq = static_cast<int>((skeleton.len_q(b) + t->block - 1) / t->block);
-    for (int r = 0; r < nbq; r += t->warps) groups.push_back({static_cast<int>(b), r});
-  }
+  const auto groups_of = [&](int rows) {
+    std::vector<int2> groups;
+    for (std::int64_t b = 0; b < skeleton.batch(); ++b) {
+      const auto nbq = static_cast<int>((skeleton.len_q(b) + t->block - 1) / t->block);
+      for (int r = 0; r < nbq; r += rows) groups.push_back({static_cast<int>(b), r});
+    }
+    return groups;
+  };
+  while (t->rows > 4 && static_cast<std::int64_t>(groups_of(t->rows).size()) * t->heads < sms)
+    t->rows /= 2;
+  const std::vector<int2> groups = groups_of(t->rows);
+  TRISPARSE_CUDA_TRY(cudaFuncSetAttribute(
+      select_kernel_for(t->held), cudaFuncAttributeMaxDynamicSharedMemorySize,
+      select_floats(t->rows, t->dim, score_floats(t->held, t->max_k_blocks)) * 4));
   t->num_groups = static_cast<std::int32_t>(groups.size());
   t->groups = device_buffer<int2>(groups);
   t->q_block_seq = device_buffer<std::int32_t>(q_seq);
@@ -368,13 +572,14 @@ void select_topk(topk_device_plan& t, const tensor_view& q, const tensor_view& k
   sp.top_k = t.top_k;
   sp.cap = t.cap;
   sp.max_k_blocks = t.max_k_blocks;
-  sp.warps = t.warps;
+  sp.rows = t.rows;
   sp.causal = t.causal;
   sp.keep_diagonal = t.keep_diagonal;
   const std::int64_t blocks = std::int64_t{t.num_groups} * t.heads;
   if (blocks == 0 || t.cap == 0) return;
-  select_kernel<<<static_cast<unsigned>(blocks), 32 * t.warps,
-                  select_floats(t.warps, t.dim, t.max_k_blocks, t.cap) * 4, s>>>(sp);
+  select_kernel_for(
+      t.held)<<<static_cast<unsigned>(blocks), kSelectThreads,
+                select_floats(t.rows, t.dim, score_floats(t.held, t.max_k_blocks)) * 4, s>>>(sp);
   TRISPARSE_CUDA_CHECK_LAUNCH();
 }
 
