@@ -338,13 +338,6 @@ __global__ void __launch_bounds__(kSelectThreads)
   const auto stage = [&](int c0) {
     float* to = shared + (c0 / kChunk % 2) * stage_floats;
     const int n = min(kChunk, most - c0);
-    if (piece_step == 0) {  // dim4 divides the threads: each thread copies one piece of rows
-      for (int row = first_row; row < n; row += row_step)
-        arch::cp_async_16(arch::shared_address(to + row * stride + 4 * first_piece),
-                          kp + (c0 + row) * k_stride + 4 * first_piece, true);
-      arch::cp_async_commit();
-      return;
-    }
     for (int row = first_row, piece = first_piece; row < n;) {
       arch::cp_async_16(arch::shared_address(to + row * stride + 4 * piece),
                         kp + (c0 + row) * k_stride + 4 * piece, true);
