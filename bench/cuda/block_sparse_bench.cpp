@@ -6,12 +6,13 @@
 // written as DIR/<name>.u8 (uint8 [mask heads, N/G, N/G], 1 = kept) for the PyTorch script.
 //   bench_block_sparse [--n N,...] [--p P,...] [--g G,...] [--seeds S] [--heads H] [--dim D]
 //                      [--dtype f16|bf16] [--causal] [--repeat R] [--max-pairs X] [--export DIR]
-//                      [--topk K,...]
+//                      [--topk K,...] [--unfused] [--max-unfused-pairs X]
 #include <cuda_runtime.h>
 
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -139,15 +140,16 @@ struct device_output {
 
 struct result {
   double ms = 0, build_s = 0, error = 0;
+  std::array<double, 3> stage_ms{};  // cuda_unfused: SDDMM, softmax, SpMM
   std::int64_t pairs = 0;
   std::string algo, format;
 };
 
 result run_one(const block_sparse_mask& mask, const inputs& x, std::int64_t heads, int repeat,
-               std::uint64_t seed, block_kernel kernel = block_kernel::automatic) {
+               std::uint64_t seed, block_sparse_plan_options options = {}) {
   result res;
   const auto t0 = std::chrono::steady_clock::now();
-  const auto plan = block_sparse_attention_plan::build(mask, device_kind::cuda, {.kernel = kernel});
+  const auto plan = block_sparse_attention_plan::build(mask, device_kind::cuda, options);
   check(cudaDeviceSynchronize(), "plan");
   res.build_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   res.algo = std::string(to_string(plan.report().algo));
@@ -160,6 +162,20 @@ result run_one(const block_sparse_mask& mask, const inputs& x, std::int64_t head
   };
   res.error = out.check_once(mask, x, seed, [&] { call(0); });
   res.ms = time_runs(repeat, sets, true, call).median;
+  if (plan.report().algo == algorithm::cuda_unfused) {  // per-kernel medians
+    std::vector<std::array<double, 3>> runs;
+    for (int i = 0; i < std::max(3, repeat / 4); ++i) {
+      const int s = i % sets;
+      runs.push_back(
+          plan.run_timing_stages(x.views[3 * s], x.views[3 * s + 1], x.views[3 * s + 2], out.view));
+    }
+    for (std::size_t k = 0; k < 3; ++k) {
+      std::vector<double> v;
+      for (const auto& r : runs) v.push_back(r[k]);
+      std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+      res.stage_ms[k] = v[v.size() / 2];
+    }
+  }
   return res;
 }
 
@@ -214,7 +230,8 @@ int main(int argc, char** argv) {
   std::int64_t heads = 8, dim = 64, max_pairs = std::int64_t{1} << 31;
   int seeds = 1, repeat = 20;
   std::string type = "f16", export_dir;
-  bool causal = false;
+  bool causal = false, unfused = false;
+  std::int64_t max_unfused = std::int64_t{1} << 33;
   std::vector<std::int64_t> topks;
   app.add_option("--topk", topks,
                  "instead of random masks: top-k masks selected on the device, these k")
@@ -231,6 +248,9 @@ int main(int argc, char** argv) {
                  "skip blocks finer than 16 (run as element patterns) with more pairs");
   app.add_option("--export", export_dir, "write each mask for bench/python/block_sparse.py");
   app.add_flag("--causal", causal);
+  app.add_flag("--unfused", unfused, "also time the report's three kernels (cuda_unfused)");
+  app.add_option("--max-unfused-pairs", max_unfused,
+                 "skip the three kernels on masks with more pairs (all heads of one mask)");
   CLI11_PARSE(app, argc, argv);
   const dtype t = parse_dtype(type);
   cudaDeviceProp prop{};
@@ -292,7 +312,7 @@ int main(int argc, char** argv) {
           j["ms"] = r.ms;
           if (r.format.find("wgmma") != std::string::npos) {  // the sm_80 kernel beside it
             const result mma = run_one(mask, x, heads, repeat, static_cast<std::uint64_t>(seed),
-                                       block_kernel::mma_sync);
+                                       {.kernel = block_kernel::mma_sync});
             j["mma_sync_ms"] = mma.ms;
             j["mma_sync_max_rel_error"] = mma.error;
           }
@@ -301,6 +321,16 @@ int main(int argc, char** argv) {
           j["tflops"] = 4.0 * static_cast<double>(r.pairs) * static_cast<double>(dim) / r.ms * 1e-9;
           j["speedup_vs_dense_ours"] = d.ms / r.ms;
           j["max_rel_error"] = r.error;
+          if (unfused && pairs_bound <= max_unfused) {  // the report's three kernels
+            const result u = run_one(mask, x, heads, repeat, static_cast<std::uint64_t>(seed),
+                                     {.algo = algorithm::cuda_unfused});
+            j["unfused_ms"] = u.ms;
+            j["unfused_sddmm_ms"] = u.stage_ms[0];
+            j["unfused_softmax_ms"] = u.stage_ms[1];
+            j["unfused_spmm_ms"] = u.stage_ms[2];
+            j["unfused_max_rel_error"] = u.error;
+            j["unfused_speedup_vs_dense_ours"] = d.ms / u.ms;
+          }
           if (!export_dir.empty()) {
             const std::string name = "mask_n" + std::to_string(n) + "_g" + std::to_string(g) +
                                      "_p" + std::to_string(p) + "_s" + std::to_string(seed) +

@@ -8,6 +8,7 @@
 
 #include "../cpu/block_sparse/engine.hpp"
 #include "../cuda/attention/block_sparse/plan.hpp"
+#include "../cuda/attention/block_sparse/unfused.hpp"
 #include "arguments.hpp"
 #include "trisparse/core/error.hpp"
 #include "trisparse/core/numeric.hpp"
@@ -19,6 +20,7 @@ struct block_sparse_attention_plan::state {
   block_sparse_mask mask;
   plan_report report;
   std::shared_ptr<cuda::block_sparse_device_plan> device;  // cuda_fused_block
+  std::shared_ptr<cuda::unfused_device_plan> unfused;      // cuda_unfused
   // cuda_fused_bsb: the element pattern of the whole packed batch (block diagonal over the
   // sequences), one plan per mask head.
   std::vector<attention_plan> element;
@@ -86,8 +88,18 @@ block_mask empty_block_mask(std::int64_t lq, std::int64_t lk, std::int64_t g) {
   return m;
 }
 
+// run()'s operands against the mask: shapes, devices, and the heads a mask serves.
+void check_run_args(const block_sparse_mask& m, const tensor_view& q, const tensor_view& k,
+                    const tensor_view& v, const tensor_view& out, device_kind where) {
+  detail::check_attention_args(m.cu_seqlens_q.back(), m.cu_seqlens_k.back(), q, k, v, out, where);
+  TRISPARSE_EXPECTS_INPUT(m.heads == 1 || m.heads == q.heads,
+                          "the mask has " + std::to_string(m.heads) + " heads, q " +
+                              std::to_string(q.heads) + " (a mask is per head or shared)");
+}
+
 bool runs_on_cuda(algorithm a) {
-  return a == algorithm::cuda_fused_block || a == algorithm::cuda_fused_bsb;
+  return a == algorithm::cuda_fused_block || a == algorithm::cuda_fused_bsb ||
+         a == algorithm::cuda_unfused;
 }
 
 }  // namespace
@@ -192,8 +204,8 @@ block_sparse_attention_plan block_sparse_attention_plan::build(
                                 std::string(to_string(algo)));
   } else {
     TRISPARSE_EXPECTS_INPUT(runs_on_cuda(algo),
-                            "block-sparse attention on CUDA runs cuda_fused_block or "
-                            "cuda_fused_bsb, not " +
+                            "block-sparse attention on CUDA runs cuda_fused_block, "
+                            "cuda_fused_bsb or cuda_unfused, not " +
                                 std::string(to_string(algo)));
   }
   auto s = std::make_shared<state>();
@@ -211,6 +223,12 @@ block_sparse_attention_plan block_sparse_attention_plan::build(
     s->device = cuda::make_block_sparse_plan(mask, options.kernel, stream);
     bytes = cuda::device_bytes(*s->device);
     s->report.format += " (device, " + std::string(cuda::kernel_name(*s->device)) + ")";
+  } else if (algo == algorithm::cuda_unfused) {
+    s->unfused = cuda::make_unfused_plan(mask, stream);
+    bytes = cuda::device_bytes(*s->unfused);
+    s->report.format += " as row-interleaved BCSR (SDDMM, softmax, SpMM; " +
+                        std::to_string(cuda::score_bytes_per_head(*s->unfused)) +
+                        " score bytes a head)";
   } else if (algo == algorithm::cuda_fused_bsb) {
     bytes = 0;
     plan_options o;
@@ -234,11 +252,7 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
                                       const tensor_view& v, const tensor_view& out,
                                       const attention_options& options, stream_ref stream) const {
   const block_sparse_mask& m = state_->mask;
-  detail::check_attention_args(m.cu_seqlens_q.back(), m.cu_seqlens_k.back(), q, k, v, out,
-                               state_->report.where);
-  TRISPARSE_EXPECTS_INPUT(m.heads == 1 || m.heads == q.heads,
-                          "the mask has " + std::to_string(m.heads) + " heads, q " +
-                              std::to_string(q.heads) + " (a mask is per head or shared)");
+  check_run_args(m, q, k, v, out, state_->report.where);
   const double scale = detail::resolve_scale(options.scale, q.dim);
   const algorithm algo = options.algo == algorithm::automatic ? state_->report.algo : options.algo;
   TRISPARSE_EXPECTS_INPUT(runs_on_cuda(algo) == runs_on_cuda(state_->report.algo) &&
@@ -254,6 +268,9 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
       return;
     case algorithm::cuda_fused_block:
       cuda::run_block_sparse(*state_->device, q, k, v, out, scale, stream);
+      return;
+    case algorithm::cuda_unfused:
+      cuda::run_unfused(*state_->unfused, q, k, v, out, scale, stream);
       return;
     case algorithm::cuda_fused_bsb: {
       attention_options o = options;
@@ -272,6 +289,20 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
     default:
       throw invalid_input("block-sparse attention cannot run " + std::string(to_string(algo)));
   }
+}
+
+std::array<double, 3> block_sparse_attention_plan::run_timing_stages(
+    const tensor_view& q, const tensor_view& k, const tensor_view& v, const tensor_view& out,
+    const attention_options& options, stream_ref stream) const {
+  TRISPARSE_EXPECTS_INPUT(state_->report.algo == algorithm::cuda_unfused,
+                          "run_timing_stages times the cuda_unfused pipeline; this plan runs " +
+                              std::string(to_string(state_->report.algo)));
+  const block_sparse_mask& m = state_->mask;
+  check_run_args(m, q, k, v, out, state_->report.where);
+  std::array<double, 3> ms{};
+  cuda::run_unfused(*state_->unfused, q, k, v, out, detail::resolve_scale(options.scale, q.dim),
+                    stream, &ms);
+  return ms;
 }
 
 const plan_report& block_sparse_attention_plan::report() const { return state_->report; }

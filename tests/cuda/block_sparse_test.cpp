@@ -2,6 +2,7 @@
 // BSB kernel for finer blocks) against the float64 reference (label gpu; skipped without a
 // device).
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -342,6 +343,111 @@ TEST(GpuBlockSparse, TopKOverManyKeyBlocks) {
       }
     }
   }
+}
+
+block_sparse_attention_plan unfused_plan(const block_sparse_mask& m) {
+  auto plan =
+      block_sparse_attention_plan::build(m, device_kind::cuda, {.algo = algorithm::cuda_unfused});
+  EXPECT_EQ(plan.report().algo, algorithm::cuda_unfused);
+  return plan;
+}
+
+// The report's three kernels (cuda_unfused): every block size, fine, odd and coarse (the SDDMM's
+// tiles of 1 ... 32 rows, the SpMM's of 8, 16, 32), causal and not, shared and per-head masks,
+// every dtype pair, head dims from 8 to 256, on a ragged batch.
+TEST(GpuBlockSparse, TheReportsPipelineOnEveryBlockSize) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<std::int64_t> lens{1, 300, 0, 517, 64};
+  std::uint64_t seed = 200;
+  for (const std::int64_t g : {1, 2, 8, 16, 24, 32, 64, 128}) {
+    for (const bool causal : {false, true}) {
+      for (const std::int64_t mask_heads : {1, 2}) {
+        const auto mask = make_block_sparse_mask({.layout = block_layout::random,
+                                                  .block = g,
+                                                  .p = 0.6,
+                                                  .causal = causal,
+                                                  .heads = mask_heads,
+                                                  .seed = seed++},
+                                                 lens);
+        const auto plan = unfused_plan(mask);
+        for (const dtype in : {dtype::f16, dtype::bf16}) {
+          for (const dtype out : {dtype::f32, dtype::f16, dtype::bf16}) {
+            if (quick() && out != (in == dtype::f16 ? dtype::f32 : dtype::bf16)) continue;
+            check(plan, {in, out, 64}, 2, seed++);
+          }
+        }
+        for (const std::int64_t d : {8, 40, 128, 256})
+          check(plan, {dtype::f16, dtype::f32, d}, 2, seed++);
+      }
+    }
+  }
+}
+
+// The pipeline on the fused kernel's edge cases: the report's layouts (one block per row among
+// them), a dense mask, empty block rows, rectangular causal sequences where the first queries see
+// no key, scores near 1e4, negative and zero scales; and its per-stage timing.
+TEST(GpuBlockSparse, TheReportsPipelineOnEdgeCases) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<std::int64_t> lens{200, 129, 64};
+  const config c{dtype::f16, dtype::f32, 64};
+  for (const block_layout l : {block_layout::dense, block_layout::window, block_layout::strided,
+                               block_layout::global, block_layout::bigbird}) {
+    const auto mask = make_block_sparse_mask({.layout = l,
+                                              .block = 16,
+                                              .window = l == block_layout::window ? 0 : 1,
+                                              .stride = 3,
+                                              .causal = l == block_layout::bigbird,
+                                              .seed = 9},
+                                             lens);
+    check(unfused_plan(mask), c, 3, 300 + static_cast<std::uint64_t>(l));
+  }
+  auto mask = make_block_sparse_mask(
+      {.layout = block_layout::random, .block = 32, .p = 0.3, .heads = 2, .seed = 4}, lens);
+  for (block_mask& m : mask.masks) {  // every other block row emptied
+    csr_graph kept;
+    kept.rows = m.blocks.rows;
+    kept.cols = m.blocks.cols;
+    for (std::int64_t r = 0; r < m.blocks.rows; ++r) {
+      if (r % 2 == 0) {
+        for (std::int64_t e = m.blocks.row_ptr[r]; e < m.blocks.row_ptr[r + 1]; ++e)
+          kept.col_idx.push_back(m.blocks.col_idx[e]);
+      }
+      kept.row_ptr.push_back(kept.nnz());
+    }
+    m.blocks = kept;
+  }
+  check(unfused_plan(mask), {dtype::bf16, dtype::bf16, 128}, 2, 310);
+  const std::vector<std::int64_t> cu_q{0, 300, 301, 700}, cu_k{0, 100, 400, 700};
+  host_tensor hq(dtype::f16, 700, 2, 64), hk(dtype::f16, 700, 2, 64);
+  hq.fill_uniform(-1, 1, 1);
+  hk.fill_uniform(-1, 1, 2);
+  for (const std::int64_t g : {8, 64}) {
+    check(unfused_plan(topk_block_mask(hq.view(), hk.view(), cu_q, cu_k,
+                                       {.block = g, .top_k = 2, .causal = true})),
+          c, 2, 320);
+  }
+  const auto dense = make_block_sparse_mask({.layout = block_layout::dense, .block = 64}, lens);
+  const auto plan = unfused_plan(dense);
+  for (const double scale : {100.0, -0.4, -100.0, 0.0}) check(plan, c, 1, 330, scale);
+  check(plan, c, 1, 331, 1.0, 0.25, 1.0);
+  // Timed stages: the same output as run(), three positive times.
+  const std::int64_t n = dense.cu_seqlens_q.back();
+  host_tensor x(dtype::f16, n, 2, 64);
+  x.fill_uniform(-1, 1, 5);
+  test::device_tensor q(x), o(host_tensor(dtype::f32, n, 2, 64));
+  o.poison();
+  plan.run(q.view(), q.view(), q.view(), o.view());
+  const host_tensor want = o.download();
+  o.poison();
+  const std::array<double, 3> ms = plan.run_timing_stages(q.view(), q.view(), q.view(), o.view());
+  const host_tensor got = o.download();
+  EXPECT_EQ(std::memcmp(want.data(), got.data(), want.size_bytes()), 0);
+  for (const double t : ms) EXPECT_GT(t, 0.0);
+  EXPECT_THROW((void)cuda_plan(dense).run_timing_stages(q.view(), q.view(), q.view(), o.view()),
+               invalid_input);
+  test::device_tensor odd(host_tensor(dtype::f16, n, 2, 12)),
+      odd_out(host_tensor(dtype::f32, n, 2, 12));
+  EXPECT_THROW(plan.run(odd.view(), odd.view(), odd.view(), odd_out.view()), invalid_input);
 }
 
 TEST(GpuBlockSparse, RejectsWhatItCannotRun) {

@@ -382,7 +382,11 @@ TEST(BlockSparsePlan, RejectsWhatItCannotRun) {
   // Without a GPU: not_supported (no CUDA backend) or cuda_error (no device).
   if (!cuda_available()) {
     EXPECT_THROW(block_sparse_attention_plan::build(mask, device_kind::cuda), error);
+    EXPECT_THROW(block_sparse_attention_plan::build(mask, device_kind::cuda,
+                                                    {.algo = algorithm::cuda_unfused}),
+                 error);
   }
+  EXPECT_THROW((void)plan.run_timing_stages(q.view(), q.view(), q.view(), o.view()), invalid_input);
   auto broken = mask;
   broken.masks.pop_back();
   EXPECT_THROW(block_sparse_attention_plan::build(broken), invalid_input);

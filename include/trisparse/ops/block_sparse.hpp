@@ -1,6 +1,7 @@
 #pragma once
 /// @file Block-sparse attention: O = softmax(scale · Q Kᵀ ⊙ M) V for a block mask M at granularity
 /// G over a ragged batch of sequences (formats/block_sparse.hpp), one mask per head or shared.
+#include <array>
 #include <memory>
 #include <span>
 
@@ -22,7 +23,9 @@ struct block_sparse_plan_options {
   /// On the CPU: cpu_reference (float64) or cpu_fused (fp32, the CPU engine; automatic). On CUDA:
   /// cuda_fused_block (the tensor-core block kernel, G a multiple of 16; automatic there) or
   /// cuda_fused_bsb (the mask as an element pattern through the fused BSB kernel; automatic for
-  /// other G).
+  /// other G), or cuda_unfused (the blocked-sparse report's three kernels over a row-interleaved
+  /// BCSR, any G: SDDMM writing the scores of the kept blocks, a row softmax, SpMM; a reference
+  /// pipeline that keeps every score in memory, up to 8 GiB of them at a time).
   algorithm algo = algorithm::automatic;
   /// cuda_fused_block only; the report's format names the one chosen.
   block_kernel kernel = block_kernel::automatic;
@@ -66,6 +69,15 @@ class block_sparse_attention_plan {
   /// no key left give zeros. @throws invalid_input naming the argument that is wrong.
   void run(const tensor_view& q, const tensor_view& k, const tensor_view& v, const tensor_view& out,
            const attention_options& options = {}, stream_ref stream = {}) const;
+
+  /// cuda_unfused plans: run() with events around the pipeline's kernels; returns their times in
+  /// milliseconds (SDDMM, softmax, SpMM; summed over the groups of heads whose scores the
+  /// workspace holds at a time). Synchronises `stream`. @throws invalid_input for other plans or
+  /// as run().
+  std::array<double, 3> run_timing_stages(const tensor_view& q, const tensor_view& k,
+                                          const tensor_view& v, const tensor_view& out,
+                                          const attention_options& options = {},
+                                          stream_ref stream = {}) const;
 
   /// rows/cols = total query/key rows; nnz = attended (query, key) pairs of one head (all mask
   /// heads summed when the mask is per head).

@@ -1,5 +1,6 @@
 // Without the CUDA backend there are no devices and no CUDA plans.
 #include "../attention/block_sparse/plan.hpp"
+#include "../attention/block_sparse/unfused.hpp"
 #include "../attention/bsb/plan.hpp"
 #include "../layers/dense.hpp"
 #include "../sparse/plan.hpp"
@@ -113,4 +114,15 @@ void select_topk(topk_device_plan&, const tensor_view&, const tensor_view&, stre
   no_backend();
 }
 std::vector<std::int32_t> download_blocks(const topk_device_plan&, stream_ref) { no_backend(); }
+struct unfused_device_plan {};
+std::shared_ptr<unfused_device_plan> make_unfused_plan(const block_sparse_mask&, stream_ref) {
+  no_backend();
+}
+void run_unfused(const unfused_device_plan&, const tensor_view&, const tensor_view&,
+                 const tensor_view&, const tensor_view&, double, stream_ref,
+                 std::array<double, 3>*) {
+  no_backend();
+}
+std::int64_t device_bytes(const unfused_device_plan&) { return 0; }
+std::int64_t score_bytes_per_head(const unfused_device_plan&) { return 0; }
 }  // namespace trisparse::cuda

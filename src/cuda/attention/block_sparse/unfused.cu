@@ -1,0 +1,340 @@
+// The blocked-sparse report's pipeline on CUDA: the row-interleaved layout (block rows, SDDMM and
+// SpMM tiles, softmax parts by row weight) built on the host, and the one dispatch point where
+// (input dtype, output dtype, tile rows) become the three kernels' template arguments.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "../../common/buffer.cuh"
+#include "../../common/current_device.cuh"
+#include "../../common/error.cuh"
+#include "../../common/grid.cuh"
+#include "../../common/layout.hpp"
+#include "../../sddmm/bcsr/kernel.cuh"
+#include "../../softmax/bcsr/kernel.cuh"
+#include "../../spmm/bcsr/kernel.cuh"
+#include "unfused.hpp"
+
+namespace trisparse::cuda {
+
+namespace il = interleaved;
+
+struct unfused_device_plan {
+  int device = 0, sms = 0;
+  std::int64_t block = 0, mask_heads = 1, slot = 0;
+  bool causal = false;
+  int sddmm_rows = 1, spmm_rows_per_thread = 1;
+  // Items per mask head, on the host for launch sizes: [mask head] -> first item (+ the end).
+  std::vector<std::int32_t> sddmm_first_h, spmm_first_h, softmax_first_h;
+  device_buffer<std::int64_t> cu_q, cu_k;
+  device_buffer<il::block_row> rows;
+  device_buffer<std::int32_t> col_idx, sddmm_first, spmm_first, softmax_first;
+  device_buffer<il::tile> sddmm_tiles, spmm_tiles;
+  device_buffer<il::part> parts;
+  // The scores of a group of heads and the SDDMM's tile counter (runs do not overlap).
+  mutable std::mutex mutex;
+  mutable device_buffer<float> scores;
+  mutable device_buffer<unsigned long long> counter;
+};
+
+namespace {
+
+constexpr std::int64_t kWorkspaceBytes = std::int64_t{8} << 30;
+// Softmax parts per mask head: enough warps to fill the GPU several times over.
+constexpr std::int64_t kMaxParts = 8192;
+
+std::int32_t narrow(std::int64_t x, const char* what) {
+  if (x > std::numeric_limits<std::int32_t>::max())
+    throw invalid_input(std::string("block-sparse pipeline: ") + what + " exceeds 2^31 - 1");
+  return static_cast<std::int32_t>(x);
+}
+
+// SDDMM tile rows: the largest power of two up to min(G, 32), so that a tile's rows share one
+// block row's keys.
+int sddmm_rows_for(std::int64_t g) {
+  int r = 1;
+  while (r * 2 <= std::min<std::int64_t>(g, 32)) r *= 2;
+  return r;
+}
+
+int spmm_rows_per_thread_for(std::int64_t g) { return g <= 8 ? 1 : g <= 16 ? 2 : 4; }
+
+// Splits the rows of one mask head (block rows [row_begin, row_end)) into at most kMaxParts parts
+// of about equal weight (a row's positions plus a fixed cost per row).
+void add_parts(const std::vector<il::block_row>& rows, std::size_t row_begin, std::size_t row_end,
+               std::int64_t g, std::vector<il::part>& parts) {
+  std::int64_t weight = 0, count = 0;
+  const auto row_weight = [&](const il::block_row& r) { return std::int64_t{r.count} * g + 64; };
+  for (std::size_t i = row_begin; i < row_end; ++i) {
+    weight += std::int64_t{rows[i].rows} * row_weight(rows[i]);
+    count += rows[i].rows;
+  }
+  if (count == 0) return;
+  const std::int64_t n = std::min(count, kMaxParts);
+  std::int64_t seen = 0, next = 0;
+  for (std::size_t i = row_begin; i < row_end; ++i) {
+    for (std::int32_t t = 0; t < rows[i].rows; ++t) {
+      // Part `next` starts at the first row whose preceding weight reaches next / n of the total.
+      if (next < n && seen * n >= next * weight) {
+        parts.push_back({narrow(static_cast<std::int64_t>(i), "the block rows"), t});
+        ++next;
+      }
+      seen += row_weight(rows[i]);
+    }
+  }
+}
+
+template <class F>
+void with_types(dtype in, dtype out, F&& f) {
+  const auto with_out = [&]<class T>() {
+    switch (out) {
+      case dtype::f32:
+        return f.template operator()<T, float>();
+      case dtype::f16:
+        return f.template operator()<T, __half>();
+      case dtype::bf16:
+        return f.template operator()<T, __nv_bfloat16>();
+      default:
+        throw invalid_input("the block-sparse pipeline writes f32, f16 or bf16 output, not " +
+                            std::string(to_string(out)));
+    }
+  };
+  if (in == dtype::f16)
+    with_out.template operator()<__half>();
+  else
+    with_out.template operator()<__nv_bfloat16>();
+}
+
+// Calls f.template operator()<V>() for V in the list equal to `value`.
+template <int... Vs, class F>
+void with_value(int value, F&& f) {
+  const bool found = ((value == Vs ? (f.template operator()<Vs>(), true) : false) || ...);
+  if (!found) throw invalid_input("block-sparse pipeline: no tile for " + std::to_string(value));
+}
+
+template <class T>
+void launch_sddmm(const unfused_device_plan& plan, const il::params& p, il::work w,
+                  std::int64_t items, cudaStream_t s) {
+  with_value<1, 2, 4, 8, 16, 32>(plan.sddmm_rows, [&]<int R>() {
+    constexpr auto kernel = il::sddmm_kernel<T, R>;
+    static const bool configured = [] {
+      TRISPARSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              il::sddmm_shared_bytes(R, 256)));
+      return true;
+    }();
+    (void)configured;
+    const int bytes = il::sddmm_shared_bytes(R, p.dim);
+    int per_sm = 0;
+    TRISPARSE_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, kernel, il::kSddmmWarps * 32, static_cast<std::size_t>(bytes)));
+    const std::int64_t grid = std::clamp<std::int64_t>(
+        (items + il::kSddmmWarps - 1) / il::kSddmmWarps, 1, std::int64_t{plan.sms} * per_sm);
+    TRISPARSE_CUDA_TRY(cudaMemsetAsync(plan.counter.data(), 0, sizeof(unsigned long long), s));
+    kernel<<<static_cast<unsigned>(grid), il::kSddmmWarps * 32, bytes, s>>>(p, w,
+                                                                            plan.counter.data());
+    TRISPARSE_CUDA_CHECK_LAUNCH();
+  });
+}
+
+template <class T, class O>
+void launch_spmm(const unfused_device_plan& plan, const il::params& p, il::work w,
+                 std::int64_t items, cudaStream_t s) {
+  with_value<1, 2, 4>(plan.spmm_rows_per_thread, [&]<int RPT>() {
+    const dim3 grid(static_cast<unsigned>(items),
+                    static_cast<unsigned>((p.dim + il::kSpmmCols - 1) / il::kSpmmCols));
+    il::spmm_kernel<T, O, RPT><<<grid, il::kSpmmThreads, 0, s>>>(p, w);
+    TRISPARSE_CUDA_CHECK_LAUNCH();
+  });
+}
+
+// The launch's items: a shared mask's once per head, else those of heads [h0, h0 + heads).
+std::int64_t launch_items(const std::vector<std::int32_t>& first, std::int64_t mask_heads,
+                          std::int64_t h0, std::int64_t heads) {
+  if (mask_heads == 1) return heads * first[1];
+  return first[static_cast<std::size_t>(h0 + heads)] - first[static_cast<std::size_t>(h0)];
+}
+
+// Events around the three kernels of each head group; their times summed.
+class stage_timer {
+ public:
+  explicit stage_timer(bool on) {
+    if (!on) return;
+    for (cudaEvent_t& e : events_) TRISPARSE_CUDA_TRY(cudaEventCreate(&e));
+  }
+  ~stage_timer() {
+    for (cudaEvent_t e : events_)
+      if (e != nullptr) cudaEventDestroy(e);
+  }
+  stage_timer(const stage_timer&) = delete;
+  stage_timer& operator=(const stage_timer&) = delete;
+  void mark(int i, cudaStream_t s) {
+    if (events_[0] != nullptr) TRISPARSE_CUDA_TRY(cudaEventRecord(events_[i], s));
+  }
+  // After the group's last mark: waits for it and adds the three intervals.
+  void add_to(std::array<double, 3>& ms) {
+    if (events_[0] == nullptr) return;
+    TRISPARSE_CUDA_TRY(cudaEventSynchronize(events_[3]));
+    for (int i = 0; i < 3; ++i) {
+      float x = 0;
+      TRISPARSE_CUDA_TRY(cudaEventElapsedTime(&x, events_[i], events_[i + 1]));
+      ms[static_cast<std::size_t>(i)] += x;
+    }
+  }
+
+ private:
+  std::array<cudaEvent_t, 4> events_{};
+};
+
+}  // namespace
+
+std::shared_ptr<unfused_device_plan> make_unfused_plan(const block_sparse_mask& mask,
+                                                       stream_ref /*stream*/) {
+  auto plan = std::make_shared<unfused_device_plan>();
+  const auto dev = current_device();
+  plan->device = dev.device;
+  plan->sms = dev.sms;
+  plan->block = mask.block;
+  plan->mask_heads = mask.heads;
+  plan->causal = mask.causal;
+  plan->sddmm_rows = sddmm_rows_for(mask.block);
+  plan->spmm_rows_per_thread = spmm_rows_per_thread_for(mask.block);
+  const std::int64_t g = mask.block, sddmm_width = 1024 / plan->sddmm_rows,
+                     spmm_rows = il::spmm_tile_rows(plan->spmm_rows_per_thread);
+  std::vector<il::block_row> rows;
+  std::vector<std::int32_t> col_idx;
+  std::vector<il::tile> sddmm, spmm;
+  std::vector<il::part> parts;
+  for (std::int64_t m = 0; m < mask.heads; ++m) {
+    plan->sddmm_first_h.push_back(narrow(static_cast<std::int64_t>(sddmm.size()), "the tiles"));
+    plan->spmm_first_h.push_back(narrow(static_cast<std::int64_t>(spmm.size()), "the tiles"));
+    plan->softmax_first_h.push_back(narrow(static_cast<std::int64_t>(parts.size()), "the parts"));
+    const std::size_t row_begin = rows.size();
+    std::int64_t values = 0;
+    for (std::int64_t b = 0; b < mask.batch(); ++b) {
+      const csr_graph& blocks = mask.masks[static_cast<std::size_t>(b * mask.heads + m)].blocks;
+      const std::int64_t lq = mask.len_q(b);
+      narrow(std::max(lq, mask.len_k(b)) + 2 * g, "a sequence length");
+      for (std::int64_t rb = 0; rb < blocks.rows; ++rb) {
+        il::block_row r{};
+        r.first = static_cast<std::int64_t>(col_idx.size());
+        r.value0 = values;
+        r.seq = narrow(b, "the batch");
+        r.row0 = narrow(rb * g, "a sequence length");
+        r.rows = narrow(std::min(g, lq - rb * g), "the block");
+        r.count = narrow(blocks.row_ptr[rb + 1] - blocks.row_ptr[rb], "the blocks of a row");
+        r.mask_head = narrow(m, "the heads");
+        col_idx.insert(col_idx.end(), blocks.col_idx.begin() + blocks.row_ptr[rb],
+                       blocks.col_idx.begin() + blocks.row_ptr[rb + 1]);
+        const std::int64_t width = std::int64_t{r.count} * g;
+        narrow(width, "a row's kept keys");
+        values += std::int64_t{r.rows} * width;
+        const auto row = narrow(static_cast<std::int64_t>(rows.size()), "the block rows");
+        for (std::int32_t t0 = 0; t0 < r.rows; t0 += plan->sddmm_rows)
+          for (std::int64_t p0 = 0; p0 < width; p0 += sddmm_width)
+            sddmm.push_back({row, t0, static_cast<std::int32_t>(p0)});
+        for (std::int32_t t0 = 0; t0 < r.rows; t0 += static_cast<std::int32_t>(spmm_rows))
+          spmm.push_back({row, t0, 0});
+        rows.push_back(r);
+      }
+    }
+    add_parts(rows, row_begin, rows.size(), g, parts);
+    plan->slot = std::max(plan->slot, values);
+  }
+  plan->sddmm_first_h.push_back(narrow(static_cast<std::int64_t>(sddmm.size()), "the tiles"));
+  plan->spmm_first_h.push_back(narrow(static_cast<std::int64_t>(spmm.size()), "the tiles"));
+  plan->softmax_first_h.push_back(narrow(static_cast<std::int64_t>(parts.size()), "the parts"));
+  parts.push_back({narrow(static_cast<std::int64_t>(rows.size()), "the block rows"), 0});
+  plan->cu_q = device_buffer<std::int64_t>(mask.cu_seqlens_q);
+  plan->cu_k = device_buffer<std::int64_t>(mask.cu_seqlens_k);
+  plan->rows = device_buffer<il::block_row>(rows);
+  plan->col_idx = device_buffer<std::int32_t>(col_idx);
+  plan->sddmm_first = device_buffer<std::int32_t>(plan->sddmm_first_h);
+  plan->spmm_first = device_buffer<std::int32_t>(plan->spmm_first_h);
+  plan->softmax_first = device_buffer<std::int32_t>(plan->softmax_first_h);
+  plan->sddmm_tiles = device_buffer<il::tile>(sddmm);
+  plan->spmm_tiles = device_buffer<il::tile>(spmm);
+  plan->parts = device_buffer<il::part>(parts);
+  plan->counter = device_buffer<unsigned long long>(1);
+  return plan;
+}
+
+void run_unfused(const unfused_device_plan& plan, const tensor_view& q, const tensor_view& k,
+                 const tensor_view& v, const tensor_view& out, double scale, stream_ref stream,
+                 std::array<double, 3>* stage_ms) {
+  const char* what = "the block-sparse SDDMM -> softmax -> SpMM pipeline";
+  check_attention_operands(q, k, v, out, what);
+  if (q.dim % 8 != 0 || q.dim > 256) {
+    throw invalid_input(std::string(what) +
+                        " takes head dims that are multiples of 8 up to 256, not " +
+                        std::to_string(q.dim));
+  }
+  expect_current_device(plan.device);
+  if (stage_ms != nullptr) *stage_ms = {0, 0, 0};
+  const std::int64_t heads = q.heads;
+  if (heads == 0 || q.rows == 0) return;
+  const std::int64_t slot_bytes = std::max<std::int64_t>(plan.slot, 1) * 4;
+  const std::int64_t group = std::clamp<std::int64_t>(kWorkspaceBytes / slot_bytes, 1, heads);
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  {
+    const std::lock_guard<std::mutex> lock(plan.mutex);
+    const auto need = static_cast<std::size_t>(group * plan.slot);
+    if (plan.scores.size() < need) {
+      TRISPARSE_CUDA_TRY(cudaDeviceSynchronize());
+      plan.scores = device_buffer<float>();
+      plan.scores = device_buffer<float>(need);
+    }
+  }
+  il::params p{};
+  static_cast<attention_io&>(p) = attention_io_of(q, k, v, out);
+  p.cu_q = plan.cu_q.data();
+  p.cu_k = plan.cu_k.data();
+  p.rows = plan.rows.data();
+  p.col_idx = plan.col_idx.data();
+  p.scores = plan.scores.data();
+  p.slot = plan.slot;
+  p.mask_heads = static_cast<std::int32_t>(plan.mask_heads);
+  p.block = static_cast<std::int32_t>(plan.block);
+  p.dim = static_cast<std::int32_t>(q.dim);
+  p.causal = plan.causal;
+  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  const il::work sddmm{plan.sddmm_tiles.data(), plan.sddmm_first.data()},
+      softmax{plan.parts.data(), plan.softmax_first.data()},
+      spmm{plan.spmm_tiles.data(), plan.spmm_first.data()};
+  with_types(q.type, out.type, [&]<class T, class O>() {
+    for (std::int64_t h0 = 0; h0 < heads; h0 += group) {
+      const std::int64_t n = std::min(group, heads - h0);
+      p.h0 = static_cast<std::int32_t>(h0);
+      p.heads = static_cast<std::int32_t>(n);
+      stage_timer timer(stage_ms != nullptr);
+      timer.mark(0, s);
+      const std::int64_t tiles = launch_items(plan.sddmm_first_h, plan.mask_heads, h0, n);
+      if (tiles > 0) launch_sddmm<T>(plan, p, sddmm, tiles, s);
+      timer.mark(1, s);
+      const std::int64_t parts = launch_items(plan.softmax_first_h, plan.mask_heads, h0, n);
+      if (parts > 0) {
+        il::softmax_kernel<<<blocks_for(parts * 32, il::kSoftmaxWarps * 32), il::kSoftmaxWarps * 32,
+                             0, s>>>(p, softmax);
+        TRISPARSE_CUDA_CHECK_LAUNCH();
+      }
+      timer.mark(2, s);
+      const std::int64_t out_tiles = launch_items(plan.spmm_first_h, plan.mask_heads, h0, n);
+      if (out_tiles > 0) launch_spmm<T, O>(plan, p, spmm, narrow(out_tiles, "the tiles"), s);
+      timer.mark(3, s);
+      if (stage_ms != nullptr) timer.add_to(*stage_ms);
+    }
+  });
+}
+
+std::int64_t device_bytes(const unfused_device_plan& plan) {
+  return static_cast<std::int64_t>(
+      plan.cu_q.bytes() + plan.cu_k.bytes() + plan.rows.bytes() + plan.col_idx.bytes() +
+      plan.sddmm_first.bytes() + plan.spmm_first.bytes() + plan.softmax_first.bytes() +
+      plan.sddmm_tiles.bytes() + plan.spmm_tiles.bytes() + plan.parts.bytes());
+}
+
+std::int64_t score_bytes_per_head(const unfused_device_plan& plan) { return plan.slot * 4; }
+
+}  // namespace trisparse::cuda
