@@ -8,7 +8,7 @@
 #   cmake --build build/gpu --target gpu_tests bench_fused3s bench_sparse bench_layers trisparse_cli
 #   mkdir -p data .devlibs && cp ../shared/datasets/* data/ && cp -L /lib/x86_64-linux-gnu/libzip.so.4 /lib/x86_64-linux-gnu/libbz2.so.1.0 .devlibs/
 # and call with carry = [build/gpu, data, .devlibs].
-# Usage: scripts/gpu_run.sh [tests|sanitize|bench|matrix|large|sweep|sparse|layers|blocksparse|all] (all = tests sanitize bench)
+# Usage: scripts/gpu_run.sh [tests|sanitize|bench|matrix|large|sweep|sparse|layers|blocksparse|reportsweep|all] (all = tests sanitize bench)
 # The device tool brings back at most 8 files per call: run tests+sanitize and bench+large+matrix apart.
 set -uo pipefail
 out=${OUT:-/tmp/trisparse-out}
@@ -123,5 +123,21 @@ if [ "$what" = blocksparse ]; then
   "$b/bench_block_sparse" ${BLOCK_SPARSE_TOPK_ARGS:---n 4096,32768 --g 64,128 --topk 8,26} \
     > "$out/block_sparse_topk.jsonl" 2>> "$out/stderr.log" || status=1
   tail -c 600 "$out/block_sparse_topk.jsonl"
+fi
+# The report's sweep (issue 5): per N, our fused kernel and the report's three kernels
+# (cuda_unfused, per-kernel times), then the PyTorch baselines; each N's lines are appended as it
+# finishes, so a call cut short keeps what it finished. SWEEP_NS, SWEEP_SEEDS, SWEEP_ARGS (e.g. --heads 1
+# --dim 128) and SWEEP_TAG (the output file's suffix) override.
+if [ "$what" = reportsweep ]; then
+  masks=$(mktemp -d)
+  for n in ${SWEEP_NS:-1024 4096 16384 32768 65536 131072}; do
+    "$b/bench_block_sparse" --n "$n" --g 1,2,8,32,64,128 --p 0.5,0.9,0.95,0.99 --seeds "${SWEEP_SEEDS:-3}" --repeat 10 \
+      --unfused --no-mma-sync --max-pairs 268435456 --max-unfused-pairs 8589934592 \
+      --export "$masks" ${SWEEP_ARGS:-} > "$masks/ours.jsonl" 2>> "$out/stderr.log" || status=1
+    python3 bench/python/block_sparse.py "$masks/ours.jsonl" --mask-dir "$masks" --repeat 10 \
+      >> "$out/sweep${SWEEP_TAG:-}.jsonl" 2>> "$out/stderr.log" || status=1
+    rm -f "$masks"/*.u8
+    echo "N=$n done $(date +%T)"
+  done
 fi
 exit $status

@@ -112,14 +112,14 @@ def main():
                 r["speedup_vs_sdpa_" + name] = dense[name] / r["ms"]
             else:
                 r["sdpa_" + name + "_error"] = dense[name + "_error"]
-        blocks = np.fromfile(os.path.join(args.mask_dir, r["mask_file"]), dtype=np.uint8)
-        nb = (n + g - 1) // g
-        blocks = blocks.reshape(-1, nb, nb)
         try:
             if r.get("causal", False):
                 raise ValueError("causal masks are not exported with their element mask")
             if g < 16:
                 raise ValueError("flex_attention's kernel tiles are at least 16 (BLOCK_M = 8 fails to compile)")
+            blocks = np.fromfile(os.path.join(args.mask_dir, r["mask_file"]), dtype=np.uint8)
+            nb = (n + g - 1) // g
+            blocks = blocks.reshape(-1, nb, nb)
             torch.cuda.synchronize()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
