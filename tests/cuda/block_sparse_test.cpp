@@ -81,6 +81,26 @@ std::vector<block_sparse_attention_plan> plans_for(const block_sparse_mask& m) {
   return plans;
 }
 
+// A random mask at block g (2 mask heads, p = 0.3) whose odd block rows keep no block.
+block_sparse_mask odd_block_rows_emptied(std::int64_t g, const std::vector<std::int64_t>& lens) {
+  auto mask = make_block_sparse_mask(
+      {.layout = block_layout::random, .block = g, .p = 0.3, .heads = 2, .seed = 4}, lens);
+  for (block_mask& m : mask.masks) {
+    csr_graph kept;
+    kept.rows = m.blocks.rows;
+    kept.cols = m.blocks.cols;
+    for (std::int64_t r = 0; r < m.blocks.rows; ++r) {
+      if (r % 2 == 0) {
+        for (std::int64_t e = m.blocks.row_ptr[r]; e < m.blocks.row_ptr[r + 1]; ++e)
+          kept.col_idx.push_back(m.blocks.col_idx[e]);
+      }
+      kept.row_ptr.push_back(kept.nnz());
+    }
+    m.blocks = kept;
+  }
+  return mask;
+}
+
 // Every block size of the tensor-core kernel x input dtype x head dim x output dtype, on a ragged
 // batch (lengths 0, 1, not multiples of G) with per-head random masks, causal and not.
 TEST(GpuBlockSparse, EveryBlockTypeAndHeadDimAgainstTheReference) {
@@ -131,22 +151,8 @@ TEST(GpuBlockSparse, LayoutsAndEdgeCases) {
     }
   }
   // Every other block row emptied: its rows give zeros.
-  auto mask = make_block_sparse_mask(
-      {.layout = block_layout::random, .block = 64, .p = 0.3, .heads = 2, .seed = 4}, lens);
-  for (block_mask& m : mask.masks) {
-    csr_graph kept;
-    kept.rows = m.blocks.rows;
-    kept.cols = m.blocks.cols;
-    for (std::int64_t r = 0; r < m.blocks.rows; ++r) {
-      if (r % 2 == 0) {
-        for (std::int64_t e = m.blocks.row_ptr[r]; e < m.blocks.row_ptr[r + 1]; ++e)
-          kept.col_idx.push_back(m.blocks.col_idx[e]);
-      }
-      kept.row_ptr.push_back(kept.nnz());
-    }
-    m.blocks = kept;
-  }
-  for (const auto& plan : plans_for(mask)) check(plan, {dtype::bf16, dtype::bf16, 128}, 2, 77);
+  for (const auto& plan : plans_for(odd_block_rows_emptied(64, lens)))
+    check(plan, {dtype::bf16, dtype::bf16, 128}, 2, 77);
   // Scores near 1e4 (scale 100 on inputs of magnitude <= 1, d = 64) and positive-only inputs.
   for (const std::int64_t g : {16, 64}) {
     const auto dense = make_block_sparse_mask({.layout = block_layout::dense, .block = g}, lens);
@@ -401,22 +407,7 @@ TEST(GpuBlockSparse, TheReportsPipelineOnEdgeCases) {
                                              lens);
     check(unfused_plan(mask), c, 3, 300 + static_cast<std::uint64_t>(l));
   }
-  auto mask = make_block_sparse_mask(
-      {.layout = block_layout::random, .block = 32, .p = 0.3, .heads = 2, .seed = 4}, lens);
-  for (block_mask& m : mask.masks) {  // every other block row emptied
-    csr_graph kept;
-    kept.rows = m.blocks.rows;
-    kept.cols = m.blocks.cols;
-    for (std::int64_t r = 0; r < m.blocks.rows; ++r) {
-      if (r % 2 == 0) {
-        for (std::int64_t e = m.blocks.row_ptr[r]; e < m.blocks.row_ptr[r + 1]; ++e)
-          kept.col_idx.push_back(m.blocks.col_idx[e]);
-      }
-      kept.row_ptr.push_back(kept.nnz());
-    }
-    m.blocks = kept;
-  }
-  check(unfused_plan(mask), {dtype::bf16, dtype::bf16, 128}, 2, 310);
+  check(unfused_plan(odd_block_rows_emptied(32, lens)), {dtype::bf16, dtype::bf16, 128}, 2, 310);
   const std::vector<std::int64_t> cu_q{0, 300, 301, 700}, cu_k{0, 100, 400, 700};
   host_tensor hq(dtype::f16, 700, 2, 64), hk(dtype::f16, 700, 2, 64);
   hq.fill_uniform(-1, 1, 1);
