@@ -1,9 +1,8 @@
-// The blocked-sparse report's pipeline on CUDA: the row-interleaved layout (block rows, SDDMM and
-// SpMM tiles, softmax parts by row weight) built on the host, and the one dispatch point where
-// (input dtype, output dtype, tile rows) become the three kernels' template arguments.
+// The blocked-sparse report's pipeline on CUDA: the device plan (the layout of
+// formats/interleaved_layout.hpp, uploaded) and the one dispatch point where (input dtype, output
+// dtype, tile rows) become the three kernels' template arguments.
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -43,49 +42,6 @@ struct unfused_device_plan {
 namespace {
 
 constexpr std::int64_t kWorkspaceBytes = std::int64_t{8} << 30;
-// Softmax parts per mask head: enough warps to fill the GPU several times over.
-constexpr std::int64_t kMaxParts = 8192;
-
-std::int32_t narrow(std::int64_t x, const char* what) {
-  if (x > std::numeric_limits<std::int32_t>::max())
-    throw invalid_input(std::string("block-sparse pipeline: ") + what + " exceeds 2^31 - 1");
-  return static_cast<std::int32_t>(x);
-}
-
-// SDDMM tile rows: the largest power of two up to min(G, 32), so that a tile's rows share one
-// block row's keys.
-int sddmm_rows_for(std::int64_t g) {
-  int r = 1;
-  while (r * 2 <= std::min<std::int64_t>(g, 32)) r *= 2;
-  return r;
-}
-
-int spmm_rows_per_thread_for(std::int64_t g) { return g <= 8 ? 1 : g <= 16 ? 2 : 4; }
-
-// Splits the rows of one mask head (block rows [row_begin, row_end)) into at most kMaxParts parts
-// of about equal weight (a row's positions plus a fixed cost per row).
-void add_parts(const std::vector<il::block_row>& rows, std::size_t row_begin, std::size_t row_end,
-               std::int64_t g, std::vector<il::part>& parts) {
-  std::int64_t weight = 0, count = 0;
-  const auto row_weight = [&](const il::block_row& r) { return std::int64_t{r.count} * g + 64; };
-  for (std::size_t i = row_begin; i < row_end; ++i) {
-    weight += std::int64_t{rows[i].rows} * row_weight(rows[i]);
-    count += rows[i].rows;
-  }
-  if (count == 0) return;
-  const std::int64_t n = std::min(count, kMaxParts);
-  std::int64_t seen = 0, next = 0;
-  for (std::size_t i = row_begin; i < row_end; ++i) {
-    for (std::int32_t t = 0; t < rows[i].rows; ++t) {
-      // Part `next` starts at the first row whose preceding weight reaches next / n of the total.
-      if (next < n && seen * n >= next * weight) {
-        parts.push_back({narrow(static_cast<std::int64_t>(i), "the block rows"), t});
-        ++next;
-      }
-      seen += row_weight(rows[i]);
-    }
-  }
-}
 
 template <class F>
 void with_types(dtype in, dtype out, F&& f) {
@@ -199,64 +155,23 @@ std::shared_ptr<unfused_device_plan> make_unfused_plan(const block_sparse_mask& 
   plan->block = mask.block;
   plan->mask_heads = mask.heads;
   plan->causal = mask.causal;
-  plan->sddmm_rows = sddmm_rows_for(mask.block);
-  plan->spmm_rows_per_thread = spmm_rows_per_thread_for(mask.block);
-  const std::int64_t g = mask.block, sddmm_width = 1024 / plan->sddmm_rows,
-                     spmm_rows = il::spmm_tile_rows(plan->spmm_rows_per_thread);
-  std::vector<il::block_row> rows;
-  std::vector<std::int32_t> col_idx;
-  std::vector<il::tile> sddmm, spmm;
-  std::vector<il::part> parts;
-  for (std::int64_t m = 0; m < mask.heads; ++m) {
-    plan->sddmm_first_h.push_back(narrow(static_cast<std::int64_t>(sddmm.size()), "the tiles"));
-    plan->spmm_first_h.push_back(narrow(static_cast<std::int64_t>(spmm.size()), "the tiles"));
-    plan->softmax_first_h.push_back(narrow(static_cast<std::int64_t>(parts.size()), "the parts"));
-    const std::size_t row_begin = rows.size();
-    std::int64_t values = 0;
-    for (std::int64_t b = 0; b < mask.batch(); ++b) {
-      const csr_graph& blocks = mask.masks[static_cast<std::size_t>(b * mask.heads + m)].blocks;
-      const std::int64_t lq = mask.len_q(b);
-      narrow(std::max(lq, mask.len_k(b)) + 2 * g, "a sequence length");
-      for (std::int64_t rb = 0; rb < blocks.rows; ++rb) {
-        il::block_row r{};
-        r.first = static_cast<std::int64_t>(col_idx.size());
-        r.value0 = values;
-        r.seq = narrow(b, "the batch");
-        r.row0 = narrow(rb * g, "a sequence length");
-        r.rows = narrow(std::min(g, lq - rb * g), "the block");
-        r.count = narrow(blocks.row_ptr[rb + 1] - blocks.row_ptr[rb], "the blocks of a row");
-        r.mask_head = narrow(m, "the heads");
-        col_idx.insert(col_idx.end(), blocks.col_idx.begin() + blocks.row_ptr[rb],
-                       blocks.col_idx.begin() + blocks.row_ptr[rb + 1]);
-        const std::int64_t width = std::int64_t{r.count} * g;
-        narrow(width, "a row's kept keys");
-        values += std::int64_t{r.rows} * width;
-        const auto row = narrow(static_cast<std::int64_t>(rows.size()), "the block rows");
-        for (std::int32_t t0 = 0; t0 < r.rows; t0 += plan->sddmm_rows)
-          for (std::int64_t p0 = 0; p0 < width; p0 += sddmm_width)
-            sddmm.push_back({row, t0, static_cast<std::int32_t>(p0)});
-        for (std::int32_t t0 = 0; t0 < r.rows; t0 += static_cast<std::int32_t>(spmm_rows))
-          spmm.push_back({row, t0, 0});
-        rows.push_back(r);
-      }
-    }
-    add_parts(rows, row_begin, rows.size(), g, parts);
-    plan->slot = std::max(plan->slot, values);
-  }
-  plan->sddmm_first_h.push_back(narrow(static_cast<std::int64_t>(sddmm.size()), "the tiles"));
-  plan->spmm_first_h.push_back(narrow(static_cast<std::int64_t>(spmm.size()), "the tiles"));
-  plan->softmax_first_h.push_back(narrow(static_cast<std::int64_t>(parts.size()), "the parts"));
-  parts.push_back({narrow(static_cast<std::int64_t>(rows.size()), "the block rows"), 0});
+  il::layout l = il::make_layout(mask);
+  plan->sddmm_rows = l.sddmm_rows;
+  plan->spmm_rows_per_thread = l.spmm_rows_per_thread;
+  plan->slot = l.slot;
+  plan->sddmm_first_h = std::move(l.sddmm_first);
+  plan->spmm_first_h = std::move(l.spmm_first);
+  plan->softmax_first_h = std::move(l.softmax_first);
   plan->cu_q = device_buffer<std::int64_t>(mask.cu_seqlens_q);
   plan->cu_k = device_buffer<std::int64_t>(mask.cu_seqlens_k);
-  plan->rows = device_buffer<il::block_row>(rows);
-  plan->col_idx = device_buffer<std::int32_t>(col_idx);
+  plan->rows = device_buffer<il::block_row>(l.rows);
+  plan->col_idx = device_buffer<std::int32_t>(l.col_idx);
   plan->sddmm_first = device_buffer<std::int32_t>(plan->sddmm_first_h);
   plan->spmm_first = device_buffer<std::int32_t>(plan->spmm_first_h);
   plan->softmax_first = device_buffer<std::int32_t>(plan->softmax_first_h);
-  plan->sddmm_tiles = device_buffer<il::tile>(sddmm);
-  plan->spmm_tiles = device_buffer<il::tile>(spmm);
-  plan->parts = device_buffer<il::part>(parts);
+  plan->sddmm_tiles = device_buffer<il::tile>(l.sddmm);
+  plan->spmm_tiles = device_buffer<il::tile>(l.spmm);
+  plan->parts = device_buffer<il::part>(l.parts);
   plan->counter = device_buffer<unsigned long long>(1);
   return plan;
 }
@@ -321,7 +236,7 @@ void run_unfused(const unfused_device_plan& plan, const tensor_view& q, const te
       }
       timer.mark(2, s);
       const std::int64_t out_tiles = launch_items(plan.spmm_first_h, plan.mask_heads, h0, n);
-      if (out_tiles > 0) launch_spmm<T, O>(plan, p, spmm, narrow(out_tiles, "the tiles"), s);
+      if (out_tiles > 0) launch_spmm<T, O>(plan, p, spmm, out_tiles, s);
       timer.mark(3, s);
       if (stage_ms != nullptr) timer.add_to(*stage_ms);
     }

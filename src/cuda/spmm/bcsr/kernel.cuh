@@ -19,7 +19,7 @@ __host__ __device__ constexpr int spmm_tile_rows(int rows_per_thread) {
 /// Grid: x = the launch's tiles, y = ceil(dim / 64). dim: a multiple of 8.
 template <class T, class O, int RPT>
 __global__ void __launch_bounds__(kSpmmThreads) spmm_kernel(params p, work w) {
-  constexpr int kRows = spmm_tile_rows(RPT);
+  constexpr int kRows = kSpmmThreadRows * RPT;
   __shared__ float sp[kRows][kSpmmKeys + 1];
   __shared__ __align__(16) float sv[kSpmmKeys][kSpmmCols + 4];
   const item_at at = decode<tile>(p, w, blockIdx.x);
