@@ -2,7 +2,9 @@
 #include "trisparse/formats/block_sparse.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
+#include <exception>
 #include <string>
 
 #include "trisparse/core/error.hpp"
@@ -92,16 +94,30 @@ block_mask layout_mask(const block_layout_options& o, std::int64_t n, rng& r) {
   m.blocks.rows = m.blocks.cols = nb;
   m.blocks.row_ptr.assign(nb + 1, 0);
   std::vector<char> keep(static_cast<std::size_t>(nb));
+  // random: a cell is kept when its draw (53 bits, as rng::uniform) is at least p * 2^53.
+  const auto threshold = static_cast<std::uint64_t>(std::ceil(o.p * 0x1.0p53));
+  if (o.layout == block_layout::random) {
+    m.blocks.col_idx.reserve(static_cast<std::size_t>(
+        static_cast<double>(nb) * static_cast<double>(nb) * (1 - o.p) + static_cast<double>(nb)));
+  }
   for (std::int64_t i = 0; i < nb; ++i) {
     const std::int64_t last = o.causal ? i : nb - 1;  // square: block j has a key <= i iff j <= i
+    if (o.layout == block_layout::random) {
+      // Drawn for every cell: one stream whatever causal.
+      for (std::int64_t j = 0; j < nb; ++j) {
+        if (((r.next() >> 11) >= threshold || i == j) && j <= last)
+          m.blocks.col_idx.push_back(static_cast<std::int32_t>(j));
+      }
+      m.blocks.row_ptr[i + 1] = static_cast<std::int64_t>(m.blocks.col_idx.size());
+      continue;
+    }
     for (std::int64_t j = 0; j < nb; ++j) {
       bool k = false;
       switch (o.layout) {
         case block_layout::dense:
           k = true;
           break;
-        case block_layout::random:
-          k = r.uniform() >= o.p || i == j;  // drawn for every cell: one stream whatever causal
+        case block_layout::random:  // above
           break;
         case block_layout::window:
           k = std::abs(i - j) <= o.window;
@@ -160,14 +176,22 @@ block_sparse_mask make_block_sparse_mask(const block_layout_options& o,
     mask.cu_seqlens_q.push_back(mask.cu_seqlens_q.back() + len);
   }
   mask.cu_seqlens_k = mask.cu_seqlens_q;
-  for (std::int64_t b = 0; b < mask.batch(); ++b) {
-    for (std::int64_t h = 0; h < o.heads; ++h) {
-      // Each (sequence, head) its own stream: per-head masks differ, and adding a sequence does
-      // not change the others.
-      rng r(o.seed + 0x9E3779B97F4A7C15ull * static_cast<std::uint64_t>(b * o.heads + h + 1));
-      mask.masks.push_back(layout_mask(o, mask.len_q(b), r));
+  // Each (sequence, head) its own stream: per-head masks differ, adding a sequence does not
+  // change the others, and the masks are drawn in parallel with the same result.
+  const std::int64_t count = mask.batch() * o.heads;
+  mask.masks.resize(static_cast<std::size_t>(count));
+  std::exception_ptr failed;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (std::int64_t x = 0; x < count; ++x) {
+    try {
+      rng r(o.seed + 0x9E3779B97F4A7C15ull * static_cast<std::uint64_t>(x + 1));
+      mask.masks[static_cast<std::size_t>(x)] = layout_mask(o, mask.len_q(x / o.heads), r);
+    } catch (...) {  // out of memory: rethrown below, not out of the parallel region
+#pragma omp critical
+      failed = std::current_exception();
     }
   }
+  if (failed) std::rethrow_exception(failed);
   return mask;
 }
 

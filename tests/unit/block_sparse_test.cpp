@@ -1,6 +1,7 @@
 // Block-sparse attention masks: each layout's defining property, the checks, causal expansion,
 // and the float64 reference over ragged batches against a direct dense computation.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
 #include <limits>
@@ -78,6 +79,29 @@ TEST(BlockSparseMask, RandomKeepsTheDiagonalAndAboutOneMinusP) {
   for (std::int64_t i = 0; i < full.at(0, 0).blocks.rows; ++i) {
     for (std::int64_t j = 0; j < full.at(0, 0).blocks.cols; ++j)
       EXPECT_EQ(has(causal.at(0, 0), i, j), j <= i && has(full.at(0, 0), i, j));
+  }
+}
+
+// The masks of a batch are drawn in parallel, each (sequence, head) from its own stream: the same
+// masks with one thread as with all, and a sequence's masks do not depend on the others.
+TEST(BlockSparseMask, DrawsDoNotDependOnThreadsOrOtherSequences) {
+  for (const block_layout l : {block_layout::random, block_layout::bigbird}) {
+    const block_layout_options o{.layout = l, .block = 8, .p = 0.8, .heads = 5, .seed = 11};
+    const std::vector<std::int64_t> lens{700, 0, 1500, 64};
+    const auto all = make_block_sparse_mask(o, lens);
+    const int threads = omp_get_max_threads();
+    omp_set_num_threads(1);
+    const auto one = make_block_sparse_mask(o, lens);
+    omp_set_num_threads(threads);
+    ASSERT_EQ(all.masks.size(), one.masks.size());
+    for (std::size_t x = 0; x < all.masks.size(); ++x) {
+      EXPECT_EQ(all.masks[x].blocks.row_ptr, one.masks[x].blocks.row_ptr);
+      EXPECT_EQ(all.masks[x].blocks.col_idx, one.masks[x].blocks.col_idx);
+    }
+    // The first sequence alone: the same masks as in the batch.
+    const auto first = make_block_sparse_mask(o, std::vector<std::int64_t>{700});
+    for (std::int64_t h = 0; h < o.heads; ++h)
+      EXPECT_EQ(first.at(0, h).blocks.col_idx, all.at(0, h).blocks.col_idx);
   }
 }
 
