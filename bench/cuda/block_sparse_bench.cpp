@@ -283,6 +283,10 @@ int main(int argc, char** argv) {
     for (const std::int64_t g : gs) {
       for (const double p : ps) {
         for (int seed = 1; seed <= seeds; ++seed) {
+          const auto point_start = std::chrono::steady_clock::now();
+          const auto seconds_since = [](std::chrono::steady_clock::time_point since) {
+            return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
+          };
           nlohmann::json j{{"n", n},
                            {"p", p},
                            {"g", g},
@@ -310,6 +314,7 @@ int main(int argc, char** argv) {
                                                     .heads = heads,
                                                     .seed = static_cast<std::uint64_t>(seed)},
                                                    lens);
+          j["mask_s"] = seconds_since(point_start);  // host time drawing the mask
           const std::int64_t pairs_bound = mask.active_blocks() * g * g;
           j["density"] = mask.density();
           if (g % 16 != 0 && pairs_bound > max_pairs) {  // element patterns (the BSB path)
@@ -350,6 +355,7 @@ int main(int argc, char** argv) {
             export_mask(mask, export_dir + "/" + name + ".u8");
             j["mask_file"] = name + ".u8";
           }
+          j["point_s"] = seconds_since(point_start);  // wall time of the whole point
           std::cout << j.dump() << std::endl;
         }
       }
