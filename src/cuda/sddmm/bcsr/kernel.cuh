@@ -19,7 +19,7 @@ __host__ __device__ constexpr int sddmm_shared_bytes(int rows, int dim) {
   return kSddmmWarps * rows * (dim + 4) * static_cast<int>(sizeof(float));
 }
 
-/// A warp's tile: R query rows x 1024 / R positions; lane l owns positions p0 + l + 32 i
+/// A warp's tile: R query rows x kSddmmCoords / R positions; lane l owns positions p0 + l + 32 i
 /// (i < 32 / R) for every row, so one key row loaded into registers serves R query rows from
 /// shared memory (the reuse the report's G-aligned tiles buy). dim: a multiple of 8.
 template <class T, int R>

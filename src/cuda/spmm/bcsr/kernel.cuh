@@ -11,12 +11,8 @@ namespace trisparse::cuda::interleaved {
 
 constexpr int kSpmmThreads = 128, kSpmmCols = 64, kSpmmKeys = 32;
 
-/// Query rows of a SpMM tile for rows-per-thread RPT (16 threads across the columns, 8 down).
-__host__ __device__ constexpr int spmm_tile_rows(int rows_per_thread) {
-  return 8 * rows_per_thread;
-}
-
-/// Grid: x = the launch's tiles, y = ceil(dim / 64). dim: a multiple of 8.
+/// Grid: x = the launch's tiles, y = ceil(dim / 64); 16 threads across the columns, 8 down, each
+/// with RPT rows. dim: a multiple of 8.
 template <class T, class O, int RPT>
 __global__ void __launch_bounds__(kSpmmThreads) spmm_kernel(params p, work w) {
   constexpr int kRows = kSpmmThreadRows * RPT;
