@@ -3,7 +3,8 @@
 dense scaled_dot_product_attention (PyTorch's default choice, and the FlashAttention and cuDNN
 backends forced; no mask: the dense
 work a sparse kernel is compared with) and flex_attention (compiled) with a BlockMask holding the
-very blocks of each mask bench_block_sparse exported (--export). Reads that benchmark's JSON lines
+very blocks of each mask bench_block_sparse exported (--export; causal masks: the diagonal blocks
+masked by q >= kv inside, the others full). Reads that benchmark's JSON lines
 and prints them back with the baseline times and the speedups of trisparse's kernel ("ms") added.
 
 Times are CUDA-event medians of the attention call alone (after 3 warm-ups; the BlockMask is
@@ -41,25 +42,40 @@ def time_ms(fn, repeat):
     return float(np.median(times))
 
 
-def block_mask_from(dense_blocks, n, g, device):
-    """BlockMask whose full blocks are exactly the kept blocks (no mask_mod inside a block)."""
-    h, nb, nc = dense_blocks.shape
-    kept = torch.from_numpy(dense_blocks).to(device).bool()
+def kv_lists(kept):
+    """(counts [1, h, nb], indices [1, h, nb, nc]) of a [h, nb, nc] bool block mask: each row's
+    kept column indices first (ascending), the rest after; flex reads the first `counts`."""
     counts = kept.sum(-1, dtype=torch.int32)[None]
-    # Kept column indices first (ascending), the rest after; flex reads the first `counts`.
     order = torch.argsort((~kept).to(torch.int8), dim=-1, stable=True).to(torch.int32)[None]
-    zeros = torch.zeros_like(counts)
-    return BlockMask.from_kv_blocks(zeros, order, counts, order, BLOCK_SIZE=g, seq_lengths=(n, n))
+    return counts, order
 
 
-def check_rows(q, k, v, out, dense_blocks, g, scale, samples=32):
+def block_mask_from(dense_blocks, n, g, device, causal=False):
+    """BlockMask holding exactly the kept blocks: all full blocks (no mask_mod inside a block);
+    causal (square, the blocks above the diagonal already dropped): the diagonal blocks partial,
+    masked by q >= kv inside, the blocks below it full."""
+    kept = torch.from_numpy(dense_blocks).to(device).bool()
+    if not causal:
+        counts, order = kv_lists(kept)
+        return BlockMask.from_kv_blocks(torch.zeros_like(counts), order, counts, order, BLOCK_SIZE=g,
+                                        seq_lengths=(n, n))
+    diagonal = torch.eye(kept.shape[1], kept.shape[2], dtype=torch.bool, device=device)
+    partial_counts, partial = kv_lists(kept & diagonal)
+    full_counts, full = kv_lists(kept & ~diagonal)
+    return BlockMask.from_kv_blocks(partial_counts, partial, full_counts, full, BLOCK_SIZE=g,
+                                    mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx,
+                                    seq_lengths=(n, n))
+
+
+def check_rows(q, k, v, out, dense_blocks, g, scale, causal=False, samples=32):
     rng = np.random.default_rng(0)
     n = q.shape[2]
     err, ref = 0.0, 0.0
     for i in rng.integers(0, n, samples):
         for h in range(q.shape[1]):
             cols = np.nonzero(dense_blocks[h if dense_blocks.shape[0] > 1 else 0, i // g])[0]
-            keys = torch.from_numpy(np.concatenate([np.arange(c * g, min(n, c * g + g)) for c in cols]))
+            keys = np.concatenate([np.arange(c * g, min(n, c * g + g)) for c in cols])
+            keys = torch.from_numpy(keys[keys <= i] if causal else keys)
             qi = q[0, h, i].double()
             kk, vv = k[0, h, keys].double(), v[0, h, keys].double()
             want = torch.softmax(kk @ qi * scale, 0) @ vv
@@ -114,17 +130,16 @@ def main():
             else:
                 r["sdpa_" + name + "_error"] = dense[name + "_error"]
         try:
-            if r.get("causal", False):
-                raise ValueError("causal masks are not exported with their element mask")
             if g < 16:
                 raise ValueError("flex_attention's kernel tiles are at least 16 (BLOCK_M = 8 fails to compile)")
             blocks = np.fromfile(os.path.join(args.mask_dir, r["mask_file"]), dtype=np.uint8)
             nb = (n + g - 1) // g
             blocks = blocks.reshape(-1, nb, nb)
+            causal = r.get("causal", False)
             torch.cuda.synchronize()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            bm = block_mask_from(blocks, n, g, dev)
+            bm = block_mask_from(blocks, n, g, dev, causal)
             b.record()
             b.synchronize()
             r["flex_mask_ms"] = a.elapsed_time(b)
@@ -138,7 +153,7 @@ def main():
                                    args.repeat)
             r["flex_kernel_options"] = opts
             r["speedup_vs_flex"] = r["flex_ms"] / r["ms"]
-            r["flex_max_rel_error"] = check_rows(q, k, v, out, blocks, g, scale)
+            r["flex_max_rel_error"] = check_rows(q, k, v, out, blocks, g, scale, causal)
         except Exception as e:
             r["flex_error"] = str(e).splitlines()[0][:300]
         print(json.dumps(r), flush=True)
