@@ -86,8 +86,9 @@ void launch_sddmm(const unfused_device_plan& plan, const il::params& p, il::work
     int per_sm = 0;
     TRISPARSE_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
         &per_sm, kernel, il::kSddmmWarps * 32, static_cast<std::size_t>(bytes)));
-    const std::int64_t grid = std::clamp<std::int64_t>(
-        (items + il::kSddmmWarps - 1) / il::kSddmmWarps, 1, std::int64_t{plan.sms} * per_sm);
+    const std::int64_t grid =
+        std::clamp<std::int64_t>((items + il::kSddmmWarps - 1) / il::kSddmmWarps, 1,
+                                 std::int64_t{plan.sms} * std::max(per_sm, 1));
     TRISPARSE_CUDA_TRY(cudaMemsetAsync(plan.counter.data(), 0, sizeof(unsigned long long), s));
     kernel<<<static_cast<unsigned>(grid), il::kSddmmWarps * 32, bytes, s>>>(p, w,
                                                                             plan.counter.data());
