@@ -167,6 +167,7 @@ void run_block_sparse(const block_sparse_device_plan& plan, const tensor_view& q
   p.row_ptr = plan.row_ptr.data();
   p.col_idx = plan.col_idx.data();
   p.tiles = plan.tiles.data();
+  p.num_tiles = plan.num_tiles;
   p.heads = narrow(q.heads, "the heads");
   p.mask_heads = static_cast<std::int32_t>(plan.mask_heads);
   p.block = static_cast<std::int32_t>(plan.block);

@@ -20,7 +20,10 @@ struct params : attention_io {
   const std::int32_t* mask_row;
   const std::int32_t* row_ptr;
   const std::int32_t* col_idx;
-  const tile* tiles;  // in launch order (most work first); block x = tile index * heads + head
+  // In launch order (most work first), head-major: block x = head * num_tiles + tile index, so
+  // that the resident blocks share one head's K and V in L2.
+  const tile* tiles;
+  std::int32_t num_tiles;
   std::int32_t heads, mask_heads, block;
   bool causal;
   bool negate_scores;  // the scale is negative: the kernels negate Q and use |scale|

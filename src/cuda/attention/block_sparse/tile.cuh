@@ -48,7 +48,7 @@ __device__ __forceinline__ void load_rows(std::uint32_t base, const char* src, s
   }
 }
 
-/// The query tile of this thread block (block x = tile * heads + head) and the key tiles of BN
+/// The query tile of this thread block (block x = head * tiles + tile) and the key tiles of BN
 /// keys it visits: those of its block row's active key blocks, in ascending order, up to the last
 /// key any of its rows sees (next() walks them).
 template <int BM, int BN>
@@ -62,8 +62,8 @@ struct tile_walk {
   int e, e_end, u, sub;  // the walk: block e (of the block row's e .. e_end), key tile u of sub
 
   __device__ __forceinline__ explicit tile_walk(const params& params) : p(params) {
-    h = static_cast<int>(blockIdx.x) % p.heads;
-    const tile t = p.tiles[blockIdx.x / p.heads];
+    h = static_cast<int>(blockIdx.x / p.num_tiles);
+    const tile t = p.tiles[blockIdx.x % p.num_tiles];
     row0 = t.row0;
     q0 = p.cu_q[t.seq];
     k0 = p.cu_k[t.seq];
