@@ -131,6 +131,62 @@ TEST(GpuBlockSparse, EveryBlockTypeAndHeadDimAgainstTheReference) {
   }
 }
 
+// The wgmma kernel on K and V views that are not [rows, heads, D] packed: head-major storage and
+// rows padded by a head's width. Full 64-key tiles arrive by TMA, partial ones by cp.async.
+TEST(GpuBlockSparse, WgmmaKernelOnStridedKeyValueViews) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<std::int64_t> lens{200, 64, 130, 0, 256};
+  const std::int64_t heads = 2, nk = std::accumulate(lens.begin(), lens.end(), std::int64_t{0});
+  for (const bool causal : {false, true}) {
+    const auto mask = make_block_sparse_mask(
+        {.layout = block_layout::random, .block = 64, .p = 0.4, .causal = causal, .seed = 9}, lens);
+    block_sparse_attention_plan plan = cuda_plan(mask, block_kernel::automatic);
+    if (plan.report().format.find("wgmma") == std::string::npos) {
+      std::printf("[ info ] no wgmma kernel here: %s\n", plan.report().format.c_str());
+      return;
+    }
+    for (const std::int64_t d : {64, 128}) {
+      // storage (rows, heads, dim of the host_tensor) and the view's heads and strides over it.
+      struct layout {
+        const char* name;
+        std::int64_t rows, heads, row_stride, head_stride;
+      };
+      for (const layout& l : {layout{"head-major", heads, nk, d, nk * d},
+                              layout{"padded rows", nk, heads + 1, (heads + 1) * d, d}}) {
+        SCOPED_TRACE(std::string(l.name) + " d" + std::to_string(d) + " causal " +
+                     std::to_string(causal));
+        const auto strided = [&](tensor_view v) {
+          v.rows = nk;
+          v.heads = heads;
+          v.row_stride = l.row_stride;
+          v.head_stride = l.head_stride;
+          return v;
+        };
+        host_tensor hq(dtype::f16, nk, heads, d), hk(dtype::f16, l.rows, l.heads, d),
+            hv(dtype::f16, l.rows, l.heads, d);
+        hq.fill_uniform(-1, 1, 11 + d);
+        hk.fill_uniform(-1, 1, 12 + d);
+        hv.fill_uniform(-1, 1, 13 + d);
+        test::device_tensor q(hq), k(hk), v(hv), out(host_tensor(dtype::f32, nk, heads, d));
+        host_tensor first;
+        ASSERT_NO_FATAL_FAILURE(test::run_twice_identically(
+            out,
+            [&] {
+              plan.run(q.view(), strided(k.view()), strided(v.view()), out.view(),
+                       {.scale = 0.125});
+            },
+            first));
+        host_tensor want(dtype::f64, nk, heads, d);
+        reference::block_sparse_attention(mask, hq.view(), strided(hk.view()), strided(hv.view()),
+                                          want.view(), 0.125);
+        const auto e = test::compare(first, want);
+        ASSERT_TRUE(e.finite) << "unwritten or non-finite outputs";
+        EXPECT_LE(e.relative(), test::gpu_tolerance(dtype::f16, dtype::f32, 4));
+      }
+    }
+  }
+}
+
 // A shared mask for 3 heads; the report's layouts; a dense mask; one block per row; empty block
 // rows; large, all-positive, negatively scaled and zero-scaled scores.
 TEST(GpuBlockSparse, LayoutsAndEdgeCases) {

@@ -55,10 +55,10 @@ void dispatch(const kernel_key& key, F&& f) {
     with_dim.template operator()<__nv_bfloat16>();
 }
 
-/// Launches Kernel over tiles x heads blocks (its shared-memory limit raised once).
-template <auto Kernel>
+/// Launches Kernel(p, extra...) over tiles x heads blocks (its shared-memory limit raised once).
+template <auto Kernel, class... Extra>
 void launch_kernel(int threads, int shared_bytes, const params& p, std::int32_t tiles,
-                   cudaStream_t s) {
+                   cudaStream_t s, const Extra&... extra) {
   static const bool configured = [&] {
     TRISPARSE_CUDA_TRY(
         cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
@@ -69,12 +69,13 @@ void launch_kernel(int threads, int shared_bytes, const params& p, std::int32_t 
   if (blocks == 0) return;
   if (blocks > std::numeric_limits<std::int32_t>::max())
     throw invalid_input("block-sparse attention: too many query tiles x heads for one launch");
-  Kernel<<<static_cast<unsigned>(blocks), threads, shared_bytes, s>>>(p);
+  Kernel<<<static_cast<unsigned>(blocks), threads, shared_bytes, s>>>(p, extra...);
   TRISPARSE_CUDA_CHECK_LAUNCH();
 }
 
 /// The wgmma kernel (64-row tiles, sm_90 only; launch_sm90.cu, built when the architectures
-/// include 90).
-void launch_wgmma(const kernel_key& key, const params& p, std::int32_t tiles, cudaStream_t s);
+/// include 90); k and v hold k_rows and v_rows rows (their TMA descriptors' extents).
+void launch_wgmma(const kernel_key& key, const params& p, std::int64_t k_rows, std::int64_t v_rows,
+                  std::int32_t tiles, cudaStream_t s);
 
 }  // namespace trisparse::cuda::block_sparse

@@ -9,7 +9,12 @@
 // S_{i+1} = Q K_{i+1} and O += P_i V_i, waits for S_{i+1} alone, computes P_{i+1} while the tensor
 // cores finish P_i V_i, then rescales O. K/V tiles stream through three shared-memory stages
 // (tile i + 2 loads during step i); the Q tile is staged in the third stage before the first
-// step.
+// step. A K/V tile whose 64 keys all lie in the sequence arrives by TMA (one thread issues it, a
+// shared-memory barrier per stage counts its bytes); the others, and every tile where K or V has
+// no tensor map, through cp.async by all threads, rows past the sequence zero-filled.
+#include <cuda.h>
+
+#include "../../common/arch/tma.cuh"
 #include "../../common/arch/wgmma.cuh"
 #include "tile.cuh"
 
@@ -34,6 +39,13 @@ __host__ __device__ constexpr int min_blocks() {
   return D == 64 ? 3 : 2;
 }
 
+/// K's and V's TMA descriptors: [rows, heads, D] as 3-D tensors, boxes of 64 keys x 1 head x 64
+/// dims with the 128-byte swizzle (the tiles' layout); use = false where they could not be encoded.
+struct tma_maps {
+  CUtensorMap k, v;
+  bool use;
+};
+
 template <int N>
 __device__ __forceinline__ float (&flat(float (&a)[N][4]))[4 * N] {
   return reinterpret_cast<float(&)[4 * N]>(a);
@@ -41,7 +53,8 @@ __device__ __forceinline__ float (&flat(float (&a)[N][4]))[4 * N] {
 
 template <class T, int D, class O>
 __global__ void __launch_bounds__(kThreads, min_blocks<D>())
-    block_sparse_wgmma_kernel(const __grid_constant__ params p) {
+    block_sparse_wgmma_kernel(const __grid_constant__ params p,
+                              const __grid_constant__ tma_maps maps) {
   static_assert(D % 64 == 0);
   constexpr int kTile = kKeys * D * 2;  // bytes of one K or V tile
   extern __shared__ uint4 shared_raw[];
@@ -55,9 +68,42 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D>())
   const char* qg = static_cast<const char*>(p.q) + ((w.q0 + w.row0) * p.q_row + w.h * p.q_head) * 2;
   const char* kg = static_cast<const char*>(p.k) + (w.k0 * p.k_row + w.h * p.k_head) * 2;
   const char* vg = static_cast<const char*>(p.v) + (w.k0 * p.v_row + w.h * p.v_head) * 2;
+  // Stage x's barrier (TMA tiles): bit x of `pending` says a TMA tile is in flight there, bit x
+  // of `phases` the parity of its barrier's next phase.
+  __shared__ alignas(8) std::uint64_t stage_bars[kStages];
+  const std::uint32_t bars = arch::shared_address(stage_bars);
+  std::uint32_t pending = 0, phases = 0;
+  if (maps.use) {
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int x = 0; x < kStages; ++x) arch::mbarrier_init(bars + 8 * x, 1);
+    }
+    __syncthreads();
+  }
   const auto load_tile = [&](int x, int j) {
+    if (maps.use && j + kKeys <= w.lk) {
+      if (threadIdx.x == 0) {
+        const std::uint32_t bar = bars + 8 * x;
+        const int row = static_cast<int>(w.k0 + j);
+        arch::mbarrier_arrive_expect_tx(bar, 2 * kTile);
+#pragma unroll
+        for (int panel = 0; panel < D / 64; ++panel) {
+          arch::tma_load_3d(k_tile(x) + panel * kKeys * 128, &maps.k, bar, 64 * panel, w.h, row);
+          arch::tma_load_3d(v_tile(x) + panel * kKeys * 128, &maps.v, bar, 64 * panel, w.h, row);
+        }
+      }
+      pending |= 1u << x;
+      return;
+    }
     load_rows<D, kKeys, kThreads>(k_tile(x), kg + j * p.k_row * 2, p.k_row, w.lk - j);
     load_rows<D, kKeys, kThreads>(v_tile(x), vg + j * p.v_row * 2, p.v_row, w.lk - j);
+  };
+  // After cp_async_wait: the TMA tile of stage x, if any, has landed too.
+  const auto wait_tma = [&](int x) {
+    if ((pending >> x & 1u) == 0) return;
+    arch::mbarrier_wait(bars + 8 * x, phases >> x & 1u);
+    phases ^= 1u << x;
+    pending &= ~(1u << x);
   };
 
   float o[D / 8][4];
@@ -91,6 +137,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D>())
   if (j_next >= 0) load_tile(1, j_next);
   arch::cp_async_commit();
   arch::cp_async_wait<1>();
+  wait_tma(0);
   arch::fence_proxy_async();
   __syncthreads();
 #pragma unroll
@@ -129,6 +176,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D>())
     if (j_next < 0) break;
     const int j_after = w.next();
     arch::cp_async_wait<0>();  // tile it + 1
+    wait_tma((it + 1) % kStages);
     arch::fence_proxy_async();
     __syncthreads();  // tile it + 1 visible; every warp is past step it - 1 (and Q's ldmatrix)
     if (j_after >= 0) load_tile((it + 2) % kStages, j_after);

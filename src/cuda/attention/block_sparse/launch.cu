@@ -177,7 +177,7 @@ void run_block_sparse(const block_sparse_device_plan& plan, const tensor_view& q
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const block_sparse::kernel_key key{q.type, out.type, q.dim};
 #if TRISPARSE_HAVE_SM90A
-  if (plan.wgmma) return block_sparse::launch_wgmma(key, p, plan.num_tiles, s);
+  if (plan.wgmma) return block_sparse::launch_wgmma(key, p, k.rows, v.rows, plan.num_tiles, s);
 #endif
   launch_mma(plan.tile_rows, key, p, plan.num_tiles, s);
 }

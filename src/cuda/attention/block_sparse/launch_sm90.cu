@@ -1,13 +1,58 @@
-// The wgmma kernel's instantiations, compiled for sm_90a alone.
+// The wgmma kernel's instantiations, compiled for sm_90a alone, and K's and V's TMA descriptors.
+#include <cudaTypedefs.h>
+
 #include "dispatch.cuh"
 #include "kernel_sm90.cuh"
 
 namespace trisparse::cuda::block_sparse {
+namespace {
 
-void launch_wgmma(const kernel_key& key, const params& p, std::int32_t tiles, cudaStream_t s) {
+/// The driver's cuTensorMapEncodeTiled (through the runtime: no link against libcuda), or null
+/// where the driver does not provide it.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return PFN_cuTensorMapEncodeTiled_v12000{};
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+/// The descriptor of a [rows, heads, dim] 16-bit tensor with element strides (row, head), boxes
+/// of 64 rows x 1 head x 64 dims, 128-byte swizzle; false where the driver refuses it (the kernel
+/// then copies every tile with cp.async).
+bool encode_kv(CUtensorMap& map, const void* data, std::int64_t rows, std::int64_t heads,
+               std::int64_t dim, std::int64_t row, std::int64_t head) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr || rows == 0) return false;
+  if (heads == 1) head = row;  // any valid stride: the head coordinate is always 0
+  const cuuint64_t extent[3] = {static_cast<cuuint64_t>(dim), static_cast<cuuint64_t>(heads),
+                                static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(head) * 2,
+                                 static_cast<cuuint64_t>(row) * 2};
+  const cuuint32_t box[3] = {64, 1, sm90::kKeys}, unit[3] = {1, 1, 1};
+  return encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(data), extent, strides,
+                box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+}  // namespace
+
+void launch_wgmma(const kernel_key& key, const params& p, std::int64_t k_rows, std::int64_t v_rows,
+                  std::int32_t tiles, cudaStream_t s) {
+  sm90::tma_maps maps{};
+  maps.use = encode_kv(maps.k, p.k, k_rows, p.heads, key.dim, p.k_row, p.k_head) &&
+             encode_kv(maps.v, p.v, v_rows, p.heads, key.dim, p.v_row, p.v_head);
   dispatch(key, [&]<class T, int D, class O>() {
     launch_kernel<sm90::block_sparse_wgmma_kernel<T, D, O>>(sm90::kThreads, sm90::shared_bytes<D>(),
-                                                            p, tiles, s);
+                                                            p, tiles, s, maps);
   });
 }
 
