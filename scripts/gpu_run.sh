@@ -8,7 +8,7 @@
 #   cmake --build build/gpu --target gpu_tests bench_fused3s bench_sparse bench_layers trisparse_cli
 #   mkdir -p data .devlibs && cp ../shared/datasets/* data/ && cp -L /lib/x86_64-linux-gnu/libzip.so.4 /lib/x86_64-linux-gnu/libbz2.so.1.0 .devlibs/
 # and call with carry = [build/gpu, data, .devlibs].
-# Usage: scripts/gpu_run.sh [tests|sanitize|bench|matrix|large|sweep|sparse|layers|blocksparse|reportsweep|all] (all = tests sanitize bench)
+# Usage: scripts/gpu_run.sh [tests|sanitize|bench|matrix|large|sweep|sparse|layers|blocksparse|reportsweep|flexsweep|all] (all = tests sanitize bench)
 # The device tool brings back at most 8 files per call: run tests+sanitize and bench+large+matrix apart.
 set -uo pipefail
 out=${OUT:-/tmp/trisparse-out}
@@ -136,6 +136,18 @@ if [ "$what" = reportsweep ]; then
       --export "$masks" ${SWEEP_ARGS:-} > "$masks/ours.jsonl" 2>> "$out/stderr.log" || status=1
     python3 bench/python/block_sparse.py "$masks/ours.jsonl" --mask-dir "$masks" --repeat 10 \
       >> "$out/sweep${SWEEP_TAG:-}.jsonl" 2>> "$out/stderr.log" || status=1
+    rm -f "$masks"/*.u8
+    echo "N=$n done $(date +%T)"
+  done
+fi
+if [ "$what" = flexsweep ]; then  # the fused kernel against flex_attention, G 64 and 128, long N
+  masks=$(mktemp -d)
+  for n in ${SWEEP_NS:-32768 65536 131072}; do
+    "$b/bench_block_sparse" --n "$n" --g 64,128 --p 0.5,0.9,0.95,0.99 --seeds "${SWEEP_SEEDS:-1}" \
+      --repeat 10 --no-mma-sync --export "$masks" ${SWEEP_ARGS:-} > "$masks/ours.jsonl" \
+      2>> "$out/stderr.log" || status=1
+    python3 bench/python/block_sparse.py "$masks/ours.jsonl" --mask-dir "$masks" --repeat 10 \
+      >> "$out/flexsweep${SWEEP_TAG:-}.jsonl" 2>> "$out/stderr.log" || status=1
     rm -f "$masks"/*.u8
     echo "N=$n done $(date +%T)"
   done
