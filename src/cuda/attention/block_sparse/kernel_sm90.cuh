@@ -21,22 +21,22 @@
 namespace trisparse::cuda::block_sparse::sm90 {
 
 constexpr int kRows = 64;  // query rows per block: one warpgroup
-constexpr int kKeys = 64;  // keys per step
 constexpr int kThreads = 128;
 constexpr int kStages = 3;
 
-/// Shared-memory bytes: three stages of K and V tiles, plus 1024 bytes to align the tiles to the
-/// swizzle pattern.
-template <int D>
+/// Shared-memory bytes: three stages of K and V tiles of BN keys, plus 1024 bytes to align the
+/// tiles to the swizzle pattern.
+template <int D, int BN>
 __host__ __device__ constexpr int shared_bytes() {
-  return kStages * 2 * kKeys * D * 2 + 1024;
+  return kStages * 2 * BN * D * 2 + 1024;
 }
 
 /// Blocks per SM the registers are held to: 3 at D = 64 (168 registers; at 4, 128 registers
-/// spilled 24 bytes and measured 7% slower: docs/notes/block_sparse.md, v4), 2 at D = 128.
-template <int D>
+/// spilled 24 bytes and measured 7% slower: docs/notes/block_sparse.md, v4), 2 at D = 128 or with
+/// 128-key steps.
+template <int D, int BN>
 __host__ __device__ constexpr int min_blocks() {
-  return D == 64 ? 3 : 2;
+  return D == 64 && BN == 64 ? 3 : 2;
 }
 
 /// K's and V's TMA descriptors: [rows, heads, D] as 3-D tensors, boxes of 64 keys x 1 head x 64
@@ -51,12 +51,13 @@ __device__ __forceinline__ float (&flat(float (&a)[N][4]))[4 * N] {
   return reinterpret_cast<float(&)[4 * N]>(a);
 }
 
-template <class T, int D, class O>
-__global__ void __launch_bounds__(kThreads, min_blocks<D>())
+/// BN keys per step (64, or 128 where the blocks are multiples of 128).
+template <class T, int D, class O, int BN>
+__global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
     block_sparse_wgmma_kernel(const __grid_constant__ params p,
                               const __grid_constant__ tma_maps maps) {
   static_assert(D % 64 == 0);
-  constexpr int kTile = kKeys * D * 2;  // bytes of one K or V tile
+  constexpr int kTile = BN * D * 2;  // bytes of one K or V tile
   extern __shared__ uint4 shared_raw[];
   const std::uint32_t base = (arch::shared_address(shared_raw) + 1023u) & ~1023u;
   // Stage x: K tile at base + 2 x kTile, V tile after it.
@@ -64,7 +65,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D>())
   const auto v_tile = [&](int x) { return k_tile(x) + kTile; };
 
   const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
-  tile_walk<kRows, kKeys> w(p);
+  tile_walk<kRows, BN> w(p);
   const char* qg = static_cast<const char*>(p.q) + ((w.q0 + w.row0) * p.q_row + w.h * p.q_head) * 2;
   const char* kg = static_cast<const char*>(p.k) + (w.k0 * p.k_row + w.h * p.k_head) * 2;
   const char* vg = static_cast<const char*>(p.v) + (w.k0 * p.v_row + w.h * p.v_head) * 2;
@@ -81,22 +82,22 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D>())
     __syncthreads();
   }
   const auto load_tile = [&](int x, int j) {
-    if (maps.use && j + kKeys <= w.lk) {
+    if (maps.use && j + BN <= w.lk) {
       if (threadIdx.x == 0) {
         const std::uint32_t bar = bars + 8 * x;
         const int row = static_cast<int>(w.k0 + j);
         arch::mbarrier_arrive_expect_tx(bar, 2 * kTile);
 #pragma unroll
         for (int panel = 0; panel < D / 64; ++panel) {
-          arch::tma_load_3d(k_tile(x) + panel * kKeys * 128, &maps.k, bar, 64 * panel, w.h, row);
-          arch::tma_load_3d(v_tile(x) + panel * kKeys * 128, &maps.v, bar, 64 * panel, w.h, row);
+          arch::tma_load_3d(k_tile(x) + panel * BN * 128, &maps.k, bar, 64 * panel, w.h, row);
+          arch::tma_load_3d(v_tile(x) + panel * BN * 128, &maps.v, bar, 64 * panel, w.h, row);
         }
       }
       pending |= 1u << x;
       return;
     }
-    load_rows<D, kKeys, kThreads>(k_tile(x), kg + j * p.k_row * 2, p.k_row, w.lk - j);
-    load_rows<D, kKeys, kThreads>(v_tile(x), vg + j * p.v_row * 2, p.v_row, w.lk - j);
+    load_rows<D, BN, kThreads>(k_tile(x), kg + j * p.k_row * 2, p.k_row, w.lk - j);
+    load_rows<D, BN, kThreads>(v_tile(x), vg + j * p.v_row * 2, p.v_row, w.lk - j);
   };
   // After cp_async_wait: the TMA tile of stage x, if any, has landed too.
   const auto wait_tma = [&](int x) {
@@ -112,14 +113,18 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D>())
   float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
   const int i_lo = w.row0 + warp * 16 + lane / 4;
 
-  // S = Q Kᵀ for the tile in stage x: k16 step kk reads columns 16 kk.. of panel kk / 4 (32
-  // bytes a step into it).
+  // S = Q Kᵀ for the tile in stage x, 64 keys (key rows 64 c.., 8 KB into each panel) at a time
+  // into s[8 c ..]: k16 step kk reads columns 16 kk.. of panel kk / 4 (32 bytes a step into it).
   std::uint32_t qa[D / 16][4];
-  const auto issue_s = [&](float(&s)[kKeys / 8][4], int x) {
+  const auto issue_s = [&](float(&s)[BN / 8][4], int x) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      const std::uint32_t at = k_tile(x) + (kk / 4) * kKeys * 128 + (kk % 4) * 32;
-      arch::wgmma_64x64x16<T, 0>(flat(s), qa[kk], arch::sw128_descriptor(at), kk > 0);
+#pragma unroll
+      for (int c = 0; c < BN / 64; ++c) {
+        const std::uint32_t at = k_tile(x) + (kk / 4) * BN * 128 + c * 64 * 128 + (kk % 4) * 32;
+        arch::wgmma_64x64x16<T, 0>(reinterpret_cast<float(&)[32]>(s[8 * c]), qa[kk],
+                                   arch::sw128_descriptor(at), kk > 0);
+      }
     }
     arch::wgmma_commit();
   };
@@ -145,23 +150,23 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D>())
     arch::ldmatrix_x4(qa[kk], swizzled<kRows>(k_tile(2), warp * 16 + lane % 16, kk / 4,
                                               2 * (kk % 4) + lane / 16));
   apply_score_sign(qa, p);
-  float s[kKeys / 8][4];
+  float s[BN / 8][4];
   float alpha[2];
   arch::wgmma_fence();
   issue_s(s, 0);
   arch::wgmma_wait<0>();
   arch::fence_operands(flat(s));
-  softmax_step<kKeys>(s, m, l, alpha, w, j_cur, i_lo);
+  softmax_step<BN>(s, m, l, alpha, w, j_cur, i_lo);
 
   // O += P V for the tile in stage x: k16 step kp reads key rows 16 kp.. (two 8-row groups, 2048
   // bytes a step); the output columns 64 dp.. come from panel dp.
-  std::uint32_t pa[kKeys / 16][4];
+  std::uint32_t pa[BN / 16][4];
   const auto issue_pv = [&](int x) {
 #pragma unroll
-    for (int kp = 0; kp < kKeys / 16; ++kp) {
+    for (int kp = 0; kp < BN / 16; ++kp) {
 #pragma unroll
       for (int dp = 0; dp < D / 64; ++dp) {
-        const std::uint32_t at = v_tile(x) + dp * kKeys * 128 + kp * 2048;
+        const std::uint32_t at = v_tile(x) + dp * BN * 128 + kp * 2048;
         arch::wgmma_64x64x16<T, 1>(reinterpret_cast<float(&)[32]>(o[8 * dp]), pa[kp],
                                    arch::sw128_descriptor(at), true);
       }
@@ -172,7 +177,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D>())
   int it = 0;
   for (;; ++it) {
 #pragma unroll
-    for (int kp = 0; kp < kKeys / 16; ++kp) p_fragment<T, kKeys>(pa[kp], s, kp);
+    for (int kp = 0; kp < BN / 16; ++kp) p_fragment<T, BN>(pa[kp], s, kp);
     if (j_next < 0) break;
     const int j_after = w.next();
     arch::cp_async_wait<0>();  // tile it + 1
@@ -186,7 +191,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D>())
     issue_pv(it % kStages);
     arch::wgmma_wait<1>();  // S_{it+1}; P_it V_it may still run
     arch::fence_operands(flat(s));
-    softmax_step<kKeys>(s, m, l, alpha, w, j_next, i_lo);
+    softmax_step<BN>(s, m, l, alpha, w, j_next, i_lo);
     arch::wgmma_wait<0>();
     arch::fence_operands(flat(o));
     rescale<D>(o, alpha);

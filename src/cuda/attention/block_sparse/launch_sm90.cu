@@ -25,10 +25,10 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 /// The descriptor of a [rows, heads, dim] 16-bit tensor with element strides (row, head), boxes
-/// of 64 rows x 1 head x 64 dims, 128-byte swizzle; false where the driver refuses it (the kernel
-/// then copies every tile with cp.async).
+/// of `keys` rows x 1 head x 64 dims, 128-byte swizzle; false where the driver refuses it (the
+/// kernel then copies every tile with cp.async).
 bool encode_kv(CUtensorMap& map, const void* data, std::int64_t rows, std::int64_t heads,
-               std::int64_t dim, std::int64_t row, std::int64_t head) {
+               std::int64_t dim, std::int64_t row, std::int64_t head, int keys) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr || rows == 0) return false;
   if (heads == 1) head = row;  // any valid stride: the head coordinate is always 0
@@ -36,7 +36,7 @@ bool encode_kv(CUtensorMap& map, const void* data, std::int64_t rows, std::int64
                                 static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(head) * 2,
                                  static_cast<cuuint64_t>(row) * 2};
-  const cuuint32_t box[3] = {64, 1, sm90::kKeys}, unit[3] = {1, 1, 1};
+  const cuuint32_t box[3] = {64, 1, static_cast<cuuint32_t>(keys)}, unit[3] = {1, 1, 1};
   return encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(data), extent, strides,
                 box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -47,12 +47,21 @@ bool encode_kv(CUtensorMap& map, const void* data, std::int64_t rows, std::int64
 
 void launch_wgmma(const kernel_key& key, const params& p, std::int64_t k_rows, std::int64_t v_rows,
                   std::int32_t tiles, cudaStream_t s) {
+  // 128-key steps at D = 64 where the blocks allow them (at D = 128 their stages would leave
+  // one block per SM).
+  const int keys = key.dim == 64 && p.block % 128 == 0 ? 128 : 64;
   sm90::tma_maps maps{};
-  maps.use = encode_kv(maps.k, p.k, k_rows, p.heads, key.dim, p.k_row, p.k_head) &&
-             encode_kv(maps.v, p.v, v_rows, p.heads, key.dim, p.v_row, p.v_head);
+  maps.use = encode_kv(maps.k, p.k, k_rows, p.heads, key.dim, p.k_row, p.k_head, keys) &&
+             encode_kv(maps.v, p.v, v_rows, p.heads, key.dim, p.v_row, p.v_head, keys);
   dispatch(key, [&]<class T, int D, class O>() {
-    launch_kernel<sm90::block_sparse_wgmma_kernel<T, D, O>>(sm90::kThreads, sm90::shared_bytes<D>(),
-                                                            p, tiles, s, maps);
+    const auto with_keys = [&]<int BN>() {
+      launch_kernel<sm90::block_sparse_wgmma_kernel<T, D, O, BN>>(
+          sm90::kThreads, sm90::shared_bytes<D, BN>(), p, tiles, s, maps);
+    };
+    if constexpr (D == 64) {
+      if (keys == 128) return with_keys.template operator()<128>();
+    }
+    with_keys.template operator()<64>();
   });
 }
 
