@@ -9,9 +9,11 @@
 // S_{i+1} = Q K_{i+1} and O += P_i V_i, waits for S_{i+1} alone, computes P_{i+1} while the tensor
 // cores finish P_i V_i, then rescales O. K/V tiles stream through three shared-memory stages
 // (tile i + 2 loads during step i); the Q tile is staged in the third stage before the first
-// step. A K/V tile whose 64 keys all lie in the sequence arrives by TMA (one thread issues it, a
-// shared-memory barrier per stage counts its bytes); the others, and every tile where K or V has
-// no tensor map, through cp.async by all threads, rows past the sequence zero-filled.
+// step. A step takes BN keys: 64, or 128 (S as two 64-key wgmma halves) at D = 64 where the
+// blocks are multiples of 128. A K/V tile whose BN keys all lie in the sequence arrives by TMA
+// (one thread issues it, a shared-memory barrier per stage counts its bytes); the others, and
+// every tile where K or V has no tensor map, through cp.async by all threads, rows past the
+// sequence zero-filled.
 #include <cuda.h>
 
 #include "../../common/arch/tma.cuh"
