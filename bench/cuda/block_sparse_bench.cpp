@@ -232,7 +232,7 @@ int main(int argc, char** argv) {
   std::int64_t heads = 8, dim = 64, max_pairs = std::int64_t{1} << 31;
   int seeds = 1, repeat = 20;
   std::string type = "f16", export_dir;
-  bool causal = false, unfused = false, with_mma_sync = true;
+  bool causal = false, unfused = false, with_mma_sync = true, with_one_group = false;
   std::int64_t max_unfused = std::int64_t{1} << 33;
   std::vector<std::int64_t> topks;
   app.add_option("--topk", topks,
@@ -251,6 +251,8 @@ int main(int argc, char** argv) {
   app.add_option("--export", export_dir, "write each mask for bench/python/block_sparse.py");
   app.add_flag("--causal", causal);
   app.add_flag("!--no-mma-sync", with_mma_sync, "skip the mma.sync kernel beside wgmma");
+  app.add_flag("--one-group", with_one_group,
+               "time the one-warpgroup wgmma kernel beside the two-warpgroup one");
   app.add_flag("--unfused", unfused, "also time the report's three kernels (cuda_unfused)");
   app.add_option("--max-unfused-pairs", max_unfused,
                  "skip the three kernels on masks with more pairs (all heads of one mask)");
@@ -332,6 +334,12 @@ int main(int argc, char** argv) {
                                        {.kernel = block_kernel::mma_sync});
             j["mma_sync_ms"] = mma.ms;
             j["mma_sync_max_rel_error"] = mma.error;
+          }
+          if (with_one_group && r.format.find("two warpgroups") != std::string::npos) {
+            const result one = run_one(mask, x, heads, repeat, static_cast<std::uint64_t>(seed),
+                                       {.kernel = block_kernel::wgmma});
+            j["one_group_ms"] = one.ms;
+            j["one_group_max_rel_error"] = one.error;
           }
           j["build_ms"] = 1e3 * r.build_s;
           j["pairs"] = r.pairs;

@@ -67,16 +67,25 @@ block_sparse_attention_plan cuda_plan(const block_sparse_mask& m,
 }
 
 // Plans for every kernel that runs the mask here: mma.sync always; wgmma too where the block is a
-// multiple of 64 and the device is sm_90 (elsewhere its plan must refuse with not_supported).
+// multiple of 64 and the device is sm_90, and the two-warpgroup wgmma kernel where it is a
+// multiple of 128 (elsewhere their plans must refuse with not_supported).
 std::vector<block_sparse_attention_plan> plans_for(const block_sparse_mask& m) {
   std::vector<block_sparse_attention_plan> plans{cuda_plan(m, block_kernel::mma_sync)};
   EXPECT_NE(plans[0].report().format.find("mma.sync"), std::string::npos);
-  try {
-    plans.push_back(cuda_plan(m, block_kernel::wgmma));
-    EXPECT_EQ(m.block % 64, 0);
-    EXPECT_NE(plans[1].report().format.find("wgmma"), std::string::npos);
-  } catch (const not_supported& e) {
-    if (m.block % 64 == 0) std::printf("[ info ] no wgmma kernel here: %s\n", e.what());
+  struct wgmma_kernel {
+    block_kernel kernel;
+    std::int64_t block;
+    const char* name;
+  };
+  for (const wgmma_kernel k : {wgmma_kernel{block_kernel::wgmma, 64, "wgmma"},
+                               wgmma_kernel{block_kernel::wgmma_pingpong, 128, "two warpgroups"}}) {
+    try {
+      plans.push_back(cuda_plan(m, k.kernel));
+      EXPECT_EQ(m.block % k.block, 0);
+      EXPECT_NE(plans.back().report().format.find(k.name), std::string::npos);
+    } catch (const not_supported& e) {
+      if (m.block % k.block == 0) std::printf("[ info ] no %s kernel here: %s\n", k.name, e.what());
+    }
   }
   return plans;
 }
@@ -131,57 +140,62 @@ TEST(GpuBlockSparse, EveryBlockTypeAndHeadDimAgainstTheReference) {
   }
 }
 
-// The wgmma kernel on K and V views that are not [rows, heads, D] packed: head-major storage and
-// rows padded by a head's width. Full 64-key tiles arrive by TMA, partial ones by cp.async.
+// The wgmma kernels (one warpgroup; two at G = 128) on K and V views that are not
+// [rows, heads, D] packed: head-major storage and rows padded by a head's width. Full key tiles
+// arrive by TMA, partial ones by cp.async; the 1500-key sequence reuses every stage.
 TEST(GpuBlockSparse, WgmmaKernelOnStridedKeyValueViews) {
   SKIP_WITHOUT_GPU();
-  const std::vector<std::int64_t> lens{200, 64, 130, 0, 256};
+  const std::vector<std::int64_t> lens{200, 64, 130, 0, 384, 1500};
   const std::int64_t heads = 2, nk = std::accumulate(lens.begin(), lens.end(), std::int64_t{0});
-  for (const bool causal : {false, true}) {
-    const auto mask = make_block_sparse_mask(
-        {.layout = block_layout::random, .block = 64, .p = 0.4, .causal = causal, .seed = 9}, lens);
-    block_sparse_attention_plan plan = cuda_plan(mask, block_kernel::automatic);
-    if (plan.report().format.find("wgmma") == std::string::npos) {
-      std::printf("[ info ] no wgmma kernel here: %s\n", plan.report().format.c_str());
-      return;
-    }
-    for (const std::int64_t d : {64, 128}) {
-      // storage (rows, heads, dim of the host_tensor) and the view's heads and strides over it.
-      struct layout {
-        const char* name;
-        std::int64_t rows, heads, row_stride, head_stride;
-      };
-      for (const layout& l : {layout{"head-major", heads, nk, d, nk * d},
-                              layout{"padded rows", nk, heads + 1, (heads + 1) * d, d}}) {
-        SCOPED_TRACE(std::string(l.name) + " d" + std::to_string(d) + " causal " +
-                     std::to_string(causal));
-        const auto strided = [&](tensor_view v) {
-          v.rows = nk;
-          v.heads = heads;
-          v.row_stride = l.row_stride;
-          v.head_stride = l.head_stride;
-          return v;
+  for (const std::int64_t g : {64, 128}) {
+    for (const bool causal : {false, true}) {
+      const auto mask = make_block_sparse_mask(
+          {.layout = block_layout::random, .block = g, .p = 0.4, .causal = causal, .seed = 9},
+          lens);
+      const std::vector<block_sparse_attention_plan> plans = plans_for(mask);
+      if (plans.size() < (g == 128 ? 3u : 2u)) {
+        std::printf("[ info ] no wgmma kernel here\n");
+        return;
+      }
+      const block_sparse_attention_plan& plan = plans.back();
+      for (const std::int64_t d : {64, 128}) {
+        // storage (rows, heads, dim of the host_tensor) and the view's heads and strides over it.
+        struct layout {
+          const char* name;
+          std::int64_t rows, heads, row_stride, head_stride;
         };
-        host_tensor hq(dtype::f16, nk, heads, d), hk(dtype::f16, l.rows, l.heads, d),
-            hv(dtype::f16, l.rows, l.heads, d);
-        hq.fill_uniform(-1, 1, 11 + d);
-        hk.fill_uniform(-1, 1, 12 + d);
-        hv.fill_uniform(-1, 1, 13 + d);
-        test::device_tensor q(hq), k(hk), v(hv), out(host_tensor(dtype::f32, nk, heads, d));
-        host_tensor first;
-        ASSERT_NO_FATAL_FAILURE(test::run_twice_identically(
-            out,
-            [&] {
-              plan.run(q.view(), strided(k.view()), strided(v.view()), out.view(),
-                       {.scale = 0.125});
-            },
-            first));
-        host_tensor want(dtype::f64, nk, heads, d);
-        reference::block_sparse_attention(mask, hq.view(), strided(hk.view()), strided(hv.view()),
-                                          want.view(), 0.125);
-        const auto e = test::compare(first, want);
-        ASSERT_TRUE(e.finite) << "unwritten or non-finite outputs";
-        EXPECT_LE(e.relative(), test::gpu_tolerance(dtype::f16, dtype::f32, 4));
+        for (const layout& l : {layout{"head-major", heads, nk, d, nk * d},
+                                layout{"padded rows", nk, heads + 1, (heads + 1) * d, d}}) {
+          SCOPED_TRACE(std::string(l.name) + " d" + std::to_string(d) + " G" + std::to_string(g) +
+                       " causal " + std::to_string(causal) + " " + plan.report().format);
+          const auto strided = [&](tensor_view v) {
+            v.rows = nk;
+            v.heads = heads;
+            v.row_stride = l.row_stride;
+            v.head_stride = l.head_stride;
+            return v;
+          };
+          host_tensor hq(dtype::f16, nk, heads, d), hk(dtype::f16, l.rows, l.heads, d),
+              hv(dtype::f16, l.rows, l.heads, d);
+          hq.fill_uniform(-1, 1, 11 + d);
+          hk.fill_uniform(-1, 1, 12 + d);
+          hv.fill_uniform(-1, 1, 13 + d);
+          test::device_tensor q(hq), k(hk), v(hv), out(host_tensor(dtype::f32, nk, heads, d));
+          host_tensor first;
+          ASSERT_NO_FATAL_FAILURE(test::run_twice_identically(
+              out,
+              [&] {
+                plan.run(q.view(), strided(k.view()), strided(v.view()), out.view(),
+                         {.scale = 0.125});
+              },
+              first));
+          host_tensor want(dtype::f64, nk, heads, d);
+          reference::block_sparse_attention(mask, hq.view(), strided(hk.view()), strided(hv.view()),
+                                            want.view(), 0.125);
+          const auto e = test::compare(first, want);
+          ASSERT_TRUE(e.finite) << "unwritten or non-finite outputs";
+          EXPECT_LE(e.relative(), test::gpu_tolerance(dtype::f16, dtype::f32, 4));
+        }
       }
     }
   }
@@ -517,8 +531,10 @@ TEST(GpuBlockSparse, RejectsWhatItCannotRun) {
   EXPECT_THROW(block_sparse_attention_plan::build(fine, device_kind::cuda,
                                                   {.algo = algorithm::cuda_fused_block}),
                not_supported);
-  // wgmma takes blocks that are multiples of 64 only (and sm_90 only).
+  // wgmma takes blocks that are multiples of 64 only, the two-warpgroup kernel multiples of 128
+  // (and both sm_90 only).
   EXPECT_THROW(cuda_plan(mask, block_kernel::wgmma), not_supported);
+  EXPECT_THROW(cuda_plan(mask, block_kernel::wgmma_pingpong), not_supported);
 }
 
 }  // namespace

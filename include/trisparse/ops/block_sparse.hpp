@@ -17,6 +17,8 @@ enum class block_kernel {
   automatic,  ///< wgmma on sm_90 for blocks that are multiples of 64, mma_sync otherwise
   mma_sync,   ///< warp-level mma.sync (sm_80 and later): 16 query rows a warp
   wgmma,      ///< warpgroup wgmma (sm_90 only, blocks that are multiples of 64): 64 rows a block
+  wgmma_pingpong,  ///< two wgmma warpgroups taking turns on the tensor cores, 128 rows a block
+                   ///< (sm_90 only, blocks that are multiples of 128)
 };
 
 struct block_sparse_plan_options {

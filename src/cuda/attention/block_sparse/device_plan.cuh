@@ -10,7 +10,7 @@ namespace trisparse::cuda {
 struct block_sparse_device_plan {
   int device = 0;
   std::int64_t block = 0, tile_rows = 0, mask_heads = 1;
-  bool causal = false, wgmma = false;
+  bool causal = false, wgmma = false, pingpong = false;
   std::int32_t num_tiles = 0;
   device_buffer<std::int64_t> cu_q, cu_k;
   device_buffer<std::int32_t> mask_row, row_ptr, col_idx;

@@ -73,9 +73,10 @@ void launch_kernel(int threads, int shared_bytes, const params& p, std::int32_t 
   TRISPARSE_CUDA_CHECK_LAUNCH();
 }
 
-/// The wgmma kernel (64-row tiles, sm_90 only; launch_sm90.cu, built when the architectures
-/// include 90); k and v hold k_rows and v_rows rows (their TMA descriptors' extents).
+/// The wgmma kernels (sm_90 only; launch_sm90.cu, built when the architectures include 90): one
+/// warpgroup on 64-row tiles, or with `pingpong` two on 128-row tiles; k and v hold k_rows and
+/// v_rows rows (their TMA descriptors' extents).
 void launch_wgmma(const kernel_key& key, const params& p, std::int64_t k_rows, std::int64_t v_rows,
-                  std::int32_t tiles, cudaStream_t s);
+                  bool pingpong, std::int32_t tiles, cudaStream_t s);
 
 }  // namespace trisparse::cuda::block_sparse

@@ -53,6 +53,43 @@ __device__ __forceinline__ float (&flat(float (&a)[N][4]))[4 * N] {
   return reinterpret_cast<float(&)[4 * N]>(a);
 }
 
+/// S = Q Kᵀ for the K tile of BN keys at `k`, 64 keys (key rows 64 c.., 8 KB into each panel) at
+/// a time into s[8 c ..]: k16 step kk reads columns 16 kk.. of panel kk / 4 (32 bytes a step into
+/// it); one commit group.
+template <class T, int D, int BN>
+__device__ __forceinline__ void issue_scores(float (&s)[BN / 8][4],
+                                             const std::uint32_t (&qa)[D / 16][4],
+                                             std::uint32_t k) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+    for (int c = 0; c < BN / 64; ++c) {
+      const std::uint32_t at = k + (kk / 4) * BN * 128 + c * 64 * 128 + (kk % 4) * 32;
+      arch::wgmma_64x64x16<T, 0>(reinterpret_cast<float(&)[32]>(s[8 * c]), qa[kk],
+                                 arch::sw128_descriptor(at), kk > 0);
+    }
+  }
+  arch::wgmma_commit();
+}
+
+/// O += P V for the V tile of BN keys at `v`: k16 step kp reads key rows 16 kp.. (two 8-row
+/// groups, 2048 bytes a step); the output columns 64 dp.. come from panel dp; one commit group.
+template <class T, int D, int BN>
+__device__ __forceinline__ void issue_values(float (&o)[D / 8][4],
+                                             const std::uint32_t (&pa)[BN / 16][4],
+                                             std::uint32_t v) {
+#pragma unroll
+  for (int kp = 0; kp < BN / 16; ++kp) {
+#pragma unroll
+    for (int dp = 0; dp < D / 64; ++dp) {
+      const std::uint32_t at = v + dp * BN * 128 + kp * 2048;
+      arch::wgmma_64x64x16<T, 1>(reinterpret_cast<float(&)[32]>(o[8 * dp]), pa[kp],
+                                 arch::sw128_descriptor(at), true);
+    }
+  }
+  arch::wgmma_commit();
+}
+
 /// BN keys per step (64, or 128 where the blocks are multiples of 128).
 template <class T, int D, class O, int BN>
 __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
@@ -115,20 +152,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
   float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
   const int i_lo = w.row0 + warp * 16 + lane / 4;
 
-  // S = Q Kᵀ for the tile in stage x, 64 keys (key rows 64 c.., 8 KB into each panel) at a time
-  // into s[8 c ..]: k16 step kk reads columns 16 kk.. of panel kk / 4 (32 bytes a step into it).
   std::uint32_t qa[D / 16][4];
   const auto issue_s = [&](float(&s)[BN / 8][4], int x) {
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-#pragma unroll
-      for (int c = 0; c < BN / 64; ++c) {
-        const std::uint32_t at = k_tile(x) + (kk / 4) * BN * 128 + c * 64 * 128 + (kk % 4) * 32;
-        arch::wgmma_64x64x16<T, 0>(reinterpret_cast<float(&)[32]>(s[8 * c]), qa[kk],
-                                   arch::sw128_descriptor(at), kk > 0);
-      }
-    }
-    arch::wgmma_commit();
+    issue_scores<T, D, BN>(s, qa, k_tile(x));
   };
 
   int j_cur = w.next();
@@ -160,21 +186,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
   arch::fence_operands(flat(s));
   softmax_step<BN>(s, m, l, alpha, w, j_cur, i_lo);
 
-  // O += P V for the tile in stage x: k16 step kp reads key rows 16 kp.. (two 8-row groups, 2048
-  // bytes a step); the output columns 64 dp.. come from panel dp.
   std::uint32_t pa[BN / 16][4];
-  const auto issue_pv = [&](int x) {
-#pragma unroll
-    for (int kp = 0; kp < BN / 16; ++kp) {
-#pragma unroll
-      for (int dp = 0; dp < D / 64; ++dp) {
-        const std::uint32_t at = v_tile(x) + dp * BN * 128 + kp * 2048;
-        arch::wgmma_64x64x16<T, 1>(reinterpret_cast<float(&)[32]>(o[8 * dp]), pa[kp],
-                                   arch::sw128_descriptor(at), true);
-      }
-    }
-    arch::wgmma_commit();
-  };
+  const auto issue_pv = [&](int x) { issue_values<T, D, BN>(o, pa, v_tile(x)); };
 
   int it = 0;
   for (;; ++it) {
@@ -201,6 +214,170 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
   }
   arch::wgmma_fence();
   issue_pv(it % kStages);
+  arch::wgmma_wait<0>();
+  arch::fence_operands(flat(o));
+  store_rows<O, D>(o, l, w, i_lo);
+}
+
+/// The two-warpgroup kernel (blocks that are multiples of 128): 128 query rows per block
+/// (warpgroup g owns rows 64 g ..), one K/V stream for both. Warp 0 loads each K/V tile two steps
+/// ahead into four stages; a stage's `full` barrier counts the bytes (TMA) or warp 0's arrival
+/// (cp.async), its `empty` barrier the eight warps that finished their P V product on it. The
+/// warpgroups take turns issuing their products (named barriers 1 and 2, the ping-pong of
+/// FlashAttention-3), so that one's exponentials run while the other's products use the tensor
+/// cores.
+namespace pingpong {
+constexpr int kRows = 128, kThreads = 256, kStages = 4;
+
+/// Shared-memory bytes: the Q tile, four stages of K and V tiles of BN keys, and 1024 bytes to
+/// align them to the swizzle pattern.
+template <int D, int BN>
+__host__ __device__ constexpr int shared_bytes() {
+  return kRows * D * 2 + kStages * 2 * BN * D * 2 + 1024;
+}
+}  // namespace pingpong
+
+template <class T, int D, class O, int BN>
+__global__ void __launch_bounds__(pingpong::kThreads, 1)
+    block_sparse_pingpong_kernel(const __grid_constant__ params p,
+                                 const __grid_constant__ tma_maps maps) {
+  static_assert(D % 64 == 0);
+  constexpr int kRows = pingpong::kRows, kThreads = pingpong::kThreads, kStages = pingpong::kStages;
+  constexpr int kTile = BN * D * 2;  // bytes of one K or V tile
+  extern __shared__ uint4 shared_raw[];
+  const std::uint32_t q_tile = (arch::shared_address(shared_raw) + 1023u) & ~1023u;
+  // Stage x: K tile at k_tile(x), V tile after it.
+  const auto k_tile = [&](int x) {
+    return q_tile + static_cast<std::uint32_t>(kRows * D * 2 + 2 * x * kTile);
+  };
+  const auto v_tile = [&](int x) { return k_tile(x) + kTile; };
+  __shared__ alignas(8) std::uint64_t full_bars[kStages], empty_bars[kStages];
+  const std::uint32_t full = arch::shared_address(full_bars),
+                      empty = arch::shared_address(empty_bars);
+
+  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
+  const int group = warp / 4;
+  tile_walk<kRows, BN> w(p);
+  const int i_lo = w.row0 + warp * 16 + lane / 4;
+  float o[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
+  int j_cur = w.next();
+  if (j_cur < 0) {
+    store_rows<O, D>(o, l, w, i_lo);
+    return;
+  }
+  int j_next = w.next();
+
+  // Tile t lives in stage t % kStages; its barriers' phase there is t / kStages. Warp 0 loads: a
+  // tile whose BN keys all lie in the sequence by TMA (lane 0), others (and every tile where K or V
+  // has no tensor map) by cp.async, rows past the sequence zero-filled, then arrives itself.
+  const auto load_tile = [&](int t, int j) {
+    const int x = t % kStages;
+    if (t >= kStages) arch::mbarrier_wait(empty + 8 * x, (t / kStages - 1) & 1);
+    if (maps.use && j + BN <= w.lk) {
+      if (lane != 0) return;
+      arch::mbarrier_arrive_expect_tx(full + 8 * x, 2 * kTile);
+      const int row = static_cast<int>(w.k0 + j);
+#pragma unroll
+      for (int panel = 0; panel < D / 64; ++panel) {
+        arch::tma_load_3d(k_tile(x) + panel * BN * 128, &maps.k, full + 8 * x, 64 * panel, w.h,
+                          row);
+        arch::tma_load_3d(v_tile(x) + panel * BN * 128, &maps.v, full + 8 * x, 64 * panel, w.h,
+                          row);
+      }
+      return;
+    }
+    const std::int64_t row = w.k0 + j;
+    load_rows<D, BN, 32>(k_tile(x),
+                         static_cast<const char*>(p.k) + (row * p.k_row + w.h * p.k_head) * 2,
+                         p.k_row, w.lk - j);
+    load_rows<D, BN, 32>(v_tile(x),
+                         static_cast<const char*>(p.v) + (row * p.v_row + w.h * p.v_head) * 2,
+                         p.v_row, w.lk - j);
+    arch::cp_async_commit();
+    arch::cp_async_wait<0>();
+    arch::fence_proxy_async();
+    __syncwarp();
+    if (lane == 0) arch::mbarrier_arrive(full + 8 * x);
+  };
+  const auto wait_tile = [&](int t) {
+    arch::mbarrier_wait(full + 8 * (t % kStages), (t / kStages) & 1);
+  };
+  const auto release_tile = [&](int t) {
+    if (lane == 0) arch::mbarrier_arrive(empty + 8 * (t % kStages));
+  };
+  // Warpgroup g issues its products after barrier 1 + g, then lets the other one go (barrier
+  // 2 - g); warpgroup 1 skips its last hand-over, which nobody waits for.
+  const auto turn_begin = [&] { arch::barrier_sync(1 + group, kThreads); };
+  const auto turn_end = [&](bool last) {
+    if (!last || group == 0) arch::barrier_arrive(2 - group, kThreads);
+  };
+
+  if (warp == 0) {
+    if (lane == 0) {
+#pragma unroll
+      for (int x = 0; x < kStages; ++x) {
+        arch::mbarrier_init(full + 8 * x, 1);
+        arch::mbarrier_init(empty + 8 * x, kThreads / 32);
+      }
+    }
+    __syncwarp();
+    load_tile(0, j_cur);
+    if (j_next >= 0) load_tile(1, j_next);
+  }
+  const char* qg = static_cast<const char*>(p.q) + ((w.q0 + w.row0) * p.q_row + w.h * p.q_head) * 2;
+  load_rows<D, kRows, kThreads>(q_tile, qg, p.q_row, w.lq - w.row0);
+  arch::cp_async_commit();
+  arch::cp_async_wait<0>();
+  __syncthreads();  // Q and the barriers' initialisation visible to every warp
+  std::uint32_t qa[D / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    arch::ldmatrix_x4(
+        qa[kk], swizzled<kRows>(q_tile, warp * 16 + lane % 16, kk / 4, 2 * (kk % 4) + lane / 16));
+  apply_score_sign(qa, p);
+
+  if (group == 1) arch::barrier_arrive(1, kThreads);  // warpgroup 0 goes first
+  float s[BN / 8][4];
+  float alpha[2];
+  wait_tile(0);
+  turn_begin();
+  arch::wgmma_fence();
+  issue_scores<T, D, BN>(s, qa, k_tile(0));
+  turn_end(false);
+  arch::wgmma_wait<0>();
+  arch::fence_operands(flat(s));
+  softmax_step<BN>(s, m, l, alpha, w, j_cur, i_lo);
+
+  std::uint32_t pa[BN / 16][4];
+  int it = 0;
+  for (;; ++it) {
+#pragma unroll
+    for (int kp = 0; kp < BN / 16; ++kp) p_fragment<T, BN>(pa[kp], s, kp);
+    if (j_next < 0) break;
+    const int j_after = w.next();
+    if (warp == 0 && j_after >= 0) load_tile(it + 2, j_after);
+    wait_tile(it + 1);
+    turn_begin();
+    arch::wgmma_fence();
+    issue_scores<T, D, BN>(s, qa, k_tile((it + 1) % kStages));
+    issue_values<T, D, BN>(o, pa, v_tile(it % kStages));
+    turn_end(false);
+    arch::wgmma_wait<1>();  // S_{it+1}; P_it V_it may still run
+    arch::fence_operands(flat(s));
+    softmax_step<BN>(s, m, l, alpha, w, j_next, i_lo);
+    arch::wgmma_wait<0>();
+    arch::fence_operands(flat(o));
+    release_tile(it);
+    rescale<D>(o, alpha);
+    j_next = j_after;
+  }
+  turn_begin();
+  arch::wgmma_fence();
+  issue_values<T, D, BN>(o, pa, v_tile(it % kStages));
+  turn_end(true);
   arch::wgmma_wait<0>();
   arch::fence_operands(flat(o));
   store_rows<O, D>(o, l, w, i_lo);

@@ -75,6 +75,7 @@ std::int32_t narrow(std::int64_t x, const char* what) {
 bool block_sparse_supports(std::int64_t block) { return tile_rows_for(block) > 0; }
 
 const char* kernel_name(const block_sparse_device_plan& plan) {
+  if (plan.pingpong) return "wgmma, two warpgroups";
   return plan.wgmma ? "wgmma" : "mma.sync";
 }
 
@@ -88,20 +89,24 @@ std::shared_ptr<block_sparse_device_plan> make_block_sparse_plan(const block_spa
   auto plan = std::make_shared<block_sparse_device_plan>();
   plan->device = current_device().device;
   const bool sm90 = wgmma_runs_here(plan->device);
-  if (kernel == block_kernel::wgmma) {
+  const bool pingpong = kernel == block_kernel::wgmma_pingpong;
+  if (kernel == block_kernel::wgmma || pingpong) {
+    const char* name = pingpong ? "block_kernel::wgmma_pingpong" : "block_kernel::wgmma";
     if (!sm90) {
-      throw not_supported(
-          "block_kernel::wgmma needs a compute capability 9.0 device and a build whose CUDA "
-          "architectures include 90");
+      throw not_supported(std::string(name) +
+                          " needs a compute capability 9.0 device and a build whose CUDA "
+                          "architectures include 90");
     }
-    if (mask.block % 64 != 0) {
-      throw not_supported("block_kernel::wgmma takes blocks that are multiples of 64, not " +
-                          std::to_string(mask.block));
+    if (mask.block % (pingpong ? 128 : 64) != 0) {
+      throw not_supported(std::string(name) + " takes blocks that are multiples of " +
+                          (pingpong ? "128" : "64") + ", not " + std::to_string(mask.block));
     }
   }
-  plan->wgmma = kernel == block_kernel::wgmma ||
-                (kernel == block_kernel::automatic && sm90 && mask.block % 64 == 0);
-  const std::int64_t bm = plan->wgmma ? 64 : tile_rows_for(mask.block);
+  const bool automatic = kernel == block_kernel::automatic && sm90;
+  plan->pingpong = pingpong;
+  plan->wgmma =
+      plan->pingpong || kernel == block_kernel::wgmma || (automatic && mask.block % 64 == 0);
+  const std::int64_t bm = plan->pingpong ? 128 : plan->wgmma ? 64 : tile_rows_for(mask.block);
   plan->block = mask.block;
   plan->tile_rows = bm;
   plan->mask_heads = mask.heads;
@@ -177,7 +182,8 @@ void run_block_sparse(const block_sparse_device_plan& plan, const tensor_view& q
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const block_sparse::kernel_key key{q.type, out.type, q.dim};
 #if TRISPARSE_HAVE_SM90A
-  if (plan.wgmma) return block_sparse::launch_wgmma(key, p, k.rows, v.rows, plan.num_tiles, s);
+  if (plan.wgmma)
+    return block_sparse::launch_wgmma(key, p, k.rows, v.rows, plan.pingpong, plan.num_tiles, s);
 #endif
   launch_mma(plan.tile_rows, key, p, plan.num_tiles, s);
 }

@@ -46,17 +46,22 @@ bool encode_kv(CUtensorMap& map, const void* data, std::int64_t rows, std::int64
 }  // namespace
 
 void launch_wgmma(const kernel_key& key, const params& p, std::int64_t k_rows, std::int64_t v_rows,
-                  std::int32_t tiles, cudaStream_t s) {
+                  bool pingpong, std::int32_t tiles, cudaStream_t s) {
   // 128-key steps at D = 64 where the blocks allow them (at D = 128 their stages would leave
-  // one block per SM).
+  // one block per SM, or overflow shared memory in the two-warpgroup kernel).
   const int keys = key.dim == 64 && p.block % 128 == 0 ? 128 : 64;
   sm90::tma_maps maps{};
   maps.use = encode_kv(maps.k, p.k, k_rows, p.heads, key.dim, p.k_row, p.k_head, keys) &&
              encode_kv(maps.v, p.v, v_rows, p.heads, key.dim, p.v_row, p.v_head, keys);
   dispatch(key, [&]<class T, int D, class O>() {
     const auto with_keys = [&]<int BN>() {
-      launch_kernel<sm90::block_sparse_wgmma_kernel<T, D, O, BN>>(
-          sm90::kThreads, sm90::shared_bytes<D, BN>(), p, tiles, s, maps);
+      if (pingpong) {
+        launch_kernel<sm90::block_sparse_pingpong_kernel<T, D, O, BN>>(
+            sm90::pingpong::kThreads, sm90::pingpong::shared_bytes<D, BN>(), p, tiles, s, maps);
+      } else {
+        launch_kernel<sm90::block_sparse_wgmma_kernel<T, D, O, BN>>(
+            sm90::kThreads, sm90::shared_bytes<D, BN>(), p, tiles, s, maps);
+      }
     };
     if constexpr (D == 64) {
       if (keys == 128) return with_keys.template operator()<128>();

@@ -1,6 +1,6 @@
 #pragma once
 // Tensor-memory-accelerator copies and the shared-memory barriers that count their bytes (sm_90),
-// as the PTX ISA defines cp.async.bulk.tensor and mbarrier.
+// as the PTX ISA defines cp.async.bulk.tensor and mbarrier; named barriers (bar.sync, bar.arrive).
 #include <cstdint>
 
 namespace trisparse::cuda::arch {
@@ -19,6 +19,11 @@ __device__ __forceinline__ void mbarrier_init(std::uint32_t bar, std::uint32_t c
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(std::uint32_t bar, std::uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
                : "memory");
+}
+
+/// Arrives on the barrier (one of the arrivals its phase counts).
+__device__ __forceinline__ void mbarrier_arrive(std::uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 
 /// Waits until the barrier's phase of parity `parity` has completed.
@@ -47,6 +52,17 @@ __device__ __forceinline__ void tma_load_3d(std::uint32_t dst, const void* map, 
       " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
       "l"(reinterpret_cast<std::uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
       : "memory");
+}
+
+/// Named barrier `id` (1 .. 15; 0 is __syncthreads') for `threads` threads, a multiple of 32:
+/// barrier_sync waits until that many have arrived (itself included), barrier_arrive counts
+/// this warp without waiting.
+__device__ __forceinline__ void barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 }  // namespace trisparse::cuda::arch
