@@ -201,6 +201,29 @@ TEST(GpuBlockSparse, WgmmaKernelOnStridedKeyValueViews) {
   }
 }
 
+// The two-warpgroup kernel over many short sequences (more blocks than SMs): 200 sequences of 0
+// to 400 rows (multiples of 128 among them), G = 128, a mask per head, causal and not.
+TEST(GpuBlockSparse, ManyWorkItemsPerBlock) {
+  SKIP_WITHOUT_GPU();
+  std::vector<std::int64_t> lens;
+  for (std::int64_t b = 0; b < 200; ++b)
+    lens.push_back(b % 7 == 0 ? 128 * (b % 4) : (b * 37) % 401);
+  for (const bool causal : {false, true}) {
+    const auto mask = make_block_sparse_mask({.layout = block_layout::random,
+                                              .block = 128,
+                                              .p = 0.3,
+                                              .causal = causal,
+                                              .heads = 2,
+                                              .seed = 21},
+                                             lens);
+    for (const auto& plan : plans_for(mask)) {
+      if (plan.report().format.find("two warpgroups") == std::string::npos) continue;
+      for (const std::int64_t d : {64, 128}) check(plan, {dtype::f16, dtype::f32, d}, 2, 60 + d);
+      check(plan, {dtype::bf16, dtype::bf16, 64}, 2, 70);
+    }
+  }
+}
+
 // A shared mask for 3 heads; the report's layouts; a dense mask; one block per row; empty block
 // rows; large, all-positive, negatively scaled and zero-scaled scores.
 TEST(GpuBlockSparse, LayoutsAndEdgeCases) {

@@ -64,6 +64,19 @@ bool wgmma_runs_here(int device) {
 #endif
 }
 
+// The two-warpgroup kernel holds one block per SM and pays each block's start in full: against
+// the one-warpgroup kernel (H200, heads 8, D = 64, G = 128) it measured faster at 512 key tiles of
+// 128 per query tile (N = 128K, p = 0.5: 1.04 and 1.06x in two runs) and slower at 256 (64K,
+// p = 0.5: 0.99x), 128 and 51 (docs/notes/block_sparse.md).
+constexpr double kPingpongFrom = 384;
+
+// Key blocks per (query block row, mask head), over the whole batch.
+double mean_key_blocks(const block_sparse_mask& mask) {
+  std::int64_t rows = 0;
+  for (const block_mask& m : mask.masks) rows += m.blocks.rows;
+  return rows == 0 ? 0.0 : static_cast<double>(mask.active_blocks()) / static_cast<double>(rows);
+}
+
 std::int32_t narrow(std::int64_t x, const char* what) {
   if (x > std::numeric_limits<std::int32_t>::max())
     throw invalid_input(std::string("block-sparse attention: ") + what + " exceeds 2^31 - 1");
@@ -103,7 +116,8 @@ std::shared_ptr<block_sparse_device_plan> make_block_sparse_plan(const block_spa
     }
   }
   const bool automatic = kernel == block_kernel::automatic && sm90;
-  plan->pingpong = pingpong;
+  plan->pingpong = pingpong || (automatic && mask.block % 128 == 0 &&
+                                mean_key_blocks(mask) * (mask.block / 128) >= kPingpongFrom);
   plan->wgmma =
       plan->pingpong || kernel == block_kernel::wgmma || (automatic && mask.block % 64 == 0);
   const std::int64_t bm = plan->pingpong ? 128 : plan->wgmma ? 64 : tile_rows_for(mask.block);
