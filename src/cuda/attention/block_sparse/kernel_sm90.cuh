@@ -220,8 +220,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
 }
 
 /// The two-warpgroup kernel (blocks that are multiples of 128): 128 query rows per block
-/// (warpgroup g owns rows 64 g ..), one K/V stream for both. Warp 0 loads each K/V tile two steps
-/// ahead into four stages; a stage's `full` barrier counts the bytes (TMA) or warp 0's arrival
+/// (warpgroup g owns rows 64 g ..), one K/V stream for both. Warp 0 loads tile i + 2 during step
+/// i, into four stages; a stage's `full` barrier counts the bytes (TMA) or warp 0's arrival
 /// (cp.async), its `empty` barrier the eight warps that finished their P V product on it. The
 /// warpgroups take turns issuing their products (named barriers 1 and 2, the ping-pong of
 /// FlashAttention-3), so that one's exponentials run while the other's products use the tensor

@@ -66,8 +66,9 @@ bool wgmma_runs_here(int device) {
 
 // The two-warpgroup kernel holds one block per SM and pays each block's start in full: against
 // the one-warpgroup kernel (H200, heads 8, D = 64, G = 128) it measured faster at 512 key tiles of
-// 128 per query tile (N = 128K, p = 0.5: 1.04 and 1.06x in two runs) and slower at 256 (64K,
-// p = 0.5: 0.99x), 128 and 51 (docs/notes/block_sparse.md).
+// 128 per query tile (N = 128K, p = 0.5: 1.04 to 1.06x in three runs) and slower at 256 (64K,
+// p = 0.5: 0.99x), 128 (32K, p = 0.5: 0.95x) and 51 (128K, p = 0.95: 0.96x;
+// docs/notes/block_sparse.md).
 constexpr double kPingpongFrom = 384;
 
 // Key blocks per (query block row, mask head), over the whole batch.
