@@ -444,6 +444,27 @@ TEST(GpuBlockSparse, TopKOverManyKeyBlocks) {
   }
 }
 
+// Selection blocks of 32 query blocks (two row tiles of the scoring MMA, 16 warps): a sequence
+// of 505 query blocks at G = 64 gives 15 groups of 32 and a last one of 25 (its second row tile
+// partly empty), a second sequence of 3 blocks one group of 3 (one row tile): 136 selection
+// blocks over 8 heads, enough to keep 32 rows a block on a GPU of up to 272 SMs.
+TEST(GpuBlockSparse, TopKSelectionBlocksOfTwoRowTiles) {
+  SKIP_WITHOUT_GPU();
+  const std::int64_t g = 64, heads = 8, d = 64, len = 505 * g - 17;
+  const std::vector<std::int64_t> cu{0, len, len + 3 * g};
+  for (const bool causal : {false, true}) {
+    SCOPED_TRACE(causal ? "causal" : "not causal");
+    const topk_mask_options o{.block = g, .top_k = 26, .causal = causal, .keep_diagonal = true};
+    auto plan = topk_block_sparse_plan::build(cu, cu, heads, d, o);
+    host_tensor hq(dtype::f16, cu.back(), heads, d), hk(dtype::f16, cu.back(), heads, d);
+    hq.fill_uniform(-1, 1, causal ? 11 : 12);
+    hk.fill_uniform(-1, 1, causal ? 13 : 14);
+    test::device_tensor q(hq), k(hk);
+    plan.select(q.view(), k.view());
+    ASSERT_NO_FATAL_FAILURE(expect_topk_rows(plan.mask(), hq, hk, o));
+  }
+}
+
 block_sparse_attention_plan unfused_plan(const block_sparse_mask& m) {
   auto plan =
       block_sparse_attention_plan::build(m, device_kind::cuda, {.algo = algorithm::cuda_unfused});

@@ -112,15 +112,22 @@ struct select_params {
   bool causal, keep_diagonal;
 };
 
-constexpr int kChunk = 64;           // key blocks whose means a block stages at a time
-constexpr int kSelectThreads = 256;  // 8 warps: one 8-key column of a chunk each
-constexpr int kTileRows = 16;        // the MMA's rows: query blocks per selection block, at most
+constexpr int kChunk = 64;     // key blocks whose means a block stages at a time
+constexpr int kTileRows = 16;  // the MMA's rows: query blocks per row tile
+constexpr int kMaxRows = 32;   // query blocks per selection block, at most: two row tiles
+constexpr int kTileWarps = 8;  // warps per row tile: one 8-key column of a chunk each
+
+// Threads of a selection block of `rows` query blocks: kTileWarps warps per row tile.
+__host__ __device__ constexpr int select_threads(int rows) {
+  return (rows + kTileRows - 1) / kTileRows * kTileWarps * 32;
+}
 
 // Shared floats: two stages of key means and the query means' high and low tf32 parts (rows of
 // dim + 4 floats: the MMA fragments' reads, row g and column t of lane 4 g + t, fall in distinct
-// banks), then the scores of `rows` query blocks (score_floats each).
+// banks; whole row tiles), then the scores of `rows` query blocks (score_floats each).
 __host__ __device__ constexpr int select_floats(int rows, int dim, int score_floats) {
-  return (2 * kChunk + 2 * kTileRows) * (dim + 4) + rows * score_floats;
+  const int tile_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
+  return (2 * kChunk + 2 * tile_rows) * (dim + 4) + rows * score_floats;
 }
 
 // Shared floats for one query block's scores: the 32 R keys the lanes load with R held in
@@ -282,26 +289,31 @@ __device__ void select_row(float* score, int allowed, int top_k, int diagonal, s
   for (int i = n + lane; i < cap; i += 32) out[i] = past;
 }
 
-// A block of 8 warps per (group of `rows` <= 16 consecutive query blocks of one sequence, head).
-// Scores on tensor cores in three tf32 products (high x high + high x low + low x high: the
-// float32 dot product up to a few ulps): the key-block means staged through shared memory in chunks
-// of 64 (cp.async, the next chunk in flight while this one is scored), warp w computing the 16 x 8
-// tile of keys 8 w ... 8 w + 7 of the chunk against the group's query means (rows past the group
-// are zero). Then warp w selects rows w, w + 8 (select_row).
+// A block per (group of `rows` <= 32 consecutive query blocks of one sequence, head), with 8 warps
+// per row tile of 16 of them (select_threads): the key-block means are staged once for all its
+// rows, so 32 rows a block read half the means from L2 that 16 do. Scores on tensor cores in
+// three tf32 products (high x high + high x low + low x high: the float32 dot product up to a few
+// ulps): the key-block means staged through shared memory in chunks of 64 (cp.async, the next
+// chunk in flight while this one is scored), warp w computing the 16 x 8 tile of row tile w / 8
+// and keys 8 (w % 8) ... 8 (w % 8) + 7 of the chunk against the group's query means (rows past
+// the group are zero). Then warp w selects rows w, w + warps, ... (select_row).
 template <int R>
-__global__ void __launch_bounds__(kSelectThreads)
+__global__ void __launch_bounds__(select_threads(kMaxRows))
     select_kernel(const __grid_constant__ select_params p) {
   extern __shared__ float4 shared4[];
   float* shared = reinterpret_cast<float*>(shared4);
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  const int g = lane / 4, t = lane % 4;  // the MMA fragments' row group and column
+  const int threads = static_cast<int>(blockDim.x),
+            tile_rows = threads / 32 / kTileWarps * kTileRows;  // whole row tiles
+  const int g = lane / 4, t = lane % 4;            // the MMA fragments' row group and column
+  const int tile = warp / kTileWarps * kTileRows;  // the warp's first row
   const int h = static_cast<int>(blockIdx.x) % p.heads;
   const int2 group = p.groups[blockIdx.x / p.heads];
   const int b = group.x, stride = p.dim + 4;
   const int stage_floats = kChunk * stride;
   float* q_hi = shared + 2 * stage_floats;
-  float* q_lo = q_hi + kTileRows * stride;
-  float* scores = q_lo + kTileRows * stride;
+  float* q_lo = q_hi + tile_rows * stride;
+  float* scores = q_lo + tile_rows * stride;
   const int score_stride = score_floats(R, p.max_k_blocks);
   const int lq = static_cast<int>(p.cu_q[b + 1] - p.cu_q[b]),
             lk = static_cast<int>(p.cu_k[b + 1] - p.cu_k[b]);
@@ -320,7 +332,7 @@ __global__ void __launch_bounds__(kSelectThreads)
   const float* qs =
       p.pooled_q + ((std::int64_t{p.q_block_base[b]} + group.y) * p.heads + h) * p.dim;
   const std::int64_t q_stride = std::int64_t{p.heads} * p.dim;
-  for (int i = static_cast<int>(threadIdx.x); i < kTileRows * p.dim; i += kSelectThreads) {
+  for (int i = static_cast<int>(threadIdx.x); i < tile_rows * p.dim; i += threads) {
     const int row = i / p.dim, d = i - row * p.dim;
     const float x = row < rows ? qs[row * q_stride + d] : 0.f;
     const float hi = tf32_high(x);
@@ -330,11 +342,11 @@ __global__ void __launch_bounds__(kSelectThreads)
   const std::int64_t k_stride = std::int64_t{p.heads} * p.dim;
   const float* kp = p.pooled_k + (std::int64_t{p.k_block_base[b]} * p.heads + h) * p.dim;
   const int dim4 = p.dim / 4;
-  // Thread i copies the 16-byte pieces i, i + 256, ... of a chunk's rows: (row, piece) steps by
-  // (256 / dim4, 256 % dim4), with no division in the loop.
+  // Thread i copies the 16-byte pieces i, i + threads, ... of a chunk's rows: (row, piece) steps
+  // by (threads / dim4, threads % dim4), with no division in the loop.
   const int first_row = static_cast<int>(threadIdx.x) / dim4,
             first_piece = static_cast<int>(threadIdx.x) % dim4;
-  const int row_step = kSelectThreads / dim4, piece_step = kSelectThreads % dim4;
+  const int row_step = threads / dim4, piece_step = threads % dim4;
   const auto stage = [&](int c0) {
     float* to = shared + (c0 / kChunk % 2) * stage_floats;
     const int n = min(kChunk, most - c0);
@@ -350,7 +362,7 @@ __global__ void __launch_bounds__(kSelectThreads)
     }
     arch::cp_async_commit();
   };
-  const int allowed_lo = allowed_of(g), allowed_hi = allowed_of(g + 8);  // rows g and g + 8
+  const int allowed_lo = allowed_of(tile + g), allowed_hi = allowed_of(tile + g + 8);
   if (most > 0) stage(0);
   for (int c0 = 0; c0 < most; c0 += kChunk) {
     if (c0 + kChunk < most) {
@@ -360,20 +372,20 @@ __global__ void __launch_bounds__(kSelectThreads)
       arch::cp_async_wait<0>();
     }
     __syncthreads();  // the chunk has landed for every thread (and, first, the query means)
-    const int c = c0 + 8 * warp;  // the warp's first key block
-    if (c < most) {
+    const int column = 8 * (warp % kTileWarps), c = c0 + column;  // the warp's first key block
+    if (c < most && tile < rows) {
       // B: key block c + g (rows past the chunk hold stale values whose scores are not stored).
-      const float* key = shared + (c0 / kChunk % 2) * stage_floats + (8 * warp + g) * stride;
+      const float* key = shared + (c0 / kChunk % 2) * stage_floats + (column + g) * stride;
+      const float* qh = q_hi + (tile + g) * stride;  // rows tile + g and tile + g + 8
+      const float* ql = q_lo + (tile + g) * stride;
       float acc[4] = {}, acc_hl[4] = {}, acc_lh[4] = {};  // three independent MMA chains
       for (int k0 = 0; k0 < p.dim; k0 += 8) {
-        const std::uint32_t a_hi[4] = {__float_as_uint(q_hi[g * stride + k0 + t]),
-                                       __float_as_uint(q_hi[(g + 8) * stride + k0 + t]),
-                                       __float_as_uint(q_hi[g * stride + k0 + t + 4]),
-                                       __float_as_uint(q_hi[(g + 8) * stride + k0 + t + 4])};
-        const std::uint32_t a_lo[4] = {__float_as_uint(q_lo[g * stride + k0 + t]),
-                                       __float_as_uint(q_lo[(g + 8) * stride + k0 + t]),
-                                       __float_as_uint(q_lo[g * stride + k0 + t + 4]),
-                                       __float_as_uint(q_lo[(g + 8) * stride + k0 + t + 4])};
+        const std::uint32_t a_hi[4] = {
+            __float_as_uint(qh[k0 + t]), __float_as_uint(qh[8 * stride + k0 + t]),
+            __float_as_uint(qh[k0 + t + 4]), __float_as_uint(qh[8 * stride + k0 + t + 4])};
+        const std::uint32_t a_lo[4] = {
+            __float_as_uint(ql[k0 + t]), __float_as_uint(ql[8 * stride + k0 + t]),
+            __float_as_uint(ql[k0 + t + 4]), __float_as_uint(ql[8 * stride + k0 + t + 4])};
         const float k_0 = key[k0 + t], k_1 = key[k0 + t + 4];
         const float h_0 = tf32_high(k_0), h_1 = tf32_high(k_1);
         const std::uint32_t b_hi[2] = {__float_as_uint(h_0), __float_as_uint(h_1)};
@@ -383,15 +395,15 @@ __global__ void __launch_bounds__(kSelectThreads)
         arch::mma_16x8x8_f32_tf32(acc, a_hi, b_hi);
       }
       for (int e = 0; e < 4; ++e) acc[e] += acc_hl[e] + acc_lh[e];
-      // acc: rows g (0, 1) and g + 8 (2, 3), key blocks c + 2 t and c + 2 t + 1.
+      // acc: rows tile + g (0, 1) and tile + g + 8 (2, 3), key blocks c + 2 t and c + 2 t + 1.
       for (int e = 0; e < 4; ++e) {
-        const int row = e < 2 ? g : g + 8, col = c + 2 * t + e % 2;
+        const int row = tile + (e < 2 ? g : g + 8), col = c + 2 * t + e % 2;
         if (col < (e < 2 ? allowed_lo : allowed_hi)) scores[row * score_stride + col] = acc[e];
       }
     }
     __syncthreads();  // the chunk's reads are done before the stage after next overwrites it
   }
-  for (int i = warp; i < rows; i += kSelectThreads / 32) {
+  for (int i = warp; i < rows; i += threads / 32) {
     const int r = group.y + i, allowed = allowed_of(i);
     float* score = scores + i * score_stride;
     // The block holding the key aligned with the query block's last row (< allowed).
@@ -475,15 +487,16 @@ std::shared_ptr<topk_device_plan> make_topk_plan(const block_sparse_mask& skelet
   }
   t->q_blocks = static_cast<std::int32_t>(q_seq.size());
   t->k_blocks = static_cast<std::int32_t>(k_seq.size());
-  // Query blocks per selection block: the most of 16, 8, ..., 1 whose scores fit in shared
-  // memory, then halved (down to 4) while the blocks would not cover the SMs.
+  // Query blocks per selection block: the most of 32, 16, ..., 1 whose scores fit in shared
+  // memory, then halved (down to 4) while the blocks would not cover half the SMs (a block of 32
+  // rows runs 16 warps: one fills an SM's warps as two blocks of 16 rows do).
   int device = 0, limit = 0, sms = 0;
   TRISPARSE_CUDA_TRY(cudaGetDevice(&device));
   TRISPARSE_CUDA_TRY(
       cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   TRISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   t->held = held_keys(t->max_k_blocks);
-  for (int rows = kTileRows; rows >= 1 && t->rows == 0; rows /= 2)
+  for (int rows = kMaxRows; rows >= 1 && t->rows == 0; rows /= 2)
     if (select_floats(rows, t->dim, score_floats(t->held, t->max_k_blocks)) * 4 <= limit)
       t->rows = rows;
   if (t->rows == 0) {
@@ -498,7 +511,7 @@ std::shared_ptr<topk_device_plan> make_topk_plan(const block_sparse_mask& skelet
     }
     return groups;
   };
-  while (t->rows > 4 && static_cast<std::int64_t>(groups_of(t->rows).size()) * t->heads < sms)
+  while (t->rows > 4 && static_cast<std::int64_t>(groups_of(t->rows).size()) * t->heads * 2 < sms)
     t->rows /= 2;
   const std::vector<int2> groups = groups_of(t->rows);
   TRISPARSE_CUDA_TRY(cudaFuncSetAttribute(
@@ -571,7 +584,7 @@ void select_topk(topk_device_plan& t, const tensor_view& q, const tensor_view& k
   const std::int64_t blocks = std::int64_t{t.num_groups} * t.heads;
   if (blocks == 0 || t.cap == 0) return;
   select_kernel_for(
-      t.held)<<<static_cast<unsigned>(blocks), kSelectThreads,
+      t.held)<<<static_cast<unsigned>(blocks), select_threads(t.rows),
                 select_floats(t.rows, t.dim, score_floats(t.held, t.max_k_blocks)) * 4, s>>>(sp);
   TRISPARSE_CUDA_CHECK_LAUNCH();
 }
