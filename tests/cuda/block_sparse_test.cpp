@@ -406,12 +406,13 @@ TEST(GpuBlockSparse, TopKMasksSelectedOnTheDevice) {
 // Sequences of 2500 and 16400 rows at G = 16 (157 and 1025 key blocks: keys held in registers,
 // and read from shared memory past 1024): random scores (expect_topk_rows), and exact ties (every
 // key row equal, so every key block scores the same), where the device takes the lowest blocks as
-// topk_block_mask does and the whole mask equals the CPU's.
+// topk_block_mask does and the whole mask equals the CPU's. Head dims 24 and 40 leave the last
+// group of 16 pooled dims part padding.
 TEST(GpuBlockSparse, TopKOverManyKeyBlocks) {
   SKIP_WITHOUT_GPU();
   for (const std::int64_t len : {2500, 16400}) {
     const std::vector<std::int64_t> cu{0, len, len + 100};
-    for (const std::int64_t d : {64, 128}) {
+    for (const std::int64_t d : {24, 40, 64, 128}) {
       for (const bool causal : {false, true}) {
         SCOPED_TRACE("length " + std::to_string(len) + " d " + std::to_string(d) + " causal " +
                      std::to_string(causal));

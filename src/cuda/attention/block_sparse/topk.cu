@@ -22,30 +22,44 @@
 
 namespace trisparse::cuda {
 
+// The rows a block of the pooling averages: [row0, row0 + rows) of Q or K.
+struct pool_block {
+  std::int64_t row0;
+  std::int32_t rows;
+};
+
 struct topk_device_plan {
   std::shared_ptr<block_sparse_device_plan> attention;
-  std::int32_t heads = 0, dim = 0, block = 0, top_k = 0, cap = 0;
+  std::int32_t heads = 0, dim = 0, pdim = 0, block = 0, top_k = 0, cap = 0;  // pdim: pooled_dim
   bool causal = false, keep_diagonal = false;
   std::int32_t q_blocks = 0, k_blocks = 0, max_k_blocks = 0, rows = 0, num_groups = 0;
   std::int32_t held = 0;  // keys a lane holds in registers in the selection (0: shared memory)
   std::int64_t rows_q = 0, rows_k = 0;
-  device_buffer<std::int32_t> q_block_seq, k_block_seq;    // the sequence of each block
+  device_buffer<pool_block> pool_blocks;  // the query blocks', then the key blocks' rows
   device_buffer<std::int32_t> q_block_base, k_block_base;  // per sequence: its first block
   device_buffer<int2> groups;               // the selection's blocks: (sequence, first query block)
-  device_buffer<float> pooled_q, pooled_k;  // [blocks, heads, dim]
+  device_buffer<float> pooled_q, pooled_k;  // [blocks, heads, pdim], dims in pooled_position order
 };
 
 namespace {
+
+// The pooled means of a head are pooled_dim(dim) floats (dims past dim: zero), dim d at
+// pooled_position(d): within each group of 16 dims, lane t of the scoring MMA finds the 4 values
+// it reads for two k-steps of 8 together (dims t, t + 4, t + 8, t + 12: the tf32 m16n8k8
+// fragments' a0 and a2, or b0 and b1, of both steps), so one 16-byte shared load serves both.
+__host__ __device__ constexpr int pooled_dim(int dim) { return (dim + 15) / 16 * 16; }
+__device__ __forceinline__ int pooled_position(int d) {
+  const int in_group = d % 16;
+  return d - in_group + 4 * (in_group % 4) + 2 * (in_group / 8) + (in_group / 4) % 2;
+}
 
 struct pool_params {
   const void* q;
   const void* k;
   std::int64_t q_row, q_head, k_row, k_head;
-  const std::int64_t* cu_q;
-  const std::int64_t* cu_k;
-  const std::int32_t *q_block_seq, *k_block_seq, *q_block_base, *k_block_base;
+  const pool_block* blocks;  // the grid's, q_blocks query blocks first
   float *pooled_q, *pooled_k;
-  std::int32_t q_blocks, heads, dim, block;
+  std::int32_t q_blocks, heads, dim, pdim;
 };
 
 constexpr int kPoolThreads = 256;
@@ -54,22 +68,22 @@ constexpr int kPoolThreads = 256;
 // heads * dim / 8 chunks of 8 values (16-byte loads); thread t sums chunk t % chunks of rows
 // t / chunks, + groups, ... (groups = threads / chunks row groups, summed in a fixed order after,
 // so the means are deterministic), or with more chunks than threads, chunks t, t + threads, ...
-// of every row.
+// of every row. Means are stored at their pooled_position.
 template <class T>
 __global__ void __launch_bounds__(kPoolThreads, 4)
     pool_kernel(const __grid_constant__ pool_params p) {
   __shared__ float partial[kPoolThreads * 8];
   const bool is_q = static_cast<std::int32_t>(blockIdx.x) < p.q_blocks;
   const int x = static_cast<int>(blockIdx.x) - (is_q ? 0 : p.q_blocks);
-  const int b = (is_q ? p.q_block_seq : p.k_block_seq)[x];
-  const int first = x - (is_q ? p.q_block_base : p.k_block_base)[b];
-  const std::int64_t* cu = is_q ? p.cu_q : p.cu_k;
-  const std::int64_t row0 = cu[b] + std::int64_t{first} * p.block;
-  const int rows = static_cast<int>(min(std::int64_t{p.block}, cu[b + 1] - row0));
+  const pool_block block = p.blocks[blockIdx.x];  // from the plan: one load before the rows
+  const std::int64_t row0 = block.row0;
+  const int rows = block.rows;
   const T* src = static_cast<const T*>(is_q ? p.q : p.k);
   const std::int64_t row_stride = is_q ? p.q_row : p.k_row,
                      head_stride = is_q ? p.q_head : p.k_head;
-  float* dst = (is_q ? p.pooled_q : p.pooled_k) + std::int64_t{x} * p.heads * p.dim;
+  float* dst = (is_q ? p.pooled_q : p.pooled_k) + std::int64_t{x} * p.heads * p.pdim;
+  // Where the mean of value c of a row (all heads) goes.
+  const auto at = [&](int c) { return c / p.dim * p.pdim + pooled_position(c % p.dim); };
   const int chunks = p.heads * p.dim / 8, t = static_cast<int>(threadIdx.x);
   const int groups = max(1, kPoolThreads / chunks), group = t / chunks;
   const float inv = 1.f / static_cast<float>(rows);
@@ -86,7 +100,7 @@ __global__ void __launch_bounds__(kPoolThreads, 4)
     }
     if (groups == 1) {
 #pragma unroll
-      for (int e = 0; e < 8; ++e) dst[c + e] = acc[e] * inv;
+      for (int e = 0; e < 8; ++e) dst[at(c + e)] = acc[e] * inv;
     } else {
 #pragma unroll
       for (int e = 0; e < 8; ++e) partial[group * chunks * 8 + c + e] = acc[e];
@@ -97,7 +111,7 @@ __global__ void __launch_bounds__(kPoolThreads, 4)
   for (int c = t; c < chunks * 8; c += kPoolThreads) {
     float acc = 0.f;
     for (int g = 0; g < groups; ++g) acc += partial[g * chunks * 8 + c];
-    dst[c] = acc * inv;
+    dst[at(c)] = acc * inv;
   }
 }
 
@@ -108,11 +122,12 @@ struct select_params {
   const std::int32_t *q_block_base, *k_block_base;
   const int2* groups;  // (sequence, first query block) of each selection block
   std::int32_t* col_idx;
-  std::int32_t heads, dim, block, top_k, cap, max_k_blocks, rows;
+  std::int32_t heads, pdim, block, top_k, cap, max_k_blocks, rows;  // pdim: pooled_dim
   bool causal, keep_diagonal;
 };
 
 constexpr int kChunk = 64;     // key blocks whose means a block stages at a time
+constexpr int kStages = 4;     // chunks in the staging ring: three in flight while one is scored
 constexpr int kTileRows = 16;  // the MMA's rows: query blocks per row tile
 constexpr int kMaxRows = 32;   // query blocks per selection block, at most: two row tiles
 constexpr int kTileWarps = 8;  // warps per row tile: one 8-key column of a chunk each
@@ -122,12 +137,29 @@ __host__ __device__ constexpr int select_threads(int rows) {
   return (rows + kTileRows - 1) / kTileRows * kTileWarps * 32;
 }
 
-// Shared floats: two stages of key means and the query means' high and low tf32 parts (rows of
-// dim + 4 floats: the MMA fragments' reads, row g and column t of lane 4 g + t, fall in distinct
-// banks; whole row tiles), then the scores of `rows` query blocks (score_floats each).
-__host__ __device__ constexpr int select_floats(int rows, int dim, int score_floats) {
+// Floats of a row of means in shared memory: pdim (a multiple of 16) rounded up to 16 modulo 32,
+// so that the fragments' 16-byte reads of a quarter warp (rows g, g + 1 at column 4 t) fall in
+// distinct banks.
+__host__ __device__ constexpr int row_floats(int pdim) {
+  return pdim % 32 == 16 ? pdim : pdim + 16;
+}
+
+// Shared floats: kStages chunks of key means (rows of row_floats), the query means' high and low
+// tf32 parts (whole row tiles, in MMA fragment order: query_fragment_index), then the scores of
+// `rows` query blocks (score_floats each).
+__host__ __device__ constexpr int select_floats(int rows, int pdim, int score_floats) {
   const int tile_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
-  return (2 * kChunk + 2 * tile_rows) * (dim + 4) + rows * score_floats;
+  return kStages * kChunk * row_floats(pdim) + 2 * tile_rows * pdim + rows * score_floats;
+}
+
+// Where the query mean of row `row` (of the group) at pooled position `d` goes: the A fragment
+// of the tf32 m16n8k8 for its row tile and k-step, as the float4 (a0, a1, a2, a3) of its lane,
+// so that a lane reads a k-step's fragment with one 16-byte load and no moves.
+__device__ __forceinline__ int query_fragment_index(int row, int d, int pdim) {
+  const int tile = row / kTileRows, g = row % 8, upper = row % kTileRows / 8;  // a1, a3: rows g + 8
+  const int in_group = d % 16, t = in_group / 4, slot = in_group % 4;  // pooled_position's order
+  const int step = d / 16 * 2 + slot / 2, e = slot % 2;                // e = 1: a2, a3 (dims t + 4)
+  return ((tile * (pdim / 8) + step) * 32 + 4 * g + t) * 4 + 2 * e + upper;
 }
 
 // Shared floats for one query block's scores: the 32 R keys the lanes load with R held in
@@ -154,12 +186,11 @@ __device__ __forceinline__ unsigned order_key(float v) {
 // min(top_k, numbers among them) (ties to the lower block; NaN never) and the diagonal block (-1:
 // none), written in ascending order to out[0, n); out[n, cap) gets `past` (the key-block count).
 // The scores become order keys (order_key); the keep-th largest key t is found bit by bit from the
-// top (a pass per bit counting keys >= t | bit: no pass depends on the scores' distribution); the
-// keys above t are taken, then the first keep - (count above t) equal to t. Lane l holds the keys
-// of blocks l R ... l R + R - 1 in registers (allowed <= 32 R), or with R = 0 they stay in shared
-// memory (the scores' place) and are read in every pass. With registers, once t's top 16 bits are
-// known the keys sharing them are gathered, one per lane, where they fit (the usual case), so the
-// last 16 passes count one key a lane.
+// top (a pass per bit counting keys >= t | bit); the keys above t are taken, then the first
+// keep - (count above t) equal to t. Lane l holds the keys of blocks l R ... l R + R - 1 in
+// registers (allowed <= 32 R), or with R = 0 they stay in shared memory (the scores' place) and
+// are read in every pass. With registers, as soon as the keys sharing t's decided bits are at
+// most 32 they are gathered, one per lane, so the remaining passes count one key a lane.
 template <int R>
 __device__ void select_row(float* score, int allowed, int top_k, int diagonal, std::int32_t* out,
                            int cap, int past) {
@@ -216,39 +247,47 @@ __device__ void select_row(float* score, int allowed, int top_k, int diagonal, s
     });
     return static_cast<int>(__reduce_add_sync(all, even + odd));
   };
-  const int keep = min(top_k, at_least(1u));  // the numbers: NaN's key is 0
+  const int numbers = at_least(1u);  // NaN's key is 0
+  const int keep = min(top_k, numbers);
   unsigned t = ~0u;  // keep = 0: no key is above or equal (valid keys are < 0xffffffff)
   int need = 0;
   if (keep > 0) {
+    // Bits of t from the top, with the counts of keys >= t (from_t) and >= t + 2^(bit + 1)
+    // (past_t) kept along: the keys in between share t's decided bits. With registers, once they
+    // fit one per lane they are gathered and the remaining bits count one key a lane.
     t = 0u;
-    int bit = 31;
-    for (; bit >= 16; --bit)
-      if (at_least(t | (1u << bit)) >= keep) t |= 1u << bit;
+    int from_t = numbers, past_t = 0, bit = 31;
+    for (; bit >= 0 && (R == 0 || from_t - past_t > 32); --bit) {
+      const int c = at_least(t | (1u << bit));
+      if (c >= keep) {
+        t |= 1u << bit;
+        from_t = c;
+      } else {
+        past_t = c;
+      }
+    }
+    need = keep - past_t;  // bit < 0: past_t counts the keys above t
     if constexpr (R > 0) {
-      // The keys whose top half is t's, gathered into the scores' place in order.
-      const int above = t >= 0xffff0000u ? 0 : at_least(t + 0x10000u);
-      int gathered = 0;
-      each([&](int, unsigned k) {
-        const bool same = (k >> 16) == (t >> 16);
-        const unsigned m = __ballot_sync(all, same);
-        if (same && gathered + __popc(m & below) < 32) key[gathered + __popc(m & below)] = k;
-        gathered += __popc(m);
-      });
-      __syncwarp();
-      if (gathered <= 32) {
+      if (bit >= 0) {
+        // The keys sharing t's decided bits (at most 32), gathered into the scores' place.
+        const auto prefix = [&](unsigned k) { return std::uint64_t{k} >> (bit + 1); };
+        int gathered = 0;
+        each([&](int, unsigned k) {
+          const bool same = k != 0u && prefix(k) == prefix(t);
+          const unsigned m = __ballot_sync(all, same);
+          if (same) key[gathered + __popc(m & below)] = k;
+          gathered += __popc(m);
+        });
+        __syncwarp();
         const unsigned mine = lane < gathered ? key[lane] : 0u;
         for (; bit >= 0; --bit) {
           const unsigned candidate = t | (1u << bit);
-          if (above + static_cast<int>(__reduce_add_sync(all, mine >= candidate ? 1u : 0u)) >= keep)
+          if (past_t + static_cast<int>(__reduce_add_sync(all, mine >= candidate ? 1u : 0u)) >=
+              keep)
             t = candidate;
         }
-        need = keep - above - static_cast<int>(__reduce_add_sync(all, mine > t ? 1u : 0u));
+        need = keep - past_t - static_cast<int>(__reduce_add_sync(all, mine > t ? 1u : 0u));
       }
-    }
-    if (bit >= 0) {  // no gathering: the low half by full passes
-      for (; bit >= 0; --bit)
-        if (at_least(t | (1u << bit)) >= keep) t |= 1u << bit;
-      need = keep - at_least(t + 1);  // t < 0xffffffff: t + 1 counts the keys above t
     }
   }
   // The output in block order: lane l's keys are blocks l S ... l S + S - 1 (S = R, or with
@@ -309,11 +348,11 @@ __global__ void __launch_bounds__(select_threads(kMaxRows))
   const int tile = warp / kTileWarps * kTileRows;  // the warp's first row
   const int h = static_cast<int>(blockIdx.x) % p.heads;
   const int2 group = p.groups[blockIdx.x / p.heads];
-  const int b = group.x, stride = p.dim + 4;
+  const int b = group.x, stride = row_floats(p.pdim);
   const int stage_floats = kChunk * stride;
-  float* q_hi = shared + 2 * stage_floats;
-  float* q_lo = q_hi + tile_rows * stride;
-  float* scores = q_lo + tile_rows * stride;
+  float* q_hi = shared + kStages * stage_floats;
+  float* q_lo = q_hi + tile_rows * p.pdim;
+  float* scores = q_lo + tile_rows * p.pdim;
   const int score_stride = score_floats(R, p.max_k_blocks);
   const int lq = static_cast<int>(p.cu_q[b + 1] - p.cu_q[b]),
             lk = static_cast<int>(p.cu_k[b + 1] - p.cu_k[b]);
@@ -330,25 +369,26 @@ __global__ void __launch_bounds__(select_threads(kMaxRows))
   const int most = allowed_of(rows - 1);
   // The query means, split into tf32 high and low parts; zero rows past the group.
   const float* qs =
-      p.pooled_q + ((std::int64_t{p.q_block_base[b]} + group.y) * p.heads + h) * p.dim;
-  const std::int64_t q_stride = std::int64_t{p.heads} * p.dim;
-  for (int i = static_cast<int>(threadIdx.x); i < tile_rows * p.dim; i += threads) {
-    const int row = i / p.dim, d = i - row * p.dim;
+      p.pooled_q + ((std::int64_t{p.q_block_base[b]} + group.y) * p.heads + h) * p.pdim;
+  const std::int64_t q_stride = std::int64_t{p.heads} * p.pdim;
+  for (int i = static_cast<int>(threadIdx.x); i < tile_rows * p.pdim; i += threads) {
+    const int row = i / p.pdim, d = i - row * p.pdim;
     const float x = row < rows ? qs[row * q_stride + d] : 0.f;
     const float hi = tf32_high(x);
-    q_hi[row * stride + d] = hi;
-    q_lo[row * stride + d] = x - hi;
+    const int at = query_fragment_index(row, d, p.pdim);
+    q_hi[at] = hi;
+    q_lo[at] = x - hi;
   }
-  const std::int64_t k_stride = std::int64_t{p.heads} * p.dim;
-  const float* kp = p.pooled_k + (std::int64_t{p.k_block_base[b]} * p.heads + h) * p.dim;
-  const int dim4 = p.dim / 4;
+  const std::int64_t k_stride = std::int64_t{p.heads} * p.pdim;
+  const float* kp = p.pooled_k + (std::int64_t{p.k_block_base[b]} * p.heads + h) * p.pdim;
+  const int dim4 = p.pdim / 4;
   // Thread i copies the 16-byte pieces i, i + threads, ... of a chunk's rows: (row, piece) steps
   // by (threads / dim4, threads % dim4), with no division in the loop.
   const int first_row = static_cast<int>(threadIdx.x) / dim4,
             first_piece = static_cast<int>(threadIdx.x) % dim4;
   const int row_step = threads / dim4, piece_step = threads % dim4;
-  const auto stage = [&](int c0) {
-    float* to = shared + (c0 / kChunk % 2) * stage_floats;
+  const auto stage = [&](int c0) {  // commits a group, empty past the last chunk
+    float* to = shared + (c0 / kChunk % kStages) * stage_floats;
     const int n = min(kChunk, most - c0);
     for (int row = first_row, piece = first_piece; row < n;) {
       arch::cp_async_16(arch::shared_address(to + row * stride + 4 * piece),
@@ -363,36 +403,44 @@ __global__ void __launch_bounds__(select_threads(kMaxRows))
     arch::cp_async_commit();
   };
   const int allowed_lo = allowed_of(tile + g), allowed_hi = allowed_of(tile + g + 8);
-  if (most > 0) stage(0);
+  // A ring of kStages chunks, kStages - 1 in flight: the staging waited on L2 latency with one.
+  for (int i = 0; i < kStages - 1; ++i) stage(i * kChunk);
   for (int c0 = 0; c0 < most; c0 += kChunk) {
-    if (c0 + kChunk < most) {
-      stage(c0 + kChunk);
-      arch::cp_async_wait<1>();
-    } else {
-      arch::cp_async_wait<0>();
-    }
-    __syncthreads();  // the chunk has landed for every thread (and, first, the query means)
+    arch::cp_async_wait<kStages - 2>();  // this thread's copies of chunk c0 have landed
+    // Every thread's copies have landed and every thread is done with the chunk before (and,
+    // first, the query means are in place): its stage takes the chunk kStages - 1 ahead.
+    __syncthreads();
+    stage(c0 + (kStages - 1) * kChunk);
     const int column = 8 * (warp % kTileWarps), c = c0 + column;  // the warp's first key block
     if (c < most && tile < rows) {
       // B: key block c + g (rows past the chunk hold stale values whose scores are not stored).
-      const float* key = shared + (c0 / kChunk % 2) * stage_floats + (column + g) * stride;
-      const float* qh = q_hi + (tile + g) * stride;  // rows tile + g and tile + g + 8
-      const float* ql = q_lo + (tile + g) * stride;
+      const float* key = shared + (c0 / kChunk % kStages) * stage_floats + (column + g) * stride;
+      // The row tile's A fragments, k-step by k-step (query_fragment_index).
+      const float4* qh =
+          reinterpret_cast<const float4*>(q_hi) + tile / kTileRows * p.pdim * 4 + lane;
+      const float4* ql =
+          reinterpret_cast<const float4*>(q_lo) + tile / kTileRows * p.pdim * 4 + lane;
       float acc[4] = {}, acc_hl[4] = {}, acc_lh[4] = {};  // three independent MMA chains
-      for (int k0 = 0; k0 < p.dim; k0 += 8) {
-        const std::uint32_t a_hi[4] = {
-            __float_as_uint(qh[k0 + t]), __float_as_uint(qh[8 * stride + k0 + t]),
-            __float_as_uint(qh[k0 + t + 4]), __float_as_uint(qh[8 * stride + k0 + t + 4])};
-        const std::uint32_t a_lo[4] = {
-            __float_as_uint(ql[k0 + t]), __float_as_uint(ql[8 * stride + k0 + t]),
-            __float_as_uint(ql[k0 + t + 4]), __float_as_uint(ql[8 * stride + k0 + t + 4])};
-        const float k_0 = key[k0 + t], k_1 = key[k0 + t + 4];
+      // One k-step: A's high and low parts, B's two values (dims t and t + 4 of the step).
+      const auto step = [&](float4 hi, float4 lo, float k_0, float k_1) {
+        const std::uint32_t a_hi[4] = {__float_as_uint(hi.x), __float_as_uint(hi.y),
+                                       __float_as_uint(hi.z), __float_as_uint(hi.w)};
+        const std::uint32_t a_lo[4] = {__float_as_uint(lo.x), __float_as_uint(lo.y),
+                                       __float_as_uint(lo.z), __float_as_uint(lo.w)};
         const float h_0 = tf32_high(k_0), h_1 = tf32_high(k_1);
         const std::uint32_t b_hi[2] = {__float_as_uint(h_0), __float_as_uint(h_1)};
         const std::uint32_t b_lo[2] = {__float_as_uint(k_0 - h_0), __float_as_uint(k_1 - h_1)};
         arch::mma_16x8x8_f32_tf32(acc_lh, a_lo, b_hi);
         arch::mma_16x8x8_f32_tf32(acc_hl, a_hi, b_lo);
         arch::mma_16x8x8_f32_tf32(acc, a_hi, b_hi);
+      };
+      // Two k-steps per 16 dims: the key's x, y are the first step's values, z, w the second's
+      // (pooled_position).
+      for (int j = 0; j < p.pdim; j += 16) {
+        const float4 kv = *reinterpret_cast<const float4*>(key + j + 4 * t);
+        const int s0 = j / 8 * 32;  // the first step's fragments
+        step(qh[s0], ql[s0], kv.x, kv.y);
+        step(qh[s0 + 32], ql[s0 + 32], kv.z, kv.w);
       }
       for (int e = 0; e < 4; ++e) acc[e] += acc_hl[e] + acc_lh[e];
       // acc: rows tile + g (0, 1) and tile + g + 8 (2, 3), key blocks c + 2 t and c + 2 t + 1.
@@ -401,8 +449,9 @@ __global__ void __launch_bounds__(select_threads(kMaxRows))
         if (col < (e < 2 ? allowed_lo : allowed_hi)) scores[row * score_stride + col] = acc[e];
       }
     }
-    __syncthreads();  // the chunk's reads are done before the stage after next overwrites it
   }
+  arch::cp_async_wait<0>();  // the empty groups past the last chunk
+  __syncthreads();           // every score is in place
   for (int i = warp; i < rows; i += threads / 32) {
     const int r = group.y + i, allowed = allowed_of(i);
     float* score = scores + i * score_stride;
@@ -468,6 +517,7 @@ std::shared_ptr<topk_device_plan> make_topk_plan(const block_sparse_mask& skelet
   t->attention = make_block_sparse_plan(skeleton, kernel, stream);
   t->heads = static_cast<std::int32_t>(skeleton.heads);
   t->dim = static_cast<std::int32_t>(dim);
+  t->pdim = pooled_dim(t->dim);
   t->block = static_cast<std::int32_t>(skeleton.block);
   t->top_k = static_cast<std::int32_t>(top_k);
   t->cap = static_cast<std::int32_t>(top_k + (keep_diagonal ? 1 : 0));
@@ -475,18 +525,24 @@ std::shared_ptr<topk_device_plan> make_topk_plan(const block_sparse_mask& skelet
   t->keep_diagonal = keep_diagonal;
   t->rows_q = skeleton.cu_seqlens_q.back();
   t->rows_k = skeleton.cu_seqlens_k.back();
-  std::vector<std::int32_t> q_seq, k_seq, q_base, k_base;
+  std::vector<pool_block> q_blocks, k_blocks;
+  std::vector<std::int32_t> q_base, k_base;
+  // Each sequence's blocks of `block` rows (the last one shorter), from its first row in cu.
+  const auto add_blocks = [&](const std::vector<std::int64_t>& cu, std::int64_t b,
+                              std::vector<pool_block>& blocks, std::vector<std::int32_t>& base) {
+    base.push_back(static_cast<std::int32_t>(blocks.size()));
+    for (std::int64_t r = cu[b]; r < cu[b + 1]; r += t->block)
+      blocks.push_back(
+          {r, static_cast<std::int32_t>(std::min<std::int64_t>(t->block, cu[b + 1] - r))});
+    return static_cast<std::int32_t>(blocks.size()) - base.back();
+  };
   for (std::int64_t b = 0; b < skeleton.batch(); ++b) {
-    const auto nbq = static_cast<std::int32_t>((skeleton.len_q(b) + t->block - 1) / t->block),
-               nbk = static_cast<std::int32_t>((skeleton.len_k(b) + t->block - 1) / t->block);
-    q_base.push_back(static_cast<std::int32_t>(q_seq.size()));
-    k_base.push_back(static_cast<std::int32_t>(k_seq.size()));
-    q_seq.insert(q_seq.end(), static_cast<std::size_t>(nbq), static_cast<std::int32_t>(b));
-    k_seq.insert(k_seq.end(), static_cast<std::size_t>(nbk), static_cast<std::int32_t>(b));
-    t->max_k_blocks = std::max(t->max_k_blocks, nbk);
+    add_blocks(skeleton.cu_seqlens_q, b, q_blocks, q_base);
+    t->max_k_blocks =
+        std::max(t->max_k_blocks, add_blocks(skeleton.cu_seqlens_k, b, k_blocks, k_base));
   }
-  t->q_blocks = static_cast<std::int32_t>(q_seq.size());
-  t->k_blocks = static_cast<std::int32_t>(k_seq.size());
+  t->q_blocks = static_cast<std::int32_t>(q_blocks.size());
+  t->k_blocks = static_cast<std::int32_t>(k_blocks.size());
   // Query blocks per selection block: the most of 32, 16, ..., 1 whose scores fit in shared
   // memory, then halved (down to 4) while the blocks would not cover half the SMs (a block of 32
   // rows runs 16 warps: one fills an SM's warps as two blocks of 16 rows do).
@@ -497,7 +553,7 @@ std::shared_ptr<topk_device_plan> make_topk_plan(const block_sparse_mask& skelet
   TRISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   t->held = held_keys(t->max_k_blocks);
   for (int rows = kMaxRows; rows >= 1 && t->rows == 0; rows /= 2)
-    if (select_floats(rows, t->dim, score_floats(t->held, t->max_k_blocks)) * 4 <= limit)
+    if (select_floats(rows, t->pdim, score_floats(t->held, t->max_k_blocks)) * 4 <= limit)
       t->rows = rows;
   if (t->rows == 0) {
     throw not_supported("top-k selection: " + std::to_string(t->max_k_blocks) +
@@ -516,15 +572,20 @@ std::shared_ptr<topk_device_plan> make_topk_plan(const block_sparse_mask& skelet
   const std::vector<int2> groups = groups_of(t->rows);
   TRISPARSE_CUDA_TRY(cudaFuncSetAttribute(
       select_kernel_for(t->held), cudaFuncAttributeMaxDynamicSharedMemorySize,
-      select_floats(t->rows, t->dim, score_floats(t->held, t->max_k_blocks)) * 4));
+      select_floats(t->rows, t->pdim, score_floats(t->held, t->max_k_blocks)) * 4));
   t->num_groups = static_cast<std::int32_t>(groups.size());
   t->groups = device_buffer<int2>(groups);
-  t->q_block_seq = device_buffer<std::int32_t>(q_seq);
-  t->k_block_seq = device_buffer<std::int32_t>(k_seq);
+  q_blocks.insert(q_blocks.end(), k_blocks.begin(), k_blocks.end());
+  t->pool_blocks = device_buffer<pool_block>(q_blocks);
   t->q_block_base = device_buffer<std::int32_t>(q_base);
   t->k_block_base = device_buffer<std::int32_t>(k_base);
-  t->pooled_q = device_buffer<float>(static_cast<std::size_t>(t->q_blocks) * t->heads * t->dim);
-  t->pooled_k = device_buffer<float>(static_cast<std::size_t>(t->k_blocks) * t->heads * t->dim);
+  t->pooled_q = device_buffer<float>(static_cast<std::size_t>(t->q_blocks) * t->heads * t->pdim);
+  t->pooled_k = device_buffer<float>(static_cast<std::size_t>(t->k_blocks) * t->heads * t->pdim);
+  // The padding dims (pdim > dim) stay zero: the pooling writes only the first dim.
+  for (auto* pooled : {&t->pooled_q, &t->pooled_k}) {
+    TRISPARSE_CUDA_TRY(cudaMemsetAsync(pooled->data(), 0, pooled->size() * sizeof(float),
+                                       static_cast<cudaStream_t>(stream.handle)));
+  }
   return t;
 }
 
@@ -544,24 +605,19 @@ void select_topk(topk_device_plan& t, const tensor_view& q, const tensor_view& k
                        q.head_stride,
                        k.row_stride,
                        k.head_stride,
-                       a.cu_q.data(),
-                       a.cu_k.data(),
-                       t.q_block_seq.data(),
-                       t.k_block_seq.data(),
-                       t.q_block_base.data(),
-                       t.k_block_base.data(),
+                       t.pool_blocks.data(),
                        t.pooled_q.data(),
                        t.pooled_k.data(),
                        t.q_blocks,
                        t.heads,
                        t.dim,
-                       t.block};
+                       t.pdim};
   const unsigned pool_blocks = static_cast<unsigned>(t.q_blocks + t.k_blocks);
   if (pool_blocks == 0) return;
   if (q.type == dtype::f16)
-    pool_kernel<__half><<<pool_blocks, 256, 0, s>>>(pp);
+    pool_kernel<__half><<<pool_blocks, kPoolThreads, 0, s>>>(pp);
   else
-    pool_kernel<__nv_bfloat16><<<pool_blocks, 256, 0, s>>>(pp);
+    pool_kernel<__nv_bfloat16><<<pool_blocks, kPoolThreads, 0, s>>>(pp);
   TRISPARSE_CUDA_CHECK_LAUNCH();
   select_params sp{};
   sp.pooled_q = t.pooled_q.data();
@@ -573,7 +629,7 @@ void select_topk(topk_device_plan& t, const tensor_view& q, const tensor_view& k
   sp.groups = t.groups.data();
   sp.col_idx = a.col_idx.data();
   sp.heads = t.heads;
-  sp.dim = t.dim;
+  sp.pdim = t.pdim;
   sp.block = t.block;
   sp.top_k = t.top_k;
   sp.cap = t.cap;
@@ -585,7 +641,7 @@ void select_topk(topk_device_plan& t, const tensor_view& q, const tensor_view& k
   if (blocks == 0 || t.cap == 0) return;
   select_kernel_for(
       t.held)<<<static_cast<unsigned>(blocks), select_threads(t.rows),
-                select_floats(t.rows, t.dim, score_floats(t.held, t.max_k_blocks)) * 4, s>>>(sp);
+                select_floats(t.rows, t.pdim, score_floats(t.held, t.max_k_blocks)) * 4, s>>>(sp);
   TRISPARSE_CUDA_CHECK_LAUNCH();
 }
 
