@@ -79,8 +79,9 @@ def main():
                       "the report's three kernels (SDDMM, softmax, SpMM) over dense SDPA", True)
         stage_panel(axes[1][1], rows, 64)
     r0 = rows[0]
+    causal = ", causal" if all(r.get("causal", False) for r in rows) else ""
     fig.suptitle(f"trisparse block-sparse attention, {r0['gpu']}, heads {r0['heads']}, D {r0['dim']}, "
-                 f"{r0['dtype']}")
+                 f"{r0['dtype']}{causal}")
     fig.tight_layout()
     fig.savefig(a.out, dpi=110)
 
