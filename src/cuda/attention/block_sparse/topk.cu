@@ -581,11 +581,13 @@ std::shared_ptr<topk_device_plan> make_topk_plan(const block_sparse_mask& skelet
   t->k_block_base = device_buffer<std::int32_t>(k_base);
   t->pooled_q = device_buffer<float>(static_cast<std::size_t>(t->q_blocks) * t->heads * t->pdim);
   t->pooled_k = device_buffer<float>(static_cast<std::size_t>(t->k_blocks) * t->heads * t->pdim);
-  // The padding dims (pdim > dim) stay zero: the pooling writes only the first dim.
+  // The padding dims (pdim > dim) stay zero: the pooling writes only the first dim. Done before
+  // the plan is returned, whatever stream select() runs on later.
   for (auto* pooled : {&t->pooled_q, &t->pooled_k}) {
     TRISPARSE_CUDA_TRY(cudaMemsetAsync(pooled->data(), 0, pooled->size() * sizeof(float),
                                        static_cast<cudaStream_t>(stream.handle)));
   }
+  TRISPARSE_CUDA_TRY(cudaStreamSynchronize(static_cast<cudaStream_t>(stream.handle)));
   return t;
 }
 
