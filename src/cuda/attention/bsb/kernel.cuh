@@ -205,7 +205,9 @@ constexpr int team_words(int warps) {
 /// of a thread block (member = the warp's rank): member w takes the w-th of `team` consecutive
 /// shares of the item's TCBs, and the others hand their (m, l, O) to member 0 through `shared`
 /// (team_words<D>(team) floats), which combines them and finishes the item.
-template <class T, int D, class O>
+/// kPipelined: the next TCB's rows load during this one's products (a second copy of the rows in
+/// registers), else at the top of their own iteration.
+template <class T, int D, class O, bool kPipelined>
 __device__ __forceinline__ void process_item(const params& p, const work_item& it, int h, int lane,
                                              int member, int team, float* shared) {
   constexpr int kQ = D / 4;  // halves of a Q/K row per lane
@@ -234,9 +236,7 @@ __device__ __forceinline__ void process_item(const params& p, const work_item& i
   float m0 = kNegInf, m1 = kNegInf, l0 = 0.0f, l1 = 0.0f;
   const int bit = g * 8 + 2 * t;
 
-  // Pipeline: indices two TCBs ahead, rows one TCB ahead (up to D = 128; at D = 256 a second copy
-  // of the rows would not fit in registers, so rows load at the top of their own iteration).
-  constexpr bool kPipelined = D <= 128;
+  // Pipeline: indices two TCBs ahead, rows one TCB ahead where kPipelined.
   // A team member's share: the member-th of `team` consecutive near-equal ranges.
   const std::int32_t size = it.end - it.begin;
   const std::int32_t begin = it.begin + size * member / team,
@@ -441,8 +441,11 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) fused3s_kernel(const 
   }
   // One call site: the kernel holds one copy of the item loop (two cost registers and spills).
   while (task < tasks) {
-    process_item<T, D, O>(p, p.items[task / p.heads], static_cast<int>(task % p.heads), lane,
-                          on_team ? warp : 0, on_team ? kWarps : 1, team_state);
+    // Rows one TCB ahead up to D = 128 at 2 blocks per SM; at D = 256, or D = 128 with 3 blocks
+    // (168 registers), the second copy of the rows does not fit.
+    constexpr bool kPipelined = D <= 64 || (D <= 128 && kMinBlocks <= 2);
+    process_item<T, D, O, kPipelined>(p, p.items[task / p.heads], static_cast<int>(task % p.heads),
+                                      lane, on_team ? warp : 0, on_team ? kWarps : 1, team_state);
     if (!p.use_queue) return;  // one task per block (teams) or warp: no claims, nothing to reset
     if (on_team) {
       if (threadIdx.x == 0)

@@ -68,9 +68,9 @@ std::int32_t team_items(const fused3s_device_plan& plan, std::int64_t heads,
       std::clamp<std::int64_t>(spare / ((kWarps - 1) * heads), 0, eligible));
 }
 
-template <class T, int D, class O>
-void launch(const fused3s::params& p, const fused3s_device_plan& plan, cudaStream_t s) {
-  const auto kernel = fused3s::fused3s_kernel<T, D, O, kWarps, kMinBlocks<D>>;
+template <class T, int D, class O, int kBlocks>
+void launch_blocks(const fused3s::params& p, const fused3s_device_plan& plan, cudaStream_t s) {
+  const auto kernel = fused3s::fused3s_kernel<T, D, O, kWarps, kBlocks>;
   constexpr int kTeamBytes = fused3s::team_words<D>(kWarps) * static_cast<int>(sizeof(float));
   // Persistent warps: no more blocks than fit at once (the occupancy of this instantiation with
   // the teams' shared memory, on the first device it runs on).
@@ -98,6 +98,27 @@ void launch(const fused3s::params& p, const fused3s_device_plan& plan, cudaStrea
     kernel<<<grid, kWarps * 32, shared, s>>>(q);
     TRISPARSE_CUDA_CHECK_LAUNCH();
   }
+}
+
+// At D = 128, three blocks per SM (rows not loaded a TCB ahead, to fit 168 registers) where that
+// runs every task at once and two blocks would not: tasks between the warp slots of two and of
+// three blocks, all short (at most kShortItem TCBs). Batches of small graphs like tu_enzymes
+// (1,224 windows of at most 7 TCBs: two rounds of tasks become one) measured 4.5% faster; with more
+// tasks than three blocks' slots they measured 1-3.5% slower, and with longer items 3-22% slower
+// (H200, docs/notes/fused3s.md).
+constexpr std::int32_t kShortItem = 8;
+
+template <class T, int D, class O>
+void launch(const fused3s::params& p, const fused3s_device_plan& plan, cudaStream_t s) {
+  if constexpr (D == 128) {
+    const std::int64_t tasks = std::int64_t{p.num_items} * p.heads;
+    const std::int64_t block_warps = std::int64_t{kWarps} * plan.sms;
+    if (!plan.item_tcbs.empty() && plan.item_tcbs.front() <= kShortItem &&
+        tasks > kMinBlocks<D> * block_warps && tasks <= 3 * block_warps) {
+      return launch_blocks<T, D, O, 3>(p, plan, s);
+    }
+  }
+  launch_blocks<T, D, O, kMinBlocks<D>>(p, plan, s);
 }
 
 template <class T, int D>
