@@ -2,6 +2,7 @@
 // kernel's template arguments here and nowhere else.
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <mutex>
 #include <string>
 
@@ -13,6 +14,7 @@
 #include "../../formats/bsb_build.cuh"
 #include "kernel.cuh"
 #include "plan.hpp"
+#include "schedule.hpp"
 
 namespace trisparse::cuda {
 
@@ -27,8 +29,12 @@ struct fused3s_device_plan {
   device_buffer<fused3s::split_window> splits;
   std::int32_t num_items = 0, num_splits = 0, num_parts = 0;
   std::int64_t tcbs = 0;
-  std::vector<std::int32_t> item_tcbs;  // host copy of the items' TCB counts (decreasing)
-  std::int32_t team_tcbs = 0;           // fused3s_limits::team_tcbs
+  fused3s::item_list host_items;  // the items' TCB counts (decreasing) and splits, on the host
+  std::int32_t team_tcbs = 0;     // fused3s_limits::team_tcbs
+  // Team items chosen per (heads, resident blocks) launched so far (the model's replay is not
+  // redone per call).
+  mutable std::mutex teams_mutex;
+  mutable std::map<std::pair<std::int64_t, std::int64_t>, std::int32_t> teams;
   // Partial states of split windows, sized for the largest heads x head_dim run so far.
   mutable std::mutex workspace_mutex;
   mutable device_buffer<float> part_o, part_ml;
@@ -46,26 +52,23 @@ constexpr int kMinBlocks = D <= 64    ? 4
                            : D == 128 ? 2
                                       : 1;
 
-/// How many of the largest items run on teams, with `warp_slots` resident warps. A team costs
-/// each of its warps an item's start (Q rows, the first TCB's indices and rows: about three
-/// memory latencies) and the combine, about 30% more warp time on items of 8-24 TCBs (H200,
-/// docs/notes/fused3s.md), so teams pay only on warp slots that would idle otherwise: when the
-/// tasks do not fill the slots, the largest items of at least 8 TCBs get teams as long as
-/// everything still runs at once (a team takes 4 slots for 1). A positive team_tcbs instead gives
-/// teams to every item of at least that many TCBs.
-std::int32_t team_items(const fused3s_device_plan& plan, std::int64_t heads,
-                        std::int64_t warp_slots) {
+/// How many of the largest items run on teams with `blocks` resident blocks: as the schedule model
+/// chooses (schedule.hpp), or, with a positive team_tcbs, every item of at least that many TCBs.
+std::int32_t team_items(const fused3s_device_plan& plan, std::int64_t heads, std::int64_t blocks) {
   if (plan.team_tcbs < 0 || heads <= 0) return 0;
-  const std::int64_t t = plan.team_tcbs > 0 ? plan.team_tcbs : 8;
-  const auto end = std::partition_point(plan.item_tcbs.begin(), plan.item_tcbs.end(),
-                                        [&](std::int32_t x) { return x >= t; });
-  const auto eligible = static_cast<std::int64_t>(end - plan.item_tcbs.begin());
-  if (plan.team_tcbs > 0) return static_cast<std::int32_t>(eligible);
-  // Blocks: teams + ceil(other tasks / 4) <= warp_slots / 4.
-  const std::int64_t spare =
-      warp_slots - static_cast<std::int64_t>(plan.item_tcbs.size()) * heads - (kWarps - 1);
-  return static_cast<std::int32_t>(
-      std::clamp<std::int64_t>(spare / ((kWarps - 1) * heads), 0, eligible));
+  if (plan.team_tcbs > 0) {
+    const auto& t = plan.host_items.tcbs;
+    return static_cast<std::int32_t>(
+        std::partition_point(t.begin(), t.end(),
+                             [&](std::int32_t x) { return x >= plan.team_tcbs; }) -
+        t.begin());
+  }
+  std::lock_guard<std::mutex> lock(plan.teams_mutex);
+  const auto [at, added] = plan.teams.try_emplace({heads, blocks}, 0);
+  if (added)
+    at->second = static_cast<std::int32_t>(
+        fused3s::choose_team_items(plan.host_items, heads, blocks, kWarps));
+  return at->second;
 }
 
 template <class T, int D, class O, int kBlocks>
@@ -84,7 +87,7 @@ void launch_blocks(const fused3s::params& p, const fused3s_device_plan& plan, cu
   }();
   const int sms = plan.sms;
   fused3s::params q = p;
-  q.team_items = team_items(plan, p.heads, std::int64_t{resident} * sms * kWarps);
+  q.team_items = team_items(plan, p.heads, std::int64_t{resident} * sms);
   const std::int64_t tasks = std::int64_t{p.num_items} * p.heads;
   const std::int64_t team_tasks = std::int64_t{q.team_items} * p.heads;
   if (tasks > 0) {
@@ -113,8 +116,9 @@ void launch(const fused3s::params& p, const fused3s_device_plan& plan, cudaStrea
   if constexpr (D == 128) {
     const std::int64_t tasks = std::int64_t{p.num_items} * p.heads;
     const std::int64_t block_warps = std::int64_t{kWarps} * plan.sms;
-    if (!plan.item_tcbs.empty() && plan.item_tcbs.front() <= kShortItem &&
-        tasks > kMinBlocks<D> * block_warps && tasks <= 3 * block_warps) {
+    const auto& sizes = plan.host_items.tcbs;
+    if (!sizes.empty() && sizes.front() <= kShortItem && tasks > kMinBlocks<D> * block_warps &&
+        tasks <= 3 * block_warps) {
       return launch_blocks<T, D, O, 3>(p, plan, s);
     }
   }
@@ -166,25 +170,22 @@ std::shared_ptr<fused3s_device_plan> plan_from(device_bsb f, fused3s_limits limi
   TRISPARSE_CUDA_TRY(cudaMemsetAsync(plan->queue.data(), 0, plan->queue.bytes(), s));
   plan->rows = f.rows;
   plan->cols = f.cols;
-  // Cost model: the kernel ends when its longest item does. Warps claim items largest first, so
-  // an item should be at most a few times the mean work per warp slot (mean = TCBs / (16 * SMs)):
-  // 3x on mid-size graphs, 2x on large ones (a split costs a 16 x D partial write and its share
-  // of a merge), and never below 24 TCBs. Calibrated on an H200 by sweeping the cap over 23 graphs
-  // (bench/results/fused3s_split_sweep_queue_h200.jsonl, docs/notes/fused3s.md).
-  const std::int64_t slots = std::int64_t{sms} * 16;
-  const std::int64_t mean = (f.tcbs + slots - 1) / slots;
+  // The split limit from the schedule model (schedule.hpp), unless the caller fixes it.
+  std::vector<std::int32_t> window_tcbs(static_cast<std::size_t>(f.windows));
+  TRISPARSE_CUDA_TRY(cudaMemcpyAsync(window_tcbs.data(), f.window_tcbs.data(),
+                                     window_tcbs.size() * sizeof(std::int32_t),
+                                     cudaMemcpyDeviceToHost, s));
+  TRISPARSE_CUDA_TRY(cudaStreamSynchronize(s));
   const std::int64_t limit = limits.split_tcbs > 0
                                  ? limits.split_tcbs
-                                 : std::max<std::int64_t>(24, std::min(3 * mean, 2 * mean + 8));
+                                 : fused3s::choose_split_limit(window_tcbs, sms, kWarps);
   device_work_list list =
       build_work_list(f.window_tcbs.data(), f.tcb_offset.data(), f.windows, limit, s);
-  // Which items run on teams depends on the heads and the head dim (the warp slots), so the
-  // launch chooses them from the sizes.
+  // Which items run on teams depends on the heads and the head dim (the resident blocks), so the
+  // launch chooses them from the host copy of the items.
   plan->tcbs = f.tcbs;
   plan->team_tcbs = limits.team_tcbs;
-  plan->item_tcbs.resize(list.num_items);
-  TRISPARSE_CUDA_TRY(cudaMemcpy(plan->item_tcbs.data(), list.sizes.data(), list.sizes.bytes(),
-                                cudaMemcpyDeviceToHost));
+  plan->host_items = fused3s::cut_windows(window_tcbs, limit);
   plan->col_idx = std::move(f.col_idx);
   plan->bitmap = std::move(f.bitmap);
   plan->items = std::move(list.items);
