@@ -11,8 +11,8 @@ namespace {
 
 // Fitted to a sweep of the split limit (12-32) x the team rule on 11 shared datasets (H200, D =
 // 128, one head, two blocks per SM; least squares on the log of each time against its graph's mean:
-// 3.3% left), then checked on a sweep of 36 (limits 16-64, 6.6% left): docs/notes/fused3s.md,
-// "v10".
+// 3.3% left), then checked on a sweep of 36, those 11 included (limits 16-64, 6.6% left):
+// docs/notes/fused3s.md, "v10".
 constexpr schedule_costs kCosts{
     .start = 2.9, .per_tcb = 0.365, .combine = 0.0, .part = 1.93, .merge = 2.82, .claim = 0.76};
 
