@@ -31,11 +31,12 @@ struct plan_options {
   algorithm algo = algorithm::automatic;  ///< what the plan prepares formats for
   int tcb_cols = 8;                       ///< BSB tensor-core block width (8 or 16)
   /// cuda_fused_bsb: row windows with more TCBs are split across warps and merged
-  /// (0 = chosen by the cost model from the TCB count and the device).
+  /// (0 = chosen from the windows' TCB counts and the device by a model of the kernel's schedule).
   std::int32_t split_tcbs = 0;
   /// cuda_fused_bsb: work items of at least this many TCBs are shared by the 4 warps of one
-  /// thread block, which combine their softmax states in shared memory (0 = chosen from the TCB
-  /// count and the device, at least 8; negative = never, one warp per item).
+  /// thread block, which combine their softmax states in shared memory (0 = how many of the
+  /// largest items is chosen per heads and head dim by the same model; negative = never, one warp
+  /// per item).
   std::int32_t team_tcbs = 0;
   /// CUDA plans from a host pattern: how query rows are grouped into windows. automatic:
   /// cuda_fused_bsb uses reverse Cuthill-McKee where it cuts the TCB count by >= 35% (square

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <map>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 
 #include "../../common/buffer.cuh"
@@ -186,6 +187,10 @@ std::shared_ptr<fused3s_device_plan> plan_from(device_bsb f, fused3s_limits limi
   plan->tcbs = f.tcbs;
   plan->team_tcbs = limits.team_tcbs;
   plan->host_items = fused3s::cut_windows(window_tcbs, limit);
+  if (std::ssize(plan->host_items.tcbs) != list.num_items)
+    throw std::logic_error("fused 3S: the host copy of the work list has " +
+                           std::to_string(plan->host_items.tcbs.size()) + " items, the device's " +
+                           std::to_string(list.num_items));
   plan->col_idx = std::move(f.col_idx);
   plan->bitmap = std::move(f.bitmap);
   plan->items = std::move(list.items);
