@@ -441,9 +441,9 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) fused3s_kernel(const 
   }
   // One call site: the kernel holds one copy of the item loop (two cost registers and spills).
   while (task < tasks) {
-    // Rows one TCB ahead up to D = 128 at 2 blocks per SM; at D = 256, or D = 128 with 3 blocks
+    // Rows one TCB ahead up to D = 128 at 8 warps per SM; at D = 256, or D = 128 with 12 warps
     // (168 registers), the second copy of the rows does not fit.
-    constexpr bool kPipelined = D <= 64 || (D <= 128 && kMinBlocks <= 2);
+    constexpr bool kPipelined = D <= 64 || (D <= 128 && kMinBlocks * kWarps <= 8);
     process_item<T, D, O, kPipelined>(p, p.items[task / p.heads], static_cast<int>(task % p.heads),
                                       lane, on_team ? warp : 0, on_team ? kWarps : 1, team_state);
     if (!p.use_queue) return;  // one task per block (teams) or warp: no claims, nothing to reset

@@ -6,6 +6,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 
 #include "../../common/buffer.cuh"
 #include "../../common/current_device.cuh"
@@ -32,10 +33,10 @@ struct fused3s_device_plan {
   std::int64_t tcbs = 0;
   fused3s::item_list host_items;  // the items' TCB counts (decreasing) and splits, on the host
   std::int32_t team_tcbs = 0;     // fused3s_limits::team_tcbs
-  // Team items chosen per (heads, resident blocks) launched so far (the model's replay is not
-  // redone per call).
+  // Team items chosen per (heads, resident blocks, warps per block) launched so far (the model's
+  // replay is not redone per call).
   mutable std::mutex teams_mutex;
-  mutable std::map<std::pair<std::int64_t, std::int64_t>, std::int32_t> teams;
+  mutable std::map<std::tuple<std::int64_t, std::int64_t, int>, std::int32_t> teams;
   // Partial states of split windows, sized for the largest heads x head_dim run so far.
   mutable std::mutex workspace_mutex;
   mutable device_buffer<float> part_o, part_ml;
@@ -53,9 +54,11 @@ constexpr int kMinBlocks = D <= 64    ? 4
                            : D == 128 ? 2
                                       : 1;
 
-/// How many of the largest items run on teams with `blocks` resident blocks: as the schedule model
-/// chooses (schedule.hpp), or, with a positive team_tcbs, every item of at least that many TCBs.
-std::int32_t team_items(const fused3s_device_plan& plan, std::int64_t heads, std::int64_t blocks) {
+/// How many of the largest items run on teams with `blocks` resident blocks of `warps` warps: as
+/// the schedule model chooses (schedule.hpp), or, with a positive team_tcbs, every item of at least
+/// that many TCBs.
+std::int32_t team_items(const fused3s_device_plan& plan, std::int64_t heads, std::int64_t blocks,
+                        int warps) {
   if (plan.team_tcbs < 0 || heads <= 0) return 0;
   if (plan.team_tcbs > 0) {
     const auto& t = plan.host_items.tcbs;
@@ -65,51 +68,53 @@ std::int32_t team_items(const fused3s_device_plan& plan, std::int64_t heads, std
         t.begin());
   }
   std::lock_guard<std::mutex> lock(plan.teams_mutex);
-  const auto [at, added] = plan.teams.try_emplace({heads, blocks}, 0);
+  const auto [at, added] = plan.teams.try_emplace({heads, blocks, warps}, 0);
   if (added)
     at->second = static_cast<std::int32_t>(
-        fused3s::choose_team_items(plan.host_items, heads, blocks, kWarps));
+        fused3s::choose_team_items(plan.host_items, heads, blocks, warps));
   return at->second;
 }
 
-template <class T, int D, class O, int kBlocks>
+template <class T, int D, class O, int kBlocks, int kBlockWarps = kWarps>
 void launch_blocks(const fused3s::params& p, const fused3s_device_plan& plan, cudaStream_t s) {
-  const auto kernel = fused3s::fused3s_kernel<T, D, O, kWarps, kBlocks>;
-  constexpr int kTeamBytes = fused3s::team_words<D>(kWarps) * static_cast<int>(sizeof(float));
+  const auto kernel = fused3s::fused3s_kernel<T, D, O, kBlockWarps, kBlocks>;
+  constexpr int kTeamBytes = fused3s::team_words<D>(kBlockWarps) * static_cast<int>(sizeof(float));
   // Persistent warps: no more blocks than fit at once (the occupancy of this instantiation with
   // the teams' shared memory, on the first device it runs on).
   static const int resident = [&] {
     TRISPARSE_CUDA_TRY(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTeamBytes));
     int blocks = 0;
-    TRISPARSE_CUDA_TRY(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kWarps * 32, kTeamBytes));
+    TRISPARSE_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel,
+                                                                     kBlockWarps * 32, kTeamBytes));
     return std::max(blocks, 1);
   }();
   const int sms = plan.sms;
   fused3s::params q = p;
-  q.team_items = team_items(plan, p.heads, std::int64_t{resident} * sms);
+  q.team_items = team_items(plan, p.heads, std::int64_t{resident} * sms, kBlockWarps);
   const std::int64_t tasks = std::int64_t{p.num_items} * p.heads;
   const std::int64_t team_tasks = std::int64_t{q.team_items} * p.heads;
   if (tasks > 0) {
     // A block per team task, then a warp per other task, if that fits at once; else persistent.
-    const std::int64_t one_each = team_tasks + (tasks - team_tasks + kWarps - 1) / kWarps;
+    const std::int64_t one_each = team_tasks + (tasks - team_tasks + kBlockWarps - 1) / kBlockWarps;
     const auto grid =
         static_cast<unsigned>(std::min<std::int64_t>(one_each, std::int64_t{resident} * sms));
     q.use_queue = one_each > grid;
     // Shared memory only with teams: without, the L1 cache keeps all of it for K and V rows.
     const int shared = team_tasks > 0 ? kTeamBytes : 0;
-    kernel<<<grid, kWarps * 32, shared, s>>>(q);
+    kernel<<<grid, kBlockWarps * 32, shared, s>>>(q);
     TRISPARSE_CUDA_CHECK_LAUNCH();
   }
 }
 
-// At D = 128, three blocks per SM (rows not loaded a TCB ahead, to fit 168 registers) where that
-// runs every task at once and two blocks would not: tasks between the warp slots of two and of
-// three blocks, all short (at most kShortItem TCBs). Batches of small graphs like tu_enzymes
-// (1,224 windows of at most 7 TCBs: two rounds of tasks become one) measured 4.5% faster; with more
-// tasks than three blocks' slots they measured 1-3.5% slower, and with longer items 3-22% slower
-// (H200, docs/notes/fused3s.md).
+// At D = 128, 12 warps per SM (rows not loaded a TCB ahead, to fit 168 registers) where that runs
+// every task at once and 8 would not: tasks between the warp slots of two and of three 4-warp
+// blocks, all short (at most kShortItem TCBs). Batches of small graphs like tu_enzymes (1,224
+// windows of at most 7 TCBs: two rounds of tasks become one) measured 4.5% faster on three 4-warp
+// blocks; with more tasks than three blocks' slots they measured 1-3.5% slower, and with longer
+// items 3-22% slower. The warps run as six blocks of two: 612 blocks of 2 warps spread over the
+// SMs more evenly than 306 of 4 (at most 10 warps on an SM instead of 12), 4% faster on
+// tu_enzymes (H200, docs/notes/fused3s.md).
 constexpr std::int32_t kShortItem = 8;
 
 template <class T, int D, class O>
@@ -120,7 +125,7 @@ void launch(const fused3s::params& p, const fused3s_device_plan& plan, cudaStrea
     const auto& sizes = plan.host_items.tcbs;
     if (!sizes.empty() && sizes.front() <= kShortItem && tasks > kMinBlocks<D> * block_warps &&
         tasks <= 3 * block_warps) {
-      return launch_blocks<T, D, O, 3>(p, plan, s);
+      return launch_blocks<T, D, O, 6, 2>(p, plan, s);
     }
   }
   launch_blocks<T, D, O, kMinBlocks<D>>(p, plan, s);
