@@ -112,9 +112,9 @@ void launch_blocks(const fused3s::params& p, const fused3s_device_plan& plan, cu
 // blocks, all short (at most kShortItem TCBs). Batches of small graphs like tu_enzymes (1,224
 // windows of at most 7 TCBs: two rounds of tasks become one) measured 4.5% faster on three 4-warp
 // blocks; with more tasks than three blocks' slots they measured 1-3.5% slower, and with longer
-// items 3-22% slower. The warps run as six blocks of two: 612 blocks of 2 warps spread over the
-// SMs more evenly than 306 of 4 (at most 10 warps on an SM instead of 12), 4% faster on
-// tu_enzymes (H200, docs/notes/fused3s.md).
+// items 3-22% slower. The warps run as six blocks of two, 4% faster on tu_enzymes (H200,
+// docs/notes/fused3s.md); likely because 612 blocks of 2 warps spread over 132 SMs more evenly
+// than 306 of 4 (8-10 warps per SM instead of 8-12).
 constexpr std::int32_t kShortItem = 8;
 
 template <class T, int D, class O>
