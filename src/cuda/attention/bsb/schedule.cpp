@@ -37,7 +37,7 @@ std::int64_t at_least(const item_list& items, std::int32_t t) {
   return end - items.tcbs.begin();
 }
 
-// One task's time on its warp(s): a team's members take a quarter of the chain each.
+// One task's time on its warp(s): a team's members take 1/warps of the chain each.
 double task_cost(std::int64_t tcbs, bool part, bool team, int warps) {
   const std::int64_t chain = team ? (tcbs + warps - 1) / warps : tcbs;
   return kCosts.start + kCosts.per_tcb * static_cast<double>(chain) +

@@ -39,8 +39,8 @@ double predicted_time(const item_list& items, std::int64_t team_items, std::int6
 
 /// How many of the largest items run on teams: the spare-slot rule below, unless no teams or
 /// teams on every item of at least 8, 12, 16 or 24 TCBs is predicted at least 10% faster (the
-/// fastest of those). Beyond a few rounds of tasks per warp slot teams cannot shorten the kernel,
-/// and none are chosen without replaying it.
+/// fastest of those). Beyond two tasks per warp slot teams cannot shorten the kernel, and none
+/// are chosen without replaying it.
 std::int64_t choose_team_items(const item_list& items, std::int64_t heads, std::int64_t blocks,
                                int warps);
 
