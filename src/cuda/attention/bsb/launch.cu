@@ -60,13 +60,8 @@ constexpr int kMinBlocks = D <= 64    ? 4
 std::int32_t team_items(const fused3s_device_plan& plan, std::int64_t heads, std::int64_t blocks,
                         int warps) {
   if (plan.team_tcbs < 0 || heads <= 0) return 0;
-  if (plan.team_tcbs > 0) {
-    const auto& t = plan.host_items.tcbs;
-    return static_cast<std::int32_t>(
-        std::partition_point(t.begin(), t.end(),
-                             [&](std::int32_t x) { return x >= plan.team_tcbs; }) -
-        t.begin());
-  }
+  if (plan.team_tcbs > 0)
+    return static_cast<std::int32_t>(fused3s::at_least(plan.host_items, plan.team_tcbs));
   std::lock_guard<std::mutex> lock(plan.teams_mutex);
   const auto [at, added] = plan.teams.try_emplace({heads, blocks, warps}, 0);
   if (added)

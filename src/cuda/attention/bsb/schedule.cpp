@@ -31,12 +31,6 @@ constexpr double kMargin = 0.9;
 // chose limits that measured up to 15% slower (merges cost more than it counts).
 constexpr std::int64_t kLimits[] = {24, 28, 32, 40, 48, 64};
 
-std::int64_t at_least(const item_list& items, std::int32_t t) {
-  const auto end = std::partition_point(items.tcbs.begin(), items.tcbs.end(),
-                                        [&](std::int32_t x) { return x >= t; });
-  return end - items.tcbs.begin();
-}
-
 // One task's time on its warp(s): a team's members take 1/warps of the chain each.
 double task_cost(std::int64_t tcbs, bool part, bool team, int warps) {
   const std::int64_t chain = team ? (tcbs + warps - 1) / warps : tcbs;
@@ -58,6 +52,12 @@ double lower_bound(const item_list& items, std::int64_t team_items, std::int64_t
 }
 
 }  // namespace
+
+std::int64_t at_least(const item_list& items, std::int32_t t) {
+  const auto end = std::partition_point(items.tcbs.begin(), items.tcbs.end(),
+                                        [&](std::int32_t x) { return x >= t; });
+  return end - items.tcbs.begin();
+}
 
 item_list cut_windows(std::span<const std::int32_t> window_tcbs, std::int64_t limit) {
   item_list out;

@@ -32,6 +32,9 @@ struct item_list {
 };
 item_list cut_windows(std::span<const std::int32_t> window_tcbs, std::int64_t limit);
 
+/// How many items (the leading ones, items being in decreasing order) have at least `t` TCBs.
+std::int64_t at_least(const item_list& items, std::int32_t t);
+
 /// Predicted kernel time (µs, up to a per-graph factor) of `items` for `heads` heads on `blocks`
 /// resident thread blocks of `warps` warps, the first `team_items` items on teams.
 double predicted_time(const item_list& items, std::int64_t team_items, std::int64_t heads,
