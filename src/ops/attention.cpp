@@ -104,7 +104,12 @@ csr_graph binary_copy(const csr_graph& g) {
 cuda::fused3s_limits fused3s_limits(const plan_options& o) { return {o.split_tcbs, o.team_tcbs}; }
 
 sparse_plan_options unfused_options(const plan_options& o) {
-  return {.vector_rows = 8, .split_blocks = o.split_tcbs, .order = o.order};
+  // Scores go through a softmax, which turns tf32's absolute error at large scores into large
+  // factors: f32 inputs take the three-product SDDMM.
+  return {.vector_rows = 8,
+          .split_blocks = o.split_tcbs,
+          .order = o.order,
+          .sddmm_f32 = f32_math::tf32x3};
 }
 
 void describe_unfused(plan_report& r, const sparse_plan& p) {

@@ -15,6 +15,7 @@ struct sparse_plan::state {
   csr_graph pattern;  // CPU plans
   std::shared_ptr<cuda::me_device_plan> device;
   sparse_plan_report report;
+  bool split_f32 = false;  // sparse_plan_options.sddmm_f32 == tf32x3
 };
 
 namespace {
@@ -24,6 +25,8 @@ void check_options(const sparse_plan_options& o) {
       o.vector_rows == 8 || o.vector_rows == 16,
       "sparse_plan_options.vector_rows must be 8 or 16, not " + std::to_string(o.vector_rows));
   TRISPARSE_EXPECTS_INPUT(o.split_blocks >= 0, "sparse_plan_options.split_blocks must be >= 0");
+  TRISPARSE_EXPECTS_INPUT(o.sddmm_f32 == f32_math::tf32 || o.sddmm_f32 == f32_math::tf32x3,
+                          "sparse_plan_options.sddmm_f32 must be f32_math::tf32 or tf32x3");
 }
 
 cuda::me_work_limits limits(const sparse_plan_options& o) {
@@ -93,6 +96,7 @@ sparse_plan sparse_plan::build(const csr_graph& pattern, device_kind where,
   pattern.check();
   const auto t0 = std::chrono::steady_clock::now();
   auto s = std::make_shared<state>();
+  s->split_f32 = options.sddmm_f32 == f32_math::tf32x3;
   s->report.rows = pattern.rows;
   s->report.cols = pattern.cols;
   s->report.nnz = pattern.nnz();
@@ -128,6 +132,7 @@ sparse_plan sparse_plan::build(const csr_view& pattern, const float* values,
           std::string(to_string(options.order)));
   const auto t0 = std::chrono::steady_clock::now();
   auto s = std::make_shared<state>();
+  s->split_f32 = options.sddmm_f32 == f32_math::tf32x3;
   s->report.rows = pattern.rows;
   s->report.cols = pattern.cols;
   s->report.nnz = pattern.nnz;
@@ -154,7 +159,8 @@ void sparse_plan::spmm(const tensor_view& values, const tensor_view& b, const te
 
 void sparse_plan::sddmm(const tensor_view& x, const tensor_view& y, const tensor_view& out,
                         double scale, stream_ref stream) const {
-  if (state_->device) return cuda::run_sddmm(*state_->device, x, y, out, scale, stream);
+  if (state_->device)
+    return cuda::run_sddmm(*state_->device, x, y, out, scale, state_->split_f32, stream);
   const csr_graph& g = state_->pattern;
   check_view(x, "x", g.rows, -1, -1);
   check_view(y, "y", g.cols, x.heads, x.dim);

@@ -1,6 +1,7 @@
 // The CUDA ME-BCRS kernels (SpMM, SDDMM, row softmax) against the float64 reference (label gpu;
 // skipped without a device).
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "device_tensor.hpp"
@@ -208,6 +209,39 @@ TEST(SparseCuda, SddmmAndSoftmaxEveryTypeAndDim) {
     check_sddmm_softmax(plan, g, dtype::f16, dtype::f16, 64, 2, 4);
     check_sddmm_softmax(plan, g, dtype::bf16, dtype::bf16, 32, 3, 5);
   }
+}
+
+// f32 SDDMM: tf32x3 is float32-accurate where plain tf32 is off by its 10-bit rounding.
+TEST(SparseCuda, SddmmF32ThreeProductsAreFloatAccurate) {
+  SKIP_WITHOUT_GPU();
+  const csr_graph g = test::random_pattern(517, 1300, 60, 13, true);
+  for (const std::int64_t d : {8, 64, 300}) {
+    SCOPED_TRACE("d" + std::to_string(d));
+    host_tensor x(dtype::f32, g.rows, 2, d), y(dtype::f32, g.cols, 2, d);
+    x.fill_uniform(-1.0, 1.0, 40 + d);
+    y.fill_uniform(-1.0, 1.0, 41 + d);
+    test::device_tensor dx(x), dy(y), entries(host_tensor(dtype::f32, g.nnz(), 2, 1));
+    const auto rows = sample_rows(g, 42);
+    const csr_graph sub = select_rows(g, rows);
+    host_tensor ref(dtype::f64, sub.nnz(), 2, 1);
+    reference::sddmm(sub, take_rows(x, rows).view(), y.view(), ref.view(), 0.5);
+    double error[2] = {};
+    for (const f32_math m : {f32_math::tf32, f32_math::tf32x3}) {
+      const auto plan = sparse_plan::build(g, device_kind::cuda, {.sddmm_f32 = m});
+      slot_tensor s(dtype::f32, plan.slots(), 2);
+      s.dev.poison();
+      plan.sddmm(dx.view(), dy.view(), s.view(plan.slots(), 2), 0.5);
+      entries.poison();
+      plan.to_entries(s.view(plan.slots(), 2), entries.view());
+      error[m == f32_math::tf32x3] =
+          test::compare(take_entries(g, entries.download(), rows), ref).relative();
+    }
+    // float32 rounding of a d-term dot product of random signs: a few units of 2^-24 sqrt(d).
+    EXPECT_LE(error[1], 8 * 0x1p-24 * std::sqrt(static_cast<double>(d))) << "tf32x3";
+    EXPECT_GT(error[0], 2e-5) << "plain tf32 should show its rounding";
+  }
+  EXPECT_THROW(sparse_plan::build(g, device_kind::cuda, {.sddmm_f32 = static_cast<f32_math>(7)}),
+               invalid_input);
 }
 
 TEST(SparseCuda, SplitWindowsAndAdversarialPatterns) {

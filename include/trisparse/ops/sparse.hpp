@@ -19,6 +19,13 @@
 
 namespace trisparse {
 
+/// How CUDA kernels multiply f32 operands on the tensor cores. tf32 rounds each operand to a
+/// 10-bit mantissa (FlashSparse's TF32 mode): a dot product is off by about 1e-3 of |x| |y|, which
+/// a softmax of large scores turns into large factors (a score of 1e4 off by 5 weighs e^5 wrong).
+/// tf32x3 adds the products with each operand's rounding remainder (three MMAs instead of one):
+/// about float32 accuracy.
+enum class f32_math { tf32, tf32x3 };
+
 struct sparse_plan_options {
   /// CUDA: rows per nonzero vector: 8 (FlashSparse's 8x1 vectors) or 16 (the 16x1 ablation).
   int vector_rows = 8;
@@ -36,6 +43,9 @@ struct sparse_plan_options {
   /// where it cuts the vector count by at least 10% (patterns up to 4M nonzeros), else original.
   /// rcm needs a square pattern.
   row_order order = row_order::automatic;
+  /// CUDA SDDMM with f32 x and y (SpMM's f32 products are always tf32: its weights are not
+  /// amplified afterwards).
+  f32_math sddmm_f32 = f32_math::tf32;
 };
 
 struct sparse_plan_report {
@@ -75,8 +85,8 @@ class sparse_plan {
   void spmm(const tensor_view& values, const tensor_view& b, const tensor_view& c,
             stream_ref stream = {}) const;
   /// out = scale * A ⊙ (x y^T) in the slot layout: out[e] = a_e * scale * <x[row(e)], y[col(e)]>,
-  /// 0 in slots without an entry. x: [rows, H, d], y: [cols, H, d] (one dtype: f16, bf16 or f32
-  /// as tf32 on CUDA), out: [slots, H, 1] f32 or x's dtype.
+  /// 0 in slots without an entry. x: [rows, H, d], y: [cols, H, d] (one dtype: f16, bf16 or f32,
+  /// computed on CUDA as sparse_plan_options.sddmm_f32 says), out: [slots, H, 1] f32 or x's dtype.
   void sddmm(const tensor_view& x, const tensor_view& y, const tensor_view& out, double scale = 1.0,
              stream_ref stream = {}) const;
   /// Max-stabilised row softmax over each row's entries (fp32 inside); slots without an entry

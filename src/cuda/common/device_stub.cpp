@@ -67,7 +67,7 @@ void run_spmm(const me_device_plan&, const tensor_view&, const tensor_view&, con
   no_backend();
 }
 void run_sddmm(const me_device_plan&, const tensor_view&, const tensor_view&, const tensor_view&,
-               double, stream_ref) {
+               double, bool, stream_ref) {
   no_backend();
 }
 void run_softmax(const me_device_plan&, const tensor_view&, const tensor_view&, stream_ref) {

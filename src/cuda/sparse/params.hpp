@@ -52,7 +52,8 @@ struct sddmm_params {
   std::int64_t d;
   std::int32_t heads;
   float scale;
-  bool aligned;  // x and y rows allow 16-byte vector access
+  bool aligned;    // x and y rows allow 16-byte vector access
+  bool split_f32;  // f32 x, y: three tf32 products per step (about float32 accuracy)
 };
 
 /// Row softmax over the entries, slot layout in and out; slots without an entry get 0.

@@ -46,9 +46,10 @@ me_plan_info info(const me_device_plan& plan);
 void run_spmm(const me_device_plan& plan, const tensor_view& values, const tensor_view& b,
               const tensor_view& c, stream_ref stream);
 /// out[slots, H, 1] = scale * A ⊙ (x y^T), 0 in slots without an entry. x: [rows, H, d],
-/// y: [cols, H, d], one dtype (f16, bf16 or f32 as tf32); out: f32 or x's dtype.
+/// y: [cols, H, d], one dtype (f16, bf16 or f32 as tf32, or with split_f32 as three tf32
+/// products); out: f32 or x's dtype.
 void run_sddmm(const me_device_plan& plan, const tensor_view& x, const tensor_view& y,
-               const tensor_view& out, double scale, stream_ref stream);
+               const tensor_view& out, double scale, bool split_f32, stream_ref stream);
 /// Row softmax of slot values (f32, f16 or bf16 in and out; in place allowed).
 void run_softmax(const me_device_plan& plan, const tensor_view& in, const tensor_view& out,
                  stream_ref stream);

@@ -168,12 +168,6 @@ __host__ __device__ constexpr int score_floats(int held, int max_k_blocks) {
   return held > 0 ? 32 * held : (max_k_blocks + 3) / 4 * 4;
 }
 
-// x with the low 13 mantissa bits cleared: a tf32 value, and x - tf32_high(x) is exact (the MMA
-// then reads that remainder to tf32 precision: x to about 2^-21 relative).
-__device__ __forceinline__ float tf32_high(float x) {
-  return __uint_as_float(__float_as_uint(x) & 0xffffe000u);
-}
-
 // The order-preserving unsigned key of a score (larger score, larger key); NaN gets 0, below every
 // number's (-inf's is 0x007fffff), so it is never selected.
 __device__ __forceinline__ unsigned order_key(float v) {
@@ -374,7 +368,7 @@ __global__ void __launch_bounds__(select_threads(kMaxRows))
   for (int i = static_cast<int>(threadIdx.x); i < tile_rows * p.pdim; i += threads) {
     const int row = i / p.pdim, d = i - row * p.pdim;
     const float x = row < rows ? qs[row * q_stride + d] : 0.f;
-    const float hi = tf32_high(x);
+    const float hi = arch::tf32_high(x);
     const int at = query_fragment_index(row, d, p.pdim);
     q_hi[at] = hi;
     q_lo[at] = x - hi;
@@ -427,7 +421,7 @@ __global__ void __launch_bounds__(select_threads(kMaxRows))
                                        __float_as_uint(hi.z), __float_as_uint(hi.w)};
         const std::uint32_t a_lo[4] = {__float_as_uint(lo.x), __float_as_uint(lo.y),
                                        __float_as_uint(lo.z), __float_as_uint(lo.w)};
-        const float h_0 = tf32_high(k_0), h_1 = tf32_high(k_1);
+        const float h_0 = arch::tf32_high(k_0), h_1 = arch::tf32_high(k_1);
         const std::uint32_t b_hi[2] = {__float_as_uint(h_0), __float_as_uint(h_1)};
         const std::uint32_t b_lo[2] = {__float_as_uint(k_0 - h_0), __float_as_uint(k_1 - h_1)};
         arch::mma_16x8x8_f32_tf32(acc_lh, a_lo, b_hi);

@@ -78,6 +78,12 @@ __device__ __forceinline__ std::uint32_t to_tf32(float x) {
   return r;
 }
 
+/// x with the low 13 mantissa bits cleared: a tf32 value, and x - tf32_high(x) is exact (the MMA
+/// then reads that remainder to tf32 precision: x to about 2^-21 relative).
+__device__ __forceinline__ float tf32_high(float x) {
+  return __uint_as_float(__float_as_uint(x) & 0xffffe000u);
+}
+
 /// Two floats -> one register of two 16-bit values (lo in the low half).
 template <class T>
 __device__ __forceinline__ std::uint32_t pack2(float lo, float hi);

@@ -23,9 +23,10 @@ namespace trisparse::cuda::me {
 inline constexpr int kSddmmWarps = 4;
 
 template <class T>
-struct sddmm_mma {  // 16-bit: two m16n8k16 steps per 32-d chunk
+struct sddmm_mma {  // 16-bit: two m16n8k16 steps per 32-d chunk (`split` is for f32 only)
   __device__ __forceinline__ static void chunk(float (&acc)[4], const frag<T, 8>& ya,
-                                               const frag<T, 8>& yb, const frag<T, 8>& x) {
+                                               const frag<T, 8>& yb, const frag<T, 8>& x,
+                                               bool /*split*/) {
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       const std::uint32_t a[4] = {ya.r[2 * k], yb.r[2 * k], ya.r[2 * k + 1], yb.r[2 * k + 1]};
@@ -35,17 +36,39 @@ struct sddmm_mma {  // 16-bit: two m16n8k16 steps per 32-d chunk
   }
 };
 
+// f32 as tf32: four m16n8k8 steps per 32-d chunk. split: each operand as a tf32 high part plus
+// its (exact) remainder rounded to tf32, and three products per step -- low x high, high x low,
+// high x high (the small ones first) -- for about float32 accuracy at three times the MMAs.
 template <>
-struct sddmm_mma<float> {  // tf32: four m16n8k8 steps per 32-d chunk
+struct sddmm_mma<float> {
   __device__ __forceinline__ static void chunk(float (&acc)[4], const frag<float, 8>& ya,
-                                               const frag<float, 8>& yb, const frag<float, 8>& x) {
+                                               const frag<float, 8>& yb, const frag<float, 8>& x,
+                                               bool split) {
     const auto tf = [](std::uint32_t bits) { return arch::to_tf32(__uint_as_float(bits)); };
+    const auto hi = [](std::uint32_t bits) {
+      return __float_as_uint(arch::tf32_high(__uint_as_float(bits)));
+    };
+    const auto lo = [](std::uint32_t bits) {
+      const float v = __uint_as_float(bits);
+      return arch::to_tf32(v - arch::tf32_high(v));
+    };
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const std::uint32_t a[4] = {tf(ya.r[2 * k]), tf(yb.r[2 * k]), tf(ya.r[2 * k + 1]),
-                                  tf(yb.r[2 * k + 1])};
-      const std::uint32_t b[2] = {tf(x.r[2 * k]), tf(x.r[2 * k + 1])};
-      arch::mma_16x8x8_f32_tf32(acc, a, b);
+      const std::uint32_t ra[4] = {ya.r[2 * k], yb.r[2 * k], ya.r[2 * k + 1], yb.r[2 * k + 1]};
+      const std::uint32_t rb[2] = {x.r[2 * k], x.r[2 * k + 1]};
+      if (split) {
+        const std::uint32_t a_hi[4] = {hi(ra[0]), hi(ra[1]), hi(ra[2]), hi(ra[3])};
+        const std::uint32_t a_lo[4] = {lo(ra[0]), lo(ra[1]), lo(ra[2]), lo(ra[3])};
+        const std::uint32_t b_hi[2] = {hi(rb[0]), hi(rb[1])};
+        const std::uint32_t b_lo[2] = {lo(rb[0]), lo(rb[1])};
+        arch::mma_16x8x8_f32_tf32(acc, a_lo, b_hi);
+        arch::mma_16x8x8_f32_tf32(acc, a_hi, b_lo);
+        arch::mma_16x8x8_f32_tf32(acc, a_hi, b_hi);
+      } else {
+        const std::uint32_t a[4] = {tf(ra[0]), tf(ra[1]), tf(ra[2]), tf(ra[3])};
+        const std::uint32_t b[2] = {tf(rb[0]), tf(rb[1])};
+        arch::mma_16x8x8_f32_tf32(acc, a, b);
+      }
     }
   }
 };
@@ -134,7 +157,7 @@ __global__ void __launch_bounds__(kSddmmWarps * 32, sddmm_min_blocks<T, kHeight,
         load_frag(y + std::int64_t{col[1] < 0 ? 0 : col[1]} * p.y_row + d0, col[1] < 0 ? 0 : valid,
                   p.aligned, yb);
 #pragma unroll
-        for (int s = 0; s < kSub; ++s) sddmm_mma<T>::chunk(acc[s], ya, yb, xr[s][c]);
+        for (int s = 0; s < kSub; ++s) sddmm_mma<T>::chunk(acc[s], ya, yb, xr[s][c], p.split_f32);
       }
     }
     // acc[s] = S^T(vector va: rows 8s + 2t, +1; vector vb: rows 8s + 2t, +1).

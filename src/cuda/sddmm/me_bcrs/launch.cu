@@ -41,7 +41,7 @@ void launch_shape(int height, const me::sddmm_params& p, cudaStream_t s) {
 }  // namespace
 
 void run_sddmm(const me_device_plan& plan, const tensor_view& x, const tensor_view& y,
-               const tensor_view& out, double scale, stream_ref stream) {
+               const tensor_view& out, double scale, bool split_f32, stream_ref stream) {
   me::check_device(plan);
   check_view(x, "x", plan.f.rows, -1, -1);
   check_view(y, "y", plan.f.cols, x.heads, x.dim);
@@ -67,6 +67,7 @@ void run_sddmm(const me_device_plan& plan, const tensor_view& x, const tensor_vi
   p.heads = static_cast<std::int32_t>(x.heads);
   p.scale = static_cast<float>(scale);
   p.aligned = me::vector_aligned(x) && me::vector_aligned(y);
+  p.split_f32 = split_f32;
   if (x.heads == 0 || plan.f.slots() == 0) return;
   const auto s = static_cast<cudaStream_t>(stream.handle);
   me::with_element_type(x.type, "SDDMM's x", [&](auto x_t) {
