@@ -6,16 +6,16 @@ dense SDPA (PyTorch's default backend) and over flex_attention with the same mas
 results hold the report's three kernels (bench_block_sparse --unfused), their pipeline over dense
 SDPA and each kernel's time at G = 64.
     bench/plot_block_sparse.py RESULTS.jsonl [MORE.jsonl ...] OUT.png
+A later file's rows replace an earlier file's at the same N.
 """
 import argparse
-import json
 import statistics
-from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from table_block_sparse import load  # noqa: E402  (later files replace earlier ones' rows per N)
 
 
 def medians(rows, key):
@@ -64,8 +64,7 @@ def main():
     ap.add_argument("results", nargs="+")
     ap.add_argument("out")
     a = ap.parse_args()
-    rows = [json.loads(l) for f in a.results for l in Path(f).read_text().splitlines() if l.strip()]
-    rows = [r for r in rows if "ms" in r]
+    rows = [r for r in load(a.results) if "ms" in r]
     unfused = any("unfused_ms" in r for r in rows)
     fig, axes = plt.subplots(2 if unfused else 1, 2, figsize=(14, 10 if unfused else 5), squeeze=False)
     speedup_panel(axes[0][0], rows, "speedup_vs_sdpa_default", "fused kernel over dense SDPA (default backend)",
