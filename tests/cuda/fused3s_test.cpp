@@ -145,6 +145,7 @@ TEST_P(GpuAttention, AdversarialPatterns) {
   // Each graph under every configuration, its plan built once.
   const auto every_config = [&](const csr_graph& g, std::uint64_t seed) {
     const attention_plan p = plan(g);
+    ASSERT_EQ(p.report().algo, GetParam());
     for (const auto& c : all_configs()) check(p, g, c, seed);
   };
   // Rows with more than 32 neighbours in a graph with N > 1024 (Fused3S's preprocessing bug).
@@ -172,6 +173,7 @@ TEST_P(GpuAttention, AdversarialPatterns) {
 TEST_P(GpuAttention, ScoreEdgeCases) {
   const csr_graph g = test::random_pattern(2000, 2000, 50, 11);
   const attention_plan p = plan(g);
+  ASSERT_EQ(p.report().algo, GetParam());
   for (const auto& c : all_configs(2)) {
     check(p, g, c, 12, -1.0, 1.0, 1.0, 512, true);  // q = 0: every score exactly 0, still an edge
     check(p, g, c, 13, 0.5, 1.0, -1.0);  // every score negative (a running max starting at 0 fails)
