@@ -251,6 +251,20 @@ __device__ void select_row(float* score, int allowed, int top_k, int diagonal, s
     // fit one per lane they are gathered and the remaining bits count one key a lane.
     t = 0u;
     int from_t = numbers, past_t = 0, bit = 31;
+    if constexpr (R > 0) {
+      if (keep <= 32) {
+        // t lies between the smallest lane maximum (the 32 lane maxima are keys at least that)
+        // and the largest key, so the bits above their highest differing one are t's; no key is
+        // >= t + 2^(bit + 1) then, and from_t = numbers stays an upper bound until a pass counts.
+        unsigned lane_max = 0u;
+#pragma unroll
+        for (int j = 0; j < R; ++j) lane_max = max(lane_max, held[j]);
+        const unsigned top = __reduce_max_sync(all, lane_max),
+                       differ = top ^ __reduce_min_sync(all, lane_max);
+        bit = differ == 0u ? -1 : 31 - __clz(differ);
+        t = bit < 0 ? top : top & ~((2u << bit) - 1u);
+      }
+    }
     for (; bit >= 0 && (R == 0 || from_t - past_t > 32); --bit) {
       const int c = at_least(t | (1u << bit));
       if (c >= keep) {
@@ -312,13 +326,24 @@ __device__ void select_row(float* score, int allowed, int top_k, int diagonal, s
     tie += k == t ? 1 : 0;
     return in;
   };
-  blocked([&](int c, unsigned k) { chosen += take(c, k) ? 1 : 0; });
+  unsigned taken = 0u;  // R > 0: bit j for block l R + j chosen
+  blocked([&](int c, unsigned k) {
+    if (!take(c, k)) return;
+    ++chosen;
+    if constexpr (R > 0) taken |= 1u << (c - lane * R);
+  });
   int at = lanes_before(chosen);
   const int n = __shfl_sync(all, at + chosen, 31);
-  tie = lanes_before(ties);
-  blocked([&](int c, unsigned k) {
-    if (take(c, k)) out[at++] = c;
-  });
+  if constexpr (R > 0) {
+#pragma unroll
+    for (int j = 0; j < R; ++j)
+      if ((taken >> j & 1u) != 0u) out[at++] = lane * R + j;
+  } else {
+    tie = lanes_before(ties);
+    blocked([&](int c, unsigned k) {
+      if (take(c, k)) out[at++] = c;
+    });
+  }
   for (int i = n + lane; i < cap; i += 32) out[i] = past;
 }
 
