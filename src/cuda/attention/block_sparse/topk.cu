@@ -183,8 +183,10 @@ __device__ __forceinline__ unsigned order_key(float v) {
 // top (a pass per bit counting keys >= t | bit); the keys above t are taken, then the first
 // keep - (count above t) equal to t. Lane l holds the keys of blocks l R ... l R + R - 1 in
 // registers (allowed <= 32 R), or with R = 0 they stay in shared memory (the scores' place) and
-// are read in every pass. With registers, as soon as the keys sharing t's decided bits are at
-// most 32 they are gathered, one per lane, so the remaining passes count one key a lane.
+// are read in every pass. With registers, the bits shared by the largest key and the smallest
+// lane maximum are decided without a pass (where keep <= 32), and as soon as the keys sharing
+// t's decided bits are at most 32 they are gathered, one per lane, so the remaining passes count
+// one key a lane.
 template <int R>
 __device__ void select_row(float* score, int allowed, int top_k, int diagonal, std::int32_t* out,
                            int cap, int past) {
