@@ -163,9 +163,12 @@ __device__ __forceinline__ int query_fragment_index(int row, int d, int pdim) {
 }
 
 // Shared floats for one query block's scores: the 32 R keys the lanes load with R held in
-// registers, or max_k_blocks; a multiple of 4 (16-byte aligned rows).
+// registers, or max_k_blocks, rounded up to 8 modulo 32: 16-byte aligned rows, and the scoring's
+// 8-byte stores of rows g = 0 ... 7 (columns 2 t, 2 t + 1) fall in distinct banks of two
+// wavefronts.
 __host__ __device__ constexpr int score_floats(int held, int max_k_blocks) {
-  return held > 0 ? 32 * held : (max_k_blocks + 3) / 4 * 4;
+  const int n = held > 0 ? 32 * held : max_k_blocks;
+  return (n + 23) / 32 * 32 + 8;
 }
 
 // The order-preserving unsigned key of a score (larger score, larger key); NaN gets 0, below every
@@ -464,10 +467,15 @@ __global__ void __launch_bounds__(select_threads(kMaxRows))
         step(qh[s0 + 32], ql[s0 + 32], kv.z, kv.w);
       }
       for (int e = 0; e < 4; ++e) acc[e] += acc_hl[e] + acc_lh[e];
-      // acc: rows tile + g (0, 1) and tile + g + 8 (2, 3), key blocks c + 2 t and c + 2 t + 1.
-      for (int e = 0; e < 4; ++e) {
-        const int row = tile + (e < 2 ? g : g + 8), col = c + 2 * t + e % 2;
-        if (col < (e < 2 ? allowed_lo : allowed_hi)) scores[row * score_stride + col] = acc[e];
+      // acc: rows tile + g (0, 1) and tile + g + 8 (2, 3), key blocks c + 2 t and c + 2 t + 1:
+      // one 8-byte store a row where both are attended.
+      for (int half = 0; half < 2; ++half) {
+        const int allowed = half == 0 ? allowed_lo : allowed_hi, col = c + 2 * t;
+        float* to = scores + (tile + g + 8 * half) * score_stride + col;
+        if (col + 1 < allowed)
+          *reinterpret_cast<float2*>(to) = make_float2(acc[2 * half], acc[2 * half + 1]);
+        else if (col < allowed)
+          to[0] = acc[2 * half];
       }
     }
   }
