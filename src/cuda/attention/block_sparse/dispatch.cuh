@@ -55,7 +55,9 @@ void dispatch(const kernel_key& key, F&& f) {
     with_dim.template operator()<__nv_bfloat16>();
 }
 
-/// Launches Kernel(p, extra...) over tiles x heads blocks (its shared-memory limit raised once).
+/// Launches Kernel(p, extra...) over tiles x heads blocks (its shared-memory limit raised once),
+/// with p.down_wave = the blocks the device holds at once, so that every other wave of blocks
+/// walks its keys in descending order.
 template <auto Kernel, class... Extra>
 void launch_kernel(int threads, int shared_bytes, const params& p, std::int32_t tiles,
                    cudaStream_t s, const Extra&... extra) {
@@ -65,11 +67,21 @@ void launch_kernel(int threads, int shared_bytes, const params& p, std::int32_t 
     return true;
   }();
   (void)configured;
+  static const std::int32_t wave = [&] {
+    int device = 0, sms = 0, per_sm = 0;
+    TRISPARSE_CUDA_TRY(cudaGetDevice(&device));
+    TRISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    TRISPARSE_CUDA_TRY(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, threads, shared_bytes));
+    return static_cast<std::int32_t>(sms * per_sm);
+  }();
   const std::int64_t blocks = std::int64_t{tiles} * p.heads;
   if (blocks == 0) return;
   if (blocks > std::numeric_limits<std::int32_t>::max())
     throw invalid_input("block-sparse attention: too many query tiles x heads for one launch");
-  Kernel<<<static_cast<unsigned>(blocks), threads, shared_bytes, s>>>(p, extra...);
+  params with_wave = p;
+  with_wave.down_wave = wave;
+  Kernel<<<static_cast<unsigned>(blocks), threads, shared_bytes, s>>>(with_wave, extra...);
   TRISPARSE_CUDA_CHECK_LAUNCH();
 }
 

@@ -49,8 +49,9 @@ __device__ __forceinline__ void load_rows(std::uint32_t base, const char* src, s
 }
 
 /// The query tile of this thread block (block x = head * tiles + tile) and the key tiles of BN
-/// keys it visits: those of its block row's active key blocks, in ascending order, up to the last
-/// key any of its rows sees (next() walks them).
+/// keys it visits: those of its block row's active key blocks up to the last key any of its rows
+/// sees, in ascending order, or descending in the odd waves of blocks (params::down_wave; next()
+/// walks them).
 template <int BM, int BN>
 struct tile_walk {
   const params& p;
@@ -60,6 +61,7 @@ struct tile_walk {
   int kmax;              // the last key any row of the tile sees
   int kall;              // the last key every row of the tile sees (no masking up to it)
   int e, e_end, u, sub;  // the walk: block e (of the block row's e .. e_end), key tile u of sub
+  bool down;             // walking from the last block to the first (e_end - 1 down to e)
 
   __device__ __forceinline__ explicit tile_walk(const params& params) : p(params) {
     h = static_cast<int>(blockIdx.x / p.num_tiles);
@@ -75,8 +77,9 @@ struct tile_walk {
                               t.row0 / p.block;
     e = row[0];
     e_end = row[1];
-    u = 0;
     sub = p.block / BN;
+    down = p.down_wave > 0 && (blockIdx.x / p.down_wave) % 2 == 1;
+    u = down ? sub - 1 : 0;
     const int last_row = min(t.row0 + BM, lq) - 1;
     kmax = p.causal ? min(lk - 1, last_row + shift) : lk - 1;
     kall = p.causal ? min(lk - 1, t.row0 + shift) : lk - 1;
@@ -84,6 +87,18 @@ struct tile_walk {
 
   /// The first key of the next key tile, or -1 past the end (then not to be called again).
   __device__ __forceinline__ int next() {
+    if (down) {
+      // Key tiles past kmax (causal limits, a top-k row's unused slots) are skipped.
+      while (e < e_end) {
+        const int j = p.col_idx[e_end - 1] * p.block + u * BN;
+        if (--u < 0) {
+          u = sub - 1;
+          --e_end;
+        }
+        if (j <= kmax) return j;
+      }
+      return -1;
+    }
     if (e >= e_end) return -1;
     const int j = p.col_idx[e] * p.block + u * BN;
     if (++u == sub) {
