@@ -386,7 +386,8 @@ TEST(GpuBlockSparse, TopKMasksSelectedOnTheDevice) {
         const block_sparse_mask got = plan.mask();
         ASSERT_NO_FATAL_FAILURE(expect_topk_rows(got, hq, hk, o));
         // Attention under the selected mask: as a plan of the downloaded mask computes it (to
-        // rounding: the plans may launch a tile in different waves, whose key orders differ).
+        // rounding: the plans may launch a tile in different waves, whose key orders differ; both
+        // are within the tolerance of the reference, so within twice it of each other).
         if (got.active_blocks() == 0) continue;
         const auto from_mask = cuda_plan(got);
         check(from_mask, {dtype::f16, dtype::f32, d}, heads, seed);
@@ -400,7 +401,7 @@ TEST(GpuBlockSparse, TopKMasksSelectedOnTheDevice) {
             out, [&] { from_mask.run(q.view(), k.view(), v.view(), out.view()); }, b));
         const auto e = test::compare(a, b);
         EXPECT_TRUE(e.finite);
-        EXPECT_LE(e.relative(), test::gpu_tolerance(dtype::f16, dtype::f32, 4));
+        EXPECT_LE(e.relative(), 2 * test::gpu_tolerance(dtype::f16, dtype::f32, 4));
       }
     }
   }
