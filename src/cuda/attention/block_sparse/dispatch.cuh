@@ -8,6 +8,7 @@
 #include <limits>
 #include <string>
 
+#include "../../common/current_device.cuh"
 #include "../../common/error.cuh"
 #include "params.hpp"
 #include "trisparse/core/dtype.hpp"
@@ -67,20 +68,18 @@ void launch_kernel(int threads, int shared_bytes, const params& p, std::int32_t 
     return true;
   }();
   (void)configured;
-  static const std::int32_t wave = [&] {
-    int device = 0, sms = 0, per_sm = 0;
-    TRISPARSE_CUDA_TRY(cudaGetDevice(&device));
-    TRISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  static const int per_sm = [&] {
+    int n = 0;
     TRISPARSE_CUDA_TRY(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, threads, shared_bytes));
-    return static_cast<std::int32_t>(sms * per_sm);
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, threads, shared_bytes));
+    return n;
   }();
   const std::int64_t blocks = std::int64_t{tiles} * p.heads;
   if (blocks == 0) return;
   if (blocks > std::numeric_limits<std::int32_t>::max())
     throw invalid_input("block-sparse attention: too many query tiles x heads for one launch");
   params with_wave = p;
-  with_wave.down_wave = wave;
+  with_wave.down_wave = current_device().sms * per_sm;
   Kernel<<<static_cast<unsigned>(blocks), threads, shared_bytes, s>>>(with_wave, extra...);
   TRISPARSE_CUDA_CHECK_LAUNCH();
 }
