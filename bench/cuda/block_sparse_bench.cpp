@@ -6,7 +6,7 @@
 // written as DIR/<name>.u8 (uint8 [mask heads, N/G, N/G], 1 = kept) for the PyTorch script.
 //   bench_block_sparse [--n N,...] [--p P,...] [--g G,...] [--seeds S] [--heads H] [--dim D]
 //                      [--dtype f16|bf16] [--causal] [--repeat R] [--max-pairs X] [--export DIR]
-//                      [--topk K,...] [--unfused] [--max-unfused-pairs X]
+//                      [--topk K,...] [--unfused] [--max-unfused-pairs X] [--heads-first]
 #include <cuda_runtime.h>
 
 #include <CLI/CLI.hpp>
@@ -37,22 +37,55 @@ struct inputs {
   std::vector<host_tensor> host;  // q, k, v of set 0 (for the accuracy check)
   std::vector<std::unique_ptr<device_mem>> mem;
   std::vector<tensor_view> views;  // [set * 3 + {q, k, v}]
+  bool heads_first = false;        // laid out [heads, rows, dim] (device_view)
 };
 
-// `sets` sets of Q, K, V, uniform in [-1, 1), on the device.
+// [a, b, item] -> [b, a, item] (items of item_bytes): [rows, heads, dim] to [heads, rows, dim]
+// with a = rows, and back with a = heads.
+std::vector<std::byte> swap_outer(const std::byte* src, std::int64_t a, std::int64_t b,
+                                  std::size_t item_bytes) {
+  std::vector<std::byte> dst(static_cast<std::size_t>(a * b) * item_bytes);
+  for (std::int64_t i = 0; i < a; ++i)
+    for (std::int64_t j = 0; j < b; ++j)
+      std::copy_n(src + static_cast<std::size_t>(i * b + j) * item_bytes, item_bytes,
+                  dst.data() + static_cast<std::size_t>(j * a + i) * item_bytes);
+  return dst;
+}
+
+const char* layout_name(bool heads_first) {
+  return heads_first ? "heads,rows,dim" : "rows,heads,dim";
+}
+
+// A [rows, heads, dim] view of device memory laid out [rows, heads, dim], or with heads_first
+// [heads, rows, dim] (PyTorch's [batch, heads, N, dim], what SDPA and flex_attention are given).
+tensor_view device_view(const host_tensor& h, void* data, bool heads_first) {
+  tensor_view v = h.view();
+  v.data = data;
+  v.where = device_kind::cuda;
+  if (heads_first) {
+    v.row_stride = v.dim;
+    v.head_stride = v.rows * v.dim;
+  }
+  return v;
+}
+
+// `sets` sets of Q, K, V, uniform in [-1, 1), on the device (laid out as device_view says).
 inputs make_inputs(dtype t, std::int64_t n, std::int64_t heads, std::int64_t dim, int sets,
-                   std::uint64_t seed) {
+                   std::uint64_t seed, bool heads_first) {
   inputs x;
+  x.heads_first = heads_first;
   for (int s = 0; s < sets; ++s) {
     for (int w = 0; w < 3; ++w) {
       host_tensor h(t, n, heads, dim);
       h.fill_uniform(-1, 1, seed + static_cast<std::uint64_t>(3 * s + w));
       x.mem.push_back(std::make_unique<device_mem>(h.size_bytes()));
-      check(cudaMemcpy(x.mem.back()->p, h.data(), h.size_bytes(), cudaMemcpyHostToDevice),
+      const std::vector<std::byte> staged =
+          heads_first ? swap_outer(h.data(), n, heads, static_cast<std::size_t>(dim) * size_of(t))
+                      : std::vector<std::byte>{};
+      check(cudaMemcpy(x.mem.back()->p, heads_first ? staged.data() : h.data(), h.size_bytes(),
+                       cudaMemcpyHostToDevice),
             "upload");
-      tensor_view v = h.view();
-      v.data = x.mem.back()->p;
-      v.where = device_kind::cuda;
+      const tensor_view v = device_view(h, x.mem.back()->p, heads_first);
       x.views.push_back(v);
       if (s == 0) x.host.push_back(std::move(h));
     }
@@ -120,22 +153,28 @@ void export_mask(const block_sparse_mask& m, const std::string& path) {
   if (!f) throw std::runtime_error("cannot write " + path);
 }
 
-// An f16 output [rows, heads, dim] on the device and its host copy: poisoned, written once by
-// `run`, downloaded and checked against float64 on sampled rows.
+// An f16 output [rows, heads, dim] on the device (laid out like the inputs) and its host copy:
+// poisoned, written once by `run`, downloaded and checked against float64 on sampled rows.
 struct device_output {
   host_tensor host;
   device_mem mem;
+  bool heads_first;
   tensor_view view;
-  device_output(const tensor_view& q, std::int64_t heads)
-      : host(dtype::f16, q.rows, heads, q.dim), mem(host.size_bytes()), view(host.view()) {
-    view.data = mem.p;
-    view.where = device_kind::cuda;
-  }
+  device_output(const tensor_view& q, std::int64_t heads, bool first)
+      : host(dtype::f16, q.rows, heads, q.dim),
+        mem(host.size_bytes()),
+        heads_first(first),
+        view(device_view(host, mem.p, first)) {}
   double check_once(const block_sparse_mask& mask, const inputs& x, std::uint64_t seed,
                     const std::function<void()>& run) {
     check(cudaMemset(mem.p, 0xFF, host.size_bytes()), "poison");
     run();
     check(cudaMemcpy(host.data(), mem.p, host.size_bytes(), cudaMemcpyDeviceToHost), "download");
+    if (heads_first) {
+      const std::vector<std::byte> rows_first = swap_outer(
+          host.data(), host.heads(), host.rows(), static_cast<std::size_t>(host.dim()) * 2);
+      std::copy(rows_first.begin(), rows_first.end(), host.data());
+    }
     return check_rows(mask, x, host, 1.0 / std::sqrt(static_cast<double>(view.dim)), seed);
   }
 };
@@ -157,7 +196,7 @@ result run_one(const block_sparse_mask& mask, const inputs& x, std::int64_t head
   res.algo = std::string(to_string(plan.report().algo));
   res.format = plan.report().format;
   res.pairs = plan.report().nnz * (mask.heads == 1 ? heads : 1);
-  device_output out(x.views[0], heads);
+  device_output out(x.views[0], heads, x.heads_first);
   const int sets = static_cast<int>(x.views.size() / 3);
   const auto call = [&](int s) {
     plan.run(x.views[3 * s], x.views[3 * s + 1], x.views[3 * s + 2], out.view);
@@ -190,7 +229,7 @@ nlohmann::json run_topk(const inputs& x, std::int64_t n, std::int64_t g, std::in
   auto plan = topk_block_sparse_plan::build(cu, cu, heads, x.views[0].dim,
                                             {.block = g, .top_k = top_k, .causal = causal});
   const tensor_view& q0 = x.views[0];
-  device_output out(q0, heads);
+  device_output out(q0, heads, x.heads_first);
   const int sets = static_cast<int>(x.views.size() / 3);
   const auto select = [&](int s) { plan.select(x.views[3 * s], x.views[3 * s + 1]); };
   const double select_ms = time_runs(repeat, sets, true, select).median;
@@ -214,6 +253,7 @@ nlohmann::json run_topk(const inputs& x, std::int64_t n, std::int64_t g, std::in
           {"heads", heads},
           {"dim", q0.dim},
           {"causal", causal},
+          {"layout", layout_name(x.heads_first)},
           {"format", plan.report().format},
           {"density", mask.density()},
           {"select_ms", select_ms},
@@ -232,7 +272,8 @@ int main(int argc, char** argv) {
   std::int64_t heads = 8, dim = 64, max_pairs = std::int64_t{1} << 31;
   int seeds = 1, repeat = 20;
   std::string type = "f16", export_dir;
-  bool causal = false, unfused = false, with_mma_sync = true, with_one_group = false;
+  bool causal = false, unfused = false, with_mma_sync = true, with_one_group = false,
+       heads_first = false;
   std::int64_t max_unfused = std::int64_t{1} << 33;
   std::vector<std::int64_t> topks;
   app.add_option("--topk", topks,
@@ -250,6 +291,9 @@ int main(int argc, char** argv) {
                  "skip blocks finer than 16 (run as element patterns) with more pairs");
   app.add_option("--export", export_dir, "write each mask for bench/python/block_sparse.py");
   app.add_flag("--causal", causal);
+  app.add_flag("--heads-first", heads_first,
+               "Q, K, V and the output laid out [heads, N, dim] (as PyTorch's SDPA and "
+               "flex_attention get them) instead of [N, heads, dim]");
   app.add_flag("!--no-mma-sync", with_mma_sync, "skip the mma.sync kernel beside wgmma");
   app.add_flag("--one-group", with_one_group,
                "time the one-warpgroup wgmma kernel beside the two-warpgroup one");
@@ -265,7 +309,8 @@ int main(int argc, char** argv) {
     const std::int64_t set_bytes = 3 * n * heads * dim * 2;
     const int sets = static_cast<int>(std::clamp<std::int64_t>(
         2 * prop.l2CacheSize / std::max<std::int64_t>(set_bytes, 1) + 1, 1, 4));
-    const inputs x = make_inputs(t, n, heads, dim, sets, static_cast<std::uint64_t>(n));
+    const inputs x =
+        make_inputs(t, n, heads, dim, sets, static_cast<std::uint64_t>(n), heads_first);
     const std::vector<std::int64_t> lens{n};
     if (!topks.empty()) {
       for (const std::int64_t g : gs) {
@@ -297,6 +342,7 @@ int main(int argc, char** argv) {
                            {"dim", dim},
                            {"dtype", type},
                            {"causal", causal},
+                           {"layout", layout_name(heads_first)},
                            {"gpu", prop.name},
                            {"dense_ours_ms", d.ms},
                            {"dense_ours_error", d.error}};
