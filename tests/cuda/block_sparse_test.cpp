@@ -246,8 +246,9 @@ TEST(GpuBlockSparse, LayoutsAndEdgeCases) {
   // Every other block row emptied: its rows give zeros.
   for (const auto& plan : plans_for(odd_block_rows_emptied(64, lens)))
     check(plan, {dtype::bf16, dtype::bf16, 128}, 2, 77);
-  // Scores near 1e4 (scale 100 on inputs of magnitude <= 1, d = 64) and positive-only inputs.
-  for (const std::int64_t g : {16, 64}) {
+  // Scores near 1e4 (scale 100 on inputs of magnitude <= 1, d = 64) and positive-only inputs; at
+  // G = 128 through the two-warpgroup kernel too.
+  for (const std::int64_t g : {16, 64, 128}) {
     const auto dense = make_block_sparse_mask({.layout = block_layout::dense, .block = g}, lens);
     for (const auto& plan : plans_for(dense)) {
       check(plan, c, 1, 5, 100.0);

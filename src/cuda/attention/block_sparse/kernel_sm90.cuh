@@ -1,19 +1,20 @@
 #pragma once
 // The Hopper version of the fused block-sparse kernel (sm_90a): the same walk, tiles and online
 // softmax as kernel.cuh, with a warpgroup (4 warps) per 64 query rows and both products as
-// wgmma m64n64k16: S = Q Kᵀ with Q's fragments in registers and the K tile read K-major from
-// shared memory, O += P V with P from the S accumulators and the V tile read N-major
-// (transposed), both through 128-byte-swizzle descriptors; no ldmatrix for K or V.
+// wgmma m64n64k16: S = Q Kᵀ with the K tile read K-major from shared memory and Q's fragments in
+// registers (or, at D = 64 with 64-key steps, Q read from shared memory too, so that four blocks
+// fit an SM), O += P V with P from the S accumulators and the V tile read N-major (transposed),
+// through 128-byte-swizzle descriptors; no ldmatrix for K or V.
 //
 // The softmax of key tile i + 1 overlaps the P V product of tile i: each step issues
 // S_{i+1} = Q K_{i+1} and O += P_i V_i, waits for S_{i+1} alone, computes P_{i+1} while the tensor
-// cores finish P_i V_i, then rescales O. K/V tiles stream through three shared-memory stages
-// (tile i + 2 loads during step i); the Q tile is staged in the third stage before the first
-// step. A step takes BN keys: 64, or 128 (S as two 64-key wgmma halves) at D = 64 where the
-// blocks are multiples of 128. A K/V tile whose BN keys all lie in the sequence arrives by TMA
-// (one thread issues it, a shared-memory barrier per stage counts its bytes); the others, and
-// every tile where K or V has no tensor map, through cp.async by all threads, rows past the
-// sequence zero-filled.
+// cores finish P_i V_i, then rescales O. Tile i + 2 loads during step i: K tiles through two
+// shared-memory slots (K_i is free once S_i is done, a step before V_i), V tiles through three;
+// the Q tile stays resident. A step takes BN keys: 64, or 128 (S as two 64-key wgmma halves) at
+// D = 64 where the blocks are multiples of 128. A K/V tile whose BN keys all lie in the sequence
+// arrives by TMA (one thread issues it, a shared-memory barrier per V slot counts its bytes); the
+// others, and every tile where K or V has no tensor map, through cp.async by all threads, rows
+// past the sequence zero-filled.
 #include <cuda.h>
 
 #include "../../common/arch/tma.cuh"
@@ -24,21 +25,19 @@ namespace trisparse::cuda::block_sparse::sm90 {
 
 constexpr int kRows = 64;  // query rows per block: one warpgroup
 constexpr int kThreads = 128;
-constexpr int kStages = 3;
+constexpr int kSlotsK = 2, kSlotsV = 3;  // K and V tiles in shared memory
 
-/// Shared-memory bytes: three stages of K and V tiles of BN keys, plus 1024 bytes to align the
-/// tiles to the swizzle pattern.
+/// Shared-memory bytes: the Q tile, two K and three V tiles of BN keys, and 1024 bytes to align
+/// them to the swizzle pattern (49 KB at D = 64 with 64-key steps: four blocks fit an SM).
 template <int D, int BN>
 __host__ __device__ constexpr int shared_bytes() {
-  return kStages * 2 * BN * D * 2 + 1024;
+  return kRows * D * 2 + (kSlotsK + kSlotsV) * BN * D * 2 + 1024;
 }
 
-/// Blocks per SM the registers are held to: 3 at D = 64 (168 registers; at 4, 128 registers
-/// spilled 24 bytes and measured 7% slower: docs/notes/block_sparse.md, v4), 2 at D = 128 or with
-/// 128-key steps.
+/// Blocks per SM the registers are held to: 4 at D = 64 with 64-key steps (128 registers), else 2.
 template <int D, int BN>
 __host__ __device__ constexpr int min_blocks() {
-  return D == 64 && BN == 64 ? 3 : 2;
+  return D == 64 && BN == 64 ? 4 : 2;
 }
 
 /// K's and V's TMA descriptors: [rows, heads, D] as 3-D tensors, boxes of 64 keys x 1 head x 64
@@ -72,6 +71,34 @@ __device__ __forceinline__ void issue_scores(float (&s)[BN / 8][4],
   arch::wgmma_commit();
 }
 
+/// The same with Q read from the 64-row Q tile at `q` in shared memory (laid out like K).
+template <class T, int D, int BN>
+__device__ __forceinline__ void issue_scores(float (&s)[BN / 8][4], std::uint32_t q,
+                                             std::uint32_t k) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const std::uint64_t a = arch::sw128_descriptor(q + (kk / 4) * 64 * 128 + (kk % 4) * 32);
+#pragma unroll
+    for (int c = 0; c < BN / 64; ++c) {
+      const std::uint32_t at = k + (kk / 4) * BN * 128 + c * 64 * 128 + (kk % 4) * 32;
+      arch::wgmma_64x64x16_ss<T>(reinterpret_cast<float(&)[32]>(s[8 * c]), a,
+                                 arch::sw128_descriptor(at), kk > 0);
+    }
+  }
+  arch::wgmma_commit();
+}
+
+/// Negates the ROWS x D tile at `base` in shared memory (the sign bits of every 16-bit value): the
+/// Q tile where the scale is negative, so that the softmax sees S negated and a scale >= 0
+/// (params::scale_log2). The tile must have landed (after a barrier); a barrier must follow
+/// before the products read it.
+template <int ROWS, int D, int THREADS>
+__device__ __forceinline__ void negate_tile(std::uint32_t base) {
+  for (int i = static_cast<int>(threadIdx.x); i < ROWS * D / 8; i += THREADS)
+    arch::xor_shared_16(base + 16 * static_cast<std::uint32_t>(i), 0x80008000u);
+  arch::fence_proxy_async();
+}
+
 /// O += P V for the V tile of BN keys at `v`: k16 step kp reads key rows 16 kp.. (two 8-row
 /// groups, 2048 bytes a step); the output columns 64 dp.. come from panel dp; one commit group.
 template <class T, int D, int BN>
@@ -98,29 +125,34 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
   static_assert(D % 64 == 0);
   constexpr int kTile = BN * D * 2;  // bytes of one K or V tile
   extern __shared__ uint4 shared_raw[];
-  const std::uint32_t base = (arch::shared_address(shared_raw) + 1023u) & ~1023u;
-  // Stage x: K tile at base + 2 x kTile, V tile after it.
-  const auto k_tile = [&](int x) { return base + static_cast<std::uint32_t>(2 * x * kTile); };
-  const auto v_tile = [&](int x) { return k_tile(x) + kTile; };
+  // The Q tile, then K tile t in slot t % 2 and V tile t in slot t % 3.
+  const std::uint32_t q_tile = (arch::shared_address(shared_raw) + 1023u) & ~1023u;
+  const auto k_tile = [&](int t) {
+    return q_tile + static_cast<std::uint32_t>(kRows * D * 2 + (t % kSlotsK) * kTile);
+  };
+  const auto v_tile = [&](int t) {
+    return q_tile + static_cast<std::uint32_t>(kRows * D * 2 + (kSlotsK + t % kSlotsV) * kTile);
+  };
 
   const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
   tile_walk<kRows, BN> w(p);
   const char* qg = static_cast<const char*>(p.q) + ((w.q0 + w.row0) * p.q_row + w.h * p.q_head) * 2;
   const char* kg = static_cast<const char*>(p.k) + (w.k0 * p.k_row + w.h * p.k_head) * 2;
   const char* vg = static_cast<const char*>(p.v) + (w.k0 * p.v_row + w.h * p.v_head) * 2;
-  // Stage x's barrier (TMA tiles): bit x of `pending` says a TMA tile is in flight there, bit x
-  // of `phases` the parity of its barrier's next phase.
-  __shared__ alignas(8) std::uint64_t stage_bars[kStages];
-  const std::uint32_t bars = arch::shared_address(stage_bars);
+  // Tile t's barrier (TMA tiles) is x = t % 3: bit x of `pending` says a TMA tile is in flight
+  // there, bit x of `phases` the parity of its barrier's next phase.
+  __shared__ alignas(8) std::uint64_t tile_bars[kSlotsV];
+  const std::uint32_t bars = arch::shared_address(tile_bars);
   std::uint32_t pending = 0, phases = 0;
   if (maps.use) {
     if (threadIdx.x == 0) {
 #pragma unroll
-      for (int x = 0; x < kStages; ++x) arch::mbarrier_init(bars + 8 * x, 1);
+      for (int x = 0; x < kSlotsV; ++x) arch::mbarrier_init(bars + 8 * x, 1);
     }
     __syncthreads();
   }
-  const auto load_tile = [&](int x, int j) {
+  const auto load_tile = [&](int t, int j) {
+    const int x = t % kSlotsV;
     if (maps.use && j + BN <= w.lk) {
       if (threadIdx.x == 0) {
         const std::uint32_t bar = bars + 8 * x;
@@ -128,18 +160,19 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
         arch::mbarrier_arrive_expect_tx(bar, 2 * kTile);
 #pragma unroll
         for (int panel = 0; panel < D / 64; ++panel) {
-          arch::tma_load_3d(k_tile(x) + panel * BN * 128, &maps.k, bar, 64 * panel, w.h, row);
-          arch::tma_load_3d(v_tile(x) + panel * BN * 128, &maps.v, bar, 64 * panel, w.h, row);
+          arch::tma_load_3d(k_tile(t) + panel * BN * 128, &maps.k, bar, 64 * panel, w.h, row);
+          arch::tma_load_3d(v_tile(t) + panel * BN * 128, &maps.v, bar, 64 * panel, w.h, row);
         }
       }
       pending |= 1u << x;
       return;
     }
-    load_rows<D, BN, kThreads>(k_tile(x), kg + j * p.k_row * 2, p.k_row, w.lk - j);
-    load_rows<D, BN, kThreads>(v_tile(x), vg + j * p.v_row * 2, p.v_row, w.lk - j);
+    load_rows<D, BN, kThreads>(k_tile(t), kg + j * p.k_row * 2, p.k_row, w.lk - j);
+    load_rows<D, BN, kThreads>(v_tile(t), vg + j * p.v_row * 2, p.v_row, w.lk - j);
   };
-  // After cp_async_wait: the TMA tile of stage x, if any, has landed too.
-  const auto wait_tma = [&](int x) {
+  // After cp_async_wait: tile t, if it came by TMA, has landed too.
+  const auto wait_tma = [&](int t) {
+    const int x = t % kSlotsV;
     if ((pending >> x & 1u) == 0) return;
     arch::mbarrier_wait(bars + 8 * x, phases >> x & 1u);
     phases ^= 1u << x;
@@ -152,9 +185,16 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
   float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
   const int i_lo = w.row0 + warp * 16 + lane / 4;
 
-  std::uint32_t qa[D / 16][4];
-  const auto issue_s = [&](float(&s)[BN / 8][4], int x) {
-    issue_scores<T, D, BN>(s, qa, k_tile(x));
+  // Q's A operand from shared memory where that lets a fourth block fit an SM (D = 64 with 64-key
+  // steps: 128 registers; +6-11% there), else from registers, loaded once by ldmatrix (1-4% faster
+  // than from shared memory where the blocks per SM are the same). docs/notes/block_sparse.md.
+  constexpr bool kQShared = min_blocks<D, BN>() == 4;
+  std::uint32_t qa[kQShared ? 1 : D / 16][4];
+  const auto issue_s = [&](float(&s)[BN / 8][4], int t) {
+    if constexpr (kQShared)
+      issue_scores<T, D, BN>(s, q_tile, k_tile(t));
+    else
+      issue_scores<T, D, BN>(s, qa, k_tile(t));
   };
 
   int j_cur = w.next();
@@ -163,8 +203,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
     return;
   }
   int j_next = w.next();
-  // Prologue: Q (in stage 2's K slot) and tile 0, then tile 1; S_0 and P_0.
-  load_rows<D, kRows, kThreads>(k_tile(2), qg, p.q_row, w.lq - w.row0);
+  // Prologue: Q and tile 0, then tile 1; S_0 and P_0.
+  load_rows<D, kRows, kThreads>(q_tile, qg, p.q_row, w.lq - w.row0);
   load_tile(0, j_cur);
   arch::cp_async_commit();
   if (j_next >= 0) load_tile(1, j_next);
@@ -173,11 +213,18 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
   wait_tma(0);
   arch::fence_proxy_async();
   __syncthreads();
+  if constexpr (kQShared) {
+    if (p.negate_scores) {
+      negate_tile<kRows, D, kThreads>(q_tile);
+      __syncthreads();
+    }
+  } else {
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk)
-    arch::ldmatrix_x4(qa[kk], swizzled<kRows>(k_tile(2), warp * 16 + lane % 16, kk / 4,
-                                              2 * (kk % 4) + lane / 16));
-  apply_score_sign(qa, p);
+    for (int kk = 0; kk < D / 16; ++kk)
+      arch::ldmatrix_x4(
+          qa[kk], swizzled<kRows>(q_tile, warp * 16 + lane % 16, kk / 4, 2 * (kk % 4) + lane / 16));
+    apply_score_sign(qa, p);
+  }
   float s[BN / 8][4];
   float alpha[2];
   arch::wgmma_fence();
@@ -187,7 +234,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
   softmax_step<BN>(s, m, l, alpha, w, j_cur, i_lo);
 
   std::uint32_t pa[BN / 16][4];
-  const auto issue_pv = [&](int x) { issue_values<T, D, BN>(o, pa, v_tile(x)); };
+  const auto issue_pv = [&](int t) { issue_values<T, D, BN>(o, pa, v_tile(t)); };
 
   int it = 0;
   for (;; ++it) {
@@ -196,14 +243,16 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
     if (j_next < 0) break;
     const int j_after = w.next();
     arch::cp_async_wait<0>();  // tile it + 1
-    wait_tma((it + 1) % kStages);
+    wait_tma(it + 1);
     arch::fence_proxy_async();
-    __syncthreads();  // tile it + 1 visible; every warp is past step it - 1 (and Q's ldmatrix)
-    if (j_after >= 0) load_tile((it + 2) % kStages, j_after);
+    // Tile it + 1 visible; every warp is past step it - 1: S_it (K slot of tile it + 2) and
+    // P_{it-1} V_{it-1} (V slot of tile it + 2) are done.
+    __syncthreads();
+    if (j_after >= 0) load_tile(it + 2, j_after);
     arch::cp_async_commit();
     arch::wgmma_fence();
-    issue_s(s, (it + 1) % kStages);
-    issue_pv(it % kStages);
+    issue_s(s, it + 1);
+    issue_pv(it);
     arch::wgmma_wait<1>();  // S_{it+1}; P_it V_it may still run
     arch::fence_operands(flat(s));
     softmax_step<BN>(s, m, l, alpha, w, j_next, i_lo);
@@ -213,7 +262,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
     j_next = j_after;
   }
   arch::wgmma_fence();
-  issue_pv(it % kStages);
+  issue_pv(it);
   arch::wgmma_wait<0>();
   arch::fence_operands(flat(o));
   store_rows<O, D>(o, l, w, i_lo);

@@ -1,6 +1,6 @@
 #pragma once
 // Asynchronous global -> shared copies and shared -> register matrix loads (sm_80+), as the PTX
-// ISA defines cp.async and ldmatrix.
+// ISA defines cp.async and ldmatrix, and an in-place XOR of shared memory.
 #include <cstdint>
 
 namespace trisparse::cuda::arch {
@@ -41,6 +41,18 @@ __device__ __forceinline__ void ldmatrix_x4_trans(std::uint32_t (&r)[4], std::ui
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(address));
+}
+
+/// XORs each 32-bit word of the 16 bytes at shared address `address` with `mask`, in place.
+__device__ __forceinline__ void xor_shared_16(std::uint32_t address, std::uint32_t mask) {
+  std::uint32_t w[4];
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+               : "r"(address)
+               : "memory");
+  asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(address), "r"(w[0] ^ mask),
+               "r"(w[1] ^ mask), "r"(w[2] ^ mask), "r"(w[3] ^ mask)
+               : "memory");
 }
 
 }  // namespace trisparse::cuda::arch

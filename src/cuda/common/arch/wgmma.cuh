@@ -1,6 +1,7 @@
 #pragma once
 // Warpgroup-level tensor-core MMA (wgmma, sm_90a only) as the PTX ISA defines it: shared-memory
-// matrix descriptors, the fence / commit / wait protocol and m64n64k16 with A from registers.
+// matrix descriptors, the fence / commit / wait protocol and m64n64k16 with A from registers or
+// from shared memory.
 // A warpgroup is 4 consecutive warps; warp w of it owns rows 16w..16w+15 of the 64-row tile, and
 // its A and accumulator fragments have the layouts of mma.sync m16n8k16 (accumulator element
 // 4j + e is the m16n8 fragment element e of columns 8j..8j+7).
@@ -79,6 +80,34 @@ __device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], const std::uint32
     TRISPARSE_WGMMA_64X64X16("bf16.bf16");
   }
 #undef TRISPARSE_WGMMA_64X64X16
+}
+
+/// d (+)= A * B for a 64x64 tile and k = 16 with both operands from shared memory: A (64 x 16)
+/// K-major from descriptor a, B (16 x 64) K-major from descriptor b; accumulate = false ignores
+/// d's old values.
+template <class T>
+__device__ __forceinline__ void wgmma_64x64x16_ss(float (&d)[32], std::uint64_t a, std::uint64_t b,
+                                                  bool accumulate) {
+#define TRISPARSE_WGMMA_64X64X16_SS(TYPES)                                                         \
+  asm volatile(                                                                                    \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                 \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPES                                          \
+      " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "    \
+      "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, "   \
+      "0;\n}\n"                                                                                    \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),        \
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),    \
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                         \
+      : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)))
+  if constexpr (std::is_same_v<T, __half>) {
+    TRISPARSE_WGMMA_64X64X16_SS("f16.f16");
+  } else {
+    static_assert(std::is_same_v<T, __nv_bfloat16>);
+    TRISPARSE_WGMMA_64X64X16_SS("bf16.bf16");
+  }
+#undef TRISPARSE_WGMMA_64X64X16_SS
 }
 
 }  // namespace trisparse::cuda::arch
