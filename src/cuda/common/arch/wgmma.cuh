@@ -54,24 +54,29 @@ __device__ __forceinline__ void fence_operands(float (&d)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// The 32 accumulator registers of an m64n64 wgmma: operands %0 .. %31, and their constraints.
+#define TRISPARSE_WGMMA_ACCUMULATOR_REGS                                                        \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define TRISPARSE_WGMMA_ACCUMULATORS(d)                                                           \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),    \
+      "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),  \
+      "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),  \
+      "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+
 /// d (+)= A * B for a 64x64 tile and k = 16: A (64 x 16) in registers, B (16 x 64) from the
 /// descriptor, K-major or (TransB) N-major; accumulate = false ignores d's old values.
 template <class T, int TransB>
 __device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], const std::uint32_t (&a)[4],
                                                std::uint64_t b, bool accumulate) {
-#define TRISPARSE_WGMMA_64X64X16(TYPES)                                                            \
-  asm volatile(                                                                                    \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"                                                 \
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPES                                          \
-      " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "    \
-      "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, "   \
-      "%36, p, 1, 1, %37;\n}\n"                                                                    \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),        \
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),    \
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
-        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                         \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TransB),                           \
+#define TRISPARSE_WGMMA_64X64X16(TYPES)                                                        \
+  asm volatile(                                                                                \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"                                             \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPES " " TRISPARSE_WGMMA_ACCUMULATOR_REGS \
+      ", {%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"                                        \
+      : TRISPARSE_WGMMA_ACCUMULATORS(d)                                                        \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TransB),                       \
         "r"(static_cast<int>(accumulate)))
   if constexpr (std::is_same_v<T, __half>) {
     TRISPARSE_WGMMA_64X64X16("f16.f16");
@@ -88,18 +93,12 @@ __device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], const std::uint32
 template <class T>
 __device__ __forceinline__ void wgmma_64x64x16_ss(float (&d)[32], std::uint64_t a, std::uint64_t b,
                                                   bool accumulate) {
-#define TRISPARSE_WGMMA_64X64X16_SS(TYPES)                                                         \
-  asm volatile(                                                                                    \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                 \
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPES                                          \
-      " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "    \
-      "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, "   \
-      "0;\n}\n"                                                                                    \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),        \
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),    \
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
-        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])                                         \
+#define TRISPARSE_WGMMA_64X64X16_SS(TYPES)                                                     \
+  asm volatile(                                                                                \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                             \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPES " " TRISPARSE_WGMMA_ACCUMULATOR_REGS \
+      ", %32, %33, p, 1, 1, 0, 0;\n}\n"                                                        \
+      : TRISPARSE_WGMMA_ACCUMULATORS(d)                                                        \
       : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)))
   if constexpr (std::is_same_v<T, __half>) {
     TRISPARSE_WGMMA_64X64X16_SS("f16.f16");
@@ -109,5 +108,8 @@ __device__ __forceinline__ void wgmma_64x64x16_ss(float (&d)[32], std::uint64_t 
   }
 #undef TRISPARSE_WGMMA_64X64X16_SS
 }
+
+#undef TRISPARSE_WGMMA_ACCUMULATORS
+#undef TRISPARSE_WGMMA_ACCUMULATOR_REGS
 
 }  // namespace trisparse::cuda::arch
