@@ -8,7 +8,7 @@
 #   cmake --build build/gpu --target gpu_tests bench_fused3s bench_sparse bench_layers trisparse_cli
 #   mkdir -p data .devlibs && cp ../shared/datasets/* data/ && cp -L /lib/x86_64-linux-gnu/libzip.so.4 /lib/x86_64-linux-gnu/libbz2.so.1.0 .devlibs/
 # and call with carry = [build/gpu, data, .devlibs].
-# Usage: scripts/gpu_run.sh [tests|sanitize|bench|matrix|large|sweep|sparse|layers|blocksparse|reportsweep|flexsweep|all] (all = tests sanitize bench)
+# Usage: scripts/gpu_run.sh [tests|sanitize|bench|matrix|large|sweep|sparse|layers|blocksparse|reportsweep|flexsweep|bssanitize|all] (all = tests sanitize bench)
 # The device tool brings back at most 8 files per call: run tests+sanitize and bench+large+matrix apart.
 set -uo pipefail
 out=${OUT:-/tmp/trisparse-out}
@@ -152,6 +152,29 @@ if [ "$what" = flexsweep ]; then  # the fused kernel against flex_attention, G 6
       >> "$out/flexsweep${SWEEP_TAG:-}.jsonl" 2>> "$out/stderr.log" || status=1
     rm -f "$masks"/*.u8
     echo "N=$n done $(date +%T)"
+  done
+fi
+# The block-sparse GPU tests under compute-sanitizer (quick mode), in one call: memcheck and
+# racecheck each over four filters at once (the whole suite in one racecheck process takes more
+# than a call's 10 minutes; correctness only, so sharing the GPU is harmless).
+if [ "$what" = bssanitize ]; then
+  filters=('GpuBlockSparse.EveryBlockType*:GpuBlockSparse.WgmmaKernelOnStrided*'
+           'GpuBlockSparse.ManyWorkItemsPerBlock:GpuBlockSparse.TopK*:GpuBlockSparse.RectangularCausalTopKMasks'
+           'GpuBlockSparse.LayoutsAndEdgeCases:GpuBlockSparse.FineBlocks*:GpuBlockSparse.TheReports*:GpuBlockSparse.Rejects*'
+           'GpuBlockSparse.BlocksOfLaterWaves*')
+  logs=$(mktemp -d)
+  for tool in ${BS_TOOLS:-memcheck racecheck}; do
+    for i in "${!filters[@]}"; do
+      TRISPARSE_GPU_TEST_QUICK=1 timeout "${BS_TIMEOUT:-560}" compute-sanitizer --tool "$tool" --error-exitcode 9 \
+        "$b/tests/gpu_tests" --gtest_filter="${filters[$i]}" > "$logs/$i.log" 2>&1 &
+    done
+    failed=0
+    for job in $(jobs -p); do wait "$job" || failed=1; done
+    [ $failed = 0 ] || status=1
+    for i in "${!filters[@]}"; do  # one file per tool (the device tool brings back at most 8)
+      { echo "=== $tool ${filters[$i]}"; cat "$logs/$i.log"; } >> "$out/bs_$tool.log"
+      echo "$tool $i: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$logs/$i.log" | tr '\n' ' ')"
+    done
   done
 fi
 exit $status
