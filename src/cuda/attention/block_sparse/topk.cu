@@ -28,6 +28,13 @@ struct pool_block {
   std::int32_t rows;
 };
 
+// What a selection block needs of its group of query blocks, in one 32-byte load: the pooled
+// index of the sequence's first query and key block, the group's first query block in the
+// sequence, and the sequence's query and key lengths.
+struct alignas(32) select_group {
+  std::int32_t q_base, k_base, first, lq, lk;
+};
+
 struct topk_device_plan {
   std::shared_ptr<block_sparse_device_plan> attention;
   std::int32_t heads = 0, dim = 0, pdim = 0, block = 0, top_k = 0, cap = 0;  // pdim: pooled_dim
@@ -35,9 +42,8 @@ struct topk_device_plan {
   std::int32_t q_blocks = 0, k_blocks = 0, max_k_blocks = 0, rows = 0, num_groups = 0;
   std::int32_t held = 0;  // keys a lane holds in registers in the selection (0: shared memory)
   std::int64_t rows_q = 0, rows_k = 0;
-  device_buffer<pool_block> pool_blocks;  // the query blocks', then the key blocks' rows
-  device_buffer<std::int32_t> q_block_base, k_block_base;  // per sequence: its first block
-  device_buffer<int2> groups;               // the selection's blocks: (sequence, first query block)
+  device_buffer<pool_block> pool_blocks;    // the query blocks', then the key blocks' rows
+  device_buffer<select_group> groups;       // the selection's blocks
   device_buffer<float> pooled_q, pooled_k;  // [blocks, heads, pdim], dims in pooled_position order
 };
 
@@ -117,10 +123,7 @@ __global__ void __launch_bounds__(kPoolThreads, 4)
 
 struct select_params {
   const float *pooled_q, *pooled_k;
-  const std::int64_t* cu_q;
-  const std::int64_t* cu_k;
-  const std::int32_t *q_block_base, *k_block_base;
-  const int2* groups;  // (sequence, first query block) of each selection block
+  const select_group* groups;  // of each selection block, whatever its head
   std::int32_t* col_idx;
   std::int32_t heads, pdim, block, top_k, cap, max_k_blocks, rows;  // pdim: pooled_dim
   bool causal, keep_diagonal;
@@ -359,9 +362,11 @@ __device__ void select_row(float* score, int allowed, int top_k, int diagonal, s
 // ulps): the key-block means staged through shared memory in chunks of 64 (cp.async, the next
 // chunk in flight while this one is scored), warp w computing the 16 x 8 tile of row tile w / 8
 // and keys 8 (w % 8) ... 8 (w % 8) + 7 of the chunk against the group's query means (rows past
-// the group are zero). Then warp w selects rows w, w + warps, ... (select_row).
-template <int R>
-__global__ void __launch_bounds__(select_threads(kMaxRows))
+// the group are zero). Then warp w selects rows w, w + warps, ... (select_row). With PDIM (the
+// pooled dim) known at compile time, a warp holds its row tile's A fragments in registers for all
+// chunks; PDIM = 0 reads them from shared memory at every k-step (any pooled dim).
+template <int R, int PDIM>
+__global__ void __launch_bounds__(select_threads(kMaxRows), 1)
     select_kernel(const __grid_constant__ select_params p) {
   extern __shared__ float4 shared4[];
   float* shared = reinterpret_cast<float*>(shared4);
@@ -371,41 +376,28 @@ __global__ void __launch_bounds__(select_threads(kMaxRows))
   const int g = lane / 4, t = lane % 4;            // the MMA fragments' row group and column
   const int tile = warp / kTileWarps * kTileRows;  // the warp's first row
   const int h = static_cast<int>(blockIdx.x) % p.heads;
-  const int2 group = p.groups[blockIdx.x / p.heads];
-  const int b = group.x, stride = row_floats(p.pdim);
+  const int pdim = PDIM > 0 ? PDIM : p.pdim;
+  const select_group group = p.groups[blockIdx.x / p.heads];
+  const int lq = group.lq, lk = group.lk, stride = row_floats(pdim);
   const int stage_floats = kChunk * stride;
   float* q_hi = shared + kStages * stage_floats;
-  float* q_lo = q_hi + tile_rows * p.pdim;
-  float* scores = q_lo + tile_rows * p.pdim;
+  float* q_lo = q_hi + tile_rows * pdim;
+  float* scores = q_lo + tile_rows * pdim;
   const int score_stride = score_floats(R, p.max_k_blocks);
-  const int lq = static_cast<int>(p.cu_q[b + 1] - p.cu_q[b]),
-            lk = static_cast<int>(p.cu_k[b + 1] - p.cu_k[b]);
   const int nbq = (lq + p.block - 1) / p.block, nbk = (lk + p.block - 1) / p.block;
-  const int rows = min(p.rows, nbq - group.y);  // the group's query blocks
+  const int rows = min(p.rows, nbq - group.first);  // the group's query blocks
   // The key blocks row i of the group may attend (0 past the group); the last row's (the most: it
   // grows with the row) bounds the staging loop.
   const auto allowed_of = [&](int i) {
     if (i >= rows) return 0;
-    const int last_row = min(lq, (group.y + i + 1) * p.block) - 1;
+    const int last_row = min(lq, (group.first + i + 1) * p.block) - 1;
     const int last = p.causal ? min(last_row + lk - lq, lk - 1) : lk - 1;
     return last < 0 ? 0 : last / p.block + 1;
   };
   const int most = allowed_of(rows - 1);
-  // The query means, split into tf32 high and low parts; zero rows past the group.
-  const float* qs =
-      p.pooled_q + ((std::int64_t{p.q_block_base[b]} + group.y) * p.heads + h) * p.pdim;
-  const std::int64_t q_stride = std::int64_t{p.heads} * p.pdim;
-  for (int i = static_cast<int>(threadIdx.x); i < tile_rows * p.pdim; i += threads) {
-    const int row = i / p.pdim, d = i - row * p.pdim;
-    const float x = row < rows ? qs[row * q_stride + d] : 0.f;
-    const float hi = arch::tf32_high(x);
-    const int at = query_fragment_index(row, d, p.pdim);
-    q_hi[at] = hi;
-    q_lo[at] = x - hi;
-  }
-  const std::int64_t k_stride = std::int64_t{p.heads} * p.pdim;
-  const float* kp = p.pooled_k + (std::int64_t{p.k_block_base[b]} * p.heads + h) * p.pdim;
-  const int dim4 = p.pdim / 4;
+  const std::int64_t k_stride = std::int64_t{p.heads} * pdim;
+  const float* kp = p.pooled_k + (std::int64_t{group.k_base} * p.heads + h) * pdim;
+  const int dim4 = pdim / 4;
   // Thread i copies the 16-byte pieces i, i + threads, ... of a chunk's rows: (row, piece) steps
   // by (threads / dim4, threads % dim4), with no division in the loop.
   const int first_row = static_cast<int>(threadIdx.x) / dim4,
@@ -426,9 +418,34 @@ __global__ void __launch_bounds__(select_threads(kMaxRows))
     }
     arch::cp_async_commit();
   };
-  const int allowed_lo = allowed_of(tile + g), allowed_hi = allowed_of(tile + g + 8);
   // A ring of kStages chunks, kStages - 1 in flight: the staging waited on L2 latency with one.
+  // Issued first, so that the key means are on their way while the query means are read.
   for (int i = 0; i < kStages - 1; ++i) stage(i * kChunk);
+  // The query means, split into tf32 high and low parts; zero rows past the group.
+  const float* qs = p.pooled_q + ((std::int64_t{group.q_base} + group.first) * p.heads + h) * pdim;
+  const std::int64_t q_stride = std::int64_t{p.heads} * pdim;
+  for (int i = static_cast<int>(threadIdx.x); i < tile_rows * pdim; i += threads) {
+    const int row = i / pdim, d = i - row * pdim;
+    const float x = row < rows ? qs[row * q_stride + d] : 0.f;
+    const float hi = arch::tf32_high(x);
+    const int at = query_fragment_index(row, d, pdim);
+    q_hi[at] = hi;
+    q_lo[at] = x - hi;
+  }
+  // The row tile's A fragments, k-step by k-step (query_fragment_index): from shared memory, or
+  // with PDIM known, once into registers.
+  const float4* qh = reinterpret_cast<const float4*>(q_hi) + tile / kTileRows * pdim * 4 + lane;
+  const float4* ql = reinterpret_cast<const float4*>(q_lo) + tile / kTileRows * pdim * 4 + lane;
+  float4 a_hi[PDIM > 0 ? PDIM / 8 : 1], a_lo[PDIM > 0 ? PDIM / 8 : 1];
+  if constexpr (PDIM > 0) {
+    __syncthreads();  // the query means are in place
+#pragma unroll
+    for (int s = 0; s < PDIM / 8; ++s) {
+      a_hi[s] = qh[32 * s];
+      a_lo[s] = ql[32 * s];
+    }
+  }
+  const int allowed_lo = allowed_of(tile + g), allowed_hi = allowed_of(tile + g + 8);
   for (int c0 = 0; c0 < most; c0 += kChunk) {
     arch::cp_async_wait<kStages - 2>();  // this thread's copies of chunk c0 have landed
     // Every thread's copies have landed and every thread is done with the chunk before (and,
@@ -439,32 +456,33 @@ __global__ void __launch_bounds__(select_threads(kMaxRows))
     if (c < most && tile < rows) {
       // B: key block c + g (rows past the chunk hold stale values whose scores are not stored).
       const float* key = shared + (c0 / kChunk % kStages) * stage_floats + (column + g) * stride;
-      // The row tile's A fragments, k-step by k-step (query_fragment_index).
-      const float4* qh =
-          reinterpret_cast<const float4*>(q_hi) + tile / kTileRows * p.pdim * 4 + lane;
-      const float4* ql =
-          reinterpret_cast<const float4*>(q_lo) + tile / kTileRows * p.pdim * 4 + lane;
       float acc[4] = {}, acc_hl[4] = {}, acc_lh[4] = {};  // three independent MMA chains
       // One k-step: A's high and low parts, B's two values (dims t and t + 4 of the step).
       const auto step = [&](float4 hi, float4 lo, float k_0, float k_1) {
-        const std::uint32_t a_hi[4] = {__float_as_uint(hi.x), __float_as_uint(hi.y),
-                                       __float_as_uint(hi.z), __float_as_uint(hi.w)};
-        const std::uint32_t a_lo[4] = {__float_as_uint(lo.x), __float_as_uint(lo.y),
-                                       __float_as_uint(lo.z), __float_as_uint(lo.w)};
+        const std::uint32_t a_h[4] = {__float_as_uint(hi.x), __float_as_uint(hi.y),
+                                      __float_as_uint(hi.z), __float_as_uint(hi.w)};
+        const std::uint32_t a_l[4] = {__float_as_uint(lo.x), __float_as_uint(lo.y),
+                                      __float_as_uint(lo.z), __float_as_uint(lo.w)};
         const float h_0 = arch::tf32_high(k_0), h_1 = arch::tf32_high(k_1);
         const std::uint32_t b_hi[2] = {__float_as_uint(h_0), __float_as_uint(h_1)};
         const std::uint32_t b_lo[2] = {__float_as_uint(k_0 - h_0), __float_as_uint(k_1 - h_1)};
-        arch::mma_16x8x8_f32_tf32(acc_lh, a_lo, b_hi);
-        arch::mma_16x8x8_f32_tf32(acc_hl, a_hi, b_lo);
-        arch::mma_16x8x8_f32_tf32(acc, a_hi, b_hi);
+        arch::mma_16x8x8_f32_tf32(acc_lh, a_l, b_hi);
+        arch::mma_16x8x8_f32_tf32(acc_hl, a_h, b_lo);
+        arch::mma_16x8x8_f32_tf32(acc, a_h, b_hi);
       };
       // Two k-steps per 16 dims: the key's x, y are the first step's values, z, w the second's
       // (pooled_position).
-      for (int j = 0; j < p.pdim; j += 16) {
+#pragma unroll 4
+      for (int j = 0; j < pdim; j += 16) {
         const float4 kv = *reinterpret_cast<const float4*>(key + j + 4 * t);
-        const int s0 = j / 8 * 32;  // the first step's fragments
-        step(qh[s0], ql[s0], kv.x, kv.y);
-        step(qh[s0 + 32], ql[s0 + 32], kv.z, kv.w);
+        const int s = j / 8;  // the first step
+        if constexpr (PDIM > 0) {
+          step(a_hi[s], a_lo[s], kv.x, kv.y);
+          step(a_hi[s + 1], a_lo[s + 1], kv.z, kv.w);
+        } else {
+          step(qh[32 * s], ql[32 * s], kv.x, kv.y);
+          step(qh[32 * s + 32], ql[32 * s + 32], kv.z, kv.w);
+        }
       }
       for (int e = 0; e < 4; ++e) acc[e] += acc_hl[e] + acc_lh[e];
       // acc: rows tile + g (0, 1) and tile + g + 8 (2, 3), key blocks c + 2 t and c + 2 t + 1:
@@ -482,7 +500,7 @@ __global__ void __launch_bounds__(select_threads(kMaxRows))
   arch::cp_async_wait<0>();  // the empty groups past the last chunk
   __syncthreads();           // every score is in place
   for (int i = warp; i < rows; i += threads / 32) {
-    const int r = group.y + i, allowed = allowed_of(i);
+    const int r = group.first + i, allowed = allowed_of(i);
     float* score = scores + i * score_stride;
     // The block holding the key aligned with the query block's last row (< allowed).
     const int aligned = min(lq, (r + 1) * p.block) - 1 + lk - lq;
@@ -490,29 +508,35 @@ __global__ void __launch_bounds__(select_threads(kMaxRows))
         p.keep_diagonal && aligned >= 0 && lk > 0 ? min(aligned, lk - 1) / p.block : -1;
     select_row<R>(
         score, allowed, p.top_k, diagonal,
-        p.col_idx + (std::int64_t{p.q_block_base[b]} * p.heads + std::int64_t{h} * nbq + r) * p.cap,
+        p.col_idx + (std::int64_t{group.q_base} * p.heads + std::int64_t{h} * nbq + r) * p.cap,
         p.cap, nbk);
   }
 }
 
 // The selection kernel holding R keys per lane in registers: the fewest that cover max_k_blocks,
-// up to 32 (1024 key blocks); beyond, R = 0 (keys read from shared memory in every pass).
+// up to 32 (1024 key blocks); beyond, R = 0 (keys read from shared memory in every pass). The
+// A fragments in registers where the pooled dim is 64 (head dims 49-64); other dims read them
+// from shared memory.
 using select_fn = void (*)(select_params);
-select_fn select_kernel_for(int held) {
+template <int PDIM>
+select_fn select_kernel_held(int held) {
   switch (held) {
     case 2:
-      return select_kernel<2>;
+      return select_kernel<2, PDIM>;
     case 4:
-      return select_kernel<4>;
+      return select_kernel<4, PDIM>;
     case 8:
-      return select_kernel<8>;
+      return select_kernel<8, PDIM>;
     case 16:
-      return select_kernel<16>;
+      return select_kernel<16, PDIM>;
     case 32:
-      return select_kernel<32>;
+      return select_kernel<32, PDIM>;
     default:
-      return select_kernel<0>;
+      return select_kernel<0, PDIM>;
   }
+}
+select_fn select_kernel_for(int held, int pdim) {
+  return pdim == 64 ? select_kernel_held<64>(held) : select_kernel_held<0>(held);
 }
 
 int held_keys(int max_k_blocks) {
@@ -589,25 +613,27 @@ std::shared_ptr<topk_device_plan> make_topk_plan(const block_sparse_mask& skelet
                         " key blocks in one sequence need more shared memory than the device has");
   }
   const auto groups_of = [&](int rows) {
-    std::vector<int2> groups;
+    std::vector<select_group> groups;
     for (std::int64_t b = 0; b < skeleton.batch(); ++b) {
-      const auto nbq = static_cast<int>((skeleton.len_q(b) + t->block - 1) / t->block);
-      for (int r = 0; r < nbq; r += rows) groups.push_back({static_cast<int>(b), r});
+      const auto lq = static_cast<std::int32_t>(skeleton.len_q(b)),
+                 lk = static_cast<std::int32_t>(skeleton.cu_seqlens_k[b + 1] -
+                                                skeleton.cu_seqlens_k[b]);
+      const int nbq = (lq + t->block - 1) / t->block;
+      const auto at = static_cast<std::size_t>(b);
+      for (int r = 0; r < nbq; r += rows) groups.push_back({q_base[at], k_base[at], r, lq, lk});
     }
     return groups;
   };
   while (t->rows > 4 && static_cast<std::int64_t>(groups_of(t->rows).size()) * t->heads * 2 < sms)
     t->rows /= 2;
-  const std::vector<int2> groups = groups_of(t->rows);
+  const std::vector<select_group> groups = groups_of(t->rows);
   TRISPARSE_CUDA_TRY(cudaFuncSetAttribute(
-      select_kernel_for(t->held), cudaFuncAttributeMaxDynamicSharedMemorySize,
+      select_kernel_for(t->held, t->pdim), cudaFuncAttributeMaxDynamicSharedMemorySize,
       select_floats(t->rows, t->pdim, score_floats(t->held, t->max_k_blocks)) * 4));
   t->num_groups = static_cast<std::int32_t>(groups.size());
-  t->groups = device_buffer<int2>(groups);
+  t->groups = device_buffer<select_group>(groups);
   q_blocks.insert(q_blocks.end(), k_blocks.begin(), k_blocks.end());
   t->pool_blocks = device_buffer<pool_block>(q_blocks);
-  t->q_block_base = device_buffer<std::int32_t>(q_base);
-  t->k_block_base = device_buffer<std::int32_t>(k_base);
   t->pooled_q = device_buffer<float>(static_cast<std::size_t>(t->q_blocks) * t->heads * t->pdim);
   t->pooled_k = device_buffer<float>(static_cast<std::size_t>(t->k_blocks) * t->heads * t->pdim);
   // The padding dims (pdim > dim) stay zero: the pooling writes only the first dim. Done before
@@ -653,10 +679,6 @@ void select_topk(topk_device_plan& t, const tensor_view& q, const tensor_view& k
   select_params sp{};
   sp.pooled_q = t.pooled_q.data();
   sp.pooled_k = t.pooled_k.data();
-  sp.cu_q = a.cu_q.data();
-  sp.cu_k = a.cu_k.data();
-  sp.q_block_base = t.q_block_base.data();
-  sp.k_block_base = t.k_block_base.data();
   sp.groups = t.groups.data();
   sp.col_idx = a.col_idx.data();
   sp.heads = t.heads;
@@ -671,7 +693,8 @@ void select_topk(topk_device_plan& t, const tensor_view& q, const tensor_view& k
   const std::int64_t blocks = std::int64_t{t.num_groups} * t.heads;
   if (blocks == 0 || t.cap == 0) return;
   select_kernel_for(
-      t.held)<<<static_cast<unsigned>(blocks), select_threads(t.rows),
+      t.held,
+      t.pdim)<<<static_cast<unsigned>(blocks), select_threads(t.rows),
                 select_floats(t.rows, t.pdim, score_floats(t.held, t.max_k_blocks)) * 4, s>>>(sp);
   TRISPARSE_CUDA_CHECK_LAUNCH();
 }
