@@ -41,6 +41,7 @@ struct topk_device_plan {
   bool causal = false, keep_diagonal = false;
   std::int32_t q_blocks = 0, k_blocks = 0, max_k_blocks = 0, rows = 0, num_groups = 0;
   std::int32_t held = 0;  // keys a lane holds in registers in the selection (0: shared memory)
+  bool dependent_launch = false;  // the selection as a programmatic dependent of the pooling
   std::int64_t rows_q = 0, rows_k = 0;
   device_buffer<pool_block> pool_blocks;    // the query blocks', then the key blocks' rows
   device_buffer<select_group> groups;       // the selection's blocks
@@ -78,6 +79,10 @@ constexpr int kPoolThreads = 256;
 template <class T>
 __global__ void __launch_bounds__(kPoolThreads, 4)
     pool_kernel(const __grid_constant__ pool_params p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // The selection may be placed as soon as every pooling block has started (dependent_launch).
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
   __shared__ float partial[kPoolThreads * 8];
   const bool is_q = static_cast<std::int32_t>(blockIdx.x) < p.q_blocks;
   const int x = static_cast<int>(blockIdx.x) - (is_q ? 0 : p.q_blocks);
@@ -418,6 +423,10 @@ __global__ void __launch_bounds__(select_threads(kMaxRows), 1)
     }
     arch::cp_async_commit();
   };
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched as a dependent of the pooling (dependent_launch): the means are complete from here.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   // A ring of kStages chunks, kStages - 1 in flight: the staging waited on L2 latency with one.
   // Issued first, so that the key means are on their way while the query means are read.
   for (int i = 0; i < kStages - 1; ++i) stage(i * kChunk);
@@ -599,8 +608,9 @@ std::shared_ptr<topk_device_plan> make_topk_plan(const block_sparse_mask& skelet
   // Query blocks per selection block: the most of 32, 16, ..., 1 whose scores fit in shared
   // memory, then halved (down to 4) while the blocks would not cover half the SMs (a block of 32
   // rows runs 16 warps: one fills an SM's warps as two blocks of 16 rows do).
-  int device = 0, limit = 0, sms = 0;
+  int device = 0, limit = 0, sms = 0, major = 0;
   TRISPARSE_CUDA_TRY(cudaGetDevice(&device));
+  TRISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   TRISPARSE_CUDA_TRY(
       cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   TRISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
@@ -627,6 +637,11 @@ std::shared_ptr<topk_device_plan> make_topk_plan(const block_sparse_mask& skelet
   while (t->rows > 4 && static_cast<std::int64_t>(groups_of(t->rows).size()) * t->heads * 2 < sms)
     t->rows /= 2;
   const std::vector<select_group> groups = groups_of(t->rows);
+  // Blocks of 32 rows (16 warps, most of an SM's shared memory) cannot sit beside a full SM of
+  // pooling blocks: launched as dependents (sm_90), they take an SM as the pooling leaves it and
+  // start before it ends. Smaller blocks would be placed early and take the room of the pooling's
+  // second wave (measured slower, docs/notes/block_sparse.md), so they wait in stream order.
+  t->dependent_launch = major >= 9 && t->rows == kMaxRows;
   TRISPARSE_CUDA_TRY(cudaFuncSetAttribute(
       select_kernel_for(t->held, t->pdim), cudaFuncAttributeMaxDynamicSharedMemorySize,
       select_floats(t->rows, t->pdim, score_floats(t->held, t->max_k_blocks)) * 4));
@@ -692,11 +707,18 @@ void select_topk(topk_device_plan& t, const tensor_view& q, const tensor_view& k
   sp.keep_diagonal = t.keep_diagonal;
   const std::int64_t blocks = std::int64_t{t.num_groups} * t.heads;
   if (blocks == 0 || t.cap == 0) return;
-  select_kernel_for(
-      t.held,
-      t.pdim)<<<static_cast<unsigned>(blocks), select_threads(t.rows),
-                select_floats(t.rows, t.pdim, score_floats(t.held, t.max_k_blocks)) * 4, s>>>(sp);
-  TRISPARSE_CUDA_CHECK_LAUNCH();
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(static_cast<unsigned>(select_threads(t.rows)));
+  config.dynamicSmemBytes = static_cast<std::size_t>(
+      select_floats(t.rows, t.pdim, score_floats(t.held, t.max_k_blocks)) * 4);
+  config.stream = s;
+  cudaLaunchAttribute dependent{};
+  dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  dependent.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &dependent;
+  config.numAttrs = t.dependent_launch ? 1 : 0;
+  TRISPARSE_CUDA_TRY(cudaLaunchKernelEx(&config, select_kernel_for(t.held, t.pdim), sp));
 }
 
 std::vector<std::int32_t> download_blocks(const topk_device_plan& t, stream_ref stream) {
