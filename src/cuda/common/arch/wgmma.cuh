@@ -65,6 +65,15 @@ __device__ __forceinline__ void fence_operands(float (&d)[N]) {
       "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),  \
       "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 
+// Issues WGMMA(types) with the PTX type pair of T (f16 or bf16 for both operands).
+#define TRISPARSE_WGMMA_BY_TYPE(WGMMA)               \
+  if constexpr (std::is_same_v<T, __half>) {         \
+    WGMMA("f16.f16");                                \
+  } else {                                           \
+    static_assert(std::is_same_v<T, __nv_bfloat16>); \
+    WGMMA("bf16.bf16");                              \
+  }
+
 /// d (+)= A * B for a 64x64 tile and k = 16: A (64 x 16) in registers, B (16 x 64) from the
 /// descriptor, K-major or (TransB) N-major; accumulate = false ignores d's old values.
 template <class T, int TransB>
@@ -78,12 +87,7 @@ __device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], const std::uint32
       : TRISPARSE_WGMMA_ACCUMULATORS(d)                                                        \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TransB),                       \
         "r"(static_cast<int>(accumulate)))
-  if constexpr (std::is_same_v<T, __half>) {
-    TRISPARSE_WGMMA_64X64X16("f16.f16");
-  } else {
-    static_assert(std::is_same_v<T, __nv_bfloat16>);
-    TRISPARSE_WGMMA_64X64X16("bf16.bf16");
-  }
+  TRISPARSE_WGMMA_BY_TYPE(TRISPARSE_WGMMA_64X64X16);
 #undef TRISPARSE_WGMMA_64X64X16
 }
 
@@ -100,16 +104,12 @@ __device__ __forceinline__ void wgmma_64x64x16_ss(float (&d)[32], std::uint64_t 
       ", %32, %33, p, 1, 1, 0, 0;\n}\n"                                                        \
       : TRISPARSE_WGMMA_ACCUMULATORS(d)                                                        \
       : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)))
-  if constexpr (std::is_same_v<T, __half>) {
-    TRISPARSE_WGMMA_64X64X16_SS("f16.f16");
-  } else {
-    static_assert(std::is_same_v<T, __nv_bfloat16>);
-    TRISPARSE_WGMMA_64X64X16_SS("bf16.bf16");
-  }
+  TRISPARSE_WGMMA_BY_TYPE(TRISPARSE_WGMMA_64X64X16_SS);
 #undef TRISPARSE_WGMMA_64X64X16_SS
 }
 
 #undef TRISPARSE_WGMMA_ACCUMULATORS
+#undef TRISPARSE_WGMMA_BY_TYPE
 #undef TRISPARSE_WGMMA_ACCUMULATOR_REGS
 
 }  // namespace trisparse::cuda::arch
