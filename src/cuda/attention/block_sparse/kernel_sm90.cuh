@@ -10,11 +10,11 @@
 // S_{i+1} = Q K_{i+1} and O += P_i V_i, waits for S_{i+1} alone, computes P_{i+1} while the tensor
 // cores finish P_i V_i, then rescales O. Tile i + 2 loads during step i: K tiles through two
 // shared-memory slots (K_i is free once S_i is done, a step before V_i), V tiles through three;
-// the Q tile stays resident. A step takes BN keys: 64, or 128 (S as two 64-key wgmma halves) at
-// D = 64 where the blocks are multiples of 128. A K/V tile whose BN keys all lie in the sequence
-// arrives by TMA (one thread issues it, a shared-memory barrier per V slot counts its bytes); the
-// others, and every tile where K or V has no tensor map, through cp.async by all threads, rows
-// past the sequence zero-filled.
+// the Q tile stays resident. A step takes BN keys: 64, or 128 (S as two 64-key wgmma halves;
+// the two-warpgroup kernel below at D = 64 uses them). A K/V tile whose BN keys all lie in the
+// sequence arrives by TMA (one thread issues it, a shared-memory barrier per V slot counts its
+// bytes); the others, and every tile where K or V has no tensor map, through cp.async by all
+// threads, rows past the sequence zero-filled.
 #include <cuda.h>
 
 #include "../../common/arch/tma.cuh"
@@ -117,7 +117,7 @@ __device__ __forceinline__ void issue_values(float (&o)[D / 8][4],
   arch::wgmma_commit();
 }
 
-/// BN keys per step (64, or 128 where the blocks are multiples of 128).
+/// BN keys per step (launched with 64; 128 needs blocks that are multiples of 128).
 template <class T, int D, class O, int BN>
 __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
     block_sparse_wgmma_kernel(const __grid_constant__ params p,

@@ -65,10 +65,11 @@ bool wgmma_runs_here(int device) {
 }
 
 // The two-warpgroup kernel holds one block per SM and pays each block's start in full: against
-// the one-warpgroup kernel (H200, heads 8, D = 64, G = 128) it measured faster at 512 key tiles of
-// 128 per query tile (N = 128K, p = 0.5: 1.04 to 1.06x in three runs) and slower at 256 (64K,
-// p = 0.5: 0.99x), 128 (32K, p = 0.5: 0.95x) and 51 (128K, p = 0.95: 0.96x;
-// docs/notes/block_sparse.md).
+// the one-warpgroup kernel in 128-key steps (H200, heads 8, D = 64, G = 128) it measured faster at
+// 512 key tiles of 128 per query tile (N = 128K, p = 0.5: 1.04 to 1.06x in three runs) and slower
+// at 256 (64K, p = 0.5: 0.99x), 128 (32K, p = 0.5: 0.95x) and 51 (128K, p = 0.95: 0.96x). Against
+// that kernel in 64-key steps at four blocks an SM (since 2026-11-22) it stays 1.3-1.6% faster at
+// 512 (docs/notes/block_sparse.md).
 constexpr double kPingpongFrom = 384;
 
 // Key blocks per (query block row, mask head), over the whole batch.

@@ -47,26 +47,25 @@ bool encode_kv(CUtensorMap& map, const void* data, std::int64_t rows, std::int64
 
 void launch_wgmma(const kernel_key& key, const params& p, std::int64_t k_rows, std::int64_t v_rows,
                   bool pingpong, std::int32_t tiles, cudaStream_t s) {
-  // 128-key steps at D = 64 where the blocks allow them (at D = 128 their stages would leave
-  // one block per SM, or overflow shared memory in the two-warpgroup kernel).
-  const int keys = key.dim == 64 && p.block % 128 == 0 ? 128 : 64;
+  // 128-key steps in the two-warpgroup kernel at D = 64, where the blocks allow them (at D = 128
+  // its stages would overflow shared memory). The one-warpgroup kernel takes 64-key steps: at
+  // D = 64 they fit four blocks an SM (Q read from shared memory), which measured 2-12% faster at
+  // G = 128 than 128-key steps at two blocks (docs/notes/block_sparse.md).
+  const int keys = pingpong && key.dim == 64 && p.block % 128 == 0 ? 128 : 64;
   sm90::tma_maps maps{};
   maps.use = encode_kv(maps.k, p.k, k_rows, p.heads, key.dim, p.k_row, p.k_head, keys) &&
              encode_kv(maps.v, p.v, v_rows, p.heads, key.dim, p.v_row, p.v_head, keys);
   dispatch(key, [&]<class T, int D, class O>() {
-    const auto with_keys = [&]<int BN>() {
-      if (pingpong) {
-        launch_kernel<sm90::block_sparse_pingpong_kernel<T, D, O, BN>>(
-            sm90::pingpong::kThreads, sm90::pingpong::shared_bytes<D, BN>(), p, tiles, s, maps);
-      } else {
-        launch_kernel<sm90::block_sparse_wgmma_kernel<T, D, O, BN>>(
-            sm90::kThreads, sm90::shared_bytes<D, BN>(), p, tiles, s, maps);
-      }
+    const auto two_groups = [&]<int BN>() {
+      launch_kernel<sm90::block_sparse_pingpong_kernel<T, D, O, BN>>(
+          sm90::pingpong::kThreads, sm90::pingpong::shared_bytes<D, BN>(), p, tiles, s, maps);
     };
     if constexpr (D == 64) {
-      if (keys == 128) return with_keys.template operator()<128>();
+      if (keys == 128) return two_groups.template operator()<128>();
     }
-    with_keys.template operator()<64>();
+    if (pingpong) return two_groups.template operator()<64>();
+    launch_kernel<sm90::block_sparse_wgmma_kernel<T, D, O, 64>>(
+        sm90::kThreads, sm90::shared_bytes<D, 64>(), p, tiles, s, maps);
   });
 }
 
