@@ -87,6 +87,11 @@ class csr_softmax {
   std::unique_ptr<state> s_;
 };
 
+/// Reads the device buffers `a` and `b` once (16-byte loads, 8 in flight a thread, two blocks of
+/// 512 threads an SM) and keeps nothing: the floor of any kernel that must read both, such as the
+/// top-k selection's pooling of Q and K. Sizes must be multiples of 16 bytes; default stream.
+void read_once(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes);
+
 /// Keeps the GPU busy for about `microseconds` so that what is enqueued after it is timed without
 /// the host's issue time (events then bracket GPU work only).
 void gpu_busy_wait(int microseconds);

@@ -245,6 +245,15 @@ nlohmann::json run_topk(const inputs& x, std::int64_t n, std::int64_t g, std::in
     run(s);
   };
   const double both_ms = time_runs(repeat, sets, true, both).median;
+  // The floor of any selection from block means: reading Q and K once.
+  const auto bytes = [](const tensor_view& t) {
+    return static_cast<std::size_t>(t.rows * t.heads * t.dim) * size_of(t.type);
+  };
+  const auto read = [&](int s) {
+    const tensor_view &q = x.views[3 * s], &k = x.views[3 * s + 1];
+    bench::read_once(q.data, bytes(q), k.data, bytes(k));
+  };
+  const double read_ms = time_runs(repeat, sets, true, read).median;
   select(0);
   const double error = out.check_once(mask, x, 1, [&] { run(0); });
   return {{"n", n},
@@ -260,6 +269,8 @@ nlohmann::json run_topk(const inputs& x, std::int64_t n, std::int64_t g, std::in
           {"attention_ms", attention_ms},
           {"select_and_attention_ms", both_ms},
           {"select_over_attention", select_ms / attention_ms},
+          {"read_qk_ms", read_ms},
+          {"read_qk_over_attention", read_ms / attention_ms},
           {"max_rel_error", error}};
 }
 
