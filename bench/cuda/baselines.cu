@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "../../src/cuda/common/buffer.cuh"
+#include "../../src/cuda/common/current_device.cuh"
 #include "../../src/cuda/common/grid.cuh"
 #include "baselines.hpp"
 
@@ -158,11 +159,10 @@ struct inputs {
 
 void read_once(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes) {
   if (a_bytes % 16 != 0 || b_bytes % 16 != 0) throw std::runtime_error("read_once: 16-byte sizes");
-  int sms = 0;
-  cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "SM count");
   const auto a_words = static_cast<std::int64_t>(a_bytes / 16);
-  read_both<<<2 * sms, 512>>>(static_cast<const uint4*>(a), a_words, static_cast<const uint4*>(b),
-                              a_words + static_cast<std::int64_t>(b_bytes / 16));
+  read_both<<<2 * cuda::current_device().sms, 512>>>(
+      static_cast<const uint4*>(a), a_words, static_cast<const uint4*>(b),
+      a_words + static_cast<std::int64_t>(b_bytes / 16));
   cuda_check(cudaPeekAtLastError(), "read_both");
 }
 
