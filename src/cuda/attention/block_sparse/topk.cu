@@ -180,11 +180,12 @@ __host__ __device__ constexpr int score_floats(int held, int max_k_blocks) {
 }
 
 // The order-preserving unsigned key of a score (larger score, larger key); NaN gets 0, below every
-// number's (-inf's is 0x007fffff), so it is never selected.
+// number's (-inf's is 0x007fffff), so it is never selected. Negative numbers get all bits flipped,
+// the others the sign bit set.
 __device__ __forceinline__ unsigned order_key(float v) {
   const unsigned bits = __float_as_uint(v);
-  if (v != v) return 0u;
-  return (bits & 0x80000000u) != 0u ? ~bits : bits | 0x80000000u;
+  const unsigned key = bits ^ (static_cast<unsigned>(static_cast<int>(bits) >> 31) | 0x80000000u);
+  return v != v ? 0u : key;
 }
 
 // One warp's selection over the scores of the `allowed` key blocks in shared memory: the top
@@ -196,8 +197,8 @@ __device__ __forceinline__ unsigned order_key(float v) {
 // registers (allowed <= 32 R), or with R = 0 they stay in shared memory (the scores' place) and
 // are read in every pass. With registers, the bits shared by the largest key and the smallest
 // lane maximum are decided without a pass (where keep <= 32), and as soon as the keys sharing
-// t's decided bits are at most 32 they are gathered, one per lane, so the remaining passes count
-// one key a lane.
+// t's decided bits are at most 32 they are gathered, one per lane, and sorted across the warp,
+// which gives t; the chosen blocks are then a mask per lane, written in order by a warp scan.
 template <int R>
 __device__ void select_row(float* score, int allowed, int top_k, int diagonal, std::int32_t* out,
                            int cap, int past) {
@@ -207,7 +208,8 @@ __device__ void select_row(float* score, int allowed, int top_k, int diagonal, s
   unsigned held[R > 0 ? R : 1];
   if constexpr (R > 0) {
     // Lane l holds keys l R ... l R + R - 1 (16-byte loads where R allows).
-    const auto hold = [&](int j, float x) { held[j] = lane * R + j < allowed ? order_key(x) : 0u; };
+    const int mine = allowed - lane * R;  // this lane's keys from here on are not attended
+    const auto hold = [&](int j, float x) { held[j] = j < mine ? order_key(x) : 0u; };
     if constexpr (R % 4 == 0) {
 #pragma unroll
       for (int j = 0; j < R; j += 4) {
@@ -240,19 +242,19 @@ __device__ void select_row(float* score, int allowed, int top_k, int diagonal, s
       }
     }
   };
-  // The warp's count of keys >= x: each key's borrow from k - x taken off the key count (two
+  // The warp's count of keys >= x: the keys `each` visits less the borrows of k - x (two
   // instructions a key; the keys past `allowed` are 0, below any x > 0), in two counters (even and
   // odd slices) that halve the dependent chain.
+  const int visited = 32 * (R > 0 ? R : (allowed + 31) / 32);
   const auto at_least = [&](unsigned x) {
-    unsigned even = 0, odd = 0;
+    unsigned even = 0, odd = 0;  // minus the borrows
     each([&](int j, unsigned k) {
       unsigned& n = R > 0 && j % 2 == 1 ? odd : even;
-      n += 1;
       asm("{\n .reg .u32 d;\n sub.cc.u32 d, %1, %2;\n subc.u32 %0, %0, 0;\n}"
           : "+r"(n)
           : "r"(k), "r"(x));
     });
-    return static_cast<int>(__reduce_add_sync(all, even + odd));
+    return visited + static_cast<int>(__reduce_add_sync(all, even + odd));
   };
   const int numbers = at_least(1u);  // NaN's key is 0
   const int keep = min(top_k, numbers);
@@ -261,7 +263,7 @@ __device__ void select_row(float* score, int allowed, int top_k, int diagonal, s
   if (keep > 0) {
     // Bits of t from the top, with the counts of keys >= t (from_t) and >= t + 2^(bit + 1)
     // (past_t) kept along: the keys in between share t's decided bits. With registers, once they
-    // fit one per lane they are gathered and the remaining bits count one key a lane.
+    // fit one per lane they are gathered and sorted.
     t = 0u;
     int from_t = numbers, past_t = 0, bit = 31;
     if constexpr (R > 0) {
@@ -290,68 +292,88 @@ __device__ void select_row(float* score, int allowed, int top_k, int diagonal, s
     need = keep - past_t;  // bit < 0: past_t counts the keys above t
     if constexpr (R > 0) {
       if (bit >= 0) {
-        // The keys sharing t's decided bits (at most 32), gathered into the scores' place.
-        const auto prefix = [&](unsigned k) { return std::uint64_t{k} >> (bit + 1); };
+        // The keys sharing t's decided bits, [t, t + 2^(bit + 1)): at most 32, at least
+        // keep - past_t of them; gathered into the scores' place, one per lane.
+        const unsigned width = bit == 31 ? ~0u : (2u << bit) - 1u;
         int gathered = 0;
         each([&](int, unsigned k) {
-          const bool same = k != 0u && prefix(k) == prefix(t);
+          const bool same = k != 0u && k - t <= width;
           const unsigned m = __ballot_sync(all, same);
           if (same) key[gathered + __popc(m & below)] = k;
           gathered += __popc(m);
         });
         __syncwarp();
-        const unsigned mine = lane < gathered ? key[lane] : 0u;
-        for (; bit >= 0; --bit) {
-          const unsigned candidate = t | (1u << bit);
-          if (past_t + static_cast<int>(__reduce_add_sync(all, mine >= candidate ? 1u : 0u)) >=
-              keep)
-            t = candidate;
+        // Sorted in descending order across the warp (bitonic; lanes past them hold 0), so t is
+        // the (keep - past_t)-th.
+        unsigned v = lane < gathered ? key[lane] : 0u;
+#pragma unroll
+        for (int size = 2; size <= 32; size *= 2) {
+#pragma unroll
+          for (int stride = size / 2; stride > 0; stride /= 2) {
+            const unsigned other = __shfl_xor_sync(all, v, stride);
+            v = ((lane & stride) == 0) == ((lane & size) == 0) ? max(v, other) : min(v, other);
+          }
         }
-        need = keep - past_t - static_cast<int>(__reduce_add_sync(all, mine > t ? 1u : 0u));
+        t = __shfl_sync(all, v, keep - past_t - 1);
+        need = keep - past_t - __popc(__ballot_sync(all, v > t));
       }
     }
   }
-  // The output in block order: lane l's keys are blocks l S ... l S + S - 1 (S = R, or with
-  // R = 0 the slice of shared memory), so a block's place is the chosen blocks of the lanes before
-  // (a warp scan) plus those before it in its lane; likewise a tie's rank among the ties.
-  const int span = R > 0 ? R : (allowed + 31) / 32;
-  const auto blocked = [&](auto&& f) {
-    if constexpr (R > 0) {
-#pragma unroll
-      for (int j = 0; j < R; ++j) f(lane * R + j, held[j]);
-    } else {
-      for (int c = lane * span; c < min(allowed, (lane + 1) * span); ++c) f(c, key[c]);
-    }
-  };
   const auto lanes_before = [&](int x) {  // the sum of x over the lanes below this one
     int sum = x;
+#pragma unroll
     for (int d = 1; d < 32; d *= 2) {
       const int y = __shfl_up_sync(all, sum, d);
       if (lane >= d) sum += y;
     }
     return sum - x;
   };
-  int ties = 0;
-  blocked([&](int, unsigned k) { ties += k == t ? 1 : 0; });
-  int tie = lanes_before(ties), chosen = 0;
-  const auto take = [&](int c, unsigned k) {
-    const bool in = k > t || (k == t && tie < need) || c == diagonal;
-    tie += k == t ? 1 : 0;
-    return in;
-  };
-  unsigned taken = 0u;  // R > 0: bit j for block l R + j chosen
-  blocked([&](int c, unsigned k) {
-    if (!take(c, k)) return;
-    ++chosen;
-    if constexpr (R > 0) taken |= 1u << (c - lane * R);
-  });
-  int at = lanes_before(chosen);
-  const int n = __shfl_sync(all, at + chosen, 31);
+  int n = 0;  // blocks written
   if constexpr (R > 0) {
+    // Bit j of `taken`: block l R + j chosen. First every key >= t; where that is more than keep,
+    // the ties past the first `need` (in block order: the lanes before, then this lane's lower
+    // bits) are dropped.
+    unsigned taken = 0u;
 #pragma unroll
     for (int j = 0; j < R; ++j)
-      if ((taken >> j & 1u) != 0u) out[at++] = lane * R + j;
+      if (held[j] >= t) taken |= 1u << j;
+    if (static_cast<int>(__reduce_add_sync(all, static_cast<unsigned>(__popc(taken)))) > keep) {
+      unsigned ties = 0u;
+#pragma unroll
+      for (int j = 0; j < R; ++j)
+        if (held[j] == t) ties |= 1u << j;
+      const int mine = __popc(ties), kept = max(0, min(mine, need - lanes_before(mine)));
+      for (int drop = mine - kept; drop > 0; --drop) {
+        const unsigned last = 1u << (31 - __clz(ties));
+        ties &= ~last;
+        taken &= ~last;
+      }
+    }
+    if (diagonal >= lane * R && diagonal < lane * R + R) taken |= 1u << (diagonal - lane * R);
+    const int chosen = __popc(taken);
+    int at = lanes_before(chosen);
+    n = __shfl_sync(all, at + chosen, 31);
+    for (; taken != 0u; taken &= taken - 1u)
+      out[at++] = lane * R + __ffs(static_cast<int>(taken)) - 1;
   } else {
+    // The output in block order: lane l's keys are the slice l S ... l S + S - 1 of shared memory,
+    // so a block's place is the chosen blocks of the lanes before (a warp scan) plus those before
+    // it in its slice; likewise a tie's rank among the ties.
+    const int span = (allowed + 31) / 32;
+    const auto blocked = [&](auto&& f) {
+      for (int c = lane * span; c < min(allowed, (lane + 1) * span); ++c) f(c, key[c]);
+    };
+    int ties = 0;
+    blocked([&](int, unsigned k) { ties += k == t ? 1 : 0; });
+    int tie = lanes_before(ties), chosen = 0;
+    const auto take = [&](int c, unsigned k) {
+      const bool in = k > t || (k == t && tie < need) || c == diagonal;
+      tie += k == t ? 1 : 0;
+      return in;
+    };
+    blocked([&](int c, unsigned k) { chosen += take(c, k) ? 1 : 0; });
+    int at = lanes_before(chosen);
+    n = __shfl_sync(all, at + chosen, 31);
     tie = lanes_before(ties);
     blocked([&](int c, unsigned k) {
       if (take(c, k)) out[at++] = c;
