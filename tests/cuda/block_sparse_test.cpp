@@ -496,6 +496,50 @@ TEST(GpuBlockSparse, TopKOverManyKeyBlocks) {
   }
 }
 
+// A NaN in a key block makes its mean, and its score against every query block, NaN: the device
+// never selects it (only as a row's diagonal block), and a row with fewer numbers than top_k takes
+// all of them. 5 key blocks (fewer than top_k) and 63; the NaN in head 1 only.
+TEST(GpuBlockSparse, TopKLeavesOutNaNScores) {
+  SKIP_WITHOUT_GPU();
+  const std::int64_t g = 64, heads = 2, d = 64, top_k = 26;
+  for (const std::int64_t len : {300, 4000}) {
+    SCOPED_TRACE("length " + std::to_string(len));
+    const std::vector<std::int64_t> cu{0, len};
+    const topk_mask_options o{.block = g, .top_k = top_k, .causal = false, .keep_diagonal = true};
+    host_tensor hq(dtype::f16, len, heads, d), hk(dtype::f16, len, heads, d);
+    hq.fill_uniform(-1, 1, 11);
+    hk.fill_uniform(-1, 1, 12);
+    hk.set(hk.view().offset(g + 3, 1, 5), std::numeric_limits<double>::quiet_NaN());
+    test::device_tensor q(hq), k(hk);
+    auto plan = topk_block_sparse_plan::build(cu, cu, heads, d, o);
+    plan.select(q.view(), k.view());
+    const block_sparse_mask got = plan.mask();
+    const std::int64_t nb = (len + g - 1) / g;
+    for (std::int64_t h = 0; h < heads; ++h) {
+      const csr_graph& rows = got.masks[static_cast<std::size_t>(h)].blocks;
+      const std::int64_t numbers = nb - h;  // head 1: block 1 is NaN
+      for (std::int64_t r = 0; r < nb; ++r) {
+        const std::vector<std::int32_t> cols(rows.col_idx.begin() + rows.row_ptr[r],
+                                             rows.col_idx.begin() + rows.row_ptr[r + 1]);
+        EXPECT_TRUE(std::is_sorted(cols.begin(), cols.end()));
+        const bool diagonal = std::find(cols.begin(), cols.end(), r) != cols.end();
+        EXPECT_TRUE(diagonal) << "head " << h << " row " << r;
+        if (h == 1 && r != 1) {
+          EXPECT_EQ(std::find(cols.begin(), cols.end(), 1), cols.end()) << "row " << r;
+        }
+        if (numbers <= top_k) {
+          // Every number, and the diagonal block.
+          EXPECT_EQ(static_cast<std::int64_t>(cols.size()), numbers + (h == 1 && r == 1))
+              << "head " << h << " row " << r;
+        } else {
+          EXPECT_GE(static_cast<std::int64_t>(cols.size()), top_k);
+          EXPECT_LE(static_cast<std::int64_t>(cols.size()), top_k + 1);
+        }
+      }
+    }
+  }
+}
+
 // Selection blocks of 32 query blocks (two row tiles of the scoring MMA, 16 warps): a sequence
 // of 505 query blocks at G = 64 gives 15 groups of 32 and a last one of 25 (its second row tile
 // partly empty), a second sequence of 3 blocks one group of 3 (one row tile): 136 selection

@@ -8,6 +8,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <bit>
 #include <string>
 #include <vector>
 
@@ -131,6 +132,7 @@ struct select_params {
   const select_group* groups;  // of each selection block, whatever its head
   std::int32_t* col_idx;
   std::int32_t heads, pdim, block, top_k, cap, max_k_blocks, rows;  // pdim: pooled_dim
+  std::int32_t block_shift;  // log2(block) where block is a power of two, else -1
   bool causal, keep_diagonal;
 };
 
@@ -411,37 +413,34 @@ __global__ void __launch_bounds__(select_threads(kMaxRows), 1)
   float* q_lo = q_hi + tile_rows * pdim;
   float* scores = q_lo + tile_rows * pdim;
   const int score_stride = score_floats(R, p.max_k_blocks);
-  const int nbq = (lq + p.block - 1) / p.block, nbk = (lk + p.block - 1) / p.block;
+  // x / block for x >= 0: a shift where block is a power of two.
+  const auto in_blocks = [&](int x) {
+    return p.block_shift >= 0 ? x >> p.block_shift : x / p.block;
+  };
+  const int nbq = in_blocks(lq + p.block - 1), nbk = in_blocks(lk + p.block - 1);
   const int rows = min(p.rows, nbq - group.first);  // the group's query blocks
   // The key blocks row i of the group may attend (0 past the group); the last row's (the most: it
   // grows with the row) bounds the staging loop.
   const auto allowed_of = [&](int i) {
     if (i >= rows) return 0;
+    if (!p.causal) return nbk;
     const int last_row = min(lq, (group.first + i + 1) * p.block) - 1;
-    const int last = p.causal ? min(last_row + lk - lq, lk - 1) : lk - 1;
-    return last < 0 ? 0 : last / p.block + 1;
+    const int last = min(last_row + lk - lq, lk - 1);
+    return last < 0 ? 0 : in_blocks(last) + 1;
   };
   const int most = allowed_of(rows - 1);
   const std::int64_t k_stride = std::int64_t{p.heads} * pdim;
   const float* kp = p.pooled_k + (std::int64_t{group.k_base} * p.heads + h) * pdim;
-  const int dim4 = pdim / 4;
-  // Thread i copies the 16-byte pieces i, i + threads, ... of a chunk's rows: (row, piece) steps
-  // by (threads / dim4, threads % dim4), with no division in the loop.
-  const int first_row = static_cast<int>(threadIdx.x) / dim4,
-            first_piece = static_cast<int>(threadIdx.x) % dim4;
-  const int row_step = threads / dim4, piece_step = threads % dim4;
+  const int dim4 = pdim / 4;  // 16-byte pieces a row (with PDIM: a constant, so i / dim4 shifts)
+  // Thread i copies the pieces i, i + threads, ... of a chunk's rows.
   const auto stage = [&](int c0) {  // commits a group, empty past the last chunk
     float* to = shared + (c0 / kChunk % kStages) * stage_floats;
-    const int n = min(kChunk, most - c0);
-    for (int row = first_row, piece = first_piece; row < n;) {
+    const float* from = kp + c0 * k_stride;
+    const int n = min(kChunk, most - c0) * dim4;
+    for (int i = static_cast<int>(threadIdx.x); i < n; i += threads) {
+      const int row = i / dim4, piece = i - row * dim4;
       arch::cp_async_16(arch::shared_address(to + row * stride + 4 * piece),
-                        kp + (c0 + row) * k_stride + 4 * piece, true);
-      row += row_step;
-      piece += piece_step;
-      if (piece >= dim4) {
-        piece -= dim4;
-        ++row;
-      }
+                        from + row * k_stride + 4 * piece, true);
     }
     arch::cp_async_commit();
   };
@@ -536,7 +535,7 @@ __global__ void __launch_bounds__(select_threads(kMaxRows), 1)
     // The block holding the key aligned with the query block's last row (< allowed).
     const int aligned = min(lq, (r + 1) * p.block) - 1 + lk - lq;
     const int diagonal =
-        p.keep_diagonal && aligned >= 0 && lk > 0 ? min(aligned, lk - 1) / p.block : -1;
+        p.keep_diagonal && aligned >= 0 && lk > 0 ? in_blocks(min(aligned, lk - 1)) : -1;
     select_row<R>(
         score, allowed, p.top_k, diagonal,
         p.col_idx + (std::int64_t{group.q_base} * p.heads + std::int64_t{h} * nbq + r) * p.cap,
@@ -721,6 +720,8 @@ void select_topk(topk_device_plan& t, const tensor_view& q, const tensor_view& k
   sp.heads = t.heads;
   sp.pdim = t.pdim;
   sp.block = t.block;
+  sp.block_shift =
+      (t.block & (t.block - 1)) == 0 ? std::countr_zero(static_cast<unsigned>(t.block)) : -1;
   sp.top_k = t.top_k;
   sp.cap = t.cap;
   sp.max_k_blocks = t.max_k_blocks;
