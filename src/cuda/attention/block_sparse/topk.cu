@@ -205,7 +205,7 @@ template <int R>
 __device__ void select_row(float* score, int allowed, int top_k, int diagonal, std::int32_t* out,
                            int cap, int past) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
-  const unsigned below = (1u << lane) - 1u, all = 0xffffffffu;
+  const unsigned all = 0xffffffffu;
   unsigned* key = reinterpret_cast<unsigned*>(score);
   unsigned held[R > 0 ? R : 1];
   if constexpr (R > 0) {
@@ -258,6 +258,15 @@ __device__ void select_row(float* score, int allowed, int top_k, int diagonal, s
     });
     return visited + static_cast<int>(__reduce_add_sync(all, even + odd));
   };
+  const auto lanes_before = [&](int x) {  // the sum of x over the lanes below this one
+    int sum = x;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int y = __shfl_up_sync(all, sum, d);
+      if (lane >= d) sum += y;
+    }
+    return sum - x;
+  };
   const int numbers = at_least(1u);  // NaN's key is 0
   const int keep = min(top_k, numbers);
   unsigned t = ~0u;  // keep = 0: no key is above or equal (valid keys are < 0xffffffff)
@@ -294,16 +303,20 @@ __device__ void select_row(float* score, int allowed, int top_k, int diagonal, s
     need = keep - past_t;  // bit < 0: past_t counts the keys above t
     if constexpr (R > 0) {
       if (bit >= 0) {
-        // The keys sharing t's decided bits, [t, t + 2^(bit + 1)): at most 32, at least
-        // keep - past_t of them; gathered into the scores' place, one per lane.
-        const unsigned width = bit == 31 ? ~0u : (2u << bit) - 1u;
-        int gathered = 0;
-        each([&](int, unsigned k) {
-          const bool same = k != 0u && k - t <= width;
-          const unsigned m = __ballot_sync(all, same);
-          if (same) key[gathered + __popc(m & below)] = k;
-          gathered += __popc(m);
-        });
+        // The keys sharing t's decided bits, [t, t + 2^(bit + 1)) less the key 0 (NaN, or not
+        // attended): at most 32, at least keep - past_t of them; a mask per lane, then gathered
+        // into the scores' place in lane order, one per lane.
+        const unsigned lo = max(t, 1u), span = (bit == 31 ? ~0u : (2u << bit) - 1u) - (lo - t);
+        unsigned window = 0u;
+#pragma unroll
+        for (int j = 0; j < R; ++j)
+          if (held[j] - lo <= span) window |= 1u << j;
+        const int mine = __popc(window);
+        int at = lanes_before(mine);
+        const int gathered = __shfl_sync(all, at + mine, 31);
+#pragma unroll
+        for (int j = 0; j < R; ++j)
+          if ((window >> j & 1u) != 0u) key[at++] = held[j];
         __syncwarp();
         // Sorted in descending order across the warp (bitonic; lanes past them hold 0), so t is
         // the (keep - past_t)-th.
@@ -321,15 +334,6 @@ __device__ void select_row(float* score, int allowed, int top_k, int diagonal, s
       }
     }
   }
-  const auto lanes_before = [&](int x) {  // the sum of x over the lanes below this one
-    int sum = x;
-#pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-      const int y = __shfl_up_sync(all, sum, d);
-      if (lane >= d) sum += y;
-    }
-    return sum - x;
-  };
   int n = 0;  // blocks written
   if constexpr (R > 0) {
     // Bit j of `taken`: block l R + j chosen. First every key >= t; where that is more than keep,
@@ -448,15 +452,26 @@ __global__ void __launch_bounds__(select_threads(kMaxRows), 1)
   // Launched as a dependent of the pooling (dependent_launch): the means are complete from here.
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-  // A ring of kStages chunks, kStages - 1 in flight: the staging waited on L2 latency with one.
-  // Issued first, so that the key means are on their way while the query means are read.
-  for (int i = 0; i < kStages - 1; ++i) stage(i * kChunk);
-  // The query means, split into tf32 high and low parts; zero rows past the group.
+  // The query means, pdim / 16 a thread (tile_rows = threads / 16), split into tf32 high and low
+  // parts; zero rows past the group. With PDIM all of a thread's are loaded before the staging
+  // below is issued, so that they do not wait behind its chunks in L2 (without PDIM, the first).
   const float* qs = p.pooled_q + ((std::int64_t{group.q_base} + group.first) * p.heads + h) * pdim;
   const std::int64_t q_stride = std::int64_t{p.heads} * pdim;
-  for (int i = static_cast<int>(threadIdx.x); i < tile_rows * pdim; i += threads) {
-    const int row = i / pdim, d = i - row * pdim;
-    const float x = row < rows ? qs[row * q_stride + d] : 0.f;
+  const auto query_mean = [&](int i) {
+    const int row = i / pdim;
+    return row < rows ? qs[row * q_stride + i - row * pdim] : 0.f;
+  };
+  constexpr int kEarly = PDIM > 0 ? PDIM / 16 : 1;
+  float early[kEarly];
+#pragma unroll
+  for (int e = 0; e < kEarly; ++e)
+    early[e] = query_mean(static_cast<int>(threadIdx.x) + e * threads);
+  // A ring of kStages chunks, kStages - 1 in flight: the staging waited on L2 latency with one.
+  for (int i = 0; i < kStages - 1; ++i) stage(i * kChunk);
+#pragma unroll
+  for (int e = 0; e < pdim / 16; ++e) {
+    const int i = static_cast<int>(threadIdx.x) + e * threads, row = i / pdim, d = i - row * pdim;
+    const float x = e < kEarly ? early[min(e, kEarly - 1)] : query_mean(i);
     const float hi = arch::tf32_high(x);
     const int at = query_fragment_index(row, d, pdim);
     q_hi[at] = hi;
