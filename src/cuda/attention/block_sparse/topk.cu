@@ -452,26 +452,15 @@ __global__ void __launch_bounds__(select_threads(kMaxRows), 1)
   // Launched as a dependent of the pooling (dependent_launch): the means are complete from here.
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-  // The query means, pdim / 16 a thread (tile_rows = threads / 16), split into tf32 high and low
-  // parts; zero rows past the group. With PDIM all of a thread's are loaded before the staging
-  // below is issued, so that they do not wait behind its chunks in L2 (without PDIM, the first).
+  // A ring of kStages chunks, kStages - 1 in flight: the staging waited on L2 latency with one.
+  // Issued first, so that the key means are on their way while the query means are read.
+  for (int i = 0; i < kStages - 1; ++i) stage(i * kChunk);
+  // The query means, split into tf32 high and low parts; zero rows past the group.
   const float* qs = p.pooled_q + ((std::int64_t{group.q_base} + group.first) * p.heads + h) * pdim;
   const std::int64_t q_stride = std::int64_t{p.heads} * pdim;
-  const auto query_mean = [&](int i) {
-    const int row = i / pdim;
-    return row < rows ? qs[row * q_stride + i - row * pdim] : 0.f;
-  };
-  constexpr int kEarly = PDIM > 0 ? PDIM / 16 : 1;
-  float early[kEarly];
-#pragma unroll
-  for (int e = 0; e < kEarly; ++e)
-    early[e] = query_mean(static_cast<int>(threadIdx.x) + e * threads);
-  // A ring of kStages chunks, kStages - 1 in flight: the staging waited on L2 latency with one.
-  for (int i = 0; i < kStages - 1; ++i) stage(i * kChunk);
-#pragma unroll
-  for (int e = 0; e < pdim / 16; ++e) {
-    const int i = static_cast<int>(threadIdx.x) + e * threads, row = i / pdim, d = i - row * pdim;
-    const float x = e < kEarly ? early[min(e, kEarly - 1)] : query_mean(i);
+  for (int i = static_cast<int>(threadIdx.x); i < tile_rows * pdim; i += threads) {
+    const int row = i / pdim, d = i - row * pdim;
+    const float x = row < rows ? qs[row * q_stride + d] : 0.f;
     const float hi = arch::tf32_high(x);
     const int at = query_fragment_index(row, d, pdim);
     q_hi[at] = hi;
