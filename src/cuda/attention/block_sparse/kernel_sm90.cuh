@@ -269,14 +269,21 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
 }
 
 /// The two-warpgroup kernel (blocks that are multiples of 128): 128 query rows per block
-/// (warpgroup g owns rows 64 g ..), one K/V stream for both. Warp 0 loads tile i + 2 during step
-/// i, into four stages; a stage's `full` barrier counts the bytes (TMA) or warp 0's arrival
-/// (cp.async), its `empty` barrier the eight warps that finished their P V product on it. The
-/// warpgroups take turns issuing their products (named barriers 1 and 2, the ping-pong of
-/// FlashAttention-3), so that one's exponentials run while the other's products use the tensor
-/// cores.
+/// (consumer warpgroup g owns rows 64 g ..), one K/V stream for both, loaded by a third, producer
+/// warpgroup. Its first warp walks the block row's key tiles and loads each into the next of four
+/// stages as soon as the stage is free; a stage's `full` barrier counts the bytes (TMA) or the
+/// warp's arrival (cp.async), its `empty` barrier the eight consumer warps that finished their
+/// P V product on it; the tile's first key goes with it (-1 after the last tile). setmaxnreg gives
+/// the producer's registers to the consumers (24 and 240 a thread). The consumers take turns
+/// issuing their products (named barriers 1 and 2, the ping-pong of FlashAttention-3), so that
+/// one's exponentials run while the other's products use the tensor cores.
 namespace pingpong {
 constexpr int kRows = 128, kThreads = 256, kStages = 4;
+constexpr int kBlockThreads = kThreads + 128;  // the consumers, then the producer warpgroup
+// Registers per thread after setmaxnreg: a block of 384 threads starts at 168 (65,536 / 384,
+// rounded down to 8), and what the producer gives up must cover what the consumers take.
+constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
+static_assert(128 * (168 - kProducerRegisters) >= kThreads * (kConsumerRegisters - 168));
 
 /// Shared-memory bytes: the Q tile, four stages of K and V tiles of BN keys, and 1024 bytes to
 /// align them to the swizzle pattern.
@@ -287,7 +294,7 @@ __host__ __device__ constexpr int shared_bytes() {
 }  // namespace pingpong
 
 template <class T, int D, class O, int BN>
-__global__ void __launch_bounds__(pingpong::kThreads, 1)
+__global__ void __launch_bounds__(pingpong::kBlockThreads, 1)
     block_sparse_pingpong_kernel(const __grid_constant__ params p,
                                  const __grid_constant__ tma_maps maps) {
   static_assert(D % 64 == 0);
@@ -301,58 +308,76 @@ __global__ void __launch_bounds__(pingpong::kThreads, 1)
   };
   const auto v_tile = [&](int x) { return k_tile(x) + kTile; };
   __shared__ alignas(8) std::uint64_t full_bars[kStages], empty_bars[kStages];
+  __shared__ int tile_keys[kStages];  // the first key of the tile in stage x, -1: none left
   const std::uint32_t full = arch::shared_address(full_bars),
                       empty = arch::shared_address(empty_bars);
 
   const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
-  const int group = warp / 4;
   tile_walk<kRows, BN> w(p);
-  const int i_lo = w.row0 + warp * 16 + lane / 4;
-  float o[D / 8][4];
+  if (threadIdx.x == 0) {
 #pragma unroll
-  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
-  int j_cur = w.next();
-  if (j_cur < 0) {
-    store_rows<O, D>(o, l, w, i_lo);
-    return;
-  }
-  int j_next = w.next();
-
-  // Tile t lives in stage t % kStages; its barriers' phase there is t / kStages. Warp 0 loads: a
-  // tile whose BN keys all lie in the sequence by TMA (lane 0), others (and every tile where K or V
-  // has no tensor map) by cp.async, rows past the sequence zero-filled, then arrives itself.
-  const auto load_tile = [&](int t, int j) {
-    const int x = t % kStages;
-    if (t >= kStages) arch::mbarrier_wait(empty + 8 * x, (t / kStages - 1) & 1);
-    if (maps.use && j + BN <= w.lk) {
-      if (lane != 0) return;
-      arch::mbarrier_arrive_expect_tx(full + 8 * x, 2 * kTile);
-      const int row = static_cast<int>(w.k0 + j);
-#pragma unroll
-      for (int panel = 0; panel < D / 64; ++panel) {
-        arch::tma_load_3d(k_tile(x) + panel * BN * 128, &maps.k, full + 8 * x, 64 * panel, w.h,
-                          row);
-        arch::tma_load_3d(v_tile(x) + panel * BN * 128, &maps.v, full + 8 * x, 64 * panel, w.h,
-                          row);
-      }
-      return;
+    for (int x = 0; x < kStages; ++x) {
+      arch::mbarrier_init(full + 8 * x, 1);
+      arch::mbarrier_init(empty + 8 * x, kThreads / 32);
     }
-    const std::int64_t row = w.k0 + j;
-    load_rows<D, BN, 32>(k_tile(x),
-                         static_cast<const char*>(p.k) + (row * p.k_row + w.h * p.k_head) * 2,
-                         p.k_row, w.lk - j);
-    load_rows<D, BN, 32>(v_tile(x),
-                         static_cast<const char*>(p.v) + (row * p.v_row + w.h * p.v_head) * 2,
-                         p.v_row, w.lk - j);
-    arch::cp_async_commit();
-    arch::cp_async_wait<0>();
-    arch::fence_proxy_async();
-    __syncwarp();
-    if (lane == 0) arch::mbarrier_arrive(full + 8 * x);
-  };
+  }
+  __syncthreads();  // the barriers' initialisation visible to every warp
+
+  if (warp >= kThreads / 32) {
+    // The producer: tile t into stage t % kStages, whose barriers' phase there is t / kStages.
+    arch::set_max_registers<true, pingpong::kProducerRegisters>();
+    if (warp != kThreads / 32) return;
+    for (int t = 0;; ++t) {
+      const int j = w.next(), x = t % kStages;
+      if (t >= kStages) arch::mbarrier_wait(empty + 8 * x, (t / kStages - 1) & 1);
+      if (lane == 0) tile_keys[x] = j;
+      if (j < 0) {
+        __syncwarp();
+        if (lane == 0) arch::mbarrier_arrive(full + 8 * x);
+        return;
+      }
+      if (maps.use && j + BN <= w.lk) {
+        // A tile whose BN keys all lie in the sequence: TMA (lane 0).
+        if (lane == 0) {
+          arch::mbarrier_arrive_expect_tx(full + 8 * x, 2 * kTile);
+          const int row = static_cast<int>(w.k0 + j);
+#pragma unroll
+          for (int panel = 0; panel < D / 64; ++panel) {
+            arch::tma_load_3d(k_tile(x) + panel * BN * 128, &maps.k, full + 8 * x, 64 * panel, w.h,
+                              row);
+            arch::tma_load_3d(v_tile(x) + panel * BN * 128, &maps.v, full + 8 * x, 64 * panel, w.h,
+                              row);
+          }
+        }
+        continue;
+      }
+      // Others (and every tile where K or V has no tensor map): cp.async, rows past the sequence
+      // zero-filled, then the warp arrives itself.
+      const std::int64_t row = w.k0 + j;
+      load_rows<D, BN, 32>(k_tile(x),
+                           static_cast<const char*>(p.k) + (row * p.k_row + w.h * p.k_head) * 2,
+                           p.k_row, w.lk - j);
+      load_rows<D, BN, 32>(v_tile(x),
+                           static_cast<const char*>(p.v) + (row * p.v_row + w.h * p.v_head) * 2,
+                           p.v_row, w.lk - j);
+      arch::cp_async_commit();
+      arch::cp_async_wait<0>();
+      arch::fence_proxy_async();
+      __syncwarp();
+      if (lane == 0) arch::mbarrier_arrive(full + 8 * x);
+    }
+  }
+
+  arch::set_max_registers<false, pingpong::kConsumerRegisters>();
+  const int group = warp / 4;
+  const int i_lo = w.row0 + warp * 16 + lane / 4;
+  // Tile t's key, once its stage is full: read by lane 0 alone (a volatile read, so that it is not
+  // made unconditional), whose arrival on the stage's `empty` barrier (release_tile) then orders
+  // the read before the producer's next write there.
   const auto wait_tile = [&](int t) {
     arch::mbarrier_wait(full + 8 * (t % kStages), (t / kStages) & 1);
+    const volatile int* key = tile_keys + t % kStages;
+    return __shfl_sync(0xffffffffu, lane == 0 ? *key : 0, 0);
   };
   const auto release_tile = [&](int t) {
     if (lane == 0) arch::mbarrier_arrive(empty + 8 * (t % kStages));
@@ -364,23 +389,11 @@ __global__ void __launch_bounds__(pingpong::kThreads, 1)
     if (!last || group == 0) arch::barrier_arrive(2 - group, kThreads);
   };
 
-  if (warp == 0) {
-    if (lane == 0) {
-#pragma unroll
-      for (int x = 0; x < kStages; ++x) {
-        arch::mbarrier_init(full + 8 * x, 1);
-        arch::mbarrier_init(empty + 8 * x, kThreads / 32);
-      }
-    }
-    __syncwarp();
-    load_tile(0, j_cur);
-    if (j_next >= 0) load_tile(1, j_next);
-  }
   const char* qg = static_cast<const char*>(p.q) + ((w.q0 + w.row0) * p.q_row + w.h * p.q_head) * 2;
   load_rows<D, kRows, kThreads>(q_tile, qg, p.q_row, w.lq - w.row0);
   arch::cp_async_commit();
   arch::cp_async_wait<0>();
-  __syncthreads();  // Q and the barriers' initialisation visible to every warp
+  arch::barrier_sync(3, kThreads);  // Q visible to every consumer warp
   std::uint32_t qa[D / 16][4];
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)
@@ -388,10 +401,18 @@ __global__ void __launch_bounds__(pingpong::kThreads, 1)
         qa[kk], swizzled<kRows>(q_tile, warp * 16 + lane % 16, kk / 4, 2 * (kk % 4) + lane / 16));
   apply_score_sign(qa, p);
 
+  float o[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
+  const int j_cur = wait_tile(0);
+  if (j_cur < 0) {
+    store_rows<O, D>(o, l, w, i_lo);
+    return;
+  }
   if (group == 1) arch::barrier_arrive(1, kThreads);  // warpgroup 0 goes first
   float s[BN / 8][4];
   float alpha[2];
-  wait_tile(0);
   turn_begin();
   arch::wgmma_fence();
   issue_scores<T, D, BN>(s, qa, k_tile(0));
@@ -405,10 +426,8 @@ __global__ void __launch_bounds__(pingpong::kThreads, 1)
   for (;; ++it) {
 #pragma unroll
     for (int kp = 0; kp < BN / 16; ++kp) p_fragment<T, BN>(pa[kp], s, kp);
+    const int j_next = wait_tile(it + 1);
     if (j_next < 0) break;
-    const int j_after = w.next();
-    if (warp == 0 && j_after >= 0) load_tile(it + 2, j_after);
-    wait_tile(it + 1);
     turn_begin();
     arch::wgmma_fence();
     issue_scores<T, D, BN>(s, qa, k_tile((it + 1) % kStages));
@@ -421,7 +440,6 @@ __global__ void __launch_bounds__(pingpong::kThreads, 1)
     arch::fence_operands(flat(o));
     release_tile(it);
     rescale<D>(o, alpha);
-    j_next = j_after;
   }
   turn_begin();
   arch::wgmma_fence();

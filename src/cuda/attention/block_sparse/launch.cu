@@ -64,13 +64,14 @@ bool wgmma_runs_here(int device) {
 #endif
 }
 
-// The two-warpgroup kernel holds one block per SM and pays each block's start in full: against
-// the one-warpgroup kernel in 128-key steps (H200, heads 8, D = 64, G = 128) it measured faster at
-// 512 key tiles of 128 per query tile (N = 128K, p = 0.5: 1.04 to 1.06x in three runs) and slower
-// at 256 (64K, p = 0.5: 0.99x), 128 (32K, p = 0.5: 0.95x) and 51 (128K, p = 0.95: 0.96x). Against
-// that kernel in 64-key steps at four blocks an SM (since 2026-11-22) it stays 1.3-1.6% faster at
-// 512 (docs/notes/block_sparse.md).
-constexpr double kPingpongFrom = 384;
+// The two-warpgroup kernel (a producer warpgroup and two consumers, one block per SM) against the
+// one-warpgroup kernel (64-key steps, up to four blocks per SM), H200, G = 128, in 128-key tiles
+// per query tile. Heads 8, D = 64: level at 12.8 (32K, p = 0.95: 1.01x), faster from 25.6
+// (1.05-1.07x) up (512: 1.19x), slower at 10.2 (128K, p = 0.99: 0.94x) and below (5.1: 0.85x;
+// 2.6: 0.78x), where a block's start, which a second resident block would hide, is a larger part
+// of its work. Heads 1, D = 128: 1.23x at 12.8, 1.28-1.39x at 51 and 512
+// (docs/notes/block_sparse.md).
+constexpr double kPingpongFrom = 12;
 
 // Key blocks per (query block row, mask head), over the whole batch.
 double mean_key_blocks(const block_sparse_mask& mask) {

@@ -58,7 +58,7 @@ void launch_wgmma(const kernel_key& key, const params& p, std::int64_t k_rows, s
   dispatch(key, [&]<class T, int D, class O>() {
     const auto two_groups = [&]<int BN>() {
       launch_kernel<sm90::block_sparse_pingpong_kernel<T, D, O, BN>>(
-          sm90::pingpong::kThreads, sm90::pingpong::shared_bytes<D, BN>(), p, tiles, s, maps);
+          sm90::pingpong::kBlockThreads, sm90::pingpong::shared_bytes<D, BN>(), p, tiles, s, maps);
     };
     if constexpr (D == 64) {
       if (keys == 128) return two_groups.template operator()<128>();

@@ -27,16 +27,15 @@ __device__ __forceinline__ std::uint32_t swizzled(std::uint32_t base, int row, i
 }
 
 /// Copies `ROWS` rows of D 16-bit values (row r from src + r * stride) into the tile at `base`;
-/// rows at or past `valid` are zero-filled without being read. Thread x copies chunk x % (D/8)
-/// of rows x / (D/8) + i * (THREADS / (D/8)): one chunk column, so addresses that step by a
-/// constant.
+/// rows at or past `valid` are zero-filled without being read. Thread x (of the THREADS that
+/// copy: threadIdx.x % THREADS) copies chunk x % (D/8) of rows x / (D/8) + i * (THREADS / (D/8)):
+/// one chunk column, so addresses that step by a constant.
 template <int D, int ROWS, int THREADS>
 __device__ __forceinline__ void load_rows(std::uint32_t base, const char* src, std::int64_t stride,
                                           int valid) {
   constexpr int kPerRow = D / 8, kStep = THREADS / kPerRow;
   static_assert(THREADS % kPerRow == 0 && ROWS % kStep == 0);
-  const int row = static_cast<int>(threadIdx.x) / kPerRow,
-            chunk = static_cast<int>(threadIdx.x) % kPerRow;
+  const int x = static_cast<int>(threadIdx.x) % THREADS, row = x / kPerRow, chunk = x % kPerRow;
   const char* from = src + (row * stride + chunk * 8) * 2;
   const std::int64_t step = kStep * stride * 2;
 #pragma unroll

@@ -31,6 +31,17 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+/// The executing warpgroup's registers per thread lowered (DEC) or raised to N (sm_90a; every warp
+/// of the warpgroup runs it): a producer warpgroup hands registers to the consumers this way.
+template <bool DEC, int N>
+__device__ __forceinline__ void set_max_registers() {
+  static_assert(N % 8 == 0 && N >= 24 && N <= 256);
+  if constexpr (DEC)
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N) : "memory");
+  else
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N) : "memory");
+}
+
 /// Before the first wgmma of a batch whose accumulator or A registers other code wrote.
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
