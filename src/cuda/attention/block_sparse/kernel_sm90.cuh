@@ -117,6 +117,21 @@ __device__ __forceinline__ void issue_values(float (&o)[D / 8][4],
   arch::wgmma_commit();
 }
 
+/// Issues one K tile and one V tile of BN keys by TMA (one thread): the rows from key `row` of
+/// head `h` into `k_dst` and `v_dst` (D / 64 swizzled panels of BN x 64 each), completing on the
+/// barrier at `bar`, which expects both tiles' bytes.
+template <int D, int BN>
+__device__ __forceinline__ void tma_load_kv_tile(std::uint32_t k_dst, std::uint32_t v_dst,
+                                                 const tma_maps& maps, std::uint32_t bar, int h,
+                                                 int row) {
+  arch::mbarrier_arrive_expect_tx(bar, 2 * BN * D * 2);
+#pragma unroll
+  for (int panel = 0; panel < D / 64; ++panel) {
+    arch::tma_load_3d(k_dst + panel * BN * 128, &maps.k, bar, 64 * panel, h, row);
+    arch::tma_load_3d(v_dst + panel * BN * 128, &maps.v, bar, 64 * panel, h, row);
+  }
+}
+
 /// BN keys per step (launched with 64; 128 needs blocks that are multiples of 128).
 template <class T, int D, class O, int BN>
 __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
@@ -154,16 +169,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
   const auto load_tile = [&](int t, int j) {
     const int x = t % kSlotsV;
     if (maps.use && j + BN <= w.lk) {
-      if (threadIdx.x == 0) {
-        const std::uint32_t bar = bars + 8 * x;
-        const int row = static_cast<int>(w.k0 + j);
-        arch::mbarrier_arrive_expect_tx(bar, 2 * kTile);
-#pragma unroll
-        for (int panel = 0; panel < D / 64; ++panel) {
-          arch::tma_load_3d(k_tile(t) + panel * BN * 128, &maps.k, bar, 64 * panel, w.h, row);
-          arch::tma_load_3d(v_tile(t) + panel * BN * 128, &maps.v, bar, 64 * panel, w.h, row);
-        }
-      }
+      if (threadIdx.x == 0)
+        tma_load_kv_tile<D, BN>(k_tile(t), v_tile(t), maps, bars + 8 * x, w.h,
+                                static_cast<int>(w.k0 + j));
       pending |= 1u << x;
       return;
     }
@@ -338,17 +346,9 @@ __global__ void __launch_bounds__(pingpong::kBlockThreads, 1)
       }
       if (maps.use && j + BN <= w.lk) {
         // A tile whose BN keys all lie in the sequence: TMA (lane 0).
-        if (lane == 0) {
-          arch::mbarrier_arrive_expect_tx(full + 8 * x, 2 * kTile);
-          const int row = static_cast<int>(w.k0 + j);
-#pragma unroll
-          for (int panel = 0; panel < D / 64; ++panel) {
-            arch::tma_load_3d(k_tile(x) + panel * BN * 128, &maps.k, full + 8 * x, 64 * panel, w.h,
-                              row);
-            arch::tma_load_3d(v_tile(x) + panel * BN * 128, &maps.v, full + 8 * x, 64 * panel, w.h,
-                              row);
-          }
-        }
+        if (lane == 0)
+          tma_load_kv_tile<D, BN>(k_tile(x), v_tile(x), maps, full + 8 * x, w.h,
+                                  static_cast<int>(w.k0 + j));
         continue;
       }
       // Others (and every tile where K or V has no tensor map): cp.async, rows past the sequence
