@@ -43,6 +43,7 @@ struct topk_device_plan {
   std::int32_t q_blocks = 0, k_blocks = 0, max_k_blocks = 0, rows = 0, num_groups = 0;
   std::int32_t held = 0;  // keys a lane holds in registers in the selection (0: shared memory)
   bool dependent_launch = false;  // the selection as a programmatic dependent of the pooling
+  unsigned pool_grid = 0;         // the pooling's blocks: one wave, or fewer where the tasks are
   std::int64_t rows_q = 0, rows_k = 0;
   device_buffer<pool_block> pool_blocks;    // the query blocks', then the key blocks' rows
   device_buffer<select_group> groups;       // the selection's blocks
@@ -67,7 +68,7 @@ struct pool_params {
   std::int64_t q_row, q_head, k_row, k_head;
   const pool_block* blocks;  // the grid's, q_blocks query blocks first
   float *pooled_q, *pooled_k;
-  std::int32_t q_blocks, heads, dim, pdim;
+  std::int32_t q_blocks, blocks_total, heads, dim, pdim;
 };
 
 constexpr int kPoolThreads = 256;
@@ -82,13 +83,15 @@ __device__ __forceinline__ uint4 load_streaming(const void* at) {
   return v;
 }
 
-// Block x of the grid: query block x, or key block x - q_blocks. A row of all heads is
-// heads * dim / 8 chunks of 8 values (16-byte loads); thread t sums chunk t % chunks of rows
-// t / chunks, + groups, ... (groups = threads / chunks row groups, summed in a fixed order after,
-// so the means are deterministic), or with more chunks than threads, chunks t, t + threads, ...
-// of every row; kPoolLoads of its rows are loaded before any is added (the loads in flight set
-// the read's speed: an unrolled loop, which the compiler issued four loads at a time, measured
-// 5% slower at N = 32K, G = 64). Means are stored at their pooled_position.
+// Persistent warps: warp w of the grid pools tasks w, w + warps, ... (task = block b of the plan's
+// table, q_blocks query blocks first, and head h: task b heads + h), each alone (no barrier: a
+// warp's reduction overlaps the others' loads). A head's row is chunks = dim / 8 pieces of 8
+// values (16-byte loads); lane l sums piece l % chunks of rows l / chunks, + groups, ... (groups
+// = 32 / chunks row groups), or with more pieces than lanes, pieces l, l + 32, ... of every row;
+// kPoolLoads of its rows are loaded before any is added (the loads in flight set the read's
+// speed). The row groups' sums are added in a fixed order after, through the warp's shared
+// memory, so the means, and the selection, are deterministic. Means are stored at their
+// pooled_position.
 template <class T>
 __global__ void __launch_bounds__(kPoolThreads, 2)
     pool_kernel(const __grid_constant__ pool_params p) {
@@ -96,57 +99,61 @@ __global__ void __launch_bounds__(kPoolThreads, 2)
   // The selection may be placed as soon as every pooling block has started (dependent_launch).
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
-  __shared__ float partial[kPoolThreads * 8];
-  const bool is_q = static_cast<std::int32_t>(blockIdx.x) < p.q_blocks;
-  const int x = static_cast<int>(blockIdx.x) - (is_q ? 0 : p.q_blocks);
-  const pool_block block = p.blocks[blockIdx.x];  // from the plan: one load before the rows
-  const std::int64_t row0 = block.row0;
-  const int rows = block.rows;
-  const T* src = static_cast<const T*>(is_q ? p.q : p.k);
-  const std::int64_t row_stride = is_q ? p.q_row : p.k_row,
-                     head_stride = is_q ? p.q_head : p.k_head;
-  float* dst = (is_q ? p.pooled_q : p.pooled_k) + std::int64_t{x} * p.heads * p.pdim;
-  // Where the mean of value c of a row (all heads) goes.
-  const auto at = [&](int c) { return c / p.dim * p.pdim + pooled_position(c % p.dim); };
-  const int chunks = p.heads * p.dim / 8, t = static_cast<int>(threadIdx.x);
-  const int groups = max(1, kPoolThreads / chunks), group = t / chunks;
-  const float inv = 1.f / static_cast<float>(rows);
-  for (int chunk = t % chunks; chunk < chunks && group < groups; chunk += kPoolThreads) {
-    const int c = chunk * 8;
-    // This thread's next row, and the bytes from one of its rows to the next.
-    const char* next = reinterpret_cast<const char*>(src + (row0 + group) * row_stride +
-                                                     (c / p.dim) * head_stride + c % p.dim);
-    const std::int64_t step = std::int64_t{groups} * row_stride * static_cast<int>(sizeof(T));
-    float acc[8] = {};
-    for (int b0 = group; b0 < rows; b0 += kPoolLoads * groups) {
-      const int loads = (rows - b0 + groups - 1) / groups;  // this thread's, here
-      uint4 raw[kPoolLoads];
+  constexpr int kWarps = kPoolThreads / 32;
+  __shared__ float partial[kWarps][256];  // a warp's row groups' sums: groups x dim <= 256
+  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
+  float* sums = partial[warp];
+  const int chunks = p.dim / 8, groups = max(1, 32 / chunks), group = lane / chunks;
+  const int tasks = p.blocks_total * p.heads;
+  for (int task = static_cast<int>(blockIdx.x) * kWarps + warp; task < tasks;
+       task += static_cast<int>(gridDim.x) * kWarps) {
+    const int b = task / p.heads, h = task - b * p.heads;
+    const bool is_q = b < p.q_blocks;
+    const int x = b - (is_q ? 0 : p.q_blocks);
+    const pool_block block = p.blocks[b];
+    const int rows = block.rows;
+    const T* src = static_cast<const T*>(is_q ? p.q : p.k);
+    const std::int64_t row_stride = is_q ? p.q_row : p.k_row;
+    const T* head = src + block.row0 * row_stride + h * (is_q ? p.q_head : p.k_head);
+    float* dst = (is_q ? p.pooled_q : p.pooled_k) + (std::int64_t{x} * p.heads + h) * p.pdim;
+    const float inv = 1.f / static_cast<float>(rows);
+    for (int chunk = lane % chunks; chunk < chunks && group < groups; chunk += 32) {
+      // This lane's next row, and the bytes from one of its rows to the next.
+      const char* next = reinterpret_cast<const char*>(head + group * row_stride + chunk * 8);
+      const std::int64_t step = std::int64_t{groups} * row_stride * static_cast<int>(sizeof(T));
+      float acc[8] = {};
+      for (int b0 = group; b0 < rows; b0 += kPoolLoads * groups) {
+        const int loads = (rows - b0 + groups - 1) / groups;  // this lane's, here
+        uint4 raw[kPoolLoads];
 #pragma unroll
-      for (int u = 0; u < kPoolLoads; ++u) {
-        raw[u] = u < loads ? load_streaming(next) : make_uint4(0u, 0u, 0u, 0u);
-        next += step;
+        for (int u = 0; u < kPoolLoads; ++u) {
+          raw[u] = u < loads ? load_streaming(next) : make_uint4(0u, 0u, 0u, 0u);
+          next += step;
+        }
+#pragma unroll
+        for (int u = 0; u < kPoolLoads; ++u) {
+          const T* v = reinterpret_cast<const T*>(&raw[u]);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[e] += static_cast<float>(v[e]);
+        }
       }
 #pragma unroll
-      for (int u = 0; u < kPoolLoads; ++u) {
-        const T* v = reinterpret_cast<const T*>(&raw[u]);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] += static_cast<float>(v[e]);
+      for (int e = 0; e < 8; ++e) {
+        if (groups == 1)
+          dst[pooled_position(chunk * 8 + e)] = acc[e] * inv;
+        else
+          sums[group * p.dim + chunk * 8 + e] = acc[e];
       }
     }
-    if (groups == 1) {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) dst[at(c + e)] = acc[e] * inv;
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) partial[group * chunks * 8 + c + e] = acc[e];
+    if (groups > 1) {
+      __syncwarp();
+      for (int d = lane; d < p.dim; d += 32) {
+        float acc = 0.f;
+        for (int g = 0; g < groups; ++g) acc += sums[g * p.dim + d];
+        dst[pooled_position(d)] = acc * inv;
+      }
+      __syncwarp();  // read before the next task writes
     }
-  }
-  if (groups == 1) return;
-  __syncthreads();
-  for (int c = t; c < chunks * 8; c += kPoolThreads) {
-    float acc = 0.f;
-    for (int g = 0; g < groups; ++g) acc += partial[g * chunks * 8 + c];
-    dst[at(c)] = acc * inv;
   }
 }
 
@@ -697,6 +704,15 @@ std::shared_ptr<topk_device_plan> make_topk_plan(const block_sparse_mask& skelet
   t->groups = device_buffer<select_group>(groups);
   q_blocks.insert(q_blocks.end(), k_blocks.begin(), k_blocks.end());
   t->pool_blocks = device_buffer<pool_block>(q_blocks);
+  // The pooling's persistent warps: as many blocks as fit at once, or one per kPoolThreads / 32
+  // tasks where fewer.
+  int pool_per_sm = 0;
+  TRISPARSE_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &pool_per_sm, pool_kernel<__half>, kPoolThreads, 0));
+  const std::int64_t pool_tasks = std::int64_t{t->q_blocks + t->k_blocks} * t->heads;
+  t->pool_grid = static_cast<unsigned>(
+      std::min<std::int64_t>((pool_tasks + kPoolThreads / 32 - 1) / (kPoolThreads / 32),
+                             std::int64_t{std::max(1, pool_per_sm)} * sms));
   t->pooled_q = device_buffer<float>(static_cast<std::size_t>(t->q_blocks) * t->heads * t->pdim);
   t->pooled_k = device_buffer<float>(static_cast<std::size_t>(t->k_blocks) * t->heads * t->pdim);
   // The padding dims (pdim > dim) stay zero: the pooling writes only the first dim. Done before
@@ -729,15 +745,15 @@ void select_topk(topk_device_plan& t, const tensor_view& q, const tensor_view& k
                        t.pooled_q.data(),
                        t.pooled_k.data(),
                        t.q_blocks,
+                       t.q_blocks + t.k_blocks,
                        t.heads,
                        t.dim,
                        t.pdim};
-  const unsigned pool_blocks = static_cast<unsigned>(t.q_blocks + t.k_blocks);
-  if (pool_blocks == 0) return;
+  if (t.pool_grid == 0) return;
   if (q.type == dtype::f16)
-    pool_kernel<__half><<<pool_blocks, kPoolThreads, 0, s>>>(pp);
+    pool_kernel<__half><<<t.pool_grid, kPoolThreads, 0, s>>>(pp);
   else
-    pool_kernel<__nv_bfloat16><<<pool_blocks, kPoolThreads, 0, s>>>(pp);
+    pool_kernel<__nv_bfloat16><<<t.pool_grid, kPoolThreads, 0, s>>>(pp);
   TRISPARSE_CUDA_CHECK_LAUNCH();
   select_params sp{};
   sp.pooled_q = t.pooled_q.data();
