@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cfloat>
 #include <string>
 #include <vector>
 
@@ -44,22 +45,33 @@ struct topk_device_plan {
   std::int32_t held = 0;  // keys a lane holds in registers in the selection (0: shared memory)
   bool dependent_launch = false;  // the selection as a programmatic dependent of the pooling
   unsigned pool_grid = 0;         // the pooling's blocks: one wave, or fewer where the tasks are
+  std::int32_t pool_shared = 0;   // the pooling's shared bytes
   std::int64_t rows_q = 0, rows_k = 0;
-  device_buffer<pool_block> pool_blocks;    // the query blocks', then the key blocks' rows
-  device_buffer<select_group> groups;       // the selection's blocks
-  device_buffer<float> pooled_q, pooled_k;  // [blocks, heads, pdim], dims in pooled_position order
+  device_buffer<pool_block> pool_blocks;  // the query blocks', then the key blocks' rows
+  device_buffer<select_group> groups;     // the selection's blocks
+  // [blocks, heads] rows of pooled_bytes(pdim): the means as digits and a scale (pooled_dim)
+  device_buffer<std::uint8_t> pooled_q, pooled_k;
 };
 
 namespace {
 
-// The pooled means of a head are pooled_dim(dim) floats (dims past dim: zero), dim d at
-// pooled_position(d): within each group of 16 dims, lane t of the scoring MMA finds the 4 values
-// it reads for two k-steps of 8 together (dims t, t + 4, t + 8, t + 12: the tf32 m16n8k8
-// fragments' a0 and a2, or b0 and b1, of both steps), so one 16-byte shared load serves both.
-__host__ __device__ constexpr int pooled_dim(int dim) { return (dim + 15) / 16 * 16; }
-__device__ __forceinline__ int pooled_position(int d) {
-  const int in_group = d % 16;
-  return d - in_group + 4 * (in_group % 4) + 2 * (in_group / 8) + (in_group / 4) % 2;
+// The pooled means of a (block, head) are a row of pooled_dim(dim) dims (those past dim: zero),
+// each mean x = m 2^e for one e per row, chosen so that the largest |x| gives |m| in [2^21, 2^22)
+// (m an integer: 22 significant bits, as a float32 mean has 24), written as three signed 8-bit
+// digits m = 2^16 d2 + 2^8 d1 + d0 (d1, d0 in [-128, 127], d2 in [-64, 64]). So the scores are
+// integer products on the tensor cores (m16n8k32 s8, exact); the six digit products of weight
+// 2^16 and above give each score to a relative 2^-22 of sum |q||k|, as three tf32 products did.
+// A row in memory: per 32 dims (a k-step of the MMA) 96 bytes, plane d2, then d1, then d0, each
+// plane 32 bytes in which lane t of the MMA finds its 8 bytes (dims 4t ... 4t + 3, then 16 + 4t
+// ... 16 + 4t + 3: one register of each of its two fragments) at 8t; then the float 2^(e + 8)
+// (NaN where a mean is not finite, 0 for a zero row) and padding to 16 bytes.
+__host__ __device__ constexpr int pooled_dim(int dim) { return (dim + 31) / 32 * 32; }
+__host__ __device__ constexpr int pooled_bytes(int pdim) { return 3 * pdim + 16; }
+// Where the 4-byte group of dims d ... d + 3 (d a multiple of 4) of digit plane `plane` lies in
+// its row.
+__device__ __forceinline__ int digit_offset(int d, int plane) {
+  const int in_step = d % 32;
+  return d / 32 * 96 + plane * 32 + in_step % 16 / 4 * 8 + in_step / 16 * 4;
 }
 
 struct pool_params {
@@ -67,7 +79,7 @@ struct pool_params {
   const void* k;
   std::int64_t q_row, q_head, k_row, k_head;
   const pool_block* blocks;  // the grid's, q_blocks query blocks first
-  float *pooled_q, *pooled_k;
+  std::uint8_t *pooled_q, *pooled_k;
   std::int32_t q_blocks, blocks_total, heads, dim, pdim;
 };
 
@@ -83,6 +95,10 @@ __device__ __forceinline__ uint4 load_streaming(const void* at) {
   return v;
 }
 
+// Floats of shared memory a pooling warp uses: its row groups' sums (groups x dim <= 256), then
+// the means in place (pdim).
+__host__ __device__ constexpr int pool_warp_floats(int pdim) { return pdim > 256 ? pdim : 256; }
+
 // Persistent warps: warp w of the grid pools tasks w, w + warps, ... (task = block b of the plan's
 // table, q_blocks query blocks first, and head h: task b heads + h), each alone (no barrier: a
 // warp's reduction overlaps the others' loads). A head's row is chunks = dim / 8 pieces of 8
@@ -90,8 +106,8 @@ __device__ __forceinline__ uint4 load_streaming(const void* at) {
 // = 32 / chunks row groups), or with more pieces than lanes, pieces l, l + 32, ... of every row;
 // kPoolLoads of its rows are loaded before any is added (the loads in flight set the read's
 // speed). The row groups' sums are added in a fixed order after, through the warp's shared
-// memory, so the means, and the selection, are deterministic. Means are stored at their
-// pooled_position.
+// memory, so the means, and the selection, are deterministic; then the warp writes the row in
+// pooled_dim's format.
 template <class T>
 __global__ void __launch_bounds__(kPoolThreads, 2)
     pool_kernel(const __grid_constant__ pool_params p) {
@@ -100,9 +116,10 @@ __global__ void __launch_bounds__(kPoolThreads, 2)
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
   constexpr int kWarps = kPoolThreads / 32;
-  __shared__ float partial[kWarps][256];  // a warp's row groups' sums: groups x dim <= 256
+  extern __shared__ float pool_shared[];  // kWarps x pool_warp_floats(pdim)
   const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
-  float* sums = partial[warp];
+  const unsigned all = 0xffffffffu;
+  float* sums = pool_shared + warp * pool_warp_floats(p.pdim);
   const int chunks = p.dim / 8, groups = max(1, 32 / chunks), group = lane / chunks;
   const int tasks = p.blocks_total * p.heads;
   for (int task = static_cast<int>(blockIdx.x) * kWarps + warp; task < tasks;
@@ -115,8 +132,6 @@ __global__ void __launch_bounds__(kPoolThreads, 2)
     const T* src = static_cast<const T*>(is_q ? p.q : p.k);
     const std::int64_t row_stride = is_q ? p.q_row : p.k_row;
     const T* head = src + block.row0 * row_stride + h * (is_q ? p.q_head : p.k_head);
-    float* dst = (is_q ? p.pooled_q : p.pooled_k) + (std::int64_t{x} * p.heads + h) * p.pdim;
-    const float inv = 1.f / static_cast<float>(rows);
     for (int chunk = lane % chunks; chunk < chunks && group < groups; chunk += 32) {
       // This lane's next row, and the bytes from one of its rows to the next.
       const char* next = reinterpret_cast<const char*>(head + group * row_stride + chunk * 8);
@@ -138,27 +153,56 @@ __global__ void __launch_bounds__(kPoolThreads, 2)
         }
       }
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        if (groups == 1)
-          dst[pooled_position(chunk * 8 + e)] = acc[e] * inv;
-        else
-          sums[group * p.dim + chunk * 8 + e] = acc[e];
-      }
+      for (int e = 0; e < 8; ++e) sums[group * p.dim + chunk * 8 + e] = acc[e];
     }
-    if (groups > 1) {
-      __syncwarp();
-      for (int d = lane; d < p.dim; d += 32) {
-        float acc = 0.f;
-        for (int g = 0; g < groups; ++g) acc += sums[g * p.dim + d];
-        dst[pooled_position(d)] = acc * inv;
-      }
-      __syncwarp();  // read before the next task writes
+    __syncwarp();
+    // Mean d into place d (only this lane reads or writes dim d's sums), and the largest |mean|
+    // (a non-negative float orders as its bits; NaN's are above infinity's).
+    const float inv = 1.f / static_cast<float>(rows);
+    unsigned top = 0u;
+    for (int d = lane; d < p.dim; d += 32) {
+      float acc = 0.f;
+      for (int g = 0; g < groups; ++g) acc += sums[g * p.dim + d];
+      sums[d] = acc * inv;
+      top = max(top, __float_as_uint(fabsf(acc * inv)));
     }
+    const float most = __uint_as_float(__reduce_max_sync(all, top));
+    __syncwarp();
+    const bool finite = most <= FLT_MAX;
+    // e: the largest |mean| is 2^(e + 21) ... 2^(e + 22); m = mean 2^-e by one product where
+    // 2^-e is a normal float (most >= 2^-105), else by scalbnf.
+    const int e = most > 0.f && finite ? ilogbf(most) - 21 : 0;
+    const bool product = e >= -126 && e <= 126;
+    const float inverse = product ? __int_as_float((127 - e) << 23) : 0.f;
+    std::uint8_t* row =
+        (is_q ? p.pooled_q : p.pooled_k) + (std::int64_t{x} * p.heads + h) * pooled_bytes(p.pdim);
+    for (int d = 4 * lane; d < p.pdim; d += 128) {  // dims d ... d + 3
+      std::uint32_t plane[3] = {0u, 0u, 0u};        // their d2, d1, d0
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float v = d + j < p.dim && finite ? sums[d + j] : 0.f;
+        const int m = __float2int_rn(product ? v * inverse : scalbnf(v, -e));  // |m| <= 2^22
+        const int d0 = ((m + 128) & 255) - 128, m1 = (m - d0) >> 8;
+        const int d1 = ((m1 + 128) & 255) - 128, d2 = (m1 - d1) >> 8;
+        plane[0] |= (static_cast<std::uint32_t>(d2) & 255u) << (8 * j);
+        plane[1] |= (static_cast<std::uint32_t>(d1) & 255u) << (8 * j);
+        plane[2] |= (static_cast<std::uint32_t>(d0) & 255u) << (8 * j);
+      }
+#pragma unroll
+      for (int k = 0; k < 3; ++k)
+        *reinterpret_cast<std::uint32_t*>(row + digit_offset(d, k)) = plane[k];
+    }
+    if (lane == 0) {
+      *reinterpret_cast<float*>(row + 3 * p.pdim) = !finite      ? __int_as_float(0x7fc00000)
+                                                    : most > 0.f ? ldexpf(1.f, e + 8)
+                                                                 : 0.f;
+    }
+    __syncwarp();  // read before the next task writes
   }
 }
 
 struct select_params {
-  const float *pooled_q, *pooled_k;
+  const std::uint8_t *pooled_q, *pooled_k;
   const select_group* groups;  // of each selection block, whatever its head
   std::int32_t* col_idx;
   std::int32_t heads, pdim, block, top_k, cap, max_k_blocks, rows;  // pdim: pooled_dim
@@ -177,29 +221,18 @@ __host__ __device__ constexpr int select_threads(int rows) {
   return (rows + kTileRows - 1) / kTileRows * kTileWarps * 32;
 }
 
-// Floats of a row of means in shared memory: pdim (a multiple of 16) rounded up to 16 modulo 32,
-// so that the fragments' 16-byte reads of a quarter warp (rows g, g + 1 at column 4 t) fall in
-// distinct banks.
-__host__ __device__ constexpr int row_floats(int pdim) {
-  return pdim % 32 == 16 ? pdim : pdim + 16;
+// Bytes from one staged key row to the next in shared memory: pooled_bytes rounded up to an odd
+// multiple of 32, so that the fragments' 8-byte reads of a half warp (rows g ... g + 3 at 8t)
+// fall in distinct banks.
+__host__ __device__ constexpr int key_stride(int pdim) {
+  const int units = (pooled_bytes(pdim) + 31) / 32;
+  return 32 * (units % 2 == 1 ? units : units + 1);
 }
 
-// Shared floats: kStages chunks of key means (rows of row_floats), the query means' high and low
-// tf32 parts (whole row tiles, in MMA fragment order: query_fragment_index), then the scores of
-// `rows` query blocks (score_floats each).
-__host__ __device__ constexpr int select_floats(int rows, int pdim, int score_floats) {
-  const int tile_rows = (rows + kTileRows - 1) / kTileRows * kTileRows;
-  return kStages * kChunk * row_floats(pdim) + 2 * tile_rows * pdim + rows * score_floats;
-}
-
-// Where the query mean of row `row` (of the group) at pooled position `d` goes: the A fragment
-// of the tf32 m16n8k8 for its row tile and k-step, as the float4 (a0, a1, a2, a3) of its lane,
-// so that a lane reads a k-step's fragment with one 16-byte load and no moves.
-__device__ __forceinline__ int query_fragment_index(int row, int d, int pdim) {
-  const int tile = row / kTileRows, g = row % 8, upper = row % kTileRows / 8;  // a1, a3: rows g + 8
-  const int in_group = d % 16, t = in_group / 4, slot = in_group % 4;  // pooled_position's order
-  const int step = d / 16 * 2 + slot / 2, e = slot % 2;                // e = 1: a2, a3 (dims t + 4)
-  return ((tile * (pdim / 8) + step) * 32 + 4 * g + t) * 4 + 2 * e + upper;
+// Shared bytes: kStages chunks of key rows (key_stride apart), then the scores of `rows` query
+// blocks (score_floats each).
+__host__ __device__ constexpr int select_bytes(int rows, int pdim, int score_floats) {
+  return kStages * kChunk * key_stride(pdim) + 4 * rows * score_floats;
 }
 
 // Shared floats for one query block's scores: the 32 R keys the lanes load with R held in
@@ -420,32 +453,31 @@ __device__ void select_row(float* score, int allowed, int top_k, int diagonal, s
 
 // A block per (group of `rows` <= 32 consecutive query blocks of one sequence, head), with 8 warps
 // per row tile of 16 of them (select_threads): the key-block means are staged once for all its
-// rows, so 32 rows a block read half the means from L2 that 16 do. Scores on tensor cores in
-// three tf32 products (high x high + high x low + low x high: the float32 dot product up to a few
-// ulps): the key-block means staged through shared memory in chunks of 64 (cp.async, the next
-// chunk in flight while this one is scored), warp w computing the 16 x 8 tile of row tile w / 8
-// and keys 8 (w % 8) ... 8 (w % 8) + 7 of the chunk against the group's query means (rows past
-// the group are zero). Then warp w selects rows w, w + warps, ... (select_row). With PDIM (the
-// pooled dim) known at compile time, a warp holds its row tile's A fragments in registers for all
-// chunks; PDIM = 0 reads them from shared memory at every k-step (any pooled dim).
+// rows, so 32 rows a block read half the means from L2 that 16 do. Scores on tensor cores as
+// integer products of the means' digits (pooled_dim; six m16n8k32 s8 products per 32 dims, in
+// three accumulators by weight): the key rows staged through shared memory in chunks of 64
+// (cp.async, the next chunks in flight while this one is scored), warp w computing the 16 x 8 tile
+// of row tile w / 8 and keys 8 (w % 8) ... 8 (w % 8) + 7 of the chunk against the group's query
+// rows (A fragments read from global memory; rows past the group are zero). Then warp w selects
+// rows w, w + warps, ... (select_row). With PDIM (the pooled dim) known at compile time, a warp
+// holds its A fragments in registers for all chunks; PDIM = 0 reads them at every k-step (any
+// pooled dim).
 template <int R, int PDIM>
 __global__ void __launch_bounds__(select_threads(kMaxRows), 1)
     select_kernel(const __grid_constant__ select_params p) {
-  extern __shared__ float4 shared4[];
-  float* shared = reinterpret_cast<float*>(shared4);
+  extern __shared__ uint4 shared4[];
+  auto* shared = reinterpret_cast<std::uint8_t*>(shared4);
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  const int threads = static_cast<int>(blockDim.x),
-            tile_rows = threads / 32 / kTileWarps * kTileRows;  // whole row tiles
+  const int threads = static_cast<int>(blockDim.x);
   const int g = lane / 4, t = lane % 4;            // the MMA fragments' row group and column
   const int tile = warp / kTileWarps * kTileRows;  // the warp's first row
   const int h = static_cast<int>(blockIdx.x) % p.heads;
   const int pdim = PDIM > 0 ? PDIM : p.pdim;
   const select_group group = p.groups[blockIdx.x / p.heads];
-  const int lq = group.lq, lk = group.lk, stride = row_floats(pdim);
-  const int stage_floats = kChunk * stride;
-  float* q_hi = shared + kStages * stage_floats;
-  float* q_lo = q_hi + tile_rows * pdim;
-  float* scores = q_lo + tile_rows * pdim;
+  const int lq = group.lq, lk = group.lk;
+  const int row_bytes = pooled_bytes(pdim), stride = key_stride(pdim),
+            stage_bytes = kChunk * stride;
+  float* scores = reinterpret_cast<float*>(shared + kStages * stage_bytes);
   const int score_stride = score_floats(R, p.max_k_blocks);
   // x / block for x >= 0: a shift where block is a power of two.
   const auto in_blocks = [&](int x) {
@@ -463,18 +495,18 @@ __global__ void __launch_bounds__(select_threads(kMaxRows), 1)
     return last < 0 ? 0 : in_blocks(last) + 1;
   };
   const int most = allowed_of(rows - 1);
-  const std::int64_t k_stride = std::int64_t{p.heads} * pdim;
-  const float* kp = p.pooled_k + (std::int64_t{group.k_base} * p.heads + h) * pdim;
-  const int dim4 = pdim / 4;  // 16-byte pieces a row (with PDIM: a constant, so i / dim4 shifts)
+  const std::int64_t k_stride = std::int64_t{p.heads} * row_bytes;
+  const std::uint8_t* kp = p.pooled_k + (std::int64_t{group.k_base} * p.heads + h) * row_bytes;
+  const int pieces = row_bytes / 16;  // 16-byte pieces a row (with PDIM: a constant divisor)
   // Thread i copies the pieces i, i + threads, ... of a chunk's rows.
   const auto stage = [&](int c0) {  // commits a group, empty past the last chunk
-    float* to = shared + (c0 / kChunk % kStages) * stage_floats;
-    const float* from = kp + c0 * k_stride;
-    const int n = min(kChunk, most - c0) * dim4;
+    std::uint8_t* to = shared + (c0 / kChunk % kStages) * stage_bytes;
+    const std::uint8_t* from = kp + c0 * k_stride;
+    const int n = min(kChunk, most - c0) * pieces;
     for (int i = static_cast<int>(threadIdx.x); i < n; i += threads) {
-      const int row = i / dim4, piece = i - row * dim4;
-      arch::cp_async_16(arch::shared_address(to + row * stride + 4 * piece),
-                        from + row * k_stride + 4 * piece, true);
+      const int row = i / pieces, piece = i - row * pieces;
+      arch::cp_async_16(arch::shared_address(to + row * stride + 16 * piece),
+                        from + row * k_stride + 16 * piece, true);
     }
     arch::cp_async_commit();
   };
@@ -483,72 +515,85 @@ __global__ void __launch_bounds__(select_threads(kMaxRows), 1)
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   // A ring of kStages chunks, kStages - 1 in flight: the staging waited on L2 latency with one.
-  // Issued first, so that the key means are on their way while the query means are read.
+  // Issued first, so that the key rows are on their way while the query rows are read.
   for (int i = 0; i < kStages - 1; ++i) stage(i * kChunk);
-  // The query means, split into tf32 high and low parts; zero rows past the group.
-  const float* qs = p.pooled_q + ((std::int64_t{group.q_base} + group.first) * p.heads + h) * pdim;
-  const std::int64_t q_stride = std::int64_t{p.heads} * pdim;
-  for (int i = static_cast<int>(threadIdx.x); i < tile_rows * pdim; i += threads) {
-    const int row = i / pdim, d = i - row * pdim;
-    const float x = row < rows ? qs[row * q_stride + d] : 0.f;
-    const float hi = arch::tf32_high(x);
-    const int at = query_fragment_index(row, d, pdim);
-    q_hi[at] = hi;
-    q_lo[at] = x - hi;
-  }
-  // The row tile's A fragments, k-step by k-step (query_fragment_index): from shared memory, or
-  // with PDIM known, once into registers.
-  const float4* qh = reinterpret_cast<const float4*>(q_hi) + tile / kTileRows * pdim * 4 + lane;
-  const float4* ql = reinterpret_cast<const float4*>(q_lo) + tile / kTileRows * pdim * 4 + lane;
-  float4 a_hi[PDIM > 0 ? PDIM / 8 : 1], a_lo[PDIM > 0 ? PDIM / 8 : 1];
+  // The warp's query rows tile + g and tile + g + 8 (null past the group) and their scales.
+  const std::uint8_t* qs =
+      p.pooled_q + ((std::int64_t{group.q_base} + group.first) * p.heads + h) * row_bytes;
+  const std::int64_t q_stride = std::int64_t{p.heads} * row_bytes;
+  const std::uint8_t* q_row[2] = {tile + g < rows ? qs + (tile + g) * q_stride : nullptr,
+                                  tile + g + 8 < rows ? qs + (tile + g + 8) * q_stride : nullptr};
+  float q_scale[2];
+  for (int i = 0; i < 2; ++i)
+    q_scale[i] = q_row[i] ? __ldg(reinterpret_cast<const float*>(q_row[i] + 3 * pdim)) : 0.f;
+  // The A fragment of k-step s, digit plane k: rows g, g + 8 at dims 4t.., then 16 + 4t...
+  const auto a_fragment = [&](int s, int k, std::uint32_t(&a)[4]) {
+    uint2 v[2] = {};
+    for (int i = 0; i < 2; ++i)
+      if (q_row[i])
+        v[i] = __ldg(reinterpret_cast<const uint2*>(q_row[i] + s * 96 + k * 32 + 8 * t));
+    a[0] = v[0].x;
+    a[1] = v[1].x;
+    a[2] = v[0].y;
+    a[3] = v[1].y;
+  };
+  std::uint32_t a_held[PDIM > 0 ? PDIM / 32 : 1][3][4];
   if constexpr (PDIM > 0) {
-    __syncthreads();  // the query means are in place
 #pragma unroll
-    for (int s = 0; s < PDIM / 8; ++s) {
-      a_hi[s] = qh[32 * s];
-      a_lo[s] = ql[32 * s];
-    }
+    for (int s = 0; s < PDIM / 32; ++s)
+#pragma unroll
+      for (int k = 0; k < 3; ++k) a_fragment(s, k, a_held[s][k]);
   }
   const int allowed_lo = allowed_of(tile + g), allowed_hi = allowed_of(tile + g + 8);
   for (int c0 = 0; c0 < most; c0 += kChunk) {
     arch::cp_async_wait<kStages - 2>();  // this thread's copies of chunk c0 have landed
-    // Every thread's copies have landed and every thread is done with the chunk before (and,
-    // first, the query means are in place): its stage takes the chunk kStages - 1 ahead.
+    // Every thread's copies have landed and every thread is done with the chunk before: its
+    // stage takes the chunk kStages - 1 ahead.
     __syncthreads();
     stage(c0 + (kStages - 1) * kChunk);
     const int column = 8 * (warp % kTileWarps), c = c0 + column;  // the warp's first key block
     if (c < most && tile < rows) {
       // B: key block c + g (rows past the chunk hold stale values whose scores are not stored).
-      const float* key = shared + (c0 / kChunk % kStages) * stage_floats + (column + g) * stride;
-      float acc[4] = {}, acc_hl[4] = {}, acc_lh[4] = {};  // three independent MMA chains
-      // One k-step: A's high and low parts, B's two values (dims t and t + 4 of the step).
-      const auto step = [&](float4 hi, float4 lo, float k_0, float k_1) {
-        const std::uint32_t a_h[4] = {__float_as_uint(hi.x), __float_as_uint(hi.y),
-                                      __float_as_uint(hi.z), __float_as_uint(hi.w)};
-        const std::uint32_t a_l[4] = {__float_as_uint(lo.x), __float_as_uint(lo.y),
-                                      __float_as_uint(lo.z), __float_as_uint(lo.w)};
-        const float h_0 = arch::tf32_high(k_0), h_1 = arch::tf32_high(k_1);
-        const std::uint32_t b_hi[2] = {__float_as_uint(h_0), __float_as_uint(h_1)};
-        const std::uint32_t b_lo[2] = {__float_as_uint(k_0 - h_0), __float_as_uint(k_1 - h_1)};
-        arch::mma_16x8x8_f32_tf32(acc_lh, a_l, b_hi);
-        arch::mma_16x8x8_f32_tf32(acc_hl, a_h, b_lo);
-        arch::mma_16x8x8_f32_tf32(acc, a_h, b_hi);
-      };
-      // Two k-steps per 16 dims: the key's x, y are the first step's values, z, w the second's
-      // (pooled_position).
-#pragma unroll 4
-      for (int j = 0; j < pdim; j += 16) {
-        const float4 kv = *reinterpret_cast<const float4*>(key + j + 4 * t);
-        const int s = j / 8;  // the first step
+      const std::uint8_t* chunk = shared + (c0 / kChunk % kStages) * stage_bytes;
+      const std::uint8_t* key = chunk + (column + g) * stride + 8 * t;
+      // The digit products by weight: 2^32 (d2 d2), 2^24 (d2 d1, d1 d2), 2^16 (d2 d0, d1 d1,
+      // d0 d2); those below (a relative 2^-22 at most) are left out.
+      int w32[4] = {}, w24[4] = {}, w16[4] = {};
+#pragma unroll 2
+      for (int s = 0; s < pdim / 32; ++s) {
+        std::uint32_t b[3][2];
+#pragma unroll
+        for (int k = 0; k < 3; ++k) {
+          const uint2 v = *reinterpret_cast<const uint2*>(key + s * 96 + k * 32);
+          b[k][0] = v.x;
+          b[k][1] = v.y;
+        }
+        const auto products = [&](const std::uint32_t(&a)[3][4]) {
+          arch::mma_16x8x32_s32_s8(w32, a[0], b[0]);
+          arch::mma_16x8x32_s32_s8(w24, a[0], b[1]);
+          arch::mma_16x8x32_s32_s8(w16, a[0], b[2]);
+          arch::mma_16x8x32_s32_s8(w24, a[1], b[0]);
+          arch::mma_16x8x32_s32_s8(w16, a[1], b[1]);
+          arch::mma_16x8x32_s32_s8(w16, a[2], b[0]);
+        };
         if constexpr (PDIM > 0) {
-          step(a_hi[s], a_lo[s], kv.x, kv.y);
-          step(a_hi[s + 1], a_lo[s + 1], kv.z, kv.w);
+          products(a_held[s]);
         } else {
-          step(qh[32 * s], ql[32 * s], kv.x, kv.y);
-          step(qh[32 * s + 32], ql[32 * s + 32], kv.z, kv.w);
+          std::uint32_t a[3][4];
+          for (int k = 0; k < 3; ++k) a_fragment(s, k, a[k]);
+          products(a);
         }
       }
-      for (int e = 0; e < 4; ++e) acc[e] += acc_hl[e] + acc_lh[e];
+      // The scales of key blocks c + 2 t and c + 2 t + 1 (the accumulators' columns).
+      const std::uint8_t* k_scale = chunk + (column + 2 * t) * stride + 3 * pdim;
+      const float k_scales[2] = {*reinterpret_cast<const float*>(k_scale),
+                                 *reinterpret_cast<const float*>(k_scale + stride)};
+      float acc[4];
+      for (int e = 0; e < 4; ++e) {
+        const float sum = fmaf(fmaf(static_cast<float>(w32[e]), 256.f, static_cast<float>(w24[e])),
+                               256.f, static_cast<float>(w16[e]));
+        acc[e] = sum * q_scale[e / 2] * k_scales[e % 2];
+      }
       // acc: rows tile + g (0, 1) and tile + g + 8 (2, 3), key blocks c + 2 t and c + 2 t + 1:
       // one 8-byte store a row where both are attended.
       for (int half = 0; half < 2; ++half) {
@@ -579,8 +624,8 @@ __global__ void __launch_bounds__(select_threads(kMaxRows), 1)
 
 // The selection kernel holding R keys per lane in registers: the fewest that cover max_k_blocks,
 // up to 32 (1024 key blocks); beyond, R = 0 (keys read from shared memory in every pass). The
-// A fragments in registers where the pooled dim is 64 (head dims 49-64); other dims read them
-// from shared memory.
+// A fragments in registers where the pooled dim is 64 (head dims 33-64); other dims read them at
+// every k-step.
 using select_fn = void (*)(select_params);
 template <int PDIM>
 select_fn select_kernel_held(int held) {
@@ -671,7 +716,7 @@ std::shared_ptr<topk_device_plan> make_topk_plan(const block_sparse_mask& skelet
   TRISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   t->held = held_keys(t->max_k_blocks);
   for (int rows = kMaxRows; rows >= 1 && t->rows == 0; rows /= 2)
-    if (select_floats(rows, t->pdim, score_floats(t->held, t->max_k_blocks)) * 4 <= limit)
+    if (select_bytes(rows, t->pdim, score_floats(t->held, t->max_k_blocks)) <= limit)
       t->rows = rows;
   if (t->rows == 0) {
     throw not_supported("top-k selection: " + std::to_string(t->max_k_blocks) +
@@ -699,26 +744,38 @@ std::shared_ptr<topk_device_plan> make_topk_plan(const block_sparse_mask& skelet
   t->dependent_launch = major >= 9 && t->rows == kMaxRows;
   TRISPARSE_CUDA_TRY(cudaFuncSetAttribute(
       select_kernel_for(t->held, t->pdim), cudaFuncAttributeMaxDynamicSharedMemorySize,
-      select_floats(t->rows, t->pdim, score_floats(t->held, t->max_k_blocks)) * 4));
+      select_bytes(t->rows, t->pdim, score_floats(t->held, t->max_k_blocks))));
   t->num_groups = static_cast<std::int32_t>(groups.size());
   t->groups = device_buffer<select_group>(groups);
   q_blocks.insert(q_blocks.end(), k_blocks.begin(), k_blocks.end());
   t->pool_blocks = device_buffer<pool_block>(q_blocks);
   // The pooling's persistent warps: as many blocks as fit at once, or one per kPoolThreads / 32
   // tasks where fewer.
+  t->pool_shared = kPoolThreads / 32 * pool_warp_floats(t->pdim) * 4;
+  if (t->pool_shared > limit) {
+    throw not_supported("top-k selection: head_dim " + std::to_string(t->dim) +
+                        " needs more shared memory for the pooling than the device has");
+  }
+  for (const auto pool : {pool_kernel<__half>, pool_kernel<__nv_bfloat16>}) {
+    TRISPARSE_CUDA_TRY(
+        cudaFuncSetAttribute(pool, cudaFuncAttributeMaxDynamicSharedMemorySize, t->pool_shared));
+  }
   int pool_per_sm = 0;
   TRISPARSE_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &pool_per_sm, pool_kernel<__half>, kPoolThreads, 0));
+      &pool_per_sm, pool_kernel<__half>, kPoolThreads, t->pool_shared));
   const std::int64_t pool_tasks = std::int64_t{t->q_blocks + t->k_blocks} * t->heads;
   t->pool_grid = static_cast<unsigned>(
       std::min<std::int64_t>((pool_tasks + kPoolThreads / 32 - 1) / (kPoolThreads / 32),
                              std::int64_t{std::max(1, pool_per_sm)} * sms));
-  t->pooled_q = device_buffer<float>(static_cast<std::size_t>(t->q_blocks) * t->heads * t->pdim);
-  t->pooled_k = device_buffer<float>(static_cast<std::size_t>(t->k_blocks) * t->heads * t->pdim);
-  // The padding dims (pdim > dim) stay zero: the pooling writes only the first dim. Done before
+  const auto row_bytes = static_cast<std::size_t>(pooled_bytes(t->pdim));
+  t->pooled_q =
+      device_buffer<std::uint8_t>(static_cast<std::size_t>(t->q_blocks) * t->heads * row_bytes);
+  t->pooled_k =
+      device_buffer<std::uint8_t>(static_cast<std::size_t>(t->k_blocks) * t->heads * row_bytes);
+  // The rows' padding past the scale is copied with it but never read; zeroed once. Done before
   // the plan is returned, whatever stream select() runs on later.
   for (auto* pooled : {&t->pooled_q, &t->pooled_k}) {
-    TRISPARSE_CUDA_TRY(cudaMemsetAsync(pooled->data(), 0, pooled->size() * sizeof(float),
+    TRISPARSE_CUDA_TRY(cudaMemsetAsync(pooled->data(), 0, pooled->size(),
                                        static_cast<cudaStream_t>(stream.handle)));
   }
   TRISPARSE_CUDA_TRY(cudaStreamSynchronize(static_cast<cudaStream_t>(stream.handle)));
@@ -751,9 +808,9 @@ void select_topk(topk_device_plan& t, const tensor_view& q, const tensor_view& k
                        t.pdim};
   if (t.pool_grid == 0) return;
   if (q.type == dtype::f16)
-    pool_kernel<__half><<<t.pool_grid, kPoolThreads, 0, s>>>(pp);
+    pool_kernel<__half><<<t.pool_grid, kPoolThreads, t.pool_shared, s>>>(pp);
   else
-    pool_kernel<__nv_bfloat16><<<t.pool_grid, kPoolThreads, 0, s>>>(pp);
+    pool_kernel<__nv_bfloat16><<<t.pool_grid, kPoolThreads, t.pool_shared, s>>>(pp);
   TRISPARSE_CUDA_CHECK_LAUNCH();
   select_params sp{};
   sp.pooled_q = t.pooled_q.data();
@@ -776,8 +833,8 @@ void select_topk(topk_device_plan& t, const tensor_view& q, const tensor_view& k
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(blocks));
   config.blockDim = dim3(static_cast<unsigned>(select_threads(t.rows)));
-  config.dynamicSmemBytes = static_cast<std::size_t>(
-      select_floats(t.rows, t.pdim, score_floats(t.held, t.max_k_blocks)) * 4);
+  config.dynamicSmemBytes =
+      static_cast<std::size_t>(select_bytes(t.rows, t.pdim, score_floats(t.held, t.max_k_blocks)));
   config.stream = s;
   cudaLaunchAttribute dependent{};
   dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;

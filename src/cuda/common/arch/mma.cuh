@@ -71,6 +71,17 @@ __device__ __forceinline__ void mma_16x8x8_f32_tf32(float (&c)[4], const std::ui
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+/// m16n8k32, s8 A/B (four values a register, in k order), s32 C/D: exact. a: 4 regs (rows g,
+/// g + 8 at k 4t.., then at k 16 + 4t..), b: 2 regs (k 4t.., 16 + 4t.. of column g).
+__device__ __forceinline__ void mma_16x8x32_s32_s8(int (&c)[4], const std::uint32_t (&a)[4],
+                                                   const std::uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
 /// fp32 -> tf32 (round to nearest, ties away), as the register the tf32 MMA reads.
 __device__ __forceinline__ std::uint32_t to_tf32(float x) {
   std::uint32_t r;
