@@ -498,11 +498,12 @@ TEST(GpuBlockSparse, TopKOverManyKeyBlocks) {
 
 // A NaN in a key block makes its mean, and its score against every query block, NaN: the device
 // never selects it (only as a row's diagonal block), and a row with fewer numbers than top_k takes
-// all of them. 5 key blocks (fewer than top_k) and 63; the NaN in head 1 only.
+// all of them. 5 key blocks (fewer than top_k), 63, and 64 (every key a lane holds attended: NaN's
+// found by the keys' extremes); the NaN in head 1 only.
 TEST(GpuBlockSparse, TopKLeavesOutNaNScores) {
   SKIP_WITHOUT_GPU();
   const std::int64_t g = 64, heads = 2, d = 64, top_k = 26;
-  for (const std::int64_t len : {300, 4000}) {
+  for (const std::int64_t len : {300, 4000, 4096}) {
     SCOPED_TRACE("length " + std::to_string(len));
     const std::vector<std::int64_t> cu{0, len};
     const topk_mask_options o{.block = g, .top_k = top_k, .causal = false, .keep_diagonal = true};

@@ -244,14 +244,15 @@ __host__ __device__ constexpr int score_floats(int held, int max_k_blocks) {
   return (n + 23) / 32 * 32 + 8;
 }
 
-// The order-preserving unsigned key of a score (larger score, larger key); NaN gets 0, below every
-// number's (-inf's is 0x007fffff), so it is never selected. Negative numbers get all bits flipped,
-// the others the sign bit set.
-__device__ __forceinline__ unsigned order_key(float v) {
+// The order-preserving unsigned key of a score (larger score, larger key): negative numbers get
+// all bits flipped, the others the sign bit set. A NaN's raw key lies below -inf's (kLowestKey) or
+// above +inf's (kHighestKey); order_key gives NaN 0, below every number's, so it is never selected.
+__device__ __forceinline__ unsigned raw_order_key(float v) {
   const unsigned bits = __float_as_uint(v);
-  const unsigned key = bits ^ (static_cast<unsigned>(static_cast<int>(bits) >> 31) | 0x80000000u);
-  return v != v ? 0u : key;
+  return bits ^ (static_cast<unsigned>(static_cast<int>(bits) >> 31) | 0x80000000u);
 }
+constexpr unsigned kLowestKey = 0x007fffffu, kHighestKey = 0xff800000u;
+__device__ __forceinline__ unsigned order_key(float v) { return v != v ? 0u : raw_order_key(v); }
 
 // One warp's selection over the scores of the `allowed` key blocks in shared memory: the top
 // min(top_k, numbers among them) (ties to the lower block; NaN never) and the diagonal block (-1:
@@ -271,10 +272,18 @@ __device__ void select_row(float* score, int allowed, int top_k, int diagonal, s
   const unsigned all = 0xffffffffu;
   unsigned* key = reinterpret_cast<unsigned*>(score);
   unsigned held[R > 0 ? R : 1];
+  // The keys in registers are taken raw (a NaN's lies outside [kLowestKey, kHighestKey]). Where
+  // some are not attended they are made 0 one by one, with the NaN's; where every one is, that
+  // is done only if their extremes show a NaN.
+  const bool every = R > 0 && allowed == 32 * R;
+  const auto sanitize = [&](int mine) {  // keys mine, mine + 1, ... not attended
+#pragma unroll
+    for (int j = 0; j < (R > 0 ? R : 1); ++j)
+      held[j] = j < mine && held[j] - kLowestKey <= kHighestKey - kLowestKey ? held[j] : 0u;
+  };
   if constexpr (R > 0) {
     // Lane l holds keys l R ... l R + R - 1 (16-byte loads where R allows).
-    const int mine = allowed - lane * R;  // this lane's keys from here on are not attended
-    const auto hold = [&](int j, float x) { held[j] = j < mine ? order_key(x) : 0u; };
+    const auto hold = [&](int j, float x) { held[j] = raw_order_key(x); };
     if constexpr (R % 4 == 0) {
 #pragma unroll
       for (int j = 0; j < R; j += 4) {
@@ -288,6 +297,7 @@ __device__ void select_row(float* score, int allowed, int top_k, int diagonal, s
 #pragma unroll
       for (int j = 0; j < R; ++j) hold(j, score[lane * R + j]);
     }
+    if (!every) sanitize(allowed - lane * R);
     __syncwarp();  // every lane has read its scores before the gathering below overwrites them
   } else {
     for (int c = lane; c < allowed; c += 32) key[c] = order_key(score[c]);
@@ -330,7 +340,32 @@ __device__ void select_row(float* score, int allowed, int top_k, int diagonal, s
     }
     return sum - x;
   };
-  const int numbers = at_least(1u);  // NaN's key is 0
+  // The largest key of this lane (R > 0), and the count of numbers (NaN's key is 0).
+  unsigned lane_max = 0u;
+  const auto lane_extreme = [&] {
+    if constexpr (R > 0) {
+#pragma unroll
+      for (int j = 0; j < R; ++j) lane_max = max(lane_max, held[j]);
+    }
+  };
+  lane_extreme();
+  int numbers = -1;
+  if (every) {
+    unsigned lane_min = ~0u;
+#pragma unroll
+    for (int j = 0; j < (R > 0 ? R : 1); ++j) lane_min = min(lane_min, held[j]);
+    if (__reduce_max_sync(all, lane_max) <= kHighestKey &&
+        __reduce_min_sync(all, lane_min) >= kLowestKey)
+      numbers = allowed;
+  }
+  if (numbers < 0) {
+    if (every) {
+      sanitize(R);
+      lane_max = 0u;
+      lane_extreme();
+    }
+    numbers = at_least(1u);
+  }
   const int keep = min(top_k, numbers);
   unsigned t = ~0u;  // keep = 0: no key is above or equal (valid keys are < 0xffffffff)
   int need = 0;
@@ -345,9 +380,6 @@ __device__ void select_row(float* score, int allowed, int top_k, int diagonal, s
         // t lies between the smallest lane maximum (the 32 lane maxima are keys at least that)
         // and the largest key, so the bits above their highest differing one are t's; no key is
         // >= t + 2^(bit + 1) then, and from_t = numbers stays an upper bound until a pass counts.
-        unsigned lane_max = 0u;
-#pragma unroll
-        for (int j = 0; j < R; ++j) lane_max = max(lane_max, held[j]);
         const unsigned top = __reduce_max_sync(all, lane_max),
                        differ = top ^ __reduce_min_sync(all, lane_max);
         bit = differ == 0u ? -1 : 31 - __clz(differ);
@@ -374,12 +406,12 @@ __device__ void select_row(float* score, int allowed, int top_k, int diagonal, s
 #pragma unroll
         for (int j = 0; j < R; ++j)
           if (held[j] - lo <= span) window |= 1u << j;
-        const int mine = __popc(window);
-        int at = lanes_before(mine);
+        const int mine = __popc(window), at = lanes_before(mine);
         const int gathered = __shfl_sync(all, at + mine, 31);
+        unsigned* to = key + at;
 #pragma unroll
         for (int j = 0; j < R; ++j)
-          if ((window >> j & 1u) != 0u) key[at++] = held[j];
+          if ((window >> j & 1u) != 0u) *to++ = held[j];
         __syncwarp();
         // Sorted in descending order across the warp (bitonic; lanes past them hold 0), so t is
         // the (keep - past_t)-th.
