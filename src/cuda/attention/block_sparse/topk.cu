@@ -370,42 +370,39 @@ __device__ void select_row(float* score, int allowed, int top_k, int diagonal, s
   unsigned t = ~0u;  // keep = 0: no key is above or equal (valid keys are < 0xffffffff)
   int need = 0;
   if (keep > 0) {
-    // Bits of t from the top, with the counts of keys >= t (from_t) and >= t + 2^(bit + 1)
-    // (past_t) kept along: the keys in between share t's decided bits. With registers, once they
-    // fit one per lane they are gathered and sorted.
-    t = 0u;
-    int from_t = numbers, past_t = 0, bit = 31;
+    // t is the keep-th largest key. It stays in [lo, hi): at least keep keys are >= lo (from_lo
+    // of them, an upper bound until a pass counts), past = the count of keys >= hi < keep. Each
+    // pass counts the keys >= the middle of the range. With registers the passes stop as soon
+    // as the keys in [lo, hi) fit one per lane; they are gathered and sorted, which gives t.
+    unsigned lo = 1u, hi = ~0u;  // every valid key is in [1, 0xffffffff)
+    int from_lo = numbers, past = 0;
     if constexpr (R > 0) {
-      if (keep <= 32) {
-        // t lies between the smallest lane maximum (the 32 lane maxima are keys at least that)
-        // and the largest key, so the bits above their highest differing one are t's; no key is
-        // >= t + 2^(bit + 1) then, and from_t = numbers stays an upper bound until a pass counts.
-        const unsigned top = __reduce_max_sync(all, lane_max),
-                       differ = top ^ __reduce_min_sync(all, lane_max);
-        bit = differ == 0u ? -1 : 31 - __clz(differ);
-        t = bit < 0 ? top : top & ~((2u << bit) - 1u);
-      }
+      hi = __reduce_max_sync(all, lane_max) + 1u;
+      // The 32 lane maxima are keys >= the smallest of them.
+      if (keep <= 32) lo = max(lo, __reduce_min_sync(all, lane_max));
     }
-    for (; bit >= 0 && (R == 0 || from_t - past_t > 32); --bit) {
-      const int c = at_least(t | (1u << bit));
+    while (hi - lo > 1u && (R == 0 || from_lo - past > 32)) {
+      const unsigned x = lo + (hi - lo) / 2u;
+      const int c = at_least(x);
       if (c >= keep) {
-        t |= 1u << bit;
-        from_t = c;
+        lo = x;
+        from_lo = c;
       } else {
-        past_t = c;
+        hi = x;
+        past = c;
       }
     }
-    need = keep - past_t;  // bit < 0: past_t counts the keys above t
+    t = lo;  // where [lo, hi) is one key wide
+    need = keep - past;
     if constexpr (R > 0) {
-      if (bit >= 0) {
-        // The keys sharing t's decided bits, [t, t + 2^(bit + 1)) less the key 0 (NaN, or not
-        // attended): at most 32, at least keep - past_t of them; a mask per lane, then gathered
-        // into the scores' place in lane order, one per lane.
-        const unsigned lo = max(t, 1u), span = (bit == 31 ? ~0u : (2u << bit) - 1u) - (lo - t);
+      if (hi - lo > 1u) {
+        // The keys in [lo, hi): at most 32, at least keep - past of them; a mask per lane, then
+        // gathered into the scores' place in lane order, one per lane.
+        const unsigned span = hi - lo;
         unsigned window = 0u;
 #pragma unroll
         for (int j = 0; j < R; ++j)
-          if (held[j] - lo <= span) window |= 1u << j;
+          if (held[j] - lo < span) window |= 1u << j;
         const int mine = __popc(window), at = lanes_before(mine);
         const int gathered = __shfl_sync(all, at + mine, 31);
         unsigned* to = key + at;
@@ -414,7 +411,7 @@ __device__ void select_row(float* score, int allowed, int top_k, int diagonal, s
           if ((window >> j & 1u) != 0u) *to++ = held[j];
         __syncwarp();
         // Sorted in descending order across the warp (bitonic; lanes past them hold 0), so t is
-        // the (keep - past_t)-th.
+        // the (keep - past)-th.
         unsigned v = lane < gathered ? key[lane] : 0u;
 #pragma unroll
         for (int size = 2; size <= 32; size *= 2) {
@@ -424,8 +421,8 @@ __device__ void select_row(float* score, int allowed, int top_k, int diagonal, s
             v = ((lane & stride) == 0) == ((lane & size) == 0) ? max(v, other) : min(v, other);
           }
         }
-        t = __shfl_sync(all, v, keep - past_t - 1);
-        need = keep - past_t - __popc(__ballot_sync(all, v > t));
+        t = __shfl_sync(all, v, need - 1);
+        need -= __popc(__ballot_sync(all, v > t));
       }
     }
   }
