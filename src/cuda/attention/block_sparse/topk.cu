@@ -257,14 +257,14 @@ __device__ __forceinline__ unsigned order_key(float v) { return v != v ? 0u : ra
 // One warp's selection over the scores of the `allowed` key blocks in shared memory: the top
 // min(top_k, numbers among them) (ties to the lower block; NaN never) and the diagonal block (-1:
 // none), written in ascending order to out[0, n); out[n, cap) gets `past` (the key-block count).
-// The scores become order keys (order_key); the keep-th largest key t is found bit by bit from the
-// top (a pass per bit counting keys >= t | bit); the keys above t are taken, then the first
-// keep - (count above t) equal to t. Lane l holds the keys of blocks l R ... l R + R - 1 in
-// registers (allowed <= 32 R), or with R = 0 they stay in shared memory (the scores' place) and
-// are read in every pass. With registers, the bits shared by the largest key and the smallest
-// lane maximum are decided without a pass (where keep <= 32), and as soon as the keys sharing
-// t's decided bits are at most 32 they are gathered, one per lane, and sorted across the warp,
-// which gives t; the chosen blocks are then a mask per lane, written in order by a warp scan.
+// The scores become order keys (order_key); the keep-th largest key t is found by halving a range
+// of keys that holds it (a pass per halving, counting the keys >= its middle); the keys above t
+// are taken, then the first keep - (count above t) equal to t. Lane l holds the keys of blocks
+// l R ... l R + R - 1 in registers (allowed <= 32 R), or with R = 0 they stay in shared memory
+// (the scores' place) and are read in every pass. With registers, the range starts at the
+// smallest lane maximum (where keep <= 32) and ends past the largest key, and as soon as the keys
+// in it are at most 32 they are gathered, one per lane, and sorted across the warp, which gives
+// t; the chosen blocks are then a mask per lane, written in order by a warp scan.
 template <int R>
 __device__ void select_row(float* score, int allowed, int top_k, int diagonal, std::int32_t* out,
                            int cap, int past) {
@@ -371,17 +371,17 @@ __device__ void select_row(float* score, int allowed, int top_k, int diagonal, s
   int need = 0;
   if (keep > 0) {
     // t is the keep-th largest key. It stays in [lo, hi): at least keep keys are >= lo (from_lo
-    // of them, an upper bound until a pass counts), past = the count of keys >= hi < keep. Each
+    // of them, an upper bound until a pass counts), above = the count of keys >= hi < keep. Each
     // pass counts the keys >= the middle of the range. With registers the passes stop as soon
     // as the keys in [lo, hi) fit one per lane; they are gathered and sorted, which gives t.
     unsigned lo = 1u, hi = ~0u;  // every valid key is in [1, 0xffffffff)
-    int from_lo = numbers, past = 0;
+    int from_lo = numbers, above = 0;
     if constexpr (R > 0) {
       hi = __reduce_max_sync(all, lane_max) + 1u;
       // The 32 lane maxima are keys >= the smallest of them.
       if (keep <= 32) lo = max(lo, __reduce_min_sync(all, lane_max));
     }
-    while (hi - lo > 1u && (R == 0 || from_lo - past > 32)) {
+    while (hi - lo > 1u && (R == 0 || from_lo - above > 32)) {
       const unsigned x = lo + (hi - lo) / 2u;
       const int c = at_least(x);
       if (c >= keep) {
@@ -389,14 +389,14 @@ __device__ void select_row(float* score, int allowed, int top_k, int diagonal, s
         from_lo = c;
       } else {
         hi = x;
-        past = c;
+        above = c;
       }
     }
     t = lo;  // where [lo, hi) is one key wide
-    need = keep - past;
+    need = keep - above;
     if constexpr (R > 0) {
       if (hi - lo > 1u) {
-        // The keys in [lo, hi): at most 32, at least keep - past of them; a mask per lane, then
+        // The keys in [lo, hi): at most 32, at least keep - above of them; a mask per lane, then
         // gathered into the scores' place in lane order, one per lane.
         const unsigned span = hi - lo;
         unsigned window = 0u;
@@ -411,7 +411,7 @@ __device__ void select_row(float* score, int allowed, int top_k, int diagonal, s
           if ((window >> j & 1u) != 0u) *to++ = held[j];
         __syncwarp();
         // Sorted in descending order across the warp (bitonic; lanes past them hold 0), so t is
-        // the (keep - past)-th.
+        // the (keep - above)-th.
         unsigned v = lane < gathered ? key[lane] : 0u;
 #pragma unroll
         for (int size = 2; size <= 32; size *= 2) {
