@@ -502,35 +502,45 @@ TEST(GpuBlockSparse, TopKOverManyKeyBlocks) {
 // found by the keys' extremes); the NaN in head 1 only.
 TEST(GpuBlockSparse, TopKLeavesOutNaNScores) {
   SKIP_WITHOUT_GPU();
-  const std::int64_t g = 64, heads = 2, d = 64, top_k = 26;
-  for (const std::int64_t len : {300, 4000, 4096}) {
-    SCOPED_TRACE("length " + std::to_string(len));
+  const std::int64_t g = 64, d = 64, top_k = 26;
+  // Head 1: key block 1 and query block 5 hold a NaN, so every score of row 5 and of column 1
+  // is NaN. At 32K (heads 8) the selection blocks take 32 rows, so a warp selects row 5 together
+  // with the row 16 below it, which has numbers.
+  for (const auto& [len, heads] :
+       {std::pair<std::int64_t, std::int64_t>{300, 2}, {4000, 2}, {4096, 2}, {32768, 8}}) {
+    SCOPED_TRACE("length " + std::to_string(len) + ", heads " + std::to_string(heads));
     const std::vector<std::int64_t> cu{0, len};
     const topk_mask_options o{.block = g, .top_k = top_k, .causal = false, .keep_diagonal = true};
     host_tensor hq(dtype::f16, len, heads, d), hk(dtype::f16, len, heads, d);
     hq.fill_uniform(-1, 1, 11);
     hk.fill_uniform(-1, 1, 12);
     hk.set(hk.view().offset(g + 3, 1, 5), std::numeric_limits<double>::quiet_NaN());
+    const std::int64_t nb = (len + g - 1) / g, nan_row = 5;
+    if (nan_row < nb) {
+      hq.set(hq.view().offset(nan_row * g + 7, 1, 2), std::numeric_limits<double>::quiet_NaN());
+    }
     test::device_tensor q(hq), k(hk);
     auto plan = topk_block_sparse_plan::build(cu, cu, heads, d, o);
     plan.select(q.view(), k.view());
     const block_sparse_mask got = plan.mask();
-    const std::int64_t nb = (len + g - 1) / g;
     for (std::int64_t h = 0; h < heads; ++h) {
       const csr_graph& rows = got.masks[static_cast<std::size_t>(h)].blocks;
-      const std::int64_t numbers = nb - h;  // head 1: block 1 is NaN
       for (std::int64_t r = 0; r < nb; ++r) {
         const std::vector<std::int32_t> cols(rows.col_idx.begin() + rows.row_ptr[r],
                                              rows.col_idx.begin() + rows.row_ptr[r + 1]);
         EXPECT_TRUE(std::is_sorted(cols.begin(), cols.end()));
         const bool diagonal = std::find(cols.begin(), cols.end(), r) != cols.end();
         EXPECT_TRUE(diagonal) << "head " << h << " row " << r;
+        const bool nan_query = h == 1 && r == nan_row;
+        // The row's scores that are numbers; the diagonal is kept even where it is NaN.
+        const std::int64_t numbers = nan_query ? 0 : nb - (h == 1);
+        const bool nan_diagonal = h == 1 && (r == 1 || nan_query);
         if (h == 1 && r != 1) {
           EXPECT_EQ(std::find(cols.begin(), cols.end(), 1), cols.end()) << "row " << r;
         }
         if (numbers <= top_k) {
           // Every number, and the diagonal block.
-          EXPECT_EQ(static_cast<std::int64_t>(cols.size()), numbers + (h == 1 && r == 1))
+          EXPECT_EQ(static_cast<std::int64_t>(cols.size()), numbers + nan_diagonal)
               << "head " << h << " row " << r;
         } else {
           EXPECT_GE(static_cast<std::int64_t>(cols.size()), top_k);
