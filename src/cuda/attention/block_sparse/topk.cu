@@ -43,9 +43,10 @@ struct topk_device_plan {
   bool causal = false, keep_diagonal = false;
   std::int32_t q_blocks = 0, k_blocks = 0, max_k_blocks = 0, rows = 0, num_groups = 0;
   std::int32_t held = 0;  // keys a lane holds in registers in the selection (0: shared memory)
-  bool dependent_launch = false;  // the selection as a programmatic dependent of the pooling
-  unsigned pool_grid = 0;         // the pooling's blocks: one wave, or fewer where the tasks are
-  std::int32_t pool_shared = 0;   // the pooling's shared bytes
+  bool dependent_launch = false;   // the selection as a programmatic dependent of the pooling
+  std::int32_t select_shared = 0;  // a selection block's shared bytes
+  unsigned pool_grid = 0;          // the pooling's blocks: one wave, or fewer where the tasks are
+  std::int32_t pool_shared = 0;    // the pooling's shared bytes
   std::int64_t rows_q = 0, rows_k = 0;
   device_buffer<pool_block> pool_blocks;  // the query blocks', then the key blocks' rows
   device_buffer<select_group> groups;     // the selection's blocks
@@ -903,14 +904,22 @@ std::shared_ptr<topk_device_plan> make_topk_plan(const block_sparse_mask& skelet
   while (t->rows > 4 && static_cast<std::int64_t>(groups_of(t->rows).size()) * t->heads * 2 < sms)
     t->rows /= 2;
   const std::vector<select_group> groups = groups_of(t->rows);
-  // Blocks of 32 rows (16 warps, most of an SM's shared memory) cannot sit beside a full SM of
-  // pooling blocks: launched as dependents (sm_90), they take an SM as the pooling leaves it and
-  // start before it ends. Smaller blocks would be placed early and take the room of the pooling's
-  // second wave (measured slower, docs/notes/block_sparse.md), so they wait in stream order.
+  // Launched as dependents (sm_90), the selection's blocks take an SM as the pooling leaves it
+  // and start before it ends (a stream-ordered launch starts about 2 us later). Blocks of 32 rows
+  // (16 warps, most of an SM's shared memory) take an SM each. Smaller blocks would be placed two
+  // to the SMs that the pooling leaves first while other SMs stay empty, so they are launched as
+  // dependents only where they are one wave or less, each given more than half an SM's shared
+  // memory; else they wait in stream order.
+  t->select_shared = select_bytes(t->rows, t->pdim, score_floats(t->held, t->max_k_blocks));
   t->dependent_launch = major >= 9 && t->rows == kMaxRows;
-  TRISPARSE_CUDA_TRY(cudaFuncSetAttribute(
-      select_kernel_for(t->held, t->pdim), cudaFuncAttributeMaxDynamicSharedMemorySize,
-      select_bytes(t->rows, t->pdim, score_floats(t->held, t->max_k_blocks))));
+  if (major >= 9 && t->rows < kMaxRows &&
+      static_cast<std::int64_t>(groups.size()) * t->heads <= sms) {
+    t->dependent_launch = true;
+    t->select_shared = std::max(t->select_shared, limit / 2 + 1024);
+  }
+  TRISPARSE_CUDA_TRY(cudaFuncSetAttribute(select_kernel_for(t->held, t->pdim),
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          t->select_shared));
   t->num_groups = static_cast<std::int32_t>(groups.size());
   t->groups = device_buffer<select_group>(groups);
   q_blocks.insert(q_blocks.end(), k_blocks.begin(), k_blocks.end());
@@ -999,8 +1008,7 @@ void select_topk(topk_device_plan& t, const tensor_view& q, const tensor_view& k
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(blocks));
   config.blockDim = dim3(static_cast<unsigned>(select_threads(t.rows)));
-  config.dynamicSmemBytes =
-      static_cast<std::size_t>(select_bytes(t.rows, t.pdim, score_floats(t.held, t.max_k_blocks)));
+  config.dynamicSmemBytes = static_cast<std::size_t>(t.select_shared);
   config.stream = s;
   cudaLaunchAttribute dependent{};
   dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
