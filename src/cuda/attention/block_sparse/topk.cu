@@ -372,9 +372,6 @@ __device__ void select_rows(const row_job (&job)[NR], int top_k, int cap, int pa
       count[r] = visited + static_cast<int>(__reduce_add_sync(all, even[r] + odd[r]));
     }
   };
-  const auto lanes_before = [&](const auto& x, auto& before) {
-    lanes_before_sums(x, before, lane);
-  };
   // The largest key of this lane (R > 0), and the count of numbers (NaN's key is 0).
   unsigned lane_max[NR];
   const auto lane_extreme = [&](int r) {
@@ -388,22 +385,20 @@ __device__ void select_rows(const row_job (&job)[NR], int top_k, int cap, int pa
     lane_extreme(r);
     numbers[r] = -1;
   }
+  // The warp's largest key of each row (R > 0). Where every key is attended and the warp's
+  // extremes are numbers' keys, the row's numbers are its length.
+  unsigned most[NR];
   if constexpr (R > 0) {
-    unsigned lane_min[NR], most[NR], least[NR];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) most[r] = __reduce_max_sync(all, lane_max[r]);
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
-      lane_min[r] = ~0u;
+      if (!every[r] || most[r] > kHighestKey) continue;
+      unsigned lane_min = ~0u;
 #pragma unroll
-      for (int j = 0; j < R; ++j) lane_min[r] = min(lane_min[r], held[r][j]);
+      for (int j = 0; j < R; ++j) lane_min = min(lane_min, held[r][j]);
+      if (__reduce_min_sync(all, lane_min) >= kLowestKey) numbers[r] = job[r].allowed;
     }
-#pragma unroll
-    for (int r = 0; r < NR; ++r) {
-      most[r] = __reduce_max_sync(all, lane_max[r]);
-      least[r] = __reduce_min_sync(all, lane_min[r]);
-    }
-#pragma unroll
-    for (int r = 0; r < NR; ++r)
-      if (every[r] && most[r] <= kHighestKey && least[r] >= kLowestKey) numbers[r] = job[r].allowed;
   }
   bool count_numbers = false;
 #pragma unroll
@@ -417,6 +412,7 @@ __device__ void select_rows(const row_job (&job)[NR], int top_k, int cap, int pa
       if (numbers[r] < 0 && every[r]) {
         sanitize(r, R);
         lane_extreme(r);
+        if constexpr (R > 0) most[r] = __reduce_max_sync(all, lane_max[r]);
       }
     }
     at_least(one, counted);
@@ -439,7 +435,7 @@ __device__ void select_rows(const row_job (&job)[NR], int top_k, int cap, int pa
     from_lo[r] = numbers[r];
     above[r] = 0;
     if constexpr (R > 0) {
-      hi[r] = __reduce_max_sync(all, lane_max[r]) + 1u;
+      hi[r] = most[r] + 1u;
       // The 32 lane maxima are keys >= the smallest of them.
       const unsigned smallest = __reduce_min_sync(all, lane_max[r]);
       if (keep[r] <= 32) lo[r] = max(lo[r], smallest);
@@ -492,7 +488,7 @@ __device__ void select_rows(const row_job (&job)[NR], int top_k, int cap, int pa
           if (gather[r] && held[r][j] - lo[r] < span) window[r] |= 1u << j;
         mine[r] = __popc(window[r]);
       }
-      lanes_before(mine, at);
+      lanes_before_sums(mine, at, lane);
 #pragma unroll
       for (int r = 0; r < NR; ++r) {
         gathered[r] = __shfl_sync(all, at[r] + mine[r], 31);
@@ -554,7 +550,7 @@ __device__ void select_rows(const row_job (&job)[NR], int top_k, int cap, int pa
         if (held[r][j] == t[r]) ties |= 1u << j;
       const int mine[1] = {__popc(ties)};
       int before[1];
-      lanes_before(mine, before);
+      lanes_before_sums(mine, before, lane);
       const int kept = max(0, min(mine[0], need[r] - before[0]));
       for (int drop = mine[0] - kept; drop > 0; --drop) {
         const unsigned last = 1u << (31 - __clz(ties));
@@ -569,7 +565,7 @@ __device__ void select_rows(const row_job (&job)[NR], int top_k, int cap, int pa
       if (diagonal >= lane * R && diagonal < lane * R + R) taken[r] |= 1u << (diagonal - lane * R);
       chosen[r] = __popc(taken[r]);
     }
-    lanes_before(chosen, at);
+    lanes_before_sums(chosen, at, lane);
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
       n[r] = __shfl_sync(all, at[r] + chosen[r], 31);
@@ -587,7 +583,7 @@ __device__ void select_rows(const row_job (&job)[NR], int top_k, int cap, int pa
     };
     int ties[1] = {0}, tie[1];
     blocked([&](int, unsigned k) { ties[0] += k == t[0] ? 1 : 0; });
-    lanes_before(ties, tie);
+    lanes_before_sums(ties, tie, lane);
     const auto take = [&](int c, unsigned k) {
       const bool in = k > t[0] || (k == t[0] && tie[0] < need[0]) || c == job[0].diagonal;
       tie[0] += k == t[0] ? 1 : 0;
@@ -595,9 +591,9 @@ __device__ void select_rows(const row_job (&job)[NR], int top_k, int cap, int pa
     };
     int chosen[1] = {0}, at[1];
     blocked([&](int c, unsigned k) { chosen[0] += take(c, k) ? 1 : 0; });
-    lanes_before(chosen, at);
+    lanes_before_sums(chosen, at, lane);
     n[0] = __shfl_sync(all, at[0] + chosen[0], 31);
-    lanes_before(ties, tie);
+    lanes_before_sums(ties, tie, lane);
     blocked([&](int c, unsigned k) {
       if (take(c, k)) job[0].out[at[0]++] = c;
     });
