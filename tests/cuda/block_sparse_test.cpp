@@ -572,6 +572,57 @@ TEST(GpuBlockSparse, TopKSelectionBlocksOfTwoRowTiles) {
   }
 }
 
+// Selection and attention queued back to back with no synchronisation between them (on sm_90 the
+// attention is a dependent launch, its blocks placed while the selection still runs): each
+// attention uses the mask selected just before it, not the one before that. Two input sets whose
+// masks differ are selected in turn; each output equals, to rounding, a plan built from that
+// set's downloaded mask. At 4K (4-row selection blocks, one wave, themselves dependents of the
+// pooling) and 32K (32-row blocks).
+TEST(GpuBlockSparse, TopKSelectThenAttendWithoutSynchronisation) {
+  SKIP_WITHOUT_GPU();
+  const std::int64_t g = 64, heads = 8, d = 64;
+  for (const std::int64_t n : {4096, 32768}) {
+    SCOPED_TRACE("N " + std::to_string(n));
+    const std::vector<std::int64_t> cu{0, n};
+    auto plan = topk_block_sparse_plan::build(cu, cu, heads, d,
+                                              {.block = g, .top_k = 26, .keep_diagonal = true});
+    const auto random = [&](std::uint64_t seed) {
+      host_tensor t(dtype::f16, n, heads, d);
+      t.fill_uniform(-1, 1, seed);
+      return t;
+    };
+    test::device_tensor q0(random(n + 1)), k0(random(n + 2)), v0(random(n + 3));
+    test::device_tensor q1(random(n + 4)), k1(random(n + 5)), v1(random(n + 6));
+    const host_tensor zeros(dtype::f32, n, heads, d);
+    test::device_tensor out0(zeros), out1(zeros);
+    plan.select(q1.view(), k1.view());
+    const block_sparse_mask mask1 = plan.mask();
+    plan.select(q0.view(), k0.view());
+    const block_sparse_mask mask0 = plan.mask();
+    ASSERT_NE(mask0.masks[0].blocks.col_idx, mask1.masks[0].blocks.col_idx)
+        << "the two sets must select different masks";
+    out0.poison();
+    out1.poison();
+    // The plan holds mask 0: the first attention would see it if it read the mask early.
+    plan.select(q1.view(), k1.view());
+    plan.run(q1.view(), k1.view(), v1.view(), out1.view());
+    plan.select(q0.view(), k0.view());
+    plan.run(q0.view(), k0.view(), v0.view(), out0.view());
+    const host_tensor got0 = out0.download(), got1 = out1.download();
+    const auto expect_as_planned = [&](const block_sparse_mask& mask, test::device_tensor& q,
+                                       test::device_tensor& k, test::device_tensor& v,
+                                       const host_tensor& got) {
+      test::device_tensor want(zeros);
+      cuda_plan(mask).run(q.view(), k.view(), v.view(), want.view());
+      const auto e = test::compare(got, want.download());
+      EXPECT_TRUE(e.finite);
+      EXPECT_LE(e.relative(), 2 * test::gpu_tolerance(dtype::f16, dtype::f32, 4));
+    };
+    expect_as_planned(mask0, q0, k0, v0, got0);
+    expect_as_planned(mask1, q1, k1, v1, got1);
+  }
+}
+
 block_sparse_attention_plan unfused_plan(const block_sparse_mask& m) {
   auto plan =
       block_sparse_attention_plan::build(m, device_kind::cuda, {.algo = algorithm::cuda_unfused});

@@ -8,6 +8,7 @@
 #include <limits>
 #include <string>
 
+#include "../../common/arch/dependent_launch.cuh"
 #include "../../common/current_device.cuh"
 #include "../../common/error.cuh"
 #include "params.hpp"
@@ -58,7 +59,7 @@ void dispatch(const kernel_key& key, F&& f) {
 
 /// Launches Kernel(p, extra...) over tiles x heads blocks (its shared-memory limit raised once),
 /// with p.down_wave = the blocks the device holds at once, so that every other wave of blocks
-/// walks its keys in descending order.
+/// walks its keys in descending order; as a dependent launch where the kernel was built for sm_90.
 template <auto Kernel, class... Extra>
 void launch_kernel(int threads, int shared_bytes, const params& p, std::int32_t tiles,
                    cudaStream_t s, const Extra&... extra) {
@@ -78,10 +79,13 @@ void launch_kernel(int threads, int shared_bytes, const params& p, std::int32_t 
   if (blocks == 0) return;
   if (blocks > std::numeric_limits<std::int32_t>::max())
     throw invalid_input("block-sparse attention: too many query tiles x heads for one launch");
+  // A dependent launch where the kernel waits for the grid before it (tile_walk): its blocks take
+  // the SMs that a top-k selection leaves and set up while the selection ends.
+  static const bool dependent = arch::waits_for_primary(Kernel);
   params with_wave = p;
   with_wave.down_wave = current_device().sms * per_sm;
-  Kernel<<<static_cast<unsigned>(blocks), threads, shared_bytes, s>>>(with_wave, extra...);
-  TRISPARSE_CUDA_CHECK_LAUNCH();
+  arch::launch(Kernel, dim3(static_cast<unsigned>(blocks)), dim3(static_cast<unsigned>(threads)),
+               static_cast<std::size_t>(shared_bytes), s, dependent, with_wave, extra...);
 }
 
 /// The wgmma kernels (sm_90 only; launch_sm90.cu, built when the architectures include 90): one

@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "../../common/arch/copy.cuh"
+#include "../../common/arch/dependent_launch.cuh"
 #include "../../common/arch/mma.cuh"
 #include "../../common/online_softmax.cuh"
 #include "params.hpp"
@@ -82,6 +83,11 @@ struct tile_walk {
     const int last_row = min(t.row0 + BM, lq) - 1;
     kmax = p.causal ? min(lk - 1, last_row + shift) : lk - 1;
     kall = p.causal ? min(lk - 1, t.row0 + shift) : lk - 1;
+    // Launched as a dependent (launch_kernel), the block may start while the kernel before it
+    // runs (a top-k selection writing col_idx, or whatever wrote Q, K, V). Everything above reads
+    // only the plan's own arrays, written when it was built; the walk, the inputs and the output
+    // come after this wait.
+    arch::wait_for_primary();
   }
 
   /// The first key of the next key tile, or -1 past the end (then not to be called again).

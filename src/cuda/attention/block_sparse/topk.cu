@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "../../common/arch/copy.cuh"
+#include "../../common/arch/dependent_launch.cuh"
 #include "../../common/arch/mma.cuh"
 #include "../../common/buffer.cuh"
 #include "../../common/current_device.cuh"
@@ -112,10 +113,8 @@ __host__ __device__ constexpr int pool_warp_floats(int pdim) { return pdim > 256
 template <class T>
 __global__ void __launch_bounds__(kPoolThreads, 2)
     pool_kernel(const __grid_constant__ pool_params p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // The selection may be placed as soon as every pooling block has started (dependent_launch).
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
+  arch::launch_dependents();
   constexpr int kWarps = kPoolThreads / 32;
   extern __shared__ float pool_shared[];  // kWarps x pool_warp_floats(pdim)
   const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
@@ -617,6 +616,9 @@ __device__ void select_rows(const row_job (&job)[NR], int top_k, int cap, int pa
 template <int R, int PDIM>
 __global__ void __launch_bounds__(select_threads(kMaxRows), 1)
     select_kernel(const __grid_constant__ select_params p) {
+  // The attention after it (launched as a dependent) may take the SMs this grid leaves and set
+  // up; it waits for this grid before it reads the mask.
+  arch::launch_dependents();
   extern __shared__ uint4 shared4[];
   auto* shared = reinterpret_cast<std::uint8_t*>(shared4);
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
@@ -662,10 +664,8 @@ __global__ void __launch_bounds__(select_threads(kMaxRows), 1)
     }
     arch::cp_async_commit();
   };
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Launched as a dependent of the pooling (dependent_launch): the means are complete from here.
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
+  arch::wait_for_primary();
   // A ring of kStages chunks, kStages - 1 in flight: the staging waited on L2 latency with one.
   // Issued first, so that the key rows are on their way while the query rows are read.
   for (int i = 0; i < kStages - 1; ++i) stage(i * kChunk);
@@ -871,9 +871,8 @@ std::shared_ptr<topk_device_plan> make_topk_plan(const block_sparse_mask& skelet
   // Query blocks per selection block: the most of 32, 16, ..., 1 whose scores fit in shared
   // memory, then halved (down to 4) while the blocks would not cover half the SMs (a block of 32
   // rows runs 16 warps: one fills an SM's warps as two blocks of 16 rows do).
-  int device = 0, limit = 0, sms = 0, major = 0;
+  int device = 0, limit = 0, sms = 0;
   TRISPARSE_CUDA_TRY(cudaGetDevice(&device));
-  TRISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   TRISPARSE_CUDA_TRY(
       cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   TRISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
@@ -907,8 +906,9 @@ std::shared_ptr<topk_device_plan> make_topk_plan(const block_sparse_mask& skelet
   // dependents only where they are one wave or less, each given more than half an SM's shared
   // memory; else they wait in stream order.
   t->select_shared = select_bytes(t->rows, t->pdim, score_floats(t->held, t->max_k_blocks));
-  t->dependent_launch = major >= 9 && t->rows == kMaxRows;
-  if (major >= 9 && t->rows < kMaxRows &&
+  const bool can_depend = arch::waits_for_primary(select_kernel_for(t->held, t->pdim));
+  t->dependent_launch = can_depend && t->rows == kMaxRows;
+  if (can_depend && t->rows < kMaxRows &&
       static_cast<std::int64_t>(groups.size()) * t->heads <= sms) {
     t->dependent_launch = true;
     t->select_shared = std::max(t->select_shared, limit / 2 + 1024);
@@ -1001,17 +1001,9 @@ void select_topk(topk_device_plan& t, const tensor_view& q, const tensor_view& k
   sp.keep_diagonal = t.keep_diagonal;
   const std::int64_t blocks = std::int64_t{t.num_groups} * t.heads;
   if (blocks == 0 || t.cap == 0) return;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(blocks));
-  config.blockDim = dim3(static_cast<unsigned>(select_threads(t.rows)));
-  config.dynamicSmemBytes = static_cast<std::size_t>(t.select_shared);
-  config.stream = s;
-  cudaLaunchAttribute dependent{};
-  dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  dependent.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &dependent;
-  config.numAttrs = t.dependent_launch ? 1 : 0;
-  TRISPARSE_CUDA_TRY(cudaLaunchKernelEx(&config, select_kernel_for(t.held, t.pdim), sp));
+  arch::launch(select_kernel_for(t.held, t.pdim), dim3(static_cast<unsigned>(blocks)),
+               dim3(static_cast<unsigned>(select_threads(t.rows))),
+               static_cast<std::size_t>(t.select_shared), s, t.dependent_launch, sp);
 }
 
 std::vector<std::int32_t> download_blocks(const topk_device_plan& t, stream_ref stream) {
