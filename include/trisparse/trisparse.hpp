@@ -6,6 +6,7 @@
 #include "trisparse/core/random.hpp"
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/tensor.hpp"
+#include "trisparse/core/workspace.hpp"
 #include "trisparse/formats/bcsr.hpp"
 #include "trisparse/formats/block_sparse.hpp"
 #include "trisparse/formats/bsb.hpp"

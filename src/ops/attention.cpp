@@ -1,9 +1,9 @@
 #include "trisparse/ops/attention.hpp"
 
 #include <chrono>
-#include <mutex>
 #include <optional>
 
+#include "../common/workspace_layout.hpp"
 #include "../cpu/fused3s/fast.hpp"
 #include "../cuda/attention/bsb/plan.hpp"
 #include "../cuda/common/device.hpp"
@@ -13,7 +13,6 @@
 #include "trisparse/graph/reorder.hpp"
 #include "trisparse/ops/reference.hpp"
 #include "trisparse/ops/sparse.hpp"
-#include "workspace.hpp"
 
 namespace trisparse {
 
@@ -62,10 +61,10 @@ struct attention_plan::state {
   std::shared_ptr<cuda::fused3s_device_plan> device_blocks;
   std::optional<sparse_plan> unfused;  // cuda_unfused: the ME-BCRS and its kernels
   plan_report report;
-  // cuda_unfused's per-edge scores (f32) and probabilities (v's dtype) in the slot layout, grown
-  // by the first run that needs more.
-  mutable std::mutex mutex;
-  mutable device_tensor scores, probs;
+  // cuda_unfused: the plan's own workspace for its per-edge scores and probabilities, sized at
+  // build for plan_options.workspace_heads (the SpMM's and softmax's own is the sparse plan's).
+  device_tensor own;
+  std::int64_t own_heads = 0;
 };
 
 namespace {
@@ -101,7 +100,9 @@ csr_graph binary_copy(const csr_graph& g) {
   return b;
 }
 
-cuda::fused3s_limits fused3s_limits(const plan_options& o) { return {o.split_tcbs, o.team_tcbs}; }
+cuda::fused3s_limits fused3s_limits(const plan_options& o) {
+  return {o.split_tcbs, o.team_tcbs, o.workspace_heads, o.workspace_dim};
+}
 
 sparse_plan_options unfused_options(const plan_options& o) {
   // Scores go through a softmax, which turns tf32's absolute error at large scores into large
@@ -109,7 +110,32 @@ sparse_plan_options unfused_options(const plan_options& o) {
   return {.vector_rows = 8,
           .split_blocks = o.split_tcbs,
           .order = o.order,
-          .sddmm_f32 = f32_math::tf32x3};
+          .sddmm_f32 = f32_math::tf32x3,
+          .workspace_heads = o.workspace_heads,
+          .workspace_dim = o.workspace_dim};
+}
+
+// cuda_unfused's workspace: per-edge scores (f32) and probabilities (16-bit; f32 runs reuse the
+// scores) in the slot layout, then the sparse plan's own segments (SpMM and softmax).
+struct unfused_workspace {
+  detail::workspace_layout layout;
+  std::size_t scores = 0, probs = 0, sparse = 0;
+};
+
+unfused_workspace unfused_workspace_of(const sparse_plan& p, std::int64_t heads, std::int64_t dim) {
+  unfused_workspace w;
+  const auto n = static_cast<std::size_t>(std::max<std::int64_t>(p.slots(), 1) * heads);
+  w.scores = w.layout.add(n * 4);
+  w.probs = w.layout.add(n * 2);
+  w.sparse = w.layout.add(p.workspace_bytes(heads, dim));
+  return w;
+}
+
+tensor_view slot_view(void* data, dtype type, std::int64_t slots, std::int64_t heads, int device) {
+  tensor_view v = tensor_view::contiguous(data, type, slots, heads, 1, device_kind::cuda, device);
+  v.row_stride = 1;
+  v.head_stride = std::max<std::int64_t>(slots, 1);
+  return v;
 }
 
 void describe_unfused(plan_report& r, const sparse_plan& p) {
@@ -132,6 +158,12 @@ void finish_report(plan_report& r, algorithm algo, device_kind where, std::int64
 
 }  // namespace
 
+void attention_plan::own_unfused_workspace(state& s, const plan_options& options) {
+  s.own_heads = std::max<std::int64_t>(options.workspace_heads, 1);
+  const unfused_workspace w = unfused_workspace_of(*s.unfused, s.own_heads, 1);
+  s.own = device_tensor(dtype::f32, static_cast<std::int64_t>(w.sparse) / 4, 1, 1);
+}
+
 attention_plan attention_plan::build(const csr_graph& pattern, device_kind where,
                                      const plan_options& options, stream_ref stream) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -143,6 +175,7 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
     // Attention's pattern is binary: a plan from the values would scale the scores by them.
     s->unfused = sparse_plan::build(binary_copy(pattern), where, unfused_options(options), stream);
     describe_unfused(s->report, *s->unfused);
+    own_unfused_workspace(*s, options);
     bytes = s->unfused->report().format_bytes;
   } else if (algo == algorithm::cuda_fused_bsb) {
     // The BSB (16x8) is built on the GPU from the checked pattern; the plan keeps only that.
@@ -213,6 +246,7 @@ attention_plan attention_plan::build(const csr_view& pattern, const plan_options
     o.order = row_order::original;
     s->unfused = sparse_plan::build(pattern, nullptr, o, stream);
     describe_unfused(s->report, *s->unfused);
+    own_unfused_workspace(*s, options);
     bytes = s->unfused->report().format_bytes;
   } else {
     s->device_blocks = cuda::make_fused3s_plan(pattern, fused3s_limits(options), stream);
@@ -234,9 +268,31 @@ algorithm attention_plan::resolve(algorithm requested) const {
   return requested == algorithm::automatic ? report().algo : requested;
 }
 
+std::size_t attention_plan::workspace_bytes(std::int64_t heads, std::int64_t head_dim) const {
+  TRISPARSE_EXPECTS_INPUT(heads >= 0 && head_dim >= 0,
+                          "workspace_bytes: heads and head_dim must be >= 0");
+  if (state_->device_blocks)
+    return cuda::fused3s_workspace_bytes(*state_->device_blocks, heads, head_dim);
+  if (state_->unfused)
+    return unfused_workspace_of(*state_->unfused, heads, head_dim).layout.bytes();
+  return 0;
+}
+
 void attention_plan::run(const tensor_view& q, const tensor_view& k, const tensor_view& v,
                          const tensor_view& out, const attention_options& options,
                          stream_ref stream) const {
+  run(q, k, v, out, nullptr, options, stream);
+}
+
+void attention_plan::run(const tensor_view& q, const tensor_view& k, const tensor_view& v,
+                         const tensor_view& out, const workspace_view& workspace,
+                         const attention_options& options, stream_ref stream) const {
+  run(q, k, v, out, &workspace, options, stream);
+}
+
+void attention_plan::run(const tensor_view& q, const tensor_view& k, const tensor_view& v,
+                         const tensor_view& out, const workspace_view* workspace,
+                         const attention_options& options, stream_ref stream) const {
   const plan_report& r = report();
   detail::check_attention_args(r.rows, r.cols, q, k, v, out, r.where);
   const double scale = detail::resolve_scale(options.scale, q.dim);
@@ -265,7 +321,7 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
         throw invalid_input(
             "this plan holds no device BSB: build it with plan_options.algo = cuda_fused_bsb");
       }
-      cuda::run_fused3s(*state_->device_blocks, q, k, v, out, scale, stream);
+      cuda::run_fused3s(*state_->device_blocks, q, k, v, out, scale, workspace, stream);
       return;
     case algorithm::cuda_unfused: {
       if (!state_->unfused) {
@@ -277,15 +333,37 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
                               "cuda_unfused writes out as f32 or in v's dtype; out is " +
                                   out.describe() + ", v " + v.describe());
       const sparse_plan& p = *state_->unfused;
-      std::lock_guard<std::mutex> lock(state_->mutex);
-      const tensor_view scores =
-          detail::slot_workspace(state_->scores, dtype::f32, p.slots(), q.heads);
-      const tensor_view probs =
-          v.type == dtype::f32 ? scores
-                               : detail::slot_workspace(state_->probs, v.type, p.slots(), q.heads);
+      const unfused_workspace w = unfused_workspace_of(p, q.heads, v.dim);
+      workspace_view ws;
+      if (workspace != nullptr) {
+        ws = *workspace;
+        w.layout.check(ws, "cuda_unfused attention");
+      } else {
+        // The plan's own: scores and probabilities for up to own_heads heads; the sparse plan
+        // keeps its own segments.
+        TRISPARSE_EXPECTS_INPUT(
+            q.heads <= state_->own_heads,
+            "cuda_unfused attention: this plan's own workspace serves up to " +
+                std::to_string(state_->own_heads) + " heads, not " + std::to_string(q.heads) +
+                ": build it with a larger plan_options.workspace_heads, or pass a workspace");
+        ws = {state_->own.view().data, static_cast<std::size_t>(state_->own.view().rows) * 4};
+      }
+      const tensor_view scores = slot_view(detail::workspace_layout::at<void>(ws, w.scores),
+                                           dtype::f32, p.slots(), q.heads, q.device_id);
+      const tensor_view probs = v.type == dtype::f32
+                                    ? scores
+                                    : slot_view(detail::workspace_layout::at<void>(ws, w.probs),
+                                                v.type, p.slots(), q.heads, q.device_id);
       p.sddmm(q, k, scores, scale, stream);
-      p.softmax(scores, probs, stream);
-      p.spmm(probs, v, out, stream);
+      if (workspace != nullptr) {
+        const workspace_view sparse{detail::workspace_layout::at<void>(ws, w.sparse),
+                                    ws.bytes - w.sparse};
+        p.softmax(scores, probs, sparse, stream);
+        p.spmm(probs, v, out, sparse, stream);
+      } else {
+        p.softmax(scores, probs, stream);
+        p.spmm(probs, v, out, stream);
+      }
       return;
     }
     default:

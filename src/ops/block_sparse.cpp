@@ -224,7 +224,7 @@ block_sparse_attention_plan block_sparse_attention_plan::build(
     bytes = cuda::device_bytes(*s->device);
     s->report.format += " (device, " + std::string(cuda::kernel_name(*s->device)) + ")";
   } else if (algo == algorithm::cuda_unfused) {
-    s->unfused = cuda::make_unfused_plan(mask, stream);
+    s->unfused = cuda::make_unfused_plan(mask, options.workspace_heads, stream);
     bytes = cuda::device_bytes(*s->unfused);
     s->report.format += " as row-interleaved BCSR (SDDMM, softmax, SpMM; " +
                         std::to_string(cuda::score_bytes_per_head(*s->unfused)) +
@@ -233,6 +233,8 @@ block_sparse_attention_plan block_sparse_attention_plan::build(
     bytes = 0;
     plan_options o;
     o.algo = algorithm::cuda_fused_bsb;
+    o.workspace_heads = mask.heads == 1 ? options.workspace_heads : 1;
+    o.workspace_dim = options.workspace_dim;
     for (std::int64_t h = 0; h < mask.heads; ++h) {
       s->element.push_back(attention_plan::build(batch_pattern(mask, h), where, o, stream));
       bytes += s->element.back().report().format_bytes;
@@ -248,8 +250,33 @@ block_sparse_attention_plan block_sparse_attention_plan::build(
   return plan;
 }
 
+std::size_t block_sparse_attention_plan::workspace_bytes(std::int64_t heads,
+                                                         std::int64_t head_dim) const {
+  TRISPARSE_EXPECTS_INPUT(heads >= 0 && head_dim >= 0,
+                          "workspace_bytes: heads and head_dim must be >= 0");
+  if (state_->unfused) return cuda::unfused_workspace_bytes(*state_->unfused, heads);
+  std::size_t bytes = 0;  // cuda_fused_bsb: the element plans run one after another
+  for (const attention_plan& e : state_->element)
+    bytes = std::max(bytes, e.workspace_bytes(state_->mask.heads == 1 ? heads : 1, head_dim));
+  return bytes;
+}
+
 void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k,
                                       const tensor_view& v, const tensor_view& out,
+                                      const attention_options& options, stream_ref stream) const {
+  run(q, k, v, out, nullptr, options, stream);
+}
+
+void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k,
+                                      const tensor_view& v, const tensor_view& out,
+                                      const workspace_view& workspace,
+                                      const attention_options& options, stream_ref stream) const {
+  run(q, k, v, out, &workspace, options, stream);
+}
+
+void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k,
+                                      const tensor_view& v, const tensor_view& out,
+                                      const workspace_view* workspace,
                                       const attention_options& options, stream_ref stream) const {
   const block_sparse_mask& m = state_->mask;
   check_run_args(m, q, k, v, out, state_->report.where);
@@ -270,19 +297,27 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
       cuda::run_block_sparse(*state_->device, q, k, v, out, scale, stream);
       return;
     case algorithm::cuda_unfused:
-      cuda::run_unfused(*state_->unfused, q, k, v, out, scale, stream);
+      cuda::run_unfused(*state_->unfused, q, k, v, out, scale, workspace, stream);
       return;
     case algorithm::cuda_fused_bsb: {
       attention_options o = options;
       o.algo = algorithm::automatic;
       o.scale = scale;
+      const auto run_one = [&](const attention_plan& e, const tensor_view& eq,
+                               const tensor_view& ek, const tensor_view& ev,
+                               const tensor_view& eo) {
+        if (workspace != nullptr)
+          e.run(eq, ek, ev, eo, *workspace, o, stream);
+        else
+          e.run(eq, ek, ev, eo, o, stream);
+      };
       if (m.heads == 1) {
-        state_->element.front().run(q, k, v, out, o, stream);
+        run_one(state_->element.front(), q, k, v, out);
         return;
       }
       for (std::int64_t h = 0; h < m.heads; ++h) {
-        state_->element[static_cast<std::size_t>(h)].run(head_of(q, h), head_of(k, h),
-                                                         head_of(v, h), head_of(out, h), o, stream);
+        run_one(state_->element[static_cast<std::size_t>(h)], head_of(q, h), head_of(k, h),
+                head_of(v, h), head_of(out, h));
       }
       return;
     }
@@ -301,7 +336,7 @@ std::array<double, 3> block_sparse_attention_plan::run_timing_stages(
   check_run_args(m, q, k, v, out, state_->report.where);
   std::array<double, 3> ms{};
   cuda::run_unfused(*state_->unfused, q, k, v, out, detail::resolve_scale(options.scale, q.dim),
-                    stream, &ms);
+                    nullptr, stream, &ms);
   return ms;
 }
 

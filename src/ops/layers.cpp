@@ -1,16 +1,16 @@
 #include "trisparse/ops/layers.hpp"
 
+#include <algorithm>
 #include <cmath>
-#include <mutex>
 #include <optional>
 #include <string>
 
+#include "../common/workspace_layout.hpp"
 #include "../cuda/layers/dense.hpp"
 #include "trisparse/core/error.hpp"
 #include "trisparse/core/numeric.hpp"
 #include "trisparse/ops/reference.hpp"
 #include "trisparse/ops/sparse.hpp"
-#include "workspace.hpp"
 
 namespace trisparse {
 
@@ -84,16 +84,86 @@ csr_graph gcn_normalized(const csr_graph& graph, bool add_self_loops) {
   return a;
 }
 
+// A contiguous [rows, 1, dim] view of a workspace segment.
+tensor_view segment(const workspace_view& ws, std::size_t offset, dtype type, std::int64_t rows,
+                    std::int64_t dim, int device) {
+  return tensor_view::contiguous(detail::workspace_layout::at<void>(ws, offset), type, rows, 1, dim,
+                                 device_kind::cuda, device);
+}
+
+// [slots, 1, 1] in a sparse plan's slot layout.
+tensor_view slot_segment(const workspace_view& ws, std::size_t offset, dtype type,
+                         std::int64_t slots, int device) {
+  tensor_view v = segment(ws, offset, type, slots, 1, device);
+  v.row_stride = 1;
+  v.head_stride = std::max<std::int64_t>(slots, 1);
+  return v;
+}
+
+// The workspace a layer runs on: the caller's, checked, or the layer's own (sized at build for
+// `own_dim`), which must hold the run's layout.
+workspace_view workspace_for(const detail::workspace_layout& layout, const workspace_view* given,
+                             const device_tensor& own, std::int64_t own_dim, const char* what) {
+  if (given != nullptr) {
+    layout.check(*given, what);
+    return *given;
+  }
+  const tensor_view o = own.view();
+  const workspace_view ws{o.data, static_cast<std::size_t>(o.rows) * 4};
+  TRISPARSE_EXPECTS_INPUT(layout.bytes() <= ws.bytes,
+                          std::string(what) + ": the layer's own workspace serves features up to " +
+                              std::to_string(own_dim) +
+                              " wide: build it with a larger layer_options.workspace_dim, or "
+                              "pass a workspace to forward()");
+  return ws;
+}
+
+device_tensor own_workspace(std::size_t bytes) {
+  return device_tensor(dtype::f32, static_cast<std::int64_t>((bytes + 3) / 4), 1, 1);
+}
+
 // --- GCN ------------------------------------------------------------------------------------
+
+// cuBLAS's workspace, the intermediate (x w or Â x, at most 4-byte elements), the SpMM's.
+struct gcn_workspace {
+  detail::workspace_layout layout;
+  std::size_t blas = 0, between = 0, sparse = 0;
+};
+
+gcn_workspace gcn_workspace_of(const sparse_plan& p, std::int64_t rows, std::int64_t in_dim,
+                               std::int64_t out_dim) {
+  const std::int64_t narrow = std::min(in_dim, out_dim);
+  gcn_workspace w;
+  w.blas = w.layout.add(cuda::kGemmWorkspaceBytes);
+  w.between = w.layout.add(static_cast<std::size_t>(rows * narrow) * 4);
+  w.sparse = w.layout.add(p.workspace_bytes(1, narrow));
+  return w;
+}
+
+// h / |h|, the scores (f32), the probabilities (16-bit; f32 runs reuse the scores), the sparse
+// plan's segments.
+struct agnn_workspace {
+  detail::workspace_layout layout;
+  std::size_t unit = 0, scores = 0, probs = 0, sparse = 0;
+};
+
+agnn_workspace agnn_workspace_of(const sparse_plan& p, std::int64_t rows, std::int64_t dim) {
+  agnn_workspace w;
+  const auto slots = static_cast<std::size_t>(std::max<std::int64_t>(p.slots(), 1));
+  w.unit = w.layout.add(static_cast<std::size_t>(rows * dim) * 4);
+  w.scores = w.layout.add(slots * 4);
+  w.probs = w.layout.add(slots * 2);
+  w.sparse = w.layout.add(p.workspace_bytes(1, dim));
+  return w;
+}
 
 struct gcn_layer::state {
   device_kind where = device_kind::cpu;
   csr_graph propagation;            // Â (CPU layers)
   std::optional<sparse_plan> plan;  // Â (CUDA layers)
-  std::shared_ptr<cuda::blas_handle> blas;
   std::int64_t rows = 0, nnz = 0;
-  mutable std::mutex mutex;
-  mutable device_tensor between;  // x w or Â x
+  device_tensor own;  // the workspace of runs not given one
+  std::int64_t own_dim = 0;
 };
 
 gcn_layer gcn_layer::build(const csr_graph& graph, device_kind where, const layer_options& options,
@@ -104,8 +174,13 @@ gcn_layer gcn_layer::build(const csr_graph& graph, device_kind where, const laye
   s->rows = a.rows;
   s->nnz = a.nnz();
   if (where == device_kind::cuda) {
-    s->plan = sparse_plan::build(a, where, {.order = options.order}, stream);
-    s->blas = cuda::make_blas();
+    s->plan = sparse_plan::build(
+        a, where,
+        {.order = options.order, .workspace_heads = 1, .workspace_dim = options.workspace_dim},
+        stream);
+    s->own_dim = std::max<std::int64_t>(options.workspace_dim, 1);
+    s->own =
+        own_workspace(gcn_workspace_of(*s->plan, s->rows, s->own_dim, s->own_dim).layout.bytes());
   } else {
     s->propagation = std::move(a);
   }
@@ -117,8 +192,23 @@ gcn_layer gcn_layer::build(const csr_graph& graph, device_kind where, const laye
 device_kind gcn_layer::where() const { return state_->where; }
 std::int64_t gcn_layer::nnz() const { return state_->nnz; }
 
+std::size_t gcn_layer::workspace_bytes(std::int64_t in_dim, std::int64_t out_dim) const {
+  TRISPARSE_EXPECTS_INPUT(in_dim >= 0 && out_dim >= 0, "workspace_bytes: dims must be >= 0");
+  const state& s = *state_;
+  return s.plan ? gcn_workspace_of(*s.plan, s.rows, in_dim, out_dim).layout.bytes() : 0;
+}
+
 void gcn_layer::forward(const tensor_view& x, const tensor_view& w, const tensor_view& out,
                         stream_ref stream) const {
+  forward(x, w, out, nullptr, stream);
+}
+void gcn_layer::forward(const tensor_view& x, const tensor_view& w, const tensor_view& out,
+                        const workspace_view& workspace, stream_ref stream) const {
+  forward(x, w, out, &workspace, stream);
+}
+
+void gcn_layer::forward(const tensor_view& x, const tensor_view& w, const tensor_view& out,
+                        const workspace_view* workspace, stream_ref stream) const {
   const state& s = *state_;
   check_view(x, "x", s.rows, 1, -1);
   check_view(w, "w", x.dim, 1, -1);
@@ -137,15 +227,21 @@ void gcn_layer::forward(const tensor_view& x, const tensor_view& w, const tensor
                           "x " + x.describe() + " and w " + w.describe() + " need one dtype");
   TRISPARSE_EXPECTS_INPUT(out.type == dtype::f32 || out.type == x.type,
                           "out " + out.describe() + " must be f32 or x's dtype");
-  std::lock_guard<std::mutex> lock(s.mutex);
-  if (w.dim <= x.dim) {  // the narrower intermediate: x w, then Â (x w)
-    const tensor_view xw = detail::workspace(s.between, x.type, s.rows, 1, w.dim);
-    cuda::gemm(*s.blas, x, w, xw, stream);
-    s.plan->spmm({}, xw, out, stream);
-  } else {  // (Â x) w
-    const tensor_view ax = detail::workspace(s.between, x.type, s.rows, 1, x.dim);
-    s.plan->spmm({}, x, ax, stream);
-    cuda::gemm(*s.blas, ax, w, out, stream);
+  const gcn_workspace g = gcn_workspace_of(*s.plan, s.rows, x.dim, w.dim);
+  const workspace_view ws = workspace_for(g.layout, workspace, s.own, s.own_dim, "GCN layer");
+  const workspace_view blas{detail::workspace_layout::at<void>(ws, g.blas),
+                            cuda::kGemmWorkspaceBytes};
+  const workspace_view sparse{detail::workspace_layout::at<void>(ws, g.sparse),
+                              g.layout.bytes() - g.sparse};
+  // The narrower intermediate: x w, then Â (x w); or (Â x) w.
+  const tensor_view between =
+      segment(ws, g.between, x.type, s.rows, std::min(x.dim, w.dim), x.device_id);
+  if (w.dim <= x.dim) {
+    cuda::gemm(x, w, between, blas, stream);
+    s.plan->spmm({}, between, out, sparse, stream);
+  } else {
+    s.plan->spmm({}, x, between, sparse, stream);
+    cuda::gemm(between, w, out, blas, stream);
   }
 }
 
@@ -156,8 +252,8 @@ struct agnn_layer::state {
   csr_graph pattern;                // CPU layers
   std::optional<sparse_plan> plan;  // CUDA layers
   std::int64_t rows = 0, nnz = 0;
-  mutable std::mutex mutex;
-  mutable device_tensor unit, scores, probs;  // h / |h|, β cos, softmax
+  device_tensor own;  // the workspace of runs not given one
+  std::int64_t own_dim = 0;
 };
 
 agnn_layer agnn_layer::build(const csr_graph& graph, device_kind where,
@@ -168,7 +264,12 @@ agnn_layer agnn_layer::build(const csr_graph& graph, device_kind where,
   s->rows = a.rows;
   s->nnz = a.nnz();
   if (where == device_kind::cuda) {
-    s->plan = sparse_plan::build(a, where, {.order = options.order}, stream);
+    s->plan = sparse_plan::build(
+        a, where,
+        {.order = options.order, .workspace_heads = 1, .workspace_dim = options.workspace_dim},
+        stream);
+    s->own_dim = std::max<std::int64_t>(options.workspace_dim, 1);
+    s->own = own_workspace(agnn_workspace_of(*s->plan, s->rows, s->own_dim).layout.bytes());
   } else {
     s->pattern = std::move(a);
   }
@@ -180,8 +281,23 @@ agnn_layer agnn_layer::build(const csr_graph& graph, device_kind where,
 device_kind agnn_layer::where() const { return state_->where; }
 std::int64_t agnn_layer::nnz() const { return state_->nnz; }
 
+std::size_t agnn_layer::workspace_bytes(std::int64_t dim) const {
+  TRISPARSE_EXPECTS_INPUT(dim >= 0, "workspace_bytes: dim must be >= 0");
+  const state& s = *state_;
+  return s.plan ? agnn_workspace_of(*s.plan, s.rows, dim).layout.bytes() : 0;
+}
+
 void agnn_layer::forward(const tensor_view& h, double beta, const tensor_view& out,
                          stream_ref stream) const {
+  forward(h, beta, out, nullptr, stream);
+}
+void agnn_layer::forward(const tensor_view& h, double beta, const tensor_view& out,
+                         const workspace_view& workspace, stream_ref stream) const {
+  forward(h, beta, out, &workspace, stream);
+}
+
+void agnn_layer::forward(const tensor_view& h, double beta, const tensor_view& out,
+                         const workspace_view* workspace, stream_ref stream) const {
   const state& s = *state_;
   check_view(h, "h", s.rows, 1, -1);
   check_view(out, "out", s.rows, 1, h.dim);
@@ -211,15 +327,18 @@ void agnn_layer::forward(const tensor_view& h, double beta, const tensor_view& o
   TRISPARSE_EXPECTS_INPUT(out.type == dtype::f32 || out.type == h.type,
                           "out " + out.describe() + " must be f32 or h's dtype");
   const sparse_plan& p = *s.plan;
-  std::lock_guard<std::mutex> lock(s.mutex);
-  const tensor_view unit = detail::workspace(s.unit, h.type, s.rows, 1, h.dim);
-  const tensor_view scores = detail::slot_workspace(s.scores, dtype::f32, p.slots(), 1);
+  const agnn_workspace a = agnn_workspace_of(p, s.rows, h.dim);
+  const workspace_view ws = workspace_for(a.layout, workspace, s.own, s.own_dim, "AGNN layer");
+  const workspace_view sparse{detail::workspace_layout::at<void>(ws, a.sparse),
+                              a.layout.bytes() - a.sparse};
+  const tensor_view unit = segment(ws, a.unit, h.type, s.rows, h.dim, h.device_id);
+  const tensor_view scores = slot_segment(ws, a.scores, dtype::f32, p.slots(), h.device_id);
   const tensor_view probs =
-      h.type == dtype::f32 ? scores : detail::slot_workspace(s.probs, h.type, p.slots(), 1);
+      h.type == dtype::f32 ? scores : slot_segment(ws, a.probs, h.type, p.slots(), h.device_id);
   cuda::normalize_rows(h, unit, stream);
   p.sddmm(unit, unit, scores, beta, stream);
-  p.softmax(scores, probs, stream);
-  p.spmm(probs, h, out, stream);
+  p.softmax(scores, probs, sparse, stream);
+  p.spmm(probs, h, out, sparse, stream);
 }
 
 }  // namespace trisparse

@@ -30,7 +30,7 @@ void check_options(const sparse_plan_options& o) {
 }
 
 cuda::me_work_limits limits(const sparse_plan_options& o) {
-  return {o.split_blocks, o.team_blocks};
+  return {o.split_blocks, o.team_blocks, o.workspace_heads, o.workspace_dim};
 }
 
 void fill_device_report(sparse_plan_report& r, const cuda::me_device_plan& plan, int vector_rows) {
@@ -147,9 +147,31 @@ sparse_plan sparse_plan::build(const csr_view& pattern, const float* values,
 std::int64_t sparse_plan::slots() const { return state_->report.slots; }
 const sparse_plan_report& sparse_plan::report() const { return state_->report; }
 
+std::size_t sparse_plan::workspace_bytes(std::int64_t heads, std::int64_t dim) const {
+  TRISPARSE_EXPECTS_INPUT(heads >= 0 && dim >= 0, "workspace_bytes: heads and dim must be >= 0");
+  return state_->device ? cuda::me_workspace_bytes(*state_->device, heads, dim) : 0;
+}
+
 void sparse_plan::spmm(const tensor_view& values, const tensor_view& b, const tensor_view& c,
                        stream_ref stream) const {
-  if (state_->device) return cuda::run_spmm(*state_->device, values, b, c, stream);
+  spmm(values, b, c, nullptr, stream);
+}
+void sparse_plan::spmm(const tensor_view& values, const tensor_view& b, const tensor_view& c,
+                       const workspace_view& workspace, stream_ref stream) const {
+  spmm(values, b, c, &workspace, stream);
+}
+void sparse_plan::softmax(const tensor_view& scores, const tensor_view& out,
+                          stream_ref stream) const {
+  softmax(scores, out, nullptr, stream);
+}
+void sparse_plan::softmax(const tensor_view& scores, const tensor_view& out,
+                          const workspace_view& workspace, stream_ref stream) const {
+  softmax(scores, out, &workspace, stream);
+}
+
+void sparse_plan::spmm(const tensor_view& values, const tensor_view& b, const tensor_view& c,
+                       const workspace_view* workspace, stream_ref stream) const {
+  if (state_->device) return cuda::run_spmm(*state_->device, values, b, c, workspace, stream);
   const csr_graph& g = state_->pattern;
   check_view(b, "b", g.cols, -1, -1);
   check_view(c, "c", g.rows, b.heads, b.dim);
@@ -170,8 +192,8 @@ void sparse_plan::sddmm(const tensor_view& x, const tensor_view& y, const tensor
 }
 
 void sparse_plan::softmax(const tensor_view& scores, const tensor_view& out,
-                          stream_ref stream) const {
-  if (state_->device) return cuda::run_softmax(*state_->device, scores, out, stream);
+                          const workspace_view* workspace, stream_ref stream) const {
+  if (state_->device) return cuda::run_softmax(*state_->device, scores, out, workspace, stream);
   const csr_graph& g = state_->pattern;
   check_view(scores, "scores", g.nnz(), -1, 1);
   check_view(out, "out", g.nnz(), scores.heads, 1);

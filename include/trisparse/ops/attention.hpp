@@ -9,6 +9,7 @@
 
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/tensor.hpp"
+#include "trisparse/core/workspace.hpp"
 #include "trisparse/graph/csr.hpp"
 #include "trisparse/graph/reorder.hpp"
 
@@ -42,6 +43,9 @@ struct plan_options {
   /// cuda_fused_bsb uses reverse Cuthill-McKee where it cuts the TCB count by >= 35% (square
   /// patterns up to 4M nonzeros), else the original order; cuda_unfused as sparse_plan does.
   row_order order = row_order::automatic;
+  /// CUDA: the largest heads and head dim that the plan's own workspace, sized at build, serves
+  /// (the workspace of runs not given one); larger runs pass their own (workspace_bytes()).
+  std::int64_t workspace_heads = 8, workspace_dim = 256;
 };
 
 struct attention_options {
@@ -80,12 +84,20 @@ class attention_plan {
 
   /// out = attention(q, k, v). q: [rows, H, D], k: [cols, H, D], v: [cols, H, Dv],
   /// out: [rows, H, Dv]; all on the plan's device. CPU runs synchronously; CUDA is asynchronous
-  /// on `stream`. One CUDA plan's runs must not overlap on different streams (its work queue and
-  /// split-window workspace is shared); the first run with a larger heads x head_dim grows that
-  /// workspace.
-  /// @throws invalid_input naming the argument whose shape, dtype or device is wrong.
+  /// on `stream` and never synchronises the host, allocates or locks. This form uses the plan's
+  /// own workspace (sized at build): its runs must not overlap on different streams.
+  /// @throws invalid_input naming the argument whose shape, dtype or device is wrong, or when
+  /// the plan's own workspace is too small for heads x head_dim.
   void run(const tensor_view& q, const tensor_view& k, const tensor_view& v, const tensor_view& out,
            const attention_options& options = {}, stream_ref stream = {}) const;
+  /// The same with the caller's workspace: at least workspace_bytes(q.heads, q.dim) bytes of
+  /// device memory, 256-byte aligned, used on `stream` only. Runs with different workspaces may
+  /// overlap on different streams, and can be captured in a CUDA graph.
+  void run(const tensor_view& q, const tensor_view& k, const tensor_view& v, const tensor_view& out,
+           const workspace_view& workspace, const attention_options& options = {},
+           stream_ref stream = {}) const;
+  /// Bytes of workspace that a run with `heads` heads of `head_dim` needs (0 on the CPU).
+  std::size_t workspace_bytes(std::int64_t heads, std::int64_t head_dim) const;
 
   const plan_report& report() const;
   /// The algorithm that run() uses for `requested` (automatic -> the plan's own).
@@ -93,6 +105,10 @@ class attention_plan {
 
  private:
   struct state;
+  static void own_unfused_workspace(state& s, const plan_options& options);
+  void run(const tensor_view& q, const tensor_view& k, const tensor_view& v, const tensor_view& out,
+           const workspace_view* workspace, const attention_options& options,
+           stream_ref stream) const;
   std::shared_ptr<const state> state_;
 };
 

@@ -33,6 +33,9 @@ struct block_sparse_plan_options {
   algorithm algo = algorithm::automatic;
   /// cuda_fused_block only; the report's format names the one chosen.
   block_kernel kernel = block_kernel::automatic;
+  /// CUDA: the largest heads and head dim that the plan's own workspace, sized at build, serves
+  /// (cuda_fused_bsb's split windows; cuda_unfused's scores, taken in groups of this many heads).
+  std::int64_t workspace_heads = 8, workspace_dim = 256;
 };
 
 /// A dynamic mask from the inputs (block routing, as in MoBA and NSA's selection branch): per
@@ -73,6 +76,15 @@ class block_sparse_attention_plan {
   /// no key left give zeros. @throws invalid_input naming the argument that is wrong.
   void run(const tensor_view& q, const tensor_view& k, const tensor_view& v, const tensor_view& out,
            const attention_options& options = {}, stream_ref stream = {}) const;
+  /// The same with the caller's workspace (workspace_bytes(q.heads, q.dim) bytes, 256-byte
+  /// aligned; cuda_unfused takes less, down to one head's scores, and runs the heads in groups).
+  /// Runs never synchronise the host, allocate or lock; runs with different workspaces may
+  /// overlap on different streams, and can be captured in a CUDA graph.
+  void run(const tensor_view& q, const tensor_view& k, const tensor_view& v, const tensor_view& out,
+           const workspace_view& workspace, const attention_options& options = {},
+           stream_ref stream = {}) const;
+  /// Bytes of workspace that a run with `heads` heads of `head_dim` needs (0: none).
+  std::size_t workspace_bytes(std::int64_t heads, std::int64_t head_dim) const;
 
   /// cuda_unfused plans: run() with events around the pipeline's kernels; returns their times in
   /// milliseconds (SDDMM, softmax, SpMM; summed over the groups of heads whose scores the
@@ -89,6 +101,9 @@ class block_sparse_attention_plan {
   const block_sparse_mask& mask() const;
 
  private:
+  void run(const tensor_view& q, const tensor_view& k, const tensor_view& v, const tensor_view& out,
+           const workspace_view* workspace, const attention_options& options,
+           stream_ref stream) const;
   struct state;
   std::shared_ptr<const state> state_;
 };

@@ -12,6 +12,7 @@
 
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/tensor.hpp"
+#include "trisparse/core/workspace.hpp"
 #include "trisparse/graph/csr.hpp"
 #include "trisparse/graph/reorder.hpp"
 
@@ -22,6 +23,9 @@ struct layer_options {
   bool add_self_loops = true;
   /// CUDA: how rows are grouped into ME-BCRS windows (see sparse_plan_options::order).
   row_order order = row_order::automatic;
+  /// CUDA: the widest features that the layer's own workspace, sized at build, serves (GCN: the
+  /// narrower of F_in and F_out); wider runs pass their own (workspace_bytes()).
+  std::int64_t workspace_dim = 256;
 };
 
 /// The GCN propagation matrix Â = D^-1/2 (A + I) D^-1/2 as a CSR with values (self loops added
@@ -37,12 +41,22 @@ class gcn_layer {
   /// @throws invalid_input unless the graph is square; not_supported without the CUDA backend.
   static gcn_layer build(const csr_graph& graph, device_kind where = device_kind::cpu,
                          const layer_options& options = {}, stream_ref stream = {});
+  /// CUDA: asynchronous on `stream`, on the layer's own workspace (its runs must not overlap);
+  /// never synchronises the host, allocates or locks.
   void forward(const tensor_view& x, const tensor_view& w, const tensor_view& out,
                stream_ref stream = {}) const;
+  /// The same with the caller's workspace (workspace_bytes(x.dim, w.dim) bytes, 256-byte
+  /// aligned): runs with different workspaces may overlap on different streams.
+  void forward(const tensor_view& x, const tensor_view& w, const tensor_view& out,
+               const workspace_view& workspace, stream_ref stream = {}) const;
+  /// Bytes of workspace a forward with F_in = in_dim and F_out = out_dim needs (0 on the CPU).
+  std::size_t workspace_bytes(std::int64_t in_dim, std::int64_t out_dim) const;
   device_kind where() const;
   std::int64_t nnz() const;  ///< of Â (with the self loops)
 
  private:
+  void forward(const tensor_view& x, const tensor_view& w, const tensor_view& out,
+               const workspace_view* workspace, stream_ref stream) const;
   struct state;
   std::shared_ptr<const state> state_;
 };
@@ -54,12 +68,21 @@ class agnn_layer {
   /// @throws invalid_input unless the graph is square; not_supported without the CUDA backend.
   static agnn_layer build(const csr_graph& graph, device_kind where = device_kind::cpu,
                           const layer_options& options = {}, stream_ref stream = {});
+  /// CUDA: asynchronous on `stream`, on the layer's own workspace (its runs must not overlap);
+  /// never synchronises the host, allocates or locks.
   void forward(const tensor_view& h, double beta, const tensor_view& out,
                stream_ref stream = {}) const;
+  /// The same with the caller's workspace (workspace_bytes(h.dim) bytes, 256-byte aligned).
+  void forward(const tensor_view& h, double beta, const tensor_view& out,
+               const workspace_view& workspace, stream_ref stream = {}) const;
+  /// Bytes of workspace a forward with F = dim needs (0 on the CPU).
+  std::size_t workspace_bytes(std::int64_t dim) const;
   device_kind where() const;
   std::int64_t nnz() const;  ///< of the pattern (with the self loops)
 
  private:
+  void forward(const tensor_view& h, double beta, const tensor_view& out,
+               const workspace_view* workspace, stream_ref stream) const;
   struct state;
   std::shared_ptr<const state> state_;
 };

@@ -14,6 +14,7 @@
 
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/tensor.hpp"
+#include "trisparse/core/workspace.hpp"
 #include "trisparse/graph/csr.hpp"
 #include "trisparse/graph/reorder.hpp"
 
@@ -46,6 +47,9 @@ struct sparse_plan_options {
   /// CUDA SDDMM with f32 x and y (SpMM's f32 products are always tf32: its weights are not
   /// amplified afterwards).
   f32_math sddmm_f32 = f32_math::tf32;
+  /// CUDA: the largest heads and feature width (SpMM's n) that the plan's own workspace, sized
+  /// at build, serves; runs beyond it pass their own (workspace_bytes()).
+  std::int64_t workspace_heads = 8, workspace_dim = 256;
 };
 
 struct sparse_plan_report {
@@ -60,8 +64,9 @@ struct sparse_plan_report {
 };
 
 /// One sparse pattern A (rows x cols, with values or binary = all 1) prepared on one device.
-/// Cheap to copy (shared, immutable state). CUDA runs are asynchronous on `stream`; one plan's
-/// runs must not overlap on different streams (its split-window workspace is shared).
+/// Cheap to copy (shared, immutable state). CUDA runs are asynchronous on `stream` and never
+/// synchronise the host, allocate or lock. Runs given their own workspace (workspace_bytes())
+/// may overlap on different streams; runs on the plan's own workspace must not.
 class sparse_plan {
  public:
   /// @throws invalid_input if the pattern is broken; not_supported without the CUDA backend.
@@ -74,6 +79,10 @@ class sparse_plan {
   static sparse_plan build(const csr_view& pattern, const float* values = nullptr,
                            const sparse_plan_options& options = {}, stream_ref stream = {});
 
+  /// Bytes of workspace that an SpMM, SDDMM or softmax run with `heads` heads of width `dim`
+  /// needs on this plan's device (0 on the CPU; SDDMM needs none).
+  std::size_t workspace_bytes(std::int64_t heads, std::int64_t dim) const;
+
   /// Length of a per-edge value array in the slot layout.
   std::int64_t slots() const;
   const sparse_plan_report& report() const;
@@ -84,6 +93,9 @@ class sparse_plan {
   /// b's dtype; any n (n % 16 == 0 and 16-byte aligned rows run fastest).
   void spmm(const tensor_view& values, const tensor_view& b, const tensor_view& c,
             stream_ref stream = {}) const;
+  /// The same with the caller's workspace (at least workspace_bytes(b.heads, b.dim) bytes).
+  void spmm(const tensor_view& values, const tensor_view& b, const tensor_view& c,
+            const workspace_view& workspace, stream_ref stream = {}) const;
   /// out = scale * A ⊙ (x y^T) in the slot layout: out[e] = a_e * scale * <x[row(e)], y[col(e)]>,
   /// 0 in slots without an entry. x: [rows, H, d], y: [cols, H, d] (one dtype: f16, bf16 or f32,
   /// computed on CUDA as sparse_plan_options.sddmm_f32 says), out: [slots, H, 1] f32 or x's dtype.
@@ -92,6 +104,9 @@ class sparse_plan {
   /// Max-stabilised row softmax over each row's entries (fp32 inside); slots without an entry
   /// get 0. scores, out: [slots, H, 1], f32, f16 or bf16; may be the same array.
   void softmax(const tensor_view& scores, const tensor_view& out, stream_ref stream = {}) const;
+  /// The same with the caller's workspace (at least workspace_bytes(scores.heads, 1) bytes).
+  void softmax(const tensor_view& scores, const tensor_view& out, const workspace_view& workspace,
+               stream_ref stream = {}) const;
 
   /// entries: [nnz, H, 1] in CSR entry order -> slots: [slots, H, 1] (same dtype; other slots 0).
   void to_slots(const tensor_view& entries, const tensor_view& slots, stream_ref stream = {}) const;
@@ -100,6 +115,10 @@ class sparse_plan {
                   stream_ref stream = {}) const;
 
  private:
+  void spmm(const tensor_view& values, const tensor_view& b, const tensor_view& c,
+            const workspace_view* workspace, stream_ref stream) const;
+  void softmax(const tensor_view& scores, const tensor_view& out, const workspace_view* workspace,
+               stream_ref stream) const;
   struct state;
   std::shared_ptr<const state> state_;
 };

@@ -46,8 +46,12 @@ std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_view&, fused3s_
                                                        stream_ref) {
   no_backend();
 }
+std::size_t fused3s_workspace_bytes(const fused3s_device_plan&, std::int64_t, std::int64_t) {
+  return 0;
+}
 void run_fused3s(const fused3s_device_plan&, const tensor_view&, const tensor_view&,
-                 const tensor_view&, const tensor_view&, double, stream_ref) {
+                 const tensor_view&, const tensor_view&, double, const workspace_view*,
+                 stream_ref) {
   throw not_supported("this build has no CUDA backend");
 }
 std::int64_t device_bytes(const fused3s_device_plan&) { return 0; }
@@ -62,15 +66,17 @@ std::shared_ptr<me_device_plan> make_me_plan(const csr_view&, const float*, int,
   no_backend();
 }
 me_plan_info info(const me_device_plan&) { return {}; }
+std::size_t me_workspace_bytes(const me_device_plan&, std::int64_t, std::int64_t) { return 0; }
 void run_spmm(const me_device_plan&, const tensor_view&, const tensor_view&, const tensor_view&,
-              stream_ref) {
+              const workspace_view*, stream_ref) {
   no_backend();
 }
 void run_sddmm(const me_device_plan&, const tensor_view&, const tensor_view&, const tensor_view&,
                double, bool, stream_ref) {
   no_backend();
 }
-void run_softmax(const me_device_plan&, const tensor_view&, const tensor_view&, stream_ref) {
+void run_softmax(const me_device_plan&, const tensor_view&, const tensor_view&,
+                 const workspace_view*, stream_ref) {
   no_backend();
 }
 void entries_to_slots(const me_device_plan&, const tensor_view&, const tensor_view&, stream_ref) {
@@ -82,9 +88,7 @@ void slots_to_entries(const me_device_plan&, const tensor_view&, const tensor_vi
 }  // namespace trisparse::cuda
 
 namespace trisparse::cuda {
-struct blas_handle {};
-std::shared_ptr<blas_handle> make_blas() { no_backend(); }
-void gemm(const blas_handle&, const tensor_view&, const tensor_view&, const tensor_view&,
+void gemm(const tensor_view&, const tensor_view&, const tensor_view&, const workspace_view&,
           stream_ref) {
   no_backend();
 }
@@ -115,11 +119,13 @@ void select_topk(topk_device_plan&, const tensor_view&, const tensor_view&, stre
 }
 std::vector<std::int32_t> download_blocks(const topk_device_plan&, stream_ref) { no_backend(); }
 struct unfused_device_plan {};
-std::shared_ptr<unfused_device_plan> make_unfused_plan(const block_sparse_mask&, stream_ref) {
+std::shared_ptr<unfused_device_plan> make_unfused_plan(const block_sparse_mask&, std::int64_t,
+                                                       stream_ref) {
   no_backend();
 }
+std::size_t unfused_workspace_bytes(const unfused_device_plan&, std::int64_t) { return 0; }
 void run_unfused(const unfused_device_plan&, const tensor_view&, const tensor_view&,
-                 const tensor_view&, const tensor_view&, double, stream_ref,
+                 const tensor_view&, const tensor_view&, double, const workspace_view*, stream_ref,
                  std::array<double, 3>*) {
   no_backend();
 }

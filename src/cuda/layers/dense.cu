@@ -3,8 +3,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "../common/error.cuh"
 #include "../common/grid.cuh"
@@ -68,21 +68,24 @@ __global__ void normalize_kernel(const T* x, std::int64_t x_row, T* out, std::in
 
 }  // namespace
 
-struct blas_handle {
-  cublasHandle_t h = nullptr;
-  std::mutex mutex;
-  blas_handle() { blas_try(cublasCreate(&h), "create"); }
-  ~blas_handle() {
-    if (h != nullptr) cublasDestroy(h);
-  }
-  blas_handle(const blas_handle&) = delete;
-  blas_handle& operator=(const blas_handle&) = delete;
-};
+namespace {
 
-std::shared_ptr<blas_handle> make_blas() { return std::make_shared<blas_handle>(); }
+// The calling thread's cuBLAS handles, one per device, created on first use and kept for the
+// thread's life (cuBLAS handles must not be shared by threads without a lock). Not destroyed:
+// at exit the CUDA context may already be gone.
+cublasHandle_t thread_handle() {
+  thread_local std::unordered_map<int, cublasHandle_t> handles;
+  int device = 0;
+  TRISPARSE_CUDA_TRY(cudaGetDevice(&device));
+  cublasHandle_t& h = handles[device];
+  if (h == nullptr) blas_try(cublasCreate(&h), "create");
+  return h;
+}
 
-void gemm(const blas_handle& blas, const tensor_view& a, const tensor_view& b, const tensor_view& c,
-          stream_ref stream) {
+}  // namespace
+
+void gemm(const tensor_view& a, const tensor_view& b, const tensor_view& c,
+          const workspace_view& workspace, stream_ref stream) {
   const std::int64_t m = a.rows, k = a.dim, n = b.dim;
   check_matrix(a, "a", m, k);
   check_matrix(b, "b", k, n);
@@ -99,12 +102,16 @@ void gemm(const blas_handle& blas, const tensor_view& a, const tensor_view& b, c
   const cublasComputeType_t compute =
       a.type == dtype::f32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
   const float alpha = 1.0f, beta = 0.0f;
-  auto& handle = const_cast<blas_handle&>(blas);
-  std::lock_guard<std::mutex> lock(handle.mutex);
-  blas_try(cublasSetStream(handle.h, static_cast<cudaStream_t>(stream.handle)), "set stream");
+  TRISPARSE_EXPECTS_INPUT(workspace.bytes >= kGemmWorkspaceBytes && workspace.data != nullptr,
+                          "the dense product needs " + std::to_string(kGemmWorkspaceBytes) +
+                              " bytes of cuBLAS workspace");
+  const cublasHandle_t h = thread_handle();
+  // SetStream resets the workspace to cuBLAS's own: ours is set after it.
+  blas_try(cublasSetStream(h, static_cast<cudaStream_t>(stream.handle)), "set stream");
+  blas_try(cublasSetWorkspace(h, workspace.data, kGemmWorkspaceBytes), "set workspace");
   // Row-major C = A B is column-major C^T = B^T A^T.
-  blas_try(cublasGemmEx(handle.h, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(n),
-                        static_cast<int>(m), static_cast<int>(k), &alpha, b.data, in,
+  blas_try(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m),
+                        static_cast<int>(k), &alpha, b.data, in,
                         static_cast<int>(std::max<std::int64_t>(b.row_stride, n)), a.data, in,
                         static_cast<int>(std::max<std::int64_t>(a.row_stride, k)), &beta, c.data,
                         out, static_cast<int>(std::max<std::int64_t>(c.row_stride, n)), compute,

@@ -1,21 +1,23 @@
 #pragma once
 // Dense helpers of the GNN layers on CUDA (host interface, no CUDA headers: ops/ includes it).
-#include <memory>
+#include <cstddef>
 
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/tensor.hpp"
+#include "trisparse/core/workspace.hpp"
 
 namespace trisparse::cuda {
 
-/// A cuBLAS handle on the current device (used under its own lock).
-struct blas_handle;
-std::shared_ptr<blas_handle> make_blas();
+/// Bytes of workspace that gemm() hands cuBLAS (so that it allocates nothing itself).
+inline constexpr std::size_t kGemmWorkspaceBytes = std::size_t{4} << 20;
 
 /// c = a b for row-major [m, 1, k] x [k, 1, n] -> [m, 1, n] views on the GPU: a and b one dtype
-/// (f16, bf16, or f32 computed in tf32), fp32 accumulation, c f32 or a's dtype. Asynchronous.
-/// @throws invalid_input for other shapes, dtypes or layouts.
-void gemm(const blas_handle& blas, const tensor_view& a, const tensor_view& b, const tensor_view& c,
-          stream_ref stream);
+/// (f16, bf16, or f32 computed in tf32), fp32 accumulation, c f32 or a's dtype. Asynchronous, on
+/// the calling thread's cuBLAS handle for the current device (one per thread: no lock), with
+/// `workspace` (kGemmWorkspaceBytes) as cuBLAS's. @throws invalid_input for other shapes, dtypes
+/// or layouts.
+void gemm(const tensor_view& a, const tensor_view& b, const tensor_view& c,
+          const workspace_view& workspace, stream_ref stream);
 
 /// out[i] = x[i] / ||x[i]||_2 (0 for a zero row), [N, 1, F] in x's dtype, computed in fp32.
 void normalize_rows(const tensor_view& x, const tensor_view& out, stream_ref stream);

@@ -4,9 +4,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <mutex>
 #include <string>
+#include <utility>
 
+#include "../../common/workspace_layout.hpp"
 #include "../common/buffer.cuh"
 #include "../common/work_item.hpp"
 #include "../formats/me_bcrs_build.cuh"
@@ -30,14 +31,13 @@ struct me_device_plan {
   // Per operation, as its cost of a split differs: SpMM merges partial rows of C (splits cost),
   // SDDMM's slots are independent (splits are free), softmax merges two numbers per row.
   me_work spmm_work, sddmm_work, softmax_work;
-  // Workspaces, grown by the first run that needs more (under the mutex), and the pattern's own
-  // values converted to 16-bit types on first use.
-  mutable std::mutex mutex;
-  mutable device_buffer<float> part;                // SpMM partials of split windows
-  mutable device_buffer<std::int32_t> split_count;  // zero between launches
-  mutable device_buffer<float> part_stats;          // softmax partial (max, sum)
-  mutable device_buffer<__half> values_f16;
-  mutable device_buffer<__nv_bfloat16> values_bf16;
+  // The pattern's own values in the 16-bit types (converted at build).
+  device_buffer<__half> values_f16;
+  device_buffer<__nv_bfloat16> values_bf16;
+  // The plan's own workspace, for runs not given one: sized at build for the limits' heads and
+  // feature width, its counters zeroed then.
+  mutable device_buffer<std::byte> own;  // scratch: written by const runs
+  std::int64_t own_heads = 0, own_dim = 0;
 
   me::format_ref ref(const me_work& w) const {
     return {f.row_ptr.data(),      f.col_idx.data(), f.mask.data(),    f.values.data(),
@@ -48,6 +48,21 @@ struct me_device_plan {
 
 namespace me {
 
+/// The workspace of one run of any of the three operations: SpMM's split-window arrival counts
+/// (zero between launches), its partial tiles, and the softmax's partial (max, sum) pairs.
+struct workspace {
+  detail::workspace_layout layout;
+  std::size_t split_count = 0, part = 0, part_stats = 0;
+};
+workspace workspace_of(const me_device_plan& plan, std::int64_t heads, std::int64_t dim);
+/// The workspace a run with `heads` x `dim` uses and its layout: the caller's, laid out for the
+/// run and its counters cleared on `s`; or the plan's own, in the layout it was zeroed in (a
+/// smaller run's scratch would otherwise overlap a larger run's counters).
+/// @throws invalid_input if it is too small, naming `what`.
+std::pair<workspace_view, workspace> use_workspace(const me_device_plan& plan, std::int64_t heads,
+                                                   std::int64_t dim, const workspace_view* given,
+                                                   const char* what, cudaStream_t s);
+
 /// Throws unless the plan's device is current.
 void check_device(const me_device_plan& plan);
 /// Throws unless t is [slots, heads, 1] with slot stride 1 on CUDA.
@@ -55,9 +70,9 @@ void check_slots(const me_device_plan& plan, const tensor_view& t, const char* w
                  std::int64_t heads);
 /// True when data, row and head strides allow 16-byte vector access.
 bool vector_aligned(const tensor_view& t);
-/// The pattern's own values in T (converted once, kept by the plan).
+/// The pattern's own values in T.
 template <class T>
-const T* own_values(const me_device_plan& plan, cudaStream_t stream);
+const T* own_values(const me_device_plan& plan);
 
 }  // namespace me
 

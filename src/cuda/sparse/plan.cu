@@ -15,6 +15,12 @@ namespace {
 
 constexpr int kThreads = 256;
 
+template <class T>
+__global__ void convert(const float* in, T* out, std::int64_t n) {
+  const std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
+  if (i < n) out[i] = me::from_float<T>(in[i]);
+}
+
 std::shared_ptr<me_device_plan> plan_from(device_me_bcrs f, me_work_limits limits, cudaStream_t s) {
   auto plan = std::make_shared<me_device_plan>();
   const device_id_and_sms here = current_device();
@@ -58,13 +64,24 @@ std::shared_ptr<me_device_plan> plan_from(device_me_bcrs f, me_work_limits limit
   list(mean <= 16 ? 4 : 8, plan->sddmm_work);
   list(mean <= 16 ? 8 : 16, plan->softmax_work);
   plan->f = std::move(f);
+  const std::int64_t n = plan->f.slots();
+  if (n > 0) {
+    plan->values_f16 = device_buffer<__half>(static_cast<std::size_t>(n));
+    plan->values_bf16 = device_buffer<__nv_bfloat16>(static_cast<std::size_t>(n));
+    convert<<<blocks_for(n, kThreads), kThreads, 0, s>>>(plan->f.values.data(),
+                                                         plan->values_f16.data(), n);
+    TRISPARSE_CUDA_CHECK_LAUNCH();
+    convert<<<blocks_for(n, kThreads), kThreads, 0, s>>>(plan->f.values.data(),
+                                                         plan->values_bf16.data(), n);
+    TRISPARSE_CUDA_CHECK_LAUNCH();
+  }
+  plan->own_heads = std::max<std::int64_t>(limits.workspace_heads, 1);
+  plan->own_dim = std::max<std::int64_t>(limits.workspace_dim, 1);
+  const me::workspace w = me::workspace_of(*plan, plan->own_heads, plan->own_dim);
+  plan->own = device_buffer<std::byte>(w.layout.bytes());
+  TRISPARSE_CUDA_TRY(cudaMemsetAsync(plan->own.data(), 0, w.layout.zeroed_bytes(), s));
+  TRISPARSE_CUDA_TRY(cudaStreamSynchronize(s));
   return plan;
-}
-
-template <class T>
-__global__ void convert(const float* in, T* out, std::int64_t n) {
-  const std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
-  if (i < n) out[i] = me::from_float<T>(in[i]);
 }
 
 // Raw copies between layouts (elements of `Bits` bytes; dtypes are checked equal on the host).
@@ -140,6 +157,10 @@ std::shared_ptr<me_device_plan> make_me_plan(const csr_view& pattern, const floa
   return plan_from(build_me_bcrs_device(pattern, values, vector_rows, s, false), limits, s);
 }
 
+std::size_t me_workspace_bytes(const me_device_plan& plan, std::int64_t heads, std::int64_t dim) {
+  return me::workspace_of(plan, heads, dim).layout.bytes();
+}
+
 me_plan_info info(const me_device_plan& plan) {
   me_plan_info i;
   i.windows = plan.f.windows;
@@ -162,8 +183,7 @@ me_plan_info info(const me_device_plan& plan) {
                                              plan.f.window_blocks.bytes() +
                                              plan.f.block_offset.bytes() + plan.f.row_map.bytes() +
                                              plan.spmm_work.bytes() + plan.sddmm_work.bytes() +
-                                             plan.softmax_work.bytes() + plan.part.bytes() +
-                                             plan.split_count.bytes() + plan.part_stats.bytes() +
+                                             plan.softmax_work.bytes() + plan.own.bytes() +
                                              plan.values_f16.bytes() + plan.values_bf16.bytes());
   return i;
 }
@@ -204,33 +224,53 @@ bool vector_aligned(const tensor_view& t) {
 }
 
 template <class T>
-const T* own_values(const me_device_plan& plan, cudaStream_t s) {
-  if constexpr (sizeof(T) == 4) {
+const T* own_values(const me_device_plan& plan) {
+  if constexpr (sizeof(T) == 4)
     return plan.f.values.data();
-  } else {
-    std::lock_guard<std::mutex> lock(plan.mutex);
-    auto& copy = [&]() -> device_buffer<T>& {
-      if constexpr (std::is_same_v<T, __half>)
-        return plan.values_f16;
-      else
-        return plan.values_bf16;
-    }();
-    if (copy.size() != plan.f.values.size()) {
-      copy = device_buffer<T>(plan.f.values.size());
-      const std::int64_t n = plan.f.slots();
-      if (n > 0) {
-        convert<T>
-            <<<blocks_for(n, kThreads), kThreads, 0, s>>>(plan.f.values.data(), copy.data(), n);
-        TRISPARSE_CUDA_CHECK_LAUNCH();
-      }
-    }
-    return copy.data();
-  }
+  else if constexpr (std::is_same_v<T, __half>)
+    return plan.values_f16.data();
+  else
+    return plan.values_bf16.data();
 }
 
-template const float* own_values<float>(const me_device_plan&, cudaStream_t);
-template const __half* own_values<__half>(const me_device_plan&, cudaStream_t);
-template const __nv_bfloat16* own_values<__nv_bfloat16>(const me_device_plan&, cudaStream_t);
+template const float* own_values<float>(const me_device_plan&);
+template const __half* own_values<__half>(const me_device_plan&);
+template const __nv_bfloat16* own_values<__nv_bfloat16>(const me_device_plan&);
+
+workspace workspace_of(const me_device_plan& plan, std::int64_t heads, std::int64_t dim) {
+  workspace w;
+  const auto h = static_cast<std::size_t>(heads);
+  const std::size_t chunks = static_cast<std::size_t>(dim + 15) / 16;  // an upper bound
+  const me_work& spmm = plan.spmm_work;
+  const me_work& softmax = plan.softmax_work;
+  w.split_count = w.layout.add_zeroed(
+      spmm.num_parts > 0 ? static_cast<std::size_t>(spmm.num_splits) * h * chunks * 4 : 0);
+  w.part = w.layout.add(static_cast<std::size_t>(spmm.num_parts) * h * plan.f.vector_rows * dim *
+                        sizeof(float));
+  w.part_stats = w.layout.add(static_cast<std::size_t>(softmax.num_parts) * h * plan.f.vector_rows *
+                              2 * sizeof(float));
+  return w;
+}
+
+std::pair<workspace_view, workspace> use_workspace(const me_device_plan& plan, std::int64_t heads,
+                                                   std::int64_t dim, const workspace_view* given,
+                                                   const char* what, cudaStream_t s) {
+  if (given != nullptr) {
+    workspace w = workspace_of(plan, heads, dim);
+    w.layout.check(*given, what);
+    if (w.layout.zeroed_bytes() > 0)
+      TRISPARSE_CUDA_TRY(cudaMemsetAsync(given->data, 0, w.layout.zeroed_bytes(), s));
+    return {*given, std::move(w)};
+  }
+  TRISPARSE_EXPECTS_INPUT(
+      heads <= plan.own_heads && dim <= plan.own_dim,
+      std::string(what) + ": the plan's own workspace serves heads <= " +
+          std::to_string(plan.own_heads) + " and width <= " + std::to_string(plan.own_dim) +
+          ", not " + std::to_string(heads) + " x " + std::to_string(dim) +
+          ": build it with larger workspace_heads / workspace_dim, or pass a workspace");
+  return {workspace_view{plan.own.data(), plan.own.bytes()},
+          workspace_of(plan, plan.own_heads, plan.own_dim)};
+}
 
 }  // namespace me
 

@@ -8,6 +8,7 @@
 
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/tensor.hpp"
+#include "trisparse/core/workspace.hpp"
 #include "trisparse/graph/csr.hpp"
 
 namespace trisparse::cuda {
@@ -19,6 +20,8 @@ struct me_device_plan;
 /// none); 0 = chosen from the block total and the SM count.
 struct me_work_limits {
   std::int32_t split_blocks = 0, team_blocks = 0;
+  /// The largest heads and feature width that the plan's own workspace serves.
+  std::int64_t workspace_heads = 8, workspace_dim = 256;
 };
 
 /// Builds the ME-BCRS (vector_rows 8 or 16) of a checked host pattern on the GPU and its work
@@ -41,10 +44,16 @@ struct me_plan_info {
 };
 me_plan_info info(const me_device_plan& plan);
 
+/// Bytes of workspace that a run of SpMM, SDDMM or softmax with `heads` heads of width `dim`
+/// needs (one size serves all three). In the run functions below, `workspace` is the caller's
+/// (its counters cleared on the stream first) or nullptr for the plan's own; they never
+/// synchronise, allocate or lock.
+std::size_t me_workspace_bytes(const me_device_plan& plan, std::int64_t heads, std::int64_t dim);
+
 /// c[rows, H, n] = A b[cols, H, n]. values: slot layout in b's dtype, or data == nullptr for the
 /// pattern's own. b: f16, bf16 (MMA m16n8k8) or f32 (tf32); c: f32 or b's dtype. Asynchronous.
 void run_spmm(const me_device_plan& plan, const tensor_view& values, const tensor_view& b,
-              const tensor_view& c, stream_ref stream);
+              const tensor_view& c, const workspace_view* workspace, stream_ref stream);
 /// out[slots, H, 1] = scale * A ⊙ (x y^T), 0 in slots without an entry. x: [rows, H, d],
 /// y: [cols, H, d], one dtype (f16, bf16 or f32 as tf32, or with split_f32 as three tf32
 /// products); out: f32 or x's dtype.
@@ -52,7 +61,7 @@ void run_sddmm(const me_device_plan& plan, const tensor_view& x, const tensor_vi
                const tensor_view& out, double scale, bool split_f32, stream_ref stream);
 /// Row softmax of slot values (f32, f16 or bf16 in and out; in place allowed).
 void run_softmax(const me_device_plan& plan, const tensor_view& in, const tensor_view& out,
-                 stream_ref stream);
+                 const workspace_view* workspace, stream_ref stream);
 /// Per-edge values between CSR entry order ([nnz, H, 1], any strides) and slot layout (same
 /// dtype). to_slots zeroes slots without an entry.
 void entries_to_slots(const me_device_plan& plan, const tensor_view& entries,

@@ -3,10 +3,10 @@
 // dtype, tile rows) become the three kernels' template arguments.
 #include <algorithm>
 #include <cmath>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "../../../common/workspace_layout.hpp"
 #include "../../common/buffer.cuh"
 #include "../../common/current_device.cuh"
 #include "../../common/error.cuh"
@@ -33,15 +33,31 @@ struct unfused_device_plan {
   device_buffer<std::int32_t> col_idx, sddmm_first, spmm_first, softmax_first;
   device_buffer<il::tile> sddmm_tiles, spmm_tiles;
   device_buffer<il::part> parts;
-  // The scores of a group of heads and the SDDMM's tile counter (runs do not overlap).
-  mutable std::mutex mutex;
-  mutable device_buffer<float> scores;
-  mutable device_buffer<unsigned long long> counter;
+  // The plan's own workspace, for runs not given one (sized at build).
+  mutable device_buffer<std::byte> own;  // scratch: written by const runs
 };
 
 namespace {
 
+// Heads whose scores a workspace holds at most (as many as fit 8 GiB, at least one).
 constexpr std::int64_t kWorkspaceBytes = std::int64_t{8} << 30;
+
+// A run's workspace: the SDDMM's tile counter, then the scores of `group` heads.
+struct unfused_workspace {
+  detail::workspace_layout layout;
+  std::size_t counter = 0, scores = 0;
+};
+
+unfused_workspace workspace_of(const unfused_device_plan& plan, std::int64_t group) {
+  unfused_workspace w;
+  w.counter = w.layout.add(sizeof(unsigned long long));
+  w.scores = w.layout.add(static_cast<std::size_t>(group * plan.slot) * sizeof(float));
+  return w;
+}
+
+std::int64_t slot_bytes(const unfused_device_plan& plan) {
+  return std::max<std::int64_t>(plan.slot, 1) * 4;
+}
 
 template <class F>
 void with_types(dtype in, dtype out, F&& f) {
@@ -73,7 +89,7 @@ void with_value(int value, F&& f) {
 
 template <class T>
 void launch_sddmm(const unfused_device_plan& plan, const il::params& p, il::work w,
-                  std::int64_t items, cudaStream_t s) {
+                  unsigned long long* counter, std::int64_t items, cudaStream_t s) {
   with_value<1, 2, 4, 8, 16, 32>(plan.sddmm_rows, [&]<int R>() {
     constexpr auto kernel = il::sddmm_kernel<T, R>;
     static const bool configured = [] {
@@ -89,9 +105,8 @@ void launch_sddmm(const unfused_device_plan& plan, const il::params& p, il::work
     const std::int64_t grid =
         std::clamp<std::int64_t>((items + il::kSddmmWarps - 1) / il::kSddmmWarps, 1,
                                  std::int64_t{plan.sms} * std::max(per_sm, 1));
-    TRISPARSE_CUDA_TRY(cudaMemsetAsync(plan.counter.data(), 0, sizeof(unsigned long long), s));
-    kernel<<<static_cast<unsigned>(grid), il::kSddmmWarps * 32, bytes, s>>>(p, w,
-                                                                            plan.counter.data());
+    TRISPARSE_CUDA_TRY(cudaMemsetAsync(counter, 0, sizeof(unsigned long long), s));
+    kernel<<<static_cast<unsigned>(grid), il::kSddmmWarps * 32, bytes, s>>>(p, w, counter);
     TRISPARSE_CUDA_CHECK_LAUNCH();
   });
 }
@@ -148,6 +163,7 @@ class stage_timer {
 }  // namespace
 
 std::shared_ptr<unfused_device_plan> make_unfused_plan(const block_sparse_mask& mask,
+                                                       std::int64_t workspace_heads,
                                                        stream_ref /*stream*/) {
   auto plan = std::make_shared<unfused_device_plan>();
   const auto dev = current_device();
@@ -173,12 +189,21 @@ std::shared_ptr<unfused_device_plan> make_unfused_plan(const block_sparse_mask& 
   plan->sddmm_tiles = device_buffer<il::tile>(l.sddmm);
   plan->spmm_tiles = device_buffer<il::tile>(l.spmm);
   plan->parts = device_buffer<il::part>(l.parts);
-  plan->counter = device_buffer<unsigned long long>(1);
+  const std::int64_t group = std::clamp<std::int64_t>(kWorkspaceBytes / slot_bytes(*plan), 1,
+                                                      std::max<std::int64_t>(workspace_heads, 1));
+  plan->own = device_buffer<std::byte>(workspace_of(*plan, group).layout.bytes());
   return plan;
 }
 
+std::size_t unfused_workspace_bytes(const unfused_device_plan& plan, std::int64_t heads) {
+  const std::int64_t group = std::clamp<std::int64_t>(kWorkspaceBytes / slot_bytes(plan), 1,
+                                                      std::max<std::int64_t>(heads, 1));
+  return workspace_of(plan, group).layout.bytes();
+}
+
 void run_unfused(const unfused_device_plan& plan, const tensor_view& q, const tensor_view& k,
-                 const tensor_view& v, const tensor_view& out, double scale, stream_ref stream,
+                 const tensor_view& v, const tensor_view& out, double scale,
+                 const workspace_view* workspace, stream_ref stream,
                  std::array<double, 3>* stage_ms) {
   const char* what = "the block-sparse SDDMM -> softmax -> SpMM pipeline";
   check_attention_operands(q, k, v, out, what);
@@ -191,25 +216,24 @@ void run_unfused(const unfused_device_plan& plan, const tensor_view& q, const te
   if (stage_ms != nullptr) *stage_ms = {0, 0, 0};
   const std::int64_t heads = q.heads;
   if (heads == 0 || q.rows == 0) return;
-  const std::int64_t slot_bytes = std::max<std::int64_t>(plan.slot, 1) * 4;
-  const std::int64_t group = std::clamp<std::int64_t>(kWorkspaceBytes / slot_bytes, 1, heads);
+  // As many heads at a time as the workspace holds scores for.
+  const workspace_view ws =
+      workspace != nullptr ? *workspace : workspace_view{plan.own.data(), plan.own.bytes()};
+  const unfused_workspace one = workspace_of(plan, 1);
+  one.layout.check(ws, what);
+  const std::int64_t group = std::clamp<std::int64_t>(
+      static_cast<std::int64_t>((ws.bytes - one.scores) /
+                                static_cast<std::size_t>(slot_bytes(plan))),
+      1, heads);
+  const unfused_workspace w = workspace_of(plan, group);
   const auto s = static_cast<cudaStream_t>(stream.handle);
-  {
-    const std::lock_guard<std::mutex> lock(plan.mutex);
-    const auto need = static_cast<std::size_t>(group * plan.slot);
-    if (plan.scores.size() < need) {
-      TRISPARSE_CUDA_TRY(cudaDeviceSynchronize());
-      plan.scores = device_buffer<float>();
-      plan.scores = device_buffer<float>(need);
-    }
-  }
   il::params p{};
   static_cast<attention_io&>(p) = attention_io_of(q, k, v, out);
   p.cu_q = plan.cu_q.data();
   p.cu_k = plan.cu_k.data();
   p.rows = plan.rows.data();
   p.col_idx = plan.col_idx.data();
-  p.scores = plan.scores.data();
+  p.scores = detail::workspace_layout::at<float>(ws, w.scores);
   p.slot = plan.slot;
   p.mask_heads = static_cast<std::int32_t>(plan.mask_heads);
   p.block = static_cast<std::int32_t>(plan.block);
@@ -227,7 +251,9 @@ void run_unfused(const unfused_device_plan& plan, const tensor_view& q, const te
       stage_timer timer(stage_ms != nullptr);
       timer.mark(0, s);
       const std::int64_t tiles = launch_items(plan.sddmm_first_h, plan.mask_heads, h0, n);
-      if (tiles > 0) launch_sddmm<T>(plan, p, sddmm, tiles, s);
+      if (tiles > 0)
+        launch_sddmm<T>(plan, p, sddmm,
+                        detail::workspace_layout::at<unsigned long long>(ws, w.counter), tiles, s);
       timer.mark(1, s);
       const std::int64_t parts = launch_items(plan.softmax_first_h, plan.mask_heads, h0, n);
       if (parts > 0) {
@@ -248,7 +274,7 @@ std::int64_t device_bytes(const unfused_device_plan& plan) {
   return static_cast<std::int64_t>(
       plan.cu_q.bytes() + plan.cu_k.bytes() + plan.rows.bytes() + plan.col_idx.bytes() +
       plan.sddmm_first.bytes() + plan.spmm_first.bytes() + plan.softmax_first.bytes() +
-      plan.sddmm_tiles.bytes() + plan.spmm_tiles.bytes() + plan.parts.bytes());
+      plan.sddmm_tiles.bytes() + plan.spmm_tiles.bytes() + plan.parts.bytes() + plan.own.bytes());
 }
 
 std::int64_t score_bytes_per_head(const unfused_device_plan& plan) { return plan.slot * 4; }

@@ -7,6 +7,7 @@
 
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/tensor.hpp"
+#include "trisparse/core/workspace.hpp"
 #include "trisparse/formats/block_sparse.hpp"
 
 namespace trisparse::cuda {
@@ -14,24 +15,29 @@ namespace trisparse::cuda {
 /// A block mask laid out for the three kernels: block rows, tiles, softmax parts (on the device).
 struct unfused_device_plan;
 
-/// Lays out a checked mask (any block size) and uploads it (synchronous).
+/// Lays out a checked mask (any block size) and uploads it (synchronous), with a workspace of its
+/// own for the scores of `workspace_heads` heads (at most 8 GiB).
 /// @throws not_supported without the CUDA backend; invalid_input where a count exceeds 2^31 - 1.
 std::shared_ptr<unfused_device_plan> make_unfused_plan(const block_sparse_mask& mask,
+                                                       std::int64_t workspace_heads,
                                                        stream_ref stream);
 
+/// Bytes of workspace that runs all `heads` heads at once (capped at 8 GiB of scores); a run given
+/// less, but at least the bytes for one head, takes the heads in groups.
+std::size_t unfused_workspace_bytes(const unfused_device_plan& plan, std::int64_t heads);
+
 /// out = attention(q, k, v) under the plan's mask, asynchronous on `stream` (stage_ms == null):
-/// the scores of as many heads at a time as fit 8 GiB of workspace (at least one head; the
-/// workspace grows on the first run that needs more, synchronising the device then). With
-/// stage_ms, events around each kernel give their times, summed over the head groups, in
-/// milliseconds (SDDMM, softmax, SpMM), and the call synchronises `stream`. q, k, v all f16 or
-/// all bf16 with v's dim equal to q's, a multiple of 8 up to 256; out f32, f16 or bf16; 16-byte
-/// aligned rows. Runs of one plan must not overlap (they share the workspace).
-/// @throws invalid_input for other dtypes, dims or layouts.
+/// the scores of as many heads at a time as the workspace (the caller's, or nullptr for the
+/// plan's own) holds. With stage_ms, events around each kernel give their times, summed over the
+/// head groups, in milliseconds (SDDMM, softmax, SpMM), and the call synchronises `stream`. q, k,
+/// v all f16 or all bf16 with v's dim equal to q's, a multiple of 8 up to 256; out f32, f16 or
+/// bf16; 16-byte aligned rows. @throws invalid_input for other dtypes, dims or layouts.
 void run_unfused(const unfused_device_plan& plan, const tensor_view& q, const tensor_view& k,
-                 const tensor_view& v, const tensor_view& out, double scale, stream_ref stream,
+                 const tensor_view& v, const tensor_view& out, double scale,
+                 const workspace_view* workspace, stream_ref stream,
                  std::array<double, 3>* stage_ms = nullptr);
 
-/// The layout's bytes on the device (the score workspace not counted); the scores of one head.
+/// The layout's bytes on the device (its own workspace counted); the scores of one head.
 std::int64_t device_bytes(const unfused_device_plan& plan);
 std::int64_t score_bytes_per_head(const unfused_device_plan& plan);
 

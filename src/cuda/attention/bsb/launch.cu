@@ -1,13 +1,12 @@
 // The fused 3S backend's one dispatch point: run-time (dtype, head dim, output dtype) become the
 // kernel's template arguments here and nowhere else.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
-#include <map>
-#include <mutex>
 #include <stdexcept>
 #include <string>
-#include <tuple>
 
+#include "../../../common/workspace_layout.hpp"
 #include "../../common/buffer.cuh"
 #include "../../common/current_device.cuh"
 #include "../../common/error.cuh"
@@ -20,11 +19,45 @@
 
 namespace trisparse::cuda {
 
+/// Team items chosen per (heads, resident blocks, warps per block): the schedule model's replay is
+/// done once per key. Lock-free: entries are claimed by compare-and-swap on the key, and racing
+/// runs compute the same value; a full table computes without keeping.
+class team_memo {
+ public:
+  template <class F>
+  std::int32_t get(std::int64_t heads, std::int64_t blocks, int warps, F&& compute) const {
+    const std::uint64_t key = (static_cast<std::uint64_t>(heads) << 40) ^
+                              (static_cast<std::uint64_t>(blocks) << 8) ^
+                              static_cast<std::uint64_t>(warps) ^ 1u;  // never 0
+    for (std::size_t i = 0; i < kSlots; ++i) {
+      slot& e = slots_[((key * 0x9E3779B97F4A7C15ull >> 58) + i) & (kSlots - 1)];
+      std::uint64_t seen = e.key.load(std::memory_order_acquire);
+      if (seen == 0 && e.key.compare_exchange_strong(seen, key, std::memory_order_acq_rel)) {
+        const std::int32_t v = compute();
+        e.value.store(v, std::memory_order_release);
+        return v;
+      }
+      if (seen == key) {
+        const std::int32_t v = e.value.load(std::memory_order_acquire);
+        return v >= 0 ? v : compute();  // claimed, not yet stored
+      }
+    }
+    return compute();
+  }
+
+ private:
+  static constexpr std::size_t kSlots = 64;
+  struct slot {
+    std::atomic<std::uint64_t> key{0};
+    std::atomic<std::int32_t> value{-1};
+  };
+  mutable slot slots_[kSlots];
+};
+
 struct fused3s_device_plan {
   int device = 0, sms = 0;
   std::int64_t rows = 0, cols = 0;
-  device_buffer<std::int64_t> row_map;         // empty: windows hold rows in the caller's order
-  mutable device_buffer<std::uint64_t> queue;  // the kernel's task queue (zero between runs)
+  device_buffer<std::int64_t> row_map;  // empty: windows hold rows in the caller's order
   device_buffer<std::int32_t> col_idx;
   device_buffer<std::uint64_t> bitmap;
   device_buffer<fused3s::work_item> items;
@@ -33,15 +66,35 @@ struct fused3s_device_plan {
   std::int64_t tcbs = 0;
   fused3s::item_list host_items;  // the items' TCB counts (decreasing) and splits, on the host
   std::int32_t team_tcbs = 0;     // fused3s_limits::team_tcbs
-  // Team items chosen per (heads, resident blocks, warps per block) launched so far (the model's
-  // replay is not redone per call).
-  mutable std::mutex teams_mutex;
-  mutable std::map<std::tuple<std::int64_t, std::int64_t, int>, std::int32_t> teams;
-  // Partial states of split windows, sized for the largest heads x head_dim run so far.
-  mutable std::mutex workspace_mutex;
-  mutable device_buffer<float> part_o, part_ml;
-  mutable device_buffer<std::int32_t> split_count;  // zero between launches
+  team_memo teams;
+  // The plan's own workspace, for runs not given one: sized at build for the limits' heads and
+  // head dim, its counters zeroed then.
+  mutable device_buffer<std::byte> own;  // scratch: written by const runs
+  std::int64_t own_heads = 0, own_dim = 0;
 };
+
+namespace {
+
+// The workspace of one run: the task queue (3 words) and the split windows' arrival counts, which
+// the kernel leaves zero, then the split windows' partial states (o, then max and sum).
+struct fused3s_workspace {
+  detail::workspace_layout layout;
+  std::size_t queue = 0, split_count = 0, part_o = 0, part_ml = 0;
+};
+
+fused3s_workspace workspace_of(const fused3s_device_plan& plan, std::int64_t heads,
+                               std::int64_t dim) {
+  fused3s_workspace w;
+  const auto parts = static_cast<std::size_t>(plan.num_parts) * heads * 16;
+  w.queue = w.layout.add_zeroed(3 * sizeof(std::uint64_t));
+  w.split_count =
+      w.layout.add_zeroed(static_cast<std::size_t>(plan.num_splits) * heads * sizeof(std::int32_t));
+  w.part_o = w.layout.add(parts * dim * sizeof(float));
+  w.part_ml = w.layout.add(parts * 2 * sizeof(float));
+  return w;
+}
+
+}  // namespace
 
 namespace {
 
@@ -62,12 +115,10 @@ std::int32_t team_items(const fused3s_device_plan& plan, std::int64_t heads, std
   if (plan.team_tcbs < 0 || heads <= 0) return 0;
   if (plan.team_tcbs > 0)
     return static_cast<std::int32_t>(fused3s::at_least(plan.host_items, plan.team_tcbs));
-  std::lock_guard<std::mutex> lock(plan.teams_mutex);
-  const auto [at, added] = plan.teams.try_emplace({heads, blocks, warps}, 0);
-  if (added)
-    at->second = static_cast<std::int32_t>(
+  return plan.teams.get(heads, blocks, warps, [&] {
+    return static_cast<std::int32_t>(
         fused3s::choose_team_items(plan.host_items, heads, blocks, warps));
-  return at->second;
+  });
 }
 
 template <class T, int D, class O, int kBlocks, int kBlockWarps = kWarps>
@@ -167,8 +218,6 @@ std::shared_ptr<fused3s_device_plan> plan_from(device_bsb f, fused3s_limits limi
   plan->device = here.device;
   plan->sms = here.sms;
   const int sms = plan->sms;
-  plan->queue = device_buffer<std::uint64_t>(3);
-  TRISPARSE_CUDA_TRY(cudaMemsetAsync(plan->queue.data(), 0, plan->queue.bytes(), s));
   plan->rows = f.rows;
   plan->cols = f.cols;
   // The split limit from the schedule model (schedule.hpp), unless the caller fixes it.
@@ -198,6 +247,12 @@ std::shared_ptr<fused3s_device_plan> plan_from(device_bsb f, fused3s_limits limi
   plan->num_items = list.num_items;
   plan->num_splits = list.num_splits;
   plan->num_parts = list.num_parts;
+  plan->own_heads = std::max<std::int64_t>(limits.workspace_heads, 1);
+  plan->own_dim = std::max<std::int64_t>(limits.workspace_dim, 1);
+  const fused3s_workspace w = workspace_of(*plan, plan->own_heads, plan->own_dim);
+  plan->own = device_buffer<std::byte>(w.layout.bytes());
+  TRISPARSE_CUDA_TRY(cudaMemsetAsync(plan->own.data(), 0, w.layout.zeroed_bytes(), s));
+  TRISPARSE_CUDA_TRY(cudaStreamSynchronize(s));
   return plan;
 }
 
@@ -218,8 +273,14 @@ std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_view& pattern,
   return plan_from(build_bsb_device(pattern, s, false, false), limits, s);
 }
 
+std::size_t fused3s_workspace_bytes(const fused3s_device_plan& plan, std::int64_t heads,
+                                    std::int64_t head_dim) {
+  return workspace_of(plan, heads, head_dim).layout.bytes();
+}
+
 void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const tensor_view& k,
-                 const tensor_view& v, const tensor_view& out, double scale, stream_ref stream) {
+                 const tensor_view& v, const tensor_view& out, double scale,
+                 const workspace_view* workspace, stream_ref stream) {
   check_attention_operands(q, k, v, out, "fused 3S");
   expect_current_device(plan.device);
   fused3s::params p{};
@@ -234,25 +295,32 @@ void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const te
   p.num_splits = plan.num_splits;
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   p.heads = static_cast<std::int32_t>(q.heads);
-  p.queue = plan.queue.data();
-  if (plan.num_parts > 0) {
-    const std::size_t need = static_cast<std::size_t>(plan.num_parts) * q.heads * 16;
-    std::lock_guard<std::mutex> lock(plan.workspace_mutex);
-    if (plan.part_o.size() < need * q.dim ||
-        plan.split_count.size() < plan.num_splits * static_cast<std::size_t>(q.heads)) {
-      // Grows once per larger heads x dim, never per call of the same shape.
-      TRISPARSE_CUDA_TRY(cudaDeviceSynchronize());
-      plan.part_o = device_buffer<float>(need * q.dim);
-      plan.part_ml = device_buffer<float>(need * 2);
-      plan.split_count =
-          device_buffer<std::int32_t>(static_cast<std::size_t>(plan.num_splits) * q.heads);
-      TRISPARSE_CUDA_TRY(cudaMemset(plan.split_count.data(), 0, plan.split_count.bytes()));
-    }
-    p.part_o = plan.part_o.data();
-    p.part_ml = plan.part_ml.data();
-    p.split_count = plan.split_count.data();
-  }
   const auto s = static_cast<cudaStream_t>(stream.handle);
+  // The plan's own workspace keeps the layout it was zeroed in (a smaller run's scratch would
+  // otherwise overlap a larger run's counters); the caller's is laid out for this run and cleared.
+  const bool own = workspace == nullptr;
+  if (own) {
+    TRISPARSE_EXPECTS_INPUT(
+        q.heads <= plan.own_heads && q.dim <= plan.own_dim,
+        "fused 3S: the plan's own workspace serves heads <= " + std::to_string(plan.own_heads) +
+            " and head_dim <= " + std::to_string(plan.own_dim) + ", not " +
+            std::to_string(q.heads) + " x " + std::to_string(q.dim) +
+            ": build it with larger plan_options.workspace_heads / workspace_dim, or pass a "
+            "workspace to run()");
+  }
+  const fused3s_workspace w =
+      own ? workspace_of(plan, plan.own_heads, plan.own_dim) : workspace_of(plan, q.heads, q.dim);
+  const workspace_view ws = own ? workspace_view{plan.own.data(), plan.own.bytes()} : *workspace;
+  if (!own) {
+    w.layout.check(ws, "fused 3S");
+    TRISPARSE_CUDA_TRY(cudaMemsetAsync(ws.data, 0, w.layout.zeroed_bytes(), s));
+  }
+  p.queue = detail::workspace_layout::at<std::uint64_t>(ws, w.queue);
+  if (plan.num_parts > 0) {
+    p.part_o = detail::workspace_layout::at<float>(ws, w.part_o);
+    p.part_ml = detail::workspace_layout::at<float>(ws, w.part_ml);
+    p.split_count = detail::workspace_layout::at<std::int32_t>(ws, w.split_count);
+  }
   if (q.type == dtype::f16)
     launch_dim<__half>(q.dim, out.type, p, plan, s);
   else
@@ -261,9 +329,7 @@ void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const te
 
 std::int64_t device_bytes(const fused3s_device_plan& plan) {
   return static_cast<std::int64_t>(plan.col_idx.bytes() + plan.bitmap.bytes() + plan.items.bytes() +
-                                   plan.splits.bytes() + plan.row_map.bytes() + plan.queue.bytes() +
-                                   plan.part_o.bytes() + plan.part_ml.bytes() +
-                                   plan.split_count.bytes());
+                                   plan.splits.bytes() + plan.row_map.bytes() + plan.own.bytes());
 }
 
 }  // namespace trisparse::cuda

@@ -6,6 +6,7 @@
 
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/tensor.hpp"
+#include "trisparse/core/workspace.hpp"
 #include "trisparse/graph/csr.hpp"
 
 namespace trisparse::cuda {
@@ -18,6 +19,8 @@ struct fused3s_device_plan;
 /// chosen from the TCB total and the SM count.
 struct fused3s_limits {
   std::int32_t split_tcbs = 0, team_tcbs = 0;
+  /// The largest heads and head dim that the plan's own workspace serves.
+  std::int64_t workspace_heads = 8, workspace_dim = 256;
 };
 
 /// Builds the BSB (16x8) of a checked host pattern on the GPU (after uploading it) and the work
@@ -33,11 +36,18 @@ std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_graph& pattern,
 std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_view& pattern,
                                                        fused3s_limits limits, stream_ref stream);
 
-/// out = attention(q, k, v) on the current stream. q, k, v: f16 or bf16, one dtype; out: f32, f16
-/// or bf16; head_dim (= v's dim) 32, 64, 128 or 256; strides multiples of 8 elements, 16-byte
-/// aligned data. Asynchronous. @throws invalid_input for unsupported shapes, dtypes or alignment.
+/// Bytes of workspace a run with `heads` heads of `head_dim` needs.
+std::size_t fused3s_workspace_bytes(const fused3s_device_plan& plan, std::int64_t heads,
+                                    std::int64_t head_dim);
+
+/// out = attention(q, k, v) on `stream`. q, k, v: f16 or bf16, one dtype; out: f32, f16 or bf16;
+/// head_dim (= v's dim) 32, 64, 128 or 256; strides multiples of 8 elements, 16-byte aligned data.
+/// `workspace`: the caller's (cleared on the stream first), or nullptr for the plan's own.
+/// Asynchronous: no host synchronisation, allocation or lock.
+/// @throws invalid_input for unsupported shapes, dtypes or alignment, or too small a workspace.
 void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const tensor_view& k,
-                 const tensor_view& v, const tensor_view& out, double scale, stream_ref stream);
+                 const tensor_view& v, const tensor_view& out, double scale,
+                 const workspace_view* workspace, stream_ref stream);
 
 /// Device bytes held by the plan (format, work list, partial-state workspace).
 std::int64_t device_bytes(const fused3s_device_plan& plan);

@@ -28,7 +28,7 @@ void launch(const me::softmax_params& p, bool split, cudaStream_t s) {
 }  // namespace
 
 void run_softmax(const me_device_plan& plan, const tensor_view& in, const tensor_view& out,
-                 stream_ref stream) {
+                 const workspace_view* workspace, stream_ref stream) {
   me::check_device(plan);
   me::check_slots(plan, in, "scores", in.heads);
   me::check_slots(plan, out, "out", in.heads);
@@ -40,18 +40,12 @@ void run_softmax(const me_device_plan& plan, const tensor_view& in, const tensor
   p.out_head = out.head_stride;
   p.heads = static_cast<std::int32_t>(in.heads);
   const bool split = plan.softmax_work.num_parts > 0;
+  const auto s = static_cast<cudaStream_t>(stream.handle);
   if (split) {
-    const std::size_t need =
-        static_cast<std::size_t>(plan.softmax_work.num_parts) * in.heads * plan.f.vector_rows * 2;
-    std::lock_guard<std::mutex> lock(plan.mutex);
-    if (plan.part_stats.size() < need) {
-      TRISPARSE_CUDA_TRY(cudaDeviceSynchronize());
-      plan.part_stats = device_buffer<float>(need);
-    }
-    p.part_stats = plan.part_stats.data();
+    const auto [ws, w] = me::use_workspace(plan, in.heads, 1, workspace, "softmax", s);
+    p.part_stats = detail::workspace_layout::at<float>(ws, w.part_stats);
   }
   if (in.heads == 0 || plan.f.slots() == 0) return;
-  const auto s = static_cast<cudaStream_t>(stream.handle);
   me::with_element_type(in.type, "softmax's scores", [&](auto in_t) {
     me::with_element_type(out.type, "softmax's out", [&](auto out_t) {
       using In = decltype(in_t);

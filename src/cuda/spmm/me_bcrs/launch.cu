@@ -65,7 +65,7 @@ void launch_all(int height, me::spmm_params p, cudaStream_t s) {
 }  // namespace
 
 void run_spmm(const me_device_plan& plan, const tensor_view& values, const tensor_view& b,
-              const tensor_view& c, stream_ref stream) {
+              const tensor_view& c, const workspace_view* workspace, stream_ref stream) {
   me::check_device(plan);
   check_view(b, "b", plan.f.cols, -1, -1);
   check_view(c, "c", plan.f.rows, b.heads, b.dim);
@@ -87,7 +87,7 @@ void run_spmm(const me_device_plan& plan, const tensor_view& values, const tenso
   } else {  // the pattern's own values, shared by every head
     p.a_head = 0;
     me::with_element_type(b.type, "SpMM's b",
-                          [&](auto b_t) { p.a = me::own_values<decltype(b_t)>(plan, s); });
+                          [&](auto b_t) { p.a = me::own_values<decltype(b_t)>(plan); });
   }
   p.b = b.data;
   p.b_row = b.row_stride;
@@ -99,21 +99,9 @@ void run_spmm(const me_device_plan& plan, const tensor_view& values, const tenso
   p.heads = static_cast<std::int32_t>(b.heads);
   p.aligned = me::vector_aligned(b) && me::vector_aligned(c);
   if (plan.spmm_work.num_parts > 0 && b.dim > 0) {
-    const std::size_t chunks = static_cast<std::size_t>(b.dim + 15) / 16;  // an upper bound
-    const std::size_t part =
-        static_cast<std::size_t>(plan.spmm_work.num_parts) * b.heads * plan.f.vector_rows * b.dim;
-    const std::size_t counts =
-        static_cast<std::size_t>(plan.spmm_work.num_splits) * b.heads * chunks;
-    std::lock_guard<std::mutex> lock(plan.mutex);
-    if (plan.part.size() < part || plan.split_count.size() < counts) {
-      // Grows once per larger heads x n, never per call of the same shape.
-      TRISPARSE_CUDA_TRY(cudaDeviceSynchronize());
-      plan.part = device_buffer<float>(std::max(part, plan.part.size()));
-      plan.split_count = device_buffer<std::int32_t>(std::max(counts, plan.split_count.size()));
-      TRISPARSE_CUDA_TRY(cudaMemset(plan.split_count.data(), 0, plan.split_count.bytes()));
-    }
-    p.part = plan.part.data();
-    p.split_count = plan.split_count.data();
+    const auto [ws, w] = me::use_workspace(plan, b.heads, b.dim, workspace, "SpMM", s);
+    p.part = detail::workspace_layout::at<float>(ws, w.part);
+    p.split_count = detail::workspace_layout::at<std::int32_t>(ws, w.split_count);
   }
   if (b.dim == 0 || b.heads == 0 || plan.f.rows == 0) return;
   me::with_element_type(b.type, "SpMM's b", [&](auto b_t) {
