@@ -7,7 +7,7 @@
 // blocks first, then warp tasks largest first, each to the warp that frees up first) with a cost
 // per item start, per TCB, per queue claim, per split part and per merge, calibrated on an H200
 // by sweeping the split limit and the team rule over the shared datasets
-// (bench/results/fused3s_schedule_{fit,sweep}_h200_ef1db98.jsonl, docs/notes/fused3s.md). Its
+// (docs/notes/fused3s.md; the sweeps are in bench/results at 0c8e661). Its
 // absolute times are not the kernel's (the time per TCB varies between graphs); its order of the
 // choices within one graph is what is used.
 #include <cstdint>
@@ -53,8 +53,8 @@ std::int64_t spare_slot_teams(const item_list& items, std::int64_t heads, std::i
                               int warps);
 
 /// The split limit. On large graphs (more than 12 TCBs per warp slot of 16 warps per SM) a few
-/// times the mean work per slot, as swept before (bench/results/fused3s_split_sweep_queue_h200
-/// .jsonl), never below 24. Below, that limit unless a limit in 24..64 with its own team choice is
+/// times the mean work per slot, as swept before (bench/results at
+/// 0c8e661), never below 24. Below, that limit unless a limit in 24..64 with its own team choice is
 /// predicted at least 10% faster for one head at 2 blocks per SM (D = 128); the fastest such,
 /// ties to the larger limit.
 std::int64_t choose_split_limit(std::span<const std::int32_t> window_tcbs, int sms, int warps);
