@@ -7,6 +7,7 @@
 #include <exception>
 #include <string>
 
+#include "block_sparse_internal.hpp"
 #include "trisparse/core/error.hpp"
 #include "trisparse/core/random.hpp"
 
@@ -194,5 +195,82 @@ block_sparse_mask make_block_sparse_mask(const block_layout_options& o,
   if (failed) std::rethrow_exception(failed);
   return mask;
 }
+
+namespace detail {
+
+std::int64_t attended_pairs(const block_sparse_mask& m) {
+  std::int64_t n = 0;
+  const std::int64_t g = m.block;
+  for (std::int64_t b = 0; b < m.batch(); ++b) {
+    const std::int64_t lq = m.len_q(b);
+    for (std::int64_t h = 0; h < m.heads; ++h) {
+      const csr_graph& blocks = m.masks[b * m.heads + h].blocks;
+      for (std::int64_t r = 0; r < blocks.rows; ++r) {
+        for (std::int64_t e = blocks.row_ptr[r]; e < blocks.row_ptr[r + 1]; ++e) {
+          const std::int64_t j0 = std::int64_t{blocks.col_idx[e]} * g;
+          for (std::int64_t i = r * g; i < std::min(lq, (r + 1) * g); ++i) {
+            n += std::max<std::int64_t>(0, std::min(j0 + g, m.last_key(b, i) + 1) - j0);
+          }
+        }
+      }
+    }
+  }
+  return n;
+}
+
+csr_graph batch_pattern(const block_sparse_mask& m, std::int64_t h) {
+  csr_graph g;
+  g.rows = m.cu_seqlens_q.back();
+  g.cols = m.cu_seqlens_k.back();
+  for (std::int64_t b = 0; b < m.batch(); ++b) {
+    const csr_graph e = m.expand(b, h);
+    const auto col0 = static_cast<std::int32_t>(m.cu_seqlens_k[b]);
+    for (std::int64_t r = 0; r < e.rows; ++r) {
+      for (std::int64_t x = e.row_ptr[r]; x < e.row_ptr[r + 1]; ++x)
+        g.col_idx.push_back(col0 + e.col_idx[x]);
+      g.row_ptr.push_back(g.nnz());
+    }
+  }
+  return g;
+}
+
+block_mask empty_block_mask(std::int64_t lq, std::int64_t lk, std::int64_t g) {
+  block_mask m;
+  m.rows = lq;
+  m.cols = lk;
+  m.block = g;
+  m.blocks.rows = (lq + g - 1) / g;
+  m.blocks.cols = (lk + g - 1) / g;
+  m.blocks.row_ptr.assign(1, 0);
+  return m;
+}
+
+block_sparse_mask topk_rows(const block_sparse_mask& shape, std::int64_t slots, bool fill_past) {
+  block_sparse_mask m = shape;
+  m.masks.clear();
+  const std::int64_t g = shape.block;
+  for (std::int64_t b = 0; b < shape.batch(); ++b) {
+    const std::int64_t lq = shape.len_q(b), lk = shape.len_k(b);
+    const std::int64_t nbq = (lq + g - 1) / g, nbk = (lk + g - 1) / g;
+    for (std::int64_t h = 0; h < shape.heads; ++h) {
+      block_mask bm = empty_block_mask(lq, lk, g);
+      for (std::int64_t r = 0; r < nbq; ++r) {
+        const std::int64_t last = shape.last_key(b, std::min(lq, (r + 1) * g) - 1);
+        const std::int64_t allowed = last < 0 ? 0 : last / g + 1;
+        for (std::int64_t i = 0; i < slots; ++i) {
+          if (i < allowed)
+            bm.blocks.col_idx.push_back(static_cast<std::int32_t>(i));
+          else if (fill_past)
+            bm.blocks.col_idx.push_back(static_cast<std::int32_t>(nbk));
+        }
+        bm.blocks.row_ptr.push_back(bm.blocks.nnz());
+      }
+      m.masks.push_back(std::move(bm));
+    }
+  }
+  return m;
+}
+
+}  // namespace detail
 
 }  // namespace trisparse

@@ -280,19 +280,8 @@ std::size_t attention_plan::workspace_bytes(std::int64_t heads, std::int64_t hea
 
 void attention_plan::run(const tensor_view& q, const tensor_view& k, const tensor_view& v,
                          const tensor_view& out, const attention_options& options,
-                         stream_ref stream) const {
-  run(q, k, v, out, nullptr, options, stream);
-}
-
-void attention_plan::run(const tensor_view& q, const tensor_view& k, const tensor_view& v,
-                         const tensor_view& out, const workspace_view& workspace,
-                         const attention_options& options, stream_ref stream) const {
-  run(q, k, v, out, &workspace, options, stream);
-}
-
-void attention_plan::run(const tensor_view& q, const tensor_view& k, const tensor_view& v,
-                         const tensor_view& out, const workspace_view* workspace,
-                         const attention_options& options, stream_ref stream) const {
+                         stream_ref stream, workspace_view given) const {
+  const workspace_view* workspace = given.empty() ? nullptr : &given;
   const plan_report& r = report();
   detail::check_attention_args(r.rows, r.cols, q, k, v, out, r.where);
   const double scale = detail::resolve_scale(options.scale, q.dim);
@@ -358,8 +347,8 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
       if (workspace != nullptr) {
         const workspace_view sparse{detail::workspace_layout::at<void>(ws, w.sparse),
                                     ws.bytes - w.sparse};
-        p.softmax(scores, probs, sparse, stream);
-        p.spmm(probs, v, out, sparse, stream);
+        p.softmax(scores, probs, stream, sparse);
+        p.spmm(probs, v, out, stream, sparse);
       } else {
         p.softmax(scores, probs, stream);
         p.spmm(probs, v, out, stream);

@@ -84,6 +84,8 @@ csr_graph gcn_normalized(const csr_graph& graph, bool add_self_loops) {
   return a;
 }
 
+namespace {
+
 // A contiguous [rows, 1, dim] view of a workspace segment.
 tensor_view segment(const workspace_view& ws, std::size_t offset, dtype type, std::int64_t rows,
                     std::int64_t dim, int device) {
@@ -100,27 +102,53 @@ tensor_view slot_segment(const workspace_view& ws, std::size_t offset, dtype typ
   return v;
 }
 
-// The workspace a layer runs on: the caller's, checked, or the layer's own (sized at build for
-// `own_dim`), which must hold the run's layout.
-workspace_view workspace_for(const detail::workspace_layout& layout, const workspace_view* given,
-                             const device_tensor& own, std::int64_t own_dim, const char* what) {
-  if (given != nullptr) {
-    layout.check(*given, what);
-    return *given;
-  }
-  const tensor_view o = own.view();
-  const workspace_view ws{o.data, static_cast<std::size_t>(o.rows) * 4};
-  TRISPARSE_EXPECTS_INPUT(layout.bytes() <= ws.bytes,
-                          std::string(what) + ": the layer's own workspace serves features up to " +
-                              std::to_string(own_dim) +
-                              " wide: build it with a larger layer_options.workspace_dim, or "
-                              "pass a workspace to forward()");
-  return ws;
-}
+// What both layers hold: the pattern (CPU) or its sparse plan (CUDA), and on CUDA the workspace
+// of runs not given one, sized at build for `own_dim` wide features.
+struct layer_core {
+  device_kind where = device_kind::cpu;
+  csr_graph pattern;                // CPU layers: Â (GCN) or A + I (AGNN)
+  std::optional<sparse_plan> plan;  // CUDA layers
+  std::int64_t rows = 0, nnz = 0;
+  device_tensor own;
+  std::int64_t own_dim = 0;
 
-device_tensor own_workspace(std::size_t bytes) {
-  return device_tensor(dtype::f32, static_cast<std::int64_t>((bytes + 3) / 4), 1, 1);
-}
+  // `own_bytes(plan, rows, dim)`: the layer's workspace for features `dim` wide.
+  template <class Bytes>
+  layer_core(csr_graph a, device_kind w, const layer_options& options, stream_ref stream,
+             Bytes&& own_bytes)
+      : where(w), rows(a.rows), nnz(a.nnz()) {
+    if (where == device_kind::cpu) {
+      pattern = std::move(a);
+      return;
+    }
+    plan = sparse_plan::build(
+        a, where,
+        {.order = options.order, .workspace_heads = 1, .workspace_dim = options.workspace_dim},
+        stream);
+    own_dim = std::max<std::int64_t>(options.workspace_dim, 1);
+    own = device_tensor(dtype::f32,
+                        static_cast<std::int64_t>((own_bytes(*plan, rows, own_dim) + 3) / 4), 1, 1);
+  }
+
+  // The workspace a run uses: the caller's, checked, or the layer's own, which must hold the
+  // run's layout.
+  workspace_view use(const detail::workspace_layout& layout, const workspace_view& given,
+                     const char* what) const {
+    if (!given.empty()) {
+      layout.check(given, what);
+      return given;
+    }
+    const tensor_view o = own.view();
+    const workspace_view ws{o.data, static_cast<std::size_t>(o.rows) * 4};
+    TRISPARSE_EXPECTS_INPUT(layout.bytes() <= ws.bytes,
+                            std::string(what) +
+                                ": the layer's own workspace serves features up to " +
+                                std::to_string(own_dim) +
+                                " wide: build it with a larger layer_options.workspace_dim, or "
+                                "pass a workspace to forward()");
+    return ws;
+  }
+};
 
 // --- GCN ------------------------------------------------------------------------------------
 
@@ -157,35 +185,20 @@ agnn_workspace agnn_workspace_of(const sparse_plan& p, std::int64_t rows, std::i
   return w;
 }
 
-struct gcn_layer::state {
-  device_kind where = device_kind::cpu;
-  csr_graph propagation;            // Â (CPU layers)
-  std::optional<sparse_plan> plan;  // Â (CUDA layers)
-  std::int64_t rows = 0, nnz = 0;
-  device_tensor own;  // the workspace of runs not given one
-  std::int64_t own_dim = 0;
+}  // namespace
+
+struct gcn_layer::state : layer_core {
+  using layer_core::layer_core;
 };
 
 gcn_layer gcn_layer::build(const csr_graph& graph, device_kind where, const layer_options& options,
                            stream_ref stream) {
-  auto s = std::make_shared<state>();
-  s->where = where;
-  csr_graph a = gcn_normalized(graph, options.add_self_loops);
-  s->rows = a.rows;
-  s->nnz = a.nnz();
-  if (where == device_kind::cuda) {
-    s->plan = sparse_plan::build(
-        a, where,
-        {.order = options.order, .workspace_heads = 1, .workspace_dim = options.workspace_dim},
-        stream);
-    s->own_dim = std::max<std::int64_t>(options.workspace_dim, 1);
-    s->own =
-        own_workspace(gcn_workspace_of(*s->plan, s->rows, s->own_dim, s->own_dim).layout.bytes());
-  } else {
-    s->propagation = std::move(a);
-  }
   gcn_layer layer;
-  layer.state_ = std::move(s);
+  layer.state_ =
+      std::make_shared<state>(gcn_normalized(graph, options.add_self_loops), where, options, stream,
+                              [](const sparse_plan& p, std::int64_t rows, std::int64_t dim) {
+                                return gcn_workspace_of(p, rows, dim, dim).layout.bytes();
+                              });
   return layer;
 }
 
@@ -199,16 +212,7 @@ std::size_t gcn_layer::workspace_bytes(std::int64_t in_dim, std::int64_t out_dim
 }
 
 void gcn_layer::forward(const tensor_view& x, const tensor_view& w, const tensor_view& out,
-                        stream_ref stream) const {
-  forward(x, w, out, nullptr, stream);
-}
-void gcn_layer::forward(const tensor_view& x, const tensor_view& w, const tensor_view& out,
-                        const workspace_view& workspace, stream_ref stream) const {
-  forward(x, w, out, &workspace, stream);
-}
-
-void gcn_layer::forward(const tensor_view& x, const tensor_view& w, const tensor_view& out,
-                        const workspace_view* workspace, stream_ref stream) const {
+                        stream_ref stream, workspace_view workspace) const {
   const state& s = *state_;
   check_view(x, "x", s.rows, 1, -1);
   check_view(w, "w", x.dim, 1, -1);
@@ -218,7 +222,7 @@ void gcn_layer::forward(const tensor_view& x, const tensor_view& w, const tensor
       check_host(*t, what);
     host_tensor xw(dtype::f64, s.rows, 1, w.dim);
     host_gemm(x, w, xw.view());
-    reference::spmm(s.propagation, {}, xw.view(), out);
+    reference::spmm(s.pattern, {}, xw.view(), out);
     return;
   }
   for (const auto& [t, what] : {std::pair{&x, "x"}, std::pair{&w, "w"}, std::pair{&out, "out"}})
@@ -228,7 +232,7 @@ void gcn_layer::forward(const tensor_view& x, const tensor_view& w, const tensor
   TRISPARSE_EXPECTS_INPUT(out.type == dtype::f32 || out.type == x.type,
                           "out " + out.describe() + " must be f32 or x's dtype");
   const gcn_workspace g = gcn_workspace_of(*s.plan, s.rows, x.dim, w.dim);
-  const workspace_view ws = workspace_for(g.layout, workspace, s.own, s.own_dim, "GCN layer");
+  const workspace_view ws = s.use(g.layout, workspace, "GCN layer");
   const workspace_view blas{detail::workspace_layout::at<void>(ws, g.blas),
                             cuda::kGemmWorkspaceBytes};
   const workspace_view sparse{detail::workspace_layout::at<void>(ws, g.sparse),
@@ -238,43 +242,27 @@ void gcn_layer::forward(const tensor_view& x, const tensor_view& w, const tensor
       segment(ws, g.between, x.type, s.rows, std::min(x.dim, w.dim), x.device_id);
   if (w.dim <= x.dim) {
     cuda::gemm(x, w, between, blas, stream);
-    s.plan->spmm({}, between, out, sparse, stream);
+    s.plan->spmm({}, between, out, stream, sparse);
   } else {
-    s.plan->spmm({}, x, between, sparse, stream);
+    s.plan->spmm({}, x, between, stream, sparse);
     cuda::gemm(between, w, out, blas, stream);
   }
 }
 
 // --- AGNN -----------------------------------------------------------------------------------
 
-struct agnn_layer::state {
-  device_kind where = device_kind::cpu;
-  csr_graph pattern;                // CPU layers
-  std::optional<sparse_plan> plan;  // CUDA layers
-  std::int64_t rows = 0, nnz = 0;
-  device_tensor own;  // the workspace of runs not given one
-  std::int64_t own_dim = 0;
+struct agnn_layer::state : layer_core {
+  using layer_core::layer_core;
 };
 
 agnn_layer agnn_layer::build(const csr_graph& graph, device_kind where,
                              const layer_options& options, stream_ref stream) {
-  auto s = std::make_shared<state>();
-  s->where = where;
-  csr_graph a = with_self_loops(graph, options.add_self_loops);
-  s->rows = a.rows;
-  s->nnz = a.nnz();
-  if (where == device_kind::cuda) {
-    s->plan = sparse_plan::build(
-        a, where,
-        {.order = options.order, .workspace_heads = 1, .workspace_dim = options.workspace_dim},
-        stream);
-    s->own_dim = std::max<std::int64_t>(options.workspace_dim, 1);
-    s->own = own_workspace(agnn_workspace_of(*s->plan, s->rows, s->own_dim).layout.bytes());
-  } else {
-    s->pattern = std::move(a);
-  }
   agnn_layer layer;
-  layer.state_ = std::move(s);
+  layer.state_ = std::make_shared<state>(
+      with_self_loops(graph, options.add_self_loops), where, options, stream,
+      [](const sparse_plan& p, std::int64_t rows, std::int64_t dim) {
+        return agnn_workspace_of(p, rows, dim).layout.bytes();
+      });
   return layer;
 }
 
@@ -288,16 +276,7 @@ std::size_t agnn_layer::workspace_bytes(std::int64_t dim) const {
 }
 
 void agnn_layer::forward(const tensor_view& h, double beta, const tensor_view& out,
-                         stream_ref stream) const {
-  forward(h, beta, out, nullptr, stream);
-}
-void agnn_layer::forward(const tensor_view& h, double beta, const tensor_view& out,
-                         const workspace_view& workspace, stream_ref stream) const {
-  forward(h, beta, out, &workspace, stream);
-}
-
-void agnn_layer::forward(const tensor_view& h, double beta, const tensor_view& out,
-                         const workspace_view* workspace, stream_ref stream) const {
+                         stream_ref stream, workspace_view workspace) const {
   const state& s = *state_;
   check_view(h, "h", s.rows, 1, -1);
   check_view(out, "out", s.rows, 1, h.dim);
@@ -328,7 +307,7 @@ void agnn_layer::forward(const tensor_view& h, double beta, const tensor_view& o
                           "out " + out.describe() + " must be f32 or h's dtype");
   const sparse_plan& p = *s.plan;
   const agnn_workspace a = agnn_workspace_of(p, s.rows, h.dim);
-  const workspace_view ws = workspace_for(a.layout, workspace, s.own, s.own_dim, "AGNN layer");
+  const workspace_view ws = s.use(a.layout, workspace, "AGNN layer");
   const workspace_view sparse{detail::workspace_layout::at<void>(ws, a.sparse),
                               a.layout.bytes() - a.sparse};
   const tensor_view unit = segment(ws, a.unit, h.type, s.rows, h.dim, h.device_id);
@@ -337,8 +316,8 @@ void agnn_layer::forward(const tensor_view& h, double beta, const tensor_view& o
       h.type == dtype::f32 ? scores : slot_segment(ws, a.probs, h.type, p.slots(), h.device_id);
   cuda::normalize_rows(h, unit, stream);
   p.sddmm(unit, unit, scores, beta, stream);
-  p.softmax(scores, probs, sparse, stream);
-  p.spmm(probs, h, out, sparse, stream);
+  p.softmax(scores, probs, stream, sparse);
+  p.spmm(probs, h, out, stream, sparse);
 }
 
 }  // namespace trisparse

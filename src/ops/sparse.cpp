@@ -153,25 +153,10 @@ std::size_t sparse_plan::workspace_bytes(std::int64_t heads, std::int64_t dim) c
 }
 
 void sparse_plan::spmm(const tensor_view& values, const tensor_view& b, const tensor_view& c,
-                       stream_ref stream) const {
-  spmm(values, b, c, nullptr, stream);
-}
-void sparse_plan::spmm(const tensor_view& values, const tensor_view& b, const tensor_view& c,
-                       const workspace_view& workspace, stream_ref stream) const {
-  spmm(values, b, c, &workspace, stream);
-}
-void sparse_plan::softmax(const tensor_view& scores, const tensor_view& out,
-                          stream_ref stream) const {
-  softmax(scores, out, nullptr, stream);
-}
-void sparse_plan::softmax(const tensor_view& scores, const tensor_view& out,
-                          const workspace_view& workspace, stream_ref stream) const {
-  softmax(scores, out, &workspace, stream);
-}
-
-void sparse_plan::spmm(const tensor_view& values, const tensor_view& b, const tensor_view& c,
-                       const workspace_view* workspace, stream_ref stream) const {
-  if (state_->device) return cuda::run_spmm(*state_->device, values, b, c, workspace, stream);
+                       stream_ref stream, workspace_view workspace) const {
+  if (state_->device)
+    return cuda::run_spmm(*state_->device, values, b, c, workspace.empty() ? nullptr : &workspace,
+                          stream);
   const csr_graph& g = state_->pattern;
   check_view(b, "b", g.cols, -1, -1);
   check_view(c, "c", g.rows, b.heads, b.dim);
@@ -191,9 +176,11 @@ void sparse_plan::sddmm(const tensor_view& x, const tensor_view& y, const tensor
   reference::sddmm(g, x, y, out, scale);
 }
 
-void sparse_plan::softmax(const tensor_view& scores, const tensor_view& out,
-                          const workspace_view* workspace, stream_ref stream) const {
-  if (state_->device) return cuda::run_softmax(*state_->device, scores, out, workspace, stream);
+void sparse_plan::softmax(const tensor_view& scores, const tensor_view& out, stream_ref stream,
+                          workspace_view workspace) const {
+  if (state_->device)
+    return cuda::run_softmax(*state_->device, scores, out, workspace.empty() ? nullptr : &workspace,
+                             stream);
   const csr_graph& g = state_->pattern;
   check_view(scores, "scores", g.nnz(), -1, 1);
   check_view(out, "out", g.nnz(), scores.heads, 1);

@@ -1,4 +1,5 @@
 // The GPU BSB builder equals the host builder, array for array (label gpu).
+#include "../../src/cuda/formats/bsb_host.hpp"
 #include "support.hpp"
 
 namespace trisparse {

@@ -169,10 +169,7 @@ std::vector<gpu_case> attention_cases() {
                      [plan, x](int set, const workspace_view* ws, cudaStream_t s) {
                        const auto q = x->in(set, 0, 3).view(), k = x->in(set, 1, 3).view(),
                                   v = x->in(set, 2, 3).view(), o = x->outs[set]->view();
-                       if (ws != nullptr)
-                         plan->run(q, k, v, o, *ws, {}, {s});
-                       else
-                         plan->run(q, k, v, o, {}, {s});
+                       plan->run(q, k, v, o, {}, {s}, ws != nullptr ? *ws : workspace_view{});
                      },
                  .reference =
                      [g, x, dim](int set) {
@@ -219,24 +216,22 @@ std::vector<gpu_case> sparse_cases() {
       v.head_stride = slots;
       return v;
     };
-    cases.push_back(gpu_case{
-        .name = "sparse spmm",
-        .workspace_bytes = plan->workspace_bytes(heads, n),
-        .tolerance = tol,
-        .run =
-            [plan, x, slot_view](int set, const workspace_view* ws, cudaStream_t s) {
-              if (ws != nullptr)
-                plan->spmm(slot_view(set), x->in(set, 0, 1).view(), x->outs[set]->view(), *ws, {s});
-              else
-                plan->spmm(slot_view(set), x->in(set, 0, 1).view(), x->outs[set]->view(), {s});
-            },
-        .reference =
-            [g, x, w, n](int set) {
-              host_tensor ref(dtype::f64, g.rows, 2, n);
-              reference::spmm(g, (*w)[set].view(), x->host[set].view(), ref.view());
-              return ref;
-            },
-        .out = [x](int set) -> test::device_tensor& { return *x->outs[set]; }});
+    cases.push_back(
+        gpu_case{.name = "sparse spmm",
+                 .workspace_bytes = plan->workspace_bytes(heads, n),
+                 .tolerance = tol,
+                 .run =
+                     [plan, x, slot_view](int set, const workspace_view* ws, cudaStream_t s) {
+                       plan->spmm(slot_view(set), x->in(set, 0, 1).view(), x->outs[set]->view(),
+                                  {s}, ws != nullptr ? *ws : workspace_view{});
+                     },
+                 .reference =
+                     [g, x, w, n](int set) {
+                       host_tensor ref(dtype::f64, g.rows, 2, n);
+                       reference::spmm(g, (*w)[set].view(), x->host[set].view(), ref.view());
+                       return ref;
+                     },
+                 .out = [x](int set) -> test::device_tensor& { return *x->outs[set]; }});
   }
   // SDDMM -> softmax into the slot layout, then back to CSR entry order (a chain on one stream).
   {
@@ -256,10 +251,7 @@ std::vector<gpu_case> sparse_cases() {
               sc.row_stride = 1;
               sc.head_stride = slots;
               plan->sddmm(x->in(set, 0, 2).view(), x->in(set, 1, 2).view(), sc, 0.125, {s});
-              if (ws != nullptr)
-                plan->softmax(sc, sc, *ws, {s});
-              else
-                plan->softmax(sc, sc, {s});
+              plan->softmax(sc, sc, {s}, ws != nullptr ? *ws : workspace_view{});
               plan->to_entries(sc, x->outs[set]->view(), {s});
             },
         .reference =
@@ -305,10 +297,7 @@ std::vector<gpu_case> block_sparse_cases() {
                      [plan, x](int set, const workspace_view* ws, cudaStream_t s) {
                        const auto q = x->in(set, 0, 3).view(), k = x->in(set, 1, 3).view(),
                                   v = x->in(set, 2, 3).view(), o = x->outs[set]->view();
-                       if (ws != nullptr)
-                         plan->run(q, k, v, o, *ws, {}, {s});
-                       else
-                         plan->run(q, k, v, o, {}, {s});
+                       plan->run(q, k, v, o, {}, {s}, ws != nullptr ? *ws : workspace_view{});
                      },
                  .reference =
                      [mask, x, rows, dim](int set) {
@@ -331,49 +320,43 @@ std::vector<gpu_case> layer_cases() {
   {
     const auto layer = std::make_shared<gcn_layer>(gcn_layer::build(g, device_kind::cuda));
     auto x = make_io({{g.rows, 1, in}, {in, 1, out}}, dtype::f16, {g.rows, 1, out}, dtype::f32, 71);
-    cases.push_back(
-        gpu_case{.name = "gcn layer",
-                 .workspace_bytes = layer->workspace_bytes(in, out),
-                 .tolerance = tol,
-                 .run =
-                     [layer, x](int set, const workspace_view* ws, cudaStream_t s) {
-                       if (ws != nullptr)
-                         layer->forward(x->in(set, 0, 2).view(), x->in(set, 1, 2).view(),
-                                        x->outs[set]->view(), *ws, {s});
-                       else
-                         layer->forward(x->in(set, 0, 2).view(), x->in(set, 1, 2).view(),
-                                        x->outs[set]->view(), {s});
-                     },
-                 .reference =
-                     [g, x, out](int set) {
-                       host_tensor ref(dtype::f64, g.rows, 1, out);
-                       gcn_layer::build(g).forward(x->host[set * 2].view(),
-                                                   x->host[set * 2 + 1].view(), ref.view());
-                       return ref;
-                     },
-                 .out = [x](int set) -> test::device_tensor& { return *x->outs[set]; }});
+    cases.push_back(gpu_case{
+        .name = "gcn layer",
+        .workspace_bytes = layer->workspace_bytes(in, out),
+        .tolerance = tol,
+        .run =
+            [layer, x](int set, const workspace_view* ws, cudaStream_t s) {
+              layer->forward(x->in(set, 0, 2).view(), x->in(set, 1, 2).view(), x->outs[set]->view(),
+                             {s}, ws != nullptr ? *ws : workspace_view{});
+            },
+        .reference =
+            [g, x, out](int set) {
+              host_tensor ref(dtype::f64, g.rows, 1, out);
+              gcn_layer::build(g).forward(x->host[set * 2].view(), x->host[set * 2 + 1].view(),
+                                          ref.view());
+              return ref;
+            },
+        .out = [x](int set) -> test::device_tensor& { return *x->outs[set]; }});
   }
   {
     const auto layer = std::make_shared<agnn_layer>(agnn_layer::build(g, device_kind::cuda));
     auto x = make_io({{g.rows, 1, in}}, dtype::f16, {g.rows, 1, in}, dtype::f32, 81);
-    cases.push_back(gpu_case{
-        .name = "agnn layer",
-        .workspace_bytes = layer->workspace_bytes(in),
-        .tolerance = tol,
-        .run =
-            [layer, x](int set, const workspace_view* ws, cudaStream_t s) {
-              if (ws != nullptr)
-                layer->forward(x->in(set, 0, 1).view(), 1.5, x->outs[set]->view(), *ws, {s});
-              else
-                layer->forward(x->in(set, 0, 1).view(), 1.5, x->outs[set]->view(), {s});
-            },
-        .reference =
-            [g, x, in](int set) {
-              host_tensor ref(dtype::f64, g.rows, 1, in);
-              agnn_layer::build(g).forward(x->host[set].view(), 1.5, ref.view());
-              return ref;
-            },
-        .out = [x](int set) -> test::device_tensor& { return *x->outs[set]; }});
+    cases.push_back(
+        gpu_case{.name = "agnn layer",
+                 .workspace_bytes = layer->workspace_bytes(in),
+                 .tolerance = tol,
+                 .run =
+                     [layer, x](int set, const workspace_view* ws, cudaStream_t s) {
+                       layer->forward(x->in(set, 0, 1).view(), 1.5, x->outs[set]->view(), {s},
+                                      ws != nullptr ? *ws : workspace_view{});
+                     },
+                 .reference =
+                     [g, x, in](int set) {
+                       host_tensor ref(dtype::f64, g.rows, 1, in);
+                       agnn_layer::build(g).forward(x->host[set].view(), 1.5, ref.view());
+                       return ref;
+                     },
+                 .out = [x](int set) -> test::device_tensor& { return *x->outs[set]; }});
   }
   return cases;
 }

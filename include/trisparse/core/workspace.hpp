@@ -15,6 +15,8 @@ namespace trisparse {
 struct workspace_view {
   constexpr workspace_view() = default;
   constexpr workspace_view(void* d, std::size_t n) : data(d), bytes(n) {}
+  /// No memory: runs given an empty workspace use the plan's own.
+  constexpr bool empty() const { return data == nullptr && bytes == 0; }
   void* data = nullptr;
   std::size_t bytes = 0;
 };

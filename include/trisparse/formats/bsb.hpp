@@ -53,10 +53,6 @@ bsb build_bsb(const csr_graph& pattern, int tcb_cols = 8);
 /// The number of TCBs build_bsb would make, without building the format (O(nnz), parallel).
 std::int64_t count_tcbs(const csr_graph& pattern, int tcb_cols = 8);
 
-/// The same BSB (16x8 TCBs) built on the current CUDA device and copied back; what a CUDA
-/// attention plan builds. @throws not_supported without the CUDA backend.
-bsb build_bsb_cuda(const csr_graph& pattern);
-
 /// The exact pattern back (no values).
 csr_graph to_csr(const bsb& format);
 

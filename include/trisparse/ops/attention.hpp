@@ -84,18 +84,16 @@ class attention_plan {
 
   /// out = attention(q, k, v). q: [rows, H, D], k: [cols, H, D], v: [cols, H, Dv],
   /// out: [rows, H, Dv]; all on the plan's device. CPU runs synchronously; CUDA is asynchronous
-  /// on `stream` and never synchronises the host, allocates or locks. This form uses the plan's
-  /// own workspace (sized at build): its runs must not overlap on different streams.
-  /// @throws invalid_input naming the argument whose shape, dtype or device is wrong, or when
-  /// the plan's own workspace is too small for heads x head_dim.
+  /// on `stream` and never synchronises the host, allocates or locks.
+  /// `workspace`: device memory of at least workspace_bytes(q.heads, q.dim) bytes, 256-byte
+  /// aligned, used on `stream` only, so runs with different workspaces may overlap on different
+  /// streams and a run can be captured in a CUDA graph. Empty (the default): the plan's own,
+  /// sized at build (plan_options::workspace_heads / workspace_dim); such runs must not overlap.
+  /// @throws invalid_input naming the argument whose shape, dtype or device is wrong, or a
+  /// workspace too small for heads x head_dim.
   void run(const tensor_view& q, const tensor_view& k, const tensor_view& v, const tensor_view& out,
-           const attention_options& options = {}, stream_ref stream = {}) const;
-  /// The same with the caller's workspace: at least workspace_bytes(q.heads, q.dim) bytes of
-  /// device memory, 256-byte aligned, used on `stream` only. Runs with different workspaces may
-  /// overlap on different streams, and can be captured in a CUDA graph.
-  void run(const tensor_view& q, const tensor_view& k, const tensor_view& v, const tensor_view& out,
-           const workspace_view& workspace, const attention_options& options = {},
-           stream_ref stream = {}) const;
+           const attention_options& options = {}, stream_ref stream = {},
+           workspace_view workspace = {}) const;
   /// Bytes of workspace that a run with `heads` heads of `head_dim` needs (0 on the CPU).
   std::size_t workspace_bytes(std::int64_t heads, std::int64_t head_dim) const;
 
@@ -106,9 +104,6 @@ class attention_plan {
  private:
   struct state;
   static void own_unfused_workspace(state& s, const plan_options& options);
-  void run(const tensor_view& q, const tensor_view& k, const tensor_view& v, const tensor_view& out,
-           const workspace_view* workspace, const attention_options& options,
-           stream_ref stream) const;
   std::shared_ptr<const state> state_;
 };
 

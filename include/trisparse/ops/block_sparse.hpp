@@ -74,15 +74,11 @@ class block_sparse_attention_plan {
   /// k: [cu_seqlens_k.back(), H, D], v: [cu_seqlens_k.back(), H, Dv], out: [cu_seqlens_q.back(),
   /// H, Dv], on the plan's device; H = the mask's heads unless the mask is shared. Query rows with
   /// no key left give zeros. @throws invalid_input naming the argument that is wrong.
+  /// `workspace`: as attention_plan::run's (workspace_bytes(q.heads, q.dim) bytes; cuda_unfused
+  /// takes less, down to one head's scores, and runs the heads in groups); empty: the plan's own.
   void run(const tensor_view& q, const tensor_view& k, const tensor_view& v, const tensor_view& out,
-           const attention_options& options = {}, stream_ref stream = {}) const;
-  /// The same with the caller's workspace (workspace_bytes(q.heads, q.dim) bytes, 256-byte
-  /// aligned; cuda_unfused takes less, down to one head's scores, and runs the heads in groups).
-  /// Runs never synchronise the host, allocate or lock; runs with different workspaces may
-  /// overlap on different streams, and can be captured in a CUDA graph.
-  void run(const tensor_view& q, const tensor_view& k, const tensor_view& v, const tensor_view& out,
-           const workspace_view& workspace, const attention_options& options = {},
-           stream_ref stream = {}) const;
+           const attention_options& options = {}, stream_ref stream = {},
+           workspace_view workspace = {}) const;
   /// Bytes of workspace that a run with `heads` heads of `head_dim` needs (0: none).
   std::size_t workspace_bytes(std::int64_t heads, std::int64_t head_dim) const;
 
@@ -101,9 +97,6 @@ class block_sparse_attention_plan {
   const block_sparse_mask& mask() const;
 
  private:
-  void run(const tensor_view& q, const tensor_view& k, const tensor_view& v, const tensor_view& out,
-           const workspace_view* workspace, const attention_options& options,
-           stream_ref stream) const;
   struct state;
   std::shared_ptr<const state> state_;
 };

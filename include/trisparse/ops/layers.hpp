@@ -41,22 +41,18 @@ class gcn_layer {
   /// @throws invalid_input unless the graph is square; not_supported without the CUDA backend.
   static gcn_layer build(const csr_graph& graph, device_kind where = device_kind::cpu,
                          const layer_options& options = {}, stream_ref stream = {});
-  /// CUDA: asynchronous on `stream`, on the layer's own workspace (its runs must not overlap);
-  /// never synchronises the host, allocates or locks.
+  /// CUDA: asynchronous on `stream`; never synchronises the host, allocates or locks.
+  /// `workspace`: workspace_bytes(x.dim, w.dim) bytes, 256-byte aligned (runs with different
+  /// workspaces may overlap on different streams), or empty for the layer's own (its runs must
+  /// not overlap).
   void forward(const tensor_view& x, const tensor_view& w, const tensor_view& out,
-               stream_ref stream = {}) const;
-  /// The same with the caller's workspace (workspace_bytes(x.dim, w.dim) bytes, 256-byte
-  /// aligned): runs with different workspaces may overlap on different streams.
-  void forward(const tensor_view& x, const tensor_view& w, const tensor_view& out,
-               const workspace_view& workspace, stream_ref stream = {}) const;
+               stream_ref stream = {}, workspace_view workspace = {}) const;
   /// Bytes of workspace a forward with F_in = in_dim and F_out = out_dim needs (0 on the CPU).
   std::size_t workspace_bytes(std::int64_t in_dim, std::int64_t out_dim) const;
   device_kind where() const;
   std::int64_t nnz() const;  ///< of Â (with the self loops)
 
  private:
-  void forward(const tensor_view& x, const tensor_view& w, const tensor_view& out,
-               const workspace_view* workspace, stream_ref stream) const;
   struct state;
   std::shared_ptr<const state> state_;
 };
@@ -68,21 +64,16 @@ class agnn_layer {
   /// @throws invalid_input unless the graph is square; not_supported without the CUDA backend.
   static agnn_layer build(const csr_graph& graph, device_kind where = device_kind::cpu,
                           const layer_options& options = {}, stream_ref stream = {});
-  /// CUDA: asynchronous on `stream`, on the layer's own workspace (its runs must not overlap);
-  /// never synchronises the host, allocates or locks.
-  void forward(const tensor_view& h, double beta, const tensor_view& out,
-               stream_ref stream = {}) const;
-  /// The same with the caller's workspace (workspace_bytes(h.dim) bytes, 256-byte aligned).
-  void forward(const tensor_view& h, double beta, const tensor_view& out,
-               const workspace_view& workspace, stream_ref stream = {}) const;
+  /// CUDA: as gcn_layer::forward; `workspace`: workspace_bytes(h.dim) bytes, or empty for the
+  /// layer's own.
+  void forward(const tensor_view& h, double beta, const tensor_view& out, stream_ref stream = {},
+               workspace_view workspace = {}) const;
   /// Bytes of workspace a forward with F = dim needs (0 on the CPU).
   std::size_t workspace_bytes(std::int64_t dim) const;
   device_kind where() const;
   std::int64_t nnz() const;  ///< of the pattern (with the self loops)
 
  private:
-  void forward(const tensor_view& h, double beta, const tensor_view& out,
-               const workspace_view* workspace, stream_ref stream) const;
   struct state;
   std::shared_ptr<const state> state_;
 };

@@ -91,11 +91,9 @@ class sparse_plan {
   /// data == nullptr for the pattern's own values (shared by all heads). b: [cols, H, n],
   /// c: [rows, H, n]. CUDA: b f16, bf16 or f32 (computed in tf32), values in b's dtype, c f32 or
   /// b's dtype; any n (n % 16 == 0 and 16-byte aligned rows run fastest).
+  /// `workspace`: at least workspace_bytes(b.heads, b.dim) bytes, or empty for the plan's own.
   void spmm(const tensor_view& values, const tensor_view& b, const tensor_view& c,
-            stream_ref stream = {}) const;
-  /// The same with the caller's workspace (at least workspace_bytes(b.heads, b.dim) bytes).
-  void spmm(const tensor_view& values, const tensor_view& b, const tensor_view& c,
-            const workspace_view& workspace, stream_ref stream = {}) const;
+            stream_ref stream = {}, workspace_view workspace = {}) const;
   /// out = scale * A ⊙ (x y^T) in the slot layout: out[e] = a_e * scale * <x[row(e)], y[col(e)]>,
   /// 0 in slots without an entry. x: [rows, H, d], y: [cols, H, d] (one dtype: f16, bf16 or f32,
   /// computed on CUDA as sparse_plan_options.sddmm_f32 says), out: [slots, H, 1] f32 or x's dtype.
@@ -103,10 +101,9 @@ class sparse_plan {
              stream_ref stream = {}) const;
   /// Max-stabilised row softmax over each row's entries (fp32 inside); slots without an entry
   /// get 0. scores, out: [slots, H, 1], f32, f16 or bf16; may be the same array.
-  void softmax(const tensor_view& scores, const tensor_view& out, stream_ref stream = {}) const;
-  /// The same with the caller's workspace (at least workspace_bytes(scores.heads, 1) bytes).
-  void softmax(const tensor_view& scores, const tensor_view& out, const workspace_view& workspace,
-               stream_ref stream = {}) const;
+  /// `workspace`: at least workspace_bytes(scores.heads, 1) bytes, or empty for the plan's own.
+  void softmax(const tensor_view& scores, const tensor_view& out, stream_ref stream = {},
+               workspace_view workspace = {}) const;
 
   /// entries: [nnz, H, 1] in CSR entry order -> slots: [slots, H, 1] (same dtype; other slots 0).
   void to_slots(const tensor_view& entries, const tensor_view& slots, stream_ref stream = {}) const;
@@ -115,10 +112,6 @@ class sparse_plan {
                   stream_ref stream = {}) const;
 
  private:
-  void spmm(const tensor_view& values, const tensor_view& b, const tensor_view& c,
-            const workspace_view* workspace, stream_ref stream) const;
-  void softmax(const tensor_view& scores, const tensor_view& out, const workspace_view* workspace,
-               stream_ref stream) const;
   struct state;
   std::shared_ptr<const state> state_;
 };

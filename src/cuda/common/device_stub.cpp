@@ -2,6 +2,7 @@
 #include "../attention/block_sparse/plan.hpp"
 #include "../attention/block_sparse/unfused.hpp"
 #include "../attention/bsb/plan.hpp"
+#include "../formats/bsb_host.hpp"
 #include "../layers/dense.hpp"
 #include "../sparse/plan.hpp"
 #include "device.hpp"

@@ -1,6 +1,7 @@
 #pragma once
 // Pieces of the online softmax (running max in log2 units, rescaled accumulators) that the fused
 // attention kernels share; fragments in the m16n8 accumulator layout (rows g and g + 8).
+#include "arch/math.cuh"
 
 namespace trisparse::cuda {
 
@@ -22,11 +23,6 @@ __device__ __forceinline__ void scale_rows(float (&o)[N][4], float c0, float c1)
   }
 }
 
-/// 2^x for x <= 0 or -inf (MUFU.EX2, flushing subnormal results to zero).
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
+using arch::exp2_approx;
 
 }  // namespace trisparse::cuda

@@ -14,6 +14,7 @@
 #include "../common/error.cuh"
 #include "../common/grid.cuh"
 #include "bsb_build.cuh"
+#include "bsb_host.hpp"
 #include "trisparse/formats/bsb.hpp"
 #include "window_sort.cuh"
 

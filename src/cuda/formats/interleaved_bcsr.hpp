@@ -14,9 +14,7 @@ struct work {
   const std::int32_t* first;
 };
 
-struct params : attention_io {
-  const std::int64_t* cu_q;  // [batch + 1]
-  const std::int64_t* cu_k;  // [batch + 1]
+struct params : ragged_attention_io {
   const block_row* rows;
   const std::int32_t* col_idx;
   float* scores;           // [heads of this launch][slot]: scores, then probabilities, in place

@@ -68,8 +68,16 @@ void check_device(const me_device_plan& plan);
 /// Throws unless t is [slots, heads, 1] with slot stride 1 on CUDA.
 void check_slots(const me_device_plan& plan, const tensor_view& t, const char* what,
                  std::int64_t heads);
+/// Checks the two dense operands of an operation: `a` [a_rows, H, d], `b` [b_rows, H, d] with a's
+/// H and d, both on the GPU. @throws invalid_input naming the operand.
+void check_dense_pair(const tensor_view& a, std::int64_t a_rows, const char* a_name,
+                      const tensor_view& b, std::int64_t b_rows, const char* b_name,
+                      const char* op);
 /// True when data, row and head strides allow 16-byte vector access.
 bool vector_aligned(const tensor_view& t);
+/// A view's pointer and strides as the kernels read them.
+inline in_ref in_of(const tensor_view& t) { return {t.data, t.row_stride, t.head_stride}; }
+inline out_ref out_of(const tensor_view& t) { return {t.data, t.row_stride, t.head_stride}; }
 /// The pattern's own values in T.
 template <class T>
 const T* own_values(const me_device_plan& plan);

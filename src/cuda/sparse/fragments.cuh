@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../common/convert.cuh"
 #include "params.hpp"
 
 namespace trisparse::cuda::me {
@@ -68,22 +69,12 @@ __device__ __forceinline__ void load_frag(const T* src, int valid, bool aligned,
 
 template <class O>
 __device__ __forceinline__ O from_float(float x) {
-  if constexpr (sizeof(O) == 4)
-    return x;
-  else if constexpr (std::is_same_v<O, __half>)
-    return __float2half_rn(x);
-  else
-    return __float2bfloat16_rn(x);
+  return convert<O>(x);
 }
 
 template <class T>
 __device__ __forceinline__ float to_float(T x) {
-  if constexpr (sizeof(T) == 4)
-    return x;
-  else if constexpr (std::is_same_v<T, __half>)
-    return __half2float(x);
-  else
-    return __bfloat162float(x);
+  return convert<float>(x);
 }
 
 /// dst[0, valid) = v[0, valid) converted to O; vector stores when the whole fragment is written

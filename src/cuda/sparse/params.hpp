@@ -23,15 +23,21 @@ struct format_ref {
   bool binary;              // every entry's value is 1 (`values` holds 1 or 0)
 };
 
+/// A dense [rows, heads, dim] operand as the kernels read it (dim stride 1), or a per-edge one in
+/// slot layout (row stride 1).
+template <class P>
+struct strided {
+  P data;
+  std::int64_t row, head;
+};
+using in_ref = strided<const void*>;
+using out_ref = strided<void*>;
+
 /// c[:, h, f_begin + chunk * 16 kTiles ...] = A_h b_h, A_h's values from `a` (slot layout).
 struct spmm_params {
   format_ref f;
-  const void* a;
-  std::int64_t a_head;
-  const void* b;
-  std::int64_t b_row, b_head;
-  void* c;
-  std::int64_t c_row, c_head;
+  in_ref a, b;
+  out_ref c;
   std::int64_t n;        // features (b's and c's dim)
   std::int64_t f_begin;  // first feature of this launch
   std::int32_t chunks, heads;
@@ -43,12 +49,8 @@ struct spmm_params {
 /// out = scale * A ⊙ (x y^T) in slot layout; slots without an entry get 0.
 struct sddmm_params {
   format_ref f;
-  const void* x;
-  std::int64_t x_row, x_head;
-  const void* y;
-  std::int64_t y_row, y_head;
-  void* out;
-  std::int64_t out_head;
+  in_ref x, y;
+  out_ref out;
   std::int64_t d;
   std::int32_t heads;
   float scale;
@@ -59,10 +61,8 @@ struct sddmm_params {
 /// Row softmax over the entries, slot layout in and out; slots without an entry get 0.
 struct softmax_params {
   format_ref f;
-  const void* in;
-  std::int64_t in_head;
-  void* out;
-  std::int64_t out_head;
+  in_ref in;
+  out_ref out;
   std::int32_t heads;
   float* part_stats;  // split windows' per-part (max, sum): [parts, heads, vector_rows, 2]
 };

@@ -217,6 +217,15 @@ void check_slots(const me_device_plan& plan, const tensor_view& t, const char* w
       std::string(what) + " " + t.describe() + " must be 8-byte aligned with an even head stride");
 }
 
+void check_dense_pair(const tensor_view& a, std::int64_t a_rows, const char* a_name,
+                      const tensor_view& b, std::int64_t b_rows, const char* b_name,
+                      const char* op) {
+  check_view(a, a_name, a_rows, -1, -1);
+  check_view(b, b_name, b_rows, a.heads, a.dim);
+  TRISPARSE_EXPECTS_INPUT(a.where == device_kind::cuda && b.where == device_kind::cuda,
+                          std::string(op) + " needs " + a_name + " and " + b_name + " on the GPU");
+}
+
 bool vector_aligned(const tensor_view& t) {
   const auto bytes = static_cast<std::int64_t>(size_of(t.type));
   return reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0 && t.row_stride * bytes % 16 == 0 &&

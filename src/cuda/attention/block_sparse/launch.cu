@@ -182,9 +182,8 @@ void run_block_sparse(const block_sparse_device_plan& plan, const tensor_view& q
   check_attention_operands(q, k, v, out, "the CUDA block-sparse kernel");
   expect_current_device(plan.device);
   block_sparse::params p{};
-  static_cast<attention_io&>(p) = attention_io_of(q, k, v, out);
-  p.cu_q = plan.cu_q.data();
-  p.cu_k = plan.cu_k.data();
+  static_cast<ragged_attention_io&>(p) =
+      ragged_io_of(q, k, v, out, plan.cu_q.data(), plan.cu_k.data());
   p.mask_row = plan.mask_row.data();
   p.row_ptr = plan.row_ptr.data();
   p.col_idx = plan.col_idx.data();
@@ -195,7 +194,7 @@ void run_block_sparse(const block_sparse_device_plan& plan, const tensor_view& q
   p.block = static_cast<std::int32_t>(plan.block);
   p.causal = plan.causal;
   p.negate_scores = scale < 0;
-  p.scale_log2 = static_cast<float>(std::abs(scale) * 1.4426950408889634);
+  p.scale_log2 = scale_log2(std::abs(scale));
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const block_sparse::kernel_key key{q.type, out.type, q.dim};
 #if TRISPARSE_HAVE_SM90A

@@ -12,9 +12,7 @@ struct tile {
   std::int32_t seq, row0;
 };
 
-struct params : attention_io {
-  const std::int64_t* cu_q;  // [batch + 1]
-  const std::int64_t* cu_k;  // [batch + 1]
+struct params : ragged_attention_io {
   // Mask m = seq * mask_heads + head: its block row r lists the key blocks
   // col_idx[row_ptr[mask_row[m] + r] .. row_ptr[mask_row[m] + r + 1]), ascending.
   const std::int32_t* mask_row;

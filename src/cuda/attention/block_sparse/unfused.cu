@@ -228,9 +228,8 @@ void run_unfused(const unfused_device_plan& plan, const tensor_view& q, const te
   const unfused_workspace w = workspace_of(plan, group);
   const auto s = static_cast<cudaStream_t>(stream.handle);
   il::params p{};
-  static_cast<attention_io&>(p) = attention_io_of(q, k, v, out);
-  p.cu_q = plan.cu_q.data();
-  p.cu_k = plan.cu_k.data();
+  static_cast<ragged_attention_io&>(p) =
+      ragged_io_of(q, k, v, out, plan.cu_q.data(), plan.cu_k.data());
   p.rows = plan.rows.data();
   p.col_idx = plan.col_idx.data();
   p.scores = detail::workspace_layout::at<float>(ws, w.scores);
@@ -239,7 +238,7 @@ void run_unfused(const unfused_device_plan& plan, const tensor_view& q, const te
   p.block = static_cast<std::int32_t>(plan.block);
   p.dim = static_cast<std::int32_t>(q.dim);
   p.causal = plan.causal;
-  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  p.scale_log2 = scale_log2(scale);
   const il::work sddmm{plan.sddmm_tiles.data(), plan.sddmm_first.data()},
       softmax{plan.parts.data(), plan.softmax_first.data()},
       spmm{plan.spmm_tiles.data(), plan.spmm_first.data()};

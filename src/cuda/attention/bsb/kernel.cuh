@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "../../common/arch/mma.cuh"
+#include "../../common/convert.cuh"
 #include "../../common/online_softmax.cuh"
 #include "params.hpp"
 
@@ -30,19 +31,13 @@ __device__ __forceinline__ void load_halves(const void* src, std::uint32_t (&dst
   if constexpr (N % 8 == 0) {
 #pragma unroll
     for (int i = 0; i < N / 8; ++i) {
-      const uint4 v = __ldg(static_cast<const uint4*>(src) + i);
-      dst[4 * i] = v.x;
-      dst[4 * i + 1] = v.y;
-      dst[4 * i + 2] = v.z;
-      dst[4 * i + 3] = v.w;
+      spread(__ldg(static_cast<const uint4*>(src) + i), &dst[4 * i]);
     }
   } else {
     static_assert(N % 4 == 0);
 #pragma unroll
     for (int i = 0; i < N / 4; ++i) {
-      const uint2 v = __ldg(static_cast<const uint2*>(src) + i);
-      dst[2 * i] = v.x;
-      dst[2 * i + 1] = v.y;
+      spread(__ldg(static_cast<const uint2*>(src) + i), &dst[2 * i]);
     }
   }
 }
@@ -54,18 +49,8 @@ __device__ __forceinline__ void zero(std::uint32_t (&r)[N]) {
 }
 
 template <class O>
-__device__ __forceinline__ O from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) {
-  return __float2half_rn(x);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
+__device__ __forceinline__ O from_float(float x) {
+  return convert<O>(x);
 }
 
 /// Stores N floats (converted to O) to consecutive addresses with 16-byte stores where possible.

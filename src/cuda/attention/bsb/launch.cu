@@ -293,7 +293,7 @@ void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const te
   p.num_items = plan.num_items;
   p.splits = plan.splits.data();
   p.num_splits = plan.num_splits;
-  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  p.scale_log2 = scale_log2(scale);
   p.heads = static_cast<std::int32_t>(q.heads);
   const auto s = static_cast<cudaStream_t>(stream.handle);
   // The plan's own workspace keeps the layout it was zeroed in (a smaller run's scratch would

@@ -10,6 +10,15 @@ __device__ __forceinline__ std::uint32_t shared_address(const void* p) {
   return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
 }
 
+/// 16 bytes of global memory read once, through the non-coherent path and not kept in L1.
+__device__ __forceinline__ uint4 load_streaming(const void* at) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(at));
+  return v;
+}
+
 /// Copies 16 bytes from global `src` to shared `dst` asynchronously; with valid = false writes
 /// 16 zero bytes and reads nothing (src may then be any address).
 __device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src, bool valid) {

@@ -93,9 +93,9 @@ __global__ void __launch_bounds__(kSddmmWarps * 32, sddmm_min_blocks<T, kHeight,
   const std::int64_t nvec = p.f.row_ptr[it.window + 1] - start;
   const std::int64_t block0 = p.f.block_offset[it.window];
   const std::int64_t row0 = std::int64_t{it.window} * kHeight;
-  const T* x = static_cast<const T*>(p.x) + h * p.x_head;
-  const T* y = static_cast<const T*>(p.y) + h * p.y_head;
-  O* out = static_cast<O*>(p.out) + h * p.out_head;
+  const T* x = static_cast<const T*>(p.x.data) + h * p.x.head;
+  const T* y = static_cast<const T*>(p.y.data) + h * p.y.head;
+  O* out = static_cast<O*>(p.out.data) + h * p.out.head;
   constexpr std::int64_t kPass = 32 * kChunks;  // d per register pass
   const std::int64_t passes = (p.d + kPass - 1) / kPass;
 
@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kSddmmWarps * 32, sddmm_min_blocks<T, kHeight,
       for (int c = 0; c < kChunks; ++c) {
         const std::int64_t d0 = pass * kPass + 32 * c + 8 * t;
         const int valid = row < p.f.rows ? static_cast<int>(max(std::int64_t{0}, p.d - d0)) : 0;
-        load_frag(x + (row < p.f.rows ? pattern_row(p.f, row) : 0) * p.x_row + d0, valid, p.aligned,
+        load_frag(x + (row < p.f.rows ? pattern_row(p.f, row) : 0) * p.x.row + d0, valid, p.aligned,
                   xr[s][c]);
       }
     }
@@ -152,9 +152,9 @@ __global__ void __launch_bounds__(kSddmmWarps * 32, sddmm_min_blocks<T, kHeight,
         const std::int64_t d0 = pass * kPass + 32 * c + 8 * t;
         const int valid = static_cast<int>(max(std::int64_t{0}, p.d - d0));
         frag<T, 8> ya, yb;
-        load_frag(y + std::int64_t{col[0] < 0 ? 0 : col[0]} * p.y_row + d0, col[0] < 0 ? 0 : valid,
+        load_frag(y + std::int64_t{col[0] < 0 ? 0 : col[0]} * p.y.row + d0, col[0] < 0 ? 0 : valid,
                   p.aligned, ya);
-        load_frag(y + std::int64_t{col[1] < 0 ? 0 : col[1]} * p.y_row + d0, col[1] < 0 ? 0 : valid,
+        load_frag(y + std::int64_t{col[1] < 0 ? 0 : col[1]} * p.y.row + d0, col[1] < 0 ? 0 : valid,
                   p.aligned, yb);
 #pragma unroll
         for (int s = 0; s < kSub; ++s) sddmm_mma<T>::chunk(acc[s], ya, yb, xr[s][c], p.split_f32);

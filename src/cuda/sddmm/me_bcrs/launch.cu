@@ -43,10 +43,7 @@ void launch_shape(int height, const me::sddmm_params& p, cudaStream_t s) {
 void run_sddmm(const me_device_plan& plan, const tensor_view& x, const tensor_view& y,
                const tensor_view& out, double scale, bool split_f32, stream_ref stream) {
   me::check_device(plan);
-  check_view(x, "x", plan.f.rows, -1, -1);
-  check_view(y, "y", plan.f.cols, x.heads, x.dim);
-  TRISPARSE_EXPECTS_INPUT(x.where == device_kind::cuda && y.where == device_kind::cuda,
-                          "SDDMM needs x and y on the GPU");
+  me::check_dense_pair(x, plan.f.rows, "x", y, plan.f.cols, "y", "SDDMM");
   TRISPARSE_EXPECTS_INPUT(
       x.type == y.type && (x.type == dtype::f16 || x.type == dtype::bf16 || x.type == dtype::f32),
       "SDDMM takes x and y in one dtype: f16, bf16 or f32 (tf32); got " + x.describe() + " and " +
@@ -55,14 +52,9 @@ void run_sddmm(const me_device_plan& plan, const tensor_view& x, const tensor_vi
   me::check_slots(plan, out, "out", x.heads);
   me::sddmm_params p{};
   p.f = plan.ref(plan.sddmm_work);
-  p.x = x.data;
-  p.x_row = x.row_stride;
-  p.x_head = x.head_stride;
-  p.y = y.data;
-  p.y_row = y.row_stride;
-  p.y_head = y.head_stride;
-  p.out = out.data;
-  p.out_head = out.head_stride;
+  p.x = me::in_of(x);
+  p.y = me::in_of(y);
+  p.out = me::out_of(out);
   p.d = x.dim;
   p.heads = static_cast<std::int32_t>(x.heads);
   p.scale = static_cast<float>(scale);

@@ -7,6 +7,7 @@
 // second combines a window's shares and writes its values.
 #include <cmath>
 #include <cstdint>
+#include <numbers>
 
 #include "../../sparse/fragments.cuh"
 #include "../../sparse/params.hpp"
@@ -14,7 +15,7 @@
 namespace trisparse::cuda::me {
 
 inline constexpr int kSoftmaxWarps = 4;
-inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLog2e = std::numbers::log2e_v<float>;
 
 struct row_stats {
   float m = -INFINITY;  // running max (-inf: no entry yet)
@@ -54,8 +55,8 @@ __global__ void __launch_bounds__(kSoftmaxWarps * 32) softmax_kernel(const softm
   const std::int64_t block0 = p.f.block_offset[it.window];
   const std::int64_t first = (it.begin - block0) * 8;
   const std::int64_t last = min(nvec, (it.end - block0) * std::int64_t{8});
-  const In* in = static_cast<const In*>(p.in) + h * p.in_head;
-  Out* out = static_cast<Out*>(p.out) + h * p.out_head;
+  const In* in = static_cast<const In*>(p.in.data) + h * p.in.head;
+  Out* out = static_cast<Out*>(p.out.data) + h * p.out.head;
 
   row_stats st;
   if (!kSecond) {

@@ -34,10 +34,8 @@ void run_softmax(const me_device_plan& plan, const tensor_view& in, const tensor
   me::check_slots(plan, out, "out", in.heads);
   me::softmax_params p{};
   p.f = plan.ref(plan.softmax_work);
-  p.in = in.data;
-  p.in_head = in.head_stride;
-  p.out = out.data;
-  p.out_head = out.head_stride;
+  p.in = me::in_of(in);
+  p.out = me::out_of(out);
   p.heads = static_cast<std::int32_t>(in.heads);
   const bool split = plan.softmax_work.num_parts > 0;
   const auto s = static_cast<cudaStream_t>(stream.handle);

@@ -109,8 +109,8 @@ __device__ __forceinline__ void spmm_accumulate(const spmm_params& p, const spmm
   const std::int64_t start = p.f.row_ptr[it.window];
   const std::int64_t nvec = p.f.row_ptr[it.window + 1] - start;
   const std::int64_t block0 = p.f.block_offset[it.window];
-  const T* b = static_cast<const T*>(p.b) + k.h * p.b_head + k.f;
-  const T* a = static_cast<const T*>(p.a) + k.h * p.a_head;
+  const T* b = static_cast<const T*>(p.b.data) + k.h * p.b.head + k.f;
+  const T* a = static_cast<const T*>(p.a.data) + k.h * p.a.head;
 
   // Software pipeline: block b + step's rows of B are in flight while block b's MMAs run, and
   // block b + 2 step's column indices while block b + step's rows load.
@@ -129,9 +129,9 @@ __device__ __forceinline__ void spmm_accumulate(const spmm_params& p, const spmm
     return m;
   };
   const auto load_rows = [&](const block_meta& m, frag<T, kFeat>& x0, frag<T, kFeat>& x1) {
-    load_frag(b + std::int64_t{m.c0 < 0 ? 0 : m.c0} * p.b_row, m.c0 < 0 ? 0 : k.valid_f, p.aligned,
+    load_frag(b + std::int64_t{m.c0 < 0 ? 0 : m.c0} * p.b.row, m.c0 < 0 ? 0 : k.valid_f, p.aligned,
               x0);
-    load_frag(b + std::int64_t{m.c1 < 0 ? 0 : m.c1} * p.b_row, m.c1 < 0 ? 0 : k.valid_f, p.aligned,
+    load_frag(b + std::int64_t{m.c1 < 0 ? 0 : m.c1} * p.b.row, m.c1 < 0 ? 0 : k.valid_f, p.aligned,
               x1);
   };
   block_meta cur = meta(first), next = meta(first + step);
@@ -168,11 +168,7 @@ __device__ __forceinline__ void load_partial(const float* src, int valid, bool a
     if (valid >= kElems && aligned) {
 #pragma unroll
       for (int i = 0; i < kElems / 4; ++i) {
-        const float4 x = __ldcg(reinterpret_cast<const float4*>(src) + i);
-        out[4 * i] = x.x;
-        out[4 * i + 1] = x.y;
-        out[4 * i + 2] = x.z;
-        out[4 * i + 3] = x.w;
+        spread(__ldcg(reinterpret_cast<const float4*>(src) + i), &out[4 * i]);
       }
       return;
     }
@@ -200,7 +196,7 @@ __device__ __forceinline__ void spmm_store(const spmm_params& p, const spmm_task
   };
   const work_item& it = k.it;
   const std::int64_t row0 = std::int64_t{it.window} * kHeight;
-  O* c = static_cast<O*>(p.c) + k.h * p.c_head + k.f;
+  O* c = static_cast<O*>(p.c.data) + k.h * p.c.head + k.f;
   if (it.part < 0) {
 #pragma unroll
     for (int s = 0; s < kSub; ++s) {
@@ -210,7 +206,7 @@ __device__ __forceinline__ void spmm_store(const spmm_params& p, const spmm_task
         if (row >= p.f.rows) continue;
         float v[kFeat];
         row_values(s, odd, v);
-        store_floats(c + pattern_row(p.f, row) * p.c_row, v, k.valid_f, p.aligned);
+        store_floats(c + pattern_row(p.f, row) * p.c.row, v, k.valid_f, p.aligned);
       }
     }
     return;
@@ -264,7 +260,7 @@ __device__ __forceinline__ void spmm_store(const spmm_params& p, const spmm_task
           for (int e = 0; e < kFeat; ++e) v[e] += got[b][e];
         }
       }
-      store_floats(c + pattern_row(p.f, row) * p.c_row, v, k.valid_f, p.aligned);
+      store_floats(c + pattern_row(p.f, row) * p.c.row, v, k.valid_f, p.aligned);
     }
   }
 }

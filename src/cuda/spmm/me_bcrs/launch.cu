@@ -67,10 +67,7 @@ void launch_all(int height, me::spmm_params p, cudaStream_t s) {
 void run_spmm(const me_device_plan& plan, const tensor_view& values, const tensor_view& b,
               const tensor_view& c, const workspace_view* workspace, stream_ref stream) {
   me::check_device(plan);
-  check_view(b, "b", plan.f.cols, -1, -1);
-  check_view(c, "c", plan.f.rows, b.heads, b.dim);
-  TRISPARSE_EXPECTS_INPUT(b.where == device_kind::cuda && c.where == device_kind::cuda,
-                          "SpMM needs b and c on the GPU");
+  me::check_dense_pair(b, plan.f.cols, "b", c, plan.f.rows, "c", "SpMM");
   TRISPARSE_EXPECTS_INPUT(
       b.type == dtype::f16 || b.type == dtype::bf16 || b.type == dtype::f32,
       "SpMM takes b as f16, bf16 or f32 (tf32), not " + std::string(to_string(b.type)));
@@ -82,19 +79,14 @@ void run_spmm(const me_device_plan& plan, const tensor_view& values, const tenso
     TRISPARSE_EXPECTS_INPUT(values.type == b.type, "values " + values.describe() +
                                                        " must have b's dtype (" +
                                                        std::string(to_string(b.type)) + ")");
-    p.a = values.data;
-    p.a_head = values.head_stride;
+    p.a = me::in_of(values);
   } else {  // the pattern's own values, shared by every head
-    p.a_head = 0;
-    me::with_element_type(b.type, "SpMM's b",
-                          [&](auto b_t) { p.a = me::own_values<decltype(b_t)>(plan); });
+    me::with_element_type(b.type, "SpMM's b", [&](auto b_t) {
+      p.a = {me::own_values<decltype(b_t)>(plan), 1, 0};
+    });
   }
-  p.b = b.data;
-  p.b_row = b.row_stride;
-  p.b_head = b.head_stride;
-  p.c = c.data;
-  p.c_row = c.row_stride;
-  p.c_head = c.head_stride;
+  p.b = me::in_of(b);
+  p.c = me::out_of(c);
   p.n = b.dim;
   p.heads = static_cast<std::int32_t>(b.heads);
   p.aligned = me::vector_aligned(b) && me::vector_aligned(c);
