@@ -6,9 +6,9 @@
 #include <string>
 #include <unordered_map>
 
+#include "../common/dispatch.cuh"
 #include "../common/error.cuh"
 #include "../common/grid.cuh"
-#include "../sparse/dispatch.cuh"
 #include "../sparse/fragments.cuh"
 #include "dense.hpp"
 
@@ -125,8 +125,7 @@ void normalize_rows(const tensor_view& x, const tensor_view& out, stream_ref str
   TRISPARSE_EXPECTS_INPUT(out.type == x.type, "out " + out.describe() + " needs x's dtype");
   if (x.rows == 0) return;
   const auto s = static_cast<cudaStream_t>(stream.handle);
-  me::with_element_type(x.type, "x", [&](auto t) {
-    using T = decltype(t);
+  with_element_type(x.type, "x", [&]<class T>() {
     normalize_kernel<T><<<blocks_for(x.rows, kWarps), kWarps * 32, 0, s>>>(
         static_cast<const T*>(x.data), x.row_stride, static_cast<T*>(out.data), out.row_stride,
         x.rows, x.dim);

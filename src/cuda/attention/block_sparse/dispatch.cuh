@@ -10,6 +10,7 @@
 
 #include "../../common/arch/dependent_launch.cuh"
 #include "../../common/current_device.cuh"
+#include "../../common/dispatch.cuh"
 #include "../../common/error.cuh"
 #include "params.hpp"
 #include "trisparse/core/dtype.hpp"
@@ -24,37 +25,15 @@ struct kernel_key {
 
 /// Calls f.template operator()<T, D, O>() for the key's input type T (__half, __nv_bfloat16),
 /// head dim D (64, 128) and output type O (float, __half, __nv_bfloat16).
-/// @throws invalid_input for any other dim or output dtype.
+/// @throws invalid_input for any other dtype or dim.
 template <class F>
 void dispatch(const kernel_key& key, F&& f) {
-  const auto with_out = [&]<class T, int D>() {
-    switch (key.out) {
-      case dtype::f32:
-        return f.template operator()<T, D, float>();
-      case dtype::f16:
-        return f.template operator()<T, D, __half>();
-      case dtype::bf16:
-        return f.template operator()<T, D, __nv_bfloat16>();
-      default:
-        throw invalid_input("block-sparse attention writes f32, f16 or bf16 output, not " +
-                            std::string(to_string(key.out)));
-    }
-  };
-  const auto with_dim = [&]<class T>() {
-    switch (key.dim) {
-      case 64:
-        return with_out.template operator()<T, 64>();
-      case 128:
-        return with_out.template operator()<T, 128>();
-      default:
-        throw invalid_input("the CUDA block-sparse kernel supports head_dim 64 or 128, not " +
-                            std::to_string(key.dim));
-    }
-  };
-  if (key.in == dtype::f16)
-    with_dim.template operator()<__half>();
-  else
-    with_dim.template operator()<__nv_bfloat16>();
+  with_half_type(key.in, "block-sparse attention's q", [&]<class T>() {
+    with_head_dim<64, 128>(key.dim, "the CUDA block-sparse kernel's head_dim", [&]<int D>() {
+      with_type<float, __half, __nv_bfloat16>(key.out, "block-sparse attention's out",
+                                              [&]<class O>() { f.template operator()<T, D, O>(); });
+    });
+  });
 }
 
 /// Launches Kernel(p, extra...) over tiles x heads blocks (its shared-memory limit raised once),

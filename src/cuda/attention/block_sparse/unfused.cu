@@ -9,6 +9,7 @@
 #include "../../../common/workspace_layout.hpp"
 #include "../../common/buffer.cuh"
 #include "../../common/current_device.cuh"
+#include "../../common/dispatch.cuh"
 #include "../../common/error.cuh"
 #include "../../common/grid.cuh"
 #include "../../common/layout.hpp"
@@ -59,38 +60,10 @@ std::int64_t slot_bytes(const unfused_device_plan& plan) {
   return std::max<std::int64_t>(plan.slot, 1) * 4;
 }
 
-template <class F>
-void with_types(dtype in, dtype out, F&& f) {
-  const auto with_out = [&]<class T>() {
-    switch (out) {
-      case dtype::f32:
-        return f.template operator()<T, float>();
-      case dtype::f16:
-        return f.template operator()<T, __half>();
-      case dtype::bf16:
-        return f.template operator()<T, __nv_bfloat16>();
-      default:
-        throw invalid_input("the block-sparse pipeline writes f32, f16 or bf16 output, not " +
-                            std::string(to_string(out)));
-    }
-  };
-  if (in == dtype::f16)
-    with_out.template operator()<__half>();
-  else
-    with_out.template operator()<__nv_bfloat16>();
-}
-
-// Calls f.template operator()<V>() for V in the list equal to `value`.
-template <int... Vs, class F>
-void with_value(int value, F&& f) {
-  const bool found = ((value == Vs ? (f.template operator()<Vs>(), true) : false) || ...);
-  if (!found) throw invalid_input("block-sparse pipeline: no tile for " + std::to_string(value));
-}
-
 template <class T>
 void launch_sddmm(const unfused_device_plan& plan, const il::params& p, il::work w,
                   unsigned long long* counter, std::int64_t items, cudaStream_t s) {
-  with_value<1, 2, 4, 8, 16, 32>(plan.sddmm_rows, [&]<int R>() {
+  with_value<1, 2, 4, 8, 16, 32>(plan.sddmm_rows, "the SDDMM's tile rows", [&]<int R>() {
     constexpr auto kernel = il::sddmm_kernel<T, R>;
     static const bool configured = [] {
       TRISPARSE_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -114,7 +87,7 @@ void launch_sddmm(const unfused_device_plan& plan, const il::params& p, il::work
 template <class T, class O>
 void launch_spmm(const unfused_device_plan& plan, const il::params& p, il::work w,
                  std::int64_t items, cudaStream_t s) {
-  with_value<1, 2, 4>(plan.spmm_rows_per_thread, [&]<int RPT>() {
+  with_value<1, 2, 4>(plan.spmm_rows_per_thread, "the SpMM's rows per thread", [&]<int RPT>() {
     const dim3 grid(static_cast<unsigned>(items),
                     static_cast<unsigned>((p.dim + il::kSpmmCols - 1) / il::kSpmmCols));
     il::spmm_kernel<T, O, RPT><<<grid, il::kSpmmThreads, 0, s>>>(p, w);
@@ -242,30 +215,33 @@ void run_unfused(const unfused_device_plan& plan, const tensor_view& q, const te
   const il::work sddmm{plan.sddmm_tiles.data(), plan.sddmm_first.data()},
       softmax{plan.parts.data(), plan.softmax_first.data()},
       spmm{plan.spmm_tiles.data(), plan.spmm_first.data()};
-  with_types(q.type, out.type, [&]<class T, class O>() {
-    for (std::int64_t h0 = 0; h0 < heads; h0 += group) {
-      const std::int64_t n = std::min(group, heads - h0);
-      p.h0 = static_cast<std::int32_t>(h0);
-      p.heads = static_cast<std::int32_t>(n);
-      stage_timer timer(stage_ms != nullptr);
-      timer.mark(0, s);
-      const std::int64_t tiles = launch_items(plan.sddmm_first_h, plan.mask_heads, h0, n);
-      if (tiles > 0)
-        launch_sddmm<T>(plan, p, sddmm,
-                        detail::workspace_layout::at<unsigned long long>(ws, w.counter), tiles, s);
-      timer.mark(1, s);
-      const std::int64_t parts = launch_items(plan.softmax_first_h, plan.mask_heads, h0, n);
-      if (parts > 0) {
-        il::softmax_kernel<<<blocks_for(parts * 32, il::kSoftmaxWarps * 32), il::kSoftmaxWarps * 32,
-                             0, s>>>(p, softmax);
-        TRISPARSE_CUDA_CHECK_LAUNCH();
+  with_half_type(q.type, what, [&]<class T>() {
+    with_type<float, __half, __nv_bfloat16>(out.type, what, [&]<class O>() {
+      for (std::int64_t h0 = 0; h0 < heads; h0 += group) {
+        const std::int64_t n = std::min(group, heads - h0);
+        p.h0 = static_cast<std::int32_t>(h0);
+        p.heads = static_cast<std::int32_t>(n);
+        stage_timer timer(stage_ms != nullptr);
+        timer.mark(0, s);
+        const std::int64_t tiles = launch_items(plan.sddmm_first_h, plan.mask_heads, h0, n);
+        if (tiles > 0)
+          launch_sddmm<T>(plan, p, sddmm,
+                          detail::workspace_layout::at<unsigned long long>(ws, w.counter), tiles,
+                          s);
+        timer.mark(1, s);
+        const std::int64_t parts = launch_items(plan.softmax_first_h, plan.mask_heads, h0, n);
+        if (parts > 0) {
+          il::softmax_kernel<<<blocks_for(parts * 32, il::kSoftmaxWarps * 32),
+                               il::kSoftmaxWarps * 32, 0, s>>>(p, softmax);
+          TRISPARSE_CUDA_CHECK_LAUNCH();
+        }
+        timer.mark(2, s);
+        const std::int64_t out_tiles = launch_items(plan.spmm_first_h, plan.mask_heads, h0, n);
+        if (out_tiles > 0) launch_spmm<T, O>(plan, p, spmm, out_tiles, s);
+        timer.mark(3, s);
+        if (stage_ms != nullptr) timer.add_to(*stage_ms);
       }
-      timer.mark(2, s);
-      const std::int64_t out_tiles = launch_items(plan.spmm_first_h, plan.mask_heads, h0, n);
-      if (out_tiles > 0) launch_spmm<T, O>(plan, p, spmm, out_tiles, s);
-      timer.mark(3, s);
-      if (stage_ms != nullptr) timer.add_to(*stage_ms);
-    }
+    });
   });
 }
 

@@ -9,6 +9,7 @@
 #include "../../../common/workspace_layout.hpp"
 #include "../../common/buffer.cuh"
 #include "../../common/current_device.cuh"
+#include "../../common/dispatch.cuh"
 #include "../../common/error.cuh"
 #include "../../common/layout.hpp"
 #include "../../common/work_list.cuh"
@@ -177,40 +178,6 @@ void launch(const fused3s::params& p, const fused3s_device_plan& plan, cudaStrea
   launch_blocks<T, D, O, kMinBlocks<D>>(p, plan, s);
 }
 
-template <class T, int D>
-void launch_out(dtype out, const fused3s::params& p, const fused3s_device_plan& plan,
-                cudaStream_t s) {
-  switch (out) {
-    case dtype::f32:
-      return launch<T, D, float>(p, plan, s);
-    case dtype::f16:
-      return launch<T, D, __half>(p, plan, s);
-    case dtype::bf16:
-      return launch<T, D, __nv_bfloat16>(p, plan, s);
-    default:
-      throw invalid_input("fused 3S writes f32, f16 or bf16 output, not " +
-                          std::string(to_string(out)));
-  }
-}
-
-template <class T>
-void launch_dim(std::int64_t d, dtype out, const fused3s::params& p,
-                const fused3s_device_plan& plan, cudaStream_t s) {
-  switch (d) {
-    case 32:
-      return launch_out<T, 32>(out, p, plan, s);
-    case 64:
-      return launch_out<T, 64>(out, p, plan, s);
-    case 128:
-      return launch_out<T, 128>(out, p, plan, s);
-    case 256:
-      return launch_out<T, 256>(out, p, plan, s);
-    default:
-      throw invalid_input("fused 3S supports head_dim 32, 64, 128 or 256, not " +
-                          std::to_string(d));
-  }
-}
-
 std::shared_ptr<fused3s_device_plan> plan_from(device_bsb f, fused3s_limits limits,
                                                cudaStream_t s) {
   auto plan = std::make_shared<fused3s_device_plan>();
@@ -321,10 +288,12 @@ void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const te
     p.part_ml = detail::workspace_layout::at<float>(ws, w.part_ml);
     p.split_count = detail::workspace_layout::at<std::int32_t>(ws, w.split_count);
   }
-  if (q.type == dtype::f16)
-    launch_dim<__half>(q.dim, out.type, p, plan, s);
-  else
-    launch_dim<__nv_bfloat16>(q.dim, out.type, p, plan, s);
+  with_half_type(q.type, "fused 3S's q", [&]<class T>() {
+    with_head_dim<32, 64, 128, 256>(q.dim, "fused 3S's head_dim", [&]<int D>() {
+      with_type<float, __half, __nv_bfloat16>(out.type, "fused 3S's out",
+                                              [&]<class O>() { launch<T, D, O>(p, plan, s); });
+    });
+  });
 }
 
 std::int64_t device_bytes(const fused3s_device_plan& plan) {

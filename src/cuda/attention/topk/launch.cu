@@ -13,6 +13,7 @@
 
 #include "../../common/buffer.cuh"
 #include "../../common/current_device.cuh"
+#include "../../common/dispatch.cuh"
 #include "../../common/error.cuh"
 #include "../../common/layout.hpp"
 #include "../block_sparse/device_plan.cuh"
@@ -48,25 +49,12 @@ namespace {
 // A fragments in registers where the pooled dim is 64 (head dims 33-64); other dims read them at
 // every k-step.
 using select_fn = void (*)(select_params);
-template <int PDIM>
-select_fn select_kernel_held(int held) {
-  switch (held) {
-    case 2:
-      return select_kernel<2, PDIM>;
-    case 4:
-      return select_kernel<4, PDIM>;
-    case 8:
-      return select_kernel<8, PDIM>;
-    case 16:
-      return select_kernel<16, PDIM>;
-    case 32:
-      return select_kernel<32, PDIM>;
-    default:
-      return select_kernel<0, PDIM>;
-  }
-}
 select_fn select_kernel_for(int held, int pdim) {
-  return pdim == 64 ? select_kernel_held<64>(held) : select_kernel_held<0>(held);
+  select_fn fn = nullptr;
+  with_value<0, 2, 4, 8, 16, 32>(held, "top-k selection's keys a lane holds", [&]<int R>() {
+    fn = pdim == 64 ? select_kernel<R, 64> : select_kernel<R, 0>;
+  });
+  return fn;
 }
 
 int held_keys(int max_k_blocks) {

@@ -4,10 +4,10 @@
 #include <string>
 #include <type_traits>
 
+#include "../../common/dispatch.cuh"
 #include "../../common/error.cuh"
 #include "../../common/grid.cuh"
 #include "../../sparse/device_plan.cuh"
-#include "../../sparse/dispatch.cuh"
 #include "kernel.cuh"
 
 namespace trisparse::cuda {
@@ -23,20 +23,8 @@ void launch(const me::sddmm_params& p, cudaStream_t s) {
   TRISPARSE_CUDA_CHECK_LAUNCH();
 }
 
-template <class T, class O>
-void launch_shape(int height, const me::sddmm_params& p, cudaStream_t s) {
-  const auto go = [&](auto height_c) {
-    constexpr int kHeight = decltype(height_c)::value;
-    if (p.d <= 32) return launch<T, O, kHeight, 1>(p, s);
-    if (p.d <= 64) return launch<T, O, kHeight, 2>(p, s);
-    if (p.d <= 128) return launch<T, O, kHeight, 4>(p, s);
-    return launch<T, O, kHeight, 8>(p, s);  // longer d in passes of 256
-  };
-  if (height == 8)
-    go(std::integral_constant<int, 8>{});
-  else
-    go(std::integral_constant<int, 16>{});
-}
+// Register chunks of 32 dims: the fewest that hold d, longer d in passes of 256.
+int sddmm_chunks(std::int64_t d) { return d <= 32 ? 1 : d <= 64 ? 2 : d <= 128 ? 4 : 8; }
 
 }  // namespace
 
@@ -62,10 +50,12 @@ void run_sddmm(const me_device_plan& plan, const tensor_view& x, const tensor_vi
   p.split_f32 = split_f32;
   if (x.heads == 0 || plan.f.slots() == 0) return;
   const auto s = static_cast<cudaStream_t>(stream.handle);
-  me::with_element_type(x.type, "SDDMM's x", [&](auto x_t) {
-    using T = decltype(x_t);
-    me::with_output_type<T>(out.type, "SDDMM's out", [&](auto o_t) {
-      launch_shape<T, decltype(o_t)>(plan.f.vector_rows, p, s);
+  with_element_type(x.type, "SDDMM's x", [&]<class T>() {
+    with_output_type<T>(out.type, "SDDMM's out", [&]<class O>() {
+      with_value<8, 16>(plan.f.vector_rows, "SDDMM's vector rows", [&]<int kHeight>() {
+        with_value<1, 2, 4, 8>(sddmm_chunks(p.d), "SDDMM's chunks",
+                               [&]<int kChunks>() { launch<T, O, kHeight, kChunks>(p, s); });
+      });
     });
   });
 }

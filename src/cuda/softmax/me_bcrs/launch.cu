@@ -2,10 +2,10 @@
 // vector rows) become the kernel's template arguments.
 #include <string>
 
+#include "../../common/dispatch.cuh"
 #include "../../common/error.cuh"
 #include "../../common/grid.cuh"
 #include "../../sparse/device_plan.cuh"
-#include "../../sparse/dispatch.cuh"
 #include "kernel.cuh"
 
 namespace trisparse::cuda {
@@ -44,14 +44,10 @@ void run_softmax(const me_device_plan& plan, const tensor_view& in, const tensor
     p.part_stats = detail::workspace_layout::at<float>(ws, w.part_stats);
   }
   if (in.heads == 0 || plan.f.slots() == 0) return;
-  me::with_element_type(in.type, "softmax's scores", [&](auto in_t) {
-    me::with_element_type(out.type, "softmax's out", [&](auto out_t) {
-      using In = decltype(in_t);
-      using Out = decltype(out_t);
-      if (plan.f.vector_rows == 8)
-        launch<In, Out, 8>(p, split, s);
-      else
-        launch<In, Out, 16>(p, split, s);
+  with_element_type(in.type, "softmax's scores", [&]<class In>() {
+    with_element_type(out.type, "softmax's out", [&]<class Out>() {
+      with_value<8, 16>(plan.f.vector_rows, "softmax's vector rows",
+                        [&]<int kHeight>() { launch<In, Out, kHeight>(p, split, s); });
     });
   });
 }

@@ -2,9 +2,9 @@
 // tile) become the kernel's template arguments.
 #include <string>
 
+#include "../../common/dispatch.cuh"
 #include "../../common/error.cuh"
 #include "../../sparse/device_plan.cuh"
-#include "../../sparse/dispatch.cuh"
 #include "kernel.cuh"
 
 namespace trisparse::cuda {
@@ -23,29 +23,13 @@ void launch(const me::spmm_params& p, cudaStream_t s) {
   TRISPARSE_CUDA_CHECK_LAUNCH();
 }
 
-template <class T, class O, int kHeight>
-void launch_tiles(int tiles, const me::spmm_params& p, cudaStream_t s) {
-  switch (tiles) {
-    case 1:
-      return launch<T, O, kHeight, 1>(p, s);
-    case 2:
-      return launch<T, O, kHeight, 2>(p, s);
-    case 4:
-      return launch<T, O, kHeight, 4>(p, s);
-    default:
-      return launch<T, O, kHeight, 8>(p, s);
-  }
-}
-
-// Features in chunks of 16 * tiles: the widest tile that n fills, then one narrower chunk for
-// the rest (masked past n).
 template <class T, class O>
 void launch_all(int height, me::spmm_params p, cudaStream_t s) {
   const auto go = [&](int tiles) {
-    if (height == 8)
-      launch_tiles<T, O, 8>(tiles, p, s);
-    else
-      launch_tiles<T, O, 16>(tiles, p, s);
+    with_value<8, 16>(height, "SpMM's vector rows", [&]<int kHeight>() {
+      with_value<1, 2, 4, 8>(tiles, "SpMM's feature tiles",
+                             [&]<int kTiles>() { launch<T, O, kHeight, kTiles>(p, s); });
+    });
   };
   const int tiles = p.n >= 128 ? 8 : p.n >= 64 ? 4 : p.n >= 32 ? 2 : 1;
   const std::int64_t main_chunks = p.n / (16 * tiles);
@@ -81,8 +65,8 @@ void run_spmm(const me_device_plan& plan, const tensor_view& values, const tenso
                                                        std::string(to_string(b.type)) + ")");
     p.a = me::in_of(values);
   } else {  // the pattern's own values, shared by every head
-    me::with_element_type(b.type, "SpMM's b", [&](auto b_t) {
-      p.a = {me::own_values<decltype(b_t)>(plan), 1, 0};
+    with_element_type(b.type, "SpMM's b", [&]<class T>() {
+      p.a = {me::own_values<T>(plan), 1, 0};
     });
   }
   p.b = me::in_of(b);
@@ -96,11 +80,9 @@ void run_spmm(const me_device_plan& plan, const tensor_view& values, const tenso
     p.split_count = detail::workspace_layout::at<std::int32_t>(ws, w.split_count);
   }
   if (b.dim == 0 || b.heads == 0 || plan.f.rows == 0) return;
-  me::with_element_type(b.type, "SpMM's b", [&](auto b_t) {
-    using T = decltype(b_t);
-    me::with_output_type<T>(c.type, "SpMM's c", [&](auto c_t) {
-      launch_all<T, decltype(c_t)>(plan.f.vector_rows, p, s);
-    });
+  with_element_type(b.type, "SpMM's b", [&]<class T>() {
+    with_output_type<T>(c.type, "SpMM's c",
+                        [&]<class O>() { launch_all<T, O>(plan.f.vector_rows, p, s); });
   });
 }
 
