@@ -5,6 +5,7 @@
 
 #include "../common/workspace_layout.hpp"
 #include "../cpu/fused3s/fast.hpp"
+#include "../cuda/attention/bsb/heuristics.hpp"
 #include "../cuda/attention/bsb/plan.hpp"
 #include "../cuda/common/device.hpp"
 #include "arguments.hpp"
@@ -184,14 +185,13 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
     std::vector<std::int64_t> order;
     csr_graph permuted;
     const bool square = pattern.rows == pattern.cols && pattern.rows > 1;
-    if (square && (options.order == row_order::rcm ||
-                   (options.order == row_order::automatic && pattern.nnz() <= (4 << 20)))) {
+    if (square &&
+        (options.order == row_order::rcm ||
+         (options.order == row_order::automatic && pattern.nnz() <= cuda::fused3s::kRcmMaxNnz))) {
       order = reverse_cuthill_mckee(pattern);
       permuted = select_rows(pattern, order);
-      // Fewer TCBs alone do not pay (RCM lengthens the densest windows and adds a row-map load
-      // per item): on the H200 it paid from about a third fewer (docs/notes/fused3s.md).
       if (options.order == row_order::automatic &&
-          100 * count_tcbs(permuted) > 65 * count_tcbs(pattern)) {
+          !cuda::fused3s::rcm_pays(count_tcbs(permuted), count_tcbs(pattern))) {
         order.clear();
       }
     }

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cmath>
 
+#include "../cuda/sparse/heuristics.hpp"
 #include "../cuda/sparse/plan.hpp"
 #include "trisparse/core/error.hpp"
 #include "trisparse/core/numeric.hpp"
@@ -56,14 +57,13 @@ std::vector<std::int64_t> choose_order(const csr_graph& g, const sparse_plan_opt
     chosen = row_order::rcm;
     return reverse_cuthill_mckee(g);
   }
-  if (o.order == row_order::automatic && g.nnz() > (std::int64_t{4} << 20)) return {};
+  if (o.order == row_order::automatic && g.nnz() > cuda::me::kReorderMaxNnz) return {};
   const std::vector<std::int64_t> seeds =
       square ? reverse_cuthill_mckee(g) : std::vector<std::int64_t>{};
   std::vector<std::int64_t> order = cluster_rows(g, o.vector_rows, seeds);
-  // Automatic: a row map costs a load per output row and scatters C's rows; fewer vectors pay for
-  // it from about a tenth fewer.
-  if (o.order == row_order::automatic && 10 * count_window_columns(g, o.vector_rows, order) >
-                                             9 * count_window_columns(g, o.vector_rows)) {
+  if (o.order == row_order::automatic &&
+      !cuda::me::reorder_pays(count_window_columns(g, o.vector_rows, order),
+                              count_window_columns(g, o.vector_rows))) {
     return {};
   }
   chosen = row_order::clustered;

@@ -8,6 +8,7 @@
 #include "../common/work_list.cuh"
 #include "device_plan.cuh"
 #include "fragments.cuh"
+#include "heuristics.hpp"
 
 namespace trisparse::cuda {
 
@@ -34,14 +35,8 @@ std::shared_ptr<me_device_plan> plan_from(device_me_bcrs f, me_work_limits limit
   }
   TRISPARSE_EXPECTS_INPUT(blocks < (std::int64_t{1} << 31),
                           "the pattern has more than 2^31 blocks of 8 vectors");
-  // Split limits (blocks per item; measured on the H200, docs/notes/flashsparse.md). SpMM: items
-  // of at least `team` blocks are shared by the warps of one thread block (partial tiles added in
-  // shared memory), so a window is split only where it is far longer than the mean work per warp
-  // slot (16 per SM): a split writes a partial tile of C and a share of its merge. SDDMM: no
-  // merge, so windows are cut short (4-8 blocks) and the longest item no longer sets the time.
-  // Softmax: 8-16.
-  const std::int64_t warp_slots = std::int64_t{plan->sms} * 16;
-  const std::int64_t mean = (blocks + warp_slots - 1) / warp_slots;
+  // Split limits and teams per operation (heuristics.hpp).
+  const std::int64_t mean = me::mean_blocks_per_slot(blocks, plan->sms);
   const auto list = [&](std::int64_t rule, me_work& w, std::int64_t team = 0) {
     device_work_list l =
         build_work_list(f.window_blocks.data(), f.block_offset.data(), f.windows,
@@ -53,16 +48,11 @@ std::shared_ptr<me_device_plan> plan_from(device_me_bcrs f, me_work_limits limit
     w.num_parts = l.num_parts;
     w.team_items = l.num_large;
   };
-  // Teams for items longer than the mean work per warp slot (at least 8 blocks, 2 per warp): a
-  // shorter item's chain does not outlast the kernel, and a team costs each of its warps the
-  // item's set-up and a share of the reduction (on uniform patterns with many items, teams for
-  // every item were 1.4x slower; sweep in docs/notes/flashsparse.md).
   const std::int64_t team =
-      limits.team_blocks != 0 ? limits.team_blocks : std::max<std::int64_t>(8, mean);
-  list(team > 0 ? std::max<std::int64_t>(64, 4 * mean) : std::max<std::int64_t>(32, 2 * mean),
-       plan->spmm_work, std::max<std::int64_t>(team, 0));
-  list(mean <= 16 ? 4 : 8, plan->sddmm_work);
-  list(mean <= 16 ? 8 : 16, plan->softmax_work);
+      limits.team_blocks != 0 ? limits.team_blocks : me::spmm_team_blocks(mean);
+  list(me::spmm_split_blocks(mean, team > 0), plan->spmm_work, std::max<std::int64_t>(team, 0));
+  list(me::sddmm_split_blocks(mean), plan->sddmm_work);
+  list(me::softmax_split_blocks(mean), plan->softmax_work);
   plan->f = std::move(f);
   const std::int64_t n = plan->f.slots();
   if (n > 0) {

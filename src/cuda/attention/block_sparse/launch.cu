@@ -13,6 +13,7 @@
 #include "../../common/layout.hpp"
 #include "device_plan.cuh"
 #include "dispatch.cuh"
+#include "heuristics.hpp"
 #include "kernel.cuh"
 #include "plan.hpp"
 
@@ -64,15 +65,6 @@ bool wgmma_runs_here(int device) {
 #endif
 }
 
-// The two-warpgroup kernel (a producer warpgroup and two consumers, one block per SM) against the
-// one-warpgroup kernel (64-key steps, up to four blocks per SM), H200, G = 128, in 128-key tiles
-// per query tile. Heads 8, D = 64: level at 12.8 (32K, p = 0.95: 1.01x), faster from 25.6
-// (1.05-1.07x) up (512: 1.19x), slower at 10.2 (128K, p = 0.99: 0.94x) and below (5.1: 0.85x;
-// 2.6: 0.78x), where a block's start, which a second resident block would hide, is a larger part
-// of its work. Heads 1, D = 128: 1.23x at 12.8, 1.28-1.39x at 51 and 512
-// (docs/notes/block_sparse.md).
-constexpr double kPingpongFrom = 12;
-
 // Key blocks per (query block row, mask head), over the whole batch.
 double mean_key_blocks(const block_sparse_mask& mask) {
   std::int64_t rows = 0;
@@ -119,8 +111,9 @@ std::shared_ptr<block_sparse_device_plan> make_block_sparse_plan(const block_spa
     }
   }
   const bool automatic = kernel == block_kernel::automatic && sm90;
-  plan->pingpong = pingpong || (automatic && mask.block % 128 == 0 &&
-                                mean_key_blocks(mask) * (mask.block / 128) >= kPingpongFrom);
+  plan->pingpong =
+      pingpong || (automatic && mask.block % 128 == 0 &&
+                   mean_key_blocks(mask) * (mask.block / 128) >= block_sparse::kPingpongFromTiles);
   plan->wgmma =
       plan->pingpong || kernel == block_kernel::wgmma || (automatic && mask.block % 64 == 0);
   const std::int64_t bm = plan->pingpong ? 128 : plan->wgmma ? 64 : tile_rows_for(mask.block);

@@ -16,6 +16,7 @@
 #include "../../sddmm/bcsr/kernel.cuh"
 #include "../../softmax/bcsr/kernel.cuh"
 #include "../../spmm/bcsr/kernel.cuh"
+#include "heuristics.hpp"
 #include "unfused.hpp"
 
 namespace trisparse::cuda {
@@ -40,8 +41,7 @@ struct unfused_device_plan {
 
 namespace {
 
-// Heads whose scores a workspace holds at most (as many as fit 8 GiB, at least one).
-constexpr std::int64_t kWorkspaceBytes = std::int64_t{8} << 30;
+using block_sparse::kUnfusedScoreBytes;
 
 // A run's workspace: the SDDMM's tile counter, then the scores of `group` heads.
 struct unfused_workspace {
@@ -162,14 +162,14 @@ std::shared_ptr<unfused_device_plan> make_unfused_plan(const block_sparse_mask& 
   plan->sddmm_tiles = device_buffer<il::tile>(l.sddmm);
   plan->spmm_tiles = device_buffer<il::tile>(l.spmm);
   plan->parts = device_buffer<il::part>(l.parts);
-  const std::int64_t group = std::clamp<std::int64_t>(kWorkspaceBytes / slot_bytes(*plan), 1,
+  const std::int64_t group = std::clamp<std::int64_t>(kUnfusedScoreBytes / slot_bytes(*plan), 1,
                                                       std::max<std::int64_t>(workspace_heads, 1));
   plan->own = device_buffer<std::byte>(workspace_of(*plan, group).layout.bytes());
   return plan;
 }
 
 std::size_t unfused_workspace_bytes(const unfused_device_plan& plan, std::int64_t heads) {
-  const std::int64_t group = std::clamp<std::int64_t>(kWorkspaceBytes / slot_bytes(plan), 1,
+  const std::int64_t group = std::clamp<std::int64_t>(kUnfusedScoreBytes / slot_bytes(plan), 1,
                                                       std::max<std::int64_t>(heads, 1));
   return workspace_of(plan, group).layout.bytes();
 }

@@ -14,6 +14,7 @@
 #include "../../common/layout.hpp"
 #include "../../common/work_list.cuh"
 #include "../../formats/bsb_build.cuh"
+#include "heuristics.hpp"
 #include "kernel.cuh"
 #include "plan.hpp"
 #include "schedule.hpp"
@@ -99,14 +100,8 @@ fused3s_workspace workspace_of(const fused3s_device_plan& plan, std::int64_t hea
 
 namespace {
 
-constexpr int kWarps = 4;
-// Resident blocks of kWarps per SM the register budget is held to (65536 / (blocks * 128) regs).
-// At D = 128 three blocks (168 registers) spill and measured 1.2-1.6x slower than two (H200,
-// docs/notes/fused3s.md); D <= 64 fits four without spilling.
-template <int D>
-constexpr int kMinBlocks = D <= 64    ? 4
-                           : D == 128 ? 2
-                                      : 1;
+using fused3s::kMinBlocks;
+using fused3s::kWarps;
 
 /// How many of the largest items run on teams with `blocks` resident blocks of `warps` warps: as
 /// the schedule model chooses (schedule.hpp), or, with a positive team_tcbs, every item of at least
@@ -154,25 +149,13 @@ void launch_blocks(const fused3s::params& p, const fused3s_device_plan& plan, cu
   }
 }
 
-// At D = 128, 12 warps per SM (rows not loaded a TCB ahead, to fit 168 registers) where that runs
-// every task at once and 8 would not: tasks between the warp slots of two and of three 4-warp
-// blocks, all short (at most kShortItem TCBs). Batches of small graphs like tu_enzymes (1,224
-// windows of at most 7 TCBs: two rounds of tasks become one) measured 4.5% faster on three 4-warp
-// blocks; with more tasks than three blocks' slots they measured 1-3.5% slower, and with longer
-// items 3-22% slower. The warps run as six blocks of two, 4% faster on tu_enzymes (H200,
-// docs/notes/fused3s.md); likely because 612 blocks of 2 warps spread over 132 SMs more evenly
-// than 306 of 4 (8-10 warps per SM instead of 8-12).
-constexpr std::int32_t kShortItem = 8;
-
 template <class T, int D, class O>
 void launch(const fused3s::params& p, const fused3s_device_plan& plan, cudaStream_t s) {
   if constexpr (D == 128) {
-    const std::int64_t tasks = std::int64_t{p.num_items} * p.heads;
-    const std::int64_t block_warps = std::int64_t{kWarps} * plan.sms;
     const auto& sizes = plan.host_items.tcbs;
-    if (!sizes.empty() && sizes.front() <= kShortItem && tasks > kMinBlocks<D> * block_warps &&
-        tasks <= 3 * block_warps) {
-      return launch_blocks<T, D, O, 6, 2>(p, plan, s);
+    if (!sizes.empty() && fused3s::short_items_on_small_blocks(
+                              sizes.front(), std::int64_t{p.num_items} * p.heads, plan.sms)) {
+      return launch_blocks<T, D, O, fused3s::kShortBlocks, fused3s::kShortBlockWarps>(p, plan, s);
     }
   }
   launch_blocks<T, D, O, kMinBlocks<D>>(p, plan, s);

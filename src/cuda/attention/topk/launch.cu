@@ -157,7 +157,7 @@ std::shared_ptr<topk_device_plan> make_topk_plan(const block_sparse_mask& skelet
   if (can_depend && t->rows < kMaxRows &&
       static_cast<std::int64_t>(groups.size()) * t->heads <= sms) {
     t->dependent_launch = true;
-    t->select_shared = std::max(t->select_shared, limit / 2 + 1024);
+    t->select_shared = std::max(t->select_shared, dependent_select_shared(limit));
   }
   TRISPARSE_CUDA_TRY(cudaFuncSetAttribute(select_kernel_for(t->held, t->pdim),
                                           cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -46,4 +46,9 @@ __host__ __device__ constexpr int score_floats(int held, int max_k_blocks) {
   return (n + 23) / 32 * 32 + 8;
 }
 
+// Shared bytes a selection block smaller than kMaxRows takes when launched as a dependent: more
+// than half an SM's (`limit`), so that each takes an SM of its own as the pooling leaves it,
+// instead of two sharing the first SMs the pooling leaves while other SMs stay empty.
+constexpr int dependent_select_shared(int limit) { return limit / 2 + 1024; }
+
 }  // namespace trisparse::cuda::topk

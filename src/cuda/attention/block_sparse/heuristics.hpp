@@ -1,0 +1,18 @@
+#pragma once
+// The block-sparse backends' run-time choices (host code; measured on the H200,
+// docs/notes/block_sparse.md).
+#include <cstdint>
+
+namespace trisparse::cuda::block_sparse {
+
+/// The two-warpgroup kernel (a producer warpgroup and two consumers, one block per SM) from this
+/// many 128-key tiles per query tile: against the one-warpgroup kernel (four blocks per SM) it
+/// measured level at 12.8 tiles, 1.05-1.19x faster from 25.6 up, 0.78-0.94x at 2.6-10.2, where a
+/// block's start, which a second resident block would hide, weighs more (heads 8, D = 64).
+inline constexpr double kPingpongFromTiles = 12;
+
+/// The three-kernel pipeline keeps the scores of as many heads at a time as fit this many bytes
+/// (at least one head): past it, more heads at once save only launches.
+inline constexpr std::int64_t kUnfusedScoreBytes = std::int64_t{8} << 30;
+
+}  // namespace trisparse::cuda::block_sparse
