@@ -193,7 +193,7 @@ result run_one(const block_sparse_mask& mask, const inputs& x, std::int64_t head
   const auto plan = block_sparse_attention_plan::build(mask, device_kind::cuda, options);
   check(cudaDeviceSynchronize(), "plan");
   res.build_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  res.algo = std::string(to_string(plan.report().algo));
+  res.algo = backend_name(plan.report().algo, plan.report().where);
   res.format = plan.report().format;
   res.pairs = plan.report().nnz * (mask.heads == 1 ? heads : 1);
   device_output out(x.views[0], heads, x.heads_first);
@@ -203,7 +203,7 @@ result run_one(const block_sparse_mask& mask, const inputs& x, std::int64_t head
   };
   res.error = out.check_once(mask, x, seed, [&] { call(0); });
   res.ms = time_runs(repeat, sets, true, call).median;
-  if (plan.report().algo == algorithm::cuda_unfused) {  // per-kernel medians
+  if (plan.report().algo == algorithm::unfused) {  // per-kernel medians
     std::vector<std::array<double, 3>> runs;
     for (int i = 0; i < std::max(3, repeat / 4); ++i) {
       const int s = i % sets;
@@ -405,7 +405,7 @@ int main(int argc, char** argv) {
           j["max_rel_error"] = r.error;
           if (unfused && pairs_bound <= max_unfused) {  // the report's three kernels
             const result u = run_one(mask, x, heads, repeat, static_cast<std::uint64_t>(seed),
-                                     {.algo = algorithm::cuda_unfused});
+                                     {.algo = algorithm::unfused});
             j["unfused_ms"] = u.ms;
             j["unfused_sddmm_ms"] = u.stage_ms[0];
             j["unfused_softmax_ms"] = u.stage_ms[1];

@@ -5,8 +5,8 @@
 
 #include "../common/workspace_layout.hpp"
 #include "../cpu/fused3s/fast.hpp"
-#include "../cuda/attention/bsb/heuristics.hpp"
-#include "../cuda/attention/bsb/plan.hpp"
+#include "../cuda/attention/fused3s/heuristics.hpp"
+#include "../cuda/attention/fused3s/plan.hpp"
 #include "../cuda/common/device.hpp"
 #include "arguments.hpp"
 #include "trisparse/core/error.hpp"
@@ -21,33 +21,49 @@ std::string_view to_string(algorithm a) {
   switch (a) {
     case algorithm::automatic:
       return "automatic";
-    case algorithm::cpu_reference:
-      return "cpu_reference";
-    case algorithm::cpu_fused3s_reference:
-      return "cpu_fused3s_reference";
-    case algorithm::cpu_fused:
-      return "cpu_fused";
-    case algorithm::cuda_fused_bsb:
-      return "cuda_fused_bsb";
-    case algorithm::cuda_unfused:
-      return "cuda_unfused";
-    case algorithm::cuda_fused_block:
-      return "cuda_fused_block";
+    case algorithm::reference:
+      return "reference";
+    case algorithm::blocked_reference:
+      return "blocked_reference";
+    case algorithm::fused:
+      return "fused";
+    case algorithm::unfused:
+      return "unfused";
+    case algorithm::block:
+      return "block";
   }
   return "?";
 }
 
 algorithm parse_algorithm(std::string_view name) {
-  for (const auto a :
-       {algorithm::automatic, algorithm::cpu_reference, algorithm::cpu_fused3s_reference,
-        algorithm::cpu_fused, algorithm::cuda_fused_bsb, algorithm::cuda_unfused,
-        algorithm::cuda_fused_block}) {
+  for (const auto a : {algorithm::automatic, algorithm::reference, algorithm::blocked_reference,
+                       algorithm::fused, algorithm::unfused, algorithm::block}) {
     if (to_string(a) == name) return a;
   }
   if (name == "auto") return algorithm::automatic;
   throw invalid_input("unknown algorithm '" + std::string(name) +
-                      "' (automatic, cpu_reference, cpu_fused3s_reference, cpu_fused, "
-                      "cuda_fused_bsb, cuda_unfused, cuda_fused_block)");
+                      "' (automatic, reference, blocked_reference, fused, unfused, block)");
+}
+
+bool runs_on(algorithm a, device_kind where) {
+  switch (a) {
+    case algorithm::automatic:
+    case algorithm::fused:
+      return true;
+    case algorithm::reference:
+    case algorithm::blocked_reference:
+      return where == device_kind::cpu;
+    case algorithm::unfused:
+    case algorithm::block:
+      return where == device_kind::cuda;
+  }
+  return false;
+}
+
+std::string backend_name(algorithm a, device_kind where) {
+  const std::string device(to_string(where));
+  if (a == algorithm::fused && where == device_kind::cuda) return device + "_fused3s";
+  return device + "_" + std::string(to_string(a));
 }
 
 double effective_scale(const attention_options& options, std::int64_t head_dim) {
@@ -60,34 +76,25 @@ struct attention_plan::state {
   csr_graph pattern;  // binary: values dropped
   std::optional<bsb> blocks;
   std::shared_ptr<cuda::fused3s_device_plan> device_blocks;
-  std::optional<sparse_plan> unfused;  // cuda_unfused: the ME-BCRS and its kernels
+  std::optional<sparse_plan> unfused;  // unfused: the ME-BCRS and its kernels
   plan_report report;
-  // cuda_unfused: the plan's own workspace for its per-edge scores and probabilities, sized at
+  // unfused: the plan's own workspace for its per-edge scores and probabilities, sized at
   // build for plan_options.workspace_heads (the SpMM's and softmax's own is the sparse plan's).
   device_tensor own;
   std::int64_t own_heads = 0;
 };
 
 namespace {
-bool runs_on(algorithm a, device_kind d) {
-  const bool cpu = a == algorithm::cpu_reference || a == algorithm::cpu_fused3s_reference ||
-                   a == algorithm::cpu_fused;
-  return d == device_kind::cpu ? cpu : !cpu;
-}
-}  // namespace
-
-namespace {
 
 algorithm choose(algorithm requested, device_kind where) {
-  const algorithm algo = requested != algorithm::automatic ? requested
-                         : where == device_kind::cpu       ? algorithm::cpu_fused
-                                                           : algorithm::cuda_fused_bsb;
+  const algorithm algo = requested != algorithm::automatic ? requested : algorithm::fused;
   if (!runs_on(algo, where)) {
     throw invalid_input("algorithm " + std::string(to_string(algo)) + " does not run on " +
                         to_string(where));
   }
-  TRISPARSE_EXPECTS_INPUT(algo != algorithm::cuda_fused_block,
-                          "cuda_fused_block runs block masks: build a block_sparse_attention_plan");
+  TRISPARSE_EXPECTS_INPUT(
+      algo != algorithm::block,
+      "the block algorithm runs block masks: build a block_sparse_attention_plan");
   return algo;
 }
 
@@ -116,7 +123,7 @@ sparse_plan_options unfused_options(const plan_options& o) {
           .workspace_dim = o.workspace_dim};
 }
 
-// cuda_unfused's workspace: per-edge scores (f32) and probabilities (16-bit; f32 runs reuse the
+// unfused's workspace: per-edge scores (f32) and probabilities (16-bit; f32 runs reuse the
 // scores) in the slot layout, then the sparse plan's own segments (SpMM and softmax).
 struct unfused_workspace {
   detail::workspace_layout layout;
@@ -172,13 +179,13 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
   const algorithm algo = choose(options.algo, where);
   auto s = std::make_shared<state>();
   std::int64_t bytes = 0;
-  if (algo == algorithm::cuda_unfused) {
+  if (algo == algorithm::unfused) {
     // Attention's pattern is binary: a plan from the values would scale the scores by them.
     s->unfused = sparse_plan::build(binary_copy(pattern), where, unfused_options(options), stream);
     describe_unfused(s->report, *s->unfused);
     own_unfused_workspace(*s, options);
     bytes = s->unfused->report().format_bytes;
-  } else if (algo == algorithm::cuda_fused_bsb) {
+  } else if (algo == algorithm::fused && where == device_kind::cuda) {
     // The BSB (16x8) is built on the GPU from the checked pattern; the plan keeps only that.
     // Rows grouped into windows in RCM order where that cuts the TCB count (item 3(d)); the
     // kernel maps window rows back to query rows.
@@ -204,7 +211,7 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
     s->report.format = "csr";
     bytes =
         static_cast<std::int64_t>(8 * s->pattern.row_ptr.size() + 4 * s->pattern.col_idx.size());
-    if (algo == algorithm::cpu_fused3s_reference) {
+    if (algo == algorithm::blocked_reference) {
       s->blocks = build_bsb(s->pattern, options.tcb_cols);
       s->report.format += "+bsb16x" + std::to_string(options.tcb_cols);
       bytes += s->blocks->bytes();
@@ -241,7 +248,7 @@ attention_plan attention_plan::build(const csr_view& pattern, const plan_options
   auto s = std::make_shared<state>();
   std::int64_t bytes = 0;
   // Rows stay in the given order (no reordering on the device).
-  if (algo == algorithm::cuda_unfused) {
+  if (algo == algorithm::unfused) {
     sparse_plan_options o = unfused_options(options);
     o.order = row_order::original;
     s->unfused = sparse_plan::build(pattern, nullptr, o, stream);
@@ -291,48 +298,49 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
                         to_string(r.where));
   }
   switch (algo) {
-    case algorithm::cpu_reference:
+    case algorithm::reference:
       reference::attention(state_->pattern, q, k, v, out, scale);
       return;
-    case algorithm::cpu_fused3s_reference:
+    case algorithm::blocked_reference:
       if (!state_->blocks) {
         throw invalid_input(
             "this plan holds no BSB format: build it with plan_options.algo = "
-            "cpu_fused3s_reference");
+            "blocked_reference");
       }
       reference::fused3s(*state_->blocks, q, k, v, out, scale);
       return;
-    case algorithm::cpu_fused:
-      cpu::fused_attention_unchecked(state_->pattern, q, k, v, out, static_cast<float>(scale));
-      return;
-    case algorithm::cuda_fused_bsb:
+    case algorithm::fused:
+      if (r.where == device_kind::cpu) {
+        cpu::fused_attention_unchecked(state_->pattern, q, k, v, out, static_cast<float>(scale));
+        return;
+      }
       if (!state_->device_blocks) {
         throw invalid_input(
-            "this plan holds no device BSB: build it with plan_options.algo = cuda_fused_bsb");
+            "this plan holds no device BSB: build it with plan_options.algo = fused");
       }
       cuda::run_fused3s(*state_->device_blocks, q, k, v, out, scale, workspace, stream);
       return;
-    case algorithm::cuda_unfused: {
+    case algorithm::unfused: {
       if (!state_->unfused) {
         throw invalid_input(
-            "this plan holds no device ME-BCRS: build it with plan_options.algo = cuda_unfused");
+            "this plan holds no device ME-BCRS: build it with plan_options.algo = unfused");
       }
       // scores = scale Q K^T on the pattern (f32) -> row softmax in v's dtype -> out = P V.
       TRISPARSE_EXPECTS_INPUT(out.type == dtype::f32 || out.type == v.type,
-                              "cuda_unfused writes out as f32 or in v's dtype; out is " +
+                              "the unfused pipeline writes out as f32 or in v's dtype; out is " +
                                   out.describe() + ", v " + v.describe());
       const sparse_plan& p = *state_->unfused;
       const unfused_workspace w = unfused_workspace_of(p, q.heads, v.dim);
       workspace_view ws;
       if (workspace != nullptr) {
         ws = *workspace;
-        w.layout.check(ws, "cuda_unfused attention");
+        w.layout.check(ws, "unfused attention");
       } else {
         // The plan's own: scores and probabilities for up to own_heads heads; the sparse plan
         // keeps its own segments.
         TRISPARSE_EXPECTS_INPUT(
             q.heads <= state_->own_heads,
-            "cuda_unfused attention: this plan's own workspace serves up to " +
+            "unfused attention: this plan's own workspace serves up to " +
                 std::to_string(state_->own_heads) + " heads, not " + std::to_string(q.heads) +
                 ": build it with a larger plan_options.workspace_heads, or pass a workspace");
         ws = {state_->own.view().data, static_cast<std::size_t>(state_->own.view().rows) * 4};

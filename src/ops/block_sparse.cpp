@@ -23,9 +23,9 @@ using detail::batch_pattern;
 struct block_sparse_attention_plan::state {
   block_sparse_mask mask;
   plan_report report;
-  std::shared_ptr<cuda::block_sparse_device_plan> device;  // cuda_fused_block
-  std::shared_ptr<cuda::unfused_device_plan> unfused;      // cuda_unfused
-  // cuda_fused_bsb: the element pattern of the whole packed batch (block diagonal over the
+  std::shared_ptr<cuda::block_sparse_device_plan> device;  // block
+  std::shared_ptr<cuda::unfused_device_plan> unfused;      // unfused
+  // fused (CUDA): the element pattern of the whole packed batch (block diagonal over the
   // sequences), one plan per mask head.
   std::vector<attention_plan> element;
 };
@@ -50,9 +50,10 @@ void check_run_args(const block_sparse_mask& m, const tensor_view& q, const tens
                               std::to_string(q.heads) + " (a mask is per head or shared)");
 }
 
-bool runs_on_cuda(algorithm a) {
-  return a == algorithm::cuda_fused_block || a == algorithm::cuda_fused_bsb ||
-         a == algorithm::cuda_unfused;
+// The algorithms a block mask runs with: reference and fused on the CPU; block, fused (the
+// element patterns) and unfused on CUDA.
+bool runs_block_masks(algorithm a, device_kind where) {
+  return runs_on(a, where) && a != algorithm::blocked_reference && a != algorithm::automatic;
 }
 
 }  // namespace
@@ -67,20 +68,14 @@ block_sparse_attention_plan block_sparse_attention_plan::build(
   // blocks with bitmaps lose nothing to a fine mask (a 16 x 16 tile of the block kernel would
   // compute and discard every masked element).
   const algorithm algo = options.algo != algorithm::automatic      ? options.algo
-                         : where == device_kind::cpu               ? algorithm::cpu_fused
-                         : cuda::block_sparse_supports(mask.block) ? algorithm::cuda_fused_block
-                                                                   : algorithm::cuda_fused_bsb;
-  if (where == device_kind::cpu) {
-    TRISPARSE_EXPECTS_INPUT(algo == algorithm::cpu_reference || algo == algorithm::cpu_fused,
-                            "block-sparse attention on the CPU runs cpu_reference or cpu_fused, "
-                            "not " +
-                                std::string(to_string(algo)));
-  } else {
-    TRISPARSE_EXPECTS_INPUT(runs_on_cuda(algo),
-                            "block-sparse attention on CUDA runs cuda_fused_block, "
-                            "cuda_fused_bsb or cuda_unfused, not " +
-                                std::string(to_string(algo)));
-  }
+                         : where == device_kind::cpu               ? algorithm::fused
+                         : cuda::block_sparse_supports(mask.block) ? algorithm::block
+                                                                   : algorithm::fused;
+  TRISPARSE_EXPECTS_INPUT(
+      runs_block_masks(algo, where),
+      std::string("block-sparse attention on ") + to_string(where) + " runs " +
+          (where == device_kind::cpu ? "reference or fused" : "block, fused or unfused") +
+          ", not " + std::string(to_string(algo)));
   auto s = std::make_shared<state>();
   s->report.algo = algo;
   s->report.where = where;
@@ -92,20 +87,20 @@ block_sparse_attention_plan block_sparse_attention_plan::build(
   std::int64_t bytes = 0;
   for (const block_mask& m : mask.masks)
     bytes += static_cast<std::int64_t>(8 * m.blocks.row_ptr.size() + 4 * m.blocks.col_idx.size());
-  if (algo == algorithm::cuda_fused_block) {
+  if (algo == algorithm::block) {
     s->device = cuda::make_block_sparse_plan(mask, options.kernel, stream);
     bytes = cuda::device_bytes(*s->device);
     s->report.format += " (device, " + std::string(cuda::kernel_name(*s->device)) + ")";
-  } else if (algo == algorithm::cuda_unfused) {
+  } else if (algo == algorithm::unfused) {
     s->unfused = cuda::make_unfused_plan(mask, options.workspace_heads, stream);
     bytes = cuda::device_bytes(*s->unfused);
     s->report.format += " as row-interleaved BCSR (SDDMM, softmax, SpMM; " +
                         std::to_string(cuda::score_bytes_per_head(*s->unfused)) +
                         " score bytes a head)";
-  } else if (algo == algorithm::cuda_fused_bsb) {
+  } else if (algo == algorithm::fused && where == device_kind::cuda) {
     bytes = 0;
     plan_options o;
-    o.algo = algorithm::cuda_fused_bsb;
+    o.algo = algorithm::fused;
     o.workspace_heads = mask.heads == 1 ? options.workspace_heads : 1;
     o.workspace_dim = options.workspace_dim;
     for (std::int64_t h = 0; h < mask.heads; ++h) {
@@ -128,7 +123,7 @@ std::size_t block_sparse_attention_plan::workspace_bytes(std::int64_t heads,
   TRISPARSE_EXPECTS_INPUT(heads >= 0 && head_dim >= 0,
                           "workspace_bytes: heads and head_dim must be >= 0");
   if (state_->unfused) return cuda::unfused_workspace_bytes(*state_->unfused, heads);
-  std::size_t bytes = 0;  // cuda_fused_bsb: the element plans run one after another
+  std::size_t bytes = 0;  // fused (CUDA): the element plans run one after another
   for (const attention_plan& e : state_->element)
     bytes = std::max(bytes, e.workspace_bytes(state_->mask.heads == 1 ? heads : 1, head_dim));
   return bytes;
@@ -143,24 +138,27 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
   check_run_args(m, q, k, v, out, state_->report.where);
   const double scale = detail::resolve_scale(options.scale, q.dim);
   const algorithm algo = options.algo == algorithm::automatic ? state_->report.algo : options.algo;
-  TRISPARSE_EXPECTS_INPUT(runs_on_cuda(algo) == runs_on_cuda(state_->report.algo) &&
-                              (!runs_on_cuda(algo) || algo == state_->report.algo),
-                          "this plan was built for " + std::string(to_string(state_->report.algo)) +
-                              ", not " + std::string(to_string(algo)));
+  const device_kind where = state_->report.where;
+  // The CPU runs either algorithm from the mask; a CUDA plan runs the one it was built for.
+  TRISPARSE_EXPECTS_INPUT(
+      runs_block_masks(algo, where) && (where == device_kind::cpu || algo == state_->report.algo),
+      "this plan was built for " + std::string(to_string(state_->report.algo)) + " on " +
+          to_string(where) + ", not " + std::string(to_string(algo)));
   switch (algo) {
-    case algorithm::cpu_reference:
+    case algorithm::reference:
       reference::block_sparse_attention(m, q, k, v, out, scale);
       return;
-    case algorithm::cpu_fused:
-      cpu::block_sparse_attention_unchecked(m, q, k, v, out, static_cast<float>(scale));
-      return;
-    case algorithm::cuda_fused_block:
+    case algorithm::block:
       cuda::run_block_sparse(*state_->device, q, k, v, out, scale, stream);
       return;
-    case algorithm::cuda_unfused:
+    case algorithm::unfused:
       cuda::run_unfused(*state_->unfused, q, k, v, out, scale, workspace, stream);
       return;
-    case algorithm::cuda_fused_bsb: {
+    case algorithm::fused: {
+      if (where == device_kind::cpu) {
+        cpu::block_sparse_attention_unchecked(m, q, k, v, out, static_cast<float>(scale));
+        return;
+      }
       attention_options o = options;
       o.algo = algorithm::automatic;
       o.scale = scale;
@@ -182,8 +180,8 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
 std::array<double, 3> block_sparse_attention_plan::run_timing_stages(
     const tensor_view& q, const tensor_view& k, const tensor_view& v, const tensor_view& out,
     const attention_options& options, stream_ref stream) const {
-  TRISPARSE_EXPECTS_INPUT(state_->report.algo == algorithm::cuda_unfused,
-                          "run_timing_stages times the cuda_unfused pipeline; this plan runs " +
+  TRISPARSE_EXPECTS_INPUT(state_->report.algo == algorithm::unfused,
+                          "run_timing_stages times the unfused pipeline; this plan runs " +
                               std::string(to_string(state_->report.algo)));
   const block_sparse_mask& m = state_->mask;
   check_run_args(m, q, k, v, out, state_->report.where);

@@ -34,8 +34,8 @@ topk_block_sparse_plan topk_block_sparse_plan::build(std::span<const std::int64_
   TRISPARSE_EXPECTS_INPUT(options.block >= 1 && options.top_k >= 0 && heads >= 1 && head_dim >= 1,
                           "top-k plan: block, heads and head_dim must be >= 1 and top_k >= 0");
   TRISPARSE_EXPECTS_INPUT(
-      plan_options.algo == algorithm::automatic || plan_options.algo == algorithm::cuda_fused_block,
-      "top-k plans run cuda_fused_block, not " + std::string(to_string(plan_options.algo)));
+      plan_options.algo == algorithm::automatic || plan_options.algo == algorithm::block,
+      "top-k plans run block, not " + std::string(to_string(plan_options.algo)));
   if (!cuda::block_sparse_supports(options.block)) {
     throw not_supported("top-k plans take blocks that are multiples of 16, not " +
                         std::to_string(options.block));
@@ -50,7 +50,7 @@ topk_block_sparse_plan topk_block_sparse_plan::build(std::span<const std::int64_
   topk_rows(s->shape, s->slots, false).check();  // the offsets, through the mask's own checks
   s->device = cuda::make_topk_plan(topk_rows(s->shape, s->slots, true), options.top_k,
                                    options.keep_diagonal, head_dim, plan_options.kernel, stream);
-  s->report.algo = algorithm::cuda_fused_block;
+  s->report.algo = algorithm::block;
   s->report.where = device_kind::cuda;
   s->report.rows = s->shape.cu_seqlens_q.back();
   s->report.cols = s->shape.cu_seqlens_k.back();
@@ -79,9 +79,8 @@ void topk_block_sparse_plan::run(const tensor_view& q, const tensor_view& k, con
   TRISPARSE_EXPECTS_INPUT(state_->selected, "top-k plan: select() the mask before run()");
   TRISPARSE_EXPECTS_INPUT(q.heads == m.heads, "the plan has " + std::to_string(m.heads) +
                                                   " heads, q " + std::to_string(q.heads));
-  TRISPARSE_EXPECTS_INPUT(
-      options.algo == algorithm::automatic || options.algo == algorithm::cuda_fused_block,
-      "top-k plans run cuda_fused_block, not " + std::string(to_string(options.algo)));
+  TRISPARSE_EXPECTS_INPUT(options.algo == algorithm::automatic || options.algo == algorithm::block,
+                          "top-k plans run block, not " + std::string(to_string(options.algo)));
   cuda::run_block_sparse(cuda::attention_of(*state_->device), q, k, v, out,
                          detail::resolve_scale(options.scale, q.dim), stream);
 }

@@ -126,7 +126,7 @@ TEST(GpuBlockSparse, EveryBlockTypeAndHeadDimAgainstTheReference) {
                                                 .seed = seed++},
                                                lens);
       for (const auto& plan : plans_for(mask)) {
-        ASSERT_EQ(plan.report().algo, algorithm::cuda_fused_block);
+        ASSERT_EQ(plan.report().algo, algorithm::block);
         for (const dtype in : {dtype::f16, dtype::bf16}) {
           for (const std::int64_t d : {64, 128}) {
             for (const dtype out : {dtype::f32, dtype::f16, dtype::bf16}) {
@@ -290,7 +290,7 @@ TEST(GpuBlockSparse, FineBlocksRunAsElementPatterns) {
                                                 .seed = 3},
                                                lens);
       const auto plan = cuda_plan(mask);
-      ASSERT_EQ(plan.report().algo, algorithm::cuda_fused_bsb);
+      ASSERT_EQ(plan.report().algo, algorithm::fused);
       check(plan, {dtype::bf16, dtype::f32, 64}, 2, 21);
     }
   }
@@ -625,8 +625,8 @@ TEST(GpuBlockSparse, TopKSelectThenAttendWithoutSynchronisation) {
 
 block_sparse_attention_plan unfused_plan(const block_sparse_mask& m) {
   auto plan =
-      block_sparse_attention_plan::build(m, device_kind::cuda, {.algo = algorithm::cuda_unfused});
-  EXPECT_EQ(plan.report().algo, algorithm::cuda_unfused);
+      block_sparse_attention_plan::build(m, device_kind::cuda, {.algo = algorithm::unfused});
+  EXPECT_EQ(plan.report().algo, algorithm::unfused);
   return plan;
 }
 
@@ -727,12 +727,12 @@ TEST(GpuBlockSparse, RejectsWhatItCannotRun) {
   EXPECT_THROW(run(dtype::f32, 64, dtype::f32), invalid_input);
   EXPECT_THROW(run(dtype::f16, 64, dtype::f64), invalid_input);
   EXPECT_THROW(
-      block_sparse_attention_plan::build(mask, device_kind::cuda, {.algo = algorithm::cpu_fused}),
+      block_sparse_attention_plan::build(mask, device_kind::cuda, {.algo = algorithm::reference}),
       invalid_input);
   const auto fine = make_block_sparse_mask({.block = 8}, std::vector<std::int64_t>{32});
-  EXPECT_THROW(block_sparse_attention_plan::build(fine, device_kind::cuda,
-                                                  {.algo = algorithm::cuda_fused_block}),
-               not_supported);
+  EXPECT_THROW(
+      block_sparse_attention_plan::build(fine, device_kind::cuda, {.algo = algorithm::block}),
+      not_supported);
   // wgmma takes blocks that are multiples of 64 only, the two-warpgroup kernel multiples of 128
   // (and both sm_90 only).
   EXPECT_THROW(cuda_plan(mask, block_kernel::wgmma), not_supported);

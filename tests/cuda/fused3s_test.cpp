@@ -79,7 +79,7 @@ bool quick() {
 // still runs there. The unfused pipeline also takes f32 inputs and any head dim, and writes f32
 // or the inputs' dtype.
 std::vector<config> configs_for(algorithm algo, std::int64_t heads = 1) {
-  const bool unfused = algo == algorithm::cuda_unfused;
+  const bool unfused = algo == algorithm::unfused;
   if (quick()) return {{dtype::f16, dtype::f32, 128, heads}, {dtype::bf16, dtype::bf16, 64, heads}};
   std::vector<config> out;
   for (const dtype in : {dtype::f16, dtype::bf16}) {
@@ -124,8 +124,7 @@ class GpuAttention : public ::testing::TestWithParam<algorithm> {
 };
 
 INSTANTIATE_TEST_SUITE_P(Cuda, GpuAttention,
-                         ::testing::Values(algorithm::cuda_fused_bsb, algorithm::cuda_unfused),
-                         algo_name);
+                         ::testing::Values(algorithm::fused, algorithm::unfused), algo_name);
 
 TEST_P(GpuAttention, EveryTypeAndHeadDimOnRandomGraphs) {
   std::uint64_t seed = 1;
@@ -312,7 +311,7 @@ TEST(GpuUnfused, RowOrdersAndWhatItRejects) {
   g.values.assign(g.col_idx.size(), 3.5f);
   for (const row_order o : {row_order::original, row_order::rcm, row_order::clustered}) {
     const attention_plan plan =
-        attention_plan::build(g, device_kind::cuda, {.algo = algorithm::cuda_unfused, .order = o});
+        attention_plan::build(g, device_kind::cuda, {.algo = algorithm::unfused, .order = o});
     EXPECT_EQ(plan.report().format.find(std::string(to_string(o))) != std::string::npos,
               o != row_order::original)
         << plan.report().format;
@@ -320,15 +319,14 @@ TEST(GpuUnfused, RowOrdersAndWhatItRejects) {
   }
   // out must be f32 or v's dtype; a fused plan cannot run unfused.
   const attention_plan plan =
-      attention_plan::build(g, device_kind::cuda, {.algo = algorithm::cuda_unfused});
+      attention_plan::build(g, device_kind::cuda, {.algo = algorithm::unfused});
   auto x = test::random_qkv(g, 1, 32, dtype::f16, 1);
   test::device_tensor q(x.q), k(x.k), v(x.v), out(host_tensor(dtype::bf16, g.rows, 1, 32));
   EXPECT_THROW(plan.run(q.view(), k.view(), v.view(), out.view()), invalid_input);
   test::device_tensor out32(host_tensor(dtype::f32, g.rows, 1, 32));
-  EXPECT_THROW(
-      attention_plan::build(g, device_kind::cuda)
-          .run(q.view(), k.view(), v.view(), out32.view(), {.algo = algorithm::cuda_unfused}),
-      invalid_input);
+  EXPECT_THROW(attention_plan::build(g, device_kind::cuda)
+                   .run(q.view(), k.view(), v.view(), out32.view(), {.algo = algorithm::unfused}),
+               invalid_input);
 }
 
 TEST(GpuFused3s, RejectsWhatItCannotRun) {

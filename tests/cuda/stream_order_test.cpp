@@ -156,7 +156,7 @@ std::vector<gpu_case> attention_cases() {
   std::vector<gpu_case> cases;
   const csr_graph g = hub_graph(3000, 11);
   const std::int64_t heads = 2, dim = 64;
-  for (const algorithm a : {algorithm::cuda_fused_bsb, algorithm::cuda_unfused}) {
+  for (const algorithm a : {algorithm::fused, algorithm::unfused}) {
     const auto plan =
         std::make_shared<attention_plan>(attention_plan::build(g, device_kind::cuda, {.algo = a}));
     auto x = make_io({{g.rows, heads, dim}, {g.cols, heads, dim}, {g.cols, heads, dim}}, dtype::f16,
@@ -275,9 +275,8 @@ std::vector<gpu_case> block_sparse_cases() {
     algorithm algo;
     std::int64_t block, mask_heads;
   };
-  for (const variant vt :
-       {variant{algorithm::cuda_fused_block, 64, 2}, variant{algorithm::cuda_fused_bsb, 16, 2},
-        variant{algorithm::cuda_unfused, 32, 1}}) {
+  for (const variant vt : {variant{algorithm::block, 64, 2}, variant{algorithm::fused, 16, 2},
+                           variant{algorithm::unfused, 32, 1}}) {
     const block_sparse_mask mask = make_block_sparse_mask({.layout = block_layout::random,
                                                            .block = vt.block,
                                                            .p = 0.7,

@@ -119,8 +119,7 @@ TEST(Attention, PlanRunsEveryCpuAlgorithmAndChecksArguments) {
   const auto x = test::random_qkv(g, 2, 32, dtype::f16, 6);
   host_tensor ref(dtype::f64, 90, 2, 32);
   reference::attention(g, x.q.view(), x.k.view(), x.v.view(), ref.view(), 1 / std::sqrt(32.0));
-  for (const auto algo :
-       {algorithm::cpu_reference, algorithm::cpu_fused3s_reference, algorithm::cpu_fused}) {
+  for (const auto algo : {algorithm::reference, algorithm::blocked_reference, algorithm::fused}) {
     const attention_plan plan = attention_plan::build(g, device_kind::cpu, {.algo = algo});
     EXPECT_EQ(plan.report().algo, algo);
     host_tensor out(dtype::f32, 90, 2, 32);
@@ -128,7 +127,7 @@ TEST(Attention, PlanRunsEveryCpuAlgorithmAndChecksArguments) {
     EXPECT_LE(test::compare(out, ref).relative(), 1e-5) << to_string(algo);
   }
   const attention_plan plan = attention_plan::build(g);
-  EXPECT_EQ(plan.report().algo, algorithm::cpu_fused);
+  EXPECT_EQ(plan.report().algo, algorithm::fused);
   host_tensor bad(dtype::f32, 91, 2, 32);
   EXPECT_THROW(plan.run(x.q.view(), x.k.view(), x.v.view(), bad.view()), invalid_input);
   tensor_view on_gpu = x.k.view();
@@ -136,13 +135,22 @@ TEST(Attention, PlanRunsEveryCpuAlgorithmAndChecksArguments) {
   host_tensor out(dtype::f32, 90, 2, 32);
   EXPECT_THROW(plan.run(x.q.view(), on_gpu, x.v.view(), out.view()), invalid_input);
   EXPECT_THROW(plan.run(x.q.view(), x.k.view(), x.v.view(), out.view(),
-                        {.algo = algorithm::cpu_fused3s_reference}),
+                        {.algo = algorithm::blocked_reference}),
                invalid_input);
   EXPECT_THROW(plan.run(x.q.view(), x.k.view(), x.v.view(), out.view(), {.scale = std::nan("")}),
                invalid_input);
-  EXPECT_THROW(attention_plan::build(g, device_kind::cpu, {.algo = algorithm::cuda_fused_bsb}),
+  // Methods the CPU has none of: unfused and block run on CUDA only.
+  EXPECT_THROW(attention_plan::build(g, device_kind::cpu, {.algo = algorithm::unfused}),
                invalid_input);
-  EXPECT_EQ(parse_algorithm("cpu_fused"), algorithm::cpu_fused);
+  EXPECT_THROW(attention_plan::build(g, device_kind::cpu, {.algo = algorithm::block}),
+               invalid_input);
+  EXPECT_EQ(parse_algorithm("fused"), algorithm::fused);
+  EXPECT_THROW(parse_algorithm("cpu_fused"), invalid_input);
+  EXPECT_TRUE(runs_on(algorithm::fused, device_kind::cpu));
+  EXPECT_TRUE(runs_on(algorithm::fused, device_kind::cuda));
+  EXPECT_FALSE(runs_on(algorithm::reference, device_kind::cuda));
+  EXPECT_EQ(backend_name(algorithm::fused, device_kind::cuda), "cuda_fused3s");
+  EXPECT_EQ(backend_name(algorithm::fused, device_kind::cpu), "cpu_fused");
 }
 
 TEST(Attention, ReferenceSddmmSoftmaxSpmmAgreeWithHandComputation) {

@@ -285,7 +285,7 @@ TEST(BlockSparsePlan, CpuEngineMatchesTheReference) {
                                                                        .heads = mask_heads,
                                                                        .seed = seed},
                                                                       lens));
-        EXPECT_EQ(plan.report().algo, algorithm::cpu_fused);
+        EXPECT_EQ(plan.report().algo, algorithm::fused);
         std::int64_t pairs = 0;
         for (std::int64_t b = 0; b < plan.mask().batch(); ++b) {
           for (std::int64_t h = 0; h < mask_heads; ++h) pairs += plan.mask().expand(b, h).nnz();
@@ -304,7 +304,7 @@ TEST(BlockSparsePlan, CpuEngineMatchesTheReference) {
           v.fill_uniform(-1, 1, seed + 2);
           got.fill(std::numeric_limits<double>::quiet_NaN());
           plan.run(q.view(), k.view(), v.view(), got.view());
-          plan.run(q.view(), k.view(), v.view(), want.view(), {.algo = algorithm::cpu_reference});
+          plan.run(q.view(), k.view(), v.view(), want.view(), {.algo = algorithm::reference});
           const auto e = test::compare(got, want);
           EXPECT_TRUE(e.finite);
           EXPECT_LE(e.relative(), 4 * unit_roundoff(out_type) + 1e-5);
@@ -375,7 +375,7 @@ TEST(BlockSparseTopK, ChoosesTheHighestPooledScores) {
       topk_block_mask(q.view(), k.view(), cu, cu, {.block = g, .top_k = 2, .causal = true}));
   host_tensor got(dtype::f32, 557, heads, d), want(dtype::f64, 557, heads, d);
   plan.run(q.view(), k.view(), k.view(), got.view());
-  plan.run(q.view(), k.view(), k.view(), want.view(), {.algo = algorithm::cpu_reference});
+  plan.run(q.view(), k.view(), k.view(), want.view(), {.algo = algorithm::reference});
   EXPECT_LE(test::compare(got, want).relative(), 1e-5);
   EXPECT_THROW(topk_block_mask(q.view(), k.view(), std::vector<std::int64_t>{0, 556}, cu, {}),
                invalid_input);
@@ -391,24 +391,26 @@ TEST(BlockSparsePlan, RejectsWhatItCannotRun) {
   EXPECT_NO_THROW(plan.run(q.view(), q.view(), q.view(), o.view()));
   EXPECT_THROW(plan.run(short_q.view(), q.view(), q.view(), o.view()), invalid_input);
   EXPECT_THROW(plan.run(three.view(), three.view(), three.view(), three.view()), invalid_input);
-  EXPECT_THROW(
-      plan.run(q.view(), q.view(), q.view(), o.view(), {.algo = algorithm::cuda_fused_bsb}),
-      invalid_input);
-  EXPECT_THROW(
-      block_sparse_attention_plan::build(mask, device_kind::cpu, {.algo = algorithm::cuda_unfused}),
-      invalid_input);
-  EXPECT_THROW(block_sparse_attention_plan::build(mask, device_kind::cpu,
-                                                  {.algo = algorithm::cuda_fused_block}),
+  EXPECT_THROW(plan.run(q.view(), q.view(), q.view(), o.view(), {.algo = algorithm::block}),
                invalid_input);
   EXPECT_THROW(
-      block_sparse_attention_plan::build(mask, device_kind::cuda, {.algo = algorithm::cpu_fused}),
+      plan.run(q.view(), q.view(), q.view(), o.view(), {.algo = algorithm::blocked_reference}),
+      invalid_input);
+  EXPECT_THROW(
+      block_sparse_attention_plan::build(mask, device_kind::cpu, {.algo = algorithm::unfused}),
+      invalid_input);
+  EXPECT_THROW(
+      block_sparse_attention_plan::build(mask, device_kind::cpu, {.algo = algorithm::block}),
+      invalid_input);
+  EXPECT_THROW(
+      block_sparse_attention_plan::build(mask, device_kind::cuda, {.algo = algorithm::reference}),
       invalid_input);
   // Without a GPU: not_supported (no CUDA backend) or cuda_error (no device).
   if (!cuda_available()) {
     EXPECT_THROW(block_sparse_attention_plan::build(mask, device_kind::cuda), error);
-    EXPECT_THROW(block_sparse_attention_plan::build(mask, device_kind::cuda,
-                                                    {.algo = algorithm::cuda_unfused}),
-                 error);
+    EXPECT_THROW(
+        block_sparse_attention_plan::build(mask, device_kind::cuda, {.algo = algorithm::unfused}),
+        error);
   }
   EXPECT_THROW((void)plan.run_timing_stages(q.view(), q.view(), q.view(), o.view()), invalid_input);
   auto broken = mask;

@@ -8,7 +8,7 @@
 #include <random>
 #include <vector>
 
-#include "../../src/cuda/attention/bsb/schedule.hpp"
+#include "../../src/cuda/attention/fused3s/schedule.hpp"
 
 namespace trisparse {
 namespace {

@@ -66,12 +66,10 @@ void save_tensor(const std::filesystem::path& path, const host_tensor& t) {
 
 int run_run(const run_args& a) {
   const algorithm requested = parse_algorithm(a.algo);
-  // The best backend present: CUDA when a device is visible (unless a CPU algorithm is asked for).
-  const bool cpu_algo = requested == algorithm::cpu_reference ||
-                        requested == algorithm::cpu_fused3s_reference ||
-                        requested == algorithm::cpu_fused;
+  // The best backend present: CUDA when a device is visible and runs the algorithm asked for.
   const device_kind where =
-      a.device == "cuda" || (a.device == "auto" && !cpu_algo && cuda_available())
+      a.device == "cuda" ||
+              (a.device == "auto" && runs_on(requested, device_kind::cuda) && cuda_available())
           ? device_kind::cuda
           : device_kind::cpu;
   // Tensor cores take 16-bit inputs; the CPU engine computes in fp32.
@@ -195,7 +193,7 @@ int run_run(const run_args& a) {
                                {"dtype", to_string(in_t)},
                                {"out_dtype", a.out_type},
                                {"scale", effective_scale({.scale = a.scale}, a.dim)},
-                               {"algorithm", to_string(plan.resolve(requested))}};
+                               {"algorithm", backend_name(plan.resolve(requested), where)}};
 
   if (!a.save.empty()) {
     phase p("saving pattern, Q, K, V and O to " + a.save);
@@ -266,7 +264,7 @@ action add_run(CLI::App& app) {
   cmd->add_option("--out-dtype", a->out_type, "output dtype")->capture_default_str();
   cmd->add_option("--scale", a->scale, "score scale (default 1/sqrt(dim))");
   cmd->add_option("--algo", a->algo,
-                  "automatic, cuda_fused_bsb, cpu_fused, cpu_reference, cpu_fused3s_reference")
+                  "automatic, fused, unfused (CUDA), reference, blocked_reference (CPU)")
       ->capture_default_str();
   cmd->add_option("--repeat", a->repeat, "timed runs (median reported)")->capture_default_str();
   cmd->add_option("--check-rows", a->check_rows, "rows checked against the float64 reference")

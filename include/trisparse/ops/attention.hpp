@@ -15,33 +15,41 @@
 
 namespace trisparse {
 
-/// Which implementation computes the attention.
+/// How the attention is computed. Which device computes it is the plan's (device_kind); the
+/// pair names one backend (backend_name).
 enum class algorithm : std::uint8_t {
-  automatic,              ///< the fastest one available for the plan's device
-  cpu_reference,          ///< float64 unfused SDDMM -> softmax -> SpMM (the oracle)
-  cpu_fused3s_reference,  ///< float64 blocked online softmax over the BSB format
-  cpu_fused,              ///< fp32 fused, OpenMP over rows, online softmax (the CPU engine)
-  cuda_fused_bsb,         ///< tensor-core fused 3S over BSB (CUDA)
-  cuda_unfused,           ///< SDDMM -> softmax -> SpMM kernels (CUDA)
-  cuda_fused_block,       ///< block-sparse attention over block masks, G a multiple of 16 (CUDA)
+  automatic,          ///< the fastest for the plan's device and pattern
+  reference,          ///< float64 SDDMM -> softmax -> SpMM: the oracle (CPU)
+  blocked_reference,  ///< float64 blocked online softmax over the BSB format (CPU)
+  fused,    ///< one pass with an online softmax: the OpenMP engine (CPU), the fused 3S kernel over
+            ///< BSB on tensor cores (CUDA; block masks: their element patterns)
+  unfused,  ///< SDDMM -> softmax -> SpMM kernels (CUDA)
+  block,    ///< the block kernel over block masks, G a multiple of 16 (CUDA)
 };
 std::string_view to_string(algorithm a);
+/// @throws invalid_input naming the algorithms there are.
 algorithm parse_algorithm(std::string_view name);
+/// Whether `a` runs on `where` (automatic runs everywhere): the one rule of which device runs
+/// what.
+bool runs_on(algorithm a, device_kind where);
+/// The backend that runs `a` on `where`: "cpu_reference", "cpu_blocked_reference", "cpu_fused",
+/// "cuda_fused3s", "cuda_unfused", "cuda_block" (the folder, notes and benchmark names).
+std::string backend_name(algorithm a, device_kind where);
 
 struct plan_options {
   algorithm algo = algorithm::automatic;  ///< what the plan prepares formats for
   int tcb_cols = 8;                       ///< BSB tensor-core block width (8 or 16)
-  /// cuda_fused_bsb: row windows with more TCBs are split across warps and merged
+  /// fused on CUDA: row windows with more TCBs are split across warps and merged
   /// (0 = chosen from the windows' TCB counts and the device by a model of the kernel's schedule).
   std::int32_t split_tcbs = 0;
-  /// cuda_fused_bsb: work items of at least this many TCBs are shared by the 4 warps of one
+  /// fused on CUDA: work items of at least this many TCBs are shared by the 4 warps of one
   /// thread block, which combine their softmax states in shared memory (0 = how many of the
   /// largest items is chosen per heads and head dim by the same model; negative = never, one warp
   /// per item).
   std::int32_t team_tcbs = 0;
   /// CUDA plans from a host pattern: how query rows are grouped into windows. automatic:
-  /// cuda_fused_bsb uses reverse Cuthill-McKee where it cuts the TCB count by >= 35% (square
-  /// patterns up to 4M nonzeros), else the original order; cuda_unfused as sparse_plan does.
+  /// fused (CUDA) uses reverse Cuthill-McKee where it cuts the TCB count by >= 35% (square
+  /// patterns up to 4M nonzeros), else the original order; unfused as sparse_plan does.
   row_order order = row_order::automatic;
   /// CUDA: the largest heads and head dim that the plan's own workspace, sized at build, serves
   /// (the workspace of runs not given one); larger runs pass their own (workspace_bytes()).

@@ -2,6 +2,7 @@
 // Dense helpers of the GNN layers on CUDA (host interface, no CUDA headers: ops/ includes it).
 #include <cstddef>
 
+#include "../common/entry.hpp"
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/tensor.hpp"
 #include "trisparse/core/workspace.hpp"
@@ -16,10 +17,11 @@ inline constexpr std::size_t kGemmWorkspaceBytes = std::size_t{4} << 20;
 /// the calling thread's cuBLAS handle for the current device (one per thread: no lock), with
 /// `workspace` (kGemmWorkspaceBytes) as cuBLAS's. @throws invalid_input for other shapes, dtypes
 /// or layouts.
-void gemm(const tensor_view& a, const tensor_view& b, const tensor_view& c,
-          const workspace_view& workspace, stream_ref stream);
+TRISPARSE_CUDA_ENTRY(void gemm(const tensor_view& a, const tensor_view& b, const tensor_view& c,
+                               const workspace_view& workspace, stream_ref stream))
 
 /// out[i] = x[i] / ||x[i]||_2 (0 for a zero row), [N, 1, F] in x's dtype, computed in fp32.
-void normalize_rows(const tensor_view& x, const tensor_view& out, stream_ref stream);
+TRISPARSE_CUDA_ENTRY(void normalize_rows(const tensor_view& x, const tensor_view& out,
+                                         stream_ref stream))
 
 }  // namespace trisparse::cuda

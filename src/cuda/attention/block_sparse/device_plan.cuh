@@ -1,5 +1,5 @@
 #pragma once
-// The device side of a block-sparse plan (launch.cu builds it, topk.cu rewrites its blocks).
+// The device side of a block-sparse plan (launch.cu builds it, the top-k selection, src/cuda/attention/topk/, rewrites its blocks).
 #include <cstdint>
 
 #include "../../common/buffer.cuh"

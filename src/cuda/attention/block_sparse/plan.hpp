@@ -5,6 +5,7 @@
 #include <memory>
 #include <vector>
 
+#include "../../common/entry.hpp"
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/tensor.hpp"
 #include "trisparse/formats/block_sparse.hpp"
@@ -16,28 +17,28 @@ namespace trisparse::cuda {
 struct block_sparse_device_plan;
 
 /// Whether the fused kernel takes masks at this block size (a multiple of 16).
-bool block_sparse_supports(std::int64_t block);
+TRISPARSE_CUDA_ENTRY(bool block_sparse_supports(std::int64_t block))
 
 /// Uploads a checked mask (block a multiple of 16), chooses the kernel (`kernel`: automatic
 /// resolved for the current device) and orders its query tiles by work, most first. Synchronous
 /// on `stream`. @throws not_supported without the CUDA backend, for a block size the kernel has no
 /// tile for, or for wgmma where it cannot run.
-std::shared_ptr<block_sparse_device_plan> make_block_sparse_plan(const block_sparse_mask& mask,
-                                                                 block_kernel kernel,
-                                                                 stream_ref stream);
+TRISPARSE_CUDA_ENTRY(std::shared_ptr<block_sparse_device_plan> make_block_sparse_plan(
+    const block_sparse_mask& mask, block_kernel kernel, stream_ref stream))
 
 /// The kernel the plan runs ("mma.sync" or "wgmma").
-const char* kernel_name(const block_sparse_device_plan& plan);
+TRISPARSE_CUDA_ENTRY(const char* kernel_name(const block_sparse_device_plan& plan))
 
 /// out = attention(q, k, v) under the plan's mask, asynchronous on `stream`. q, k, v all f16 or
 /// all bf16, head_dim 64 or 128 (v's dim = q's), out f32, f16 or bf16; 16-byte aligned data and
 /// strides that are multiples of 8 elements. Shapes are checked by the caller.
 /// @throws invalid_input for unsupported dtypes, dims or layouts.
-void run_block_sparse(const block_sparse_device_plan& plan, const tensor_view& q,
-                      const tensor_view& k, const tensor_view& v, const tensor_view& out,
-                      double scale, stream_ref stream);
+TRISPARSE_CUDA_ENTRY(void run_block_sparse(const block_sparse_device_plan& plan,
+                                           const tensor_view& q, const tensor_view& k,
+                                           const tensor_view& v, const tensor_view& out,
+                                           double scale, stream_ref stream))
 
-std::int64_t device_bytes(const block_sparse_device_plan& plan);
+TRISPARSE_CUDA_ENTRY(std::int64_t device_bytes(const block_sparse_device_plan& plan))
 
 /// An attention plan whose blocks the device selects (top-k block routing).
 struct topk_device_plan;
@@ -46,20 +47,20 @@ struct topk_device_plan;
 /// top_k (+ 1 with keep_diagonal) slots (any ascending values; those past a row's allowed blocks
 /// equal to its sequence's key-block count). @throws not_supported as make_block_sparse_plan, or
 /// where one sequence has more key blocks than shared memory holds scores for.
-std::shared_ptr<topk_device_plan> make_topk_plan(const block_sparse_mask& skeleton,
-                                                 std::int64_t top_k, bool keep_diagonal,
-                                                 std::int64_t dim, block_kernel kernel,
-                                                 stream_ref stream);
+TRISPARSE_CUDA_ENTRY(std::shared_ptr<topk_device_plan> make_topk_plan(
+    const block_sparse_mask& skeleton, std::int64_t top_k, bool keep_diagonal, std::int64_t dim,
+    block_kernel kernel, stream_ref stream))
 
 /// The plan run_block_sparse takes, with the last selected blocks.
-const block_sparse_device_plan& attention_of(const topk_device_plan& plan);
+TRISPARSE_CUDA_ENTRY(const block_sparse_device_plan& attention_of(const topk_device_plan& plan))
 
 /// Selects the blocks from q and k ([rows, heads, dim], f16 or bf16, on the device), asynchronous
 /// on `stream` (two launches). @throws invalid_input for other shapes, dtypes or devices.
-void select_topk(topk_device_plan& plan, const tensor_view& q, const tensor_view& k,
-                 stream_ref stream);
+TRISPARSE_CUDA_ENTRY(void select_topk(topk_device_plan& plan, const tensor_view& q,
+                                      const tensor_view& k, stream_ref stream))
 
 /// The block slots (synchronous on `stream`): mask m's block row r at (rows before m + r) * slots.
-std::vector<std::int32_t> download_blocks(const topk_device_plan& plan, stream_ref stream);
+TRISPARSE_CUDA_ENTRY(std::vector<std::int32_t> download_blocks(const topk_device_plan& plan,
+                                                               stream_ref stream))
 
 }  // namespace trisparse::cuda

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "../../common/entry.hpp"
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/tensor.hpp"
 #include "trisparse/core/workspace.hpp"
@@ -18,13 +19,13 @@ struct unfused_device_plan;
 /// Lays out a checked mask (any block size) and uploads it (synchronous), with a workspace of its
 /// own for the scores of `workspace_heads` heads (at most 8 GiB).
 /// @throws not_supported without the CUDA backend; invalid_input where a count exceeds 2^31 - 1.
-std::shared_ptr<unfused_device_plan> make_unfused_plan(const block_sparse_mask& mask,
-                                                       std::int64_t workspace_heads,
-                                                       stream_ref stream);
+TRISPARSE_CUDA_ENTRY(std::shared_ptr<unfused_device_plan> make_unfused_plan(
+    const block_sparse_mask& mask, std::int64_t workspace_heads, stream_ref stream))
 
 /// Bytes of workspace that runs all `heads` heads at once (capped at 8 GiB of scores); a run given
 /// less, but at least the bytes for one head, takes the heads in groups.
-std::size_t unfused_workspace_bytes(const unfused_device_plan& plan, std::int64_t heads);
+TRISPARSE_CUDA_ENTRY(std::size_t unfused_workspace_bytes(const unfused_device_plan& plan,
+                                                         std::int64_t heads))
 
 /// out = attention(q, k, v) under the plan's mask, asynchronous on `stream` (stage_ms == null):
 /// the scores of as many heads at a time as the workspace (the caller's, or nullptr for the
@@ -32,13 +33,14 @@ std::size_t unfused_workspace_bytes(const unfused_device_plan& plan, std::int64_
 /// head groups, in milliseconds (SDDMM, softmax, SpMM), and the call synchronises `stream`. q, k,
 /// v all f16 or all bf16 with v's dim equal to q's, a multiple of 8 up to 256; out f32, f16 or
 /// bf16; 16-byte aligned rows. @throws invalid_input for other dtypes, dims or layouts.
-void run_unfused(const unfused_device_plan& plan, const tensor_view& q, const tensor_view& k,
-                 const tensor_view& v, const tensor_view& out, double scale,
-                 const workspace_view* workspace, stream_ref stream,
-                 std::array<double, 3>* stage_ms = nullptr);
+TRISPARSE_CUDA_ENTRY(void run_unfused(const unfused_device_plan& plan, const tensor_view& q,
+                                      const tensor_view& k, const tensor_view& v,
+                                      const tensor_view& out, double scale,
+                                      const workspace_view* workspace, stream_ref stream,
+                                      std::array<double, 3>* stage_ms = nullptr))
 
 /// The layout's bytes on the device (its own workspace counted); the scores of one head.
-std::int64_t device_bytes(const unfused_device_plan& plan);
-std::int64_t score_bytes_per_head(const unfused_device_plan& plan);
+TRISPARSE_CUDA_ENTRY(std::int64_t device_bytes(const unfused_device_plan& plan))
+TRISPARSE_CUDA_ENTRY(std::int64_t score_bytes_per_head(const unfused_device_plan& plan))
 
 }  // namespace trisparse::cuda

@@ -4,6 +4,7 @@
 #include <memory>
 #include <vector>
 
+#include "../../common/entry.hpp"
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/tensor.hpp"
 #include "trisparse/core/workspace.hpp"
@@ -28,28 +29,30 @@ struct fused3s_limits {
 /// @throws not_supported without the CUDA backend; cuda_error on a CUDA failure.
 /// `row_map` (empty = identity): the query row that each row of `pattern` stands for, when the
 /// caller has permuted the rows; the kernel reads Q and writes O through it.
-std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_graph& pattern,
-                                                       fused3s_limits limits, stream_ref stream,
-                                                       const std::vector<std::int64_t>& row_map);
+TRISPARSE_CUDA_ENTRY(std::shared_ptr<fused3s_device_plan> make_fused3s_plan(
+    const csr_graph& pattern, fused3s_limits limits, stream_ref stream,
+    const std::vector<std::int64_t>& row_map))
 /// The same from a pattern in device memory, checked on the device first.
 /// @throws invalid_input naming the broken invariant.
-std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_view& pattern,
-                                                       fused3s_limits limits, stream_ref stream);
+TRISPARSE_CUDA_ENTRY(std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_view& pattern,
+                                                                            fused3s_limits limits,
+                                                                            stream_ref stream))
 
 /// Bytes of workspace a run with `heads` heads of `head_dim` needs.
-std::size_t fused3s_workspace_bytes(const fused3s_device_plan& plan, std::int64_t heads,
-                                    std::int64_t head_dim);
+TRISPARSE_CUDA_ENTRY(std::size_t fused3s_workspace_bytes(const fused3s_device_plan& plan,
+                                                         std::int64_t heads, std::int64_t head_dim))
 
 /// out = attention(q, k, v) on `stream`. q, k, v: f16 or bf16, one dtype; out: f32, f16 or bf16;
 /// head_dim (= v's dim) 32, 64, 128 or 256; strides multiples of 8 elements, 16-byte aligned data.
 /// `workspace`: the caller's (cleared on the stream first), or nullptr for the plan's own.
 /// Asynchronous: no host synchronisation, allocation or lock.
 /// @throws invalid_input for unsupported shapes, dtypes or alignment, or too small a workspace.
-void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const tensor_view& k,
-                 const tensor_view& v, const tensor_view& out, double scale,
-                 const workspace_view* workspace, stream_ref stream);
+TRISPARSE_CUDA_ENTRY(void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q,
+                                      const tensor_view& k, const tensor_view& v,
+                                      const tensor_view& out, double scale,
+                                      const workspace_view* workspace, stream_ref stream))
 
 /// Device bytes held by the plan (format, work list, partial-state workspace).
-std::int64_t device_bytes(const fused3s_device_plan& plan);
+TRISPARSE_CUDA_ENTRY(std::int64_t device_bytes(const fused3s_device_plan& plan))
 
 }  // namespace trisparse::cuda
