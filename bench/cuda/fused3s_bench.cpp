@@ -95,8 +95,11 @@ void bench_graph(const std::string& name, const csr_graph& g, const settings& cf
   const dtype in = cfg.in;
   const int repeat = cfg.repeat;
   const auto t0 = std::chrono::steady_clock::now();
-  const attention_plan plan =
-      attention_plan::build(g, device_kind::cuda, {.split_tcbs = split, .team_tcbs = team});
+  const attention_plan plan = attention_plan::build(g, device_kind::cuda,
+                                                    {.split_tcbs = split,
+                                                     .team_tcbs = team,
+                                                     .workspace_heads = cfg.heads,
+                                                     .workspace_dim = cfg.dim});
   check(cudaDeviceSynchronize(), "plan");
   const double build_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -117,8 +120,10 @@ void bench_graph(const std::string& name, const csr_graph& g, const settings& cf
     std::vector<double> ms;
     for (int i = 0; i < 5; ++i) {
       const auto t1 = std::chrono::steady_clock::now();
-      const attention_plan p =
-          attention_plan::build(view, {.split_tcbs = split, .team_tcbs = team});
+      const attention_plan p = attention_plan::build(view, {.split_tcbs = split,
+                                                            .team_tcbs = team,
+                                                            .workspace_heads = cfg.heads,
+                                                            .workspace_dim = cfg.dim});
       ms.push_back(
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t1).count());
     }
@@ -219,8 +224,9 @@ void bench_graph(const std::string& name, const csr_graph& g, const settings& cf
     }
     {  // Our unfused pipeline (ME-BCRS SDDMM -> softmax -> SpMM), its own plan and build time.
       const auto tu = std::chrono::steady_clock::now();
-      const attention_plan u =
-          attention_plan::build(g, device_kind::cuda, {.algo = algorithm::unfused});
+      const attention_plan u = attention_plan::build(
+          g, device_kind::cuda,
+          {.algo = algorithm::unfused, .workspace_heads = cfg.heads, .workspace_dim = cfg.dim});
       const double u_build =
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - tu).count();
       const std::function<void(int)> r = [&](int s) {

@@ -84,25 +84,34 @@ double spmm_error(const csr_graph& g, const host_tensor& b, const void* d_c, std
 double ms_of(const bench::timing& t) { return t.median; }
 
 void bench_graph(const std::string& name, const csr_graph& g, const settings& cfg) {
+  // The plans' own workspaces serve the widest SpMM timed.
+  const std::int64_t widest =
+      std::max<std::int64_t>(256, *std::max_element(cfg.ns.begin(), cfg.ns.end()));
   const auto t0 = std::chrono::steady_clock::now();
-  const sparse_plan p8 = sparse_plan::build(
-      g, device_kind::cuda, {.vector_rows = 8, .split_blocks = cfg.split, .team_blocks = cfg.team});
+  const sparse_plan p8 = sparse_plan::build(g, device_kind::cuda,
+                                            {.vector_rows = 8,
+                                             .split_blocks = cfg.split,
+                                             .team_blocks = cfg.team,
+                                             .workspace_dim = widest});
   check(cudaDeviceSynchronize(), "build");
   const double build_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  const sparse_plan p16 =
-      sparse_plan::build(g, device_kind::cuda,
-                         {.vector_rows = 16, .split_blocks = cfg.split, .team_blocks = cfg.team});
+  const sparse_plan p16 = sparse_plan::build(g, device_kind::cuda,
+                                             {.vector_rows = 16,
+                                              .split_blocks = cfg.split,
+                                              .team_blocks = cfg.team,
+                                              .workspace_dim = widest});
   // SpMM with one warp per work item (no teams), the ablation of team_blocks.
-  const sparse_plan p8w = sparse_plan::build(g, device_kind::cuda, {.team_blocks = -1});
+  const sparse_plan p8w =
+      sparse_plan::build(g, device_kind::cuda, {.team_blocks = -1, .workspace_dim = widest});
   // The same kernels with the rows as given (the row-order ablation), when the plan reordered.
   const bool reordered = p8.report().order != row_order::original;
-  const sparse_plan p8o =
-      reordered
-          ? sparse_plan::build(
-                g, device_kind::cuda,
-                {.split_blocks = cfg.split, .team_blocks = cfg.team, .order = row_order::original})
-          : p8;
+  const sparse_plan p8o = reordered ? sparse_plan::build(g, device_kind::cuda,
+                                                         {.split_blocks = cfg.split,
+                                                          .team_blocks = cfg.team,
+                                                          .order = row_order::original,
+                                                          .workspace_dim = widest})
+                                    : p8;
   const auto& r8 = p8.report();
   nlohmann::json j{{"graph", name},
                    {"split", cfg.split},

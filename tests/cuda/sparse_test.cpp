@@ -275,7 +275,8 @@ TEST(SparseCuda, SplitWindowsAndAdversarialPatterns) {
                              {.vector_rows = vr,
                               .split_blocks = split,
                               .team_blocks = team,
-                              .order = split == 3 ? row_order::clustered : row_order::original});
+                              .order = split == 3 ? row_order::clustered : row_order::original,
+                              .workspace_dim = 264});  // the widest run below
       check_spmm(plan, g, {dtype::f16, dtype::f32, 128, 2, false}, 21);
       check_spmm(plan, g, {dtype::f32, dtype::f32, 264, 1, true}, 22);
       check_spmm(plan, g, {dtype::bf16, dtype::f32, 8, 1, true}, 23);

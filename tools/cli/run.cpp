@@ -85,7 +85,8 @@ int run_run(const run_args& a) {
   attention_plan plan;
   {
     phase p("building the plan");
-    plan = attention_plan::build(g, where, {.algo = requested});
+    plan = attention_plan::build(
+        g, where, {.algo = requested, .workspace_heads = a.heads, .workspace_dim = a.dim});
   }
 
   // Fresh random inputs each run unless --seed is given.

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# On the GPU machine, in one call: the GPU test suite (quick mode: two dtype configurations on the
+# datasets), the demo command, and compute-sanitizer memcheck and racecheck over the whole suite in
+# shards run side by side. Binaries come packed in .devpack/new.tar.xz (see scripts/gpu_ab.sh);
+# call with carry = [.devpack, .devlibs, data]. Usage: scripts/gpu_check.sh [tests|sanitize] [shards]
+set -uo pipefail
+out=${OUT:-/tmp/trisparse-check}
+mkdir -p "$out" /tmp/check
+tar -xJf .devpack/new.tar.xz -C /tmp/check
+export LD_LIBRARY_PATH=$PWD/.devlibs:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export TRISPARSE_DATASETS=$PWD/data TRISPARSE_GPU_TEST_QUICK=1
+what=${1:-tests}
+shards=${2:-4}
+status=0
+if [ "$what" = tests ]; then
+  /tmp/check/tests/gpu_tests --gtest_brief=1 > "$out/gpu_tests.log" 2>&1 || status=1
+  tail -4 "$out/gpu_tests.log"
+  /tmp/check/trisparse -q run > "$out/demo.log" 2>&1 || status=1
+  tail -3 "$out/demo.log"
+else
+  for tool in memcheck racecheck; do
+    for ((i = 0; i < shards; i++)); do
+      GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i compute-sanitizer --tool "$tool" \
+        --error-exitcode 9 /tmp/check/tests/gpu_tests --gtest_brief=1 \
+        > "$out/${tool}_$i.log" 2>&1 &
+    done
+  done
+  wait
+  for f in "$out"/*check_*.log; do
+    echo "$(basename "$f"): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$f" | tr '\n' ' ')"
+  done
+  cat "$out"/*check_*.log > "$out/sanitizers.log"
+  rm -f "$out"/*check_*.log
+fi
+exit $status
