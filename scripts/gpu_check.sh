@@ -20,7 +20,8 @@ if [ "$what" = tests ]; then
 else
   for tool in memcheck racecheck; do
     for ((i = 0; i < shards; i++)); do
-      GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i compute-sanitizer --tool "$tool" \
+      GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i timeout "${SANITIZE_SECONDS:-500}" \
+        compute-sanitizer --tool "$tool" \
         --error-exitcode 9 /tmp/check/tests/gpu_tests --gtest_brief=1 \
         > "$out/${tool}_$i.log" 2>&1 &
     done
