@@ -152,6 +152,31 @@ std::shared_ptr<io> make_io(const std::vector<std::array<std::int64_t, 3>>& shap
   return x;
 }
 
+// A case for a plan whose run() takes q, k, v and out (attention, block-sparse): `reference`
+// writes the float64 result of one input set's q, k, v into out.
+template <class Plan, class Reference>
+gpu_case qkv_case(std::string name, std::shared_ptr<const Plan> plan, std::shared_ptr<io> x,
+                  std::int64_t heads, std::int64_t dim, dtype in, Reference reference) {
+  return gpu_case{.name = std::move(name),
+                  .workspace_bytes = plan->workspace_bytes(heads, dim),
+                  .tolerance = test::gpu_tolerance(in, dtype::f32, 4),
+                  .run =
+                      [plan, x](int set, const workspace_view* ws, cudaStream_t s) {
+                        plan->run(x->in(set, 0, 3).view(), x->in(set, 1, 3).view(),
+                                  x->in(set, 2, 3).view(), x->outs[set]->view(), {}, {s},
+                                  ws != nullptr ? *ws : workspace_view{});
+                      },
+                  .reference =
+                      [x, reference](int set) {
+                        const tensor_view o = x->outs[set]->view();
+                        host_tensor ref(dtype::f64, o.rows, o.heads, o.dim);
+                        reference(x->host[set * 3].view(), x->host[set * 3 + 1].view(),
+                                  x->host[set * 3 + 2].view(), ref.view());
+                        return ref;
+                      },
+                  .out = [x](int set) -> test::device_tensor& { return *x->outs[set]; }};
+}
+
 std::vector<gpu_case> attention_cases() {
   std::vector<gpu_case> cases;
   const csr_graph g = hub_graph(3000, 11);
@@ -161,25 +186,12 @@ std::vector<gpu_case> attention_cases() {
         std::make_shared<attention_plan>(attention_plan::build(g, device_kind::cuda, {.algo = a}));
     auto x = make_io({{g.rows, heads, dim}, {g.cols, heads, dim}, {g.cols, heads, dim}}, dtype::f16,
                      {g.rows, heads, dim}, dtype::f32, 21);
-    cases.push_back(
-        gpu_case{.name = "attention " + std::string(to_string(a)),
-                 .workspace_bytes = plan->workspace_bytes(heads, dim),
-                 .tolerance = test::gpu_tolerance(dtype::f16, dtype::f32, 4),
-                 .run =
-                     [plan, x](int set, const workspace_view* ws, cudaStream_t s) {
-                       const auto q = x->in(set, 0, 3).view(), k = x->in(set, 1, 3).view(),
-                                  v = x->in(set, 2, 3).view(), o = x->outs[set]->view();
-                       plan->run(q, k, v, o, {}, {s}, ws != nullptr ? *ws : workspace_view{});
-                     },
-                 .reference =
-                     [g, x, dim](int set) {
-                       host_tensor ref(dtype::f64, g.rows, 2, dim);
-                       reference::attention(g, x->host[set * 3].view(), x->host[set * 3 + 1].view(),
-                                            x->host[set * 3 + 2].view(), ref.view(),
-                                            effective_scale({}, dim));
-                       return ref;
-                     },
-                 .out = [x](int set) -> test::device_tensor& { return *x->outs[set]; }});
+    cases.push_back(qkv_case("attention " + std::string(to_string(a)),
+                             std::shared_ptr<const attention_plan>(plan), x, heads, dim, dtype::f16,
+                             [g, dim](const tensor_view& q, const tensor_view& k,
+                                      const tensor_view& v, const tensor_view& out) {
+                               reference::attention(g, q, k, v, out, effective_scale({}, dim));
+                             }));
   }
   return cases;
 }
@@ -288,25 +300,13 @@ std::vector<gpu_case> block_sparse_cases() {
         block_sparse_attention_plan::build(mask, device_kind::cuda, {.algo = vt.algo}));
     auto x = make_io({{rows, heads, dim}, {rows, heads, dim}, {rows, heads, dim}}, dtype::bf16,
                      {rows, heads, dim}, dtype::f32, 61);
-    cases.push_back(
-        gpu_case{.name = "block-sparse " + std::string(to_string(vt.algo)),
-                 .workspace_bytes = plan->workspace_bytes(heads, dim),
-                 .tolerance = test::gpu_tolerance(dtype::bf16, dtype::f32, 4),
-                 .run =
-                     [plan, x](int set, const workspace_view* ws, cudaStream_t s) {
-                       const auto q = x->in(set, 0, 3).view(), k = x->in(set, 1, 3).view(),
-                                  v = x->in(set, 2, 3).view(), o = x->outs[set]->view();
-                       plan->run(q, k, v, o, {}, {s}, ws != nullptr ? *ws : workspace_view{});
-                     },
-                 .reference =
-                     [mask, x, rows, dim](int set) {
-                       host_tensor ref(dtype::f64, rows, 2, dim);
-                       reference::block_sparse_attention(
-                           mask, x->host[set * 3].view(), x->host[set * 3 + 1].view(),
-                           x->host[set * 3 + 2].view(), ref.view(), effective_scale({}, dim));
-                       return ref;
-                     },
-                 .out = [x](int set) -> test::device_tensor& { return *x->outs[set]; }});
+    cases.push_back(qkv_case(
+        "block-sparse " + std::string(to_string(vt.algo)),
+        std::shared_ptr<const block_sparse_attention_plan>(plan), x, heads, dim, dtype::bf16,
+        [mask, dim](const tensor_view& q, const tensor_view& k, const tensor_view& v,
+                    const tensor_view& out) {
+          reference::block_sparse_attention(mask, q, k, v, out, effective_scale({}, dim));
+        }));
   }
   return cases;
 }
