@@ -73,7 +73,9 @@ double effective_scale(const attention_options& options, std::int64_t head_dim) 
 bool cuda_available() { return cuda::device_count() > 0; }
 
 struct attention_plan::state {
-  csr_graph pattern;  // binary: values dropped
+  csr_graph pattern;     // binary: values dropped
+  csr_graph transposed;  // plan_options::gradients on the CPU: backward()'s dk and dv
+  bool gradients = false;
   std::optional<bsb> blocks;
   std::shared_ptr<cuda::fused3s_device_plan> device_blocks;
   std::optional<sparse_plan> unfused;  // unfused: the ME-BCRS and its kernels
@@ -211,6 +213,8 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
     s->report.format = "csr";
     bytes =
         static_cast<std::int64_t>(8 * s->pattern.row_ptr.size() + 4 * s->pattern.col_idx.size());
+    if (options.gradients) s->transposed = transpose(s->pattern);
+    s->gradients = options.gradients;
     if (algo == algorithm::blocked_reference) {
       s->blocks = build_bsb(s->pattern, options.tcb_cols);
       s->report.format += "+bsb16x" + std::to_string(options.tcb_cols);
@@ -297,9 +301,20 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
     throw invalid_input("algorithm " + std::string(to_string(algo)) + " does not run on " +
                         to_string(r.where));
   }
+  const tensor_view& lse = options.lse;
+  if (lse.data != nullptr) {
+    if (r.where != device_kind::cpu)
+      throw not_supported("the log-sum-exp output is not built for CUDA plans yet (issue 42)");
+    TRISPARSE_EXPECTS_INPUT(algo == algorithm::reference || algo == algorithm::fused,
+                            "the log-sum-exp is written by the reference and fused algorithms");
+    TRISPARSE_EXPECTS_INPUT(lse.where == device_kind::cpu, "lse must be on the CPU");
+  }
   switch (algo) {
     case algorithm::reference:
-      reference::attention(state_->pattern, q, k, v, out, scale);
+      if (lse.data != nullptr)
+        reference::attention(state_->pattern, q, k, v, out, scale, lse);
+      else
+        reference::attention(state_->pattern, q, k, v, out, scale);
       return;
     case algorithm::blocked_reference:
       if (!state_->blocks) {
@@ -311,7 +326,8 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
       return;
     case algorithm::fused:
       if (r.where == device_kind::cpu) {
-        cpu::fused_attention_unchecked(state_->pattern, q, k, v, out, static_cast<float>(scale));
+        cpu::fused_attention_unchecked(state_->pattern, q, k, v, out, static_cast<float>(scale),
+                                       lse);
         return;
       }
       if (!state_->device_blocks) {
@@ -365,6 +381,40 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
     }
     default:
       throw not_supported("algorithm " + std::string(to_string(algo)) + " is not in this build");
+  }
+}
+
+void attention_plan::backward(const tensor_view& q, const tensor_view& k, const tensor_view& v,
+                              const tensor_view& out, const tensor_view& lse,
+                              const tensor_view& dout, const tensor_view& dq, const tensor_view& dk,
+                              const tensor_view& dv, const attention_options& options,
+                              stream_ref /*stream*/, workspace_view /*workspace*/) const {
+  const plan_report& r = report();
+  detail::check_attention_args(r.rows, r.cols, q, k, v, out, r.where);
+  const algorithm algo = resolve(options.algo);
+  if (r.where != device_kind::cpu)
+    throw not_supported("attention backward on CUDA is not built yet (issue 42)");
+  const double scale = detail::resolve_scale(options.scale, q.dim);
+  for (const auto& [t, what] :
+       {std::pair{&dout, "dout"}, std::pair{&dq, "dq"}, std::pair{&dk, "dk"}, std::pair{&dv, "dv"}})
+    TRISPARSE_EXPECTS_INPUT(t->where == device_kind::cpu,
+                            std::string(what) + " must be on the CPU");
+  switch (algo) {
+    case algorithm::reference:
+      reference::attention_backward(state_->pattern, q, k, v, dout, dq, dk, dv, scale);
+      return;
+    case algorithm::fused:
+      TRISPARSE_EXPECTS_INPUT(state_->gradients,
+                              "this plan was built without plan_options.gradients = true");
+      TRISPARSE_EXPECTS_INPUT(
+          lse.data != nullptr && lse.where == device_kind::cpu,
+          "the fused backward needs the forward's lse (attention_options::lse)");
+      cpu::fused_attention_backward_unchecked(state_->pattern, state_->transposed, q, k, v, out,
+                                              lse, dout, dq, dk, dv, static_cast<float>(scale));
+      return;
+    default:
+      throw invalid_input("backward runs the reference and fused algorithms, not " +
+                          std::string(to_string(algo)));
   }
 }
 

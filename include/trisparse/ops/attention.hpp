@@ -54,11 +54,17 @@ struct plan_options {
   /// CUDA: the largest heads and head dim that the plan's own workspace, sized at build, serves
   /// (the workspace of runs not given one); larger runs pass their own (workspace_bytes()).
   std::int64_t workspace_heads = 8, workspace_dim = 256;
+  /// Prepare backward(): the transposed pattern, whose rows give dk and dv without atomics.
+  bool gradients = false;
 };
 
 struct attention_options {
   std::optional<double> scale;            ///< default 1/sqrt(head_dim)
   algorithm algo = algorithm::automatic;  ///< automatic = the plan's algorithm
+  /// run(): where data != nullptr, also the per-row log-sum-exp of the scaled scores, what
+  /// backward() needs: [rows, H, 1] (f32 for the fused engine), natural log, -inf for empty rows.
+  /// CPU plans (reference and fused); CUDA throws not_supported for now.
+  tensor_view lse{};
 };
 
 /// The scale run() applies: options.scale, or 1/sqrt(head_dim). @throws invalid_input if not
@@ -104,6 +110,18 @@ class attention_plan {
            workspace_view workspace = {}) const;
   /// Bytes of workspace that a run with `heads` heads of `head_dim` needs (0 on the CPU).
   std::size_t workspace_bytes(std::int64_t heads, std::int64_t head_dim) const;
+
+  /// Gradients of out = run(q, k, v) given dout = dL/dout: dq [rows, H, D], dk [cols, H, D],
+  /// dv [cols, H, Dv], overwritten (rows and columns without entries get exact zeros). `out` and
+  /// `lse` are what run() wrote for these q, k, v (lse through attention_options::lse). Bitwise
+  /// deterministic: no atomics, the same result on every run and thread count. CPU: fused (from
+  /// out and lse, needs plan_options::gradients) and reference (float64, ignores out and lse).
+  /// @throws invalid_input naming a wrong argument; not_supported on CUDA for now.
+  void backward(const tensor_view& q, const tensor_view& k, const tensor_view& v,
+                const tensor_view& out, const tensor_view& lse, const tensor_view& dout,
+                const tensor_view& dq, const tensor_view& dk, const tensor_view& dv,
+                const attention_options& options = {}, stream_ref stream = {},
+                workspace_view workspace = {}) const;
 
   const plan_report& report() const;
   /// The algorithm that run() uses for `requested` (automatic -> the plan's own).

@@ -45,4 +45,36 @@ void block_sparse_attention(const block_sparse_mask& mask, const tensor_view& q,
 void fused3s(const bsb& format, const tensor_view& q, const tensor_view& k, const tensor_view& v,
              const tensor_view& out, double scale);
 
+// --- Gradients (issue 42): float64, obviously correct, checked against finite differences. ---
+
+/// attention() that also writes the per-row log-sum-exp of the scaled scores,
+/// lse[i, h] = log sum_j exp(scale <q_i, k_j>) over row i's entries (natural log; -inf for an
+/// empty row). lse: [rows, H, 1], any float dtype.
+void attention(const csr_graph& pattern, const tensor_view& q, const tensor_view& k,
+               const tensor_view& v, const tensor_view& out, double scale, const tensor_view& lse);
+
+/// Gradients of out = attention(q, k, v) given dout = dL/dout: dq [rows, H, D], dk [cols, H, D],
+/// dv [cols, H, Dv] (overwritten; rows and columns without entries get 0). ds: [nnz, H, 1] in
+/// CSR entry order, the gradient of the scaled score's argument (dL/dS, S = scale <q, k>), or a
+/// view with data == nullptr to skip it.
+void attention_backward(const csr_graph& pattern, const tensor_view& q, const tensor_view& k,
+                        const tensor_view& v, const tensor_view& dout, const tensor_view& dq,
+                        const tensor_view& dk, const tensor_view& dv, double scale,
+                        const tensor_view& ds = {});
+
+/// Gradients of out = sddmm(pattern, x, y, scale) given dout [nnz, H, 1]: dx [rows, H, D],
+/// dy [cols, H, D] (the pattern's values weigh the entries, as in sddmm()).
+void sddmm_backward(const csr_graph& pattern, const tensor_view& x, const tensor_view& y,
+                    const tensor_view& dout, const tensor_view& dx, const tensor_view& dy,
+                    double scale = 1.0);
+
+/// Gradient of out = softmax(pattern, scores) given out and dout ([nnz, H, 1]): dscores.
+void softmax_backward(const csr_graph& pattern, const tensor_view& out, const tensor_view& dout,
+                      const tensor_view& dscores);
+
+/// Gradients of c = spmm(pattern, w, b) given dc [rows, H, D]: dw [nnz, H, 1] (data == nullptr:
+/// skipped, as when w is the pattern's own values) and db [cols, H, D].
+void spmm_backward(const csr_graph& pattern, const tensor_view& w, const tensor_view& b,
+                   const tensor_view& dc, const tensor_view& dw, const tensor_view& db);
+
 }  // namespace trisparse::reference

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <numbers>
 #include <vector>
 
 #include "trisparse/core/numeric.hpp"
@@ -111,6 +112,22 @@ inline void store_row(const row_state& st, const tensor_view& out, std::int64_t 
     for (std::int64_t d = 0; d < dv; ++d)
       store_from_double(out.data, out.type, out.offset(i, h, d), st.acc[d] * inv);
   }
+}
+
+/// The row's log-sum-exp in natural log, from a state whose scores were scaled by log2 e
+/// (-inf for a row that saw no key).
+inline float row_lse(const row_state& st) {
+  return st.l > 0.0f ? (st.m + std::log2(st.l)) * std::numbers::ln2_v<float>
+                     : -std::numeric_limits<float>::infinity();
+}
+
+/// Writes x to element (r, h, d) of t in t's dtype.
+inline void store_value(const tensor_view& t, std::int64_t r, std::int64_t h, std::int64_t d,
+                        float x) {
+  if (t.type == dtype::f32)
+    static_cast<float*>(t.data)[t.offset(r, h, d)] = x;
+  else
+    store_from_double(t.data, t.type, t.offset(r, h, d), x);
 }
 
 }  // namespace trisparse::cpu

@@ -15,8 +15,10 @@
 namespace trisparse::cpu {
 
 void fused_attention_unchecked(const csr_graph& a, const tensor_view& q, const tensor_view& k,
-                               const tensor_view& v, const tensor_view& out, float scale) {
+                               const tensor_view& v, const tensor_view& out, float scale,
+                               const tensor_view& lse) {
   detail::check_attention_args(a.rows, a.cols, q, k, v, out, device_kind::cpu);
+  if (lse.data != nullptr) check_view(lse, "lse", a.rows, q.heads, 1);
   TRISPARSE_EXPECTS_INPUT(std::isfinite(scale), "scale must be finite");
   const f32_operand qf = as_f32(q), kf = as_f32(k), vf = as_f32(v);
   const std::int64_t heads = q.heads, dk = q.dim, dv = v.dim;
@@ -41,6 +43,7 @@ void fused_attention_unchecked(const csr_graph& a, const tensor_view& q, const t
               st);
         }
         store_row(st, out, i, h);
+        if (lse.data != nullptr) store_value(lse, i, h, 0, row_lse(st));
       }
     }
   }

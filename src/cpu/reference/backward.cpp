@@ -1,0 +1,183 @@
+// Float64 gradients of the operations: plain loops over the CSR entries, the chain rule written
+// out. The oracle every backward kernel is tested against; itself tested against finite
+// differences (tests/unit/backward_test.cpp).
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "../../ops/arguments.hpp"
+#include "trisparse/core/error.hpp"
+#include "trisparse/core/numeric.hpp"
+#include "trisparse/ops/reference.hpp"
+
+namespace trisparse::reference {
+
+namespace {
+
+double at(const tensor_view& t, std::int64_t r, std::int64_t h, std::int64_t d) {
+  return load_as_double(t.data, t.type, t.offset(r, h, d));
+}
+void put(const tensor_view& t, std::int64_t r, std::int64_t h, std::int64_t d, double x) {
+  store_from_double(t.data, t.type, t.offset(r, h, d), x);
+}
+double dot(const tensor_view& x, std::int64_t i, const tensor_view& y, std::int64_t j,
+           std::int64_t h) {
+  double s = 0;
+  for (std::int64_t d = 0; d < x.dim; ++d) s += at(x, i, h, d) * at(y, j, h, d);
+  return s;
+}
+
+// A [rows, heads, dim] float64 accumulator, written to a view at the end.
+struct grad {
+  std::int64_t heads, dim;
+  std::vector<double> g;
+  grad(std::int64_t rows, std::int64_t h, std::int64_t d)
+      : heads(h), dim(d), g(static_cast<std::size_t>(rows * h * d), 0.0) {}
+  double& operator()(std::int64_t r, std::int64_t h, std::int64_t d) {
+    return g[static_cast<std::size_t>((r * heads + h) * dim + d)];
+  }
+  void store(const tensor_view& t) {
+    for (std::int64_t r = 0; r < t.rows; ++r)
+      for (std::int64_t h = 0; h < heads; ++h)
+        for (std::int64_t d = 0; d < dim; ++d) put(t, r, h, d, (*this)(r, h, d));
+  }
+};
+
+// Per row i and head h: the scaled scores' max and log-sum-exp over the row's entries.
+double row_lse(const csr_graph& a, const tensor_view& q, const tensor_view& k, std::int64_t i,
+               std::int64_t h, double scale) {
+  double m = -std::numeric_limits<double>::infinity(), sum = 0;
+  for (std::int64_t e = a.row_ptr[i]; e < a.row_ptr[i + 1]; ++e)
+    m = std::max(m, scale * dot(q, i, k, a.col_idx[e], h));
+  if (m == -std::numeric_limits<double>::infinity()) return m;
+  for (std::int64_t e = a.row_ptr[i]; e < a.row_ptr[i + 1]; ++e)
+    sum += std::exp(scale * dot(q, i, k, a.col_idx[e], h) - m);
+  return m + std::log(sum);
+}
+
+}  // namespace
+
+void attention(const csr_graph& a, const tensor_view& q, const tensor_view& k, const tensor_view& v,
+               const tensor_view& out, double scale, const tensor_view& lse) {
+  attention(a, q, k, v, out, scale);
+  check_view(lse, "lse", a.rows, q.heads, 1);
+  for (std::int64_t i = 0; i < a.rows; ++i)
+    for (std::int64_t h = 0; h < q.heads; ++h) put(lse, i, h, 0, row_lse(a, q, k, i, h, scale));
+}
+
+void attention_backward(const csr_graph& a, const tensor_view& q, const tensor_view& k,
+                        const tensor_view& v, const tensor_view& dout, const tensor_view& dq,
+                        const tensor_view& dk, const tensor_view& dv, double scale,
+                        const tensor_view& ds) {
+  a.check();
+  check_view(q, "q", a.rows, -1, -1);
+  check_view(k, "k", a.cols, q.heads, q.dim);
+  check_view(v, "v", a.cols, q.heads, -1);
+  check_view(dout, "dout", a.rows, q.heads, v.dim);
+  check_view(dq, "dq", a.rows, q.heads, q.dim);
+  check_view(dk, "dk", a.cols, q.heads, q.dim);
+  check_view(dv, "dv", a.cols, q.heads, v.dim);
+  if (ds.data != nullptr) check_view(ds, "ds", a.nnz(), q.heads, 1);
+  TRISPARSE_EXPECTS_INPUT(std::isfinite(scale), "scale must be finite");
+  const std::int64_t heads = q.heads;
+  grad gq(a.rows, heads, q.dim), gk(a.cols, heads, q.dim), gv(a.cols, heads, v.dim);
+  std::vector<double> p, dp;
+  for (std::int64_t i = 0; i < a.rows; ++i) {
+    const std::int64_t e0 = a.row_ptr[i], n = a.row_ptr[i + 1] - e0;
+    for (std::int64_t h = 0; h < heads; ++h) {
+      const double lse = row_lse(a, q, k, i, h, scale);
+      p.assign(static_cast<std::size_t>(n), 0.0);
+      dp.assign(static_cast<std::size_t>(n), 0.0);
+      double dp_mean = 0;  // sum_j p_j dp_j = <dout_i, out_i>
+      for (std::int64_t x = 0; x < n; ++x) {
+        const std::int64_t j = a.col_idx[e0 + x];
+        p[x] = std::exp(scale * dot(q, i, k, j, h) - lse);
+        dp[x] = dot(dout, i, v, j, h);
+        dp_mean += p[x] * dp[x];
+      }
+      for (std::int64_t x = 0; x < n; ++x) {
+        const std::int64_t j = a.col_idx[e0 + x];
+        const double d_s = p[x] * (dp[x] - dp_mean);  // dL/dS_ij
+        if (ds.data != nullptr) put(ds, e0 + x, h, 0, d_s);
+        for (std::int64_t d = 0; d < q.dim; ++d) {
+          gq(i, h, d) += scale * d_s * at(k, j, h, d);
+          gk(j, h, d) += scale * d_s * at(q, i, h, d);
+        }
+        for (std::int64_t d = 0; d < v.dim; ++d) gv(j, h, d) += p[x] * at(dout, i, h, d);
+      }
+    }
+  }
+  gq.store(dq);
+  gk.store(dk);
+  gv.store(dv);
+}
+
+void sddmm_backward(const csr_graph& a, const tensor_view& x, const tensor_view& y,
+                    const tensor_view& dout, const tensor_view& dx, const tensor_view& dy,
+                    double scale) {
+  a.check();
+  check_view(x, "x", a.rows, -1, -1);
+  check_view(y, "y", a.cols, x.heads, x.dim);
+  check_view(dout, "dout", a.nnz(), x.heads, 1);
+  check_view(dx, "dx", a.rows, x.heads, x.dim);
+  check_view(dy, "dy", a.cols, x.heads, x.dim);
+  grad gx(a.rows, x.heads, x.dim), gy(a.cols, x.heads, x.dim);
+  for (std::int64_t r = 0; r < a.rows; ++r) {
+    for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) {
+      const double w = a.has_values() ? a.values[e] : 1.0;
+      const std::int64_t c = a.col_idx[e];
+      for (std::int64_t h = 0; h < x.heads; ++h) {
+        const double g = w * scale * at(dout, e, h, 0);
+        for (std::int64_t d = 0; d < x.dim; ++d) {
+          gx(r, h, d) += g * at(y, c, h, d);
+          gy(c, h, d) += g * at(x, r, h, d);
+        }
+      }
+    }
+  }
+  gx.store(dx);
+  gy.store(dy);
+}
+
+void softmax_backward(const csr_graph& a, const tensor_view& out, const tensor_view& dout,
+                      const tensor_view& dscores) {
+  a.check();
+  check_view(out, "out", a.nnz(), -1, 1);
+  check_view(dout, "dout", a.nnz(), out.heads, 1);
+  check_view(dscores, "dscores", a.nnz(), out.heads, 1);
+  for (std::int64_t r = 0; r < a.rows; ++r) {
+    for (std::int64_t h = 0; h < out.heads; ++h) {
+      double mean = 0;  // sum_e p_e dp_e
+      for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e)
+        mean += at(out, e, h, 0) * at(dout, e, h, 0);
+      for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e)
+        put(dscores, e, h, 0, at(out, e, h, 0) * (at(dout, e, h, 0) - mean));
+    }
+  }
+}
+
+void spmm_backward(const csr_graph& a, const tensor_view& w, const tensor_view& b,
+                   const tensor_view& dc, const tensor_view& dw, const tensor_view& db) {
+  a.check();
+  check_view(b, "b", a.cols, -1, -1);
+  check_view(dc, "dc", a.rows, b.heads, b.dim);
+  check_view(db, "db", a.cols, b.heads, b.dim);
+  if (w.data != nullptr) check_view(w, "w", a.nnz(), b.heads, 1);
+  if (dw.data != nullptr) check_view(dw, "dw", a.nnz(), b.heads, 1);
+  grad gb(a.cols, b.heads, b.dim);
+  for (std::int64_t r = 0; r < a.rows; ++r) {
+    for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) {
+      const std::int64_t c = a.col_idx[e];
+      for (std::int64_t h = 0; h < b.heads; ++h) {
+        const double x = w.data != nullptr ? at(w, e, h, 0) : a.has_values() ? a.values[e] : 1.0;
+        if (dw.data != nullptr) put(dw, e, h, 0, dot(dc, r, b, c, h));
+        for (std::int64_t d = 0; d < b.dim; ++d) gb(c, h, d) += x * at(dc, r, h, d);
+      }
+    }
+  }
+  gb.store(db);
+}
+
+}  // namespace trisparse::reference

@@ -1,0 +1,271 @@
+// Gradients on the CPU (issue 42): the float64 references against central finite differences, and
+// the fused CPU backward against the references on random and shared graphs.
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+#include "support.hpp"
+
+namespace trisparse {
+namespace {
+
+// A rectangular pattern with an empty row, an empty column and a row that has every column.
+csr_graph small_pattern() {
+  coo_graph coo{.rows = 7, .cols = 6, .src = {}, .dst = {}, .values = {}};
+  const std::vector<std::pair<int, int>> e{
+      {0, 0}, {0, 3}, {1, 1}, {1, 2}, {1, 3}, {3, 0}, {3, 5},
+      {4, 1}, {5, 0}, {5, 1}, {5, 2}, {5, 3}, {5, 5}, {6, 2}};  // row 2 and column 4 empty
+  for (const auto& [r, c] : e) {
+    coo.src.push_back(r);
+    coo.dst.push_back(c);
+  }
+  return to_csr(coo);
+}
+
+host_tensor random_f64(std::int64_t rows, std::int64_t heads, std::int64_t dim,
+                       std::uint64_t seed) {
+  host_tensor t(dtype::f64, rows, heads, dim);
+  t.fill_uniform(-1.0, 1.0, seed);
+  return t;
+}
+
+// <w, f(x)>: the scalar whose gradient the backward computes, for a given upstream gradient w.
+double inner(const host_tensor& w, const host_tensor& y) {
+  double s = 0;
+  for (std::int64_t i = 0; i < y.numel(); ++i) s += w.get(i) * y.get(i);
+  return s;
+}
+
+// Central differences of loss() with respect to every element of x, against `analytic`.
+void expect_matches_finite_differences(host_tensor& x, const std::function<double()>& loss,
+                                       const host_tensor& analytic, const char* what) {
+  SCOPED_TRACE(what);
+  const double h = 1e-6;
+  double max_err = 0, max_ref = 0;
+  for (std::int64_t i = 0; i < x.numel(); ++i) {
+    const double x0 = x.get(i);
+    x.set(i, x0 + h);
+    const double up = loss();
+    x.set(i, x0 - h);
+    const double down = loss();
+    x.set(i, x0);
+    const double fd = (up - down) / (2 * h);
+    max_err = std::max(max_err, std::abs(fd - analytic.get(i)));
+    max_ref = std::max(max_ref, std::abs(fd));
+  }
+  EXPECT_GT(max_ref, 0.0) << "the loss does not depend on it";
+  EXPECT_LE(max_err, 1e-6 * std::max(max_ref, 1.0));
+}
+
+TEST(ReferenceGradients, AttentionMatchesFiniteDifferences) {
+  const csr_graph g = small_pattern();
+  const std::int64_t heads = 2, d = 3, dv = 4;
+  host_tensor q = random_f64(g.rows, heads, d, 1), k = random_f64(g.cols, heads, d, 2),
+              v = random_f64(g.cols, heads, dv, 3), w = random_f64(g.rows, heads, dv, 4);
+  const double scale = 0.7;
+  host_tensor out(dtype::f64, g.rows, heads, dv);
+  const auto loss = [&] {
+    reference::attention(g, q.view(), k.view(), v.view(), out.view(), scale);
+    return inner(w, out);
+  };
+  host_tensor dq(dtype::f64, g.rows, heads, d), dk(dtype::f64, g.cols, heads, d),
+      dvg(dtype::f64, g.cols, heads, dv), ds(dtype::f64, g.nnz(), heads, 1);
+  reference::attention_backward(g, q.view(), k.view(), v.view(), w.view(), dq.view(), dk.view(),
+                                dvg.view(), scale, ds.view());
+  expect_matches_finite_differences(q, loss, dq, "dq");
+  expect_matches_finite_differences(k, loss, dk, "dk");
+  expect_matches_finite_differences(v, loss, dvg, "dv");
+  // The empty row's dq and the empty column's dk and dv are exact zeros.
+  for (std::int64_t h = 0; h < heads; ++h) {
+    for (std::int64_t x = 0; x < d; ++x) {
+      EXPECT_EQ(dq.get((2 * heads + h) * d + x), 0.0);
+      EXPECT_EQ(dk.get((4 * heads + h) * d + x), 0.0);
+    }
+    for (std::int64_t x = 0; x < dv; ++x) EXPECT_EQ(dvg.get((4 * heads + h) * dv + x), 0.0);
+  }
+  // dS is the score gradient: dq_i = scale sum_j dS_ij k_j.
+  for (std::int64_t h = 0; h < heads; ++h) {
+    for (std::int64_t i = 0; i < g.rows; ++i) {
+      for (std::int64_t x = 0; x < d; ++x) {
+        double sum = 0;
+        for (std::int64_t e = g.row_ptr[i]; e < g.row_ptr[i + 1]; ++e)
+          sum += scale * ds.get(e * heads + h) * k.get((g.col_idx[e] * heads + h) * d + x);
+        EXPECT_NEAR(sum, dq.get((i * heads + h) * d + x), 1e-12);
+      }
+    }
+  }
+}
+
+TEST(ReferenceGradients, LogSumExpIsTheRowsNormaliser) {
+  const csr_graph g = small_pattern();
+  host_tensor q = random_f64(g.rows, 2, 3, 5), k = random_f64(g.cols, 2, 3, 6),
+              v = random_f64(g.cols, 2, 3, 7);
+  host_tensor out(dtype::f64, g.rows, 2, 3), lse(dtype::f64, g.rows, 2, 1);
+  reference::attention(g, q.view(), k.view(), v.view(), out.view(), 0.5, lse.view());
+  for (std::int64_t i = 0; i < g.rows; ++i) {
+    for (std::int64_t h = 0; h < 2; ++h) {
+      double sum = 0;
+      for (std::int64_t e = g.row_ptr[i]; e < g.row_ptr[i + 1]; ++e) {
+        double s = 0;
+        for (std::int64_t x = 0; x < 3; ++x)
+          s += q.get((i * 2 + h) * 3 + x) * k.get((g.col_idx[e] * 2 + h) * 3 + x);
+        sum += std::exp(0.5 * s);
+      }
+      if (g.degree(i) == 0)
+        EXPECT_EQ(lse.get(i * 2 + h), -std::numeric_limits<double>::infinity());
+      else
+        EXPECT_NEAR(lse.get(i * 2 + h), std::log(sum), 1e-12);
+    }
+  }
+}
+
+TEST(ReferenceGradients, SddmmSoftmaxSpmmMatchFiniteDifferences) {
+  csr_graph g = small_pattern();
+  g.values.assign(g.col_idx.size(), 0.0f);
+  for (std::size_t e = 0; e < g.values.size(); ++e) g.values[e] = 0.5f + 0.1f * float(e % 5);
+  const std::int64_t heads = 2, d = 3;
+  host_tensor x = random_f64(g.rows, heads, d, 11), y = random_f64(g.cols, heads, d, 12);
+  // SDDMM: out [nnz] = a_e scale <x_r, y_c>.
+  host_tensor w = random_f64(g.nnz(), heads, 1, 13), s(dtype::f64, g.nnz(), heads, 1);
+  const auto sddmm_loss = [&] {
+    reference::sddmm(g, x.view(), y.view(), s.view(), 0.9);
+    return inner(w, s);
+  };
+  host_tensor dx(dtype::f64, g.rows, heads, d), dy(dtype::f64, g.cols, heads, d);
+  reference::sddmm_backward(g, x.view(), y.view(), w.view(), dx.view(), dy.view(), 0.9);
+  expect_matches_finite_differences(x, sddmm_loss, dx, "sddmm dx");
+  expect_matches_finite_differences(y, sddmm_loss, dy, "sddmm dy");
+  // Softmax over each row's entries.
+  host_tensor scores = random_f64(g.nnz(), heads, 1, 14), p(dtype::f64, g.nnz(), heads, 1);
+  const auto softmax_loss = [&] {
+    reference::softmax(g, scores.view(), p.view());
+    return inner(w, p);
+  };
+  softmax_loss();
+  host_tensor dscores(dtype::f64, g.nnz(), heads, 1);
+  reference::softmax_backward(g, p.view(), w.view(), dscores.view());
+  expect_matches_finite_differences(scores, softmax_loss, dscores, "softmax");
+  // SpMM with per-head weights: c = A_w b.
+  host_tensor weights = random_f64(g.nnz(), heads, 1, 15), b = random_f64(g.cols, heads, d, 16),
+              wc = random_f64(g.rows, heads, d, 17), c(dtype::f64, g.rows, heads, d);
+  const auto spmm_loss = [&] {
+    reference::spmm(g, weights.view(), b.view(), c.view());
+    return inner(wc, c);
+  };
+  host_tensor dw(dtype::f64, g.nnz(), heads, 1), db(dtype::f64, g.cols, heads, d);
+  reference::spmm_backward(g, weights.view(), b.view(), wc.view(), dw.view(), db.view());
+  expect_matches_finite_differences(weights, spmm_loss, dw, "spmm dw");
+  expect_matches_finite_differences(b, spmm_loss, db, "spmm db");
+}
+
+// The fused CPU backward (through the plan) against the float64 reference: gradients within
+// tolerance, bitwise equal across two runs, exact zeros where the pattern has no entry.
+void check_fused_backward(const csr_graph& g, std::int64_t heads, std::int64_t d, dtype t,
+                          std::uint64_t seed) {
+  SCOPED_TRACE(std::string(to_string(t)) + " heads " + std::to_string(heads) + " d " +
+               std::to_string(d) + " n " + std::to_string(g.rows) + " nnz " +
+               std::to_string(g.nnz()));
+  const auto x = test::random_qkv(g, heads, d, t, seed);
+  host_tensor dout(t, g.rows, heads, d);
+  dout.fill_uniform(-1.0, 1.0, seed + 7);
+  const attention_plan plan =
+      attention_plan::build(g, device_kind::cpu, {.algo = algorithm::fused, .gradients = true});
+  host_tensor out(dtype::f32, g.rows, heads, d), lse(dtype::f32, g.rows, heads, 1);
+  plan.run(x.q.view(), x.k.view(), x.v.view(), out.view(), {.lse = lse.view()});
+  host_tensor dq(dtype::f32, g.rows, heads, d), dk(dtype::f32, g.cols, heads, d),
+      dv(dtype::f32, g.cols, heads, d);
+  const auto backward = [&] {
+    plan.backward(x.q.view(), x.k.view(), x.v.view(), out.view(), lse.view(), dout.view(),
+                  dq.view(), dk.view(), dv.view());
+  };
+  backward();
+  const host_tensor dq1 = dq, dk1 = dk, dv1 = dv;
+  dq.fill(std::nan(""));
+  dk.fill(std::nan(""));
+  dv.fill(std::nan(""));
+  backward();
+  EXPECT_EQ(std::memcmp(dq1.data(), dq.data(), dq.size_bytes()), 0) << "dq differs between runs";
+  EXPECT_EQ(std::memcmp(dk1.data(), dk.data(), dk.size_bytes()), 0) << "dk differs between runs";
+  EXPECT_EQ(std::memcmp(dv1.data(), dv.data(), dv.size_bytes()), 0) << "dv differs between runs";
+  host_tensor rq(dtype::f64, g.rows, heads, d), rk(dtype::f64, g.cols, heads, d),
+      rv(dtype::f64, g.cols, heads, d), rlse(dtype::f64, g.rows, heads, 1),
+      rout(dtype::f64, g.rows, heads, d);
+  const double scale = effective_scale({}, d);
+  reference::attention(g, x.q.view(), x.k.view(), x.v.view(), rout.view(), scale, rlse.view());
+  reference::attention_backward(g, x.q.view(), x.k.view(), x.v.view(), dout.view(), rq.view(),
+                                rk.view(), rv.view(), scale);
+  // fp32 arithmetic on the inputs as given (f16 inputs are exact in f32 and f64 alike).
+  for (const auto& [got, ref, what] :
+       {std::tuple{&dq, &rq, "dq"}, std::tuple{&dk, &rk, "dk"}, std::tuple{&dv, &rv, "dv"}}) {
+    const auto e = test::compare(*got, *ref);
+    EXPECT_TRUE(e.finite) << what;
+    EXPECT_LE(e.relative(), 2e-5) << what << " max abs " << e.max_abs;
+  }
+  for (std::int64_t i = 0; i < g.rows; ++i) {
+    for (std::int64_t h = 0; h < heads; ++h) {
+      const double want = rlse.get(i * heads + h), got = lse.get(i * heads + h);
+      if (std::isinf(want))
+        EXPECT_EQ(got, want);
+      else
+        EXPECT_NEAR(got, want, 1e-5 * std::max(1.0, std::abs(want)));
+    }
+  }
+  const csr_graph gt = transpose(g);
+  for (std::int64_t j = 0; j < g.cols; ++j) {
+    if (gt.degree(j) != 0) continue;
+    for (std::int64_t x2 = 0; x2 < heads * d; ++x2) {
+      ASSERT_EQ(dk.get(j * heads * d + x2), 0.0);
+      ASSERT_EQ(dv.get(j * heads * d + x2), 0.0);
+    }
+  }
+}
+
+TEST(FusedCpuBackward, MatchesTheReferenceOnRandomGraphs) {
+  check_fused_backward(small_pattern(), 2, 8, dtype::f32, 31);
+  check_fused_backward(test::random_pattern(300, 300, 40, 3), 1, 64, dtype::f32, 32);
+  check_fused_backward(test::random_pattern(200, 150, 20, 4), 3, 32, dtype::f16, 33);
+  check_fused_backward(test::random_pattern(257, 257, 70, 5), 2, 16, dtype::bf16, 34);
+}
+
+TEST(FusedCpuBackward, MatchesTheReferenceOnSharedGraphs) {
+  const auto paths = test::dataset_graphs();
+  if (paths.empty()) GTEST_SKIP() << "../shared/datasets not found: skipping";
+  int checked = 0;
+  for (const auto& p : paths) {
+    const std::string name = p.filename().string();
+    if (name.rfind("cora.", 0) != 0 && name.rfind("citeseer.", 0) != 0 &&
+        name.rfind("tu_mutag.", 0) != 0)
+      continue;
+    check_fused_backward(read_graph(p), 2, 16, dtype::f32, 40 + checked);
+    ++checked;
+  }
+  EXPECT_GT(checked, 0);
+}
+
+TEST(FusedCpuBackward, SaysWhatItNeeds) {
+  const csr_graph g = small_pattern();
+  const auto x = test::random_qkv(g, 1, 8, dtype::f32, 50);
+  host_tensor out(dtype::f32, g.rows, 1, 8), lse(dtype::f32, g.rows, 1, 1),
+      dq(dtype::f32, g.rows, 1, 8), dk(dtype::f32, g.cols, 1, 8), dv(dtype::f32, g.cols, 1, 8);
+  const attention_plan without = attention_plan::build(g);
+  without.run(x.q.view(), x.k.view(), x.v.view(), out.view(), {.lse = lse.view()});
+  EXPECT_THROW(without.backward(x.q.view(), x.k.view(), x.v.view(), out.view(), lse.view(),
+                                out.view(), dq.view(), dk.view(), dv.view()),
+               invalid_input);  // no plan_options::gradients
+  const attention_plan with = attention_plan::build(g, device_kind::cpu, {.gradients = true});
+  EXPECT_THROW(with.backward(x.q.view(), x.k.view(), x.v.view(), out.view(), {}, out.view(),
+                             dq.view(), dk.view(), dv.view()),
+               invalid_input);  // no lse
+  host_tensor short_dk(dtype::f32, g.cols - 1, 1, 8);
+  EXPECT_THROW(with.backward(x.q.view(), x.k.view(), x.v.view(), out.view(), lse.view(), out.view(),
+                             dq.view(), short_dk.view(), dv.view()),
+               invalid_input);
+  // The reference needs neither.
+  EXPECT_NO_THROW(without.backward(x.q.view(), x.k.view(), x.v.view(), out.view(), {}, out.view(),
+                                   dq.view(), dk.view(), dv.view(),
+                                   {.algo = algorithm::reference}));
+}
+
+}  // namespace
+}  // namespace trisparse
