@@ -62,6 +62,13 @@ void attention_backward(const csr_graph& pattern, const tensor_view& q, const te
                         const tensor_view& dk, const tensor_view& dv, double scale,
                         const tensor_view& ds = {});
 
+/// Gradients of out = block_sparse_attention(mask, q, k, v) given dout, per sequence and head as
+/// attention_backward over mask.expand(b, h). Shapes as block_sparse_attention's.
+void block_sparse_attention_backward(const block_sparse_mask& mask, const tensor_view& q,
+                                     const tensor_view& k, const tensor_view& v,
+                                     const tensor_view& dout, const tensor_view& dq,
+                                     const tensor_view& dk, const tensor_view& dv, double scale);
+
 /// Gradients of out = sddmm(pattern, x, y, scale) given dout [nnz, H, 1]: dx [rows, H, D],
 /// dy [cols, H, D] (the pattern's values weigh the entries, as in sddmm()).
 void sddmm_backward(const csr_graph& pattern, const tensor_view& x, const tensor_view& y,

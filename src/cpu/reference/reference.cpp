@@ -127,6 +127,30 @@ void block_sparse_attention(const block_sparse_mask& mask, const tensor_view& q,
   }
 }
 
+void block_sparse_attention_backward(const block_sparse_mask& mask, const tensor_view& q,
+                                     const tensor_view& k, const tensor_view& v,
+                                     const tensor_view& dout, const tensor_view& dq,
+                                     const tensor_view& dk, const tensor_view& dv, double scale) {
+  mask.check();
+  const std::int64_t rows = mask.cu_seqlens_q.back(), cols = mask.cu_seqlens_k.back();
+  detail::check_attention_args(rows, cols, q, k, v, dout, device_kind::cpu);
+  check_view(dq, "dq", rows, q.heads, q.dim);
+  check_view(dk, "dk", cols, q.heads, q.dim);
+  check_view(dv, "dv", cols, q.heads, v.dim);
+  TRISPARSE_EXPECTS_INPUT(mask.heads == 1 || mask.heads == q.heads,
+                          "the mask has " + std::to_string(mask.heads) + " heads, q " +
+                              std::to_string(q.heads) + " (a mask is per head or shared)");
+  for (std::int64_t b = 0; b < mask.batch(); ++b) {
+    const std::int64_t q0 = mask.cu_seqlens_q[b], k0 = mask.cu_seqlens_k[b];
+    const std::int64_t lq = mask.len_q(b), lk = mask.len_k(b);
+    for (std::int64_t h = 0; h < q.heads; ++h) {
+      attention_backward(mask.expand(b, h), slice(q, q0, lq, h), slice(k, k0, lk, h),
+                         slice(v, k0, lk, h), slice(dout, q0, lq, h), slice(dq, q0, lq, h),
+                         slice(dk, k0, lk, h), slice(dv, k0, lk, h), scale);
+    }
+  }
+}
+
 void fused3s(const bsb& f, const tensor_view& q, const tensor_view& k, const tensor_view& v,
              const tensor_view& out, double scale) {
   f.check();
