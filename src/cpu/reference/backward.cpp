@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "../../ops/arguments.hpp"
+#include "access.hpp"
 #include "trisparse/core/error.hpp"
 #include "trisparse/core/numeric.hpp"
 #include "trisparse/ops/reference.hpp"
@@ -16,18 +17,9 @@ namespace trisparse::reference {
 
 namespace {
 
-double at(const tensor_view& t, std::int64_t r, std::int64_t h, std::int64_t d) {
-  return load_as_double(t.data, t.type, t.offset(r, h, d));
-}
-void put(const tensor_view& t, std::int64_t r, std::int64_t h, std::int64_t d, double x) {
-  store_from_double(t.data, t.type, t.offset(r, h, d), x);
-}
-double dot(const tensor_view& x, std::int64_t i, const tensor_view& y, std::int64_t j,
-           std::int64_t h) {
-  double s = 0;
-  for (std::int64_t d = 0; d < x.dim; ++d) s += at(x, i, h, d) * at(y, j, h, d);
-  return s;
-}
+using access::at;
+using access::dot;
+using access::put;
 
 // A [rows, heads, dim] float64 accumulator, written to a view at the end.
 struct grad {

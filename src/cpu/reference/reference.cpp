@@ -8,25 +8,15 @@
 #include <vector>
 
 #include "../../ops/arguments.hpp"
+#include "access.hpp"
 #include "trisparse/core/error.hpp"
 #include "trisparse/core/numeric.hpp"
 
 namespace trisparse::reference {
 
-namespace {
-double at(const tensor_view& t, std::int64_t r, std::int64_t h, std::int64_t d) {
-  return load_as_double(t.data, t.type, t.offset(r, h, d));
-}
-void put(const tensor_view& t, std::int64_t r, std::int64_t h, std::int64_t d, double x) {
-  store_from_double(t.data, t.type, t.offset(r, h, d), x);
-}
-double dot(const tensor_view& x, std::int64_t i, const tensor_view& y, std::int64_t j,
-           std::int64_t h) {
-  double s = 0;
-  for (std::int64_t d = 0; d < x.dim; ++d) s += at(x, i, h, d) * at(y, j, h, d);
-  return s;
-}
-}  // namespace
+using access::at;
+using access::dot;
+using access::put;
 
 void sddmm(const csr_graph& a, const tensor_view& x, const tensor_view& y, const tensor_view& out,
            double scale) {
