@@ -88,6 +88,23 @@ void check_graph(const gpu_case& c, const workspace_view* ws) {
   cudaGraphDestroy(graph);
 }
 
+// Runs (a, set_a) on one stream and (b, set_b) on another, four times each, interleaved so that
+// they overlap, and checks both outputs against the bits they had run alone.
+void overlap(const gpu_case& a, int set_a, const workspace_view& wa, const host_tensor& want_a,
+             const gpu_case& b, int set_b, const workspace_view& wb, const host_tensor& want_b) {
+  stream sa, sb;
+  a.out(set_a).poison();
+  b.out(set_b).poison();
+  for (int i = 0; i < 4; ++i) {  // neither stream waits for the other
+    a.run(set_a, &wa, sa.s);
+    b.run(set_b, &wb, sb.s);
+  }
+  cuda_check(cudaStreamSynchronize(sa.s), "stream a");
+  cuda_check(cudaStreamSynchronize(sb.s), "stream b");
+  expect_same_bits(a.out(set_a).download(), want_a, "the first run beside the second");
+  expect_same_bits(b.out(set_b).download(), want_b, "the second run beside the first");
+}
+
 // Both input sets on two streams at once, each with its own workspace, several times over.
 void check_two_streams(const gpu_case& c) {
   device_memory ws0(c.workspace_bytes), ws1(c.workspace_bytes);
@@ -95,19 +112,8 @@ void check_two_streams(const gpu_case& c) {
   const host_tensor want0 = eager(c, 0, &w0), want1 = eager(c, 1, &w1);
   const auto e = test::compare(want1, c.reference(1));
   EXPECT_LE(e.relative(), c.tolerance) << "set 1, max abs " << e.max_abs;
-  stream a, b;
-  for (int round = 0; round < 3; ++round) {
-    c.out(0).poison();
-    c.out(1).poison();
-    for (int i = 0; i < 4; ++i) {  // the runs overlap: neither stream waits for the other
-      c.run(0, &w0, a.s);
-      c.run(1, &w1, b.s);
-    }
-    cuda_check(cudaStreamSynchronize(a.s), "stream a");
-    cuda_check(cudaStreamSynchronize(b.s), "stream b");
-    expect_same_bits(c.out(0).download(), want0, "set 0 on two streams");
-    expect_same_bits(c.out(1).download(), want1, "set 1 on two streams");
-  }
+  for (int round = 0; round < 3; ++round)
+    ASSERT_NO_FATAL_FAILURE(overlap(c, 0, w0, want0, c, 1, w1, want1));
 }
 
 // A graph whose hub row (every column) makes the fused kernel split windows and run teams, and
@@ -396,17 +402,7 @@ TEST(GpuStreamOrder, DifferentPlansOverlapOnTwoStreams) {
   device_memory wa(a.workspace_bytes), wb(b.workspace_bytes);
   const workspace_view va = wa.view(), vb = wb.view();
   const host_tensor want_a = eager(a, 0, &va), want_b = eager(b, 0, &vb);
-  stream sa, sb;
-  a.out(0).poison();
-  b.out(0).poison();
-  for (int i = 0; i < 4; ++i) {
-    a.run(0, &va, sa.s);
-    b.run(0, &vb, sb.s);
-  }
-  cuda_check(cudaStreamSynchronize(sa.s), "stream a");
-  cuda_check(cudaStreamSynchronize(sb.s), "stream b");
-  expect_same_bits(a.out(0).download(), want_a, "attention beside block-sparse");
-  expect_same_bits(b.out(0).download(), want_b, "block-sparse beside attention");
+  overlap(a, 0, va, want_a, b, 0, vb, want_b);
 }
 
 // The top-k plan selects into its own mask: select and run captured together replay the eager

@@ -181,6 +181,23 @@ TEST(ReferenceGradients, BlockSparseMatchesFiniteDifferences) {
   expect_matches_finite_differences(v, loss, dv, "dv");
 }
 
+TEST(ReferenceGradients, GcnLayerMatchesFiniteDifferences) {
+  const csr_graph g = test::random_pattern(9, 9, 4, 71);
+  const csr_graph a = gcn_normalized(g);
+  const std::int64_t f_in = 3, f_out = 2;
+  host_tensor x = random_f64(g.rows, 1, f_in, 72), w = random_f64(f_in, 1, f_out, 73),
+              up = random_f64(g.rows, 1, f_out, 74), out(dtype::f64, g.rows, 1, f_out);
+  const gcn_layer layer = gcn_layer::build(g);
+  const auto loss = [&] {
+    layer.forward(x.view(), w.view(), out.view());
+    return inner(up, out);
+  };
+  host_tensor dx(dtype::f64, g.rows, 1, f_in), dw(dtype::f64, f_in, 1, f_out);
+  reference::gcn_backward(a, x.view(), w.view(), up.view(), dx.view(), dw.view());
+  expect_matches_finite_differences(x, loss, dx, "dx");
+  expect_matches_finite_differences(w, loss, dw, "dw");
+}
+
 // The fused CPU backward (through the plan) against the float64 reference: gradients within
 // tolerance, bitwise equal across two runs, exact zeros where the pattern has no entry.
 void check_fused_backward(const csr_graph& g, std::int64_t heads, std::int64_t d, dtype t,

@@ -69,6 +69,11 @@ void block_sparse_attention_backward(const block_sparse_mask& mask, const tensor
                                      const tensor_view& dout, const tensor_view& dq,
                                      const tensor_view& dk, const tensor_view& dv, double scale);
 
+/// Gradients of the GCN layer's out = Â (x w) (Â = gcn_normalized(graph), with its values) given
+/// dout [N, 1, F_out]: dx [N, 1, F_in], dw [F_in, 1, F_out] (row-major weights, as forward's).
+void gcn_backward(const csr_graph& propagation, const tensor_view& x, const tensor_view& w,
+                  const tensor_view& dout, const tensor_view& dx, const tensor_view& dw);
+
 /// Gradients of out = sddmm(pattern, x, y, scale) given dout [nnz, H, 1]: dx [rows, H, D],
 /// dy [cols, H, D] (the pattern's values weigh the entries, as in sddmm()).
 void sddmm_backward(const csr_graph& pattern, const tensor_view& x, const tensor_view& y,

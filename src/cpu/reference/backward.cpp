@@ -172,4 +172,37 @@ void spmm_backward(const csr_graph& a, const tensor_view& w, const tensor_view& 
   gb.store(db);
 }
 
+void gcn_backward(const csr_graph& a, const tensor_view& x, const tensor_view& w,
+                  const tensor_view& dout, const tensor_view& dx, const tensor_view& dw) {
+  a.check();
+  check_view(x, "x", a.rows, 1, -1);
+  check_view(w, "w", x.dim, 1, -1);
+  check_view(dout, "dout", a.rows, 1, w.dim);
+  check_view(dx, "dx", a.rows, 1, x.dim);
+  check_view(dw, "dw", x.dim, 1, w.dim);
+  // g = Â^T dout: the gradient of x w.
+  grad g(a.cols, 1, w.dim);
+  for (std::int64_t r = 0; r < a.rows; ++r) {
+    for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) {
+      const double av = a.has_values() ? a.values[e] : 1.0;
+      for (std::int64_t f = 0; f < w.dim; ++f) g(a.col_idx[e], 0, f) += av * at(dout, r, 0, f);
+    }
+  }
+  // dx = g w^T, dw = x^T g.
+  for (std::int64_t i = 0; i < a.rows; ++i) {
+    for (std::int64_t c = 0; c < x.dim; ++c) {
+      double s = 0;
+      for (std::int64_t f = 0; f < w.dim; ++f) s += g(i, 0, f) * at(w, c, 0, f);
+      put(dx, i, 0, c, s);
+    }
+  }
+  for (std::int64_t c = 0; c < x.dim; ++c) {
+    for (std::int64_t f = 0; f < w.dim; ++f) {
+      double s = 0;
+      for (std::int64_t i = 0; i < a.rows; ++i) s += at(x, i, 0, c) * g(i, 0, f);
+      put(dw, c, 0, f, s);
+    }
+  }
+}
+
 }  // namespace trisparse::reference
