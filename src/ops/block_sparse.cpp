@@ -25,7 +25,7 @@ struct block_sparse_attention_plan::state {
   plan_report report;
   std::shared_ptr<cuda::block_sparse_device_plan> device;  // block
   std::shared_ptr<cuda::unfused_device_plan> unfused;      // unfused
-  // fused (CUDA): the element pattern of the whole packed batch (block diagonal over the
+  // fused on CUDA: the element pattern of the whole packed batch (block diagonal over the
   // sequences), one plan per mask head.
   std::vector<attention_plan> element;
 };
@@ -123,7 +123,7 @@ std::size_t block_sparse_attention_plan::workspace_bytes(std::int64_t heads,
   TRISPARSE_EXPECTS_INPUT(heads >= 0 && head_dim >= 0,
                           "workspace_bytes: heads and head_dim must be >= 0");
   if (state_->unfused) return cuda::unfused_workspace_bytes(*state_->unfused, heads);
-  std::size_t bytes = 0;  // fused (CUDA): the element plans run one after another
+  std::size_t bytes = 0;  // fused: the element plans run one after another
   for (const attention_plan& e : state_->element)
     bytes = std::max(bytes, e.workspace_bytes(state_->mask.heads == 1 ? heads : 1, head_dim));
   return bytes;

@@ -48,7 +48,7 @@ struct plan_options {
   /// per item).
   std::int32_t team_tcbs = 0;
   /// CUDA plans from a host pattern: how query rows are grouped into windows. automatic:
-  /// fused (CUDA) uses reverse Cuthill-McKee where it cuts the TCB count by >= 35% (square
+  /// fused on CUDA uses reverse Cuthill-McKee where it cuts the TCB count by >= 35% (square
   /// patterns up to 4M nonzeros), else the original order; unfused as sparse_plan does.
   row_order order = row_order::automatic;
   /// CUDA: the largest heads and head dim that the plan's own workspace, sized at build, serves

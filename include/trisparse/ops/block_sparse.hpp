@@ -12,7 +12,7 @@
 
 namespace trisparse {
 
-/// The tensor-core instructions block runs on.
+/// The tensor-core instructions algorithm::block (the cuda_block backend) runs on.
 enum class block_kernel {
   automatic,  ///< on sm_90: wgmma_pingpong for blocks that are multiples of 128 where query
               ///< block rows keep >= 12 key tiles of 128 on average, wgmma for other
@@ -24,17 +24,17 @@ enum class block_kernel {
 };
 
 struct block_sparse_plan_options {
-  /// On the CPU: reference (float64) or fused (fp32, the CPU engine; automatic). On CUDA:
-  /// block (the tensor-core block kernel, G a multiple of 16; automatic there) or
-  /// fused (CUDA) (the mask as an element pattern through the fused BSB kernel; automatic for
-  /// other G), or unfused (the blocked-sparse report's three kernels over a row-interleaved
+  /// On the CPU: reference (float64) or fused (fp32, the CPU engine; automatic). On CUDA: block
+  /// (the tensor-core block kernel, G a multiple of 16; automatic there), fused (the mask as an
+  /// element pattern through the fused 3S kernel; automatic for other G), or unfused (the
+  /// blocked-sparse report's three kernels over a row-interleaved
   /// BCSR, any G: SDDMM writing the scores of the kept blocks, a row softmax, SpMM; a reference
   /// pipeline that keeps every score in memory, up to 8 GiB of them at a time).
   algorithm algo = algorithm::automatic;
-  /// block only; the report's format names the one chosen.
+  /// algorithm::block only; the report's format names the one chosen.
   block_kernel kernel = block_kernel::automatic;
   /// CUDA: the largest heads and head dim that the plan's own workspace, sized at build, serves
-  /// (fused (CUDA)'s split windows; unfused's scores, taken in groups of this many heads).
+  /// (fused's split windows; unfused's scores, taken in groups of this many heads).
   std::int64_t workspace_heads = 8, workspace_dim = 256;
 };
 
@@ -63,14 +63,14 @@ class block_sparse_attention_plan {
   /// Checks the mask and prepares it (on CUDA: uploads it and orders the query tiles by work, or
   /// builds the element patterns' BSB). @throws invalid_input naming the broken invariant or an
   /// algorithm that does not run on `where`; not_supported without the CUDA backend or for
-  /// block with a block that is not a multiple of 16.
+  /// algorithm::block with a block size that is not a multiple of 16.
   static block_sparse_attention_plan build(block_sparse_mask mask,
                                            device_kind where = device_kind::cpu,
                                            const block_sparse_plan_options& options = {},
                                            stream_ref stream = {});
 
   /// out = attention(q, k, v) under the mask (CUDA: asynchronous on `stream`; q, k, v f16 or bf16,
-  /// D 64 or 128 for block). q: [cu_seqlens_q.back(), H, D],
+  /// D 64 or 128 for algorithm::block). q: [cu_seqlens_q.back(), H, D],
   /// k: [cu_seqlens_k.back(), H, D], v: [cu_seqlens_k.back(), H, Dv], out: [cu_seqlens_q.back(),
   /// H, Dv], on the plan's device; H = the mask's heads unless the mask is shared. Query rows with
   /// no key left give zeros. @throws invalid_input naming the argument that is wrong.
