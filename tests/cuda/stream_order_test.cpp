@@ -453,6 +453,13 @@ TEST(GpuStreamOrder, TooSmallAWorkspaceIsRejected) {
   EXPECT_THROW(c.run(0, &small, nullptr), invalid_input);
   const workspace_view misaligned{static_cast<char*>(ws.data) + 8, c.workspace_bytes - 256};
   EXPECT_THROW(c.run(0, &misaligned, nullptr), invalid_input);
+  // A plan without split windows needs only its task queue: its own workspace serves any heads.
+  const csr_graph g = test::random_pattern(300, 300, 6, 9);
+  const attention_plan plan = attention_plan::build(g, device_kind::cuda);
+  ASSERT_EQ(plan.workspace_bytes(12, 64), plan.workspace_bytes(1, 64));
+  const auto x = test::random_qkv(g, 12, 64, dtype::f16, 10);
+  test::device_tensor q(x.q), k(x.k), v(x.v), out(host_tensor(dtype::f32, g.rows, 12, 64));
+  EXPECT_NO_THROW(plan.run(q.view(), k.view(), v.view(), out.view()));
 }
 
 }  // namespace

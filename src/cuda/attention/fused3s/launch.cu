@@ -250,8 +250,9 @@ void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const te
   // otherwise overlap a larger run's counters); the caller's is laid out for this run and cleared.
   const bool own = workspace == nullptr;
   if (own) {
+    // Without split windows a run needs only the task queue, whatever its heads and head dim.
     TRISPARSE_EXPECTS_INPUT(
-        q.heads <= plan.own_heads && q.dim <= plan.own_dim,
+        plan.num_parts == 0 || (q.heads <= plan.own_heads && q.dim <= plan.own_dim),
         "fused 3S: the plan's own workspace serves heads <= " + std::to_string(plan.own_heads) +
             " and head_dim <= " + std::to_string(plan.own_dim) + ", not " +
             std::to_string(q.heads) + " x " + std::to_string(q.dim) +
