@@ -9,6 +9,7 @@
 #include <string>
 
 #include "trisparse/core/error.hpp"
+#include "trisparse/core/tensor.hpp"
 #include "trisparse/core/workspace.hpp"
 
 namespace trisparse::detail {
@@ -54,5 +55,22 @@ class workspace_layout {
   }
   std::size_t bytes_ = 0, zeroed_ = 0;
 };
+
+/// A contiguous CUDA [rows, heads, dim] view of the workspace segment at `offset`.
+inline tensor_view segment_view(const workspace_view& ws, std::size_t offset, dtype type,
+                                std::int64_t rows, std::int64_t heads, std::int64_t dim,
+                                int device) {
+  return tensor_view::contiguous(workspace_layout::at<void>(ws, offset), type, rows, heads, dim,
+                                 device_kind::cuda, device);
+}
+
+/// The same as [slots, heads, 1] in a sparse plan's slot layout (slot stride 1, heads apart).
+inline tensor_view slot_view(const workspace_view& ws, std::size_t offset, dtype type,
+                             std::int64_t slots, std::int64_t heads, int device) {
+  tensor_view v = segment_view(ws, offset, type, slots, heads, 1, device);
+  v.row_stride = 1;
+  v.head_stride = slots > 1 ? slots : 1;
+  return v;
+}
 
 }  // namespace trisparse::detail

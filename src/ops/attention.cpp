@@ -141,13 +141,6 @@ unfused_workspace unfused_workspace_of(const sparse_plan& p, std::int64_t heads,
   return w;
 }
 
-tensor_view slot_view(void* data, dtype type, std::int64_t slots, std::int64_t heads, int device) {
-  tensor_view v = tensor_view::contiguous(data, type, slots, heads, 1, device_kind::cuda, device);
-  v.row_stride = 1;
-  v.head_stride = std::max<std::int64_t>(slots, 1);
-  return v;
-}
-
 void describe_unfused(plan_report& r, const sparse_plan& p) {
   r.format = p.report().format + " (device)";
   if (p.report().order != row_order::original)
@@ -361,12 +354,12 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
                 ": build it with a larger plan_options.workspace_heads, or pass a workspace");
         ws = {state_->own.view().data, static_cast<std::size_t>(state_->own.view().rows) * 4};
       }
-      const tensor_view scores = slot_view(detail::workspace_layout::at<void>(ws, w.scores),
-                                           dtype::f32, p.slots(), q.heads, q.device_id);
-      const tensor_view probs = v.type == dtype::f32
-                                    ? scores
-                                    : slot_view(detail::workspace_layout::at<void>(ws, w.probs),
-                                                v.type, p.slots(), q.heads, q.device_id);
+      const tensor_view scores =
+          detail::slot_view(ws, w.scores, dtype::f32, p.slots(), q.heads, q.device_id);
+      const tensor_view probs =
+          v.type == dtype::f32
+              ? scores
+              : detail::slot_view(ws, w.probs, v.type, p.slots(), q.heads, q.device_id);
       p.sddmm(q, k, scores, scale, stream);
       if (workspace != nullptr) {
         const workspace_view sparse{detail::workspace_layout::at<void>(ws, w.sparse),

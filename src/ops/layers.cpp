@@ -86,22 +86,6 @@ csr_graph gcn_normalized(const csr_graph& graph, bool add_self_loops) {
 
 namespace {
 
-// A contiguous [rows, 1, dim] view of a workspace segment.
-tensor_view segment(const workspace_view& ws, std::size_t offset, dtype type, std::int64_t rows,
-                    std::int64_t dim, int device) {
-  return tensor_view::contiguous(detail::workspace_layout::at<void>(ws, offset), type, rows, 1, dim,
-                                 device_kind::cuda, device);
-}
-
-// [slots, 1, 1] in a sparse plan's slot layout.
-tensor_view slot_segment(const workspace_view& ws, std::size_t offset, dtype type,
-                         std::int64_t slots, int device) {
-  tensor_view v = segment(ws, offset, type, slots, 1, device);
-  v.row_stride = 1;
-  v.head_stride = std::max<std::int64_t>(slots, 1);
-  return v;
-}
-
 // What both layers hold: the pattern (CPU) or its sparse plan (CUDA), and on CUDA the workspace
 // of runs not given one, sized at build for `own_dim` wide features.
 struct layer_core {
@@ -239,7 +223,7 @@ void gcn_layer::forward(const tensor_view& x, const tensor_view& w, const tensor
                               g.layout.bytes() - g.sparse};
   // The narrower intermediate: x w, then Â (x w); or (Â x) w.
   const tensor_view between =
-      segment(ws, g.between, x.type, s.rows, std::min(x.dim, w.dim), x.device_id);
+      detail::segment_view(ws, g.between, x.type, s.rows, 1, std::min(x.dim, w.dim), x.device_id);
   if (w.dim <= x.dim) {
     cuda::gemm(x, w, between, blas, stream);
     s.plan->spmm({}, between, out, stream, sparse);
@@ -310,10 +294,11 @@ void agnn_layer::forward(const tensor_view& h, double beta, const tensor_view& o
   const workspace_view ws = s.use(a.layout, workspace, "AGNN layer");
   const workspace_view sparse{detail::workspace_layout::at<void>(ws, a.sparse),
                               a.layout.bytes() - a.sparse};
-  const tensor_view unit = segment(ws, a.unit, h.type, s.rows, h.dim, h.device_id);
-  const tensor_view scores = slot_segment(ws, a.scores, dtype::f32, p.slots(), h.device_id);
-  const tensor_view probs =
-      h.type == dtype::f32 ? scores : slot_segment(ws, a.probs, h.type, p.slots(), h.device_id);
+  const tensor_view unit = detail::segment_view(ws, a.unit, h.type, s.rows, 1, h.dim, h.device_id);
+  const tensor_view scores = detail::slot_view(ws, a.scores, dtype::f32, p.slots(), 1, h.device_id);
+  const tensor_view probs = h.type == dtype::f32
+                                ? scores
+                                : detail::slot_view(ws, a.probs, h.type, p.slots(), 1, h.device_id);
   cuda::normalize_rows(h, unit, stream);
   p.sddmm(unit, unit, scores, beta, stream);
   p.softmax(scores, probs, stream, sparse);

@@ -162,9 +162,7 @@ std::shared_ptr<unfused_device_plan> make_unfused_plan(const block_sparse_mask& 
   plan->sddmm_tiles = device_buffer<il::tile>(l.sddmm);
   plan->spmm_tiles = device_buffer<il::tile>(l.spmm);
   plan->parts = device_buffer<il::part>(l.parts);
-  const std::int64_t group = std::clamp<std::int64_t>(kUnfusedScoreBytes / slot_bytes(*plan), 1,
-                                                      std::max<std::int64_t>(workspace_heads, 1));
-  plan->own = device_buffer<std::byte>(workspace_of(*plan, group).layout.bytes());
+  plan->own = device_buffer<std::byte>(unfused_workspace_bytes(*plan, workspace_heads));
   return plan;
 }
 
