@@ -2,7 +2,8 @@
 # On the GPU machine, in one call: the GPU test suite (quick mode: two dtype configurations on the
 # datasets), the demo command, and compute-sanitizer memcheck and racecheck over the whole suite in
 # shards run side by side. Binaries come packed in .devpack/new.tar.xz (see scripts/gpu_ab.sh);
-# call with carry = [.devpack, .devlibs, data]. Usage: scripts/gpu_check.sh [tests|sanitize] [shards]
+# call with carry = [.devpack, .devlibs, data]. Usage: scripts/gpu_check.sh [tests|sanitize|all] [shards]
+# ("all" runs the tests, then both sanitizers).
 set -uo pipefail
 out=${OUT:-/tmp/trisparse-check}
 mkdir -p "$out" /tmp/check
@@ -12,15 +13,21 @@ export TRISPARSE_DATASETS=$PWD/data TRISPARSE_GPU_TEST_QUICK=1
 what=${1:-tests}
 shards=${2:-4}
 status=0
-if [ "$what" = tests ]; then
+if [ "$what" = tests ] || [ "$what" = all ]; then
   /tmp/check/tests/gpu_tests --gtest_brief=1 > "$out/gpu_tests.log" 2>&1 || status=1
   tail -4 "$out/gpu_tests.log"
   /tmp/check/trisparse -q run > "$out/demo.log" 2>&1 || status=1
   tail -3 "$out/demo.log"
-else
+fi
+if [ "$what" = sanitize ] || [ "$what" = all ]; then
+  # racecheck is the slower tool: RACECHECK_SHARDS splits it finer than memcheck. The dataset
+  # tests keep a few graphs that reach every kernel path (small, batched, skewed with split rows).
+  export TRISPARSE_TEST_GRAPHS=${TRISPARSE_TEST_GRAPHS:-cora,citeseer,tu_mutag,musae_github,suitesparse_jagmesh7}
   for tool in memcheck racecheck; do
-    for ((i = 0; i < shards; i++)); do
-      GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i timeout "${SANITIZE_SECONDS:-500}" \
+    n=$shards
+    [ "$tool" = racecheck ] && n=${RACECHECK_SHARDS:-$shards}
+    for ((i = 0; i < n; i++)); do
+      GTEST_TOTAL_SHARDS=$n GTEST_SHARD_INDEX=$i timeout "${SANITIZE_SECONDS:-500}" \
         compute-sanitizer --tool "$tool" \
         --error-exitcode 9 /tmp/check/tests/gpu_tests --gtest_brief=1 \
         > "$out/${tool}_$i.log" 2>&1 &
