@@ -4,7 +4,7 @@
 # GPU is there to run it (nvcc without a device would spend minutes on kernels the demo cannot use).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/deps.sh
+TRISPARSE_DEPS=cpp bash scripts/deps.sh
 cuda=OFF
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then cuda=AUTO; fi
 cmake --preset release -DTRISPARSE_CUDA="$cuda" -DTRISPARSE_BUILD_TESTS=OFF \

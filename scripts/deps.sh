@@ -13,5 +13,19 @@ if [ ${#missing[@]} -gt 0 ]; then
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
+# PyPI packages for the python3 on PATH (Debian's own refuses pip without
+# --break-system-packages, PEP 668).
+pip_install() {
+  python3 -m pip install --quiet "$@" 2>/dev/null || python3 -m pip install --quiet --break-system-packages "$@"
+}
 # The python3 on PATH may not be Debian's: give it NumPy from PyPI if it lacks it.
-python3 -c "import numpy" 2>/dev/null || python3 -m pip install --quiet numpy || true
+python3 -c "import numpy" 2>/dev/null || pip_install numpy || true
+# The Python package's build and tests: skipped by the demo (TRISPARSE_DEPS=cpp).
+if [ "${TRISPARSE_DEPS:-all}" = all ]; then
+  if ! python3 -m pip --version >/dev/null 2>&1; then
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq python3-pip python3-dev >/dev/null
+  fi
+  python3 -c "import torch, torch_geometric, pytest, nanobind, scikit_build_core" 2>/dev/null ||
+    pip_install "torch>=2.4" "torch_geometric>=2.5" pytest "nanobind>=2.0" "scikit-build-core>=0.10"
+fi

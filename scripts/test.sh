@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command: installs dependencies, builds (CUDA code compiled where nvcc exists; GPU tests
-# skip without a device), runs every test, checks the installed package with an example, then
-# builds the fuzz targets with ASan/UBSan and runs each for FUZZ_SECONDS (default 10).
+# skip without a device), runs every test (C++ with CTest, the Python package's with pytest through
+# CTest), checks the installed C++ package with an example and `pip install .`, then builds the
+# fuzz targets with ASan/UBSan and runs each for FUZZ_SECONDS (default 10).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -19,6 +20,18 @@ cmake --install build/dev --prefix "$prefix" >/dev/null
 cmake -S examples/consumer -B "$prefix/consumer-build" -G Ninja -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
 cmake --build "$prefix/consumer-build" >/dev/null
 "$prefix/consumer-build/consumer"
+
+# pip install . (scikit-build-core driving this CMake project; CPU kernels only here, to keep the
+# run short: CUDA is compiled where nvcc exists unless told otherwise), then use the installed copy.
+site="$prefix/site"
+python3 -m pip install --quiet --no-build-isolation --no-deps --target "$site" \
+  -C cmake.define.TRISPARSE_CUDA=OFF .
+(cd "$prefix" && PYTHONPATH="$site" python3 -c "
+import torch, trisparse
+p = trisparse.Pattern.of(torch.tensor([[0, 1, 2], [1, 2, 0]]))
+q = torch.randn(3, 2, 8, dtype=torch.float64, requires_grad=True)
+assert torch.autograd.gradcheck(lambda t: trisparse.sparse_attention(t, t, t, p), (q,))
+print('pip install .: trisparse', trisparse.__version__, 'imports, runs and differentiates')")
 
 # Fuzz every reader for a bounded time.
 cmake --preset fuzz >/dev/null

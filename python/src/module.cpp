@@ -1,0 +1,174 @@
+// trisparse._C: the plans of include/trisparse/ for the Python package, and nothing else. Tensors
+// cross as plain tuples (pointer, dtype, device, shape, strides) that trisparse/_tensors.py makes
+// from torch tensors, so the module links no torch library and one build serves every torch
+// release; streams and workspaces cross as integers (torch's current stream, and bytes from its
+// caching allocator).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "trisparse/trisparse.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+using namespace trisparse;
+
+/// (data pointer, dtype code = the dtype enum's value, device index or -1 for the CPU, rows,
+/// heads, dim, row stride, head stride), strides in elements.
+using tensor_tuple = std::tuple<std::uintptr_t, int, int, std::int64_t, std::int64_t, std::int64_t,
+                                std::int64_t, std::int64_t>;
+
+tensor_view view_of(const tensor_tuple& t) {
+  const auto& [data, code, device, rows, heads, dim, row_stride, head_stride] = t;
+  if (code < 0 || code > static_cast<int>(dtype::f64))
+    throw invalid_input("unknown dtype code " + std::to_string(code));
+  return {reinterpret_cast<void*>(data),
+          static_cast<dtype>(code),
+          device < 0 ? device_kind::cpu : device_kind::cuda,
+          device < 0 ? 0 : device,
+          rows,
+          heads,
+          dim,
+          row_stride,
+          head_stride};
+}
+
+tensor_view view_of(const std::optional<tensor_tuple>& t) { return t ? view_of(*t) : tensor_view{}; }
+
+stream_ref stream_of(std::uintptr_t s) { return {reinterpret_cast<void*>(s)}; }
+
+workspace_view workspace_of(std::uintptr_t data, std::size_t bytes) {
+  return bytes == 0 ? workspace_view{} : workspace_view{reinterpret_cast<void*>(data), bytes};
+}
+
+attention_options options_of(std::optional<double> scale, const std::string& algo) {
+  attention_options o;
+  o.scale = scale;
+  o.algo = parse_algorithm(algo);
+  return o;
+}
+
+/// An attention plan and the pattern's sizes (for the Python side's checks).
+struct py_attention_plan {
+  attention_plan plan;
+
+  static py_attention_plan from_host(std::uintptr_t row_ptr, std::uintptr_t col_idx,
+                                     std::int64_t rows, std::int64_t cols, std::int64_t nnz,
+                                     const std::string& algo, bool gradients) {
+    csr_graph g;
+    g.rows = rows;
+    g.cols = cols;
+    const auto* rp = reinterpret_cast<const std::int64_t*>(row_ptr);
+    const auto* ci = reinterpret_cast<const std::int32_t*>(col_idx);
+    g.row_ptr.assign(rp, rp + rows + 1);
+    g.col_idx.assign(ci, ci + nnz);
+    plan_options o;
+    o.algo = parse_algorithm(algo);
+    o.gradients = gradients;
+    nb::gil_scoped_release release;
+    return {attention_plan::build(g, device_kind::cpu, o)};
+  }
+
+  static py_attention_plan from_device(std::uintptr_t row_ptr, std::uintptr_t col_idx,
+                                       std::int64_t rows, std::int64_t cols, std::int64_t nnz,
+                                       const std::string& algo, bool gradients,
+                                       std::uintptr_t stream) {
+    const csr_view view{rows,
+                        cols,
+                        nnz,
+                        reinterpret_cast<const std::int64_t*>(row_ptr),
+                        reinterpret_cast<const std::int32_t*>(col_idx),
+                        device_kind::cuda};
+    plan_options o;
+    o.algo = parse_algorithm(algo);
+    o.gradients = gradients;
+    nb::gil_scoped_release release;
+    return {attention_plan::build(view, o, stream_of(stream))};
+  }
+
+  void run(const tensor_tuple& q, const tensor_tuple& k, const tensor_tuple& v,
+           const tensor_tuple& out, const std::optional<tensor_tuple>& lse,
+           std::optional<double> scale, const std::string& algo, std::uintptr_t stream,
+           std::uintptr_t ws, std::size_t ws_bytes) const {
+    attention_options o = options_of(scale, algo);
+    o.lse = view_of(lse);
+    nb::gil_scoped_release release;
+    plan.run(view_of(q), view_of(k), view_of(v), view_of(out), o, stream_of(stream),
+             workspace_of(ws, ws_bytes));
+  }
+
+  void backward(const tensor_tuple& q, const tensor_tuple& k, const tensor_tuple& v,
+                const tensor_tuple& out, const tensor_tuple& lse, const tensor_tuple& dout,
+                const tensor_tuple& dq, const tensor_tuple& dk, const tensor_tuple& dv,
+                std::optional<double> scale, const std::string& algo, std::uintptr_t stream,
+                std::uintptr_t ws, std::size_t ws_bytes) const {
+    const attention_options o = options_of(scale, algo);
+    nb::gil_scoped_release release;
+    plan.backward(view_of(q), view_of(k), view_of(v), view_of(out), view_of(lse), view_of(dout),
+                  view_of(dq), view_of(dk), view_of(dv), o, stream_of(stream),
+                  workspace_of(ws, ws_bytes));
+  }
+};
+
+}  // namespace
+
+NB_MODULE(_C, m) {
+  m.doc() = "trisparse's plans (the C++ library); use the trisparse package, not this module";
+
+  // Typed errors as the Python exceptions a user expects: a wrong argument is a ValueError, a
+  // missing capability NotImplementedError, a device failure RuntimeError.
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const trisparse::invalid_input& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const trisparse::not_supported& e) {
+      PyErr_SetString(PyExc_NotImplementedError, e.what());
+    } catch (const trisparse::cuda_error& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
+  });
+
+  m.def("cuda_available", &trisparse::cuda_available,
+        "Whether this build has the CUDA backend and a device is visible.");
+  m.def("has_cuda_backend", [] {
+#ifdef TRISPARSE_HAVE_CUDA
+    return true;
+#else
+    return false;
+#endif
+  });
+
+  nb::class_<py_attention_plan>(m, "AttentionPlan")
+      .def_static("from_host", &py_attention_plan::from_host, "row_ptr"_a, "col_idx"_a, "rows"_a,
+                  "cols"_a, "nnz"_a, "algo"_a, "gradients"_a)
+      .def_static("from_device", &py_attention_plan::from_device, "row_ptr"_a, "col_idx"_a,
+                  "rows"_a, "cols"_a, "nnz"_a, "algo"_a, "gradients"_a, "stream"_a)
+      .def("run", &py_attention_plan::run, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(),
+           "scale"_a.none(), "algo"_a, "stream"_a, "workspace"_a, "workspace_bytes"_a)
+      .def("backward", &py_attention_plan::backward, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a,
+           "dout"_a, "dq"_a, "dk"_a, "dv"_a, "scale"_a.none(), "algo"_a, "stream"_a,
+           "workspace"_a, "workspace_bytes"_a)
+      .def("workspace_bytes",
+           [](const py_attention_plan& p, std::int64_t heads, std::int64_t dim) {
+             return p.plan.workspace_bytes(heads, dim);
+           })
+      .def("resolve",
+           [](const py_attention_plan& p, const std::string& algo) {
+             return std::string(
+                 trisparse::to_string(p.plan.resolve(trisparse::parse_algorithm(algo))));
+           })
+      .def_prop_ro("backend", [](const py_attention_plan& p) {
+        const auto& r = p.plan.report();
+        return trisparse::backend_name(r.algo, r.where);
+      });
+}

@@ -1,0 +1,23 @@
+"""trisparse: fused sparse attention for graphs and block masks, on tensor cores and the CPU.
+
+``trisparse.sparse_attention(q, k, v, pattern)`` on [nodes, heads, channels] tensors, with the
+pattern built once per graph (``trisparse.Pattern.of(edge_index)``); ``trisparse.nn`` holds
+drop-in replacements for PyG layers. The ops are registered with torch.library (namespace
+``trisparse``), so autograd, torch.compile and CUDA graphs see them as any torch op.
+"""
+
+import torch  # noqa: F401  (loads the CUDA libraries torch ships, which the extension shares)
+
+from . import _C
+from .attention import sparse_attention
+from .pattern import Pattern
+
+__version__ = "0.1.0"
+
+
+def cuda_available() -> bool:
+    """Whether this build has the CUDA backend and a device is visible."""
+    return _C.cuda_available()
+
+
+__all__ = ["Pattern", "__version__", "cuda_available", "sparse_attention"]

@@ -1,0 +1,44 @@
+"""How torch tensors, streams and workspaces cross into trisparse._C (plain integers)."""
+
+import torch
+
+# The codes of trisparse::dtype (include/trisparse/core/dtype.hpp).
+_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+FLOAT_DTYPES = tuple(_DTYPE_CODES)
+
+
+def device_index(device: torch.device) -> int:
+    """-1 for the CPU, else the CUDA device's index."""
+    if device.type == "cpu":
+        return -1
+    if device.type == "cuda":
+        return device.index if device.index is not None else torch.cuda.current_device()
+    raise ValueError(f"trisparse runs on the CPU and on CUDA devices, not on {device}")
+
+
+def view(t: torch.Tensor) -> tuple:
+    """A [rows, heads, dim] tensor whose last dimension is contiguous, as _C's tensor tuple."""
+    return (
+        t.data_ptr(),
+        _DTYPE_CODES[t.dtype],
+        device_index(t.device),
+        t.shape[0],
+        t.shape[1],
+        t.shape[2],
+        t.stride(0),
+        t.stride(1),
+    )
+
+
+def stream(device: torch.device) -> int:
+    """torch's current stream on `device` as an integer (0 on the CPU)."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+def workspace(nbytes: int, device: torch.device) -> tuple[torch.Tensor | None, int, int]:
+    """(owner, pointer, bytes): `nbytes` from torch's caching allocator, which is stream-ordered
+    (the block is reused only after the current stream's work on it), as the plans need."""
+    if nbytes == 0:
+        return None, 0, 0
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buf, buf.data_ptr(), nbytes

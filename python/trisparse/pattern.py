@@ -1,0 +1,200 @@
+"""The attention pattern: which keys (sources) each query (target) attends to.
+
+A Pattern is built once per graph from whatever the user holds (PyG's ``edge_index``, an
+``EdgeIndex``, a ``SparseTensor``, a torch sparse tensor, or CSR arrays) and keeps the formats the
+kernels need (the plans of the C++ library) per device, so a training loop builds them once and
+reuses them at every step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any
+
+import torch
+
+from . import _C
+from ._tensors import device_index, stream
+
+_ids = itertools.count(1)
+_live: weakref.WeakValueDictionary[int, Pattern] = weakref.WeakValueDictionary()
+
+
+def lookup(pattern_id: int) -> Pattern:
+    """The live Pattern with this id (the ops take the id, as torch.library ops take no objects)."""
+    p = _live.get(pattern_id)
+    if p is None:
+        raise ValueError(
+            f"pattern: no live trisparse.Pattern has id {pattern_id} (it was freed); keep the "
+            "Pattern object alive while ops that use it may run, backward included"
+        )
+    return p
+
+
+def _check_index(t: Any, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must hold int32 or int64 indices, got {t.dtype}")
+    return t.to(torch.int64)
+
+
+class Pattern:
+    """A ``num_rows x num_cols`` binary pattern: row i (a target node, a query) attends to the
+    columns (source nodes, keys) of its entries. Entries are sorted and unique; repeated edges of
+    the input are merged (``duplicates`` says how many were)."""
+
+    def __init__(self, rowptr: torch.Tensor, col: torch.Tensor, num_cols: int, duplicates: int):
+        # Canonical CSR: rowptr int64 [rows + 1], col int32 [nnz], sorted and unique per row.
+        self.rowptr = rowptr
+        self.col = col
+        self.num_rows = rowptr.numel() - 1
+        self.num_cols = int(num_cols)
+        self.nnz = col.numel()
+        self.duplicates = int(duplicates)
+        self.id = next(_ids)
+        self._copies: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {
+            rowptr.device: (rowptr, col)
+        }
+        self._plans: dict[tuple[torch.device, bool], Any] = {}
+        _live[self.id] = self
+
+    # --- builders -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_coo(
+        cls, row: torch.Tensor, col: torch.Tensor, num_rows: int, num_cols: int
+    ) -> Pattern:
+        """From entries (row[e], col[e]) in any order, repeats allowed."""
+        row = _check_index(row, "row")
+        col = _check_index(col, "col")
+        if row.dim() != 1 or col.dim() != 1 or row.numel() != col.numel():
+            raise ValueError(
+                f"row and col must be 1-D of one length, got {tuple(row.shape)} and "
+                f"{tuple(col.shape)}"
+            )
+        if num_rows < 0 or num_cols < 0:
+            raise ValueError(f"the size must be non-negative, got ({num_rows}, {num_cols})")
+        if num_cols >= 2**31:
+            raise ValueError(f"num_cols {num_cols} does not fit the kernels' 32-bit column ids")
+        if row.numel() > 0:
+            for t, n, what in ((row, num_rows, "target (row)"), (col, num_cols, "source (column)")):
+                lo, hi = int(t.min()), int(t.max())
+                if lo < 0 or hi >= n:
+                    raise ValueError(
+                        f"edge_index: a {what} id is out of range: ids span [{lo}, {hi}] but "
+                        f"there are {n} nodes on that side"
+                    )
+        key = torch.unique(row * max(num_cols, 1) + col, sorted=True)
+        duplicates = row.numel() - key.numel()
+        r = torch.div(key, max(num_cols, 1), rounding_mode="floor")
+        rowptr = torch.zeros(num_rows + 1, dtype=torch.int64, device=row.device)
+        if num_rows > 0:
+            torch.cumsum(torch.bincount(r, minlength=num_rows), 0, out=rowptr[1:])
+        return cls(rowptr, (key - r * max(num_cols, 1)).to(torch.int32), num_cols, duplicates)
+
+    @classmethod
+    def from_edge_index(
+        cls,
+        edge_index: torch.Tensor,
+        num_nodes: int | None = None,
+        size: tuple[int, int] | None = None,
+    ) -> Pattern:
+        """From PyG's ``edge_index`` [2, E]: row 0 holds sources j, row 1 targets i, and each
+        target attends to its incoming edges (``flow="source_to_target"``). ``size`` is PyG's
+        ``(num_src_nodes, num_dst_nodes)`` for bipartite graphs; else ``num_nodes`` (default: the
+        largest id + 1, or the EdgeIndex's sparse size)."""
+        ei = _check_index(edge_index, "edge_index")
+        if ei.dim() != 2 or ei.shape[0] != 2:
+            raise ValueError(f"edge_index must have shape [2, E], got {tuple(ei.shape)}")
+        if size is None:
+            sparse_size = getattr(edge_index, "sparse_size", None)
+            known = sparse_size() if callable(sparse_size) else (None, None)
+            if num_nodes is None and None not in known:
+                size = (int(known[0]), int(known[1]))
+            else:
+                n = num_nodes if num_nodes is not None else (int(ei.max()) + 1 if ei.numel() else 0)
+                size = (n, n)
+        num_src, num_dst = int(size[0]), int(size[1])
+        return cls.from_coo(ei[1], ei[0], num_dst, num_src)
+
+    @classmethod
+    def from_csr(cls, rowptr: torch.Tensor, col: torch.Tensor, num_cols: int) -> Pattern:
+        """From CSR arrays of the targets' rows (columns may be unsorted or repeated)."""
+        rowptr = _check_index(rowptr, "rowptr")
+        col = _check_index(col, "col")
+        if rowptr.dim() != 1 or rowptr.numel() < 1:
+            raise ValueError(f"rowptr must be 1-D with rows + 1 entries, got {tuple(rowptr.shape)}")
+        counts = rowptr[1:] - rowptr[:-1]
+        if int(rowptr[0]) != 0 or int(rowptr[-1]) != col.numel() or bool((counts < 0).any()):
+            raise ValueError(
+                f"rowptr must start at 0, never decrease and end at col's length {col.numel()}"
+            )
+        rows = torch.repeat_interleave(torch.arange(rowptr.numel() - 1, device=col.device), counts)
+        return cls.from_coo(rows, col, rowptr.numel() - 1, num_cols)
+
+    @classmethod
+    def of(cls, adj: Any, num_nodes: int | None = None) -> Pattern:
+        """From any of: a Pattern (returned as is), ``edge_index`` [2, E] or ``EdgeIndex``,
+        ``torch_sparse.SparseTensor`` (PyG's ``adj_t``: rows are targets), a torch sparse COO or
+        CSR tensor (rows are targets), or a ``(rowptr, col)`` pair (with ``num_nodes`` columns)."""
+        if isinstance(adj, Pattern):
+            return adj
+        if isinstance(adj, torch.Tensor):
+            if adj.layout == torch.sparse_csr:
+                return cls.from_csr(adj.crow_indices(), adj.col_indices(), adj.shape[1])
+            if adj.layout == torch.sparse_coo:
+                idx = adj.coalesce().indices()
+                return cls.from_coo(idx[0], idx[1], adj.shape[0], adj.shape[1])
+            return cls.from_edge_index(adj, num_nodes=num_nodes)
+        if type(adj).__name__ == "SparseTensor" and hasattr(adj, "csr"):
+            rowptr, col, _ = adj.csr()
+            return cls.from_csr(rowptr, col, adj.sparse_size(1))
+        if isinstance(adj, tuple) and len(adj) == 2:
+            rowptr, col = adj
+            cols = num_nodes if num_nodes is not None else rowptr.numel() - 1
+            return cls.from_csr(rowptr, col, cols)
+        raise TypeError(
+            "adj must be a trisparse.Pattern, an edge_index tensor [2, E], an EdgeIndex, a "
+            f"SparseTensor, a torch sparse tensor or a (rowptr, col) pair, got {type(adj).__name__}"
+        )
+
+    # --- plans ----------------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.rowptr.device
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        got = self._copies.get(device)
+        if got is None:
+            got = (self.rowptr.to(device).contiguous(), self.col.to(device).contiguous())
+            self._copies[device] = got
+        return got
+
+    def plan(self, device: torch.device, gradients: bool = False):
+        """The C++ plan for `device`, built on first use (it synchronises then; later runs do not).
+        A plan with gradients serves the forward too."""
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        for g in (True, gradients):
+            plan = self._plans.get((device, g))
+            if plan is not None:
+                return plan
+        rowptr, col = self._on(device)
+        args = (rowptr.data_ptr(), col.data_ptr(), self.num_rows, self.num_cols, self.nnz)
+        if device.type == "cpu":
+            plan = _C.AttentionPlan.from_host(*args, "automatic", gradients)
+        else:
+            device_index(device)
+            with torch.cuda.device(device):
+                plan = _C.AttentionPlan.from_device(*args, "automatic", gradients, stream(device))
+        self._plans[(device, gradients)] = plan
+        return plan
+
+    def __repr__(self) -> str:
+        return (
+            f"Pattern(num_rows={self.num_rows}, num_cols={self.num_cols}, nnz={self.nnz}, "
+            f"device={self.device})"
+        )

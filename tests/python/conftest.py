@@ -1,0 +1,78 @@
+"""Shared helpers: random graphs of awkward shapes, a dense float64 oracle, the shared datasets."""
+
+import lzma
+import os
+import pathlib
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="no CUDA device: skipping GPU tests")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+def random_edge_index(num_src, num_dst, max_degree, seed, self_loops=False):
+    """[2, E] in PyG's convention, unique edges; some targets get none (empty rows), some sources
+    are never used (empty columns)."""
+    g = torch.Generator().manual_seed(seed)
+    deg = torch.randint(0, max_degree + 1, (num_dst,), generator=g)
+    dst = torch.repeat_interleave(torch.arange(num_dst), deg)
+    src = torch.randint(0, max(num_src, 1), (dst.numel(),), generator=g)
+    if self_loops:
+        n = min(num_src, num_dst)
+        dst = torch.cat([dst, torch.arange(n)])
+        src = torch.cat([src, torch.arange(n)])
+    key = torch.unique(dst * max(num_src, 1) + src)
+    return torch.stack([key % max(num_src, 1), key // max(num_src, 1)])
+
+
+def dense_attention(q, k, v, edge_index, scale):
+    """The oracle: masked dense softmax in float64 (rows without edges give zeros)."""
+    return dense_attention_in(q.double(), k.double(), v.double(), edge_index, scale)
+
+
+def dense_attention_in(q, k, v, edge_index, scale):
+    """Masked dense softmax attention in q's precision (PyTorch's kernels, no upcast)."""
+    mask = torch.zeros(q.shape[0], k.shape[0], dtype=torch.bool)
+    mask[edge_index[1], edge_index[0]] = True
+    s = torch.einsum("ihd,jhd->hij", q, k) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.einsum("hij,jhd->ihd", p, v)
+
+
+def datasets_dir():
+    env = os.environ.get("TRISPARSE_DATASETS")
+    d = (
+        pathlib.Path(env)
+        if env
+        else pathlib.Path(__file__).resolve().parents[3] / "shared" / "datasets"
+    )
+    return d if (d / "MANIFEST.md").exists() else None
+
+
+def load_shared_graph(name):
+    """edge_index of a shared graph in PyG's convention, made symmetric and unique; skips the
+    test when ../shared/datasets is absent."""
+    d = datasets_dir()
+    if d is None or not (d / f"{name}.el.xz").exists():
+        pytest.skip("../shared/datasets not found (set TRISPARSE_DATASETS): skipping")
+    n = None
+    rows = []
+    with lzma.open(d / f"{name}.el.xz", "rt") as f:
+        for line in f:
+            if line.startswith("#"):
+                if "nodes:" in line:
+                    n = int(line.split("nodes:")[1].split()[0])
+                continue
+            a, b = line.split()[:2]
+            rows.append((int(a), int(b)))
+    e = torch.tensor(rows, dtype=torch.int64).t()
+    e = torch.cat([e, e.flip(0)], dim=1)
+    key = torch.unique(e[1] * n + e[0])
+    return torch.stack([key % n, key // n]), n

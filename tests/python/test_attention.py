@@ -1,0 +1,251 @@
+"""trisparse.sparse_attention and its torch ops: forward and gradients against a dense float64
+oracle, opcheck, gradcheck, torch.compile, bad inputs."""
+
+import math
+
+import pytest
+import torch
+import trisparse
+from conftest import dense_attention, dense_attention_in, load_shared_graph, random_edge_index
+
+
+def qkv(n_dst, n_src, heads, d, dv, dtype, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(n_dst, heads, d, generator=g) * scale).to(dtype)
+    k = (torch.randn(n_src, heads, d, generator=g) * scale).to(dtype)
+    v = torch.randn(n_src, heads, dv, generator=g).to(dtype)
+    return q, k, v
+
+
+def grads(fn, q, k, v, dout):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def relerr(a, b):
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(40, 40, 1, 16, 16), (37, 53, 3, 32, 8), (1, 17, 2, 8, 24)])
+def test_forward_and_gradients_match_dense_float64(dtype, shape):
+    n_dst, n_src, heads, d, dv = shape
+    ei = random_edge_index(n_src, n_dst, 9, seed=n_dst + heads)
+    pattern = trisparse.Pattern.from_edge_index(ei, size=(n_src, n_dst))
+    q, k, v = qkv(n_dst, n_src, heads, d, dv, dtype, seed=7)
+    dout = torch.randn(n_dst, heads, dv, generator=torch.Generator().manual_seed(8)).to(dtype)
+    scale = 1 / math.sqrt(d)
+    got = grads(lambda a, b, c: trisparse.sparse_attention(a, b, c, pattern), q, k, v, dout)
+    want = grads(lambda a, b, c: dense_attention(a, b, c, ei, scale), q, k, v, dout.double())
+    # The house rule: within 2x the error of the same computation done densely by PyTorch in the
+    # input precision (float64 against the oracle itself: to rounding).
+    if dtype == torch.float64:
+        tols = [1e-12] * 4
+    else:
+        same = grads(lambda a, b, c: dense_attention_in(a, b, c, ei, scale), q, k, v, dout)
+        tols = [2 * relerr(s, w) + 1e-6 for s, w in zip(same, want)]
+    for name, g, w, tol in zip(("out", "dq", "dk", "dv"), got, want, tols):
+        assert g.dtype == dtype, name
+        assert torch.isfinite(g).all(), name
+        assert relerr(g, w) <= tol, (name, relerr(g, w), tol)
+    # Rows without edges: zero output and zero dq; columns without edges: zero dk and dv.
+    empty_rows = torch.bincount(ei[1], minlength=n_dst) == 0
+    empty_cols = torch.bincount(ei[0], minlength=n_src) == 0
+    assert empty_rows.any() or n_dst == 1
+    assert (got[0][empty_rows] == 0).all() and (got[1][empty_rows] == 0).all()
+    if empty_cols.any():
+        assert (got[2][empty_cols] == 0).all() and (got[3][empty_cols] == 0).all()
+
+
+def test_gradients_are_bitwise_deterministic():
+    ei = random_edge_index(300, 300, 40, seed=3)
+    pattern = trisparse.Pattern.of(ei, num_nodes=300)
+    q, k, v = qkv(300, 300, 4, 32, 32, torch.float32, seed=4)
+    dout = torch.randn(300, 4, 32)
+    runs = [
+        grads(lambda a, b, c: trisparse.sparse_attention(a, b, c, pattern), q, k, v, dout)
+        for _ in range(3)
+    ]
+    for r in runs[1:]:
+        for a, b in zip(runs[0], r):
+            assert torch.equal(a, b)
+
+
+def test_gradcheck_float64():
+    ei = random_edge_index(12, 9, 5, seed=5, self_loops=True)
+    pattern = trisparse.Pattern.from_edge_index(ei, size=(12, 9))
+    q, k, v = (t.requires_grad_() for t in qkv(9, 12, 2, 6, 5, torch.float64, seed=6))
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: trisparse.sparse_attention(a, b, c, pattern, scale=0.7), (q, k, v)
+    )
+
+
+def test_log_sum_exp():
+    ei = random_edge_index(50, 50, 6, seed=9)
+    pattern = trisparse.Pattern.of(ei, num_nodes=50)
+    q, k, v = qkv(50, 50, 2, 16, 16, torch.float64, seed=10)
+    _out, lse = trisparse.sparse_attention(q, k, v, pattern, scale=0.25, return_lse=True)
+    mask = torch.zeros(50, 50, dtype=torch.bool)
+    mask[ei[1], ei[0]] = True
+    s = (torch.einsum("ihd,jhd->ihj", q, k) * 0.25).masked_fill(~mask[:, None, :], -math.inf)
+    want = torch.logsumexp(s, dim=-1)
+    assert lse.shape == (50, 2) and lse.dtype == torch.float64
+    assert torch.equal(torch.isinf(lse), torch.isinf(want))
+    finite = torch.isfinite(want)
+    assert torch.allclose(lse[finite], want[finite], rtol=1e-12, atol=1e-12)
+    _out32, lse32 = trisparse.sparse_attention(q.float(), k.float(), v.float(), pattern, 0.25, True)
+    assert lse32.dtype == torch.float32
+    assert torch.allclose(lse32[finite].double(), want[finite], rtol=1e-5, atol=1e-5)
+
+
+def test_scores_near_1e4_and_a_heavy_row():
+    # One target with every source (a hub), scores of size ~1e4: no overflow, no NaN.
+    n = 3000
+    src = torch.arange(n)
+    ei = torch.cat(
+        [torch.stack([src, torch.zeros(n, dtype=torch.long)]), random_edge_index(n, n, 3, seed=11)],
+        dim=1,
+    )
+    key = torch.unique(ei[1] * n + ei[0])
+    ei = torch.stack([key % n, key // n])
+    pattern = trisparse.Pattern.of(ei, num_nodes=n)
+    q, k, v = qkv(n, n, 1, 16, 16, torch.float32, seed=12, scale=25.0)
+    dout = torch.randn(n, 1, 16)
+    got = grads(
+        lambda a, b, c: trisparse.sparse_attention(a, b, c, pattern, scale=1.0), q, k, v, dout
+    )
+    want = grads(lambda a, b, c: dense_attention(a, b, c, ei, 1.0), q, k, v, dout.double())
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all()
+        assert relerr(g, w) <= 1e-3
+
+
+def test_shared_graph_cora():
+    ei, n = load_shared_graph("cora")
+    pattern = trisparse.Pattern.of(ei, num_nodes=n)
+    q, k, v = qkv(n, n, 2, 32, 32, torch.float32, seed=13)
+    dout = torch.randn(n, 2, 32)
+    got = grads(lambda a, b, c: trisparse.sparse_attention(a, b, c, pattern), q, k, v, dout)
+    want = grads(
+        lambda a, b, c: dense_attention(a, b, c, ei, 1 / math.sqrt(32)), q, k, v, dout.double()
+    )
+    for g, w in zip(got, want):
+        assert relerr(g, w) <= 2e-5
+
+
+def test_opcheck():
+    ei = random_edge_index(20, 20, 5, seed=14)
+    pattern = trisparse.Pattern.of(ei, num_nodes=20)
+    for dtype in (torch.float32, torch.float64):
+        q, k, v = (t.requires_grad_() for t in qkv(20, 20, 2, 8, 8, dtype, seed=15))
+        torch.library.opcheck(
+            torch.ops.trisparse.sparse_attention.default, (q, k, v, pattern.id, 0.5, True)
+        )
+        out, lse = torch.ops.trisparse.sparse_attention(q, k, v, pattern.id, 0.5, True)
+        dout = torch.randn_like(out)
+        torch.library.opcheck(
+            torch.ops.trisparse.sparse_attention_backward.default,
+            (q.detach(), k.detach(), v.detach(), out.detach(), lse, dout, pattern.id, 0.5),
+        )
+
+
+def test_torch_compile_fullgraph():
+    ei = random_edge_index(64, 64, 8, seed=16)
+    pattern = trisparse.Pattern.of(ei, num_nodes=64)
+    lin = torch.nn.Linear(16, 3 * 2 * 8)
+
+    def model(x):
+        q, k, v = lin(x).view(-1, 3, 2, 8).unbind(1)
+        return trisparse.sparse_attention(q, k, v, pattern).sum()
+
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=True)
+    for n in (64,):
+        x = torch.randn(n, 16)
+        assert torch.allclose(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+        gx = torch.autograd.grad(compiled(x.requires_grad_()), x)[0]
+        ge = torch.autograd.grad(model(x), x)[0]
+        assert torch.allclose(gx, ge, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_inputs_name_the_argument():
+    ei = random_edge_index(10, 10, 3, seed=17)
+    pattern = trisparse.Pattern.of(ei, num_nodes=10)
+    q, k, v = qkv(10, 10, 2, 8, 8, torch.float32, seed=18)
+    with pytest.raises(ValueError, match="q has 9 rows"):
+        trisparse.sparse_attention(q[:9], k, v, pattern)
+    with pytest.raises(ValueError, match="source nodes"):
+        trisparse.sparse_attention(q, k[:9], v[:9], pattern)
+    with pytest.raises(TypeError, match="k has dtype"):
+        trisparse.sparse_attention(q, k.double(), v, pattern)
+    with pytest.raises(TypeError, match="q must be float16"):
+        trisparse.sparse_attention(q.int(), k, v, pattern)
+    with pytest.raises(ValueError, match=r"q must have shape \[nodes, heads, channels\]"):
+        trisparse.sparse_attention(q[0], k, v, pattern)
+    with pytest.raises(ValueError, match="head count"):
+        trisparse.sparse_attention(q, k[:, :1], v, pattern)
+    with pytest.raises(ValueError, match="edge_index must have shape"):
+        trisparse.Pattern.from_edge_index(ei[:1])
+    with pytest.raises(ValueError, match="out of range"):
+        trisparse.Pattern.from_edge_index(ei, num_nodes=3)
+    with pytest.raises(ValueError, match="out of range"):
+        trisparse.Pattern.from_edge_index(torch.tensor([[0, -1], [1, 1]]), num_nodes=3)
+    with pytest.raises(TypeError, match="edge_index must hold int32 or int64"):
+        trisparse.Pattern.from_edge_index(ei.float())
+    with pytest.raises(TypeError, match="adj must be"):
+        trisparse.Pattern.of([1, 2])
+    with pytest.raises(ValueError, match="rowptr must start at 0"):
+        trisparse.Pattern.from_csr(torch.tensor([0, 2, 1]), torch.tensor([0, 1]), 3)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        trisparse.sparse_attention(q, k, v, pattern, scale=math.inf)
+
+
+def test_every_pattern_source_agrees():
+    ei = random_edge_index(30, 25, 6, seed=19)
+    ref = trisparse.Pattern.from_edge_index(ei, size=(30, 25))
+    n_dst, n_src = 25, 30
+    coo = torch.sparse_coo_tensor(
+        torch.stack([ei[1], ei[0]]), torch.ones(ei.shape[1]), (n_dst, n_src)
+    )
+    shuffled = ei[:, torch.randperm(ei.shape[1], generator=torch.Generator().manual_seed(1))]
+    repeated = torch.cat([ei, ei[:, :5]], dim=1)
+    for p in (
+        trisparse.Pattern.of(coo),
+        trisparse.Pattern.of(coo.to_sparse_csr()),
+        trisparse.Pattern.of((ref.rowptr, ref.col), num_nodes=n_src),
+        trisparse.Pattern.from_edge_index(shuffled, size=(n_src, n_dst)),
+        trisparse.Pattern.from_edge_index(repeated, size=(n_src, n_dst)),
+    ):
+        assert torch.equal(p.rowptr, ref.rowptr) and torch.equal(p.col, ref.col)
+        assert (p.num_rows, p.num_cols) == (n_dst, n_src)
+    assert trisparse.Pattern.from_edge_index(repeated, size=(n_src, n_dst)).duplicates == 5
+    try:
+        from torch_geometric import EdgeIndex
+    except ImportError:
+        return
+    e = EdgeIndex(ei, sparse_size=(n_src, n_dst))
+    p = trisparse.Pattern.of(e)
+    assert torch.equal(p.rowptr, ref.rowptr) and torch.equal(p.col, ref.col)
+
+
+def test_a_freed_pattern_is_reported():
+    ei = random_edge_index(10, 10, 3, seed=20)
+    pid = trisparse.Pattern.of(ei, num_nodes=10).id
+    q, k, v = qkv(10, 10, 1, 8, 8, torch.float32, seed=21)
+    with pytest.raises(ValueError, match="was freed"):
+        torch.ops.trisparse.sparse_attention(q, k, v, pid, 0.5, False)
+
+
+@pytest.mark.gpu
+def test_cuda_forward_matches_dense_and_backward_says_not_yet():
+    ei = random_edge_index(500, 500, 20, seed=22)
+    pattern = trisparse.Pattern.of(ei, num_nodes=500)
+    q, k, v = (t.cuda() for t in qkv(500, 500, 4, 64, 64, torch.float16, seed=23))
+    with torch.no_grad():
+        out = trisparse.sparse_attention(q, k, v, pattern)
+    want = dense_attention(q.cpu(), k.cpu(), v.cpu(), ei, 1 / 8)
+    assert out.dtype == torch.float16 and out.is_cuda
+    assert relerr(out.cpu(), want) <= 4e-3
+    with pytest.raises(NotImplementedError, match="not built for CUDA"):
+        trisparse.sparse_attention(q.requires_grad_(), k, v, pattern)

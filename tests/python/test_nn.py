@@ -1,0 +1,129 @@
+"""trisparse.nn layers against the PyG layers with the same weights: outputs, and gradients of the
+inputs and of every parameter; state_dict both ways; the fallbacks."""
+
+import pytest
+import torch
+from conftest import load_shared_graph, random_edge_index
+
+pyg_nn = pytest.importorskip("torch_geometric.nn")
+import trisparse.nn
+
+
+def pair(cls_ours, cls_pyg, *args, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    pyg = cls_pyg(*args, **kwargs)
+    ours = cls_ours(*args, **kwargs)
+    ours.load_state_dict(pyg.state_dict())
+    return ours, pyg
+
+
+def run(layer, x, edge_index):
+    xs = tuple(t.detach().clone().requires_grad_() for t in (x if isinstance(x, tuple) else (x,)))
+    out = layer(xs if isinstance(x, tuple) else xs[0], edge_index)
+    g = torch.Generator().manual_seed(99)
+    out.backward(torch.randn(out.shape, generator=g, dtype=out.dtype))
+    params = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    layer.zero_grad()
+    return out.detach(), [t.grad for t in xs], params
+
+
+def assert_close(ours, pyg, rtol):
+    (o, gx, gp), (o2, gx2, gp2) = ours, pyg
+    scale = o2.abs().max()
+    assert (o - o2).abs().max() <= rtol * scale
+    for a, b in zip(gx, gx2):
+        assert (a - b).abs().max() <= rtol * b.abs().max().clamp_min(1e-12)
+    assert gp.keys() == gp2.keys()
+    # Normwise over all parameters: some gradients are zero up to rounding (a key bias shifts
+    # every score of a row alike, which the softmax cancels).
+    norm = max(float(b.abs().max()) for b in gp2.values())
+    for name in gp:
+        assert (gp[name] - gp2[name]).abs().max() <= rtol * norm, name
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"heads": 1},
+        {"heads": 4, "concat": True},
+        {"heads": 3, "concat": False},
+        {"heads": 2, "beta": True},
+        {"heads": 2, "concat": False, "beta": True},
+        {"heads": 2, "root_weight": False},
+        {"heads": 2, "bias": False},
+    ],
+)
+def test_transformer_conv_matches_pyg(kwargs):
+    n = 120
+    ei = random_edge_index(n, n, 7, seed=1, self_loops=True)  # isolated nodes and self loops
+    ours, pyg = pair(trisparse.nn.TransformerConv, pyg_nn.TransformerConv, 24, 8, **kwargs)
+    x = torch.randn(n, 24)
+    assert_close(run(ours, x, ei), run(pyg, x, ei), rtol=2e-5)
+
+
+def test_transformer_conv_bipartite():
+    n_src, n_dst = 70, 45
+    ei = random_edge_index(n_src, n_dst, 6, seed=2)
+    ours, pyg = pair(trisparse.nn.TransformerConv, pyg_nn.TransformerConv, (16, 12), 8, heads=2)
+    x = (torch.randn(n_src, 16), torch.randn(n_dst, 12))
+    assert_close(run(ours, x, ei), run(pyg, x, ei), rtol=2e-5)
+
+
+@pytest.mark.parametrize("name", ["cora", "citeseer"])
+def test_transformer_conv_on_shared_graphs(name):
+    ei, n = load_shared_graph(name)
+    ours, pyg = pair(trisparse.nn.TransformerConv, pyg_nn.TransformerConv, 32, 16, heads=4)
+    x = torch.randn(n, 32)
+    assert_close(run(ours, x, ei), run(pyg, x, ei), rtol=5e-5)
+
+
+def test_state_dict_both_ways_and_pattern_reuse():
+    ours, pyg = pair(trisparse.nn.TransformerConv, pyg_nn.TransformerConv, 8, 4, heads=2, beta=True)
+    assert list(ours.state_dict()) == list(pyg.state_dict())
+    pyg2 = pyg_nn.TransformerConv(8, 4, heads=2, beta=True)
+    pyg2.load_state_dict(ours.state_dict())
+    ei = random_edge_index(30, 30, 4, seed=3)
+    x = torch.randn(30, 8)
+    assert torch.allclose(ours(x, ei), pyg2(x, ei), rtol=1e-5, atol=1e-6)
+    # The same edge_index object is not re-planned; a changed one (in place) is.
+    p1 = ours._patterns.get(ei, 30, 30)
+    assert ours._patterns.get(ei, 30, 30) is p1
+    ei[0, 0] = (ei[0, 0] + 1) % 30
+    assert ours._patterns.get(ei, 30, 30) is not p1
+    # A Pattern may be passed instead of edge_index.
+    p = trisparse.Pattern.from_edge_index(ei, num_nodes=30)
+    assert torch.allclose(ours(x, p), pyg2(x, ei), rtol=1e-5, atol=1e-6)
+
+
+def test_fallbacks_warn_once_and_stay_exact():
+    n = 40
+    ei = random_edge_index(n, n, 5, seed=4)
+    x = torch.randn(n, 8)
+    ours, pyg = pair(
+        trisparse.nn.TransformerConv, pyg_nn.TransformerConv, 8, 4, heads=2, edge_dim=3
+    )
+    ea = torch.randn(ei.shape[1], 3)
+    with pytest.warns(UserWarning, match="edge features"):
+        a = ours(x, ei, ea)
+    assert torch.equal(a, pyg(x, ei, ea))
+    repeated = torch.cat([ei, ei[:, :3]], dim=1)
+    ours, pyg = pair(trisparse.nn.TransformerConv, pyg_nn.TransformerConv, 8, 4, heads=2)
+    with pytest.warns(UserWarning, match="3 repeated edges"):
+        a = ours(x, repeated)
+    assert torch.equal(a, pyg(x, repeated))
+    ours, pyg = pair(trisparse.nn.TransformerConv, pyg_nn.TransformerConv, 8, 4, dropout=0.5)
+    ours.train()
+    with pytest.warns(UserWarning, match="dropout"):
+        ours(x, ei)
+    ours.eval()
+    pyg.eval()
+    assert torch.allclose(ours(x, ei), pyg(x, ei), rtol=1e-5, atol=1e-6)
+
+
+def test_bad_graph_inputs():
+    layer = trisparse.nn.TransformerConv(8, 4)
+    x = torch.randn(10, 8)
+    with pytest.raises(ValueError, match="out of range"):
+        layer(x, torch.tensor([[0, 12], [1, 2]]))
+    with pytest.raises(ValueError, match="q has 10 rows"):
+        layer(x, trisparse.Pattern.from_edge_index(torch.tensor([[0, 1], [1, 2]]), num_nodes=5))
