@@ -7,11 +7,13 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "trisparse/trisparse.hpp"
 
@@ -119,6 +121,72 @@ struct py_attention_plan {
   }
 };
 
+/// A block-sparse attention plan for one mask: (b, h) block patterns as CSR arrays in host
+/// memory (row_ptr int64 [query blocks + 1], col_idx int32), sequence b's mask h at b * heads + h.
+struct py_block_sparse_plan {
+  block_sparse_attention_plan plan;
+  device_kind where = device_kind::cpu;
+
+  using block_csr = std::tuple<std::uintptr_t, std::uintptr_t, std::int64_t>;
+
+  static py_block_sparse_plan build(std::int64_t block, std::int64_t heads, bool causal,
+                                    const std::vector<std::int64_t>& cu_seqlens_q,
+                                    const std::vector<std::int64_t>& cu_seqlens_k,
+                                    const std::vector<block_csr>& masks,
+                                    const std::string& algo, int device, std::uintptr_t stream) {
+    block_sparse_mask m;
+    m.block = block;
+    m.heads = heads;
+    m.causal = causal;
+    m.cu_seqlens_q = cu_seqlens_q;
+    m.cu_seqlens_k = cu_seqlens_k;
+    TRISPARSE_EXPECTS_INPUT(static_cast<std::int64_t>(masks.size()) == m.batch() * heads,
+                            "block masks: one per sequence and head expected");
+    for (std::size_t i = 0; i < masks.size(); ++i) {
+      const auto b = static_cast<std::int64_t>(i) / heads;
+      const auto& [row_ptr, col_idx, nnz] = masks[i];
+      block_mask bm;
+      bm.rows = m.len_q(b);
+      bm.cols = m.len_k(b);
+      bm.block = block;
+      bm.blocks.rows = (bm.rows + block - 1) / block;
+      bm.blocks.cols = (bm.cols + block - 1) / block;
+      const auto* rp = reinterpret_cast<const std::int64_t*>(row_ptr);
+      const auto* ci = reinterpret_cast<const std::int32_t*>(col_idx);
+      bm.blocks.row_ptr.assign(rp, rp + bm.blocks.rows + 1);
+      bm.blocks.col_idx.assign(ci, ci + nnz);
+      m.masks.push_back(std::move(bm));
+    }
+    const device_kind where = device < 0 ? device_kind::cpu : device_kind::cuda;
+    nb::gil_scoped_release release;
+    block_sparse_plan_options o;
+    o.algo = parse_algorithm(algo);
+    return {block_sparse_attention_plan::build(std::move(m), where, o, stream_of(stream)), where};
+  }
+
+  void run(const tensor_tuple& q, const tensor_tuple& k, const tensor_tuple& v,
+           const tensor_tuple& out, std::optional<double> scale, std::uintptr_t stream,
+           std::uintptr_t ws, std::size_t ws_bytes) const {
+    attention_options o;
+    o.scale = scale;
+    nb::gil_scoped_release release;
+    plan.run(view_of(q), view_of(k), view_of(v), view_of(out), o, stream_of(stream),
+             workspace_of(ws, ws_bytes));
+  }
+
+  // The float64 reference gradients (CPU); the GPU kernels are issue 42's.
+  void backward(const tensor_tuple& q, const tensor_tuple& k, const tensor_tuple& v,
+                const tensor_tuple& dout, const tensor_tuple& dq, const tensor_tuple& dk,
+                const tensor_tuple& dv, double scale) const {
+    if (where != device_kind::cpu)
+      throw not_supported("block-sparse attention gradients are not built for CUDA yet");
+    nb::gil_scoped_release release;
+    reference::block_sparse_attention_backward(plan.mask(), view_of(q), view_of(k), view_of(v),
+                                               view_of(dout), view_of(dq), view_of(dk),
+                                               view_of(dv), scale);
+  }
+};
+
 }  // namespace
 
 NB_MODULE(_C, m) {
@@ -168,6 +236,22 @@ NB_MODULE(_C, m) {
                  trisparse::to_string(p.plan.resolve(trisparse::parse_algorithm(algo))));
            })
       .def_prop_ro("backend", [](const py_attention_plan& p) {
+        const auto& r = p.plan.report();
+        return trisparse::backend_name(r.algo, r.where);
+      });
+
+  nb::class_<py_block_sparse_plan>(m, "BlockSparsePlan")
+      .def_static("build", &py_block_sparse_plan::build, "block"_a, "heads"_a, "causal"_a,
+                  "cu_seqlens_q"_a, "cu_seqlens_k"_a, "masks"_a, "algo"_a, "device"_a, "stream"_a)
+      .def("run", &py_block_sparse_plan::run, "q"_a, "k"_a, "v"_a, "out"_a, "scale"_a.none(),
+           "stream"_a, "workspace"_a, "workspace_bytes"_a)
+      .def("backward", &py_block_sparse_plan::backward, "q"_a, "k"_a, "v"_a, "dout"_a, "dq"_a,
+           "dk"_a, "dv"_a, "scale"_a)
+      .def("workspace_bytes",
+           [](const py_block_sparse_plan& p, std::int64_t heads, std::int64_t dim) {
+             return p.plan.workspace_bytes(heads, dim);
+           })
+      .def_prop_ro("backend", [](const py_block_sparse_plan& p) {
         const auto& r = p.plan.report();
         return trisparse::backend_name(r.algo, r.where);
       });

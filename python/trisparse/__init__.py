@@ -10,6 +10,7 @@ import torch  # noqa: F401  (loads the CUDA libraries torch ships, which the ext
 
 from . import _C
 from .attention import sparse_attention
+from .block_sparse import BlockMask, block_sparse_attention
 from .pattern import Pattern
 
 __version__ = "0.1.0"
@@ -20,4 +21,11 @@ def cuda_available() -> bool:
     return _C.cuda_available()
 
 
-__all__ = ["Pattern", "__version__", "cuda_available", "sparse_attention"]
+__all__ = [
+    "BlockMask",
+    "Pattern",
+    "__version__",
+    "block_sparse_attention",
+    "cuda_available",
+    "sparse_attention",
+]

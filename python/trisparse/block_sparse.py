@@ -1,0 +1,207 @@
+"""Block-sparse attention for sequences: a mask of G x G blocks (ours, or FlexAttention's
+BlockMask), on [B, H, N, D] tensors as PyTorch's SDPA and flex_attention take them."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _C, _tensors
+
+__all__ = ["BlockMask", "block_sparse_attention"]
+
+_ids = itertools.count(1)
+_live: weakref.WeakValueDictionary[int, BlockMask] = weakref.WeakValueDictionary()
+
+
+def _lookup(mask_id: int) -> BlockMask:
+    m = _live.get(mask_id)
+    if m is None:
+        raise ValueError(
+            f"mask: no live trisparse.BlockMask has id {mask_id} (it was freed); keep the mask "
+            "alive while ops that use it may run, backward included"
+        )
+    return m
+
+
+class BlockMask:
+    """Which G x G blocks of the [N_q, N_k] score matrix are attended, per sequence and head.
+
+    ``blocks``: a bool tensor [B or 1, H or 1, ceil(N_q / G), ceil(N_k / G)] (1 = shared by every
+    sequence / head); ``block_size`` G; ``causal`` also masks the elements above the diagonal
+    (aligned at the bottom right when N_q != N_k) inside kept blocks. The formats are prepared
+    once per device and sequence sizes, and reused."""
+
+    def __init__(self, blocks: Tensor, block_size: int, causal: bool = False):
+        if not isinstance(blocks, Tensor) or blocks.dtype != torch.bool or blocks.dim() != 4:
+            raise TypeError(
+                "blocks must be a bool tensor [B or 1, H or 1, query blocks, key blocks]"
+            )
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.blocks = blocks.detach().to("cpu")
+        self.block_size = int(block_size)
+        self.causal = bool(causal)
+        self.id = next(_ids)
+        self._plans: dict[tuple, Any] = {}
+        _live[self.id] = self
+
+    @classmethod
+    def from_flex(cls, block_mask: Any, causal: bool = False) -> BlockMask:
+        """From FlexAttention's ``BlockMask``: every block it visits (its partial and full blocks)
+        is kept whole. Its ``mask_mod`` is not applied inside partial blocks, so the result equals
+        flex_attention's where the mask_mod is block-granular, or causal with ``causal=True``."""
+        q_block, kv_block = block_mask.BLOCK_SIZE
+        if q_block != kv_block:
+            raise ValueError(
+                f"block_mask: query and key block sizes differ ({q_block}, {kv_block}); "
+                "trisparse's masks use square blocks"
+            )
+        return cls(block_mask.to_dense().bool(), q_block, causal)
+
+    def plan(self, device: torch.device, batch: int, n_q: int, n_k: int, algo: str):
+        """The C++ plan for `device` and `batch` sequences of n_q queries and n_k keys."""
+        key = (device, batch, n_q, n_k, algo)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        g = self.block_size
+        b_m, h_m, qb, kb = self.blocks.shape
+        if (qb, kb) != (math.ceil(n_q / g), math.ceil(n_k / g)):
+            raise ValueError(
+                f"mask: {qb} x {kb} blocks of {g} do not cover {n_q} queries x {n_k} keys"
+            )
+        if b_m not in (1, batch):
+            raise ValueError(f"mask: {b_m} sequences' masks for a batch of {batch}")
+        csr = []
+        for b in range(batch):
+            for h in range(h_m):
+                dense = self.blocks[b if b_m > 1 else 0, h]
+                rows, cols = dense.nonzero(as_tuple=True)
+                rowptr = torch.zeros(qb + 1, dtype=torch.int64)
+                torch.cumsum(torch.bincount(rows, minlength=qb), 0, out=rowptr[1:])
+                csr.append((rowptr, cols.to(torch.int32).contiguous()))
+        stream = _tensors.stream(device)
+        plan = _C.BlockSparsePlan.build(
+            g,
+            h_m,
+            self.causal,
+            [i * n_q for i in range(batch + 1)],
+            [i * n_k for i in range(batch + 1)],
+            [(r.data_ptr(), c.data_ptr(), c.numel()) for r, c in csr],
+            algo,
+            _tensors.device_index(device),
+            stream,
+        )
+        self._plans[key] = plan
+        return plan
+
+
+def _plan(q: Tensor, k: Tensor, mask: int, batch: int):
+    # float64 runs the float64 reference (the gradcheck path); the rest the fastest backend.
+    algo = "reference" if q.dtype == torch.float64 else "automatic"
+    return _lookup(mask).plan(q.device, batch, q.shape[0] // batch, k.shape[0] // batch, algo)
+
+
+@torch.library.custom_op("trisparse::block_sparse_attention", mutates_args=())
+def _forward(q: Tensor, k: Tensor, v: Tensor, mask: int, batch: int, scale: float) -> Tensor:
+    """Packed [batch * N, H, D] tensors, `batch` sequences of equal length."""
+    plan = _plan(q, k, mask, batch)
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    _owner, ws, ws_bytes = _tensors.workspace(
+        plan.workspace_bytes(q.shape[1], max(q.shape[2], v.shape[2])), q.device
+    )
+    plan.run(
+        *(_tensors.view(t) for t in (q, k, v, out)), scale, _tensors.stream(q.device), ws, ws_bytes
+    )
+    return out
+
+
+@_forward.register_fake
+def _forward_fake(q, k, v, mask, batch, scale):
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+
+
+@torch.library.custom_op("trisparse::block_sparse_attention_backward", mutates_args=())
+def _backward_op(
+    q: Tensor, k: Tensor, v: Tensor, dout: Tensor, mask: int, batch: int, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    plan = _plan(q, k, mask, batch)
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    plan.backward(*(_tensors.view(t) for t in (q, k, v, dout, dq, dk, dv)), scale)
+    return dq, dk, dv
+
+
+@_backward_op.register_fake
+def _backward_fake(q, k, v, dout, mask, batch, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, mask, batch, scale = inputs
+    ctx.save_for_backward(q, k, v)
+    ctx.mask, ctx.batch, ctx.scale = mask, batch, scale
+
+
+def _backward(ctx, dout):
+    q, k, v = ctx.saved_tensors
+    dq, dk, dv = torch.ops.trisparse.block_sparse_attention_backward(
+        q, k, v, dout, ctx.mask, ctx.batch, ctx.scale
+    )
+    return dq, dk, dv, None, None, None
+
+
+_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def block_sparse_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | Any, scale: float | None = None
+) -> Tensor:
+    """Attention of q [B, H, N_q, D] over k [B, H, N_k, D], v [B, H, N_k, Dv] under a block mask
+    (a :class:`BlockMask`, or FlexAttention's ``BlockMask``, converted by
+    :meth:`BlockMask.from_flex` at every call: convert it once instead). Returns [B, H, N_q, Dv]
+    in q's dtype; query rows with no key left give zeros. ``scale`` defaults to 1/sqrt(D).
+
+    Differentiable in q, k and v; the gradients run the float64 reference on the CPU for now (the
+    GPU backward is in progress and raises NotImplementedError on CUDA)."""
+    if not isinstance(mask, BlockMask):
+        if hasattr(mask, "kv_num_blocks") and hasattr(mask, "BLOCK_SIZE"):
+            mask = BlockMask.from_flex(mask)
+        else:
+            raise TypeError(
+                f"mask must be a trisparse.BlockMask or a FlexAttention BlockMask, got "
+                f"{type(mask).__name__}"
+            )
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape [B, H, N, D], got {tuple(t.shape)}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise TypeError(f"{name} must have q's dtype and device ({q.dtype} on {q.device})")
+        if t.dtype not in _tensors.FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    b, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    if k.shape[:2] != (b, h) or v.shape[:3] != (b, h, n_k) or k.shape[3] != d:
+        raise ValueError(
+            f"k and v must be [B, H, N_k, D] and [B, H, N_k, Dv] with q's B = {b}, H = {h} and "
+            f"D = {d}, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if mask.blocks.shape[1] not in (1, h):
+        raise ValueError(f"mask: {mask.blocks.shape[1]} heads' masks for {h} heads")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+
+    def packed(t: Tensor) -> Tensor:  # [B, H, N, D] -> [B * N, H, D]
+        return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
+
+    out = torch.ops.trisparse.block_sparse_attention(
+        packed(q), packed(k), packed(v), mask.id, b, scale
+    )
+    return out.view(b, n_q, h, v.shape[3]).transpose(1, 2)

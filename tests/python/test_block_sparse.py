@@ -1,0 +1,134 @@
+"""trisparse.block_sparse_attention: our masks and FlexAttention's, forward and gradients against a
+dense float64 oracle and against flex_attention."""
+
+import math
+
+import pytest
+import torch
+import trisparse
+
+
+def dense_block_attention(q, k, v, blocks, g, causal, scale):
+    """The oracle: the block table expanded to elements, masked dense softmax in float64."""
+    q, k, v = q.double(), k.double(), v.double()
+    n_q, n_k = q.shape[2], k.shape[2]
+    m = blocks.repeat_interleave(g, 2).repeat_interleave(g, 3)[..., :n_q, :n_k]
+    if causal:
+        i = torch.arange(n_q)[:, None]
+        j = torch.arange(n_k)[None, :]
+        m = m & (j <= i + (n_k - n_q))
+    s = (q @ k.transpose(-1, -2)) * scale
+    p = torch.softmax(s.masked_fill(~m, -math.inf), dim=-1).nan_to_num(0.0)
+    return p @ v
+
+
+def inputs(b, h, n_q, n_k, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(b, h, n, d, generator=g).to(dtype) for n in (n_q, n_k, n_k))
+
+
+def with_grads(fn, q, k, v, dout):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 3, 96, 96, 16, 32, 1, 1), (1, 2, 70, 100, 8, 16, 1, 2), (3, 1, 64, 64, 32, 16, 3, 1)],
+)
+def test_matches_dense_float64(shape, dtype, causal):
+    b, h, n_q, n_k, d, g, mask_b, mask_h = shape
+    gen = torch.Generator().manual_seed(b * 7 + h)
+    blocks = torch.rand(mask_b, mask_h, math.ceil(n_q / g), math.ceil(n_k / g), generator=gen) < 0.5
+    mask = trisparse.BlockMask(blocks, g, causal=causal)
+    q, k, v = inputs(b, h, n_q, n_k, d, dtype, seed=1)
+    dout = torch.randn(b, h, n_q, d, generator=gen).to(dtype)
+    scale = 1 / math.sqrt(d)
+    full = blocks.expand(b, h, *blocks.shape[2:])
+    got = with_grads(lambda a, c, e: trisparse.block_sparse_attention(a, c, e, mask), q, k, v, dout)
+    want = with_grads(
+        lambda a, c, e: dense_block_attention(a, c, e, full, g, causal, scale),
+        q,
+        k,
+        v,
+        dout.double(),
+    )
+    tol = {torch.float64: 1e-12, torch.float32: 2e-5, torch.bfloat16: 2e-2}[dtype]
+    for name, x, y in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert x.dtype == dtype and torch.isfinite(x).all(), name
+        err = float((x.double() - y).abs().max() / y.abs().max().clamp_min(1e-30))
+        assert err <= tol, (name, err)
+
+
+def test_gradcheck_float64():
+    blocks = torch.tensor([[[[True, False], [True, True]]]])
+    mask = trisparse.BlockMask(blocks, 4, causal=True)
+    q, k, v = (t.requires_grad_() for t in inputs(1, 2, 8, 8, 3, torch.float64, seed=2))
+    assert torch.autograd.gradcheck(
+        lambda a, c, e: trisparse.block_sparse_attention(a, c, e, mask, scale=0.8), (q, k, v)
+    )
+
+
+def test_flex_attention_block_mask_gives_flex_attentions_output():
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    b, h, n, d, g = 2, 2, 256, 32, 128
+    gen = torch.Generator().manual_seed(3)
+    table = torch.rand(b, h, n // g, n // g, generator=gen) < 0.6
+    table[..., 0, 0] = True
+
+    def block_granular(bi, hi, qi, ki):
+        return table[bi, hi, qi // g, ki // g]
+
+    def causal(bi, hi, qi, ki):
+        return qi >= ki
+
+    q, k, v = inputs(b, h, n, n, d, torch.float32, seed=4)
+    for mask_mod, is_causal in ((block_granular, False), (causal, True)):
+        flex_mask = fa.create_block_mask(mask_mod, b, h, n, n, device="cpu", BLOCK_SIZE=g)
+        with torch.no_grad():
+            want = fa.flex_attention(q, k, v, block_mask=flex_mask)
+            ours = trisparse.block_sparse_attention(
+                q, k, v, trisparse.BlockMask.from_flex(flex_mask, causal=is_causal)
+            )
+        assert float((ours - want).abs().max()) <= 1e-5
+    # Passed directly, a FlexAttention mask is converted (block-granular mask_mod).
+    flex_mask = fa.create_block_mask(block_granular, b, h, n, n, device="cpu", BLOCK_SIZE=g)
+    with torch.no_grad():
+        want = fa.flex_attention(q, k, v, block_mask=flex_mask)
+        assert (
+            float((trisparse.block_sparse_attention(q, k, v, flex_mask) - want).abs().max()) <= 1e-5
+        )
+
+
+def test_opcheck():
+    blocks = torch.rand(1, 1, 2, 2, generator=torch.Generator().manual_seed(5)) < 0.7
+    mask = trisparse.BlockMask(blocks, 8)
+    for dtype in (torch.float32, torch.float64):
+        q, k, v = (t.transpose(1, 2).reshape(-1, 2, 4) for t in inputs(2, 2, 16, 16, 4, dtype, 6))
+        q, k, v = (t.contiguous().requires_grad_() for t in (q, k, v))
+        torch.library.opcheck(
+            torch.ops.trisparse.block_sparse_attention.default, (q, k, v, mask.id, 2, 0.5)
+        )
+
+
+def test_bad_inputs_name_the_argument():
+    mask = trisparse.BlockMask(torch.ones(1, 1, 2, 2, dtype=torch.bool), 8)
+    q, k, v = inputs(1, 2, 16, 16, 4, torch.float32, seed=7)
+    with pytest.raises(ValueError, match="do not cover"):
+        trisparse.block_sparse_attention(q[:, :, :8], k, v, mask)
+    with pytest.raises(ValueError, match=r"must have shape \[B, H, N, D\]"):
+        trisparse.block_sparse_attention(q[0], k, v, mask)
+    with pytest.raises(TypeError, match="q's dtype"):
+        trisparse.block_sparse_attention(q, k.double(), v, mask)
+    with pytest.raises(ValueError, match="heads' masks"):
+        trisparse.block_sparse_attention(
+            q, k, v, trisparse.BlockMask(torch.ones(1, 3, 2, 2, dtype=torch.bool), 8)
+        )
+    with pytest.raises(TypeError, match="blocks must be a bool tensor"):
+        trisparse.BlockMask(torch.ones(1, 1, 2, 2), 8)
+    with pytest.raises(TypeError, match="mask must be"):
+        trisparse.block_sparse_attention(q, k, v, "causal")
