@@ -44,7 +44,9 @@ tensor_view view_of(const tensor_tuple& t) {
           head_stride};
 }
 
-tensor_view view_of(const std::optional<tensor_tuple>& t) { return t ? view_of(*t) : tensor_view{}; }
+tensor_view view_of(const std::optional<tensor_tuple>& t) {
+  return t ? view_of(*t) : tensor_view{};
+}
 
 stream_ref stream_of(std::uintptr_t s) { return {reinterpret_cast<void*>(s)}; }
 
@@ -125,15 +127,14 @@ struct py_attention_plan {
 /// memory (row_ptr int64 [query blocks + 1], col_idx int32), sequence b's mask h at b * heads + h.
 struct py_block_sparse_plan {
   block_sparse_attention_plan plan;
-  device_kind where = device_kind::cpu;
 
   using block_csr = std::tuple<std::uintptr_t, std::uintptr_t, std::int64_t>;
 
   static py_block_sparse_plan build(std::int64_t block, std::int64_t heads, bool causal,
                                     const std::vector<std::int64_t>& cu_seqlens_q,
                                     const std::vector<std::int64_t>& cu_seqlens_k,
-                                    const std::vector<block_csr>& masks,
-                                    const std::string& algo, int device, std::uintptr_t stream) {
+                                    const std::vector<block_csr>& masks, const std::string& algo,
+                                    int device, std::uintptr_t stream) {
     block_sparse_mask m;
     m.block = block;
     m.heads = heads;
@@ -161,7 +162,7 @@ struct py_block_sparse_plan {
     nb::gil_scoped_release release;
     block_sparse_plan_options o;
     o.algo = parse_algorithm(algo);
-    return {block_sparse_attention_plan::build(std::move(m), where, o, stream_of(stream)), where};
+    return {block_sparse_attention_plan::build(std::move(m), where, o, stream_of(stream))};
   }
 
   void run(const tensor_tuple& q, const tensor_tuple& k, const tensor_tuple& v,
@@ -174,16 +175,14 @@ struct py_block_sparse_plan {
              workspace_of(ws, ws_bytes));
   }
 
-  // The float64 reference gradients (CPU); the GPU kernels are issue 42's.
   void backward(const tensor_tuple& q, const tensor_tuple& k, const tensor_tuple& v,
                 const tensor_tuple& dout, const tensor_tuple& dq, const tensor_tuple& dk,
-                const tensor_tuple& dv, double scale) const {
-    if (where != device_kind::cpu)
-      throw not_supported("block-sparse attention gradients are not built for CUDA yet");
+                const tensor_tuple& dv, std::optional<double> scale) const {
+    attention_options o;
+    o.scale = scale;
     nb::gil_scoped_release release;
-    reference::block_sparse_attention_backward(plan.mask(), view_of(q), view_of(k), view_of(v),
-                                               view_of(dout), view_of(dq), view_of(dk),
-                                               view_of(dv), scale);
+    plan.backward(view_of(q), view_of(k), view_of(v), view_of(dout), view_of(dq), view_of(dk),
+                  view_of(dv), o);
   }
 };
 
@@ -224,12 +223,10 @@ NB_MODULE(_C, m) {
       .def("run", &py_attention_plan::run, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(),
            "scale"_a.none(), "algo"_a, "stream"_a, "workspace"_a, "workspace_bytes"_a)
       .def("backward", &py_attention_plan::backward, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a,
-           "dout"_a, "dq"_a, "dk"_a, "dv"_a, "scale"_a.none(), "algo"_a, "stream"_a,
-           "workspace"_a, "workspace_bytes"_a)
-      .def("workspace_bytes",
-           [](const py_attention_plan& p, std::int64_t heads, std::int64_t dim) {
-             return p.plan.workspace_bytes(heads, dim);
-           })
+           "dout"_a, "dq"_a, "dk"_a, "dv"_a, "scale"_a.none(), "algo"_a, "stream"_a, "workspace"_a,
+           "workspace_bytes"_a)
+      .def("workspace_bytes", [](const py_attention_plan& p, std::int64_t heads,
+                                 std::int64_t dim) { return p.plan.workspace_bytes(heads, dim); })
       .def("resolve",
            [](const py_attention_plan& p, const std::string& algo) {
              return std::string(
@@ -246,11 +243,9 @@ NB_MODULE(_C, m) {
       .def("run", &py_block_sparse_plan::run, "q"_a, "k"_a, "v"_a, "out"_a, "scale"_a.none(),
            "stream"_a, "workspace"_a, "workspace_bytes"_a)
       .def("backward", &py_block_sparse_plan::backward, "q"_a, "k"_a, "v"_a, "dout"_a, "dq"_a,
-           "dk"_a, "dv"_a, "scale"_a)
-      .def("workspace_bytes",
-           [](const py_block_sparse_plan& p, std::int64_t heads, std::int64_t dim) {
-             return p.plan.workspace_bytes(heads, dim);
-           })
+           "dk"_a, "dv"_a, "scale"_a.none())
+      .def("workspace_bytes", [](const py_block_sparse_plan& p, std::int64_t heads,
+                                 std::int64_t dim) { return p.plan.workspace_bytes(heads, dim); })
       .def_prop_ro("backend", [](const py_block_sparse_plan& p) {
         const auto& r = p.plan.report();
         return trisparse::backend_name(r.algo, r.where);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -175,6 +176,25 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
     default:
       throw invalid_input("block-sparse attention cannot run " + std::string(to_string(algo)));
   }
+}
+
+void block_sparse_attention_plan::backward(const tensor_view& q, const tensor_view& k,
+                                           const tensor_view& v, const tensor_view& dout,
+                                           const tensor_view& dq, const tensor_view& dk,
+                                           const tensor_view& dv, const attention_options& options,
+                                           stream_ref /*stream*/) const {
+  const block_sparse_mask& m = state_->mask;
+  check_run_args(m, q, k, v, dout, state_->report.where);
+  if (state_->report.where != device_kind::cpu)
+    throw not_supported("block-sparse attention backward on CUDA is not built yet (issue 42)");
+  for (const auto& [t, like, what] :
+       {std::tuple{&dq, &q, "dq"}, std::tuple{&dk, &k, "dk"}, std::tuple{&dv, &v, "dv"}}) {
+    check_view(*t, what, like->rows, like->heads, like->dim);
+    TRISPARSE_EXPECTS_INPUT(t->where == device_kind::cpu,
+                            std::string(what) + " must be on the CPU");
+  }
+  reference::block_sparse_attention_backward(m, q, k, v, dout, dq, dk, dv,
+                                             detail::resolve_scale(options.scale, q.dim));
 }
 
 std::array<double, 3> block_sparse_attention_plan::run_timing_stages(

@@ -181,6 +181,43 @@ TEST(ReferenceGradients, BlockSparseMatchesFiniteDifferences) {
   expect_matches_finite_differences(v, loss, dv, "dv");
 }
 
+TEST(BlockSparsePlanBackward, GivesTheReferenceGradientsAndNamesBadArguments) {
+  const block_sparse_mask mask = make_block_sparse_mask(
+      {.layout = block_layout::random, .block = 8, .p = 0.5, .causal = true, .heads = 2},
+      std::vector<std::int64_t>{13, 30});
+  const std::int64_t heads = 2, d = 5, rows = 43;
+  const host_tensor q = random_f64(rows, heads, d, 71), k = random_f64(rows, heads, d, 72),
+                    v = random_f64(rows, heads, d, 73), w = random_f64(rows, heads, d, 74);
+  host_tensor dq(dtype::f32, rows, heads, d), dk(dtype::f32, rows, heads, d),
+      dv(dtype::f32, rows, heads, d);
+  const auto plan = block_sparse_attention_plan::build(mask);
+  plan.backward(q.view(), k.view(), v.view(), w.view(), dq.view(), dk.view(), dv.view(),
+                {.scale = 0.7});
+  host_tensor rq(dtype::f32, rows, heads, d), rk(dtype::f32, rows, heads, d),
+      rv(dtype::f32, rows, heads, d);
+  reference::block_sparse_attention_backward(mask, q.view(), k.view(), v.view(), w.view(),
+                                             rq.view(), rk.view(), rv.view(), 0.7);
+  double max_abs = 0;
+  for (const auto& [got, want] : {std::pair{&dq, &rq}, std::pair{&dk, &rk}, std::pair{&dv, &rv}}) {
+    EXPECT_EQ(std::memcmp(got->data(), want->data(), got->size_bytes()), 0);
+    for (std::int64_t i = 0; i < got->numel(); ++i)
+      max_abs = std::max(max_abs, std::abs(got->get(i)));
+  }
+  EXPECT_GT(max_abs, 0.0);
+  host_tensor short_dk(dtype::f32, rows - 1, heads, d);
+  EXPECT_THROW(
+      {
+        try {
+          plan.backward(q.view(), k.view(), v.view(), w.view(), dq.view(), short_dk.view(),
+                        dv.view());
+        } catch (const invalid_input& e) {
+          EXPECT_NE(std::string(e.what()).find("dk"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      invalid_input);
+}
+
 TEST(ReferenceGradients, GcnLayerMatchesFiniteDifferences) {
   const csr_graph g = test::random_pattern(9, 9, 4, 71);
   const csr_graph a = gcn_normalized(g);

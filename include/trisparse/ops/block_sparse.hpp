@@ -82,6 +82,15 @@ class block_sparse_attention_plan {
   /// Bytes of workspace that a run with `heads` heads of `head_dim` needs (0: none).
   std::size_t workspace_bytes(std::int64_t heads, std::int64_t head_dim) const;
 
+  /// Gradients of out = run(q, k, v) given dout: dq, dk, dv shaped as q, k, v, overwritten (rows
+  /// and columns no pair reaches get exact zeros). CPU: the float64 reference gradients
+  /// (reference::block_sparse_attention_backward), deterministic. @throws invalid_input naming
+  /// a wrong argument; not_supported on CUDA for now (issue 42).
+  void backward(const tensor_view& q, const tensor_view& k, const tensor_view& v,
+                const tensor_view& dout, const tensor_view& dq, const tensor_view& dk,
+                const tensor_view& dv, const attention_options& options = {},
+                stream_ref stream = {}) const;
+
   /// unfused plans: run() with events around the pipeline's kernels; returns their times in
   /// milliseconds (SDDMM, softmax, SpMM; summed over the groups of heads whose scores the
   /// workspace holds at a time). Synchronises `stream`. @throws invalid_input for other plans or
