@@ -67,7 +67,8 @@ struct py_attention_plan {
 
   static py_attention_plan from_host(std::uintptr_t row_ptr, std::uintptr_t col_idx,
                                      std::int64_t rows, std::int64_t cols, std::int64_t nnz,
-                                     const std::string& algo, bool gradients) {
+                                     const std::string& algo, bool gradients, int device,
+                                     std::uintptr_t stream) {
     csr_graph g;
     g.rows = rows;
     g.cols = cols;
@@ -79,7 +80,8 @@ struct py_attention_plan {
     o.algo = parse_algorithm(algo);
     o.gradients = gradients;
     nb::gil_scoped_release release;
-    return {attention_plan::build(g, device_kind::cpu, o)};
+    return {attention_plan::build(g, device < 0 ? device_kind::cpu : device_kind::cuda, o,
+                                  stream_of(stream))};
   }
 
   static py_attention_plan from_device(std::uintptr_t row_ptr, std::uintptr_t col_idx,
@@ -111,7 +113,8 @@ struct py_attention_plan {
   }
 
   void backward(const tensor_tuple& q, const tensor_tuple& k, const tensor_tuple& v,
-                const tensor_tuple& out, const tensor_tuple& lse, const tensor_tuple& dout,
+                const tensor_tuple& out, const std::optional<tensor_tuple>& lse,
+                const tensor_tuple& dout,
                 const tensor_tuple& dq, const tensor_tuple& dk, const tensor_tuple& dv,
                 std::optional<double> scale, const std::string& algo, std::uintptr_t stream,
                 std::uintptr_t ws, std::size_t ws_bytes) const {
@@ -217,16 +220,20 @@ NB_MODULE(_C, m) {
 
   nb::class_<py_attention_plan>(m, "AttentionPlan")
       .def_static("from_host", &py_attention_plan::from_host, "row_ptr"_a, "col_idx"_a, "rows"_a,
-                  "cols"_a, "nnz"_a, "algo"_a, "gradients"_a)
+                  "cols"_a, "nnz"_a, "algo"_a, "gradients"_a, "device"_a, "stream"_a)
       .def_static("from_device", &py_attention_plan::from_device, "row_ptr"_a, "col_idx"_a,
                   "rows"_a, "cols"_a, "nnz"_a, "algo"_a, "gradients"_a, "stream"_a)
       .def("run", &py_attention_plan::run, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(),
            "scale"_a.none(), "algo"_a, "stream"_a, "workspace"_a, "workspace_bytes"_a)
-      .def("backward", &py_attention_plan::backward, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a,
+      .def("backward", &py_attention_plan::backward, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(),
            "dout"_a, "dq"_a, "dk"_a, "dv"_a, "scale"_a.none(), "algo"_a, "stream"_a, "workspace"_a,
            "workspace_bytes"_a)
       .def("workspace_bytes", [](const py_attention_plan& p, std::int64_t heads,
                                  std::int64_t dim) { return p.plan.workspace_bytes(heads, dim); })
+      .def("backward_workspace_bytes",
+           [](const py_attention_plan& p, std::int64_t heads) {
+             return p.plan.backward_workspace_bytes(heads);
+           })
       .def("resolve",
            [](const py_attention_plan& p, const std::string& algo) {
              return std::string(

@@ -23,23 +23,28 @@ def _lse_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def _lse_shape(q: Tensor, with_lse: bool) -> tuple[int, ...]:
+    return (q.shape[0], q.shape[1]) if with_lse else (0,)
+
+
 def _lse_view(lse: Tensor) -> tuple:
     return _tensors.view(lse.unsqueeze(-1))
 
 
 @torch.library.custom_op("trisparse::sparse_attention", mutates_args=())
 def _forward(
-    q: Tensor, k: Tensor, v: Tensor, pattern: int, scale: float, with_lse: bool
+    q: Tensor, k: Tensor, v: Tensor, pattern: int, scale: float, with_lse: bool, gradients: bool
 ) -> tuple[Tensor, Tensor]:
+    """`with_lse`: also write the log-sum-exp (else it comes back empty); `gradients`: build the
+    plan with what backward needs."""
     if with_lse and q.device.type == "cuda":
         raise NotImplementedError(
-            "trisparse.sparse_attention: gradients and the log-sum-exp are not built for CUDA "
-            "yet (the GPU backward kernels are in progress); run inference under torch.no_grad(), "
-            "or train on the CPU"
+            "trisparse.sparse_attention: the log-sum-exp output is not built for CUDA yet "
+            "(return_lse=True); gradients work without it"
         )
-    plan = lookup(pattern).plan(q.device, gradients=with_lse)
+    plan = lookup(pattern).plan(q.device, gradients=gradients)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-    lse = q.new_empty((q.shape[0], q.shape[1]) if with_lse else (0,), dtype=_lse_dtype(q))
+    lse = q.new_empty(_lse_shape(q, with_lse), dtype=_lse_dtype(q))
     _owner, ws, ws_bytes = _tensors.workspace(
         plan.workspace_bytes(q.shape[1], max(q.shape[2], v.shape[2])), q.device
     )
@@ -59,10 +64,9 @@ def _forward(
 
 
 @_forward.register_fake
-def _forward_fake(q, k, v, pattern, scale, with_lse):
+def _forward_fake(q, k, v, pattern, scale, with_lse, gradients):
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-    lse = q.new_empty((q.shape[0], q.shape[1]) if with_lse else (0,), dtype=_lse_dtype(q))
-    return out, lse
+    return out, q.new_empty(_lse_shape(q, with_lse), dtype=_lse_dtype(q))
 
 
 @torch.library.custom_op("trisparse::sparse_attention_backward", mutates_args=())
@@ -79,12 +83,10 @@ def _backward_op(
     plan = lookup(pattern).plan(q.device, gradients=True)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _owner, ws, ws_bytes = _tensors.workspace(
-        plan.workspace_bytes(q.shape[1], max(q.shape[2], v.shape[2])), q.device
-    )
+    _owner, ws, ws_bytes = _tensors.workspace(plan.backward_workspace_bytes(q.shape[1]), q.device)
     plan.backward(
         *(_tensors.view(t) for t in (q, k, v, out)),
-        _lse_view(lse),
+        _lse_view(lse) if lse.dim() == 2 else None,
         *(_tensors.view(t) for t in (dout, dq, dk, dv)),
         scale,
         _algo(q),
@@ -101,24 +103,24 @@ def _backward_fake(q, k, v, out, lse, dout, pattern, scale):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, pattern, scale, with_lse = inputs
+    q, k, v, pattern, scale, _with_lse, gradients = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.pattern, ctx.scale, ctx.with_lse = pattern, scale, with_lse
+    ctx.pattern, ctx.scale, ctx.gradients = pattern, scale, gradients
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse):
-    if not ctx.with_lse:
+    if not ctx.gradients:
         raise RuntimeError(
-            "trisparse.sparse_attention: this forward ran without saving what backward needs "
+            "trisparse.sparse_attention: this forward ran without preparing gradients "
             "(no input required grad when it ran)"
         )
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.trisparse.sparse_attention_backward(
         q, k, v, out, lse, dout, ctx.pattern, ctx.scale
     )
-    return dq, dk, dv, None, None, None
+    return dq, dk, dv, None, None, None, None
 
 
 _forward.register_autograd(_backward, setup_context=_setup_context)
@@ -175,7 +177,9 @@ def sparse_attention(
     float64 for float64 inputs; -inf on empty rows), which is not differentiable.
 
     Differentiable in q, k and v (deterministic: the same gradients on every run). On the CPU,
-    float16/bfloat16/float32 run the OpenMP engine in float32, float64 the float64 reference.
+    float16/bfloat16/float32 run the OpenMP engine in float32, float64 the float64 reference; on
+    CUDA the fused 3S kernel forward and a two-pass backward (``return_lse`` is not built for
+    CUDA yet).
     """
     if not isinstance(pattern, Pattern):
         pattern = Pattern.of(pattern, num_nodes=k.shape[0] if isinstance(k, Tensor) else None)
@@ -186,7 +190,10 @@ def sparse_attention(
         raise ValueError(f"scale must be finite, got {scale}")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    # The CPU backward reads the forward's log-sum-exp; the CUDA one recomputes it (the fused
+    # CUDA forward does not write it yet).
+    with_lse = bool(return_lse or (needs_grad and q.device.type == "cpu"))
     out, lse = torch.ops.trisparse.sparse_attention(
-        q, k, v, pattern.id, float(scale), bool(needs_grad or return_lse)
+        q, k, v, pattern.id, float(scale), with_lse, bool(needs_grad)
     )
     return (out, lse) if return_lse else out

@@ -182,14 +182,24 @@ class Pattern:
             plan = self._plans.get((device, g))
             if plan is not None:
                 return plan
-        rowptr, col = self._on(device)
+        # CPU plans, and CUDA plans with gradients (their transposed pattern is built on the
+        # host), come from the host copy; other CUDA plans from the device copy, with no host trip.
+        host = device.type == "cpu" or gradients
+        rowptr, col = self._on(torch.device("cpu") if host else device)
         args = (rowptr.data_ptr(), col.data_ptr(), self.num_rows, self.num_cols, self.nnz)
         if device.type == "cpu":
-            plan = _C.AttentionPlan.from_host(*args, "automatic", gradients)
+            plan = _C.AttentionPlan.from_host(*args, "automatic", gradients, -1, 0)
         else:
-            device_index(device)
+            index = device_index(device)
             with torch.cuda.device(device):
-                plan = _C.AttentionPlan.from_device(*args, "automatic", gradients, stream(device))
+                if host:
+                    plan = _C.AttentionPlan.from_host(
+                        *args, "automatic", gradients, index, stream(device)
+                    )
+                else:
+                    plan = _C.AttentionPlan.from_device(
+                        *args, "automatic", gradients, stream(device)
+                    )
         self._plans[(device, gradients)] = plan
         return plan
 

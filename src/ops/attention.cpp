@@ -5,6 +5,7 @@
 
 #include "../common/workspace_layout.hpp"
 #include "../cpu/fused3s/fast.hpp"
+#include "../cuda/attention/backward/plan.hpp"
 #include "../cuda/attention/fused3s/heuristics.hpp"
 #include "../cuda/attention/fused3s/plan.hpp"
 #include "../cuda/common/device.hpp"
@@ -84,6 +85,11 @@ struct attention_plan::state {
   // build for plan_options.workspace_heads (the SpMM's and softmax's own is the sparse plan's).
   device_tensor own;
   std::int64_t own_heads = 0;
+  // plan_options::gradients on CUDA: the pattern and its transpose on the device, and the
+  // backward's own workspace for up to grad_heads heads.
+  std::shared_ptr<cuda::attention_backward_device_plan> device_grad;
+  device_tensor grad_own;
+  std::int64_t grad_heads = 0;
 };
 
 namespace {
@@ -161,6 +167,16 @@ void finish_report(plan_report& r, algorithm algo, device_kind where, std::int64
 
 }  // namespace
 
+void attention_plan::own_backward(state& s, const csr_graph& pattern, const plan_options& options,
+                                  stream_ref stream) {
+  const csr_graph b = binary_copy(pattern);
+  s.device_grad = cuda::make_attention_backward_plan(b, transpose(b), stream);
+  s.grad_heads = std::max<std::int64_t>(options.workspace_heads, 1);
+  const std::size_t bytes = cuda::attention_backward_workspace_bytes(*s.device_grad, s.grad_heads);
+  s.grad_own = device_tensor(dtype::f32, static_cast<std::int64_t>(bytes / 4), 1, 1);
+  s.gradients = true;
+}
+
 void attention_plan::own_unfused_workspace(state& s, const plan_options& options) {
   s.own_heads = std::max<std::int64_t>(options.workspace_heads, 1);
   const unfused_workspace w = unfused_workspace_of(*s.unfused, s.own_heads, 1);
@@ -214,6 +230,7 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
       bytes += s->blocks->bytes();
     }
   }
+  if (options.gradients && where == device_kind::cuda) own_backward(*s, pattern, options, stream);
   finish_report(s->report, algo, where, pattern.rows, pattern.cols, pattern.nnz(), bytes, t0);
   attention_plan plan;
   plan.state_ = std::move(s);
@@ -242,6 +259,11 @@ attention_plan attention_plan::build(const csr_view& pattern, const plan_options
   }
   const auto t0 = std::chrono::steady_clock::now();
   const algorithm algo = choose(options.algo, pattern.where);
+  if (options.gradients) {
+    throw not_supported(
+        "plan_options::gradients on a plan built from a device pattern: build the plan from a "
+        "host csr_graph for now (the transposed pattern is built on the host)");
+  }
   auto s = std::make_shared<state>();
   std::int64_t bytes = 0;
   // Rows stay in the given order (no reordering on the device).
@@ -377,21 +399,53 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
   }
 }
 
+std::size_t attention_plan::backward_workspace_bytes(std::int64_t heads) const {
+  TRISPARSE_EXPECTS_INPUT(heads >= 0, "backward_workspace_bytes: heads must be >= 0");
+  return state_->device_grad ? cuda::attention_backward_workspace_bytes(*state_->device_grad, heads)
+                             : 0;
+}
+
 void attention_plan::backward(const tensor_view& q, const tensor_view& k, const tensor_view& v,
                               const tensor_view& out, const tensor_view& lse,
                               const tensor_view& dout, const tensor_view& dq, const tensor_view& dk,
                               const tensor_view& dv, const attention_options& options,
-                              stream_ref /*stream*/, workspace_view /*workspace*/) const {
+                              stream_ref stream, workspace_view given) const {
   const plan_report& r = report();
   detail::check_attention_args(r.rows, r.cols, q, k, v, out, r.where);
+  check_view(dout, "dout", r.rows, q.heads, v.dim);
+  check_view(dq, "dq", r.rows, q.heads, q.dim);
+  check_view(dk, "dk", r.cols, q.heads, q.dim);
+  check_view(dv, "dv", r.cols, q.heads, v.dim);
+  for (const auto& [t, what] : {std::pair{&dout, "dout"}, std::pair{&dq, "dq"},
+                                std::pair{&dk, "dk"}, std::pair{&dv, "dv"}}) {
+    TRISPARSE_EXPECTS_INPUT(t->where == r.where, std::string(what) + " is on " +
+                                                     to_string(t->where) +
+                                                     " but the plan runs on " + to_string(r.where));
+  }
+  if (lse.data != nullptr) {
+    check_view(lse, "lse", r.rows, q.heads, 1);
+    TRISPARSE_EXPECTS_INPUT(lse.where == r.where, "lse must be on the plan's device");
+  }
   const algorithm algo = resolve(options.algo);
-  if (r.where != device_kind::cpu)
-    throw not_supported("attention backward on CUDA is not built yet (issue 42)");
   const double scale = detail::resolve_scale(options.scale, q.dim);
-  for (const auto& [t, what] :
-       {std::pair{&dout, "dout"}, std::pair{&dq, "dq"}, std::pair{&dk, "dk"}, std::pair{&dv, "dv"}})
-    TRISPARSE_EXPECTS_INPUT(t->where == device_kind::cpu,
-                            std::string(what) + " must be on the CPU");
+  if (r.where == device_kind::cuda) {
+    TRISPARSE_EXPECTS_INPUT(state_->device_grad != nullptr,
+                            "this plan was built without plan_options.gradients = true");
+    workspace_view ws = given;
+    if (ws.empty()) {
+      TRISPARSE_EXPECTS_INPUT(
+          q.heads <= state_->grad_heads,
+          "attention backward: this plan's own workspace serves up to " +
+              std::to_string(state_->grad_heads) + " heads, not " + std::to_string(q.heads) +
+              ": build it with a larger plan_options.workspace_heads, or pass a workspace");
+      ws = {state_->grad_own.view().data,
+            static_cast<std::size_t>(state_->grad_own.view().rows) * 4};
+    }
+    // lse may be empty: the row pass recomputes it (the fused forward does not write it yet).
+    cuda::run_attention_backward(*state_->device_grad, q, k, v, out, lse, dout, dq, dk, dv, scale,
+                                 ws, stream);
+    return;
+  }
   switch (algo) {
     case algorithm::reference:
       reference::attention_backward(state_->pattern, q, k, v, dout, dq, dk, dv, scale);
@@ -400,7 +454,7 @@ void attention_plan::backward(const tensor_view& q, const tensor_view& k, const 
       TRISPARSE_EXPECTS_INPUT(state_->gradients,
                               "this plan was built without plan_options.gradients = true");
       TRISPARSE_EXPECTS_INPUT(
-          lse.data != nullptr && lse.where == device_kind::cpu,
+          lse.data != nullptr,
           "the fused backward needs the forward's lse (attention_options::lse)");
       cpu::fused_attention_backward_unchecked(state_->pattern, state_->transposed, q, k, v, out,
                                               lse, dout, dq, dk, dv, static_cast<float>(scale));

@@ -141,9 +141,9 @@ def test_opcheck():
     for dtype in (torch.float32, torch.float64):
         q, k, v = (t.requires_grad_() for t in qkv(20, 20, 2, 8, 8, dtype, seed=15))
         torch.library.opcheck(
-            torch.ops.trisparse.sparse_attention.default, (q, k, v, pattern.id, 0.5, True)
+            torch.ops.trisparse.sparse_attention.default, (q, k, v, pattern.id, 0.5, True, True)
         )
-        out, lse = torch.ops.trisparse.sparse_attention(q, k, v, pattern.id, 0.5, True)
+        out, lse = torch.ops.trisparse.sparse_attention(q, k, v, pattern.id, 0.5, True, True)
         dout = torch.randn_like(out)
         torch.library.opcheck(
             torch.ops.trisparse.sparse_attention_backward.default,
@@ -234,18 +234,33 @@ def test_a_freed_pattern_is_reported():
     pid = trisparse.Pattern.of(ei, num_nodes=10).id
     q, k, v = qkv(10, 10, 1, 8, 8, torch.float32, seed=21)
     with pytest.raises(ValueError, match="was freed"):
-        torch.ops.trisparse.sparse_attention(q, k, v, pid, 0.5, False)
+        torch.ops.trisparse.sparse_attention(q, k, v, pid, 0.5, False, False)
 
 
 @pytest.mark.gpu
-def test_cuda_forward_matches_dense_and_backward_says_not_yet():
-    ei = random_edge_index(500, 500, 20, seed=22)
-    pattern = trisparse.Pattern.of(ei, num_nodes=500)
-    q, k, v = (t.cuda() for t in qkv(500, 500, 4, 64, 64, torch.float16, seed=23))
-    with torch.no_grad():
-        out = trisparse.sparse_attention(q, k, v, pattern)
-    want = dense_attention(q.cpu(), k.cpu(), v.cpu(), ei, 1 / 8)
-    assert out.dtype == torch.float16 and out.is_cuda
-    assert relerr(out.cpu(), want) <= 4e-3
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])  # the fused 3S kernel's types
+def test_cuda_forward_and_gradients_match_dense(dtype):
+    ei = random_edge_index(500, 400, 20, seed=22)
+    pattern = trisparse.Pattern.from_edge_index(ei, size=(500, 400))
+    q, k, v = qkv(400, 500, 4, 64, 32, torch.float32, seed=23)
+    dout = torch.randn(400, 4, 32, generator=torch.Generator().manual_seed(24))
+    q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
+    got = grads(
+        lambda a, b, c: trisparse.sparse_attention(a, b, c, pattern),
+        *(t.cuda() for t in (q, k, v)),
+        dout.cuda(),
+    )
+    want = grads(lambda a, b, c: dense_attention(a, b, c, ei, 1 / 8), q, k, v, dout.double())
+    same = grads(lambda a, b, c: dense_attention_in(a, b, c, ei, 1 / 8), q, k, v, dout)
+    for name, g, w, s in zip(("out", "dq", "dk", "dv"), got, want, same, strict=True):
+        assert g.dtype == dtype and g.is_cuda, name
+        assert relerr(g.cpu(), w) <= 2 * relerr(s, w) + 1e-5, (name, relerr(g.cpu(), w))
+    again = grads(
+        lambda a, b, c: trisparse.sparse_attention(a, b, c, pattern),
+        *(t.cuda() for t in (q, k, v)),
+        dout.cuda(),
+    )
+    for a, b in zip(got, again, strict=True):
+        assert torch.equal(a, b)
     with pytest.raises(NotImplementedError, match="not built for CUDA"):
-        trisparse.sparse_attention(q.requires_grad_(), k, v, pattern)
+        trisparse.sparse_attention(q.cuda(), k.cuda(), v.cuda(), pattern, return_lse=True)

@@ -114,15 +114,22 @@ class attention_plan {
   /// Gradients of out = run(q, k, v) given dout = dL/dout: dq [rows, H, D], dk [cols, H, D],
   /// dv [cols, H, Dv], overwritten (rows and columns without entries get exact zeros). `out` and
   /// `lse` are what run() wrote for these q, k, v (lse through attention_options::lse). Bitwise
-  /// deterministic: no atomics, the same result on every run and thread count. CPU: fused (from
-  /// out and lse, needs plan_options::gradients) and reference (float64, ignores out and lse).
-  /// @throws invalid_input naming a wrong argument; not_supported on CUDA for now.
+  /// deterministic: no atomics, the same result on every run and thread count. Needs
+  /// plan_options::gradients (the transposed pattern), except the CPU reference. CPU: fused (from
+  /// out and lse) and reference (float64, ignores out and lse). CUDA (a plan built from a host
+  /// pattern): a row pass and a pass over the transposed pattern, one warp per row and head,
+  /// q/k/v f16, bf16 or f32 with head dims up to 256, fp32 accumulation; lse (f32) may be empty
+  /// and is then recomputed. Asynchronous on `stream`; `workspace`: backward_workspace_bytes()
+  /// bytes, or empty for the plan's own (up to plan_options::workspace_heads heads).
+  /// @throws invalid_input naming a wrong argument.
   void backward(const tensor_view& q, const tensor_view& k, const tensor_view& v,
                 const tensor_view& out, const tensor_view& lse, const tensor_view& dout,
                 const tensor_view& dq, const tensor_view& dk, const tensor_view& dv,
                 const attention_options& options = {}, stream_ref stream = {},
                 workspace_view workspace = {}) const;
 
+  /// Bytes of workspace that a CUDA backward with `heads` heads needs (0 on the CPU).
+  std::size_t backward_workspace_bytes(std::int64_t heads) const;
   const plan_report& report() const;
   /// The algorithm that run() uses for `requested` (automatic -> the plan's own).
   algorithm resolve(algorithm requested) const;
@@ -130,6 +137,8 @@ class attention_plan {
  private:
   struct state;
   static void own_unfused_workspace(state& s, const plan_options& options);
+  static void own_backward(state& s, const csr_graph& pattern, const plan_options& options,
+                           stream_ref stream);
   std::shared_ptr<const state> state_;
 };
 

@@ -1,0 +1,46 @@
+#pragma once
+// Host interface of the CUDA attention backward (no CUDA headers: ops/ includes it).
+//
+// FlashAttention-2's backward on the pattern, in two passes that each own their outputs, so the
+// gradients are bitwise deterministic with no floating-point atomics: a pass over the pattern's
+// rows (one warp per row and head) writes dq and the per-row terms D = <dout, out> and, when the
+// forward's log-sum-exp is not given, recomputes it; a pass over the rows of the transposed
+// pattern (one warp per key and head) writes dk and dv. P = exp(S - lse) is recomputed, never
+// stored. This is the CUDA-core baseline; the tensor-core kernel over BSB is the next step.
+#include <cstdint>
+#include <memory>
+
+#include "../../common/entry.hpp"
+#include "trisparse/core/stream.hpp"
+#include "trisparse/core/tensor.hpp"
+#include "trisparse/core/workspace.hpp"
+#include "trisparse/graph/csr.hpp"
+
+namespace trisparse::cuda {
+
+/// The pattern and its transpose in device memory (CSR, 64-bit offsets, 32-bit columns).
+struct attention_backward_device_plan;
+
+/// Uploads a checked host pattern and its transpose. Synchronous on `stream`.
+TRISPARSE_CUDA_ENTRY(std::shared_ptr<attention_backward_device_plan> make_attention_backward_plan(
+    const csr_graph& pattern, const csr_graph& transposed, stream_ref stream))
+
+/// Bytes of workspace a backward with `heads` heads needs (the per-row terms, 256-byte aligned).
+TRISPARSE_CUDA_ENTRY(std::size_t attention_backward_workspace_bytes(
+    const attention_backward_device_plan& plan, std::int64_t heads))
+
+/// dq, dk, dv of out = attention(q, k, v) given dout, on `stream`. q, k, v: f16, bf16 or f32, one
+/// dtype, head dims up to 256; out and dout: f32 or q's dtype, one dtype; dq, dk, dv: f32 or q's
+/// dtype, one dtype. lse: [rows, H, 1] f32 from the forward, or data == nullptr to recompute it.
+/// Asynchronous: no host synchronisation, allocation or lock.
+/// @throws invalid_input for unsupported dtypes or dims, or too small a workspace.
+TRISPARSE_CUDA_ENTRY(void run_attention_backward(
+    const attention_backward_device_plan& plan, const tensor_view& q, const tensor_view& k,
+    const tensor_view& v, const tensor_view& out, const tensor_view& lse, const tensor_view& dout,
+    const tensor_view& dq, const tensor_view& dk, const tensor_view& dv, double scale,
+    const workspace_view& workspace, stream_ref stream))
+
+/// Device bytes held by the plan.
+TRISPARSE_CUDA_ENTRY(std::int64_t device_bytes(const attention_backward_device_plan& plan))
+
+}  // namespace trisparse::cuda

@@ -1,0 +1,257 @@
+// The CUDA attention backward against the float64 reference gradients (label gpu; skipped without a
+// device): dtypes, head dims, rectangular patterns with empty rows and columns, a 10^5-entry row
+// and column, scores near 1e4, the shared datasets; bitwise repeatable, also on two streams.
+#include <cstring>
+
+#include "device_tensor.hpp"
+
+namespace trisparse {
+namespace {
+
+struct grad_config {
+  dtype in, out, grad;  // q/k/v; out and dout; dq/dk/dv
+  std::int64_t dim, dim_v, heads;
+};
+
+std::string name(const grad_config& c) {
+  return std::string(to_string(c.in)) + "/" + std::string(to_string(c.out)) + "->" +
+         std::string(to_string(c.grad)) + " d" + std::to_string(c.dim) + " dv" +
+         std::to_string(c.dim_v) + " h" + std::to_string(c.heads);
+}
+
+host_tensor converted(const host_tensor& x, dtype t) {
+  host_tensor y(t, x.rows(), x.heads(), x.dim());
+#pragma omp parallel for
+  for (std::int64_t i = 0; i < x.numel(); ++i) y.set(i, x.get(i));
+  return y;
+}
+
+host_tensor random(dtype t, std::int64_t rows, std::int64_t heads, std::int64_t dim,
+                   std::uint64_t seed, double lo, double hi) {
+  host_tensor x(t, rows, heads, dim);
+  x.fill_uniform(lo, hi, seed);
+  return x;
+}
+
+struct gradients {
+  host_tensor dq, dk, dv;
+};
+
+// Inputs, the forward (float64 reference, rounded to the config's types) and the reference
+// gradients of one case.
+struct problem {
+  host_tensor q, k, v, out, lse, dout;
+  gradients want;
+};
+
+problem make_problem(const csr_graph& g, const grad_config& c, std::uint64_t seed, double lo,
+                     double hi, double scale) {
+  problem p{random(c.in, g.rows, c.heads, c.dim, seed, lo, hi),
+            random(c.in, g.cols, c.heads, c.dim, seed + 1, lo, hi),
+            random(c.in, g.cols, c.heads, c.dim_v, seed + 2, -1.0, 1.0),
+            {},
+            {},
+            random(c.out, g.rows, c.heads, c.dim_v, seed + 3, -1.0, 1.0),
+            {}};
+  host_tensor out64(dtype::f64, g.rows, c.heads, c.dim_v), lse64(dtype::f64, g.rows, c.heads, 1);
+  reference::attention(g, p.q.view(), p.k.view(), p.v.view(), out64.view(), scale, lse64.view());
+  p.out = converted(out64, c.out);
+  p.lse = converted(lse64, dtype::f32);
+  p.want = {host_tensor(dtype::f64, g.rows, c.heads, c.dim),
+            host_tensor(dtype::f64, g.cols, c.heads, c.dim),
+            host_tensor(dtype::f64, g.cols, c.heads, c.dim_v)};
+  reference::attention_backward(g, p.q.view(), p.k.view(), p.v.view(), p.dout.view(),
+                                p.want.dq.view(), p.want.dk.view(), p.want.dv.view(), scale);
+  return p;
+}
+
+// Runs the plan's backward twice on poisoned outputs, asserts both runs bitwise equal, and returns
+// the first.
+gradients run_twice(const attention_plan& plan, const problem& p, const grad_config& c,
+                    bool with_lse, double scale) {
+  test::device_tensor q(p.q), k(p.k), v(p.v), out(p.out), lse(p.lse), dout(p.dout);
+  test::device_tensor dq(host_tensor(c.grad, p.q.rows(), c.heads, c.dim)),
+      dk(host_tensor(c.grad, p.k.rows(), c.heads, c.dim)),
+      dv(host_tensor(c.grad, p.v.rows(), c.heads, c.dim_v));
+  const tensor_view no_lse{};
+  gradients first;
+  for (int round = 0; round < 2; ++round) {
+    dq.poison();
+    dk.poison();
+    dv.poison();
+    plan.backward(q.view(), k.view(), v.view(), out.view(), with_lse ? lse.view() : no_lse,
+                  dout.view(), dq.view(), dk.view(), dv.view(), {.scale = scale});
+    gradients now{dq.download(), dk.download(), dv.download()};
+    if (round == 0) {
+      first = std::move(now);
+      continue;
+    }
+    for (const auto& [a, b] : {std::pair{&first.dq, &now.dq}, std::pair{&first.dk, &now.dk},
+                               std::pair{&first.dv, &now.dv}})
+      EXPECT_EQ(std::memcmp(a->data(), b->data(), a->size_bytes()), 0) << "runs differ: a race";
+  }
+  return first;
+}
+
+void check(const csr_graph& g, const grad_config& c, std::uint64_t seed, bool with_lse = true,
+           double lo = -1.0, double hi = 1.0, std::optional<double> scale_opt = std::nullopt) {
+  SCOPED_TRACE(name(c) + (with_lse ? " lse" : " no lse") + " rows " + std::to_string(g.rows) +
+               " cols " + std::to_string(g.cols) + " nnz " + std::to_string(g.nnz()));
+  const double scale = effective_scale({.scale = scale_opt}, c.dim);
+  const auto plan = attention_plan::build(g, device_kind::cuda, {.gradients = true});
+  const problem p = make_problem(g, c, seed, lo, hi, scale);
+  const gradients got = run_twice(plan, p, c, with_lse, scale);
+  // Roundings: the inputs and out (feeding D) in their types, the gradients in theirs; fp32 sums.
+  const dtype coarse = unit_roundoff(c.in) > unit_roundoff(c.out) ? c.in : c.out;
+  const double tol = test::gpu_tolerance(coarse, c.grad, 8);
+  for (const auto& [have, want, what] :
+       {std::tuple{&got.dq, &p.want.dq, "dq"}, std::tuple{&got.dk, &p.want.dk, "dk"},
+        std::tuple{&got.dv, &p.want.dv, "dv"}}) {
+    const auto e = test::compare(*have, *want);
+    EXPECT_TRUE(e.finite) << what << ": NaN or infinity";
+    EXPECT_LE(e.relative(), tol) << what << ": max abs " << e.max_abs << " of " << e.max_ref;
+  }
+  // Rows without entries: dq exactly 0; columns without entries: dk, dv exactly 0.
+  const csr_graph t = transpose(g);
+  for (const auto& [pattern, grads] :
+       {std::pair{&g, std::vector<const host_tensor*>{&got.dq}},
+        std::pair{&t, std::vector<const host_tensor*>{&got.dk, &got.dv}}}) {
+    for (std::int64_t r = 0; r < pattern->rows; ++r) {
+      if (pattern->degree(r) != 0) continue;
+      for (const host_tensor* x : grads) {
+        const std::int64_t w = x->heads() * x->dim();
+        for (std::int64_t e = 0; e < w; ++e) ASSERT_EQ(x->get(r * w + e), 0.0) << "row " << r;
+      }
+    }
+  }
+}
+
+TEST(GpuAttentionBackward, EveryDtypeAndHeadDimOnRectangularPatterns) {
+  SKIP_WITHOUT_GPU();
+  const csr_graph g = test::random_pattern(300, 257, 40, 11);  // empty rows and columns
+  std::uint64_t seed = 100;
+  for (const grad_config c : {grad_config{dtype::f16, dtype::f16, dtype::f16, 64, 64, 2},
+                              grad_config{dtype::bf16, dtype::bf16, dtype::f32, 128, 32, 1},
+                              grad_config{dtype::f32, dtype::f32, dtype::f32, 32, 96, 3},
+                              grad_config{dtype::f16, dtype::f32, dtype::f32, 256, 256, 1},
+                              grad_config{dtype::bf16, dtype::f32, dtype::bf16, 40, 8, 4}}) {
+    for (const bool with_lse : {true, false}) check(g, c, seed++, with_lse);
+  }
+}
+
+TEST(GpuAttentionBackward, AdversarialPatterns) {
+  SKIP_WITHOUT_GPU();
+  const grad_config c{dtype::f16, dtype::f32, dtype::f32, 64, 64, 1};
+  // One row with 10^5 entries, one column that 10^5 rows attend.
+  {
+    coo_graph coo{.rows = 100001, .cols = 100001, .src = {}, .dst = {}, .values = {}};
+    for (std::int64_t j = 0; j < 100000; ++j) {
+      coo.src.push_back(0);
+      coo.dst.push_back(j + 1);
+      coo.src.push_back(j + 1);
+      coo.dst.push_back(0);
+    }
+    check(to_csr(coo), c, 1);
+  }
+  // Scores near +-1e4 (|q|, |k| ~ 30 with scale 1/8 over 64 dims).
+  check(test::random_pattern(500, 500, 30, 12), {dtype::f32, dtype::f32, dtype::f32, 64, 64, 1}, 2,
+        true, -30.0, 30.0);
+  // N = 1, 17, 65537.
+  for (const std::int64_t n : {1, 17, 65537})
+    check(test::random_pattern(n, n, 12, 13 + static_cast<std::uint64_t>(n)), c, 3, false);
+  // A batch of 1024 small graphs (block diagonal).
+  {
+    coo_graph coo{.rows = 1024 * 12, .cols = 1024 * 12, .src = {}, .dst = {}, .values = {}};
+    rng r(14);
+    for (std::int64_t b = 0; b < 1024; ++b)
+      for (std::int64_t e = 0; e < 40; ++e) {
+        coo.src.push_back(b * 12 + static_cast<std::int64_t>(r.below(12)));
+        coo.dst.push_back(b * 12 + static_cast<std::int64_t>(r.below(12)));
+      }
+    check(to_csr(coo), c, 4);
+  }
+}
+
+TEST(GpuAttentionBackward, EverySharedDataset) {
+  SKIP_WITHOUT_GPU();
+  TRISPARSE_SKIP_WITHOUT_DATASETS();
+  std::uint64_t seed = 500;
+  for (const auto& path : test::dataset_graphs()) {
+    SCOPED_TRACE(path.filename().string());
+    const csr_graph g = read_graph(path);
+    check(g, {dtype::bf16, dtype::bf16, dtype::bf16, 64, 64, 2}, seed++, true);
+  }
+}
+
+TEST(GpuAttentionBackward, TwoStreamsGiveTheSameBits) {
+  SKIP_WITHOUT_GPU();
+  const csr_graph g = test::random_pattern(4000, 4000, 60, 21);
+  const grad_config c{dtype::f16, dtype::f16, dtype::f32, 128, 128, 4};
+  const double scale = effective_scale({}, c.dim);
+  const auto plan = attention_plan::build(g, device_kind::cuda, {.gradients = true});
+  const problem p = make_problem(g, c, 22, -1.0, 1.0, scale);
+  const gradients want = run_twice(plan, p, c, true, scale);
+  test::device_tensor q(p.q), k(p.k), v(p.v), out(p.out), lse(p.lse), dout(p.dout);
+  struct lane {
+    cudaStream_t s{};
+    void* ws = nullptr;
+    std::unique_ptr<test::device_tensor> dq, dk, dv;
+  };
+  lane lanes[2];
+  const std::size_t bytes = plan.backward_workspace_bytes(c.heads);
+  for (auto& l : lanes) {
+    test::cuda_check(cudaStreamCreateWithFlags(&l.s, cudaStreamNonBlocking), "stream");
+    test::cuda_check(cudaMalloc(&l.ws, bytes), "workspace");
+    l.dq = std::make_unique<test::device_tensor>(host_tensor(c.grad, g.rows, c.heads, c.dim));
+    l.dk = std::make_unique<test::device_tensor>(host_tensor(c.grad, g.cols, c.heads, c.dim));
+    l.dv = std::make_unique<test::device_tensor>(host_tensor(c.grad, g.cols, c.heads, c.dim_v));
+  }
+  for (int round = 0; round < 4; ++round) {
+    for (auto& l : lanes) {
+      l.dq->poison();
+      l.dk->poison();
+      l.dv->poison();
+    }
+    for (auto& l : lanes)
+      plan.backward(q.view(), k.view(), v.view(), out.view(), lse.view(), dout.view(), l.dq->view(),
+                    l.dk->view(), l.dv->view(), {.scale = scale}, {l.s}, {l.ws, bytes});
+    for (auto& l : lanes) {
+      for (const auto& [got, ref] :
+           {std::pair{l.dq->download(), &want.dq}, std::pair{l.dk->download(), &want.dk},
+            std::pair{l.dv->download(), &want.dv}})
+        ASSERT_EQ(std::memcmp(got.data(), ref->data(), got.size_bytes()), 0) << "round " << round;
+    }
+  }
+  for (auto& l : lanes) {
+    cudaFree(l.ws);
+    cudaStreamDestroy(l.s);
+  }
+}
+
+TEST(GpuAttentionBackward, SaysWhatItNeeds) {
+  SKIP_WITHOUT_GPU();
+  const csr_graph g = test::random_pattern(64, 64, 8, 31);
+  const grad_config c{dtype::f16, dtype::f16, dtype::f16, 64, 64, 1};
+  const problem p = make_problem(g, c, 32, -1.0, 1.0, 0.125);
+  test::device_tensor q(p.q), k(p.k), v(p.v), out(p.out), dout(p.dout), dq(p.q), dk(p.k), dv(p.v);
+  const auto no_grad = attention_plan::build(g, device_kind::cuda);
+  EXPECT_THROW(no_grad.backward(q.view(), k.view(), v.view(), out.view(), {}, dout.view(),
+                                dq.view(), dk.view(), dv.view()),
+               invalid_input);
+  const auto plan = attention_plan::build(g, device_kind::cuda, {.gradients = true});
+  void* small = nullptr;
+  test::cuda_check(cudaMalloc(&small, 256), "workspace");
+  EXPECT_THROW(plan.backward(q.view(), k.view(), v.view(), out.view(), {}, dout.view(), dq.view(),
+                             dk.view(), dv.view(), {}, {}, {small, 256}),
+               invalid_input);
+  cudaFree(small);
+  host_tensor wide(dtype::f16, 64, 1, 512);
+  test::device_tensor wq(wide), wk(wide), wv(wide), wo(wide), wg(wide), wdq(wide), wdk(wide),
+      wdv(wide);
+  EXPECT_THROW(plan.backward(wq.view(), wk.view(), wv.view(), wo.view(), {}, wg.view(), wdq.view(),
+                             wdk.view(), wdv.view()),
+               invalid_input);
+}
+
+}  // namespace
+}  // namespace trisparse
