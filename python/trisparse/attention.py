@@ -37,11 +37,6 @@ def _forward(
 ) -> tuple[Tensor, Tensor]:
     """`with_lse`: also write the log-sum-exp (else it comes back empty); `gradients`: build the
     plan with what backward needs."""
-    if with_lse and q.device.type == "cuda":
-        raise NotImplementedError(
-            "trisparse.sparse_attention: the log-sum-exp output is not built for CUDA yet "
-            "(return_lse=True); gradients work without it"
-        )
     plan = lookup(pattern).plan(q.device, gradients=gradients)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     lse = q.new_empty(_lse_shape(q, with_lse), dtype=_lse_dtype(q))
@@ -178,8 +173,7 @@ def sparse_attention(
 
     Differentiable in q, k and v (deterministic: the same gradients on every run). On the CPU,
     float16/bfloat16/float32 run the OpenMP engine in float32, float64 the float64 reference; on
-    CUDA the fused 3S kernel forward and a two-pass backward (``return_lse`` is not built for
-    CUDA yet).
+    CUDA (float16 and bfloat16) the fused 3S kernel and a two-pass backward.
     """
     if not isinstance(pattern, Pattern):
         pattern = Pattern.of(pattern, num_nodes=k.shape[0] if isinstance(k, Tensor) else None)
@@ -190,9 +184,7 @@ def sparse_attention(
         raise ValueError(f"scale must be finite, got {scale}")
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    # The CPU backward reads the forward's log-sum-exp; the CUDA one recomputes it (the fused
-    # CUDA forward does not write it yet).
-    with_lse = bool(return_lse or (needs_grad and q.device.type == "cpu"))
+    with_lse = bool(return_lse or needs_grad)  # the backward reads it
     out, lse = torch.ops.trisparse.sparse_attention(
         q, k, v, pattern.id, float(scale), with_lse, bool(needs_grad)
     )

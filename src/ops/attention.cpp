@@ -318,11 +318,11 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
   }
   const tensor_view& lse = options.lse;
   if (lse.data != nullptr) {
-    if (r.where != device_kind::cpu)
-      throw not_supported("the log-sum-exp output is not built for CUDA plans yet (issue 42)");
     TRISPARSE_EXPECTS_INPUT(algo == algorithm::reference || algo == algorithm::fused,
                             "the log-sum-exp is written by the reference and fused algorithms");
-    TRISPARSE_EXPECTS_INPUT(lse.where == device_kind::cpu, "lse must be on the CPU");
+    check_view(lse, "lse", r.rows, q.heads, 1);
+    TRISPARSE_EXPECTS_INPUT(lse.where == r.where,
+                            std::string("lse must be on ") + to_string(r.where) + ", as the plan");
   }
   switch (algo) {
     case algorithm::reference:
@@ -349,7 +349,7 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
         throw invalid_input(
             "this plan holds no device BSB: build it with plan_options.algo = fused");
       }
-      cuda::run_fused3s(*state_->device_blocks, q, k, v, out, scale, workspace, stream);
+      cuda::run_fused3s(*state_->device_blocks, q, k, v, out, lse, scale, workspace, stream);
       return;
     case algorithm::unfused: {
       if (!state_->unfused) {

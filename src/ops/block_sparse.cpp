@@ -138,6 +138,8 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
   const block_sparse_mask& m = state_->mask;
   check_run_args(m, q, k, v, out, state_->report.where);
   const double scale = detail::resolve_scale(options.scale, q.dim);
+  TRISPARSE_EXPECTS_INPUT(options.lse.data == nullptr,
+                          "block-sparse plans do not write the log-sum-exp yet");
   const algorithm algo = options.algo == algorithm::automatic ? state_->report.algo : options.algo;
   const device_kind where = state_->report.where;
   // The CPU runs either algorithm from the mask; a CUDA plan runs the one it was built for.

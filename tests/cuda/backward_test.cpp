@@ -183,6 +183,52 @@ TEST(GpuAttentionBackward, EverySharedDataset) {
   }
 }
 
+// The fused 3S forward's log-sum-exp output: every work cut (whole windows, split windows merged
+// by the last warp, teams of warps), empty rows -inf; and the backward from it agrees with the
+// backward that recomputes it.
+TEST(GpuAttentionBackward, FusedForwardWritesTheLogSumExp) {
+  SKIP_WITHOUT_GPU();
+  const grad_config c{dtype::f16, dtype::f32, dtype::f32, 64, 64, 2};
+  csr_graph hub = test::random_pattern(3000, 3000, 8, 41);
+  {
+    coo_graph coo = to_coo(hub);
+    for (std::int64_t j = 0; j < 3000; ++j) {  // row 7 attends every key
+      coo.src.push_back(7);
+      coo.dst.push_back(j);
+    }
+    hub = to_csr(coo);
+  }
+  for (const plan_options o :
+       {plan_options{.gradients = true}, plan_options{.split_tcbs = 4, .gradients = true},
+        plan_options{.split_tcbs = 1 << 30, .team_tcbs = 2, .gradients = true}}) {
+    SCOPED_TRACE("split " + std::to_string(o.split_tcbs) + " team " + std::to_string(o.team_tcbs));
+    const auto plan = attention_plan::build(hub, device_kind::cuda, o);
+    const double scale = effective_scale({}, c.dim);
+    const problem p = make_problem(hub, c, 42, -2.0, 2.0, scale);
+    test::device_tensor q(p.q), k(p.k), v(p.v), out(p.out),
+        lse(host_tensor(dtype::f32, hub.rows, c.heads, 1));
+    lse.poison();
+    plan.run(q.view(), k.view(), v.view(), out.view(), {.lse = lse.view()});
+    const host_tensor got = lse.download();
+    double worst = 0;
+    for (std::int64_t i = 0; i < got.numel(); ++i) {
+      const double want = p.lse.get(i);
+      if (std::isinf(want)) {
+        ASSERT_TRUE(std::isinf(got.get(i)) && got.get(i) < 0) << "entry " << i;
+        continue;
+      }
+      worst = std::max(worst, std::abs(got.get(i) - want) / (1.0 + std::abs(want)));
+    }
+    EXPECT_LE(worst, 1e-4);
+    const gradients from_lse = run_twice(plan, p, c, true, scale);
+    const gradients recomputed = run_twice(plan, p, c, false, scale);
+    for (const auto& [a, b] :
+         {std::pair{&from_lse.dq, &recomputed.dq}, std::pair{&from_lse.dk, &recomputed.dk},
+          std::pair{&from_lse.dv, &recomputed.dv}})
+      EXPECT_LE(test::compare(*a, *b).relative(), 1e-4);
+  }
+}
+
 TEST(GpuAttentionBackward, TwoStreamsGiveTheSameBits) {
   SKIP_WITHOUT_GPU();
   const csr_graph g = test::random_pattern(4000, 4000, 60, 21);

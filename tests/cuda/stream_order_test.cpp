@@ -202,6 +202,58 @@ std::vector<gpu_case> attention_cases() {
   return cases;
 }
 
+// The attention backward (dq, dk, dv; dk is the output checked), its log-sum-exp recomputed.
+std::vector<gpu_case> backward_cases() {
+  const csr_graph g = hub_graph(3000, 12);
+  const std::int64_t heads = 2, dim = 64;
+  const double scale = effective_scale({}, dim);
+  const auto plan = std::make_shared<const attention_plan>(
+      attention_plan::build(g, device_kind::cuda, {.gradients = true}));
+  // Per set: q, k, v, dout; the output is dk.
+  auto x = make_io(
+      {{g.rows, heads, dim}, {g.cols, heads, dim}, {g.cols, heads, dim}, {g.rows, heads, dim}},
+      dtype::f16, {g.cols, heads, dim}, dtype::f32, 31);
+  struct scratch {
+    std::vector<std::unique_ptr<test::device_tensor>> out, dq, dv;  // per set
+  };
+  auto e = std::make_shared<scratch>();
+  for (int set = 0; set < 2; ++set) {
+    host_tensor out64(dtype::f64, g.rows, heads, dim), out(dtype::f32, g.rows, heads, dim);
+    reference::attention(g, x->host[set * 4].view(), x->host[set * 4 + 1].view(),
+                         x->host[set * 4 + 2].view(), out64.view(), scale);
+    for (std::int64_t i = 0; i < out.numel(); ++i) out.set(i, out64.get(i));
+    e->out.push_back(std::make_unique<test::device_tensor>(out));
+    e->dq.push_back(
+        std::make_unique<test::device_tensor>(host_tensor(dtype::f32, g.rows, heads, dim)));
+    e->dv.push_back(
+        std::make_unique<test::device_tensor>(host_tensor(dtype::f32, g.cols, heads, dim)));
+  }
+  gpu_case c{.name = "attention backward",
+             .workspace_bytes = plan->backward_workspace_bytes(heads),
+             .tolerance = test::gpu_tolerance(dtype::f16, dtype::f32, 8),
+             .run =
+                 [plan, x, e](int set, const workspace_view* ws, cudaStream_t s) {
+                   plan->backward(x->in(set, 0, 4).view(), x->in(set, 1, 4).view(),
+                                  x->in(set, 2, 4).view(), e->out[set]->view(), {},
+                                  x->in(set, 3, 4).view(), e->dq[set]->view(), x->outs[set]->view(),
+                                  e->dv[set]->view(), {}, {s},
+                                  ws != nullptr ? *ws : workspace_view{});
+                 },
+             .reference =
+                 [x, g, scale](int set) {
+                   const auto& h = x->host;
+                   host_tensor dq(dtype::f64, g.rows, h[0].heads(), h[0].dim()),
+                       dk(dtype::f64, g.cols, h[0].heads(), h[0].dim()),
+                       dv(dtype::f64, g.cols, h[0].heads(), h[0].dim());
+                   reference::attention_backward(g, h[set * 4].view(), h[set * 4 + 1].view(),
+                                                 h[set * 4 + 2].view(), h[set * 4 + 3].view(),
+                                                 dq.view(), dk.view(), dv.view(), scale);
+                   return dk;
+                 },
+             .out = [x](int set) -> test::device_tensor& { return *x->outs[set]; }};
+  return {c};
+}
+
 std::vector<gpu_case> sparse_cases() {
   std::vector<gpu_case> cases;
   const csr_graph g = hub_graph(3000, 12);
@@ -369,7 +421,8 @@ std::vector<gpu_case> layer_cases() {
 // Every GPU plan, in one list (the registry the two tests below walk).
 std::vector<gpu_case> all_cases() {
   std::vector<gpu_case> all;
-  for (auto&& part : {attention_cases(), sparse_cases(), block_sparse_cases(), layer_cases()})
+  for (auto&& part :
+       {attention_cases(), backward_cases(), sparse_cases(), block_sparse_cases(), layer_cases()})
     for (const gpu_case& c : part) all.push_back(c);
   return all;
 }

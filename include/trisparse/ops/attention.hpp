@@ -62,8 +62,8 @@ struct attention_options {
   std::optional<double> scale;            ///< default 1/sqrt(head_dim)
   algorithm algo = algorithm::automatic;  ///< automatic = the plan's algorithm
   /// run(): where data != nullptr, also the per-row log-sum-exp of the scaled scores, what
-  /// backward() needs: [rows, H, 1] (f32 for the fused engine), natural log, -inf for empty rows.
-  /// CPU plans (reference and fused); CUDA throws not_supported for now.
+  /// backward() needs: [rows, H, 1] (f32 for the fused algorithms), natural log, -inf for empty
+  /// rows. The reference and fused algorithms (CPU and CUDA); not block-sparse plans yet.
   tensor_view lse{};
 };
 

@@ -127,6 +127,12 @@ __device__ __forceinline__ std::int64_t source_row(const params& p, std::int64_t
   return p.row_map != nullptr ? __ldg(p.row_map + slot) : slot;
 }
 
+/// The natural log-sum-exp of a row from its base-2 softmax state (m = the running maximum of
+/// the scores times scale * log2 e, l = the sum of 2^(s - m)): ln 2 (m + log2 l); -inf when empty.
+__device__ __forceinline__ float natural_lse(float m, float l) {
+  return l > 0.0f ? (m + __log2f(l)) * 0.693147180559945309f : kNegInf;
+}
+
 /// Combines the partial states of a split window (run by the window's last warp): for each row,
 /// m = max m_i, l = sum l_i 2^(m_i - m), O = sum O_i 2^(m_i - m) / l. Lane r < 16 owns row r's
 /// (m, l); each lane owns columns lane + 32c and, per part, issues 8 rows x D/32 independent
@@ -147,6 +153,9 @@ __device__ __forceinline__ void merge_window(const params& p, const split_window
       const float* ml = p.part_ml + part_base(i) * 32 + 2 * lane;
       l += exp2f(__ldcg(ml) - u) * __ldcg(ml + 1);
     }
+    const std::int64_t slot = std::int64_t{sw.window} * 16 + lane;
+    if (p.lse != nullptr && slot < p.rows)
+      p.lse[source_row(p, slot) * p.lse_row + h * p.lse_head] = natural_lse(u, l);
   }
   O* out = static_cast<O*>(p.out) + h * p.o_head;
 #pragma unroll
@@ -338,6 +347,10 @@ __device__ __forceinline__ void process_item(const params& p, const work_item& i
 
   float r00[kV], r01[kV], r10[kV], r11[kV];  // rows (g, g+8) x column runs (2t, 2t+1)
   if (it.part < 0) {
+    if (p.lse != nullptr && t == 0) {
+      if (row0 >= 0) p.lse[row0 * p.lse_row + h * p.lse_head] = natural_lse(safe_max(m0), l0);
+      if (row1 >= 0) p.lse[row1 * p.lse_row + h * p.lse_head] = natural_lse(safe_max(m1), l1);
+    }
     const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f,
                 i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;  // empty row: 0
 #pragma unroll

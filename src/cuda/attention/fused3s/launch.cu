@@ -229,9 +229,12 @@ std::size_t fused3s_workspace_bytes(const fused3s_device_plan& plan, std::int64_
 }
 
 void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const tensor_view& k,
-                 const tensor_view& v, const tensor_view& out, double scale,
+                 const tensor_view& v, const tensor_view& out, const tensor_view& lse, double scale,
                  const workspace_view* workspace, stream_ref stream) {
   check_attention_operands(q, k, v, out, "fused 3S");
+  TRISPARSE_EXPECTS_INPUT(
+      lse.data == nullptr || lse.type == dtype::f32,
+      "fused 3S writes the log-sum-exp as f32, not " + std::string(to_string(lse.type)));
   expect_current_device(plan.device);
   fused3s::params p{};
   static_cast<attention_io&>(p) = attention_io_of(q, k, v, out);
@@ -245,6 +248,9 @@ void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const te
   p.num_splits = plan.num_splits;
   p.scale_log2 = scale_log2(scale);
   p.heads = static_cast<std::int32_t>(q.heads);
+  p.lse = static_cast<float*>(lse.data);
+  p.lse_row = lse.row_stride;
+  p.lse_head = lse.head_stride;
   const auto s = static_cast<cudaStream_t>(stream.handle);
   // The plan's own workspace keeps the layout it was zeroed in (a smaller run's scratch would
   // otherwise overlap a larger run's counters); the caller's is laid out for this run and cleared.

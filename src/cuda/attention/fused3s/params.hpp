@@ -30,6 +30,10 @@ struct params : attention_io {
   // between launches.
   std::uint64_t* queue;
   bool use_queue;  // false: a block per team task and a warp per other task, no claims
+  // Optional per-row log-sum-exp of the scaled scores (natural log, -inf for empty rows), what
+  // the backward needs: nullptr = not written.
+  float* lse;
+  std::int64_t lse_row, lse_head;  // element strides
 };
 
 }  // namespace trisparse::cuda::fused3s

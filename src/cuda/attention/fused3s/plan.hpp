@@ -44,12 +44,14 @@ TRISPARSE_CUDA_ENTRY(std::size_t fused3s_workspace_bytes(const fused3s_device_pl
 
 /// out = attention(q, k, v) on `stream`. q, k, v: f16 or bf16, one dtype; out: f32, f16 or bf16;
 /// head_dim (= v's dim) 32, 64, 128 or 256; strides multiples of 8 elements, 16-byte aligned data.
+/// lse: [rows, H, 1] f32 for the per-row natural log-sum-exp of the scaled scores (-inf for
+/// empty rows), or data == nullptr for none.
 /// `workspace`: the caller's (cleared on the stream first), or nullptr for the plan's own.
 /// Asynchronous: no host synchronisation, allocation or lock.
 /// @throws invalid_input for unsupported shapes, dtypes or alignment, or too small a workspace.
 TRISPARSE_CUDA_ENTRY(void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q,
                                       const tensor_view& k, const tensor_view& v,
-                                      const tensor_view& out, double scale,
+                                      const tensor_view& out, const tensor_view& lse, double scale,
                                       const workspace_view* workspace, stream_ref stream))
 
 /// Device bytes held by the plan (format, work list, partial-state workspace).
