@@ -3,30 +3,18 @@ BlockMask), on [B, H, N, D] tensors as PyTorch's SDPA and flex_attention take th
 
 from __future__ import annotations
 
-import itertools
 import math
-import weakref
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from . import _C, _tensors
+from ._registry import Registry
 
 __all__ = ["BlockMask", "block_sparse_attention"]
 
-_ids = itertools.count(1)
-_live: weakref.WeakValueDictionary[int, BlockMask] = weakref.WeakValueDictionary()
-
-
-def _lookup(mask_id: int) -> BlockMask:
-    m = _live.get(mask_id)
-    if m is None:
-        raise ValueError(
-            f"mask: no live trisparse.BlockMask has id {mask_id} (it was freed); keep the mask "
-            "alive while ops that use it may run, backward included"
-        )
-    return m
+_masks = Registry("mask", "trisparse.BlockMask")
 
 
 class BlockMask:
@@ -47,9 +35,8 @@ class BlockMask:
         self.blocks = blocks.detach().to("cpu")
         self.block_size = int(block_size)
         self.causal = bool(causal)
-        self.id = next(_ids)
         self._plans: dict[tuple, Any] = {}
-        _live[self.id] = self
+        self.id = _masks.add(self)
 
     @classmethod
     def from_flex(cls, block_mask: Any, causal: bool = False) -> BlockMask:
@@ -105,7 +92,7 @@ class BlockMask:
 def _plan(q: Tensor, k: Tensor, mask: int, batch: int):
     # float64 runs the float64 reference (the gradcheck path); the rest the fastest backend.
     algo = "reference" if q.dtype == torch.float64 else "automatic"
-    return _lookup(mask).plan(q.device, batch, q.shape[0] // batch, k.shape[0] // batch, algo)
+    return _masks.lookup(mask).plan(q.device, batch, q.shape[0] // batch, k.shape[0] // batch, algo)
 
 
 @torch.library.custom_op("trisparse::block_sparse_attention", mutates_args=())

@@ -8,28 +8,20 @@ reuses them at every step.
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from typing import Any
 
 import torch
 
 from . import _C
+from ._registry import Registry
 from ._tensors import device_index, stream
 
-_ids = itertools.count(1)
-_live: weakref.WeakValueDictionary[int, Pattern] = weakref.WeakValueDictionary()
+_patterns = Registry("pattern", "trisparse.Pattern")
 
 
 def lookup(pattern_id: int) -> Pattern:
     """The live Pattern with this id (the ops take the id, as torch.library ops take no objects)."""
-    p = _live.get(pattern_id)
-    if p is None:
-        raise ValueError(
-            f"pattern: no live trisparse.Pattern has id {pattern_id} (it was freed); keep the "
-            "Pattern object alive while ops that use it may run, backward included"
-        )
-    return p
+    return _patterns.lookup(pattern_id)
 
 
 def _check_index(t: Any, name: str) -> torch.Tensor:
@@ -53,12 +45,11 @@ class Pattern:
         self.num_cols = int(num_cols)
         self.nnz = col.numel()
         self.duplicates = int(duplicates)
-        self.id = next(_ids)
+        self.id = _patterns.add(self)
         self._copies: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {
             rowptr.device: (rowptr, col)
         }
         self._plans: dict[tuple[torch.device, bool], Any] = {}
-        _live[self.id] = self
 
     # --- builders -------------------------------------------------------------------------------
 
