@@ -91,11 +91,13 @@ class Pattern:
         edge_index: torch.Tensor,
         num_nodes: int | None = None,
         size: tuple[int, int] | None = None,
+        add_self_loops: bool = False,
     ) -> Pattern:
         """From PyG's ``edge_index`` [2, E]: row 0 holds sources j, row 1 targets i, and each
         target attends to its incoming edges (``flow="source_to_target"``). ``size`` is PyG's
         ``(num_src_nodes, num_dst_nodes)`` for bipartite graphs; else ``num_nodes`` (default: the
-        largest id + 1, or the EdgeIndex's sparse size)."""
+        largest id + 1, or the EdgeIndex's sparse size). ``add_self_loops``: as PyG's
+        ``remove_self_loops`` then ``add_self_loops``, one (i, i) per node i."""
         ei = _check_index(edge_index, "edge_index")
         if ei.dim() != 2 or ei.shape[0] != 2:
             raise ValueError(f"edge_index must have shape [2, E], got {tuple(ei.shape)}")
@@ -108,7 +110,12 @@ class Pattern:
                 n = num_nodes if num_nodes is not None else (int(ei.max()) + 1 if ei.numel() else 0)
                 size = (n, n)
         num_src, num_dst = int(size[0]), int(size[1])
-        return cls.from_coo(ei[1], ei[0], num_dst, num_src)
+        dst, src = ei[1], ei[0]
+        if add_self_loops:
+            keep = dst != src
+            loops = torch.arange(min(num_src, num_dst), device=ei.device)
+            dst, src = torch.cat([dst[keep], loops]), torch.cat([src[keep], loops])
+        return cls.from_coo(dst, src, num_dst, num_src)
 
     @classmethod
     def from_csr(cls, rowptr: torch.Tensor, col: torch.Tensor, num_cols: int) -> Pattern:

@@ -36,7 +36,7 @@ def assert_close(ours, pyg, rtol):
     assert gp.keys() == gp2.keys()
     # Normwise over all parameters: some gradients are zero up to rounding (a key bias shifts
     # every score of a row alike, which the softmax cancels).
-    norm = max(float(b.abs().max()) for b in gp2.values())
+    norm = max((float(b.abs().max()) for b in gp2.values()), default=0.0)
     for name in gp:
         assert (gp[name] - gp2[name]).abs().max() <= rtol * norm, name
 
@@ -127,3 +127,26 @@ def test_bad_graph_inputs():
         layer(x, torch.tensor([[0, 12], [1, 2]]))
     with pytest.raises(ValueError, match="q has 10 rows"):
         layer(x, trisparse.Pattern.from_edge_index(torch.tensor([[0, 1], [1, 2]]), num_nodes=5))
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"requires_grad": False}, {"add_self_loops": False}])
+def test_agnn_conv_matches_pyg(kwargs):
+    n = 150
+    ei = random_edge_index(n, n, 8, seed=5, self_loops=True)  # isolated nodes and self loops
+    ours, pyg = pair(trisparse.nn.AGNNConv, pyg_nn.AGNNConv, **kwargs)
+    with torch.no_grad():  # beta away from 1, so that its gradient is not special
+        ours.beta.fill_(1.7)
+        pyg.beta.fill_(1.7)
+    x = torch.randn(n, 24)
+    x[3] = 0.0  # a zero row: cosine 0 with everything
+    assert_close(run(ours, x, ei), run(pyg, x, ei), rtol=2e-5)
+    if kwargs.get("requires_grad", True):
+        assert "beta" in dict(ours.named_parameters())
+
+
+@pytest.mark.parametrize("name", ["cora", "citeseer"])
+def test_agnn_conv_on_shared_graphs(name):
+    ei, n = load_shared_graph(name)
+    ours, pyg = pair(trisparse.nn.AGNNConv, pyg_nn.AGNNConv)
+    x = torch.randn(n, 32)
+    assert_close(run(ours, x, ei), run(pyg, x, ei), rtol=5e-5)

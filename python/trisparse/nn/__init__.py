@@ -1,5 +1,5 @@
 """Drop-in replacements for PyG layers (needs torch_geometric)."""
 
-from .conv import TransformerConv
+from .conv import AGNNConv, TransformerConv
 
-__all__ = ["TransformerConv"]
+__all__ = ["AGNNConv", "TransformerConv"]

@@ -11,6 +11,8 @@ import torch
 from torch import Tensor
 
 try:
+    import torch.nn.functional as F
+    from torch_geometric.nn import AGNNConv as _PygAGNNConv
     from torch_geometric.nn import MessagePassing
     from torch_geometric.nn import TransformerConv as _PygTransformerConv
 except ImportError as e:  # pragma: no cover - exercised only without PyG
@@ -22,7 +24,7 @@ except ImportError as e:  # pragma: no cover - exercised only without PyG
 from ..attention import sparse_attention
 from ..pattern import Pattern
 
-__all__ = ["TransformerConv"]
+__all__ = ["AGNNConv", "TransformerConv"]
 
 
 class _PatternCache:
@@ -35,20 +37,60 @@ class _PatternCache:
         self._key = None
         self._pattern = None
 
-    def get(self, adj, num_src: int, num_dst: int) -> Pattern:
+    def get(self, adj, num_src: int, num_dst: int, add_self_loops: bool = False) -> Pattern:
         if isinstance(adj, Pattern):
             return adj
-        key = (getattr(adj, "_version", None), num_src, num_dst)
+        key = (getattr(adj, "_version", None), num_src, num_dst, add_self_loops)
         if adj is not self._adj or key != self._key:
             if isinstance(adj, Tensor) and adj.layout == torch.strided:
-                self._pattern = Pattern.from_edge_index(adj, size=(num_src, num_dst))
+                self._pattern = Pattern.from_edge_index(
+                    adj, size=(num_src, num_dst), add_self_loops=add_self_loops
+                )
+            elif add_self_loops:
+                raise TypeError(
+                    "edge_index: with add_self_loops the fused path takes an edge_index tensor "
+                    f"or a trisparse.Pattern, not {type(adj).__name__}"
+                )
             else:
                 self._pattern = Pattern.of(adj, num_nodes=num_src)
             self._adj, self._key = adj, key
         return self._pattern
 
 
-class TransformerConv(_PygTransformerConv):
+def _generic_propagate(self, edge_index, size=None, **kwargs):
+    return MessagePassing.propagate(self, edge_index, size=size, **kwargs)
+
+
+class _Fused:
+    """What the drop-in layers share: the Pattern cache, PyG's generic propagate for the
+    fallback, and the one-time warning that names why a call runs PyG's code."""
+
+    def _init_fused(self) -> None:
+        self._patterns = _PatternCache()
+        self._warned: set[str] = set()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # PyG's generic propagate, in the class itself: PyG would otherwise generate one from the
+        # class's source, which has no propagate call to read the arguments from.
+        cls.propagate = _generic_propagate
+
+    def _fallback(self, reason: str, edge_index) -> None:
+        if isinstance(edge_index, Pattern):
+            raise TypeError(
+                f"edge_index: a trisparse.Pattern cannot run PyG's code ({reason}); pass edge_index"
+            )
+        if reason not in self._warned:
+            self._warned.add(reason)
+            name = type(self).__name__
+            warnings.warn(
+                f"trisparse.nn.{name}: {reason}; running PyG's {name} code for this call "
+                "(exact, not fused)",
+                stacklevel=3,
+            )
+
+
+class TransformerConv(_Fused, _PygTransformerConv):
     """PyG's :class:`torch_geometric.nn.TransformerConv` (same arguments, parameters, outputs),
     its attention fused by trisparse: no [E, heads, channels] messages are materialised, and the
     gradients are deterministic.
@@ -60,22 +102,7 @@ class TransformerConv(_PygTransformerConv):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._patterns = _PatternCache()
-        self._warned: set[str] = set()
-
-    def propagate(self, edge_index, size=None, **kwargs):
-        # PyG's generic propagate: PyG would otherwise generate one from this class's source,
-        # which has no propagate call to read the arguments from.
-        return MessagePassing.propagate(self, edge_index, size=size, **kwargs)
-
-    def _fallback(self, reason: str) -> None:
-        if reason not in self._warned:
-            self._warned.add(reason)
-            warnings.warn(
-                f"trisparse.nn.TransformerConv: {reason}; running PyG's TransformerConv code "
-                "for this call (exact, not fused)",
-                stacklevel=3,
-            )
+        self._init_fused()
 
     def forward(self, x, edge_index, edge_attr=None, return_attention_weights=None):
         reason = None
@@ -92,12 +119,7 @@ class TransformerConv(_PygTransformerConv):
             if pattern.duplicates:
                 reason = f"the graph has {pattern.duplicates} repeated edges"
         if reason is not None:
-            self._fallback(reason)
-            if isinstance(edge_index, Pattern):
-                raise ValueError(
-                    f"edge_index: a trisparse.Pattern cannot run PyG's code ({reason}); pass "
-                    "edge_index"
-                )
+            self._fallback(reason, edge_index)
             return super().forward(x, edge_index, edge_attr, return_attention_weights)
 
         H, C = self.heads, self.out_channels
@@ -114,3 +136,26 @@ class TransformerConv(_PygTransformerConv):
             else:
                 out = out + x_r
         return out
+
+
+class AGNNConv(_Fused, _PygAGNNConv):
+    """PyG's :class:`torch_geometric.nn.AGNNConv` (same arguments, ``beta`` parameter or buffer,
+    outputs), as fused attention: out_i = sum_j softmax_j(beta cos(x_i, x_j)) x_j over i's
+    incoming edges (and a self loop per node with ``add_self_loops``), with q = beta x_i / |x_i|,
+    k = x_j / |x_j|, v = x_j, so autograd reaches beta through q. Falls back to PyG's code, with
+    a one-time warning, for graphs with repeated edges."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_fused()
+
+    def forward(self, x: Tensor, edge_index) -> Tensor:
+        n = x.size(0)
+        pattern = self._patterns.get(edge_index, n, n, add_self_loops=self.add_self_loops)
+        if pattern.duplicates:
+            self._fallback(f"the graph has {pattern.duplicates} repeated edges", edge_index)
+            return super().forward(x, edge_index)
+        x_norm = F.normalize(x, p=2.0, dim=-1)
+        q = (self.beta * x_norm).unsqueeze(1)
+        out = sparse_attention(q, x_norm.unsqueeze(1), x.unsqueeze(1), pattern, scale=1.0)
+        return out.squeeze(1)
