@@ -114,10 +114,9 @@ struct py_attention_plan {
 
   void backward(const tensor_tuple& q, const tensor_tuple& k, const tensor_tuple& v,
                 const tensor_tuple& out, const std::optional<tensor_tuple>& lse,
-                const tensor_tuple& dout,
-                const tensor_tuple& dq, const tensor_tuple& dk, const tensor_tuple& dv,
-                std::optional<double> scale, const std::string& algo, std::uintptr_t stream,
-                std::uintptr_t ws, std::size_t ws_bytes) const {
+                const tensor_tuple& dout, const tensor_tuple& dq, const tensor_tuple& dk,
+                const tensor_tuple& dv, std::optional<double> scale, const std::string& algo,
+                std::uintptr_t stream, std::uintptr_t ws, std::size_t ws_bytes) const {
     const attention_options o = options_of(scale, algo);
     nb::gil_scoped_release release;
     plan.backward(view_of(q), view_of(k), view_of(v), view_of(out), view_of(lse), view_of(dout),
@@ -189,6 +188,34 @@ struct py_block_sparse_plan {
   }
 };
 
+/// A weighted sparse matrix prepared on one device (the SpMM of the GCN layer and its transpose).
+struct py_sparse_plan {
+  sparse_plan plan;
+
+  static py_sparse_plan from_host(std::uintptr_t row_ptr, std::uintptr_t col_idx,
+                                  std::uintptr_t values, std::int64_t rows, std::int64_t cols,
+                                  std::int64_t nnz, int device, std::uintptr_t stream) {
+    csr_graph g;
+    g.rows = rows;
+    g.cols = cols;
+    const auto* rp = reinterpret_cast<const std::int64_t*>(row_ptr);
+    const auto* ci = reinterpret_cast<const std::int32_t*>(col_idx);
+    const auto* vs = reinterpret_cast<const float*>(values);
+    g.row_ptr.assign(rp, rp + rows + 1);
+    g.col_idx.assign(ci, ci + nnz);
+    g.values.assign(vs, vs + nnz);
+    nb::gil_scoped_release release;
+    return {sparse_plan::build(g, device < 0 ? device_kind::cpu : device_kind::cuda, {},
+                               stream_of(stream))};
+  }
+
+  void spmm(const tensor_tuple& b, const tensor_tuple& c, std::uintptr_t stream, std::uintptr_t ws,
+            std::size_t ws_bytes) const {
+    nb::gil_scoped_release release;
+    plan.spmm({}, view_of(b), view_of(c), stream_of(stream), workspace_of(ws, ws_bytes));
+  }
+};
+
 }  // namespace
 
 NB_MODULE(_C, m) {
@@ -242,6 +269,15 @@ NB_MODULE(_C, m) {
       .def_prop_ro("backend", [](const py_attention_plan& p) {
         const auto& r = p.plan.report();
         return trisparse::backend_name(r.algo, r.where);
+      });
+
+  nb::class_<py_sparse_plan>(m, "SparsePlan")
+      .def_static("from_host", &py_sparse_plan::from_host, "row_ptr"_a, "col_idx"_a, "values"_a,
+                  "rows"_a, "cols"_a, "nnz"_a, "device"_a, "stream"_a)
+      .def("spmm", &py_sparse_plan::spmm, "b"_a, "c"_a, "stream"_a, "workspace"_a,
+           "workspace_bytes"_a)
+      .def("workspace_bytes", [](const py_sparse_plan& p, std::int64_t heads, std::int64_t dim) {
+        return p.plan.workspace_bytes(heads, dim);
       });
 
   nb::class_<py_block_sparse_plan>(m, "BlockSparsePlan")

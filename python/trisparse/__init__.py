@@ -12,6 +12,7 @@ from . import _C
 from .attention import sparse_attention
 from .block_sparse import BlockMask, block_sparse_attention
 from .pattern import Pattern
+from .sparse import SparseMatrix, spmm
 
 __version__ = "0.1.0"
 
@@ -24,8 +25,10 @@ def cuda_available() -> bool:
 __all__ = [
     "BlockMask",
     "Pattern",
+    "SparseMatrix",
     "__version__",
     "block_sparse_attention",
     "cuda_available",
     "sparse_attention",
+    "spmm",
 ]

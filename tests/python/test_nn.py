@@ -150,3 +150,49 @@ def test_agnn_conv_on_shared_graphs(name):
     ours, pyg = pair(trisparse.nn.AGNNConv, pyg_nn.AGNNConv)
     x = torch.randn(n, 32)
     assert_close(run(ours, x, ei), run(pyg, x, ei), rtol=5e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"improved": True}, {"add_self_loops": False}, {"normalize": False}, {"bias": False}],
+)
+def test_gcn_conv_matches_pyg(kwargs):
+    n = 140
+    ei = random_edge_index(n, n, 6, seed=6, self_loops=True)
+    ours, pyg = pair(trisparse.nn.GCNConv, pyg_nn.GCNConv, 20, 12, **kwargs)
+    x = torch.randn(n, 20)
+    assert_close(run(ours, x, ei), run(pyg, x, ei), rtol=2e-5)
+    w = torch.rand(ei.shape[1]) + 0.5  # edge weights
+    a, b = ours(x, ei, w), pyg(x, ei, w)
+    assert (a - b).abs().max() <= 2e-5 * b.abs().max()
+
+
+@pytest.mark.parametrize("name", ["cora", "citeseer"])
+def test_gcn_conv_on_shared_graphs(name):
+    ei, n = load_shared_graph(name)
+    ours, pyg = pair(trisparse.nn.GCNConv, pyg_nn.GCNConv, 32, 16, cached=True)
+    x = torch.randn(n, 32)
+    assert_close(run(ours, x, ei), run(pyg, x, ei), rtol=5e-5)
+    assert_close(run(ours, x, ei), run(pyg, x, ei), rtol=5e-5)  # from the cache
+
+
+def test_gcn_conv_edge_weight_gradients_fall_back():
+    ei = random_edge_index(30, 30, 4, seed=7)
+    ours, pyg = pair(trisparse.nn.GCNConv, pyg_nn.GCNConv, 8, 4)
+    x = torch.randn(30, 8)
+    w = (torch.rand(ei.shape[1]) + 0.5).requires_grad_()
+    with pytest.warns(UserWarning, match="edge_weight"):
+        a = ours(x, ei, w)
+    assert torch.equal(a, pyg(x, ei, w))
+
+
+def test_spmm_gradients():
+    row, col = torch.tensor([0, 0, 1, 2, 2, 2]), torch.tensor([1, 3, 0, 0, 2, 3])
+    val = torch.tensor([0.5, -1.0, 2.0, 1.5, 0.25, 3.0])
+    m = trisparse.SparseMatrix(row, col, val, 3, 4)
+    b = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    dense = torch.zeros(3, 4, dtype=torch.float64)
+    dense[row, col] = val.double()
+    assert torch.allclose(trisparse.spmm(m, b), dense @ b)
+    assert torch.autograd.gradcheck(lambda t: trisparse.spmm(m, t), (b,))
+    torch.library.opcheck(torch.ops.trisparse.spmm.default, (b.unsqueeze(1), m.id, False))

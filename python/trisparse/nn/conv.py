@@ -13,8 +13,10 @@ from torch import Tensor
 try:
     import torch.nn.functional as F
     from torch_geometric.nn import AGNNConv as _PygAGNNConv
+    from torch_geometric.nn import GCNConv as _PygGCNConv
     from torch_geometric.nn import MessagePassing
     from torch_geometric.nn import TransformerConv as _PygTransformerConv
+    from torch_geometric.nn.conv.gcn_conv import gcn_norm
 except ImportError as e:  # pragma: no cover - exercised only without PyG
     raise ImportError(
         "trisparse.nn holds drop-in replacements for PyG layers and needs torch_geometric "
@@ -23,8 +25,9 @@ except ImportError as e:  # pragma: no cover - exercised only without PyG
 
 from ..attention import sparse_attention
 from ..pattern import Pattern
+from ..sparse import SparseMatrix, spmm
 
-__all__ = ["AGNNConv", "TransformerConv"]
+__all__ = ["AGNNConv", "GCNConv", "TransformerConv"]
 
 
 class _PatternCache:
@@ -159,3 +162,58 @@ class AGNNConv(_Fused, _PygAGNNConv):
         q = (self.beta * x_norm).unsqueeze(1)
         out = sparse_attention(q, x_norm.unsqueeze(1), x.unsqueeze(1), pattern, scale=1.0)
         return out.squeeze(1)
+
+
+class GCNConv(_Fused, _PygGCNConv):
+    """PyG's :class:`torch_geometric.nn.GCNConv` (same arguments, ``lin`` and ``bias``
+    parameters, outputs): x W, then the normalised propagation as one SpMM over a
+    :class:`trisparse.SparseMatrix` of PyG's own ``gcn_norm`` weights (built once per graph, or
+    once at all with ``cached=True``), deterministic in both directions. Falls back to PyG's code,
+    with a one-time warning, for an ``edge_weight`` that requires grad and for graphs that are
+    not an ``edge_index`` tensor."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_fused()
+        self._matrix_key = None
+        self._matrix = None
+
+    def _propagation(self, x: Tensor, edge_index: Tensor, edge_weight) -> SparseMatrix:
+        n = x.size(0)
+        key = (
+            edge_index,
+            edge_index._version,
+            edge_weight,
+            None if edge_weight is None else edge_weight._version,
+            n,
+        )
+        if self._matrix is not None and (self.cached or self._matrix_key == key):
+            return self._matrix
+        if self.normalize:
+            ei, w = gcn_norm(
+                edge_index, edge_weight, n, self.improved, self.add_self_loops, self.flow, x.dtype
+            )
+        else:
+            ei = edge_index
+            w = edge_weight if edge_weight is not None else torch.ones(ei.size(1))
+        src, dst = (ei[0], ei[1]) if self.flow == "source_to_target" else (ei[1], ei[0])
+        self._matrix = SparseMatrix(dst, src, w, n, n)
+        self._matrix_key = key
+        return self._matrix
+
+    def forward(self, x: Tensor, edge_index, edge_weight=None) -> Tensor:
+        reason = None
+        if isinstance(x, (tuple, list)):
+            reason = "bipartite inputs are not supported"
+        elif not isinstance(edge_index, Tensor) or edge_index.layout != torch.strided:
+            reason = f"{type(edge_index).__name__} graphs are not fused (pass edge_index)"
+        elif edge_weight is not None and edge_weight.requires_grad:
+            reason = "gradients of edge_weight are not fused"
+        if reason is not None:
+            self._fallback(reason, edge_index)
+            return super().forward(x, edge_index, edge_weight)
+        matrix = self._propagation(x, edge_index, edge_weight)
+        out = spmm(matrix, self.lin(x))
+        if self.bias is not None:
+            out = out + self.bias
+        return out
