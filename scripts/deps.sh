@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Installs what trisparse needs on Debian 12, by package name (apt), and NumPy (Debian or PyPI).
+# Installs what trisparse needs on Debian 12, by package name: apt, then PyPI (NumPy where the
+# python3 on PATH lacks it; torch, torch_geometric, pytest, nanobind, scikit-build-core for the
+# Python package unless TRISPARSE_DEPS=cpp).
 set -euo pipefail
 sudo=""
 [ "$(id -u)" -eq 0 ] || sudo="sudo"
 packages=(cmake ninja-build g++ pkg-config clang libclang-rt-14-dev libomp-dev zlib1g-dev liblzma-dev
-          libzip-dev libcli11-dev nlohmann-json3-dev libgtest-dev libbenchmark-dev python3 python3-numpy)
+          libzip-dev libcli11-dev nlohmann-json3-dev libgtest-dev libbenchmark-dev python3 python3-numpy
+          python3-dev python3-pip)
 missing=()
 for p in "${packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
@@ -22,10 +25,6 @@ pip_install() {
 python3 -c "import numpy" 2>/dev/null || pip_install numpy || true
 # The Python package's build and tests: skipped by the demo (TRISPARSE_DEPS=cpp).
 if [ "${TRISPARSE_DEPS:-all}" = all ]; then
-  if ! python3 -m pip --version >/dev/null 2>&1; then
-    $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq python3-pip python3-dev >/dev/null
-  fi
   python3 -c "import torch, torch_geometric, pytest, nanobind, scikit_build_core" 2>/dev/null ||
     pip_install "torch>=2.4" "torch_geometric>=2.5" pytest "nanobind>=2.0" "scikit-build-core>=0.10"
 fi

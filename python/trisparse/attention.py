@@ -182,10 +182,35 @@ def sparse_attention(
         scale = 1.0 / math.sqrt(q.shape[2])
     elif not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    dim_v = v.shape[2]
+    if q.device.type == "cuda":
+        q, k, v = _padded_for_cuda(q, k, v)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     with_lse = bool(return_lse or needs_grad)  # the backward reads it
     out, lse = torch.ops.trisparse.sparse_attention(
         q, k, v, pattern.id, float(scale), with_lse, bool(needs_grad)
     )
+    out = out if out.shape[2] == dim_v else out[..., :dim_v]
     return (out, lse) if return_lse else out
+
+
+_CUDA_HEAD_DIMS = (32, 64, 128, 256)  # the fused 3S kernel's (q, k and v share one)
+
+
+def _padded_for_cuda(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v zero-padded to the fused kernel's next head dim when theirs is not one of its own
+    or differs between q and v (zeros change no score and add output columns that are cut off);
+    autograd passes through the padding."""
+    dim = max(q.shape[2], v.shape[2])
+    target = next((d for d in _CUDA_HEAD_DIMS if d >= dim), None)
+    if target is None:
+        raise ValueError(f"on CUDA the head dims must be at most 256, got {dim}")
+    if q.shape[2] == target and v.shape[2] == target:
+        return q, k, v
+    pad = torch.nn.functional.pad
+    return (
+        pad(q, (0, target - q.shape[2])),
+        pad(k, (0, target - k.shape[2])),
+        pad(v, (0, target - v.shape[2])),
+    )

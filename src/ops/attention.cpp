@@ -441,7 +441,7 @@ void attention_plan::backward(const tensor_view& q, const tensor_view& k, const 
       ws = {state_->grad_own.view().data,
             static_cast<std::size_t>(state_->grad_own.view().rows) * 4};
     }
-    // lse may be empty: the row pass recomputes it (the fused forward does not write it yet).
+    // lse may be empty (the caller did not keep the forward's): the row pass recomputes it.
     cuda::run_attention_backward(*state_->device_grad, q, k, v, out, lse, dout, dq, dk, dv, scale,
                                  ws, stream);
     return;

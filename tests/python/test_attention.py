@@ -237,21 +237,44 @@ def test_a_freed_pattern_is_reported():
         torch.ops.trisparse.sparse_attention(q, k, v, pid, 0.5, False, False)
 
 
+def test_the_cuda_padding_changes_nothing():
+    # What sparse_attention does on CUDA for head dims the fused kernel lacks, checked on the CPU.
+    from trisparse.attention import _padded_for_cuda
+
+    ei = random_edge_index(40, 30, 6, seed=25)
+    pattern = trisparse.Pattern.from_edge_index(ei, size=(40, 30))
+    q, k, v = qkv(30, 40, 2, 16, 24, torch.float64, seed=26)
+    dout = torch.randn(30, 2, 24, dtype=torch.float64)
+
+    def padded(a, b, c):
+        pa, pb, pc = _padded_for_cuda(a, b, c)
+        assert pa.shape[2] == pb.shape[2] == pc.shape[2] == 32
+        return trisparse.sparse_attention(pa, pb, pc, pattern, scale=0.25)[..., :24]
+
+    got = grads(padded, q, k, v, dout)
+    want = grads(
+        lambda a, b, c: trisparse.sparse_attention(a, b, c, pattern, scale=0.25), q, k, v, dout
+    )
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and torch.allclose(g, w, rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])  # the fused 3S kernel's types
 def test_cuda_forward_and_gradients_match_dense(dtype):
     ei = random_edge_index(500, 400, 20, seed=22)
     pattern = trisparse.Pattern.from_edge_index(ei, size=(500, 400))
-    q, k, v = qkv(400, 500, 4, 64, 32, torch.float32, seed=23)
-    dout = torch.randn(400, 4, 32, generator=torch.Generator().manual_seed(24))
+    # D = 16 and Dv = 24: padded to the kernel's 32 (as TransformerConv's 16 channels per head).
+    q, k, v = qkv(400, 500, 4, 16, 24, torch.float32, seed=23)
+    dout = torch.randn(400, 4, 24, generator=torch.Generator().manual_seed(24))
     q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
     got = grads(
         lambda a, b, c: trisparse.sparse_attention(a, b, c, pattern),
         *(t.cuda() for t in (q, k, v)),
         dout.cuda(),
     )
-    want = grads(lambda a, b, c: dense_attention(a, b, c, ei, 1 / 8), q, k, v, dout.double())
-    same = grads(lambda a, b, c: dense_attention_in(a, b, c, ei, 1 / 8), q, k, v, dout)
+    want = grads(lambda a, b, c: dense_attention(a, b, c, ei, 1 / 4), q, k, v, dout.double())
+    same = grads(lambda a, b, c: dense_attention_in(a, b, c, ei, 1 / 4), q, k, v, dout)
     for name, g, w, s in zip(("out", "dq", "dk", "dv"), got, want, same, strict=True):
         assert g.dtype == dtype and g.is_cuda, name
         assert relerr(g.cpu(), w) <= 2 * relerr(s, w) + 1e-5, (name, relerr(g.cpu(), w))
