@@ -24,6 +24,19 @@ def lookup(pattern_id: int) -> Pattern:
     return _patterns.lookup(pattern_id)
 
 
+def check_edge_ids(row: torch.Tensor, col: torch.Tensor, num_rows: int, num_cols: int) -> None:
+    """Raises ValueError, naming the side, unless 0 <= row < num_rows and 0 <= col < num_cols."""
+    if row.numel() == 0:
+        return
+    for t, n, what in ((row, num_rows, "target (row)"), (col, num_cols, "source (column)")):
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 0 or hi >= n:
+            raise ValueError(
+                f"edge_index: a {what} id is out of range: ids span [{lo}, {hi}] but there are "
+                f"{n} nodes on that side"
+            )
+
+
 def _check_index(t: Any, name: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -69,14 +82,7 @@ class Pattern:
             raise ValueError(f"the size must be non-negative, got ({num_rows}, {num_cols})")
         if num_cols >= 2**31:
             raise ValueError(f"num_cols {num_cols} does not fit the kernels' 32-bit column ids")
-        if row.numel() > 0:
-            for t, n, what in ((row, num_rows, "target (row)"), (col, num_cols, "source (column)")):
-                lo, hi = int(t.min()), int(t.max())
-                if lo < 0 or hi >= n:
-                    raise ValueError(
-                        f"edge_index: a {what} id is out of range: ids span [{lo}, {hi}] but "
-                        f"there are {n} nodes on that side"
-                    )
+        check_edge_ids(row, col, num_rows, num_cols)
         key = torch.unique(row * max(num_cols, 1) + col, sorted=True)
         duplicates = row.numel() - key.numel()
         r = torch.div(key, max(num_cols, 1), rounding_mode="floor")

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from . import _C, _tensors
 from ._registry import Registry
+from .pattern import check_edge_ids
 
 __all__ = ["SparseMatrix", "spmm"]
 
@@ -30,14 +31,7 @@ class SparseMatrix:
         # Canonical CSR on the host (the sums of repeated entries in one fixed order).
         row, col = row.detach().to("cpu", torch.int64), col.detach().to("cpu", torch.int64)
         value = value.detach().to("cpu", torch.float32)
-        if row.numel() > 0:
-            for t, n, what in ((row, num_rows, "target (row)"), (col, num_cols, "source (column)")):
-                lo, hi = int(t.min()), int(t.max())
-                if lo < 0 or hi >= n:
-                    raise ValueError(
-                        f"edge_index: a {what} id is out of range: ids span [{lo}, {hi}] but "
-                        f"there are {n} nodes on that side"
-                    )
+        check_edge_ids(row, col, num_rows, num_cols)
         self.num_rows, self.num_cols = int(num_rows), int(num_cols)
         self._csr = {False: self._canonical(row, col, value, num_rows, num_cols)}
         self._csr[True] = self._canonical(col, row, value, num_cols, num_rows)
