@@ -137,7 +137,7 @@ __device__ __forceinline__ float natural_lse(float m, float l) {
 /// m = max m_i, l = sum l_i 2^(m_i - m), O = sum O_i 2^(m_i - m) / l. Lane r < 16 owns row r's
 /// (m, l); each lane owns columns lane + 32c and, per part, issues 8 rows x D/32 independent
 /// coalesced loads (through L2, __ldcg: other SMs wrote the partials).
-template <int D, class O>
+template <int D, class O, bool kLse>
 __device__ __forceinline__ void merge_window(const params& p, const split_window& sw, int h,
                                              int lane) {
   constexpr int kC = D / 32;
@@ -154,8 +154,10 @@ __device__ __forceinline__ void merge_window(const params& p, const split_window
       l += exp2f(__ldcg(ml) - u) * __ldcg(ml + 1);
     }
     const std::int64_t slot = std::int64_t{sw.window} * 16 + lane;
-    if (p.lse != nullptr && slot < p.rows)
-      p.lse[source_row(p, slot) * p.lse_row + h * p.lse_head] = natural_lse(u, l);
+    if constexpr (kLse) {
+      if (slot < p.rows)
+        p.lse[source_row(p, slot) * p.lse_row + h * p.lse_head] = natural_lse(u, l);
+    }
   }
   O* out = static_cast<O*>(p.out) + h * p.o_head;
 #pragma unroll
@@ -201,7 +203,7 @@ constexpr int team_words(int warps) {
 /// (team_words<D>(team) floats), which combines them and finishes the item.
 /// kPipelined: the next TCB's rows load during this one's products (a second copy of the rows in
 /// registers), else at the top of their own iteration.
-template <class T, int D, class O, bool kPipelined>
+template <class T, int D, class O, bool kPipelined, bool kLse>
 __device__ __forceinline__ void process_item(const params& p, const work_item& it, int h, int lane,
                                              int member, int team, float* shared) {
   constexpr int kQ = D / 4;  // halves of a Q/K row per lane
@@ -347,9 +349,11 @@ __device__ __forceinline__ void process_item(const params& p, const work_item& i
 
   float r00[kV], r01[kV], r10[kV], r11[kV];  // rows (g, g+8) x column runs (2t, 2t+1)
   if (it.part < 0) {
-    if (p.lse != nullptr && t == 0) {
-      if (row0 >= 0) p.lse[row0 * p.lse_row + h * p.lse_head] = natural_lse(safe_max(m0), l0);
-      if (row1 >= 0) p.lse[row1 * p.lse_row + h * p.lse_head] = natural_lse(safe_max(m1), l1);
+    // The rows' log-sum-exp if asked for, taken now so that m and l need not stay live.
+    float lse0 = 0.0f, lse1 = 0.0f;
+    if constexpr (kLse) {
+      lse0 = natural_lse(safe_max(m0), l0);
+      lse1 = natural_lse(safe_max(m1), l1);
     }
     const float i0 = l0 > 0.0f ? 1.0f / l0 : 0.0f,
                 i1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;  // empty row: 0
@@ -368,6 +372,10 @@ __device__ __forceinline__ void process_item(const params& p, const work_item& i
     if (row1 >= 0) {
       store_run<O, kV>(out + row1 * p.o_row + 2 * t * kV, r10);
       store_run<O, kV>(out + row1 * p.o_row + (2 * t + 1) * kV, r11);
+    }
+    if (kLse && t == 0) {
+      if (row0 >= 0) p.lse[row0 * p.lse_row + h * p.lse_head] = lse0;
+      if (row1 >= 0) p.lse[row1 * p.lse_row + h * p.lse_head] = lse1;
     }
   } else {
     // Unnormalised partial state, O [16, D] in natural column order and (m, l) per row; the last
@@ -400,7 +408,7 @@ __device__ __forceinline__ void process_item(const params& p, const work_item& i
     arrived = __shfl_sync(0xffffffffu, arrived, 0);
     if (arrived == sw.parts - 1) {
       __threadfence();
-      merge_window<D, O>(p, sw, h, lane);
+      merge_window<D, O, kLse>(p, sw, h, lane);
       if (lane == 0) *count = 0;  // ready for the next launch (stream-ordered)
     }
   }
@@ -414,7 +422,9 @@ __device__ __forceinline__ void process_item(const params& p, const work_item& i
 /// wave quantisation). The last warp to leave resets the queue for the next launch.
 /// Without the queue (use_queue false) the grid has one block per team task, then one warp per
 /// warp task. Dynamic shared memory: team_words<D>(kWarps) floats when team_items > 0.
-template <class T, int D, class O, int kWarps, int kMinBlocks>
+/// kLse: also write each row's log-sum-exp (p.lse); an instantiation of its own, so that runs
+/// that do not ask for it run the same code as before it existed.
+template <class T, int D, class O, int kWarps, int kMinBlocks, bool kLse>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) fused3s_kernel(const params p) {
   extern __shared__ float team_state[];
   __shared__ unsigned long long claimed;
@@ -442,8 +452,9 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) fused3s_kernel(const 
     // Rows one TCB ahead up to D = 128 at 8 warps per SM; at D = 256, or D = 128 with 12 warps
     // (168 registers), the second copy of the rows does not fit.
     constexpr bool kPipelined = D <= 64 || (D <= 128 && kMinBlocks * kWarps <= 8);
-    process_item<T, D, O, kPipelined>(p, p.items[task / p.heads], static_cast<int>(task % p.heads),
-                                      lane, on_team ? warp : 0, on_team ? kWarps : 1, team_state);
+    process_item<T, D, O, kPipelined, kLse>(p, p.items[task / p.heads],
+                                            static_cast<int>(task % p.heads), lane,
+                                            on_team ? warp : 0, on_team ? kWarps : 1, team_state);
     if (!p.use_queue) return;  // one task per block (teams) or warp: no claims, nothing to reset
     if (on_team) {
       if (threadIdx.x == 0)

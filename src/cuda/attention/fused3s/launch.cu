@@ -117,9 +117,9 @@ std::int32_t team_items(const fused3s_device_plan& plan, std::int64_t heads, std
   });
 }
 
-template <class T, int D, class O, int kBlocks, int kBlockWarps = kWarps>
+template <class T, int D, class O, bool kLse, int kBlocks, int kBlockWarps = kWarps>
 void launch_blocks(const fused3s::params& p, const fused3s_device_plan& plan, cudaStream_t s) {
-  const auto kernel = fused3s::fused3s_kernel<T, D, O, kBlockWarps, kBlocks>;
+  const auto kernel = fused3s::fused3s_kernel<T, D, O, kBlockWarps, kBlocks, kLse>;
   constexpr int kTeamBytes = fused3s::team_words<D>(kBlockWarps) * static_cast<int>(sizeof(float));
   // Persistent warps: no more blocks than fit at once (the occupancy of this instantiation with
   // the teams' shared memory, on the first device it runs on).
@@ -149,16 +149,17 @@ void launch_blocks(const fused3s::params& p, const fused3s_device_plan& plan, cu
   }
 }
 
-template <class T, int D, class O>
+template <class T, int D, class O, bool kLse>
 void launch(const fused3s::params& p, const fused3s_device_plan& plan, cudaStream_t s) {
   if constexpr (D == 128) {
     const auto& sizes = plan.host_items.tcbs;
     if (!sizes.empty() && fused3s::short_items_on_small_blocks(
                               sizes.front(), std::int64_t{p.num_items} * p.heads, plan.sms)) {
-      return launch_blocks<T, D, O, fused3s::kShortBlocks, fused3s::kShortBlockWarps>(p, plan, s);
+      return launch_blocks<T, D, O, kLse, fused3s::kShortBlocks, fused3s::kShortBlockWarps>(p, plan,
+                                                                                            s);
     }
   }
-  launch_blocks<T, D, O, kMinBlocks<D>>(p, plan, s);
+  launch_blocks<T, D, O, kLse, kMinBlocks<D>>(p, plan, s);
 }
 
 std::shared_ptr<fused3s_device_plan> plan_from(device_bsb f, fused3s_limits limits,
@@ -280,8 +281,12 @@ void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const te
   }
   with_half_type(q.type, "fused 3S's q", [&]<class T>() {
     with_head_dim<32, 64, 128, 256>(q.dim, "fused 3S's head_dim", [&]<int D>() {
-      with_type<float, __half, __nv_bfloat16>(out.type, "fused 3S's out",
-                                              [&]<class O>() { launch<T, D, O>(p, plan, s); });
+      with_type<float, __half, __nv_bfloat16>(out.type, "fused 3S's out", [&]<class O>() {
+        if (p.lse != nullptr)
+          launch<T, D, O, true>(p, plan, s);
+        else
+          launch<T, D, O, false>(p, plan, s);
+      });
     });
   });
 }
