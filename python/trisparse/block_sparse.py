@@ -11,6 +11,7 @@ from torch import Tensor
 
 from . import _C, _tensors
 from ._registry import Registry
+from .pattern import row_offsets
 
 __all__ = ["BlockMask", "block_sparse_attention"]
 
@@ -70,9 +71,7 @@ class BlockMask:
             for h in range(h_m):
                 dense = self.blocks[b if b_m > 1 else 0, h]
                 rows, cols = dense.nonzero(as_tuple=True)
-                rowptr = torch.zeros(qb + 1, dtype=torch.int64)
-                torch.cumsum(torch.bincount(rows, minlength=qb), 0, out=rowptr[1:])
-                csr.append((rowptr, cols.to(torch.int32).contiguous()))
+                csr.append((row_offsets(rows, qb), cols.to(torch.int32).contiguous()))
         stream = _tensors.stream(device)
         plan = _C.BlockSparsePlan.build(
             g,

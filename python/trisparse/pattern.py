@@ -24,6 +24,14 @@ def lookup(pattern_id: int) -> Pattern:
     return _patterns.lookup(pattern_id)
 
 
+def row_offsets(rows_of_entries: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """CSR row offsets [num_rows + 1] (int64) of entries sorted by row."""
+    rowptr = torch.zeros(num_rows + 1, dtype=torch.int64, device=rows_of_entries.device)
+    if num_rows > 0:
+        torch.cumsum(torch.bincount(rows_of_entries, minlength=num_rows), 0, out=rowptr[1:])
+    return rowptr
+
+
 def check_edge_ids(row: torch.Tensor, col: torch.Tensor, num_rows: int, num_cols: int) -> None:
     """Raises ValueError, naming the side, unless 0 <= row < num_rows and 0 <= col < num_cols."""
     if row.numel() == 0:
@@ -86,10 +94,12 @@ class Pattern:
         key = torch.unique(row * max(num_cols, 1) + col, sorted=True)
         duplicates = row.numel() - key.numel()
         r = torch.div(key, max(num_cols, 1), rounding_mode="floor")
-        rowptr = torch.zeros(num_rows + 1, dtype=torch.int64, device=row.device)
-        if num_rows > 0:
-            torch.cumsum(torch.bincount(r, minlength=num_rows), 0, out=rowptr[1:])
-        return cls(rowptr, (key - r * max(num_cols, 1)).to(torch.int32), num_cols, duplicates)
+        return cls(
+            row_offsets(r, num_rows),
+            (key - r * max(num_cols, 1)).to(torch.int32),
+            num_cols,
+            duplicates,
+        )
 
     @classmethod
     def from_edge_index(

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from . import _C, _tensors
 from ._registry import Registry
-from .pattern import check_edge_ids
+from .pattern import check_edge_ids, row_offsets
 
 __all__ = ["SparseMatrix", "spmm"]
 
@@ -48,10 +48,7 @@ class SparseMatrix:
             0, inverse, value.double()
         )
         r = torch.div(uniq, max(cols, 1), rounding_mode="floor")
-        rowptr = torch.zeros(rows + 1, dtype=torch.int64)
-        if rows > 0:
-            torch.cumsum(torch.bincount(r, minlength=rows), 0, out=rowptr[1:])
-        return rowptr, (uniq - r * max(cols, 1)).to(torch.int32), summed.float()
+        return row_offsets(r, rows), (uniq - r * max(cols, 1)).to(torch.int32), summed.float()
 
     def plan(self, device: torch.device, transposed: bool = False):
         if device.type == "cuda" and device.index is None:
