@@ -218,7 +218,8 @@ std::vector<gpu_case> backward_cases() {
   };
   auto e = std::make_shared<scratch>();
   for (int set = 0; set < 2; ++set) {
-    host_tensor out64(dtype::f64, g.rows, heads, dim), out(dtype::f32, g.rows, heads, dim);
+    // out in dout's dtype (f16), as the backward requires.
+    host_tensor out64(dtype::f64, g.rows, heads, dim), out(dtype::f16, g.rows, heads, dim);
     reference::attention(g, x->host[set * 4].view(), x->host[set * 4 + 1].view(),
                          x->host[set * 4 + 2].view(), out64.view(), scale);
     for (std::int64_t i = 0; i < out.numel(); ++i) out.set(i, out64.get(i));
