@@ -39,7 +39,11 @@ class device_tensor {
     cuda_check(cudaMemcpy(d_, h_.data(), h_.size_bytes(), cudaMemcpyHostToDevice), "upload");
   }
   /// Fills the device copy with 0xFF bytes (NaN in every float type): unwritten outputs show.
-  void poison() { cuda_check(cudaMemset(d_, 0xFF, h_.size_bytes()), "poison"); }
+  // Waits for the memset: a kernel on a non-blocking stream does not wait for the legacy stream.
+  void poison() {
+    cuda_check(cudaMemset(d_, 0xFF, h_.size_bytes()), "poison");
+    cuda_check(cudaDeviceSynchronize(), "poison");
+  }
   host_tensor download() {
     cuda_check(cudaDeviceSynchronize(), "kernel");
     cuda_check(cudaMemcpy(h_.data(), d_, h_.size_bytes(), cudaMemcpyDeviceToHost), "download");
