@@ -5,8 +5,8 @@
 // float64 on sampled rows. One JSON object per line.
 //   bench_fused3s [--dim D] [--heads H] [--repeat R] [--dtype f16|bf16] [--split N,N,...] [--team
 //   N,N,...]
-//                 [--no-baselines] [--rmat SCALE:EF]... [--er N:DEG]... [--batch G:MIN:MAX]...
-//                 GRAPH...
+//                 [--no-baselines] [--training] [--rmat SCALE:EF]... [--er N:DEG]... [--batch
+//                 G:MIN:MAX]... GRAPH...
 #include <cuda_runtime.h>
 #include <omp.h>
 
@@ -86,8 +86,23 @@ struct settings {
   int repeat = 20;
   dtype in = dtype::f16;
   bool baselines = true;
+  bool training = false;
   double dense_budget_gib = 16;
 };
+
+// Largest nnz x heads x dim whose backward the benchmark checks against the float64 reference in
+// full; larger graphs are checked for finite, written (unpoisoned) gradients only.
+constexpr double kFullGradientCheck = 4e8;
+
+// Max |got - ref| / max |ref| over one gradient tensor.
+double relative_error(const host_tensor& got, const host_tensor& ref) {
+  double max_abs = 0, max_ref = 0;
+  for (std::int64_t i = 0; i < ref.numel(); ++i) {
+    max_abs = std::max(max_abs, std::abs(got.get(i) - ref.get(i)));
+    max_ref = std::max(max_ref, std::abs(ref.get(i)));
+  }
+  return max_abs / std::max(max_ref, 1e-300);
+}
 
 void bench_graph(const std::string& name, const csr_graph& g, const settings& cfg,
                  std::int32_t split, std::int32_t team, bool with_baselines) {
@@ -203,6 +218,69 @@ void bench_graph(const std::string& name, const csr_graph& g, const settings& cf
                    {"format", plan.report().format},
                    {"max_rel_error", acc.max_rel_error},
                    {"all_finite", acc.all_finite}};
+  if (cfg.training) {
+    // Training: a plan with gradients (its build includes the transposed pattern), the forward
+    // writing the log-sum-exp, and the backward from it (dq, dk, dv in the input dtype, dout f32).
+    const auto tg = std::chrono::steady_clock::now();
+    const attention_plan gp = attention_plan::build(g, device_kind::cuda,
+                                                    {.split_tcbs = split,
+                                                     .team_tcbs = team,
+                                                     .workspace_heads = heads,
+                                                     .workspace_dim = dim,
+                                                     .gradients = true});
+    check(cudaDeviceSynchronize(), "plan");
+    const double grad_build_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - tg).count();
+    host_tensor hlse(dtype::f32, g.rows, heads, 1), hdout(dtype::f32, g.rows, heads, dim);
+    hdout.fill_uniform(-1.0, 1.0, now + 101);
+    host_tensor hdq(in, g.rows, heads, dim), hdk(in, g.cols, heads, dim),
+        hdv(in, g.cols, heads, dim);
+    device_mem dlse(hlse.size_bytes()), ddout(hdout.size_bytes()), ddq(hdq.size_bytes()),
+        ddk(hdk.size_bytes()), ddv(hdv.size_bytes());
+    check(cudaMemcpy(ddout.p, hdout.data(), hdout.size_bytes(), cudaMemcpyHostToDevice), "upload");
+    const attention_options with_lse{.scale = 1.0, .lse = view(hlse, dlse.p)};
+    const std::function<void(int)> forward = [&](int s) {
+      gp.run(view(hq[s], dq[s]->p), view(hk[s], dk[s]->p), view(hv[s], dv[s]->p), out_view,
+             with_lse);
+    };
+    const std::function<void(int)> backward = [&](int s) {
+      gp.backward(view(hq[s], dq[s]->p), view(hk[s], dk[s]->p), view(hv[s], dv[s]->p), out_view,
+                  view(hlse, dlse.p), view(hdout, ddout.p), view(hdq, ddq.p), view(hdk, ddk.p),
+                  view(hdv, ddv.p), opts);
+    };
+    const std::function<void(int)> step = [&](int s) {
+      forward(s);
+      backward(s);
+    };
+    const timing fwd = time_runs(repeat, sets, true, forward);
+    const timing bwd = time_runs(repeat, sets, true, backward);
+    const timing both = time_runs(repeat, sets, true, step);
+    // Poisoned gradients, one more step on the last set, then the check.
+    const std::pair<host_tensor*, device_mem*> grads[] = {{&hdq, &ddq}, {&hdk, &ddk}, {&hdv, &ddv}};
+    for (const auto& [h, d] : grads) check(cudaMemset(d->p, 0xFF, h->size_bytes()), "poison");
+    step(last);
+    for (const auto& [h, d] : grads)
+      check(cudaMemcpy(h->data(), d->p, h->size_bytes(), cudaMemcpyDeviceToHost), "download");
+    bool finite = true;
+    for (const auto* h : {&hdq, &hdk, &hdv})
+      for (std::int64_t i = 0; i < h->numel(); ++i) finite = finite && std::isfinite(h->get(i));
+    nlohmann::json t{{"grad_build_ms", grad_build_ms},
+                     {"forward_lse_ms", fwd.median},
+                     {"backward_ms", bwd.median},
+                     {"step_ms", both.median},
+                     {"backward_gflops", 10 * nnz * hd / bwd.median * 1e-6},
+                     {"grads_finite", finite}};
+    if (nnz * hd <= kFullGradientCheck) {
+      host_tensor rq(dtype::f64, g.rows, heads, dim), rk(dtype::f64, g.cols, heads, dim),
+          rv(dtype::f64, g.cols, heads, dim);
+      reference::attention_backward(g, hq[last].view(), hk[last].view(), hv[last].view(),
+                                    hdout.view(), rq.view(), rk.view(), rv.view(), 1.0);
+      t["dq_rel_error"] = relative_error(hdq, rq);
+      t["dk_rel_error"] = relative_error(hdk, rk);
+      t["dv_rel_error"] = relative_error(hdv, rv);
+    }
+    j["training"] = t;
+  }
   if (with_baselines && in == dtype::f16) {
     nlohmann::json base;
     for (const bool fp32 : {true, false}) {
@@ -310,6 +388,8 @@ int main(int argc, char** argv) {
   app.add_flag("--baselines,!--no-baselines", cfg.baselines,
                "time the cuSPARSE pipeline and dense cuBLAS attention too (f16 inputs)")
       ->capture_default_str();
+  app.add_flag("--training", cfg.training,
+               "also time the forward writing the log-sum-exp, the backward and both (f32 dout)");
   app.add_option("--dense-budget-gib", cfg.dense_budget_gib,
                  "largest rows x cols score matrices the dense baseline allocates")
       ->capture_default_str();

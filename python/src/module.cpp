@@ -258,8 +258,8 @@ NB_MODULE(_C, m) {
       .def("workspace_bytes", [](const py_attention_plan& p, std::int64_t heads,
                                  std::int64_t dim) { return p.plan.workspace_bytes(heads, dim); })
       .def("backward_workspace_bytes",
-           [](const py_attention_plan& p, std::int64_t heads) {
-             return p.plan.backward_workspace_bytes(heads);
+           [](const py_attention_plan& p, std::int64_t heads, std::int64_t dim) {
+             return p.plan.backward_workspace_bytes(heads, dim);
            })
       .def("resolve",
            [](const py_attention_plan& p, const std::string& algo) {

@@ -78,7 +78,8 @@ def _backward_op(
     plan = lookup(pattern).plan(q.device, gradients=True)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _owner, ws, ws_bytes = _tensors.workspace(plan.backward_workspace_bytes(q.shape[1]), q.device)
+    ws_need = plan.backward_workspace_bytes(q.shape[1], max(q.shape[2], v.shape[2]))
+    _owner, ws, ws_bytes = _tensors.workspace(ws_need, q.device)
     plan.backward(
         *(_tensors.view(t) for t in (q, k, v, out)),
         _lse_view(lse) if lse.dim() == 2 else None,

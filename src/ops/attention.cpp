@@ -86,10 +86,10 @@ struct attention_plan::state {
   device_tensor own;
   std::int64_t own_heads = 0;
   // plan_options::gradients on CUDA: the pattern and its transpose on the device, and the
-  // backward's own workspace for up to grad_heads heads.
+  // backward's own workspace for up to grad_heads heads of up to grad_dim elements.
   std::shared_ptr<cuda::attention_backward_device_plan> device_grad;
   device_tensor grad_own;
-  std::int64_t grad_heads = 0;
+  std::int64_t grad_heads = 0, grad_dim = 0;
 };
 
 namespace {
@@ -172,7 +172,9 @@ void attention_plan::own_backward(state& s, const csr_graph& pattern, const plan
   const csr_graph b = binary_copy(pattern);
   s.device_grad = cuda::make_attention_backward_plan(b, transpose(b), stream);
   s.grad_heads = std::max<std::int64_t>(options.workspace_heads, 1);
-  const std::size_t bytes = cuda::attention_backward_workspace_bytes(*s.device_grad, s.grad_heads);
+  s.grad_dim = std::max<std::int64_t>(options.workspace_dim, 1);
+  const std::size_t bytes =
+      cuda::attention_backward_workspace_bytes(*s.device_grad, s.grad_heads, s.grad_dim);
   s.grad_own = device_tensor(dtype::f32, static_cast<std::int64_t>(bytes / 4), 1, 1);
   s.gradients = true;
 }
@@ -399,10 +401,13 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
   }
 }
 
-std::size_t attention_plan::backward_workspace_bytes(std::int64_t heads) const {
-  TRISPARSE_EXPECTS_INPUT(heads >= 0, "backward_workspace_bytes: heads must be >= 0");
-  return state_->device_grad ? cuda::attention_backward_workspace_bytes(*state_->device_grad, heads)
-                             : 0;
+std::size_t attention_plan::backward_workspace_bytes(std::int64_t heads,
+                                                     std::int64_t head_dim) const {
+  TRISPARSE_EXPECTS_INPUT(heads >= 0 && head_dim >= 0,
+                          "backward_workspace_bytes: heads and head_dim must be >= 0");
+  return state_->device_grad
+             ? cuda::attention_backward_workspace_bytes(*state_->device_grad, heads, head_dim)
+             : 0;
 }
 
 void attention_plan::backward(const tensor_view& q, const tensor_view& k, const tensor_view& v,
@@ -434,10 +439,13 @@ void attention_plan::backward(const tensor_view& q, const tensor_view& k, const 
     workspace_view ws = given;
     if (ws.empty()) {
       TRISPARSE_EXPECTS_INPUT(
-          q.heads <= state_->grad_heads,
+          q.heads <= state_->grad_heads && std::max(q.dim, v.dim) <= state_->grad_dim,
           "attention backward: this plan's own workspace serves up to " +
-              std::to_string(state_->grad_heads) + " heads, not " + std::to_string(q.heads) +
-              ": build it with a larger plan_options.workspace_heads, or pass a workspace");
+              std::to_string(state_->grad_heads) + " heads of dim " +
+              std::to_string(state_->grad_dim) + ", not " + std::to_string(q.heads) + " of " +
+              std::to_string(std::max(q.dim, v.dim)) +
+              ": build it with larger plan_options.workspace_heads/workspace_dim, or pass a "
+              "workspace");
       ws = {state_->grad_own.view().data,
             static_cast<std::size_t>(state_->grad_own.view().rows) * 4};
     }

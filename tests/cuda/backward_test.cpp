@@ -244,7 +244,7 @@ TEST(GpuAttentionBackward, TwoStreamsGiveTheSameBits) {
     std::unique_ptr<test::device_tensor> dq, dk, dv;
   };
   lane lanes[2];
-  const std::size_t bytes = plan.backward_workspace_bytes(c.heads);
+  const std::size_t bytes = plan.backward_workspace_bytes(c.heads, std::max(c.dim, c.dim_v));
   for (auto& l : lanes) {
     test::cuda_check(cudaStreamCreateWithFlags(&l.s, cudaStreamNonBlocking), "stream");
     test::cuda_check(cudaMalloc(&l.ws, bytes), "workspace");

@@ -230,7 +230,7 @@ std::vector<gpu_case> backward_cases() {
         std::make_unique<test::device_tensor>(host_tensor(dtype::f32, g.cols, heads, dim)));
   }
   gpu_case c{.name = "attention backward",
-             .workspace_bytes = plan->backward_workspace_bytes(heads),
+             .workspace_bytes = plan->backward_workspace_bytes(heads, dim),
              .tolerance = test::gpu_tolerance(dtype::f16, dtype::f32, 8),
              .run =
                  [plan, x, e](int set, const workspace_view* ws, cudaStream_t s) {

@@ -120,7 +120,7 @@ class attention_plan {
   /// pattern): a row pass and a pass over the transposed pattern, one warp per row and head,
   /// q/k/v f16, bf16 or f32 with head dims up to 256, fp32 accumulation; lse (f32) may be empty
   /// and is then recomputed. Asynchronous on `stream`; `workspace`: backward_workspace_bytes()
-  /// bytes, or empty for the plan's own (up to plan_options::workspace_heads heads).
+  /// bytes, or empty for the plan's own (plan_options::workspace_heads/workspace_dim).
   /// @throws invalid_input naming a wrong argument.
   void backward(const tensor_view& q, const tensor_view& k, const tensor_view& v,
                 const tensor_view& out, const tensor_view& lse, const tensor_view& dout,
@@ -128,8 +128,10 @@ class attention_plan {
                 const attention_options& options = {}, stream_ref stream = {},
                 workspace_view workspace = {}) const;
 
-  /// Bytes of workspace that a CUDA backward with `heads` heads needs (0 on the CPU).
-  std::size_t backward_workspace_bytes(std::int64_t heads) const;
+  /// Bytes of workspace that a CUDA backward with `heads` heads of up to `head_dim` elements (q's
+  /// and v's) needs (0 on the CPU): per-row terms, and partial sums of rows and columns cut into
+  /// chunks for balance (hubs).
+  std::size_t backward_workspace_bytes(std::int64_t heads, std::int64_t head_dim) const;
   const plan_report& report() const;
   /// The algorithm that run() uses for `requested` (automatic -> the plan's own).
   algorithm resolve(algorithm requested) const;

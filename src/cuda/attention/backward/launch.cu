@@ -1,9 +1,13 @@
-// The CUDA attention backward (plan.hpp): a row pass (dq, D and the log-sum-exp) and a column
-// pass over the transposed pattern (dk, dv), one warp per (row, head), fp32 accumulation.
+// The CUDA attention backward (plan.hpp): the per-row terms (D and the log-sum-exp), a pass over
+// the pattern's rows (dq) and one over the transposed pattern's rows (dk, dv), one warp per work
+// chunk and head, fp32 accumulation. Rows longer than kChunkEntries are cut into chunks whose
+// partial sums a reduction adds in chunk order: deterministic, and a hub spreads over many warps.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "../../../common/workspace_layout.hpp"
 #include "../../common/buffer.cuh"
@@ -11,19 +15,43 @@
 #include "../../common/dispatch.cuh"
 #include "../../common/error.cuh"
 #include "plan.hpp"
+#include "tuning.hpp"
 
 namespace trisparse::cuda {
 
+namespace attention_backward {
+
+// Entries [begin, end) of one row; slot < 0: the chunk is the whole row and writes the gradient,
+// else it writes partial sums to partial row `slot`.
+struct chunk {
+  std::int32_t row, slot;
+  std::int64_t begin, end;
+};
+
+// A row cut into `count` chunks whose partial rows are first, first + 1, ...
+struct split_row {
+  std::int32_t row, first, count, pad;
+};
+
+// One pass's pattern (the pattern or its transpose) and its work chunks, on the device.
+struct pass {
+  device_buffer<std::int32_t> col_idx;
+  device_buffer<chunk> chunks;
+  device_buffer<split_row> splits;
+  std::int64_t slots = 0;  // partial rows
+};
+
+}  // namespace attention_backward
+
 struct attention_backward_device_plan {
   std::int64_t rows = 0, cols = 0, nnz = 0;
-  device_buffer<std::int64_t> row_ptr, t_row_ptr;  // A's and A^T's offsets
-  device_buffer<std::int32_t> col_idx, t_col_idx;  // A's columns, A^T's columns (rows of A)
+  device_buffer<std::int64_t> row_ptr;   // A's offsets (the log-sum-exp recompute)
+  attention_backward::pass row, column;  // over A's rows (dq), over A^T's rows (dk, dv)
 };
 
 namespace {
 
-constexpr int kWarps = 4;      // warps per thread block, one (row, head) each
-constexpr int kMaxChunks = 8;  // head dims up to 8 x 32 = 256 elements per lane group
+using namespace attention_backward;
 
 // A [rows, heads, dim] view as the kernels read it: element (r, h, d) at r*rs + h*hs + d.
 template <class T>
@@ -38,6 +66,15 @@ template <class T>
 view<T> view_of(const tensor_view& t) {
   return {static_cast<T*>(t.data), t.row_stride, t.head_stride, static_cast<int>(t.dim)};
 }
+
+// Partial rows in the workspace: row `slot`, head h at (slot * heads + h) * dim.
+struct partials {
+  float* data;
+  int heads, dim;
+  __device__ float* at(std::int64_t slot, int h) const {
+    return data + (slot * heads + h) * static_cast<std::int64_t>(dim);
+  }
+};
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
@@ -65,17 +102,25 @@ __device__ __forceinline__ void store(T* row, int dim, int lane, const float (&x
   }
 }
 
-// <x, row> over the warp: x holds this lane's elements of the other operand.
-template <class T>
-__device__ __forceinline__ float dot(const float (&x)[kMaxChunks], const T* row, int dim,
-                                     int lane) {
+// This lane's share of <a, b> (the warp sums it).
+__device__ __forceinline__ float lane_dot(const float (&a)[kMaxChunks],
+                                          const float (&b)[kMaxChunks]) {
   float s = 0.0f;
 #pragma unroll
-  for (int c = 0; c < kMaxChunks; ++c) {
-    const int d = lane + 32 * c;
-    if (d < dim) s += x[c] * convert<float>(row[d]);
+  for (int c = 0; c < kMaxChunks; ++c) s += a[c] * b[c];
+  return s;
+}
+
+// A chunk's sums: the gradient row itself (scaled by `factor`) or an unscaled partial row.
+template <class G>
+__device__ __forceinline__ void finish(const chunk& w, int h, int lane,
+                                       const float (&acc)[kMaxChunks], float factor, view<G> out,
+                                       partials part) {
+  if (w.slot < 0) {
+    store(out.at(w.row, h), out.dim, lane, acc, factor);
+  } else {
+    store(part.at(w.slot, h), out.dim, lane, acc, 1.0f);
   }
-  return warp_sum(s);
 }
 
 struct row_terms {
@@ -83,31 +128,32 @@ struct row_terms {
   float* delta;  // [rows * heads]: D = <dout, out>
 };
 
-// One warp per (row i, head h): D_i, the log-sum-exp if not given, and
-// dq_i = scale sum_j P_ij (dout_i . v_j - D_i) k_j over row i's entries.
-template <class T, class O, class G>
+// One warp per (row i, head h): D_i and the log-sum-exp (given, or recomputed over row i).
+template <class T, class O>
 __global__ void __launch_bounds__(kWarps * 32)
-    row_pass(const std::int64_t* __restrict__ row_ptr, const std::int32_t* __restrict__ col_idx,
-             std::int64_t rows, int heads, view<const T> q, view<const T> k, view<const T> v,
-             view<const O> out, view<const O> dout, const float* __restrict__ lse_in,
-             std::int64_t lse_rs, std::int64_t lse_hs, row_terms terms, view<G> dq, float scale) {
+    terms_pass(const std::int64_t* __restrict__ row_ptr, const std::int32_t* __restrict__ col_idx,
+               std::int64_t rows, int heads, view<const T> q, view<const T> k, view<const O> out,
+               view<const O> dout, const float* __restrict__ lse_in, std::int64_t lse_rs,
+               std::int64_t lse_hs, row_terms terms, float scale) {
   const int lane = threadIdx.x & 31;
   const std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (item >= rows * heads) return;
   const std::int64_t i = item / heads;
   const int h = static_cast<int>(item % heads);
-  float qi[kMaxChunks], gi[kMaxChunks], acc[kMaxChunks];
-  load(q.at(i, h), q.dim, lane, qi);
-  load(dout.at(i, h), dout.dim, lane, gi);
-  const float delta = dot(gi, out.at(i, h), out.dim, lane);
-  const std::int64_t begin = row_ptr[i], end = row_ptr[i + 1];
+  float a[kMaxChunks], b[kMaxChunks];
+  load(dout.at(i, h), dout.dim, lane, a);
+  load(out.at(i, h), out.dim, lane, b);
+  const float delta = warp_sum(lane_dot(a, b));
   float lse;
   if (lse_in != nullptr) {
     lse = lse_in[i * lse_rs + h * lse_hs];
   } else {
+    load(q.at(i, h), q.dim, lane, a);
     float m = -INFINITY, l = 0.0f;
+    const std::int64_t begin = row_ptr[i], end = row_ptr[i + 1];
     for (std::int64_t e = begin; e < end; ++e) {
-      const float s = scale * dot(qi, k.at(col_idx[e], h), k.dim, lane);
+      load(k.at(col_idx[e], h), k.dim, lane, b);
+      const float s = scale * warp_sum(lane_dot(a, b));
       const float m2 = fmaxf(m, s);
       l = l * expf(m - m2) + expf(s - m2);
       m = m2;
@@ -118,73 +164,179 @@ __global__ void __launch_bounds__(kWarps * 32)
     terms.lse[item] = lse;
     terms.delta[item] = delta;
   }
-#pragma unroll
-  for (int c = 0; c < kMaxChunks; ++c) acc[c] = 0.0f;
-  for (std::int64_t e = begin; e < end; ++e) {
-    const std::int64_t j = col_idx[e];
-    const T* kj = k.at(j, h);
-    const float p = expf(scale * dot(qi, kj, k.dim, lane) - lse);
-    const float ds = p * (dot(gi, v.at(j, h), v.dim, lane) - delta);
-#pragma unroll
-    for (int c = 0; c < kMaxChunks; ++c) {
-      const int d = lane + 32 * c;
-      if (d < k.dim) acc[c] += ds * convert<float>(kj[d]);
-    }
-  }
-  store(dq.at(i, h), dq.dim, lane, acc, scale);
 }
 
-// One warp per (key j, head h), over row j of the transpose (the queries i that attend j):
-// dk_j = scale sum_i dS_ij q_i and dv_j = sum_i P_ij dout_i.
+// One warp per (chunk of row i, head h): dq_i = scale sum_j P_ij (dout_i . v_j - D_i) k_j over
+// the chunk's entries, kUnroll entries at a time.
 template <class T, class O, class G>
 __global__ void __launch_bounds__(kWarps * 32)
-    column_pass(const std::int64_t* __restrict__ t_row_ptr,
-                const std::int32_t* __restrict__ t_col_idx, std::int64_t cols, int heads,
-                view<const T> q, view<const T> k, view<const T> v, view<const O> dout,
-                row_terms terms, view<G> dk, view<G> dv, float scale) {
+    row_pass(const chunk* __restrict__ chunks, std::int64_t n_chunks,
+             const std::int32_t* __restrict__ col_idx, int heads, view<const T> q, view<const T> k,
+             view<const T> v, view<const O> dout, row_terms terms, view<G> dq, partials part,
+             float scale) {
   const int lane = threadIdx.x & 31;
   const std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-  if (item >= cols * heads) return;
-  const std::int64_t j = item / heads;
+  if (item >= n_chunks * heads) return;
+  const chunk w = chunks[item / heads];
   const int h = static_cast<int>(item % heads);
-  float kj[kMaxChunks], vj[kMaxChunks], dk_acc[kMaxChunks], dv_acc[kMaxChunks];
-  load(k.at(j, h), k.dim, lane, kj);
-  load(v.at(j, h), v.dim, lane, vj);
+  const std::int64_t r = static_cast<std::int64_t>(w.row) * heads + h;
+  float qi[kMaxChunks], gi[kMaxChunks], acc[kMaxChunks];
+  load(q.at(w.row, h), q.dim, lane, qi);
+  load(dout.at(w.row, h), dout.dim, lane, gi);
+  const float lse = terms.lse[r], delta = terms.delta[r];
 #pragma unroll
-  for (int c = 0; c < kMaxChunks; ++c) dk_acc[c] = dv_acc[c] = 0.0f;
-  for (std::int64_t e = t_row_ptr[j]; e < t_row_ptr[j + 1]; ++e) {
-    const std::int64_t i = t_col_idx[e];
-    const T* qi = q.at(i, h);
-    const O* gi = dout.at(i, h);
-    const std::int64_t r = i * heads + h;
-    const float p = expf(scale * dot(kj, qi, q.dim, lane) - terms.lse[r]);
-    const float ds = p * (dot(vj, gi, dout.dim, lane) - terms.delta[r]);
+  for (int c = 0; c < kMaxChunks; ++c) acc[c] = 0.0f;
+  for (std::int64_t e = w.begin; e < w.end; e += kUnroll) {
+    float kx[kUnroll][kMaxChunks], s[kUnroll], dp[kUnroll];
 #pragma unroll
-    for (int c = 0; c < kMaxChunks; ++c) {
-      const int d = lane + 32 * c;
-      if (d < q.dim) dk_acc[c] += ds * convert<float>(qi[d]);
-      if (d < dout.dim) dv_acc[c] += p * convert<float>(gi[d]);
+    for (int u = 0; u < kUnroll; ++u) {
+      const std::int64_t j = col_idx[e + u < w.end ? e + u : w.begin];
+      float vx[kMaxChunks];
+      load(k.at(j, h), k.dim, lane, kx[u]);
+      load(v.at(j, h), v.dim, lane, vx);
+      s[u] = lane_dot(qi, kx[u]);
+      dp[u] = lane_dot(gi, vx);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      s[u] = warp_sum(s[u]);
+      dp[u] = warp_sum(dp[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const float p = e + u < w.end ? expf(scale * s[u] - lse) : 0.0f;
+      const float ds = p * (dp[u] - delta);
+#pragma unroll
+      for (int c = 0; c < kMaxChunks; ++c) acc[c] += ds * kx[u][c];
     }
   }
-  store(dk.at(j, h), dk.dim, lane, dk_acc, scale);
-  store(dv.at(j, h), dv.dim, lane, dv_acc, 1.0f);
+  finish(w, h, lane, acc, scale, dq, part);
+}
+
+// One warp per (chunk of key j, head h), over row j of the transpose (the queries i that attend
+// j): dk_j = scale sum_i dS_ij q_i and dv_j = sum_i P_ij dout_i, kUnroll entries at a time.
+template <class T, class O, class G>
+__global__ void __launch_bounds__(kWarps * 32)
+    column_pass(const chunk* __restrict__ chunks, std::int64_t n_chunks,
+                const std::int32_t* __restrict__ t_col_idx, int heads, view<const T> q,
+                view<const T> k, view<const T> v, view<const O> dout, row_terms terms, view<G> dk,
+                view<G> dv, partials dk_part, partials dv_part, float scale) {
+  const int lane = threadIdx.x & 31;
+  const std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (item >= n_chunks * heads) return;
+  const chunk w = chunks[item / heads];
+  const int h = static_cast<int>(item % heads);
+  float kj[kMaxChunks], vj[kMaxChunks], dk_acc[kMaxChunks], dv_acc[kMaxChunks];
+  load(k.at(w.row, h), k.dim, lane, kj);
+  load(v.at(w.row, h), v.dim, lane, vj);
+#pragma unroll
+  for (int c = 0; c < kMaxChunks; ++c) dk_acc[c] = dv_acc[c] = 0.0f;
+  for (std::int64_t e = w.begin; e < w.end; e += kUnroll) {
+    float qx[kUnroll][kMaxChunks], gx[kUnroll][kMaxChunks], s[kUnroll], dp[kUnroll], lse[kUnroll],
+        delta[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const std::int64_t i = t_col_idx[e + u < w.end ? e + u : w.begin];
+      const std::int64_t r = i * heads + h;
+      load(q.at(i, h), q.dim, lane, qx[u]);
+      load(dout.at(i, h), dout.dim, lane, gx[u]);
+      lse[u] = terms.lse[r];
+      delta[u] = terms.delta[r];
+      s[u] = lane_dot(kj, qx[u]);
+      dp[u] = lane_dot(vj, gx[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      s[u] = warp_sum(s[u]);
+      dp[u] = warp_sum(dp[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const float p = e + u < w.end ? expf(scale * s[u] - lse[u]) : 0.0f;
+      const float ds = p * (dp[u] - delta[u]);
+#pragma unroll
+      for (int c = 0; c < kMaxChunks; ++c) {
+        dk_acc[c] += ds * qx[u][c];
+        dv_acc[c] += p * gx[u][c];
+      }
+    }
+  }
+  finish(w, h, lane, dk_acc, scale, dk, dk_part);
+  finish(w, h, lane, dv_acc, 1.0f, dv, dv_part);
+}
+
+// One warp per (cut row, head): the row's partial rows added in chunk order, times `factor`.
+template <class G>
+__global__ void __launch_bounds__(kWarps * 32)
+    reduce_pass(const split_row* __restrict__ splits, std::int64_t n_splits, int heads,
+                partials part, view<G> out, float factor) {
+  const int lane = threadIdx.x & 31;
+  const std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (item >= n_splits * heads) return;
+  const split_row sr = splits[item / heads];
+  const int h = static_cast<int>(item % heads);
+  float acc[kMaxChunks], x[kMaxChunks];
+#pragma unroll
+  for (int c = 0; c < kMaxChunks; ++c) acc[c] = 0.0f;
+  for (int t = 0; t < sr.count; ++t) {
+    load(part.at(sr.first + t, h), out.dim, lane, x);
+#pragma unroll
+    for (int c = 0; c < kMaxChunks; ++c) acc[c] += x[c];
+  }
+  store(out.at(sr.row, h), out.dim, lane, acc, factor);
 }
 
 struct workspace_segments {
   detail::workspace_layout layout;
-  std::size_t lse = 0, delta = 0;
+  std::size_t lse = 0, delta = 0, dq = 0, dk = 0, dv = 0;
 };
 
-workspace_segments segments(const attention_backward_device_plan& plan, std::int64_t heads) {
+// pdim: floats per partial row (the larger head dim of q and v).
+workspace_segments segments(const attention_backward_device_plan& plan, std::int64_t heads,
+                            std::int64_t pdim) {
   workspace_segments w;
   const auto n = static_cast<std::size_t>(plan.rows * heads) * sizeof(float);
+  const auto row = static_cast<std::size_t>(heads * pdim) * sizeof(float);
   w.lse = w.layout.add(n);
   w.delta = w.layout.add(n);
+  w.dq = w.layout.add(static_cast<std::size_t>(plan.row.slots) * row);
+  w.dk = w.layout.add(static_cast<std::size_t>(plan.column.slots) * row);
+  w.dv = w.layout.add(static_cast<std::size_t>(plan.column.slots) * row);
   return w;
 }
 
 unsigned grid_of(std::int64_t items) {
   return static_cast<unsigned>((items + kWarps - 1) / kWarps);
+}
+
+// The pattern's rows as work: one chunk per row of at most kChunkEntries entries (empty rows
+// too: they write zeros), kChunkEntries-entry chunks of longer rows.
+pass make_pass(const csr_graph& g) {
+  std::vector<chunk> chunks;
+  std::vector<split_row> splits;
+  std::int32_t slots = 0;
+  chunks.reserve(static_cast<std::size_t>(g.rows));
+  for (std::int64_t r = 0; r < g.rows; ++r) {
+    const std::int64_t begin = g.row_ptr[r], end = g.row_ptr[r + 1];
+    const auto row = static_cast<std::int32_t>(r);
+    if (end - begin <= kChunkEntries) {
+      chunks.push_back({row, -1, begin, end});
+      continue;
+    }
+    const auto n = static_cast<std::int32_t>((end - begin + kChunkEntries - 1) / kChunkEntries);
+    splits.push_back({row, slots, n, 0});
+    for (std::int32_t c = 0; c < n; ++c) {
+      const std::int64_t b = begin + static_cast<std::int64_t>(c) * kChunkEntries;
+      chunks.push_back({row, slots + c, b, std::min(end, b + kChunkEntries)});
+    }
+    slots += n;
+  }
+  pass p;
+  p.col_idx = device_buffer<std::int32_t>(g.col_idx);
+  p.chunks = device_buffer<chunk>(chunks);
+  p.splits = device_buffer<split_row>(splits);
+  p.slots = slots;
+  return p;
 }
 
 }  // namespace
@@ -198,17 +350,16 @@ std::shared_ptr<attention_backward_device_plan> make_attention_backward_plan(
   p->rows = pattern.rows;
   p->cols = pattern.cols;
   p->nnz = pattern.nnz();
+  p->row = make_pass(pattern);
+  p->column = make_pass(transposed);
   p->row_ptr = device_buffer<std::int64_t>(pattern.row_ptr);
-  p->col_idx = device_buffer<std::int32_t>(pattern.col_idx);
-  p->t_row_ptr = device_buffer<std::int64_t>(transposed.row_ptr);
-  p->t_col_idx = device_buffer<std::int32_t>(transposed.col_idx);
   TRISPARSE_CUDA_TRY(cudaStreamSynchronize(static_cast<cudaStream_t>(stream.handle)));
   return p;
 }
 
 std::size_t attention_backward_workspace_bytes(const attention_backward_device_plan& plan,
-                                               std::int64_t heads) {
-  return segments(plan, heads).layout.bytes();
+                                               std::int64_t heads, std::int64_t head_dim) {
+  return segments(plan, heads, head_dim).layout.bytes();
 }
 
 void run_attention_backward(const attention_backward_device_plan& plan, const tensor_view& q,
@@ -226,29 +377,54 @@ void run_attention_backward(const attention_backward_device_plan& plan, const te
                           "dq, dk and dv must have one dtype");
   TRISPARSE_EXPECTS_INPUT(lse.data == nullptr || lse.type == dtype::f32,
                           "the CUDA backward takes the log-sum-exp as f32");
-  const workspace_segments w = segments(plan, q.heads);
+  const int pdim = static_cast<int>(std::max(q.dim, v.dim));
+  const workspace_segments w = segments(plan, q.heads, pdim);
   w.layout.check(workspace, "attention backward");
-  const row_terms terms{detail::workspace_layout::at<float>(workspace, w.lse),
-                        detail::workspace_layout::at<float>(workspace, w.delta)};
+  using layout = detail::workspace_layout;
+  const row_terms terms{layout::at<float>(workspace, w.lse), layout::at<float>(workspace, w.delta)};
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const auto heads = static_cast<int>(q.heads);
+  const partials dq_part{layout::at<float>(workspace, w.dq), heads, pdim},
+      dk_part{layout::at<float>(workspace, w.dk), heads, pdim},
+      dv_part{layout::at<float>(workspace, w.dv), heads, pdim};
   const auto fscale = static_cast<float>(scale);
+  const auto n_row = static_cast<std::int64_t>(plan.row.chunks.size());
+  const auto n_col = static_cast<std::int64_t>(plan.column.chunks.size());
+  const auto s_row = static_cast<std::int64_t>(plan.row.splits.size());
+  const auto s_col = static_cast<std::int64_t>(plan.column.splits.size());
   with_element_type(q.type, "attention backward (q, k, v)", [&]<class T>() {
     with_output_type<T>(out.type, "attention backward (out, dout)", [&]<class O>() {
       with_output_type<T>(dq.type, "attention backward (dq, dk, dv)", [&]<class G>() {
         if (plan.rows * q.heads > 0) {
-          row_pass<T, O, G><<<grid_of(plan.rows * q.heads), kWarps * 32, 0, s>>>(
-              plan.row_ptr.data(), plan.col_idx.data(), plan.rows, heads, view_of<const T>(q),
-              view_of<const T>(k), view_of<const T>(v), view_of<const O>(out),
-              view_of<const O>(dout), static_cast<const float*>(lse.data), lse.row_stride,
-              lse.head_stride, terms, view_of<G>(dq), fscale);
+          terms_pass<T, O><<<grid_of(plan.rows * q.heads), kWarps * 32, 0, s>>>(
+              plan.row_ptr.data(), plan.row.col_idx.data(), plan.rows, heads, view_of<const T>(q),
+              view_of<const T>(k), view_of<const O>(out), view_of<const O>(dout),
+              static_cast<const float*>(lse.data), lse.row_stride, lse.head_stride, terms, fscale);
+          TRISPARSE_CUDA_CHECK_LAUNCH();
+          row_pass<T, O, G><<<grid_of(n_row * q.heads), kWarps * 32, 0, s>>>(
+              plan.row.chunks.data(), n_row, plan.row.col_idx.data(), heads, view_of<const T>(q),
+              view_of<const T>(k), view_of<const T>(v), view_of<const O>(dout), terms,
+              view_of<G>(dq), dq_part, fscale);
+          TRISPARSE_CUDA_CHECK_LAUNCH();
+        }
+        if (s_row * q.heads > 0) {
+          reduce_pass<G><<<grid_of(s_row * q.heads), kWarps * 32, 0, s>>>(
+              plan.row.splits.data(), s_row, heads, dq_part, view_of<G>(dq), fscale);
           TRISPARSE_CUDA_CHECK_LAUNCH();
         }
         if (plan.cols * q.heads > 0) {
-          column_pass<T, O, G><<<grid_of(plan.cols * q.heads), kWarps * 32, 0, s>>>(
-              plan.t_row_ptr.data(), plan.t_col_idx.data(), plan.cols, heads, view_of<const T>(q),
-              view_of<const T>(k), view_of<const T>(v), view_of<const O>(dout), terms,
-              view_of<G>(dk), view_of<G>(dv), fscale);
+          column_pass<T, O, G><<<grid_of(n_col * q.heads), kWarps * 32, 0, s>>>(
+              plan.column.chunks.data(), n_col, plan.column.col_idx.data(), heads,
+              view_of<const T>(q), view_of<const T>(k), view_of<const T>(v), view_of<const O>(dout),
+              terms, view_of<G>(dk), view_of<G>(dv), dk_part, dv_part, fscale);
+          TRISPARSE_CUDA_CHECK_LAUNCH();
+        }
+        if (s_col * q.heads > 0) {
+          reduce_pass<G><<<grid_of(s_col * q.heads), kWarps * 32, 0, s>>>(
+              plan.column.splits.data(), s_col, heads, dk_part, view_of<G>(dk), fscale);
+          TRISPARSE_CUDA_CHECK_LAUNCH();
+          reduce_pass<G><<<grid_of(s_col * q.heads), kWarps * 32, 0, s>>>(
+              plan.column.splits.data(), s_col, heads, dv_part, view_of<G>(dv), 1.0f);
           TRISPARSE_CUDA_CHECK_LAUNCH();
         }
       });
@@ -257,8 +433,11 @@ void run_attention_backward(const attention_backward_device_plan& plan, const te
 }
 
 std::int64_t device_bytes(const attention_backward_device_plan& plan) {
-  return static_cast<std::int64_t>(plan.row_ptr.bytes() + plan.col_idx.bytes() +
-                                   plan.t_row_ptr.bytes() + plan.t_col_idx.bytes());
+  const auto pass_bytes = [](const pass& p) {
+    return p.col_idx.bytes() + p.chunks.bytes() + p.splits.bytes();
+  };
+  return static_cast<std::int64_t>(plan.row_ptr.bytes() + pass_bytes(plan.row) +
+                                   pass_bytes(plan.column));
 }
 
 }  // namespace trisparse::cuda

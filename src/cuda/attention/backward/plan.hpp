@@ -1,12 +1,13 @@
 #pragma once
 // Host interface of the CUDA attention backward (no CUDA headers: ops/ includes it).
 //
-// FlashAttention-2's backward on the pattern, in two passes that each own their outputs, so the
-// gradients are bitwise deterministic with no floating-point atomics: a pass over the pattern's
-// rows (one warp per row and head) writes dq and the per-row terms D = <dout, out> and, when the
-// forward's log-sum-exp is not given, recomputes it; a pass over the rows of the transposed
-// pattern (one warp per key and head) writes dk and dv. P = exp(S - lse) is recomputed, never
-// stored. This is the CUDA-core baseline; the tensor-core kernel over BSB is the next step.
+// FlashAttention-2's backward on the pattern, in passes that each own their outputs, so the
+// gradients are bitwise deterministic with no floating-point atomics: the per-row terms
+// D = <dout, out> (and the log-sum-exp, recomputed when the forward's is not given); a pass over
+// the pattern's rows that writes dq; a pass over the rows of the transposed pattern that writes dk
+// and dv. One warp per chunk of a row and head; rows longer than a chunk (tuning.hpp) leave partial
+// sums that a reduction adds in a fixed order. P = exp(S - lse) is recomputed, never stored. This
+// is the CUDA-core kernel; a tensor-core kernel over BSB is the next step.
 #include <cstdint>
 #include <memory>
 
@@ -25,9 +26,10 @@ struct attention_backward_device_plan;
 TRISPARSE_CUDA_ENTRY(std::shared_ptr<attention_backward_device_plan> make_attention_backward_plan(
     const csr_graph& pattern, const csr_graph& transposed, stream_ref stream))
 
-/// Bytes of workspace a backward with `heads` heads needs (the per-row terms, 256-byte aligned).
+/// Bytes of workspace a backward with `heads` heads of up to `head_dim` elements (q's and v's)
+/// needs: the per-row terms and the partial rows of cut rows, 256-byte aligned.
 TRISPARSE_CUDA_ENTRY(std::size_t attention_backward_workspace_bytes(
-    const attention_backward_device_plan& plan, std::int64_t heads))
+    const attention_backward_device_plan& plan, std::int64_t heads, std::int64_t head_dim))
 
 /// dq, dk, dv of out = attention(q, k, v) given dout, on `stream`. q, k, v: f16, bf16 or f32, one
 /// dtype, head dims up to 256; out and dout: f32 or q's dtype, one dtype; dq, dk, dv: f32 or q's
