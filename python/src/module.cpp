@@ -61,6 +61,17 @@ attention_options options_of(std::optional<double> scale, const std::string& alg
   return o;
 }
 
+/// The package's plan options: every run passes its workspace from torch's caching allocator, so
+/// the plan's own (sized at build, for runs given none) is kept to its smallest.
+plan_options package_options(const std::string& algo, bool gradients) {
+  plan_options o;
+  o.algo = parse_algorithm(algo);
+  o.gradients = gradients;
+  o.workspace_heads = 1;
+  o.workspace_dim = 32;
+  return o;
+}
+
 /// An attention plan and the pattern's sizes (for the Python side's checks).
 struct py_attention_plan {
   attention_plan plan;
@@ -76,9 +87,7 @@ struct py_attention_plan {
     const auto* ci = reinterpret_cast<const std::int32_t*>(col_idx);
     g.row_ptr.assign(rp, rp + rows + 1);
     g.col_idx.assign(ci, ci + nnz);
-    plan_options o;
-    o.algo = parse_algorithm(algo);
-    o.gradients = gradients;
+    plan_options o = package_options(algo, gradients);
     nb::gil_scoped_release release;
     return {attention_plan::build(g, device < 0 ? device_kind::cpu : device_kind::cuda, o,
                                   stream_of(stream))};
@@ -94,9 +103,7 @@ struct py_attention_plan {
                         reinterpret_cast<const std::int64_t*>(row_ptr),
                         reinterpret_cast<const std::int32_t*>(col_idx),
                         device_kind::cuda};
-    plan_options o;
-    o.algo = parse_algorithm(algo);
-    o.gradients = gradients;
+    plan_options o = package_options(algo, gradients);
     nb::gil_scoped_release release;
     return {attention_plan::build(view, o, stream_of(stream))};
   }
