@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine, in one call: builds the Python package there (its Python 3.12, torch and
 # nvcc; sm_90 only, to keep the build short) and runs the pytest suite with CUDA, the GPU tests
-# included. Call with carry = [data] for the dataset tests. Logs go under $OUT.
+# included; with PY_BENCH=1 then the Python benchmarks (below). Call with carry = [data] for the
+# dataset tests. Logs and results go under $OUT.
 set -uo pipefail
 out=${OUT:-/tmp/trisparse-python}
 site=/tmp/trisparse-site
@@ -15,4 +16,26 @@ TRISPARSE_DATASETS=$PWD/data PYTHONPATH="$site" python3 -m pytest -q -p no:cache
   tests/python > "$out/pytest.log" 2>&1
 status=$?
 tail -15 "$out/pytest.log"
+# PY_BENCH=1: then the benchmarks with the package: the attention training step against PyG on
+# the graphs in PY_BENCH_GRAPHS, and the Planetoid models (both backends, PY_BENCH_SEEDS seeds).
+if [ "${PY_BENCH:-0}" = 1 ]; then
+  export PYTHONPATH="$site" TRISPARSE_DATASETS=$PWD/data
+  graphs=${PY_BENCH_GRAPHS:-cora pubmed blogcatalog musae_github reddit10k deezer_egos het_tolokers snap_web_notredame}
+  paths=()
+  for g in $graphs; do paths+=("data/$g.el.xz"); done
+  python3 bench/python/attention_training.py --dim 64 --heads 8 "${paths[@]}" \
+    > "$out/attention_training.jsonl" 2>> "$out/bench_stderr.log"
+  echo "attention training: $((SECONDS - start)) s"
+  for model in gcn transformer; do
+    for dataset in cora citeseer; do
+      for backend in pyg trisparse; do
+        python3 examples/python/train_planetoid.py --model $model --dataset $dataset \
+          --backend $backend --seeds "${PY_BENCH_SEEDS:-10}" --root data/planetoid --json \
+          >> "$out/planetoid_training.jsonl" 2>> "$out/bench_stderr.log"
+      done
+    done
+  done
+  echo "planetoid: $((SECONDS - start)) s"
+  tail -5 "$out/bench_stderr.log"
+fi
 exit $status
