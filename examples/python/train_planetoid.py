@@ -80,7 +80,8 @@ def run(args, data, seed):
     if args.model == "gcn":
         model, lr = GCN(args.backend, data.num_features, classes), 0.01
     else:
-        model, lr = GraphTransformer(args.backend, data.num_features, classes), 0.005
+        model, lr = GraphTransformer(args.backend, data.num_features, classes), 0.001
+    lr = args.lr if args.lr is not None else lr
     model = model.to(args.device)
     opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=5e-4)
     best_val, test_at_best, times = -1.0, 0.0, []
@@ -116,6 +117,7 @@ def main():
     ap.add_argument("--model", choices=["gcn", "transformer"], default="gcn")
     ap.add_argument("--backend", choices=["pyg", "trisparse"], default="trisparse")
     ap.add_argument("--seeds", type=int, default=10)
+    ap.add_argument("--lr", type=float, default=None, help="Adam's (GCN 0.01, transformer 0.001)")
     ap.add_argument("--epochs", type=int, default=200)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--root", default=None, help="the Planetoid raw files (ind.<name>.*)")

@@ -37,7 +37,9 @@ def _forward(
 ) -> tuple[Tensor, Tensor]:
     """`with_lse`: also write the log-sum-exp (else it comes back empty); `gradients`: build the
     plan with what backward needs."""
-    plan = lookup(pattern).plan(q.device, gradients=gradients)
+    # float32 on CUDA runs row-wise on the device CSR that a plan with gradients holds.
+    f32_cuda = q.device.type == "cuda" and q.dtype == torch.float32
+    plan = lookup(pattern).plan(q.device, gradients=gradients or f32_cuda)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     lse = q.new_empty(_lse_shape(q, with_lse), dtype=_lse_dtype(q))
     _owner, ws, ws_bytes = _tensors.workspace(
@@ -174,7 +176,8 @@ def sparse_attention(
 
     Differentiable in q, k and v (deterministic: the same gradients on every run). On the CPU,
     float16/bfloat16/float32 run the OpenMP engine in float32, float64 the float64 reference; on
-    CUDA (float16 and bfloat16) the fused 3S kernel and a two-pass backward.
+    CUDA float16 and bfloat16 run the fused 3S kernel (tensor cores), float32 a row-wise float32
+    kernel, and the backward a deterministic two-pass kernel.
     """
     if not isinstance(pattern, Pattern):
         pattern = Pattern.of(pattern, num_nodes=k.shape[0] if isinstance(k, Tensor) else None)

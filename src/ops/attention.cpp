@@ -347,6 +347,16 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
                                        lse);
         return;
       }
+      if (q.type == dtype::f32) {
+        // The tensor-core kernel takes f16 and bf16; f32 runs row-wise on the CSR that a plan
+        // with gradients holds.
+        TRISPARSE_EXPECTS_INPUT(state_->device_grad != nullptr,
+                                "f32 attention on CUDA runs row-wise on the plan's device CSR: "
+                                "build the plan with plan_options.gradients = true, or pass "
+                                "f16/bf16 inputs");
+        cuda::run_attention_rowwise(*state_->device_grad, q, k, v, out, lse, scale, stream);
+        return;
+      }
       if (!state_->device_blocks) {
         throw invalid_input(
             "this plan holds no device BSB: build it with plan_options.algo = fused");

@@ -229,6 +229,47 @@ TEST(GpuAttentionBackward, FusedForwardWritesTheLogSumExp) {
   }
 }
 
+// f32 inputs run the row-wise f32 forward (out and lse) on a plan with gradients, over a hub row,
+// empty rows and a rectangular pattern with Dv != D; a plan without gradients says what it needs.
+TEST(GpuAttentionBackward, F32ForwardRunsRowWise) {
+  SKIP_WITHOUT_GPU();
+  const grad_config c{dtype::f32, dtype::f32, dtype::f32, 48, 80, 3};
+  const coo_graph random = to_coo(test::random_pattern(2000, 1500, 6, 51));
+  coo_graph coo{.rows = 2000, .cols = 1500, .src = {}, .dst = {}, .values = {}};
+  for (std::size_t e = 0; e < random.src.size(); ++e) {
+    if (random.src[e] >= 1000 && random.src[e] < 1010) continue;  // rows 1000..1009 stay empty
+    coo.src.push_back(random.src[e]);
+    coo.dst.push_back(random.dst[e]);
+  }
+  for (std::int64_t j = 0; j < 1500; ++j) {  // row 3 attends every key
+    coo.src.push_back(3);
+    coo.dst.push_back(j);
+  }
+  const csr_graph g = to_csr(coo);
+  const double scale = effective_scale({}, c.dim);
+  const problem p = make_problem(g, c, 52, -3.0, 3.0, scale);
+  const auto plan = attention_plan::build(g, device_kind::cuda, {.gradients = true});
+  test::device_tensor q(p.q), k(p.k), v(p.v),
+      out(host_tensor(dtype::f32, g.rows, c.heads, c.dim_v)),
+      lse(host_tensor(dtype::f32, g.rows, c.heads, 1));
+  out.poison();
+  lse.poison();
+  plan.run(q.view(), k.view(), v.view(), out.view(), {.lse = lse.view()});
+  EXPECT_LE(test::compare(out.download(), p.out).relative(),
+            test::gpu_tolerance(dtype::f32, dtype::f32, 8));
+  const host_tensor got = lse.download();
+  for (std::int64_t i = 0; i < got.numel(); ++i) {
+    const double want = p.lse.get(i);
+    if (std::isinf(want)) {
+      ASSERT_TRUE(std::isinf(got.get(i)) && got.get(i) < 0) << "entry " << i;
+    } else {
+      ASSERT_NEAR(got.get(i), want, 1e-4 * (1.0 + std::abs(want))) << "entry " << i;
+    }
+  }
+  const auto forward_only = attention_plan::build(g, device_kind::cuda);
+  EXPECT_THROW(forward_only.run(q.view(), k.view(), v.view(), out.view()), invalid_input);
+}
+
 TEST(GpuAttentionBackward, TwoStreamsGiveTheSameBits) {
   SKIP_WITHOUT_GPU();
   const csr_graph g = test::random_pattern(4000, 4000, 60, 21);

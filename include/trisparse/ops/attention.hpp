@@ -98,7 +98,9 @@ class attention_plan {
 
   /// out = attention(q, k, v). q: [rows, H, D], k: [cols, H, D], v: [cols, H, Dv],
   /// out: [rows, H, Dv]; all on the plan's device. CPU runs synchronously; CUDA is asynchronous
-  /// on `stream` and never synchronises the host, allocates or locks.
+  /// on `stream` and never synchronises the host, allocates or locks. On CUDA the fused
+  /// algorithm runs f16/bf16 on tensor cores and f32 row-wise in f32 (one warp per row and head),
+  /// which needs a plan built with plan_options::gradients (it holds the device CSR).
   /// `workspace`: device memory of at least workspace_bytes(q.heads, q.dim) bytes, 256-byte
   /// aligned, used on `stream` only, so runs with different workspaces may overlap on different
   /// streams and a run can be captured in a CUDA graph. Empty (the default): the plan's own,

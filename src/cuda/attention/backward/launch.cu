@@ -286,6 +286,60 @@ __global__ void __launch_bounds__(kWarps * 32)
   store(out.at(sr.row, h), out.dim, lane, acc, factor);
 }
 
+// One warp per (row i, head h): out_i = sum_j softmax_j(scale q_i . k_j) v_j by online softmax,
+// kUnroll entries at a time, and the log-sum-exp where asked. The f32 forward (the fused 3S
+// kernel's tensor cores take f16 and bf16).
+template <class T, class O>
+__global__ void __launch_bounds__(kWarps * 32)
+    rowwise_forward(const std::int64_t* __restrict__ row_ptr,
+                    const std::int32_t* __restrict__ col_idx, std::int64_t rows, int heads,
+                    view<const T> q, view<const T> k, view<const T> v, view<O> out,
+                    float* __restrict__ lse_out, std::int64_t lse_rs, std::int64_t lse_hs,
+                    float scale) {
+  const int lane = threadIdx.x & 31;
+  const std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (item >= rows * heads) return;
+  const std::int64_t i = item / heads;
+  const int h = static_cast<int>(item % heads);
+  float qi[kMaxChunks], acc[kMaxChunks];
+  load(q.at(i, h), q.dim, lane, qi);
+#pragma unroll
+  for (int c = 0; c < kMaxChunks; ++c) acc[c] = 0.0f;
+  float m = -INFINITY, l = 0.0f;
+  const std::int64_t begin = row_ptr[i], end = row_ptr[i + 1];
+  for (std::int64_t e = begin; e < end; e += kUnroll) {
+    float vx[kUnroll][kMaxChunks], s[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const std::int64_t j = col_idx[e + u < end ? e + u : begin];
+      float kx[kMaxChunks];
+      load(k.at(j, h), k.dim, lane, kx);
+      load(v.at(j, h), v.dim, lane, vx[u]);
+      s[u] = lane_dot(qi, kx);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) s[u] = e + u < end ? scale * warp_sum(s[u]) : -INFINITY;
+    float m2 = m;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) m2 = fmaxf(m2, s[u]);
+    const float rescale = expf(m - m2);  // m2 is finite: entry e is in the row
+    l *= rescale;
+#pragma unroll
+    for (int c = 0; c < kMaxChunks; ++c) acc[c] *= rescale;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const float p = expf(s[u] - m2);  // 0 for the padding entries
+      l += p;
+#pragma unroll
+      for (int c = 0; c < kMaxChunks; ++c) acc[c] += p * vx[u][c];
+    }
+    m = m2;
+  }
+  store(out.at(i, h), out.dim, lane, acc, end > begin ? 1.0f / l : 0.0f);
+  if (lse_out != nullptr && lane == 0)
+    lse_out[i * lse_rs + h * lse_hs] = end > begin ? m + logf(l) : -INFINITY;
+}
+
 struct workspace_segments {
   detail::workspace_layout layout;
   std::size_t lse = 0, delta = 0, dq = 0, dk = 0, dv = 0;
@@ -428,6 +482,30 @@ void run_attention_backward(const attention_backward_device_plan& plan, const te
           TRISPARSE_CUDA_CHECK_LAUNCH();
         }
       });
+    });
+  });
+}
+
+void run_attention_rowwise(const attention_backward_device_plan& plan, const tensor_view& q,
+                           const tensor_view& k, const tensor_view& v, const tensor_view& out,
+                           const tensor_view& lse, double scale, stream_ref stream) {
+  TRISPARSE_EXPECTS_INPUT(q.dim <= 32 * kMaxChunks && v.dim <= 32 * kMaxChunks,
+                          "the CUDA row-wise attention takes head dims up to " +
+                              std::to_string(32 * kMaxChunks) + ", not " +
+                              std::to_string(std::max(q.dim, v.dim)));
+  TRISPARSE_EXPECTS_INPUT(k.type == q.type && v.type == q.type, "q, k and v must have one dtype");
+  TRISPARSE_EXPECTS_INPUT(lse.data == nullptr || lse.type == dtype::f32,
+                          "the CUDA row-wise attention writes the log-sum-exp as f32");
+  if (plan.rows * q.heads == 0) return;
+  with_element_type(q.type, "row-wise attention (q, k, v)", [&]<class T>() {
+    with_output_type<T>(out.type, "row-wise attention (out)", [&]<class O>() {
+      rowwise_forward<T, O><<<grid_of(plan.rows * q.heads), kWarps * 32, 0,
+                              static_cast<cudaStream_t>(stream.handle)>>>(
+          plan.row_ptr.data(), plan.row.col_idx.data(), plan.rows, static_cast<int>(q.heads),
+          view_of<const T>(q), view_of<const T>(k), view_of<const T>(v), view_of<O>(out),
+          static_cast<float*>(lse.data), lse.row_stride, lse.head_stride,
+          static_cast<float>(scale));
+      TRISPARSE_CUDA_CHECK_LAUNCH();
     });
   });
 }

@@ -42,6 +42,16 @@ TRISPARSE_CUDA_ENTRY(void run_attention_backward(
     const tensor_view& dq, const tensor_view& dk, const tensor_view& dv, double scale,
     const workspace_view& workspace, stream_ref stream))
 
+/// out = attention(q, k, v) over the plan's pattern, one warp per row and head by online softmax
+/// (the f32 forward: the fused 3S kernel takes f16 and bf16), and the log-sum-exp (f32) where
+/// lse.data != nullptr. q, k, v: f16, bf16 or f32, one dtype, head dims up to 256; out: f32 or
+/// q's dtype. Asynchronous on `stream`, no workspace.
+TRISPARSE_CUDA_ENTRY(void run_attention_rowwise(const attention_backward_device_plan& plan,
+                                                const tensor_view& q, const tensor_view& k,
+                                                const tensor_view& v, const tensor_view& out,
+                                                const tensor_view& lse, double scale,
+                                                stream_ref stream))
+
 /// Device bytes held by the plan.
 TRISPARSE_CUDA_ENTRY(std::int64_t device_bytes(const attention_backward_device_plan& plan))
 
