@@ -260,7 +260,8 @@ def test_the_cuda_padding_changes_nothing():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])  # the fused 3S kernel's types
+# float16/bfloat16: the fused 3S kernel; float32: the row-wise float32 kernel.
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_cuda_forward_and_gradients_match_dense(dtype):
     ei = random_edge_index(500, 400, 20, seed=22)
     pattern = trisparse.Pattern.from_edge_index(ei, size=(500, 400))
