@@ -119,10 +119,11 @@ class attention_plan {
   /// deterministic: no atomics, the same result on every run and thread count. Needs
   /// plan_options::gradients (the transposed pattern), except the CPU reference. CPU: fused (from
   /// out and lse) and reference (float64, ignores out and lse). CUDA (a plan built from a host
-  /// pattern): a row pass and a pass over the transposed pattern, one warp per row and head,
-  /// q/k/v f16, bf16 or f32 with head dims up to 256, fp32 accumulation; lse (f32) may be empty
-  /// and is then recomputed. Asynchronous on `stream`; `workspace`: backward_workspace_bytes()
-  /// bytes, or empty for the plan's own (plan_options::workspace_heads/workspace_dim).
+  /// pattern): a row pass and a pass over the transposed pattern, one warp per chunk of at most
+  /// 256 entries and head (longer rows' partial sums added in a fixed order), q/k/v f16, bf16 or
+  /// f32 with head dims up to 256, fp32 accumulation; lse (f32) may be empty and is then
+  /// recomputed. Asynchronous on `stream`; `workspace`: backward_workspace_bytes() bytes, or empty
+  /// for the plan's own (plan_options::workspace_heads/workspace_dim).
   /// @throws invalid_input naming a wrong argument.
   void backward(const tensor_view& q, const tensor_view& k, const tensor_view& v,
                 const tensor_view& out, const tensor_view& lse, const tensor_view& dout,
