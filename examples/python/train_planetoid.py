@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Trains a GCN or a Graph Transformer on Cora or CiteSeer (the real Planetoid features, labels
+"""Trains a GCN, a GAT or a Graph Transformer on Cora or CiteSeer (the real Planetoid features, labels
 and splits) with PyG's layers or trisparse's drop-ins, from the same script and hyperparameters,
 and prints the test accuracy (at the best validation accuracy) and the time per epoch.
 
@@ -7,7 +7,8 @@ and prints the test accuracy (at the best validation accuracy) and the time per 
     python3 examples/python/train_planetoid.py --model transformer --backend pyg --seeds 10
 
 The two backends build the same parameters from the same seed (trisparse's layers are PyG's
-subclasses), so their runs differ only by rounding.
+subclasses), so their runs differ only by rounding, except the GAT's: its attention dropout
+draws the same number of random values but assigns them to edges in another order.
 """
 
 import argparse
@@ -26,10 +27,10 @@ def layers(backend):
     if backend == "pyg":
         import torch_geometric.nn as pyg
 
-        return pyg.GCNConv, pyg.TransformerConv
+        return pyg.GCNConv, pyg.TransformerConv, pyg.GATConv
     import trisparse.nn
 
-    return trisparse.nn.GCNConv, trisparse.nn.TransformerConv
+    return trisparse.nn.GCNConv, trisparse.nn.TransformerConv, trisparse.nn.GATConv
 
 
 class GCN(nn.Module):
@@ -37,7 +38,7 @@ class GCN(nn.Module):
 
     def __init__(self, backend, features, classes, hidden=16):
         super().__init__()
-        conv, _ = layers(backend)
+        conv, _, _ = layers(backend)
         self.conv1 = conv(features, hidden, cached=True)
         self.conv2 = conv(hidden, classes, cached=True)
 
@@ -48,12 +49,30 @@ class GCN(nn.Module):
         return self.conv2(x, edge_index)
 
 
+class GAT(nn.Module):
+    """Velickovic et al.'s two-layer GAT (8 heads x 8 hidden, one output head, dropout 0.6 on the
+    features and on the attention weights)."""
+
+    def __init__(self, backend, features, classes, hidden=8, heads=8, dropout=0.6):
+        super().__init__()
+        _, _, conv = layers(backend)
+        self.dropout = dropout
+        self.conv1 = conv(features, hidden, heads=heads, dropout=dropout)
+        self.conv2 = conv(hidden * heads, classes, heads=1, concat=False, dropout=dropout)
+
+    def forward(self, x, edge_index):
+        x = F.dropout(x, p=self.dropout, training=self.training)
+        x = F.elu(self.conv1(x, edge_index))
+        x = F.dropout(x, p=self.dropout, training=self.training)
+        return self.conv2(x, edge_index)
+
+
 class GraphTransformer(nn.Module):
     """TransformerConv blocks with residuals, layer norm and feed-forward blocks."""
 
     def __init__(self, backend, features, classes, hidden=128, heads=8, depth=4, dropout=0.5):
         super().__init__()
-        _, conv = layers(backend)
+        _, conv, _ = layers(backend)
         self.dropout = dropout
         self.inp = nn.Linear(features, hidden)
         self.convs = nn.ModuleList(conv(hidden, hidden // heads, heads=heads) for _ in range(depth))
@@ -79,6 +98,8 @@ def run(args, data, seed):
     classes = int(data.y.max()) + 1
     if args.model == "gcn":
         model, lr = GCN(args.backend, data.num_features, classes), 0.01
+    elif args.model == "gat":
+        model, lr = GAT(args.backend, data.num_features, classes), 0.005
     else:
         model, lr = GraphTransformer(args.backend, data.num_features, classes), 0.001
     lr = args.lr if args.lr is not None else lr
@@ -114,10 +135,12 @@ def run(args, data, seed):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dataset", choices=["cora", "citeseer"], default="cora")
-    ap.add_argument("--model", choices=["gcn", "transformer"], default="gcn")
+    ap.add_argument("--model", choices=["gcn", "gat", "transformer"], default="gcn")
     ap.add_argument("--backend", choices=["pyg", "trisparse"], default="trisparse")
     ap.add_argument("--seeds", type=int, default=10)
-    ap.add_argument("--lr", type=float, default=None, help="Adam's (GCN 0.01, transformer 0.001)")
+    ap.add_argument(
+        "--lr", type=float, default=None, help="Adam's (GCN 0.01, GAT 0.005, transformer 0.001)"
+    )
     ap.add_argument("--epochs", type=int, default=200)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--root", default=None, help="the Planetoid raw files (ind.<name>.*)")

@@ -216,10 +216,30 @@ struct py_sparse_plan {
                                stream_of(stream))};
   }
 
-  void spmm(const tensor_tuple& b, const tensor_tuple& c, std::uintptr_t stream, std::uintptr_t ws,
-            std::size_t ws_bytes) const {
+  /// values: per-head weights [slots, H, 1] in the plan's slot layout, or None for its own.
+  void spmm(const std::optional<tensor_tuple>& values, const tensor_tuple& b, const tensor_tuple& c,
+            std::uintptr_t stream, std::uintptr_t ws, std::size_t ws_bytes) const {
     nb::gil_scoped_release release;
-    plan.spmm({}, view_of(b), view_of(c), stream_of(stream), workspace_of(ws, ws_bytes));
+    plan.spmm(view_of(values), view_of(b), view_of(c), stream_of(stream),
+              workspace_of(ws, ws_bytes));
+  }
+
+  void sddmm(const tensor_tuple& x, const tensor_tuple& y, const tensor_tuple& out, double scale,
+             std::uintptr_t stream) const {
+    nb::gil_scoped_release release;
+    plan.sddmm(view_of(x), view_of(y), view_of(out), scale, stream_of(stream));
+  }
+
+  void to_slots(const tensor_tuple& entries, const tensor_tuple& slots,
+                std::uintptr_t stream) const {
+    nb::gil_scoped_release release;
+    plan.to_slots(view_of(entries), view_of(slots), stream_of(stream));
+  }
+
+  void to_entries(const tensor_tuple& slots, const tensor_tuple& entries,
+                  std::uintptr_t stream) const {
+    nb::gil_scoped_release release;
+    plan.to_entries(view_of(slots), view_of(entries), stream_of(stream));
   }
 };
 
@@ -281,8 +301,12 @@ NB_MODULE(_C, m) {
   nb::class_<py_sparse_plan>(m, "SparsePlan")
       .def_static("from_host", &py_sparse_plan::from_host, "row_ptr"_a, "col_idx"_a, "values"_a,
                   "rows"_a, "cols"_a, "nnz"_a, "device"_a, "stream"_a)
-      .def("spmm", &py_sparse_plan::spmm, "b"_a, "c"_a, "stream"_a, "workspace"_a,
-           "workspace_bytes"_a)
+      .def("spmm", &py_sparse_plan::spmm, "values"_a.none(), "b"_a, "c"_a, "stream"_a,
+           "workspace"_a, "workspace_bytes"_a)
+      .def("sddmm", &py_sparse_plan::sddmm, "x"_a, "y"_a, "out"_a, "scale"_a, "stream"_a)
+      .def("to_slots", &py_sparse_plan::to_slots, "entries"_a, "slots"_a, "stream"_a)
+      .def("to_entries", &py_sparse_plan::to_entries, "slots"_a, "entries"_a, "stream"_a)
+      .def("slots", [](const py_sparse_plan& p) { return p.plan.slots(); })
       .def("workspace_bytes", [](const py_sparse_plan& p, std::int64_t heads, std::int64_t dim) {
         return p.plan.workspace_bytes(heads, dim);
       });

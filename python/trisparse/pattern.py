@@ -71,6 +71,9 @@ class Pattern:
             rowptr.device: (rowptr, col)
         }
         self._plans: dict[tuple[torch.device, bool], Any] = {}
+        self._edge_plans: dict[tuple[torch.device, bool], Any] = {}
+        self._edge_order: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._transpose_perm: torch.Tensor | None = None
 
     # --- builders -------------------------------------------------------------------------------
 
@@ -215,6 +218,58 @@ class Pattern:
                         *args, "automatic", gradients, stream(device)
                     )
         self._plans[(device, gradients)] = plan
+        return plan
+
+    def row_pointers(self, device: torch.device) -> torch.Tensor:
+        """The CSR row offsets (int64 [num_rows + 1]) on `device`; cached."""
+        return self._on(device)[0]
+
+    def entries(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, col) of every entry in CSR order (the order of per-edge values), int64, on
+        `device`; cached."""
+        got = self._edge_order.get(device)
+        if got is None:
+            rowptr, col = self._on(torch.device("cpu"))
+            row = torch.repeat_interleave(torch.arange(self.num_rows), rowptr.diff())
+            got = (row.to(device), col.to(device, torch.int64))
+            self._edge_order[device] = got
+        return got
+
+    def transpose_order(self) -> torch.Tensor:
+        """perm (host, int64) with entry t of the transposed pattern's CSR = entry perm[t] of
+        this one's."""
+        if self._transpose_perm is None:
+            row, col = self.entries(torch.device("cpu"))
+            self._transpose_perm = torch.argsort(col * max(self.num_rows, 1) + row, stable=True)
+        return self._transpose_perm
+
+    def edge_plan(self, device: torch.device, transposed: bool = False):
+        """The C++ sparse plan (SpMM, SDDMM with per-edge values) of the pattern or of its
+        transpose on `device`, built on first use."""
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        plan = self._edge_plans.get((device, transposed))
+        if plan is None:
+            rowptr, col = self._on(torch.device("cpu"))
+            rows, cols = self.num_rows, self.num_cols
+            if transposed:
+                row, _ = self.entries(torch.device("cpu"))
+                perm = self.transpose_order()
+                rowptr = row_offsets(col.to(torch.int64)[perm], cols)
+                col = row[perm].to(torch.int32)
+                rows, cols = cols, rows
+            ones = torch.ones(col.numel(), dtype=torch.float32)
+            plan = _C.SparsePlan.from_host(
+                rowptr.data_ptr(),
+                col.data_ptr(),
+                ones.data_ptr(),
+                rows,
+                cols,
+                col.numel(),
+                device_index(device),
+                stream(device),
+            )
+            self._edge_plans[(device, transposed)] = plan
         return plan
 
     def __repr__(self) -> str:

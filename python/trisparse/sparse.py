@@ -83,7 +83,7 @@ def _spmm(b: Tensor, matrix: int, transposed: bool) -> Tensor:
     _owner, ws, ws_bytes = _tensors.workspace(
         plan.workspace_bytes(b.shape[1], b.shape[2]), b.device
     )
-    plan.spmm(_tensors.view(b), _tensors.view(c), _tensors.stream(b.device), ws, ws_bytes)
+    plan.spmm(None, _tensors.view(b), _tensors.view(c), _tensors.stream(b.device), ws, ws_bytes)
     return c
 
 

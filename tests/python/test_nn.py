@@ -77,6 +77,42 @@ def test_transformer_conv_on_shared_graphs(name):
     assert_close(run(ours, x, ei), run(pyg, x, ei), rtol=5e-5)
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"heads": 1},
+        {"heads": 4},
+        {"heads": 3, "concat": False},
+        {"heads": 2, "add_self_loops": False},
+        {"heads": 2, "residual": True},
+        {"heads": 2, "bias": False, "negative_slope": 0.1},
+    ],
+)
+def test_gat_conv_matches_pyg(kwargs):
+    n = 120
+    ei = random_edge_index(n, n, 7, seed=3, self_loops=True)  # isolated nodes and self loops
+    ours, pyg = pair(trisparse.nn.GATConv, pyg_nn.GATConv, 24, 8, **kwargs)
+    x = torch.randn(n, 24)
+    assert_close(run(ours, x, ei), run(pyg, x, ei), rtol=2e-5)
+
+
+@pytest.mark.parametrize("name", ["cora", "citeseer"])
+def test_gat_conv_on_shared_graphs(name):
+    ei, n = load_shared_graph(name)
+    ours, pyg = pair(trisparse.nn.GATConv, pyg_nn.GATConv, 32, 8, heads=8)
+    x = torch.randn(n, 32)
+    assert_close(run(ours, x, ei), run(pyg, x, ei), rtol=5e-5)
+
+
+def test_gat_conv_falls_back_for_edge_features():
+    ei = random_edge_index(30, 30, 4, seed=4)
+    ours, pyg = pair(trisparse.nn.GATConv, pyg_nn.GATConv, 8, 4, heads=2, edge_dim=3)
+    x, attr = torch.randn(30, 8), torch.randn(ei.shape[1], 3)
+    with pytest.warns(UserWarning, match="edge features"):
+        got = ours(x, ei, attr)
+    assert torch.equal(got, pyg(x, ei, attr))
+
+
 def test_state_dict_both_ways_and_pattern_reuse():
     ours, pyg = pair(trisparse.nn.TransformerConv, pyg_nn.TransformerConv, 8, 4, heads=2, beta=True)
     assert list(ours.state_dict()) == list(pyg.state_dict())

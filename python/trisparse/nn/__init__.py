@@ -1,5 +1,5 @@
 """Drop-in replacements for PyG layers (needs torch_geometric)."""
 
-from .conv import AGNNConv, GCNConv, TransformerConv
+from .conv import AGNNConv, GATConv, GCNConv, TransformerConv
 
-__all__ = ["AGNNConv", "GCNConv", "TransformerConv"]
+__all__ = ["AGNNConv", "GATConv", "GCNConv", "TransformerConv"]

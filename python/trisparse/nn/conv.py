@@ -13,10 +13,12 @@ from torch import Tensor
 try:
     import torch.nn.functional as F
     from torch_geometric.nn import AGNNConv as _PygAGNNConv
+    from torch_geometric.nn import GATConv as _PygGATConv
     from torch_geometric.nn import GCNConv as _PygGCNConv
     from torch_geometric.nn import MessagePassing
     from torch_geometric.nn import TransformerConv as _PygTransformerConv
     from torch_geometric.nn.conv.gcn_conv import gcn_norm
+    from torch_geometric.utils import softmax as _segment_softmax
 except ImportError as e:  # pragma: no cover - exercised only without PyG
     raise ImportError(
         "trisparse.nn holds drop-in replacements for PyG layers and needs torch_geometric "
@@ -24,10 +26,11 @@ except ImportError as e:  # pragma: no cover - exercised only without PyG
     ) from e
 
 from ..attention import sparse_attention
+from ..edge import edge_spmm
 from ..pattern import Pattern
 from ..sparse import SparseMatrix, spmm
 
-__all__ = ["AGNNConv", "GCNConv", "TransformerConv"]
+__all__ = ["AGNNConv", "GATConv", "GCNConv", "TransformerConv"]
 
 
 class _PatternCache:
@@ -64,6 +67,10 @@ def _generic_propagate(self, edge_index, size=None, **kwargs):
     return MessagePassing.propagate(self, edge_index, size=size, **kwargs)
 
 
+def _generic_edge_updater(self, edge_index, size=None, **kwargs):
+    return MessagePassing.edge_updater(self, edge_index, size=size, **kwargs)
+
+
 class _Fused:
     """What the drop-in layers share: the Pattern cache, PyG's generic propagate for the
     fallback, and the one-time warning that names why a call runs PyG's code."""
@@ -74,9 +81,10 @@ class _Fused:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        # PyG's generic propagate, in the class itself: PyG would otherwise generate one from the
-        # class's source, which has no propagate call to read the arguments from.
+        # PyG's generic propagate and edge_updater, in the class itself: PyG would otherwise
+        # generate them from the class's source, which has no such calls to read arguments from.
         cls.propagate = _generic_propagate
+        cls.edge_updater = _generic_edge_updater
 
     def _fallback(self, reason: str, edge_index) -> None:
         if isinstance(edge_index, Pattern):
@@ -214,6 +222,63 @@ class GCNConv(_Fused, _PygGCNConv):
             return super().forward(x, edge_index, edge_weight)
         matrix = self._propagation(x, edge_index, edge_weight)
         out = spmm(matrix, self.lin(x))
+        if self.bias is not None:
+            out = out + self.bias
+        return out
+
+
+class GATConv(_Fused, _PygGATConv):
+    """PyG's :class:`torch_geometric.nn.GATConv` (same arguments, parameters, outputs): the
+    scores LeakyReLU(a_dst . W x_i + a_src . W x_j) and their softmax over each target's incoming
+    edges are [E, heads] tensors, as in PyG, but the aggregation of W x_j runs as trisparse's
+    per-edge SpMM (its gradients a per-edge SDDMM and an SpMM over the transposed pattern), so no
+    [E, heads, channels] messages are materialised, and the gradients are deterministic.
+    Attention dropout (``dropout``) is applied to the [E, heads] weights, as PyG does.
+
+    ``edge_index`` may also be a :class:`trisparse.Pattern` (built once, self loops included if
+    wanted). Falls back to PyG's code, with a one-time warning, for: ``edge_dim`` / ``edge_attr``,
+    ``return_attention_weights``, bipartite inputs, ``size``, and graphs with repeated edges."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_fused()
+
+    def forward(self, x, edge_index, edge_attr=None, size=None, return_attention_weights=None):
+        reason = None
+        if self.lin_edge is not None or edge_attr is not None:
+            reason = "edge features (edge_dim) are not fused"
+        elif return_attention_weights is not None:
+            reason = "return_attention_weights is not fused"
+        elif not isinstance(x, Tensor):
+            reason = "bipartite inputs (a pair of feature tensors) are not fused yet"
+        elif size is not None:
+            reason = "an explicit size is not fused"
+        pattern = None
+        if reason is None:
+            n = x.size(0)
+            pattern = self._patterns.get(edge_index, n, n, add_self_loops=self.add_self_loops)
+            if pattern.duplicates:
+                reason = f"the graph has {pattern.duplicates} repeated edges"
+        if reason is not None:
+            self._fallback(reason, edge_index)
+            return super().forward(x, edge_index, edge_attr, size, return_attention_weights)
+
+        H, C = self.heads, self.out_channels
+        res = self.res(x) if getattr(self, "res", None) is not None else None
+        if self.lin is not None:
+            x_src = x_dst = self.lin(x).view(-1, H, C)
+        else:
+            x_src, x_dst = self.lin_src(x).view(-1, H, C), self.lin_dst(x).view(-1, H, C)
+        alpha_src = (x_src * self.att_src).sum(dim=-1)
+        alpha_dst = (x_dst * self.att_dst).sum(dim=-1)
+        row, col = pattern.entries(x.device)
+        alpha = F.leaky_relu(alpha_dst[row] + alpha_src[col], self.negative_slope)
+        alpha = _segment_softmax(alpha, row, ptr=pattern.row_pointers(x.device), dim=0)
+        alpha = F.dropout(alpha, p=self.dropout, training=self.training)
+        out = edge_spmm(alpha, x_src, pattern)
+        out = out.reshape(-1, H * C) if self.concat else out.mean(dim=1)
+        if res is not None:
+            out = out + res
         if self.bias is not None:
             out = out + self.bias
         return out

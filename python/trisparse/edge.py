@@ -1,0 +1,158 @@
+"""Per-edge values on a Pattern as torch ops: the SpMM that aggregates with per-edge, per-head
+weights and the SDDMM that gives per-edge scores, each the other's gradient (over the pattern or
+its transpose), so no [E, heads, channels] message tensor is ever formed. Per-edge tensors are
+[E, H] in the pattern's entry order (``Pattern.entries``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _tensors
+from .pattern import Pattern, lookup
+
+__all__ = ["edge_spmm", "sddmm"]
+
+
+def _slots(plan, entries: Tensor) -> Tensor:
+    """[E, H] in entry order -> the plan's slot layout ([slots, H, 1], one array per head)."""
+    slots = entries.new_empty(entries.shape[1], plan.slots()).t().unsqueeze(-1)
+    source = entries.unsqueeze(-1)
+    plan.to_slots(_tensors.view(source), _tensors.view(slots), _tensors.stream(entries.device))
+    return slots
+
+
+def _entries(plan, slots: Tensor, nnz: int) -> Tensor:
+    out = slots.new_empty(nnz, slots.shape[1], 1)
+    plan.to_entries(_tensors.view(slots), _tensors.view(out), _tensors.stream(slots.device))
+    return out.squeeze(-1)
+
+
+@torch.library.custom_op("trisparse::edge_spmm", mutates_args=())
+def _edge_spmm(values: Tensor, b: Tensor, pattern: int, transposed: bool) -> Tensor:
+    """c[i] = sum over entries (i, j) of values[e, h] * b[j, h] (of the transpose if
+    `transposed`, whose entry (j, i) carries values[e] of entry (i, j))."""
+    p = lookup(pattern)
+    plan = p.edge_plan(b.device, transposed)
+    vals = values.to(b.dtype)
+    if transposed:
+        vals = vals[p.transpose_order().to(b.device)]
+    rows = p.num_cols if transposed else p.num_rows
+    c = b.new_empty(rows, b.shape[1], b.shape[2])
+    _owner, ws, ws_bytes = _tensors.workspace(
+        plan.workspace_bytes(b.shape[1], b.shape[2]), b.device
+    )
+    slots = _slots(plan, vals.contiguous())  # held until the run is queued
+    plan.spmm(
+        _tensors.view(slots),
+        _tensors.view(b),
+        _tensors.view(c),
+        _tensors.stream(b.device),
+        ws,
+        ws_bytes,
+    )
+    return c
+
+
+@_edge_spmm.register_fake
+def _edge_spmm_fake(values, b, pattern, transposed):
+    p = lookup(pattern)
+    return b.new_empty(p.num_cols if transposed else p.num_rows, b.shape[1], b.shape[2])
+
+
+def _edge_spmm_setup(ctx, inputs, output):
+    values, b, pattern, transposed = inputs
+    ctx.save_for_backward(values, b)
+    ctx.pattern, ctx.transposed = pattern, transposed
+
+
+def _edge_spmm_backward(ctx, dc):
+    values, b = ctx.saved_tensors
+    dc = dc if dc.stride(-1) == 1 else dc.contiguous()
+    dvalues = db = None
+    if ctx.needs_input_grad[0]:
+        # d values[(i, j)] = <dc[i], b[j]>, or <b[i], dc[j]> over the transpose.
+        x, y = (b, dc) if ctx.transposed else (dc, b)
+        dvalues = torch.ops.trisparse.sddmm(x, y, ctx.pattern).to(values.dtype)
+    if ctx.needs_input_grad[1]:
+        db = torch.ops.trisparse.edge_spmm(values, dc, ctx.pattern, not ctx.transposed)
+    return dvalues, db, None, None
+
+
+_edge_spmm.register_autograd(_edge_spmm_backward, setup_context=_edge_spmm_setup)
+
+
+@torch.library.custom_op("trisparse::sddmm", mutates_args=())
+def _sddmm(x: Tensor, y: Tensor, pattern: int) -> Tensor:
+    """s[e, h] = <x[i, h], y[j, h]> for every entry e = (i, j), [E, H] in x's dtype."""
+    p = lookup(pattern)
+    plan = p.edge_plan(x.device, False)
+    slots = x.new_empty(x.shape[1], plan.slots()).t().unsqueeze(-1)
+    plan.sddmm(
+        _tensors.view(x), _tensors.view(y), _tensors.view(slots), 1.0, _tensors.stream(x.device)
+    )
+    return _entries(plan, slots, p.nnz)
+
+
+@_sddmm.register_fake
+def _sddmm_fake(x, y, pattern):
+    return x.new_empty(lookup(pattern).nnz, x.shape[1])
+
+
+def _sddmm_setup(ctx, inputs, output):
+    x, y, pattern = inputs
+    ctx.save_for_backward(x, y)
+    ctx.pattern = pattern
+
+
+def _sddmm_backward(ctx, ds):
+    x, y = ctx.saved_tensors
+    ds = ds.contiguous()
+    dx = dy = None
+    if ctx.needs_input_grad[0]:
+        dx = torch.ops.trisparse.edge_spmm(ds, y, ctx.pattern, False)
+    if ctx.needs_input_grad[1]:
+        dy = torch.ops.trisparse.edge_spmm(ds, x, ctx.pattern, True)
+    return dx, dy, None
+
+
+_sddmm.register_autograd(_sddmm_backward, setup_context=_sddmm_setup)
+
+
+def _check(pattern, name: str, t: Tensor, rows: int) -> None:
+    if not isinstance(t, Tensor) or t.dtype not in _tensors.FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a float16, bfloat16, float32 or float64 tensor")
+    if t.dim() != 3 or t.shape[0] != rows:
+        raise ValueError(f"{name} must have shape [{rows}, heads, channels], got {tuple(t.shape)}")
+
+
+def edge_spmm(values: Tensor, b: Tensor, pattern: Pattern, transposed: bool = False) -> Tensor:
+    """out[i, h] = sum over the pattern's entries (i, j) of values[e, h] * b[j, h]: the
+    aggregation of per-edge, per-head weights (``values`` [E, H] in entry order) over
+    ``b`` [num_cols, H, C]; with ``transposed``, over the transpose (b [num_rows, H, C]).
+    Differentiable in both (deterministic)."""
+    if not isinstance(pattern, Pattern):
+        raise TypeError(f"pattern must be a trisparse.Pattern, got {type(pattern).__name__}")
+    _check(pattern, "b", b, pattern.num_rows if transposed else pattern.num_cols)
+    if values.dim() != 2 or values.shape != (pattern.nnz, b.shape[1]):
+        raise ValueError(
+            f"values must have shape [{pattern.nnz}, {b.shape[1]}] (entries, heads), got "
+            f"{tuple(values.shape)}"
+        )
+    if values.device != b.device:
+        raise ValueError(f"values is on {values.device} but b is on {b.device}")
+    b = b if b.stride(-1) == 1 else b.contiguous()
+    return torch.ops.trisparse.edge_spmm(values, b, pattern.id, bool(transposed))
+
+
+def sddmm(x: Tensor, y: Tensor, pattern: Pattern) -> Tensor:
+    """s[e, h] = <x[i, h], y[j, h]> for every entry e = (i, j) of the pattern: x
+    [num_rows, H, D], y [num_cols, H, D], s [E, H] in entry order. Differentiable in both."""
+    if not isinstance(pattern, Pattern):
+        raise TypeError(f"pattern must be a trisparse.Pattern, got {type(pattern).__name__}")
+    _check(pattern, "x", x, pattern.num_rows)
+    _check(pattern, "y", y, pattern.num_cols)
+    if y.dtype != x.dtype or y.shape[1:] != x.shape[1:] or y.device != x.device:
+        raise ValueError("x and y must have one dtype, device, head count and width")
+    x, y = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, y))
+    return torch.ops.trisparse.sddmm(x, y, pattern.id)
