@@ -1,6 +1,8 @@
 """trisparse.nn layers against the PyG layers with the same weights: outputs, and gradients of the
 inputs and of every parameter; state_dict both ways; the fallbacks."""
 
+import warnings
+
 import pytest
 import torch
 from conftest import load_shared_graph, random_edge_index
@@ -147,10 +149,44 @@ def test_fallbacks_warn_once_and_stay_exact():
     with pytest.warns(UserWarning, match="3 repeated edges"):
         a = ours(x, repeated)
     assert torch.equal(a, pyg(x, repeated))
-    ours, pyg = pair(trisparse.nn.TransformerConv, pyg_nn.TransformerConv, 8, 4, dropout=0.5)
+
+
+def test_transformer_conv_attention_dropout():
+    """Training with dropout: the weights softmax(q.k / sqrt(C)) over each target's edges, dropped
+    by the same draws as F.dropout on [E, H] in the pattern's entry order, aggregate v; no
+    fallback, gradients flow; in eval mode the layer equals PyG's."""
+    import torch.nn.functional as F
+    from torch_geometric.utils import softmax
+
+    n, heads, c = 40, 2, 4
+    ei = random_edge_index(n, n, 6, seed=12)
+    ours, pyg = pair(
+        trisparse.nn.TransformerConv,
+        pyg_nn.TransformerConv,
+        8,
+        c,
+        heads=heads,
+        dropout=0.5,
+        root_weight=False,
+    )
+    x = torch.randn(n, 8, requires_grad=True)
     ours.train()
-    with pytest.warns(UserWarning, match="dropout"):
-        ours(x, ei)
+    torch.manual_seed(13)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback
+        got = ours(x, ei)
+    got.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    row, col = trisparse.Pattern.from_edge_index(ei, num_nodes=n).entries(torch.device("cpu"))
+    with torch.no_grad():
+        q, k, v = (
+            lin(x).view(n, heads, c) for lin in (ours.lin_query, ours.lin_key, ours.lin_value)
+        )
+        alpha = softmax((q[row] * k[col]).sum(-1) / c**0.5, row, num_nodes=n)
+        torch.manual_seed(13)
+        alpha = F.dropout(alpha, p=0.5, training=True)
+        want = torch.zeros(n, heads, c).index_add_(0, row, alpha[..., None] * v[col])
+    assert torch.allclose(got.detach(), want.reshape(n, heads * c), rtol=1e-5, atol=1e-6)
     ours.eval()
     pyg.eval()
     assert torch.allclose(ours(x, ei), pyg(x, ei), rtol=1e-5, atol=1e-6)

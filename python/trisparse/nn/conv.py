@@ -26,7 +26,7 @@ except ImportError as e:  # pragma: no cover - exercised only without PyG
     ) from e
 
 from ..attention import sparse_attention
-from ..edge import edge_spmm
+from ..edge import edge_spmm, sddmm
 from ..pattern import Pattern
 from ..sparse import SparseMatrix, spmm
 
@@ -107,9 +107,11 @@ class TransformerConv(_Fused, _PygTransformerConv):
     gradients are deterministic.
 
     ``edge_index`` may also be a :class:`trisparse.Pattern` (built once, reused every step).
-    Falls back to PyG's code, with a one-time warning, for: ``edge_dim`` / ``edge_attr``,
-    ``return_attention_weights``, attention dropout while training, and graphs with repeated
-    edges (PyG counts each copy; the fused pattern is binary)."""
+    Attention dropout while training runs unfused: [E, heads] scores (SDDMM), softmax and
+    dropout, then the per-edge SpMM (as PyG, but without [E, heads, channels] messages). Falls
+    back to PyG's code, with a one-time warning, for: ``edge_dim`` / ``edge_attr``,
+    ``return_attention_weights``, and graphs with repeated edges (PyG counts each copy; the fused
+    pattern is binary)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -121,8 +123,6 @@ class TransformerConv(_Fused, _PygTransformerConv):
             reason = "edge features (edge_dim) are not fused"
         elif return_attention_weights is not None:
             reason = "return_attention_weights is not fused"
-        elif self.training and self.dropout > 0:
-            reason = "attention dropout is not fused yet"
         x_src, x_dst = (x, x) if isinstance(x, Tensor) else x
         pattern = None
         if reason is None:
@@ -137,7 +137,18 @@ class TransformerConv(_Fused, _PygTransformerConv):
         query = self.lin_query(x_dst).view(-1, H, C)
         key = self.lin_key(x_src).view(-1, H, C)
         value = self.lin_value(x_src).view(-1, H, C)
-        out = sparse_attention(query, key, value, pattern, scale=1.0 / math.sqrt(C))
+        scale = 1.0 / math.sqrt(C)
+        if self.training and self.dropout > 0:
+            # Attention dropout needs the weights: [E, H] scores by SDDMM, PyG's segment softmax,
+            # dropout, and the aggregation by the per-edge SpMM (still no [E, H, C] messages).
+            row, _ = pattern.entries(query.device)
+            alpha = _segment_softmax(
+                scale * sddmm(query, key, pattern), row, ptr=pattern.row_pointers(query.device)
+            )
+            alpha = F.dropout(alpha, p=self.dropout, training=True)
+            out = edge_spmm(alpha, value, pattern)
+        else:
+            out = sparse_attention(query, key, value, pattern, scale=scale)
         out = out.reshape(-1, H * C) if self.concat else out.mean(dim=1)
         if self.root_weight:
             x_r = self.lin_skip(x_dst)
