@@ -36,7 +36,7 @@ def _edge_spmm(values: Tensor, b: Tensor, pattern: int, transposed: bool) -> Ten
     plan = p.edge_plan(b.device, transposed)
     vals = values.to(b.dtype)
     if transposed:
-        vals = vals[p.transpose_order().to(b.device)]
+        vals = vals[p.transpose_order(b.device)]
     rows = p.num_cols if transposed else p.num_rows
     c = b.new_empty(rows, b.shape[1], b.shape[2])
     _owner, ws, ws_bytes = _tensors.workspace(

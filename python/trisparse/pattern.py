@@ -73,7 +73,7 @@ class Pattern:
         self._plans: dict[tuple[torch.device, bool], Any] = {}
         self._edge_plans: dict[tuple[torch.device, bool], Any] = {}
         self._edge_order: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._transpose_perm: torch.Tensor | None = None
+        self._transpose_perm: dict[torch.device, torch.Tensor] = {}
 
     # --- builders -------------------------------------------------------------------------------
 
@@ -235,13 +235,20 @@ class Pattern:
             self._edge_order[device] = got
         return got
 
-    def transpose_order(self) -> torch.Tensor:
-        """perm (host, int64) with entry t of the transposed pattern's CSR = entry perm[t] of
-        this one's."""
-        if self._transpose_perm is None:
-            row, col = self.entries(torch.device("cpu"))
-            self._transpose_perm = torch.argsort(col * max(self.num_rows, 1) + row, stable=True)
-        return self._transpose_perm
+    def transpose_order(self, device: torch.device | None = None) -> torch.Tensor:
+        """perm (int64, on `device`, default the CPU; cached) with entry t of the transposed
+        pattern's CSR = entry perm[t] of this one's."""
+        device = torch.device("cpu") if device is None else device
+        perm = self._transpose_perm.get(device)
+        if perm is None:
+            host = self._transpose_perm.get(torch.device("cpu"))
+            if host is None:
+                row, col = self.entries(torch.device("cpu"))
+                host = torch.argsort(col * max(self.num_rows, 1) + row, stable=True)
+                self._transpose_perm[torch.device("cpu")] = host
+            perm = host.to(device)
+            self._transpose_perm[device] = perm
+        return perm
 
     def edge_plan(self, device: torch.device, transposed: bool = False):
         """The C++ sparse plan (SpMM, SDDMM with per-edge values) of the pattern or of its
