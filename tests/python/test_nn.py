@@ -43,9 +43,8 @@ def assert_close(ours, pyg, rtol):
         assert (gp[name] - gp2[name]).abs().max() <= rtol * norm, name
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [
+OPTIONS = {
+    "TransformerConv": [
         {"heads": 1},
         {"heads": 4, "concat": True},
         {"heads": 3, "concat": False},
@@ -54,11 +53,24 @@ def assert_close(ours, pyg, rtol):
         {"heads": 2, "root_weight": False},
         {"heads": 2, "bias": False},
     ],
+    "GATConv": [
+        {"heads": 1},
+        {"heads": 4},
+        {"heads": 3, "concat": False},
+        {"heads": 2, "add_self_loops": False},
+        {"heads": 2, "residual": True},
+        {"heads": 2, "bias": False, "negative_slope": 0.1},
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    "layer, kwargs", [(layer, kw) for layer, options in OPTIONS.items() for kw in options]
 )
-def test_transformer_conv_matches_pyg(kwargs):
+def test_attention_layers_match_pyg(layer, kwargs):
     n = 120
     ei = random_edge_index(n, n, 7, seed=1, self_loops=True)  # isolated nodes and self loops
-    ours, pyg = pair(trisparse.nn.TransformerConv, pyg_nn.TransformerConv, 24, 8, **kwargs)
+    ours, pyg = pair(getattr(trisparse.nn, layer), getattr(pyg_nn, layer), 24, 8, **kwargs)
     x = torch.randn(n, 24)
     assert_close(run(ours, x, ei), run(pyg, x, ei), rtol=2e-5)
 
@@ -72,36 +84,12 @@ def test_transformer_conv_bipartite():
 
 
 @pytest.mark.parametrize("name", ["cora", "citeseer"])
-def test_transformer_conv_on_shared_graphs(name):
+@pytest.mark.parametrize("layer, channels, heads", [("TransformerConv", 16, 4), ("GATConv", 8, 8)])
+def test_attention_layers_on_shared_graphs(name, layer, channels, heads):
     ei, n = load_shared_graph(name)
-    ours, pyg = pair(trisparse.nn.TransformerConv, pyg_nn.TransformerConv, 32, 16, heads=4)
-    x = torch.randn(n, 32)
-    assert_close(run(ours, x, ei), run(pyg, x, ei), rtol=5e-5)
-
-
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        {"heads": 1},
-        {"heads": 4},
-        {"heads": 3, "concat": False},
-        {"heads": 2, "add_self_loops": False},
-        {"heads": 2, "residual": True},
-        {"heads": 2, "bias": False, "negative_slope": 0.1},
-    ],
-)
-def test_gat_conv_matches_pyg(kwargs):
-    n = 120
-    ei = random_edge_index(n, n, 7, seed=3, self_loops=True)  # isolated nodes and self loops
-    ours, pyg = pair(trisparse.nn.GATConv, pyg_nn.GATConv, 24, 8, **kwargs)
-    x = torch.randn(n, 24)
-    assert_close(run(ours, x, ei), run(pyg, x, ei), rtol=2e-5)
-
-
-@pytest.mark.parametrize("name", ["cora", "citeseer"])
-def test_gat_conv_on_shared_graphs(name):
-    ei, n = load_shared_graph(name)
-    ours, pyg = pair(trisparse.nn.GATConv, pyg_nn.GATConv, 32, 8, heads=8)
+    ours, pyg = pair(
+        getattr(trisparse.nn, layer), getattr(pyg_nn, layer), 32, channels, heads=heads
+    )
     x = torch.randn(n, 32)
     assert_close(run(ours, x, ei), run(pyg, x, ei), rtol=5e-5)
 
