@@ -74,6 +74,9 @@ class Pattern:
         self._edge_plans: dict[tuple[torch.device, bool], Any] = {}
         self._edge_order: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._transpose_perm: dict[torch.device, torch.Tensor] = {}
+        # from_coo / from_edge_index without repeats: the entry of each input pair, in input order.
+        self._input_entries: torch.Tensor | None = None
+        self._input_order: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # --- builders -------------------------------------------------------------------------------
 
@@ -94,15 +97,18 @@ class Pattern:
         if num_cols >= 2**31:
             raise ValueError(f"num_cols {num_cols} does not fit the kernels' 32-bit column ids")
         check_edge_ids(row, col, num_rows, num_cols)
-        key = torch.unique(row * max(num_cols, 1) + col, sorted=True)
+        key, inverse = torch.unique(row * max(num_cols, 1) + col, sorted=True, return_inverse=True)
         duplicates = row.numel() - key.numel()
         r = torch.div(key, max(num_cols, 1), rounding_mode="floor")
-        return cls(
+        pattern = cls(
             row_offsets(r, num_rows),
             (key - r * max(num_cols, 1)).to(torch.int32),
             num_cols,
             duplicates,
         )
+        if duplicates == 0:
+            pattern._input_entries = inverse
+        return pattern
 
     @classmethod
     def from_edge_index(
@@ -233,6 +239,20 @@ class Pattern:
             row = torch.repeat_interleave(torch.arange(self.num_rows), rowptr.diff())
             got = (row.to(device), col.to(device, torch.int64))
             self._edge_order[device] = got
+        return got
+
+    def input_order(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a pattern built from entries without repeats (``from_coo``, ``from_edge_index``):
+        (entry of each input pair in input order, and its inverse), on `device`; else None.
+        Per-edge values gathered by the first are in the input's edge order (PyG's)."""
+        if self._input_entries is None:
+            return None
+        got = self._input_order.get(device)
+        if got is None:
+            back = torch.empty_like(self._input_entries)
+            back[self._input_entries] = torch.arange(back.numel(), device=back.device)
+            got = (self._input_entries.to(device), back.to(device))
+            self._input_order[device] = got
         return got
 
     def transpose_order(self, device: torch.device | None = None) -> torch.Tensor:

@@ -86,6 +86,16 @@ class _Fused:
         cls.propagate = _generic_propagate
         cls.edge_updater = _generic_edge_updater
 
+    def _attention_dropout(self, alpha: Tensor, pattern: Pattern) -> Tensor:
+        """F.dropout of the [E, heads] attention weights (in the pattern's entry order) with the
+        draws PyG's layer makes: in the order of the edge_index the pattern was built from, so
+        that a seed drops the same edges as PyG (for a Pattern passed in, in entry order)."""
+        order = pattern.input_order(alpha.device)
+        if order is None:
+            return F.dropout(alpha, p=self.dropout, training=True)
+        to_input, to_entries = order
+        return F.dropout(alpha[to_input], p=self.dropout, training=True)[to_entries]
+
     def _fallback(self, reason: str, edge_index) -> None:
         if isinstance(edge_index, Pattern):
             raise TypeError(
@@ -145,8 +155,7 @@ class TransformerConv(_Fused, _PygTransformerConv):
             alpha = _segment_softmax(
                 scale * sddmm(query, key, pattern), row, ptr=pattern.row_pointers(query.device)
             )
-            alpha = F.dropout(alpha, p=self.dropout, training=True)
-            out = edge_spmm(alpha, value, pattern)
+            out = edge_spmm(self._attention_dropout(alpha, pattern), value, pattern)
         else:
             out = sparse_attention(query, key, value, pattern, scale=scale)
         out = out.reshape(-1, H * C) if self.concat else out.mean(dim=1)
@@ -244,7 +253,8 @@ class GATConv(_Fused, _PygGATConv):
     edges are [E, heads] tensors, as in PyG, but the aggregation of W x_j runs as trisparse's
     per-edge SpMM (its gradients a per-edge SDDMM and an SpMM over the transposed pattern), so no
     [E, heads, channels] messages are materialised, and the gradients are deterministic.
-    Attention dropout (``dropout``) is applied to the [E, heads] weights, as PyG does.
+    Attention dropout (``dropout``) drops the [E, heads] weights with PyG's draws (the same edges
+    for the same seed).
 
     ``edge_index`` may also be a :class:`trisparse.Pattern` (built once, self loops included if
     wanted). Falls back to PyG's code, with a one-time warning, for: ``edge_dim`` / ``edge_attr``,
@@ -285,7 +295,8 @@ class GATConv(_Fused, _PygGATConv):
         row, col = pattern.entries(x.device)
         alpha = F.leaky_relu(alpha_dst[row] + alpha_src[col], self.negative_slope)
         alpha = _segment_softmax(alpha, row, ptr=pattern.row_pointers(x.device), dim=0)
-        alpha = F.dropout(alpha, p=self.dropout, training=self.training)
+        if self.training and self.dropout > 0:
+            alpha = self._attention_dropout(alpha, pattern)
         out = edge_spmm(alpha, x_src, pattern)
         out = out.reshape(-1, H * C) if self.concat else out.mean(dim=1)
         if res is not None:
