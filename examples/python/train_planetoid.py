@@ -7,8 +7,7 @@ and prints the test accuracy (at the best validation accuracy) and the time per 
     python3 examples/python/train_planetoid.py --model transformer --backend pyg --seeds 10
 
 The two backends build the same parameters from the same seed (trisparse's layers are PyG's
-subclasses), so their runs differ only by rounding, except the GAT's: its attention dropout
-draws the same number of random values but assigns them to edges in another order.
+subclasses) and draw the same dropout masks, so their runs differ only by rounding.
 """
 
 import argparse
