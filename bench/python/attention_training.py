@@ -7,7 +7,7 @@ dtype: the training forward (inputs requiring grad), the whole step (forward + b
 fixed dout) and the backward as their difference, as CUDA-event medians around the Python calls
 (what a user's step pays); peak GPU memory of a step beyond its inputs; and the gradients'
 relative error (max |err| / max |ref|) against PyG's float32 autograd on the same inputs.
-PyG runs in float32 (its default) and in bfloat16; trisparse in float16 and bfloat16.
+PyG runs in float32 (its default) and in bfloat16; trisparse in float16, bfloat16 and float32.
 One JSON object per graph.
 """
 
@@ -109,6 +109,7 @@ def bench_graph(path, dim, heads, repeat):
         ("pyg_bf16", torch.bfloat16, pyg),
         ("trisparse_fp16", torch.float16, ours),
         ("trisparse_bf16", torch.bfloat16, ours),
+        ("trisparse_fp32", torch.float32, ours),  # the row-wise float32 kernel
     ):
         try:
             r, grads = measure(fn, q.to(dt), k.to(dt), v.to(dt), dout.to(dt), repeat)
