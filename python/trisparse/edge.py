@@ -119,7 +119,7 @@ def _sddmm_backward(ctx, ds):
 _sddmm.register_autograd(_sddmm_backward, setup_context=_sddmm_setup)
 
 
-def _check(pattern, name: str, t: Tensor, rows: int) -> None:
+def _check(name: str, t: Tensor, rows: int) -> None:
     if not isinstance(t, Tensor) or t.dtype not in _tensors.FLOAT_DTYPES:
         raise TypeError(f"{name} must be a float16, bfloat16, float32 or float64 tensor")
     if t.dim() != 3 or t.shape[0] != rows:
@@ -133,7 +133,7 @@ def edge_spmm(values: Tensor, b: Tensor, pattern: Pattern, transposed: bool = Fa
     Differentiable in both (deterministic)."""
     if not isinstance(pattern, Pattern):
         raise TypeError(f"pattern must be a trisparse.Pattern, got {type(pattern).__name__}")
-    _check(pattern, "b", b, pattern.num_rows if transposed else pattern.num_cols)
+    _check("b", b, pattern.num_rows if transposed else pattern.num_cols)
     if values.dim() != 2 or values.shape != (pattern.nnz, b.shape[1]):
         raise ValueError(
             f"values must have shape [{pattern.nnz}, {b.shape[1]}] (entries, heads), got "
@@ -150,8 +150,8 @@ def sddmm(x: Tensor, y: Tensor, pattern: Pattern) -> Tensor:
     [num_rows, H, D], y [num_cols, H, D], s [E, H] in entry order. Differentiable in both."""
     if not isinstance(pattern, Pattern):
         raise TypeError(f"pattern must be a trisparse.Pattern, got {type(pattern).__name__}")
-    _check(pattern, "x", x, pattern.num_rows)
-    _check(pattern, "y", y, pattern.num_cols)
+    _check("x", x, pattern.num_rows)
+    _check("y", y, pattern.num_cols)
     if y.dtype != x.dtype or y.shape[1:] != x.shape[1:] or y.device != x.device:
         raise ValueError("x and y must have one dtype, device, head count and width")
     x, y = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, y))

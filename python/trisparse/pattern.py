@@ -72,7 +72,7 @@ class Pattern:
         }
         self._plans: dict[tuple[torch.device, bool], Any] = {}
         self._edge_plans: dict[tuple[torch.device, bool], Any] = {}
-        self._edge_order: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._entries: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._transpose_perm: dict[torch.device, torch.Tensor] = {}
         # from_coo / from_edge_index without repeats: the entry of each input pair, in input order.
         self._input_entries: torch.Tensor | None = None
@@ -233,12 +233,12 @@ class Pattern:
     def entries(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(row, col) of every entry in CSR order (the order of per-edge values), int64, on
         `device`; cached."""
-        got = self._edge_order.get(device)
+        got = self._entries.get(device)
         if got is None:
             rowptr, col = self._on(torch.device("cpu"))
             row = torch.repeat_interleave(torch.arange(self.num_rows), rowptr.diff())
             got = (row.to(device), col.to(device, torch.int64))
-            self._edge_order[device] = got
+            self._entries[device] = got
         return got
 
     def input_order(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
