@@ -17,7 +17,8 @@ TRISPARSE_DATASETS=$PWD/data PYTHONPATH="$site" python3 -m pytest -q -p no:cache
 status=$?
 tail -15 "$out/pytest.log"
 # PY_BENCH=1: then the benchmarks with the package: the attention training step against PyG on
-# the graphs in PY_BENCH_GRAPHS, and the Planetoid models (both backends, PY_BENCH_SEEDS seeds).
+# the graphs in PY_BENCH_GRAPHS, and the Planetoid models PY_BENCH_MODELS (both backends,
+# PY_BENCH_SEEDS seeds).
 if [ "${PY_BENCH:-0}" = 1 ]; then
   export PYTHONPATH="$site" TRISPARSE_DATASETS=$PWD/data
   graphs=${PY_BENCH_GRAPHS:-cora pubmed blogcatalog musae_github reddit10k deezer_egos het_tolokers snap_web_notredame}
@@ -26,7 +27,7 @@ if [ "${PY_BENCH:-0}" = 1 ]; then
   python3 bench/python/attention_training.py --dim 64 --heads 8 "${paths[@]}" \
     > "$out/attention_training.jsonl" 2>> "$out/bench_stderr.log"
   echo "attention training: $((SECONDS - start)) s"
-  for model in gcn transformer; do
+  for model in ${PY_BENCH_MODELS:-gcn gat transformer}; do
     for dataset in cora citeseer; do
       for backend in pyg trisparse; do
         python3 examples/python/train_planetoid.py --model $model --dataset $dataset \

@@ -11,7 +11,7 @@ import torch  # noqa: F401  (loads the CUDA libraries torch ships, which the ext
 from . import _C
 from .attention import sparse_attention
 from .block_sparse import BlockMask, block_sparse_attention
-from .edge import edge_spmm, sddmm
+from .edge import edge_scores, edge_softmax, edge_spmm, sddmm
 from .pattern import Pattern
 from .sparse import SparseMatrix, spmm
 
@@ -30,6 +30,8 @@ __all__ = [
     "__version__",
     "block_sparse_attention",
     "cuda_available",
+    "edge_scores",
+    "edge_softmax",
     "edge_spmm",
     "sddmm",
     "sparse_attention",

@@ -1,7 +1,9 @@
 """Per-edge values on a Pattern as torch ops: the SpMM that aggregates with per-edge, per-head
 weights and the SDDMM that gives per-edge scores, each the other's gradient (over the pattern or
-its transpose), so no [E, heads, channels] message tensor is ever formed. Per-edge tensors are
-[E, H] in the pattern's entry order (``Pattern.entries``)."""
+its transpose), so no [E, heads, channels] message tensor is ever formed; and the per-edge
+softmax and node-to-edge scores with gradients reduced over CSR segments in a fixed order (torch's
+gather/scatter backward adds with atomics on CUDA). Per-edge tensors are [E, H] in the pattern's
+entry order (``Pattern.entries``)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from torch import Tensor
 from . import _tensors
 from .pattern import Pattern, lookup
 
-__all__ = ["edge_spmm", "sddmm"]
+__all__ = ["edge_scores", "edge_softmax", "edge_spmm", "sddmm"]
 
 
 def _slots(plan, entries: Tensor) -> Tensor:
@@ -119,6 +121,11 @@ def _sddmm_backward(ctx, ds):
 _sddmm.register_autograd(_sddmm_backward, setup_context=_sddmm_setup)
 
 
+def _check_pattern(pattern) -> None:
+    if not isinstance(pattern, Pattern):
+        raise TypeError(f"pattern must be a trisparse.Pattern, got {type(pattern).__name__}")
+
+
 def _check(name: str, t: Tensor, rows: int) -> None:
     if not isinstance(t, Tensor) or t.dtype not in _tensors.FLOAT_DTYPES:
         raise TypeError(f"{name} must be a float16, bfloat16, float32 or float64 tensor")
@@ -131,8 +138,7 @@ def edge_spmm(values: Tensor, b: Tensor, pattern: Pattern, transposed: bool = Fa
     aggregation of per-edge, per-head weights (``values`` [E, H] in entry order) over
     ``b`` [num_cols, H, C]; with ``transposed``, over the transpose (b [num_rows, H, C]).
     Differentiable in both (deterministic)."""
-    if not isinstance(pattern, Pattern):
-        raise TypeError(f"pattern must be a trisparse.Pattern, got {type(pattern).__name__}")
+    _check_pattern(pattern)
     _check("b", b, pattern.num_rows if transposed else pattern.num_cols)
     if values.dim() != 2 or values.shape != (pattern.nnz, b.shape[1]):
         raise ValueError(
@@ -148,11 +154,89 @@ def edge_spmm(values: Tensor, b: Tensor, pattern: Pattern, transposed: bool = Fa
 def sddmm(x: Tensor, y: Tensor, pattern: Pattern) -> Tensor:
     """s[e, h] = <x[i, h], y[j, h]> for every entry e = (i, j) of the pattern: x
     [num_rows, H, D], y [num_cols, H, D], s [E, H] in entry order. Differentiable in both."""
-    if not isinstance(pattern, Pattern):
-        raise TypeError(f"pattern must be a trisparse.Pattern, got {type(pattern).__name__}")
+    _check_pattern(pattern)
     _check("x", x, pattern.num_rows)
     _check("y", y, pattern.num_cols)
     if y.dtype != x.dtype or y.shape[1:] != x.shape[1:] or y.device != x.device:
         raise ValueError("x and y must have one dtype, device, head count and width")
     x, y = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, y))
     return torch.ops.trisparse.sddmm(x, y, pattern.id)
+
+
+def _segment_sum(values: Tensor, offsets: Tensor) -> Tensor:
+    """Sums of consecutive entry segments (CSR offsets), each added in order: deterministic."""
+    return torch.segment_reduce(values, "sum", offsets=offsets, axis=0)
+
+
+class _EdgeSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores: Tensor, row: Tensor, ptr: Tensor) -> Tensor:
+        # The row maxima leave exp() <= 1; the 1e-16 is PyG's softmax's, for the same values.
+        top = torch.segment_reduce(scores, "max", offsets=ptr, axis=0)
+        p = (scores - top[row]).exp()
+        p = p / (_segment_sum(p, ptr) + 1e-16)[row]
+        ctx.save_for_backward(p, row, ptr)
+        return p
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dp: Tensor):
+        p, row, ptr = ctx.saved_tensors
+        g = p * dp  # ds = p * (dp - sum over the row of p * dp)
+        return g - p * _segment_sum(g, ptr)[row], None, None
+
+
+class _EdgeScores(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dst, src, row, col, ptr, order, col_ptr) -> Tensor:
+        ctx.save_for_backward(ptr, order, col_ptr)
+        return dst[row] + src[col]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, ds: Tensor):
+        ptr, order, col_ptr = ctx.saved_tensors
+        ddst = _segment_sum(ds, ptr) if ctx.needs_input_grad[0] else None
+        dsrc = _segment_sum(ds[order], col_ptr) if ctx.needs_input_grad[1] else None
+        return ddst, dsrc, None, None, None, None, None
+
+
+def edge_softmax(scores: Tensor, pattern: Pattern) -> Tensor:
+    """The softmax of per-edge scores ([E, H] in entry order) over each row's entries (each
+    target's incoming edges, as PyG's ``softmax(src, index)``); empty rows have no entries.
+    Its gradient is deterministic."""
+    _check_pattern(pattern)
+    if scores.dim() != 2 or scores.shape[0] != pattern.nnz:
+        raise ValueError(
+            f"scores must have shape [{pattern.nnz}, heads] (entries, heads), got "
+            f"{tuple(scores.shape)}"
+        )
+    row = pattern.entries(scores.device)[0]
+    return _EdgeSoftmax.apply(scores, row, pattern.row_pointers(scores.device))
+
+
+def edge_scores(dst: Tensor, src: Tensor, pattern: Pattern) -> Tensor:
+    """s[e, h] = dst[i, h] + src[j, h] for every entry e = (i, j): dst [num_rows, H], src
+    [num_cols, H] (GAT's per-node attention terms). Its gradient is deterministic."""
+    _check_pattern(pattern)
+    if dst.dim() != 2 or src.dim() != 2 or dst.shape[1] != src.shape[1]:
+        raise ValueError(
+            f"dst and src must be [nodes, heads] with one head count, got {tuple(dst.shape)} and "
+            f"{tuple(src.shape)}"
+        )
+    if dst.shape[0] != pattern.num_rows or src.shape[0] != pattern.num_cols:
+        raise ValueError(
+            f"dst must have {pattern.num_rows} rows and src {pattern.num_cols} (the pattern's "
+            f"sides), got {dst.shape[0]} and {src.shape[0]}"
+        )
+    d = dst.device
+    row, col = pattern.entries(d)
+    return _EdgeScores.apply(
+        dst,
+        src,
+        row,
+        col,
+        pattern.row_pointers(d),
+        pattern.transpose_order(d),
+        pattern.column_pointers(d),
+    )

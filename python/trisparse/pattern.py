@@ -74,6 +74,7 @@ class Pattern:
         self._edge_plans: dict[tuple[torch.device, bool], Any] = {}
         self._entries: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._transpose_perm: dict[torch.device, torch.Tensor] = {}
+        self._column_pointers: dict[torch.device, torch.Tensor] = {}
         # from_coo / from_edge_index without repeats: the entry of each input pair, in input order.
         self._input_entries: torch.Tensor | None = None
         self._input_order: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -270,6 +271,16 @@ class Pattern:
             self._transpose_perm[device] = perm
         return perm
 
+    def column_pointers(self, device: torch.device) -> torch.Tensor:
+        """The transposed pattern's CSR offsets (int64 [num_cols + 1]) on `device`: entries
+        ``transpose_order()[column_pointers[j]:column_pointers[j + 1]]`` are column j's; cached."""
+        got = self._column_pointers.get(device)
+        if got is None:
+            col = self.entries(torch.device("cpu"))[1]
+            got = row_offsets(col[self.transpose_order()], self.num_cols).to(device)
+            self._column_pointers[device] = got
+        return got
+
     def edge_plan(self, device: torch.device, transposed: bool = False):
         """The C++ sparse plan (SpMM, SDDMM with per-edge values) of the pattern or of its
         transpose on `device`, built on first use."""
@@ -282,7 +293,7 @@ class Pattern:
             if transposed:
                 row, _ = self.entries(torch.device("cpu"))
                 perm = self.transpose_order()
-                rowptr = row_offsets(col.to(torch.int64)[perm], cols)
+                rowptr = self.column_pointers(torch.device("cpu"))
                 col = row[perm].to(torch.int32)
                 rows, cols = cols, rows
             ones = torch.ones(col.numel(), dtype=torch.float32)

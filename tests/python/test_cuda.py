@@ -56,6 +56,23 @@ def test_attention_layers_in_float32_match_pyg_on_cuda(name, layer, channels, he
     assert torch.equal(run(ours, x, ei)[1], gx)  # deterministic gradients
 
 
+@pytest.mark.parametrize("layer", ["TransformerConv", "GATConv"])
+def test_attention_dropout_gradients_repeat_bit_for_bit_on_cuda(layer):
+    ei, n = load_shared_graph("cora")
+    torch.manual_seed(1)
+    conv = getattr(trisparse.nn, layer)(32, 8, heads=4, dropout=0.3).cuda().train()
+    x, ei = torch.randn(n, 32, device="cuda"), ei.cuda()
+
+    def step():
+        torch.manual_seed(2)  # the same dropout draws
+        return run(conv, x, ei)
+
+    (o, gx, gp), (o2, gx2, gp2) = step(), step()
+    assert torch.equal(o, o2) and torch.equal(gx, gx2)
+    for key in gp:
+        assert torch.equal(gp[key], gp2[key]), key
+
+
 def _attention_step(q, k, v, dout, pattern):
     out = trisparse.sparse_attention(q, k, v, pattern)
     return torch.autograd.grad(out, (q, k, v), dout)

@@ -1,5 +1,5 @@
-"""trisparse.edge_spmm and trisparse.sddmm: against dense float64 sums, gradcheck, opcheck,
-bitwise-repeatable gradients, bad inputs."""
+"""trisparse.edge_spmm, sddmm, edge_softmax and edge_scores: against dense float64 sums and
+PyG's softmax, gradcheck, opcheck, bitwise-repeatable gradients (CPU and CUDA), bad inputs."""
 
 import pytest
 import torch
@@ -71,6 +71,45 @@ def test_gradients_repeat_bit_for_bit():
         assert torch.equal(a, c)
 
 
+def test_edge_softmax_and_scores_match_pyg_and_gradcheck():
+    softmax = pytest.importorskip("torch_geometric.utils").softmax
+    p, row, col = pattern_and_entries(31, 27, 13)  # rows without entries too
+    g = torch.Generator().manual_seed(14)
+    s = torch.randn(p.nnz, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    dst = torch.randn(27, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    src = torch.randn(31, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    want = softmax(s, row, num_nodes=p.num_rows)
+    assert torch.allclose(trisparse.edge_softmax(s, p), want, rtol=1e-12, atol=1e-15)
+    assert torch.equal(trisparse.edge_scores(dst, src, p), dst[row] + src[col])
+    assert torch.autograd.gradcheck(lambda t: trisparse.edge_softmax(t, p), (s,))
+    assert torch.autograd.gradcheck(lambda a, b: trisparse.edge_scores(a, b, p), (dst, src))
+
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_softmax_and_score_gradients_repeat_bit_for_bit(device):
+    # One hub row of 3,000 entries, so that a reduction in another order would show.
+    ei = random_edge_index(3000, 400, 8, seed=15)
+    hub = torch.stack([torch.arange(3000), torch.zeros(3000, dtype=torch.int64)])
+    p = trisparse.Pattern.from_edge_index(torch.cat([ei, hub], 1).unique(dim=1), size=(3000, 400))
+    g = torch.Generator().manual_seed(16)
+    dst, src = torch.randn(400, 4, generator=g), torch.randn(3000, 4, generator=g)
+    dp = torch.randn(p.nnz, 4, generator=g).to(device)
+
+    def grads():
+        a, b = dst.to(device).requires_grad_(), src.to(device).requires_grad_()
+        trisparse.edge_softmax(trisparse.edge_scores(a, b, p), p).backward(dp)
+        return a.grad, b.grad
+
+    for a, c in zip(grads(), grads(), strict=True):
+        assert torch.equal(a, c)
+
+
 def test_bad_inputs_name_the_argument():
     p, _, _ = pattern_and_entries(10, 8, 11)
     b = torch.randn(10, 2, 3)
@@ -82,3 +121,7 @@ def test_bad_inputs_name_the_argument():
         trisparse.edge_spmm(torch.randn(p.nnz, 2), b, "not a pattern")
     with pytest.raises(ValueError, match="x and y"):
         trisparse.sddmm(torch.randn(8, 2, 3), torch.randn(10, 2, 4), p)
+    with pytest.raises(ValueError, match="scores"):
+        trisparse.edge_softmax(torch.randn(p.nnz + 1, 2), p)
+    with pytest.raises(ValueError, match="dst must have"):
+        trisparse.edge_scores(torch.randn(9, 2), torch.randn(10, 2), p)

@@ -18,7 +18,6 @@ try:
     from torch_geometric.nn import MessagePassing
     from torch_geometric.nn import TransformerConv as _PygTransformerConv
     from torch_geometric.nn.conv.gcn_conv import gcn_norm
-    from torch_geometric.utils import softmax as _segment_softmax
 except ImportError as e:  # pragma: no cover - exercised only without PyG
     raise ImportError(
         "trisparse.nn holds drop-in replacements for PyG layers and needs torch_geometric "
@@ -26,7 +25,7 @@ except ImportError as e:  # pragma: no cover - exercised only without PyG
     ) from e
 
 from ..attention import sparse_attention
-from ..edge import edge_spmm, sddmm
+from ..edge import edge_scores, edge_softmax, edge_spmm, sddmm
 from ..pattern import Pattern
 from ..sparse import SparseMatrix, spmm
 
@@ -149,12 +148,9 @@ class TransformerConv(_Fused, _PygTransformerConv):
         value = self.lin_value(x_src).view(-1, H, C)
         scale = 1.0 / math.sqrt(C)
         if self.training and self.dropout > 0:
-            # Attention dropout needs the weights: [E, H] scores by SDDMM, PyG's segment softmax,
+            # Attention dropout needs the weights: [E, H] scores by SDDMM, their softmax per row,
             # dropout, and the aggregation by the per-edge SpMM (still no [E, H, C] messages).
-            row, _ = pattern.entries(query.device)
-            alpha = _segment_softmax(
-                scale * sddmm(query, key, pattern), row, ptr=pattern.row_pointers(query.device)
-            )
+            alpha = edge_softmax(scale * sddmm(query, key, pattern), pattern)
             out = edge_spmm(self._attention_dropout(alpha, pattern), value, pattern)
         else:
             out = sparse_attention(query, key, value, pattern, scale=scale)
@@ -292,9 +288,8 @@ class GATConv(_Fused, _PygGATConv):
             x_src, x_dst = self.lin_src(x).view(-1, H, C), self.lin_dst(x).view(-1, H, C)
         alpha_src = (x_src * self.att_src).sum(dim=-1)
         alpha_dst = (x_dst * self.att_dst).sum(dim=-1)
-        row, col = pattern.entries(x.device)
-        alpha = F.leaky_relu(alpha_dst[row] + alpha_src[col], self.negative_slope)
-        alpha = _segment_softmax(alpha, row, ptr=pattern.row_pointers(x.device), dim=0)
+        alpha = F.leaky_relu(edge_scores(alpha_dst, alpha_src, pattern), self.negative_slope)
+        alpha = edge_softmax(alpha, pattern)
         if self.training and self.dropout > 0:
             alpha = self._attention_dropout(alpha, pattern)
         out = edge_spmm(alpha, x_src, pattern)
