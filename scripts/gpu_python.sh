@@ -39,4 +39,11 @@ if [ "${PY_BENCH:-0}" = 1 ]; then
   echo "planetoid: $((SECONDS - start)) s"
   tail -5 "$out/bench_stderr.log"
 fi
+# BLOCK_BENCH=1: the block-sparse forward and forward+backward against flex_attention.
+if [ "${BLOCK_BENCH:-0}" = 1 ]; then
+  PYTHONPATH="$site" python3 bench/python/block_sparse_training.py ${BLOCK_BENCH_ARGS:-} \
+    > "$out/block_sparse_training.jsonl" 2>> "$out/bench_stderr.log"
+  echo "block-sparse training: $((SECONDS - start)) s"
+  tail -3 "$out/bench_stderr.log"
+fi
 exit $status

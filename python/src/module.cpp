@@ -171,27 +171,36 @@ struct py_block_sparse_plan {
     nb::gil_scoped_release release;
     block_sparse_plan_options o;
     o.algo = parse_algorithm(algo);
+    // CUDA plans prepare the backward; every backward passes its workspace (the package's
+    // options), so the plan's own is kept to its smallest.
+    o.gradients = where == device_kind::cuda;
+    o.workspace_heads = 1;
     return {block_sparse_attention_plan::build(std::move(m), where, o, stream_of(stream))};
   }
 
   void run(const tensor_tuple& q, const tensor_tuple& k, const tensor_tuple& v,
-           const tensor_tuple& out, std::optional<double> scale, std::uintptr_t stream,
-           std::uintptr_t ws, std::size_t ws_bytes) const {
+           const tensor_tuple& out, const std::optional<tensor_tuple>& lse,
+           std::optional<double> scale, std::uintptr_t stream, std::uintptr_t ws,
+           std::size_t ws_bytes) const {
     attention_options o;
     o.scale = scale;
+    o.lse = view_of(lse);
     nb::gil_scoped_release release;
     plan.run(view_of(q), view_of(k), view_of(v), view_of(out), o, stream_of(stream),
              workspace_of(ws, ws_bytes));
   }
 
   void backward(const tensor_tuple& q, const tensor_tuple& k, const tensor_tuple& v,
+                const std::optional<tensor_tuple>& out, const std::optional<tensor_tuple>& lse,
                 const tensor_tuple& dout, const tensor_tuple& dq, const tensor_tuple& dk,
-                const tensor_tuple& dv, std::optional<double> scale) const {
+                const tensor_tuple& dv, std::optional<double> scale, std::uintptr_t stream,
+                std::uintptr_t ws, std::size_t ws_bytes) const {
     attention_options o;
     o.scale = scale;
     nb::gil_scoped_release release;
-    plan.backward(view_of(q), view_of(k), view_of(v), view_of(dout), view_of(dq), view_of(dk),
-                  view_of(dv), o);
+    plan.backward(view_of(q), view_of(k), view_of(v), view_of(out), view_of(lse), view_of(dout),
+                  view_of(dq), view_of(dk), view_of(dv), o, stream_of(stream),
+                  workspace_of(ws, ws_bytes));
   }
 };
 
@@ -314,12 +323,17 @@ NB_MODULE(_C, m) {
   nb::class_<py_block_sparse_plan>(m, "BlockSparsePlan")
       .def_static("build", &py_block_sparse_plan::build, "block"_a, "heads"_a, "causal"_a,
                   "cu_seqlens_q"_a, "cu_seqlens_k"_a, "masks"_a, "algo"_a, "device"_a, "stream"_a)
-      .def("run", &py_block_sparse_plan::run, "q"_a, "k"_a, "v"_a, "out"_a, "scale"_a.none(),
-           "stream"_a, "workspace"_a, "workspace_bytes"_a)
-      .def("backward", &py_block_sparse_plan::backward, "q"_a, "k"_a, "v"_a, "dout"_a, "dq"_a,
-           "dk"_a, "dv"_a, "scale"_a.none())
+      .def("run", &py_block_sparse_plan::run, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(),
+           "scale"_a.none(), "stream"_a, "workspace"_a, "workspace_bytes"_a)
+      .def("backward", &py_block_sparse_plan::backward, "q"_a, "k"_a, "v"_a, "out"_a.none(),
+           "lse"_a.none(), "dout"_a, "dq"_a, "dk"_a, "dv"_a, "scale"_a.none(), "stream"_a,
+           "workspace"_a, "workspace_bytes"_a)
       .def("workspace_bytes", [](const py_block_sparse_plan& p, std::int64_t heads,
                                  std::int64_t dim) { return p.plan.workspace_bytes(heads, dim); })
+      .def("backward_workspace_bytes",
+           [](const py_block_sparse_plan& p, std::int64_t heads) {
+             return p.plan.backward_workspace_bytes(heads);
+           })
       .def_prop_ro("backend", [](const py_block_sparse_plan& p) {
         const auto& r = p.plan.report();
         return trisparse::backend_name(r.algo, r.where);

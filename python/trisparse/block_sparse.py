@@ -94,51 +94,96 @@ def _plan(q: Tensor, k: Tensor, mask: int, batch: int):
     return _masks.lookup(mask).plan(q.device, batch, q.shape[0] // batch, k.shape[0] // batch, algo)
 
 
+def _lse_rows(q: Tensor) -> int:
+    # The log-sum-exp the backward reads: written on CUDA only (the CPU backward recomputes).
+    return q.shape[0] if q.device.type == "cuda" else 0
+
+
 @torch.library.custom_op("trisparse::block_sparse_attention", mutates_args=())
-def _forward(q: Tensor, k: Tensor, v: Tensor, mask: int, batch: int, scale: float) -> Tensor:
-    """Packed [batch * N, H, D] tensors, `batch` sequences of equal length."""
+def _forward(
+    q: Tensor, k: Tensor, v: Tensor, mask: int, batch: int, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Packed [batch * N, H, D] tensors, `batch` sequences of equal length; returns out and, on
+    CUDA with the block kernel, each row's log-sum-exp (f32 [rows, H]; [0, H] on the CPU)."""
     plan = _plan(q, k, mask, batch)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    lse = q.new_empty(_lse_rows(q), q.shape[1], dtype=torch.float32)
     _owner, ws, ws_bytes = _tensors.workspace(
         plan.workspace_bytes(q.shape[1], max(q.shape[2], v.shape[2])), q.device
     )
+    with_lse = lse.shape[0] > 0 and plan.backend == "cuda_block"
     plan.run(
-        *(_tensors.view(t) for t in (q, k, v, out)), scale, _tensors.stream(q.device), ws, ws_bytes
+        *(_tensors.view(t) for t in (q, k, v, out)),
+        _tensors.view(lse.unsqueeze(-1)) if with_lse else None,
+        scale,
+        _tensors.stream(q.device),
+        ws,
+        ws_bytes,
     )
-    return out
+    return out, lse
 
 
 @_forward.register_fake
 def _forward_fake(q, k, v, mask, batch, scale):
-    return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    return (
+        q.new_empty(q.shape[0], q.shape[1], v.shape[2]),
+        q.new_empty(_lse_rows(q), q.shape[1], dtype=torch.float32),
+    )
 
 
 @torch.library.custom_op("trisparse::block_sparse_attention_backward", mutates_args=())
 def _backward_op(
-    q: Tensor, k: Tensor, v: Tensor, dout: Tensor, mask: int, batch: int, scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    mask: int,
+    batch: int,
+    scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     plan = _plan(q, k, mask, batch)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    plan.backward(*(_tensors.view(t) for t in (q, k, v, dout, dq, dk, dv)), scale)
+    on_cuda = q.device.type == "cuda"
+    if on_cuda and plan.backend != "cuda_block":
+        raise NotImplementedError(
+            "block_sparse_attention: the CUDA backward runs the tensor-core block kernel (block "
+            f"sizes a multiple of 16 and head dims 64 or 128); this mask runs {plan.backend}"
+        )
+    _owner, ws, ws_bytes = _tensors.workspace(
+        plan.backward_workspace_bytes(q.shape[1]) if on_cuda else 0, q.device
+    )
+    plan.backward(
+        *(_tensors.view(t) for t in (q, k, v)),
+        _tensors.view(out) if on_cuda else None,
+        _tensors.view(lse.unsqueeze(-1)) if on_cuda else None,
+        *(_tensors.view(t) for t in (dout, dq, dk, dv)),
+        scale,
+        _tensors.stream(q.device),
+        ws,
+        ws_bytes,
+    )
     return dq, dk, dv
 
 
 @_backward_op.register_fake
-def _backward_fake(q, k, v, dout, mask, batch, scale):
+def _backward_fake(q, k, v, out, lse, dout, mask, batch, scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, mask, batch, scale = inputs
-    ctx.save_for_backward(q, k, v)
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
     ctx.mask, ctx.batch, ctx.scale = mask, batch, scale
 
 
-def _backward(ctx, dout):
-    q, k, v = ctx.saved_tensors
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.trisparse.block_sparse_attention_backward(
-        q, k, v, dout, ctx.mask, ctx.batch, ctx.scale
+        q, k, v, out, lse, dout, ctx.mask, ctx.batch, ctx.scale
     )
     return dq, dk, dv, None, None, None
 
@@ -154,8 +199,9 @@ def block_sparse_attention(
     :meth:`BlockMask.from_flex` at every call: convert it once instead). Returns [B, H, N_q, Dv]
     in q's dtype; query rows with no key left give zeros. ``scale`` defaults to 1/sqrt(D).
 
-    Differentiable in q, k and v; the gradients run the float64 reference on the CPU for now (the
-    GPU backward is in progress and raises NotImplementedError on CUDA)."""
+    Differentiable in q, k and v, deterministically: on CUDA by the tensor-core backward (block
+    sizes a multiple of 16, D 64 or 128; other masks raise NotImplementedError), on the CPU by
+    the float64 reference."""
     if not isinstance(mask, BlockMask):
         if hasattr(mask, "kv_num_blocks") and hasattr(mask, "BLOCK_SIZE"):
             mask = BlockMask.from_flex(mask)
@@ -187,7 +233,7 @@ def block_sparse_attention(
     def packed(t: Tensor) -> Tensor:  # [B, H, N, D] -> [B * N, H, D]
         return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
 
-    out = torch.ops.trisparse.block_sparse_attention(
+    out, _lse = torch.ops.trisparse.block_sparse_attention(
         packed(q), packed(k), packed(v), mask.id, b, scale
     )
     return out.view(b, n_q, h, v.shape[3]).transpose(1, 2)

@@ -29,6 +29,9 @@ struct block_sparse_attention_plan::state {
   // fused on CUDA: the element pattern of the whole packed batch (block diagonal over the
   // sequences), one plan per mask head.
   std::vector<attention_plan> element;
+  // block with gradients: the backward's own workspace, for up to grad_heads heads.
+  device_tensor grad_own;
+  std::int64_t grad_heads = 0;
 };
 
 namespace {
@@ -89,8 +92,15 @@ block_sparse_attention_plan block_sparse_attention_plan::build(
   for (const block_mask& m : mask.masks)
     bytes += static_cast<std::int64_t>(8 * m.blocks.row_ptr.size() + 4 * m.blocks.col_idx.size());
   if (algo == algorithm::block) {
-    s->device = cuda::make_block_sparse_plan(mask, options.kernel, stream);
+    s->device = cuda::make_block_sparse_plan(mask, options.kernel, options.gradients, stream);
     bytes = cuda::device_bytes(*s->device);
+    if (options.gradients) {
+      s->grad_heads = std::max<std::int64_t>(options.workspace_heads, 1);
+      const std::size_t own =
+          cuda::block_sparse_backward_workspace_bytes(*s->device, s->grad_heads);
+      s->grad_own = device_tensor(
+          dtype::f32, std::max<std::int64_t>(static_cast<std::int64_t>(own / 4), 1), 1, 1);
+    }
     s->report.format += " (device, " + std::string(cuda::kernel_name(*s->device)) + ")";
   } else if (algo == algorithm::unfused) {
     s->unfused = cuda::make_unfused_plan(mask, options.workspace_heads, stream);
@@ -138,9 +148,15 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
   const block_sparse_mask& m = state_->mask;
   check_run_args(m, q, k, v, out, state_->report.where);
   const double scale = detail::resolve_scale(options.scale, q.dim);
-  TRISPARSE_EXPECTS_INPUT(options.lse.data == nullptr,
-                          "block-sparse plans do not write the log-sum-exp yet");
   const algorithm algo = options.algo == algorithm::automatic ? state_->report.algo : options.algo;
+  if (options.lse.data != nullptr) {
+    TRISPARSE_EXPECTS_INPUT(algo == algorithm::block,
+                            "block-sparse plans write the log-sum-exp with algorithm::block only, "
+                            "not " +
+                                std::string(to_string(algo)));
+    check_view(options.lse, "lse", m.cu_seqlens_q.back(), q.heads, 1);
+    TRISPARSE_EXPECTS_INPUT(options.lse.where == device_kind::cuda, "lse must be on the GPU");
+  }
   const device_kind where = state_->report.where;
   // The CPU runs either algorithm from the mask; a CUDA plan runs the one it was built for.
   TRISPARSE_EXPECTS_INPUT(
@@ -152,7 +168,7 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
       reference::block_sparse_attention(m, q, k, v, out, scale);
       return;
     case algorithm::block:
-      cuda::run_block_sparse(*state_->device, q, k, v, out, scale, stream);
+      cuda::run_block_sparse(*state_->device, q, k, v, out, options.lse, scale, stream);
       return;
     case algorithm::unfused:
       cuda::run_unfused(*state_->unfused, q, k, v, out, scale, workspace, stream);
@@ -180,23 +196,59 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
   }
 }
 
+std::size_t block_sparse_attention_plan::backward_workspace_bytes(std::int64_t heads) const {
+  TRISPARSE_EXPECTS_INPUT(heads >= 0, "backward_workspace_bytes: heads must be >= 0");
+  return state_->grad_heads > 0
+             ? cuda::block_sparse_backward_workspace_bytes(*state_->device, heads)
+             : 0;
+}
+
 void block_sparse_attention_plan::backward(const tensor_view& q, const tensor_view& k,
-                                           const tensor_view& v, const tensor_view& dout,
+                                           const tensor_view& v, const tensor_view& out,
+                                           const tensor_view& lse, const tensor_view& dout,
                                            const tensor_view& dq, const tensor_view& dk,
                                            const tensor_view& dv, const attention_options& options,
-                                           stream_ref /*stream*/) const {
+                                           stream_ref stream, workspace_view given) const {
   const block_sparse_mask& m = state_->mask;
-  check_run_args(m, q, k, v, dout, state_->report.where);
-  if (state_->report.where != device_kind::cpu)
-    throw not_supported("block-sparse attention backward on CUDA is not built yet (issue 42)");
+  const device_kind where = state_->report.where;
+  check_run_args(m, q, k, v, dout, where);
   for (const auto& [t, like, what] :
        {std::tuple{&dq, &q, "dq"}, std::tuple{&dk, &k, "dk"}, std::tuple{&dv, &v, "dv"}}) {
     check_view(*t, what, like->rows, like->heads, like->dim);
-    TRISPARSE_EXPECTS_INPUT(t->where == device_kind::cpu,
-                            std::string(what) + " must be on the CPU");
+    TRISPARSE_EXPECTS_INPUT(
+        t->where == where, std::string(what) + " must be on " + to_string(where) + ", as the plan");
   }
-  reference::block_sparse_attention_backward(m, q, k, v, dout, dq, dk, dv,
-                                             detail::resolve_scale(options.scale, q.dim));
+  const double scale = detail::resolve_scale(options.scale, q.dim);
+  if (where == device_kind::cpu) {
+    reference::block_sparse_attention_backward(m, q, k, v, dout, dq, dk, dv, scale);
+    return;
+  }
+  if (state_->report.algo != algorithm::block) {
+    throw not_supported(
+        "block-sparse backward on CUDA runs algorithm::block (blocks a multiple "
+        "of 16); this plan runs " +
+        std::string(to_string(state_->report.algo)));
+  }
+  check_view(out, "out", m.cu_seqlens_q.back(), q.heads, v.dim);
+  TRISPARSE_EXPECTS_INPUT(lse.data != nullptr,
+                          "block-sparse backward needs the forward's lse (attention_options::lse)");
+  check_view(lse, "lse", m.cu_seqlens_q.back(), q.heads, 1);
+  for (const auto& [t, what] : {std::pair{&out, "out"}, std::pair{&lse, "lse"}}) {
+    TRISPARSE_EXPECTS_INPUT(t->where == device_kind::cuda,
+                            std::string(what) + " must be on the GPU");
+  }
+  workspace_view ws = given;
+  if (ws.empty()) {
+    TRISPARSE_EXPECTS_INPUT(
+        state_->grad_own.view().data != nullptr && q.heads <= state_->grad_heads,
+        "block-sparse backward: this plan's own workspace serves up to " +
+            std::to_string(state_->grad_heads) + " heads, not " + std::to_string(q.heads) +
+            ": build it with gradients and larger workspace_heads, or pass a "
+            "workspace");
+    ws = {state_->grad_own.view().data, static_cast<std::size_t>(state_->grad_own.view().rows) * 4};
+  }
+  cuda::run_block_sparse_backward(*state_->device, q, k, v, out, lse, dout, dq, dk, dv, scale, ws,
+                                  stream);
 }
 
 std::array<double, 3> block_sparse_attention_plan::run_timing_stages(

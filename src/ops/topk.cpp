@@ -81,7 +81,7 @@ void topk_block_sparse_plan::run(const tensor_view& q, const tensor_view& k, con
                                                   " heads, q " + std::to_string(q.heads));
   TRISPARSE_EXPECTS_INPUT(options.algo == algorithm::automatic || options.algo == algorithm::block,
                           "top-k plans run block, not " + std::string(to_string(options.algo)));
-  cuda::run_block_sparse(cuda::attention_of(*state_->device), q, k, v, out,
+  cuda::run_block_sparse(cuda::attention_of(*state_->device), q, k, v, out, {},
                          detail::resolve_scale(options.scale, q.dim), stream);
 }
 

@@ -370,6 +370,66 @@ std::vector<gpu_case> block_sparse_cases() {
   return cases;
 }
 
+// The block-sparse backward (dq, dk, dv; dk is the output checked) from the GPU forward's out and
+// lse, on a ragged batch with per-head causal masks.
+std::vector<gpu_case> block_sparse_backward_cases() {
+  const std::vector<std::int64_t> lens{1000, 333};
+  const std::int64_t heads = 2, dim = 64, rows = 1333;
+  const double scale = effective_scale({}, dim);
+  const block_sparse_mask mask = make_block_sparse_mask({.layout = block_layout::random,
+                                                         .block = 64,
+                                                         .p = 0.7,
+                                                         .causal = true,
+                                                         .heads = 2,
+                                                         .seed = 5},
+                                                        lens);
+  const auto plan = std::make_shared<const block_sparse_attention_plan>(
+      block_sparse_attention_plan::build(mask, device_kind::cuda, {.gradients = true}));
+  // Per set: q, k, v, dout; the output is dk.
+  auto x = make_io({{rows, heads, dim}, {rows, heads, dim}, {rows, heads, dim}, {rows, heads, dim}},
+                   dtype::f16, {rows, heads, dim}, dtype::f32, 91);
+  struct scratch {
+    std::vector<std::unique_ptr<test::device_tensor>> out, lse, dq, dv;  // per set
+  };
+  auto e = std::make_shared<scratch>();
+  for (int set = 0; set < 2; ++set) {
+    e->out.push_back(
+        std::make_unique<test::device_tensor>(host_tensor(dtype::f16, rows, heads, dim)));
+    e->lse.push_back(
+        std::make_unique<test::device_tensor>(host_tensor(dtype::f32, rows, heads, 1)));
+    e->dq.push_back(
+        std::make_unique<test::device_tensor>(host_tensor(dtype::f32, rows, heads, dim)));
+    e->dv.push_back(
+        std::make_unique<test::device_tensor>(host_tensor(dtype::f32, rows, heads, dim)));
+    plan->run(x->in(set, 0, 4).view(), x->in(set, 1, 4).view(), x->in(set, 2, 4).view(),
+              e->out[set]->view(), {.lse = e->lse[set]->view()});
+  }
+  cuda_check(cudaDeviceSynchronize(), "block-sparse forward");
+  gpu_case c{.name = "block-sparse backward",
+             .workspace_bytes = plan->backward_workspace_bytes(heads),
+             .tolerance = test::gpu_tolerance(dtype::f16, dtype::f32, 8),
+             .run =
+                 [plan, x, e](int set, const workspace_view* ws, cudaStream_t s) {
+                   plan->backward(x->in(set, 0, 4).view(), x->in(set, 1, 4).view(),
+                                  x->in(set, 2, 4).view(), e->out[set]->view(), e->lse[set]->view(),
+                                  x->in(set, 3, 4).view(), e->dq[set]->view(), x->outs[set]->view(),
+                                  e->dv[set]->view(), {}, {s},
+                                  ws != nullptr ? *ws : workspace_view{});
+                 },
+             .reference =
+                 [x, mask, scale, rows](int set) {
+                   const auto& h = x->host;
+                   host_tensor dq(dtype::f64, rows, 2, 64), dk(dtype::f64, rows, 2, 64),
+                       dv(dtype::f64, rows, 2, 64);
+                   reference::block_sparse_attention_backward(
+                       mask, h[set * 4].view(), h[set * 4 + 1].view(), h[set * 4 + 2].view(),
+                       h[set * 4 + 3].view(), dq.view(), dk.view(), dv.view(), scale);
+                   return dk;
+                 },
+             .out = [x](int set) -> test::device_tensor& { return *x->outs[set]; }};
+  return {c};
+}
+
 std::vector<gpu_case> layer_cases() {
   std::vector<gpu_case> cases;
   const csr_graph g = hub_graph(2000, 13);
@@ -422,8 +482,8 @@ std::vector<gpu_case> layer_cases() {
 // Every GPU plan, in one list (the registry the two tests below walk).
 std::vector<gpu_case> all_cases() {
   std::vector<gpu_case> all;
-  for (auto&& part :
-       {attention_cases(), backward_cases(), sparse_cases(), block_sparse_cases(), layer_cases()})
+  for (auto&& part : {attention_cases(), backward_cases(), sparse_cases(), block_sparse_cases(),
+                      block_sparse_backward_cases(), layer_cases()})
     for (const gpu_case& c : part) all.push_back(c);
   return all;
 }

@@ -3,6 +3,8 @@ attention and its backward; the per-edge SpMM and SDDMM), a training step captur
 graph, torch.compile of a model on the GPU. Every test here carries the `gpu` marker and skips
 without a GPU."""
 
+import math
+
 import pytest
 import torch
 import trisparse
@@ -124,3 +126,55 @@ def test_torch_compile_fullgraph_on_cuda(backend):
     gx = torch.autograd.grad(compiled(x.requires_grad_()), x)[0]
     ge = torch.autograd.grad(model(x), x)[0]
     assert torch.allclose(gx, ge, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype, d, g", [(torch.float16, 64, 64), (torch.bfloat16, 128, 32)])
+def test_block_sparse_gradients_on_cuda(dtype, d, g, causal):
+    """The CUDA block-sparse backward against the CPU float64 one, bitwise repeatable, and the
+    same gradients from FlexAttention's BlockMask as from ours."""
+    b, h, n_q, n_k = 2, 3, 300, 250
+    gen = torch.Generator().manual_seed(17)
+    blocks = torch.rand(b, h, -(-n_q // g), -(-n_k // g), generator=gen) < 0.5
+    mask = trisparse.BlockMask(blocks, block_size=g, causal=causal)
+    q, k, v, dout = (torch.randn(b, h, n, d, generator=gen) for n in (n_q, n_k, n_k, n_q))
+
+    def grads(device, dt):
+        leaves = [t.to(device, dt).requires_grad_() for t in (q, k, v)]
+        out = trisparse.block_sparse_attention(*leaves, mask)
+        return [out.detach()] + list(torch.autograd.grad(out, leaves, dout.to(device, dt)))
+
+    want = grads("cpu", torch.float64)
+    got = grads("cuda", dtype)
+    for a, w in zip(got, want, strict=True):
+        assert torch.isfinite(a).all()
+        err = float((a.double().cpu() - w).abs().max() / w.abs().max())
+        assert err <= (8e-3 if dtype == torch.float16 else 3e-2), err
+    for a, c in zip(got, grads("cuda", dtype), strict=True):
+        assert torch.equal(a, c)
+
+
+def test_block_sparse_training_step_with_flex_block_mask_on_cuda():
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    b, h, n, d, g = 1, 2, 512, 64, 128
+
+    def local(b_, h_, q_idx, kv_idx):  # block-granular: the same blocks in both libraries
+        return (q_idx // g - kv_idx // g).abs() <= 1
+
+    flex_mask = fa.create_block_mask(local, b, h, n, n, device="cuda", BLOCK_SIZE=g)
+    gen = torch.Generator(device="cuda").manual_seed(18)
+    q, k, v, dout = (
+        torch.randn(b, h, n, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+        for _ in range(4)
+    )
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = trisparse.block_sparse_attention(*leaves, flex_mask)
+    got = [out] + list(torch.autograd.grad(out, leaves, dout))
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    i = torch.arange(n, device="cuda")
+    allowed = local(0, 0, i[:, None], i[None, :])
+    s = (leaves[0] @ leaves[1].transpose(-1, -2)) / math.sqrt(d)
+    out = torch.softmax(s.masked_fill(~allowed, -math.inf), dim=-1) @ leaves[2]
+    want = [out] + list(torch.autograd.grad(out, leaves, dout.double()))
+    for a, w in zip(got, want, strict=True):
+        assert float((a.double() - w).abs().max() / w.abs().max()) <= 3e-2

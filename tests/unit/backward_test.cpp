@@ -191,7 +191,7 @@ TEST(BlockSparsePlanBackward, GivesTheReferenceGradientsAndNamesBadArguments) {
   host_tensor dq(dtype::f32, rows, heads, d), dk(dtype::f32, rows, heads, d),
       dv(dtype::f32, rows, heads, d);
   const auto plan = block_sparse_attention_plan::build(mask);
-  plan.backward(q.view(), k.view(), v.view(), w.view(), dq.view(), dk.view(), dv.view(),
+  plan.backward(q.view(), k.view(), v.view(), {}, {}, w.view(), dq.view(), dk.view(), dv.view(),
                 {.scale = 0.7});
   host_tensor rq(dtype::f32, rows, heads, d), rk(dtype::f32, rows, heads, d),
       rv(dtype::f32, rows, heads, d);
@@ -208,7 +208,7 @@ TEST(BlockSparsePlanBackward, GivesTheReferenceGradientsAndNamesBadArguments) {
   EXPECT_THROW(
       {
         try {
-          plan.backward(q.view(), k.view(), v.view(), w.view(), dq.view(), short_dk.view(),
+          plan.backward(q.view(), k.view(), v.view(), {}, {}, w.view(), dq.view(), short_dk.view(),
                         dv.view());
         } catch (const invalid_input& e) {
           EXPECT_NE(std::string(e.what()).find("dk"), std::string::npos) << e.what();

@@ -36,6 +36,10 @@ struct block_sparse_plan_options {
   /// CUDA: the largest heads and head dim that the plan's own workspace, sized at build, serves
   /// (fused's split windows; unfused's scores, taken in groups of this many heads).
   std::int64_t workspace_heads = 8, workspace_dim = 256;
+  /// Prepare backward() (CUDA, algorithm::block): the transposed masks, whose key blocks list
+  /// their query blocks so that dk and dv need no atomics, and the plan's own backward workspace
+  /// (workspace_heads heads).
+  bool gradients = false;
 };
 
 /// A dynamic mask from the inputs (block routing, as in MoBA and NSA's selection branch): per
@@ -70,7 +74,8 @@ class block_sparse_attention_plan {
                                            stream_ref stream = {});
 
   /// out = attention(q, k, v) under the mask (CUDA: asynchronous on `stream`; q, k, v f16 or bf16,
-  /// D 64 or 128 for algorithm::block). q: [cu_seqlens_q.back(), H, D],
+  /// D 64 or 128 for algorithm::block; options.lse (f32 [rows, H, 1]) with algorithm::block
+  /// only). q: [cu_seqlens_q.back(), H, D],
   /// k: [cu_seqlens_k.back(), H, D], v: [cu_seqlens_k.back(), H, Dv], out: [cu_seqlens_q.back(),
   /// H, Dv], on the plan's device; H = the mask's heads unless the mask is shared. Query rows with
   /// no key left give zeros. @throws invalid_input naming the argument that is wrong.
@@ -83,13 +88,21 @@ class block_sparse_attention_plan {
   std::size_t workspace_bytes(std::int64_t heads, std::int64_t head_dim) const;
 
   /// Gradients of out = run(q, k, v) given dout: dq, dk, dv shaped as q, k, v, overwritten (rows
-  /// and columns no pair reaches get exact zeros). CPU: the float64 reference gradients
-  /// (reference::block_sparse_attention_backward), deterministic. @throws invalid_input naming
-  /// a wrong argument; not_supported on CUDA for now (issue 42).
+  /// and columns no pair reaches get exact zeros), bitwise deterministic. `out` and `lse` are
+  /// what run() wrote for these q, k, v (lse through attention_options::lse). CPU: the float64
+  /// reference gradients (reference::block_sparse_attention_backward; out and lse unused). CUDA
+  /// (algorithm::block, a plan built with gradients): FlashAttention-2's backward over the mask
+  /// and its transpose on tensor cores, q, k, v, dout f16 or bf16, D 64 or 128, dq/dk/dv in q's
+  /// dtype or f32, asynchronous on `stream`; `workspace`: backward_workspace_bytes() bytes, or
+  /// empty for the plan's own. @throws invalid_input naming a wrong argument; not_supported for
+  /// the fused and unfused CUDA algorithms.
   void backward(const tensor_view& q, const tensor_view& k, const tensor_view& v,
-                const tensor_view& dout, const tensor_view& dq, const tensor_view& dk,
-                const tensor_view& dv, const attention_options& options = {},
-                stream_ref stream = {}) const;
+                const tensor_view& out, const tensor_view& lse, const tensor_view& dout,
+                const tensor_view& dq, const tensor_view& dk, const tensor_view& dv,
+                const attention_options& options = {}, stream_ref stream = {},
+                workspace_view workspace = {}) const;
+  /// Bytes of workspace that a CUDA backward with `heads` heads needs (0 on the CPU).
+  std::size_t backward_workspace_bytes(std::int64_t heads) const;
 
   /// unfused plans: run() with events around the pipeline's kernels; returns their times in
   /// milliseconds (SDDMM, softmax, SpMM; summed over the groups of heads whose scores the

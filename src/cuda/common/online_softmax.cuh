@@ -11,6 +11,12 @@ constexpr float kNegInf = -__builtin_huge_valf();
 /// stay exp2(-inf) = 0 instead of exp2(-inf + inf) = NaN.
 __device__ __forceinline__ float safe_max(float m) { return m == kNegInf ? 0.0f : m; }
 
+/// The natural log-sum-exp of a row from its base-2 softmax state (m = the running maximum of
+/// the scores times scale * log2 e, l = the sum of 2^(s - m)): ln 2 (m + log2 l); -inf when empty.
+__device__ __forceinline__ float natural_lse(float m, float l) {
+  return l > 0.0f ? (m + __log2f(l)) * 0.693147180559945309f : kNegInf;
+}
+
 /// O rows g (columns 0, 1 of each fragment) times c0, rows g + 8 (2, 3) times c1.
 template <int N>
 __device__ __forceinline__ void scale_rows(float (&o)[N][4], float c0, float c1) {

@@ -36,12 +36,13 @@ void dispatch(const kernel_key& key, F&& f) {
   });
 }
 
-/// Launches Kernel(p, extra...) over tiles x heads blocks (its shared-memory limit raised once),
-/// with p.down_wave = the blocks the device holds at once, so that every other wave of blocks
-/// walks its keys in descending order; as a dependent launch where the kernel was built for sm_90.
-template <auto Kernel, class... Extra>
-void launch_kernel(int threads, int shared_bytes, const params& p, std::int32_t tiles,
-                   cudaStream_t s, const Extra&... extra) {
+/// Launches Kernel(p, extra...) (p: params or a derived struct) over tiles x heads blocks (its
+/// shared-memory limit raised once), with p.down_wave = the blocks the device holds at once, so
+/// that every other wave of blocks walks its keys in descending order; as a dependent launch where
+/// the kernel was built for sm_90.
+template <auto Kernel, class P, class... Extra>
+void launch_kernel(int threads, int shared_bytes, const P& p, std::int32_t tiles, cudaStream_t s,
+                   const Extra&... extra) {
   static const bool configured = [&] {
     TRISPARSE_CUDA_TRY(
         cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
@@ -61,7 +62,7 @@ void launch_kernel(int threads, int shared_bytes, const params& p, std::int32_t 
   // A dependent launch where the kernel waits for the grid before it (tile_walk): its blocks take
   // the SMs that a top-k selection leaves and set up while the selection ends.
   static const bool dependent = arch::waits_for_primary(Kernel);
-  params with_wave = p;
+  P with_wave = p;
   with_wave.down_wave = current_device().sms * per_sm;
   arch::launch(Kernel, dim3(static_cast<unsigned>(blocks)), dim3(static_cast<unsigned>(threads)),
                static_cast<std::size_t>(shared_bytes), s, dependent, with_wave, extra...);

@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(threads<BM>(), (min_blocks<D, BM>()))
     __syncthreads();  // every warp is done with this stage before it is refilled
     j_cur = j_next;
   }
-  store_rows<O, D>(o, l, w, i_lo);
+  store_rows<O, D>(o, m, l, w, i_lo);
 }
 
 }  // namespace trisparse::cuda::block_sparse

@@ -207,7 +207,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
 
   int j_cur = w.next();
   if (j_cur < 0) {
-    store_rows<O, D>(o, l, w, i_lo);
+    store_rows<O, D>(o, m, l, w, i_lo);
     return;
   }
   int j_next = w.next();
@@ -273,7 +273,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
   issue_pv(it);
   arch::wgmma_wait<0>();
   arch::fence_operands(flat(o));
-  store_rows<O, D>(o, l, w, i_lo);
+  store_rows<O, D>(o, m, l, w, i_lo);
 }
 
 /// The two-warpgroup kernel (blocks that are multiples of 128): 128 query rows per block
@@ -407,7 +407,7 @@ __global__ void __launch_bounds__(pingpong::kBlockThreads, 1)
   float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
   const int j_cur = wait_tile(0);
   if (j_cur < 0) {
-    store_rows<O, D>(o, l, w, i_lo);
+    store_rows<O, D>(o, m, l, w, i_lo);
     return;
   }
   if (group == 1) arch::barrier_arrive(1, kThreads);  // warpgroup 0 goes first
@@ -447,7 +447,7 @@ __global__ void __launch_bounds__(pingpong::kBlockThreads, 1)
   turn_end(true);
   arch::wgmma_wait<0>();
   arch::fence_operands(flat(o));
-  store_rows<O, D>(o, l, w, i_lo);
+  store_rows<O, D>(o, m, l, w, i_lo);
 }
 
 }  // namespace trisparse::cuda::block_sparse::sm90

@@ -78,6 +78,45 @@ std::int32_t narrow(std::int64_t x, const char* what) {
   return static_cast<std::int32_t>(x);
 }
 
+// The tiles in launch order: most work first (stable).
+std::vector<block_sparse::tile> by_work(const std::vector<block_sparse::tile>& tiles,
+                                        const std::vector<std::int64_t>& work) {
+  std::vector<std::size_t> order(tiles.size());
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t a, std::size_t b) { return work[a] > work[b]; });
+  std::vector<block_sparse::tile> sorted(tiles.size());
+  for (std::size_t i = 0; i < order.size(); ++i) sorted[i] = tiles[order[i]];
+  return sorted;
+}
+
+// The query tiles of `rows` rows of every sequence, and their work: the key tiles of `rows` keys
+// visited (the most over the mask heads).
+void query_tiles(const block_sparse_mask& mask, std::int64_t rows,
+                 std::vector<block_sparse::tile>& tiles, std::vector<std::int64_t>& work) {
+  const std::int64_t g = mask.block;
+  for (std::int64_t b = 0; b < mask.batch(); ++b) {
+    const std::int64_t lq = mask.len_q(b);
+    // The kernel's row and key arithmetic is 32-bit.
+    narrow(std::max(lq, mask.len_k(b)) + 2 * mask.block, "a sequence length");
+    for (std::int64_t r0 = 0; r0 < lq; r0 += rows) {
+      const std::int64_t kmax = mask.last_key(b, std::min(lq, r0 + rows) - 1);
+      std::int64_t most = 0;
+      for (std::int64_t h = 0; h < mask.heads; ++h) {
+        const csr_graph& blocks = mask.masks[b * mask.heads + h].blocks;
+        std::int64_t n = 0;
+        for (std::int64_t e = blocks.row_ptr[r0 / g]; e < blocks.row_ptr[r0 / g + 1]; ++e) {
+          const std::int64_t j0 = std::int64_t{blocks.col_idx[e]} * g;
+          if (j0 <= kmax) n += std::min(g, kmax + 1 - j0 + rows - 1) / rows;
+        }
+        most = std::max(most, n);
+      }
+      tiles.push_back({narrow(b, "the batch"), narrow(r0, "the sequence length")});
+      work.push_back(most);
+    }
+  }
+}
+
 }  // namespace
 
 bool block_sparse_supports(std::int64_t block) { return tile_rows_for(block) > 0; }
@@ -89,6 +128,7 @@ const char* kernel_name(const block_sparse_device_plan& plan) {
 
 std::shared_ptr<block_sparse_device_plan> make_block_sparse_plan(const block_sparse_mask& mask,
                                                                  block_kernel kernel,
+                                                                 bool gradients,
                                                                  stream_ref /*stream*/) {
   if (tile_rows_for(mask.block) == 0) {
     throw not_supported("the CUDA block-sparse kernel takes blocks that are multiples of 16, not " +
@@ -120,6 +160,7 @@ std::shared_ptr<block_sparse_device_plan> make_block_sparse_plan(const block_spa
   plan->block = mask.block;
   plan->tile_rows = bm;
   plan->mask_heads = mask.heads;
+  plan->rows_q = mask.cu_seqlens_q.back();
   plan->causal = mask.causal;
   // Flatten the masks: row_ptr entries are offsets into the one col_idx array.
   std::vector<std::int32_t> mask_row, row_ptr, col_idx;
@@ -129,36 +170,10 @@ std::shared_ptr<block_sparse_device_plan> make_block_sparse_plan(const block_spa
     for (const std::int64_t e : m.blocks.row_ptr) row_ptr.push_back(narrow(base + e, "the blocks"));
     col_idx.insert(col_idx.end(), m.blocks.col_idx.begin(), m.blocks.col_idx.end());
   }
-  // Tiles, and their work: key tiles visited (the most over the mask heads).
   std::vector<block_sparse::tile> tiles;
   std::vector<std::int64_t> work;
-  const std::int64_t g = mask.block;
-  for (std::int64_t b = 0; b < mask.batch(); ++b) {
-    const std::int64_t lq = mask.len_q(b);
-    // The kernel's row and key arithmetic is 32-bit.
-    narrow(std::max(lq, mask.len_k(b)) + 2 * mask.block, "a sequence length");
-    for (std::int64_t r0 = 0; r0 < lq; r0 += bm) {
-      const std::int64_t kmax = mask.last_key(b, std::min(lq, r0 + bm) - 1);
-      std::int64_t most = 0;
-      for (std::int64_t h = 0; h < mask.heads; ++h) {
-        const csr_graph& blocks = mask.masks[b * mask.heads + h].blocks;
-        std::int64_t n = 0;
-        for (std::int64_t e = blocks.row_ptr[r0 / g]; e < blocks.row_ptr[r0 / g + 1]; ++e) {
-          const std::int64_t j0 = std::int64_t{blocks.col_idx[e]} * g;
-          if (j0 <= kmax) n += std::min(g, kmax + 1 - j0 + bm - 1) / bm;
-        }
-        most = std::max(most, n);
-      }
-      tiles.push_back({narrow(b, "the batch"), narrow(r0, "the sequence length")});
-      work.push_back(most);
-    }
-  }
-  std::vector<std::size_t> order(tiles.size());
-  std::iota(order.begin(), order.end(), std::size_t{0});
-  std::stable_sort(order.begin(), order.end(),
-                   [&](std::size_t a, std::size_t b) { return work[a] > work[b]; });
-  std::vector<block_sparse::tile> sorted(tiles.size());
-  for (std::size_t i = 0; i < order.size(); ++i) sorted[i] = tiles[order[i]];
+  query_tiles(mask, bm, tiles, work);
+  const std::vector<block_sparse::tile> sorted = by_work(tiles, work);
   plan->num_tiles = narrow(static_cast<std::int64_t>(sorted.size()), "the query tiles");
   plan->cu_q = device_buffer<std::int64_t>(mask.cu_seqlens_q);
   plan->cu_k = device_buffer<std::int64_t>(mask.cu_seqlens_k);
@@ -166,12 +181,61 @@ std::shared_ptr<block_sparse_device_plan> make_block_sparse_plan(const block_spa
   plan->row_ptr = device_buffer<std::int32_t>(row_ptr);
   plan->col_idx = device_buffer<std::int32_t>(col_idx);
   plan->tiles = device_buffer<block_sparse::tile>(sorted);
+  if (gradients) prepare_backward(*plan, mask);
   return plan;
+}
+
+void prepare_backward(block_sparse_device_plan& plan, const block_sparse_mask& mask) {
+  const std::int64_t g = mask.block, bm = tile_rows_for(g);
+  std::vector<block_sparse::tile> tiles;
+  std::vector<std::int64_t> work;
+  query_tiles(mask, bm, tiles, work);
+  plan.backward_tiles = device_buffer<block_sparse::tile>(by_work(tiles, work));
+  plan.num_backward_tiles = narrow(static_cast<std::int64_t>(tiles.size()), "the query tiles");
+  // The transposed masks: per mask, key block c's query blocks, ascending.
+  std::vector<std::int32_t> mask_col, ptr, idx;
+  for (const block_mask& m : mask.masks) {
+    const csr_graph& blocks = m.blocks;
+    mask_col.push_back(narrow(static_cast<std::int64_t>(ptr.size()), "the mask columns"));
+    std::vector<std::int64_t> count(static_cast<std::size_t>(blocks.cols) + 1, 0);
+    for (const std::int32_t c : blocks.col_idx) ++count[static_cast<std::size_t>(c) + 1];
+    for (std::size_t c = 1; c < count.size(); ++c) count[c] += count[c - 1];
+    const auto base = static_cast<std::int64_t>(idx.size());
+    for (const std::int64_t e : count) ptr.push_back(narrow(base + e, "the blocks"));
+    idx.resize(idx.size() + blocks.col_idx.size());
+    for (std::int64_t r = 0; r < blocks.rows; ++r)
+      for (std::int64_t e = blocks.row_ptr[r]; e < blocks.row_ptr[r + 1]; ++e)
+        idx[static_cast<std::size_t>(base + count[static_cast<std::size_t>(blocks.col_idx[e])]++)] =
+            static_cast<std::int32_t>(r);
+  }
+  // Key tiles, and their work: query blocks listed for the key block (the most over the heads).
+  tiles.clear();
+  work.clear();
+  for (std::int64_t b = 0; b < mask.batch(); ++b) {
+    for (std::int64_t k0 = 0; k0 < mask.len_k(b); k0 += bm) {
+      std::int64_t most = 0;
+      for (std::int64_t h = 0; h < mask.heads; ++h) {
+        const std::size_t m = static_cast<std::size_t>(b * mask.heads + h);
+        const std::int64_t at = mask_col[m] + k0 / g;
+        most = std::max<std::int64_t>(
+            most, ptr[static_cast<std::size_t>(at + 1)] - ptr[static_cast<std::size_t>(at)]);
+      }
+      tiles.push_back({narrow(b, "the batch"), narrow(k0, "the sequence length")});
+      work.push_back(most);
+    }
+  }
+  plan.key_tiles = device_buffer<block_sparse::tile>(by_work(tiles, work));
+  plan.num_key_tiles = narrow(static_cast<std::int64_t>(tiles.size()), "the key tiles");
+  plan.t_mask_col = device_buffer<std::int32_t>(mask_col);
+  plan.t_ptr = device_buffer<std::int32_t>(ptr);
+  plan.t_idx = device_buffer<std::int32_t>(idx);
+  plan.backward_tile_rows = bm;
+  plan.gradients = true;
 }
 
 void run_block_sparse(const block_sparse_device_plan& plan, const tensor_view& q,
                       const tensor_view& k, const tensor_view& v, const tensor_view& out,
-                      double scale, stream_ref stream) {
+                      const tensor_view& lse, double scale, stream_ref stream) {
   check_attention_operands(q, k, v, out, "the CUDA block-sparse kernel");
   expect_current_device(plan.device);
   block_sparse::params p{};
@@ -188,6 +252,14 @@ void run_block_sparse(const block_sparse_device_plan& plan, const tensor_view& q
   p.causal = plan.causal;
   p.negate_scores = scale < 0;
   p.scale_log2 = scale_log2(std::abs(scale));
+  if (lse.data != nullptr) {
+    TRISPARSE_EXPECTS_INPUT(
+        lse.type == dtype::f32,
+        "block-sparse attention writes the lse as f32, not " + std::string(to_string(lse.type)));
+    p.lse = static_cast<float*>(lse.data);
+    p.lse_row = lse.row_stride;
+    p.lse_head = lse.head_stride;
+  }
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const block_sparse::kernel_key key{q.type, out.type, q.dim};
 #if TRISPARSE_HAVE_SM90A
@@ -198,9 +270,10 @@ void run_block_sparse(const block_sparse_device_plan& plan, const tensor_view& q
 }
 
 std::int64_t device_bytes(const block_sparse_device_plan& plan) {
-  return static_cast<std::int64_t>(plan.cu_q.bytes() + plan.cu_k.bytes() + plan.mask_row.bytes() +
-                                   plan.row_ptr.bytes() + plan.col_idx.bytes() +
-                                   plan.tiles.bytes());
+  return static_cast<std::int64_t>(
+      plan.cu_q.bytes() + plan.cu_k.bytes() + plan.mask_row.bytes() + plan.row_ptr.bytes() +
+      plan.col_idx.bytes() + plan.tiles.bytes() + plan.t_mask_col.bytes() + plan.t_ptr.bytes() +
+      plan.t_idx.bytes() + plan.backward_tiles.bytes() + plan.key_tiles.bytes());
 }
 
 }  // namespace trisparse::cuda

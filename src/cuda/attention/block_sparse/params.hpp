@@ -1,5 +1,6 @@
 #pragma once
-// Host <-> kernel parameters of the fused block-sparse attention kernel (plain data).
+// Host <-> kernel parameters of the fused block-sparse attention kernels, forward and backward
+// (plain data).
 #include <cstdint>
 
 #include "../../common/attention_io.hpp"
@@ -31,6 +32,35 @@ struct params : ragged_attention_io {
   bool causal;
   bool negate_scores;  // the scale is negative: the kernels negate Q and use |scale|
   float scale_log2;    // |scale| * log2(e)
+  // Where not null, also each row's natural log-sum-exp of the scaled scores (-inf: no key).
+  float* lse;
+  std::int64_t lse_row, lse_head;  // element strides
+};
+
+/// The backward kernels (backward.cuh). The forward's fields give q, k, v, the mask and, in
+/// `tiles`, the query tiles of the dq kernel (mma.sync tile rows, launch order); `out` is unused.
+struct backward_params : params {
+  const void* dout;
+  std::int64_t do_row, do_head;
+  void* dq;
+  void* dk;
+  void* dv;
+  std::int64_t dq_row, dq_head, dk_row, dk_head, dv_row, dv_head;
+  bool grads_f32;  // dq, dk, dv are f32 (else q's type)
+  float scale;     // signed
+  // Per head h and query row r (packed): lse2[h * rows_q + r] = the log-sum-exp in log2 units,
+  // dterm[...] = <dout_r, out_r> (the first kernel writes both).
+  const float* lse2;
+  const float* dterm;
+  std::int64_t rows_q;
+  // The transposed masks: mask m's key block c lists the query blocks
+  // t_idx[t_ptr[t_mask_col[m] + c] .. t_ptr[t_mask_col[m] + c + 1]), ascending.
+  const std::int32_t* t_mask_col;
+  const std::int32_t* t_ptr;
+  const std::int32_t* t_idx;
+  // The key tiles of the dk/dv kernel (row0 = the tile's first key), most work first.
+  const tile* key_tiles;
+  std::int32_t num_key_tiles;
 };
 
 }  // namespace trisparse::cuda::block_sparse

@@ -8,6 +8,7 @@
 #include "../../common/entry.hpp"
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/tensor.hpp"
+#include "trisparse/core/workspace.hpp"
 #include "trisparse/formats/block_sparse.hpp"
 #include "trisparse/ops/block_sparse.hpp"
 
@@ -20,23 +21,40 @@ struct block_sparse_device_plan;
 TRISPARSE_CUDA_ENTRY(bool block_sparse_supports(std::int64_t block))
 
 /// Uploads a checked mask (block a multiple of 16), chooses the kernel (`kernel`: automatic
-/// resolved for the current device) and orders its query tiles by work, most first. Synchronous
-/// on `stream`. @throws not_supported without the CUDA backend, for a block size the kernel has no
-/// tile for, or for wgmma where it cannot run.
+/// resolved for the current device) and orders its query tiles by work, most first; with
+/// `gradients` also what run_block_sparse_backward needs (the transposed masks, the key tiles).
+/// Synchronous on `stream`. @throws not_supported without the CUDA backend, for a block size the
+/// kernel has no tile for, or for wgmma where it cannot run.
 TRISPARSE_CUDA_ENTRY(std::shared_ptr<block_sparse_device_plan> make_block_sparse_plan(
-    const block_sparse_mask& mask, block_kernel kernel, stream_ref stream))
+    const block_sparse_mask& mask, block_kernel kernel, bool gradients, stream_ref stream))
 
 /// The kernel the plan runs ("mma.sync" or "wgmma").
 TRISPARSE_CUDA_ENTRY(const char* kernel_name(const block_sparse_device_plan& plan))
 
 /// out = attention(q, k, v) under the plan's mask, asynchronous on `stream`. q, k, v all f16 or
 /// all bf16, head_dim 64 or 128 (v's dim = q's), out f32, f16 or bf16; 16-byte aligned data and
-/// strides that are multiples of 8 elements. Shapes are checked by the caller.
+/// strides that are multiples of 8 elements; where lse.data is set, also the rows' log-sum-exp
+/// (f32 [rows, H, 1]). Shapes are checked by the caller.
 /// @throws invalid_input for unsupported dtypes, dims or layouts.
 TRISPARSE_CUDA_ENTRY(void run_block_sparse(const block_sparse_device_plan& plan,
                                            const tensor_view& q, const tensor_view& k,
                                            const tensor_view& v, const tensor_view& out,
-                                           double scale, stream_ref stream))
+                                           const tensor_view& lse, double scale, stream_ref stream))
+
+/// Bytes of workspace run_block_sparse_backward needs for `heads` heads (the per-row terms).
+TRISPARSE_CUDA_ENTRY(std::size_t block_sparse_backward_workspace_bytes(
+    const block_sparse_device_plan& plan, std::int64_t heads))
+
+/// dq, dk, dv of out = run_block_sparse(q, k, v) given dout, out and the forward's lse (f32
+/// [rows, H, 1]): three kernels, asynchronous on `stream`, no atomics (bitwise deterministic).
+/// q, k, v, dout as run_block_sparse's inputs (one type), out that type or f32; dq, dk, dv all
+/// q's type or all f32. The plan must have been made with gradients. Shapes are checked by the
+/// caller. @throws invalid_input for unsupported dtypes, dims, layouts or a small workspace.
+TRISPARSE_CUDA_ENTRY(void run_block_sparse_backward(
+    const block_sparse_device_plan& plan, const tensor_view& q, const tensor_view& k,
+    const tensor_view& v, const tensor_view& out, const tensor_view& lse, const tensor_view& dout,
+    const tensor_view& dq, const tensor_view& dk, const tensor_view& dv, double scale,
+    workspace_view workspace, stream_ref stream))
 
 TRISPARSE_CUDA_ENTRY(std::int64_t device_bytes(const block_sparse_device_plan& plan))
 

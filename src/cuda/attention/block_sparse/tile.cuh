@@ -205,10 +205,12 @@ __device__ __forceinline__ void store_pair(O* dst, float a, float b) {
   }
 }
 
-/// Writes O / l for the thread's rows i_lo and i_lo + 8 (rows with no key, l = 0, give zeros).
+/// Writes O / l for the thread's rows i_lo and i_lo + 8 (rows with no key, l = 0, give zeros),
+/// and where asked (params::lse) their log-sum-exp from m and l.
 template <class O, int D, int BM, int BN>
-__device__ __forceinline__ void store_rows(const float (&o)[D / 8][4], const float (&l)[2],
-                                           const tile_walk<BM, BN>& w, int i_lo) {
+__device__ __forceinline__ void store_rows(const float (&o)[D / 8][4], const float (&m)[2],
+                                           const float (&l)[2], const tile_walk<BM, BN>& w,
+                                           int i_lo) {
   const int tq = static_cast<int>(threadIdx.x) % 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -217,6 +219,8 @@ __device__ __forceinline__ void store_rows(const float (&o)[D / 8][4], const flo
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     const int i = i_lo + 8 * r;
     if (i >= w.lq) continue;
+    if (w.p.lse != nullptr && tq == 0)
+      w.p.lse[(w.q0 + i) * w.p.lse_row + w.h * w.p.lse_head] = natural_lse(m[r], sum);
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
     O* dst = static_cast<O*>(w.p.out) + (w.q0 + i) * w.p.o_row + w.h * w.p.o_head + 2 * tq;
 #pragma unroll

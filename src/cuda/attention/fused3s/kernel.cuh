@@ -127,12 +127,6 @@ __device__ __forceinline__ std::int64_t source_row(const params& p, std::int64_t
   return p.row_map != nullptr ? __ldg(p.row_map + slot) : slot;
 }
 
-/// The natural log-sum-exp of a row from its base-2 softmax state (m = the running maximum of
-/// the scores times scale * log2 e, l = the sum of 2^(s - m)): ln 2 (m + log2 l); -inf when empty.
-__device__ __forceinline__ float natural_lse(float m, float l) {
-  return l > 0.0f ? (m + __log2f(l)) * 0.693147180559945309f : kNegInf;
-}
-
 /// Combines the partial states of a split window (run by the window's last warp): for each row,
 /// m = max m_i, l = sum l_i 2^(m_i - m), O = sum O_i 2^(m_i - m) / l. Lane r < 16 owns row r's
 /// (m, l); each lane owns columns lane + 32c and, per part, issues 8 rows x D/32 independent

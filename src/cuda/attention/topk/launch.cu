@@ -85,7 +85,7 @@ std::shared_ptr<topk_device_plan> make_topk_plan(const block_sparse_mask& skelet
                         std::to_string(dim));
   }
   auto t = std::make_shared<topk_device_plan>();
-  t->attention = make_block_sparse_plan(skeleton, kernel, stream);
+  t->attention = make_block_sparse_plan(skeleton, kernel, false, stream);
   t->heads = static_cast<std::int32_t>(skeleton.heads);
   t->dim = static_cast<std::int32_t>(dim);
   t->pdim = pooled_dim(t->dim);

@@ -27,6 +27,14 @@ __device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src, 
                : "memory");
 }
 
+/// Copies 4 bytes from global `src` to shared `dst` asynchronously (through L1); with valid =
+/// false writes 4 zero bytes and reads nothing.
+__device__ __forceinline__ void cp_async_4(std::uint32_t dst, const void* src, bool valid) {
+  const int bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes)
+               : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }

@@ -1,0 +1,290 @@
+#pragma once
+// Block-sparse attention backward: FlashAttention-2's algorithm over the block mask, with no
+// atomics. Three kernels, in order on one stream:
+//  1. terms: per query row and head, lse2 = the forward's lse in log2 units and
+//     dterm = <dO, O> (fp32, head-major, in the workspace).
+//  2. dq: a block per (query tile of BM rows, head) walks the tile's key tiles as the forward
+//     does (tile_walk): S = Q Kᵀ, dP = dO Vᵀ, P = 2^(c S - lse2), dS = P (dP - dterm),
+//     dQ += dS K; dq = scale dQ.
+//  3. dk/dv: a block per (key tile of BM keys, head) walks the query tiles of the query blocks
+//     whose mask rows hold its key block (the transposed mask, key_walk): Sᵀ = K Qᵀ,
+//     dPᵀ = V dOᵀ, dV += Pᵀ dO, dK += dSᵀ Q; dk = scale dK.
+// Kernels 2 and 3 are one template: the stationary operands X1, X2 (BM rows: Q and dO, or K and
+// V) stay in shared memory, a warp per 16 of their rows; the streamed ones Y1, Y2 (BN rows: K and
+// V, or Q and dO) come through two cp.async stages; mma m16n8k16 with fp32 accumulators. Each
+// gradient row is summed by one warp in the walk's fixed order: bitwise deterministic.
+#include <type_traits>
+
+#include "../../common/convert.cuh"
+#include "tile.cuh"
+
+namespace trisparse::cuda::block_sparse {
+
+template <int D, int BM, int BN, bool KV>
+__host__ __device__ constexpr int backward_shared_bytes() {
+  return (2 * BM + 4 * BN) * D * 2 + (KV ? 4 * BN * 4 : 0);
+}
+
+/// A warp per (query row, head): terms[h * rows_q + row] = lse * log2(e) and
+/// terms[(heads + h) * rows_q + row] = <dout, out> over the `dim` columns.
+template <class T, class Out>
+__global__ void backward_terms_kernel(const __grid_constant__ backward_params p, int dim,
+                                      float* terms) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const std::int64_t item =
+      std::int64_t{blockIdx.x} * (blockDim.x / 32) + static_cast<int>(threadIdx.x) / 32;
+  if (item >= p.rows_q * p.heads) return;
+  const std::int64_t row = item / p.heads;
+  const int h = static_cast<int>(item % p.heads);
+  const T* dout = static_cast<const T*>(p.dout) + row * p.do_row + h * p.do_head;
+  const Out* out = static_cast<const Out*>(p.out) + row * p.o_row + h * p.o_head;
+  float acc = 0.f;
+  for (int d = lane; d < dim; d += 32) acc += convert<float>(dout[d]) * convert<float>(out[d]);
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if (lane == 0) {
+    terms[h * p.rows_q + row] = p.lse[row * p.lse_row + h * p.lse_head] * 1.4426950408889634f;
+    terms[(p.heads + h) * p.rows_q + row] = acc;
+  }
+}
+
+/// The key tile of this block (block x = head * num_key_tiles + tile) and the query tiles of BN
+/// rows it visits: those of the query blocks listed for its key block, ascending, that hold a
+/// row seeing one of its keys.
+template <int BM, int BN>
+struct key_walk {
+  const backward_params& p;
+  int h, lq, lk, row0, shift;
+  std::int64_t q0, k0;
+  int e, e_end, u, sub;
+  int first_row;  // causal: rows before it see none of the tile's keys
+
+  __device__ __forceinline__ explicit key_walk(const backward_params& params) : p(params) {
+    h = static_cast<int>(blockIdx.x / p.num_key_tiles);
+    const tile t = p.key_tiles[blockIdx.x % p.num_key_tiles];
+    row0 = t.row0;
+    q0 = p.cu_q[t.seq];
+    k0 = p.cu_k[t.seq];
+    lq = static_cast<int>(p.cu_q[t.seq + 1] - q0);
+    lk = static_cast<int>(p.cu_k[t.seq + 1] - k0);
+    shift = lk - lq;
+    const std::int32_t* col = p.t_ptr +
+                              p.t_mask_col[t.seq * p.mask_heads + (p.mask_heads == 1 ? 0 : h)] +
+                              t.row0 / p.block;
+    e = col[0];
+    e_end = col[1];
+    sub = p.block / BN;
+    u = 0;
+    first_row = p.causal ? row0 - shift : 0;
+    arch::wait_for_primary();  // as tile_walk: the terms kernel's output is read after this
+  }
+
+  /// The first query row of the next query tile, or -1 past the end.
+  __device__ __forceinline__ int next() {
+    while (e < e_end) {
+      const int i = p.t_idx[e] * p.block + u * BN;
+      if (++u == sub) {
+        u = 0;
+        ++e;
+      }
+      if (i < lq && min(i + BN, lq) - 1 >= first_row) return i;
+    }
+    return -1;
+  }
+};
+
+/// Writes f * acc's rows (the thread's r_lo and r_lo + 8, those below `valid`) at `base` (row i
+/// at base + i * row_stride elements), as G.
+template <class G, int D>
+__device__ __forceinline__ void store_gradient(void* base, std::int64_t row_stride,
+                                               const float (&acc)[D / 8][4], float f, int r_lo,
+                                               int valid) {
+  const int tq = static_cast<int>(threadIdx.x) % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = r_lo + 8 * r;
+    if (i >= valid) continue;
+    G* dst = static_cast<G*>(base) + i * row_stride + 2 * tq;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+      store_pair(dst + 8 * n, acc[n][2 * r] * f, acc[n][2 * r + 1] * f);
+  }
+}
+
+template <class T, int D, int BM, int BN, bool KV>
+__global__ void __launch_bounds__(BM / 16 * 32)
+    backward_kernel(const __grid_constant__ backward_params p) {
+  static_assert(D % 64 == 0 && BM % 16 == 0 && BN % 16 == 0);
+  constexpr int kThreads = BM / 16 * 32;
+  constexpr int kStage = BN * D * 2;
+  extern __shared__ uint4 shared_raw[];
+  const std::uint32_t sx1 = arch::shared_address(shared_raw);
+  const std::uint32_t sx2 = sx1 + BM * D * 2, sy1 = sx2 + BM * D * 2, sy2 = sy1 + 2 * kStage;
+  // KV: per stage, the BN queries' lse2 then their dterm.
+  const std::uint32_t sterm = sy2 + 2 * kStage;
+  const float* terms = reinterpret_cast<const float*>(reinterpret_cast<const char*>(shared_raw) +
+                                                      (2 * BM * D * 2 + 4 * kStage));
+
+  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
+  using walk = std::conditional_t<KV, key_walk<BM, BN>, tile_walk<BM, BN>>;
+  walk w(p);
+  // Stationary X1, X2 from rows x0 on; streamed Y1, Y2 from rows y0 on (of the sequence).
+  const char* const x1g = static_cast<const char*>(KV ? p.k : p.q);
+  const char* const x2g = static_cast<const char*>(KV ? p.v : p.dout);
+  const char* const y1g = static_cast<const char*>(KV ? p.q : p.k);
+  const char* const y2g = static_cast<const char*>(KV ? p.dout : p.v);
+  const std::int64_t x1s = KV ? p.k_row : p.q_row, x2s = KV ? p.v_row : p.do_row;
+  const std::int64_t y1s = KV ? p.q_row : p.k_row, y2s = KV ? p.do_row : p.v_row;
+  const std::int64_t x1h = KV ? p.k_head : p.q_head, x2h = KV ? p.v_head : p.do_head;
+  const std::int64_t y1h = KV ? p.q_head : p.k_head, y2h = KV ? p.do_head : p.v_head;
+  const std::int64_t x0 = KV ? w.k0 : w.q0, y0 = KV ? w.q0 : w.k0;
+  const int x_len = KV ? w.lk : w.lq, y_len = KV ? w.lq : w.lk;
+  const auto load_stage = [&](int stage, int y) {
+    load_rows<D, BN, kThreads>(sy1 + stage * kStage, y1g + ((y0 + y) * y1s + w.h * y1h) * 2, y1s,
+                               y_len - y);
+    load_rows<D, BN, kThreads>(sy2 + stage * kStage, y2g + ((y0 + y) * y2s + w.h * y2h) * 2, y2s,
+                               y_len - y);
+    if constexpr (KV) {
+      for (int x = static_cast<int>(threadIdx.x); x < 2 * BN; x += kThreads) {
+        const int r = x % BN;
+        const float* src = (x < BN ? p.lse2 : p.dterm) + w.h * p.rows_q + w.q0 + y + r;
+        arch::cp_async_4(sterm + static_cast<std::uint32_t>((stage * 2 * BN + x) * 4), src,
+                         y + r < w.lq);
+      }
+    }
+  };
+
+  int y_cur = w.next();
+  if (y_cur >= 0) {
+    load_rows<D, BM, kThreads>(sx1, x1g + ((x0 + w.row0) * x1s + w.h * x1h) * 2, x1s,
+                               x_len - w.row0);
+    load_rows<D, BM, kThreads>(sx2, x2g + ((x0 + w.row0) * x2s + w.h * x2h) * 2, x2s,
+                               x_len - w.row0);
+    arch::cp_async_commit();
+    load_stage(0, y_cur);
+    arch::cp_async_commit();
+  }
+
+  constexpr int kAcc = KV ? 2 : 1;  // dq; or dk, dv
+  float acc[kAcc][D / 8][4];
+#pragma unroll
+  for (int a = 0; a < kAcc; ++a)
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) acc[a][n][0] = acc[a][n][1] = acc[a][n][2] = acc[a][n][3] = 0.f;
+  const int r_lo = w.row0 + warp * 16 + lane / 4;  // the thread's first stationary row
+  const int tq = lane % 4;
+  // dq: the terms of the thread's query rows r_lo and r_lo + 8.
+  float row_lse[2] = {0.f, 0.f}, row_dterm[2] = {0.f, 0.f};
+  if constexpr (!KV) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (r_lo + 8 * r < w.lq) {
+        row_lse[r] = p.lse2[w.h * p.rows_q + w.q0 + r_lo + 8 * r];
+        row_dterm[r] = p.dterm[w.h * p.rows_q + w.q0 + r_lo + 8 * r];
+      }
+    }
+  }
+  const float c = p.negate_scores ? -p.scale_log2 : p.scale_log2;
+
+  for (int it = 0; y_cur >= 0; ++it) {
+    const int stage = it & 1;
+    const int y_next = w.next();
+    if (y_next >= 0) load_stage(stage ^ 1, y_next);
+    arch::cp_async_commit();
+    arch::cp_async_wait<1>();
+    __syncthreads();
+    const std::uint32_t y1 = sy1 + stage * kStage, y2 = sy2 + stage * kStage;
+
+    // S = X1 Y1ᵀ and T = X2 Y2ᵀ (dP, or dPᵀ) for this warp's 16 rows and the BN streamed rows.
+    float s[BN / 8][4], t[BN / 8][4];
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = t[n][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      std::uint32_t a1[4], a2[4];
+      const int a_row = warp * 16 + lane % 16, a_chunk = 2 * (kk % 4) + lane / 16;
+      arch::ldmatrix_x4(a1, swizzled<BM>(sx1, a_row, kk / 4, a_chunk));
+      arch::ldmatrix_x4(a2, swizzled<BM>(sx2, a_row, kk / 4, a_chunk));
+#pragma unroll
+      for (int np = 0; np < BN / 16; ++np) {
+        const int b_row = np * 16 + lane % 8 + 8 * (lane / 16),
+                  b_chunk = 2 * (kk % 4) + (lane / 8) % 2;
+        std::uint32_t b[4];
+        arch::ldmatrix_x4(b, swizzled<BN>(y1, b_row, kk / 4, b_chunk));
+        arch::mma_16x8x16_f32<T>(s[2 * np], a1, {b[0], b[1]});
+        arch::mma_16x8x16_f32<T>(s[2 * np + 1], a1, {b[2], b[3]});
+        arch::ldmatrix_x4(b, swizzled<BN>(y2, b_row, kk / 4, b_chunk));
+        arch::mma_16x8x16_f32<T>(t[2 * np], a2, {b[0], b[1]});
+        arch::mma_16x8x16_f32<T>(t[2 * np + 1], a2, {b[2], b[3]});
+      }
+    }
+
+    // P (in s) and dS = P (dP - dterm) (in t); masked pairs give exact zeros.
+    bool masked;
+    if constexpr (KV)
+      masked = y_cur + BN > w.lq || (p.causal && w.row0 + BM - 1 > y_cur + w.shift);
+    else
+      masked = y_cur + BN - 1 > w.kall;
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = n * 8 + 2 * tq + (e & 1), r = e >> 1;
+        const float lse = KV ? terms[stage * 2 * BN + col] : row_lse[r];
+        const float dterm = KV ? terms[stage * 2 * BN + BN + col] : row_dterm[r];
+        float pv = exp2_approx(fmaf(s[n][e], c, -lse));
+        if (masked) {
+          const int i = KV ? y_cur + col : r_lo + 8 * r;  // query
+          const int j = KV ? r_lo + 8 * r : y_cur + col;  // key
+          if (i >= w.lq || j >= w.lk || (p.causal && j > i + w.shift)) pv = 0.f;
+        }
+        s[n][e] = pv;
+        t[n][e] = pv * (t[n][e] - dterm);
+      }
+    }
+
+    // dq += dS K; or dk += dSᵀ Q and dv += Pᵀ dO: A from the accumulators, B by ldmatrix.trans.
+#pragma unroll
+    for (int kp = 0; kp < BN / 16; ++kp) {
+      std::uint32_t da[4], pa[4];
+      p_fragment<T, BN>(da, t, kp);
+      if constexpr (KV) p_fragment<T, BN>(pa, s, kp);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        const int b_row = kp * 16 + lane % 8 + 8 * ((lane / 8) % 2),
+                  b_chunk = 2 * (dp % 4) + lane / 16;
+        std::uint32_t b[4];
+        arch::ldmatrix_x4_trans(b, swizzled<BN>(y1, b_row, dp / 4, b_chunk));
+        arch::mma_16x8x16_f32<T>(acc[0][2 * dp], da, {b[0], b[1]});
+        arch::mma_16x8x16_f32<T>(acc[0][2 * dp + 1], da, {b[2], b[3]});
+        if constexpr (KV) {
+          arch::ldmatrix_x4_trans(b, swizzled<BN>(y2, b_row, dp / 4, b_chunk));
+          arch::mma_16x8x16_f32<T>(acc[kAcc - 1][2 * dp], pa, {b[0], b[1]});
+          arch::mma_16x8x16_f32<T>(acc[kAcc - 1][2 * dp + 1], pa, {b[2], b[3]});
+        }
+      }
+    }
+    __syncthreads();  // every warp is done with this stage before it is refilled
+    y_cur = y_next;
+  }
+
+  const auto store = [&]<class G>() {
+    if constexpr (KV) {
+      store_gradient<G, D>(static_cast<G*>(p.dk) + (w.k0 * p.dk_row + w.h * p.dk_head), p.dk_row,
+                           acc[0], p.scale, r_lo, w.lk);
+      store_gradient<G, D>(static_cast<G*>(p.dv) + (w.k0 * p.dv_row + w.h * p.dv_head), p.dv_row,
+                           acc[kAcc - 1], 1.f, r_lo, w.lk);
+    } else {
+      store_gradient<G, D>(static_cast<G*>(p.dq) + (w.q0 * p.dq_row + w.h * p.dq_head), p.dq_row,
+                           acc[0], p.scale, r_lo, w.lq);
+    }
+  };
+  if (p.grads_f32)
+    store.template operator()<float>();
+  else
+    store.template operator()<T>();
+}
+
+}  // namespace trisparse::cuda::block_sparse

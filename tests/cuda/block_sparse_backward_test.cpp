@@ -1,0 +1,189 @@
+// The CUDA block-sparse backward (algorithm::block) against the float64 reference gradients (label
+// gpu; skipped without a device): every block size, dtype, head dim and gradient dtype on ragged
+// batches with per-head, causal, rectangular and emptied masks; scores near 1e4; N = 65537 and a
+// batch of 1024 sequences. The forward writes the lse the backward reads; two backward runs are
+// bitwise equal; rows and columns no pair reaches get exact zeros.
+#include <cstring>
+
+#include "device_tensor.hpp"
+
+namespace trisparse {
+namespace {
+
+struct grad_case {
+  dtype in, grad;  // q, k, v, dout (and out); dq, dk, dv
+  std::int64_t dim, heads;
+};
+
+bool quick() {
+  const char* q = std::getenv("TRISPARSE_GPU_TEST_QUICK");
+  return q != nullptr && *q == '1';
+}
+
+void check(const block_sparse_mask& m, const grad_case& c, std::uint64_t seed, double lo = -1.0,
+           double hi = 1.0) {
+  const auto plan = block_sparse_attention_plan::build(m, device_kind::cuda, {.gradients = true});
+  SCOPED_TRACE(std::string(to_string(c.in)) + "->" + std::string(to_string(c.grad)) + " d" +
+               std::to_string(c.dim) + " heads " + std::to_string(c.heads) + "/" +
+               std::to_string(m.heads) + " G" + std::to_string(m.block) + " causal " +
+               std::to_string(m.causal) + " " + plan.report().format);
+  ASSERT_EQ(plan.report().algo, algorithm::block);
+  const double scale = 0.125;
+  const std::int64_t nq = m.cu_seqlens_q.back(), nk = m.cu_seqlens_k.back(), h = c.heads;
+  host_tensor hq(c.in, nq, h, c.dim), hk(c.in, nk, h, c.dim), hv(c.in, nk, h, c.dim),
+      hdo(c.in, nq, h, c.dim);
+  hq.fill_uniform(lo, hi, seed);
+  hk.fill_uniform(lo, hi, seed + 1);
+  hv.fill_uniform(-1.0, 1.0, seed + 2);
+  hdo.fill_uniform(-1.0, 1.0, seed + 3);
+  test::device_tensor q(hq), k(hk), v(hv), dout(hdo), out(host_tensor(c.in, nq, h, c.dim)),
+      lse(host_tensor(dtype::f32, nq, h, 1));
+  out.poison();
+  lse.poison();
+  plan.run(q.view(), k.view(), v.view(), out.view(), {.scale = scale, .lse = lse.view()});
+  test::device_tensor dq(host_tensor(c.grad, nq, h, c.dim)), dk(host_tensor(c.grad, nk, h, c.dim)),
+      dv(host_tensor(c.grad, nk, h, c.dim));
+  host_tensor got[3];
+  for (int round = 0; round < 2; ++round) {
+    for (auto* g : {&dq, &dk, &dv}) g->poison();
+    plan.backward(q.view(), k.view(), v.view(), out.view(), lse.view(), dout.view(), dq.view(),
+                  dk.view(), dv.view(), {.scale = scale});
+    host_tensor now[3] = {dq.download(), dk.download(), dv.download()};
+    for (int i = 0; i < 3; ++i) {
+      if (round == 0) {
+        got[i] = std::move(now[i]);
+      } else {
+        EXPECT_EQ(std::memcmp(got[i].data(), now[i].data(), now[i].size_bytes()), 0)
+            << "runs differ: a race";
+      }
+    }
+  }
+  host_tensor want[3] = {host_tensor(dtype::f64, nq, h, c.dim),
+                         host_tensor(dtype::f64, nk, h, c.dim),
+                         host_tensor(dtype::f64, nk, h, c.dim)};
+  reference::block_sparse_attention_backward(m, hq.view(), hk.view(), hv.view(), hdo.view(),
+                                             want[0].view(), want[1].view(), want[2].view(), scale);
+  const double tol = test::gpu_tolerance(c.in, c.grad, 8);
+  const char* names[3] = {"dq", "dk", "dv"};
+  for (int i = 0; i < 3; ++i) {
+    const auto e = test::compare(got[i], want[i]);
+    EXPECT_TRUE(e.finite) << names[i] << ": unwritten, NaN or infinite";
+    EXPECT_LE(e.relative(), tol) << names[i] << ": max abs " << e.max_abs << " of " << e.max_ref;
+  }
+  // Query rows with no key: dq exactly 0; keys no query sees: dk and dv exactly 0.
+  std::int64_t wrong = 0;
+  for (std::int64_t b = 0; b < m.batch(); ++b) {
+    for (std::int64_t x = 0; x < h; ++x) {
+      const csr_graph pattern = m.expand(b, m.heads == 1 ? 0 : x);
+      std::vector<char> seen(static_cast<std::size_t>(pattern.cols), 0);
+      for (const std::int32_t j : pattern.col_idx) seen[static_cast<std::size_t>(j)] = 1;
+      for (std::int64_t d = 0; d < c.dim; ++d) {
+        for (std::int64_t i = 0; i < pattern.rows; ++i)
+          if (pattern.degree(i) == 0)
+            wrong += got[0].get(got[0].view().offset(m.cu_seqlens_q[b] + i, x, d)) != 0.0;
+        for (std::int64_t j = 0; j < pattern.cols; ++j)
+          if (seen[static_cast<std::size_t>(j)] == 0)
+            for (int g = 1; g < 3; ++g)
+              wrong += got[g].get(got[g].view().offset(m.cu_seqlens_k[b] + j, x, d)) != 0.0;
+      }
+    }
+  }
+  EXPECT_EQ(wrong, 0) << "rows and columns no pair reaches must get exact zeros";
+}
+
+// Every block size x causal x dtype x head dim x gradient dtype, on a ragged batch (lengths 0, 1,
+// not multiples of G) with per-head random masks, one of them with every odd block row emptied.
+TEST(GpuBlockSparseBackward, EveryBlockSizeDtypeAndHeadDim) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<std::int64_t> lens{1, 300, 0, 517, 64};
+  std::uint64_t seed = 1;
+  for (const std::int64_t g : {16, 32, 64, 128}) {
+    for (const bool causal : {false, true}) {
+      auto mask = make_block_sparse_mask({.layout = block_layout::random,
+                                          .block = g,
+                                          .p = 0.5,
+                                          .causal = causal,
+                                          .heads = 2,
+                                          .seed = seed++},
+                                         lens);
+      block_mask& emptied = mask.masks[3];  // sequence 1, head 1: odd block rows keep nothing
+      csr_graph kept{.rows = emptied.blocks.rows, .cols = emptied.blocks.cols};
+      kept.row_ptr = {0};
+      for (std::int64_t r = 0; r < kept.rows; ++r) {
+        if (r % 2 == 0)
+          for (std::int64_t e = emptied.blocks.row_ptr[r]; e < emptied.blocks.row_ptr[r + 1]; ++e)
+            kept.col_idx.push_back(emptied.blocks.col_idx[e]);
+        kept.row_ptr.push_back(kept.nnz());
+      }
+      emptied.blocks = kept;
+      for (const dtype in : {dtype::f16, dtype::bf16}) {
+        for (const std::int64_t d : {64, 128}) {
+          for (const dtype grad : {dtype::f32, in}) {
+            if (quick() && grad != (in == dtype::f16 ? dtype::f32 : in)) continue;
+            check(mask, {in, grad, d, 2}, seed++);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Rectangular sequences (more queries than keys and fewer) with a shared causal mask over 3 heads,
+// and scores near +-1e4 (|q|, |k| up to 30).
+TEST(GpuBlockSparseBackward, RectangularSharedMasksAndLargeScores) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<std::int64_t> cu_q{0, 300, 301, 700}, cu_k{0, 100, 400, 700};
+  for (const std::int64_t g : {16, 64, 128}) {
+    host_tensor q(dtype::f16, 700, 1, 64), k(dtype::f16, 700, 1, 64);
+    q.fill_uniform(-1, 1, 1);
+    k.fill_uniform(-1, 1, 2);
+    for (const bool causal : {true, false}) {
+      const auto mask = topk_block_mask(q.view(), k.view(), cu_q, cu_k,
+                                        {.block = g, .top_k = 2, .causal = causal});
+      check(mask, {dtype::f16, dtype::f32, 64, 3}, 21);
+      check(mask, {dtype::bf16, dtype::f32, 128, 1}, 22, -30.0, 30.0);
+    }
+  }
+}
+
+// N = 65537 in one sequence, and a batch of 1024 short sequences (1 to 100 rows).
+TEST(GpuBlockSparseBackward, LongSequenceAndManySequences) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<std::int64_t> one{65537};
+  check(
+      make_block_sparse_mask(
+          {.layout = block_layout::random, .block = 64, .p = 0.02, .causal = true, .seed = 5}, one),
+      {dtype::bf16, dtype::bf16, 64, 1}, 31);
+  std::vector<std::int64_t> many;
+  rng r(6);
+  for (int b = 0; b < 1024; ++b) many.push_back(1 + static_cast<std::int64_t>(r.below(100)));
+  check(make_block_sparse_mask(
+            {.layout = block_layout::random, .block = 32, .p = 0.6, .heads = 2, .seed = 7}, many),
+        {dtype::f16, dtype::f16, 64, 2}, 32);
+}
+
+TEST(GpuBlockSparseBackward, RejectsWhatItCannotRun) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<std::int64_t> lens{128};
+  const auto mask = make_block_sparse_mask({.layout = block_layout::random, .block = 64}, lens);
+  host_tensor hx(dtype::f16, 128, 1, 64);
+  test::device_tensor x(hx), lse(host_tensor(dtype::f32, 128, 1, 1));
+  const auto no_grad = block_sparse_attention_plan::build(mask, device_kind::cuda);
+  EXPECT_THROW(no_grad.backward(x.view(), x.view(), x.view(), x.view(), lse.view(), x.view(),
+                                x.view(), x.view(), x.view()),
+               invalid_input);
+  const auto plan =
+      block_sparse_attention_plan::build(mask, device_kind::cuda, {.gradients = true});
+  EXPECT_THROW(plan.backward(x.view(), x.view(), x.view(), x.view(), {}, x.view(), x.view(),
+                             x.view(), x.view()),
+               invalid_input);
+  const auto fine = block_sparse_attention_plan::build(
+      make_block_sparse_mask({.layout = block_layout::random, .block = 8}, lens), device_kind::cuda,
+      {.gradients = true});
+  EXPECT_THROW(fine.backward(x.view(), x.view(), x.view(), x.view(), lse.view(), x.view(), x.view(),
+                             x.view(), x.view()),
+               not_supported);
+}
+
+}  // namespace
+}  // namespace trisparse
