@@ -196,7 +196,7 @@ def block_sparse_attention(
 ) -> Tensor:
     """Attention of q [B, H, N_q, D] over k [B, H, N_k, D], v [B, H, N_k, Dv] under a block mask
     (a :class:`BlockMask`, or FlexAttention's ``BlockMask``, converted by
-    :meth:`BlockMask.from_flex` at every call: convert it once instead). Returns [B, H, N_q, Dv]
+    :meth:`BlockMask.from_flex` on its first use and kept on it). Returns [B, H, N_q, Dv]
     in q's dtype; query rows with no key left give zeros. ``scale`` defaults to 1/sqrt(D).
 
     Differentiable in q, k and v, deterministically: on CUDA by the tensor-core backward (block
@@ -204,7 +204,13 @@ def block_sparse_attention(
     the float64 reference."""
     if not isinstance(mask, BlockMask):
         if hasattr(mask, "kv_num_blocks") and hasattr(mask, "BLOCK_SIZE"):
-            mask = BlockMask.from_flex(mask)
+            # Converted once and kept on the FlexAttention mask: the ops refer to it by id, so it
+            # must outlive the backward too.
+            converted = getattr(mask, "_trisparse_mask", None)
+            if converted is None:
+                converted = BlockMask.from_flex(mask)
+                mask._trisparse_mask = converted
+            mask = converted
         else:
             raise TypeError(
                 f"mask must be a trisparse.BlockMask or a FlexAttention BlockMask, got "

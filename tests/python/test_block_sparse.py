@@ -102,6 +102,12 @@ def test_flex_attention_block_mask_gives_flex_attentions_output():
         assert (
             float((trisparse.block_sparse_attention(q, k, v, flex_mask) - want).abs().max()) <= 1e-5
         )
+    # The conversion is kept on the FlexAttention mask, alive through the backward.
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = trisparse.block_sparse_attention(*leaves, flex_mask)
+    assert flex_mask._trisparse_mask is not None
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    assert all(bool(torch.isfinite(x).all()) for x in grads)
 
 
 def test_opcheck():
