@@ -75,22 +75,9 @@ void run_block_sparse_backward(const block_sparse_device_plan& plan, const tenso
                               std::to_string(workspace.bytes) + " bytes, it needs " +
                               std::to_string(need) + " (block_sparse_backward_workspace_bytes)");
   block_sparse::backward_params p{};
-  static_cast<ragged_attention_io&>(p) =
-      ragged_io_of(q, k, v, out, plan.cu_q.data(), plan.cu_k.data());
-  p.mask_row = plan.mask_row.data();
-  p.row_ptr = plan.row_ptr.data();
-  p.col_idx = plan.col_idx.data();
+  static_cast<block_sparse::params&>(p) = run_params(plan, q, k, v, out, lse, scale);
   p.tiles = plan.backward_tiles.data();
   p.num_tiles = plan.num_backward_tiles;
-  p.heads = static_cast<std::int32_t>(q.heads);
-  p.mask_heads = static_cast<std::int32_t>(plan.mask_heads);
-  p.block = static_cast<std::int32_t>(plan.block);
-  p.causal = plan.causal;
-  p.negate_scores = scale < 0;
-  p.scale_log2 = scale_log2(std::abs(scale));
-  p.lse = static_cast<float*>(lse.data);
-  p.lse_row = lse.row_stride;
-  p.lse_head = lse.head_stride;
   p.dout = dout.data;
   p.do_row = dout.row_stride;
   p.do_head = dout.head_stride;

@@ -5,6 +5,7 @@
 
 #include "../../common/buffer.cuh"
 #include "params.hpp"
+#include "trisparse/core/tensor.hpp"
 #include "trisparse/formats/block_sparse.hpp"
 
 namespace trisparse::cuda {
@@ -27,7 +28,13 @@ struct block_sparse_device_plan {
   device_buffer<block_sparse::tile> backward_tiles, key_tiles;
 };
 
-/// Fills the gradients part of `plan` from its mask (backward.cu).
+/// Fills the gradients part of `plan` from its mask (launch.cu).
 void prepare_backward(block_sparse_device_plan& plan, const block_sparse_mask& mask);
+
+/// The kernel parameters of a run of `plan` (launch.cu): the operands, the mask, the forward's
+/// query tiles, heads and scale; lse where lse.data is set (f32).
+block_sparse::params run_params(const block_sparse_device_plan& plan, const tensor_view& q,
+                                const tensor_view& k, const tensor_view& v, const tensor_view& out,
+                                const tensor_view& lse, double scale);
 
 }  // namespace trisparse::cuda

@@ -233,11 +233,9 @@ void prepare_backward(block_sparse_device_plan& plan, const block_sparse_mask& m
   plan.gradients = true;
 }
 
-void run_block_sparse(const block_sparse_device_plan& plan, const tensor_view& q,
-                      const tensor_view& k, const tensor_view& v, const tensor_view& out,
-                      const tensor_view& lse, double scale, stream_ref stream) {
-  check_attention_operands(q, k, v, out, "the CUDA block-sparse kernel");
-  expect_current_device(plan.device);
+block_sparse::params run_params(const block_sparse_device_plan& plan, const tensor_view& q,
+                                const tensor_view& k, const tensor_view& v, const tensor_view& out,
+                                const tensor_view& lse, double scale) {
   block_sparse::params p{};
   static_cast<ragged_attention_io&>(p) =
       ragged_io_of(q, k, v, out, plan.cu_q.data(), plan.cu_k.data());
@@ -260,6 +258,15 @@ void run_block_sparse(const block_sparse_device_plan& plan, const tensor_view& q
     p.lse_row = lse.row_stride;
     p.lse_head = lse.head_stride;
   }
+  return p;
+}
+
+void run_block_sparse(const block_sparse_device_plan& plan, const tensor_view& q,
+                      const tensor_view& k, const tensor_view& v, const tensor_view& out,
+                      const tensor_view& lse, double scale, stream_ref stream) {
+  check_attention_operands(q, k, v, out, "the CUDA block-sparse kernel");
+  expect_current_device(plan.device);
+  const block_sparse::params p = run_params(plan, q, k, v, out, lse, scale);
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const block_sparse::kernel_key key{q.type, out.type, q.dim};
 #if TRISPARSE_HAVE_SM90A
