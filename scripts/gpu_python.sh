@@ -46,4 +46,12 @@ if [ "${BLOCK_BENCH:-0}" = 1 ]; then
   echo "block-sparse training: $((SECONDS - start)) s"
   tail -3 "$out/bench_stderr.log"
 fi
+# GNN_BENCH=1: the three example models' epoch time, peak memory and (Graph Transformer)
+# inference, both backends, on the largest shared graphs and a generated 1M-node graph.
+if [ "${GNN_BENCH:-0}" = 1 ]; then
+  PYTHONPATH="$site" python3 bench/python/gnn_epoch.py ${GNN_BENCH_ARGS:---graphs \
+    data/snap_web_notredame.el.xz data/deezer_egos.el.xz data/het_tolokers.el.xz \
+    --generate 1000000:10} > "$out/gnn_epoch.jsonl" 2>> "$out/bench_stderr.log"
+  echo "gnn epochs: $((SECONDS - start)) s"
+fi
 exit $status

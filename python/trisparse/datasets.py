@@ -1,13 +1,20 @@
 """Loaders for the training data the examples use: the Planetoid citation graphs (features, labels
-and the standard splits) from their raw files, through PyG's own reader, with no download."""
+and the standard splits) from their raw files, through PyG's own reader, with no download; and
+graphs from edge-list (plain, .gz, .xz) and .npz files, as an edge_index or a Pattern."""
 
 from __future__ import annotations
 
+import gzip
+import lzma
 import os
 import pathlib
+import re
 import tempfile
 
-__all__ = ["planetoid"]
+import numpy as np
+import torch
+
+__all__ = ["load_pattern", "planetoid", "read_graph"]
 
 _NAMES = {"cora": "Cora", "citeseer": "CiteSeer"}
 _PARTS = ("x", "tx", "allx", "y", "ty", "ally", "graph", "test.index")
@@ -50,3 +57,94 @@ def planetoid(name: str, root: str | os.PathLike | None = None):
         return Planetoid(str(work), _NAMES[key])[0]
     except Exception as e:  # PyG's reader: unpickling, shapes
         raise ValueError(f"Planetoid {name}: cannot read the files in {folder}: {e}") from e
+
+
+def _open_text(path: pathlib.Path):
+    if path.suffix == ".xz":
+        return lzma.open(path, "rt")
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt")
+    return open(path)
+
+
+def _edges_from_text(path: pathlib.Path) -> tuple[np.ndarray, int | None, bool]:
+    """(pairs [E, 2], the header's node count or None, whether the header says undirected)."""
+    nodes, undirected, rows = None, False, []
+    with _open_text(path) as f:
+        for number, line in enumerate(f, 1):
+            text = line.strip()
+            if not text:
+                continue
+            if text[0] in "#%":
+                header = re.search(r"nodes:\s*(\d+)", text.lower())
+                if header:
+                    nodes = int(header.group(1))
+                    undirected = "directed: no" in text.lower()
+                continue
+            fields = text.replace(",", " ").split()
+            try:
+                src, dst = int(fields[0]), int(fields[1])
+            except (IndexError, ValueError):
+                raise ValueError(
+                    f"{path}:{number}: expected two integer node ids, got {text[:60]!r}"
+                ) from None
+            if src < 0 or dst < 0:
+                raise ValueError(f"{path}:{number}: negative node id in {text[:60]!r}")
+            rows.append((src, dst))
+    return np.array(rows, dtype=np.int64).reshape(-1, 2), nodes, undirected
+
+
+def _edges_from_npz(path: pathlib.Path) -> tuple[np.ndarray, int | None, bool]:
+    with np.load(path) as z:
+        keys = set(z.files)
+        if {"indptr", "indices", "shape"} <= keys:  # scipy.sparse.save_npz (CSR)
+            indptr, indices = z["indptr"].astype(np.int64), z["indices"].astype(np.int64)
+            src = np.repeat(np.arange(indptr.size - 1), np.diff(indptr))
+            pairs, nodes = np.stack([src, indices], 1), int(max(z["shape"]))
+        elif {"row", "col"} <= keys:
+            pairs = np.stack([z["row"].astype(np.int64), z["col"].astype(np.int64)], 1)
+            nodes = int(z["num_nodes"]) if "num_nodes" in keys else None
+        else:
+            raise ValueError(
+                f"{path}: an .npz graph holds indptr/indices/shape (scipy.sparse) or row/col "
+                f"(optionally num_nodes), not {sorted(keys)}"
+            )
+    if pairs.size and pairs.min() < 0:
+        raise ValueError(f"{path}: negative node id")
+    return pairs, nodes, False
+
+
+def read_graph(path: str | os.PathLike, undirected: bool | None = None):
+    """(edge_index [2, E] int64, num_nodes) of a graph file, in PyG's convention, duplicates merged
+    and sorted by target. A line ``i j`` (or CSR row i holding j) is read as the library's C++
+    reader reads it, row i attending j: in PyG's terms the edge j -> i (edge_index[:, e] = (j, i)).
+    Edge lists: plain, .gz or .xz text, one pair a line (commas allowed, '#' or '%' comments; a
+    header ``# nodes: N ... directed: no`` gives the node count and adds each pair's reverse).
+    .npz: scipy.sparse CSR or row/col arrays. ``undirected`` overrides the header.
+
+    Raises FileNotFoundError for a missing file and ValueError naming the file (and line) for
+    malformed content or an edge past the header's node count."""
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"graph file not found: {p}")
+    pairs, nodes, header_undirected = (
+        _edges_from_npz(p) if p.suffix == ".npz" else _edges_from_text(p)
+    )
+    top = int(pairs.max()) + 1 if pairs.size else 0
+    if nodes is not None and top > nodes:
+        raise ValueError(f"{p}: node id {top - 1} but the file declares {nodes} nodes")
+    n = nodes if nodes is not None else top
+    if header_undirected if undirected is None else undirected:
+        pairs = np.concatenate([pairs, pairs[:, ::-1]])
+    key = np.unique(pairs[:, 0] * max(n, 1) + pairs[:, 1])  # by target, then source
+    edge_index = torch.from_numpy(np.stack([key % max(n, 1), key // max(n, 1)]))
+    return edge_index, n
+
+
+def load_pattern(path: str | os.PathLike, undirected: bool | None = None, add_self_loops=False):
+    """The :class:`trisparse.Pattern` of a graph file (``read_graph``): each node attends its
+    in-neighbours (its incoming edges, PyG's convention)."""
+    from .pattern import Pattern
+
+    edge_index, n = read_graph(path, undirected)
+    return Pattern.from_edge_index(edge_index, size=(n, n), add_self_loops=add_self_loops)
