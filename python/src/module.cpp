@@ -252,6 +252,36 @@ struct py_sparse_plan {
   }
 };
 
+/// topk_block_mask over sequences of equal lengths (q, k packed [batch * n, H, D] on the CPU), as
+/// a dense table: out (uint8, [batch, H, query blocks, key blocks], zeroed by the caller) gets 1
+/// at every selected block.
+void topk_blocks(const tensor_tuple& q, const tensor_tuple& k, std::int64_t batch,
+                 std::int64_t block, std::int64_t top_k, bool causal, bool keep_diagonal,
+                 std::uintptr_t out) {
+  const tensor_view qv = view_of(q), kv = view_of(k);
+  TRISPARSE_EXPECTS_INPUT(batch > 0 && qv.rows % batch == 0 && kv.rows % batch == 0,
+                          "topk_blocks: the rows must split into the batch's sequences");
+  std::vector<std::int64_t> cu_q, cu_k;
+  for (std::int64_t b = 0; b <= batch; ++b) {
+    cu_q.push_back(b * (qv.rows / batch));
+    cu_k.push_back(b * (kv.rows / batch));
+  }
+  block_sparse_mask m;
+  {
+    nb::gil_scoped_release release;
+    m = topk_block_mask(
+        qv, kv, cu_q, cu_k,
+        {.block = block, .top_k = top_k, .causal = causal, .keep_diagonal = keep_diagonal});
+  }
+  auto* table = reinterpret_cast<std::uint8_t*>(out);
+  for (const block_mask& bm : m.masks) {
+    for (std::int64_t r = 0; r < bm.blocks.rows; ++r)
+      for (std::int64_t e = bm.blocks.row_ptr[r]; e < bm.blocks.row_ptr[r + 1]; ++e)
+        table[r * bm.blocks.cols + bm.blocks.col_idx[e]] = 1;
+    table += bm.blocks.rows * bm.blocks.cols;
+  }
+}
+
 }  // namespace
 
 NB_MODULE(_C, m) {
@@ -271,6 +301,8 @@ NB_MODULE(_C, m) {
     }
   });
 
+  m.def("topk_blocks", &topk_blocks, "q"_a, "k"_a, "batch"_a, "block"_a, "top_k"_a, "causal"_a,
+        "keep_diagonal"_a, "out"_a);
   m.def("cuda_available", &trisparse::cuda_available,
         "Whether this build has the CUDA backend and a device is visible.");
   m.def("has_cuda_backend", [] {

@@ -10,7 +10,7 @@ import torch  # noqa: F401  (loads the CUDA libraries torch ships, which the ext
 
 from . import _C
 from .attention import sparse_attention
-from .block_sparse import BlockMask, block_sparse_attention
+from .block_sparse import BlockMask, block_sparse_attention, topk_block_mask
 from .edge import edge_scores, edge_softmax, edge_spmm, sddmm
 from .pattern import Pattern
 from .sparse import SparseMatrix, spmm
@@ -36,4 +36,5 @@ __all__ = [
     "sddmm",
     "sparse_attention",
     "spmm",
+    "topk_block_mask",
 ]

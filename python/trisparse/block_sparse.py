@@ -13,7 +13,7 @@ from . import _C, _tensors
 from ._registry import Registry
 from .pattern import row_offsets
 
-__all__ = ["BlockMask", "block_sparse_attention"]
+__all__ = ["BlockMask", "block_sparse_attention", "topk_block_mask"]
 
 _masks = Registry("mask", "trisparse.BlockMask")
 
@@ -191,6 +191,10 @@ def _backward(ctx, dout, _dlse):
 _forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _packed(t: Tensor) -> Tensor:  # [B, H, N, D] -> [B * N, H, D]
+    return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
+
+
 def block_sparse_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | Any, scale: float | None = None
 ) -> Tensor:
@@ -236,10 +240,82 @@ def block_sparse_attention(
         raise ValueError(f"mask: {mask.blocks.shape[1]} heads' masks for {h} heads")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
 
-    def packed(t: Tensor) -> Tensor:  # [B, H, N, D] -> [B * N, H, D]
-        return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
-
     out, _lse = torch.ops.trisparse.block_sparse_attention(
-        packed(q), packed(k), packed(v), mask.id, b, scale
+        _packed(q), _packed(k), _packed(v), mask.id, b, scale
     )
     return out.view(b, n_q, h, v.shape[3]).transpose(1, 2)
+
+
+@torch.library.custom_op("trisparse::topk_blocks", mutates_args=())
+def _topk_blocks(
+    q: Tensor, k: Tensor, batch: int, block: int, top_k: int, causal: bool, keep_diagonal: bool
+) -> Tensor:
+    """The selected blocks of packed q [batch * N_q, H, D], k [batch * N_k, H, D]: bool
+    [batch, H, query blocks, key blocks]."""
+    if q.device.type != "cpu":
+        raise NotImplementedError(
+            "topk_block_mask selects on the CPU for now (the library's CUDA selection runs inside "
+            "its top-k attention plan, not yet exposed here): pass q.cpu() and k.cpu()"
+        )
+    heads = q.shape[1]
+    out = torch.zeros(
+        batch,
+        heads,
+        -(-q.shape[0] // batch // block),
+        -(-k.shape[0] // batch // block),
+        dtype=torch.uint8,
+    )
+    q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k))
+    _C.topk_blocks(
+        _tensors.view(q),
+        _tensors.view(k),
+        batch,
+        block,
+        top_k,
+        causal,
+        keep_diagonal,
+        out.data_ptr(),
+    )
+    return out.bool()
+
+
+@_topk_blocks.register_fake
+def _topk_blocks_fake(q, k, batch, block, top_k, causal, keep_diagonal):
+    return q.new_empty(
+        (batch, q.shape[1], -(-q.shape[0] // batch // block), -(-k.shape[0] // batch // block)),
+        dtype=torch.bool,
+    )
+
+
+def topk_block_mask(
+    q: Tensor,
+    k: Tensor,
+    block_size: int,
+    top_k: int,
+    causal: bool = False,
+    keep_diagonal: bool = True,
+) -> BlockMask:
+    """A block mask selected from the inputs (block routing, as MoBA's and NSA's selection):
+    per sequence, head and query block, the ``top_k`` key blocks with the highest
+    <mean of the block's q rows, mean of the key block's k rows>, among those it may attend
+    (causal: not past the diagonal, aligned at the bottom right), plus with ``keep_diagonal``
+    the block holding the key aligned with the query block's last row. Ties go to the lower
+    block. q [B, H, N_q, D], k [B, H, N_k, D] on the CPU; the mask is per sequence and head,
+    ``causal`` as given, for :func:`block_sparse_attention`. Not differentiable (a selection)."""
+    for t, name in ((q, "q"), (k, "k")):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a [B, H, N, D] tensor")
+    if k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"k {tuple(k.shape)} must match q {tuple(q.shape)} in B, H and D")
+    if block_size < 1 or top_k < 0:
+        raise ValueError(f"block_size must be >= 1 and top_k >= 0, got {block_size}, {top_k}")
+    blocks = torch.ops.trisparse.topk_blocks(
+        _packed(q.detach()),
+        _packed(k.detach()),
+        q.shape[0],
+        int(block_size),
+        int(top_k),
+        bool(causal),
+        bool(keep_diagonal),
+    )
+    return BlockMask(blocks, block_size, causal=causal)

@@ -138,3 +138,44 @@ def test_bad_inputs_name_the_argument():
         trisparse.BlockMask(torch.ones(1, 1, 2, 2), 8)
     with pytest.raises(TypeError, match="mask must be"):
         trisparse.block_sparse_attention(q, k, v, "causal")
+
+
+def test_topk_block_mask_selects_the_highest_scoring_blocks():
+    b, h, n, d, g, top = 2, 3, 200, 16, 32, 2
+    q, k, v = inputs(b, h, n, n, d, torch.float32, seed=21)
+    mask = trisparse.topk_block_mask(q, k, g, top, keep_diagonal=True)
+    nb = -(-n // g)
+    assert mask.blocks.shape == (b, h, nb, nb) and mask.block_size == g
+    # The definition: block means of q and k, the top_k scores per row (ties to the lower
+    # block), plus the diagonal block.
+    pad = nb * g - n
+    counts = torch.full((nb,), float(g))
+    counts[-1] = g - pad
+    mq = torch.nn.functional.pad(q, (0, 0, 0, pad)).view(b, h, nb, g, d).sum(3) / counts[:, None]
+    mk = torch.nn.functional.pad(k, (0, 0, 0, pad)).view(b, h, nb, g, d).sum(3) / counts[:, None]
+    scores = mq @ mk.transpose(-1, -2)
+    want = torch.zeros_like(mask.blocks)
+    want.scatter_(-1, torch.topk(scores, top, dim=-1).indices, True)
+    want |= torch.eye(nb, dtype=torch.bool)
+    assert torch.equal(mask.blocks, want)
+    out = trisparse.block_sparse_attention(q, k, v, mask)
+    ref = dense_block_attention(q, k, v, mask.blocks, g, False, 1 / math.sqrt(d))
+    assert float((out.double() - ref).abs().max()) <= 1e-5
+
+
+def test_topk_block_mask_causal_and_op():
+    b, h, n, d, g = 1, 2, 256, 8, 32
+    q, k, _ = inputs(b, h, n, n, d, torch.float32, seed=22)
+    mask = trisparse.topk_block_mask(q, k, g, 3, causal=True)
+    nb = n // g
+    assert mask.causal
+    assert not (mask.blocks & torch.ones(nb, nb, dtype=torch.bool).triu(1)).any()  # none above
+    assert mask.blocks.diagonal(dim1=-2, dim2=-1).all()
+    assert (mask.blocks.sum(-1) <= 4).all()
+    args = (q.transpose(1, 2).reshape(-1, h, d), k.transpose(1, 2).reshape(-1, h, d), b, g, 3)
+    torch.library.opcheck(torch.ops.trisparse.topk_blocks.default, (*args, True, True))
+    with pytest.raises(ValueError, match="block_size"):
+        trisparse.topk_block_mask(q, k, 0, 3)
+    if torch.cuda.is_available():
+        with pytest.raises(NotImplementedError, match="CPU"):
+            trisparse.topk_block_mask(q.cuda(), k.cuda(), g, 3)
