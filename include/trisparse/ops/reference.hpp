@@ -74,6 +74,12 @@ void block_sparse_attention_backward(const block_sparse_mask& mask, const tensor
 void gcn_backward(const csr_graph& propagation, const tensor_view& x, const tensor_view& w,
                   const tensor_view& dout, const tensor_view& dx, const tensor_view& dw);
 
+/// Gradients of the AGNN layer's out_i = sum_j softmax_j(beta cos(h_i, h_j)) h_j over row i of
+/// the (binary) `propagation` pattern (agnn_layer's A + I), given dout [N, 1, F]: dh [N, 1, F]
+/// and d beta (returned). Rows of h that are zero have cosine 0 and no gradient through it.
+double agnn_backward(const csr_graph& propagation, const tensor_view& h, double beta,
+                     const tensor_view& dout, const tensor_view& dh);
+
 /// Gradients of out = sddmm(pattern, x, y, scale) given dout [nnz, H, 1]: dx [rows, H, D],
 /// dy [cols, H, D] (the pattern's values weigh the entries, as in sddmm()).
 void sddmm_backward(const csr_graph& pattern, const tensor_view& x, const tensor_view& y,

@@ -172,6 +172,74 @@ void spmm_backward(const csr_graph& a, const tensor_view& w, const tensor_view& 
   gb.store(db);
 }
 
+double agnn_backward(const csr_graph& a, const tensor_view& h, double beta, const tensor_view& dout,
+                     const tensor_view& dh) {
+  a.check();
+  TRISPARSE_EXPECTS_INPUT(a.rows == a.cols, "AGNN's propagation pattern must be square");
+  check_view(h, "h", a.rows, 1, -1);
+  check_view(dout, "dout", a.rows, 1, h.dim);
+  check_view(dh, "dh", a.rows, 1, h.dim);
+  const std::int64_t n = a.rows, f = h.dim;
+  // Unit rows u_i = h_i / |h_i| (0 for a zero row), the scores' softmax p per row.
+  grad u(n, 1, f);
+  std::vector<double> norm(static_cast<std::size_t>(n), 0.0);
+  for (std::int64_t i = 0; i < n; ++i) {
+    double s = 0;
+    for (std::int64_t c = 0; c < f; ++c) s += at(h, i, 0, c) * at(h, i, 0, c);
+    norm[static_cast<std::size_t>(i)] = std::sqrt(s);
+    for (std::int64_t c = 0; c < f; ++c) u(i, 0, c) = s > 0 ? at(h, i, 0, c) / std::sqrt(s) : 0.0;
+  }
+  const auto cosine = [&](std::int64_t i, std::int64_t j) {
+    double s = 0;
+    for (std::int64_t c = 0; c < f; ++c) s += u(i, 0, c) * u(j, 0, c);
+    return s;
+  };
+  std::vector<double> p(static_cast<std::size_t>(a.nnz())), dp(p.size());
+  grad g(n, 1, f), du(n, 1, f);
+  double dbeta = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t e0 = a.row_ptr[i], e1 = a.row_ptr[i + 1];
+    double top = -std::numeric_limits<double>::infinity(), sum = 0, mean = 0;
+    for (std::int64_t e = e0; e < e1; ++e) top = std::max(top, beta * cosine(i, a.col_idx[e]));
+    for (std::int64_t e = e0; e < e1; ++e) {
+      p[static_cast<std::size_t>(e)] = std::exp(beta * cosine(i, a.col_idx[e]) - top);
+      sum += p[static_cast<std::size_t>(e)];
+    }
+    for (std::int64_t e = e0; e < e1; ++e) {
+      const std::int64_t j = a.col_idx[e];
+      double& pe = p[static_cast<std::size_t>(e)];
+      pe /= sum;
+      double dpe = 0;  // dL/dp_ij = <dout_i, h_j>; and h_j's share of out_i: p_ij dout_i
+      for (std::int64_t c = 0; c < f; ++c) {
+        dpe += at(dout, i, 0, c) * at(h, j, 0, c);
+        g(j, 0, c) += pe * at(dout, i, 0, c);
+      }
+      dp[static_cast<std::size_t>(e)] = dpe;
+      mean += pe * dpe;
+    }
+    for (std::int64_t e = e0; e < e1; ++e) {
+      // ds = p (dp - sum_k p_ik dp_ik); s = beta <u_i, u_j>.
+      const std::int64_t j = a.col_idx[e];
+      const double ds = p[static_cast<std::size_t>(e)] * (dp[static_cast<std::size_t>(e)] - mean);
+      dbeta += ds * cosine(i, j);
+      for (std::int64_t c = 0; c < f; ++c) {
+        du(i, 0, c) += beta * ds * u(j, 0, c);
+        du(j, 0, c) += beta * ds * u(i, 0, c);
+      }
+    }
+  }
+  // Through the normalisation: dh_i += (du_i - u_i <u_i, du_i>) / |h_i|.
+  for (std::int64_t i = 0; i < n; ++i) {
+    const double r = norm[static_cast<std::size_t>(i)];
+    if (r == 0) continue;
+    double along = 0;
+    for (std::int64_t c = 0; c < f; ++c) along += u(i, 0, c) * du(i, 0, c);
+    for (std::int64_t c = 0; c < f; ++c) g(i, 0, c) += (du(i, 0, c) - u(i, 0, c) * along) / r;
+  }
+  g.store(dh);
+  return dbeta;
+}
+
 void gcn_backward(const csr_graph& a, const tensor_view& x, const tensor_view& w,
                   const tensor_view& dout, const tensor_view& dx, const tensor_view& dw) {
   a.check();
