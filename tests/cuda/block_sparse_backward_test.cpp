@@ -32,14 +32,14 @@ bool quick() {
 }
 
 void check(const block_sparse_mask& m, const grad_case& c, std::uint64_t seed, double lo = -1.0,
-           double hi = 1.0) {
+           double hi = 1.0, double scale = 0.125) {
   const auto plan = block_sparse_attention_plan::build(m, device_kind::cuda, {.gradients = true});
   SCOPED_TRACE(std::string(to_string(c.in)) + "->" + std::string(to_string(c.grad)) + " d" +
                std::to_string(c.dim) + " heads " + std::to_string(c.heads) + "/" +
                std::to_string(m.heads) + " G" + std::to_string(m.block) + " causal " +
-               std::to_string(m.causal) + " " + plan.report().format);
+               std::to_string(m.causal) + " scale " + std::to_string(scale) + " " +
+               plan.report().format);
   ASSERT_EQ(plan.report().algo, algorithm::block);
-  const double scale = 0.125;
   const std::int64_t nq = m.cu_seqlens_q.back(), nk = m.cu_seqlens_k.back(), h = c.heads;
   host_tensor hq(c.in, nq, h, c.dim), hk(c.in, nk, h, c.dim), hv(c.in, nk, h, c.dim),
       hdo(c.in, nq, h, c.dim);
@@ -145,7 +145,7 @@ TEST(GpuBlockSparseBackward, EveryBlockSizeDtypeAndHeadDim) {
 }
 
 // Rectangular sequences (more queries than keys and fewer) with a shared causal mask over 3 heads,
-// and scores near +-1e4 (|q|, |k| up to 30).
+// scores near +-1e4 (|q|, |k| up to 30), and a negative scale.
 TEST(GpuBlockSparseBackward, RectangularSharedMasksAndLargeScores) {
   SKIP_WITHOUT_GPU();
   const std::vector<std::int64_t> cu_q{0, 300, 301, 700}, cu_k{0, 100, 400, 700};
@@ -158,6 +158,7 @@ TEST(GpuBlockSparseBackward, RectangularSharedMasksAndLargeScores) {
                                         {.block = g, .top_k = 2, .causal = causal});
       check(mask, {dtype::f16, dtype::f32, 64, 3}, 21);
       check(mask, {dtype::bf16, dtype::f32, 128, 1}, 22, -30.0, 30.0);
+      check(mask, {dtype::f16, dtype::f16, 64, 2}, 23, -1.0, 1.0, -0.3);  // a negative scale
     }
   }
 }
