@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "../cpu/block_sparse/engine.hpp"
+#include "../cpu/fused3s/fast.hpp"
 #include "../cuda/attention/block_sparse/plan.hpp"
 #include "../cuda/attention/block_sparse/unfused.hpp"
 #include "../formats/block_sparse_internal.hpp"
@@ -43,6 +44,44 @@ tensor_view head_of(const tensor_view& t, std::int64_t h) {
              h * t.head_stride * static_cast<std::int64_t>(size_of(t.type));
   one.heads = 1;
   return one;
+}
+
+// Rows [row0, row0 + rows) of a [rows, heads, dim] view (every head).
+tensor_view rows_of(const tensor_view& t, std::int64_t row0, std::int64_t rows) {
+  tensor_view s = t;
+  s.data = static_cast<std::byte*>(t.data) +
+           row0 * t.row_stride * static_cast<std::int64_t>(size_of(t.type));
+  s.rows = rows;
+  return s;
+}
+
+// The CPU engine's backward over a block mask: per sequence (and mask head), the expanded pattern
+// and its transpose, the forward recomputed for out and lse (fp32), then the fused backward,
+// which writes every row of dq, dk and dv (zeros where no pair reaches).
+void cpu_block_sparse_backward(const block_sparse_mask& m, const tensor_view& q,
+                               const tensor_view& k, const tensor_view& v, const tensor_view& dout,
+                               const tensor_view& dq, const tensor_view& dk, const tensor_view& dv,
+                               float scale) {
+  for (std::int64_t b = 0; b < m.batch(); ++b) {
+    const std::int64_t q0 = m.cu_seqlens_q[b], k0 = m.cu_seqlens_k[b];
+    const std::int64_t lq = m.len_q(b), lk = m.len_k(b);
+    const std::int64_t groups = m.heads == 1 ? 1 : q.heads;  // heads run together per mask
+    for (std::int64_t g = 0; g < groups; ++g) {
+      const auto part = [&](const tensor_view& t, std::int64_t row0, std::int64_t rows) {
+        const tensor_view r = rows_of(t, row0, rows);
+        return groups == 1 ? r : head_of(r, g);
+      };
+      const csr_graph a = m.expand(b, g);
+      const std::int64_t heads = groups == 1 ? q.heads : 1;
+      host_tensor out(dtype::f32, lq, heads, v.dim), lse(dtype::f32, lq, heads, 1);
+      cpu::fused_attention_unchecked(a, part(q, q0, lq), part(k, k0, lk), part(v, k0, lk),
+                                     out.view(), scale, lse.view());
+      cpu::fused_attention_backward_unchecked(a, transpose(a), part(q, q0, lq), part(k, k0, lk),
+                                              part(v, k0, lk), out.view(), lse.view(),
+                                              part(dout, q0, lq), part(dq, q0, lq),
+                                              part(dk, k0, lk), part(dv, k0, lk), scale);
+    }
+  }
 }
 
 // run()'s operands against the mask: shapes, devices, and the heads a mask serves.
@@ -220,7 +259,15 @@ void block_sparse_attention_plan::backward(const tensor_view& q, const tensor_vi
   }
   const double scale = detail::resolve_scale(options.scale, q.dim);
   if (where == device_kind::cpu) {
-    reference::block_sparse_attention_backward(m, q, k, v, dout, dq, dk, dv, scale);
+    const algorithm algo =
+        options.algo == algorithm::automatic ? state_->report.algo : options.algo;
+    TRISPARSE_EXPECTS_INPUT(runs_block_masks(algo, where),
+                            "block-sparse backward on the CPU runs reference or fused, not " +
+                                std::string(to_string(algo)));
+    if (algo == algorithm::reference)
+      reference::block_sparse_attention_backward(m, q, k, v, dout, dq, dk, dv, scale);
+    else
+      cpu_block_sparse_backward(m, q, k, v, dout, dq, dk, dv, static_cast<float>(scale));
     return;
   }
   if (state_->report.algo != algorithm::block) {

@@ -89,8 +89,9 @@ class block_sparse_attention_plan {
 
   /// Gradients of out = run(q, k, v) given dout: dq, dk, dv shaped as q, k, v, overwritten (rows
   /// and columns no pair reaches get exact zeros), bitwise deterministic. `out` and `lse` are
-  /// what run() wrote for these q, k, v (lse through attention_options::lse). CPU: the float64
-  /// reference gradients (reference::block_sparse_attention_backward; out and lse unused). CUDA
+  /// what run() wrote for these q, k, v (lse through attention_options::lse). CPU (out and lse
+  /// unused): reference, the float64 reference gradients; fused (the default), the CPU engine's
+  /// fp32 backward per sequence, its forward recomputed (OpenMP, deterministic). CUDA
   /// (algorithm::block, a plan built with gradients): FlashAttention-2's backward over the mask
   /// and its transpose on tensor cores, q, k, v, dout f16 or bf16, D 64 or 128, dq/dk/dv in q's
   /// dtype or f32, asynchronous on `stream`; `workspace`: backward_workspace_bytes() bytes, or
