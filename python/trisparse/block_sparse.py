@@ -205,7 +205,7 @@ def block_sparse_attention(
 
     Differentiable in q, k and v, deterministically: on CUDA by the tensor-core backward (block
     sizes a multiple of 16, D 64 or 128; other masks raise NotImplementedError), on the CPU by
-    the float64 reference."""
+    the CPU engine's fp32 backward (float64 inputs: the float64 reference)."""
     if not isinstance(mask, BlockMask):
         if hasattr(mask, "kv_num_blocks") and hasattr(mask, "BLOCK_SIZE"):
             # Converted once and kept on the FlexAttention mask: the ops refer to it by id, so it
