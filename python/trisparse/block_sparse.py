@@ -94,20 +94,21 @@ def _plan(q: Tensor, k: Tensor, mask: int, batch: int):
     return _masks.lookup(mask).plan(q.device, batch, q.shape[0] // batch, k.shape[0] // batch, algo)
 
 
-def _lse_rows(q: Tensor) -> int:
-    # The log-sum-exp the backward reads: written on CUDA only (the CPU backward recomputes).
-    return q.shape[0] if q.device.type == "cuda" else 0
+def _lse_rows(q: Tensor, with_lse: bool) -> int:
+    # The log-sum-exp the backward reads: written on CUDA only (the CPU backward recomputes), and
+    # only when a gradient is needed.
+    return q.shape[0] if with_lse and q.device.type == "cuda" else 0
 
 
 @torch.library.custom_op("trisparse::block_sparse_attention", mutates_args=())
 def _forward(
-    q: Tensor, k: Tensor, v: Tensor, mask: int, batch: int, scale: float
+    q: Tensor, k: Tensor, v: Tensor, mask: int, batch: int, scale: float, with_lse: bool
 ) -> tuple[Tensor, Tensor]:
     """Packed [batch * N, H, D] tensors, `batch` sequences of equal length; returns out and, on
-    CUDA with the block kernel, each row's log-sum-exp (f32 [rows, H]; [0, H] on the CPU)."""
+    CUDA with `with_lse`, each row's log-sum-exp (f32 [rows, H]; else [0, H])."""
     plan = _plan(q, k, mask, batch)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-    lse = q.new_empty(_lse_rows(q), q.shape[1], dtype=torch.float32)
+    lse = q.new_empty(_lse_rows(q, with_lse), q.shape[1], dtype=torch.float32)
     _owner, ws, ws_bytes = _tensors.workspace(
         plan.workspace_bytes(q.shape[1], max(q.shape[2], v.shape[2])), q.device
     )
@@ -124,10 +125,10 @@ def _forward(
 
 
 @_forward.register_fake
-def _forward_fake(q, k, v, mask, batch, scale):
+def _forward_fake(q, k, v, mask, batch, scale, with_lse):
     return (
         q.new_empty(q.shape[0], q.shape[1], v.shape[2]),
-        q.new_empty(_lse_rows(q), q.shape[1], dtype=torch.float32),
+        q.new_empty(_lse_rows(q, with_lse), q.shape[1], dtype=torch.float32),
     )
 
 
@@ -174,7 +175,7 @@ def _backward_fake(q, k, v, out, lse, dout, mask, batch, scale):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, batch, scale = inputs
+    q, k, v, mask, batch, scale, _with_lse = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.mask, ctx.batch, ctx.scale = mask, batch, scale
@@ -185,7 +186,7 @@ def _backward(ctx, dout, _dlse):
     dq, dk, dv = torch.ops.trisparse.block_sparse_attention_backward(
         q, k, v, out, lse, dout, ctx.mask, ctx.batch, ctx.scale
     )
-    return dq, dk, dv, None, None, None
+    return dq, dk, dv, None, None, None, None
 
 
 _forward.register_autograd(_backward, setup_context=_setup_context)
@@ -240,8 +241,9 @@ def block_sparse_attention(
         raise ValueError(f"mask: {mask.blocks.shape[1]} heads' masks for {h} heads")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
 
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     out, _lse = torch.ops.trisparse.block_sparse_attention(
-        _packed(q), _packed(k), _packed(v), mask.id, b, scale
+        _packed(q), _packed(k), _packed(v), mask.id, b, scale, needs_grad
     )
     return out.view(b, n_q, h, v.shape[3]).transpose(1, 2)
 

@@ -117,7 +117,7 @@ def test_opcheck():
         q, k, v = (t.transpose(1, 2).reshape(-1, 2, 4) for t in inputs(2, 2, 16, 16, 4, dtype, 6))
         q, k, v = (t.contiguous().requires_grad_() for t in (q, k, v))
         torch.library.opcheck(
-            torch.ops.trisparse.block_sparse_attention.default, (q, k, v, mask.id, 2, 0.5)
+            torch.ops.trisparse.block_sparse_attention.default, (q, k, v, mask.id, 2, 0.5, True)
         )
 
 
