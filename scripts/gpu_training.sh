@@ -4,11 +4,15 @@
 # heads and dtype in TRAIN_CONFIGS ("dim:heads:dtype ..."), plus generated graphs (TRAIN_GENERATED,
 # bench_fused3s arguments; set it empty for none) in the first configuration. Binaries come packed in
 # .devpack/new.tar.xz (see scripts/gpu_ab.sh); call with carry = [.devpack, .devlibs, data].
-# JSONL per configuration under $OUT.
+# JSONL per configuration under $OUT. TRAIN_BASE=1: also the parent build's bench_fused3s from
+# .devpack/base.tar.xz on the same inputs (base_*.jsonl), for an A/B in the same call.
 set -uo pipefail
 out=${OUT:-/tmp/trisparse-training}
 mkdir -p "$out" /tmp/train
 tar -xJf .devpack/new.tar.xz -C /tmp/train
+if [ "${TRAIN_BASE:-0}" = 1 ]; then
+  mkdir -p /tmp/train/base && tar -xJf .devpack/base.tar.xz -C /tmp/train/base
+fi
 export LD_LIBRARY_PATH=$PWD/.devlibs:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 start=$SECONDS
@@ -18,6 +22,11 @@ for c in ${TRAIN_CONFIGS:-128:1:f16 64:8:f16 128:8:bf16}; do
   /tmp/train/bench_fused3s --dim "$dim" --heads "$heads" --dtype "$dt" --repeat 10 --no-baselines \
     --training data/*.el.xz $generated \
     > "$out/training_d${dim}_h${heads}_${dt}.jsonl" 2>> "$out/stderr.log"
+  if [ "${TRAIN_BASE:-0}" = 1 ]; then
+    /tmp/train/base/bench_fused3s --dim "$dim" --heads "$heads" --dtype "$dt" --repeat 10 \
+      --no-baselines --training data/*.el.xz $generated \
+      > "$out/base_d${dim}_h${heads}_${dt}.jsonl" 2>> "$out/stderr.log"
+  fi
   generated=
   echo "$c: $((SECONDS - start)) s"
 done

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../../../common/workspace_layout.hpp"
@@ -14,24 +15,15 @@
 #include "../../common/convert.cuh"
 #include "../../common/dispatch.cuh"
 #include "../../common/error.cuh"
+#include "device.cuh"
 #include "plan.hpp"
+#include "tensor_core.cuh"
+#include "trisparse/formats/bsb.hpp"
 #include "tuning.hpp"
 
 namespace trisparse::cuda {
 
 namespace attention_backward {
-
-// Entries [begin, end) of one row; slot < 0: the chunk is the whole row and writes the gradient,
-// else it writes partial sums to partial row `slot`.
-struct chunk {
-  std::int32_t row, slot;
-  std::int64_t begin, end;
-};
-
-// A row cut into `count` chunks whose partial rows are first, first + 1, ...
-struct split_row {
-  std::int32_t row, first, count, pad;
-};
 
 // One pass's pattern (the pattern or its transpose) and its work chunks, on the device.
 struct pass {
@@ -41,92 +33,27 @@ struct pass {
   std::int64_t slots = 0;  // partial rows
 };
 
+// One pass's BSB (16x8 TCBs) and its window chunks, for the tensor-core kernels.
+struct tc_pass {
+  device_buffer<std::int32_t> col_idx;
+  device_buffer<std::uint64_t> bitmap;
+  device_buffer<tc_chunk> chunks;
+  device_buffer<split_row> splits;
+  std::int64_t slots = 0;
+};
+
 }  // namespace attention_backward
 
 struct attention_backward_device_plan {
   std::int64_t rows = 0, cols = 0, nnz = 0;
-  device_buffer<std::int64_t> row_ptr;   // A's offsets (the log-sum-exp recompute)
-  attention_backward::pass row, column;  // over A's rows (dq), over A^T's rows (dk, dv)
+  device_buffer<std::int64_t> row_ptr;            // A's offsets (the log-sum-exp recompute)
+  attention_backward::pass row, column;           // over A's rows (dq), over A^T's rows (dk, dv)
+  attention_backward::tc_pass tc_row, tc_column;  // the same over A's and A^T's BSB windows
 };
 
 namespace {
 
 using namespace attention_backward;
-
-// A [rows, heads, dim] view as the kernels read it: element (r, h, d) at r*rs + h*hs + d.
-template <class T>
-struct view {
-  T* data;
-  std::int64_t rs, hs;
-  int dim;
-  __device__ T* at(std::int64_t r, std::int64_t h) const { return data + r * rs + h * hs; }
-};
-
-template <class T>
-view<T> view_of(const tensor_view& t) {
-  return {static_cast<T*>(t.data), t.row_stride, t.head_stride, static_cast<int>(t.dim)};
-}
-
-// Partial rows in the workspace: row `slot`, head h at (slot * heads + h) * dim.
-struct partials {
-  float* data;
-  int heads, dim;
-  __device__ float* at(std::int64_t slot, int h) const {
-    return data + (slot * heads + h) * static_cast<std::int64_t>(dim);
-  }
-};
-
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-
-// This lane's elements lane, lane + 32, ... of a row, as floats (0 past dim).
-template <class T>
-__device__ __forceinline__ void load(const T* row, int dim, int lane, float (&x)[kMaxChunks]) {
-#pragma unroll
-  for (int c = 0; c < kMaxChunks; ++c) {
-    const int d = lane + 32 * c;
-    x[c] = d < dim ? convert<float>(row[d]) : 0.0f;
-  }
-}
-
-template <class T>
-__device__ __forceinline__ void store(T* row, int dim, int lane, const float (&x)[kMaxChunks],
-                                      float factor) {
-#pragma unroll
-  for (int c = 0; c < kMaxChunks; ++c) {
-    const int d = lane + 32 * c;
-    if (d < dim) row[d] = convert<T>(x[c] * factor);
-  }
-}
-
-// This lane's share of <a, b> (the warp sums it).
-__device__ __forceinline__ float lane_dot(const float (&a)[kMaxChunks],
-                                          const float (&b)[kMaxChunks]) {
-  float s = 0.0f;
-#pragma unroll
-  for (int c = 0; c < kMaxChunks; ++c) s += a[c] * b[c];
-  return s;
-}
-
-// A chunk's sums: the gradient row itself (scaled by `factor`) or an unscaled partial row.
-template <class G>
-__device__ __forceinline__ void finish(const chunk& w, int h, int lane,
-                                       const float (&acc)[kMaxChunks], float factor, view<G> out,
-                                       partials part) {
-  if (w.slot < 0) {
-    store(out.at(w.row, h), out.dim, lane, acc, factor);
-  } else {
-    store(part.at(w.slot, h), out.dim, lane, acc, 1.0f);
-  }
-}
-
-struct row_terms {
-  float* lse;    // [rows * heads]: the given or recomputed log-sum-exp
-  float* delta;  // [rows * heads]: D = <dout, out>
-};
 
 // One warp per (row i, head h): D_i and the log-sum-exp (given, or recomputed over row i).
 template <class T, class O>
@@ -134,7 +61,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     terms_pass(const std::int64_t* __restrict__ row_ptr, const std::int32_t* __restrict__ col_idx,
                std::int64_t rows, int heads, view<const T> q, view<const T> k, view<const O> out,
                view<const O> dout, const float* __restrict__ lse_in, std::int64_t lse_rs,
-               std::int64_t lse_hs, row_terms terms, float scale) {
+               std::int64_t lse_hs, row_terms terms, float scale, view<T> dout_rounded) {
   const int lane = threadIdx.x & 31;
   const std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (item >= rows * heads) return;
@@ -142,6 +69,13 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int h = static_cast<int>(item % heads);
   float a[kMaxChunks], b[kMaxChunks];
   load(dout.at(i, h), dout.dim, lane, a);
+  if (dout_rounded.data != nullptr) {
+    // dout in the inputs' type for the tensor-core kernels' products, and D from the same rounded
+    // values, so that dP - D cancels as it does in exact arithmetic.
+#pragma unroll
+    for (int c = 0; c < kMaxChunks; ++c) a[c] = convert<float>(convert<T>(a[c]));
+    store(dout_rounded.at(i, h), dout.dim, lane, a, 1.0f);
+  }
   load(out.at(i, h), out.dim, lane, b);
   const float delta = warp_sum(lane_dot(a, b));
   float lse;
@@ -342,7 +276,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 
 struct workspace_segments {
   detail::workspace_layout layout;
-  std::size_t lse = 0, delta = 0, dq = 0, dk = 0, dv = 0;
+  std::size_t lse = 0, delta = 0, dq = 0, dk = 0, dv = 0, dout = 0;
 };
 
 // pdim: floats per partial row (the larger head dim of q and v).
@@ -353,9 +287,15 @@ workspace_segments segments(const attention_backward_device_plan& plan, std::int
   const auto row = static_cast<std::size_t>(heads * pdim) * sizeof(float);
   w.lse = w.layout.add(n);
   w.delta = w.layout.add(n);
-  w.dq = w.layout.add(static_cast<std::size_t>(plan.row.slots) * row);
-  w.dk = w.layout.add(static_cast<std::size_t>(plan.column.slots) * row);
-  w.dv = w.layout.add(static_cast<std::size_t>(plan.column.slots) * row);
+  // One kernel family runs per call: room for the partial rows of either.
+  const auto row_slots = static_cast<std::size_t>(std::max(plan.row.slots, plan.tc_row.slots));
+  const auto col_slots =
+      static_cast<std::size_t>(std::max(plan.column.slots, plan.tc_column.slots));
+  w.dq = w.layout.add(row_slots * row);
+  w.dk = w.layout.add(col_slots * row);
+  w.dv = w.layout.add(col_slots * row);
+  // The tensor-core kernels' 16-bit copy of an f32 dout.
+  w.dout = w.layout.add(static_cast<std::size_t>(plan.rows * heads * pdim) * 2);
   return w;
 }
 
@@ -393,6 +333,106 @@ pass make_pass(const csr_graph& g) {
   return p;
 }
 
+// The pattern's BSB windows as work: one chunk per window of at most kChunkTcbs TCBs (empty
+// windows too: they write zeros), kChunkTcbs-TCB chunks of larger windows, whose 16 rows each
+// become a split row over the chunks' partial rows (row r of chunk c at first + r * n + c).
+tc_pass make_tc_pass(const csr_graph& g) {
+  const bsb b = build_bsb(g, 8);
+  std::vector<tc_chunk> chunks;
+  std::vector<split_row> splits;
+  std::int32_t slots = 0;
+  chunks.reserve(static_cast<std::size_t>(b.windows()));
+  for (std::int64_t w = 0; w < b.windows(); ++w) {
+    const std::int64_t begin = b.tcb_offset[w], end = b.tcb_offset[w + 1];
+    const auto window = static_cast<std::int32_t>(w);
+    if (end - begin <= kChunkTcbs) {
+      chunks.push_back({window, -1, 0, 0, begin, end});
+      continue;
+    }
+    const auto n = static_cast<std::int32_t>((end - begin + kChunkTcbs - 1) / kChunkTcbs);
+    for (std::int32_t c = 0; c < n; ++c) {
+      const std::int64_t from = begin + static_cast<std::int64_t>(c) * kChunkTcbs;
+      chunks.push_back({window, slots + c, n, 0, from, std::min(end, from + kChunkTcbs)});
+    }
+    for (std::int32_t r = 0; r < bsb::kRowWindow; ++r) {
+      const std::int64_t row = w * bsb::kRowWindow + r;
+      if (row < g.rows) splits.push_back({static_cast<std::int32_t>(row), slots + r * n, n, 0});
+    }
+    slots += bsb::kRowWindow * n;
+  }
+  tc_pass p;
+  p.col_idx = device_buffer<std::int32_t>(b.col_idx);
+  p.bitmap = device_buffer<std::uint64_t>(b.bitmap);
+  p.chunks = device_buffer<tc_chunk>(chunks);
+  p.splits = device_buffer<split_row>(splits);
+  p.slots = slots;
+  return p;
+}
+
+// Whether the tensor-core kernels take these tensors: 16-bit q, k, v of one head dim in
+// {32, 64, 128}, every row 16-byte aligned (fragments move in 16-byte runs).
+bool tensor_core_eligible(const tensor_view& q, const tensor_view& k, const tensor_view& v,
+                          const tensor_view& out, const tensor_view& dout, const tensor_view& dq,
+                          const tensor_view& dk, const tensor_view& dv) {
+  if (q.type != dtype::f16 && q.type != dtype::bf16) return false;
+  if (k.dim != q.dim || v.dim != q.dim || (q.dim != 32 && q.dim != 64 && q.dim != 128) ||
+      !head_dim_built(static_cast<int>(q.dim)))
+    return false;
+  for (const tensor_view* t : {&q, &k, &v, &out, &dout, &dq, &dk, &dv}) {
+    const auto bytes = static_cast<std::int64_t>(size_of(t->type));
+    if (reinterpret_cast<std::uintptr_t>(t->data) % 16 != 0 || (t->row_stride * bytes) % 16 != 0 ||
+        (t->head_stride * bytes) % 16 != 0)
+      return false;
+  }
+  return true;
+}
+
+// dq, dk, dv on the tensor-core kernels (the terms already in `terms`).
+template <class T, class G>
+void run_tensor_core(const attention_backward_device_plan& plan, const tensor_view& q,
+                     const tensor_view& k, const tensor_view& v, view<const T> dout,
+                     const tensor_view& dq, const tensor_view& dk, const tensor_view& dv,
+                     row_terms terms, partials dq_part, partials dk_part, partials dv_part,
+                     float scale, cudaStream_t s) {
+  const auto heads = static_cast<int>(q.heads);
+  const float scale_log2 = scale * kLog2e;
+  const auto args = [&](const tc_pass& pass, std::int64_t rows) {
+    return tc_args{pass.col_idx.data(),
+                   pass.bitmap.data(),
+                   pass.chunks.data(),
+                   static_cast<std::int64_t>(pass.chunks.size()),
+                   rows,
+                   heads,
+                   scale,
+                   scale_log2};
+  };
+  const tc_args row = args(plan.tc_row, plan.rows), column = args(plan.tc_column, plan.cols);
+  with_head_dim<32, 64, 128>(q.dim, "attention backward", [&]<int D>() {
+    if (row.n_chunks * heads > 0) {
+      tc_row_pass<T, G, D><<<grid_of(row.n_chunks * heads), kWarps * 32, 0, s>>>(
+          row, view_of<const T>(q), view_of<const T>(k), view_of<const T>(v), dout, terms,
+          view_of<G>(dq), dq_part);
+      TRISPARSE_CUDA_CHECK_LAUNCH();
+    }
+    if (column.n_chunks * heads > 0) {
+      tc_column_pass<T, G, D><<<grid_of(column.n_chunks * heads), kWarps * 32, 0, s>>>(
+          column, view_of<const T>(q), view_of<const T>(k), view_of<const T>(v), dout, terms,
+          view_of<G>(dk), view_of<G>(dv), dk_part, dv_part);
+      TRISPARSE_CUDA_CHECK_LAUNCH();
+    }
+  });
+  const auto reduce = [&](const tc_pass& pass, partials part, const tensor_view& out, float f) {
+    const auto n = static_cast<std::int64_t>(pass.splits.size());
+    if (n * heads == 0) return;
+    reduce_pass<G><<<grid_of(n * heads), kWarps * 32, 0, s>>>(pass.splits.data(), n, heads, part,
+                                                              view_of<G>(out), f);
+    TRISPARSE_CUDA_CHECK_LAUNCH();
+  };
+  reduce(plan.tc_row, dq_part, dq, scale);
+  reduce(plan.tc_column, dk_part, dk, scale);
+  reduce(plan.tc_column, dv_part, dv, 1.0f);
+}
+
 }  // namespace
 
 std::shared_ptr<attention_backward_device_plan> make_attention_backward_plan(
@@ -406,6 +446,8 @@ std::shared_ptr<attention_backward_device_plan> make_attention_backward_plan(
   p->nnz = pattern.nnz();
   p->row = make_pass(pattern);
   p->column = make_pass(transposed);
+  p->tc_row = make_tc_pass(pattern);
+  p->tc_column = make_tc_pass(transposed);
   p->row_ptr = device_buffer<std::int64_t>(pattern.row_ptr);
   TRISPARSE_CUDA_TRY(cudaStreamSynchronize(static_cast<cudaStream_t>(stream.handle)));
   return p;
@@ -446,15 +488,35 @@ void run_attention_backward(const attention_backward_device_plan& plan, const te
   const auto n_col = static_cast<std::int64_t>(plan.column.chunks.size());
   const auto s_row = static_cast<std::int64_t>(plan.row.splits.size());
   const auto s_col = static_cast<std::int64_t>(plan.column.splits.size());
+  const bool tensor_core = tensor_core_eligible(q, k, v, out, dout, dq, dk, dv);
   with_element_type(q.type, "attention backward (q, k, v)", [&]<class T>() {
     with_output_type<T>(out.type, "attention backward (out, dout)", [&]<class O>() {
       with_output_type<T>(dq.type, "attention backward (dq, dk, dv)", [&]<class G>() {
+        // The tensor-core kernels take dout in T: an f32 dout is rounded into the workspace.
+        const bool round_dout = tensor_core && !std::is_same_v<T, O>;
+        const view<T> dout_rounded{round_dout ? layout::at<T>(workspace, w.dout) : nullptr,
+                                   heads * dout.dim, dout.dim, static_cast<int>(dout.dim)};
         if (plan.rows * q.heads > 0) {
           terms_pass<T, O><<<grid_of(plan.rows * q.heads), kWarps * 32, 0, s>>>(
               plan.row_ptr.data(), plan.row.col_idx.data(), plan.rows, heads, view_of<const T>(q),
               view_of<const T>(k), view_of<const O>(out), view_of<const O>(dout),
-              static_cast<const float*>(lse.data), lse.row_stride, lse.head_stride, terms, fscale);
+              static_cast<const float*>(lse.data), lse.row_stride, lse.head_stride, terms, fscale,
+              dout_rounded);
           TRISPARSE_CUDA_CHECK_LAUNCH();
+        }
+        if constexpr (!std::is_same_v<T, float>) {
+          if (tensor_core) {
+            const view<const T> dout_t =
+                round_dout ? view<const T>{dout_rounded.data, dout_rounded.rs, dout_rounded.hs,
+                                           dout_rounded.dim}
+                           : view<const T>{static_cast<const T*>(dout.data), dout.row_stride,
+                                           dout.head_stride, static_cast<int>(dout.dim)};
+            run_tensor_core<T, G>(plan, q, k, v, dout_t, dq, dk, dv, terms, dq_part, dk_part,
+                                  dv_part, fscale, s);
+            return;
+          }
+        }
+        if (plan.rows * q.heads > 0) {
           row_pass<T, O, G><<<grid_of(n_row * q.heads), kWarps * 32, 0, s>>>(
               plan.row.chunks.data(), n_row, plan.row.col_idx.data(), heads, view_of<const T>(q),
               view_of<const T>(k), view_of<const T>(v), view_of<const O>(dout), terms,

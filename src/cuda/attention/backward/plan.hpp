@@ -4,10 +4,12 @@
 // FlashAttention-2's backward on the pattern, in passes that each own their outputs, so the
 // gradients are bitwise deterministic with no floating-point atomics: the per-row terms
 // D = <dout, out> (and the log-sum-exp, recomputed when the forward's is not given); a pass over
-// the pattern's rows that writes dq; a pass over the rows of the transposed pattern that writes dk
-// and dv. One warp per chunk of a row and head; rows longer than a chunk (tuning.hpp) leave partial
-// sums that a reduction adds in a fixed order. P = exp(S - lse) is recomputed, never stored. This
-// is the CUDA-core kernel; a tensor-core kernel over BSB is the next step.
+// the pattern that writes dq; a pass over the transposed pattern that writes dk and dv. Work too
+// long for one warp is cut into chunks whose partial sums a reduction adds in a fixed order.
+// P = exp(S - lse) is recomputed, never stored. Two kernel families: tensor-core (mma.sync over
+// the BSB windows of the pattern and of its transpose, both built at plan build) for f16/bf16
+// inputs of one head dim in {32, 64, 128} with 16-byte aligned rows; CUDA-core (a warp per row
+// chunk) for the rest (f32, other or unequal head dims, unaligned views).
 #include <cstdint>
 #include <memory>
 
@@ -22,7 +24,7 @@ namespace trisparse::cuda {
 /// The pattern and its transpose in device memory (CSR, 64-bit offsets, 32-bit columns).
 struct attention_backward_device_plan;
 
-/// Uploads a checked host pattern and its transpose. Synchronous on `stream`.
+/// Uploads a checked host pattern and its transpose, and builds both BSBs. Synchronous on `stream`.
 TRISPARSE_CUDA_ENTRY(std::shared_ptr<attention_backward_device_plan> make_attention_backward_plan(
     const csr_graph& pattern, const csr_graph& transposed, stream_ref stream))
 

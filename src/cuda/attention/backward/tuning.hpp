@@ -12,5 +12,8 @@ constexpr int kUnroll = 4;     // entries a warp loads and reduces together (lat
 // over many warps and the sums stay deterministic. Larger chunks cost less workspace (one
 // partial row per chunk of a cut row), smaller ones balance better.
 constexpr int kChunkEntries = 256;
+// TCBs per work chunk of the tensor-core kernels (16 rows x 8 columns each): larger windows are
+// cut into chunks of this many, their partial rows added in chunk order as above.
+constexpr int kChunkTcbs = 32;
 
 }  // namespace trisparse::cuda::attention_backward

@@ -1,0 +1,354 @@
+#pragma once
+// The tensor-core attention backward over BSB (16-row windows, 16x8 TCBs with bitmaps; included
+// by launch.cu, whose helpers it uses): a pass over the pattern's windows writes dq, a pass over
+// the transposed pattern's windows (16 keys, TCBs of 8 queries) writes dk and dv. One warp per
+// work chunk (a window's TCB range) and head; a window with more TCBs than a chunk takes leaves
+// fp32 partial rows that reduce_pass adds in chunk order: no atomics, bitwise repeatable.
+//
+// Per TCB the warp gathers each of the 8 columns' rows once for its 16 rows (the reuse the
+// CUDA-core kernel lacks) and does the products on mma.sync: S = Q Kᵀ and dP = dO Vᵀ (m16n8k16,
+// the contraction permuted alike in both operands: load_quarter), P = exp(S − lse) under the
+// bitmap, dS = P ∘ (dP − D), then dQ += dS K (m16n8k8, A = dS straight from the S accumulators,
+// B = K rows col[2t], col[2t+1] with the output columns permuted so that a lane holds whole
+// 16-byte runs of each: load_slice). The transposed pass is the same with keys as rows:
+// Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, dV += Pᵀ dO, dK += dSᵀ Q. dout comes in the inputs' 16-bit type (the
+// terms pass rounds an f32 one into the workspace).
+#include "../../common/arch/mma.cuh"
+#include "../../common/fragment_io.cuh"
+#include "device.cuh"
+
+namespace trisparse::cuda::attention_backward {
+
+// One pass's BSB (col_idx [tcbs * 8], -1 = padding; bitmap [tcbs * 2]: bit r * 8 + c of a TCB =
+// row r, slot c) and its work chunks.
+struct tc_args {
+  const std::int32_t* col_idx;
+  const std::uint64_t* bitmap;
+  const tc_chunk* chunks;
+  std::int64_t n_chunks;
+  std::int64_t rows;  // rows of the pass's pattern
+  int heads;
+  float scale, scale_log2;
+};
+
+// A lane's share of a row's contraction for the m16n8k16 products: D/4 elements in runs of 8 (4
+// at D = 32), run i at columns i·32 + t·8 + [0, 8): the warp's 16-byte loads cover whole 32-byte
+// sectors. The same permutation in A and B rows (it depends on t only) leaves the products exact.
+// Zeros for row == nullptr.
+template <int D>
+__device__ __forceinline__ void load_quarter(const void* row, int t, std::uint32_t (&dst)[D / 8]) {
+  constexpr int kR = D / 4 < 8 ? D / 4 : 8;
+  if (row == nullptr) {
+    zero(dst);
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < D / 4 / kR; ++i) {
+    load_halves<kR>(static_cast<const std::uint16_t*>(row) + i * 4 * kR + t * kR,
+                    *reinterpret_cast<std::uint32_t(*)[kR / 2]>(&dst[i * kR / 2]));
+  }
+}
+
+// A lane's slice of a row for the m16n8k8 products: D/8 elements in runs of kRun<D> = min(8, D/8),
+// run i at columns i·8·kRun + g·kRun + [0, kRun), so that each of the warp's 16-byte loads covers
+// whole 32-byte sectors. Slice element j = i·kRun + e is output column j of the lane's blocks.
+template <int D>
+inline constexpr int kRun = D / 8 < 8 ? D / 8 : 8;
+
+template <int D>
+__device__ __forceinline__ void load_slice(const void* row, int g, std::uint32_t (&dst)[D / 16]) {
+  constexpr int kR = kRun<D>;
+  if (row == nullptr) {
+    zero(dst);
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < D / 8 / kR; ++i) {
+    load_halves<kR>(static_cast<const std::uint16_t*>(row) + i * 8 * kR + g * kR,
+                    *reinterpret_cast<std::uint32_t(*)[kR / 2]>(&dst[i * kR / 2]));
+  }
+}
+
+// Stores a lane's D/8 accumulator columns of one row, those of C column `n` (2t or 2t + 1): run i
+// at columns i·8·kRun + n·kRun + [0, kRun) (the slice order above).
+template <class G, int D>
+__device__ __forceinline__ void store_slice(G* row, int n, const float (&x)[D / 8]) {
+  constexpr int kR = kRun<D>;
+#pragma unroll
+  for (int i = 0; i < D / 8 / kR; ++i)
+    store_run<G, kR>(row + i * 8 * kR + n * kR, *reinterpret_cast<const float(*)[kR]>(&x[i * kR]));
+}
+
+// Row `r` of a view at head h, offset by `offset` elements, or nullptr for r < 0.
+template <class T>
+__device__ __forceinline__ const T* row_or_null(view<const T> x, std::int64_t r, int h,
+                                                int offset) {
+  return r >= 0 ? x.at(r, h) + offset : nullptr;
+}
+
+// acc [16 x 8] per 8 columns (A from the 16x8 block `a`, B the slices b0, b1 of rows 2t, 2t+1).
+template <class T, int D>
+__device__ __forceinline__ void accumulate(float (&acc)[D / 8][4], const std::uint32_t (&a)[2],
+                                           const std::uint32_t (&b0)[D / 16],
+                                           const std::uint32_t (&b1)[D / 16]) {
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+    const std::uint32_t b = j % 2 == 0 ? arch::interleave_lo(b0[j / 2], b1[j / 2])
+                                       : arch::interleave_hi(b0[j / 2], b1[j / 2]);
+    arch::mma_16x8x8_f32<T>(acc[j], a, b);
+  }
+}
+
+// c = A Bᵀ (16 x 8) over D: A rows (g, g+8) and B row g, quarters t, in two accumulation chains.
+template <class T, int D>
+__device__ __forceinline__ void product(float (&c)[4], const std::uint32_t (&a0)[D / 8],
+                                        const std::uint32_t (&a1)[D / 8],
+                                        const std::uint32_t (&b)[D / 8]) {
+  float odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int st = 0; st < D / 16; ++st) {
+    const std::uint32_t a[4] = {a0[2 * st], a1[2 * st], a0[2 * st + 1], a1[2 * st + 1]};
+    const std::uint32_t bb[2] = {b[2 * st], b[2 * st + 1]};
+    arch::mma_16x8x16_f32<T>(st % 2 == 0 ? c : odd, a, bb);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) c[i] += odd[i];
+}
+
+// A chunk's 16 x D accumulators (rows g, g+8; columns permuted as above) to the gradient rows
+// (times `factor`) or to the chunk's partial rows.
+template <class G, int D>
+__device__ __forceinline__ void finish_window(const tc_chunk& w, const tc_args& a, int h, int g,
+                                              int t, const float (&acc)[D / 8][4], float factor,
+                                              view<G> out, partials part) {
+  constexpr int kV = D / 8;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = g + 8 * half;
+    float x0[kV], x1[kV];
+    const float f = w.slot < 0 ? factor : 1.0f;
+#pragma unroll
+    for (int j = 0; j < kV; ++j) {
+      x0[j] = acc[j][2 * half] * f;
+      x1[j] = acc[j][2 * half + 1] * f;
+    }
+    if (w.slot >= 0) {
+      float* dst = part.at(w.slot + static_cast<std::int64_t>(r) * w.stride, h);
+      store_slice<float, D>(dst, 2 * t, x0);
+      store_slice<float, D>(dst, 2 * t + 1, x1);
+    } else {
+      const std::int64_t row = std::int64_t{w.window} * 16 + r;
+      if (row >= a.rows) continue;
+      store_slice<G, D>(out.at(row, h), 2 * t, x0);
+      store_slice<G, D>(out.at(row, h), 2 * t + 1, x1);
+    }
+  }
+}
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Occupancy the register budget is held to: thread blocks of kWarps per SM.
+template <int D>
+inline constexpr int kTcMinBlocks = D <= 32   ? 4
+                                    : D <= 64 ? 3
+                                              : 2;
+
+// Where a lane's operands of one TCB are: its B-row column col[g], its slice columns col[2t],
+// col[2t+1], the bitmap. Loaded two TCBs ahead, so the row loads that depend on them need not wait.
+struct tc_meta {
+  std::int32_t cb = -1, c0 = -1, c1 = -1;
+  std::uint64_t mask0 = 0, mask1 = 0;  // rows 0-7, rows 8-15
+};
+
+__device__ __forceinline__ tc_meta load_tc_meta(const tc_args& a, std::int64_t tcb, int g, int t) {
+  const std::int32_t* cols = a.col_idx + tcb * 8;
+  return {__ldg(cols + g), __ldg(cols + 2 * t), __ldg(cols + 2 * t + 1), __ldg(a.bitmap + 2 * tcb),
+          __ldg(a.bitmap + 2 * tcb + 1)};
+}
+
+// P under the bitmap (a product of exactly 0 is still an edge) from S and the base-2 log-sum-exp
+// of each accumulator (la: columns 2t of both rows ... as the caller passes them).
+__device__ __forceinline__ void probabilities(const tc_meta& m, int bit, const float (&s)[4],
+                                              float scale_log2, const float (&lse)[4],
+                                              float (&p)[4]) {
+  p[0] = (m.mask0 >> bit) & 1 ? exp2f(s[0] * scale_log2 - lse[0]) : 0.0f;
+  p[1] = (m.mask0 >> (bit + 1)) & 1 ? exp2f(s[1] * scale_log2 - lse[1]) : 0.0f;
+  p[2] = (m.mask1 >> bit) & 1 ? exp2f(s[2] * scale_log2 - lse[2]) : 0.0f;
+  p[3] = (m.mask1 >> (bit + 1)) & 1 ? exp2f(s[3] * scale_log2 - lse[3]) : 0.0f;
+}
+
+// The dq pass's B rows of one TCB: K and V quarter-rows of col[g]. (The K slices of col[2t],
+// col[2t+1] load in the TCB's own step: a second copy of them would not fit the registers.)
+template <int D>
+struct dq_rows {
+  std::uint32_t kq[D / 8], vq[D / 8];
+};
+
+template <class T, int D>
+__device__ __forceinline__ void load_dq_rows(const tc_meta& m, view<const T> k, view<const T> v,
+                                             int h, int g, int t, dq_rows<D>& r) {
+  load_quarter<D>(row_or_null(k, m.cb, h, 0), t, r.kq);
+  load_quarter<D>(row_or_null(v, m.cb, h, 0), t, r.vq);
+}
+
+// The dk/dv pass's B rows of one TCB (queries): Q and dO quarter-rows of col[g], and the base-2
+// log-sum-exp and D of queries col[2t], col[2t+1] (0 for padding). (Their Q and dO slices load in
+// the TCB's own step.)
+template <int D>
+struct dkv_rows {
+  std::uint32_t qq[D / 8], gq[D / 8];
+  float lse0, lse1, d0, d1;
+};
+
+template <class T, int D>
+__device__ __forceinline__ void load_dkv_rows(const tc_meta& m, const tc_args& a, view<const T> q,
+                                              view<const T> dout, const row_terms& terms, int h,
+                                              int g, int t, dkv_rows<D>& r) {
+  load_quarter<D>(row_or_null(q, m.cb, h, 0), t, r.qq);
+  load_quarter<D>(row_or_null(dout, m.cb, h, 0), t, r.gq);
+  r.lse0 = r.lse1 = r.d0 = r.d1 = 0.0f;
+  if (m.c0 >= 0) {
+    r.lse0 = __ldg(terms.lse + std::int64_t{m.c0} * a.heads + h) * kLog2e;
+    r.d0 = __ldg(terms.delta + std::int64_t{m.c0} * a.heads + h);
+  }
+  if (m.c1 >= 0) {
+    r.lse1 = __ldg(terms.lse + std::int64_t{m.c1} * a.heads + h) * kLog2e;
+    r.d1 = __ldg(terms.delta + std::int64_t{m.c1} * a.heads + h);
+  }
+}
+
+// Whether a pass keeps the next TCB's rows in flight during this one's products (a second copy of
+// the rows in registers): where that fits the register budget without spilling.
+template <int D, bool kColumn>
+inline constexpr bool kTcPipelined = D <= 64 || !kColumn;
+
+// The pass's TCB loop: metadata two TCBs ahead, rows one TCB ahead where kPipelined, `body` on
+// each TCB's (meta, rows).
+template <class Rows, bool kPipelined, class Load, class Body>
+__device__ __forceinline__ void tcb_loop(const tc_args& a, const tc_chunk& w, int g, int t,
+                                         Load&& load, Body&& body) {
+  tc_meta meta1 = w.begin < w.end ? load_tc_meta(a, w.begin, g, t) : tc_meta{};
+  tc_meta meta2 = w.begin + 1 < w.end ? load_tc_meta(a, w.begin + 1, g, t) : tc_meta{};
+  Rows next;
+  if (kPipelined && w.begin < w.end) load(meta1, next);
+  for (std::int64_t tcb = w.begin; tcb < w.end; ++tcb) {
+    Rows cur;
+    const tc_meta m = meta1;
+    meta1 = meta2;
+    if (tcb + 2 < w.end) meta2 = load_tc_meta(a, tcb + 2, g, t);
+    if constexpr (kPipelined) {
+      cur = next;
+      if (tcb + 1 < w.end) load(meta1, next);  // in flight during this TCB's products
+    } else {
+      load(m, cur);
+    }
+    body(m, cur);
+  }
+}
+
+// dq over the pattern's windows: one warp per (chunk, head).
+template <class T, class G, int D>
+__global__ void __launch_bounds__(kWarps * 32, kTcMinBlocks<D>)
+    tc_row_pass(tc_args a, view<const T> q, view<const T> k, view<const T> v, view<const T> dout,
+                row_terms terms, view<G> dq, partials part) {
+  constexpr int kQ = D / 4;
+  const int lane = threadIdx.x & 31, g = lane / 4, t = lane % 4;
+  const std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (item >= a.n_chunks * a.heads) return;
+  const tc_chunk w = a.chunks[item / a.heads];
+  const int h = static_cast<int>(item % a.heads);
+  const std::int64_t r0 = std::int64_t{w.window} * 16 + g, r1 = r0 + 8;
+  const std::int64_t row0 = r0 < a.rows ? r0 : -1, row1 = r1 < a.rows ? r1 : -1;
+  std::uint32_t q0[kQ / 2], q1[kQ / 2], g0[kQ / 2], g1[kQ / 2];
+  load_quarter<D>(row_or_null(q, row0, h, 0), t, q0);
+  load_quarter<D>(row_or_null(q, row1, h, 0), t, q1);
+  load_quarter<D>(row_or_null(dout, row0, h, 0), t, g0);
+  load_quarter<D>(row_or_null(dout, row1, h, 0), t, g1);
+  // The rows' log-sum-exp (base 2) and D; 0 past the last row (no entries there).
+  float lse0 = 0.0f, lse1 = 0.0f, d0 = 0.0f, d1 = 0.0f;
+  if (row0 >= 0) {
+    lse0 = terms.lse[row0 * a.heads + h] * kLog2e;
+    d0 = terms.delta[row0 * a.heads + h];
+  }
+  if (row1 >= 0) {
+    lse1 = terms.lse[row1 * a.heads + h] * kLog2e;
+    d1 = terms.delta[row1 * a.heads + h];
+  }
+  const float lse[4] = {lse0, lse0, lse1, lse1};
+  float acc[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  const int bit = g * 8 + 2 * t;
+  tcb_loop<dq_rows<D>, kTcPipelined<D, false>>(
+      a, w, g, t, [&](const tc_meta& m, dq_rows<D>& r) { load_dq_rows<T, D>(m, k, v, h, g, t, r); },
+      [&](const tc_meta& m, const dq_rows<D>& r) {
+        float s[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dp[4] = {0.0f, 0.0f, 0.0f, 0.0f}, p[4];
+        product<T, D>(s, q0, q1, r.kq);
+        product<T, D>(dp, g0, g1, r.vq);
+        probabilities(m, bit, s, a.scale_log2, lse, p);
+        const std::uint32_t ds[2] = {arch::pack2<T>(p[0] * (dp[0] - d0), p[1] * (dp[1] - d0)),
+                                     arch::pack2<T>(p[2] * (dp[2] - d1), p[3] * (dp[3] - d1))};
+        std::uint32_t k0[D / 16], k1[D / 16];
+        load_slice<D>(row_or_null(k, m.c0, h, 0), g, k0);
+        load_slice<D>(row_or_null(k, m.c1, h, 0), g, k1);
+        accumulate<T, D>(acc, ds, k0, k1);
+      });
+  finish_window<G, D>(w, a, h, g, t, acc, a.scale, dq, part);
+}
+
+// dk, dv over the transposed pattern's windows (16 keys; TCBs of 8 queries): one warp per
+// (chunk, head).
+template <class T, class G, int D>
+__global__ void __launch_bounds__(kWarps * 32, kTcMinBlocks<D>)
+    tc_column_pass(tc_args a, view<const T> q, view<const T> k, view<const T> v, view<const T> dout,
+                   row_terms terms, view<G> dk, view<G> dv, partials dk_part, partials dv_part) {
+  constexpr int kQ = D / 4;
+  const int lane = threadIdx.x & 31, g = lane / 4, t = lane % 4;
+  const std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (item >= a.n_chunks * a.heads) return;
+  const tc_chunk w = a.chunks[item / a.heads];
+  const int h = static_cast<int>(item % a.heads);
+  const std::int64_t r0 = std::int64_t{w.window} * 16 + g, r1 = r0 + 8;
+  const std::int64_t key0 = r0 < a.rows ? r0 : -1, key1 = r1 < a.rows ? r1 : -1;
+  std::uint32_t k0[kQ / 2], k1[kQ / 2], v0[kQ / 2], v1[kQ / 2];
+  load_quarter<D>(row_or_null(k, key0, h, 0), t, k0);
+  load_quarter<D>(row_or_null(k, key1, h, 0), t, k1);
+  load_quarter<D>(row_or_null(v, key0, h, 0), t, v0);
+  load_quarter<D>(row_or_null(v, key1, h, 0), t, v1);
+  float acc_k[D / 8][4], acc_v[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc_k[j][i] = acc_v[j][i] = 0.0f;
+  }
+  const int bit = g * 8 + 2 * t;
+  tcb_loop<dkv_rows<D>, kTcPipelined<D, true>>(
+      a, w, g, t,
+      [&](const tc_meta& m, dkv_rows<D>& r) {
+        load_dkv_rows<T, D>(m, a, q, dout, terms, h, g, t, r);
+      },
+      [&](const tc_meta& m, const dkv_rows<D>& r) {
+        float s[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dp[4] = {0.0f, 0.0f, 0.0f, 0.0f}, p[4];
+        product<T, D>(s, k0, k1, r.qq);
+        product<T, D>(dp, v0, v1, r.gq);
+        const float lse[4] = {r.lse0, r.lse1, r.lse0, r.lse1};
+        probabilities(m, bit, s, a.scale_log2, lse, p);
+        const std::uint32_t pa[2] = {arch::pack2<T>(p[0], p[1]), arch::pack2<T>(p[2], p[3])};
+        const std::uint32_t ds[2] = {arch::pack2<T>(p[0] * (dp[0] - r.d0), p[1] * (dp[1] - r.d1)),
+                                     arch::pack2<T>(p[2] * (dp[2] - r.d0), p[3] * (dp[3] - r.d1))};
+        {
+          std::uint32_t b0[D / 16], b1[D / 16];
+          load_slice<D>(row_or_null(dout, m.c0, h, 0), g, b0);
+          load_slice<D>(row_or_null(dout, m.c1, h, 0), g, b1);
+          accumulate<T, D>(acc_v, pa, b0, b1);
+        }
+        std::uint32_t b0[D / 16], b1[D / 16];
+        load_slice<D>(row_or_null(q, m.c0, h, 0), g, b0);
+        load_slice<D>(row_or_null(q, m.c1, h, 0), g, b1);
+        accumulate<T, D>(acc_k, ds, b0, b1);
+      });
+  finish_window<G, D>(w, a, h, g, t, acc_k, a.scale, dk, dk_part);
+  finish_window<G, D>(w, a, h, g, t, acc_v, 1.0f, dv, dv_part);
+}
+
+}  // namespace trisparse::cuda::attention_backward
