@@ -54,4 +54,12 @@ if [ "${GNN_BENCH:-0}" = 1 ]; then
     --generate 1000000:10} > "$out/gnn_epoch.jsonl" 2>> "$out/bench_stderr.log"
   echo "gnn epochs: $((SECONDS - start)) s"
 fi
+# LAYER_BENCH=1: one TransformerConv layer's forward + backward against PyG's on every shared
+# graph with at least 200K edges, fp32 and bf16 autocast.
+if [ "${LAYER_BENCH:-0}" = 1 ]; then
+  PYTHONPATH="$site" python3 bench/python/transformer_conv.py data/*.el.xz \
+    > "$out/transformer_conv.jsonl" 2>> "$out/bench_stderr.log"
+  echo "TransformerConv layer: $((SECONDS - start)) s"
+  tail -3 "$out/bench_stderr.log"
+fi
 exit $status

@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""One TransformerConv layer's forward + backward, trisparse.nn against PyG's own, with the same
+weights: per graph file (read as trisparse.datasets reads it) with at least --min-edges edges, in
+float32 and under bfloat16 autocast.
+
+    python3 bench/python/transformer_conv.py data/*.el.xz --heads 8 --channels 16 > results.jsonl
+
+Step: the layer's forward on x [N, in] and backward of a fixed random dout (gradients of x and of
+every parameter); CUDA-event medians of --repeat after 3 warm-ups. Peak memory: the step's
+torch.cuda.max_memory_allocated beyond what was allocated before it. Error: max |ours - PyG| /
+max |PyG| over the output and the gradients of x and the parameters, both in the same mode
+(rel_error below).
+One JSON line per (graph, mode); a backend out of memory is reported ("error"), not skipped.
+"""
+
+import argparse
+import json
+import os
+
+import torch
+import trisparse
+import trisparse.datasets
+import trisparse.nn
+from torch_geometric.nn import TransformerConv
+
+
+def events_ms(fn, repeat):
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def run(layer, x, edge_index, dout, autocast, repeat):
+    """Step time, peak memory beyond the inputs, and (output, gradients) of one step."""
+    x = x.detach().requires_grad_()
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            out = layer(x, edge_index)
+        out.backward(dout.to(out.dtype))
+        return out
+
+    ms = events_ms(step, repeat)
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    tensors = [out.detach().float(), x.grad.float()] + [p.grad.float() for p in layer.parameters()]
+    return {"step_ms": ms, "peak_mib": peak}, tensors
+
+
+def rel_error(got, ref):
+    if not all(torch.isfinite(g).all() for g in got):
+        return float("nan")
+    return max(
+        float((g - r).abs().max() / r.abs().max().clamp_min(1e-30)) for g, r in zip(got, ref)
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("graphs", nargs="+")
+    ap.add_argument("--min-edges", type=int, default=200_000)
+    ap.add_argument("--in-channels", type=int, default=128)
+    ap.add_argument("--channels", type=int, default=16)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=10)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    for path in a.graphs:
+        edge_index, n = trisparse.datasets.read_graph(path)
+        if edge_index.shape[1] < a.min_edges:
+            continue
+        edge_index = edge_index.to(dev)
+        torch.manual_seed(0)
+        pyg = TransformerConv(a.in_channels, a.channels, heads=a.heads).to(dev)
+        ours = trisparse.nn.TransformerConv(a.in_channels, a.channels, heads=a.heads).to(dev)
+        ours.load_state_dict(pyg.state_dict())
+        x = torch.randn(n, a.in_channels, device=dev)
+        dout = torch.randn(n, a.heads * a.channels, device=dev)
+        for mode, autocast in (("fp32", False), ("bf16_autocast", True)):
+            rec = {"graph": os.path.basename(path).split(".")[0], "nodes": n}
+            rec.update(edges=int(edge_index.shape[1]), heads=a.heads, channels=a.channels)
+            rec.update(mode=mode, device=torch.cuda.get_device_name(), torch=torch.__version__)
+            ref = None
+            for name, layer in (("pyg", pyg), ("trisparse", ours)):
+                try:
+                    r, tensors = run(layer, x, edge_index, dout, autocast, a.repeat)
+                except torch.OutOfMemoryError as e:
+                    rec[name] = {"error": "out of memory: " + str(e).splitlines()[0][:160]}
+                    torch.cuda.empty_cache()
+                    continue
+                if name == "pyg":
+                    ref = tensors
+                elif ref is not None:
+                    r["rel_error_vs_pyg"] = rel_error(tensors, ref)
+                rec[name] = r
+                torch.cuda.empty_cache()
+            print(json.dumps(rec), flush=True)
+
+
+if __name__ == "__main__":
+    main()
