@@ -4,7 +4,7 @@
 # heads and dtype in TRAIN_CONFIGS ("dim:heads:dtype ..."), plus generated graphs (TRAIN_GENERATED,
 # bench_fused3s arguments; set it empty for none) in the first configuration. Binaries come packed in
 # .devpack/new.tar.xz (see scripts/gpu_ab.sh); call with carry = [.devpack, .devlibs, data].
-# JSONL per configuration under $OUT. TRAIN_BASE=1: also the parent build's bench_fused3s from
+# TRAIN_GRAPHS: the graph files (default data/*.el.xz). JSONL per configuration under $OUT. TRAIN_BASE=1: also the parent build's bench_fused3s from
 # .devpack/base.tar.xz on the same inputs (base_*.jsonl), for an A/B in the same call.
 set -uo pipefail
 out=${OUT:-/tmp/trisparse-training}
@@ -20,11 +20,11 @@ generated=${TRAIN_GENERATED---rmat 20:16 --er 10000000:8}
 for c in ${TRAIN_CONFIGS:-128:1:f16 64:8:f16 128:8:bf16}; do
   IFS=: read -r dim heads dt <<< "$c"
   /tmp/train/bench_fused3s --dim "$dim" --heads "$heads" --dtype "$dt" --repeat 10 --no-baselines \
-    --training data/*.el.xz $generated \
+    --training ${TRAIN_GRAPHS:-data/*.el.xz} $generated \
     > "$out/training_d${dim}_h${heads}_${dt}.jsonl" 2>> "$out/stderr.log"
   if [ "${TRAIN_BASE:-0}" = 1 ]; then
     /tmp/train/base/bench_fused3s --dim "$dim" --heads "$heads" --dtype "$dt" --repeat 10 \
-      --no-baselines --training data/*.el.xz $generated \
+      --no-baselines --training ${TRAIN_GRAPHS:-data/*.el.xz} $generated \
       > "$out/base_d${dim}_h${heads}_${dt}.jsonl" 2>> "$out/stderr.log"
   fi
   generated=
