@@ -4,7 +4,8 @@
 # heads and dtype in TRAIN_CONFIGS ("dim:heads:dtype ..."), plus generated graphs (TRAIN_GENERATED,
 # bench_fused3s arguments; set it empty for none) in the first configuration. Binaries come packed in
 # .devpack/new.tar.xz (see scripts/gpu_ab.sh); call with carry = [.devpack, .devlibs, data].
-# TRAIN_GRAPHS: the graph files (default data/*.el.xz). JSONL per configuration under $OUT. TRAIN_BASE=1: also the parent build's bench_fused3s from
+# TRAIN_GRAPHS: the graph files (default data/*.el.xz). JSONL per configuration under $OUT.
+# TRAIN_BASE=1: also the parent build's bench_fused3s from
 # .devpack/base.tar.xz on the same inputs (base_*.jsonl), for an A/B in the same call.
 set -uo pipefail
 out=${OUT:-/tmp/trisparse-training}
