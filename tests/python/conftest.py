@@ -56,6 +56,12 @@ def datasets_dir():
     return d if (d / "MANIFEST.md").exists() else None
 
 
+def shared_graph_names():
+    """Names of the shared graphs (['cora'] when the datasets are absent: its test then skips)."""
+    d = datasets_dir()
+    return sorted(p.name[: -len(".el.xz")] for p in d.glob("*.el.xz")) if d else ["cora"]
+
+
 def load_shared_graph(name):
     """edge_index of a shared graph in PyG's convention, made symmetric and unique; skips the
     test when ../shared/datasets is absent."""

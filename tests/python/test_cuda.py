@@ -3,12 +3,13 @@ attention and its backward; the per-edge SpMM and SDDMM), a training step captur
 graph, torch.compile of a model on the GPU. Every test here carries the `gpu` marker and skips
 without a GPU."""
 
+import copy
 import math
 
 import pytest
 import torch
 import trisparse
-from conftest import load_shared_graph, random_edge_index
+from conftest import load_shared_graph, random_edge_index, shared_graph_names
 
 pyg_nn = pytest.importorskip("torch_geometric.nn")
 import trisparse.nn
@@ -56,6 +57,50 @@ def test_attention_layers_in_float32_match_pyg_on_cuda(name, layer, channels, he
     for key in gp2:
         assert (gp[key] - gp2[key]).abs().max() <= tol * norm, key
     assert torch.equal(run(ours, x, ei)[1], gx)  # deterministic gradients
+
+
+class _GraphTransformer(torch.nn.Module):
+    """Two PyG TransformerConv layers (4 heads x 16 concatenated, then 2 heads x 8 averaged)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = pyg_nn.TransformerConv(32, 16, heads=4)
+        self.conv2 = pyg_nn.TransformerConv(64, 8, heads=2, concat=False, beta=True)
+
+    def forward(self, x, edge_index):
+        return self.conv2(torch.relu(self.conv1(x, edge_index)), edge_index)
+
+
+def _swapped(model):
+    """A copy of the model with each PyG TransformerConv replaced by trisparse.nn's, with the
+    same constructor arguments and state_dict."""
+    model = copy.deepcopy(model)
+    for name, conv in list(model.named_children()):
+        ours = trisparse.nn.TransformerConv(
+            conv.in_channels,
+            conv.out_channels,
+            heads=conv.heads,
+            concat=conv.concat,
+            beta=conv.beta,
+        ).to(next(conv.parameters()).device)
+        ours.load_state_dict(conv.state_dict())
+        setattr(model, name, ours)
+    return model
+
+
+@pytest.mark.parametrize("name", shared_graph_names())
+def test_a_pyg_transformer_model_with_swapped_layers_matches_on_every_shared_graph(name):
+    ei, n = load_shared_graph(name)
+    torch.manual_seed(0)
+    pyg = _GraphTransformer().cuda()
+    ours = _swapped(pyg)
+    x, ei = torch.randn(n, 32, device="cuda"), ei.cuda()
+    (o, gx, gp), (o2, gx2, gp2) = run(ours, x, ei), run(pyg, x, ei)
+    assert relerr(o, o2) <= 1e-4 and relerr(gx, gx2) <= 1e-4
+    assert gp.keys() == gp2.keys()
+    norm = max(float(b.abs().max()) for b in gp2.values())
+    for key in gp2:
+        assert (gp[key] - gp2[key]).abs().max() <= 1e-4 * norm, key
 
 
 @pytest.mark.parametrize("layer", ["TransformerConv", "GATConv"])
