@@ -253,12 +253,10 @@ def _topk_blocks(
     q: Tensor, k: Tensor, batch: int, block: int, top_k: int, causal: bool, keep_diagonal: bool
 ) -> Tensor:
     """The selected blocks of packed q [batch * N_q, H, D], k [batch * N_k, H, D]: bool
-    [batch, H, query blocks, key blocks]."""
+    [batch, H, query blocks, key blocks]. The CPU runs the library's selection; other devices
+    select with torch's ops on the device (_topk_blocks_on_device: no host synchronisation)."""
     if q.device.type != "cpu":
-        raise NotImplementedError(
-            "topk_block_mask selects on the CPU for now (the library's CUDA selection runs inside "
-            "its top-k attention plan, not yet exposed here): pass q.cpu() and k.cpu()"
-        )
+        return _topk_blocks_on_device(q, k, batch, block, top_k, causal, keep_diagonal)
     heads = q.shape[1]
     out = torch.zeros(
         batch,
@@ -279,6 +277,48 @@ def _topk_blocks(
         out.data_ptr(),
     )
     return out.bool()
+
+
+def _block_means(x: Tensor, batch: int, block: int) -> Tensor:
+    """[batch * N, H, D] -> float64 means of each block of `block` rows: [batch, H, blocks, D]
+    (the last block's mean over its own rows)."""
+    n, h, d = x.shape[0] // batch, x.shape[1], x.shape[2]
+    nb = -(-n // block)
+    x = x.reshape(batch, n, h, d).to(torch.float64)
+    sums = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, nb * block - n))
+    sums = sums.view(batch, nb, block, h, d).sum(2).transpose(1, 2)
+    counts = torch.full((nb,), float(block), dtype=torch.float64, device=x.device)
+    counts[-1] = n - (nb - 1) * block
+    return sums / counts[:, None]
+
+
+def _topk_blocks_on_device(q, k, batch, block, top_k, causal, keep_diagonal):
+    """topk_blocks with torch's ops where q and k are (float64 block means and scores as the
+    library's CPU selection; a stable sort gives ties to the lower block)."""
+    lq, lk = q.shape[0] // batch, k.shape[0] // batch
+    nbq, nbk = -(-lq // block), -(-lk // block)
+    dev = q.device
+    out = torch.zeros(batch, q.shape[1], nbq, nbk, dtype=torch.bool, device=dev)
+    if nbq == 0 or nbk == 0:
+        return out
+    scores = _block_means(q, batch, block) @ _block_means(k, batch, block).transpose(-1, -2)
+    # Per query block: the key aligned with its last row (bottom right) and the key blocks it
+    # may attend (causal: up to the aligned key's block).
+    r = torch.arange(nbq, device=dev)
+    aligned = torch.clamp((r + 1) * block, max=lq) - 1 + (lk - lq)
+    last = torch.clamp(aligned, max=lk - 1) if causal else torch.full_like(r, lk - 1)
+    allowed = torch.where(last < 0, 0, last // block + 1)
+    c = torch.arange(nbk, device=dev)
+    scores = scores.masked_fill(c[None, :] >= allowed[:, None], float("-inf"))
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    take = min(top_k, nbk)
+    keep = torch.arange(take, device=dev)[None, :] < torch.clamp(allowed, max=top_k)[:, None]
+    out.scatter_(-1, order[..., :take], keep.expand(batch, q.shape[1], nbq, take))
+    if keep_diagonal:
+        has = aligned >= 0
+        diag = torch.clamp(aligned, min=0, max=lk - 1) // block
+        out[..., r[has], diag[has]] = True
+    return out
 
 
 @_topk_blocks.register_fake
@@ -302,8 +342,10 @@ def topk_block_mask(
     <mean of the block's q rows, mean of the key block's k rows>, among those it may attend
     (causal: not past the diagonal, aligned at the bottom right), plus with ``keep_diagonal``
     the block holding the key aligned with the query block's last row. Ties go to the lower
-    block. q [B, H, N_q, D], k [B, H, N_k, D] on the CPU; the mask is per sequence and head,
-    ``causal`` as given, for :func:`block_sparse_attention`. Not differentiable (a selection)."""
+    block. q [B, H, N_q, D], k [B, H, N_k, D] on the CPU or CUDA (selected there; the
+    BlockMask then copies the selection to the host to build its plan, one synchronisation per
+    mask); the mask is per sequence and head, ``causal`` as given, for
+    :func:`block_sparse_attention`. Not differentiable (a selection)."""
     for t, name in ((q, "q"), (k, "k")):
         if not isinstance(t, Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a [B, H, N, D] tensor")

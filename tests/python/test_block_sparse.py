@@ -176,6 +176,25 @@ def test_topk_block_mask_causal_and_op():
     torch.library.opcheck(torch.ops.trisparse.topk_blocks.default, (*args, True, True))
     with pytest.raises(ValueError, match="block_size"):
         trisparse.topk_block_mask(q, k, 0, 3)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("keep_diagonal", [False, True])
+@pytest.mark.parametrize(
+    "n_q, n_k, top_k", [(200, 130, 2), (130, 200, 3), (96, 96, 10), (64, 64, 0)]
+)
+def test_topk_selection_with_torch_ops_matches_the_library(causal, keep_diagonal, n_q, n_k, top_k):
+    """The device selection (torch's ops, what CUDA runs) against the library's CPU selection:
+    rectangular and ragged last blocks, causal alignment, top_k past the block count, zero."""
+    from trisparse.block_sparse import _topk_blocks_on_device
+
+    b, h, d, g = 2, 3, 8, 32
+    gen = torch.Generator().manual_seed(23)
+    q = torch.randn(b * n_q, h, d, generator=gen)
+    k = torch.randn(b * n_k, h, d, generator=gen)
+    k[: n_k // 2] = k[0]  # equal key blocks: ties go to the lower block
+    args = (b, g, top_k, causal, keep_diagonal)
+    want = torch.ops.trisparse.topk_blocks(q, k, *args)
+    assert torch.equal(_topk_blocks_on_device(q, k, *args), want)
     if torch.cuda.is_available():
-        with pytest.raises(NotImplementedError, match="CPU"):
-            trisparse.topk_block_mask(q.cuda(), k.cuda(), g, 3)
+        assert torch.equal(torch.ops.trisparse.topk_blocks(q.cuda(), k.cuda(), *args).cpu(), want)
