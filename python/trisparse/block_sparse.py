@@ -3,6 +3,7 @@ BlockMask), on [B, H, N, D] tensors as PyTorch's SDPA and flex_attention take th
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -52,14 +53,20 @@ class BlockMask:
             )
         return cls(block_mask.to_dense().bool(), q_block, causal)
 
-    def plan(self, device: torch.device, batch: int, n_q: int, n_k: int, algo: str):
-        """The C++ plan for `device` and `batch` sequences of n_q queries and n_k keys."""
-        key = (device, batch, n_q, n_k, algo)
+    def plan(self, device: torch.device, cu_q: list[int], cu_k: list[int], algo: str):
+        """The C++ plan for `device` and the sequences cu_q[i]:cu_q[i + 1] of queries and
+        cu_k[i]:cu_k[i + 1] of keys; sequence i uses the top left ceil(len / G) blocks of its
+        mask."""
+        key = (device, tuple(cu_q), tuple(cu_k), algo)
         plan = self._plans.get(key)
         if plan is not None:
             return plan
         g = self.block_size
         b_m, h_m, qb, kb = self.blocks.shape
+        batch = len(cu_q) - 1
+        lq = [cu_q[i + 1] - cu_q[i] for i in range(batch)]
+        lk = [cu_k[i + 1] - cu_k[i] for i in range(batch)]
+        n_q, n_k = max(lq, default=0), max(lk, default=0)
         if (qb, kb) != (math.ceil(n_q / g), math.ceil(n_k / g)):
             raise ValueError(
                 f"mask: {qb} x {kb} blocks of {g} do not cover {n_q} queries x {n_k} keys"
@@ -68,17 +75,18 @@ class BlockMask:
             raise ValueError(f"mask: {b_m} sequences' masks for a batch of {batch}")
         csr = []
         for b in range(batch):
+            qb_b, kb_b = math.ceil(lq[b] / g), math.ceil(lk[b] / g)
             for h in range(h_m):
-                dense = self.blocks[b if b_m > 1 else 0, h]
+                dense = self.blocks[b if b_m > 1 else 0, h, :qb_b, :kb_b]
                 rows, cols = dense.nonzero(as_tuple=True)
-                csr.append((row_offsets(rows, qb), cols.to(torch.int32).contiguous()))
+                csr.append((row_offsets(rows, qb_b), cols.to(torch.int32).contiguous()))
         stream = _tensors.stream(device)
         plan = _C.BlockSparsePlan.build(
             g,
             h_m,
             self.causal,
-            [i * n_q for i in range(batch + 1)],
-            [i * n_k for i in range(batch + 1)],
+            list(cu_q),
+            list(cu_k),
             [(r.data_ptr(), c.data_ptr(), c.numel()) for r, c in csr],
             algo,
             _tensors.device_index(device),
@@ -88,10 +96,10 @@ class BlockMask:
         return plan
 
 
-def _plan(q: Tensor, k: Tensor, mask: int, batch: int):
+def _plan(q: Tensor, mask: int, cu_q: list[int], cu_k: list[int]):
     # float64 runs the float64 reference (the gradcheck path); the rest the fastest backend.
     algo = "reference" if q.dtype == torch.float64 else "automatic"
-    return _masks.lookup(mask).plan(q.device, batch, q.shape[0] // batch, k.shape[0] // batch, algo)
+    return _masks.lookup(mask).plan(q.device, cu_q, cu_k, algo)
 
 
 def _lse_rows(q: Tensor, with_lse: bool) -> int:
@@ -102,11 +110,18 @@ def _lse_rows(q: Tensor, with_lse: bool) -> int:
 
 @torch.library.custom_op("trisparse::block_sparse_attention", mutates_args=())
 def _forward(
-    q: Tensor, k: Tensor, v: Tensor, mask: int, batch: int, scale: float, with_lse: bool
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: int,
+    cu_q: list[int],
+    cu_k: list[int],
+    scale: float,
+    with_lse: bool,
 ) -> tuple[Tensor, Tensor]:
-    """Packed [batch * N, H, D] tensors, `batch` sequences of equal length; returns out and, on
-    CUDA with `with_lse`, each row's log-sum-exp (f32 [rows, H]; else [0, H])."""
-    plan = _plan(q, k, mask, batch)
+    """Packed [rows, H, D] tensors, sequence i at rows cu_q[i]:cu_q[i + 1] (keys cu_k); returns
+    out and, on CUDA with `with_lse`, each row's log-sum-exp (f32 [rows, H]; else [0, H])."""
+    plan = _plan(q, mask, cu_q, cu_k)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     lse = q.new_empty(_lse_rows(q, with_lse), q.shape[1], dtype=torch.float32)
     _owner, ws, ws_bytes = _tensors.workspace(
@@ -125,7 +140,7 @@ def _forward(
 
 
 @_forward.register_fake
-def _forward_fake(q, k, v, mask, batch, scale, with_lse):
+def _forward_fake(q, k, v, mask, cu_q, cu_k, scale, with_lse):
     return (
         q.new_empty(q.shape[0], q.shape[1], v.shape[2]),
         q.new_empty(_lse_rows(q, with_lse), q.shape[1], dtype=torch.float32),
@@ -141,10 +156,11 @@ def _backward_op(
     lse: Tensor,
     dout: Tensor,
     mask: int,
-    batch: int,
+    cu_q: list[int],
+    cu_k: list[int],
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    plan = _plan(q, k, mask, batch)
+    plan = _plan(q, mask, cu_q, cu_k)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     on_cuda = q.device.type == "cuda"
@@ -170,23 +186,23 @@ def _backward_op(
 
 
 @_backward_op.register_fake
-def _backward_fake(q, k, v, out, lse, dout, mask, batch, scale):
+def _backward_fake(q, k, v, out, lse, dout, mask, cu_q, cu_k, scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, batch, scale, _with_lse = inputs
+    q, k, v, mask, cu_q, cu_k, scale, _with_lse = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.mask, ctx.batch, ctx.scale = mask, batch, scale
+    ctx.mask, ctx.cu_q, ctx.cu_k, ctx.scale = mask, cu_q, cu_k, scale
 
 
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.trisparse.block_sparse_attention_backward(
-        q, k, v, out, lse, dout, ctx.mask, ctx.batch, ctx.scale
+        q, k, v, out, lse, dout, ctx.mask, ctx.cu_q, ctx.cu_k, ctx.scale
     )
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 _forward.register_autograd(_backward, setup_context=_setup_context)
@@ -196,13 +212,40 @@ def _packed(t: Tensor) -> Tensor:  # [B, H, N, D] -> [B * N, H, D]
     return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
 
 
+def _offsets(cu: Any, name: str) -> list[int]:
+    """cu_seqlens as a list of ints (a tensor on a GPU is read back: one synchronisation)."""
+    if isinstance(cu, Tensor):
+        if cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be a 1-D int32 or int64 tensor or a list of ints")
+        cu = cu.tolist()
+    if not isinstance(cu, (list, tuple)) or not all(isinstance(x, int) for x in cu):
+        raise TypeError(f"{name} must be a 1-D int32 or int64 tensor or a list of ints")
+    cu = [int(x) for x in cu]
+    if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in itertools.pairwise(cu)):
+        raise ValueError(f"{name} must start at 0 and not decrease, with at least 2 entries")
+    return cu
+
+
 def block_sparse_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | Any, scale: float | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: BlockMask | Any,
+    scale: float | None = None,
+    cu_seqlens_q: Tensor | list[int] | None = None,
+    cu_seqlens_k: Tensor | list[int] | None = None,
 ) -> Tensor:
     """Attention of q [B, H, N_q, D] over k [B, H, N_k, D], v [B, H, N_k, Dv] under a block mask
     (a :class:`BlockMask`, or FlexAttention's ``BlockMask``, converted by
     :meth:`BlockMask.from_flex` on its first use and kept on it). Returns [B, H, N_q, Dv]
     in q's dtype; query rows with no key left give zeros. ``scale`` defaults to 1/sqrt(D).
+
+    Ragged batches, packed as FlashAttention's varlen functions take them: with ``cu_seqlens_q``
+    (and ``cu_seqlens_k``, default the same) q is [total_q, H, D], k [total_k, H, D], v
+    [total_k, H, Dv], sequence i at rows cu_seqlens_q[i]:cu_seqlens_q[i + 1], and the result is
+    [total_q, H, Dv]. The mask's blocks cover the longest sequence; sequence i uses the top left
+    blocks that cover its lengths (causal aligns each at its own bottom right). The offsets are
+    needed on the host (a list, or a tensor, read back once per call).
 
     Differentiable in q, k and v, deterministically: on CUDA by the tensor-core backward (block
     sizes a multiple of 16, D 64 or 128; other masks raise NotImplementedError), on the CPU by
@@ -221,30 +264,58 @@ def block_sparse_attention(
                 f"mask must be a trisparse.BlockMask or a FlexAttention BlockMask, got "
                 f"{type(mask).__name__}"
             )
+    packed = cu_seqlens_q is not None
+    if cu_seqlens_k is not None and not packed:
+        raise ValueError("cu_seqlens_k needs cu_seqlens_q")
+    rank = 3 if packed else 4
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have shape [B, H, N, D], got {tuple(t.shape)}")
+        if t.dim() != rank:
+            shape = "[total, H, D] with cu_seqlens" if packed else "[B, H, N, D]"
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
         if t.dtype != q.dtype or t.device != q.device:
             raise TypeError(f"{name} must have q's dtype and device ({q.dtype} on {q.device})")
         if t.dtype not in _tensors.FLOAT_DTYPES:
             raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
-    b, h, n_q, d = q.shape
-    n_k = k.shape[2]
-    if k.shape[:2] != (b, h) or v.shape[:3] != (b, h, n_k) or k.shape[3] != d:
-        raise ValueError(
-            f"k and v must be [B, H, N_k, D] and [B, H, N_k, Dv] with q's B = {b}, H = {h} and "
-            f"D = {d}, got {tuple(k.shape)} and {tuple(v.shape)}"
-        )
+    if packed:
+        cu_q = _offsets(cu_seqlens_q, "cu_seqlens_q")
+        cu_k = cu_q if cu_seqlens_k is None else _offsets(cu_seqlens_k, "cu_seqlens_k")
+        h, d = q.shape[1], q.shape[2]
+        if len(cu_k) != len(cu_q):
+            raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length")
+        if cu_q[-1] != q.shape[0] or cu_k[-1] != k.shape[0] or v.shape[0] != k.shape[0]:
+            raise ValueError(
+                f"cu_seqlens end at {cu_q[-1]} queries and {cu_k[-1]} keys; q, k, v have "
+                f"{q.shape[0]}, {k.shape[0]}, {v.shape[0]} rows"
+            )
+        if k.shape[1:] != (h, d) or v.shape[1] != h:
+            raise ValueError(
+                f"k and v must be [total_k, H, D] and [total_k, H, Dv] with q's H = {h} and "
+                f"D = {d}, got {tuple(k.shape)} and {tuple(v.shape)}"
+            )
+        qp, kp, vp = q, k, v
+    else:
+        b, h, n_q, d = q.shape
+        n_k = k.shape[2]
+        if k.shape[:2] != (b, h) or v.shape[:3] != (b, h, n_k) or k.shape[3] != d:
+            raise ValueError(
+                f"k and v must be [B, H, N_k, D] and [B, H, N_k, Dv] with q's B = {b}, H = {h} "
+                f"and D = {d}, got {tuple(k.shape)} and {tuple(v.shape)}"
+            )
+        cu_q, cu_k = [i * n_q for i in range(b + 1)], [i * n_k for i in range(b + 1)]
+        qp, kp, vp = _packed(q), _packed(k), _packed(v)
     if mask.blocks.shape[1] not in (1, h):
         raise ValueError(f"mask: {mask.blocks.shape[1]} heads' masks for {h} heads")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
 
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    qp, kp, vp = (t if t.stride(-1) == 1 else t.contiguous() for t in (qp, kp, vp))
     out, _lse = torch.ops.trisparse.block_sparse_attention(
-        _packed(q), _packed(k), _packed(v), mask.id, b, scale, needs_grad
+        qp, kp, vp, mask.id, cu_q, cu_k, scale, needs_grad
     )
+    if packed:
+        return out
     return out.view(b, n_q, h, v.shape[3]).transpose(1, 2)
 
 

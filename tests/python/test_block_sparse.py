@@ -116,9 +116,65 @@ def test_opcheck():
     for dtype in (torch.float32, torch.float64):
         q, k, v = (t.transpose(1, 2).reshape(-1, 2, 4) for t in inputs(2, 2, 16, 16, 4, dtype, 6))
         q, k, v = (t.contiguous().requires_grad_() for t in (q, k, v))
+        cu = [0, 16, 32]
         torch.library.opcheck(
-            torch.ops.trisparse.block_sparse_attention.default, (q, k, v, mask.id, 2, 0.5, True)
+            torch.ops.trisparse.block_sparse_attention.default,
+            (q, k, v, mask.id, cu, cu, 0.5, True),
         )
+        ragged = [0, 5, 5, 16, 32]  # lengths 5, 0, 11 and 16 under the same 2 x 2 blocks
+        per_sequence = trisparse.BlockMask(blocks.expand(4, 1, 2, 2), 8)
+        torch.library.opcheck(
+            torch.ops.trisparse.block_sparse_attention.default,
+            (
+                q,
+                k,
+                v,
+                per_sequence.id,
+                ragged,
+                ragged,
+                0.5,
+                True,
+            ),
+        )
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_ragged_batch_matches_each_sequence(causal):
+    """cu_seqlens: sequences of lengths 37/50, 0/20, 100/100, 64/30 (queries/keys) packed, each
+    under the top left blocks of its own mask, against the float64 oracle per sequence: outputs
+    and gradients."""
+    h, d, g = 2, 8, 16
+    lq, lk = [37, 0, 100, 64], [50, 20, 100, 30]
+    cu_q = [sum(lq[:i]) for i in range(5)]
+    cu_k = [sum(lk[:i]) for i in range(5)]
+    gen = torch.Generator().manual_seed(31)
+    q, dout = (torch.randn(cu_q[-1], h, d, generator=gen) for _ in range(2))
+    k, v = (torch.randn(cu_k[-1], h, d, generator=gen) for _ in range(2))
+    blocks = torch.rand(4, h, -(-100 // g), -(-100 // g), generator=gen) < 0.6
+    mask = trisparse.BlockMask(blocks, g, causal=causal)
+    out, dq, dk, dv = with_grads(
+        lambda q_, k_, v_: trisparse.block_sparse_attention(
+            q_, k_, v_, mask, cu_seqlens_q=torch.tensor(cu_q), cu_seqlens_k=cu_k
+        ),
+        q,
+        k,
+        v,
+        dout,
+    )
+    assert out.shape == (cu_q[-1], h, d)
+    scale = 1 / math.sqrt(d)
+    for i in range(4):
+        sq, sk = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        one = [t.transpose(0, 1)[None].double() for t in (q[sq], k[sk], v[sk], dout[sq])]
+        sub = blocks[i : i + 1, :, : -(-lq[i] // g), : -(-lk[i] // g)]
+        want = with_grads(
+            lambda q_, k_, v_, sub=sub: dense_block_attention(q_, k_, v_, sub, g, causal, scale),
+            *one,
+        )
+        got = [out[sq], dq[sq], dk[sk], dv[sk]]
+        for x, w in zip(got, want, strict=True):
+            if x.numel():  # the empty sequence: no rows of out and dq; its keys' dk, dv are 0
+                assert float((x.double() - w[0].transpose(0, 1)).abs().max()) <= 1e-5
 
 
 def test_bad_inputs_name_the_argument():
@@ -128,6 +184,13 @@ def test_bad_inputs_name_the_argument():
         trisparse.block_sparse_attention(q[:, :, :8], k, v, mask)
     with pytest.raises(ValueError, match=r"must have shape \[B, H, N, D\]"):
         trisparse.block_sparse_attention(q[0], k, v, mask)
+    packed = [t[0].transpose(0, 1) for t in (q, k, v)]
+    with pytest.raises(ValueError, match="cu_seqlens end at"):
+        trisparse.block_sparse_attention(*packed, mask, cu_seqlens_q=[0, 8])
+    with pytest.raises(ValueError, match="cu_seqlens_q must start at 0"):
+        trisparse.block_sparse_attention(*packed, mask, cu_seqlens_q=[0, 12, 8, 16])
+    with pytest.raises(ValueError, match="cu_seqlens_k needs cu_seqlens_q"):
+        trisparse.block_sparse_attention(q, k, v, mask, cu_seqlens_k=[0, 16])
     with pytest.raises(TypeError, match="q's dtype"):
         trisparse.block_sparse_attention(q, k.double(), v, mask)
     with pytest.raises(ValueError, match="heads' masks"):
