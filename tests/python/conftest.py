@@ -1,6 +1,5 @@
 """Shared helpers: random graphs of awkward shapes, a dense float64 oracle, the shared datasets."""
 
-import lzma
 import os
 import pathlib
 
@@ -63,22 +62,11 @@ def shared_graph_names():
 
 
 def load_shared_graph(name):
-    """edge_index of a shared graph in PyG's convention, made symmetric and unique; skips the
-    test when ../shared/datasets is absent."""
+    """edge_index of a shared graph in PyG's convention, made symmetric and unique (the package's
+    reader); skips the test when ../shared/datasets is absent."""
     d = datasets_dir()
     if d is None or not (d / f"{name}.el.xz").exists():
         pytest.skip("../shared/datasets not found (set TRISPARSE_DATASETS): skipping")
-    n = None
-    rows = []
-    with lzma.open(d / f"{name}.el.xz", "rt") as f:
-        for line in f:
-            if line.startswith("#"):
-                if "nodes:" in line:
-                    n = int(line.split("nodes:")[1].split()[0])
-                continue
-            a, b = line.split()[:2]
-            rows.append((int(a), int(b)))
-    e = torch.tensor(rows, dtype=torch.int64).t()
-    e = torch.cat([e, e.flip(0)], dim=1)
-    key = torch.unique(e[1] * n + e[0])
-    return torch.stack([key % n, key // n]), n
+    import trisparse.datasets
+
+    return trisparse.datasets.read_graph(d / f"{name}.el.xz", undirected=True)
