@@ -31,54 +31,6 @@ struct tc_args {
   float scale, scale_log2;
 };
 
-// A lane's share of a row's contraction for the m16n8k16 products: D/4 elements in runs of 8 (4
-// at D = 32), run i at columns i·32 + t·8 + [0, 8): the warp's 16-byte loads cover whole 32-byte
-// sectors. The same permutation in A and B rows (it depends on t only) leaves the products exact.
-// Zeros for row == nullptr.
-template <int D>
-__device__ __forceinline__ void load_quarter(const void* row, int t, std::uint32_t (&dst)[D / 8]) {
-  constexpr int kR = D / 4 < 8 ? D / 4 : 8;
-  if (row == nullptr) {
-    zero(dst);
-    return;
-  }
-#pragma unroll
-  for (int i = 0; i < D / 4 / kR; ++i) {
-    load_halves<kR>(static_cast<const std::uint16_t*>(row) + i * 4 * kR + t * kR,
-                    *reinterpret_cast<std::uint32_t(*)[kR / 2]>(&dst[i * kR / 2]));
-  }
-}
-
-// A lane's slice of a row for the m16n8k8 products: D/8 elements in runs of kRun<D> = min(8, D/8),
-// run i at columns i·8·kRun + g·kRun + [0, kRun), so that each of the warp's 16-byte loads covers
-// whole 32-byte sectors. Slice element j = i·kRun + e is output column j of the lane's blocks.
-template <int D>
-inline constexpr int kRun = D / 8 < 8 ? D / 8 : 8;
-
-template <int D>
-__device__ __forceinline__ void load_slice(const void* row, int g, std::uint32_t (&dst)[D / 16]) {
-  constexpr int kR = kRun<D>;
-  if (row == nullptr) {
-    zero(dst);
-    return;
-  }
-#pragma unroll
-  for (int i = 0; i < D / 8 / kR; ++i) {
-    load_halves<kR>(static_cast<const std::uint16_t*>(row) + i * 8 * kR + g * kR,
-                    *reinterpret_cast<std::uint32_t(*)[kR / 2]>(&dst[i * kR / 2]));
-  }
-}
-
-// Stores a lane's D/8 accumulator columns of one row, those of C column `n` (2t or 2t + 1): run i
-// at columns i·8·kRun + n·kRun + [0, kRun) (the slice order above).
-template <class G, int D>
-__device__ __forceinline__ void store_slice(G* row, int n, const float (&x)[D / 8]) {
-  constexpr int kR = kRun<D>;
-#pragma unroll
-  for (int i = 0; i < D / 8 / kR; ++i)
-    store_run<G, kR>(row + i * 8 * kR + n * kR, *reinterpret_cast<const float(*)[kR]>(&x[i * kR]));
-}
-
 // Row `r` of a view at head h, offset by `offset` elements, or nullptr for r < 0.
 template <class T>
 __device__ __forceinline__ const T* row_or_null(view<const T> x, std::int64_t r, int h,

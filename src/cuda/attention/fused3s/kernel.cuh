@@ -7,12 +7,13 @@
 // in shared memory. Warps are persistent and claim items from a queue, largest first.
 //
 // Register remapping (the paper's permuted loads, our derivation): the contraction index of Q·Kᵀ is
-// permuted the same way in Q and K so that lane (g = lane/4, t = lane%4) holds the contiguous
-// quarter [t·D/4, (t+1)·D/4) of its Q rows (g, g+8) and of K row col[g]: 16-byte coalesced loads,
-// fragments taken straight from the loaded words. The output column index of P·V is permuted as
-// n = 8j + c -> c·D/8 + j, so the lane holds the contiguous slice [g·D/8, (g+1)·D/8) of V rows
-// col[2t], col[2t+1], and O's accumulators for columns [2t·D/8, ...) and [(2t+1)·D/8, ...): again
-// 16-byte loads and stores. P goes from the S accumulators to the A fragment of P·V in registers.
+// permuted the same way in Q and K (it depends on the lane's t = lane%4 only), lane t holding the
+// 8-element runs [i·32 + 8t, +8) of its Q rows (g, g+8; g = lane/4) and of K row col[g]
+// (load_quarter). The output column index of P·V is permuted so that lane g holds the runs
+// [i·64 + 8g, +8) of V rows col[2t], col[2t+1] (load_slice) and O's accumulators for the runs of
+// columns 2t and 2t+1 (store_slice). Every 16-byte load of the warp covers whole 32-byte sectors,
+// and fragments come straight from the loaded words. P goes from the S accumulators to the A
+// fragment of P·V in registers.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -42,9 +43,9 @@ __device__ __forceinline__ tcb_meta load_meta(const params& p, std::int64_t tcb,
 /// A lane's rows of one TCB: its K quarter-row and its two V slices.
 template <int D>
 struct tcb_rows {
-  std::uint32_t k[D / 8];    // K[col[g]][t·D/4 ...]: D/4 halves
-  std::uint32_t v0[D / 16];  // V[col[2t]][g·D/8 ...]: D/8 halves
-  std::uint32_t v1[D / 16];  // V[col[2t+1]][g·D/8 ...]
+  std::uint32_t k[D / 8];    // K[col[g]], load_quarter: D/4 halves
+  std::uint32_t v0[D / 16];  // V[col[2t]], load_slice: D/8 halves
+  std::uint32_t v1[D / 16];  // V[col[2t+1]]
 };
 
 template <class T, int D>
@@ -53,18 +54,9 @@ __device__ __forceinline__ void load_rows(const params& p, const tcb_meta& m, in
   const T* k = static_cast<const T*>(p.k) + h * p.k_head;
   const T* v = static_cast<const T*>(p.v) + h * p.v_head;
   // Padding slots (-1) load zeros: their P is 0, and 0 * garbage could be NaN.
-  if (m.ck >= 0)
-    load_halves<D / 4>(k + m.ck * p.k_row + t * (D / 4), r.k);
-  else
-    zero(r.k);
-  if (m.c0 >= 0)
-    load_halves<D / 8>(v + m.c0 * p.v_row + g * (D / 8), r.v0);
-  else
-    zero(r.v0);
-  if (m.c1 >= 0)
-    load_halves<D / 8>(v + m.c1 * p.v_row + g * (D / 8), r.v1);
-  else
-    zero(r.v1);
+  load_quarter<D>(m.ck >= 0 ? k + m.ck * p.k_row : nullptr, t, r.k);
+  load_slice<D>(m.c0 >= 0 ? v + m.c0 * p.v_row : nullptr, g, r.v0);
+  load_slice<D>(m.c1 >= 0 ? v + m.c1 * p.v_row : nullptr, g, r.v1);
 }
 
 /// The query row (of Q and O) that window slot `slot` holds: the plan's row order, or itself.
@@ -155,15 +147,9 @@ __device__ __forceinline__ void process_item(const params& p, const work_item& i
 
   // Q rows g and g+8 (zeros past the last row: no read past the end).
   std::uint32_t q0[kQ / 2], q1[kQ / 2];
-  const T* q = static_cast<const T*>(p.q) + h * p.q_head + t * kQ;
-  if (row0 >= 0)
-    load_halves<kQ>(q + row0 * p.q_row, q0);
-  else
-    zero(q0);
-  if (row1 >= 0)
-    load_halves<kQ>(q + row1 * p.q_row, q1);
-  else
-    zero(q1);
+  const T* q = static_cast<const T*>(p.q) + h * p.q_head;
+  load_quarter<D>(row0 >= 0 ? q + row0 * p.q_row : nullptr, t, q0);
+  load_quarter<D>(row1 >= 0 ? q + row1 * p.q_row : nullptr, t, q1);
 
   float o[kV][4];
 #pragma unroll
@@ -305,12 +291,12 @@ __device__ __forceinline__ void process_item(const params& p, const work_item& i
     }
     O* out = static_cast<O*>(p.out) + h * p.o_head;
     if (row0 >= 0) {
-      store_run<O, kV>(out + row0 * p.o_row + 2 * t * kV, r00);
-      store_run<O, kV>(out + row0 * p.o_row + (2 * t + 1) * kV, r01);
+      store_slice<O, D>(out + row0 * p.o_row, 2 * t, r00);
+      store_slice<O, D>(out + row0 * p.o_row, 2 * t + 1, r01);
     }
     if (row1 >= 0) {
-      store_run<O, kV>(out + row1 * p.o_row + 2 * t * kV, r10);
-      store_run<O, kV>(out + row1 * p.o_row + (2 * t + 1) * kV, r11);
+      store_slice<O, D>(out + row1 * p.o_row, 2 * t, r10);
+      store_slice<O, D>(out + row1 * p.o_row, 2 * t + 1, r11);
     }
     if (kLse && t == 0) {
       if (row0 >= 0) p.lse[row0 * p.lse_row + h * p.lse_head] = lse0;
@@ -327,10 +313,10 @@ __device__ __forceinline__ void process_item(const params& p, const work_item& i
       r11[j] = o[j][3];
     }
     float* po = p.part_o + (std::int64_t{it.part} * p.heads + h) * 16 * D;
-    store_run<float, kV>(po + g * D + 2 * t * kV, r00);
-    store_run<float, kV>(po + g * D + (2 * t + 1) * kV, r01);
-    store_run<float, kV>(po + (g + 8) * D + 2 * t * kV, r10);
-    store_run<float, kV>(po + (g + 8) * D + (2 * t + 1) * kV, r11);
+    store_slice<float, D>(po + g * D, 2 * t, r00);
+    store_slice<float, D>(po + g * D, 2 * t + 1, r01);
+    store_slice<float, D>(po + (g + 8) * D, 2 * t, r10);
+    store_slice<float, D>(po + (g + 8) * D, 2 * t + 1, r11);
     if (t == 0) {
       float* pml = p.part_ml + (std::int64_t{it.part} * p.heads + h) * 32;
       pml[2 * g] = m0;
