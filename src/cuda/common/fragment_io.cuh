@@ -66,6 +66,22 @@ __device__ __forceinline__ void store_run(O* dst, const float (&x)[N]) {
   }
 }
 
+/// Where a lane's operands of one 16x8 TCB are: the column of its B row for the k16 products
+/// (col[g]), the columns of its two slices for the k8 products (col[2t], col[2t+1]), and the
+/// TCB's bitmap. Loaded two TCBs ahead, so the row loads that depend on them need not wait.
+struct tcb_meta {
+  std::int32_t cb = -1, c0 = -1, c1 = -1;
+  std::uint64_t mask0 = 0, mask1 = 0;  // rows 0-7, rows 8-15
+};
+
+__device__ __forceinline__ tcb_meta load_tcb_meta(const std::int32_t* col_idx,
+                                                  const std::uint64_t* bitmap, std::int64_t tcb,
+                                                  int g, int t) {
+  const std::int32_t* cols = col_idx + tcb * 8;
+  return {__ldg(cols + g), __ldg(cols + 2 * t), __ldg(cols + 2 * t + 1), __ldg(bitmap + 2 * tcb),
+          __ldg(bitmap + 2 * tcb + 1)};
+}
+
 // Sector-aligned fragment layouts of the m16n8k16 / m16n8k8 products over gathered rows (16-bit
 // elements; D the row length): the warp's 16-byte loads each cover whole 32-byte sectors.
 

@@ -105,22 +105,9 @@ inline constexpr int kTcMinBlocks = D <= 32   ? 4
                                     : D <= 64 ? 3
                                               : 2;
 
-// Where a lane's operands of one TCB are: its B-row column col[g], its slice columns col[2t],
-// col[2t+1], the bitmap. Loaded two TCBs ahead, so the row loads that depend on them need not wait.
-struct tc_meta {
-  std::int32_t cb = -1, c0 = -1, c1 = -1;
-  std::uint64_t mask0 = 0, mask1 = 0;  // rows 0-7, rows 8-15
-};
-
-__device__ __forceinline__ tc_meta load_tc_meta(const tc_args& a, std::int64_t tcb, int g, int t) {
-  const std::int32_t* cols = a.col_idx + tcb * 8;
-  return {__ldg(cols + g), __ldg(cols + 2 * t), __ldg(cols + 2 * t + 1), __ldg(a.bitmap + 2 * tcb),
-          __ldg(a.bitmap + 2 * tcb + 1)};
-}
-
 // P under the bitmap (a product of exactly 0 is still an edge) from S and the base-2 log-sum-exp
 // of each accumulator (la: columns 2t of both rows ... as the caller passes them).
-__device__ __forceinline__ void probabilities(const tc_meta& m, int bit, const float (&s)[4],
+__device__ __forceinline__ void probabilities(const tcb_meta& m, int bit, const float (&s)[4],
                                               float scale_log2, const float (&lse)[4],
                                               float (&p)[4]) {
   p[0] = (m.mask0 >> bit) & 1 ? exp2f(s[0] * scale_log2 - lse[0]) : 0.0f;
@@ -137,7 +124,7 @@ struct dq_rows {
 };
 
 template <class T, int D>
-__device__ __forceinline__ void load_dq_rows(const tc_meta& m, view<const T> k, view<const T> v,
+__device__ __forceinline__ void load_dq_rows(const tcb_meta& m, view<const T> k, view<const T> v,
                                              int h, int g, int t, dq_rows<D>& r) {
   load_quarter<D>(row_or_null(k, m.cb, h, 0), t, r.kq);
   load_quarter<D>(row_or_null(v, m.cb, h, 0), t, r.vq);
@@ -153,7 +140,7 @@ struct dkv_rows {
 };
 
 template <class T, int D>
-__device__ __forceinline__ void load_dkv_rows(const tc_meta& m, const tc_args& a, view<const T> q,
+__device__ __forceinline__ void load_dkv_rows(const tcb_meta& m, const tc_args& a, view<const T> q,
                                               view<const T> dout, const row_terms& terms, int h,
                                               int g, int t, dkv_rows<D>& r) {
   load_quarter<D>(row_or_null(q, m.cb, h, 0), t, r.qq);
@@ -179,15 +166,16 @@ inline constexpr bool kTcPipelined = D <= 64 || !kColumn;
 template <class Rows, bool kPipelined, class Load, class Body>
 __device__ __forceinline__ void tcb_loop(const tc_args& a, const tc_chunk& w, int g, int t,
                                          Load&& load, Body&& body) {
-  tc_meta meta1 = w.begin < w.end ? load_tc_meta(a, w.begin, g, t) : tc_meta{};
-  tc_meta meta2 = w.begin + 1 < w.end ? load_tc_meta(a, w.begin + 1, g, t) : tc_meta{};
+  tcb_meta meta1 = w.begin < w.end ? load_tcb_meta(a.col_idx, a.bitmap, w.begin, g, t) : tcb_meta{};
+  tcb_meta meta2 =
+      w.begin + 1 < w.end ? load_tcb_meta(a.col_idx, a.bitmap, w.begin + 1, g, t) : tcb_meta{};
   Rows next;
   if (kPipelined && w.begin < w.end) load(meta1, next);
   for (std::int64_t tcb = w.begin; tcb < w.end; ++tcb) {
     Rows cur;
-    const tc_meta m = meta1;
+    const tcb_meta m = meta1;
     meta1 = meta2;
-    if (tcb + 2 < w.end) meta2 = load_tc_meta(a, tcb + 2, g, t);
+    if (tcb + 2 < w.end) meta2 = load_tcb_meta(a.col_idx, a.bitmap, tcb + 2, g, t);
     if constexpr (kPipelined) {
       cur = next;
       if (tcb + 1 < w.end) load(meta1, next);  // in flight during this TCB's products
@@ -198,24 +186,49 @@ __device__ __forceinline__ void tcb_loop(const tc_args& a, const tc_chunk& w, in
   }
 }
 
+// A warp's task: chunk `w` of head `h`, and the pass's rows g and g + 8 of the chunk's window
+// (-1 past the last row).
+struct window_task {
+  tc_chunk w;
+  int h;
+  std::int64_t row0, row1;
+};
+
+// This warp's task (one per warp: item = chunk * heads + head), false past the last.
+__device__ __forceinline__ bool warp_task(const tc_args& a, int g, window_task& task) {
+  const std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (item >= a.n_chunks * a.heads) return false;
+  task.w = a.chunks[item / a.heads];
+  task.h = static_cast<int>(item % a.heads);
+  const std::int64_t r0 = std::int64_t{task.w.window} * 16 + g, r1 = r0 + 8;
+  task.row0 = r0 < a.rows ? r0 : -1;
+  task.row1 = r1 < a.rows ? r1 : -1;
+  return true;
+}
+
+// The A fragments of x's rows row0 and row1 (the task's) for the k16 products.
+template <class T, int D>
+__device__ __forceinline__ void load_a_rows(view<const T> x, const window_task& task, int t,
+                                            std::uint32_t (&a0)[D / 8],
+                                            std::uint32_t (&a1)[D / 8]) {
+  load_quarter<D>(row_or_null(x, task.row0, task.h, 0), t, a0);
+  load_quarter<D>(row_or_null(x, task.row1, task.h, 0), t, a1);
+}
+
 // dq over the pattern's windows: one warp per (chunk, head).
 template <class T, class G, int D>
 __global__ void __launch_bounds__(kWarps * 32, kTcMinBlocks<D>)
     tc_row_pass(tc_args a, view<const T> q, view<const T> k, view<const T> v, view<const T> dout,
                 row_terms terms, view<G> dq, partials part) {
-  constexpr int kQ = D / 4;
   const int lane = threadIdx.x & 31, g = lane / 4, t = lane % 4;
-  const std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-  if (item >= a.n_chunks * a.heads) return;
-  const tc_chunk w = a.chunks[item / a.heads];
-  const int h = static_cast<int>(item % a.heads);
-  const std::int64_t r0 = std::int64_t{w.window} * 16 + g, r1 = r0 + 8;
-  const std::int64_t row0 = r0 < a.rows ? r0 : -1, row1 = r1 < a.rows ? r1 : -1;
-  std::uint32_t q0[kQ / 2], q1[kQ / 2], g0[kQ / 2], g1[kQ / 2];
-  load_quarter<D>(row_or_null(q, row0, h, 0), t, q0);
-  load_quarter<D>(row_or_null(q, row1, h, 0), t, q1);
-  load_quarter<D>(row_or_null(dout, row0, h, 0), t, g0);
-  load_quarter<D>(row_or_null(dout, row1, h, 0), t, g1);
+  window_task task;
+  if (!warp_task(a, g, task)) return;
+  const tc_chunk& w = task.w;
+  const int h = task.h;
+  const std::int64_t row0 = task.row0, row1 = task.row1;
+  std::uint32_t q0[D / 8], q1[D / 8], g0[D / 8], g1[D / 8];
+  load_a_rows<T, D>(q, task, t, q0, q1);
+  load_a_rows<T, D>(dout, task, t, g0, g1);
   // The rows' log-sum-exp (base 2) and D; 0 past the last row (no entries there).
   float lse0 = 0.0f, lse1 = 0.0f, d0 = 0.0f, d1 = 0.0f;
   if (row0 >= 0) {
@@ -232,8 +245,9 @@ __global__ void __launch_bounds__(kWarps * 32, kTcMinBlocks<D>)
   for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
   const int bit = g * 8 + 2 * t;
   tcb_loop<dq_rows<D>, kTcPipelined<D, false>>(
-      a, w, g, t, [&](const tc_meta& m, dq_rows<D>& r) { load_dq_rows<T, D>(m, k, v, h, g, t, r); },
-      [&](const tc_meta& m, const dq_rows<D>& r) {
+      a, w, g, t,
+      [&](const tcb_meta& m, dq_rows<D>& r) { load_dq_rows<T, D>(m, k, v, h, g, t, r); },
+      [&](const tcb_meta& m, const dq_rows<D>& r) {
         float s[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dp[4] = {0.0f, 0.0f, 0.0f, 0.0f}, p[4];
         product<T, D>(s, q0, q1, r.kq);
         product<T, D>(dp, g0, g1, r.vq);
@@ -254,19 +268,14 @@ template <class T, class G, int D>
 __global__ void __launch_bounds__(kWarps * 32, kTcMinBlocks<D>)
     tc_column_pass(tc_args a, view<const T> q, view<const T> k, view<const T> v, view<const T> dout,
                    row_terms terms, view<G> dk, view<G> dv, partials dk_part, partials dv_part) {
-  constexpr int kQ = D / 4;
   const int lane = threadIdx.x & 31, g = lane / 4, t = lane % 4;
-  const std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-  if (item >= a.n_chunks * a.heads) return;
-  const tc_chunk w = a.chunks[item / a.heads];
-  const int h = static_cast<int>(item % a.heads);
-  const std::int64_t r0 = std::int64_t{w.window} * 16 + g, r1 = r0 + 8;
-  const std::int64_t key0 = r0 < a.rows ? r0 : -1, key1 = r1 < a.rows ? r1 : -1;
-  std::uint32_t k0[kQ / 2], k1[kQ / 2], v0[kQ / 2], v1[kQ / 2];
-  load_quarter<D>(row_or_null(k, key0, h, 0), t, k0);
-  load_quarter<D>(row_or_null(k, key1, h, 0), t, k1);
-  load_quarter<D>(row_or_null(v, key0, h, 0), t, v0);
-  load_quarter<D>(row_or_null(v, key1, h, 0), t, v1);
+  window_task task;
+  if (!warp_task(a, g, task)) return;
+  const tc_chunk& w = task.w;
+  const int h = task.h;
+  std::uint32_t k0[D / 8], k1[D / 8], v0[D / 8], v1[D / 8];
+  load_a_rows<T, D>(k, task, t, k0, k1);
+  load_a_rows<T, D>(v, task, t, v0, v1);
   float acc_k[D / 8][4], acc_v[D / 8][4];
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) {
@@ -276,10 +285,10 @@ __global__ void __launch_bounds__(kWarps * 32, kTcMinBlocks<D>)
   const int bit = g * 8 + 2 * t;
   tcb_loop<dkv_rows<D>, kTcPipelined<D, true>>(
       a, w, g, t,
-      [&](const tc_meta& m, dkv_rows<D>& r) {
+      [&](const tcb_meta& m, dkv_rows<D>& r) {
         load_dkv_rows<T, D>(m, a, q, dout, terms, h, g, t, r);
       },
-      [&](const tc_meta& m, const dkv_rows<D>& r) {
+      [&](const tcb_meta& m, const dkv_rows<D>& r) {
         float s[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dp[4] = {0.0f, 0.0f, 0.0f, 0.0f}, p[4];
         product<T, D>(s, k0, k1, r.qq);
         product<T, D>(dp, v0, v1, r.gq);

@@ -27,17 +27,8 @@
 
 namespace trisparse::cuda::fused3s {
 
-/// Where a lane's operands of one TCB are: its K column, its two V columns, the block's bitmap.
-/// Loaded two TCBs ahead, so the row loads that depend on them need not wait.
-struct tcb_meta {
-  std::int32_t ck = -1, c0 = -1, c1 = -1;
-  std::uint64_t mask0 = 0, mask1 = 0;  // rows 0-7, rows 8-15
-};
-
 __device__ __forceinline__ tcb_meta load_meta(const params& p, std::int64_t tcb, int g, int t) {
-  const std::int32_t* cols = p.col_idx + tcb * 8;
-  return {__ldg(cols + g), __ldg(cols + 2 * t), __ldg(cols + 2 * t + 1), __ldg(p.bitmap + 2 * tcb),
-          __ldg(p.bitmap + 2 * tcb + 1)};
+  return load_tcb_meta(p.col_idx, p.bitmap, tcb, g, t);
 }
 
 /// A lane's rows of one TCB: its K quarter-row and its two V slices.
@@ -54,7 +45,7 @@ __device__ __forceinline__ void load_rows(const params& p, const tcb_meta& m, in
   const T* k = static_cast<const T*>(p.k) + h * p.k_head;
   const T* v = static_cast<const T*>(p.v) + h * p.v_head;
   // Padding slots (-1) load zeros: their P is 0, and 0 * garbage could be NaN.
-  load_quarter<D>(m.ck >= 0 ? k + m.ck * p.k_row : nullptr, t, r.k);
+  load_quarter<D>(m.cb >= 0 ? k + m.cb * p.k_row : nullptr, t, r.k);
   load_slice<D>(m.c0 >= 0 ? v + m.c0 * p.v_row : nullptr, g, r.v0);
   load_slice<D>(m.c1 >= 0 ? v + m.c1 * p.v_row : nullptr, g, r.v1);
 }
