@@ -12,6 +12,7 @@ built once outside the timing, its build time reported apart as flex_mask_ms). I
 uniform in [-1, 1) fp16 [1, heads, N, dim]; flex's output is checked against float64 on sampled
 rows (flex_max_rel_error).
 """
+
 import argparse
 import contextlib
 import json
@@ -57,14 +58,21 @@ def block_mask_from(dense_blocks, n, g, device, causal=False):
     kept = torch.from_numpy(dense_blocks).to(device).bool()
     if not causal:
         counts, order = kv_lists(kept)
-        return BlockMask.from_kv_blocks(torch.zeros_like(counts), order, counts, order, BLOCK_SIZE=g,
-                                        seq_lengths=(n, n))
+        return BlockMask.from_kv_blocks(
+            torch.zeros_like(counts), order, counts, order, BLOCK_SIZE=g, seq_lengths=(n, n)
+        )
     diagonal = torch.eye(kept.shape[1], kept.shape[2], dtype=torch.bool, device=device)
     partial_counts, partial = kv_lists(kept & diagonal)
     full_counts, full = kv_lists(kept & ~diagonal)
-    return BlockMask.from_kv_blocks(partial_counts, partial, full_counts, full, BLOCK_SIZE=g,
-                                    mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx,
-                                    seq_lengths=(n, n))
+    return BlockMask.from_kv_blocks(
+        partial_counts,
+        partial,
+        full_counts,
+        full,
+        BLOCK_SIZE=g,
+        mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx,
+        seq_lengths=(n, n),
+    )
 
 
 def check_rows(q, k, v, out, dense_blocks, g, scale, causal=False, samples=32):
@@ -106,19 +114,28 @@ def main():
         if (n, h, d) not in inputs:
             inputs.clear()
             gen = torch.Generator(device=dev).manual_seed(n)
-            inputs[(n, h, d)] = [torch.rand(1, h, n, d, device=dev, dtype=torch.float16, generator=gen) * 2 - 1
-                                 for _ in range(3)]
+            inputs[(n, h, d)] = [
+                torch.rand(1, h, n, d, device=dev, dtype=torch.float16, generator=gen) * 2 - 1
+                for _ in range(3)
+            ]
         q, k, v = inputs[(n, h, d)]
         scale = 1.0 / math.sqrt(d)
         key = (n, h, d, r.get("causal", False))
         if key not in dense_cache:
             dense = {}
-            for name, backend in (("default", None), ("flash", SDPBackend.FLASH_ATTENTION),
-                                  ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+            for name, backend in (
+                ("default", None),
+                ("flash", SDPBackend.FLASH_ATTENTION),
+                ("cudnn", SDPBackend.CUDNN_ATTENTION),
+            ):
                 try:
                     with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
-                        dense[name] = time_ms(lambda: F.scaled_dot_product_attention(
-                            q, k, v, is_causal=r.get("causal", False)), args.repeat)
+                        dense[name] = time_ms(
+                            lambda: F.scaled_dot_product_attention(
+                                q, k, v, is_causal=r.get("causal", False)
+                            ),
+                            args.repeat,
+                        )
                 except Exception as e:  # a backend this build or shape lacks
                     dense[name + "_error"] = str(e).splitlines()[0][:200]
             dense_cache[key] = dense
@@ -131,7 +148,9 @@ def main():
                 r["sdpa_" + name + "_error"] = dense[name + "_error"]
         try:
             if g < 16:
-                raise ValueError("flex_attention's kernel tiles are at least 16 (BLOCK_M = 8 fails to compile)")
+                raise ValueError(
+                    "flex_attention's kernel tiles are at least 16 (BLOCK_M = 8 fails to compile)"
+                )
             blocks = np.fromfile(os.path.join(args.mask_dir, r["mask_file"]), dtype=np.uint8)
             nb = (n + g - 1) // g
             blocks = blocks.reshape(-1, nb, nb)
@@ -149,8 +168,10 @@ def main():
             out = compiled(q, k, v, block_mask=bm, scale=scale, kernel_options=opts)
             torch.cuda.synchronize()
             r["flex_first_call_s"] = time.perf_counter() - first_call  # compilation included
-            r["flex_ms"] = time_ms(lambda: compiled(q, k, v, block_mask=bm, scale=scale, kernel_options=opts),
-                                   args.repeat)
+            r["flex_ms"] = time_ms(
+                lambda: compiled(q, k, v, block_mask=bm, scale=scale, kernel_options=opts),
+                args.repeat,
+            )
             r["flex_kernel_options"] = opts
             r["speedup_vs_flex"] = r["flex_ms"] / r["ms"]
             r["flex_max_rel_error"] = check_rows(q, k, v, out, blocks, g, scale, causal)

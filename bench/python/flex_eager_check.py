@@ -6,6 +6,7 @@ attention and its distance from dense attention. (With torch 2.15 the eager call
 attention: docs/notes/block_sparse.md.)
     bench/python/flex_eager_check.py
 """
+
 import os
 import sys
 import warnings
@@ -39,11 +40,15 @@ def main():
             try:
                 out = fn(q, k, v, block_mask=bm, scale=scale)
             except Exception as e:  # e.g. an inductor build failure on the CPU
-                print(f"torch {torch.__version__} causal={causal} {name}: failed: {str(e).splitlines()[0][:120]}")
+                print(
+                    f"torch {torch.__version__} causal={causal} {name}: failed: {str(e).splitlines()[0][:120]}"
+                )
                 continue
             err = block_sparse.check_rows(q, k, v, out, blocks, g, scale, causal, samples=64)
-            print(f"torch {torch.__version__} causal={causal} {name}: relative error {err:.3g} against "
-                  f"block-sparse float64, max |out - dense attention| {(out - dense).abs().max().item():.3g}")
+            print(
+                f"torch {torch.__version__} causal={causal} {name}: relative error {err:.3g} against "
+                f"block-sparse float64, max |out - dense attention| {(out - dense).abs().max().item():.3g}"
+            )
 
 
 if __name__ == "__main__":

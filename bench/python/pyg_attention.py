@@ -10,6 +10,7 @@ The graph is read the way trisparse reads it (undirected files symmetrised, dupl
 Prints one JSON object per graph. CUDA times are CUDA-event medians around the whole Python call
 (what a user's step pays), after 3 warm-ups, over 2 rotating input sets.
 """
+
 import argparse
 import json
 import lzma
@@ -43,16 +44,17 @@ def read_graph(path):
 
 
 def attention(row, col, q, k, v, scale, n):
-    alpha = (q[row] * k[col]).sum(-1) * scale          # [E, H]
-    alpha = softmax(alpha, row, num_nodes=n)           # segment softmax over each row
+    alpha = (q[row] * k[col]).sum(-1) * scale  # [E, H]
+    alpha = softmax(alpha, row, num_nodes=n)  # segment softmax over each row
     return scatter(alpha.unsqueeze(-1) * v[col], row, dim=0, dim_size=n, reduce="sum")
 
 
 def sdpa(mask, q, k, v, scale):
     """Dense attention with the pattern as a boolean mask ([N, H, D] -> [1, H, N, D] and back)."""
     t = lambda x: x.transpose(0, 1).unsqueeze(0)
-    o = torch.nn.functional.scaled_dot_product_attention(t(q), t(k), t(v), attn_mask=mask,
-                                                         scale=scale)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        t(q), t(k), t(v), attn_mask=mask, scale=scale
+    )
     return o.squeeze(0).transpose(0, 1)
 
 
@@ -63,7 +65,7 @@ def check(row, col, q, k, v, scale, out, rows):
     starts = np.searchsorted(row_np, np.arange(len(out) + 1))
     q, k, v, out = (x.cpu() for x in (q, k, v, out))
     for i in rows:
-        cols = col_np[starts[i]:starts[i + 1]]
+        cols = col_np[starts[i] : starts[i + 1]]
         if cols.size == 0:
             ref = np.zeros(out.shape[1:])
         else:
@@ -87,7 +89,9 @@ def timed(fn, inputs, repeat, cuda):
         times = []
         for i in range(repeat):
             if cuda:
-                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                    enable_timing=True
+                )
                 torch.cuda.synchronize()
                 start.record()
                 out = fn(*inputs[i % 2])
@@ -110,8 +114,12 @@ def main():
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--dense-budget-gib", type=float, default=16,
-                    help="largest N x N boolean mask plus fp16 scores SDPA may need")
+    ap.add_argument(
+        "--dense-budget-gib",
+        type=float,
+        default=16,
+        help="largest N x N boolean mask plus fp16 scores SDPA may need",
+    )
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     cuda = a.device == "cuda"
@@ -122,15 +130,24 @@ def main():
         rng = np.random.default_rng(0)
         sample = rng.integers(0, n, 64)
         flops = 4.0 * row.numel() * a.heads * a.dim
-        rec = {"graph": path, "rows": n, "nnz": int(row.numel()), "torch": torch.__version__,
-               "device": torch.cuda.get_device_name() if cuda else "cpu",
-               "threads": torch.get_num_threads()}
+        rec = {
+            "graph": path,
+            "rows": n,
+            "nnz": int(row.numel()),
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "threads": torch.get_num_threads(),
+        }
         # PyG in fp32 (TransformerConv's default) and, on CUDA, fp16 (half-precision models).
         for dt in ([torch.float32, torch.float16] if cuda else [torch.float32]):
             name = "pyg" if dt == torch.float32 else "pyg_fp16"
-            inputs = [tuple(torch.rand(n, a.heads, a.dim, device=dev).to(dt) for _ in range(3))
-                      for _ in range(2)]
-            t, out = timed(lambda q, k, v: attention(row, col, q, k, v, 1.0, n), inputs, a.repeat, cuda)
+            inputs = [
+                tuple(torch.rand(n, a.heads, a.dim, device=dev).to(dt) for _ in range(3))
+                for _ in range(2)
+            ]
+            t, out = timed(
+                lambda q, k, v: attention(row, col, q, k, v, 1.0, n), inputs, a.repeat, cuda
+            )
             last = inputs[(a.repeat - 1) % 2]
             rec[name + "_ms"] = t
             rec[name + "_gflops"] = flops / t * 1e-6
@@ -138,8 +155,10 @@ def main():
         if cuda and n * n * 3 <= a.dense_budget_gib * 2**30:
             mask = torch.zeros(n, n, dtype=torch.bool, device=dev)
             mask[row, col] = True
-            inputs = [tuple(torch.rand(n, a.heads, a.dim, device=dev).half() for _ in range(3))
-                      for _ in range(2)]
+            inputs = [
+                tuple(torch.rand(n, a.heads, a.dim, device=dev).half() for _ in range(3))
+                for _ in range(2)
+            ]
             t, out = timed(lambda q, k, v: sdpa(mask, q, k, v, 1.0), inputs, a.repeat, cuda)
             last = inputs[(a.repeat - 1) % 2]
             rec["sdpa_ms"] = t

@@ -10,6 +10,7 @@ sources of edges into i (edge_index = [col, row]). fp32, and fp16 (module and in
 where PyG runs it. Times: CUDA-event medians of the forward call under torch.no_grad(), after 3
 warm-ups, over 2 rotating input sets. One JSON object per graph.
 """
+
 import argparse
 import json
 import os
@@ -60,13 +61,17 @@ def main():
             for dtype, key in ((torch.float32, "fp32"), (torch.float16, "fp16")):
                 try:
                     gcn = GCNConv(a.in_dim, a.out_dim, cached=True, bias=False).to(dev, dtype)
-                    xs = [torch.rand(n, a.in_dim, device=dev, dtype=dtype) * 2 - 1 for _ in range(2)]
+                    xs = [
+                        torch.rand(n, a.in_dim, device=dev, dtype=dtype) * 2 - 1 for _ in range(2)
+                    ]
                     r[f"gcn_{key}_ms"] = timed(lambda x: gcn(x, edge_index), xs, a.repeat)
                 except Exception as e:  # noqa: BLE001 - reported, not hidden
                     r[f"gcn_{key}_error"] = str(e)[:200]
                 try:
                     agnn = AGNNConv(requires_grad=False).to(dev, dtype)
-                    hs = [torch.rand(n, a.agnn_dim, device=dev, dtype=dtype) * 2 - 1 for _ in range(2)]
+                    hs = [
+                        torch.rand(n, a.agnn_dim, device=dev, dtype=dtype) * 2 - 1 for _ in range(2)
+                    ]
                     r[f"agnn_{key}_ms"] = timed(lambda h: agnn(h, edge_index), hs, a.repeat)
                 except Exception as e:  # noqa: BLE001
                     r[f"agnn_{key}_error"] = str(e)[:200]

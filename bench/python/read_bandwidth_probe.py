@@ -4,6 +4,7 @@ K) with what a library reduction of the same size reaches: torch.sum over fp16 t
 256 MB and 1 GB (three rotating tensors each), event-timed, the median of 30 calls.
     python3 bench/python/read_bandwidth_probe.py
 """
+
 import torch
 
 

@@ -16,6 +16,7 @@ One JSON line per (graph, mode); a backend out of memory is reported ("error"), 
 import argparse
 import json
 import os
+import sys
 
 import torch
 import trisparse
@@ -23,21 +24,8 @@ import trisparse.datasets
 import trisparse.nn
 from torch_geometric.nn import TransformerConv
 
-
-def events_ms(fn, repeat):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    times.sort()
-    return times[len(times) // 2]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attention_training import events_ms
 
 
 def run(layer, x, edge_index, dout, autocast, repeat):
