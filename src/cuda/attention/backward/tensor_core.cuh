@@ -1,6 +1,6 @@
 #pragma once
 // The tensor-core attention backward over BSB (16-row windows, 16x8 TCBs with bitmaps; included
-// by launch.cu, whose helpers it uses): a pass over the pattern's windows writes dq, a pass over
+// by launch.cu, the shared pieces from device.cuh): a pass over the pattern's windows writes dq, a pass over
 // the transposed pattern's windows (16 keys, TCBs of 8 queries) writes dk and dv. One warp per
 // work chunk (a window's TCB range) and head; a window with more TCBs than a chunk takes leaves
 // fp32 partial rows that reduce_pass adds in chunk order: no atomics, bitwise repeatable.
