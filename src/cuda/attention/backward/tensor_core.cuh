@@ -1,9 +1,9 @@
 #pragma once
 // The tensor-core attention backward over BSB (16-row windows, 16x8 TCBs with bitmaps; included
-// by launch.cu, the shared pieces from device.cuh): a pass over the pattern's windows writes dq, a pass over
-// the transposed pattern's windows (16 keys, TCBs of 8 queries) writes dk and dv. One warp per
-// work chunk (a window's TCB range) and head; a window with more TCBs than a chunk takes leaves
-// fp32 partial rows that reduce_pass adds in chunk order: no atomics, bitwise repeatable.
+// by launch.cu, the shared pieces from device.cuh): a pass over the pattern's windows writes dq, a
+// pass over the transposed pattern's windows (16 keys, TCBs of 8 queries) writes dk and dv. One
+// warp per work chunk (a window's TCB range) and head; a window with more TCBs than a chunk takes
+// leaves fp32 partial rows that reduce_pass adds in chunk order: no atomics, bitwise repeatable.
 //
 // Per TCB the warp gathers each of the 8 columns' rows once for its 16 rows (the reuse the
 // CUDA-core kernel lacks) and does the products on mma.sync: S = Q Kᵀ and dP = dO Vᵀ (m16n8k16,
