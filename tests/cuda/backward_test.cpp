@@ -107,8 +107,8 @@ void check(const csr_graph& g, const grad_config& c, std::uint64_t seed, bool wi
   const double tol = test::gpu_tolerance(coarse, c.grad, 8);
   // Errors relative to each gradient's largest entry; where the exact gradient cancels to ~0
   // (`cancels`: a query with one key has dS = dP - D = 0, so a star's dq and its hub's dk vanish),
-  // relative to the step's largest gradient entry, the scale of the roundings of dP and D that no
-  // longer cancel (the tensor-core kernels round dP's dout to the input type, D's is not).
+  // relative to the step's largest gradient entry, the scale of what is left when dP and D do not
+  // cancel exactly (the tensor-core kernels sum dP on mma in another order than D).
   std::vector<test::error_report> errors;
   double largest = 0.0;
   for (const auto& [have, want] : {std::pair{&got.dq, &p.want.dq}, std::pair{&got.dk, &p.want.dk},
