@@ -385,10 +385,13 @@ def _topk_blocks_on_device(q, k, batch, block, top_k, causal, keep_diagonal):
     take = min(top_k, nbk)
     keep = torch.arange(take, device=dev)[None, :] < torch.clamp(allowed, max=top_k)[:, None]
     out.scatter_(-1, order[..., :take], keep.expand(batch, q.shape[1], nbq, take))
-    if keep_diagonal:
-        has = aligned >= 0
-        diag = torch.clamp(aligned, min=0, max=lk - 1) // block
-        out[..., r[has], diag[has]] = True
+    if (
+        keep_diagonal
+    ):  # the block of the aligned key, where there is one (no boolean indexing: no sync)
+        diag = (torch.clamp(aligned, min=0, max=lk - 1) // block).view(1, 1, nbq, 1)
+        has = (aligned >= 0).view(1, 1, nbq, 1)
+        shape = (batch, q.shape[1], nbq, 1)
+        out |= torch.zeros_like(out).scatter_(-1, diag.expand(shape), has.expand(shape))
     return out
 
 
