@@ -178,6 +178,35 @@ struct py_block_sparse_plan {
     return {block_sparse_attention_plan::build(std::move(m), where, o, stream_of(stream))};
   }
 
+  /// A plan whose lists kernels write from a bool mask on CUDA device `device` ([B or 1, H or 1,
+  /// query blocks, key blocks] at `kept`, element strides seq/head/row): no host synchronisation.
+  static py_block_sparse_plan build_on_device(std::int64_t block, std::int64_t heads, bool causal,
+                                              const std::vector<std::int64_t>& cu_seqlens_q,
+                                              const std::vector<std::int64_t>& cu_seqlens_k,
+                                              std::uintptr_t kept, std::int64_t seq_stride,
+                                              std::int64_t head_stride, std::int64_t row_stride,
+                                              std::int64_t rows, std::int64_t cols, int device,
+                                              std::uintptr_t stream) {
+    block_sparse_mask layout;
+    layout.block = block;
+    layout.heads = heads;
+    layout.causal = causal;
+    layout.cu_seqlens_q = cu_seqlens_q;
+    layout.cu_seqlens_k = cu_seqlens_k;
+    const device_block_mask d{reinterpret_cast<const void*>(kept),
+                              device,
+                              seq_stride,
+                              head_stride,
+                              row_stride,
+                              rows,
+                              cols};
+    nb::gil_scoped_release release;
+    block_sparse_plan_options o;
+    o.gradients = true;
+    o.workspace_heads = 0;  // every backward passes its workspace
+    return {block_sparse_attention_plan::build(std::move(layout), d, o, stream_of(stream))};
+  }
+
   void run(const tensor_tuple& q, const tensor_tuple& k, const tensor_tuple& v,
            const tensor_tuple& out, const std::optional<tensor_tuple>& lse,
            std::optional<double> scale, std::uintptr_t stream, std::uintptr_t ws,
@@ -355,6 +384,9 @@ NB_MODULE(_C, m) {
   nb::class_<py_block_sparse_plan>(m, "BlockSparsePlan")
       .def_static("build", &py_block_sparse_plan::build, "block"_a, "heads"_a, "causal"_a,
                   "cu_seqlens_q"_a, "cu_seqlens_k"_a, "masks"_a, "algo"_a, "device"_a, "stream"_a)
+      .def_static("build_on_device", &py_block_sparse_plan::build_on_device, "block"_a, "heads"_a,
+                  "causal"_a, "cu_seqlens_q"_a, "cu_seqlens_k"_a, "kept"_a, "seq_stride"_a,
+                  "head_stride"_a, "row_stride"_a, "rows"_a, "cols"_a, "device"_a, "stream"_a)
       .def("run", &py_block_sparse_plan::run, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(),
            "scale"_a.none(), "stream"_a, "workspace"_a, "workspace_bytes"_a)
       .def("backward", &py_block_sparse_plan::backward, "q"_a, "k"_a, "v"_a, "out"_a.none(),

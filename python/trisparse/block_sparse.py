@@ -25,7 +25,12 @@ class BlockMask:
     ``blocks``: a bool tensor [B or 1, H or 1, ceil(N_q / G), ceil(N_k / G)] (1 = shared by every
     sequence / head); ``block_size`` G; ``causal`` also masks the elements above the diagonal
     (aligned at the bottom right when N_q != N_k) inside kept blocks. The formats are prepared
-    once per device and sequence sizes, and reused."""
+    once per device and sequence sizes, and reused.
+
+    ``blocks`` stays where it is. On CUDA, with G a multiple of 16, the plan's lists are built
+    from it on the device by kernels on the current stream (no host synchronisation, so a mask
+    made at every step, e.g. a top-k selection, costs no round trip); the CPU, float64 inputs
+    and other block sizes read a host copy, made once."""
 
     def __init__(self, blocks: Tensor, block_size: int, causal: bool = False):
         if not isinstance(blocks, Tensor) or blocks.dtype != torch.bool or blocks.dim() != 4:
@@ -34,7 +39,8 @@ class BlockMask:
             )
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.blocks = blocks.detach().to("cpu")
+        self.blocks = blocks.detach()
+        self._host: Tensor | None = self.blocks if self.blocks.device.type == "cpu" else None
         self.block_size = int(block_size)
         self.causal = bool(causal)
         self._plans: dict[tuple, Any] = {}
@@ -44,7 +50,8 @@ class BlockMask:
     def from_flex(cls, block_mask: Any, causal: bool = False) -> BlockMask:
         """From FlexAttention's ``BlockMask``: every block it visits (its partial and full blocks)
         is kept whole. Its ``mask_mod`` is not applied inside partial blocks, so the result equals
-        flex_attention's where the mask_mod is block-granular, or causal with ``causal=True``."""
+        flex_attention's where the mask_mod is block-granular, or causal with ``causal=True``.
+        The blocks stay on the mask's device (``to_dense``: torch ops, no host copy)."""
         q_block, kv_block = block_mask.BLOCK_SIZE
         if q_block != kv_block:
             raise ValueError(
@@ -73,14 +80,41 @@ class BlockMask:
             )
         if b_m not in (1, batch):
             raise ValueError(f"mask: {b_m} sequences' masks for a batch of {batch}")
+        stream = _tensors.stream(device)
+        if (
+            device.type == "cuda"
+            and self.blocks.device == device
+            and algo == "automatic"
+            and g % 16 == 0
+        ):
+            kept = self.blocks if self.blocks.stride(-1) == 1 else self.blocks.contiguous()
+            self._kept = kept  # read by the plan's kernels, in stream order
+            plan = _C.BlockSparsePlan.build_on_device(
+                g,
+                h_m,
+                self.causal,
+                list(cu_q),
+                list(cu_k),
+                kept.data_ptr(),
+                kept.stride(0) if b_m > 1 else 0,
+                kept.stride(1) if h_m > 1 else 0,
+                kept.stride(2),
+                qb,
+                kb,
+                _tensors.device_index(device),
+                stream,
+            )
+            self._plans[key] = plan
+            return plan
+        if self._host is None:
+            self._host = self.blocks.to("cpu")  # one host synchronisation per mask
         csr = []
         for b in range(batch):
             qb_b, kb_b = math.ceil(lq[b] / g), math.ceil(lk[b] / g)
             for h in range(h_m):
-                dense = self.blocks[b if b_m > 1 else 0, h, :qb_b, :kb_b]
+                dense = self._host[b if b_m > 1 else 0, h, :qb_b, :kb_b]
                 rows, cols = dense.nonzero(as_tuple=True)
                 csr.append((row_offsets(rows, qb_b), cols.to(torch.int32).contiguous()))
-        stream = _tensors.stream(device)
         plan = _C.BlockSparsePlan.build(
             g,
             h_m,
@@ -358,8 +392,9 @@ def _block_means(x: Tensor, batch: int, block: int) -> Tensor:
     x = x.reshape(batch, n, h, d).to(torch.float64)
     sums = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, nb * block - n))
     sums = sums.view(batch, nb, block, h, d).sum(2).transpose(1, 2)
-    counts = torch.full((nb,), float(block), dtype=torch.float64, device=x.device)
-    counts[-1] = n - (nb - 1) * block
+    # Rows per block, computed on the device (writing a host scalar into it would synchronise).
+    starts = torch.arange(nb, dtype=torch.float64, device=x.device) * block
+    counts = (n - starts).clamp(max=block)
     return sums / counts[:, None]
 
 
@@ -385,9 +420,8 @@ def _topk_blocks_on_device(q, k, batch, block, top_k, causal, keep_diagonal):
     take = min(top_k, nbk)
     keep = torch.arange(take, device=dev)[None, :] < torch.clamp(allowed, max=top_k)[:, None]
     out.scatter_(-1, order[..., :take], keep.expand(batch, q.shape[1], nbq, take))
-    if (
-        keep_diagonal
-    ):  # the block of the aligned key, where there is one (no boolean indexing: no sync)
+    if keep_diagonal:
+        # The block of the aligned key, where there is one (no boolean indexing: no sync).
         diag = (torch.clamp(aligned, min=0, max=lk - 1) // block).view(1, 1, nbq, 1)
         has = (aligned >= 0).view(1, 1, nbq, 1)
         shape = (batch, q.shape[1], nbq, 1)
@@ -416,10 +450,10 @@ def topk_block_mask(
     <mean of the block's q rows, mean of the key block's k rows>, among those it may attend
     (causal: not past the diagonal, aligned at the bottom right), plus with ``keep_diagonal``
     the block holding the key aligned with the query block's last row. Ties go to the lower
-    block. q [B, H, N_q, D], k [B, H, N_k, D] on the CPU or CUDA (selected there; the
-    BlockMask then copies the selection to the host to build its plan, one synchronisation per
-    mask); the mask is per sequence and head, ``causal`` as given, for
-    :func:`block_sparse_attention`. Not differentiable (a selection)."""
+    block. q [B, H, N_q, D], k [B, H, N_k, D] on the CPU or CUDA (selected there, and on CUDA
+    the mask's plan is built there too: no host synchronisation); the mask is per sequence and
+    head, ``causal`` as given, for :func:`block_sparse_attention`. Not differentiable (a
+    selection)."""
     for t, name in ((q, "q"), (k, "k")):
         if not isinstance(t, Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a [B, H, N, D] tensor")

@@ -2,6 +2,8 @@
 
 #include <cmath>
 #include <string>
+#include <tuple>
+#include <utility>
 
 #include "trisparse/core/error.hpp"
 
@@ -23,6 +25,29 @@ void check_attention_args(std::int64_t rows, std::int64_t cols, const tensor_vie
                           " is on " + to_string(t->where) + " but the plan runs on " +
                           to_string(where));
     }
+  }
+}
+
+void check_gradient_args(const tensor_view& q, const tensor_view& k, const tensor_view& v,
+                         const tensor_view& dq, const tensor_view& dk, const tensor_view& dv,
+                         device_kind where) {
+  for (const auto& [t, like, what] :
+       {std::tuple{&dq, &q, "dq"}, std::tuple{&dk, &k, "dk"}, std::tuple{&dv, &v, "dv"}}) {
+    check_view(*t, what, like->rows, like->heads, like->dim);
+    TRISPARSE_EXPECTS_INPUT(
+        t->where == where, std::string(what) + " must be on " + to_string(where) + ", as the plan");
+  }
+}
+
+void check_saved_forward(std::int64_t rows, const tensor_view& q, const tensor_view& v,
+                         const tensor_view& out, const tensor_view& lse) {
+  check_view(out, "out", rows, q.heads, v.dim);
+  TRISPARSE_EXPECTS_INPUT(lse.data != nullptr,
+                          "block-sparse backward needs the forward's lse (attention_options::lse)");
+  check_view(lse, "lse", rows, q.heads, 1);
+  for (const auto& [t, what] : {std::pair{&out, "out"}, std::pair{&lse, "lse"}}) {
+    TRISPARSE_EXPECTS_INPUT(t->where == device_kind::cuda,
+                            std::string(what) + " must be on the GPU");
   }
 }
 

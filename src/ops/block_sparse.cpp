@@ -93,6 +93,13 @@ void check_run_args(const block_sparse_mask& m, const tensor_view& q, const tens
                               std::to_string(q.heads) + " (a mask is per head or shared)");
 }
 
+// The block kernel's own backward workspace, for up to `heads` heads.
+device_tensor own_backward_workspace(const cuda::block_sparse_device_plan& plan,
+                                     std::int64_t heads) {
+  const std::size_t own = cuda::block_sparse_backward_workspace_bytes(plan, heads);
+  return {dtype::f32, std::max<std::int64_t>(static_cast<std::int64_t>(own / 4), 1), 1, 1};
+}
+
 // The algorithms a block mask runs with: reference and fused on the CPU; block, fused (the
 // element patterns) and unfused on CUDA.
 bool runs_block_masks(algorithm a, device_kind where) {
@@ -135,10 +142,7 @@ block_sparse_attention_plan block_sparse_attention_plan::build(
     bytes = cuda::device_bytes(*s->device);
     if (options.gradients) {
       s->grad_heads = std::max<std::int64_t>(options.workspace_heads, 1);
-      const std::size_t own =
-          cuda::block_sparse_backward_workspace_bytes(*s->device, s->grad_heads);
-      s->grad_own = device_tensor(
-          dtype::f32, std::max<std::int64_t>(static_cast<std::int64_t>(own / 4), 1), 1, 1);
+      s->grad_own = own_backward_workspace(*s->device, s->grad_heads);
     }
     s->report.format += " (device, " + std::string(cuda::kernel_name(*s->device)) + ")";
   } else if (algo == algorithm::unfused) {
@@ -161,6 +165,57 @@ block_sparse_attention_plan block_sparse_attention_plan::build(
   }
   s->report.format_bytes = bytes;
   s->mask = std::move(mask);
+  s->report.build_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  block_sparse_attention_plan plan;
+  plan.state_ = std::move(s);
+  return plan;
+}
+
+block_sparse_attention_plan block_sparse_attention_plan::build(
+    block_sparse_mask layout, const device_block_mask& kept,
+    const block_sparse_plan_options& options, stream_ref stream) {
+  const auto t0 = std::chrono::steady_clock::now();
+  TRISPARSE_EXPECTS_INPUT(layout.masks.empty(),
+                          "a plan for a mask on the device takes a layout without masks");
+  detail::topk_rows(layout, 0, false).check();  // the offsets, heads and block
+  TRISPARSE_EXPECTS_INPUT(
+      options.algo == algorithm::automatic || options.algo == algorithm::block,
+      "a mask on the device runs algorithm::block, not " + std::string(to_string(options.algo)));
+  if (!cuda::block_sparse_supports(layout.block)) {
+    throw not_supported("a mask on the device takes blocks that are multiples of 16, not " +
+                        std::to_string(layout.block));
+  }
+  const std::int64_t g = layout.block;
+  std::int64_t rows = 0, cols = 0;
+  for (std::int64_t b = 0; b < layout.batch(); ++b) {
+    rows = std::max(rows, (layout.len_q(b) + g - 1) / g);
+    cols = std::max(cols, (layout.len_k(b) + g - 1) / g);
+  }
+  TRISPARSE_EXPECTS_INPUT(kept.rows >= rows && kept.cols >= cols,
+                          "kept: " + std::to_string(kept.rows) + " x " + std::to_string(kept.cols) +
+                              " blocks do not cover the longest sequences' " +
+                              std::to_string(rows) + " x " + std::to_string(cols));
+  TRISPARSE_EXPECTS_INPUT((kept.data != nullptr || rows * cols == 0) && kept.seq_stride >= 0 &&
+                              kept.head_stride >= 0 && kept.row_stride >= cols,
+                          "kept: null data, or strides that overlap its blocks");
+  auto s = std::make_shared<state>();
+  s->report.algo = algorithm::block;
+  s->report.where = device_kind::cuda;
+  s->report.rows = layout.cu_seqlens_q.back();
+  s->report.cols = layout.cu_seqlens_k.back();
+  s->report.nnz = -1;
+  s->device = cuda::make_block_sparse_plan_on_device(layout, kept, options.kernel,
+                                                     options.gradients, stream);
+  // workspace_heads = 0: every backward passes its own.
+  if (options.gradients && options.workspace_heads > 0) {
+    s->grad_heads = options.workspace_heads;
+    s->grad_own = own_backward_workspace(*s->device, s->grad_heads);
+  }
+  s->report.format = "block mask G=" + std::to_string(g) + " on the device (" +
+                     cuda::kernel_name(*s->device) + ")";
+  s->report.format_bytes = cuda::device_bytes(*s->device);
+  s->mask = std::move(layout);
   s->report.build_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   block_sparse_attention_plan plan;
@@ -237,9 +292,7 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
 
 std::size_t block_sparse_attention_plan::backward_workspace_bytes(std::int64_t heads) const {
   TRISPARSE_EXPECTS_INPUT(heads >= 0, "backward_workspace_bytes: heads must be >= 0");
-  return state_->grad_heads > 0
-             ? cuda::block_sparse_backward_workspace_bytes(*state_->device, heads)
-             : 0;
+  return state_->device ? cuda::block_sparse_backward_workspace_bytes(*state_->device, heads) : 0;
 }
 
 void block_sparse_attention_plan::backward(const tensor_view& q, const tensor_view& k,
@@ -251,12 +304,7 @@ void block_sparse_attention_plan::backward(const tensor_view& q, const tensor_vi
   const block_sparse_mask& m = state_->mask;
   const device_kind where = state_->report.where;
   check_run_args(m, q, k, v, dout, where);
-  for (const auto& [t, like, what] :
-       {std::tuple{&dq, &q, "dq"}, std::tuple{&dk, &k, "dk"}, std::tuple{&dv, &v, "dv"}}) {
-    check_view(*t, what, like->rows, like->heads, like->dim);
-    TRISPARSE_EXPECTS_INPUT(
-        t->where == where, std::string(what) + " must be on " + to_string(where) + ", as the plan");
-  }
+  detail::check_gradient_args(q, k, v, dq, dk, dv, where);
   const double scale = detail::resolve_scale(options.scale, q.dim);
   if (where == device_kind::cpu) {
     const algorithm algo =
@@ -276,14 +324,7 @@ void block_sparse_attention_plan::backward(const tensor_view& q, const tensor_vi
         "of 16); this plan runs " +
         std::string(to_string(state_->report.algo)));
   }
-  check_view(out, "out", m.cu_seqlens_q.back(), q.heads, v.dim);
-  TRISPARSE_EXPECTS_INPUT(lse.data != nullptr,
-                          "block-sparse backward needs the forward's lse (attention_options::lse)");
-  check_view(lse, "lse", m.cu_seqlens_q.back(), q.heads, 1);
-  for (const auto& [t, what] : {std::pair{&out, "out"}, std::pair{&lse, "lse"}}) {
-    TRISPARSE_EXPECTS_INPUT(t->where == device_kind::cuda,
-                            std::string(what) + " must be on the GPU");
-  }
+  detail::check_saved_forward(m.cu_seqlens_q.back(), q, v, out, lse);
   workspace_view ws = given;
   if (ws.empty()) {
     TRISPARSE_EXPECTS_INPUT(

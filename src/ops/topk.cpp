@@ -49,7 +49,8 @@ topk_block_sparse_plan topk_block_sparse_plan::build(std::span<const std::int64_
   s->slots = options.top_k + (options.keep_diagonal ? 1 : 0);
   topk_rows(s->shape, s->slots, false).check();  // the offsets, through the mask's own checks
   s->device = cuda::make_topk_plan(topk_rows(s->shape, s->slots, true), options.top_k,
-                                   options.keep_diagonal, head_dim, plan_options.kernel, stream);
+                                   options.keep_diagonal, head_dim, plan_options.kernel,
+                                   plan_options.gradients, stream);
   s->report.algo = algorithm::block;
   s->report.where = device_kind::cuda;
   s->report.rows = s->shape.cu_seqlens_q.back();
@@ -81,8 +82,36 @@ void topk_block_sparse_plan::run(const tensor_view& q, const tensor_view& k, con
                                                   " heads, q " + std::to_string(q.heads));
   TRISPARSE_EXPECTS_INPUT(options.algo == algorithm::automatic || options.algo == algorithm::block,
                           "top-k plans run block, not " + std::string(to_string(options.algo)));
-  cuda::run_block_sparse(cuda::attention_of(*state_->device), q, k, v, out, {},
+  if (options.lse.data != nullptr) {
+    check_view(options.lse, "lse", m.cu_seqlens_q.back(), q.heads, 1);
+    TRISPARSE_EXPECTS_INPUT(options.lse.where == device_kind::cuda, "lse must be on the GPU");
+  }
+  cuda::run_block_sparse(cuda::attention_of(*state_->device), q, k, v, out, options.lse,
                          detail::resolve_scale(options.scale, q.dim), stream);
+}
+
+void topk_block_sparse_plan::backward(const tensor_view& q, const tensor_view& k,
+                                      const tensor_view& v, const tensor_view& out,
+                                      const tensor_view& lse, const tensor_view& dout,
+                                      const tensor_view& dq, const tensor_view& dk,
+                                      const tensor_view& dv, workspace_view workspace,
+                                      const attention_options& options, stream_ref stream) const {
+  const block_sparse_mask& m = state_->shape;
+  detail::check_attention_args(m.cu_seqlens_q.back(), m.cu_seqlens_k.back(), q, k, v, dout,
+                               device_kind::cuda);
+  detail::check_gradient_args(q, k, v, dq, dk, dv, device_kind::cuda);
+  detail::check_saved_forward(m.cu_seqlens_q.back(), q, v, out, lse);
+  TRISPARSE_EXPECTS_INPUT(state_->selected, "top-k plan: select() the mask before backward()");
+  TRISPARSE_EXPECTS_INPUT(q.heads == m.heads, "the plan has " + std::to_string(m.heads) +
+                                                  " heads, q " + std::to_string(q.heads));
+  cuda::run_block_sparse_backward(cuda::attention_of(*state_->device), q, k, v, out, lse, dout, dq,
+                                  dk, dv, detail::resolve_scale(options.scale, q.dim), workspace,
+                                  stream);
+}
+
+std::size_t topk_block_sparse_plan::backward_workspace_bytes(std::int64_t heads) const {
+  TRISPARSE_EXPECTS_INPUT(heads >= 0, "backward_workspace_bytes: heads must be >= 0");
+  return cuda::block_sparse_backward_workspace_bytes(cuda::attention_of(*state_->device), heads);
 }
 
 block_sparse_mask topk_block_sparse_plan::mask(stream_ref stream) const {

@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <vector>
 
 #include "device_tensor.hpp"
 
@@ -31,9 +33,50 @@ bool quick() {
   return q != nullptr && *q == '1';
 }
 
+// A mask's blocks as bytes on the device, [masks, query blocks, key blocks] (the longest
+// sequence's), for block_sparse_attention_plan's device build.
+struct kept_bytes {
+  std::unique_ptr<std::uint8_t, decltype(&cudaFree)> data{nullptr, &cudaFree};
+  device_block_mask view;
+
+  // shared: one mask serves every sequence (all sequences must then have the same mask).
+  kept_bytes(const block_sparse_mask& m, bool shared) {
+    std::int64_t rows = 0, cols = 0;
+    for (const block_mask& bm : m.masks) {
+      rows = std::max(rows, bm.blocks.rows);
+      cols = std::max(cols, bm.blocks.cols);
+    }
+    const std::int64_t stored = shared ? m.heads : m.batch() * m.heads;
+    std::vector<std::uint8_t> host(
+        static_cast<std::size_t>(std::max<std::int64_t>(stored * rows * cols, 1)), 0);
+    for (std::int64_t x = 0; x < stored; ++x) {
+      const csr_graph& b = m.masks[static_cast<std::size_t>(x)].blocks;
+      for (std::int64_t r = 0; r < b.rows; ++r)
+        for (std::int64_t e = b.row_ptr[r]; e < b.row_ptr[r + 1]; ++e)
+          host[static_cast<std::size_t>((x * rows + r) * cols + b.col_idx[e])] = 1;
+    }
+    std::uint8_t* d = nullptr;
+    test::cuda_check(cudaMalloc(&d, host.size()), "cudaMalloc");
+    data.reset(d);
+    test::cuda_check(cudaMemcpy(d, host.data(), host.size(), cudaMemcpyHostToDevice), "upload");
+    view = {d, 0, shared ? 0 : m.heads * rows * cols, rows * cols, cols, rows, cols};
+  }
+};
+
+// on_device: the plan is built from the mask's blocks as bytes on the device (kept_bytes), with
+// `shared` as there.
 void check(const block_sparse_mask& m, const grad_case& c, std::uint64_t seed, double lo = -1.0,
-           double hi = 1.0, double scale = 0.125) {
-  const auto plan = block_sparse_attention_plan::build(m, device_kind::cuda, {.gradients = true});
+           double hi = 1.0, double scale = 0.125, bool on_device = false, bool shared = false) {
+  std::unique_ptr<kept_bytes> kept;
+  block_sparse_attention_plan plan;
+  if (on_device) {
+    kept = std::make_unique<kept_bytes>(m, shared);
+    block_sparse_mask layout = m;
+    layout.masks.clear();
+    plan = block_sparse_attention_plan::build(layout, kept->view, {.gradients = true});
+  } else {
+    plan = block_sparse_attention_plan::build(m, device_kind::cuda, {.gradients = true});
+  }
   SCOPED_TRACE(std::string(to_string(c.in)) + "->" + std::string(to_string(c.grad)) + " d" +
                std::to_string(c.dim) + " heads " + std::to_string(c.heads) + "/" +
                std::to_string(m.heads) + " G" + std::to_string(m.block) + " causal " +
@@ -55,6 +98,13 @@ void check(const block_sparse_mask& m, const grad_case& c, std::uint64_t seed, d
   plan.run(q.view(), k.view(), v.view(), out.view(), {.scale = scale, .lse = lse.view()});
   test::cuda_check(cudaDeviceSynchronize(), "forward");
   stage("forward");
+  {
+    host_tensor want(dtype::f64, nq, h, c.dim);
+    reference::block_sparse_attention(m, hq.view(), hk.view(), hv.view(), want.view(), scale);
+    const auto e = test::compare(out.download(), want);
+    EXPECT_TRUE(e.finite) << "out: unwritten, NaN or infinite";
+    EXPECT_LE(e.relative(), test::gpu_tolerance(c.in, c.in, 8)) << "out: max abs " << e.max_abs;
+  }
   test::device_tensor dq(host_tensor(c.grad, nq, h, c.dim)), dk(host_tensor(c.grad, nk, h, c.dim)),
       dv(host_tensor(c.grad, nk, h, c.dim));
   host_tensor got[3];
@@ -177,6 +227,107 @@ TEST(GpuBlockSparseBackward, LongSequenceAndManySequences) {
   check(make_block_sparse_mask(
             {.layout = block_layout::random, .block = 32, .p = 0.6, .heads = 2, .seed = 7}, many),
         {dtype::f16, dtype::f16, 64, 2}, 32);
+}
+
+// Masks held on the device (the plan's lists written by kernels from the mask's bytes): ragged,
+// per head, with emptied block rows, causal and not, every block size; a shared mask over a
+// batch; rectangular top-k masks.
+TEST(GpuBlockSparseBackward, MasksOnTheDevice) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<std::int64_t> lens{1, 300, 0, 517, 64};
+  std::uint64_t seed = 41;
+  for (const std::int64_t g : {16, 32, 64, 128}) {
+    for (const bool causal : {false, true}) {
+      const auto mask = make_block_sparse_mask({.layout = block_layout::random,
+                                                .block = g,
+                                                .p = 0.6,
+                                                .causal = causal,
+                                                .heads = 2,
+                                                .seed = seed++},
+                                               lens);
+      check(mask, {dtype::f16, dtype::f32, 64, 2}, seed++, -1.0, 1.0, 0.125, true);
+      check(mask, {dtype::bf16, dtype::bf16, 128, 2}, seed++, -1.0, 1.0, 0.125, true);
+    }
+  }
+  // One mask for three sequences of one length, shared by 2 heads.
+  const std::vector<std::int64_t> same{200, 200, 200};
+  auto shared = make_block_sparse_mask(
+      {.layout = block_layout::random, .block = 64, .p = 0.5, .seed = 9}, same);
+  for (block_mask& bm : shared.masks) bm = shared.masks.front();
+  check(shared, {dtype::f16, dtype::f16, 64, 2}, 51, -1.0, 1.0, 0.125, true, true);
+  const std::vector<std::int64_t> cu_q{0, 300, 301, 700}, cu_k{0, 100, 400, 700};
+  host_tensor q(dtype::f16, 700, 1, 64), k(dtype::f16, 700, 1, 64);
+  q.fill_uniform(-1, 1, 1);
+  k.fill_uniform(-1, 1, 2);
+  const auto topk =
+      topk_block_mask(q.view(), k.view(), cu_q, cu_k, {.block = 64, .top_k = 2, .causal = true});
+  check(topk, {dtype::bf16, dtype::f32, 128, 1}, 52, -30.0, 30.0, 0.125, true);
+}
+
+// The top-k plan's backward: the transposed masks rebuilt on the device after each selection,
+// gradients against the float64 reference under the selected mask, bitwise equal over two
+// selections of the same mask.
+TEST(GpuBlockSparseBackward, TopkPlanOnTheDevice) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<std::int64_t> cu_q{0, 300, 301, 1000, 1000}, cu_k{0, 257, 400, 1400, 1464};
+  for (const bool causal : {false, true}) {
+    for (const std::int64_t g : {32, 64}) {
+      SCOPED_TRACE("causal " + std::to_string(causal) + " G" + std::to_string(g));
+      const std::int64_t h = 2, d = 64, nq = cu_q.back(), nk = cu_k.back();
+      auto plan = topk_block_sparse_plan::build(
+          cu_q, cu_k, h, d, {.block = g, .top_k = 3, .causal = causal}, {.gradients = true});
+      host_tensor hq(dtype::f16, nq, h, d), hk(dtype::f16, nk, h, d), hv(dtype::f16, nk, h, d),
+          hdo(dtype::f16, nq, h, d);
+      hq.fill_uniform(-1, 1, 61);
+      hk.fill_uniform(-1, 1, 62);
+      hv.fill_uniform(-1, 1, 63);
+      hdo.fill_uniform(-1, 1, 64);
+      test::device_tensor q(hq), k(hk), v(hv), dout(hdo), out(host_tensor(dtype::f16, nq, h, d)),
+          lse(host_tensor(dtype::f32, nq, h, 1)), dq(host_tensor(dtype::f32, nq, h, d)),
+          dk(host_tensor(dtype::f32, nk, h, d)), dv(host_tensor(dtype::f32, nk, h, d)),
+          ws(host_tensor(dtype::f32,
+                         static_cast<std::int64_t>(plan.backward_workspace_bytes(h) / 4) + 1, 1,
+                         1));
+      const workspace_view w{ws.view().data, plan.backward_workspace_bytes(h)};
+      host_tensor first[3];
+      for (int round = 0; round < 2; ++round) {
+        for (auto* g2 : {&out, &lse, &dq, &dk, &dv}) g2->poison();
+        plan.select(q.view(), k.view());
+        plan.run(q.view(), k.view(), v.view(), out.view(), {.lse = lse.view()});
+        plan.backward(q.view(), k.view(), v.view(), out.view(), lse.view(), dout.view(), dq.view(),
+                      dk.view(), dv.view(), w);
+        host_tensor now[3] = {dq.download(), dk.download(), dv.download()};
+        for (int i = 0; i < 3; ++i) {
+          if (round == 0)
+            first[i] = std::move(now[i]);
+          else
+            EXPECT_EQ(std::memcmp(first[i].data(), now[i].data(), now[i].size_bytes()), 0)
+                << "runs differ";
+        }
+      }
+      const block_sparse_mask m = plan.mask();
+      host_tensor want[3] = {host_tensor(dtype::f64, nq, h, d), host_tensor(dtype::f64, nk, h, d),
+                             host_tensor(dtype::f64, nk, h, d)};
+      reference::block_sparse_attention_backward(m, hq.view(), hk.view(), hv.view(), hdo.view(),
+                                                 want[0].view(), want[1].view(), want[2].view(),
+                                                 1.0 / 8.0);
+      const char* names[3] = {"dq", "dk", "dv"};
+      for (int i = 0; i < 3; ++i) {
+        const auto e = test::compare(first[i], want[i]);
+        EXPECT_TRUE(e.finite) << names[i] << ": unwritten, NaN or infinite";
+        EXPECT_LE(e.relative(), test::gpu_tolerance(dtype::f16, dtype::f32, 8))
+            << names[i] << ": max abs " << e.max_abs << " of " << e.max_ref;
+      }
+    }
+  }
+  const std::vector<std::int64_t> cu{0, 128};
+  auto no_grad = topk_block_sparse_plan::build(cu, cu, 1, 64, {.block = 64, .top_k = 1});
+  host_tensor hx(dtype::f16, 128, 1, 64);
+  test::device_tensor x(hx), lse(host_tensor(dtype::f32, 128, 1, 1));
+  no_grad.select(x.view(), x.view());
+  EXPECT_THROW(no_grad.backward(x.view(), x.view(), x.view(), x.view(), lse.view(), x.view(),
+                                x.view(), x.view(), x.view(), {}),
+               invalid_input);
 }
 
 TEST(GpuBlockSparseBackward, RejectsWhatItCannotRun) {

@@ -254,3 +254,69 @@ def test_block_sparse_training_step_with_flex_block_mask_on_cuda():
     want = [out] + list(torch.autograd.grad(out, leaves, dout.double()))
     for a, w in zip(got, want, strict=True):
         assert float((a.double() - w).abs().max() / w.abs().max()) <= 3e-2
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shared", [False, True])
+def test_block_masks_on_the_device_match_host_masks(causal, shared):
+    """A BlockMask whose blocks are on the GPU (lists built there) gives the outputs and
+    gradients of the same mask on the host, on a ragged packed batch, bitwise repeatable."""
+    h, d, g = 2, 64, 32
+    lq, lk = [0, 1, 300, 517, 64], [40, 1, 250, 517, 100]
+    cu_q = [sum(lq[:i]) for i in range(6)]
+    cu_k = [sum(lk[:i]) for i in range(6)]
+    gen = torch.Generator().manual_seed(23)
+    shape = (1, 1) if shared else (5, h)
+    blocks = torch.rand(*shape, -(-517 // g), -(-517 // g), generator=gen) < 0.4
+    q, dout = (torch.randn(cu_q[-1], h, d, generator=gen) for _ in range(2))
+    k, v = (torch.randn(cu_k[-1], h, d, generator=gen) for _ in range(2))
+
+    def grads(mask):
+        leaves = [t.to("cuda", torch.float16).requires_grad_() for t in (q, k, v)]
+        out = trisparse.block_sparse_attention(*leaves, mask, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        grads = torch.autograd.grad(out, leaves, dout.to("cuda", torch.float16))
+        return [out.detach().float()] + [x.float() for x in grads]
+
+    on_device = trisparse.BlockMask(blocks.cuda(), block_size=g, causal=causal)
+    got = grads(on_device)
+    for a, c in zip(got, grads(on_device), strict=True):
+        assert torch.equal(a, c)
+    for a, w in zip(
+        got, grads(trisparse.BlockMask(blocks, block_size=g, causal=causal)), strict=True
+    ):
+        assert torch.isfinite(a).all()
+        assert float((a - w).abs().max() / w.abs().max().clamp_min(1e-30)) <= 4e-3
+
+
+def test_masks_on_the_device_train_without_a_host_synchronisation():
+    """A top-k mask and a FlexAttention BlockMask, selected and converted on the GPU, run forward
+    and backward while the GPU still sleeps on earlier work: nothing waited for it (and torch's
+    sync debug mode raises on none of its own synchronisations)."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    b, h, n, d, g = 1, 2, 1024, 64, 64
+
+    def local(b_, h_, q_idx, kv_idx):
+        return (q_idx // g - kv_idx // g).abs() <= 2
+
+    flex_mask = fa.create_block_mask(local, b, h, n, n, device="cuda", BLOCK_SIZE=g)
+    gen = torch.Generator(device="cuda").manual_seed(29)
+    q, k, v, dout = (
+        torch.randn(b, h, n, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+        for _ in range(4)
+    )
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of the GPU's time
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for make in (
+            lambda: trisparse.topk_block_mask(q, k, g, top_k=3, causal=True),
+            lambda: flex_mask,
+        ):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = trisparse.block_sparse_attention(*leaves, make())
+            torch.autograd.grad(out, leaves, dout)
+        busy = not torch.cuda.current_stream().query()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert busy, "the host waited for the GPU"
+    torch.cuda.synchronize()

@@ -50,6 +50,19 @@ struct block_sparse_mask {
   void check() const;
 };
 
+/// A block mask held on a CUDA device, one byte a block (nonzero: kept), as a bool tensor
+/// [B or 1, H or 1, query blocks, key blocks] holds it; non-owning. Sequence b, mask head h, block
+/// row r, key block c at data[b * seq_stride + h * head_stride + r * row_stride + c]. It covers the
+/// longest sequence; sequence b uses its top left ceil(len_q(b) / G) x ceil(len_k(b) / G) blocks.
+struct device_block_mask {
+  const void* data = nullptr;
+  int device_id = 0;
+  std::int64_t seq_stride = 0;  ///< 0: one mask for every sequence
+  std::int64_t head_stride = 0;
+  std::int64_t row_stride = 0;
+  std::int64_t rows = 0, cols = 0;  ///< query and key blocks
+};
+
 /// Block layouts of sparse transformers, at block level (i = query block, j = key block).
 enum class block_layout : std::uint8_t {
   dense,    ///< every block

@@ -73,6 +73,20 @@ class block_sparse_attention_plan {
                                            const block_sparse_plan_options& options = {},
                                            stream_ref stream = {});
 
+  /// A plan for a mask held on the device (a FlexAttention BlockMask, a mask computed on the GPU):
+  /// `layout` gives the lengths, heads (1 or H), block (a multiple of 16) and causality, with no
+  /// masks; `kept` covers the longest sequence. The lists are written by kernels on `stream` into
+  /// memory allocated and later released in `stream`'s order (the stream must outlive the plan):
+  /// no host synchronisation, so a mask that changes at every step costs no round trip. CUDA and
+  /// algorithm::block (automatic) only; run(), backward() (with options.gradients) as for a host
+  /// mask (options.workspace_heads = 0: no own backward workspace, every backward passes one). The mask's contents are not known on the host: report().nnz is -1 and mask() has no
+  /// masks. @throws invalid_input for broken offsets, a `kept` that does not cover the sequences,
+  /// another device or algorithm; not_supported without the CUDA backend or for a block that is
+  /// not a multiple of 16.
+  static block_sparse_attention_plan build(block_sparse_mask layout, const device_block_mask& kept,
+                                           const block_sparse_plan_options& options = {},
+                                           stream_ref stream = {});
+
   /// out = attention(q, k, v) under the mask (CUDA: asynchronous on `stream`; q, k, v f16 or bf16,
   /// D 64 or 128 for algorithm::block; options.lse (f32 [rows, H, 1]) with algorithm::block
   /// only). q: [cu_seqlens_q.back(), H, D],
@@ -144,10 +158,22 @@ class topk_block_sparse_plan {
   /// plan's device); asynchronous on `stream`. @throws invalid_input for other shapes or dtypes.
   void select(const tensor_view& q, const tensor_view& k, stream_ref stream = {});
 
-  /// out = attention(q, k, v) under the last selected mask, as block_sparse_attention_plan::run.
-  /// @throws invalid_input before the first select().
+  /// out = attention(q, k, v) under the last selected mask, as block_sparse_attention_plan::run
+  /// (options.lse too). @throws invalid_input before the first select().
   void run(const tensor_view& q, const tensor_view& k, const tensor_view& v, const tensor_view& out,
            const attention_options& options = {}, stream_ref stream = {}) const;
+
+  /// Gradients under the last selected mask, as block_sparse_attention_plan::backward on CUDA
+  /// (build with plan_options.gradients: select() then also rebuilds the transposed masks on the
+  /// device, in stream order). `workspace`: backward_workspace_bytes(q.heads) bytes.
+  /// @throws invalid_input before the first select(), for a plan built without gradients, or
+  /// naming a wrong argument.
+  void backward(const tensor_view& q, const tensor_view& k, const tensor_view& v,
+                const tensor_view& out, const tensor_view& lse, const tensor_view& dout,
+                const tensor_view& dq, const tensor_view& dk, const tensor_view& dv,
+                workspace_view workspace, const attention_options& options = {},
+                stream_ref stream = {}) const;
+  std::size_t backward_workspace_bytes(std::int64_t heads) const;
 
   /// The last selected mask, downloaded (synchronous on `stream`). @throws invalid_input before
   /// the first select().

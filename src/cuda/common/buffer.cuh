@@ -1,5 +1,6 @@
 #pragma once
-// An owning, move-only device allocation (cudaMalloc / cudaFree).
+// An owning, move-only device allocation: cudaMalloc / cudaFree, or stream-ordered
+// (cudaMallocAsync / cudaFreeAsync on the stream it was made on, which must outlive it).
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -22,14 +23,36 @@ class device_buffer {
     if (n_ > 0)
       TRISPARSE_CUDA_TRY(cudaMemcpy(p_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice));
   }
+  /// Stream-ordered: n elements allocated on `stream` (no host synchronisation), released there.
+  device_buffer(std::size_t n, cudaStream_t stream) : n_(n), stream_(stream), ordered_(true) {
+    if (n > 0) TRISPARSE_CUDA_TRY(cudaMallocAsync(&p_, n * sizeof(T), stream));
+  }
+  /// Stream-ordered copy of a host vector: the host data is staged before this returns, the copy
+  /// runs in `stream`'s order (no host synchronisation).
+  device_buffer(const std::vector<T>& host, cudaStream_t stream)
+      : device_buffer(host.size(), stream) {
+    if (n_ > 0) {
+      TRISPARSE_CUDA_TRY(
+          cudaMemcpyAsync(p_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice, stream));
+    }
+  }
   ~device_buffer() {
-    if (p_ != nullptr) cudaFree(p_);
+    if (p_ == nullptr) return;
+    if (ordered_)
+      cudaFreeAsync(p_, stream_);
+    else
+      cudaFree(p_);
   }
   device_buffer(device_buffer&& o) noexcept
-      : p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
+      : p_(std::exchange(o.p_, nullptr)),
+        n_(std::exchange(o.n_, 0)),
+        stream_(o.stream_),
+        ordered_(o.ordered_) {}
   device_buffer& operator=(device_buffer&& o) noexcept {
     std::swap(p_, o.p_);
     std::swap(n_, o.n_);
+    std::swap(stream_, o.stream_);
+    std::swap(ordered_, o.ordered_);
     return *this;
   }
   device_buffer(const device_buffer&) = delete;
@@ -43,6 +66,8 @@ class device_buffer {
  private:
   T* p_ = nullptr;
   std::size_t n_ = 0;
+  cudaStream_t stream_ = nullptr;
+  bool ordered_ = false;
 };
 
 }  // namespace trisparse::cuda

@@ -5,10 +5,21 @@
 
 #include "../../common/buffer.cuh"
 #include "params.hpp"
+#include "trisparse/core/stream.hpp"
 #include "trisparse/core/tensor.hpp"
 #include "trisparse/formats/block_sparse.hpp"
 
 namespace trisparse::cuda {
+
+/// Where one mask (sequence b, mask head h: m = b * mask_heads + h) lives in the flattened arrays,
+/// for the kernels that write its blocks on the device (device_mask.cu).
+struct mask_extent {
+  std::int32_t row0;        // its block rows' offsets: row_ptr[row0 .. row0 + rows]
+  std::int32_t col0;        // its key blocks' offsets: t_ptr[col0 .. col0 + cols]
+  std::int32_t rows, cols;  // its sequence's query and key blocks
+  std::int32_t base;        // its first slot in col_idx and in t_idx (as many slots in each)
+  std::int64_t kept;        // a mask on the device: the offset of its kept[0][0] (elements)
+};
 
 struct block_sparse_device_plan {
   int device = 0;
@@ -26,7 +37,32 @@ struct block_sparse_device_plan {
   std::int32_t num_backward_tiles = 0, num_key_tiles = 0;
   device_buffer<std::int32_t> t_mask_col, t_ptr, t_idx;
   device_buffer<block_sparse::tile> backward_tiles, key_tiles;
+  // Masks whose blocks the device writes (a mask on the device, a top-k selection): where each
+  // lives; the transposed masks are rebuilt from row_ptr and col_idx by transpose_on_device.
+  device_buffer<mask_extent> extents;
+  std::int32_t num_masks = 0, most_rows = 0, most_cols = 0;
 };
+
+/// A mask's blocks as bytes on the device (nonzero: kept): mask (b, h) at kept + offset of
+/// extent m, block row r at + r * row_stride, key block c at + c.
+struct device_kept {
+  const std::uint8_t* data;
+  std::int64_t row_stride;
+};
+
+/// The backward part of a top-k plan (launch.cu): its masks' extents (`slots` a block row), tiles
+/// in the layout's order and room for the transposed masks, which select_topk rebuilds.
+void prepare_topk_backward(block_sparse_device_plan& plan, const block_sparse_mask& skeleton,
+                           std::int64_t slots, stream_ref stream);
+
+/// Writes the plan's row_ptr and col_idx from `kept` (three launches on `stream`: counts, their
+/// prefix sums, the ascending lists), and with gradients the transposed masks.
+void fill_from_kept(block_sparse_device_plan& plan, const device_kept& kept, cudaStream_t stream);
+
+/// Rebuilds the plan's transposed masks (t_ptr, t_idx) from its row_ptr and col_idx on `stream`:
+/// per mask, key block c lists the query blocks whose rows hold c, ascending (entries past the
+/// sequence's key blocks, a top-k row's unused slots, are left out). No atomics.
+void transpose_on_device(block_sparse_device_plan& plan, cudaStream_t stream);
 
 /// Fills the gradients part of `plan` from its mask (launch.cu).
 void prepare_backward(block_sparse_device_plan& plan, const block_sparse_mask& mask);

@@ -117,9 +117,154 @@ void query_tiles(const block_sparse_mask& mask, std::int64_t rows,
   }
 }
 
+// The tiles of `rows` rows of every sequence (queries, or keys with `keys`) in the layout's order:
+// sequence by sequence, for causal queries the last rows (the most keys) first. The order of
+// plans whose blocks the device writes, unknown when they are built.
+std::vector<block_sparse::tile> layout_tiles(const block_sparse_mask& layout, std::int64_t rows,
+                                             bool keys) {
+  std::vector<block_sparse::tile> tiles;
+  for (std::int64_t b = 0; b < layout.batch(); ++b) {
+    const std::int64_t n = keys ? layout.len_k(b) : layout.len_q(b);
+    narrow(std::max(layout.len_q(b), layout.len_k(b)) + 2 * layout.block, "a sequence length");
+    for (std::int64_t r0 = 0; r0 < n; r0 += rows)
+      tiles.push_back({narrow(b, "the batch"), narrow(r0, "the sequence length")});
+  }
+  if (layout.causal && !keys) std::reverse(tiles.begin(), tiles.end());
+  return tiles;
+}
+
+// Where each mask of the layout lives, with `slots` entries a block row (0: room for every key
+// block) and mask (b, h)'s kept bytes at b * seq_stride + h * head_stride.
+std::vector<mask_extent> extents_of(const block_sparse_mask& layout, std::int64_t slots,
+                                    std::int64_t seq_stride, std::int64_t head_stride) {
+  std::vector<mask_extent> extents;
+  std::int64_t row0 = 0, col0 = 0, base = 0;
+  const std::int64_t g = layout.block;
+  for (std::int64_t b = 0; b < layout.batch(); ++b) {
+    const std::int64_t rows = (layout.len_q(b) + g - 1) / g, cols = (layout.len_k(b) + g - 1) / g;
+    for (std::int64_t h = 0; h < layout.heads; ++h) {
+      extents.push_back({narrow(row0, "the mask rows"), narrow(col0, "the mask columns"),
+                         narrow(rows, "the query blocks"), narrow(cols, "the key blocks"),
+                         narrow(base, "the blocks"), b * seq_stride + h * head_stride});
+      row0 += rows + 1;
+      col0 += cols + 1;
+      base += rows * (slots > 0 ? slots : cols);
+    }
+  }
+  narrow(std::max({row0, col0, base}), "the blocks");
+  return extents;
+}
+
+// The plan's kernel and tile rows; `mean` = key blocks per block row, < 0 where unknown (then
+// automatic takes wgmma, not its two-warpgroup form).
+void choose_kernel(block_sparse_device_plan& plan, std::int64_t block, block_kernel kernel,
+                   double mean) {
+  if (tile_rows_for(block) == 0) {
+    throw not_supported("the CUDA block-sparse kernel takes blocks that are multiples of 16, not " +
+                        std::to_string(block));
+  }
+  plan.device = current_device().device;
+  const bool sm90 = wgmma_runs_here(plan.device);
+  const bool pingpong = kernel == block_kernel::wgmma_pingpong;
+  if (kernel == block_kernel::wgmma || pingpong) {
+    const char* name = pingpong ? "block_kernel::wgmma_pingpong" : "block_kernel::wgmma";
+    if (!sm90) {
+      throw not_supported(std::string(name) +
+                          " needs a compute capability 9.0 device and a build whose CUDA "
+                          "architectures include 90");
+    }
+    if (block % (pingpong ? 128 : 64) != 0) {
+      throw not_supported(std::string(name) + " takes blocks that are multiples of " +
+                          (pingpong ? "128" : "64") + ", not " + std::to_string(block));
+    }
+  }
+  const bool automatic = kernel == block_kernel::automatic && sm90;
+  plan.pingpong =
+      pingpong || (automatic && block % 128 == 0 &&
+                   mean * static_cast<double>(block / 128) >= block_sparse::kPingpongFromTiles);
+  plan.wgmma = plan.pingpong || kernel == block_kernel::wgmma || (automatic && block % 64 == 0);
+  plan.tile_rows = plan.pingpong ? 128 : plan.wgmma ? 64 : tile_rows_for(block);
+}
+
+// The layout part of the backward of a plan whose blocks the device writes: tiles in the
+// layout's order and room for the transposed masks (as many slots as col_idx).
+void prepare_device_backward(block_sparse_device_plan& plan, const block_sparse_mask& layout,
+                             const std::vector<mask_extent>& extents, cudaStream_t s) {
+  const std::int64_t bm = tile_rows_for(layout.block);
+  const std::vector<block_sparse::tile> tiles = layout_tiles(layout, bm, false),
+                                        keys = layout_tiles(layout, bm, true);
+  std::vector<std::int32_t> mask_col;
+  std::size_t cols = 0;
+  for (const mask_extent& e : extents) {
+    mask_col.push_back(e.col0);
+    cols = static_cast<std::size_t>(e.col0 + e.cols + 1);
+  }
+  plan.backward_tiles = device_buffer<block_sparse::tile>(tiles, s);
+  plan.num_backward_tiles = narrow(static_cast<std::int64_t>(tiles.size()), "the query tiles");
+  plan.key_tiles = device_buffer<block_sparse::tile>(keys, s);
+  plan.num_key_tiles = narrow(static_cast<std::int64_t>(keys.size()), "the key tiles");
+  plan.t_mask_col = device_buffer<std::int32_t>(mask_col, s);
+  plan.t_ptr = device_buffer<std::int32_t>(std::max<std::size_t>(cols, 1), s);
+  plan.t_idx = device_buffer<std::int32_t>(std::max<std::size_t>(plan.col_idx.size(), 1), s);
+  plan.backward_tile_rows = bm;
+  plan.gradients = true;
+}
+
+void set_extents(block_sparse_device_plan& plan, const std::vector<mask_extent>& extents,
+                 cudaStream_t s) {
+  plan.extents = device_buffer<mask_extent>(extents, s);
+  plan.num_masks = narrow(static_cast<std::int64_t>(extents.size()), "the masks");
+  for (const mask_extent& e : extents) {
+    plan.most_rows = std::max(plan.most_rows, e.rows);
+    plan.most_cols = std::max(plan.most_cols, e.cols);
+  }
+}
+
 }  // namespace
 
 bool block_sparse_supports(std::int64_t block) { return tile_rows_for(block) > 0; }
+
+std::shared_ptr<block_sparse_device_plan> make_block_sparse_plan_on_device(
+    const block_sparse_mask& layout, const device_block_mask& kept, block_kernel kernel,
+    bool gradients, stream_ref stream) {
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  auto plan = std::make_shared<block_sparse_device_plan>();
+  choose_kernel(*plan, layout.block, kernel, -1.0);
+  expect_current_device(kept.device_id);
+  plan->block = layout.block;
+  plan->mask_heads = layout.heads;
+  plan->rows_q = layout.cu_seqlens_q.back();
+  plan->causal = layout.causal;
+  const std::vector<mask_extent> extents = extents_of(layout, 0, kept.seq_stride, kept.head_stride);
+  std::vector<std::int32_t> mask_row;
+  std::size_t rows = 0, slots = 0;
+  for (const mask_extent& e : extents) {
+    mask_row.push_back(e.row0);
+    rows = static_cast<std::size_t>(e.row0 + e.rows + 1);
+    slots = static_cast<std::size_t>(e.base) + static_cast<std::size_t>(e.rows) * e.cols;
+  }
+  const std::vector<block_sparse::tile> tiles = layout_tiles(layout, plan->tile_rows, false);
+  plan->num_tiles = narrow(static_cast<std::int64_t>(tiles.size()), "the query tiles");
+  plan->cu_q = device_buffer<std::int64_t>(layout.cu_seqlens_q, s);
+  plan->cu_k = device_buffer<std::int64_t>(layout.cu_seqlens_k, s);
+  plan->mask_row = device_buffer<std::int32_t>(mask_row, s);
+  plan->row_ptr = device_buffer<std::int32_t>(std::max<std::size_t>(rows, 1), s);
+  plan->col_idx = device_buffer<std::int32_t>(std::max<std::size_t>(slots, 1), s);
+  plan->tiles = device_buffer<block_sparse::tile>(tiles, s);
+  set_extents(*plan, extents, s);
+  if (gradients) prepare_device_backward(*plan, layout, extents, s);
+  fill_from_kept(*plan, device_kept{static_cast<const std::uint8_t*>(kept.data), kept.row_stride},
+                 s);
+  return plan;
+}
+
+void prepare_topk_backward(block_sparse_device_plan& plan, const block_sparse_mask& skeleton,
+                           std::int64_t slots, stream_ref stream) {
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  const std::vector<mask_extent> extents = extents_of(skeleton, slots, 0, 0);
+  set_extents(plan, extents, s);
+  prepare_device_backward(plan, skeleton, extents, s);
+}
 
 const char* kernel_name(const block_sparse_device_plan& plan) {
   if (plan.pingpong) return "wgmma, two warpgroups";
@@ -130,35 +275,10 @@ std::shared_ptr<block_sparse_device_plan> make_block_sparse_plan(const block_spa
                                                                  block_kernel kernel,
                                                                  bool gradients,
                                                                  stream_ref /*stream*/) {
-  if (tile_rows_for(mask.block) == 0) {
-    throw not_supported("the CUDA block-sparse kernel takes blocks that are multiples of 16, not " +
-                        std::to_string(mask.block));
-  }
   auto plan = std::make_shared<block_sparse_device_plan>();
-  plan->device = current_device().device;
-  const bool sm90 = wgmma_runs_here(plan->device);
-  const bool pingpong = kernel == block_kernel::wgmma_pingpong;
-  if (kernel == block_kernel::wgmma || pingpong) {
-    const char* name = pingpong ? "block_kernel::wgmma_pingpong" : "block_kernel::wgmma";
-    if (!sm90) {
-      throw not_supported(std::string(name) +
-                          " needs a compute capability 9.0 device and a build whose CUDA "
-                          "architectures include 90");
-    }
-    if (mask.block % (pingpong ? 128 : 64) != 0) {
-      throw not_supported(std::string(name) + " takes blocks that are multiples of " +
-                          (pingpong ? "128" : "64") + ", not " + std::to_string(mask.block));
-    }
-  }
-  const bool automatic = kernel == block_kernel::automatic && sm90;
-  plan->pingpong =
-      pingpong || (automatic && mask.block % 128 == 0 &&
-                   mean_key_blocks(mask) * (mask.block / 128) >= block_sparse::kPingpongFromTiles);
-  plan->wgmma =
-      plan->pingpong || kernel == block_kernel::wgmma || (automatic && mask.block % 64 == 0);
-  const std::int64_t bm = plan->pingpong ? 128 : plan->wgmma ? 64 : tile_rows_for(mask.block);
+  choose_kernel(*plan, mask.block, kernel, mean_key_blocks(mask));
+  const std::int64_t bm = plan->tile_rows;
   plan->block = mask.block;
-  plan->tile_rows = bm;
   plan->mask_heads = mask.heads;
   plan->rows_q = mask.cu_seqlens_q.back();
   plan->causal = mask.causal;

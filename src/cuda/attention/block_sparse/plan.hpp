@@ -28,6 +28,15 @@ TRISPARSE_CUDA_ENTRY(bool block_sparse_supports(std::int64_t block))
 TRISPARSE_CUDA_ENTRY(std::shared_ptr<block_sparse_device_plan> make_block_sparse_plan(
     const block_sparse_mask& mask, block_kernel kernel, bool gradients, stream_ref stream))
 
+/// As make_block_sparse_plan for a mask held on the device: `layout` gives the lengths, mask heads,
+/// block and causality (no masks); the lists are written from `kept` by kernels on `stream`, into
+/// memory allocated in `stream`'s order and released there (the stream must outlive the plan):
+/// no host synchronisation. Tiles run in the layout's order (the work per tile is unknown on the
+/// host), and automatic never takes the two-warpgroup wgmma kernel.
+TRISPARSE_CUDA_ENTRY(std::shared_ptr<block_sparse_device_plan> make_block_sparse_plan_on_device(
+    const block_sparse_mask& layout, const device_block_mask& kept, block_kernel kernel,
+    bool gradients, stream_ref stream))
+
 /// The kernel the plan runs ("mma.sync" or "wgmma").
 TRISPARSE_CUDA_ENTRY(const char* kernel_name(const block_sparse_device_plan& plan))
 
@@ -63,11 +72,13 @@ struct topk_device_plan;
 
 /// `skeleton`: the batch's lengths, heads, block and causality, with every block row holding
 /// top_k (+ 1 with keep_diagonal) slots (any ascending values; those past a row's allowed blocks
-/// equal to its sequence's key-block count). @throws not_supported as make_block_sparse_plan, or
-/// where one sequence has more key blocks than shared memory holds scores for.
+/// equal to its sequence's key-block count). With `gradients`, select_topk also rebuilds the
+/// transposed masks that run_block_sparse_backward reads. @throws not_supported as
+/// make_block_sparse_plan, or where one sequence has more key blocks than shared memory holds
+/// scores for.
 TRISPARSE_CUDA_ENTRY(std::shared_ptr<topk_device_plan> make_topk_plan(
     const block_sparse_mask& skeleton, std::int64_t top_k, bool keep_diagonal, std::int64_t dim,
-    block_kernel kernel, stream_ref stream))
+    block_kernel kernel, bool gradients, stream_ref stream))
 
 /// The plan run_block_sparse takes, with the last selected blocks.
 TRISPARSE_CUDA_ENTRY(const block_sparse_device_plan& attention_of(const topk_device_plan& plan))

@@ -79,13 +79,15 @@ void check_input(const topk_device_plan& t, const tensor_view& v, std::int64_t r
 std::shared_ptr<topk_device_plan> make_topk_plan(const block_sparse_mask& skeleton,
                                                  std::int64_t top_k, bool keep_diagonal,
                                                  std::int64_t dim, block_kernel kernel,
-                                                 stream_ref stream) {
+                                                 bool gradients, stream_ref stream) {
   if (dim % 8 != 0) {
     throw invalid_input("top-k selection: head_dim must be a multiple of 8, not " +
                         std::to_string(dim));
   }
   auto t = std::make_shared<topk_device_plan>();
   t->attention = make_block_sparse_plan(skeleton, kernel, false, stream);
+  if (gradients)
+    prepare_topk_backward(*t->attention, skeleton, top_k + (keep_diagonal ? 1 : 0), stream);
   t->heads = static_cast<std::int32_t>(skeleton.heads);
   t->dim = static_cast<std::int32_t>(dim);
   t->pdim = pooled_dim(t->dim);
@@ -223,7 +225,12 @@ void select_topk(topk_device_plan& t, const tensor_view& q, const tensor_view& k
                        t.heads,
                        t.dim,
                        t.pdim};
-  if (t.pool_grid == 0) return;
+  // The backward's transposed masks follow the selection in stream order (also when nothing is
+  // selected: their offsets are written all the same).
+  if (t.pool_grid == 0) {
+    if (a.gradients) transpose_on_device(a, s);
+    return;
+  }
   if (q.type == dtype::f16)
     pool_kernel<__half><<<t.pool_grid, kPoolThreads, t.pool_shared, s>>>(pp);
   else
@@ -246,10 +253,12 @@ void select_topk(topk_device_plan& t, const tensor_view& q, const tensor_view& k
   sp.causal = t.causal;
   sp.keep_diagonal = t.keep_diagonal;
   const std::int64_t blocks = std::int64_t{t.num_groups} * t.heads;
-  if (blocks == 0 || t.cap == 0) return;
-  arch::launch(select_kernel_for(t.held, t.pdim), dim3(static_cast<unsigned>(blocks)),
-               dim3(static_cast<unsigned>(select_threads(t.rows))),
-               static_cast<std::size_t>(t.select_shared), s, t.dependent_launch, sp);
+  if (blocks > 0 && t.cap > 0) {
+    arch::launch(select_kernel_for(t.held, t.pdim), dim3(static_cast<unsigned>(blocks)),
+                 dim3(static_cast<unsigned>(select_threads(t.rows))),
+                 static_cast<std::size_t>(t.select_shared), s, t.dependent_launch, sp);
+  }
+  if (a.gradients) transpose_on_device(a, s);
 }
 
 std::vector<std::int32_t> download_blocks(const topk_device_plan& t, stream_ref stream) {
