@@ -79,10 +79,11 @@ class block_sparse_attention_plan {
   /// memory allocated and later released in `stream`'s order (the stream must outlive the plan):
   /// no host synchronisation, so a mask that changes at every step costs no round trip. CUDA and
   /// algorithm::block (automatic) only; run(), backward() (with options.gradients) as for a host
-  /// mask (options.workspace_heads = 0: no own backward workspace, every backward passes one). The mask's contents are not known on the host: report().nnz is -1 and mask() has no
-  /// masks. @throws invalid_input for broken offsets, a `kept` that does not cover the sequences,
-  /// another device or algorithm; not_supported without the CUDA backend or for a block that is
-  /// not a multiple of 16.
+  /// mask (options.workspace_heads = 0: no own backward workspace, every backward passes one). The
+  /// mask's contents are not known on the host: report().nnz is -1 and mask() has no masks. @throws
+  /// invalid_input for broken offsets, a `kept` that does not cover the sequences, another device
+  /// or algorithm; not_supported without the CUDA backend or for a block that is not a multiple
+  /// of 16.
   static block_sparse_attention_plan build(block_sparse_mask layout, const device_block_mask& kept,
                                            const block_sparse_plan_options& options = {},
                                            stream_ref stream = {});
