@@ -2,7 +2,8 @@
 # On the GPU machine, in one call: the attention training benchmark (bench_fused3s --training: the
 # forward writing the log-sum-exp, the backward, and both) on every shared graph per head dim,
 # heads and dtype in TRAIN_CONFIGS ("dim:heads:dtype ..."), plus generated graphs (TRAIN_GENERATED,
-# bench_fused3s arguments; set it empty for none) in the first configuration. Binaries come packed in
+# bench_fused3s arguments: a 200K-neighbour hub, rmat20, a 10M-node uniform graph; set it empty
+# for none) in the first configuration. Binaries come packed in
 # .devpack/new.tar.xz (see scripts/gpu_ab.sh); call with carry = [.devpack, .devlibs, data].
 # TRAIN_GRAPHS: the graph files (default data/*.el.xz). JSONL per configuration under $OUT.
 # TRAIN_BASE=1: also the parent build's bench_fused3s from
@@ -17,7 +18,7 @@ fi
 export LD_LIBRARY_PATH=$PWD/.devlibs:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 start=$SECONDS
-generated=${TRAIN_GENERATED---rmat 20:16 --er 10000000:8}
+generated=${TRAIN_GENERATED-hub:400000 --rmat 20:16 --er 10000000:8}
 for c in ${TRAIN_CONFIGS:-128:1:f16 64:8:f16 128:8:bf16}; do
   IFS=: read -r dim heads dt <<< "$c"
   /tmp/train/bench_fused3s --dim "$dim" --heads "$heads" --dtype "$dt" --repeat 10 --no-baselines \

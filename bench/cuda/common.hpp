@@ -68,7 +68,9 @@ inline timing time_runs(int repeat, int sets, bool queued, const std::function<v
 /// SuiteSparse-like matrices of `rows` rows by class (generate_sparse_matrix, seed 7): fem
 /// (constant 32 per row in a band of +-128), circuit (power law, exponent 1.6, mean 6), web
 /// (power law, exponent 1.3, mean 12), lp (uniform lengths, mean 12, twice as many columns, 4 dense
-/// rows), uniform (uniform lengths, mean 16, random columns). Empty options for another name.
+/// rows), uniform (uniform lengths, mean 16, random columns), hub (uniform, mean 16, and one row
+/// holding half of all columns: hub:400000 has a 200K-neighbour hub). Empty options for another
+/// name.
 inline std::optional<sparse_matrix_options> matrix_class(const std::string& kind,
                                                          std::int64_t rows) {
   sparse_matrix_options o{.rows = rows, .seed = 7};
@@ -92,6 +94,10 @@ inline std::optional<sparse_matrix_options> matrix_class(const std::string& kind
   } else if (kind == "uniform") {
     o.lengths = row_length_law::uniform;
     o.avg_row = 16;
+  } else if (kind == "hub") {
+    o.lengths = row_length_law::uniform;
+    o.avg_row = 16;
+    o.dense_rows = 1;
   } else {
     return std::nullopt;
   }

@@ -269,6 +269,7 @@ void bench_graph(const std::string& name, const csr_graph& g, const settings& cf
                      {"backward_ms", bwd.median},
                      {"step_ms", both.median},
                      {"backward_gflops", 10 * nnz * hd / bwd.median * 1e-6},
+                     {"backward_workspace_bytes", gp.backward_workspace_bytes(heads, dim)},
                      {"grads_finite", finite}};
     if (nnz * hd <= kFullGradientCheck) {
       host_tensor rq(dtype::f64, g.rows, heads, dim), rk(dtype::f64, g.cols, heads, dim),

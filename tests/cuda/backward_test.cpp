@@ -191,6 +191,20 @@ TEST(GpuAttentionBackward, AdversarialPatterns) {
   }
 }
 
+// A pattern large enough that the tensor-core kernels' chunks hold more than 32 TCBs (300K
+// uniform rows of 16 and a hub row of 150K keys: ~600K TCBs, so fine chunks of ~36 at one head
+// and coarse ones of ~140 at 4 heads on 132 SMs; tuning.hpp), and its hub window cut at both.
+TEST(GpuAttentionBackward, LargePatternsCutIntoLargerChunks) {
+  SKIP_WITHOUT_GPU();
+  const csr_graph g = generate_sparse_matrix({.rows = 300000,
+                                              .avg_row = 16,
+                                              .lengths = row_length_law::uniform,
+                                              .dense_rows = 1,
+                                              .seed = 15});
+  check(g, {dtype::f16, dtype::f32, dtype::f32, 32, 32, 1}, 5, true);
+  check(g, {dtype::bf16, dtype::bf16, dtype::bf16, 32, 32, 4}, 6, true);
+}
+
 TEST(GpuAttentionBackward, EverySharedDataset) {
   SKIP_WITHOUT_GPU();
   TRISPARSE_SKIP_WITHOUT_DATASETS();

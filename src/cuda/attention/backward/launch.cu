@@ -33,13 +33,22 @@ struct pass {
   std::int64_t slots = 0;  // partial rows
 };
 
-// One pass's BSB (16x8 TCBs) and its window chunks, for the tensor-core kernels.
-struct tc_pass {
-  device_buffer<std::int32_t> col_idx;
-  device_buffer<std::uint64_t> bitmap;
+// The window chunks of one pass at one chunk size, and their partial rows.
+struct tc_work {
   device_buffer<tc_chunk> chunks;
   device_buffer<split_row> splits;
   std::int64_t slots = 0;
+};
+
+// One pass's BSB (16x8 TCBs) and its window chunks for the tensor-core kernels, at two sizes:
+// fine for runs of few heads (balance), coarse for many (fewer partial rows; tuning.hpp).
+struct tc_pass {
+  device_buffer<std::int32_t> col_idx;
+  device_buffer<std::uint64_t> bitmap;
+  tc_work fine, coarse;
+  const tc_work& work(std::int64_t heads) const {
+    return heads >= kCoarseFromHeads ? coarse : fine;
+  }
 };
 
 }  // namespace attention_backward
@@ -288,9 +297,10 @@ workspace_segments segments(const attention_backward_device_plan& plan, std::int
   w.lse = w.layout.add(n);
   w.delta = w.layout.add(n);
   // One kernel family runs per call: room for the partial rows of either.
-  const auto row_slots = static_cast<std::size_t>(std::max(plan.row.slots, plan.tc_row.slots));
+  const auto row_slots =
+      static_cast<std::size_t>(std::max(plan.row.slots, plan.tc_row.work(heads).slots));
   const auto col_slots =
-      static_cast<std::size_t>(std::max(plan.column.slots, plan.tc_column.slots));
+      static_cast<std::size_t>(std::max(plan.column.slots, plan.tc_column.work(heads).slots));
   w.dq = w.layout.add(row_slots * row);
   w.dk = w.layout.add(col_slots * row);
   w.dv = w.layout.add(col_slots * row);
@@ -333,11 +343,10 @@ pass make_pass(const csr_graph& g) {
   return p;
 }
 
-// The pattern's BSB windows as work: one chunk per window of at most kChunkTcbs TCBs (empty
-// windows too: they write zeros), kChunkTcbs-TCB chunks of larger windows, whose 16 rows each
-// become a split row over the chunks' partial rows (row r of chunk c at first + r * n + c).
-tc_pass make_tc_pass(const csr_graph& g) {
-  const bsb b = build_bsb(g, 8);
+// The BSB windows as work: one chunk per window of at most `size` TCBs (empty windows too: they
+// write zeros), `size`-TCB chunks of larger windows, whose 16 rows each become a split row over
+// the chunks' partial rows (row r of chunk c at first + r * n + c).
+tc_work make_tc_work(const bsb& b, std::int64_t rows, std::int64_t size) {
   std::vector<tc_chunk> chunks;
   std::vector<split_row> splits;
   std::int32_t slots = 0;
@@ -345,27 +354,41 @@ tc_pass make_tc_pass(const csr_graph& g) {
   for (std::int64_t w = 0; w < b.windows(); ++w) {
     const std::int64_t begin = b.tcb_offset[w], end = b.tcb_offset[w + 1];
     const auto window = static_cast<std::int32_t>(w);
-    if (end - begin <= kChunkTcbs) {
+    if (end - begin <= size) {
       chunks.push_back({window, -1, 0, 0, begin, end});
       continue;
     }
-    const auto n = static_cast<std::int32_t>((end - begin + kChunkTcbs - 1) / kChunkTcbs);
+    const auto n = static_cast<std::int32_t>((end - begin + size - 1) / size);
     for (std::int32_t c = 0; c < n; ++c) {
-      const std::int64_t from = begin + static_cast<std::int64_t>(c) * kChunkTcbs;
-      chunks.push_back({window, slots + c, n, 0, from, std::min(end, from + kChunkTcbs)});
+      const std::int64_t from = begin + static_cast<std::int64_t>(c) * size;
+      chunks.push_back({window, slots + c, n, 0, from, std::min(end, from + size)});
     }
     for (std::int32_t r = 0; r < bsb::kRowWindow; ++r) {
       const std::int64_t row = w * bsb::kRowWindow + r;
-      if (row < g.rows) splits.push_back({static_cast<std::int32_t>(row), slots + r * n, n, 0});
+      if (row < rows) splits.push_back({static_cast<std::int32_t>(row), slots + r * n, n, 0});
     }
     slots += bsb::kRowWindow * n;
   }
+  tc_work work;
+  work.chunks = device_buffer<tc_chunk>(chunks);
+  work.splits = device_buffer<split_row>(splits);
+  work.slots = slots;
+  return work;
+}
+
+// The pattern's BSB and its work at both chunk sizes: kChunkTcbs, or the TCBs over
+// chunks_per_sm x `sms` chunks where more.
+tc_pass make_tc_pass(const csr_graph& g, std::int64_t sms) {
+  const bsb b = build_bsb(g, 8);
+  const auto size = [&](std::int64_t per_sm) {
+    const std::int64_t target = sms * per_sm;
+    return std::max<std::int64_t>(kChunkTcbs, (b.tcb_offset.back() + target - 1) / target);
+  };
   tc_pass p;
   p.col_idx = device_buffer<std::int32_t>(b.col_idx);
   p.bitmap = device_buffer<std::uint64_t>(b.bitmap);
-  p.chunks = device_buffer<tc_chunk>(chunks);
-  p.splits = device_buffer<split_row>(splits);
-  p.slots = slots;
+  p.fine = make_tc_work(b, g.rows, size(kFineChunksPerSm));
+  p.coarse = make_tc_work(b, g.rows, size(kCoarseChunksPerSm));
   return p;
 }
 
@@ -397,10 +420,11 @@ void run_tensor_core(const attention_backward_device_plan& plan, const tensor_vi
   const auto heads = static_cast<int>(q.heads);
   const float scale_log2 = scale * kLog2e;
   const auto args = [&](const tc_pass& pass, std::int64_t rows) {
+    const tc_work& work = pass.work(heads);
     return tc_args{pass.col_idx.data(),
                    pass.bitmap.data(),
-                   pass.chunks.data(),
-                   static_cast<std::int64_t>(pass.chunks.size()),
+                   work.chunks.data(),
+                   static_cast<std::int64_t>(work.chunks.size()),
                    rows,
                    heads,
                    scale,
@@ -422,9 +446,10 @@ void run_tensor_core(const attention_backward_device_plan& plan, const tensor_vi
     }
   });
   const auto reduce = [&](const tc_pass& pass, partials part, const tensor_view& out, float f) {
-    const auto n = static_cast<std::int64_t>(pass.splits.size());
+    const tc_work& work = pass.work(heads);
+    const auto n = static_cast<std::int64_t>(work.splits.size());
     if (n * heads == 0) return;
-    reduce_pass<G><<<grid_of(n * heads), kWarps * 32, 0, s>>>(pass.splits.data(), n, heads, part,
+    reduce_pass<G><<<grid_of(n * heads), kWarps * 32, 0, s>>>(work.splits.data(), n, heads, part,
                                                               view_of<G>(out), f);
     TRISPARSE_CUDA_CHECK_LAUNCH();
   };
@@ -446,8 +471,11 @@ std::shared_ptr<attention_backward_device_plan> make_attention_backward_plan(
   p->nnz = pattern.nnz();
   p->row = make_pass(pattern);
   p->column = make_pass(transposed);
-  p->tc_row = make_tc_pass(pattern);
-  p->tc_column = make_tc_pass(transposed);
+  int device = 0, sms = 0;
+  TRISPARSE_CUDA_TRY(cudaGetDevice(&device));
+  TRISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  p->tc_row = make_tc_pass(pattern, std::max(sms, 1));
+  p->tc_column = make_tc_pass(transposed, std::max(sms, 1));
   p->row_ptr = device_buffer<std::int64_t>(pattern.row_ptr);
   TRISPARSE_CUDA_TRY(cudaStreamSynchronize(static_cast<cudaStream_t>(stream.handle)));
   return p;
@@ -576,8 +604,14 @@ std::int64_t device_bytes(const attention_backward_device_plan& plan) {
   const auto pass_bytes = [](const pass& p) {
     return p.col_idx.bytes() + p.chunks.bytes() + p.splits.bytes();
   };
+  const auto tc_bytes = [](const tc_pass& p) {
+    std::size_t bytes = p.col_idx.bytes() + p.bitmap.bytes();
+    for (const tc_work* w : {&p.fine, &p.coarse}) bytes += w->chunks.bytes() + w->splits.bytes();
+    return bytes;
+  };
   return static_cast<std::int64_t>(plan.row_ptr.bytes() + pass_bytes(plan.row) +
-                                   pass_bytes(plan.column));
+                                   pass_bytes(plan.column) + tc_bytes(plan.tc_row) +
+                                   tc_bytes(plan.tc_column));
 }
 
 }  // namespace trisparse::cuda
