@@ -20,6 +20,10 @@ class Registry:
         self._live[key] = obj
         return key
 
+    def get(self, key: int) -> Any:
+        """The live object with this id, or None (also for a symbolic id, under torch.compile)."""
+        return self._live.get(key) if isinstance(key, int) else None
+
     def lookup(self, key: int) -> Any:
         """The live object with this id. @raises ValueError if it was freed."""
         obj = self._live.get(key)

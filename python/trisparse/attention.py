@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from . import _tensors
-from .pattern import Pattern, lookup
+from .pattern import Pattern, _patterns, lookup
 
 __all__ = ["sparse_attention"]
 
@@ -105,6 +105,7 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.pattern, ctx.scale, ctx.gradients = pattern, scale, gradients
+    ctx.pattern_object = _patterns.get(pattern)  # held until the backward
     ctx.mark_non_differentiable(lse)
 
 

@@ -229,6 +229,9 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.mask, ctx.cu_q, ctx.cu_k, ctx.scale = mask, cu_q, cu_k, scale
+    # Held until the backward: a mask made for one step (a top-k selection) may be dropped by the
+    # caller as soon as the forward returns.
+    ctx.mask_object = _masks.get(mask)
 
 
 def _backward(ctx, dout, _dlse):

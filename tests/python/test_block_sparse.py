@@ -1,6 +1,7 @@
 """trisparse.block_sparse_attention: our masks and FlexAttention's, forward and gradients against a
 dense float64 oracle and against flex_attention."""
 
+import gc
 import math
 
 import pytest
@@ -239,6 +240,18 @@ def test_topk_block_mask_causal_and_op():
     torch.library.opcheck(torch.ops.trisparse.topk_blocks.default, (*args, True, True))
     with pytest.raises(ValueError, match="block_size"):
         trisparse.topk_block_mask(q, k, 0, 3)
+
+
+def test_a_mask_made_for_one_step_lives_until_the_backward():
+    """A top-k mask passed inline (no reference kept by the caller) still serves the backward."""
+    b, h, n, d, g = 1, 2, 128, 8, 32
+    q, k, v = (t.requires_grad_() for t in inputs(b, h, n, n, d, torch.float32, seed=23))
+    out = trisparse.block_sparse_attention(
+        q, k, v, trisparse.topk_block_mask(q.detach(), k.detach(), g, 2)
+    )
+    gc.collect()
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(torch.isfinite(x).all() for x in grads)
 
 
 @pytest.mark.parametrize("causal", [False, True])
