@@ -139,17 +139,25 @@ struct py_block_sparse_plan {
 
   using block_csr = std::tuple<std::uintptr_t, std::uintptr_t, std::int64_t>;
 
-  static py_block_sparse_plan build(std::int64_t block, std::int64_t heads, bool causal,
-                                    const std::vector<std::int64_t>& cu_seqlens_q,
-                                    const std::vector<std::int64_t>& cu_seqlens_k,
-                                    const std::vector<block_csr>& masks, const std::string& algo,
-                                    int device, std::uintptr_t stream) {
+  // The batch's lengths, heads, block and causality, with no masks yet.
+  static block_sparse_mask layout_of(std::int64_t block, std::int64_t heads, bool causal,
+                                     const std::vector<std::int64_t>& cu_seqlens_q,
+                                     const std::vector<std::int64_t>& cu_seqlens_k) {
     block_sparse_mask m;
     m.block = block;
     m.heads = heads;
     m.causal = causal;
     m.cu_seqlens_q = cu_seqlens_q;
     m.cu_seqlens_k = cu_seqlens_k;
+    return m;
+  }
+
+  static py_block_sparse_plan build(std::int64_t block, std::int64_t heads, bool causal,
+                                    const std::vector<std::int64_t>& cu_seqlens_q,
+                                    const std::vector<std::int64_t>& cu_seqlens_k,
+                                    const std::vector<block_csr>& masks, const std::string& algo,
+                                    int device, std::uintptr_t stream) {
+    block_sparse_mask m = layout_of(block, heads, causal, cu_seqlens_q, cu_seqlens_k);
     TRISPARSE_EXPECTS_INPUT(static_cast<std::int64_t>(masks.size()) == m.batch() * heads,
                             "block masks: one per sequence and head expected");
     for (std::size_t i = 0; i < masks.size(); ++i) {
@@ -187,12 +195,7 @@ struct py_block_sparse_plan {
                                               std::int64_t head_stride, std::int64_t row_stride,
                                               std::int64_t rows, std::int64_t cols, int device,
                                               std::uintptr_t stream) {
-    block_sparse_mask layout;
-    layout.block = block;
-    layout.heads = heads;
-    layout.causal = causal;
-    layout.cu_seqlens_q = cu_seqlens_q;
-    layout.cu_seqlens_k = cu_seqlens_k;
+    block_sparse_mask layout = layout_of(block, heads, causal, cu_seqlens_q, cu_seqlens_k);
     const device_block_mask d{reinterpret_cast<const void*>(kept),
                               device,
                               seq_stride,
