@@ -182,10 +182,6 @@ block_sparse_attention_plan block_sparse_attention_plan::build(
   TRISPARSE_EXPECTS_INPUT(
       options.algo == algorithm::automatic || options.algo == algorithm::block,
       "a mask on the device runs algorithm::block, not " + std::string(to_string(options.algo)));
-  if (!cuda::block_sparse_supports(layout.block)) {
-    throw not_supported("a mask on the device takes blocks that are multiples of 16, not " +
-                        std::to_string(layout.block));
-  }
   const std::int64_t g = layout.block;
   std::int64_t rows = 0, cols = 0;
   for (std::int64_t b = 0; b < layout.batch(); ++b) {
@@ -199,6 +195,10 @@ block_sparse_attention_plan block_sparse_attention_plan::build(
   TRISPARSE_EXPECTS_INPUT((kept.data != nullptr || rows * cols == 0) && kept.seq_stride >= 0 &&
                               kept.head_stride >= 0 && kept.row_stride >= cols,
                           "kept: null data, or strides that overlap its blocks");
+  if (!cuda::block_sparse_supports(g)) {
+    throw not_supported("a mask on the device takes blocks that are multiples of 16, not " +
+                        std::to_string(g));
+  }
   auto s = std::make_shared<state>();
   s->report.algo = algorithm::block;
   s->report.where = device_kind::cuda;

@@ -382,6 +382,48 @@ TEST(BlockSparseTopK, ChoosesTheHighestPooledScores) {
   EXPECT_THROW(topk_block_mask(q.view(), k.view(), cu, cu, {.top_k = -1}), invalid_input);
 }
 
+// A plan for a mask on the device names what is wrong before it needs a device: a layout with
+// masks, broken offsets, a mask that does not cover the sequences, another algorithm.
+TEST(BlockSparsePlan, MaskOnTheDeviceNamesBadArguments) {
+  block_sparse_mask layout;
+  layout.block = 64;
+  layout.heads = 2;
+  layout.cu_seqlens_q = {0, 100, 300};
+  layout.cu_seqlens_k = {0, 200, 264};
+  std::uint8_t byte = 1;
+  // 2 x 4 blocks cover lengths 100/200 and 200/64 at G = 64 (queries up to 4 blocks, keys 4).
+  const device_block_mask kept{&byte, 0, 0, 16, 4, 4, 4};
+  const auto message = [&](block_sparse_mask l, device_block_mask k,
+                           block_sparse_plan_options o = {}) -> std::string {
+    try {
+      (void)block_sparse_attention_plan::build(std::move(l), k, o);
+    } catch (const invalid_input& e) {
+      return e.what();
+    } catch (const error&) {
+      return "no device";
+    }
+    return "accepted";
+  };
+  block_sparse_mask with_masks =
+      make_block_sparse_mask({.block = 64}, std::vector<std::int64_t>{64});
+  EXPECT_NE(message(with_masks, kept).find("without masks"), std::string::npos);
+  block_sparse_mask broken = layout;
+  broken.cu_seqlens_q = {0, 300, 100};
+  const std::string offsets = message(broken, kept);
+  EXPECT_TRUE(offsets != "no device" && offsets != "accepted") << offsets;
+  device_block_mask small = kept;
+  small.rows = 3;
+  EXPECT_NE(message(layout, small).find("do not cover"), std::string::npos);
+  device_block_mask overlapping = kept;
+  overlapping.row_stride = 2;
+  EXPECT_NE(message(layout, overlapping).find("strides"), std::string::npos);
+  EXPECT_NE(message(layout, kept, {.algo = algorithm::unfused}).find("algorithm::block"),
+            std::string::npos);
+  if (!cuda_available()) {
+    EXPECT_EQ(message(layout, kept), "no device");
+  }
+}
+
 TEST(BlockSparsePlan, RejectsWhatItCannotRun) {
   const auto mask =
       make_block_sparse_mask({.block = 16, .heads = 2}, std::vector<std::int64_t>{40, 24});
