@@ -319,6 +319,50 @@ TEST(ReferenceGradients, GcnLayerMatchesFiniteDifferences) {
   expect_matches_finite_differences(w, loss, dw, "dw");
 }
 
+// The fused GCN layer's reference (relu(Â x w + bias), GraphCUDA's A·X·W with its epilogue):
+// without ReLU it is the GCN layer plus the bias; its ReLU mask marks exactly the positive
+// outputs (F_out = 40: two mask words a row); its gradients match finite differences.
+TEST(ReferenceGradients, FusedGcnLayerMatchesFiniteDifferences) {
+  const csr_graph g = test::random_pattern(11, 11, 4, 75);
+  const csr_graph a = gcn_normalized(g);
+  const std::int64_t f_in = 3, f_out = 40;
+  host_tensor x = random_f64(g.rows, 1, f_in, 76), w = random_f64(f_in, 1, f_out, 77),
+              bias = random_f64(1, 1, f_out, 78), up = random_f64(g.rows, 1, f_out, 79),
+              out(dtype::f64, g.rows, 1, f_out), plain(dtype::f64, g.rows, 1, f_out);
+  EXPECT_TRUE(reference::gcn_fused(a, x.view(), w.view(), bias.view(), false, out.view()).empty());
+  gcn_layer::build(g).forward(x.view(), w.view(), plain.view());
+  for (std::int64_t i = 0; i < out.numel(); ++i)
+    EXPECT_NEAR(out.get(i), plain.get(i) + bias.get(i % f_out), 1e-12);
+  const std::vector<std::uint32_t> mask =
+      reference::gcn_fused(a, x.view(), w.view(), bias.view(), true, out.view());
+  ASSERT_EQ(mask.size(), static_cast<std::size_t>(g.rows * 2));
+  std::int64_t positive = 0;
+  for (std::int64_t r = 0; r < g.rows; ++r)
+    for (std::int64_t f = 0; f < f_out; ++f) {
+      const bool bit = (mask[static_cast<std::size_t>(r * 2 + f / 32)] >> (f % 32) & 1u) != 0;
+      EXPECT_EQ(bit, out.get(r * f_out + f) > 0);
+      EXPECT_GE(out.get(r * f_out + f), 0.0);
+      positive += bit;
+    }
+  EXPECT_GT(positive, 0);
+  EXPECT_LT(positive, g.rows * f_out);
+  const auto loss = [&] {
+    (void)reference::gcn_fused(a, x.view(), w.view(), bias.view(), true, out.view());
+    return inner(up, out);
+  };
+  host_tensor dx(dtype::f64, g.rows, 1, f_in), dw(dtype::f64, f_in, 1, f_out),
+      db(dtype::f64, 1, 1, f_out);
+  reference::gcn_fused_backward(a, x.view(), w.view(), mask, up.view(), dx.view(), dw.view(),
+                                db.view());
+  expect_matches_finite_differences(x, loss, dx, "dx");
+  expect_matches_finite_differences(w, loss, dw, "dw");
+  expect_matches_finite_differences(bias, loss, db, "dbias");
+  const std::vector<std::uint32_t> short_mask(3);
+  EXPECT_THROW(reference::gcn_fused_backward(a, x.view(), w.view(), short_mask, up.view(),
+                                             dx.view(), dw.view(), db.view()),
+               invalid_input);
+}
+
 // The fused CPU backward (through the plan) against the float64 reference: gradients within
 // tolerance, bitwise equal across two runs, exact zeros where the pattern has no entry.
 void check_fused_backward(const csr_graph& g, std::int64_t heads, std::int64_t d, dtype t,

@@ -4,6 +4,10 @@
 /// any dtype; per-edge operands are [nnz, heads, 1] views in the pattern's CSR entry order.
 /// Attention treats the pattern as binary (its values are ignored); SDDMM and SpMM use the
 /// pattern's values when it has them (1 otherwise).
+#include <cstdint>
+#include <span>
+#include <vector>
+
 #include "trisparse/core/tensor.hpp"
 #include "trisparse/formats/block_sparse.hpp"
 #include "trisparse/formats/bsb.hpp"
@@ -68,6 +72,21 @@ void block_sparse_attention_backward(const block_sparse_mask& mask, const tensor
                                      const tensor_view& k, const tensor_view& v,
                                      const tensor_view& dout, const tensor_view& dq,
                                      const tensor_view& dk, const tensor_view& dv, double scale);
+
+/// The fused GCN layer (GraphCUDA's A·X·W with its epilogue): out = relu(Â x w + bias), x
+/// [N, 1, F_in], w [F_in, 1, F_out], bias [1, 1, F_out] (data == nullptr: none), out [N, 1, F_out],
+/// all in float64. With `relu`, returns the ReLU mask, one bit per output element: bit f % 32 of
+/// word i * ceil(F_out / 32) + f / 32 is set where Â x w + bias > 0 (what the backward reads);
+/// without, an empty vector and no ReLU.
+std::vector<std::uint32_t> gcn_fused(const csr_graph& propagation, const tensor_view& x,
+                                     const tensor_view& w, const tensor_view& bias, bool relu,
+                                     const tensor_view& out);
+
+/// Gradients of gcn_fused's out given dout [N, 1, F_out] and its ReLU mask (empty: no ReLU):
+/// dx, dw as gcn_backward's, dbias [1, 1, F_out] (data == nullptr: not computed).
+void gcn_fused_backward(const csr_graph& propagation, const tensor_view& x, const tensor_view& w,
+                        std::span<const std::uint32_t> relu_mask, const tensor_view& dout,
+                        const tensor_view& dx, const tensor_view& dw, const tensor_view& dbias);
 
 /// Gradients of the GCN layer's out = Â (x w) (Â = gcn_normalized(graph), with its values) given
 /// dout [N, 1, F_out]: dx [N, 1, F_in], dw [F_in, 1, F_out] (row-major weights, as forward's).

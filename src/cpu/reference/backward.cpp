@@ -273,4 +273,83 @@ void gcn_backward(const csr_graph& a, const tensor_view& x, const tensor_view& w
   }
 }
 
+namespace {
+
+// z = Â x w (+ bias) in float64: [N, F_out].
+grad gcn_preactivation(const csr_graph& a, const tensor_view& x, const tensor_view& w,
+                       const tensor_view& bias) {
+  grad ax(a.rows, 1, x.dim), z(a.rows, 1, w.dim);
+  for (std::int64_t r = 0; r < a.rows; ++r)
+    for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) {
+      const double av = a.has_values() ? a.values[e] : 1.0;
+      for (std::int64_t c = 0; c < x.dim; ++c) ax(r, 0, c) += av * at(x, a.col_idx[e], 0, c);
+    }
+  for (std::int64_t r = 0; r < a.rows; ++r)
+    for (std::int64_t f = 0; f < w.dim; ++f) {
+      double s = bias.data != nullptr ? at(bias, 0, 0, f) : 0.0;
+      for (std::int64_t c = 0; c < x.dim; ++c) s += ax(r, 0, c) * at(w, c, 0, f);
+      z(r, 0, f) = s;
+    }
+  return z;
+}
+
+void check_gcn_fused_args(const csr_graph& a, const tensor_view& x, const tensor_view& w,
+                          const tensor_view& bias) {
+  a.check();
+  TRISPARSE_EXPECTS_INPUT(a.rows == a.cols, "gcn_fused: the propagation matrix must be square");
+  check_view(x, "x", a.rows, 1, -1);
+  check_view(w, "w", x.dim, 1, -1);
+  if (bias.data != nullptr) check_view(bias, "bias", 1, 1, w.dim);
+}
+
+}  // namespace
+
+std::vector<std::uint32_t> gcn_fused(const csr_graph& a, const tensor_view& x, const tensor_view& w,
+                                     const tensor_view& bias, bool relu, const tensor_view& out) {
+  check_gcn_fused_args(a, x, w, bias);
+  check_view(out, "out", a.rows, 1, w.dim);
+  grad z = gcn_preactivation(a, x, w, bias);
+  const std::int64_t words = (w.dim + 31) / 32;
+  std::vector<std::uint32_t> mask(relu ? static_cast<std::size_t>(a.rows * words) : 0, 0u);
+  for (std::int64_t r = 0; r < a.rows; ++r)
+    for (std::int64_t f = 0; f < w.dim; ++f) {
+      double v = z(r, 0, f);
+      if (relu) {
+        if (v > 0)
+          mask[static_cast<std::size_t>(r * words + f / 32)] |= std::uint32_t{1} << (f % 32);
+        else
+          v = 0;
+      }
+      put(out, r, 0, f, v);
+    }
+  return mask;
+}
+
+void gcn_fused_backward(const csr_graph& a, const tensor_view& x, const tensor_view& w,
+                        std::span<const std::uint32_t> relu_mask, const tensor_view& dout,
+                        const tensor_view& dx, const tensor_view& dw, const tensor_view& dbias) {
+  check_gcn_fused_args(a, x, w, {});
+  check_view(dout, "dout", a.rows, 1, w.dim);
+  const std::int64_t words = (w.dim + 31) / 32;
+  TRISPARSE_EXPECTS_INPUT(
+      relu_mask.empty() || static_cast<std::int64_t>(relu_mask.size()) == a.rows * words,
+      "gcn_fused_backward: relu_mask holds " + std::to_string(relu_mask.size()) +
+          " words, not rows x " + std::to_string(words));
+  if (dbias.data != nullptr) check_view(dbias, "dbias", 1, 1, w.dim);
+  // dz = dout where the ReLU passed; the rest is gcn_backward's, and dbias sums dz over rows.
+  host_tensor dz(dtype::f64, a.rows, 1, w.dim);
+  grad db(1, 1, w.dim);
+  for (std::int64_t r = 0; r < a.rows; ++r)
+    for (std::int64_t f = 0; f < w.dim; ++f) {
+      const bool pass =
+          relu_mask.empty() ||
+          (relu_mask[static_cast<std::size_t>(r * words + f / 32)] >> (f % 32) & 1u) != 0;
+      const double g = pass ? at(dout, r, 0, f) : 0.0;
+      dz.set(r * w.dim + f, g);
+      db(0, 0, f) += g;
+    }
+  gcn_backward(a, x, w, dz.view(), dx, dw);
+  if (dbias.data != nullptr) db.store(dbias);
+}
+
 }  // namespace trisparse::reference
