@@ -85,42 +85,40 @@ __device__ __forceinline__ tcb_meta load_tcb_meta(const std::int32_t* col_idx,
 // Sector-aligned fragment layouts of the m16n8k16 / m16n8k8 products over gathered rows (16-bit
 // elements; D the row length): the warp's 16-byte loads each cover whole 32-byte sectors.
 
-// A lane's share of a row's contraction for the m16n8k16 products: D/4 elements in runs of 8 (4
-// at D = 32), run i at columns i·32 + t·8 + [0, 8): the warp's 16-byte loads cover whole 32-byte
-// sectors. The same permutation in A and B rows (it depends on t only) leaves the products exact.
-// Zeros for row == nullptr.
-template <int D>
-__device__ __forceinline__ void load_quarter(const void* row, int t, std::uint32_t (&dst)[D / 8]) {
-  constexpr int kR = D / 4 < 8 ? D / 4 : 8;
+// A lane's share of a row: N elements in runs of min(8, N), run i at columns
+// i·P·run + lane·run + [0, run), P lanes sharing the row, so that the warp's 16-byte loads cover
+// whole 32-byte sectors. Zeros for row == nullptr.
+template <int N, int P>
+__device__ __forceinline__ void load_runs(const void* row, int lane, std::uint32_t (&dst)[N / 2]) {
+  constexpr int kR = N < 8 ? N : 8;
   if (row == nullptr) {
     zero(dst);
     return;
   }
 #pragma unroll
-  for (int i = 0; i < D / 4 / kR; ++i) {
-    load_halves<kR>(static_cast<const std::uint16_t*>(row) + i * 4 * kR + t * kR,
+  for (int i = 0; i < N / kR; ++i) {
+    load_halves<kR>(static_cast<const std::uint16_t*>(row) + i * P * kR + lane * kR,
                     *reinterpret_cast<std::uint32_t(*)[kR / 2]>(&dst[i * kR / 2]));
   }
 }
 
+// A lane's share of a row's contraction for the m16n8k16 products: D/4 elements, run i at columns
+// i·32 + t·8 + [0, 8) (4-element runs at D = 32). The same permutation in A and B rows (it
+// depends on t only) leaves the products exact.
+template <int D>
+__device__ __forceinline__ void load_quarter(const void* row, int t, std::uint32_t (&dst)[D / 8]) {
+  load_runs<D / 4, 4>(row, t, dst);
+}
+
 // A lane's slice of a row for the m16n8k8 products: D/8 elements in runs of kRun<D> = min(8, D/8),
-// run i at columns i·8·kRun + g·kRun + [0, kRun), so that each of the warp's 16-byte loads covers
-// whole 32-byte sectors. Slice element j = i·kRun + e is output column j of the lane's blocks.
+// run i at columns i·8·kRun + g·kRun + [0, kRun). Slice element j = i·kRun + e is output column j
+// of the lane's blocks.
 template <int D>
 inline constexpr int kRun = D / 8 < 8 ? D / 8 : 8;
 
 template <int D>
 __device__ __forceinline__ void load_slice(const void* row, int g, std::uint32_t (&dst)[D / 16]) {
-  constexpr int kR = kRun<D>;
-  if (row == nullptr) {
-    zero(dst);
-    return;
-  }
-#pragma unroll
-  for (int i = 0; i < D / 8 / kR; ++i) {
-    load_halves<kR>(static_cast<const std::uint16_t*>(row) + i * 8 * kR + g * kR,
-                    *reinterpret_cast<std::uint32_t(*)[kR / 2]>(&dst[i * kR / 2]));
-  }
+  load_runs<D / 8, 8>(row, g, dst);
 }
 
 // Stores a lane's D/8 accumulator columns of one row, those of C column `n` (2t or 2t + 1): run i
