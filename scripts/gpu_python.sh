@@ -13,7 +13,7 @@ python3 -m pip install --no-build-isolation --no-deps --target "$site" \
   { tail -30 "$out/pip_install.log"; exit 1; }
 echo "pip install .: $((SECONDS - start)) s"
 TRISPARSE_DATASETS=$PWD/data PYTHONPATH="$site" python3 -m pytest -q -p no:cacheprovider \
-  tests/python > "$out/pytest.log" 2>&1
+  tests/python ${PYTEST_ARGS:-} > "$out/pytest.log" 2>&1
 status=$?
 tail -15 "$out/pytest.log"
 # PY_BENCH=1: then the benchmarks with the package: the attention training step against PyG on
@@ -53,6 +53,15 @@ if [ "${GNN_BENCH:-0}" = 1 ]; then
     data/snap_web_notredame.el.xz data/deezer_egos.el.xz data/het_tolokers.el.xz \
     --generate 1000000:10} > "$out/gnn_epoch.jsonl" 2>> "$out/bench_stderr.log"
   echo "gnn epochs: $((SECONDS - start)) s"
+fi
+# GCN_BENCH=1: the GCN layer with its ReLU against PyG's GCNConv + ReLU, both orders.
+if [ "${GCN_BENCH:-0}" = 1 ]; then
+  graphs=${GCN_BENCH_GRAPHS:-cora citeseer pubmed musae_github het_tolokers deezer_egos snap_web_notredame}
+  paths=()
+  for g in $graphs; do paths+=("data/$g.el.xz"); done
+  PYTHONPATH="$site" python3 bench/python/gcn_layer.py "${paths[@]}" \
+    > "$out/gcn_layer.jsonl" 2>> "$out/bench_stderr.log"
+  echo "GCN layer: $((SECONDS - start)) s"
 fi
 # LAYER_BENCH=1: one TransformerConv layer's forward + backward against PyG's on every shared
 # graph with at least 200K edges, fp32 and bf16 autocast.

@@ -35,15 +35,19 @@ def layers(backend):
 class GCN(nn.Module):
     """Kipf and Welling's two-layer GCN (hidden 16, dropout 0.5)."""
 
-    def __init__(self, backend, features, classes, hidden=16):
+    def __init__(self, backend, features, classes, hidden=16, fuse_relu=False):
         super().__init__()
         conv, _, _ = layers(backend)
-        self.conv1 = conv(features, hidden, cached=True)
+        # trisparse's layer can apply the ReLU in its own epilogue (fuse_relu).
+        self.fused_relu = backend == "trisparse" and fuse_relu
+        extra = {"fuse_relu": True} if self.fused_relu else {}
+        self.conv1 = conv(features, hidden, cached=True, **extra)
         self.conv2 = conv(hidden, classes, cached=True)
 
     def forward(self, x, edge_index):
         x = F.dropout(x, p=0.5, training=self.training)
-        x = F.relu(self.conv1(x, edge_index))
+        x = self.conv1(x, edge_index)
+        x = x if self.fused_relu else F.relu(x)
         x = F.dropout(x, p=0.5, training=self.training)
         return self.conv2(x, edge_index)
 
@@ -96,7 +100,7 @@ def run(args, data, seed):
     torch.manual_seed(seed)
     classes = int(data.y.max()) + 1
     if args.model == "gcn":
-        model, lr = GCN(args.backend, data.num_features, classes), 0.01
+        model, lr = GCN(args.backend, data.num_features, classes, fuse_relu=args.fuse_relu), 0.01
     elif args.model == "gat":
         model, lr = GAT(args.backend, data.num_features, classes), 0.005
     else:
@@ -141,6 +145,13 @@ def main():
         "--lr", type=float, default=None, help="Adam's (GCN 0.01, GAT 0.005, transformer 0.001)"
     )
     ap.add_argument("--epochs", type=int, default=200)
+    ap.add_argument(
+        "--fuse-relu",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="trisparse GCN: the first layer's ReLU in the layer's kernel (slower on Cora: the "
+        "backward unpacks its mask in torch ops)",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--root", default=None, help="the Planetoid raw files (ind.<name>.*)")
     ap.add_argument("--json", action="store_true", help="one JSON line instead of text")

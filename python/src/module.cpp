@@ -236,6 +236,58 @@ struct py_block_sparse_plan {
   }
 };
 
+csr_graph csr_of(std::uintptr_t row_ptr, std::uintptr_t col_idx, std::uintptr_t values,
+                 std::int64_t rows, std::int64_t cols, std::int64_t nnz) {
+  csr_graph g;
+  g.rows = rows;
+  g.cols = cols;
+  const auto* rp = reinterpret_cast<const std::int64_t*>(row_ptr);
+  const auto* ci = reinterpret_cast<const std::int32_t*>(col_idx);
+  const auto* vs = reinterpret_cast<const float*>(values);
+  g.row_ptr.assign(rp, rp + rows + 1);
+  g.col_idx.assign(ci, ci + nnz);
+  g.values.assign(vs, vs + nnz);
+  return g;
+}
+
+gcn_order order_of(const std::string& order) {
+  if (order == "auto") return gcn_order::automatic;
+  if (order == "fused") return gcn_order::fused;
+  if (order == "unfused") return gcn_order::unfused;
+  throw invalid_input("order must be 'auto', 'fused' or 'unfused', not '" + order + "'");
+}
+
+/// The fused GCN layer of a weighted square matrix on one device.
+struct py_gcn_fused_plan {
+  gcn_fused_plan plan;
+
+  static py_gcn_fused_plan from_host(std::uintptr_t row_ptr, std::uintptr_t col_idx,
+                                     std::uintptr_t values, std::int64_t rows, std::int64_t nnz,
+                                     int device, std::uintptr_t stream) {
+    const csr_graph g = csr_of(row_ptr, col_idx, values, rows, rows, nnz);
+    nb::gil_scoped_release release;
+    return {gcn_fused_plan::build(g, device < 0 ? device_kind::cpu : device_kind::cuda,
+                                  stream_of(stream))};
+  }
+
+  /// mask: a pointer to N * ceil(F_out / 32) words on out's device, or 0.
+  void forward(const tensor_tuple& x, const tensor_tuple& w,
+               const std::optional<tensor_tuple>& bias, const tensor_tuple& out, bool relu,
+               std::uintptr_t mask, const std::optional<tensor_tuple>& ax, const std::string& order,
+               std::uintptr_t stream, std::uintptr_t ws, std::size_t ws_bytes) const {
+    gcn_fused_args a{.x = view_of(x),
+                     .w = view_of(w),
+                     .bias = view_of(bias),
+                     .out = view_of(out),
+                     .relu = relu,
+                     .relu_mask = reinterpret_cast<std::uint32_t*>(mask),
+                     .ax = view_of(ax),
+                     .order = order_of(order)};
+    nb::gil_scoped_release release;
+    plan.forward(a, stream_of(stream), workspace_of(ws, ws_bytes));
+  }
+};
+
 /// A weighted sparse matrix prepared on one device (the SpMM of the GCN layer and its transpose).
 struct py_sparse_plan {
   sparse_plan plan;
@@ -243,15 +295,7 @@ struct py_sparse_plan {
   static py_sparse_plan from_host(std::uintptr_t row_ptr, std::uintptr_t col_idx,
                                   std::uintptr_t values, std::int64_t rows, std::int64_t cols,
                                   std::int64_t nnz, int device, std::uintptr_t stream) {
-    csr_graph g;
-    g.rows = rows;
-    g.cols = cols;
-    const auto* rp = reinterpret_cast<const std::int64_t*>(row_ptr);
-    const auto* ci = reinterpret_cast<const std::int32_t*>(col_idx);
-    const auto* vs = reinterpret_cast<const float*>(values);
-    g.row_ptr.assign(rp, rp + rows + 1);
-    g.col_idx.assign(ci, ci + nnz);
-    g.values.assign(vs, vs + nnz);
+    const csr_graph g = csr_of(row_ptr, col_idx, values, rows, cols, nnz);
     nb::gil_scoped_release release;
     return {sparse_plan::build(g, device < 0 ? device_kind::cpu : device_kind::cuda, {},
                                stream_of(stream))};
@@ -384,6 +428,26 @@ NB_MODULE(_C, m) {
         return p.plan.workspace_bytes(heads, dim);
       });
 
+  nb::class_<py_gcn_fused_plan>(m, "GcnFusedPlan")
+      .def_static("from_host", &py_gcn_fused_plan::from_host, "row_ptr"_a, "col_idx"_a, "values"_a,
+                  "rows"_a, "nnz"_a, "device"_a, "stream"_a)
+      .def("forward", &py_gcn_fused_plan::forward, "x"_a, "w"_a, "bias"_a.none(), "out"_a, "relu"_a,
+           "mask"_a, "ax"_a.none(), "order"_a, "stream"_a, "workspace"_a, "workspace_bytes"_a)
+      .def(
+          "fused",
+          [](const py_gcn_fused_plan& p, std::int64_t in_dim, std::int64_t out_dim, int type,
+             const std::string& order) {
+            return p.plan.fused(in_dim, out_dim, static_cast<dtype>(type), order_of(order));
+          },
+          "in_dim"_a, "out_dim"_a, "dtype"_a, "order"_a)
+      .def(
+          "workspace_bytes",
+          [](const py_gcn_fused_plan& p, std::int64_t in_dim, std::int64_t out_dim, int type,
+             const std::string& order) {
+            return p.plan.workspace_bytes(in_dim, out_dim, static_cast<dtype>(type),
+                                          order_of(order));
+          },
+          "in_dim"_a, "out_dim"_a, "dtype"_a, "order"_a);
   nb::class_<py_block_sparse_plan>(m, "BlockSparsePlan")
       .def_static("build", &py_block_sparse_plan::build, "block"_a, "heads"_a, "causal"_a,
                   "cu_seqlens_q"_a, "cu_seqlens_k"_a, "masks"_a, "algo"_a, "device"_a, "stream"_a)

@@ -13,7 +13,7 @@ from .attention import sparse_attention
 from .block_sparse import BlockMask, block_sparse_attention, topk_block_mask
 from .edge import edge_scores, edge_softmax, edge_spmm, sddmm
 from .pattern import Pattern
-from .sparse import SparseMatrix, spmm
+from .sparse import SparseMatrix, gcn_conv, spmm
 
 __version__ = "0.1.0"
 
@@ -33,6 +33,7 @@ __all__ = [
     "edge_scores",
     "edge_softmax",
     "edge_spmm",
+    "gcn_conv",
     "sddmm",
     "sparse_attention",
     "spmm",

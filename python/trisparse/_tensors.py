@@ -16,6 +16,13 @@ def device_index(device: torch.device) -> int:
     raise ValueError(f"trisparse runs on the CPU and on CUDA devices, not on {device}")
 
 
+def dtype_code(dtype: torch.dtype) -> int:
+    """The C++ dtype enum's value of a float dtype."""
+    if dtype not in _DTYPE_CODES:
+        raise TypeError(f"trisparse takes float16, bfloat16, float32 or float64, not {dtype}")
+    return _DTYPE_CODES[dtype]
+
+
 def view(t: torch.Tensor) -> tuple:
     """A [rows, heads, dim] tensor whose last dimension is contiguous, as _C's tensor tuple."""
     return (

@@ -11,7 +11,7 @@ from . import _C, _tensors
 from ._registry import Registry
 from .pattern import check_edge_ids, row_offsets
 
-__all__ = ["SparseMatrix", "spmm"]
+__all__ = ["SparseMatrix", "gcn_conv", "spmm"]
 
 _matrices = Registry("matrix", "trisparse.SparseMatrix")
 
@@ -36,6 +36,7 @@ class SparseMatrix:
         self._csr = {False: self._canonical(row, col, value, num_rows, num_cols)}
         self._csr[True] = self._canonical(col, row, value, num_cols, num_rows)
         self._plans: dict[tuple[torch.device, bool], Any] = {}
+        self._fused_plans: dict[torch.device, Any] = {}
         self.id = _matrices.add(self)
 
     @staticmethod
@@ -70,6 +71,30 @@ class SparseMatrix:
                 _tensors.stream(device),
             )
             self._plans[(device, transposed)] = plan
+        return plan
+
+    def fused_plan(self, device: torch.device):
+        """The fused GCN layer's plan on `device` (square matrices only)."""
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        plan = self._fused_plans.get(device)
+        if plan is None:
+            if self.num_rows != self.num_cols:
+                raise ValueError(
+                    f"the fused GCN layer needs a square matrix, not {self.num_rows} x "
+                    f"{self.num_cols}"
+                )
+            rowptr, col, value = self._csr[False]
+            plan = _C.GcnFusedPlan.from_host(
+                rowptr.data_ptr(),
+                col.data_ptr(),
+                value.data_ptr(),
+                self.num_rows,
+                col.numel(),
+                _tensors.device_index(device),
+                _tensors.stream(device),
+            )
+            self._fused_plans[device] = plan
         return plan
 
 
@@ -122,3 +147,117 @@ def spmm(matrix: SparseMatrix, b: Tensor) -> Tensor:
     b3 = b3 if b3.stride(-1) == 1 else b3.contiguous()
     c = torch.ops.trisparse.spmm(b3, matrix.id, False)
     return c if b.dim() == 3 else c.squeeze(1)
+
+
+def _mask_words(f_out: int) -> int:
+    return (f_out + 31) // 32
+
+
+@torch.library.custom_op("trisparse::gcn_fused", mutates_args=())
+def _gcn_fused(
+    x: Tensor, w: Tensor, bias: Tensor | None, matrix: int, relu: bool, order: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    """out = A x w + bias (ReLU'd) for x [N, F_in], w [F_in, F_out] (row-major), with the ReLU
+    mask [N, ceil(F_out / 32)] (int32 words) and, in the fused order, A x [N, F_in] (else [0])."""
+    m = _matrices.lookup(matrix)
+    plan = m.fused_plan(x.device)
+    n, f_in, f_out = x.shape[0], x.shape[1], w.shape[1]
+    code = _tensors.dtype_code(x.dtype)
+    fused = plan.fused(f_in, f_out, code, order)
+    out = x.new_empty(n, f_out)
+    mask = torch.empty(n, _mask_words(f_out), dtype=torch.int32, device=x.device)
+    ax = x.new_empty(n, f_in) if fused else x.new_empty(0)
+    _owner, ws, ws_bytes = _tensors.workspace(
+        plan.workspace_bytes(f_in, f_out, code, order), x.device
+    )
+    plan.forward(
+        _tensors.view(x.unsqueeze(1)),
+        _tensors.view(w.unsqueeze(1)),
+        None if bias is None else _tensors.view(bias.view(1, 1, -1)),
+        _tensors.view(out.unsqueeze(1)),
+        relu,
+        mask.data_ptr(),
+        _tensors.view(ax.unsqueeze(1)) if fused else None,
+        order,
+        _tensors.stream(x.device),
+        ws,
+        ws_bytes,
+    )
+    return out, mask, ax
+
+
+@_gcn_fused.register_fake
+def _gcn_fused_fake(x, w, bias, matrix, relu, order):
+    m = _matrices.lookup(matrix)
+    plan = m.fused_plan(x.device)
+    fused = plan.fused(x.shape[1], w.shape[1], _tensors.dtype_code(x.dtype), order)
+    return (
+        x.new_empty(x.shape[0], w.shape[1]),
+        x.new_empty(x.shape[0], _mask_words(w.shape[1]), dtype=torch.int32),
+        x.new_empty(x.shape[0], x.shape[1]) if fused else x.new_empty(0),
+    )
+
+
+def _gcn_setup_context(ctx, inputs, output):
+    x, w, bias, matrix, relu, _order = inputs
+    _out, mask, ax = output
+    ctx.matrix, ctx.relu, ctx.has_bias = matrix, relu, bias is not None
+    plan = _matrices.lookup(matrix).fused_plan(x.device)
+    ctx.fused = plan.fused(x.shape[1], w.shape[1], _tensors.dtype_code(x.dtype), _order)
+    ctx.save_for_backward(x if not ctx.fused else None, w, mask if relu else None, ax)
+
+
+def _gcn_backward(ctx, dout, _dmask, _dax):
+    x, w, mask, ax = ctx.saved_tensors
+    dz = dout
+    if ctx.relu:
+        f_out = dout.shape[1]
+        shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
+        bits = ((mask.unsqueeze(-1) >> shifts) & 1).reshape(mask.shape[0], -1)[:, :f_out]
+        dz = dout * bits.to(dout.dtype)
+    dz = dz.contiguous()
+    dbias = dz.sum(0) if ctx.has_bias else None
+    # out = A (x w): the gradients through A^T are one SpMM over the transposed matrix, taken in
+    # the narrower width (F_in in the fused order, whose A x was kept; F_out otherwise).
+    if ctx.fused:
+        dw = ax.t() @ dz
+        t = (dz @ w.t()).unsqueeze(1).contiguous()
+        dx = torch.ops.trisparse.spmm(t, ctx.matrix, True).squeeze(1)
+    else:
+        du = torch.ops.trisparse.spmm(dz.unsqueeze(1), ctx.matrix, True).squeeze(1)
+        dw = x.t() @ du
+        dx = du @ w.t()
+    return dx, dw, dbias, None, None, None
+
+
+_gcn_fused.register_autograd(_gcn_backward, setup_context=_gcn_setup_context)
+
+
+def gcn_conv(
+    matrix: SparseMatrix,
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    relu: bool = False,
+    order: str = "auto",
+) -> Tensor:
+    """A (x weightᵀ) + bias, ReLU'd with `relu`, as one fused layer (GraphCUDA's A·X·W): on CUDA
+    (A x) W in one kernel with the bias and ReLU in its epilogue, or x W, SpMM and the epilogue,
+    whichever `order` ('auto': the measured rule, 'fused', 'unfused') picks; the CPU computes in
+    float64. ``weight`` is [F_out, F_in] as torch.nn.Linear's; x [N, F_in] float16, bfloat16 or
+    float32 (tf32 on the tensor cores); bias [F_out] in float32 or x's dtype. Differentiable in
+    x, weight and bias (deterministic): the ReLU is applied through a 1-bit mask."""
+    if not isinstance(matrix, SparseMatrix):
+        raise TypeError(f"matrix must be a trisparse.SparseMatrix, got {type(matrix).__name__}")
+    if x.dim() != 2 or x.shape[0] != matrix.num_cols:
+        raise ValueError(f"x must have shape [{matrix.num_cols}, F_in], got {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"weight must have shape [F_out, {x.shape[1]}], got {tuple(weight.shape)}")
+    if order not in ("auto", "fused", "unfused"):
+        raise ValueError(f"order must be 'auto', 'fused' or 'unfused', not {order!r}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w = weight.t().to(x.dtype).contiguous()
+    if bias is not None:
+        bias = bias.to(x.dtype if bias.dtype != torch.float32 else bias.dtype).contiguous()
+    out, _mask, _ax = torch.ops.trisparse.gcn_fused(x, w, bias, matrix.id, relu, order)
+    return out

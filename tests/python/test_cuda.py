@@ -320,3 +320,66 @@ def test_masks_on_the_device_train_without_a_host_synchronisation():
         torch.cuda.set_sync_debug_mode(0)
     assert busy, "the host waited for the GPU"
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("order", ["fused", "unfused"])
+@pytest.mark.parametrize("f_in, f_out", [(24, 80), (96, 40)])
+def test_gcn_conv_orders_and_gradients_on_cuda(dtype, order, f_in, f_out):
+    """The fused GCN layer in both orders against float64: out, and the gradients of x, the
+    weight and the bias through the ReLU mask; bitwise repeatable. The reference's ReLU takes
+    the layer's own decisions (out > 0): outputs within rounding of 0 may fall either way, and a
+    flipped one moves the gradients by a whole upstream value."""
+    n = 3000
+    g = torch.Generator().manual_seed(f_in)
+    row, col = torch.randint(0, n, (30000,), generator=g), torch.randint(
+        0, n, (30000,), generator=g
+    )
+    row = torch.cat([row, torch.full((2500,), 7)])  # a row whose window is cut into chunks
+    col = torch.cat([col, torch.arange(2500)])
+    val = torch.rand(row.numel(), generator=g) / 8
+    m = trisparse.SparseMatrix(row, col, val, n, n)
+    x = torch.randn(n, f_in, generator=g)
+    w = torch.randn(f_out, f_in, generator=g) / f_in**0.5
+    b = torch.randn(f_out, generator=g) / 4
+    up = torch.randn(n, f_out, generator=g)
+    a = torch.zeros(n, n, dtype=torch.float64).index_put_((row, col), val.double(), accumulate=True)
+
+    def grads(keep=None):
+        dev, dt = ("cpu", torch.float64) if keep is not None else ("cuda", dtype)
+        xs, ws, bs = (t.to(dev, dt).requires_grad_() for t in (x, w, b))
+        if keep is not None:
+            z = a @ (xs @ ws.t()) + bs
+            out, ref_out = z * keep, torch.relu(z)
+        else:
+            out = trisparse.gcn_conv(m, xs, ws, bs, relu=True, order=order)
+            ref_out = out
+        out.backward(up.to(dev, out.dtype))
+        return [t.detach().double().cpu() for t in (ref_out, xs.grad, ws.grad, bs.grad)]
+
+    got = grads()
+    want = grads(keep=(got[0] > 0).double())
+    tol = 3e-3 if dtype == torch.float32 else 2e-2
+    for name, g_, w_ in zip(["out", "dx", "dw", "db"], got, want):
+        assert relerr(g_, w_) <= tol, name
+    assert all(torch.equal(p, q) for p, q in zip(got, grads()))
+
+
+def test_gcn_conv_layer_with_fused_relu_matches_pyg_on_cuda():
+    ei, n = load_shared_graph("cora")
+    torch.manual_seed(0)
+    pyg = pyg_nn.GCNConv(64, 128, cached=True).cuda()
+    ours = trisparse.nn.GCNConv(64, 128, cached=True, fuse_relu=True).cuda()
+    ours.load_state_dict(pyg.state_dict())
+    ei = ei.cuda()
+    x = torch.randn(n, 64, device="cuda")
+    out, gx, gp = run(ours, x, ei)
+    # PyG's layer with the ReLU decisions of ours (see the test above).
+    x2 = x.detach().clone().requires_grad_()
+    ref = pyg(x2, ei) * (out > 0)
+    gen = torch.Generator(device="cuda").manual_seed(99)
+    ref.backward(torch.randn(ref.shape, generator=gen, device="cuda"))
+    assert relerr(out, torch.relu(pyg(x, ei)).detach()) <= 2e-3
+    assert relerr(gx, x2.grad) <= 2e-3
+    assert relerr(gp["lin.weight"], pyg.lin.weight.grad) <= 2e-3
+    assert relerr(gp["bias"], pyg.bias.grad) <= 2e-3

@@ -234,3 +234,69 @@ def test_spmm_gradients():
     assert torch.allclose(trisparse.spmm(m, b), dense @ b)
     assert torch.autograd.gradcheck(lambda t: trisparse.spmm(m, t), (b,))
     torch.library.opcheck(torch.ops.trisparse.spmm.default, (b.unsqueeze(1), m.id, False))
+
+
+def dense_gcn(matrix_parts, n, x, weight, bias, relu):
+    row, col, val = matrix_parts
+    a = torch.zeros(n, n, dtype=torch.float64).index_put_((row, col), val.double(), accumulate=True)
+    out = a @ (x.double() @ weight.double().t())
+    if bias is not None:
+        out = out + bias.double()
+    return out.relu() if relu else out
+
+
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("order", ["auto", "fused", "unfused"])
+@pytest.mark.parametrize("f_in, f_out", [(6, 40), (40, 6), (33, 33)])
+def test_gcn_conv_values_and_gradients_on_the_cpu(relu, order, f_in, f_out):
+    n = 70
+    g = torch.Generator().manual_seed(f_in + f_out)
+    row, col = torch.randint(0, n, (400,), generator=g), torch.randint(0, n, (400,), generator=g)
+    val = torch.rand(400, generator=g) + 0.1  # repeated entries are summed
+    m = trisparse.SparseMatrix(row, col, val, n, n)
+    x = torch.randn(n, f_in, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(f_out, f_in, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(f_out, dtype=torch.float64, generator=g, requires_grad=True)
+    out = trisparse.gcn_conv(m, x, w, b, relu=relu, order=order)
+    want = dense_gcn((row, col, val), n, x, w, b, relu)
+    # (repeated entries are summed, then kept in float32)
+    assert (out - want).abs().max() <= 1e-6 * want.abs().max()
+    assert torch.autograd.gradcheck(
+        lambda x_, w_, b_: trisparse.gcn_conv(m, x_, w_, b_, relu=relu, order=order), (x, w, b)
+    )
+
+
+def test_gcn_conv_rejects_bad_arguments():
+    m = trisparse.SparseMatrix(torch.tensor([0, 1]), torch.tensor([1, 2]), torch.ones(2), 3, 3)
+    x, w = torch.randn(3, 4), torch.randn(5, 4)
+    with pytest.raises(ValueError, match="x must have shape"):
+        trisparse.gcn_conv(m, torch.randn(4, 4), w)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        trisparse.gcn_conv(m, x, torch.randn(5, 3))
+    with pytest.raises(ValueError, match="order"):
+        trisparse.gcn_conv(m, x, w, order="fastest")
+    rect = trisparse.SparseMatrix(torch.tensor([0]), torch.tensor([1]), torch.ones(1), 2, 3)
+    with pytest.raises(ValueError, match="square"):
+        trisparse.gcn_conv(rect, x, w)
+
+
+class _Layer(torch.nn.Module):
+    """conv(x, edge_index), then `act`: the ReLU a model applies after PyG's layer."""
+
+    def __init__(self, conv, act=None):
+        super().__init__()
+        self.conv, self.act = conv, act
+
+    def forward(self, x, ei):
+        out = self.conv(x, ei)
+        return out if self.act is None else self.act(out)
+
+
+def test_gcn_conv_with_fused_relu_is_pyg_then_relu():
+    n = 120
+    ei = random_edge_index(n, n, 5, seed=8)
+    ours, pyg = pair(trisparse.nn.GCNConv, pyg_nn.GCNConv, 16, 24, seed=3)
+    fused = trisparse.nn.GCNConv(16, 24, fuse_relu=True)
+    fused.load_state_dict(pyg.state_dict())
+    x = torch.randn(n, 16)
+    assert_close(run(_Layer(fused), x, ei), run(_Layer(pyg, torch.relu), x, ei), rtol=2e-5)

@@ -2,8 +2,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
 #include <numeric>
 
+#include "../../src/cuda/layers/gcn_fused.hpp"
 #include "support.hpp"
 
 namespace trisparse {
@@ -97,6 +99,115 @@ TEST(Layers, AgnnForwardIsCosineAttention) {
       EXPECT_NEAR(out.get(i * f + k), want, 1e-12) << i << " " << k;
     }
   }
+}
+
+// The fused kernel's format (BSB with P's values per TCB, cut windows) holds P exactly: every
+// entry back at its bit, repeated entries summed, chunks covering each cut window in order.
+TEST(Layers, FusedGcnFormatHoldsTheMatrix) {
+  coo_graph coo;
+  coo.rows = coo.cols = 3000;
+  rng r(31);
+  for (std::int64_t j = 0; j < 3000; j += 2) coo.src.push_back(20), coo.dst.push_back(j);
+  for (std::int64_t i = 0; i < 3000; ++i) {
+    for (std::uint64_t k = r.below(5); k > 0; --k)
+      coo.src.push_back(i), coo.dst.push_back(static_cast<std::int64_t>(r.below(3000)));
+  }
+  coo.src.push_back(9), coo.dst.push_back(4), coo.src.push_back(9), coo.dst.push_back(4);
+  for (std::size_t e = 0; e < coo.src.size(); ++e)
+    coo.values.push_back(static_cast<float>(0.25 + r.uniform()));
+  const csr_graph p = to_csr(coo);
+  const cuda::gcn_fused_host h = cuda::make_gcn_fused_host(p);
+  const bsb& b = h.format;
+  ASSERT_NO_THROW(b.check());
+  std::vector<std::map<std::int32_t, double>> want(3000), got(3000);
+  for (std::int64_t i = 0; i < p.rows; ++i)
+    for (std::int64_t e = p.row_ptr[i]; e < p.row_ptr[i + 1]; ++e)
+      want[i][p.col_idx[e]] += p.values[e];
+  for (std::int64_t w = 0; w < b.windows(); ++w) {
+    for (std::int64_t t = b.tcb_offset[w]; t < b.tcb_offset[w + 1]; ++t) {
+      std::int64_t k = h.value_offset[t];
+      for (int bit = 0; bit < 128; ++bit) {
+        if (!b.test(t, bit / 8, bit % 8)) continue;
+        got[w * 16 + bit / 8][b.col_idx[t * 8 + bit % 8]] += h.values[k++];
+      }
+    }
+    // Chunks: the cut window's TCBs in order, kGcnChunkTcbs at a time.
+    if (h.split_first[w] >= 0) {
+      std::int64_t next = b.tcb_offset[w];
+      for (int c = 0; c < h.split_count[w]; ++c) {
+        const cuda::gcn_chunk& ch = h.chunks[h.split_first[w] + c];
+        EXPECT_EQ(ch.window, w);
+        EXPECT_EQ(ch.slot, h.split_first[w] + c);
+        EXPECT_EQ(ch.begin, next);
+        EXPECT_LE(ch.end - ch.begin, cuda::kGcnChunkTcbs);
+        next = ch.end;
+      }
+      EXPECT_EQ(next, b.tcb_offset[w + 1]);
+    } else {
+      EXPECT_LE(b.window_tcbs(w), 2 * cuda::kGcnChunkTcbs);
+    }
+  }
+  EXPECT_GE(h.split_first[1], 0) << "row 20's window (1500 columns) is cut";
+  for (std::int64_t i = 0; i < p.rows; ++i) {
+    ASSERT_EQ(got[i].size(), want[i].size()) << "row " << i;
+    for (const auto& [c, v] : want[i]) EXPECT_NEAR(got[i][c], v, 1e-6) << i << "," << c;
+  }
+  EXPECT_NEAR(want[9][4], got[9][4], 1e-6);
+}
+
+// The CPU plan: P x w + bias (ReLU'd), its mask, and P x, against gcn_layer and the reference.
+TEST(Layers, FusedGcnPlanOnTheCpu) {
+  const csr_graph g = test::random_pattern(60, 60, 6, 32);
+  const csr_graph p = gcn_normalized(g);
+  const gcn_fused_plan plan = gcn_fused_plan::build(p);
+  host_tensor x(dtype::f32, 60, 1, 5), w(dtype::f32, 5, 1, 40), b(dtype::f32, 1, 1, 40),
+      plain(dtype::f64, 60, 1, 40), out(dtype::f64, 60, 1, 40), ax(dtype::f64, 60, 1, 5),
+      ax_want(dtype::f64, 60, 1, 5);
+  x.fill_uniform(-1, 1, 33);
+  w.fill_uniform(-1, 1, 34);
+  b.fill_uniform(-1, 1, 35);
+  gcn_layer::build(g).forward(x.view(), w.view(), plain.view());
+  reference::spmm(p, {}, x.view(), ax_want.view());
+  EXPECT_TRUE(plan.fused(5, 40, dtype::f32));
+  EXPECT_FALSE(plan.fused(40, 5, dtype::f32));
+  // The measured rule: past 8192 rows, only where F_out >= 8 F_in.
+  const gcn_fused_plan large =
+      gcn_fused_plan::build(gcn_normalized(test::random_pattern(9000, 9000, 2, 36)));
+  EXPECT_FALSE(large.fused(64, 64, dtype::f16));
+  EXPECT_TRUE(large.fused(16, 128, dtype::f16));
+  EXPECT_TRUE(large.fused(64, 64, dtype::f16, gcn_order::fused));
+  EXPECT_FALSE(large.fused(16, 128, dtype::f16, gcn_order::unfused));
+  EXPECT_EQ(plan.workspace_bytes(5, 40, dtype::f32), 0u);
+  for (const bool relu : {true, false}) {
+    std::vector<std::uint32_t> mask(60 * 2, 0xDEADBEEFu);
+    plan.forward({.x = x.view(),
+                  .w = w.view(),
+                  .bias = b.view(),
+                  .out = out.view(),
+                  .relu = relu,
+                  .relu_mask = mask.data(),
+                  .ax = ax.view()});
+    for (std::int64_t i = 0; i < 60; ++i) {
+      for (std::int64_t f = 0; f < 40; ++f) {
+        const double pre = plain.get(i * 40 + f) + b.get(f);
+        EXPECT_NEAR(out.get(i * 40 + f), relu ? std::max(pre, 0.0) : pre, 1e-12);
+        EXPECT_EQ(((mask[i * 2 + f / 32] >> (f % 32)) & 1u) != 0, pre > 0);
+      }
+      EXPECT_EQ(mask[i * 2 + 1] >> 8, 0u);
+    }
+    for (std::int64_t i = 0; i < ax.numel(); ++i) EXPECT_NEAR(ax.get(i), ax_want.get(i), 1e-12);
+  }
+  EXPECT_THROW(plan.forward({.x = x.view(),
+                             .w = w.view(),
+                             .out = out.view(),
+                             .ax = ax.view(),
+                             .order = gcn_order::unfused}),
+               invalid_input);
+  EXPECT_THROW((void)gcn_fused_plan::build(g), invalid_input);  // no values
+  EXPECT_THROW((void)gcn_fused_plan::build(gcn_normalized(test::random_pattern(3, 3, 2, 1)),
+                                           device_kind::cpu)
+                   .forward({.x = x.view(), .w = w.view(), .out = out.view()}),
+               invalid_input);  // 60 rows of x for a 3-row plan
 }
 
 TEST(Layers, RejectWrongShapesAndDevices) {

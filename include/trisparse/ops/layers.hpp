@@ -57,6 +57,61 @@ class gcn_layer {
   std::shared_ptr<const state> state_;
 };
 
+/// How the fused GCN layer computes P x w.
+enum class gcn_order : std::uint8_t {
+  automatic,  ///< the measured rule (gcn_fused_plan::fused)
+  fused,      ///< (P x) w and the epilogue in one kernel (GraphCUDA's A·X·W)
+  unfused,    ///< x w (cuBLAS), P (x w) (SpMM), then the epilogue
+};
+
+/// One run of the fused GCN layer: out = P x w + bias, ReLU'd with `relu`.
+struct gcn_fused_args {
+  tensor_view x;     ///< [N, 1, F_in]
+  tensor_view w;     ///< [F_in, 1, F_out], row-major weights, x's dtype
+  tensor_view bias;  ///< [1, 1, F_out], f32 or x's dtype; data == nullptr: none
+  tensor_view out;   ///< [N, 1, F_out], f32 or x's dtype (CPU: any dtype, computed in float64)
+  bool relu = true;
+  /// The ReLU mask, N * ceil(F_out / 32) words on out's device, bit f % 32 of word
+  /// i * ceil(F_out / 32) + f / 32 set where out's row i, column f is > 0 before the ReLU (what
+  /// the backward reads); nullptr: not written.
+  std::uint32_t* relu_mask = nullptr;
+  /// [N, 1, F_in] in x's dtype: P x as the W product used it (the backward's dW = (P x)^T dZ);
+  /// written by the fused order only (data == nullptr: not written).
+  tensor_view ax;
+  gcn_order order = gcn_order::automatic;
+};
+
+/// The fused GCN layer of a weighted propagation matrix P (gcn_normalized(graph), or any weights:
+/// PyG's gcn_norm), built once per graph and device. CUDA: the fused kernel over BSB with P's
+/// values (16-row windows, 16x8 tensor-core blocks; windows of many blocks cut into chunks added
+/// in a fixed order), or the unfused order where the rule finds it faster; deterministic. The
+/// CPU computes in float64 (reference::gcn_fused).
+class gcn_fused_plan {
+ public:
+  /// @throws invalid_input unless `propagation` is square and has values; not_supported for
+  /// CUDA without the CUDA backend.
+  static gcn_fused_plan build(const csr_graph& propagation, device_kind where = device_kind::cpu,
+                              stream_ref stream = {});
+  /// Whether a run of these widths and dtype takes the fused kernel (CUDA) under `order`:
+  /// gcn_order::fused where its shared memory holds the features, automatic by the rule.
+  bool fused(std::int64_t in_dim, std::int64_t out_dim, dtype type,
+             gcn_order order = gcn_order::automatic) const;
+  /// Bytes of workspace such a run needs (0 on the CPU).
+  std::size_t workspace_bytes(std::int64_t in_dim, std::int64_t out_dim, dtype type,
+                              gcn_order order = gcn_order::automatic) const;
+  /// CUDA: asynchronous on `stream`; never synchronises the host, allocates or locks.
+  /// `workspace`: workspace_bytes(...) bytes, 256-byte aligned.
+  void forward(const gcn_fused_args& args, stream_ref stream = {},
+               workspace_view workspace = {}) const;
+  device_kind where() const;
+  std::int64_t rows() const;
+  std::int64_t nnz() const;
+
+ private:
+  struct state;
+  std::shared_ptr<const state> state_;
+};
+
 /// out_i = sum_j softmax_j(β cos(h_i, h_j)) h_j over row i of A (+ I): h [N, 1, F], out [N, 1, F].
 /// CUDA: h f16, bf16 or f32 (tf32), out f32 or h's dtype. Zero rows of h have cosine 0.
 class agnn_layer {

@@ -27,7 +27,7 @@ except ImportError as e:  # pragma: no cover - exercised only without PyG
 from ..attention import sparse_attention
 from ..edge import edge_scores, edge_softmax, edge_spmm, sddmm
 from ..pattern import Pattern
-from ..sparse import SparseMatrix, spmm
+from ..sparse import SparseMatrix, gcn_conv
 
 __all__ = ["AGNNConv", "GATConv", "GCNConv", "TransformerConv"]
 
@@ -190,14 +190,19 @@ class AGNNConv(_Fused, _PygAGNNConv):
 
 class GCNConv(_Fused, _PygGCNConv):
     """PyG's :class:`torch_geometric.nn.GCNConv` (same arguments, ``lin`` and ``bias``
-    parameters, outputs): x W, then the normalised propagation as one SpMM over a
-    :class:`trisparse.SparseMatrix` of PyG's own ``gcn_norm`` weights (built once per graph, or
-    once at all with ``cached=True``), deterministic in both directions. Falls back to PyG's code,
-    with a one-time warning, for an ``edge_weight`` that requires grad and for graphs that are
-    not an ``edge_index`` tensor."""
+    parameters, outputs): Â x W + b as trisparse's fused GCN layer (:func:`trisparse.gcn_conv`)
+    over a :class:`trisparse.SparseMatrix` of PyG's own ``gcn_norm`` weights (built once per
+    graph, or once at all with ``cached=True``): on CUDA (Â x) W and the bias in one kernel, or
+    x W then the SpMM, whichever the measured rule picks; deterministic in both directions.
 
-    def __init__(self, *args, **kwargs):
+    One argument beyond PyG's: ``fuse_relu=True`` applies the ReLU that usually follows the layer
+    in the same kernel (the backward keeps a 1-bit mask instead of the output). Falls back to
+    PyG's code, with a one-time warning, for an ``edge_weight`` that requires grad and for graphs
+    that are not an ``edge_index`` tensor."""
+
+    def __init__(self, *args, fuse_relu: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
+        self.fuse_relu = bool(fuse_relu)
         self._init_fused()
         self._matrix_key = None
         self._matrix = None
@@ -235,12 +240,10 @@ class GCNConv(_Fused, _PygGCNConv):
             reason = "gradients of edge_weight are not fused"
         if reason is not None:
             self._fallback(reason, edge_index)
-            return super().forward(x, edge_index, edge_weight)
+            out = super().forward(x, edge_index, edge_weight)
+            return F.relu(out) if self.fuse_relu else out
         matrix = self._propagation(x, edge_index, edge_weight)
-        out = spmm(matrix, self.lin(x))
-        if self.bias is not None:
-            out = out + self.bias
-        return out
+        return gcn_conv(matrix, x, self.lin.weight, self.bias, relu=self.fuse_relu)
 
 
 class GATConv(_Fused, _PygGATConv):

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# On the GPU machine, in one call: Nsight Compute's view of the backward kernels where their
+# targets are missed: (1) the attention backward (tensor-core dq and dk/dv passes) and forward on
+# PROFILE_GRAPH, D = 128, one head, f16; (2) the block-sparse backward against FlexAttention's
+# (compiled) at N = 32K, G = 64, p = 0.9, H = 8, D = 64, bf16, through the Python package (built
+# here, as scripts/gpu_python.sh does). Summaries under $OUT. Call with carry = [.devpack,
+# .devlibs, data].
+set -uo pipefail
+out=${OUT:-/tmp/trisparse-profile}
+site=/tmp/trisparse-site
+mkdir -p "$out" /tmp/profile
+tar -xJf .devpack/new.tar.xz -C /tmp/profile
+export LD_LIBRARY_PATH=$PWD/.devlibs:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
+  --section Occupancy --section WarpStateStats --section LaunchStats)
+graph=${PROFILE_GRAPH:-data/het_tolokers.el.xz}
+if [ "${PROFILE_ATTENTION:-1}" = 1 ]; then
+  ncu "${sections[@]}" -k 'regex:tc_(row|column)_pass|fused3s_kernel' --launch-skip 12 \
+    --launch-count 6 /tmp/profile/bench_fused3s --dim 128 --heads 1 --repeat 2 --no-baselines \
+    --training "$graph" > "$out/ncu_attention.txt" 2>&1
+  echo "attention: $(grep -c '^  [a-z_]*.*(' "$out/ncu_attention.txt") kernels profiled"
+fi
+if [ "${PROFILE_BLOCK:-1}" = 1 ]; then
+  # (PROFILE_SKIP_BUILD=1: the package is already there, from scripts/gpu_python.sh.)
+  if [ "${PROFILE_SKIP_BUILD:-0}" != 1 ]; then
+    python3 -m pip install --no-build-isolation --no-deps --target "$site" \
+      -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 -C build.verbose=false . > "$out/pip_install.log" 2>&1 ||
+      { tail -30 "$out/pip_install.log"; exit 1; }
+  fi
+  # After the warm-ups and autotuning: one launch of our backward kernel, two of flex's backward.
+  : > "$out/ncu_block_sparse.txt"
+  for k in 'regex:^backward_kernel' 'regex:tem_fused_flex_attention_backward'; do
+    PYTHONPATH="$site" ncu "${sections[@]}" -k "$k" --launch-skip 3 --launch-count 2 \
+      python3 bench/python/block_sparse_training.py --n 32768 --block 64 --sparsity 0.9 \
+      --repeat 3 >> "$out/ncu_block_sparse.txt" 2>&1
+  done
+  grep -E '^  [A-Za-z_].*\(|Duration|Compute \(SM\) Throughput|L1/TEX Cache Throughput|Achieved Occupancy' \
+    "$out/ncu_block_sparse.txt" | head -40
+fi
