@@ -37,15 +37,6 @@ cudaDataType_t blas_type(dtype t) {
   }
 }
 
-void check_matrix(const tensor_view& t, const char* what, std::int64_t rows, std::int64_t cols) {
-  TRISPARSE_EXPECTS_INPUT(t.where == device_kind::cuda,
-                          std::string(what) + " " + t.describe() + " must be on the GPU");
-  check_view(t, what, rows, 1, cols);
-  TRISPARSE_EXPECTS_INPUT(
-      t.rows <= 1 || t.row_stride >= t.dim,
-      std::string(what) + " " + t.describe() + " needs rows at least dim elements apart");
-}
-
 constexpr int kWarps = 8;
 
 template <class T>
@@ -87,9 +78,9 @@ cublasHandle_t thread_handle() {
 void gemm(const tensor_view& a, const tensor_view& b, const tensor_view& c,
           const workspace_view& workspace, stream_ref stream) {
   const std::int64_t m = a.rows, k = a.dim, n = b.dim;
-  check_matrix(a, "a", m, k);
-  check_matrix(b, "b", k, n);
-  check_matrix(c, "c", m, n);
+  check_device_matrix(a, "a", m, k);
+  check_device_matrix(b, "b", k, n);
+  check_device_matrix(c, "c", m, n);
   TRISPARSE_EXPECTS_INPUT(a.type == b.type,
                           "a " + a.describe() + " and b " + b.describe() + " need one dtype");
   TRISPARSE_EXPECTS_INPUT(c.type == dtype::f32 || c.type == a.type,
@@ -119,9 +110,19 @@ void gemm(const tensor_view& a, const tensor_view& b, const tensor_view& c,
            "GemmEx");
 }
 
+void check_device_matrix(const tensor_view& t, const char* what, std::int64_t rows,
+                         std::int64_t cols) {
+  TRISPARSE_EXPECTS_INPUT(t.where == device_kind::cuda,
+                          std::string(what) + " " + t.describe() + " must be on the GPU");
+  check_view(t, what, rows, 1, cols);
+  TRISPARSE_EXPECTS_INPUT(
+      t.rows <= 1 || t.row_stride >= t.dim,
+      std::string(what) + " " + t.describe() + " needs rows at least dim elements apart");
+}
+
 void normalize_rows(const tensor_view& x, const tensor_view& out, stream_ref stream) {
-  check_matrix(x, "x", x.rows, x.dim);
-  check_matrix(out, "out", x.rows, x.dim);
+  check_device_matrix(x, "x", x.rows, x.dim);
+  check_device_matrix(out, "out", x.rows, x.dim);
   TRISPARSE_EXPECTS_INPUT(out.type == x.type, "out " + out.describe() + " needs x's dtype");
   if (x.rows == 0) return;
   const auto s = static_cast<cudaStream_t>(stream.handle);

@@ -20,6 +20,11 @@ inline constexpr std::size_t kGemmWorkspaceBytes = std::size_t{4} << 20;
 TRISPARSE_CUDA_ENTRY(void gemm(const tensor_view& a, const tensor_view& b, const tensor_view& c,
                                const workspace_view& workspace, stream_ref stream))
 
+/// Checks that t is a [rows, 1, cols] view on the GPU whose rows do not overlap.
+/// @throws invalid_input naming `what`.
+TRISPARSE_CUDA_ENTRY(void check_device_matrix(const tensor_view& t, const char* what,
+                                              std::int64_t rows, std::int64_t cols))
+
 /// out[i] = x[i] / ||x[i]||_2 (0 for a zero row), [N, 1, F] in x's dtype, computed in fp32.
 TRISPARSE_CUDA_ENTRY(void normalize_rows(const tensor_view& x, const tensor_view& out,
                                          stream_ref stream))

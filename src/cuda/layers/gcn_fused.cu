@@ -24,6 +24,7 @@
 #include "../common/error.cuh"
 #include "../common/grid.cuh"
 #include "../sparse/fragments.cuh"
+#include "dense.hpp"
 #include "gcn_fused.hpp"
 
 namespace trisparse::cuda {
@@ -463,15 +464,9 @@ bool aligned(const void* p, std::int64_t row, std::size_t elem, std::size_t byte
   return reinterpret_cast<std::uintptr_t>(p) % bytes == 0 && (row * elem) % bytes == 0;
 }
 
-void check_matrix(const tensor_view& t, const char* what, std::int64_t rows, std::int64_t cols) {
-  TRISPARSE_EXPECTS_INPUT(t.where == device_kind::cuda,
-                          std::string(what) + " " + t.describe() + " must be on the GPU");
-  check_view(t, what, rows, 1, cols);
-}
-
 void check_bias(const tensor_view& bias, const tensor_view& x, std::int64_t f_out) {
   if (bias.data == nullptr) return;
-  check_matrix(bias, "bias", 1, f_out);
+  check_device_matrix(bias, "bias", 1, f_out);
   TRISPARSE_EXPECTS_INPUT(bias.type == dtype::f32 || bias.type == x.type,
                           "bias " + bias.describe() + " must be f32 or x's dtype");
 }
@@ -513,12 +508,12 @@ void gcn_fused_forward(const gcn_fused_device& d, const tensor_view& x, const te
                        std::uint32_t* relu_mask, const tensor_view& ax,
                        const workspace_view& workspace, stream_ref stream) {
   const std::int64_t f_in = x.dim, f_out = w.dim;
-  check_matrix(x, "x", d.rows, f_in);
-  check_matrix(w, "w", f_in, f_out);
-  check_matrix(out, "out", d.rows, f_out);
+  check_device_matrix(x, "x", d.rows, f_in);
+  check_device_matrix(w, "w", f_in, f_out);
+  check_device_matrix(out, "out", d.rows, f_out);
   check_bias(bias, x, f_out);
   if (ax.data != nullptr) {
-    check_matrix(ax, "ax", d.rows, f_in);
+    check_device_matrix(ax, "ax", d.rows, f_in);
     TRISPARSE_EXPECTS_INPUT(ax.type == x.type, "ax " + ax.describe() + " needs x's dtype");
   }
   TRISPARSE_EXPECTS_INPUT(x.type == w.type,
@@ -583,15 +578,15 @@ void gcn_fused_forward(const gcn_fused_device& d, const tensor_view& x, const te
 
 void bias_relu_mask(const tensor_view& z, const tensor_view& bias, bool relu,
                     const tensor_view& out, std::uint32_t* relu_mask, stream_ref stream) {
-  check_matrix(z, "z", z.rows, z.dim);
-  check_matrix(out, "out", z.rows, z.dim);
+  check_device_matrix(z, "z", z.rows, z.dim);
+  check_device_matrix(out, "out", z.rows, z.dim);
   TRISPARSE_EXPECTS_INPUT(z.type == dtype::f32, "z " + z.describe() + " must be f32");
   if (z.rows == 0 || z.dim == 0) return;
   const int words = static_cast<int>((z.dim + 31) / 32);
   const auto s = static_cast<cudaStream_t>(stream.handle);
   with_element_type(out.type, "out", [&]<class O>() {
     if (bias.data != nullptr) {
-      check_matrix(bias, "bias", 1, z.dim);
+      check_device_matrix(bias, "bias", 1, z.dim);
       TRISPARSE_EXPECTS_INPUT(bias.type != dtype::f64,
                               "bias " + bias.describe() + " must be f32, f16 or bf16");
     }
