@@ -286,6 +286,25 @@ struct py_gcn_fused_plan {
     nb::gil_scoped_release release;
     plan.forward(a, stream_of(stream), workspace_of(ws, ws_bytes));
   }
+
+  /// mask: the forward's mask pointer, or 0 (no ReLU).
+  void backward(const tensor_tuple& dout, std::uintptr_t mask, const tensor_tuple& x,
+                const tensor_tuple& w, const std::optional<tensor_tuple>& ax,
+                const tensor_tuple& dx, const tensor_tuple& dw,
+                const std::optional<tensor_tuple>& dbias, const std::string& order,
+                std::uintptr_t stream, std::uintptr_t ws, std::size_t ws_bytes) const {
+    const gcn_fused_grad_args a{.dout = view_of(dout),
+                                .relu_mask = reinterpret_cast<const std::uint32_t*>(mask),
+                                .x = view_of(x),
+                                .w = view_of(w),
+                                .ax = view_of(ax),
+                                .dx = view_of(dx),
+                                .dw = view_of(dw),
+                                .dbias = view_of(dbias),
+                                .order = order_of(order)};
+    nb::gil_scoped_release release;
+    plan.backward(a, stream_of(stream), workspace_of(ws, ws_bytes));
+  }
 };
 
 /// A weighted sparse matrix prepared on one device (the SpMM of the GCN layer and its transpose).
@@ -433,6 +452,17 @@ NB_MODULE(_C, m) {
                   "rows"_a, "nnz"_a, "device"_a, "stream"_a)
       .def("forward", &py_gcn_fused_plan::forward, "x"_a, "w"_a, "bias"_a.none(), "out"_a, "relu"_a,
            "mask"_a, "ax"_a.none(), "order"_a, "stream"_a, "workspace"_a, "workspace_bytes"_a)
+      .def("backward", &py_gcn_fused_plan::backward, "dout"_a, "mask"_a, "x"_a, "w"_a,
+           "ax"_a.none(), "dx"_a, "dw"_a, "dbias"_a.none(), "order"_a, "stream"_a, "workspace"_a,
+           "workspace_bytes"_a)
+      .def(
+          "backward_workspace_bytes",
+          [](const py_gcn_fused_plan& p, std::int64_t in_dim, std::int64_t out_dim, int type,
+             const std::string& order) {
+            return p.plan.backward_workspace_bytes(in_dim, out_dim, static_cast<dtype>(type),
+                                                   order_of(order));
+          },
+          "in_dim"_a, "out_dim"_a, "dtype"_a, "order"_a)
       .def(
           "fused",
           [](const py_gcn_fused_plan& p, std::int64_t in_dim, std::int64_t out_dim, int type,

@@ -199,34 +199,40 @@ def _gcn_fused_fake(x, w, bias, matrix, relu, order):
 
 
 def _gcn_setup_context(ctx, inputs, output):
-    x, w, bias, matrix, relu, _order = inputs
+    x, w, bias, matrix, relu, order = inputs
     _out, mask, ax = output
-    ctx.matrix, ctx.relu, ctx.has_bias = matrix, relu, bias is not None
-    plan = _matrices.lookup(matrix).fused_plan(x.device)
-    ctx.fused = plan.fused(x.shape[1], w.shape[1], _tensors.dtype_code(x.dtype), _order)
-    ctx.save_for_backward(x if not ctx.fused else None, w, mask if relu else None, ax)
+    ctx.matrix, ctx.relu, ctx.order = matrix, relu, order
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.save_for_backward(x, w, mask if relu else None, ax)
 
 
 def _gcn_backward(ctx, dout, _dmask, _dax):
+    """One call of the plan's backward: dZ = dout ∘ mask, dbias = Σ dZ, and dW, dX through the
+    transposed matrix, all deterministic."""
     x, w, mask, ax = ctx.saved_tensors
-    dz = dout
-    if ctx.relu:
-        f_out = dout.shape[1]
-        shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
-        bits = ((mask.unsqueeze(-1) >> shifts) & 1).reshape(mask.shape[0], -1)[:, :f_out]
-        dz = dout * bits.to(dout.dtype)
-    dz = dz.contiguous()
-    dbias = dz.sum(0) if ctx.has_bias else None
-    # out = A (x w): the gradients through A^T are one SpMM over the transposed matrix, taken in
-    # the narrower width (F_in in the fused order, whose A x was kept; F_out otherwise).
-    if ctx.fused:
-        dw = ax.t() @ dz
-        t = (dz @ w.t()).unsqueeze(1).contiguous()
-        dx = torch.ops.trisparse.spmm(t, ctx.matrix, True).squeeze(1)
-    else:
-        du = torch.ops.trisparse.spmm(dz.unsqueeze(1), ctx.matrix, True).squeeze(1)
-        dw = x.t() @ du
-        dx = du @ w.t()
+    dout = dout.contiguous()
+    plan = _matrices.lookup(ctx.matrix).fused_plan(x.device)
+    f_in, f_out = w.shape
+    code = _tensors.dtype_code(x.dtype)
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
+    dbias = None if ctx.bias_dtype is None else dout.new_empty(f_out, dtype=ctx.bias_dtype)
+    _owner, ws, ws_bytes = _tensors.workspace(
+        plan.backward_workspace_bytes(f_in, f_out, code, ctx.order), x.device
+    )
+    plan.backward(
+        _tensors.view(dout.unsqueeze(1)),
+        0 if mask is None else mask.data_ptr(),
+        _tensors.view(x.unsqueeze(1)),
+        _tensors.view(w.unsqueeze(1)),
+        _tensors.view(ax.unsqueeze(1)) if ax.numel() > 0 else None,
+        _tensors.view(dx.unsqueeze(1)),
+        _tensors.view(dw.unsqueeze(1)),
+        None if dbias is None else _tensors.view(dbias.view(1, 1, -1)),
+        ctx.order,
+        _tensors.stream(x.device),
+        ws,
+        ws_bytes,
+    )
     return dx, dw, dbias, None, None, None
 
 

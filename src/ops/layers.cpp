@@ -4,6 +4,7 @@
 #include <bit>
 #include <cmath>
 #include <optional>
+#include <span>
 #include <string>
 
 #include "../common/workspace_layout.hpp"
@@ -312,6 +313,26 @@ gcn_unfused_workspace gcn_unfused_workspace_of(const sparse_plan& p, std::int64_
   return w;
 }
 
+// The backward's: cuBLAS's, dZ (x's dtype), the product through Pᵀ's operand or result (dZ Wᵀ
+// or Pᵀ dZ, x's dtype), dbias's block sums, the SpMM's.
+struct gcn_backward_workspace {
+  detail::workspace_layout layout;
+  std::size_t blas = 0, dz = 0, between = 0, sums = 0, sparse = 0;
+};
+
+gcn_backward_workspace gcn_backward_workspace_of(const sparse_plan& transposed, std::int64_t rows,
+                                                 std::int64_t in_dim, std::int64_t out_dim,
+                                                 dtype type, bool fused) {
+  const std::int64_t width = fused ? in_dim : out_dim;
+  gcn_backward_workspace w;
+  w.blas = w.layout.add(cuda::kGemmWorkspaceBytes);
+  w.dz = w.layout.add(static_cast<std::size_t>(rows * out_dim) * size_of(type));
+  w.between = w.layout.add(static_cast<std::size_t>(rows * width) * size_of(type));
+  w.sums = w.layout.add(cuda::relu_grad_workspace_bytes(rows, out_dim));
+  w.sparse = w.layout.add(transposed.workspace_bytes(1, width));
+  return w;
+}
+
 }  // namespace
 
 struct gcn_fused_plan::state {
@@ -320,6 +341,7 @@ struct gcn_fused_plan::state {
   csr_graph propagation;                                // CPU
   std::shared_ptr<const cuda::gcn_fused_device> fused;  // CUDA
   std::optional<sparse_plan> plan;                      // CUDA, the unfused order
+  std::optional<sparse_plan> transposed;                // CUDA, the backward's Pᵀ
 };
 
 gcn_fused_plan gcn_fused_plan::build(const csr_graph& propagation, device_kind where,
@@ -342,6 +364,8 @@ gcn_fused_plan gcn_fused_plan::build(const csr_graph& propagation, device_kind w
     s->fused = cuda::upload_gcn_fused(cuda::make_gcn_fused_host(propagation), stream);
     s->plan =
         sparse_plan::build(propagation, where, {.workspace_heads = 1, .workspace_dim = 1}, stream);
+    s->transposed = sparse_plan::build(transpose(propagation), where,
+                                       {.workspace_heads = 1, .workspace_dim = 1}, stream);
   }
   gcn_fused_plan plan;
   plan.state_ = std::move(s);
@@ -442,6 +466,68 @@ void gcn_fused_plan::forward(const gcn_fused_args& a, stream_ref stream,
   cuda::gemm(a.x, a.w, xw, blas, stream);
   s.plan->spmm({}, xw, z, stream, sparse);
   cuda::bias_relu_mask(z, a.bias, a.relu, a.out, a.relu_mask, stream);
+}
+
+std::size_t gcn_fused_plan::backward_workspace_bytes(std::int64_t in_dim, std::int64_t out_dim,
+                                                     dtype type, gcn_order order) const {
+  const state& s = *state_;
+  if (s.where == device_kind::cpu) return 0;
+  return gcn_backward_workspace_of(*s.transposed, s.rows, in_dim, out_dim, type,
+                                   fused(in_dim, out_dim, type, order))
+      .layout.bytes();
+}
+
+void gcn_fused_plan::backward(const gcn_fused_grad_args& a, stream_ref stream,
+                              workspace_view workspace) const {
+  const state& s = *state_;
+  const std::int64_t f_in = a.w.rows, f_out = a.w.dim;
+  check_view(a.w, "w", f_in, 1, f_out);
+  check_view(a.dout, "dout", s.rows, 1, f_out);
+  check_view(a.dx, "dx", s.rows, 1, f_in);
+  check_view(a.dw, "dw", f_in, 1, f_out);
+  if (a.dbias.data != nullptr) check_view(a.dbias, "dbias", 1, 1, f_out);
+  const auto words = static_cast<std::size_t>(s.rows * ((f_out + 31) / 32));
+  if (s.where == device_kind::cpu) {
+    check_view(a.x, "x", s.rows, 1, f_in);
+    for (const tensor_view* t : {&a.x, &a.w, &a.dout, &a.dx, &a.dw})
+      check_host(*t, "the fused GCN layer's backward argument");
+    reference::gcn_fused_backward(s.propagation, a.x, a.w,
+                                  a.relu_mask != nullptr
+                                      ? std::span<const std::uint32_t>(a.relu_mask, words)
+                                      : std::span<const std::uint32_t>(),
+                                  a.dout, a.dx, a.dw, a.dbias);
+    return;
+  }
+  const dtype type = a.w.type;
+  const bool fused_order = fused(f_in, f_out, type, a.order);
+  const tensor_view& saved = fused_order ? a.ax : a.x;
+  check_view(saved, fused_order ? "ax" : "x", s.rows, 1, f_in);
+  TRISPARSE_EXPECTS_INPUT(saved.type == type, std::string(fused_order ? "ax " : "x ") +
+                                                  saved.describe() + " needs w's dtype");
+  const gcn_backward_workspace g =
+      gcn_backward_workspace_of(*s.transposed, s.rows, f_in, f_out, type, fused_order);
+  g.layout.check(workspace, "fused GCN layer's backward");
+  const int device = a.dout.device_id;
+  const workspace_view blas{detail::workspace_layout::at<void>(workspace, g.blas),
+                            cuda::kGemmWorkspaceBytes};
+  const workspace_view sums{detail::workspace_layout::at<void>(workspace, g.sums),
+                            cuda::relu_grad_workspace_bytes(s.rows, f_out)};
+  const workspace_view sparse{detail::workspace_layout::at<void>(workspace, g.sparse),
+                              g.layout.bytes() - g.sparse};
+  const tensor_view dz = detail::segment_view(workspace, g.dz, type, s.rows, 1, f_out, device);
+  cuda::relu_grad(a.dout, a.relu_mask, dz, a.dbias, sums, stream);
+  if (fused_order) {
+    const tensor_view t = detail::segment_view(workspace, g.between, type, s.rows, 1, f_in, device);
+    cuda::gemm(a.ax, dz, a.dw, blas, stream, /*trans_a=*/true);
+    cuda::gemm(dz, a.w, t, blas, stream, false, /*trans_b=*/true);
+    s.transposed->spmm({}, t, a.dx, stream, sparse);
+  } else {
+    const tensor_view du =
+        detail::segment_view(workspace, g.between, type, s.rows, 1, f_out, device);
+    s.transposed->spmm({}, dz, du, stream, sparse);
+    cuda::gemm(a.x, du, a.dw, blas, stream, /*trans_a=*/true);
+    cuda::gemm(du, a.w, a.dx, blas, stream, false, /*trans_b=*/true);
+  }
 }
 
 // --- AGNN -----------------------------------------------------------------------------------

@@ -155,6 +155,56 @@ void check_fused_gcn(const csr_graph& p, const fused_case& c, std::uint64_t seed
     EXPECT_TRUE(ea.finite);
     EXPECT_LE(ea.relative(), tolerance(c.in, c.in)) << "P x: max abs " << ea.max_abs;
   }
+
+  // The backward against the float64 plan's, both given the GPU's mask (outputs within rounding
+  // of 0 may fall either way; a flipped one moves the gradients by a whole dout value).
+  host_tensor up(c.out, p.rows, 1, c.f_out), dx_want(dtype::f64, p.rows, 1, c.f_in),
+      dw_want(dtype::f64, c.f_in, 1, c.f_out), db_want(dtype::f64, 1, 1, c.f_out);
+  up.fill_uniform(-1, 1, seed + 3);
+  std::vector<std::uint32_t> gpu_mask(bits, bits + p.rows * words);
+  const std::uint32_t* mask_used = c.relu ? gpu_mask.data() : nullptr;
+  gcn_fused_plan::build(p).backward({.dout = up.view(),
+                                     .relu_mask = mask_used,
+                                     .x = x.view(),
+                                     .w = w.view(),
+                                     .dx = dx_want.view(),
+                                     .dw = dw_want.view(),
+                                     .dbias = db_want.view()});
+  test::device_tensor dup(up), gdx(host_tensor(c.out, p.rows, 1, c.f_in)),
+      gdw(host_tensor(c.out, c.f_in, 1, c.f_out)), gdb(host_tensor(dtype::f32, 1, 1, c.f_out)),
+      bws(host_tensor(dtype::f32,
+                      static_cast<std::int64_t>(
+                          gpu.backward_workspace_bytes(c.f_in, c.f_out, c.in, c.order) / 4 + 64),
+                      1, 1));
+  // (The device mask and P x are the last forward's.)
+  const tensor_view bv = bws.view();
+  const gcn_fused_grad_args g{
+      .dout = dup.view(),
+      .relu_mask = c.relu ? static_cast<std::uint32_t*>(mask.view().data) : nullptr,
+      .x = dx.view(),
+      .w = dw.view(),
+      .ax = ax.view(),
+      .dx = gdx.view(),
+      .dw = gdw.view(),
+      .dbias = gdb.view(),
+      .order = c.order};
+  host_tensor got_dx, got_dw, got_db;
+  const auto backward = [&] {
+    gdw.poison();
+    gdb.poison();
+    gpu.backward(g, {}, {bv.data, static_cast<std::size_t>(bv.rows) * 4});
+  };
+  ASSERT_NO_FATAL_FAILURE(test::run_twice_identically(gdx, backward, got_dx));
+  got_dw = gdw.download();
+  got_db = gdb.download();
+  const double gtol = 2 * tolerance(c.in, c.out);
+  for (const auto& [got_g, want_g, what] :
+       {std::tuple{&got_dx, &dx_want, "dx"}, std::tuple{&got_dw, &dw_want, "dw"},
+        std::tuple{&got_db, &db_want, "dbias"}}) {
+    const auto eg = test::compare(*got_g, *want_g);
+    EXPECT_TRUE(eg.finite) << what;
+    EXPECT_LE(eg.relative(), gtol) << what << ": max abs " << eg.max_abs;
+  }
 }
 
 TEST(GpuFusedGcn, EveryTypeBothOrdersAndOddWidths) {

@@ -208,6 +208,36 @@ TEST(Layers, FusedGcnPlanOnTheCpu) {
                                            device_kind::cpu)
                    .forward({.x = x.view(), .w = w.view(), .out = out.view()}),
                invalid_input);  // 60 rows of x for a 3-row plan
+
+  // The backward: the reference's gradients, through the mask the forward wrote.
+  std::vector<std::uint32_t> mask(60 * 2);
+  plan.forward({.x = x.view(),
+                .w = w.view(),
+                .bias = b.view(),
+                .out = out.view(),
+                .relu_mask = mask.data()});
+  host_tensor up(dtype::f64, 60, 1, 40), dx(dtype::f64, 60, 1, 5), dw(dtype::f64, 5, 1, 40),
+      db(dtype::f64, 1, 1, 40), dx_ref(dtype::f64, 60, 1, 5), dw_ref(dtype::f64, 5, 1, 40),
+      db_ref(dtype::f64, 1, 1, 40);
+  up.fill_uniform(-1, 1, 37);
+  plan.backward({.dout = up.view(),
+                 .relu_mask = mask.data(),
+                 .x = x.view(),
+                 .w = w.view(),
+                 .dx = dx.view(),
+                 .dw = dw.view(),
+                 .dbias = db.view()});
+  reference::gcn_fused_backward(p, x.view(), w.view(), mask, up.view(), dx_ref.view(),
+                                dw_ref.view(), db_ref.view());
+  for (const auto& [got, want] :
+       {std::pair{&dx, &dx_ref}, std::pair{&dw, &dw_ref}, std::pair{&db, &db_ref}}) {
+    double scale = 0;
+    for (std::int64_t i = 0; i < want->numel(); ++i)
+      scale = std::max(scale, std::abs(want->get(i)));
+    EXPECT_GT(scale, 0.0);
+    for (std::int64_t i = 0; i < want->numel(); ++i) EXPECT_EQ(got->get(i), want->get(i));
+  }
+  EXPECT_EQ(plan.backward_workspace_bytes(5, 40, dtype::f32), 0u);
 }
 
 TEST(Layers, RejectWrongShapesAndDevices) {

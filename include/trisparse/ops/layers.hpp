@@ -81,6 +81,20 @@ struct gcn_fused_args {
   gcn_order order = gcn_order::automatic;
 };
 
+/// The gradients of one gcn_fused_plan::forward given dout (deterministic).
+struct gcn_fused_grad_args {
+  tensor_view dout;  ///< [N, 1, F_out], f32 or x's dtype
+  /// The forward's ReLU mask (nullptr: the forward had no ReLU).
+  const std::uint32_t* relu_mask = nullptr;
+  tensor_view x;      ///< the forward's x (read by the CPU and the unfused order)
+  tensor_view w;      ///< the forward's w
+  tensor_view ax;     ///< the forward's P x (read by the fused order on CUDA)
+  tensor_view dx;     ///< [N, 1, F_in], f32 or x's dtype
+  tensor_view dw;     ///< [F_in, 1, F_out], f32 or x's dtype
+  tensor_view dbias;  ///< [1, 1, F_out], f32 or x's dtype; data == nullptr: not computed
+  gcn_order order = gcn_order::automatic;  ///< the forward's
+};
+
 /// The fused GCN layer of a weighted propagation matrix P (gcn_normalized(graph), or any weights:
 /// PyG's gcn_norm), built once per graph and device. CUDA: the fused kernel over BSB with P's
 /// values (16-row windows, 16x8 tensor-core blocks; windows of many blocks cut into chunks added
@@ -103,6 +117,15 @@ class gcn_fused_plan {
   /// `workspace`: workspace_bytes(...) bytes, 256-byte aligned.
   void forward(const gcn_fused_args& args, stream_ref stream = {},
                workspace_view workspace = {}) const;
+  /// Bytes of workspace a backward of these widths needs (0 on the CPU).
+  std::size_t backward_workspace_bytes(std::int64_t in_dim, std::int64_t out_dim, dtype type,
+                                       gcn_order order = gcn_order::automatic) const;
+  /// dZ = dout ∘ mask, dbias = Σ dZ; the fused order dW = (P x)ᵀ dZ, dX = Pᵀ (dZ Wᵀ); the unfused
+  /// one dU = Pᵀ dZ, dW = xᵀ dU, dX = dU Wᵀ: cuBLAS, the SpMM over Pᵀ (built with the plan) and
+  /// fixed-order sums, so the same bits on every run. dZ is rounded to x's dtype. CUDA: as
+  /// forward. The CPU computes in float64 (reference::gcn_fused_backward).
+  void backward(const gcn_fused_grad_args& args, stream_ref stream = {},
+                workspace_view workspace = {}) const;
   device_kind where() const;
   std::int64_t rows() const;
   std::int64_t nnz() const;

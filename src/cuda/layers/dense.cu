@@ -76,10 +76,11 @@ cublasHandle_t thread_handle() {
 }  // namespace
 
 void gemm(const tensor_view& a, const tensor_view& b, const tensor_view& c,
-          const workspace_view& workspace, stream_ref stream) {
-  const std::int64_t m = a.rows, k = a.dim, n = b.dim;
-  check_device_matrix(a, "a", m, k);
-  check_device_matrix(b, "b", k, n);
+          const workspace_view& workspace, stream_ref stream, bool trans_a, bool trans_b) {
+  const std::int64_t m = trans_a ? a.dim : a.rows, k = trans_a ? a.rows : a.dim;
+  const std::int64_t n = trans_b ? b.rows : b.dim;
+  check_device_matrix(a, "a", a.rows, a.dim);
+  check_device_matrix(b, "b", trans_b ? n : k, trans_b ? k : n);
   check_device_matrix(c, "c", m, n);
   TRISPARSE_EXPECTS_INPUT(a.type == b.type,
                           "a " + a.describe() + " and b " + b.describe() + " need one dtype");
@@ -89,6 +90,13 @@ void gemm(const tensor_view& a, const tensor_view& b, const tensor_view& c,
       m < (std::int64_t{1} << 31) && n < (std::int64_t{1} << 31) && k < (std::int64_t{1} << 31),
       "the dense product's sizes must be below 2^31");
   if (m == 0 || n == 0) return;
+  if (k == 0) {  // cuBLAS would leave c alone: an empty sum is 0
+    TRISPARSE_CUDA_TRY(cudaMemset2DAsync(
+        c.data, static_cast<std::size_t>(std::max<std::int64_t>(c.row_stride, n)) * size_of(c.type),
+        0, static_cast<std::size_t>(n) * size_of(c.type), static_cast<std::size_t>(m),
+        static_cast<cudaStream_t>(stream.handle)));
+    return;
+  }
   const cudaDataType_t in = blas_type(a.type), out = blas_type(c.type);
   const cublasComputeType_t compute =
       a.type == dtype::f32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
@@ -100,14 +108,16 @@ void gemm(const tensor_view& a, const tensor_view& b, const tensor_view& c,
   // SetStream resets the workspace to cuBLAS's own: ours is set after it.
   blas_try(cublasSetStream(h, static_cast<cudaStream_t>(stream.handle)), "set stream");
   blas_try(cublasSetWorkspace(h, workspace.data, kGemmWorkspaceBytes), "set workspace");
-  // Row-major C = A B is column-major C^T = B^T A^T.
-  blas_try(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m),
-                        static_cast<int>(k), &alpha, b.data, in,
-                        static_cast<int>(std::max<std::int64_t>(b.row_stride, n)), a.data, in,
-                        static_cast<int>(std::max<std::int64_t>(a.row_stride, k)), &beta, c.data,
-                        out, static_cast<int>(std::max<std::int64_t>(c.row_stride, n)), compute,
-                        CUBLAS_GEMM_DEFAULT),
-           "GemmEx");
+  // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T, and a row-major matrix read
+  // column-major is its transpose: so b comes first, transposed by cuBLAS where trans_b.
+  blas_try(
+      cublasGemmEx(h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+                   static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &alpha, b.data,
+                   in, static_cast<int>(std::max<std::int64_t>(b.row_stride, b.dim)), a.data, in,
+                   static_cast<int>(std::max<std::int64_t>(a.row_stride, a.dim)), &beta, c.data,
+                   out, static_cast<int>(std::max<std::int64_t>(c.row_stride, n)), compute,
+                   CUBLAS_GEMM_DEFAULT),
+      "GemmEx");
 }
 
 void check_device_matrix(const tensor_view& t, const char* what, std::int64_t rows,

@@ -460,6 +460,46 @@ __global__ void bias_relu_kernel(const float* z, std::int64_t z_row, const void*
   if (mask != nullptr && lane == 0) mask[row * mask_words + col / 32] = bits;
 }
 
+// dz = dout ∘ mask and each block's column sums of dz (rows [blockIdx.y · R, +R), 32 columns
+// from blockIdx.x · 32; 8 row lanes a column, added in lane order).
+template <class I, class T>
+__global__ void __launch_bounds__(256)
+    relu_grad_kernel(const I* dout, std::int64_t dout_row, const std::uint32_t* mask, int words,
+                     T* dz, std::int64_t dz_row, float* sums, std::int64_t rows, int dim) {
+  __shared__ float part[8][33];
+  const int tx = static_cast<int>(threadIdx.x % 32), ty = static_cast<int>(threadIdx.x / 32);
+  const int col = static_cast<int>(blockIdx.x) * 32 + tx;
+  const std::int64_t first = std::int64_t{blockIdx.y} * kGradRowsPerBlock;
+  const std::int64_t last = first + kGradRowsPerBlock < rows ? first + kGradRowsPerBlock : rows;
+  float sum = 0.0f;
+  if (col < dim) {
+    for (std::int64_t r = first + ty; r < last; r += 8) {
+      float v = convert<float>(dout[r * dout_row + col]);
+      if (mask != nullptr && ((mask[r * words + col / 32] >> (col % 32)) & 1u) == 0) v = 0.0f;
+      const T rounded = convert<T>(v);
+      dz[r * dz_row + col] = rounded;
+      sum += convert<float>(rounded);
+    }
+  }
+  part[ty][tx] = sum;
+  __syncthreads();
+  if (ty == 0 && col < dim && sums != nullptr) {
+    float total = 0.0f;
+    for (int i = 0; i < 8; ++i) total += part[i][tx];
+    sums[std::int64_t{blockIdx.y} * dim + col] = total;
+  }
+}
+
+// dbias[c] = the blocks' sums of column c, in block order.
+template <class B>
+__global__ void add_sums_kernel(const float* sums, std::int64_t blocks, int dim, B* dbias) {
+  const int col = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (col >= dim) return;
+  float total = 0.0f;
+  for (std::int64_t b = 0; b < blocks; ++b) total += sums[b * dim + col];
+  dbias[col] = convert<B>(total);
+}
+
 bool aligned(const void* p, std::int64_t row, std::size_t elem, std::size_t bytes) {
   return reinterpret_cast<std::uintptr_t>(p) % bytes == 0 && (row * elem) % bytes == 0;
 }
@@ -571,6 +611,47 @@ void gcn_fused_forward(const gcn_fused_device& d, const tensor_view& x, const te
                                                 static_cast<int>(smem)));
       }
       kernel<<<static_cast<unsigned>(d.windows), kWarps * 32, smem, s>>>(a);
+      TRISPARSE_CUDA_CHECK_LAUNCH();
+    });
+  });
+}
+
+void relu_grad(const tensor_view& dout, const std::uint32_t* relu_mask, const tensor_view& dz,
+               const tensor_view& dbias, const workspace_view& workspace, stream_ref stream) {
+  check_device_matrix(dout, "dout", dout.rows, dout.dim);
+  check_device_matrix(dz, "dz", dout.rows, dout.dim);
+  TRISPARSE_EXPECTS_INPUT(dout.type == dtype::f32 || dout.type == dz.type,
+                          "dout " + dout.describe() + " must be f32 or the layer's dtype");
+  if (dbias.data != nullptr) {
+    check_device_matrix(dbias, "dbias", 1, dout.dim);
+    TRISPARSE_EXPECTS_INPUT(dbias.type == dtype::f32 || dbias.type == dz.type,
+                            "dbias " + dbias.describe() + " must be f32 or the layer's dtype");
+    TRISPARSE_EXPECTS_INPUT(workspace.bytes >= relu_grad_workspace_bytes(dout.rows, dout.dim),
+                            "relu_grad: workspace too small");
+  }
+  if (dout.dim == 0) return;
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  const std::int64_t blocks = (dout.rows + kGradRowsPerBlock - 1) / kGradRowsPerBlock;
+  float* sums = dbias.data != nullptr ? static_cast<float*>(workspace.data) : nullptr;
+  with_element_type(dz.type, "dz", [&]<class T>() {
+    const int words = static_cast<int>((dout.dim + 31) / 32);
+    if (dout.rows > 0) {
+      const dim3 grid(static_cast<unsigned>(words), static_cast<unsigned>(blocks));
+      const auto launch = [&]<class I>() {
+        relu_grad_kernel<I, T><<<grid, 256, 0, s>>>(
+            static_cast<const I*>(dout.data), dout.row_stride, relu_mask, words,
+            static_cast<T*>(dz.data), dz.row_stride, sums, dout.rows, static_cast<int>(dout.dim));
+      };
+      if (dout.type == dtype::f32)
+        launch.template operator()<float>();
+      else
+        launch.template operator()<T>();
+      TRISPARSE_CUDA_CHECK_LAUNCH();
+    }
+    if (dbias.data == nullptr) return;
+    with_output_type<T>(dbias.type, "dbias", [&]<class B>() {
+      add_sums_kernel<B><<<blocks_for(dout.dim, 128), 128, 0, s>>>(
+          sums, blocks, static_cast<int>(dout.dim), static_cast<B*>(dbias.data));
       TRISPARSE_CUDA_CHECK_LAUNCH();
     });
   });

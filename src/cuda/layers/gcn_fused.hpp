@@ -68,4 +68,20 @@ TRISPARSE_CUDA_ENTRY(void bias_relu_mask(const tensor_view& z, const tensor_view
                                          const tensor_view& out, std::uint32_t* relu_mask,
                                          stream_ref stream))
 
+/// Rows of dout a block of relu_grad sums (its share of dbias).
+inline constexpr std::int64_t kGradRowsPerBlock = 512;
+
+/// Bytes of workspace relu_grad needs for N rows of F columns (dbias's per-block sums).
+inline std::size_t relu_grad_workspace_bytes(std::int64_t rows, std::int64_t dim) {
+  return static_cast<std::size_t>((rows + kGradRowsPerBlock - 1) / kGradRowsPerBlock) *
+         static_cast<std::size_t>(dim) * 4;
+}
+
+/// dz = dout ∘ mask (relu_mask nullptr: dz = dout), dout [N, 1, F] f32 or dz's dtype, and dbias
+/// [1, 1, F] (f32 or dz's dtype; data == nullptr: not computed) = the column sums of dz, in a
+/// fixed order (per-block sums in `workspace`, then added in block order).
+TRISPARSE_CUDA_ENTRY(void relu_grad(const tensor_view& dout, const std::uint32_t* relu_mask,
+                                    const tensor_view& dz, const tensor_view& dbias,
+                                    const workspace_view& workspace, stream_ref stream))
+
 }  // namespace trisparse::cuda
