@@ -246,7 +246,7 @@ csr_graph csr_of(std::uintptr_t row_ptr, std::uintptr_t col_idx, std::uintptr_t 
   const auto* vs = reinterpret_cast<const float*>(values);
   g.row_ptr.assign(rp, rp + rows + 1);
   g.col_idx.assign(ci, ci + nnz);
-  g.values.assign(vs, vs + nnz);
+  if (vs != nullptr) g.values.assign(vs, vs + nnz);
   return g;
 }
 
@@ -302,6 +302,54 @@ struct py_gcn_fused_plan {
                                 .dw = view_of(dw),
                                 .dbias = view_of(dbias),
                                 .order = order_of(order)};
+    nb::gil_scoped_release release;
+    plan.backward(a, stream_of(stream), workspace_of(ws, ws_bytes));
+  }
+};
+
+/// GAT's fused attention over a binary pattern on one device.
+struct py_gat_plan {
+  gat_plan plan;
+
+  static py_gat_plan from_host(std::uintptr_t row_ptr, std::uintptr_t col_idx, std::int64_t rows,
+                               std::int64_t cols, std::int64_t nnz, int device,
+                               std::uintptr_t stream) {
+    const csr_graph g = csr_of(row_ptr, col_idx, 0, rows, cols, nnz);
+    nb::gil_scoped_release release;
+    return {gat_plan::build(g, device < 0 ? device_kind::cpu : device_kind::cuda,
+                            stream_of(stream))};
+  }
+
+  void forward(const tensor_tuple& x, const tensor_tuple& a_src, const tensor_tuple& a_dst,
+               const std::optional<tensor_tuple>& keep, const tensor_tuple& out,
+               const tensor_tuple& lse, double negative_slope, std::uintptr_t stream) const {
+    const gat_args a{.x = view_of(x),
+                     .a_src = view_of(a_src),
+                     .a_dst = view_of(a_dst),
+                     .keep = view_of(keep),
+                     .out = view_of(out),
+                     .lse = view_of(lse),
+                     .negative_slope = negative_slope};
+    nb::gil_scoped_release release;
+    plan.forward(a, stream_of(stream));
+  }
+
+  void backward(const tensor_tuple& x, const tensor_tuple& a_src, const tensor_tuple& a_dst,
+                const std::optional<tensor_tuple>& keep, const tensor_tuple& out,
+                const tensor_tuple& lse, const tensor_tuple& dout, const tensor_tuple& dx,
+                const tensor_tuple& da_src, const tensor_tuple& da_dst, double negative_slope,
+                std::uintptr_t stream, std::uintptr_t ws, std::size_t ws_bytes) const {
+    const gat_grad_args a{.x = view_of(x),
+                          .a_src = view_of(a_src),
+                          .a_dst = view_of(a_dst),
+                          .keep = view_of(keep),
+                          .out = view_of(out),
+                          .lse = view_of(lse),
+                          .dout = view_of(dout),
+                          .dx = view_of(dx),
+                          .da_src = view_of(da_src),
+                          .da_dst = view_of(da_dst),
+                          .negative_slope = negative_slope};
     nb::gil_scoped_release release;
     plan.backward(a, stream_of(stream), workspace_of(ws, ws_bytes));
   }
@@ -478,6 +526,20 @@ NB_MODULE(_C, m) {
                                           order_of(order));
           },
           "in_dim"_a, "out_dim"_a, "dtype"_a, "order"_a);
+  nb::class_<py_gat_plan>(m, "GatPlan")
+      .def_static("from_host", &py_gat_plan::from_host, "row_ptr"_a, "col_idx"_a, "rows"_a,
+                  "cols"_a, "nnz"_a, "device"_a, "stream"_a)
+      .def("forward", &py_gat_plan::forward, "x"_a, "a_src"_a, "a_dst"_a, "keep"_a.none(), "out"_a,
+           "lse"_a, "negative_slope"_a, "stream"_a)
+      .def("backward", &py_gat_plan::backward, "x"_a, "a_src"_a, "a_dst"_a, "keep"_a.none(),
+           "out"_a, "lse"_a, "dout"_a, "dx"_a, "da_src"_a, "da_dst"_a, "negative_slope"_a,
+           "stream"_a, "workspace"_a, "workspace_bytes"_a)
+      .def(
+          "backward_workspace_bytes",
+          [](const py_gat_plan& p, std::int64_t heads) {
+            return p.plan.backward_workspace_bytes(heads);
+          },
+          "heads"_a);
   nb::class_<py_block_sparse_plan>(m, "BlockSparsePlan")
       .def_static("build", &py_block_sparse_plan::build, "block"_a, "heads"_a, "causal"_a,
                   "cu_seqlens_q"_a, "cu_seqlens_k"_a, "masks"_a, "algo"_a, "device"_a, "stream"_a)

@@ -12,6 +12,7 @@ from . import _C
 from .attention import sparse_attention
 from .block_sparse import BlockMask, block_sparse_attention, topk_block_mask
 from .edge import edge_scores, edge_softmax, edge_spmm, sddmm
+from .gat import gat_attention
 from .pattern import Pattern
 from .sparse import SparseMatrix, gcn_conv, spmm
 
@@ -33,6 +34,7 @@ __all__ = [
     "edge_scores",
     "edge_softmax",
     "edge_spmm",
+    "gat_attention",
     "gcn_conv",
     "sddmm",
     "sparse_attention",

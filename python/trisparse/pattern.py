@@ -72,6 +72,7 @@ class Pattern:
         }
         self._plans: dict[tuple[torch.device, bool], Any] = {}
         self._edge_plans: dict[tuple[torch.device, bool], Any] = {}
+        self._gat_plans: dict[torch.device, Any] = {}
         self._entries: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._transpose_perm: dict[torch.device, torch.Tensor] = {}
         self._column_pointers: dict[torch.device, torch.Tensor] = {}
@@ -308,6 +309,26 @@ class Pattern:
                 stream(device),
             )
             self._edge_plans[(device, transposed)] = plan
+        return plan
+
+    def gat_plan(self, device: torch.device):
+        """The C++ plan of GAT's fused attention on `device` (the pattern and its transpose),
+        built on first use."""
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        plan = self._gat_plans.get(device)
+        if plan is None:
+            rowptr, col = self._on(torch.device("cpu"))
+            plan = _C.GatPlan.from_host(
+                rowptr.data_ptr(),
+                col.data_ptr(),
+                self.num_rows,
+                self.num_cols,
+                self.nnz,
+                device_index(device),
+                stream(device),
+            )
+            self._gat_plans[device] = plan
         return plan
 
     def __repr__(self) -> str:

@@ -9,6 +9,7 @@
 
 #include "../common/workspace_layout.hpp"
 #include "../cuda/layers/dense.hpp"
+#include "../cuda/layers/gat.hpp"
 #include "../cuda/layers/gcn_fused.hpp"
 #include "trisparse/core/error.hpp"
 #include "trisparse/core/numeric.hpp"
@@ -528,6 +529,70 @@ void gcn_fused_plan::backward(const gcn_fused_grad_args& a, stream_ref stream,
     cuda::gemm(a.x, du, a.dw, blas, stream, /*trans_a=*/true);
     cuda::gemm(du, a.w, a.dx, blas, stream, false, /*trans_b=*/true);
   }
+}
+
+// --- GAT ------------------------------------------------------------------------------------
+
+struct gat_plan::state {
+  device_kind where = device_kind::cpu;
+  std::int64_t rows = 0, cols = 0, nnz = 0;
+  csr_graph pattern;                                 // CPU
+  std::shared_ptr<const cuda::gat_device> device;  // CUDA
+};
+
+gat_plan gat_plan::build(const csr_graph& pattern, device_kind where, stream_ref stream) {
+  pattern.check();
+  auto s = std::make_shared<state>();
+  s->where = where;
+  s->rows = pattern.rows;
+  s->cols = pattern.cols;
+  s->nnz = pattern.nnz();
+  if (where == device_kind::cpu) {
+    s->pattern = pattern;
+  } else {
+    s->device = cuda::upload_gat(pattern, stream);
+  }
+  gat_plan plan;
+  plan.state_ = std::move(s);
+  return plan;
+}
+
+device_kind gat_plan::where() const { return state_->where; }
+std::int64_t gat_plan::rows() const { return state_->rows; }
+std::int64_t gat_plan::cols() const { return state_->cols; }
+std::int64_t gat_plan::nnz() const { return state_->nnz; }
+
+void gat_plan::forward(const gat_args& a, stream_ref stream) const {
+  const state& s = *state_;
+  if (s.where == device_kind::cuda) {
+    cuda::gat_forward(*s.device, a, stream);
+    return;
+  }
+  for (const tensor_view* t : {&a.x, &a.a_src, &a.a_dst, &a.out}) check_host(*t, "GAT operand");
+  for (const tensor_view* t : {&a.keep, &a.lse})
+    if (t->data != nullptr) check_host(*t, "GAT operand");
+  reference::gat(s.pattern, a.x, a.a_src, a.a_dst, a.keep, a.negative_slope, a.out, a.lse);
+}
+
+std::size_t gat_plan::backward_workspace_bytes(std::int64_t heads) const {
+  TRISPARSE_EXPECTS_INPUT(heads >= 1, "the GAT layer needs at least one head");
+  return state_->where == device_kind::cpu
+             ? 0
+             : cuda::gat_backward_workspace_bytes(*state_->device, heads);
+}
+
+void gat_plan::backward(const gat_grad_args& a, stream_ref stream,
+                        workspace_view workspace) const {
+  const state& s = *state_;
+  if (s.where == device_kind::cuda) {
+    cuda::gat_backward(*s.device, a, workspace, stream);
+    return;
+  }
+  for (const tensor_view* t : {&a.x, &a.a_src, &a.a_dst, &a.dout, &a.dx, &a.da_src, &a.da_dst})
+    check_host(*t, "GAT operand");
+  if (a.keep.data != nullptr) check_host(a.keep, "keep");
+  reference::gat_backward(s.pattern, a.x, a.a_src, a.a_dst, a.keep, a.negative_slope, a.dout,
+                          a.dx, a.da_src, a.da_dst);
 }
 
 // --- AGNN -----------------------------------------------------------------------------------

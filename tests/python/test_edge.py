@@ -125,3 +125,49 @@ def test_bad_inputs_name_the_argument():
         trisparse.edge_softmax(torch.randn(p.nnz + 1, 2), p)
     with pytest.raises(ValueError, match="dst must have"):
         trisparse.edge_scores(torch.randn(9, 2), torch.randn(10, 2), p)
+
+
+def _gat_by_hand(x, src, dst, p, slope, keep):
+    """GAT's attention from the definition: per target, PyG's softmax of the LeakyReLU'd scores."""
+    from torch_geometric.utils import softmax
+
+    row, col = p.entries(torch.device("cpu"))
+    e = torch.nn.functional.leaky_relu(dst[row] + src[col], slope)
+    a = softmax(e, row, num_nodes=p.num_rows)
+    if keep is not None:
+        a = a * keep
+    out = torch.zeros(p.num_rows, *x.shape[1:], dtype=x.dtype)
+    return out.index_add_(0, row, a[:, :, None] * x[col])
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+def test_gat_attention_matches_its_definition_and_gradcheck(dropout):
+    pytest.importorskip("torch_geometric")
+    p, _row, _col = pattern_and_entries(31, 26, 13)
+    g = torch.Generator().manual_seed(14)
+    heads, c = 3, 4
+    x = torch.randn(31, heads, c, generator=g, dtype=torch.float64, requires_grad=True)
+    src = torch.randn(31, heads, generator=g, dtype=torch.float64, requires_grad=True)
+    dst = torch.randn(26, heads, generator=g, dtype=torch.float64, requires_grad=True)
+    keep = (torch.rand(p.nnz, heads, generator=g) > 0.4).double() / 0.6 if dropout else None
+    out = trisparse.gat_attention(x, src, dst, p, 0.2, keep)
+    assert torch.allclose(out, _gat_by_hand(x, src, dst, p, 0.2, keep), rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(
+        lambda x, s, d: trisparse.gat_attention(x, s, d, p, 0.2, keep), (x, src, dst)
+    )
+    out32 = trisparse.gat_attention(x.float(), src.float(), dst.float(), p, 0.2, keep)
+    assert out32.dtype == torch.float32
+    assert torch.allclose(out32.double(), out, rtol=1e-5, atol=1e-6)
+    args = (x.detach().float(), src.detach().float(), dst.detach().float(), None, p.id, 0.2)
+    torch.library.opcheck(torch.ops.trisparse.gat_attention.default, args)
+
+
+def test_gat_attention_names_bad_inputs():
+    p, _row, _col = pattern_and_entries(31, 26, 13)
+    x, src, dst = torch.randn(31, 2, 4), torch.randn(31, 2), torch.randn(26, 2)
+    with pytest.raises(ValueError, match="a_dst must have 26 rows"):
+        trisparse.gat_attention(x, src, torch.randn(31, 2), p)
+    with pytest.raises(ValueError, match="keep must be"):
+        trisparse.gat_attention(x, src, dst, p, keep=torch.ones(3, 2))
+    with pytest.raises(TypeError, match="trisparse.Pattern"):
+        trisparse.gat_attention(x, src, dst, None)

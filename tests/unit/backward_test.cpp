@@ -363,6 +363,69 @@ TEST(ReferenceGradients, FusedGcnLayerMatchesFiniteDifferences) {
                invalid_input);
 }
 
+// GAT's attention: with x = 1 every non-empty row's output is sum_j p_ij = 1 and an empty row
+// gets 0 and lse -inf; keep factors scale each weight; the gradients of x, a_src and a_dst match
+// finite differences with a keep mask holding zeros; the CPU plan gives the reference's values.
+TEST(ReferenceGradients, GatMatchesFiniteDifferences) {
+  const csr_graph a = small_pattern();  // row 2 and column 4 empty
+  const std::int64_t heads = 3, width = 5;
+  host_tensor x = random_f64(a.cols, heads, width, 81), src = random_f64(a.cols, heads, 1, 82),
+              dst = random_f64(a.rows, heads, 1, 83), up = random_f64(a.rows, heads, width, 84),
+              keep(dtype::f64, a.nnz(), heads, 1), ones(dtype::f64, a.cols, heads, width),
+              out(dtype::f64, a.rows, heads, width), lse(dtype::f64, a.rows, heads, 1);
+  for (std::int64_t i = 0; i < keep.numel(); ++i) keep.set(i, i % 3 == 0 ? 0.0 : 1.5);
+  ones.fill(1.0);
+  reference::gat(a, ones.view(), src.view(), dst.view(), {}, 0.2, out.view(), lse.view());
+  for (std::int64_t i = 0; i < a.rows; ++i) {
+    const bool empty = a.row_ptr[i] == a.row_ptr[i + 1];
+    for (std::int64_t h = 0; h < heads; ++h) {
+      EXPECT_NEAR(out.get((i * heads + h) * width), empty ? 0.0 : 1.0, 1e-12);
+      EXPECT_EQ(std::isinf(lse.get(i * heads + h)), empty);
+    }
+  }
+  const auto loss = [&] {
+    reference::gat(a, x.view(), src.view(), dst.view(), keep.view(), 0.2, out.view(), {});
+    return inner(up, out);
+  };
+  host_tensor dx(dtype::f64, a.cols, heads, width), dsrc(dtype::f64, a.cols, heads, 1),
+      ddst(dtype::f64, a.rows, heads, 1);
+  reference::gat_backward(a, x.view(), src.view(), dst.view(), keep.view(), 0.2, up.view(),
+                          dx.view(), dsrc.view(), ddst.view());
+  expect_matches_finite_differences(x, loss, dx, "gat dx");
+  expect_matches_finite_differences(src, loss, dsrc, "gat da_src");
+  expect_matches_finite_differences(dst, loss, ddst, "gat da_dst");
+
+  // The CPU plan in f32 against the float64 reference.
+  const gat_plan plan = gat_plan::build(a);
+  host_tensor x32(dtype::f32, a.cols, heads, width), out32(dtype::f32, a.rows, heads, width),
+      dx32(dtype::f32, a.cols, heads, width), dsrc32(dtype::f32, a.cols, heads, 1),
+      ddst32(dtype::f32, a.rows, heads, 1), lse32(dtype::f32, a.rows, heads, 1);
+  for (std::int64_t i = 0; i < x.numel(); ++i) x32.set(i, x.get(i));
+  plan.forward({.x = x32.view(),
+                .a_src = src.view(),
+                .a_dst = dst.view(),
+                .keep = keep.view(),
+                .out = out32.view(),
+                .lse = lse32.view()});
+  plan.backward({.x = x32.view(),
+                 .a_src = src.view(),
+                 .a_dst = dst.view(),
+                 .keep = keep.view(),
+                 .out = out32.view(),
+                 .lse = lse32.view(),
+                 .dout = up.view(),
+                 .dx = dx32.view(),
+                 .da_src = dsrc32.view(),
+                 .da_dst = ddst32.view()});
+  (void)loss();
+  for (const auto& [got, want] : {std::pair{&out32, &out}, std::pair{&dx32, &dx},
+                                  std::pair{&dsrc32, &dsrc}, std::pair{&ddst32, &ddst}})
+    EXPECT_LE(test::compare(*got, *want).relative(), 1e-6);
+  EXPECT_THROW(plan.forward({.x = x32.view(), .a_src = dst.view(), .a_dst = dst.view(),
+                             .out = out32.view()}),
+               invalid_input);  // a_src has the rows' count
+}
+
 // The fused CPU backward (through the plan) against the float64 reference: gradients within
 // tolerance, bitwise equal across two runs, exact zeros where the pattern has no entry.
 void check_fused_backward(const csr_graph& g, std::int64_t heads, std::int64_t d, dtype t,

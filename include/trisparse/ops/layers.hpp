@@ -1,5 +1,5 @@
 #pragma once
-/// @file GNN layers built from the sparse kernels (forward): GCN, out = Â (X W) with
+/// @file GNN layers built from the sparse kernels: GCN, out = Â (X W) with
 /// Â = D^-1/2 (A + I) D^-1/2, and AGNN, out = softmax(β cos(H_i, H_j) over A + I) H. A layer is
 /// built once per graph and device (the normalised pattern as a sparse_plan) and runs many times.
 /// On CUDA the dense products use cuBLAS and the sparse ones the ME-BCRS kernels; on the CPU
@@ -128,6 +128,64 @@ class gcn_fused_plan {
                 workspace_view workspace = {}) const;
   device_kind where() const;
   std::int64_t rows() const;
+  std::int64_t nnz() const;
+
+ private:
+  struct state;
+  std::shared_ptr<const state> state_;
+};
+
+/// One run of the fused GAT attention over a pattern whose row i lists the sources j of target
+/// i's incoming edges: per head h, e_ij = LeakyReLU(a_dst[i, h] + a_src[j, h]), softmax over row
+/// i's entries, and out[i, h] = sum_j softmax_ij keep_ij x[j, h] -- no [E, H, C] tensor.
+struct gat_args {
+  tensor_view x;      ///< [cols, H, C], f16, bf16 or f32: the sources' features (W x_j)
+  tensor_view a_src;  ///< [cols, H, 1] f32: a_src . W x_j
+  tensor_view a_dst;  ///< [rows, H, 1] f32: a_dst . W x_i
+  /// [nnz, H, 1] f32 in the pattern's CSR entry order: a factor on each weight after the softmax
+  /// (attention dropout: 0 or 1 / (1 - p)); data == nullptr: 1.
+  tensor_view keep;
+  tensor_view out;  ///< [rows, H, C], f32 or x's dtype (CPU: any float dtype)
+  /// [rows, H, 1] f32: log sum_j exp(e_ij) over row i (-inf for an empty row), what the backward
+  /// reads; data == nullptr: not written.
+  tensor_view lse;
+  double negative_slope = 0.2;
+};
+
+/// The gradients of one gat_plan::forward given dout (deterministic).
+struct gat_grad_args {
+  tensor_view x, a_src, a_dst, keep;  ///< the forward's inputs
+  tensor_view out, lse;               ///< the forward's outputs (lse is required)
+  tensor_view dout;                   ///< [rows, H, C] in out's dtype
+  tensor_view dx;                     ///< [cols, H, C] in dout's dtype
+  tensor_view da_src;                 ///< [cols, H, 1] f32
+  tensor_view da_dst;                 ///< [rows, H, 1] f32
+  double negative_slope = 0.2;
+};
+
+/// GAT's attention (PyG's GATConv between the linear map and the head concat or mean) fused into
+/// one pass over the pattern, built once per pattern and device. CUDA: one warp a target and
+/// group of heads, an online softmax, each source row read once (head widths up to 512); the
+/// backward is one pass over the transposed pattern (dx, da_src and each edge's score gradient)
+/// and a fixed-order row sum (da_dst), so the same bits on every run. The CPU computes in float64
+/// (reference::gat).
+class gat_plan {
+ public:
+  /// @throws invalid_input if the pattern is broken; not_supported for CUDA without the backend.
+  static gat_plan build(const csr_graph& pattern, device_kind where = device_kind::cpu,
+                        stream_ref stream = {});
+  /// CUDA: asynchronous on `stream`; never synchronises the host, allocates or locks.
+  void forward(const gat_args& args, stream_ref stream = {}) const;
+  /// Bytes of workspace a backward with `heads` heads needs (0 on the CPU).
+  std::size_t backward_workspace_bytes(std::int64_t heads) const;
+  /// CUDA: as forward; `workspace`: backward_workspace_bytes(heads) bytes, 256-byte aligned.
+  void backward(const gat_grad_args& args, stream_ref stream = {},
+                workspace_view workspace = {}) const;
+  /// The widest heads (C) the CUDA kernels take.
+  static constexpr std::int64_t max_head_width = 512;
+  device_kind where() const;
+  std::int64_t rows() const;
+  std::int64_t cols() const;
   std::int64_t nnz() const;
 
  private:

@@ -26,10 +26,15 @@ except ImportError as e:  # pragma: no cover - exercised only without PyG
 
 from ..attention import sparse_attention
 from ..edge import edge_scores, edge_softmax, edge_spmm, sddmm
+from ..gat import gat_attention
 from ..pattern import Pattern
 from ..sparse import SparseMatrix, gcn_conv
 
 __all__ = ["AGNNConv", "GATConv", "GCNConv", "TransformerConv"]
+
+# The widest heads the fused GAT kernels take (gat_plan::max_head_width); wider ones run the
+# per-edge ops.
+_GAT_MAX_WIDTH = 512
 
 
 class _PatternCache:
@@ -248,12 +253,12 @@ class GCNConv(_Fused, _PygGCNConv):
 
 class GATConv(_Fused, _PygGATConv):
     """PyG's :class:`torch_geometric.nn.GATConv` (same arguments, parameters, outputs): the
-    scores LeakyReLU(a_dst . W x_i + a_src . W x_j) and their softmax over each target's incoming
-    edges are [E, heads] tensors, as in PyG, but the aggregation of W x_j runs as trisparse's
-    per-edge SpMM (its gradients a per-edge SDDMM and an SpMM over the transposed pattern), so no
-    [E, heads, channels] messages are materialised, and the gradients are deterministic.
-    Attention dropout (``dropout``) drops the [E, heads] weights with PyG's draws (the same edges
-    for the same seed).
+    scores LeakyReLU(a_dst . W x_i + a_src . W x_j), their softmax over each target's incoming
+    edges and the aggregation of W x_j run as one fused op (:func:`trisparse.gat_attention`), so
+    neither [E, heads] scores nor [E, heads, channels] messages are materialised, and the
+    gradients are deterministic. Attention dropout (``dropout``) drops the same edges as PyG's
+    for the same seed (its [E, heads] factors are the one per-edge tensor formed). Heads wider
+    than 512 channels run the per-edge ops (scores, softmax, per-edge SpMM) instead.
 
     ``edge_index`` may also be a :class:`trisparse.Pattern` (built once, self loops included if
     wanted). Falls back to PyG's code, with a one-time warning, for: ``edge_dim`` / ``edge_attr``,
@@ -291,11 +296,19 @@ class GATConv(_Fused, _PygGATConv):
             x_src, x_dst = self.lin_src(x).view(-1, H, C), self.lin_dst(x).view(-1, H, C)
         alpha_src = (x_src * self.att_src).sum(dim=-1)
         alpha_dst = (x_dst * self.att_dst).sum(dim=-1)
-        alpha = F.leaky_relu(edge_scores(alpha_dst, alpha_src, pattern), self.negative_slope)
-        alpha = edge_softmax(alpha, pattern)
-        if self.training and self.dropout > 0:
-            alpha = self._attention_dropout(alpha, pattern)
-        out = edge_spmm(alpha, x_src, pattern)
+        dropout = self.training and self.dropout > 0
+        if C <= _GAT_MAX_WIDTH:
+            keep = None
+            if dropout:  # the factors PyG's dropout of the [E, H] weights applies
+                ones = x_src.new_ones(pattern.nnz, H)
+                keep = self._attention_dropout(ones, pattern)
+            out = gat_attention(x_src, alpha_src, alpha_dst, pattern, self.negative_slope, keep)
+        else:
+            alpha = F.leaky_relu(edge_scores(alpha_dst, alpha_src, pattern), self.negative_slope)
+            alpha = edge_softmax(alpha, pattern)
+            if dropout:
+                alpha = self._attention_dropout(alpha, pattern)
+            out = edge_spmm(alpha, x_src, pattern)
         out = out.reshape(-1, H * C) if self.concat else out.mean(dim=1)
         if res is not None:
             out = out + res

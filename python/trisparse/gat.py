@@ -1,0 +1,166 @@
+"""GAT's attention fused over a Pattern: the scores LeakyReLU(a_dst[i] + a_src[j]), their softmax
+over each target's incoming edges and the aggregation of the sources' features in one pass, with
+no [E, H] score or [E, H, C] message tensor; the backward is one pass over the transposed pattern
+and a fixed-order row sum, so the gradients are deterministic."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _tensors
+from .pattern import Pattern, lookup
+
+__all__ = ["gat_attention"]
+
+
+def _view2(t: Tensor) -> tuple:
+    """A [n, H] tensor as the [n, H, 1] view the plan takes."""
+    return _tensors.view(t.unsqueeze(-1))
+
+
+@torch.library.custom_op("trisparse::gat_attention", mutates_args=())
+def _gat(
+    x: Tensor,
+    a_src: Tensor,
+    a_dst: Tensor,
+    keep: Tensor | None,
+    pattern: int,
+    negative_slope: float,
+) -> tuple[Tensor, Tensor]:
+    """(out [rows, H, C] in x's dtype, lse [rows, H] in the scores' dtype: float32, or float64
+    with float64 x on the CPU)."""
+    p = lookup(pattern)
+    out = x.new_empty(p.num_rows, x.shape[1], x.shape[2])
+    lse = a_dst.new_empty(p.num_rows, x.shape[1])
+    p.gat_plan(x.device).forward(
+        _tensors.view(x),
+        _view2(a_src),
+        _view2(a_dst),
+        None if keep is None else _view2(keep),
+        _tensors.view(out),
+        _view2(lse),
+        negative_slope,
+        _tensors.stream(x.device),
+    )
+    return out, lse
+
+
+@_gat.register_fake
+def _gat_fake(x, a_src, a_dst, keep, pattern, negative_slope):
+    p = lookup(pattern)
+    return (
+        x.new_empty(p.num_rows, x.shape[1], x.shape[2]),
+        a_dst.new_empty(p.num_rows, x.shape[1]),
+    )
+
+
+@torch.library.custom_op("trisparse::gat_attention_backward", mutates_args=())
+def _gat_backward(
+    dout: Tensor,
+    x: Tensor,
+    a_src: Tensor,
+    a_dst: Tensor,
+    keep: Tensor | None,
+    out: Tensor,
+    lse: Tensor,
+    pattern: int,
+    negative_slope: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx in x's dtype, da_src and da_dst in the scores' dtype)."""
+    p = lookup(pattern)
+    plan = p.gat_plan(x.device)
+    heads = x.shape[1]
+    dx, da_src, da_dst = torch.empty_like(x), torch.empty_like(a_src), torch.empty_like(a_dst)
+    _owner, ws, ws_bytes = _tensors.workspace(plan.backward_workspace_bytes(heads), x.device)
+    plan.backward(
+        _tensors.view(x),
+        _view2(a_src),
+        _view2(a_dst),
+        None if keep is None else _view2(keep),
+        _tensors.view(out),
+        _view2(lse),
+        _tensors.view(dout),
+        _tensors.view(dx),
+        _view2(da_src),
+        _view2(da_dst),
+        negative_slope,
+        _tensors.stream(x.device),
+        ws,
+        ws_bytes,
+    )
+    return dx, da_src, da_dst
+
+
+@_gat_backward.register_fake
+def _gat_backward_fake(dout, x, a_src, a_dst, keep, out, lse, pattern, negative_slope):
+    return torch.empty_like(x), torch.empty_like(a_src), torch.empty_like(a_dst)
+
+
+def _setup(ctx, inputs, output):
+    x, a_src, a_dst, keep, pattern, negative_slope = inputs
+    out, lse = output
+    ctx.save_for_backward(x, a_src, a_dst, keep, out, lse)
+    ctx.pattern, ctx.negative_slope = pattern, negative_slope
+
+
+def _backward(ctx, dout, _dlse):
+    x, a_src, a_dst, keep, out, lse = ctx.saved_tensors
+    dout = dout.to(out.dtype).contiguous()
+    dx, da_src, da_dst = torch.ops.trisparse.gat_attention_backward(
+        dout, x, a_src, a_dst, keep, out, lse, ctx.pattern, ctx.negative_slope
+    )
+    return dx, da_src, da_dst, None, None, None
+
+
+_gat.register_autograd(_backward, setup_context=_setup)
+
+
+def gat_attention(
+    x: Tensor,
+    a_src: Tensor,
+    a_dst: Tensor,
+    pattern: Pattern,
+    negative_slope: float = 0.2,
+    keep: Tensor | None = None,
+) -> Tensor:
+    """out[i, h] = sum over the pattern's entries (i, j) of softmax_j(LeakyReLU(a_dst[i, h] +
+    a_src[j, h])) * keep[e, h] * x[j, h]: GAT's attention (PyG's GATConv between its linear map
+    and the head concat), fused. x [num_cols, H, C] (the sources' W x_j, C <= 512 on CUDA),
+    a_src [num_cols, H], a_dst [num_rows, H] (the per-node attention terms), keep [E, H] in the
+    pattern's entry order (attention dropout's factors: 0 or 1 / (1 - p)) or None. Differentiable
+    in x, a_src and a_dst; the scores are computed in float32."""
+    if not isinstance(pattern, Pattern):
+        raise TypeError(f"pattern must be a trisparse.Pattern, got {type(pattern).__name__}")
+    if not isinstance(x, Tensor) or x.dtype not in _tensors.FLOAT_DTYPES or x.dim() != 3:
+        raise TypeError(
+            "x must be a float16, bfloat16, float32 or float64 [nodes, heads, C] tensor"
+        )
+    heads = x.shape[1]
+    for name, t, rows in (
+        ("x", x, pattern.num_cols),
+        ("a_src", a_src, pattern.num_cols),
+        ("a_dst", a_dst, pattern.num_rows),
+    ):
+        if t.shape[0] != rows or t.shape[1] != heads or (t is not x and t.dim() != 2):
+            raise ValueError(
+                f"{name} must have {rows} rows and {heads} heads (x [num_cols, H, C], a_src "
+                f"[num_cols, H], a_dst [num_rows, H]), got {tuple(t.shape)}"
+            )
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    if keep is not None and (keep.shape != (pattern.nnz, heads) or keep.device != x.device):
+        raise ValueError(
+            f"keep must be [{pattern.nnz}, {heads}] (entries, heads) on {x.device}, got "
+            f"{tuple(keep.shape)} on {keep.device}"
+        )
+    f32 = torch.float64 if x.dtype == torch.float64 else torch.float32
+    out, _lse = torch.ops.trisparse.gat_attention(
+        x.contiguous(),
+        a_src.to(f32).contiguous(),
+        a_dst.to(f32).contiguous(),
+        None if keep is None else keep.to(f32).contiguous(),
+        pattern.id,
+        float(negative_slope),
+    )
+    return out

@@ -1,0 +1,533 @@
+// The fused GAT attention (gat.hpp).
+//
+// Lanes and heads: a head of C channels is read in V-element vectors by L lanes (a power of two,
+// L = min(32, bit_ceil(C / V))), lane `sub` of them taking vectors sub, sub + L, ... (K =
+// ceil(C / (V L)) a lane, at most kLaneFloats / V: C <= 512). A warp holds 32 / L heads at once
+// (a head group), so the lanes of a head sit in one aligned segment and a head's dot product is a
+// butterfly over L lanes, which gives every lane the same bits. V is the widest vector that the
+// operands' alignment allows and that still fills the warp.
+//
+// Forward: a warp per (target row, head group). Per entry, the lane's head's score, an online
+// softmax (running max and sum, the accumulators rescaled) and keep * x[j] into the
+// accumulators: each source row is read once and the [E, H] scores are never stored. The row's
+// log-sum-exp is kept for the backward.
+//
+// Backward, with dp_ij = keep_ij <dout_i, x_j> and D_i = sum_j p_ij dp_ij = <dout_i, out_i>:
+//   1. D per (row, head): row_dot_kernel.
+//   2. A warp per (source column, head group) over the transposed pattern: p_ij from the lse,
+//      dx_j = sum_i p_ij keep_ij dout_i, de_ij = p_ij (dp_ij - D_i) LeakyReLU'(s_ij),
+//      da_src_j = sum_i de_ij in the column's row order, de_ij stored per entry: column_kernel.
+//   3. da_dst_i = sum_j de_ij in entry order: row_sum_kernel.
+// Every sum has a fixed order: the same bits on every run.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include "../../common/workspace_layout.hpp"
+#include "../common/buffer.cuh"
+#include "../common/convert.cuh"
+#include "../common/current_device.cuh"
+#include "../common/dispatch.cuh"
+#include "../common/error.cuh"
+#include "../common/grid.cuh"
+#include "gat.hpp"
+#include "trisparse/core/error.hpp"
+
+namespace trisparse::cuda {
+
+struct gat_device {
+  int device = 0;
+  std::int64_t rows = 0, cols = 0, nnz = 0;
+  device_buffer<std::int64_t> row_ptr, col_ptr;
+  device_buffer<std::int32_t> col_idx;
+  device_buffer<std::int32_t> row_idx;    // [nnz]: the rows of each column, in row order
+  device_buffer<std::int64_t> entry_of;  // [nnz]: their entries in CSR order
+};
+
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kLaneFloats = 16;
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct lanes {
+  int heads = 1, width = 0;
+  int per_head = 1;  // L
+  int chunks = 1;    // K
+  int groups = 1;    // head groups
+};
+
+lanes layout_of(int heads, int width, int vec) {
+  lanes l;
+  l.heads = heads;
+  l.width = width;
+  const int vectors = std::max(1, (width + vec - 1) / vec);
+  l.per_head = std::min(32, static_cast<int>(std::bit_ceil(static_cast<unsigned>(vectors))));
+  l.chunks = (vectors + l.per_head - 1) / l.per_head;
+  const int per_warp = 32 / l.per_head;
+  l.groups = (heads + per_warp - 1) / per_warp;
+  return l;
+}
+
+// The widest V <= max_vec dividing C with every operand aligned for it, narrowed while the warp's
+// heads leave lanes idle.
+int vector_of(int heads, int width, int max_vec, std::initializer_list<const tensor_view*> ts) {
+  const auto fits = [&](int v) {
+    if (width % v != 0) return false;
+    for (const tensor_view* t : ts) {
+      const std::size_t align = std::min<std::size_t>(16, v * size_of(t->type));
+      if (reinterpret_cast<std::uintptr_t>(t->data) % align != 0) return false;
+      if ((t->rows > 1 && t->row_stride % v != 0) || (t->heads > 1 && t->head_stride % v != 0))
+        return false;
+    }
+    return true;
+  };
+  int v = max_vec;
+  while (v > 1 && !fits(v)) v /= 2;
+  while (v > 1) {
+    const lanes l = layout_of(heads, width, v);
+    if (std::min(heads, 32 / l.per_head) * l.per_head >= 32) break;
+    v /= 2;
+  }
+  return v;
+}
+
+template <int Bytes>
+struct word;
+template <>
+struct word<16> {
+  using type = uint4;
+};
+template <>
+struct word<8> {
+  using type = uint2;
+};
+template <>
+struct word<4> {
+  using type = unsigned;
+};
+template <>
+struct word<2> {
+  using type = unsigned short;
+};
+
+// f[0, V) = p[0, V) as floats, in loads of at most 16 bytes.
+template <class T, int V>
+__device__ __forceinline__ void load(const T* p, float* f) {
+  constexpr int bytes = V * static_cast<int>(sizeof(T));
+  if constexpr (bytes > 16) {
+    constexpr int n = 16 / static_cast<int>(sizeof(T));
+    load<T, n>(p, f);
+    load<T, V - n>(p + n, f + n);
+  } else {
+    using W = typename word<bytes>::type;
+    const W w = *reinterpret_cast<const W*>(p);
+    T t[V];
+    memcpy(t, &w, bytes);
+#pragma unroll
+    for (int v = 0; v < V; ++v) f[v] = convert<float>(t[v]);
+  }
+}
+
+template <class T, int V>
+__device__ __forceinline__ void store(T* p, const float* f) {
+  constexpr int bytes = V * static_cast<int>(sizeof(T));
+  if constexpr (bytes > 16) {
+    constexpr int n = 16 / static_cast<int>(sizeof(T));
+    store<T, n>(p, f);
+    store<T, V - n>(p + n, f + n);
+  } else {
+    T t[V];
+#pragma unroll
+    for (int v = 0; v < V; ++v) t[v] = convert<T>(f[v]);
+    typename word<bytes>::type w;
+    memcpy(&w, t, bytes);
+    *reinterpret_cast<typename word<bytes>::type*>(p) = w;
+  }
+}
+
+// A [n, H, *] operand: data and element strides.
+struct operand {
+  const void* data = nullptr;
+  std::int64_t row = 0, head = 0;
+  template <class T>
+  __device__ const T* at(std::int64_t r, int h) const {
+    return static_cast<const T*>(data) + r * row + h * head;
+  }
+};
+struct out_operand {
+  void* data = nullptr;
+  std::int64_t row = 0, head = 0;
+  template <class T>
+  __device__ T* at(std::int64_t r, int h) const {
+    return static_cast<T*>(data) + r * row + h * head;
+  }
+};
+
+operand in(const tensor_view& t) { return {t.data, t.row_stride, t.head_stride}; }
+out_operand out_of(const tensor_view& t) { return {t.data, t.row_stride, t.head_stride}; }
+
+// A lane's place: its vector slot in the head, its head (`load_head` is a valid one to read from
+// where the warp's last group has fewer heads than lanes).
+struct place {
+  int sub, head, load_head;
+  bool active;
+};
+
+__device__ __forceinline__ place place_of(const lanes& l, int group) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  place q;
+  q.sub = lane & (l.per_head - 1);
+  q.head = group * (32 / l.per_head) + lane / l.per_head;
+  q.active = q.head < l.heads;
+  q.load_head = q.active ? q.head : 0;
+  return q;
+}
+
+// Loads the lane's vectors of a head's row (zeros past the width).
+template <class T, int V, int K>
+__device__ __forceinline__ void load_row(const T* row, const lanes& l, int sub, float (&v)[K][V]) {
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int c = (k * l.per_head + sub) * V;
+    if (k < l.chunks && c < l.width) {
+      load<T, V>(row + c, v[k]);
+    } else {
+#pragma unroll
+      for (int x = 0; x < V; ++x) v[k][x] = 0.0f;
+    }
+  }
+}
+
+template <class T, int V, int K>
+__device__ __forceinline__ void store_row(T* row, const lanes& l, int sub, const float (&v)[K][V]) {
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int c = (k * l.per_head + sub) * V;
+    if (k < l.chunks && c < l.width) store<T, V>(row + c, v[k]);
+  }
+}
+
+// The sum over a head's lanes (each lane gets the same bits).
+__device__ __forceinline__ float head_sum(float x, const lanes& l) {
+  for (int o = 1; o < l.per_head; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+template <int V, int K>
+__device__ __forceinline__ float lane_dot(const float (&a)[K][V], const float (&b)[K][V]) {
+  float s = 0.0f;
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+#pragma unroll
+    for (int x = 0; x < V; ++x) s = fmaf(a[k][x], b[k][x], s);
+  return s;
+}
+
+struct forward_params {
+  const std::int64_t* row_ptr;
+  const std::int32_t* col;
+  std::int64_t rows;
+  lanes l;
+  operand x, a_src, a_dst, keep;
+  out_operand out, lse;
+  float slope;
+};
+
+template <class T, class O, int V>
+__global__ void __launch_bounds__(kWarps * 32) forward_kernel(const forward_params p) {
+  constexpr int K = kLaneFloats / V;
+  const std::int64_t warp = static_cast<std::int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (warp >= p.rows * p.l.groups) return;
+  const std::int64_t i = warp / p.l.groups;
+  const place q = place_of(p.l, static_cast<int>(warp % p.l.groups));
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const float ad = *p.a_dst.at<float>(i, q.load_head);
+  float m = -INFINITY, l = 0.0f, acc[K][V] = {};
+  const std::int64_t end = p.row_ptr[i + 1];
+  for (std::int64_t base = p.row_ptr[i]; base < end; base += 32) {
+    const int n = static_cast<int>(min(std::int64_t{32}, end - base));
+    const int mine = lane < n ? p.col[base + lane] : 0;
+    for (int u = 0; u < n; ++u) {
+      const std::int64_t j = __shfl_sync(0xffffffffu, mine, u);
+      const float s = ad + *p.a_src.at<float>(j, q.load_head);
+      const float t = (s > 0.0f ? s : s * p.slope) * kLog2e;
+      const float kp =
+          p.keep.data != nullptr ? *p.keep.at<float>(base + u, q.load_head) : 1.0f;
+      float v[K][V];
+      load_row<T, V, K>(p.x.at<T>(j, q.load_head), p.l, q.sub, v);
+      const float mn = fmaxf(m, t);
+      const float rescale = exp2f(m - mn), e = exp2f(t - mn);
+      l = l * rescale + e;
+      const float w = e * kp;
+#pragma unroll
+      for (int k = 0; k < K; ++k)
+#pragma unroll
+        for (int x = 0; x < V; ++x) acc[k][x] = fmaf(acc[k][x], rescale, w * v[k][x]);
+      m = mn;
+    }
+  }
+  if (!q.active) return;
+  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+#pragma unroll
+    for (int x = 0; x < V; ++x) acc[k][x] *= inv;
+  store_row<O, V, K>(p.out.at<O>(i, q.head), p.l, q.sub, acc);
+  if (p.lse.data != nullptr && q.sub == 0)
+    *p.lse.at<float>(i, q.head) = l > 0.0f ? (m + log2f(l)) / kLog2e : -INFINITY;
+}
+
+struct row_dot_params {
+  std::int64_t rows;
+  lanes l;
+  operand dout, out;
+  float* d;  // [rows, H]
+};
+
+template <class O, int V>
+__global__ void __launch_bounds__(kWarps * 32) row_dot_kernel(const row_dot_params p) {
+  constexpr int K = kLaneFloats / V;
+  const std::int64_t warp = static_cast<std::int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (warp >= p.rows * p.l.groups) return;
+  const std::int64_t i = warp / p.l.groups;
+  const place q = place_of(p.l, static_cast<int>(warp % p.l.groups));
+  float g[K][V], o[K][V];
+  load_row<O, V, K>(p.dout.at<O>(i, q.load_head), p.l, q.sub, g);
+  load_row<O, V, K>(p.out.at<O>(i, q.load_head), p.l, q.sub, o);
+  const float d = head_sum(lane_dot<V, K>(g, o), p.l);
+  if (q.active && q.sub == 0) p.d[i * p.l.heads + q.head] = d;
+}
+
+struct column_params {
+  const std::int64_t* col_ptr;
+  const std::int32_t* row_idx;
+  const std::int64_t* entry_of;
+  std::int64_t cols;
+  lanes l;
+  operand x, a_src, a_dst, keep, lse, dout;
+  const float* d;  // [rows, H]
+  out_operand dx, da_src;
+  float* de;  // [nnz, H]
+  float slope;
+};
+
+template <class T, class G, int V>
+__global__ void __launch_bounds__(kWarps * 32) column_kernel(const column_params p) {
+  constexpr int K = kLaneFloats / V;
+  const std::int64_t warp = static_cast<std::int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (warp >= p.cols * p.l.groups) return;
+  const std::int64_t j = warp / p.l.groups;
+  const place q = place_of(p.l, static_cast<int>(warp % p.l.groups));
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  float xj[K][V], dx[K][V] = {};
+  load_row<T, V, K>(p.x.at<T>(j, q.load_head), p.l, q.sub, xj);
+  const float as = *p.a_src.at<float>(j, q.load_head);
+  float das = 0.0f;
+  const std::int64_t end = p.col_ptr[j + 1];
+  for (std::int64_t base = p.col_ptr[j]; base < end; base += 32) {
+    const int n = static_cast<int>(min(std::int64_t{32}, end - base));
+    const int mine_row = lane < n ? p.row_idx[base + lane] : 0;
+    const std::int64_t mine_entry = lane < n ? p.entry_of[base + lane] : 0;
+    for (int u = 0; u < n; ++u) {
+      const std::int64_t i = __shfl_sync(0xffffffffu, mine_row, u);
+      const std::int64_t e = __shfl_sync(0xffffffffu, mine_entry, u);
+      float g[K][V];
+      load_row<G, V, K>(p.dout.at<G>(i, q.load_head), p.l, q.sub, g);
+      const float dot = head_sum(lane_dot<V, K>(g, xj), p.l);
+      const float s = as + *p.a_dst.at<float>(i, q.load_head);
+      const float t = s > 0.0f ? s : s * p.slope;
+      const float pe = exp2f((t - *p.lse.at<float>(i, q.load_head)) * kLog2e);
+      const float kp = p.keep.data != nullptr ? *p.keep.at<float>(e, q.load_head) : 1.0f;
+      const float w = pe * kp;
+#pragma unroll
+      for (int k = 0; k < K; ++k)
+#pragma unroll
+        for (int x = 0; x < V; ++x) dx[k][x] = fmaf(w, g[k][x], dx[k][x]);
+      const float de =
+          pe * (kp * dot - p.d[i * p.l.heads + q.load_head]) * (s > 0.0f ? 1.0f : p.slope);
+      das += de;
+      if (q.active && q.sub == 0) p.de[e * p.l.heads + q.head] = de;
+    }
+  }
+  if (!q.active) return;
+  store_row<G, V, K>(p.dx.at<G>(j, q.head), p.l, q.sub, dx);
+  if (q.sub == 0) *p.da_src.at<float>(j, q.head) = das;
+}
+
+__global__ void row_sum_kernel(const std::int64_t* row_ptr, const float* de, std::int64_t rows,
+                               int heads, out_operand da_dst) {
+  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= rows * heads) return;
+  const std::int64_t i = t / heads;
+  const int h = static_cast<int>(t % heads);
+  float s = 0.0f;
+  for (std::int64_t e = row_ptr[i]; e < row_ptr[i + 1]; ++e) s += de[e * heads + h];
+  *da_dst.at<float>(i, h) = s;
+}
+
+void check_gpu(const tensor_view& t, const char* what, std::int64_t rows, std::int64_t heads,
+               std::int64_t dim) {
+  TRISPARSE_EXPECTS_INPUT(t.where == device_kind::cuda,
+                          std::string(what) + " " + t.describe() + " must be on the GPU");
+  check_view(t, what, rows, heads, dim);
+}
+
+void check_f32(const tensor_view& t, const char* what, std::int64_t rows, std::int64_t heads) {
+  check_gpu(t, what, rows, heads, 1);
+  TRISPARSE_EXPECTS_INPUT(t.type == dtype::f32,
+                          std::string(what) + " " + t.describe() + " must be f32");
+}
+
+// The checks forward and backward share.
+void check_inputs(const gat_device& d, const tensor_view& x, const tensor_view& a_src,
+                  const tensor_view& a_dst, const tensor_view& keep, double slope) {
+  expect_current_device(d.device);
+  check_gpu(x, "x", d.cols, -1, -1);
+  TRISPARSE_EXPECTS_INPUT(x.heads >= 1, "x needs at least one head, got " + x.describe());
+  TRISPARSE_EXPECTS_INPUT(x.dim <= gat_plan::max_head_width,
+                          "x " + x.describe() + ": the GAT kernels take heads up to " +
+                              std::to_string(gat_plan::max_head_width) + " channels wide");
+  check_f32(a_src, "a_src", d.cols, x.heads);
+  check_f32(a_dst, "a_dst", d.rows, x.heads);
+  if (keep.data != nullptr) check_f32(keep, "keep", d.nnz, x.heads);
+  TRISPARSE_EXPECTS_INPUT(std::isfinite(slope), "negative_slope must be finite");
+}
+
+template <class F>
+void with_vector(int v, F&& f) {
+  with_value<1, 2, 4, 8>(v, "the GAT kernels' vector width", f);
+}
+
+}  // namespace
+
+std::shared_ptr<const gat_device> upload_gat(const csr_graph& g, stream_ref stream) {
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  auto d = std::make_shared<gat_device>();
+  d->device = current_device().device;
+  d->rows = g.rows;
+  d->cols = g.cols;
+  d->nnz = g.nnz();
+  // The transpose by a counting sort over the columns: each column's rows come in row order.
+  std::vector<std::int64_t> col_ptr(static_cast<std::size_t>(g.cols) + 1, 0);
+  for (const std::int32_t c : g.col_idx) ++col_ptr[static_cast<std::size_t>(c) + 1];
+  for (std::int64_t c = 0; c < g.cols; ++c) col_ptr[c + 1] += col_ptr[c];
+  std::vector<std::int32_t> row_idx(static_cast<std::size_t>(d->nnz));
+  std::vector<std::int64_t> entry_of(static_cast<std::size_t>(d->nnz));
+  std::vector<std::int64_t> next(col_ptr.begin(), col_ptr.end() - 1);
+  for (std::int64_t r = 0; r < g.rows; ++r) {
+    for (std::int64_t e = g.row_ptr[r]; e < g.row_ptr[r + 1]; ++e) {
+      const std::int64_t t = next[g.col_idx[e]]++;
+      row_idx[t] = static_cast<std::int32_t>(r);
+      entry_of[t] = e;
+    }
+  }
+  d->row_ptr = device_buffer<std::int64_t>(g.row_ptr, s);
+  d->col_idx = device_buffer<std::int32_t>(g.col_idx, s);
+  d->col_ptr = device_buffer<std::int64_t>(col_ptr, s);
+  d->row_idx = device_buffer<std::int32_t>(row_idx, s);
+  d->entry_of = device_buffer<std::int64_t>(entry_of, s);
+  return d;
+}
+
+void gat_forward(const gat_device& d, const gat_args& a, stream_ref stream) {
+  check_inputs(d, a.x, a.a_src, a.a_dst, a.keep, a.negative_slope);
+  check_gpu(a.out, "out", d.rows, a.x.heads, a.x.dim);
+  if (a.lse.data != nullptr) check_f32(a.lse, "lse", d.rows, a.x.heads);
+  const int heads = static_cast<int>(a.x.heads), width = static_cast<int>(a.x.dim);
+  const int vec = vector_of(heads, width, 16 / static_cast<int>(size_of(a.x.type)), {&a.x, &a.out});
+  forward_params p{d.row_ptr.data(),
+                   d.col_idx.data(),
+                   d.rows,
+                   layout_of(heads, width, vec),
+                   in(a.x),
+                   in(a.a_src),
+                   in(a.a_dst),
+                   in(a.keep),
+                   out_of(a.out),
+                   out_of(a.lse),
+                   static_cast<float>(a.negative_slope)};
+  const unsigned blocks = blocks_for(d.rows * p.l.groups * 32, kWarps * 32);
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  with_element_type(a.x.type, "x", [&]<class T>() {
+    with_output_type<T>(a.out.type, "out", [&]<class O>() {
+      with_vector(vec, [&]<int V>() { forward_kernel<T, O, V><<<blocks, kWarps * 32, 0, s>>>(p); });
+    });
+  });
+  TRISPARSE_CUDA_CHECK_LAUNCH();
+}
+
+namespace {
+
+struct backward_workspace {
+  detail::workspace_layout layout;
+  std::size_t d = 0, de = 0;
+};
+
+backward_workspace backward_workspace_of(const gat_device& d, std::int64_t heads) {
+  backward_workspace w;
+  w.d = w.layout.add(static_cast<std::size_t>(d.rows * heads) * 4);
+  w.de = w.layout.add(static_cast<std::size_t>(d.nnz * heads) * 4);
+  return w;
+}
+
+}  // namespace
+
+std::size_t gat_backward_workspace_bytes(const gat_device& d, std::int64_t heads) {
+  return backward_workspace_of(d, heads).layout.bytes();
+}
+
+void gat_backward(const gat_device& d, const gat_grad_args& a, const workspace_view& workspace,
+                  stream_ref stream) {
+  check_inputs(d, a.x, a.a_src, a.a_dst, a.keep, a.negative_slope);
+  const std::int64_t heads = a.x.heads;
+  check_gpu(a.out, "out", d.rows, heads, a.x.dim);
+  check_f32(a.lse, "lse", d.rows, heads);
+  check_gpu(a.dout, "dout", d.rows, heads, a.x.dim);
+  TRISPARSE_EXPECTS_INPUT(a.dout.type == a.out.type, "dout " + a.dout.describe() +
+                                                         " needs out's dtype (" +
+                                                         std::string(to_string(a.out.type)) + ")");
+  check_gpu(a.dx, "dx", d.cols, heads, a.x.dim);
+  TRISPARSE_EXPECTS_INPUT(a.dx.type == a.dout.type,
+                          "dx " + a.dx.describe() + " needs dout's dtype");
+  check_f32(a.da_src, "da_src", d.cols, heads);
+  check_f32(a.da_dst, "da_dst", d.rows, heads);
+  const backward_workspace w = backward_workspace_of(d, heads);
+  w.layout.check(workspace, "GAT backward");
+  float* dsum = detail::workspace_layout::at<float>(workspace, w.d);
+  float* de = detail::workspace_layout::at<float>(workspace, w.de);
+  const int h = static_cast<int>(heads), width = static_cast<int>(a.x.dim);
+  const int vec = vector_of(h, width, 16 / static_cast<int>(size_of(a.x.type)),
+                            {&a.x, &a.out, &a.dout, &a.dx});
+  const lanes l = layout_of(h, width, vec);
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  const row_dot_params rd{d.rows, l, in(a.dout), in(a.out), dsum};
+  const column_params cp{d.col_ptr.data(),  d.row_idx.data(), d.entry_of.data(), d.cols,
+                         l,                 in(a.x),          in(a.a_src),       in(a.a_dst),
+                         in(a.keep),        in(a.lse),        in(a.dout),        dsum,
+                         out_of(a.dx),      out_of(a.da_src), de,
+                         static_cast<float>(a.negative_slope)};
+  with_element_type(a.x.type, "x", [&]<class T>() {
+    with_output_type<T>(a.dout.type, "dout", [&]<class G>() {
+      with_vector(vec, [&]<int V>() {
+        row_dot_kernel<G, V><<<blocks_for(d.rows * l.groups * 32, kWarps * 32), kWarps * 32, 0, s>>>(
+            rd);
+        TRISPARSE_CUDA_CHECK_LAUNCH();
+        column_kernel<T, G, V>
+            <<<blocks_for(d.cols * l.groups * 32, kWarps * 32), kWarps * 32, 0, s>>>(cp);
+        TRISPARSE_CUDA_CHECK_LAUNCH();
+      });
+    });
+  });
+  row_sum_kernel<<<blocks_for(d.rows * heads, 256), 256, 0, s>>>(d.row_ptr.data(), de, d.rows, h,
+                                                                 out_of(a.da_dst));
+  TRISPARSE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace trisparse::cuda
