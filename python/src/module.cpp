@@ -316,13 +316,14 @@ struct py_gat_plan {
                                std::uintptr_t stream) {
     const csr_graph g = csr_of(row_ptr, col_idx, 0, rows, cols, nnz);
     nb::gil_scoped_release release;
-    return {gat_plan::build(g, device < 0 ? device_kind::cpu : device_kind::cuda,
-                            stream_of(stream))};
+    return {
+        gat_plan::build(g, device < 0 ? device_kind::cpu : device_kind::cuda, stream_of(stream))};
   }
 
   void forward(const tensor_tuple& x, const tensor_tuple& a_src, const tensor_tuple& a_dst,
                const std::optional<tensor_tuple>& keep, const tensor_tuple& out,
-               const tensor_tuple& lse, double negative_slope, std::uintptr_t stream) const {
+               const tensor_tuple& lse, double negative_slope, std::uintptr_t stream,
+               std::uintptr_t ws, std::size_t ws_bytes) const {
     const gat_args a{.x = view_of(x),
                      .a_src = view_of(a_src),
                      .a_dst = view_of(a_dst),
@@ -331,7 +332,7 @@ struct py_gat_plan {
                      .lse = view_of(lse),
                      .negative_slope = negative_slope};
     nb::gil_scoped_release release;
-    plan.forward(a, stream_of(stream));
+    plan.forward(a, stream_of(stream), workspace_of(ws, ws_bytes));
   }
 
   void backward(const tensor_tuple& x, const tensor_tuple& a_src, const tensor_tuple& a_dst,
@@ -530,16 +531,17 @@ NB_MODULE(_C, m) {
       .def_static("from_host", &py_gat_plan::from_host, "row_ptr"_a, "col_idx"_a, "rows"_a,
                   "cols"_a, "nnz"_a, "device"_a, "stream"_a)
       .def("forward", &py_gat_plan::forward, "x"_a, "a_src"_a, "a_dst"_a, "keep"_a.none(), "out"_a,
-           "lse"_a, "negative_slope"_a, "stream"_a)
+           "lse"_a, "negative_slope"_a, "stream"_a, "workspace"_a, "workspace_bytes"_a)
       .def("backward", &py_gat_plan::backward, "x"_a, "a_src"_a, "a_dst"_a, "keep"_a.none(),
            "out"_a, "lse"_a, "dout"_a, "dx"_a, "da_src"_a, "da_dst"_a, "negative_slope"_a,
            "stream"_a, "workspace"_a, "workspace_bytes"_a)
       .def(
-          "backward_workspace_bytes",
-          [](const py_gat_plan& p, std::int64_t heads) {
-            return p.plan.backward_workspace_bytes(heads);
+          "workspace_bytes",
+          [](const py_gat_plan& p, std::int64_t heads, std::int64_t width, bool backward) {
+            return backward ? p.plan.backward_workspace_bytes(heads, width)
+                            : p.plan.forward_workspace_bytes(heads, width);
           },
-          "heads"_a);
+          "heads"_a, "width"_a, "backward"_a);
   nb::class_<py_block_sparse_plan>(m, "BlockSparsePlan")
       .def_static("build", &py_block_sparse_plan::build, "block"_a, "heads"_a, "causal"_a,
                   "cu_seqlens_q"_a, "cu_seqlens_k"_a, "masks"_a, "algo"_a, "device"_a, "stream"_a)

@@ -33,7 +33,11 @@ def _gat(
     p = lookup(pattern)
     out = x.new_empty(p.num_rows, x.shape[1], x.shape[2])
     lse = a_dst.new_empty(p.num_rows, x.shape[1])
-    p.gat_plan(x.device).forward(
+    plan = p.gat_plan(x.device)
+    _owner, ws, ws_bytes = _tensors.workspace(
+        plan.workspace_bytes(x.shape[1], x.shape[2], False), x.device
+    )
+    plan.forward(
         _tensors.view(x),
         _view2(a_src),
         _view2(a_dst),
@@ -42,6 +46,8 @@ def _gat(
         _view2(lse),
         negative_slope,
         _tensors.stream(x.device),
+        ws,
+        ws_bytes,
     )
     return out, lse
 
@@ -72,7 +78,9 @@ def _gat_backward(
     plan = p.gat_plan(x.device)
     heads = x.shape[1]
     dx, da_src, da_dst = torch.empty_like(x), torch.empty_like(a_src), torch.empty_like(a_dst)
-    _owner, ws, ws_bytes = _tensors.workspace(plan.backward_workspace_bytes(heads), x.device)
+    _owner, ws, ws_bytes = _tensors.workspace(
+        plan.workspace_bytes(heads, x.shape[2], True), x.device
+    )
     plan.backward(
         _tensors.view(x),
         _view2(a_src),

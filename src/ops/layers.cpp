@@ -536,7 +536,7 @@ void gcn_fused_plan::backward(const gcn_fused_grad_args& a, stream_ref stream,
 struct gat_plan::state {
   device_kind where = device_kind::cpu;
   std::int64_t rows = 0, cols = 0, nnz = 0;
-  csr_graph pattern;                                 // CPU
+  csr_graph pattern;                               // CPU
   std::shared_ptr<const cuda::gat_device> device;  // CUDA
 };
 
@@ -562,10 +562,10 @@ std::int64_t gat_plan::rows() const { return state_->rows; }
 std::int64_t gat_plan::cols() const { return state_->cols; }
 std::int64_t gat_plan::nnz() const { return state_->nnz; }
 
-void gat_plan::forward(const gat_args& a, stream_ref stream) const {
+void gat_plan::forward(const gat_args& a, stream_ref stream, workspace_view workspace) const {
   const state& s = *state_;
   if (s.where == device_kind::cuda) {
-    cuda::gat_forward(*s.device, a, stream);
+    cuda::gat_forward(*s.device, a, workspace, stream);
     return;
   }
   for (const tensor_view* t : {&a.x, &a.a_src, &a.a_dst, &a.out}) check_host(*t, "GAT operand");
@@ -574,15 +574,21 @@ void gat_plan::forward(const gat_args& a, stream_ref stream) const {
   reference::gat(s.pattern, a.x, a.a_src, a.a_dst, a.keep, a.negative_slope, a.out, a.lse);
 }
 
-std::size_t gat_plan::backward_workspace_bytes(std::int64_t heads) const {
-  TRISPARSE_EXPECTS_INPUT(heads >= 1, "the GAT layer needs at least one head");
+std::size_t gat_plan::forward_workspace_bytes(std::int64_t heads, std::int64_t width) const {
+  TRISPARSE_EXPECTS_INPUT(heads >= 1 && width >= 0, "the GAT layer needs heads >= 1, width >= 0");
   return state_->where == device_kind::cpu
              ? 0
-             : cuda::gat_backward_workspace_bytes(*state_->device, heads);
+             : cuda::gat_workspace_bytes(*state_->device, heads, width, false);
 }
 
-void gat_plan::backward(const gat_grad_args& a, stream_ref stream,
-                        workspace_view workspace) const {
+std::size_t gat_plan::backward_workspace_bytes(std::int64_t heads, std::int64_t width) const {
+  TRISPARSE_EXPECTS_INPUT(heads >= 1 && width >= 0, "the GAT layer needs heads >= 1, width >= 0");
+  return state_->where == device_kind::cpu
+             ? 0
+             : cuda::gat_workspace_bytes(*state_->device, heads, width, true);
+}
+
+void gat_plan::backward(const gat_grad_args& a, stream_ref stream, workspace_view workspace) const {
   const state& s = *state_;
   if (s.where == device_kind::cuda) {
     cuda::gat_backward(*s.device, a, workspace, stream);
@@ -591,8 +597,8 @@ void gat_plan::backward(const gat_grad_args& a, stream_ref stream,
   for (const tensor_view* t : {&a.x, &a.a_src, &a.a_dst, &a.dout, &a.dx, &a.da_src, &a.da_dst})
     check_host(*t, "GAT operand");
   if (a.keep.data != nullptr) check_host(a.keep, "keep");
-  reference::gat_backward(s.pattern, a.x, a.a_src, a.a_dst, a.keep, a.negative_slope, a.dout,
-                          a.dx, a.da_src, a.da_dst);
+  reference::gat_backward(s.pattern, a.x, a.a_src, a.a_dst, a.keep, a.negative_slope, a.dout, a.dx,
+                          a.da_src, a.da_dst);
 }
 
 // --- AGNN -----------------------------------------------------------------------------------

@@ -19,9 +19,9 @@ struct gat_case {
 
 void check_gat(const csr_graph& g, const gat_case& c, std::uint64_t seed) {
   SCOPED_TRACE(std::string(to_string(c.in)) + "->" + std::string(to_string(c.out)) + " " +
-               std::to_string(c.heads) + "x" + std::to_string(c.width) +
-               (c.keep ? " keep" : "") + " rows " + std::to_string(g.rows) + " cols " +
-               std::to_string(g.cols) + " nnz " + std::to_string(g.nnz()));
+               std::to_string(c.heads) + "x" + std::to_string(c.width) + (c.keep ? " keep" : "") +
+               " rows " + std::to_string(g.rows) + " cols " + std::to_string(g.cols) + " nnz " +
+               std::to_string(g.nnz()));
   const std::int64_t H = c.heads, C = c.width;
   host_tensor x(c.in, g.cols, H, C), src(dtype::f32, g.cols, H, 1), dst(dtype::f32, g.rows, H, 1),
       keep(dtype::f32, std::max<std::int64_t>(g.nnz(), 1), H, 1), up(c.out, g.rows, H, C);
@@ -43,7 +43,11 @@ void check_gat(const csr_graph& g, const gat_case& c, std::uint64_t seed) {
 
   const gat_plan plan = gat_plan::build(g, device_kind::cuda);
   test::device_tensor gx(x), gsrc(src), gdst(dst), gkeep(keep),
-      out(host_tensor(c.out, g.rows, H, C)), lse(host_tensor(dtype::f32, g.rows, H, 1));
+      out(host_tensor(c.out, g.rows, H, C)), lse(host_tensor(dtype::f32, g.rows, H, 1)),
+      fws(host_tensor(dtype::f32,
+                      static_cast<std::int64_t>(plan.forward_workspace_bytes(H, C) / 4 + 64), 1,
+                      1));
+  const tensor_view fwsv = fws.view();
   tensor_view gkv = c.keep ? gkeep.view() : tensor_view{};
   if (c.keep) gkv.rows = g.nnz();
   const gat_args args{.x = gx.view(),
@@ -58,7 +62,8 @@ void check_gat(const csr_graph& g, const gat_case& c, std::uint64_t seed) {
       out,
       [&] {
         lse.poison();
-        plan.forward(args);
+        fws.poison();
+        plan.forward(args, {}, {fwsv.data, static_cast<std::size_t>(fwsv.rows) * 4});
       },
       got));
   const double tol = test::gpu_tolerance(c.in, c.out, 8);
@@ -76,7 +81,8 @@ void check_gat(const csr_graph& g, const gat_case& c, std::uint64_t seed) {
   test::device_tensor dout(up), dx(host_tensor(c.out, g.cols, H, C)),
       dsrc(host_tensor(dtype::f32, g.cols, H, 1)), ddst(host_tensor(dtype::f32, g.rows, H, 1)),
       ws(host_tensor(dtype::f32,
-                     static_cast<std::int64_t>(plan.backward_workspace_bytes(H) / 4 + 64), 1, 1));
+                     static_cast<std::int64_t>(plan.backward_workspace_bytes(H, C) / 4 + 64), 1,
+                     1));
   const tensor_view wsv = ws.view();
   const gat_grad_args grad{.x = gx.view(),
                            .a_src = gsrc.view(),
@@ -121,8 +127,7 @@ TEST(GpuGat, EveryTypeAndHeadLayout) {
                                                                     {dtype::f32, dtype::f32}}) {
     for (const auto& [heads, width] : std::vector<std::pair<std::int64_t, std::int64_t>>{
              {8, 8}, {1, 64}, {4, 16}, {3, 5}, {2, 100}, {1, 512}, {16, 1}, {6, 24}, {1, 3}}) {
-      check_gat(g,
-                {.in = in, .out = out, .heads = heads, .width = width, .keep = seed % 2 == 0},
+      check_gat(g, {.in = in, .out = out, .heads = heads, .width = width, .keep = seed % 2 == 0},
                 seed);
       ++seed;
     }
@@ -133,8 +138,8 @@ TEST(GpuGat, EveryTypeAndHeadLayout) {
 
 TEST(GpuGat, HubsEmptyPatternsAndTinyGraphs) {
   SKIP_WITHOUT_GPU();
-  // Row 5 holds every column and column 7 is in every row: one warp walks 20K entries in both
-  // passes.
+  // Row 5 holds every column and column 7 is in every row: both are cut into chunks (forward and
+  // backward), merged in order.
   coo_graph coo;
   const std::int64_t n = 20000;
   coo.rows = coo.cols = n;
@@ -162,26 +167,28 @@ TEST(GpuGat, RejectsWhatItCannotRun) {
   SKIP_WITHOUT_GPU();
   const csr_graph g = test::random_pattern(100, 80, 5, 71);
   const gat_plan plan = gat_plan::build(g, device_kind::cuda);
-  test::device_tensor x(host_tensor(dtype::f16, 80, 2, 8)), wide(host_tensor(dtype::f16, 80, 1, 513)),
-      src(host_tensor(dtype::f32, 80, 2, 1)), src16(host_tensor(dtype::f16, 80, 2, 1)),
-      dst(host_tensor(dtype::f32, 100, 2, 1)), out(host_tensor(dtype::f32, 100, 2, 8)),
-      out_wide(host_tensor(dtype::f32, 100, 1, 513)), src1(host_tensor(dtype::f32, 80, 1, 1)),
-      dst1(host_tensor(dtype::f32, 100, 1, 1));
-  EXPECT_NO_THROW(plan.forward(
-      {.x = x.view(), .a_src = src.view(), .a_dst = dst.view(), .out = out.view()}));
-  EXPECT_THROW(plan.forward({.x = x.view(), .a_src = src16.view(), .a_dst = dst.view(),
-                             .out = out.view()}),
-               invalid_input);  // the scores' terms are f32
-  EXPECT_THROW(plan.forward({.x = wide.view(), .a_src = src1.view(), .a_dst = dst1.view(),
-                             .out = out_wide.view()}),
-               invalid_input);  // wider than 512
-  EXPECT_THROW(plan.forward({.x = x.view(), .a_src = dst.view(), .a_dst = dst.view(),
-                             .out = out.view()}),
-               invalid_input);  // a_src has the rows' count
+  test::device_tensor x(host_tensor(dtype::f16, 80, 2, 8)),
+      wide(host_tensor(dtype::f16, 80, 1, 513)), src(host_tensor(dtype::f32, 80, 2, 1)),
+      src16(host_tensor(dtype::f16, 80, 2, 1)), dst(host_tensor(dtype::f32, 100, 2, 1)),
+      out(host_tensor(dtype::f32, 100, 2, 8)), out_wide(host_tensor(dtype::f32, 100, 1, 513)),
+      src1(host_tensor(dtype::f32, 80, 1, 1)), dst1(host_tensor(dtype::f32, 100, 1, 1));
+  EXPECT_NO_THROW(
+      plan.forward({.x = x.view(), .a_src = src.view(), .a_dst = dst.view(), .out = out.view()}));
+  EXPECT_THROW(
+      plan.forward({.x = x.view(), .a_src = src16.view(), .a_dst = dst.view(), .out = out.view()}),
+      invalid_input);  // the scores' terms are f32
+  EXPECT_THROW(
+      plan.forward(
+          {.x = wide.view(), .a_src = src1.view(), .a_dst = dst1.view(), .out = out_wide.view()}),
+      invalid_input);  // wider than 512
+  EXPECT_THROW(
+      plan.forward({.x = x.view(), .a_src = dst.view(), .a_dst = dst.view(), .out = out.view()}),
+      invalid_input);  // a_src has the rows' count
   host_tensor host_x(dtype::f16, 80, 2, 8);
-  EXPECT_THROW(plan.forward({.x = host_x.view(), .a_src = src.view(), .a_dst = dst.view(),
-                             .out = out.view()}),
-               invalid_input);  // on the CPU
+  EXPECT_THROW(
+      plan.forward(
+          {.x = host_x.view(), .a_src = src.view(), .a_dst = dst.view(), .out = out.view()}),
+      invalid_input);  // on the CPU
   device_synchronize();
 }
 

@@ -421,9 +421,10 @@ TEST(ReferenceGradients, GatMatchesFiniteDifferences) {
   for (const auto& [got, want] : {std::pair{&out32, &out}, std::pair{&dx32, &dx},
                                   std::pair{&dsrc32, &dsrc}, std::pair{&ddst32, &ddst}})
     EXPECT_LE(test::compare(*got, *want).relative(), 1e-6);
-  EXPECT_THROW(plan.forward({.x = x32.view(), .a_src = dst.view(), .a_dst = dst.view(),
-                             .out = out32.view()}),
-               invalid_input);  // a_src has the rows' count
+  EXPECT_THROW(
+      plan.forward(
+          {.x = x32.view(), .a_src = dst.view(), .a_dst = dst.view(), .out = out32.view()}),
+      invalid_input);  // a_src has the rows' count
 }
 
 // The fused CPU backward (through the plan) against the float64 reference: gradients within

@@ -167,20 +167,27 @@ struct gat_grad_args {
 /// one pass over the pattern, built once per pattern and device. CUDA: one warp a target and
 /// group of heads, an online softmax, each source row read once (head widths up to 512); the
 /// backward is one pass over the transposed pattern (dx, da_src and each edge's score gradient)
-/// and a fixed-order row sum (da_dst), so the same bits on every run. The CPU computes in float64
+/// and a fixed-order row sum (da_dst). Long rows and columns are cut into chunks whose partial
+/// results are merged in order, so the same bits on every run. The CPU computes in float64
 /// (reference::gat).
 class gat_plan {
  public:
   /// @throws invalid_input if the pattern is broken; not_supported for CUDA without the backend.
   static gat_plan build(const csr_graph& pattern, device_kind where = device_kind::cpu,
                         stream_ref stream = {});
+  /// Bytes of workspace a forward / backward with `heads` heads `width` channels wide needs (0 on
+  /// the CPU; the forward's is 0 unless some row is cut into chunks).
+  std::size_t forward_workspace_bytes(std::int64_t heads, std::int64_t width) const;
+  std::size_t backward_workspace_bytes(std::int64_t heads, std::int64_t width) const;
   /// CUDA: asynchronous on `stream`; never synchronises the host, allocates or locks.
-  void forward(const gat_args& args, stream_ref stream = {}) const;
-  /// Bytes of workspace a backward with `heads` heads needs (0 on the CPU).
-  std::size_t backward_workspace_bytes(std::int64_t heads) const;
-  /// CUDA: as forward; `workspace`: backward_workspace_bytes(heads) bytes, 256-byte aligned.
+  /// `workspace`: forward_workspace_bytes(...) bytes, 256-byte aligned.
+  void forward(const gat_args& args, stream_ref stream = {}, workspace_view workspace = {}) const;
+  /// CUDA: as forward; `workspace`: backward_workspace_bytes(...) bytes.
   void backward(const gat_grad_args& args, stream_ref stream = {},
                 workspace_view workspace = {}) const;
+  /// CUDA: rows (forward) and columns (backward) with more entries than this are cut into chunks
+  /// of this many, taken by separate warps and merged in chunk order.
+  static constexpr std::int64_t chunk_entries = 256;
   /// The widest heads (C) the CUDA kernels take.
   static constexpr std::int64_t max_head_width = 512;
   device_kind where() const;

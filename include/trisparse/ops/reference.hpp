@@ -89,9 +89,9 @@ void gcn_fused_backward(const csr_graph& propagation, const tensor_view& x, cons
                         const tensor_view& dx, const tensor_view& dw, const tensor_view& dbias);
 
 /// GAT's attention (gat_plan): per head h, e = LeakyReLU(a_dst[i, h] + a_src[j, h]) over row i's
-/// entries (i, j), p = softmax over the row, out[i, h] = sum_j p_ij keep_ij x[j, h]. x [cols, H, C],
-/// a_src [cols, H, 1], a_dst [rows, H, 1], keep [nnz, H, 1] in entry order (data == nullptr: 1),
-/// out [rows, H, C], lse [rows, H, 1] (log sum_j exp(e_ij), -inf for an empty row; data ==
+/// entries (i, j), p = softmax over the row, out[i, h] = sum_j p_ij keep_ij x[j, h]. x [cols, H,
+/// C], a_src [cols, H, 1], a_dst [rows, H, 1], keep [nnz, H, 1] in entry order (data == nullptr:
+/// 1), out [rows, H, C], lse [rows, H, 1] (log sum_j exp(e_ij), -inf for an empty row; data ==
 /// nullptr: not written).
 void gat(const csr_graph& pattern, const tensor_view& x, const tensor_view& a_src,
          const tensor_view& a_dst, const tensor_view& keep, double negative_slope,

@@ -20,13 +20,15 @@ struct gat_device;
 TRISPARSE_CUDA_ENTRY(std::shared_ptr<const gat_device> upload_gat(const csr_graph& pattern,
                                                                   stream_ref stream))
 
-/// gat_plan::forward on CUDA (arguments checked here).
-TRISPARSE_CUDA_ENTRY(void gat_forward(const gat_device& d, const gat_args& args, stream_ref stream))
+/// Bytes of workspace gat_forward (backward = false) or gat_backward needs: the chunks' partial
+/// results; the backward's also per (row, head) <dout, out> and per (entry, head) the score
+/// gradient.
+TRISPARSE_CUDA_ENTRY(std::size_t gat_workspace_bytes(const gat_device& d, std::int64_t heads,
+                                                     std::int64_t width, bool backward))
 
-/// Bytes of workspace gat_backward needs: per (row, head) <dout, out>, per (entry, head) the
-/// score gradient.
-TRISPARSE_CUDA_ENTRY(std::size_t gat_backward_workspace_bytes(const gat_device& d,
-                                                              std::int64_t heads))
+/// gat_plan::forward on CUDA (arguments checked here).
+TRISPARSE_CUDA_ENTRY(void gat_forward(const gat_device& d, const gat_args& args,
+                                      const workspace_view& workspace, stream_ref stream))
 
 /// gat_plan::backward on CUDA (arguments checked here).
 TRISPARSE_CUDA_ENTRY(void gat_backward(const gat_device& d, const gat_grad_args& args,
