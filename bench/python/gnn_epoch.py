@@ -79,6 +79,12 @@ def measure(model_name, backend, x, y, edge_index, classes, args, device):
     r["epoch_ms"] = timed(epoch, device, args.epochs)
     if device.type == "cuda":
         r["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    if args.profile:  # one more epoch under torch.profiler: its top CUDA kernels, to stderr
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            epoch()
+            synchronize(device)
+        print(f"# {model_name} {backend}", file=sys.stderr)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), file=sys.stderr)
     if model_name == "transformer":
         model.eval()
         with torch.no_grad():
@@ -97,6 +103,7 @@ def main():
     ap.add_argument("--classes", type=int, default=16)
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--profile", action="store_true", help="kernel times of one epoch to stderr")
     args = ap.parse_args()
     device = torch.device(args.device)
     inputs = [

@@ -320,14 +320,16 @@ struct py_gat_plan {
         gat_plan::build(g, device < 0 ? device_kind::cpu : device_kind::cuda, stream_of(stream))};
   }
 
+  /// keep_index: a pointer to [nnz] int64 rows of keep, or 0.
   void forward(const tensor_tuple& x, const tensor_tuple& a_src, const tensor_tuple& a_dst,
-               const std::optional<tensor_tuple>& keep, const tensor_tuple& out,
-               const tensor_tuple& lse, double negative_slope, std::uintptr_t stream,
-               std::uintptr_t ws, std::size_t ws_bytes) const {
+               const std::optional<tensor_tuple>& keep, std::uintptr_t keep_index,
+               const tensor_tuple& out, const tensor_tuple& lse, double negative_slope,
+               std::uintptr_t stream, std::uintptr_t ws, std::size_t ws_bytes) const {
     const gat_args a{.x = view_of(x),
                      .a_src = view_of(a_src),
                      .a_dst = view_of(a_dst),
                      .keep = view_of(keep),
+                     .keep_index = reinterpret_cast<const std::int64_t*>(keep_index),
                      .out = view_of(out),
                      .lse = view_of(lse),
                      .negative_slope = negative_slope};
@@ -336,14 +338,16 @@ struct py_gat_plan {
   }
 
   void backward(const tensor_tuple& x, const tensor_tuple& a_src, const tensor_tuple& a_dst,
-                const std::optional<tensor_tuple>& keep, const tensor_tuple& out,
-                const tensor_tuple& lse, const tensor_tuple& dout, const tensor_tuple& dx,
-                const tensor_tuple& da_src, const tensor_tuple& da_dst, double negative_slope,
-                std::uintptr_t stream, std::uintptr_t ws, std::size_t ws_bytes) const {
+                const std::optional<tensor_tuple>& keep, std::uintptr_t keep_index,
+                const tensor_tuple& out, const tensor_tuple& lse, const tensor_tuple& dout,
+                const tensor_tuple& dx, const tensor_tuple& da_src, const tensor_tuple& da_dst,
+                double negative_slope, std::uintptr_t stream, std::uintptr_t ws,
+                std::size_t ws_bytes) const {
     const gat_grad_args a{.x = view_of(x),
                           .a_src = view_of(a_src),
                           .a_dst = view_of(a_dst),
                           .keep = view_of(keep),
+                          .keep_index = reinterpret_cast<const std::int64_t*>(keep_index),
                           .out = view_of(out),
                           .lse = view_of(lse),
                           .dout = view_of(dout),
@@ -530,11 +534,12 @@ NB_MODULE(_C, m) {
   nb::class_<py_gat_plan>(m, "GatPlan")
       .def_static("from_host", &py_gat_plan::from_host, "row_ptr"_a, "col_idx"_a, "rows"_a,
                   "cols"_a, "nnz"_a, "device"_a, "stream"_a)
-      .def("forward", &py_gat_plan::forward, "x"_a, "a_src"_a, "a_dst"_a, "keep"_a.none(), "out"_a,
-           "lse"_a, "negative_slope"_a, "stream"_a, "workspace"_a, "workspace_bytes"_a)
+      .def("forward", &py_gat_plan::forward, "x"_a, "a_src"_a, "a_dst"_a, "keep"_a.none(),
+           "keep_index"_a, "out"_a, "lse"_a, "negative_slope"_a, "stream"_a, "workspace"_a,
+           "workspace_bytes"_a)
       .def("backward", &py_gat_plan::backward, "x"_a, "a_src"_a, "a_dst"_a, "keep"_a.none(),
-           "out"_a, "lse"_a, "dout"_a, "dx"_a, "da_src"_a, "da_dst"_a, "negative_slope"_a,
-           "stream"_a, "workspace"_a, "workspace_bytes"_a)
+           "keep_index"_a, "out"_a, "lse"_a, "dout"_a, "dx"_a, "da_src"_a, "da_dst"_a,
+           "negative_slope"_a, "stream"_a, "workspace"_a, "workspace_bytes"_a)
       .def(
           "workspace_bytes",
           [](const py_gat_plan& p, std::int64_t heads, std::int64_t width, bool backward) {

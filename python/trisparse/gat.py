@@ -25,6 +25,7 @@ def _gat(
     a_src: Tensor,
     a_dst: Tensor,
     keep: Tensor | None,
+    keep_index: Tensor | None,
     pattern: int,
     negative_slope: float,
 ) -> tuple[Tensor, Tensor]:
@@ -42,6 +43,7 @@ def _gat(
         _view2(a_src),
         _view2(a_dst),
         None if keep is None else _view2(keep),
+        0 if keep_index is None else keep_index.data_ptr(),
         _tensors.view(out),
         _view2(lse),
         negative_slope,
@@ -53,7 +55,7 @@ def _gat(
 
 
 @_gat.register_fake
-def _gat_fake(x, a_src, a_dst, keep, pattern, negative_slope):
+def _gat_fake(x, a_src, a_dst, keep, keep_index, pattern, negative_slope):
     p = lookup(pattern)
     return (
         x.new_empty(p.num_rows, x.shape[1], x.shape[2]),
@@ -68,6 +70,7 @@ def _gat_backward(
     a_src: Tensor,
     a_dst: Tensor,
     keep: Tensor | None,
+    keep_index: Tensor | None,
     out: Tensor,
     lse: Tensor,
     pattern: int,
@@ -86,6 +89,7 @@ def _gat_backward(
         _view2(a_src),
         _view2(a_dst),
         None if keep is None else _view2(keep),
+        0 if keep_index is None else keep_index.data_ptr(),
         _tensors.view(out),
         _view2(lse),
         _tensors.view(dout),
@@ -101,24 +105,24 @@ def _gat_backward(
 
 
 @_gat_backward.register_fake
-def _gat_backward_fake(dout, x, a_src, a_dst, keep, out, lse, pattern, negative_slope):
+def _gat_backward_fake(dout, x, a_src, a_dst, keep, keep_index, out, lse, pattern, negative_slope):
     return torch.empty_like(x), torch.empty_like(a_src), torch.empty_like(a_dst)
 
 
 def _setup(ctx, inputs, output):
-    x, a_src, a_dst, keep, pattern, negative_slope = inputs
+    x, a_src, a_dst, keep, keep_index, pattern, negative_slope = inputs
     out, lse = output
-    ctx.save_for_backward(x, a_src, a_dst, keep, out, lse)
+    ctx.save_for_backward(x, a_src, a_dst, keep, keep_index, out, lse)
     ctx.pattern, ctx.negative_slope = pattern, negative_slope
 
 
 def _backward(ctx, dout, _dlse):
-    x, a_src, a_dst, keep, out, lse = ctx.saved_tensors
+    x, a_src, a_dst, keep, keep_index, out, lse = ctx.saved_tensors
     dout = dout.to(out.dtype).contiguous()
     dx, da_src, da_dst = torch.ops.trisparse.gat_attention_backward(
-        dout, x, a_src, a_dst, keep, out, lse, ctx.pattern, ctx.negative_slope
+        dout, x, a_src, a_dst, keep, keep_index, out, lse, ctx.pattern, ctx.negative_slope
     )
-    return dx, da_src, da_dst, None, None, None
+    return dx, da_src, da_dst, None, None, None, None
 
 
 _gat.register_autograd(_backward, setup_context=_setup)
@@ -131,13 +135,16 @@ def gat_attention(
     pattern: Pattern,
     negative_slope: float = 0.2,
     keep: Tensor | None = None,
+    keep_order: Tensor | None = None,
 ) -> Tensor:
     """out[i, h] = sum over the pattern's entries (i, j) of softmax_j(LeakyReLU(a_dst[i, h] +
     a_src[j, h])) * keep[e, h] * x[j, h]: GAT's attention (PyG's GATConv between its linear map
     and the head concat), fused. x [num_cols, H, C] (the sources' W x_j, C <= 512 on CUDA),
-    a_src [num_cols, H], a_dst [num_rows, H] (the per-node attention terms), keep [E, H] in the
-    pattern's entry order (attention dropout's factors: 0 or 1 / (1 - p)) or None. Differentiable
-    in x, a_src and a_dst; the scores are computed in float32."""
+    a_src [num_cols, H], a_dst [num_rows, H] (the per-node attention terms), keep [E, H]
+    (attention dropout's factors: 0 or 1 / (1 - p)) or None, in the pattern's entry order or, with
+    ``keep_order`` (int64 [E]), entry e's in row keep_order[e] (a mask drawn in the input's edge
+    order serves as it is). Differentiable in x, a_src and a_dst; the scores are computed in
+    float32."""
     if not isinstance(pattern, Pattern):
         raise TypeError(f"pattern must be a trisparse.Pattern, got {type(pattern).__name__}")
     if not isinstance(x, Tensor) or x.dtype not in _tensors.FLOAT_DTYPES or x.dim() != 3:
@@ -162,12 +169,22 @@ def gat_attention(
             f"keep must be [{pattern.nnz}, {heads}] (entries, heads) on {x.device}, got "
             f"{tuple(keep.shape)} on {keep.device}"
         )
+    if keep_order is not None:
+        if keep is None:
+            raise ValueError("keep_order orders keep's rows: pass keep too")
+        if keep_order.shape != (pattern.nnz,) or keep_order.device != x.device:
+            raise ValueError(
+                f"keep_order must be [{pattern.nnz}] on {x.device}, got "
+                f"{tuple(keep_order.shape)} on {keep_order.device}"
+            )
+        keep_order = keep_order.to(torch.int64).contiguous()
     f32 = torch.float64 if x.dtype == torch.float64 else torch.float32
     out, _lse = torch.ops.trisparse.gat_attention(
         x.contiguous(),
         a_src.to(f32).contiguous(),
         a_dst.to(f32).contiguous(),
         None if keep is None else keep.to(f32).contiguous(),
+        keep_order,
         pattern.id,
         float(negative_slope),
     )

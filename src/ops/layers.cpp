@@ -533,6 +533,24 @@ void gcn_fused_plan::backward(const gcn_fused_grad_args& a, stream_ref stream,
 
 // --- GAT ------------------------------------------------------------------------------------
 
+namespace {
+
+// keep in CSR entry order (the reference's), from keep rows keep_index[e] (CPU).
+host_tensor keep_in_entry_order(const tensor_view& keep, const std::int64_t* keep_index) {
+  host_tensor k(dtype::f64, keep.rows, keep.heads, 1);
+  for (std::int64_t e = 0; e < keep.rows; ++e) {
+    TRISPARSE_EXPECTS_INPUT(keep_index[e] >= 0 && keep_index[e] < keep.rows,
+                            "keep_index[" + std::to_string(e) +
+                                "] = " + std::to_string(keep_index[e]) + " is not a row of keep");
+    for (std::int64_t h = 0; h < keep.heads; ++h)
+      k.set(e * keep.heads + h,
+            load_as_double(keep.data, keep.type, keep.offset(keep_index[e], h, 0)));
+  }
+  return k;
+}
+
+}  // namespace
+
 struct gat_plan::state {
   device_kind where = device_kind::cpu;
   std::int64_t rows = 0, cols = 0, nnz = 0;
@@ -571,7 +589,13 @@ void gat_plan::forward(const gat_args& a, stream_ref stream, workspace_view work
   for (const tensor_view* t : {&a.x, &a.a_src, &a.a_dst, &a.out}) check_host(*t, "GAT operand");
   for (const tensor_view* t : {&a.keep, &a.lse})
     if (t->data != nullptr) check_host(*t, "GAT operand");
-  reference::gat(s.pattern, a.x, a.a_src, a.a_dst, a.keep, a.negative_slope, a.out, a.lse);
+  host_tensor keep;
+  if (a.keep.data != nullptr && a.keep_index != nullptr) {
+    check_view(a.keep, "keep", s.nnz, a.x.heads, 1);
+    keep = keep_in_entry_order(a.keep, a.keep_index);
+  }
+  reference::gat(s.pattern, a.x, a.a_src, a.a_dst, keep.numel() > 0 ? keep.view() : a.keep,
+                 a.negative_slope, a.out, a.lse);
 }
 
 std::size_t gat_plan::forward_workspace_bytes(std::int64_t heads, std::int64_t width) const {
@@ -597,8 +621,13 @@ void gat_plan::backward(const gat_grad_args& a, stream_ref stream, workspace_vie
   for (const tensor_view* t : {&a.x, &a.a_src, &a.a_dst, &a.dout, &a.dx, &a.da_src, &a.da_dst})
     check_host(*t, "GAT operand");
   if (a.keep.data != nullptr) check_host(a.keep, "keep");
-  reference::gat_backward(s.pattern, a.x, a.a_src, a.a_dst, a.keep, a.negative_slope, a.dout, a.dx,
-                          a.da_src, a.da_dst);
+  host_tensor keep;
+  if (a.keep.data != nullptr && a.keep_index != nullptr) {
+    check_view(a.keep, "keep", s.nnz, a.x.heads, 1);
+    keep = keep_in_entry_order(a.keep, a.keep_index);
+  }
+  reference::gat_backward(s.pattern, a.x, a.a_src, a.a_dst, keep.numel() > 0 ? keep.view() : a.keep,
+                          a.negative_slope, a.dout, a.dx, a.da_src, a.da_dst);
 }
 
 // --- AGNN -----------------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 // dropout), and adversarial patterns (empty rows and columns, a row and a column holding every
 // entry); each result twice bitwise equal. Label gpu; skipped without a device.
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <numeric>
 
 #include "device_tensor.hpp"
 
@@ -14,14 +16,15 @@ struct gat_case {
   dtype in = dtype::f16, out = dtype::f32;
   std::int64_t heads = 8, width = 8;
   bool keep = false;
+  bool keep_index = false;  // keep's rows in a shuffled order, with keep_index
   double slope = 0.2;
 };
 
 void check_gat(const csr_graph& g, const gat_case& c, std::uint64_t seed) {
   SCOPED_TRACE(std::string(to_string(c.in)) + "->" + std::string(to_string(c.out)) + " " +
                std::to_string(c.heads) + "x" + std::to_string(c.width) + (c.keep ? " keep" : "") +
-               " rows " + std::to_string(g.rows) + " cols " + std::to_string(g.cols) + " nnz " +
-               std::to_string(g.nnz()));
+               (c.keep_index ? " index" : "") + " rows " + std::to_string(g.rows) + " cols " +
+               std::to_string(g.cols) + " nnz " + std::to_string(g.nnz()));
   const std::int64_t H = c.heads, C = c.width;
   host_tensor x(c.in, g.cols, H, C), src(dtype::f32, g.cols, H, 1), dst(dtype::f32, g.rows, H, 1),
       keep(dtype::f32, std::max<std::int64_t>(g.nnz(), 1), H, 1), up(c.out, g.rows, H, C);
@@ -41,8 +44,18 @@ void check_gat(const csr_graph& g, const gat_case& c, std::uint64_t seed) {
   reference::gat_backward(g, x.view(), src.view(), dst.view(), kv, c.slope, up.view(),
                           dx_want.view(), dsrc_want.view(), ddst_want.view());
 
+  // keep's rows shuffled: entry e's factors in row index[e] (int64, uploaded as 8-byte words).
+  const std::int64_t rows_k = keep.rows();
+  std::vector<std::int64_t> index(static_cast<std::size_t>(rows_k));
+  for (std::int64_t e = 0; e < rows_k; ++e)
+    index[e] = std::gcd(std::int64_t{7919}, rows_k) == 1 ? (e * 7919) % rows_k : rows_k - 1 - e;
+  host_tensor shuffled(dtype::f32, rows_k, H, 1), index_words(dtype::f64, rows_k, 1, 1);
+  for (std::int64_t e = 0; e < rows_k; ++e)
+    for (std::int64_t h = 0; h < H; ++h) shuffled.set(index[e] * H + h, keep.get(e * H + h));
+  std::memcpy(index_words.data(), index.data(), index.size() * 8);
+  test::device_tensor gindex(index_words);
   const gat_plan plan = gat_plan::build(g, device_kind::cuda);
-  test::device_tensor gx(x), gsrc(src), gdst(dst), gkeep(keep),
+  test::device_tensor gx(x), gsrc(src), gdst(dst), gkeep(c.keep_index ? shuffled : keep),
       out(host_tensor(c.out, g.rows, H, C)), lse(host_tensor(dtype::f32, g.rows, H, 1)),
       fws(host_tensor(dtype::f32,
                       static_cast<std::int64_t>(plan.forward_workspace_bytes(H, C) / 4 + 64), 1,
@@ -50,10 +63,13 @@ void check_gat(const csr_graph& g, const gat_case& c, std::uint64_t seed) {
   const tensor_view fwsv = fws.view();
   tensor_view gkv = c.keep ? gkeep.view() : tensor_view{};
   if (c.keep) gkv.rows = g.nnz();
+  const auto* keep_index =
+      c.keep_index ? static_cast<const std::int64_t*>(gindex.view().data) : nullptr;
   const gat_args args{.x = gx.view(),
                       .a_src = gsrc.view(),
                       .a_dst = gdst.view(),
                       .keep = gkv,
+                      .keep_index = keep_index,
                       .out = out.view(),
                       .lse = lse.view(),
                       .negative_slope = c.slope};
@@ -88,6 +104,7 @@ void check_gat(const csr_graph& g, const gat_case& c, std::uint64_t seed) {
                            .a_src = gsrc.view(),
                            .a_dst = gdst.view(),
                            .keep = gkv,
+                           .keep_index = keep_index,
                            .out = out.view(),
                            .lse = lse.view(),
                            .dout = dout.view(),
@@ -133,6 +150,7 @@ TEST(GpuGat, EveryTypeAndHeadLayout) {
     }
   }
   check_gat(g, {.in = dtype::f32, .heads = 2, .width = 32, .keep = true, .slope = 0.01}, 7);
+  check_gat(g, {.heads = 8, .width = 8, .keep = true, .keep_index = true}, 9);
   check_gat(g, {.heads = 40, .width = 2, .slope = 0.5}, 8);  // many head groups
 }
 
@@ -154,7 +172,7 @@ TEST(GpuGat, HubsEmptyPatternsAndTinyGraphs) {
       coo.src.push_back(i), coo.dst.push_back(static_cast<std::int64_t>(r.below(n)));
   }
   const csr_graph hub = to_csr(coo);
-  check_gat(hub, {.in = dtype::f16, .heads = 8, .width = 8, .keep = true}, 63);
+  check_gat(hub, {.in = dtype::f16, .heads = 8, .width = 8, .keep = true, .keep_index = true}, 63);
   check_gat(hub, {.in = dtype::f32, .out = dtype::f32, .heads = 1, .width = 128}, 64);
   for (const std::int64_t rows : {1, 2, 33}) {
     check_gat(test::random_pattern(rows, rows, 3, 65), {}, 66);

@@ -158,7 +158,13 @@ def test_gat_attention_matches_its_definition_and_gradcheck(dropout):
     out32 = trisparse.gat_attention(x.float(), src.float(), dst.float(), p, 0.2, keep)
     assert out32.dtype == torch.float32
     assert torch.allclose(out32.double(), out, rtol=1e-5, atol=1e-6)
-    args = (x.detach().float(), src.detach().float(), dst.detach().float(), None, p.id, 0.2)
+    if keep is not None:  # the same factors stored in another row order, with keep_order
+        perm = torch.randperm(p.nnz, generator=g)
+        order = torch.empty_like(perm)
+        order[perm] = torch.arange(p.nnz)
+        again = trisparse.gat_attention(x, src, dst, p, 0.2, keep[perm], keep_order=order)
+        assert torch.equal(again, out)
+    args = (x.detach().float(), src.detach().float(), dst.detach().float(), None, None, p.id, 0.2)
     torch.library.opcheck(torch.ops.trisparse.gat_attention.default, args)
 
 

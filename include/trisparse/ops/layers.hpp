@@ -142,9 +142,13 @@ struct gat_args {
   tensor_view x;      ///< [cols, H, C], f16, bf16 or f32: the sources' features (W x_j)
   tensor_view a_src;  ///< [cols, H, 1] f32: a_src . W x_j
   tensor_view a_dst;  ///< [rows, H, 1] f32: a_dst . W x_i
-  /// [nnz, H, 1] f32 in the pattern's CSR entry order: a factor on each weight after the softmax
-  /// (attention dropout: 0 or 1 / (1 - p)); data == nullptr: 1.
+  /// [nnz, H, 1] f32: a factor on each weight after the softmax (attention dropout: 0 or
+  /// 1 / (1 - p)); data == nullptr: 1. Row e holds entry e's (CSR entry order), or row
+  /// keep_index[e] where keep_index is given.
   tensor_view keep;
+  /// [nnz] on keep's device: the row of keep holding each entry's factors, so that a mask drawn
+  /// in another edge order (PyG's) serves without a gather; nullptr: row e.
+  const std::int64_t* keep_index = nullptr;
   tensor_view out;  ///< [rows, H, C], f32 or x's dtype (CPU: any float dtype)
   /// [rows, H, 1] f32: log sum_j exp(e_ij) over row i (-inf for an empty row), what the backward
   /// reads; data == nullptr: not written.
@@ -155,11 +159,12 @@ struct gat_args {
 /// The gradients of one gat_plan::forward given dout (deterministic).
 struct gat_grad_args {
   tensor_view x, a_src, a_dst, keep;  ///< the forward's inputs
-  tensor_view out, lse;               ///< the forward's outputs (lse is required)
-  tensor_view dout;                   ///< [rows, H, C] in out's dtype
-  tensor_view dx;                     ///< [cols, H, C] in dout's dtype
-  tensor_view da_src;                 ///< [cols, H, 1] f32
-  tensor_view da_dst;                 ///< [rows, H, 1] f32
+  const std::int64_t* keep_index = nullptr;
+  tensor_view out, lse;  ///< the forward's outputs (lse is required)
+  tensor_view dout;      ///< [rows, H, C] in out's dtype
+  tensor_view dx;        ///< [cols, H, C] in dout's dtype
+  tensor_view da_src;    ///< [cols, H, 1] f32
+  tensor_view da_dst;    ///< [rows, H, 1] f32
   double negative_slope = 0.2;
 };
 

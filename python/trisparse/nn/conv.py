@@ -298,11 +298,14 @@ class GATConv(_Fused, _PygGATConv):
         alpha_dst = (x_dst * self.att_dst).sum(dim=-1)
         dropout = self.training and self.dropout > 0
         if C <= _GAT_MAX_WIDTH:
-            keep = None
-            if dropout:  # the factors PyG's dropout of the [E, H] weights applies
-                ones = x_src.new_ones(pattern.nnz, H)
-                keep = self._attention_dropout(ones, pattern)
-            out = gat_attention(x_src, alpha_src, alpha_dst, pattern, self.negative_slope, keep)
+            keep = order = None
+            if dropout:  # PyG's dropout of the [E, H] weights, drawn in the input's edge order
+                keep = F.dropout(x_src.new_ones(pattern.nnz, H), p=self.dropout, training=True)
+                order = pattern.input_order(x.device)
+                order = None if order is None else order[1]
+            out = gat_attention(
+                x_src, alpha_src, alpha_dst, pattern, self.negative_slope, keep, order
+            )
         else:
             alpha = F.leaky_relu(edge_scores(alpha_dst, alpha_src, pattern), self.negative_slope)
             alpha = edge_softmax(alpha, pattern)

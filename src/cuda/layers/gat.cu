@@ -13,7 +13,8 @@
 // 2-4 entries are issued before their updates. The row's log-sum-exp is kept for the backward.
 //
 // Backward, with dp_ij = keep_ij <dout_i, x_j> and D_i = sum_j p_ij dp_ij = <dout_i, out_i>:
-//   1. D per (row, head): row_dot_kernel.
+//   1. D per (row, head), packed with a_dst and the lse into one 16-byte record per (row, head)
+//      that the column pass reads for each entry: row_dot_kernel.
 //   2. A warp per (source column, head group) over the transposed pattern: p_ij from the lse,
 //      dx_j = sum_i p_ij keep_ij dout_i, de_ij = p_ij (dp_ij - D_i) LeakyReLU'(s_ij),
 //      da_src_j = sum_i de_ij in the column's row order, de_ij stored per entry: column_kernel.
@@ -301,6 +302,7 @@ struct forward_params {
   chunks cut;
   lanes l;
   operand x, a_src, a_dst, keep;
+  const std::int64_t* keep_index;
   out_operand out, lse;
   float* part_acc;  // [chunks, H, C]
   float* part_ml;   // [chunks, H, 2]: running max (log2 units) and sum
@@ -318,6 +320,9 @@ __device__ __forceinline__ void attend(const forward_params& p, const place& q, 
   for (std::int64_t base = begin; base < end; base += 32) {
     const int n = static_cast<int>(min(std::int64_t{32}, end - base));
     const int mine = lane < n ? p.col[base + lane] : 0;
+    // Each lane looks up one entry's keep row up front: per edge, one load less in the chain.
+    const std::int64_t mine_keep =
+        lane < n && p.keep_index != nullptr ? p.keep_index[base + lane] : base + lane;
     for (int u = 0; u < n; u += U) {
       float t[U], kp[U], v[U][K][V];
 #pragma unroll
@@ -326,7 +331,8 @@ __device__ __forceinline__ void attend(const forward_params& p, const place& q, 
         const std::int64_t j = __shfl_sync(0xffffffffu, mine, e);
         const float s = ad + *p.a_src.at<float>(j, q.load_head);
         t[b] = (s > 0.0f ? s : s * p.slope) * kLog2e;
-        kp[b] = p.keep.data != nullptr ? *p.keep.at<float>(base + e, q.load_head) : 1.0f;
+        const std::int64_t kr = __shfl_sync(0xffffffffu, mine_keep, e);
+        kp[b] = p.keep.data == nullptr ? 1.0f : *p.keep.at<float>(kr, q.load_head);
         load_row<T, V, K>(p.x.at<T>(j, q.load_head), p.l, q.sub, v[b]);
       }
 #pragma unroll
@@ -410,8 +416,8 @@ __global__ void __launch_bounds__(kWarps * 32) forward_merge_kernel(const forwar
 struct row_dot_params {
   std::int64_t rows;
   lanes l;
-  operand dout, out;
-  float* d;  // [rows, H]
+  operand dout, out, a_dst, lse;
+  float4* rec;  // [rows, H]: (a_dst, lse, D, 0), what the column pass reads of a target row
 };
 
 template <class O, int V, int F>
@@ -425,7 +431,9 @@ __global__ void __launch_bounds__(kWarps * 32) row_dot_kernel(const row_dot_para
   load_row<O, V, K>(p.dout.at<O>(i, q.load_head), p.l, q.sub, g);
   load_row<O, V, K>(p.out.at<O>(i, q.load_head), p.l, q.sub, o);
   const float d = head_sum(lane_dot<V, K>(g, o), p.l);
-  if (q.active && q.sub == 0) p.d[i * p.l.heads + q.head] = d;
+  if (q.active && q.sub == 0)
+    p.rec[i * p.l.heads + q.head] =
+        make_float4(*p.a_dst.at<float>(i, q.head), *p.lse.at<float>(i, q.head), d, 0.0f);
 }
 
 struct column_params {
@@ -435,8 +443,9 @@ struct column_params {
   std::int64_t cols;
   chunks cut;
   lanes l;
-  operand x, a_src, a_dst, keep, lse, dout;
-  const float* d;  // [rows, H]
+  operand x, a_src, keep, dout;
+  const std::int64_t* keep_index;
+  const float4* rec;  // [rows, H]: (a_dst, lse, D, 0)
   out_operand dx, da_src;
   float* de;        // [nnz, H]
   float* part_dx;   // [chunks, H, C]
@@ -459,8 +468,11 @@ __global__ void __launch_bounds__(kWarps * 32) column_kernel(const column_params
     const int n = static_cast<int>(min(std::int64_t{32}, w.end - base));
     const int mine_row = lane < n ? p.row_idx[base + lane] : 0;
     const std::int64_t mine_entry = lane < n ? p.entry_of[base + lane] : 0;
+    const std::int64_t mine_keep =
+        lane < n && p.keep_index != nullptr ? p.keep_index[mine_entry] : mine_entry;
     for (int u = 0; u < n; u += U) {
-      float g[U][K][V], s[U], lse[U], dsum[U], kp[U];
+      float g[U][K][V], kp[U];
+      float4 r[U];
       std::int64_t entry[U];
 #pragma unroll
       for (int b = 0; b < U; ++b) {
@@ -468,23 +480,23 @@ __global__ void __launch_bounds__(kWarps * 32) column_kernel(const column_params
         const std::int64_t i = __shfl_sync(0xffffffffu, mine_row, e);
         entry[b] = __shfl_sync(0xffffffffu, mine_entry, e);
         load_row<G, V, K>(p.dout.at<G>(i, q.load_head), p.l, q.sub, g[b]);
-        s[b] = as + *p.a_dst.at<float>(i, q.load_head);
-        lse[b] = *p.lse.at<float>(i, q.load_head);
-        dsum[b] = p.d[i * p.l.heads + q.load_head];
-        kp[b] = p.keep.data != nullptr ? *p.keep.at<float>(entry[b], q.load_head) : 1.0f;
+        r[b] = p.rec[i * p.l.heads + q.load_head];
+        const std::int64_t kr = __shfl_sync(0xffffffffu, mine_keep, e);
+        kp[b] = p.keep.data == nullptr ? 1.0f : *p.keep.at<float>(kr, q.load_head);
       }
 #pragma unroll
       for (int b = 0; b < U; ++b) {
         const float dot = head_sum(lane_dot<V, K>(g[b], xj), p.l);  // every lane: shuffles
         if (u + b >= n) continue;
-        const float t = s[b] > 0.0f ? s[b] : s[b] * p.slope;
-        const float pe = exp2f((t - lse[b]) * kLog2e);
+        const float s = as + r[b].x;
+        const float t = s > 0.0f ? s : s * p.slope;
+        const float pe = exp2f((t - r[b].y) * kLog2e);
         const float wgt = pe * kp[b];
 #pragma unroll
         for (int k = 0; k < K; ++k)
 #pragma unroll
           for (int x = 0; x < V; ++x) dx[k][x] = fmaf(wgt, g[b][k][x], dx[k][x]);
-        const float de = pe * (kp[b] * dot - dsum[b]) * (s[b] > 0.0f ? 1.0f : p.slope);
+        const float de = pe * (kp[b] * dot - r[b].z) * (s > 0.0f ? 1.0f : p.slope);
         das += de;
         if (q.active && q.sub == 0) p.de[entry[b] * p.l.heads + q.head] = de;
       }
@@ -623,8 +635,8 @@ struct workspace_parts {
   std::size_t part_a = 0, part_b = 0, d = 0, de = 0;
 };
 
-// Forward: the cut rows' chunk accumulators and (max, sum); backward: <dout, out> per row and
-// head, de per entry and head, the cut columns' chunk dx and da_src.
+// Forward: the cut rows' chunk accumulators and (max, sum); backward: the (a_dst, lse, D) records
+// per row and head, de per entry and head, the cut columns' chunk dx and da_src.
 workspace_parts workspace_of(const gat_device& d, std::int64_t heads, std::int64_t width,
                              bool backward) {
   workspace_parts w;
@@ -634,7 +646,7 @@ workspace_parts workspace_of(const gat_device& d, std::int64_t heads, std::int64
     w.part_b = w.layout.add(floats(d.row_chunks.count * heads * 2));
     return w;
   }
-  w.d = w.layout.add(floats(d.rows * heads));
+  w.d = w.layout.add(floats(d.rows * heads * 4));
   w.de = w.layout.add(floats(d.nnz * heads));
   w.part_a = w.layout.add(floats(d.col_chunks.count * heads * width));
   w.part_b = w.layout.add(floats(d.col_chunks.count * heads));
@@ -697,6 +709,7 @@ void gat_forward(const gat_device& d, const gat_args& a, const workspace_view& w
                          in(a.a_src),
                          in(a.a_dst),
                          in(a.keep),
+                         a.keep_index,
                          out_of(a.out),
                          out_of(a.lse),
                          detail::workspace_layout::at<float>(workspace, ws.part_a),
@@ -737,14 +750,14 @@ void gat_backward(const gat_device& d, const gat_grad_args& a, const workspace_v
   check_f32(a.da_dst, "da_dst", d.rows, heads);
   const workspace_parts ws = workspace_of(d, heads, a.x.dim, true);
   ws.layout.check(workspace, "GAT backward");
-  float* dsum = detail::workspace_layout::at<float>(workspace, ws.d);
+  auto* rec = detail::workspace_layout::at<float4>(workspace, ws.d);
   float* de = detail::workspace_layout::at<float>(workspace, ws.de);
   const int h = static_cast<int>(heads), width = static_cast<int>(a.x.dim);
   const int vec =
       vector_of(h, width, 16 / static_cast<int>(size_of(a.x.type)), {&a.x, &a.out, &a.dout, &a.dx});
   const lanes l = layout_of(h, width, vec);
   const auto s = static_cast<cudaStream_t>(stream.handle);
-  const row_dot_params rd{d.rows, l, in(a.dout), in(a.out), dsum};
+  const row_dot_params rd{d.rows, l, in(a.dout), in(a.out), in(a.a_dst), in(a.lse), rec};
   const column_params cp{d.col_ptr.data(),
                          d.row_idx.data(),
                          d.entry_of.data(),
@@ -753,11 +766,10 @@ void gat_backward(const gat_device& d, const gat_grad_args& a, const workspace_v
                          l,
                          in(a.x),
                          in(a.a_src),
-                         in(a.a_dst),
                          in(a.keep),
-                         in(a.lse),
                          in(a.dout),
-                         dsum,
+                         a.keep_index,
+                         rec,
                          out_of(a.dx),
                          out_of(a.da_src),
                          de,
