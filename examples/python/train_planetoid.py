@@ -106,7 +106,7 @@ def run(args, data, seed):
     else:
         model, lr = GraphTransformer(args.backend, data.num_features, classes), 0.001
     lr = args.lr if args.lr is not None else lr
-    model = model.to(args.device)
+    model = model.to(args.device, getattr(torch, args.dtype))
     opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=5e-4)
     best_val, test_at_best, times = -1.0, 0.0, []
     for epoch in range(args.epochs):
@@ -131,7 +131,7 @@ def run(args, data, seed):
         ]
         if accs[0] > best_val:
             best_val, test_at_best = accs[0], accs[1]
-    warm = times[min(10, len(times) - 1) :]
+    warm = times[min(args.warmup, len(times) - 1) :]
     return test_at_best, statistics.median(warm)
 
 
@@ -146,6 +146,16 @@ def main():
     )
     ap.add_argument("--epochs", type=int, default=200)
     ap.add_argument(
+        "--warmup", type=int, default=10, help="first epochs left out of the time per epoch"
+    )
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        default="float32",
+        help="the model's and the features' dtype (GraphCUDA's GCN setting: float16, --warmup "
+        "1000 --epochs 11000)",
+    )
+    ap.add_argument(
         "--fuse-relu",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -158,6 +168,7 @@ def main():
     args = ap.parse_args()
     data = trisparse.datasets.planetoid(args.dataset, args.root)
     data.x = data.x / data.x.sum(dim=-1, keepdim=True).clamp_min(1)  # row-normalised features
+    data.x = data.x.to(getattr(torch, args.dtype))
     data = data.to(args.device)
     accs, epoch_s = [], []
     for seed in range(args.seeds):
@@ -173,6 +184,8 @@ def main():
         "device": args.device,
         "seeds": args.seeds,
         "epochs": args.epochs,
+        "warmup": args.warmup,
+        "dtype": args.dtype,
         "accuracy_mean": 100 * statistics.mean(accs),
         "accuracy_std": 100 * statistics.pstdev(accs),
         "epoch_ms_median": 1000 * statistics.median(epoch_s),
