@@ -20,8 +20,9 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   tail -3 "$out/demo.log"
 fi
 if [ "$what" = sanitize ] || [ "$what" = all ]; then
-  # racecheck skips cuBLAS's own nvjet kernels (the GCN backward's transposed GEMMs): it reports
-  # shared-memory hazards inside them, in code that is not ours.
+  # racecheck reports shared-memory hazards inside cuBLAS's own sm90 nvjet kernels (the GCN
+  # backward's transposed GEMMs): not our code. Excluding them (--kernel-name-exclude kns=nvjet)
+  # made racecheck fail with an internal error on the H100, so they stay in the log.
   # racecheck is the slower tool: RACECHECK_SHARDS splits it finer than memcheck. The dataset
   # tests keep a few graphs that reach every kernel path (small, batched, skewed with split rows).
   export TRISPARSE_TEST_GRAPHS=${TRISPARSE_TEST_GRAPHS:-cora,citeseer,tu_mutag,musae_github,suitesparse_jagmesh7}
@@ -30,7 +31,7 @@ if [ "$what" = sanitize ] || [ "$what" = all ]; then
     [ "$tool" = racecheck ] && n=${RACECHECK_SHARDS:-$shards}
     for ((i = 0; i < n; i++)); do
       GTEST_TOTAL_SHARDS=$n GTEST_SHARD_INDEX=$i timeout "${SANITIZE_SECONDS:-500}" \
-        compute-sanitizer --tool "$tool" $([ "$tool" = racecheck ] && echo --kernel-name-exclude kns=nvjet) \
+        compute-sanitizer --tool "$tool" \
         --error-exitcode 9 /tmp/check/tests/gpu_tests --gtest_brief=1 \
         > "$out/${tool}_$i.log" 2>&1 &
     done
