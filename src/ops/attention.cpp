@@ -173,8 +173,10 @@ void attention_plan::own_backward(state& s, const csr_graph& pattern, const plan
   s.device_grad = cuda::make_attention_backward_plan(b, transpose(b), stream);
   s.grad_heads = std::max<std::int64_t>(options.workspace_heads, 1);
   s.grad_dim = std::max<std::int64_t>(options.workspace_dim, 1);
+  // Serves the backward and the row-wise forward (f32), which run in turn on the stream.
   const std::size_t bytes =
-      cuda::attention_backward_workspace_bytes(*s.device_grad, s.grad_heads, s.grad_dim);
+      std::max(cuda::attention_backward_workspace_bytes(*s.device_grad, s.grad_heads, s.grad_dim),
+               cuda::attention_rowwise_workspace_bytes(*s.device_grad, s.grad_heads, s.grad_dim));
   s.grad_own = device_tensor(dtype::f32, static_cast<std::int64_t>(bytes / 4), 1, 1);
   s.gradients = true;
 }
@@ -299,8 +301,12 @@ algorithm attention_plan::resolve(algorithm requested) const {
 std::size_t attention_plan::workspace_bytes(std::int64_t heads, std::int64_t head_dim) const {
   TRISPARSE_EXPECTS_INPUT(heads >= 0 && head_dim >= 0,
                           "workspace_bytes: heads and head_dim must be >= 0");
+  std::size_t bytes = 0;
+  if (state_->device_grad)  // the f32 forward runs row-wise
+    bytes = cuda::attention_rowwise_workspace_bytes(*state_->device_grad, heads, head_dim);
   if (state_->device_blocks)
-    return cuda::fused3s_workspace_bytes(*state_->device_blocks, heads, head_dim);
+    return std::max(bytes, cuda::fused3s_workspace_bytes(*state_->device_blocks, heads, head_dim));
+  if (bytes > 0) return bytes;
   if (state_->unfused)
     return unfused_workspace_of(*state_->unfused, heads, head_dim).layout.bytes();
   return 0;
@@ -354,7 +360,9 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
                                 "f32 attention on CUDA runs row-wise on the plan's device CSR: "
                                 "build the plan with plan_options.gradients = true, or pass "
                                 "f16/bf16 inputs");
-        cuda::run_attention_rowwise(*state_->device_grad, q, k, v, out, lse, scale, stream);
+        cuda::run_attention_rowwise(*state_->device_grad, q, k, v, out, lse, scale,
+                                    workspace != nullptr ? *workspace : own_grad_workspace(q, v),
+                                    stream);
         return;
       }
       if (!state_->device_blocks) {
@@ -411,6 +419,18 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
   }
 }
 
+workspace_view attention_plan::own_grad_workspace(const tensor_view& q,
+                                                  const tensor_view& v) const {
+  TRISPARSE_EXPECTS_INPUT(
+      q.heads <= state_->grad_heads && std::max(q.dim, v.dim) <= state_->grad_dim,
+      "attention on CUDA (backward, f32 forward): this plan's own workspace serves up to " +
+          std::to_string(state_->grad_heads) + " heads of dim " + std::to_string(state_->grad_dim) +
+          ", not " + std::to_string(q.heads) + " of " + std::to_string(std::max(q.dim, v.dim)) +
+          ": build it with larger plan_options.workspace_heads/workspace_dim, or pass a "
+          "workspace");
+  return {state_->grad_own.view().data, static_cast<std::size_t>(state_->grad_own.view().rows) * 4};
+}
+
 std::size_t attention_plan::backward_workspace_bytes(std::int64_t heads,
                                                      std::int64_t head_dim) const {
   TRISPARSE_EXPECTS_INPUT(heads >= 0 && head_dim >= 0,
@@ -446,19 +466,7 @@ void attention_plan::backward(const tensor_view& q, const tensor_view& k, const 
   if (r.where == device_kind::cuda) {
     TRISPARSE_EXPECTS_INPUT(state_->device_grad != nullptr,
                             "this plan was built without plan_options.gradients = true");
-    workspace_view ws = given;
-    if (ws.empty()) {
-      TRISPARSE_EXPECTS_INPUT(
-          q.heads <= state_->grad_heads && std::max(q.dim, v.dim) <= state_->grad_dim,
-          "attention backward: this plan's own workspace serves up to " +
-              std::to_string(state_->grad_heads) + " heads of dim " +
-              std::to_string(state_->grad_dim) + ", not " + std::to_string(q.heads) + " of " +
-              std::to_string(std::max(q.dim, v.dim)) +
-              ": build it with larger plan_options.workspace_heads/workspace_dim, or pass a "
-              "workspace");
-      ws = {state_->grad_own.view().data,
-            static_cast<std::size_t>(state_->grad_own.view().rows) * 4};
-    }
+    const workspace_view ws = given.empty() ? own_grad_workspace(q, v) : given;
     // lse may be empty (the caller did not keep the forward's): the row pass recomputes it.
     cuda::run_attention_backward(*state_->device_grad, q, k, v, out, lse, dout, dq, dk, dv, scale,
                                  ws, stream);

@@ -99,7 +99,9 @@ void check(const csr_graph& g, const grad_config& c, std::uint64_t seed, bool wi
   SCOPED_TRACE(name(c) + (with_lse ? " lse" : " no lse") + " rows " + std::to_string(g.rows) +
                " cols " + std::to_string(g.cols) + " nnz " + std::to_string(g.nnz()));
   const double scale = effective_scale({.scale = scale_opt}, c.dim);
-  const auto plan = attention_plan::build(g, device_kind::cuda, {.gradients = true});
+  const auto plan = attention_plan::build(
+      g, device_kind::cuda,
+      {.workspace_heads = std::max<std::int64_t>(8, c.heads), .gradients = true});
   const problem p = make_problem(g, c, seed, lo, hi, scale);
   const gradients got = run_twice(plan, p, c, with_lse, scale);
   // Roundings: the inputs and out (feeding D) in their types, the gradients in theirs; fp32 sums.
@@ -151,7 +153,15 @@ TEST(GpuAttentionBackward, EveryDtypeAndHeadDimOnRectangularPatterns) {
                               grad_config{dtype::bf16, dtype::bf16, dtype::f32, 128, 32, 1},
                               grad_config{dtype::f32, dtype::f32, dtype::f32, 32, 96, 3},
                               grad_config{dtype::f16, dtype::f32, dtype::f32, 256, 256, 1},
-                              grad_config{dtype::bf16, dtype::f32, dtype::bf16, 40, 8, 4}}) {
+                              grad_config{dtype::bf16, dtype::f32, dtype::bf16, 40, 8, 4},
+                              // Head groups of the CUDA-core kernels: 8 heads of 16 in one warp
+                              // (a Graph Transformer's), 40 heads of 2 in two groups (the last
+                              // partial), 5 heads of 24 (8 lanes a head), 8 floats a lane.
+                              grad_config{dtype::f32, dtype::f32, dtype::f32, 16, 16, 8},
+                              grad_config{dtype::bf16, dtype::bf16, dtype::bf16, 16, 16, 8},
+                              grad_config{dtype::f32, dtype::f32, dtype::f32, 2, 2, 40},
+                              grad_config{dtype::f16, dtype::f16, dtype::f16, 24, 24, 5},
+                              grad_config{dtype::f32, dtype::f32, dtype::f32, 256, 200, 2}}) {
     for (const bool with_lse : {true, false}) check(g, c, seed++, with_lse);
   }
 }
@@ -262,11 +272,12 @@ TEST(GpuAttentionBackward, FusedForwardWritesTheLogSumExp) {
   }
 }
 
-// f32 inputs run the row-wise f32 forward (out and lse) on a plan with gradients, over a hub row,
-// empty rows and a rectangular pattern with Dv != D; a plan without gradients says what it needs.
+// f32 inputs run the row-wise f32 forward (out and lse) on a plan with gradients, over a hub row
+// and a hub column (both cut into chunks), empty rows and a rectangular pattern with Dv != D, with
+// the plan's own workspace and a given one; the backward on the same pattern; a plan without
+// gradients says what it needs.
 TEST(GpuAttentionBackward, F32ForwardRunsRowWise) {
   SKIP_WITHOUT_GPU();
-  const grad_config c{dtype::f32, dtype::f32, dtype::f32, 48, 80, 3};
   const coo_graph random = to_coo(test::random_pattern(2000, 1500, 6, 51));
   coo_graph coo{.rows = 2000, .cols = 1500, .src = {}, .dst = {}, .values = {}};
   for (std::size_t e = 0; e < random.src.size(); ++e) {
@@ -278,27 +289,49 @@ TEST(GpuAttentionBackward, F32ForwardRunsRowWise) {
     coo.src.push_back(3);
     coo.dst.push_back(j);
   }
-  const csr_graph g = to_csr(coo);
-  const double scale = effective_scale({}, c.dim);
-  const problem p = make_problem(g, c, 52, -3.0, 3.0, scale);
-  const auto plan = attention_plan::build(g, device_kind::cuda, {.gradients = true});
-  test::device_tensor q(p.q), k(p.k), v(p.v),
-      out(host_tensor(dtype::f32, g.rows, c.heads, c.dim_v)),
-      lse(host_tensor(dtype::f32, g.rows, c.heads, 1));
-  out.poison();
-  lse.poison();
-  plan.run(q.view(), k.view(), v.view(), out.view(), {.lse = lse.view()});
-  EXPECT_LE(test::compare(out.download(), p.out).relative(),
-            test::gpu_tolerance(dtype::f32, dtype::f32, 8));
-  const host_tensor got = lse.download();
-  for (std::int64_t i = 0; i < got.numel(); ++i) {
-    const double want = p.lse.get(i);
-    if (std::isinf(want)) {
-      ASSERT_TRUE(std::isinf(got.get(i)) && got.get(i) < 0) << "entry " << i;
-    } else {
-      ASSERT_NEAR(got.get(i), want, 1e-4 * (1.0 + std::abs(want))) << "entry " << i;
-    }
+  for (std::int64_t i = 0; i < 2000; ++i) {  // every non-empty row attends key 5
+    if (i >= 1000 && i < 1010) continue;
+    coo.src.push_back(i);
+    coo.dst.push_back(5);
   }
+  const csr_graph g = to_csr(coo);
+  const auto plan = attention_plan::build(g, device_kind::cuda, {.gradients = true});
+  std::uint64_t seed = 52;
+  for (const grad_config c : {grad_config{dtype::f32, dtype::f32, dtype::f32, 48, 80, 3},
+                              grad_config{dtype::f32, dtype::f32, dtype::f32, 16, 16, 8}}) {
+    SCOPED_TRACE(name(c));
+    const double scale = effective_scale({}, c.dim);
+    const problem p = make_problem(g, c, seed++, -3.0, 3.0, scale);
+    test::device_tensor q(p.q), k(p.k), v(p.v),
+        out(host_tensor(dtype::f32, g.rows, c.heads, c.dim_v)),
+        lse(host_tensor(dtype::f32, g.rows, c.heads, 1));
+    const std::size_t bytes = plan.workspace_bytes(c.heads, std::max(c.dim, c.dim_v));
+    ASSERT_GT(bytes, 0u) << "the hub row is cut: its chunks' partial results need a workspace";
+    test::device_tensor given(host_tensor(dtype::f32, static_cast<std::int64_t>(bytes / 4), 1, 1));
+    for (const bool own : {true, false}) {
+      out.poison();
+      lse.poison();
+      plan.run(q.view(), k.view(), v.view(), out.view(), {.lse = lse.view()}, {},
+               own ? workspace_view{} : workspace_view{given.view().data, bytes});
+      EXPECT_LE(test::compare(out.download(), p.out).relative(),
+                test::gpu_tolerance(dtype::f32, dtype::f32, 8));
+      const host_tensor got = lse.download();
+      for (std::int64_t i = 0; i < got.numel(); ++i) {
+        const double want = p.lse.get(i);
+        if (std::isinf(want)) {
+          ASSERT_TRUE(std::isinf(got.get(i)) && got.get(i) < 0) << "entry " << i;
+        } else {
+          ASSERT_NEAR(got.get(i), want, 1e-4 * (1.0 + std::abs(want))) << "entry " << i;
+        }
+      }
+    }
+    check(g, c, seed++, true, -3.0, 3.0);
+    check(g, c, seed++, false);
+  }
+  const grad_config c{dtype::f32, dtype::f32, dtype::f32, 16, 16, 8};
+  const problem p = make_problem(g, c, seed, -1.0, 1.0, effective_scale({}, c.dim));
+  test::device_tensor q(p.q), k(p.k), v(p.v),
+      out(host_tensor(dtype::f32, g.rows, c.heads, c.dim_v));
   const auto forward_only = attention_plan::build(g, device_kind::cuda);
   EXPECT_THROW(forward_only.run(q.view(), k.view(), v.view(), out.view()), invalid_input);
 }

@@ -99,12 +99,14 @@ class attention_plan {
   /// out = attention(q, k, v). q: [rows, H, D], k: [cols, H, D], v: [cols, H, Dv],
   /// out: [rows, H, Dv]; all on the plan's device. CPU runs synchronously; CUDA is asynchronous
   /// on `stream` and never synchronises the host, allocates or locks. On CUDA the fused
-  /// algorithm runs f16/bf16 on tensor cores and f32 row-wise in f32 (one warp per row and head),
-  /// which needs a plan built with plan_options::gradients (it holds the device CSR).
-  /// `workspace`: device memory of at least workspace_bytes(q.heads, q.dim) bytes, 256-byte
-  /// aligned, used on `stream` only, so runs with different workspaces may overlap on different
-  /// streams and a run can be captured in a CUDA graph. Empty (the default): the plan's own,
-  /// sized at build (plan_options::workspace_heads / workspace_dim); such runs must not overlap.
+  /// algorithm runs f16/bf16 on tensor cores and f32 row-wise in f32 (a warp per chunk of at most
+  /// 256 entries of a row and group of heads), which needs a plan built with
+  /// plan_options::gradients (it holds the device CSR).
+  /// `workspace`: device memory of at least workspace_bytes(q.heads, max(q.dim, v.dim)) bytes,
+  /// 256-byte aligned, used on `stream` only, so runs with different workspaces may overlap on
+  /// different streams and a run can be captured in a CUDA graph. Empty (the default): the plan's
+  /// own, sized at build (plan_options::workspace_heads / workspace_dim); such runs must not
+  /// overlap.
   /// @throws invalid_input naming the argument whose shape, dtype or device is wrong, or a
   /// workspace too small for heads x head_dim.
   void run(const tensor_view& q, const tensor_view& k, const tensor_view& v, const tensor_view& out,
@@ -120,8 +122,8 @@ class attention_plan {
   /// plan_options::gradients (the transposed pattern), except the CPU reference. CPU: fused (from
   /// out and lse) and reference (float64, ignores out and lse). CUDA (a plan built from a host
   /// pattern): a row pass and a pass over the transposed pattern, one warp per chunk of at most
-  /// 256 entries and head (longer rows' partial sums added in a fixed order), q/k/v f16, bf16 or
-  /// f32 with head dims up to 256, fp32 accumulation; lse (f32) may be empty and is then
+  /// 256 entries and group of heads (longer rows' partial sums added in a fixed order), q/k/v f16,
+  /// bf16 or f32 with head dims up to 256, fp32 accumulation; lse (f32) may be empty and is then
   /// recomputed. Asynchronous on `stream`; `workspace`: backward_workspace_bytes() bytes, or empty
   /// for the plan's own (plan_options::workspace_heads/workspace_dim).
   /// @throws invalid_input naming a wrong argument.
@@ -144,6 +146,8 @@ class attention_plan {
   static void own_unfused_workspace(state& s, const plan_options& options);
   static void own_backward(state& s, const csr_graph& pattern, const plan_options& options,
                            stream_ref stream);
+  // The plan's own workspace of the backward and the f32 forward, checked against q's and v's.
+  workspace_view own_grad_workspace(const tensor_view& q, const tensor_view& v) const;
   std::shared_ptr<const state> state_;
 };
 

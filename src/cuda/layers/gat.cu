@@ -1,11 +1,6 @@
 // The fused GAT attention (gat.hpp).
 //
-// Lanes and heads: a head of C channels is read in V-element vectors by L lanes (a power of two,
-// L = min(32, bit_ceil(C / V))), lane `sub` of them taking vectors sub, sub + L, ... (F = 4 or 16
-// floats a lane: C <= 512). A warp holds 32 / L heads at once (a head group), so the lanes of a
-// head sit in one aligned segment and a head's dot product is a butterfly over L lanes, which
-// gives every lane the same bits. V is the widest vector that the operands' alignment allows and
-// that still fills the warp.
+// Lanes and heads: head groups (../common/head_lanes.cuh), F = 4 or 16 floats a lane (C <= 512).
 //
 // Forward: a warp per (target row, head group). Per entry, the lane's head's score, an online
 // softmax (running max and sum, the accumulators rescaled) and keep * x[j] into the
@@ -28,10 +23,8 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <bit>
-#include <cstring>
-#include <initializer_list>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "../../common/workspace_layout.hpp"
@@ -41,6 +34,7 @@
 #include "../common/dispatch.cuh"
 #include "../common/error.cuh"
 #include "../common/grid.cuh"
+#include "../common/head_lanes.cuh"
 #include "gat.hpp"
 #include "trisparse/core/error.hpp"
 
@@ -67,183 +61,12 @@ struct gat_device {
 
 namespace {
 
+using namespace head_lanes;
+
 constexpr int kWarps = 8;
+constexpr std::string_view kVectorWidth = "the GAT kernels' vector width";
 constexpr std::int64_t kChunk = gat_plan::chunk_entries;
 constexpr float kLog2e = 1.4426950408889634f;
-
-struct lanes {
-  int heads = 1, width = 0;
-  int per_head = 1;  // L
-  int chunks = 1;    // K
-  int groups = 1;    // head groups
-};
-
-lanes layout_of(int heads, int width, int vec) {
-  lanes l;
-  l.heads = heads;
-  l.width = width;
-  const int vectors = std::max(1, (width + vec - 1) / vec);
-  l.per_head = std::min(32, static_cast<int>(std::bit_ceil(static_cast<unsigned>(vectors))));
-  l.chunks = (vectors + l.per_head - 1) / l.per_head;
-  const int per_warp = 32 / l.per_head;
-  l.groups = (heads + per_warp - 1) / per_warp;
-  return l;
-}
-
-// The widest V <= max_vec dividing C with every operand aligned for it, narrowed while the warp's
-// heads leave lanes idle.
-int vector_of(int heads, int width, int max_vec, std::initializer_list<const tensor_view*> ts) {
-  const auto fits = [&](int v) {
-    if (width % v != 0) return false;
-    for (const tensor_view* t : ts) {
-      const std::size_t align = std::min<std::size_t>(16, v * size_of(t->type));
-      if (reinterpret_cast<std::uintptr_t>(t->data) % align != 0) return false;
-      if ((t->rows > 1 && t->row_stride % v != 0) || (t->heads > 1 && t->head_stride % v != 0))
-        return false;
-    }
-    return true;
-  };
-  int v = max_vec;
-  while (v > 1 && !fits(v)) v /= 2;
-  while (v > 1) {
-    const lanes l = layout_of(heads, width, v);
-    if (std::min(heads, 32 / l.per_head) * l.per_head >= 32) break;
-    v /= 2;
-  }
-  return v;
-}
-
-template <int Bytes>
-struct word;
-template <>
-struct word<16> {
-  using type = uint4;
-};
-template <>
-struct word<8> {
-  using type = uint2;
-};
-template <>
-struct word<4> {
-  using type = unsigned;
-};
-template <>
-struct word<2> {
-  using type = unsigned short;
-};
-
-// f[0, V) = p[0, V) as floats, in loads of at most 16 bytes.
-template <class T, int V>
-__device__ __forceinline__ void load(const T* p, float* f) {
-  constexpr int bytes = V * static_cast<int>(sizeof(T));
-  if constexpr (bytes > 16) {
-    constexpr int n = 16 / static_cast<int>(sizeof(T));
-    load<T, n>(p, f);
-    load<T, V - n>(p + n, f + n);
-  } else {
-    using W = typename word<bytes>::type;
-    const W w = *reinterpret_cast<const W*>(p);
-    T t[V];
-    memcpy(t, &w, bytes);
-#pragma unroll
-    for (int v = 0; v < V; ++v) f[v] = convert<float>(t[v]);
-  }
-}
-
-template <class T, int V>
-__device__ __forceinline__ void store(T* p, const float* f) {
-  constexpr int bytes = V * static_cast<int>(sizeof(T));
-  if constexpr (bytes > 16) {
-    constexpr int n = 16 / static_cast<int>(sizeof(T));
-    store<T, n>(p, f);
-    store<T, V - n>(p + n, f + n);
-  } else {
-    T t[V];
-#pragma unroll
-    for (int v = 0; v < V; ++v) t[v] = convert<T>(f[v]);
-    typename word<bytes>::type w;
-    memcpy(&w, t, bytes);
-    *reinterpret_cast<typename word<bytes>::type*>(p) = w;
-  }
-}
-
-// A [n, H, *] operand: data and element strides.
-struct operand {
-  const void* data = nullptr;
-  std::int64_t row = 0, head = 0;
-  template <class T>
-  __device__ const T* at(std::int64_t r, int h) const {
-    return static_cast<const T*>(data) + r * row + h * head;
-  }
-};
-struct out_operand {
-  void* data = nullptr;
-  std::int64_t row = 0, head = 0;
-  template <class T>
-  __device__ T* at(std::int64_t r, int h) const {
-    return static_cast<T*>(data) + r * row + h * head;
-  }
-};
-
-operand in(const tensor_view& t) { return {t.data, t.row_stride, t.head_stride}; }
-out_operand out_of(const tensor_view& t) { return {t.data, t.row_stride, t.head_stride}; }
-
-// A lane's place: its vector slot in the head, its head (`load_head` is a valid one to read from
-// where the warp's last group has fewer heads than lanes).
-struct place {
-  int sub, head, load_head;
-  bool active;
-};
-
-__device__ __forceinline__ place place_of(const lanes& l, int group) {
-  const int lane = static_cast<int>(threadIdx.x & 31);
-  place q;
-  q.sub = lane & (l.per_head - 1);
-  q.head = group * (32 / l.per_head) + lane / l.per_head;
-  q.active = q.head < l.heads;
-  q.load_head = q.active ? q.head : 0;
-  return q;
-}
-
-// Loads the lane's vectors of a head's row (zeros past the width).
-template <class T, int V, int K>
-__device__ __forceinline__ void load_row(const T* row, const lanes& l, int sub, float (&v)[K][V]) {
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int c = (k * l.per_head + sub) * V;
-    if (k < l.chunks && c < l.width) {
-      load<T, V>(row + c, v[k]);
-    } else {
-#pragma unroll
-      for (int x = 0; x < V; ++x) v[k][x] = 0.0f;
-    }
-  }
-}
-
-template <class T, int V, int K>
-__device__ __forceinline__ void store_row(T* row, const lanes& l, int sub, const float (&v)[K][V]) {
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int c = (k * l.per_head + sub) * V;
-    if (k < l.chunks && c < l.width) store<T, V>(row + c, v[k]);
-  }
-}
-
-// The sum over a head's lanes (each lane gets the same bits).
-__device__ __forceinline__ float head_sum(float x, const lanes& l) {
-  for (int o = 1; o < l.per_head; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-
-template <int V, int K>
-__device__ __forceinline__ float lane_dot(const float (&a)[K][V], const float (&b)[K][V]) {
-  float s = 0.0f;
-#pragma unroll
-  for (int k = 0; k < K; ++k)
-#pragma unroll
-    for (int x = 0; x < V; ++x) s = fmaf(a[k][x], b[k][x], s);
-  return s;
-}
 
 // What the kernels read of a chunk list.
 struct chunks {
@@ -590,22 +413,6 @@ void check_inputs(const gat_device& d, const tensor_view& x, const tensor_view& 
   TRISPARSE_EXPECTS_INPUT(std::isfinite(slope), "negative_slope must be finite");
 }
 
-// Calls f.template operator()<V, F>() for the vector width and the floats a lane holds of a head
-// (4, or 16 for wider heads: up to 32 * 16 = 512 channels).
-template <class F>
-void with_lanes(int vec, const lanes& l, F&& f) {
-  const bool narrow = l.chunks * vec <= 4;
-  with_value<1, 2, 4, 8>(vec, "the GAT kernels' vector width", [&]<int V>() {
-    if constexpr (V <= 4) {
-      if (narrow) {
-        f.template operator()<V, 4>();
-        return;
-      }
-    }
-    f.template operator()<V, 16>();
-  });
-}
-
 unsigned warps_blocks(std::int64_t warps) { return blocks_for(warps * 32, kWarps * 32); }
 
 chunk_lists make_chunks(const std::vector<std::int64_t>& ptr, cudaStream_t s) {
@@ -699,7 +506,8 @@ void gat_forward(const gat_device& d, const gat_args& a, const workspace_view& w
   const workspace_parts ws = workspace_of(d, a.x.heads, a.x.dim, false);
   ws.layout.check(workspace, "GAT forward");
   const int heads = static_cast<int>(a.x.heads), width = static_cast<int>(a.x.dim);
-  const int vec = vector_of(heads, width, 16 / static_cast<int>(size_of(a.x.type)), {&a.x, &a.out});
+  const int vec =
+      vector_of(heads, {width}, 16 / static_cast<int>(size_of(a.x.type)), {&a.x, &a.out});
   const forward_params p{d.row_ptr.data(),
                          d.col_idx.data(),
                          d.rows,
@@ -719,7 +527,7 @@ void gat_forward(const gat_device& d, const gat_args& a, const workspace_view& w
   const auto s = static_cast<cudaStream_t>(stream.handle);
   with_element_type(a.x.type, "x", [&]<class T>() {
     with_output_type<T>(a.out.type, "out", [&]<class O>() {
-      with_lanes(vec, p.l, [&]<int V, int F>() {
+      with_lanes<16>(vec, p.l, kVectorWidth, [&]<int V, int F>() {
         forward_kernel<T, O, V, F>
             <<<warps_blocks((d.rows + d.row_chunks.count) * groups), kWarps * 32, 0, s>>>(p);
         TRISPARSE_CUDA_CHECK_LAUNCH();
@@ -753,8 +561,8 @@ void gat_backward(const gat_device& d, const gat_grad_args& a, const workspace_v
   auto* rec = detail::workspace_layout::at<float4>(workspace, ws.d);
   float* de = detail::workspace_layout::at<float>(workspace, ws.de);
   const int h = static_cast<int>(heads), width = static_cast<int>(a.x.dim);
-  const int vec =
-      vector_of(h, width, 16 / static_cast<int>(size_of(a.x.type)), {&a.x, &a.out, &a.dout, &a.dx});
+  const int vec = vector_of(h, {width}, 16 / static_cast<int>(size_of(a.x.type)),
+                            {&a.x, &a.out, &a.dout, &a.dx});
   const lanes l = layout_of(h, width, vec);
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const row_dot_params rd{d.rows, l, in(a.dout), in(a.out), in(a.a_dst), in(a.lse), rec};
@@ -778,7 +586,7 @@ void gat_backward(const gat_device& d, const gat_grad_args& a, const workspace_v
                          static_cast<float>(a.negative_slope)};
   with_element_type(a.x.type, "x", [&]<class T>() {
     with_output_type<T>(a.dout.type, "dout", [&]<class G>() {
-      with_lanes(vec, l, [&]<int V, int F>() {
+      with_lanes<16>(vec, l, kVectorWidth, [&]<int V, int F>() {
         row_dot_kernel<G, V, F><<<warps_blocks(d.rows * l.groups), kWarps * 32, 0, s>>>(rd);
         TRISPARSE_CUDA_CHECK_LAUNCH();
         column_kernel<T, G, V, F>

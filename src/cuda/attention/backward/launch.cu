@@ -1,11 +1,13 @@
-// The CUDA attention backward (plan.hpp): the per-row terms (D and the log-sum-exp), a pass over
-// the pattern's rows (dq) and one over the transposed pattern's rows (dk, dv), one warp per work
-// chunk and head, fp32 accumulation. Rows longer than kChunkEntries are cut into chunks whose
+// The CUDA attention backward and row-wise forward (plan.hpp): the per-row terms (D and the
+// log-sum-exp), a pass over the pattern's rows (dq) and one over the transposed pattern's rows
+// (dk, dv), on the tensor cores (tensor_core.cuh) or a warp per work chunk and head group
+// (cuda_core.cuh), fp32 accumulation. Rows longer than kChunkEntries are cut into chunks whose
 // partial sums a reduction adds in chunk order: deterministic, and a hub spreads over many warps.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -15,6 +17,7 @@
 #include "../../common/convert.cuh"
 #include "../../common/dispatch.cuh"
 #include "../../common/error.cuh"
+#include "cuda_core.cuh"
 #include "device.cuh"
 #include "plan.hpp"
 #include "tensor_core.cuh"
@@ -64,225 +67,6 @@ namespace {
 
 using namespace attention_backward;
 
-// One warp per (row i, head h): D_i and the log-sum-exp (given, or recomputed over row i).
-template <class T, class O>
-__global__ void __launch_bounds__(kWarps * 32)
-    terms_pass(const std::int64_t* __restrict__ row_ptr, const std::int32_t* __restrict__ col_idx,
-               std::int64_t rows, int heads, view<const T> q, view<const T> k, view<const O> out,
-               view<const O> dout, const float* __restrict__ lse_in, std::int64_t lse_rs,
-               std::int64_t lse_hs, row_terms terms, float scale, view<T> dout_rounded) {
-  const int lane = threadIdx.x & 31;
-  const std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-  if (item >= rows * heads) return;
-  const std::int64_t i = item / heads;
-  const int h = static_cast<int>(item % heads);
-  float a[kMaxChunks], b[kMaxChunks];
-  load(dout.at(i, h), dout.dim, lane, a);
-  if (dout_rounded.data != nullptr) {
-    // dout in the inputs' type for the tensor-core kernels' products, and D from the same rounded
-    // values, so that dP - D cancels as it does in exact arithmetic.
-#pragma unroll
-    for (int c = 0; c < kMaxChunks; ++c) a[c] = convert<float>(convert<T>(a[c]));
-    store(dout_rounded.at(i, h), dout.dim, lane, a, 1.0f);
-  }
-  load(out.at(i, h), out.dim, lane, b);
-  const float delta = warp_sum(lane_dot(a, b));
-  float lse;
-  if (lse_in != nullptr) {
-    lse = lse_in[i * lse_rs + h * lse_hs];
-  } else {
-    load(q.at(i, h), q.dim, lane, a);
-    float m = -INFINITY, l = 0.0f;
-    const std::int64_t begin = row_ptr[i], end = row_ptr[i + 1];
-    for (std::int64_t e = begin; e < end; ++e) {
-      load(k.at(col_idx[e], h), k.dim, lane, b);
-      const float s = scale * warp_sum(lane_dot(a, b));
-      const float m2 = fmaxf(m, s);
-      l = l * expf(m - m2) + expf(s - m2);
-      m = m2;
-    }
-    lse = end > begin ? m + logf(l) : -INFINITY;
-  }
-  if (lane == 0) {
-    terms.lse[item] = lse;
-    terms.delta[item] = delta;
-  }
-}
-
-// One warp per (chunk of row i, head h): dq_i = scale sum_j P_ij (dout_i . v_j - D_i) k_j over
-// the chunk's entries, kUnroll entries at a time.
-template <class T, class O, class G>
-__global__ void __launch_bounds__(kWarps * 32)
-    row_pass(const chunk* __restrict__ chunks, std::int64_t n_chunks,
-             const std::int32_t* __restrict__ col_idx, int heads, view<const T> q, view<const T> k,
-             view<const T> v, view<const O> dout, row_terms terms, view<G> dq, partials part,
-             float scale) {
-  const int lane = threadIdx.x & 31;
-  const std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-  if (item >= n_chunks * heads) return;
-  const chunk w = chunks[item / heads];
-  const int h = static_cast<int>(item % heads);
-  const std::int64_t r = static_cast<std::int64_t>(w.row) * heads + h;
-  float qi[kMaxChunks], gi[kMaxChunks], acc[kMaxChunks];
-  load(q.at(w.row, h), q.dim, lane, qi);
-  load(dout.at(w.row, h), dout.dim, lane, gi);
-  const float lse = terms.lse[r], delta = terms.delta[r];
-#pragma unroll
-  for (int c = 0; c < kMaxChunks; ++c) acc[c] = 0.0f;
-  for (std::int64_t e = w.begin; e < w.end; e += kUnroll) {
-    float kx[kUnroll][kMaxChunks], s[kUnroll], dp[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const std::int64_t j = col_idx[e + u < w.end ? e + u : w.begin];
-      float vx[kMaxChunks];
-      load(k.at(j, h), k.dim, lane, kx[u]);
-      load(v.at(j, h), v.dim, lane, vx);
-      s[u] = lane_dot(qi, kx[u]);
-      dp[u] = lane_dot(gi, vx);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      s[u] = warp_sum(s[u]);
-      dp[u] = warp_sum(dp[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const float p = e + u < w.end ? expf(scale * s[u] - lse) : 0.0f;
-      const float ds = p * (dp[u] - delta);
-#pragma unroll
-      for (int c = 0; c < kMaxChunks; ++c) acc[c] += ds * kx[u][c];
-    }
-  }
-  finish(w, h, lane, acc, scale, dq, part);
-}
-
-// One warp per (chunk of key j, head h), over row j of the transpose (the queries i that attend
-// j): dk_j = scale sum_i dS_ij q_i and dv_j = sum_i P_ij dout_i, kUnroll entries at a time.
-template <class T, class O, class G>
-__global__ void __launch_bounds__(kWarps * 32)
-    column_pass(const chunk* __restrict__ chunks, std::int64_t n_chunks,
-                const std::int32_t* __restrict__ t_col_idx, int heads, view<const T> q,
-                view<const T> k, view<const T> v, view<const O> dout, row_terms terms, view<G> dk,
-                view<G> dv, partials dk_part, partials dv_part, float scale) {
-  const int lane = threadIdx.x & 31;
-  const std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-  if (item >= n_chunks * heads) return;
-  const chunk w = chunks[item / heads];
-  const int h = static_cast<int>(item % heads);
-  float kj[kMaxChunks], vj[kMaxChunks], dk_acc[kMaxChunks], dv_acc[kMaxChunks];
-  load(k.at(w.row, h), k.dim, lane, kj);
-  load(v.at(w.row, h), v.dim, lane, vj);
-#pragma unroll
-  for (int c = 0; c < kMaxChunks; ++c) dk_acc[c] = dv_acc[c] = 0.0f;
-  for (std::int64_t e = w.begin; e < w.end; e += kUnroll) {
-    float qx[kUnroll][kMaxChunks], gx[kUnroll][kMaxChunks], s[kUnroll], dp[kUnroll], lse[kUnroll],
-        delta[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const std::int64_t i = t_col_idx[e + u < w.end ? e + u : w.begin];
-      const std::int64_t r = i * heads + h;
-      load(q.at(i, h), q.dim, lane, qx[u]);
-      load(dout.at(i, h), dout.dim, lane, gx[u]);
-      lse[u] = terms.lse[r];
-      delta[u] = terms.delta[r];
-      s[u] = lane_dot(kj, qx[u]);
-      dp[u] = lane_dot(vj, gx[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      s[u] = warp_sum(s[u]);
-      dp[u] = warp_sum(dp[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const float p = e + u < w.end ? expf(scale * s[u] - lse[u]) : 0.0f;
-      const float ds = p * (dp[u] - delta[u]);
-#pragma unroll
-      for (int c = 0; c < kMaxChunks; ++c) {
-        dk_acc[c] += ds * qx[u][c];
-        dv_acc[c] += p * gx[u][c];
-      }
-    }
-  }
-  finish(w, h, lane, dk_acc, scale, dk, dk_part);
-  finish(w, h, lane, dv_acc, 1.0f, dv, dv_part);
-}
-
-// One warp per (cut row, head): the row's partial rows added in chunk order, times `factor`.
-template <class G>
-__global__ void __launch_bounds__(kWarps * 32)
-    reduce_pass(const split_row* __restrict__ splits, std::int64_t n_splits, int heads,
-                partials part, view<G> out, float factor) {
-  const int lane = threadIdx.x & 31;
-  const std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-  if (item >= n_splits * heads) return;
-  const split_row sr = splits[item / heads];
-  const int h = static_cast<int>(item % heads);
-  float acc[kMaxChunks], x[kMaxChunks];
-#pragma unroll
-  for (int c = 0; c < kMaxChunks; ++c) acc[c] = 0.0f;
-  for (int t = 0; t < sr.count; ++t) {
-    load(part.at(sr.first + t, h), out.dim, lane, x);
-#pragma unroll
-    for (int c = 0; c < kMaxChunks; ++c) acc[c] += x[c];
-  }
-  store(out.at(sr.row, h), out.dim, lane, acc, factor);
-}
-
-// One warp per (row i, head h): out_i = sum_j softmax_j(scale q_i . k_j) v_j by online softmax,
-// kUnroll entries at a time, and the log-sum-exp where asked. The f32 forward (the fused 3S
-// kernel's tensor cores take f16 and bf16).
-template <class T, class O>
-__global__ void __launch_bounds__(kWarps * 32)
-    rowwise_forward(const std::int64_t* __restrict__ row_ptr,
-                    const std::int32_t* __restrict__ col_idx, std::int64_t rows, int heads,
-                    view<const T> q, view<const T> k, view<const T> v, view<O> out,
-                    float* __restrict__ lse_out, std::int64_t lse_rs, std::int64_t lse_hs,
-                    float scale) {
-  const int lane = threadIdx.x & 31;
-  const std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-  if (item >= rows * heads) return;
-  const std::int64_t i = item / heads;
-  const int h = static_cast<int>(item % heads);
-  float qi[kMaxChunks], acc[kMaxChunks];
-  load(q.at(i, h), q.dim, lane, qi);
-#pragma unroll
-  for (int c = 0; c < kMaxChunks; ++c) acc[c] = 0.0f;
-  float m = -INFINITY, l = 0.0f;
-  const std::int64_t begin = row_ptr[i], end = row_ptr[i + 1];
-  for (std::int64_t e = begin; e < end; e += kUnroll) {
-    float vx[kUnroll][kMaxChunks], s[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const std::int64_t j = col_idx[e + u < end ? e + u : begin];
-      float kx[kMaxChunks];
-      load(k.at(j, h), k.dim, lane, kx);
-      load(v.at(j, h), v.dim, lane, vx[u]);
-      s[u] = lane_dot(qi, kx);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) s[u] = e + u < end ? scale * warp_sum(s[u]) : -INFINITY;
-    float m2 = m;
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) m2 = fmaxf(m2, s[u]);
-    const float rescale = expf(m - m2);  // m2 is finite: entry e is in the row
-    l *= rescale;
-#pragma unroll
-    for (int c = 0; c < kMaxChunks; ++c) acc[c] *= rescale;
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const float p = expf(s[u] - m2);  // 0 for the padding entries
-      l += p;
-#pragma unroll
-      for (int c = 0; c < kMaxChunks; ++c) acc[c] += p * vx[u][c];
-    }
-    m = m2;
-  }
-  store(out.at(i, h), out.dim, lane, acc, end > begin ? 1.0f / l : 0.0f);
-  if (lse_out != nullptr && lane == 0)
-    lse_out[i * lse_rs + h * lse_hs] = end > begin ? m + logf(l) : -INFINITY;
-}
-
 struct workspace_segments {
   detail::workspace_layout layout;
   std::size_t lse = 0, delta = 0, dq = 0, dk = 0, dv = 0, dout = 0;
@@ -306,6 +90,16 @@ workspace_segments segments(const attention_backward_device_plan& plan, std::int
   w.dv = w.layout.add(col_slots * row);
   // The tensor-core kernels' 16-bit copy of an f32 dout.
   w.dout = w.layout.add(static_cast<std::size_t>(plan.rows * heads * pdim) * 2);
+  return w;
+}
+
+// The row-wise forward's: the cut rows' chunk accumulators and (max, sum).
+workspace_segments forward_segments(const attention_backward_device_plan& plan, std::int64_t heads,
+                                    std::int64_t pdim) {
+  workspace_segments w;
+  const auto slots = static_cast<std::size_t>(plan.row.slots * heads);
+  w.dq = w.layout.add(slots * static_cast<std::size_t>(pdim) * sizeof(float));
+  w.lse = w.layout.add(slots * 2 * sizeof(float));
   return w;
 }
 
@@ -410,7 +204,7 @@ bool tensor_core_eligible(const tensor_view& q, const tensor_view& k, const tens
   return true;
 }
 
-// dq, dk, dv on the tensor-core kernels (the terms already in `terms`).
+// dq, dk, dv (or their partial rows) on the tensor-core kernels (the terms already in `terms`).
 template <class T, class G>
 void run_tensor_core(const attention_backward_device_plan& plan, const tensor_view& q,
                      const tensor_view& k, const tensor_view& v, view<const T> dout,
@@ -445,17 +239,82 @@ void run_tensor_core(const attention_backward_device_plan& plan, const tensor_vi
       TRISPARSE_CUDA_CHECK_LAUNCH();
     }
   });
-  const auto reduce = [&](const tc_pass& pass, partials part, const tensor_view& out, float f) {
-    const tc_work& work = pass.work(heads);
-    const auto n = static_cast<std::int64_t>(work.splits.size());
-    if (n * heads == 0) return;
-    reduce_pass<G><<<grid_of(n * heads), kWarps * 32, 0, s>>>(work.splits.data(), n, heads, part,
-                                                              view_of<G>(out), f);
-    TRISPARSE_CUDA_CHECK_LAUNCH();
-  };
-  reduce(plan.tc_row, dq_part, dq, scale);
-  reduce(plan.tc_column, dk_part, dk, scale);
-  reduce(plan.tc_column, dv_part, dv, 1.0f);
+}
+
+// The CUDA-core kernels' head layout: width max(q, v), vectors of up to 4 elements while a lane
+// holds at most 4 floats of a head (heads up to 128 wide); wider heads take V = 1, 8 floats a lane.
+struct core_layout {
+  lanes l;
+  int vec = 1;
+};
+
+core_layout core_layout_of(const tensor_view& q, const tensor_view& v,
+                           std::initializer_list<const tensor_view*> ts) {
+  const auto heads = static_cast<int>(q.heads), wq = static_cast<int>(q.dim),
+             wv = static_cast<int>(v.dim);
+  core_layout c;
+  c.vec = head_lanes::vector_of(heads, {wq, wv}, 4, ts);
+  c.l = head_lanes::layout_of(heads, std::max(wq, wv), c.vec);
+  if (c.l.chunks * c.vec > 4) {
+    c.vec = 1;
+    c.l = head_lanes::layout_of(heads, std::max(wq, wv), 1);
+  }
+  return c;
+}
+
+// Calls f.template operator()<V, F>() for the layout's vector width and floats a lane.
+template <class Fn>
+void with_core_lanes(const core_layout& c, Fn&& f) {
+  with_value<1, 2, 4>(c.vec, "the CUDA-core attention's vector width", [&]<int V>() {
+    if constexpr (V == 1) {
+      if (c.l.chunks > 4) {
+        f.template operator()<1, 8>();
+        return;
+      }
+    }
+    f.template operator()<V, 4>();
+  });
+}
+
+core_params core_base(const core_layout& c, const tensor_view& q, const tensor_view& k,
+                      const tensor_view& v, double scale) {
+  core_params p;
+  p.l = c.l;
+  p.wq = static_cast<int>(q.dim);
+  p.wv = static_cast<int>(v.dim);
+  p.q = head_lanes::in(q);
+  p.k = head_lanes::in(k);
+  p.v = head_lanes::in(v);
+  p.scale = static_cast<float>(scale);
+  p.scale_log2 = static_cast<float>(scale) * kCoreLog2e;
+  return p;
+}
+
+// The cut lines' partial rows `part` (`width` wide) added in chunk order into `out`.
+template <class G, int V, int F>
+void launch_reduce(core_params p, const device_buffer<split_row>& splits, const float* part,
+                   const tensor_view& out, float factor, cudaStream_t s) {
+  p.splits = splits.data();
+  p.n_splits = static_cast<std::int64_t>(splits.size());
+  if (p.n_splits == 0) return;
+  core_reduce<G, V, F><<<grid_of(p.n_splits * p.l.groups), kWarps * 32, 0, s>>>(
+      p, part, head_lanes::out_of(out), static_cast<int>(out.dim), factor);
+  TRISPARSE_CUDA_CHECK_LAUNCH();
+}
+
+void set_work(core_params& p, const pass& work) {
+  p.chunks = work.chunks.data();
+  p.n_chunks = static_cast<std::int64_t>(work.chunks.size());
+  p.col = work.col_idx.data();
+  p.splits = work.splits.data();
+  p.n_splits = static_cast<std::int64_t>(work.splits.size());
+}
+
+void check_dims(const tensor_view& q, const tensor_view& v, const char* what) {
+  TRISPARSE_EXPECTS_INPUT(q.dim <= kMaxHeadDim && v.dim <= kMaxHeadDim,
+                          std::string(what) + " takes head dims up to " +
+                              std::to_string(kMaxHeadDim) + ", not " +
+                              std::to_string(std::max(q.dim, v.dim)));
 }
 
 }  // namespace
@@ -491,10 +350,7 @@ void run_attention_backward(const attention_backward_device_plan& plan, const te
                             const tensor_view& lse, const tensor_view& dout, const tensor_view& dq,
                             const tensor_view& dk, const tensor_view& dv, double scale,
                             const workspace_view& workspace, stream_ref stream) {
-  TRISPARSE_EXPECTS_INPUT(q.dim <= 32 * kMaxChunks && v.dim <= 32 * kMaxChunks,
-                          "the CUDA attention backward takes head dims up to " +
-                              std::to_string(32 * kMaxChunks) + ", not " +
-                              std::to_string(std::max(q.dim, v.dim)));
+  check_dims(q, v, "the CUDA attention backward");
   TRISPARSE_EXPECTS_INPUT(k.type == q.type && v.type == q.type, "q, k and v must have one dtype");
   TRISPARSE_EXPECTS_INPUT(dout.type == out.type, "dout must have out's dtype");
   TRISPARSE_EXPECTS_INPUT(dk.type == dq.type && dv.type == dq.type,
@@ -508,94 +364,113 @@ void run_attention_backward(const attention_backward_device_plan& plan, const te
   const row_terms terms{layout::at<float>(workspace, w.lse), layout::at<float>(workspace, w.delta)};
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const auto heads = static_cast<int>(q.heads);
-  const partials dq_part{layout::at<float>(workspace, w.dq), heads, pdim},
-      dk_part{layout::at<float>(workspace, w.dk), heads, pdim},
-      dv_part{layout::at<float>(workspace, w.dv), heads, pdim};
-  const auto fscale = static_cast<float>(scale);
-  const auto n_row = static_cast<std::int64_t>(plan.row.chunks.size());
-  const auto n_col = static_cast<std::int64_t>(plan.column.chunks.size());
-  const auto s_row = static_cast<std::int64_t>(plan.row.splits.size());
-  const auto s_col = static_cast<std::int64_t>(plan.column.splits.size());
+  float* const dq_part = layout::at<float>(workspace, w.dq);
+  float* const dk_part = layout::at<float>(workspace, w.dk);
+  float* const dv_part = layout::at<float>(workspace, w.dv);
   const bool tensor_core = tensor_core_eligible(q, k, v, out, dout, dq, dk, dv);
+  const core_layout cl = core_layout_of(q, v, {&q, &k, &v, &out, &dout, &dq, &dk, &dv});
+  core_params base = core_base(cl, q, k, v, scale);
+  base.out = head_lanes::in(out);
+  base.dout = head_lanes::in(dout);
+  base.lse_in = head_lanes::in(lse);
+  base.terms = terms;
   with_element_type(q.type, "attention backward (q, k, v)", [&]<class T>() {
     with_output_type<T>(out.type, "attention backward (out, dout)", [&]<class O>() {
       with_output_type<T>(dq.type, "attention backward (dq, dk, dv)", [&]<class G>() {
-        // The tensor-core kernels take dout in T: an f32 dout is rounded into the workspace.
-        const bool round_dout = tensor_core && !std::is_same_v<T, O>;
-        const view<T> dout_rounded{round_dout ? layout::at<T>(workspace, w.dout) : nullptr,
-                                   heads * dout.dim, dout.dim, static_cast<int>(dout.dim)};
-        if (plan.rows * q.heads > 0) {
-          terms_pass<T, O><<<grid_of(plan.rows * q.heads), kWarps * 32, 0, s>>>(
-              plan.row_ptr.data(), plan.row.col_idx.data(), plan.rows, heads, view_of<const T>(q),
-              view_of<const T>(k), view_of<const O>(out), view_of<const O>(dout),
-              static_cast<const float*>(lse.data), lse.row_stride, lse.head_stride, terms, fscale,
-              dout_rounded);
-          TRISPARSE_CUDA_CHECK_LAUNCH();
-        }
-        if constexpr (!std::is_same_v<T, float>) {
-          if (tensor_core) {
-            const view<const T> dout_t =
-                round_dout ? view<const T>{dout_rounded.data, dout_rounded.rs, dout_rounded.hs,
-                                           dout_rounded.dim}
-                           : view<const T>{static_cast<const T*>(dout.data), dout.row_stride,
-                                           dout.head_stride, static_cast<int>(dout.dim)};
-            run_tensor_core<T, G>(plan, q, k, v, dout_t, dq, dk, dv, terms, dq_part, dk_part,
-                                  dv_part, fscale, s);
-            return;
+        with_core_lanes(cl, [&]<int V, int F>() {
+          // The tensor-core kernels take dout in T: an f32 dout is rounded into the workspace.
+          const bool round_dout = tensor_core && !std::is_same_v<T, O>;
+          T* const rounded = round_dout ? layout::at<T>(workspace, w.dout) : nullptr;
+          core_params p = base;
+          p.row_ptr = plan.row_ptr.data();
+          p.col = plan.row.col_idx.data();
+          p.rounded = {rounded, heads * dout.dim, dout.dim};
+          if (plan.rows * p.l.groups > 0) {
+            core_terms<T, O, V, F>
+                <<<grid_of(plan.rows * p.l.groups), kWarps * 32, 0, s>>>(p, plan.rows);
+            TRISPARSE_CUDA_CHECK_LAUNCH();
           }
-        }
-        if (plan.rows * q.heads > 0) {
-          row_pass<T, O, G><<<grid_of(n_row * q.heads), kWarps * 32, 0, s>>>(
-              plan.row.chunks.data(), n_row, plan.row.col_idx.data(), heads, view_of<const T>(q),
-              view_of<const T>(k), view_of<const T>(v), view_of<const O>(dout), terms,
-              view_of<G>(dq), dq_part, fscale);
-          TRISPARSE_CUDA_CHECK_LAUNCH();
-        }
-        if (s_row * q.heads > 0) {
-          reduce_pass<G><<<grid_of(s_row * q.heads), kWarps * 32, 0, s>>>(
-              plan.row.splits.data(), s_row, heads, dq_part, view_of<G>(dq), fscale);
-          TRISPARSE_CUDA_CHECK_LAUNCH();
-        }
-        if (plan.cols * q.heads > 0) {
-          column_pass<T, O, G><<<grid_of(n_col * q.heads), kWarps * 32, 0, s>>>(
-              plan.column.chunks.data(), n_col, plan.column.col_idx.data(), heads,
-              view_of<const T>(q), view_of<const T>(k), view_of<const T>(v), view_of<const O>(dout),
-              terms, view_of<G>(dk), view_of<G>(dv), dk_part, dv_part, fscale);
-          TRISPARSE_CUDA_CHECK_LAUNCH();
-        }
-        if (s_col * q.heads > 0) {
-          reduce_pass<G><<<grid_of(s_col * q.heads), kWarps * 32, 0, s>>>(
-              plan.column.splits.data(), s_col, heads, dk_part, view_of<G>(dk), fscale);
-          TRISPARSE_CUDA_CHECK_LAUNCH();
-          reduce_pass<G><<<grid_of(s_col * q.heads), kWarps * 32, 0, s>>>(
-              plan.column.splits.data(), s_col, heads, dv_part, view_of<G>(dv), 1.0f);
-          TRISPARSE_CUDA_CHECK_LAUNCH();
-        }
+          if constexpr (!std::is_same_v<T, float>) {
+            if (tensor_core) {
+              const view<const T> dout_t =
+                  round_dout ? view<const T>{rounded, heads * dout.dim, dout.dim,
+                                             static_cast<int>(dout.dim)}
+                             : view<const T>{static_cast<const T*>(dout.data), dout.row_stride,
+                                             dout.head_stride, static_cast<int>(dout.dim)};
+              run_tensor_core<T, G>(plan, q, k, v, dout_t, dq, dk, dv, terms,
+                                    partials{dq_part, heads, pdim}, partials{dk_part, heads, pdim},
+                                    partials{dv_part, heads, pdim}, static_cast<float>(scale), s);
+              launch_reduce<G, V, F>(base, plan.tc_row.work(heads).splits, dq_part, dq, base.scale,
+                                     s);
+              launch_reduce<G, V, F>(base, plan.tc_column.work(heads).splits, dk_part, dk,
+                                     base.scale, s);
+              launch_reduce<G, V, F>(base, plan.tc_column.work(heads).splits, dv_part, dv, 1.0f, s);
+              return;
+            }
+          }
+          p = base;
+          set_work(p, plan.row);
+          p.o1 = head_lanes::out_of(dq);
+          p.part1 = dq_part;
+          if (p.n_chunks * p.l.groups > 0) {
+            core_row_pass<T, O, G, V, F>
+                <<<grid_of(p.n_chunks * p.l.groups), kWarps * 32, 0, s>>>(p);
+            TRISPARSE_CUDA_CHECK_LAUNCH();
+          }
+          launch_reduce<G, V, F>(base, plan.row.splits, dq_part, dq, base.scale, s);
+          p = base;
+          set_work(p, plan.column);
+          p.o1 = head_lanes::out_of(dk);
+          p.o2 = head_lanes::out_of(dv);
+          p.part1 = dk_part;
+          p.part2 = dv_part;
+          if (p.n_chunks * p.l.groups > 0) {
+            core_column_pass<T, O, G, V, F>
+                <<<grid_of(p.n_chunks * p.l.groups), kWarps * 32, 0, s>>>(p);
+            TRISPARSE_CUDA_CHECK_LAUNCH();
+          }
+          launch_reduce<G, V, F>(base, plan.column.splits, dk_part, dk, base.scale, s);
+          launch_reduce<G, V, F>(base, plan.column.splits, dv_part, dv, 1.0f, s);
+        });
       });
     });
   });
 }
 
+std::size_t attention_rowwise_workspace_bytes(const attention_backward_device_plan& plan,
+                                              std::int64_t heads, std::int64_t head_dim) {
+  return forward_segments(plan, heads, head_dim).layout.bytes();
+}
+
 void run_attention_rowwise(const attention_backward_device_plan& plan, const tensor_view& q,
                            const tensor_view& k, const tensor_view& v, const tensor_view& out,
-                           const tensor_view& lse, double scale, stream_ref stream) {
-  TRISPARSE_EXPECTS_INPUT(q.dim <= 32 * kMaxChunks && v.dim <= 32 * kMaxChunks,
-                          "the CUDA row-wise attention takes head dims up to " +
-                              std::to_string(32 * kMaxChunks) + ", not " +
-                              std::to_string(std::max(q.dim, v.dim)));
+                           const tensor_view& lse, double scale, const workspace_view& workspace,
+                           stream_ref stream) {
+  check_dims(q, v, "the CUDA row-wise attention");
   TRISPARSE_EXPECTS_INPUT(k.type == q.type && v.type == q.type, "q, k and v must have one dtype");
   TRISPARSE_EXPECTS_INPUT(lse.data == nullptr || lse.type == dtype::f32,
                           "the CUDA row-wise attention writes the log-sum-exp as f32");
-  if (plan.rows * q.heads == 0) return;
+  const workspace_segments w = forward_segments(plan, q.heads, std::max(q.dim, v.dim));
+  w.layout.check(workspace, "row-wise attention");
+  const core_layout cl = core_layout_of(q, v, {&q, &k, &v, &out});
+  core_params p = core_base(cl, q, k, v, scale);
+  set_work(p, plan.row);
+  p.o1 = head_lanes::out_of(out);
+  p.lse_out = head_lanes::out_of(lse);
+  p.part1 = detail::workspace_layout::at<float>(workspace, w.dq);
+  p.part_ml = detail::workspace_layout::at<float>(workspace, w.lse);
+  if (p.n_chunks * p.l.groups == 0) return;
+  const auto s = static_cast<cudaStream_t>(stream.handle);
   with_element_type(q.type, "row-wise attention (q, k, v)", [&]<class T>() {
     with_output_type<T>(out.type, "row-wise attention (out)", [&]<class O>() {
-      rowwise_forward<T, O><<<grid_of(plan.rows * q.heads), kWarps * 32, 0,
-                              static_cast<cudaStream_t>(stream.handle)>>>(
-          plan.row_ptr.data(), plan.row.col_idx.data(), plan.rows, static_cast<int>(q.heads),
-          view_of<const T>(q), view_of<const T>(k), view_of<const T>(v), view_of<O>(out),
-          static_cast<float*>(lse.data), lse.row_stride, lse.head_stride,
-          static_cast<float>(scale));
-      TRISPARSE_CUDA_CHECK_LAUNCH();
+      with_core_lanes(cl, [&]<int V, int F>() {
+        core_forward<T, O, V, F><<<grid_of(p.n_chunks * p.l.groups), kWarps * 32, 0, s>>>(p);
+        TRISPARSE_CUDA_CHECK_LAUNCH();
+        if (p.n_splits > 0) {
+          core_forward_merge<O, V, F><<<grid_of(p.n_splits * p.l.groups), kWarps * 32, 0, s>>>(p);
+          TRISPARSE_CUDA_CHECK_LAUNCH();
+        }
+      });
     });
   });
 }

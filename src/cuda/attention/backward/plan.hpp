@@ -9,7 +9,7 @@
 // P = exp(S - lse) is recomputed, never stored. Two kernel families: tensor-core (mma.sync over
 // the BSB windows of the pattern and of its transpose, both built at plan build) for f16/bf16
 // inputs of one head dim in {32, 64, 128} with 16-byte aligned rows; CUDA-core (a warp per row
-// chunk) for the rest (f32, other or unequal head dims, unaligned views).
+// chunk and head group) for the rest (f32, other or unequal head dims, unaligned views).
 #include <cstdint>
 #include <memory>
 
@@ -44,15 +44,21 @@ TRISPARSE_CUDA_ENTRY(void run_attention_backward(
     const tensor_view& dq, const tensor_view& dk, const tensor_view& dv, double scale,
     const workspace_view& workspace, stream_ref stream))
 
-/// out = attention(q, k, v) over the plan's pattern, one warp per row and head by online softmax
-/// (the f32 forward: the fused 3S kernel takes f16 and bf16), and the log-sum-exp (f32) where
-/// lse.data != nullptr. q, k, v: f16, bf16 or f32, one dtype, head dims up to 256; out: f32 or
-/// q's dtype. Asynchronous on `stream`, no workspace.
+/// Bytes of workspace run_attention_rowwise needs for `heads` heads of up to `head_dim` elements:
+/// the partial results of rows cut into chunks (0 where no row is cut).
+TRISPARSE_CUDA_ENTRY(std::size_t attention_rowwise_workspace_bytes(
+    const attention_backward_device_plan& plan, std::int64_t heads, std::int64_t head_dim))
+
+/// out = attention(q, k, v) over the plan's pattern by online softmax, a warp per (row chunk,
+/// head group) (the f32 forward: the fused 3S kernel takes f16 and bf16), and the log-sum-exp
+/// (f32) where lse.data != nullptr. q, k, v: f16, bf16 or f32, one dtype, head dims up to 256;
+/// out: f32 or q's dtype. Asynchronous on `stream`: no host synchronisation, allocation or lock.
+/// @throws invalid_input for unsupported dtypes or dims, or too small a workspace.
 TRISPARSE_CUDA_ENTRY(void run_attention_rowwise(const attention_backward_device_plan& plan,
                                                 const tensor_view& q, const tensor_view& k,
                                                 const tensor_view& v, const tensor_view& out,
                                                 const tensor_view& lse, double scale,
-                                                stream_ref stream))
+                                                const workspace_view& workspace, stream_ref stream))
 
 /// Device bytes held by the plan.
 TRISPARSE_CUDA_ENTRY(std::int64_t device_bytes(const attention_backward_device_plan& plan))

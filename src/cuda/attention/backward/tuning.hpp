@@ -4,9 +4,9 @@
 
 namespace trisparse::cuda::attention_backward {
 
-constexpr int kWarps = 4;      // warps per thread block, one (chunk, head) each
-constexpr int kMaxChunks = 8;  // head dims up to 8 x 32 = 256: elements lane, lane + 32, ...
-constexpr int kUnroll = 4;     // entries a warp loads and reduces together (latency hiding)
+constexpr int kWarps = 4;         // warps per thread block, one (chunk, head) each
+constexpr int kMaxHeadDim = 256;  // the CUDA-core kernels: 8 floats a lane of a 32-lane head
+constexpr int kUnroll = 4;        // entries a warp loads and reduces together (latency hiding)
 // Entries per work chunk: rows (of the pattern or its transpose) with more are cut into chunks of
 // this many whose fp32 partial sums a second kernel adds in chunk order, so a hub row is spread
 // over many warps and the sums stay deterministic. Larger chunks cost less workspace (one
