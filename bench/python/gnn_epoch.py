@@ -10,7 +10,8 @@ Epoch: forward, cross-entropy on every node, backward, Adam step; the median ove
 two warm-up epochs (CUDA-synchronised wall clock). Peak memory: torch.cuda.max_memory_allocated
 during the timed epochs beyond what was allocated before them (model, inputs, optimizer state).
 Inference: model.eval() forward under torch.no_grad(). A backend that runs out of memory is
-reported as such ("error"), not skipped.
+reported as such ("error"), not skipped. --autocast bf16 runs the forwards under
+torch.autocast(bfloat16) (parameters and Adam in fp32), as mixed-precision training does.
 """
 
 import argparse
@@ -63,10 +64,14 @@ def measure(model_name, backend, x, y, edge_index, classes, args, device):
     model = MODELS[model_name](backend, x.shape[1], classes).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=0.001)
 
+    def forward():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
+            return model(x, edge_index)
+
     def epoch():
         model.train()
         opt.zero_grad()
-        F.cross_entropy(model(x, edge_index), y).backward()
+        F.cross_entropy(forward().float(), y).backward()
         opt.step()
 
     r = {}
@@ -83,13 +88,13 @@ def measure(model_name, backend, x, y, edge_index, classes, args, device):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             epoch()
             synchronize(device)
-        print(f"# {model_name} {backend}", file=sys.stderr)
+        print(f"# {model_name} {backend} {args.autocast}", file=sys.stderr)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), file=sys.stderr)
     if model_name == "transformer":
         model.eval()
         with torch.no_grad():
-            model(x, edge_index)  # warm-up
-            r["inference_ms"] = timed(lambda: model(x, edge_index), device, args.epochs)
+            forward()  # warm-up
+            r["inference_ms"] = timed(forward, device, args.epochs)
     return r
 
 
@@ -104,6 +109,7 @@ def main():
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--profile", action="store_true", help="kernel times of one epoch to stderr")
+    ap.add_argument("--autocast", choices=["none", "bf16"], default="none")
     args = ap.parse_args()
     device = torch.device(args.device)
     inputs = [
@@ -122,6 +128,7 @@ def main():
             for backend in args.backends:
                 r = {"graph": name, "nodes": n, "edges": edge_index.shape[1], "model": model_name}
                 r.update(backend=backend, device=str(device), features=args.features)
+                r.update(precision="fp32" if args.autocast == "none" else "bf16 autocast")
                 try:
                     r.update(
                         measure(model_name, backend, x, y, edge_index, args.classes, args, device)
