@@ -113,11 +113,13 @@ def run(args, data, seed):
     # capturable: Adam's step counts on the device, so that a CUDA graph can hold its update.
     opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=5e-4, capturable=args.cuda_graph)
 
+    # The training rows by index, not by boolean mask: the same rows in the same order, but a
+    # gather, which a CUDA graph can hold (a mask's row count is a host synchronisation).
+    train = data.train_mask.nonzero().view(-1)
+
     def step():
         opt.zero_grad(set_to_none=not args.cuda_graph)
-        loss = F.cross_entropy(
-            model(data.x, data.edge_index)[data.train_mask], data.y[data.train_mask]
-        )
+        loss = F.cross_entropy(model(data.x, data.edge_index)[train], data.y[train])
         loss.backward()
         opt.step()
 
