@@ -290,7 +290,7 @@ struct py_gcn_fused_plan {
   /// mask: the forward's mask pointer, or 0 (no ReLU).
   void backward(const tensor_tuple& dout, std::uintptr_t mask, const tensor_tuple& x,
                 const tensor_tuple& w, const std::optional<tensor_tuple>& ax,
-                const tensor_tuple& dx, const tensor_tuple& dw,
+                const std::optional<tensor_tuple>& dx, const tensor_tuple& dw,
                 const std::optional<tensor_tuple>& dbias, const std::string& order,
                 std::uintptr_t stream, std::uintptr_t ws, std::size_t ws_bytes) const {
     const gcn_fused_grad_args a{.dout = view_of(dout),
@@ -506,8 +506,8 @@ NB_MODULE(_C, m) {
       .def("forward", &py_gcn_fused_plan::forward, "x"_a, "w"_a, "bias"_a.none(), "out"_a, "relu"_a,
            "mask"_a, "ax"_a.none(), "order"_a, "stream"_a, "workspace"_a, "workspace_bytes"_a)
       .def("backward", &py_gcn_fused_plan::backward, "dout"_a, "mask"_a, "x"_a, "w"_a,
-           "ax"_a.none(), "dx"_a, "dw"_a, "dbias"_a.none(), "order"_a, "stream"_a, "workspace"_a,
-           "workspace_bytes"_a)
+           "ax"_a.none(), "dx"_a.none(), "dw"_a, "dbias"_a.none(), "order"_a, "stream"_a,
+           "workspace"_a, "workspace_bytes"_a)
       .def(
           "backward_workspace_bytes",
           [](const py_gcn_fused_plan& p, std::int64_t in_dim, std::int64_t out_dim, int type,

@@ -214,7 +214,9 @@ def _gcn_backward(ctx, dout, _dmask, _dax):
     plan = _matrices.lookup(ctx.matrix).fused_plan(x.device)
     f_in, f_out = w.shape
     code = _tensors.dtype_code(x.dtype)
-    dx, dw = torch.empty_like(x), torch.empty_like(w)
+    # dx only where x needs it (a model's input features do not): its products are skipped.
+    dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+    dw = torch.empty_like(w)
     dbias = None if ctx.bias_dtype is None else dout.new_empty(f_out, dtype=ctx.bias_dtype)
     _owner, ws, ws_bytes = _tensors.workspace(
         plan.backward_workspace_bytes(f_in, f_out, code, ctx.order), x.device
@@ -225,7 +227,7 @@ def _gcn_backward(ctx, dout, _dmask, _dax):
         _tensors.view(x.unsqueeze(1)),
         _tensors.view(w.unsqueeze(1)),
         _tensors.view(ax.unsqueeze(1)) if ax.numel() > 0 else None,
-        _tensors.view(dx.unsqueeze(1)),
+        None if dx is None else _tensors.view(dx.unsqueeze(1)),
         _tensors.view(dw.unsqueeze(1)),
         None if dbias is None else _tensors.view(dbias.view(1, 1, -1)),
         ctx.order,
@@ -249,8 +251,8 @@ def gcn_conv(
 ) -> Tensor:
     """A (x weightᵀ) + bias, ReLU'd with `relu`, as one fused layer (GraphCUDA's A·X·W): on CUDA
     (A x) W in one kernel with the bias and ReLU in its epilogue, or x W, SpMM and the epilogue,
-    whichever `order` ('auto': the measured rule, 'fused', 'unfused') picks; the CPU computes in
-    float64. ``weight`` is [F_out, F_in] as torch.nn.Linear's; x [N, F_in] float16, bfloat16 or
+    whichever `order` ('auto': the measured rule, 'fused', 'unfused') picks; the CPU computes
+    float32 in float32 (OpenMP), other dtypes in float64. ``weight`` is [F_out, F_in] as torch.nn.Linear's; x [N, F_in] float16, bfloat16 or
     float32 (tf32 on the tensor cores); bias [F_out] in float32 or x's dtype. Differentiable in
     x, weight and bias (deterministic): the ReLU is applied through a 1-bit mask."""
     if not isinstance(matrix, SparseMatrix):

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "../common/workspace_layout.hpp"
+#include "../cpu/layers/gcn.hpp"
 #include "../cuda/layers/dense.hpp"
 #include "../cuda/layers/gat.hpp"
 #include "../cuda/layers/gcn_fused.hpp"
@@ -339,7 +340,7 @@ gcn_backward_workspace gcn_backward_workspace_of(const sparse_plan& transposed, 
 struct gcn_fused_plan::state {
   device_kind where = device_kind::cpu;
   std::int64_t rows = 0, nnz = 0;
-  csr_graph propagation;                                // CPU
+  csr_graph propagation, propagation_t;                 // CPU: P and its transpose
   std::shared_ptr<const cuda::gcn_fused_device> fused;  // CUDA
   std::optional<sparse_plan> plan;                      // CUDA, the unfused order
   std::optional<sparse_plan> transposed;                // CUDA, the backward's Pᵀ
@@ -361,6 +362,7 @@ gcn_fused_plan gcn_fused_plan::build(const csr_graph& propagation, device_kind w
   s->nnz = propagation.nnz();
   if (where == device_kind::cpu) {
     s->propagation = propagation;
+    s->propagation_t = transpose(propagation);
   } else {
     s->fused = cuda::upload_gcn_fused(cuda::make_gcn_fused_host(propagation), stream);
     s->plan =
@@ -414,6 +416,12 @@ void gcn_fused_plan::forward(const gcn_fused_args& a, stream_ref stream,
   if (s.where == device_kind::cpu) {
     for (const tensor_view* t : {&a.x, &a.w, &a.out}) check_host(*t, "the fused GCN layer's input");
     if (a.bias.data != nullptr) check_host(a.bias, "bias");
+    if (a.ax.data != nullptr) check_view(a.ax, "ax", s.rows, 1, a.x.dim);
+    if (cpu::gcn_f32({&a.x, &a.w, &a.bias, &a.out, &a.ax})) {
+      if (a.bias.data != nullptr) check_view(a.bias, "bias", 1, 1, a.w.dim);
+      cpu::gcn_forward(s.propagation, a.x, a.w, a.bias, a.relu, a.out, a.relu_mask, a.ax);
+      return;
+    }
     const std::vector<std::uint32_t> mask =
         reference::gcn_fused(s.propagation, a.x, a.w, a.bias, a.relu, a.out);
     if (a.relu_mask != nullptr) {
@@ -484,19 +492,29 @@ void gcn_fused_plan::backward(const gcn_fused_grad_args& a, stream_ref stream,
   const std::int64_t f_in = a.w.rows, f_out = a.w.dim;
   check_view(a.w, "w", f_in, 1, f_out);
   check_view(a.dout, "dout", s.rows, 1, f_out);
-  check_view(a.dx, "dx", s.rows, 1, f_in);
+  if (a.dx.data != nullptr) check_view(a.dx, "dx", s.rows, 1, f_in);
   check_view(a.dw, "dw", f_in, 1, f_out);
   if (a.dbias.data != nullptr) check_view(a.dbias, "dbias", 1, 1, f_out);
   const auto words = static_cast<std::size_t>(s.rows * ((f_out + 31) / 32));
   if (s.where == device_kind::cpu) {
     check_view(a.x, "x", s.rows, 1, f_in);
-    for (const tensor_view* t : {&a.x, &a.w, &a.dout, &a.dx, &a.dw})
-      check_host(*t, "the fused GCN layer's backward argument");
-    reference::gcn_fused_backward(s.propagation, a.x, a.w,
-                                  a.relu_mask != nullptr
-                                      ? std::span<const std::uint32_t>(a.relu_mask, words)
-                                      : std::span<const std::uint32_t>(),
-                                  a.dout, a.dx, a.dw, a.dbias);
+    for (const tensor_view* t : {&a.x, &a.w, &a.dout, &a.dx, &a.dw, &a.dbias})
+      if (t->data != nullptr) check_host(*t, "the fused GCN layer's backward argument");
+    const std::span<const std::uint32_t> mask =
+        a.relu_mask != nullptr ? std::span<const std::uint32_t>(a.relu_mask, words)
+                               : std::span<const std::uint32_t>();
+    if (cpu::gcn_f32({&a.x, &a.w, &a.dout, &a.dx, &a.dw, &a.dbias})) {
+      cpu::gcn_backward(s.propagation, s.propagation_t, a.x, a.w, mask, a.dout, a.dx, a.dw,
+                        a.dbias);
+      return;
+    }
+    if (a.dx.data != nullptr) {
+      reference::gcn_fused_backward(s.propagation, a.x, a.w, mask, a.dout, a.dx, a.dw, a.dbias);
+    } else {  // the reference writes dx: into a scratch copy
+      host_tensor dx(dtype::f64, s.rows, 1, f_in);
+      reference::gcn_fused_backward(s.propagation, a.x, a.w, mask, a.dout, dx.view(), a.dw,
+                                    a.dbias);
+    }
     return;
   }
   const dtype type = a.w.type;
@@ -520,6 +538,7 @@ void gcn_fused_plan::backward(const gcn_fused_grad_args& a, stream_ref stream,
   if (fused_order) {
     const tensor_view t = detail::segment_view(workspace, g.between, type, s.rows, 1, f_in, device);
     cuda::gemm(a.ax, dz, a.dw, blas, stream, /*trans_a=*/true);
+    if (a.dx.data == nullptr) return;
     cuda::gemm(dz, a.w, t, blas, stream, false, /*trans_b=*/true);
     s.transposed->spmm({}, t, a.dx, stream, sparse);
   } else {
@@ -527,7 +546,7 @@ void gcn_fused_plan::backward(const gcn_fused_grad_args& a, stream_ref stream,
         detail::segment_view(workspace, g.between, type, s.rows, 1, f_out, device);
     s.transposed->spmm({}, dz, du, stream, sparse);
     cuda::gemm(a.x, du, a.dw, blas, stream, /*trans_a=*/true);
-    cuda::gemm(du, a.w, a.dx, blas, stream, false, /*trans_b=*/true);
+    if (a.dx.data != nullptr) cuda::gemm(du, a.w, a.dx, blas, stream, false, /*trans_b=*/true);
   }
 }
 

@@ -205,6 +205,18 @@ void check_fused_gcn(const csr_graph& p, const fused_case& c, std::uint64_t seed
     EXPECT_TRUE(eg.finite) << what;
     EXPECT_LE(eg.relative(), gtol) << what << ": max abs " << eg.max_abs;
   }
+  // Without dx (x needs no gradient): dw and dbias the same bits, dx left untouched.
+  gdx.poison();
+  const host_tensor poisoned = gdx.download();
+  gcn_fused_grad_args no_dx = g;
+  no_dx.dx = {};
+  gdw.poison();
+  gdb.poison();
+  gpu.backward(no_dx, {}, {bv.data, static_cast<std::size_t>(bv.rows) * 4});
+  for (const auto& [now, before] :
+       {std::pair{gdw.download(), got_dw}, std::pair{gdb.download(), got_db},
+        std::pair{gdx.download(), poisoned}})
+    EXPECT_EQ(std::memcmp(now.data(), before.data(), now.size_bytes()), 0) << "without dx";
 }
 
 TEST(GpuFusedGcn, EveryTypeBothOrdersAndOddWidths) {

@@ -1,7 +1,10 @@
 // GCN and AGNN layers on the CPU against the layers' definitions written out with dense matrices.
 #include <gtest/gtest.h>
+#include <omp.h>
 
+#include <bit>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <numeric>
 
@@ -238,6 +241,103 @@ TEST(Layers, FusedGcnPlanOnTheCpu) {
     for (std::int64_t i = 0; i < want->numel(); ++i) EXPECT_EQ(got->get(i), want->get(i));
   }
   EXPECT_EQ(plan.backward_workspace_bytes(5, 40, dtype::f32), 0u);
+  // Without dx, on the float64 path: the same dw.
+  host_tensor dw_only(dtype::f64, 5, 1, 40);
+  plan.backward({.dout = up.view(),
+                 .relu_mask = mask.data(),
+                 .x = x.view(),
+                 .w = w.view(),
+                 .dw = dw_only.view()});
+  for (std::int64_t i = 0; i < dw.numel(); ++i) EXPECT_EQ(dw_only.get(i), dw.get(i));
+}
+
+// f32 tensors take the fp32 CPU engine: against the float64 reference on the same f32 inputs in
+// both orders (F_out < F_in: P (x W); else (P x) W), with and without bias and ReLU, an empty row
+// and a hub; the same bits with one thread as with all.
+TEST(Layers, FusedGcnF32EngineMatchesTheReference) {
+  coo_graph coo = to_coo(test::random_pattern(300, 300, 5, 61));
+  for (std::int64_t j = 0; j < 300; j += 2) {  // row 7 gathers half the graph
+    coo.src.push_back(7);
+    coo.dst.push_back(j);
+  }
+  csr_graph g = to_csr(coo);
+  const csr_graph p = gcn_normalized(g);
+  const gcn_fused_plan plan = gcn_fused_plan::build(p);
+  std::uint64_t seed = 62;
+  for (const auto& [f_in, f_out] : {std::pair{37, 5}, std::pair{5, 40}, std::pair{16, 16}}) {
+    for (const bool relu : {true, false}) {
+      SCOPED_TRACE(std::to_string(f_in) + " -> " + std::to_string(f_out) +
+                   (relu ? " relu" : " no relu"));
+      host_tensor x(dtype::f32, 300, 1, f_in), w(dtype::f32, f_in, 1, f_out),
+          b(dtype::f32, 1, 1, f_out), out(dtype::f32, 300, 1, f_out), ax(dtype::f32, 300, 1, f_in),
+          want(dtype::f64, 300, 1, f_out), ax_want(dtype::f64, 300, 1, f_in);
+      x.fill_uniform(-1, 1, seed++);
+      w.fill_uniform(-1, 1, seed++);
+      b.fill_uniform(-1, 1, seed++);
+      const auto words = static_cast<std::size_t>((f_out + 31) / 32);
+      std::vector<std::uint32_t> mask(300 * words, 0xDEADBEEFu);
+      const bool with_ax = plan.fused(f_in, f_out, dtype::f32);  // ax: the fused order's
+      plan.forward({.x = x.view(),
+                    .w = w.view(),
+                    .bias = b.view(),
+                    .out = out.view(),
+                    .relu = relu,
+                    .relu_mask = mask.data(),
+                    .ax = with_ax ? ax.view() : tensor_view{}});
+      const std::vector<std::uint32_t> mask_want =
+          reference::gcn_fused(p, x.view(), w.view(), b.view(), true, want.view());
+      reference::spmm(p, {}, x.view(), ax_want.view());
+      if (!relu) reference::gcn_fused(p, x.view(), w.view(), b.view(), false, want.view());
+      EXPECT_LE(test::compare(out, want).relative(), 1e-5);
+      if (with_ax) {
+        EXPECT_LE(test::compare(ax, ax_want).relative(), 1e-5);
+      }
+      std::size_t differ = 0;  // bits of values within rounding of 0 may differ
+      for (std::size_t i = 0; i < mask.size(); ++i) differ += std::popcount(mask[i] ^ mask_want[i]);
+      EXPECT_LE(differ, 2u);
+
+      host_tensor up(dtype::f32, 300, 1, f_out), dx(dtype::f32, 300, 1, f_in),
+          dw(dtype::f32, f_in, 1, f_out), db(dtype::f32, 1, 1, f_out),
+          dx_ref(dtype::f64, 300, 1, f_in), dw_ref(dtype::f64, f_in, 1, f_out),
+          db_ref(dtype::f64, 1, 1, f_out);
+      up.fill_uniform(-1, 1, seed++);
+      const auto backward = [&] {
+        plan.backward({.dout = up.view(),
+                       .relu_mask = relu ? mask.data() : nullptr,
+                       .x = x.view(),
+                       .w = w.view(),
+                       .dx = dx.view(),
+                       .dw = dw.view(),
+                       .dbias = db.view()});
+      };
+      backward();
+      reference::gcn_fused_backward(
+          p, x.view(), w.view(),
+          relu ? std::span<const std::uint32_t>(mask) : std::span<const std::uint32_t>(), up.view(),
+          dx_ref.view(), dw_ref.view(), db_ref.view());
+      EXPECT_LE(test::compare(dx, dx_ref).relative(), 1e-5);
+      EXPECT_LE(test::compare(dw, dw_ref).relative(), 1e-5);
+      EXPECT_LE(test::compare(db, db_ref).relative(), 1e-5);
+      const host_tensor dx_all = dx, dw_all = dw, db_all = db;
+      const int threads = omp_get_max_threads();
+      omp_set_num_threads(1);
+      backward();
+      omp_set_num_threads(threads);
+      for (const auto& [a, b1] :
+           {std::pair{&dx_all, &dx}, std::pair{&dw_all, &dw}, std::pair{&db_all, &db}})
+        EXPECT_EQ(std::memcmp(a->data(), b1->data(), a->size_bytes()), 0);
+      // Without dx (x needs no gradient): the same dw and dbias.
+      dw.fill_uniform(-1, 1, seed++);
+      plan.backward({.dout = up.view(),
+                     .relu_mask = relu ? mask.data() : nullptr,
+                     .x = x.view(),
+                     .w = w.view(),
+                     .dw = dw.view(),
+                     .dbias = db.view()});
+      EXPECT_EQ(std::memcmp(dw_all.data(), dw.data(), dw.size_bytes()), 0);
+      EXPECT_EQ(std::memcmp(db_all.data(), db.data(), db.size_bytes()), 0);
+    }
+  }
 }
 
 TEST(Layers, RejectWrongShapesAndDevices) {

@@ -89,7 +89,7 @@ struct gcn_fused_grad_args {
   tensor_view x;      ///< the forward's x (read by the CPU and the unfused order)
   tensor_view w;      ///< the forward's w
   tensor_view ax;     ///< the forward's P x (read by the fused order on CUDA)
-  tensor_view dx;     ///< [N, 1, F_in], f32 or x's dtype
+  tensor_view dx;     ///< [N, 1, F_in], f32 or x's dtype; data == nullptr: not computed
   tensor_view dw;     ///< [F_in, 1, F_out], f32 or x's dtype
   tensor_view dbias;  ///< [1, 1, F_out], f32 or x's dtype; data == nullptr: not computed
   gcn_order order = gcn_order::automatic;  ///< the forward's
@@ -99,7 +99,8 @@ struct gcn_fused_grad_args {
 /// PyG's gcn_norm), built once per graph and device. CUDA: the fused kernel over BSB with P's
 /// values (16-row windows, 16x8 tensor-core blocks; windows of many blocks cut into chunks added
 /// in a fixed order), or the unfused order where the rule finds it faster; deterministic. The
-/// CPU computes in float64 (reference::gcn_fused).
+/// CPU computes f32 tensors in fp32 (OpenMP over rows, fixed-order sums: the same bits at any
+/// thread count) and other dtypes in float64 (reference::gcn_fused).
 class gcn_fused_plan {
  public:
   /// @throws invalid_input unless `propagation` is square and has values; not_supported for
@@ -122,8 +123,9 @@ class gcn_fused_plan {
                                        gcn_order order = gcn_order::automatic) const;
   /// dZ = dout ∘ mask, dbias = Σ dZ; the fused order dW = (P x)ᵀ dZ, dX = Pᵀ (dZ Wᵀ); the unfused
   /// one dU = Pᵀ dZ, dW = xᵀ dU, dX = dU Wᵀ: cuBLAS, the SpMM over Pᵀ (built with the plan) and
-  /// fixed-order sums, so the same bits on every run. dZ is rounded to x's dtype. CUDA: as
-  /// forward. The CPU computes in float64 (reference::gcn_fused_backward).
+  /// fixed-order sums, so the same bits on every run. dZ is rounded to x's dtype. Without dx
+  /// (data == nullptr: x needs no gradient) the products that only feed it are skipped. CUDA: as
+  /// forward. The CPU: fp32 for f32 tensors, else float64 (reference::gcn_fused_backward).
   void backward(const gcn_fused_grad_args& args, stream_ref stream = {},
                 workspace_view workspace = {}) const;
   device_kind where() const;
