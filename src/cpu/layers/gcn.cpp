@@ -68,24 +68,34 @@ void rows_times(const mat& a, const mat& b, bool transposed_b, const mat& c, std
   }
 }
 
-// c = a^T b over `rows` rows (c: [a.cols, b.cols]), each element summed over the rows in order;
-// threads own blocks of c's rows.
+// c = a^T b over `rows` rows (c: [a.cols, b.cols]). The rows are cut into kRanges fixed ranges
+// (whatever the thread count), each streamed in row order into its own partial c, zero entries of
+// a skipped (they add exactly 0 for finite b); the partials are then added in range order.
 void transposed_times(const mat& a, const mat& b, const mat& c, std::int64_t rows) {
-  constexpr std::int64_t kBlock = 32;
-  const std::int64_t blocks = (a.cols + kBlock - 1) / kBlock;
+  constexpr std::int64_t kRanges = 16;
+  const std::int64_t size = a.cols * c.cols;
+  std::vector<float> part(static_cast<std::size_t>(kRanges * size), 0.0f);
 #pragma omp parallel for schedule(dynamic, 1)
-  for (std::int64_t blk = 0; blk < blocks; ++blk) {
-    const std::int64_t f0 = blk * kBlock, f1 = std::min(a.cols, f0 + kBlock);
-    for (std::int64_t f = f0; f < f1; ++f) std::fill_n(c.row(f), c.cols, 0.0f);
-    for (std::int64_t i = 0; i < rows; ++i) {
+  for (std::int64_t r = 0; r < kRanges; ++r) {
+    float* pr = part.data() + r * size;
+    for (std::int64_t i = r * rows / kRanges; i < (r + 1) * rows / kRanges; ++i) {
       const float* x = a.row(i);
       const float* y = b.row(i);
-      for (std::int64_t f = f0; f < f1; ++f) {
+      for (std::int64_t f = 0; f < a.cols; ++f) {
         const float xf = x[f];
-        if (xf == 0.0f) continue;  // adds exactly 0 (finite b), as above
-        float* cf = c.row(f);
+        if (xf == 0.0f) continue;
+        float* cf = pr + f * c.cols;
         for (std::int64_t o = 0; o < c.cols; ++o) cf[o] += xf * y[o];
       }
+    }
+  }
+#pragma omp parallel for schedule(static)
+  for (std::int64_t f = 0; f < a.cols; ++f) {
+    float* cf = c.row(f);
+    std::fill_n(cf, c.cols, 0.0f);
+    for (std::int64_t r = 0; r < kRanges; ++r) {
+      const float* pf = part.data() + r * size + f * c.cols;
+      for (std::int64_t o = 0; o < c.cols; ++o) cf[o] += pf[o];
     }
   }
 }
