@@ -414,11 +414,11 @@ void gcn_fused_plan::forward(const gcn_fused_args& a, stream_ref stream,
   TRISPARSE_EXPECTS_INPUT(a.ax.data == nullptr || fused_order,
                           "ax is written by the fused order only (check fused() first)");
   if (s.where == device_kind::cpu) {
-    for (const tensor_view* t : {&a.x, &a.w, &a.out}) check_host(*t, "the fused GCN layer's input");
-    if (a.bias.data != nullptr) check_host(a.bias, "bias");
+    for (const tensor_view* t : {&a.x, &a.w, &a.out, &a.bias, &a.ax})
+      if (t->data != nullptr) check_host(*t, "the fused GCN layer's argument");
+    if (a.bias.data != nullptr) check_view(a.bias, "bias", 1, 1, a.w.dim);
     if (a.ax.data != nullptr) check_view(a.ax, "ax", s.rows, 1, a.x.dim);
     if (cpu::gcn_f32({&a.x, &a.w, &a.bias, &a.out, &a.ax})) {
-      if (a.bias.data != nullptr) check_view(a.bias, "bias", 1, 1, a.w.dim);
       cpu::gcn_forward(s.propagation, a.x, a.w, a.bias, a.relu, a.out, a.relu_mask, a.ax);
       return;
     }
@@ -438,11 +438,7 @@ void gcn_fused_plan::forward(const gcn_fused_args& a, stream_ref stream,
         }
       }
     }
-    if (a.ax.data != nullptr) {
-      check_host(a.ax, "ax");
-      check_view(a.ax, "ax", s.rows, 1, a.x.dim);
-      reference::spmm(s.propagation, {}, a.x, a.ax);
-    }
+    if (a.ax.data != nullptr) reference::spmm(s.propagation, {}, a.x, a.ax);
     return;
   }
   const std::size_t need = workspace_bytes(a.x.dim, a.w.dim, a.x.type, a.order);

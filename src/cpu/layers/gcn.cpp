@@ -33,37 +33,42 @@ void spmm(const csr_graph& p, const mat& src, const mat& dst) {
 
 constexpr std::int64_t kCols = 16;  // output columns a row accumulates in registers at once
 
-// c_i = a_i B (B: [k, n]), or a_i B^T (B: [n, k]) with transposed_b, row by row.
-void rows_times(const mat& a, const mat& b, bool transposed_b, const mat& c, std::int64_t rows) {
+// c_i = a_i B (B: [k, n]) row by row, kCols output columns at a time in local accumulators; zero
+// entries of a skipped (they add exactly 0 for finite B; bag-of-words features are mostly 0).
+void rows_times(const mat& a, const mat& b, const mat& c, std::int64_t rows) {
 #pragma omp parallel for schedule(static)
   for (std::int64_t i = 0; i < rows; ++i) {
     const float* x = a.row(i);
     float* y = c.row(i);
-    if (transposed_b) {
-      for (std::int64_t n = 0; n < c.cols; ++n) {
-        const float* bn = b.row(n);
-        float s = 0.0f;
-        for (std::int64_t k = 0; k < a.cols; ++k) s += x[k] * bn[k];
-        y[n] = s;
-      }
-    } else {
-      // kCols output columns at a time in local accumulators; zero features skipped (they add
-      // exactly 0 for finite B; bag-of-words features are mostly 0).
-      for (std::int64_t n0 = 0; n0 < c.cols; n0 += kCols) {
-        const std::int64_t nn = std::min(kCols, c.cols - n0);
-        float acc[kCols] = {};
-        for (std::int64_t k = 0; k < a.cols; ++k) {
-          const float xk = x[k];
-          if (xk == 0.0f) continue;
-          const float* bk = b.row(k) + n0;
-          if (nn == kCols) {
-            for (std::int64_t n = 0; n < kCols; ++n) acc[n] += xk * bk[n];
-          } else {
-            for (std::int64_t n = 0; n < nn; ++n) acc[n] += xk * bk[n];
-          }
+    for (std::int64_t n0 = 0; n0 < c.cols; n0 += kCols) {
+      const std::int64_t nn = std::min(kCols, c.cols - n0);
+      float acc[kCols] = {};
+      for (std::int64_t k = 0; k < a.cols; ++k) {
+        const float xk = x[k];
+        if (xk == 0.0f) continue;
+        const float* bk = b.row(k) + n0;
+        if (nn == kCols) {
+          for (std::int64_t n = 0; n < kCols; ++n) acc[n] += xk * bk[n];
+        } else {
+          for (std::int64_t n = 0; n < nn; ++n) acc[n] += xk * bk[n];
         }
-        std::copy_n(acc, nn, y + n0);
       }
+      std::copy_n(acc, nn, y + n0);
+    }
+  }
+}
+
+// c_i = a_i B^T (B: [n, k]) row by row: dot products of a_i with B's rows.
+void rows_times_transposed(const mat& a, const mat& b, const mat& c, std::int64_t rows) {
+#pragma omp parallel for schedule(static)
+  for (std::int64_t i = 0; i < rows; ++i) {
+    const float* x = a.row(i);
+    float* y = c.row(i);
+    for (std::int64_t n = 0; n < c.cols; ++n) {
+      const float* bn = b.row(n);
+      float s = 0.0f;
+      for (std::int64_t k = 0; k < a.cols; ++k) s += x[k] * bn[k];
+      y[n] = s;
     }
   }
 }
@@ -122,12 +127,12 @@ void gcn_forward(const csr_graph& p, const tensor_view& x, const tensor_view& w,
   std::vector<float> tmp(static_cast<std::size_t>(n * std::min(f_in, f_out)));
   if (f_out < f_in) {  // P (x W)
     const mat xw{tmp.data(), f_out, f_out};
-    rows_times(xm, wm, false, xw, n);
+    rows_times(xm, wm, xw, n);
     spmm(p, xw, om);
   } else {  // (P x) W
     const mat pxm{tmp.data(), f_in, f_in};
     spmm(p, xm, pxm);
-    rows_times(pxm, wm, false, om, n);
+    rows_times(pxm, wm, om, n);
   }
   const std::int64_t words = (f_out + 31) / 32;
   const auto* b = static_cast<const float*>(bias.data);
@@ -167,14 +172,14 @@ void gcn_backward(const csr_graph& p, const csr_graph& pt, const tensor_view& x,
     const mat um{u.data(), f_out, f_out};
     spmm(pt, dzm, um);
     transposed_times(xm, um, dwm, n);
-    if (dx.data != nullptr) rows_times(um, wm, true, dxm, n);
+    if (dx.data != nullptr) rows_times_transposed(um, wm, dxm, n);
   } else {  // dw = (P x)^T dz; t = dz W^T; dx = P^T t
     std::vector<float> tmp(static_cast<std::size_t>(n * f_in));
     const mat tm{tmp.data(), f_in, f_in};
     spmm(p, xm, tm);
     transposed_times(tm, dzm, dwm, n);
     if (dx.data == nullptr) return;
-    rows_times(dzm, wm, true, tm, n);
+    rows_times_transposed(dzm, wm, tm, n);
     spmm(pt, tm, dxm);
   }
 }
