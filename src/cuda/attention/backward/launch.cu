@@ -93,7 +93,8 @@ workspace_segments segments(const attention_backward_device_plan& plan, std::int
   return w;
 }
 
-// The row-wise forward's: the cut rows' chunk accumulators and (max, sum).
+// The row-wise forward's: the cut rows' chunk accumulators (in segment dq) and their (max, sum)
+// (in segment lse).
 workspace_segments forward_segments(const attention_backward_device_plan& plan, std::int64_t heads,
                                     std::int64_t pdim) {
   workspace_segments w;
