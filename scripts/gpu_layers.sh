@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, in one call: the GNN layer tests (GpuLayers.*, GpuFusedGcn.*), optionally
 # under compute-sanitizer (LAYERS_SANITIZE=1), and the fused GCN layer benchmark (bench_layers
-# --fused-only, both orders per width pair and dtype) on LAYERS_GRAPHS. Binaries come packed in
+# --only fused, both orders per width pair and dtype) on LAYERS_GRAPHS. Binaries come packed in
 # .devpack/new.tar.xz (see scripts/gpu_ab.sh); call with carry = [.devpack, .devlibs, data].
 set -uo pipefail
 out=${OUT:-/tmp/trisparse-layers}
@@ -29,7 +29,7 @@ graphs=${LAYERS_GRAPHS:-cora citeseer pubmed musae_github het_tolokers deezer_eg
 paths=()
 for g in $graphs; do paths+=("data/$g.el.xz"); done
 # (The graphs first: --fused takes every word after it.)
-/tmp/layers/bench_layers "${paths[@]}" ${LAYERS_GENERATED:-} --fused-only --repeat 20 \
+/tmp/layers/bench_layers "${paths[@]}" ${LAYERS_GENERATED:-} --only fused --repeat 20 \
   --fused ${LAYERS_WIDTHS:-1433:16 16:16 16:64 64:64 64:128 128:128 128:64 32:256} \
   > "$out/fused_gcn.jsonl" 2>> "$out/bench_stderr.log" || status=1
 tail -3 "$out/bench_stderr.log" 2>/dev/null

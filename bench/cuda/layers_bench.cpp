@@ -4,16 +4,23 @@
 // over rotating input sets; each output checked against the float64 CPU layer (max relative
 // error). With --fused IN:OUT ...: the fused GCN layer (relu(Â x w + b) and its mask) in both
 // orders, the fused kernel and x w + SpMM + epilogue, per width pair and dtype, and the order the
-// rule picks. One JSON object per line.
-//   bench_layers [--in 128] [--out 128] [--agnn 128] [--fused 64:128 ...] [--fused-only]
-//                [--repeat R] GRAPH...
+// rule picks. With --gat H:C ...: the fused GAT attention (H heads of C channels, f32, attention
+// dropout's factors in a shuffled edge order as PyG draws them), forward and backward, each checked
+// against the float64 CPU plan. --only picks sections (layers, fused, gat). One JSON object per
+// line.
+//   bench_layers [--in 128] [--out 128] [--agnn 128] [--fused 64:128 ...] [--gat 8:8 ...]
+//                [--only layers,fused,gat] [--repeat R] GRAPH...
 #include <cuda_runtime.h>
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <numeric>
+#include <random>
 
 #include "common.hpp"
 
@@ -26,8 +33,17 @@ struct settings {
   std::int64_t in = 128, out = 128, agnn = 128;
   int repeat = 20;
   std::vector<std::string> fused;  // IN:OUT width pairs of the fused GCN layer
-  bool fused_only = false;
+  std::vector<std::string> gat;    // H:C head layouts of the fused GAT attention
+  std::vector<std::string> only{"layers", "fused", "gat"};
+  bool runs(const char* section) const {
+    return std::find(only.begin(), only.end(), section) != only.end();
+  }
 };
+
+std::pair<std::int64_t, std::int64_t> pair_of(const std::string& spec) {
+  const auto colon = spec.find(':');
+  return {std::stoll(spec.substr(0, colon)), std::stoll(spec.substr(colon + 1))};
+}
 
 // A host tensor of uniform [-1, 1) values and its device copy.
 struct input {
@@ -44,10 +60,10 @@ struct input {
   }
 };
 
-// max |got - want| / max |want| of a device f32 output against a host f64 one.
-double relative_error(const bench::device_mem& got_d, const host_tensor& want) {
-  host_tensor got(dtype::f32, want.rows(), 1, want.dim());
-  check(cudaMemcpy(got.data(), got_d.p, got.size_bytes(), cudaMemcpyDeviceToHost), "download");
+// max |got - want| / max |want| of a device f32 tensor against a host f64 one of the same shape.
+double relative_error(const void* got_d, const host_tensor& want) {
+  host_tensor got(dtype::f32, want.rows(), want.heads(), want.dim());
+  check(cudaMemcpy(got.data(), got_d, got.size_bytes(), cudaMemcpyDeviceToHost), "download");
   double err = 0, ref = 0;
   for (std::int64_t i = 0; i < want.numel(); ++i) {
     if (!std::isfinite(got.get(i))) return INFINITY;
@@ -71,9 +87,7 @@ void bench_fused(const csr_graph& g, const settings& cfg, nlohmann::json& j) {
   j["fused_build_ms"] = ms_since(t0);
   const gcn_fused_plan cpu = gcn_fused_plan::build(p);
   for (const std::string& spec : cfg.fused) {
-    const auto colon = spec.find(':');
-    const std::int64_t fi = std::stoll(spec.substr(0, colon)),
-                       fo = std::stoll(spec.substr(colon + 1));
+    const auto [fi, fo] = pair_of(spec);
     bench::device_mem out(static_cast<std::size_t>(g.rows * fo) * 4),
         mask(static_cast<std::size_t>(g.rows * ((fo + 31) / 32)) * 4 + 4);
     // The float64 reference once per pair, from the f32 draws (the f16 ones are these rounded).
@@ -106,16 +120,116 @@ void bench_fused(const csr_graph& g, const settings& cfg, nlohmann::json& j) {
         j[name + "_ms"] = bench::time_runs(cfg.repeat, 2, false, run).median;
         check(cudaMemset(out.p, 0xFF, static_cast<std::size_t>(g.rows * fo) * 4), "poison");
         run(0);
-        j[name + "_error"] = relative_error(out, want);
+        j[name + "_error"] = relative_error(out.p, want);
       }
     }
   }
 }
 
+// A host tensor of `rows` x heads x dim f32 values and its device copy.
+struct gat_input {
+  host_tensor host;
+  bench::device_mem mem;
+  gat_input(std::int64_t rows, std::int64_t heads, std::int64_t dim)
+      : host(dtype::f32, rows, heads, dim), mem(host.size_bytes()) {}
+  void upload() {
+    check(cudaMemcpy(mem.p, host.data(), host.size_bytes(), cudaMemcpyHostToDevice), "upload");
+  }
+  tensor_view device() const {
+    return tensor_view::contiguous(mem.p, dtype::f32, host.rows(), host.heads(), host.dim(),
+                                   device_kind::cuda);
+  }
+};
+
+// The fused GAT attention per head layout: forward (out, lse) and backward (dx, da_src, da_dst) in
+// f32, keep = 0 or 2.5 (dropout 0.6) in rows keep_index[e], a shuffled order; outputs poisoned,
+// then checked against the float64 CPU plan.
+void bench_gat(const csr_graph& g, const settings& cfg, nlohmann::json& j) {
+  const gat_plan plan = gat_plan::build(g, device_kind::cuda);
+  const gat_plan cpu = gat_plan::build(g);
+  const std::int64_t nnz = g.nnz();
+  std::vector<std::int64_t> index(static_cast<std::size_t>(nnz));
+  std::iota(index.begin(), index.end(), std::int64_t{0});
+  std::shuffle(index.begin(), index.end(), std::mt19937_64(7));
+  bench::device_mem index_d(index.size() * 8);
+  check(cudaMemcpy(index_d.p, index.data(), index.size() * 8, cudaMemcpyHostToDevice), "upload");
+  for (const std::string& spec : cfg.gat) {
+    const auto [H, C] = pair_of(spec);
+    gat_input x(g.cols, H, C), src(g.cols, H, 1), dst(g.rows, H, 1), keep(nnz, H, 1),
+        dout(g.rows, H, C), out(g.rows, H, C), lse(g.rows, H, 1), dx(g.cols, H, C),
+        dsrc(g.cols, H, 1), ddst(g.rows, H, 1);
+    x.host.fill_uniform(-1, 1, 60);
+    src.host.fill_uniform(-3, 3, 61);
+    dst.host.fill_uniform(-3, 3, 62);
+    dout.host.fill_uniform(-1, 1, 63);
+    keep.host.fill_uniform(0, 1, 64);
+    for (std::int64_t i = 0; i < keep.host.numel(); ++i)
+      keep.host.set(i, keep.host.get(i) < 0.6 ? 0.0 : 2.5);
+    for (gat_input* t : {&x, &src, &dst, &keep, &dout}) t->upload();
+    const auto* keep_index = static_cast<const std::int64_t*>(index_d.p);
+    const gat_args args{.x = x.device(),
+                        .a_src = src.device(),
+                        .a_dst = dst.device(),
+                        .keep = keep.device(),
+                        .keep_index = keep_index,
+                        .out = out.device(),
+                        .lse = lse.device()};
+    const gat_grad_args grad{.x = x.device(),
+                             .a_src = src.device(),
+                             .a_dst = dst.device(),
+                             .keep = keep.device(),
+                             .keep_index = keep_index,
+                             .out = out.device(),
+                             .lse = lse.device(),
+                             .dout = dout.device(),
+                             .dx = dx.device(),
+                             .da_src = dsrc.device(),
+                             .da_dst = ddst.device()};
+    const std::size_t fbytes = plan.forward_workspace_bytes(H, C),
+                      bbytes = plan.backward_workspace_bytes(H, C);
+    bench::device_mem fws(fbytes), bws(bbytes);
+    const auto forward = [&](int) { plan.forward(args, {}, {fws.p, fbytes}); };
+    const auto backward = [&](int) { plan.backward(grad, {}, {bws.p, bbytes}); };
+    for (gat_input* t : {&out, &lse, &dx, &dsrc, &ddst})
+      check(cudaMemset(t->mem.p, 0xFF, t->host.size_bytes()), "poison");
+    forward(0);
+    backward(0);
+    // The CPU plan reads keep in entry order: keep's rows gathered through the index.
+    host_tensor keep_e(dtype::f32, nnz, H, 1), out_w(dtype::f64, g.rows, H, C),
+        lse_w(dtype::f64, g.rows, H, 1), dx_w(dtype::f64, g.cols, H, C),
+        dsrc_w(dtype::f64, g.cols, H, 1), ddst_w(dtype::f64, g.rows, H, 1);
+    for (std::int64_t e = 0; e < nnz; ++e)
+      for (std::int64_t h = 0; h < H; ++h) keep_e.set(e * H + h, keep.host.get(index[e] * H + h));
+    cpu.forward({.x = x.host.view(),
+                 .a_src = src.host.view(),
+                 .a_dst = dst.host.view(),
+                 .keep = keep_e.view(),
+                 .out = out_w.view(),
+                 .lse = lse_w.view()});
+    cpu.backward({.x = x.host.view(),
+                  .a_src = src.host.view(),
+                  .a_dst = dst.host.view(),
+                  .keep = keep_e.view(),
+                  .out = out_w.view(),
+                  .lse = lse_w.view(),
+                  .dout = dout.host.view(),
+                  .dx = dx_w.view(),
+                  .da_src = dsrc_w.view(),
+                  .da_dst = ddst_w.view()});
+    const std::string key = "gat_" + std::to_string(H) + "x" + std::to_string(C);
+    j[key + "_forward_ms"] = bench::time_runs(cfg.repeat, 1, false, forward).median;
+    j[key + "_backward_ms"] = bench::time_runs(cfg.repeat, 1, false, backward).median;
+    j[key + "_error"] =
+        std::max({relative_error(out.mem.p, out_w), relative_error(dx.mem.p, dx_w),
+                  relative_error(dsrc.mem.p, dsrc_w), relative_error(ddst.mem.p, ddst_w)});
+  }
+}
+
 void bench_graph(const std::string& name, const csr_graph& g, const settings& cfg) {
-  if (cfg.fused_only) {
-    nlohmann::json j{{"graph", name}, {"rows", g.rows}, {"nnz", g.nnz()}};
-    bench_fused(g, cfg, j);
+  nlohmann::json j{{"graph", name}, {"rows", g.rows}, {"nnz", g.nnz()}};
+  if (cfg.runs("fused") && !cfg.fused.empty()) bench_fused(g, cfg, j);
+  if (cfg.runs("gat") && !cfg.gat.empty()) bench_gat(g, cfg, j);
+  if (!cfg.runs("layers")) {
     std::cout << j.dump() << std::endl;
     return;
   }
@@ -127,14 +241,11 @@ void bench_graph(const std::string& name, const csr_graph& g, const settings& cf
   const agnn_layer agnn = agnn_layer::build(g, device_kind::cuda);
   check(cudaDeviceSynchronize(), "build");
   const double agnn_build = ms_since(t0);
-  nlohmann::json j{{"graph", name},
-                   {"rows", g.rows},
-                   {"nnz", gcn.nnz()},
-                   {"in", cfg.in},
-                   {"out", cfg.out},
-                   {"agnn_dim", cfg.agnn},
-                   {"gcn_build_ms", gcn_build},
-                   {"agnn_build_ms", agnn_build}};
+  j.update({{"in", cfg.in},
+            {"out", cfg.out},
+            {"agnn_dim", cfg.agnn},
+            {"gcn_build_ms", gcn_build},
+            {"agnn_build_ms", agnn_build}});
   const gcn_layer gcn_cpu = gcn_layer::build(g);
   const agnn_layer agnn_cpu = agnn_layer::build(g);
   const std::int64_t width = std::max(cfg.out, cfg.agnn);
@@ -159,14 +270,13 @@ void bench_graph(const std::string& name, const csr_graph& g, const settings& cf
     check(cudaMemset(out.p, 0xFF, static_cast<std::size_t>(g.rows * width) * 4), "poison");
     run_gcn(0);
     gcn_cpu.forward(xs[0]->host.view(), w.host.view(), want.view());
-    j["gcn_" + key + "_error"] = relative_error(out, want);
+    j["gcn_" + key + "_error"] = relative_error(out.p, want);
     host_tensor want_h(dtype::f64, g.rows, 1, cfg.agnn);
     check(cudaMemset(out.p, 0xFF, static_cast<std::size_t>(g.rows * width) * 4), "poison");
     run_agnn(0);
     agnn_cpu.forward(hs[0]->host.view(), 1.0, want_h.view());
-    j["agnn_" + key + "_error"] = relative_error(out, want_h);
+    j["agnn_" + key + "_error"] = relative_error(out.p, want_h);
   }
-  if (!cfg.fused.empty()) bench_fused(g, cfg, j);
   std::cout << j.dump() << std::endl;
 }
 
@@ -175,14 +285,17 @@ void bench_graph(const std::string& name, const csr_graph& g, const settings& cf
 int main(int argc, char** argv) {
   settings cfg;
   std::vector<std::string> paths;
-  CLI::App app{"GCN / AGNN layer forward on the GPU"};
+  CLI::App app{"GCN, AGNN, fused GCN and fused GAT layers on the GPU"};
   app.add_option("graphs", paths, "graph files or generated specs (rmatS:EF, erN:DEG)");
   app.add_option("--in", cfg.in, "GCN input width")->capture_default_str();
   app.add_option("--out", cfg.out, "GCN output width")->capture_default_str();
   app.add_option("--agnn", cfg.agnn, "AGNN width")->capture_default_str();
   app.add_option("--repeat", cfg.repeat, "timed runs")->capture_default_str();
   app.add_option("--fused", cfg.fused, "fused GCN layer width pairs IN:OUT");
-  app.add_flag("--fused-only", cfg.fused_only, "only the fused GCN layer");
+  app.add_option("--gat", cfg.gat, "fused GAT attention head layouts H:C");
+  app.add_option("--only", cfg.only, "sections: layers, fused, gat")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"layers", "fused", "gat"}));
   CLI11_PARSE(app, argc, argv);
   try {
     cudaDeviceProp prop{};
