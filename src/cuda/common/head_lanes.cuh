@@ -67,11 +67,18 @@ inline int vector_of(int heads, std::initializer_list<int> widths, int max_vec,
 }
 
 // Calls f.template operator()<V, F>() for the vector width and the floats a lane holds of a head:
-// 4, or Wide for wider heads (up to 32 * Wide channels).
+// V where a lane keeps one vector (no registers held for a second), else 4, or Wide for wider
+// heads (up to 32 * Wide channels).
 template <int Wide, class Fn>
 void with_lanes(int vec, const lanes& l, std::string_view what, Fn&& f) {
   const bool narrow = l.chunks * vec <= 4;
   with_value<1, 2, 4, 8>(vec, what, [&]<int V>() {
+    if constexpr (V < 4) {
+      if (l.chunks == 1) {
+        f.template operator()<V, V>();
+        return;
+      }
+    }
     if constexpr (V <= 4) {
       if (narrow) {
         f.template operator()<V, 4>();
