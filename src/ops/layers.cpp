@@ -8,6 +8,8 @@
 #include <string>
 
 #include "../common/workspace_layout.hpp"
+#include "../cpu/layers/f32.hpp"
+#include "../cpu/layers/gat.hpp"
 #include "../cpu/layers/gcn.hpp"
 #include "../cuda/layers/dense.hpp"
 #include "../cuda/layers/gat.hpp"
@@ -418,7 +420,7 @@ void gcn_fused_plan::forward(const gcn_fused_args& a, stream_ref stream,
       if (t->data != nullptr) check_host(*t, "the fused GCN layer's argument");
     if (a.bias.data != nullptr) check_view(a.bias, "bias", 1, 1, a.w.dim);
     if (a.ax.data != nullptr) check_view(a.ax, "ax", s.rows, 1, a.x.dim);
-    if (cpu::gcn_f32({&a.x, &a.w, &a.bias, &a.out, &a.ax})) {
+    if (cpu::all_f32({&a.x, &a.w, &a.bias, &a.out, &a.ax})) {
       cpu::gcn_forward(s.propagation, a.x, a.w, a.bias, a.relu, a.out, a.relu_mask, a.ax);
       return;
     }
@@ -499,7 +501,7 @@ void gcn_fused_plan::backward(const gcn_fused_grad_args& a, stream_ref stream,
     const std::span<const std::uint32_t> mask =
         a.relu_mask != nullptr ? std::span<const std::uint32_t>(a.relu_mask, words)
                                : std::span<const std::uint32_t>();
-    if (cpu::gcn_f32({&a.x, &a.w, &a.dout, &a.dx, &a.dw, &a.dbias})) {
+    if (cpu::all_f32({&a.x, &a.w, &a.dout, &a.dx, &a.dw, &a.dbias})) {
       cpu::gcn_backward(s.propagation, s.propagation_t, a.x, a.w, mask, a.dout, a.dx, a.dw,
                         a.dbias);
       return;
@@ -564,12 +566,29 @@ host_tensor keep_in_entry_order(const tensor_view& keep, const std::int64_t* kee
   return k;
 }
 
+// The CPU engine's argument checks (the reference makes its own).
+void check_gat_cpu(const csr_graph& g, const tensor_view& x, const tensor_view& a_src,
+                   const tensor_view& a_dst, const tensor_view& keep,
+                   const std::int64_t* keep_index, double negative_slope) {
+  check_view(x, "x", g.cols, -1, -1);
+  check_view(a_src, "a_src", g.cols, x.heads, 1);
+  check_view(a_dst, "a_dst", g.rows, x.heads, 1);
+  TRISPARSE_EXPECTS_INPUT(std::isfinite(negative_slope), "negative_slope must be finite");
+  if (keep.data == nullptr) return;
+  check_view(keep, "keep", g.nnz(), x.heads, 1);
+  for (std::int64_t e = 0; keep_index != nullptr && e < g.nnz(); ++e)
+    TRISPARSE_EXPECTS_INPUT(keep_index[e] >= 0 && keep_index[e] < keep.rows,
+                            "keep_index[" + std::to_string(e) +
+                                "] = " + std::to_string(keep_index[e]) + " is not a row of keep");
+}
+
 }  // namespace
 
 struct gat_plan::state {
   device_kind where = device_kind::cpu;
   std::int64_t rows = 0, cols = 0, nnz = 0;
   csr_graph pattern;                               // CPU
+  detail::transposed_pattern transposed;           // CPU: the fp32 engine's backward
   std::shared_ptr<const cuda::gat_device> device;  // CUDA
 };
 
@@ -582,6 +601,7 @@ gat_plan gat_plan::build(const csr_graph& pattern, device_kind where, stream_ref
   s->nnz = pattern.nnz();
   if (where == device_kind::cpu) {
     s->pattern = pattern;
+    s->transposed = detail::transposed_of(pattern);
   } else {
     s->device = cuda::upload_gat(pattern, stream);
   }
@@ -604,6 +624,14 @@ void gat_plan::forward(const gat_args& a, stream_ref stream, workspace_view work
   for (const tensor_view* t : {&a.x, &a.a_src, &a.a_dst, &a.out}) check_host(*t, "GAT operand");
   for (const tensor_view* t : {&a.keep, &a.lse})
     if (t->data != nullptr) check_host(*t, "GAT operand");
+  if (cpu::all_f32({&a.x, &a.a_src, &a.a_dst, &a.keep, &a.out, &a.lse})) {
+    check_gat_cpu(s.pattern, a.x, a.a_src, a.a_dst, a.keep, a.keep_index, a.negative_slope);
+    check_view(a.out, "out", s.rows, a.x.heads, a.x.dim);
+    if (a.lse.data != nullptr) check_view(a.lse, "lse", s.rows, a.x.heads, 1);
+    cpu::gat_forward(s.pattern, a.x, a.a_src, a.a_dst, {a.keep, a.keep_index},
+                     static_cast<float>(a.negative_slope), a.out, a.lse);
+    return;
+  }
   host_tensor keep;
   if (a.keep.data != nullptr && a.keep_index != nullptr) {
     check_view(a.keep, "keep", s.nnz, a.x.heads, 1);
@@ -636,6 +664,20 @@ void gat_plan::backward(const gat_grad_args& a, stream_ref stream, workspace_vie
   for (const tensor_view* t : {&a.x, &a.a_src, &a.a_dst, &a.dout, &a.dx, &a.da_src, &a.da_dst})
     check_host(*t, "GAT operand");
   if (a.keep.data != nullptr) check_host(a.keep, "keep");
+  if (a.lse.data != nullptr && cpu::all_f32({&a.x, &a.a_src, &a.a_dst, &a.keep, &a.lse, &a.dout,
+                                             &a.dx, &a.da_src, &a.da_dst})) {
+    check_gat_cpu(s.pattern, a.x, a.a_src, a.a_dst, a.keep, a.keep_index, a.negative_slope);
+    check_host(a.lse, "lse");
+    check_view(a.lse, "lse", s.rows, a.x.heads, 1);
+    check_view(a.dout, "dout", s.rows, a.x.heads, a.x.dim);
+    check_view(a.dx, "dx", s.cols, a.x.heads, a.x.dim);
+    check_view(a.da_src, "da_src", s.cols, a.x.heads, 1);
+    check_view(a.da_dst, "da_dst", s.rows, a.x.heads, 1);
+    cpu::gat_backward(s.pattern, s.transposed, a.x, a.a_src, a.a_dst, {a.keep, a.keep_index},
+                      static_cast<float>(a.negative_slope), a.lse, a.dout, a.dx, a.da_src,
+                      a.da_dst);
+    return;
+  }
   host_tensor keep;
   if (a.keep.data != nullptr && a.keep_index != nullptr) {
     check_view(a.keep, "keep", s.nnz, a.x.heads, 1);

@@ -340,6 +340,111 @@ TEST(Layers, FusedGcnF32EngineMatchesTheReference) {
   }
 }
 
+// f32 tensors take the GAT plan's fp32 CPU engine: forward (out, lse) and backward (dx, da_src,
+// da_dst) against the float64 reference on the same f32 inputs, for several head layouts, without
+// keep, with keep in entry order and with keep's rows shuffled behind keep_index, on a rectangular
+// pattern with a hub row, a hub column, empty rows and columns; the same bits with one thread as
+// with all; a keep_index outside keep rejected.
+TEST(Layers, GatF32EngineMatchesTheReference) {
+  coo_graph coo = to_coo(test::random_pattern(300, 260, 5, 71));
+  for (std::int64_t j = 0; j < 260; j += 2) {  // row 7 gathers half the columns
+    coo.src.push_back(7);
+    coo.dst.push_back(j);
+  }
+  for (std::int64_t i = 1; i < 300; i += 2) {  // column 3 feeds half the rows
+    coo.src.push_back(i);
+    coo.dst.push_back(3);
+  }
+  coo.rows = 310;  // ten empty rows at the end
+  const csr_graph g = to_csr(coo);
+  const std::int64_t nnz = g.nnz();
+  const gat_plan plan = gat_plan::build(g);
+  std::vector<std::int64_t> index(static_cast<std::size_t>(nnz));
+  for (std::int64_t e = 0; e < nnz; ++e) index[e] = (e * 7919) % nnz;
+  ASSERT_EQ(std::gcd(std::int64_t{7919}, nnz), 1);
+  std::uint64_t seed = 72;
+  for (const auto& [heads, width] : {std::pair{8, 8}, std::pair{1, 16}, std::pair{3, 5}}) {
+    for (const int mode : {0, 1, 2}) {  // no keep, keep in entry order, keep through the index
+      SCOPED_TRACE(std::to_string(heads) + " x " + std::to_string(width) + " keep mode " +
+                   std::to_string(mode));
+      host_tensor x(dtype::f32, g.cols, heads, width), src(dtype::f32, g.cols, heads, 1),
+          dst(dtype::f32, g.rows, heads, 1), keep(dtype::f32, nnz, heads, 1),
+          shuffled(dtype::f32, nnz, heads, 1), up(dtype::f32, g.rows, heads, width);
+      x.fill_uniform(-1, 1, seed++);
+      src.fill_uniform(-3, 3, seed++);
+      dst.fill_uniform(-3, 3, seed++);
+      up.fill_uniform(-1, 1, seed++);
+      keep.fill_uniform(0, 1, seed++);
+      for (std::int64_t i = 0; i < keep.numel(); ++i) keep.set(i, keep.get(i) < 0.4 ? 0.0 : 1.25);
+      for (std::int64_t e = 0; e < nnz; ++e)
+        for (std::int64_t h = 0; h < heads; ++h)
+          shuffled.set(index[e] * heads + h, keep.get(e * heads + h));
+      const tensor_view kv = mode == 0 ? tensor_view{} : mode == 1 ? keep.view() : shuffled.view();
+      const std::int64_t* ki = mode == 2 ? index.data() : nullptr;
+      host_tensor out(dtype::f32, g.rows, heads, width), lse(dtype::f32, g.rows, heads, 1),
+          dx(dtype::f32, g.cols, heads, width), dsrc(dtype::f32, g.cols, heads, 1),
+          ddst(dtype::f32, g.rows, heads, 1);
+      const auto run = [&] {
+        plan.forward({.x = x.view(),
+                      .a_src = src.view(),
+                      .a_dst = dst.view(),
+                      .keep = kv,
+                      .keep_index = ki,
+                      .out = out.view(),
+                      .lse = lse.view()});
+        plan.backward({.x = x.view(),
+                       .a_src = src.view(),
+                       .a_dst = dst.view(),
+                       .keep = kv,
+                       .keep_index = ki,
+                       .out = out.view(),
+                       .lse = lse.view(),
+                       .dout = up.view(),
+                       .dx = dx.view(),
+                       .da_src = dsrc.view(),
+                       .da_dst = ddst.view()});
+      };
+      run();
+      host_tensor out_w(dtype::f64, g.rows, heads, width), lse_w(dtype::f64, g.rows, heads, 1),
+          dx_w(dtype::f64, g.cols, heads, width), dsrc_w(dtype::f64, g.cols, heads, 1),
+          ddst_w(dtype::f64, g.rows, heads, 1);
+      const tensor_view kw = mode == 0 ? tensor_view{} : keep.view();
+      reference::gat(g, x.view(), src.view(), dst.view(), kw, 0.2, out_w.view(), lse_w.view());
+      reference::gat_backward(g, x.view(), src.view(), dst.view(), kw, 0.2, up.view(), dx_w.view(),
+                              dsrc_w.view(), ddst_w.view());
+      for (const auto& [got, want] : {std::pair{&out, &out_w}, std::pair{&dx, &dx_w},
+                                      std::pair{&dsrc, &dsrc_w}, std::pair{&ddst, &ddst_w}})
+        EXPECT_LE(test::compare(*got, *want).relative(), 2e-5);
+      for (std::int64_t i = 0; i < lse.numel(); ++i) {
+        if (std::isinf(lse_w.get(i))) {
+          EXPECT_TRUE(std::isinf(lse.get(i)) && lse.get(i) < 0) << i;
+        } else {
+          EXPECT_NEAR(lse.get(i), lse_w.get(i), 1e-5 * (1 + std::abs(lse_w.get(i)))) << i;
+        }
+      }
+      const host_tensor out_all = out, dx_all = dx, dsrc_all = dsrc, ddst_all = ddst;
+      const int threads = omp_get_max_threads();
+      omp_set_num_threads(1);
+      run();
+      omp_set_num_threads(threads);
+      for (const auto& [a, b1] : {std::pair{&out_all, &out}, std::pair{&dx_all, &dx},
+                                  std::pair{&dsrc_all, &dsrc}, std::pair{&ddst_all, &ddst}})
+        EXPECT_EQ(std::memcmp(a->data(), b1->data(), a->size_bytes()), 0);
+    }
+  }
+  host_tensor x(dtype::f32, g.cols, 2, 4), src(dtype::f32, g.cols, 2, 1),
+      dst(dtype::f32, g.rows, 2, 1), keep(dtype::f32, nnz, 2, 1), out(dtype::f32, g.rows, 2, 4);
+  std::vector<std::int64_t> bad = index;
+  bad[5] = nnz;
+  EXPECT_THROW(plan.forward({.x = x.view(),
+                             .a_src = src.view(),
+                             .a_dst = dst.view(),
+                             .keep = keep.view(),
+                             .keep_index = bad.data(),
+                             .out = out.view()}),
+               invalid_input);
+}
+
 TEST(Layers, RejectWrongShapesAndDevices) {
   const csr_graph g = test::random_pattern(20, 20, 3, 7);
   const gcn_layer gcn = gcn_layer::build(g);

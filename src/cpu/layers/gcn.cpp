@@ -112,12 +112,6 @@ bool passes(std::span<const std::uint32_t> mask, std::int64_t words, std::int64_
 
 }  // namespace
 
-bool gcn_f32(std::initializer_list<const tensor_view*> views) {
-  return std::all_of(views.begin(), views.end(), [](const tensor_view* t) {
-    return t->data == nullptr || t->type == dtype::f32;
-  });
-}
-
 void gcn_forward(const csr_graph& p, const tensor_view& x, const tensor_view& w,
                  const tensor_view& bias, bool relu, const tensor_view& out,
                  std::uint32_t* relu_mask, const tensor_view& ax) {

@@ -10,9 +10,6 @@
 
 namespace trisparse::cpu {
 
-/// Whether the fp32 engine takes these views: all f32 (absent ones, data == nullptr, aside).
-bool gcn_f32(std::initializer_list<const tensor_view*> views);
-
 /// out = act(P x W + b) in the cheaper order (P (x W) where F_out < F_in, else (P x) W); where
 /// relu_mask != nullptr, bit f of word i * ceil(F_out / 32) + f / 32 is set where P x W + b > 0;
 /// where ax.data != nullptr, ax = P x. Shapes checked by the caller.

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "../../common/workspace_layout.hpp"
+#include "../../graph/transposed.hpp"
 #include "../common/buffer.cuh"
 #include "../common/convert.cuh"
 #include "../common/current_device.cuh"
@@ -477,27 +478,14 @@ std::shared_ptr<const gat_device> upload_gat(const csr_graph& g, stream_ref stre
   d->rows = g.rows;
   d->cols = g.cols;
   d->nnz = g.nnz();
-  // The transpose by a counting sort over the columns: each column's rows come in row order.
-  std::vector<std::int64_t> col_ptr(static_cast<std::size_t>(g.cols) + 1, 0);
-  for (const std::int32_t c : g.col_idx) ++col_ptr[static_cast<std::size_t>(c) + 1];
-  for (std::int64_t c = 0; c < g.cols; ++c) col_ptr[c + 1] += col_ptr[c];
-  std::vector<std::int32_t> row_idx(static_cast<std::size_t>(d->nnz));
-  std::vector<std::int64_t> entry_of(static_cast<std::size_t>(d->nnz));
-  std::vector<std::int64_t> next(col_ptr.begin(), col_ptr.end() - 1);
-  for (std::int64_t r = 0; r < g.rows; ++r) {
-    for (std::int64_t e = g.row_ptr[r]; e < g.row_ptr[r + 1]; ++e) {
-      const std::int64_t t = next[g.col_idx[e]]++;
-      row_idx[t] = static_cast<std::int32_t>(r);
-      entry_of[t] = e;
-    }
-  }
+  const detail::transposed_pattern t = detail::transposed_of(g);
   d->row_ptr = device_buffer<std::int64_t>(g.row_ptr, s);
   d->col_idx = device_buffer<std::int32_t>(g.col_idx, s);
-  d->col_ptr = device_buffer<std::int64_t>(col_ptr, s);
-  d->row_idx = device_buffer<std::int32_t>(row_idx, s);
-  d->entry_of = device_buffer<std::int64_t>(entry_of, s);
+  d->col_ptr = device_buffer<std::int64_t>(t.col_ptr, s);
+  d->row_idx = device_buffer<std::int32_t>(t.row_idx, s);
+  d->entry_of = device_buffer<std::int64_t>(t.entry, s);
   d->row_chunks = make_chunks(g.row_ptr, s);
-  d->col_chunks = make_chunks(col_ptr, s);
+  d->col_chunks = make_chunks(t.col_ptr, s);
   return d;
 }
 
