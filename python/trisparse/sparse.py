@@ -252,9 +252,10 @@ def gcn_conv(
     """A (x weightᵀ) + bias, ReLU'd with `relu`, as one fused layer (GraphCUDA's A·X·W): on CUDA
     (A x) W in one kernel with the bias and ReLU in its epilogue, or x W, SpMM and the epilogue,
     whichever `order` ('auto': the measured rule, 'fused', 'unfused') picks; the CPU computes
-    float32 in float32 (OpenMP), other dtypes in float64. ``weight`` is [F_out, F_in] as torch.nn.Linear's; x [N, F_in] float16, bfloat16 or
-    float32 (tf32 on the tensor cores); bias [F_out] in float32 or x's dtype. Differentiable in
-    x, weight and bias (deterministic): the ReLU is applied through a 1-bit mask."""
+    float32 in float32 (OpenMP), other dtypes in float64. ``weight`` is [F_out, F_in] as
+    torch.nn.Linear's; x [N, F_in] float16, bfloat16 or float32 (tf32 on the tensor cores); bias
+    [F_out] in float32 or x's dtype. Differentiable in x, weight and bias (deterministic): the
+    ReLU is applied through a 1-bit mask."""
     if not isinstance(matrix, SparseMatrix):
         raise TypeError(f"matrix must be a trisparse.SparseMatrix, got {type(matrix).__name__}")
     if x.dim() != 2 or x.shape[0] != matrix.num_cols:
