@@ -24,17 +24,17 @@ def dtype_code(dtype: torch.dtype) -> int:
 
 
 def view(t: torch.Tensor) -> tuple:
-    """A [rows, heads, dim] tensor whose last dimension is contiguous, as _C's tensor tuple."""
-    return (
-        t.data_ptr(),
-        _DTYPE_CODES[t.dtype],
-        device_index(t.device),
-        t.shape[0],
-        t.shape[1],
-        t.shape[2],
-        t.stride(0),
-        t.stride(1),
-    )
+    """A [rows, heads, dim] tensor whose last dimension is contiguous, as _C's tensor tuple. (On
+    every op's path: one shape and one stride query, and no torch.device object.)"""
+    if t.is_cuda:
+        device = t.get_device()
+    elif t.is_cpu:
+        device = -1
+    else:
+        device = device_index(t.device)  # raises, naming the device
+    rows, heads, dim = t.shape
+    stride = t.stride()
+    return (t.data_ptr(), _DTYPE_CODES[t.dtype], device, rows, heads, dim, stride[0], stride[1])
 
 
 def stream(device: torch.device) -> int:
