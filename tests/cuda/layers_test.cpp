@@ -70,8 +70,8 @@ TEST(GpuLayers, AgnnEveryType) {
 }
 
 // The fused GCN layer on the GPU against the float64 CPU plan: out (twice, poisoned, bitwise
-// equal), the ReLU mask (wherever the output is not within rounding of 0) and, in the fused order,
-// the saved P x.
+// equal, in a workspace poisoned too), the ReLU mask (wherever the output is not within rounding of
+// 0) and, in the fused order, the saved P x.
 struct fused_case {
   dtype in = dtype::f16, out = dtype::f32, bias = dtype::f32;
   std::int64_t f_in = 32, f_out = 96;
@@ -126,6 +126,7 @@ void check_fused_gcn(const csr_graph& p, const fused_case& c, std::uint64_t seed
       [&] {
         mask.poison();
         ax.poison();
+        ws.poison();
         args.out = out.view();
         gpu.forward(args, {}, {wsv.data, static_cast<std::size_t>(wsv.rows) * 4});
       },
@@ -192,6 +193,7 @@ void check_fused_gcn(const csr_graph& p, const fused_case& c, std::uint64_t seed
   const auto backward = [&] {
     gdw.poison();
     gdb.poison();
+    bws.poison();
     gpu.backward(g, {}, {bv.data, static_cast<std::size_t>(bv.rows) * 4});
   };
   ASSERT_NO_FATAL_FAILURE(test::run_twice_identically(gdx, backward, got_dx));
