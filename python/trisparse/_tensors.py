@@ -1,6 +1,13 @@
 """How torch tensors, streams and workspaces cross into trisparse._C (plain integers)."""
 
+import os
+
 import torch
+
+# TRISPARSE_POISON_WORKSPACE=1 (the test suite sets it): every workspace is filled with 0xFF bytes
+# (NaN in every float type) before its op runs, as a reused allocator block may hold anything, so
+# that a kernel reading workspace it did not write shows.
+_POISON = os.environ.get("TRISPARSE_POISON_WORKSPACE", "0") == "1"
 
 # The codes of trisparse::dtype (include/trisparse/core/dtype.hpp).
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
@@ -48,4 +55,6 @@ def workspace(nbytes: int, device: torch.device) -> tuple[torch.Tensor | None, i
     if nbytes == 0:
         return None, 0, 0
     buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if _POISON:
+        buf.fill_(255)
     return buf, buf.data_ptr(), nbytes
