@@ -26,7 +26,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   done
   for p in "${pids[@]}"; do wait "$p" || status=1; done
   cat "$out"/gpu_tests_*.log > "$out/gpu_tests.log" && rm -f "$out"/gpu_tests_*.log
-  echo "gpu_tests: $(grep -c '^\[       OK' "$out/gpu_tests.log") passed, $(grep -c '^\[  FAILED  \] [A-Z]' "$out/gpu_tests.log") failed"
+  failed=$(grep '^\[  FAILED  \] [A-Z]' "$out/gpu_tests.log" | sed 's/ (.*//' | sort -u | wc -l)
+  echo "gpu_tests: $(grep -c '^\[       OK' "$out/gpu_tests.log") passed, $failed failed"
   /tmp/check/trisparse -q run > "$out/demo.log" 2>&1 || status=1
   tail -3 "$out/demo.log"
 fi
