@@ -64,8 +64,8 @@ def test_attention_layers_in_float32_match_pyg_on_cuda(name, layer, channels, he
 class _GraphTransformer(torch.nn.Module):
     """Two PyG TransformerConv layers (4 heads x 16 concatenated, then 2 heads x 8 averaged),
     joined by a GELU: a ReLU's kink flips wherever a pre-activation lies within rounding of zero,
-    and on graphs of ~10^6 activations a float32 run flips one against float64 (deezer_egos and
-    snap_ca_grqc: x.grad 2e-2 off for PyG's float32 model and ours alike)."""
+    and among the 10^5-10^7 activations of the larger graphs a float32 run flips one against
+    float64 (deezer_egos, snap_ca_grqc: x.grad 2e-2 off for PyG's float32 model and ours alike)."""
 
     def __init__(self):
         super().__init__()
