@@ -16,7 +16,7 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import block_sparse  # noqa: E402
+import block_sparse
 
 
 def main():
@@ -39,7 +39,7 @@ def main():
         for name, fn in (("eager", flex_attention), ("compiled", compiled)):
             try:
                 out = fn(q, k, v, block_mask=bm, scale=scale)
-            except Exception as e:  # e.g. an inductor build failure on the CPU
+            except Exception as e:  # noqa: BLE001 - e.g. an inductor build failure on the CPU
                 print(
                     f"torch {torch.__version__} causal={causal} {name}: failed: {str(e).splitlines()[0][:120]}"
                 )

@@ -22,8 +22,8 @@ from torch_geometric.nn import GCNConv
 from torch_geometric.nn.conv.gcn_conv import gcn_norm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from block_sparse import time_ms  # noqa: E402
-from pyg_attention import read_graph  # noqa: E402
+from block_sparse import time_ms
+from pyg_attention import read_graph
 
 
 def step(layer_fn, x, up, backward):

@@ -20,7 +20,7 @@ import torch
 from torch_geometric.nn import AGNNConv, GCNConv
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pyg_attention import read_graph  # noqa: E402
+from pyg_attention import read_graph
 
 
 def timed(fn, inputs, repeat):

@@ -295,7 +295,7 @@ class _Layer(torch.nn.Module):
 def test_gcn_conv_with_fused_relu_is_pyg_then_relu():
     n = 120
     ei = random_edge_index(n, n, 5, seed=8)
-    ours, pyg = pair(trisparse.nn.GCNConv, pyg_nn.GCNConv, 16, 24, seed=3)
+    _, pyg = pair(trisparse.nn.GCNConv, pyg_nn.GCNConv, 16, 24, seed=3)
     fused = trisparse.nn.GCNConv(16, 24, fuse_relu=True)
     fused.load_state_dict(pyg.state_dict())
     x = torch.randn(n, 16)
