@@ -110,10 +110,12 @@ struct py_attention_plan {
 
   void run(const tensor_tuple& q, const tensor_tuple& k, const tensor_tuple& v,
            const tensor_tuple& out, const std::optional<tensor_tuple>& lse,
-           std::optional<double> scale, const std::string& algo, std::uintptr_t stream,
-           std::uintptr_t ws, std::size_t ws_bytes) const {
+           const std::optional<tensor_tuple>& bias, std::optional<double> scale,
+           const std::string& algo, std::uintptr_t stream, std::uintptr_t ws,
+           std::size_t ws_bytes) const {
     attention_options o = options_of(scale, algo);
     o.lse = view_of(lse);
+    o.bias = view_of(bias);
     nb::gil_scoped_release release;
     plan.run(view_of(q), view_of(k), view_of(v), view_of(out), o, stream_of(stream),
              workspace_of(ws, ws_bytes));
@@ -122,9 +124,13 @@ struct py_attention_plan {
   void backward(const tensor_tuple& q, const tensor_tuple& k, const tensor_tuple& v,
                 const tensor_tuple& out, const std::optional<tensor_tuple>& lse,
                 const tensor_tuple& dout, const tensor_tuple& dq, const tensor_tuple& dk,
-                const tensor_tuple& dv, std::optional<double> scale, const std::string& algo,
-                std::uintptr_t stream, std::uintptr_t ws, std::size_t ws_bytes) const {
-    const attention_options o = options_of(scale, algo);
+                const tensor_tuple& dv, const std::optional<tensor_tuple>& bias,
+                const std::optional<tensor_tuple>& dbias, std::optional<double> scale,
+                const std::string& algo, std::uintptr_t stream, std::uintptr_t ws,
+                std::size_t ws_bytes) const {
+    attention_options o = options_of(scale, algo);
+    o.bias = view_of(bias);
+    o.dbias = view_of(dbias);
     nb::gil_scoped_release release;
     plan.backward(view_of(q), view_of(k), view_of(v), view_of(out), view_of(lse), view_of(dout),
                   view_of(dq), view_of(dk), view_of(dv), o, stream_of(stream),
@@ -467,10 +473,11 @@ NB_MODULE(_C, m) {
       .def_static("from_device", &py_attention_plan::from_device, "row_ptr"_a, "col_idx"_a,
                   "rows"_a, "cols"_a, "nnz"_a, "algo"_a, "gradients"_a, "stream"_a)
       .def("run", &py_attention_plan::run, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(),
-           "scale"_a.none(), "algo"_a, "stream"_a, "workspace"_a, "workspace_bytes"_a)
-      .def("backward", &py_attention_plan::backward, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(),
-           "dout"_a, "dq"_a, "dk"_a, "dv"_a, "scale"_a.none(), "algo"_a, "stream"_a, "workspace"_a,
+           "bias"_a.none(), "scale"_a.none(), "algo"_a, "stream"_a, "workspace"_a,
            "workspace_bytes"_a)
+      .def("backward", &py_attention_plan::backward, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(),
+           "dout"_a, "dq"_a, "dk"_a, "dv"_a, "bias"_a.none(), "dbias"_a.none(), "scale"_a.none(),
+           "algo"_a, "stream"_a, "workspace"_a, "workspace_bytes"_a)
       .def("workspace_bytes", [](const py_attention_plan& p, std::int64_t heads,
                                  std::int64_t dim) { return p.plan.workspace_bytes(heads, dim); })
       .def("backward_workspace_bytes",

@@ -31,15 +31,31 @@ def _lse_view(lse: Tensor) -> tuple:
     return _tensors.view(lse.unsqueeze(-1))
 
 
+def _bias_view(bias: Tensor | None) -> tuple | None:
+    """[nnz, H] or [nnz] (shared by the heads) as the plans' [nnz, H, 1] or [nnz, 1, 1] view."""
+    if bias is None:
+        return None
+    return _tensors.view(bias.unsqueeze(-1) if bias.dim() == 2 else bias.view(-1, 1, 1))
+
+
 @torch.library.custom_op("trisparse::sparse_attention", mutates_args=())
 def _forward(
-    q: Tensor, k: Tensor, v: Tensor, pattern: int, scale: float, with_lse: bool, gradients: bool
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor | None,
+    pattern: int,
+    scale: float,
+    with_lse: bool,
+    gradients: bool,
 ) -> tuple[Tensor, Tensor]:
     """`with_lse`: also write the log-sum-exp (else it comes back empty); `gradients`: build the
-    plan with what backward needs."""
-    # float32 on CUDA runs row-wise on the device CSR that a plan with gradients holds.
-    f32_cuda = q.device.type == "cuda" and q.dtype == torch.float32
-    plan = lookup(pattern).plan(q.device, gradients=gradients or f32_cuda)
+    plan with what backward needs. `bias`: per-entry score bias ([nnz, H] or [nnz], float32, or
+    float64 for float64 inputs), or None."""
+    # float32 and biased runs on CUDA go row-wise on the device CSR that a plan with gradients
+    # holds.
+    rowwise = q.device.type == "cuda" and (q.dtype == torch.float32 or bias is not None)
+    plan = lookup(pattern).plan(q.device, gradients=gradients or rowwise)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     lse = q.new_empty(_lse_shape(q, with_lse), dtype=_lse_dtype(q))
     _owner, ws, ws_bytes = _tensors.workspace(
@@ -51,6 +67,7 @@ def _forward(
         _tensors.view(v),
         _tensors.view(out),
         _lse_view(lse) if with_lse else None,
+        _bias_view(bias),
         scale,
         _algo(q),
         _tensors.stream(q.device),
@@ -61,7 +78,7 @@ def _forward(
 
 
 @_forward.register_fake
-def _forward_fake(q, k, v, pattern, scale, with_lse, gradients):
+def _forward_fake(q, k, v, bias, pattern, scale, with_lse, gradients):
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     return out, q.new_empty(_lse_shape(q, with_lse), dtype=_lse_dtype(q))
 
@@ -74,36 +91,52 @@ def _backward_op(
     out: Tensor,
     lse: Tensor,
     dout: Tensor,
+    bias: Tensor | None,
     pattern: int,
     scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
+    with_dbias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv, and with `with_dbias` dL/dbias per entry and head ([nnz, H] in the bias's
+    dtype, float32 without a bias; else empty)."""
     plan = lookup(pattern).plan(q.device, gradients=True)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dbias = q.new_empty(_dbias_shape(q, pattern, with_dbias), dtype=_bias_dtype(q))
     ws_need = plan.backward_workspace_bytes(q.shape[1], max(q.shape[2], v.shape[2]))
     _owner, ws, ws_bytes = _tensors.workspace(ws_need, q.device)
     plan.backward(
         *(_tensors.view(t) for t in (q, k, v, out)),
         _lse_view(lse) if lse.dim() == 2 else None,
         *(_tensors.view(t) for t in (dout, dq, dk, dv)),
+        _bias_view(bias),
+        _tensors.view(dbias.unsqueeze(-1)) if with_dbias else None,
         scale,
         _algo(q),
         _tensors.stream(q.device),
         ws,
         ws_bytes,
     )
-    return dq, dk, dv
+    return dq, dk, dv, dbias
+
+
+def _bias_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _dbias_shape(q: Tensor, pattern: int, with_dbias: bool) -> tuple[int, ...]:
+    return (lookup(pattern).nnz, q.shape[1]) if with_dbias else (0,)
 
 
 @_backward_op.register_fake
-def _backward_fake(q, k, v, out, lse, dout, pattern, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _backward_fake(q, k, v, out, lse, dout, bias, pattern, scale, with_dbias):
+    dbias = q.new_empty(_dbias_shape(q, pattern, with_dbias), dtype=_bias_dtype(q))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, pattern, scale, _with_lse, gradients = inputs
+    q, k, v, bias, pattern, scale, _with_lse, gradients = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, bias)
     ctx.pattern, ctx.scale, ctx.gradients = pattern, scale, gradients
     ctx.pattern_object = _patterns.get(pattern)  # held until the backward
     ctx.mark_non_differentiable(lse)
@@ -115,11 +148,14 @@ def _backward(ctx, dout, _dlse):
             "trisparse.sparse_attention: this forward ran without preparing gradients "
             "(no input required grad when it ran)"
         )
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.trisparse.sparse_attention_backward(
-        q, k, v, out, lse, dout, ctx.pattern, ctx.scale
+    q, k, v, out, lse, bias = ctx.saved_tensors
+    with_dbias = bias is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, dbias = torch.ops.trisparse.sparse_attention_backward(
+        q, k, v, out, lse, dout, bias, ctx.pattern, ctx.scale, with_dbias
     )
-    return dq, dk, dv, None, None, None, None
+    if with_dbias and bias.dim() == 1:
+        dbias = dbias.sum(dim=1)  # a bias shared by the heads: a fixed-order sum over them
+    return dq, dk, dv, dbias if with_dbias else None, None, None, None, None
 
 
 _forward.register_autograd(_backward, setup_context=_setup_context)
@@ -165,17 +201,25 @@ def sparse_attention(
     pattern,
     scale: float | None = None,
     return_lse: bool = False,
+    bias: Tensor | None = None,
 ):
-    """out[i] = sum over the pattern's entries (i, j) of softmax_j(scale q_i . k_j) v_j.
+    """out[i] = sum over the pattern's entries (i, j) of softmax_j(scale q_i . k_j + bias_ij) v_j.
 
     ``q``: [num_rows, H, D] (targets), ``k``: [num_cols, H, D], ``v``: [num_cols, H, Dv] (sources),
     one float dtype; ``pattern``: a :class:`Pattern` or anything :meth:`Pattern.of` takes (then
     rebuilt at every call: build the Pattern once instead). ``scale`` defaults to 1/sqrt(D).
     Rows without entries give zeros. Returns ``out`` [num_rows, H, Dv] in q's dtype, and with
-    ``return_lse`` also the per-row log-sum-exp of the scaled scores [num_rows, H] (float32;
-    float64 for float64 inputs; -inf on empty rows), which is not differentiable.
+    ``return_lse`` also the per-row log-sum-exp of the scores [num_rows, H] (float32; float64 for
+    float64 inputs; -inf on empty rows), which is not differentiable.
 
-    Differentiable in q, k and v (deterministic: the same gradients on every run). On the CPU,
+    ``bias``: a per-entry additive score bias, [nnz, H] or [nnz] (shared by the heads), float, in
+    the pattern's entry order (:meth:`Pattern.entries`; :meth:`Pattern.entries_of_input` maps
+    edge_index's order to it), finite. A bias of log(m) counts an entry as m copies (what
+    :meth:`Pattern.log_multiplicity` gives for repeated edges); a learned bias (edge encodings,
+    Graphormer's spatial biases) gets its gradient dL/dbias, written once per entry (no atomics).
+    On CUDA a biased call runs the row-wise kernels (float32 math, any float dtype).
+
+    Differentiable in q, k, v and bias (deterministic: the same gradients on every run). On the CPU,
     float16/bfloat16/float32 run the OpenMP engine in float32, float64 the float64 reference; on
     CUDA float16 and bfloat16 run the fused 3S kernel (tensor cores), float32 a row-wise float32
     kernel, and the backward a deterministic two-pass kernel.
@@ -183,21 +227,45 @@ def sparse_attention(
     if not isinstance(pattern, Pattern):
         pattern = Pattern.of(pattern, num_nodes=k.shape[0] if isinstance(k, Tensor) else None)
     _check_qkv(q, k, v, pattern)
+    if bias is not None:
+        bias = _checked_bias(bias, q, pattern)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[2])
     elif not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, bias)
+    )
     dim_v = v.shape[2]
     if q.device.type == "cuda":
         q, k, v = _padded_for_cuda(q, k, v)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     with_lse = bool(return_lse or needs_grad)  # the backward reads it
     out, lse = torch.ops.trisparse.sparse_attention(
-        q, k, v, pattern.id, float(scale), with_lse, bool(needs_grad)
+        q, k, v, bias, pattern.id, float(scale), with_lse, bool(needs_grad)
     )
     out = out if out.shape[2] == dim_v else out[..., :dim_v]
     return (out, lse) if return_lse else out
+
+
+def _checked_bias(bias, q: Tensor, pattern: Pattern) -> Tensor:
+    """The bias as the op takes it: float32 (float64 for float64 inputs), on q's device, its last
+    dimension contiguous. Raises TypeError/ValueError naming ``bias``."""
+    if not isinstance(bias, Tensor):
+        raise TypeError(f"bias must be a torch.Tensor, got {type(bias).__name__}")
+    if not bias.is_floating_point():
+        raise TypeError(f"bias must be a float tensor, got {bias.dtype}")
+    shapes = ((pattern.nnz,), (pattern.nnz, q.shape[1]))
+    if tuple(bias.shape) not in shapes:
+        raise ValueError(
+            f"bias must have shape [nnz] or [nnz, heads] = {list(shapes[0])} or "
+            f"{list(shapes[1])} (one value per pattern entry, in entry order), got "
+            f"{list(bias.shape)}"
+        )
+    if bias.device != q.device:
+        raise ValueError(f"bias is on {bias.device} but q is on {q.device}")
+    bias = bias.to(_bias_dtype(q))
+    return bias if bias.dim() == 1 or bias.stride(-1) == 1 else bias.contiguous()
 
 
 _CUDA_HEAD_DIMS = (32, 64, 128, 256)  # the fused 3S kernel's (q, k and v share one)

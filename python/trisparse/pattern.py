@@ -56,7 +56,9 @@ def _check_index(t: Any, name: str) -> torch.Tensor:
 class Pattern:
     """A ``num_rows x num_cols`` binary pattern: row i (a target node, a query) attends to the
     columns (source nodes, keys) of its entries. Entries are sorted and unique; repeated edges of
-    the input are merged (``duplicates`` says how many were)."""
+    the input are merged (``duplicates`` says how many were) and remembered: each input edge's
+    entry (:meth:`entries_of_input`) and each entry's count (:meth:`multiplicity`), so that the
+    layers count every copy as PyG does."""
 
     def __init__(self, rowptr: torch.Tensor, col: torch.Tensor, num_cols: int, duplicates: int):
         # Canonical CSR: rowptr int64 [rows + 1], col int32 [nnz], sorted and unique per row.
@@ -76,9 +78,10 @@ class Pattern:
         self._entries: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._transpose_perm: dict[torch.device, torch.Tensor] = {}
         self._column_pointers: dict[torch.device, torch.Tensor] = {}
-        # from_coo / from_edge_index without repeats: the entry of each input pair, in input order.
+        # from_coo / from_edge_index: the entry of each input pair, in input order.
         self._input_entries: torch.Tensor | None = None
         self._input_order: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._per_device: dict[tuple[str, torch.device], Any] = {}
 
     # --- builders -------------------------------------------------------------------------------
 
@@ -108,8 +111,7 @@ class Pattern:
             num_cols,
             duplicates,
         )
-        if duplicates == 0:
-            pattern._input_entries = inverse
+        pattern._input_entries = inverse
         return pattern
 
     @classmethod
@@ -243,11 +245,63 @@ class Pattern:
             self._entries[device] = got
         return got
 
+    def _cached(self, name: str, device: torch.device, make):
+        key = (name, device)
+        got = self._per_device.get(key)
+        if got is None:
+            got = make()
+            self._per_device[key] = got
+        return got
+
+    def entries_of_input(self, device: torch.device) -> torch.Tensor | None:
+        """The entry (int64, on `device`) of each pair of the input the pattern was built from
+        (``from_coo``, ``from_edge_index``, ``from_csr``), in the input's order; copies of a repeated
+        edge share one entry. None for other patterns. Cached."""
+        if self._input_entries is None:
+            return None
+        return self._cached("input_entries", device, lambda: self._input_entries.to(device))
+
+    def multiplicity(self, device: torch.device) -> torch.Tensor | None:
+        """How many input pairs each entry stands for (int64 [nnz] on `device`), or None when the
+        input had no repeated pair. Cached."""
+        if self.duplicates == 0 or self._input_entries is None:
+            return None
+        return self._cached(
+            "multiplicity",
+            device,
+            lambda: torch.bincount(self._input_entries, minlength=self.nnz).to(device),
+        )
+
+    def log_multiplicity(self, device: torch.device) -> torch.Tensor | None:
+        """log(multiplicity) (float64 [nnz] on `device`; the ops round it to their bias dtype): as the ``bias`` of
+        :func:`trisparse.sparse_attention` it counts each copy of a repeated edge as a separate
+        term of the softmax (as PyG does). None without repeats. Cached."""
+        counts = self.multiplicity(device)
+        if counts is None:
+            return None
+        return self._cached("log_multiplicity", device, lambda: counts.double().log())
+
+    def copies_by_entry(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The input's pairs grouped by entry: (order, offsets), with input pairs order[offsets[e]
+        : offsets[e + 1]] the copies of entry e in input order (int64, on `device`), for fixed-order
+        reductions over copies. None for patterns not built from pairs. Cached."""
+        if self._input_entries is None:
+            return None
+
+        def make():
+            order = torch.argsort(self._input_entries, stable=True)
+            counts = torch.bincount(self._input_entries, minlength=self.nnz)
+            offsets = torch.zeros(self.nnz + 1, dtype=torch.int64)
+            torch.cumsum(counts, 0, out=offsets[1:])
+            return order.to(device), offsets.to(device)
+
+        return self._cached("copies_by_entry", device, make)
+
     def input_order(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """For a pattern built from entries without repeats (``from_coo``, ``from_edge_index``):
+        """For a pattern built from pairs without repeats (``from_coo``, ``from_edge_index``):
         (entry of each input pair in input order, and its inverse), on `device`; else None.
         Per-edge values gathered by the first are in the input's edge order (PyG's)."""
-        if self._input_entries is None:
+        if self._input_entries is None or self.duplicates != 0:
             return None
         got = self._input_order.get(device)
         if got is None:

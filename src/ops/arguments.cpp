@@ -51,6 +51,17 @@ void check_saved_forward(std::int64_t rows, const tensor_view& q, const tensor_v
   }
 }
 
+void check_bias(const tensor_view& bias, const char* what, std::int64_t nnz, std::int64_t heads,
+                device_kind where, bool per_head) {
+  TRISPARSE_EXPECTS_INPUT(where == device_kind::cpu || bias.type == dtype::f32,
+                          std::string(what) + " must be f32 on CUDA, got " + bias.describe());
+  const std::int64_t h = bias.heads == 1 && !per_head ? 1 : heads;
+  check_view(bias, what, nnz, h, 1);
+  TRISPARSE_EXPECTS_INPUT(bias.where == where, std::string(what) + " is on " +
+                                                   to_string(bias.where) +
+                                                   " but the plan runs on " + to_string(where));
+}
+
 double resolve_scale(const std::optional<double>& scale, std::int64_t head_dim) {
   const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(head_dim)));
   if (!std::isfinite(s)) throw invalid_input("scale must be finite, got " + std::to_string(s));

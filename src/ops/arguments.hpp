@@ -24,6 +24,17 @@ void check_gradient_args(const tensor_view& q, const tensor_view& k, const tenso
 void check_saved_forward(std::int64_t rows, const tensor_view& q, const tensor_view& v,
                          const tensor_view& out, const tensor_view& lse);
 
+/// Checks a per-entry score bias: [nnz, heads, 1] or [nnz, 1, 1] (one bias shared by the heads),
+/// on `where`; `what` names it ("bias", "dbias"). With `per_head`, only [nnz, heads, 1].
+/// @throws invalid_input naming the argument.
+void check_bias(const tensor_view& bias, const char* what, std::int64_t nnz, std::int64_t heads,
+                device_kind where, bool per_head = false);
+
+/// The head of a checked bias that head h reads (0 when the bias is shared by the heads).
+inline std::int64_t bias_head(const tensor_view& bias, std::int64_t h) {
+  return bias.heads == 1 ? 0 : h;
+}
+
 /// The scale to use: the given one, or 1/sqrt(head_dim). @throws invalid_input if not finite.
 double resolve_scale(const std::optional<double>& scale, std::int64_t head_dim);
 

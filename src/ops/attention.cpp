@@ -2,9 +2,13 @@
 
 #include <chrono>
 #include <optional>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #include "../common/workspace_layout.hpp"
 #include "../cpu/fused3s/fast.hpp"
+#include "../graph/transposed.hpp"
 #include "../cuda/attention/backward/plan.hpp"
 #include "../cuda/attention/fused3s/heuristics.hpp"
 #include "../cuda/attention/fused3s/plan.hpp"
@@ -76,6 +80,7 @@ bool cuda_available() { return cuda::device_count() > 0; }
 struct attention_plan::state {
   csr_graph pattern;     // binary: values dropped
   csr_graph transposed;  // plan_options::gradients on the CPU: backward()'s dk and dv
+  std::vector<std::int64_t> transposed_entry;  // the entry of `pattern` each of `transposed`'s is
   bool gradients = false;
   std::optional<bsb> blocks;
   std::shared_ptr<cuda::fused3s_device_plan> device_blocks;
@@ -114,6 +119,17 @@ csr_graph binary_copy(const csr_graph& g) {
   b.row_ptr = g.row_ptr;
   b.col_idx = g.col_idx;
   return b;
+}
+
+// The transpose of a binary pattern, and the entry of the pattern that each of its entries is.
+std::pair<csr_graph, std::vector<std::int64_t>> transpose_with_entries(const csr_graph& g) {
+  detail::transposed_pattern t = detail::transposed_of(g);
+  csr_graph b;
+  b.rows = g.cols;
+  b.cols = g.rows;
+  b.row_ptr = std::move(t.col_ptr);
+  b.col_idx = std::move(t.row_idx);
+  return {std::move(b), std::move(t.entry)};
 }
 
 cuda::fused3s_limits fused3s_limits(const plan_options& o) {
@@ -170,7 +186,8 @@ void finish_report(plan_report& r, algorithm algo, device_kind where, std::int64
 void attention_plan::own_backward(state& s, const csr_graph& pattern, const plan_options& options,
                                   stream_ref stream) {
   const csr_graph b = binary_copy(pattern);
-  s.device_grad = cuda::make_attention_backward_plan(b, transpose(b), stream);
+  const auto [transposed, entries] = transpose_with_entries(b);
+  s.device_grad = cuda::make_attention_backward_plan(b, transposed, entries, stream);
   s.grad_heads = std::max<std::int64_t>(options.workspace_heads, 1);
   s.grad_dim = std::max<std::int64_t>(options.workspace_dim, 1);
   // Serves the backward and the row-wise forward (f32), which run in turn on the stream.
@@ -226,7 +243,8 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
     s->report.format = "csr";
     bytes =
         static_cast<std::int64_t>(8 * s->pattern.row_ptr.size() + 4 * s->pattern.col_idx.size());
-    if (options.gradients) s->transposed = transpose(s->pattern);
+    if (options.gradients)
+      std::tie(s->transposed, s->transposed_entry) = transpose_with_entries(s->pattern);
     s->gradients = options.gradients;
     if (algo == algorithm::blocked_reference) {
       s->blocks = build_bsb(s->pattern, options.tcb_cols);
@@ -332,12 +350,16 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
     TRISPARSE_EXPECTS_INPUT(lse.where == r.where,
                             std::string("lse must be on ") + to_string(r.where) + ", as the plan");
   }
+  const tensor_view& bias = options.bias;
+  if (bias.data != nullptr) {
+    TRISPARSE_EXPECTS_INPUT(algo == algorithm::reference || algo == algorithm::fused,
+                            "a score bias is taken by the reference and fused algorithms, not " +
+                                std::string(to_string(algo)));
+    detail::check_bias(bias, "bias", r.nnz, q.heads, r.where);
+  }
   switch (algo) {
     case algorithm::reference:
-      if (lse.data != nullptr)
-        reference::attention(state_->pattern, q, k, v, out, scale, lse);
-      else
-        reference::attention(state_->pattern, q, k, v, out, scale);
+      reference::attention(state_->pattern, q, k, v, out, scale, lse, bias);
       return;
     case algorithm::blocked_reference:
       if (!state_->blocks) {
@@ -350,17 +372,16 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
     case algorithm::fused:
       if (r.where == device_kind::cpu) {
         cpu::fused_attention_unchecked(state_->pattern, q, k, v, out, static_cast<float>(scale),
-                                       lse);
+                                       lse, bias);
         return;
       }
-      if (q.type == dtype::f32) {
-        // The tensor-core kernel takes f16 and bf16; f32 runs row-wise on the CSR that a plan
-        // with gradients holds.
+      if (q.type == dtype::f32 || bias.data != nullptr) {
+        // The tensor-core kernel takes f16 and bf16 without a bias; f32 and biased runs go
+        // row-wise on the CSR that a plan with gradients holds.
         TRISPARSE_EXPECTS_INPUT(state_->device_grad != nullptr,
-                                "f32 attention on CUDA runs row-wise on the plan's device CSR: "
-                                "build the plan with plan_options.gradients = true, or pass "
-                                "f16/bf16 inputs");
-        cuda::run_attention_rowwise(*state_->device_grad, q, k, v, out, lse, scale,
+                                "f32 or biased attention on CUDA runs row-wise on the plan's "
+                                "device CSR: build the plan with plan_options.gradients = true");
+        cuda::run_attention_rowwise(*state_->device_grad, q, k, v, out, lse, bias, scale,
                                     workspace != nullptr ? *workspace : own_grad_workspace(q, v),
                                     stream);
         return;
@@ -463,18 +484,21 @@ void attention_plan::backward(const tensor_view& q, const tensor_view& k, const 
   }
   const algorithm algo = resolve(options.algo);
   const double scale = detail::resolve_scale(options.scale, q.dim);
+  const tensor_view &bias = options.bias, &dbias = options.dbias;
+  if (bias.data != nullptr) detail::check_bias(bias, "bias", r.nnz, q.heads, r.where);
+  if (dbias.data != nullptr) detail::check_bias(dbias, "dbias", r.nnz, q.heads, r.where, true);
   if (r.where == device_kind::cuda) {
     TRISPARSE_EXPECTS_INPUT(state_->device_grad != nullptr,
                             "this plan was built without plan_options.gradients = true");
     const workspace_view ws = given.empty() ? own_grad_workspace(q, v) : given;
     // lse may be empty (the caller did not keep the forward's): the row pass recomputes it.
-    cuda::run_attention_backward(*state_->device_grad, q, k, v, out, lse, dout, dq, dk, dv, scale,
-                                 ws, stream);
+    cuda::run_attention_backward(*state_->device_grad, q, k, v, out, lse, dout, dq, dk, dv,
+                                 {bias, dbias}, scale, ws, stream);
     return;
   }
   switch (algo) {
     case algorithm::reference:
-      reference::attention_backward(state_->pattern, q, k, v, dout, dq, dk, dv, scale);
+      reference::attention_backward(state_->pattern, q, k, v, dout, dq, dk, dv, scale, dbias, bias);
       return;
     case algorithm::fused:
       TRISPARSE_EXPECTS_INPUT(state_->gradients,
@@ -483,7 +507,8 @@ void attention_plan::backward(const tensor_view& q, const tensor_view& k, const 
           lse.data != nullptr,
           "the fused backward needs the forward's lse (attention_options::lse)");
       cpu::fused_attention_backward_unchecked(state_->pattern, state_->transposed, q, k, v, out,
-                                              lse, dout, dq, dk, dv, static_cast<float>(scale));
+                                              lse, dout, dq, dk, dv, static_cast<float>(scale),
+                                              {bias, dbias, state_->transposed_entry});
       return;
     default:
       throw invalid_input("backward runs the reference and fused algorithms, not " +

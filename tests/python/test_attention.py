@@ -139,16 +139,92 @@ def test_opcheck():
     ei = random_edge_index(20, 20, 5, seed=14)
     pattern = trisparse.Pattern.of(ei, num_nodes=20)
     for dtype in (torch.float32, torch.float64):
-        q, k, v = (t.requires_grad_() for t in qkv(20, 20, 2, 8, 8, dtype, seed=15))
-        torch.library.opcheck(
-            torch.ops.trisparse.sparse_attention.default, (q, k, v, pattern.id, 0.5, True, True)
-        )
-        out, lse = torch.ops.trisparse.sparse_attention(q, k, v, pattern.id, 0.5, True, True)
-        dout = torch.randn_like(out)
-        torch.library.opcheck(
-            torch.ops.trisparse.sparse_attention_backward.default,
-            (q.detach(), k.detach(), v.detach(), out.detach(), lse, dout, pattern.id, 0.5),
-        )
+        bias_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        for bias in (None, torch.randn(pattern.nnz, 2, dtype=bias_dtype, requires_grad=True)):
+            q, k, v = (t.requires_grad_() for t in qkv(20, 20, 2, 8, 8, dtype, seed=15))
+            args = (q, k, v, bias, pattern.id, 0.5, True, True)
+            torch.library.opcheck(torch.ops.trisparse.sparse_attention.default, args)
+            out, lse = torch.ops.trisparse.sparse_attention(*args)
+            dout = torch.randn_like(out)
+            b = None if bias is None else bias.detach()
+            torch.library.opcheck(
+                torch.ops.trisparse.sparse_attention_backward.default,
+                (q.detach(), k.detach(), v.detach(), out.detach(), lse, dout, b, pattern.id, 0.5,
+                 b is not None),
+            )
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_bias_gradcheck(shared):
+    """A per-entry score bias ([nnz, H], or [nnz] shared by the heads) in float64: gradcheck of
+    q, k, v and the bias through the reference."""
+    ei = random_edge_index(14, 11, 4, seed=31)
+    pattern = trisparse.Pattern.from_edge_index(ei, size=(14, 11))
+    q, k, v = (t.requires_grad_() for t in qkv(11, 14, 2, 5, 3, torch.float64, seed=32))
+    shape = (pattern.nnz,) if shared else (pattern.nnz, 2)
+    bias = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda a, b, c, d: trisparse.sparse_attention(a, b, c, pattern, scale=0.6, bias=d),
+        (q, k, v, bias),
+    )
+
+
+def dense_biased(q, k, v, pattern, bias, scale):
+    """softmax(scale q k^T + bias) v over the pattern, densely in float64 (bias [nnz, H])."""
+    row, col = pattern.entries(torch.device("cpu"))
+    heads = q.shape[1]
+    s = torch.full((heads, pattern.num_rows, pattern.num_cols), -math.inf, dtype=torch.float64)
+    sc = scale * torch.einsum("rhd,chd->hrc", q.double(), k.double())
+    s[:, row, col] = sc[:, row, col] + bias.double().t()
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.einsum("hrc,chd->rhd", p, v.double())
+
+
+def test_bias_engine_matches_reference_and_repeats_count():
+    """The float32 CPU engine with a bias against a dense float64 computation (forward, and the
+    gradients of q, k, v and bias, bitwise repeatable); a log-count bias equals the pattern with
+    each entry repeated (each copy a softmax term)."""
+    ei = random_edge_index(40, 30, 6, seed=33)
+    pattern = trisparse.Pattern.from_edge_index(ei, size=(40, 30))
+    q, k, v = (t.requires_grad_() for t in qkv(30, 40, 3, 16, 8, torch.float32, seed=34))
+    bias = torch.randn(pattern.nnz, 3, requires_grad=True)
+
+    def step():
+        out = trisparse.sparse_attention(q, k, v, pattern, bias=bias)
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+        return [out, *torch.autograd.grad(out, (q, k, v, bias), dout)]
+
+    got = step()
+    for a, b in zip(got, step()):
+        assert torch.equal(a, b)
+    qd, kd, vd, bd = (t.detach().double().requires_grad_() for t in (q, k, v, bias))
+    want = dense_biased(qd, kd, vd, pattern, bd, 0.25)
+    dout = torch.randn(want.shape, generator=torch.Generator().manual_seed(5)).double()
+    wants = [want, *torch.autograd.grad(want, (qd, kd, vd, bd), dout)]
+    for g, w in zip(got, wants):
+        assert relerr(g.double(), w) <= 2e-5
+    # Repeats: entry e three times == a bias of log 3 on it.
+    twice = torch.cat([ei, ei[:, :5], ei[:, :5]], dim=1)
+    multi = trisparse.Pattern.from_edge_index(twice, size=(40, 30))
+    assert multi.duplicates == 10 and int(multi.multiplicity(torch.device("cpu")).max()) == 3
+    with torch.no_grad():
+        a = trisparse.sparse_attention(q, k, v, multi, bias=multi.log_multiplicity(q.device))
+        b = dense_biased(q, k, v, multi, multi.log_multiplicity(q.device)[:, None].expand(-1, 3), 0.25)
+    assert relerr(a.double(), b) <= 2e-6
+
+
+def test_bad_bias_is_named():
+    ei = random_edge_index(10, 10, 3, seed=35)
+    pattern = trisparse.Pattern.of(ei, num_nodes=10)
+    q, k, v = qkv(10, 10, 2, 8, 8, torch.float32, seed=36)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        trisparse.sparse_attention(q, k, v, pattern, bias=torch.zeros(pattern.nnz + 1))
+    with pytest.raises(ValueError, match="bias must have shape"):
+        trisparse.sparse_attention(q, k, v, pattern, bias=torch.zeros(pattern.nnz, 3))
+    with pytest.raises(TypeError, match="bias must be a float"):
+        trisparse.sparse_attention(q, k, v, pattern, bias=torch.zeros(pattern.nnz, dtype=torch.int32))
+    with pytest.raises(TypeError, match="bias must be a torch.Tensor"):
+        trisparse.sparse_attention(q, k, v, pattern, bias=[0.0] * pattern.nnz)
 
 
 def test_torch_compile_fullgraph():
@@ -234,7 +310,7 @@ def test_a_freed_pattern_is_reported():
     pid = trisparse.Pattern.of(ei, num_nodes=10).id
     q, k, v = qkv(10, 10, 1, 8, 8, torch.float32, seed=21)
     with pytest.raises(ValueError, match="was freed"):
-        torch.ops.trisparse.sparse_attention(q, k, v, pid, 0.5, False, False)
+        torch.ops.trisparse.sparse_attention(q, k, v, None, pid, 0.5, False, False)
 
 
 def test_the_cuda_padding_changes_nothing():

@@ -94,15 +94,6 @@ def test_attention_layers_on_shared_graphs(name, layer, channels, heads):
     assert_close(run(ours, x, ei), run(pyg, x, ei), rtol=5e-5)
 
 
-def test_gat_conv_falls_back_for_edge_features():
-    ei = random_edge_index(30, 30, 4, seed=4)
-    ours, pyg = pair(trisparse.nn.GATConv, pyg_nn.GATConv, 8, 4, heads=2, edge_dim=3)
-    x, attr = torch.randn(30, 8), torch.randn(ei.shape[1], 3)
-    with pytest.warns(UserWarning, match="edge features"):
-        got = ours(x, ei, attr)
-    assert torch.equal(got, pyg(x, ei, attr))
-
-
 def test_state_dict_both_ways_and_pattern_reuse():
     ours, pyg = pair(trisparse.nn.TransformerConv, pyg_nn.TransformerConv, 8, 4, heads=2, beta=True)
     assert list(ours.state_dict()) == list(pyg.state_dict())
@@ -121,22 +112,144 @@ def test_state_dict_both_ways_and_pattern_reuse():
     assert torch.allclose(ours(x, p), pyg2(x, ei), rtol=1e-5, atol=1e-6)
 
 
-def test_fallbacks_warn_once_and_stay_exact():
-    n = 40
-    ei = random_edge_index(n, n, 5, seed=4)
-    x = torch.randn(n, 8)
+def multigraph(num_src, num_dst, seed):
+    """edge_index [2, E] with repeated edges (one edge up to three times, in shuffled order),
+    self loops and isolated nodes."""
+    g = torch.Generator().manual_seed(seed)
+    ei = random_edge_index(num_src, num_dst, 5, seed=seed, self_loops=True)
+    picks = torch.randint(0, ei.shape[1], (ei.shape[1] // 3,), generator=g)
+    ei = torch.cat([ei, ei[:, picks], ei[:, picks[: picks.numel() // 2]]], dim=1)
+    return ei[:, torch.randperm(ei.shape[1], generator=g)]
+
+
+def run_full(layer, x, edge_index, edge_attr=None, weights=False, **kwargs):
+    """Output, attention weights (if asked), and the gradients of x, edge_attr and every
+    parameter for a random upstream gradient."""
+    xs = tuple(t.detach().clone().requires_grad_() for t in (x if isinstance(x, tuple) else (x,)))
+    ea = None if edge_attr is None else edge_attr.detach().clone().requires_grad_()
+    args = (xs if isinstance(x, tuple) else xs[0], edge_index)
+    if ea is not None:
+        kwargs["edge_attr"] = ea
+    if weights:
+        kwargs["return_attention_weights"] = True
+    got = layer(*args, **kwargs)
+    out, (ei, alpha) = got if weights else (got, (None, None))
+    g = torch.Generator().manual_seed(99)
+    loss = (out * torch.randn(out.shape, generator=g, dtype=out.dtype)).sum()
+    if weights:
+        loss = loss + (alpha * torch.randn(alpha.shape, generator=g, dtype=alpha.dtype)).sum()
+    loss.backward()
+    grads = [t.grad for t in xs] + ([] if ea is None else [ea.grad])
+    params = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    layer.zero_grad()
+    extra = [] if not weights else [alpha.detach(), ei]
+    return out.detach(), grads, params, extra
+
+
+def assert_same(ours, pyg, rtol=1e-9):
+    """Float64 agreement of run_full's results (the weights' edge_index exactly)."""
+    (o, gx, gp, extra), (o2, gx2, gp2, extra2) = ours, pyg
+    assert_close((o, gx, gp), (o2, gx2, gp2), rtol)
+    if extra2:
+        assert torch.equal(extra[1], extra2[1])
+        assert (extra[0] - extra2[0]).abs().max() <= rtol * extra2[0].abs().max()
+
+
+MULTIGRAPH_CASES = [
+    ("TransformerConv", {"heads": 2}, False),
+    ("TransformerConv", {"heads": 3, "concat": False, "beta": True}, False),
+    ("TransformerConv", {"heads": 2, "edge_dim": 5}, False),
+    ("TransformerConv", {"heads": 2, "edge_dim": 5, "root_weight": False}, True),
+    ("TransformerConv", {"heads": 1}, True),
+    ("GATConv", {"heads": 2}, False),
+    ("GATConv", {"heads": 3, "concat": False, "add_self_loops": False}, True),
+    ("GATConv", {"heads": 2, "edge_dim": 5}, False),
+    ("GATConv", {"heads": 2, "edge_dim": 5, "fill_value": 0.5}, True),
+    ("GATConv", {"heads": 2, "edge_dim": 5, "fill_value": "add", "residual": True}, True),
+    ("AGNNConv", {}, False),
+]
+
+
+@pytest.mark.parametrize("layer, kwargs, weights", MULTIGRAPH_CASES)
+def test_layers_on_multigraphs_equal_pyg_in_float64(layer, kwargs, weights):
+    """Repeated edges (each copy its own softmax term), self loops, isolated nodes, edge features
+    and the attention weights: the same outputs and gradients (x, edge_attr, every parameter) as
+    PyG's layer in float64, and no fallback (warnings are errors)."""
+    n = 50
+    ei = multigraph(n, n, seed=21)
+    args = (16,) if layer == "AGNNConv" else (16, 6)
+    ours, pyg = pair(getattr(trisparse.nn, layer), getattr(pyg_nn, layer), *args, **kwargs)
+    ours, pyg = ours.double(), pyg.double()
+    x = torch.randn(n, 16, dtype=torch.float64)
+    ea = torch.randn(ei.shape[1], 5, dtype=torch.float64) if "edge_dim" in kwargs else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = run_full(ours, x, ei, ea, weights)
+    assert_same(got, run_full(pyg, x, ei, ea, weights))
+
+
+@pytest.mark.parametrize("layer", ["TransformerConv", "GATConv"])
+@pytest.mark.parametrize("size", [False, True])
+def test_bipartite_multigraphs_equal_pyg_in_float64(layer, size):
+    n_src, n_dst = 40, 25
+    ei = multigraph(n_src, n_dst, seed=5)
+    kwargs = {"heads": 2, "edge_dim": 3}
+    if layer == "GATConv":
+        kwargs["add_self_loops"] = False  # PyG's GATConv takes no self loops on bipartite graphs
+    ours, pyg = pair(getattr(trisparse.nn, layer), getattr(pyg_nn, layer), (8, 6), 4, **kwargs)
+    ours, pyg = ours.double(), pyg.double()
+    x = (torch.randn(n_src, 8, dtype=torch.float64), torch.randn(n_dst, 6, dtype=torch.float64))
+    ea = torch.randn(ei.shape[1], 3, dtype=torch.float64)
+    extra = {"size": (n_src, n_dst)} if size and layer == "GATConv" else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = run_full(ours, x, ei, ea, True, **extra)
+    assert_same(got, run_full(pyg, x, ei, ea, True, **extra))
+
+
+@pytest.mark.parametrize("layer", ["TransformerConv", "GATConv"])
+def test_dropout_on_multigraphs_drops_each_copy_as_pyg(layer):
+    """Attention dropout draws one factor per input edge (copy), in edge_index's order, as PyG."""
+    n = 50
+    ei = multigraph(n, n, seed=8)
     ours, pyg = pair(
-        trisparse.nn.TransformerConv, pyg_nn.TransformerConv, 8, 4, heads=2, edge_dim=3
+        getattr(trisparse.nn, layer), getattr(pyg_nn, layer), 8, 4, heads=2, dropout=0.4,
+        edge_dim=3,
     )
-    ea = torch.randn(ei.shape[1], 3)
-    with pytest.warns(UserWarning, match="edge features"):
-        a = ours(x, ei, ea)
-    assert torch.equal(a, pyg(x, ei, ea))
-    repeated = torch.cat([ei, ei[:, :3]], dim=1)
+    ours, pyg = ours.double(), pyg.double()
+    x = torch.randn(n, 8, dtype=torch.float64)
+    ea = torch.randn(ei.shape[1], 3, dtype=torch.float64)
+    torch.manual_seed(13)
+    got = run_full(ours, x, ei, ea)
+    torch.manual_seed(13)
+    assert_same(got, run_full(pyg, x, ei, ea))
+
+
+def test_repeated_edges_run_fused_and_match_pyg():
+    """Without dropout or edge features, repeats take the fused kernel with a log-count bias (the
+    float32 CPU engine here)."""
+    n = 60
+    ei = multigraph(n, n, seed=4)
     ours, pyg = pair(trisparse.nn.TransformerConv, pyg_nn.TransformerConv, 8, 4, heads=2)
-    with pytest.warns(UserWarning, match="3 repeated edges"):
-        a = ours(x, repeated)
-    assert torch.equal(a, pyg(x, repeated))
+    x = torch.randn(n, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = run(ours, x, ei)
+    assert_close(got, run(pyg, x, ei), rtol=2e-5)
+
+
+def test_edge_feature_errors_name_the_argument():
+    n = 20
+    ei = random_edge_index(n, n, 3, seed=2)
+    x = torch.randn(n, 8)
+    for cls in (trisparse.nn.TransformerConv, trisparse.nn.GATConv):
+        layer = cls(8, 4, heads=2, edge_dim=3)
+        with pytest.raises(ValueError, match="edge_attr"):
+            layer(x, ei, torch.randn(ei.shape[1] + 1, 3))
+        with pytest.raises(ValueError, match="edge_attr"):
+            layer(x, ei, torch.randn(ei.shape[1], 4))
+        with pytest.raises(TypeError, match="edge_attr"):
+            layer(x, ei, torch.ones(ei.shape[1], 3, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("layer", ["TransformerConv", "GATConv"])

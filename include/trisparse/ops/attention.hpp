@@ -65,6 +65,19 @@ struct attention_options {
   /// backward() needs: [rows, H, 1] (f32 for the fused algorithms), natural log, -inf for empty
   /// rows. The reference and fused algorithms (CPU and CUDA); not block-sparse plans yet.
   tensor_view lse{};
+  /// A per-entry additive score bias: S_ij = scale q_i . k_j + bias[e, h] for entry e = (i, j) in
+  /// the pattern's CSR order (rows sorted, columns sorted within a row). [nnz, H, 1], or
+  /// [nnz, 1, 1] for one bias shared by the heads; f32 on CUDA, any float dtype on the CPU; finite
+  /// (drop an entry from the pattern instead of giving it -inf). data == nullptr: none. A bias of
+  /// log(m_e) counts entry e as m_e copies, each a separate term of the softmax (a repeated edge,
+  /// as PyG counts it); learned biases (GATConv's edge term, Graphormer's encodings) take their
+  /// gradient from backward()'s dbias. run() and backward() of the reference and fused algorithms;
+  /// on CUDA a biased run takes the row-wise kernels (a plan with plan_options::gradients).
+  tensor_view bias{};
+  /// backward(): where data != nullptr, dL/dbias = dL/dS per entry and head, [nnz, H, 1] in CSR
+  /// entry order (f32 on CUDA; any float dtype on the CPU), overwritten; each entry is written
+  /// once, so it is deterministic (sum over the heads for a shared bias). With or without a bias.
+  tensor_view dbias{};
 };
 
 /// The scale run() applies: options.scale, or 1/sqrt(head_dim). @throws invalid_input if not

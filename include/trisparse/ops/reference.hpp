@@ -51,20 +51,24 @@ void fused3s(const bsb& format, const tensor_view& q, const tensor_view& k, cons
 
 // --- Gradients (issue 42): float64, obviously correct, checked against finite differences. ---
 
-/// attention() that also writes the per-row log-sum-exp of the scaled scores,
-/// lse[i, h] = log sum_j exp(scale <q_i, k_j>) over row i's entries (natural log; -inf for an
-/// empty row). lse: [rows, H, 1], any float dtype.
+/// attention() with a per-entry score bias, S_ij = scale <q_i, k_j> + bias[e, h] for entry
+/// e = (i, j) (data == nullptr: none), that also writes the per-row log-sum-exp of the scores,
+/// lse[i, h] = log sum_j exp(S_ij) over row i's entries (natural log; -inf for an empty row;
+/// data == nullptr: not written). lse: [rows, H, 1]; bias: [nnz, H, 1] or [nnz, 1, 1] (shared by
+/// the heads) in CSR entry order; any float dtype. A bias of log(m_e) counts entry e m_e times (a
+/// repeated edge: each copy a separate term of the softmax).
 void attention(const csr_graph& pattern, const tensor_view& q, const tensor_view& k,
-               const tensor_view& v, const tensor_view& out, double scale, const tensor_view& lse);
+               const tensor_view& v, const tensor_view& out, double scale, const tensor_view& lse,
+               const tensor_view& bias = {});
 
 /// Gradients of out = attention(q, k, v) given dout = dL/dout: dq [rows, H, D], dk [cols, H, D],
 /// dv [cols, H, Dv] (overwritten; rows and columns without entries get 0). ds: [nnz, H, 1] in
-/// CSR entry order, the gradient of the scaled score's argument (dL/dS, S = scale <q, k>), or a
-/// view with data == nullptr to skip it.
+/// CSR entry order, the gradient of the scaled score's argument (dL/dS, S = scale <q, k> + bias,
+/// so also dL/dbias), or a view with data == nullptr to skip it. bias: as attention()'s.
 void attention_backward(const csr_graph& pattern, const tensor_view& q, const tensor_view& k,
                         const tensor_view& v, const tensor_view& dout, const tensor_view& dq,
                         const tensor_view& dk, const tensor_view& dv, double scale,
-                        const tensor_view& ds = {});
+                        const tensor_view& ds = {}, const tensor_view& bias = {});
 
 /// Gradients of out = block_sparse_attention(mask, q, k, v) given dout, per sequence and head as
 /// attention_backward over mask.expand(b, h). Shapes as block_sparse_attention's.

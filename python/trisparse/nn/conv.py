@@ -18,6 +18,7 @@ try:
     from torch_geometric.nn import MessagePassing
     from torch_geometric.nn import TransformerConv as _PygTransformerConv
     from torch_geometric.nn.conv.gcn_conv import gcn_norm
+    from torch_geometric.utils import add_self_loops, remove_self_loops
 except ImportError as e:  # pragma: no cover - exercised only without PyG
     raise ImportError(
         "trisparse.nn holds drop-in replacements for PyG layers and needs torch_geometric "
@@ -25,6 +26,14 @@ except ImportError as e:  # pragma: no cover - exercised only without PyG
     ) from e
 
 from ..attention import sparse_attention
+from ..copies import (
+    copy_aggregate,
+    copy_dot,
+    copy_logsumexp,
+    copy_sum,
+    copy_weights,
+    to_copies,
+)
 from ..edge import edge_scores, edge_softmax, edge_spmm, sddmm
 from ..gat import gat_attention
 from ..pattern import Pattern
@@ -121,44 +130,43 @@ class TransformerConv(_Fused, _PygTransformerConv):
     gradients are deterministic.
 
     ``edge_index`` may also be a :class:`trisparse.Pattern` (built once, reused every step).
-    Attention dropout while training runs unfused: [E, heads] scores (SDDMM), softmax and
-    dropout, then the per-edge SpMM (as PyG, but without [E, heads, channels] messages). Falls
-    back to PyG's code, with a one-time warning, for: ``edge_dim`` / ``edge_attr``,
-    ``return_attention_weights``, and graphs with repeated edges (PyG counts each copy; the fused
-    pattern is binary)."""
+    Repeated edges count once per copy, as in PyG (a log-count bias on the fused scores). Attention
+    dropout while training, edge features (``edge_dim``) and ``return_attention_weights`` run the
+    per-edge path: [E, heads] scores (SDDMM), softmax and dropout per input edge, then the per-edge
+    SpMM; an edge feature a_ij enters as q_i . W_e a_ij on the score and W_e sum_j alpha_ij a_ij on
+    the output (exact by linearity), so only [E, edge_dim] and [N, heads, edge_dim] tensors appear.
+    Falls back to PyG's code, with a one-time warning, only for edge features or attention weights
+    over a graph given as a ``SparseTensor``."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._init_fused()
 
     def forward(self, x, edge_index, edge_attr=None, return_attention_weights=None):
-        reason = None
-        if self.lin_edge is not None or edge_attr is not None:
-            reason = "edge features (edge_dim) are not fused"
-        elif return_attention_weights is not None:
-            reason = "return_attention_weights is not fused"
-        x_src, x_dst = (x, x) if isinstance(x, Tensor) else x
-        pattern = None
-        if reason is None:
-            pattern = self._patterns.get(edge_index, x_src.size(0), x_dst.size(0))
-            if pattern.duplicates:
-                reason = f"the graph has {pattern.duplicates} repeated edges"
-        if reason is not None:
-            self._fallback(reason, edge_index)
+        if self.lin_edge is None:
+            edge_attr = None  # PyG's layer ignores it too
+        per_edge = edge_attr is not None or bool(return_attention_weights)
+        if per_edge and not isinstance(edge_index, (Tensor, Pattern)):
+            self._fallback(
+                "edge features and attention weights need an edge_index tensor", edge_index
+            )
             return super().forward(x, edge_index, edge_attr, return_attention_weights)
-
+        if self.lin_edge is not None and edge_attr is None:
+            raise ValueError("edge_attr: this layer has edge_dim set and needs edge features")
+        x_src, x_dst = (x, x) if isinstance(x, Tensor) else x
+        pattern = self._patterns.get(edge_index, x_src.size(0), x_dst.size(0))
         H, C = self.heads, self.out_channels
         query = self.lin_query(x_dst).view(-1, H, C)
         key = self.lin_key(x_src).view(-1, H, C)
         value = self.lin_value(x_src).view(-1, H, C)
         scale = 1.0 / math.sqrt(C)
-        if self.training and self.dropout > 0:
-            # Attention dropout needs the weights: [E, H] scores by SDDMM, their softmax per row,
-            # dropout, and the aggregation by the per-edge SpMM (still no [E, H, C] messages).
-            alpha = edge_softmax(scale * sddmm(query, key, pattern), pattern)
-            out = edge_spmm(self._attention_dropout(alpha, pattern), value, pattern)
+        dropout = self.training and self.dropout > 0
+        alpha = None
+        if per_edge or dropout:
+            out, alpha = self._per_edge(query, key, value, edge_attr, pattern, scale, dropout)
         else:
-            out = sparse_attention(query, key, value, pattern, scale=scale)
+            bias = pattern.log_multiplicity(query.device)
+            out = sparse_attention(query, key, value, pattern, scale=scale, bias=bias)
         out = out.reshape(-1, H * C) if self.concat else out.mean(dim=1)
         if self.root_weight:
             x_r = self.lin_skip(x_dst)
@@ -167,15 +175,70 @@ class TransformerConv(_Fused, _PygTransformerConv):
                 out = beta * x_r + (1 - beta) * out
             else:
                 out = out + x_r
+        if return_attention_weights:
+            return out, (edge_index, alpha)
         return out
+
+    def _per_edge(self, query, key, value, edge_attr, pattern, scale, dropout):
+        """The attention with [E, H] weights: returns the output [N, H, C] and the weights of the
+        input's edges (before dropout, as PyG's layer returns them)."""
+        H, C = self.heads, self.out_channels
+        if edge_attr is not None:
+            edge_attr = _edge_features(edge_attr, pattern, self.edge_dim)
+            w_edge = self.lin_edge.weight.view(H, C, -1)  # W_e of head h: [C, edge_dim]
+            # q_i . (W_e a_ij) = (W_e^T q_i) . a_ij: per-node [N, H, edge_dim], then per-edge dots.
+            scores = scale * copy_dot(torch.einsum("nhc,hcd->nhd", query, w_edge), edge_attr, pattern)
+        else:
+            scores = query.new_zeros(_input_edges(pattern), H)
+        entry = copy_logsumexp(scores, pattern)  # log(count) for plain repeats
+        alpha = edge_softmax(scale * sddmm(query, key, pattern) + entry, pattern)
+        weights = to_copies(alpha, pattern) * copy_weights(scores, entry, pattern)
+        dropped = F.dropout(weights, p=self.dropout, training=True) if dropout else weights
+        out = edge_spmm(copy_sum(dropped, pattern), value, pattern)
+        if edge_attr is not None:
+            messages = copy_aggregate(dropped, edge_attr, pattern)  # [N, H, edge_dim]
+            out = out + torch.einsum("nhd,hcd->nhc", messages, w_edge)
+        return out, weights
+
+
+def _input_edges(pattern: Pattern) -> int:
+    entries = pattern.entries_of_input(torch.device("cpu"))
+    if entries is None:
+        raise TypeError(
+            "edge_index: per-edge values need the edges a Pattern was built from; pass "
+            "edge_index (or a Pattern from Pattern.from_edge_index)"
+        )
+    return entries.numel()
+
+
+def _check_float(name: str, t) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a float tensor, got {t.dtype}")
+
+
+def _edge_features(edge_attr, pattern: Pattern, edge_dim: int) -> Tensor:
+    """edge_attr as [E, edge_dim] (PyG also takes [E] for edge_dim 1), checked against the
+    graph's edge count."""
+    _check_float("edge_attr", edge_attr)
+    if edge_attr.dim() == 1:
+        edge_attr = edge_attr.unsqueeze(-1)
+    edges = _input_edges(pattern)
+    if edge_attr.dim() != 2 or edge_attr.shape != (edges, edge_dim):
+        raise ValueError(
+            f"edge_attr must have shape [{edges}, {edge_dim}] (one row per edge of edge_index, "
+            f"edge_dim columns), got {list(edge_attr.shape)}"
+        )
+    return edge_attr
 
 
 class AGNNConv(_Fused, _PygAGNNConv):
     """PyG's :class:`torch_geometric.nn.AGNNConv` (same arguments, ``beta`` parameter or buffer,
     outputs), as fused attention: out_i = sum_j softmax_j(beta cos(x_i, x_j)) x_j over i's
     incoming edges (and a self loop per node with ``add_self_loops``), with q = beta x_i / |x_i|,
-    k = x_j / |x_j|, v = x_j, so autograd reaches beta through q. Falls back to PyG's code, with
-    a one-time warning, for graphs with repeated edges."""
+    k = x_j / |x_j|, v = x_j, so autograd reaches beta through q. Repeated edges count once per
+    copy, as in PyG (a log-count bias on the fused scores)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -184,12 +247,16 @@ class AGNNConv(_Fused, _PygAGNNConv):
     def forward(self, x: Tensor, edge_index) -> Tensor:
         n = x.size(0)
         pattern = self._patterns.get(edge_index, n, n, add_self_loops=self.add_self_loops)
-        if pattern.duplicates:
-            self._fallback(f"the graph has {pattern.duplicates} repeated edges", edge_index)
-            return super().forward(x, edge_index)
         x_norm = F.normalize(x, p=2.0, dim=-1)
         q = (self.beta * x_norm).unsqueeze(1)
-        out = sparse_attention(q, x_norm.unsqueeze(1), x.unsqueeze(1), pattern, scale=1.0)
+        out = sparse_attention(
+            q,
+            x_norm.unsqueeze(1),
+            x.unsqueeze(1),
+            pattern,
+            scale=1.0,
+            bias=pattern.log_multiplicity(x.device),
+        )
         return out.squeeze(1)
 
 
@@ -257,64 +324,126 @@ class GATConv(_Fused, _PygGATConv):
     edges and the aggregation of W x_j run as one fused op (:func:`trisparse.gat_attention`), so
     neither [E, heads] scores nor [E, heads, channels] messages are materialised, and the
     gradients are deterministic. Attention dropout (``dropout``) drops the same edges as PyG's
-    for the same seed (its [E, heads] factors are the one per-edge tensor formed). Heads wider
-    than 512 channels run the per-edge ops (scores, softmax, per-edge SpMM) instead.
+    for the same seed (its [E, heads] factors are the one per-edge tensor formed).
 
-    ``edge_index`` may also be a :class:`trisparse.Pattern` (built once, self loops included if
-    wanted). Falls back to PyG's code, with a one-time warning, for: ``edge_dim`` / ``edge_attr``,
-    ``return_attention_weights``, bipartite inputs, ``size``, and graphs with repeated edges."""
+    Repeated edges (each copy its own term, as in PyG), edge features (``edge_dim``: the edge term
+    a_edge . W_e a_ij becomes one [edge_dim, heads] product, with ``fill_value`` for the self loops
+    as PyG), ``return_attention_weights`` and heads wider than 512 channels run the per-edge path:
+    [E, heads] scores, their softmax and the per-edge SpMM (no [E, heads, channels] tensor).
+    Bipartite inputs ``(x_src, x_dst)`` and ``size`` are taken as PyG takes them. ``edge_index``
+    may also be a :class:`trisparse.Pattern` (built once, self loops included if wanted). Falls
+    back to PyG's code, with a one-time warning, only for edge features or attention weights over
+    a graph given as a ``SparseTensor``."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._init_fused()
 
     def forward(self, x, edge_index, edge_attr=None, size=None, return_attention_weights=None):
-        reason = None
-        if self.lin_edge is not None or edge_attr is not None:
-            reason = "edge features (edge_dim) are not fused"
-        elif return_attention_weights is not None:
-            reason = "return_attention_weights is not fused"
-        elif not isinstance(x, Tensor):
-            reason = "bipartite inputs (a pair of feature tensors) are not fused yet"
-        elif size is not None:
-            reason = "an explicit size is not fused"
-        pattern = None
-        if reason is None:
-            n = x.size(0)
-            pattern = self._patterns.get(edge_index, n, n, add_self_loops=self.add_self_loops)
-            if pattern.duplicates:
-                reason = f"the graph has {pattern.duplicates} repeated edges"
-        if reason is not None:
-            self._fallback(reason, edge_index)
+        if self.lin_edge is None:
+            edge_attr = None  # PyG's layer ignores it too
+        per_edge = edge_attr is not None or bool(return_attention_weights)
+        if per_edge and not isinstance(edge_index, (Tensor, Pattern)):
+            self._fallback(
+                "edge features and attention weights need an edge_index tensor", edge_index
+            )
             return super().forward(x, edge_index, edge_attr, size, return_attention_weights)
-
         H, C = self.heads, self.out_channels
-        res = self.res(x) if getattr(self, "res", None) is not None else None
-        if self.lin is not None:
-            x_src = x_dst = self.lin(x).view(-1, H, C)
+        res = None
+        if isinstance(x, Tensor):
+            res = self.res(x) if getattr(self, "res", None) is not None else None
+            if self.lin is not None:
+                x_src = x_dst = self.lin(x).view(-1, H, C)
+            else:
+                x_src, x_dst = self.lin_src(x).view(-1, H, C), self.lin_dst(x).view(-1, H, C)
         else:
-            x_src, x_dst = self.lin_src(x).view(-1, H, C), self.lin_dst(x).view(-1, H, C)
+            x_src, x_dst = x
+            if x_dst is not None and getattr(self, "res", None) is not None:
+                res = self.res(x_dst)
+            lin_src = self.lin if self.lin is not None else self.lin_src
+            lin_dst = self.lin if self.lin is not None else self.lin_dst
+            x_src = lin_src(x_src).view(-1, H, C)
+            x_dst = None if x_dst is None else lin_dst(x_dst).view(-1, H, C)
+        num_src = x_src.size(0)
+        num_dst = x_dst.size(0) if x_dst is not None else num_src
+        if size is not None:
+            num_src, num_dst = int(size[0]), int(size[1])
+        pattern = self._patterns.get(
+            edge_index, num_src, num_dst, add_self_loops=self.add_self_loops
+        )
         alpha_src = (x_src * self.att_src).sum(dim=-1)
-        alpha_dst = (x_dst * self.att_dst).sum(dim=-1)
+        alpha_dst = (
+            x_src.new_zeros(num_dst, H) if x_dst is None else (x_dst * self.att_dst).sum(dim=-1)
+        )
         dropout = self.training and self.dropout > 0
-        if C <= _GAT_MAX_WIDTH:
+        weights = None
+        if per_edge or pattern.duplicates or C > _GAT_MAX_WIDTH:
+            if edge_attr is not None:
+                edge_attr = self._edge_features(edge_attr, edge_index, pattern, num_src, num_dst)
+            out, weights = self._per_edge(x_src, alpha_src, alpha_dst, edge_attr, pattern, dropout)
+        else:
             keep = order = None
             if dropout:  # PyG's dropout of the [E, H] weights, drawn in the input's edge order
                 keep = F.dropout(x_src.new_ones(pattern.nnz, H), p=self.dropout, training=True)
-                order = pattern.input_order(x.device)
+                order = pattern.input_order(x_src.device)
                 order = None if order is None else order[1]
             out = gat_attention(
                 x_src, alpha_src, alpha_dst, pattern, self.negative_slope, keep, order
             )
-        else:
-            alpha = F.leaky_relu(edge_scores(alpha_dst, alpha_src, pattern), self.negative_slope)
-            alpha = edge_softmax(alpha, pattern)
-            if dropout:
-                alpha = self._attention_dropout(alpha, pattern)
-            out = edge_spmm(alpha, x_src, pattern)
         out = out.reshape(-1, H * C) if self.concat else out.mean(dim=1)
         if res is not None:
             out = out + res
         if self.bias is not None:
             out = out + self.bias
+        if return_attention_weights:
+            return out, (_with_loops(edge_index, pattern), weights)
         return out
+
+    def _edge_features(self, edge_attr, edge_index, pattern, num_src, num_dst) -> Tensor:
+        """edge_attr of the pattern's input edges: with self loops, PyG's own removal and
+        addition (fill_value) over edge_index."""
+        _check_float("edge_attr", edge_attr)
+        if self.add_self_loops:
+            if not isinstance(edge_index, Tensor):
+                raise TypeError(
+                    "edge_index: edge features with add_self_loops need the edge_index tensor "
+                    "(the loops' features are filled from it)"
+                )
+            n = min(num_src, num_dst)
+            if edge_attr.dim() == 1:
+                edge_attr = edge_attr.unsqueeze(-1)
+            if edge_attr.size(0) != edge_index.size(1):
+                raise ValueError(
+                    f"edge_attr must have one row per edge of edge_index ({edge_index.size(1)}), "
+                    f"got {edge_attr.size(0)}"
+                )
+            ei, edge_attr = remove_self_loops(edge_index, edge_attr)
+            _, edge_attr = add_self_loops(ei, edge_attr, fill_value=self.fill_value, num_nodes=n)
+        return _edge_features(edge_attr, pattern, self.edge_dim)
+
+    def _per_edge(self, x_src, alpha_src, alpha_dst, edge_attr, pattern, dropout):
+        """GAT's attention with [E, H] weights per input edge: the output [N, H, C] and the
+        weights (after dropout, as PyG's layer returns them)."""
+        H, C = self.heads, self.out_channels
+        scores = to_copies(edge_scores(alpha_dst, alpha_src, pattern), pattern)
+        if edge_attr is not None:
+            # (W_e a . att_edge) summed over C = a . (W_e^T att_edge): one [edge_dim, H] matrix.
+            w_edge = self.lin_edge.weight.view(H, C, -1)
+            scores = scores + edge_attr @ torch.einsum("hcd,hc->dh", w_edge, self.att_edge[0])
+        scores = F.leaky_relu(scores, self.negative_slope)
+        entry = copy_logsumexp(scores, pattern)
+        alpha = edge_softmax(entry, pattern)
+        weights = to_copies(alpha, pattern) * copy_weights(scores, entry, pattern)
+        if dropout:
+            weights = F.dropout(weights, p=self.dropout, training=True)
+        return edge_spmm(copy_sum(weights, pattern), x_src, pattern), weights
+
+
+def _with_loops(edge_index, pattern: Pattern) -> Tensor:
+    """The edge_index whose edges the per-edge weights are of (PyG's, self loops included)."""
+    if isinstance(edge_index, Pattern):
+        row, col = edge_index.entries(edge_index.device)
+        return torch.stack([col, row])
+    rows = pattern.entries(edge_index.device)
+    entries = pattern.entries_of_input(edge_index.device)
+    return torch.stack([rows[1][entries], rows[0][entries]])

@@ -67,12 +67,18 @@ struct row_state {
   }
 };
 
+/// No score bias (attend_chunk's default).
+struct no_bias {
+  float operator()(std::int64_t) const { return 0.0f; }
+};
+
 /// Attends qrow (already scaled by scale * log2 e) to n <= kChunk keys, key j at row key_row(j)
-/// of k and v (head h): one rescale of the state per chunk.
-template <class KeyRow>
+/// of k and v (head h), its score plus key_bias(j) (in log2 units): one rescale of the state per
+/// chunk.
+template <class KeyRow, class KeyBias = no_bias>
 inline void attend_chunk(const float* qrow, std::int64_t n, KeyRow key_row, const f32_operand& kf,
                          const f32_operand& vf, std::int64_t h, std::int64_t dk, std::int64_t dv,
-                         row_state& st) {
+                         row_state& st, KeyBias key_bias = {}) {
   float chunk_max = -std::numeric_limits<float>::infinity();
   for (std::int64_t j = 0; j < n; ++j) {
     // K ahead for this loop; V of this key for the accumulation loop below.
@@ -82,6 +88,7 @@ inline void attend_chunk(const float* qrow, std::int64_t n, KeyRow key_row, cons
     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
     for (std::int64_t d = 0; d < dk; ++d) dot += qrow[d] * kp[d];
+    dot += key_bias(j);
     st.s[j] = dot;
     chunk_max = std::max(chunk_max, dot);
   }

@@ -27,7 +27,8 @@ void fused_attention_backward_unchecked(const csr_graph& a, const csr_graph& at,
                                         const tensor_view& v, const tensor_view& out,
                                         const tensor_view& lse, const tensor_view& dout,
                                         const tensor_view& dq, const tensor_view& dk,
-                                        const tensor_view& dv, float scale) {
+                                        const tensor_view& dv, float scale,
+                                        const backward_bias& bias) {
   detail::check_attention_args(a.rows, a.cols, q, k, v, out, device_kind::cpu);
   check_view(lse, "lse", a.rows, q.heads, 1);
   check_view(dout, "dout", a.rows, q.heads, v.dim);
@@ -37,6 +38,20 @@ void fused_attention_backward_unchecked(const csr_graph& a, const csr_graph& at,
   TRISPARSE_EXPECTS_INPUT(at.rows == a.cols && at.cols == a.rows && at.nnz() == a.nnz(),
                           "the transposed pattern does not match the pattern");
   TRISPARSE_EXPECTS_INPUT(std::isfinite(scale), "scale must be finite");
+  const bool biased = bias.bias.data != nullptr;
+  if (biased) {
+    detail::check_bias(bias.bias, "bias", a.nnz(), q.heads, device_kind::cpu);
+    TRISPARSE_EXPECTS_INPUT(
+        bias.transposed_entry.size() == static_cast<std::size_t>(a.nnz()),
+        "a biased backward needs the entry of the pattern of each entry of its transpose");
+  }
+  if (bias.dbias.data != nullptr)
+    detail::check_bias(bias.dbias, "dbias", a.nnz(), q.heads, device_kind::cpu, true);
+  const f32_operand bf = biased ? as_f32(bias.bias) : f32_operand{};
+  // The bias of entry e (of the pattern), head h.
+  const auto bias_of = [&](std::int64_t e, std::int64_t h) {
+    return biased ? *bf.row(e, detail::bias_head(bias.bias, h)) : 0.0f;
+  };
   const f32_operand qf = as_f32(q), kf = as_f32(k), vf = as_f32(v), of = as_f32(out),
                     gf = as_f32(dout), lf = as_f32(lse);
   const std::int64_t heads = q.heads, d_k = q.dim, d_v = v.dim;
@@ -59,8 +74,9 @@ void fused_attention_backward_unchecked(const csr_graph& a, const csr_graph& at,
         for (std::int64_t e = a.row_ptr[i]; e < a.row_ptr[i + 1]; ++e) {
           const std::int64_t j = a.col_idx[e];
           const float* kj = kf.row(j, h);
-          const float p = std::exp(scale * dot(qi, kj, d_k) - l);
+          const float p = std::exp(scale * dot(qi, kj, d_k) + bias_of(e, h) - l);
           const float ds = p * (dot(gi, vf.row(j, h), d_v) - di);
+          if (bias.dbias.data != nullptr) store_value(bias.dbias, e, h, 0, ds);
 #pragma omp simd
           for (std::int64_t d = 0; d < d_k; ++d) acc[d] += ds * kj[d];
         }
@@ -84,7 +100,9 @@ void fused_attention_backward_unchecked(const csr_graph& a, const csr_graph& at,
           const std::int64_t i = at.col_idx[e];
           const float* qi = qf.row(i, h);
           const float* gi = gf.row(i, h);
-          const float p = std::exp(scale * dot(qi, kj, d_k) - *lf.row(i, h));
+          const float b = biased ? bias_of(bias.transposed_entry[static_cast<std::size_t>(e)], h)
+                                 : 0.0f;
+          const float p = std::exp(scale * dot(qi, kj, d_k) + b - *lf.row(i, h));
           const float ds = p * (dot(gi, vj, d_v) - rowdot[static_cast<std::size_t>(i * heads + h)]);
 #pragma omp simd
           for (std::int64_t d = 0; d < d_k; ++d) acc_k[d] += ds * qi[d];

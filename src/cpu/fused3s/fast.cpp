@@ -16,11 +16,14 @@ namespace trisparse::cpu {
 
 void fused_attention_unchecked(const csr_graph& a, const tensor_view& q, const tensor_view& k,
                                const tensor_view& v, const tensor_view& out, float scale,
-                               const tensor_view& lse) {
+                               const tensor_view& lse, const tensor_view& bias) {
   detail::check_attention_args(a.rows, a.cols, q, k, v, out, device_kind::cpu);
   if (lse.data != nullptr) check_view(lse, "lse", a.rows, q.heads, 1);
+  const bool biased = bias.data != nullptr;
+  if (biased) detail::check_bias(bias, "bias", a.nnz(), q.heads, device_kind::cpu);
   TRISPARSE_EXPECTS_INPUT(std::isfinite(scale), "scale must be finite");
   const f32_operand qf = as_f32(q), kf = as_f32(k), vf = as_f32(v);
+  const f32_operand bf = biased ? as_f32(bias) : f32_operand{};
   const std::int64_t heads = q.heads, dk = q.dim, dv = v.dim;
   // exp(x) = exp2(x * log2 e): fold log2 e into the scale once.
   const float scale2 = scale * std::numbers::log2e_v<float>;
@@ -37,10 +40,16 @@ void fused_attention_unchecked(const csr_graph& a, const tensor_view& q, const t
         for (std::int64_t d = 0; d < dk; ++d) qrow[d] = qp[d] * scale2;
         st.reset();
         for (std::int64_t c0 = e0; c0 < e1; c0 += kChunk) {
-          attend_chunk(
-              qrow.data(), std::min(kChunk, e1 - c0),
-              [&](std::int64_t j) { return std::int64_t{a.col_idx[c0 + j]}; }, kf, vf, h, dk, dv,
-              st);
+          const auto key_row = [&](std::int64_t j) { return std::int64_t{a.col_idx[c0 + j]}; };
+          const std::int64_t n = std::min(kChunk, e1 - c0);
+          if (biased) {
+            const std::int64_t bh = detail::bias_head(bias, h);
+            attend_chunk(qrow.data(), n, key_row, kf, vf, h, dk, dv, st, [&](std::int64_t j) {
+              return *bf.row(c0 + j, bh) * std::numbers::log2e_v<float>;
+            });
+          } else {
+            attend_chunk(qrow.data(), n, key_row, kf, vf, h, dk, dv, st);
+          }
         }
         store_row(st, out, i, h);
         if (lse.data != nullptr) store_value(lse, i, h, 0, row_lse(st));

@@ -1,15 +1,27 @@
 #pragma once
 // The CPU engine's fused attention and its backward, for patterns already checked (by a plan).
+#include <cstdint>
+#include <span>
+
 #include "trisparse/core/tensor.hpp"
 #include "trisparse/graph/csr.hpp"
 
 namespace trisparse::cpu {
 
 /// fused_attention for a checked pattern; with lse.data != nullptr also writes the per-row
-/// log-sum-exp ([rows, H, 1], natural log, -inf for empty rows).
+/// log-sum-exp ([rows, H, 1], natural log, -inf for empty rows). bias: a per-entry score bias
+/// ([nnz, H, 1] or [nnz, 1, 1], any float dtype; data == nullptr: none).
 void fused_attention_unchecked(const csr_graph& a, const tensor_view& q, const tensor_view& k,
                                const tensor_view& v, const tensor_view& out, float scale,
-                               const tensor_view& lse = {});
+                               const tensor_view& lse = {}, const tensor_view& bias = {});
+
+/// The score bias of a backward and its gradient: bias as the forward's, dbias [nnz, H, 1]
+/// (dL/dS per entry; data == nullptr: not written), and for a bias the entry of the pattern that
+/// each entry of the transpose is (its CSR order).
+struct backward_bias {
+  tensor_view bias{}, dbias{};
+  std::span<const std::int64_t> transposed_entry{};
+};
 
 /// Gradients of out = fused_attention(a, q, k, v) given dout, from the forward's out and lse
 /// (FlashAttention-2's backward on the pattern, fp32): dq by rows of a, dk and dv by rows of
@@ -20,6 +32,7 @@ void fused_attention_backward_unchecked(const csr_graph& a, const csr_graph& at,
                                         const tensor_view& v, const tensor_view& out,
                                         const tensor_view& lse, const tensor_view& dout,
                                         const tensor_view& dq, const tensor_view& dk,
-                                        const tensor_view& dv, float scale);
+                                        const tensor_view& dv, float scale,
+                                        const backward_bias& bias = {});
 
 }  // namespace trisparse::cpu

@@ -37,32 +37,31 @@ struct grad {
   }
 };
 
-// Per row i and head h: the scaled scores' max and log-sum-exp over the row's entries.
-double row_lse(const csr_graph& a, const tensor_view& q, const tensor_view& k, std::int64_t i,
-               std::int64_t h, double scale) {
+// The scaled score of entry e = (i, j), head h, with its bias.
+double score(const tensor_view& q, const tensor_view& k, const tensor_view& bias, std::int64_t i,
+             std::int64_t j, std::int64_t e, std::int64_t h, double scale) {
+  const double b = bias.data != nullptr ? at(bias, e, detail::bias_head(bias, h), 0) : 0.0;
+  return scale * dot(q, i, k, j, h) + b;
+}
+
+// Per row i and head h: the log-sum-exp of the scores over the row's entries.
+double row_lse(const csr_graph& a, const tensor_view& q, const tensor_view& k,
+               const tensor_view& bias, std::int64_t i, std::int64_t h, double scale) {
   double m = -std::numeric_limits<double>::infinity(), sum = 0;
   for (std::int64_t e = a.row_ptr[i]; e < a.row_ptr[i + 1]; ++e)
-    m = std::max(m, scale * dot(q, i, k, a.col_idx[e], h));
+    m = std::max(m, score(q, k, bias, i, a.col_idx[e], e, h, scale));
   if (m == -std::numeric_limits<double>::infinity()) return m;
   for (std::int64_t e = a.row_ptr[i]; e < a.row_ptr[i + 1]; ++e)
-    sum += std::exp(scale * dot(q, i, k, a.col_idx[e], h) - m);
+    sum += std::exp(score(q, k, bias, i, a.col_idx[e], e, h, scale) - m);
   return m + std::log(sum);
 }
 
 }  // namespace
 
-void attention(const csr_graph& a, const tensor_view& q, const tensor_view& k, const tensor_view& v,
-               const tensor_view& out, double scale, const tensor_view& lse) {
-  attention(a, q, k, v, out, scale);
-  check_view(lse, "lse", a.rows, q.heads, 1);
-  for (std::int64_t i = 0; i < a.rows; ++i)
-    for (std::int64_t h = 0; h < q.heads; ++h) put(lse, i, h, 0, row_lse(a, q, k, i, h, scale));
-}
-
 void attention_backward(const csr_graph& a, const tensor_view& q, const tensor_view& k,
                         const tensor_view& v, const tensor_view& dout, const tensor_view& dq,
                         const tensor_view& dk, const tensor_view& dv, double scale,
-                        const tensor_view& ds) {
+                        const tensor_view& ds, const tensor_view& bias) {
   a.check();
   check_view(q, "q", a.rows, -1, -1);
   check_view(k, "k", a.cols, q.heads, q.dim);
@@ -72,6 +71,7 @@ void attention_backward(const csr_graph& a, const tensor_view& q, const tensor_v
   check_view(dk, "dk", a.cols, q.heads, q.dim);
   check_view(dv, "dv", a.cols, q.heads, v.dim);
   if (ds.data != nullptr) check_view(ds, "ds", a.nnz(), q.heads, 1);
+  if (bias.data != nullptr) detail::check_bias(bias, "bias", a.nnz(), q.heads, device_kind::cpu);
   TRISPARSE_EXPECTS_INPUT(std::isfinite(scale), "scale must be finite");
   const std::int64_t heads = q.heads;
   grad gq(a.rows, heads, q.dim), gk(a.cols, heads, q.dim), gv(a.cols, heads, v.dim);
@@ -79,13 +79,13 @@ void attention_backward(const csr_graph& a, const tensor_view& q, const tensor_v
   for (std::int64_t i = 0; i < a.rows; ++i) {
     const std::int64_t e0 = a.row_ptr[i], n = a.row_ptr[i + 1] - e0;
     for (std::int64_t h = 0; h < heads; ++h) {
-      const double lse = row_lse(a, q, k, i, h, scale);
+      const double lse = row_lse(a, q, k, bias, i, h, scale);
       p.assign(static_cast<std::size_t>(n), 0.0);
       dp.assign(static_cast<std::size_t>(n), 0.0);
       double dp_mean = 0;  // sum_j p_j dp_j = <dout_i, out_i>
       for (std::int64_t x = 0; x < n; ++x) {
         const std::int64_t j = a.col_idx[e0 + x];
-        p[x] = std::exp(scale * dot(q, i, k, j, h) - lse);
+        p[x] = std::exp(score(q, k, bias, i, j, e0 + x, h, scale) - lse);
         dp[x] = dot(dout, i, v, j, h);
         dp_mean += p[x] * dp[x];
       }

@@ -71,9 +71,17 @@ void spmm(const csr_graph& a, const tensor_view& w, const tensor_view& b, const 
 
 void attention(const csr_graph& a, const tensor_view& q, const tensor_view& k, const tensor_view& v,
                const tensor_view& out, double scale) {
+  attention(a, q, k, v, out, scale, tensor_view{}, tensor_view{});
+}
+
+void attention(const csr_graph& a, const tensor_view& q, const tensor_view& k, const tensor_view& v,
+               const tensor_view& out, double scale, const tensor_view& lse,
+               const tensor_view& bias) {
   a.check();
   detail::check_attention_args(a.rows, a.cols, q, k, v, out, device_kind::cpu);
   TRISPARSE_EXPECTS_INPUT(std::isfinite(scale), "scale must be finite");
+  if (lse.data != nullptr) check_view(lse, "lse", a.rows, q.heads, 1);
+  if (bias.data != nullptr) detail::check_bias(bias, "bias", a.nnz(), q.heads, device_kind::cpu);
   csr_graph binary = a;
   binary.values.clear();  // attention uses the pattern only
   std::vector<double> s(binary.nnz() * q.heads), p(s.size());
@@ -81,8 +89,24 @@ void attention(const csr_graph& a, const tensor_view& q, const tensor_view& k, c
     return tensor_view::contiguous(buf.data(), dtype::f64, binary.nnz(), q.heads, 1);
   };
   sddmm(binary, q, k, edge_view(s), scale);
+  if (bias.data != nullptr) {
+    for (std::int64_t e = 0; e < binary.nnz(); ++e)
+      for (std::int64_t h = 0; h < q.heads; ++h)
+        s[e * q.heads + h] += at(bias, e, detail::bias_head(bias, h), 0);
+  }
   softmax(binary, edge_view(s), edge_view(p));
   spmm(binary, edge_view(p), v, out);
+  if (lse.data == nullptr) return;
+  for (std::int64_t i = 0; i < a.rows; ++i) {
+    for (std::int64_t h = 0; h < q.heads; ++h) {
+      double m = -std::numeric_limits<double>::infinity(), sum = 0;
+      for (std::int64_t e = a.row_ptr[i]; e < a.row_ptr[i + 1]; ++e)
+        m = std::max(m, s[e * q.heads + h]);
+      for (std::int64_t e = a.row_ptr[i]; e < a.row_ptr[i + 1]; ++e)
+        sum += std::exp(s[e * q.heads + h] - m);
+      put(lse, i, h, 0, a.degree(i) > 0 ? m + std::log(sum) : m);
+    }
+  }
 }
 
 namespace {

@@ -49,7 +49,21 @@ struct core_params {
   float* part2 = nullptr;
   float* part_ml = nullptr;  // forward: [slots, H, 2] running max (log2 units) and sum
   float scale = 1.0f, scale_log2 = 1.0f;
+  // The score bias, element (e, h) at bias[e * bias_rs + h * bias_hs] (bias_hs = 0: shared by the
+  // heads) for entry e of the pattern; nullptr: none. The column pass finds the pattern's entry of
+  // its (transposed) entry t at entry[t].
+  const float* bias = nullptr;
+  std::int64_t bias_rs = 0, bias_hs = 0;
+  const std::int64_t* entry = nullptr;
+  // The row pass: dL/dS of entry e, head h, at dbias[e * dbias_rs + h * dbias_hs]; nullptr: none.
+  float* dbias = nullptr;
+  std::int64_t dbias_rs = 0, dbias_hs = 0;
 };
+
+// The bias of entry e, head h, in log2 units (0 without a bias).
+__device__ __forceinline__ float bias_log2(const core_params& p, std::int64_t e, int h) {
+  return p.bias == nullptr ? 0.0f : p.bias[e * p.bias_rs + h * p.bias_hs] * kCoreLog2e;
+}
 
 struct core_work {
   chunk w;
@@ -115,7 +129,8 @@ __global__ void __launch_bounds__(kWarps * 32) core_forward(const core_params p)
       float mn = m;
 #pragma unroll
       for (int b = 0; b < U; ++b) {
-        s[b] = u + b < n ? head_lanes::head_sum(s[b], p.l) : -INFINITY;
+        s[b] = u + b < n ? head_lanes::head_sum(s[b], p.l) + bias_log2(p, base + u + b, at.load_head)
+                         : -INFINITY;
         mn = fmaxf(mn, s[b]);
       }
       const float rescale = exp2f(m - mn);  // mn is finite: entry u is in the row
@@ -207,7 +222,8 @@ __global__ void __launch_bounds__(kWarps * 32) core_terms(const core_params p, s
     const std::int64_t begin = p.row_ptr[i], end = p.row_ptr[i + 1];
     for (std::int64_t e = begin; e < end; ++e) {
       head_lanes::load_row<T, V, K>(p.k.at<T>(p.col[e], at.load_head), p.l, at.sub, p.wq, kx);
-      const float s = head_lanes::head_sum(head_lanes::lane_dot<V, K>(qi, kx), p.l);
+      const float s = head_lanes::head_sum(head_lanes::lane_dot<V, K>(qi, kx), p.l) +
+                      bias_log2(p, e, at.load_head);
       const float mn = fmaxf(m, s);
       l = l * exp2f(m - mn) + exp2f(s - mn);
       m = mn;
@@ -259,7 +275,10 @@ __global__ void __launch_bounds__(kWarps * 32) core_row_pass(const core_params p
 #pragma unroll
       for (int b = 0; b < U; ++b) {
         if (u + b >= n) break;
-        const float ds = exp2f(s[b] - lse) * (dp[b] - delta);
+        const std::int64_t e = base + u + b;
+        const float ds = exp2f(s[b] + bias_log2(p, e, at.load_head) - lse) * (dp[b] - delta);
+        if (p.dbias != nullptr && at.active && at.sub == 0)
+          p.dbias[e * p.dbias_rs + at.head * p.dbias_hs] = ds;
 #pragma unroll
         for (int k = 0; k < K; ++k)
 #pragma unroll
@@ -315,7 +334,9 @@ __global__ void __launch_bounds__(kWarps * 32) core_column_pass(const core_param
 #pragma unroll
       for (int b = 0; b < U; ++b) {
         if (u + b >= n) break;
-        const float pe = exp2f(s[b] - lse[b]);
+        const float bias =
+            p.bias == nullptr ? 0.0f : bias_log2(p, p.entry[base + u + b], at.load_head);
+        const float pe = exp2f(s[b] + bias - lse[b]);
         const float ds = pe * (dp[b] - delta[b]);
 #pragma unroll
         for (int k = 0; k < K; ++k)

@@ -59,6 +59,7 @@ struct tc_pass {
 struct attention_backward_device_plan {
   std::int64_t rows = 0, cols = 0, nnz = 0;
   device_buffer<std::int64_t> row_ptr;            // A's offsets (the log-sum-exp recompute)
+  device_buffer<std::int64_t> column_entry;       // A's entry of each of A^T's (a bias's reads)
   attention_backward::pass row, column;           // over A's rows (dq), over A^T's rows (dk, dv)
   attention_backward::tc_pass tc_row, tc_column;  // the same over A's and A^T's BSB windows
 };
@@ -311,6 +312,28 @@ void set_work(core_params& p, const pass& work) {
   p.n_splits = static_cast<std::int64_t>(work.splits.size());
 }
 
+// A bias (score_bias::bias) and its gradient for the CUDA-core kernels.
+void set_bias(core_params& p, const tensor_view& bias, const tensor_view& dbias,
+              const attention_backward_device_plan& plan) {
+  if (bias.data != nullptr) {
+    TRISPARSE_EXPECTS_INPUT(bias.type == dtype::f32 && bias.rows == plan.nnz,
+                            "the CUDA attention takes the bias as f32 [nnz, H or 1, 1], not " +
+                                bias.describe());
+    p.bias = static_cast<const float*>(bias.data);
+    p.bias_rs = bias.row_stride;
+    p.bias_hs = bias.heads == 1 ? 0 : bias.head_stride;
+    p.entry = plan.column_entry.data();
+  }
+  if (dbias.data != nullptr) {
+    TRISPARSE_EXPECTS_INPUT(dbias.type == dtype::f32 && dbias.rows == plan.nnz,
+                            "the CUDA attention backward writes dbias as f32 [nnz, H, 1], not " +
+                                dbias.describe());
+    p.dbias = static_cast<float*>(dbias.data);
+    p.dbias_rs = dbias.row_stride;
+    p.dbias_hs = dbias.head_stride;
+  }
+}
+
 void check_dims(const tensor_view& q, const tensor_view& v, const char* what) {
   TRISPARSE_EXPECTS_INPUT(q.dim <= kMaxHeadDim && v.dim <= kMaxHeadDim,
                           std::string(what) + " takes head dims up to " +
@@ -321,9 +344,11 @@ void check_dims(const tensor_view& q, const tensor_view& v, const char* what) {
 }  // namespace
 
 std::shared_ptr<attention_backward_device_plan> make_attention_backward_plan(
-    const csr_graph& pattern, const csr_graph& transposed, stream_ref stream) {
+    const csr_graph& pattern, const csr_graph& transposed,
+    std::span<const std::int64_t> transposed_entry, stream_ref stream) {
   TRISPARSE_EXPECTS_INPUT(transposed.rows == pattern.cols && transposed.cols == pattern.rows &&
-                              transposed.nnz() == pattern.nnz(),
+                              transposed.nnz() == pattern.nnz() &&
+                              transposed_entry.size() == static_cast<std::size_t>(pattern.nnz()),
                           "the transposed pattern does not match the pattern");
   auto p = std::make_shared<attention_backward_device_plan>();
   p->rows = pattern.rows;
@@ -337,6 +362,8 @@ std::shared_ptr<attention_backward_device_plan> make_attention_backward_plan(
   p->tc_row = make_tc_pass(pattern, std::max(sms, 1));
   p->tc_column = make_tc_pass(transposed, std::max(sms, 1));
   p->row_ptr = device_buffer<std::int64_t>(pattern.row_ptr);
+  p->column_entry = device_buffer<std::int64_t>(
+      std::vector<std::int64_t>(transposed_entry.begin(), transposed_entry.end()));
   TRISPARSE_CUDA_TRY(cudaStreamSynchronize(static_cast<cudaStream_t>(stream.handle)));
   return p;
 }
@@ -349,8 +376,8 @@ std::size_t attention_backward_workspace_bytes(const attention_backward_device_p
 void run_attention_backward(const attention_backward_device_plan& plan, const tensor_view& q,
                             const tensor_view& k, const tensor_view& v, const tensor_view& out,
                             const tensor_view& lse, const tensor_view& dout, const tensor_view& dq,
-                            const tensor_view& dk, const tensor_view& dv, double scale,
-                            const workspace_view& workspace, stream_ref stream) {
+                            const tensor_view& dk, const tensor_view& dv, const score_bias& bias,
+                            double scale, const workspace_view& workspace, stream_ref stream) {
   check_dims(q, v, "the CUDA attention backward");
   TRISPARSE_EXPECTS_INPUT(k.type == q.type && v.type == q.type, "q, k and v must have one dtype");
   TRISPARSE_EXPECTS_INPUT(dout.type == out.type, "dout must have out's dtype");
@@ -368,13 +395,16 @@ void run_attention_backward(const attention_backward_device_plan& plan, const te
   float* const dq_part = layout::at<float>(workspace, w.dq);
   float* const dk_part = layout::at<float>(workspace, w.dk);
   float* const dv_part = layout::at<float>(workspace, w.dv);
-  const bool tensor_core = tensor_core_eligible(q, k, v, out, dout, dq, dk, dv);
+  // The tensor-core kernels take no bias and write no dbias.
+  const bool tensor_core = bias.bias.data == nullptr && bias.dbias.data == nullptr &&
+                           tensor_core_eligible(q, k, v, out, dout, dq, dk, dv);
   const core_layout cl = core_layout_of(q, v, {&q, &k, &v, &out, &dout, &dq, &dk, &dv});
   core_params base = core_base(cl, q, k, v, scale);
   base.out = head_lanes::in(out);
   base.dout = head_lanes::in(dout);
   base.lse_in = head_lanes::in(lse);
   base.terms = terms;
+  set_bias(base, bias.bias, bias.dbias, plan);
   with_element_type(q.type, "attention backward (q, k, v)", [&]<class T>() {
     with_output_type<T>(out.type, "attention backward (out, dout)", [&]<class O>() {
       with_output_type<T>(dq.type, "attention backward (dq, dk, dv)", [&]<class G>() {
@@ -445,8 +475,8 @@ std::size_t attention_rowwise_workspace_bytes(const attention_backward_device_pl
 
 void run_attention_rowwise(const attention_backward_device_plan& plan, const tensor_view& q,
                            const tensor_view& k, const tensor_view& v, const tensor_view& out,
-                           const tensor_view& lse, double scale, const workspace_view& workspace,
-                           stream_ref stream) {
+                           const tensor_view& lse, const tensor_view& bias, double scale,
+                           const workspace_view& workspace, stream_ref stream) {
   check_dims(q, v, "the CUDA row-wise attention");
   TRISPARSE_EXPECTS_INPUT(k.type == q.type && v.type == q.type, "q, k and v must have one dtype");
   TRISPARSE_EXPECTS_INPUT(lse.data == nullptr || lse.type == dtype::f32,
@@ -456,6 +486,7 @@ void run_attention_rowwise(const attention_backward_device_plan& plan, const ten
   const core_layout cl = core_layout_of(q, v, {&q, &k, &v, &out});
   core_params p = core_base(cl, q, k, v, scale);
   set_work(p, plan.row);
+  set_bias(p, bias, {}, plan);
   p.o1 = head_lanes::out_of(out);
   p.lse_out = head_lanes::out_of(lse);
   p.part1 = detail::workspace_layout::at<float>(workspace, w.dq);
@@ -485,7 +516,8 @@ std::int64_t device_bytes(const attention_backward_device_plan& plan) {
     for (const tc_work* w : {&p.fine, &p.coarse}) bytes += w->chunks.bytes() + w->splits.bytes();
     return bytes;
   };
-  return static_cast<std::int64_t>(plan.row_ptr.bytes() + pass_bytes(plan.row) +
+  return static_cast<std::int64_t>(plan.row_ptr.bytes() + plan.column_entry.bytes() +
+                                   pass_bytes(plan.row) +
                                    pass_bytes(plan.column) + tc_bytes(plan.tc_row) +
                                    tc_bytes(plan.tc_column));
 }

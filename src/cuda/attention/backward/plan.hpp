@@ -12,6 +12,7 @@
 // chunk and head group) for the rest (f32, other or unequal head dims, unaligned views).
 #include <cstdint>
 #include <memory>
+#include <span>
 
 #include "../../common/entry.hpp"
 #include "trisparse/core/stream.hpp"
@@ -24,9 +25,17 @@ namespace trisparse::cuda {
 /// The pattern and its transpose in device memory (CSR, 64-bit offsets, 32-bit columns).
 struct attention_backward_device_plan;
 
-/// Uploads a checked host pattern and its transpose, and builds both BSBs. Synchronous on `stream`.
+/// A per-entry score bias (attention_options::bias: [nnz, H, 1] or [nnz, 1, 1] f32, in the
+/// pattern's entry order) and its gradient (dbias: [nnz, H, 1] f32); data == nullptr: none.
+struct score_bias {
+  tensor_view bias{}, dbias{};
+};
+
+/// Uploads a checked host pattern and its transpose (with the entry of the pattern each of its
+/// entries is, which a biased column pass reads), and builds both BSBs. Synchronous on `stream`.
 TRISPARSE_CUDA_ENTRY(std::shared_ptr<attention_backward_device_plan> make_attention_backward_plan(
-    const csr_graph& pattern, const csr_graph& transposed, stream_ref stream))
+    const csr_graph& pattern, const csr_graph& transposed,
+    std::span<const std::int64_t> transposed_entry, stream_ref stream))
 
 /// Bytes of workspace a backward with `heads` heads of up to `head_dim` elements (q's and v's)
 /// needs: the per-row terms and the partial rows of cut rows, 256-byte aligned.
@@ -36,13 +45,14 @@ TRISPARSE_CUDA_ENTRY(std::size_t attention_backward_workspace_bytes(
 /// dq, dk, dv of out = attention(q, k, v) given dout, on `stream`. q, k, v: f16, bf16 or f32, one
 /// dtype, head dims up to 256; out and dout: f32 or q's dtype, one dtype; dq, dk, dv: f32 or q's
 /// dtype, one dtype. lse: [rows, H, 1] f32 from the forward, or data == nullptr to recompute it.
+/// A bias, or dbias wanted, takes the CUDA-core kernels (the row pass writes dbias).
 /// Asynchronous: no host synchronisation, allocation or lock.
 /// @throws invalid_input for unsupported dtypes or dims, or too small a workspace.
 TRISPARSE_CUDA_ENTRY(void run_attention_backward(
     const attention_backward_device_plan& plan, const tensor_view& q, const tensor_view& k,
     const tensor_view& v, const tensor_view& out, const tensor_view& lse, const tensor_view& dout,
-    const tensor_view& dq, const tensor_view& dk, const tensor_view& dv, double scale,
-    const workspace_view& workspace, stream_ref stream))
+    const tensor_view& dq, const tensor_view& dk, const tensor_view& dv, const score_bias& bias,
+    double scale, const workspace_view& workspace, stream_ref stream))
 
 /// Bytes of workspace run_attention_rowwise needs for `heads` heads of up to `head_dim` elements:
 /// the partial results of rows cut into chunks (0 where no row is cut).
@@ -51,14 +61,16 @@ TRISPARSE_CUDA_ENTRY(std::size_t attention_rowwise_workspace_bytes(
 
 /// out = attention(q, k, v) over the plan's pattern by online softmax, a warp per (row chunk,
 /// head group) (the f32 forward: the fused 3S kernel takes f16 and bf16), and the log-sum-exp
-/// (f32) where lse.data != nullptr. q, k, v: f16, bf16 or f32, one dtype, head dims up to 256;
-/// out: f32 or q's dtype. Asynchronous on `stream`: no host synchronisation, allocation or lock.
+/// (f32) where lse.data != nullptr; bias: score_bias::bias (data == nullptr: none). q, k, v: f16,
+/// bf16 or f32, one dtype, head dims up to 256; out: f32 or q's dtype. Asynchronous on `stream`:
+/// no host synchronisation, allocation or lock.
 /// @throws invalid_input for unsupported dtypes or dims, or too small a workspace.
 TRISPARSE_CUDA_ENTRY(void run_attention_rowwise(const attention_backward_device_plan& plan,
                                                 const tensor_view& q, const tensor_view& k,
                                                 const tensor_view& v, const tensor_view& out,
-                                                const tensor_view& lse, double scale,
-                                                const workspace_view& workspace, stream_ref stream))
+                                                const tensor_view& lse, const tensor_view& bias,
+                                                double scale, const workspace_view& workspace,
+                                                stream_ref stream))
 
 /// Device bytes held by the plan.
 TRISPARSE_CUDA_ENTRY(std::int64_t device_bytes(const attention_backward_device_plan& plan))

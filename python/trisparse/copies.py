@@ -1,0 +1,111 @@
+"""Per-copy values of a multigraph on its Pattern: a repeated edge is one pattern entry standing
+for several input pairs (copies), each a separate term of the softmax, as PyG counts them. A copy's
+score enters its entry's as a log-sum-exp over the entry's copies, which is exact: the softmax
+weight of an entry is the sum of its copies' weights, and its copies share one source node. Every
+reduction runs over the copies grouped by entry in input order (``Pattern.copies_by_entry``), in a
+fixed order with torch's segment reductions: no atomics, so the gradients are repeatable."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .edge import edge_spmm, sddmm
+from .pattern import Pattern
+
+__all__ = [
+    "copy_aggregate",
+    "copy_dot",
+    "copy_logsumexp",
+    "copy_sum",
+    "copy_weights",
+    "to_copies",
+]
+
+
+def _grouped(pattern: Pattern, device: torch.device) -> tuple[Tensor, Tensor]:
+    grouped = pattern.copies_by_entry(device)
+    if grouped is None:
+        raise ValueError(
+            "per-copy values need a Pattern built from pairs (from_edge_index, from_coo, from_csr)"
+        )
+    return grouped
+
+
+def copy_sum(values: Tensor, pattern: Pattern) -> Tensor:
+    """[E_in, ...] values of the input's pairs -> [nnz, ...]: each entry's sum over its copies."""
+    order, offsets = _grouped(pattern, values.device)
+    return torch.segment_reduce(values[order], "sum", offsets=offsets, axis=0)
+
+
+class _ToCopies(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, values: Tensor, entries: Tensor, order: Tensor, offsets: Tensor) -> Tensor:
+        ctx.save_for_backward(order, offsets)
+        return values[entries]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        order, offsets = ctx.saved_tensors
+        summed = torch.segment_reduce(grad[order], "sum", offsets=offsets, axis=0)
+        return summed, None, None, None
+
+
+def to_copies(values: Tensor, pattern: Pattern) -> Tensor:
+    """[nnz, ...] per-entry values -> [E_in, ...]: each input pair gets its entry's; the gradient
+    sums over each entry's copies in a fixed order (a plain gather's adds with atomics on CUDA)."""
+    order, offsets = _grouped(pattern, values.device)
+    return _ToCopies.apply(values, pattern.entries_of_input(values.device), order, offsets)
+
+
+def copy_logsumexp(scores: Tensor, pattern: Pattern) -> Tensor:
+    """[E_in, H] scores of the input's pairs -> [nnz, H]: log sum over each entry's copies of
+    exp(score) (the entry's score when every copy is a term of the softmax)."""
+    order, offsets = _grouped(pattern, scores.device)
+    grouped = scores[order]
+    # The max only steadies the exponentials: the result does not depend on it.
+    top = torch.segment_reduce(grouped.detach(), "max", offsets=offsets, axis=0)
+    entry = pattern.entries_of_input(scores.device)[order]
+    sums = torch.segment_reduce((grouped - top[entry]).exp(), "sum", offsets=offsets, axis=0)
+    # Each entry has a copy: its sum is >= 1 and the log finite.
+    return top + sums.log()
+
+
+def copy_weights(scores: Tensor, entry_scores: Tensor, pattern: Pattern) -> Tensor:
+    """[E_in, H]: each copy's share of its entry's weight, exp(score - entry's log-sum-exp)."""
+    return (scores - to_copies(entry_scores, pattern)).exp()
+
+
+def _copy_pattern(pattern: Pattern) -> Pattern:
+    """The pattern's rows against one column per input pair: entry (i, c) for copy c of an entry
+    of row i (cached on the pattern). Per-copy features live on its columns."""
+    device = torch.device("cpu")
+
+    def make():
+        rows = pattern.entries(device)[0][pattern.entries_of_input(device)]
+        n = rows.numel()
+        return Pattern.from_coo(rows, torch.arange(n), pattern.num_rows, n)
+
+    _grouped(pattern, device)
+    return pattern._cached("copy_pattern", device, make)
+
+
+def copy_dot(x: Tensor, a: Tensor, pattern: Pattern) -> Tensor:
+    """[E_in, H]: <x[i, h], a[c]> for each input pair c = (i, j): x [num_rows, H, D], a [E_in, D]
+    (per-pair features), by one SDDMM a head over the copies' pattern: no [E_in, H, D] tensor."""
+    cp = _copy_pattern(pattern)
+    a3 = a.unsqueeze(1)
+    heads = [sddmm(x[:, h : h + 1], a3, cp) for h in range(x.shape[1])]
+    return torch.cat(heads, dim=1)[cp.entries_of_input(x.device)]
+
+
+def copy_aggregate(w: Tensor, a: Tensor, pattern: Pattern) -> Tensor:
+    """[num_rows, H, D]: out[i, h] = sum over the input pairs c = (i, j) of w[c, h] a[c]: w [E_in,
+    H], a [E_in, D], by one SpMM a head over the copies' pattern (fixed order)."""
+    cp = _copy_pattern(pattern)
+    to_input, to_entries = cp.input_order(w.device)
+    w = w[to_entries]  # the copies' pattern's entry order
+    a3 = a.unsqueeze(1)
+    heads = [edge_spmm(w[:, h : h + 1].contiguous(), a3, cp) for h in range(w.shape[1])]
+    return torch.cat(heads, dim=1)
