@@ -89,8 +89,9 @@ def timed(fn, inputs, repeat, cuda):
         times = []
         for i in range(repeat):
             if cuda:
-                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                    enable_timing=True
+                start, stop = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
                 )
                 torch.cuda.synchronize()
                 start.record()
@@ -139,7 +140,7 @@ def main():
             "threads": torch.get_num_threads(),
         }
         # PyG in fp32 (TransformerConv's default) and, on CUDA, fp16 (half-precision models).
-        for dt in ([torch.float32, torch.float16] if cuda else [torch.float32]):
+        for dt in [torch.float32, torch.float16] if cuda else [torch.float32]:
             name = "pyg" if dt == torch.float32 else "pyg_fp16"
             inputs = [
                 tuple(torch.rand(n, a.heads, a.dim, device=dev).to(dt) for _ in range(3))

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""One TransformerConv layer's forward + backward, trisparse.nn against PyG's own, with the same
-weights: per graph file (read as trisparse.datasets reads it) with at least --min-edges edges, in
-float32 and under bfloat16 autocast.
+"""One TransformerConv (or --layer GATConv) layer's forward + backward, trisparse.nn against PyG's
+own, with the same weights: per graph file (read as trisparse.datasets reads it) with at least
+--min-edges edges, and per --random N:E uniform random multigraph (E edges drawn with repeats), in
+float32 and under bfloat16 autocast; with --edge-dim F, random edge features of F columns.
 
     python3 bench/python/transformer_conv.py data/*.el.xz --heads 8 --channels 16 > results.jsonl
+    python3 bench/python/transformer_conv.py --layer GATConv --edge-dim 16 --random 1000000:10000000
 
 Step: the layer's forward on x [N, in] and backward of a fixed random dout (gradients of x and of
 every parameter); CUDA-event medians of --repeat after 3 warm-ups. Peak memory: the step's
@@ -22,21 +24,24 @@ import torch
 import trisparse
 import trisparse.datasets
 import trisparse.nn
-from torch_geometric.nn import TransformerConv
+import torch_geometric.nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention_training import events_ms
 
 
-def run(layer, x, edge_index, dout, autocast, repeat):
+def run(layer, x, edge_index, edge_attr, dout, autocast, repeat):
     """Step time, peak memory beyond the inputs, and (output, gradients) of one step."""
     x = x.detach().requires_grad_()
+    extra = {} if edge_attr is None else {"edge_attr": edge_attr.detach().requires_grad_()}
 
     def step():
         layer.zero_grad(set_to_none=True)
         x.grad = None
+        for t in extra.values():
+            t.grad = None
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            out = layer(x, edge_index)
+            out = layer(x, edge_index, **extra)
         out.backward(dout.to(out.dtype))
         return out
 
@@ -49,7 +54,8 @@ def run(layer, x, edge_index, dout, autocast, repeat):
     out = step()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    tensors = [out.detach().float(), x.grad.float()] + [p.grad.float() for p in layer.parameters()]
+    tensors = [out.detach().float(), x.grad.float()] + [t.grad.float() for t in extra.values()]
+    tensors += [p.grad.float() for p in layer.parameters()]
     return {"step_ms": ms, "peak_mib": peak}, tensors
 
 
@@ -67,7 +73,10 @@ def rel_error(got, ref):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("graphs", nargs="+")
+    ap.add_argument("graphs", nargs="*")
+    ap.add_argument("--layer", default="TransformerConv", choices=["TransformerConv", "GATConv"])
+    ap.add_argument("--edge-dim", type=int, default=0, help="edge feature columns (0: none)")
+    ap.add_argument("--random", action="append", default=[], metavar="N:E")
     ap.add_argument("--min-edges", type=int, default=200_000)
     ap.add_argument("--in-channels", type=int, default=128)
     ap.add_argument("--channels", type=int, default=16)
@@ -75,25 +84,35 @@ def main():
     ap.add_argument("--repeat", type=int, default=10)
     a = ap.parse_args()
     dev = torch.device("cuda")
-    for path in a.graphs:
-        edge_index, n = trisparse.datasets.read_graph(path)
+    for path in [*a.graphs, *(f"random:{spec}" for spec in a.random)]:
+        if path.startswith("random:"):
+            n, e = (int(v) for v in path.split(":")[1:])
+            g = torch.Generator().manual_seed(7)
+            edge_index, name = torch.randint(0, n, (2, e), generator=g), f"random_{n}_{e}"
+        else:
+            edge_index, n = trisparse.datasets.read_graph(path)
+            name = os.path.basename(path).split(".")[0]
         if edge_index.shape[1] < a.min_edges:
             continue
         edge_index = edge_index.to(dev)
+        kwargs = {"heads": a.heads}
+        if a.edge_dim:
+            kwargs["edge_dim"] = a.edge_dim
         torch.manual_seed(0)
-        pyg = TransformerConv(a.in_channels, a.channels, heads=a.heads).to(dev)
-        ours = trisparse.nn.TransformerConv(a.in_channels, a.channels, heads=a.heads).to(dev)
+        pyg = getattr(torch_geometric.nn, a.layer)(a.in_channels, a.channels, **kwargs).to(dev)
+        ours = getattr(trisparse.nn, a.layer)(a.in_channels, a.channels, **kwargs).to(dev)
         ours.load_state_dict(pyg.state_dict())
         x = torch.randn(n, a.in_channels, device=dev)
+        edge_attr = torch.randn(edge_index.shape[1], a.edge_dim, device=dev) if a.edge_dim else None
         dout = torch.randn(n, a.heads * a.channels, device=dev)
         for mode, autocast in (("fp32", False), ("bf16_autocast", True)):
-            rec = {"graph": os.path.basename(path).split(".")[0], "nodes": n}
+            rec = {"graph": name, "layer": a.layer, "edge_dim": a.edge_dim, "nodes": n}
             rec.update(edges=int(edge_index.shape[1]), heads=a.heads, channels=a.channels)
             rec.update(mode=mode, device=torch.cuda.get_device_name(), torch=torch.__version__)
             ref = None
             for name, layer in (("pyg", pyg), ("trisparse", ours)):
                 try:
-                    r, tensors = run(layer, x, edge_index, dout, autocast, a.repeat)
+                    r, tensors = run(layer, x, edge_index, edge_attr, dout, autocast, a.repeat)
                 except torch.OutOfMemoryError as e:
                     rec[name] = {"error": "out of memory: " + str(e).splitlines()[0][:160]}
                     torch.cuda.empty_cache()

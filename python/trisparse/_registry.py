@@ -3,9 +3,24 @@ so a Pattern or BlockMask registers itself under a never-reused integer and the 
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import weakref
 from typing import Any
+
+_registries: list[Registry] = []
+
+
+@atexit.register
+def _release_plans() -> None:
+    """Frees the C++ plans of every live object before the interpreter tears the extension down:
+    a model kept until exit (a layer's pattern cache, a module-level Pattern) would otherwise
+    make nanobind report its plans as leaked. Each registered class names its plan caches in
+    ``PLAN_CACHES`` (dicts, cleared here)."""
+    for registry in _registries:
+        for obj in list(registry._live.values()):
+            for name in getattr(obj, "PLAN_CACHES", ()):
+                getattr(obj, name).clear()
 
 
 class Registry:
@@ -13,6 +28,7 @@ class Registry:
         self._argument, self._kind = argument, kind
         self._ids = itertools.count(1)
         self._live: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        _registries.append(self)
 
     def add(self, obj: Any) -> int:
         """Registers `obj` (held weakly) and returns its id."""

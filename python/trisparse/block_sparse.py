@@ -32,6 +32,8 @@ class BlockMask:
     made at every step, e.g. a top-k selection, costs no round trip); the CPU, float64 inputs
     and other block sizes read a host copy, made once."""
 
+    PLAN_CACHES = ("_plans",)  # freed at exit (_registry)
+
     def __init__(self, blocks: Tensor, block_size: int, causal: bool = False):
         if not isinstance(blocks, Tensor) or blocks.dtype != torch.bool or blocks.dim() != 4:
             raise TypeError(

@@ -104,7 +104,7 @@ def copy_aggregate(w: Tensor, a: Tensor, pattern: Pattern) -> Tensor:
     """[num_rows, H, D]: out[i, h] = sum over the input pairs c = (i, j) of w[c, h] a[c]: w [E_in,
     H], a [E_in, D], by one SpMM a head over the copies' pattern (fixed order)."""
     cp = _copy_pattern(pattern)
-    to_input, to_entries = cp.input_order(w.device)
+    _, to_entries = cp.input_order(w.device)
     w = w[to_entries]  # the copies' pattern's entry order
     a3 = a.unsqueeze(1)
     heads = [edge_spmm(w[:, h : h + 1].contiguous(), a3, cp) for h in range(w.shape[1])]

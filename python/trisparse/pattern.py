@@ -60,6 +60,13 @@ class Pattern:
     entry (:meth:`entries_of_input`) and each entry's count (:meth:`multiplicity`), so that the
     layers count every copy as PyG does."""
 
+    PLAN_CACHES = (
+        "_plans",
+        "_edge_plans",
+        "_gat_plans",
+        "_per_device",
+    )  # freed at exit (_registry)
+
     def __init__(self, rowptr: torch.Tensor, col: torch.Tensor, num_cols: int, duplicates: int):
         # Canonical CSR: rowptr int64 [rows + 1], col int32 [nnz], sorted and unique per row.
         self.rowptr = rowptr

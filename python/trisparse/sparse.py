@@ -20,6 +20,8 @@ class SparseMatrix:
     """A ``num_rows x num_cols`` matrix with float32 values, kept with its transpose (the SpMM's
     gradient) and prepared per device on first use. Repeated entries are summed."""
 
+    PLAN_CACHES = ("_plans", "_fused_plans")  # freed at exit (_registry)
+
     def __init__(self, row: Tensor, col: Tensor, value: Tensor, num_rows: int, num_cols: int):
         if row.numel() != col.numel() or value.numel() != row.numel():
             raise ValueError(

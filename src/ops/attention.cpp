@@ -8,11 +8,11 @@
 
 #include "../common/workspace_layout.hpp"
 #include "../cpu/fused3s/fast.hpp"
-#include "../graph/transposed.hpp"
 #include "../cuda/attention/backward/plan.hpp"
 #include "../cuda/attention/fused3s/heuristics.hpp"
 #include "../cuda/attention/fused3s/plan.hpp"
 #include "../cuda/common/device.hpp"
+#include "../graph/transposed.hpp"
 #include "arguments.hpp"
 #include "trisparse/core/error.hpp"
 #include "trisparse/formats/bsb.hpp"

@@ -149,8 +149,18 @@ def test_opcheck():
             b = None if bias is None else bias.detach()
             torch.library.opcheck(
                 torch.ops.trisparse.sparse_attention_backward.default,
-                (q.detach(), k.detach(), v.detach(), out.detach(), lse, dout, b, pattern.id, 0.5,
-                 b is not None),
+                (
+                    q.detach(),
+                    k.detach(),
+                    v.detach(),
+                    out.detach(),
+                    lse,
+                    dout,
+                    b,
+                    pattern.id,
+                    0.5,
+                    b is not None,
+                ),
             )
 
 
@@ -209,7 +219,9 @@ def test_bias_engine_matches_reference_and_repeats_count():
     assert multi.duplicates == 10 and int(multi.multiplicity(torch.device("cpu")).max()) == 3
     with torch.no_grad():
         a = trisparse.sparse_attention(q, k, v, multi, bias=multi.log_multiplicity(q.device))
-        b = dense_biased(q, k, v, multi, multi.log_multiplicity(q.device)[:, None].expand(-1, 3), 0.25)
+        b = dense_biased(
+            q, k, v, multi, multi.log_multiplicity(q.device)[:, None].expand(-1, 3), 0.25
+        )
     assert relerr(a.double(), b) <= 2e-6
 
 
@@ -222,7 +234,9 @@ def test_bad_bias_is_named():
     with pytest.raises(ValueError, match="bias must have shape"):
         trisparse.sparse_attention(q, k, v, pattern, bias=torch.zeros(pattern.nnz, 3))
     with pytest.raises(TypeError, match="bias must be a float"):
-        trisparse.sparse_attention(q, k, v, pattern, bias=torch.zeros(pattern.nnz, dtype=torch.int32))
+        trisparse.sparse_attention(
+            q, k, v, pattern, bias=torch.zeros(pattern.nnz, dtype=torch.int32)
+        )
     with pytest.raises(TypeError, match="bias must be a torch.Tensor"):
         trisparse.sparse_attention(q, k, v, pattern, bias=[0.0] * pattern.nnz)
 

@@ -1,6 +1,9 @@
 """trisparse.nn layers against the PyG layers with the same weights: outputs, and gradients of the
 inputs and of every parameter; state_dict both ways; the fallbacks."""
 
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -213,7 +216,12 @@ def test_dropout_on_multigraphs_drops_each_copy_as_pyg(layer):
     n = 50
     ei = multigraph(n, n, seed=8)
     ours, pyg = pair(
-        getattr(trisparse.nn, layer), getattr(pyg_nn, layer), 8, 4, heads=2, dropout=0.4,
+        getattr(trisparse.nn, layer),
+        getattr(pyg_nn, layer),
+        8,
+        4,
+        heads=2,
+        dropout=0.4,
         edge_dim=3,
     )
     ours, pyg = ours.double(), pyg.double()
@@ -413,3 +421,30 @@ def test_gcn_conv_with_fused_relu_is_pyg_then_relu():
     fused.load_state_dict(pyg.state_dict())
     x = torch.randn(n, 16)
     assert_close(run(_Layer(fused), x, ei), run(_Layer(pyg, torch.relu), x, ei), rtol=2e-5)
+
+
+def test_a_script_using_the_layers_exits_silently(tmp_path):
+    """A model alive until exit (its layers' pattern caches hold C++ plans) frees them before the
+    extension is torn down: nanobind reports no leak."""
+    script = tmp_path / "use_layers.py"
+    script.write_text(
+        "import torch, trisparse, trisparse.nn\n"
+        "ei = torch.randint(0, 50, (2, 300), generator=torch.Generator().manual_seed(1))\n"
+        "x = torch.randn(50, 8, requires_grad=True)\n"
+        "trisparse.nn.TransformerConv(8, 4, heads=2)(x, ei).sum().backward()\n"
+        "gat = trisparse.nn.GATConv(8, 4, heads=2, edge_dim=3)\n"
+        "gat(x, ei, torch.randn(300, 3)).sum().backward()\n"
+        "pattern = trisparse.Pattern.from_edge_index(ei, num_nodes=50)\n"
+    )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "leak" not in done.stderr, done.stderr

@@ -187,7 +187,9 @@ class TransformerConv(_Fused, _PygTransformerConv):
             edge_attr = _edge_features(edge_attr, pattern, self.edge_dim)
             w_edge = self.lin_edge.weight.view(H, C, -1)  # W_e of head h: [C, edge_dim]
             # q_i . (W_e a_ij) = (W_e^T q_i) . a_ij: per-node [N, H, edge_dim], then per-edge dots.
-            scores = scale * copy_dot(torch.einsum("nhc,hcd->nhd", query, w_edge), edge_attr, pattern)
+            scores = scale * copy_dot(
+                torch.einsum("nhc,hcd->nhd", query, w_edge), edge_attr, pattern
+            )
         else:
             scores = query.new_zeros(_input_edges(pattern), H)
         entry = copy_logsumexp(scores, pattern)  # log(count) for plain repeats

@@ -100,8 +100,8 @@ void fused_attention_backward_unchecked(const csr_graph& a, const csr_graph& at,
           const std::int64_t i = at.col_idx[e];
           const float* qi = qf.row(i, h);
           const float* gi = gf.row(i, h);
-          const float b = biased ? bias_of(bias.transposed_entry[static_cast<std::size_t>(e)], h)
-                                 : 0.0f;
+          const float b =
+              biased ? bias_of(bias.transposed_entry[static_cast<std::size_t>(e)], h) : 0.0f;
           const float p = std::exp(scale * dot(qi, kj, d_k) + b - *lf.row(i, h));
           const float ds = p * (dot(gi, vj, d_v) - rowdot[static_cast<std::size_t>(i * heads + h)]);
 #pragma omp simd

@@ -129,8 +129,9 @@ __global__ void __launch_bounds__(kWarps * 32) core_forward(const core_params p)
       float mn = m;
 #pragma unroll
       for (int b = 0; b < U; ++b) {
-        s[b] = u + b < n ? head_lanes::head_sum(s[b], p.l) + bias_log2(p, base + u + b, at.load_head)
-                         : -INFINITY;
+        s[b] = u + b < n
+                   ? head_lanes::head_sum(s[b], p.l) + bias_log2(p, base + u + b, at.load_head)
+                   : -INFINITY;
         mn = fmaxf(mn, s[b]);
       }
       const float rescale = exp2f(m - mn);  // mn is finite: entry u is in the row

@@ -316,18 +316,18 @@ void set_work(core_params& p, const pass& work) {
 void set_bias(core_params& p, const tensor_view& bias, const tensor_view& dbias,
               const attention_backward_device_plan& plan) {
   if (bias.data != nullptr) {
-    TRISPARSE_EXPECTS_INPUT(bias.type == dtype::f32 && bias.rows == plan.nnz,
-                            "the CUDA attention takes the bias as f32 [nnz, H or 1, 1], not " +
-                                bias.describe());
+    TRISPARSE_EXPECTS_INPUT(
+        bias.type == dtype::f32 && bias.rows == plan.nnz,
+        "the CUDA attention takes the bias as f32 [nnz, H or 1, 1], not " + bias.describe());
     p.bias = static_cast<const float*>(bias.data);
     p.bias_rs = bias.row_stride;
     p.bias_hs = bias.heads == 1 ? 0 : bias.head_stride;
     p.entry = plan.column_entry.data();
   }
   if (dbias.data != nullptr) {
-    TRISPARSE_EXPECTS_INPUT(dbias.type == dtype::f32 && dbias.rows == plan.nnz,
-                            "the CUDA attention backward writes dbias as f32 [nnz, H, 1], not " +
-                                dbias.describe());
+    TRISPARSE_EXPECTS_INPUT(
+        dbias.type == dtype::f32 && dbias.rows == plan.nnz,
+        "the CUDA attention backward writes dbias as f32 [nnz, H, 1], not " + dbias.describe());
     p.dbias = static_cast<float*>(dbias.data);
     p.dbias_rs = dbias.row_stride;
     p.dbias_hs = dbias.head_stride;
@@ -517,9 +517,8 @@ std::int64_t device_bytes(const attention_backward_device_plan& plan) {
     return bytes;
   };
   return static_cast<std::int64_t>(plan.row_ptr.bytes() + plan.column_entry.bytes() +
-                                   pass_bytes(plan.row) +
-                                   pass_bytes(plan.column) + tc_bytes(plan.tc_row) +
-                                   tc_bytes(plan.tc_column));
+                                   pass_bytes(plan.row) + pass_bytes(plan.column) +
+                                   tc_bytes(plan.tc_row) + tc_bytes(plan.tc_column));
 }
 
 }  // namespace trisparse::cuda

@@ -65,12 +65,10 @@ TRISPARSE_CUDA_ENTRY(std::size_t attention_rowwise_workspace_bytes(
 /// bf16 or f32, one dtype, head dims up to 256; out: f32 or q's dtype. Asynchronous on `stream`:
 /// no host synchronisation, allocation or lock.
 /// @throws invalid_input for unsupported dtypes or dims, or too small a workspace.
-TRISPARSE_CUDA_ENTRY(void run_attention_rowwise(const attention_backward_device_plan& plan,
-                                                const tensor_view& q, const tensor_view& k,
-                                                const tensor_view& v, const tensor_view& out,
-                                                const tensor_view& lse, const tensor_view& bias,
-                                                double scale, const workspace_view& workspace,
-                                                stream_ref stream))
+TRISPARSE_CUDA_ENTRY(void run_attention_rowwise(
+    const attention_backward_device_plan& plan, const tensor_view& q, const tensor_view& k,
+    const tensor_view& v, const tensor_view& out, const tensor_view& lse, const tensor_view& bias,
+    double scale, const workspace_view& workspace, stream_ref stream))
 
 /// Device bytes held by the plan.
 TRISPARSE_CUDA_ENTRY(std::int64_t device_bytes(const attention_backward_device_plan& plan))

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# On the GPU machine, in one call: builds the Python module there (sm_90 only, Release, its nvcc
+# and Python; no file readers: the machine has none of their libraries), runs the GPU tests
+# matching GTEST (a gtest filter; "none" skips them) from gpu_tests built here and packed in
+# .devpack/gpu_tests.tar.xz, the CUDA pytest tests matching PYTEST_K (default: all of
+# test_cuda.py; "none" skips them), and with BENCH=1 the layer benchmarks
+# (bench/python/transformer_conv.py with edge features, both layers, on BENCH_GRAPHS and a random
+# 10M-edge multigraph). Build and pack here first:
+#   cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRISPARSE_CUDA=ON \
+#         -DCMAKE_CUDA_ARCHITECTURES=90 -DTRISPARSE_PYTHON=OFF -DTRISPARSE_DATASETS_DIR=data
+#   cmake --build build/gpu --target gpu_tests && mkdir -p .devpack .devlibs data
+#   tar -cJf .devpack/gpu_tests.tar.xz -C build/gpu/tests gpu_tests
+#   cp -L /lib/x86_64-linux-gnu/libzip.so.4 /lib/x86_64-linux-gnu/libbz2.so.1.0 .devlibs/
+#   cp ../shared/datasets/* data/   (and ogbg/, planetoid/)
+# and call with carry = [.devpack, .devlibs, data]. Logs go under $OUT.
+set -uo pipefail
+out=${OUT:-/tmp/trisparse-dev}
+mkdir -p "$out"
+start=$SECONDS
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/gpu.txt"
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown) $(date -u +%FT%TZ)" | tee -a "$out/gpu.txt"
+cmake -S . -B /tmp/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRISPARSE_CUDA=ON \
+  -DCMAKE_CUDA_ARCHITECTURES=90 -DTRISPARSE_PYTHON=ON -DTRISPARSE_IO=OFF -DTRISPARSE_BUILD_TESTS=OFF \
+  -DTRISPARSE_BUILD_CLI=OFF -DTRISPARSE_BUILD_BENCH=OFF > "$out/configure.log" 2>&1 ||
+  { tail -20 "$out/configure.log"; exit 1; }
+cmake --build /tmp/build -j "$(nproc)" --target trisparse_python > "$out/build.log" 2>&1 ||
+  { grep -B2 -A12 "error" "$out/build.log" | head -60; exit 1; }
+echo "build: $((SECONDS - start)) s"
+status=0
+export TRISPARSE_DATASETS=$PWD/data TRISPARSE_GPU_TEST_QUICK=1 TRISPARSE_POISON_WORKSPACE=1
+export LD_LIBRARY_PATH=$PWD/.devlibs:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+if [ "${GTEST:-*}" != none ]; then
+  mkdir -p /tmp/packed && tar -xJf .devpack/gpu_tests.tar.xz -C /tmp/packed
+  /tmp/packed/gpu_tests --gtest_brief=1 --gtest_filter="${GTEST:-*}" > "$out/gpu_tests.log" 2>&1 || status=1
+  tail -4 "$out/gpu_tests.log"
+  echo "gpu tests: $((SECONDS - start)) s"
+fi
+if [ "${PYTEST_K:-}" != none ]; then
+  PYTHONPATH=/tmp/build/python python3 -m pytest -q -p no:cacheprovider -x tests/python/test_cuda.py \
+    ${PYTEST_K:+-k "$PYTEST_K"} > "$out/pytest.log" 2>&1 || status=1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$out/pytest.log" | tail -8
+  echo "pytest: $((SECONDS - start)) s"
+fi
+if [ "${BENCH:-0}" = 1 ]; then
+  graphs=()
+  for g in ${BENCH_GRAPHS:-snap_web_notredame deezer_egos het_tolokers}; do graphs+=("data/$g.el.xz"); done
+  for layer in TransformerConv GATConv; do
+    PYTHONPATH=/tmp/build/python python3 bench/python/transformer_conv.py --layer $layer \
+      --edge-dim 16 --min-edges 1000000 --random 1000000:10000000 "${graphs[@]}" \
+      >> "$out/layers_edge.jsonl" 2>> "$out/bench_stderr.log" || status=1
+  done
+  tail -5 "$out/bench_stderr.log"
+  echo "bench: $((SECONDS - start)) s"
+fi
+exit $status
