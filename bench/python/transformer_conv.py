@@ -21,10 +21,10 @@ import os
 import sys
 
 import torch
+import torch_geometric.nn
 import trisparse
 import trisparse.datasets
 import trisparse.nn
-import torch_geometric.nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention_training import events_ms
