@@ -169,6 +169,38 @@ class Pattern:
         return cls.from_coo(rows, col, rowptr.numel() - 1, num_cols)
 
     @classmethod
+    def from_batch(cls, batch: torch.Tensor | None, num_nodes: int | None = None) -> Pattern:
+        """Every node attends every node of its own graph (self included): the block-diagonal
+        pattern of a PyG mini-batch, from its sorted ``batch`` vector (graph of each node; None:
+        one graph of ``num_nodes``). Graph Transformers' global attention (GPS) over packed
+        graphs, with no padding."""
+        if batch is None:
+            if num_nodes is None:
+                raise ValueError("from_batch: give batch or num_nodes")
+            counts = torch.tensor([int(num_nodes)], dtype=torch.int64)
+        else:
+            batch = _check_index(batch, "batch")
+            if batch.dim() != 1:
+                raise ValueError(f"batch must be 1-D [num_nodes], got {tuple(batch.shape)}")
+            if num_nodes is not None and batch.numel() != num_nodes:
+                raise ValueError(f"batch has {batch.numel()} entries for {num_nodes} nodes")
+            batch = batch.cpu()
+            if batch.numel() and (int(batch.min()) < 0 or bool((batch[1:] < batch[:-1]).any())):
+                raise ValueError(
+                    "batch must be sorted with graph ids >= 0 (PyG's mini-batches are: nodes of "
+                    "graph 0 first, then graph 1, ...)"
+                )
+            counts = torch.bincount(batch) if batch.numel() else batch.new_zeros(0)
+        starts = torch.cumsum(counts, 0) - counts
+        graph_of_row = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+        degree = counts[graph_of_row]  # each row's graph size
+        rowptr = torch.zeros(degree.numel() + 1, dtype=torch.int64)
+        torch.cumsum(degree, 0, out=rowptr[1:])
+        entry_row = torch.repeat_interleave(torch.arange(degree.numel()), degree)
+        col = starts[graph_of_row][entry_row] + (torch.arange(int(rowptr[-1])) - rowptr[entry_row])
+        return cls(rowptr, col.to(torch.int32), degree.numel(), 0)
+
+    @classmethod
     def of(cls, adj: Any, num_nodes: int | None = None) -> Pattern:
         """From any of: a Pattern (returned as is), ``edge_index`` [2, E] or ``EdgeIndex``,
         ``torch_sparse.SparseTensor`` (PyG's ``adj_t``: rows are targets), a torch sparse COO or

@@ -448,3 +448,74 @@ def test_a_script_using_the_layers_exits_silently(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert "leak" not in done.stderr, done.stderr
+
+
+def random_batch(num_graphs, seed, max_nodes=40):
+    """A PyG-style mini-batch of small graphs: (batch, edge_index) with graphs of 1..max_nodes
+    nodes and random directed edges within each."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(1, max_nodes + 1, (num_graphs,), generator=g)
+    batch = torch.repeat_interleave(torch.arange(num_graphs), sizes)
+    starts = torch.cumsum(sizes, 0) - sizes
+    edges = []
+    for b in range(num_graphs):
+        n = int(sizes[b])
+        e = torch.randint(0, n, (2, 2 * n), generator=g) + starts[b]
+        edges.append(e)
+    return batch, torch.cat(edges, dim=1)
+
+
+@pytest.mark.parametrize(
+    "conv, kwargs",
+    [
+        ("gine", {"heads": 4}),
+        ("none", {"heads": 2, "norm": "layer_norm"}),
+        ("gine", {"heads": 1, "norm": None, "act": "gelu"}),
+    ],
+)
+def test_gps_conv_equals_pyg_in_float64(conv, kwargs):
+    """GPSConv with the global attention packed per graph: the same outputs and gradients (x,
+    edge_attr, every parameter) as PyG's GPSConv, which pads to the largest graph."""
+    channels = 16
+    batch, ei = random_batch(12, seed=3)
+    n = batch.numel()
+
+    def local():
+        if conv == "none":
+            return None
+        mlp = torch.nn.Sequential(torch.nn.Linear(channels, channels), torch.nn.ReLU())
+        return pyg_nn.GINEConv(mlp, edge_dim=3)
+
+    torch.manual_seed(0)
+    pyg = pyg_nn.GPSConv(channels, local(), **kwargs).double()
+    ours = trisparse.nn.GPSConv(channels, local(), **kwargs).double()
+    ours.load_state_dict(pyg.state_dict())
+    x = torch.randn(n, channels, dtype=torch.float64)
+    ea = torch.randn(ei.shape[1], 3, dtype=torch.float64)
+    extra = {} if conv == "none" else {"edge_attr": ea}
+
+    def result(layer):
+        xs = x.clone().requires_grad_()
+        out = layer(xs, ei, batch, **extra)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).double())
+        grads = {k: p.grad.clone() for k, p in layer.named_parameters() if p.grad is not None}
+        layer.zero_grad()
+        return out.detach(), [xs.grad], grads
+
+    for train in (True, False):  # batch statistics, then the running ones
+        ours.train(train)
+        pyg.train(train)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = result(ours)
+        assert_close(got, result(pyg), rtol=1e-9)
+
+
+def test_gps_conv_batch_errors_name_the_argument():
+    layer = trisparse.nn.GPSConv(8, None, heads=2)
+    x = torch.randn(5, 8)
+    ei = torch.tensor([[0, 1], [1, 2]])
+    with pytest.raises(ValueError, match="batch must be sorted"):
+        layer(x, ei, torch.tensor([0, 1, 0, 1, 1]))
+    with pytest.raises(ValueError, match="batch has 4 entries"):
+        layer(x, ei, torch.tensor([0, 0, 1, 1]))

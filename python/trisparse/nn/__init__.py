@@ -1,5 +1,11 @@
-"""Drop-in replacements for PyG layers (needs torch_geometric)."""
+"""Drop-in replacements for PyG layers (needs torch_geometric): the same constructor arguments,
+parameters and state_dict as PyG's, with the attention computed by trisparse's kernels; one file
+per layer, as PyG's."""
 
-from .conv import AGNNConv, GATConv, GCNConv, TransformerConv
+from .agnn_conv import AGNNConv
+from .gat_conv import GATConv
+from .gcn_conv import GCNConv
+from .gps_conv import GPSConv
+from .transformer_conv import TransformerConv
 
-__all__ = ["AGNNConv", "GATConv", "GCNConv", "TransformerConv"]
+__all__ = ["AGNNConv", "GATConv", "GCNConv", "GPSConv", "TransformerConv"]

@@ -1,0 +1,119 @@
+"""What the drop-in PyG layers share: the Pattern cache of the last graph, PyG's generic propagate
+for the fallback and its one-time warning, and the checks of per-edge inputs."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+try:
+    from torch_geometric.nn import MessagePassing
+except ImportError as e:  # pragma: no cover - exercised only without PyG
+    raise ImportError(
+        "trisparse.nn holds drop-in replacements for PyG layers and needs torch_geometric "
+        "(pip install torch_geometric)"
+    ) from e
+
+from ..pattern import Pattern
+
+
+class _PatternCache:
+    """The Pattern of the last graph a layer saw: rebuilt when the graph object, its contents
+    (torch's version counter) or the node counts change. It holds the graph object, so that an
+    equal id() never means another graph."""
+
+    def __init__(self):
+        self._adj = None
+        self._key = None
+        self._pattern = None
+
+    def get(self, adj, num_src: int, num_dst: int, add_self_loops: bool = False) -> Pattern:
+        if isinstance(adj, Pattern):
+            return adj
+        key = (getattr(adj, "_version", None), num_src, num_dst, add_self_loops)
+        if adj is not self._adj or key != self._key:
+            if isinstance(adj, Tensor) and adj.layout == torch.strided:
+                self._pattern = Pattern.from_edge_index(
+                    adj, size=(num_src, num_dst), add_self_loops=add_self_loops
+                )
+            elif add_self_loops:
+                raise TypeError(
+                    "edge_index: with add_self_loops the fused path takes an edge_index tensor "
+                    f"or a trisparse.Pattern, not {type(adj).__name__}"
+                )
+            else:
+                self._pattern = Pattern.of(adj, num_nodes=num_src)
+            self._adj, self._key = adj, key
+        return self._pattern
+
+
+def _generic_propagate(self, edge_index, size=None, **kwargs):
+    return MessagePassing.propagate(self, edge_index, size=size, **kwargs)
+
+
+def _generic_edge_updater(self, edge_index, size=None, **kwargs):
+    return MessagePassing.edge_updater(self, edge_index, size=size, **kwargs)
+
+
+class _Fused:
+    """What the drop-in layers share: the Pattern cache, PyG's generic propagate for the
+    fallback, and the one-time warning that names why a call runs PyG's code."""
+
+    def _init_fused(self) -> None:
+        self._patterns = _PatternCache()
+        self._warned: set[str] = set()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # PyG's generic propagate and edge_updater, in the class itself: PyG would otherwise
+        # generate them from the class's source, which has no such calls to read arguments from.
+        cls.propagate = _generic_propagate
+        cls.edge_updater = _generic_edge_updater
+
+    def _fallback(self, reason: str, edge_index) -> None:
+        if isinstance(edge_index, Pattern):
+            raise TypeError(
+                f"edge_index: a trisparse.Pattern cannot run PyG's code ({reason}); pass edge_index"
+            )
+        if reason not in self._warned:
+            self._warned.add(reason)
+            name = type(self).__name__
+            warnings.warn(
+                f"trisparse.nn.{name}: {reason}; running PyG's {name} code for this call "
+                "(exact, not fused)",
+                stacklevel=3,
+            )
+
+
+def _input_edges(pattern: Pattern) -> int:
+    entries = pattern.entries_of_input(torch.device("cpu"))
+    if entries is None:
+        raise TypeError(
+            "edge_index: per-edge values need the edges a Pattern was built from; pass "
+            "edge_index (or a Pattern from Pattern.from_edge_index)"
+        )
+    return entries.numel()
+
+
+def _check_float(name: str, t) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a float tensor, got {t.dtype}")
+
+
+def _edge_features(edge_attr, pattern: Pattern, edge_dim: int) -> Tensor:
+    """edge_attr as [E, edge_dim] (PyG also takes [E] for edge_dim 1), checked against the
+    graph's edge count."""
+    _check_float("edge_attr", edge_attr)
+    if edge_attr.dim() == 1:
+        edge_attr = edge_attr.unsqueeze(-1)
+    edges = _input_edges(pattern)
+    if edge_attr.dim() != 2 or edge_attr.shape != (edges, edge_dim):
+        raise ValueError(
+            f"edge_attr must have shape [{edges}, {edge_dim}] (one row per edge of edge_index, "
+            f"edge_dim columns), got {list(edge_attr.shape)}"
+        )
+    return edge_attr

@@ -1,0 +1,77 @@
+"""trisparse.nn.GCNConv: PyG's GCNConv as trisparse's fused GCN layer."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..sparse import SparseMatrix, gcn_conv
+from ._common import _Fused
+
+try:
+    from torch_geometric.nn import GCNConv as _PygGCNConv
+    from torch_geometric.nn.conv.gcn_conv import gcn_norm
+except ImportError as e:  # pragma: no cover - exercised only without PyG
+    raise ImportError(
+        "trisparse.nn holds drop-in replacements for PyG layers and needs torch_geometric "
+        "(pip install torch_geometric)"
+    ) from e
+
+
+class GCNConv(_Fused, _PygGCNConv):
+    """PyG's :class:`torch_geometric.nn.GCNConv` (same arguments, ``lin`` and ``bias``
+    parameters, outputs): Â x W + b as trisparse's fused GCN layer (:func:`trisparse.gcn_conv`)
+    over a :class:`trisparse.SparseMatrix` of PyG's own ``gcn_norm`` weights (built once per
+    graph, or once at all with ``cached=True``): on CUDA (Â x) W and the bias in one kernel, or
+    x W then the SpMM, whichever the measured rule picks; deterministic in both directions.
+
+    One argument beyond PyG's: ``fuse_relu=True`` applies the ReLU that usually follows the layer
+    in the same kernel (the backward keeps a 1-bit mask instead of the output). Falls back to
+    PyG's code, with a one-time warning, for an ``edge_weight`` that requires grad and for graphs
+    that are not an ``edge_index`` tensor."""
+
+    def __init__(self, *args, fuse_relu: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fuse_relu = bool(fuse_relu)
+        self._init_fused()
+        self._matrix_key = None
+        self._matrix = None
+
+    def _propagation(self, x: Tensor, edge_index: Tensor, edge_weight) -> SparseMatrix:
+        n = x.size(0)
+        key = (
+            edge_index,
+            edge_index._version,
+            edge_weight,
+            None if edge_weight is None else edge_weight._version,
+            n,
+        )
+        if self._matrix is not None and (self.cached or self._matrix_key == key):
+            return self._matrix
+        if self.normalize:
+            ei, w = gcn_norm(
+                edge_index, edge_weight, n, self.improved, self.add_self_loops, self.flow, x.dtype
+            )
+        else:
+            ei = edge_index
+            w = edge_weight if edge_weight is not None else torch.ones(ei.size(1))
+        src, dst = (ei[0], ei[1]) if self.flow == "source_to_target" else (ei[1], ei[0])
+        self._matrix = SparseMatrix(dst, src, w, n, n)
+        self._matrix_key = key
+        return self._matrix
+
+    def forward(self, x: Tensor, edge_index, edge_weight=None) -> Tensor:
+        reason = None
+        if isinstance(x, (tuple, list)):
+            reason = "bipartite inputs are not supported"
+        elif not isinstance(edge_index, Tensor) or edge_index.layout != torch.strided:
+            reason = f"{type(edge_index).__name__} graphs are not fused (pass edge_index)"
+        elif edge_weight is not None and edge_weight.requires_grad:
+            reason = "gradients of edge_weight are not fused"
+        if reason is not None:
+            self._fallback(reason, edge_index)
+            out = super().forward(x, edge_index, edge_weight)
+            return F.relu(out) if self.fuse_relu else out
+        matrix = self._propagation(x, edge_index, edge_weight)
+        return gcn_conv(matrix, x, self.lin.weight, self.bias, relu=self.fuse_relu)

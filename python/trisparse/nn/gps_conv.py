@@ -1,0 +1,110 @@
+"""trisparse.nn.GPSConv: PyG's GPSConv with the global attention packed per graph."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..attention import sparse_attention
+from ..edge import edge_softmax, edge_spmm, sddmm
+from ..pattern import Pattern
+
+try:
+    from torch_geometric.nn import GPSConv as _PygGPSConv
+except ImportError as e:  # pragma: no cover - exercised only without PyG
+    raise ImportError(
+        "trisparse.nn holds drop-in replacements for PyG layers and needs torch_geometric "
+        "(pip install torch_geometric)"
+    ) from e
+
+
+class _BatchPatterns:
+    """The block-diagonal Pattern of the last ``batch`` vector a GPS layer saw (rebuilt when the
+    tensor object, its contents or the node count change)."""
+
+    def __init__(self):
+        self._batch = None
+        self._key = None
+        self._pattern = None
+
+    def get(self, batch, num_nodes: int) -> Pattern:
+        key = (getattr(batch, "_version", None), num_nodes)
+        if batch is not self._batch or key != self._key or self._pattern is None:
+            self._pattern = Pattern.from_batch(batch, num_nodes)
+            self._batch, self._key = batch, key
+        return self._pattern
+
+
+class GPSConv(_PygGPSConv):
+    """PyG's :class:`torch_geometric.nn.GPSConv` (same arguments, submodules and state_dict: the
+    local MPNN ``conv``, ``attn``, ``mlp`` and the norms): the global attention runs over each
+    graph of the mini-batch as one packed sparse attention (the block-diagonal pattern of
+    ``batch``, :meth:`trisparse.Pattern.from_batch`) instead of padding every graph to the largest
+    and running dense ``nn.MultiheadAttention``: no padding, memory linear in sum n_g^2, the
+    gradients deterministic. ``attn``'s own projections (``in_proj_weight``, ``out_proj``) are
+    used as they are. With attention dropout (``attn_kwargs={"dropout": p}``) while training, the
+    weights are formed per pair and dropped (the same distribution as PyG's, not the same
+    draws). Falls back to PyG's code, with a one-time warning, for ``attn_type="performer"`` and
+    ``MultiheadAttention`` options beyond PyG's default use (``add_bias_kv``, ``add_zero_attn``,
+    ``kdim``/``vdim``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._batches = _BatchPatterns()
+        self._warned: set[str] = set()
+
+    def _unfused_reason(self) -> str | None:
+        attn = self.attn
+        if not isinstance(attn, torch.nn.MultiheadAttention):
+            return f"attn_type={self.attn_type!r} is not fused"
+        if attn.bias_k is not None or attn.add_zero_attn or not attn._qkv_same_embed_dim:
+            return "MultiheadAttention with add_bias_kv, add_zero_attn, kdim or vdim is not fused"
+        return None
+
+    def forward(self, x: Tensor, edge_index, batch=None, **kwargs) -> Tensor:
+        reason = self._unfused_reason()
+        if reason is not None:
+            if reason not in self._warned:
+                self._warned.add(reason)
+                warnings.warn(
+                    f"trisparse.nn.GPSConv: {reason}; running PyG's GPSConv code (exact, not "
+                    "fused)",
+                    stacklevel=2,
+                )
+            return super().forward(x, edge_index, batch, **kwargs)
+        hs = []
+        if self.conv is not None:  # the local MPNN, as PyG's
+            h = self.conv(x, edge_index, **kwargs)
+            h = F.dropout(h, p=self.dropout, training=self.training)
+            hs.append(self._norm(self.norm1, h + x, batch))
+        h = self._global_attention(x, batch)
+        h = F.dropout(h, p=self.dropout, training=self.training)
+        hs.append(self._norm(self.norm2, h + x, batch))
+        out = sum(hs)
+        out = out + self.mlp(out)
+        return self._norm(self.norm3, out, batch)
+
+    def _norm(self, norm, h: Tensor, batch) -> Tensor:
+        if norm is None:
+            return h
+        return norm(h, batch=batch) if self.norm_with_batch else norm(h)
+
+    def _global_attention(self, x: Tensor, batch) -> Tensor:
+        """nn.MultiheadAttention(x, x, x) within each graph, as packed sparse attention."""
+        attn = self.attn
+        n, channels = x.shape
+        heads = attn.num_heads
+        pattern = self._batches.get(batch, n)
+        qkv = F.linear(x, attn.in_proj_weight, attn.in_proj_bias).view(n, 3, heads, -1)
+        q, k, v = qkv.unbind(1)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        if self.training and attn.dropout > 0:
+            alpha = edge_softmax(scale * sddmm(q, k, pattern), pattern)
+            out = edge_spmm(F.dropout(alpha, p=attn.dropout, training=True), v, pattern)
+        else:
+            out = sparse_attention(q, k, v, pattern, scale=scale)
+        return attn.out_proj(out.reshape(n, channels))

@@ -1,0 +1,102 @@
+"""trisparse.nn.TransformerConv: PyG's TransformerConv over the fused attention."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..attention import sparse_attention
+from ..copies import copy_aggregate, copy_dot, copy_logsumexp, copy_sum, copy_weights, to_copies
+from ..edge import edge_softmax, edge_spmm, sddmm
+from ..pattern import Pattern
+from ._common import _edge_features, _Fused, _input_edges
+
+try:
+    from torch_geometric.nn import TransformerConv as _PygTransformerConv
+except ImportError as e:  # pragma: no cover - exercised only without PyG
+    raise ImportError(
+        "trisparse.nn holds drop-in replacements for PyG layers and needs torch_geometric "
+        "(pip install torch_geometric)"
+    ) from e
+
+
+class TransformerConv(_Fused, _PygTransformerConv):
+    """PyG's :class:`torch_geometric.nn.TransformerConv` (same arguments, parameters, outputs),
+    its attention fused by trisparse: no [E, heads, channels] messages are materialised, and the
+    gradients are deterministic.
+
+    ``edge_index`` may also be a :class:`trisparse.Pattern` (built once, reused every step).
+    Repeated edges count once per copy, as in PyG (a log-count bias on the fused scores). Attention
+    dropout while training, edge features (``edge_dim``) and ``return_attention_weights`` run the
+    per-edge path: [E, heads] scores (SDDMM), softmax and dropout per input edge, then the per-edge
+    SpMM; an edge feature a_ij enters as q_i . W_e a_ij on the score and W_e sum_j alpha_ij a_ij on
+    the output (exact by linearity), so only [E, edge_dim] and [N, heads, edge_dim] tensors appear.
+    Falls back to PyG's code, with a one-time warning, only for edge features or attention weights
+    over a graph given as a ``SparseTensor``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_fused()
+
+    def forward(self, x, edge_index, edge_attr=None, return_attention_weights=None):
+        if self.lin_edge is None:
+            edge_attr = None  # PyG's layer ignores it too
+        per_edge = edge_attr is not None or bool(return_attention_weights)
+        if per_edge and not isinstance(edge_index, (Tensor, Pattern)):
+            self._fallback(
+                "edge features and attention weights need an edge_index tensor", edge_index
+            )
+            return super().forward(x, edge_index, edge_attr, return_attention_weights)
+        if self.lin_edge is not None and edge_attr is None:
+            raise ValueError("edge_attr: this layer has edge_dim set and needs edge features")
+        x_src, x_dst = (x, x) if isinstance(x, Tensor) else x
+        pattern = self._patterns.get(edge_index, x_src.size(0), x_dst.size(0))
+        H, C = self.heads, self.out_channels
+        query = self.lin_query(x_dst).view(-1, H, C)
+        key = self.lin_key(x_src).view(-1, H, C)
+        value = self.lin_value(x_src).view(-1, H, C)
+        scale = 1.0 / math.sqrt(C)
+        dropout = self.training and self.dropout > 0
+        alpha = None
+        if per_edge or dropout:
+            out, alpha = self._per_edge(query, key, value, edge_attr, pattern, scale, dropout)
+        else:
+            bias = pattern.log_multiplicity(query.device)
+            out = sparse_attention(query, key, value, pattern, scale=scale, bias=bias)
+        out = out.reshape(-1, H * C) if self.concat else out.mean(dim=1)
+        if self.root_weight:
+            x_r = self.lin_skip(x_dst)
+            if self.lin_beta is not None:
+                beta = self.lin_beta(torch.cat([out, x_r, out - x_r], dim=-1)).sigmoid()
+                out = beta * x_r + (1 - beta) * out
+            else:
+                out = out + x_r
+        if return_attention_weights:
+            return out, (edge_index, alpha)
+        return out
+
+    def _per_edge(self, query, key, value, edge_attr, pattern, scale, dropout):
+        """The attention with [E, H] weights: returns the output [N, H, C] and the weights of the
+        input's edges (before dropout, as PyG's layer returns them)."""
+        H, C = self.heads, self.out_channels
+        if edge_attr is not None:
+            edge_attr = _edge_features(edge_attr, pattern, self.edge_dim)
+            w_edge = self.lin_edge.weight.view(H, C, -1)  # W_e of head h: [C, edge_dim]
+            # q_i . (W_e a_ij) = (W_e^T q_i) . a_ij: per-node [N, H, edge_dim], then per-edge dots.
+            scores = scale * copy_dot(
+                torch.einsum("nhc,hcd->nhd", query, w_edge), edge_attr, pattern
+            )
+        else:
+            scores = query.new_zeros(_input_edges(pattern), H)
+        entry = copy_logsumexp(scores, pattern)  # log(count) for plain repeats
+        alpha = edge_softmax(scale * sddmm(query, key, pattern) + entry, pattern)
+        weights = to_copies(alpha, pattern) * copy_weights(scores, entry, pattern)
+        dropped = F.dropout(weights, p=self.dropout, training=True) if dropout else weights
+        out = edge_spmm(copy_sum(dropped, pattern), value, pattern)
+        if edge_attr is not None:
+            messages = copy_aggregate(dropped, edge_attr, pattern)  # [N, H, edge_dim]
+            out = out + torch.einsum("nhd,hcd->nhc", messages, w_edge)
+        return out, weights
