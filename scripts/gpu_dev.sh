@@ -5,7 +5,7 @@
 # .devpack/gpu_tests.tar.xz, the CUDA pytest tests matching PYTEST_K (default: all of
 # test_cuda.py; "none" skips them), and with BENCH=1 the layer benchmarks
 # (bench/python/transformer_conv.py with edge features, both layers, on BENCH_GRAPHS and a random
-# 10M-edge multigraph). Build and pack here first:
+# 10M-edge multigraph), with GPS=1 GPS's global attention (bench/python/gps_attention.py). Build and pack here first:
 #   cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRISPARSE_CUDA=ON \
 #         -DCMAKE_CUDA_ARCHITECTURES=90 -DTRISPARSE_PYTHON=OFF -DTRISPARSE_DATASETS_DIR=data
 #   cmake --build build/gpu --target gpu_tests && mkdir -p .devpack .devlibs data
@@ -51,5 +51,12 @@ if [ "${BENCH:-0}" = 1 ]; then
   done
   tail -5 "$out/bench_stderr.log"
   echo "bench: $((SECONDS - start)) s"
+fi
+# GPS=1: GPS's global attention against FlexAttention and PyG's padded path (NCI1).
+if [ "${GPS:-0}" = 1 ]; then
+  PYTHONPATH=/tmp/build/python python3 bench/python/gps_attention.py data/tu_nci1.graph_ptr.xz \
+    ${GPS_ARGS:-} > "$out/gps_attention.jsonl" 2> "$out/gps_stderr.log" || status=1
+  tail -3 "$out/gps_stderr.log"
+  echo "gps: $((SECONDS - start)) s"
 fi
 exit $status

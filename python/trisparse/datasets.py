@@ -14,7 +14,7 @@ import tempfile
 import numpy as np
 import torch
 
-__all__ = ["load_pattern", "planetoid", "read_graph"]
+__all__ = ["load_pattern", "ogbg", "planetoid", "read_graph"]
 
 _NAMES = {"cora": "Cora", "citeseer": "CiteSeer"}
 _PARTS = ("x", "tx", "allx", "y", "ty", "ally", "graph", "test.index")
@@ -57,6 +57,64 @@ def planetoid(name: str, root: str | os.PathLike | None = None):
         return Planetoid(str(work), _NAMES[key])[0]
     except Exception as e:  # PyG's reader: unpickling, shapes
         raise ValueError(f"Planetoid {name}: cannot read the files in {folder}: {e}") from e
+
+
+_OGBG = ("bace", "bbbp", "esol", "freesolv")
+
+
+def ogbg(name: str, root: str | os.PathLike | None = None):
+    """An OGB molecule set (ogbg-molbace, -molbbbp, -molesol or -molfreesolv) from OGB's raw files
+    in ``root/ogbg_mol<name>/`` (default ``$TRISPARSE_OGBG``, else ``../shared/datasets/ogbg``),
+    as OGB's PyG loader gives it: a list of ``torch_geometric.data.Data`` (x: int64 [n, 9] atom
+    features, edge_index with both directions of each bond, edge_attr: int64 [2 b, 3] bond
+    features, y: [1, tasks] float, NaN where a label is missing) and the scaffold split as a dict
+    of graph indices ("train", "valid", "test").
+
+    Raises ValueError for an unknown name and FileNotFoundError naming a missing file."""
+    key = name.lower().removeprefix("ogbg-").removeprefix("ogbg_").removeprefix("mol")
+    if key not in _OGBG:
+        raise ValueError(f"name must be one of {['ogbg-mol' + n for n in _OGBG]}, got {name!r}")
+    env = os.environ.get("TRISPARSE_OGBG")
+    base = pathlib.Path(root) if root is not None else pathlib.Path(
+        env if env else os.path.join("..", "shared", "datasets", "ogbg")
+    )
+    folder = base / f"ogbg_mol{key}"
+
+    def table(*parts: str, dtype=np.int64) -> np.ndarray:
+        path = folder.joinpath(*parts)
+        if not path.is_file():
+            raise FileNotFoundError(f"ogbg-mol{key}: missing {path} (pass root= or set TRISPARSE_OGBG)")
+        with gzip.open(path, "rt") as f:
+            if dtype == np.int64:
+                return np.loadtxt(f, dtype=np.int64, delimiter=",", ndmin=2)
+            return np.genfromtxt(f, dtype=dtype, delimiter=",", ndmin=2)  # empty: NaN
+
+    from torch_geometric.data import Data
+
+    nodes = table("raw", "num-node-list.csv.gz")[:, 0]
+    edges = table("raw", "num-edge-list.csv.gz")[:, 0]
+    x = torch.from_numpy(table("raw", "node-feat.csv.gz"))
+    bonds = torch.from_numpy(table("raw", "edge.csv.gz"))
+    bond_feat = torch.from_numpy(table("raw", "edge-feat.csv.gz"))
+    y = torch.from_numpy(table("raw", "graph-label.csv.gz", dtype=np.float32))
+    graphs, n0, e0 = [], 0, 0
+    for g, (n, e) in enumerate(zip(nodes.tolist(), edges.tolist())):
+        b = bonds[e0 : e0 + e].t()
+        graphs.append(
+            Data(
+                x=x[n0 : n0 + n],
+                edge_index=torch.cat([b, b.flip(0)], dim=1),
+                edge_attr=bond_feat[e0 : e0 + e].repeat(2, 1),
+                y=y[g : g + 1],
+                num_nodes=n,
+            )
+        )
+        n0, e0 = n0 + n, e0 + e
+    split = {
+        part: torch.from_numpy(table("split", "scaffold", f"{part}.csv.gz")[:, 0])
+        for part in ("train", "valid", "test")
+    }
+    return graphs, split
 
 
 def _open_text(path: pathlib.Path):

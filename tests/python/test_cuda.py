@@ -523,3 +523,39 @@ def test_layers_on_multigraphs_with_edge_features_on_cuda(layer, kwargs):
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):
         assert relerr(a, b) <= 2e-4, i
+
+
+def test_gps_conv_on_cuda_matches_pyg_in_float64():
+    """GPSConv's packed global attention on CUDA in float32 (a GINE local MPNN with bond-like
+    edge features) against PyG's GPSConv in float64 on the CPU."""
+    g = torch.Generator().manual_seed(7)
+    sizes = torch.randint(1, 60, (40,), generator=g)
+    batch = torch.repeat_interleave(torch.arange(40), sizes)
+    starts = torch.cumsum(sizes, 0) - sizes
+    ei = torch.cat(
+        [torch.randint(0, int(s), (2, 2 * int(s)), generator=g) + o for s, o in zip(sizes, starts)],
+        dim=1,
+    )
+    n, channels = batch.numel(), 64
+    torch.manual_seed(0)
+
+    def make(cls):
+        mlp = torch.nn.Sequential(torch.nn.Linear(channels, channels), torch.nn.ReLU())
+        return cls(channels, pyg_nn.GINEConv(mlp, edge_dim=3), heads=4)
+
+    pyg = make(pyg_nn.GPSConv).double()
+    ours = make(trisparse.nn.GPSConv).cuda()
+    ours.load_state_dict(pyg.state_dict())
+    x = torch.randn(n, channels, generator=g)
+    ea = torch.randn(ei.shape[1], 3, generator=g)
+    dout = torch.randn(n, channels, generator=g)
+
+    def result(layer, device, dt):
+        xs = x.to(device, dt).requires_grad_()
+        out = layer(xs, ei.to(device), batch.to(device), edge_attr=ea.to(device, dt))
+        out.backward(dout.to(device, dt))
+        grads = [p.grad for _, p in sorted(layer.named_parameters())]
+        return [t.double().cpu() for t in (out.detach(), xs.grad, *grads)]
+
+    for a, b in zip(result(ours, "cuda", torch.float32), result(pyg, "cpu", torch.float64)):
+        assert relerr(a, b) <= 1e-3

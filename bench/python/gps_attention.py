@@ -1,0 +1,180 @@
+#!/usr/bin/env python3
+"""GPS's global attention alone (forward + backward, bf16): each graph of a mini-batch attends
+within itself. Three implementations on the same q, k, v [N, H, D] (packed nodes):
+
+- trisparse: ``sparse_attention`` over ``Pattern.from_batch(batch)`` (no padding);
+- flex: FlexAttention (compiled) over [1, H, N, D] with a document mask, its block mask built for
+  each batch (timed apart: ``mask_ms``);
+- pyg_padded: what PyG's GPSConv does, ``to_dense_batch`` to [B, n_max, H, D] then
+  scaled_dot_product_attention with the key padding mask, and the real rows gathered back.
+
+    python3 bench/python/gps_attention.py data/tu_nci1.graph_ptr.xz --graphs 0 128 1024 \
+        --heads-dims 4x16 4x32 4x64 > gps_attention.jsonl
+
+--graphs: batch sizes in graphs (0 = the whole set as one batch; others: consecutive batches,
+the first of that size). Times: CUDA-event medians of --repeat steps after warm-ups. Error: max
+|x - ref| / max |ref| over out and the gradients against a float32 dense reference per graph.
+"""
+
+import argparse
+import json
+import lzma
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import trisparse
+from torch_geometric.utils import to_dense_batch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attention_training import events_ms
+
+
+def read_ptr(path):
+    with lzma.open(path, "rt") if path.endswith(".xz") else open(path) as f:
+        return torch.tensor([int(line) for line in f if line.strip()], dtype=torch.int64)
+
+
+def ours(pattern):
+    def attend(q, k, v):
+        return trisparse.sparse_attention(q, k, v, pattern)
+
+    return attend
+
+
+def padded(batch):
+    def attend(q, k, v):
+        n, h, d = q.shape
+        dense = [to_dense_batch(t.reshape(n, h * d), batch)[0] for t in (q, k, v)]
+        mask = to_dense_batch(q[:, 0, 0], batch)[1]  # [B, n_max] real nodes
+        qd, kd, vd = (t.view(t.shape[0], t.shape[1], h, d).transpose(1, 2) for t in dense)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask[:, None, None, :])
+        return o.transpose(1, 2)[mask]
+
+    return attend
+
+
+def flex(batch, compiled):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    n = batch.numel()
+    pad = (-n) % 128
+    doc = torch.cat([batch, batch.new_full((pad,), -1)])
+
+    def document(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    mask = create_block_mask(document, None, None, n + pad, n + pad, device=batch.device)
+
+    def attend(q, k, v):
+        qf, kf, vf = (F.pad(t, (0, 0, 0, 0, 0, pad)).transpose(0, 1)[None] for t in (q, k, v))
+        return compiled(qf, kf, vf, block_mask=mask)[0].transpose(0, 1)[:n]
+
+    return attend
+
+
+def reference(q, k, v, ptr, dout):
+    """float32 dense attention per graph and its gradients."""
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    outs = []
+    for g in range(ptr.numel() - 1):
+        a, b = int(ptr[g]), int(ptr[g + 1])
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t in leaves)
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1))
+    out = torch.cat(outs)
+    out.backward(dout.float())
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+def rel(got, want):
+    return max(
+        float((g.float() - w).abs().max() / w.abs().max().clamp_min(1e-12))
+        for g, w in zip(got, want)
+    )
+
+
+def step_of(attend, q, k, v, dout):
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        out = attend(*leaves)
+        out.backward(dout)
+        return out
+
+    def result():
+        out = step()
+        return [out.detach(), *(t.grad for t in leaves)]
+
+    return step, result
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("ptr_files", nargs="+")
+    ap.add_argument("--graphs", type=int, nargs="+", default=[0, 128, 1024])
+    ap.add_argument("--heads-dims", nargs="+", default=["4x16", "4x32", "4x64"])
+    ap.add_argument("--repeat", type=int, default=20)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    from torch.nn.attention.flex_attention import flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    for path in a.ptr_files:
+        full = read_ptr(path)
+        for graphs in a.graphs:
+            ptr = full if graphs == 0 or graphs >= full.numel() - 1 else full[: graphs + 1]
+            ptr = ptr - ptr[0]
+            sizes = ptr.diff()
+            batch = torch.repeat_interleave(torch.arange(sizes.numel()), sizes).to(dev)
+            n = int(ptr[-1])
+            for hd in a.heads_dims:
+                heads, dim = (int(v) for v in hd.split("x"))
+                g = torch.Generator(device=dev).manual_seed(1)
+                q, k, v, dout = (
+                    torch.randn(n, heads, dim, generator=g, device=dev, dtype=torch.bfloat16)
+                    for _ in range(4)
+                )
+                rec = {"set": os.path.basename(path).split(".")[0], "graphs": sizes.numel()}
+                rec.update(nodes=n, max_nodes=int(sizes.max()), heads=heads, dim=dim)
+                rec.update(pairs=int((sizes * sizes).sum()), dtype="bf16")
+                rec.update(device=torch.cuda.get_device_name(), torch=torch.__version__)
+                want = reference(q, k, v, ptr.to(dev), dout)
+                torch.cuda.synchronize()
+                start, stop = torch.cuda.Event(True), torch.cuda.Event(True)
+                start.record()
+                pattern = trisparse.Pattern.from_batch(batch)
+                pattern.plan(dev, gradients=True)
+                stop.record()
+                stop.synchronize()
+                rec["trisparse_build_ms"] = start.elapsed_time(stop)
+                cases = [("trisparse", ours(pattern)), ("pyg_padded", padded(batch))]
+                try:
+                    start.record()
+                    attend = flex(batch, compiled)
+                    stop.record()
+                    stop.synchronize()
+                    rec["flex_mask_ms"] = start.elapsed_time(stop)
+                    cases.append(("flex", attend))
+                except Exception as e:  # noqa: BLE001 - reported in the row, then the others
+                    rec["flex"] = {"error": str(e).splitlines()[0][:200]}
+                for name, attend in cases:
+                    try:
+                        step, result = step_of(attend, q, k, v, dout)
+                        err = rel(result(), want)
+                        torch.cuda.synchronize()
+                        base = torch.cuda.memory_allocated()
+                        torch.cuda.reset_peak_memory_stats()
+                        ms = events_ms(step, a.repeat)
+                        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+                        rec[name] = {"step_ms": ms, "peak_mib": peak, "rel_error": err}
+                    except Exception as e:  # noqa: BLE001 - out of memory, a compile failure
+                        rec[name] = {"error": str(e).splitlines()[0][:200]}
+                    torch.cuda.empty_cache()
+                print(json.dumps(rec), flush=True)
+
+
+if __name__ == "__main__":
+    main()
