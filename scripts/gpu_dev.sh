@@ -19,11 +19,11 @@ mkdir -p "$out"
 start=$SECONDS
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/gpu.txt"
 echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown) $(date -u +%FT%TZ)" | tee -a "$out/gpu.txt"
-cmake -S . -B /tmp/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRISPARSE_CUDA=ON \
+cmake -S . -B build/device -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRISPARSE_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90 -DTRISPARSE_PYTHON=ON -DTRISPARSE_IO=OFF -DTRISPARSE_BUILD_TESTS=OFF \
   -DTRISPARSE_BUILD_CLI=OFF -DTRISPARSE_BUILD_BENCH=OFF > "$out/configure.log" 2>&1 ||
   { tail -20 "$out/configure.log"; exit 1; }
-cmake --build /tmp/build -j "$(nproc)" --target trisparse_python > "$out/build.log" 2>&1 ||
+cmake --build build/device -j "$(nproc)" --target trisparse_python > "$out/build.log" 2>&1 ||
   { grep -B2 -A12 "error" "$out/build.log" | head -60; exit 1; }
 echo "build: $((SECONDS - start)) s"
 status=0
@@ -36,7 +36,7 @@ if [ "${GTEST:-*}" != none ]; then
   echo "gpu tests: $((SECONDS - start)) s"
 fi
 if [ "${PYTEST_K:-}" != none ]; then
-  PYTHONPATH=/tmp/build/python python3 -m pytest -q -p no:cacheprovider -x tests/python/test_cuda.py \
+  PYTHONPATH=build/device/python python3 -m pytest -q -p no:cacheprovider -x tests/python/test_cuda.py \
     ${PYTEST_K:+-k "$PYTEST_K"} > "$out/pytest.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)|passed|failed" "$out/pytest.log" | tail -8
   echo "pytest: $((SECONDS - start)) s"
@@ -45,7 +45,7 @@ if [ "${BENCH:-0}" = 1 ]; then
   graphs=()
   for g in ${BENCH_GRAPHS:-snap_web_notredame deezer_egos het_tolokers}; do graphs+=("data/$g.el.xz"); done
   for layer in TransformerConv GATConv; do
-    PYTHONPATH=/tmp/build/python python3 bench/python/transformer_conv.py --layer $layer \
+    PYTHONPATH=build/device/python python3 bench/python/transformer_conv.py --layer $layer \
       --edge-dim 16 --min-edges 1000000 --random 1000000:10000000 "${graphs[@]}" \
       >> "$out/layers_edge.jsonl" 2>> "$out/bench_stderr.log" || status=1
   done
@@ -54,7 +54,7 @@ if [ "${BENCH:-0}" = 1 ]; then
 fi
 # GPS=1: GPS's global attention against FlexAttention and PyG's padded path (NCI1).
 if [ "${GPS:-0}" = 1 ]; then
-  PYTHONPATH=/tmp/build/python python3 bench/python/gps_attention.py data/tu_nci1.graph_ptr.xz \
+  PYTHONPATH=build/device/python python3 bench/python/gps_attention.py data/tu_nci1.graph_ptr.xz \
     ${GPS_ARGS:-} > "$out/gps_attention.jsonl" 2> "$out/gps_stderr.log" || status=1
   tail -3 "$out/gps_stderr.log"
   echo "gps: $((SECONDS - start)) s"
