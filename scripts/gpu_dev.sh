@@ -36,7 +36,7 @@ if [ "${GTEST:-*}" != none ]; then
   echo "gpu tests: $((SECONDS - start)) s"
 fi
 if [ "${PYTEST_K:-}" != none ]; then
-  PYTHONPATH=build/device/python python3 -m pytest -q -p no:cacheprovider -x tests/python/test_cuda.py \
+  PYTHONPATH=build/device/python python3 -m pytest -q -p no:cacheprovider tests/python/test_cuda.py \
     ${PYTEST_K:+-k "$PYTEST_K"} > "$out/pytest.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)|passed|failed" "$out/pytest.log" | tail -8
   echo "pytest: $((SECONDS - start)) s"
