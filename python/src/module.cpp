@@ -63,10 +63,11 @@ attention_options options_of(std::optional<double> scale, const std::string& alg
 
 /// The package's plan options: every run passes its workspace from torch's caching allocator, so
 /// the plan's own (sized at build, for runs given none) is kept to its smallest.
-plan_options package_options(const std::string& algo, bool gradients) {
+plan_options package_options(const std::string& algo, bool gradients, bool keep_order = false) {
   plan_options o;
   o.algo = parse_algorithm(algo);
   o.gradients = gradients;
+  if (keep_order) o.order = row_order::original;
   o.workspace_heads = 1;
   o.workspace_dim = 32;
   return o;
@@ -79,7 +80,7 @@ struct py_attention_plan {
   static py_attention_plan from_host(std::uintptr_t row_ptr, std::uintptr_t col_idx,
                                      std::int64_t rows, std::int64_t cols, std::int64_t nnz,
                                      const std::string& algo, bool gradients, int device,
-                                     std::uintptr_t stream) {
+                                     std::uintptr_t stream, bool keep_order) {
     csr_graph g;
     g.rows = rows;
     g.cols = cols;
@@ -87,7 +88,7 @@ struct py_attention_plan {
     const auto* ci = reinterpret_cast<const std::int32_t*>(col_idx);
     g.row_ptr.assign(rp, rp + rows + 1);
     g.col_idx.assign(ci, ci + nnz);
-    plan_options o = package_options(algo, gradients);
+    plan_options o = package_options(algo, gradients, keep_order);
     nb::gil_scoped_release release;
     return {attention_plan::build(g, device < 0 ? device_kind::cpu : device_kind::cuda, o,
                                   stream_of(stream))};
@@ -374,8 +375,12 @@ struct py_sparse_plan {
                                   std::uintptr_t values, std::int64_t rows, std::int64_t cols,
                                   std::int64_t nnz, int device, std::uintptr_t stream) {
     const csr_graph g = csr_of(row_ptr, col_idx, values, rows, cols, nnz);
+    // The package's SDDMM gives scores that a softmax follows (the layers' per-edge path): f32
+    // inputs take the three-product SDDMM, as accurate as f32 arithmetic (tf32 alone: ~3e-4).
+    sparse_plan_options o;
+    o.sddmm_f32 = f32_math::tf32x3;
     nb::gil_scoped_release release;
-    return {sparse_plan::build(g, device < 0 ? device_kind::cpu : device_kind::cuda, {},
+    return {sparse_plan::build(g, device < 0 ? device_kind::cpu : device_kind::cuda, o,
                                stream_of(stream))};
   }
 
@@ -469,7 +474,8 @@ NB_MODULE(_C, m) {
 
   nb::class_<py_attention_plan>(m, "AttentionPlan")
       .def_static("from_host", &py_attention_plan::from_host, "row_ptr"_a, "col_idx"_a, "rows"_a,
-                  "cols"_a, "nnz"_a, "algo"_a, "gradients"_a, "device"_a, "stream"_a)
+                  "cols"_a, "nnz"_a, "algo"_a, "gradients"_a, "device"_a, "stream"_a,
+                  "keep_order"_a = false)
       .def_static("from_device", &py_attention_plan::from_device, "row_ptr"_a, "col_idx"_a,
                   "rows"_a, "cols"_a, "nnz"_a, "algo"_a, "gradients"_a, "stream"_a)
       .def("run", &py_attention_plan::run, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(),

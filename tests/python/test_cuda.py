@@ -486,7 +486,8 @@ def test_biased_attention_on_cuda_matches_the_float64_cpu_op(dtype, heads, d, sh
 )
 def test_layers_on_multigraphs_with_edge_features_on_cuda(layer, kwargs):
     """Repeated edges and edge features on CUDA in float32 against PyG's layer in float64 on the
-    CPU: outputs and the gradients of x, edge_attr and every parameter, no fallback."""
+    CPU: outputs and the gradients of x, edge_attr and every parameter, no fallback. The per-edge
+    path's SpMM multiplies f32 on tf32 tensor cores (its SDDMM in three tf32 products): 1e-3."""
     n = 400
     g = torch.Generator().manual_seed(43)
     ei = random_edge_index(n, n, 8, seed=44, self_loops=True)
@@ -521,8 +522,12 @@ def test_layers_on_multigraphs_with_edge_features_on_cuda(layer, kwargs):
         got = grads(ours, "cuda", torch.float32)
     want = grads(pyg, "cpu", torch.float64)
     assert len(got) == len(want)
+    norm = max(float(b.abs().max()) for b in want[2:])
     for i, (a, b) in enumerate(zip(got, want)):
-        assert relerr(a, b) <= 2e-4, i
+        if i >= 3 or (i == 2 and ea is None):  # parameters: normwise over all of them
+            assert (a - b).abs().max() <= 1e-3 * norm, i
+        else:
+            assert relerr(a, b) <= 1e-3, i
 
 
 def test_gps_conv_on_cuda_matches_pyg_in_float64():
@@ -557,5 +562,10 @@ def test_gps_conv_on_cuda_matches_pyg_in_float64():
         grads = [p.grad for _, p in sorted(layer.named_parameters())]
         return [t.double().cpu() for t in (out.detach(), xs.grad, *grads)]
 
-    for a, b in zip(result(ours, "cuda", torch.float32), result(pyg, "cpu", torch.float64)):
-        assert relerr(a, b) <= 1e-3
+    got, want = result(ours, "cuda", torch.float32), result(pyg, "cpu", torch.float64)
+    # Normwise over the parameters: some gradients are zero up to rounding (a key bias shifts
+    # every score of a row alike, which the softmax cancels).
+    norm = max(float(b.abs().max()) for b in want[2:])
+    assert relerr(got[0], want[0]) <= 1e-3 and relerr(got[1], want[1]) <= 1e-3
+    for i, (a, b) in enumerate(zip(got[2:], want[2:])):
+        assert (a - b).abs().max() <= 1e-3 * norm, i
