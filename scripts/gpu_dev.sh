@@ -5,7 +5,8 @@
 # .devpack/gpu_tests.tar.xz, the CUDA pytest tests matching PYTEST_K (default: all of
 # test_cuda.py; "none" skips them), and with BENCH=1 the layer benchmarks
 # (bench/python/transformer_conv.py with edge features, both layers, on BENCH_GRAPHS and a random
-# 10M-edge multigraph), with GPS=1 GPS's global attention (bench/python/gps_attention.py). Build and pack here first:
+# 10M-edge multigraph), with GPS=1 GPS's global attention (bench/python/gps_attention.py), with
+# TRAIN=1 GPS training on OGB molecules (below). Build and pack here first:
 #   cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRISPARSE_CUDA=ON \
 #         -DCMAKE_CUDA_ARCHITECTURES=90 -DTRISPARSE_PYTHON=OFF -DTRISPARSE_DATASETS_DIR=data
 #   cmake --build build/gpu --target gpu_tests && mkdir -p .devpack .devlibs data
@@ -58,5 +59,18 @@ if [ "${GPS:-0}" = 1 ]; then
     ${GPS_ARGS:-} > "$out/gps_attention.jsonl" 2> "$out/gps_stderr.log" || status=1
   tail -3 "$out/gps_stderr.log"
   echo "gps: $((SECONDS - start)) s"
+fi
+# TRAIN=1: GPS on ogbg-molbace and ogbg-molesol (scaffold split), both backends, TRAIN_SEEDS seeds
+# of TRAIN_EPOCHS epochs (examples/python/train_gps_ogbg.py).
+if [ "${TRAIN:-0}" = 1 ]; then
+  for ds in ${TRAIN_SETS:-ogbg-molbace ogbg-molesol}; do
+    for backend in pyg trisparse; do
+      PYTHONPATH=build/device/python python3 examples/python/train_gps_ogbg.py --dataset "$ds" \
+        --backend $backend --root data/ogbg --seeds "${TRAIN_SEEDS:-1}" --epochs "${TRAIN_EPOCHS:-20}" \
+        --json >> "$out/gps_training.jsonl" 2>> "$out/train_stderr.log" || status=1
+      echo "$ds $backend: $((SECONDS - start)) s"
+    done
+  done
+  tail -3 "$out/train_stderr.log"
 fi
 exit $status
