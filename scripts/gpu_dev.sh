@@ -22,8 +22,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown) $(date -u +%FT%TZ)" | tee -a "$out/gpu.txt"
 cmake -S . -B build/device -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRISPARSE_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90 -DTRISPARSE_PYTHON=ON -DTRISPARSE_IO=OFF -DTRISPARSE_BUILD_TESTS=OFF \
-  -DTRISPARSE_BUILD_CLI=OFF -DTRISPARSE_BUILD_BENCH=OFF > "$out/configure.log" 2>&1 ||
-  { tail -20 "$out/configure.log"; exit 1; }
+  -DTRISPARSE_BUILD_CLI=OFF -DTRISPARSE_BUILD_BENCH=OFF > "$out/build.log" 2>&1 ||
+  { tail -20 "$out/build.log"; exit 1; }
 cmake --build build/device -j "$(nproc)" --target trisparse_python trisparse_python_files > "$out/build.log" 2>&1 ||
   { grep -B2 -A12 "error" "$out/build.log" | head -60; exit 1; }
 echo "build: $((SECONDS - start)) s"
@@ -48,16 +48,16 @@ if [ "${BENCH:-0}" = 1 ]; then
   for layer in TransformerConv GATConv; do
     PYTHONPATH=build/device/python python3 bench/python/transformer_conv.py --layer $layer \
       --edge-dim 16 --min-edges 1000000 --random 1000000:10000000 "${graphs[@]}" \
-      >> "$out/layers_edge.jsonl" 2>> "$out/bench_stderr.log" || status=1
+      >> "$out/layers_edge.jsonl" 2>> "$out/stderr.log" || status=1
   done
-  tail -5 "$out/bench_stderr.log"
+  tail -5 "$out/stderr.log"
   echo "bench: $((SECONDS - start)) s"
 fi
 # GPS=1: GPS's global attention against FlexAttention and PyG's padded path (NCI1).
 if [ "${GPS:-0}" = 1 ]; then
   PYTHONPATH=build/device/python python3 bench/python/gps_attention.py data/tu_nci1.graph_ptr.xz \
-    ${GPS_ARGS:-} > "$out/gps_attention.jsonl" 2> "$out/gps_stderr.log" || status=1
-  tail -3 "$out/gps_stderr.log"
+    ${GPS_ARGS:-} > "$out/gps_attention.jsonl" 2> "$out/stderr.log" || status=1
+  tail -3 "$out/stderr.log"
   echo "gps: $((SECONDS - start)) s"
 fi
 # TRAIN=1: GPS on ogbg-molbace and ogbg-molesol (scaffold split), both backends, TRAIN_SEEDS seeds
@@ -67,10 +67,10 @@ if [ "${TRAIN:-0}" = 1 ]; then
     for backend in pyg trisparse; do
       PYTHONPATH=build/device/python python3 examples/python/train_gps_ogbg.py --dataset "$ds" \
         --backend $backend --root data/ogbg --seeds "${TRAIN_SEEDS:-1}" --epochs "${TRAIN_EPOCHS:-20}" \
-        --json >> "$out/gps_training.jsonl" 2>> "$out/train_stderr.log" || status=1
+        --json ${TRAIN_ARGS:-} >> "$out/gps_training.jsonl" 2>> "$out/stderr.log" || status=1
       echo "$ds $backend: $((SECONDS - start)) s"
     done
   done
-  tail -3 "$out/train_stderr.log"
+  tail -3 "$out/stderr.log"
 fi
 exit $status

@@ -373,12 +373,14 @@ struct py_sparse_plan {
 
   static py_sparse_plan from_host(std::uintptr_t row_ptr, std::uintptr_t col_idx,
                                   std::uintptr_t values, std::int64_t rows, std::int64_t cols,
-                                  std::int64_t nnz, int device, std::uintptr_t stream) {
+                                  std::int64_t nnz, int device, std::uintptr_t stream,
+                                  bool keep_order) {
     const csr_graph g = csr_of(row_ptr, col_idx, values, rows, cols, nnz);
     // The package's SDDMM gives scores that a softmax follows (the layers' per-edge path): f32
     // inputs take the three-product SDDMM, as accurate as f32 arithmetic (tf32 alone: ~3e-4).
     sparse_plan_options o;
     o.sddmm_f32 = f32_math::tf32x3;
+    if (keep_order) o.order = row_order::original;
     nb::gil_scoped_release release;
     return {sparse_plan::build(g, device < 0 ? device_kind::cpu : device_kind::cuda, o,
                                stream_of(stream))};
@@ -502,7 +504,7 @@ NB_MODULE(_C, m) {
 
   nb::class_<py_sparse_plan>(m, "SparsePlan")
       .def_static("from_host", &py_sparse_plan::from_host, "row_ptr"_a, "col_idx"_a, "values"_a,
-                  "rows"_a, "cols"_a, "nnz"_a, "device"_a, "stream"_a)
+                  "rows"_a, "cols"_a, "nnz"_a, "device"_a, "stream"_a, "keep_order"_a = false)
       .def("spmm", &py_sparse_plan::spmm, "values"_a.none(), "b"_a, "c"_a, "stream"_a,
            "workspace"_a, "workspace_bytes"_a)
       .def("sddmm", &py_sparse_plan::sddmm, "x"_a, "y"_a, "out"_a, "scale"_a, "stream"_a)

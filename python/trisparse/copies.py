@@ -95,7 +95,7 @@ def copy_dot(x: Tensor, a: Tensor, pattern: Pattern) -> Tensor:
     """[E_in, H]: <x[i, h], a[c]> for each input pair c = (i, j): x [num_rows, H, D], a [E_in, D]
     (per-pair features), by one SDDMM a head over the copies' pattern: no [E_in, H, D] tensor."""
     cp = _copy_pattern(pattern)
-    a3 = a.unsqueeze(1)
+    a3 = a.to(x.dtype).unsqueeze(1)  # under autocast x may be 16-bit
     heads = [sddmm(x[:, h : h + 1], a3, cp) for h in range(x.shape[1])]
     return torch.cat(heads, dim=1)[cp.entries_of_input(x.device)]
 
@@ -106,6 +106,6 @@ def copy_aggregate(w: Tensor, a: Tensor, pattern: Pattern) -> Tensor:
     cp = _copy_pattern(pattern)
     _, to_entries = cp.input_order(w.device)
     w = w[to_entries]  # the copies' pattern's entry order
-    a3 = a.unsqueeze(1)
+    a3 = a.to(torch.promote_types(a.dtype, w.dtype)).unsqueeze(1)
     heads = [edge_spmm(w[:, h : h + 1].contiguous(), a3, cp) for h in range(w.shape[1])]
     return torch.cat(heads, dim=1)

@@ -411,6 +411,7 @@ class Pattern:
                 col.numel(),
                 device_index(device),
                 stream(device),
+                self._keep_order,
             )
             self._edge_plans[(device, transposed)] = plan
         return plan

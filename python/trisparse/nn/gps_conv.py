@@ -39,6 +39,9 @@ class _BatchPatterns:
         return self._pattern
 
 
+_SHARED_BATCHES = _BatchPatterns()
+
+
 class GPSConv(_PygGPSConv):
     """PyG's :class:`torch_geometric.nn.GPSConv` (same arguments, submodules and state_dict: the
     local MPNN ``conv``, ``attn``, ``mlp`` and the norms): the global attention runs over each
@@ -54,7 +57,7 @@ class GPSConv(_PygGPSConv):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._batches = _BatchPatterns()
+        self._batches = _SHARED_BATCHES  # a model's layers see one batch: one pattern for all
         self._warned: set[str] = set()
 
     def _unfused_reason(self) -> str | None:

@@ -58,10 +58,15 @@ struct tc_pass {
 
 struct attention_backward_device_plan {
   std::int64_t rows = 0, cols = 0, nnz = 0;
-  device_buffer<std::int64_t> row_ptr;            // A's offsets (the log-sum-exp recompute)
-  device_buffer<std::int64_t> column_entry;       // A's entry of each of A^T's (a bias's reads)
-  attention_backward::pass row, column;           // over A's rows (dq), over A^T's rows (dk, dv)
-  attention_backward::tc_pass tc_row, tc_column;  // the same over A's and A^T's BSB windows
+  device_buffer<std::int64_t> row_ptr;       // A's offsets (the log-sum-exp recompute)
+  device_buffer<std::int64_t> column_entry;  // A's entry of each of A^T's (a bias's reads)
+  attention_backward::pass row, transposed;  // over A's rows (dq), over A^T's rows (dk, dv)
+  attention_backward::tc_pass tc_row, tc_transposed;  // the same over A's and A^T's BSB windows
+  bool symmetric = false;  // A == A^T (a mini-batch's blocks): the A^T passes are A's
+  const attention_backward::pass& column() const { return symmetric ? row : transposed; }
+  const attention_backward::tc_pass& tc_column() const {
+    return symmetric ? tc_row : tc_transposed;
+  }
 };
 
 namespace {
@@ -85,7 +90,7 @@ workspace_segments segments(const attention_backward_device_plan& plan, std::int
   const auto row_slots =
       static_cast<std::size_t>(std::max(plan.row.slots, plan.tc_row.work(heads).slots));
   const auto col_slots =
-      static_cast<std::size_t>(std::max(plan.column.slots, plan.tc_column.work(heads).slots));
+      static_cast<std::size_t>(std::max(plan.column().slots, plan.tc_column().work(heads).slots));
   w.dq = w.layout.add(row_slots * row);
   w.dk = w.layout.add(col_slots * row);
   w.dv = w.layout.add(col_slots * row);
@@ -226,7 +231,7 @@ void run_tensor_core(const attention_backward_device_plan& plan, const tensor_vi
                    scale,
                    scale_log2};
   };
-  const tc_args row = args(plan.tc_row, plan.rows), column = args(plan.tc_column, plan.cols);
+  const tc_args row = args(plan.tc_row, plan.rows), column = args(plan.tc_column(), plan.cols);
   with_head_dim<32, 64, 128>(q.dim, "attention backward", [&]<int D>() {
     if (row.n_chunks * heads > 0) {
       tc_row_pass<T, G, D><<<grid_of(row.n_chunks * heads), kWarps * 32, 0, s>>>(
@@ -354,13 +359,16 @@ std::shared_ptr<attention_backward_device_plan> make_attention_backward_plan(
   p->rows = pattern.rows;
   p->cols = pattern.cols;
   p->nnz = pattern.nnz();
+  // A symmetric pattern (a batch of graphs attending within each) is its own transpose: its
+  // column passes are its row passes, built once.
+  p->symmetric = transposed.row_ptr == pattern.row_ptr && transposed.col_idx == pattern.col_idx;
   p->row = make_pass(pattern);
-  p->column = make_pass(transposed);
+  if (!p->symmetric) p->transposed = make_pass(transposed);
   int device = 0, sms = 0;
   TRISPARSE_CUDA_TRY(cudaGetDevice(&device));
   TRISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   p->tc_row = make_tc_pass(pattern, std::max(sms, 1));
-  p->tc_column = make_tc_pass(transposed, std::max(sms, 1));
+  if (!p->symmetric) p->tc_transposed = make_tc_pass(transposed, std::max(sms, 1));
   p->row_ptr = device_buffer<std::int64_t>(pattern.row_ptr);
   p->column_entry = device_buffer<std::int64_t>(
       std::vector<std::int64_t>(transposed_entry.begin(), transposed_entry.end()));
@@ -433,9 +441,10 @@ void run_attention_backward(const attention_backward_device_plan& plan, const te
                                     partials{dv_part, heads, pdim}, static_cast<float>(scale), s);
               launch_reduce<G, V, F>(base, plan.tc_row.work(heads).splits, dq_part, dq, base.scale,
                                      s);
-              launch_reduce<G, V, F>(base, plan.tc_column.work(heads).splits, dk_part, dk,
+              launch_reduce<G, V, F>(base, plan.tc_column().work(heads).splits, dk_part, dk,
                                      base.scale, s);
-              launch_reduce<G, V, F>(base, plan.tc_column.work(heads).splits, dv_part, dv, 1.0f, s);
+              launch_reduce<G, V, F>(base, plan.tc_column().work(heads).splits, dv_part, dv, 1.0f,
+                                     s);
               return;
             }
           }
@@ -450,7 +459,7 @@ void run_attention_backward(const attention_backward_device_plan& plan, const te
           }
           launch_reduce<G, V, F>(base, plan.row.splits, dq_part, dq, base.scale, s);
           p = base;
-          set_work(p, plan.column);
+          set_work(p, plan.column());
           p.o1 = head_lanes::out_of(dk);
           p.o2 = head_lanes::out_of(dv);
           p.part1 = dk_part;
@@ -460,8 +469,8 @@ void run_attention_backward(const attention_backward_device_plan& plan, const te
                 <<<grid_of(p.n_chunks * p.l.groups), kWarps * 32, 0, s>>>(p);
             TRISPARSE_CUDA_CHECK_LAUNCH();
           }
-          launch_reduce<G, V, F>(base, plan.column.splits, dk_part, dk, base.scale, s);
-          launch_reduce<G, V, F>(base, plan.column.splits, dv_part, dv, 1.0f, s);
+          launch_reduce<G, V, F>(base, plan.column().splits, dk_part, dk, base.scale, s);
+          launch_reduce<G, V, F>(base, plan.column().splits, dv_part, dv, 1.0f, s);
         });
       });
     });
@@ -517,8 +526,8 @@ std::int64_t device_bytes(const attention_backward_device_plan& plan) {
     return bytes;
   };
   return static_cast<std::int64_t>(plan.row_ptr.bytes() + plan.column_entry.bytes() +
-                                   pass_bytes(plan.row) + pass_bytes(plan.column) +
-                                   tc_bytes(plan.tc_row) + tc_bytes(plan.tc_column));
+                                   pass_bytes(plan.row) + pass_bytes(plan.transposed) +
+                                   tc_bytes(plan.tc_row) + tc_bytes(plan.tc_transposed));
 }
 
 }  // namespace trisparse::cuda
