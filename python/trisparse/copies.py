@@ -32,8 +32,18 @@ def _grouped(pattern: Pattern, device: torch.device) -> tuple[Tensor, Tensor]:
     return grouped
 
 
+def _bijective(pattern: Pattern, device: torch.device) -> Tensor | None:
+    """Without repeated pairs, each entry is one input pair: the input pair of each entry
+    (int64 [nnz] on `device`), the permutation that the reductions over copies reduce to."""
+    order = pattern.input_order(device)
+    return None if order is None else order[1]
+
+
 def copy_sum(values: Tensor, pattern: Pattern) -> Tensor:
     """[E_in, ...] values of the input's pairs -> [nnz, ...]: each entry's sum over its copies."""
+    pair_of_entry = _bijective(pattern, values.device)
+    if pair_of_entry is not None:
+        return values[pair_of_entry]
     order, offsets = _grouped(pattern, values.device)
     return torch.segment_reduce(values[order], "sum", offsets=offsets, axis=0)
 
@@ -55,13 +65,19 @@ class _ToCopies(torch.autograd.Function):
 def to_copies(values: Tensor, pattern: Pattern) -> Tensor:
     """[nnz, ...] per-entry values -> [E_in, ...]: each input pair gets its entry's; the gradient
     sums over each entry's copies in a fixed order (a plain gather's adds with atomics on CUDA)."""
+    entries = pattern.entries_of_input(values.device)
+    if _bijective(pattern, values.device) is not None:
+        return values[entries]  # a permutation: its gradient writes each entry once
     order, offsets = _grouped(pattern, values.device)
-    return _ToCopies.apply(values, pattern.entries_of_input(values.device), order, offsets)
+    return _ToCopies.apply(values, entries, order, offsets)
 
 
 def copy_logsumexp(scores: Tensor, pattern: Pattern) -> Tensor:
     """[E_in, H] scores of the input's pairs -> [nnz, H]: log sum over each entry's copies of
     exp(score) (the entry's score when every copy is a term of the softmax)."""
+    pair_of_entry = _bijective(pattern, scores.device)
+    if pair_of_entry is not None:
+        return scores[pair_of_entry]
     order, offsets = _grouped(pattern, scores.device)
     grouped = scores[order]
     # The max only steadies the exponentials: the result does not depend on it.
@@ -72,8 +88,11 @@ def copy_logsumexp(scores: Tensor, pattern: Pattern) -> Tensor:
     return top + sums.log()
 
 
-def copy_weights(scores: Tensor, entry_scores: Tensor, pattern: Pattern) -> Tensor:
-    """[E_in, H]: each copy's share of its entry's weight, exp(score - entry's log-sum-exp)."""
+def copy_weights(scores: Tensor, entry_scores: Tensor, pattern: Pattern) -> Tensor | None:
+    """[E_in, H]: each copy's share of its entry's weight, exp(score - entry's log-sum-exp); None
+    where every entry is one pair (every share 1)."""
+    if _bijective(pattern, scores.device) is not None:
+        return None
     return (scores - to_copies(entry_scores, pattern)).exp()
 
 

@@ -75,15 +75,19 @@ def ogbg(name: str, root: str | os.PathLike | None = None):
     if key not in _OGBG:
         raise ValueError(f"name must be one of {['ogbg-mol' + n for n in _OGBG]}, got {name!r}")
     env = os.environ.get("TRISPARSE_OGBG")
-    base = pathlib.Path(root) if root is not None else pathlib.Path(
-        env if env else os.path.join("..", "shared", "datasets", "ogbg")
+    base = (
+        pathlib.Path(root)
+        if root is not None
+        else pathlib.Path(env if env else os.path.join("..", "shared", "datasets", "ogbg"))
     )
     folder = base / f"ogbg_mol{key}"
 
     def table(*parts: str, dtype=np.int64) -> np.ndarray:
         path = folder.joinpath(*parts)
         if not path.is_file():
-            raise FileNotFoundError(f"ogbg-mol{key}: missing {path} (pass root= or set TRISPARSE_OGBG)")
+            raise FileNotFoundError(
+                f"ogbg-mol{key}: missing {path} (pass root= or set TRISPARSE_OGBG)"
+            )
         with gzip.open(path, "rt") as f:
             if dtype == np.int64:
                 return np.loadtxt(f, dtype=np.int64, delimiter=",", ndmin=2)

@@ -519,3 +519,22 @@ def test_gps_conv_batch_errors_name_the_argument():
         layer(x, ei, torch.tensor([0, 1, 0, 1, 1]))
     with pytest.raises(ValueError, match="batch has 4 entries"):
         layer(x, ei, torch.tensor([0, 0, 1, 1]))
+
+
+@pytest.mark.parametrize("layer", ["TransformerConv", "GATConv"])
+def test_edge_features_without_repeats_equal_pyg_in_float64(layer):
+    """A graph without repeated edges (each entry one edge: the per-copy reductions reduce to a
+    permutation): edge features and attention weights as PyG's, no fallback."""
+    n = 50
+    ei = random_edge_index(n, n, 6, seed=9, self_loops=True)
+    ei = ei[:, torch.randperm(ei.shape[1], generator=torch.Generator().manual_seed(2))]
+    ours, pyg = pair(
+        getattr(trisparse.nn, layer), getattr(pyg_nn, layer), 16, 6, heads=2, edge_dim=4
+    )
+    ours, pyg = ours.double(), pyg.double()
+    x = torch.randn(n, 16, dtype=torch.float64)
+    ea = torch.randn(ei.shape[1], 4, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = run_full(ours, x, ei, ea, True)
+    assert_same(got, run_full(pyg, x, ei, ea, True))

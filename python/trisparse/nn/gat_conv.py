@@ -142,7 +142,10 @@ class GATConv(_Fused, _PygGATConv):
         scores = F.leaky_relu(scores, self.negative_slope)
         entry = copy_logsumexp(scores, pattern)
         alpha = edge_softmax(entry, pattern)
-        weights = to_copies(alpha, pattern) * copy_weights(scores, entry, pattern)
+        weights = to_copies(alpha, pattern)
+        shares = copy_weights(scores, entry, pattern)
+        if shares is not None:  # a repeated edge's copies share its weight
+            weights = weights * shares
         if dropout:
             weights = F.dropout(weights, p=self.dropout, training=True)
         return edge_spmm(copy_sum(weights, pattern), x_src, pattern), weights

@@ -89,11 +89,19 @@ class TransformerConv(_Fused, _PygTransformerConv):
             scores = scale * copy_dot(
                 torch.einsum("nhc,hcd->nhd", query, w_edge), edge_attr, pattern
             )
-        else:
+        elif pattern.duplicates:
             scores = query.new_zeros(_input_edges(pattern), H)
-        entry = copy_logsumexp(scores, pattern)  # log(count) for plain repeats
-        alpha = edge_softmax(scale * sddmm(query, key, pattern) + entry, pattern)
-        weights = to_copies(alpha, pattern) * copy_weights(scores, entry, pattern)
+        else:
+            scores = None
+        logits = scale * sddmm(query, key, pattern)
+        if scores is not None:
+            entry = copy_logsumexp(scores, pattern)  # log(count) for plain repeats
+            logits = logits + entry
+        alpha = edge_softmax(logits, pattern)
+        weights = to_copies(alpha, pattern)
+        shares = None if scores is None else copy_weights(scores, entry, pattern)
+        if shares is not None:  # a repeated edge's copies share its weight
+            weights = weights * shares
         dropped = F.dropout(weights, p=self.dropout, training=True) if dropout else weights
         out = edge_spmm(copy_sum(dropped, pattern), value, pattern)
         if edge_attr is not None:
