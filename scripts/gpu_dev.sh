@@ -53,6 +53,12 @@ if [ "${BENCH:-0}" = 1 ]; then
   tail -5 "$out/stderr.log"
   echo "bench: $((SECONDS - start)) s"
 fi
+# EXPHORMER=1: an Exphormer model, trisparse against PyG's layers (bench/python/exphormer.py).
+if [ "${EXPHORMER:-0}" = 1 ]; then
+  PYTHONPATH=build/device/python python3 bench/python/exphormer.py data/snap_web_notredame.el.xz \
+    data/deezer_egos.el.xz > "$out/exphormer.jsonl" 2>> "$out/stderr.log" || status=1
+  echo "exphormer: $((SECONDS - start)) s"
+fi
 # GPS=1: GPS's global attention against FlexAttention and PyG's padded path (NCI1).
 if [ "${GPS:-0}" = 1 ]; then
   PYTHONPATH=build/device/python python3 bench/python/gps_attention.py data/tu_nci1.graph_ptr.xz \

@@ -172,6 +172,58 @@ class Pattern:
         return cls.from_coo(rows, col, rowptr.numel() - 1, num_cols)
 
     @classmethod
+    def exphormer(
+        cls,
+        edge_index: torch.Tensor,
+        num_nodes: int | None = None,
+        expander_degree: int = 3,
+        virtual_nodes: int = 1,
+        add_self_loops: bool = True,
+        seed: int = 0,
+    ) -> Pattern:
+        """Exphormer's sparse attention pattern (Shirzad et al., 2023) over ``num_nodes`` real
+        nodes and ``virtual_nodes`` virtual ones numbered after them: the graph's edges (each
+        target attends its sources, PyG's convention), a random ``expander_degree``-regular
+        expander (the union of random permutations and their inverses, so both directions of
+        each expander edge), every real node attending every virtual node and every virtual node
+        attending every real node, and (``add_self_loops``) each node itself. Edges that several
+        parts give are one entry (a binary pattern). Virtual rows attend all N nodes: the kernels
+        cut such rows into chunks, so they do not serialise. ``seed`` draws the expander.
+
+        An odd ``expander_degree`` is rounded up to even (each permutation gives every node one
+        edge each way). Returns a square Pattern of num_nodes + virtual_nodes rows; its
+        ``edge_index()`` gives the edges as PyG's ``edge_index``, for a PyG model of the same
+        attention."""
+        ei = _check_index(edge_index, "edge_index")
+        if ei.dim() != 2 or ei.shape[0] != 2:
+            raise ValueError(f"edge_index must have shape [2, E], got {tuple(ei.shape)}")
+        n = int(num_nodes) if num_nodes is not None else (int(ei.max()) + 1 if ei.numel() else 0)
+        if expander_degree < 0 or virtual_nodes < 0:
+            raise ValueError(
+                f"expander_degree and virtual_nodes must be >= 0, got {expander_degree} and "
+                f"{virtual_nodes}"
+            )
+        ei = ei.cpu()
+        check_edge_ids(ei[1], ei[0], n, n)
+        g = torch.Generator().manual_seed(seed)
+        dst, src = [ei[1]], [ei[0]]
+        nodes = torch.arange(n)
+        for _ in range((expander_degree + 1) // 2):  # each permutation gives 2 edges a node
+            perm = torch.randperm(n, generator=g)
+            dst += [nodes, perm]
+            src += [perm, nodes]
+        for v in range(n, n + virtual_nodes):
+            hub = torch.full((n,), v)
+            dst += [nodes, hub]
+            src += [hub, nodes]
+        total = n + virtual_nodes
+        if add_self_loops:
+            dst.append(torch.arange(total))
+            src.append(torch.arange(total))
+        union = cls.from_coo(torch.cat(dst), torch.cat(src), total, total)
+        return cls(union.rowptr, union.col, total, 0)  # binary: no multiplicities
+
+    @classmethod
     def from_batch(cls, batch: torch.Tensor | None, num_nodes: int | None = None) -> Pattern:
         """Every node attends every node of its own graph (self included): the block-diagonal
         pattern of a PyG mini-batch, from its sorted ``batch`` vector (graph of each node; None:
@@ -435,6 +487,12 @@ class Pattern:
             )
             self._gat_plans[device] = plan
         return plan
+
+    def edge_index(self) -> torch.Tensor:
+        """The entries as PyG's ``edge_index`` [2, nnz] (row 0 sources j, row 1 targets i), in
+        entry order, on the pattern's device."""
+        row, col = self.entries(self.device)
+        return torch.stack([col, row])
 
     def __repr__(self) -> str:
         return (

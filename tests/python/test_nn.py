@@ -538,3 +538,37 @@ def test_edge_features_without_repeats_equal_pyg_in_float64(layer):
         warnings.simplefilter("error")
         got = run_full(ours, x, ei, ea, True)
     assert_same(got, run_full(pyg, x, ei, ea, True))
+
+
+def test_exphormer_pattern_and_a_transformer_over_it():
+    """Pattern.exphormer: the graph's edges, a symmetric expander of the asked degree, virtual
+    nodes attending and attended by every node, self loops, reproducible by seed; a
+    TransformerConv over it equals PyG's over its edge_index()."""
+    n, virtual = 60, 2
+    ei = random_edge_index(n, n, 4, seed=17)
+    p = trisparse.Pattern.exphormer(ei, n, expander_degree=4, virtual_nodes=virtual, seed=3)
+    assert p.num_rows == p.num_cols == n + virtual and p.duplicates == 0
+    dense = torch.zeros(n + virtual, n + virtual, dtype=torch.bool)
+    row, col = p.entries(torch.device("cpu"))
+    dense[row, col] = True
+    assert dense[ei[1], ei[0]].all()  # targets attend their sources
+    assert dense.diagonal().all()
+    assert dense[n:, :n].all() and dense[:n, n:].all()  # virtual rows and columns are full
+    # The expander alone (no graph edges): both directions of each edge, degree <= 4.
+    bare = trisparse.Pattern.exphormer(
+        torch.zeros(2, 0, dtype=torch.int64), n, expander_degree=4, virtual_nodes=0
+    )
+    expander = torch.zeros(n, n, dtype=torch.bool)
+    r, c = bare.entries(torch.device("cpu"))
+    expander[r, c] = True
+    expander.fill_diagonal_(False)
+    assert torch.equal(expander, expander.t()) and 0 < int(expander.sum(1).max()) <= 4
+    again = trisparse.Pattern.exphormer(ei, n, expander_degree=4, virtual_nodes=virtual, seed=3)
+    assert torch.equal(again.col, p.col) and torch.equal(again.rowptr, p.rowptr)
+    ours, pyg = pair(trisparse.nn.TransformerConv, pyg_nn.TransformerConv, 8, 4, heads=2)
+    ours, pyg = ours.double(), pyg.double()
+    x = torch.randn(n + virtual, 8, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = run_full(ours, x, p)
+    assert_same(got, run_full(pyg, x, p.edge_index()))
