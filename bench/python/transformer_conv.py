@@ -88,10 +88,10 @@ def main():
         if path.startswith("random:"):
             n, e = (int(v) for v in path.split(":")[1:])
             g = torch.Generator().manual_seed(7)
-            edge_index, name = torch.randint(0, n, (2, e), generator=g), f"random_{n}_{e}"
+            edge_index, graph = torch.randint(0, n, (2, e), generator=g), f"random_{n}_{e}"
         else:
             edge_index, n = trisparse.datasets.read_graph(path)
-            name = os.path.basename(path).split(".")[0]
+            graph = os.path.basename(path).split(".")[0]
         if edge_index.shape[1] < a.min_edges:
             continue
         edge_index = edge_index.to(dev)
@@ -106,7 +106,7 @@ def main():
         edge_attr = torch.randn(edge_index.shape[1], a.edge_dim, device=dev) if a.edge_dim else None
         dout = torch.randn(n, a.heads * a.channels, device=dev)
         for mode, autocast in (("fp32", False), ("bf16_autocast", True)):
-            rec = {"graph": name, "layer": a.layer, "edge_dim": a.edge_dim, "nodes": n}
+            rec = {"graph": graph, "layer": a.layer, "edge_dim": a.edge_dim, "nodes": n}
             rec.update(edges=int(edge_index.shape[1]), heads=a.heads, channels=a.channels)
             rec.update(mode=mode, device=torch.cuda.get_device_name(), torch=torch.__version__)
             ref = None
