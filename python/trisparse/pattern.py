@@ -91,6 +91,8 @@ class Pattern:
         # CUDA plans keep the rows in order (no reordering search) where the builder knows the
         # pattern is already banded (from_batch's blocks).
         self._keep_order = False
+        # from_edge_index with add_self_loops: the input edges kept (not self loops), in order.
+        self._kept_edges: torch.Tensor | None = None
         self._per_device: dict[tuple[str, torch.device], Any] = {}
 
     # --- builders -------------------------------------------------------------------------------
@@ -150,11 +152,15 @@ class Pattern:
                 size = (n, n)
         num_src, num_dst = int(size[0]), int(size[1])
         dst, src = ei[1], ei[0]
+        kept = None
         if add_self_loops:
             keep = dst != src
+            kept = keep.nonzero().view(-1)
             loops = torch.arange(min(num_src, num_dst), device=ei.device)
-            dst, src = torch.cat([dst[keep], loops]), torch.cat([src[keep], loops])
-        return cls.from_coo(dst, src, num_dst, num_src)
+            dst, src = torch.cat([dst[kept], loops]), torch.cat([src[kept], loops])
+        pattern = cls.from_coo(dst, src, num_dst, num_src)
+        pattern._kept_edges = kept
+        return pattern
 
     @classmethod
     def from_csr(cls, rowptr: torch.Tensor, col: torch.Tensor, num_cols: int) -> Pattern:
@@ -361,6 +367,15 @@ class Pattern:
         if self._input_entries is None:
             return None
         return self._cached("input_entries", device, lambda: self._input_entries.to(device))
+
+    def kept_edges(self, device: torch.device) -> torch.Tensor | None:
+        """For a pattern from ``from_edge_index(..., add_self_loops=True)``: the edges of the
+        given edge_index that were kept (not self loops), int64 in their order, on `device` (the
+        pattern's input pairs are these, then one loop per node, as PyG's remove_self_loops and
+        add_self_loops give them); else None. Cached."""
+        if self._kept_edges is None:
+            return None
+        return self._cached("kept_edges", device, lambda: self._kept_edges.to(device))
 
     def multiplicity(self, device: torch.device) -> torch.Tensor | None:
         """How many input pairs each entry stands for (int64 [nnz] on `device`), or None when the

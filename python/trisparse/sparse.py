@@ -204,24 +204,33 @@ def _gcn_setup_context(ctx, inputs, output):
     x, w, bias, matrix, relu, order = inputs
     _out, mask, ax = output
     ctx.matrix, ctx.relu, ctx.order = matrix, relu, order
-    ctx.bias_dtype = None if bias is None else bias.dtype
-    ctx.save_for_backward(x, w, mask if relu else None, ax)
+    ctx.save_for_backward(x, w, mask if relu else None, ax, bias)
 
 
-def _gcn_backward(ctx, dout, _dmask, _dax):
-    """One call of the plan's backward: dZ = dout ∘ mask, dbias = Σ dZ, and dW, dX through the
-    transposed matrix, all deterministic."""
-    x, w, mask, ax = ctx.saved_tensors
-    dout = dout.contiguous()
-    plan = _matrices.lookup(ctx.matrix).fused_plan(x.device)
+@torch.library.custom_op("trisparse::gcn_fused_backward", mutates_args=())
+def _gcn_fused_backward(
+    dout: Tensor,
+    mask: Tensor | None,
+    x: Tensor,
+    w: Tensor,
+    ax: Tensor,
+    bias: Tensor | None,
+    matrix: int,
+    order: str,
+    with_dx: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One call of the plan's backward: dZ = dout ∘ mask, dbias = Σ dZ (in bias's dtype; empty
+    without a bias), and dW, dX (empty unless `with_dx`) through the transposed matrix, all
+    deterministic."""
+    plan = _matrices.lookup(matrix).fused_plan(x.device)
     f_in, f_out = w.shape
     code = _tensors.dtype_code(x.dtype)
     # dx only where x needs it (a model's input features do not): its products are skipped.
-    dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+    dx = torch.empty_like(x) if with_dx else x.new_empty(0)
     dw = torch.empty_like(w)
-    dbias = None if ctx.bias_dtype is None else dout.new_empty(f_out, dtype=ctx.bias_dtype)
+    dbias = dout.new_empty(0) if bias is None else dout.new_empty(f_out, dtype=bias.dtype)
     _owner, ws, ws_bytes = _tensors.workspace(
-        plan.backward_workspace_bytes(f_in, f_out, code, ctx.order), x.device
+        plan.backward_workspace_bytes(f_in, f_out, code, order), x.device
     )
     plan.backward(
         _tensors.view(dout.unsqueeze(1)),
@@ -229,15 +238,37 @@ def _gcn_backward(ctx, dout, _dmask, _dax):
         _tensors.view(x.unsqueeze(1)),
         _tensors.view(w.unsqueeze(1)),
         _tensors.view(ax.unsqueeze(1)) if ax.numel() > 0 else None,
-        None if dx is None else _tensors.view(dx.unsqueeze(1)),
+        _tensors.view(dx.unsqueeze(1)) if with_dx else None,
         _tensors.view(dw.unsqueeze(1)),
-        None if dbias is None else _tensors.view(dbias.view(1, 1, -1)),
-        ctx.order,
+        None if bias is None else _tensors.view(dbias.view(1, 1, -1)),
+        order,
         _tensors.stream(x.device),
         ws,
         ws_bytes,
     )
-    return dx, dw, dbias, None, None, None
+    return dx, dw, dbias
+
+
+@_gcn_fused_backward.register_fake
+def _gcn_fused_backward_fake(dout, mask, x, w, ax, bias, matrix, order, with_dx):
+    dx = torch.empty_like(x) if with_dx else x.new_empty(0)
+    dbias = dout.new_empty(0) if bias is None else dout.new_empty(w.shape[1], dtype=bias.dtype)
+    return dx, torch.empty_like(w), dbias
+
+
+def _gcn_backward(ctx, dout, _dmask, _dax):
+    x, w, mask, ax, bias = ctx.saved_tensors
+    dx, dw, dbias = torch.ops.trisparse.gcn_fused_backward(
+        dout.contiguous(), mask, x, w, ax, bias, ctx.matrix, ctx.order, ctx.needs_input_grad[0]
+    )
+    return (
+        dx if ctx.needs_input_grad[0] else None,
+        dw,
+        dbias if bias is not None else None,
+        None,
+        None,
+        None,
+    )
 
 
 _gcn_fused.register_autograd(_gcn_backward, setup_context=_gcn_setup_context)

@@ -32,6 +32,13 @@ class _PatternCache:
     def get(self, adj, num_src: int, num_dst: int, add_self_loops: bool = False) -> Pattern:
         if isinstance(adj, Pattern):
             return adj
+        if torch.compiler.is_compiling():
+            # Under torch.compile the Pattern is built from the real edge_index when the graph
+            # is traced and baked into it (building it is data-dependent: no graph can hold it).
+            return _TRACED[_traced_pattern(self, adj, num_src, num_dst, add_self_loops)]
+        return self._get(adj, num_src, num_dst, add_self_loops)
+
+    def _get(self, adj, num_src: int, num_dst: int, add_self_loops: bool) -> Pattern:
         key = (getattr(adj, "_version", None), num_src, num_dst, add_self_loops)
         if adj is not self._adj or key != self._key:
             if isinstance(adj, Tensor) and adj.layout == torch.strided:
@@ -47,6 +54,20 @@ class _PatternCache:
                 self._pattern = Pattern.of(adj, num_nodes=num_src)
             self._adj, self._key = adj, key
         return self._pattern
+
+
+# The Patterns that compiled graphs hold (by id): a graph baked with one must find it alive.
+_TRACED: dict[int, Pattern] = {}
+
+
+@torch._dynamo.assume_constant_result
+def _traced_pattern(cache, adj, num_src: int, num_dst: int, add_self_loops: bool) -> int:
+    """Run by torch.compile while tracing, on the real edge_index: its Pattern's id, a constant
+    of the compiled graph. The graph then serves that edge_index; a model called with another
+    graph of the same shape must be recompiled (torch.compiler.reset()) or given a Pattern."""
+    pattern = cache._get(adj, num_src, num_dst, add_self_loops)
+    _TRACED[pattern.id] = pattern
+    return pattern.id
 
 
 def _generic_propagate(self, edge_index, size=None, **kwargs):

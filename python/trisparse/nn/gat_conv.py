@@ -14,7 +14,7 @@ from ._common import _check_float, _edge_features, _Fused
 
 try:
     from torch_geometric.nn import GATConv as _PygGATConv
-    from torch_geometric.utils import add_self_loops, remove_self_loops
+    from torch_geometric.utils import scatter
 except ImportError as e:  # pragma: no cover - exercised only without PyG
     raise ImportError(
         "trisparse.nn holds drop-in replacements for PyG layers and needs torch_geometric "
@@ -109,26 +109,38 @@ class GATConv(_Fused, _PygGATConv):
         return out
 
     def _edge_features(self, edge_attr, edge_index, pattern, num_src, num_dst) -> Tensor:
-        """edge_attr of the pattern's input edges: with self loops, PyG's own removal and
-        addition (fill_value) over edge_index."""
+        """edge_attr of the pattern's input edges: with self loops, the kept edges' features and
+        the loops' from ``fill_value``, as PyG's remove_self_loops and add_self_loops give them
+        (the kept edges come from the pattern, so no shape depends on data: torch.compile)."""
         _check_float("edge_attr", edge_attr)
-        if self.add_self_loops:
-            if not isinstance(edge_index, Tensor):
-                raise TypeError(
-                    "edge_index: edge features with add_self_loops need the edge_index tensor "
-                    "(the loops' features are filled from it)"
-                )
-            n = min(num_src, num_dst)
-            if edge_attr.dim() == 1:
-                edge_attr = edge_attr.unsqueeze(-1)
-            if edge_attr.size(0) != edge_index.size(1):
-                raise ValueError(
-                    f"edge_attr must have one row per edge of edge_index ({edge_index.size(1)}), "
-                    f"got {edge_attr.size(0)}"
-                )
-            ei, edge_attr = remove_self_loops(edge_index, edge_attr)
-            _, edge_attr = add_self_loops(ei, edge_attr, fill_value=self.fill_value, num_nodes=n)
-        return _edge_features(edge_attr, pattern, self.edge_dim)
+        if not self.add_self_loops:
+            return _edge_features(edge_attr, pattern, self.edge_dim)
+        kept = pattern.kept_edges(edge_attr.device)
+        if kept is None or not isinstance(edge_index, Tensor):
+            raise TypeError(
+                "edge_index: edge features with add_self_loops need the edge_index tensor (the "
+                "loops' features are filled from it)"
+            )
+        if edge_attr.dim() == 1:
+            edge_attr = edge_attr.unsqueeze(-1)
+        if edge_attr.size(0) != edge_index.size(1):
+            raise ValueError(
+                f"edge_attr must have one row per edge of edge_index ({edge_index.size(1)}), "
+                f"got {edge_attr.size(0)}"
+            )
+        n = min(num_src, num_dst)
+        attr = edge_attr[kept]
+        fill = self.fill_value
+        size = (n, *attr.shape[1:])
+        if fill is None:
+            loops = attr.new_ones(size)
+        elif isinstance(fill, (int, float)):
+            loops = attr.new_full(size, fill)
+        elif isinstance(fill, Tensor):
+            loops = fill.to(attr.device, attr.dtype).expand(size).contiguous()
+        else:  # "mean", "add", ...: PyG's scatter over each node's incoming kept edges
+            loops = scatter(attr, edge_index[1][kept], 0, n, reduce=fill)
+        return _edge_features(torch.cat([attr, loops]), pattern, self.edge_dim)
 
     def _per_edge(self, x_src, alpha_src, alpha_dst, edge_attr, pattern, dropout):
         """GAT's attention with [E, H] weights per input edge: the output [N, H, C] and the

@@ -39,7 +39,12 @@ class GCNConv(_Fused, _PygGCNConv):
         self._matrix = None
 
     def _propagation(self, x: Tensor, edge_index: Tensor, edge_weight) -> SparseMatrix:
-        n = x.size(0)
+        if torch.compiler.is_compiling():
+            # Built from the real graph while torch.compile traces, and baked into the graph.
+            return _TRACED[_traced_matrix(self, x.size(0), x.dtype, edge_index, edge_weight)]
+        return self._cached_propagation(x.size(0), x.dtype, edge_index, edge_weight)
+
+    def _cached_propagation(self, n: int, dtype, edge_index: Tensor, edge_weight) -> SparseMatrix:
         key = (
             edge_index,
             edge_index._version,
@@ -51,7 +56,7 @@ class GCNConv(_Fused, _PygGCNConv):
             return self._matrix
         if self.normalize:
             ei, w = gcn_norm(
-                edge_index, edge_weight, n, self.improved, self.add_self_loops, self.flow, x.dtype
+                edge_index, edge_weight, n, self.improved, self.add_self_loops, self.flow, dtype
             )
         else:
             ei = edge_index
@@ -75,3 +80,16 @@ class GCNConv(_Fused, _PygGCNConv):
             return F.relu(out) if self.fuse_relu else out
         matrix = self._propagation(x, edge_index, edge_weight)
         return gcn_conv(matrix, x, self.lin.weight, self.bias, relu=self.fuse_relu)
+
+
+# The matrices that compiled graphs hold (by id), kept alive for them.
+_TRACED: dict[int, SparseMatrix] = {}
+
+
+@torch._dynamo.assume_constant_result
+def _traced_matrix(layer, n: int, dtype, edge_index, edge_weight) -> int:
+    """Run by torch.compile while tracing, on the real graph: the propagation matrix's id, a
+    constant of the compiled graph (a model given another graph must be recompiled)."""
+    matrix = layer._cached_propagation(n, dtype, edge_index, edge_weight)
+    _TRACED[id(matrix)] = matrix
+    return id(matrix)

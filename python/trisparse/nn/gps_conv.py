@@ -12,6 +12,7 @@ from torch import Tensor
 from ..attention import sparse_attention
 from ..edge import edge_softmax, edge_spmm, sddmm
 from ..pattern import Pattern
+from ._common import _TRACED
 
 try:
     from torch_geometric.nn import GPSConv as _PygGPSConv
@@ -32,11 +33,25 @@ class _BatchPatterns:
         self._pattern = None
 
     def get(self, batch, num_nodes: int) -> Pattern:
+        if torch.compiler.is_compiling():  # built from the real batch while tracing, as layers'
+            return _TRACED[_traced_batch_pattern(self, batch, num_nodes)]
+        return self._get(batch, num_nodes)
+
+    def _get(self, batch, num_nodes: int) -> Pattern:
         key = (getattr(batch, "_version", None), num_nodes)
         if batch is not self._batch or key != self._key or self._pattern is None:
             self._pattern = Pattern.from_batch(batch, num_nodes)
             self._batch, self._key = batch, key
         return self._pattern
+
+
+@torch._dynamo.assume_constant_result
+def _traced_batch_pattern(cache, batch, num_nodes: int) -> int:
+    """Run by torch.compile while tracing, on the real batch vector: its Pattern's id, a constant
+    of the compiled graph (see _common._traced_pattern)."""
+    pattern = cache._get(batch, num_nodes)
+    _TRACED[pattern.id] = pattern
+    return pattern.id
 
 
 _SHARED_BATCHES = _BatchPatterns()
