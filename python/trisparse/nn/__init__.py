@@ -2,6 +2,14 @@
 parameters and state_dict as PyG's, with the attention computed by trisparse's kernels; one file
 per layer, as PyG's."""
 
+try:
+    import torch_geometric  # noqa: F401  (every layer here subclasses PyG's)
+except ImportError as e:  # pragma: no cover - exercised only without PyG
+    raise ImportError(
+        "trisparse.nn holds drop-in replacements for PyG layers and needs torch_geometric "
+        "(pip install torch_geometric)"
+    ) from e
+
 from .agnn_conv import AGNNConv
 from .gat_conv import GATConv
 from .gcn_conv import GCNConv

@@ -7,14 +7,7 @@ import warnings
 
 import torch
 from torch import Tensor
-
-try:
-    from torch_geometric.nn import MessagePassing
-except ImportError as e:  # pragma: no cover - exercised only without PyG
-    raise ImportError(
-        "trisparse.nn holds drop-in replacements for PyG layers and needs torch_geometric "
-        "(pip install torch_geometric)"
-    ) from e
+from torch_geometric.nn import MessagePassing
 
 from ..pattern import Pattern
 

@@ -4,17 +4,10 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 from torch import Tensor
+from torch_geometric.nn import AGNNConv as _PygAGNNConv
 
 from ..attention import sparse_attention
 from ._common import _Fused
-
-try:
-    from torch_geometric.nn import AGNNConv as _PygAGNNConv
-except ImportError as e:  # pragma: no cover - exercised only without PyG
-    raise ImportError(
-        "trisparse.nn holds drop-in replacements for PyG layers and needs torch_geometric "
-        "(pip install torch_geometric)"
-    ) from e
 
 
 class AGNNConv(_Fused, _PygAGNNConv):

@@ -5,22 +5,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch_geometric.nn import GATConv as _PygGATConv
+from torch_geometric.utils import scatter
 
 from ..copies import copy_logsumexp, copy_sum, copy_weights, to_copies
 from ..edge import edge_scores, edge_softmax, edge_spmm
 from ..gat import gat_attention
 from ..pattern import Pattern
 from ._common import _check_float, _edge_features, _Fused
-
-try:
-    from torch_geometric.nn import GATConv as _PygGATConv
-    from torch_geometric.utils import scatter
-except ImportError as e:  # pragma: no cover - exercised only without PyG
-    raise ImportError(
-        "trisparse.nn holds drop-in replacements for PyG layers and needs torch_geometric "
-        "(pip install torch_geometric)"
-    ) from e
-
 
 # The widest heads the fused GAT kernels take (gat_plan::max_head_width); wider ones run the
 # per-edge ops.

@@ -5,18 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch_geometric.nn import GCNConv as _PygGCNConv
+from torch_geometric.nn.conv.gcn_conv import gcn_norm
 
 from ..sparse import SparseMatrix, gcn_conv
 from ._common import _Fused
-
-try:
-    from torch_geometric.nn import GCNConv as _PygGCNConv
-    from torch_geometric.nn.conv.gcn_conv import gcn_norm
-except ImportError as e:  # pragma: no cover - exercised only without PyG
-    raise ImportError(
-        "trisparse.nn holds drop-in replacements for PyG layers and needs torch_geometric "
-        "(pip install torch_geometric)"
-    ) from e
 
 
 class GCNConv(_Fused, _PygGCNConv):

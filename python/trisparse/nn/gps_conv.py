@@ -8,19 +8,12 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch_geometric.nn import GPSConv as _PygGPSConv
 
 from ..attention import sparse_attention
 from ..edge import edge_softmax, edge_spmm, sddmm
 from ..pattern import Pattern
 from ._common import _TRACED
-
-try:
-    from torch_geometric.nn import GPSConv as _PygGPSConv
-except ImportError as e:  # pragma: no cover - exercised only without PyG
-    raise ImportError(
-        "trisparse.nn holds drop-in replacements for PyG layers and needs torch_geometric "
-        "(pip install torch_geometric)"
-    ) from e
 
 
 class _BatchPatterns:

@@ -7,20 +7,13 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch_geometric.nn import TransformerConv as _PygTransformerConv
 
 from ..attention import sparse_attention
 from ..copies import copy_aggregate, copy_dot, copy_logsumexp, copy_sum, copy_weights, to_copies
 from ..edge import edge_softmax, edge_spmm, sddmm
 from ..pattern import Pattern
 from ._common import _edge_features, _Fused, _input_edges
-
-try:
-    from torch_geometric.nn import TransformerConv as _PygTransformerConv
-except ImportError as e:  # pragma: no cover - exercised only without PyG
-    raise ImportError(
-        "trisparse.nn holds drop-in replacements for PyG layers and needs torch_geometric "
-        "(pip install torch_geometric)"
-    ) from e
 
 
 class TransformerConv(_Fused, _PygTransformerConv):

@@ -11,11 +11,7 @@
 
 namespace trisparse {
 
-using detail::check_device_arg;
 using detail::check_host;
-using detail::host_gemm;
-using detail::layer_core;
-using detail::with_self_loops;
 
 namespace {
 

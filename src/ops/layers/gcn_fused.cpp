@@ -68,7 +68,6 @@ namespace trisparse {
 
 using detail::check_device_arg;
 using detail::check_host;
-using detail::host_gemm;
 
 namespace {
 
