@@ -86,6 +86,21 @@ class _Fused:
         cls.propagate = _generic_propagate
         cls.edge_updater = _generic_edge_updater
 
+    def _edge_request(self, edge_index, edge_attr, return_attention_weights):
+        """What a call asks of edge features and attention weights: (edge_attr, None where the
+        layer has no edge_dim, as PyG ignores it then; whether the per-edge path is asked;
+        whether PyG's code must run: those asked over a graph that is neither an edge_index
+        tensor nor a Pattern)."""
+        if self.lin_edge is None:
+            edge_attr = None
+        per_edge = edge_attr is not None or bool(return_attention_weights)
+        unfused = per_edge and not isinstance(edge_index, (Tensor, Pattern))
+        if unfused:
+            self._fallback(
+                "edge features and attention weights need an edge_index tensor", edge_index
+            )
+        return edge_attr, per_edge, unfused
+
     def _fallback(self, reason: str, edge_index) -> None:
         if isinstance(edge_index, Pattern):
             raise TypeError(

@@ -41,13 +41,10 @@ class GATConv(_Fused, _PygGATConv):
         self._init_fused()
 
     def forward(self, x, edge_index, edge_attr=None, size=None, return_attention_weights=None):
-        if self.lin_edge is None:
-            edge_attr = None  # PyG's layer ignores it too
-        per_edge = edge_attr is not None or bool(return_attention_weights)
-        if per_edge and not isinstance(edge_index, (Tensor, Pattern)):
-            self._fallback(
-                "edge features and attention weights need an edge_index tensor", edge_index
-            )
+        edge_attr, per_edge, unfused = self._edge_request(
+            edge_index, edge_attr, return_attention_weights
+        )
+        if unfused:
             return super().forward(x, edge_index, edge_attr, size, return_attention_weights)
         H, C = self.heads, self.out_channels
         res = None

@@ -12,7 +12,6 @@ from torch_geometric.nn import TransformerConv as _PygTransformerConv
 from ..attention import sparse_attention
 from ..copies import copy_aggregate, copy_dot, copy_logsumexp, copy_sum, copy_weights, to_copies
 from ..edge import edge_softmax, edge_spmm, sddmm
-from ..pattern import Pattern
 from ._common import _edge_features, _Fused, _input_edges
 
 
@@ -35,13 +34,10 @@ class TransformerConv(_Fused, _PygTransformerConv):
         self._init_fused()
 
     def forward(self, x, edge_index, edge_attr=None, return_attention_weights=None):
-        if self.lin_edge is None:
-            edge_attr = None  # PyG's layer ignores it too
-        per_edge = edge_attr is not None or bool(return_attention_weights)
-        if per_edge and not isinstance(edge_index, (Tensor, Pattern)):
-            self._fallback(
-                "edge features and attention weights need an edge_index tensor", edge_index
-            )
+        edge_attr, per_edge, unfused = self._edge_request(
+            edge_index, edge_attr, return_attention_weights
+        )
+        if unfused:
             return super().forward(x, edge_index, edge_attr, return_attention_weights)
         if self.lin_edge is not None and edge_attr is None:
             raise ValueError("edge_attr: this layer has edge_dim set and needs edge features")
