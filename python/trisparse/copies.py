@@ -32,6 +32,12 @@ def _grouped(pattern: Pattern, device: torch.device) -> tuple[Tensor, Tensor]:
     return grouped
 
 
+def _identity(pattern: Pattern) -> bool:
+    """A Pattern not built from pairs (given as such, e.g. Pattern.exphormer's): its entries are
+    the pairs, in entry order."""
+    return pattern.entries_of_input(torch.device("cpu")) is None
+
+
 def _bijective(pattern: Pattern, device: torch.device) -> Tensor | None:
     """Without repeated pairs, each entry is one input pair: the input pair of each entry
     (int64 [nnz] on `device`), the permutation that the reductions over copies reduce to."""
@@ -41,6 +47,8 @@ def _bijective(pattern: Pattern, device: torch.device) -> Tensor | None:
 
 def copy_sum(values: Tensor, pattern: Pattern) -> Tensor:
     """[E_in, ...] values of the input's pairs -> [nnz, ...]: each entry's sum over its copies."""
+    if _identity(pattern):
+        return values
     pair_of_entry = _bijective(pattern, values.device)
     if pair_of_entry is not None:
         return values[pair_of_entry]
@@ -65,6 +73,8 @@ class _ToCopies(torch.autograd.Function):
 def to_copies(values: Tensor, pattern: Pattern) -> Tensor:
     """[nnz, ...] per-entry values -> [E_in, ...]: each input pair gets its entry's; the gradient
     sums over each entry's copies in a fixed order (a plain gather's adds with atomics on CUDA)."""
+    if _identity(pattern):
+        return values
     entries = pattern.entries_of_input(values.device)
     if _bijective(pattern, values.device) is not None:
         return values[entries]  # a permutation: its gradient writes each entry once
@@ -75,6 +85,8 @@ def to_copies(values: Tensor, pattern: Pattern) -> Tensor:
 def copy_logsumexp(scores: Tensor, pattern: Pattern) -> Tensor:
     """[E_in, H] scores of the input's pairs -> [nnz, H]: log sum over each entry's copies of
     exp(score) (the entry's score when every copy is a term of the softmax)."""
+    if _identity(pattern):
+        return scores
     pair_of_entry = _bijective(pattern, scores.device)
     if pair_of_entry is not None:
         return scores[pair_of_entry]
@@ -91,7 +103,7 @@ def copy_logsumexp(scores: Tensor, pattern: Pattern) -> Tensor:
 def copy_weights(scores: Tensor, entry_scores: Tensor, pattern: Pattern) -> Tensor | None:
     """[E_in, H]: each copy's share of its entry's weight, exp(score - entry's log-sum-exp); None
     where every entry is one pair (every share 1)."""
-    if _bijective(pattern, scores.device) is not None:
+    if _identity(pattern) or _bijective(pattern, scores.device) is not None:
         return None
     return (scores - to_copies(entry_scores, pattern)).exp()
 

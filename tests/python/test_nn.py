@@ -565,13 +565,20 @@ def test_exphormer_pattern_and_a_transformer_over_it():
     assert torch.equal(expander, expander.t()) and 0 < int(expander.sum(1).max()) <= 4
     again = trisparse.Pattern.exphormer(ei, n, expander_degree=4, virtual_nodes=virtual, seed=3)
     assert torch.equal(again.col, p.col) and torch.equal(again.rowptr, p.rowptr)
-    ours, pyg = pair(trisparse.nn.TransformerConv, pyg_nn.TransformerConv, 8, 4, heads=2)
+    ours, pyg = pair(
+        trisparse.nn.TransformerConv, pyg_nn.TransformerConv, 8, 4, heads=2, dropout=0.3
+    )
     ours, pyg = ours.double(), pyg.double()
     x = torch.randn(n + virtual, 8, dtype=torch.float64)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        got = run_full(ours, x, p)
-    assert_same(got, run_full(pyg, x, p.edge_index()))
+    for train in (False, True):  # with attention dropout: drawn in entry order, as PyG's
+        ours.train(train)
+        pyg.train(train)
+        torch.manual_seed(5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = run_full(ours, x, p)
+        torch.manual_seed(5)
+        assert_same(got, run_full(pyg, x, p.edge_index()))
 
 
 @pytest.mark.parametrize(
