@@ -182,7 +182,7 @@ class Pattern:
         cls,
         edge_index: torch.Tensor,
         num_nodes: int | None = None,
-        expander_degree: int = 3,
+        expander_degree: int = 4,
         virtual_nodes: int = 1,
         add_self_loops: bool = True,
         seed: int = 0,
