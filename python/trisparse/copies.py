@@ -45,13 +45,20 @@ def _bijective(pattern: Pattern, device: torch.device) -> Tensor | None:
     return None if order is None else order[1]
 
 
-def copy_sum(values: Tensor, pattern: Pattern) -> Tensor:
-    """[E_in, ...] values of the input's pairs -> [nnz, ...]: each entry's sum over its copies."""
+def _one_copy_each(values: Tensor, pattern: Pattern) -> Tensor | None:
+    """[E_in, ...] -> [nnz, ...] where every entry has one copy (the entries themselves, or a
+    permutation of the pairs): any reduction over copies is this; None where entries repeat."""
     if _identity(pattern):
         return values
     pair_of_entry = _bijective(pattern, values.device)
-    if pair_of_entry is not None:
-        return values[pair_of_entry]
+    return None if pair_of_entry is None else values[pair_of_entry]
+
+
+def copy_sum(values: Tensor, pattern: Pattern) -> Tensor:
+    """[E_in, ...] values of the input's pairs -> [nnz, ...]: each entry's sum over its copies."""
+    single = _one_copy_each(values, pattern)
+    if single is not None:
+        return single
     order, offsets = _grouped(pattern, values.device)
     return torch.segment_reduce(values[order], "sum", offsets=offsets, axis=0)
 
@@ -85,11 +92,9 @@ def to_copies(values: Tensor, pattern: Pattern) -> Tensor:
 def copy_logsumexp(scores: Tensor, pattern: Pattern) -> Tensor:
     """[E_in, H] scores of the input's pairs -> [nnz, H]: log sum over each entry's copies of
     exp(score) (the entry's score when every copy is a term of the softmax)."""
-    if _identity(pattern):
-        return scores
-    pair_of_entry = _bijective(pattern, scores.device)
-    if pair_of_entry is not None:
-        return scores[pair_of_entry]
+    single = _one_copy_each(scores, pattern)
+    if single is not None:
+        return single
     order, offsets = _grouped(pattern, scores.device)
     grouped = scores[order]
     # The max only steadies the exponentials: the result does not depend on it.
