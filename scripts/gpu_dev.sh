@@ -45,7 +45,7 @@ fi
 if [ "${BENCH:-0}" = 1 ]; then
   graphs=()
   for g in ${BENCH_GRAPHS:-snap_web_notredame deezer_egos het_tolokers}; do graphs+=("data/$g.el.xz"); done
-  for layer in TransformerConv GATConv; do
+  for layer in ${BENCH_LAYERS:-TransformerConv GATConv}; do
     PYTHONPATH=build/device/python python3 bench/python/transformer_conv.py --layer $layer \
       --edge-dim 16 --min-edges 1000000 --random 1000000:10000000 "${graphs[@]}" \
       >> "$out/layers_edge.jsonl" 2>> "$out/stderr.log" || status=1

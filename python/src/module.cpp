@@ -367,6 +367,84 @@ struct py_gat_plan {
   }
 };
 
+/// TransformerConv's attention with edge features over a multigraph whose arrays torch keeps on
+/// the device (the Python side holds them as long as the plan).
+struct py_edge_attention_plan {
+  edge_attention_plan plan;
+
+  static py_edge_attention_plan build(std::int64_t rows, std::int64_t cols, std::int64_t edges,
+                                      std::uintptr_t row_ptr, std::uintptr_t src,
+                                      std::uintptr_t dst, std::uintptr_t edge,
+                                      std::uintptr_t col_ptr, std::uintptr_t by_source,
+                                      std::int64_t heavy, std::uintptr_t heavy_rows,
+                                      std::int64_t heavy_row_count, std::uintptr_t heavy_cols,
+                                      std::int64_t heavy_col_count, int device) {
+    multigraph_view g{.rows = rows,
+                      .cols = cols,
+                      .edges = edges,
+                      .row_ptr = reinterpret_cast<const std::int64_t*>(row_ptr),
+                      .src = reinterpret_cast<const std::int32_t*>(src),
+                      .dst = reinterpret_cast<const std::int32_t*>(dst),
+                      .edge = reinterpret_cast<const std::int64_t*>(edge),
+                      .col_ptr = reinterpret_cast<const std::int64_t*>(col_ptr),
+                      .by_source = reinterpret_cast<const std::int64_t*>(by_source),
+                      .heavy = heavy,
+                      .heavy_row_count = heavy_row_count,
+                      .heavy_col_count = heavy_col_count,
+                      .heavy_rows = reinterpret_cast<const std::int32_t*>(heavy_rows),
+                      .heavy_cols = reinterpret_cast<const std::int32_t*>(heavy_cols),
+                      .where = device < 0 ? device_kind::cpu : device_kind::cuda,
+                      .device_id = device < 0 ? 0 : device};
+    return {edge_attention_plan::build(g)};
+  }
+
+  void forward(const tensor_tuple& q, const tensor_tuple& k, const tensor_tuple& v,
+               const std::optional<tensor_tuple>& r, const std::optional<tensor_tuple>& a,
+               const tensor_tuple& out, const std::optional<tensor_tuple>& out_edge,
+               const tensor_tuple& lse, double scale, std::uintptr_t stream) const {
+    const edge_attention_args args{.q = view_of(q),
+                                   .k = view_of(k),
+                                   .v = view_of(v),
+                                   .r = view_of(r),
+                                   .a = view_of(a),
+                                   .out = view_of(out),
+                                   .out_edge = view_of(out_edge),
+                                   .lse = view_of(lse),
+                                   .scale = scale};
+    nb::gil_scoped_release release;
+    plan.forward(args, stream_of(stream));
+  }
+
+  void backward(const tensor_tuple& q, const tensor_tuple& k, const tensor_tuple& v,
+                const std::optional<tensor_tuple>& r, const std::optional<tensor_tuple>& a,
+                const tensor_tuple& out, const std::optional<tensor_tuple>& out_edge,
+                const tensor_tuple& lse, const tensor_tuple& dout,
+                const std::optional<tensor_tuple>& dout_edge, const tensor_tuple& dq,
+                const tensor_tuple& dk, const tensor_tuple& dv,
+                const std::optional<tensor_tuple>& dr, const std::optional<tensor_tuple>& da,
+                double scale, std::uintptr_t stream, std::uintptr_t ws,
+                std::size_t ws_bytes) const {
+    const edge_attention_grad_args args{.q = view_of(q),
+                                        .k = view_of(k),
+                                        .v = view_of(v),
+                                        .r = view_of(r),
+                                        .a = view_of(a),
+                                        .out = view_of(out),
+                                        .out_edge = view_of(out_edge),
+                                        .lse = view_of(lse),
+                                        .dout = view_of(dout),
+                                        .dout_edge = view_of(dout_edge),
+                                        .dq = view_of(dq),
+                                        .dk = view_of(dk),
+                                        .dv = view_of(dv),
+                                        .dr = view_of(dr),
+                                        .da = view_of(da),
+                                        .scale = scale};
+    nb::gil_scoped_release release;
+    plan.backward(args, stream_of(stream), workspace_of(ws, ws_bytes));
+  }
+};
+
 /// A weighted sparse matrix prepared on one device (the SpMM of the GCN layer and its transpose).
 struct py_sparse_plan {
   sparse_plan plan;
@@ -562,6 +640,23 @@ NB_MODULE(_C, m) {
                             : p.plan.forward_workspace_bytes(heads, width);
           },
           "heads"_a, "width"_a, "backward"_a);
+  nb::class_<py_edge_attention_plan>(m, "EdgeAttentionPlan")
+      .def_static("build", &py_edge_attention_plan::build, "rows"_a, "cols"_a, "edges"_a,
+                  "row_ptr"_a, "src"_a, "dst"_a, "edge"_a, "col_ptr"_a, "by_source"_a, "heavy"_a,
+                  "heavy_rows"_a, "heavy_row_count"_a, "heavy_cols"_a, "heavy_col_count"_a,
+                  "device"_a)
+      .def_ro_static("heavy_degree", &edge_attention_plan::heavy_degree)
+      .def_static("supports", &edge_attention_plan::supports, "head_dim"_a)
+      .def_static("feature_width", &edge_attention_plan::feature_width, "head_dim"_a, "features"_a)
+      .def("forward", &py_edge_attention_plan::forward, "q"_a, "k"_a, "v"_a, "r"_a.none(),
+           "a"_a.none(), "out"_a, "out_edge"_a.none(), "lse"_a, "scale"_a, "stream"_a)
+      .def("backward", &py_edge_attention_plan::backward, "q"_a, "k"_a, "v"_a, "r"_a.none(),
+           "a"_a.none(), "out"_a, "out_edge"_a.none(), "lse"_a, "dout"_a, "dout_edge"_a.none(),
+           "dq"_a, "dk"_a, "dv"_a, "dr"_a.none(), "da"_a.none(), "scale"_a, "stream"_a,
+           "workspace"_a, "workspace_bytes"_a)
+      .def("workspace_bytes", [](const py_edge_attention_plan& p, std::int64_t heads) {
+        return p.plan.backward_workspace_bytes(heads);
+      });
   nb::class_<py_block_sparse_plan>(m, "BlockSparsePlan")
       .def_static("build", &py_block_sparse_plan::build, "block"_a, "heads"_a, "causal"_a,
                   "cu_seqlens_q"_a, "cu_seqlens_k"_a, "masks"_a, "algo"_a, "device"_a, "stream"_a)

@@ -12,6 +12,7 @@ from . import _C
 from .attention import sparse_attention
 from .block_sparse import BlockMask, block_sparse_attention, topk_block_mask
 from .edge import edge_scores, edge_softmax, edge_spmm, sddmm
+from .edge_attention import edge_attention
 from .gat import gat_attention
 from .pattern import Pattern
 from .sparse import SparseMatrix, gcn_conv, spmm
@@ -31,6 +32,7 @@ __all__ = [
     "__version__",
     "block_sparse_attention",
     "cuda_available",
+    "edge_attention",
     "edge_scores",
     "edge_softmax",
     "edge_spmm",

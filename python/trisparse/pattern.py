@@ -503,6 +503,46 @@ class Pattern:
             self._gat_plans[device] = plan
         return plan
 
+    def edge_attention_plan(self, device: torch.device):
+        """The C++ plan of the edge-feature attention (:func:`trisparse.edge_attention`) on
+        `device`: the input's pairs as a multigraph (each copy of a repeated pair its own edge,
+        edge e = input pair e; a pattern not built from pairs: its entries), grouped by target
+        and by source on the device; built on first use."""
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+
+        def make():
+            rows, cols = self.entries(device)
+            entries = self.entries_of_input(device)
+            if entries is not None:
+                rows, cols = rows[entries], cols[entries]
+            order = torch.argsort(rows, stable=True)  # by target, input order within
+            src = cols[order].to(torch.int32)
+            by_source = torch.argsort(src, stable=True)
+            row_ptr = row_offsets(rows[order], self.num_rows)
+            col_ptr = row_offsets(src[by_source].to(torch.int64), self.num_cols)
+            # Lines longer than this get a warp per head (their id lists).
+            heavy = _C.EdgeAttentionPlan.heavy_degree
+            heavy_rows = torch.nonzero(row_ptr.diff() > heavy).flatten().to(torch.int32)
+            heavy_cols = torch.nonzero(col_ptr.diff() > heavy).flatten().to(torch.int32)
+            arrays = (row_ptr, src, rows[order].to(torch.int32), order, col_ptr, by_source)
+            plan = _C.EdgeAttentionPlan.build(
+                self.num_rows,
+                self.num_cols,
+                order.numel(),
+                *(t.data_ptr() for t in arrays),
+                heavy,
+                heavy_rows.data_ptr(),
+                heavy_rows.numel(),
+                heavy_cols.data_ptr(),
+                heavy_cols.numel(),
+                device_index(device),
+            )
+            arrays += (heavy_rows, heavy_cols)
+            return plan, arrays  # the plan views the arrays: kept together
+
+        return self._cached("edge_attention_plan", device, make)[0]
+
     def edge_index(self) -> torch.Tensor:
         """The entries as PyG's ``edge_index`` [2, nnz] (row 0 sources j, row 1 targets i), in
         entry order, on the pattern's device."""

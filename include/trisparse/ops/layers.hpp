@@ -207,6 +207,92 @@ class gat_plan {
   std::shared_ptr<const state> state_;
 };
 
+/// A multigraph's edges on one device, in memory the caller owns, grouped twice (each edge once,
+/// repeated (target, source) pairs as separate edges): by target, row_ptr[rows + 1] over the
+/// edges with src[p] the source and edge[p] the row of the per-edge tensors (the input's edge id)
+/// of the edge at position p, and dst[p] its target; by source, col_ptr[cols + 1] over
+/// by_source[], the positions (in target order) of each source's edges. Node ids are 32-bit;
+/// positions and offsets 64-bit.
+struct multigraph_view {
+  std::int64_t rows = 0, cols = 0, edges = 0;
+  const std::int64_t* row_ptr = nullptr;
+  const std::int32_t* src = nullptr;
+  const std::int32_t* dst = nullptr;
+  const std::int64_t* edge = nullptr;
+  const std::int64_t* col_ptr = nullptr;
+  const std::int64_t* by_source = nullptr;
+  /// Lines (targets, sources) with more than `heavy` edges, listed (int32 ids) for kernels that
+  /// give each of their heads a warp of its own; heavy = 0: no lists (every line a warp).
+  std::int64_t heavy = 0, heavy_row_count = 0, heavy_col_count = 0;
+  const std::int32_t* heavy_rows = nullptr;
+  const std::int32_t* heavy_cols = nullptr;
+  device_kind where = device_kind::cuda;
+  int device_id = 0;
+};
+
+/// TransformerConv's attention with edge features (PyG's edge_dim), fused: per head h, the score
+/// of edge p = (i <- j) with features a_p is s_p = scale q_i . k_j + r_i . a_p (r_i = W_e^T q_i,
+/// formed by the caller), the softmax runs over each target's edges (each copy of a repeated
+/// pair its own term), and out_i = sum_p alpha_p v_j, out_edge_i = sum_p alpha_p a_p, so that the
+/// layer's message sum is out + W_e out_edge -- no [E, H, C] tensor, no [E, H] score.
+struct edge_attention_args {
+  tensor_view q;         ///< [rows, H, C], f16, bf16 or f32
+  tensor_view k, v;      ///< [cols, H, C], q's dtype
+  tensor_view r;         ///< [rows, H, F], q's dtype; F = 0 (data == nullptr): no edge features
+  tensor_view a;         ///< [edges, 1, F], q's dtype: row e holds the features of edge e
+  tensor_view out;       ///< [rows, H, C], q's dtype
+  tensor_view out_edge;  ///< [rows, H, F] f32 (with edge features)
+  tensor_view lse;       ///< [rows, H, 1] f32: the log-sum-exp of each row's scores (-inf: none)
+  double scale = 1.0;
+};
+
+/// The gradients of one edge_attention_plan::forward given dout and dout_edge (deterministic).
+struct edge_attention_grad_args {
+  tensor_view q, k, v, r, a;       ///< the forward's inputs
+  tensor_view out, out_edge, lse;  ///< its outputs
+  tensor_view dout;                ///< [rows, H, C], q's dtype
+  tensor_view dout_edge;           ///< [rows, H, F] f32 (with edge features)
+  tensor_view dq;                  ///< [rows, H, C] f32
+  tensor_view dk, dv;              ///< [cols, H, C] f32
+  tensor_view dr;                  ///< [rows, H, F] f32 (with edge features)
+  tensor_view da;                  ///< [edges, 1, F] f32 (with edge features): row e, edge e's
+  double scale = 1.0;
+};
+
+/// The plan of edge_attention over one multigraph (a view: the caller keeps its arrays alive).
+/// CUDA: a warp per target, its lanes in groups that each take one head (and, with fewer heads
+/// than groups, one of a few edges at a time): a group's lanes split the C channels and the F
+/// features; an online softmax, the groups' states merged in a fixed butterfly. Targets with more
+/// than `heavy_degree` edges (the view's heavy lists) get a warp per head, its groups taking
+/// edges side by side. The backward recomputes each edge's weight from the lse (a warp per
+/// target: dq, dr and each edge's weight and score gradient into the workspace), then a warp per
+/// source over by_source (dk, dv), heavy sources a warp per head, and a thread per (edge,
+/// feature) (da). Every sum has a fixed order: the same bits on every run. C must be
+/// 4 * 2^k <= 128 or 256; F a multiple of the group width (feature_width() pads it). CUDA only.
+class edge_attention_plan {
+ public:
+  /// @throws invalid_input if the view's sizes are inconsistent; not_supported on the CPU.
+  static edge_attention_plan build(const multigraph_view& graph);
+  /// The degree above which the view should list a line as heavy.
+  static constexpr std::int64_t heavy_degree = 128;
+  /// True if the kernels take heads of C channels.
+  static bool supports(std::int64_t head_dim);
+  /// The feature width the kernels take for F features beside heads of C channels (F rounded up
+  /// to a multiple of the lanes that split a head): pad a and r with zero columns to it.
+  static std::int64_t feature_width(std::int64_t head_dim, std::int64_t features);
+  /// Bytes of workspace a backward with `heads` heads needs (each edge's weight and score
+  /// gradient).
+  std::size_t backward_workspace_bytes(std::int64_t heads) const;
+  /// Asynchronous on `stream`; never synchronises the host, allocates or locks.
+  void forward(const edge_attention_args& args, stream_ref stream = {}) const;
+  void backward(const edge_attention_grad_args& args, stream_ref stream = {},
+                workspace_view workspace = {}) const;
+  const multigraph_view& graph() const { return graph_; }
+
+ private:
+  multigraph_view graph_;
+};
+
 /// out_i = sum_j softmax_j(β cos(h_i, h_j)) h_j over row i of A (+ I): h [N, 1, F], out [N, 1, F].
 /// CUDA: h f16, bf16 or f32 (tf32), out f32 or h's dtype. Zero rows of h have cosine 0.
 class agnn_layer {

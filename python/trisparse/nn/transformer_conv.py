@@ -12,6 +12,7 @@ from torch_geometric.nn import TransformerConv as _PygTransformerConv
 from ..attention import sparse_attention
 from ..copies import copy_aggregate, copy_dot, copy_logsumexp, copy_sum, copy_weights, to_copies
 from ..edge import edge_softmax, edge_spmm, sddmm
+from ..edge_attention import edge_attention, edge_attention_supported
 from ._common import _edge_features, _Fused, _input_edges
 
 
@@ -21,9 +22,10 @@ class TransformerConv(_Fused, _PygTransformerConv):
     gradients are deterministic.
 
     ``edge_index`` may also be a :class:`trisparse.Pattern` (built once, reused every step).
-    Repeated edges count once per copy, as in PyG (a log-count bias on the fused scores). Attention
-    dropout while training, edge features (``edge_dim``) and ``return_attention_weights`` run the
-    per-edge path: [E, heads] scores (SDDMM), softmax and dropout per input edge, then the per-edge
+    Repeated edges count once per copy, as in PyG (a log-count bias on the fused scores). Edge
+    features (``edge_dim``) on CUDA run fused (:func:`trisparse.edge_attention`: the kernel reads
+    each edge's features). Attention dropout while training, ``return_attention_weights`` and edge
+    features on the CPU run the per-edge path: [E, heads] scores (SDDMM), softmax and dropout per input edge, then the per-edge
     SpMM; an edge feature a_ij enters as q_i . W_e a_ij on the score and W_e sum_j alpha_ij a_ij on
     the output (exact by linearity), so only [E, edge_dim] and [N, heads, edge_dim] tensors appear.
     Falls back to PyG's code, with a one-time warning, only for edge features or attention weights
@@ -50,7 +52,15 @@ class TransformerConv(_Fused, _PygTransformerConv):
         scale = 1.0 / math.sqrt(C)
         dropout = self.training and self.dropout > 0
         alpha = None
-        if per_edge or dropout:
+        fused_edges = (
+            edge_attr is not None
+            and not dropout
+            and not return_attention_weights
+            and edge_attention_supported(pattern, query, self.edge_dim)
+        )
+        if fused_edges:
+            out = self._edge_attention(query, key, value, edge_attr, pattern, scale)
+        elif per_edge or dropout:
             out, alpha = self._per_edge(query, key, value, edge_attr, pattern, scale, dropout)
         else:
             bias = pattern.log_multiplicity(query.device)
@@ -66,6 +76,25 @@ class TransformerConv(_Fused, _PygTransformerConv):
         if return_attention_weights:
             return out, (edge_index, alpha)
         return out
+
+    def _edge_attention(self, query, key, value, edge_attr, pattern, scale):
+        """Edge features on CUDA, fused: the score term q_i . W_e a_ij = (W_e^T q_i) . a_ij and
+        the message term W_e sum_j alpha_ij a_ij come from one kernel that reads a_ij per edge
+        (trisparse.edge_attention); no per-edge tensor but edge_attr itself. The per-head products
+        with W_e run as one GEMM with a block-diagonal weight (a batched GEMM of [C, edge_dim]
+        blocks reduces its weight gradient over all nodes in a few thread blocks)."""
+        H, C = self.heads, self.out_channels
+        edge_attr = _edge_features(edge_attr, pattern, self.edge_dim)
+        n = query.shape[0]
+        w_edge = self.lin_edge.weight.view(H, C, -1)  # W_e of head h: [C, edge_dim]
+        to_edge = torch.block_diag(*(scale * w_edge).transpose(1, 2))  # [H edge_dim, H C]
+        r = F.linear(query.reshape(n, H * C), to_edge).view(n, H, -1)
+        out, out_edge = edge_attention(
+            query, key, value, pattern, scale, r.to(query.dtype), edge_attr.to(query.dtype)
+        )
+        from_edge = torch.block_diag(*w_edge)  # [H C, H edge_dim]
+        message = F.linear(out_edge.reshape(n, -1).to(out.dtype), from_edge)
+        return out + message.view(n, H, C)
 
     def _per_edge(self, query, key, value, edge_attr, pattern, scale, dropout):
         """The attention with [E, H] weights: returns the output [N, H, C] and the weights of the

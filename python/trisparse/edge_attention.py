@@ -1,0 +1,200 @@
+"""TransformerConv's attention with edge features, fused (CUDA): per head, the score of edge
+(i <- j) with features a is scale q_i . k_j + r_i . a (r_i = scale W_e^T q_i for PyG's layer), the
+softmax runs over each target's incoming edges (every copy of a repeated pair its own term), and
+the op returns out_i = sum alpha v_j and out_edge_i = sum alpha a, so that PyG's message sum is
+out + W_e out_edge: no [E, H, C] message and no [E, H] score is stored in the forward. The
+backward recomputes the weights from the saved lse; every sum has a fixed order."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import _C, _tensors
+from .pattern import Pattern, lookup
+
+__all__ = ["edge_attention", "edge_attention_supported"]
+
+
+def _rows(t: Tensor | None) -> tuple | None:
+    return None if t is None else _tensors.view(t)
+
+
+def _edge_rows(a: Tensor | None) -> tuple | None:
+    """[E, F] edge features as the [E, 1, F] view the plan takes."""
+    return None if a is None else _tensors.view(a.unsqueeze(1))
+
+
+def _lse_view(lse: Tensor) -> tuple:
+    return _tensors.view(lse.unsqueeze(-1))
+
+
+@torch.library.custom_op("trisparse::edge_attention", mutates_args=())
+def _forward(
+    q: Tensor, k: Tensor, v: Tensor, r: Tensor | None, a: Tensor | None, pattern: int, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(out [rows, H, C] in q's dtype, out_edge [rows, H, F] float32, lse [rows, H] float32)."""
+    p = lookup(pattern)
+    rows, heads = p.num_rows, q.shape[1]
+    out = q.new_empty(rows, heads, q.shape[2])
+    out_edge = q.new_empty(rows, heads, 0 if r is None else r.shape[2], dtype=torch.float32)
+    lse = q.new_empty(rows, heads, dtype=torch.float32)
+    p.edge_attention_plan(q.device).forward(
+        _tensors.view(q),
+        _tensors.view(k),
+        _tensors.view(v),
+        _rows(r),
+        _edge_rows(a),
+        _tensors.view(out),
+        None if r is None else _tensors.view(out_edge),
+        _lse_view(lse),
+        scale,
+        _tensors.stream(q.device),
+    )
+    return out, out_edge, lse
+
+
+@_forward.register_fake
+def _forward_fake(q, k, v, r, a, pattern, scale):
+    p = lookup(pattern)
+    rows, heads = p.num_rows, q.shape[1]
+    return (
+        q.new_empty(rows, heads, q.shape[2]),
+        q.new_empty(rows, heads, 0 if r is None else r.shape[2], dtype=torch.float32),
+        q.new_empty(rows, heads, dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("trisparse::edge_attention_backward", mutates_args=())
+def _backward_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    r: Tensor | None,
+    a: Tensor | None,
+    out: Tensor,
+    out_edge: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    dout_edge: Tensor,
+    pattern: int,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dr, da), float32 (dr and da empty without edge features)."""
+    p = lookup(pattern)
+    plan = p.edge_attention_plan(q.device)
+    f32 = {"dtype": torch.float32}
+    dq, dk, dv = (torch.empty(t.shape, device=t.device, **f32) for t in (q, k, v))
+    edged = r is not None
+    dr = torch.empty(r.shape if edged else (0,), device=q.device, **f32)
+    da = torch.empty(a.shape if edged else (0,), device=q.device, **f32)
+    _owner, ws, ws_bytes = _tensors.workspace(plan.workspace_bytes(q.shape[1]), q.device)
+    plan.backward(
+        _tensors.view(q),
+        _tensors.view(k),
+        _tensors.view(v),
+        _rows(r),
+        _edge_rows(a),
+        _tensors.view(out),
+        _tensors.view(out_edge) if edged else None,
+        _lse_view(lse),
+        _tensors.view(dout),
+        _tensors.view(dout_edge) if edged else None,
+        _tensors.view(dq),
+        _tensors.view(dk),
+        _tensors.view(dv),
+        _tensors.view(dr) if edged else None,
+        _edge_rows(da) if edged else None,
+        scale,
+        _tensors.stream(q.device),
+        ws,
+        ws_bytes,
+    )
+    return dq, dk, dv, dr, da
+
+
+@_backward_op.register_fake
+def _backward_fake(q, k, v, r, a, out, out_edge, lse, dout, dout_edge, pattern, scale):
+    f32 = {"dtype": torch.float32}
+    edged = r is not None
+    return (
+        torch.empty_like(q, **f32),
+        torch.empty_like(k, **f32),
+        torch.empty_like(v, **f32),
+        torch.empty_like(r, **f32) if edged else q.new_empty(0, **f32),
+        torch.empty_like(a, **f32) if edged else q.new_empty(0, **f32),
+    )
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, r, a, pattern, scale = inputs
+    out, out_edge, lse = output
+    ctx.save_for_backward(q, k, v, r, a, out, out_edge, lse)
+    ctx.pattern, ctx.scale = pattern, scale
+
+
+def _backward(ctx, dout, dout_edge, _dlse):
+    q, k, v, r, a, out, out_edge, lse = ctx.saved_tensors
+    dout = dout.to(out.dtype).contiguous()
+    if dout_edge is None:
+        dout_edge = torch.zeros_like(out_edge)
+    dout_edge = dout_edge.float().contiguous()
+    dq, dk, dv, dr, da = torch.ops.trisparse.edge_attention_backward(
+        q, k, v, r, a, out, out_edge, lse, dout, dout_edge, ctx.pattern, ctx.scale
+    )
+    grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)]
+    grads += [None, None] if r is None else [dr.to(r.dtype), da.to(a.dtype)]
+    return (*grads, None, None)
+
+
+_forward.register_autograd(_backward, setup_context=_setup)
+
+
+def edge_attention_supported(pattern: Pattern, q: Tensor, features: int = 0) -> bool:
+    """True where :func:`edge_attention` runs fused: CUDA tensors, heads of 4 * 2^k <= 128 (or
+    256) channels and at most 8 features a lane."""
+    if not q.is_cuda or pattern.num_rows >= 2**31 or pattern.num_cols >= 2**31:
+        return False
+    C = q.shape[-1]
+    if not _C.EdgeAttentionPlan.supports(C):
+        return False
+    try:
+        _C.EdgeAttentionPlan.feature_width(C, features)
+    except ValueError:
+        return False
+    return True
+
+
+def edge_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pattern: Pattern,
+    scale: float,
+    r: Tensor | None = None,
+    a: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """(out [num_rows, H, C], out_edge [num_rows, H, F] or None): the attention over the
+    pattern's input pairs (each copy of a repeated pair a separate term) with scores
+    scale q_i . k_j + r_i . a_e, out = sum alpha v_j and out_edge = sum alpha a_e. q [num_rows, H,
+    C], k and v [num_cols, H, C], r [num_rows, H, F] and a [E, F] (one row per input pair, in the
+    input's order) in q's dtype, on CUDA (:func:`edge_attention_supported`). Differentiable in
+    all five; deterministic."""
+    if (r is None) != (a is None):
+        raise ValueError("r and a come together (the edge features' score term) or not at all")
+    features = 0 if r is None else r.shape[-1]
+    width = _C.EdgeAttentionPlan.feature_width(q.shape[-1], features)
+    if r is not None:
+        if a.dim() != 2 or a.shape[1] != features:
+            raise ValueError(
+                f"a must be [edges, {features}] (r's feature count), got {list(a.shape)}"
+            )
+        if width != features:  # zero columns up to the kernels' width
+            r = F.pad(r, (0, width - features))
+            a = F.pad(a, (0, width - features))
+        r, a = r.contiguous(), a.contiguous()
+    out, out_edge, _lse = torch.ops.trisparse.edge_attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), r, a, pattern.id, float(scale)
+    )
+    return out, (None if r is None else out_edge[..., :features])

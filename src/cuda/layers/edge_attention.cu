@@ -1,0 +1,455 @@
+// TransformerConv's attention with edge features (edge_attention.hpp).
+//
+// Lanes: a warp takes one (target or source, head); its 32 lanes form 32 / L groups of L lanes,
+// each group one edge at a time, each lane NC channels of the head and NF features (C = L NC,
+// F = L NF). A group's partial dots are summed over its lanes by xor shuffles; at the end the
+// groups' states are merged by an xor butterfly, whose combine is symmetric, so every lane holds
+// the same bits and the order is fixed.
+//
+// Forward: per edge p = (i <- j) the score s = scale q_i.k_j + r_i.a_p (log2 units), an online
+// softmax, and v_j and a_p into the accumulators; out, out_edge and the lse per (row, head).
+// Backward, with dp = dout_i.v_j + dout_edge_i.a_p and D_i = dout_i.out_i + dout_edge_i.out_edge_i:
+//   1. a warp per (target, head): P = exp(s - lse), dS = P (dp - D); dq_i = scale sum dS k_j,
+//      dr_i = sum dS a_p; P and dS per (edge, head) into the workspace: row_kernel.
+//   2. a warp per (source, head) over by_source: dk_j = scale sum dS q_i, dv_j = sum P dout_i:
+//      column_kernel.
+//   3. a thread per (edge, feature): da_p = sum_h dS r_i + P dout_edge_i: feature_kernel.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+
+#include "../common/convert.cuh"
+#include "../common/current_device.cuh"
+#include "../common/dispatch.cuh"
+#include "../common/error.cuh"
+#include "../common/grid.cuh"
+#include "edge_attention.hpp"
+#include "trisparse/core/error.hpp"
+
+namespace trisparse::cuda {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr float kLog2e = 1.4426950408889634f;
+
+// A [rows, H, width] operand: element (r, h, c) at data[r * rs + h * hs + c].
+struct mat {
+  const void* data = nullptr;
+  std::int64_t rs = 0, hs = 0;
+  template <class T>
+  __device__ __forceinline__ const T* at(std::int64_t r, int h) const {
+    return static_cast<const T*>(data) + r * rs + h * hs;
+  }
+};
+struct out_mat {
+  void* data = nullptr;
+  std::int64_t rs = 0, hs = 0;
+  template <class T>
+  __device__ __forceinline__ T* at(std::int64_t r, int h) const {
+    return static_cast<T*>(data) + r * rs + h * hs;
+  }
+};
+
+mat in_of(const tensor_view& t) { return {t.data, t.row_stride, t.head_stride}; }
+out_mat out_of(const tensor_view& t) { return {t.data, t.row_stride, t.head_stride}; }
+
+struct params {
+  multigraph_view g;
+  // lanes: L, a group's; a warp's groups take `warp_heads` heads side by side (a power of two)
+  // and, per head, `edge_groups` edges at a time (their product is 32 / L); a line (row or
+  // column) takes `line_warps` warps.
+  int heads = 1, lanes = 1, warp_heads = 1, edge_groups = 1, line_warps = 1;
+  float scale = 1.0f;
+  mat q, k, v, r, a, out_in, out_edge_in, lse_in, dout, dout_edge;
+  out_mat out, out_edge, lse, dq, dk, dv, dr, da;
+  float* prob = nullptr;    // [edges, H]
+  float* dscore = nullptr;  // [edges, H]
+};
+
+// N elements of T from p (aligned to N * sizeof(T) where that is 4, 8 or 16 bytes) as floats.
+template <class T, int N>
+__device__ __forceinline__ void load(const T* p, float (&x)[N], float f = 1.0f) {
+  constexpr int bytes = N * static_cast<int>(sizeof(T));
+  T t[N];
+  if constexpr (bytes == 16) {
+    const uint4 w = *reinterpret_cast<const uint4*>(p);
+    memcpy(t, &w, bytes);
+  } else if constexpr (bytes == 8) {
+    const uint2 w = *reinterpret_cast<const uint2*>(p);
+    memcpy(t, &w, bytes);
+  } else if constexpr (bytes == 4) {
+    const unsigned w = *reinterpret_cast<const unsigned*>(p);
+    memcpy(t, &w, bytes);
+  } else {
+#pragma unroll
+    for (int n = 0; n < N; ++n) t[n] = p[n];
+  }
+#pragma unroll
+  for (int n = 0; n < N; ++n) x[n] = convert<float>(t[n]) * f;
+}
+
+template <class T, int N>
+__device__ __forceinline__ void store(T* p, const float (&x)[N], float f) {
+#pragma unroll
+  for (int n = 0; n < N; ++n) p[n] = convert<T>(x[n] * f);
+}
+
+template <int N>
+__device__ __forceinline__ float dot(const float (&x)[N], const float (&y)[N]) {
+  float s = 0.0f;
+#pragma unroll
+  for (int n = 0; n < N; ++n) s = fmaf(x[n], y[n], s);
+  return s;
+}
+
+// The sum over a group's lanes (xor offsets below L).
+__device__ __forceinline__ float group_sum(float x, int lanes) {
+  for (int off = 1; off < lanes; off <<= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+template <int N>
+__device__ __forceinline__ void butterfly_sum(float (&x)[N], int from) {
+  for (int off = from; off < 32; off <<= 1)
+#pragma unroll
+    for (int n = 0; n < N; ++n) x[n] += __shfl_xor_sync(0xffffffffu, x[n], off);
+}
+
+// A lane's place: the warp's line (row or column), the lane's head (valid: < H), its group's
+// edge slot among the head's `groups`, its slot in the group, and the xor offset from which the
+// edge groups merge.
+struct place {
+  std::int64_t line;
+  int head, group, groups, slot, merge;
+  bool valid;
+};
+
+// Light lines: a warp a line (its heads side by side), heavy lines left to the heavy launch;
+// heavy: a warp per (listed line, head), its groups side by side over the edges.
+__device__ __forceinline__ bool place_of(const params& p, bool heavy, std::int64_t lines,
+                                         const std::int64_t* ptr, const std::int32_t* list,
+                                         std::int64_t listed, place& at) {
+  const std::int64_t warp = static_cast<std::int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  if (heavy) {
+    if (warp >= listed * p.heads) return false;
+    at = {list[warp / p.heads],
+          static_cast<int>(warp % p.heads),
+          lane / p.lanes,
+          32 / p.lanes,
+          lane % p.lanes,
+          p.lanes,
+          true};
+    return true;
+  }
+  if (warp >= lines * p.line_warps) return false;
+  const std::int64_t line = warp / p.line_warps;
+  if (p.g.heavy > 0 && ptr[line + 1] - ptr[line] > p.g.heavy) return false;
+  const int group = lane / p.lanes;
+  const int head = static_cast<int>(warp % p.line_warps) * p.warp_heads + group % p.warp_heads;
+  at = {line,           head < p.heads ? head : 0, group / p.warp_heads, p.edge_groups,
+        lane % p.lanes, p.lanes * p.warp_heads,    head < p.heads};
+  return true;
+}
+
+__device__ __forceinline__ bool row_place(const params& p, bool heavy, place& at) {
+  return place_of(p, heavy, p.g.rows, p.g.row_ptr, p.g.heavy_rows, p.g.heavy_row_count, at);
+}
+
+__device__ __forceinline__ bool column_place(const params& p, bool heavy, place& at) {
+  return place_of(p, heavy, p.g.cols, p.g.col_ptr, p.g.heavy_cols, p.g.heavy_col_count, at);
+}
+
+// NF = 0: no edge features (arrays of one unused element).
+template <int NF>
+inline constexpr int kSlots = NF > 0 ? NF : 1;
+
+template <class T, int NC, int NF>
+__global__ void __launch_bounds__(kWarps * 32) forward_kernel(const params p, bool heavy) {
+  constexpr int MF = kSlots<NF>;
+  place at;
+  if (!row_place(p, heavy, at)) return;
+  const std::int64_t i = at.line;
+  const int h = at.head;
+  float qi[NC], ri[MF] = {}, acc[NC] = {}, acc_a[MF] = {};
+  load<T, NC>(p.q.at<T>(i, h) + at.slot * NC, qi, p.scale * kLog2e);
+  if constexpr (NF > 0) load<T, NF>(p.r.at<T>(i, h) + at.slot * NF, ri, kLog2e);
+  float m = -INFINITY, l = 0.0f;
+  const std::int64_t begin = p.g.row_ptr[i], end = p.g.row_ptr[i + 1];
+  for (std::int64_t base = begin; base < end; base += at.groups) {
+    const std::int64_t e = base + at.group;
+    const bool on = at.valid && e < end;
+    float kj[NC] = {}, vj[NC] = {}, ae[MF] = {};
+    if (on) {
+      const std::int32_t j = p.g.src[e];
+      load<T, NC>(p.k.at<T>(j, h) + at.slot * NC, kj);
+      load<T, NC>(p.v.at<T>(j, h) + at.slot * NC, vj);
+      if constexpr (NF > 0) load<T, NF>(p.a.at<T>(p.g.edge[e], 0) + at.slot * NF, ae);
+    }
+    float s = dot(qi, kj);
+    if constexpr (NF > 0) s += dot(ri, ae);
+    s = group_sum(s, p.lanes);
+    if (on) {
+      const float mn = fmaxf(m, s);
+      const float c = m == -INFINITY ? 0.0f : exp2f(m - mn);
+      const float w = exp2f(s - mn);
+      l = fmaf(l, c, w);
+#pragma unroll
+      for (int n = 0; n < NC; ++n) acc[n] = fmaf(acc[n], c, w * vj[n]);
+#pragma unroll
+      for (int n = 0; n < NF; ++n) acc_a[n] = fmaf(acc_a[n], c, w * ae[n]);
+      m = mn;
+    }
+  }
+  // Merge the groups: (m, l, acc) combined symmetrically.
+  for (int off = at.merge; off < 32; off <<= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, off);
+    const float l2 = __shfl_xor_sync(0xffffffffu, l, off);
+    const float mn = fmaxf(m, m2);
+    const float c1 = m == -INFINITY ? 0.0f : exp2f(m - mn);
+    const float c2 = m2 == -INFINITY ? 0.0f : exp2f(m2 - mn);
+    l = l * c1 + l2 * c2;
+#pragma unroll
+    for (int n = 0; n < NC; ++n)
+      acc[n] = acc[n] * c1 + __shfl_xor_sync(0xffffffffu, acc[n], off) * c2;
+#pragma unroll
+    for (int n = 0; n < NF; ++n)
+      acc_a[n] = acc_a[n] * c1 + __shfl_xor_sync(0xffffffffu, acc_a[n], off) * c2;
+    m = mn;
+  }
+  if (at.group != 0 || !at.valid) return;
+  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  store<T, NC>(p.out.at<T>(i, h) + at.slot * NC, acc, inv);
+  if constexpr (NF > 0) store<float, NF>(p.out_edge.at<float>(i, h) + at.slot * NF, acc_a, inv);
+  if (at.slot == 0) *p.lse.at<float>(i, h) = l > 0.0f ? (m + log2f(l)) / kLog2e : -INFINITY;
+}
+
+template <class T, int NC, int NF>
+__global__ void __launch_bounds__(kWarps * 32) row_kernel(const params p, bool heavy) {
+  constexpr int MF = kSlots<NF>;
+  place at;
+  if (!row_place(p, heavy, at)) return;
+  const std::int64_t i = at.line;
+  const int h = at.head;
+  float qi[NC], doi[NC], oi[NC], ri[MF] = {}, doa[MF] = {}, oa[MF] = {};
+  load<T, NC>(p.q.at<T>(i, h) + at.slot * NC, qi, p.scale * kLog2e);
+  load<T, NC>(p.dout.at<T>(i, h) + at.slot * NC, doi);
+  load<T, NC>(p.out_in.at<T>(i, h) + at.slot * NC, oi);
+  if constexpr (NF > 0) {
+    load<T, NF>(p.r.at<T>(i, h) + at.slot * NF, ri, kLog2e);
+    load<float, NF>(p.dout_edge.at<float>(i, h) + at.slot * NF, doa);
+    load<float, NF>(p.out_edge_in.at<float>(i, h) + at.slot * NF, oa);
+  }
+  const float D = group_sum(dot(doi, oi) + dot(doa, oa), p.lanes);
+  const float lse2 = *p.lse_in.at<float>(i, h) * kLog2e;
+  float dq[NC] = {}, dr[MF] = {};
+  const std::int64_t begin = p.g.row_ptr[i], end = p.g.row_ptr[i + 1];
+  for (std::int64_t base = begin; base < end; base += at.groups) {
+    const std::int64_t e = base + at.group;
+    const bool on = at.valid && e < end;
+    float kj[NC] = {}, vj[NC] = {}, ae[MF] = {};
+    if (on) {
+      const std::int32_t j = p.g.src[e];
+      load<T, NC>(p.k.at<T>(j, h) + at.slot * NC, kj);
+      load<T, NC>(p.v.at<T>(j, h) + at.slot * NC, vj);
+      if constexpr (NF > 0) load<T, NF>(p.a.at<T>(p.g.edge[e], 0) + at.slot * NF, ae);
+    }
+    float s = dot(qi, kj) + dot(ri, ae);
+    float dp = dot(doi, vj) + dot(doa, ae);
+    s = group_sum(s, p.lanes);
+    dp = group_sum(dp, p.lanes);
+    if (on) {
+      const float prob = exp2f(s - lse2);
+      const float ds = prob * (dp - D);
+      if (at.slot == 0) {
+        p.prob[e * p.heads + h] = prob;
+        p.dscore[e * p.heads + h] = ds;
+      }
+#pragma unroll
+      for (int n = 0; n < NC; ++n) dq[n] = fmaf(ds, kj[n], dq[n]);
+#pragma unroll
+      for (int n = 0; n < NF; ++n) dr[n] = fmaf(ds, ae[n], dr[n]);
+    }
+  }
+  butterfly_sum(dq, at.merge);
+  if constexpr (NF > 0) butterfly_sum(dr, at.merge);
+  if (at.group != 0 || !at.valid) return;
+  store<float, NC>(p.dq.at<float>(i, h) + at.slot * NC, dq, p.scale);
+  if constexpr (NF > 0) store<float, NF>(p.dr.at<float>(i, h) + at.slot * NF, dr, 1.0f);
+}
+
+template <class T, int NC>
+__global__ void __launch_bounds__(kWarps * 32) column_kernel(const params p, bool heavy) {
+  place at;
+  if (!column_place(p, heavy, at)) return;
+  const std::int64_t j = at.line;
+  const int h = at.head;
+  float dk[NC] = {}, dv[NC] = {};
+  const std::int64_t begin = p.g.col_ptr[j], end = p.g.col_ptr[j + 1];
+  for (std::int64_t base = begin; base < end; base += at.groups) {
+    const std::int64_t t = base + at.group;
+    if (!at.valid || t >= end) break;  // no shuffles in this loop: groups may leave early
+    const std::int64_t e = p.g.by_source[t];
+    const std::int32_t i = p.g.dst[e];
+    const float ds = p.dscore[e * p.heads + h], prob = p.prob[e * p.heads + h];
+    float qi[NC], doi[NC];
+    load<T, NC>(p.q.at<T>(i, h) + at.slot * NC, qi);
+    load<T, NC>(p.dout.at<T>(i, h) + at.slot * NC, doi);
+#pragma unroll
+    for (int n = 0; n < NC; ++n) {
+      dk[n] = fmaf(ds, qi[n], dk[n]);
+      dv[n] = fmaf(prob, doi[n], dv[n]);
+    }
+  }
+  butterfly_sum(dk, at.merge);
+  butterfly_sum(dv, at.merge);
+  if (at.group != 0 || !at.valid) return;
+  store<float, NC>(p.dk.at<float>(j, h) + at.slot * NC, dk, p.scale);
+  store<float, NC>(p.dv.at<float>(j, h) + at.slot * NC, dv, 1.0f);
+}
+
+// da of edge position e, feature f: a thread each, the heads in order.
+template <class T>
+__global__ void feature_kernel(const params p, int features) {
+  const std::int64_t x = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (x >= p.g.edges * features) return;
+  const std::int64_t e = x / features;
+  const int f = static_cast<int>(x % features);
+  const std::int32_t i = p.g.dst[e];
+  float acc = 0.0f;
+  for (int h = 0; h < p.heads; ++h) {
+    acc = fmaf(p.dscore[e * p.heads + h], convert<float>(p.r.at<T>(i, h)[f]), acc);
+    acc = fmaf(p.prob[e * p.heads + h], p.dout_edge.at<float>(i, h)[f], acc);
+  }
+  p.da.at<float>(p.g.edge[e], 0)[f] = acc;
+}
+
+template <class T, int NC, class F>
+void with_features(int nf, F&& f) {
+  switch (nf) {
+    case 0:
+      f.template operator()<NC, 0>();
+      break;
+    case 1:
+      f.template operator()<NC, 1>();
+      break;
+    case 2:
+      f.template operator()<NC, 2>();
+      break;
+    case 4:
+      f.template operator()<NC, 4>();
+      break;
+    case 8:
+      f.template operator()<NC, 8>();
+      break;
+    default:
+      throw invalid_input("edge_attention: " + std::to_string(nf) +
+                          " features a lane (F / group width) is not 1, 2, 4 or 8; pad F with "
+                          "edge_attention_plan::feature_width");
+  }
+}
+
+// Calls f.template operator()<T, NC, NF>() for q's dtype, C and F.
+template <class F>
+void dispatch(dtype type, std::int64_t C, std::int64_t features, F&& f) {
+  const int lanes = edge_attention_group(C);
+  TRISPARSE_EXPECTS_INPUT(lanes > 0,
+                          "edge_attention takes heads of 4 * 2^k <= 128 or 256 "
+                          "channels, not " +
+                              std::to_string(C));
+  TRISPARSE_EXPECTS_INPUT(features % lanes == 0,
+                          "edge_attention: F = " + std::to_string(features) +
+                              " is not a multiple of the group width " + std::to_string(lanes) +
+                              " (pad it to edge_attention_plan::feature_width)");
+  const int nf = static_cast<int>(features / lanes);
+  with_element_type(type, "edge_attention", [&]<class T>() {
+    if (C / lanes == 4)
+      with_features<T, 4>(nf, [&]<int NC, int NF>() { f.template operator()<T, NC, NF>(); });
+    else
+      with_features<T, 8>(nf, [&]<int NC, int NF>() { f.template operator()<T, NC, NF>(); });
+  });
+}
+
+params params_of(const multigraph_view& g, const tensor_view& q, double scale) {
+  params p;
+  p.g = g;
+  p.heads = static_cast<int>(q.heads);
+  p.lanes = edge_attention_group(q.dim);
+  const int groups = 32 / p.lanes;
+  while (p.warp_heads * 2 <= std::min(p.heads, groups)) p.warp_heads *= 2;
+  p.edge_groups = groups / p.warp_heads;
+  p.line_warps = (p.heads + p.warp_heads - 1) / p.warp_heads;
+  p.scale = static_cast<float>(scale);
+  return p;
+}
+
+// A line kernel over the light lines (a warp a line), then over the listed heavy ones (a warp per
+// (line, head)).
+template <class K>
+void over_lines(K kernel, const params& p, std::int64_t lines, std::int64_t heavy, cudaStream_t s) {
+  kernel<<<blocks_for(lines * p.line_warps, kWarps), kWarps * 32, 0, s>>>(p, false);
+  TRISPARSE_CUDA_CHECK_LAUNCH();
+  if (heavy == 0) return;
+  kernel<<<blocks_for(heavy * p.heads, kWarps), kWarps * 32, 0, s>>>(p, true);
+  TRISPARSE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void edge_attention_forward(const multigraph_view& g, const edge_attention_args& a,
+                            stream_ref stream) {
+  expect_current_device(g.device_id);
+  params p = params_of(g, a.q, a.scale);
+  p.q = in_of(a.q);
+  p.k = in_of(a.k);
+  p.v = in_of(a.v);
+  p.r = in_of(a.r);
+  p.a = in_of(a.a);
+  p.out = out_of(a.out);
+  p.out_edge = out_of(a.out_edge);
+  p.lse = out_of(a.lse);
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  const std::int64_t features = a.r.data != nullptr ? a.r.dim : 0;
+  dispatch(a.q.type, a.q.dim, features, [&]<class T, int NC, int NF>() {
+    over_lines(forward_kernel<T, NC, NF>, p, g.rows, g.heavy_row_count, s);
+  });
+}
+
+void edge_attention_backward(const multigraph_view& g, const edge_attention_grad_args& a,
+                             const workspace_view& workspace, stream_ref stream) {
+  expect_current_device(g.device_id);
+  params p = params_of(g, a.q, a.scale);
+  p.q = in_of(a.q);
+  p.k = in_of(a.k);
+  p.v = in_of(a.v);
+  p.r = in_of(a.r);
+  p.a = in_of(a.a);
+  p.out_in = in_of(a.out);
+  p.out_edge_in = in_of(a.out_edge);
+  p.lse_in = in_of(a.lse);
+  p.dout = in_of(a.dout);
+  p.dout_edge = in_of(a.dout_edge);
+  p.dq = out_of(a.dq);
+  p.dk = out_of(a.dk);
+  p.dv = out_of(a.dv);
+  p.dr = out_of(a.dr);
+  p.da = out_of(a.da);
+  p.prob = static_cast<float*>(workspace.data);
+  p.dscore = p.prob + g.edges * p.heads;
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  const std::int64_t features = a.r.data != nullptr ? a.r.dim : 0;
+  dispatch(a.q.type, a.q.dim, features, [&]<class T, int NC, int NF>() {
+    over_lines(row_kernel<T, NC, NF>, p, g.rows, g.heavy_row_count, s);
+    over_lines(column_kernel<T, NC>, p, g.cols, g.heavy_col_count, s);
+    if constexpr (NF > 0) {
+      const int f = static_cast<int>(features);
+      feature_kernel<T><<<blocks_for(g.edges * f, 256), 256, 0, s>>>(p, f);
+      TRISPARSE_CUDA_CHECK_LAUNCH();
+    }
+  });
+}
+
+}  // namespace trisparse::cuda

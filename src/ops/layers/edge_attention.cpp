@@ -1,0 +1,165 @@
+// TransformerConv's attention with edge features (edge_attention_plan): argument checks, then the
+// CUDA kernels.
+#include <cstdint>
+#include <string>
+
+#include "../../cuda/layers/edge_attention.hpp"
+#include "common.hpp"
+#include "trisparse/ops/layers.hpp"
+
+namespace trisparse {
+
+namespace {
+
+// Vector loads: a lane's slice of a head (4 or 8 elements) and of the features must be aligned.
+void check_aligned(const tensor_view& t, const char* what, std::int64_t per_lane) {
+  if (t.data == nullptr || per_lane <= 0) return;
+  const std::int64_t bytes = per_lane * static_cast<std::int64_t>(size_of(t.type));
+  const std::int64_t align = bytes % 16 == 0 ? 16 : bytes % 8 == 0 ? 8 : bytes % 4 == 0 ? 4 : 1;
+  const std::int64_t elems = align / static_cast<std::int64_t>(size_of(t.type));
+  const bool ok = reinterpret_cast<std::uintptr_t>(t.data) % align == 0 &&
+                  (elems <= 1 || (t.row_stride % elems == 0 && t.head_stride % elems == 0));
+  TRISPARSE_EXPECTS_INPUT(ok, std::string(what) + " " + t.describe() + " must be " +
+                                  std::to_string(align) +
+                                  "-byte aligned with strides to match (make it contiguous)");
+}
+
+struct shapes {
+  std::int64_t heads, dim, features;
+};
+
+shapes check_inputs(const multigraph_view& g, const tensor_view& q, const tensor_view& k,
+                    const tensor_view& v, const tensor_view& r, const tensor_view& a) {
+  check_view(q, "q", g.rows, -1, -1);
+  const shapes s{q.heads, q.dim, r.data != nullptr ? r.dim : 0};
+  const int lanes = cuda::edge_attention_group(s.dim);
+  TRISPARSE_EXPECTS_INPUT(lanes > 0,
+                          "edge_attention takes heads of 4 * 2^k <= 128 or 256 "
+                          "channels, not " +
+                              std::to_string(s.dim));
+  check_view(k, "k", g.cols, s.heads, s.dim);
+  check_view(v, "v", g.cols, s.heads, s.dim);
+  for (const tensor_view* t : {&q, &k, &v}) {
+    detail::check_device_arg(*t, "edge_attention operand");
+    TRISPARSE_EXPECTS_INPUT(t->type == q.type, "q, k, v (and r, a) must share one dtype; got " +
+                                                   t->describe() + " beside " + q.describe());
+    check_aligned(*t, "edge_attention operand", s.dim / lanes);
+  }
+  if (s.features > 0) {
+    TRISPARSE_EXPECTS_INPUT(s.features % lanes == 0, "r and a: " + std::to_string(s.features) +
+                                                         " features are not a multiple of " +
+                                                         std::to_string(lanes) +
+                                                         " (edge_attention_plan::feature_width)");
+    check_view(r, "r", g.rows, s.heads, s.features);
+    check_view(a, "a", g.edges, 1, s.features);
+    for (const tensor_view* t : {&r, &a}) {
+      detail::check_device_arg(*t, "edge_attention operand");
+      TRISPARSE_EXPECTS_INPUT(t->type == q.type, "r and a must have q's dtype; got " +
+                                                     t->describe() + " beside " + q.describe());
+      check_aligned(*t, "edge_attention operand", s.features / lanes);
+    }
+  }
+  return s;
+}
+
+void check_f32(const tensor_view& t, const char* what, std::int64_t rows, std::int64_t heads,
+               std::int64_t dim) {
+  check_view(t, what, rows, heads, dim);
+  detail::check_device_arg(t, what);
+  TRISPARSE_EXPECTS_INPUT(t.type == dtype::f32,
+                          std::string(what) + " " + t.describe() + " must be f32");
+}
+
+}  // namespace
+
+edge_attention_plan edge_attention_plan::build(const multigraph_view& g) {
+  TRISPARSE_EXPECTS_INPUT(g.where == device_kind::cuda,
+                          "edge_attention_plan runs on CUDA: give the multigraph's device arrays");
+  TRISPARSE_EXPECTS_INPUT(g.rows >= 0 && g.cols >= 0 && g.edges >= 0,
+                          "the multigraph's sizes must be non-negative");
+  TRISPARSE_EXPECTS_INPUT(g.rows < (std::int64_t{1} << 31) && g.cols < (std::int64_t{1} << 31),
+                          "node ids are 32-bit: rows and cols must be below 2^31");
+  TRISPARSE_EXPECTS_INPUT(g.row_ptr != nullptr && g.col_ptr != nullptr &&
+                              (g.edges == 0 || (g.src != nullptr && g.dst != nullptr &&
+                                                g.edge != nullptr && g.by_source != nullptr)),
+                          "the multigraph needs row_ptr, col_ptr, src, dst, edge and by_source");
+  TRISPARSE_EXPECTS_INPUT(
+      g.heavy >= 0 && g.heavy_row_count >= 0 && g.heavy_col_count >= 0 &&
+          (g.heavy_row_count == 0 || g.heavy_rows != nullptr) &&
+          (g.heavy_col_count == 0 || g.heavy_cols != nullptr) &&
+          (g.heavy > 0 || (g.heavy_row_count == 0 && g.heavy_col_count == 0)),
+      "the multigraph's heavy lists need their arrays, and a degree above which lines are listed");
+  edge_attention_plan plan;
+  plan.graph_ = g;
+  return plan;
+}
+
+bool edge_attention_plan::supports(std::int64_t head_dim) {
+  return cuda::edge_attention_group(head_dim) > 0;
+}
+
+std::int64_t edge_attention_plan::feature_width(std::int64_t head_dim, std::int64_t features) {
+  const std::int64_t lanes = cuda::edge_attention_group(head_dim);
+  TRISPARSE_EXPECTS_INPUT(lanes > 0,
+                          "edge_attention takes heads of 4 * 2^k <= 128 or 256 "
+                          "channels, not " +
+                              std::to_string(head_dim));
+  TRISPARSE_EXPECTS_INPUT(features >= 0, "features must be non-negative");
+  if (features == 0) return 0;
+  std::int64_t per_lane = 1;  // 1, 2, 4 or 8 features a lane
+  while (per_lane * lanes < features) per_lane *= 2;
+  TRISPARSE_EXPECTS_INPUT(per_lane <= 8, "edge_attention takes at most " +
+                                             std::to_string(8 * lanes) +
+                                             " edge features beside heads of " +
+                                             std::to_string(head_dim) + " channels");
+  return per_lane * lanes;
+}
+
+std::size_t edge_attention_plan::backward_workspace_bytes(std::int64_t heads) const {
+  TRISPARSE_EXPECTS_INPUT(heads >= 1, "edge_attention needs heads >= 1");
+  return static_cast<std::size_t>(graph_.edges * heads * 2) * sizeof(float);
+}
+
+void edge_attention_plan::forward(const edge_attention_args& a, stream_ref stream) const {
+  const multigraph_view& g = graph_;
+  const shapes s = check_inputs(g, a.q, a.k, a.v, a.r, a.a);
+  check_view(a.out, "out", g.rows, s.heads, s.dim);
+  detail::check_device_arg(a.out, "out");
+  TRISPARSE_EXPECTS_INPUT(a.out.type == a.q.type, "out must have q's dtype");
+  check_f32(a.lse, "lse", g.rows, s.heads, 1);
+  if (s.features > 0) check_f32(a.out_edge, "out_edge", g.rows, s.heads, s.features);
+  cuda::edge_attention_forward(g, a, stream);
+}
+
+void edge_attention_plan::backward(const edge_attention_grad_args& a, stream_ref stream,
+                                   workspace_view workspace) const {
+  const multigraph_view& g = graph_;
+  const shapes s = check_inputs(g, a.q, a.k, a.v, a.r, a.a);
+  for (const tensor_view* t : {&a.out, &a.dout}) {
+    check_view(*t, "out and dout", g.rows, s.heads, s.dim);
+    detail::check_device_arg(*t, "out and dout");
+    TRISPARSE_EXPECTS_INPUT(t->type == a.q.type, "out and dout must have q's dtype");
+    check_aligned(*t, "out and dout", s.dim / cuda::edge_attention_group(s.dim));
+  }
+  check_f32(a.lse, "lse", g.rows, s.heads, 1);
+  check_f32(a.dq, "dq", g.rows, s.heads, s.dim);
+  check_f32(a.dk, "dk", g.cols, s.heads, s.dim);
+  check_f32(a.dv, "dv", g.cols, s.heads, s.dim);
+  if (s.features > 0) {
+    check_f32(a.out_edge, "out_edge", g.rows, s.heads, s.features);
+    check_f32(a.dout_edge, "dout_edge", g.rows, s.heads, s.features);
+    check_f32(a.dr, "dr", g.rows, s.heads, s.features);
+    check_f32(a.da, "da", g.edges, 1, s.features);
+    const std::int64_t lanes = cuda::edge_attention_group(s.dim);
+    check_aligned(a.out_edge, "out_edge", s.features / lanes);
+    check_aligned(a.dout_edge, "dout_edge", s.features / lanes);
+  }
+  TRISPARSE_EXPECTS_INPUT(
+      workspace.bytes >= backward_workspace_bytes(s.heads) &&
+          (workspace.data != nullptr || g.edges == 0),
+      "edge_attention's backward needs backward_workspace_bytes(" + std::to_string(s.heads) +
+          ") = " + std::to_string(backward_workspace_bytes(s.heads)) + " bytes of workspace");
+  cuda::edge_attention_backward(g, a, workspace, stream);
+}
+
+}  // namespace trisparse
