@@ -443,6 +443,42 @@ struct py_edge_attention_plan {
     nb::gil_scoped_release release;
     plan.backward(args, stream_of(stream), workspace_of(ws, ws_bytes));
   }
+
+  void gat_forward(const tensor_tuple& x, const tensor_tuple& a_src, const tensor_tuple& a_dst,
+                   const std::optional<tensor_tuple>& a_edge, const tensor_tuple& out,
+                   const tensor_tuple& lse, double negative_slope, std::uintptr_t stream) const {
+    const edge_gat_args args{.x = view_of(x),
+                             .a_src = view_of(a_src),
+                             .a_dst = view_of(a_dst),
+                             .a_edge = view_of(a_edge),
+                             .out = view_of(out),
+                             .lse = view_of(lse),
+                             .negative_slope = negative_slope};
+    nb::gil_scoped_release release;
+    plan.gat_forward(args, stream_of(stream));
+  }
+
+  void gat_backward(const tensor_tuple& x, const tensor_tuple& a_src, const tensor_tuple& a_dst,
+                    const std::optional<tensor_tuple>& a_edge, const tensor_tuple& out,
+                    const tensor_tuple& lse, const tensor_tuple& dout, const tensor_tuple& dx,
+                    const tensor_tuple& da_src, const tensor_tuple& da_dst,
+                    const std::optional<tensor_tuple>& da_edge, double negative_slope,
+                    std::uintptr_t stream, std::uintptr_t ws, std::size_t ws_bytes) const {
+    const edge_gat_grad_args args{.x = view_of(x),
+                                  .a_src = view_of(a_src),
+                                  .a_dst = view_of(a_dst),
+                                  .a_edge = view_of(a_edge),
+                                  .out = view_of(out),
+                                  .lse = view_of(lse),
+                                  .dout = view_of(dout),
+                                  .dx = view_of(dx),
+                                  .da_src = view_of(da_src),
+                                  .da_dst = view_of(da_dst),
+                                  .da_edge = view_of(da_edge),
+                                  .negative_slope = negative_slope};
+    nb::gil_scoped_release release;
+    plan.gat_backward(args, stream_of(stream), workspace_of(ws, ws_bytes));
+  }
 };
 
 /// A weighted sparse matrix prepared on one device (the SpMM of the GCN layer and its transpose).
@@ -654,6 +690,11 @@ NB_MODULE(_C, m) {
            "a"_a.none(), "out"_a, "out_edge"_a.none(), "lse"_a, "dout"_a, "dout_edge"_a.none(),
            "dq"_a, "dk"_a, "dv"_a, "dr"_a.none(), "da"_a.none(), "scale"_a, "stream"_a,
            "workspace"_a, "workspace_bytes"_a)
+      .def("gat_forward", &py_edge_attention_plan::gat_forward, "x"_a, "a_src"_a, "a_dst"_a,
+           "a_edge"_a.none(), "out"_a, "lse"_a, "negative_slope"_a, "stream"_a)
+      .def("gat_backward", &py_edge_attention_plan::gat_backward, "x"_a, "a_src"_a, "a_dst"_a,
+           "a_edge"_a.none(), "out"_a, "lse"_a, "dout"_a, "dx"_a, "da_src"_a, "da_dst"_a,
+           "da_edge"_a.none(), "negative_slope"_a, "stream"_a, "workspace"_a, "workspace_bytes"_a)
       .def("workspace_bytes", [](const py_edge_attention_plan& p, std::int64_t heads) {
         return p.plan.backward_workspace_bytes(heads);
       });

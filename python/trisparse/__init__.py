@@ -12,7 +12,7 @@ from . import _C
 from .attention import sparse_attention
 from .block_sparse import BlockMask, block_sparse_attention, topk_block_mask
 from .edge import edge_scores, edge_softmax, edge_spmm, sddmm
-from .edge_attention import edge_attention
+from .edge_attention import edge_attention, edge_gat_attention
 from .gat import gat_attention
 from .pattern import Pattern
 from .sparse import SparseMatrix, gcn_conv, spmm
@@ -33,6 +33,7 @@ __all__ = [
     "block_sparse_attention",
     "cuda_available",
     "edge_attention",
+    "edge_gat_attention",
     "edge_scores",
     "edge_softmax",
     "edge_spmm",

@@ -3,7 +3,10 @@
 softmax runs over each target's incoming edges (every copy of a repeated pair its own term), and
 the op returns out_i = sum alpha v_j and out_edge_i = sum alpha a, so that PyG's message sum is
 out + W_e out_edge: no [E, H, C] message and no [E, H] score is stored in the forward. The
-backward recomputes the weights from the saved lse; every sum has a fixed order."""
+backward recomputes the weights from the saved lse; every sum has a fixed order.
+
+:func:`edge_gat_attention` is GAT's attention over the same multigraph (PyG's GATConv with
+repeated edges and edge features): additive scores LeakyReLU(a_dst_i + a_src_j + a_edge_e)."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from torch import Tensor
 from . import _C, _tensors
 from .pattern import Pattern, lookup
 
-__all__ = ["edge_attention", "edge_attention_supported"]
+__all__ = ["edge_attention", "edge_attention_supported", "edge_gat_attention"]
 
 
 def _rows(t: Tensor | None) -> tuple | None:
@@ -149,6 +152,155 @@ def _backward(ctx, dout, dout_edge, _dlse):
 
 
 _forward.register_autograd(_backward, setup_context=_setup)
+
+
+def _view2(t: Tensor | None) -> tuple | None:
+    """A [n, H] tensor as the [n, H, 1] view the plan takes."""
+    return None if t is None else _tensors.view(t.unsqueeze(-1))
+
+
+@torch.library.custom_op("trisparse::edge_gat", mutates_args=())
+def _gat_forward(
+    x: Tensor,
+    a_src: Tensor,
+    a_dst: Tensor,
+    a_edge: Tensor | None,
+    pattern: int,
+    negative_slope: float,
+) -> tuple[Tensor, Tensor]:
+    """(out [rows, H, C] in x's dtype, lse [rows, H] float32)."""
+    p = lookup(pattern)
+    out = x.new_empty(p.num_rows, x.shape[1], x.shape[2])
+    lse = x.new_empty(p.num_rows, x.shape[1], dtype=torch.float32)
+    p.edge_attention_plan(x.device).gat_forward(
+        _tensors.view(x),
+        _view2(a_src),
+        _view2(a_dst),
+        _view2(a_edge),
+        _tensors.view(out),
+        _view2(lse),
+        negative_slope,
+        _tensors.stream(x.device),
+    )
+    return out, lse
+
+
+@_gat_forward.register_fake
+def _gat_forward_fake(x, a_src, a_dst, a_edge, pattern, negative_slope):
+    p = lookup(pattern)
+    return (
+        x.new_empty(p.num_rows, x.shape[1], x.shape[2]),
+        x.new_empty(p.num_rows, x.shape[1], dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("trisparse::edge_gat_backward", mutates_args=())
+def _gat_backward_op(
+    x: Tensor,
+    a_src: Tensor,
+    a_dst: Tensor,
+    a_edge: Tensor | None,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    pattern: int,
+    negative_slope: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx float32, da_src, da_dst, da_edge: empty without a_edge)."""
+    p = lookup(pattern)
+    plan = p.edge_attention_plan(x.device)
+    dx = torch.empty(x.shape, device=x.device, dtype=torch.float32)
+    da_src, da_dst = torch.empty_like(a_src), torch.empty_like(a_dst)
+    da_edge = torch.empty_like(a_edge) if a_edge is not None else a_src.new_empty(0)
+    _owner, ws, ws_bytes = _tensors.workspace(plan.workspace_bytes(x.shape[1]), x.device)
+    plan.gat_backward(
+        _tensors.view(x),
+        _view2(a_src),
+        _view2(a_dst),
+        _view2(a_edge),
+        _tensors.view(out),
+        _view2(lse),
+        _tensors.view(dout),
+        _tensors.view(dx),
+        _view2(da_src),
+        _view2(da_dst),
+        None if a_edge is None else _view2(da_edge),
+        negative_slope,
+        _tensors.stream(x.device),
+        ws,
+        ws_bytes,
+    )
+    return dx, da_src, da_dst, da_edge
+
+
+@_gat_backward_op.register_fake
+def _gat_backward_fake(x, a_src, a_dst, a_edge, out, lse, dout, pattern, negative_slope):
+    return (
+        torch.empty_like(x, dtype=torch.float32),
+        torch.empty_like(a_src),
+        torch.empty_like(a_dst),
+        torch.empty_like(a_edge) if a_edge is not None else a_src.new_empty(0),
+    )
+
+
+def _gat_setup(ctx, inputs, output):
+    x, a_src, a_dst, a_edge, pattern, negative_slope = inputs
+    out, lse = output
+    ctx.save_for_backward(x, a_src, a_dst, a_edge, out, lse)
+    ctx.pattern, ctx.negative_slope = pattern, negative_slope
+
+
+def _gat_backward(ctx, dout, _dlse):
+    x, a_src, a_dst, a_edge, out, lse = ctx.saved_tensors
+    dx, da_src, da_dst, da_edge = torch.ops.trisparse.edge_gat_backward(
+        x,
+        a_src,
+        a_dst,
+        a_edge,
+        out,
+        lse,
+        dout.to(out.dtype).contiguous(),
+        ctx.pattern,
+        ctx.negative_slope,
+    )
+    return dx.to(x.dtype), da_src, da_dst, (None if a_edge is None else da_edge), None, None
+
+
+_gat_forward.register_autograd(_gat_backward, setup_context=_gat_setup)
+
+
+def edge_gat_attention(
+    x: Tensor,
+    a_src: Tensor,
+    a_dst: Tensor,
+    pattern: Pattern,
+    negative_slope: float = 0.2,
+    a_edge: Tensor | None = None,
+) -> Tensor:
+    """out[i, h] = sum over the input pairs e = (i, j) of softmax_e(LeakyReLU(a_dst[i, h] +
+    a_src[j, h] + a_edge[e, h])) x[j, h], each copy of a repeated pair its own term: GAT's
+    attention (PyG's GATConv) over a multigraph with edge features, fused on CUDA. x [num_cols,
+    H, C], a_src [num_cols, H], a_dst [num_rows, H], a_edge [E, H] (one row per input pair, in
+    the input's order) or None. Differentiable in all four; deterministic."""
+    heads = x.shape[1]
+    for name, t, rows in (
+        ("a_src", a_src, pattern.num_cols),
+        ("a_dst", a_dst, pattern.num_rows),
+    ):
+        if t.shape != (rows, heads):
+            raise ValueError(f"{name} must be [{rows}, {heads}], got {list(t.shape)}")
+    if a_edge is not None and (a_edge.dim() != 2 or a_edge.shape[1] != heads):
+        raise ValueError(f"a_edge must be [edges, {heads}], got {list(a_edge.shape)}")
+    f32 = {"dtype": torch.float32}
+    out, _lse = torch.ops.trisparse.edge_gat(
+        x.contiguous(),
+        a_src.to(**f32).contiguous(),
+        a_dst.to(**f32).contiguous(),
+        None if a_edge is None else a_edge.to(**f32).contiguous(),
+        pattern.id,
+        float(negative_slope),
+    )
+    return out
 
 
 def edge_attention_supported(pattern: Pattern, q: Tensor, features: int = 0) -> bool:

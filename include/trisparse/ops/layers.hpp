@@ -259,6 +259,31 @@ struct edge_attention_grad_args {
   double scale = 1.0;
 };
 
+/// GAT's attention over a multigraph (PyG's GATConv with repeated edges and edge features): per
+/// head, z_p = a_dst[i] + a_src[j] + a_edge[p] for edge p = (i <- j), the softmax of
+/// LeakyReLU(z) over each target's edges (each copy its own term), out_i = sum alpha_p x_j.
+struct edge_gat_args {
+  tensor_view x;       ///< [cols, H, C], f16, bf16 or f32: the sources' features (W x_j)
+  tensor_view a_src;   ///< [cols, H, 1] f32
+  tensor_view a_dst;   ///< [rows, H, 1] f32
+  tensor_view a_edge;  ///< [edges, H, 1] f32: row e holds edge e's term; data == nullptr: none
+  tensor_view out;     ///< [rows, H, C], x's dtype
+  tensor_view lse;     ///< [rows, H, 1] f32
+  double negative_slope = 0.2;
+};
+
+/// The gradients of one edge_attention_plan::gat_forward given dout (deterministic).
+struct edge_gat_grad_args {
+  tensor_view x, a_src, a_dst, a_edge;  ///< the forward's inputs
+  tensor_view out, lse;                 ///< its outputs
+  tensor_view dout;                     ///< [rows, H, C], x's dtype
+  tensor_view dx;                       ///< [cols, H, C] f32
+  tensor_view da_src;                   ///< [cols, H, 1] f32
+  tensor_view da_dst;                   ///< [rows, H, 1] f32
+  tensor_view da_edge;                  ///< [edges, H, 1] f32 (with a_edge): row e, edge e's
+  double negative_slope = 0.2;
+};
+
 /// The plan of edge_attention over one multigraph (a view: the caller keeps its arrays alive).
 /// CUDA: a warp per target, its lanes in groups that each take one head (and, with fewer heads
 /// than groups, one of a few edges at a time): a group's lanes split the C channels and the F
@@ -287,6 +312,11 @@ class edge_attention_plan {
   void forward(const edge_attention_args& args, stream_ref stream = {}) const;
   void backward(const edge_attention_grad_args& args, stream_ref stream = {},
                 workspace_view workspace = {}) const;
+  /// GAT's attention over the multigraph (edge_gat_args), as forward: the same kernels with
+  /// GAT's additive scores; the backward's workspace is backward_workspace_bytes(heads).
+  void gat_forward(const edge_gat_args& args, stream_ref stream = {}) const;
+  void gat_backward(const edge_gat_grad_args& args, stream_ref stream = {},
+                    workspace_view workspace = {}) const;
   const multigraph_view& graph() const { return graph_; }
 
  private:

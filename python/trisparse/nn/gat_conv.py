@@ -10,6 +10,7 @@ from torch_geometric.utils import scatter
 
 from ..copies import copy_logsumexp, copy_sum, copy_weights, to_copies
 from ..edge import edge_scores, edge_softmax, edge_spmm
+from ..edge_attention import edge_attention_supported, edge_gat_attention
 from ..gat import gat_attention
 from ..pattern import Pattern
 from ._common import _check_float, _edge_features, _Fused
@@ -27,9 +28,10 @@ class GATConv(_Fused, _PygGATConv):
     gradients are deterministic. Attention dropout (``dropout``) drops the same edges as PyG's
     for the same seed (its [E, heads] factors are the one per-edge tensor formed).
 
-    Repeated edges (each copy its own term, as in PyG), edge features (``edge_dim``: the edge term
-    a_edge . W_e a_ij becomes one [edge_dim, heads] product, with ``fill_value`` for the self loops
-    as PyG), ``return_attention_weights`` and heads wider than 512 channels run the per-edge path:
+    Repeated edges (each copy its own term, as in PyG) and edge features (``edge_dim``: the edge
+    term a_edge . W_e a_ij becomes one [edge_dim, heads] product, with ``fill_value`` for the self
+    loops as PyG) run fused on CUDA over the input's edges (:func:`trisparse.edge_gat_attention`). Attention dropout over such graphs, these on the CPU,
+    ``return_attention_weights`` and heads wider than 512 channels run the per-edge path:
     [E, heads] scores, their softmax and the per-edge SpMM (no [E, heads, channels] tensor).
     Bipartite inputs ``(x_src, x_dst)`` and ``size`` are taken as PyG takes them. ``edge_index``
     may also be a :class:`trisparse.Pattern` (built once, self loops included if wanted). Falls
@@ -75,7 +77,21 @@ class GATConv(_Fused, _PygGATConv):
         )
         dropout = self.training and self.dropout > 0
         weights = None
-        if per_edge or pattern.duplicates or C > _GAT_MAX_WIDTH:
+        multigraph = edge_attr is not None or pattern.duplicates
+        if (
+            multigraph
+            and not dropout
+            and not return_attention_weights
+            and edge_attention_supported(pattern, x_src)
+        ):  # fused over the input's edges, each copy its own term
+            a_edge = None
+            if edge_attr is not None:
+                edge_attr = self._edge_features(edge_attr, edge_index, pattern, num_src, num_dst)
+                a_edge = self._edge_term(edge_attr)
+            out = edge_gat_attention(
+                x_src, alpha_src, alpha_dst, pattern, self.negative_slope, a_edge
+            )
+        elif per_edge or pattern.duplicates or C > _GAT_MAX_WIDTH:
             if edge_attr is not None:
                 edge_attr = self._edge_features(edge_attr, edge_index, pattern, num_src, num_dst)
             out, weights = self._per_edge(x_src, alpha_src, alpha_dst, edge_attr, pattern, dropout)
@@ -131,15 +147,19 @@ class GATConv(_Fused, _PygGATConv):
             loops = scatter(attr, edge_index[1][kept], 0, n, reduce=fill)
         return _edge_features(torch.cat([attr, loops]), pattern, self.edge_dim)
 
+    def _edge_term(self, edge_attr: Tensor) -> Tensor:
+        """[E, H]: (W_e a . att_edge) summed over C = a . (W_e^T att_edge), one [edge_dim, H]
+        matrix."""
+        H, C = self.heads, self.out_channels
+        w_edge = self.lin_edge.weight.view(H, C, -1)
+        return edge_attr @ torch.einsum("hcd,hc->dh", w_edge, self.att_edge[0])
+
     def _per_edge(self, x_src, alpha_src, alpha_dst, edge_attr, pattern, dropout):
         """GAT's attention with [E, H] weights per input edge: the output [N, H, C] and the
         weights (after dropout, as PyG's layer returns them)."""
-        H, C = self.heads, self.out_channels
         scores = to_copies(edge_scores(alpha_dst, alpha_src, pattern), pattern)
         if edge_attr is not None:
-            # (W_e a . att_edge) summed over C = a . (W_e^T att_edge): one [edge_dim, H] matrix.
-            w_edge = self.lin_edge.weight.view(H, C, -1)
-            scores = scores + edge_attr @ torch.einsum("hcd,hc->dh", w_edge, self.att_edge[0])
+            scores = scores + self._edge_term(edge_attr)
         scores = F.leaky_relu(scores, self.negative_slope)
         entry = copy_logsumexp(scores, pattern)
         alpha = edge_softmax(entry, pattern)

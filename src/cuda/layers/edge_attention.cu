@@ -66,8 +66,23 @@ struct params {
   mat q, k, v, r, a, out_in, out_edge_in, lse_in, dout, dout_edge;
   out_mat out, out_edge, lse, dq, dk, dv, dr, da;
   float* prob = nullptr;    // [edges, H]
-  float* dscore = nullptr;  // [edges, H]
+  float* dscore = nullptr;  // [edges, H]: dL/ds (GAT: dL/dz, before the LeakyReLU)
+  // GAT: z = a_dst_i + a_src_j + a_edge_p, s = LeakyReLU(z); v holds x.
+  mat a_src, a_dst, a_edge;
+  out_mat da_src, da_dst, da_edge;
+  float slope = 0.2f;
 };
+
+// GAT's pre-activation score of edge e (target i, source j, head h) and its score in log2 units.
+__device__ __forceinline__ float gat_z(const params& p, std::int64_t i, std::int32_t j,
+                                       std::int64_t e, int h) {
+  float z = *p.a_dst.at<float>(i, h) + *p.a_src.at<float>(j, h);
+  if (p.a_edge.data != nullptr) z += *p.a_edge.at<float>(p.g.edge[e], h);
+  return z;
+}
+__device__ __forceinline__ float leaky_log2(float z, float slope) {
+  return (z > 0.0f ? z : z * slope) * kLog2e;
+}
 
 // N elements of T from p (aligned to N * sizeof(T) where that is 4, 8 or 16 bytes) as floats.
 template <class T, int N>
@@ -167,31 +182,35 @@ __device__ __forceinline__ bool column_place(const params& p, bool heavy, place&
 template <int NF>
 inline constexpr int kSlots = NF > 0 ? NF : 1;
 
-template <class T, int NC, int NF>
+// G: GAT's scores (q, k, r, a unused).
+template <class T, int NC, int NF, bool G>
 __global__ void __launch_bounds__(kWarps * 32) forward_kernel(const params p, bool heavy) {
   constexpr int MF = kSlots<NF>;
   place at;
   if (!row_place(p, heavy, at)) return;
   const std::int64_t i = at.line;
   const int h = at.head;
-  float qi[NC], ri[MF] = {}, acc[NC] = {}, acc_a[MF] = {};
-  load<T, NC>(p.q.at<T>(i, h) + at.slot * NC, qi, p.scale * kLog2e);
+  float qi[NC] = {}, ri[MF] = {}, acc[NC] = {}, acc_a[MF] = {};
+  if constexpr (!G) load<T, NC>(p.q.at<T>(i, h) + at.slot * NC, qi, p.scale * kLog2e);
   if constexpr (NF > 0) load<T, NF>(p.r.at<T>(i, h) + at.slot * NF, ri, kLog2e);
   float m = -INFINITY, l = 0.0f;
   const std::int64_t begin = p.g.row_ptr[i], end = p.g.row_ptr[i + 1];
   for (std::int64_t base = begin; base < end; base += at.groups) {
     const std::int64_t e = base + at.group;
     const bool on = at.valid && e < end;
-    float kj[NC] = {}, vj[NC] = {}, ae[MF] = {};
+    float kj[NC] = {}, vj[NC] = {}, ae[MF] = {}, s = 0.0f;
     if (on) {
       const std::int32_t j = p.g.src[e];
-      load<T, NC>(p.k.at<T>(j, h) + at.slot * NC, kj);
+      if constexpr (G) s = leaky_log2(gat_z(p, i, j, e, h), p.slope);
+      if constexpr (!G) load<T, NC>(p.k.at<T>(j, h) + at.slot * NC, kj);
       load<T, NC>(p.v.at<T>(j, h) + at.slot * NC, vj);
       if constexpr (NF > 0) load<T, NF>(p.a.at<T>(p.g.edge[e], 0) + at.slot * NF, ae);
     }
-    float s = dot(qi, kj);
-    if constexpr (NF > 0) s += dot(ri, ae);
-    s = group_sum(s, p.lanes);
+    if constexpr (!G) {
+      s = dot(qi, kj);
+      if constexpr (NF > 0) s += dot(ri, ae);
+      s = group_sum(s, p.lanes);
+    }
     if (on) {
       const float mn = fmaxf(m, s);
       const float c = m == -INFINITY ? 0.0f : exp2f(m - mn);
@@ -227,15 +246,15 @@ __global__ void __launch_bounds__(kWarps * 32) forward_kernel(const params p, bo
   if (at.slot == 0) *p.lse.at<float>(i, h) = l > 0.0f ? (m + log2f(l)) / kLog2e : -INFINITY;
 }
 
-template <class T, int NC, int NF>
+template <class T, int NC, int NF, bool G>
 __global__ void __launch_bounds__(kWarps * 32) row_kernel(const params p, bool heavy) {
   constexpr int MF = kSlots<NF>;
   place at;
   if (!row_place(p, heavy, at)) return;
   const std::int64_t i = at.line;
   const int h = at.head;
-  float qi[NC], doi[NC], oi[NC], ri[MF] = {}, doa[MF] = {}, oa[MF] = {};
-  load<T, NC>(p.q.at<T>(i, h) + at.slot * NC, qi, p.scale * kLog2e);
+  float qi[NC] = {}, doi[NC], oi[NC], ri[MF] = {}, doa[MF] = {}, oa[MF] = {};
+  if constexpr (!G) load<T, NC>(p.q.at<T>(i, h) + at.slot * NC, qi, p.scale * kLog2e);
   load<T, NC>(p.dout.at<T>(i, h) + at.slot * NC, doi);
   load<T, NC>(p.out_in.at<T>(i, h) + at.slot * NC, oi);
   if constexpr (NF > 0) {
@@ -245,25 +264,31 @@ __global__ void __launch_bounds__(kWarps * 32) row_kernel(const params p, bool h
   }
   const float D = group_sum(dot(doi, oi) + dot(doa, oa), p.lanes);
   const float lse2 = *p.lse_in.at<float>(i, h) * kLog2e;
-  float dq[NC] = {}, dr[MF] = {};
+  float dq[NC] = {}, dr[MF] = {}, dz_sum[1] = {};
   const std::int64_t begin = p.g.row_ptr[i], end = p.g.row_ptr[i + 1];
   for (std::int64_t base = begin; base < end; base += at.groups) {
     const std::int64_t e = base + at.group;
     const bool on = at.valid && e < end;
-    float kj[NC] = {}, vj[NC] = {}, ae[MF] = {};
+    float kj[NC] = {}, vj[NC] = {}, ae[MF] = {}, z = 0.0f;
     if (on) {
       const std::int32_t j = p.g.src[e];
-      load<T, NC>(p.k.at<T>(j, h) + at.slot * NC, kj);
+      if constexpr (G) z = gat_z(p, i, j, e, h);
+      if constexpr (!G) load<T, NC>(p.k.at<T>(j, h) + at.slot * NC, kj);
       load<T, NC>(p.v.at<T>(j, h) + at.slot * NC, vj);
       if constexpr (NF > 0) load<T, NF>(p.a.at<T>(p.g.edge[e], 0) + at.slot * NF, ae);
     }
-    float s = dot(qi, kj) + dot(ri, ae);
+    float s = G ? leaky_log2(z, p.slope) : dot(qi, kj) + dot(ri, ae);
     float dp = dot(doi, vj) + dot(doa, ae);
-    s = group_sum(s, p.lanes);
+    if constexpr (!G) s = group_sum(s, p.lanes);
     dp = group_sum(dp, p.lanes);
     if (on) {
       const float prob = exp2f(s - lse2);
-      const float ds = prob * (dp - D);
+      float ds = prob * (dp - D);
+      if constexpr (G) {
+        ds *= z > 0.0f ? 1.0f : p.slope;  // dL/dz
+        dz_sum[0] += ds;
+        if (at.slot == 0 && p.da_edge.data != nullptr) *p.da_edge.at<float>(p.g.edge[e], h) = ds;
+      }
       if (at.slot == 0) {
         p.prob[e * p.heads + h] = prob;
         p.dscore[e * p.heads + h] = ds;
@@ -274,6 +299,11 @@ __global__ void __launch_bounds__(kWarps * 32) row_kernel(const params p, bool h
       for (int n = 0; n < NF; ++n) dr[n] = fmaf(ds, ae[n], dr[n]);
     }
   }
+  if constexpr (G) {
+    butterfly_sum(dz_sum, at.merge);
+    if (at.group == 0 && at.valid && at.slot == 0) *p.da_dst.at<float>(i, h) = dz_sum[0];
+    return;
+  }
   butterfly_sum(dq, at.merge);
   if constexpr (NF > 0) butterfly_sum(dr, at.merge);
   if (at.group != 0 || !at.valid) return;
@@ -281,7 +311,7 @@ __global__ void __launch_bounds__(kWarps * 32) row_kernel(const params p, bool h
   if constexpr (NF > 0) store<float, NF>(p.dr.at<float>(i, h) + at.slot * NF, dr, 1.0f);
 }
 
-template <class T, int NC>
+template <class T, int NC, bool G>
 __global__ void __launch_bounds__(kWarps * 32) column_kernel(const params p, bool heavy) {
   place at;
   if (!column_place(p, heavy, at)) return;
@@ -295,8 +325,9 @@ __global__ void __launch_bounds__(kWarps * 32) column_kernel(const params p, boo
     const std::int64_t e = p.g.by_source[t];
     const std::int32_t i = p.g.dst[e];
     const float ds = p.dscore[e * p.heads + h], prob = p.prob[e * p.heads + h];
-    float qi[NC], doi[NC];
-    load<T, NC>(p.q.at<T>(i, h) + at.slot * NC, qi);
+    float qi[NC] = {}, doi[NC];
+    if constexpr (G) qi[0] = at.slot == 0 ? 1.0f : 0.0f;  // dk[0] sums dz: da_src
+    if constexpr (!G) load<T, NC>(p.q.at<T>(i, h) + at.slot * NC, qi);
     load<T, NC>(p.dout.at<T>(i, h) + at.slot * NC, doi);
 #pragma unroll
     for (int n = 0; n < NC; ++n) {
@@ -307,7 +338,11 @@ __global__ void __launch_bounds__(kWarps * 32) column_kernel(const params p, boo
   butterfly_sum(dk, at.merge);
   butterfly_sum(dv, at.merge);
   if (at.group != 0 || !at.valid) return;
-  store<float, NC>(p.dk.at<float>(j, h) + at.slot * NC, dk, p.scale);
+  if constexpr (G) {
+    if (at.slot == 0) *p.da_src.at<float>(j, h) = dk[0];
+  } else {
+    store<float, NC>(p.dk.at<float>(j, h) + at.slot * NC, dk, p.scale);
+  }
   store<float, NC>(p.dv.at<float>(j, h) + at.slot * NC, dv, 1.0f);
 }
 
@@ -414,7 +449,7 @@ void edge_attention_forward(const multigraph_view& g, const edge_attention_args&
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const std::int64_t features = a.r.data != nullptr ? a.r.dim : 0;
   dispatch(a.q.type, a.q.dim, features, [&]<class T, int NC, int NF>() {
-    over_lines(forward_kernel<T, NC, NF>, p, g.rows, g.heavy_row_count, s);
+    over_lines(forward_kernel<T, NC, NF, false>, p, g.rows, g.heavy_row_count, s);
   });
 }
 
@@ -442,13 +477,54 @@ void edge_attention_backward(const multigraph_view& g, const edge_attention_grad
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const std::int64_t features = a.r.data != nullptr ? a.r.dim : 0;
   dispatch(a.q.type, a.q.dim, features, [&]<class T, int NC, int NF>() {
-    over_lines(row_kernel<T, NC, NF>, p, g.rows, g.heavy_row_count, s);
-    over_lines(column_kernel<T, NC>, p, g.cols, g.heavy_col_count, s);
+    over_lines(row_kernel<T, NC, NF, false>, p, g.rows, g.heavy_row_count, s);
+    over_lines(column_kernel<T, NC, false>, p, g.cols, g.heavy_col_count, s);
     if constexpr (NF > 0) {
       const int f = static_cast<int>(features);
       feature_kernel<T><<<blocks_for(g.edges * f, 256), 256, 0, s>>>(p, f);
       TRISPARSE_CUDA_CHECK_LAUNCH();
     }
+  });
+}
+
+void edge_gat_forward(const multigraph_view& g, const edge_gat_args& a, stream_ref stream) {
+  expect_current_device(g.device_id);
+  params p = params_of(g, a.x, 1.0);
+  p.v = in_of(a.x);
+  p.a_src = in_of(a.a_src);
+  p.a_dst = in_of(a.a_dst);
+  p.a_edge = in_of(a.a_edge);
+  p.slope = static_cast<float>(a.negative_slope);
+  p.out = out_of(a.out);
+  p.lse = out_of(a.lse);
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  dispatch(a.x.type, a.x.dim, 0, [&]<class T, int NC, int NF>() {
+    over_lines(forward_kernel<T, NC, 0, true>, p, g.rows, g.heavy_row_count, s);
+  });
+}
+
+void edge_gat_backward(const multigraph_view& g, const edge_gat_grad_args& a,
+                       const workspace_view& workspace, stream_ref stream) {
+  expect_current_device(g.device_id);
+  params p = params_of(g, a.x, 1.0);
+  p.v = in_of(a.x);
+  p.a_src = in_of(a.a_src);
+  p.a_dst = in_of(a.a_dst);
+  p.a_edge = in_of(a.a_edge);
+  p.slope = static_cast<float>(a.negative_slope);
+  p.out_in = in_of(a.out);
+  p.lse_in = in_of(a.lse);
+  p.dout = in_of(a.dout);
+  p.dv = out_of(a.dx);
+  p.da_src = out_of(a.da_src);
+  p.da_dst = out_of(a.da_dst);
+  p.da_edge = out_of(a.da_edge);
+  p.prob = static_cast<float*>(workspace.data);
+  p.dscore = p.prob + g.edges * p.heads;
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  dispatch(a.x.type, a.x.dim, 0, [&]<class T, int NC, int NF>() {
+    over_lines(row_kernel<T, NC, 0, true>, p, g.rows, g.heavy_row_count, s);
+    over_lines(column_kernel<T, NC, true>, p, g.cols, g.heavy_col_count, s);
   });
 }
 

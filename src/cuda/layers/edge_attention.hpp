@@ -32,4 +32,12 @@ TRISPARSE_CUDA_ENTRY(void edge_attention_backward(const multigraph_view& g,
                                                   const workspace_view& workspace,
                                                   stream_ref stream))
 
+/// edge_attention_plan::gat_forward / gat_backward on CUDA (arguments checked by the caller);
+/// the backward's workspace as edge_attention_backward's.
+TRISPARSE_CUDA_ENTRY(void edge_gat_forward(const multigraph_view& g, const edge_gat_args& args,
+                                           stream_ref stream))
+TRISPARSE_CUDA_ENTRY(void edge_gat_backward(const multigraph_view& g,
+                                            const edge_gat_grad_args& args,
+                                            const workspace_view& workspace, stream_ref stream))
+
 }  // namespace trisparse::cuda

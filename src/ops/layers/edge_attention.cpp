@@ -1,5 +1,6 @@
 // TransformerConv's attention with edge features (edge_attention_plan): argument checks, then the
 // CUDA kernels.
+#include <cmath>
 #include <cstdint>
 #include <string>
 
@@ -160,6 +161,60 @@ void edge_attention_plan::backward(const edge_attention_grad_args& a, stream_ref
       "edge_attention's backward needs backward_workspace_bytes(" + std::to_string(s.heads) +
           ") = " + std::to_string(backward_workspace_bytes(s.heads)) + " bytes of workspace");
   cuda::edge_attention_backward(g, a, workspace, stream);
+}
+
+namespace {
+
+// x and the per-node and per-edge score terms of GAT's attention.
+void check_gat(const multigraph_view& g, const tensor_view& x, const tensor_view& a_src,
+               const tensor_view& a_dst, const tensor_view& a_edge) {
+  check_view(x, "x", g.cols, -1, -1);
+  const int lanes = cuda::edge_attention_group(x.dim);
+  TRISPARSE_EXPECTS_INPUT(lanes > 0,
+                          "edge_attention takes heads of 4 * 2^k <= 128 or 256 "
+                          "channels, not " +
+                              std::to_string(x.dim));
+  detail::check_device_arg(x, "x");
+  check_aligned(x, "x", x.dim / lanes);
+  check_f32(a_src, "a_src", g.cols, x.heads, 1);
+  check_f32(a_dst, "a_dst", g.rows, x.heads, 1);
+  if (a_edge.data != nullptr) check_f32(a_edge, "a_edge", g.edges, x.heads, 1);
+}
+
+}  // namespace
+
+void edge_attention_plan::gat_forward(const edge_gat_args& a, stream_ref stream) const {
+  const multigraph_view& g = graph_;
+  check_gat(g, a.x, a.a_src, a.a_dst, a.a_edge);
+  check_view(a.out, "out", g.rows, a.x.heads, a.x.dim);
+  detail::check_device_arg(a.out, "out");
+  TRISPARSE_EXPECTS_INPUT(a.out.type == a.x.type, "out must have x's dtype");
+  check_f32(a.lse, "lse", g.rows, a.x.heads, 1);
+  TRISPARSE_EXPECTS_INPUT(std::isfinite(a.negative_slope), "negative_slope must be finite");
+  cuda::edge_gat_forward(g, a, stream);
+}
+
+void edge_attention_plan::gat_backward(const edge_gat_grad_args& a, stream_ref stream,
+                                       workspace_view workspace) const {
+  const multigraph_view& g = graph_;
+  check_gat(g, a.x, a.a_src, a.a_dst, a.a_edge);
+  const std::int64_t lanes = cuda::edge_attention_group(a.x.dim);
+  for (const tensor_view* t : {&a.out, &a.dout}) {
+    check_view(*t, "out and dout", g.rows, a.x.heads, a.x.dim);
+    detail::check_device_arg(*t, "out and dout");
+    TRISPARSE_EXPECTS_INPUT(t->type == a.x.type, "out and dout must have x's dtype");
+    check_aligned(*t, "out and dout", a.x.dim / lanes);
+  }
+  check_f32(a.lse, "lse", g.rows, a.x.heads, 1);
+  check_f32(a.dx, "dx", g.cols, a.x.heads, a.x.dim);
+  check_f32(a.da_src, "da_src", g.cols, a.x.heads, 1);
+  check_f32(a.da_dst, "da_dst", g.rows, a.x.heads, 1);
+  if (a.a_edge.data != nullptr) check_f32(a.da_edge, "da_edge", g.edges, a.x.heads, 1);
+  TRISPARSE_EXPECTS_INPUT(workspace.bytes >= backward_workspace_bytes(a.x.heads) &&
+                              (workspace.data != nullptr || g.edges == 0),
+                          "GAT's backward needs backward_workspace_bytes(" +
+                              std::to_string(a.x.heads) + ") bytes of workspace");
+  cuda::edge_gat_backward(g, a, workspace, stream);
 }
 
 }  // namespace trisparse
