@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Trains a GCN, a GAT or a Graph Transformer on Cora or CiteSeer (the real Planetoid features, labels
+"""Trains a GCN, a GAT, a Graph Transformer or GPS on Cora or CiteSeer (the real Planetoid features, labels
 and splits) with PyG's layers or trisparse's drop-ins, from the same script and hyperparameters,
 and prints the test accuracy (at the best validation accuracy) and the time per epoch.
 
@@ -96,6 +96,39 @@ class GraphTransformer(nn.Module):
         return self.out(h)
 
 
+class GPS(nn.Module):
+    """GPS (Rampasek et al.) on one graph: GPSConv layers, each a GCN local MPNN beside global
+    attention over all nodes (the graph is the batch's one element), between an input and an
+    output linear map."""
+
+    def __init__(self, backend, features, classes, hidden=64, heads=4, depth=2, dropout=0.5):
+        super().__init__()
+        gcn, _, _ = layers(backend)
+        if backend == "pyg":
+            from torch_geometric.nn import GPSConv
+        else:
+            from trisparse.nn import GPSConv
+        self.dropout = dropout
+        self.inp = nn.Linear(features, hidden)
+        self.convs = nn.ModuleList(
+            GPSConv(
+                hidden,
+                gcn(hidden, hidden),
+                heads=heads,
+                dropout=dropout,
+                attn_kwargs={"dropout": dropout},
+            )
+            for _ in range(depth)
+        )
+        self.out = nn.Linear(hidden, classes)
+
+    def forward(self, x, edge_index):
+        h = self.inp(F.dropout(x, p=self.dropout, training=self.training))
+        for conv in self.convs:
+            h = conv(h, edge_index)
+        return self.out(h)
+
+
 GRAPH_AFTER = 3  # eager epochs before --cuda-graph captures the training step
 
 
@@ -106,6 +139,8 @@ def run(args, data, seed):
         model, lr = GCN(args.backend, data.num_features, classes, fuse_relu=args.fuse_relu), 0.01
     elif args.model == "gat":
         model, lr = GAT(args.backend, data.num_features, classes), 0.005
+    elif args.model == "gps":
+        model, lr = GPS(args.backend, data.num_features, classes), 0.001
     else:
         model, lr = GraphTransformer(args.backend, data.num_features, classes), 0.001
     lr = args.lr if args.lr is not None else lr
@@ -166,11 +201,14 @@ def run(args, data, seed):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dataset", choices=["cora", "citeseer"], default="cora")
-    ap.add_argument("--model", choices=["gcn", "gat", "transformer"], default="gcn")
+    ap.add_argument("--model", choices=["gcn", "gat", "transformer", "gps"], default="gcn")
     ap.add_argument("--backend", choices=["pyg", "trisparse"], default="trisparse")
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument(
-        "--lr", type=float, default=None, help="Adam's (GCN 0.01, GAT 0.005, transformer 0.001)"
+        "--lr",
+        type=float,
+        default=None,
+        help="Adam's (GCN 0.01, GAT 0.005, transformer and GPS 0.001)",
     )
     ap.add_argument("--epochs", type=int, default=200)
     ap.add_argument(
