@@ -9,7 +9,7 @@
 #include <map>
 #include <numeric>
 
-#include "../../src/cuda/layers/gcn_fused.hpp"
+#include "../../src/cuda/layers/gcn_fused/plan.hpp"
 #include "support.hpp"
 
 namespace trisparse {

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <string>
 
-#include "../../cuda/layers/edge_attention.hpp"
+#include "../../cuda/layers/edge_attention/plan.hpp"
 #include "common.hpp"
 #include "trisparse/ops/layers.hpp"
 

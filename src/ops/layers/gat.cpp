@@ -5,7 +5,7 @@
 
 #include "../../cpu/layers/f32.hpp"
 #include "../../cpu/layers/gat.hpp"
-#include "../../cuda/layers/gat.hpp"
+#include "../../cuda/layers/gat/plan.hpp"
 #include "common.hpp"
 #include "trisparse/ops/reference.hpp"
 

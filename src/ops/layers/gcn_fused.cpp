@@ -7,7 +7,8 @@
 #include "../../cpu/layers/f32.hpp"
 #include "../../cpu/layers/gcn.hpp"
 #include "../../cuda/layers/dense.hpp"
-#include "../../cuda/layers/gcn_fused.hpp"
+#include "../../cuda/layers/gcn_fused/heuristics.hpp"
+#include "../../cuda/layers/gcn_fused/plan.hpp"
 #include "common.hpp"
 #include "trisparse/ops/reference.hpp"
 
@@ -157,12 +158,7 @@ bool gcn_fused_plan::fused(std::int64_t in_dim, std::int64_t out_dim, dtype type
   if (order == gcn_order::unfused) return false;
   const bool fits = state_->where == device_kind::cpu || cuda::gcn_fused_fits(in_dim, type);
   if (order == gcn_order::fused) return fits;
-  // Measured (H100, docs/notes/fused_gcn.md): on small graphs the one kernel beats the three of
-  // the unfused order (launch-bound) unless P x is much the wider product; on large ones the
-  // fused kernel's (P x) pass gathers F_in-wide rows less efficiently than the SpMM does F_out-wide
-  // ones, and wins where F_out is at least 8 F_in.
-  const bool small = state_->rows <= 8192 && in_dim <= 4 * out_dim;
-  return fits && (small || out_dim >= 8 * in_dim);
+  return fits && cuda::gcn_fused_heuristics::prefer_fused(state_->rows, in_dim, out_dim);
 }
 
 std::size_t gcn_fused_plan::workspace_bytes(std::int64_t in_dim, std::int64_t out_dim, dtype type,

@@ -8,7 +8,7 @@
 #include <memory>
 #include <vector>
 
-#include "../common/entry.hpp"
+#include "../../common/entry.hpp"
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/tensor.hpp"
 #include "trisparse/core/workspace.hpp"

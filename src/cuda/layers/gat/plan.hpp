@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <memory>
 
-#include "../common/entry.hpp"
+#include "../../common/entry.hpp"
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/workspace.hpp"
 #include "trisparse/graph/csr.hpp"

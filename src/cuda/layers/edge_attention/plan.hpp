@@ -4,22 +4,13 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "../common/entry.hpp"
+#include "../../common/entry.hpp"
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/workspace.hpp"
 #include "trisparse/ops/layers.hpp"
+#include "tuning.hpp"
 
 namespace trisparse::cuda {
-
-/// The lanes of a group (one edge at a time) for heads of C channels, each lane holding 4 (or, for
-/// C = 256, 8) channels; 0 if no kernel takes C.
-inline int edge_attention_group(std::int64_t head_dim) {
-  for (const std::int64_t per_lane : {4, 8}) {
-    const std::int64_t lanes = head_dim % per_lane == 0 ? head_dim / per_lane : 0;
-    if (lanes >= 1 && lanes <= 32 && (lanes & (lanes - 1)) == 0) return static_cast<int>(lanes);
-  }
-  return 0;
-}
 
 /// edge_attention_plan::forward on CUDA (arguments checked by the caller).
 TRISPARSE_CUDA_ENTRY(void edge_attention_forward(const multigraph_view& g,
