@@ -30,8 +30,9 @@ class GATConv(_Fused, _PygGATConv):
 
     Repeated edges (each copy its own term, as in PyG) and edge features (``edge_dim``: the edge
     term a_edge . W_e a_ij becomes one [edge_dim, heads] product, with ``fill_value`` for the self
-    loops as PyG) run fused on CUDA over the input's edges (:func:`trisparse.edge_gat_attention`). Attention dropout over such graphs, these on the CPU,
-    ``return_attention_weights`` and heads wider than 512 channels run the per-edge path:
+    loops as PyG) run fused on CUDA over the input's edges (:func:`trisparse.edge_gat_attention`).
+    Attention dropout over such graphs, these on the CPU, ``return_attention_weights`` and heads
+    wider than 512 channels run the per-edge path:
     [E, heads] scores, their softmax and the per-edge SpMM (no [E, heads, channels] tensor).
     Bipartite inputs ``(x_src, x_dst)`` and ``size`` are taken as PyG takes them. ``edge_index``
     may also be a :class:`trisparse.Pattern` (built once, self loops included if wanted). Falls

@@ -25,9 +25,9 @@ class TransformerConv(_Fused, _PygTransformerConv):
     Repeated edges count once per copy, as in PyG (a log-count bias on the fused scores). Edge
     features (``edge_dim``) on CUDA run fused (:func:`trisparse.edge_attention`: the kernel reads
     each edge's features). Attention dropout while training, ``return_attention_weights`` and edge
-    features on the CPU run the per-edge path: [E, heads] scores (SDDMM), softmax and dropout per input edge, then the per-edge
-    SpMM; an edge feature a_ij enters as q_i . W_e a_ij on the score and W_e sum_j alpha_ij a_ij on
-    the output (exact by linearity), so only [E, edge_dim] and [N, heads, edge_dim] tensors appear.
+    features on the CPU run the per-edge path: [E, heads] scores (SDDMM), softmax and dropout per
+    input edge, then the per-edge SpMM; an edge feature a_ij enters as q_i . W_e a_ij on the score
+    and W_e sum_j alpha_ij a_ij on the output (exact by linearity), so only [E, edge_dim] and [N, heads, edge_dim] tensors appear.
     Falls back to PyG's code, with a one-time warning, only for edge features or attention weights
     over a graph given as a ``SparseTensor``."""
 
