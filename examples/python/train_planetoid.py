@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Trains a GCN, a GAT, a Graph Transformer or GPS on Cora or CiteSeer (the real Planetoid
-features, labels and splits) with PyG's layers or trisparse's drop-ins, from the same script and hyperparameters,
-and prints the test accuracy (at the best validation accuracy) and the time per epoch.
+features, labels and splits) with PyG's layers or trisparse's drop-ins, from the same script and
+hyperparameters, and prints the test accuracy (at the best validation accuracy) and the time per
+epoch.
 
     python3 examples/python/train_planetoid.py --dataset cora --model gcn --backend trisparse
     python3 examples/python/train_planetoid.py --model transformer --backend pyg --seeds 10
