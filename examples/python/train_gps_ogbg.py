@@ -154,6 +154,7 @@ def main():
     ap.add_argument("--backend", choices=["pyg", "trisparse"], default="trisparse")
     ap.add_argument("--root", default=None)
     ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. + seeds - 1")
     ap.add_argument("--epochs", type=int, default=50)
     ap.add_argument("--batch-size", type=int, default=128)
     ap.add_argument("--channels", type=int, default=64)
@@ -166,7 +167,7 @@ def main():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     graphs, split = trisparse.datasets.ogbg(args.dataset, args.root)
     results = []
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         r = run(args, graphs, split, seed, device)
         r.update(dataset=args.dataset, backend=args.backend, epochs=args.epochs)
         r.update(batch_size=args.batch_size, attn_dropout=args.attn_dropout)
