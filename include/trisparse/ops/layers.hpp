@@ -296,7 +296,7 @@ struct edge_gat_grad_args {
 /// 4 * 2^k <= 128 or 256; F a multiple of the group width (feature_width() pads it). CUDA only.
 class edge_attention_plan {
  public:
-  /// @throws invalid_input if the view's sizes are inconsistent; not_supported on the CPU.
+  /// @throws invalid_input if the view's sizes are inconsistent or it is not on CUDA.
   static edge_attention_plan build(const multigraph_view& graph);
   /// The degree above which the view should list a line as heavy.
   static constexpr std::int64_t heavy_degree = 128;
