@@ -282,6 +282,7 @@ def edge_gat_attention(
     attention (PyG's GATConv) over a multigraph with edge features, fused on CUDA. x [num_cols,
     H, C], a_src [num_cols, H], a_dst [num_rows, H], a_edge [E, H] (one row per input pair, in
     the input's order) or None. Differentiable in all four; deterministic."""
+    _check_cuda(x)
     heads = x.shape[1]
     for name, t, rows in (
         ("a_src", a_src, pattern.num_cols),
@@ -301,6 +302,14 @@ def edge_gat_attention(
         float(negative_slope),
     )
     return out
+
+
+def _check_cuda(t: Tensor) -> None:
+    if not t.is_cuda:
+        raise ValueError(
+            f"the multigraph kernels run on CUDA tensors, got one on {t.device} (on the CPU, "
+            "trisparse.nn's layers take the per-edge ops: sddmm, edge_softmax, edge_spmm)"
+        )
 
 
 def edge_attention_supported(pattern: Pattern, q: Tensor, features: int = 0) -> bool:
@@ -333,6 +342,7 @@ def edge_attention(
     C], k and v [num_cols, H, C], r [num_rows, H, F] and a [E, F] (one row per input pair, in the
     input's order) in q's dtype, on CUDA (:func:`edge_attention_supported`). Differentiable in
     all five; deterministic."""
+    _check_cuda(q)
     if (r is None) != (a is None):
         raise ValueError("r and a come together (the edge features' score term) or not at all")
     features = 0 if r is None else r.shape[-1]

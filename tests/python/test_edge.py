@@ -177,3 +177,14 @@ def test_gat_attention_names_bad_inputs():
         trisparse.gat_attention(x, src, dst, p, keep=torch.ones(3, 2))
     with pytest.raises(TypeError, match="trisparse.Pattern"):
         trisparse.gat_attention(x, src, dst, None)
+
+
+def test_multigraph_kernels_name_the_device_they_need():
+    """trisparse.edge_attention and edge_gat_attention run on CUDA: CPU tensors get a ValueError
+    that says so (the layers take the per-edge ops there, as test_nn checks against PyG)."""
+    p, _row, _col = pattern_and_entries(12, 10, 4)
+    q, k = torch.randn(10, 2, 16), torch.randn(12, 2, 16)
+    with pytest.raises(ValueError, match="run on CUDA tensors"):
+        trisparse.edge_attention(q, k, k, p, 0.25)
+    with pytest.raises(ValueError, match="run on CUDA tensors"):
+        trisparse.edge_gat_attention(k, torch.randn(12, 2), torch.randn(10, 2), p)
