@@ -44,6 +44,12 @@ def view(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), _DTYPE_CODES[t.dtype], device, rows, heads, dim, stride[0], stride[1])
 
 
+def view2(t: torch.Tensor | None) -> tuple | None:
+    """A [n, H] tensor (per node or per edge, one value a head) as the [n, H, 1] view the plans
+    take; None stays None."""
+    return None if t is None else view(t.unsqueeze(-1))
+
+
 def stream(device: torch.device) -> int:
     """torch's current stream on `device` as an integer (0 on the CPU)."""
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0

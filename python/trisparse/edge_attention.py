@@ -29,10 +29,6 @@ def _edge_rows(a: Tensor | None) -> tuple | None:
     return None if a is None else _tensors.view(a.unsqueeze(1))
 
 
-def _lse_view(lse: Tensor) -> tuple:
-    return _tensors.view(lse.unsqueeze(-1))
-
-
 @torch.library.custom_op("trisparse::edge_attention", mutates_args=())
 def _forward(
     q: Tensor, k: Tensor, v: Tensor, r: Tensor | None, a: Tensor | None, pattern: int, scale: float
@@ -51,7 +47,7 @@ def _forward(
         _edge_rows(a),
         _tensors.view(out),
         None if r is None else _tensors.view(out_edge),
-        _lse_view(lse),
+        _tensors.view2(lse),
         scale,
         _tensors.stream(q.device),
     )
@@ -101,7 +97,7 @@ def _backward_op(
         _edge_rows(a),
         _tensors.view(out),
         _tensors.view(out_edge) if edged else None,
-        _lse_view(lse),
+        _tensors.view2(lse),
         _tensors.view(dout),
         _tensors.view(dout_edge) if edged else None,
         _tensors.view(dq),
@@ -154,11 +150,6 @@ def _backward(ctx, dout, dout_edge, _dlse):
 _forward.register_autograd(_backward, setup_context=_setup)
 
 
-def _view2(t: Tensor | None) -> tuple | None:
-    """A [n, H] tensor as the [n, H, 1] view the plan takes."""
-    return None if t is None else _tensors.view(t.unsqueeze(-1))
-
-
 @torch.library.custom_op("trisparse::edge_gat", mutates_args=())
 def _gat_forward(
     x: Tensor,
@@ -174,11 +165,11 @@ def _gat_forward(
     lse = x.new_empty(p.num_rows, x.shape[1], dtype=torch.float32)
     p.edge_attention_plan(x.device).gat_forward(
         _tensors.view(x),
-        _view2(a_src),
-        _view2(a_dst),
-        _view2(a_edge),
+        _tensors.view2(a_src),
+        _tensors.view2(a_dst),
+        _tensors.view2(a_edge),
         _tensors.view(out),
-        _view2(lse),
+        _tensors.view2(lse),
         negative_slope,
         _tensors.stream(x.device),
     )
@@ -215,16 +206,16 @@ def _gat_backward_op(
     _owner, ws, ws_bytes = _tensors.workspace(plan.workspace_bytes(x.shape[1]), x.device)
     plan.gat_backward(
         _tensors.view(x),
-        _view2(a_src),
-        _view2(a_dst),
-        _view2(a_edge),
+        _tensors.view2(a_src),
+        _tensors.view2(a_dst),
+        _tensors.view2(a_edge),
         _tensors.view(out),
-        _view2(lse),
+        _tensors.view2(lse),
         _tensors.view(dout),
         _tensors.view(dx),
-        _view2(da_src),
-        _view2(da_dst),
-        None if a_edge is None else _view2(da_edge),
+        _tensors.view2(da_src),
+        _tensors.view2(da_dst),
+        None if a_edge is None else _tensors.view2(da_edge),
         negative_slope,
         _tensors.stream(x.device),
         ws,

@@ -14,11 +14,6 @@ from .pattern import Pattern, lookup
 __all__ = ["gat_attention"]
 
 
-def _view2(t: Tensor) -> tuple:
-    """A [n, H] tensor as the [n, H, 1] view the plan takes."""
-    return _tensors.view(t.unsqueeze(-1))
-
-
 @torch.library.custom_op("trisparse::gat_attention", mutates_args=())
 def _gat(
     x: Tensor,
@@ -40,12 +35,12 @@ def _gat(
     )
     plan.forward(
         _tensors.view(x),
-        _view2(a_src),
-        _view2(a_dst),
-        None if keep is None else _view2(keep),
+        _tensors.view2(a_src),
+        _tensors.view2(a_dst),
+        _tensors.view2(keep),
         0 if keep_index is None else keep_index.data_ptr(),
         _tensors.view(out),
-        _view2(lse),
+        _tensors.view2(lse),
         negative_slope,
         _tensors.stream(x.device),
         ws,
@@ -86,16 +81,16 @@ def _gat_backward(
     )
     plan.backward(
         _tensors.view(x),
-        _view2(a_src),
-        _view2(a_dst),
-        None if keep is None else _view2(keep),
+        _tensors.view2(a_src),
+        _tensors.view2(a_dst),
+        _tensors.view2(keep),
         0 if keep_index is None else keep_index.data_ptr(),
         _tensors.view(out),
-        _view2(lse),
+        _tensors.view2(lse),
         _tensors.view(dout),
         _tensors.view(dx),
-        _view2(da_src),
-        _view2(da_dst),
+        _tensors.view2(da_src),
+        _tensors.view2(da_dst),
         negative_slope,
         _tensors.stream(x.device),
         ws,
