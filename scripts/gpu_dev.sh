@@ -4,8 +4,8 @@
 # matching GTEST (a gtest filter; "none" skips them) from gpu_tests built here and packed in
 # .devpack/gpu_tests.tar.xz, the CUDA pytest tests matching PYTEST_K (default: all of
 # test_cuda.py; "none" skips them), and with BENCH=1 the layer benchmarks
-# (bench/python/transformer_conv.py with edge features, both layers, on BENCH_GRAPHS and a random
-# 10M-edge multigraph), with GPS=1 GPS's global attention (bench/python/gps_attention.py), with
+# (bench/python/transformer_conv.py, both layers, on BENCH_GRAPHS; BENCH_ARGS, default: edge
+# features and a random 10M-edge multigraph), with GPS=1 GPS's global attention (bench/python/gps_attention.py), with
 # TRAIN=1 GPS training on OGB molecules (below). Build and pack here first:
 #   cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRISPARSE_CUDA=ON \
 #         -DCMAKE_CUDA_ARCHITECTURES=90 -DTRISPARSE_PYTHON=OFF -DTRISPARSE_DATASETS_DIR=data
@@ -47,7 +47,7 @@ if [ "${BENCH:-0}" = 1 ]; then
   for g in ${BENCH_GRAPHS:-snap_web_notredame deezer_egos het_tolokers}; do graphs+=("data/$g.el.xz"); done
   for layer in ${BENCH_LAYERS:-TransformerConv GATConv}; do
     PYTHONPATH=build/device/python python3 bench/python/transformer_conv.py --layer $layer \
-      --edge-dim 16 --min-edges 1000000 --random 1000000:10000000 "${graphs[@]}" \
+      --min-edges 1000000 "${graphs[@]}" ${BENCH_ARGS:---edge-dim 16 --random 1000000:10000000} \
       >> "$out/layers_edge.jsonl" 2>> "$out/stderr.log" || status=1
   done
   tail -5 "$out/stderr.log"

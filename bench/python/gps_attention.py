@@ -2,7 +2,11 @@
 """GPS's global attention alone (forward + backward, bf16): each graph of a mini-batch attends
 within itself. Three implementations on the same q, k, v [N, H, D] (packed nodes):
 
-- trisparse: ``sparse_attention`` over ``Pattern.from_batch(batch)`` (no padding);
+- trisparse: ``sparse_attention`` over ``Pattern.from_batch(batch)`` (no padding; its plan,
+  built on the host, timed apart: ``trisparse_plan_ms``);
+- trisparse_edge: ``edge_attention`` (the multigraph kernels, GPSConv's path on CUDA) over the
+  same pattern, its multigraph grouped on the GPU (``edge_plan_ms``); trisparse_edge_build: the
+  same with ``from_batch`` and that grouping inside every step, as a training loop pays them;
 - flex: FlexAttention (compiled) over [1, H, N, D] with a document mask, its block mask built for
   each batch (timed apart: ``mask_ms``);
 - pyg_padded: what PyG's GPSConv does, ``to_dense_batch`` to [B, n_max, H, D] then
@@ -39,6 +43,20 @@ def read_ptr(path):
 def ours(pattern):
     def attend(q, k, v):
         return trisparse.sparse_attention(q, k, v, pattern)
+
+    return attend
+
+
+def edge(pattern):
+    def attend(q, k, v):
+        return trisparse.edge_attention(q, k, v, pattern, q.shape[-1] ** -0.5)[0]
+
+    return attend
+
+
+def edge_with_build(batch):
+    def attend(q, k, v):
+        return edge(trisparse.Pattern.from_batch(batch))(q, k, v)
 
     return attend
 
@@ -154,7 +172,14 @@ def main():
                 stop.synchronize()
                 rec["trisparse_pattern_ms"] = start.elapsed_time(mid)
                 rec["trisparse_plan_ms"] = mid.elapsed_time(stop)
+                start.record()
+                pattern.edge_attention_plan(dev)
+                stop.record()
+                stop.synchronize()
+                rec["edge_plan_ms"] = start.elapsed_time(stop)
                 cases = [("trisparse", ours(pattern)), ("pyg_padded", padded(batch))]
+                cases += [("trisparse_edge", edge(pattern))]
+                cases += [("trisparse_edge_build", edge_with_build(batch))]
                 try:
                     start.record()
                     attend = flex(batch, compiled)

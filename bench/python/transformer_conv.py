@@ -2,7 +2,9 @@
 """One TransformerConv (or --layer GATConv) layer's forward + backward, trisparse.nn against PyG's
 own, with the same weights: per graph file (read as trisparse.datasets reads it) with at least
 --min-edges edges, and per --random N:E uniform random multigraph (E edges drawn with repeats), in
-float32 and under bfloat16 autocast; with --edge-dim F, random edge features of F columns.
+float32 and under bfloat16 autocast; with --edge-dim F, random edge features of F columns; with
+--dropout P, attention dropout P in training mode (both layers draw the same factors for the
+compared step).
 
     python3 bench/python/transformer_conv.py data/*.el.xz --heads 8 --channels 16 > results.jsonl
     python3 bench/python/transformer_conv.py --layer GATConv --edge-dim 16 --random 1000000:10000000
@@ -16,6 +18,7 @@ One JSON line per (graph, mode); a backend out of memory is reported ("error"), 
 """
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -51,6 +54,7 @@ def run(layer, x, edge_index, edge_attr, dout, autocast, repeat):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
+    torch.cuda.manual_seed(0)  # both layers draw the same dropout factors (PyG's order)
     out = step()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
@@ -82,6 +86,9 @@ def main():
     ap.add_argument("--channels", type=int, default=16)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument(
+        "--dropout", type=float, nargs="+", default=[0.0], help="attention dropouts (training)"
+    )
     a = ap.parse_args()
     dev = torch.device("cuda")
     for path in [*a.graphs, *(f"random:{spec}" for spec in a.random)]:
@@ -95,19 +102,23 @@ def main():
         if edge_index.shape[1] < a.min_edges:
             continue
         edge_index = edge_index.to(dev)
-        kwargs = {"heads": a.heads}
-        if a.edge_dim:
-            kwargs["edge_dim"] = a.edge_dim
-        torch.manual_seed(0)
-        pyg = getattr(torch_geometric.nn, a.layer)(a.in_channels, a.channels, **kwargs).to(dev)
-        ours = getattr(trisparse.nn, a.layer)(a.in_channels, a.channels, **kwargs).to(dev)
-        ours.load_state_dict(pyg.state_dict())
         x = torch.randn(n, a.in_channels, device=dev)
         edge_attr = torch.randn(edge_index.shape[1], a.edge_dim, device=dev) if a.edge_dim else None
         dout = torch.randn(n, a.heads * a.channels, device=dev)
-        for mode, autocast in (("fp32", False), ("bf16_autocast", True)):
+        for dropout, (mode, autocast) in itertools.product(
+            a.dropout, (("fp32", False), ("bf16_autocast", True))
+        ):
+            kwargs = {"heads": a.heads, "dropout": dropout}
+            if a.edge_dim:
+                kwargs["edge_dim"] = a.edge_dim
+            torch.manual_seed(0)
+            pyg = getattr(torch_geometric.nn, a.layer)(a.in_channels, a.channels, **kwargs)
+            ours = getattr(trisparse.nn, a.layer)(a.in_channels, a.channels, **kwargs)
+            pyg, ours = pyg.to(dev), ours.to(dev)
+            ours.load_state_dict(pyg.state_dict())
             rec = {"graph": graph, "layer": a.layer, "edge_dim": a.edge_dim, "nodes": n}
             rec.update(edges=int(edge_index.shape[1]), heads=a.heads, channels=a.channels)
+            rec.update(dropout=dropout)
             rec.update(mode=mode, device=torch.cuda.get_device_name(), torch=torch.__version__)
             ref = None
             for name, layer in (("pyg", pyg), ("trisparse", ours)):

@@ -24,6 +24,22 @@ def _rows(t: Tensor | None) -> tuple | None:
     return None if t is None else _tensors.view(t)
 
 
+def _keep(keep: Tensor | None) -> tuple | None:
+    """[E, H] keep factors as the plan's [E, H, 1] view."""
+    return None if keep is None else _tensors.view2(keep)
+
+
+def _dropout_factors(pattern: Pattern, like: Tensor, p: float) -> Tensor | None:
+    """Attention dropout's factors, one per (input edge, head) in the input's edge order (0 or
+    1 / (1 - p), as F.dropout draws them over PyG's [E, H] weights); None for p = 0."""
+    if p == 0.0:
+        return None
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout must be in [0, 1], got {p}")
+    ones = torch.ones(pattern.num_edges, like.shape[1], device=like.device, dtype=torch.float32)
+    return F.dropout(ones, p=p, training=True)
+
+
 def _edge_rows(a: Tensor | None) -> tuple | None:
     """[E, F] edge features as the [E, 1, F] view the plan takes."""
     return None if a is None else _tensors.view(a.unsqueeze(1))
@@ -31,9 +47,17 @@ def _edge_rows(a: Tensor | None) -> tuple | None:
 
 @torch.library.custom_op("trisparse::edge_attention", mutates_args=())
 def _forward(
-    q: Tensor, k: Tensor, v: Tensor, r: Tensor | None, a: Tensor | None, pattern: int, scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    r: Tensor | None,
+    a: Tensor | None,
+    keep: Tensor | None,
+    pattern: int,
+    scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(out [rows, H, C] in q's dtype, out_edge [rows, H, F] float32, lse [rows, H] float32)."""
+    """(out [rows, H, C] in q's dtype, out_edge [rows, H, F] float32, lse [rows, H] float32);
+    `keep`: [E, H] float32 factors on the weights (attention dropout) or None."""
     p = lookup(pattern)
     rows, heads = p.num_rows, q.shape[1]
     out = q.new_empty(rows, heads, q.shape[2])
@@ -48,6 +72,7 @@ def _forward(
         _tensors.view(out),
         None if r is None else _tensors.view(out_edge),
         _tensors.view2(lse),
+        _keep(keep),
         scale,
         _tensors.stream(q.device),
     )
@@ -55,7 +80,7 @@ def _forward(
 
 
 @_forward.register_fake
-def _forward_fake(q, k, v, r, a, pattern, scale):
+def _forward_fake(q, k, v, r, a, keep, pattern, scale):
     p = lookup(pattern)
     rows, heads = p.num_rows, q.shape[1]
     return (
@@ -72,6 +97,7 @@ def _backward_op(
     v: Tensor,
     r: Tensor | None,
     a: Tensor | None,
+    keep: Tensor | None,
     out: Tensor,
     out_edge: Tensor,
     lse: Tensor,
@@ -105,6 +131,7 @@ def _backward_op(
         _tensors.view(dv),
         _tensors.view(dr) if edged else None,
         _edge_rows(da) if edged else None,
+        _keep(keep),
         scale,
         _tensors.stream(q.device),
         ws,
@@ -114,7 +141,7 @@ def _backward_op(
 
 
 @_backward_op.register_fake
-def _backward_fake(q, k, v, r, a, out, out_edge, lse, dout, dout_edge, pattern, scale):
+def _backward_fake(q, k, v, r, a, keep, out, out_edge, lse, dout, dout_edge, pattern, scale):
     f32 = {"dtype": torch.float32}
     edged = r is not None
     return (
@@ -127,24 +154,25 @@ def _backward_fake(q, k, v, r, a, out, out_edge, lse, dout, dout_edge, pattern, 
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, r, a, pattern, scale = inputs
+    q, k, v, r, a, keep, pattern, scale = inputs
     out, out_edge, lse = output
-    ctx.save_for_backward(q, k, v, r, a, out, out_edge, lse)
+    ctx.save_for_backward(q, k, v, r, a, keep, out, out_edge, lse)
     ctx.pattern, ctx.scale = pattern, scale
+    ctx.held = lookup(pattern)  # alive until the backward, if the caller dropped it
 
 
 def _backward(ctx, dout, dout_edge, _dlse):
-    q, k, v, r, a, out, out_edge, lse = ctx.saved_tensors
+    q, k, v, r, a, keep, out, out_edge, lse = ctx.saved_tensors
     dout = dout.to(out.dtype).contiguous()
     if dout_edge is None:
         dout_edge = torch.zeros_like(out_edge)
     dout_edge = dout_edge.float().contiguous()
     dq, dk, dv, dr, da = torch.ops.trisparse.edge_attention_backward(
-        q, k, v, r, a, out, out_edge, lse, dout, dout_edge, ctx.pattern, ctx.scale
+        q, k, v, r, a, keep, out, out_edge, lse, dout, dout_edge, ctx.pattern, ctx.scale
     )
     grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)]
     grads += [None, None] if r is None else [dr.to(r.dtype), da.to(a.dtype)]
-    return (*grads, None, None)
+    return (*grads, None, None, None)
 
 
 _forward.register_autograd(_backward, setup_context=_setup)
@@ -156,10 +184,11 @@ def _gat_forward(
     a_src: Tensor,
     a_dst: Tensor,
     a_edge: Tensor | None,
+    keep: Tensor | None,
     pattern: int,
     negative_slope: float,
 ) -> tuple[Tensor, Tensor]:
-    """(out [rows, H, C] in x's dtype, lse [rows, H] float32)."""
+    """(out [rows, H, C] in x's dtype, lse [rows, H] float32); `keep` as edge_attention's."""
     p = lookup(pattern)
     out = x.new_empty(p.num_rows, x.shape[1], x.shape[2])
     lse = x.new_empty(p.num_rows, x.shape[1], dtype=torch.float32)
@@ -170,6 +199,7 @@ def _gat_forward(
         _tensors.view2(a_edge),
         _tensors.view(out),
         _tensors.view2(lse),
+        _keep(keep),
         negative_slope,
         _tensors.stream(x.device),
     )
@@ -177,7 +207,7 @@ def _gat_forward(
 
 
 @_gat_forward.register_fake
-def _gat_forward_fake(x, a_src, a_dst, a_edge, pattern, negative_slope):
+def _gat_forward_fake(x, a_src, a_dst, a_edge, keep, pattern, negative_slope):
     p = lookup(pattern)
     return (
         x.new_empty(p.num_rows, x.shape[1], x.shape[2]),
@@ -191,6 +221,7 @@ def _gat_backward_op(
     a_src: Tensor,
     a_dst: Tensor,
     a_edge: Tensor | None,
+    keep: Tensor | None,
     out: Tensor,
     lse: Tensor,
     dout: Tensor,
@@ -216,6 +247,7 @@ def _gat_backward_op(
         _tensors.view2(da_src),
         _tensors.view2(da_dst),
         None if a_edge is None else _tensors.view2(da_edge),
+        _keep(keep),
         negative_slope,
         _tensors.stream(x.device),
         ws,
@@ -225,7 +257,7 @@ def _gat_backward_op(
 
 
 @_gat_backward_op.register_fake
-def _gat_backward_fake(x, a_src, a_dst, a_edge, out, lse, dout, pattern, negative_slope):
+def _gat_backward_fake(x, a_src, a_dst, a_edge, keep, out, lse, dout, pattern, negative_slope):
     return (
         torch.empty_like(x, dtype=torch.float32),
         torch.empty_like(a_src),
@@ -235,26 +267,29 @@ def _gat_backward_fake(x, a_src, a_dst, a_edge, out, lse, dout, pattern, negativ
 
 
 def _gat_setup(ctx, inputs, output):
-    x, a_src, a_dst, a_edge, pattern, negative_slope = inputs
+    x, a_src, a_dst, a_edge, keep, pattern, negative_slope = inputs
     out, lse = output
-    ctx.save_for_backward(x, a_src, a_dst, a_edge, out, lse)
+    ctx.save_for_backward(x, a_src, a_dst, a_edge, keep, out, lse)
     ctx.pattern, ctx.negative_slope = pattern, negative_slope
+    ctx.held = lookup(pattern)
 
 
 def _gat_backward(ctx, dout, _dlse):
-    x, a_src, a_dst, a_edge, out, lse = ctx.saved_tensors
+    x, a_src, a_dst, a_edge, keep, out, lse = ctx.saved_tensors
     dx, da_src, da_dst, da_edge = torch.ops.trisparse.edge_gat_backward(
         x,
         a_src,
         a_dst,
         a_edge,
+        keep,
         out,
         lse,
         dout.to(out.dtype).contiguous(),
         ctx.pattern,
         ctx.negative_slope,
     )
-    return dx.to(x.dtype), da_src, da_dst, (None if a_edge is None else da_edge), None, None
+    da_edge = None if a_edge is None else da_edge
+    return dx.to(x.dtype), da_src, da_dst, da_edge, None, None, None
 
 
 _gat_forward.register_autograd(_gat_backward, setup_context=_gat_setup)
@@ -267,12 +302,15 @@ def edge_gat_attention(
     pattern: Pattern,
     negative_slope: float = 0.2,
     a_edge: Tensor | None = None,
+    dropout: float = 0.0,
 ) -> Tensor:
     """out[i, h] = sum over the input pairs e = (i, j) of softmax_e(LeakyReLU(a_dst[i, h] +
     a_src[j, h] + a_edge[e, h])) x[j, h], each copy of a repeated pair its own term: GAT's
     attention (PyG's GATConv) over a multigraph with edge features, fused on CUDA. x [num_cols,
     H, C], a_src [num_cols, H], a_dst [num_rows, H], a_edge [E, H] (one row per input pair, in
-    the input's order) or None. Differentiable in all four; deterministic."""
+    the input's order) or None. `dropout`: attention dropout's probability (applied as given:
+    pass 0 in eval mode), one draw per (input edge, head) as PyG's F.dropout over its [E, H]
+    weights. Differentiable in all four; deterministic given the draws."""
     _check_cuda(x)
     heads = x.shape[1]
     for name, t, rows in (
@@ -289,6 +327,7 @@ def edge_gat_attention(
         a_src.to(**f32).contiguous(),
         a_dst.to(**f32).contiguous(),
         None if a_edge is None else a_edge.to(**f32).contiguous(),
+        _dropout_factors(pattern, x, float(dropout)),
         pattern.id,
         float(negative_slope),
     )
@@ -326,13 +365,15 @@ def edge_attention(
     scale: float,
     r: Tensor | None = None,
     a: Tensor | None = None,
+    dropout: float = 0.0,
 ) -> tuple[Tensor, Tensor | None]:
     """(out [num_rows, H, C], out_edge [num_rows, H, F] or None): the attention over the
     pattern's input pairs (each copy of a repeated pair a separate term) with scores
     scale q_i . k_j + r_i . a_e, out = sum alpha v_j and out_edge = sum alpha a_e. q [num_rows, H,
     C], k and v [num_cols, H, C], r [num_rows, H, F] and a [E, F] (one row per input pair, in the
-    input's order) in q's dtype, on CUDA (:func:`edge_attention_supported`). Differentiable in
-    all five; deterministic."""
+    input's order) in q's dtype, on CUDA (:func:`edge_attention_supported`). `dropout`: attention
+    dropout's probability on the weights of both sums (as :func:`edge_gat_attention`'s).
+    Differentiable in all five; deterministic given the draws."""
     _check_cuda(q)
     if (r is None) != (a is None):
         raise ValueError("r and a come together (the edge features' score term) or not at all")
@@ -348,6 +389,13 @@ def edge_attention(
             a = F.pad(a, (0, width - features))
         r, a = r.contiguous(), a.contiguous()
     out, out_edge, _lse = torch.ops.trisparse.edge_attention(
-        q.contiguous(), k.contiguous(), v.contiguous(), r, a, pattern.id, float(scale)
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        r,
+        a,
+        _dropout_factors(pattern, q, float(dropout)),
+        pattern.id,
+        float(scale),
     )
     return out, (None if r is None else out_edge[..., :features])

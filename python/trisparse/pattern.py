@@ -297,6 +297,12 @@ class Pattern:
     # --- plans ----------------------------------------------------------------------------------
 
     @property
+    def num_edges(self) -> int:
+        """The pairs of the input (each copy of a repeated pair counted): the rows of per-edge
+        tensors such as ``edge_attr``; nnz for a pattern not built from pairs."""
+        return self.nnz if self._input_entries is None else self._input_entries.numel()
+
+    @property
     def device(self) -> torch.device:
         return self.rowptr.device
 
@@ -345,10 +351,11 @@ class Pattern:
         """(row, col) of every entry in CSR order (the order of per-edge values), int64, on
         `device`; cached."""
         got = self._entries.get(device)
-        if got is None:
-            rowptr, col = self._on(torch.device("cpu"))
-            row = torch.repeat_interleave(torch.arange(self.num_rows), rowptr.diff())
-            got = (row.to(device), col.to(device, torch.int64))
+        if got is None:  # formed on `device` (a batch's pattern lives on the GPU)
+            rowptr, col = self._on(device)
+            rows = torch.arange(self.num_rows, device=device)
+            row = torch.repeat_interleave(rows, rowptr.diff(), output_size=self.nnz)
+            got = (row, col.to(torch.int64))
             self._entries[device] = got
         return got
 
@@ -516,7 +523,9 @@ class Pattern:
             entries = self.entries_of_input(device)
             if entries is not None:
                 rows, cols = rows[entries], cols[entries]
-            order = torch.argsort(rows, stable=True)  # by target, input order within
+                order = torch.argsort(rows, stable=True)  # by target, input order within
+            else:  # the entries: already by target
+                order = torch.arange(rows.numel(), device=device)
             src = cols[order].to(torch.int32)
             by_source = torch.argsort(src, stable=True)
             row_ptr = row_offsets(rows[order], self.num_rows)

@@ -534,6 +534,61 @@ def test_layers_on_multigraphs_with_edge_features_on_cuda(layer, kwargs):
             assert relerr(a, b) <= 1e-3, i
 
 
+@pytest.mark.parametrize(
+    "layer, kwargs",
+    [
+        ("TransformerConv", {"heads": 4}),
+        ("TransformerConv", {"heads": 4, "edge_dim": 6}),
+        ("GATConv", {"heads": 4, "edge_dim": 6}),
+    ],
+)
+def test_attention_dropout_on_multigraphs_drops_what_pyg_drops(layer, kwargs):
+    """Attention dropout in the multigraph kernels draws F.dropout over [E, H] in the input's
+    edge order, as PyG's layers drop their weights: with the same CUDA seed, the output and the
+    gradients of x, edge_attr and every parameter equal PyG's layer on CUDA (float32), so the
+    same edges were dropped; no fallback."""
+    n = 300
+    g = torch.Generator().manual_seed(53)
+    ei = random_edge_index(n, n, 8, seed=54, self_loops=True)
+    picks = torch.randint(0, ei.shape[1], (ei.shape[1] // 4,), generator=g)
+    ei = torch.cat([ei, ei[:, picks]], dim=1)[:, torch.randperm(ei.shape[1] * 5 // 4, generator=g)]
+    torch.manual_seed(0)
+    pyg = getattr(pyg_nn, layer)(24, 16, dropout=0.3, **kwargs).cuda().train()
+    ours = getattr(trisparse.nn, layer)(24, 16, dropout=0.3, **kwargs).cuda().train()
+    ours.load_state_dict(pyg.state_dict())
+    x = torch.randn(n, 24, generator=g)
+    ea = torch.randn(ei.shape[1], 6, generator=g) if "edge_dim" in kwargs else None
+    dout = torch.randn(n, 64, generator=g)
+
+    def grads(model):
+        xs = x.cuda().requires_grad_()
+        extra = {} if ea is None else {"edge_attr": ea.cuda().requires_grad_()}
+        torch.cuda.manual_seed(77)
+        out = model(xs, ei.cuda(), **extra)
+        out.backward(dout.cuda())
+        res = [out.detach(), xs.grad] + ([extra["edge_attr"].grad] if extra else [])
+        res += [p.grad for _, p in sorted(model.named_parameters()) if p.grad is not None]
+        return [t.double().cpu() for t in res]
+
+    import warnings
+
+    # torch warns once when a backward thread first meets cuBLAS: not ours, let it pass first.
+    torch.ones(2, 2, device="cuda", requires_grad=True).matmul(
+        torch.ones(2, 2, device="cuda")
+    ).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = grads(ours)
+    want = grads(pyg)
+    assert len(got) == len(want)
+    norm = max(float(b.abs().max()) for b in want[2:])
+    for i, (a, b) in enumerate(zip(got, want)):
+        if i >= 3 or (i == 2 and ea is None):
+            assert (a - b).abs().max() <= 1e-4 * norm, i
+        else:
+            assert relerr(a, b) <= 1e-4, i
+
+
 def test_gps_conv_on_cuda_matches_pyg_in_float64():
     """GPSConv's packed global attention on CUDA in float32 (a GINE local MPNN with bond-like
     edge features) against PyG's GPSConv in float64 on the CPU."""
@@ -575,8 +630,19 @@ def test_gps_conv_on_cuda_matches_pyg_in_float64():
         assert (a - b).abs().max() <= 1e-3 * norm, i
 
 
-def _edge_attention_oracle(q, k, v, r, a, edge_index, num_rows, scale):
-    """The edge-feature attention in float64 per edge (each copy of a pair its own term)."""
+def _dropout_draws(seed, edges, heads, p):
+    """The factors trisparse's multigraph kernels apply for attention dropout p after
+    torch.cuda.manual_seed(seed): F.dropout over [E, H] ones, as PyG's over its weights."""
+    if p == 0:
+        return None
+    torch.cuda.manual_seed(seed)
+    ones = torch.ones(edges, heads, device="cuda")
+    return torch.nn.functional.dropout(ones, p=p, training=True).double().cpu()
+
+
+def _edge_attention_oracle(q, k, v, r, a, edge_index, num_rows, scale, keep=None):
+    """The edge-feature attention in float64 per edge (each copy of a pair its own term; `keep`:
+    dropout factors [E, H] on the weights)."""
     src, dst = edge_index
     s = scale * (q[dst] * k[src]).sum(-1)
     if r is not None:
@@ -587,6 +653,8 @@ def _edge_attention_oracle(q, k, v, r, a, edge_index, num_rows, scale):
     w = (s - m[dst]).exp()
     total = torch.zeros(num_rows, heads, dtype=s.dtype).index_add(0, dst, w)
     alpha = w / total[dst]
+    if keep is not None:
+        alpha = alpha * keep
     out = torch.zeros(num_rows, heads, q.shape[2], dtype=s.dtype)
     out = out.index_add(0, dst, alpha[..., None] * v[src])
     if r is None:
@@ -595,12 +663,14 @@ def _edge_attention_oracle(q, k, v, r, a, edge_index, num_rows, scale):
     return out, out_edge.index_add(0, dst, alpha[..., None] * a[:, None, :])
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads, c, f", [(8, 16, 16), (2, 64, 3), (3, 4, 5), (1, 256, 0)])
-def test_edge_attention_matches_float64_on_multigraphs(dtype, heads, c, f):
+def test_edge_attention_matches_float64_on_multigraphs(dtype, heads, c, f, dropout):
     """trisparse.edge_attention on CUDA against the float64 per-edge oracle: outputs and the
     gradients of q, k, v, r and a on a multigraph with repeated pairs, empty rows, a hub row and a
-    hub column (the heavy lines' kernels); the same bits on a second run."""
+    hub column (the heavy lines' kernels), with attention dropout drawn per input edge and head
+    as F.dropout over [E, H]; the same bits on a second run."""
     rows, cols = 300, 250
     g = torch.Generator().manual_seed(11)
     ei = random_edge_index(cols, rows, 7, seed=12)
@@ -617,15 +687,19 @@ def test_edge_attention_matches_float64_on_multigraphs(dtype, heads, c, f):
     a = torch.randn(ei.shape[1], f, generator=g) if f else None
     dedge = torch.randn(rows, heads, f, generator=g) if f else None
     inputs = [t for t in (q, k, v, r, a) if t is not None]
+    keep = _dropout_draws(13, ei.shape[1], heads, dropout)
 
     def step(device, dt):
         xs = [t.to(device, dt).requires_grad_() for t in inputs]
         qs, ks, vs = xs[:3]
         rs, as_ = (xs[3], xs[4]) if f else (None, None)
         if device == "cpu":
-            out, out_edge = _edge_attention_oracle(qs, ks, vs, rs, as_, ei, rows, scale)
+            out, out_edge = _edge_attention_oracle(qs, ks, vs, rs, as_, ei, rows, scale, keep)
         else:
-            out, out_edge = trisparse.edge_attention(qs, ks, vs, pattern, scale, rs, as_)
+            torch.cuda.manual_seed(13)
+            out, out_edge = trisparse.edge_attention(
+                qs, ks, vs, pattern, scale, rs, as_, dropout=dropout
+            )
         loss = (out * dout.to(device, out.dtype)).sum()
         if f:
             loss = loss + (out_edge * dedge.to(device, out_edge.dtype)).sum()
@@ -654,14 +728,34 @@ def test_edge_attention_names_bad_arguments():
         trisparse.edge_attention(q, q, q, pattern, 0.25, r, torch.randn(3, 4, device="cuda"))
     with pytest.raises(ValueError, match="r and a"):
         trisparse.edge_attention(q, q, q, pattern, 0.25, r, None)
+    with pytest.raises(ValueError, match="dropout"):
+        trisparse.edge_attention(q, q, q, pattern, 0.25, dropout=1.5)
+
+
+def test_edge_attention_keeps_its_pattern_until_the_backward():
+    """A Pattern made inside the call and dropped by the caller stays alive for the backward
+    (GPS builds one per mini-batch)."""
+    import gc
+
+    ei = random_edge_index(30, 30, 4, seed=2)
+    q = torch.randn(30, 2, 16, device="cuda", requires_grad=True)
+    out, _ = trisparse.edge_attention(
+        q, q, q, trisparse.Pattern.from_edge_index(ei, num_nodes=30), 0.25, dropout=0.2
+    )
+    gc.collect()
+    out.sum().backward()
+    assert q.grad is not None and bool(torch.isfinite(q.grad).all())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads, c, edge_term", [(8, 8, True), (3, 16, True), (2, 64, False)])
-def test_edge_gat_attention_matches_float64_on_multigraphs(dtype, heads, c, edge_term):
+@pytest.mark.parametrize(
+    "heads, c, edge_term, dropout",
+    [(8, 8, True, 0.0), (3, 16, True, 0.0), (2, 64, False, 0.0), (3, 16, True, 0.4)],
+)
+def test_edge_gat_attention_matches_float64_on_multigraphs(dtype, heads, c, edge_term, dropout):
     """GAT's attention over a multigraph (each copy its own term, a per-edge score term) on CUDA
     against the float64 per-edge oracle: outputs and the gradients of x, a_src, a_dst and a_edge,
-    with heavy rows and columns; the same bits on a second run."""
+    with heavy rows and columns and attention dropout; the same bits on a second run."""
     rows, cols = 260, 240
     g = torch.Generator().manual_seed(21)
     ei = random_edge_index(cols, rows, 6, seed=22)
@@ -676,6 +770,7 @@ def test_edge_gat_attention_matches_float64_on_multigraphs(dtype, heads, c, edge
     a_edge = torch.randn(ei.shape[1], heads, generator=g) if edge_term else None
     dout = torch.randn(rows, heads, c, generator=g)
     inputs = [t for t in (x, a_src, a_dst, a_edge) if t is not None]
+    keep = _dropout_draws(23, ei.shape[1], heads, dropout)
 
     def step(device, dt):
         xs = [
@@ -693,11 +788,13 @@ def test_edge_gat_attention_matches_float64_on_multigraphs(dtype, heads, c, edge
             m = m.scatter_reduce(0, dst[:, None].expand_as(s), s, "amax")
             w = (s - m[dst]).exp()
             alpha = w / torch.zeros(rows, heads, dtype=s.dtype).index_add(0, dst, w)[dst]
+            alpha = alpha if keep is None else alpha * keep
             out = torch.zeros(rows, heads, c, dtype=s.dtype).index_add(
                 0, dst, alpha[..., None] * xs[0][src]
             )
         else:
-            out = trisparse.edge_gat_attention(xs[0], xs[1], xs[2], pattern, 0.2, ae)
+            torch.cuda.manual_seed(23)
+            out = trisparse.edge_gat_attention(xs[0], xs[1], xs[2], pattern, 0.2, ae, dropout)
         (out * dout.to(device, out.dtype)).sum().backward()
         return [t.double().cpu() for t in [out.detach()] + [t.grad for t in xs]]
 

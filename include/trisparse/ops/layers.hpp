@@ -243,6 +243,10 @@ struct edge_attention_args {
   tensor_view out;       ///< [rows, H, C], q's dtype
   tensor_view out_edge;  ///< [rows, H, F] f32 (with edge features)
   tensor_view lse;       ///< [rows, H, 1] f32: the log-sum-exp of each row's scores (-inf: none)
+  /// [edges, H, 1] f32: a factor per (edge, head) on the edge's weight in the output's sums,
+  /// row e for edge e (attention dropout: 0 or 1 / (1 - p)); data == nullptr: none. The softmax's
+  /// normaliser is not affected (PyG drops the normalised weights).
+  tensor_view keep;
   double scale = 1.0;
 };
 
@@ -256,6 +260,7 @@ struct edge_attention_grad_args {
   tensor_view dk, dv;              ///< [cols, H, C] f32
   tensor_view dr;                  ///< [rows, H, F] f32 (with edge features)
   tensor_view da;                  ///< [edges, 1, F] f32 (with edge features): row e, edge e's
+  tensor_view keep;                ///< the forward's keep factors (or none)
   double scale = 1.0;
 };
 
@@ -269,6 +274,7 @@ struct edge_gat_args {
   tensor_view a_edge;  ///< [edges, H, 1] f32: row e holds edge e's term; data == nullptr: none
   tensor_view out;     ///< [rows, H, C], x's dtype
   tensor_view lse;     ///< [rows, H, 1] f32
+  tensor_view keep;    ///< as edge_attention_args::keep
   double negative_slope = 0.2;
 };
 
@@ -281,6 +287,7 @@ struct edge_gat_grad_args {
   tensor_view da_src;                   ///< [cols, H, 1] f32
   tensor_view da_dst;                   ///< [rows, H, 1] f32
   tensor_view da_edge;                  ///< [edges, H, 1] f32 (with a_edge): row e, edge e's
+  tensor_view keep;                     ///< the forward's keep factors (or none)
   double negative_slope = 0.2;
 };
 

@@ -30,9 +30,9 @@ class GATConv(_Fused, _PygGATConv):
 
     Repeated edges (each copy its own term, as in PyG) and edge features (``edge_dim``: the edge
     term a_edge . W_e a_ij becomes one [edge_dim, heads] product, with ``fill_value`` for the self
-    loops as PyG) run fused on CUDA over the input's edges (:func:`trisparse.edge_gat_attention`).
-    Attention dropout over such graphs, these on the CPU, ``return_attention_weights`` and heads
-    wider than 512 channels run the per-edge path:
+    loops as PyG) run fused on CUDA over the input's edges (:func:`trisparse.edge_gat_attention`,
+    attention dropout included). These on the CPU, ``return_attention_weights`` and heads wider
+    than 512 channels run the per-edge path:
     [E, heads] scores, their softmax and the per-edge SpMM (no [E, heads, channels] tensor).
     Bipartite inputs ``(x_src, x_dst)`` and ``size`` are taken as PyG takes them. ``edge_index``
     may also be a :class:`trisparse.Pattern` (built once, self loops included if wanted). Falls
@@ -80,17 +80,20 @@ class GATConv(_Fused, _PygGATConv):
         weights = None
         multigraph = edge_attr is not None or pattern.duplicates
         if (
-            multigraph
-            and not dropout
-            and not return_attention_weights
-            and edge_attention_supported(pattern, x_src)
-        ):  # fused over the input's edges, each copy its own term
+            multigraph and not return_attention_weights and edge_attention_supported(pattern, x_src)
+        ):  # fused over the input's edges, each copy its own term and dropout draw
             a_edge = None
             if edge_attr is not None:
                 edge_attr = self._edge_features(edge_attr, edge_index, pattern, num_src, num_dst)
                 a_edge = self._edge_term(edge_attr)
             out = edge_gat_attention(
-                x_src, alpha_src, alpha_dst, pattern, self.negative_slope, a_edge
+                x_src,
+                alpha_src,
+                alpha_dst,
+                pattern,
+                self.negative_slope,
+                a_edge,
+                self.dropout if dropout else 0.0,
             )
         elif per_edge or pattern.duplicates or C > _GAT_MAX_WIDTH:
             if edge_attr is not None:

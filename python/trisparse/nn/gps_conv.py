@@ -12,6 +12,7 @@ from torch_geometric.nn import GPSConv as _PygGPSConv
 
 from ..attention import sparse_attention
 from ..edge import edge_softmax, edge_spmm, sddmm
+from ..edge_attention import edge_attention, edge_attention_supported
 from ..pattern import Pattern
 from ._common import _TRACED
 
@@ -57,9 +58,11 @@ class GPSConv(_PygGPSConv):
     ``batch``, :meth:`trisparse.Pattern.from_batch`) instead of padding every graph to the largest
     and running dense ``nn.MultiheadAttention``: no padding, memory linear in sum n_g^2, the
     gradients deterministic. ``attn``'s own projections (``in_proj_weight``, ``out_proj``) are
-    used as they are. With attention dropout (``attn_kwargs={"dropout": p}``) while training, the
-    weights are formed per pair and dropped (the same distribution as PyG's, not the same
-    draws). Falls back to PyG's code, with a one-time warning, for ``attn_type="performer"`` and
+    used as they are. On CUDA (heads of 4 * 2^k <= 128 channels) it runs the multigraph kernels
+    (:func:`trisparse.edge_attention`), whose pattern is grouped on the GPU, so a new batch costs
+    no host-side plan; elsewhere the fused attention. Attention dropout (``attn_kwargs={"dropout":
+    p}``) while training draws one factor per pair and head (the same distribution as PyG's, not
+    the same draws): in the kernels on CUDA, on the per-pair weights elsewhere. Falls back to PyG's code, with a one-time warning, for ``attn_type="performer"`` and
     ``MultiheadAttention`` options beyond PyG's default use (``add_bias_kv``, ``add_zero_attn``,
     ``kdim``/``vdim``)."""
 
@@ -113,7 +116,10 @@ class GPSConv(_PygGPSConv):
         qkv = F.linear(x, attn.in_proj_weight, attn.in_proj_bias).view(n, 3, heads, -1)
         q, k, v = qkv.unbind(1)
         scale = 1.0 / math.sqrt(q.shape[-1])
-        if self.training and attn.dropout > 0:
+        dropout = attn.dropout if self.training else 0.0
+        if edge_attention_supported(pattern, q):  # CUDA: its multigraph is grouped on the GPU
+            out, _ = edge_attention(q, k, v, pattern, scale, dropout=dropout)
+        elif dropout > 0:
             alpha = edge_softmax(scale * sddmm(q, k, pattern), pattern)
             out = edge_spmm(F.dropout(alpha, p=attn.dropout, training=True), v, pattern)
         else:

@@ -23,11 +23,13 @@ class TransformerConv(_Fused, _PygTransformerConv):
 
     ``edge_index`` may also be a :class:`trisparse.Pattern` (built once, reused every step).
     Repeated edges count once per copy, as in PyG (a log-count bias on the fused scores). Edge
-    features (``edge_dim``) on CUDA run fused (:func:`trisparse.edge_attention`: the kernel reads
-    each edge's features). Attention dropout while training, ``return_attention_weights`` and edge
-    features on the CPU run the per-edge path: [E, heads] scores (SDDMM), softmax and dropout per
-    input edge, then the per-edge SpMM; an edge feature a_ij enters as q_i . W_e a_ij on the score
-    and W_e sum_j alpha_ij a_ij on the output (exact by linearity), so only [E, edge_dim] and [N, heads, edge_dim] tensors appear.
+    features (``edge_dim``) and attention dropout on CUDA run fused
+    (:func:`trisparse.edge_attention`: the kernel reads each edge's features; the dropout is a
+    factor per input edge and head, drawn as PyG draws it). ``return_attention_weights``, and edge
+    features or attention dropout on the CPU, run the per-edge path: [E, heads] scores (SDDMM),
+    softmax and dropout per input edge, then the per-edge SpMM; an edge feature a_ij enters as
+    q_i . W_e a_ij on the score and W_e sum_j alpha_ij a_ij on the output (exact by linearity), so
+    only [E, edge_dim] and [N, heads, edge_dim] tensors appear.
     Falls back to PyG's code, with a one-time warning, only for edge features or attention weights
     over a graph given as a ``SparseTensor``."""
 
@@ -50,18 +52,18 @@ class TransformerConv(_Fused, _PygTransformerConv):
         key = self.lin_key(x_src).view(-1, H, C)
         value = self.lin_value(x_src).view(-1, H, C)
         scale = 1.0 / math.sqrt(C)
-        dropout = self.training and self.dropout > 0
+        dropout = self.dropout if self.training else 0.0
         alpha = None
+        features = self.edge_dim if edge_attr is not None else 0
         fused_edges = (
-            edge_attr is not None
-            and not dropout
+            (edge_attr is not None or dropout > 0)
             and not return_attention_weights
-            and edge_attention_supported(pattern, query, self.edge_dim)
+            and edge_attention_supported(pattern, query, features)
         )
         if fused_edges:
-            out = self._edge_attention(query, key, value, edge_attr, pattern, scale)
-        elif per_edge or dropout:
-            out, alpha = self._per_edge(query, key, value, edge_attr, pattern, scale, dropout)
+            out = self._edge_attention(query, key, value, edge_attr, pattern, scale, dropout)
+        elif per_edge or dropout > 0:
+            out, alpha = self._per_edge(query, key, value, edge_attr, pattern, scale, dropout > 0)
         else:
             bias = pattern.log_multiplicity(query.device)
             out = sparse_attention(query, key, value, pattern, scale=scale, bias=bias)
@@ -77,12 +79,16 @@ class TransformerConv(_Fused, _PygTransformerConv):
             return out, (edge_index, alpha)
         return out
 
-    def _edge_attention(self, query, key, value, edge_attr, pattern, scale):
-        """Edge features on CUDA, fused: the score term q_i . W_e a_ij = (W_e^T q_i) . a_ij and
-        the message term W_e sum_j alpha_ij a_ij come from one kernel that reads a_ij per edge
-        (trisparse.edge_attention); no per-edge tensor but edge_attr itself. The per-head products
-        with W_e run as one GEMM with a block-diagonal weight (a batched GEMM of [C, edge_dim]
-        blocks reduces its weight gradient over all nodes in a few thread blocks)."""
+    def _edge_attention(self, query, key, value, edge_attr, pattern, scale, dropout):
+        """Edge features or attention dropout on CUDA, fused: the score term q_i . W_e a_ij =
+        (W_e^T q_i) . a_ij and the message term W_e sum_j alpha_ij a_ij come from one kernel that
+        reads a_ij per edge (trisparse.edge_attention), the dropout a factor per (edge, head) on
+        the weights; no per-edge tensor but edge_attr itself. The per-head products with W_e run
+        as one GEMM with a block-diagonal weight (a batched GEMM of [C, edge_dim] blocks reduces
+        its weight gradient over all nodes in a few thread blocks)."""
+        if edge_attr is None:
+            out, _ = edge_attention(query, key, value, pattern, scale, dropout=dropout)
+            return out
         H, C = self.heads, self.out_channels
         edge_attr = _edge_features(edge_attr, pattern, self.edge_dim)
         n = query.shape[0]
@@ -90,7 +96,14 @@ class TransformerConv(_Fused, _PygTransformerConv):
         to_edge = torch.block_diag(*(scale * w_edge).transpose(1, 2))  # [H edge_dim, H C]
         r = F.linear(query.reshape(n, H * C), to_edge).view(n, H, -1)
         out, out_edge = edge_attention(
-            query, key, value, pattern, scale, r.to(query.dtype), edge_attr.to(query.dtype)
+            query,
+            key,
+            value,
+            pattern,
+            scale,
+            r.to(query.dtype),
+            edge_attr.to(query.dtype),
+            dropout=dropout,
         )
         from_edge = torch.block_diag(*w_edge)  # [H C, H edge_dim]
         message = F.linear(out_edge.reshape(n, -1).to(out.dtype), from_edge)

@@ -11,14 +11,16 @@
 // the same bits and the order is fixed.
 //
 // Forward: per edge p = (i <- j) the score s = scale q_i.k_j + r_i.a_p (GAT: LeakyReLU(a_dst_i +
-// a_src_j + a_edge_p); log2 units), an online softmax, and v_j and a_p into the accumulators;
-// out, out_edge and the lse per (row, head).
-// Backward, with dp = dout_i.v_j + dout_edge_i.a_p and D_i = dout_i.out_i + dout_edge_i.out_edge_i:
+// a_src_j + a_edge_p); log2 units), an online softmax, and v_j and a_p into the accumulators
+// with the edge's keep factor m_p (attention dropout; 1 without) on its weight, the normaliser
+// without it; out, out_edge and the lse per (row, head).
+// Backward, with dp = m_p (dout_i.v_j + dout_edge_i.a_p) and D_i = dout_i.out_i +
+// dout_edge_i.out_edge_i (= sum_p P dp, as out holds the kept weights):
 //   1. per target and head: P = exp(s - lse), dS = P (dp - D); dq_i = scale sum dS k_j,
-//      dr_i = sum dS a_p; P and dS per (edge, head) into the workspace: row_kernel.
-//   2. per source and head, over by_source: dk_j = scale sum dS q_i, dv_j = sum P dout_i:
+//      dr_i = sum dS a_p; m_p P and dS per (edge, head) into the workspace: row_kernel.
+//   2. per source and head, over by_source: dk_j = scale sum dS q_i, dv_j = sum m P dout_i:
 //      column_kernel.
-//   3. a thread per (edge, feature): da_p = sum_h dS r_i + P dout_edge_i: feature_kernel.
+//   3. a thread per (edge, feature): da_p = sum_h dS r_i + m P dout_edge_i: feature_kernel.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -60,8 +62,9 @@ struct params {
   int heads = 1, lanes = 1, warp_heads = 1, edge_groups = 1, line_warps = 1;
   float scale = 1.0f;
   mat q, k, v, r, a, out_in, out_edge_in, lse_in, dout, dout_edge;
+  mat keep;  // [edges, H, 1] f32 by input edge id, or none
   out_mat out, out_edge, lse, dq, dk, dv, dr, da;
-  float* prob = nullptr;    // [edges, H]
+  float* prob = nullptr;    // [edges, H]: m P
   float* dscore = nullptr;  // [edges, H]: dL/ds (GAT: dL/dz, before the LeakyReLU)
   // GAT: z = a_dst_i + a_src_j + a_edge_p, s = LeakyReLU(z); v holds x.
   mat a_src, a_dst, a_edge;
@@ -75,6 +78,10 @@ __device__ __forceinline__ float gat_z(const params& p, std::int64_t i, std::int
   float z = *p.a_dst.at<float>(i, h) + *p.a_src.at<float>(j, h);
   if (p.a_edge.data != nullptr) z += *p.a_edge.at<float>(p.g.edge[e], h);
   return z;
+}
+// Edge e's keep factor for head h (1 without dropout).
+__device__ __forceinline__ float keep_of(const params& p, std::int64_t e, int h) {
+  return p.keep.data != nullptr ? *p.keep.at<float>(p.g.edge[e], h) : 1.0f;
 }
 __device__ __forceinline__ float leaky_log2(float z, float slope) {
   return (z > 0.0f ? z : z * slope) * kLog2e;
@@ -194,9 +201,10 @@ __global__ void __launch_bounds__(kWarps * 32) forward_kernel(const params p, bo
   for (std::int64_t base = begin; base < end; base += at.groups) {
     const std::int64_t e = base + at.group;
     const bool on = at.valid && e < end;
-    float kj[NC] = {}, vj[NC] = {}, ae[MF] = {}, s = 0.0f;
+    float kj[NC] = {}, vj[NC] = {}, ae[MF] = {}, s = 0.0f, keep = 1.0f;
     if (on) {
       const std::int32_t j = p.g.src[e];
+      keep = keep_of(p, e, h);
       if constexpr (G) s = leaky_log2(gat_z(p, i, j, e, h), p.slope);
       if constexpr (!G) load<T, NC>(p.k.at<T>(j, h) + at.slot * NC, kj);
       load<T, NC>(p.v.at<T>(j, h) + at.slot * NC, vj);
@@ -212,10 +220,11 @@ __global__ void __launch_bounds__(kWarps * 32) forward_kernel(const params p, bo
       const float c = m == -INFINITY ? 0.0f : exp2f(m - mn);
       const float w = exp2f(s - mn);
       l = fmaf(l, c, w);
+      const float wk = w * keep;
 #pragma unroll
-      for (int n = 0; n < NC; ++n) acc[n] = fmaf(acc[n], c, w * vj[n]);
+      for (int n = 0; n < NC; ++n) acc[n] = fmaf(acc[n], c, wk * vj[n]);
 #pragma unroll
-      for (int n = 0; n < NF; ++n) acc_a[n] = fmaf(acc_a[n], c, w * ae[n]);
+      for (int n = 0; n < NF; ++n) acc_a[n] = fmaf(acc_a[n], c, wk * ae[n]);
       m = mn;
     }
   }
@@ -265,9 +274,10 @@ __global__ void __launch_bounds__(kWarps * 32) row_kernel(const params p, bool h
   for (std::int64_t base = begin; base < end; base += at.groups) {
     const std::int64_t e = base + at.group;
     const bool on = at.valid && e < end;
-    float kj[NC] = {}, vj[NC] = {}, ae[MF] = {}, z = 0.0f;
+    float kj[NC] = {}, vj[NC] = {}, ae[MF] = {}, z = 0.0f, keep = 1.0f;
     if (on) {
       const std::int32_t j = p.g.src[e];
+      keep = keep_of(p, e, h);
       if constexpr (G) z = gat_z(p, i, j, e, h);
       if constexpr (!G) load<T, NC>(p.k.at<T>(j, h) + at.slot * NC, kj);
       load<T, NC>(p.v.at<T>(j, h) + at.slot * NC, vj);
@@ -279,14 +289,14 @@ __global__ void __launch_bounds__(kWarps * 32) row_kernel(const params p, bool h
     dp = group_sum(dp, p.lanes);
     if (on) {
       const float prob = exp2f(s - lse2);
-      float ds = prob * (dp - D);
+      float ds = prob * (dp * keep - D);
       if constexpr (G) {
         ds *= z > 0.0f ? 1.0f : p.slope;  // dL/dz
         dz_sum[0] += ds;
         if (at.slot == 0 && p.da_edge.data != nullptr) *p.da_edge.at<float>(p.g.edge[e], h) = ds;
       }
       if (at.slot == 0) {
-        p.prob[e * p.heads + h] = prob;
+        p.prob[e * p.heads + h] = prob * keep;
         p.dscore[e * p.heads + h] = ds;
       }
 #pragma unroll

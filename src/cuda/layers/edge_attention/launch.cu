@@ -103,6 +103,7 @@ void edge_attention_forward(const multigraph_view& g, const edge_attention_args&
   p.out = out_of(a.out);
   p.out_edge = out_of(a.out_edge);
   p.lse = out_of(a.lse);
+  p.keep = in_of(a.keep);
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const std::int64_t features = a.r.data != nullptr ? a.r.dim : 0;
   dispatch(a.q.type, a.q.dim, features, [&]<class T, int NC, int NF>() {
@@ -129,6 +130,7 @@ void edge_attention_backward(const multigraph_view& g, const edge_attention_grad
   p.dv = out_of(a.dv);
   p.dr = out_of(a.dr);
   p.da = out_of(a.da);
+  p.keep = in_of(a.keep);
   p.prob = static_cast<float*>(workspace.data);
   p.dscore = p.prob + g.edges * p.heads;
   const auto s = static_cast<cudaStream_t>(stream.handle);
@@ -154,6 +156,7 @@ void edge_gat_forward(const multigraph_view& g, const edge_gat_args& a, stream_r
   p.slope = static_cast<float>(a.negative_slope);
   p.out = out_of(a.out);
   p.lse = out_of(a.lse);
+  p.keep = in_of(a.keep);
   const auto s = static_cast<cudaStream_t>(stream.handle);
   dispatch(a.x.type, a.x.dim, 0, [&]<class T, int NC, int NF>() {
     over_lines(forward_kernel<T, NC, 0, true>, p, g.rows, g.heavy_row_count, s);
@@ -176,6 +179,7 @@ void edge_gat_backward(const multigraph_view& g, const edge_gat_grad_args& a,
   p.da_src = out_of(a.da_src);
   p.da_dst = out_of(a.da_dst);
   p.da_edge = out_of(a.da_edge);
+  p.keep = in_of(a.keep);
   p.prob = static_cast<float*>(workspace.data);
   p.dscore = p.prob + g.edges * p.heads;
   const auto s = static_cast<cudaStream_t>(stream.handle);
