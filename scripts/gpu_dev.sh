@@ -2,8 +2,8 @@
 # On the GPU machine, in one call: builds the Python module there (sm_90 only, Release, its nvcc
 # and Python; no file readers: the machine has none of their libraries), runs the GPU tests
 # matching GTEST (a gtest filter; "none" skips them) from gpu_tests built here and packed in
-# .devpack/gpu_tests.tar.xz, the CUDA pytest tests matching PYTEST_K (default: all of
-# test_cuda.py; "none" skips them), and with BENCH=1 the layer benchmarks
+# .devpack/gpu_tests.tar.xz, the CUDA pytest tests matching PYTEST_K in PYTEST_FILES (default: all
+# of test_cuda.py; "none" skips them), and with BENCH=1 the layer benchmarks
 # (bench/python/transformer_conv.py, both layers, on BENCH_GRAPHS; BENCH_ARGS, default: edge
 # features and a random 10M-edge multigraph), with GPS=1 GPS's global attention (bench/python/gps_attention.py), with
 # TRAIN=1 GPS training on OGB molecules (below). Build and pack here first:
@@ -37,7 +37,7 @@ if [ "${GTEST:-*}" != none ]; then
   echo "gpu tests: $((SECONDS - start)) s"
 fi
 if [ "${PYTEST_K:-}" != none ]; then
-  PYTHONPATH=build/device/python python3 -m pytest -q -p no:cacheprovider tests/python/test_cuda.py \
+  PYTHONPATH=build/device/python python3 -m pytest -q -p no:cacheprovider ${PYTEST_FILES:-tests/python/test_cuda.py} \
     ${PYTEST_K:+-k "$PYTEST_K"} > "$out/pytest.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)|passed|failed" "$out/pytest.log" | tail -8
   echo "pytest: $((SECONDS - start)) s"
@@ -52,6 +52,13 @@ if [ "${BENCH:-0}" = 1 ]; then
   done
   tail -5 "$out/stderr.log"
   echo "bench: $((SECONDS - start)) s"
+fi
+# BLOCK=1: block-sparse attention through the package against FlexAttention, forward and
+# forward + backward (bench/python/block_sparse_training.py with BLOCK_ARGS).
+if [ "${BLOCK:-0}" = 1 ]; then
+  PYTHONPATH=build/device/python python3 bench/python/block_sparse_training.py ${BLOCK_ARGS:-} \
+    > "$out/block_sparse_training.jsonl" 2>> "$out/stderr.log" || status=1
+  echo "block: $((SECONDS - start)) s"
 fi
 # EXPHORMER=1: an Exphormer model, trisparse against PyG's layers (bench/python/exphormer.py).
 if [ "${EXPHORMER:-0}" = 1 ]; then

@@ -6,7 +6,7 @@ One JSON line per (N, G, p): CUDA-event medians of the forward alone and of forw
 (torch.autograd.grad of q, k and v), after warm-ups, and the largest difference between the two
 libraries' gradients relative to flex's largest entry. bf16 inputs [1, H, N, D], uniform in [-1, 1).
 trisparse_device: the same blocks as a mask on the GPU, a new one (and its plan, built there)
-at every step.
+at every step; trisparse_device_hint: the same with the density given (BlockMask(density=1 - p)).
 
   python3 bench/python/block_sparse_training.py --n 32768 131072 --block 64 128 \
       --sparsity 0.5 0.9 0.95 0.99 > results.jsonl
@@ -52,6 +52,12 @@ def point(compiled, q, k, v, dout, g, p, repeat):
         return trisparse.block_sparse_attention(q_, k_, v_, last[0])
 
     fns["trisparse_device"] = fresh
+
+    def fresh_with_density(q_, k_, v_):  # the caller knows the density (as a top-k selection)
+        last[0] = trisparse.BlockMask(on_device, block_size=g, density=1 - p)
+        return trisparse.block_sparse_attention(q_, k_, v_, last[0])
+
+    fns["trisparse_device_hint"] = fresh_with_density
     for i, opts in enumerate([None] if g >= 128 else FLEX_OPTIONS_64):
         fns[f"flex{i}"] = lambda q_, k_, v_, opts=opts: compiled(
             q_, k_, v_, block_mask=flex_mask, kernel_options=opts

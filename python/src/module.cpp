@@ -201,7 +201,7 @@ struct py_block_sparse_plan {
                                               std::uintptr_t kept, std::int64_t seq_stride,
                                               std::int64_t head_stride, std::int64_t row_stride,
                                               std::int64_t rows, std::int64_t cols, int device,
-                                              std::uintptr_t stream) {
+                                              std::uintptr_t stream, double mean_blocks) {
     block_sparse_mask layout = layout_of(block, heads, causal, cu_seqlens_q, cu_seqlens_k);
     const device_block_mask d{reinterpret_cast<const void*>(kept),
                               device,
@@ -214,6 +214,7 @@ struct py_block_sparse_plan {
     block_sparse_plan_options o;
     o.gradients = true;
     o.workspace_heads = 0;  // every backward passes its workspace
+    o.mean_blocks = mean_blocks;
     return {block_sparse_attention_plan::build(std::move(layout), d, o, stream_of(stream))};
   }
 
@@ -712,7 +713,8 @@ NB_MODULE(_C, m) {
                   "cu_seqlens_q"_a, "cu_seqlens_k"_a, "masks"_a, "algo"_a, "device"_a, "stream"_a)
       .def_static("build_on_device", &py_block_sparse_plan::build_on_device, "block"_a, "heads"_a,
                   "causal"_a, "cu_seqlens_q"_a, "cu_seqlens_k"_a, "kept"_a, "seq_stride"_a,
-                  "head_stride"_a, "row_stride"_a, "rows"_a, "cols"_a, "device"_a, "stream"_a)
+                  "head_stride"_a, "row_stride"_a, "rows"_a, "cols"_a, "device"_a, "stream"_a,
+                  "mean_blocks"_a = -1.0)
       .def("run", &py_block_sparse_plan::run, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(),
            "scale"_a.none(), "stream"_a, "workspace"_a, "workspace_bytes"_a)
       .def("backward", &py_block_sparse_plan::backward, "q"_a, "k"_a, "v"_a, "out"_a.none(),

@@ -30,11 +30,20 @@ class BlockMask:
     ``blocks`` stays where it is. On CUDA, with G a multiple of 16, the plan's lists are built
     from it on the device by kernels on the current stream (no host synchronisation, so a mask
     made at every step, e.g. a top-k selection, costs no round trip); the CPU, float64 inputs
-    and other block sizes read a host copy, made once."""
+    and other block sizes read a host copy, made once. ``density``: the fraction of key blocks a
+    query block row keeps, where the caller knows it without reading the mask (a top-k selection
+    does): on the GPU it chooses the kernel as a host mask's counts would (unknown: the
+    one-warpgroup kernel)."""
 
     PLAN_CACHES = ("_plans",)  # freed at exit (_registry)
 
-    def __init__(self, blocks: Tensor, block_size: int, causal: bool = False):
+    def __init__(
+        self,
+        blocks: Tensor,
+        block_size: int,
+        causal: bool = False,
+        density: float | None = None,
+    ):
         if not isinstance(blocks, Tensor) or blocks.dtype != torch.bool or blocks.dim() != 4:
             raise TypeError(
                 "blocks must be a bool tensor [B or 1, H or 1, query blocks, key blocks]"
@@ -45,7 +54,11 @@ class BlockMask:
         self._host: Tensor | None = self.blocks if self.blocks.device.type == "cpu" else None
         self.block_size = int(block_size)
         self.causal = bool(causal)
+        if density is not None and not 0.0 <= density <= 1.0:
+            raise ValueError(f"density must be in [0, 1], got {density}")
+        self.density = density
         self._plans: dict[tuple, Any] = {}
+        self._folds: dict[tuple[int, int], BlockMask] = {}
         self.id = _masks.add(self)
 
     @classmethod
@@ -105,6 +118,7 @@ class BlockMask:
                 kb,
                 _tensors.device_index(device),
                 stream,
+                -1.0 if self.density is None else self.density * kb,
             )
             self._plans[key] = plan
             return plan
@@ -131,11 +145,35 @@ class BlockMask:
         self._plans[key] = plan
         return plan
 
+    def folded(self, batch: int, heads: int) -> BlockMask:
+        """This mask for `batch` sequences of `heads` heads seen as one sequence of batch * heads
+        heads (how [B, H, N, D] tensors reach the kernels without a copy: as [N, B * H, D]): itself
+        where one mask serves every sequence and head or batch = 1, else the blocks as [1, B * H,
+        ...] (a view of per-sequence, per-head blocks; a copy of shared ones). Cached."""
+        b_m, h_m, qb, kb = self.blocks.shape
+        if batch == 1 or (b_m == 1 and h_m == 1):
+            return self
+        got = self._folds.get((batch, heads))
+        if got is None:
+            blocks = self.blocks.expand(batch, heads, qb, kb).reshape(1, batch * heads, qb, kb)
+            got = BlockMask(blocks, self.block_size, self.causal, self.density)
+            self._folds[(batch, heads)] = got
+        return got
+
 
 def _plan(q: Tensor, mask: int, cu_q: list[int], cu_k: list[int]):
     # float64 runs the float64 reference (the gradcheck path); the rest the fastest backend.
     algo = "reference" if q.dtype == torch.float64 else "automatic"
     return _masks.lookup(mask).plan(q.device, cu_q, cu_k, algo)
+
+
+def _out_like(q: Tensor, dim: int) -> Tensor:
+    """[rows, H, dim] in q's layout: heads outermost where q's are (q from [B, H, N, D], seen as
+    [N, B * H, D]), so that the result is [B, H, N, Dv] as q was given; else rows outermost."""
+    rows, heads = q.shape[0], q.shape[1]
+    if heads > 1 and rows > 1 and q.stride(1) > q.stride(0):
+        return q.new_empty(heads, rows, dim).transpose(0, 1)
+    return q.new_empty(rows, heads, dim)
 
 
 def _lse_rows(q: Tensor, with_lse: bool) -> int:
@@ -158,7 +196,7 @@ def _forward(
     """Packed [rows, H, D] tensors, sequence i at rows cu_q[i]:cu_q[i + 1] (keys cu_k); returns
     out and, on CUDA with `with_lse`, each row's log-sum-exp (f32 [rows, H]; else [0, H])."""
     plan = _plan(q, mask, cu_q, cu_k)
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    out = _out_like(q, v.shape[2])
     lse = q.new_empty(_lse_rows(q, with_lse), q.shape[1], dtype=torch.float32)
     _owner, ws, ws_bytes = _tensors.workspace(
         plan.workspace_bytes(q.shape[1], max(q.shape[2], v.shape[2])), q.device
@@ -178,7 +216,7 @@ def _forward(
 @_forward.register_fake
 def _forward_fake(q, k, v, mask, cu_q, cu_k, scale, with_lse):
     return (
-        q.new_empty(q.shape[0], q.shape[1], v.shape[2]),
+        _out_like(q, v.shape[2]),
         q.new_empty(_lse_rows(q, with_lse), q.shape[1], dtype=torch.float32),
     )
 
@@ -249,6 +287,16 @@ _forward.register_autograd(_backward, setup_context=_setup_context)
 
 def _packed(t: Tensor) -> Tensor:  # [B, H, N, D] -> [B * N, H, D]
     return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
+
+
+def _heads_folded(t: Tensor) -> Tensor | None:
+    """[B, H, N, D] as the view [N, B * H, D] (sequence b's head h is head b * H + h), or None
+    where its strides do not allow it (a sequence's heads are not evenly spaced)."""
+    b, h, n, d = t.shape
+    try:
+        return t.view(b * h, n, d).transpose(0, 1)
+    except RuntimeError:
+        return None
 
 
 def _offsets(cu: Any, name: str) -> list[int]:
@@ -342,9 +390,21 @@ def block_sparse_attention(
                 f"k and v must be [B, H, N_k, D] and [B, H, N_k, Dv] with q's B = {b}, H = {h} "
                 f"and D = {d}, got {tuple(k.shape)} and {tuple(v.shape)}"
             )
-        cu_q, cu_k = [i * n_q for i in range(b + 1)], [i * n_k for i in range(b + 1)]
-        qp, kp, vp = _packed(q), _packed(k), _packed(v)
-    if mask.blocks.shape[1] not in (1, h):
+        if mask.blocks.shape[1] not in (1, h) or mask.blocks.shape[0] not in (1, b):
+            raise ValueError(
+                f"mask: {mask.blocks.shape[0]} sequences' and {mask.blocks.shape[1]} heads' "
+                f"masks for a batch of {b} sequences of {h} heads"
+            )
+        folded = [_heads_folded(t) for t in (q, k, v)]
+        heads_folded = all(t is not None for t in folded)
+        if heads_folded:  # [B, H, N, D] as [N, B * H, D]: no copy
+            qp, kp, vp = folded
+            cu_q, cu_k = [0, n_q], [0, n_k]
+            mask = mask.folded(b, h)
+        else:  # as [B * N, H, D], B sequences: a view where the rows are outermost, else a copy
+            cu_q, cu_k = [i * n_q for i in range(b + 1)], [i * n_k for i in range(b + 1)]
+            qp, kp, vp = _packed(q), _packed(k), _packed(v)
+    if mask.blocks.shape[1] not in (1, qp.shape[1]):
         raise ValueError(f"mask: {mask.blocks.shape[1]} heads' masks for {h} heads")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
 
@@ -355,6 +415,8 @@ def block_sparse_attention(
     )
     if packed:
         return out
+    if heads_folded:
+        return out.transpose(0, 1).view(b, h, n_q, v.shape[3])
     return out.view(b, n_q, h, v.shape[3]).transpose(1, 2)
 
 
@@ -475,4 +537,6 @@ def topk_block_mask(
         bool(causal),
         bool(keep_diagonal),
     )
-    return BlockMask(blocks, block_size, causal=causal)
+    key_blocks = blocks.shape[3]
+    density = min(top_k, key_blocks) / key_blocks if key_blocks else 0.0
+    return BlockMask(blocks, block_size, causal=causal, density=density)

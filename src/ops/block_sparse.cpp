@@ -206,7 +206,7 @@ block_sparse_attention_plan block_sparse_attention_plan::build(
   s->report.cols = layout.cu_seqlens_k.back();
   s->report.nnz = -1;
   s->device = cuda::make_block_sparse_plan_on_device(layout, kept, options.kernel,
-                                                     options.gradients, stream);
+                                                     options.gradients, options.mean_blocks, stream);
   // workspace_heads = 0: every backward passes its own.
   if (options.gradients && options.workspace_heads > 0) {
     s->grad_heads = options.workspace_heads;

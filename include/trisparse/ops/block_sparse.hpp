@@ -40,6 +40,11 @@ struct block_sparse_plan_options {
   /// their query blocks so that dk and dv need no atomics, and the plan's own backward workspace
   /// (workspace_heads heads).
   bool gradients = false;
+  /// A plan for a mask held on the device: the mean count of kept key blocks per query block row
+  /// where the caller knows it (a top-k selection knows its k; a density times the key blocks),
+  /// for the kernel choice that host masks make from their counts; < 0: unknown (automatic then
+  /// takes the one-warpgroup wgmma kernel).
+  double mean_blocks = -1.0;
 };
 
 /// A dynamic mask from the inputs (block routing, as in MoBA and NSA's selection branch): per

@@ -226,10 +226,10 @@ bool block_sparse_supports(std::int64_t block) { return tile_rows_for(block) > 0
 
 std::shared_ptr<block_sparse_device_plan> make_block_sparse_plan_on_device(
     const block_sparse_mask& layout, const device_block_mask& kept, block_kernel kernel,
-    bool gradients, stream_ref stream) {
+    bool gradients, double mean_blocks, stream_ref stream) {
   const auto s = static_cast<cudaStream_t>(stream.handle);
   auto plan = std::make_shared<block_sparse_device_plan>();
-  choose_kernel(*plan, layout.block, kernel, -1.0);
+  choose_kernel(*plan, layout.block, kernel, mean_blocks);
   expect_current_device(kept.device_id);
   plan->block = layout.block;
   plan->mask_heads = layout.heads;

@@ -32,10 +32,11 @@ TRISPARSE_CUDA_ENTRY(std::shared_ptr<block_sparse_device_plan> make_block_sparse
 /// block and causality (no masks); the lists are written from `kept` by kernels on `stream`, into
 /// memory allocated in `stream`'s order and released there (the stream must outlive the plan):
 /// no host synchronisation. Tiles run in the layout's order (the work per tile is unknown on the
-/// host), and automatic never takes the two-warpgroup wgmma kernel.
+/// host); `mean_blocks` (kept key blocks per block row, < 0: unknown) chooses automatic's kernel as
+/// a host mask's counts do, and unknown never takes the two-warpgroup wgmma kernel.
 TRISPARSE_CUDA_ENTRY(std::shared_ptr<block_sparse_device_plan> make_block_sparse_plan_on_device(
     const block_sparse_mask& layout, const device_block_mask& kept, block_kernel kernel,
-    bool gradients, stream_ref stream))
+    bool gradients, double mean_blocks, stream_ref stream))
 
 /// The kernel the plan runs ("mma.sync" or "wgmma").
 TRISPARSE_CUDA_ENTRY(const char* kernel_name(const block_sparse_device_plan& plan))
