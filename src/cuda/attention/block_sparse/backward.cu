@@ -117,6 +117,12 @@ void run_block_sparse_backward(const block_sparse_device_plan& plan, const tenso
       else
         terms_kernel.template operator()<T>();
     }
+#if TRISPARSE_HAVE_SM90A
+    if (plan.wgmma && plan.backward_tile_rows == 64 && block_sparse::wgmma_backward_takes(q.dim)) {
+      return block_sparse::launch_wgmma_backward(q.type, q.dim, p, plan.num_backward_tiles,
+                                                 plan.num_key_tiles, s);
+    }
+#endif
     with_head_dim<64, 128>(q.dim, "the CUDA block-sparse backward's head_dim", [&]<int D>() {
       switch (plan.backward_tile_rows) {
         case 16:

@@ -74,4 +74,12 @@ void launch_kernel(int threads, int shared_bytes, const P& p, std::int32_t tiles
 void launch_wgmma(const kernel_key& key, const params& p, std::int64_t k_rows, std::int64_t v_rows,
                   bool pingpong, std::int32_t tiles, cudaStream_t s);
 
+/// The wgmma backward (sm_90 only, launch_sm90.cu): dq over the query tiles, then dk and dv over
+/// the key tiles, 64 rows a tile (the plan's backward tile), D = 64; the terms already written.
+void launch_wgmma_backward(dtype in, std::int64_t dim, const backward_params& p,
+                           std::int32_t query_tiles, std::int32_t key_tiles, cudaStream_t s);
+
+/// The head dims the wgmma backward takes.
+inline bool wgmma_backward_takes(std::int64_t dim) { return dim == 64; }
+
 }  // namespace trisparse::cuda::block_sparse

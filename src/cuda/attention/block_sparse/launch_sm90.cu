@@ -1,6 +1,7 @@
 // The wgmma kernel's instantiations, compiled for sm_90a alone, and K's and V's TMA descriptors.
 #include <cudaTypedefs.h>
 
+#include "backward_sm90.cuh"
 #include "dispatch.cuh"
 #include "kernel_sm90.cuh"
 
@@ -66,6 +67,18 @@ void launch_wgmma(const kernel_key& key, const params& p, std::int64_t k_rows, s
     if (pingpong) return two_groups.template operator()<64>();
     launch_kernel<sm90::block_sparse_wgmma_kernel<T, D, O, 64>>(
         sm90::kThreads, sm90::shared_bytes<D, 64>(), p, tiles, s, maps);
+  });
+}
+
+void launch_wgmma_backward(dtype in, std::int64_t dim, const backward_params& p,
+                           std::int32_t query_tiles, std::int32_t key_tiles, cudaStream_t s) {
+  with_half_type(in, "block-sparse backward's q", [&]<class T>() {
+    with_head_dim<64>(dim, "the wgmma block-sparse backward's head_dim", [&]<int D>() {
+      launch_kernel<sm90::backward_wgmma_kernel<T, D, false>>(
+          128, sm90::backward_shared_bytes<D, false>(), p, query_tiles, s);
+      launch_kernel<sm90::backward_wgmma_kernel<T, D, true>>(
+          128, sm90::backward_shared_bytes<D, true>(), p, key_tiles, s);
+    });
   });
 }
 

@@ -1,0 +1,212 @@
+#pragma once
+// The Hopper version of the block-sparse backward's dq and dk/dv kernels (sm_90a; backward.cuh
+// has the algorithm, the walks and the terms): a warpgroup per 64 stationary rows (Q and dO for
+// dq, K and V for dk/dv) and every product as wgmma m64n64k16 from shared memory:
+//   S = X1 Y1ᵀ and T = X2 Y2ᵀ (dP, or dPᵀ) with both operands read K-major from the tiles,
+//   acc += dS Y1 (dq += dS K, or dk += dSᵀ Q) and, for dk/dv, acc += P Y2 (dv += Pᵀ dO) with
+//   dS and P as A fragments from the S and T accumulators and Y read N-major (transposed),
+// through the forward's 128-byte-swizzle tiles and descriptors; the softmax terms, the masking
+// and the epilogue are backward_kernel's (the accumulators have its m16n8 layout). The streamed
+// tiles (64 rows) come through two cp.async stages, as in backward_kernel. Each gradient row is
+// summed by one warpgroup in the walk's fixed order: bitwise deterministic.
+#include "../../common/arch/wgmma.cuh"
+#include "backward.cuh"
+#include "kernel_sm90.cuh"
+
+namespace trisparse::cuda::block_sparse::sm90 {
+
+constexpr int kBackwardRows = 64;  // stationary and streamed rows per tile: one warpgroup
+
+/// Shared-memory bytes: two stationary tiles, two stages of two streamed tiles, the dk/dv pass's
+/// per-stage query terms, and 1024 bytes to align the tiles to the swizzle pattern.
+template <int D, bool KV>
+__host__ __device__ constexpr int backward_shared_bytes() {
+  return block_sparse::backward_shared_bytes<D, kBackwardRows, kBackwardRows, KV>() + 1024;
+}
+
+/// acc (+)= A B over k = 64 rows: A from shared memory at `a` (64 rows, K-major, D / 64 panels of
+/// 64 rows), B the 64-row tile at `b` read K-major; one k16 step reads 32 bytes further into a
+/// panel. acc's old values are dropped.
+template <class T, int D>
+__device__ __forceinline__ void issue_products(float (&acc)[8][4], std::uint32_t a,
+                                               std::uint32_t b) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const std::uint32_t step = (kk / 4) * kBackwardRows * 128 + (kk % 4) * 32;
+    arch::wgmma_64x64x16_ss<T>(reinterpret_cast<float(&)[32]>(acc),
+                               arch::sw128_descriptor(a + step), arch::sw128_descriptor(b + step),
+                               kk > 0);
+  }
+}
+
+/// acc += F Y for F's A fragments fa (64 x 64: four k16 steps over Y's rows) and the 64-row tile
+/// at `y` read N-major: step kp takes rows 16 kp.. (2048 bytes a step), output columns 64 dp..
+/// come from panel dp.
+template <class T, int D>
+__device__ __forceinline__ void issue_accumulate(float (&acc)[D / 8][4],
+                                                 const std::uint32_t (&fa)[4][4], std::uint32_t y) {
+#pragma unroll
+  for (int kp = 0; kp < 4; ++kp) {
+#pragma unroll
+    for (int dp = 0; dp < D / 64; ++dp) {
+      const std::uint32_t at = y + dp * kBackwardRows * 128 + kp * 2048;
+      arch::wgmma_64x64x16<T, 1>(reinterpret_cast<float(&)[32]>(acc[8 * dp]), fa[kp],
+                                 arch::sw128_descriptor(at), true);
+    }
+  }
+}
+
+/// dq (KV = false: a block per query tile) or dk and dv (KV: a block per key tile).
+template <class T, int D, bool KV>
+__global__ void __launch_bounds__(128, 2)
+    backward_wgmma_kernel(const __grid_constant__ backward_params p) {
+  static_assert(D % 64 == 0);
+  constexpr int BM = kBackwardRows, BN = kBackwardRows, kThreads = 128;
+  constexpr int kStage = BN * D * 2;
+  extern __shared__ uint4 shared_raw[];
+  const std::uint32_t raw = arch::shared_address(shared_raw);
+  const std::uint32_t sx1 = (raw + 1023u) & ~1023u;
+  const std::uint32_t sx2 = sx1 + BM * D * 2, sy1 = sx2 + BM * D * 2, sy2 = sy1 + 2 * kStage;
+  // KV: per stage, the BN queries' lse2 then their dterm.
+  const std::uint32_t sterm = sy2 + 2 * kStage;
+  const float* terms =
+      reinterpret_cast<const float*>(reinterpret_cast<const char*>(shared_raw) + (sterm - raw));
+
+  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
+  using walk = std::conditional_t<KV, key_walk<BM, BN>, tile_walk<BM, BN>>;
+  walk w(p);
+  const char* const x1g = static_cast<const char*>(KV ? p.k : p.q);
+  const char* const x2g = static_cast<const char*>(KV ? p.v : p.dout);
+  const char* const y1g = static_cast<const char*>(KV ? p.q : p.k);
+  const char* const y2g = static_cast<const char*>(KV ? p.dout : p.v);
+  const std::int64_t x1s = KV ? p.k_row : p.q_row, x2s = KV ? p.v_row : p.do_row;
+  const std::int64_t y1s = KV ? p.q_row : p.k_row, y2s = KV ? p.do_row : p.v_row;
+  const std::int64_t x1h = KV ? p.k_head : p.q_head, x2h = KV ? p.v_head : p.do_head;
+  const std::int64_t y1h = KV ? p.q_head : p.k_head, y2h = KV ? p.do_head : p.v_head;
+  const std::int64_t x0 = KV ? w.k0 : w.q0, y0 = KV ? w.q0 : w.k0;
+  const int x_len = KV ? w.lk : w.lq, y_len = KV ? w.lq : w.lk;
+  const auto load_stage = [&](int stage, int y) {
+    load_rows<D, BN, kThreads>(sy1 + stage * kStage, y1g + ((y0 + y) * y1s + w.h * y1h) * 2, y1s,
+                               y_len - y);
+    load_rows<D, BN, kThreads>(sy2 + stage * kStage, y2g + ((y0 + y) * y2s + w.h * y2h) * 2, y2s,
+                               y_len - y);
+    if constexpr (KV) {
+      for (int x = static_cast<int>(threadIdx.x); x < 2 * BN; x += kThreads) {
+        const int r = x % BN;
+        const float* src = (x < BN ? p.lse2 : p.dterm) + w.h * p.rows_q + w.q0 + y + r;
+        arch::cp_async_4(sterm + static_cast<std::uint32_t>((stage * 2 * BN + x) * 4), src,
+                         y + r < w.lq);
+      }
+    }
+  };
+
+  int y_cur = w.next();
+  if (y_cur >= 0) {
+    load_rows<D, BM, kThreads>(sx1, x1g + ((x0 + w.row0) * x1s + w.h * x1h) * 2, x1s,
+                               x_len - w.row0);
+    load_rows<D, BM, kThreads>(sx2, x2g + ((x0 + w.row0) * x2s + w.h * x2h) * 2, x2s,
+                               x_len - w.row0);
+    arch::cp_async_commit();
+    load_stage(0, y_cur);
+    arch::cp_async_commit();
+  }
+
+  constexpr int kAcc = KV ? 2 : 1;  // dq; or dk, dv
+  float acc[kAcc][D / 8][4];
+#pragma unroll
+  for (int a = 0; a < kAcc; ++a)
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) acc[a][n][0] = acc[a][n][1] = acc[a][n][2] = acc[a][n][3] = 0.f;
+  const int r_lo = w.row0 + warp * 16 + lane / 4;  // the thread's first stationary row
+  const int tq = lane % 4;
+  float row_lse[2] = {0.f, 0.f}, row_dterm[2] = {0.f, 0.f};
+  if constexpr (!KV) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (r_lo + 8 * r < w.lq) {
+        row_lse[r] = p.lse2[w.h * p.rows_q + w.q0 + r_lo + 8 * r];
+        row_dterm[r] = p.dterm[w.h * p.rows_q + w.q0 + r_lo + 8 * r];
+      }
+    }
+  }
+  const float c = p.negate_scores ? -p.scale_log2 : p.scale_log2;
+
+  for (int it = 0; y_cur >= 0; ++it) {
+    const int stage = it & 1;
+    const int y_next = w.next();
+    if (y_next >= 0) load_stage(stage ^ 1, y_next);
+    arch::cp_async_commit();
+    arch::cp_async_wait<1>();
+    arch::fence_proxy_async();  // this thread's copies, before the tensor cores read them
+    __syncthreads();
+    const std::uint32_t y1 = sy1 + stage * kStage, y2 = sy2 + stage * kStage;
+
+    float s[BN / 8][4], t[BN / 8][4];
+    arch::wgmma_fence();
+    issue_products<T, D>(s, sx1, y1);
+    issue_products<T, D>(t, sx2, y2);
+    arch::wgmma_commit();
+    arch::wgmma_wait<0>();
+    arch::fence_operands(flat(s));
+    arch::fence_operands(flat(t));
+
+    // P (in s) and dS = P (dP - dterm) (in t); masked pairs give exact zeros.
+    bool masked;
+    if constexpr (KV)
+      masked = y_cur + BN > w.lq || (p.causal && w.row0 + BM - 1 > y_cur + w.shift);
+    else
+      masked = y_cur + BN - 1 > w.kall;
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = n * 8 + 2 * tq + (e & 1), r = e >> 1;
+        const float lse = KV ? terms[stage * 2 * BN + col] : row_lse[r];
+        const float dterm = KV ? terms[stage * 2 * BN + BN + col] : row_dterm[r];
+        float pv = exp2_approx(fmaf(s[n][e], c, -lse));
+        if (masked) {
+          const int i = KV ? y_cur + col : r_lo + 8 * r;  // query
+          const int j = KV ? r_lo + 8 * r : y_cur + col;  // key
+          if (i >= w.lq || j >= w.lk || (p.causal && j > i + w.shift)) pv = 0.f;
+        }
+        s[n][e] = pv;
+        t[n][e] = pv * (t[n][e] - dterm);
+      }
+    }
+
+    // dq += dS K; or dk += dSᵀ Q and dv += Pᵀ dO.
+    std::uint32_t da[BN / 16][4], pa[KV ? BN / 16 : 1][4];
+#pragma unroll
+    for (int kp = 0; kp < BN / 16; ++kp) {
+      p_fragment<T, BN>(da[kp], t, kp);
+      if constexpr (KV) p_fragment<T, BN>(pa[kp], s, kp);
+    }
+    arch::wgmma_fence();
+    issue_accumulate<T, D>(acc[0], da, y1);
+    if constexpr (KV) issue_accumulate<T, D>(acc[kAcc - 1], pa, y2);
+    arch::wgmma_commit();
+    arch::wgmma_wait<0>();
+#pragma unroll
+    for (int a = 0; a < kAcc; ++a) arch::fence_operands(flat(acc[a]));
+    __syncthreads();  // every warp is done with this stage before it is refilled
+    y_cur = y_next;
+  }
+
+  const auto store = [&]<class G>() {
+    if constexpr (KV) {
+      store_gradient<G, D>(static_cast<G*>(p.dk) + (w.k0 * p.dk_row + w.h * p.dk_head), p.dk_row,
+                           acc[0], p.scale, r_lo, w.lk);
+      store_gradient<G, D>(static_cast<G*>(p.dv) + (w.k0 * p.dv_row + w.h * p.dv_head), p.dv_row,
+                           acc[kAcc - 1], 1.f, r_lo, w.lk);
+    } else {
+      store_gradient<G, D>(static_cast<G*>(p.dq) + (w.q0 * p.dq_row + w.h * p.dq_head), p.dq_row,
+                           acc[0], p.scale, r_lo, w.lq);
+    }
+  };
+  if (p.grads_f32)
+    store.template operator()<float>();
+  else
+    store.template operator()<T>();
+}
+
+}  // namespace trisparse::cuda::block_sparse::sm90
