@@ -8,6 +8,7 @@
 #include "trisparse/core/tensor.hpp"
 #include "trisparse/core/workspace.hpp"
 #include "trisparse/formats/bcsr.hpp"
+#include "trisparse/formats/block_pattern.hpp"
 #include "trisparse/formats/block_sparse.hpp"
 #include "trisparse/formats/bsb.hpp"
 #include "trisparse/formats/me_bcrs.hpp"

@@ -10,6 +10,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -567,6 +568,56 @@ void topk_blocks(const tensor_tuple& q, const tensor_tuple& k, std::int64_t batc
 
 }  // namespace
 
+// A block_pattern held by Python (trisparse.BlockPattern): built from and copied into tensors'
+// memory by address, heads' block rows concatenated (heads * (block rows + 1) offsets, each head's
+// from 0), so that no element goes through a Python list.
+struct py_block_pattern {
+  block_pattern p;
+
+  static py_block_pattern from_csr(std::int64_t block, std::int64_t rows, std::int64_t cols,
+                                   std::int64_t heads, std::uintptr_t row_ptr,
+                                   std::uintptr_t col_idx, std::uintptr_t order,
+                                   std::int64_t order_len, const std::string& made_by) {
+    py_block_pattern out;
+    block_pattern& p = out.p;
+    p.block = block;
+    p.rows = rows;
+    p.cols = cols;
+    p.made_by = made_by;
+    TRISPARSE_EXPECTS_INPUT(block >= 1 && rows >= 0 && cols >= 0 && heads >= 1,
+                            "BlockPattern: block >= 1, sizes >= 0 and heads >= 1");
+    const std::int64_t br = p.block_rows();
+    const auto* ptr = reinterpret_cast<const std::int64_t*>(row_ptr);
+    const auto* idx = reinterpret_cast<const std::int32_t*>(col_idx);
+    std::int64_t base = 0;
+    for (std::int64_t h = 0; h < heads; ++h) {
+      csr_graph g;
+      g.rows = br;
+      g.cols = p.block_cols();
+      g.row_ptr.assign(ptr + h * (br + 1), ptr + (h + 1) * (br + 1));
+      TRISPARSE_EXPECTS_INPUT(
+          g.row_ptr.front() == 0 && g.row_ptr.back() >= 0,
+          "BlockPattern: broken block row offsets of head " + std::to_string(h));
+      g.col_idx.assign(idx + base, idx + base + g.row_ptr.back());
+      base += g.row_ptr.back();
+      p.heads.push_back(std::move(g));
+    }
+    const auto* ord = reinterpret_cast<const std::int64_t*>(order);
+    if (order_len > 0) p.order.assign(ord, ord + order_len);
+    p.check();
+    return out;
+  }
+
+  /// Copies head h's offsets (block rows + 1) and key blocks into the given memory.
+  void copy_head(std::int64_t h, std::uintptr_t row_ptr, std::uintptr_t col_idx) const {
+    TRISPARSE_EXPECTS_INPUT(h >= 0 && h < p.num_heads(),
+                            "BlockPattern: no head " + std::to_string(h));
+    const csr_graph& g = p.heads[static_cast<std::size_t>(h)];
+    std::copy(g.row_ptr.begin(), g.row_ptr.end(), reinterpret_cast<std::int64_t*>(row_ptr));
+    std::copy(g.col_idx.begin(), g.col_idx.end(), reinterpret_cast<std::int32_t*>(col_idx));
+  }
+};
+
 NB_MODULE(_C, m) {
   m.doc() = "trisparse's plans (the C++ library); use the trisparse package, not this module";
 
@@ -708,6 +759,76 @@ NB_MODULE(_C, m) {
       .def("workspace_bytes", [](const py_edge_attention_plan& p, std::int64_t heads) {
         return p.plan.backward_workspace_bytes(heads);
       });
+  nb::class_<py_block_pattern>(m, "BlockPattern")
+      .def_static("from_csr", &py_block_pattern::from_csr, "block"_a, "rows"_a, "cols"_a, "heads"_a,
+                  "row_ptr"_a, "col_idx"_a, "order"_a, "order_len"_a, "made_by"_a)
+      .def_static(
+          "layout",
+          [](const std::string& kind, std::int64_t n, std::int64_t block, std::int64_t heads,
+             double p, std::int64_t window, std::int64_t stride, std::int64_t global,
+             std::int64_t random, std::uint64_t seed) {
+            static const std::map<std::string, block_layout> kinds = {
+                {"dense", block_layout::dense},   {"random", block_layout::random},
+                {"window", block_layout::window}, {"strided", block_layout::strided},
+                {"global", block_layout::global}, {"bigbird", block_layout::bigbird}};
+            const auto it = kinds.find(kind);
+            TRISPARSE_EXPECTS_INPUT(it != kinds.end(),
+                                    "kind must be dense, random, window, strided, global or "
+                                    "bigbird, not '" +
+                                        kind + "'");
+            block_layout_options o;
+            o.layout = it->second;
+            o.block = block;
+            o.p = p;
+            o.window = window;
+            o.stride = stride;
+            o.global = global;
+            o.random = random;
+            o.seed = seed;
+            return py_block_pattern{layout_block_pattern(o, n, heads)};
+          },
+          "kind"_a, "n"_a, "block"_a, "heads"_a, "p"_a, "window"_a, "stride"_a, "global_"_a,
+          "random"_a, "seed"_a)
+      .def_static(
+          "load",
+          [](const std::string& path) { return py_block_pattern{load_block_pattern(path)}; })
+      .def_static("union",
+                  [](const std::vector<const py_block_pattern*>& parts) {
+                    std::vector<block_pattern> ps;
+                    for (const auto* x : parts) ps.push_back(x->p);
+                    return py_block_pattern{union_of(ps)};
+                  })
+      .def("save", [](const py_block_pattern& x,
+                      const std::string& path) { save_block_pattern(x.p, path); })
+      .def("copy_head", &py_block_pattern::copy_head, "head"_a, "row_ptr"_a, "col_idx"_a)
+      .def("head_nnz",
+           [](const py_block_pattern& x, std::int64_t h) {
+             TRISPARSE_EXPECTS_INPUT(h >= 0 && h < x.p.num_heads(), "no head " + std::to_string(h));
+             return x.p.heads[static_cast<std::size_t>(h)].nnz();
+           })
+      .def("copy_order",
+           [](const py_block_pattern& x, std::uintptr_t out) {
+             std::copy(x.p.order.begin(), x.p.order.end(), reinterpret_cast<std::int64_t*>(out));
+           })
+      .def("stats",
+           [](const py_block_pattern& x) {
+             const block_pattern_stats s = stats(x.p);
+             nb::dict d;
+             d["density"] = s.density;
+             d["row_min_density"] = s.row_min_density;
+             d["row_max_density"] = s.row_max_density;
+             d["mean_distance"] = s.mean_distance;
+             d["head_overlap"] = s.head_overlap;
+             return d;
+           })
+      .def_prop_ro("block", [](const py_block_pattern& x) { return x.p.block; })
+      .def_prop_ro("rows", [](const py_block_pattern& x) { return x.p.rows; })
+      .def_prop_ro("cols", [](const py_block_pattern& x) { return x.p.cols; })
+      .def_prop_ro("heads", [](const py_block_pattern& x) { return x.p.num_heads(); })
+      .def_prop_ro(
+          "order_len",
+          [](const py_block_pattern& x) { return static_cast<std::int64_t>(x.p.order.size()); })
+      .def_prop_ro("made_by", [](const py_block_pattern& x) { return x.p.made_by; });
   nb::class_<py_block_sparse_plan>(m, "BlockSparsePlan")
       .def_static("build", &py_block_sparse_plan::build, "block"_a, "heads"_a, "causal"_a,
                   "cu_seqlens_q"_a, "cu_seqlens_k"_a, "masks"_a, "algo"_a, "device"_a, "stream"_a)

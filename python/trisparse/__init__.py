@@ -10,6 +10,7 @@ import torch  # noqa: F401  (loads the CUDA libraries torch ships, which the ext
 
 from . import _C
 from .attention import sparse_attention
+from .block_pattern import BlockPattern
 from .block_sparse import BlockMask, block_sparse_attention, topk_block_mask
 from .edge import edge_scores, edge_softmax, edge_spmm, sddmm
 from .edge_attention import edge_attention, edge_gat_attention
@@ -27,6 +28,7 @@ def cuda_available() -> bool:
 
 __all__ = [
     "BlockMask",
+    "BlockPattern",
     "Pattern",
     "SparseMatrix",
     "__version__",

@@ -24,7 +24,7 @@ bcsr_view bcsr::view() const {
           row_ptr.data(), col_idx.data(), values.empty() ? nullptr : values.data()};
 }
 
-block_mask block_pattern(const csr_graph& g, std::int64_t block) {
+block_mask blocks_of(const csr_graph& g, std::int64_t block) {
   g.check();
   TRISPARSE_EXPECTS_INPUT(block >= 1 && block <= 1024, "BCSR block size must be in [1, 1024]");
   block_mask m;
@@ -56,7 +56,7 @@ block_mask block_pattern(const csr_graph& g, std::int64_t block) {
 }
 
 bcsr build_bcsr(const csr_graph& g, std::int64_t block) {
-  bcsr f = build_bcsr(block_pattern(g, block));
+  bcsr f = build_bcsr(blocks_of(g, block));
   f.values.assign(f.blocks() * block * block, 0.0f);
 #pragma omp parallel for schedule(dynamic, 16)
   for (std::int64_t b = 0; b < f.block_rows(); ++b) {

@@ -37,9 +37,9 @@ TEST_P(Dataset, FormatsRoundTrip) {
   const me_bcrs m = build_me_bcrs(g);
   m.check();
   EXPECT_EQ(to_csr(m, false), g);
-  const bcsr b = build_bcsr(block_pattern(g, 16));
+  const bcsr b = build_bcsr(blocks_of(g, 16));
   b.check();
-  EXPECT_EQ(b.blocks(), block_pattern(g, 16).blocks.nnz());
+  EXPECT_EQ(b.blocks(), blocks_of(g, 16).blocks.nnz());
 }
 
 INSTANTIATE_TEST_SUITE_P(Shared, Dataset, ::testing::ValuesIn(test::dataset_graphs()), name_of);

@@ -136,7 +136,7 @@ TEST(Formats, BcsrRoundTripsAndUsesTheRowInterleavedLayout) {
       const bcsr f = build_bcsr(g, b);
       EXPECT_NO_THROW(f.check());
       EXPECT_EQ(to_csr(f, g.has_values()), g);
-      EXPECT_EQ(build_bcsr(block_pattern(g, b)).col_idx, f.col_idx);
+      EXPECT_EQ(build_bcsr(blocks_of(g, b)).col_idx, f.col_idx);
     }
   }
   // Block row 0 holding blocks (0,0) and (0,2) at G = 2: row t=1 of block j=1 starts at t*nb*G +

@@ -149,7 +149,7 @@ int run_info(const info_args& a) {
     }
     for (const std::int64_t b : {16, 64}) {
       // Block counts only: the values of a G = 64 BCSR of a large graph would take gigabytes.
-      const bcsr f = build_bcsr(block_pattern(g, b));
+      const bcsr f = build_bcsr(blocks_of(g, b));
       j["bcsr"].push_back(
           {{"block", b},
            {"blocks", f.blocks()},

@@ -39,7 +39,7 @@ struct bcsr {
 };
 
 /// The blocks of size G that hold at least one entry (with a non-zero value) of g.
-block_mask block_pattern(const csr_graph& g, std::int64_t block);
+block_mask blocks_of(const csr_graph& g, std::int64_t block);
 
 /// Element pattern -> BCSR with values (1 for a binary pattern, zero fill elsewhere).
 bcsr build_bcsr(const csr_graph& g, std::int64_t block);

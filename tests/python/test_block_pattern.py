@@ -1,0 +1,89 @@
+"""trisparse.BlockPattern: built from blocks and layouts, its statistics, its file (a bitwise round
+trip, named errors), and the masks it gives the attention."""
+
+import math
+
+import pytest
+import torch
+import trisparse
+
+
+def random_blocks(heads, qb, kb, density, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(heads, qb, kb, generator=g) < density
+
+
+def test_from_blocks_keeps_every_block_and_the_order():
+    blocks = random_blocks(3, 7, 7, 0.4, seed=1)
+    order = torch.randperm(7 * 16 - 3, generator=torch.Generator().manual_seed(2))
+    p = trisparse.BlockPattern.from_blocks(
+        blocks, 16, rows=109, cols=109, order=order, made_by="test"
+    )
+    assert p.num_heads == 3 and p.shape == (109, 109) and p.block_size == 16
+    assert torch.equal(p.blocks(), blocks)
+    assert torch.equal(p.order, order)
+    assert p.made_by == "test"
+    s = p.stats()
+    for h in range(3):
+        assert s["density"][h] == pytest.approx(float(blocks[h].float().mean()))
+        rows = blocks[h].float().mean(-1)
+        assert s["row_min_density"][h] == pytest.approx(float(rows.min()))
+        assert s["row_max_density"][h] == pytest.approx(float(rows.max()))
+
+
+def test_save_and_load_round_trip_bitwise(tmp_path):
+    p = trisparse.BlockPattern.layout("bigbird", 1000, block_size=32, heads=4, seed=5)
+    p.save(tmp_path / "a.tsbp")
+    q = trisparse.BlockPattern.load(tmp_path / "a.tsbp")
+    assert torch.equal(q.blocks(), p.blocks()) and q.made_by == p.made_by
+    q.save(tmp_path / "b.tsbp")
+    assert (tmp_path / "a.tsbp").read_bytes() == (tmp_path / "b.tsbp").read_bytes()
+
+
+def test_bad_files_name_the_file(tmp_path):
+    p = trisparse.BlockPattern.layout("window", 500, block_size=64)
+    p.save(tmp_path / "good.tsbp")
+    data = (tmp_path / "good.tsbp").read_bytes()
+    (tmp_path / "cut.tsbp").write_bytes(data[:-30])
+    with pytest.raises(ValueError, match="cut.tsbp: truncated"):
+        trisparse.BlockPattern.load(tmp_path / "cut.tsbp")
+    flipped = bytearray(data)
+    flipped[-10] ^= 4
+    (tmp_path / "flip.tsbp").write_bytes(bytes(flipped))
+    with pytest.raises(ValueError, match="flip.tsbp: checksum"):
+        trisparse.BlockPattern.load(tmp_path / "flip.tsbp")
+    with pytest.raises(ValueError, match="missing.tsbp"):
+        trisparse.BlockPattern.load(tmp_path / "missing.tsbp")
+
+
+def test_rectangular_patterns_and_bad_orders():
+    blocks = random_blocks(1, 3, 5, 0.5, seed=6)
+    assert trisparse.BlockPattern.from_blocks(blocks, 8).shape == (24, 40)
+    with pytest.raises(ValueError, match="square"):
+        trisparse.BlockPattern.from_blocks(blocks, 8, order=torch.arange(24))
+    with pytest.raises(ValueError, match="permutation"):
+        trisparse.BlockPattern.from_blocks(blocks[:, :, :3], 8, order=torch.zeros(24))
+
+
+def test_union_and_layouts():
+    window = trisparse.BlockPattern.layout("window", 640, block_size=64, window=1)
+    glob = trisparse.BlockPattern.layout("global", 640, block_size=64, global_blocks=1)
+    u = trisparse.BlockPattern.union(window, glob).blocks()[0]
+    assert bool(u[:, 0].all()) and bool(u[0, :].all())
+    assert bool(torch.diagonal(u).all()) and bool(torch.diagonal(u, 1).all())
+    with pytest.raises(ValueError, match="kind"):
+        trisparse.BlockPattern.layout("spiral", 640)
+
+
+def test_block_mask_from_a_pattern_runs_the_attention():
+    """The pattern's mask gives the dense oracle's attention over its blocks."""
+    blocks = random_blocks(2, 4, 4, 0.5, seed=3)
+    blocks[:, :, 0] = True
+    p = trisparse.BlockPattern.from_blocks(blocks, 16)
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    out = trisparse.block_sparse_attention(q, k, v, p.to_block_mask())
+    m = blocks.repeat_interleave(16, 1).repeat_interleave(16, 2)[None]
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(16)
+    want = torch.softmax(s.masked_fill(~m, -math.inf), -1) @ v
+    assert torch.allclose(out, want, atol=1e-12)

@@ -1,0 +1,173 @@
+// block_pattern: its checks, statistics, union, conversion to a mask, and its file (round trip and
+// the errors a damaged file gives).
+#include "trisparse/formats/block_pattern.hpp"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <iterator>
+#include <numeric>
+#include <random>
+
+#include "../files.hpp"
+
+namespace trisparse {
+namespace {
+
+// A 2-head pattern over 4 x 4 blocks of 16 (rows 60: the last block row is partial).
+block_pattern small_pattern() {
+  block_pattern p;
+  p.block = 16;
+  p.rows = p.cols = 60;
+  csr_graph a{4, 4, {0, 1, 3, 4, 6}, {0, 0, 1, 2, 0, 3}, {}};  // 6 of 16
+  csr_graph b{4, 4, {0, 1, 2, 3, 4}, {0, 1, 2, 3}, {}};        // the diagonal
+  p.heads = {a, b};
+  p.made_by = "by hand";
+  return p;
+}
+
+std::vector<char> file_bytes(const std::filesystem::path& path) {
+  std::ifstream f(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+}
+
+void write_bytes(const std::filesystem::path& path, const std::vector<char>& bytes) {
+  std::ofstream(path, std::ios::binary)
+      .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+TEST(BlockPattern, StatsOfAKnownPattern) {
+  const block_pattern_stats s = stats(small_pattern());
+  ASSERT_EQ(s.density.size(), 2u);
+  EXPECT_DOUBLE_EQ(s.density[0], 6.0 / 16);
+  EXPECT_DOUBLE_EQ(s.density[1], 4.0 / 16);
+  EXPECT_DOUBLE_EQ(s.row_min_density[0], 0.25);
+  EXPECT_DOUBLE_EQ(s.row_max_density[0], 0.5);
+  // Head 0's |r - c|: 0, 1, 0, 0, 3, 0 over 6 blocks, over 4 block rows.
+  EXPECT_DOUBLE_EQ(s.mean_distance[0], 4.0 / 6 / 4);
+  EXPECT_DOUBLE_EQ(s.mean_distance[1], 0.0);
+  // Common blocks: (0,0), (1,1), (2,2), (3,3) -> 4 of 6 + 4 - 4 = 6.
+  EXPECT_DOUBLE_EQ(s.head_overlap, 4.0 / 6);
+}
+
+TEST(BlockPattern, CheckNamesWhatIsBroken) {
+  block_pattern p = small_pattern();
+  p.heads[0].col_idx = {0, 1, 0, 2, 0, 3};  // block row 1 lists 1 then 0
+  EXPECT_THROW(
+      {
+        try {
+          p.check();
+        } catch (const invalid_input& e) {
+          EXPECT_NE(std::string(e.what()).find("head 0"), std::string::npos);
+          EXPECT_NE(std::string(e.what()).find("strictly increasing"), std::string::npos);
+          throw;
+        }
+      },
+      invalid_input);
+  p = small_pattern();
+  p.order = {0, 1, 2};
+  EXPECT_THROW(p.check(), invalid_input);
+  p.order.resize(60);
+  std::iota(p.order.begin(), p.order.end(), 0);
+  p.order[5] = 4;  // 4 twice
+  EXPECT_THROW(p.check(), invalid_input);
+  p = small_pattern();
+  p.heads[1].cols = 5;
+  EXPECT_THROW(p.check(), invalid_input);
+}
+
+TEST(BlockPattern, LayoutsUnionsAndMasks) {
+  block_layout_options o;
+  o.block = 64;
+  o.layout = block_layout::window;
+  o.window = 1;
+  const block_pattern window = layout_block_pattern(o, 1000, 1);
+  o.layout = block_layout::global;
+  o.global = 1;
+  const block_pattern global = layout_block_pattern(o, 1000, 1);
+  o.layout = block_layout::random;
+  o.p = 0.8;
+  const block_pattern random = layout_block_pattern(o, 1000, 3);
+  ASSERT_EQ(random.num_heads(), 3);
+  EXPECT_NE(random.heads[0], random.heads[1]);  // per head draws
+  const block_pattern u = union_of({window, global, random});
+  ASSERT_EQ(u.num_heads(), 3);
+  for (std::int64_t h = 0; h < 3; ++h) {
+    const csr_graph& g = u.heads[static_cast<std::size_t>(h)];
+    for (std::int64_t r = 0; r < g.rows; ++r) {
+      const auto row = std::span(g.col_idx).subspan(g.row_ptr[r], g.degree(r));
+      const auto has = [&](std::int64_t c) {
+        return std::ranges::binary_search(row, static_cast<std::int32_t>(c));
+      };
+      EXPECT_TRUE(has(r) && has(0)) << r;  // window's diagonal, global's first key block
+      if (r + 1 < g.cols) {
+        EXPECT_TRUE(has(r + 1)) << r;
+      }
+      const csr_graph& x = random.heads[static_cast<std::size_t>(h)];
+      for (std::int64_t e = x.row_ptr[r]; e < x.row_ptr[r + 1]; ++e) EXPECT_TRUE(has(x.col_idx[e]));
+    }
+  }
+  const block_sparse_mask m = u.to_mask(true);
+  m.check();
+  EXPECT_EQ(m.heads, 3);
+  EXPECT_EQ(m.active_blocks(), u.heads[0].nnz() + u.heads[1].nnz() + u.heads[2].nnz());
+  EXPECT_THROW(union_of({window, layout_block_pattern(o, 900, 1)}), invalid_input);
+}
+
+TEST(BlockPattern, FileRoundTripIsBitwiseEqual) {
+  test::temp_dir dir;
+  block_layout_options o;
+  o.layout = block_layout::bigbird;
+  o.block = 32;
+  o.heads = 4;
+  block_pattern p = layout_block_pattern(o, 1000, 4);
+  p.order.resize(1000);
+  std::iota(p.order.begin(), p.order.end(), 0);
+  std::shuffle(p.order.begin(), p.order.end(), std::mt19937_64(3));
+  save_block_pattern(p, dir / "a.tsbp");
+  const block_pattern q = load_block_pattern(dir / "a.tsbp");
+  EXPECT_EQ(q.block, p.block);
+  EXPECT_EQ(q.rows, p.rows);
+  EXPECT_EQ(q.cols, p.cols);
+  EXPECT_EQ(q.heads, p.heads);
+  EXPECT_EQ(q.order, p.order);
+  EXPECT_EQ(q.made_by, p.made_by);
+  save_block_pattern(q, dir / "b.tsbp");
+  EXPECT_EQ(file_bytes(dir / "a.tsbp"), file_bytes(dir / "b.tsbp"));
+}
+
+// A damaged file's error names the file and the problem.
+void expect_load_error(const std::filesystem::path& path, const std::string& problem) {
+  try {
+    load_block_pattern(path);
+    ADD_FAILURE() << "no error for " << problem;
+  } catch (const invalid_input& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find(path.string()), std::string::npos) << what;
+    EXPECT_NE(what.find(problem), std::string::npos) << what;
+  }
+}
+
+TEST(BlockPattern, DamagedFilesNameTheFileAndTheProblem) {
+  test::temp_dir dir;
+  save_block_pattern(small_pattern(), dir / "good.tsbp");
+  const std::vector<char> good = file_bytes(dir / "good.tsbp");
+  expect_load_error(dir / "missing.tsbp", "cannot open");
+  std::vector<char> bytes = good;
+  bytes.resize(bytes.size() - 20);
+  write_bytes(dir / "cut.tsbp", bytes);
+  expect_load_error(dir / "cut.tsbp", "truncated");
+  bytes = good;
+  bytes[bytes.size() - 12] ^= 1;  // a key block
+  write_bytes(dir / "flipped.tsbp", bytes);
+  expect_load_error(dir / "flipped.tsbp", "checksum");
+  bytes = good;
+  bytes[8] = 2;  // version 2
+  write_bytes(dir / "v2.tsbp", bytes);
+  expect_load_error(dir / "v2.tsbp", "version 2");
+  write_bytes(dir / "text.tsbp", {'h', 'e', 'l', 'l', 'o'});
+  expect_load_error(dir / "text.tsbp", "not a trisparse pattern file");
+}
+
+}  // namespace
+}  // namespace trisparse
