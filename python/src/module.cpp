@@ -790,6 +790,21 @@ NB_MODULE(_C, m) {
           "kind"_a, "n"_a, "block"_a, "heads"_a, "p"_a, "window"_a, "stride"_a, "global_"_a,
           "random"_a, "seed"_a)
       .def_static(
+          "community",
+          [](std::uintptr_t rows, std::uintptr_t cols, std::int64_t edges, std::int64_t n,
+             std::int64_t block, std::int64_t heads, std::uint64_t seed) {
+            coo_graph c;
+            c.rows = c.cols = n;
+            const auto* r = reinterpret_cast<const std::int64_t*>(rows);
+            const auto* k = reinterpret_cast<const std::int64_t*>(cols);
+            c.src.assign(r, r + edges);
+            c.dst.assign(k, k + edges);
+            const csr_graph g = to_csr(c);
+            nb::gil_scoped_release release;
+            return py_block_pattern{community_block_pattern(g, block, heads, seed)};
+          },
+          "rows"_a, "cols"_a, "edges"_a, "n"_a, "block"_a, "heads"_a, "seed"_a)
+      .def_static(
           "load",
           [](const std::string& path) { return py_block_pattern{load_block_pattern(path)}; })
       .def_static("union",

@@ -94,6 +94,30 @@ class BlockPattern:
         )
 
     @classmethod
+    def community(
+        cls,
+        edge_index: Tensor,
+        num_nodes: int,
+        block_size: int = 64,
+        heads: int = 1,
+        seed: int = 1,
+    ) -> BlockPattern:
+        """A graph's structure as a pattern: the nodes in community order (label propagation,
+        then reverse Cuthill-McKee within and across communities: no package, linear time a
+        round; the pattern's ``order``) and the blocks of the reordered graph that hold an edge
+        (target i attends source j, PyG's edge_index), plus the diagonal blocks."""
+        edge_index = torch.as_tensor(edge_index).to("cpu", torch.int64)
+        if edge_index.dim() != 2 or edge_index.shape[0] != 2:
+            raise ValueError(f"edge_index must be [2, E], got {tuple(edge_index.shape)}")
+        if edge_index.numel() and (edge_index.min() < 0 or edge_index.max() >= num_nodes):
+            raise ValueError(f"edge_index has ids outside 0 .. {num_nodes - 1}")
+        dst, src = edge_index[1].contiguous(), edge_index[0].contiguous()
+        native = _C.BlockPattern.community(
+            dst.data_ptr(), src.data_ptr(), dst.numel(), int(num_nodes), block_size, heads, seed
+        )
+        return cls(native)
+
+    @classmethod
     def union(cls, *patterns: BlockPattern) -> BlockPattern:
         """Head h keeps what head h of any of the patterns keeps (one of one head serves all)."""
         return cls(_C.BlockPattern.union([q._native for q in patterns]))

@@ -10,6 +10,8 @@
 #include <string_view>
 
 #include "trisparse/core/error.hpp"
+#include "trisparse/formats/bcsr.hpp"
+#include "trisparse/graph/reorder.hpp"
 
 namespace trisparse {
 
@@ -200,6 +202,37 @@ block_pattern layout_block_pattern(const block_layout_options& options, std::int
                         " global=" + std::to_string(o.global) +
                         " random=" + std::to_string(o.random) + " seed=" + std::to_string(o.seed);
   return make_block_pattern(std::move(masks), std::move(made_by));
+}
+
+block_pattern community_block_pattern(const csr_graph& g, std::int64_t block, std::int64_t heads,
+                                      std::uint64_t seed) {
+  TRISPARSE_EXPECTS_INPUT(g.rows == g.cols, "community_block_pattern needs a square graph");
+  TRISPARSE_EXPECTS_INPUT(block >= 1 && heads >= 1,
+                          "community_block_pattern: block and heads must be >= 1");
+  block_pattern p;
+  p.block = block;
+  p.rows = p.cols = g.rows;
+  p.order = community_order(g, seed);
+  std::vector<std::int64_t> where(p.order.size());
+  for (std::size_t i = 0; i < p.order.size(); ++i)
+    where[static_cast<std::size_t>(p.order[i])] = static_cast<std::int64_t>(i);
+  coo_graph c = to_coo(g);
+  c.values.clear();
+  for (std::int64_t e = 0; e < c.nnz(); ++e) {
+    c.src[static_cast<std::size_t>(e)] =
+        where[static_cast<std::size_t>(c.src[static_cast<std::size_t>(e)])];
+    c.dst[static_cast<std::size_t>(e)] =
+        where[static_cast<std::size_t>(c.dst[static_cast<std::size_t>(e)])];
+  }
+  build_options loops;
+  loops.loops = self_loops::add;
+  const block_mask blocks = blocks_of(to_csr(c, loops), block);
+  p.heads.assign(static_cast<std::size_t>(heads), blocks.blocks);
+  p.made_by = "community(label propagation, seed=" + std::to_string(seed) + ") of a graph of " +
+              std::to_string(g.rows) + " nodes, " + std::to_string(g.nnz()) +
+              " edges; block=" + std::to_string(block);
+  p.check();
+  return p;
 }
 
 block_pattern union_of(const std::vector<block_pattern>& patterns) {

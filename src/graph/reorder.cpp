@@ -5,6 +5,7 @@
 #include <string>
 
 #include "trisparse/core/error.hpp"
+#include "trisparse/core/random.hpp"
 
 namespace trisparse {
 
@@ -157,6 +158,61 @@ std::int64_t count_window_columns(const csr_graph& g, int window_rows,
     }
   }
   return total;
+}
+
+std::vector<std::int64_t> community_order(const csr_graph& g, std::uint64_t seed, int rounds) {
+  TRISPARSE_EXPECTS_INPUT(g.rows == g.cols, "community_order needs a square pattern");
+  const std::int64_t n = g.rows;
+  build_options undirected;
+  undirected.symmetrize = true;
+  undirected.loops = self_loops::remove;
+  const csr_graph u = preprocess(g, undirected);
+  std::vector<std::int64_t> label(static_cast<std::size_t>(n)), visit(label.size());
+  std::iota(label.begin(), label.end(), 0);
+  std::iota(visit.begin(), visit.end(), 0);
+  rng r(seed);
+  std::vector<std::int64_t> count(label.size(), 0), touched;
+  for (int round = 0; round < rounds; ++round) {
+    for (std::int64_t i = n - 1; i > 0; --i)  // Fisher-Yates
+      std::swap(visit[static_cast<std::size_t>(i)],
+                visit[r.below(static_cast<std::uint64_t>(i) + 1)]);
+    bool changed = false;
+    for (const std::int64_t v : visit) {
+      if (u.degree(v) == 0) continue;
+      touched.clear();
+      for (std::int64_t e = u.row_ptr[v]; e < u.row_ptr[v + 1]; ++e) {
+        const auto l = static_cast<std::size_t>(label[static_cast<std::size_t>(u.col_idx[e])]);
+        if (count[l]++ == 0) touched.push_back(static_cast<std::int64_t>(l));
+      }
+      const std::int64_t own = label[static_cast<std::size_t>(v)];
+      std::int64_t most = 0, best = own;
+      for (const std::int64_t l : touched)
+        most = std::max(most, count[static_cast<std::size_t>(l)]);
+      if (count[static_cast<std::size_t>(own)] < most) {  // else keep its own label
+        best = n;
+        for (const std::int64_t l : touched)
+          if (count[static_cast<std::size_t>(l)] == most) best = std::min(best, l);
+      }
+      for (const std::int64_t l : touched) count[static_cast<std::size_t>(l)] = 0;
+      if (best != label[static_cast<std::size_t>(v)]) {
+        label[static_cast<std::size_t>(v)] = best;
+        changed = true;
+      }
+    }
+    if (!changed) break;
+  }
+  std::vector<std::int64_t> order = reverse_cuthill_mckee(u);
+  std::vector<std::int64_t> rank(label.size(), -1);
+  std::int64_t next = 0;
+  for (const std::int64_t v : order) {
+    std::int64_t& x = rank[static_cast<std::size_t>(label[static_cast<std::size_t>(v)])];
+    if (x < 0) x = next++;
+  }
+  std::stable_sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) {
+    return rank[static_cast<std::size_t>(label[static_cast<std::size_t>(a)])] <
+           rank[static_cast<std::size_t>(label[static_cast<std::size_t>(b)])];
+  });
+  return order;
 }
 
 }  // namespace trisparse

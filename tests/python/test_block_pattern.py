@@ -87,3 +87,29 @@ def test_block_mask_from_a_pattern_runs_the_attention():
     s = (q @ k.transpose(-1, -2)) / math.sqrt(16)
     want = torch.softmax(s.masked_fill(~m, -math.inf), -1) @ v
     assert torch.allclose(out, want, atol=1e-12)
+
+
+def test_community_pattern_of_planted_cliques():
+    """Four cliques of 32 nodes under shuffled ids: in community order each sits in its own
+    diagonal block."""
+    n, size = 128, 32
+    ids = torch.randperm(n, generator=torch.Generator().manual_seed(8))
+    edges = [
+        (int(ids[g * size + a]), int(ids[g * size + b]))
+        for g in range(4)
+        for a in range(size)
+        for b in range(size)
+        if a != b
+    ]
+    edge_index = torch.tensor(edges).t()
+    p = trisparse.BlockPattern.community(edge_index, n, block_size=size, heads=2)
+    blocks = p.blocks()
+    assert blocks.shape == (2, 4, 4)
+    assert torch.equal(blocks[0], torch.eye(4, dtype=torch.bool))
+    where = torch.empty(n, dtype=torch.int64)
+    where[p.order] = torch.arange(n)
+    for g in range(4):
+        pos = where[ids[g * size : (g + 1) * size]]
+        assert int(pos.max() - pos.min()) == size - 1
+    with pytest.raises(ValueError, match="outside"):
+        trisparse.BlockPattern.community(edge_index, 10)

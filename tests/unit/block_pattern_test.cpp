@@ -2,6 +2,8 @@
 // the errors a damaged file gives).
 #include "trisparse/formats/block_pattern.hpp"
 
+#include "trisparse/formats/bcsr.hpp"
+
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -112,6 +114,50 @@ TEST(BlockPattern, LayoutsUnionsAndMasks) {
   EXPECT_EQ(m.heads, 3);
   EXPECT_EQ(m.active_blocks(), u.heads[0].nnz() + u.heads[1].nnz() + u.heads[2].nnz());
   EXPECT_THROW(union_of({window, layout_block_pattern(o, 900, 1)}), invalid_input);
+}
+
+// Planted communities: 8 cliques of 64 nodes under shuffled ids, and 40 edges between them.
+TEST(BlockPattern, CommunityOrderGathersPlantedCommunities) {
+  constexpr std::int64_t groups = 8, size = 64, n = groups * size;
+  std::vector<std::int64_t> id(static_cast<std::size_t>(n));
+  std::iota(id.begin(), id.end(), 0);
+  std::shuffle(id.begin(), id.end(), std::mt19937_64(7));
+  coo_graph c;
+  c.rows = c.cols = n;
+  for (std::int64_t g = 0; g < groups; ++g)
+    for (std::int64_t a = 0; a < size; ++a)
+      for (std::int64_t b = 0; b < size; ++b)
+        if (a != b) {
+          c.src.push_back(id[static_cast<std::size_t>(g * size + a)]);
+          c.dst.push_back(id[static_cast<std::size_t>(g * size + b)]);
+        }
+  std::mt19937_64 r(9);
+  for (int e = 0; e < 40; ++e) {
+    c.src.push_back(static_cast<std::int64_t>(r() % n));
+    c.dst.push_back(static_cast<std::int64_t>(r() % n));
+  }
+  const csr_graph g = to_csr(c);
+  const block_pattern p = community_block_pattern(g, size, 2);
+  ASSERT_EQ(p.num_heads(), 2);
+  EXPECT_EQ(p.heads[0], p.heads[1]);
+  // Each clique sits in one contiguous range of positions.
+  std::vector<std::int64_t> where(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) where[static_cast<std::size_t>(p.order[i])] = i;
+  for (std::int64_t k = 0; k < groups; ++k) {
+    std::int64_t lo = n, hi = -1;
+    for (std::int64_t a = 0; a < size; ++a) {
+      const std::int64_t x =
+          where[static_cast<std::size_t>(id[static_cast<std::size_t>(k * size + a)])];
+      lo = std::min(lo, x);
+      hi = std::max(hi, x);
+    }
+    EXPECT_EQ(hi - lo, size - 1) << "clique " << k;
+  }
+  // The diagonal blocks and at most one block pair an inter-clique edge, against nearly every
+  // block in the shuffled order.
+  EXPECT_LE(p.heads[0].nnz(), groups + 2 * 40);
+  EXPECT_GT(blocks_of(g, size).blocks.nnz(), 60);
+  EXPECT_NE(p.made_by.find("community"), std::string::npos);
 }
 
 TEST(BlockPattern, FileRoundTripIsBitwiseEqual) {

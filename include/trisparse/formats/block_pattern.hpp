@@ -58,6 +58,15 @@ block_pattern make_block_pattern(std::vector<block_mask> masks, std::string made
 block_pattern layout_block_pattern(const block_layout_options& options, std::int64_t n,
                                    std::int64_t heads);
 
+/// A graph's structure as a pattern (the learned-pattern plan's initialiser from the graph): the
+/// nodes in community order (community_order: label propagation, then reverse Cuthill-McKee
+/// within and across communities; kept as the pattern's order) and the blocks of the reordered
+/// pattern that hold an edge, plus the diagonal blocks (every node attends itself); the same
+/// blocks for each of `heads` heads. @throws invalid_input unless g is square and block, heads
+/// >= 1.
+block_pattern community_block_pattern(const csr_graph& g, std::int64_t block, std::int64_t heads,
+                                      std::uint64_t seed = 1);
+
 /// The union of patterns of one shape, block and order: head h keeps what head h of any of them
 /// keeps (a pattern of one head serves every head). @throws invalid_input on a mismatch.
 block_pattern union_of(const std::vector<block_pattern>& patterns);
