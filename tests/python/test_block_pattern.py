@@ -113,3 +113,23 @@ def test_community_pattern_of_planted_cliques():
         assert int(pos.max() - pos.min()) == size - 1
     with pytest.raises(ValueError, match="outside"):
         trisparse.BlockPattern.community(edge_index, 10)
+
+
+def test_png_shows_each_head_with_kept_blocks_dark(tmp_path):
+    image = pytest.importorskip("PIL.Image")
+    blocks = random_blocks(3, 8, 16, 0.3, seed=11)
+    p = trisparse.BlockPattern.from_blocks(blocks, 4)
+    p.to_png(tmp_path / "p.png", columns=2)
+    import numpy as np
+
+    img = torch.from_numpy(np.asarray(image.open(tmp_path / "p.png")).astype(np.int64))
+    up = 256 // 16  # 16 pixels a block
+    assert tuple(img.shape) == (2 * 8 * up + 4, 2 * 16 * up + 4)
+    for h in range(3):
+        y, x = (h // 2) * (8 * up + 4), (h % 2) * (16 * up + 4)
+        panel = img[y : y + 8 * up : up, x : x + 16 * up : up]  # a pixel a block
+        assert torch.equal(panel == 0, blocks[h]) and torch.equal(panel == 255, ~blocks[h])
+    # A large pattern is pooled: 3000 x 3000 blocks into cells of 3 blocks a side.
+    big = trisparse.BlockPattern.layout("window", 3000 * 16, block_size=16, window=0)
+    big.to_png(tmp_path / "big.png")
+    assert image.open(tmp_path / "big.png").size == (1000, 1000)
