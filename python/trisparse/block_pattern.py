@@ -13,7 +13,7 @@ from torch import Tensor
 from . import _C
 from .block_sparse import BlockMask
 
-__all__ = ["BlockPattern"]
+__all__ = ["BlockPattern", "block_mass", "learn_block_pattern", "prune_blocks"]
 
 
 class BlockPattern:
@@ -231,3 +231,113 @@ class BlockPattern:
             f"BlockPattern(heads={self.num_heads}, shape=({rows}, {cols}), "
             f"block_size={self.block_size}, made_by={self.made_by!r})"
         )
+
+
+def block_mass(
+    q: Tensor, k: Tensor, block_size: int, causal: bool = False, scale: float | None = None
+) -> Tensor:
+    """Each block's attention mass (float64 [H, query blocks, key blocks]): the softmax weights
+    of softmax(scale q kᵀ) (causal: keys up to the query's position) summed over the block, each
+    block row divided by its rows, so that a block row's masses sum to 1 (the true attention
+    mass a pattern keeps or drops). q [H, N_q, D], k [H, N_k, D]; computed exactly in float64,
+    a chunk of query blocks at a time (memory: H x chunk x N_k)."""
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k must be [H, N, D] alike, got {tuple(q.shape)}, {tuple(k.shape)}")
+    heads, n_q, d = q.shape
+    n_k, g = k.shape[1], int(block_size)
+    qb, kb = -(-n_q // g), -(-n_k // g)
+    scale = d**-0.5 if scale is None else float(scale)
+    q64, k64 = q.to(torch.float64), k.to(torch.float64)
+    out = torch.zeros(heads, qb, kb, dtype=torch.float64, device=q.device)
+    key_block = torch.arange(n_k, device=q.device) // g
+    step = max(1, (1 << 24) // max(1, heads * n_k * g))  # query blocks a chunk
+    for r0 in range(0, qb, step):
+        rows = slice(r0 * g, min(n_q, (r0 + step) * g))
+        s = (q64[:, rows] @ k64.transpose(1, 2)) * scale  # [H, rows, N_k]
+        if causal:
+            i = torch.arange(rows.start, rows.stop, device=q.device)[:, None] + (n_k - n_q)
+            s = s.masked_fill(torch.arange(n_k, device=q.device)[None, :] > i, float("-inf"))
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+        per_key_block = torch.zeros(heads, p.shape[1], kb, dtype=torch.float64, device=q.device)
+        per_key_block.index_add_(2, key_block, p)
+        row_block = (torch.arange(rows.start, rows.stop, device=q.device) // g) - r0
+        chunk = torch.zeros(
+            heads, -(-(rows.stop - rows.start) // g), kb, dtype=torch.float64, device=q.device
+        )
+        chunk.index_add_(1, row_block, per_key_block)
+        out[:, r0 : r0 + chunk.shape[1]] = chunk
+    counts = torch.clamp(n_q - torch.arange(qb, device=q.device) * g, max=g).to(torch.float64)
+    return out / counts[None, :, None]
+
+
+def prune_blocks(
+    importance: Tensor,
+    sparsity: float,
+    method: str = "row",
+    keep_diagonal: bool = True,
+    window: int = 0,
+    global_blocks: int = 0,
+    top_p: float = 0.9,
+) -> Tensor:
+    """The blocks to keep (bool, importance's shape [H, qb, kb]) from a block importance (mass,
+    |dS|, pooled scores): the forced blocks (the diagonal, a band of `window` blocks, the first
+    `global_blocks` key blocks and block rows), then by `method`: "global" the highest-ranked
+    blocks of each head up to (1 - sparsity) of its blocks, "row" each block row's highest up to
+    (1 - sparsity) of its key blocks (at least one), "threshold" each block row's fewest blocks
+    whose importance reaches `top_p` of the row's total (top-p; `sparsity` unused). Ties go to
+    the lower key block. Torch ops on importance's device, no host synchronisation."""
+    if importance.dim() != 3:
+        raise ValueError(f"importance must be [H, qb, kb], got {tuple(importance.shape)}")
+    if not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+    heads, qb, kb = importance.shape
+    dev = importance.device
+    r = torch.arange(qb, device=dev)[:, None]
+    c = torch.arange(kb, device=dev)[None, :]
+    forced = (r - c).abs() <= window if (keep_diagonal or window > 0) else r < 0
+    if global_blocks > 0:
+        forced = forced | (c < global_blocks) | (r < global_blocks)
+    forced = forced.expand(heads, qb, kb)
+    score = importance.to(torch.float64).masked_fill(forced, float("inf"))
+    keep = torch.zeros(heads, qb, kb, dtype=torch.bool, device=dev)
+    if method == "global":
+        budget = max(1, round((1.0 - sparsity) * qb * kb))
+        flat = score.reshape(heads, -1)
+        order = torch.sort(flat, dim=-1, descending=True, stable=True).indices[:, :budget]
+        keep.view(heads, -1).scatter_(1, order, True)
+    elif method == "row":
+        budget = max(1, round((1.0 - sparsity) * kb))
+        order = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :budget]
+        keep.scatter_(2, order, True)
+    elif method == "threshold":
+        imp = importance.to(torch.float64).clamp(min=0)
+        order = torch.sort(imp, dim=-1, descending=True, stable=True)
+        before = torch.cumsum(order.values, -1) - order.values  # mass of the higher-ranked ones
+        need = before < top_p * imp.sum(-1, keepdim=True)
+        keep.scatter_(2, order.indices, need)
+    else:
+        raise ValueError(f"method must be global, row or threshold, not {method!r}")
+    return keep | forced
+
+
+def learn_block_pattern(
+    q: Tensor,
+    k: Tensor,
+    block_size: int,
+    sparsity: float,
+    method: str = "row",
+    causal: bool = False,
+    **keep_rules,
+) -> BlockPattern:
+    """A pattern learned offline from attention samples: the blocks' exact attention mass
+    (:func:`block_mass` of q [H, N_q, D], k [H, N_k, D]) pruned by :func:`prune_blocks` (`method`,
+    `sparsity` and the keep rules) — per head, the blocks that carry the most attention."""
+    mass = block_mass(q, k, block_size, causal)
+    keep = prune_blocks(mass, sparsity, method, **keep_rules)
+    made_by = (
+        f"learned from attention mass of {q.shape[1]} queries x {k.shape[1]} keys, "
+        f"{q.shape[0]} heads; prune {method} sparsity={sparsity} {keep_rules}"
+    )
+    return BlockPattern.from_blocks(
+        keep.cpu(), block_size, rows=q.shape[1], cols=k.shape[1], made_by=made_by
+    )
