@@ -815,6 +815,15 @@ NB_MODULE(_C, m) {
                   })
       .def("save", [](const py_block_pattern& x,
                       const std::string& path) { save_block_pattern(x.p, path); })
+      .def(
+          "render",
+          [](const py_block_pattern& x, std::int64_t max_side, std::int64_t columns) {
+            gray_image img = render(x.p, max_side, columns);
+            return std::make_tuple(
+                img.width, img.height,
+                nb::bytes(reinterpret_cast<const char*>(img.pixels.data()), img.pixels.size()));
+          },
+          "max_side"_a, "columns"_a)
       .def("copy_head", &py_block_pattern::copy_head, "head"_a, "row_ptr"_a, "col_idx"_a)
       .def("head_nnz",
            [](const py_block_pattern& x, std::int64_t h) {

@@ -187,36 +187,17 @@ class BlockPattern:
         return self._native.stats()
 
     def to_png(self, path: str | os.PathLike, max_side: int = 1024, columns: int = 4) -> None:
-        """A PNG (Pillow's encoder) with one panel per head, `columns` panels a row: each pixel
-        the share of kept blocks in its cell (dark: kept, white: dropped), cells of several
-        blocks where a head has more than `max_side` block rows or columns (so that 10^4 x 10^4
-        blocks stay readable), and small patterns scaled up to at least 256 pixels a side."""
+        """A PNG (Pillow's encoder) of the library's picture of the pattern (the CLI's `pattern
+        show --png` draws the same): one panel per head, `columns` panels a row, each pixel the
+        share of kept blocks in its cell (dark: kept, white: dropped), cells of several blocks
+        where a head has more than `max_side` block rows or columns, small patterns scaled up
+        to at least 256 pixels a side."""
         try:
             from PIL import Image
         except ImportError as e:  # an optional dependency
             raise ImportError("BlockPattern.to_png needs Pillow: pip install pillow") from e
-        rows, cols = self.shape
-        g = self.block_size
-        qb, kb = -(-rows // g), -(-cols // g)
-        cell = max(1, -(-max(qb, kb) // max_side))  # blocks a pixel a side
-        up = max(1, 256 // max(qb, kb, 1)) if cell == 1 else 1  # pixels a block a side
-        h_px, w_px = -(-qb // cell) * up, -(-kb // cell) * up
-        gap, per_row = 4, max(1, min(columns, self.num_heads))
-        n_rows = -(-self.num_heads // per_row)
-        canvas = torch.full(
-            (n_rows * (h_px + gap) - gap, per_row * (w_px + gap) - gap), 255, dtype=torch.uint8
-        )
-        for h in range(self.num_heads):
-            row_ptr, col_idx = self.head(h)
-            r = torch.repeat_interleave(torch.arange(qb), row_ptr.diff()) // cell
-            c = col_idx.long() // cell
-            grid = torch.zeros(-(-qb // cell), -(-kb // cell), dtype=torch.float64)
-            grid.index_put_((r, c), torch.ones(r.numel(), dtype=torch.float64), accumulate=True)
-            shade = (255 - torch.round(255 * (grid / (cell * cell)).clamp(max=1))).to(torch.uint8)
-            shade = shade.repeat_interleave(up, 0).repeat_interleave(up, 1)
-            y, x = (h // per_row) * (h_px + gap), (h % per_row) * (w_px + gap)
-            canvas[y : y + h_px, x : x + w_px] = shade
-        Image.fromarray(canvas.numpy(), mode="L").save(os.fspath(path), format="PNG")
+        width, height, pixels = self._native.render(max_side, columns)
+        Image.frombytes("L", (width, height), pixels).save(os.fspath(path), format="PNG")
 
     def to_block_mask(self, causal: bool = False, device: torch.device | str | None = None):
         """A :class:`trisparse.BlockMask` ([1, H, qb, kb]) for :func:`block_sparse_attention`

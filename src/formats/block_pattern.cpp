@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -166,6 +167,42 @@ block_pattern_stats stats(const block_pattern& p) {
   }
   s.head_overlap = pairs > 0 ? total / static_cast<double>(pairs) : 1.0;
   return s;
+}
+
+gray_image render(const block_pattern& p, std::int64_t max_side, std::int64_t columns) {
+  p.check();
+  TRISPARSE_EXPECTS_INPUT(max_side >= 1 && columns >= 1, "render: max_side and columns >= 1");
+  const std::int64_t qb = p.block_rows(), kb = p.block_cols();
+  const std::int64_t cell = std::max<std::int64_t>(1, (std::max(qb, kb) + max_side - 1) / max_side);
+  const std::int64_t up =
+      cell == 1 ? std::max<std::int64_t>(1, 256 / std::max<std::int64_t>({qb, kb, 1})) : 1;
+  const std::int64_t gh = (qb + cell - 1) / cell, gw = (kb + cell - 1) / cell;
+  const std::int64_t ph = gh * up, pw = gw * up, gap = 4;
+  const std::int64_t per_row = std::min(columns, p.num_heads());
+  const std::int64_t panel_rows = (p.num_heads() + per_row - 1) / per_row;
+  gray_image img;
+  img.width = per_row * (pw + gap) - gap;
+  img.height = panel_rows * (ph + gap) - gap;
+  img.pixels.assign(static_cast<std::size_t>(img.width * img.height), 255);
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(gh * gw));
+  for (std::int64_t h = 0; h < p.num_heads(); ++h) {
+    const csr_graph& g = p.heads[static_cast<std::size_t>(h)];
+    std::fill(counts.begin(), counts.end(), 0);
+    for (std::int64_t r = 0; r < g.rows; ++r)
+      for (std::int64_t e = g.row_ptr[r]; e < g.row_ptr[r + 1]; ++e)
+        ++counts[static_cast<std::size_t>((r / cell) * gw + g.col_idx[e] / cell)];
+    const std::int64_t y0 = (h / per_row) * (ph + gap), x0 = (h % per_row) * (pw + gap);
+    for (std::int64_t y = 0; y < ph; ++y) {
+      for (std::int64_t x = 0; x < pw; ++x) {
+        const double share =
+            static_cast<double>(counts[static_cast<std::size_t>((y / up) * gw + x / up)]) /
+            static_cast<double>(cell * cell);
+        img.pixels[static_cast<std::size_t>((y0 + y) * img.width + x0 + x)] =
+            static_cast<std::uint8_t>(std::lround(255.0 * (1.0 - std::min(share, 1.0))));
+      }
+    }
+  }
+  return img;
 }
 
 block_pattern make_block_pattern(std::vector<block_mask> masks, std::string made_by) {

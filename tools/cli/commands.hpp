@@ -14,6 +14,7 @@ action add_info(CLI::App& app);
 action add_run(CLI::App& app);
 action add_convert(CLI::App& app);
 action add_generate(CLI::App& app);
+action add_pattern(CLI::App& app);
 
 /// --symmetry and --self-loops, shared by the commands that read graphs.
 void add_read_options(CLI::App& cmd, read_options& options);

@@ -20,6 +20,7 @@ int run_cli(int argc, char** argv) {
   const action run = trisparse::cli::add_run(app);
   const action convert = trisparse::cli::add_convert(app);
   const action generate = trisparse::cli::add_generate(app);
+  const action pattern = trisparse::cli::add_pattern(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -33,6 +34,7 @@ int run_cli(int argc, char** argv) {
       if (name == "run") return run();
       if (name == "convert") return convert();
       if (name == "generate") return generate();
+      if (name == "pattern") return pattern();
     }
   } catch (const trisparse::invalid_input& e) {
     std::fprintf(stderr, "trisparse: error: %s\n", e.what());

@@ -49,6 +49,20 @@ struct block_pattern_stats {
 };
 block_pattern_stats stats(const block_pattern& pattern);
 
+/// An 8-bit grayscale picture, rows top to bottom.
+struct gray_image {
+  std::int64_t width = 0, height = 0;
+  std::vector<std::uint8_t> pixels;  ///< [height * width]
+};
+
+/// The pattern as a picture: one panel per head, `columns` panels a row, 4 white pixels apart;
+/// each pixel the share of kept blocks in its cell (0 black: all kept, 255 white: none), cells
+/// of several blocks a side where a head has more than `max_side` block rows or columns (so that
+/// 10^4 x 10^4 blocks stay readable), small patterns scaled up to at least 256 pixels a side.
+/// Encoders (PNG) are the callers'. @throws invalid_input for max_side or columns < 1.
+gray_image render(const block_pattern& pattern, std::int64_t max_side = 1024,
+                  std::int64_t columns = 4);
+
 /// A pattern from masks (one per head, each rows x cols at one block size) as given.
 /// @throws invalid_input if the masks disagree in shape or block, or there are none.
 block_pattern make_block_pattern(std::vector<block_mask> masks, std::string made_by);

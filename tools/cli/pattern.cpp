@@ -1,0 +1,169 @@
+// trisparse pattern init|show: block-sparse attention patterns made from a graph or a layout,
+// written to and read from pattern files, described and drawn (PNG through libpng).
+#include <png.h>
+
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "commands.hpp"
+#include "progress.hpp"
+#include "trisparse/core/error.hpp"
+#include "trisparse/formats/block_pattern.hpp"
+
+namespace trisparse::cli {
+
+namespace {
+
+struct init_args {
+  std::string graph, method = "community", out;
+  read_options read;
+  std::int64_t block = 64, heads = 1, n = 0, window = 1, stride = 8, globals = 1, random = 2;
+  double sparsity = 0.9;
+  std::uint64_t seed = 1;
+};
+
+struct show_args {
+  std::string path, png;
+  bool json = false;
+  std::int64_t max_side = 1024, columns = 4;
+};
+
+void write_png(const gray_image& img, const std::string& path) {
+  png_image image{};
+  image.version = PNG_IMAGE_VERSION;
+  image.width = static_cast<png_uint_32>(img.width);
+  image.height = static_cast<png_uint_32>(img.height);
+  image.format = PNG_FORMAT_GRAY;
+  if (png_image_write_to_file(&image, path.c_str(), 0, img.pixels.data(), 0, nullptr) == 0) {
+    throw invalid_input(path + ": cannot write the PNG (" + image.message + ")");
+  }
+}
+
+int run_init(const init_args& a) {
+  block_pattern p;
+  if (a.method == "community") {
+    if (a.graph.empty()) throw invalid_input("pattern init --method community needs GRAPH");
+    const csr_graph g = load(a.graph, a.read);
+    phase step("community order and blocks");
+    p = community_block_pattern(g, a.block, a.heads, a.seed);
+  } else {
+    std::int64_t n = a.n;
+    if (!a.graph.empty()) n = load(a.graph, a.read).rows;  // the layout over the graph's nodes
+    if (n <= 0) throw invalid_input("pattern init --method " + a.method + " needs GRAPH or --n");
+    block_layout_options o;
+    o.block = a.block;
+    o.p = a.sparsity;
+    o.window = a.window;
+    o.stride = a.stride;
+    o.global = a.globals;
+    o.random = a.random;
+    o.seed = a.seed;
+    if (a.method == "local-strided") {  // a band of blocks and every stride-th block
+      o.layout = block_layout::window;
+      const block_pattern local = layout_block_pattern(o, n, a.heads);
+      o.layout = block_layout::strided;
+      p = union_of({local, layout_block_pattern(o, n, a.heads)});
+    } else {
+      o.layout = a.method == "random"    ? block_layout::random
+                 : a.method == "window"  ? block_layout::window
+                 : a.method == "strided" ? block_layout::strided
+                 : a.method == "global"  ? block_layout::global
+                                         : block_layout::bigbird;
+      p = layout_block_pattern(o, n, a.heads);
+    }
+  }
+  save_block_pattern(p, a.out);
+  const block_pattern_stats s = stats(p);
+  std::fprintf(stderr, "%lld heads, %lld x %lld blocks of %lld, density %.4f (head 0) -> %s\n",
+               static_cast<long long>(p.num_heads()), static_cast<long long>(p.block_rows()),
+               static_cast<long long>(p.block_cols()), static_cast<long long>(p.block),
+               s.density[0], a.out.c_str());
+  return 0;
+}
+
+int run_show(const show_args& a) {
+  const block_pattern p = load_block_pattern(a.path);
+  const block_pattern_stats s = stats(p);
+  nlohmann::json j = {{"file", a.path},
+                      {"heads", p.num_heads()},
+                      {"rows", p.rows},
+                      {"cols", p.cols},
+                      {"block", p.block},
+                      {"block_rows", p.block_rows()},
+                      {"block_cols", p.block_cols()},
+                      {"node_order", !p.order.empty()},
+                      {"made_by", p.made_by},
+                      {"density", s.density},
+                      {"row_min_density", s.row_min_density},
+                      {"row_max_density", s.row_max_density},
+                      {"mean_distance", s.mean_distance},
+                      {"head_overlap", s.head_overlap}};
+  if (a.json) {
+    std::cout << j.dump() << "\n";
+  } else {
+    std::printf("%s: %lld heads, %lld x %lld (%lld x %lld blocks of %lld)%s\n  made by: %s\n",
+                a.path.c_str(), static_cast<long long>(p.num_heads()),
+                static_cast<long long>(p.rows), static_cast<long long>(p.cols),
+                static_cast<long long>(p.block_rows()), static_cast<long long>(p.block_cols()),
+                static_cast<long long>(p.block), p.order.empty() ? "" : ", with a node order",
+                p.made_by.c_str());
+    for (std::int64_t h = 0; h < p.num_heads(); ++h) {
+      const auto x = static_cast<std::size_t>(h);
+      std::printf("  head %lld: density %.4f, block rows %.4f .. %.4f, mean distance %.4f\n",
+                  static_cast<long long>(h), s.density[x], s.row_min_density[x],
+                  s.row_max_density[x], s.mean_distance[x]);
+    }
+    std::printf("  head overlap (Jaccard): %.4f\n", s.head_overlap);
+  }
+  if (!a.png.empty()) write_png(render(p, a.max_side, a.columns), a.png);
+  return 0;
+}
+
+}  // namespace
+
+action add_pattern(CLI::App& app) {
+  auto* cmd =
+      app.add_subcommand("pattern", "block-sparse attention patterns: make, describe, draw");
+  cmd->require_subcommand(1);
+  auto init = std::make_shared<init_args>();
+  auto* i = cmd->add_subcommand("init", "make a pattern from a graph's structure or a layout");
+  i->add_option("graph", init->graph, "graph file (community; other methods: its node count)");
+  i->add_option("--method", init->method, "how")
+      ->check(CLI::IsMember(
+          {"community", "random", "window", "strided", "global", "bigbird", "local-strided"}))
+      ->capture_default_str();
+  i->add_option("--block", init->block, "block size G")->capture_default_str();
+  i->add_option("--heads", init->heads, "heads (random layouts draw per head)")
+      ->capture_default_str();
+  i->add_option("--sparsity", init->sparsity, "random: fraction of blocks dropped")
+      ->capture_default_str();
+  i->add_option("--n", init->n, "nodes / tokens when no graph is given")->capture_default_str();
+  i->add_option("--window", init->window, "window, bigbird, local-strided: band of blocks")
+      ->capture_default_str();
+  i->add_option("--stride", init->stride, "strided, local-strided: stride in blocks")
+      ->capture_default_str();
+  i->add_option("--globals", init->globals, "global, bigbird: global block rows and columns")
+      ->capture_default_str();
+  i->add_option("--random", init->random, "bigbird: random key blocks a row")
+      ->capture_default_str();
+  i->add_option("--seed", init->seed, "random seed")->capture_default_str();
+  i->add_option("-o,--output", init->out, "pattern file to write")->required();
+  add_read_options(*i, init->read);
+  auto show = std::make_shared<show_args>();
+  auto* s = cmd->add_subcommand("show", "describe a pattern file, and draw it");
+  s->add_option("file", show->path, "pattern file")->required();
+  s->add_flag("--json", show->json, "one JSON object instead of text");
+  s->add_option("--png", show->png, "also draw it: one panel per head");
+  s->add_option("--max-side", show->max_side, "PNG: largest panel side in pixels")
+      ->capture_default_str();
+  s->add_option("--columns", show->columns, "PNG: panels a row")->capture_default_str();
+  return [init, show, i, s] {
+    if (i->parsed()) return run_init(*init);
+    if (s->parsed()) return run_show(*show);
+    return 1;
+  };
+}
+
+}  // namespace trisparse::cli
