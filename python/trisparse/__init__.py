@@ -10,7 +10,13 @@ import torch  # noqa: F401  (loads the CUDA libraries torch ships, which the ext
 
 from . import _C
 from .attention import sparse_attention
-from .block_pattern import BlockPattern, block_mass, learn_block_pattern, prune_blocks
+from .block_pattern import (
+    BlockPattern,
+    attention_error,
+    block_mass,
+    learn_block_pattern,
+    prune_blocks,
+)
 from .block_sparse import BlockMask, block_sparse_attention, topk_block_mask
 from .edge import edge_scores, edge_softmax, edge_spmm, sddmm
 from .edge_attention import edge_attention, edge_gat_attention
@@ -32,6 +38,7 @@ __all__ = [
     "Pattern",
     "SparseMatrix",
     "__version__",
+    "attention_error",
     "block_mass",
     "block_sparse_attention",
     "cuda_available",

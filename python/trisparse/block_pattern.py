@@ -11,9 +11,15 @@ import torch
 from torch import Tensor
 
 from . import _C
-from .block_sparse import BlockMask
+from .block_sparse import BlockMask, block_sparse_attention
 
-__all__ = ["BlockPattern", "block_mass", "learn_block_pattern", "prune_blocks"]
+__all__ = [
+    "BlockPattern",
+    "attention_error",
+    "block_mass",
+    "learn_block_pattern",
+    "prune_blocks",
+]
 
 
 class BlockPattern:
@@ -116,6 +122,37 @@ class BlockPattern:
             dst.data_ptr(), src.data_ptr(), dst.numel(), int(num_nodes), block_size, heads, seed
         )
         return cls(native)
+
+    @classmethod
+    def knn(
+        cls,
+        x: Tensor,
+        k: int,
+        block_size: int = 64,
+        heads: int = 1,
+        seed: int = 1,
+        chunk: int = 4096,
+    ) -> BlockPattern:
+        """Nodes attending their k most similar nodes by features (cosine similarity of x [N,
+        F], itself excluded; top-k per row by matrix products on x's device, `chunk` rows at a
+        time), as a pattern: the k-nearest-neighbour graph through :meth:`community` (its
+        community order, so that similar nodes share blocks)."""
+        if x.dim() != 2:
+            raise ValueError(f"x must be [N, F], got {tuple(x.shape)}")
+        n = x.shape[0]
+        if not 0 < k < n:
+            raise ValueError(f"k must be in 1 .. N - 1 = {n - 1}, got {k}")
+        unit = torch.nn.functional.normalize(x.detach().float(), dim=1)
+        nearest = []
+        for r0 in range(0, n, chunk):
+            sim = unit[r0 : r0 + chunk] @ unit.T
+            rows = torch.arange(r0, min(n, r0 + chunk), device=x.device)
+            sim[rows - r0, rows] = float("-inf")  # not itself
+            nearest.append(torch.topk(sim, k, dim=1).indices)
+        src = torch.cat(nearest).reshape(-1)
+        dst = torch.arange(n, device=x.device).repeat_interleave(k)
+        edge_index = torch.stack([src, dst])
+        return cls.community(edge_index, n, block_size, heads, seed)
 
     @classmethod
     def union(cls, *patterns: BlockPattern) -> BlockPattern:
@@ -322,3 +359,14 @@ def learn_block_pattern(
     return BlockPattern.from_blocks(
         keep.cpu(), block_size, rows=q.shape[1], cols=k.shape[1], made_by=made_by
     )
+
+
+def attention_error(q: Tensor, k: Tensor, v: Tensor, pattern: BlockPattern) -> Tensor:
+    """Per head, the relative L2 error ||O_pattern - O_dense|| / ||O_dense|| of the attention
+    over the pattern's blocks against dense attention (float64 [H]), for q [H, N_q, D], k and v
+    [H, N_k, D] in the pattern's node order: how much of the attention a pattern loses."""
+    mask = pattern.to_block_mask(device=q.device)
+    q64, k64, v64 = (t.to(torch.float64)[None] for t in (q, k, v))
+    sparse = block_sparse_attention(q64, k64, v64, mask)[0]
+    dense = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64)[0]
+    return (sparse - dense).flatten(1).norm(dim=1) / dense.flatten(1).norm(dim=1)

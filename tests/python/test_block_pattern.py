@@ -195,3 +195,31 @@ def test_learner_recovers_a_planted_pattern():
     recovered = (learned & planted).sum() / planted.sum()
     assert float(recovered) >= 0.95
     assert "learned" in p.made_by
+
+
+def test_knn_pattern_groups_feature_clusters():
+    """Three well separated feature clusters of 64 nodes under shuffled ids: each node's
+    neighbours are in its cluster, so the pattern keeps only the clusters' own blocks."""
+    gen = torch.Generator().manual_seed(15)
+    centers = torch.eye(3, 8) * 10
+    ids = torch.randperm(192, generator=gen)
+    x = torch.empty(192, 8)
+    x[ids] = centers.repeat_interleave(64, 0) + torch.randn(192, 8, generator=gen)
+    p = trisparse.BlockPattern.knn(x, 8, block_size=64)
+    assert torch.equal(p.blocks()[0], torch.eye(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="k must"):
+        trisparse.BlockPattern.knn(x, 192)
+
+
+def test_attention_error_is_zero_for_dense_and_grows_with_sparsity():
+    gen = torch.Generator().manual_seed(16)
+    q, k, v = (torch.randn(2, 256, 16, generator=gen) for _ in range(3))
+    dense = trisparse.BlockPattern.layout("dense", 256, block_size=32, heads=2)
+    assert float(trisparse.attention_error(q, k, v, dense).max()) < 1e-12
+    errors = []
+    for keep in (0.5, 0.25):
+        p = trisparse.learn_block_pattern(q, k, 32, sparsity=1 - keep)
+        err = trisparse.attention_error(q, k, v, p)
+        assert err.shape == (2,) and bool((err > 0).all())
+        errors.append(float(err.mean()))
+    assert errors[0] < errors[1]
