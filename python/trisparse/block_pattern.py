@@ -243,6 +243,25 @@ class BlockPattern:
         density = float(dense.float().mean()) if dense.numel() else 0.0
         return BlockMask(dense.to(device or "cpu"), self.block_size, causal, density=density)
 
+    def to_flex(self, device: torch.device | str | None = None):
+        """FlexAttention's ``BlockMask`` [1, H, qb, kb] with the kept blocks as full blocks (no
+        mask_mod inside them), on `device` (default the CPU)."""
+        from torch.nn.attention.flex_attention import BlockMask as FlexBlockMask
+
+        blocks = self.blocks()[None].to(device or "cpu")
+        counts = blocks.sum(-1, dtype=torch.int32)
+        # Kept key blocks first, ascending (a stable sort of the dropped flags).
+        indices = torch.sort((~blocks).to(torch.int8), dim=-1, stable=True).indices
+        indices = indices.to(torch.int32)
+        return FlexBlockMask.from_kv_blocks(
+            torch.zeros_like(counts),
+            indices,
+            full_kv_num_blocks=counts,
+            full_kv_indices=indices,
+            BLOCK_SIZE=self.block_size,
+            seq_lengths=self.shape,
+        )
+
     def __repr__(self) -> str:
         rows, cols = self.shape
         return (

@@ -223,3 +223,13 @@ def test_attention_error_is_zero_for_dense_and_grows_with_sparsity():
         assert err.shape == (2,) and bool((err > 0).all())
         errors.append(float(err.mean()))
     assert errors[0] < errors[1]
+
+
+def test_flex_block_mask_holds_the_same_blocks():
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    blocks = random_blocks(2, 6, 6, 0.4, seed=17)
+    p = trisparse.BlockPattern.from_blocks(blocks, 128)
+    flex = p.to_flex()
+    assert torch.equal(flex.to_dense()[0].bool(), blocks)
+    back = trisparse.BlockMask.from_flex(flex)
+    assert torch.equal(back.blocks[0], blocks) and back.block_size == 128
