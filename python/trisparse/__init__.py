@@ -12,6 +12,7 @@ from . import _C
 from .attention import sparse_attention
 from .block_pattern import (
     BlockPattern,
+    PatternLearner,
     attention_error,
     block_mass,
     learn_block_pattern,
@@ -36,6 +37,7 @@ __all__ = [
     "BlockMask",
     "BlockPattern",
     "Pattern",
+    "PatternLearner",
     "SparseMatrix",
     "__version__",
     "attention_error",

@@ -15,6 +15,7 @@ from .block_sparse import BlockMask, block_sparse_attention
 
 __all__ = [
     "BlockPattern",
+    "PatternLearner",
     "attention_error",
     "block_mass",
     "learn_block_pattern",
@@ -389,3 +390,126 @@ def attention_error(q: Tensor, k: Tensor, v: Tensor, pattern: BlockPattern) -> T
     sparse = block_sparse_attention(q64, k64, v64, mask)[0]
     dense = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64)[0]
     return (sparse - dense).flatten(1).norm(dim=1) / dense.flatten(1).norm(dim=1)
+
+
+class PatternLearner:
+    """A block pattern learned while training (the plan's initialise → learn → prune → refine
+    lifecycle, for one attention site): ``observe(q, k)`` each step folds the blocks' attention
+    mass (:func:`block_mass` over `sample_blocks` random query block rows, or all) into an
+    exponential moving average; ``mask()`` is None (dense) for the first `warmup` steps or
+    before any observation, then the pattern pruned from the average (:func:`prune_blocks`:
+    `sparsity`, `method` and keep rules), refreshed every `every` steps and frozen after
+    `freeze_after` steps. Block rows never observed keep an initial importance (uniform, or
+    `initial`: a BlockPattern's kept blocks weigh 1) so that an initialiser seeds the pattern.
+    Everything runs as torch ops on q's device: no host synchronisation in a step. The pattern
+    (:meth:`pattern`) can be saved and reloaded."""
+
+    def __init__(
+        self,
+        block_size: int,
+        sparsity: float,
+        method: str = "row",
+        every: int = 100,
+        warmup: int = 0,
+        freeze_after: int | None = None,
+        decay: float = 0.9,
+        sample_blocks: int | None = None,
+        initial: BlockPattern | None = None,
+        causal: bool = False,
+        **keep_rules,
+    ):
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay}")
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.block_size, self.sparsity, self.method = int(block_size), sparsity, method
+        self.every, self.warmup, self.freeze_after = every, warmup, freeze_after
+        self.decay, self.sample_blocks, self.causal = decay, sample_blocks, causal
+        self.keep_rules = keep_rules
+        self.initial = initial
+        self.steps = 0
+        self.importance: Tensor | None = None
+        self._seen: Tensor | None = None
+        self._keep: Tensor | None = None
+        self._mask: BlockMask | None = None
+
+    def observe(self, q: Tensor, k: Tensor) -> None:
+        """One step's q [H, N_q, D] and k [H, N_k, D] (detached): the mass of the sampled block
+        rows enters the average; the pattern is re-pruned when due."""
+        q, k = q.detach(), k.detach()
+        g = self.block_size
+        heads, n_q = q.shape[0], q.shape[1]
+        qb, kb = -(-n_q // g), -(-k.shape[1] // g)
+        if self.importance is None:
+            self.importance = torch.full(
+                (heads, qb, kb), 1.0 / kb, dtype=torch.float64, device=q.device
+            )
+            if self.initial is not None:
+                self.importance = (
+                    self.initial.blocks().to(q.device, torch.float64).expand(heads, qb, kb).clone()
+                )
+            self._seen = torch.zeros(qb, dtype=torch.bool, device=q.device)
+        frozen = self.freeze_after is not None and self.steps >= self.freeze_after
+        if not frozen:
+            rows = torch.arange(qb, device=q.device)
+            if self.sample_blocks is not None and self.sample_blocks < qb:
+                rows = torch.randperm(qb, device=q.device)[: self.sample_blocks]
+            elems = (rows[:, None] * g + torch.arange(g, device=q.device)).reshape(-1)
+            mass = _sampled_mass(q, k, g, elems, rows.numel(), self.causal)
+            old = self.importance[:, rows]
+            seen = self._seen[rows][None, :, None]
+            self.importance[:, rows] = torch.where(
+                seen, self.decay * old + (1 - self.decay) * mass, mass
+            )
+            self._seen[rows] = True
+        self.steps += 1
+        due = self._keep is None or (self.steps - self.warmup - 1) % self.every == 0
+        if self.steps > self.warmup and due and not (frozen and self._keep is not None):
+            self._keep = prune_blocks(
+                self.importance, self.sparsity, self.method, **self.keep_rules
+            )
+            self._mask = None
+
+    def mask(self) -> BlockMask | None:
+        """The current pattern as a mask for :func:`block_sparse_attention` (on q's device), or
+        None while training stays dense."""
+        if self._keep is None or self.steps <= self.warmup:
+            return None
+        if self._mask is None:
+            density = 1.0 - self.sparsity if self.method != "threshold" else None
+            self._mask = BlockMask(self._keep[None], self.block_size, self.causal, density)
+        return self._mask
+
+    def pattern(self, rows: int, cols: int) -> BlockPattern:
+        """The current pattern as a BlockPattern of rows x cols (reads it to the host)."""
+        if self._keep is None:
+            raise ValueError("PatternLearner: no pattern yet (observe past the warm-up first)")
+        made_by = (
+            f"PatternLearner: {self.steps} steps, ema decay {self.decay}, prune {self.method} "
+            f"sparsity={self.sparsity} {self.keep_rules}"
+        )
+        return BlockPattern.from_blocks(
+            self._keep.cpu(), self.block_size, rows=rows, cols=cols, made_by=made_by
+        )
+
+
+def _sampled_mass(q, k, g, elems, rows, causal):
+    """block_mass of `rows` whole block rows whose query rows are `elems` (g a row, in order;
+    those past N_q, in a partial last block, weigh nothing: masked, not dropped, so no shape
+    depends on data)."""
+    n_q, n_k = q.shape[1], k.shape[1]
+    kb = -(-n_k // g)
+    valid = (elems < n_q).to(torch.float64)
+    at = elems.clamp(max=n_q - 1)
+    s = (q[:, at].to(torch.float64) @ k.to(torch.float64).transpose(1, 2)) * q.shape[2] ** -0.5
+    if causal:
+        limit = at[:, None] + (n_k - n_q)
+        s = s.masked_fill(torch.arange(n_k, device=q.device)[None, :] > limit, float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0) * valid[None, :, None]
+    per_key = torch.zeros(q.shape[0], elems.numel(), kb, dtype=torch.float64, device=q.device)
+    per_key.index_add_(2, torch.arange(n_k, device=q.device) // g, p)
+    slot = torch.repeat_interleave(torch.arange(rows, device=q.device), g)
+    out = torch.zeros(q.shape[0], rows, kb, dtype=torch.float64, device=q.device)
+    out.index_add_(1, slot, per_key)
+    counts = torch.zeros(rows, dtype=torch.float64, device=q.device).index_add(0, slot, valid)
+    return out / counts.clamp(min=1)[None, :, None]

@@ -174,22 +174,27 @@ def test_prune_blocks_methods():
         trisparse.prune_blocks(imp, 0.5, "random")
 
 
+def _planted(heads, n, g, d, gen):
+    """q, k whose block row r attends two planted key blocks per head (as in the learner test)."""
+    nb = n // g
+    planted = torch.zeros(heads, nb, nb, dtype=torch.bool)
+    for h in range(heads):
+        for r in range(nb):
+            planted[h, r, torch.randperm(nb, generator=gen)[:2]] = True
+    basis = torch.eye(d)[:nb]
+    k = basis.repeat_interleave(g, 0).expand(heads, n, d) + 0.1 * torch.randn(
+        heads, n, d, generator=gen
+    )
+    q = 20.0 * (planted.float() @ basis).repeat_interleave(g, 1)
+    return planted, q + 0.1 * torch.randn(heads, n, d, generator=gen), k
+
+
 def test_learner_recovers_a_planted_pattern():
     """Queries of block row r point at the keys of two planted key blocks per head: the learned
     pattern at 2 of 16 key blocks a row recovers at least 95 % of the planted blocks."""
     heads, n, g, d = 2, 512, 32, 32
     nb = n // g
-    gen = torch.Generator().manual_seed(14)
-    planted = torch.zeros(heads, nb, nb, dtype=torch.bool)
-    for h in range(heads):
-        for r in range(nb):
-            planted[h, r, torch.randperm(nb, generator=gen)[:2]] = True
-    basis = torch.eye(d)[:nb]  # key block c points along e_c
-    k = basis.repeat_interleave(g, 0).expand(heads, n, d) + 0.1 * torch.randn(
-        heads, n, d, generator=gen
-    )
-    q = 20.0 * (planted.float() @ basis).repeat_interleave(g, 1)
-    q = q + 0.1 * torch.randn(heads, n, d, generator=gen)
+    planted, q, k = _planted(heads, n, g, d, torch.Generator().manual_seed(14))
     p = trisparse.learn_block_pattern(q, k, g, sparsity=1 - 2 / nb, keep_diagonal=False)
     learned = p.blocks()
     recovered = (learned & planted).sum() / planted.sum()
@@ -233,3 +238,41 @@ def test_flex_block_mask_holds_the_same_blocks():
     assert torch.equal(flex.to_dense()[0].bool(), blocks)
     back = trisparse.BlockMask.from_flex(flex)
     assert torch.equal(back.blocks[0], blocks) and back.block_size == 128
+
+
+def test_pattern_learner_schedule_and_recovery():
+    """Dense through the warm-up, then the pattern from the moving average of sampled block
+    masses: it recovers the planted blocks, refreshes every `every` steps, and stops changing
+    once frozen."""
+    torch.manual_seed(18)  # the learner's row samples
+    heads, n, g = 2, 512, 32
+    planted, q, k = _planted(heads, n, g, 32, torch.Generator().manual_seed(18))
+    learner = trisparse.PatternLearner(
+        g,
+        sparsity=1 - 2 / 16,
+        every=3,
+        warmup=2,
+        freeze_after=9,
+        sample_blocks=8,
+        keep_diagonal=False,
+    )
+    masks = []
+    for _ in range(12):
+        learner.observe(q, k)
+        masks.append(learner.mask())
+    assert masks[0] is None and masks[1] is None and masks[2] is not None
+    assert masks[3] is masks[2] and masks[4] is masks[2]  # refreshed every 3 steps
+    assert masks[5] is not masks[4]
+    assert masks[11] is masks[8] or torch.equal(masks[11].blocks, masks[8].blocks)  # frozen
+    learned = learner.pattern(n, n).blocks()
+    recovered = (learned & planted).sum() / planted.sum()
+    assert float(recovered) >= 0.95
+    assert "PatternLearner" in learner.pattern(n, n).made_by
+
+
+def test_pattern_learner_sampled_mass_equals_block_mass():
+    gen = torch.Generator().manual_seed(19)
+    q, k = torch.randn(2, 100, 8, generator=gen), torch.randn(2, 100, 8, generator=gen)
+    learner = trisparse.PatternLearner(16, sparsity=0.5, every=1, decay=0.0)
+    learner.observe(q, k)
+    assert torch.allclose(learner.importance, trisparse.block_mass(q, k, 16), atol=1e-12)
