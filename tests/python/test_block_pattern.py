@@ -175,7 +175,7 @@ def test_prune_blocks_methods():
 
 
 def _planted(heads, n, g, d, gen):
-    """q, k whose block row r attends two planted key blocks per head (as in the learner test)."""
+    """(planted blocks, q, k): block row r of head h attends the keys of two planted key blocks."""
     nb = n // g
     planted = torch.zeros(heads, nb, nb, dtype=torch.bool)
     for h in range(heads):
