@@ -37,7 +37,7 @@ cmake --build build/fuzz -j "$jobs"
 fuzz_seconds=${FUZZ_SECONDS:-10}
 fuzz_passed=0
 fuzz_failed=0
-for reader in edge_list matrix_market npy npz cache; do
+for reader in edge_list matrix_market npy npz cache pattern; do
   work=$(mktemp -d)
   cp "$root/tests/fuzz/corpus/$reader/"* "$work/"
   if (cd "$work" && "$root/build/fuzz/tests/fuzz/fuzz_$reader" -max_total_time="$fuzz_seconds" \

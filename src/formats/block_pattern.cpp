@@ -22,6 +22,8 @@ static_assert(std::endian::native == std::endian::little, "the pattern file is l
 
 constexpr char kMagic[8] = {'T', 'S', 'B', 'P', 'A', 'T', 'T', '\0'};
 constexpr std::uint32_t kVersion = 1;
+// Bounds that keep the block counts' arithmetic exact (far beyond any pattern's).
+constexpr std::int64_t kMaxBlock = std::int64_t{1} << 20, kMaxSide = std::int64_t{1} << 40;
 
 // 64-bit FNV-1a over the bytes.
 std::uint64_t fnv1a(std::span<const char> bytes) {
@@ -74,7 +76,7 @@ struct reader {
       throw invalid_input(name + ": truncated (it ends inside " + what + ")");
     }
     std::vector<T> xs(n);
-    std::memcpy(xs.data(), in.data() + at, n * sizeof(T));
+    if (n > 0) std::memcpy(xs.data(), in.data() + at, n * sizeof(T));
     at += n * sizeof(T);
     return xs;
   }
@@ -85,7 +87,9 @@ struct reader {
 void block_pattern::check() const {
   TRISPARSE_EXPECTS_INPUT(block >= 1,
                           "block_pattern: block must be >= 1, not " + std::to_string(block));
-  TRISPARSE_EXPECTS_INPUT(rows >= 0 && cols >= 0, "block_pattern: negative rows or cols");
+  TRISPARSE_EXPECTS_INPUT(block <= kMaxBlock, "block_pattern: block above 2^20");
+  TRISPARSE_EXPECTS_INPUT(rows >= 0 && cols >= 0 && rows <= kMaxSide && cols <= kMaxSide,
+                          "block_pattern: rows and cols must be in [0, 2^40]");
   TRISPARSE_EXPECTS_INPUT(!heads.empty(), "block_pattern: no heads");
   for (std::size_t h = 0; h < heads.size(); ++h) {
     const csr_graph& g = heads[h];
@@ -344,12 +348,16 @@ block_pattern load_block_pattern(const std::filesystem::path& path) {
   if (!f) throw invalid_input(name + ": cannot open the pattern file");
   const std::vector<char> bytes((std::istreambuf_iterator<char>(f)),
                                 std::istreambuf_iterator<char>());
+  return parse_block_pattern(bytes, name);
+}
+
+block_pattern parse_block_pattern(std::span<const char> bytes, const std::string& name) {
   if (bytes.size() < sizeof(kMagic) ||
       !std::equal(std::begin(kMagic), std::end(kMagic), bytes.begin()))
     throw invalid_input(name + ": not a trisparse pattern file (no TSBPATT magic)");
   if (bytes.size() < sizeof(kMagic) + sizeof(kVersion) + sizeof(std::uint64_t))
     throw invalid_input(name + ": truncated (no header)");
-  reader in{std::span(bytes).first(bytes.size() - sizeof(std::uint64_t)), name};
+  reader in{bytes.first(bytes.size() - sizeof(std::uint64_t)), name};
   in.at = sizeof(kMagic);
   const auto version = in.get<std::uint32_t>("the version");
   if (version != kVersion) {
@@ -368,7 +376,8 @@ block_pattern load_block_pattern(const std::filesystem::path& path) {
     const std::vector<char> text = in.get_all<char>(static_cast<std::int64_t>(made_by), "made_by");
     p.made_by.assign(text.begin(), text.end());
     p.order = in.get_all<std::int64_t>(order, "the node order");
-    if (p.block < 1 || p.rows < 0 || p.cols < 0 || heads < 1)
+    if (p.block < 1 || p.block > kMaxBlock || p.rows < 0 || p.cols < 0 || p.rows > kMaxSide ||
+        p.cols > kMaxSide || heads < 1)
       throw invalid_input(name + ": a broken header (block, sizes or heads)");
     for (std::int64_t h = 0; h < heads; ++h) {
       csr_graph g;

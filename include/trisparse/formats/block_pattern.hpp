@@ -4,6 +4,7 @@
 /// and a record of how the pattern was made (the learned-pattern plan's pattern object).
 #include <cstdint>
 #include <filesystem>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -90,6 +91,9 @@ block_pattern union_of(const std::vector<block_pattern>& patterns);
 /// FNV-1a checksum of everything before it. @throws invalid_input (the path in what()) if the
 /// file cannot be written or the pattern is broken.
 void save_block_pattern(const block_pattern& pattern, const std::filesystem::path& path);
+
+/// Parses a pattern file's bytes (as load_block_pattern, `name` in its messages).
+block_pattern parse_block_pattern(std::span<const char> bytes, const std::string& name);
 
 /// Reads what save_block_pattern wrote; the result is checked. @throws invalid_input whose
 /// what() starts with the path and names the problem: a missing or unreadable file, another
