@@ -277,33 +277,31 @@ def block_mass(
     """Each block's attention mass (float64 [H, query blocks, key blocks]): the softmax weights
     of softmax(scale q kᵀ) (causal: keys up to the query's position) summed over the block, each
     block row divided by its rows, so that a block row's masses sum to 1 (the true attention
-    mass a pattern keeps or drops). q [H, N_q, D], k [H, N_k, D]; computed exactly in float64,
-    a chunk of query blocks at a time (memory: H x chunk x N_k)."""
+    mass a pattern keeps or drops). q [H, N_q, D], k [H, N_k, D]; the scores and the softmax in
+    float64 for float64 inputs (exact), else in float32 (about 1e-6 relative), the block sums in
+    float64; a chunk of query blocks at a time on q's device (memory: H x chunk x N_k)."""
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"q and k must be [H, N, D] alike, got {tuple(q.shape)}, {tuple(k.shape)}")
     heads, n_q, d = q.shape
     n_k, g = k.shape[1], int(block_size)
     qb, kb = -(-n_q // g), -(-n_k // g)
     scale = d**-0.5 if scale is None else float(scale)
-    q64, k64 = q.to(torch.float64), k.to(torch.float64)
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qc, kc = q.to(dtype), k.to(dtype)
     out = torch.zeros(heads, qb, kb, dtype=torch.float64, device=q.device)
-    key_block = torch.arange(n_k, device=q.device) // g
     step = max(1, (1 << 24) // max(1, heads * n_k * g))  # query blocks a chunk
     for r0 in range(0, qb, step):
         rows = slice(r0 * g, min(n_q, (r0 + step) * g))
-        s = (q64[:, rows] @ k64.transpose(1, 2)) * scale  # [H, rows, N_k]
+        s = (qc[:, rows] @ kc.transpose(1, 2)) * scale  # [H, rows, N_k]
         if causal:
             i = torch.arange(rows.start, rows.stop, device=q.device)[:, None] + (n_k - n_q)
             s = s.masked_fill(torch.arange(n_k, device=q.device)[None, :] > i, float("-inf"))
         p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-        per_key_block = torch.zeros(heads, p.shape[1], kb, dtype=torch.float64, device=q.device)
-        per_key_block.index_add_(2, key_block, p)
-        row_block = (torch.arange(rows.start, rows.stop, device=q.device) // g) - r0
-        chunk = torch.zeros(
-            heads, -(-(rows.stop - rows.start) // g), kb, dtype=torch.float64, device=q.device
-        )
-        chunk.index_add_(1, row_block, per_key_block)
-        out[:, r0 : r0 + chunk.shape[1]] = chunk
+        blocks = -(-(rows.stop - rows.start) // g)
+        # Zero rows and keys up to whole blocks, then sum each G x G block.
+        p = torch.nn.functional.pad(p, (0, kb * g - n_k, 0, blocks * g - p.shape[1]))
+        per_key = p.view(heads, blocks * g, kb, g).sum(-1)  # contiguous runs of g keys
+        out[:, r0 : r0 + blocks] = per_key.view(heads, blocks, g, kb).sum(2, dtype=torch.float64)
     counts = torch.clamp(n_q - torch.arange(qb, device=q.device) * g, max=g).to(torch.float64)
     return out / counts[None, :, None]
 

@@ -138,7 +138,8 @@ def test_png_shows_each_head_with_kept_blocks_dark(tmp_path):
 @pytest.mark.parametrize("causal", [False, True])
 def test_block_mass_equals_float64_dense_attention(causal):
     g = torch.Generator().manual_seed(12)
-    q, k = torch.randn(2, 70, 8, generator=g), torch.randn(2, 90, 8, generator=g)
+    q = torch.randn(2, 70, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 90, 8, generator=g, dtype=torch.float64)
     mass = trisparse.block_mass(q, k, 16, causal=causal)
     s = (q.double() @ k.double().transpose(1, 2)) / math.sqrt(8)
     if causal:
@@ -151,6 +152,8 @@ def test_block_mass_equals_float64_dense_attention(causal):
         want[:, r] /= min(16, 70 - 16 * r)
     assert torch.allclose(mass, want, atol=1e-12)
     assert torch.allclose(mass.sum(-1), torch.ones(2, 5, dtype=torch.float64))
+    single = trisparse.block_mass(q.float(), k.float(), 16, causal=causal)  # float32 scores
+    assert single.dtype == torch.float64 and torch.allclose(single, want, atol=1e-5)
 
 
 def test_prune_blocks_methods():
@@ -272,7 +275,8 @@ def test_pattern_learner_schedule_and_recovery():
 
 def test_pattern_learner_sampled_mass_equals_block_mass():
     gen = torch.Generator().manual_seed(19)
-    q, k = torch.randn(2, 100, 8, generator=gen), torch.randn(2, 100, 8, generator=gen)
+    q = torch.randn(2, 100, 8, generator=gen, dtype=torch.float64)
+    k = torch.randn(2, 100, 8, generator=gen, dtype=torch.float64)
     learner = trisparse.PatternLearner(16, sparsity=0.5, every=1, decay=0.0)
     learner.observe(q, k)
     assert torch.allclose(learner.importance, trisparse.block_mass(q, k, 16), atol=1e-12)
