@@ -29,9 +29,8 @@ struct block_pattern {
   std::int64_t block_cols() const { return (cols + block - 1) / block; }
   std::int64_t num_heads() const { return static_cast<std::int64_t>(heads.size()); }
   /// @throws invalid_input naming the broken invariant: block outside [1, 2^20], sizes outside
-  /// [0, 2^40], no head, a
-  /// head of the wrong shape or with unsorted or repeated blocks, an order that is not a
-  /// permutation of the rows (or given for a pattern that is not square).
+  /// [0, 2^40], no head, a head of the wrong shape or with unsorted or repeated blocks, an order
+  /// that is not a permutation of the rows (or given for a pattern that is not square).
   void check() const;
   /// The mask of one sequence of rows x cols with one mask per head (or shared by all where
   /// there is one head), for block_sparse_attention_plan; `causal` as block_sparse_mask's.
