@@ -78,6 +78,32 @@ params params_of(const multigraph_view& g, const tensor_view& q, double scale) {
   return p;
 }
 
+// TransformerConv's operands (q, k, v, r, a) and the dropout factors, for forward and backward.
+template <class Args>
+params attention_params(const multigraph_view& g, const Args& a) {
+  params p = params_of(g, a.q, a.scale);
+  p.q = in_of(a.q);
+  p.k = in_of(a.k);
+  p.v = in_of(a.v);
+  p.r = in_of(a.r);
+  p.a = in_of(a.a);
+  p.keep = in_of(a.keep);
+  return p;
+}
+
+// GAT's operands (x, a_src, a_dst, a_edge, the slope) and the dropout factors.
+template <class Args>
+params gat_params(const multigraph_view& g, const Args& a) {
+  params p = params_of(g, a.x, 1.0);
+  p.v = in_of(a.x);
+  p.a_src = in_of(a.a_src);
+  p.a_dst = in_of(a.a_dst);
+  p.a_edge = in_of(a.a_edge);
+  p.slope = static_cast<float>(a.negative_slope);
+  p.keep = in_of(a.keep);
+  return p;
+}
+
 // A line kernel over the light lines (a warp a line), then over the listed heavy ones (a warp per
 // (line, head)).
 template <class K>
@@ -94,16 +120,10 @@ void over_lines(K kernel, const params& p, std::int64_t lines, std::int64_t heav
 void edge_attention_forward(const multigraph_view& g, const edge_attention_args& a,
                             stream_ref stream) {
   expect_current_device(g.device_id);
-  params p = params_of(g, a.q, a.scale);
-  p.q = in_of(a.q);
-  p.k = in_of(a.k);
-  p.v = in_of(a.v);
-  p.r = in_of(a.r);
-  p.a = in_of(a.a);
+  params p = attention_params(g, a);
   p.out = out_of(a.out);
   p.out_edge = out_of(a.out_edge);
   p.lse = out_of(a.lse);
-  p.keep = in_of(a.keep);
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const std::int64_t features = a.r.data != nullptr ? a.r.dim : 0;
   dispatch(a.q.type, a.q.dim, features, [&]<class T, int NC, int NF>() {
@@ -114,12 +134,7 @@ void edge_attention_forward(const multigraph_view& g, const edge_attention_args&
 void edge_attention_backward(const multigraph_view& g, const edge_attention_grad_args& a,
                              const workspace_view& workspace, stream_ref stream) {
   expect_current_device(g.device_id);
-  params p = params_of(g, a.q, a.scale);
-  p.q = in_of(a.q);
-  p.k = in_of(a.k);
-  p.v = in_of(a.v);
-  p.r = in_of(a.r);
-  p.a = in_of(a.a);
+  params p = attention_params(g, a);
   p.out_in = in_of(a.out);
   p.out_edge_in = in_of(a.out_edge);
   p.lse_in = in_of(a.lse);
@@ -130,7 +145,6 @@ void edge_attention_backward(const multigraph_view& g, const edge_attention_grad
   p.dv = out_of(a.dv);
   p.dr = out_of(a.dr);
   p.da = out_of(a.da);
-  p.keep = in_of(a.keep);
   p.prob = static_cast<float*>(workspace.data);
   p.dscore = p.prob + g.edges * p.heads;
   const auto s = static_cast<cudaStream_t>(stream.handle);
@@ -148,15 +162,9 @@ void edge_attention_backward(const multigraph_view& g, const edge_attention_grad
 
 void edge_gat_forward(const multigraph_view& g, const edge_gat_args& a, stream_ref stream) {
   expect_current_device(g.device_id);
-  params p = params_of(g, a.x, 1.0);
-  p.v = in_of(a.x);
-  p.a_src = in_of(a.a_src);
-  p.a_dst = in_of(a.a_dst);
-  p.a_edge = in_of(a.a_edge);
-  p.slope = static_cast<float>(a.negative_slope);
+  params p = gat_params(g, a);
   p.out = out_of(a.out);
   p.lse = out_of(a.lse);
-  p.keep = in_of(a.keep);
   const auto s = static_cast<cudaStream_t>(stream.handle);
   dispatch(a.x.type, a.x.dim, 0, [&]<class T, int NC, int NF>() {
     over_lines(forward_kernel<T, NC, 0, true>, p, g.rows, g.heavy_row_count, s);
@@ -166,12 +174,7 @@ void edge_gat_forward(const multigraph_view& g, const edge_gat_args& a, stream_r
 void edge_gat_backward(const multigraph_view& g, const edge_gat_grad_args& a,
                        const workspace_view& workspace, stream_ref stream) {
   expect_current_device(g.device_id);
-  params p = params_of(g, a.x, 1.0);
-  p.v = in_of(a.x);
-  p.a_src = in_of(a.a_src);
-  p.a_dst = in_of(a.a_dst);
-  p.a_edge = in_of(a.a_edge);
-  p.slope = static_cast<float>(a.negative_slope);
+  params p = gat_params(g, a);
   p.out_in = in_of(a.out);
   p.lse_in = in_of(a.lse);
   p.dout = in_of(a.dout);
@@ -179,7 +182,6 @@ void edge_gat_backward(const multigraph_view& g, const edge_gat_grad_args& a,
   p.da_src = out_of(a.da_src);
   p.da_dst = out_of(a.da_dst);
   p.da_edge = out_of(a.da_edge);
-  p.keep = in_of(a.keep);
   p.prob = static_cast<float*>(workspace.data);
   p.dscore = p.prob + g.edges * p.heads;
   const auto s = static_cast<cudaStream_t>(stream.handle);
