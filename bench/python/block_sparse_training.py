@@ -8,7 +8,8 @@ libraries' gradients relative to flex's largest entry. bf16 inputs [1, H, N, D],
 trisparse_device: the same blocks as a mask on the GPU, a new one (and its plan, built there)
 at every step; trisparse_device_hint: the same with the density given (BlockMask(density=1 - p)).
 
-  python3 bench/python/block_sparse_training.py --n 32768 131072 --block 64 128 \
+  python3 bench/python/block_sparse_training.py --n 32768 131072 --block 64 128 [--dense] \
+      [--importance] \
       --sparsity 0.5 0.9 0.95 0.99 > results.jsonl
 """
 
@@ -34,7 +35,21 @@ FLEX_OPTIONS_64 = [
 ]
 
 
-def point(compiled, q, k, v, dout, g, p, repeat):
+def dense_times(q, k, v, dout, repeat):
+    """Dense attention through SDPA's flash backend (the plan's speed gates compare with it):
+    forward and forward + backward medians in ms."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        with torch.no_grad():
+            fwd = time_ms(lambda: sdpa(q, k, v), repeat)
+        both = time_ms(lambda: torch.autograd.grad(sdpa(*leaves), leaves, dout), repeat)
+    return {"sdpa_flash_fwd_ms": fwd, "sdpa_flash_fwd_bwd_ms": both}
+
+
+def point(compiled, q, k, v, dout, g, p, repeat, dense=None, importance=False):
     """One (N, G, p) line: both libraries' times, and their gradients' largest difference."""
     h, n, d = q.shape[1], q.shape[2], q.shape[3]
     nb = -(-n // g)
@@ -58,6 +73,11 @@ def point(compiled, q, k, v, dout, g, p, repeat):
         return trisparse.block_sparse_attention(q_, k_, v_, last[0])
 
     fns["trisparse_device_hint"] = fresh_with_density
+    if importance:  # the host mask's step with the kernels' block importance (BlockImportance)
+        tracker = trisparse.BlockImportance()
+        fns["trisparse_importance"] = lambda q_, k_, v_: trisparse.block_sparse_attention(
+            q_, k_, v_, ours_mask, importance=tracker
+        )
     for i, opts in enumerate([None] if g >= 128 else FLEX_OPTIONS_64):
         fns[f"flex{i}"] = lambda q_, k_, v_, opts=opts: compiled(
             q_, k_, v_, block_mask=flex_mask, kernel_options=opts
@@ -95,8 +115,17 @@ def point(compiled, q, k, v, dout, g, p, repeat):
     if "trisparse_device" in grads and "trisparse" in grads:
         pairs = zip(grads["trisparse_device"], grads["trisparse"], strict=True)
         r["device_mask_grad_max_diff"] = max(float((a - b).abs().max()) for a, b in pairs)
+    if "trisparse_importance_fwd_bwd_ms" in r:
+        r["importance_overhead"] = (
+            r["trisparse_importance_fwd_bwd_ms"] / r["trisparse_fwd_bwd_ms"] - 1
+        )
     if "trisparse_fwd_bwd_ms" in r:
         r["bwd_over_fwd"] = r["trisparse_fwd_bwd_ms"] / r["trisparse_fwd_ms"] - 1
+    if dense is not None and "trisparse_fwd_bwd_ms" in r:
+        r.update(dense)
+        r["speedup_fwd_bwd_vs_sdpa_flash"] = (
+            dense["sdpa_flash_fwd_bwd_ms"] / r["trisparse_fwd_bwd_ms"]
+        )
     r["torch"] = torch.__version__
     r["gpu"] = torch.cuda.get_device_name()
     return r
@@ -110,6 +139,10 @@ def main():
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--dense", action="store_true", help="also time SDPA's flash backend, dense")
+    ap.add_argument(
+        "--importance", action="store_true", help="also time the step with BlockImportance"
+    )
     args = ap.parse_args()
     dev = torch.device("cuda")
     compiled = torch.compile(flex_attention, dynamic=False)
@@ -121,9 +154,11 @@ def main():
             - 1
             for _ in range(4)
         )
+        dense = dense_times(q, k, v, dout, args.repeat) if args.dense else None
         for g in args.block:
             for p in args.sparsity:
-                print(json.dumps(point(compiled, q, k, v, dout, g, p, args.repeat)), flush=True)
+                line = point(compiled, q, k, v, dout, g, p, args.repeat, dense, args.importance)
+                print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":

@@ -235,9 +235,13 @@ struct py_block_sparse_plan {
                 const std::optional<tensor_tuple>& out, const std::optional<tensor_tuple>& lse,
                 const tensor_tuple& dout, const tensor_tuple& dq, const tensor_tuple& dk,
                 const tensor_tuple& dv, std::optional<double> scale, std::uintptr_t stream,
-                std::uintptr_t ws, std::size_t ws_bytes) const {
+                std::uintptr_t ws, std::size_t ws_bytes,
+                const std::optional<tensor_tuple>& block_mass,
+                const std::optional<tensor_tuple>& block_grad) const {
     attention_options o;
     o.scale = scale;
+    o.block_mass = view_of(block_mass);
+    o.block_grad = view_of(block_grad);
     nb::gil_scoped_release release;
     plan.backward(view_of(q), view_of(k), view_of(v), view_of(out), view_of(lse), view_of(dout),
                   view_of(dq), view_of(dk), view_of(dv), o, stream_of(stream),
@@ -864,13 +868,16 @@ NB_MODULE(_C, m) {
            "scale"_a.none(), "stream"_a, "workspace"_a, "workspace_bytes"_a)
       .def("backward", &py_block_sparse_plan::backward, "q"_a, "k"_a, "v"_a, "out"_a.none(),
            "lse"_a.none(), "dout"_a, "dq"_a, "dk"_a, "dv"_a, "scale"_a.none(), "stream"_a,
-           "workspace"_a, "workspace_bytes"_a)
+           "workspace"_a, "workspace_bytes"_a, "block_mass"_a.none() = nb::none(),
+           "block_grad"_a.none() = nb::none())
       .def("workspace_bytes", [](const py_block_sparse_plan& p, std::int64_t heads,
                                  std::int64_t dim) { return p.plan.workspace_bytes(heads, dim); })
-      .def("backward_workspace_bytes",
-           [](const py_block_sparse_plan& p, std::int64_t heads) {
-             return p.plan.backward_workspace_bytes(heads);
-           })
+      .def(
+          "backward_workspace_bytes",
+          [](const py_block_sparse_plan& p, std::int64_t heads, bool importance) {
+            return p.plan.backward_workspace_bytes(heads, importance);
+          },
+          "heads"_a, "importance"_a = false)
       .def_prop_ro("backend", [](const py_block_sparse_plan& p) {
         const auto& r = p.plan.report();
         return trisparse::backend_name(r.algo, r.where);

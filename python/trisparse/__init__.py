@@ -16,9 +16,10 @@ from .block_pattern import (
     attention_error,
     block_mass,
     learn_block_pattern,
+    pooled_block_mass,
     prune_blocks,
 )
-from .block_sparse import BlockMask, block_sparse_attention, topk_block_mask
+from .block_sparse import BlockImportance, BlockMask, block_sparse_attention, topk_block_mask
 from .edge import edge_scores, edge_softmax, edge_spmm, sddmm
 from .edge_attention import edge_attention, edge_gat_attention
 from .gat import gat_attention
@@ -34,6 +35,7 @@ def cuda_available() -> bool:
 
 
 __all__ = [
+    "BlockImportance",
     "BlockMask",
     "BlockPattern",
     "Pattern",
@@ -52,6 +54,7 @@ __all__ = [
     "gat_attention",
     "gcn_conv",
     "learn_block_pattern",
+    "pooled_block_mass",
     "prune_blocks",
     "sddmm",
     "sparse_attention",

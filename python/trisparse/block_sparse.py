@@ -14,9 +14,39 @@ from . import _C, _tensors
 from ._registry import Registry
 from .pattern import row_offsets
 
-__all__ = ["BlockMask", "block_sparse_attention", "topk_block_mask"]
+__all__ = ["BlockImportance", "BlockMask", "block_sparse_attention", "topk_block_mask"]
 
 _masks = Registry("mask", "trisparse.BlockMask")
+_trackers = Registry("importance", "trisparse.BlockImportance")
+
+
+class BlockImportance:
+    """What the kernels measure of each kept block while they train: pass it as
+    ``block_sparse_attention(..., importance=this)`` and the backward, which recomputes the
+    softmax weights P from the forward's log-sum-exp anyway, also writes per head and kept block
+
+    - ``mass``: the attention mass, sum of P over the block's (query, key) pairs divided by the
+      block's query rows (a block row's masses sum to 1 over the blocks the mask keeps);
+    - ``grad``: the sum of |dS| over the block, dS = dL/dz for the scaled scores z;
+
+    as float32 [B, H, query blocks, key blocks] (the packed form: [sequences, H, ...]), zeros
+    where the mask drops a block; None before the first backward. Each block is summed in a fixed
+    order, without atomics: the same bits on every run. The last backward's values are kept
+    (``steps`` counts the backwards); :class:`PatternLearner` folds them into its average."""
+
+    def __init__(self):
+        self.mass: Tensor | None = None
+        self.grad: Tensor | None = None
+        self.steps = 0
+        self._shape: tuple[int, int] | None = None  # (B, H) of the last call
+        self.id = _trackers.add(self)
+
+    def _record(self, mass: Tensor, grad: Tensor) -> None:
+        # [sequences, QB, H', KB] from the op, H' = B * H where the heads were folded.
+        b, h = self._shape
+        qb, kb = mass.shape[1], mass.shape[3]
+        self.mass, self.grad = (t.permute(0, 2, 1, 3).reshape(b, h, qb, kb) for t in (mass, grad))
+        self.steps += 1
 
 
 class BlockMask:
@@ -192,9 +222,11 @@ def _forward(
     cu_k: list[int],
     scale: float,
     with_lse: bool,
+    importance: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Packed [rows, H, D] tensors, sequence i at rows cu_q[i]:cu_q[i + 1] (keys cu_k); returns
-    out and, on CUDA with `with_lse`, each row's log-sum-exp (f32 [rows, H]; else [0, H])."""
+    out and, on CUDA with `with_lse`, each row's log-sum-exp (f32 [rows, H]; else [0, H]).
+    `importance`: the id of a BlockImportance the backward fills (0: none)."""
     plan = _plan(q, mask, cu_q, cu_k)
     out = _out_like(q, v.shape[2])
     lse = q.new_empty(_lse_rows(q, with_lse), q.shape[1], dtype=torch.float32)
@@ -214,7 +246,7 @@ def _forward(
 
 
 @_forward.register_fake
-def _forward_fake(q, k, v, mask, cu_q, cu_k, scale, with_lse):
+def _forward_fake(q, k, v, mask, cu_q, cu_k, scale, with_lse, importance=0):
     return (
         _out_like(q, v.shape[2]),
         q.new_empty(_lse_rows(q, with_lse), q.shape[1], dtype=torch.float32),
@@ -233,10 +265,14 @@ def _backward_op(
     cu_q: list[int],
     cu_k: list[int],
     scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
+    importance: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv, and with `importance` each kept block's attention mass and |dS| sum (f32
+    [sequences, query blocks, H, key blocks], zeros where the mask drops a block; else [0])."""
     plan = _plan(q, mask, cu_q, cu_k)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    mass, grad = _importance_like(q, mask, cu_q, cu_k, importance)
     on_cuda = q.device.type == "cuda"
     if on_cuda and plan.backend != "cuda_block":
         raise NotImplementedError(
@@ -244,8 +280,9 @@ def _backward_op(
             f"sizes a multiple of 16 and head dims 64 or 128); this mask runs {plan.backend}"
         )
     _owner, ws, ws_bytes = _tensors.workspace(
-        plan.backward_workspace_bytes(q.shape[1]) if on_cuda else 0, q.device
+        plan.backward_workspace_bytes(q.shape[1], importance) if on_cuda else 0, q.device
     )
+    blocks = [_tensors.view(t.flatten(0, 1)) if importance else None for t in (mass, grad)]
     plan.backward(
         *(_tensors.view(t) for t in (q, k, v)),
         _tensors.view(out) if on_cuda else None,
@@ -255,20 +292,35 @@ def _backward_op(
         _tensors.stream(q.device),
         ws,
         ws_bytes,
+        *blocks,
     )
-    return dq, dk, dv
+    return dq, dk, dv, mass, grad
+
+
+def _importance_like(q, mask, cu_q, cu_k, importance):
+    """Zeroed block importance outputs: [sequences, QB, H, KB] f32 (QB, KB: the longest
+    sequence's query and key blocks), or [0] without `importance`."""
+    if not importance:
+        return tuple(q.new_zeros(0, dtype=torch.float32) for _ in range(2))
+    g = _masks.lookup(mask).block_size
+    lq = max(b - a for a, b in itertools.pairwise(cu_q))
+    lk = max(b - a for a, b in itertools.pairwise(cu_k))
+    shape = (len(cu_q) - 1, -(-lq // g), q.shape[1], -(-lk // g))
+    return tuple(q.new_zeros(shape, dtype=torch.float32) for _ in range(2))
 
 
 @_backward_op.register_fake
-def _backward_fake(q, k, v, out, lse, dout, mask, cu_q, cu_k, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _backward_fake(q, k, v, out, lse, dout, mask, cu_q, cu_k, scale, importance=False):
+    mass, grad = _importance_like(q, mask, cu_q, cu_k, importance)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), mass, grad
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, cu_q, cu_k, scale, _with_lse = inputs
+    q, k, v, mask, cu_q, cu_k, scale, _with_lse, importance = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.mask, ctx.cu_q, ctx.cu_k, ctx.scale = mask, cu_q, cu_k, scale
+    ctx.importance = _trackers.get(importance) if importance else None
     # Held until the backward: a mask made for one step (a top-k selection) may be dropped by the
     # caller as soon as the forward returns.
     ctx.mask_object = _masks.get(mask)
@@ -276,10 +328,13 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.trisparse.block_sparse_attention_backward(
-        q, k, v, out, lse, dout, ctx.mask, ctx.cu_q, ctx.cu_k, ctx.scale
+    tracker = ctx.importance
+    dq, dk, dv, mass, grad = torch.ops.trisparse.block_sparse_attention_backward(
+        q, k, v, out, lse, dout, ctx.mask, ctx.cu_q, ctx.cu_k, ctx.scale, tracker is not None
     )
-    return dq, dk, dv, None, None, None, None, None
+    if tracker is not None:
+        tracker._record(mass, grad)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _forward.register_autograd(_backward, setup_context=_setup_context)
@@ -321,6 +376,7 @@ def block_sparse_attention(
     scale: float | None = None,
     cu_seqlens_q: Tensor | list[int] | None = None,
     cu_seqlens_k: Tensor | list[int] | None = None,
+    importance: BlockImportance | None = None,
 ) -> Tensor:
     """Attention of q [B, H, N_q, D] over k [B, H, N_k, D], v [B, H, N_k, Dv] under a block mask
     (a :class:`BlockMask`, or FlexAttention's ``BlockMask``, converted by
@@ -336,7 +392,9 @@ def block_sparse_attention(
 
     Differentiable in q, k and v, deterministically: on CUDA by the tensor-core backward (block
     sizes a multiple of 16, D 64 or 128; other masks raise NotImplementedError), on the CPU by
-    the CPU engine's fp32 backward (float64 inputs: the float64 reference)."""
+    the CPU engine's fp32 backward (float64 inputs: the float64 reference). With ``importance``
+    (a :class:`BlockImportance`) the backward also measures each kept block's attention mass and
+    gradient there, in the same pass (eager and CUDA graphs; not under torch.compile)."""
     if not isinstance(mask, BlockMask):
         if hasattr(mask, "kv_num_blocks") and hasattr(mask, "BLOCK_SIZE"):
             # Converted once and kept on the FlexAttention mask: the ops refer to it by id, so it
@@ -410,8 +468,16 @@ def block_sparse_attention(
 
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     qp, kp, vp = (t if t.stride(-1) == 1 else t.contiguous() for t in (qp, kp, vp))
+    tracker = 0
+    if importance is not None:
+        if not isinstance(importance, BlockImportance):
+            raise TypeError(
+                f"importance must be a trisparse.BlockImportance, got {type(importance).__name__}"
+            )
+        importance._shape = (len(cu_q) - 1, h) if packed else (b, h)
+        tracker = importance.id
     out, _lse = torch.ops.trisparse.block_sparse_attention(
-        qp, kp, vp, mask.id, cu_q, cu_k, scale, needs_grad
+        qp, kp, vp, mask.id, cu_q, cu_k, scale, needs_grad, tracker
     )
     if packed:
         return out

@@ -234,6 +234,15 @@ csr_graph batch_pattern(const block_sparse_mask& m, std::int64_t h) {
   return g;
 }
 
+std::pair<std::int64_t, std::int64_t> most_blocks(const block_sparse_mask& m) {
+  std::int64_t lq = 0, lk = 0;
+  for (std::int64_t b = 0; b < m.batch(); ++b) {
+    lq = std::max(lq, m.len_q(b));
+    lk = std::max(lk, m.len_k(b));
+  }
+  return {(lq + m.block - 1) / m.block, (lk + m.block - 1) / m.block};
+}
+
 block_mask empty_block_mask(std::int64_t lq, std::int64_t lk, std::int64_t g) {
   block_mask m;
   m.rows = lq;

@@ -62,6 +62,21 @@ void check_bias(const tensor_view& bias, const char* what, std::int64_t nnz, std
                                                    " but the plan runs on " + to_string(where));
 }
 
+void check_block_importance(const attention_options& options, std::int64_t batch, std::int64_t qb,
+                            std::int64_t heads, std::int64_t kb, device_kind where) {
+  for (const auto& [t, what] : {std::pair{&options.block_mass, "block_mass"},
+                                std::pair{&options.block_grad, "block_grad"}}) {
+    if (t->data == nullptr) continue;
+    TRISPARSE_EXPECTS_INPUT(
+        t->type == dtype::f32 || (where == device_kind::cpu && t->type == dtype::f64),
+        std::string(what) + " must be f32" + (where == device_kind::cpu ? " or f64" : "") +
+            ", got " + t->describe());
+    check_view(*t, what, batch * qb, heads, kb);
+    TRISPARSE_EXPECTS_INPUT(t->where == where, std::string(what) + " is on " + to_string(t->where) +
+                                                   " but the plan runs on " + to_string(where));
+  }
+}
+
 double resolve_scale(const std::optional<double>& scale, std::int64_t head_dim) {
   const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(head_dim)));
   if (!std::isfinite(s)) throw invalid_input("scale must be finite, got " + std::to_string(s));

@@ -4,6 +4,7 @@
 
 #include "trisparse/core/tensor.hpp"
 #include "trisparse/graph/csr.hpp"
+#include "trisparse/ops/attention.hpp"
 
 namespace trisparse::detail {
 
@@ -34,6 +35,12 @@ void check_bias(const tensor_view& bias, const char* what, std::int64_t nnz, std
 inline std::int64_t bias_head(const tensor_view& bias, std::int64_t h) {
   return bias.heads == 1 ? 0 : h;
 }
+
+/// Checks a block-sparse backward's importance outputs (options.block_mass, block_grad, those
+/// set): [batch * qb, heads, kb], f32 (or f64 on the CPU), on `where`.
+/// @throws invalid_input naming the argument.
+void check_block_importance(const attention_options& options, std::int64_t batch, std::int64_t qb,
+                            std::int64_t heads, std::int64_t kb, device_kind where);
 
 /// The scale to use: the given one, or 1/sqrt(head_dim). @throws invalid_input if not finite.
 double resolve_scale(const std::optional<double>& scale, std::int64_t head_dim);

@@ -96,7 +96,7 @@ void check_run_args(const block_sparse_mask& m, const tensor_view& q, const tens
 // The block kernel's own backward workspace, for up to `heads` heads.
 device_tensor own_backward_workspace(const cuda::block_sparse_device_plan& plan,
                                      std::int64_t heads) {
-  const std::size_t own = cuda::block_sparse_backward_workspace_bytes(plan, heads);
+  const std::size_t own = cuda::block_sparse_backward_workspace_bytes(plan, heads, false);
   return {dtype::f32, std::max<std::int64_t>(static_cast<std::int64_t>(own / 4), 1), 1, 1};
 }
 
@@ -205,8 +205,8 @@ block_sparse_attention_plan block_sparse_attention_plan::build(
   s->report.rows = layout.cu_seqlens_q.back();
   s->report.cols = layout.cu_seqlens_k.back();
   s->report.nnz = -1;
-  s->device = cuda::make_block_sparse_plan_on_device(layout, kept, options.kernel,
-                                                     options.gradients, options.mean_blocks, stream);
+  s->device = cuda::make_block_sparse_plan_on_device(
+      layout, kept, options.kernel, options.gradients, options.mean_blocks, stream);
   // workspace_heads = 0: every backward passes its own.
   if (options.gradients && options.workspace_heads > 0) {
     s->grad_heads = options.workspace_heads;
@@ -290,9 +290,12 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
   }
 }
 
-std::size_t block_sparse_attention_plan::backward_workspace_bytes(std::int64_t heads) const {
+std::size_t block_sparse_attention_plan::backward_workspace_bytes(std::int64_t heads,
+                                                                  bool importance) const {
   TRISPARSE_EXPECTS_INPUT(heads >= 0, "backward_workspace_bytes: heads must be >= 0");
-  return state_->device ? cuda::block_sparse_backward_workspace_bytes(*state_->device, heads) : 0;
+  return state_->device
+             ? cuda::block_sparse_backward_workspace_bytes(*state_->device, heads, importance)
+             : 0;
 }
 
 void block_sparse_attention_plan::backward(const tensor_view& q, const tensor_view& k,
@@ -306,6 +309,9 @@ void block_sparse_attention_plan::backward(const tensor_view& q, const tensor_vi
   check_run_args(m, q, k, v, dout, where);
   detail::check_gradient_args(q, k, v, dq, dk, dv, where);
   const double scale = detail::resolve_scale(options.scale, q.dim);
+  const auto [qb, kb] = detail::most_blocks(m);
+  detail::check_block_importance(options, m.batch(), qb, q.heads, kb, where);
+  const cuda::block_importance_views importance{options.block_mass, options.block_grad, qb};
   if (where == device_kind::cpu) {
     const algorithm algo =
         options.algo == algorithm::automatic ? state_->report.algo : options.algo;
@@ -316,6 +322,10 @@ void block_sparse_attention_plan::backward(const tensor_view& q, const tensor_vi
       reference::block_sparse_attention_backward(m, q, k, v, dout, dq, dk, dv, scale);
     else
       cpu_block_sparse_backward(m, q, k, v, dout, dq, dk, dv, static_cast<float>(scale));
+    if (importance.wanted()) {
+      cpu::block_importance_unchecked(m, q, k, v, dout, scale, importance.mass, importance.grad,
+                                      qb);
+    }
     return;
   }
   if (state_->report.algo != algorithm::block) {
@@ -326,6 +336,9 @@ void block_sparse_attention_plan::backward(const tensor_view& q, const tensor_vi
   }
   detail::check_saved_forward(m.cu_seqlens_q.back(), q, v, out, lse);
   workspace_view ws = given;
+  TRISPARSE_EXPECTS_INPUT(ws.data != nullptr || !importance.wanted(),
+                          "block-sparse backward with block importance: pass a workspace of "
+                          "backward_workspace_bytes(heads, true) bytes");
   if (ws.empty()) {
     TRISPARSE_EXPECTS_INPUT(
         state_->grad_own.view().data != nullptr && q.heads <= state_->grad_heads,
@@ -335,8 +348,8 @@ void block_sparse_attention_plan::backward(const tensor_view& q, const tensor_vi
             "workspace");
     ws = {state_->grad_own.view().data, static_cast<std::size_t>(state_->grad_own.view().rows) * 4};
   }
-  cuda::run_block_sparse_backward(*state_->device, q, k, v, out, lse, dout, dq, dk, dv, scale, ws,
-                                  stream);
+  cuda::run_block_sparse_backward(*state_->device, q, k, v, out, lse, dout, dq, dk, dv, scale,
+                                  importance, ws, stream);
 }
 
 std::array<double, 3> block_sparse_attention_plan::run_timing_stages(

@@ -104,14 +104,18 @@ void topk_block_sparse_plan::backward(const tensor_view& q, const tensor_view& k
   TRISPARSE_EXPECTS_INPUT(state_->selected, "top-k plan: select() the mask before backward()");
   TRISPARSE_EXPECTS_INPUT(q.heads == m.heads, "the plan has " + std::to_string(m.heads) +
                                                   " heads, q " + std::to_string(q.heads));
+  const auto [qb, kb] = detail::most_blocks(m);
+  detail::check_block_importance(options, m.batch(), qb, q.heads, kb, device_kind::cuda);
   cuda::run_block_sparse_backward(cuda::attention_of(*state_->device), q, k, v, out, lse, dout, dq,
-                                  dk, dv, detail::resolve_scale(options.scale, q.dim), workspace,
-                                  stream);
+                                  dk, dv, detail::resolve_scale(options.scale, q.dim),
+                                  {options.block_mass, options.block_grad, qb}, workspace, stream);
 }
 
-std::size_t topk_block_sparse_plan::backward_workspace_bytes(std::int64_t heads) const {
+std::size_t topk_block_sparse_plan::backward_workspace_bytes(std::int64_t heads,
+                                                             bool importance) const {
   TRISPARSE_EXPECTS_INPUT(heads >= 0, "backward_workspace_bytes: heads must be >= 0");
-  return cuda::block_sparse_backward_workspace_bytes(cuda::attention_of(*state_->device), heads);
+  return cuda::block_sparse_backward_workspace_bytes(cuda::attention_of(*state_->device), heads,
+                                                     importance);
 }
 
 block_sparse_mask topk_block_sparse_plan::mask(stream_ref stream) const {

@@ -3,6 +3,8 @@
 // batches with per-head, causal, rectangular and emptied masks; scores near 1e4; N = 65537 and a
 // batch of 1024 sequences. The forward writes the lse the backward reads; two backward runs are
 // bitwise equal; rows and columns no pair reaches get exact zeros.
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -62,6 +64,87 @@ struct kept_bytes {
     view = {d, 0, shared ? 0 : m.heads * rows * cols, rows * cols, cols, rows, cols};
   }
 };
+
+// The block importance a backward writes on request (attention_options::block_mass, block_grad)
+// against the CPU's float64 sums: every kept block, the mass within 2e-3 of the largest, |dS|
+// within 2e-2 (bf16) or 4e-3 (f16), as dS takes <dO, O> from the forward's O rounded to q's type
+// (as the gradients do); two runs give the same bits, and the gradients stay those of the run
+// without it (`grads`).
+void check_importance(const block_sparse_mask& m, const block_sparse_attention_plan& plan,
+                      const host_tensor& hq, const host_tensor& hk, const host_tensor& hv,
+                      const host_tensor& hdo, double scale, const host_tensor (&grads)[3]) {
+  const std::int64_t h = hq.view().heads, nq = hq.view().rows, nk = hk.view().rows;
+  const std::int64_t dim = hq.view().dim, g = m.block;
+  std::int64_t lq = 0, lk = 0;
+  for (std::int64_t b = 0; b < m.batch(); ++b) {
+    lq = std::max(lq, m.len_q(b));
+    lk = std::max(lk, m.len_k(b));
+  }
+  const std::int64_t qb = (lq + g - 1) / g, kb = (lk + g - 1) / g, rows = m.batch() * qb;
+  const dtype gt = grads[0].view().type;
+  test::device_tensor q(hq), k(hk), v(hv), dout(hdo), out(host_tensor(hq.view().type, nq, h, dim)),
+      lse(host_tensor(dtype::f32, nq, h, 1)), dq(host_tensor(gt, nq, h, dim)),
+      dk(host_tensor(gt, nk, h, dim)), dv(host_tensor(gt, nk, h, dim)),
+      mass(host_tensor(dtype::f32, rows, h, kb)), grad(host_tensor(dtype::f32, rows, h, kb)),
+      ws(host_tensor(dtype::f32,
+                     static_cast<std::int64_t>(plan.backward_workspace_bytes(h, true) / 4) + 1, 1,
+                     1));
+  plan.run(q.view(), k.view(), v.view(), out.view(), {.scale = scale, .lse = lse.view()});
+  host_tensor first[2];
+  for (int round = 0; round < 2; ++round) {
+    mass.poison();
+    grad.poison();
+    ws.poison();
+    plan.backward(q.view(), k.view(), v.view(), out.view(), lse.view(), dout.view(), dq.view(),
+                  dk.view(), dv.view(),
+                  {.scale = scale, .block_mass = mass.view(), .block_grad = grad.view()}, {},
+                  {ws.view().data, plan.backward_workspace_bytes(h, true)});
+    host_tensor now[2] = {mass.download(), grad.download()};
+    if (round == 0) {
+      const host_tensor d[3] = {dq.download(), dk.download(), dv.download()};
+      for (int i = 0; i < 3; ++i) {
+        EXPECT_EQ(std::memcmp(d[i].data(), grads[i].data(), d[i].size_bytes()), 0)
+            << "importance changed the gradients";
+      }
+      first[0] = std::move(now[0]);
+      first[1] = std::move(now[1]);
+    } else {
+      for (int i = 0; i < 2; ++i) {
+        EXPECT_EQ(std::memcmp(first[i].data(), now[i].data(), now[i].size_bytes()), 0)
+            << "importance differs between runs: a race";
+      }
+    }
+  }
+  host_tensor want[2] = {host_tensor(dtype::f64, rows, h, kb),
+                         host_tensor(dtype::f64, rows, h, kb)};
+  const auto cpu = block_sparse_attention_plan::build(m, device_kind::cpu);
+  host_tensor dqc(dtype::f32, nq, h, dim), dkc(dtype::f32, nk, h, dim), dvc(dtype::f32, nk, h, dim);
+  cpu.backward(hq.view(), hk.view(), hv.view(), {}, {}, hdo.view(), dqc.view(), dkc.view(),
+               dvc.view(),
+               {.scale = scale, .block_mass = want[0].view(), .block_grad = want[1].view()});
+  const char* names[2] = {"block_mass", "block_grad"};
+  for (int i = 0; i < 2; ++i) {
+    double top = 0.0, err = 0.0;
+    std::int64_t bad = 0;
+    for (std::int64_t b = 0; b < m.batch(); ++b) {
+      for (std::int64_t x = 0; x < h; ++x) {
+        const csr_graph& blocks = m.at(b, x).blocks;
+        for (std::int64_t r = 0; r < blocks.rows; ++r) {
+          for (std::int64_t e = blocks.row_ptr[r]; e < blocks.row_ptr[r + 1]; ++e) {
+            const std::int64_t at = first[i].view().offset(b * qb + r, x, blocks.col_idx[e]);
+            const double got = first[i].get(at), ref = want[i].get(at);
+            bad += !std::isfinite(got);
+            top = std::max(top, std::abs(ref));
+            err = std::max(err, std::abs(got - ref));
+          }
+        }
+      }
+    }
+    EXPECT_EQ(bad, 0) << names[i] << ": kept blocks unwritten or not finite";
+    const double tol = i == 0 ? 2e-3 : (hq.view().type == dtype::bf16 ? 2e-2 : 4e-3);
+    EXPECT_LE(err, tol * top + 1e-6) << names[i] << ": largest " << top;
+  }
+}
 
 // on_device: the plan is built from the mask's blocks as bytes on the device (kept_bytes), with
 // `shared` as there.
@@ -155,6 +238,7 @@ void check(const block_sparse_mask& m, const grad_case& c, std::uint64_t seed, d
     }
   }
   EXPECT_EQ(wrong, 0) << "rows and columns no pair reaches must get exact zeros";
+  if (plan.report().nnz * h <= 20'000'000) check_importance(m, plan, hq, hk, hv, hdo, scale, got);
 }
 
 // Every block size x causal x dtype x head dim x gradient dtype, on a ragged batch (lengths 0, 1,

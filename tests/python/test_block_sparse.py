@@ -325,3 +325,110 @@ def test_topk_selection_with_torch_ops_matches_the_library(causal, keep_diagonal
     assert torch.equal(_topk_blocks_on_device(q, k, *args), want)
     if torch.cuda.is_available():
         assert torch.equal(torch.ops.trisparse.topk_blocks(q.cuda(), k.cuda(), *args).cpu(), want)
+
+
+def dense_block_importance(q, k, v, dout, blocks, g, causal, scale):
+    """The float64 oracle of BlockImportance: P and dS = P (dP - rowsum(P dP)) of the masked
+    dense softmax, summed per G x G block ([B, H, QB, KB]); mass divided by the block's rows."""
+    q, k, v, dout = (t.double() for t in (q, k, v, dout))
+    n_q, n_k = q.shape[2], k.shape[2]
+    m = blocks.repeat_interleave(g, 2).repeat_interleave(g, 3)[..., :n_q, :n_k]
+    if causal:
+        m = m & (torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None] + (n_k - n_q))
+    s = (q @ k.transpose(-1, -2)) * scale
+    p = torch.softmax(s.masked_fill(~m, -math.inf), dim=-1).nan_to_num(0.0)
+    dp = dout @ v.transpose(-1, -2)
+    ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+    qb, kb = blocks.shape[2], blocks.shape[3]
+
+    def block_sums(x):
+        x = torch.nn.functional.pad(x, (0, kb * g - n_k, 0, qb * g - n_q))
+        return x.view(*x.shape[:2], qb, g, kb, g).sum((3, 5))
+
+    rows = torch.clamp(n_q - torch.arange(qb) * g, max=g).double()
+    return block_sums(p) / rows[:, None], block_sums(ds.abs())
+
+
+def check_importance(q, k, v, dout, mask, blocks, causal, tol, **kwargs):
+    """BlockImportance after a backward against the oracle, kept blocks only (dropped: 0), and
+    the same gradients as without it."""
+    b, h = q.shape[0], q.shape[1]
+    scale = 1 / math.sqrt(q.shape[3])
+    imp = trisparse.BlockImportance()
+    got = with_grads(
+        lambda a, c, e: trisparse.block_sparse_attention(a, c, e, mask, importance=imp, **kwargs),
+        q,
+        k,
+        v,
+        dout,
+    )
+    plain = with_grads(
+        lambda a, c, e: trisparse.block_sparse_attention(a, c, e, mask, **kwargs), q, k, v, dout
+    )
+    for x, y in zip(got, plain, strict=True):
+        assert torch.equal(x, y), "importance changed the results"
+    full = blocks.expand(b, h, *blocks.shape[2:]).cpu()
+    want = dense_block_importance(
+        q.cpu(), k.cpu(), v.cpu(), dout.cpu(), full, mask.block_size, causal, scale
+    )
+    assert imp.steps == 1
+    for name, x, y in zip(("mass", "grad"), (imp.mass, imp.grad), want, strict=True):
+        assert x.shape == y.shape and x.dtype == torch.float32, (name, x.shape)
+        x = x.cpu().double()
+        assert torch.equal(x[~full], torch.zeros_like(x[~full])), f"{name}: dropped blocks"
+        err = float((x - y).abs().max() / y.abs().max().clamp_min(1e-30))
+        assert err <= tol, (name, err)
+    # A second backward gives the same bits.
+    first = imp.mass.clone(), imp.grad.clone()
+    with_grads(
+        lambda a, c, e: trisparse.block_sparse_attention(a, c, e, mask, importance=imp, **kwargs),
+        q,
+        k,
+        v,
+        dout,
+    )
+    assert imp.steps == 2
+    assert torch.equal(first[0], imp.mass) and torch.equal(first[1], imp.grad)
+    return imp
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(2, 3, 96, 96, 16, 32, 1, 3), (1, 2, 70, 100, 8, 16, 1, 1)])
+def test_block_importance_matches_float64(shape, dtype, causal):
+    b, h, n_q, n_k, d, g, mask_b, mask_h = shape
+    gen = torch.Generator().manual_seed(n_q + h)
+    blocks = torch.rand(mask_b, mask_h, math.ceil(n_q / g), math.ceil(n_k / g), generator=gen) < 0.6
+    q, k, v = inputs(b, h, n_q, n_k, d, dtype, seed=5)
+    dout = torch.randn(b, h, n_q, d, generator=gen).to(dtype)
+    mask = trisparse.BlockMask(blocks, g, causal=causal)
+    check_importance(q, k, v, dout, mask, blocks, causal, 1e-5)
+
+
+def test_block_importance_of_a_full_mask_sums_to_one_per_block_row():
+    q, k, v = inputs(1, 2, 80, 80, 8, torch.float32, seed=9)
+    mask = trisparse.BlockMask(torch.ones(1, 1, 5, 5, dtype=torch.bool), 16)
+    imp = trisparse.BlockImportance()
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    trisparse.block_sparse_attention(*leaves, mask, importance=imp).sum().backward()
+    torch.testing.assert_close(imp.mass.sum(-1), torch.ones(1, 2, 5), rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="importance must be a trisparse.BlockImportance"):
+        trisparse.block_sparse_attention(q, k, v, mask, importance=object())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    ("dtype", "d", "g"),
+    [(torch.bfloat16, 64, 64), (torch.float16, 64, 128), (torch.bfloat16, 128, 32)],
+)
+def test_block_importance_on_cuda(dtype, d, g, causal):
+    b, h, n = 2, 2, 700
+    gen = torch.Generator().manual_seed(d + g)
+    nb = math.ceil(n / g)
+    blocks = torch.rand(b, h, nb, nb, generator=gen) < 0.5
+    q, k, v = (t.to("cuda") for t in inputs(b, h, n, n, d, dtype, seed=3))
+    dout = torch.randn(b, h, n, d, generator=gen).to("cuda", dtype)
+    for on_device in (False, True):  # a host mask, and one the device's kernels read
+        mask = trisparse.BlockMask(blocks.to("cuda") if on_device else blocks, g, causal=causal)
+        check_importance(q, k, v, dout, mask, blocks, causal, 2e-3)

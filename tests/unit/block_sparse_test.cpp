@@ -460,5 +460,51 @@ TEST(BlockSparsePlan, RejectsWhatItCannotRun) {
   EXPECT_THROW(block_sparse_attention_plan::build(broken), invalid_input);
 }
 
+// Block importance on the CPU (attention_options::block_mass, block_grad): with every block kept a
+// block row's masses sum to 1 and every |dS| sum is >= 0, in each dtype the outputs take; ragged
+// sequences use rows b * QB + r; wrong shapes and dtypes are named.
+TEST(BlockSparseImportance, FullMaskRowsSumToOneAndBadViewsAreNamed) {
+  const std::vector<std::int64_t> lens{70, 33};
+  const auto mask = make_block_sparse_mask({.layout = block_layout::dense, .block = 16}, lens);
+  const auto plan = block_sparse_attention_plan::build(mask);
+  const std::int64_t rows = 103, heads = 2, dim = 8, qb = 5, kb = 5;
+  host_tensor q(dtype::f32, rows, heads, dim), k(dtype::f32, rows, heads, dim),
+      v(dtype::f32, rows, heads, dim), dout(dtype::f32, rows, heads, dim),
+      dq(dtype::f32, rows, heads, dim), dk(dtype::f32, rows, heads, dim),
+      dv(dtype::f32, rows, heads, dim);
+  q.fill_uniform(-1, 1, 1);
+  k.fill_uniform(-1, 1, 2);
+  v.fill_uniform(-1, 1, 3);
+  dout.fill_uniform(-1, 1, 4);
+  for (const dtype t : {dtype::f32, dtype::f64}) {
+    host_tensor mass(t, 2 * qb, heads, kb), grad(t, 2 * qb, heads, kb);
+    plan.backward(q.view(), k.view(), v.view(), {}, {}, dout.view(), dq.view(), dk.view(),
+                  dv.view(), {.block_mass = mass.view(), .block_grad = grad.view()});
+    for (std::int64_t b = 0; b < 2; ++b) {
+      const std::int64_t blocks = (lens[static_cast<std::size_t>(b)] + 15) / 16;
+      for (std::int64_t r = 0; r < blocks; ++r) {
+        for (std::int64_t h = 0; h < heads; ++h) {
+          double sum = 0.0;
+          for (std::int64_t c = 0; c < blocks; ++c) {
+            sum += mass.get(mass.view().offset(b * qb + r, h, c));
+            EXPECT_GE(grad.get(grad.view().offset(b * qb + r, h, c)), 0.0);
+          }
+          EXPECT_NEAR(sum, 1.0, 1e-6) << "sequence " << b << " block row " << r;
+        }
+      }
+    }
+  }
+  host_tensor short_rows(dtype::f32, qb, heads, kb), half(dtype::f16, 2 * qb, heads, kb);
+  for (const tensor_view& bad : {short_rows.view(), half.view()}) {
+    try {
+      plan.backward(q.view(), k.view(), v.view(), {}, {}, dout.view(), dq.view(), dk.view(),
+                    dv.view(), {.block_mass = bad});
+      ADD_FAILURE() << "a bad block_mass was accepted";
+    } catch (const invalid_input& e) {
+      EXPECT_NE(std::string(e.what()).find("block_mass"), std::string::npos) << e.what();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace trisparse

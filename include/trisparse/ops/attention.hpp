@@ -78,6 +78,18 @@ struct attention_options {
   /// entry order (f32 on CUDA; any float dtype on the CPU), overwritten; each entry is written
   /// once, so it is deterministic (sum over the heads for a shared bias). With or without a bias.
   tensor_view dbias{};
+  /// Block-sparse backward() only (CUDA algorithm::block, the CPU): where data != nullptr, each
+  /// kept block's attention mass per head, the softmax weights P (recomputed from the forward's
+  /// lse) summed over the block's (query, key) pairs and divided by the block's query rows, so
+  /// that a block row's masses sum to 1 when the mask keeps every key: f32 (f64 too on the CPU)
+  /// [batch * QB, H, KB], row b * QB + r for sequence b's query block r, QB and KB the longest
+  /// sequence's query and key blocks. Blocks the mask drops are not written (fill them first).
+  /// Each block is written once, in a fixed order of sums: deterministic. What a learned pattern
+  /// keeps (block_pattern.hpp).
+  tensor_view block_mass{};
+  /// As block_mass, the sum of |dS| over the block, dS = dL/dz for the scaled score z (not
+  /// divided by the rows): how much the loss moves with the block's scores.
+  tensor_view block_grad{};
 };
 
 /// The scale run() applies: options.scale, or 1/sqrt(head_dim). @throws invalid_input if not

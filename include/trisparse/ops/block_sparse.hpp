@@ -115,15 +115,18 @@ class block_sparse_attention_plan {
   /// (algorithm::block, a plan built with gradients): FlashAttention-2's backward over the mask
   /// and its transpose on tensor cores, q, k, v, dout f16 or bf16, D 64 or 128, dq/dk/dv in q's
   /// dtype or f32, asynchronous on `stream`; `workspace`: backward_workspace_bytes() bytes, or
-  /// empty for the plan's own. @throws invalid_input naming a wrong argument; not_supported for
-  /// the fused and unfused CUDA algorithms.
+  /// empty for the plan's own. With options.block_mass or block_grad, also each kept block's
+  /// importance (attention_options); on CUDA the workspace must then be given,
+  /// backward_workspace_bytes(heads, true) bytes. @throws invalid_input naming a wrong argument;
+  /// not_supported for the fused and unfused CUDA algorithms.
   void backward(const tensor_view& q, const tensor_view& k, const tensor_view& v,
                 const tensor_view& out, const tensor_view& lse, const tensor_view& dout,
                 const tensor_view& dq, const tensor_view& dk, const tensor_view& dv,
                 const attention_options& options = {}, stream_ref stream = {},
                 workspace_view workspace = {}) const;
-  /// Bytes of workspace that a CUDA backward with `heads` heads needs (0 on the CPU).
-  std::size_t backward_workspace_bytes(std::int64_t heads) const;
+  /// Bytes of workspace that a CUDA backward with `heads` heads needs (0 on the CPU); with
+  /// `importance`, one that also writes attention_options::block_mass or block_grad.
+  std::size_t backward_workspace_bytes(std::int64_t heads, bool importance = false) const;
 
   /// unfused plans: run() with events around the pipeline's kernels; returns their times in
   /// milliseconds (SDDMM, softmax, SpMM; summed over the groups of heads whose scores the
@@ -179,7 +182,7 @@ class topk_block_sparse_plan {
                 const tensor_view& dq, const tensor_view& dk, const tensor_view& dv,
                 workspace_view workspace, const attention_options& options = {},
                 stream_ref stream = {}) const;
-  std::size_t backward_workspace_bytes(std::int64_t heads) const;
+  std::size_t backward_workspace_bytes(std::int64_t heads, bool importance = false) const;
 
   /// The last selected mask, downloaded (synchronous on `stream`). @throws invalid_input before
   /// the first select().

@@ -8,4 +8,13 @@ namespace trisparse::cpu {
 void block_sparse_attention_unchecked(const block_sparse_mask& mask, const tensor_view& q,
                                       const tensor_view& k, const tensor_view& v,
                                       const tensor_view& out, float scale);
+
+/// Block importance (attention_options::block_mass, block_grad; either view may be empty), float64
+/// sums over the rows' recomputed softmax, OpenMP over (query block, head); operands and views
+/// already checked; row b * qb_max + r for sequence b's block row r. Blocks the mask drops are not
+/// written.
+void block_importance_unchecked(const block_sparse_mask& mask, const tensor_view& q,
+                                const tensor_view& k, const tensor_view& v, const tensor_view& dout,
+                                double scale, const tensor_view& mass, const tensor_view& grad,
+                                std::int64_t qb_max);
 }  // namespace trisparse::cpu

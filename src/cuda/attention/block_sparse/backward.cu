@@ -1,5 +1,6 @@
 // The block-sparse backward's launches (kernels: backward.cuh): the per-row terms, then dq over
-// the query tiles, then dk and dv over the key tiles, all on one stream.
+// the query tiles, then dk and dv over the key tiles, and on request the block importance's last
+// step (importance.cuh), all on one stream.
 #include <string>
 
 #include "../../common/error.cuh"
@@ -14,9 +15,58 @@ namespace trisparse::cuda {
 namespace {
 
 constexpr int kTermThreads = 256;  // 8 rows x heads items a block of the terms kernel
+constexpr int kFinishThreads = 128;
 
 std::size_t terms_bytes(std::int64_t heads, std::int64_t rows) {
-  return static_cast<std::size_t>(2 * heads * rows) * sizeof(float);
+  return (static_cast<std::size_t>(2 * heads * rows) * sizeof(float) + 15) / 16 * 16;
+}
+
+// The warps of the dk/dv kernel (wgmma: one warpgroup; mma.sync: a warp per 16 key rows).
+int key_tile_warps(const block_sparse_device_plan& plan, std::int64_t dim) {
+#if TRISPARSE_HAVE_SM90A
+  if (plan.wgmma && plan.backward_tile_rows == 64 && block_sparse::wgmma_backward_takes(dim))
+    return 4;
+#endif
+  (void)dim;
+  return static_cast<int>(plan.backward_tile_rows / 16);
+}
+
+// The block importance's partial sums: a slot per transposed entry (per head with a shared mask),
+// key tile of its key block and warp of the dk/dv kernel, two floats each (the most warps any
+// head dim takes: 4).
+std::int64_t importance_slots(const block_sparse_device_plan& plan, std::int64_t heads) {
+  return (plan.mask_heads == 1 ? heads : 1) * static_cast<std::int64_t>(plan.t_idx.size()) *
+         (plan.block / plan.backward_tile_rows) * 4;
+}
+
+/// A block per (head, key tile) whose tile starts a key block: each thread takes entries of the
+/// block's transposed column, adds their key tiles' warps' partials in order, and writes the mass
+/// (per query row of the block) and the |dS| sum.
+__global__ void importance_finish_kernel(const __grid_constant__ block_sparse::backward_params p,
+                                         const __grid_constant__ block_sparse::importance_out o) {
+  const int h = static_cast<int>(blockIdx.x / p.num_key_tiles);
+  const block_sparse::tile t = p.key_tiles[blockIdx.x % p.num_key_tiles];
+  if (t.row0 % p.block != 0) return;
+  const int c = t.row0 / p.block;
+  const std::int64_t lq = p.cu_q[t.seq + 1] - p.cu_q[t.seq];
+  const std::int32_t* col =
+      p.t_ptr + p.t_mask_col[t.seq * p.mask_heads + (p.mask_heads == 1 ? 0 : h)] + c;
+  const std::int64_t head_slot = (p.mask_heads == 1 ? std::int64_t{h} : 0) * p.imp_slots;
+  for (int e = col[0] + static_cast<int>(threadIdx.x); e < col[1];
+       e += static_cast<int>(blockDim.x)) {
+    const int r = p.t_idx[e];
+    float m = 0.f, g = 0.f;
+    for (int x = 0; x < p.imp_sub * p.imp_warps; ++x) {
+      const std::int64_t slot = (head_slot + e) * p.imp_sub * p.imp_warps + x;
+      m += p.imp_partial[2 * slot];
+      g += p.imp_partial[2 * slot + 1];
+    }
+    const std::int64_t rows = min(std::int64_t{p.block}, lq - std::int64_t{r} * p.block);
+    const std::int64_t at = t.seq * o.qb_max + r;
+    if (o.mass != nullptr)
+      o.mass[at * o.mass_row + h * o.mass_head + c] = rows > 0 ? m / static_cast<float>(rows) : 0.f;
+    if (o.grad != nullptr) o.grad[at * o.grad_row + h * o.grad_head + c] = g;
+  }
 }
 
 // The dq and dk/dv kernels at tile rows BM (the plan's backward tile: 16, 32 or 64). The streamed
@@ -37,15 +87,18 @@ void launch_gradients(const block_sparse::backward_params& p, const block_sparse
 }  // namespace
 
 std::size_t block_sparse_backward_workspace_bytes(const block_sparse_device_plan& plan,
-                                                  std::int64_t heads) {
-  return terms_bytes(heads, plan.rows_q);
+                                                  std::int64_t heads, bool importance) {
+  return terms_bytes(heads, plan.rows_q) +
+         (importance ? static_cast<std::size_t>(2 * importance_slots(plan, heads)) * sizeof(float)
+                     : 0);
 }
 
 void run_block_sparse_backward(const block_sparse_device_plan& plan, const tensor_view& q,
                                const tensor_view& k, const tensor_view& v, const tensor_view& out,
                                const tensor_view& lse, const tensor_view& dout,
                                const tensor_view& dq, const tensor_view& dk, const tensor_view& dv,
-                               double scale, workspace_view workspace, stream_ref stream) {
+                               double scale, const block_importance_views& importance,
+                               workspace_view workspace, stream_ref stream) {
   const char* what = "the CUDA block-sparse backward";
   TRISPARSE_EXPECTS_INPUT(plan.gradients,
                           "block-sparse backward: this plan was built without gradients "
@@ -69,11 +122,13 @@ void run_block_sparse_backward(const block_sparse_device_plan& plan, const tenso
   check_16byte_rows(dk, "dk");
   check_16byte_rows(dv, "dv");
   expect_current_device(plan.device);
-  const std::size_t need = terms_bytes(q.heads, plan.rows_q);
+  const std::size_t need =
+      block_sparse_backward_workspace_bytes(plan, q.heads, importance.wanted());
   TRISPARSE_EXPECTS_INPUT(workspace.data != nullptr && workspace.bytes >= need,
                           "block-sparse backward: the workspace holds " +
                               std::to_string(workspace.bytes) + " bytes, it needs " +
-                              std::to_string(need) + " (block_sparse_backward_workspace_bytes)");
+                              std::to_string(need) + " (backward_workspace_bytes" +
+                              (importance.wanted() ? " with importance)" : ")"));
   block_sparse::backward_params p{};
   static_cast<block_sparse::params&>(p) = run_params(plan, q, k, v, out, lse, scale);
   p.tiles = plan.backward_tiles.data();
@@ -102,6 +157,16 @@ void run_block_sparse_backward(const block_sparse_device_plan& plan, const tenso
   p.key_tiles = plan.key_tiles.data();
   p.num_key_tiles = plan.num_key_tiles;
   const auto s = static_cast<cudaStream_t>(stream.handle);
+  if (importance.wanted()) {
+    p.imp_partial = reinterpret_cast<float*>(static_cast<char*>(workspace.data) +
+                                             terms_bytes(q.heads, plan.rows_q));
+    p.imp_slots = static_cast<std::int64_t>(plan.t_idx.size());
+    p.imp_sub = static_cast<std::int32_t>(plan.block / plan.backward_tile_rows);
+    p.imp_warps = key_tile_warps(plan, q.dim);
+    // Zeros where a key tile sees none of a block's rows (the walk skips those query tiles).
+    TRISPARSE_CUDA_TRY(cudaMemsetAsync(
+        p.imp_partial, 0, static_cast<std::size_t>(2 * importance_slots(plan, q.heads)) * 4, s));
+  }
   with_half_type(q.type, "block-sparse backward's q", [&]<class T>() {
     const std::int64_t items = plan.rows_q * q.heads;
     if (items > 0) {
@@ -134,6 +199,18 @@ void run_block_sparse_backward(const block_sparse_device_plan& plan, const tenso
       }
     });
   });
+  if (importance.wanted() && plan.num_key_tiles > 0 && q.heads > 0) {
+    const block_sparse::importance_out o{static_cast<float*>(importance.mass.data),
+                                         static_cast<float*>(importance.grad.data),
+                                         importance.mass.row_stride,
+                                         importance.mass.head_stride,
+                                         importance.grad.row_stride,
+                                         importance.grad.head_stride,
+                                         importance.qb_max};
+    importance_finish_kernel<<<static_cast<unsigned>(q.heads * plan.num_key_tiles), kFinishThreads,
+                               0, s>>>(p, o);
+    TRISPARSE_CUDA_TRY(cudaGetLastError());
+  }
 }
 
 }  // namespace trisparse::cuda

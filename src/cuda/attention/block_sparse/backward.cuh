@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "../../common/convert.cuh"
+#include "importance.cuh"
 #include "tile.cuh"
 
 namespace trisparse::cuda::block_sparse {
@@ -57,7 +58,8 @@ struct key_walk {
   int h, lq, lk, row0, shift;
   std::int64_t q0, k0;
   int e, e_end, u, sub;
-  int first_row;  // causal: rows before it see none of the tile's keys
+  int first_row;   // causal: rows before it see none of the tile's keys
+  int entry = -1;  // the transposed entry (kept block) of the tile next() returned last
 
   __device__ __forceinline__ explicit key_walk(const backward_params& params) : p(params) {
     h = static_cast<int>(blockIdx.x / p.num_key_tiles);
@@ -82,12 +84,15 @@ struct key_walk {
   /// The first query row of the next query tile, or -1 past the end.
   __device__ __forceinline__ int next() {
     while (e < e_end) {
-      const int i = p.t_idx[e] * p.block + u * BN;
+      const int at = e, i = p.t_idx[e] * p.block + u * BN;
       if (++u == sub) {
         u = 0;
         ++e;
       }
-      if (i < lq && min(i + BN, lq) - 1 >= first_row) return i;
+      if (i < lq && min(i + BN, lq) - 1 >= first_row) {
+        entry = at;
+        return i;
+      }
     }
     return -1;
   }
@@ -155,6 +160,9 @@ __global__ void __launch_bounds__(BM / 16 * 32)
   };
 
   int y_cur = w.next();
+  [[maybe_unused]] int e_cur =
+      walk_entry(w);  // dk/dv: the kept block being walked (block importance)
+  [[maybe_unused]] importance_sums<BN> imp;
   if (y_cur >= 0) {
     load_rows<D, BM, kThreads>(sx1, x1g + ((x0 + w.row0) * x1s + w.h * x1h) * 2, x1s,
                                x_len - w.row0);
@@ -189,6 +197,7 @@ __global__ void __launch_bounds__(BM / 16 * 32)
   for (int it = 0; y_cur >= 0; ++it) {
     const int stage = it & 1;
     const int y_next = w.next();
+    [[maybe_unused]] const int e_next = walk_entry(w);
     if (y_next >= 0) load_stage(stage ^ 1, y_next);
     arch::cp_async_commit();
     arch::cp_async_wait<1>();
@@ -223,8 +232,9 @@ __global__ void __launch_bounds__(BM / 16 * 32)
 
     // P (in s) and dS = P (dP - dterm) (in t); masked pairs give exact zeros.
     bool masked;
-    if constexpr (KV)
-      masked = y_cur + BN > w.lq || (p.causal && w.row0 + BM - 1 > y_cur + w.shift);
+    if constexpr (KV)  // keys past the sequence too: their P enters the block importance
+      masked = y_cur + BN > w.lq || w.row0 + BM > w.lk ||
+               (p.causal && w.row0 + BM - 1 > y_cur + w.shift);
     else
       masked = y_cur + BN - 1 > w.kall;
 #pragma unroll
@@ -242,6 +252,12 @@ __global__ void __launch_bounds__(BM / 16 * 32)
         }
         s[n][e] = pv;
         t[n][e] = pv * (t[n][e] - dterm);
+      }
+    }
+    if constexpr (KV) {
+      if (p.imp_partial != nullptr) {  // the walk is the block's: uniform
+        imp.add(s, t);
+        if (y_next < 0 || e_next != e_cur) imp.flush(p, w.h, e_cur, w.row0);
       }
     }
 
@@ -268,6 +284,7 @@ __global__ void __launch_bounds__(BM / 16 * 32)
     }
     __syncthreads();  // every warp is done with this stage before it is refilled
     y_cur = y_next;
+    e_cur = e_next;
   }
 
   const auto store = [&]<class G>() {

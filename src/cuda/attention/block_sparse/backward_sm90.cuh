@@ -101,6 +101,9 @@ __global__ void __launch_bounds__(128, 2)
   };
 
   int y_cur = w.next();
+  [[maybe_unused]] int e_cur =
+      walk_entry(w);  // dk/dv: the kept block being walked (block importance)
+  [[maybe_unused]] importance_sums<BN> imp;
   if (y_cur >= 0) {
     load_rows<D, BM, kThreads>(sx1, x1g + ((x0 + w.row0) * x1s + w.h * x1h) * 2, x1s,
                                x_len - w.row0);
@@ -134,6 +137,7 @@ __global__ void __launch_bounds__(128, 2)
   for (int it = 0; y_cur >= 0; ++it) {
     const int stage = it & 1;
     const int y_next = w.next();
+    [[maybe_unused]] const int e_next = walk_entry(w);
     if (y_next >= 0) load_stage(stage ^ 1, y_next);
     arch::cp_async_commit();
     arch::cp_async_wait<1>();
@@ -152,8 +156,9 @@ __global__ void __launch_bounds__(128, 2)
 
     // P (in s) and dS = P (dP - dterm) (in t); masked pairs give exact zeros.
     bool masked;
-    if constexpr (KV)
-      masked = y_cur + BN > w.lq || (p.causal && w.row0 + BM - 1 > y_cur + w.shift);
+    if constexpr (KV)  // keys past the sequence too: their P enters the block importance
+      masked = y_cur + BN > w.lq || w.row0 + BM > w.lk ||
+               (p.causal && w.row0 + BM - 1 > y_cur + w.shift);
     else
       masked = y_cur + BN - 1 > w.kall;
 #pragma unroll
@@ -173,6 +178,9 @@ __global__ void __launch_bounds__(128, 2)
         t[n][e] = pv * (t[n][e] - dterm);
       }
     }
+    if constexpr (KV) {
+      if (p.imp_partial != nullptr) imp.add(s, t);
+    }
 
     // dq += dS K; or dk += dSᵀ Q and dv += Pᵀ dO.
     std::uint32_t da[BN / 16][4], pa[KV ? BN / 16 : 1][4];
@@ -185,11 +193,16 @@ __global__ void __launch_bounds__(128, 2)
     issue_accumulate<T, D>(acc[0], da, y1);
     if constexpr (KV) issue_accumulate<T, D>(acc[kAcc - 1], pa, y2);
     arch::wgmma_commit();
+    if constexpr (KV) {  // the warp's reduction while the tensor cores accumulate
+      if (p.imp_partial != nullptr && (y_next < 0 || e_next != e_cur))
+        imp.flush(p, w.h, e_cur, w.row0);
+    }
     arch::wgmma_wait<0>();
 #pragma unroll
     for (int a = 0; a < kAcc; ++a) arch::fence_operands(flat(acc[a]));
     __syncthreads();  // every warp is done with this stage before it is refilled
     y_cur = y_next;
+    e_cur = e_next;
   }
 
   const auto store = [&]<class G>() {

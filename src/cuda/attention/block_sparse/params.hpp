@@ -61,6 +61,14 @@ struct backward_params : params {
   // The key tiles of the dk/dv kernel (row0 = the tile's first key), most work first.
   const tile* key_tiles;
   std::int32_t num_key_tiles;
+  // Block importance (importance.cuh), where imp_partial is set: the dk/dv kernel's warp w writes
+  // per transposed entry e (of head h's slots with a shared mask) and key tile x of its key block
+  // imp_partial[2 s] = sum P, imp_partial[2 s + 1] = sum |dS| of the pairs it saw, at
+  // s = (((mask_heads == 1 ? h : 0) * imp_slots + e) * imp_sub + x) * imp_warps + w (imp_sub key
+  // tiles a block, imp_warps warps a key tile).
+  float* imp_partial;
+  std::int64_t imp_slots;
+  std::int32_t imp_sub, imp_warps;
 };
 
 }  // namespace trisparse::cuda::block_sparse

@@ -51,20 +51,31 @@ TRISPARSE_CUDA_ENTRY(void run_block_sparse(const block_sparse_device_plan& plan,
                                            const tensor_view& v, const tensor_view& out,
                                            const tensor_view& lse, double scale, stream_ref stream))
 
-/// Bytes of workspace run_block_sparse_backward needs for `heads` heads (the per-row terms).
+/// What a backward also writes, where mass.data or grad.data is set: each kept block's attention
+/// mass and |dS| sum (attention_options::block_mass, block_grad; f32, checked by the caller), row
+/// seq * qb_max + r for sequence seq's query block r.
+struct block_importance_views {
+  tensor_view mass{}, grad{};
+  std::int64_t qb_max = 0;
+  bool wanted() const { return mass.data != nullptr || grad.data != nullptr; }
+};
+
+/// Bytes of workspace run_block_sparse_backward needs for `heads` heads (the per-row terms; with
+/// `importance`, also the block importance's partial sums).
 TRISPARSE_CUDA_ENTRY(std::size_t block_sparse_backward_workspace_bytes(
-    const block_sparse_device_plan& plan, std::int64_t heads))
+    const block_sparse_device_plan& plan, std::int64_t heads, bool importance))
 
 /// dq, dk, dv of out = run_block_sparse(q, k, v) given dout, out and the forward's lse (f32
 /// [rows, H, 1]): three kernels, asynchronous on `stream`, no atomics (bitwise deterministic).
 /// q, k, v, dout as run_block_sparse's inputs (one type), out that type or f32; dq, dk, dv all
 /// q's type or all f32. The plan must have been made with gradients. Shapes are checked by the
-/// caller. @throws invalid_input for unsupported dtypes, dims, layouts or a small workspace.
+/// caller. With `importance` wanted, a fourth kernel writes it (the workspace sized for it).
+/// @throws invalid_input for unsupported dtypes, dims, layouts or a small workspace.
 TRISPARSE_CUDA_ENTRY(void run_block_sparse_backward(
     const block_sparse_device_plan& plan, const tensor_view& q, const tensor_view& k,
     const tensor_view& v, const tensor_view& out, const tensor_view& lse, const tensor_view& dout,
     const tensor_view& dq, const tensor_view& dk, const tensor_view& dv, double scale,
-    workspace_view workspace, stream_ref stream))
+    const block_importance_views& importance, workspace_view workspace, stream_ref stream))
 
 TRISPARSE_CUDA_ENTRY(std::int64_t device_bytes(const block_sparse_device_plan& plan))
 

@@ -1,0 +1,94 @@
+// The CPU's block importance (attention_options::block_mass / block_grad): per (sequence, query
+// block, head), each row's softmax over its kept keys and dS = P (dP - <dP, P>) in float64, summed
+// per kept block. Each task writes its own block row: deterministic.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "engine.hpp"
+#include "trisparse/core/numeric.hpp"
+
+namespace trisparse::cpu {
+
+namespace {
+
+double dot_rows(const tensor_view& a, std::int64_t ra, const tensor_view& b, std::int64_t rb,
+                std::int64_t h) {
+  double s = 0.0;
+  for (std::int64_t d = 0; d < a.dim; ++d) {
+    s += load_as_double(a.data, a.type, a.offset(ra, h, d)) *
+         load_as_double(b.data, b.type, b.offset(rb, h, d));
+  }
+  return s;
+}
+
+}  // namespace
+
+void block_importance_unchecked(const block_sparse_mask& mask, const tensor_view& q,
+                                const tensor_view& k, const tensor_view& v, const tensor_view& dout,
+                                double scale, const tensor_view& mass, const tensor_view& grad,
+                                std::int64_t qb_max) {
+  const std::int64_t heads = q.heads, g = mask.block;
+  std::vector<std::pair<std::int64_t, std::int64_t>> block_rows;  // (sequence, query block)
+  for (std::int64_t b = 0; b < mask.batch(); ++b) {
+    for (std::int64_t r = 0; r * g < mask.len_q(b); ++r) block_rows.emplace_back(b, r);
+  }
+  const auto tasks = static_cast<std::int64_t>(block_rows.size()) * heads;
+
+#pragma omp parallel
+  {
+    std::vector<double> score, dp, block_p, block_ds;
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t task = 0; task < tasks; ++task) {
+      const auto [b, r] = block_rows[task / heads];
+      const std::int64_t h = task % heads;
+      const std::int64_t q0 = mask.cu_seqlens_q[b], k0 = mask.cu_seqlens_k[b];
+      const std::int64_t rows = std::min(g, mask.len_q(b) - r * g);
+      const csr_graph& blocks = mask.at(b, h).blocks;
+      const std::int64_t e0 = blocks.row_ptr[r], e1 = blocks.row_ptr[r + 1];
+      block_p.assign(static_cast<std::size_t>(e1 - e0), 0.0);
+      block_ds.assign(block_p.size(), 0.0);
+      for (std::int64_t i = r * g; i < r * g + rows; ++i) {
+        const std::int64_t last = mask.last_key(b, i);
+        // The row's kept keys, block by block: scores, then the softmax and dS.
+        score.clear();
+        dp.clear();
+        double top = -std::numeric_limits<double>::infinity();
+        for (std::int64_t e = e0; e < e1; ++e) {
+          const std::int64_t j0 = std::int64_t{blocks.col_idx[e]} * g;
+          for (std::int64_t j = j0; j < std::min(j0 + g, last + 1); ++j) {
+            score.push_back(scale * dot_rows(q, q0 + i, k, k0 + j, h));
+            dp.push_back(dot_rows(dout, q0 + i, v, k0 + j, h));
+            top = std::max(top, score.back());
+          }
+        }
+        if (score.empty()) continue;  // no key: P = 0
+        double sum = 0.0;
+        for (double& s : score) sum += (s = std::exp(s - top));
+        double dterm = 0.0;
+        for (std::size_t x = 0; x < score.size(); ++x) dterm += (score[x] /= sum) * dp[x];
+        std::size_t x = 0;
+        for (std::int64_t e = e0; e < e1; ++e) {
+          const std::int64_t j0 = std::int64_t{blocks.col_idx[e]} * g;
+          for (std::int64_t j = j0; j < std::min(j0 + g, last + 1); ++j, ++x) {
+            block_p[e - e0] += score[x];
+            block_ds[e - e0] += std::abs(score[x] * (dp[x] - dterm));
+          }
+        }
+      }
+      for (std::int64_t e = e0; e < e1; ++e) {
+        const std::int64_t row = b * qb_max + r, c = blocks.col_idx[e];
+        if (mass.data != nullptr) {
+          store_from_double(mass.data, mass.type, mass.offset(row, h, c),
+                            block_p[e - e0] / static_cast<double>(rows));
+        }
+        if (grad.data != nullptr)
+          store_from_double(grad.data, grad.type, grad.offset(row, h, c), block_ds[e - e0]);
+      }
+    }
+  }
+}
+
+}  // namespace trisparse::cpu
