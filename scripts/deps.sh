@@ -6,7 +6,7 @@ set -euo pipefail
 sudo=""
 [ "$(id -u)" -eq 0 ] || sudo="sudo"
 packages=(cmake ninja-build g++ pkg-config clang libclang-rt-14-dev libomp-dev zlib1g-dev liblzma-dev
-          libzip-dev libpng-dev libcli11-dev nlohmann-json3-dev libgtest-dev libbenchmark-dev python3 python3-numpy
+          libzip-dev libpng-dev xtensor-dev libcli11-dev nlohmann-json3-dev libgtest-dev libbenchmark-dev python3 python3-numpy
           python3-dev python3-pip)
 missing=()
 for p in "${packages[@]}"; do

@@ -21,5 +21,6 @@
 #include "trisparse/ops/block_sparse.hpp"
 #include "trisparse/ops/cpu.hpp"
 #include "trisparse/ops/layers.hpp"
+#include "trisparse/ops/pattern_learn.hpp"
 #include "trisparse/ops/reference.hpp"
 #include "trisparse/ops/sparse.hpp"

@@ -763,6 +763,17 @@ NB_MODULE(_C, m) {
       .def("workspace_bytes", [](const py_edge_attention_plan& p, std::int64_t heads) {
         return p.plan.backward_workspace_bytes(heads);
       });
+  m.def(
+      "block_attention_mass",
+      [](const tensor_tuple& q, const tensor_tuple& k, std::int64_t block, bool causal,
+         double scale, std::uintptr_t out) {
+        const tensor_view qv = view_of(q), kv = view_of(k);
+        nb::gil_scoped_release release;
+        const std::vector<double> mass = block_attention_mass(qv, kv, block, causal, scale);
+        std::copy(mass.begin(), mass.end(), reinterpret_cast<double*>(out));
+      },
+      "q"_a, "k"_a, "block"_a, "causal"_a, "scale"_a, "out"_a,
+      "Each block's attention mass into the float64 [H, qb, kb] buffer at `out`.");
   nb::class_<py_block_pattern>(m, "BlockPattern")
       .def_static("from_csr", &py_block_pattern::from_csr, "block"_a, "rows"_a, "cols"_a, "heads"_a,
                   "row_ptr"_a, "col_idx"_a, "order"_a, "order_len"_a, "made_by"_a)
@@ -811,6 +822,18 @@ NB_MODULE(_C, m) {
       .def_static(
           "load",
           [](const std::string& path) { return py_block_pattern{load_block_pattern(path)}; })
+      .def_static(
+          "learn",
+          [](const tensor_tuple& q, const tensor_tuple& k, std::int64_t block,
+             const std::string& method, double sparsity, double top_p, bool keep_diagonal,
+             std::int64_t window, std::int64_t global_blocks, bool causal) {
+            const prune_options o{method, sparsity, top_p, keep_diagonal, window, global_blocks};
+            const tensor_view qv = view_of(q), kv = view_of(k);
+            nb::gil_scoped_release release;
+            return py_block_pattern{learn_block_pattern(qv, kv, block, o, causal)};
+          },
+          "q"_a, "k"_a, "block"_a, "method"_a, "sparsity"_a, "top_p"_a, "keep_diagonal"_a,
+          "window"_a, "global_blocks"_a, "causal"_a)
       .def_static("union",
                   [](const std::vector<const py_block_pattern*>& parts) {
                     std::vector<block_pattern> ps;

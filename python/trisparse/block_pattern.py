@@ -10,7 +10,7 @@ import os
 import torch
 from torch import Tensor
 
-from . import _C
+from . import _C, _tensors
 from .block_sparse import BlockImportance, BlockMask, block_sparse_attention
 
 __all__ = [
@@ -287,6 +287,10 @@ def block_mass(
     n_k, g = k.shape[1], int(block_size)
     qb, kb = -(-n_q // g), -(-n_k // g)
     scale = d**-0.5 if scale is None else float(scale)
+    if _cpu_fast(q, k):  # the library's blocked CPU loops
+        out = torch.empty(heads, qb, kb, dtype=torch.float64)
+        _C.block_attention_mass(*_nhd(q, k), g, causal, scale, out.data_ptr())
+        return out
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     qc, kc = q.to(dtype), k.to(dtype)
     out = torch.zeros(heads, qb, kb, dtype=torch.float64, device=q.device)
@@ -397,7 +401,28 @@ def learn_block_pattern(
 ) -> BlockPattern:
     """A pattern learned offline from attention samples: the blocks' exact attention mass
     (:func:`block_mass` of q [H, N_q, D], k [H, N_k, D]) pruned by :func:`prune_blocks` (`method`,
-    `sparsity` and the keep rules) — per head, the blocks that carry the most attention."""
+    `sparsity` and the keep rules) — per head, the blocks that carry the most attention. CPU
+    inputs other than float64 run the library's learner (C++: blocked float32 scores, OpenMP,
+    the same rules); the rest torch ops on q's device."""
+    if _cpu_fast(q, k):  # the library's learner (ops/pattern_learn.hpp), the same rules
+        rules = {"keep_diagonal": True, "window": 0, "global_blocks": 0, "top_p": 0.9}
+        unknown = set(keep_rules) - set(rules)
+        if unknown:
+            raise TypeError(f"unknown keep rules {sorted(unknown)}")
+        rules.update(keep_rules)
+        return BlockPattern(
+            _C.BlockPattern.learn(
+                *_nhd(q, k),
+                int(block_size),
+                method,
+                float(sparsity),
+                float(rules["top_p"]),
+                bool(rules["keep_diagonal"]),
+                int(rules["window"]),
+                int(rules["global_blocks"]),
+                bool(causal),
+            )
+        )
     mass = block_mass(q, k, block_size, causal)
     keep = prune_blocks(mass, sparsity, method, **keep_rules)
     made_by = (
@@ -406,6 +431,20 @@ def learn_block_pattern(
     )
     return BlockPattern.from_blocks(
         keep.cpu(), block_size, rows=q.shape[1], cols=k.shape[1], made_by=made_by
+    )
+
+
+def _cpu_fast(q: Tensor, k: Tensor) -> bool:
+    """Whether the C++ CPU path serves q and k: on the CPU, not float64 (its scores are float32;
+    float64 inputs keep the exact torch path)."""
+    return q.device.type == "cpu" and q.dtype != torch.float64 and k.dtype == q.dtype
+
+
+def _nhd(q: Tensor, k: Tensor) -> tuple:
+    """q [H, N_q, D] and k [H, N_k, D] as the library's [N, H, D] views (no copy)."""
+    return tuple(
+        _tensors.view(t.transpose(0, 1) if t.stride(-1) == 1 else t.contiguous().transpose(0, 1))
+        for t in (q, k)
     )
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# `trisparse pattern`: init from a generated graph and from a layout, show as text, JSON and PNG;
-# a damaged pattern file exits non-zero with one line naming the file and the problem.
+# `trisparse pattern`: init from a generated graph and from a layout, learn from saved queries and
+# keys (.npy) with a planted pattern, show as text, JSON and PNG; a damaged pattern or .npy file
+# exits non-zero with one line naming the file and the problem.
 set -u
 cli=$1
 dir=$(mktemp -d)
@@ -29,6 +30,50 @@ PY
 expect "JSON fields and PNG size" $?
 "$cli" -q pattern show "$dir/b.tsbp" | grep -q "3 heads"
 expect "show text" $?
+# Queries of block row r point at the keys of key block (3 r + 1) mod 8 (2 heads, 512 tokens,
+# blocks of 64): `learn` at one block a row keeps exactly those (diagonal not forced).
+python3 - "$dir" <<'PY'
+import sys
+import numpy as np
+g = np.random.default_rng(5)
+basis = np.eye(64, dtype=np.float32)[:8]
+k = np.repeat(basis, 64, axis=0)[None].repeat(2, 0) + 0.05 * g.standard_normal((2, 512, 64))
+q = 30 * np.repeat(basis[[(3 * r + 1) % 8 for r in range(8)]], 64, axis=0)[None].repeat(2, 0)
+np.save(sys.argv[1] + "/q.npy", q.astype(np.float32))
+np.save(sys.argv[1] + "/k.npy", k)  # float64
+open(sys.argv[1] + "/cut.npy", "wb").write(open(sys.argv[1] + "/q.npy", "rb").read()[:500])
+PY
+"$cli" -q pattern learn --q "$dir/q.npy" --k "$dir/k.npy" --block 64 --sparsity 0.875 \
+  --method topk --no-diagonal -o "$dir/l.tsbp"
+expect "learn" $?
+json=$("$cli" -q pattern show "$dir/l.tsbp" --json)
+python3 - "$json" <<'PY'
+import json, sys
+j = json.loads(sys.argv[1])
+assert j["heads"] == 2 and j["rows"] == 512 and j["block"] == 64, j
+assert j["density"] == [0.125, 0.125] and "learned" in j["made_by"], j
+PY
+expect "learned pattern's fields" $?
+python3 - "$dir/l.tsbp" <<'PY'
+import sys
+try:
+    import trisparse
+except ImportError:
+    sys.exit(0)  # the Python package is tested on its own; here only where it is installed
+blocks = trisparse.BlockPattern.load(sys.argv[1]).blocks()
+for h in range(2):
+    for r in range(8):
+        assert blocks[h, r].nonzero().flatten().tolist() == [(3 * r + 1) % 8], (h, r)
+PY
+expect "learned blocks are the planted ones" $?
+out=$("$cli" -q pattern learn --q "$dir/cut.npy" --k "$dir/k.npy" -o "$dir/x.tsbp" 2>&1)
+rc=$?
+if [ "$rc" -ne 0 ] && [ "$(printf '%s\n' "$out" | wc -l)" -eq 1 ] && grep -qF "cut.npy: truncated" <<<"$out"; then
+  echo "ok   $out"
+else
+  echo "FAIL truncated .npy: rc=$rc output: $out"
+  fail=1
+fi
 head -c 60 "$dir/b.tsbp" > "$dir/cut.tsbp"
 out=$("$cli" -q pattern show "$dir/cut.tsbp" 2>&1)
 rc=$?

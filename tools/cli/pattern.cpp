@@ -1,16 +1,21 @@
-// trisparse pattern init|show: block-sparse attention patterns made from a graph or a layout,
-// written to and read from pattern files, described and drawn (PNG through libpng).
+// trisparse pattern init|learn|show: block-sparse attention patterns made from a graph or a
+// layout, or learned from saved queries and keys (.npy through xtensor), written to and read from
+// pattern files, described and drawn (PNG through libpng).
 #include <png.h>
 
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <xtensor/xarray.hpp>
+#include <xtensor/xnpy.hpp>
 
 #include "commands.hpp"
 #include "progress.hpp"
 #include "trisparse/core/error.hpp"
 #include "trisparse/formats/block_pattern.hpp"
+#include "trisparse/ops/pattern_learn.hpp"
 
 namespace trisparse::cli {
 
@@ -22,6 +27,13 @@ struct init_args {
   std::int64_t block = 64, heads = 1, n = 0, window = 1, stride = 8, globals = 1, random = 2;
   double sparsity = 0.9;
   std::uint64_t seed = 1;
+};
+
+struct learn_args {
+  std::string q, k, out, method = "row";
+  std::int64_t block = 64, window = 0, globals = 0;
+  double sparsity = 0.9, top_p = 0.9;
+  bool causal = false, no_diagonal = false;
 };
 
 struct show_args {
@@ -83,6 +95,84 @@ int run_init(const init_args& a) {
   return 0;
 }
 
+// One .npy array of queries or keys: [N, D] (one head) or [H, N, D], float32 or float64, as f32
+// [N, H, D]. @throws invalid_input naming the file for anything else (missing, truncated, another
+// dtype or rank).
+host_tensor load_samples(const std::string& path, const char* what) {
+  const auto read = [&]<class T>() {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw invalid_input(path + ": cannot open the " + what + " file");
+    xt::xarray<T> a = xt::load_npy<T>(in);
+    if (!in || in.peek() != std::ifstream::traits_type::eof()) {
+      throw invalid_input(path + ": truncated or with trailing bytes (a .npy of " +
+                          std::to_string(a.size()) + " values expected)");
+    }
+    return xt::xarray<float>(xt::cast<float>(a));
+  };
+  xt::xarray<float> a;
+  try {
+    try {
+      a = read.template operator()<float>();
+    } catch (const std::runtime_error& e) {
+      if (std::string(e.what()).find("Cast error") == std::string::npos) throw;
+      a = read.template operator()<double>();
+    }
+  } catch (const invalid_input&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw invalid_input(path + ": not a float32 or float64 .npy array of " + what + " (" +
+                        e.what() + ")");
+  }
+  if (a.dimension() == 2) a.reshape({std::size_t{1}, a.shape()[0], a.shape()[1]});
+  if (a.dimension() != 3 || a.size() == 0) {
+    throw invalid_input(path + ": " + what + " must be [N, D] or [H, N, D] with no empty side");
+  }
+  const auto heads = static_cast<std::int64_t>(a.shape()[0]);
+  const auto n = static_cast<std::int64_t>(a.shape()[1]);
+  const auto d = static_cast<std::int64_t>(a.shape()[2]);
+  host_tensor t(dtype::f32, n, heads, d);
+  auto* out = reinterpret_cast<float*>(t.data());
+  for (std::int64_t h = 0; h < heads; ++h)
+    for (std::int64_t i = 0; i < n; ++i)
+      for (std::int64_t x = 0; x < d; ++x)
+        out[(i * heads + h) * d + x] = a(static_cast<std::size_t>(h), static_cast<std::size_t>(i),
+                                         static_cast<std::size_t>(x));
+  return t;
+}
+
+int run_learn(const learn_args& a) {
+  prune_options o;
+  o.method = a.method == "topk" ? "row" : a.method;
+  o.sparsity = a.sparsity;
+  o.top_p = a.top_p;
+  o.keep_diagonal = !a.no_diagonal;
+  o.window = a.window;
+  o.global_blocks = a.globals;
+  o.check();
+  host_tensor q, k;
+  {
+    phase step("reading queries and keys");
+    q = load_samples(a.q, "queries");
+    k = load_samples(a.k, "keys");
+  }
+  if (k.view().heads != q.view().heads || k.view().dim != q.view().dim) {
+    throw invalid_input(a.k + ": keys " + k.view().describe() + " do not match the queries " +
+                        q.view().describe() + " of " + a.q + " (same H and D)");
+  }
+  block_pattern p;
+  {
+    phase step("block masses and pruning");
+    p = learn_block_pattern(q.view(), k.view(), a.block, o, a.causal);
+  }
+  save_block_pattern(p, a.out);
+  const block_pattern_stats s = stats(p);
+  std::fprintf(stderr, "%lld heads, %lld x %lld blocks of %lld, density %.4f (head 0) -> %s\n",
+               static_cast<long long>(p.num_heads()), static_cast<long long>(p.block_rows()),
+               static_cast<long long>(p.block_cols()), static_cast<long long>(p.block),
+               s.density[0], a.out.c_str());
+  return 0;
+}
+
 int run_show(const show_args& a) {
   const block_pattern p = load_block_pattern(a.path);
   const block_pattern_stats s = stats(p);
@@ -125,7 +215,7 @@ int run_show(const show_args& a) {
 
 action add_pattern(CLI::App& app) {
   auto* cmd =
-      app.add_subcommand("pattern", "block-sparse attention patterns: make, describe, draw");
+      app.add_subcommand("pattern", "block-sparse attention patterns: make, learn, describe, draw");
   cmd->require_subcommand(1);
   auto init = std::make_shared<init_args>();
   auto* i = cmd->add_subcommand("init", "make a pattern from a graph's structure or a layout");
@@ -151,6 +241,27 @@ action add_pattern(CLI::App& app) {
   i->add_option("--seed", init->seed, "random seed")->capture_default_str();
   i->add_option("-o,--output", init->out, "pattern file to write")->required();
   add_read_options(*i, init->read);
+  auto learn = std::make_shared<learn_args>();
+  auto* l = cmd->add_subcommand(
+      "learn", "learn a pattern from saved queries and keys (.npy, [N, D] or [H, N, D])");
+  l->add_option("--q", learn->q, "queries (.npy, float32 or float64)")->required();
+  l->add_option("--k", learn->k, "keys (.npy, the queries' H and D)")->required();
+  l->add_option("--block", learn->block, "block size G")->capture_default_str();
+  l->add_option("--sparsity", learn->sparsity, "fraction of blocks dropped (not threshold)")
+      ->capture_default_str();
+  l->add_option("--method", learn->method,
+                "topk (= row: each block row's top blocks), global (each head's) or threshold "
+                "(each row's fewest blocks holding --top-p of its mass)")
+      ->check(CLI::IsMember({"topk", "row", "global", "threshold"}))
+      ->capture_default_str();
+  l->add_option("--top-p", learn->top_p, "threshold: the mass each block row keeps")
+      ->capture_default_str();
+  l->add_flag("--causal", learn->causal, "keys up to each query's position only");
+  l->add_flag("--no-diagonal", learn->no_diagonal, "do not force the diagonal blocks");
+  l->add_option("--window", learn->window, "also force a band of blocks")->capture_default_str();
+  l->add_option("--globals", learn->globals, "also force the first block rows and columns")
+      ->capture_default_str();
+  l->add_option("-o,--output", learn->out, "pattern file to write")->required();
   auto show = std::make_shared<show_args>();
   auto* s = cmd->add_subcommand("show", "describe a pattern file, and draw it");
   s->add_option("file", show->path, "pattern file")->required();
@@ -159,8 +270,9 @@ action add_pattern(CLI::App& app) {
   s->add_option("--max-side", show->max_side, "PNG: largest panel side in pixels")
       ->capture_default_str();
   s->add_option("--columns", show->columns, "PNG: panels a row")->capture_default_str();
-  return [init, show, i, s] {
+  return [init, learn, show, i, l, s] {
     if (i->parsed()) return run_init(*init);
+    if (l->parsed()) return run_learn(*learn);
     if (s->parsed()) return run_show(*show);
     return 1;
   };

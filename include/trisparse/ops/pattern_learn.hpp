@@ -1,0 +1,51 @@
+#pragma once
+/// @file Learning a block pattern offline from attention samples (the plan's "learn" and "prune"
+/// steps on the CPU): each block's exact attention mass, pruned to a target sparsity per head.
+/// Python's trisparse.learn_block_pattern and `trisparse pattern learn` run it.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "trisparse/core/tensor.hpp"
+#include "trisparse/formats/block_pattern.hpp"
+
+namespace trisparse {
+
+/// How blocks are chosen from an importance [H][query blocks][key blocks].
+struct prune_options {
+  /// "row": each block row's highest up to (1 - sparsity) of its key blocks (at least one);
+  /// "global": each head's highest up to (1 - sparsity) of its blocks; "threshold": each block
+  /// row's fewest blocks whose importance reaches top_p of the row's total (sparsity unused).
+  std::string method = "row";
+  double sparsity = 0.9, top_p = 0.9;
+  /// Forced blocks, kept beyond the budget: the diagonal, a band of `window` blocks each side,
+  /// the first `global_blocks` block rows and key blocks.
+  bool keep_diagonal = true;
+  std::int64_t window = 0, global_blocks = 0;
+  /// @throws invalid_input naming the field that is out of range.
+  void check() const;
+};
+
+/// Each block's exact attention mass per head: softmax(scale q kᵀ) (causal: keys up to the
+/// query's position, aligned at the bottom right) summed over the block and divided by the block
+/// row's query rows, so that a block row sums to 1. q: [N_q, H, D], k: [N_k, H, D] on the CPU, any
+/// float dtype; scale <= 0: 1/sqrt(D). Scores in float32, sums in float64 (about 1e-6 relative);
+/// OpenMP over (head, query block). Returns [H][ceil(N_q / G)][ceil(N_k / G)], flattened.
+/// @throws invalid_input for mismatched shapes or block < 1.
+std::vector<double> block_attention_mass(const tensor_view& q, const tensor_view& k,
+                                         std::int64_t block, bool causal = false,
+                                         double scale = 0.0);
+
+/// The kept blocks (1 = kept) of an importance [heads][qb][kb] (mass, |dS|, pooled scores) by
+/// `options`, ties to the lower key block (the Python prune_blocks' rule).
+/// @throws invalid_input for a size mismatch or bad options.
+std::vector<std::uint8_t> prune_blocks(const std::vector<double>& importance, std::int64_t heads,
+                                       std::int64_t qb, std::int64_t kb,
+                                       const prune_options& options);
+
+/// A pattern learned from attention samples: block_attention_mass of q and k pruned by `options`
+/// (per head), rows = N_q, cols = N_k, made_by saying how.
+block_pattern learn_block_pattern(const tensor_view& q, const tensor_view& k, std::int64_t block,
+                                  const prune_options& options, bool causal = false);
+
+}  // namespace trisparse
