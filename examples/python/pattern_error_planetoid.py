@@ -8,6 +8,11 @@ of the attention output, averaged over the heads and layers.
 
     python3 examples/python/pattern_error_planetoid.py --dataset cora --block 64 --json
 
+With --train-learner, the accuracy side instead: the same model trained over --seeds seeds with
+dense global attention and with each layer's global attention through a trisparse.PatternLearner
+at each --sparsity (learned from the start: dense for --learner-warmup epochs, then block-sparse
+with the kernels' block importance), test accuracy at the best validation epoch per seed.
+
 Patterns at sparsity s (the share of blocks dropped; every block row keeps its diagonal block):
 random; local-strided (a band of blocks and every stride-th block, as close to s as its
 parameters allow); community and knn (the graph's / features' community order, then the blocks
@@ -32,8 +37,9 @@ from torch import nn
 class Layer(nn.Module):
     """x + TransformerConv(x) over the edges + dense global attention over all nodes."""
 
-    def __init__(self, channels, heads):
+    def __init__(self, channels, heads, learner=None):
         super().__init__()
+        self.learner = learner
         self.local = trisparse.nn.TransformerConv(channels, channels // heads, heads=heads)
         self.qkv = nn.Linear(channels, 3 * channels)
         self.out = nn.Linear(channels, channels)
@@ -45,16 +51,20 @@ class Layer(nn.Module):
         n, c = x.shape
         q, k, v = self.qkv(x).view(n, 3, self.heads, c // self.heads).permute(1, 2, 0, 3)
         self.saved = (q.detach(), k.detach(), v.detach())  # [H, N, D] each
-        glob = F.scaled_dot_product_attention(q[None], k[None], v[None])[0]
+        if self.learner is not None:  # the learned pattern (dense while it warms up)
+            glob = self.learner(q[None], k[None], v[None])[0]
+        else:
+            glob = F.scaled_dot_product_attention(q[None], k[None], v[None])[0]
         glob = self.out(glob.permute(1, 0, 2).reshape(n, c))
         return self.norm(x + F.elu(self.local(x, edge_index)) + glob)
 
 
 class Model(nn.Module):
-    def __init__(self, features, classes, channels, heads, layers, dropout):
+    def __init__(self, features, classes, channels, heads, layers, dropout, learners=None):
         super().__init__()
         self.inp = nn.Linear(features, channels)
-        self.layers = nn.ModuleList(Layer(channels, heads) for _ in range(layers))
+        learners = learners or [None] * layers
+        self.layers = nn.ModuleList(Layer(channels, heads, ln) for ln in learners)
         self.head = nn.Linear(channels, classes)
         self.dropout = dropout
 
@@ -66,23 +76,31 @@ class Model(nn.Module):
         return self.head(x)
 
 
-def train(data, args):
-    torch.manual_seed(args.seed)
+def train(data, args, seed=None, learners=None):
+    torch.manual_seed(args.seed if seed is None else seed)
     model = Model(
-        data.num_features, int(data.y.max()) + 1, args.channels, args.heads, args.layers, 0.5
-    )
+        data.num_features,
+        int(data.y.max()) + 1,
+        args.channels,
+        args.heads,
+        args.layers,
+        0.5,
+        learners,
+    ).to(data.x.device)
     opt = torch.optim.Adam(model.parameters(), lr=5e-3, weight_decay=5e-4)
+    amp = torch.autocast(data.x.device.type, torch.bfloat16, enabled=args.bf16)
     best, best_state = -1.0, None
     for _ in range(args.epochs):
         model.train()
         opt.zero_grad()
-        loss = F.cross_entropy(
-            model(data.x, data.edge_index)[data.train_mask], data.y[data.train_mask]
-        )
+        with amp:
+            loss = F.cross_entropy(
+                model(data.x, data.edge_index)[data.train_mask], data.y[data.train_mask]
+            )
         loss.backward()
         opt.step()
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), amp:
             pred = model(data.x, data.edge_index).argmax(1)
         val = float((pred[data.val_mask] == data.y[data.val_mask]).float().mean())
         if val > best:
@@ -90,7 +108,7 @@ def train(data, args):
             best_state = {k: t.clone() for k, t in model.state_dict().items()}
     model.load_state_dict(best_state)
     model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), amp:
         pred = model(data.x, data.edge_index).argmax(1)
     test = float((pred[data.test_mask] == data.y[data.test_mask]).float().mean())
     return model, best, test
@@ -144,8 +162,15 @@ def main():
     ap.add_argument("--epochs", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="one JSON line per (method, sparsity)")
+    ap.add_argument("--train-learner", action="store_true", help="the accuracy side (above)")
+    ap.add_argument("--seeds", type=int, default=10)
+    ap.add_argument("--learner-warmup", type=int, default=20, help="dense epochs first")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA block kernels)")
     args = ap.parse_args()
-    data = trisparse.datasets.planetoid(args.dataset, args.root)
+    data = trisparse.datasets.planetoid(args.dataset, args.root).to(args.device)
+    if args.train_learner:
+        return train_with_learners(data, args)
     start = time.perf_counter()
     model, val, test = train(data, args)
     trained_s = time.perf_counter() - start
@@ -212,6 +237,47 @@ def main():
         else:
             cells = ", ".join(f"{m} {100 * x:.2f} %" for m, x in row.items() if m != "sparsity")
             print(f"sparsity {s:.2f}: {cells}", flush=True)
+
+
+def train_with_learners(data, args):
+    """Test accuracy over seeds: dense global attention, then a PatternLearner per layer at each
+    sparsity (same seeds)."""
+    for s in [0.0, *args.sparsity]:
+        tests, start = [], time.perf_counter()
+        for seed in range(args.seeds):
+            learners = None
+            if s > 0:
+                learners = [
+                    trisparse.PatternLearner(
+                        args.block, s, every=10, warmup=args.learner_warmup, track_every=2
+                    )
+                    for _ in range(args.layers)
+                ]
+            tests.append(train(data, args, seed, learners)[2])
+        t = torch.tensor(tests)
+        row = {
+            "dataset": args.dataset,
+            "mode": "dense" if s == 0 else "learned",
+            "sparsity": s,
+            "block": args.block,
+            "channels": args.channels,
+            "heads": args.heads,
+            "bf16": args.bf16,
+            "device": str(data.x.device),
+            "seeds": args.seeds,
+            "test_mean": float(t.mean()),
+            "test_sd": float(t.std()) if len(tests) > 1 else 0.0,
+            "tests": tests,
+            "seconds": time.perf_counter() - start,
+        }
+        if args.json:
+            print(json.dumps(row), flush=True)
+        else:
+            print(
+                f"{row['mode']} {s:.2f}: {100 * row['test_mean']:.2f} +- "
+                f"{100 * row['test_sd']:.2f} % over {args.seeds} seeds",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

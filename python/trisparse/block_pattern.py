@@ -517,7 +517,14 @@ class PatternLearner:
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
         """The site's attention, q [B, H, N_q, D], k [B, H, N_k, D], v [B, H, N_k, Dv]
-        (causal as the learner), and one learning step (see the class)."""
+        (causal as the learner), and one learning step (see the class). With gradients off
+        (evaluation) only the attention under the current pattern: no step, nothing observed."""
+        if not torch.is_grad_enabled():
+            if self._keep is None or self.steps < self.warmup:
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=self.causal, scale=scale
+                )
+            return block_sparse_attention(q, k, v, self._block_mask(), scale=scale)
         self._fold_pending()
         g = self.block_size
         if self._keep is None and self.initial is not None and self.steps >= self.warmup:
@@ -530,7 +537,7 @@ class PatternLearner:
                 q, k, v, is_causal=self.causal, scale=scale
             )
         mask = self._block_mask()
-        track = self.steps % self.track_every == 0 and torch.is_grad_enabled()
+        track = self.steps % self.track_every == 0
         out = block_sparse_attention(
             q, k, v, mask, scale=scale, importance=self.tracker if track else None
         )

@@ -1,12 +1,14 @@
 // The CPU's block importance (attention_options::block_mass / block_grad): per (sequence, query
-// block, head), each row's softmax over its kept keys and dS = P (dP - <dP, P>) in float64, summed
-// per kept block. Each task writes its own block row: deterministic.
+// block, head), each row's softmax over its kept keys and dS = P (dP - <dP, P>) in float64 (the
+// dot products in float32 for inputs other than float64), summed per kept block. Each task writes
+// its own block row: deterministic.
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <utility>
 #include <vector>
 
+#include "../common/online_softmax.hpp"
 #include "engine.hpp"
 #include "trisparse/core/numeric.hpp"
 
@@ -14,13 +16,30 @@ namespace trisparse::cpu {
 
 namespace {
 
-double dot_rows(const tensor_view& a, std::int64_t ra, const tensor_view& b, std::int64_t rb,
+// Row dot products of two operands: float64 views read as they are, others through float32
+// copies (made once per call).
+struct rows_of {
+  const tensor_view& t;
+  cpu::f32_operand f;
+  explicit rows_of(const tensor_view& view)
+      : t(view), f(view.type == dtype::f64 ? cpu::f32_operand{} : cpu::as_f32(view)) {}
+};
+
+double dot_rows(const rows_of& a, std::int64_t ra, const rows_of& b, std::int64_t rb,
                 std::int64_t h) {
-  double s = 0.0;
-  for (std::int64_t d = 0; d < a.dim; ++d) {
-    s += load_as_double(a.data, a.type, a.offset(ra, h, d)) *
-         load_as_double(b.data, b.type, b.offset(rb, h, d));
+  if (a.f.data == nullptr) {
+    double s = 0.0;
+    for (std::int64_t d = 0; d < a.t.dim; ++d) {
+      s += load_as_double(a.t.data, a.t.type, a.t.offset(ra, h, d)) *
+           load_as_double(b.t.data, b.t.type, b.t.offset(rb, h, d));
+    }
+    return s;
   }
+  const float* x = a.f.row(ra, h);
+  const float* y = b.f.row(rb, h);
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (std::int64_t d = 0; d < a.t.dim; ++d) s += x[d] * y[d];
   return s;
 }
 
@@ -31,6 +50,7 @@ void block_importance_unchecked(const block_sparse_mask& mask, const tensor_view
                                 double scale, const tensor_view& mass, const tensor_view& grad,
                                 std::int64_t qb_max) {
   const std::int64_t heads = q.heads, g = mask.block;
+  const rows_of qr(q), kr(k), vr(v), dr(dout);
   std::vector<std::pair<std::int64_t, std::int64_t>> block_rows;  // (sequence, query block)
   for (std::int64_t b = 0; b < mask.batch(); ++b) {
     for (std::int64_t r = 0; r * g < mask.len_q(b); ++r) block_rows.emplace_back(b, r);
@@ -59,8 +79,8 @@ void block_importance_unchecked(const block_sparse_mask& mask, const tensor_view
         for (std::int64_t e = e0; e < e1; ++e) {
           const std::int64_t j0 = std::int64_t{blocks.col_idx[e]} * g;
           for (std::int64_t j = j0; j < std::min(j0 + g, last + 1); ++j) {
-            score.push_back(scale * dot_rows(q, q0 + i, k, k0 + j, h));
-            dp.push_back(dot_rows(dout, q0 + i, v, k0 + j, h));
+            score.push_back(scale * dot_rows(qr, q0 + i, kr, k0 + j, h));
+            dp.push_back(dot_rows(dr, q0 + i, vr, k0 + j, h));
             top = std::max(top, score.back());
           }
         }
