@@ -10,6 +10,18 @@ fail=0
 expect() {  # description, command status (0 = ok)
   if [ "$2" -ne 0 ]; then echo "FAIL $1"; fail=1; else echo "ok   $1"; fi
 }
+expect_error() {  # description, what the one line must hold, command...
+  local what=$1 holds=$2 out rc
+  shift 2
+  out=$("$@" 2>&1)
+  rc=$?
+  if [ "$rc" -ne 0 ] && [ "$(printf '%s\n' "$out" | wc -l)" -eq 1 ] && grep -qF "$holds" <<<"$out"; then
+    echo "ok   $out"
+  else
+    echo "FAIL $what: rc=$rc output: $out"
+    fail=1
+  fi
+}
 "$cli" -q generate er "$dir/g.tsc" --n 3000 --avg-degree 6 --seed 3
 "$cli" -q pattern init "$dir/g.tsc" --method community --block 64 --heads 2 -o "$dir/c.tsbp"
 expect "init community" $?
@@ -66,21 +78,8 @@ for h in range(2):
         assert blocks[h, r].nonzero().flatten().tolist() == [(3 * r + 1) % 8], (h, r)
 PY
 expect "learned blocks are the planted ones" $?
-out=$("$cli" -q pattern learn --q "$dir/cut.npy" --k "$dir/k.npy" -o "$dir/x.tsbp" 2>&1)
-rc=$?
-if [ "$rc" -ne 0 ] && [ "$(printf '%s\n' "$out" | wc -l)" -eq 1 ] && grep -qF "cut.npy: truncated" <<<"$out"; then
-  echo "ok   $out"
-else
-  echo "FAIL truncated .npy: rc=$rc output: $out"
-  fail=1
-fi
+expect_error "truncated .npy" "cut.npy: truncated" \
+  "$cli" -q pattern learn --q "$dir/cut.npy" --k "$dir/k.npy" -o "$dir/x.tsbp"
 head -c 60 "$dir/b.tsbp" > "$dir/cut.tsbp"
-out=$("$cli" -q pattern show "$dir/cut.tsbp" 2>&1)
-rc=$?
-if [ "$rc" -ne 0 ] && [ "$(printf '%s\n' "$out" | wc -l)" -eq 1 ] && grep -qF "cut.tsbp: truncated" <<<"$out"; then
-  echo "ok   $out"
-else
-  echo "FAIL truncated file: rc=$rc output: $out"
-  fail=1
-fi
+expect_error "truncated pattern file" "cut.tsbp: truncated" "$cli" -q pattern show "$dir/cut.tsbp"
 exit $fail

@@ -295,6 +295,21 @@ def test_pooled_block_mass_is_a_distribution_over_allowed_blocks():
     torch.testing.assert_close(flat[0, 0], torch.tensor([32, 32, 16], dtype=torch.float64) / 80)
 
 
+def _diagonal_start_learner(n, g):
+    """A learner sparse from its first step under the diagonal blocks only, 3 of 16 key blocks a
+    row once learned, the kernels measuring every step."""
+    diagonal = trisparse.BlockPattern.layout("window", n, block_size=g, window=0)
+    return trisparse.PatternLearner(
+        g,
+        sparsity=1 - 3 / 16,
+        every=1,
+        decay=0.5,
+        initial=diagonal,
+        keep_diagonal=True,
+        track_every=1,
+    )
+
+
 def _learner_steps(learner, q, k, v, steps):
     """`steps` training steps of the learner as a model calls it: attention, a loss, backward."""
     masks = []
@@ -314,16 +329,7 @@ def test_pattern_learner_learns_from_the_kernels_importance():
     planted, q, k = _planted(heads, n, g, 32, torch.Generator().manual_seed(21))
     v = torch.randn(heads, n, 32, generator=torch.Generator().manual_seed(22))
     q, k, v = q[None], k[None], v[None]
-    diagonal = trisparse.BlockPattern.layout("window", n, block_size=g, window=0)
-    learner = trisparse.PatternLearner(
-        g,
-        sparsity=1 - 3 / 16,
-        every=1,
-        decay=0.5,
-        initial=diagonal,
-        keep_diagonal=True,
-        track_every=1,
-    )
+    learner = _diagonal_start_learner(n, g)
     masks = _learner_steps(learner, q, k, v, 8)
     assert learner.tracker.steps == 8  # sparse from the first step, each one measured
     learned = learner.pattern(n, n).blocks()
@@ -348,16 +354,7 @@ def test_pattern_learner_learns_from_the_kernels_importance_on_cuda():
     planted, q, k = _planted(heads, n, g, 64, torch.Generator().manual_seed(24))
     v = torch.randn(heads, n, 64, generator=torch.Generator().manual_seed(25))
     q, k, v = (t[None].to("cuda", torch.bfloat16) for t in (q, k, v))
-    diagonal = trisparse.BlockPattern.layout("window", n, block_size=g, window=0)
-    learner = trisparse.PatternLearner(
-        g,
-        sparsity=1 - 3 / 16,
-        every=1,
-        decay=0.5,
-        initial=diagonal,
-        keep_diagonal=True,
-        track_every=1,
-    )
+    learner = _diagonal_start_learner(n, g)
     _learner_steps(learner, q, k, v, 8)
     assert learner.tracker.steps == 8 and learner.tracker.mass.is_cuda
     learned = learner.pattern(n, n).blocks()

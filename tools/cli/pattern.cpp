@@ -53,6 +53,17 @@ void write_png(const gray_image& img, const std::string& path) {
   }
 }
 
+// Writes the pattern and says on stderr what it holds.
+int save_and_report(const block_pattern& p, const std::string& out) {
+  save_block_pattern(p, out);
+  const block_pattern_stats s = stats(p);
+  std::fprintf(stderr, "%lld heads, %lld x %lld blocks of %lld, density %.4f (head 0) -> %s\n",
+               static_cast<long long>(p.num_heads()), static_cast<long long>(p.block_rows()),
+               static_cast<long long>(p.block_cols()), static_cast<long long>(p.block),
+               s.density[0], out.c_str());
+  return 0;
+}
+
 int run_init(const init_args& a) {
   block_pattern p;
   if (a.method == "community") {
@@ -86,13 +97,7 @@ int run_init(const init_args& a) {
       p = layout_block_pattern(o, n, a.heads);
     }
   }
-  save_block_pattern(p, a.out);
-  const block_pattern_stats s = stats(p);
-  std::fprintf(stderr, "%lld heads, %lld x %lld blocks of %lld, density %.4f (head 0) -> %s\n",
-               static_cast<long long>(p.num_heads()), static_cast<long long>(p.block_rows()),
-               static_cast<long long>(p.block_cols()), static_cast<long long>(p.block),
-               s.density[0], a.out.c_str());
-  return 0;
+  return save_and_report(p, a.out);
 }
 
 // One .npy array of queries or keys: [N, D] (one head) or [H, N, D], float32 or float64, as f32
@@ -164,13 +169,7 @@ int run_learn(const learn_args& a) {
     phase step("block masses and pruning");
     p = learn_block_pattern(q.view(), k.view(), a.block, o, a.causal);
   }
-  save_block_pattern(p, a.out);
-  const block_pattern_stats s = stats(p);
-  std::fprintf(stderr, "%lld heads, %lld x %lld blocks of %lld, density %.4f (head 0) -> %s\n",
-               static_cast<long long>(p.num_heads()), static_cast<long long>(p.block_rows()),
-               static_cast<long long>(p.block_cols()), static_cast<long long>(p.block),
-               s.density[0], a.out.c_str());
-  return 0;
+  return save_and_report(p, a.out);
 }
 
 int run_show(const show_args& a) {
