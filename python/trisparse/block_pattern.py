@@ -475,7 +475,9 @@ class PatternLearner:
     - ``observe(q, k)`` with q [H, N_q, D], k [H, N_k, D]: the exact mass (:func:`block_mass`
       over `sample_blocks` random query block rows, or all), and ``mask()`` for your own call.
 
-    Either way the importance is an exponential moving average (`decay`); the pattern is pruned
+    Either way the importance aggregates the observations: `aggregate` "ema" (an exponential moving
+    average, `decay`), or "mean" / "max" over each block row's last `window` observations; the
+    pattern is pruned
     from it (:func:`prune_blocks`: `sparsity`, `method` and keep rules) once past the warm-up,
     refreshed every `every` steps and frozen after `freeze_after` steps. Block rows never
     observed keep an initial importance (uniform, or `initial`: a BlockPattern's kept blocks weigh
@@ -495,8 +497,15 @@ class PatternLearner:
         initial: BlockPattern | None = None,
         causal: bool = False,
         track_every: int = 4,
+        aggregate: str = "ema",
+        window: int = 10,
         **keep_rules,
     ):
+        if aggregate not in ("ema", "mean", "max"):
+            raise ValueError(f"aggregate must be ema, mean or max, not {aggregate!r}")
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.aggregate, self.window = aggregate, window
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay}")
         if every < 1 or track_every < 1:
@@ -513,6 +522,8 @@ class PatternLearner:
         self._keep: Tensor | None = None
         self._mask: BlockMask | None = None
         self.tracker = BlockImportance()
+        self._history: Tensor | None = None  # mean / max: [window, H, qb, kb]
+        self._slot: Tensor | None = None  # [qb]: each block row's next slot
         self._pending: tuple[Tensor, Tensor, int] | None = None  # (keep, pooled, tracker steps)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
@@ -597,7 +608,7 @@ class PatternLearner:
         if self._keep is None:
             raise ValueError("PatternLearner: no pattern yet (observe past the warm-up first)")
         made_by = (
-            f"PatternLearner: {self.steps} steps, ema decay {self.decay}, prune {self.method} "
+            f"PatternLearner: {self.steps} steps, {self._aggregation()}, prune {self.method} "
             f"sparsity={self.sparsity} {self.keep_rules}"
         )
         return BlockPattern.from_blocks(
@@ -616,12 +627,37 @@ class PatternLearner:
             self.importance = init.expand(heads, qb, kb).clone()
         self._seen = torch.zeros(qb, dtype=torch.bool, device=device)
 
+    def _aggregation(self) -> str:
+        if self.aggregate == "ema":
+            return f"ema decay {self.decay}"
+        return f"{self.aggregate} of the last {self.window} observations"
+
     def _fold(self, rows: Tensor, mass: Tensor) -> None:
-        old = self.importance[:, rows]
-        seen = self._seen[rows][None, :, None]
-        self.importance[:, rows] = torch.where(
-            seen, self.decay * old + (1 - self.decay) * mass, mass
-        )
+        if self.aggregate == "ema":
+            old = self.importance[:, rows]
+            seen = self._seen[rows][None, :, None]
+            self.importance[:, rows] = torch.where(
+                seen, self.decay * old + (1 - self.decay) * mass, mass
+            )
+        else:  # the rows' observations in a ring of `window` slots a row (NaN: none yet)
+            if self._history is None:
+                self._history = torch.full(
+                    (self.window, *self.importance.shape),
+                    torch.nan,
+                    dtype=torch.float64,
+                    device=self.importance.device,
+                )
+                self._slot = torch.zeros(
+                    self.importance.shape[1], dtype=torch.int64, device=self.importance.device
+                )
+            slot = self._slot[rows]
+            self._history[slot, :, rows] = mass.transpose(0, 1)
+            self._slot.index_put_((rows,), (slot + 1) % self.window)
+            window = self._history[:, :, rows]
+            if self.aggregate == "mean":
+                self.importance[:, rows] = window.nanmean(0)
+            else:
+                self.importance[:, rows] = window.nan_to_num(-torch.inf).amax(0)
         self._seen.index_fill_(0, rows, True)  # no host tensor: capturable in a CUDA graph
 
     def _fold_pending(self) -> None:

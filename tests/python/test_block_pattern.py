@@ -411,3 +411,34 @@ def test_cpp_learner_equals_the_torch_path(method, causal):
     assert "learned" in got.made_by and method in got.made_by
     with pytest.raises(TypeError, match="unknown keep rules"):
         trisparse.learn_block_pattern(q, k, g, 0.75, method, window_size=3)
+
+
+@pytest.mark.parametrize("aggregate", ["ema", "mean", "max"])
+def test_pattern_learner_aggregates_over_a_window(aggregate):
+    """Each observation's exact mass folds in as `aggregate` says: the mean or the max of each
+    block row's last `window` observations (older ones forgotten), or the moving average."""
+    gen = torch.Generator().manual_seed(29)
+    obs = [
+        tuple(torch.randn(2, 96, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+        for _ in range(5)
+    ]
+    learner = trisparse.PatternLearner(
+        32, sparsity=0.5, every=1, aggregate=aggregate, window=3, decay=0.5
+    )
+    masses = []
+    for q, k in obs:
+        learner.observe(q, k)
+        masses.append(trisparse.block_mass(q, k, 32))
+    last = torch.stack(masses[-3:])
+    want = {
+        "mean": last.mean(0),
+        "max": last.amax(0),
+        "ema": masses[0],
+    }[aggregate]
+    if aggregate == "ema":
+        for m in masses[1:]:
+            want = 0.5 * want + 0.5 * m
+    torch.testing.assert_close(learner.importance, want, rtol=1e-12, atol=1e-12)
+    assert aggregate in learner.pattern(96, 96).made_by
+    with pytest.raises(ValueError, match="aggregate"):
+        trisparse.PatternLearner(32, 0.5, aggregate="median")
