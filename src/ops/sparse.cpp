@@ -3,12 +3,12 @@
 #include <chrono>
 #include <cmath>
 
+#include "../cpu/sparse/kernels.hpp"
 #include "../cuda/sparse/heuristics.hpp"
 #include "../cuda/sparse/plan.hpp"
 #include "trisparse/core/error.hpp"
 #include "trisparse/core/numeric.hpp"
 #include "trisparse/graph/reorder.hpp"
-#include "trisparse/ops/reference.hpp"
 
 namespace trisparse {
 
@@ -161,7 +161,7 @@ void sparse_plan::spmm(const tensor_view& values, const tensor_view& b, const te
   check_view(b, "b", g.cols, -1, -1);
   check_view(c, "c", g.rows, b.heads, b.dim);
   if (values.data != nullptr) check_view(values, "values", g.nnz(), b.heads, 1);
-  reference::spmm(g, values, b, c);
+  cpu::spmm(g, values, b, c);
 }
 
 void sparse_plan::sddmm(const tensor_view& x, const tensor_view& y, const tensor_view& out,
@@ -173,7 +173,7 @@ void sparse_plan::sddmm(const tensor_view& x, const tensor_view& y, const tensor
   check_view(y, "y", g.cols, x.heads, x.dim);
   check_view(out, "out", g.nnz(), x.heads, 1);
   TRISPARSE_EXPECTS_INPUT(std::isfinite(scale), "the SDDMM scale must be finite");
-  reference::sddmm(g, x, y, out, scale);
+  cpu::sddmm(g, x, y, out, scale);
 }
 
 void sparse_plan::softmax(const tensor_view& scores, const tensor_view& out, stream_ref stream,
@@ -184,7 +184,7 @@ void sparse_plan::softmax(const tensor_view& scores, const tensor_view& out, str
   const csr_graph& g = state_->pattern;
   check_view(scores, "scores", g.nnz(), -1, 1);
   check_view(out, "out", g.nnz(), scores.heads, 1);
-  reference::softmax(g, scores, out);
+  cpu::softmax(g, scores, out);
 }
 
 void sparse_plan::to_slots(const tensor_view& entries, const tensor_view& slots,

@@ -117,7 +117,7 @@ TEST(Layers, AgnnForwardIsCosineAttention) {
     for (std::int64_t k = 0; k < f; ++k) {
       double want = 0;
       for (std::int64_t j = 0; j < g.rows; ++j) want += weight[j] / sum * h.get(j * f + k);
-      EXPECT_NEAR(out.get(i * f + k), want, 1e-12) << i << " " << k;
+      EXPECT_NEAR(out.get(i * f + k), want, 1e-6) << i << " " << k;  // the CPU kernels in fp32
     }
   }
 }
@@ -211,12 +211,12 @@ TEST(Layers, FusedGcnPlanOnTheCpu) {
     for (std::int64_t i = 0; i < 60; ++i) {
       for (std::int64_t f = 0; f < 40; ++f) {
         const double pre = plain.get(i * 40 + f) + b.get(f);
-        EXPECT_NEAR(out.get(i * 40 + f), relu ? std::max(pre, 0.0) : pre, 1e-12);
+        EXPECT_NEAR(out.get(i * 40 + f), relu ? std::max(pre, 0.0) : pre, 1e-5);  // fp32
         EXPECT_EQ(((mask[i * 2 + f / 32] >> (f % 32)) & 1u) != 0, pre > 0);
       }
       EXPECT_EQ(mask[i * 2 + 1] >> 8, 0u);
     }
-    for (std::int64_t i = 0; i < ax.numel(); ++i) EXPECT_NEAR(ax.get(i), ax_want.get(i), 1e-12);
+    for (std::int64_t i = 0; i < ax.numel(); ++i) EXPECT_NEAR(ax.get(i), ax_want.get(i), 1e-5);
   }
   EXPECT_THROW(plan.forward({.x = x.view(),
                              .w = w.view(),
@@ -256,10 +256,11 @@ TEST(Layers, FusedGcnPlanOnTheCpu) {
     for (std::int64_t i = 0; i < want->numel(); ++i)
       scale = std::max(scale, std::abs(want->get(i)));
     EXPECT_GT(scale, 0.0);
-    for (std::int64_t i = 0; i < want->numel(); ++i) EXPECT_EQ(got->get(i), want->get(i));
+    for (std::int64_t i = 0; i < want->numel(); ++i)  // the fp32 engine against float64
+      EXPECT_NEAR(got->get(i), want->get(i), 1e-5 * scale);
   }
   EXPECT_EQ(plan.backward_workspace_bytes(5, 40, dtype::f32), 0u);
-  // Without dx, on the float64 path: the same dw.
+  // Without dx: the same dw.
   host_tensor dw_only(dtype::f64, 5, 1, 40);
   plan.backward({.dout = up.view(),
                  .relu_mask = mask.data(),

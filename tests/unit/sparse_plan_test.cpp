@@ -29,7 +29,7 @@ TEST(SparsePlanCpu, OperationsMatchTheReferenceAndChain) {
       for (std::int64_t d = 0; d < 16; ++d)
         dot += x.get(h * 16 + d) * y.get(g.col_idx[k] * 32 + h * 16 + d);
       score.push_back(0.25 * g.values[k] * dot);
-      EXPECT_NEAR(s.get(k * 2 + h), score.back(), 1e-12);
+      EXPECT_NEAR(s.get(k * 2 + h), score.back(), 1e-5);  // the CPU kernels in fp32
     }
     double m = -1e300, sum = 0;
     for (const double v : score) m = std::max(m, v);

@@ -1,10 +1,10 @@
 // The AGNN layer (agnn_layer): cosine scores, their softmax and the aggregation over A + I.
 #include "trisparse/ops/layers.hpp"
 
+#include "../../cpu/sparse/kernels.hpp"
 #include "../../cuda/layers/dense.hpp"
 
 #include "common.hpp"
-#include "trisparse/ops/reference.hpp"
 
 namespace trisparse {
 
@@ -66,7 +66,11 @@ void agnn_layer::forward(const tensor_view& h, double beta, const tensor_view& o
   if (s.where == device_kind::cpu) {
     check_host(h, "h");
     check_host(out, "out");
-    host_tensor unit(dtype::f64, s.rows, 1, h.dim);
+    // The CPU kernels (cpu/sparse/kernels.hpp; float64 for float64 h, else float32): unit rows,
+    // their cosines, the softmax, the SpMM.
+    const dtype t = h.type == dtype::f64 ? dtype::f64 : dtype::f32;
+    host_tensor unit(t, s.rows, 1, h.dim);
+#pragma omp parallel for schedule(static)
     for (std::int64_t i = 0; i < s.rows; ++i) {
       double sum = 0;
       for (std::int64_t f = 0; f < h.dim; ++f) {
@@ -77,10 +81,10 @@ void agnn_layer::forward(const tensor_view& h, double beta, const tensor_view& o
       for (std::int64_t f = 0; f < h.dim; ++f)
         unit.set(i * h.dim + f, load_as_double(h.data, h.type, h.offset(i, 0, f)) * inv);
     }
-    host_tensor scores(dtype::f64, s.pattern.nnz(), 1, 1), probs(dtype::f64, s.pattern.nnz(), 1, 1);
-    reference::sddmm(s.pattern, unit.view(), unit.view(), scores.view(), beta);
-    reference::softmax(s.pattern, scores.view(), probs.view());
-    reference::spmm(s.pattern, probs.view(), h, out);
+    host_tensor scores(t, s.pattern.nnz(), 1, 1), probs(t, s.pattern.nnz(), 1, 1);
+    cpu::sddmm(s.pattern, unit.view(), unit.view(), scores.view(), beta);
+    cpu::softmax(s.pattern, scores.view(), probs.view());
+    cpu::spmm(s.pattern, probs.view(), h, out);
     return;
   }
   check_device_arg(h, "h");

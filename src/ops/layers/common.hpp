@@ -52,21 +52,6 @@ inline void check_device_arg(const tensor_view& t, const char* what) {
                           std::string(what) + " " + t.describe() + " must be on the GPU");
 }
 
-// c = a b in float64 on the CPU: a [m, 1, k], b [k, 1, n], c [m, 1, n].
-inline void host_gemm(const tensor_view& a, const tensor_view& b, const tensor_view& c) {
-  const std::int64_t m = a.rows, k = a.dim, n = b.dim;
-#pragma omp parallel for schedule(static)
-  for (std::int64_t i = 0; i < m; ++i) {
-    for (std::int64_t j = 0; j < n; ++j) {
-      double sum = 0;
-      for (std::int64_t l = 0; l < k; ++l)
-        sum += load_as_double(a.data, a.type, a.offset(i, 0, l)) *
-               load_as_double(b.data, b.type, b.offset(l, 0, j));
-      store_from_double(c.data, c.type, c.offset(i, 0, j), sum);
-    }
-  }
-}
-
 // What both layers hold: the pattern (CPU) or its sparse plan (CUDA), and on CUDA the workspace
 // of runs not given one, sized at build for `own_dim` wide features.
 struct layer_core {

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <vector>
 
+#include "../../cpu/layers/f32.hpp"
 #include "../../cpu/layers/gcn.hpp"
 #include "../../cuda/layers/dense.hpp"
 #include "common.hpp"
@@ -14,7 +15,6 @@ namespace trisparse {
 
 using detail::check_device_arg;
 using detail::check_host;
-using detail::host_gemm;
 using detail::layer_core;
 using detail::with_self_loops;
 
@@ -85,9 +85,16 @@ void gcn_layer::forward(const tensor_view& x, const tensor_view& w, const tensor
   if (s.where == device_kind::cpu) {
     for (const auto& [t, what] : {std::pair{&x, "x"}, std::pair{&w, "w"}, std::pair{&out, "out"}})
       check_host(*t, what);
-    host_tensor xw(dtype::f64, s.rows, 1, w.dim);
-    host_gemm(x, w, xw.view());
-    reference::spmm(s.pattern, {}, xw.view(), out);
+    if (x.type == dtype::f64) {  // float64 (the gradcheck path): the float64 reference
+      reference::gcn_fused(s.pattern, x, w, {}, false, out);
+      return;
+    }
+    // The CPU engine in fp32 (cpu/layers/gcn.hpp): other dtypes through fp32 copies.
+    host_tensor xs, ws, os;
+    const tensor_view out32 = cpu::f32_view(out, os, false);
+    cpu::gcn_forward(s.pattern, cpu::f32_view(x, xs), cpu::f32_view(w, ws), {}, false, out32,
+                     nullptr, {});
+    cpu::store_view(out32, out);
     return;
   }
   for (const auto& [t, what] : {std::pair{&x, "x"}, std::pair{&w, "w"}, std::pair{&out, "out"}})

@@ -1,0 +1,147 @@
+// The CPU's SpMM, SDDMM and sparse softmax (kernels.hpp): float64 inputs in float64, the rest in
+// float32.
+#include "kernels.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "trisparse/core/numeric.hpp"
+
+namespace trisparse::cpu {
+
+namespace {
+
+constexpr int kRowsPerTask = 64;  // rows a dynamic OpenMP chunk takes (rows vary in length)
+
+/// A view's values as T: the view itself where it holds T, else a packed copy.
+template <class T>
+struct operand {
+  const T* data = nullptr;
+  std::int64_t row_stride = 0, head_stride = 0;
+  std::vector<T> owned;
+
+  explicit operand(const tensor_view& t) {
+    if (t.data == nullptr) return;
+    if (t.type == (std::is_same_v<T, double> ? dtype::f64 : dtype::f32)) {
+      data = static_cast<const T*>(t.data);
+      row_stride = t.row_stride;
+      head_stride = t.head_stride;
+      return;
+    }
+    owned.resize(static_cast<std::size_t>(t.numel()));
+#pragma omp parallel for schedule(static)
+    for (std::int64_t r = 0; r < t.rows; ++r)
+      for (std::int64_t h = 0; h < t.heads; ++h)
+        for (std::int64_t d = 0; d < t.dim; ++d)
+          owned[static_cast<std::size_t>((r * t.heads + h) * t.dim + d)] =
+              static_cast<T>(load_as_double(t.data, t.type, t.offset(r, h, d)));
+    data = owned.data();
+    row_stride = t.heads * t.dim;
+    head_stride = t.dim;
+  }
+  const T* row(std::int64_t r, std::int64_t h) const {
+    return data + r * row_stride + h * head_stride;
+  }
+};
+
+// Writes n values as row r, head h of t (its dtype), from column 0.
+template <class T>
+void store(const tensor_view& t, std::int64_t r, std::int64_t h, const T* x, std::int64_t n) {
+  if (t.type == (std::is_same_v<T, double> ? dtype::f64 : dtype::f32)) {
+    std::copy_n(x, n, static_cast<T*>(t.data) + t.offset(r, h, 0));
+    return;
+  }
+  for (std::int64_t d = 0; d < n; ++d) store_from_double(t.data, t.type, t.offset(r, h, d), x[d]);
+}
+
+// Runs f.template operator()<T>() with T = double for float64 inputs, float otherwise.
+template <class F>
+void in_type_of(const tensor_view& t, F&& f) {
+  if (t.type == dtype::f64)
+    f.template operator()<double>();
+  else
+    f.template operator()<float>();
+}
+
+}  // namespace
+
+void spmm(const csr_graph& a, const tensor_view& w, const tensor_view& b, const tensor_view& c) {
+  in_type_of(b, [&]<class T>() {
+    const operand<T> bt(b), wt(w);
+    const std::int64_t heads = b.heads, dim = b.dim;
+#pragma omp parallel
+    {
+      std::vector<T> acc(static_cast<std::size_t>(dim));
+#pragma omp for schedule(dynamic, kRowsPerTask)
+      for (std::int64_t r = 0; r < a.rows; ++r) {
+        for (std::int64_t h = 0; h < heads; ++h) {
+          std::fill(acc.begin(), acc.end(), T{0});
+          for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) {
+            const T x = w.data != nullptr ? *wt.row(e, h)
+                        : a.has_values()  ? static_cast<T>(a.values[static_cast<std::size_t>(e)])
+                                          : T{1};
+            const T* br = bt.row(a.col_idx[static_cast<std::size_t>(e)], h);
+#pragma omp simd
+            for (std::int64_t d = 0; d < dim; ++d) acc[static_cast<std::size_t>(d)] += x * br[d];
+          }
+          store(c, r, h, acc.data(), dim);
+        }
+      }
+    }
+  });
+}
+
+void sddmm(const csr_graph& a, const tensor_view& x, const tensor_view& y, const tensor_view& out,
+           double scale) {
+  in_type_of(x, [&]<class T>() {
+    const operand<T> xt(x), yt(y);
+    const std::int64_t heads = x.heads, dim = x.dim;
+    const auto s = static_cast<T>(scale);
+#pragma omp parallel for schedule(dynamic, kRowsPerTask)
+    for (std::int64_t r = 0; r < a.rows; ++r) {
+      for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) {
+        const T v = a.has_values() ? static_cast<T>(a.values[static_cast<std::size_t>(e)]) : T{1};
+        for (std::int64_t h = 0; h < heads; ++h) {
+          const T* xr = xt.row(r, h);
+          const T* yr = yt.row(a.col_idx[static_cast<std::size_t>(e)], h);
+          T dot = 0;
+#pragma omp simd reduction(+ : dot)
+          for (std::int64_t d = 0; d < dim; ++d) dot += xr[d] * yr[d];
+          const T got = s * v * dot;
+          store(out, e, h, &got, 1);
+        }
+      }
+    }
+  });
+}
+
+void softmax(const csr_graph& a, const tensor_view& scores, const tensor_view& out) {
+  in_type_of(scores, [&]<class T>() {
+    const operand<T> st(scores);
+    const std::int64_t heads = scores.heads;
+#pragma omp parallel
+    {
+      std::vector<T> p;
+#pragma omp for schedule(dynamic, kRowsPerTask)
+      for (std::int64_t r = 0; r < a.rows; ++r) {
+        const std::int64_t e0 = a.row_ptr[r], n = a.row_ptr[r + 1] - e0;
+        p.resize(static_cast<std::size_t>(n));
+        for (std::int64_t h = 0; h < heads; ++h) {
+          T top = -std::numeric_limits<T>::infinity();
+          for (std::int64_t x = 0; x < n; ++x) top = std::max(top, *st.row(e0 + x, h));
+          T sum = 0;
+          for (std::int64_t x = 0; x < n; ++x)
+            sum += (p[static_cast<std::size_t>(x)] = std::exp(*st.row(e0 + x, h) - top));
+          for (std::int64_t x = 0; x < n; ++x) {
+            const T v = p[static_cast<std::size_t>(x)] / sum;
+            store(out, e0 + x, h, &v, 1);
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace trisparse::cpu
