@@ -65,6 +65,21 @@ void in_type_of(const tensor_view& t, F&& f) {
     f.template operator()<float>();
 }
 
+// One row's SpMM in float32 for head h: acc = sum_e x_e b[col_e], x_e from `weight`. Cloned for
+// AVX2 + FMA where the CPU has them (the library is built for x86-64-v2).
+template <class Weight>
+[[gnu::target_clones("arch=x86-64-v3", "default")]] void spmm_row_f32(
+    const csr_graph& a, std::int64_t r, std::int64_t h, const operand<float>& b, std::int64_t dim,
+    const Weight& weight, float* acc) {
+  std::fill_n(acc, dim, 0.f);
+  for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) {
+    const float x = weight(e);
+    const float* br = b.row(a.col_idx[static_cast<std::size_t>(e)], h);
+#pragma omp simd
+    for (std::int64_t d = 0; d < dim; ++d) acc[d] += x * br[d];
+  }
+}
+
 }  // namespace
 
 void spmm(const csr_graph& a, const tensor_view& w, const tensor_view& b, const tensor_view& c) {
@@ -77,14 +92,21 @@ void spmm(const csr_graph& a, const tensor_view& w, const tensor_view& b, const 
 #pragma omp for schedule(dynamic, kRowsPerTask)
       for (std::int64_t r = 0; r < a.rows; ++r) {
         for (std::int64_t h = 0; h < heads; ++h) {
-          std::fill(acc.begin(), acc.end(), T{0});
-          for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) {
-            const T x = w.data != nullptr ? *wt.row(e, h)
-                        : a.has_values()  ? static_cast<T>(a.values[static_cast<std::size_t>(e)])
-                                          : T{1};
-            const T* br = bt.row(a.col_idx[static_cast<std::size_t>(e)], h);
+          const auto weight = [&](std::int64_t e) {
+            return w.data != nullptr ? *wt.row(e, h)
+                   : a.has_values()  ? static_cast<T>(a.values[static_cast<std::size_t>(e)])
+                                     : T{1};
+          };
+          if constexpr (std::is_same_v<T, float>) {
+            spmm_row_f32(a, r, h, bt, dim, weight, acc.data());
+          } else {
+            std::fill(acc.begin(), acc.end(), T{0});
+            for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) {
+              const T x = weight(e);
+              const T* br = bt.row(a.col_idx[static_cast<std::size_t>(e)], h);
 #pragma omp simd
-            for (std::int64_t d = 0; d < dim; ++d) acc[static_cast<std::size_t>(d)] += x * br[d];
+              for (std::int64_t d = 0; d < dim; ++d) acc[static_cast<std::size_t>(d)] += x * br[d];
+            }
           }
           store(c, r, h, acc.data(), dim);
         }
@@ -121,6 +143,9 @@ void softmax(const csr_graph& a, const tensor_view& scores, const tensor_view& o
   in_type_of(scores, [&]<class T>() {
     const operand<T> st(scores);
     const std::int64_t heads = scores.heads;
+    T* const direct = out.type == (std::is_same_v<T, double> ? dtype::f64 : dtype::f32)
+                          ? static_cast<T*>(out.data)
+                          : nullptr;
 #pragma omp parallel
     {
       std::vector<T> p;
@@ -129,14 +154,23 @@ void softmax(const csr_graph& a, const tensor_view& scores, const tensor_view& o
         const std::int64_t e0 = a.row_ptr[r], n = a.row_ptr[r + 1] - e0;
         p.resize(static_cast<std::size_t>(n));
         for (std::int64_t h = 0; h < heads; ++h) {
+          const T* in = st.row(e0, h);  // entry e0 + x at in[x * row_stride]
           T top = -std::numeric_limits<T>::infinity();
-          for (std::int64_t x = 0; x < n; ++x) top = std::max(top, *st.row(e0 + x, h));
+          for (std::int64_t x = 0; x < n; ++x) top = std::max(top, in[x * st.row_stride]);
           T sum = 0;
-          for (std::int64_t x = 0; x < n; ++x)
-            sum += (p[static_cast<std::size_t>(x)] = std::exp(*st.row(e0 + x, h) - top));
           for (std::int64_t x = 0; x < n; ++x) {
-            const T v = p[static_cast<std::size_t>(x)] / sum;
-            store(out, e0 + x, h, &v, 1);
+            p[static_cast<std::size_t>(x)] = std::exp(in[x * st.row_stride] - top);
+            sum += p[static_cast<std::size_t>(x)];
+          }
+          const T inv = T{1} / sum;
+          if (direct != nullptr) {
+            T* o = direct + out.offset(e0, h, 0);
+            for (std::int64_t x = 0; x < n; ++x)
+              o[x * out.row_stride] = p[static_cast<std::size_t>(x)] * inv;
+          } else {
+            for (std::int64_t x = 0; x < n; ++x)
+              store_from_double(out.data, out.type, out.offset(e0 + x, h, 0),
+                                p[static_cast<std::size_t>(x)] * inv);
           }
         }
       }
