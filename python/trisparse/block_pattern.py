@@ -548,7 +548,7 @@ class PatternLearner:
                 q, k, v, is_causal=self.causal, scale=scale
             )
         mask = self._block_mask()
-        track = self.steps % self.track_every == 0
+        track = self.steps % self.track_every == 0 and not self._frozen()  # frozen: no use
         out = block_sparse_attention(
             q, k, v, mask, scale=scale, importance=self.tracker if track else None
         )

@@ -41,9 +41,10 @@ class BlockImportance:
         self._shape: tuple[int, int] | None = None  # (B, H) of the last call
         self.id = _trackers.add(self)
 
-    def _record(self, mass: Tensor, grad: Tensor) -> None:
-        # [sequences, QB, H', KB] from the op, H' = B * H where the heads were folded.
-        b, h = self._shape
+    def _record(self, mass: Tensor, grad: Tensor, shape: tuple[int, int]) -> None:
+        # [sequences, QB, H', KB] from the op, H' = B * H where the heads were folded; `shape`:
+        # the (B, H) of the forward this backward belongs to.
+        b, h = shape
         qb, kb = mass.shape[1], mass.shape[3]
         self.mass, self.grad = (t.permute(0, 2, 1, 3).reshape(b, h, qb, kb) for t in (mass, grad))
         self.steps += 1
@@ -321,6 +322,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.mask, ctx.cu_q, ctx.cu_k, ctx.scale = mask, cu_q, cu_k, scale
     ctx.importance = _trackers.get(importance) if importance else None
+    ctx.importance_shape = ctx.importance._shape if ctx.importance is not None else None
     # Held until the backward: a mask made for one step (a top-k selection) may be dropped by the
     # caller as soon as the forward returns.
     ctx.mask_object = _masks.get(mask)
@@ -333,7 +335,7 @@ def _backward(ctx, dout, _dlse):
         q, k, v, out, lse, dout, ctx.mask, ctx.cu_q, ctx.cu_k, ctx.scale, tracker is not None
     )
     if tracker is not None:
-        tracker._record(mass, grad)
+        tracker._record(mass, grad, ctx.importance_shape)
     return dq, dk, dv, None, None, None, None, None, None
 
 
