@@ -65,16 +65,16 @@ void in_type_of(const tensor_view& t, F&& f) {
     f.template operator()<float>();
 }
 
-// One row's SpMM in float32 for head h: acc = sum_e x_e b[col_e], x_e from `weight`. Cloned for
-// AVX2 + FMA where the CPU has them (the library is built for x86-64-v2).
-template <class Weight>
+// One row's SpMM in float32 for head h: acc = sum_e x_e b[col_e], x_e = w[e * w_row] where w is
+// set (already at head h), else values[e] where set, else 1. Cloned for AVX2 + FMA where the CPU
+// has them (the library is built for x86-64-v2).
 [[gnu::target_clones("arch=x86-64-v3", "default")]] void spmm_row_f32(
-    const csr_graph& a, std::int64_t r, std::int64_t h, const operand<float>& b, std::int64_t dim,
-    const Weight& weight, float* acc) {
+    const csr_graph& a, std::int64_t r, const float* b, std::int64_t b_row, std::int64_t dim,
+    const float* w, std::int64_t w_row, const float* values, float* acc) {
   std::fill_n(acc, dim, 0.f);
   for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) {
-    const float x = weight(e);
-    const float* br = b.row(a.col_idx[static_cast<std::size_t>(e)], h);
+    const float x = w != nullptr ? w[e * w_row] : values != nullptr ? values[e] : 1.f;
+    const float* br = b + std::int64_t{a.col_idx[static_cast<std::size_t>(e)]} * b_row;
 #pragma omp simd
     for (std::int64_t d = 0; d < dim; ++d) acc[d] += x * br[d];
   }
@@ -92,17 +92,16 @@ void spmm(const csr_graph& a, const tensor_view& w, const tensor_view& b, const 
 #pragma omp for schedule(dynamic, kRowsPerTask)
       for (std::int64_t r = 0; r < a.rows; ++r) {
         for (std::int64_t h = 0; h < heads; ++h) {
-          const auto weight = [&](std::int64_t e) {
-            return w.data != nullptr ? *wt.row(e, h)
-                   : a.has_values()  ? static_cast<T>(a.values[static_cast<std::size_t>(e)])
-                                     : T{1};
-          };
           if constexpr (std::is_same_v<T, float>) {
-            spmm_row_f32(a, r, h, bt, dim, weight, acc.data());
+            spmm_row_f32(a, r, bt.row(0, h), bt.row_stride, dim,
+                         w.data != nullptr ? wt.row(0, h) : nullptr, wt.row_stride,
+                         a.has_values() ? a.values.data() : nullptr, acc.data());
           } else {
             std::fill(acc.begin(), acc.end(), T{0});
             for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) {
-              const T x = weight(e);
+              const T x = w.data != nullptr ? *wt.row(e, h)
+                          : a.has_values()  ? static_cast<T>(a.values[static_cast<std::size_t>(e)])
+                                            : T{1};
               const T* br = bt.row(a.col_idx[static_cast<std::size_t>(e)], h);
 #pragma omp simd
               for (std::int64_t d = 0; d < dim; ++d) acc[static_cast<std::size_t>(d)] += x * br[d];
