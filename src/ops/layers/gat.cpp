@@ -87,12 +87,18 @@ void gat_plan::forward(const gat_args& a, stream_ref stream, workspace_view work
   for (const tensor_view* t : {&a.x, &a.a_src, &a.a_dst, &a.out}) check_host(*t, "GAT operand");
   for (const tensor_view* t : {&a.keep, &a.lse})
     if (t->data != nullptr) check_host(*t, "GAT operand");
-  if (cpu::all_f32({&a.x, &a.a_src, &a.a_dst, &a.keep, &a.out, &a.lse})) {
-    check_gat_cpu(s.pattern, a.x, a.a_src, a.a_dst, a.keep, a.keep_index, a.negative_slope);
+  if (a.x.type != dtype::f64) {  // the fp32 engine; f16 and bf16 through fp32 copies
+    host_tensor xs, ss, ds, ks, os, ls;
+    const tensor_view x = cpu::f32_view(a.x, xs), src = cpu::f32_view(a.a_src, ss),
+                      dst = cpu::f32_view(a.a_dst, ds), keep = cpu::f32_view(a.keep, ks),
+                      out = cpu::f32_view(a.out, os, false), lse = cpu::f32_view(a.lse, ls, false);
+    check_gat_cpu(s.pattern, x, src, dst, keep, a.keep_index, a.negative_slope);
     check_view(a.out, "out", s.rows, a.x.heads, a.x.dim);
     if (a.lse.data != nullptr) check_view(a.lse, "lse", s.rows, a.x.heads, 1);
-    cpu::gat_forward(s.pattern, a.x, a.a_src, a.a_dst, {a.keep, a.keep_index},
-                     static_cast<float>(a.negative_slope), a.out, a.lse);
+    cpu::gat_forward(s.pattern, x, src, dst, {keep, a.keep_index},
+                     static_cast<float>(a.negative_slope), out, lse);
+    cpu::store_view(out, a.out);
+    cpu::store_view(lse, a.lse);
     return;
   }
   host_tensor keep;
@@ -127,18 +133,26 @@ void gat_plan::backward(const gat_grad_args& a, stream_ref stream, workspace_vie
   for (const tensor_view* t : {&a.x, &a.a_src, &a.a_dst, &a.dout, &a.dx, &a.da_src, &a.da_dst})
     check_host(*t, "GAT operand");
   if (a.keep.data != nullptr) check_host(a.keep, "keep");
-  if (a.lse.data != nullptr && cpu::all_f32({&a.x, &a.a_src, &a.a_dst, &a.keep, &a.lse, &a.dout,
-                                             &a.dx, &a.da_src, &a.da_dst})) {
-    check_gat_cpu(s.pattern, a.x, a.a_src, a.a_dst, a.keep, a.keep_index, a.negative_slope);
+  if (a.lse.data != nullptr && a.x.type != dtype::f64) {  // fp32; f16 and bf16 through copies
     check_host(a.lse, "lse");
     check_view(a.lse, "lse", s.rows, a.x.heads, 1);
     check_view(a.dout, "dout", s.rows, a.x.heads, a.x.dim);
     check_view(a.dx, "dx", s.cols, a.x.heads, a.x.dim);
     check_view(a.da_src, "da_src", s.cols, a.x.heads, 1);
     check_view(a.da_dst, "da_dst", s.rows, a.x.heads, 1);
-    cpu::gat_backward(s.pattern, s.transposed, a.x, a.a_src, a.a_dst, {a.keep, a.keep_index},
-                      static_cast<float>(a.negative_slope), a.lse, a.dout, a.dx, a.da_src,
-                      a.da_dst);
+    host_tensor xs, ss, ds, ks, ls, gs, dxs, dss, dds;
+    const tensor_view x = cpu::f32_view(a.x, xs), src = cpu::f32_view(a.a_src, ss),
+                      dst = cpu::f32_view(a.a_dst, ds), keep = cpu::f32_view(a.keep, ks),
+                      lse = cpu::f32_view(a.lse, ls), dout = cpu::f32_view(a.dout, gs),
+                      dx = cpu::f32_view(a.dx, dxs, false),
+                      da_src = cpu::f32_view(a.da_src, dss, false),
+                      da_dst = cpu::f32_view(a.da_dst, dds, false);
+    check_gat_cpu(s.pattern, x, src, dst, keep, a.keep_index, a.negative_slope);
+    cpu::gat_backward(s.pattern, s.transposed, x, src, dst, {keep, a.keep_index},
+                      static_cast<float>(a.negative_slope), lse, dout, dx, da_src, da_dst);
+    cpu::store_view(dx, a.dx);
+    cpu::store_view(da_src, a.da_src);
+    cpu::store_view(da_dst, a.da_dst);
     return;
   }
   host_tensor keep;
