@@ -51,13 +51,13 @@ __global__ void importance_finish_kernel(const __grid_constant__ block_sparse::b
   const std::int64_t lq = p.cu_q[t.seq + 1] - p.cu_q[t.seq];
   const std::int32_t* col =
       p.t_ptr + p.t_mask_col[t.seq * p.mask_heads + (p.mask_heads == 1 ? 0 : h)] + c;
-  const std::int64_t head_slot = (p.mask_heads == 1 ? std::int64_t{h} : 0) * p.imp_slots;
   for (int e = col[0] + static_cast<int>(threadIdx.x); e < col[1];
        e += static_cast<int>(blockDim.x)) {
     const int r = p.t_idx[e];
     float m = 0.f, g = 0.f;
+    const std::int64_t first = block_sparse::importance_slot(p, h, e);
     for (int x = 0; x < p.imp_sub * p.imp_warps; ++x) {
-      const std::int64_t slot = (head_slot + e) * p.imp_sub * p.imp_warps + x;
+      const std::int64_t slot = first + x;
       m += p.imp_partial[2 * slot];
       g += p.imp_partial[2 * slot + 1];
     }

@@ -18,6 +18,14 @@ __device__ __forceinline__ int walk_entry(const Walk& w) {
     return -1;
 }
 
+/// The first partial slot of kept block `entry` (a transposed entry) for head h: its imp_sub key
+/// tiles' imp_warps warps follow (params.hpp has the layout).
+__device__ __forceinline__ std::int64_t importance_slot(const backward_params& p, int h,
+                                                        int entry) {
+  return ((p.mask_heads == 1 ? std::int64_t{h} : 0) * p.imp_slots + entry) * p.imp_sub *
+         p.imp_warps;
+}
+
 /// One thread's sums of P and |dS| over the pairs of the entry its walk is in.
 template <int BN>
 struct importance_sums {
@@ -45,11 +53,9 @@ struct importance_sums {
       grad += __shfl_xor_sync(0xffffffffu, grad, o);
     }
     if (threadIdx.x % 32 == 0) {
+      const int tile = (row0 % p.block) / (p.block / p.imp_sub);  // the key tile in its block
       const std::int64_t slot =
-          (((p.mask_heads == 1 ? std::int64_t{h} : 0) * p.imp_slots + entry) * p.imp_sub +
-           (row0 % p.block) / (p.block / p.imp_sub)) *
-              p.imp_warps +
-          static_cast<int>(threadIdx.x) / 32;
+          importance_slot(p, h, entry) + tile * p.imp_warps + static_cast<int>(threadIdx.x) / 32;
       p.imp_partial[2 * slot] = mass;
       p.imp_partial[2 * slot + 1] = grad;
     }
