@@ -13,7 +13,9 @@ Step: the layer's forward on x [N, in] and backward of a fixed random dout (grad
 every parameter); CUDA-event medians of --repeat after 3 warm-ups. Peak memory: the step's
 torch.cuda.max_memory_allocated beyond what was allocated before it. Error: max |ours - PyG| /
 max |PyG| over the output and the gradients of x and the parameters, both in the same mode
-(rel_error below).
+(rel_error below). --f64 also runs PyG's layer in float64 on the same inputs and reports both
+backends' fp32 errors against it (which side carries a difference). --profile adds, for our
+layer and PyG's, the CUDA kernels' time per step (torch.profiler, top 12) to each record.
 One JSON line per (graph, mode); a backend out of memory is reported ("error"), not skipped.
 """
 
@@ -63,6 +65,53 @@ def run(layer, x, edge_index, edge_attr, dout, autocast, repeat):
     return {"step_ms": ms, "peak_mib": peak}, tensors
 
 
+def profile_top(layer, x, edge_index, edge_attr, dout, autocast, steps=3):
+    """A step's CUDA time per kernel name (ms per step, calls per step), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    extra = {} if edge_attr is None else {"edge_attr": edge_attr.detach().requires_grad_()}
+    x = x.detach().requires_grad_()
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            out = layer(x, edge_index, **extra)
+        out.backward(dout.to(out.dtype))
+
+    step()
+    torch.cuda.synchronize()
+    with profile(
+        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True
+    ) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    rows = [
+        (e.key[:90], e.device_time_total / 1e3 / steps, e.count // steps)
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0
+    ]
+    ops = sorted(
+        (e for e in prof.key_averages(group_by_input_shape=True) if e.key.startswith("aten::")),
+        key=lambda e: -e.self_device_time_total,
+    )
+    ops = [
+        [e.key, str(e.input_shapes)[:80], round(e.self_device_time_total / 1e3 / steps, 3)]
+        for e in ops[:10]
+    ]
+    rows.sort(key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    gemm = sum(
+        ms for n, ms, _ in rows if any(w in n for w in ("gemm", "nvjet", "cutlass", "splitK"))
+    )
+    return {
+        "gpu_ms": round(total, 3),
+        "gemm_ms": round(gemm, 3),
+        "top": [[n, round(ms, 3), c] for n, ms, c in rows[:12]],
+        "ops": ops,
+    }
+
+
 def rel_error(got, ref):
     """max |got - ref| / max |ref| over the tensors; lin_key's bias gradient is 0 in exact
     arithmetic (a bias on every key of a row leaves its softmax unchanged), so each denominator is
@@ -86,6 +135,8 @@ def main():
     ap.add_argument("--channels", type=int, default=16)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--f64", action="store_true", help="both fp32 runs against PyG in float64")
+    ap.add_argument("--profile", action="store_true", help="each step's kernels (torch.profiler)")
     ap.add_argument(
         "--dropout", type=float, nargs="+", default=[0.0], help="attention dropouts (training)"
     )
@@ -121,6 +172,18 @@ def main():
             rec.update(dropout=dropout)
             rec.update(mode=mode, device=torch.cuda.get_device_name(), torch=torch.__version__)
             ref = None
+
+            def f64_tensors(layer):
+                """PyG's layer with layer's weights, in float64, on the same inputs."""
+                ref64 = getattr(torch_geometric.nn, a.layer)(a.in_channels, a.channels, **kwargs)
+                ref64.load_state_dict(layer.state_dict())
+                ref64 = ref64.to(dev).double()
+                attr = None if edge_attr is None else edge_attr.double()
+                _, t64 = run(ref64, x.double(), edge_index, attr, dout.double(), False, 1)
+                del ref64
+                torch.cuda.empty_cache()
+                return t64
+
             for name, layer in (("pyg", pyg), ("trisparse", ours)):
                 try:
                     r, tensors = run(layer, x, edge_index, edge_attr, dout, autocast, a.repeat)
@@ -135,6 +198,14 @@ def main():
                     # Per tensor (output, x, edge_attr, then the parameters in order): which one
                     # sets the maximum.
                     r["rel_error_by_tensor"] = [rel_error([g], [w]) for g, w in zip(tensors, ref)]
+                if a.f64 and not autocast and dropout == 0:
+                    t64 = f64_tensors(layer)
+                    r["rel_error_vs_f64"] = rel_error(tensors, t64)
+                    r["rel_error_vs_f64_by_tensor"] = [
+                        rel_error([g], [w]) for g, w in zip(tensors, t64)
+                    ]
+                if a.profile:
+                    r["profile"] = profile_top(layer, x, edge_index, edge_attr, dout, autocast)
                 rec[name] = r
                 torch.cuda.empty_cache()
             print(json.dumps(rec), flush=True)

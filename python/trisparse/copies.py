@@ -19,8 +19,34 @@ __all__ = [
     "copy_logsumexp",
     "copy_sum",
     "copy_weights",
+    "gather_rows",
     "to_copies",
 ]
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, values: Tensor, index: Tensor) -> Tensor:
+        ctx.save_for_backward(index)
+        ctx.rows = values.shape[0]
+        return values.gather(0, index[:, None].expand(-1, values.shape[1]).contiguous())
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (index,) = ctx.saved_tensors
+        out = grad.new_zeros(ctx.rows, grad.shape[1])
+        return out.index_add_(0, index, grad), None
+
+
+def gather_rows(values: Tensor, index: Tensor) -> Tensor:
+    """values[index] for [E, W] values and distinct int64 indices (kept edges, a permutation):
+    on CUDA a gather with the index spelled out per element, and its gradient an index_add of
+    distinct rows (one write each: the same bits every run). torch 2.11's row gather (index_select,
+    values[index]) takes ~6 ms for 10M rows of 4 or more float32 columns on an H200, this 0.7 ms
+    (measured; 1-D gathers are fast either way)."""
+    if not values.is_cuda or values.dim() != 2:
+        return values[index]
+    return _GatherRows.apply(values, index)
 
 
 def _grouped(pattern: Pattern, device: torch.device) -> tuple[Tensor, Tensor]:

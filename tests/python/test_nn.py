@@ -169,6 +169,12 @@ MULTIGRAPH_CASES = [
     ("GATConv", {"heads": 2, "edge_dim": 5}, False),
     ("GATConv", {"heads": 2, "edge_dim": 5, "fill_value": 0.5}, True),
     ("GATConv", {"heads": 2, "edge_dim": 5, "fill_value": "add", "residual": True}, True),
+    ("GATConv", {"heads": 2, "edge_dim": 5, "fill_value": "max"}, False),
+    (
+        "GATConv",
+        {"heads": 2, "edge_dim": 5, "fill_value": torch.linspace(-1, 1, 5).double()},
+        False,
+    ),
     ("AGNNConv", {}, False),
 ]
 

@@ -8,7 +8,7 @@ from torch import Tensor
 from torch_geometric.nn import GATConv as _PygGATConv
 from torch_geometric.utils import scatter
 
-from ..copies import copy_logsumexp, copy_sum, copy_weights, to_copies
+from ..copies import copy_logsumexp, copy_sum, copy_weights, gather_rows, to_copies
 from ..edge import edge_scores, edge_softmax, edge_spmm
 from ..edge_attention import edge_attention_supported, edge_gat_attention
 from ..gat import gat_attention
@@ -84,8 +84,7 @@ class GATConv(_Fused, _PygGATConv):
         ):  # fused over the input's edges, each copy its own term and dropout draw
             a_edge = None
             if edge_attr is not None:
-                edge_attr = self._edge_features(edge_attr, edge_index, pattern, num_src, num_dst)
-                a_edge = self._edge_term(edge_attr)
+                a_edge = self._edge_terms(edge_attr, edge_index, pattern, num_src, num_dst)
             out = edge_gat_attention(
                 x_src,
                 alpha_src,
@@ -96,9 +95,10 @@ class GATConv(_Fused, _PygGATConv):
                 self.dropout if dropout else 0.0,
             )
         elif per_edge or pattern.duplicates or C > _GAT_MAX_WIDTH:
+            a_edge = None
             if edge_attr is not None:
-                edge_attr = self._edge_features(edge_attr, edge_index, pattern, num_src, num_dst)
-            out, weights = self._per_edge(x_src, alpha_src, alpha_dst, edge_attr, pattern, dropout)
+                a_edge = self._edge_terms(edge_attr, edge_index, pattern, num_src, num_dst)
+            out, weights = self._per_edge(x_src, alpha_src, alpha_dst, a_edge, pattern, dropout)
         else:
             keep = order = None
             if dropout:  # PyG's dropout of the [E, H] weights, drawn in the input's edge order
@@ -117,13 +117,19 @@ class GATConv(_Fused, _PygGATConv):
             return out, (_with_loops(edge_index, pattern), weights)
         return out
 
-    def _edge_features(self, edge_attr, edge_index, pattern, num_src, num_dst) -> Tensor:
-        """edge_attr of the pattern's input edges: with self loops, the kept edges' features and
-        the loops' from ``fill_value``, as PyG's remove_self_loops and add_self_loops give them
-        (the kept edges come from the pattern, so no shape depends on data: torch.compile)."""
+    def _edge_terms(self, edge_attr, edge_index, pattern, num_src, num_dst) -> Tensor:
+        """[E_in, H]: the edge term (W_e a . att_edge) summed over C = a . (W_e^T att_edge) of
+        the pattern's input edges. With self loops: the kept edges' terms and the loops' from
+        ``fill_value``, as PyG's remove_self_loops and add_self_loops give the features. The
+        product is taken first, over every edge, so only [E, H] values are gathered or reduced: a
+        linear fill ("mean", "add", a constant) commutes with it; "min", "max" and "mul" reduce
+        the features. The kept edges come from the pattern, so no shape depends on data
+        (torch.compile)."""
         _check_float("edge_attr", edge_attr)
+        H, C = self.heads, self.out_channels
+        to_heads = torch.einsum("hcd,hc->dh", self.lin_edge.weight.view(H, C, -1), self.att_edge[0])
         if not self.add_self_loops:
-            return _edge_features(edge_attr, pattern, self.edge_dim)
+            return _edge_features(edge_attr, pattern, self.edge_dim) @ to_heads
         kept = pattern.kept_edges(edge_attr.device)
         if kept is None or not isinstance(edge_index, Tensor):
             raise TypeError(
@@ -132,38 +138,38 @@ class GATConv(_Fused, _PygGATConv):
             )
         if edge_attr.dim() == 1:
             edge_attr = edge_attr.unsqueeze(-1)
-        if edge_attr.size(0) != edge_index.size(1):
+        if edge_attr.dim() != 2 or edge_attr.shape != (edge_index.size(1), self.edge_dim):
             raise ValueError(
-                f"edge_attr must have one row per edge of edge_index ({edge_index.size(1)}), "
-                f"got {edge_attr.size(0)}"
+                f"edge_attr must have shape [{edge_index.size(1)}, {self.edge_dim}] (one row per "
+                f"edge of edge_index, edge_dim columns), got {list(edge_attr.shape)}"
             )
         n = min(num_src, num_dst)
-        attr = edge_attr[kept]
         fill = self.fill_value
-        size = (n, *attr.shape[1:])
-        if fill is None:
-            loops = attr.new_ones(size)
-        elif isinstance(fill, (int, float)):
-            loops = attr.new_full(size, fill)
-        elif isinstance(fill, Tensor):
-            loops = fill.to(attr.device, attr.dtype).expand(size).contiguous()
-        else:  # "mean", "add", ...: PyG's scatter over each node's incoming kept edges
-            loops = scatter(attr, edge_index[1][kept], 0, n, reduce=fill)
-        return _edge_features(torch.cat([attr, loops]), pattern, self.edge_dim)
+        nonlinear = isinstance(fill, str) and fill not in ("mean", "add", "sum")
+        values = edge_attr if nonlinear else edge_attr @ to_heads
+        targets = edge_index[1]
+        if kept.numel() != edge_attr.size(0):  # self loops in the input: dropped
+            values = gather_rows(values, kept)
+            targets = targets[kept]
+        if fill is None or isinstance(fill, (int, float, Tensor)):
+            row = edge_attr.new_full((self.edge_dim,), 1.0 if fill is None else 0.0)
+            if isinstance(fill, Tensor):
+                row = fill.to(edge_attr.device, edge_attr.dtype).reshape(-1).expand(self.edge_dim)
+            elif fill is not None:
+                row = row + fill
+            loops = (row @ to_heads).expand(n, H)
+        else:  # a reduction over each node's incoming kept edges
+            loops = _incoming(values, targets, n, fill, pattern)
+        if nonlinear:
+            values, loops = values @ to_heads, loops @ to_heads
+        return torch.cat([values, loops])
 
-    def _edge_term(self, edge_attr: Tensor) -> Tensor:
-        """[E, H]: (W_e a . att_edge) summed over C = a . (W_e^T att_edge), one [edge_dim, H]
-        matrix."""
-        H, C = self.heads, self.out_channels
-        w_edge = self.lin_edge.weight.view(H, C, -1)
-        return edge_attr @ torch.einsum("hcd,hc->dh", w_edge, self.att_edge[0])
-
-    def _per_edge(self, x_src, alpha_src, alpha_dst, edge_attr, pattern, dropout):
+    def _per_edge(self, x_src, alpha_src, alpha_dst, a_edge, pattern, dropout):
         """GAT's attention with [E, H] weights per input edge: the output [N, H, C] and the
         weights (after dropout, as PyG's layer returns them)."""
         scores = to_copies(edge_scores(alpha_dst, alpha_src, pattern), pattern)
-        if edge_attr is not None:
-            scores = scores + self._edge_term(edge_attr)
+        if a_edge is not None:
+            scores = scores + a_edge
         scores = F.leaky_relu(scores, self.negative_slope)
         entry = copy_logsumexp(scores, pattern)
         alpha = edge_softmax(entry, pattern)
@@ -174,6 +180,29 @@ class GATConv(_Fused, _PygGATConv):
         if dropout:
             weights = F.dropout(weights, p=self.dropout, training=True)
         return edge_spmm(copy_sum(weights, pattern), x_src, pattern), weights
+
+
+def _incoming(attr: Tensor, targets: Tensor, n: int, reduce: str, pattern: Pattern) -> Tensor:
+    """[n, edge_dim]: PyG's scatter(attr, targets, 0, n, reduce) (0 where no edge comes in). A
+    sum or mean runs over the edges grouped by target once per graph (a segment reduction, in a
+    fixed order: repeatable, where PyG's scatter adds with atomics);
+    the others, and any call under torch.compile, take PyG's scatter."""
+    if reduce not in ("mean", "add", "sum") or torch.compiler.is_compiling():
+        return scatter(attr, targets, 0, n, reduce=reduce)
+
+    def grouped():
+        order = torch.argsort(targets, stable=True)
+        return order, torch.bincount(targets, minlength=n)
+
+    order, lengths = pattern._cached("loop_fill_groups", attr.device, grouped)
+    return torch.segment_reduce(
+        gather_rows(attr, order),
+        "mean" if reduce == "mean" else "sum",
+        lengths=lengths,
+        axis=0,
+        unsafe=True,  # the lengths sum to the edges by construction: no host check
+        initial=0.0,
+    )
 
 
 def _with_loops(edge_index, pattern: Pattern) -> Tensor:

@@ -22,7 +22,8 @@ class TransformerConv(_Fused, _PygTransformerConv):
     gradients are deterministic.
 
     ``edge_index`` may also be a :class:`trisparse.Pattern` (built once, reused every step).
-    Repeated edges count once per copy, as in PyG (a log-count bias on the fused scores). Edge
+    Repeated edges count once per copy, as in PyG (on CUDA each copy is its own edge of the
+    multigraph kernels; elsewhere a log-count bias on the fused scores). Edge
     features (``edge_dim``) and attention dropout on CUDA run fused
     (:func:`trisparse.edge_attention`: the kernel reads each edge's features; the dropout is a
     factor per input edge and head, drawn as PyG draws it). ``return_attention_weights``, and edge
@@ -55,8 +56,10 @@ class TransformerConv(_Fused, _PygTransformerConv):
         dropout = self.dropout if self.training else 0.0
         alpha = None
         features = self.edge_dim if edge_attr is not None else 0
+        # Repeated edges, edge features and dropout take the multigraph kernels (each copy its
+        # own edge); a plain graph takes the tensor-core attention.
         fused_edges = (
-            (edge_attr is not None or dropout > 0)
+            (edge_attr is not None or dropout > 0 or pattern.duplicates > 0)
             and not return_attention_weights
             and edge_attention_supported(pattern, query, features)
         )
