@@ -9,6 +9,7 @@
 #include <numeric>
 #include <sstream>
 
+#include "../cpu/common/exp2.hpp"
 #include "../cpu/common/online_softmax.hpp"
 #include "trisparse/core/error.hpp"
 
@@ -35,6 +36,23 @@ constexpr std::int64_t kKeys = 1024;  // keys a chunk (kRows x kKeys scores stay
       for (std::int64_t j = 0; j < len; ++j) sr[j] += qv * kr[j];
     }
   }
+}
+
+// sums[c] = sum over the keys j of block c (j <= last) of 2^(s[j] - top); returns their total.
+[[gnu::target_clones("arch=x86-64-v3", "default")]] double block_sums(const float* s,
+                                                                      std::int64_t last,
+                                                                      std::int64_t block, float top,
+                                                                      double* sums) {
+  double total = 0.0;
+  for (std::int64_t c = 0; c * block <= last; ++c) {
+    const std::int64_t end = std::min(last + 1, (c + 1) * block);
+    float part = 0.f;
+#pragma omp simd reduction(+ : part)
+    for (std::int64_t j = c * block; j < end; ++j) part += cpu::exp2_nonpositive(s[j] - top);
+    sums[c] = part;
+    total += part;
+  }
+  return total;
 }
 
 }  // namespace
@@ -97,14 +115,7 @@ std::vector<double> block_attention_mass(const tensor_view& q, const tensor_view
           const float* sr = &s[a * nk];
           const float top = *std::max_element(sr, sr + last + 1);
           std::fill(sums.begin(), sums.end(), 0.0);
-          double total = 0.0;
-          for (std::int64_t c = 0; c * block <= last; ++c) {
-            float part = 0.f;
-            for (std::int64_t j = c * block; j <= std::min(last, (c + 1) * block - 1); ++j)
-              part += std::exp2(sr[j] - top);
-            sums[static_cast<std::size_t>(c)] = part;
-            total += part;
-          }
+          const double total = block_sums(sr, last, block, top, sums.data());
           const double w = 1.0 / (total * static_cast<double>(i1 - r * block));
           for (std::int64_t c = 0; c < kb; ++c) out[c] += sums[static_cast<std::size_t>(c)] * w;
         }

@@ -1,7 +1,9 @@
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 
+#include "../../src/cpu/common/exp2.hpp"
 #include "support.hpp"
 
 namespace trisparse {
@@ -16,6 +18,21 @@ TEST(Numeric, EveryHalfRoundTripsThroughFloat) {
     }
     EXPECT_EQ(float_to_half_bits(f), h) << "half bits " << h;
   }
+}
+
+TEST(Numeric, VectorisableExp2IsWithinAnUlpOfLibm) {
+  // Every 1/4096 step of [-126, 0], plus the ends and what lies below them.
+  double worst = 0.0;
+  for (int i = 0; i <= 126 * 4096; ++i) {
+    const float x = -static_cast<float>(i) / 4096.0f;
+    const double want = std::exp2(static_cast<double>(x));
+    worst = std::max(worst, std::abs(cpu::exp2_nonpositive(x) - want) / want);
+  }
+  EXPECT_LE(worst, 2.0e-7);
+  EXPECT_EQ(cpu::exp2_nonpositive(0.0f), 1.0f);
+  EXPECT_EQ(cpu::exp2_nonpositive(-1.0f), 0.5f);
+  EXPECT_EQ(cpu::exp2_nonpositive(-127.0f), 0.0f);
+  EXPECT_EQ(cpu::exp2_nonpositive(-std::numeric_limits<float>::infinity()), 0.0f);
 }
 
 TEST(Numeric, HalfRoundsToNearestEven) {
