@@ -9,8 +9,8 @@
 # runs only its second round (this build first, then the parent's); AB_ONLY=fused runs only the
 # fused 3S set, both orders.
 # Build both here (Release, sm_90, benchmarks) and pack them:
-#   tar -cJf .devpack/base.tar.xz -C build/gpu-base bench_fused3s bench_sparse bench_block_sparse
-#   tar -cJf .devpack/new.tar.xz -C build/gpu bench_fused3s bench_sparse bench_block_sparse ...
+#   tar -cJf .devpack/base.tar.xz -C build/gpu-base bench_fused3s bench_me_bcrs bench_block_sparse
+#   tar -cJf .devpack/new.tar.xz -C build/gpu bench_fused3s bench_me_bcrs bench_block_sparse ...
 # then call with carry = [.devpack, .devlibs, data]: scripts/gpu_ab.sh
 set -uo pipefail
 final=${OUT:-/tmp/trisparse-ab}
@@ -29,7 +29,7 @@ present=()
 for g in "${ten[@]}"; do [ -f "$g" ] && present+=("$g"); done
 fused() { "/tmp/ab/$1/bench_fused3s" --dim 128 --heads 1 --dtype f16 --repeat 20 --no-baselines \
             "${graphs[@]}" > "$out/fused3s_$1_$2.jsonl" 2>> "$out/stderr.log"; }
-sparse() { "/tmp/ab/$1/bench_sparse" --n 128 --d 32 --repeat 20 --no-baselines "${present[@]}" \
+sparse() { "/tmp/ab/$1/bench_me_bcrs" --n 128 --d 32 --repeat 20 --no-baselines "${present[@]}" \
              > "$out/sparse_$1_$2.jsonl" 2>> "$out/stderr.log"; }
 blocks() { "/tmp/ab/$1/bench_block_sparse" --n 32768,131072 --g 64,128 --p 0.5,0.9,0.95,0.99 \
              --heads 8 --dim 64 --no-mma-sync > "$out/block_sparse_$1_$2.jsonl" 2>> "$out/stderr.log"; }

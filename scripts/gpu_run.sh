@@ -5,7 +5,7 @@
 # Build here first (the GPU machine has no package registry):
 #   cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRISPARSE_CUDA=ON \
 #         -DCMAKE_CUDA_ARCHITECTURES=90 -DTRISPARSE_DATASETS_DIR=data
-#   cmake --build build/gpu --target gpu_tests bench_fused3s bench_sparse bench_layers trisparse_cli
+#   cmake --build build/gpu --target gpu_tests bench_fused3s bench_me_bcrs bench_layers trisparse_cli
 #   mkdir -p data .devlibs && cp ../shared/datasets/* data/ && cp -L /lib/x86_64-linux-gnu/libzip.so.4 /lib/x86_64-linux-gnu/libbz2.so.1.0 .devlibs/
 # and call with carry = [build/gpu, data, .devlibs].
 # Usage: scripts/gpu_run.sh [tests|sanitize|bench|matrix|large|sweep|sparse|layers|blocksparse|reportsweep|flexsweep|bssanitize|all] (all = tests sanitize bench)
@@ -53,9 +53,9 @@ if run sparse; then  # SpMM / SDDMM / softmax (ME-BCRS) against cuSPARSE, every 
   # SuiteSparse-like classes (bench/cuda/common.hpp matrix_class) at 10K, 100K and 1M rows.
   matrices=()
   for c in fem circuit web lp uniform; do for r in 10000 100000 1000000; do matrices+=(--matrix "$c:$r"); done; done
-  "$b/bench_sparse" --repeat 20 data/*.el.xz --rmat 18:10 --rmat 20:10 --er 100000:16 --er 1000000:8 \
-    "${matrices[@]}" > "$out/bench_sparse.jsonl" 2>> "$out/stderr.log" || status=1
-  tail -c 600 "$out/bench_sparse.jsonl"
+  "$b/bench_me_bcrs" --repeat 20 data/*.el.xz --rmat 18:10 --rmat 20:10 --er 100000:16 --er 1000000:8 \
+    "${matrices[@]}" > "$out/bench_me_bcrs.jsonl" 2>> "$out/stderr.log" || status=1
+  tail -c 600 "$out/bench_me_bcrs.jsonl"
 fi
 
 if run layers; then  # GCN / AGNN forward against PyG's GCNConv / AGNNConv, every dataset
@@ -125,7 +125,7 @@ if [ "$what" = blocksparse ]; then
   tail -c 600 "$out/block_sparse_topk.jsonl"
 fi
 # The report's sweep (issue 5): per N, our fused kernel and the report's three kernels
-# (cuda_unfused, per-kernel times), then the PyTorch baselines; each N's lines are appended as it
+# (cuda_block_unfused, per-kernel times), then the PyTorch baselines; each N's lines are appended as it
 # finishes, so a call cut short keeps what it finished. SWEEP_NS, SWEEP_SEEDS, SWEEP_ARGS (e.g. --heads 1
 # --dim 128) and SWEEP_TAG (the output file's suffix) override.
 if [ "$what" = reportsweep ]; then

@@ -181,7 +181,7 @@ struct device_output {
 
 struct result {
   double ms = 0, build_s = 0, error = 0;
-  std::array<double, 3> stage_ms{};  // cuda_unfused: SDDMM, softmax, SpMM
+  std::array<double, 3> stage_ms{};  // cuda_block_unfused: SDDMM, softmax, SpMM
   std::int64_t pairs = 0;
   std::string algo, format;
 };
@@ -193,7 +193,7 @@ result run_one(const block_sparse_mask& mask, const inputs& x, std::int64_t head
   const auto plan = block_sparse_attention_plan::build(mask, device_kind::cuda, options);
   check(cudaDeviceSynchronize(), "plan");
   res.build_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  res.algo = backend_name(plan.report().algo, plan.report().where);
+  res.algo = backend_name(plan.report().algo, plan.report().where, true);
   res.format = plan.report().format;
   res.pairs = plan.report().nnz * (mask.heads == 1 ? heads : 1);
   device_output out(x.views[0], heads, x.heads_first);
@@ -308,7 +308,7 @@ int main(int argc, char** argv) {
   app.add_flag("!--no-mma-sync", with_mma_sync, "skip the mma.sync kernel beside wgmma");
   app.add_flag("--one-group", with_one_group,
                "time the one-warpgroup wgmma kernel beside the two-warpgroup one");
-  app.add_flag("--unfused", unfused, "also time the report's three kernels (cuda_unfused)");
+  app.add_flag("--unfused", unfused, "also time the report's three kernels (cuda_block_unfused)");
   app.add_option("--max-unfused-pairs", max_unfused,
                  "skip the three kernels on masks with more pairs (all heads of one mask)");
   CLI11_PARSE(app, argc, argv);

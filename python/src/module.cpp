@@ -641,6 +641,11 @@ NB_MODULE(_C, m) {
 
   m.def("topk_blocks", &topk_blocks, "q"_a, "k"_a, "batch"_a, "block"_a, "top_k"_a, "causal"_a,
         "keep_diagonal"_a, "out"_a);
+  // The codes of trisparse::dtype, as views carry them (python/trisparse/_tensors.py).
+  m.attr("dtype_codes") = nb::make_tuple(nb::make_tuple("float16", static_cast<int>(dtype::f16)),
+                                         nb::make_tuple("bfloat16", static_cast<int>(dtype::bf16)),
+                                         nb::make_tuple("float32", static_cast<int>(dtype::f32)),
+                                         nb::make_tuple("float64", static_cast<int>(dtype::f64)));
   m.def("cuda_available", &trisparse::cuda_available,
         "Whether this build has the CUDA backend and a device is visible.");
   m.def("has_cuda_backend", [] {
@@ -724,6 +729,7 @@ NB_MODULE(_C, m) {
           },
           "in_dim"_a, "out_dim"_a, "dtype"_a, "order"_a);
   nb::class_<py_gat_plan>(m, "GatPlan")
+      .def_ro_static("max_head_width", &gat_plan::max_head_width)
       .def_static("from_host", &py_gat_plan::from_host, "row_ptr"_a, "col_idx"_a, "rows"_a,
                   "cols"_a, "nnz"_a, "device"_a, "stream"_a)
       .def("forward", &py_gat_plan::forward, "x"_a, "a_src"_a, "a_dst"_a, "keep"_a.none(),
@@ -903,6 +909,6 @@ NB_MODULE(_C, m) {
           "heads"_a, "importance"_a = false)
       .def_prop_ro("backend", [](const py_block_sparse_plan& p) {
         const auto& r = p.plan.report();
-        return trisparse::backend_name(r.algo, r.where);
+        return trisparse::backend_name(r.algo, r.where, true);
       });
 }

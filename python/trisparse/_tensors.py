@@ -4,14 +4,22 @@ import os
 
 import torch
 
+from . import _C
+
 # TRISPARSE_POISON_WORKSPACE=1 (the test suite sets it): every workspace is filled with 0xFF bytes
 # (NaN in every float type) before its op runs, as a reused allocator block may hold anything, so
 # that a kernel reading workspace it did not write shows.
 _POISON = os.environ.get("TRISPARSE_POISON_WORKSPACE", "0") == "1"
 
-# The codes of trisparse::dtype (include/trisparse/core/dtype.hpp).
-_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+# The codes of trisparse::dtype (include/trisparse/core/dtype.hpp), as the extension gives them.
+_DTYPE_CODES = {getattr(torch, name): code for name, code in _C.dtype_codes}
 FLOAT_DTYPES = tuple(_DTYPE_CODES)
+
+
+def resolve_scale(scale: float | None, head_dim: int) -> float:
+    """The attention's score scale: `scale`, or 1/sqrt(head_dim) (the C++ plans' default,
+    detail::resolve_scale; here in Python so that torch.compile traces it)."""
+    return head_dim**-0.5 if scale is None else float(scale)
 
 
 def device_index(device: torch.device) -> int:

@@ -229,9 +229,8 @@ def sparse_attention(
     _check_qkv(q, k, v, pattern)
     if bias is not None:
         bias = _checked_bias(bias, q, pattern)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[2])
-    elif not math.isfinite(scale):
+    scale = _tensors.resolve_scale(scale, q.shape[2])
+    if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, bias)

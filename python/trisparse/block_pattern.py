@@ -286,7 +286,7 @@ def block_mass(
     heads, n_q, d = q.shape
     n_k, g = k.shape[1], int(block_size)
     qb, kb = -(-n_q // g), -(-n_k // g)
-    scale = d**-0.5 if scale is None else float(scale)
+    scale = _tensors.resolve_scale(scale, d)
     if _cpu_fast(q, k):  # the library's blocked CPU loops
         out = torch.empty(heads, qb, kb, dtype=torch.float64)
         _C.block_attention_mass(*_nhd(q, k), g, causal, scale, out.data_ptr())
@@ -322,7 +322,7 @@ def pooled_block_mass(
     heads, n_q, d = q.shape
     n_k, g = k.shape[1], int(block_size)
     qb, kb = -(-n_q // g), -(-n_k // g)
-    scale = d**-0.5 if scale is None else float(scale)
+    scale = _tensors.resolve_scale(scale, d)
 
     def means(x, counts):  # each block's mean row (its padding rows are zeros)
         x = torch.nn.functional.pad(x.to(torch.float64), (0, 0, 0, counts.numel() * g - x.shape[1]))

@@ -466,7 +466,7 @@ def block_sparse_attention(
             qp, kp, vp = _packed(q), _packed(k), _packed(v)
     if mask.blocks.shape[1] not in (1, qp.shape[1]):
         raise ValueError(f"mask: {mask.blocks.shape[1]} heads' masks for {h} heads")
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    scale = _tensors.resolve_scale(scale, d)
 
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     qp, kp, vp = (t if t.stride(-1) == 1 else t.contiguous() for t in (qp, kp, vp))

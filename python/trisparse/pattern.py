@@ -32,6 +32,19 @@ def row_offsets(rows_of_entries: torch.Tensor, num_rows: int) -> torch.Tensor:
     return rowptr
 
 
+def coo_to_csr(
+    row: torch.Tensor, col: torch.Tensor, num_rows: int, num_cols: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The canonical CSR of entries (row[e], col[e]) given in any order, repeats merged, on their
+    device: (row offsets int64 [num_rows + 1], column ids int32 [nnz] ascending within each row,
+    the entry of each input pair int64 [E]). The one COO -> CSR of the package (its transpose:
+    the same with row and col swapped)."""
+    width = max(num_cols, 1)
+    key, inverse = torch.unique(row * width + col, sorted=True, return_inverse=True)
+    r = torch.div(key, width, rounding_mode="floor")
+    return row_offsets(r, num_rows), (key - r * width).to(torch.int32), inverse
+
+
 def check_edge_ids(row: torch.Tensor, col: torch.Tensor, num_rows: int, num_cols: int) -> None:
     """Raises ValueError, naming the side, unless 0 <= row < num_rows and 0 <= col < num_cols."""
     if row.numel() == 0:
@@ -114,15 +127,8 @@ class Pattern:
         if num_cols >= 2**31:
             raise ValueError(f"num_cols {num_cols} does not fit the kernels' 32-bit column ids")
         check_edge_ids(row, col, num_rows, num_cols)
-        key, inverse = torch.unique(row * max(num_cols, 1) + col, sorted=True, return_inverse=True)
-        duplicates = row.numel() - key.numel()
-        r = torch.div(key, max(num_cols, 1), rounding_mode="floor")
-        pattern = cls(
-            row_offsets(r, num_rows),
-            (key - r * max(num_cols, 1)).to(torch.int32),
-            num_cols,
-            duplicates,
-        )
+        rowptr, col_ids, inverse = coo_to_csr(row, col, num_rows, num_cols)
+        pattern = cls(rowptr, col_ids, num_cols, row.numel() - col_ids.numel())
         pattern._input_entries = inverse
         return pattern
 

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from . import _C, _tensors
 from ._registry import Registry
-from .pattern import check_edge_ids, row_offsets
+from .pattern import check_edge_ids, coo_to_csr
 
 __all__ = ["SparseMatrix", "gcn_conv", "spmm"]
 
@@ -43,15 +43,12 @@ class SparseMatrix:
 
     @staticmethod
     def _canonical(row, col, value, rows, cols):
-        key = row * max(cols, 1) + col
-        order = torch.argsort(key, stable=True)
-        key, value = key[order], value[order]
-        uniq, inverse = torch.unique_consecutive(key, return_inverse=True)
-        summed = torch.zeros(uniq.numel(), dtype=torch.float64).index_add_(
+        rowptr, col_ids, inverse = coo_to_csr(row, col, rows, cols)
+        # Repeats summed in float64, in the input's order (the CPU's index_add: a fixed order).
+        summed = torch.zeros(col_ids.numel(), dtype=torch.float64).index_add_(
             0, inverse, value.double()
         )
-        r = torch.div(uniq, max(cols, 1), rounding_mode="floor")
-        return row_offsets(r, rows), (uniq - r * max(cols, 1)).to(torch.int32), summed.float()
+        return rowptr, col_ids, summed.float()
 
     def plan(self, device: torch.device, transposed: bool = False):
         if device.type == "cuda" and device.index is None:

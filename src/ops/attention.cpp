@@ -6,14 +6,14 @@
 #include <utility>
 #include <vector>
 
+#include "../common/arguments.hpp"
 #include "../common/workspace_layout.hpp"
-#include "../cpu/fused3s/fast.hpp"
+#include "../cpu/fused/fast.hpp"
 #include "../cuda/attention/backward/plan.hpp"
 #include "../cuda/attention/fused3s/heuristics.hpp"
 #include "../cuda/attention/fused3s/plan.hpp"
 #include "../cuda/common/device.hpp"
 #include "../graph/transposed.hpp"
-#include "arguments.hpp"
 #include "trisparse/core/error.hpp"
 #include "trisparse/formats/bsb.hpp"
 #include "trisparse/graph/reorder.hpp"
@@ -65,10 +65,18 @@ bool runs_on(algorithm a, device_kind where) {
   return false;
 }
 
-std::string backend_name(algorithm a, device_kind where) {
-  const std::string device(to_string(where));
-  if (a == algorithm::fused && where == device_kind::cuda) return device + "_fused3s";
-  return device + "_" + std::string(to_string(a));
+std::string backend_name(algorithm a, device_kind where, bool block_mask) {
+  const bool cuda = where == device_kind::cuda;
+  switch (a) {
+    case algorithm::fused:
+      return cuda ? "cuda_fused3s" : block_mask ? "cpu_block" : "cpu_fused";
+    case algorithm::unfused:
+      return block_mask ? "cuda_block_unfused" : "cuda_me_bcrs";
+    case algorithm::block:
+      return "cuda_block";
+    default:
+      return std::string(to_string(where)) + "_" + std::string(to_string(a));
+  }
 }
 
 double effective_scale(const attention_options& options, std::int64_t head_dim) {
@@ -367,7 +375,7 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
             "this plan holds no BSB format: build it with plan_options.algo = "
             "blocked_reference");
       }
-      reference::fused3s(*state_->blocks, q, k, v, out, scale);
+      reference::blocked_attention(*state_->blocks, q, k, v, out, scale);
       return;
     case algorithm::fused:
       if (r.where == device_kind::cpu) {

@@ -7,12 +7,12 @@
 #include <utility>
 #include <vector>
 
+#include "../common/arguments.hpp"
 #include "../cpu/block_sparse/engine.hpp"
-#include "../cpu/fused3s/fast.hpp"
+#include "../cpu/fused/fast.hpp"
 #include "../cuda/attention/block_sparse/plan.hpp"
-#include "../cuda/attention/block_sparse/unfused.hpp"
+#include "../cuda/attention/block_sparse/unfused/plan.hpp"
 #include "../formats/block_sparse_internal.hpp"
-#include "arguments.hpp"
 #include "trisparse/core/error.hpp"
 #include "trisparse/core/numeric.hpp"
 #include "trisparse/ops/reference.hpp"

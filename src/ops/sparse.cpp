@@ -4,8 +4,8 @@
 #include <cmath>
 
 #include "../cpu/sparse/kernels.hpp"
-#include "../cuda/sparse/heuristics.hpp"
-#include "../cuda/sparse/plan.hpp"
+#include "../cuda/me_bcrs/heuristics.hpp"
+#include "../cuda/me_bcrs/plan.hpp"
 #include "trisparse/core/error.hpp"
 #include "trisparse/core/numeric.hpp"
 #include "trisparse/graph/reorder.hpp"
@@ -57,13 +57,13 @@ std::vector<std::int64_t> choose_order(const csr_graph& g, const sparse_plan_opt
     chosen = row_order::rcm;
     return reverse_cuthill_mckee(g);
   }
-  if (o.order == row_order::automatic && g.nnz() > cuda::me::kReorderMaxNnz) return {};
+  if (o.order == row_order::automatic && g.nnz() > cuda::me_bcrs::kReorderMaxNnz) return {};
   const std::vector<std::int64_t> seeds =
       square ? reverse_cuthill_mckee(g) : std::vector<std::int64_t>{};
   std::vector<std::int64_t> order = cluster_rows(g, o.vector_rows, seeds);
   if (o.order == row_order::automatic &&
-      !cuda::me::reorder_pays(count_window_columns(g, o.vector_rows, order),
-                              count_window_columns(g, o.vector_rows))) {
+      !cuda::me_bcrs::reorder_pays(count_window_columns(g, o.vector_rows, order),
+                                   count_window_columns(g, o.vector_rows))) {
     return {};
   }
   chosen = row_order::clustered;

@@ -7,9 +7,9 @@
 #include <utility>
 #include <vector>
 
+#include "../common/arguments.hpp"
 #include "../cuda/attention/block_sparse/plan.hpp"
 #include "../formats/block_sparse_internal.hpp"
-#include "arguments.hpp"
 #include "trisparse/core/error.hpp"
 
 namespace trisparse {

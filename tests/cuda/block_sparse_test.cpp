@@ -630,9 +630,9 @@ block_sparse_attention_plan unfused_plan(const block_sparse_mask& m) {
   return plan;
 }
 
-// The report's three kernels (cuda_unfused): every block size, fine, odd and coarse (the SDDMM's
-// tiles of 1 ... 32 rows, the SpMM's of 8, 16, 32), causal and not, shared and per-head masks,
-// every dtype pair, head dims from 8 to 256, on a ragged batch.
+// The report's three kernels (cuda_block_unfused): every block size, fine, odd and coarse (the
+// SDDMM's tiles of 1 ... 32 rows, the SpMM's of 8, 16, 32), causal and not, shared and per-head
+// masks, every dtype pair, head dims from 8 to 256, on a ragged batch.
 TEST(GpuBlockSparse, TheReportsPipelineOnEveryBlockSize) {
   SKIP_WITHOUT_GPU();
   const std::vector<std::int64_t> lens{1, 300, 0, 517, 64};

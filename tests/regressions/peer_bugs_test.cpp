@@ -30,7 +30,7 @@ TEST(PeerBugs, Fused3sPreprocessingRowsOver32NeighboursWithNOver1024) {
   const auto x = test::random_qkv(g, 1, 32, dtype::f16, 2);
   host_tensor a(dtype::f64, g.rows, 1, 32), b(dtype::f64, g.rows, 1, 32);
   reference::attention(g, x.q.view(), x.k.view(), x.v.view(), a.view(), 0.2);
-  reference::fused3s(build_bsb(g), x.q.view(), x.k.view(), x.v.view(), b.view(), 0.2);
+  reference::blocked_attention(build_bsb(g), x.q.view(), x.k.view(), x.v.view(), b.view(), 0.2);
   EXPECT_LE(test::compare(b, a).relative(), 1e-13);
 }
 
@@ -70,7 +70,8 @@ TEST(PeerBugs, UnpaddedRowCounts) {
     EXPECT_LE(max_rel_error_fused_vs_reference(g, x, 0.25), 1e-5) << n;
     const bsb f = build_bsb(g);
     host_tensor a(dtype::f64, n, 1, 16);
-    if (n <= 17) reference::fused3s(f, x.q.view(), x.k.view(), x.v.view(), a.view(), 0.25);
+    if (n <= 17)
+      reference::blocked_attention(f, x.q.view(), x.k.view(), x.v.view(), a.view(), 0.25);
   }
 }
 

@@ -63,7 +63,8 @@ TEST(Attention, Fused3sReferenceOverBsbEqualsTheUnfusedReference) {
     const auto x = test::random_qkv(g, 2, 16, dtype::f32, 3);
     host_tensor a(dtype::f64, g.rows, 2, 16), b(dtype::f64, g.rows, 2, 16);
     reference::attention(g, x.q.view(), x.k.view(), x.v.view(), a.view(), 0.25);
-    reference::fused3s(build_bsb(g, c), x.q.view(), x.k.view(), x.v.view(), b.view(), 0.25);
+    reference::blocked_attention(build_bsb(g, c), x.q.view(), x.k.view(), x.v.view(), b.view(),
+                                 0.25);
     EXPECT_LE(test::compare(b, a).relative(), 1e-13);
   }
 }
@@ -151,6 +152,10 @@ TEST(Attention, PlanRunsEveryCpuAlgorithmAndChecksArguments) {
   EXPECT_FALSE(runs_on(algorithm::reference, device_kind::cuda));
   EXPECT_EQ(backend_name(algorithm::fused, device_kind::cuda), "cuda_fused3s");
   EXPECT_EQ(backend_name(algorithm::fused, device_kind::cpu), "cpu_fused");
+  EXPECT_EQ(backend_name(algorithm::unfused, device_kind::cuda), "cuda_me_bcrs");
+  EXPECT_EQ(backend_name(algorithm::fused, device_kind::cpu, true), "cpu_block");
+  EXPECT_EQ(backend_name(algorithm::unfused, device_kind::cuda, true), "cuda_block_unfused");
+  EXPECT_EQ(backend_name(algorithm::reference, device_kind::cpu, true), "cpu_reference");
 }
 
 TEST(Attention, ReferenceSddmmSoftmaxSpmmAgreeWithHandComputation) {

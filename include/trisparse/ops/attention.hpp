@@ -32,9 +32,12 @@ algorithm parse_algorithm(std::string_view name);
 /// Whether `a` runs on `where` (automatic runs everywhere): the one rule of which device runs
 /// what.
 bool runs_on(algorithm a, device_kind where);
-/// The backend that runs `a` on `where`: "cpu_reference", "cpu_blocked_reference", "cpu_fused",
-/// "cuda_fused3s", "cuda_unfused", "cuda_block" (the folder, notes and benchmark names).
-std::string backend_name(algorithm a, device_kind where);
+/// The backend that runs `a` on `where` over a graph pattern: "cpu_reference",
+/// "cpu_blocked_reference", "cpu_fused", "cuda_fused3s", "cuda_me_bcrs"; over a block mask
+/// (`block_mask`): "cpu_block" (fused), "cuda_block", "cuda_block_unfused", "cuda_fused3s" (the
+/// mask's element pattern), "cpu_reference". docs/design.md maps each to its folder, namespace,
+/// notes and benchmark.
+std::string backend_name(algorithm a, device_kind where, bool block_mask = false);
 
 struct plan_options {
   algorithm algo = algorithm::automatic;  ///< what the plan prepares formats for

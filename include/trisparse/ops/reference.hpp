@@ -46,8 +46,8 @@ void block_sparse_attention(const block_sparse_mask& mask, const tensor_view& q,
 /// The same function computed the way the fused kernel does: over the BSB's row windows and
 /// tensor-core blocks in order, with the bitmap as mask and an online (running max, running sum)
 /// softmax, in float64. Checks the format and the blocked algorithm against attention().
-void fused3s(const bsb& format, const tensor_view& q, const tensor_view& k, const tensor_view& v,
-             const tensor_view& out, double scale);
+void blocked_attention(const bsb& format, const tensor_view& q, const tensor_view& k,
+                       const tensor_view& v, const tensor_view& out, double scale);
 
 // --- Gradients (issue 42): float64, obviously correct, checked against finite differences. ---
 

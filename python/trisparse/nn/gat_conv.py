@@ -8,16 +8,13 @@ from torch import Tensor
 from torch_geometric.nn import GATConv as _PygGATConv
 from torch_geometric.utils import scatter
 
+from .. import _C
 from ..copies import copy_logsumexp, copy_sum, copy_weights, gather_rows, to_copies
 from ..edge import edge_scores, edge_softmax, edge_spmm
 from ..edge_attention import edge_attention_supported, edge_gat_attention
 from ..gat import gat_attention
 from ..pattern import Pattern
 from ._common import _check_float, _edge_features, _Fused
-
-# The widest heads the fused GAT kernels take (gat_plan::max_head_width); wider ones run the
-# per-edge ops.
-_GAT_MAX_WIDTH = 512
 
 
 class GATConv(_Fused, _PygGATConv):
@@ -94,7 +91,7 @@ class GATConv(_Fused, _PygGATConv):
                 a_edge,
                 self.dropout if dropout else 0.0,
             )
-        elif per_edge or pattern.duplicates or C > _GAT_MAX_WIDTH:
+        elif per_edge or pattern.duplicates or C > _C.GatPlan.max_head_width:
             a_edge = None
             if edge_attr is not None:
                 a_edge = self._edge_terms(edge_attr, edge_index, pattern, num_src, num_dst)

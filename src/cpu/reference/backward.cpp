@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "../../ops/arguments.hpp"
+#include "../../common/arguments.hpp"
 #include "access.hpp"
 #include "trisparse/core/error.hpp"
 #include "trisparse/core/numeric.hpp"

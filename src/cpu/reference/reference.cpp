@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "../../ops/arguments.hpp"
+#include "../../common/arguments.hpp"
 #include "access.hpp"
 #include "trisparse/core/error.hpp"
 #include "trisparse/core/numeric.hpp"
@@ -165,8 +165,8 @@ void block_sparse_attention_backward(const block_sparse_mask& mask, const tensor
   }
 }
 
-void fused3s(const bsb& f, const tensor_view& q, const tensor_view& k, const tensor_view& v,
-             const tensor_view& out, double scale) {
+void blocked_attention(const bsb& f, const tensor_view& q, const tensor_view& k,
+                       const tensor_view& v, const tensor_view& out, double scale) {
   f.check();
   detail::check_attention_args(f.rows, f.cols, q, k, v, out, device_kind::cpu);
   TRISPARSE_EXPECTS_INPUT(std::isfinite(scale), "scale must be finite");

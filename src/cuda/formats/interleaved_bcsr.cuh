@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "../sparse/fragments.cuh"
+#include "../common/fragments.cuh"
 #include "interleaved_bcsr.hpp"
 
 namespace trisparse::cuda::interleaved {
@@ -56,7 +56,7 @@ __device__ __forceinline__ void load8(const T* src, float (&f)[8]) {
   const uint4 raw = *reinterpret_cast<const uint4*>(src);
   const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) f[i] = me::to_float(e[i]);
+  for (int i = 0; i < 8; ++i) f[i] = frags::to_float(e[i]);
 }
 
 }  // namespace trisparse::cuda::interleaved

@@ -8,8 +8,8 @@
 
 #include "../common/dispatch.cuh"
 #include "../common/error.cuh"
+#include "../common/fragments.cuh"
 #include "../common/grid.cuh"
-#include "../sparse/fragments.cuh"
 #include "dense.hpp"
 
 namespace trisparse::cuda {
@@ -48,13 +48,13 @@ __global__ void normalize_kernel(const T* x, std::int64_t x_row, T* out, std::in
   const T* xr = x + r * x_row;
   float sum = 0.0f;
   for (std::int64_t f = lane; f < dim; f += 32) {
-    const float v = me::to_float(xr[f]);
+    const float v = frags::to_float(xr[f]);
     sum += v * v;
   }
   for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, o);
   const float inv = sum > 0.0f ? rsqrtf(sum) : 0.0f;
   for (std::int64_t f = lane; f < dim; f += 32)
-    out[r * out_row + f] = me::from_float<T>(me::to_float(xr[f]) * inv);
+    out[r * out_row + f] = frags::from_float<T>(frags::to_float(xr[f]) * inv);
 }
 
 }  // namespace

@@ -8,8 +8,8 @@
 #include <limits>
 #include <string>
 
-#include "../../common/arch/dependent_launch.cuh"
 #include "../../common/current_device.cuh"
+#include "../../common/dependent_launch.cuh"
 #include "../../common/dispatch.cuh"
 #include "../../common/error.cuh"
 #include "params.hpp"

@@ -12,8 +12,8 @@
 #include <cstdint>
 
 #include "../../common/arch/copy.cuh"
-#include "../../common/arch/dependent_launch.cuh"
 #include "../../common/arch/mma.cuh"
+#include "../../common/dependent_launch.cuh"
 #include "../../common/online_softmax.cuh"
 #include "params.hpp"
 

@@ -7,7 +7,7 @@
 #include <cstdint>
 
 #include "../../common/arch/copy.cuh"
-#include "../../common/arch/dependent_launch.cuh"
+#include "../../common/dependent_launch.cuh"
 #include "tuning.hpp"
 
 namespace trisparse::cuda::topk {

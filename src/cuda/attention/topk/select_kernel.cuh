@@ -4,8 +4,8 @@
 #include <cstdint>
 
 #include "../../common/arch/copy.cuh"
-#include "../../common/arch/dependent_launch.cuh"
 #include "../../common/arch/mma.cuh"
+#include "../../common/dependent_launch.cuh"
 #include "tuning.hpp"
 #include "warp_select.cuh"
 

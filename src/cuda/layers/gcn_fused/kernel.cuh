@@ -20,7 +20,7 @@
 #include <type_traits>
 
 #include "../../common/arch/mma.cuh"
-#include "../../sparse/fragments.cuh"
+#include "../../common/fragments.cuh"
 #include "plan.hpp"
 #include "tuning.hpp"
 
@@ -142,7 +142,7 @@ __device__ __forceinline__ void load_a(const format_args& f, const tcb_meta& m, 
 
 template <class T>
 struct b_rows {
-  me::frag<T, kTiles> x0, x1;
+  frags::frag<T, kTiles> x0, x1;
 };
 
 template <class T>
@@ -150,10 +150,10 @@ __device__ __forceinline__ b_rows<T> load_b(const dense_args& in, const tcb_meta
   const T* x = static_cast<const T*>(in.x);
   const int valid = in.f_in - feat;
   b_rows<T> r;
-  me::load_frag(x + std::int64_t{m.c0 < 0 ? 0 : m.c0} * in.x_row + feat, m.c0 < 0 ? 0 : valid,
-                in.x_vec, r.x0);
-  me::load_frag(x + std::int64_t{m.c1 < 0 ? 0 : m.c1} * in.x_row + feat, m.c1 < 0 ? 0 : valid,
-                in.x_vec, r.x1);
+  frags::load_frag(x + std::int64_t{m.c0 < 0 ? 0 : m.c0} * in.x_row + feat, m.c0 < 0 ? 0 : valid,
+                   in.x_vec, r.x0);
+  frags::load_frag(x + std::int64_t{m.c1 < 0 ? 0 : m.c1} * in.x_row + feat, m.c1 < 0 ? 0 : valid,
+                   in.x_vec, r.x1);
   return r;
 }
 
@@ -244,8 +244,8 @@ __device__ __forceinline__ void block_ax(const format_args& f, const dense_args&
     for (int half = 0; half < 2; ++half) {
       float v[8];
       lane_run(acc, half, v);
-      me::store_floats<float, 8>(part + (q * 16 + g + 8 * half) * k_pad + s * kSlice + 8 * t, v, 8,
-                                 true);
+      frags::store_floats<float, 8>(part + (q * 16 + g + 8 * half) * k_pad + s * kSlice + 8 * t, v,
+                                    8, true);
     }
   }
   __syncthreads();
@@ -262,7 +262,7 @@ struct stage_sink {
   S* stage;
   int stride;
   __device__ void put8(int r, int col, const float (&v)[8]) {
-    me::store_floats<S, 8>(stage + r * stride + col, v, 8, true);
+    frags::store_floats<S, 8>(stage + r * stride + col, v, 8, true);
   }
   __device__ void put(int r, int col, float v) { stage[r * stride + col] = convert<S>(v); }
 };
@@ -273,7 +273,7 @@ struct partial_sink {
   int f_in;
   bool vec;
   __device__ void put8(int r, int col, const float (&v)[8]) {
-    me::store_floats<float, 8>(rows + r * f_in + col, v, f_in - col, vec);
+    frags::store_floats<float, 8>(rows + r * f_in + col, v, f_in - col, vec);
   }
   __device__ void put(int r, int col, float v) {
     if (col < f_in) rows[r * f_in + col] = v;
@@ -348,12 +348,12 @@ __global__ void __launch_bounds__(kWarps * 32) fused_kernel(const fused_args a) 
         const uint2 lo = *reinterpret_cast<const uint2*>(stage + g * a.stride + kb + 4 * t);
         const uint2 hi = *reinterpret_cast<const uint2*>(stage + (g + 8) * a.stride + kb + 4 * t);
         const std::uint32_t am[4] = {lo.x, hi.x, lo.y, hi.y};
-        me::frag<T, kTiles> wr[4];
+        frags::frag<T, kTiles> wr[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int k = kb + 4 * t + j;
-          me::load_frag(w + std::int64_t{k < f_in ? k : 0} * a.w_row + col, k < f_in ? valid : 0,
-                        a.w_vec, wr[j]);
+          frags::load_frag(w + std::int64_t{k < f_in ? k : 0} * a.w_row + col, k < f_in ? valid : 0,
+                           a.w_vec, wr[j]);
         }
 #pragma unroll
         for (int i = 0; i < kTiles; ++i) {
@@ -371,12 +371,12 @@ __global__ void __launch_bounds__(kWarps * 32) fused_kernel(const fused_args a) 
         const float2 hi = *reinterpret_cast<const float2*>(stage + (g + 8) * a.stride + kb + 2 * t);
         const std::uint32_t am[4] = {arch::to_tf32(lo.x), arch::to_tf32(hi.x), arch::to_tf32(lo.y),
                                      arch::to_tf32(hi.y)};
-        me::frag<float, kTiles> wr[2];
+        frags::frag<float, kTiles> wr[2];
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const int k = kb + 2 * t + j;
-          me::load_frag(w + std::int64_t{k < f_in ? k : 0} * a.w_row + col, k < f_in ? valid : 0,
-                        a.w_vec, wr[j]);
+          frags::load_frag(w + std::int64_t{k < f_in ? k : 0} * a.w_row + col, k < f_in ? valid : 0,
+                           a.w_vec, wr[j]);
         }
 #pragma unroll
         for (int i = 0; i < kTiles; ++i) {
@@ -405,8 +405,8 @@ __global__ void __launch_bounds__(kWarps * 32) fused_kernel(const fused_args a) 
       }
       const std::int64_t row = row0 + g + 8 * half;
       if (row < a.f.rows && oc < a.f_out) {
-        me::store_floats<O, 8>(static_cast<O*>(a.out) + row * a.out_row + oc, v, a.f_out - oc,
-                               a.out_vec);
+        frags::store_floats<O, 8>(static_cast<O*>(a.out) + row * a.out_row + oc, v, a.f_out - oc,
+                                  a.out_vec);
       }
       if (a.mask != nullptr) {
         std::uint32_t word = bits << (8 * t);

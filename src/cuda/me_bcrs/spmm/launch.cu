@@ -4,7 +4,7 @@
 
 #include "../../common/dispatch.cuh"
 #include "../../common/error.cuh"
-#include "../../sparse/device_plan.cuh"
+#include "../device_plan.cuh"
 #include "kernel.cuh"
 
 namespace trisparse::cuda {
@@ -12,19 +12,20 @@ namespace trisparse::cuda {
 namespace {
 
 template <class T, class O, int kHeight, int kTiles>
-void launch(const me::spmm_params& p, cudaStream_t s) {
+void launch(const me_bcrs::spmm_params& p, cudaStream_t s) {
   const std::int64_t per_item = std::int64_t{p.heads} * p.chunks;
   const std::int64_t tasks = p.f.num_items * per_item, team_tasks = p.f.team_items * per_item;
   if (tasks == 0) return;
   // One thread block per team task, then one warp per task.
-  const std::int64_t grid = team_tasks + (tasks - team_tasks + me::kSpmmWarps - 1) / me::kSpmmWarps;
-  me::spmm_kernel<T, O, kHeight, kTiles>
-      <<<static_cast<unsigned>(grid), me::kSpmmWarps * 32, 0, s>>>(p);
+  const std::int64_t grid =
+      team_tasks + (tasks - team_tasks + me_bcrs::kSpmmWarps - 1) / me_bcrs::kSpmmWarps;
+  me_bcrs::spmm_kernel<T, O, kHeight, kTiles>
+      <<<static_cast<unsigned>(grid), me_bcrs::kSpmmWarps * 32, 0, s>>>(p);
   TRISPARSE_CUDA_CHECK_LAUNCH();
 }
 
 template <class T, class O>
-void launch_all(int height, me::spmm_params p, cudaStream_t s) {
+void launch_all(int height, me_bcrs::spmm_params p, cudaStream_t s) {
   const auto go = [&](int tiles) {
     with_value<8, 16>(height, "SpMM's vector rows", [&]<int kHeight>() {
       with_value<1, 2, 4, 8>(tiles, "SpMM's feature tiles",
@@ -50,32 +51,32 @@ void launch_all(int height, me::spmm_params p, cudaStream_t s) {
 
 void run_spmm(const me_device_plan& plan, const tensor_view& values, const tensor_view& b,
               const tensor_view& c, const workspace_view* workspace, stream_ref stream) {
-  me::check_device(plan);
-  me::check_dense_pair(b, plan.f.cols, "b", c, plan.f.rows, "c", "SpMM");
+  me_bcrs::check_device(plan);
+  me_bcrs::check_dense_pair(b, plan.f.cols, "b", c, plan.f.rows, "c", "SpMM");
   TRISPARSE_EXPECTS_INPUT(
       b.type == dtype::f16 || b.type == dtype::bf16 || b.type == dtype::f32,
       "SpMM takes b as f16, bf16 or f32 (tf32), not " + std::string(to_string(b.type)));
   const auto s = static_cast<cudaStream_t>(stream.handle);
-  me::spmm_params p{};
+  me_bcrs::spmm_params p{};
   p.f = plan.ref(plan.spmm_work);
   if (values.data != nullptr || values.rows > 0) {
-    me::check_slots(plan, values, "values", b.heads);
+    me_bcrs::check_slots(plan, values, "values", b.heads);
     TRISPARSE_EXPECTS_INPUT(values.type == b.type, "values " + values.describe() +
                                                        " must have b's dtype (" +
                                                        std::string(to_string(b.type)) + ")");
-    p.a = me::in_of(values);
+    p.a = me_bcrs::in_of(values);
   } else {  // the pattern's own values, shared by every head
     with_element_type(b.type, "SpMM's b", [&]<class T>() {
-      p.a = {me::own_values<T>(plan), 1, 0};
+      p.a = {me_bcrs::own_values<T>(plan), 1, 0};
     });
   }
-  p.b = me::in_of(b);
-  p.c = me::out_of(c);
+  p.b = me_bcrs::in_of(b);
+  p.c = me_bcrs::out_of(c);
   p.n = b.dim;
   p.heads = static_cast<std::int32_t>(b.heads);
-  p.aligned = me::vector_aligned(b) && me::vector_aligned(c);
+  p.aligned = me_bcrs::vector_aligned(b) && me_bcrs::vector_aligned(c);
   if (plan.spmm_work.num_parts > 0 && b.dim > 0) {
-    const auto [ws, w] = me::use_workspace(plan, b.heads, b.dim, workspace, "SpMM", s);
+    const auto [ws, w] = me_bcrs::use_workspace(plan, b.heads, b.dim, workspace, "SpMM", s);
     p.part = detail::workspace_layout::at<float>(ws, w.part);
     p.split_count = detail::workspace_layout::at<std::int32_t>(ws, w.split_count);
   }

@@ -9,10 +9,11 @@
 #include <cstdint>
 #include <numbers>
 
-#include "../../sparse/fragments.cuh"
-#include "../../sparse/params.hpp"
+#include "../../common/fragments.cuh"
+#include "../params.hpp"
+#include "../window.cuh"
 
-namespace trisparse::cuda::me {
+namespace trisparse::cuda::me_bcrs {
 
 inline constexpr int kSoftmaxWarps = 4;
 inline constexpr float kLog2e = std::numbers::log2e_v<float>;
@@ -62,7 +63,7 @@ __global__ void __launch_bounds__(kSoftmaxWarps * 32) softmax_kernel(const softm
   if (!kSecond) {
     for (std::int64_t v = first + q; v < last; v += kPhases) {
       if ((p.f.mask[start + v] >> r & 1u) != 0u)
-        st.add(to_float(in[slot_of<kHeight>(start, nvec, v, r)]));
+        st.add(frags::to_float(in[slot_of<kHeight>(start, nvec, v, r)]));
     }
 #pragma unroll
     for (int off = kHeight; off < 32; off *= 2) {
@@ -94,8 +95,9 @@ __global__ void __launch_bounds__(kSoftmaxWarps * 32) softmax_kernel(const softm
   for (std::int64_t v = first + q; v < last; v += kPhases) {
     const std::int64_t slot = slot_of<kHeight>(start, nvec, v, r);
     const bool entry = (p.f.mask[start + v] >> r & 1u) != 0u;
-    out[slot] = from_float<Out>(entry ? exp2f((to_float(in[slot]) - st.m) * kLog2e) * inv : 0.0f);
+    out[slot] = frags::from_float<Out>(
+        entry ? exp2f((frags::to_float(in[slot]) - st.m) * kLog2e) * inv : 0.0f);
   }
 }
 
-}  // namespace trisparse::cuda::me
+}  // namespace trisparse::cuda::me_bcrs

@@ -5,7 +5,7 @@
 #include "../../common/dispatch.cuh"
 #include "../../common/error.cuh"
 #include "../../common/grid.cuh"
-#include "../../sparse/device_plan.cuh"
+#include "../device_plan.cuh"
 #include "kernel.cuh"
 
 namespace trisparse::cuda {
@@ -13,14 +13,14 @@ namespace trisparse::cuda {
 namespace {
 
 template <class In, class Out, int kHeight>
-void launch(const me::softmax_params& p, bool split, cudaStream_t s) {
+void launch(const me_bcrs::softmax_params& p, bool split, cudaStream_t s) {
   const std::int64_t tasks = p.f.num_items * std::int64_t{p.heads};
   if (tasks == 0) return;
-  const unsigned grid = blocks_for(tasks, me::kSoftmaxWarps);
-  me::softmax_kernel<In, Out, kHeight, false><<<grid, me::kSoftmaxWarps * 32, 0, s>>>(p);
+  const unsigned grid = blocks_for(tasks, me_bcrs::kSoftmaxWarps);
+  me_bcrs::softmax_kernel<In, Out, kHeight, false><<<grid, me_bcrs::kSoftmaxWarps * 32, 0, s>>>(p);
   TRISPARSE_CUDA_CHECK_LAUNCH();
   if (split) {
-    me::softmax_kernel<In, Out, kHeight, true><<<grid, me::kSoftmaxWarps * 32, 0, s>>>(p);
+    me_bcrs::softmax_kernel<In, Out, kHeight, true><<<grid, me_bcrs::kSoftmaxWarps * 32, 0, s>>>(p);
     TRISPARSE_CUDA_CHECK_LAUNCH();
   }
 }
@@ -29,18 +29,18 @@ void launch(const me::softmax_params& p, bool split, cudaStream_t s) {
 
 void run_softmax(const me_device_plan& plan, const tensor_view& in, const tensor_view& out,
                  const workspace_view* workspace, stream_ref stream) {
-  me::check_device(plan);
-  me::check_slots(plan, in, "scores", in.heads);
-  me::check_slots(plan, out, "out", in.heads);
-  me::softmax_params p{};
+  me_bcrs::check_device(plan);
+  me_bcrs::check_slots(plan, in, "scores", in.heads);
+  me_bcrs::check_slots(plan, out, "out", in.heads);
+  me_bcrs::softmax_params p{};
   p.f = plan.ref(plan.softmax_work);
-  p.in = me::in_of(in);
-  p.out = me::out_of(out);
+  p.in = me_bcrs::in_of(in);
+  p.out = me_bcrs::out_of(out);
   p.heads = static_cast<std::int32_t>(in.heads);
   const bool split = plan.softmax_work.num_parts > 0;
   const auto s = static_cast<cudaStream_t>(stream.handle);
   if (split) {
-    const auto [ws, w] = me::use_workspace(plan, in.heads, 1, workspace, "softmax", s);
+    const auto [ws, w] = me_bcrs::use_workspace(plan, in.heads, 1, workspace, "softmax", s);
     p.part_stats = detail::workspace_layout::at<float>(ws, w.part_stats);
   }
   if (in.heads == 0 || plan.f.slots() == 0) return;

@@ -19,10 +19,11 @@
 #include <cstdint>
 
 #include "../../common/arch/mma.cuh"
-#include "../../sparse/fragments.cuh"
-#include "../../sparse/params.hpp"
+#include "../../common/fragments.cuh"
+#include "../params.hpp"
+#include "../window.cuh"
 
-namespace trisparse::cuda::me {
+namespace trisparse::cuda::me_bcrs {
 
 inline constexpr int kSpmmWarps = 4;
 
@@ -31,8 +32,8 @@ inline constexpr int kSpmmWarps = 4;
 template <class T>
 struct spmm_mma {
   template <int kElems>
-  __device__ __forceinline__ static void run(float (&acc)[4], const frag<T, kElems>& x0,
-                                             const frag<T, kElems>& x1, int i,
+  __device__ __forceinline__ static void run(float (&acc)[4], const frags::frag<T, kElems>& x0,
+                                             const frags::frag<T, kElems>& x1, int i,
                                              const std::uint32_t (&b)[2]) {
     const std::uint32_t a[2] = {arch::interleave_lo(x0.r[i], x1.r[i]),
                                 arch::interleave_hi(x0.r[i], x1.r[i])};
@@ -43,8 +44,8 @@ struct spmm_mma {
     if (full) {
       b[0] = *reinterpret_cast<const std::uint32_t*>(v + j);
     } else {
-      b[0] =
-          (j < width ? raw_bits(v + j) : 0u) | ((j + 1 < width ? raw_bits(v + j + 1) : 0u) << 16);
+      b[0] = (j < width ? frags::raw_bits(v + j) : 0u) |
+             ((j + 1 < width ? frags::raw_bits(v + j + 1) : 0u) << 16);
     }
   }
 };
@@ -52,8 +53,8 @@ struct spmm_mma {
 template <>
 struct spmm_mma<float> {
   template <int kElems>
-  __device__ __forceinline__ static void run(float (&acc)[4], const frag<float, kElems>& x0,
-                                             const frag<float, kElems>& x1, int i,
+  __device__ __forceinline__ static void run(float (&acc)[4], const frags::frag<float, kElems>& x0,
+                                             const frags::frag<float, kElems>& x1, int i,
                                              const std::uint32_t (&b)[2]) {
     const std::uint32_t a[4] = {arch::to_tf32(__uint_as_float(x0.r[2 * i])),
                                 arch::to_tf32(__uint_as_float(x0.r[2 * i + 1])),
@@ -128,17 +129,18 @@ __device__ __forceinline__ void spmm_accumulate(const spmm_params& p, const spmm
     m.c1 = j + 1 < m.width ? p.f.col_idx[m.vec + j + 1] : -1;
     return m;
   };
-  const auto load_rows = [&](const block_meta& m, frag<T, kFeat>& x0, frag<T, kFeat>& x1) {
-    load_frag(b + std::int64_t{m.c0 < 0 ? 0 : m.c0} * p.b.row, m.c0 < 0 ? 0 : k.valid_f, p.aligned,
-              x0);
-    load_frag(b + std::int64_t{m.c1 < 0 ? 0 : m.c1} * p.b.row, m.c1 < 0 ? 0 : k.valid_f, p.aligned,
-              x1);
+  const auto load_rows = [&](const block_meta& m, frags::frag<T, kFeat>& x0,
+                             frags::frag<T, kFeat>& x1) {
+    frags::load_frag(b + std::int64_t{m.c0 < 0 ? 0 : m.c0} * p.b.row, m.c0 < 0 ? 0 : k.valid_f,
+                     p.aligned, x0);
+    frags::load_frag(b + std::int64_t{m.c1 < 0 ? 0 : m.c1} * p.b.row, m.c1 < 0 ? 0 : k.valid_f,
+                     p.aligned, x1);
   };
   block_meta cur = meta(first), next = meta(first + step);
-  frag<T, kFeat> x0, x1;
+  frags::frag<T, kFeat> x0, x1;
   load_rows(cur, x0, x1);
   for (std::int32_t blk = first; blk < it.end; blk += step) {
-    frag<T, kFeat> n0, n1;
+    frags::frag<T, kFeat> n0, n1;
     load_rows(next, n0, n1);  // nothing is read past the item (c = -1)
     const block_meta after = meta(blk + 2 * step);
     std::uint32_t bv[kSub][2];
@@ -206,7 +208,7 @@ __device__ __forceinline__ void spmm_store(const spmm_params& p, const spmm_task
         if (row >= p.f.rows) continue;
         float v[kFeat];
         row_values(s, odd, v);
-        store_floats(c + pattern_row(p.f, row) * p.c.row, v, k.valid_f, p.aligned);
+        frags::store_floats(c + pattern_row(p.f, row) * p.c.row, v, k.valid_f, p.aligned);
       }
     }
     return;
@@ -220,7 +222,7 @@ __device__ __forceinline__ void spmm_store(const spmm_params& p, const spmm_task
     for (int odd = 0; odd < 2; ++odd) {
       float v[kFeat];
       row_values(s, odd, v);
-      store_floats(part + (8 * s + 2 * t + odd) * p.n, v, k.valid_f, part_aligned);
+      frags::store_floats(part + (8 * s + 2 * t + odd) * p.n, v, k.valid_f, part_aligned);
     }
   }
   __threadfence();
@@ -260,7 +262,7 @@ __device__ __forceinline__ void spmm_store(const spmm_params& p, const spmm_task
           for (int e = 0; e < kFeat; ++e) v[e] += got[b][e];
         }
       }
-      store_floats(c + pattern_row(p.f, row) * p.c.row, v, k.valid_f, p.aligned);
+      frags::store_floats(c + pattern_row(p.f, row) * p.c.row, v, k.valid_f, p.aligned);
     }
   }
 }
@@ -306,4 +308,4 @@ __global__ void __launch_bounds__(kSpmmWarps * 32) spmm_kernel(const spmm_params
   spmm_store<O, kHeight, kTiles>(p, k, lane, acc);
 }
 
-}  // namespace trisparse::cuda::me
+}  // namespace trisparse::cuda::me_bcrs

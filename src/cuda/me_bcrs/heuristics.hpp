@@ -1,11 +1,11 @@
 #pragma once
 // The ME-BCRS kernels' run-time choices (host code; measured on the H200,
-// docs/notes/flashsparse.md): how work lists cut windows, which SpMM items run on teams, and when
+// docs/notes/me_bcrs.md): how work lists cut windows, which SpMM items run on teams, and when
 // reordering rows pays.
 #include <algorithm>
 #include <cstdint>
 
-namespace trisparse::cuda::me {
+namespace trisparse::cuda::me_bcrs {
 
 /// Warp slots per SM that the mean work per slot is counted over.
 inline constexpr std::int64_t kWarpSlotsPerSm = 16;
@@ -43,4 +43,4 @@ inline bool reorder_pays(std::int64_t vectors_reordered, std::int64_t vectors) {
   return 10 * vectors_reordered <= 9 * vectors;
 }
 
-}  // namespace trisparse::cuda::me
+}  // namespace trisparse::cuda::me_bcrs

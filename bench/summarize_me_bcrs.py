@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Summarises bench_sparse JSONL: per-graph and geometric-mean speedups of the ME-BCRS kernels
-over cuSPARSE, and of 8x1 over 16x1 vectors. Usage: summarize_sparse.py RESULTS.jsonl [--table]"""
+"""Summarises bench_me_bcrs JSONL: per-graph and geometric-mean speedups of the ME-BCRS kernels
+over cuSPARSE, and of 8x1 over 16x1 vectors. Usage: summarize_me_bcrs.py RESULTS.jsonl [--table]"""
 import argparse
 import json
 import math

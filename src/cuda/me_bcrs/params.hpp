@@ -4,7 +4,7 @@
 
 #include "../common/work_item.hpp"
 
-namespace trisparse::cuda::me {
+namespace trisparse::cuda::me_bcrs {
 
 /// The device ME-BCRS and its work list as the kernels read them. Per-edge value arrays are in
 /// the format's slot layout, one array per head (slot stride 1, `*_head` elements apart).
@@ -67,4 +67,4 @@ struct softmax_params {
   float* part_stats;  // split windows' per-part (max, sum): [parts, heads, vector_rows, 2]
 };
 
-}  // namespace trisparse::cuda::me
+}  // namespace trisparse::cuda::me_bcrs

@@ -6,8 +6,8 @@
 // written as -inf.
 #include <cstdint>
 
-#include "../../common/online_softmax.cuh"
-#include "../../formats/interleaved_bcsr.cuh"
+#include "../../../common/online_softmax.cuh"
+#include "../../../formats/interleaved_bcsr.cuh"
 
 namespace trisparse::cuda::interleaved {
 

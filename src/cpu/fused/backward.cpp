@@ -4,7 +4,7 @@
 #include <cmath>
 #include <vector>
 
-#include "../../ops/arguments.hpp"
+#include "../../common/arguments.hpp"
 #include "../common/online_softmax.hpp"
 #include "fast.hpp"
 #include "trisparse/core/error.hpp"

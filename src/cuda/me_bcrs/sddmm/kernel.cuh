@@ -15,18 +15,19 @@
 #include <cstdint>
 
 #include "../../common/arch/mma.cuh"
-#include "../../sparse/fragments.cuh"
-#include "../../sparse/params.hpp"
+#include "../../common/fragments.cuh"
+#include "../params.hpp"
+#include "../window.cuh"
 
-namespace trisparse::cuda::me {
+namespace trisparse::cuda::me_bcrs {
 
 inline constexpr int kSddmmWarps = 4;
 
 template <class T>
 struct sddmm_mma {  // 16-bit: two m16n8k16 steps per 32-d chunk (`split` is for f32 only)
-  __device__ __forceinline__ static void chunk(float (&acc)[4], const frag<T, 8>& ya,
-                                               const frag<T, 8>& yb, const frag<T, 8>& x,
-                                               bool /*split*/) {
+  __device__ __forceinline__ static void chunk(float (&acc)[4], const frags::frag<T, 8>& ya,
+                                               const frags::frag<T, 8>& yb,
+                                               const frags::frag<T, 8>& x, bool /*split*/) {
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       const std::uint32_t a[4] = {ya.r[2 * k], yb.r[2 * k], ya.r[2 * k + 1], yb.r[2 * k + 1]};
@@ -41,9 +42,9 @@ struct sddmm_mma {  // 16-bit: two m16n8k16 steps per 32-d chunk (`split` is for
 // high x high (the small ones first) -- for about float32 accuracy at three times the MMAs.
 template <>
 struct sddmm_mma<float> {
-  __device__ __forceinline__ static void chunk(float (&acc)[4], const frag<float, 8>& ya,
-                                               const frag<float, 8>& yb, const frag<float, 8>& x,
-                                               bool split) {
+  __device__ __forceinline__ static void chunk(float (&acc)[4], const frags::frag<float, 8>& ya,
+                                               const frags::frag<float, 8>& yb,
+                                               const frags::frag<float, 8>& x, bool split) {
     const auto tf = [](std::uint32_t bits) { return arch::to_tf32(__uint_as_float(bits)); };
     const auto hi = [](std::uint32_t bits) {
       return __float_as_uint(arch::tf32_high(__uint_as_float(bits)));
@@ -99,7 +100,7 @@ __global__ void __launch_bounds__(kSddmmWarps * 32, sddmm_min_blocks<T, kHeight,
   constexpr std::int64_t kPass = 32 * kChunks;  // d per register pass
   const std::int64_t passes = (p.d + kPass - 1) / kPass;
 
-  frag<T, 8> xr[kSub][kChunks];
+  frags::frag<T, 8> xr[kSub][kChunks];
   const auto load_x = [&](std::int64_t pass) {
 #pragma unroll
     for (int s = 0; s < kSub; ++s) {
@@ -108,8 +109,8 @@ __global__ void __launch_bounds__(kSddmmWarps * 32, sddmm_min_blocks<T, kHeight,
       for (int c = 0; c < kChunks; ++c) {
         const std::int64_t d0 = pass * kPass + 32 * c + 8 * t;
         const int valid = row < p.f.rows ? static_cast<int>(max(std::int64_t{0}, p.d - d0)) : 0;
-        load_frag(x + (row < p.f.rows ? pattern_row(p.f, row) : 0) * p.x.row + d0, valid, p.aligned,
-                  xr[s][c]);
+        frags::load_frag(x + (row < p.f.rows ? pattern_row(p.f, row) : 0) * p.x.row + d0, valid,
+                         p.aligned, xr[s][c]);
       }
     }
   };
@@ -151,11 +152,11 @@ __global__ void __launch_bounds__(kSddmmWarps * 32, sddmm_min_blocks<T, kHeight,
       for (int c = 0; c < kChunks; ++c) {
         const std::int64_t d0 = pass * kPass + 32 * c + 8 * t;
         const int valid = static_cast<int>(max(std::int64_t{0}, p.d - d0));
-        frag<T, 8> ya, yb;
-        load_frag(y + std::int64_t{col[0] < 0 ? 0 : col[0]} * p.y.row + d0, col[0] < 0 ? 0 : valid,
-                  p.aligned, ya);
-        load_frag(y + std::int64_t{col[1] < 0 ? 0 : col[1]} * p.y.row + d0, col[1] < 0 ? 0 : valid,
-                  p.aligned, yb);
+        frags::frag<T, 8> ya, yb;
+        frags::load_frag(y + std::int64_t{col[0] < 0 ? 0 : col[0]} * p.y.row + d0,
+                         col[0] < 0 ? 0 : valid, p.aligned, ya);
+        frags::load_frag(y + std::int64_t{col[1] < 0 ? 0 : col[1]} * p.y.row + d0,
+                         col[1] < 0 ? 0 : valid, p.aligned, yb);
 #pragma unroll
         for (int s = 0; s < kSub; ++s) sddmm_mma<T>::chunk(acc[s], ya, yb, xr[s][c], p.split_f32);
       }
@@ -170,10 +171,10 @@ __global__ void __launch_bounds__(kSddmmWarps * 32, sddmm_min_blocks<T, kHeight,
         const float v = (mask[half] >> r & 1u) != 0u
                             ? p.scale * value[half][o] * acc[o / 2][2 * half + o % 2]
                             : 0.0f;
-        out[base[half] + r * width[half]] = from_float<O>(v);
+        out[base[half] + r * width[half]] = frags::from_float<O>(v);
       }
     }
   }
 }
 
-}  // namespace trisparse::cuda::me
+}  // namespace trisparse::cuda::me_bcrs

@@ -5,7 +5,7 @@
 #include <numbers>
 #include <vector>
 
-#include "../../ops/arguments.hpp"
+#include "../../common/arguments.hpp"
 #include "../common/online_softmax.hpp"
 #include "fast.hpp"
 #include "trisparse/core/error.hpp"

@@ -9,7 +9,7 @@
 
 #include <cstddef>
 
-#include "../error.cuh"
+#include "error.cuh"
 
 namespace trisparse::cuda::arch {
 

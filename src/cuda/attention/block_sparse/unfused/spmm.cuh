@@ -5,7 +5,7 @@
 // Block rows with no kept block write zeros.
 #include <cstdint>
 
-#include "../../formats/interleaved_bcsr.cuh"
+#include "../../../formats/interleaved_bcsr.cuh"
 
 namespace trisparse::cuda::interleaved {
 
@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(kSpmmThreads) spmm_kernel(params p, work w) {
     const int row = ty + 8 * i;
     if (row >= rows) continue;
 #pragma unroll
-    for (int c = 0; c < 4; ++c) out[row * p.o_row + col + c] = me::from_float<O>(acc[i][c]);
+    for (int c = 0; c < 4; ++c) out[row * p.o_row + col + c] = frags::from_float<O>(acc[i][c]);
   }
 }
 

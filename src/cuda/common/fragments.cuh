@@ -1,17 +1,17 @@
 #pragma once
-// Register fragments of dense rows for the ME-BCRS kernels: kElems consecutive elements of one
-// row, loaded with 16-byte (or 8/4-byte) vector accesses when the row allows, element by element
-// with zero fill otherwise; and the matching stores of fp32 results.
+// Register fragments of dense rows (the ME-BCRS kernels, the GCN layer's, the BCSR kernels'):
+// kElems consecutive elements of one row, loaded with 16-byte (or 8/4-byte) vector accesses when
+// the row allows, element by element with zero fill otherwise; and the matching stores of fp32
+// results.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
 #include <type_traits>
 
-#include "../common/convert.cuh"
-#include "params.hpp"
+#include "convert.cuh"
 
-namespace trisparse::cuda::me {
+namespace trisparse::cuda::frags {
 
 template <class T, int kElems>
 struct frag {
@@ -123,19 +123,4 @@ __device__ __forceinline__ void store_floats(O* dst, const float (&v)[kElems], i
   }
 }
 
-/// Slot of row r of vector v (counted from the window's first vector) in a window of n vectors
-/// starting at vector `start` (me_bcrs_build.cuh).
-template <int kHeight>
-__device__ __forceinline__ std::int64_t slot_of(std::int64_t start, std::int64_t n, std::int64_t v,
-                                                int r) {
-  const std::int64_t block = v / 8 * 8;
-  const std::int64_t width = n - block < 8 ? n - block : 8;
-  return (start + block) * kHeight + r * width + (v - block);
-}
-
-/// The pattern row (of x, c) that window row `row` stands for.
-__device__ __forceinline__ std::int64_t pattern_row(const format_ref& f, std::int64_t row) {
-  return f.row_map != nullptr ? __ldg(f.row_map + row) : row;
-}
-
-}  // namespace trisparse::cuda::me
+}  // namespace trisparse::cuda::frags

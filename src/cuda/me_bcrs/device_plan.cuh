@@ -39,14 +39,14 @@ struct me_device_plan {
   mutable device_buffer<std::byte> own;  // scratch: written by const runs
   std::int64_t own_heads = 0, own_dim = 0;
 
-  me::format_ref ref(const me_work& w) const {
+  me_bcrs::format_ref ref(const me_work& w) const {
     return {f.row_ptr.data(),      f.col_idx.data(), f.mask.data(),    f.values.data(),
             f.block_offset.data(), f.rows,           f.row_map.data(), w.items.data(),
             w.num_items,           w.splits.data(),  w.team_items,     f.binary};
   }
 };
 
-namespace me {
+namespace me_bcrs {
 
 /// The workspace of one run of any of the three operations: SpMM's split-window arrival counts
 /// (zero between launches), its partial tiles, and the softmax's partial (max, sum) pairs.
@@ -82,6 +82,6 @@ inline out_ref out_of(const tensor_view& t) { return {t.data, t.row_stride, t.he
 template <class T>
 const T* own_values(const me_device_plan& plan);
 
-}  // namespace me
+}  // namespace me_bcrs
 
 }  // namespace trisparse::cuda

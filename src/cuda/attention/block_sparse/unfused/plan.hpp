@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <memory>
 
-#include "../../common/entry.hpp"
+#include "../../../common/entry.hpp"
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/tensor.hpp"
 #include "trisparse/core/workspace.hpp"

@@ -7,7 +7,7 @@
 #include "../../common/dispatch.cuh"
 #include "../../common/error.cuh"
 #include "../../common/grid.cuh"
-#include "../../sparse/device_plan.cuh"
+#include "../device_plan.cuh"
 #include "kernel.cuh"
 
 namespace trisparse::cuda {
@@ -15,11 +15,11 @@ namespace trisparse::cuda {
 namespace {
 
 template <class T, class O, int kHeight, int kChunks>
-void launch(const me::sddmm_params& p, cudaStream_t s) {
+void launch(const me_bcrs::sddmm_params& p, cudaStream_t s) {
   const std::int64_t tasks = p.f.num_items * std::int64_t{p.heads};
   if (tasks == 0) return;
-  me::sddmm_kernel<T, O, kHeight, kChunks>
-      <<<blocks_for(tasks, me::kSddmmWarps), me::kSddmmWarps * 32, 0, s>>>(p);
+  me_bcrs::sddmm_kernel<T, O, kHeight, kChunks>
+      <<<blocks_for(tasks, me_bcrs::kSddmmWarps), me_bcrs::kSddmmWarps * 32, 0, s>>>(p);
   TRISPARSE_CUDA_CHECK_LAUNCH();
 }
 
@@ -30,23 +30,23 @@ int sddmm_chunks(std::int64_t d) { return d <= 32 ? 1 : d <= 64 ? 2 : d <= 128 ?
 
 void run_sddmm(const me_device_plan& plan, const tensor_view& x, const tensor_view& y,
                const tensor_view& out, double scale, bool split_f32, stream_ref stream) {
-  me::check_device(plan);
-  me::check_dense_pair(x, plan.f.rows, "x", y, plan.f.cols, "y", "SDDMM");
+  me_bcrs::check_device(plan);
+  me_bcrs::check_dense_pair(x, plan.f.rows, "x", y, plan.f.cols, "y", "SDDMM");
   TRISPARSE_EXPECTS_INPUT(
       x.type == y.type && (x.type == dtype::f16 || x.type == dtype::bf16 || x.type == dtype::f32),
       "SDDMM takes x and y in one dtype: f16, bf16 or f32 (tf32); got " + x.describe() + " and " +
           y.describe());
   TRISPARSE_EXPECTS_INPUT(std::isfinite(scale), "the SDDMM scale must be finite");
-  me::check_slots(plan, out, "out", x.heads);
-  me::sddmm_params p{};
+  me_bcrs::check_slots(plan, out, "out", x.heads);
+  me_bcrs::sddmm_params p{};
   p.f = plan.ref(plan.sddmm_work);
-  p.x = me::in_of(x);
-  p.y = me::in_of(y);
-  p.out = me::out_of(out);
+  p.x = me_bcrs::in_of(x);
+  p.y = me_bcrs::in_of(y);
+  p.out = me_bcrs::out_of(out);
   p.d = x.dim;
   p.heads = static_cast<std::int32_t>(x.heads);
   p.scale = static_cast<float>(scale);
-  p.aligned = me::vector_aligned(x) && me::vector_aligned(y);
+  p.aligned = me_bcrs::vector_aligned(x) && me_bcrs::vector_aligned(y);
   p.split_f32 = split_f32;
   if (x.heads == 0 || plan.f.slots() == 0) return;
   const auto s = static_cast<cudaStream_t>(stream.handle);

@@ -5,8 +5,8 @@
 // Rows with no kept key (all -inf) get zeros.
 #include <cstdint>
 
-#include "../../common/online_softmax.cuh"
-#include "../../formats/interleaved_bcsr.cuh"
+#include "../../../common/online_softmax.cuh"
+#include "../../../formats/interleaved_bcsr.cuh"
 
 namespace trisparse::cuda::interleaved {
 

@@ -4,10 +4,10 @@
 
 #include "../common/current_device.cuh"
 #include "../common/error.cuh"
+#include "../common/fragments.cuh"
 #include "../common/grid.cuh"
 #include "../common/work_list.cuh"
 #include "device_plan.cuh"
-#include "fragments.cuh"
 #include "heuristics.hpp"
 
 namespace trisparse::cuda {
@@ -19,7 +19,7 @@ constexpr int kThreads = 256;
 template <class T>
 __global__ void convert(const float* in, T* out, std::int64_t n) {
   const std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
-  if (i < n) out[i] = me::from_float<T>(in[i]);
+  if (i < n) out[i] = frags::from_float<T>(in[i]);
 }
 
 std::shared_ptr<me_device_plan> plan_from(device_me_bcrs f, me_work_limits limits, cudaStream_t s) {
@@ -36,7 +36,7 @@ std::shared_ptr<me_device_plan> plan_from(device_me_bcrs f, me_work_limits limit
   TRISPARSE_EXPECTS_INPUT(blocks < (std::int64_t{1} << 31),
                           "the pattern has more than 2^31 blocks of 8 vectors");
   // Split limits and teams per operation (heuristics.hpp).
-  const std::int64_t mean = me::mean_blocks_per_slot(blocks, plan->sms);
+  const std::int64_t mean = me_bcrs::mean_blocks_per_slot(blocks, plan->sms);
   const auto list = [&](std::int64_t rule, me_work& w, std::int64_t team = 0) {
     device_work_list l =
         build_work_list(f.window_blocks.data(), f.block_offset.data(), f.windows,
@@ -49,10 +49,11 @@ std::shared_ptr<me_device_plan> plan_from(device_me_bcrs f, me_work_limits limit
     w.team_items = l.num_large;
   };
   const std::int64_t team =
-      limits.team_blocks != 0 ? limits.team_blocks : me::spmm_team_blocks(mean);
-  list(me::spmm_split_blocks(mean, team > 0), plan->spmm_work, std::max<std::int64_t>(team, 0));
-  list(me::sddmm_split_blocks(mean), plan->sddmm_work);
-  list(me::softmax_split_blocks(mean), plan->softmax_work);
+      limits.team_blocks != 0 ? limits.team_blocks : me_bcrs::spmm_team_blocks(mean);
+  list(me_bcrs::spmm_split_blocks(mean, team > 0), plan->spmm_work,
+       std::max<std::int64_t>(team, 0));
+  list(me_bcrs::sddmm_split_blocks(mean), plan->sddmm_work);
+  list(me_bcrs::softmax_split_blocks(mean), plan->softmax_work);
   plan->f = std::move(f);
   const std::int64_t n = plan->f.slots();
   if (n > 0) {
@@ -67,7 +68,7 @@ std::shared_ptr<me_device_plan> plan_from(device_me_bcrs f, me_work_limits limit
   }
   plan->own_heads = std::max<std::int64_t>(limits.workspace_heads, 1);
   plan->own_dim = std::max<std::int64_t>(limits.workspace_dim, 1);
-  const me::workspace w = me::workspace_of(*plan, plan->own_heads, plan->own_dim);
+  const me_bcrs::workspace w = me_bcrs::workspace_of(*plan, plan->own_heads, plan->own_dim);
   plan->own = device_buffer<std::byte>(w.layout.bytes());
   TRISPARSE_CUDA_TRY(cudaMemsetAsync(plan->own.data(), 0, w.layout.zeroed_bytes(), s));
   TRISPARSE_CUDA_TRY(cudaStreamSynchronize(s));
@@ -99,10 +100,10 @@ __global__ void move_entries(const std::int64_t* entry_slot, std::int64_t nnz, s
 template <bool kToSlots>
 void move(const me_device_plan& plan, const tensor_view& entries, const tensor_view& slots,
           stream_ref stream) {
-  me::check_device(plan);
+  me_bcrs::check_device(plan);
   check_view(entries, "entries", plan.f.nnz, -1, 1);
   TRISPARSE_EXPECTS_INPUT(entries.where == device_kind::cuda, "entries must be on the GPU");
-  me::check_slots(plan, slots, "slots", entries.heads);
+  me_bcrs::check_slots(plan, slots, "slots", entries.heads);
   if (entries.type != slots.type) {
     throw invalid_input("entries " + entries.describe() + " and slots " + slots.describe() +
                         " need one dtype");
@@ -148,7 +149,7 @@ std::shared_ptr<me_device_plan> make_me_plan(const csr_view& pattern, const floa
 }
 
 std::size_t me_workspace_bytes(const me_device_plan& plan, std::int64_t heads, std::int64_t dim) {
-  return me::workspace_of(plan, heads, dim).layout.bytes();
+  return me_bcrs::workspace_of(plan, heads, dim).layout.bytes();
 }
 
 me_plan_info info(const me_device_plan& plan) {
@@ -187,7 +188,7 @@ void slots_to_entries(const me_device_plan& plan, const tensor_view& slots,
   move<false>(plan, entries, slots, stream);
 }
 
-namespace me {
+namespace me_bcrs {
 
 void check_device(const me_device_plan& plan) { expect_current_device(plan.device); }
 
@@ -271,6 +272,6 @@ std::pair<workspace_view, workspace> use_workspace(const me_device_plan& plan, s
           workspace_of(plan, plan.own_heads, plan.own_dim)};
 }
 
-}  // namespace me
+}  // namespace me_bcrs
 
 }  // namespace trisparse::cuda

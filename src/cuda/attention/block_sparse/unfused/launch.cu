@@ -6,18 +6,18 @@
 #include <string>
 #include <vector>
 
-#include "../../../common/workspace_layout.hpp"
-#include "../../common/buffer.cuh"
-#include "../../common/current_device.cuh"
-#include "../../common/dispatch.cuh"
-#include "../../common/error.cuh"
-#include "../../common/grid.cuh"
-#include "../../common/layout.hpp"
-#include "../../sddmm/bcsr/kernel.cuh"
-#include "../../softmax/bcsr/kernel.cuh"
-#include "../../spmm/bcsr/kernel.cuh"
-#include "heuristics.hpp"
-#include "unfused.hpp"
+#include "../../../../common/workspace_layout.hpp"
+#include "../../../common/buffer.cuh"
+#include "../../../common/current_device.cuh"
+#include "../../../common/dispatch.cuh"
+#include "../../../common/error.cuh"
+#include "../../../common/grid.cuh"
+#include "../../../common/layout.hpp"
+#include "../heuristics.hpp"
+#include "plan.hpp"
+#include "sddmm.cuh"
+#include "softmax.cuh"
+#include "spmm.cuh"
 
 namespace trisparse::cuda {
 

@@ -5,7 +5,7 @@
 // sets; GFLOP/s (2 nnz n); our f16 and tf32 outputs checked against float64 on sampled rows; the
 // plan's row order against the original one; the naive and the stable row softmax.
 // One JSON object per line.
-//   bench_sparse [--n 32,64,128,256] [--d 32,128] [--repeat R] [--rmat S:EF]... [--er N:DEG]...
+//   bench_me_bcrs [--n 32,64,128,256] [--d 32,128] [--repeat R] [--rmat S:EF]... [--er N:DEG]...
 //                GRAPH...
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -302,7 +302,7 @@ int main(int argc, char** argv) {
       bench_graph(name, g, cfg);
     }
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_sparse: %s\n", e.what());
+    std::fprintf(stderr, "bench_me_bcrs: %s\n", e.what());
     return 1;
   }
   return 0;
