@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <limits>
 #include <string>
 #include <vector>
@@ -24,6 +25,8 @@ void sddmm(const csr_graph& a, const tensor_view& x, const tensor_view& y, const
   check_view(x, "x", a.rows, -1, -1);
   check_view(y, "y", a.cols, x.heads, x.dim);
   check_view(out, "out", a.nnz(), x.heads, 1);
+  // Rows on OpenMP threads here and below: each row writes its own entries (or output row).
+#pragma omp parallel for schedule(dynamic, 256)
   for (std::int64_t r = 0; r < a.rows; ++r) {
     for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) {
       const double w = a.has_values() ? a.values[e] : 1.0;
@@ -37,6 +40,7 @@ void softmax(const csr_graph& a, const tensor_view& scores, const tensor_view& o
   a.check();
   check_view(scores, "scores", a.nnz(), -1, 1);
   check_view(out, "out", a.nnz(), scores.heads, 1);
+#pragma omp parallel for schedule(dynamic, 256)
   for (std::int64_t r = 0; r < a.rows; ++r) {
     for (std::int64_t h = 0; h < scores.heads; ++h) {
       double m = -std::numeric_limits<double>::infinity(), sum = 0;
@@ -56,15 +60,19 @@ void spmm(const csr_graph& a, const tensor_view& w, const tensor_view& b, const 
   check_view(b, "b", a.cols, -1, -1);
   check_view(c, "c", a.rows, b.heads, b.dim);
   if (w.data != nullptr) check_view(w, "w", a.nnz(), b.heads, 1);
-  std::vector<double> acc(b.dim);
-  for (std::int64_t r = 0; r < a.rows; ++r) {
-    for (std::int64_t h = 0; h < b.heads; ++h) {
-      std::fill(acc.begin(), acc.end(), 0.0);
-      for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) {
-        const double x = w.data != nullptr ? at(w, e, h, 0) : a.has_values() ? a.values[e] : 1.0;
-        for (std::int64_t d = 0; d < b.dim; ++d) acc[d] += x * at(b, a.col_idx[e], h, d);
+#pragma omp parallel
+  {
+    std::vector<double> acc(b.dim);
+#pragma omp for schedule(dynamic, 256)
+    for (std::int64_t r = 0; r < a.rows; ++r) {
+      for (std::int64_t h = 0; h < b.heads; ++h) {
+        std::fill(acc.begin(), acc.end(), 0.0);
+        for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) {
+          const double x = w.data != nullptr ? at(w, e, h, 0) : a.has_values() ? a.values[e] : 1.0;
+          for (std::int64_t d = 0; d < b.dim; ++d) acc[d] += x * at(b, a.col_idx[e], h, d);
+        }
+        for (std::int64_t d = 0; d < b.dim; ++d) put(c, r, h, d, acc[d]);
       }
-      for (std::int64_t d = 0; d < b.dim; ++d) put(c, r, h, d, acc[d]);
     }
   }
 }
@@ -121,6 +129,25 @@ tensor_view slice(const tensor_view& t, std::int64_t row0, std::int64_t rows, st
   return s;
 }
 
+// f(b, h) for every sequence b and head h, on OpenMP threads: each call reads and writes its own
+// slices, so the result does not depend on the threads. The first exception is rethrown here.
+template <class F>
+void for_each_sequence_head(std::int64_t batch, std::int64_t heads, const F& f) {
+  std::exception_ptr error;
+#pragma omp parallel for collapse(2) schedule(dynamic)
+  for (std::int64_t b = 0; b < batch; ++b) {
+    for (std::int64_t h = 0; h < heads; ++h) {
+      try {
+        f(b, h);
+      } catch (...) {
+#pragma omp critical(trisparse_reference_error)
+        if (!error) error = std::current_exception();
+      }
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
 }  // namespace
 
 void block_sparse_attention(const block_sparse_mask& mask, const tensor_view& q,
@@ -132,13 +159,11 @@ void block_sparse_attention(const block_sparse_mask& mask, const tensor_view& q,
   TRISPARSE_EXPECTS_INPUT(mask.heads == 1 || mask.heads == q.heads,
                           "the mask has " + std::to_string(mask.heads) + " heads, q " +
                               std::to_string(q.heads) + " (a mask is per head or shared)");
-  for (std::int64_t b = 0; b < mask.batch(); ++b) {
+  for_each_sequence_head(mask.batch(), q.heads, [&](std::int64_t b, std::int64_t h) {
     const std::int64_t q0 = mask.cu_seqlens_q[b], k0 = mask.cu_seqlens_k[b];
-    for (std::int64_t h = 0; h < q.heads; ++h) {
-      attention(mask.expand(b, h), slice(q, q0, mask.len_q(b), h), slice(k, k0, mask.len_k(b), h),
-                slice(v, k0, mask.len_k(b), h), slice(out, q0, mask.len_q(b), h), scale);
-    }
-  }
+    attention(mask.expand(b, h), slice(q, q0, mask.len_q(b), h), slice(k, k0, mask.len_k(b), h),
+              slice(v, k0, mask.len_k(b), h), slice(out, q0, mask.len_q(b), h), scale);
+  });
 }
 
 void block_sparse_attention_backward(const block_sparse_mask& mask, const tensor_view& q,
@@ -154,15 +179,13 @@ void block_sparse_attention_backward(const block_sparse_mask& mask, const tensor
   TRISPARSE_EXPECTS_INPUT(mask.heads == 1 || mask.heads == q.heads,
                           "the mask has " + std::to_string(mask.heads) + " heads, q " +
                               std::to_string(q.heads) + " (a mask is per head or shared)");
-  for (std::int64_t b = 0; b < mask.batch(); ++b) {
+  for_each_sequence_head(mask.batch(), q.heads, [&](std::int64_t b, std::int64_t h) {
     const std::int64_t q0 = mask.cu_seqlens_q[b], k0 = mask.cu_seqlens_k[b];
     const std::int64_t lq = mask.len_q(b), lk = mask.len_k(b);
-    for (std::int64_t h = 0; h < q.heads; ++h) {
-      attention_backward(mask.expand(b, h), slice(q, q0, lq, h), slice(k, k0, lk, h),
-                         slice(v, k0, lk, h), slice(dout, q0, lq, h), slice(dq, q0, lq, h),
-                         slice(dk, k0, lk, h), slice(dv, k0, lk, h), scale);
-    }
-  }
+    attention_backward(mask.expand(b, h), slice(q, q0, lq, h), slice(k, k0, lk, h),
+                       slice(v, k0, lk, h), slice(dout, q0, lq, h), slice(dq, q0, lq, h),
+                       slice(dk, k0, lk, h), slice(dv, k0, lk, h), scale);
+  });
 }
 
 void blocked_attention(const bsb& f, const tensor_view& q, const tensor_view& k,

@@ -1,0 +1,488 @@
+// One test over every op x backend x dtype x shape the library offers, against the float64
+// reference (llama.cpp's test-backend-ops is the model). Each op registers a function that, for a
+// device, runs its cases through the public API and hands each result to the recorder; a backend
+// that does not take a dtype says so by throwing not_supported, and the recorder lists it as not
+// offered. The test prints what it covered. Built twice: op_tests (the CPU backends, label unit)
+// and op_gpu_tests (the CUDA backends, label gpu; skipped without a device). A new op or backend
+// is tested by adding a registration here.
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <limits>
+#include <map>
+#include <numeric>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "support.hpp"
+
+#ifndef TRISPARSE_OP_TEST_DEVICE
+#define TRISPARSE_OP_TEST_DEVICE cpu
+#endif
+
+namespace trisparse {
+namespace {
+
+constexpr device_kind kWhere = device_kind::TRISPARSE_OP_TEST_DEVICE;
+
+// A tensor on the device under test: inputs copied there, outputs poisoned (NaN) first.
+class buffer {
+ public:
+  buffer(const host_tensor& h) : host_(h) {  // NOLINT(google-explicit-constructor)
+    if (kWhere == device_kind::cuda) dev_.emplace(host_);
+  }
+  static buffer output(dtype t, std::int64_t rows, std::int64_t heads, std::int64_t dim) {
+    host_tensor h(t, rows, heads, dim);
+    h.fill(std::numeric_limits<double>::quiet_NaN());
+    return buffer(h);
+  }
+  tensor_view view() { return dev_ ? dev_->view() : host_.view(); }
+  host_tensor fetch() const { return dev_ ? dev_->to_host() : host_; }
+
+ private:
+  host_tensor host_;
+  std::optional<device_tensor> dev_;
+};
+
+host_tensor random(dtype t, std::int64_t rows, std::int64_t heads, std::int64_t dim,
+                   std::uint64_t seed, double lo = -1.0, double hi = 1.0) {
+  host_tensor h(t, rows, heads, dim);
+  h.fill_uniform(lo, hi, seed);
+  return h;
+}
+
+host_tensor as_f64(const host_tensor& h) {
+  host_tensor out(dtype::f64, h.rows(), h.heads(), h.dim());
+  for (std::int64_t i = 0; i < h.numel(); ++i) out.set(i, h.get(i));
+  return out;
+}
+
+// Normwise tolerance: `units` roundings of the input (f32 on CUDA: tf32's 11 bits) and of the
+// output, plus 1e-5 (1e-12 for float64 through and through). The fused CPU engines
+// (cpu_fused, cpu_block) compute float64 inputs in fp32, as documented: for them f64 counts as f32.
+double tolerance(dtype in, dtype out, double units = 4, const std::string& backend = {}) {
+  if (in == dtype::f64 && (backend == "cpu_fused" || backend == "cpu_block")) in = dtype::f32;
+  const double u_in =
+      kWhere == device_kind::cuda && in == dtype::f32 ? std::ldexp(1.0, -11) : unit_roundoff(in);
+  const double floor = in == dtype::f64 && out == dtype::f64 ? 1e-12 : 1e-5;
+  return units * (u_in + unit_roundoff(out)) + floor;
+}
+
+// What the cases ran: per (op, backend) the dtypes checked and those not offered.
+class recorder {
+ public:
+  void check(const std::string& op, const std::string& backend, dtype in, const std::string& shape,
+             const host_tensor& got, const host_tensor& want, double tol) {
+    SCOPED_TRACE(op + " / " + backend + " / " + std::string(to_string(in)) + " / " + shape);
+    const auto e = test::compare(got, want);
+    EXPECT_TRUE(e.finite) << "unwritten or non-finite outputs";
+    EXPECT_LE(e.relative(), tol) << "max abs " << e.max_abs;
+    covered_[{op, backend}].insert(std::string(to_string(in)));
+    ++cases_;
+  }
+  void not_offered(const std::string& op, const std::string& backend, dtype in) {
+    absent_[{op, backend}].insert(std::string(to_string(in)));
+  }
+  // Runs one case; a not_supported from the library marks (op, backend, in) as not offered.
+  void attempt(const std::string& op, const std::string& backend, dtype in,
+               const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const not_supported&) {
+      not_offered(op, backend, in);
+    }
+  }
+  std::size_t cases() const { return cases_; }
+  std::set<std::string> ops() const {
+    std::set<std::string> out;
+    for (const auto& [key, _] : covered_) out.insert(key.first);
+    return out;
+  }
+  void print() const {
+    std::printf("[ covered ] %zu cases on %s\n", cases_, std::string(to_string(kWhere)).c_str());
+    for (const auto& [key, dtypes] : covered_) {
+      std::string line;
+      for (const auto& d : dtypes) line += " " + d;
+      std::string absent;
+      if (const auto it = absent_.find(key); it != absent_.end())
+        for (const auto& d : it->second) absent += " " + d;
+      std::printf("[ covered ] %-24s %-22s%s%s\n", key.first.c_str(), key.second.c_str(),
+                  line.c_str(), absent.empty() ? "" : ("  (not offered:" + absent + ")").c_str());
+    }
+  }
+
+ private:
+  std::map<std::pair<std::string, std::string>, std::set<std::string>> covered_, absent_;
+  std::size_t cases_ = 0;
+};
+
+constexpr dtype kDtypes[] = {dtype::f16, dtype::bf16, dtype::f32, dtype::f64};
+
+// The output dtype a case asks for: f32 for 16-bit inputs, else the input's.
+dtype out_of(dtype in) { return in == dtype::f16 || in == dtype::bf16 ? dtype::f32 : in; }
+
+// Patterns: rectangular with empty rows, and one row (a hub) that attends to every column.
+struct shape {
+  std::string name;
+  csr_graph pattern;
+};
+std::vector<shape> shapes() {
+  csr_graph hub = test::random_pattern(70, 90, 6, 3);
+  csr_graph with_hub;
+  with_hub.rows = hub.rows;
+  with_hub.cols = hub.cols;
+  with_hub.row_ptr = {0};
+  for (std::int64_t c = 0; c < hub.cols; ++c)
+    with_hub.col_idx.push_back(static_cast<std::int32_t>(c));
+  with_hub.row_ptr.push_back(with_hub.nnz());
+  for (std::int64_t r = 1; r < hub.rows; ++r) {
+    for (std::int64_t e = hub.row_ptr[r]; e < hub.row_ptr[r + 1]; ++e)
+      with_hub.col_idx.push_back(hub.col_idx[e]);
+    with_hub.row_ptr.push_back(with_hub.nnz());
+  }
+  return {{"70x90 random, empty rows", test::random_pattern(70, 90, 5, 1)},
+          {"70x90 with a 90-entry row", with_hub}};
+}
+
+// --- attention: forward per algorithm, backward -----------------------------------------------
+
+void attention_cases(recorder& rec) {
+  for (const auto& s : shapes()) {
+    const csr_graph& g = s.pattern;
+    for (const algorithm a : {algorithm::reference, algorithm::blocked_reference, algorithm::fused,
+                              algorithm::unfused}) {
+      if (!runs_on(a, kWhere)) continue;
+      const std::string backend = backend_name(a, kWhere);
+      for (const dtype in : kDtypes) {
+        rec.attempt("attention", backend, in, [&] {
+          const auto plan = attention_plan::build(g, kWhere, {.algo = a, .gradients = true});
+          const std::int64_t heads = 2, dim = 32;
+          const host_tensor q = random(in, g.rows, heads, dim, 10),
+                            k = random(in, g.cols, heads, dim, 11),
+                            v = random(in, g.cols, heads, dim, 12);
+          buffer bq(q), bk(k), bv(v), out = buffer::output(out_of(in), g.rows, heads, dim);
+          plan.run(bq.view(), bk.view(), bv.view(), out.view());
+          host_tensor want(dtype::f64, g.rows, heads, dim);
+          reference::attention(g, q.view(), k.view(), v.view(), want.view(),
+                               effective_scale({}, dim));
+          rec.check("attention", backend, in, s.name, out.fetch(), want,
+                    tolerance(in, out_of(in), 4, backend));
+        });
+      }
+    }
+    // The backward from the forward's output and lse (fused; reference: its own float64).
+    for (const algorithm a : {algorithm::reference, algorithm::fused}) {
+      if (!runs_on(a, kWhere)) continue;
+      const std::string backend = backend_name(a, kWhere);
+      for (const dtype in : kDtypes) {
+        rec.attempt("attention_backward", backend, in, [&] {
+          const auto plan = attention_plan::build(g, kWhere, {.algo = a, .gradients = true});
+          const std::int64_t heads = 2, dim = 32;
+          const host_tensor q = random(in, g.rows, heads, dim, 20),
+                            k = random(in, g.cols, heads, dim, 21),
+                            v = random(in, g.cols, heads, dim, 22),
+                            dout = random(in, g.rows, heads, dim, 23);
+          const dtype grad = out_of(in);
+          buffer bq(q), bk(k), bv(v), bdout(dout),
+              out = buffer::output(in, g.rows, heads, dim),
+              lse = buffer::output(dtype::f32, g.rows, heads, 1);
+          buffer dq = buffer::output(grad, g.rows, heads, dim),
+                 dk = buffer::output(grad, g.cols, heads, dim),
+                 dv = buffer::output(grad, g.cols, heads, dim);
+          plan.run(bq.view(), bk.view(), bv.view(), out.view(), {.lse = lse.view()});
+          plan.backward(bq.view(), bk.view(), bv.view(), out.view(), lse.view(), bdout.view(),
+                        dq.view(), dk.view(), dv.view());
+          host_tensor wq(dtype::f64, g.rows, heads, dim), wk(dtype::f64, g.cols, heads, dim),
+              wv(dtype::f64, g.cols, heads, dim);
+          reference::attention_backward(g, q.view(), k.view(), v.view(), dout.view(), wq.view(),
+                                        wk.view(), wv.view(), effective_scale({}, dim));
+          // The forward's output is rounded to q's dtype before the backward reads it.
+          const double tol =
+              tolerance(in, grad, 8, backend) + (in == dtype::f64 ? 0 : unit_roundoff(in) * 8);
+          rec.check("attention_backward", backend, in, s.name + " dq", dq.fetch(), wq, tol);
+          rec.check("attention_backward", backend, in, s.name + " dk", dk.fetch(), wk, tol);
+          rec.check("attention_backward", backend, in, s.name + " dv", dv.fetch(), wv, tol);
+        });
+      }
+    }
+  }
+}
+
+// --- SpMM, SDDMM, softmax (sparse_plan) -------------------------------------------------------
+
+void sparse_cases(recorder& rec) {
+  for (const auto& s : shapes()) {
+    csr_graph g = s.pattern;
+    g.values.resize(static_cast<std::size_t>(g.nnz()));
+    for (std::int64_t e = 0; e < g.nnz(); ++e)
+      g.values[e] = 0.5f + 0.01f * static_cast<float>(e % 37);
+    const std::string backend = kWhere == device_kind::cuda ? "cuda_me_bcrs" : "cpu_sparse";
+    const std::int64_t heads = 2, dim = 24;
+    for (const dtype in : kDtypes) {
+      rec.attempt("spmm", backend, in, [&] {
+        const auto plan = sparse_plan::build(g, kWhere);
+        const host_tensor b = random(in, g.cols, heads, dim, 30);
+        buffer bb(b), c = buffer::output(out_of(in), g.rows, heads, dim);
+        plan.spmm(tensor_view{}, bb.view(), c.view());
+        host_tensor want(dtype::f64, g.rows, heads, dim);
+        reference::spmm(g, tensor_view{}, b.view(), want.view());
+        rec.check("spmm", backend, in, s.name, c.fetch(), want, tolerance(in, out_of(in)));
+      });
+      rec.attempt("sddmm", backend, in, [&] {
+        const auto plan = sparse_plan::build(g, kWhere);
+        const host_tensor x = random(in, g.rows, heads, dim, 31),
+                          y = random(in, g.cols, heads, dim, 32);
+        buffer bx(x), by(y), slots = buffer::output(out_of(in), plan.slots(), heads, 1),
+                             entries = buffer::output(out_of(in), g.nnz(), heads, 1);
+        plan.sddmm(bx.view(), by.view(), slots.view(), 0.5);
+        plan.to_entries(slots.view(), entries.view());
+        host_tensor want(dtype::f64, g.nnz(), heads, 1);
+        reference::sddmm(g, x.view(), y.view(), want.view(), 0.5);
+        rec.check("sddmm", backend, in, s.name, entries.fetch(), want,
+                  tolerance(in, out_of(in), 16));
+      });
+      rec.attempt("softmax", backend, in, [&] {
+        const auto plan = sparse_plan::build(g, kWhere);
+        const host_tensor scores = random(in, g.nnz(), heads, 1, 33, -4.0, 4.0);
+        buffer be(scores), slots = buffer::output(in, plan.slots(), heads, 1),
+                           probs = buffer::output(in, plan.slots(), heads, 1),
+                           entries = buffer::output(in, g.nnz(), heads, 1);
+        plan.to_slots(be.view(), slots.view());
+        plan.softmax(slots.view(), probs.view());
+        plan.to_entries(probs.view(), entries.view());
+        host_tensor want(dtype::f64, g.nnz(), heads, 1);
+        reference::softmax(g, scores.view(), want.view());
+        rec.check("softmax", backend, in, s.name, entries.fetch(), want, tolerance(in, in));
+      });
+    }
+  }
+}
+
+// --- block-sparse attention: forward per algorithm, backward ----------------------------------
+
+void block_sparse_cases(recorder& rec) {
+  const std::vector<std::int64_t> lens{70, 0, 33, 130};
+  for (const std::int64_t g : {16, 64}) {
+    for (const bool causal : {false, true}) {
+      const auto mask = make_block_sparse_mask({.layout = block_layout::random,
+                                                .block = g,
+                                                .p = 0.4,
+                                                .causal = causal,
+                                                .heads = 2,
+                                                .seed = 5},
+                                               lens);
+      const std::string shape = "G" + std::to_string(g) + (causal ? " causal" : "") + " ragged";
+      const std::int64_t rows = mask.cu_seqlens_q.back(), heads = 2;
+      for (const algorithm a :
+           {algorithm::reference, algorithm::fused, algorithm::block, algorithm::unfused}) {
+        if (!runs_on(a, kWhere)) continue;
+        const std::string backend = backend_name(a, kWhere, true);
+        for (const std::int64_t dim : {64}) {
+          for (const dtype in : kDtypes) {
+            rec.attempt("block_sparse_attention", backend, in, [&] {
+              const auto plan = block_sparse_attention_plan::build(
+                  mask, kWhere, {.algo = a, .gradients = a == algorithm::block});
+              const host_tensor q = random(in, rows, heads, dim, 40),
+                                k = random(in, rows, heads, dim, 41),
+                                v = random(in, rows, heads, dim, 42),
+                                dout = random(in, rows, heads, dim, 43);
+              buffer bq(q), bk(k), bv(v), out = buffer::output(out_of(in), rows, heads, dim);
+              plan.run(bq.view(), bk.view(), bv.view(), out.view());
+              host_tensor want(dtype::f64, rows, heads, dim);
+              reference::block_sparse_attention(mask, q.view(), k.view(), v.view(), want.view(),
+                                                effective_scale({}, dim));
+              rec.check("block_sparse_attention", backend, in, shape, out.fetch(), want,
+                        tolerance(in, out_of(in), 4, backend));
+              // The backward where the backend has one.
+              if (kWhere == device_kind::cuda && a != algorithm::block) return;
+              buffer o16 = buffer::output(in, rows, heads, dim),
+                     lse = buffer::output(dtype::f32, rows, heads, 1), bdout(dout);
+              const bool with_lse = a == algorithm::block;
+              plan.run(bq.view(), bk.view(), bv.view(), o16.view(),
+                       {.lse = with_lse ? lse.view() : tensor_view{}});
+              const dtype grad = out_of(in);
+              buffer dq = buffer::output(grad, rows, heads, dim),
+                     dk = buffer::output(grad, rows, heads, dim),
+                     dv = buffer::output(grad, rows, heads, dim);
+              plan.backward(bq.view(), bk.view(), bv.view(), o16.view(),
+                            with_lse ? lse.view() : tensor_view{}, bdout.view(), dq.view(),
+                            dk.view(), dv.view());
+              host_tensor wq(dtype::f64, rows, heads, dim), wk(dtype::f64, rows, heads, dim),
+                  wv(dtype::f64, rows, heads, dim);
+              reference::block_sparse_attention_backward(mask, q.view(), k.view(), v.view(),
+                                                         dout.view(), wq.view(), wk.view(),
+                                                         wv.view(), effective_scale({}, dim));
+              const double tol =
+                  tolerance(in, grad, 8, backend) + (in == dtype::f64 ? 0 : unit_roundoff(in) * 8);
+              rec.check("block_sparse_backward", backend, in, shape + " dq", dq.fetch(), wq, tol);
+              rec.check("block_sparse_backward", backend, in, shape + " dk", dk.fetch(), wk, tol);
+              rec.check("block_sparse_backward", backend, in, shape + " dv", dv.fetch(), wv, tol);
+            });
+          }
+        }
+      }
+    }
+  }
+}
+
+// --- the GCN layer: out = Â (x w) ---------------------------------------------------------------
+
+void gcn_cases(recorder& rec) {
+  const csr_graph g = test::random_pattern(80, 80, 6, 7);
+  const csr_graph a_hat = gcn_normalized(g);
+  const std::string backend = kWhere == device_kind::cuda ? "cuda_me_bcrs" : "cpu_layers";
+  const std::int64_t f_in = 24, f_out = 40;
+  for (const dtype in : kDtypes) {
+    rec.attempt("gcn_layer", backend, in, [&] {
+      const auto layer = gcn_layer::build(g, kWhere);
+      const host_tensor x = random(in, g.rows, 1, f_in, 50), w = random(in, f_in, 1, f_out, 51);
+      buffer bx(x), bw(w), out = buffer::output(out_of(in), g.rows, 1, f_out);
+      layer.forward(bx.view(), bw.view(), out.view());
+      // x w in float64, then Â (x w).
+      const host_tensor x64 = as_f64(x), w64 = as_f64(w);
+      host_tensor xw(dtype::f64, g.rows, 1, f_out), want(dtype::f64, g.rows, 1, f_out);
+      for (std::int64_t i = 0; i < g.rows; ++i)
+        for (std::int64_t j = 0; j < f_out; ++j) {
+          double acc = 0;
+          for (std::int64_t t = 0; t < f_in; ++t)
+            acc += x64.get(i * f_in + t) * w64.get(t * f_out + j);
+          xw.set(i * f_out + j, acc);
+        }
+      reference::spmm(a_hat, tensor_view{}, xw.view(), want.view());
+      rec.check("gcn_layer", backend, in, "80x80, self loops", out.fetch(), want,
+                tolerance(in, out_of(in), 16));
+    });
+  }
+}
+
+// --- the fused GCN layer: relu(P x w + bias) -------------------------------------------------
+
+void gcn_fused_cases(recorder& rec) {
+  const csr_graph p = gcn_normalized(test::random_pattern(80, 80, 6, 8));
+  const std::string backend = kWhere == device_kind::cuda ? "cuda_gcn_fused" : "cpu_layers";
+  const std::int64_t f_in = 24, f_out = 40;
+  for (const dtype in : kDtypes) {
+    rec.attempt("gcn_fused_layer", backend, in, [&] {
+      const auto plan = gcn_fused_plan::build(p, kWhere);
+      const host_tensor x = random(in, p.rows, 1, f_in, 60), w = random(in, f_in, 1, f_out, 61),
+                        bias = random(dtype::f32, 1, 1, f_out, 62);
+      buffer bx(x), bw(w), bb(bias), out = buffer::output(out_of(in), p.rows, 1, f_out);
+      plan.forward({.x = bx.view(), .w = bw.view(), .bias = bb.view(), .out = out.view()});
+      host_tensor want(dtype::f64, p.rows, 1, f_out);
+      reference::gcn_fused(p, x.view(), w.view(), bias.view(), true, want.view());
+      rec.check("gcn_fused_layer", backend, in, "80x80 with bias, ReLU", out.fetch(), want,
+                tolerance(in, out_of(in), 16));
+    });
+  }
+}
+
+// --- GAT's attention: forward and backward -----------------------------------------------------
+
+void gat_cases(recorder& rec) {
+  for (const auto& s : shapes()) {
+    const csr_graph& g = s.pattern;
+    const std::string backend = kWhere == device_kind::cuda ? "cuda_gat" : "cpu_layers";
+    const std::int64_t heads = 2, width = 16;
+    for (const dtype in : kDtypes) {
+      rec.attempt("gat_attention", backend, in, [&] {
+        const auto plan = gat_plan::build(g, kWhere);
+        const host_tensor x = random(in, g.cols, heads, width, 70),
+                          a_src = random(dtype::f32, g.cols, heads, 1, 71, -2.0, 2.0),
+                          a_dst = random(dtype::f32, g.rows, heads, 1, 72, -2.0, 2.0),
+                          dout = random(out_of(in), g.rows, heads, width, 73);
+        buffer bx(x), bs(a_src), bd(a_dst), bdout(dout),
+            out = buffer::output(out_of(in), g.rows, heads, width),
+            lse = buffer::output(dtype::f32, g.rows, heads, 1);
+        plan.forward({.x = bx.view(),
+                      .a_src = bs.view(),
+                      .a_dst = bd.view(),
+                      .out = out.view(),
+                      .lse = lse.view()});
+        host_tensor want(dtype::f64, g.rows, heads, width);
+        reference::gat(g, x.view(), a_src.view(), a_dst.view(), tensor_view{}, 0.2, want.view(),
+                       tensor_view{});
+        rec.check("gat_attention", backend, in, s.name, out.fetch(), want,
+                  tolerance(in, out_of(in)));
+        buffer dx = buffer::output(out_of(in), g.cols, heads, width),
+               da_src = buffer::output(dtype::f32, g.cols, heads, 1),
+               da_dst = buffer::output(dtype::f32, g.rows, heads, 1);
+        plan.backward({.x = bx.view(),
+                       .a_src = bs.view(),
+                       .a_dst = bd.view(),
+                       .out = out.view(),
+                       .lse = lse.view(),
+                       .dout = bdout.view(),
+                       .dx = dx.view(),
+                       .da_src = da_src.view(),
+                       .da_dst = da_dst.view()});
+        host_tensor wx(dtype::f64, g.cols, heads, width), ws(dtype::f64, g.cols, heads, 1),
+            wd(dtype::f64, g.rows, heads, 1);
+        reference::gat_backward(g, x.view(), a_src.view(), a_dst.view(), tensor_view{}, 0.2,
+                                dout.view(), wx.view(), ws.view(), wd.view());
+        // The backward reads the forward's lse, which is f32 whatever the dtype.
+        const double tol = tolerance(in == dtype::f64 ? dtype::f32 : in, out_of(in), 8);
+        rec.check("gat_backward", backend, in, s.name + " dx", dx.fetch(), wx, tol);
+        rec.check("gat_backward", backend, in, s.name + " da_src", da_src.fetch(), ws, tol);
+        rec.check("gat_backward", backend, in, s.name + " da_dst", da_dst.fetch(), wd, tol);
+      });
+    }
+  }
+}
+
+// --- the AGNN layer: out_i = sum_j softmax_j(beta cos(h_i, h_j)) h_j over row i of A + I --------
+
+void agnn_cases(recorder& rec) {
+  const csr_graph g = test::random_pattern(80, 80, 6, 9);
+  csr_graph with_loops = gcn_normalized(g);  // A + I's pattern
+  with_loops.values.clear();
+  const std::string backend = kWhere == device_kind::cuda ? "cuda_me_bcrs" : "cpu_layers";
+  const std::int64_t f = 24;
+  const double beta = 1.5;
+  for (const dtype in : kDtypes) {
+    rec.attempt("agnn_layer", backend, in, [&] {
+      const auto layer = agnn_layer::build(g, kWhere);
+      host_tensor h = random(in, g.rows, 1, f, 80);
+      for (std::int64_t x = 0; x < f; ++x) h.set(5 * f + x, 0.0);  // a zero row: cosine 0
+      buffer bh(h), out = buffer::output(out_of(in), g.rows, 1, f);
+      layer.forward(bh.view(), beta, out.view());
+      // The float64 attention with q = k = h's rows normalised, v = h, scale beta.
+      host_tensor unit = as_f64(h);
+      for (std::int64_t i = 0; i < g.rows; ++i) {
+        double norm = 0;
+        for (std::int64_t x = 0; x < f; ++x) norm += unit.get(i * f + x) * unit.get(i * f + x);
+        for (std::int64_t x = 0; x < f; ++x)
+          unit.set(i * f + x, norm > 0 ? unit.get(i * f + x) / std::sqrt(norm) : 0.0);
+      }
+      host_tensor want(dtype::f64, g.rows, 1, f);
+      reference::attention(with_loops, unit.view(), unit.view(), h.view(), want.view(), beta);
+      rec.check("agnn_layer", backend, in, "80x80, self loops, a zero row", out.fetch(), want,
+                tolerance(in, out_of(in), 16));
+    });
+  }
+}
+
+// Every op's registration: add one here for a new op.
+const std::vector<std::function<void(recorder&)>>& registry() {
+  static const std::vector<std::function<void(recorder&)>> all{
+      attention_cases, sparse_cases, block_sparse_cases, gcn_cases,
+      gcn_fused_cases, agnn_cases,   gat_cases};
+  return all;
+}
+
+TEST(EveryOp, AgainstTheFloat64Reference) {
+  if (kWhere == device_kind::cuda && !cuda_available())
+    GTEST_SKIP() << "no CUDA device visible: skipping";
+  recorder rec;
+  for (const auto& cases : registry()) cases(rec);
+  rec.print();
+  // Every registered op ran somewhere on this device.
+  for (const char* op : {"attention", "attention_backward", "spmm", "sddmm", "softmax",
+                         "block_sparse_attention", "block_sparse_backward", "gcn_layer",
+                         "gcn_fused_layer", "agnn_layer", "gat_attention", "gat_backward"})
+    EXPECT_TRUE(rec.ops().count(op)) << op << ": no case ran on " << to_string(kWhere);
+}
+
+}  // namespace
+}  // namespace trisparse
