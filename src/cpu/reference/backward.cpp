@@ -75,10 +75,12 @@ void attention_backward(const csr_graph& a, const tensor_view& q, const tensor_v
   TRISPARSE_EXPECTS_INPUT(std::isfinite(scale), "scale must be finite");
   const std::int64_t heads = q.heads;
   grad gq(a.rows, heads, q.dim), gk(a.cols, heads, q.dim), gv(a.cols, heads, v.dim);
-  std::vector<double> p, dp;
-  for (std::int64_t i = 0; i < a.rows; ++i) {
-    const std::int64_t e0 = a.row_ptr[i], n = a.row_ptr[i + 1] - e0;
-    for (std::int64_t h = 0; h < heads; ++h) {
+  // Heads on OpenMP threads: a head's sums run over its rows in order, as with one thread.
+#pragma omp parallel for schedule(dynamic, 1)
+  for (std::int64_t h = 0; h < heads; ++h) {
+    std::vector<double> p, dp;
+    for (std::int64_t i = 0; i < a.rows; ++i) {
+      const std::int64_t e0 = a.row_ptr[i], n = a.row_ptr[i + 1] - e0;
       const double lse = row_lse(a, q, k, bias, i, h, scale);
       p.assign(static_cast<std::size_t>(n), 0.0);
       dp.assign(static_cast<std::size_t>(n), 0.0);
