@@ -1,6 +1,6 @@
 """Drop-in replacements for PyG layers (needs torch_geometric): the same constructor arguments,
 parameters and state_dict as PyG's, with the attention computed by trisparse's kernels; one file
-per layer, as PyG's."""
+per layer under conv/, as PyG's."""
 
 try:
     import torch_geometric  # noqa: F401  (every layer here subclasses PyG's)
@@ -10,10 +10,6 @@ except ImportError as e:  # pragma: no cover - exercised only without PyG
         "(pip install torch_geometric)"
     ) from e
 
-from .agnn_conv import AGNNConv
-from .gat_conv import GATConv
-from .gcn_conv import GCNConv
-from .gps_conv import GPSConv
-from .transformer_conv import TransformerConv
+from .conv import AGNNConv, GATConv, GCNConv, GPSConv, TransformerConv
 
 __all__ = ["AGNNConv", "GATConv", "GCNConv", "GPSConv", "TransformerConv"]

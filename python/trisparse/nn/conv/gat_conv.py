@@ -8,12 +8,12 @@ from torch import Tensor
 from torch_geometric.nn import GATConv as _PygGATConv
 from torch_geometric.utils import scatter
 
-from .. import _C
-from ..copies import copy_logsumexp, copy_sum, copy_weights, gather_rows, to_copies
-from ..edge import edge_scores, edge_softmax, edge_spmm
-from ..edge_attention import edge_attention_supported, edge_gat_attention
-from ..gat import gat_attention
-from ..pattern import Pattern
+from ... import _C
+from ...copies import copy_logsumexp, copy_sum, copy_weights, gather_rows, to_copies
+from ...edge import edge_scores, edge_softmax, edge_spmm
+from ...edge_attention import edge_attention_supported, edge_gat_attention
+from ...gat import gat_attention
+from ...pattern import Pattern
 from ._common import _check_float, _edge_features, _Fused
 
 

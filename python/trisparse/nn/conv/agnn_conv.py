@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch_geometric.nn import AGNNConv as _PygAGNNConv
 
-from ..attention import sparse_attention
+from ...attention import sparse_attention
 from ._common import _Fused
 
 

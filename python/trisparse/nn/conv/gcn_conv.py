@@ -8,7 +8,7 @@ from torch import Tensor
 from torch_geometric.nn import GCNConv as _PygGCNConv
 from torch_geometric.nn.conv.gcn_conv import gcn_norm
 
-from ..sparse import SparseMatrix, gcn_conv
+from ...sparse import SparseMatrix, gcn_conv
 from ._common import _Fused
 
 

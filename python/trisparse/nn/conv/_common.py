@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from torch_geometric.nn import MessagePassing
 
-from ..pattern import Pattern
+from ...pattern import Pattern
 
 
 class _PatternCache:

@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch_geometric.nn import GPSConv as _PygGPSConv
 
-from ..attention import sparse_attention
-from ..edge import edge_softmax, edge_spmm, sddmm
-from ..edge_attention import edge_attention, edge_attention_supported
-from ..pattern import Pattern
+from ...attention import sparse_attention
+from ...edge import edge_softmax, edge_spmm, sddmm
+from ...edge_attention import edge_attention, edge_attention_supported
+from ...pattern import Pattern
 from ._common import _TRACED
 
 

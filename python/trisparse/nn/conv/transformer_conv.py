@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch_geometric.nn import TransformerConv as _PygTransformerConv
 
-from ..attention import sparse_attention
-from ..copies import copy_aggregate, copy_dot, copy_logsumexp, copy_sum, copy_weights, to_copies
-from ..edge import edge_softmax, edge_spmm, sddmm
-from ..edge_attention import edge_attention, edge_attention_supported
+from ...attention import sparse_attention
+from ...copies import copy_aggregate, copy_dot, copy_logsumexp, copy_sum, copy_weights, to_copies
+from ...edge import edge_softmax, edge_spmm, sddmm
+from ...edge_attention import edge_attention, edge_attention_supported
 from ._common import _edge_features, _Fused, _input_edges
 
 
