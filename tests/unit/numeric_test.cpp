@@ -33,6 +33,7 @@ TEST(Numeric, VectorisableExp2IsWithinAnUlpOfLibm) {
   EXPECT_EQ(cpu::exp2_nonpositive(-1.0f), 0.5f);
   EXPECT_EQ(cpu::exp2_nonpositive(-127.0f), 0.0f);
   EXPECT_EQ(cpu::exp2_nonpositive(-std::numeric_limits<float>::infinity()), 0.0f);
+  EXPECT_TRUE(std::isnan(cpu::exp2_nonpositive(std::numeric_limits<float>::quiet_NaN())));
 }
 
 TEST(Numeric, HalfRoundsToNearestEven) {

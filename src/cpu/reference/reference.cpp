@@ -25,8 +25,6 @@ void sddmm(const csr_graph& a, const tensor_view& x, const tensor_view& y, const
   check_view(x, "x", a.rows, -1, -1);
   check_view(y, "y", a.cols, x.heads, x.dim);
   check_view(out, "out", a.nnz(), x.heads, 1);
-  // Rows on OpenMP threads here and below: each row writes its own entries (or output row).
-#pragma omp parallel for schedule(dynamic, 256)
   for (std::int64_t r = 0; r < a.rows; ++r) {
     for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) {
       const double w = a.has_values() ? a.values[e] : 1.0;
@@ -40,7 +38,6 @@ void softmax(const csr_graph& a, const tensor_view& scores, const tensor_view& o
   a.check();
   check_view(scores, "scores", a.nnz(), -1, 1);
   check_view(out, "out", a.nnz(), scores.heads, 1);
-#pragma omp parallel for schedule(dynamic, 256)
   for (std::int64_t r = 0; r < a.rows; ++r) {
     for (std::int64_t h = 0; h < scores.heads; ++h) {
       double m = -std::numeric_limits<double>::infinity(), sum = 0;
@@ -60,19 +57,15 @@ void spmm(const csr_graph& a, const tensor_view& w, const tensor_view& b, const 
   check_view(b, "b", a.cols, -1, -1);
   check_view(c, "c", a.rows, b.heads, b.dim);
   if (w.data != nullptr) check_view(w, "w", a.nnz(), b.heads, 1);
-#pragma omp parallel
-  {
-    std::vector<double> acc(b.dim);
-#pragma omp for schedule(dynamic, 256)
-    for (std::int64_t r = 0; r < a.rows; ++r) {
-      for (std::int64_t h = 0; h < b.heads; ++h) {
-        std::fill(acc.begin(), acc.end(), 0.0);
-        for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) {
-          const double x = w.data != nullptr ? at(w, e, h, 0) : a.has_values() ? a.values[e] : 1.0;
-          for (std::int64_t d = 0; d < b.dim; ++d) acc[d] += x * at(b, a.col_idx[e], h, d);
-        }
-        for (std::int64_t d = 0; d < b.dim; ++d) put(c, r, h, d, acc[d]);
+  std::vector<double> acc(b.dim);
+  for (std::int64_t r = 0; r < a.rows; ++r) {
+    for (std::int64_t h = 0; h < b.heads; ++h) {
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) {
+        const double x = w.data != nullptr ? at(w, e, h, 0) : a.has_values() ? a.values[e] : 1.0;
+        for (std::int64_t d = 0; d < b.dim; ++d) acc[d] += x * at(b, a.col_idx[e], h, d);
       }
+      for (std::int64_t d = 0; d < b.dim; ++d) put(c, r, h, d, acc[d]);
     }
   }
 }

@@ -4,9 +4,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <numbers>
 #include <vector>
 
+#include "../common/exp2.hpp"
+#include "../common/simd.hpp"
 #include "trisparse/core/numeric.hpp"
 
 namespace trisparse::cpu {
@@ -71,12 +75,48 @@ void in_type_of(const tensor_view& t, F&& f) {
 [[gnu::target_clones("arch=x86-64-v3", "default")]] void spmm_row_f32(
     const csr_graph& a, std::int64_t r, const float* b, std::int64_t b_row, std::int64_t dim,
     const float* w, std::int64_t w_row, const float* values, float* acc) {
-  std::fill_n(acc, dim, 0.f);
-  for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) {
-    const float x = w != nullptr ? w[e * w_row] : values != nullptr ? values[e] : 1.f;
-    const float* br = b + std::int64_t{a.col_idx[static_cast<std::size_t>(e)]} * b_row;
-#pragma omp simd
-    for (std::int64_t d = 0; d < dim; ++d) acc[d] += x * br[d];
+  const std::int64_t e0 = a.row_ptr[r], e1 = a.row_ptr[r + 1];
+  const auto weight = [&](std::int64_t e) {
+    return w != nullptr ? w[e * w_row] : values != nullptr ? values[e] : 1.f;
+  };
+  const auto row_of = [&](std::int64_t e) {
+    return b + std::int64_t{a.col_idx[static_cast<std::size_t>(e)]} * b_row;
+  };
+  // 32 columns at a time in four vector accumulators that stay in registers, then 8, then one.
+  std::int64_t d0 = 0;
+  for (; d0 + 32 <= dim; d0 += 32) {
+    v8 s0{}, s1{}, s2{}, s3{};
+    for (std::int64_t e = e0; e < e1; ++e) {
+      const float x = weight(e);
+      const float* br = row_of(e) + d0;
+      v8 b0, b1, b2, b3;
+      std::memcpy(&b0, br, sizeof b0);
+      std::memcpy(&b1, br + 8, sizeof b1);
+      std::memcpy(&b2, br + 16, sizeof b2);
+      std::memcpy(&b3, br + 24, sizeof b3);
+      s0 += x * b0;
+      s1 += x * b1;
+      s2 += x * b2;
+      s3 += x * b3;
+    }
+    std::memcpy(acc + d0, &s0, sizeof s0);
+    std::memcpy(acc + d0 + 8, &s1, sizeof s1);
+    std::memcpy(acc + d0 + 16, &s2, sizeof s2);
+    std::memcpy(acc + d0 + 24, &s3, sizeof s3);
+  }
+  for (; d0 + 8 <= dim; d0 += 8) {
+    v8 s0{};
+    for (std::int64_t e = e0; e < e1; ++e) {
+      v8 b0;
+      std::memcpy(&b0, row_of(e) + d0, sizeof b0);
+      s0 += weight(e) * b0;
+    }
+    std::memcpy(acc + d0, &s0, sizeof s0);
+  }
+  for (; d0 < dim; ++d0) {
+    float s0 = 0.f;
+    for (std::int64_t e = e0; e < e1; ++e) s0 += weight(e) * row_of(e)[d0];
+    acc[d0] = s0;
   }
 }
 
@@ -145,6 +185,32 @@ void softmax(const csr_graph& a, const tensor_view& scores, const tensor_view& o
     T* const direct = out.type == (std::is_same_v<T, double> ? dtype::f64 : dtype::f32)
                           ? static_cast<T*>(out.data)
                           : nullptr;
+    if constexpr (std::is_same_v<T, float>) {
+      // One head, entries packed in and out (scores, out may be one array): the output holds the
+      // exponentials until the row's sum scales them, so short rows cost a few passes, no copy.
+      if (direct != nullptr && heads == 1 && st.row_stride == 1 && out.row_stride == 1) {
+        const float* in0 = st.row(0, 0);
+        float* out0 = direct + out.offset(0, 0, 0);
+#pragma omp parallel for schedule(dynamic, 1024)
+        for (std::int64_t r = 0; r < a.rows; ++r) {
+          const std::int64_t e0 = a.row_ptr[r], n = a.row_ptr[r + 1] - e0;
+          const float* in = in0 + e0;
+          float* o = out0 + e0;
+          float top = -std::numeric_limits<float>::infinity();
+          for (std::int64_t x = 0; x < n; ++x) top = std::max(top, in[x]);
+          float sum = 0;
+#pragma omp simd reduction(+ : sum)
+          for (std::int64_t x = 0; x < n; ++x) {
+            const float e = exp2_nonpositive((in[x] - top) * std::numbers::log2e_v<float>);
+            o[x] = e;
+            sum += e;
+          }
+          const float inv = 1.0f / sum;
+          for (std::int64_t x = 0; x < n; ++x) o[x] *= inv;
+        }
+        return;
+      }
+    }
 #pragma omp parallel
     {
       std::vector<T> p;
@@ -157,9 +223,20 @@ void softmax(const csr_graph& a, const tensor_view& scores, const tensor_view& o
           T top = -std::numeric_limits<T>::infinity();
           for (std::int64_t x = 0; x < n; ++x) top = std::max(top, in[x * st.row_stride]);
           T sum = 0;
-          for (std::int64_t x = 0; x < n; ++x) {
-            p[static_cast<std::size_t>(x)] = std::exp(in[x * st.row_stride] - top);
-            sum += p[static_cast<std::size_t>(x)];
+          if constexpr (std::is_same_v<T, float>) {  // exp(s - top) = 2^((s - top) log2 e)
+            const std::int64_t stride = st.row_stride;
+#pragma omp simd reduction(+ : sum)
+            for (std::int64_t x = 0; x < n; ++x) {
+              const float e =
+                  exp2_nonpositive((in[x * stride] - top) * std::numbers::log2e_v<float>);
+              p[static_cast<std::size_t>(x)] = e;
+              sum += e;
+            }
+          } else {
+            for (std::int64_t x = 0; x < n; ++x) {
+              p[static_cast<std::size_t>(x)] = std::exp(in[x * st.row_stride] - top);
+              sum += p[static_cast<std::size_t>(x)];
+            }
           }
           const T inv = T{1} / sum;
           if (direct != nullptr) {
