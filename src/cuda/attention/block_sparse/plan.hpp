@@ -10,7 +10,7 @@
 #include "trisparse/core/tensor.hpp"
 #include "trisparse/core/workspace.hpp"
 #include "trisparse/formats/block_sparse.hpp"
-#include "trisparse/ops/block_sparse.hpp"
+#include "trisparse/ops/block_kernel.hpp"
 
 namespace trisparse::cuda {
 

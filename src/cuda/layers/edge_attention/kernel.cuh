@@ -28,7 +28,7 @@
 #include <cstring>
 
 #include "../../common/convert.cuh"
-#include "trisparse/ops/layers.hpp"
+#include "trisparse/ops/layer_args.hpp"
 #include "tuning.hpp"
 
 namespace trisparse::cuda::edge_attention_kernels {

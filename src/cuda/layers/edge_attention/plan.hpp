@@ -7,7 +7,7 @@
 #include "../../common/entry.hpp"
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/workspace.hpp"
-#include "trisparse/ops/layers.hpp"
+#include "trisparse/ops/layer_args.hpp"
 #include "tuning.hpp"
 
 namespace trisparse::cuda {

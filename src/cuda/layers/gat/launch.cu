@@ -72,9 +72,9 @@ void check_inputs(const gat_device& d, const tensor_view& x, const tensor_view& 
   expect_current_device(d.device);
   check_gpu(x, "x", d.cols, -1, -1);
   TRISPARSE_EXPECTS_INPUT(x.heads >= 1, "x needs at least one head, got " + x.describe());
-  TRISPARSE_EXPECTS_INPUT(x.dim <= gat_plan::max_head_width,
+  TRISPARSE_EXPECTS_INPUT(x.dim <= gat_max_head_width,
                           "x " + x.describe() + ": the GAT kernels take heads up to " +
-                              std::to_string(gat_plan::max_head_width) + " channels wide");
+                              std::to_string(gat_max_head_width) + " channels wide");
   check_f32(a_src, "a_src", d.cols, x.heads);
   check_f32(a_dst, "a_dst", d.rows, x.heads);
   if (keep.data != nullptr) check_f32(keep, "keep", d.nnz, x.heads);

@@ -10,7 +10,7 @@
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/workspace.hpp"
 #include "trisparse/graph/csr.hpp"
-#include "trisparse/ops/layers.hpp"
+#include "trisparse/ops/layer_args.hpp"
 
 namespace trisparse::cuda {
 

@@ -2,7 +2,7 @@
 // The fused GAT kernels' launch shapes (plain constexpr, host and device; docs/notes/gat.md).
 #include <cstdint>
 
-#include "trisparse/ops/layers.hpp"
+#include "trisparse/ops/layer_args.hpp"
 
 namespace trisparse::cuda::gat {
 
@@ -16,7 +16,7 @@ inline constexpr int kWarps = 8;
 template <int V, int F>
 inline constexpr int kMinBlocks = F == V ? 32 / kWarps : 1;
 /// Lines (rows, or columns of the transpose) longer than this are cut into chunks of it.
-inline constexpr std::int64_t kChunk = gat_plan::chunk_entries;
+inline constexpr std::int64_t kChunk = gat_chunk_entries;
 /// Edges whose loads are issued together, for F floats a lane of a head.
 template <int F>
 inline constexpr int kUnroll = F <= 4 ? 4 : 2;
