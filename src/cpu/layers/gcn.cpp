@@ -52,25 +52,9 @@ constexpr std::int64_t kCols = 32;  // output columns a row accumulates in regis
                                                                    std::int64_t n_dim) {
   std::int64_t n0 = 0;
   for (; n0 + kCols <= n_dim; n0 += kCols) {
-    v8 a0{}, a1{}, a2{}, a3{};
-    for (std::int64_t k = 0; k < k_dim; ++k) {
-      const float xk = x[k];
-      if (xk == 0.0f) continue;
-      v8 b0, b1, b2, b3;
-      const float* bk = b.row(k) + n0;
-      std::memcpy(&b0, bk, sizeof b0);
-      std::memcpy(&b1, bk + 8, sizeof b1);
-      std::memcpy(&b2, bk + 16, sizeof b2);
-      std::memcpy(&b3, bk + 24, sizeof b3);
-      a0 += xk * b0;
-      a1 += xk * b1;
-      a2 += xk * b2;
-      a3 += xk * b3;
-    }
-    std::memcpy(y + n0, &a0, sizeof a0);
-    std::memcpy(y + n0 + 8, &a1, sizeof a1);
-    std::memcpy(y + n0 + 16, &a2, sizeof a2);
-    std::memcpy(y + n0 + 24, &a3, sizeof a3);
+    weighted_rows<kCols / 8, true>(
+        k_dim, [&](std::int64_t k) { return x[k]; }, [&](std::int64_t k) { return b.row(k) + n0; },
+        y + n0);
   }
   for (; n0 < n_dim; ++n0) {  // the last columns, one at a time
     float acc = 0.0f;

@@ -84,35 +84,13 @@ void in_type_of(const tensor_view& t, F&& f) {
   };
   // 32 columns at a time in four vector accumulators that stay in registers, then 8, then one.
   std::int64_t d0 = 0;
-  for (; d0 + 32 <= dim; d0 += 32) {
-    v8 s0{}, s1{}, s2{}, s3{};
-    for (std::int64_t e = e0; e < e1; ++e) {
-      const float x = weight(e);
-      const float* br = row_of(e) + d0;
-      v8 b0, b1, b2, b3;
-      std::memcpy(&b0, br, sizeof b0);
-      std::memcpy(&b1, br + 8, sizeof b1);
-      std::memcpy(&b2, br + 16, sizeof b2);
-      std::memcpy(&b3, br + 24, sizeof b3);
-      s0 += x * b0;
-      s1 += x * b1;
-      s2 += x * b2;
-      s3 += x * b3;
-    }
-    std::memcpy(acc + d0, &s0, sizeof s0);
-    std::memcpy(acc + d0 + 8, &s1, sizeof s1);
-    std::memcpy(acc + d0 + 16, &s2, sizeof s2);
-    std::memcpy(acc + d0 + 24, &s3, sizeof s3);
-  }
-  for (; d0 + 8 <= dim; d0 += 8) {
-    v8 s0{};
-    for (std::int64_t e = e0; e < e1; ++e) {
-      v8 b0;
-      std::memcpy(&b0, row_of(e) + d0, sizeof b0);
-      s0 += weight(e) * b0;
-    }
-    std::memcpy(acc + d0, &s0, sizeof s0);
-  }
+  const auto term = [&](std::int64_t t) { return weight(e0 + t); };
+  for (; d0 + 32 <= dim; d0 += 32)
+    weighted_rows<4, false>(
+        e1 - e0, term, [&](std::int64_t t) { return row_of(e0 + t) + d0; }, acc + d0);
+  for (; d0 + 8 <= dim; d0 += 8)
+    weighted_rows<1, false>(
+        e1 - e0, term, [&](std::int64_t t) { return row_of(e0 + t) + d0; }, acc + d0);
   for (; d0 < dim; ++d0) {
     float s0 = 0.f;
     for (std::int64_t e = e0; e < e1; ++e) s0 += weight(e) * row_of(e)[d0];
