@@ -2,13 +2,14 @@
 """GPS's global attention alone (forward + backward, bf16): each graph of a mini-batch attends
 within itself. Three implementations on the same q, k, v [N, H, D] (packed nodes):
 
-- trisparse: ``sparse_attention`` over ``Pattern.from_batch(batch)`` (no padding; its plan,
-  built on the host, timed apart: ``trisparse_plan_ms``);
+- trisparse: ``sparse_attention`` over ``Pattern.from_batch(batch)`` (no padding; the fused 3S
+  kernels; its plan, built on the GPU, timed apart: ``trisparse_plan_ms``); trisparse_build: the
+  same with ``from_batch`` and the plan's build inside every step, as GPSConv pays them;
 - trisparse_edge: ``edge_attention`` (the multigraph kernels, GPSConv's path on CUDA) over the
   same pattern, its multigraph grouped on the GPU (``edge_plan_ms``); trisparse_edge_build: the
   same with ``from_batch`` and that grouping inside every step, as a training loop pays them;
 - flex: FlexAttention (compiled) over [1, H, N, D] with a document mask, its block mask built for
-  each batch (timed apart: ``mask_ms``);
+  each batch (timed apart: ``mask_ms``); flex_build: the mask's build inside every step;
 - pyg_padded: what PyG's GPSConv does, ``to_dense_batch`` to [B, n_max, H, D] then
   scaled_dot_product_attention with the key padding mask, and the real rows gathered back.
 
@@ -43,6 +44,13 @@ def read_ptr(path):
 def ours(pattern):
     def attend(q, k, v):
         return trisparse.sparse_attention(q, k, v, pattern)
+
+    return attend
+
+
+def ours_with_build(batch):
+    def attend(q, k, v):
+        return ours(trisparse.Pattern.from_batch(batch))(q, k, v)
 
     return attend
 
@@ -178,6 +186,7 @@ def main():
                 stop.synchronize()
                 rec["edge_plan_ms"] = start.elapsed_time(stop)
                 cases = [("trisparse", ours(pattern)), ("pyg_padded", padded(batch))]
+                cases += [("trisparse_build", ours_with_build(batch))]
                 cases += [("trisparse_edge", edge(pattern))]
                 cases += [("trisparse_edge_build", edge_with_build(batch))]
                 try:
@@ -187,6 +196,7 @@ def main():
                     stop.synchronize()
                     rec["flex_mask_ms"] = start.elapsed_time(stop)
                     cases.append(("flex", attend))
+                    cases.append(("flex_build", lambda *t: flex(batch, compiled)(*t)))
                 except Exception as e:  # noqa: BLE001 - reported in the row, then the others
                     rec["flex"] = {"error": str(e).splitlines()[0][:200]}
                 for name, attend in cases:

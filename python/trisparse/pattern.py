@@ -328,9 +328,13 @@ class Pattern:
             plan = self._plans.get((device, g))
             if plan is not None:
                 return plan
-        # CPU plans, and CUDA plans with gradients (their transposed pattern is built on the
-        # host), come from the host copy; other CUDA plans from the device copy, with no host trip.
-        host = device.type == "cpu" or gradients
+        # CPU plans, and CUDA plans with gradients of patterns whose rows the host build may
+        # reorder, come from the host copy; other CUDA plans (a mini-batch's block-diagonal
+        # pattern made on the GPU with gradients too: transposed there) from the device copy, with
+        # no host trip but the work lists' offsets.
+        host = device.type == "cpu" or (
+            gradients and not (self._keep_order and self.rowptr.is_cuda)
+        )
         rowptr, col = self._on(torch.device("cpu") if host else device)
         args = (rowptr.data_ptr(), col.data_ptr(), self.num_rows, self.num_cols, self.nnz)
         if device.type == "cpu":

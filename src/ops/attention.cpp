@@ -191,11 +191,7 @@ void finish_report(plan_report& r, algorithm algo, device_kind where, std::int64
 
 }  // namespace
 
-void attention_plan::own_backward(state& s, const csr_graph& pattern, const plan_options& options,
-                                  stream_ref stream) {
-  const csr_graph b = binary_copy(pattern);
-  const auto [transposed, entries] = transpose_with_entries(b);
-  s.device_grad = cuda::make_attention_backward_plan(b, transposed, entries, stream);
+void attention_plan::own_backward(state& s, const plan_options& options) {
   s.grad_heads = std::max<std::int64_t>(options.workspace_heads, 1);
   s.grad_dim = std::max<std::int64_t>(options.workspace_dim, 1);
   // Serves the backward and the row-wise forward (f32), which run in turn on the stream.
@@ -260,7 +256,12 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
       bytes += s->blocks->bytes();
     }
   }
-  if (options.gradients && where == device_kind::cuda) own_backward(*s, pattern, options, stream);
+  if (options.gradients && where == device_kind::cuda) {
+    const csr_graph b = binary_copy(pattern);
+    const auto [transposed, entries] = transpose_with_entries(b);
+    s->device_grad = cuda::make_attention_backward_plan(b, transposed, entries, stream);
+    own_backward(*s, options);
+  }
   finish_report(s->report, algo, where, pattern.rows, pattern.cols, pattern.nnz(), bytes, t0);
   attention_plan plan;
   plan.state_ = std::move(s);
@@ -289,12 +290,12 @@ attention_plan attention_plan::build(const csr_view& pattern, const plan_options
   }
   const auto t0 = std::chrono::steady_clock::now();
   const algorithm algo = choose(options.algo, pattern.where);
-  if (options.gradients) {
-    throw not_supported(
-        "plan_options::gradients on a plan built from a device pattern: build the plan from a "
-        "host csr_graph for now (the transposed pattern is built on the host)");
-  }
   auto s = std::make_shared<state>();
+  if (options.gradients) {
+    // Checks the pattern (columns strictly increasing within rows) and transposes it there.
+    s->device_grad = cuda::make_attention_backward_plan(pattern, stream);
+    own_backward(*s, options);
+  }
   std::int64_t bytes = 0;
   // Rows stay in the given order (no reordering on the device).
   if (algo == algorithm::unfused) {

@@ -2,6 +2,7 @@
 // device): dtypes, head dims, rectangular patterns with empty rows and columns, a 10^5-entry row
 // and column, scores near 1e4, the shared datasets; bitwise repeatable, also on two streams; in
 // given workspaces poisoned before each run.
+#include <cstdlib>
 #include <cstring>
 
 #include "device_tensor.hpp"
@@ -100,15 +101,31 @@ gradients run_twice(const attention_plan& plan, const problem& p, const grad_con
   return first;
 }
 
+// A pattern's CSR in device memory, for plans built from a csr_view.
+struct device_csr {
+  test::device_array<std::int64_t> row_ptr;
+  test::device_array<std::int32_t> col_idx;
+  std::int64_t rows, cols, nnz;
+  explicit device_csr(const csr_graph& g)
+      : row_ptr(g.row_ptr), col_idx(g.col_idx), rows(g.rows), cols(g.cols), nnz(g.nnz()) {}
+  csr_view view() const {
+    return {.rows = rows, .cols = cols, .nnz = nnz, .row_ptr = row_ptr.p, .col_idx = col_idx.p};
+  }
+};
+
+// from_device: the plan is built from the pattern in device memory (transposed there).
 void check(const csr_graph& g, const grad_config& c, std::uint64_t seed, bool with_lse = true,
            double lo = -1.0, double hi = 1.0, std::optional<double> scale_opt = std::nullopt,
-           bool cancels = false) {
+           bool cancels = false, bool from_device = false) {
   SCOPED_TRACE(name(c) + (with_lse ? " lse" : " no lse") + " rows " + std::to_string(g.rows) +
-               " cols " + std::to_string(g.cols) + " nnz " + std::to_string(g.nnz()));
+               " cols " + std::to_string(g.cols) + " nnz " + std::to_string(g.nnz()) +
+               (from_device ? " (device-built plan)" : ""));
   const double scale = effective_scale({.scale = scale_opt}, c.dim);
-  const auto plan = attention_plan::build(
-      g, device_kind::cuda,
-      {.workspace_heads = std::max<std::int64_t>(8, c.heads), .gradients = true});
+  const plan_options options{.workspace_heads = std::max<std::int64_t>(8, c.heads),
+                             .gradients = true};
+  const device_csr on_device(from_device ? g : csr_graph{});
+  const auto plan = from_device ? attention_plan::build(on_device.view(), options)
+                                : attention_plan::build(g, device_kind::cuda, options);
   const problem p = make_problem(g, c, seed, lo, hi, scale);
   const gradients got = run_twice(plan, p, c, with_lse, scale);
   // Roundings: the inputs and out (feeding D) in their types, the gradients in theirs; fp32 sums.
@@ -210,6 +227,45 @@ TEST(GpuAttentionBackward, AdversarialPatterns) {
   }
 }
 
+// A plan with gradients built from a pattern in device memory (its transpose and BSBs built
+// there): rectangular with empty rows and columns, a hub row and column cut into chunks, a
+// symmetric batch of graphs; tensor-core and CUDA-core kernels. Broken views are refused.
+TEST(GpuAttentionBackward, PlanBuiltFromADevicePattern) {
+  SKIP_WITHOUT_GPU();
+  coo_graph hub{.rows = 3001, .cols = 2500, .src = {}, .dst = {}, .values = {}};
+  rng r(21);
+  for (std::int64_t j = 0; j < 2500; ++j) {
+    hub.src.push_back(0);
+    hub.dst.push_back(j);
+    hub.src.push_back(1 + static_cast<std::int64_t>(r.below(3000)));
+    hub.dst.push_back(7);
+    hub.src.push_back(1 + static_cast<std::int64_t>(r.below(3000)));
+    hub.dst.push_back(static_cast<std::int64_t>(r.below(2500)));
+  }
+  coo_graph batch{.rows = 300 * 23, .cols = 300 * 23, .src = {}, .dst = {}, .values = {}};
+  for (std::int64_t b = 0; b < 300; ++b)
+    for (std::int64_t i = 0; i < 23; ++i)
+      for (std::int64_t j = 0; j < 23; ++j) {
+        batch.src.push_back(b * 23 + i);
+        batch.dst.push_back(b * 23 + j);
+      }
+  std::uint64_t seed = 700;
+  for (const csr_graph& g : {test::random_pattern(300, 257, 40, 11), to_csr(hub), to_csr(batch)}) {
+    for (const grad_config c : {grad_config{dtype::bf16, dtype::bf16, dtype::bf16, 64, 64, 4},
+                                grad_config{dtype::f16, dtype::f32, dtype::f32, 32, 32, 1},
+                                grad_config{dtype::f32, dtype::f32, dtype::f32, 16, 16, 8}})
+      check(g, c, seed++, true, -1.0, 1.0, std::nullopt, false, true);
+  }
+  // Columns not strictly increasing within a row: refused with gradients (taken without).
+  csr_graph unsorted{.rows = 2, .cols = 3, .row_ptr = {0, 2, 3}, .col_idx = {2, 1, 0}};
+  EXPECT_THROW(attention_plan::build(device_csr(unsorted).view(), {.gradients = true}),
+               invalid_input);
+  EXPECT_NO_THROW(attention_plan::build(device_csr(unsorted).view(), {}));
+  csr_graph repeated{.rows = 2, .cols = 3, .row_ptr = {0, 2, 3}, .col_idx = {1, 1, 0}};
+  EXPECT_THROW(attention_plan::build(device_csr(repeated).view(), {.gradients = true}),
+               invalid_input);
+}
+
 // A pattern large enough that the tensor-core kernels' chunks hold more than 32 TCBs (300K
 // uniform rows of 16 and a hub row of 150K keys: ~600K TCBs, so fine chunks of ~36 at one head
 // and coarse ones of ~140 at 4 heads on 132 SMs; tuning.hpp), and its hub window cut at both.
@@ -228,10 +284,16 @@ TEST(GpuAttentionBackward, EverySharedDataset) {
   SKIP_WITHOUT_GPU();
   TRISPARSE_SKIP_WITHOUT_DATASETS();
   std::uint64_t seed = 500;
+  // TRISPARSE_GPU_TEST_QUICK=1 (the one-call suite, compute-sanitizer): one head of 32, a quarter
+  // of the float64 reference's work, still on the tensor-core kernels.
+  const char* quick = std::getenv("TRISPARSE_GPU_TEST_QUICK");
+  const grad_config c = quick != nullptr && *quick == '1'
+                            ? grad_config{dtype::bf16, dtype::bf16, dtype::bf16, 32, 32, 1}
+                            : grad_config{dtype::bf16, dtype::bf16, dtype::bf16, 64, 64, 2};
   for (const auto& path : test::dataset_graphs()) {
     SCOPED_TRACE(path.filename().string());
     const csr_graph g = read_graph(path);
-    check(g, {dtype::bf16, dtype::bf16, dtype::bf16, 64, 64, 2}, seed++, true);
+    check(g, c, seed++, true);
   }
 }
 

@@ -7,6 +7,7 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "support.hpp"
 
@@ -59,6 +60,19 @@ class device_tensor {
  private:
   host_tensor h_;
   void* d_ = nullptr;
+};
+
+/// A host vector copied to the device (index arrays of patterns given as views).
+template <class T>
+struct device_array {
+  T* p = nullptr;
+  explicit device_array(const std::vector<T>& h) {
+    cuda_check(cudaMalloc(&p, std::max<std::size_t>(h.size() * sizeof(T), 16)), "cudaMalloc");
+    cuda_check(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice), "upload");
+  }
+  ~device_array() { cudaFree(p); }
+  device_array(const device_array&) = delete;
+  device_array& operator=(const device_array&) = delete;
 };
 
 /// Runs `run` (which writes `out`) twice, poisoning `out` before each, and asserts that both

@@ -237,19 +237,6 @@ TEST(GpuFused3s, WorkCutsGiveTheSameAttention) {
 }
 
 // A device array for CSR views (freed on scope exit).
-template <class T>
-struct device_array {
-  T* p = nullptr;
-  explicit device_array(const std::vector<T>& h) {
-    test::cuda_check(cudaMalloc(&p, std::max<std::size_t>(h.size() * sizeof(T), 16)), "cudaMalloc");
-    test::cuda_check(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice),
-                     "upload");
-  }
-  ~device_array() { cudaFree(p); }
-  device_array(const device_array&) = delete;
-  device_array& operator=(const device_array&) = delete;
-};
-
 TEST_P(GpuAttention, PlanFromDeviceCsrWithUnsortedAndRepeatedColumns) {
   for (const std::int64_t n : {1, 17, 3000}) {
     const csr_graph g = test::random_pattern(n, n + 5, 60, static_cast<std::uint64_t>(n));
@@ -263,8 +250,8 @@ TEST_P(GpuAttention, PlanFromDeviceCsrWithUnsortedAndRepeatedColumns) {
       }
       row_ptr.push_back(static_cast<std::int64_t>(cols.size()));
     }
-    const device_array<std::int64_t> d_ptr(row_ptr);
-    const device_array<std::int32_t> d_cols(cols);
+    const test::device_array<std::int64_t> d_ptr(row_ptr);
+    const test::device_array<std::int32_t> d_cols(cols);
     const csr_view view{.rows = g.rows,
                         .cols = g.cols,
                         .nnz = static_cast<std::int64_t>(cols.size()),
@@ -288,11 +275,11 @@ TEST_P(GpuAttention, PlanFromDeviceCsrWithUnsortedAndRepeatedColumns) {
 }
 
 TEST_P(GpuAttention, PlanFromDeviceCsrRejectsBrokenViews) {
-  const device_array<std::int64_t> decreasing({0, 3, 2, 4});
-  const device_array<std::int64_t> short_end({0, 1, 2, 3});
-  const device_array<std::int64_t> good({0, 1, 2, 4});
-  const device_array<std::int32_t> cols({0, 1, 2, 3});
-  const device_array<std::int32_t> outside({0, 1, 2, 9});
+  const test::device_array<std::int64_t> decreasing({0, 3, 2, 4});
+  const test::device_array<std::int64_t> short_end({0, 1, 2, 3});
+  const test::device_array<std::int64_t> good({0, 1, 2, 4});
+  const test::device_array<std::int32_t> cols({0, 1, 2, 3});
+  const test::device_array<std::int32_t> outside({0, 1, 2, 9});
   const auto build = [&](const std::int64_t* p, const std::int32_t* c) {
     return attention_plan::build(
         csr_view{.rows = 3, .cols = 4, .nnz = 4, .row_ptr = p, .col_idx = c}, {.algo = GetParam()});

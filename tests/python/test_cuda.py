@@ -630,6 +630,79 @@ def test_gps_conv_on_cuda_matches_pyg_in_float64():
         assert (a - b).abs().max() <= 1e-3 * norm, i
 
 
+@pytest.mark.parametrize("dim", [32, 64])
+def test_batch_attention_plan_built_on_the_gpu(dim):
+    """A mini-batch's block-diagonal pattern made on the GPU: its plan with gradients is built
+    there (no host copy of the pattern), the fused 3S forward and tensor-core backward in bf16
+    against float64 dense attention per graph; the same bits on a second run."""
+    g = torch.Generator().manual_seed(dim)
+    sizes = torch.randint(1, 70, (50,), generator=g)
+    batch = torch.repeat_interleave(torch.arange(50), sizes).cuda()
+    n, heads = batch.numel(), 2
+    q, k, v, dout = (torch.randn(n, heads, dim, generator=g) for _ in range(4))
+
+    def run():
+        pattern = trisparse.Pattern.from_batch(batch)
+        xs = [t.cuda().bfloat16().requires_grad_() for t in (q, k, v)]
+        out = trisparse.sparse_attention(*xs, pattern)
+        out.backward(dout.cuda().bfloat16())
+        assert torch.device("cpu") not in pattern._copies  # built from the device copy
+        return [t.double().cpu() for t in (out.detach(), *(x.grad for x in xs))]
+
+    got = run()
+    xs = [t.double().requires_grad_() for t in (q, k, v)]
+    ptr = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(sizes, 0)])
+    outs = []
+    for a, b in zip(ptr[:-1].tolist(), ptr[1:].tolist()):
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t in xs)
+        w = torch.softmax(qs @ ks.transpose(1, 2) / math.sqrt(dim), -1)
+        outs.append((w @ vs).transpose(0, 1))
+    out = torch.cat(outs)
+    out.backward(dout.double())
+    for a, b in zip(got, [out.detach(), *(x.grad for x in xs)]):
+        assert relerr(a, b) <= 2e-2
+    assert all(torch.equal(a, b) for a, b in zip(got, run()))
+
+
+def test_gps_conv_under_autocast_is_as_close_as_pygs():
+    """GPSConv with heads of 32 channels under bf16 autocast: as close to PyG's float64 GPSConv
+    as PyG's own bf16 run is."""
+    g = torch.Generator().manual_seed(8)
+    sizes = torch.randint(1, 60, (40,), generator=g)
+    batch = torch.repeat_interleave(torch.arange(40), sizes)
+    starts = torch.cumsum(sizes, 0) - sizes
+    ei = torch.cat(
+        [torch.randint(0, int(s), (2, 2 * int(s)), generator=g) + o for s, o in zip(sizes, starts)],
+        dim=1,
+    )
+    n, channels = batch.numel(), 128
+    torch.manual_seed(0)
+
+    def make(cls):
+        mlp = torch.nn.Sequential(torch.nn.Linear(channels, channels), torch.nn.ReLU())
+        return cls(channels, pyg_nn.GINConv(mlp), heads=4)
+
+    exact = make(pyg_nn.GPSConv).double()
+    pyg, ours = make(pyg_nn.GPSConv).cuda(), make(trisparse.nn.GPSConv).cuda()
+    pyg.load_state_dict(exact.state_dict())
+    ours.load_state_dict(exact.state_dict())
+    x = torch.randn(n, channels, generator=g)
+    dout = torch.randn(n, channels, generator=g)
+
+    def result(layer, device, autocast):
+        xs = x.to(device, torch.float64 if device == "cpu" else torch.float32).requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            out = layer(xs, ei.to(device), batch.to(device))
+        out.float().backward(dout.to(device, out.dtype).float())
+        grads = [p.grad for _, p in sorted(layer.named_parameters())]
+        return [t.double().cpu() for t in (out.detach(), xs.grad, *grads)]
+
+    want = result(exact, "cpu", False)
+    got, theirs = result(ours, "cuda", True), result(pyg, "cuda", True)
+    for i, (a, b, w) in enumerate(zip(got, theirs, want)):
+        assert relerr(a, w) <= 2 * relerr(b, w) + 1e-3, i
+
+
 def _dropout_draws(seed, edges, heads, p):
     """The factors trisparse's multigraph kernels apply for attention dropout p after
     torch.cuda.manual_seed(seed): F.dropout over [E, H] ones, as PyG's over its weights."""

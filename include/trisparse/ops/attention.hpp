@@ -120,7 +120,9 @@ class attention_plan {
   /// Builds a plan on the view's device from a pattern the caller holds there. On CUDA the view is
   /// validated and the format built on the device, with no host copy of the pattern (the
   /// report's build_seconds is then the whole device build). Columns may be unsorted or repeated
-  /// within a row. @throws invalid_input naming the broken invariant.
+  /// within a row, except with plan_options::gradients: then each row's columns must strictly
+  /// increase, and the transposed pattern is built on the device too.
+  /// @throws invalid_input naming the broken invariant.
   static attention_plan build(const csr_view& pattern, const plan_options& options = {},
                               stream_ref stream = {});
 
@@ -172,8 +174,8 @@ class attention_plan {
  private:
   struct state;
   static void own_unfused_workspace(state& s, const plan_options& options);
-  static void own_backward(state& s, const csr_graph& pattern, const plan_options& options,
-                           stream_ref stream);
+  // The backward's own workspace, for the device plan already in `s`.
+  static void own_backward(state& s, const plan_options& options);
   // The plan's own workspace of the backward and the f32 forward, checked against q's and v's.
   workspace_view own_grad_workspace(const tensor_view& q, const tensor_view& v) const;
   std::shared_ptr<const state> state_;

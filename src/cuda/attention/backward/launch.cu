@@ -4,10 +4,13 @@
 // (cuda_core.cuh), fp32 accumulation. Rows longer than kChunkEntries are cut into chunks whose
 // partial sums a reduction adds in chunk order: deterministic, and a hub spreads over many warps.
 #include <cuda_runtime.h>
+#include <cub/device/device_radix_sort.cuh>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <initializer_list>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -15,8 +18,11 @@
 #include "../../../common/workspace_layout.hpp"
 #include "../../common/buffer.cuh"
 #include "../../common/convert.cuh"
+#include "../../common/current_device.cuh"
 #include "../../common/dispatch.cuh"
 #include "../../common/error.cuh"
+#include "../../formats/bsb_build.cuh"
+#include "../../formats/window_sort.cuh"
 #include "cuda_core.cuh"
 #include "device.cuh"
 #include "plan.hpp"
@@ -115,14 +121,16 @@ unsigned grid_of(std::int64_t items) {
 }
 
 // The pattern's rows as work: one chunk per row of at most kChunkEntries entries (empty rows
-// too: they write zeros), kChunkEntries-entry chunks of longer rows.
-pass make_pass(const csr_graph& g) {
+// too: they write zeros), kChunkEntries-entry chunks of longer rows. `row_ptr` on the host,
+// `col_idx` the pattern's columns on the device.
+pass make_pass(std::span<const std::int64_t> row_ptr, device_buffer<std::int32_t> col_idx) {
   std::vector<chunk> chunks;
   std::vector<split_row> splits;
   std::int32_t slots = 0;
-  chunks.reserve(static_cast<std::size_t>(g.rows));
-  for (std::int64_t r = 0; r < g.rows; ++r) {
-    const std::int64_t begin = g.row_ptr[r], end = g.row_ptr[r + 1];
+  const auto rows = static_cast<std::int64_t>(row_ptr.size()) - 1;
+  chunks.reserve(static_cast<std::size_t>(rows));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t begin = row_ptr[r], end = row_ptr[r + 1];
     const auto row = static_cast<std::int32_t>(r);
     if (end - begin <= kChunkEntries) {
       chunks.push_back({row, -1, begin, end});
@@ -137,7 +145,7 @@ pass make_pass(const csr_graph& g) {
     slots += n;
   }
   pass p;
-  p.col_idx = device_buffer<std::int32_t>(g.col_idx);
+  p.col_idx = std::move(col_idx);
   p.chunks = device_buffer<chunk>(chunks);
   p.splits = device_buffer<split_row>(splits);
   p.slots = slots;
@@ -147,13 +155,15 @@ pass make_pass(const csr_graph& g) {
 // The BSB windows as work: one chunk per window of at most `size` TCBs (empty windows too: they
 // write zeros), `size`-TCB chunks of larger windows, whose 16 rows each become a split row over
 // the chunks' partial rows (row r of chunk c at first + r * n + c).
-tc_work make_tc_work(const bsb& b, std::int64_t rows, std::int64_t size) {
+tc_work make_tc_work(std::span<const std::int64_t> tcb_offset, std::int64_t rows,
+                     std::int64_t size) {
   std::vector<tc_chunk> chunks;
   std::vector<split_row> splits;
   std::int32_t slots = 0;
-  chunks.reserve(static_cast<std::size_t>(b.windows()));
-  for (std::int64_t w = 0; w < b.windows(); ++w) {
-    const std::int64_t begin = b.tcb_offset[w], end = b.tcb_offset[w + 1];
+  const auto windows = static_cast<std::int64_t>(tcb_offset.size()) - 1;
+  chunks.reserve(static_cast<std::size_t>(windows));
+  for (std::int64_t w = 0; w < windows; ++w) {
+    const std::int64_t begin = tcb_offset[w], end = tcb_offset[w + 1];
     const auto window = static_cast<std::int32_t>(w);
     if (end - begin <= size) {
       chunks.push_back({window, -1, 0, 0, begin, end});
@@ -177,20 +187,27 @@ tc_work make_tc_work(const bsb& b, std::int64_t rows, std::int64_t size) {
   return work;
 }
 
-// The pattern's BSB and its work at both chunk sizes: kChunkTcbs, or the TCBs over
-// chunks_per_sm x `sms` chunks where more.
-tc_pass make_tc_pass(const csr_graph& g, std::int64_t sms) {
-  const bsb b = build_bsb(g, 8);
+// A pattern's BSB (`tcb_offset` on the host, columns and bitmap on the device) and its work at
+// both chunk sizes: kChunkTcbs, or the TCBs over chunks_per_sm x `sms` chunks where more.
+tc_pass make_tc_pass(std::span<const std::int64_t> tcb_offset, std::int64_t rows,
+                     device_buffer<std::int32_t> col_idx, device_buffer<std::uint64_t> bitmap,
+                     std::int64_t sms) {
   const auto size = [&](std::int64_t per_sm) {
     const std::int64_t target = sms * per_sm;
-    return std::max<std::int64_t>(kChunkTcbs, (b.tcb_offset.back() + target - 1) / target);
+    return std::max<std::int64_t>(kChunkTcbs, (tcb_offset.back() + target - 1) / target);
   };
   tc_pass p;
-  p.col_idx = device_buffer<std::int32_t>(b.col_idx);
-  p.bitmap = device_buffer<std::uint64_t>(b.bitmap);
-  p.fine = make_tc_work(b, g.rows, size(kFineChunksPerSm));
-  p.coarse = make_tc_work(b, g.rows, size(kCoarseChunksPerSm));
+  p.col_idx = std::move(col_idx);
+  p.bitmap = std::move(bitmap);
+  p.fine = make_tc_work(tcb_offset, rows, size(kFineChunksPerSm));
+  p.coarse = make_tc_work(tcb_offset, rows, size(kCoarseChunksPerSm));
   return p;
+}
+
+tc_pass make_tc_pass(const csr_graph& g, std::int64_t sms) {
+  const bsb b = build_bsb(g, 8);
+  return make_tc_pass(b.tcb_offset, g.rows, device_buffer<std::int32_t>(b.col_idx),
+                      device_buffer<std::uint64_t>(b.bitmap), sms);
 }
 
 // Whether the tensor-core kernels take these tensors: 16-bit q, k, v of one head dim in
@@ -362,17 +379,206 @@ std::shared_ptr<attention_backward_device_plan> make_attention_backward_plan(
   // A symmetric pattern (a batch of graphs attending within each) is its own transpose: its
   // column passes are its row passes, built once.
   p->symmetric = transposed.row_ptr == pattern.row_ptr && transposed.col_idx == pattern.col_idx;
-  p->row = make_pass(pattern);
-  if (!p->symmetric) p->transposed = make_pass(transposed);
-  int device = 0, sms = 0;
-  TRISPARSE_CUDA_TRY(cudaGetDevice(&device));
-  TRISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  p->tc_row = make_tc_pass(pattern, std::max(sms, 1));
-  if (!p->symmetric) p->tc_transposed = make_tc_pass(transposed, std::max(sms, 1));
+  p->row = make_pass(pattern.row_ptr, device_buffer<std::int32_t>(pattern.col_idx));
+  if (!p->symmetric)
+    p->transposed = make_pass(transposed.row_ptr, device_buffer<std::int32_t>(transposed.col_idx));
+  const std::int64_t sms = std::max(current_device().sms, 1);
+  p->tc_row = make_tc_pass(pattern, sms);
+  if (!p->symmetric) p->tc_transposed = make_tc_pass(transposed, sms);
   p->row_ptr = device_buffer<std::int64_t>(pattern.row_ptr);
   p->column_entry = device_buffer<std::int64_t>(
       std::vector<std::int64_t>(transposed_entry.begin(), transposed_entry.end()));
   TRISPARSE_CUDA_TRY(cudaStreamSynchronize(static_cast<cudaStream_t>(stream.handle)));
+  return p;
+}
+
+namespace {
+
+// entry_row[e] = the row of entry e (a warp per row); flags |= 1 where a row's columns do not
+// strictly increase.
+__global__ void rows_of_entries(const std::int64_t* row_ptr, const std::int32_t* col,
+                                std::int64_t rows, std::int32_t* entry_row, int* flags) {
+  const std::int64_t r = (blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x) / 32;
+  if (r >= rows) return;
+  const std::int64_t begin = row_ptr[r], end = row_ptr[r + 1];
+  bool bad = false;
+  for (std::int64_t e = begin + threadIdx.x % 32; e < end; e += 32) {
+    entry_row[e] = static_cast<std::int32_t>(r);
+    bad |= e > begin && col[e] <= col[e - 1];
+  }
+  if (__any_sync(0xffffffffu, bad) && threadIdx.x % 32 == 0) atomicOr(flags, 1);
+}
+
+__global__ void iota64(std::int64_t* out, std::int64_t n) {
+  const std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
+  if (i < n) out[i] = i;
+}
+
+// The transpose's offsets: offset[c] = the first sorted entry whose column is >= c.
+__global__ void column_offsets(const std::uint32_t* sorted_cols, std::int64_t nnz,
+                               std::int64_t cols, std::int64_t* offset) {
+  const std::int64_t c = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
+  if (c > cols) return;
+  std::int64_t lo = 0, hi = nnz;
+  while (lo < hi) {
+    const std::int64_t mid = (lo + hi) / 2;
+    if (static_cast<std::int64_t>(sorted_cols[mid]) < c)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  offset[c] = lo;
+}
+
+__global__ void gather_rows(const std::int64_t* entry, const std::int32_t* entry_row,
+                            std::int64_t nnz, std::int32_t* out) {
+  const std::int64_t t = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
+  if (t < nnz) out[t] = entry_row[entry[t]];
+}
+
+// A square pattern taken as its own transpose: entry t = (c, r) finds its mirror (r, c) by a
+// binary search of row r's (increasing) columns; mirror[t] is its index, the transposed entry's
+// entry of the pattern. flags |= 1 where some mirror is missing (the pattern is not symmetric).
+__global__ void mirror_entries(const std::int64_t* row_ptr, const std::int32_t* col,
+                               const std::int32_t* entry_row, std::int64_t nnz,
+                               std::int64_t* mirror, int* flags) {
+  const std::int64_t t = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
+  if (t >= nnz) return;
+  const std::int32_t c = entry_row[t], r = col[t];
+  const std::int64_t end = row_ptr[r + 1];
+  std::int64_t lo = row_ptr[r], hi = end;
+  while (lo < hi) {
+    const std::int64_t mid = (lo + hi) / 2;
+    if (col[mid] < c)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  if (lo < end && col[lo] == c)
+    mirror[t] = lo;
+  else
+    atomicOr(flags, 1);
+}
+
+constexpr int kBuildThreads = 256;
+
+unsigned build_blocks(std::int64_t threads) {
+  return static_cast<unsigned>((threads + kBuildThreads - 1) / kBuildThreads);
+}
+
+template <class T>
+device_buffer<T> device_copy(const T* from, std::int64_t n, cudaStream_t s) {
+  device_buffer<T> out(static_cast<std::size_t>(n));
+  if (n > 0)
+    TRISPARSE_CUDA_TRY(cudaMemcpyAsync(out.data(), from, out.bytes(), cudaMemcpyDeviceToDevice, s));
+  return out;
+}
+
+template <class T>
+std::vector<T> host_copy(const T* from, std::int64_t n, cudaStream_t s) {
+  std::vector<T> out(static_cast<std::size_t>(n));
+  if (n > 0) {
+    TRISPARSE_CUDA_TRY(
+        cudaMemcpyAsync(out.data(), from, out.size() * sizeof(T), cudaMemcpyDeviceToHost, s));
+  }
+  TRISPARSE_CUDA_TRY(cudaStreamSynchronize(s));
+  return out;
+}
+
+int read_flag(const device_buffer<int>& flag, cudaStream_t s) {
+  return host_copy(flag.data(), 1, s)[0];
+}
+
+// The tensor-core pass of a pattern in device memory: its BSB built there, the window offsets
+// brought to the host to cut the work.
+tc_pass device_tc_pass(const csr_view& g, std::int64_t sms, cudaStream_t s) {
+  device_bsb b = build_bsb_device(g, s, true, false);
+  const std::vector<std::int64_t> offsets = host_copy(b.tcb_offset.data(), b.windows + 1, s);
+  return make_tc_pass(offsets, g.rows, std::move(b.col_idx), std::move(b.bitmap), sms);
+}
+
+}  // namespace
+
+std::shared_ptr<attention_backward_device_plan> make_attention_backward_plan(
+    const csr_view& pattern, stream_ref stream) {
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  check_csr_view(pattern, s);
+  TRISPARSE_EXPECTS_INPUT(
+      pattern.nnz < (std::int64_t{1} << 31) && pattern.cols < (std::int64_t{1} << 31),
+      "a plan with gradients from a device pattern takes fewer than 2^31 "
+      "entries and columns");
+  const std::int64_t rows = pattern.rows, cols = pattern.cols, nnz = pattern.nnz;
+  const auto n = static_cast<std::size_t>(nnz);
+  // Temporaries are stream-ordered: freed without a device synchronisation.
+  device_buffer<int> flag(1, s);
+  TRISPARSE_CUDA_TRY(cudaMemsetAsync(flag.data(), 0, sizeof(int), s));
+  device_buffer<std::int32_t> entry_row(n, s);
+  if (rows > 0) {
+    rows_of_entries<<<build_blocks(rows * 32), kBuildThreads, 0, s>>>(
+        pattern.row_ptr, pattern.col_idx, rows, entry_row.data(), flag.data());
+    TRISPARSE_CUDA_CHECK_LAUNCH();
+  }
+  if (read_flag(flag, s) != 0) {
+    throw invalid_input(
+        "CSR view: a plan with gradients needs each row's columns strictly increasing (sorted, "
+        "no repeats)");
+  }
+  auto p = std::make_shared<attention_backward_device_plan>();
+  p->rows = rows;
+  p->cols = cols;
+  p->nnz = nnz;
+  p->column_entry = device_buffer<std::int64_t>(n);
+  // A square pattern is tried as its own transpose first (a mini-batch's blocks are): each
+  // entry's mirror found by a binary search, no sort.
+  p->symmetric = rows == cols;
+  if (p->symmetric && nnz > 0) {
+    mirror_entries<<<build_blocks(nnz), kBuildThreads, 0, s>>>(pattern.row_ptr, pattern.col_idx,
+                                                               entry_row.data(), nnz,
+                                                               p->column_entry.data(), flag.data());
+    TRISPARSE_CUDA_CHECK_LAUNCH();
+    p->symmetric = read_flag(flag, s) == 0;
+  }
+  const std::int64_t sms = std::max(current_device().sms, 1);
+  p->row = make_pass(host_copy(pattern.row_ptr, rows + 1, s), device_copy(pattern.col_idx, nnz, s));
+  p->tc_row = device_tc_pass(pattern, sms, s);
+  p->row_ptr = device_copy(pattern.row_ptr, rows + 1, s);
+  if (!p->symmetric) {
+    // The transpose: the entries stably sorted by column (so each column's rows increase).
+    device_buffer<std::uint32_t> sorted_cols(n, s);
+    device_buffer<std::int64_t> ids(n, s);
+    device_buffer<std::int32_t> t_col(n);
+    device_buffer<std::int64_t> t_row_ptr(static_cast<std::size_t>(cols + 1), s);
+    if (nnz > 0) {
+      iota64<<<build_blocks(nnz), kBuildThreads, 0, s>>>(ids.data(), nnz);
+      TRISPARSE_CUDA_CHECK_LAUNCH();
+      const auto* keys = reinterpret_cast<const std::uint32_t*>(pattern.col_idx);
+      const int bits =
+          std::max(1, static_cast<int>(std::bit_width(static_cast<std::uint64_t>(cols))));
+      std::size_t temp_bytes = 0;
+      TRISPARSE_CUDA_TRY(cub::DeviceRadixSort::SortPairs(
+          nullptr, temp_bytes, keys, sorted_cols.data(), ids.data(), p->column_entry.data(),
+          static_cast<int>(nnz), 0, bits, s));
+      device_buffer<std::byte> temp(temp_bytes, s);
+      TRISPARSE_CUDA_TRY(cub::DeviceRadixSort::SortPairs(
+          temp.data(), temp_bytes, keys, sorted_cols.data(), ids.data(), p->column_entry.data(),
+          static_cast<int>(nnz), 0, bits, s));
+      gather_rows<<<build_blocks(nnz), kBuildThreads, 0, s>>>(p->column_entry.data(),
+                                                              entry_row.data(), nnz, t_col.data());
+      TRISPARSE_CUDA_CHECK_LAUNCH();
+    }
+    column_offsets<<<build_blocks(cols + 1), kBuildThreads, 0, s>>>(sorted_cols.data(), nnz, cols,
+                                                                    t_row_ptr.data());
+    TRISPARSE_CUDA_CHECK_LAUNCH();
+    const csr_view t{.rows = cols,
+                     .cols = rows,
+                     .nnz = nnz,
+                     .row_ptr = t_row_ptr.data(),
+                     .col_idx = t_col.data(),
+                     .where = device_kind::cuda};
+    p->tc_transposed = device_tc_pass(t, sms, s);
+    p->transposed = make_pass(host_copy(t_row_ptr.data(), cols + 1, s), std::move(t_col));
+  }
+  TRISPARSE_CUDA_TRY(cudaStreamSynchronize(s));
   return p;
 }
 

@@ -37,6 +37,13 @@ TRISPARSE_CUDA_ENTRY(std::shared_ptr<attention_backward_device_plan> make_attent
     const csr_graph& pattern, const csr_graph& transposed,
     std::span<const std::int64_t> transposed_entry, stream_ref stream))
 
+/// The same from a pattern in device memory (its columns strictly increasing within each row):
+/// checked, transposed (a stable sort of the entries by column) and blocked on the device; only
+/// the row and window offsets come to the host, to cut the work. Synchronous on `stream`.
+/// @throws invalid_input naming the broken invariant.
+TRISPARSE_CUDA_ENTRY(std::shared_ptr<attention_backward_device_plan> make_attention_backward_plan(
+    const csr_view& pattern, stream_ref stream))
+
 /// Bytes of workspace a backward with `heads` heads of up to `head_dim` elements (q's and v's)
 /// needs: the per-row terms and the partial rows of cut rows, 256-byte aligned.
 TRISPARSE_CUDA_ENTRY(std::size_t attention_backward_workspace_bytes(
@@ -47,7 +54,8 @@ TRISPARSE_CUDA_ENTRY(std::size_t attention_backward_workspace_bytes(
 /// dtype, one dtype. lse: [rows, H, 1] f32 from the forward, or data == nullptr to recompute it.
 /// A bias, or dbias wanted, takes the CUDA-core kernels (the row pass writes dbias).
 /// Asynchronous: no host synchronisation, allocation or lock.
-/// @throws invalid_input for unsupported dtypes or dims, or too small a workspace.
+/// @throws not_supported for dtypes other than f16/bf16; invalid_input for unsupported dims or
+/// too small a workspace.
 TRISPARSE_CUDA_ENTRY(void run_attention_backward(
     const attention_backward_device_plan& plan, const tensor_view& q, const tensor_view& k,
     const tensor_view& v, const tensor_view& out, const tensor_view& lse, const tensor_view& dout,
@@ -64,7 +72,8 @@ TRISPARSE_CUDA_ENTRY(std::size_t attention_rowwise_workspace_bytes(
 /// (f32) where lse.data != nullptr; bias: score_bias::bias (data == nullptr: none). q, k, v: f16,
 /// bf16 or f32, one dtype, head dims up to 256; out: f32 or q's dtype. Asynchronous on `stream`:
 /// no host synchronisation, allocation or lock.
-/// @throws invalid_input for unsupported dtypes or dims, or too small a workspace.
+/// @throws not_supported for dtypes other than f16/bf16; invalid_input for unsupported dims or
+/// too small a workspace.
 TRISPARSE_CUDA_ENTRY(void run_attention_rowwise(
     const attention_backward_device_plan& plan, const tensor_view& q, const tensor_view& k,
     const tensor_view& v, const tensor_view& out, const tensor_view& lse, const tensor_view& bias,
