@@ -272,6 +272,13 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
         cpu::block_sparse_attention_unchecked(m, q, k, v, out, static_cast<float>(scale));
         return;
       }
+      // The element plans hold no device CSR for the row-wise kernels (they are forward-only).
+      if (q.type != dtype::f16 && q.type != dtype::bf16) {
+        throw not_supported(
+            "block-sparse attention with algorithm::fused on CUDA takes f16 or "
+            "bf16, not " +
+            std::string(to_string(q.type)));
+      }
       attention_options o = options;
       o.algo = algorithm::automatic;
       o.scale = scale;

@@ -5,6 +5,7 @@
 // offered. The test prints what it covered. Built twice: op_tests (the CPU backends, label unit)
 // and op_gpu_tests (the CUDA backends, label gpu; skipped without a device). A new op or backend
 // is tested by adding a registration here.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <functional>
@@ -38,12 +39,29 @@ class buffer {
     h.fill(std::numeric_limits<double>::quiet_NaN());
     return buffer(h);
   }
-  tensor_view view() { return dev_ ? dev_->view() : host_.view(); }
+  // A [slots, H, 1] output in the sparse plans' slot layout (the slots of each head in a run).
+  static buffer slot_output(dtype t, std::int64_t slots, std::int64_t heads) {
+    buffer b = output(t, std::max<std::int64_t>(slots, 1) * heads, 1, 1);
+    b.slots_ = slots;
+    b.slot_heads_ = heads;
+    return b;
+  }
+  tensor_view view() {
+    tensor_view v = dev_ ? dev_->view() : host_.view();
+    if (slot_heads_ > 0) {
+      v.rows = slots_;
+      v.heads = slot_heads_;
+      v.row_stride = 1;
+      v.head_stride = std::max<std::int64_t>(slots_, 1);
+    }
+    return v;
+  }
   host_tensor fetch() const { return dev_ ? dev_->to_host() : host_; }
 
  private:
   host_tensor host_;
   std::optional<device_tensor> dev_;
+  std::int64_t slots_ = 0, slot_heads_ = 0;
 };
 
 host_tensor random(dtype t, std::int64_t rows, std::int64_t heads, std::int64_t dim,
@@ -85,13 +103,16 @@ class recorder {
   void not_offered(const std::string& op, const std::string& backend, dtype in) {
     absent_[{op, backend}].insert(std::string(to_string(in)));
   }
-  // Runs one case; a not_supported from the library marks (op, backend, in) as not offered.
+  // Runs one case; a not_supported from the library marks (op, backend, in) as not offered, any
+  // other library error fails the case and the next case runs.
   void attempt(const std::string& op, const std::string& backend, dtype in,
                const std::function<void()>& f) {
     try {
       f();
     } catch (const not_supported&) {
       not_offered(op, backend, in);
+    } catch (const error& e) {
+      ADD_FAILURE() << op << " / " << backend << " / " << to_string(in) << ": " << e.what();
     }
   }
   std::size_t cases() const { return cases_; }
@@ -234,7 +255,7 @@ void sparse_cases(recorder& rec) {
         const auto plan = sparse_plan::build(g, kWhere);
         const host_tensor x = random(in, g.rows, heads, dim, 31),
                           y = random(in, g.cols, heads, dim, 32);
-        buffer bx(x), by(y), slots = buffer::output(out_of(in), plan.slots(), heads, 1),
+        buffer bx(x), by(y), slots = buffer::slot_output(out_of(in), plan.slots(), heads),
                              entries = buffer::output(out_of(in), g.nnz(), heads, 1);
         plan.sddmm(bx.view(), by.view(), slots.view(), 0.5);
         plan.to_entries(slots.view(), entries.view());
@@ -246,8 +267,8 @@ void sparse_cases(recorder& rec) {
       rec.attempt("softmax", backend, in, [&] {
         const auto plan = sparse_plan::build(g, kWhere);
         const host_tensor scores = random(in, g.nnz(), heads, 1, 33, -4.0, 4.0);
-        buffer be(scores), slots = buffer::output(in, plan.slots(), heads, 1),
-                           probs = buffer::output(in, plan.slots(), heads, 1),
+        buffer be(scores), slots = buffer::slot_output(in, plan.slots(), heads),
+                           probs = buffer::slot_output(in, plan.slots(), heads),
                            entries = buffer::output(in, g.nnz(), heads, 1);
         plan.to_slots(be.view(), slots.view());
         plan.softmax(slots.view(), probs.view());
@@ -408,6 +429,9 @@ void gat_cases(recorder& rec) {
         buffer dx = buffer::output(out_of(in), g.cols, heads, width),
                da_src = buffer::output(dtype::f32, g.cols, heads, 1),
                da_dst = buffer::output(dtype::f32, g.rows, heads, 1);
+        const std::size_t bytes = plan.backward_workspace_bytes(heads, width);
+        buffer workspace =
+            buffer::output(dtype::f32, static_cast<std::int64_t>(bytes / 4) + 1, 1, 1);
         plan.backward({.x = bx.view(),
                        .a_src = bs.view(),
                        .a_dst = bd.view(),
@@ -416,7 +440,8 @@ void gat_cases(recorder& rec) {
                        .dout = bdout.view(),
                        .dx = dx.view(),
                        .da_src = da_src.view(),
-                       .da_dst = da_dst.view()});
+                       .da_dst = da_dst.view()},
+                      {}, {workspace.view().data, bytes});
         host_tensor wx(dtype::f64, g.cols, heads, width), ws(dtype::f64, g.cols, heads, 1),
             wd(dtype::f64, g.rows, heads, 1);
         reference::gat_backward(g, x.view(), a_src.view(), a_dst.view(), tensor_view{}, 0.2,

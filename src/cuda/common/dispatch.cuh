@@ -28,15 +28,19 @@ inline constexpr dtype dtype_of = std::is_same_v<T, __half>          ? dtype::f1
                                                                      : dtype::f32;
 
 /// Calls f.template operator()<T>() for the T among Ts whose dtype is t.
-/// @throws invalid_input naming `what` and the dtypes it takes.
+/// @throws not_supported for f64 (a dtype the library takes, on the CPU, but no CUDA kernel
+/// computes in), invalid_input for another dtype outside Ts; both name `what` and the dtypes
+/// it takes.
 template <class... Ts, class F>
 void with_type(dtype t, std::string_view what, F&& f) {
   const bool found = ((t == dtype_of<Ts> ? (f.template operator()<Ts>(), true) : false) || ...);
   if (!found) {
     std::string names;
     ((names += (names.empty() ? "" : ", ") + std::string(to_string(dtype_of<Ts>))), ...);
-    throw invalid_input(std::string(what) + " takes " + names + ", not " +
-                        std::string(to_string(t)));
+    const std::string message =
+        std::string(what) + " takes " + names + ", not " + std::string(to_string(t));
+    if (t == dtype::f64) throw not_supported(message + " (float64 runs on the CPU)");
+    throw invalid_input(message);
   }
 }
 

@@ -21,18 +21,20 @@ inline void check_16byte_rows(const tensor_view& t, const char* what) {
   }
 }
 
-/// @throws invalid_input unless q, k and v are all f16 or all bf16.
+/// @throws not_supported unless q, k and v are all f16 or all bf16 (other dtypes are valid
+/// requests that the row-wise kernels or the CPU serve).
 inline void check_16bit_inputs(const tensor_view& q, const tensor_view& k, const tensor_view& v,
                                const char* kernel) {
   if (q.type != k.type || q.type != v.type || (q.type != dtype::f16 && q.type != dtype::bf16)) {
-    throw invalid_input(std::string(kernel) + " takes q, k, v all f16 or all bf16 (got " +
+    throw not_supported(std::string(kernel) + " takes q, k, v all f16 or all bf16 (got " +
                         std::string(to_string(q.type)) + ", " + std::string(to_string(k.type)) +
                         ", " + std::string(to_string(v.type)) + ")");
   }
 }
 
 /// The fused attention kernels' operands: q, k, v all f16 or all bf16, v's dim equal to q's, and
-/// every operand in 16-byte rows. @throws invalid_input naming what is wrong.
+/// every operand in 16-byte rows. @throws not_supported for other dtypes, invalid_input naming
+/// what else is wrong.
 inline void check_attention_operands(const tensor_view& q, const tensor_view& k,
                                      const tensor_view& v, const tensor_view& out,
                                      const char* kernel) {

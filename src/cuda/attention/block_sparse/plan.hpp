@@ -45,7 +45,8 @@ TRISPARSE_CUDA_ENTRY(const char* kernel_name(const block_sparse_device_plan& pla
 /// all bf16, head_dim 64 or 128 (v's dim = q's), out f32, f16 or bf16; 16-byte aligned data and
 /// strides that are multiples of 8 elements; where lse.data is set, also the rows' log-sum-exp
 /// (f32 [rows, H, 1]). Shapes are checked by the caller.
-/// @throws invalid_input for unsupported dtypes, dims or layouts.
+/// @throws not_supported for dtypes other than f16/bf16; invalid_input for unsupported dims or
+/// layouts.
 TRISPARSE_CUDA_ENTRY(void run_block_sparse(const block_sparse_device_plan& plan,
                                            const tensor_view& q, const tensor_view& k,
                                            const tensor_view& v, const tensor_view& out,
@@ -70,7 +71,8 @@ TRISPARSE_CUDA_ENTRY(std::size_t block_sparse_backward_workspace_bytes(
 /// q, k, v, dout as run_block_sparse's inputs (one type), out that type or f32; dq, dk, dv all
 /// q's type or all f32. The plan must have been made with gradients. Shapes are checked by the
 /// caller. With `importance` wanted, a fourth kernel writes it (the workspace sized for it).
-/// @throws invalid_input for unsupported dtypes, dims, layouts or a small workspace.
+/// @throws not_supported for dtypes other than f16/bf16; invalid_input for unsupported dims,
+/// layouts or a small workspace.
 TRISPARSE_CUDA_ENTRY(void run_block_sparse_backward(
     const block_sparse_device_plan& plan, const tensor_view& q, const tensor_view& k,
     const tensor_view& v, const tensor_view& out, const tensor_view& lse, const tensor_view& dout,

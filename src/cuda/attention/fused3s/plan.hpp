@@ -48,7 +48,8 @@ TRISPARSE_CUDA_ENTRY(std::size_t fused3s_workspace_bytes(const fused3s_device_pl
 /// empty rows), or data == nullptr for none.
 /// `workspace`: the caller's (cleared on the stream first), or nullptr for the plan's own.
 /// Asynchronous: no host synchronisation, allocation or lock.
-/// @throws invalid_input for unsupported shapes, dtypes or alignment, or too small a workspace.
+/// @throws not_supported for dtypes other than f16/bf16; invalid_input for unsupported shapes or
+/// alignment, or too small a workspace.
 TRISPARSE_CUDA_ENTRY(void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q,
                                       const tensor_view& k, const tensor_view& v,
                                       const tensor_view& out, const tensor_view& lse, double scale,

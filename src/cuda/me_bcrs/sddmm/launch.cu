@@ -32,10 +32,12 @@ void run_sddmm(const me_device_plan& plan, const tensor_view& x, const tensor_vi
                const tensor_view& out, double scale, bool split_f32, stream_ref stream) {
   me_bcrs::check_device(plan);
   me_bcrs::check_dense_pair(x, plan.f.rows, "x", y, plan.f.cols, "y", "SDDMM");
-  TRISPARSE_EXPECTS_INPUT(
-      x.type == y.type && (x.type == dtype::f16 || x.type == dtype::bf16 || x.type == dtype::f32),
-      "SDDMM takes x and y in one dtype: f16, bf16 or f32 (tf32); got " + x.describe() + " and " +
-          y.describe());
+  TRISPARSE_EXPECTS_INPUT(x.type == y.type, "SDDMM takes x and y in one dtype; got " +
+                                                x.describe() + " and " + y.describe());
+  if (x.type != dtype::f16 && x.type != dtype::bf16 && x.type != dtype::f32) {
+    throw not_supported("SDDMM on CUDA takes f16, bf16 or f32 (tf32), not " +
+                        std::string(to_string(x.type)) + " (float64 runs on the CPU)");
+  }
   TRISPARSE_EXPECTS_INPUT(std::isfinite(scale), "the SDDMM scale must be finite");
   me_bcrs::check_slots(plan, out, "out", x.heads);
   me_bcrs::sddmm_params p{};

@@ -53,9 +53,10 @@ void run_spmm(const me_device_plan& plan, const tensor_view& values, const tenso
               const tensor_view& c, const workspace_view* workspace, stream_ref stream) {
   me_bcrs::check_device(plan);
   me_bcrs::check_dense_pair(b, plan.f.cols, "b", c, plan.f.rows, "c", "SpMM");
-  TRISPARSE_EXPECTS_INPUT(
-      b.type == dtype::f16 || b.type == dtype::bf16 || b.type == dtype::f32,
-      "SpMM takes b as f16, bf16 or f32 (tf32), not " + std::string(to_string(b.type)));
+  if (b.type != dtype::f16 && b.type != dtype::bf16 && b.type != dtype::f32) {
+    throw not_supported("SpMM on CUDA takes b as f16, bf16 or f32 (tf32), not " +
+                        std::string(to_string(b.type)) + " (float64 runs on the CPU)");
+  }
   const auto s = static_cast<cudaStream_t>(stream.handle);
   me_bcrs::spmm_params p{};
   p.f = plan.ref(plan.spmm_work);
