@@ -2,12 +2,12 @@
 #include "trisparse/ops/layers.hpp"
 
 #include <span>
+#include <type_traits>
 
 #include "../../cpu/layers/f32.hpp"
 #include "../../cpu/layers/gat.hpp"
 #include "../../cuda/layers/gat/plan.hpp"
 #include "common.hpp"
-#include "trisparse/ops/reference.hpp"
 
 namespace trisparse {
 
@@ -15,21 +15,7 @@ using detail::check_host;
 
 namespace {
 
-// keep in CSR entry order (the reference's), from keep rows keep_index[e] (CPU).
-host_tensor keep_in_entry_order(const tensor_view& keep, const std::int64_t* keep_index) {
-  host_tensor k(dtype::f64, keep.rows, keep.heads, 1);
-  for (std::int64_t e = 0; e < keep.rows; ++e) {
-    TRISPARSE_EXPECTS_INPUT(keep_index[e] >= 0 && keep_index[e] < keep.rows,
-                            "keep_index[" + std::to_string(e) +
-                                "] = " + std::to_string(keep_index[e]) + " is not a row of keep");
-    for (std::int64_t h = 0; h < keep.heads; ++h)
-      k.set(e * keep.heads + h,
-            load_as_double(keep.data, keep.type, keep.offset(keep_index[e], h, 0)));
-  }
-  return k;
-}
-
-// The CPU engine's argument checks (the reference makes its own).
+// The CPU engine's argument checks.
 void check_gat_cpu(const csr_graph& g, const tensor_view& x, const tensor_view& a_src,
                    const tensor_view& a_dst, const tensor_view& keep,
                    const std::int64_t* keep_index, double negative_slope) {
@@ -45,13 +31,58 @@ void check_gat_cpu(const csr_graph& g, const tensor_view& x, const tensor_view& 
                                 "] = " + std::to_string(keep_index[e]) + " is not a row of keep");
 }
 
+// The CPU engine in T (float or double) on copies of the arguments in T where they hold another
+// dtype. The backward reads the forward's lse in fp32 and recomputes it in float64.
+template <class T>
+void cpu_forward(const csr_graph& g, const gat_args& a) {
+  host_tensor xs, ss, ds, ks, os, ls;
+  const tensor_view x = cpu::typed_view<T>(a.x, xs), src = cpu::typed_view<T>(a.a_src, ss),
+                    dst = cpu::typed_view<T>(a.a_dst, ds), keep = cpu::typed_view<T>(a.keep, ks),
+                    out = cpu::typed_view<T>(a.out, os, false),
+                    lse = cpu::typed_view<T>(a.lse, ls, false);
+  check_gat_cpu(g, x, src, dst, keep, a.keep_index, a.negative_slope);
+  check_view(a.out, "out", g.rows, a.x.heads, a.x.dim);
+  if (a.lse.data != nullptr) check_view(a.lse, "lse", g.rows, a.x.heads, 1);
+  cpu::gat_forward<T>(g, x, src, dst, {keep, a.keep_index}, static_cast<T>(a.negative_slope), out,
+                      lse);
+  cpu::store_view<T>(out, a.out);
+  cpu::store_view<T>(lse, a.lse);
+}
+
+template <class T>
+void cpu_backward(const csr_graph& g, const detail::transposed_pattern& t, const gat_grad_args& a) {
+  check_view(a.dout, "dout", g.rows, a.x.heads, a.x.dim);
+  check_view(a.dx, "dx", g.cols, a.x.heads, a.x.dim);
+  check_view(a.da_src, "da_src", g.cols, a.x.heads, 1);
+  check_view(a.da_dst, "da_dst", g.rows, a.x.heads, 1);
+  const bool given_lse = a.lse.data != nullptr && std::is_same_v<T, float>;
+  if (given_lse) {
+    check_host(a.lse, "lse");
+    check_view(a.lse, "lse", g.rows, a.x.heads, 1);
+  }
+  host_tensor xs, ss, ds, ks, ls, gs, dxs, dss, dds;
+  const tensor_view x = cpu::typed_view<T>(a.x, xs), src = cpu::typed_view<T>(a.a_src, ss),
+                    dst = cpu::typed_view<T>(a.a_dst, ds), keep = cpu::typed_view<T>(a.keep, ks),
+                    lse = given_lse ? cpu::typed_view<T>(a.lse, ls) : tensor_view{},
+                    dout = cpu::typed_view<T>(a.dout, gs),
+                    dx = cpu::typed_view<T>(a.dx, dxs, false),
+                    da_src = cpu::typed_view<T>(a.da_src, dss, false),
+                    da_dst = cpu::typed_view<T>(a.da_dst, dds, false);
+  check_gat_cpu(g, x, src, dst, keep, a.keep_index, a.negative_slope);
+  cpu::gat_backward<T>(g, t, x, src, dst, {keep, a.keep_index}, static_cast<T>(a.negative_slope),
+                       lse, dout, dx, da_src, da_dst);
+  cpu::store_view<T>(dx, a.dx);
+  cpu::store_view<T>(da_src, a.da_src);
+  cpu::store_view<T>(da_dst, a.da_dst);
+}
+
 }  // namespace
 
 struct gat_plan::state {
   device_kind where = device_kind::cpu;
   std::int64_t rows = 0, cols = 0, nnz = 0;
   csr_graph pattern;                               // CPU
-  detail::transposed_pattern transposed;           // CPU: the fp32 engine's backward
+  detail::transposed_pattern transposed;           // CPU: the engine's backward
   std::shared_ptr<const cuda::gat_device> device;  // CUDA
 };
 
@@ -87,27 +118,11 @@ void gat_plan::forward(const gat_args& a, stream_ref stream, workspace_view work
   for (const tensor_view* t : {&a.x, &a.a_src, &a.a_dst, &a.out}) check_host(*t, "GAT operand");
   for (const tensor_view* t : {&a.keep, &a.lse})
     if (t->data != nullptr) check_host(*t, "GAT operand");
-  if (a.x.type != dtype::f64) {  // the fp32 engine; f16 and bf16 through fp32 copies
-    host_tensor xs, ss, ds, ks, os, ls;
-    const tensor_view x = cpu::f32_view(a.x, xs), src = cpu::f32_view(a.a_src, ss),
-                      dst = cpu::f32_view(a.a_dst, ds), keep = cpu::f32_view(a.keep, ks),
-                      out = cpu::f32_view(a.out, os, false), lse = cpu::f32_view(a.lse, ls, false);
-    check_gat_cpu(s.pattern, x, src, dst, keep, a.keep_index, a.negative_slope);
-    check_view(a.out, "out", s.rows, a.x.heads, a.x.dim);
-    if (a.lse.data != nullptr) check_view(a.lse, "lse", s.rows, a.x.heads, 1);
-    cpu::gat_forward(s.pattern, x, src, dst, {keep, a.keep_index},
-                     static_cast<float>(a.negative_slope), out, lse);
-    cpu::store_view(out, a.out);
-    cpu::store_view(lse, a.lse);
-    return;
-  }
-  host_tensor keep;
-  if (a.keep.data != nullptr && a.keep_index != nullptr) {
-    check_view(a.keep, "keep", s.nnz, a.x.heads, 1);
-    keep = keep_in_entry_order(a.keep, a.keep_index);
-  }
-  reference::gat(s.pattern, a.x, a.a_src, a.a_dst, keep.numel() > 0 ? keep.view() : a.keep,
-                 a.negative_slope, a.out, a.lse);
+  // The engine in float64 for float64 inputs, else in fp32 (f16 and bf16 through fp32 copies).
+  if (a.x.type == dtype::f64)
+    cpu_forward<double>(s.pattern, a);
+  else
+    cpu_forward<float>(s.pattern, a);
 }
 
 std::size_t gat_plan::forward_workspace_bytes(std::int64_t heads, std::int64_t width) const {
@@ -133,35 +148,10 @@ void gat_plan::backward(const gat_grad_args& a, stream_ref stream, workspace_vie
   for (const tensor_view* t : {&a.x, &a.a_src, &a.a_dst, &a.dout, &a.dx, &a.da_src, &a.da_dst})
     check_host(*t, "GAT operand");
   if (a.keep.data != nullptr) check_host(a.keep, "keep");
-  if (a.lse.data != nullptr && a.x.type != dtype::f64) {  // fp32; f16 and bf16 through copies
-    check_host(a.lse, "lse");
-    check_view(a.lse, "lse", s.rows, a.x.heads, 1);
-    check_view(a.dout, "dout", s.rows, a.x.heads, a.x.dim);
-    check_view(a.dx, "dx", s.cols, a.x.heads, a.x.dim);
-    check_view(a.da_src, "da_src", s.cols, a.x.heads, 1);
-    check_view(a.da_dst, "da_dst", s.rows, a.x.heads, 1);
-    host_tensor xs, ss, ds, ks, ls, gs, dxs, dss, dds;
-    const tensor_view x = cpu::f32_view(a.x, xs), src = cpu::f32_view(a.a_src, ss),
-                      dst = cpu::f32_view(a.a_dst, ds), keep = cpu::f32_view(a.keep, ks),
-                      lse = cpu::f32_view(a.lse, ls), dout = cpu::f32_view(a.dout, gs),
-                      dx = cpu::f32_view(a.dx, dxs, false),
-                      da_src = cpu::f32_view(a.da_src, dss, false),
-                      da_dst = cpu::f32_view(a.da_dst, dds, false);
-    check_gat_cpu(s.pattern, x, src, dst, keep, a.keep_index, a.negative_slope);
-    cpu::gat_backward(s.pattern, s.transposed, x, src, dst, {keep, a.keep_index},
-                      static_cast<float>(a.negative_slope), lse, dout, dx, da_src, da_dst);
-    cpu::store_view(dx, a.dx);
-    cpu::store_view(da_src, a.da_src);
-    cpu::store_view(da_dst, a.da_dst);
-    return;
-  }
-  host_tensor keep;
-  if (a.keep.data != nullptr && a.keep_index != nullptr) {
-    check_view(a.keep, "keep", s.nnz, a.x.heads, 1);
-    keep = keep_in_entry_order(a.keep, a.keep_index);
-  }
-  reference::gat_backward(s.pattern, a.x, a.a_src, a.a_dst, keep.numel() > 0 ? keep.view() : a.keep,
-                          a.negative_slope, a.dout, a.dx, a.da_src, a.da_dst);
+  if (a.x.type == dtype::f64)
+    cpu_backward<double>(s.pattern, s.transposed, a);
+  else
+    cpu_backward<float>(s.pattern, s.transposed, a);
 }
 
 }  // namespace trisparse

@@ -9,7 +9,6 @@
 #include "../../cpu/layers/gcn.hpp"
 #include "../../cuda/layers/dense.hpp"
 #include "common.hpp"
-#include "trisparse/ops/reference.hpp"
 
 namespace trisparse {
 
@@ -85,16 +84,19 @@ void gcn_layer::forward(const tensor_view& x, const tensor_view& w, const tensor
   if (s.where == device_kind::cpu) {
     for (const auto& [t, what] : {std::pair{&x, "x"}, std::pair{&w, "w"}, std::pair{&out, "out"}})
       check_host(*t, what);
-    if (x.type == dtype::f64) {  // float64 (the gradcheck path): the float64 reference
-      reference::gcn_fused(s.pattern, x, w, {}, false, out);
-      return;
-    }
-    // The CPU engine in fp32 (cpu/layers/gcn.hpp): other dtypes through fp32 copies.
-    host_tensor xs, ws, os;
-    const tensor_view out32 = cpu::f32_view(out, os, false);
-    cpu::gcn_forward(s.pattern, cpu::f32_view(x, xs), cpu::f32_view(w, ws), {}, false, out32,
-                     nullptr, {});
-    cpu::store_view(out32, out);
+    // The CPU engine (cpu/layers/gcn.hpp) in float64 for float64 inputs, else in fp32 (other
+    // dtypes through fp32 copies).
+    const auto run = [&]<class T>() {
+      host_tensor xs, ws, os;
+      const tensor_view o = cpu::typed_view<T>(out, os, false);
+      cpu::gcn_forward<T>(s.pattern, cpu::typed_view<T>(x, xs), cpu::typed_view<T>(w, ws), {},
+                          false, o, nullptr, {});
+      cpu::store_view<T>(o, out);
+    };
+    if (x.type == dtype::f64)
+      run.template operator()<double>();
+    else
+      run.template operator()<float>();
     return;
   }
   for (const auto& [t, what] : {std::pair{&x, "x"}, std::pair{&w, "w"}, std::pair{&out, "out"}})

@@ -10,7 +10,6 @@
 #include "../../cuda/layers/gcn_fused/heuristics.hpp"
 #include "../../cuda/layers/gcn_fused/plan.hpp"
 #include "common.hpp"
-#include "trisparse/ops/reference.hpp"
 
 namespace trisparse::cuda {
 
@@ -186,33 +185,21 @@ void gcn_fused_plan::forward(const gcn_fused_args& a, stream_ref stream,
       if (t->data != nullptr) check_host(*t, "the fused GCN layer's argument");
     if (a.bias.data != nullptr) check_view(a.bias, "bias", 1, 1, a.w.dim);
     if (a.ax.data != nullptr) check_view(a.ax, "ax", s.rows, 1, a.x.dim);
-    if (a.x.type == dtype::f64) {  // float64 (the gradcheck path): the float64 reference
-      const std::vector<std::uint32_t> mask =
-          reference::gcn_fused(s.propagation, a.x, a.w, a.bias, a.relu, a.out);
-      if (a.relu_mask != nullptr) {
-        if (a.relu) {
-          std::copy(mask.begin(), mask.end(), a.relu_mask);
-        } else {  // without ReLU the reference returns none: the sign bits of out
-          const std::int64_t words = (a.w.dim + 31) / 32;
-          std::fill_n(a.relu_mask, s.rows * words, 0u);
-          for (std::int64_t i = 0; i < s.rows; ++i) {
-            for (std::int64_t f = 0; f < a.w.dim; ++f) {
-              if (load_as_double(a.out.data, a.out.type, a.out.offset(i, 0, f)) > 0)
-                a.relu_mask[i * words + f / 32] |= 1u << (f % 32);
-            }
-          }
-        }
-      }
-      if (a.ax.data != nullptr) reference::spmm(s.propagation, {}, a.x, a.ax);
-      return;
-    }
-    // The fp32 engine; other dtypes through fp32 copies, the outputs stored back.
-    host_tensor xs, ws, bs, os, axs;
-    const tensor_view out = cpu::f32_view(a.out, os, false), ax = cpu::f32_view(a.ax, axs, false);
-    cpu::gcn_forward(s.propagation, cpu::f32_view(a.x, xs), cpu::f32_view(a.w, ws),
-                     cpu::f32_view(a.bias, bs), a.relu, out, a.relu_mask, ax);
-    cpu::store_view(out, a.out);
-    cpu::store_view(ax, a.ax);
+    // The CPU engine in float64 for float64 inputs (the gradcheck path), else in fp32 (other
+    // dtypes through fp32 copies); the outputs stored back.
+    const auto run = [&]<class T>() {
+      host_tensor xs, ws, bs, os, axs;
+      const tensor_view out = cpu::typed_view<T>(a.out, os, false),
+                        ax = cpu::typed_view<T>(a.ax, axs, false);
+      cpu::gcn_forward<T>(s.propagation, cpu::typed_view<T>(a.x, xs), cpu::typed_view<T>(a.w, ws),
+                          cpu::typed_view<T>(a.bias, bs), a.relu, out, a.relu_mask, ax);
+      cpu::store_view<T>(out, a.out);
+      cpu::store_view<T>(ax, a.ax);
+    };
+    if (a.x.type == dtype::f64)
+      run.template operator()<double>();
+    else
+      run.template operator()<float>();
     return;
   }
   const std::size_t need = workspace_bytes(a.x.dim, a.w.dim, a.x.type, a.order);
@@ -273,24 +260,22 @@ void gcn_fused_plan::backward(const gcn_fused_grad_args& a, stream_ref stream,
     const std::span<const std::uint32_t> mask =
         a.relu_mask != nullptr ? std::span<const std::uint32_t>(a.relu_mask, words)
                                : std::span<const std::uint32_t>();
-    if (a.x.type == dtype::f64) {  // float64: the float64 reference
-      if (a.dx.data != nullptr) {
-        reference::gcn_fused_backward(s.propagation, a.x, a.w, mask, a.dout, a.dx, a.dw, a.dbias);
-      } else {  // the reference writes dx: into a scratch copy
-        host_tensor dx(dtype::f64, s.rows, 1, f_in);
-        reference::gcn_fused_backward(s.propagation, a.x, a.w, mask, a.dout, dx.view(), a.dw,
-                                      a.dbias);
-      }
-      return;
-    }
-    host_tensor xs, ws, gs, dxs, dws, dbs;
-    const tensor_view dx = cpu::f32_view(a.dx, dxs, false), dw = cpu::f32_view(a.dw, dws, false),
-                      dbias = cpu::f32_view(a.dbias, dbs, false);
-    cpu::gcn_backward(s.propagation, s.propagation_t, cpu::f32_view(a.x, xs),
-                      cpu::f32_view(a.w, ws), mask, cpu::f32_view(a.dout, gs), dx, dw, dbias);
-    cpu::store_view(dx, a.dx);
-    cpu::store_view(dw, a.dw);
-    cpu::store_view(dbias, a.dbias);
+    const auto run = [&]<class T>() {
+      host_tensor xs, ws, gs, dxs, dws, dbs;
+      const tensor_view dx = cpu::typed_view<T>(a.dx, dxs, false),
+                        dw = cpu::typed_view<T>(a.dw, dws, false),
+                        dbias = cpu::typed_view<T>(a.dbias, dbs, false);
+      cpu::gcn_backward<T>(s.propagation, s.propagation_t, cpu::typed_view<T>(a.x, xs),
+                           cpu::typed_view<T>(a.w, ws), mask, cpu::typed_view<T>(a.dout, gs), dx,
+                           dw, dbias);
+      cpu::store_view<T>(dx, a.dx);
+      cpu::store_view<T>(dw, a.dw);
+      cpu::store_view<T>(dbias, a.dbias);
+    };
+    if (a.x.type == dtype::f64)
+      run.template operator()<double>();
+    else
+      run.template operator()<float>();
     return;
   }
   const dtype type = a.w.type;
