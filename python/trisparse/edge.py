@@ -168,37 +168,87 @@ def _segment_sum(values: Tensor, offsets: Tensor) -> Tensor:
     return torch.segment_reduce(values, "sum", offsets=offsets, axis=0)
 
 
-class _EdgeSoftmax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, scores: Tensor, row: Tensor, ptr: Tensor) -> Tensor:
-        # The row maxima leave exp() <= 1; the 1e-16 is PyG's softmax's, for the same values.
-        top = torch.segment_reduce(scores, "max", offsets=ptr, axis=0)
-        p = (scores - top[row]).exp()
-        p = p / (_segment_sum(p, ptr) + 1e-16)[row]
-        ctx.save_for_backward(p, row, ptr)
-        return p
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dp: Tensor):
-        p, row, ptr = ctx.saved_tensors
-        g = p * dp  # ds = p * (dp - sum over the row of p * dp)
-        return g - p * _segment_sum(g, ptr)[row], None, None
+@torch.library.custom_op("trisparse::edge_softmax", mutates_args=())
+def _edge_softmax(scores: Tensor, pattern: int) -> Tensor:
+    """The softmax of [E, H] scores over each row's entries."""
+    p = lookup(pattern)
+    row, ptr = p.entries(scores.device)[0], p.row_pointers(scores.device)
+    # The row maxima leave exp() <= 1; the 1e-16 is PyG's softmax's, for the same values.
+    top = torch.segment_reduce(scores, "max", offsets=ptr, axis=0)
+    e = (scores - top[row]).exp()
+    return e / (_segment_sum(e, ptr) + 1e-16)[row]
 
 
-class _EdgeScores(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, dst, src, row, col, ptr, order, col_ptr) -> Tensor:
-        ctx.save_for_backward(ptr, order, col_ptr)
-        return dst[row] + src[col]
+@_edge_softmax.register_fake
+def _edge_softmax_fake(scores, pattern):
+    return torch.empty_like(scores)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, ds: Tensor):
-        ptr, order, col_ptr = ctx.saved_tensors
-        ddst = _segment_sum(ds, ptr) if ctx.needs_input_grad[0] else None
-        dsrc = _segment_sum(ds[order], col_ptr) if ctx.needs_input_grad[1] else None
-        return ddst, dsrc, None, None, None, None, None
+
+def _edge_softmax_setup(ctx, inputs, output):
+    ctx.pattern = inputs[1]
+    ctx.save_for_backward(output)
+
+
+@torch.library.custom_op("trisparse::edge_softmax_backward", mutates_args=())
+def _edge_softmax_grad(p: Tensor, dp: Tensor, pattern: int) -> Tensor:
+    """ds = p * (dp - sum over the row of p * dp), the row sums in entry order."""
+    pat = lookup(pattern)
+    row, ptr = pat.entries(p.device)[0], pat.row_pointers(p.device)
+    g = p * dp
+    return g - p * _segment_sum(g, ptr)[row]
+
+
+@_edge_softmax_grad.register_fake
+def _edge_softmax_grad_fake(p, dp, pattern):
+    return torch.empty_like(p)
+
+
+def _edge_softmax_backward(ctx, dp):
+    (p,) = ctx.saved_tensors
+    return torch.ops.trisparse.edge_softmax_backward(p, dp.contiguous(), ctx.pattern), None
+
+
+_edge_softmax.register_autograd(_edge_softmax_backward, setup_context=_edge_softmax_setup)
+
+
+@torch.library.custom_op("trisparse::edge_scores", mutates_args=())
+def _edge_scores(dst: Tensor, src: Tensor, pattern: int) -> Tensor:
+    """s[e, h] = dst[i, h] + src[j, h] for every entry e = (i, j)."""
+    row, col = lookup(pattern).entries(dst.device)
+    return dst[row] + src[col]
+
+
+@_edge_scores.register_fake
+def _edge_scores_fake(dst, src, pattern):
+    dtype = torch.promote_types(dst.dtype, src.dtype)
+    return dst.new_empty(lookup(pattern).nnz, dst.shape[1], dtype=dtype)
+
+
+def _edge_scores_setup(ctx, inputs, output):
+    ctx.pattern = inputs[2]
+
+
+@torch.library.custom_op("trisparse::edge_scores_backward", mutates_args=())
+def _edge_scores_grad(ds: Tensor, pattern: int) -> tuple[Tensor, Tensor]:
+    """Each node's gradient, the sum over its entries (rows for dst, the transpose's rows for
+    src) in a fixed order: no atomics."""
+    p, d = lookup(pattern), ds.device
+    ddst = _segment_sum(ds, p.row_pointers(d))
+    return ddst, _segment_sum(ds[p.transpose_order(d)], p.column_pointers(d))
+
+
+@_edge_scores_grad.register_fake
+def _edge_scores_grad_fake(ds, pattern):
+    p = lookup(pattern)
+    return ds.new_empty(p.num_rows, ds.shape[1]), ds.new_empty(p.num_cols, ds.shape[1])
+
+
+def _edge_scores_backward(ctx, ds):
+    ddst, dsrc = torch.ops.trisparse.edge_scores_backward(ds.contiguous(), ctx.pattern)
+    return ddst, dsrc, None
+
+
+_edge_scores.register_autograd(_edge_scores_backward, setup_context=_edge_scores_setup)
 
 
 def edge_softmax(scores: Tensor, pattern: Pattern) -> Tensor:
@@ -211,8 +261,7 @@ def edge_softmax(scores: Tensor, pattern: Pattern) -> Tensor:
             f"scores must have shape [{pattern.nnz}, heads] (entries, heads), got "
             f"{tuple(scores.shape)}"
         )
-    row = pattern.entries(scores.device)[0]
-    return _EdgeSoftmax.apply(scores, row, pattern.row_pointers(scores.device))
+    return torch.ops.trisparse.edge_softmax(scores, pattern.id)
 
 
 def edge_scores(dst: Tensor, src: Tensor, pattern: Pattern) -> Tensor:
@@ -229,14 +278,4 @@ def edge_scores(dst: Tensor, src: Tensor, pattern: Pattern) -> Tensor:
             f"dst must have {pattern.num_rows} rows and src {pattern.num_cols} (the pattern's "
             f"sides), got {dst.shape[0]} and {src.shape[0]}"
         )
-    d = dst.device
-    row, col = pattern.entries(d)
-    return _EdgeScores.apply(
-        dst,
-        src,
-        row,
-        col,
-        pattern.row_pointers(d),
-        pattern.transpose_order(d),
-        pattern.column_pointers(d),
-    )
+    return torch.ops.trisparse.edge_scores(dst, src, pattern.id)
