@@ -380,8 +380,7 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
       return;
     case algorithm::fused:
       if (r.where == device_kind::cpu) {
-        cpu::fused_attention_unchecked(state_->pattern, q, k, v, out, static_cast<float>(scale),
-                                       lse, bias);
+        cpu::fused_attention_unchecked(state_->pattern, q, k, v, out, scale, lse, bias);
         return;
       }
       if (q.type == dtype::f32 || bias.data != nullptr) {
@@ -516,7 +515,7 @@ void attention_plan::backward(const tensor_view& q, const tensor_view& k, const 
           lse.data != nullptr,
           "the fused backward needs the forward's lse (attention_options::lse)");
       cpu::fused_attention_backward_unchecked(state_->pattern, state_->transposed, q, k, v, out,
-                                              lse, dout, dq, dk, dv, static_cast<float>(scale),
+                                              lse, dout, dq, dk, dv, scale,
                                               {bias, dbias, state_->transposed_entry});
       return;
     default:

@@ -61,7 +61,7 @@ tensor_view rows_of(const tensor_view& t, std::int64_t row0, std::int64_t rows) 
 void cpu_block_sparse_backward(const block_sparse_mask& m, const tensor_view& q,
                                const tensor_view& k, const tensor_view& v, const tensor_view& dout,
                                const tensor_view& dq, const tensor_view& dk, const tensor_view& dv,
-                               float scale) {
+                               double scale) {
   for (std::int64_t b = 0; b < m.batch(); ++b) {
     const std::int64_t q0 = m.cu_seqlens_q[b], k0 = m.cu_seqlens_k[b];
     const std::int64_t lq = m.len_q(b), lk = m.len_k(b);
@@ -73,7 +73,9 @@ void cpu_block_sparse_backward(const block_sparse_mask& m, const tensor_view& q,
       };
       const csr_graph a = m.expand(b, g);
       const std::int64_t heads = groups == 1 ? q.heads : 1;
-      host_tensor out(dtype::f32, lq, heads, v.dim), lse(dtype::f32, lq, heads, 1);
+      // The forward recomputed in the engine's type (float64 for float64 inputs).
+      const dtype t = q.type == dtype::f64 ? dtype::f64 : dtype::f32;
+      host_tensor out(t, lq, heads, v.dim), lse(t, lq, heads, 1);
       cpu::fused_attention_unchecked(a, part(q, q0, lq), part(k, k0, lk), part(v, k0, lk),
                                      out.view(), scale, lse.view());
       cpu::fused_attention_backward_unchecked(a, transpose(a), part(q, q0, lq), part(k, k0, lk),
@@ -269,7 +271,7 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
       return;
     case algorithm::fused: {
       if (where == device_kind::cpu) {
-        cpu::block_sparse_attention_unchecked(m, q, k, v, out, static_cast<float>(scale));
+        cpu::block_sparse_attention_unchecked(m, q, k, v, out, scale);
         return;
       }
       // The element plans hold no device CSR for the row-wise kernels (they are forward-only).
@@ -328,7 +330,7 @@ void block_sparse_attention_plan::backward(const tensor_view& q, const tensor_vi
     if (algo == algorithm::reference)
       reference::block_sparse_attention_backward(m, q, k, v, dout, dq, dk, dv, scale);
     else
-      cpu_block_sparse_backward(m, q, k, v, dout, dq, dk, dv, static_cast<float>(scale));
+      cpu_block_sparse_backward(m, q, k, v, dout, dq, dk, dv, scale);
     if (importance.wanted()) {
       cpu::block_importance_unchecked(m, q, k, v, dout, scale, importance.mass, importance.grad,
                                       qb);

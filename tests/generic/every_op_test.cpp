@@ -78,10 +78,9 @@ host_tensor as_f64(const host_tensor& h) {
 }
 
 // Normwise tolerance: `units` roundings of the input (f32 on CUDA: tf32's 11 bits) and of the
-// output, plus 1e-5 (1e-12 for float64 through and through). The fused CPU engines
-// (cpu_fused, cpu_block) compute float64 inputs in fp32, as documented: for them f64 counts as f32.
-double tolerance(dtype in, dtype out, double units = 4, const std::string& backend = {}) {
-  if (in == dtype::f64 && (backend == "cpu_fused" || backend == "cpu_block")) in = dtype::f32;
+// output, plus 1e-5 (1e-12 for float64 through and through: every CPU engine computes float64
+// inputs in float64).
+double tolerance(dtype in, dtype out, double units = 4) {
   const double u_in =
       kWhere == device_kind::cuda && in == dtype::f32 ? std::ldexp(1.0, -11) : unit_roundoff(in);
   const double floor = in == dtype::f64 && out == dtype::f64 ? 1e-12 : 1e-5;
@@ -189,7 +188,7 @@ void attention_cases(recorder& rec) {
           reference::attention(g, q.view(), k.view(), v.view(), want.view(),
                                effective_scale({}, dim));
           rec.check("attention", backend, in, s.name, out.fetch(), want,
-                    tolerance(in, out_of(in), 4, backend));
+                    tolerance(in, out_of(in), 4));
         });
       }
     }
@@ -208,7 +207,10 @@ void attention_cases(recorder& rec) {
           const dtype grad = out_of(in);
           buffer bq(q), bk(k), bv(v), bdout(dout),
               out = buffer::output(in, g.rows, heads, dim),
-              lse = buffer::output(dtype::f32, g.rows, heads, 1);
+              // float64's lse on the CPU (which computes float64 in float64), else f32.
+              lse = buffer::output(
+                  in == dtype::f64 && kWhere == device_kind::cpu ? dtype::f64 : dtype::f32, g.rows,
+                  heads, 1);
           buffer dq = buffer::output(grad, g.rows, heads, dim),
                  dk = buffer::output(grad, g.cols, heads, dim),
                  dv = buffer::output(grad, g.cols, heads, dim);
@@ -221,7 +223,7 @@ void attention_cases(recorder& rec) {
                                         wk.view(), wv.view(), effective_scale({}, dim));
           // The forward's output is rounded to q's dtype before the backward reads it.
           const double tol =
-              tolerance(in, grad, 8, backend) + (in == dtype::f64 ? 0 : unit_roundoff(in) * 8);
+              tolerance(in, grad, 8) + (in == dtype::f64 ? 0 : unit_roundoff(in) * 8);
           rec.check("attention_backward", backend, in, s.name + " dq", dq.fetch(), wq, tol);
           rec.check("attention_backward", backend, in, s.name + " dk", dk.fetch(), wk, tol);
           rec.check("attention_backward", backend, in, s.name + " dv", dv.fetch(), wv, tol);
@@ -315,7 +317,7 @@ void block_sparse_cases(recorder& rec) {
               reference::block_sparse_attention(mask, q.view(), k.view(), v.view(), want.view(),
                                                 effective_scale({}, dim));
               rec.check("block_sparse_attention", backend, in, shape, out.fetch(), want,
-                        tolerance(in, out_of(in), 4, backend));
+                        tolerance(in, out_of(in), 4));
               // The backward where the backend has one.
               if (kWhere == device_kind::cuda && a != algorithm::block) return;
               buffer o16 = buffer::output(in, rows, heads, dim),
@@ -336,7 +338,7 @@ void block_sparse_cases(recorder& rec) {
                                                          dout.view(), wq.view(), wk.view(),
                                                          wv.view(), effective_scale({}, dim));
               const double tol =
-                  tolerance(in, grad, 8, backend) + (in == dtype::f64 ? 0 : unit_roundoff(in) * 8);
+                  tolerance(in, grad, 8) + (in == dtype::f64 ? 0 : unit_roundoff(in) * 8);
               rec.check("block_sparse_backward", backend, in, shape + " dq", dq.fetch(), wq, tol);
               rec.check("block_sparse_backward", backend, in, shape + " dk", dk.fetch(), wk, tol);
               rec.check("block_sparse_backward", backend, in, shape + " dv", dv.fetch(), wv, tol);

@@ -11,12 +11,15 @@
 
 namespace trisparse::cpu {
 
-void block_sparse_attention_unchecked(const block_sparse_mask& mask, const tensor_view& q,
-                                      const tensor_view& k, const tensor_view& v,
-                                      const tensor_view& out, float scale) {
-  const f32_operand qf = as_f32(q), kf = as_f32(k), vf = as_f32(v);
+namespace {
+
+// The engine in T: fp32, or float64 for float64 inputs.
+template <class T>
+void attend_blocks(const block_sparse_mask& mask, const tensor_view& q, const tensor_view& k,
+                   const tensor_view& v, const tensor_view& out, double scale) {
+  const operand<T> qf = as_operand<T>(q), kf = as_operand<T>(k), vf = as_operand<T>(v);
   const std::int64_t heads = q.heads, dk = q.dim, dv = v.dim, g = mask.block;
-  const float scale2 = scale * std::numbers::log2e_v<float>;
+  const T scale2 = static_cast<T>(scale) * std::numbers::log2e_v<T>;
   std::vector<std::pair<std::int64_t, std::int64_t>> block_rows;  // (sequence, query block)
   for (std::int64_t b = 0; b < mask.batch(); ++b) {
     for (std::int64_t r = 0; r * g < mask.len_q(b); ++r) block_rows.emplace_back(b, r);
@@ -25,8 +28,8 @@ void block_sparse_attention_unchecked(const block_sparse_mask& mask, const tenso
 
 #pragma omp parallel
   {
-    std::vector<float> qrow(dk);
-    row_state st(dv);
+    std::vector<T> qrow(dk);
+    row_state<T> st(dv);
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < tasks; ++task) {
       const auto [b, r] = block_rows[task / heads];
@@ -35,7 +38,7 @@ void block_sparse_attention_unchecked(const block_sparse_mask& mask, const tenso
       const std::int64_t q0 = mask.cu_seqlens_q[b], k0 = mask.cu_seqlens_k[b];
       const csr_graph& blocks = mask.at(b, h).blocks;
       for (std::int64_t i = r * g; i < std::min(lq, (r + 1) * g); ++i) {
-        const float* qp = qf.row(q0 + i, h);
+        const T* qp = qf.row(q0 + i, h);
         for (std::int64_t d = 0; d < dk; ++d) qrow[d] = qp[d] * scale2;
         st.reset();
         // Keys up to `last` (causal: aligned at the bottom right).
@@ -53,6 +56,17 @@ void block_sparse_attention_unchecked(const block_sparse_mask& mask, const tenso
       }
     }
   }
+}
+
+}  // namespace
+
+void block_sparse_attention_unchecked(const block_sparse_mask& mask, const tensor_view& q,
+                                      const tensor_view& k, const tensor_view& v,
+                                      const tensor_view& out, double scale) {
+  if (q.type == dtype::f64)
+    attend_blocks<double>(mask, q, k, v, out, scale);
+  else
+    attend_blocks<float>(mask, q, k, v, out, scale);
 }
 
 }  // namespace trisparse::cpu

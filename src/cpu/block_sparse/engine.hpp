@@ -3,11 +3,12 @@
 #include "trisparse/formats/block_sparse.hpp"
 
 namespace trisparse::cpu {
-/// Block-sparse attention, fp32, OpenMP over (query block, head), for a mask already checked and
-/// operands already checked against it (by a plan). Rows with no key left give zeros.
+/// Block-sparse attention, fp32 (float64 for float64 q), OpenMP over (query block, head), for a
+/// mask already checked and operands already checked against it (by a plan). Rows with no key
+/// left give zeros.
 void block_sparse_attention_unchecked(const block_sparse_mask& mask, const tensor_view& q,
                                       const tensor_view& k, const tensor_view& v,
-                                      const tensor_view& out, float scale);
+                                      const tensor_view& out, double scale);
 
 /// Block importance (attention_options::block_mass, block_grad; either view may be empty), float64
 /// sums over the rows' recomputed softmax, OpenMP over (query block, head); operands and views

@@ -1,4 +1,5 @@
-// The CPU engine's fused attention: fp32, OpenMP over rows, online softmax per chunk of neighbours.
+// The CPU engine's fused attention: fp32 (float64 for float64 inputs), OpenMP over rows, online
+// softmax per chunk of neighbours.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -14,29 +15,29 @@
 
 namespace trisparse::cpu {
 
-void fused_attention_unchecked(const csr_graph& a, const tensor_view& q, const tensor_view& k,
-                               const tensor_view& v, const tensor_view& out, float scale,
-                               const tensor_view& lse, const tensor_view& bias) {
-  detail::check_attention_args(a.rows, a.cols, q, k, v, out, device_kind::cpu);
-  if (lse.data != nullptr) check_view(lse, "lse", a.rows, q.heads, 1);
+namespace {
+
+// The engine in T: fp32, or float64 for float64 inputs (the gradcheck path).
+template <class T>
+void attend_rows(const csr_graph& a, const tensor_view& q, const tensor_view& k,
+                 const tensor_view& v, const tensor_view& out, double scale, const tensor_view& lse,
+                 const tensor_view& bias) {
   const bool biased = bias.data != nullptr;
-  if (biased) detail::check_bias(bias, "bias", a.nnz(), q.heads, device_kind::cpu);
-  TRISPARSE_EXPECTS_INPUT(std::isfinite(scale), "scale must be finite");
-  const f32_operand qf = as_f32(q), kf = as_f32(k), vf = as_f32(v);
-  const f32_operand bf = biased ? as_f32(bias) : f32_operand{};
+  const operand<T> qf = as_operand<T>(q), kf = as_operand<T>(k), vf = as_operand<T>(v);
+  const operand<T> bf = biased ? as_operand<T>(bias) : operand<T>{};
   const std::int64_t heads = q.heads, dk = q.dim, dv = v.dim;
   // exp(x) = exp2(x * log2 e): fold log2 e into the scale once.
-  const float scale2 = scale * std::numbers::log2e_v<float>;
+  const T scale2 = static_cast<T>(scale) * std::numbers::log2e_v<T>;
 
 #pragma omp parallel
   {
-    std::vector<float> qrow(dk);
-    row_state st(dv);
+    std::vector<T> qrow(dk);
+    row_state<T> st(dv);
 #pragma omp for schedule(dynamic, 16)
     for (std::int64_t i = 0; i < a.rows; ++i) {
       const std::int64_t e0 = a.row_ptr[i], e1 = a.row_ptr[i + 1];
       for (std::int64_t h = 0; h < heads; ++h) {
-        const float* qp = qf.row(i, h);
+        const T* qp = qf.row(i, h);
         for (std::int64_t d = 0; d < dk; ++d) qrow[d] = qp[d] * scale2;
         st.reset();
         for (std::int64_t c0 = e0; c0 < e1; c0 += kChunk) {
@@ -45,7 +46,7 @@ void fused_attention_unchecked(const csr_graph& a, const tensor_view& q, const t
           if (biased) {
             const std::int64_t bh = detail::bias_head(bias, h);
             attend_chunk(qrow.data(), n, key_row, kf, vf, h, dk, dv, st, [&](std::int64_t j) {
-              return *bf.row(c0 + j, bh) * std::numbers::log2e_v<float>;
+              return *bf.row(c0 + j, bh) * std::numbers::log2e_v<T>;
             });
           } else {
             attend_chunk(qrow.data(), n, key_row, kf, vf, h, dk, dv, st);
@@ -56,6 +57,21 @@ void fused_attention_unchecked(const csr_graph& a, const tensor_view& q, const t
       }
     }
   }
+}
+
+}  // namespace
+
+void fused_attention_unchecked(const csr_graph& a, const tensor_view& q, const tensor_view& k,
+                               const tensor_view& v, const tensor_view& out, double scale,
+                               const tensor_view& lse, const tensor_view& bias) {
+  detail::check_attention_args(a.rows, a.cols, q, k, v, out, device_kind::cpu);
+  if (lse.data != nullptr) check_view(lse, "lse", a.rows, q.heads, 1);
+  if (bias.data != nullptr) detail::check_bias(bias, "bias", a.nnz(), q.heads, device_kind::cpu);
+  TRISPARSE_EXPECTS_INPUT(std::isfinite(scale), "scale must be finite");
+  if (q.type == dtype::f64)
+    attend_rows<double>(a, q, k, v, out, scale, lse, bias);
+  else
+    attend_rows<float>(a, q, k, v, out, scale, lse, bias);
 }
 
 void fused_attention(const csr_graph& a, const tensor_view& q, const tensor_view& k,
