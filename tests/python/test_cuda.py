@@ -589,17 +589,24 @@ def test_attention_dropout_on_multigraphs_drops_what_pyg_drops(layer, kwargs):
             assert relerr(a, b) <= 1e-4, i
 
 
-def test_gps_conv_on_cuda_matches_pyg_in_float64():
-    """GPSConv's packed global attention on CUDA in float32 (a GINE local MPNN with bond-like
-    edge features) against PyG's GPSConv in float64 on the CPU."""
-    g = torch.Generator().manual_seed(7)
-    sizes = torch.randint(1, 60, (40,), generator=g)
-    batch = torch.repeat_interleave(torch.arange(40), sizes)
+def _molecule_batch(g: torch.Generator, graphs: int = 40):
+    """A mini-batch of `graphs` small random graphs (1 - 59 nodes, 2 edges a node, within each):
+    its batch vector and edge_index."""
+    sizes = torch.randint(1, 60, (graphs,), generator=g)
+    batch = torch.repeat_interleave(torch.arange(graphs), sizes)
     starts = torch.cumsum(sizes, 0) - sizes
     ei = torch.cat(
         [torch.randint(0, int(s), (2, 2 * int(s)), generator=g) + o for s, o in zip(sizes, starts)],
         dim=1,
     )
+    return batch, ei
+
+
+def test_gps_conv_on_cuda_matches_pyg_in_float64():
+    """GPSConv's packed global attention on CUDA in float32 (a GINE local MPNN with bond-like
+    edge features) against PyG's GPSConv in float64 on the CPU."""
+    g = torch.Generator().manual_seed(7)
+    batch, ei = _molecule_batch(g)
     n, channels = batch.numel(), 64
     torch.manual_seed(0)
 
@@ -668,13 +675,7 @@ def test_gps_conv_under_autocast_is_as_close_as_pygs():
     """GPSConv with heads of 32 channels under bf16 autocast: as close to PyG's float64 GPSConv
     as PyG's own bf16 run is."""
     g = torch.Generator().manual_seed(8)
-    sizes = torch.randint(1, 60, (40,), generator=g)
-    batch = torch.repeat_interleave(torch.arange(40), sizes)
-    starts = torch.cumsum(sizes, 0) - sizes
-    ei = torch.cat(
-        [torch.randint(0, int(s), (2, 2 * int(s)), generator=g) + o for s, o in zip(sizes, starts)],
-        dim=1,
-    )
+    batch, ei = _molecule_batch(g)
     n, channels = batch.numel(), 128
     torch.manual_seed(0)
 

@@ -63,10 +63,7 @@ void attend_blocks(const block_sparse_mask& mask, const tensor_view& q, const te
 void block_sparse_attention_unchecked(const block_sparse_mask& mask, const tensor_view& q,
                                       const tensor_view& k, const tensor_view& v,
                                       const tensor_view& out, double scale) {
-  if (q.type == dtype::f64)
-    attend_blocks<double>(mask, q, k, v, out, scale);
-  else
-    attend_blocks<float>(mask, q, k, v, out, scale);
+  in_type_of(q.type, [&]<class T>() { attend_blocks<T>(mask, q, k, v, out, scale); });
 }
 
 }  // namespace trisparse::cpu

@@ -7,9 +7,9 @@
 #include <cstdint>
 #include <limits>
 #include <numbers>
-#include <type_traits>
 #include <vector>
 
+#include "compute_type.hpp"
 #include "trisparse/core/numeric.hpp"
 #include "trisparse/core/tensor.hpp"
 
@@ -31,7 +31,7 @@ using f32_operand = operand<float>;
 template <class T>
 operand<T> as_operand(const tensor_view& t) {
   operand<T> o;
-  if (t.type == (std::is_same_v<T, double> ? dtype::f64 : dtype::f32)) {
+  if (t.type == dtype_of<T>) {
     o.data = static_cast<const T*>(t.data);
     o.row_stride = t.row_stride;
     o.head_stride = t.head_stride;

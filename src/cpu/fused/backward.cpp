@@ -126,10 +126,9 @@ void fused_attention_backward_unchecked(const csr_graph& a, const csr_graph& at,
   }
   if (bias.dbias.data != nullptr)
     detail::check_bias(bias.dbias, "dbias", a.nnz(), q.heads, device_kind::cpu, true);
-  if (q.type == dtype::f64)
-    backward_passes<double>(a, at, q, k, v, out, lse, dout, dq, dk, dv, scale, bias);
-  else
-    backward_passes<float>(a, at, q, k, v, out, lse, dout, dq, dk, dv, scale, bias);
+  in_type_of(q.type, [&]<class T>() {
+    backward_passes<T>(a, at, q, k, v, out, lse, dout, dq, dk, dv, scale, bias);
+  });
 }
 
 }  // namespace trisparse::cpu

@@ -68,10 +68,7 @@ void fused_attention_unchecked(const csr_graph& a, const tensor_view& q, const t
   if (lse.data != nullptr) check_view(lse, "lse", a.rows, q.heads, 1);
   if (bias.data != nullptr) detail::check_bias(bias, "bias", a.nnz(), q.heads, device_kind::cpu);
   TRISPARSE_EXPECTS_INPUT(std::isfinite(scale), "scale must be finite");
-  if (q.type == dtype::f64)
-    attend_rows<double>(a, q, k, v, out, scale, lse, bias);
-  else
-    attend_rows<float>(a, q, k, v, out, scale, lse, bias);
+  in_type_of(q.type, [&]<class T>() { attend_rows<T>(a, q, k, v, out, scale, lse, bias); });
 }
 
 void fused_attention(const csr_graph& a, const tensor_view& q, const tensor_view& k,

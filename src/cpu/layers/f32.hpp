@@ -3,16 +3,12 @@
 // (fp32 for f16, bf16 and f32 tensors; float64 for float64 ones).
 #include <algorithm>
 #include <initializer_list>
-#include <type_traits>
 
+#include "../common/compute_type.hpp"
 #include "trisparse/core/numeric.hpp"
 #include "trisparse/core/tensor.hpp"
 
 namespace trisparse::cpu {
-
-/// The dtype of an engine's element type T (float or double).
-template <class T>
-inline constexpr dtype dtype_of = std::is_same_v<T, double> ? dtype::f64 : dtype::f32;
 
 /// Whether an fp32 engine takes these views: all f32 (absent ones, data == nullptr, aside).
 inline bool all_f32(std::initializer_list<const tensor_view*> views) {

@@ -9,6 +9,7 @@
 #include <numbers>
 #include <vector>
 
+#include "../common/compute_type.hpp"
 #include "../common/exp2.hpp"
 #include "../common/simd.hpp"
 #include "trisparse/core/numeric.hpp"
@@ -28,7 +29,7 @@ struct operand {
 
   explicit operand(const tensor_view& t) {
     if (t.data == nullptr) return;
-    if (t.type == (std::is_same_v<T, double> ? dtype::f64 : dtype::f32)) {
+    if (t.type == dtype_of<T>) {
       data = static_cast<const T*>(t.data);
       row_stride = t.row_stride;
       head_stride = t.head_stride;
@@ -53,20 +54,11 @@ struct operand {
 // Writes n values as row r, head h of t (its dtype), from column 0.
 template <class T>
 void store(const tensor_view& t, std::int64_t r, std::int64_t h, const T* x, std::int64_t n) {
-  if (t.type == (std::is_same_v<T, double> ? dtype::f64 : dtype::f32)) {
+  if (t.type == dtype_of<T>) {
     std::copy_n(x, n, static_cast<T*>(t.data) + t.offset(r, h, 0));
     return;
   }
   for (std::int64_t d = 0; d < n; ++d) store_from_double(t.data, t.type, t.offset(r, h, d), x[d]);
-}
-
-// Runs f.template operator()<T>() with T = double for float64 inputs, float otherwise.
-template <class F>
-void in_type_of(const tensor_view& t, F&& f) {
-  if (t.type == dtype::f64)
-    f.template operator()<double>();
-  else
-    f.template operator()<float>();
 }
 
 // One row's SpMM in float32 for head h: acc = sum_e x_e b[col_e], x_e = w[e * w_row] where w is
@@ -101,7 +93,7 @@ void in_type_of(const tensor_view& t, F&& f) {
 }  // namespace
 
 void spmm(const csr_graph& a, const tensor_view& w, const tensor_view& b, const tensor_view& c) {
-  in_type_of(b, [&]<class T>() {
+  in_type_of(b.type, [&]<class T>() {
     const operand<T> bt(b), wt(w);
     const std::int64_t heads = b.heads, dim = b.dim;
 #pragma omp parallel
@@ -134,7 +126,7 @@ void spmm(const csr_graph& a, const tensor_view& w, const tensor_view& b, const 
 
 void sddmm(const csr_graph& a, const tensor_view& x, const tensor_view& y, const tensor_view& out,
            double scale) {
-  in_type_of(x, [&]<class T>() {
+  in_type_of(x.type, [&]<class T>() {
     const operand<T> xt(x), yt(y);
     const std::int64_t heads = x.heads, dim = x.dim;
     const auto s = static_cast<T>(scale);
@@ -157,7 +149,7 @@ void sddmm(const csr_graph& a, const tensor_view& x, const tensor_view& y, const
 }
 
 void softmax(const csr_graph& a, const tensor_view& scores, const tensor_view& out) {
-  in_type_of(scores, [&]<class T>() {
+  in_type_of(scores.type, [&]<class T>() {
     const operand<T> st(scores);
     const std::int64_t heads = scores.heads;
     T* const direct = out.type == (std::is_same_v<T, double> ? dtype::f64 : dtype::f32)

@@ -119,10 +119,7 @@ void gat_plan::forward(const gat_args& a, stream_ref stream, workspace_view work
   for (const tensor_view* t : {&a.keep, &a.lse})
     if (t->data != nullptr) check_host(*t, "GAT operand");
   // The engine in float64 for float64 inputs, else in fp32 (f16 and bf16 through fp32 copies).
-  if (a.x.type == dtype::f64)
-    cpu_forward<double>(s.pattern, a);
-  else
-    cpu_forward<float>(s.pattern, a);
+  cpu::in_type_of(a.x.type, [&]<class T>() { cpu_forward<T>(s.pattern, a); });
 }
 
 std::size_t gat_plan::forward_workspace_bytes(std::int64_t heads, std::int64_t width) const {
@@ -148,10 +145,7 @@ void gat_plan::backward(const gat_grad_args& a, stream_ref stream, workspace_vie
   for (const tensor_view* t : {&a.x, &a.a_src, &a.a_dst, &a.dout, &a.dx, &a.da_src, &a.da_dst})
     check_host(*t, "GAT operand");
   if (a.keep.data != nullptr) check_host(a.keep, "keep");
-  if (a.x.type == dtype::f64)
-    cpu_backward<double>(s.pattern, s.transposed, a);
-  else
-    cpu_backward<float>(s.pattern, s.transposed, a);
+  cpu::in_type_of(a.x.type, [&]<class T>() { cpu_backward<T>(s.pattern, s.transposed, a); });
 }
 
 }  // namespace trisparse

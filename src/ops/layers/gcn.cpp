@@ -93,10 +93,7 @@ void gcn_layer::forward(const tensor_view& x, const tensor_view& w, const tensor
                           false, o, nullptr, {});
       cpu::store_view<T>(o, out);
     };
-    if (x.type == dtype::f64)
-      run.template operator()<double>();
-    else
-      run.template operator()<float>();
+    cpu::in_type_of(x.type, run);
     return;
   }
   for (const auto& [t, what] : {std::pair{&x, "x"}, std::pair{&w, "w"}, std::pair{&out, "out"}})

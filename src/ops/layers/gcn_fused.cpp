@@ -196,10 +196,7 @@ void gcn_fused_plan::forward(const gcn_fused_args& a, stream_ref stream,
       cpu::store_view<T>(out, a.out);
       cpu::store_view<T>(ax, a.ax);
     };
-    if (a.x.type == dtype::f64)
-      run.template operator()<double>();
-    else
-      run.template operator()<float>();
+    cpu::in_type_of(a.x.type, run);
     return;
   }
   const std::size_t need = workspace_bytes(a.x.dim, a.w.dim, a.x.type, a.order);
@@ -272,10 +269,7 @@ void gcn_fused_plan::backward(const gcn_fused_grad_args& a, stream_ref stream,
       cpu::store_view<T>(dw, a.dw);
       cpu::store_view<T>(dbias, a.dbias);
     };
-    if (a.x.type == dtype::f64)
-      run.template operator()<double>();
-    else
-      run.template operator()<float>();
+    cpu::in_type_of(a.x.type, run);
     return;
   }
   const dtype type = a.w.type;
