@@ -3,11 +3,12 @@
 #include "trisparse/ops/pattern_learn.hpp"
 
 #include <algorithm>
+#include <array>
+#include <charconv>
 #include <cmath>
 #include <limits>
 #include <numbers>
 #include <numeric>
-#include <sstream>
 
 #include "../cpu/common/exp2.hpp"
 #include "../cpu/common/online_softmax.hpp"
@@ -208,14 +209,22 @@ block_pattern learn_block_pattern(const tensor_view& q, const tensor_view& k, st
     }
     p.heads.push_back(std::move(g));
   }
-  std::ostringstream made;
-  made << "learned from attention mass of " << q.rows << " queries x " << k.rows << " keys, "
-       << heads << " heads" << (causal ? ", causal" : "") << "; prune " << options.method
-       << " sparsity=" << options.sparsity;
-  if (options.method == "threshold") made << " top_p=" << options.top_p;
-  made << " keep_diagonal=" << options.keep_diagonal << " window=" << options.window
-       << " global_blocks=" << options.global_blocks;
-  p.made_by = made.str();
+  // std::to_string and to_chars, not an ostream: iostreams crashed inside this call in the
+  // GPU machine's Python (a locale facet of another libstdc++ in the process).
+  const auto number = [](double x) {
+    std::array<char, 32> buf{};
+    const auto end = std::to_chars(buf.data(), buf.data() + buf.size(), x).ptr;
+    return std::string(buf.data(), end);
+  };
+  std::string made = "learned from attention mass of " + std::to_string(q.rows) + " queries x " +
+                     std::to_string(k.rows) + " keys, " + std::to_string(heads) + " heads" +
+                     (causal ? ", causal" : "") + "; prune " + options.method +
+                     " sparsity=" + number(options.sparsity);
+  if (options.method == "threshold") made += " top_p=" + number(options.top_p);
+  made += " keep_diagonal=" + std::to_string(int{options.keep_diagonal}) +
+          " window=" + std::to_string(options.window) +
+          " global_blocks=" + std::to_string(options.global_blocks);
+  p.made_by = std::move(made);
   p.check();
   return p;
 }
