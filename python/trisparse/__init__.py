@@ -8,7 +8,7 @@ drop-in replacements for PyG layers. The ops are registered with torch.library (
 
 import torch  # noqa: F401  (loads the CUDA libraries torch ships, which the extension shares)
 
-from . import _C
+from . import _C, distributed
 from .attention import sparse_attention
 from .block_pattern import (
     BlockPattern,
@@ -46,6 +46,7 @@ __all__ = [
     "block_mass",
     "block_sparse_attention",
     "cuda_available",
+    "distributed",
     "edge_attention",
     "edge_gat_attention",
     "edge_scores",

@@ -10,6 +10,7 @@ from torch_geometric.utils import scatter
 
 from ... import _C
 from ...copies import copy_logsumexp, copy_sum, copy_weights, gather_rows, to_copies
+from ...distributed import DistributedPattern
 from ...edge import edge_scores, edge_softmax, edge_spmm
 from ...edge_attention import edge_attention_supported, edge_gat_attention
 from ...gat import gat_attention
@@ -32,7 +33,8 @@ class GATConv(_Fused, _PygGATConv):
     than 512 channels run the per-edge path:
     [E, heads] scores, their softmax and the per-edge SpMM (no [E, heads, channels] tensor).
     Bipartite inputs ``(x_src, x_dst)`` and ``size`` are taken as PyG takes them. ``edge_index``
-    may also be a :class:`trisparse.Pattern` (built once, self loops included if wanted). Falls
+    may also be a :class:`trisparse.Pattern` (built once, self loops included if wanted) or a
+    :class:`trisparse.distributed.DistributedPattern` (this rank's rows of a partitioned graph). Falls
     back to PyG's code, with a one-time warning, only for edge features or attention weights over
     a graph given as a ``SparseTensor``."""
 
@@ -41,6 +43,14 @@ class GATConv(_Fused, _PygGATConv):
         self._init_fused()
 
     def forward(self, x, edge_index, edge_attr=None, size=None, return_attention_weights=None):
+        if isinstance(edge_index, DistributedPattern):
+            if self.add_self_loops != edge_index.add_self_loops:
+                raise ValueError(
+                    f"edge_index: GATConv(add_self_loops={self.add_self_loops}) takes a "
+                    "DistributedPattern built with add_self_loops="
+                    f"{self.add_self_loops} (the loops are added to the whole graph)"
+                )
+            return self._distributed(x, edge_index, edge_attr, return_attention_weights)
         edge_attr, per_edge, unfused = self._edge_request(
             edge_index, edge_attr, return_attention_weights
         )

@@ -8,7 +8,8 @@ from torch import Tensor
 from torch_geometric.nn import GCNConv as _PygGCNConv
 from torch_geometric.nn.conv.gcn_conv import gcn_norm
 
-from ...sparse import SparseMatrix, gcn_conv
+from ...distributed import DistributedPattern
+from ...sparse import SparseMatrix, gcn_conv, spmm
 from ._common import _Fused
 
 
@@ -22,7 +23,8 @@ class GCNConv(_Fused, _PygGCNConv):
     One argument beyond PyG's: ``fuse_relu=True`` applies the ReLU that usually follows the layer
     in the same kernel (the backward keeps a 1-bit mask instead of the output). Falls back to
     PyG's code, with a one-time warning, for an ``edge_weight`` that requires grad and for graphs
-    that are not an ``edge_index`` tensor."""
+    that are not an ``edge_index`` tensor. A :class:`trisparse.distributed.DistributedPattern`
+    as ``edge_index`` computes this rank's rows of a partitioned graph."""
 
     def __init__(self, *args, fuse_relu: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
@@ -60,6 +62,8 @@ class GCNConv(_Fused, _PygGCNConv):
         return self._matrix
 
     def forward(self, x: Tensor, edge_index, edge_weight=None) -> Tensor:
+        if isinstance(edge_index, DistributedPattern):
+            return self._distributed_gcn(x, edge_index, edge_weight)
         reason = None
         if isinstance(x, (tuple, list)):
             reason = "bipartite inputs are not supported"
@@ -73,6 +77,27 @@ class GCNConv(_Fused, _PygGCNConv):
             return F.relu(out) if self.fuse_relu else out
         matrix = self._propagation(x, edge_index, edge_weight)
         return gcn_conv(matrix, x, self.lin.weight, self.bias, relu=self.fuse_relu)
+
+    def _distributed_gcn(self, x: Tensor, dp: DistributedPattern, edge_weight) -> Tensor:
+        """This rank's rows of a partitioned graph: PyG's gcn_norm over the whole graph, the
+        interior rows while the halo's features arrive, then the boundary rows."""
+        if edge_weight is not None:
+            raise ValueError("edge_weight is not taken with a DistributedPattern")
+
+        def compute(x_src, _x_dst, side, _attr):
+            # The side's matrix is rectangular (the fused layer takes square ones): the SpMM on
+            # the narrower of x and x W.
+            matrix = dp.gcn_matrix(side, self.improved, self.add_self_loops, self.normalize)
+            weight = self.lin.weight.to(x_src.dtype)
+            if weight.shape[0] < weight.shape[1]:
+                out = spmm(matrix, F.linear(x_src, weight))
+            else:
+                out = F.linear(spmm(matrix, x_src), weight)
+            if self.bias is not None:
+                out = out + self.bias
+            return F.relu(out) if self.fuse_relu else out
+
+        return dp.run(compute, x)
 
 
 # The matrices that compiled graphs hold (by id), kept alive for them.

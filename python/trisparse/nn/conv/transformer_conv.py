@@ -11,6 +11,7 @@ from torch_geometric.nn import TransformerConv as _PygTransformerConv
 
 from ...attention import sparse_attention
 from ...copies import copy_aggregate, copy_dot, copy_logsumexp, copy_sum, copy_weights, to_copies
+from ...distributed import DistributedPattern
 from ...edge import edge_softmax, edge_spmm, sddmm
 from ...edge_attention import edge_attention, edge_attention_supported
 from ._common import _edge_features, _Fused, _input_edges
@@ -31,6 +32,8 @@ class TransformerConv(_Fused, _PygTransformerConv):
     softmax and dropout per input edge, then the per-edge SpMM; an edge feature a_ij enters as
     q_i . W_e a_ij on the score and W_e sum_j alpha_ij a_ij on the output (exact by linearity), so
     only [E, edge_dim] and [N, heads, edge_dim] tensors appear.
+    With a :class:`trisparse.distributed.DistributedPattern` as ``edge_index`` and this rank's
+    rows as ``x``, it computes this rank's rows of a partitioned graph (halo exchange included).
     Falls back to PyG's code, with a one-time warning, only for edge features or attention weights
     over a graph given as a ``SparseTensor``."""
 
@@ -39,6 +42,8 @@ class TransformerConv(_Fused, _PygTransformerConv):
         self._init_fused()
 
     def forward(self, x, edge_index, edge_attr=None, return_attention_weights=None):
+        if isinstance(edge_index, DistributedPattern):
+            return self._distributed(x, edge_index, edge_attr, return_attention_weights)
         edge_attr, per_edge, unfused = self._edge_request(
             edge_index, edge_attr, return_attention_weights
         )
