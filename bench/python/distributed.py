@@ -20,6 +20,7 @@ line each. NCCL_NVLS_ENABLE=0 is set for every process (NVLink multicast stays o
 """
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -79,6 +80,20 @@ def wall_ms(fn, repeat):
     return sorted(times)[len(times) // 2]
 
 
+def profiled(fn, label):
+    """With --profile: the CUDA kernels of one fn() (torch.profiler), the top 15, to stderr."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=15, max_name_column_width=70
+    )
+    print(f"== {label}\n{table}", file=sys.stderr, flush=True)
+
+
 def timed(fn, repeat):
     """wall_ms of a collective step: the slowest rank's."""
     t = torch.tensor([wall_ms(fn, repeat)], device=DEVICE)
@@ -117,6 +132,11 @@ def link_worker(rank, world, args, queue):
     dist.destroy_process_group()
 
 
+class _Arrived:
+    def wait(self):
+        pass
+
+
 def step_worker(rank, world, args, spec, queue):
     import trisparse.nn
     from trisparse.distributed import DistributedPattern, partition, partition_stats
@@ -146,23 +166,25 @@ def step_worker(rank, world, args, spec, queue):
                 out = layer(x, dp)
             out.backward(dout.to(out.dtype))
 
+        # The step with the halo already there (no exchange): its compute alone.
+        resident = copy.copy(dp)
         halo = dp.exchange(x.detach())
+        resident.start_exchange = lambda _x, halo=halo: (halo, _Arrived())
 
-        def compute(x=x, halo=halo, dout=dout, autocast=autocast):
+        def compute(x=x, dout=dout, autocast=autocast):
             layer.zero_grad(set_to_none=True)
-            outs = []
+            x.grad = None
             with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
-                for side in (0, 1):
-                    if dp.pattern(side).num_rows:
-                        x_src = x if side == 0 else torch.cat([x, halo])
-                        rows = x[: dp.num_interior] if side == 0 else x[dp.num_interior :]
-                        outs.append(layer((x_src, rows), dp.pattern(side)))
-            torch.cat(outs).backward(dout.to(outs[0].dtype))
+                out = layer(x, resident)
+            out.backward(dout.to(out.dtype))
 
         def exchange(x=x):
             h = dp.exchange(x)
             h.backward(torch.ones_like(h))
 
+        if args.profile and rank == 0:
+            profiled(step, f"step {spec['kind']} {dtype} {world} GPUs")
+            profiled(compute, f"compute {spec['kind']} {dtype} {world} GPUs")
         ms = timed(step, args.repeat)
         compute_ms = wall_ms(compute, args.repeat)
         exchange_ms = wall_ms(exchange, args.repeat)
@@ -216,6 +238,8 @@ def single_gpu(args, spec):
                 y = layer(x, pattern)
             y.backward(dout.to(y.dtype))
 
+        if args.profile:
+            profiled(step, f"one GPU {spec['kind']} {dtype}")
         out[dtype] = wall_ms(step, args.repeat)
     return out
 
@@ -249,6 +273,7 @@ def main():
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--partition", choices=["metis", "community", "random"], default="random")
     ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--profile", action="store_true", help="kernel tables to stderr")
     ap.add_argument("--max-bytes", type=int, default=1 << 30)
     args = ap.parse_args()
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke run)"

@@ -140,12 +140,15 @@ class DistributedPattern:
         num_nodes: int | None = None,
         group=None,
         add_self_loops: bool = False,
+        min_interior: float = 0.2,
     ) -> DistributedPattern:
         """From the whole graph (PyG's edge_index: edge (j, i) lets target i attend source j,
         repeats counted as PyG counts them) and each node's part (:func:`partition`; part r is
         rank r's). ``add_self_loops`` adds one (i, i) per node after removing the input's (GAT's
         default); the layer's own ``add_self_loops`` is not applied to a DistributedPattern. The
-        structures are built on edge_index's device."""
+        structures are built on edge_index's device. Where fewer than ``min_interior`` of the
+        owned rows are interior, all rows are computed after the exchange (an interior that
+        small hides little of it, and a second pass over the sources costs more)."""
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "DistributedPattern.build needs torch.distributed initialised "
@@ -178,6 +181,8 @@ class DistributedPattern:
         on_boundary = torch.zeros(n, dtype=torch.bool, device=ei.device)
         on_boundary[e_dst[remote]] = True
         owned_here = part == rank
+        if int((owned_here & ~on_boundary).sum()) < min_interior * int(owned_here.sum()):
+            on_boundary = owned_here
         interior = (owned_here & ~on_boundary).nonzero().view(-1)
         boundary = on_boundary.nonzero().view(-1)
         self.owned = torch.cat([interior, boundary])
@@ -219,11 +224,14 @@ class DistributedPattern:
     def exchange(self, x: Tensor) -> Tensor:
         """The halo's rows of a per-node tensor: ``x`` holds this rank's owned rows (local order),
         the result the halo's, from their owners (collective; differentiable)."""
-        halo, work = self._start(x)
-        work.wait()
+        halo, arrived = self.start_exchange(x)
+        arrived.wait()
         return halo
 
-    def _start(self, x: Tensor):
+    def start_exchange(self, x: Tensor):
+        """:meth:`exchange` started: (the halo's rows, a handle whose ``wait()`` must come before
+        they are read). On CUDA ``wait()`` orders the current stream after the transfer without
+        blocking the host, so work queued before it overlaps the transfer."""
         if x.shape[0] != self.num_owned:
             raise ValueError(
                 f"x must hold this rank's {self.num_owned} owned rows (DistributedPattern.local), "
@@ -233,32 +241,22 @@ class DistributedPattern:
         halo = _HaloExchange.apply(x, self, pending)
         return halo, pending[0]
 
-    def run(self, compute, x: Tensor, edge_attr: Tensor | None = None) -> Tensor:
-        """``compute(x_src, x_dst, side, edge_attr)`` over the interior rows while the halo's rows
-        of ``x`` arrive, then over the boundary rows; returns the rows stacked in the local order.
-        side 0 is the interior (x_src: the owned rows), 1 the boundary (x_src: owned, then halo);
-        :meth:`pattern` gives its Pattern, and ``edge_attr`` is given as its edges' rows."""
-        halo, work = self._start(x)
-        out = []
-        for side in (0, 1):
-            if side == 1:
-                work.wait()
-                x_src = torch.cat([x, halo])
-            else:
-                x_src = x
-            first, last = (0, self.num_interior) if side == 0 else (self.num_interior, None)
-            if self.pattern(side).num_rows == 0:
-                continue
-            attr = None if edge_attr is None else edge_attr[self._side_edge_ids(side, edge_attr)]
-            out.append(compute(x_src, x[first:last], side, attr))
-        return out[0] if len(out) == 1 else torch.cat(out)
+    def rows(self, side: int) -> slice:
+        """The local rows of the interior (0) or the boundary (1)."""
+        return (
+            slice(0, self.num_interior) if side == 0 else slice(self.num_interior, self.num_owned)
+        )
 
     def pattern(self, side: int) -> Pattern:
-        """The Pattern of the interior (0) or boundary (1) rows, over local source ids."""
+        """The Pattern of the interior (0) rows over the owned sources, or of the boundary (1)
+        rows over the owned then the halo's sources (local ids)."""
         return self._sides[side][1]
 
-    def _side_edge_ids(self, side: int, edge_attr: Tensor) -> Tensor:
-        ids = self._edge_ids[self._sides[side][0]]
+    def edge_rows(self, side: int, edge_attr: Tensor | None) -> Tensor | None:
+        """The rows of a per-edge tensor of the whole graph (edge_attr) that the side's Pattern
+        was built from, in its input order."""
+        if edge_attr is None:
+            return None
         if self.add_self_loops:
             raise ValueError(
                 "edge_attr: a DistributedPattern built with add_self_loops has no features for "
@@ -269,7 +267,23 @@ class DistributedPattern:
                 f"edge_attr must have one row per edge of the whole graph "
                 f"({self._global[0].shape[1]}), got {edge_attr.shape[0]}"
             )
-        return ids.to(edge_attr.device)
+        return edge_attr[self._edge_ids[self._sides[side][0]].to(edge_attr.device)]
+
+    def run(self, compute, x: Tensor, edge_attr: Tensor | None = None) -> Tensor:
+        """``compute(x_src, x_dst, side, edge_attr)`` over the interior rows while the halo's rows
+        of ``x`` arrive, then over the boundary rows; returns the rows stacked in the local order.
+        side 0 is the interior (x_src: the owned rows), 1 the boundary (x_src: owned, then halo);
+        :meth:`pattern` gives its Pattern, and ``edge_attr`` is given as its edges' rows."""
+        halo, arrived = self.start_exchange(x)
+        out = []
+        for side in (0, 1):
+            if side == 1:
+                arrived.wait()
+            rows = self.rows(side)
+            if rows.stop > rows.start:
+                x_src = x if side == 0 else torch.cat([x, halo])
+                out.append(compute(x_src, x[rows], side, self.edge_rows(side, edge_attr)))
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     def gcn_matrix(self, side: int, improved: bool, add_self_loops: bool, normalize: bool):
         """GCN's propagation rows of one side: PyG's gcn_norm over the whole graph (degrees of

@@ -16,10 +16,14 @@ N, F, E = 70, 8, 360
 
 
 def _graph(seed: int = 3):
-    """A multigraph with repeated edges, self loops and isolated nodes (the last five)."""
+    """A multigraph of two communities (80 % of the edges inside one) with repeated edges, self
+    loops and isolated nodes (the last five)."""
     gen = torch.Generator().manual_seed(seed)
+    half = (N - 5) // 2
     src = torch.randint(0, N - 5, (E,), generator=gen)
-    dst = torch.randint(0, N - 5, (E,), generator=gen)
+    inside = src // half * half + torch.randint(0, half, (E,), generator=gen)
+    anywhere = torch.randint(0, N - 5, (E,), generator=gen)
+    dst = torch.where(torch.rand(E, generator=gen) < 0.8, inside.clamp_max(N - 6), anywhere)
     dst[:40] = src[:40]  # self loops
     ei = torch.stack([src, dst])
     ei = torch.cat([ei, ei[:, 50:80]], dim=1)  # repeated edges
@@ -52,7 +56,11 @@ def _worker(rank: int, world: int, path: str, backend: str, dtype_name: str, met
     for name, (layer, loops, edges) in _layers().items():
         layer = layer.to(device, dtype)
         if loops not in patterns:
-            patterns[loops] = DistributedPattern.build(ei, part, N, add_self_loops=loops)
+            # Without loops the rows are split (interior, then boundary after the exchange); with
+            # them, every row waits for the exchange.
+            patterns[loops] = DistributedPattern.build(
+                ei, part, N, add_self_loops=loops, min_interior=1.0 if loops else 0.0
+            )
         dp = patterns[loops]
         grads = []
         for _ in range(2):  # twice: the gradients must repeat bitwise
@@ -70,6 +78,7 @@ def _worker(rank: int, world: int, path: str, backend: str, dtype_name: str, met
             "dx": grads[0][1].double().cpu(),
             "dparams": grads[0][2].cpu(),
             "repeatable": same,
+            "interior": dp.num_interior,
         }
     torch.save(results, f"{path}.rank{rank}")
     dist.barrier()
@@ -121,6 +130,10 @@ def _run(tmp_path, backend: str, dtype: str, method: str, tol: float):
         for r in ranks:
             assert torch.allclose(r[name]["dparams"], dparams, atol=tol * 10, rtol=tol), name
             assert r[name]["repeatable"], f"{name}: gradients differ between two runs"
+            if name != "gat":
+                assert 0 < r[name]["interior"] < int(r[name]["owned"].numel()), "no split"
+            else:
+                assert r[name]["interior"] == 0
 
 
 def test_layers_over_two_processes_equal_one_process_float64(tmp_path):

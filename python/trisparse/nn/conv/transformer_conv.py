@@ -57,25 +57,37 @@ class TransformerConv(_Fused, _PygTransformerConv):
         query = self.lin_query(x_dst).view(-1, H, C)
         key = self.lin_key(x_src).view(-1, H, C)
         value = self.lin_value(x_src).view(-1, H, C)
-        scale = 1.0 / math.sqrt(C)
+        out, alpha = self._attend(
+            query, key, value, pattern, edge_attr, per_edge, return_attention_weights
+        )
+        out = self._finish(out, x_dst)
+        if return_attention_weights:
+            return out, (edge_index, alpha)
+        return out
+
+    def _attend(self, query, key, value, pattern, edge_attr, per_edge, return_weights):
+        """The attention of projected [N, H, C] query, key and value over `pattern`: (out, the
+        input edges' weights where the per-edge path ran, else None)."""
+        scale = 1.0 / math.sqrt(self.out_channels)
         dropout = self.dropout if self.training else 0.0
-        alpha = None
         features = self.edge_dim if edge_attr is not None else 0
         # Repeated edges, edge features and dropout take the multigraph kernels (each copy its
         # own edge); a plain graph takes the tensor-core attention.
         fused_edges = (
             (edge_attr is not None or dropout > 0 or pattern.duplicates > 0)
-            and not return_attention_weights
+            and not return_weights
             and edge_attention_supported(pattern, query, features)
         )
         if fused_edges:
-            out = self._edge_attention(query, key, value, edge_attr, pattern, scale, dropout)
-        elif per_edge or dropout > 0:
-            out, alpha = self._per_edge(query, key, value, edge_attr, pattern, scale, dropout > 0)
-        else:
-            bias = pattern.log_multiplicity(query.device)
-            out = sparse_attention(query, key, value, pattern, scale=scale, bias=bias)
-        out = out.reshape(-1, H * C) if self.concat else out.mean(dim=1)
+            return self._edge_attention(query, key, value, edge_attr, pattern, scale, dropout), None
+        if per_edge or dropout > 0:
+            return self._per_edge(query, key, value, edge_attr, pattern, scale, dropout > 0)
+        bias = pattern.log_multiplicity(query.device)
+        return sparse_attention(query, key, value, pattern, scale=scale, bias=bias), None
+
+    def _finish(self, out, x_dst):
+        """The heads concatenated or averaged, then the skip connection (gated with beta)."""
+        out = out.reshape(-1, self.heads * self.out_channels) if self.concat else out.mean(dim=1)
         if self.root_weight:
             x_r = self.lin_skip(x_dst)
             if self.lin_beta is not None:
@@ -83,9 +95,37 @@ class TransformerConv(_Fused, _PygTransformerConv):
                 out = beta * x_r + (1 - beta) * out
             else:
                 out = out + x_r
-        if return_attention_weights:
-            return out, (edge_index, alpha)
         return out
+
+    def _distributed(self, x, dp, edge_attr=None, return_attention_weights=None):
+        """This rank's rows of a partitioned graph: the owned rows projected once, the interior
+        rows attended while the halo's inputs arrive, then the halo's keys and values projected
+        and the boundary rows attended."""
+        self._check_distributed(x, return_attention_weights)
+        if self.lin_edge is None:
+            edge_attr = None
+        elif edge_attr is None:
+            raise ValueError("edge_attr: this layer has edge_dim set and needs edge features")
+        H, C = self.heads, self.out_channels
+        halo, arrived = dp.start_exchange(x)
+        query = self.lin_query(x).view(-1, H, C)
+        key, value = self.lin_key(x).view(-1, H, C), self.lin_value(x).view(-1, H, C)
+        outs = []
+        for side in (0, 1):
+            if side == 1:
+                arrived.wait()
+                key = torch.cat([key, self.lin_key(halo).view(-1, H, C)])
+                value = torch.cat([value, self.lin_value(halo).view(-1, H, C)])
+            rows = dp.rows(side)
+            if rows.stop > rows.start:
+                attr = dp.edge_rows(side, edge_attr)
+                pattern = dp.pattern(side)
+                out, _ = self._attend(
+                    query[rows], key, value, pattern, attr, attr is not None, None
+                )
+                outs.append(out)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return self._finish(out, x)
 
     def _edge_attention(self, query, key, value, edge_attr, pattern, scale, dropout):
         """Edge features or attention dropout on CUDA, fused: the score term q_i . W_e a_ij =
