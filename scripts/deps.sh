@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what trisparse needs on Debian 12, by package name: apt, then PyPI (NumPy where the
 # python3 on PATH lacks it; for the Python package, unless TRISPARSE_DEPS=cpp: torch,
-# torch_geometric, scipy, pytest, nanobind, scikit-build-core and Pillow).
+# torch_geometric, scipy, pytest, nanobind, scikit-build-core, Pillow and pymetis).
 set -euo pipefail
 sudo=""
 [ "$(id -u)" -eq 0 ] || sudo="sudo"
@@ -25,7 +25,7 @@ pip_install() {
 python3 -c "import numpy" 2>/dev/null || pip_install numpy || true
 # The Python package's build and tests: skipped by the demo (TRISPARSE_DEPS=cpp).
 if [ "${TRISPARSE_DEPS:-all}" = all ]; then
-  python3 -c "import torch, torch_geometric, scipy, pytest, nanobind, scikit_build_core, PIL" \
+  python3 -c "import torch, torch_geometric, scipy, pytest, nanobind, scikit_build_core, PIL, pymetis" \
     2>/dev/null || pip_install "torch>=2.4" "torch_geometric>=2.5" scipy pytest "nanobind>=2.0" \
-      "scikit-build-core>=0.10" pillow
+      "scikit-build-core>=0.10" pillow pymetis
 fi

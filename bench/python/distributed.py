@@ -5,6 +5,7 @@
     python3 bench/python/distributed.py weak --gpus 1 2 --edges-per-gpu 25000000
     python3 bench/python/distributed.py strong --gpus 1 2 --edges 65000000
     python3 bench/python/distributed.py strong --gpus 1 2 --graph data/snap_web_notredame.el.xz
+    python3 bench/python/distributed.py partition --parts 2 4 8 --graph data/*.el.xz   # CPU
 
 link: NCCL all_to_all_single (each rank sends size / world to every rank) and send/recv between
 ranks 0 and 1, 4 KB - 1 GB, CUDA-event medians; the alpha (latency) and beta (bytes/s) fitted to
@@ -17,6 +18,8 @@ partitioned by --partition; fp32 and bf16 (the features in bf16, autocast). Repo
 backward alone: exchange), the halo, and for GPUs > 1 the efficiency against the same graph
 (strong) or the one-GPU graph (weak) on one GPU without any exchange (a plain Pattern). One JSON
 line each. NCCL_NVLS_ENABLE=0 is set for every process (NVLink multicast stays off).
+partition (no GPU): each method of trisparse.distributed.partition on each --graph into each
+--parts: edge cut, halo, balance (partition_stats) and seconds.
 """
 
 import argparse
@@ -244,6 +247,31 @@ def single_gpu(args, spec):
     return out
 
 
+def partition_quality(args):
+    import trisparse.datasets
+    from trisparse.distributed import PARTITION_METHODS, partition, partition_stats
+
+    for path in args.graph:
+        ei, n = trisparse.datasets.read_graph(path)
+        for parts in args.parts:
+            for method in PARTITION_METHODS:
+                start = time.perf_counter()
+                part = partition(ei, parts, num_nodes=n, method=method)
+                seconds = time.perf_counter() - start
+                stats = partition_stats(ei, part, parts)
+                emit(
+                    {
+                        "graph": os.path.basename(path).split(".")[0],
+                        "nodes": n,
+                        "edges": int(ei.shape[1]),
+                        "parts": parts,
+                        "method": method,
+                        "seconds": seconds,
+                        **stats,
+                    }
+                )
+
+
 def spawn(fn, world, *args):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(29600 + int(time.time()) % 300)
@@ -261,7 +289,7 @@ def emit(record):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("mode", choices=["link", "weak", "strong"])
+    ap.add_argument("mode", choices=["link", "weak", "strong", "partition"])
     ap.add_argument("--gpus", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--kinds", nargs="*", default=["rmat", "uniform"])
     ap.add_argument("--edges-per-gpu", type=int, default=25_000_000)
@@ -275,7 +303,11 @@ def main():
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--profile", action="store_true", help="kernel tables to stderr")
     ap.add_argument("--max-bytes", type=int, default=1 << 30)
+    ap.add_argument("--parts", type=int, nargs="+", default=[2, 4, 8])
     args = ap.parse_args()
+    if args.mode == "partition":
+        partition_quality(args)
+        return
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke run)"
     if args.mode == "link":
         for world in [g for g in args.gpus if g > 1]:

@@ -49,7 +49,8 @@ def partition(
     """The part of each node (int64 [num_nodes], in 0 .. num_parts - 1).
 
     ``method``: ``"metis"`` (METIS's k-way partition of the symmetrised graph through the
-    ``pymetis`` package: the smallest edge cut, balanced node counts), ``"community"`` (no
+    ``pymetis`` package: the smallest edge cut, parts of balanced in-edges + nodes, the attention's
+    work), ``"community"`` (no
     package: trisparse's community order, label propagation then reverse Cuthill-McKee, cut into
     contiguous ranges of equal in-edges + nodes) or ``"random"`` (equal node counts, the baseline).
     :func:`partition_stats` reports the cut and the balance."""
@@ -91,7 +92,11 @@ def partition(
     pairs = torch.unique(a * n + b)  # sorted by a, then b: the CSR of the symmetric graph
     xadj = torch.zeros(n + 1, dtype=torch.int64)
     xadj[1:] = torch.bincount(pairs // n, minlength=n).cumsum(0)
-    _, parts = pymetis.part_graph(num_parts, xadj=xadj.numpy(), adjncy=(pairs % n).numpy())
+    # Each node weighs its in-edges + 1 (its row's attention work), so the parts balance work.
+    work = (torch.bincount(dst, minlength=n) + 1).numpy()
+    _, parts = pymetis.part_graph(
+        num_parts, xadj=xadj.numpy(), adjncy=(pairs % n).numpy(), vweights=work
+    )
     return torch.as_tensor(parts, dtype=torch.int64)
 
 
