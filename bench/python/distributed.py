@@ -6,6 +6,7 @@
     python3 bench/python/distributed.py strong --gpus 1 2 --edges 65000000
     python3 bench/python/distributed.py strong --gpus 1 2 --graph data/snap_web_notredame.el.xz
     python3 bench/python/distributed.py partition --parts 2 4 8 --graph data/*.el.xz   # CPU
+    python3 bench/python/distributed.py context --gpus 1 2 --seq 262144 1048576
 
 link: NCCL all_to_all_single (each rank sends size / world to every rank) and send/recv between
 ranks 0 and 1, 4 KB - 1 GB, CUDA-event medians; the alpha (latency) and beta (bytes/s) fitted to
@@ -18,6 +19,10 @@ partitioned by --partition; fp32 and bf16 (the features in bf16, autocast). Repo
 backward alone: exchange), the halo, and for GPUs > 1 the efficiency against the same graph
 (strong) or the one-GPU graph (weak) on one GPU without any exchange (a plain Pattern). One JSON
 line each. NCCL_NVLS_ENABLE=0 is set for every process (NVLink multicast stays off).
+context: block-sparse attention over one sequence split across the GPUs
+(trisparse.distributed.ContextParallel), forward + backward, B = 1, H = 8, D = 64, bf16, G =
+--block, a random per-head mask keeping 1 - --sparsity of the blocks (causal: of the lower
+triangle, diagonal kept) against block_sparse_attention on one GPU (strong scaling).
 partition (no GPU): each method of trisparse.distributed.partition on each --graph into each
 --parts: edge cut, halo, balance (partition_stats) and seconds.
 """
@@ -247,6 +252,71 @@ def single_gpu(args, spec):
     return out
 
 
+def context_mask(seq, args, causal):
+    nb = seq // args.block
+    gen = torch.Generator().manual_seed(3)
+    blocks = torch.rand(1, 8, nb, nb, generator=gen) < 1 - args.sparsity
+    if causal:
+        blocks &= torch.ones(nb, nb, dtype=torch.bool).tril()
+        blocks |= torch.eye(nb, dtype=torch.bool)
+    return blocks
+
+
+def context_worker(rank, world, args, seq, causal, queue):
+    import trisparse
+    from trisparse.distributed import ContextParallel
+
+    init(rank, world)
+    mask = trisparse.BlockMask(context_mask(seq, args, causal).to(DEVICE), args.block, causal)
+    start = time.perf_counter()
+    cp = ContextParallel.build(mask, seq)
+    build_s = time.perf_counter() - start
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    q, k, v, dout = (
+        cp.shard(torch.randn(1, 8, seq, 64, device=DEVICE, generator=gen, dtype=dtype))
+        for _ in range(4)
+    )
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        cp.attention(*leaves).backward(dout)
+
+    ms = timed(step, args.repeat)
+    if rank == 0:
+        queue.put(
+            {
+                "seq": seq,
+                "causal": causal,
+                "gpus": world,
+                "layout": cp.layout,
+                "step_ms": ms,
+                "received_blocks": cp.num_halo,
+                "owned_blocks": int(cp.owned_blocks.numel()),
+                "build_s": build_s,
+            }
+        )
+    dist.destroy_process_group()
+
+
+def context_single(args, seq, causal):
+    import trisparse
+
+    mask = trisparse.BlockMask(context_mask(seq, args, causal).to(DEVICE), args.block, causal)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    q, k, v, dout = (torch.randn(1, 8, seq, 64, device=DEVICE, dtype=dtype) for _ in range(4))
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        trisparse.block_sparse_attention(*leaves, mask).backward(dout)
+
+    return wall_ms(step, args.repeat)
+
+
 def partition_quality(args):
     import trisparse.datasets
     from trisparse.distributed import PARTITION_METHODS, partition, partition_stats
@@ -289,7 +359,7 @@ def emit(record):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("mode", choices=["link", "weak", "strong", "partition"])
+    ap.add_argument("mode", choices=["link", "weak", "strong", "partition", "context"])
     ap.add_argument("--gpus", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--kinds", nargs="*", default=["rmat", "uniform"])
     ap.add_argument("--edges-per-gpu", type=int, default=25_000_000)
@@ -304,11 +374,23 @@ def main():
     ap.add_argument("--profile", action="store_true", help="kernel tables to stderr")
     ap.add_argument("--max-bytes", type=int, default=1 << 30)
     ap.add_argument("--parts", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--seq", type=int, nargs="+", default=[262144, 1048576])
+    ap.add_argument("--block", type=int, default=128)
+    ap.add_argument("--sparsity", type=float, default=0.9)
     args = ap.parse_args()
     if args.mode == "partition":
         partition_quality(args)
         return
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke run)"
+    if args.mode == "context":
+        for seq in args.seq:
+            for causal in (False, True):
+                one = context_single(args, seq, causal)
+                for world in [g for g in args.gpus if g > 1]:
+                    for r in spawn(context_worker, world, args, seq, causal):
+                        r.update(one_gpu_ms=one, efficiency=one / (world * r["step_ms"]))
+                        emit({**r, "mode": "context", "device": device})
+        return
     if args.mode == "link":
         for world in [g for g in args.gpus if g > 1]:
             for r in spawn(link_worker, world, args):

@@ -242,9 +242,7 @@ class DistributedPattern:
                 f"x must hold this rank's {self.num_owned} owned rows (DistributedPattern.local), "
                 f"got {x.shape[0]}"
             )
-        pending: list = []
-        halo = _HaloExchange.apply(x, self, pending)
-        return halo, pending[0]
+        return _start_halo(x, self)
 
     def rows(self, side: int) -> slice:
         """The local rows of the interior (0) or the boundary (1)."""
@@ -333,9 +331,159 @@ class DistributedPattern:
         )
 
 
+CONTEXT_LAYOUTS = ("contiguous", "zigzag")
+
+
+def _owner_of_blocks(num_blocks: int, world: int, layout: str) -> Tensor:
+    """The rank of each block of the sequence: ``contiguous``, p ranges of equal blocks, or
+    ``zigzag``, 2p ranges with rank r holding ranges r and 2p - 1 - r (a causal mask's rows then
+    weigh alike on every rank)."""
+    chunks = world if layout == "contiguous" else 2 * world
+    chunk = torch.arange(num_blocks) * chunks // max(1, num_blocks)
+    return chunk if layout == "contiguous" else torch.minimum(chunk, 2 * world - 1 - chunk)
+
+
+class ContextParallel:
+    """Block-sparse attention over one long sequence split across the ranks (context
+    parallelism): each rank holds the query, key and value rows of its blocks (:meth:`shard`),
+    receives from the others only the key and value blocks that its rows' kept blocks read (a
+    block the mask drops is neither sent nor computed), and computes its rows' output; the
+    backward returns the received blocks' gradients to their owners, summed there in rank order
+    (bitwise repeatable).
+
+    Built by every rank of the group together from the whole mask (``mask``: a :class:`BlockMask`
+    over [N, N], N = ``seq_len``). ``layout``: ``"zigzag"`` (the default for a causal mask: each
+    rank holds a block range from each end, so causal rows cost alike) or ``"contiguous"``. The
+    rows are computed in place in full-length buffers (zeros outside this rank's and the received
+    blocks), so the mask's block positions and its causal diagonal hold as they are."""
+
+    def __init__(self):
+        raise TypeError("use ContextParallel.build(mask, seq_len)")
+
+    @classmethod
+    def build(cls, mask, seq_len: int, group=None, layout: str | None = None) -> ContextParallel:
+        from .block_sparse import BlockMask
+
+        if not isinstance(mask, BlockMask):
+            raise TypeError(f"mask must be a trisparse.BlockMask, got {type(mask).__name__}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "ContextParallel.build needs torch.distributed initialised "
+                "(torch.distributed.init_process_group)"
+            )
+        layout = layout or ("zigzag" if mask.causal else "contiguous")
+        if layout not in CONTEXT_LAYOUTS:
+            raise ValueError(f"layout must be one of {CONTEXT_LAYOUTS}, not {layout!r}")
+        g = mask.block_size
+        blocks = mask.blocks.cpu()
+        num_blocks = blocks.shape[2]
+        if seq_len % g or blocks.shape[2] != seq_len // g or blocks.shape[3] != num_blocks:
+            raise ValueError(
+                f"mask must be [.., {seq_len // g}, {seq_len // g}] blocks of {g} for seq_len "
+                f"{seq_len} (a multiple of the block size), got {tuple(blocks.shape)}"
+            )
+        self = object.__new__(cls)
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.group = dist.new_group(list(range(world))) if group is None else group
+        self.rank, self.world_size, self.seq_len, self.block_size = rank, world, seq_len, g
+        self.layout = layout
+        owner = _owner_of_blocks(num_blocks, world, layout)
+        self.owned_blocks = (owner == rank).nonzero().view(-1)
+        if self.owned_blocks.numel() == 0:
+            raise ValueError(f"rank {rank} holds no block: seq_len / block_size < ranks")
+        reads = blocks.any(dim=(0, 1))  # [QB, KB]: key blocks some sequence / head reads
+        # The key blocks each rank's rows read from another rank: rank r's halo, by block id.
+        needs = torch.stack([reads[owner == r].any(dim=0) for r in range(world)])  # [world, KB]
+        needs &= owner.unsqueeze(0) != torch.arange(world).unsqueeze(1)
+        self.halo_blocks = needs[rank].nonzero().view(-1)  # sorted by id; owners sort them too
+        self.halo_blocks = self.halo_blocks[
+            torch.sort(owner[self.halo_blocks], stable=True).indices
+        ]
+        self.recv_counts = torch.bincount(owner[self.halo_blocks], minlength=world).tolist()
+        local = torch.full((num_blocks,), -1, dtype=torch.int64)
+        local[self.owned_blocks] = torch.arange(self.owned_blocks.numel())
+        mine = needs[:, owner == rank]  # [world, my blocks]: who reads which of my blocks
+        self.send_index = torch.cat(
+            [local[(owner == rank).nonzero().view(-1)[mine[r]]] for r in range(world)]
+        )
+        self.send_counts = [int(mine[r].sum()) for r in range(world)]
+        rows = torch.zeros(num_blocks, dtype=torch.bool)
+        rows[self.owned_blocks] = True
+        local_blocks = mask.blocks & rows.to(mask.blocks.device).view(1, 1, -1, 1)
+        self.mask = BlockMask(local_blocks, g, causal=mask.causal)
+        self._tokens: dict = {}
+        return self
+
+    @property
+    def num_halo(self) -> int:
+        return self.halo_blocks.numel()
+
+    def _token_index(self, blocks: Tensor, device) -> Tensor:
+        key = (int(blocks.data_ptr()), device)
+        if key not in self._tokens:
+            g = self.block_size
+            index = (blocks.view(-1, 1) * g + torch.arange(g)).view(-1)
+            self._tokens[key] = index.to(device)
+        return self._tokens[key]
+
+    def shard(self, x: Tensor) -> Tensor:
+        """This rank's rows [B, H, n_own, D] of a whole sequence's [B, H, N, D]."""
+        return x.index_select(2, self._token_index(self.owned_blocks, x.device))
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
+        """This rank's rows of block_sparse_attention(q, k, v, mask) over the whole sequence:
+        q, k, v are [B, H, n_own, D] (:meth:`shard`), the result [B, H, n_own, Dv]."""
+        from .block_sparse import block_sparse_attention
+
+        n_own = self.owned_blocks.numel() * self.block_size
+        for t, name in ((q, "q"), (k, "k"), (v, "v")):
+            if t.dim() != 4 or t.shape[2] != n_own:
+                raise ValueError(
+                    f"{name} must be this rank's rows [B, H, {n_own}, D] (ContextParallel.shard), "
+                    f"got {tuple(t.shape)}"
+                )
+        b, h, g = q.shape[0], q.shape[1], self.block_size
+
+        def as_blocks(t):  # [B, H, n, D] -> [blocks, G, B, H, D]: one row a block to exchange
+            return t.permute(2, 0, 1, 3).reshape(-1, g, b, h, t.shape[3])
+
+        def from_blocks(t):
+            return t.reshape(-1, b, h, t.shape[-1]).permute(1, 2, 0, 3)
+
+        kv = torch.cat([as_blocks(k), as_blocks(v)], dim=-1)
+        halo, arrived = _start_halo(kv, self)
+        own = self._token_index(self.owned_blocks, q.device)
+        full = q.new_zeros(b, h, self.seq_len, q.shape[3])
+        q_full = full.index_copy(2, own, q)
+        arrived.wait()
+        kv_halo = from_blocks(halo)
+        kv_all = torch.cat([k, v], dim=-1)
+        kv_full = kv_all.new_zeros(b, h, self.seq_len, kv_all.shape[3]).index_copy(2, own, kv_all)
+        if self.num_halo:
+            halo_tokens = self._token_index(self.halo_blocks, q.device)
+            kv_full = kv_full.index_copy(2, halo_tokens, kv_halo)
+        d = k.shape[3]
+        out = block_sparse_attention(q_full, kv_full[..., :d], kv_full[..., d:], self.mask, scale)
+        return out.index_select(2, own)
+
+    def __repr__(self) -> str:
+        return (
+            f"ContextParallel(rank={self.rank}/{self.world_size}, {self.layout}, "
+            f"blocks={self.owned_blocks.numel()}, received={self.num_halo}, "
+            f"sent={sum(self.send_counts)})"
+        )
+
+
+def _start_halo(x: Tensor, lists):
+    pending: list = []
+    halo = _HaloExchange.apply(x, lists, pending)
+    return halo, pending[0]
+
+
 class _HaloExchange(torch.autograd.Function):
-    """x_halo = the owners' rows, by all_to_all (started here, waited on by the caller through the
-    handle put in ``pending``); the backward returns each halo row's gradient to its owner and
+    """x_halo = the owners' rows along dim 0 (``lists``: a DistributedPattern or ContextParallel:
+    send_index, send_counts, recv_counts, num_halo, group), by all_to_all (started here, waited on
+    by the caller through the handle put in ``pending``); the backward returns each halo row's gradient to its owner and
     adds the ranks' contributions there in rank order (a fixed order: repeatable)."""
 
     @staticmethod

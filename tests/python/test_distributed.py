@@ -185,3 +185,86 @@ def test_partition_rejects_bad_arguments():
         partition(ei, 2, num_nodes=10, method="random")
     with pytest.raises(RuntimeError, match="init_process_group"):
         DistributedPattern.build(ei, partition(ei, 2, n, method="random"), n)
+
+
+SEQ, BLOCK = 256, 16
+
+
+def _cp_masks():
+    """A random per-head mask (contiguous split) and a causal one (zigzag split), 16 x 16 blocks;
+    the random one leaves rank 0's rows reading nothing of rank 1's last block."""
+    gen = torch.Generator().manual_seed(21)
+    nb = SEQ // BLOCK
+    rand = torch.rand(1, 2, nb, nb, generator=gen) < 0.4
+    rand[..., :8, 15] = False
+    causal = (torch.rand(2, 1, nb, nb, generator=gen) < 0.5) & torch.ones(nb, nb).tril().bool()
+    causal |= torch.eye(nb, dtype=torch.bool)  # every row keeps its diagonal block
+    return {"random": (rand, False), "causal": (causal, True)}
+
+
+def _cp_worker(rank: int, world: int, path: str, backend: str):
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    dist.init_process_group(backend, init_method=f"file://{path}.init", rank=rank, world_size=world)
+    device, dtype = torch.device("cpu"), torch.float64
+    if backend == "nccl":
+        device, dtype = torch.device("cuda", rank), torch.bfloat16
+        torch.cuda.set_device(device)
+    data = torch.load(f"{path}.inputs", weights_only=False)
+    data = {t: x.to(device, dtype) for t, x in data.items()}
+    results = {}
+    for name, (blocks, causal) in _cp_masks().items():
+        mask = trisparse.BlockMask(blocks.to(device), BLOCK, causal=causal)
+        cp = trisparse.distributed.ContextParallel.build(mask, SEQ)
+        q, k, v = (cp.shard(data[t]).requires_grad_() for t in ("q", "k", "v"))
+        out = cp.attention(q, k, v)
+        (out * cp.shard(data["w"])).sum().backward()
+        results[name] = {
+            "tokens": cp.shard(torch.arange(SEQ).view(1, 1, SEQ, 1)).view(-1),
+            "out": out.detach().double().cpu(),
+            "grads": [t.grad.double().cpu() for t in (q, k, v)],
+            "received": cp.halo_blocks.tolist(),
+            "owned": cp.owned_blocks.tolist(),
+        }
+    torch.save(results, f"{path}.rank{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _context_parallel(tmp_path, backend: str, dim: int, tol: float):
+    gen = torch.Generator().manual_seed(8)
+    data = {t: torch.randn(2, 2, SEQ, dim, generator=gen, dtype=torch.float64) for t in "qkvw"}
+    path = str(tmp_path / "cp")
+    torch.save(data, f"{path}.inputs")
+    mp.spawn(_cp_worker, args=(2, path, backend), nprocs=2, join=True)
+    ranks = [torch.load(f"{path}.rank{r}", weights_only=False) for r in range(2)]
+    for name, (blocks, causal) in _cp_masks().items():
+        mask = trisparse.BlockMask(blocks, BLOCK, causal=causal)
+        q, k, v = (data[t].clone().requires_grad_() for t in "qkv")
+        out = trisparse.block_sparse_attention(q, k, v, mask)
+        (out * data["w"]).sum().backward()
+        tokens = torch.cat([r[name]["tokens"] for r in ranks])
+        assert torch.equal(tokens.sort().values, torch.arange(SEQ))
+        got = torch.cat([r[name]["out"] for r in ranks], dim=2)
+        assert (got - out.detach()[:, :, tokens]).abs().max() <= tol, name
+        for i, ref in enumerate((q.grad, k.grad, v.grad)):
+            got = torch.cat([r[name]["grads"][i] for r in ranks], dim=2)
+            assert (got - ref[:, :, tokens]).abs().max() <= tol * max(1, ref.abs().max()), (name, i)
+        reads = blocks.any(dim=(0, 1))
+        for r in ranks:  # exactly the other rank's blocks that this rank's rows read
+            owned = torch.tensor(r[name]["owned"])
+            wanted = reads[owned].any(dim=0).nonzero().view(-1).tolist()
+            assert sorted(r[name]["received"]) == [b for b in wanted if b not in owned.tolist()]
+    zigzag = ranks[0]["causal"]["owned"]
+    assert zigzag[0] == 0 and zigzag[-1] == SEQ // BLOCK - 1, "zigzag: both ends on rank 0"
+    assert 15 not in ranks[0]["random"]["received"]
+
+
+def test_context_parallel_equals_one_process_float64(tmp_path):
+    _context_parallel(tmp_path, "gloo", 8, 1e-12)
+
+
+@pytest.mark.skipif(
+    not trisparse.cuda_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"
+)
+def test_context_parallel_over_two_gpus_nccl(tmp_path):
+    _context_parallel(tmp_path, "nccl", 64, 5e-2)
