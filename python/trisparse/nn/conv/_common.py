@@ -110,17 +110,6 @@ class _Fused:
         if not isinstance(x, Tensor):
             raise TypeError("x: with a DistributedPattern, pass this rank's rows as one tensor")
 
-    def _distributed(self, x, dp, edge_attr=None, return_attention_weights=None):
-        """This rank's rows of a partitioned graph (x: its owned rows): the layer over the
-        interior rows while the halo arrives, then over the boundary rows, each call bipartite
-        (sources: owned then halo rows; targets: the side's rows) over the side's Pattern."""
-        self._check_distributed(x, return_attention_weights)
-
-        def compute(x_src, x_dst, side, attr):
-            return self.forward((x_src, x_dst), dp.pattern(side), attr)
-
-        return dp.run(compute, x, edge_attr)
-
     def _fallback(self, reason: str, edge_index) -> None:
         if isinstance(edge_index, Pattern):
             raise TypeError(

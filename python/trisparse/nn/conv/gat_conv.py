@@ -83,15 +83,31 @@ class GATConv(_Fused, _PygGATConv):
         alpha_dst = (
             x_src.new_zeros(num_dst, H) if x_dst is None else (x_dst * self.att_dst).sum(dim=-1)
         )
+
+        def edge_terms():
+            return self._edge_terms(edge_attr, edge_index, pattern, num_src, num_dst)
+
+        out, weights = self._attend(
+            x_src, alpha_src, alpha_dst, pattern, edge_attr, edge_terms, per_edge,
+            return_attention_weights,
+        )  # fmt: skip
+        out = self._finish(out, res)
+        if return_attention_weights:
+            return out, (_with_loops(edge_index, pattern), weights)
+        return out
+
+    def _attend(
+        self, x_src, alpha_src, alpha_dst, pattern, edge_attr, edge_terms, per_edge, weights
+    ):
+        """GAT's attention of projected sources x_src [num_cols, H, C] with their and the
+        targets' terms over `pattern`: (out [num_rows, H, C], the input edges' weights where the
+        per-edge path ran, else None). ``edge_terms()`` gives the [E, H] edge terms."""
+        C = self.out_channels
         dropout = self.training and self.dropout > 0
-        weights = None
         multigraph = edge_attr is not None or pattern.duplicates
-        if (
-            multigraph and not return_attention_weights and edge_attention_supported(pattern, x_src)
-        ):  # fused over the input's edges, each copy its own term and dropout draw
-            a_edge = None
-            if edge_attr is not None:
-                a_edge = self._edge_terms(edge_attr, edge_index, pattern, num_src, num_dst)
+        if multigraph and not weights and edge_attention_supported(pattern, x_src):
+            # fused over the input's edges, each copy its own term and dropout draw
+            a_edge = edge_terms() if edge_attr is not None else None
             out = edge_gat_attention(
                 x_src,
                 alpha_src,
@@ -101,28 +117,65 @@ class GATConv(_Fused, _PygGATConv):
                 a_edge,
                 self.dropout if dropout else 0.0,
             )
-        elif per_edge or pattern.duplicates or C > _C.GatPlan.max_head_width:
-            a_edge = None
-            if edge_attr is not None:
-                a_edge = self._edge_terms(edge_attr, edge_index, pattern, num_src, num_dst)
-            out, weights = self._per_edge(x_src, alpha_src, alpha_dst, a_edge, pattern, dropout)
-        else:
-            keep = order = None
-            if dropout:  # PyG's dropout of the [E, H] weights, drawn in the input's edge order
-                keep = F.dropout(x_src.new_ones(pattern.nnz, H), p=self.dropout, training=True)
-                order = pattern.input_order(x_src.device)
-                order = None if order is None else order[1]
-            out = gat_attention(
-                x_src, alpha_src, alpha_dst, pattern, self.negative_slope, keep, order
-            )
-        out = out.reshape(-1, H * C) if self.concat else out.mean(dim=1)
+            return out, None
+        if per_edge or pattern.duplicates or C > _C.GatPlan.max_head_width:
+            a_edge = edge_terms() if edge_attr is not None else None
+            return self._per_edge(x_src, alpha_src, alpha_dst, a_edge, pattern, dropout)
+        keep = order = None
+        if dropout:  # PyG's dropout of the [E, H] weights, drawn in the input's edge order
+            keep = F.dropout(x_src.new_ones(pattern.nnz, self.heads), p=self.dropout, training=True)
+            order = pattern.input_order(x_src.device)
+            order = None if order is None else order[1]
+        out = gat_attention(x_src, alpha_src, alpha_dst, pattern, self.negative_slope, keep, order)
+        return out, None
+
+    def _finish(self, out, res):
+        """The heads concatenated or averaged, the residual and the bias."""
+        out = out.reshape(-1, self.heads * self.out_channels) if self.concat else out.mean(dim=1)
         if res is not None:
             out = out + res
         if self.bias is not None:
             out = out + self.bias
-        if return_attention_weights:
-            return out, (_with_loops(edge_index, pattern), weights)
         return out
+
+    def _distributed(self, x, dp, edge_attr=None, return_attention_weights=None):
+        """This rank's rows of a partitioned graph: the owned rows projected once, the interior
+        rows attended while the halo's inputs arrive, then the halo's rows projected and the
+        boundary rows attended."""
+        self._check_distributed(x, return_attention_weights)
+        if self.lin_edge is None:
+            edge_attr = None
+        H, C = self.heads, self.out_channels
+        halo, arrived = dp.start_exchange(x)
+        lin_src = self.lin if self.lin is not None else self.lin_src
+        lin_dst = self.lin if self.lin is not None else self.lin_dst
+        x_src = lin_src(x).view(-1, H, C)
+        x_dst = x_src if lin_dst is lin_src else lin_dst(x).view(-1, H, C)
+        alpha_src = (x_src * self.att_src).sum(dim=-1)
+        alpha_dst = (x_dst * self.att_dst).sum(dim=-1)
+        res = self.res(x) if getattr(self, "res", None) is not None else None
+        outs = []
+        for side in (0, 1):
+            if side == 1:
+                arrived.wait()
+                halo_src = lin_src(halo).view(-1, H, C)
+                x_src = torch.cat([x_src, halo_src])
+                alpha_src = torch.cat([alpha_src, (halo_src * self.att_src).sum(dim=-1)])
+            rows = dp.rows(side)
+            if rows.stop > rows.start:
+                pattern = dp.pattern(side)
+                attr = dp.edge_rows(side, edge_attr)  # (no self loops: edge_rows checks)
+
+                def edge_terms(pattern=pattern, attr=attr):
+                    return self._edge_terms(attr, None, pattern, 0, 0)
+
+                out, _ = self._attend(
+                    x_src, alpha_src, alpha_dst[rows], pattern, attr, edge_terms,
+                    attr is not None, None,
+                )  # fmt: skip
+                outs.append(out)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return self._finish(out, res)
 
     def _edge_terms(self, edge_attr, edge_index, pattern, num_src, num_dst) -> Tensor:
         """[E_in, H]: the edge term (W_e a . att_edge) summed over C = a . (W_e^T att_edge) of
