@@ -29,6 +29,7 @@ partition (no GPU): each method of trisparse.distributed.partition on each --gra
 
 import argparse
 import copy
+import functools
 import json
 import math
 import os
@@ -45,6 +46,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention_training import events_ms
+from pyg_sparse_cpu import median_ms
 
 
 def rmat(n_log2: int, edges: int, seed: int) -> torch.Tensor:
@@ -77,15 +79,7 @@ def graph_of(spec: dict) -> tuple[torch.Tensor, int]:
 
 def wall_ms(fn, repeat):
     """Median milliseconds of fn() (CUDA events; on the CPU --smoke runs, the wall clock)."""
-    if torch.cuda.is_available():
-        return events_ms(fn, repeat)
-    fn()  # warm-up
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - start))
-    return sorted(times)[len(times) // 2]
+    return events_ms(fn, repeat) if torch.cuda.is_available() else median_ms(fn, repeat)
 
 
 def profiled(fn, label):
@@ -167,24 +161,18 @@ def step_worker(rank, world, args, spec, queue):
         x.requires_grad_()
         dout = torch.randn(dp.num_owned, args.heads * args.channels, device=DEVICE, generator=gen)
 
-        def step(x=x, dout=dout, autocast=autocast):
+        def step(graph=dp, x=x, dout=dout, autocast=autocast):
             layer.zero_grad(set_to_none=True)
             x.grad = None
             with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
-                out = layer(x, dp)
+                out = layer(x, graph)
             out.backward(dout.to(out.dtype))
 
         # The step with the halo already there (no exchange): its compute alone.
         resident = copy.copy(dp)
         halo = dp.exchange(x.detach())
         resident.start_exchange = lambda _x, halo=halo: (halo, _Arrived())
-
-        def compute(x=x, dout=dout, autocast=autocast):
-            layer.zero_grad(set_to_none=True)
-            x.grad = None
-            with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
-                out = layer(x, resident)
-            out.backward(dout.to(out.dtype))
+        compute = functools.partial(step, resident)
 
         def exchange(x=x):
             h = dp.exchange(x)
