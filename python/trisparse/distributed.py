@@ -146,10 +146,13 @@ class DistributedPattern:
         group=None,
         add_self_loops: bool = False,
         min_interior: float = 0.2,
+        local_edges: bool = False,
     ) -> DistributedPattern:
         """From the whole graph (PyG's edge_index: edge (j, i) lets target i attend source j,
         repeats counted as PyG counts them) and each node's part (:func:`partition`; part r is
-        rank r's). ``add_self_loops`` adds one (i, i) per node after removing the input's (GAT's
+        rank r's). With ``local_edges`` each rank passes only the edges into its own rows (a
+        sharded load: no rank holds the whole graph), and the send lists are agreed by one
+        all_to_all of the halo's ids; ``edge_attr`` then has those edges' rows. ``add_self_loops`` adds one (i, i) per node after removing the input's (GAT's
         default); the layer's own ``add_self_loops`` is not applied to a DistributedPattern. The
         structures are built on edge_index's device. Where fewer than ``min_interior`` of the
         owned rows are interior, all rows are computed after the exchange (an interior that
@@ -171,7 +174,7 @@ class DistributedPattern:
         self.group = dist.new_group(list(range(world))) if group is None else group
         self.rank, self.world_size, self.num_nodes = rank, world, n
         self.add_self_loops = bool(add_self_loops)
-        self._global = (ei, part)
+        self._given = ei  # the edges given (the whole graph, or this rank's with local_edges)
         edge_ids = torch.arange(ei.shape[1], device=ei.device)
         src, dst = ei[0], ei[1]
         if add_self_loops:
@@ -181,6 +184,11 @@ class DistributedPattern:
             edge_ids = torch.cat([edge_ids[kept], torch.full_like(loops, -1)])
         p_src, p_dst = part[src], part[dst]
         mine = p_dst == rank
+        if local_edges and not bool(mine.all()):
+            raise ValueError(
+                "edge_index: with local_edges every edge must lead into this rank's rows "
+                f"(part[edge_index[1]] == {rank})"
+            )
         e_src, e_dst, self._edge_ids = src[mine], dst[mine], edge_ids[mine]
         remote = p_src[mine] != rank
         on_boundary = torch.zeros(n, dtype=torch.bool, device=ei.device)
@@ -201,11 +209,23 @@ class DistributedPattern:
         local[self.halo] = self.num_owned + torch.arange(self.halo.numel(), device=ei.device)
         self.recv_counts = torch.bincount(part[self.halo], minlength=world).tolist()
         # Sent: each owned source of an edge into rank r's rows, once, in r's halo order (by id).
-        cross = (p_src == rank) & (p_dst != rank)
-        pairs = torch.unique(p_dst[cross] * n + src[cross])
-        self.send_index = local[pairs % n]
-        self.send_counts = torch.bincount(pairs // n, minlength=world).tolist()
+        if local_edges:  # asked for: each rank sends its owners the ids of its halo
+            counts = torch.tensor(self.recv_counts, device=ei.device)
+            sends = torch.empty_like(counts)
+            dist.all_to_all_single(sends, counts, group=self.group)
+            self.send_counts = sends.tolist()
+            wanted = self.halo.new_empty(sum(self.send_counts))
+            dist.all_to_all_single(
+                wanted, self.halo, self.send_counts, self.recv_counts, group=self.group
+            )
+            self.send_index = local[wanted]
+        else:
+            cross = (p_src == rank) & (p_dst != rank)
+            pairs = torch.unique(p_dst[cross] * n + src[cross])
+            self.send_index = local[pairs % n]
+            self.send_counts = torch.bincount(pairs // n, minlength=world).tolist()
         l_src, l_dst = local[e_src], local[e_dst]
+        self._local_edges = (l_src, l_dst)
         rows = l_dst >= self.num_interior
         self._sides = []  # (edge selection, Pattern) of the interior, then the boundary rows
         for side, sel in enumerate((~rows, rows)):
@@ -265,10 +285,10 @@ class DistributedPattern:
                 "edge_attr: a DistributedPattern built with add_self_loops has no features for "
                 "the loops; add them to edge_index and edge_attr before building"
             )
-        if edge_attr.shape[0] != self._global[0].shape[1]:
+        if edge_attr.shape[0] != self._given.shape[1]:
             raise ValueError(
-                f"edge_attr must have one row per edge of the whole graph "
-                f"({self._global[0].shape[1]}), got {edge_attr.shape[0]}"
+                f"edge_attr must have one row per edge of the edge_index given to build "
+                f"({self._given.shape[1]}), got {edge_attr.shape[0]}"
             )
         return edge_attr[self._edge_ids[self._sides[side][0]].to(edge_attr.device)]
 
@@ -289,30 +309,32 @@ class DistributedPattern:
         return out[0] if len(out) == 1 else torch.cat(out)
 
     def gcn_matrix(self, side: int, improved: bool, add_self_loops: bool, normalize: bool):
-        """GCN's propagation rows of one side: PyG's gcn_norm over the whole graph (degrees of
-        remote sources included), as a SparseMatrix over local ids."""
+        """GCN's propagation rows of one side as a SparseMatrix over local ids: PyG's gcn_norm
+        without edge weights (each node's self loops replaced by one of weight 1: gcn_norm adds
+        them before it makes the weights, so ``improved`` changes nothing there; w_ij =
+        1 / sqrt(deg_i deg_j) over in-degrees), from this rank's edges and its halo's degrees,
+        which their owners send (collective: every rank builds it at its first forward)."""
         key = (improved, add_self_loops, normalize)
         if key not in self._matrices:
-            from torch_geometric.nn.conv.gcn_conv import gcn_norm
-
-            ei, part = self._global
             if self.add_self_loops:
                 raise ValueError(
                     "GCNConv adds its own self loops: build the DistributedPattern without "
                     "add_self_loops"
                 )
+            l_src, l_dst = self._local_edges
+            device = l_src.device
+            w = torch.ones(l_src.numel(), dtype=torch.float64, device=device)
             if normalize:
-                ei, w = gcn_norm(
-                    ei, None, self.num_nodes, improved, add_self_loops, dtype=torch.float64
-                )
-            else:
-                w = torch.ones(ei.shape[1], device=ei.device)
-            src, dst = ei[0], ei[1]
-            mine = part[dst] == self.rank
-            local = torch.full((self.num_nodes,), -1, dtype=torch.int64, device=ei.device)
-            local[self.owned] = torch.arange(self.num_owned, device=ei.device)
-            local[self.halo] = self.num_owned + torch.arange(self.num_halo, device=ei.device)
-            l_src, l_dst, w = local[src[mine]], local[dst[mine]], w[mine]
+                if add_self_loops:  # weight 1: gcn_norm fills before it has weights
+                    keep = l_src != l_dst
+                    own = torch.arange(self.num_owned, device=device)
+                    l_src, l_dst = torch.cat([l_src[keep], own]), torch.cat([l_dst[keep], own])
+                    w = torch.cat([w[keep], w.new_ones(self.num_owned)])
+                deg = torch.zeros(self.num_owned, dtype=torch.float64, device=device)
+                deg.index_add_(0, l_dst, w)
+                scale = deg.pow(-0.5).masked_fill(deg == 0, 0.0)
+                scale = torch.cat([scale, self.exchange(scale.unsqueeze(1)).squeeze(1)])
+                w = scale[l_src] * w * scale[l_dst]
             matrices = []
             for s in (0, 1):
                 first = 0 if s == 0 else self.num_interior

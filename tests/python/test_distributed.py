@@ -48,6 +48,7 @@ def _layers():
             True,
         ),
         "gcn": (nn.GCNConv(F, 5), False, False),
+        "gcn_improved": (nn.GCNConv(F, 8, improved=True), False, False),
     }
 
 
@@ -63,33 +64,41 @@ def _worker(rank: int, world: int, path: str, backend: str, dtype_name: str, met
     part = partition(data["edge_index"], world, num_nodes=N, method=method)
     results = {}
     patterns = {}
+    mine = part.to(device)[ei[1]] == rank  # the edges into this rank's rows: a sharded load
     for name, (layer, loops, edges) in _layers().items():
         layer = layer.to(device, dtype)
-        if loops not in patterns:
-            # Without loops the rows are split (interior, then boundary after the exchange); with
-            # them, every row waits for the exchange.
-            patterns[loops] = DistributedPattern.build(
-                ei, part, N, add_self_loops=loops, min_interior=1.0 if loops else 0.0
-            )
-        dp = patterns[loops]
-        grads = []
-        for _ in range(2):  # twice: the gradients must repeat bitwise
-            layer.zero_grad()
-            x_own = dp.local(x).to(dtype).requires_grad_()
-            out = layer(x_own, dp, attr.to(dtype)) if edges else layer(x_own, dp)
-            (out.double() * dp.local(w_out)[:, : out.shape[1]]).sum().backward()
-            params = torch.cat([p.grad.reshape(-1) for p in layer.parameters()]).double()
-            dist.all_reduce(params)
-            grads.append((out.detach(), x_own.grad, params))
-        same = all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
-        results[name] = {
-            "owned": dp.owned.cpu(),
-            "out": grads[0][0].double().cpu(),
-            "dx": grads[0][1].double().cpu(),
-            "dparams": grads[0][2].cpu(),
-            "repeatable": same,
-            "interior": dp.num_interior,
-        }
+        for sharded in (False, True) if not loops else (False,):
+            if (loops, sharded) not in patterns:
+                # Without loops the rows are split (interior, then boundary after the exchange);
+                # with them, every row waits for the exchange.
+                patterns[loops, sharded] = DistributedPattern.build(
+                    ei[:, mine] if sharded else ei,
+                    part,
+                    N,
+                    add_self_loops=loops,
+                    min_interior=1.0 if loops else 0.0,
+                    local_edges=sharded,
+                )
+            dp = patterns[loops, sharded]
+            edge_attr = (attr[mine] if sharded else attr).to(dtype)
+            grads = []
+            for _ in range(2):  # twice: the gradients must repeat bitwise
+                layer.zero_grad()
+                x_own = dp.local(x).to(dtype).requires_grad_()
+                out = layer(x_own, dp, edge_attr) if edges else layer(x_own, dp)
+                (out.double() * dp.local(w_out)[:, : out.shape[1]]).sum().backward()
+                params = torch.cat([p.grad.reshape(-1) for p in layer.parameters()]).double()
+                dist.all_reduce(params)
+                grads.append((out.detach(), x_own.grad, params))
+            same = all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
+            results[name + ("_sharded" if sharded else "")] = {
+                "owned": dp.owned.cpu(),
+                "out": grads[0][0].double().cpu(),
+                "dx": grads[0][1].double().cpu(),
+                "dparams": grads[0][2].cpu(),
+                "repeatable": same,
+                "interior": dp.num_interior,
+            }
     torch.save(results, f"{path}.rank{rank}")
     dist.barrier()
     dist.destroy_process_group()
@@ -129,6 +138,7 @@ def _run(tmp_path, backend: str, dtype: str, method: str, tol: float):
     mp.spawn(_worker, args=(2, path, backend, dtype, method), nprocs=2, join=True)
     expected = _single_process(data)
     ranks = [torch.load(f"{path}.rank{r}", weights_only=False) for r in range(2)]
+    expected |= {f"{k}_sharded": v for k, v in expected.items() if k != "gat"}
     for name, (out, dx, dparams) in expected.items():
         owned = torch.cat([r[name]["owned"] for r in ranks])
         assert torch.equal(owned.sort().values, torch.arange(N)), "the ranks must own every node"
