@@ -24,18 +24,28 @@ __all__ = [
 ]
 
 
-class _GatherRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, values: Tensor, index: Tensor) -> Tensor:
-        ctx.save_for_backward(index)
-        ctx.rows = values.shape[0]
-        return values.gather(0, index[:, None].expand(-1, values.shape[1]).contiguous())
+@torch.library.custom_op("trisparse::gather_rows", mutates_args=())
+def _gather_rows(values: Tensor, index: Tensor) -> Tensor:
+    return values.gather(0, index[:, None].expand(-1, values.shape[1]).contiguous())
 
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        (index,) = ctx.saved_tensors
-        out = grad.new_zeros(ctx.rows, grad.shape[1])
-        return out.index_add_(0, index, grad), None
+
+@_gather_rows.register_fake
+def _gather_rows_fake(values, index):
+    return values.new_empty(index.shape[0], values.shape[1])
+
+
+def _gather_rows_setup(ctx, inputs, output):
+    values, index = inputs
+    ctx.save_for_backward(index)
+    ctx.rows = values.shape[0]
+
+
+def _gather_rows_backward(ctx, grad):
+    (index,) = ctx.saved_tensors
+    return grad.new_zeros(ctx.rows, grad.shape[1]).index_add_(0, index, grad), None
+
+
+_gather_rows.register_autograd(_gather_rows_backward, setup_context=_gather_rows_setup)
 
 
 def gather_rows(values: Tensor, index: Tensor) -> Tensor:
@@ -46,7 +56,7 @@ def gather_rows(values: Tensor, index: Tensor) -> Tensor:
     (measured; 1-D gathers are fast either way)."""
     if not values.is_cuda or values.dim() != 2:
         return values[index]
-    return _GatherRows.apply(values, index)
+    return _gather_rows(values, index)
 
 
 def _grouped(pattern: Pattern, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -89,18 +99,27 @@ def copy_sum(values: Tensor, pattern: Pattern) -> Tensor:
     return torch.segment_reduce(values[order], "sum", offsets=offsets, axis=0)
 
 
-class _ToCopies(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, values: Tensor, entries: Tensor, order: Tensor, offsets: Tensor) -> Tensor:
-        ctx.save_for_backward(order, offsets)
-        return values[entries]
+@torch.library.custom_op("trisparse::to_copies", mutates_args=())
+def _to_copies(values: Tensor, entries: Tensor, order: Tensor, offsets: Tensor) -> Tensor:
+    return values[entries]
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor):
-        order, offsets = ctx.saved_tensors
-        summed = torch.segment_reduce(grad[order], "sum", offsets=offsets, axis=0)
-        return summed, None, None, None
+
+@_to_copies.register_fake
+def _to_copies_fake(values, entries, order, offsets):
+    return values.new_empty(entries.shape[0], *values.shape[1:])
+
+
+def _to_copies_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[2], inputs[3])
+
+
+def _to_copies_backward(ctx, grad):
+    order, offsets = ctx.saved_tensors
+    summed = torch.segment_reduce(grad[order], "sum", offsets=offsets, axis=0)
+    return summed, None, None, None
+
+
+_to_copies.register_autograd(_to_copies_backward, setup_context=_to_copies_setup)
 
 
 def to_copies(values: Tensor, pattern: Pattern) -> Tensor:
@@ -112,7 +131,7 @@ def to_copies(values: Tensor, pattern: Pattern) -> Tensor:
     if _bijective(pattern, values.device) is not None:
         return values[entries]  # a permutation: its gradient writes each entry once
     order, offsets = _grouped(pattern, values.device)
-    return _ToCopies.apply(values, entries, order, offsets)
+    return _to_copies(values, entries, order, offsets)
 
 
 def copy_logsumexp(scores: Tensor, pattern: Pattern) -> Tensor:
