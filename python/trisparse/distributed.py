@@ -1,14 +1,15 @@
 """Graph attention over a partitioned graph, one part a process, through ``torch.distributed``
 (NCCL on GPUs, Gloo on CPUs).
 
-Every rank holds the whole ``edge_index`` (and ``edge_attr``), the node features of the rows it
-owns and a replica of the weights (DDP). :func:`partition` assigns the nodes to parts;
-:meth:`DistributedPattern.build` gives each rank its rows, its halo (the remote source nodes its
-rows attend to) and the send and receive lists. A ``trisparse.nn`` layer called with a
-``DistributedPattern`` instead of ``edge_index`` computes the rows this rank owns: the halo's input
-rows arrive by ``all_to_all`` while the rows whose sources are all local (the interior) are
-computed, the boundary rows after; in the backward the halo's gradients go back to their owners
-and are summed there in rank order (bitwise repeatable).
+Every rank holds the whole ``edge_index`` and ``edge_attr`` (or only the edges into its rows:
+``local_edges``), the node features of the rows it owns and a replica of the weights (DDP).
+:func:`partition` assigns the nodes to parts; :meth:`DistributedPattern.build` gives each rank
+its rows, its halo (the remote source nodes its rows attend to) and the send and receive lists.
+A ``trisparse.nn`` layer called with a ``DistributedPattern`` instead of ``edge_index`` computes
+the rows this rank owns: the halo's input rows arrive by ``all_to_all`` while the rows whose
+sources are all local (the interior) are computed, the boundary rows after; in the backward the
+halo's gradients go back to their owners and are summed there in rank order (bitwise
+repeatable). :class:`ContextParallel` does the same for one long sequence under a block mask.
 """
 
 from __future__ import annotations
@@ -50,10 +51,9 @@ def partition(
 
     ``method``: ``"metis"`` (METIS's k-way partition of the symmetrised graph through the
     ``pymetis`` package: the smallest edge cut, parts of balanced in-edges + nodes, the attention's
-    work), ``"community"`` (no
-    package: trisparse's community order, label propagation then reverse Cuthill-McKee, cut into
-    contiguous ranges of equal in-edges + nodes) or ``"random"`` (equal node counts, the baseline).
-    :func:`partition_stats` reports the cut and the balance."""
+    work), ``"community"`` (no package: trisparse's community order, label propagation then
+    reverse Cuthill-McKee, cut into contiguous ranges of equal in-edges + nodes) or ``"random"``
+    (equal node counts, the baseline). :func:`partition_stats` reports the cut and the balance."""
     if int(num_parts) < 1:
         raise ValueError(f"num_parts must be >= 1, got {num_parts}")
     if method not in PARTITION_METHODS:
@@ -152,11 +152,12 @@ class DistributedPattern:
         repeats counted as PyG counts them) and each node's part (:func:`partition`; part r is
         rank r's). With ``local_edges`` each rank passes only the edges into its own rows (a
         sharded load: no rank holds the whole graph), and the send lists are agreed by one
-        all_to_all of the halo's ids; ``edge_attr`` then has those edges' rows. ``add_self_loops`` adds one (i, i) per node after removing the input's (GAT's
-        default); the layer's own ``add_self_loops`` is not applied to a DistributedPattern. The
-        structures are built on edge_index's device. Where fewer than ``min_interior`` of the
-        owned rows are interior, all rows are computed after the exchange (an interior that
-        small hides little of it, and a second pass over the sources costs more)."""
+        all_to_all of the halo's ids; ``edge_attr`` then has those edges' rows.
+        ``add_self_loops`` adds one (i, i) per node after removing the input's (GAT's default);
+        the layer's own ``add_self_loops`` is not applied to a DistributedPattern. The structures
+        are built on edge_index's device. Where fewer than ``min_interior`` of the owned rows are
+        interior, all rows are computed after the exchange (an interior that small hides little
+        of it, and a second pass over the sources costs more)."""
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "DistributedPattern.build needs torch.distributed initialised "
@@ -177,18 +178,18 @@ class DistributedPattern:
         self._given = ei  # the edges given (the whole graph, or this rank's with local_edges)
         edge_ids = torch.arange(ei.shape[1], device=ei.device)
         src, dst = ei[0], ei[1]
-        if add_self_loops:
-            kept = src != dst
-            loops = torch.arange(n, device=ei.device)
-            src, dst = torch.cat([src[kept], loops]), torch.cat([dst[kept], loops])
-            edge_ids = torch.cat([edge_ids[kept], torch.full_like(loops, -1)])
-        p_src, p_dst = part[src], part[dst]
-        mine = p_dst == rank
-        if local_edges and not bool(mine.all()):
+        if local_edges and not bool((part[dst] == rank).all()):
             raise ValueError(
                 "edge_index: with local_edges every edge must lead into this rank's rows "
                 f"(part[edge_index[1]] == {rank})"
             )
+        if add_self_loops:  # the loops of this rank's nodes (the others' are not its edges)
+            kept = src != dst
+            loops = (part == rank).nonzero().view(-1)
+            src, dst = torch.cat([src[kept], loops]), torch.cat([dst[kept], loops])
+            edge_ids = torch.cat([edge_ids[kept], torch.full_like(loops, -1)])
+        p_src, p_dst = part[src], part[dst]
+        mine = p_dst == rank
         e_src, e_dst, self._edge_ids = src[mine], dst[mine], edge_ids[mine]
         remote = p_src[mine] != rank
         on_boundary = torch.zeros(n, dtype=torch.bool, device=ei.device)
@@ -505,8 +506,9 @@ def _start_halo(x: Tensor, lists):
 class _HaloExchange(torch.autograd.Function):
     """x_halo = the owners' rows along dim 0 (``lists``: a DistributedPattern or ContextParallel:
     send_index, send_counts, recv_counts, num_halo, group), by all_to_all (started here, waited on
-    by the caller through the handle put in ``pending``); the backward returns each halo row's gradient to its owner and
-    adds the ranks' contributions there in rank order (a fixed order: repeatable)."""
+    by the caller through the handle put in ``pending``); the backward returns each halo row's
+    gradient to its owner and adds the ranks' contributions there in rank order (a fixed order:
+    repeatable)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, dp: DistributedPattern, pending: list):

@@ -34,9 +34,9 @@ class GATConv(_Fused, _PygGATConv):
     [E, heads] scores, their softmax and the per-edge SpMM (no [E, heads, channels] tensor).
     Bipartite inputs ``(x_src, x_dst)`` and ``size`` are taken as PyG takes them. ``edge_index``
     may also be a :class:`trisparse.Pattern` (built once, self loops included if wanted) or a
-    :class:`trisparse.distributed.DistributedPattern` (this rank's rows of a partitioned graph). Falls
-    back to PyG's code, with a one-time warning, only for edge features or attention weights over
-    a graph given as a ``SparseTensor``."""
+    :class:`trisparse.distributed.DistributedPattern` (this rank's rows of a partitioned graph).
+    Falls back to PyG's code, with a one-time warning, only for edge features or attention
+    weights over a graph given as a ``SparseTensor``."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
