@@ -79,8 +79,9 @@ class GCNConv(_Fused, _PygGCNConv):
         return gcn_conv(matrix, x, self.lin.weight, self.bias, relu=self.fuse_relu)
 
     def _distributed_gcn(self, x: Tensor, dp: DistributedPattern, edge_weight) -> Tensor:
-        """This rank's rows of a partitioned graph: PyG's gcn_norm over the whole graph, the
-        interior rows while the halo's features arrive, then the boundary rows."""
+        """This rank's rows of a partitioned graph: PyG's gcn_norm (DistributedPattern.gcn_matrix:
+        from this rank's edges and the halo's degrees), the interior rows while the halo's
+        features arrive, then the boundary rows."""
         if edge_weight is not None:
             raise ValueError("edge_weight is not taken with a DistributedPattern")
 
