@@ -5,6 +5,8 @@
 # distributed tests over NCCL and the benchmarks of bench/python/distributed.py on 1 .. GPUS GPUs:
 # the link, weak and strong scaling of the attention layer, context parallelism (MODES, default
 # all of them), each under its own time limit; results under $OUT. NVLink multicast stays off.
+# All four modes take more than one call's 10 minutes on 2 GPUs (build 70 s, tests 55 s, link 30 s,
+# weak 150 s, strong 190 s): run MODES="link weak" in one call and MODES="strong context" in the next.
 #   carry = [.devpack, .devlibs, data]; GPUS=4 MODES="link weak" bash scripts/gpu_distributed.sh
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
