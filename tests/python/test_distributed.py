@@ -1,6 +1,7 @@
-"""trisparse.distributed: partitions, and the layers over a partitioned graph on two processes
-(Gloo on the CPU in float64; NCCL on two GPUs where there are) against one process over the whole
-graph: outputs, the gradients of the inputs and of every weight, bitwise repeatable."""
+"""trisparse.distributed: partitions; the layers over a partitioned graph (the whole graph or a
+sharded load) and context-parallel block-sparse attention on two processes (Gloo on the CPU in
+float64; NCCL on two GPUs where there are) against one process: outputs, the gradients of the
+inputs and of every weight, bitwise repeatable; the Planetoid example over two processes."""
 
 import json
 import os
