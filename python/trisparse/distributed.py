@@ -309,13 +309,13 @@ class DistributedPattern:
                 out.append(compute(x_src, x[rows], side, self.edge_rows(side, edge_attr)))
         return out[0] if len(out) == 1 else torch.cat(out)
 
-    def gcn_matrix(self, side: int, improved: bool, add_self_loops: bool, normalize: bool):
+    def gcn_matrix(self, side: int, add_self_loops: bool, normalize: bool):
         """GCN's propagation rows of one side as a SparseMatrix over local ids: PyG's gcn_norm
         without edge weights (each node's self loops replaced by one of weight 1: gcn_norm adds
-        them before it makes the weights, so ``improved`` changes nothing there; w_ij =
+        them before it makes the weights, so GCNConv's ``improved`` changes nothing there; w_ij =
         1 / sqrt(deg_i deg_j) over in-degrees), from this rank's edges and its halo's degrees,
         which their owners send (collective: every rank builds it at its first forward)."""
-        key = (improved, add_self_loops, normalize)
+        key = (add_self_loops, normalize)
         if key not in self._matrices:
             if self.add_self_loops:
                 raise ValueError(

@@ -602,6 +602,13 @@ def _molecule_batch(g: torch.Generator, graphs: int = 40):
     return batch, ei
 
 
+def _gps(cls, channels: int, edge_dim: int | None = None):
+    """A GPSConv (PyG's or ours) of 4 heads over a GIN local MPNN (GINE with edge features)."""
+    mlp = torch.nn.Sequential(torch.nn.Linear(channels, channels), torch.nn.ReLU())
+    local = pyg_nn.GINEConv(mlp, edge_dim=edge_dim) if edge_dim else pyg_nn.GINConv(mlp)
+    return cls(channels, local, heads=4)
+
+
 def test_gps_conv_on_cuda_matches_pyg_in_float64():
     """GPSConv's packed global attention on CUDA in float32 (a GINE local MPNN with bond-like
     edge features) against PyG's GPSConv in float64 on the CPU."""
@@ -610,12 +617,8 @@ def test_gps_conv_on_cuda_matches_pyg_in_float64():
     n, channels = batch.numel(), 64
     torch.manual_seed(0)
 
-    def make(cls):
-        mlp = torch.nn.Sequential(torch.nn.Linear(channels, channels), torch.nn.ReLU())
-        return cls(channels, pyg_nn.GINEConv(mlp, edge_dim=3), heads=4)
-
-    pyg = make(pyg_nn.GPSConv).double()
-    ours = make(trisparse.nn.GPSConv).cuda()
+    pyg = _gps(pyg_nn.GPSConv, channels, edge_dim=3).double()
+    ours = _gps(trisparse.nn.GPSConv, channels, edge_dim=3).cuda()
     ours.load_state_dict(pyg.state_dict())
     x = torch.randn(n, channels, generator=g)
     ea = torch.randn(ei.shape[1], 3, generator=g)
@@ -679,12 +682,8 @@ def test_gps_conv_under_autocast_is_as_close_as_pygs():
     n, channels = batch.numel(), 128
     torch.manual_seed(0)
 
-    def make(cls):
-        mlp = torch.nn.Sequential(torch.nn.Linear(channels, channels), torch.nn.ReLU())
-        return cls(channels, pyg_nn.GINConv(mlp), heads=4)
-
-    exact = make(pyg_nn.GPSConv).double()
-    pyg, ours = make(pyg_nn.GPSConv).cuda(), make(trisparse.nn.GPSConv).cuda()
+    exact = _gps(pyg_nn.GPSConv, channels).double()
+    pyg, ours = _gps(pyg_nn.GPSConv, channels).cuda(), _gps(trisparse.nn.GPSConv, channels).cuda()
     pyg.load_state_dict(exact.state_dict())
     ours.load_state_dict(exact.state_dict())
     x = torch.randn(n, channels, generator=g)

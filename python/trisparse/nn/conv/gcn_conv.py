@@ -88,7 +88,7 @@ class GCNConv(_Fused, _PygGCNConv):
         def compute(x_src, _x_dst, side, _attr):
             # The side's matrix is rectangular (the fused layer takes square ones): the SpMM on
             # the narrower of x and x W.
-            matrix = dp.gcn_matrix(side, self.improved, self.add_self_loops, self.normalize)
+            matrix = dp.gcn_matrix(side, self.add_self_loops, self.normalize)
             weight = self.lin.weight.to(x_src.dtype)
             if weight.shape[0] < weight.shape[1]:
                 out = spmm(matrix, F.linear(x_src, weight))
