@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """GPS's global attention alone (forward + backward, bf16): each graph of a mini-batch attends
-within itself. Three implementations on the same q, k, v [N, H, D] (packed nodes):
+within itself. Four implementations on the same q, k, v [N, H, D] (packed nodes):
+
+- trisparse_segment: ``segment_attention`` over the batch vector (the segment kernels, GPSConv's
+  path for 16-bit heads without attention dropout): no pattern, nothing built per batch;
 
 - trisparse: ``sparse_attention`` over ``Pattern.from_batch(batch)`` (no padding; the fused 3S
   kernels; its plan, built on the GPU, timed apart: ``trisparse_plan_ms``); trisparse_build: the
@@ -51,6 +54,13 @@ def ours(pattern):
 def ours_with_build(batch):
     def attend(q, k, v):
         return ours(trisparse.Pattern.from_batch(batch))(q, k, v)
+
+    return attend
+
+
+def segment(batch):
+    def attend(q, k, v):
+        return trisparse.segment_attention(q, k, v, batch, assume_sorted=True)
 
     return attend
 
@@ -185,7 +195,8 @@ def main():
                 stop.record()
                 stop.synchronize()
                 rec["edge_plan_ms"] = start.elapsed_time(stop)
-                cases = [("trisparse", ours(pattern)), ("pyg_padded", padded(batch))]
+                cases = [("trisparse_segment", segment(batch))]
+                cases += [("trisparse", ours(pattern)), ("pyg_padded", padded(batch))]
                 cases += [("trisparse_build", ours_with_build(batch))]
                 cases += [("trisparse_edge", edge(pattern))]
                 cases += [("trisparse_edge_build", edge_with_build(batch))]

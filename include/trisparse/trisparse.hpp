@@ -23,4 +23,5 @@
 #include "trisparse/ops/layers.hpp"
 #include "trisparse/ops/pattern_learn.hpp"
 #include "trisparse/ops/reference.hpp"
+#include "trisparse/ops/segment_attention.hpp"
 #include "trisparse/ops/sparse.hpp"

@@ -373,6 +373,13 @@ struct py_gat_plan {
   }
 };
 
+/// Attention within segments: the plan is a view of the ids, made per call (no state to keep).
+segment_attention_plan segment_plan(std::int64_t rows, std::uintptr_t ids, bool ids_64,
+                                    int device) {
+  return segment_attention_plan::build(
+      {rows, reinterpret_cast<const void*>(ids), ids_64, device < 0 ? 0 : device});
+}
+
 /// TransformerConv's attention with edge features over a multigraph whose arrays torch keeps on
 /// the device (the Python side holds them as long as the plan).
 struct py_edge_attention_plan {
@@ -769,6 +776,43 @@ NB_MODULE(_C, m) {
       .def("workspace_bytes", [](const py_edge_attention_plan& p, std::int64_t heads) {
         return p.plan.backward_workspace_bytes(heads);
       });
+  m.def("segment_attention_supports", &segment_attention_plan::supports, "head_dim"_a);
+  m.def(
+      "segment_attention_workspace",
+      [](std::uintptr_t ids, std::int64_t rows, std::int64_t heads, bool backward) {
+        const auto plan = segment_plan(rows, ids, true, 0);
+        return backward ? plan.backward_workspace_bytes(heads) : plan.workspace_bytes();
+      },
+      "ids"_a, "rows"_a, "heads"_a, "backward"_a);
+  m.def(
+      "segment_attention_forward",
+      [](std::uintptr_t ids, bool ids_64, const tensor_tuple& q, const tensor_tuple& k,
+         const tensor_tuple& v, const tensor_tuple& out, const tensor_tuple& lse, double scale,
+         std::uintptr_t stream, std::uintptr_t ws, std::size_t ws_bytes) {
+        const tensor_view qv = view_of(q);
+        const auto plan = segment_plan(qv.rows, ids, ids_64, qv.device_id);
+        nb::gil_scoped_release release;
+        plan.run(qv, view_of(k), view_of(v), view_of(out), {.scale = scale, .lse = view_of(lse)},
+                 workspace_of(ws, ws_bytes), stream_of(stream));
+      },
+      "ids"_a, "ids_64"_a, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "scale"_a, "stream"_a,
+      "workspace"_a, "workspace_bytes"_a);
+  m.def(
+      "segment_attention_backward",
+      [](std::uintptr_t ids, bool ids_64, const tensor_tuple& q, const tensor_tuple& k,
+         const tensor_tuple& v, const tensor_tuple& out, const tensor_tuple& lse,
+         const tensor_tuple& dout, const tensor_tuple& dq, const tensor_tuple& dk,
+         const tensor_tuple& dv, double scale, std::uintptr_t stream, std::uintptr_t ws,
+         std::size_t ws_bytes) {
+        const tensor_view qv = view_of(q);
+        const auto plan = segment_plan(qv.rows, ids, ids_64, qv.device_id);
+        nb::gil_scoped_release release;
+        plan.backward(qv, view_of(k), view_of(v), view_of(out), view_of(lse), view_of(dout),
+                      view_of(dq), view_of(dk), view_of(dv), {.scale = scale},
+                      workspace_of(ws, ws_bytes), stream_of(stream));
+      },
+      "ids"_a, "ids_64"_a, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "dout"_a, "dq"_a, "dk"_a, "dv"_a,
+      "scale"_a, "stream"_a, "workspace"_a, "workspace_bytes"_a);
   m.def(
       "block_attention_mass",
       [](const tensor_tuple& q, const tensor_tuple& k, std::int64_t block, bool causal,

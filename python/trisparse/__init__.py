@@ -24,6 +24,7 @@ from .edge import edge_scores, edge_softmax, edge_spmm, sddmm
 from .edge_attention import edge_attention, edge_gat_attention
 from .gat import gat_attention
 from .pattern import Pattern
+from .segment_attention import segment_attention, segment_attention_supported
 from .sparse import SparseMatrix, gcn_conv, spmm
 
 __version__ = "0.1.0"
@@ -58,6 +59,8 @@ __all__ = [
     "pooled_block_mass",
     "prune_blocks",
     "sddmm",
+    "segment_attention",
+    "segment_attention_supported",
     "sparse_attention",
     "spmm",
     "topk_block_mask",

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from . import _tensors
+from ._eager import eager_autograd
 from .pattern import Pattern, _patterns, lookup
 
 __all__ = ["sparse_attention"]
@@ -160,6 +161,7 @@ def _backward(ctx, dout, _dlse):
 
 
 _forward.register_autograd(_backward, setup_context=_setup_context)
+_forward_eager = eager_autograd(_forward, _setup_context, _backward)
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern) -> None:
@@ -241,9 +243,7 @@ def sparse_attention(
         q, k, v = _padded_for_cuda(q, k, v)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     with_lse = bool(return_lse or needs_grad)  # the backward reads it
-    out, lse = torch.ops.trisparse.sparse_attention(
-        q, k, v, bias, pattern.id, float(scale), with_lse, bool(needs_grad)
-    )
+    out, lse = _forward_eager(q, k, v, bias, pattern.id, float(scale), with_lse, bool(needs_grad))
     out = out if out.shape[2] == dim_v else out[..., :dim_v]
     return (out, lse) if return_lse else out
 

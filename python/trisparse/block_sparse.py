@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from . import _C, _tensors
+from ._eager import eager_autograd
 from ._registry import Registry
 from .pattern import row_offsets
 
@@ -341,6 +342,7 @@ def _backward(ctx, dout, _dlse):
 
 
 _forward.register_autograd(_backward, setup_context=_setup_context)
+_forward_eager = eager_autograd(_forward, _setup_context, _backward)
 
 
 def _packed(t: Tensor) -> Tensor:  # [B, H, N, D] -> [B * N, H, D]
@@ -479,9 +481,7 @@ def block_sparse_attention(
             )
         importance._shape = (len(cu_q) - 1, h) if packed else (b, h)
         tracker = importance.id
-    out, _lse = torch.ops.trisparse.block_sparse_attention(
-        qp, kp, vp, mask.id, cu_q, cu_k, scale, needs_grad, tracker
-    )
+    out, _lse = _forward_eager(qp, kp, vp, mask.id, cu_q, cu_k, scale, needs_grad, tracker)
     if packed:
         return out
     if heads_folded:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._eager import eager_autograd
 from .edge import edge_spmm, sddmm
 from .pattern import Pattern
 
@@ -46,6 +47,7 @@ def _gather_rows_backward(ctx, grad):
 
 
 _gather_rows.register_autograd(_gather_rows_backward, setup_context=_gather_rows_setup)
+_gather_rows_eager = eager_autograd(_gather_rows, _gather_rows_setup, _gather_rows_backward)
 
 
 def gather_rows(values: Tensor, index: Tensor) -> Tensor:
@@ -56,7 +58,7 @@ def gather_rows(values: Tensor, index: Tensor) -> Tensor:
     (measured; 1-D gathers are fast either way)."""
     if not values.is_cuda or values.dim() != 2:
         return values[index]
-    return _gather_rows(values, index)
+    return _gather_rows_eager(values, index)
 
 
 def _grouped(pattern: Pattern, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -120,6 +122,7 @@ def _to_copies_backward(ctx, grad):
 
 
 _to_copies.register_autograd(_to_copies_backward, setup_context=_to_copies_setup)
+_to_copies_eager = eager_autograd(_to_copies, _to_copies_setup, _to_copies_backward)
 
 
 def to_copies(values: Tensor, pattern: Pattern) -> Tensor:
@@ -131,7 +134,7 @@ def to_copies(values: Tensor, pattern: Pattern) -> Tensor:
     if _bijective(pattern, values.device) is not None:
         return values[entries]  # a permutation: its gradient writes each entry once
     order, offsets = _grouped(pattern, values.device)
-    return _to_copies(values, entries, order, offsets)
+    return _to_copies_eager(values, entries, order, offsets)
 
 
 def copy_logsumexp(scores: Tensor, pattern: Pattern) -> Tensor:

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from . import _tensors
+from ._eager import eager_autograd
 from .pattern import Pattern, lookup
 
 __all__ = ["edge_scores", "edge_softmax", "edge_spmm", "sddmm"]
@@ -82,6 +83,7 @@ def _edge_spmm_backward(ctx, dc):
 
 
 _edge_spmm.register_autograd(_edge_spmm_backward, setup_context=_edge_spmm_setup)
+_edge_spmm_eager = eager_autograd(_edge_spmm, _edge_spmm_setup, _edge_spmm_backward)
 
 
 @torch.library.custom_op("trisparse::sddmm", mutates_args=())
@@ -119,6 +121,7 @@ def _sddmm_backward(ctx, ds):
 
 
 _sddmm.register_autograd(_sddmm_backward, setup_context=_sddmm_setup)
+_sddmm_eager = eager_autograd(_sddmm, _sddmm_setup, _sddmm_backward)
 
 
 def _check_pattern(pattern) -> None:
@@ -148,7 +151,7 @@ def edge_spmm(values: Tensor, b: Tensor, pattern: Pattern, transposed: bool = Fa
     if values.device != b.device:
         raise ValueError(f"values is on {values.device} but b is on {b.device}")
     b = b if b.stride(-1) == 1 else b.contiguous()
-    return torch.ops.trisparse.edge_spmm(values, b, pattern.id, bool(transposed))
+    return _edge_spmm_eager(values, b, pattern.id, bool(transposed))
 
 
 def sddmm(x: Tensor, y: Tensor, pattern: Pattern) -> Tensor:
@@ -160,7 +163,7 @@ def sddmm(x: Tensor, y: Tensor, pattern: Pattern) -> Tensor:
     if y.dtype != x.dtype or y.shape[1:] != x.shape[1:] or y.device != x.device:
         raise ValueError("x and y must have one dtype, device, head count and width")
     x, y = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, y))
-    return torch.ops.trisparse.sddmm(x, y, pattern.id)
+    return _sddmm_eager(x, y, pattern.id)
 
 
 def _segment_sum(values: Tensor, offsets: Tensor) -> Tensor:
@@ -209,6 +212,7 @@ def _edge_softmax_backward(ctx, dp):
 
 
 _edge_softmax.register_autograd(_edge_softmax_backward, setup_context=_edge_softmax_setup)
+_edge_softmax_eager = eager_autograd(_edge_softmax, _edge_softmax_setup, _edge_softmax_backward)
 
 
 @torch.library.custom_op("trisparse::edge_scores", mutates_args=())
@@ -249,6 +253,7 @@ def _edge_scores_backward(ctx, ds):
 
 
 _edge_scores.register_autograd(_edge_scores_backward, setup_context=_edge_scores_setup)
+_edge_scores_eager = eager_autograd(_edge_scores, _edge_scores_setup, _edge_scores_backward)
 
 
 def edge_softmax(scores: Tensor, pattern: Pattern) -> Tensor:
@@ -261,7 +266,7 @@ def edge_softmax(scores: Tensor, pattern: Pattern) -> Tensor:
             f"scores must have shape [{pattern.nnz}, heads] (entries, heads), got "
             f"{tuple(scores.shape)}"
         )
-    return torch.ops.trisparse.edge_softmax(scores, pattern.id)
+    return _edge_softmax_eager(scores, pattern.id)
 
 
 def edge_scores(dst: Tensor, src: Tensor, pattern: Pattern) -> Tensor:
@@ -278,4 +283,4 @@ def edge_scores(dst: Tensor, src: Tensor, pattern: Pattern) -> Tensor:
             f"dst must have {pattern.num_rows} rows and src {pattern.num_cols} (the pattern's "
             f"sides), got {dst.shape[0]} and {src.shape[0]}"
         )
-    return torch.ops.trisparse.edge_scores(dst, src, pattern.id)
+    return _edge_scores_eager(dst, src, pattern.id)

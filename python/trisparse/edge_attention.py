@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _C, _tensors
+from ._eager import eager_autograd
 from .pattern import Pattern, lookup
 
 __all__ = ["edge_attention", "edge_attention_supported", "edge_gat_attention"]
@@ -176,6 +177,7 @@ def _backward(ctx, dout, dout_edge, _dlse):
 
 
 _forward.register_autograd(_backward, setup_context=_setup)
+_forward_eager = eager_autograd(_forward, _setup, _backward)
 
 
 @torch.library.custom_op("trisparse::edge_gat", mutates_args=())
@@ -293,6 +295,7 @@ def _gat_backward(ctx, dout, _dlse):
 
 
 _gat_forward.register_autograd(_gat_backward, setup_context=_gat_setup)
+_gat_forward_eager = eager_autograd(_gat_forward, _gat_setup, _gat_backward)
 
 
 def edge_gat_attention(
@@ -322,7 +325,7 @@ def edge_gat_attention(
     if a_edge is not None and (a_edge.dim() != 2 or a_edge.shape[1] != heads):
         raise ValueError(f"a_edge must be [edges, {heads}], got {list(a_edge.shape)}")
     f32 = {"dtype": torch.float32}
-    out, _lse = torch.ops.trisparse.edge_gat(
+    out, _lse = _gat_forward_eager(
         x.contiguous(),
         a_src.to(**f32).contiguous(),
         a_dst.to(**f32).contiguous(),
@@ -388,7 +391,7 @@ def edge_attention(
             r = F.pad(r, (0, width - features))
             a = F.pad(a, (0, width - features))
         r, a = r.contiguous(), a.contiguous()
-    out, out_edge, _lse = torch.ops.trisparse.edge_attention(
+    out, out_edge, _lse = _forward_eager(
         q.contiguous(),
         k.contiguous(),
         v.contiguous(),

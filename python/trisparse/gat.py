@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from . import _tensors
+from ._eager import eager_autograd
 from .pattern import Pattern, lookup
 
 __all__ = ["gat_attention"]
@@ -121,6 +122,7 @@ def _backward(ctx, dout, _dlse):
 
 
 _gat.register_autograd(_backward, setup_context=_setup)
+_gat_eager = eager_autograd(_gat, _setup, _backward)
 
 
 def gat_attention(
@@ -174,7 +176,7 @@ def gat_attention(
             )
         keep_order = keep_order.to(torch.int64).contiguous()
     f32 = torch.float64 if x.dtype == torch.float64 else torch.float32
-    out, _lse = torch.ops.trisparse.gat_attention(
+    out, _lse = _gat_eager(
         x.contiguous(),
         a_src.to(f32).contiguous(),
         a_dst.to(f32).contiguous(),

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from . import _C, _tensors
+from ._eager import eager_autograd
 from ._registry import Registry
 from .pattern import check_edge_ids, coo_to_csr
 
@@ -128,6 +129,7 @@ def _backward(ctx, dc):
 
 
 _spmm.register_autograd(_backward, setup_context=_setup_context)
+_spmm_eager = eager_autograd(_spmm, _setup_context, _backward)
 
 
 def spmm(matrix: SparseMatrix, b: Tensor) -> Tensor:
@@ -144,7 +146,7 @@ def spmm(matrix: SparseMatrix, b: Tensor) -> Tensor:
         )
     b3 = b if b.dim() == 3 else b.unsqueeze(1)
     b3 = b3 if b3.stride(-1) == 1 else b3.contiguous()
-    c = torch.ops.trisparse.spmm(b3, matrix.id, False)
+    c = _spmm_eager(b3, matrix.id, False)
     return c if b.dim() == 3 else c.squeeze(1)
 
 
@@ -269,6 +271,7 @@ def _gcn_backward(ctx, dout, _dmask, _dax):
 
 
 _gcn_fused.register_autograd(_gcn_backward, setup_context=_gcn_setup_context)
+_gcn_fused_eager = eager_autograd(_gcn_fused, _gcn_setup_context, _gcn_backward)
 
 
 def gcn_conv(
@@ -298,5 +301,5 @@ def gcn_conv(
     w = weight.t().to(x.dtype).contiguous()
     if bias is not None:
         bias = bias.to(x.dtype if bias.dtype != torch.float32 else bias.dtype).contiguous()
-    out, _mask, _ax = torch.ops.trisparse.gcn_fused(x, w, bias, matrix.id, relu, order)
+    out, _mask, _ax = _gcn_fused_eager(x, w, bias, matrix.id, relu, order)
     return out

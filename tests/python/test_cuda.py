@@ -660,26 +660,64 @@ def test_batch_attention_plan_built_on_the_gpu(dim):
         return [t.double().cpu() for t in (out.detach(), *(x.grad for x in xs))]
 
     got = run()
-    xs = [t.double().requires_grad_() for t in (q, k, v)]
-    ptr = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(sizes, 0)])
-    outs = []
-    for a, b in zip(ptr[:-1].tolist(), ptr[1:].tolist()):
-        qs, ks, vs = (t[a:b].transpose(0, 1) for t in xs)
-        w = torch.softmax(qs @ ks.transpose(1, 2) / math.sqrt(dim), -1)
-        outs.append((w @ vs).transpose(0, 1))
-    out = torch.cat(outs)
-    out.backward(dout.double())
-    for a, b in zip(got, [out.detach(), *(x.grad for x in xs)]):
+    for a, b in zip(got, _dense_per_graph(q, k, v, dout, sizes, 1 / math.sqrt(dim))):
         assert relerr(a, b) <= 2e-2
     assert all(torch.equal(a, b) for a, b in zip(got, run()))
 
 
-def test_gps_conv_under_autocast_is_as_close_as_pygs():
-    """GPSConv with heads of 32 channels under bf16 autocast: as close to PyG's float64 GPSConv
-    as PyG's own bf16 run is."""
+def _dense_per_graph(q, k, v, dout, sizes, scale):
+    """out, dq, dk, dv in float64 of dense attention within each graph (consecutive rows of
+    `sizes`)."""
+    xs = [t.double().cpu().requires_grad_() for t in (q, k, v)]
+    ptr = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(sizes, 0)])
+    outs = []
+    for a, b in zip(ptr[:-1].tolist(), ptr[1:].tolist()):
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t in xs)
+        w = torch.softmax(scale * qs @ ks.transpose(1, 2), -1)
+        outs.append((w @ vs).transpose(0, 1))
+    out = torch.cat(outs)
+    out.backward(dout.double().cpu())
+    return [out.detach(), *(x.grad for x in xs)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dim", [16, 32, 64, 128])
+def test_segment_attention_matches_float64(dim, dtype):
+    """segment_attention's kernels (q, k, v strided views of one projection, as GPS makes them;
+    graphs of 1 - 40 nodes and two of 150 and 300, ids with gaps, int64 and int32) against
+    float64 dense attention per graph, forward and gradients; the same bits on a second run."""
+    g = torch.Generator().manual_seed(dim)
+    sizes = torch.randint(1, 41, (80,), generator=g)
+    sizes[20], sizes[60] = 150, 300
+    ids = torch.cumsum(torch.randint(1, 3, (80,), generator=g), 0)  # gaps: empty graphs
+    batch = torch.repeat_interleave(ids, sizes).cuda()
+    n, heads = batch.numel(), 3
+    qkv = torch.randn(n, 3, heads, dim, generator=g)
+    dout = torch.randn(n, heads, dim, generator=g)
+    scale = 0.7 / math.sqrt(dim)
+
+    def run(ids_dtype):
+        x = qkv.cuda().to(dtype).requires_grad_()
+        q, k, v = x.unbind(1)
+        assert trisparse.segment_attention_supported(q)
+        out = trisparse.segment_attention(q, k, v, batch.to(ids_dtype), scale)
+        out.backward(dout.cuda().to(dtype))
+        return [t.double().cpu() for t in (out.detach(), *x.grad.unbind(1))]
+
+    got = run(torch.int64)
+    want = _dense_per_graph(*qkv.unbind(1), dout, sizes, scale)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert relerr(a, b) <= (2e-2 if dtype == torch.bfloat16 else 4e-3), i
+    assert all(torch.equal(a, b) for a, b in zip(got, run(torch.int32)))
+
+
+@pytest.mark.parametrize("channels", [64, 128])
+def test_gps_conv_under_autocast_is_as_close_as_pygs(channels):
+    """GPSConv with heads of 16 and 32 channels under bf16 autocast (the segment kernels): as
+    close to PyG's float64 GPSConv as PyG's own bf16 run is."""
     g = torch.Generator().manual_seed(8)
     batch, ei = _molecule_batch(g)
-    n, channels = batch.numel(), 128
+    n = batch.numel()
     torch.manual_seed(0)
 
     exact = _gps(pyg_nn.GPSConv, channels).double()

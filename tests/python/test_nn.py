@@ -527,6 +527,35 @@ def test_gps_conv_batch_errors_name_the_argument():
         layer(x, ei, torch.tensor([0, 0, 1, 1]))
 
 
+def test_segment_attention_on_the_cpu_and_its_errors():
+    """segment_attention off CUDA (the fused attention over the batch's pattern) against float64
+    dense attention per graph, with gradients; bad batches named."""
+    g = torch.Generator().manual_seed(3)
+    sizes = torch.tensor([3, 1, 7, 4])
+    batch = torch.repeat_interleave(torch.tensor([0, 2, 3, 5]), sizes)  # ids with gaps
+    q, k, v = (
+        torch.randn(15, 2, 8, generator=g, dtype=torch.float64, requires_grad=True)
+        for _ in range(3)
+    )
+    out = trisparse.segment_attention(q, k, v, batch, scale=0.4)
+    want = []
+    for a, b in ((0, 3), (3, 4), (4, 11), (11, 15)):
+        w = torch.softmax(0.4 * torch.einsum("ihd,jhd->hij", q[a:b], k[a:b]), -1)
+        want.append(torch.einsum("hij,jhd->ihd", w, v[a:b]))
+    torch.testing.assert_close(out, torch.cat(want), rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(
+        lambda *t: trisparse.segment_attention(*t, batch, scale=0.4), (q, k, v)
+    )
+    with pytest.raises(ValueError, match="batch must be sorted"):
+        trisparse.segment_attention(q, k, v, batch.flip(0))
+    with pytest.raises(ValueError, match="batch has 14 entries"):
+        trisparse.segment_attention(q, k, v, batch[1:])
+    with pytest.raises(TypeError, match="int64 or int32"):
+        trisparse.segment_attention(q, k, v, batch.double())
+    with pytest.raises(ValueError, match="one shape"):
+        trisparse.segment_attention(q, k[:, :1], v, batch)
+
+
 @pytest.mark.parametrize("layer", ["TransformerConv", "GATConv"])
 def test_edge_features_without_repeats_equal_pyg_in_float64(layer):
     """A graph without repeated edges (each entry one edge: the per-copy reductions reduce to a

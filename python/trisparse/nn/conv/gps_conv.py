@@ -14,17 +14,29 @@ from ...attention import sparse_attention
 from ...edge import edge_softmax, edge_spmm, sddmm
 from ...edge_attention import edge_attention, edge_attention_supported
 from ...pattern import Pattern
+from ...segment_attention import check_batch, segment_attention, segment_attention_supported
 from ._common import _TRACED
 
 
 class _BatchPatterns:
     """The block-diagonal Pattern of the last ``batch`` vector a GPS layer saw (rebuilt when the
-    tensor object, its contents or the node count change)."""
+    tensor object, its contents or the node count change), and the last batch checked sorted."""
 
     def __init__(self):
         self._batch = None
         self._key = None
         self._pattern = None
+        self._checked = None
+
+    def checked(self, batch, num_nodes: int):
+        """``batch``, checked sorted once per tensor and version (not while compiling)."""
+        if batch is None or torch.compiler.is_compiling():
+            return batch
+        key = (batch, getattr(batch, "_version", None), num_nodes)
+        if self._checked is None or self._checked[0] is not batch or self._checked[1:] != key[1:]:
+            check_batch(batch, num_nodes)
+            self._checked = key
+        return batch
 
     def get(self, batch, num_nodes: int) -> Pattern:
         if torch.compiler.is_compiling():  # built from the real batch while tracing, as layers'
@@ -58,9 +70,11 @@ class GPSConv(_PygGPSConv):
     ``batch``, :meth:`trisparse.Pattern.from_batch`) instead of padding every graph to the largest
     and running dense ``nn.MultiheadAttention``: no padding, memory linear in sum n_g^2, the
     gradients deterministic. ``attn``'s own projections (``in_proj_weight``, ``out_proj``) are
-    used as they are. On CUDA (heads of 4 * 2^k <= 128 channels) it runs the multigraph kernels
-    (:func:`trisparse.edge_attention`), whose pattern is grouped on the GPU, so a new batch costs
-    no host-side plan; elsewhere the fused attention. Attention dropout (``attn_kwargs={"dropout":
+    used as they are. On CUDA, float16/bfloat16 heads of 16, 32, 64 or 128 channels (autocast)
+    without attention dropout run the segment kernels (:func:`trisparse.segment_attention`: no
+    pattern at all, the batch vector read on the device); other CUDA heads of 4 * 2^k <= 128
+    channels the multigraph kernels (:func:`trisparse.edge_attention`), whose pattern is grouped
+    on the GPU, so a new batch costs no host-side plan; elsewhere the fused attention. Attention dropout (``attn_kwargs={"dropout":
     p}``) while training draws one factor per pair and head (the same distribution as PyG's, not
     the same draws): in the kernels on CUDA, on the per-pair weights elsewhere. Falls back to
     PyG's code, with a one-time warning, for ``attn_type="performer"`` and
@@ -113,11 +127,15 @@ class GPSConv(_PygGPSConv):
         attn = self.attn
         n, channels = x.shape
         heads = attn.num_heads
-        pattern = self._batches.get(batch, n)
         qkv = F.linear(x, attn.in_proj_weight, attn.in_proj_bias).view(n, 3, heads, -1)
         q, k, v = qkv.unbind(1)
         scale = 1.0 / math.sqrt(q.shape[-1])
         dropout = attn.dropout if self.training else 0.0
+        if dropout == 0.0 and segment_attention_supported(q):
+            batch = self._batches.checked(batch, n)
+            out = segment_attention(q, k, v, batch, scale, assume_sorted=True)
+            return attn.out_proj(out.reshape(n, channels))
+        pattern = self._batches.get(batch, n)
         if edge_attention_supported(pattern, q):  # CUDA: its multigraph is grouped on the GPU
             out, _ = edge_attention(q, k, v, pattern, scale, dropout=dropout)
         elif dropout > 0:

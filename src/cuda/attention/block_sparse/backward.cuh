@@ -23,7 +23,7 @@ namespace trisparse::cuda::block_sparse {
 
 template <int D, int BM, int BN, bool KV>
 __host__ __device__ constexpr int backward_shared_bytes() {
-  return (2 * BM + 4 * BN) * D * 2 + (KV ? 4 * BN * 4 : 0);
+  return (2 * BM + 4 * BN) * row_bytes<D>() + (KV ? 4 * BN * 4 : 0);
 }
 
 /// A warp per (query row, head): terms[h * rows_q + row] = lse * log2(e) and
@@ -81,6 +81,15 @@ struct key_walk {
     arch::wait_for_primary();  // as tile_walk: the terms kernel's output is read after this
   }
 
+  /// Whether query tile i0 needs masking: rows or keys past the sequences, or the causal limit
+  /// (keys past the sequence too: their P enters the block importance).
+  __device__ __forceinline__ bool masks(int i0) const {
+    return i0 + BN > lq || row0 + BM > lk || (p.causal && row0 + BM - 1 > i0 + shift);
+  }
+  __device__ __forceinline__ bool hides(int i, int j, int) const {
+    return i >= lq || j >= lk || (p.causal && j > i + shift);
+  }
+
   /// The first query row of the next query tile, or -1 past the end.
   __device__ __forceinline__ int next() {
     while (e < e_end) {
@@ -116,22 +125,27 @@ __device__ __forceinline__ void store_gradient(void* base, std::int64_t row_stri
   }
 }
 
-template <class T, int D, int BM, int BN, bool KV>
+/// Walk: void for the block mask's (tile_walk for dq, key_walk for dk/dv), or another walk with
+/// their interface (tile.cuh) for both.
+template <class T, int D, int BM, int BN, bool KV, class Walk = void>
 __global__ void __launch_bounds__(BM / 16 * 32)
     backward_kernel(const __grid_constant__ backward_params p) {
-  static_assert(D % 64 == 0 && BM % 16 == 0 && BN % 16 == 0);
+  static_assert(D % 16 == 0 && BM % 16 == 0 && BN % 16 == 0);
   constexpr int kThreads = BM / 16 * 32;
-  constexpr int kStage = BN * D * 2;
+  constexpr int kStage = BN * row_bytes<D>();
   extern __shared__ uint4 shared_raw[];
   const std::uint32_t sx1 = arch::shared_address(shared_raw);
-  const std::uint32_t sx2 = sx1 + BM * D * 2, sy1 = sx2 + BM * D * 2, sy2 = sy1 + 2 * kStage;
+  const std::uint32_t sx2 = sx1 + BM * row_bytes<D>(), sy1 = sx2 + BM * row_bytes<D>(),
+                      sy2 = sy1 + 2 * kStage;
   // KV: per stage, the BN queries' lse2 then their dterm.
   const std::uint32_t sterm = sy2 + 2 * kStage;
   const float* terms = reinterpret_cast<const float*>(reinterpret_cast<const char*>(shared_raw) +
-                                                      (2 * BM * D * 2 + 4 * kStage));
+                                                      (2 * BM * row_bytes<D>() + 4 * kStage));
 
   const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
-  using walk = std::conditional_t<KV, key_walk<BM, BN>, tile_walk<BM, BN>>;
+  using walk =
+      std::conditional_t<std::is_void_v<Walk>,
+                         std::conditional_t<KV, key_walk<BM, BN>, tile_walk<BM, BN>>, Walk>;
   walk w(p);
   // Stationary X1, X2 from rows x0 on; streamed Y1, Y2 from rows y0 on (of the sequence).
   const char* const x1g = static_cast<const char*>(KV ? p.k : p.q);
@@ -231,12 +245,7 @@ __global__ void __launch_bounds__(BM / 16 * 32)
     }
 
     // P (in s) and dS = P (dP - dterm) (in t); masked pairs give exact zeros.
-    bool masked;
-    if constexpr (KV)  // keys past the sequence too: their P enters the block importance
-      masked = y_cur + BN > w.lq || w.row0 + BM > w.lk ||
-               (p.causal && w.row0 + BM - 1 > y_cur + w.shift);
-    else
-      masked = y_cur + BN - 1 > w.kall;
+    const bool masked = w.masks(y_cur);
 #pragma unroll
     for (int n = 0; n < BN / 8; ++n) {
 #pragma unroll
@@ -248,7 +257,7 @@ __global__ void __launch_bounds__(BM / 16 * 32)
         if (masked) {
           const int i = KV ? y_cur + col : r_lo + 8 * r;  // query
           const int j = KV ? r_lo + 8 * r : y_cur + col;  // key
-          if (i >= w.lq || j >= w.lk || (p.causal && j > i + w.shift)) pv = 0.f;
+          if (w.hides(i, j, r)) pv = 0.f;
         }
         s[n][e] = pv;
         t[n][e] = pv * (t[n][e] - dterm);

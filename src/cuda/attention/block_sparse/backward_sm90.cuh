@@ -155,12 +155,7 @@ __global__ void __launch_bounds__(128, 2)
     arch::fence_operands(flat(t));
 
     // P (in s) and dS = P (dP - dterm) (in t); masked pairs give exact zeros.
-    bool masked;
-    if constexpr (KV)  // keys past the sequence too: their P enters the block importance
-      masked = y_cur + BN > w.lq || w.row0 + BM > w.lk ||
-               (p.causal && w.row0 + BM - 1 > y_cur + w.shift);
-    else
-      masked = y_cur + BN - 1 > w.kall;
+    const bool masked = w.masks(y_cur);
 #pragma unroll
     for (int n = 0; n < BN / 8; ++n) {
 #pragma unroll
@@ -172,7 +167,7 @@ __global__ void __launch_bounds__(128, 2)
         if (masked) {
           const int i = KV ? y_cur + col : r_lo + 8 * r;  // query
           const int j = KV ? r_lo + 8 * r : y_cur + col;  // key
-          if (i >= w.lq || j >= w.lk || (p.causal && j > i + w.shift)) pv = 0.f;
+          if (w.hides(i, j, r)) pv = 0.f;
         }
         s[n][e] = pv;
         t[n][e] = pv * (t[n][e] - dterm);

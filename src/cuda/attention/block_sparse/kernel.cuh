@@ -14,7 +14,7 @@ namespace trisparse::cuda::block_sparse {
 /// Shared-memory bytes of one instantiation: Q tile and two stages of K and V tiles.
 template <int D, int BM, int BN>
 __host__ __device__ constexpr int shared_bytes() {
-  return (BM + 4 * BN) * D * 2;
+  return (BM + 4 * BN) * row_bytes<D>();
 }
 
 /// Threads of an instantiation: a warp per 16 query rows.
@@ -23,26 +23,27 @@ __host__ __device__ constexpr int threads() {
   return BM / 16 * 32;
 }
 
-/// Blocks per SM the registers are held to: 128 registers a thread at D = 64 (16 warps of 4 per
+/// Blocks per SM the registers are held to: 128 registers a thread at D <= 64 (16 warps of 4 per
 /// SM), 255 at D = 128 (its accumulators alone take 96).
 template <int D, int BM>
 __host__ __device__ constexpr int min_blocks() {
-  const int per_sm = (D == 64 ? 512 : 256) / threads<BM>();
+  const int per_sm = (D <= 64 ? 512 : 256) / threads<BM>();
   return per_sm > 1 ? per_sm : 1;
 }
 
-template <class T, int D, class O, int BM, int BN>
+/// Walk: tile_walk (the block mask's key tiles), or another walk with its interface (tile.cuh).
+template <class T, int D, class O, int BM, int BN, class Walk = tile_walk<BM, BN>>
 __global__ void __launch_bounds__(threads<BM>(), (min_blocks<D, BM>()))
     block_sparse_kernel(const __grid_constant__ params p) {
-  static_assert(D % 64 == 0 && BM % 16 == 0 && BN % 16 == 0);
+  static_assert(D % 16 == 0 && BM % 16 == 0 && BN % 16 == 0);
   constexpr int kThreads = threads<BM>();
-  constexpr int kStage = BN * D * 2;
+  constexpr int kStage = BN * row_bytes<D>();
   extern __shared__ uint4 shared_raw[];
   const std::uint32_t sq = arch::shared_address(shared_raw);
-  const std::uint32_t sk = sq + BM * D * 2, sv = sk + 2 * kStage;
+  const std::uint32_t sk = sq + BM * row_bytes<D>(), sv = sk + 2 * kStage;
 
   const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
-  tile_walk<BM, BN> w(p);
+  Walk w(p);
   const char* qg = static_cast<const char*>(p.q) + ((w.q0 + w.row0) * p.q_row + w.h * p.q_head) * 2;
   const char* kg = static_cast<const char*>(p.k) + (w.k0 * p.k_row + w.h * p.k_head) * 2;
   const char* vg = static_cast<const char*>(p.v) + (w.k0 * p.v_row + w.h * p.v_head) * 2;

@@ -35,6 +35,11 @@ struct params : ragged_attention_io {
   // Where not null, also each row's natural log-sum-exp of the scaled scores (-inf: no key).
   float* lse;
   std::int64_t lse_row, lse_head;  // element strides
+  // Attention within segments (segments/walk.cuh; the mask fields above unused): row i of the
+  // packed rows [0, segment_rows) attends the keys [segments[2 i], segments[2 i + 1]); tile t of
+  // num_tiles holds rows [64 t, 64 t + 64).
+  const std::int32_t* segments;
+  std::int32_t segment_rows;
 };
 
 /// The backward kernels (backward.cuh). The forward's fields give q, k, v, the mask and, in

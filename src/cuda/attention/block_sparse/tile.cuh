@@ -3,9 +3,16 @@
 // shared-memory tile layout and its cp.async loader, the walk over a query tile's active key
 // tiles, the online softmax of a 16-row warp slice and the epilogue.
 //
-// Shared-memory tiles hold rows of D 16-bit values as D / 64 panels of 64 columns; panel p of a
-// ROWS-row tile starts at p * ROWS * 128 bytes, and the 16-byte chunk c of row r of a panel sits
-// at chunk c ^ (r % 8) (the 128-byte swizzle wgmma reads, and conflict-free for ldmatrix).
+// Shared-memory tiles hold rows of D 16-bit values as D / 64 panels of 64 columns (D < 64: one
+// panel, its columns past D unused); panel p of a ROWS-row tile starts at p * ROWS * 128 bytes,
+// and the 16-byte chunk c of row r of a panel sits at chunk c ^ (r % 8) (the 128-byte swizzle
+// wgmma reads, and conflict-free for ldmatrix).
+//
+// A walk (tile_walk here, key_walk in backward.cuh, segments::segment_walk) gives a thread block
+// its stationary rows (row0, the sequence's q0 / k0, lq / lk, head h), its streamed tiles (next())
+// and its mask: masks(j0) says whether the tile of BN streamed rows from j0 needs masking at all,
+// hides(i, j, r) whether query i and key j are apart (r: the thread's stationary row slot, 0 for
+// rows i_lo, 1 for i_lo + 8).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -18,6 +25,12 @@
 #include "params.hpp"
 
 namespace trisparse::cuda::block_sparse {
+
+/// Bytes of one row of a shared-memory tile: D 16-bit values, at least one 128-byte panel.
+template <int D>
+__host__ __device__ constexpr int row_bytes() {
+  return (D < 64 ? 64 : D) * 2;
+}
 
 /// The address of 16-byte chunk `chunk` (0 .. 7) of panel `panel` of row `row` in a ROWS-row tile
 /// at `base` (callers pass the panel apart, a compile-time 0 at D = 64).
@@ -90,6 +103,13 @@ struct tile_walk {
     arch::wait_for_primary();
   }
 
+  /// Whether key tile j0 needs masking: keys past what every row sees.
+  __device__ __forceinline__ bool masks(int j0) const { return j0 + BN - 1 > kall; }
+  /// Key j is past the sequence or the causal limit of row i.
+  __device__ __forceinline__ bool hides(int i, int j, int) const {
+    return j >= lk || (p.causal && j > i + shift);
+  }
+
   /// The first key of the next key tile, or -1 past the end (then not to be called again).
   __device__ __forceinline__ int next() {
     if (down) {
@@ -158,14 +178,13 @@ __device__ __forceinline__ void softmax_rows(float (&s)[BN / 8][4], float (&m)[2
 
 /// One online-softmax step for a warp's 16 rows: s holds S = Q Kᵀ for keys j0 .. j0 + BN - 1 in
 /// the m16n8 accumulator layout (rows i_lo and i_lo + 8, i_lo = the thread's first row). Masks
-/// keys past the sequence or the causal limit, updates the running max m (log2 units, scale
+/// the keys the walk hides, updates the running max m (log2 units, scale
 /// applied) and this thread's partial sums l, leaves P = exp2(scale log2(e) s - m) in s and in
 /// alpha the factor the output rows must be rescaled by (rescale()).
-template <int BN, int BM>
+template <int BN, class Walk>
 __device__ __forceinline__ void softmax_step(float (&s)[BN / 8][4], float (&m)[2], float (&l)[2],
-                                             float (&alpha)[2], const tile_walk<BM, BN>& w, int j0,
-                                             int i_lo) {
-  if (j0 + BN - 1 <= w.kall) return softmax_rows<false, BN>(s, m, l, alpha, w.p.scale_log2);
+                                             float (&alpha)[2], const Walk& w, int j0, int i_lo) {
+  if (!w.masks(j0)) return softmax_rows<false, BN>(s, m, l, alpha, w.p.scale_log2);
   const int tq = static_cast<int>(threadIdx.x) % 4;
 #pragma unroll
   for (int n = 0; n < BN / 8; ++n) {
@@ -173,7 +192,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[BN / 8][4], float (&m)[2
     for (int e = 0; e < 4; ++e) {
       const int j = j0 + n * 8 + 2 * tq + (e & 1);
       const int i = i_lo + (e >> 1) * 8;
-      if (j >= w.lk || (w.p.causal && j > i + w.shift)) s[n][e] = __int_as_float(0x7fffffff);
+      if (w.hides(i, j, e >> 1)) s[n][e] = __int_as_float(0x7fffffff);
     }
   }
   softmax_rows<true, BN>(s, m, l, alpha, w.p.scale_log2);
@@ -207,10 +226,9 @@ __device__ __forceinline__ void store_pair(O* dst, float a, float b) {
 
 /// Writes O / l for the thread's rows i_lo and i_lo + 8 (rows with no key, l = 0, give zeros),
 /// and where asked (params::lse) their log-sum-exp from m and l.
-template <class O, int D, int BM, int BN>
+template <class O, int D, class Walk>
 __device__ __forceinline__ void store_rows(const float (&o)[D / 8][4], const float (&m)[2],
-                                           const float (&l)[2], const tile_walk<BM, BN>& w,
-                                           int i_lo) {
+                                           const float (&l)[2], const Walk& w, int i_lo) {
   const int tq = static_cast<int>(threadIdx.x) % 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {

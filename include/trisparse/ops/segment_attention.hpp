@@ -1,0 +1,72 @@
+#pragma once
+/// @file Attention within segments: the rows of a packed batch of short sequences (the graphs of a
+/// PyG mini-batch, the documents of a packed batch) named by a sorted segment id per row. Row i
+/// attends every row j of its own segment, O_i = softmax_j(scale q_i . k_j) v_j over
+/// {j : segment[j] == segment[i]}: the block-diagonal pattern of the batch (GPS's global
+/// attention), with no pattern built. The ids are read on the device at each call, so a new
+/// mini-batch costs no host work and no round trip.
+#include <cstddef>
+#include <cstdint>
+
+#include "trisparse/core/stream.hpp"
+#include "trisparse/core/tensor.hpp"
+#include "trisparse/core/workspace.hpp"
+#include "trisparse/ops/attention.hpp"
+
+namespace trisparse {
+
+/// The segment id of each of `rows` rows, on the device, sorted ascending (ids need not be
+/// consecutive: an id missing is an empty segment). Rows and ids are 32-bit or 64-bit integers;
+/// rows below 2^31.
+struct segment_view {
+  std::int64_t rows = 0;
+  const void* ids = nullptr;  ///< [rows]
+  bool ids_64 = true;         ///< int64 ids (PyG's `batch`), else int32
+  int device_id = 0;
+};
+
+/// A plan over one segment vector (a view: the caller keeps the ids alive). CUDA: a thread block
+/// per (64 query rows, head) walks the key rows from its first row's segment start to its last
+/// row's segment end in tiles of 64 (the segments' bounds found from the ids by one small kernel
+/// per call, into the workspace), masks pairs of different segments, and runs the block-sparse
+/// kernels' mma.sync products and online softmax (several short segments share a tile; a long one
+/// spans many). The backward is FlashAttention-2's with no atomics: dq over the query tiles, dk
+/// and dv over the key tiles (the pattern is symmetric), each gradient row summed by one warp in
+/// a fixed order: the same bits on every run. q, k, v f16 or bf16 with head dims 16, 32, 64 or
+/// 128, every operand in 16-byte aligned rows. CUDA only: on the CPU, give the block-diagonal
+/// pattern to attention_plan.
+class segment_attention_plan {
+ public:
+  /// @throws invalid_input for negative or too many rows, or ids missing.
+  static segment_attention_plan build(const segment_view& segments);
+  /// True if the kernels take heads of `head_dim` (16, 32, 64, 128 where built).
+  static bool supports(std::int64_t head_dim);
+  /// Bytes of workspace run() needs (the segments' bounds).
+  std::size_t workspace_bytes() const;
+  /// Bytes of workspace backward() needs with `heads` heads.
+  std::size_t backward_workspace_bytes(std::int64_t heads) const;
+
+  /// out = attention(q, k, v) within segments: q, k, v, out [rows, H, D] on the plan's device, out
+  /// f32 or q's dtype; options.scale (default 1/sqrt(D)) and, where options.lse.data is set, the
+  /// per-row log-sum-exp (f32 [rows, H, 1]) that backward() needs; options' bias and block
+  /// outputs are not taken. Asynchronous on `stream`: no synchronisation, allocation or lock.
+  /// @throws invalid_input naming a wrong argument, not_supported for other dtypes or head dims.
+  void run(const tensor_view& q, const tensor_view& k, const tensor_view& v, const tensor_view& out,
+           const attention_options& options, workspace_view workspace,
+           stream_ref stream = {}) const;
+
+  /// dq, dk, dv (shaped as q, k, v, all f32 or all q's dtype; overwritten) of out = run(q, k, v)
+  /// given dout (q's dtype); `out` and `lse` are what run() wrote. Asynchronous on `stream`.
+  void backward(const tensor_view& q, const tensor_view& k, const tensor_view& v,
+                const tensor_view& out, const tensor_view& lse, const tensor_view& dout,
+                const tensor_view& dq, const tensor_view& dk, const tensor_view& dv,
+                const attention_options& options, workspace_view workspace,
+                stream_ref stream = {}) const;
+
+  const segment_view& segments() const { return segments_; }
+
+ private:
+  segment_view segments_;
+};
+
+}  // namespace trisparse

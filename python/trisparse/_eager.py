@@ -1,0 +1,41 @@
+"""Eager calls of a torch.library op with its registered autograd, at less host cost.
+
+A ``torch.library.custom_op`` with ``register_autograd`` costs ~0.2 ms more host time per forward
++ backward than the same functions under a ``torch.autograd.Function`` (torch 2.11, H200 host:
+542 against 326 us a step of segment_attention, whose kernels take 26 us), and GPS's steps over
+small batches are host-bound. So eager calls go through an autograd.Function built from the op's
+own implementation, setup_context and backward (one definition of each), and torch.compile
+traces the op itself (its fake and registered autograd)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def eager_autograd(op, setup_context: Callable, backward: Callable) -> Callable:
+    """A callable equal to ``op(*args)``: under torch.compile the op, else an autograd.Function
+    running the op's implementation (``op._init_fn``), ``setup_context(ctx, inputs, output)``
+    and ``backward(ctx, *grads)``."""
+    impl = op._init_fn
+
+    class _Function(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            output = impl(*args)
+            setup_context(ctx, args, output)
+            return output
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return backward(ctx, *grads)
+
+    _Function.__name__ = f"{op._name}_eager"
+
+    def call(*args):
+        if torch.compiler.is_compiling():
+            return op(*args)
+        return _Function.apply(*args)
+
+    return call

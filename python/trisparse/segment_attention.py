@@ -1,0 +1,174 @@
+"""Attention within segments: the rows of a packed batch of short sequences (the graphs of a PyG
+mini-batch) named by a sorted id per row (PyG's ``batch``); each row attends every row of its own
+segment. The block-diagonal pattern of :meth:`trisparse.Pattern.from_batch`, with no pattern built:
+on CUDA the kernels read the ids themselves (``segment_attention_plan``), so a new mini-batch costs
+no host work; elsewhere, and for float32 or other head dims, the fused attention over that
+pattern."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _C, _tensors
+from ._eager import eager_autograd
+from .attention import sparse_attention
+from .pattern import Pattern
+
+__all__ = ["segment_attention", "segment_attention_supported"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def segment_attention_supported(q: Tensor) -> bool:
+    """Whether :func:`segment_attention` runs its own kernels for q ([rows, heads, channels]): CUDA,
+    float16 or bfloat16, 16, 32, 64 or 128 channels a head."""
+    return q.is_cuda and q.dtype in _HALF and bool(_C.segment_attention_supports(q.shape[-1]))
+
+
+def _rows16(t: Tensor) -> Tensor:
+    """t, or a contiguous copy where its rows are not 16-byte aligned (the kernels' loads)."""
+    s = t.stride()
+    if s[-1] == 1 and s[0] % 8 == 0 and s[1] % 8 == 0 and t.data_ptr() % 16 == 0:
+        return t
+    return t.contiguous()
+
+
+def _workspace(batch: Tensor, rows: int, heads: int, backward: bool):
+    return _tensors.workspace(
+        _C.segment_attention_workspace(batch.data_ptr(), rows, heads, backward), batch.device
+    )
+
+
+@torch.library.custom_op("trisparse::segment_attention", mutates_args=())
+def _forward(q: Tensor, k: Tensor, v: Tensor, batch: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """(out [rows, H, D] in q's dtype, lse [rows, H] float32)."""
+    rows, heads = q.shape[0], q.shape[1]
+    out = q.new_empty(q.shape)
+    lse = q.new_empty(rows, heads, dtype=torch.float32)
+    _owner, ws, ws_bytes = _workspace(batch, rows, heads, False)
+    _C.segment_attention_forward(
+        batch.data_ptr(),
+        batch.dtype == torch.int64,
+        *(_tensors.view(t) for t in (q, k, v, out)),
+        _tensors.view2(lse),
+        scale,
+        _tensors.stream(q.device),
+        ws,
+        ws_bytes,
+    )
+    return out, lse
+
+
+@_forward.register_fake
+def _forward_fake(q, k, v, batch, scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
+
+
+@torch.library.custom_op("trisparse::segment_attention_backward", mutates_args=())
+def _backward_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    batch: Tensor,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv in q's dtype (fp32 accumulation, one rounding at the store)."""
+    dout = _rows16(dout)
+    dq, dk, dv = (q.new_empty(q.shape) for _ in range(3))
+    _owner, ws, ws_bytes = _workspace(batch, q.shape[0], q.shape[1], True)
+    _C.segment_attention_backward(
+        batch.data_ptr(),
+        batch.dtype == torch.int64,
+        *(_tensors.view(t) for t in (q, k, v, out)),
+        _tensors.view2(lse),
+        *(_tensors.view(t) for t in (dout, dq, dk, dv)),
+        scale,
+        _tensors.stream(q.device),
+        ws,
+        ws_bytes,
+    )
+    return dq, dk, dv
+
+
+@_backward_op.register_fake
+def _backward_fake(q, k, v, out, lse, dout, batch, scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, batch, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, batch)
+    ctx.scale = scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, batch = ctx.saved_tensors
+    dq, dk, dv = torch.ops.trisparse.segment_attention_backward(
+        q, k, v, out, lse, dout, batch, ctx.scale
+    )
+    return dq, dk, dv, None, None
+
+
+_forward.register_autograd(_backward, setup_context=_setup_context)
+_call = eager_autograd(_forward, _setup_context, _backward)
+
+
+def check_batch(batch: Tensor, rows: int) -> None:
+    """ValueError unless `batch` is a sorted 1-D integer vector of `rows` non-negative ids (one
+    device round trip)."""
+    if not isinstance(batch, Tensor) or batch.dtype not in (torch.int32, torch.int64):
+        raise TypeError(
+            f"batch must be an int64 or int32 tensor, got {getattr(batch, 'dtype', batch)}"
+        )
+    if batch.dim() != 1:
+        raise ValueError(f"batch must be 1-D [num_nodes], got {tuple(batch.shape)}")
+    if batch.numel() != rows:
+        raise ValueError(f"batch has {batch.numel()} entries for {rows} nodes")
+    if rows and bool(((batch[1:] < batch[:-1]).any() | (batch[0] < 0)).item()):
+        raise ValueError(
+            "batch must be sorted with graph ids >= 0 (PyG's mini-batches are: nodes of graph 0 "
+            "first, then graph 1, ...)"
+        )
+
+
+def segment_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    batch: Tensor | None,
+    scale: float | None = None,
+    assume_sorted: bool = False,
+) -> Tensor:
+    """out[i] = softmax_j(scale q[i] . k[j]) v[j] over the rows j with batch[j] == batch[i]: q, k,
+    v [rows, heads, channels], ``batch`` [rows] sorted int64 or int32 ids (PyG's mini-batch vector;
+    None: one segment), ``scale`` default 1/sqrt(channels). Differentiable in q, k, v; the
+    gradients are the same bits on every run. On CUDA with float16/bfloat16 and 16, 32, 64 or 128
+    channels a head, the segment kernels (no pattern, no host work per batch); elsewhere
+    :func:`trisparse.sparse_attention` over :meth:`Pattern.from_batch`. ``assume_sorted``: skip
+    the sortedness check (a device round trip) for a batch already checked."""
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        if not isinstance(t, Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a [rows, heads, channels] tensor")
+    if k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(
+            f"q, k, v must have one shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    rows = q.shape[0]
+    if batch is None:
+        batch = torch.zeros(rows, dtype=torch.int64, device=q.device)
+    elif not assume_sorted and not torch.compiler.is_compiling():
+        check_batch(batch, rows)
+    batch = batch.contiguous()
+    scale = _tensors.resolve_scale(scale, q.shape[-1])
+    if segment_attention_supported(q) and batch.device == q.device:
+        out, _ = _call(_rows16(q), _rows16(k), _rows16(v), batch, scale)
+        return out
+    return sparse_attention(q, k, v, Pattern.from_batch(batch, rows), scale=scale)

@@ -1,0 +1,54 @@
+#pragma once
+// The walk of the block-sparse kernels (block_sparse/tile.cuh's interface) for attention within
+// segments: the thread block's stationary rows are BM consecutive packed rows (queries, or keys in
+// the dk/dv kernel: the pattern is symmetric), its streamed tiles of BN rows run from its first
+// row's segment start to its last row's segment end (ids sorted: the bounds grow with the row), and
+// a pair is hidden when the streamed row lies outside the stationary row's segment.
+#include "../block_sparse/tile.cuh"
+
+namespace trisparse::cuda::segments {
+
+/// KEYS: the stationary rows are keys (the dk/dv kernel).
+template <int BM, int BN, bool KEYS>
+struct segment_walk {
+  const block_sparse::params& p;
+  int h, lq, lk, row0;
+  std::int64_t q0 = 0, k0 = 0;
+  int j, j_end;      // streamed tiles from j, BN rows apart, while j < j_end
+  int lo[2], hi[2];  // the segments of the thread's stationary rows r_lo and r_lo + 8
+
+  __device__ __forceinline__ explicit segment_walk(const block_sparse::params& params) : p(params) {
+    h = static_cast<int>(blockIdx.x / p.num_tiles);
+    row0 = static_cast<int>(blockIdx.x % p.num_tiles) * BM;
+    lq = lk = p.segment_rows;
+    arch::wait_for_primary();  // the bounds come from the kernel before
+    const int last = min(row0 + BM, lq) - 1;
+    j = p.segments[2 * row0];
+    j_end = p.segments[2 * last + 1];
+    const int r_lo =
+        row0 + static_cast<int>(threadIdx.x) / 32 * 16 + static_cast<int>(threadIdx.x) % 32 / 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int i = r_lo + 8 * r;
+      lo[r] = i < lq ? p.segments[2 * i] : 0;
+      hi[r] = i < lq ? p.segments[2 * i + 1] : 0;
+    }
+  }
+
+  /// The first row of the next streamed tile, or -1 past the end.
+  __device__ __forceinline__ int next() {
+    if (j >= j_end) return -1;
+    const int at = j;
+    j += BN;
+    return at;
+  }
+  /// Every tile may mix segments.
+  __device__ __forceinline__ bool masks(int) const { return true; }
+  /// Query i and key j lie in different segments (r: the stationary row's slot).
+  __device__ __forceinline__ bool hides(int i, int j_key, int r) const {
+    const int other = KEYS ? i : j_key;
+    return other < lo[r] || other >= hi[r];
+  }
+};
+
+}  // namespace trisparse::cuda::segments

@@ -1,0 +1,141 @@
+// Attention within segments (segment_attention_plan): argument checks, then the CUDA kernels.
+#include "trisparse/ops/segment_attention.hpp"
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "../cuda/attention/segments/plan.hpp"
+#include "layers/common.hpp"
+
+namespace trisparse {
+
+namespace {
+
+constexpr const char* kWhat = "attention within segments";
+// Rows a plan takes: tiles of 64 rows must not pass the int32 row index.
+constexpr std::int64_t kMaxRows = (std::int64_t{1} << 31) - 64;
+
+void check_16byte_rows(const tensor_view& t, const char* what) {
+  const bool ok = t.row_stride % 8 == 0 && t.head_stride % 8 == 0 &&
+                  reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0;
+  TRISPARSE_EXPECTS_INPUT(ok, std::string(what) + " " + t.describe() +
+                                  ": the kernels need 16-byte aligned data and row/head strides "
+                                  "that are multiples of 8 elements (make it contiguous)");
+}
+
+// q, k, v: [rows, H, D] on the device, one 16-bit dtype, D a dim the kernels take.
+void check_operands(const segment_view& seg, const tensor_view& q, const tensor_view& k,
+                    const tensor_view& v) {
+  check_view(q, "q", seg.rows, -1, -1);
+  check_view(k, "k", seg.rows, q.heads, q.dim);
+  check_view(v, "v", seg.rows, q.heads, q.dim);
+  for (const auto& [t, what] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}}) {
+    detail::check_device_arg(*t, what);
+    TRISPARSE_EXPECTS_INPUT(t->device_id == seg.device_id,
+                            std::string(what) + " is on device " + std::to_string(t->device_id) +
+                                ", the segment ids on " + std::to_string(seg.device_id));
+    check_16byte_rows(*t, what);
+  }
+  if (q.type != k.type || q.type != v.type || (q.type != dtype::f16 && q.type != dtype::bf16))
+    throw not_supported(std::string(kWhat) + " takes q, k, v all f16 or all bf16 (got " +
+                        q.describe() + ", " + k.describe() + ", " + v.describe() + ")");
+  if (!segment_attention_plan::supports(q.dim))
+    throw not_supported(std::string(kWhat) +
+                        " takes head dims 16, 32, 64 and 128 (those built), not " +
+                        std::to_string(q.dim));
+}
+
+void check_output(const tensor_view& t, const char* what, const tensor_view& q) {
+  check_view(t, what, q.rows, q.heads, q.dim);
+  detail::check_device_arg(t, what);
+  TRISPARSE_EXPECTS_INPUT(t.type == q.type || t.type == dtype::f32,
+                          std::string(what) + " " + t.describe() + " must be f32 or q's dtype");
+  check_16byte_rows(t, what);
+}
+
+void check_lse(const tensor_view& lse, const tensor_view& q) {
+  check_view(lse, "lse", q.rows, q.heads, 1);
+  detail::check_device_arg(lse, "lse");
+  TRISPARSE_EXPECTS_INPUT(lse.type == dtype::f32, "lse " + lse.describe() + " must be f32");
+}
+
+void check_plain(const attention_options& o) {
+  TRISPARSE_EXPECTS_INPUT(o.bias.data == nullptr && o.dbias.data == nullptr &&
+                              o.block_mass.data == nullptr && o.block_grad.data == nullptr,
+                          std::string(kWhat) + " takes no bias and writes no block importance");
+}
+
+void check_workspace(workspace_view w, std::size_t need, const char* call) {
+  TRISPARSE_EXPECTS_INPUT(w.bytes >= need && (w.data != nullptr || need == 0),
+                          std::string(kWhat) + ": " + call + " needs " + std::to_string(need) +
+                              " bytes of workspace, got " + std::to_string(w.bytes));
+}
+
+}  // namespace
+
+segment_attention_plan segment_attention_plan::build(const segment_view& segments) {
+  TRISPARSE_EXPECTS_INPUT(
+      segments.rows >= 0 && segments.rows < kMaxRows,
+      "segments: rows must be in [0, 2^31 - 64), got " + std::to_string(segments.rows));
+  TRISPARSE_EXPECTS_INPUT(segments.rows == 0 || segments.ids != nullptr,
+                          "segments: the ids are missing");
+  segment_attention_plan plan;
+  plan.segments_ = segments;
+  return plan;
+}
+
+bool segment_attention_plan::supports(std::int64_t head_dim) {
+#if TRISPARSE_HAVE_CUDA
+  return cuda::segment_attention_takes(head_dim);
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
+std::size_t segment_attention_plan::workspace_bytes() const {
+  return cuda::segment_bounds_bytes(segments_.rows);
+}
+
+std::size_t segment_attention_plan::backward_workspace_bytes(std::int64_t heads) const {
+  TRISPARSE_EXPECTS_INPUT(heads >= 1, "segment attention needs heads >= 1");
+  return workspace_bytes() + static_cast<std::size_t>(2 * heads * segments_.rows) * sizeof(float);
+}
+
+void segment_attention_plan::run(const tensor_view& q, const tensor_view& k, const tensor_view& v,
+                                 const tensor_view& out, const attention_options& options,
+                                 workspace_view workspace, stream_ref stream) const {
+  check_operands(segments_, q, k, v);
+  check_output(out, "out", q);
+  if (options.lse.data != nullptr) check_lse(options.lse, q);
+  check_plain(options);
+  check_workspace(workspace, workspace_bytes(), "run()");
+  cuda::segment_attention_forward(segments_, q, k, v, out, options.lse,
+                                  effective_scale(options, q.dim), workspace, stream);
+}
+
+void segment_attention_plan::backward(const tensor_view& q, const tensor_view& k,
+                                      const tensor_view& v, const tensor_view& out,
+                                      const tensor_view& lse, const tensor_view& dout,
+                                      const tensor_view& dq, const tensor_view& dk,
+                                      const tensor_view& dv, const attention_options& options,
+                                      workspace_view workspace, stream_ref stream) const {
+  check_operands(segments_, q, k, v);
+  check_output(out, "out", q);
+  check_lse(lse, q);
+  check_view(dout, "dout", q.rows, q.heads, q.dim);
+  detail::check_device_arg(dout, "dout");
+  TRISPARSE_EXPECTS_INPUT(dout.type == q.type, "dout " + dout.describe() + " must have q's dtype");
+  check_16byte_rows(dout, "dout");
+  for (const auto& [t, what] : {std::pair{&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}}) {
+    check_output(*t, what, q);
+    TRISPARSE_EXPECTS_INPUT(t->type == dq.type, "dq, dk and dv must all be f32 or all q's dtype");
+  }
+  check_plain(options);
+  check_workspace(workspace, backward_workspace_bytes(q.heads), "backward()");
+  cuda::segment_attention_backward(segments_, q, k, v, out, lse, dout, dq, dk, dv,
+                                   effective_scale(options, q.dim), workspace, stream);
+}
+
+}  // namespace trisparse
