@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <map>
@@ -491,11 +492,72 @@ void agnn_cases(recorder& rec) {
   }
 }
 
+// --- attention within segments (CUDA; the CPU takes the segments' pattern as attention) -------
+
+void segment_cases(recorder& rec) {
+  if (kWhere != device_kind::cuda) return;
+  // Segments of 1 - 70 rows (one past a tile), ids with a gap, and their block-diagonal pattern.
+  std::vector<std::int64_t> ids;
+  std::int64_t id = 0;
+  for (const std::int64_t size : {1, 5, 70, 3, 30}) {
+    ids.insert(ids.end(), static_cast<std::size_t>(size), id);
+    id += size == 5 ? 2 : 1;
+  }
+  const auto rows = static_cast<std::int64_t>(ids.size());
+  coo_graph coo;
+  coo.rows = coo.cols = rows;
+  for (std::int64_t i = 0; i < rows; ++i)
+    for (std::int64_t j = 0; j < rows; ++j)
+      if (ids[static_cast<std::size_t>(i)] == ids[static_cast<std::size_t>(j)]) {
+        coo.src.push_back(i);
+        coo.dst.push_back(j);
+      }
+  const csr_graph g = to_csr(coo);
+  host_tensor ids_h(dtype::f64, rows, 1, 1);  // the int64 ids' bytes
+  std::memcpy(ids_h.data(), ids.data(), ids.size() * sizeof(std::int64_t));
+  buffer bids(ids_h);
+  const std::string backend = "cuda_segments";
+  for (const dtype in : kDtypes) {
+    rec.attempt("segment_attention", backend, in, [&] {
+      const auto plan = segment_attention_plan::build({rows, bids.view().data, true, 0});
+      const std::int64_t heads = 2, dim = 32;
+      const host_tensor q = random(in, rows, heads, dim, 90), k = random(in, rows, heads, dim, 91),
+                        v = random(in, rows, heads, dim, 92),
+                        dout = random(in, rows, heads, dim, 93);
+      buffer bq(q), bk(k), bv(v), bdout(dout),
+          out = buffer::output(in, rows, heads, dim),
+          lse = buffer::output(dtype::f32, rows, heads, 1),
+          dq = buffer::output(dtype::f32, rows, heads, dim),
+          dk = buffer::output(dtype::f32, rows, heads, dim),
+          dv = buffer::output(dtype::f32, rows, heads, dim),
+          ws = buffer::output(
+              dtype::f32, static_cast<std::int64_t>(plan.backward_workspace_bytes(heads) / 4 + 1),
+              1, 1);
+      const workspace_view w{ws.view().data, plan.backward_workspace_bytes(heads)};
+      plan.run(bq.view(), bk.view(), bv.view(), out.view(), {.lse = lse.view()}, w);
+      plan.backward(bq.view(), bk.view(), bv.view(), out.view(), lse.view(), bdout.view(),
+                    dq.view(), dk.view(), dv.view(), {}, w);
+      const double scale = effective_scale({}, dim);
+      host_tensor want(dtype::f64, rows, heads, dim), wq(dtype::f64, rows, heads, dim),
+          wk(dtype::f64, rows, heads, dim), wv(dtype::f64, rows, heads, dim);
+      reference::attention(g, q.view(), k.view(), v.view(), want.view(), scale);
+      reference::attention_backward(g, q.view(), k.view(), v.view(), dout.view(), wq.view(),
+                                    wk.view(), wv.view(), scale);
+      rec.check("segment_attention", backend, in, "5 segments", out.fetch(), want,
+                tolerance(in, in, 4));
+      const double tol = tolerance(in, dtype::f32, 8) + unit_roundoff(in) * 8;
+      rec.check("segment_attention", backend, in, "5 segments dq", dq.fetch(), wq, tol);
+      rec.check("segment_attention", backend, in, "5 segments dk", dk.fetch(), wk, tol);
+      rec.check("segment_attention", backend, in, "5 segments dv", dv.fetch(), wv, tol);
+    });
+  }
+}
+
 // Every op's registration: add one here for a new op.
 const std::vector<std::function<void(recorder&)>>& registry() {
   static const std::vector<std::function<void(recorder&)>> all{
       attention_cases, sparse_cases, block_sparse_cases, gcn_cases,
-      gcn_fused_cases, agnn_cases,   gat_cases};
+      gcn_fused_cases, agnn_cases,   gat_cases,          segment_cases};
   return all;
 }
 
@@ -510,6 +572,9 @@ TEST(EveryOp, AgainstTheFloat64Reference) {
                          "block_sparse_attention", "block_sparse_backward", "gcn_layer",
                          "gcn_fused_layer", "agnn_layer", "gat_attention", "gat_backward"})
     EXPECT_TRUE(rec.ops().count(op)) << op << ": no case ran on " << to_string(kWhere);
+  if (kWhere == device_kind::cuda) {
+    EXPECT_TRUE(rec.ops().count("segment_attention")) << "segment_attention: no case ran";
+  }
 }
 
 }  // namespace
