@@ -10,11 +10,7 @@
 namespace trisparse {
 namespace {
 
-void expect_close(const host_tensor& got, const host_tensor& want, double tol, const char* what) {
-  const test::error_report e = test::compare(got, want);
-  EXPECT_TRUE(e.finite) << what << ": NaN or infinity (an unwritten element?)";
-  EXPECT_LE(e.max_abs, tol * e.max_ref) << what << ": max abs " << e.max_abs << " of " << e.max_ref;
-}
+using test::expect_close;
 
 struct bias_config {
   dtype type;

@@ -77,6 +77,14 @@ struct device_array {
 
 /// Runs `run` (which writes `out`) twice, poisoning `out` before each, and asserts that both
 /// results are bitwise equal (a race or an unwritten element shows); `first` gets the first.
+/// Expects got finite and within tol (normwise, relative to want's largest magnitude) of want.
+inline void expect_close(const host_tensor& got, const host_tensor& want, double tol,
+                         const char* what) {
+  const error_report e = compare(got, want);
+  EXPECT_TRUE(e.finite) << what << ": NaN or infinity (an unwritten element?)";
+  EXPECT_LE(e.max_abs, tol * e.max_ref) << what << ": max abs " << e.max_abs << " of " << e.max_ref;
+}
+
 inline void run_twice_identically(device_tensor& out, const std::function<void()>& run,
                                   host_tensor& first) {
   out.poison();

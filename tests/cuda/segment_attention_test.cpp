@@ -43,11 +43,7 @@ csr_graph pattern_of(const std::vector<std::int64_t>& ids) {
   return to_csr(coo);
 }
 
-void expect_close(const host_tensor& got, const host_tensor& want, double tol, const char* what) {
-  const test::error_report e = test::compare(got, want);
-  EXPECT_TRUE(e.finite) << what << ": NaN or infinity (an unwritten element?)";
-  EXPECT_LE(e.max_abs, tol * e.max_ref) << what << ": max abs " << e.max_abs << " of " << e.max_ref;
-}
+using test::expect_close;
 
 struct config {
   dtype type;

@@ -14,7 +14,6 @@ namespace trisparse::cuda {
 
 namespace {
 
-constexpr int kTermThreads = 256;  // 8 rows x heads items a block of the terms kernel
 constexpr int kFinishThreads = 128;
 
 std::size_t terms_bytes(std::int64_t heads, std::int64_t rows) {
@@ -168,20 +167,7 @@ void run_block_sparse_backward(const block_sparse_device_plan& plan, const tenso
         p.imp_partial, 0, static_cast<std::size_t>(2 * importance_slots(plan, q.heads)) * 4, s));
   }
   with_half_type(q.type, "block-sparse backward's q", [&]<class T>() {
-    const std::int64_t items = plan.rows_q * q.heads;
-    if (items > 0) {
-      const auto blocks =
-          static_cast<unsigned>((items + kTermThreads / 32 - 1) / (kTermThreads / 32));
-      const auto terms_kernel = [&]<class Out>() {
-        block_sparse::backward_terms_kernel<T, Out>
-            <<<blocks, kTermThreads, 0, s>>>(p, static_cast<int>(v.dim), terms);
-        TRISPARSE_CUDA_TRY(cudaGetLastError());
-      };
-      if (out.type == dtype::f32)
-        terms_kernel.template operator()<float>();
-      else
-        terms_kernel.template operator()<T>();
-    }
+    block_sparse::launch_backward_terms<T>(p, out.type, static_cast<int>(v.dim), terms, s);
 #if TRISPARSE_HAVE_SM90A
     if (plan.wgmma && plan.backward_tile_rows == 64 && block_sparse::wgmma_backward_takes(q.dim)) {
       return block_sparse::launch_wgmma_backward(q.type, q.dim, p, plan.num_backward_tiles,

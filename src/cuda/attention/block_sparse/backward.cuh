@@ -16,8 +16,10 @@
 #include <type_traits>
 
 #include "../../common/convert.cuh"
+#include "../../common/error.cuh"
 #include "importance.cuh"
 #include "tile.cuh"
+#include "trisparse/core/dtype.hpp"
 
 namespace trisparse::cuda::block_sparse {
 
@@ -47,6 +49,22 @@ __global__ void backward_terms_kernel(const __grid_constant__ backward_params p,
     terms[h * p.rows_q + row] = p.lse[row * p.lse_row + h * p.lse_head] * 1.4426950408889634f;
     terms[(p.heads + h) * p.rows_q + row] = acc;
   }
+}
+
+/// Launches backward_terms_kernel over the p.rows_q x p.heads (row, head) items, `out` f32 or T,
+/// into terms (p.lse2 and p.dterm point into it).
+template <class T>
+void launch_backward_terms(const backward_params& p, dtype out, int dim, float* terms,
+                           cudaStream_t s) {
+  constexpr int kThreads = 256;  // 8 items a block
+  const std::int64_t items = p.rows_q * p.heads;
+  if (items == 0) return;
+  const auto blocks = static_cast<unsigned>((items + kThreads / 32 - 1) / (kThreads / 32));
+  if (out == dtype::f32)
+    backward_terms_kernel<T, float><<<blocks, kThreads, 0, s>>>(p, dim, terms);
+  else
+    backward_terms_kernel<T, T><<<blocks, kThreads, 0, s>>>(p, dim, terms);
+  TRISPARSE_CUDA_TRY(cudaGetLastError());
 }
 
 /// The key tile of this block (block x = head * num_key_tiles + tile) and the query tiles of BN

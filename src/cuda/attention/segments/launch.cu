@@ -22,7 +22,6 @@ namespace {
 
 constexpr int kTile = 64;  // stationary rows a thread block
 constexpr int kBoundThreads = 256;
-constexpr int kTermThreads = 256;  // 8 (row, head) items a block of the terms kernel
 
 /// bounds[2 i] = the first row of row i's segment, bounds[2 i + 1] = one past its last (ids
 /// sorted: two binary searches, the first in [0, i], the second in (i, rows]).
@@ -157,20 +156,7 @@ void segment_attention_backward(const segment_view& seg, const tensor_view& q, c
   p.dterm = terms + q.heads * seg.rows;
   p.rows_q = seg.rows;
   with_half_type(q.type, "attention within segments' q", [&]<class T>() {
-    const std::int64_t items = seg.rows * q.heads;
-    if (items > 0) {
-      const auto blocks =
-          static_cast<unsigned>((items + kTermThreads / 32 - 1) / (kTermThreads / 32));
-      const auto terms_kernel = [&]<class Out>() {
-        block_sparse::backward_terms_kernel<T, Out>
-            <<<blocks, kTermThreads, 0, s>>>(p, static_cast<int>(v.dim), terms);
-        TRISPARSE_CUDA_TRY(cudaGetLastError());
-      };
-      if (out.type == dtype::f32)
-        terms_kernel.template operator()<float>();
-      else
-        terms_kernel.template operator()<T>();
-    }
+    block_sparse::launch_backward_terms<T>(p, out.type, static_cast<int>(v.dim), terms, s);
     with_segment_dim(q.dim, [&]<int D>() {
       constexpr int kThreads = kTile / 16 * 32;
       constexpr int kKeyStream = D == 128 ? 32 : kTile;
