@@ -20,10 +20,14 @@ __all__ = ["segment_attention", "segment_attention_supported"]
 _HALF = (torch.float16, torch.bfloat16)
 
 
+# The head dims this build's kernels take (asked once: no extension call inside a traced graph).
+_DIMS = frozenset(d for d in (16, 32, 64, 128) if _C.segment_attention_supports(d))
+
+
 def segment_attention_supported(q: Tensor) -> bool:
     """Whether :func:`segment_attention` runs its own kernels for q ([rows, heads, channels]): CUDA,
     float16 or bfloat16, 16, 32, 64 or 128 channels a head."""
-    return q.is_cuda and q.dtype in _HALF and bool(_C.segment_attention_supports(q.shape[-1]))
+    return q.is_cuda and q.dtype in _HALF and q.shape[-1] in _DIMS
 
 
 def _rows16(t: Tensor) -> Tensor:
@@ -42,7 +46,8 @@ def _workspace(batch: Tensor, rows: int, heads: int, backward: bool):
 
 @torch.library.custom_op("trisparse::segment_attention", mutates_args=())
 def _forward(q: Tensor, k: Tensor, v: Tensor, batch: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """(out [rows, H, D] in q's dtype, lse [rows, H] float32)."""
+    """(out [rows, H, D] in q's dtype, lse [rows, H] float32); q, k, v any strides."""
+    q, k, v = _rows16(q), _rows16(k), _rows16(v)
     rows, heads = q.shape[0], q.shape[1]
     out = q.new_empty(q.shape)
     lse = q.new_empty(rows, heads, dtype=torch.float32)
@@ -77,7 +82,7 @@ def _backward_op(
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv in q's dtype (fp32 accumulation, one rounding at the store)."""
-    dout = _rows16(dout)
+    q, k, v, out, dout = (_rows16(t) for t in (q, k, v, out, dout))
     dq, dk, dv = (q.new_empty(q.shape) for _ in range(3))
     _owner, ws, ws_bytes = _workspace(batch, q.shape[0], q.shape[1], True)
     _C.segment_attention_backward(
@@ -169,6 +174,6 @@ def segment_attention(
     batch = batch.contiguous()
     scale = _tensors.resolve_scale(scale, q.shape[-1])
     if segment_attention_supported(q) and batch.device == q.device:
-        out, _ = _call(_rows16(q), _rows16(k), _rows16(v), batch, scale)
+        out, _ = _call(q, k, v, batch, scale)
         return out
     return sparse_attention(q, k, v, Pattern.from_batch(batch, rows), scale=scale)

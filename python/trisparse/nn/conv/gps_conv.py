@@ -74,8 +74,8 @@ class GPSConv(_PygGPSConv):
     without attention dropout run the segment kernels (:func:`trisparse.segment_attention`: no
     pattern at all, the batch vector read on the device); other CUDA heads of 4 * 2^k <= 128
     channels the multigraph kernels (:func:`trisparse.edge_attention`), whose pattern is grouped
-    on the GPU, so a new batch costs no host-side plan; elsewhere the fused attention. Attention dropout (``attn_kwargs={"dropout":
-    p}``) while training draws one factor per pair and head (the same distribution as PyG's, not
+    on the GPU, so a new batch costs no host-side plan; elsewhere the fused attention. Attention
+    dropout (``attn_kwargs={"dropout": p}``) while training draws one factor per pair and head (the same distribution as PyG's, not
     the same draws): in the kernels on CUDA, on the per-pair weights elsewhere. Falls back to
     PyG's code, with a one-time warning, for ``attn_type="performer"`` and
     ``MultiheadAttention`` options beyond PyG's default use (``add_bias_kv``, ``add_zero_attn``,
