@@ -776,6 +776,7 @@ NB_MODULE(_C, m) {
       .def("workspace_bytes", [](const py_edge_attention_plan& p, std::int64_t heads) {
         return p.plan.backward_workspace_bytes(heads);
       });
+  m.def("cuda_head_dims", &cuda_head_dims);
   m.def("segment_attention_supports", &segment_attention_plan::supports, "head_dim"_a);
   m.def(
       "segment_attention_workspace",

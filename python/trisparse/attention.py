@@ -8,7 +8,7 @@ import math
 import torch
 from torch import Tensor
 
-from . import _tensors
+from . import _C, _tensors
 from ._eager import eager_autograd
 from .pattern import Pattern, _patterns, lookup
 
@@ -268,7 +268,8 @@ def _checked_bias(bias, q: Tensor, pattern: Pattern) -> Tensor:
     return bias if bias.dim() == 1 or bias.stride(-1) == 1 else bias.contiguous()
 
 
-_CUDA_HEAD_DIMS = (32, 64, 128, 256)  # the fused 3S kernel's (q, k and v share one)
+# The fused 3S kernel's head dims in this build (q, k and v share one).
+_CUDA_HEAD_DIMS = tuple(_C.cuda_head_dims())
 
 
 def _padded_for_cuda(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -278,7 +279,10 @@ def _padded_for_cuda(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, T
     dim = max(q.shape[2], v.shape[2])
     target = next((d for d in _CUDA_HEAD_DIMS if d >= dim), None)
     if target is None:
-        raise ValueError(f"on CUDA the head dims must be at most 256, got {dim}")
+        raise ValueError(
+            f"on CUDA the head dims must be at most {max(_CUDA_HEAD_DIMS, default=0)} "
+            f"(this build's: {_CUDA_HEAD_DIMS}), got {dim}"
+        )
     if q.shape[2] == target and v.shape[2] == target:
         return q, k, v
     pad = torch.nn.functional.pad

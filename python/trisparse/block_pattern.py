@@ -685,7 +685,8 @@ def _sampled_mass(q, k, g, elems, rows, causal):
     kb = -(-n_k // g)
     valid = (elems < n_q).to(torch.float64)
     at = elems.clamp(max=n_q - 1)
-    s = (q[:, at].to(torch.float64) @ k.to(torch.float64).transpose(1, 2)) * q.shape[2] ** -0.5
+    scale = _tensors.resolve_scale(None, q.shape[2])
+    s = (q[:, at].to(torch.float64) @ k.to(torch.float64).transpose(1, 2)) * scale
     if causal:
         limit = at[:, None] + (n_k - n_q)
         s = s.masked_fill(torch.arange(n_k, device=q.device)[None, :] > limit, float("-inf"))

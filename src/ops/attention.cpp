@@ -79,6 +79,16 @@ std::string backend_name(algorithm a, device_kind where, bool block_mask) {
   }
 }
 
+std::vector<std::int64_t> cuda_head_dims() {
+#ifndef TRISPARSE_HEAD_DIM_MASK  // a build without the CUDA backend: CMake's default, all four
+#define TRISPARSE_HEAD_DIM_MASK 15
+#endif
+  std::vector<std::int64_t> dims;
+  for (int i = 0; i < 4; ++i)
+    if (((TRISPARSE_HEAD_DIM_MASK >> i) & 1) != 0) dims.push_back(std::int64_t{32} << i);
+  return dims;
+}
+
 double effective_scale(const attention_options& options, std::int64_t head_dim) {
   return detail::resolve_scale(options.scale, head_dim);
 }

@@ -1,5 +1,7 @@
 // Every CPU attention path against the float64 reference, typed over the input dtype.
+#include <algorithm>
 #include <limits>
+#include <vector>
 
 #include "support.hpp"
 
@@ -55,6 +57,13 @@ TYPED_TEST(AttentionTyped, MultiHeadRectangularAndEveryOutputType) {
       expect_fused_matches_reference(g, 4, dim, in, out, 9 + static_cast<std::uint64_t>(dim));
     }
   }
+}
+
+TEST(Attention, CudaHeadDimsNameThisBuildsKernels) {
+  const std::vector<std::int64_t> dims = cuda_head_dims();
+  EXPECT_FALSE(dims.empty());
+  EXPECT_TRUE(std::is_sorted(dims.begin(), dims.end()));
+  for (const std::int64_t d : dims) EXPECT_TRUE(d == 32 || d == 64 || d == 128 || d == 256) << d;
 }
 
 TEST(Attention, Fused3sReferenceOverBsbEqualsTheUnfusedReference) {

@@ -6,6 +6,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/tensor.hpp"
@@ -94,6 +95,11 @@ struct attention_options {
   /// divided by the rows): how much the loss moves with the block's scores.
   tensor_view block_grad{};
 };
+
+/// The head dims the CUDA tensor-core attention kernels of this build take (the fused 3S
+/// kernel's; CMake's TRISPARSE_HEAD_DIMS), ascending; without the CUDA backend, CMake's default
+/// (32, 64, 128, 256).
+std::vector<std::int64_t> cuda_head_dims();
 
 /// The scale run() applies: options.scale, or 1/sqrt(head_dim). @throws invalid_input if not
 /// finite.
