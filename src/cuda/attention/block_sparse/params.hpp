@@ -76,4 +76,24 @@ struct backward_params : params {
   std::int32_t imp_sub, imp_warps;
 };
 
+/// Sets p's gradient operands: dout, dq, dk, dv with their strides, grads_f32 (dq's dtype f32)
+/// and the signed scale.
+inline void set_gradient_io(backward_params& p, const tensor_view& dout, const tensor_view& dq,
+                            const tensor_view& dk, const tensor_view& dv, double scale) {
+  p.dout = dout.data;
+  p.do_row = dout.row_stride;
+  p.do_head = dout.head_stride;
+  p.dq = dq.data;
+  p.dk = dk.data;
+  p.dv = dv.data;
+  p.dq_row = dq.row_stride;
+  p.dq_head = dq.head_stride;
+  p.dk_row = dk.row_stride;
+  p.dk_head = dk.head_stride;
+  p.dv_row = dv.row_stride;
+  p.dv_head = dv.head_stride;
+  p.grads_f32 = dq.type == dtype::f32;
+  p.scale = static_cast<float>(scale);
+}
+
 }  // namespace trisparse::cuda::block_sparse

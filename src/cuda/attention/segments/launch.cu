@@ -136,20 +136,7 @@ void segment_attention_backward(const segment_view& seg, const tensor_view& q, c
   const std::int32_t* bounds = write_bounds(seg, workspace, s);
   block_sparse::backward_params p{};
   static_cast<block_sparse::params&>(p) = segment_params(seg, q, k, v, out, lse, scale, bounds);
-  p.dout = dout.data;
-  p.do_row = dout.row_stride;
-  p.do_head = dout.head_stride;
-  p.dq = dq.data;
-  p.dk = dk.data;
-  p.dv = dv.data;
-  p.dq_row = dq.row_stride;
-  p.dq_head = dq.head_stride;
-  p.dk_row = dk.row_stride;
-  p.dk_head = dk.head_stride;
-  p.dv_row = dv.row_stride;
-  p.dv_head = dv.head_stride;
-  p.grads_f32 = dq.type == dtype::f32;
-  p.scale = static_cast<float>(scale);
+  block_sparse::set_gradient_io(p, dout, dq, dk, dv, scale);
   auto* terms =
       reinterpret_cast<float*>(static_cast<char*>(workspace.data) + segment_bounds_bytes(seg.rows));
   p.lse2 = terms;
