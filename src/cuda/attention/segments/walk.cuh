@@ -23,15 +23,16 @@ struct segment_walk {
     lq = lk = p.segment_rows;
     arch::wait_for_primary();  // the bounds come from the kernel before
     const int last = min(row0 + BM, lq) - 1;
-    j = p.segments[2 * row0];
-    j_end = p.segments[2 * last + 1];
+    const std::int32_t* bounds = p.segments;  // two a row: 64-bit offsets past 2^30 rows
+    j = bounds[2 * std::int64_t{row0}];
+    j_end = bounds[2 * std::int64_t{last} + 1];
     const int r_lo =
         row0 + static_cast<int>(threadIdx.x) / 32 * 16 + static_cast<int>(threadIdx.x) % 32 / 4;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int i = r_lo + 8 * r;
-      lo[r] = i < lq ? p.segments[2 * i] : 0;
-      hi[r] = i < lq ? p.segments[2 * i + 1] : 0;
+      lo[r] = i < lq ? bounds[2 * std::int64_t{i}] : 0;
+      hi[r] = i < lq ? bounds[2 * std::int64_t{i} + 1] : 0;
     }
   }
 
