@@ -4,7 +4,6 @@
 // accumulators leave no room for more).
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <string>
 
 #include "../../common/current_device.cuh"
@@ -55,7 +54,8 @@ std::int32_t* write_bounds(const segment_view& seg, workspace_view workspace, cu
   auto* bounds = static_cast<std::int32_t*>(workspace.data);
   const auto rows = static_cast<std::int32_t>(seg.rows);
   if (rows > 0) {
-    const auto blocks = static_cast<unsigned>((rows + kBoundThreads - 1) / kBoundThreads);
+    const auto blocks =
+        static_cast<unsigned>((std::int64_t{rows} + kBoundThreads - 1) / kBoundThreads);
     if (seg.ids_64)
       segment_bounds_kernel<<<blocks, kBoundThreads, 0, s>>>(
           static_cast<const std::int64_t*>(seg.ids), rows, bounds);
