@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "../cuda/attention/segments/plan.hpp"
+#include "../cuda/common/layout.hpp"
 #include "layers/common.hpp"
 
 namespace trisparse {
@@ -15,14 +16,6 @@ namespace {
 constexpr const char* kWhat = "attention within segments";
 // Rows a plan takes: tiles of 64 rows must not pass the int32 row index.
 constexpr std::int64_t kMaxRows = (std::int64_t{1} << 31) - 64;
-
-void check_16byte_rows(const tensor_view& t, const char* what) {
-  const bool ok = t.row_stride % 8 == 0 && t.head_stride % 8 == 0 &&
-                  reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0;
-  TRISPARSE_EXPECTS_INPUT(ok, std::string(what) + " " + t.describe() +
-                                  ": the kernels need 16-byte aligned data and row/head strides "
-                                  "that are multiples of 8 elements (make it contiguous)");
-}
 
 // q, k, v: [rows, H, D] on the device, one 16-bit dtype, D a dim the kernels take.
 void check_operands(const segment_view& seg, const tensor_view& q, const tensor_view& k,
@@ -35,7 +28,7 @@ void check_operands(const segment_view& seg, const tensor_view& q, const tensor_
     TRISPARSE_EXPECTS_INPUT(t->device_id == seg.device_id,
                             std::string(what) + " is on device " + std::to_string(t->device_id) +
                                 ", the segment ids on " + std::to_string(seg.device_id));
-    check_16byte_rows(*t, what);
+    cuda::check_16byte_rows(*t, what);
   }
   if (q.type != k.type || q.type != v.type || (q.type != dtype::f16 && q.type != dtype::bf16))
     throw not_supported(std::string(kWhat) + " takes q, k, v all f16 or all bf16 (got " +
@@ -51,7 +44,7 @@ void check_output(const tensor_view& t, const char* what, const tensor_view& q) 
   detail::check_device_arg(t, what);
   TRISPARSE_EXPECTS_INPUT(t.type == q.type || t.type == dtype::f32,
                           std::string(what) + " " + t.describe() + " must be f32 or q's dtype");
-  check_16byte_rows(t, what);
+  cuda::check_16byte_rows(t, what);
 }
 
 void check_lse(const tensor_view& lse, const tensor_view& q) {
@@ -127,7 +120,7 @@ void segment_attention_plan::backward(const tensor_view& q, const tensor_view& k
   check_view(dout, "dout", q.rows, q.heads, q.dim);
   detail::check_device_arg(dout, "dout");
   TRISPARSE_EXPECTS_INPUT(dout.type == q.type, "dout " + dout.describe() + " must have q's dtype");
-  check_16byte_rows(dout, "dout");
+  cuda::check_16byte_rows(dout, "dout");
   for (const auto& [t, what] : {std::pair{&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}}) {
     check_output(*t, what, q);
     TRISPARSE_EXPECTS_INPUT(t->type == dq.type, "dq, dk and dv must all be f32 or all q's dtype");
