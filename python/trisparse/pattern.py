@@ -66,6 +66,25 @@ def _check_index(t: Any, name: str) -> torch.Tensor:
     return t.to(torch.int64)
 
 
+def check_batch(batch: Any, num_nodes: int | None) -> None:
+    """TypeError / ValueError unless ``batch`` is a 1-D int64 or int32 vector of ``num_nodes``
+    (None: any count) graph ids, sorted and >= 0, as PyG's mini-batches are (one device round
+    trip)."""
+    if not isinstance(batch, torch.Tensor) or batch.dtype not in (torch.int32, torch.int64):
+        raise TypeError(
+            f"batch must be an int64 or int32 tensor, got {getattr(batch, 'dtype', type(batch))}"
+        )
+    if batch.dim() != 1:
+        raise ValueError(f"batch must be 1-D [num_nodes], got {tuple(batch.shape)}")
+    if num_nodes is not None and batch.numel() != num_nodes:
+        raise ValueError(f"batch has {batch.numel()} entries for {num_nodes} nodes")
+    if batch.numel() and bool(((batch[1:] < batch[:-1]).any() | (batch[0] < 0)).item()):
+        raise ValueError(
+            "batch must be sorted with graph ids >= 0 (PyG's mini-batches are: nodes of graph 0 "
+            "first, then graph 1, ...)"
+        )
+
+
 class Pattern:
     """A ``num_rows x num_cols`` binary pattern: row i (a target node, a query) attends to the
     columns (source nodes, keys) of its entries. Entries are sorted and unique; repeated edges of
@@ -246,16 +265,8 @@ class Pattern:
                 raise ValueError("from_batch: give batch or num_nodes")
             counts = torch.tensor([int(num_nodes)], dtype=torch.int64)
         else:
-            batch = _check_index(batch, "batch")
-            if batch.dim() != 1:
-                raise ValueError(f"batch must be 1-D [num_nodes], got {tuple(batch.shape)}")
-            if num_nodes is not None and batch.numel() != num_nodes:
-                raise ValueError(f"batch has {batch.numel()} entries for {num_nodes} nodes")
-            if batch.numel() and (int(batch.min()) < 0 or bool((batch[1:] < batch[:-1]).any())):
-                raise ValueError(
-                    "batch must be sorted with graph ids >= 0 (PyG's mini-batches are: nodes of "
-                    "graph 0 first, then graph 1, ...)"
-                )
+            check_batch(batch, num_nodes)
+            batch = batch.to(torch.int64)
             counts = torch.bincount(batch) if batch.numel() else batch.new_zeros(0)
         # On the batch's device (a GPU's takes ~1 ms where the host's takes ~100 for 4M entries).
         dev = counts.device

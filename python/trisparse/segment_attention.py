@@ -13,7 +13,7 @@ from torch import Tensor
 from . import _C, _tensors
 from ._eager import eager_autograd
 from .attention import sparse_attention
-from .pattern import Pattern
+from .pattern import Pattern, check_batch
 
 __all__ = ["segment_attention", "segment_attention_supported"]
 
@@ -122,24 +122,6 @@ def _backward(ctx, dout, _dlse):
 
 _forward.register_autograd(_backward, setup_context=_setup_context)
 _call = eager_autograd(_forward, _setup_context, _backward)
-
-
-def check_batch(batch: Tensor, rows: int) -> None:
-    """ValueError unless `batch` is a sorted 1-D integer vector of `rows` non-negative ids (one
-    device round trip)."""
-    if not isinstance(batch, Tensor) or batch.dtype not in (torch.int32, torch.int64):
-        raise TypeError(
-            f"batch must be an int64 or int32 tensor, got {getattr(batch, 'dtype', batch)}"
-        )
-    if batch.dim() != 1:
-        raise ValueError(f"batch must be 1-D [num_nodes], got {tuple(batch.shape)}")
-    if batch.numel() != rows:
-        raise ValueError(f"batch has {batch.numel()} entries for {rows} nodes")
-    if rows and bool(((batch[1:] < batch[:-1]).any() | (batch[0] < 0)).item()):
-        raise ValueError(
-            "batch must be sorted with graph ids >= 0 (PyG's mini-batches are: nodes of graph 0 "
-            "first, then graph 1, ...)"
-        )
 
 
 def segment_attention(

@@ -30,9 +30,7 @@ void check_operands(const segment_view& seg, const tensor_view& q, const tensor_
                                 ", the segment ids on " + std::to_string(seg.device_id));
     cuda::check_16byte_rows(*t, what);
   }
-  if (q.type != k.type || q.type != v.type || (q.type != dtype::f16 && q.type != dtype::bf16))
-    throw not_supported(std::string(kWhat) + " takes q, k, v all f16 or all bf16 (got " +
-                        q.describe() + ", " + k.describe() + ", " + v.describe() + ")");
+  cuda::check_16bit_inputs(q, k, v, kWhat);
   if (!segment_attention_plan::supports(q.dim))
     throw not_supported(std::string(kWhat) +
                         " takes head dims 16, 32, 64 and 128 (those built), not " +

@@ -13,8 +13,8 @@ from torch_geometric.nn import GPSConv as _PygGPSConv
 from ...attention import sparse_attention
 from ...edge import edge_softmax, edge_spmm, sddmm
 from ...edge_attention import edge_attention, edge_attention_supported
-from ...pattern import Pattern
-from ...segment_attention import check_batch, segment_attention, segment_attention_supported
+from ...pattern import Pattern, check_batch
+from ...segment_attention import segment_attention, segment_attention_supported
 from ._common import _TRACED
 
 
