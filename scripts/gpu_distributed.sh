@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a machine with several GPUs (kind nvidia-h200-x2 / -x4), in one call: builds the Python
-# module there (scripts/gpu_dev.sh, no GPU tests), installs pymetis from .devpack/wheels if carried
+# module there (scripts/gpu_dev.sh; the GPU tests matching GTEST, default none), installs pymetis from .devpack/wheels if carried
 # (pip download pymetis --only-binary=:all: --python-version 3.12 -d .devpack/wheels), runs the
 # distributed tests over NCCL and the benchmarks of bench/python/distributed.py on 1 .. GPUS GPUs:
 # the link, weak and strong scaling of the attention layer, context parallelism (MODES, default
@@ -16,7 +16,7 @@ gpus=${GPUS:-$(nvidia-smi -L | wc -l)}
 counts=$(seq 1 "$gpus" | awk '$1 == 1 || $1 % 2 == 0' | tr '\n' ' ')
 ls .devpack/wheels/pymetis*.whl > /dev/null 2>&1 &&
   python3 -m pip install -q --no-index .devpack/wheels/pymetis*.whl 2>&1 | tail -1
-GTEST=none PYTEST_FILES=tests/python/test_distributed.py OUT=$out bash scripts/gpu_dev.sh || true
+GTEST=${GTEST:-none} PYTEST_FILES=tests/python/test_distributed.py OUT=$out bash scripts/gpu_dev.sh || true
 export PYTHONPATH=build/device/python
 bench() {  # name, seconds, args...
   local name=$1 limit=$2 start=$SECONDS

@@ -252,7 +252,7 @@ def context_mask(seq, args, causal):
 
 def context_worker(rank, world, args, seq, causal, queue):
     import trisparse
-    from trisparse.distributed import ContextParallel
+    from trisparse.distributed import ContextParallel, _start_halo
 
     init(rank, world)
     mask = trisparse.BlockMask(context_mask(seq, args, causal).to(DEVICE), args.block, causal)
@@ -272,7 +272,22 @@ def context_worker(rank, world, args, seq, causal, queue):
             t.grad = None
         cp.attention(*leaves).backward(dout)
 
+    # The exchange alone, both ways: this rank's key and value blocks out, the halo's gradient back.
+    kv = torch.cat([k, v], dim=-1).detach().permute(2, 0, 1, 3).reshape(-1, args.block, 1, 8, 128)
+    kv.requires_grad_()
+
+    def exchange():
+        halo, arrived = _start_halo(kv, cp)
+        arrived.wait()
+        halo.backward(torch.ones_like(halo))
+
+    reset_peak()
     ms = timed(step, args.repeat)
+    parts = torch.tensor(
+        [wall_ms(exchange, args.repeat), float(cp.mask.blocks.sum()), peak_gb()], device=DEVICE
+    )
+    gathered = [torch.zeros_like(parts) for _ in range(world)]
+    dist.all_gather(gathered, parts)
     if rank == 0:
         queue.put(
             {
@@ -281,12 +296,24 @@ def context_worker(rank, world, args, seq, causal, queue):
                 "gpus": world,
                 "layout": cp.layout,
                 "step_ms": ms,
+                "exchange_ms": [float(g[0]) for g in gathered],
+                "kept_blocks": [int(g[1]) for g in gathered],  # over heads, this rank's rows
+                "peak_gb": [float(g[2]) for g in gathered],
                 "received_blocks": cp.num_halo,
                 "owned_blocks": int(cp.owned_blocks.numel()),
                 "build_s": build_s,
             }
         )
     dist.destroy_process_group()
+
+
+def reset_peak():
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gb():
+    return torch.cuda.max_memory_allocated() / 1e9 if DEVICE == "cuda" else 0.0
 
 
 def context_single(args, seq, causal):
@@ -302,7 +329,9 @@ def context_single(args, seq, causal):
             t.grad = None
         trisparse.block_sparse_attention(*leaves, mask).backward(dout)
 
-    return wall_ms(step, args.repeat)
+    reset_peak()
+    ms = wall_ms(step, args.repeat)
+    return ms, int(mask.blocks.sum()), peak_gb()
 
 
 def partition_quality(args):
@@ -373,10 +402,11 @@ def main():
     if args.mode == "context":
         for seq in args.seq:
             for causal in (False, True):
-                one = context_single(args, seq, causal)
+                one, kept, peak = context_single(args, seq, causal)
                 for world in [g for g in args.gpus if g > 1]:
                     for r in spawn(context_worker, world, args, seq, causal):
-                        r.update(one_gpu_ms=one, efficiency=one / (world * r["step_ms"]))
+                        r.update(one_gpu_ms=one, one_gpu_kept_blocks=kept, one_gpu_peak_gb=peak)
+                        r.update(efficiency=one / (world * r["step_ms"]))
                         emit({**r, "mode": "context", "device": device})
         return
     if args.mode == "link":

@@ -376,9 +376,11 @@ class ContextParallel:
 
     Built by every rank of the group together from the whole mask (``mask``: a :class:`BlockMask`
     over [N, N], N = ``seq_len``). ``layout``: ``"zigzag"`` (the default for a causal mask: each
-    rank holds a block range from each end, so causal rows cost alike) or ``"contiguous"``. The
-    rows are computed in place in full-length buffers (zeros outside this rank's and the received
-    blocks), so the mask's block positions and its causal diagonal hold as they are."""
+    rank holds a block range from each end, so causal rows cost alike) or ``"contiguous"``. A
+    rank's buffers hold only its rows and the blocks it reads: its keys are the received blocks
+    followed by its own, under the mask's rows for its blocks and columns in that order, so a
+    causal mask's diagonal (bottom-right aligned) falls on its own blocks as in the whole mask,
+    and every received block a causal row reads lies wholly before it."""
 
     def __init__(self):
         raise TypeError("use ContextParallel.build(mask, seq_len)")
@@ -430,10 +432,10 @@ class ContextParallel:
             [local[(owner == rank).nonzero().view(-1)[mine[r]]] for r in range(world)]
         )
         self.send_counts = [int(mine[r].sum()) for r in range(world)]
-        rows = torch.zeros(num_blocks, dtype=torch.bool)
-        rows[self.owned_blocks] = True
-        local_blocks = mask.blocks & rows.to(mask.blocks.device).view(1, 1, -1, 1)
-        self.mask = BlockMask(local_blocks, g, causal=mask.causal)
+        # This rank's rows of the mask, its columns in key order: the received blocks, then its own.
+        key_blocks = torch.cat([self.halo_blocks, self.owned_blocks]).to(mask.blocks.device)
+        local_blocks = mask.blocks.index_select(2, self.owned_blocks.to(mask.blocks.device))
+        self.mask = BlockMask(local_blocks.index_select(3, key_blocks), g, causal=mask.causal)
         self._tokens: dict = {}
         return self
 
@@ -473,21 +475,12 @@ class ContextParallel:
         def from_blocks(t):
             return t.reshape(-1, b, h, t.shape[-1]).permute(1, 2, 0, 3)
 
-        kv = torch.cat([as_blocks(k), as_blocks(v)], dim=-1)
-        halo, arrived = _start_halo(kv, self)
-        own = self._token_index(self.owned_blocks, q.device)
-        full = q.new_zeros(b, h, self.seq_len, q.shape[3])
-        q_full = full.index_copy(2, own, q)
-        arrived.wait()
-        kv_halo = from_blocks(halo)
-        kv_all = torch.cat([k, v], dim=-1)
-        kv_full = kv_all.new_zeros(b, h, self.seq_len, kv_all.shape[3]).index_copy(2, own, kv_all)
-        if self.num_halo:
-            halo_tokens = self._token_index(self.halo_blocks, q.device)
-            kv_full = kv_full.index_copy(2, halo_tokens, kv_halo)
         d = k.shape[3]
-        out = block_sparse_attention(q_full, kv_full[..., :d], kv_full[..., d:], self.mask, scale)
-        return out.index_select(2, own)
+        kv = torch.cat([k, v], dim=-1)
+        halo, arrived = _start_halo(as_blocks(kv), self)
+        arrived.wait()
+        kv = torch.cat([from_blocks(halo), kv], dim=2)
+        return block_sparse_attention(q, kv[..., :d], kv[..., d:], self.mask, scale)
 
     def __repr__(self) -> str:
         return (
