@@ -21,6 +21,12 @@ expected halo of E_1 (p - 1) / p remote edges over N_1 (p - 1) remote nodes) and
 whose halo is 1 % and 4 % of the owned rows, 90 % of them interior (METIS on the shared
 graphs: 0.1 - 3 % at 2 - 8 parts); the measured NVLink beta up to 8 GPUs, beyond that an assumed
 50 GB/s a GPU (400 Gb/s InfiniBand: not measured here).
+
+Context parallelism (``--context``, distributed.py's context runs; no fitted constant): the
+slowest rank's share of the kept blocks of the one-GPU step, plus the exchange, not hidden, both
+ways: step = t1 max_r(kept_r) / kept + 2 (alpha + received_blocks G H 2 D bytes / beta).
+Predictions for N = 1M at 10 % of the blocks (each rank receives about (p - 1) / p of the
+sequence's keys and values) on 2 - 64 GPUs.
 """
 
 import argparse
@@ -62,13 +68,48 @@ def predict(r, t1, e1, alpha_ms, beta, imbalance, c):
     )
 
 
+def context_ms(t1, share, kv_bytes, alpha_ms, beta):
+    return t1 * share + 2 * (alpha_ms + 1e3 * kv_bytes / beta)
+
+
+def context_runs(path, alpha, beta):
+    """The model against each context-parallel run, then its prediction for more GPUs."""
+    with open(path) as f:
+        runs = [json.loads(line) for line in f]
+    for r in runs:
+        kv_bytes = r["received_blocks"] * 128 * 8 * 2 * 64 * 2  # G, H, K and V of D 64, bf16
+        share = max(r["kept_blocks"]) / r["one_gpu_kept_blocks"]
+        model = context_ms(r["one_gpu_ms"], share, kv_bytes, alpha, beta)
+        record = {"context_seq": r["seq"], "causal": r["causal"], "gpus": r["gpus"]}
+        record.update(measured_ms=round(r["step_ms"], 1), model_ms=round(model, 1))
+        print(json.dumps({**record, "error": round(model / r["step_ms"] - 1, 3)}))
+    big = max(runs, key=lambda r: (r["seq"], not r["causal"]))
+    seq_bytes = big["seq"] * 8 * 2 * 64 * 2
+    for p in (2, 4, 8, 16, 32, 64):
+        link = beta if p <= 8 else 50e9
+        step = context_ms(big["one_gpu_ms"], 1 / p, seq_bytes * (p - 1) / p, alpha, link)
+        record = {"predict_gpus": p, "context_seq": big["seq"], "causal": big["causal"]}
+        print(
+            json.dumps(
+                {
+                    **record,
+                    "step_ms": round(step, 1),
+                    "efficiency": round(big["one_gpu_ms"] / p / step, 3),
+                }
+            )
+        )
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("link")
     ap.add_argument("scaling")
+    ap.add_argument("--context", help="distributed.py context runs (JSONL)")
     args = ap.parse_args()
     with open(args.link) as f:
         alpha, beta = fit_link([json.loads(line) for line in f])
+    if args.context:
+        context_runs(args.context, alpha, beta)
     with open(args.scaling) as f:
         runs = [json.loads(line) for line in f]
     multi = [r for r in runs if r["gpus"] > 1]
