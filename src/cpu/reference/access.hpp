@@ -21,4 +21,17 @@ inline double dot(const tensor_view& x, std::int64_t i, const tensor_view& y, st
   return s;
 }
 
+/// t's elements as a packed float64 tensor (read once, so that the loops over entries read doubles
+/// instead of converting 16-bit values at every use; the values are the same).
+inline host_tensor as_f64(const tensor_view& t) {
+  host_tensor out(dtype::f64, t.rows, t.heads, t.dim);
+  if (t.data == nullptr) return out;
+  auto* o = reinterpret_cast<double*>(out.data());
+#pragma omp parallel for schedule(static)
+  for (std::int64_t r = 0; r < t.rows; ++r)
+    for (std::int64_t h = 0; h < t.heads; ++h)
+      for (std::int64_t d = 0; d < t.dim; ++d) o[(r * t.heads + h) * t.dim + d] = at(t, r, h, d);
+  return out;
+}
+
 }  // namespace trisparse::reference::access

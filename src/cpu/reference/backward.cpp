@@ -75,31 +75,55 @@ void attention_backward(const csr_graph& a, const tensor_view& q, const tensor_v
   TRISPARSE_EXPECTS_INPUT(std::isfinite(scale), "scale must be finite");
   const std::int64_t heads = q.heads;
   grad gq(a.rows, heads, q.dim), gk(a.cols, heads, q.dim), gv(a.cols, heads, v.dim);
-  // Heads on OpenMP threads: a head's sums run over its rows in order, as with one thread.
-#pragma omp parallel for schedule(dynamic, 1)
-  for (std::int64_t h = 0; h < heads; ++h) {
-    std::vector<double> p, dp;
-    for (std::int64_t i = 0; i < a.rows; ++i) {
-      const std::int64_t e0 = a.row_ptr[i], n = a.row_ptr[i + 1] - e0;
-      const double lse = row_lse(a, q, k, bias, i, h, scale);
-      p.assign(static_cast<std::size_t>(n), 0.0);
-      dp.assign(static_cast<std::size_t>(n), 0.0);
+  // q, k, v and dout read as doubles once (access::as_f64).
+  const host_tensor q64 = access::as_f64(q), k64 = access::as_f64(k), v64 = access::as_f64(v),
+                    dout64 = access::as_f64(dout);
+  const tensor_view qd = q64.view(), kd = k64.view(), vd = v64.view(), doutd = dout64.view();
+  // Two passes on OpenMP threads, each output summed in the order of one thread's row-by-row
+  // loop, so the result does not depend on the threads. Rows: each entry's P and dS, and dq.
+  const std::int64_t nnz = a.nnz();
+  std::vector<double> p_of(static_cast<std::size_t>(nnz * heads)), ds_of(p_of.size());
+#pragma omp parallel for schedule(dynamic, 64)
+  for (std::int64_t i = 0; i < a.rows; ++i) {
+    const std::int64_t e0 = a.row_ptr[i], n = a.row_ptr[i + 1] - e0;
+    for (std::int64_t h = 0; h < heads; ++h) {
+      const double lse = row_lse(a, qd, kd, bias, i, h, scale);
       double dp_mean = 0;  // sum_j p_j dp_j = <dout_i, out_i>
-      for (std::int64_t x = 0; x < n; ++x) {
-        const std::int64_t j = a.col_idx[e0 + x];
-        p[x] = std::exp(score(q, k, bias, i, j, e0 + x, h, scale) - lse);
-        dp[x] = dot(dout, i, v, j, h);
-        dp_mean += p[x] * dp[x];
+      for (std::int64_t e = e0; e < e0 + n; ++e) {
+        const std::size_t eh = static_cast<std::size_t>(e * heads + h);
+        p_of[eh] = std::exp(score(qd, kd, bias, i, a.col_idx[e], e, h, scale) - lse);
+        ds_of[eh] = dot(doutd, i, vd, a.col_idx[e], h);  // dp, made dS below
+        dp_mean += p_of[eh] * ds_of[eh];
       }
-      for (std::int64_t x = 0; x < n; ++x) {
-        const std::int64_t j = a.col_idx[e0 + x];
-        const double d_s = p[x] * (dp[x] - dp_mean);  // dL/dS_ij
-        if (ds.data != nullptr) put(ds, e0 + x, h, 0, d_s);
-        for (std::int64_t d = 0; d < q.dim; ++d) {
-          gq(i, h, d) += scale * d_s * at(k, j, h, d);
-          gk(j, h, d) += scale * d_s * at(q, i, h, d);
-        }
-        for (std::int64_t d = 0; d < v.dim; ++d) gv(j, h, d) += p[x] * at(dout, i, h, d);
+      for (std::int64_t e = e0; e < e0 + n; ++e) {
+        const std::size_t eh = static_cast<std::size_t>(e * heads + h);
+        const double d_s = p_of[eh] * (ds_of[eh] - dp_mean);  // dL/dS_ij
+        ds_of[eh] = d_s;
+        if (ds.data != nullptr) put(ds, e, h, 0, d_s);
+        for (std::int64_t d = 0; d < q.dim; ++d)
+          gq(i, h, d) += scale * d_s * at(kd, a.col_idx[e], h, d);
+      }
+    }
+  }
+  // Columns: dk and dv over each column's entries in row order (a counting sort keeps it).
+  std::vector<std::int64_t> col_ptr(static_cast<std::size_t>(a.cols + 1), 0), by_col(nnz);
+  for (std::int64_t e = 0; e < nnz; ++e) ++col_ptr[static_cast<std::size_t>(a.col_idx[e]) + 1];
+  for (std::int64_t j = 0; j < a.cols; ++j) col_ptr[j + 1] += col_ptr[j];
+  std::vector<std::int64_t> next(col_ptr.begin(), col_ptr.end() - 1), row_of(nnz);
+  for (std::int64_t i = 0; i < a.rows; ++i) {
+    for (std::int64_t e = a.row_ptr[i]; e < a.row_ptr[i + 1]; ++e) {
+      by_col[next[a.col_idx[e]]++] = e;
+      row_of[e] = i;
+    }
+  }
+#pragma omp parallel for schedule(dynamic, 64)
+  for (std::int64_t j = 0; j < a.cols; ++j) {
+    for (std::int64_t x = col_ptr[j]; x < col_ptr[j + 1]; ++x) {
+      const std::int64_t e = by_col[x], i = row_of[e];
+      for (std::int64_t h = 0; h < heads; ++h) {
+        const std::size_t eh = static_cast<std::size_t>(e * heads + h);
+        for (std::int64_t d = 0; d < q.dim; ++d) gk(j, h, d) += scale * ds_of[eh] * at(qd, i, h, d);
+        for (std::int64_t d = 0; d < v.dim; ++d) gv(j, h, d) += p_of[eh] * at(doutd, i, h, d);
       }
     }
   }

@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <exception>
 #include <limits>
 #include <string>
 #include <vector>
@@ -25,6 +24,9 @@ void sddmm(const csr_graph& a, const tensor_view& x, const tensor_view& y, const
   check_view(x, "x", a.rows, -1, -1);
   check_view(y, "y", a.cols, x.heads, x.dim);
   check_view(out, "out", a.nnz(), x.heads, 1);
+  // Rows on OpenMP threads here and below: each row writes only its own outputs, in the order one
+  // thread would, so the result does not depend on the threads.
+#pragma omp parallel for schedule(dynamic, 64)
   for (std::int64_t r = 0; r < a.rows; ++r) {
     for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) {
       const double w = a.has_values() ? a.values[e] : 1.0;
@@ -38,6 +40,7 @@ void softmax(const csr_graph& a, const tensor_view& scores, const tensor_view& o
   a.check();
   check_view(scores, "scores", a.nnz(), -1, 1);
   check_view(out, "out", a.nnz(), scores.heads, 1);
+#pragma omp parallel for schedule(dynamic, 64)
   for (std::int64_t r = 0; r < a.rows; ++r) {
     for (std::int64_t h = 0; h < scores.heads; ++h) {
       double m = -std::numeric_limits<double>::infinity(), sum = 0;
@@ -57,8 +60,9 @@ void spmm(const csr_graph& a, const tensor_view& w, const tensor_view& b, const 
   check_view(b, "b", a.cols, -1, -1);
   check_view(c, "c", a.rows, b.heads, b.dim);
   if (w.data != nullptr) check_view(w, "w", a.nnz(), b.heads, 1);
-  std::vector<double> acc(b.dim);
+#pragma omp parallel for schedule(dynamic, 64)
   for (std::int64_t r = 0; r < a.rows; ++r) {
+    std::vector<double> acc(static_cast<std::size_t>(b.dim));
     for (std::int64_t h = 0; h < b.heads; ++h) {
       std::fill(acc.begin(), acc.end(), 0.0);
       for (std::int64_t e = a.row_ptr[r]; e < a.row_ptr[r + 1]; ++e) {
@@ -89,15 +93,17 @@ void attention(const csr_graph& a, const tensor_view& q, const tensor_view& k, c
   const auto edge_view = [&](std::vector<double>& buf) {
     return tensor_view::contiguous(buf.data(), dtype::f64, binary.nnz(), q.heads, 1);
   };
-  sddmm(binary, q, k, edge_view(s), scale);
+  const host_tensor q64 = access::as_f64(q), k64 = access::as_f64(k), v64 = access::as_f64(v);
+  sddmm(binary, q64.view(), k64.view(), edge_view(s), scale);
   if (bias.data != nullptr) {
     for (std::int64_t e = 0; e < binary.nnz(); ++e)
       for (std::int64_t h = 0; h < q.heads; ++h)
         s[e * q.heads + h] += at(bias, e, detail::bias_head(bias, h), 0);
   }
   softmax(binary, edge_view(s), edge_view(p));
-  spmm(binary, edge_view(p), v, out);
+  spmm(binary, edge_view(p), v64.view(), out);
   if (lse.data == nullptr) return;
+#pragma omp parallel for schedule(dynamic, 64)
   for (std::int64_t i = 0; i < a.rows; ++i) {
     for (std::int64_t h = 0; h < q.heads; ++h) {
       double m = -std::numeric_limits<double>::infinity(), sum = 0;
@@ -122,23 +128,11 @@ tensor_view slice(const tensor_view& t, std::int64_t row0, std::int64_t rows, st
   return s;
 }
 
-// f(b, h) for every sequence b and head h, on OpenMP threads: each call reads and writes its own
-// slices, so the result does not depend on the threads. The first exception is rethrown here.
+// f(b, h) for every sequence b and head h, in order; each call's row loops run on OpenMP threads.
 template <class F>
 void for_each_sequence_head(std::int64_t batch, std::int64_t heads, const F& f) {
-  std::exception_ptr error;
-#pragma omp parallel for collapse(2) schedule(dynamic)
-  for (std::int64_t b = 0; b < batch; ++b) {
-    for (std::int64_t h = 0; h < heads; ++h) {
-      try {
-        f(b, h);
-      } catch (...) {
-#pragma omp critical(trisparse_reference_error)
-        if (!error) error = std::current_exception();
-      }
-    }
-  }
-  if (error) std::rethrow_exception(error);
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t h = 0; h < heads; ++h) f(b, h);
 }
 
 }  // namespace
