@@ -265,6 +265,14 @@ class DistributedPattern:
             )
         return _start_halo(x, self)
 
+    def joined(self, out: Tensor, halo: Tensor) -> Tensor:
+        """``out``, tied to ``halo`` where no boundary row read it: the exchange's backward is a
+        collective that every rank must join, so a rank whose rows read no halo row (all
+        interior) still runs it, with a zero gradient."""
+        if self.rows(1).stop > self.rows(1).start or not torch.is_grad_enabled():
+            return out
+        return _Tie.apply(out, halo)
+
     def rows(self, side: int) -> slice:
         """The local rows of the interior (0) or the boundary (1)."""
         return (
@@ -307,7 +315,7 @@ class DistributedPattern:
             if rows.stop > rows.start:
                 x_src = x if side == 0 else torch.cat([x, halo])
                 out.append(compute(x_src, x[rows], side, self.edge_rows(side, edge_attr)))
-        return out[0] if len(out) == 1 else torch.cat(out)
+        return self.joined(out[0] if len(out) == 1 else torch.cat(out), halo)
 
     def gcn_matrix(self, side: int, add_self_loops: bool, normalize: bool):
         """GCN's propagation rows of one side as a SparseMatrix over local ids: PyG's gcn_norm
@@ -494,6 +502,20 @@ def _start_halo(x: Tensor, lists):
     pending: list = []
     halo = _HaloExchange.apply(x, lists, pending)
     return halo, pending[0]
+
+
+class _Tie(torch.autograd.Function):
+    """out unchanged, with a zero gradient for ``halo`` (DistributedPattern.joined)."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, halo: Tensor):
+        ctx.halo = (halo.shape, halo.dtype, halo.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        shape, dtype, device = ctx.halo
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
 
 
 class _HaloExchange(torch.autograd.Function):

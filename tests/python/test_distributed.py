@@ -1,7 +1,8 @@
 """trisparse.distributed: partitions; the layers over a partitioned graph (the whole graph or a
-sharded load) and context-parallel block-sparse attention on two processes (Gloo on the CPU in
-float64; NCCL on two GPUs where there are) against one process: outputs, the gradients of the
-inputs and of every weight, bitwise repeatable; the Planetoid example over two processes."""
+sharded load; community, hub and skewed graphs, a rank owning no edge) and context-parallel
+block-sparse attention on two to four processes (Gloo on the CPU in float64; NCCL on two GPUs
+where there are) against one process: outputs, the gradients of the inputs and of every weight,
+bitwise repeatable; the Planetoid example over two processes."""
 
 import json
 import os
@@ -36,6 +37,33 @@ def _graph(seed: int = 3):
     return ei, torch.randn(ei.shape[1], 3, generator=gen, dtype=torch.float64)
 
 
+def _hub_graph(seed: int = 4):
+    """Node 0 receives an edge from every node and sends to half of them (a hub row and a hub
+    column), over a sparse random tail, with repeated edges and self loops."""
+    gen = torch.Generator().manual_seed(seed)
+    everyone = torch.arange(N - 5)
+    into = torch.stack([everyone, torch.zeros_like(everyone)])
+    out_of = torch.stack([torch.zeros(N // 2, dtype=torch.int64), torch.arange(N // 2)])
+    tail = torch.randint(0, N - 5, (2, E // 2), generator=gen)
+    ei = torch.cat([into, out_of, tail, tail[:, :20]], dim=1)
+    return ei, torch.randn(ei.shape[1], 3, generator=gen, dtype=torch.float64)
+
+
+def _skewed_graph(seed: int = 6):
+    """Power-law-like degrees: sources and targets drawn as floor(n u^3), ids shuffled (a few
+    heavy rows and columns, many light ones), repeated edges included."""
+    gen = torch.Generator().manual_seed(seed)
+    n = N - 5
+    ids = torch.randperm(n, generator=gen)
+    src = ids[(n * torch.rand(E, generator=gen) ** 3).long()]
+    dst = ids[(n * torch.rand(E, generator=gen) ** 3).long()]
+    ei = torch.stack([src, dst])
+    return ei, torch.randn(E, 3, generator=gen, dtype=torch.float64)
+
+
+GRAPHS = {"communities": _graph, "hub": _hub_graph, "skewed": _skewed_graph}
+
+
 def _layers():
     torch.manual_seed(11)
     nn = trisparse.nn
@@ -62,7 +90,7 @@ def _worker(rank: int, world: int, path: str, backend: str, dtype_name: str, met
     dtype = getattr(torch, dtype_name)
     data = torch.load(f"{path}.inputs", weights_only=False)
     ei, attr, x, w_out = (data[k].to(device) for k in ("edge_index", "edge_attr", "x", "w_out"))
-    part = partition(data["edge_index"], world, num_nodes=N, method=method)
+    part = data["part"]
     results = {}
     patterns = {}
     mine = part.to(device)[ei[1]] == rank  # the edges into this rank's rows: a sharded load
@@ -125,20 +153,28 @@ def _single_process(data):
     return out
 
 
-def _run(tmp_path, backend: str, dtype: str, method: str, tol: float):
-    ei, attr = _graph()
+def _run(tmp_path, backend, dtype, method, tol, world=2, graph="communities"):
+    """The layers over `world` processes against one process. method: a partition method, or
+    "idle": the last rank owns only the isolated nodes (no edge into or out of its rows)."""
+    ei, attr = GRAPHS[graph]()
     gen = torch.Generator().manual_seed(5)
+    if method == "idle":
+        part = torch.arange(N) % (world - 1)
+        part[N - 5 :] = world - 1
+    else:
+        part = partition(ei, world, num_nodes=N, method=method)
     data = {
         "edge_index": ei,
         "edge_attr": attr,
+        "part": part,
         "x": torch.randn(N, F, generator=gen, dtype=torch.float64),
         "w_out": torch.randn(N, 8, generator=gen, dtype=torch.float64),
     }
     path = str(tmp_path / "run")
     torch.save(data, f"{path}.inputs")
-    mp.spawn(_worker, args=(2, path, backend, dtype, method), nprocs=2, join=True)
+    mp.spawn(_worker, args=(world, path, backend, dtype, method), nprocs=world, join=True)
     expected = _single_process(data)
-    ranks = [torch.load(f"{path}.rank{r}", weights_only=False) for r in range(2)]
+    ranks = [torch.load(f"{path}.rank{r}", weights_only=False) for r in range(world)]
     expected |= {f"{k}_sharded": v for k, v in expected.items()}
     for name, (out, dx, dparams) in expected.items():
         owned = torch.cat([r[name]["owned"] for r in ranks])
@@ -151,6 +187,8 @@ def _run(tmp_path, backend: str, dtype: str, method: str, tol: float):
         for r in ranks:
             assert torch.allclose(r[name]["dparams"], dparams, atol=tol * 10, rtol=tol), name
             assert r[name]["repeatable"], f"{name}: gradients differ between two runs"
+            if graph != "communities" or world != 2:
+                continue
             if not name.startswith("gat") or name.startswith("gat_edge"):  # no loops: rows split
                 assert 0 < r[name]["interior"] < int(r[name]["owned"].numel()), "no split"
             else:
@@ -159,6 +197,20 @@ def _run(tmp_path, backend: str, dtype: str, method: str, tol: float):
 
 def test_layers_over_two_processes_equal_one_process_float64(tmp_path):
     _run(tmp_path, "gloo", "float64", "community", 1e-10)
+
+
+@pytest.mark.parametrize(
+    "world,graph,method",
+    [
+        (4, "communities", "community"),
+        (4, "hub", "random"),
+        (2, "skewed", "random"),
+        (3, "skewed", "idle"),
+    ],
+)
+def test_layers_over_several_processes_equal_one_process_float64(tmp_path, world, graph, method):
+    """Four processes, a hub row and column, skewed degrees, and a rank that owns no edge."""
+    _run(tmp_path, "gloo", "float64", method, 1e-10, world=world, graph=graph)
 
 
 @pytest.mark.skipif(
@@ -251,13 +303,13 @@ def _cp_worker(rank: int, world: int, path: str, backend: str):
     dist.destroy_process_group()
 
 
-def _context_parallel(tmp_path, backend: str, dim: int, tol: float):
+def _context_parallel(tmp_path, backend: str, dim: int, tol: float, world: int = 2):
     gen = torch.Generator().manual_seed(8)
     data = {t: torch.randn(2, 2, SEQ, dim, generator=gen, dtype=torch.float64) for t in "qkvw"}
     path = str(tmp_path / "cp")
     torch.save(data, f"{path}.inputs")
-    mp.spawn(_cp_worker, args=(2, path, backend), nprocs=2, join=True)
-    ranks = [torch.load(f"{path}.rank{r}", weights_only=False) for r in range(2)]
+    mp.spawn(_cp_worker, args=(world, path, backend), nprocs=world, join=True)
+    ranks = [torch.load(f"{path}.rank{r}", weights_only=False) for r in range(world)]
     for name, (blocks, causal) in _cp_masks().items():
         mask = trisparse.BlockMask(blocks, BLOCK, causal=causal)
         q, k, v = (data[t].clone().requires_grad_() for t in "qkv")
@@ -271,7 +323,7 @@ def _context_parallel(tmp_path, backend: str, dim: int, tol: float):
             got = torch.cat([r[name]["grads"][i] for r in ranks], dim=2)
             assert (got - ref[:, :, tokens]).abs().max() <= tol * max(1, ref.abs().max()), (name, i)
         reads = blocks.any(dim=(0, 1))
-        for r in ranks:  # exactly the other rank's blocks that this rank's rows read
+        for r in ranks:  # exactly the other ranks' blocks that this rank's rows read
             owned = torch.tensor(r[name]["owned"])
             wanted = reads[owned].any(dim=0).nonzero().view(-1).tolist()
             assert sorted(r[name]["received"]) == [b for b in wanted if b not in owned.tolist()]
@@ -280,8 +332,9 @@ def _context_parallel(tmp_path, backend: str, dim: int, tol: float):
     assert 15 not in ranks[0]["random"]["received"]
 
 
-def test_context_parallel_equals_one_process_float64(tmp_path):
-    _context_parallel(tmp_path, "gloo", 8, 1e-12)
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_equals_one_process_float64(tmp_path, world):
+    _context_parallel(tmp_path, "gloo", 8, 1e-12, world)
 
 
 @pytest.mark.skipif(

@@ -174,7 +174,7 @@ class GATConv(_Fused, _PygGATConv):
                     attr is not None, None,
                 )  # fmt: skip
                 outs.append(out)
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        out = dp.joined(outs[0] if len(outs) == 1 else torch.cat(outs), halo)
         return self._finish(out, res)
 
     def _edge_terms(self, edge_attr, edge_index, pattern, num_src, num_dst) -> Tensor:

@@ -124,7 +124,7 @@ class TransformerConv(_Fused, _PygTransformerConv):
                     query[rows], key, value, pattern, attr, attr is not None, None
                 )
                 outs.append(out)
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        out = dp.joined(outs[0] if len(outs) == 1 else torch.cat(outs), halo)
         return self._finish(out, x)
 
     def _edge_attention(self, query, key, value, edge_attr, pattern, scale, dropout):
