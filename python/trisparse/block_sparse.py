@@ -194,10 +194,8 @@ class BlockMask:
 
 
 def _plan(q: Tensor, mask: int, cu_q: list[int], cu_k: list[int]):
-    # The fastest backend; on the CPU it computes float64 in float64 (the gradcheck path). CUDA
-    # kernels take no float64: the reference says so.
-    algo = "reference" if q.dtype == torch.float64 and q.is_cuda else "automatic"
-    return _masks.lookup(mask).plan(q.device, cu_q, cu_k, algo)
+    # The fastest backend; on the CPU it computes float64 in float64 (the gradcheck path).
+    return _masks.lookup(mask).plan(q.device, cu_q, cu_k, "automatic")
 
 
 def _out_like(q: Tensor, dim: int) -> Tensor:

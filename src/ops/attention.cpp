@@ -26,8 +26,6 @@ std::string_view to_string(algorithm a) {
   switch (a) {
     case algorithm::automatic:
       return "automatic";
-    case algorithm::reference:
-      return "reference";
     case algorithm::blocked_reference:
       return "blocked_reference";
     case algorithm::fused:
@@ -41,13 +39,18 @@ std::string_view to_string(algorithm a) {
 }
 
 algorithm parse_algorithm(std::string_view name) {
-  for (const auto a : {algorithm::automatic, algorithm::reference, algorithm::blocked_reference,
-                       algorithm::fused, algorithm::unfused, algorithm::block}) {
+  for (const auto a : {algorithm::automatic, algorithm::blocked_reference, algorithm::fused,
+                       algorithm::unfused, algorithm::block}) {
     if (to_string(a) == name) return a;
   }
   if (name == "auto") return algorithm::automatic;
+  if (name == "reference") {
+    throw invalid_input(
+        "the float64 reference is not an algorithm: call trisparse::reference (the command "
+        "checks rows against it with --check-rows)");
+  }
   throw invalid_input("unknown algorithm '" + std::string(name) +
-                      "' (automatic, reference, blocked_reference, fused, unfused, block)");
+                      "' (automatic, blocked_reference, fused, unfused, block)");
 }
 
 bool runs_on(algorithm a, device_kind where) {
@@ -55,7 +58,6 @@ bool runs_on(algorithm a, device_kind where) {
     case algorithm::automatic:
     case algorithm::fused:
       return true;
-    case algorithm::reference:
     case algorithm::blocked_reference:
       return where == device_kind::cpu;
     case algorithm::unfused:
@@ -363,23 +365,20 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
   }
   const tensor_view& lse = options.lse;
   if (lse.data != nullptr) {
-    TRISPARSE_EXPECTS_INPUT(algo == algorithm::reference || algo == algorithm::fused,
-                            "the log-sum-exp is written by the reference and fused algorithms");
+    TRISPARSE_EXPECTS_INPUT(algo == algorithm::fused,
+                            "the log-sum-exp is written by the fused algorithm");
     check_view(lse, "lse", r.rows, q.heads, 1);
     TRISPARSE_EXPECTS_INPUT(lse.where == r.where,
                             std::string("lse must be on ") + to_string(r.where) + ", as the plan");
   }
   const tensor_view& bias = options.bias;
   if (bias.data != nullptr) {
-    TRISPARSE_EXPECTS_INPUT(algo == algorithm::reference || algo == algorithm::fused,
-                            "a score bias is taken by the reference and fused algorithms, not " +
-                                std::string(to_string(algo)));
+    TRISPARSE_EXPECTS_INPUT(
+        algo == algorithm::fused,
+        "a score bias is taken by the fused algorithm, not " + std::string(to_string(algo)));
     detail::check_bias(bias, "bias", r.nnz, q.heads, r.where);
   }
   switch (algo) {
-    case algorithm::reference:
-      reference::attention(state_->pattern, q, k, v, out, scale, lse, bias);
-      return;
     case algorithm::blocked_reference:
       if (!state_->blocks) {
         throw invalid_input(
@@ -515,9 +514,6 @@ void attention_plan::backward(const tensor_view& q, const tensor_view& k, const 
     return;
   }
   switch (algo) {
-    case algorithm::reference:
-      reference::attention_backward(state_->pattern, q, k, v, dout, dq, dk, dv, scale, dbias, bias);
-      return;
     case algorithm::fused:
       TRISPARSE_EXPECTS_INPUT(state_->gradients,
                               "this plan was built without plan_options.gradients = true");
@@ -529,7 +525,7 @@ void attention_plan::backward(const tensor_view& q, const tensor_view& k, const 
                                               {bias, dbias, state_->transposed_entry});
       return;
     default:
-      throw invalid_input("backward runs the reference and fused algorithms, not " +
+      throw invalid_input("the backward runs the fused algorithm, not " +
                           std::string(to_string(algo)));
   }
 }

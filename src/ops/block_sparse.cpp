@@ -15,7 +15,6 @@
 #include "../formats/block_sparse_internal.hpp"
 #include "trisparse/core/error.hpp"
 #include "trisparse/core/numeric.hpp"
-#include "trisparse/ops/reference.hpp"
 
 namespace trisparse {
 
@@ -102,7 +101,7 @@ device_tensor own_backward_workspace(const cuda::block_sparse_device_plan& plan,
   return {dtype::f32, std::max<std::int64_t>(static_cast<std::int64_t>(own / 4), 1), 1, 1};
 }
 
-// The algorithms a block mask runs with: reference and fused on the CPU; block, fused (the
+// The algorithms a block mask runs with: fused on the CPU; block, fused (the
 // element patterns) and unfused on CUDA.
 bool runs_block_masks(algorithm a, device_kind where) {
   return runs_on(a, where) && a != algorithm::blocked_reference && a != algorithm::automatic;
@@ -123,11 +122,10 @@ block_sparse_attention_plan block_sparse_attention_plan::build(
                          : where == device_kind::cpu               ? algorithm::fused
                          : cuda::block_sparse_supports(mask.block) ? algorithm::block
                                                                    : algorithm::fused;
-  TRISPARSE_EXPECTS_INPUT(
-      runs_block_masks(algo, where),
-      std::string("block-sparse attention on ") + to_string(where) + " runs " +
-          (where == device_kind::cpu ? "reference or fused" : "block, fused or unfused") +
-          ", not " + std::string(to_string(algo)));
+  TRISPARSE_EXPECTS_INPUT(runs_block_masks(algo, where),
+                          std::string("block-sparse attention on ") + to_string(where) + " runs " +
+                              (where == device_kind::cpu ? "fused" : "block, fused or unfused") +
+                              ", not " + std::string(to_string(algo)));
   auto s = std::make_shared<state>();
   s->report.algo = algo;
   s->report.where = where;
@@ -260,9 +258,6 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
       "this plan was built for " + std::string(to_string(state_->report.algo)) + " on " +
           to_string(where) + ", not " + std::string(to_string(algo)));
   switch (algo) {
-    case algorithm::reference:
-      reference::block_sparse_attention(m, q, k, v, out, scale);
-      return;
     case algorithm::block:
       cuda::run_block_sparse(*state_->device, q, k, v, out, options.lse, scale, stream);
       return;
@@ -324,13 +319,10 @@ void block_sparse_attention_plan::backward(const tensor_view& q, const tensor_vi
   if (where == device_kind::cpu) {
     const algorithm algo =
         options.algo == algorithm::automatic ? state_->report.algo : options.algo;
-    TRISPARSE_EXPECTS_INPUT(runs_block_masks(algo, where),
-                            "block-sparse backward on the CPU runs reference or fused, not " +
-                                std::string(to_string(algo)));
-    if (algo == algorithm::reference)
-      reference::block_sparse_attention_backward(m, q, k, v, dout, dq, dk, dv, scale);
-    else
-      cpu_block_sparse_backward(m, q, k, v, dout, dq, dk, dv, scale);
+    TRISPARSE_EXPECTS_INPUT(
+        runs_block_masks(algo, where),
+        "block-sparse backward on the CPU runs fused, not " + std::string(to_string(algo)));
+    cpu_block_sparse_backward(m, q, k, v, dout, dq, dk, dv, scale);
     if (importance.wanted()) {
       cpu::block_importance_unchecked(m, q, k, v, dout, scale, importance.mass, importance.grad,
                                       qb);

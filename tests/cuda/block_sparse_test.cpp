@@ -729,9 +729,9 @@ TEST(GpuBlockSparse, RejectsWhatItCannotRun) {
   EXPECT_THROW(run(dtype::f16, 32, dtype::f32), invalid_input);
   EXPECT_THROW(run(dtype::f32, 64, dtype::f32), not_supported);  // the CPU's and row-wise dtypes
   EXPECT_THROW(run(dtype::f16, 64, dtype::f64), not_supported);
-  EXPECT_THROW(
-      block_sparse_attention_plan::build(mask, device_kind::cuda, {.algo = algorithm::reference}),
-      invalid_input);
+  EXPECT_THROW(block_sparse_attention_plan::build(mask, device_kind::cuda,
+                                                  {.algo = algorithm::blocked_reference}),
+               invalid_input);
   const auto fine = make_block_sparse_mask({.block = 8}, std::vector<std::int64_t>{32});
   EXPECT_THROW(
       block_sparse_attention_plan::build(fine, device_kind::cuda, {.algo = algorithm::block}),

@@ -14,7 +14,7 @@ TEST(Gpu, PlansRunOnTheDeviceOrSayWhyNot) {
       attention_plan::build(g, device_kind::cuda, {.algo = algorithm::unfused});
   EXPECT_EQ(unfused.report().algo, algorithm::unfused);
   EXPECT_GT(unfused.report().format_bytes, 0);
-  EXPECT_THROW(attention_plan::build(g, device_kind::cuda, {.algo = algorithm::reference}),
+  EXPECT_THROW(attention_plan::build(g, device_kind::cuda, {.algo = algorithm::blocked_reference}),
                invalid_input);
 }
 

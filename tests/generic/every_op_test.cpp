@@ -172,8 +172,7 @@ std::vector<shape> shapes() {
 void attention_cases(recorder& rec) {
   for (const auto& s : shapes()) {
     const csr_graph& g = s.pattern;
-    for (const algorithm a : {algorithm::reference, algorithm::blocked_reference, algorithm::fused,
-                              algorithm::unfused}) {
+    for (const algorithm a : {algorithm::blocked_reference, algorithm::fused, algorithm::unfused}) {
       if (!runs_on(a, kWhere)) continue;
       const std::string backend = backend_name(a, kWhere);
       for (const dtype in : kDtypes) {
@@ -193,8 +192,8 @@ void attention_cases(recorder& rec) {
         });
       }
     }
-    // The backward from the forward's output and lse (fused; reference: its own float64).
-    for (const algorithm a : {algorithm::reference, algorithm::fused}) {
+    // The backward from the forward's output and lse.
+    for (const algorithm a : {algorithm::fused}) {
       if (!runs_on(a, kWhere)) continue;
       const std::string backend = backend_name(a, kWhere);
       for (const dtype in : kDtypes) {
@@ -299,8 +298,7 @@ void block_sparse_cases(recorder& rec) {
                                                lens);
       const std::string shape = "G" + std::to_string(g) + (causal ? " causal" : "") + " ragged";
       const std::int64_t rows = mask.cu_seqlens_q.back(), heads = 2;
-      for (const algorithm a :
-           {algorithm::reference, algorithm::fused, algorithm::block, algorithm::unfused}) {
+      for (const algorithm a : {algorithm::fused, algorithm::block, algorithm::unfused}) {
         if (!runs_on(a, kWhere)) continue;
         const std::string backend = backend_name(a, kWhere, true);
         for (const std::int64_t dim : {64}) {

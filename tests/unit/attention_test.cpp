@@ -129,7 +129,7 @@ TEST(Attention, PlanRunsEveryCpuAlgorithmAndChecksArguments) {
   const auto x = test::random_qkv(g, 2, 32, dtype::f16, 6);
   host_tensor ref(dtype::f64, 90, 2, 32);
   reference::attention(g, x.q.view(), x.k.view(), x.v.view(), ref.view(), 1 / std::sqrt(32.0));
-  for (const auto algo : {algorithm::reference, algorithm::blocked_reference, algorithm::fused}) {
+  for (const auto algo : {algorithm::blocked_reference, algorithm::fused}) {
     const attention_plan plan = attention_plan::build(g, device_kind::cpu, {.algo = algo});
     EXPECT_EQ(plan.report().algo, algo);
     host_tensor out(dtype::f32, 90, 2, 32);
@@ -156,15 +156,15 @@ TEST(Attention, PlanRunsEveryCpuAlgorithmAndChecksArguments) {
                invalid_input);
   EXPECT_EQ(parse_algorithm("fused"), algorithm::fused);
   EXPECT_THROW(parse_algorithm("cpu_fused"), invalid_input);
+  EXPECT_THROW(parse_algorithm("reference"), invalid_input);  // the oracle: trisparse::reference
   EXPECT_TRUE(runs_on(algorithm::fused, device_kind::cpu));
   EXPECT_TRUE(runs_on(algorithm::fused, device_kind::cuda));
-  EXPECT_FALSE(runs_on(algorithm::reference, device_kind::cuda));
+  EXPECT_FALSE(runs_on(algorithm::blocked_reference, device_kind::cuda));
   EXPECT_EQ(backend_name(algorithm::fused, device_kind::cuda), "cuda_fused3s");
   EXPECT_EQ(backend_name(algorithm::fused, device_kind::cpu), "cpu_fused");
   EXPECT_EQ(backend_name(algorithm::unfused, device_kind::cuda), "cuda_me_bcrs");
   EXPECT_EQ(backend_name(algorithm::fused, device_kind::cpu, true), "cpu_block");
   EXPECT_EQ(backend_name(algorithm::unfused, device_kind::cuda, true), "cuda_block_unfused");
-  EXPECT_EQ(backend_name(algorithm::reference, device_kind::cpu, true), "cpu_reference");
 }
 
 TEST(Attention, ReferenceSddmmSoftmaxSpmmAgreeWithHandComputation) {

@@ -228,14 +228,15 @@ TEST(BlockSparsePlanBackward, GivesTheReferenceGradientsAndNamesBadArguments) {
       dv(dtype::f32, rows, heads, d);
   const auto plan = block_sparse_attention_plan::build(mask);
   plan.backward(q.view(), k.view(), v.view(), {}, {}, w.view(), dq.view(), dk.view(), dv.view(),
-                {.scale = 0.7, .algo = algorithm::reference});
+                {.scale = 0.7});
   host_tensor rq(dtype::f32, rows, heads, d), rk(dtype::f32, rows, heads, d),
       rv(dtype::f32, rows, heads, d);
   reference::block_sparse_attention_backward(mask, q.view(), k.view(), v.view(), w.view(),
                                              rq.view(), rk.view(), rv.view(), 0.7);
   double max_abs = 0;
   for (const auto& [got, want] : {std::pair{&dq, &rq}, std::pair{&dk, &rk}, std::pair{&dv, &rv}}) {
-    EXPECT_EQ(std::memcmp(got->data(), want->data(), got->size_bytes()), 0);
+    // float64 in float64, both rounded to f32 at the end: within a few f32 roundings.
+    EXPECT_LE(test::compare(*got, *want).relative(), 1e-6);
     for (std::int64_t i = 0; i < got->numel(); ++i)
       max_abs = std::max(max_abs, std::abs(got->get(i)));
   }
@@ -529,10 +530,6 @@ TEST(FusedCpuBackward, SaysWhatItNeeds) {
   EXPECT_THROW(with.backward(x.q.view(), x.k.view(), x.v.view(), out.view(), lse.view(), out.view(),
                              dq.view(), short_dk.view(), dv.view()),
                invalid_input);
-  // The reference needs neither.
-  EXPECT_NO_THROW(without.backward(x.q.view(), x.k.view(), x.v.view(), out.view(), {}, out.view(),
-                                   dq.view(), dk.view(), dv.view(),
-                                   {.algo = algorithm::reference}));
 }
 
 }  // namespace

@@ -304,7 +304,8 @@ TEST(BlockSparsePlan, CpuEngineMatchesTheReference) {
           v.fill_uniform(-1, 1, seed + 2);
           got.fill(std::numeric_limits<double>::quiet_NaN());
           plan.run(q.view(), k.view(), v.view(), got.view());
-          plan.run(q.view(), k.view(), v.view(), want.view(), {.algo = algorithm::reference});
+          reference::block_sparse_attention(plan.mask(), q.view(), k.view(), v.view(), want.view(),
+                                            effective_scale({}, d));
           const auto e = test::compare(got, want);
           EXPECT_TRUE(e.finite);
           EXPECT_LE(e.relative(), 4 * unit_roundoff(out_type) + 1e-5);
@@ -375,7 +376,8 @@ TEST(BlockSparseTopK, ChoosesTheHighestPooledScores) {
       topk_block_mask(q.view(), k.view(), cu, cu, {.block = g, .top_k = 2, .causal = true}));
   host_tensor got(dtype::f32, 557, heads, d), want(dtype::f64, 557, heads, d);
   plan.run(q.view(), k.view(), k.view(), got.view());
-  plan.run(q.view(), k.view(), k.view(), want.view(), {.algo = algorithm::reference});
+  reference::block_sparse_attention(plan.mask(), q.view(), k.view(), k.view(), want.view(),
+                                    effective_scale({}, d));
   EXPECT_LE(test::compare(got, want).relative(), 1e-5);
   EXPECT_THROW(topk_block_mask(q.view(), k.view(), std::vector<std::int64_t>{0, 556}, cu, {}),
                invalid_input);
@@ -444,9 +446,9 @@ TEST(BlockSparsePlan, RejectsWhatItCannotRun) {
   EXPECT_THROW(
       block_sparse_attention_plan::build(mask, device_kind::cpu, {.algo = algorithm::block}),
       invalid_input);
-  EXPECT_THROW(
-      block_sparse_attention_plan::build(mask, device_kind::cuda, {.algo = algorithm::reference}),
-      invalid_input);
+  EXPECT_THROW(block_sparse_attention_plan::build(mask, device_kind::cuda,
+                                                  {.algo = algorithm::blocked_reference}),
+               invalid_input);
   // Without a GPU: not_supported (no CUDA backend) or cuda_error (no device).
   if (!cuda_available()) {
     EXPECT_THROW(block_sparse_attention_plan::build(mask, device_kind::cuda), error);

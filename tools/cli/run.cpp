@@ -264,8 +264,7 @@ action add_run(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--out-dtype", a->out_type, "output dtype")->capture_default_str();
   cmd->add_option("--scale", a->scale, "score scale (default 1/sqrt(dim))");
-  cmd->add_option("--algo", a->algo,
-                  "automatic, fused, unfused (CUDA), reference, blocked_reference (CPU)")
+  cmd->add_option("--algo", a->algo, "automatic, fused, unfused (CUDA), blocked_reference (CPU)")
       ->capture_default_str();
   cmd->add_option("--repeat", a->repeat, "timed runs (median reported)")->capture_default_str();
   cmd->add_option("--check-rows", a->check_rows, "rows checked against the float64 reference")

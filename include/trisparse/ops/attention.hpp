@@ -17,10 +17,10 @@
 namespace trisparse {
 
 /// How the attention is computed. Which device computes it is the plan's (device_kind); the
-/// pair names one backend (backend_name).
+/// pair names one backend (backend_name). The float64 oracle every backend is tested against is
+/// not among them: it is its own entry point, trisparse::reference (ops/reference.hpp).
 enum class algorithm : std::uint8_t {
   automatic,          ///< the fastest for the plan's device and pattern
-  reference,          ///< float64 SDDMM -> softmax -> SpMM: the oracle (CPU)
   blocked_reference,  ///< float64 blocked online softmax over the BSB format (CPU)
   fused,    ///< one pass with an online softmax: the OpenMP engine (CPU), the fused 3S kernel over
             ///< BSB on tensor cores (CUDA; block masks: their element patterns)
@@ -33,10 +33,10 @@ algorithm parse_algorithm(std::string_view name);
 /// Whether `a` runs on `where` (automatic runs everywhere): the one rule of which device runs
 /// what.
 bool runs_on(algorithm a, device_kind where);
-/// The backend that runs `a` on `where` over a graph pattern: "cpu_reference",
-/// "cpu_blocked_reference", "cpu_fused", "cuda_fused3s", "cuda_me_bcrs"; over a block mask
-/// (`block_mask`): "cpu_block" (fused), "cuda_block", "cuda_block_unfused", "cuda_fused3s" (the
-/// mask's element pattern), "cpu_reference". docs/design.md maps each to its folder, namespace,
+/// The backend that runs `a` on `where` over a graph pattern: "cpu_blocked_reference",
+/// "cpu_fused", "cuda_fused3s", "cuda_me_bcrs"; over a block mask (`block_mask`): "cpu_block"
+/// (fused), "cuda_block", "cuda_block_unfused", "cuda_fused3s" (the mask's element pattern).
+/// docs/design.md maps each to its folder, namespace,
 /// notes and benchmark.
 std::string backend_name(algorithm a, device_kind where, bool block_mask = false);
 
