@@ -286,8 +286,7 @@ TEST(GpuAttentionBackward, EverySharedDataset) {
   std::uint64_t seed = 500;
   // TRISPARSE_GPU_TEST_QUICK=1 (the one-call suite, compute-sanitizer): one head of 32, a quarter
   // of the float64 reference's work, still on the tensor-core kernels.
-  const char* quick = std::getenv("TRISPARSE_GPU_TEST_QUICK");
-  const grad_config c = quick != nullptr && *quick == '1'
+  const grad_config c = test::quick()
                             ? grad_config{dtype::bf16, dtype::bf16, dtype::bf16, 32, 32, 1}
                             : grad_config{dtype::bf16, dtype::bf16, dtype::bf16, 64, 64, 2};
   for (const auto& path : test::dataset_graphs()) {

@@ -30,11 +30,6 @@ void stage(const char* what) {
   }
 }
 
-bool quick() {
-  const char* q = std::getenv("TRISPARSE_GPU_TEST_QUICK");
-  return q != nullptr && *q == '1';
-}
-
 // A mask's blocks as bytes on the device, [masks, query blocks, key blocks] (the longest
 // sequence's), for block_sparse_attention_plan's device build.
 struct kept_bytes {
@@ -269,7 +264,7 @@ TEST(GpuBlockSparseBackward, EveryBlockSizeDtypeAndHeadDim) {
       for (const dtype in : {dtype::f16, dtype::bf16}) {
         for (const std::int64_t d : {64, 128}) {
           for (const dtype grad : {dtype::f32, in}) {
-            if (quick() && grad != (in == dtype::f16 ? dtype::f32 : in)) continue;
+            if (test::quick() && grad != (in == dtype::f16 ? dtype::f32 : in)) continue;
             check(mask, {in, grad, d, 2}, seed++);
           }
         }

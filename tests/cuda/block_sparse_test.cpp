@@ -19,11 +19,6 @@ struct config {
   std::int64_t dim;
 };
 
-bool quick() {
-  const char* q = std::getenv("TRISPARSE_GPU_TEST_QUICK");
-  return q != nullptr && *q == '1';
-}
-
 // Runs the plan twice on poisoned outputs and checks: every output finite, both runs bitwise
 // equal, every row within tolerance of the float64 reference, rows with no key exactly zero.
 void check(const block_sparse_attention_plan& plan, const config& c, std::int64_t heads,
@@ -130,7 +125,7 @@ TEST(GpuBlockSparse, EveryBlockTypeAndHeadDimAgainstTheReference) {
         for (const dtype in : {dtype::f16, dtype::bf16}) {
           for (const std::int64_t d : {64, 128}) {
             for (const dtype out : {dtype::f32, dtype::f16, dtype::bf16}) {
-              if (quick() && out != (in == dtype::f16 ? dtype::f32 : dtype::bf16)) continue;
+              if (test::quick() && out != (in == dtype::f16 ? dtype::f32 : dtype::bf16)) continue;
               check(plan, {in, out, d}, 2, seed++);
             }
           }
@@ -642,7 +637,7 @@ TEST(GpuBlockSparse, TheReportsPipelineOnEveryBlockSize) {
     ++nth;
     for (const bool causal : {false, true}) {
       for (const std::int64_t mask_heads : {1, 2}) {
-        if (quick() && (nth + mask_heads) % 2 != 0) continue;
+        if (test::quick() && (nth + mask_heads) % 2 != 0) continue;
         const auto mask = make_block_sparse_mask({.layout = block_layout::random,
                                                   .block = g,
                                                   .p = 0.6,
@@ -653,7 +648,7 @@ TEST(GpuBlockSparse, TheReportsPipelineOnEveryBlockSize) {
         const auto plan = unfused_plan(mask);
         for (const dtype in : {dtype::f16, dtype::bf16}) {
           for (const dtype out : {dtype::f32, dtype::f16, dtype::bf16}) {
-            if (quick() && out != (in == dtype::f16 ? dtype::f32 : dtype::bf16)) continue;
+            if (test::quick() && out != (in == dtype::f16 ? dtype::f32 : dtype::bf16)) continue;
             check(plan, {in, out, 64}, 2, seed++);
           }
         }

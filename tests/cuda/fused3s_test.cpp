@@ -69,18 +69,14 @@ void check(const attention_plan& plan, const csr_graph& g, const config& c, std:
   }
 }
 
-bool quick() {
-  const char* q = std::getenv("TRISPARSE_GPU_TEST_QUICK");
-  return q != nullptr && *q == '1';
-}
-
 // Every input dtype x head dim x output dtype the algorithm runs; under compute-sanitizer (which
 // slows kernels 10-100x) TRISPARSE_GPU_TEST_QUICK=1 keeps two of them, so that every dataset
 // still runs there. The unfused pipeline also takes f32 inputs and any head dim, and writes f32
 // or the inputs' dtype.
 std::vector<config> configs_for(algorithm algo, std::int64_t heads = 1) {
   const bool unfused = algo == algorithm::unfused;
-  if (quick()) return {{dtype::f16, dtype::f32, 128, heads}, {dtype::bf16, dtype::bf16, 64, heads}};
+  if (test::quick())
+    return {{dtype::f16, dtype::f32, 128, heads}, {dtype::bf16, dtype::bf16, 64, heads}};
   std::vector<config> out;
   for (const dtype in : {dtype::f16, dtype::bf16}) {
     for (const std::int64_t d : {32, 64, 128, 256}) {

@@ -297,7 +297,7 @@ TEST(SparseCuda, EverySharedDataset) {
   SKIP_WITHOUT_GPU();
   const auto graphs = test::dataset_graphs();
   if (graphs.empty()) GTEST_SKIP() << "no shared datasets found: skipping";
-  const bool quick = std::getenv("TRISPARSE_GPU_TEST_QUICK") != nullptr;
+  const bool quick = test::quick();
   for (const auto& path : graphs) {
     SCOPED_TRACE(path.filename().string());
     const csr_graph g = read_graph(path);
