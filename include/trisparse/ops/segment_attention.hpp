@@ -12,18 +12,9 @@
 #include "trisparse/core/tensor.hpp"
 #include "trisparse/core/workspace.hpp"
 #include "trisparse/ops/attention.hpp"
+#include "trisparse/ops/segment_args.hpp"
 
 namespace trisparse {
-
-/// The segment id of each of `rows` rows, on the device, sorted ascending (ids need not be
-/// consecutive: an id missing is an empty segment). Rows and ids are 32-bit or 64-bit integers;
-/// rows below 2^31.
-struct segment_view {
-  std::int64_t rows = 0;
-  const void* ids = nullptr;  ///< [rows]
-  bool ids_64 = true;         ///< int64 ids (PyG's `batch`), else int32
-  int device_id = 0;
-};
 
 /// A plan over one segment vector (a view: the caller keeps the ids alive). CUDA: a thread block
 /// per (64 query rows, head) walks the key rows from its first row's segment start to its last

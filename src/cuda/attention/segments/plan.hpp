@@ -6,8 +6,9 @@
 
 #include "../../common/entry.hpp"
 #include "trisparse/core/stream.hpp"
+#include "trisparse/core/tensor.hpp"
 #include "trisparse/core/workspace.hpp"
-#include "trisparse/ops/segment_attention.hpp"
+#include "trisparse/ops/segment_args.hpp"
 
 namespace trisparse::cuda {
 
