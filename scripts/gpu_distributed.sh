@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On a machine with several GPUs (kind nvidia-h200-x2 / -x4), in one call: builds the Python
-# module there (scripts/gpu_dev.sh; the GPU tests matching GTEST, default none), installs pymetis from .devpack/wheels if carried
+# module there (scripts/gpu_dev.sh, with the GPU tests matching GTEST, default none), installs
+# pymetis from .devpack/wheels if carried
 # (pip download pymetis --only-binary=:all: --python-version 3.12 -d .devpack/wheels), runs the
 # distributed tests over NCCL and the benchmarks of bench/python/distributed.py on 1 .. GPUS GPUs:
 # the link, weak and strong scaling of the attention layer, context parallelism (MODES, default
