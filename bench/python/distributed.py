@@ -273,7 +273,8 @@ def context_worker(rank, world, args, seq, causal, queue):
         cp.attention(*leaves).backward(dout)
 
     # The exchange alone, both ways: this rank's key and value blocks out, the halo's gradient back.
-    kv = torch.cat([k, v], dim=-1).detach().permute(2, 0, 1, 3).reshape(-1, args.block, 1, 8, 128)
+    kv = torch.cat([k, v], dim=-1).detach().permute(2, 0, 1, 3)  # [n, B, H, 2D]: as attention()
+    kv = kv.reshape(-1, args.block, *kv.shape[1:])
     kv.requires_grad_()
 
     def exchange():

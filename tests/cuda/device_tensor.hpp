@@ -17,8 +17,6 @@
 
 namespace trisparse::test {
 
-/// Normwise tolerance of a GPU kernel's result: `units` roundings of the input type (f32 inputs run
-/// as tf32: 11 significant bits) plus as many of the output type, plus 1e-5.
 /// TRISPARSE_GPU_TEST_QUICK=1 (scripts/gpu_dev.sh, compute-sanitizer runs): the suite in one device
 /// call, every kernel and dtype still covered, fewer repeats of the larger shapes.
 inline bool quick() {
@@ -26,6 +24,8 @@ inline bool quick() {
   return q != nullptr && *q == '1';
 }
 
+/// Normwise tolerance of a GPU kernel's result: `units` roundings of the input type (f32 inputs run
+/// as tf32: 11 significant bits) plus as many of the output type, plus 1e-5.
 inline double gpu_tolerance(dtype in, dtype out, double units) {
   const double u_in = in == dtype::f32 ? std::ldexp(1.0, -11) : unit_roundoff(in);
   return units * (u_in + unit_roundoff(out)) + 1e-5;

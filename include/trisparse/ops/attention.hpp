@@ -36,8 +36,7 @@ bool runs_on(algorithm a, device_kind where);
 /// The backend that runs `a` on `where` over a graph pattern: "cpu_blocked_reference",
 /// "cpu_fused", "cuda_fused3s", "cuda_me_bcrs"; over a block mask (`block_mask`): "cpu_block"
 /// (fused), "cuda_block", "cuda_block_unfused", "cuda_fused3s" (the mask's element pattern).
-/// docs/design.md maps each to its folder, namespace,
-/// notes and benchmark.
+/// docs/design.md maps each to its folder, namespace, notes and benchmark.
 std::string backend_name(algorithm a, device_kind where, bool block_mask = false);
 
 struct plan_options {

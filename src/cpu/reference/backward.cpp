@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "../../common/arguments.hpp"
+#include "../../graph/transposed.hpp"
 #include "access.hpp"
 #include "trisparse/core/error.hpp"
 #include "trisparse/core/numeric.hpp"
@@ -105,21 +106,12 @@ void attention_backward(const csr_graph& a, const tensor_view& q, const tensor_v
       }
     }
   }
-  // Columns: dk and dv over each column's entries in row order (a counting sort keeps it).
-  std::vector<std::int64_t> col_ptr(static_cast<std::size_t>(a.cols + 1), 0), by_col(nnz);
-  for (std::int64_t e = 0; e < nnz; ++e) ++col_ptr[static_cast<std::size_t>(a.col_idx[e]) + 1];
-  for (std::int64_t j = 0; j < a.cols; ++j) col_ptr[j + 1] += col_ptr[j];
-  std::vector<std::int64_t> next(col_ptr.begin(), col_ptr.end() - 1), row_of(nnz);
-  for (std::int64_t i = 0; i < a.rows; ++i) {
-    for (std::int64_t e = a.row_ptr[i]; e < a.row_ptr[i + 1]; ++e) {
-      by_col[next[a.col_idx[e]]++] = e;
-      row_of[e] = i;
-    }
-  }
+  // Columns: dk and dv over each column's entries in row order (the transpose keeps it).
+  const detail::transposed_pattern t = detail::transposed_of(a);
 #pragma omp parallel for schedule(dynamic, 64)
   for (std::int64_t j = 0; j < a.cols; ++j) {
-    for (std::int64_t x = col_ptr[j]; x < col_ptr[j + 1]; ++x) {
-      const std::int64_t e = by_col[x], i = row_of[e];
+    for (std::int64_t x = t.col_ptr[j]; x < t.col_ptr[j + 1]; ++x) {
+      const std::int64_t e = t.entry[x], i = t.row_idx[x];
       for (std::int64_t h = 0; h < heads; ++h) {
         const std::size_t eh = static_cast<std::size_t>(e * heads + h);
         for (std::int64_t d = 0; d < q.dim; ++d) gk(j, h, d) += scale * ds_of[eh] * at(qd, i, h, d);
