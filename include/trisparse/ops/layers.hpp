@@ -141,10 +141,11 @@ class gat_plan {
 /// CUDA: a warp per target, its lanes in groups that each take one head (and, with fewer heads
 /// than groups, one of a few edges at a time): a group's lanes split the C channels and the F
 /// features; an online softmax, the groups' states merged in a fixed butterfly. Targets with more
-/// than `heavy_degree` edges (the view's heavy lists) get a warp per head, its groups taking
-/// edges side by side. The backward recomputes each edge's weight from the lse (a warp per
-/// target: dq, dr and each edge's weight and score gradient into the workspace), then a warp per
-/// source over by_source (dk, dv), heavy sources a warp per head, and a thread per (edge,
+/// than `heavy_degree` edges (the view's heavy lists) get a thread block per head, the groups of
+/// its warps taking edges side by side and the warps merged in order. The backward recomputes
+/// each edge's weight from the lse (a warp per target: dq, dr and each edge's weight and score
+/// gradient into the workspace), then a warp per source over by_source (dk, dv), heavy sources a
+/// thread block per head, and a thread per (edge,
 /// feature) (da). Every sum has a fixed order: the same bits on every run. C must be
 /// 4 * 2^k <= 128 or 256; F a multiple of the group width (feature_width() pads it). CUDA only.
 class edge_attention_plan {

@@ -5,10 +5,12 @@
 // Lanes: a warp takes a line (target, or source in the backward's column pass); its 32 lanes form
 // 32 / L groups of L lanes, each lane NC channels of a head and NF features (C = L NC, F = L NF).
 // The groups take `warp_heads` heads side by side and, per head, `edge_groups` edges at a time.
-// Heavy lines (listed in the multigraph view) get a warp per head instead, its groups side by side
-// over the edges. A group's partial dots are summed over its lanes by xor shuffles; at the end a
-// head's edge groups merge by an xor butterfly, whose combine is symmetric, so every lane holds
-// the same bits and the order is fixed.
+// Heavy lines (listed in the multigraph view) get a thread block per head instead, the groups of
+// its kWarps warps side by side over the edges (a hub's serial chain of dependent loads is
+// kWarps * 32 / L times shorter). A group's partial dots are summed over its lanes by xor
+// shuffles; at the end a head's edge groups merge by an xor butterfly, whose combine is symmetric,
+// so every lane holds the same bits and the order is fixed; a heavy line's warps then merge
+// through shared memory in warp order (heavy_merge).
 //
 // Forward: per edge p = (i <- j) the score s = scale q_i.k_j + r_i.a_p (GAT: LeakyReLU(a_dst_i +
 // a_src_j + a_edge_p); log2 units), an online softmax, and v_j and a_p into the accumulators
@@ -146,23 +148,26 @@ struct place {
 };
 
 // Light lines: a warp a line (its heads side by side), heavy lines left to the heavy launch;
-// heavy: a warp per (listed line, head), its groups side by side over the edges.
+// heavy: a thread block per (listed line, head), the groups of its warps side by side over the
+// edges (group g of warp w is edge slot w * 32 / L + g: warp 0's first group is group 0).
 __device__ __forceinline__ bool place_of(const params& p, bool heavy, std::int64_t lines,
                                          const std::int64_t* ptr, const std::int32_t* list,
                                          std::int64_t listed, place& at) {
-  const std::int64_t warp = static_cast<std::int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int lane = static_cast<int>(threadIdx.x & 31);
   if (heavy) {
-    if (warp >= listed * p.heads) return false;
-    at = {list[warp / p.heads],
-          static_cast<int>(warp % p.heads),
-          lane / p.lanes,
-          32 / p.lanes,
+    const std::int64_t unit = blockIdx.x;  // the launch has listed * heads blocks
+    if (unit >= listed * p.heads) return false;
+    const int per_warp = 32 / p.lanes;
+    at = {list[unit / p.heads],
+          static_cast<int>(unit % p.heads),
+          static_cast<int>(threadIdx.x / 32) * per_warp + lane / p.lanes,
+          kWarps * per_warp,
           lane % p.lanes,
           p.lanes,
           true};
     return true;
   }
+  const std::int64_t warp = static_cast<std::int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (warp >= lines * p.line_warps) return false;
   const std::int64_t line = warp / p.line_warps;
   if (p.g.heavy > 0 && ptr[line + 1] - ptr[line] > p.g.heavy) return false;
@@ -171,6 +176,71 @@ __device__ __forceinline__ bool place_of(const params& p, bool heavy, std::int64
   at = {line,           head < p.heads ? head : 0, group / p.warp_heads, p.edge_groups,
         lane % p.lanes, p.lanes * p.warp_heads,    head < p.heads};
   return true;
+}
+
+// A heavy line's thread block stages its warps' states (each warp's merged state in its lanes
+// [0, L)) in dynamic shared memory (kHeavyStageBytes: at most kStageFloats a lane), and warp 0's
+// lanes [0, L) combine them in warp order. Every thread of the block calls the merges.
+inline constexpr int kStageFloats = 18;  // NC + NF + 2 for NC, NF <= 8
+inline constexpr std::size_t kHeavyStageBytes = kWarps * 32 * kStageFloats * sizeof(float);
+__device__ __forceinline__ float* heavy_stage(int warp, int lane, int floats) {
+  extern __shared__ float edge_stage[];
+  return edge_stage + (warp * 32 + lane) * floats;
+}
+
+// x and y summed over the warps (a sum: dq and dr, dk and dv).
+template <int A, int B>
+__device__ __forceinline__ void heavy_sum(const params& p, float (&x)[A], float (&y)[B]) {
+  static_assert(A + B <= kStageFloats);
+  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x & 31);
+  if (warp != 0 && lane < p.lanes) {
+    float* s = heavy_stage(warp, lane, A + B);
+#pragma unroll
+    for (int n = 0; n < A; ++n) s[n] = x[n];
+#pragma unroll
+    for (int n = 0; n < B; ++n) s[A + n] = y[n];
+  }
+  __syncthreads();
+  if (warp != 0 || lane >= p.lanes) return;
+  for (int w = 1; w < kWarps; ++w) {
+    const float* s = heavy_stage(w, lane, A + B);
+#pragma unroll
+    for (int n = 0; n < A; ++n) x[n] += s[n];
+#pragma unroll
+    for (int n = 0; n < B; ++n) y[n] += s[A + n];
+  }
+}
+
+// The forward's online-softmax states (m, l, acc, acc_a) combined over the warps.
+template <int NC, int MF>
+__device__ __forceinline__ void heavy_softmax(const params& p, float& m, float& l, float (&acc)[NC],
+                                              float (&acc_a)[MF]) {
+  constexpr int N = NC + MF + 2;
+  static_assert(N <= kStageFloats);
+  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x & 31);
+  if (warp != 0 && lane < p.lanes) {
+    float* s = heavy_stage(warp, lane, N);
+    s[0] = m;
+    s[1] = l;
+#pragma unroll
+    for (int n = 0; n < NC; ++n) s[2 + n] = acc[n];
+#pragma unroll
+    for (int n = 0; n < MF; ++n) s[2 + NC + n] = acc_a[n];
+  }
+  __syncthreads();
+  if (warp != 0 || lane >= p.lanes) return;
+  for (int w = 1; w < kWarps; ++w) {
+    const float* s = heavy_stage(w, lane, N);
+    const float mn = fmaxf(m, s[0]);
+    const float c1 = m == -INFINITY ? 0.0f : exp2f(m - mn);
+    const float c2 = s[0] == -INFINITY ? 0.0f : exp2f(s[0] - mn);
+    l = l * c1 + s[1] * c2;
+#pragma unroll
+    for (int n = 0; n < NC; ++n) acc[n] = acc[n] * c1 + s[2 + n] * c2;
+#pragma unroll
+    for (int n = 0; n < MF; ++n) acc_a[n] = acc_a[n] * c1 + s[2 + NC + n] * c2;
+    m = mn;
+  }
 }
 
 __device__ __forceinline__ bool row_place(const params& p, bool heavy, place& at) {
@@ -244,6 +314,7 @@ __global__ void __launch_bounds__(kWarps * 32) forward_kernel(const params p, bo
       acc_a[n] = acc_a[n] * c1 + __shfl_xor_sync(0xffffffffu, acc_a[n], off) * c2;
     m = mn;
   }
+  if (heavy) heavy_softmax(p, m, l, acc, acc_a);
   if (at.group != 0 || !at.valid) return;
   const float inv = l > 0.0f ? 1.0f / l : 0.0f;
   store<T, NC>(p.out.at<T>(i, h) + at.slot * NC, acc, inv);
@@ -307,11 +378,13 @@ __global__ void __launch_bounds__(kWarps * 32) row_kernel(const params p, bool h
   }
   if constexpr (G) {
     butterfly_sum(dz_sum, at.merge);
+    if (heavy) heavy_sum(p, dz_sum, dq);  // (dq: zeros, unused by GAT)
     if (at.group == 0 && at.valid && at.slot == 0) *p.da_dst.at<float>(i, h) = dz_sum[0];
     return;
   }
   butterfly_sum(dq, at.merge);
   if constexpr (NF > 0) butterfly_sum(dr, at.merge);
+  if (heavy) heavy_sum(p, dq, dr);
   if (at.group != 0 || !at.valid) return;
   store<float, NC>(p.dq.at<float>(i, h) + at.slot * NC, dq, p.scale);
   if constexpr (NF > 0) store<float, NF>(p.dr.at<float>(i, h) + at.slot * NF, dr, 1.0f);
@@ -343,6 +416,7 @@ __global__ void __launch_bounds__(kWarps * 32) column_kernel(const params p, boo
   }
   butterfly_sum(dk, at.merge);
   butterfly_sum(dv, at.merge);
+  if (heavy) heavy_sum(p, dk, dv);
   if (at.group != 0 || !at.valid) return;
   if constexpr (G) {
     if (at.slot == 0) *p.da_src.at<float>(j, h) = dk[0];

@@ -104,14 +104,14 @@ params gat_params(const multigraph_view& g, const Args& a) {
   return p;
 }
 
-// A line kernel over the light lines (a warp a line), then over the listed heavy ones (a warp per
-// (line, head)).
+// A line kernel over the light lines (a warp a line), then over the listed heavy ones (a thread
+// block per (line, head), staging its warps' states in shared memory).
 template <class K>
 void over_lines(K kernel, const params& p, std::int64_t lines, std::int64_t heavy, cudaStream_t s) {
   kernel<<<blocks_for(lines * p.line_warps, kWarps), kWarps * 32, 0, s>>>(p, false);
   TRISPARSE_CUDA_CHECK_LAUNCH();
   if (heavy == 0) return;
-  kernel<<<blocks_for(heavy * p.heads, kWarps), kWarps * 32, 0, s>>>(p, true);
+  kernel<<<blocks_for(heavy * p.heads, 1), kWarps * 32, kHeavyStageBytes, s>>>(p, true);
   TRISPARSE_CUDA_CHECK_LAUNCH();
 }
 
