@@ -7,9 +7,12 @@ One JSON line per (N, G, p): CUDA-event medians of the forward alone and of forw
 libraries' gradients relative to flex's largest entry. bf16 inputs [1, H, N, D], uniform in [-1, 1).
 trisparse_device: the same blocks as a mask on the GPU, a new one (and its plan, built there)
 at every step; trisparse_device_hint: the same with the density given (BlockMask(density=1 - p)).
+With --topk, trisparse_topk: a top-k mask of the same density selected from q and k at every step
+(topk_block_mask: the library's GPU plan), and trisparse_topk_torch: the same selection with
+torch's ops into a BlockMask (the package's path before the plan was bound).
 
   python3 bench/python/block_sparse_training.py --n 32768 131072 --block 64 128 [--dense] \
-      [--importance] \
+      [--importance] [--topk] \
       --sparsity 0.5 0.9 0.95 0.99 > results.jsonl
 """
 
@@ -49,7 +52,7 @@ def dense_times(q, k, v, dout, repeat):
     return {"sdpa_flash_fwd_ms": fwd, "sdpa_flash_fwd_bwd_ms": both}
 
 
-def point(compiled, q, k, v, dout, g, p, repeat, dense=None, importance=False):
+def point(compiled, q, k, v, dout, g, p, repeat, dense=None, importance=False, topk=False):
     """One (N, G, p) line: both libraries' times, and their gradients' largest difference."""
     h, n, d = q.shape[1], q.shape[2], q.shape[3]
     nb = -(-n // g)
@@ -73,6 +76,20 @@ def point(compiled, q, k, v, dout, g, p, repeat, dense=None, importance=False):
         return trisparse.block_sparse_attention(q_, k_, v_, last[0])
 
     fns["trisparse_device_hint"] = fresh_with_density
+    if topk:  # a mask of the same density routed from q and k at every step
+        top_k = max(1, round((1 - p) * nb)) - 1  # plus the diagonal block
+
+        def routed(q_, k_, v_):
+            last[0] = trisparse.topk_block_mask(q_, k_, g, top_k)
+            return trisparse.block_sparse_attention(q_, k_, v_, last[0])
+
+        def routed_torch(q_, k_, v_):
+            packed = [t.detach().transpose(1, 2).reshape(-1, h, d) for t in (q_, k_)]
+            blocks = torch.ops.trisparse.topk_blocks(*packed, 1, g, top_k, False, True)
+            last[0] = trisparse.BlockMask(blocks, g, density=(top_k + 1) / nb)
+            return trisparse.block_sparse_attention(q_, k_, v_, last[0])
+
+        fns["trisparse_topk"], fns["trisparse_topk_torch"] = routed, routed_torch
     if importance:  # the host mask's step with the kernels' block importance (BlockImportance)
         tracker = trisparse.BlockImportance()
         fns["trisparse_importance"] = lambda q_, k_, v_: trisparse.block_sparse_attention(
@@ -143,6 +160,7 @@ def main():
     ap.add_argument(
         "--importance", action="store_true", help="also time the step with BlockImportance"
     )
+    ap.add_argument("--topk", action="store_true", help="also time top-k masks routed per step")
     args = ap.parse_args()
     dev = torch.device("cuda")
     compiled = torch.compile(flex_attention, dynamic=False)
@@ -157,7 +175,9 @@ def main():
         dense = dense_times(q, k, v, dout, args.repeat) if args.dense else None
         for g in args.block:
             for p in args.sparsity:
-                line = point(compiled, q, k, v, dout, g, p, args.repeat, dense, args.importance)
+                line = point(
+                    compiled, q, k, v, dout, g, p, args.repeat, dense, args.importance, args.topk
+                )
                 print(json.dumps(line), flush=True)
 
 

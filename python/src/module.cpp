@@ -547,9 +547,83 @@ struct py_sparse_plan {
   }
 };
 
+/// A mask of equal-length sequences as a dense table: `table` (uint8, [batch, H, query blocks, key
+/// blocks], zeroed by the caller) gets 1 at every kept block.
+void fill_table(const block_sparse_mask& m, std::uint8_t* table) {
+  for (const block_mask& bm : m.masks) {
+    for (std::int64_t r = 0; r < bm.blocks.rows; ++r)
+      for (std::int64_t e = bm.blocks.row_ptr[r]; e < bm.blocks.row_ptr[r + 1]; ++e)
+        table[r * bm.blocks.cols + bm.blocks.col_idx[e]] = 1;
+    table += bm.blocks.rows * bm.blocks.cols;
+  }
+}
+
+/// A top-k block-sparse plan (topk_block_sparse_plan): select() picks the mask on the GPU from q
+/// and k, then run and backward as BlockSparsePlan's (the package's block-sparse ops take either).
+struct py_topk_plan {
+  topk_block_sparse_plan plan;
+
+  static py_topk_plan build(const std::vector<std::int64_t>& cu_seqlens_q,
+                            const std::vector<std::int64_t>& cu_seqlens_k, std::int64_t heads,
+                            std::int64_t head_dim, std::int64_t block, std::int64_t top_k,
+                            bool causal, bool keep_diagonal, bool gradients,
+                            std::uintptr_t stream) {
+    block_sparse_plan_options o;
+    o.gradients = gradients;
+    o.workspace_heads = 0;  // every backward passes its workspace
+    nb::gil_scoped_release release;
+    return {topk_block_sparse_plan::build(
+        cu_seqlens_q, cu_seqlens_k, heads, head_dim,
+        {.block = block, .top_k = top_k, .causal = causal, .keep_diagonal = keep_diagonal}, o,
+        stream_of(stream))};
+  }
+
+  void select(const tensor_tuple& q, const tensor_tuple& k, std::uintptr_t stream) {
+    nb::gil_scoped_release release;
+    plan.select(view_of(q), view_of(k), stream_of(stream));
+  }
+
+  void run(const tensor_tuple& q, const tensor_tuple& k, const tensor_tuple& v,
+           const tensor_tuple& out, const std::optional<tensor_tuple>& lse,
+           std::optional<double> scale, std::uintptr_t stream, std::uintptr_t /*ws*/,
+           std::size_t /*ws_bytes*/) const {
+    attention_options o;
+    o.scale = scale;
+    o.lse = view_of(lse);
+    nb::gil_scoped_release release;
+    plan.run(view_of(q), view_of(k), view_of(v), view_of(out), o, stream_of(stream));
+  }
+
+  void backward(const tensor_tuple& q, const tensor_tuple& k, const tensor_tuple& v,
+                const std::optional<tensor_tuple>& out, const std::optional<tensor_tuple>& lse,
+                const tensor_tuple& dout, const tensor_tuple& dq, const tensor_tuple& dk,
+                const tensor_tuple& dv, std::optional<double> scale, std::uintptr_t stream,
+                std::uintptr_t ws, std::size_t ws_bytes,
+                const std::optional<tensor_tuple>& block_mass,
+                const std::optional<tensor_tuple>& block_grad) const {
+    attention_options o;
+    o.scale = scale;
+    o.block_mass = view_of(block_mass);
+    o.block_grad = view_of(block_grad);
+    nb::gil_scoped_release release;
+    plan.backward(view_of(q), view_of(k), view_of(v), view_of(out), view_of(lse), view_of(dout),
+                  view_of(dq), view_of(dk), view_of(dv), workspace_of(ws, ws_bytes), o,
+                  stream_of(stream));
+  }
+
+  /// The last selected mask as fill_table's table at `out` (synchronises with `stream`).
+  void blocks(std::uintptr_t out, std::uintptr_t stream) const {
+    block_sparse_mask m;
+    {
+      nb::gil_scoped_release release;
+      m = plan.mask(stream_of(stream));
+    }
+    fill_table(m, reinterpret_cast<std::uint8_t*>(out));
+  }
+};
+
 /// topk_block_mask over sequences of equal lengths (q, k packed [batch * n, H, D] on the CPU), as
-/// a dense table: out (uint8, [batch, H, query blocks, key blocks], zeroed by the caller) gets 1
-/// at every selected block.
+/// fill_table's table at `out`.
 void topk_blocks(const tensor_tuple& q, const tensor_tuple& k, std::int64_t batch,
                  std::int64_t block, std::int64_t top_k, bool causal, bool keep_diagonal,
                  std::uintptr_t out) {
@@ -568,13 +642,7 @@ void topk_blocks(const tensor_tuple& q, const tensor_tuple& k, std::int64_t batc
         qv, kv, cu_q, cu_k,
         {.block = block, .top_k = top_k, .causal = causal, .keep_diagonal = keep_diagonal});
   }
-  auto* table = reinterpret_cast<std::uint8_t*>(out);
-  for (const block_mask& bm : m.masks) {
-    for (std::int64_t r = 0; r < bm.blocks.rows; ++r)
-      for (std::int64_t e = bm.blocks.row_ptr[r]; e < bm.blocks.row_ptr[r + 1]; ++e)
-        table[r * bm.blocks.cols + bm.blocks.col_idx[e]] = 1;
-    table += bm.blocks.rows * bm.blocks.cols;
-  }
+  fill_table(m, reinterpret_cast<std::uint8_t*>(out));
 }
 
 }  // namespace
@@ -953,6 +1021,29 @@ NB_MODULE(_C, m) {
           },
           "heads"_a, "importance"_a = false)
       .def_prop_ro("backend", [](const py_block_sparse_plan& p) {
+        const auto& r = p.plan.report();
+        return trisparse::backend_name(r.algo, r.where, true);
+      });
+  nb::class_<py_topk_plan>(m, "TopkBlockSparsePlan")
+      .def_static("build", &py_topk_plan::build, "cu_seqlens_q"_a, "cu_seqlens_k"_a, "heads"_a,
+                  "head_dim"_a, "block"_a, "top_k"_a, "causal"_a, "keep_diagonal"_a, "gradients"_a,
+                  "stream"_a)
+      .def("select", &py_topk_plan::select, "q"_a, "k"_a, "stream"_a)
+      .def("run", &py_topk_plan::run, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(),
+           "scale"_a.none(), "stream"_a, "workspace"_a, "workspace_bytes"_a)
+      .def("backward", &py_topk_plan::backward, "q"_a, "k"_a, "v"_a, "out"_a.none(), "lse"_a.none(),
+           "dout"_a, "dq"_a, "dk"_a, "dv"_a, "scale"_a.none(), "stream"_a, "workspace"_a,
+           "workspace_bytes"_a, "block_mass"_a.none() = nb::none(),
+           "block_grad"_a.none() = nb::none())
+      .def("blocks", &py_topk_plan::blocks, "out"_a, "stream"_a)
+      .def("workspace_bytes", [](const py_topk_plan&, std::int64_t, std::int64_t) { return 0; })
+      .def(
+          "backward_workspace_bytes",
+          [](const py_topk_plan& p, std::int64_t heads, bool importance) {
+            return p.plan.backward_workspace_bytes(heads, importance);
+          },
+          "heads"_a, "importance"_a = false)
+      .def_prop_ro("backend", [](const py_topk_plan& p) {
         const auto& r = p.plan.report();
         return trisparse::backend_name(r.algo, r.where, true);
       });

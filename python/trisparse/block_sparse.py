@@ -3,8 +3,10 @@ BlockMask), on [B, H, N, D] tensors as PyTorch's SDPA and flex_attention take th
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -92,6 +94,11 @@ class BlockMask:
         self._plans: dict[tuple, Any] = {}
         self._folds: dict[tuple[int, int], BlockMask] = {}
         self.id = _masks.add(self)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """The blocks' shape: (B or 1, H or 1, query blocks, key blocks)."""
+        return tuple(self.blocks.shape)
 
     @classmethod
     def from_flex(cls, block_mask: Any, causal: bool = False) -> BlockMask:
@@ -191,6 +198,106 @@ class BlockMask:
             got = BlockMask(blocks, self.block_size, self.causal, self.density)
             self._folds[(batch, heads)] = got
         return got
+
+
+class _TopkMask(BlockMask):
+    """A top-k mask selected on the GPU by the library's plan (``topk_block_sparse_plan``: block
+    means pooled, scored and selected in two launches, written straight into the attention plan's
+    block lists, no host synchronisation). The plan serves :func:`block_sparse_attention` on the
+    layout it was selected for (``layout``: device and sequence offsets; ``fold``: (B, H) where
+    the heads were folded); any other call reads ``blocks`` and takes BlockMask's path. ``blocks``
+    is read back from the plan on first use (one synchronisation). Plans are pooled per shape:
+    the mask's returns to the pool when the mask is freed (after its backward)."""
+
+    PLAN_CACHES = ("_plans", "_held")
+
+    def __init__(self, plan, layout, fold, shape, block_size, causal, density):
+        self._held = {"plan": plan}  # cleared at exit with the other plans (_registry)
+        self._layout, self._fold, self._shape = layout, fold, shape
+        self._blocks: Tensor | None = None
+        self._host = None
+        self.block_size, self.causal, self.density = block_size, causal, density
+        self._plans: dict[tuple, Any] = {}
+        self._folds: dict[tuple[int, int], BlockMask] = {}
+        self.id = _masks.add(self)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return self._shape
+
+    @property
+    def blocks(self) -> Tensor:
+        if self._blocks is None:
+            device = self._layout[0]
+            table = torch.zeros(self._shape, dtype=torch.uint8)
+            self._held["plan"].blocks(table.data_ptr(), _tensors.stream(device))
+            self._blocks = table.bool().to(device)
+        return self._blocks
+
+    def plan(self, device: torch.device, cu_q: list[int], cu_k: list[int], algo: str):
+        if algo == "automatic" and (device, tuple(cu_q), tuple(cu_k)) == self._layout:
+            return self._held["plan"]
+        return super().plan(device, cu_q, cu_k, algo)
+
+    def folded(self, batch: int, heads: int) -> BlockMask:
+        if batch == 1:
+            return self
+        if self._fold != (batch, heads):
+            return super().folded(batch, heads)
+        # The same plan seen as one sequence of B * H heads: a new view each call (it holds this
+        # mask, and with it the plan, until it is freed; cached, it would make a cycle that only
+        # the garbage collector frees, holding the plan out of the pool).
+        b, h, qb, kb = self._shape
+        view = _TopkMask(
+            self._held["plan"], self._layout, None, (1, b * h, qb, kb), self.block_size,
+            self.causal, self.density,
+        )  # fmt: skip
+        view._held = self._held
+        view._owner = self
+        return view
+
+
+# Free top-k plans per (device, offsets, heads, head dim, options): a mask takes one and gives it
+# back when it is freed, so a training loop builds each shape's plans once.
+_topk_pool: dict[tuple, list] = {}
+atexit.register(_topk_pool.clear)
+
+
+def _topk_on_plan(q: Tensor, k: Tensor, block: int, top_k: int, causal: bool, keep_diag: bool):
+    """topk_block_mask through the library's GPU selection where it takes the inputs (CUDA, f16 or
+    bf16, a block a multiple of 16), else None. The heads are folded where the strides allow (the
+    selection reads q and k in place, as block_sparse_attention does)."""
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or block % 16 != 0:
+        return None
+    b, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    qf, kf = _heads_folded(q), _heads_folded(k)
+    if qf is not None and kf is not None and qf.stride(-1) == 1 and kf.stride(-1) == 1:
+        qs, ks, heads, fold = qf, kf, b * h, (b, h)
+        cu_q, cu_k = (0, n_q), (0, n_k)
+    else:
+        qs, ks, heads, fold = _packed(q), _packed(k), h, None
+        cu_q, cu_k = tuple(i * n_q for i in range(b + 1)), tuple(i * n_k for i in range(b + 1))
+    stream = _tensors.stream(q.device)
+    key = (q.device, cu_q, cu_k, heads, d, block, top_k, causal, keep_diag)
+    free = _topk_pool.setdefault(key, [])
+    if free:
+        plan = free.pop()
+    else:
+        try:
+            with torch.cuda.device(q.device):
+                plan = _C.TopkBlockSparsePlan.build(
+                    list(cu_q), list(cu_k), heads, d, block, top_k, causal, keep_diag, True, stream
+                )
+        except NotImplementedError:  # e.g. more key blocks than the selection holds scores for
+            return None
+    plan.select(_tensors.view(qs), _tensors.view(ks), stream)
+    kb = -(-n_k // block)
+    density = min(top_k, kb) / kb if kb else 0.0
+    shape = (b, h, -(-n_q // block), kb)
+    mask = _TopkMask(plan, (q.device, cu_q, cu_k), fold, shape, block, causal, density)
+    weakref.finalize(mask, free.append, plan).atexit = False
+    return mask
 
 
 def _plan(q: Tensor, mask: int, cu_q: list[int], cu_k: list[int]):
@@ -451,9 +558,9 @@ def block_sparse_attention(
                 f"k and v must be [B, H, N_k, D] and [B, H, N_k, Dv] with q's B = {b}, H = {h} "
                 f"and D = {d}, got {tuple(k.shape)} and {tuple(v.shape)}"
             )
-        if mask.blocks.shape[1] not in (1, h) or mask.blocks.shape[0] not in (1, b):
+        if mask.shape[1] not in (1, h) or mask.shape[0] not in (1, b):
             raise ValueError(
-                f"mask: {mask.blocks.shape[0]} sequences' and {mask.blocks.shape[1]} heads' "
+                f"mask: {mask.shape[0]} sequences' and {mask.shape[1]} heads' "
                 f"masks for a batch of {b} sequences of {h} heads"
             )
         folded = [_heads_folded(t) for t in (q, k, v)]
@@ -465,8 +572,8 @@ def block_sparse_attention(
         else:  # as [B * N, H, D], B sequences: a view where the rows are outermost, else a copy
             cu_q, cu_k = [i * n_q for i in range(b + 1)], [i * n_k for i in range(b + 1)]
             qp, kp, vp = _packed(q), _packed(k), _packed(v)
-    if mask.blocks.shape[1] not in (1, qp.shape[1]):
-        raise ValueError(f"mask: {mask.blocks.shape[1]} heads' masks for {h} heads")
+    if mask.shape[1] not in (1, qp.shape[1]):
+        raise ValueError(f"mask: {mask.shape[1]} heads' masks for {h} heads")
     scale = _tensors.resolve_scale(scale, d)
 
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -595,6 +702,12 @@ def topk_block_mask(
         raise ValueError(f"k {tuple(k.shape)} must match q {tuple(q.shape)} in B, H and D")
     if block_size < 1 or top_k < 0:
         raise ValueError(f"block_size must be >= 1 and top_k >= 0, got {block_size}, {top_k}")
+    if not torch.compiler.is_compiling():
+        on_plan = _topk_on_plan(
+            q.detach(), k.detach(), int(block_size), int(top_k), bool(causal), bool(keep_diagonal)
+        )
+        if on_plan is not None:
+            return on_plan
     blocks = torch.ops.trisparse.topk_blocks(
         _packed(q.detach()),
         _packed(k.detach()),

@@ -360,6 +360,8 @@ def test_masks_on_the_device_train_without_a_host_synchronisation():
         torch.randn(b, h, n, d, device="cuda", generator=gen, dtype=torch.bfloat16)
         for _ in range(4)
     )
+    # A top-k plan of this shape, built (a synchronisation, once per shape) and pooled.
+    trisparse.block_sparse_attention(q, k, v, trisparse.topk_block_mask(q, k, g, 3, causal=True))
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # about a second of the GPU's time
     torch.cuda.set_sync_debug_mode("error")
@@ -376,6 +378,48 @@ def test_masks_on_the_device_train_without_a_host_synchronisation():
         torch.cuda.set_sync_debug_mode(0)
     assert busy, "the host waited for the GPU"
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("folded", [True, False])
+def test_topk_masks_run_on_the_librarys_gpu_plan(causal, folded):
+    """topk_block_mask on CUDA selects with the library's plan and block_sparse_attention runs it:
+    the blocks are the definition's (torch's selection, in float64), forward and gradients equal
+    the same blocks given as a BlockMask, bitwise the same on a second run; the plan returns to
+    its pool when the mask is freed and serves the next selection. Heads folded ([B, H, N, D]
+    contiguous) or not ([B, N, H, D] transposed: the plan over packed sequences)."""
+    import gc
+
+    from trisparse.block_sparse import _topk_blocks_on_device, _TopkMask
+
+    b, h, n, d, g, top = 2, 3, 640, 64, 64, 3
+    gen = torch.Generator(device="cuda").manual_seed(31)
+
+    def make():
+        t = torch.randn(b, n, h, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+        return t.transpose(1, 2).contiguous() if folded else t.transpose(1, 2)
+
+    q, k, v, dout = make(), make(), make(), make()
+    mask = trisparse.topk_block_mask(q, k, g, top, causal=causal)
+    assert isinstance(mask, _TopkMask) and mask.shape == (b, h, n // g, n // g)
+    packed = [t.transpose(1, 2).reshape(-1, h, d) for t in (q, k)]
+    want = _topk_blocks_on_device(*packed, b, g, top, causal, True)
+    assert torch.equal(mask.blocks, want)
+    same = trisparse.BlockMask(want.clone(), g, causal=causal)
+
+    def step(m):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = trisparse.block_sparse_attention(*leaves, m)
+        return [out.detach(), *torch.autograd.grad(out, leaves, dout)]
+
+    got, again, ref = step(mask), step(mask), step(same)
+    for x, y, z in zip(got, again, ref, strict=True):
+        assert torch.equal(x, y)
+        assert relerr(x.double(), z.double()) <= 1e-2
+    plan = mask._held["plan"]
+    del mask
+    gc.collect()
+    assert trisparse.topk_block_mask(q, k, g, top, causal=causal)._held["plan"] is plan
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
