@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
@@ -10,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch_geometric.nn import GPSConv as _PygGPSConv
 
+from ..._tensors import resolve_scale
 from ...attention import sparse_attention
 from ...edge import edge_softmax, edge_spmm, sddmm
 from ...edge_attention import edge_attention, edge_attention_supported
@@ -129,7 +129,7 @@ class GPSConv(_PygGPSConv):
         heads = attn.num_heads
         qkv = F.linear(x, attn.in_proj_weight, attn.in_proj_bias).view(n, 3, heads, -1)
         q, k, v = qkv.unbind(1)
-        scale = 1.0 / math.sqrt(q.shape[-1])
+        scale = resolve_scale(None, q.shape[-1])
         dropout = attn.dropout if self.training else 0.0
         if dropout == 0.0 and segment_attention_supported(q):
             batch = self._batches.checked(batch, n)

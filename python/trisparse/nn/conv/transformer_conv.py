@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch_geometric.nn import TransformerConv as _PygTransformerConv
 
+from ..._tensors import resolve_scale
 from ...attention import sparse_attention
 from ...copies import copy_aggregate, copy_dot, copy_logsumexp, copy_sum, copy_weights, to_copies
 from ...distributed import DistributedPattern
@@ -68,7 +67,7 @@ class TransformerConv(_Fused, _PygTransformerConv):
     def _attend(self, query, key, value, pattern, edge_attr, per_edge, return_weights):
         """The attention of projected [N, H, C] query, key and value over `pattern`: (out, the
         input edges' weights where the per-edge path ran, else None)."""
-        scale = 1.0 / math.sqrt(self.out_channels)
+        scale = resolve_scale(None, self.out_channels)
         dropout = self.dropout if self.training else 0.0
         features = self.edge_dim if edge_attr is not None else 0
         # Repeated edges, edge features and dropout take the multigraph kernels (each copy its
