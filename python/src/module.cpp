@@ -14,6 +14,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "trisparse/trisparse.hpp"
@@ -140,11 +141,61 @@ struct py_attention_plan {
   }
 };
 
+/// What the package's block-sparse ops call on a plan (block_sparse_attention_plan or
+/// topk_block_sparse_plan): run with the lse, backward with the blocks' importance outputs.
+template <class Plan>
+struct py_block_plan_calls {
+  static constexpr bool topk = std::is_same_v<Plan, topk_block_sparse_plan>;
+  Plan plan;
+
+  void run(const tensor_tuple& q, const tensor_tuple& k, const tensor_tuple& v,
+           const tensor_tuple& out, const std::optional<tensor_tuple>& lse,
+           std::optional<double> scale, std::uintptr_t stream, std::uintptr_t ws,
+           std::size_t ws_bytes) const {
+    attention_options o;
+    o.scale = scale;
+    o.lse = view_of(lse);
+    nb::gil_scoped_release release;
+    if constexpr (topk)  // (its forward needs no workspace)
+      plan.run(view_of(q), view_of(k), view_of(v), view_of(out), o, stream_of(stream));
+    else
+      plan.run(view_of(q), view_of(k), view_of(v), view_of(out), o, stream_of(stream),
+               workspace_of(ws, ws_bytes));
+  }
+
+  void backward(const tensor_tuple& q, const tensor_tuple& k, const tensor_tuple& v,
+                const std::optional<tensor_tuple>& out, const std::optional<tensor_tuple>& lse,
+                const tensor_tuple& dout, const tensor_tuple& dq, const tensor_tuple& dk,
+                const tensor_tuple& dv, std::optional<double> scale, std::uintptr_t stream,
+                std::uintptr_t ws, std::size_t ws_bytes,
+                const std::optional<tensor_tuple>& block_mass,
+                const std::optional<tensor_tuple>& block_grad) const {
+    attention_options o;
+    o.scale = scale;
+    o.block_mass = view_of(block_mass);
+    o.block_grad = view_of(block_grad);
+    nb::gil_scoped_release release;
+    const auto ws_view = workspace_of(ws, ws_bytes);
+    if constexpr (topk)
+      plan.backward(view_of(q), view_of(k), view_of(v), view_of(out), view_of(lse), view_of(dout),
+                    view_of(dq), view_of(dk), view_of(dv), ws_view, o, stream_of(stream));
+    else
+      plan.backward(view_of(q), view_of(k), view_of(v), view_of(out), view_of(lse), view_of(dout),
+                    view_of(dq), view_of(dk), view_of(dv), o, stream_of(stream), ws_view);
+  }
+
+  std::size_t backward_workspace_bytes(std::int64_t heads, bool importance) const {
+    return plan.backward_workspace_bytes(heads, importance);
+  }
+  std::string backend() const {
+    const auto& r = plan.report();
+    return trisparse::backend_name(r.algo, r.where, true);
+  }
+};
+
 /// A block-sparse attention plan for one mask: (b, h) block patterns as CSR arrays in host
 /// memory (row_ptr int64 [query blocks + 1], col_idx int32), sequence b's mask h at b * heads + h.
-struct py_block_sparse_plan {
-  block_sparse_attention_plan plan;
-
+struct py_block_sparse_plan : py_block_plan_calls<block_sparse_attention_plan> {
   using block_csr = std::tuple<std::uintptr_t, std::uintptr_t, std::int64_t>;
 
   // The batch's lengths, heads, block and causality, with no masks yet.
@@ -191,7 +242,7 @@ struct py_block_sparse_plan {
     // options), so the plan's own is kept to its smallest.
     o.gradients = where == device_kind::cuda;
     o.workspace_heads = 1;
-    return {block_sparse_attention_plan::build(std::move(m), where, o, stream_of(stream))};
+    return {{block_sparse_attention_plan::build(std::move(m), where, o, stream_of(stream))}};
   }
 
   /// A plan whose lists kernels write from a bool mask on CUDA device `device` ([B or 1, H or 1,
@@ -216,36 +267,7 @@ struct py_block_sparse_plan {
     o.gradients = true;
     o.workspace_heads = 0;  // every backward passes its workspace
     o.mean_blocks = mean_blocks;
-    return {block_sparse_attention_plan::build(std::move(layout), d, o, stream_of(stream))};
-  }
-
-  void run(const tensor_tuple& q, const tensor_tuple& k, const tensor_tuple& v,
-           const tensor_tuple& out, const std::optional<tensor_tuple>& lse,
-           std::optional<double> scale, std::uintptr_t stream, std::uintptr_t ws,
-           std::size_t ws_bytes) const {
-    attention_options o;
-    o.scale = scale;
-    o.lse = view_of(lse);
-    nb::gil_scoped_release release;
-    plan.run(view_of(q), view_of(k), view_of(v), view_of(out), o, stream_of(stream),
-             workspace_of(ws, ws_bytes));
-  }
-
-  void backward(const tensor_tuple& q, const tensor_tuple& k, const tensor_tuple& v,
-                const std::optional<tensor_tuple>& out, const std::optional<tensor_tuple>& lse,
-                const tensor_tuple& dout, const tensor_tuple& dq, const tensor_tuple& dk,
-                const tensor_tuple& dv, std::optional<double> scale, std::uintptr_t stream,
-                std::uintptr_t ws, std::size_t ws_bytes,
-                const std::optional<tensor_tuple>& block_mass,
-                const std::optional<tensor_tuple>& block_grad) const {
-    attention_options o;
-    o.scale = scale;
-    o.block_mass = view_of(block_mass);
-    o.block_grad = view_of(block_grad);
-    nb::gil_scoped_release release;
-    plan.backward(view_of(q), view_of(k), view_of(v), view_of(out), view_of(lse), view_of(dout),
-                  view_of(dq), view_of(dk), view_of(dv), o, stream_of(stream),
-                  workspace_of(ws, ws_bytes));
+    return {{block_sparse_attention_plan::build(std::move(layout), d, o, stream_of(stream))}};
   }
 };
 
@@ -560,9 +582,7 @@ void fill_table(const block_sparse_mask& m, std::uint8_t* table) {
 
 /// A top-k block-sparse plan (topk_block_sparse_plan): select() picks the mask on the GPU from q
 /// and k, then run and backward as BlockSparsePlan's (the package's block-sparse ops take either).
-struct py_topk_plan {
-  topk_block_sparse_plan plan;
-
+struct py_topk_plan : py_block_plan_calls<topk_block_sparse_plan> {
   static py_topk_plan build(const std::vector<std::int64_t>& cu_seqlens_q,
                             const std::vector<std::int64_t>& cu_seqlens_k, std::int64_t heads,
                             std::int64_t head_dim, std::int64_t block, std::int64_t top_k,
@@ -572,43 +592,15 @@ struct py_topk_plan {
     o.gradients = gradients;
     o.workspace_heads = 0;  // every backward passes its workspace
     nb::gil_scoped_release release;
-    return {topk_block_sparse_plan::build(
+    return {{topk_block_sparse_plan::build(
         cu_seqlens_q, cu_seqlens_k, heads, head_dim,
         {.block = block, .top_k = top_k, .causal = causal, .keep_diagonal = keep_diagonal}, o,
-        stream_of(stream))};
+        stream_of(stream))}};
   }
 
   void select(const tensor_tuple& q, const tensor_tuple& k, std::uintptr_t stream) {
     nb::gil_scoped_release release;
     plan.select(view_of(q), view_of(k), stream_of(stream));
-  }
-
-  void run(const tensor_tuple& q, const tensor_tuple& k, const tensor_tuple& v,
-           const tensor_tuple& out, const std::optional<tensor_tuple>& lse,
-           std::optional<double> scale, std::uintptr_t stream, std::uintptr_t /*ws*/,
-           std::size_t /*ws_bytes*/) const {
-    attention_options o;
-    o.scale = scale;
-    o.lse = view_of(lse);
-    nb::gil_scoped_release release;
-    plan.run(view_of(q), view_of(k), view_of(v), view_of(out), o, stream_of(stream));
-  }
-
-  void backward(const tensor_tuple& q, const tensor_tuple& k, const tensor_tuple& v,
-                const std::optional<tensor_tuple>& out, const std::optional<tensor_tuple>& lse,
-                const tensor_tuple& dout, const tensor_tuple& dq, const tensor_tuple& dk,
-                const tensor_tuple& dv, std::optional<double> scale, std::uintptr_t stream,
-                std::uintptr_t ws, std::size_t ws_bytes,
-                const std::optional<tensor_tuple>& block_mass,
-                const std::optional<tensor_tuple>& block_grad) const {
-    attention_options o;
-    o.scale = scale;
-    o.block_mass = view_of(block_mass);
-    o.block_grad = view_of(block_grad);
-    nb::gil_scoped_release release;
-    plan.backward(view_of(q), view_of(k), view_of(v), view_of(out), view_of(lse), view_of(dout),
-                  view_of(dq), view_of(dk), view_of(dv), workspace_of(ws, ws_bytes), o,
-                  stream_of(stream));
   }
 
   /// The last selected mask as fill_table's table at `out` (synchronises with `stream`).
@@ -696,6 +688,19 @@ struct py_block_pattern {
     std::copy(g.col_idx.begin(), g.col_idx.end(), reinterpret_cast<std::int32_t*>(col_idx));
   }
 };
+
+/// run, backward, backward_workspace_bytes and backend of a block-sparse plan class.
+template <class T>
+void bind_block_plan_calls(nb::class_<T>& c) {
+  c.def("run", &T::run, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(), "scale"_a.none(), "stream"_a,
+        "workspace"_a, "workspace_bytes"_a)
+      .def("backward", &T::backward, "q"_a, "k"_a, "v"_a, "out"_a.none(), "lse"_a.none(), "dout"_a,
+           "dq"_a, "dk"_a, "dv"_a, "scale"_a.none(), "stream"_a, "workspace"_a, "workspace_bytes"_a,
+           "block_mass"_a.none() = nb::none(), "block_grad"_a.none() = nb::none())
+      .def("backward_workspace_bytes", &T::backward_workspace_bytes, "heads"_a,
+           "importance"_a = false)
+      .def_prop_ro("backend", &T::backend);
+}
 
 NB_MODULE(_C, m) {
   m.doc() = "trisparse's plans (the C++ library); use the trisparse package, not this module";
@@ -999,52 +1004,27 @@ NB_MODULE(_C, m) {
           "order_len",
           [](const py_block_pattern& x) { return static_cast<std::int64_t>(x.p.order.size()); })
       .def_prop_ro("made_by", [](const py_block_pattern& x) { return x.p.made_by; });
-  nb::class_<py_block_sparse_plan>(m, "BlockSparsePlan")
-      .def_static("build", &py_block_sparse_plan::build, "block"_a, "heads"_a, "causal"_a,
-                  "cu_seqlens_q"_a, "cu_seqlens_k"_a, "masks"_a, "algo"_a, "device"_a, "stream"_a)
-      .def_static("build_on_device", &py_block_sparse_plan::build_on_device, "block"_a, "heads"_a,
-                  "causal"_a, "cu_seqlens_q"_a, "cu_seqlens_k"_a, "kept"_a, "seq_stride"_a,
-                  "head_stride"_a, "row_stride"_a, "rows"_a, "cols"_a, "device"_a, "stream"_a,
-                  "mean_blocks"_a = -1.0)
-      .def("run", &py_block_sparse_plan::run, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(),
-           "scale"_a.none(), "stream"_a, "workspace"_a, "workspace_bytes"_a)
-      .def("backward", &py_block_sparse_plan::backward, "q"_a, "k"_a, "v"_a, "out"_a.none(),
-           "lse"_a.none(), "dout"_a, "dq"_a, "dk"_a, "dv"_a, "scale"_a.none(), "stream"_a,
-           "workspace"_a, "workspace_bytes"_a, "block_mass"_a.none() = nb::none(),
-           "block_grad"_a.none() = nb::none())
-      .def("workspace_bytes", [](const py_block_sparse_plan& p, std::int64_t heads,
-                                 std::int64_t dim) { return p.plan.workspace_bytes(heads, dim); })
-      .def(
-          "backward_workspace_bytes",
-          [](const py_block_sparse_plan& p, std::int64_t heads, bool importance) {
-            return p.plan.backward_workspace_bytes(heads, importance);
-          },
-          "heads"_a, "importance"_a = false)
-      .def_prop_ro("backend", [](const py_block_sparse_plan& p) {
-        const auto& r = p.plan.report();
-        return trisparse::backend_name(r.algo, r.where, true);
-      });
-  nb::class_<py_topk_plan>(m, "TopkBlockSparsePlan")
-      .def_static("build", &py_topk_plan::build, "cu_seqlens_q"_a, "cu_seqlens_k"_a, "heads"_a,
-                  "head_dim"_a, "block"_a, "top_k"_a, "causal"_a, "keep_diagonal"_a, "gradients"_a,
-                  "stream"_a)
-      .def("select", &py_topk_plan::select, "q"_a, "k"_a, "stream"_a)
-      .def("run", &py_topk_plan::run, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(),
-           "scale"_a.none(), "stream"_a, "workspace"_a, "workspace_bytes"_a)
-      .def("backward", &py_topk_plan::backward, "q"_a, "k"_a, "v"_a, "out"_a.none(), "lse"_a.none(),
-           "dout"_a, "dq"_a, "dk"_a, "dv"_a, "scale"_a.none(), "stream"_a, "workspace"_a,
-           "workspace_bytes"_a, "block_mass"_a.none() = nb::none(),
-           "block_grad"_a.none() = nb::none())
-      .def("blocks", &py_topk_plan::blocks, "out"_a, "stream"_a)
-      .def("workspace_bytes", [](const py_topk_plan&, std::int64_t, std::int64_t) { return 0; })
-      .def(
-          "backward_workspace_bytes",
-          [](const py_topk_plan& p, std::int64_t heads, bool importance) {
-            return p.plan.backward_workspace_bytes(heads, importance);
-          },
-          "heads"_a, "importance"_a = false)
-      .def_prop_ro("backend", [](const py_topk_plan& p) {
-        const auto& r = p.plan.report();
-        return trisparse::backend_name(r.algo, r.where, true);
-      });
+  auto block_plan =
+      nb::class_<py_block_sparse_plan>(m, "BlockSparsePlan")
+          .def_static("build", &py_block_sparse_plan::build, "block"_a, "heads"_a, "causal"_a,
+                      "cu_seqlens_q"_a, "cu_seqlens_k"_a, "masks"_a, "algo"_a, "device"_a,
+                      "stream"_a)
+          .def_static("build_on_device", &py_block_sparse_plan::build_on_device, "block"_a,
+                      "heads"_a, "causal"_a, "cu_seqlens_q"_a, "cu_seqlens_k"_a, "kept"_a,
+                      "seq_stride"_a, "head_stride"_a, "row_stride"_a, "rows"_a, "cols"_a,
+                      "device"_a, "stream"_a, "mean_blocks"_a = -1.0)
+          .def("workspace_bytes",
+               [](const py_block_sparse_plan& p, std::int64_t heads, std::int64_t dim) {
+                 return p.plan.workspace_bytes(heads, dim);
+               });
+  bind_block_plan_calls(block_plan);
+  auto topk_plan = nb::class_<py_topk_plan>(m, "TopkBlockSparsePlan")
+                       .def_static("build", &py_topk_plan::build, "cu_seqlens_q"_a,
+                                   "cu_seqlens_k"_a, "heads"_a, "head_dim"_a, "block"_a, "top_k"_a,
+                                   "causal"_a, "keep_diagonal"_a, "gradients"_a, "stream"_a)
+                       .def("select", &py_topk_plan::select, "q"_a, "k"_a, "stream"_a)
+                       .def("blocks", &py_topk_plan::blocks, "out"_a, "stream"_a)
+                       .def("workspace_bytes",
+                            [](const py_topk_plan&, std::int64_t, std::int64_t) { return 0; });
+  bind_block_plan_calls(topk_plan);
 }
