@@ -115,6 +115,27 @@ void over_lines(K kernel, const params& p, std::int64_t lines, std::int64_t heav
   TRISPARSE_CUDA_CHECK_LAUNCH();
 }
 
+// The backward's passes (G: GAT's) over the workspace's weights and score gradients: a row pass,
+// a column pass and, with features, the feature pass. `x`: the operand that sets dtype and C.
+template <bool G>
+void backward_passes(params& p, const multigraph_view& g, const tensor_view& x,
+                     std::int64_t features, const workspace_view& workspace, stream_ref stream) {
+  p.prob = static_cast<float*>(workspace.data);
+  p.dscore = p.prob + g.edges * p.heads;
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  dispatch(x.type, x.dim, features, [&]<class T, int NC, int NF>() {
+    if constexpr (!G || NF == 0) {  // (GAT has no feature columns: features = 0)
+      over_lines(row_kernel<T, NC, NF, G>, p, g.rows, g.heavy_row_count, s);
+      over_lines(column_kernel<T, NC, G>, p, g.cols, g.heavy_col_count, s);
+    }
+    if constexpr (!G && NF > 0) {
+      const int f = static_cast<int>(features);
+      feature_kernel<T><<<blocks_for(g.edges * f, 256), 256, 0, s>>>(p, f);
+      TRISPARSE_CUDA_CHECK_LAUNCH();
+    }
+  });
+}
+
 }  // namespace
 
 void edge_attention_forward(const multigraph_view& g, const edge_attention_args& a,
@@ -145,19 +166,7 @@ void edge_attention_backward(const multigraph_view& g, const edge_attention_grad
   p.dv = out_of(a.dv);
   p.dr = out_of(a.dr);
   p.da = out_of(a.da);
-  p.prob = static_cast<float*>(workspace.data);
-  p.dscore = p.prob + g.edges * p.heads;
-  const auto s = static_cast<cudaStream_t>(stream.handle);
-  const std::int64_t features = a.r.data != nullptr ? a.r.dim : 0;
-  dispatch(a.q.type, a.q.dim, features, [&]<class T, int NC, int NF>() {
-    over_lines(row_kernel<T, NC, NF, false>, p, g.rows, g.heavy_row_count, s);
-    over_lines(column_kernel<T, NC, false>, p, g.cols, g.heavy_col_count, s);
-    if constexpr (NF > 0) {
-      const int f = static_cast<int>(features);
-      feature_kernel<T><<<blocks_for(g.edges * f, 256), 256, 0, s>>>(p, f);
-      TRISPARSE_CUDA_CHECK_LAUNCH();
-    }
-  });
+  backward_passes<false>(p, g, a.q, a.r.data != nullptr ? a.r.dim : 0, workspace, stream);
 }
 
 void edge_gat_forward(const multigraph_view& g, const edge_gat_args& a, stream_ref stream) {
@@ -182,13 +191,7 @@ void edge_gat_backward(const multigraph_view& g, const edge_gat_grad_args& a,
   p.da_src = out_of(a.da_src);
   p.da_dst = out_of(a.da_dst);
   p.da_edge = out_of(a.da_edge);
-  p.prob = static_cast<float*>(workspace.data);
-  p.dscore = p.prob + g.edges * p.heads;
-  const auto s = static_cast<cudaStream_t>(stream.handle);
-  dispatch(a.x.type, a.x.dim, 0, [&]<class T, int NC, int NF>() {
-    over_lines(row_kernel<T, NC, 0, true>, p, g.rows, g.heavy_row_count, s);
-    over_lines(column_kernel<T, NC, true>, p, g.cols, g.heavy_col_count, s);
-  });
+  backward_passes<true>(p, g, a.x, 0, workspace, stream);
 }
 
 }  // namespace trisparse::cuda
