@@ -3,14 +3,18 @@ for several input pairs (copies), each a separate term of the softmax, as PyG co
 score enters its entry's as a log-sum-exp over the entry's copies, which is exact: the softmax
 weight of an entry is the sum of its copies' weights, and its copies share one source node. Every
 reduction runs over the copies grouped by entry in input order (``Pattern.copies_by_entry``), in a
-fixed order with torch's segment reductions: no atomics, so the gradients are repeatable."""
+fixed order with torch's segment reductions: no atomics, so the gradients are repeatable. The
+gathers' ops: ``trisparse.ops.copies``; their autograd: ``trisparse.autograd.copies``."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from ._eager import eager_autograd
+from .autograd.copies import (
+    _gather_rows_eager,
+    _to_copies_eager,
+)
 from .edge import edge_spmm, sddmm
 from .pattern import Pattern
 
@@ -23,31 +27,6 @@ __all__ = [
     "gather_rows",
     "to_copies",
 ]
-
-
-@torch.library.custom_op("trisparse::gather_rows", mutates_args=())
-def _gather_rows(values: Tensor, index: Tensor) -> Tensor:
-    return values.gather(0, index[:, None].expand(-1, values.shape[1]).contiguous())
-
-
-@_gather_rows.register_fake
-def _gather_rows_fake(values, index):
-    return values.new_empty(index.shape[0], values.shape[1])
-
-
-def _gather_rows_setup(ctx, inputs, output):
-    values, index = inputs
-    ctx.save_for_backward(index)
-    ctx.rows = values.shape[0]
-
-
-def _gather_rows_backward(ctx, grad):
-    (index,) = ctx.saved_tensors
-    return grad.new_zeros(ctx.rows, grad.shape[1]).index_add_(0, index, grad), None
-
-
-_gather_rows.register_autograd(_gather_rows_backward, setup_context=_gather_rows_setup)
-_gather_rows_eager = eager_autograd(_gather_rows, _gather_rows_setup, _gather_rows_backward)
 
 
 def gather_rows(values: Tensor, index: Tensor) -> Tensor:
@@ -99,30 +78,6 @@ def copy_sum(values: Tensor, pattern: Pattern) -> Tensor:
         return single
     order, offsets = _grouped(pattern, values.device)
     return torch.segment_reduce(values[order], "sum", offsets=offsets, axis=0)
-
-
-@torch.library.custom_op("trisparse::to_copies", mutates_args=())
-def _to_copies(values: Tensor, entries: Tensor, order: Tensor, offsets: Tensor) -> Tensor:
-    return values[entries]
-
-
-@_to_copies.register_fake
-def _to_copies_fake(values, entries, order, offsets):
-    return values.new_empty(entries.shape[0], *values.shape[1:])
-
-
-def _to_copies_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[2], inputs[3])
-
-
-def _to_copies_backward(ctx, grad):
-    order, offsets = ctx.saved_tensors
-    summed = torch.segment_reduce(grad[order], "sum", offsets=offsets, axis=0)
-    return summed, None, None, None
-
-
-_to_copies.register_autograd(_to_copies_backward, setup_context=_to_copies_setup)
-_to_copies_eager = eager_autograd(_to_copies, _to_copies_setup, _to_copies_backward)
 
 
 def to_copies(values: Tensor, pattern: Pattern) -> Tensor:

@@ -1,7 +1,8 @@
 """GAT's attention fused over a Pattern: the scores LeakyReLU(a_dst[i] + a_src[j]), their softmax
 over each target's incoming edges and the aggregation of the sources' features in one pass, with
 no [E, H] score or [E, H, C] message tensor; the backward is one pass over the transposed pattern
-and a fixed-order row sum, so the gradients are deterministic."""
+and a fixed-order row sum, so the gradients are deterministic. The ops: ``trisparse.ops.gat``;
+their autograd: ``trisparse.autograd.gat``."""
 
 from __future__ import annotations
 
@@ -9,120 +10,10 @@ import torch
 from torch import Tensor
 
 from . import _tensors
-from ._eager import eager_autograd
-from .pattern import Pattern, lookup
+from .autograd.gat import _gat_eager
+from .pattern import Pattern
 
 __all__ = ["gat_attention"]
-
-
-@torch.library.custom_op("trisparse::gat_attention", mutates_args=())
-def _gat(
-    x: Tensor,
-    a_src: Tensor,
-    a_dst: Tensor,
-    keep: Tensor | None,
-    keep_index: Tensor | None,
-    pattern: int,
-    negative_slope: float,
-) -> tuple[Tensor, Tensor]:
-    """(out [rows, H, C] in x's dtype, lse [rows, H] in the scores' dtype: float32, or float64
-    with float64 x on the CPU)."""
-    p = lookup(pattern)
-    out = x.new_empty(p.num_rows, x.shape[1], x.shape[2])
-    lse = a_dst.new_empty(p.num_rows, x.shape[1])
-    plan = p.gat_plan(x.device)
-    _owner, ws, ws_bytes = _tensors.workspace(
-        plan.workspace_bytes(x.shape[1], x.shape[2], False), x.device
-    )
-    plan.forward(
-        _tensors.view(x),
-        _tensors.view2(a_src),
-        _tensors.view2(a_dst),
-        _tensors.view2(keep),
-        0 if keep_index is None else keep_index.data_ptr(),
-        _tensors.view(out),
-        _tensors.view2(lse),
-        negative_slope,
-        _tensors.stream(x.device),
-        ws,
-        ws_bytes,
-    )
-    return out, lse
-
-
-@_gat.register_fake
-def _gat_fake(x, a_src, a_dst, keep, keep_index, pattern, negative_slope):
-    p = lookup(pattern)
-    return (
-        x.new_empty(p.num_rows, x.shape[1], x.shape[2]),
-        a_dst.new_empty(p.num_rows, x.shape[1]),
-    )
-
-
-@torch.library.custom_op("trisparse::gat_attention_backward", mutates_args=())
-def _gat_backward(
-    dout: Tensor,
-    x: Tensor,
-    a_src: Tensor,
-    a_dst: Tensor,
-    keep: Tensor | None,
-    keep_index: Tensor | None,
-    out: Tensor,
-    lse: Tensor,
-    pattern: int,
-    negative_slope: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx in x's dtype, da_src and da_dst in the scores' dtype)."""
-    p = lookup(pattern)
-    plan = p.gat_plan(x.device)
-    heads = x.shape[1]
-    dx, da_src, da_dst = torch.empty_like(x), torch.empty_like(a_src), torch.empty_like(a_dst)
-    _owner, ws, ws_bytes = _tensors.workspace(
-        plan.workspace_bytes(heads, x.shape[2], True), x.device
-    )
-    plan.backward(
-        _tensors.view(x),
-        _tensors.view2(a_src),
-        _tensors.view2(a_dst),
-        _tensors.view2(keep),
-        0 if keep_index is None else keep_index.data_ptr(),
-        _tensors.view(out),
-        _tensors.view2(lse),
-        _tensors.view(dout),
-        _tensors.view(dx),
-        _tensors.view2(da_src),
-        _tensors.view2(da_dst),
-        negative_slope,
-        _tensors.stream(x.device),
-        ws,
-        ws_bytes,
-    )
-    return dx, da_src, da_dst
-
-
-@_gat_backward.register_fake
-def _gat_backward_fake(dout, x, a_src, a_dst, keep, keep_index, out, lse, pattern, negative_slope):
-    return torch.empty_like(x), torch.empty_like(a_src), torch.empty_like(a_dst)
-
-
-def _setup(ctx, inputs, output):
-    x, a_src, a_dst, keep, keep_index, pattern, negative_slope = inputs
-    out, lse = output
-    ctx.save_for_backward(x, a_src, a_dst, keep, keep_index, out, lse)
-    ctx.pattern, ctx.negative_slope = pattern, negative_slope
-
-
-def _backward(ctx, dout, _dlse):
-    x, a_src, a_dst, keep, keep_index, out, lse = ctx.saved_tensors
-    dout = dout.to(out.dtype).contiguous()
-    dx, da_src, da_dst = torch.ops.trisparse.gat_attention_backward(
-        dout, x, a_src, a_dst, keep, keep_index, out, lse, ctx.pattern, ctx.negative_slope
-    )
-    return dx, da_src, da_dst, None, None, None, None
-
-
-_gat.register_autograd(_backward, setup_context=_setup)
-_gat_eager = eager_autograd(_gat, _setup, _backward)
 
 
 def gat_attention(

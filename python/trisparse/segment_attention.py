@@ -3,7 +3,8 @@ mini-batch) named by a sorted id per row (PyG's ``batch``); each row attends eve
 segment. The block-diagonal pattern of :meth:`trisparse.Pattern.from_batch`, with no pattern built:
 on CUDA the kernels read the ids themselves (``segment_attention_plan``), so a new mini-batch costs
 no host work; elsewhere, and for float32 or other head dims, the fused attention over that
-pattern."""
+pattern. The ops: ``trisparse.ops.segment_attention``; their autograd:
+``trisparse.autograd.segment_attention``."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import torch
 from torch import Tensor
 
 from . import _C, _tensors
-from ._eager import eager_autograd
 from .attention import sparse_attention
+from .autograd.segment_attention import _call
 from .pattern import Pattern, check_batch
 
 __all__ = ["segment_attention", "segment_attention_supported"]
+
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -28,100 +30,6 @@ def segment_attention_supported(q: Tensor) -> bool:
     """Whether :func:`segment_attention` runs its own kernels for q ([rows, heads, channels]): CUDA,
     float16 or bfloat16, 16, 32, 64 or 128 channels a head."""
     return q.is_cuda and q.dtype in _HALF and q.shape[-1] in _DIMS
-
-
-def _rows16(t: Tensor) -> Tensor:
-    """t, or a contiguous copy where its rows are not 16-byte aligned (the kernels' loads)."""
-    s = t.stride()
-    if s[-1] == 1 and s[0] % 8 == 0 and s[1] % 8 == 0 and t.data_ptr() % 16 == 0:
-        return t
-    return t.contiguous()
-
-
-def _workspace(batch: Tensor, rows: int, heads: int, backward: bool):
-    return _tensors.workspace(
-        _C.segment_attention_workspace(batch.data_ptr(), rows, heads, backward), batch.device
-    )
-
-
-@torch.library.custom_op("trisparse::segment_attention", mutates_args=())
-def _forward(q: Tensor, k: Tensor, v: Tensor, batch: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """(out [rows, H, D] in q's dtype, lse [rows, H] float32); q, k, v any strides."""
-    q, k, v = _rows16(q), _rows16(k), _rows16(v)
-    rows, heads = q.shape[0], q.shape[1]
-    out = q.new_empty(q.shape)
-    lse = q.new_empty(rows, heads, dtype=torch.float32)
-    _owner, ws, ws_bytes = _workspace(batch, rows, heads, False)
-    _C.segment_attention_forward(
-        batch.data_ptr(),
-        batch.dtype == torch.int64,
-        *(_tensors.view(t) for t in (q, k, v, out)),
-        _tensors.view2(lse),
-        scale,
-        _tensors.stream(q.device),
-        ws,
-        ws_bytes,
-    )
-    return out, lse
-
-
-@_forward.register_fake
-def _forward_fake(q, k, v, batch, scale):
-    return q.new_empty(q.shape), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
-
-
-@torch.library.custom_op("trisparse::segment_attention_backward", mutates_args=())
-def _backward_op(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    dout: Tensor,
-    batch: Tensor,
-    scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv in q's dtype (fp32 accumulation, one rounding at the store)."""
-    q, k, v, out, dout = (_rows16(t) for t in (q, k, v, out, dout))
-    dq, dk, dv = (q.new_empty(q.shape) for _ in range(3))
-    _owner, ws, ws_bytes = _workspace(batch, q.shape[0], q.shape[1], True)
-    _C.segment_attention_backward(
-        batch.data_ptr(),
-        batch.dtype == torch.int64,
-        *(_tensors.view(t) for t in (q, k, v, out)),
-        _tensors.view2(lse),
-        *(_tensors.view(t) for t in (dout, dq, dk, dv)),
-        scale,
-        _tensors.stream(q.device),
-        ws,
-        ws_bytes,
-    )
-    return dq, dk, dv
-
-
-@_backward_op.register_fake
-def _backward_fake(q, k, v, out, lse, dout, batch, scale):
-    return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, batch, scale = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, batch)
-    ctx.scale = scale
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, batch = ctx.saved_tensors
-    dq, dk, dv = torch.ops.trisparse.segment_attention_backward(
-        q, k, v, out, lse, dout, batch, ctx.scale
-    )
-    return dq, dk, dv, None, None
-
-
-_forward.register_autograd(_backward, setup_context=_setup_context)
-_call = eager_autograd(_forward, _setup_context, _backward)
 
 
 def segment_attention(

@@ -313,7 +313,7 @@ def test_a_mask_made_for_one_step_lives_until_the_backward():
 def test_topk_selection_with_torch_ops_matches_the_library(causal, keep_diagonal, n_q, n_k, top_k):
     """The device selection (torch's ops, what CUDA runs) against the library's CPU selection:
     rectangular and ragged last blocks, causal alignment, top_k past the block count, zero."""
-    from trisparse.block_sparse import _topk_blocks_on_device
+    from trisparse.ops.block_sparse import _topk_blocks_on_device
 
     b, h, d, g = 2, 3, 8, 32
     gen = torch.Generator().manual_seed(23)

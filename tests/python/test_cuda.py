@@ -390,7 +390,8 @@ def test_topk_masks_run_on_the_librarys_gpu_plan(causal, folded):
     contiguous) or not ([B, N, H, D] transposed: the plan over packed sequences)."""
     import gc
 
-    from trisparse.block_sparse import _topk_blocks_on_device, _TopkMask
+    from trisparse.block_mask import _TopkMask
+    from trisparse.ops.block_sparse import _topk_blocks_on_device
 
     b, h, n, d, g, top = 2, 3, 640, 64, 64, 3
     gen = torch.Generator(device="cuda").manual_seed(31)

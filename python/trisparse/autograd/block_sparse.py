@@ -1,0 +1,41 @@
+"""Block-sparse attention's autograd: the backward registered once on the op (torch.library), and
+the eager call (_eager.eager_autograd)."""
+
+from __future__ import annotations
+
+import torch
+
+from .._eager import eager_autograd
+from ..block_mask import _masks, _trackers
+from ..ops.block_sparse import (
+    _forward,
+)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, mask, cu_q, cu_k, scale, _with_lse, importance = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.mask, ctx.cu_q, ctx.cu_k, ctx.scale = mask, cu_q, cu_k, scale
+    ctx.importance = _trackers.get(importance) if importance else None
+    ctx.importance_shape = ctx.importance._shape if ctx.importance is not None else None
+    # Held until the backward: a mask made for one step (a top-k selection) may be dropped by the
+    # caller as soon as the forward returns.
+    ctx.mask_object = _masks.get(mask)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    tracker = ctx.importance
+    dq, dk, dv, mass, grad = torch.ops.trisparse.block_sparse_attention_backward(
+        q, k, v, out, lse, dout, ctx.mask, ctx.cu_q, ctx.cu_k, ctx.scale, tracker is not None
+    )
+    if tracker is not None:
+        tracker._record(mass, grad, ctx.importance_shape)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+_forward_eager = eager_autograd(_forward, _setup_context, _backward)

@@ -1,0 +1,31 @@
+"""GAT's attention's autograd: the backward registered once on the op (torch.library), and
+the eager call (_eager.eager_autograd)."""
+
+from __future__ import annotations
+
+import torch
+
+from .._eager import eager_autograd
+from ..ops.gat import _gat
+
+
+def _setup(ctx, inputs, output):
+    x, a_src, a_dst, keep, keep_index, pattern, negative_slope = inputs
+    out, lse = output
+    ctx.save_for_backward(x, a_src, a_dst, keep, keep_index, out, lse)
+    ctx.pattern, ctx.negative_slope = pattern, negative_slope
+
+
+def _backward(ctx, dout, _dlse):
+    x, a_src, a_dst, keep, keep_index, out, lse = ctx.saved_tensors
+    dout = dout.to(out.dtype).contiguous()
+    dx, da_src, da_dst = torch.ops.trisparse.gat_attention_backward(
+        dout, x, a_src, a_dst, keep, keep_index, out, lse, ctx.pattern, ctx.negative_slope
+    )
+    return dx, da_src, da_dst, None, None, None, None
+
+
+_gat.register_autograd(_backward, setup_context=_setup)
+
+
+_gat_eager = eager_autograd(_gat, _setup, _backward)

@@ -1,0 +1,33 @@
+"""Attention within segments' autograd: the backward registered once on the op (torch.library), and
+the eager call (_eager.eager_autograd)."""
+
+from __future__ import annotations
+
+import torch
+
+from .._eager import eager_autograd
+from ..ops.segment_attention import (
+    _forward,
+)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, batch, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, batch)
+    ctx.scale = scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, batch = ctx.saved_tensors
+    dq, dk, dv = torch.ops.trisparse.segment_attention_backward(
+        q, k, v, out, lse, dout, batch, ctx.scale
+    )
+    return dq, dk, dv, None, None
+
+
+_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+_call = eager_autograd(_forward, _setup_context, _backward)

@@ -1,0 +1,219 @@
+"""Block-sparse attention and the top-k selection as torch ops (`trisparse::block_sparse_attention`
+and its backward, `topk_blocks`) with their fake implementations."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import Tensor
+
+from .. import _C, _tensors
+from ..block_mask import _masks
+
+
+def _plan(q: Tensor, mask: int, cu_q: list[int], cu_k: list[int]):
+    # The fastest backend; on the CPU it computes float64 in float64 (the gradcheck path).
+    return _masks.lookup(mask).plan(q.device, cu_q, cu_k, "automatic")
+
+
+def _out_like(q: Tensor, dim: int) -> Tensor:
+    """[rows, H, dim] in q's layout: heads outermost where q's are (q from [B, H, N, D], seen as
+    [N, B * H, D]), so that the result is [B, H, N, Dv] as q was given; else rows outermost."""
+    rows, heads = q.shape[0], q.shape[1]
+    if heads > 1 and rows > 1 and q.stride(1) > q.stride(0):
+        return q.new_empty(heads, rows, dim).transpose(0, 1)
+    return q.new_empty(rows, heads, dim)
+
+
+def _lse_rows(q: Tensor, with_lse: bool) -> int:
+    # The log-sum-exp the backward reads: written on CUDA only (the CPU backward recomputes), and
+    # only when a gradient is needed.
+    return q.shape[0] if with_lse and q.device.type == "cuda" else 0
+
+
+@torch.library.custom_op("trisparse::block_sparse_attention", mutates_args=())
+def _forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: int,
+    cu_q: list[int],
+    cu_k: list[int],
+    scale: float,
+    with_lse: bool,
+    importance: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """Packed [rows, H, D] tensors, sequence i at rows cu_q[i]:cu_q[i + 1] (keys cu_k); returns
+    out and, on CUDA with `with_lse`, each row's log-sum-exp (f32 [rows, H]; else [0, H]).
+    `importance`: the id of a BlockImportance the backward fills (0: none)."""
+    plan = _plan(q, mask, cu_q, cu_k)
+    out = _out_like(q, v.shape[2])
+    lse = q.new_empty(_lse_rows(q, with_lse), q.shape[1], dtype=torch.float32)
+    _owner, ws, ws_bytes = _tensors.workspace(
+        plan.workspace_bytes(q.shape[1], max(q.shape[2], v.shape[2])), q.device
+    )
+    with_lse = lse.shape[0] > 0 and plan.backend == "cuda_block"
+    plan.run(
+        *(_tensors.view(t) for t in (q, k, v, out)),
+        _tensors.view(lse.unsqueeze(-1)) if with_lse else None,
+        scale,
+        _tensors.stream(q.device),
+        ws,
+        ws_bytes,
+    )
+    return out, lse
+
+
+@_forward.register_fake
+def _forward_fake(q, k, v, mask, cu_q, cu_k, scale, with_lse, importance=0):
+    return (
+        _out_like(q, v.shape[2]),
+        q.new_empty(_lse_rows(q, with_lse), q.shape[1], dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("trisparse::block_sparse_attention_backward", mutates_args=())
+def _backward_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    mask: int,
+    cu_q: list[int],
+    cu_k: list[int],
+    scale: float,
+    importance: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv, and with `importance` each kept block's attention mass and |dS| sum (f32
+    [sequences, query blocks, H, key blocks], zeros where the mask drops a block; else [0])."""
+    plan = _plan(q, mask, cu_q, cu_k)
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    mass, grad = _importance_like(q, mask, cu_q, cu_k, importance)
+    on_cuda = q.device.type == "cuda"
+    if on_cuda and plan.backend != "cuda_block":
+        raise NotImplementedError(
+            "block_sparse_attention: the CUDA backward runs the tensor-core block kernel (block "
+            f"sizes a multiple of 16 and head dims 64 or 128); this mask runs {plan.backend}"
+        )
+    _owner, ws, ws_bytes = _tensors.workspace(
+        plan.backward_workspace_bytes(q.shape[1], importance) if on_cuda else 0, q.device
+    )
+    blocks = [_tensors.view(t.flatten(0, 1)) if importance else None for t in (mass, grad)]
+    plan.backward(
+        *(_tensors.view(t) for t in (q, k, v)),
+        _tensors.view(out) if on_cuda else None,
+        _tensors.view(lse.unsqueeze(-1)) if on_cuda else None,
+        *(_tensors.view(t) for t in (dout, dq, dk, dv)),
+        scale,
+        _tensors.stream(q.device),
+        ws,
+        ws_bytes,
+        *blocks,
+    )
+    return dq, dk, dv, mass, grad
+
+
+def _importance_like(q, mask, cu_q, cu_k, importance):
+    """Zeroed block importance outputs: [sequences, QB, H, KB] f32 (QB, KB: the longest
+    sequence's query and key blocks), or [0] without `importance`."""
+    if not importance:
+        return tuple(q.new_zeros(0, dtype=torch.float32) for _ in range(2))
+    g = _masks.lookup(mask).block_size
+    lq = max(b - a for a, b in itertools.pairwise(cu_q))
+    lk = max(b - a for a, b in itertools.pairwise(cu_k))
+    shape = (len(cu_q) - 1, -(-lq // g), q.shape[1], -(-lk // g))
+    return tuple(q.new_zeros(shape, dtype=torch.float32) for _ in range(2))
+
+
+@_backward_op.register_fake
+def _backward_fake(q, k, v, out, lse, dout, mask, cu_q, cu_k, scale, importance=False):
+    mass, grad = _importance_like(q, mask, cu_q, cu_k, importance)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), mass, grad
+
+
+@torch.library.custom_op("trisparse::topk_blocks", mutates_args=())
+def _topk_blocks(
+    q: Tensor, k: Tensor, batch: int, block: int, top_k: int, causal: bool, keep_diagonal: bool
+) -> Tensor:
+    """The selected blocks of packed q [batch * N_q, H, D], k [batch * N_k, H, D]: bool
+    [batch, H, query blocks, key blocks]. The CPU runs the library's selection; other devices
+    select with torch's ops on the device (_topk_blocks_on_device: no host synchronisation)."""
+    if q.device.type != "cpu":
+        return _topk_blocks_on_device(q, k, batch, block, top_k, causal, keep_diagonal)
+    heads = q.shape[1]
+    out = torch.zeros(
+        batch,
+        heads,
+        -(-q.shape[0] // batch // block),
+        -(-k.shape[0] // batch // block),
+        dtype=torch.uint8,
+    )
+    q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k))
+    _C.topk_blocks(
+        _tensors.view(q),
+        _tensors.view(k),
+        batch,
+        block,
+        top_k,
+        causal,
+        keep_diagonal,
+        out.data_ptr(),
+    )
+    return out.bool()
+
+
+def _block_means(x: Tensor, batch: int, block: int) -> Tensor:
+    """[batch * N, H, D] -> float64 means of each block of `block` rows: [batch, H, blocks, D]
+    (the last block's mean over its own rows)."""
+    n, h, d = x.shape[0] // batch, x.shape[1], x.shape[2]
+    nb = -(-n // block)
+    x = x.reshape(batch, n, h, d).to(torch.float64)
+    sums = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, nb * block - n))
+    sums = sums.view(batch, nb, block, h, d).sum(2).transpose(1, 2)
+    # Rows per block, computed on the device (writing a host scalar into it would synchronise).
+    starts = torch.arange(nb, dtype=torch.float64, device=x.device) * block
+    counts = (n - starts).clamp(max=block)
+    return sums / counts[:, None]
+
+
+def _topk_blocks_on_device(q, k, batch, block, top_k, causal, keep_diagonal):
+    """topk_blocks with torch's ops where q and k are (float64 block means and scores as the
+    library's CPU selection; a stable sort gives ties to the lower block)."""
+    lq, lk = q.shape[0] // batch, k.shape[0] // batch
+    nbq, nbk = -(-lq // block), -(-lk // block)
+    dev = q.device
+    out = torch.zeros(batch, q.shape[1], nbq, nbk, dtype=torch.bool, device=dev)
+    if nbq == 0 or nbk == 0:
+        return out
+    scores = _block_means(q, batch, block) @ _block_means(k, batch, block).transpose(-1, -2)
+    # Per query block: the key aligned with its last row (bottom right) and the key blocks it
+    # may attend (causal: up to the aligned key's block).
+    r = torch.arange(nbq, device=dev)
+    aligned = torch.clamp((r + 1) * block, max=lq) - 1 + (lk - lq)
+    last = torch.clamp(aligned, max=lk - 1) if causal else torch.full_like(r, lk - 1)
+    allowed = torch.where(last < 0, 0, last // block + 1)
+    c = torch.arange(nbk, device=dev)
+    scores = scores.masked_fill(c[None, :] >= allowed[:, None], float("-inf"))
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    take = min(top_k, nbk)
+    keep = torch.arange(take, device=dev)[None, :] < torch.clamp(allowed, max=top_k)[:, None]
+    out.scatter_(-1, order[..., :take], keep.expand(batch, q.shape[1], nbq, take))
+    if keep_diagonal:
+        # The block of the aligned key, where there is one (no boolean indexing: no sync).
+        diag = (torch.clamp(aligned, min=0, max=lk - 1) // block).view(1, 1, nbq, 1)
+        has = (aligned >= 0).view(1, 1, nbq, 1)
+        shape = (batch, q.shape[1], nbq, 1)
+        out |= torch.zeros_like(out).scatter_(-1, diag.expand(shape), has.expand(shape))
+    return out
+
+
+@_topk_blocks.register_fake
+def _topk_blocks_fake(q, k, batch, block, top_k, causal, keep_diagonal):
+    return q.new_empty(
+        (batch, q.shape[1], -(-q.shape[0] // batch // block), -(-k.shape[0] // batch // block)),
+        dtype=torch.bool,
+    )

@@ -1,0 +1,83 @@
+"""Attention within segments as torch ops (`trisparse::segment_attention` and its backward)
+with their fake implementations."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import _C, _tensors
+
+
+def _rows16(t: Tensor) -> Tensor:
+    """t, or a contiguous copy where its rows are not 16-byte aligned (the kernels' loads)."""
+    s = t.stride()
+    if s[-1] == 1 and s[0] % 8 == 0 and s[1] % 8 == 0 and t.data_ptr() % 16 == 0:
+        return t
+    return t.contiguous()
+
+
+def _workspace(batch: Tensor, rows: int, heads: int, backward: bool):
+    return _tensors.workspace(
+        _C.segment_attention_workspace(batch.data_ptr(), rows, heads, backward), batch.device
+    )
+
+
+@torch.library.custom_op("trisparse::segment_attention", mutates_args=())
+def _forward(q: Tensor, k: Tensor, v: Tensor, batch: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """(out [rows, H, D] in q's dtype, lse [rows, H] float32); q, k, v any strides."""
+    q, k, v = _rows16(q), _rows16(k), _rows16(v)
+    rows, heads = q.shape[0], q.shape[1]
+    out = q.new_empty(q.shape)
+    lse = q.new_empty(rows, heads, dtype=torch.float32)
+    _owner, ws, ws_bytes = _workspace(batch, rows, heads, False)
+    _C.segment_attention_forward(
+        batch.data_ptr(),
+        batch.dtype == torch.int64,
+        *(_tensors.view(t) for t in (q, k, v, out)),
+        _tensors.view2(lse),
+        scale,
+        _tensors.stream(q.device),
+        ws,
+        ws_bytes,
+    )
+    return out, lse
+
+
+@_forward.register_fake
+def _forward_fake(q, k, v, batch, scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
+
+
+@torch.library.custom_op("trisparse::segment_attention_backward", mutates_args=())
+def _backward_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    batch: Tensor,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv in q's dtype (fp32 accumulation, one rounding at the store)."""
+    q, k, v, out, dout = (_rows16(t) for t in (q, k, v, out, dout))
+    dq, dk, dv = (q.new_empty(q.shape) for _ in range(3))
+    _owner, ws, ws_bytes = _workspace(batch, q.shape[0], q.shape[1], True)
+    _C.segment_attention_backward(
+        batch.data_ptr(),
+        batch.dtype == torch.int64,
+        *(_tensors.view(t) for t in (q, k, v, out)),
+        _tensors.view2(lse),
+        *(_tensors.view(t) for t in (dout, dq, dk, dv)),
+        scale,
+        _tensors.stream(q.device),
+        ws,
+        ws_bytes,
+    )
+    return dq, dk, dv
+
+
+@_backward_op.register_fake
+def _backward_fake(q, k, v, out, lse, dout, batch, scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
