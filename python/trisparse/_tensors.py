@@ -58,6 +58,18 @@ def view2(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else view(t.unsqueeze(-1))
 
 
+def aligned16(t: torch.Tensor) -> bool:
+    """Whether the CUDA kernels' 16-byte row loads take [rows, H, D] t as it is: a unit last
+    stride, row and head strides that are multiples of 8 elements, a 16-byte aligned start."""
+    s = t.stride()
+    return s[-1] == 1 and s[0] % 8 == 0 and s[1] % 8 == 0 and t.data_ptr() % 16 == 0
+
+
+def rows16(t: torch.Tensor) -> torch.Tensor:
+    """t, or a contiguous copy where its rows are not aligned16."""
+    return t if aligned16(t) else t.contiguous()
+
+
 def stream(device: torch.device) -> int:
     """torch's current stream on `device` as an integer (0 on the CPU)."""
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0

@@ -260,12 +260,6 @@ _topk_pool: dict[tuple, list] = {}
 atexit.register(_topk_pool.clear)
 
 
-def _rows16(t: Tensor) -> bool:
-    """Whether the selection's 16-byte loads take [rows, H, D] t as it is."""
-    s = t.stride()
-    return s[-1] == 1 and s[0] % 8 == 0 and s[1] % 8 == 0 and t.data_ptr() % 16 == 0
-
-
 def _topk_on_plan(q: Tensor, k: Tensor, block: int, top_k: int, causal: bool, keep_diag: bool):
     """topk_block_mask through the library's GPU selection where it takes the inputs (CUDA, f16 or
     bf16, a block a multiple of 16, D a multiple of 8), else None. The heads are folded where the
@@ -275,11 +269,11 @@ def _topk_on_plan(q: Tensor, k: Tensor, block: int, top_k: int, causal: bool, ke
         return None
     n_k = k.shape[2]
     qf, kf = _heads_folded(q), _heads_folded(k)
-    if qf is not None and kf is not None and _rows16(qf) and _rows16(kf):
+    if qf is not None and kf is not None and _tensors.aligned16(qf) and _tensors.aligned16(kf):
         qs, ks, heads, fold = qf, kf, b * h, (b, h)
         cu_q, cu_k = (0, n_q), (0, n_k)
     else:  # packed rows (a copy where the view's rows are not 16-byte aligned)
-        qs, ks = (t if _rows16(t) else t.contiguous() for t in (_packed(q), _packed(k)))
+        qs, ks = _tensors.rows16(_packed(q)), _tensors.rows16(_packed(k))
         heads, fold = h, None
         cu_q, cu_k = tuple(i * n_q for i in range(b + 1)), tuple(i * n_k for i in range(b + 1))
     stream = _tensors.stream(q.device)

@@ -2,14 +2,3 @@
 registers its op's backward once (``register_autograd``: what torch.compile traces) and builds
 the eager call from the same setup and backward functions (``_eager.eager_autograd``: an
 autograd.Function, ~0.2 ms less host time a step than the op's own dispatch)."""
-
-from . import (  # noqa: F401 - importing a module registers its ops' autograd
-    attention,
-    block_sparse,
-    copies,
-    edge,
-    edge_attention,
-    gat,
-    segment_attention,
-    sparse,
-)

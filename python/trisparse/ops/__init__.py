@@ -3,14 +3,3 @@ modules name them: each defines its ops with ``torch.library.custom_op`` over th
 their fake implementations (shapes only, for torch.compile). Their autograd is in
 ``trisparse.autograd``; the public functions, which check arguments and call them, are in the
 package's top-level modules (``trisparse.attention``, ``trisparse.block_sparse``, ...)."""
-
-from . import (  # noqa: F401 - importing a module registers its ops
-    attention,
-    block_sparse,
-    copies,
-    edge,
-    edge_attention,
-    gat,
-    segment_attention,
-    sparse,
-)

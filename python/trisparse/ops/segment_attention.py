@@ -9,14 +9,6 @@ from torch import Tensor
 from .. import _C, _tensors
 
 
-def _rows16(t: Tensor) -> Tensor:
-    """t, or a contiguous copy where its rows are not 16-byte aligned (the kernels' loads)."""
-    s = t.stride()
-    if s[-1] == 1 and s[0] % 8 == 0 and s[1] % 8 == 0 and t.data_ptr() % 16 == 0:
-        return t
-    return t.contiguous()
-
-
 def _workspace(batch: Tensor, rows: int, heads: int, backward: bool):
     return _tensors.workspace(
         _C.segment_attention_workspace(batch.data_ptr(), rows, heads, backward), batch.device
@@ -26,7 +18,7 @@ def _workspace(batch: Tensor, rows: int, heads: int, backward: bool):
 @torch.library.custom_op("trisparse::segment_attention", mutates_args=())
 def _forward(q: Tensor, k: Tensor, v: Tensor, batch: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """(out [rows, H, D] in q's dtype, lse [rows, H] float32); q, k, v any strides."""
-    q, k, v = _rows16(q), _rows16(k), _rows16(v)
+    q, k, v = (_tensors.rows16(t) for t in (q, k, v))
     rows, heads = q.shape[0], q.shape[1]
     out = q.new_empty(q.shape)
     lse = q.new_empty(rows, heads, dtype=torch.float32)
@@ -61,7 +53,7 @@ def _backward_op(
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv in q's dtype (fp32 accumulation, one rounding at the store)."""
-    q, k, v, out, dout = (_rows16(t) for t in (q, k, v, out, dout))
+    q, k, v, out, dout = (_tensors.rows16(t) for t in (q, k, v, out, dout))
     dq, dk, dv = (q.new_empty(q.shape) for _ in range(3))
     _owner, ws, ws_bytes = _workspace(batch, q.shape[0], q.shape[1], True)
     _C.segment_attention_backward(
