@@ -236,9 +236,9 @@ void check(const block_sparse_mask& m, const grad_case& c, std::uint64_t seed, d
   if (plan.report().nnz * h <= 20'000'000) check_importance(m, plan, hq, hk, hv, hdo, scale, got);
 }
 
-// Every block size x causal x dtype x head dim x gradient dtype, on a ragged batch (lengths 0, 1,
-// not multiples of G) with per-head random masks, one of them with every odd block row emptied.
-TEST(GpuBlockSparseBackward, EveryBlockSizeDtypeAndHeadDim) {
+// Every block size x causal, on a ragged batch (lengths 0, 1, not multiples of G) with per-head
+// random masks, one of them with every odd block row emptied.
+TEST(GpuBlockSparseBackward, EveryBlockSizeCausalOrNot) {
   SKIP_WITHOUT_GPU();
   const std::vector<std::int64_t> lens{1, 300, 0, 517, 64};
   std::uint64_t seed = 1;
@@ -261,14 +261,11 @@ TEST(GpuBlockSparseBackward, EveryBlockSizeDtypeAndHeadDim) {
         kept.row_ptr.push_back(kept.nnz());
       }
       emptied.blocks = kept;
-      for (const dtype in : {dtype::f16, dtype::bf16}) {
-        for (const std::int64_t d : {64, 128}) {
-          for (const dtype grad : {dtype::f32, in}) {
-            if (test::quick() && grad != (in == dtype::f16 ? dtype::f32 : in)) continue;
-            check(mask, {in, grad, d, 2}, seed++);
-          }
-        }
-      }
+      // One dtype, head dim and gradient dtype per mask, in turn (every combination on small
+      // masks: tests/generic).
+      const std::int64_t nth = (g / 16) + (causal ? 1 : 0);
+      const dtype in = nth % 2 ? dtype::bf16 : dtype::f16;
+      check(mask, {in, (nth / 2) % 2 ? in : dtype::f32, nth % 3 ? 64 : 128, 2}, seed++);
     }
   }
 }

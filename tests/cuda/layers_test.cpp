@@ -46,27 +46,21 @@ void check_agnn(const csr_graph& g, dtype in, dtype out, std::int64_t f, double 
   check_runs(want, in, out, [&](const tensor_view& o) { layer.forward(dh.view(), beta, o); });
 }
 
-TEST(GpuLayers, GcnEveryTypeAndBothProductOrders) {
+// Both product orders and odd widths, one dtype pair each (every pair: tests/generic).
+TEST(GpuLayers, GcnBothProductOrdersAndOddWidths) {
   SKIP_WITHOUT_GPU();
   const csr_graph g = test::random_pattern(2000, 2000, 30, 3);
-  for (const auto& [in, out] : std::vector<std::pair<dtype, dtype>>{{dtype::f16, dtype::f32},
-                                                                    {dtype::bf16, dtype::bf16},
-                                                                    {dtype::f32, dtype::f32},
-                                                                    {dtype::f16, dtype::f16}}) {
-    check_gcn(g, in, out, 128, 64, 1);  // x w first
-    check_gcn(g, in, out, 32, 96, 2);   // Â x first
-  }
-  check_gcn(g, dtype::f32, dtype::f32, 5, 3, 3);  // odd widths
+  check_gcn(g, dtype::f16, dtype::f32, 128, 64, 1);   // x w first
+  check_gcn(g, dtype::bf16, dtype::bf16, 32, 96, 2);  // Â x first
+  check_gcn(g, dtype::f32, dtype::f32, 5, 3, 3);      // odd widths
 }
 
-TEST(GpuLayers, AgnnEveryType) {
+TEST(GpuLayers, AgnnWidthsAndSigns) {
   SKIP_WITHOUT_GPU();
   const csr_graph g = test::random_pattern(1500, 1500, 40, 4);
-  for (const auto& [in, out] : std::vector<std::pair<dtype, dtype>>{
-           {dtype::f16, dtype::f32}, {dtype::bf16, dtype::bf16}, {dtype::f32, dtype::f32}}) {
-    check_agnn(g, in, out, 64, 1.0, 5);
-    check_agnn(g, in, out, 100, -3.0, 6);
-  }
+  check_agnn(g, dtype::f16, dtype::f32, 64, 1.0, 5);
+  check_agnn(g, dtype::bf16, dtype::bf16, 100, -3.0, 6);
+  check_agnn(g, dtype::f32, dtype::f32, 33, 0.5, 7);
 }
 
 // The fused GCN layer on the GPU against the float64 CPU plan: out (twice, poisoned, bitwise
@@ -221,24 +215,26 @@ void check_fused_gcn(const csr_graph& p, const fused_case& c, std::uint64_t seed
     EXPECT_EQ(std::memcmp(now.data(), before.data(), now.size_bytes()), 0) << "without dx";
 }
 
-TEST(GpuFusedGcn, EveryTypeBothOrdersAndOddWidths) {
+// Each order at two width pairs, and odd widths in the fused order, one dtype pair each in turn
+// (every pair x order: tests/generic).
+TEST(GpuFusedGcn, EveryOrderAndOddWidths) {
   SKIP_WITHOUT_GPU();
   const csr_graph p = gcn_normalized(test::random_pattern(2000, 2000, 30, 11));
-  for (const auto& [in, out] : std::vector<std::pair<dtype, dtype>>{{dtype::f16, dtype::f32},
-                                                                    {dtype::bf16, dtype::bf16},
-                                                                    {dtype::f32, dtype::f32},
-                                                                    {dtype::f16, dtype::f16}}) {
-    for (const gcn_order order : {gcn_order::automatic, gcn_order::fused, gcn_order::unfused}) {
-      check_fused_gcn(p, {.in = in, .out = out, .bias = in, .order = order}, 1);
-      check_fused_gcn(p, {.in = in, .out = out, .f_in = 128, .f_out = 64, .order = order}, 2);
-    }
+  const std::vector<std::pair<dtype, dtype>> pairs{{dtype::f16, dtype::f32},
+                                                   {dtype::bf16, dtype::bf16},
+                                                   {dtype::f32, dtype::f32},
+                                                   {dtype::f16, dtype::f16}};
+  std::size_t nth = 0;
+  for (const gcn_order order : {gcn_order::automatic, gcn_order::fused, gcn_order::unfused}) {
+    const auto [in, out] = pairs[nth++ % pairs.size()];
+    check_fused_gcn(p, {.in = in, .out = out, .bias = in, .order = order}, 1);
+    const auto [in2, out2] = pairs[nth++ % pairs.size()];
+    check_fused_gcn(p, {.in = in2, .out = out2, .f_in = 128, .f_out = 64, .order = order}, 2);
   }
   for (const auto& [fi, fo] : std::vector<std::pair<std::int64_t, std::int64_t>>{
            {5, 3}, {33, 70}, {100, 17}, {1, 1}, {16, 300}}) {
-    for (const dtype t : {dtype::f16, dtype::f32}) {
-      check_fused_gcn(p, {.in = t, .out = t, .f_in = fi, .f_out = fo, .order = gcn_order::fused},
-                      3);
-    }
+    const dtype t = nth++ % 2 ? dtype::f16 : dtype::f32;
+    check_fused_gcn(p, {.in = t, .out = t, .f_in = fi, .f_out = fo, .order = gcn_order::fused}, 3);
   }
   check_fused_gcn(p, {.relu = false}, 4);
   check_fused_gcn(p, {.order = gcn_order::unfused, .relu = false, .with_bias = false}, 5);

@@ -120,8 +120,9 @@ void check(const std::vector<std::int64_t>& ids, const config& c, std::uint64_t 
 TEST(GpuSegmentAttention, ForwardAndBackwardMatchTheReference) {
   SKIP_WITHOUT_GPU();
   const std::vector<std::int64_t> ids = random_ids(60, 11);
-  for (const dtype t : {dtype::f16, dtype::bf16})
-    for (const std::int64_t dim : {16, 32, 64, 128}) check(ids, {t, 3, dim, dim % 32 == 0}, 100);
+  // Every head dim, the dtypes in turn (both at every dim: tests/generic).
+  for (const std::int64_t dim : {16, 32, 64, 128})
+    check(ids, {dim % 64 ? dtype::f16 : dtype::bf16, 3, dim, dim % 32 == 0}, 100);
   check(random_ids(5, 12), {dtype::bf16, 1, 64, false}, 200);
   check(std::vector<std::int64_t>(70, 4), {dtype::f16, 2, 32, true}, 300);  // one segment
 }

@@ -265,7 +265,7 @@ TEST(BlockSparseReference, EmptyBlockRowsAndRowsWithoutKeysGiveZeros) {
 }
 
 // The CPU engine (fp32) against the float64 reference: every granularity, causal or not, ragged
-// lengths (0, 1, not multiples of G), per-head and shared masks, every input and output dtype.
+// lengths (0, 1, not multiples of G), per-head and shared masks.
 TEST(BlockSparsePlan, CpuEngineMatchesTheReference) {
   const std::vector<std::int64_t> lens{130, 0, 1, 77, 256};
   std::uint64_t seed = 10;
@@ -292,8 +292,12 @@ TEST(BlockSparsePlan, CpuEngineMatchesTheReference) {
         }
         EXPECT_EQ(plan.report().nnz, pairs);
         const std::int64_t n = plan.mask().cu_seqlens_q.back(), d = 24;
-        for (const auto& [in, out_type] : std::vector<std::pair<dtype, dtype>>{
-                 {dtype::f32, dtype::f32}, {dtype::f16, dtype::f16}, {dtype::bf16, dtype::f32}}) {
+        // One dtype pair per mask, in turn (every pair and head dim: tests/generic).
+        {
+          const auto [in, out_type] =
+              std::vector<std::pair<dtype, dtype>>{{dtype::f32, dtype::f32},
+                                                   {dtype::f16, dtype::f16},
+                                                   {dtype::bf16, dtype::f32}}[seed % 3];
           SCOPED_TRACE("G " + std::to_string(g) + " causal " + std::to_string(causal) +
                        " mask heads " + std::to_string(mask_heads) + " " +
                        std::string(to_string(in)) + "->" + std::string(to_string(out_type)));

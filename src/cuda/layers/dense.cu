@@ -31,6 +31,10 @@ cudaDataType_t blas_type(dtype t) {
       return CUDA_R_16BF;
     case dtype::f32:
       return CUDA_R_32F;
+    case dtype::f64:
+      throw not_supported(
+          "the dense products take f16, bf16 or f32, not f64 (float64 runs on "
+          "the CPU)");
     default:
       throw invalid_input("the dense products take f16, bf16 or f32, not " +
                           std::string(to_string(t)));
