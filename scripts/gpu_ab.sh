@@ -6,8 +6,8 @@
 #   block-sparse: N = 32K and 128K, G = 64 and 128, p = 0.5 to 0.99, 8 heads, d = 64;
 #   SpMM (n = 128) and SDDMM (d = 32): ten shared graphs, two rounds.
 # AB_ROUNDS=1 runs every set once (both builds), to fit a shorter lease; AB_ONLY=blocks
-# runs only its second round (this build first, then the parent's); AB_ONLY=fused runs only the
-# fused 3S set, both orders.
+# runs only its second round (this build first, then the parent's); AB_ONLY=fused, sparse or
+# fused,sparse runs only those sets, two rounds in both orders.
 # Build both here (Release, sm_90, benchmarks) and pack them:
 #   tar -cJf .devpack/base.tar.xz -C build/gpu-base bench_fused3s bench_me_bcrs bench_block_sparse
 #   tar -cJf .devpack/new.tar.xz -C build/gpu bench_fused3s bench_me_bcrs bench_block_sparse ...
@@ -34,8 +34,13 @@ sparse() { "/tmp/ab/$1/bench_me_bcrs" --n 128 --d 32 --repeat 20 --no-baselines 
 blocks() { "/tmp/ab/$1/bench_block_sparse" --n 32768,131072 --g 64,128 --p 0.5,0.9,0.95,0.99 \
              --heads 8 --dim 64 --no-mma-sync > "$out/block_sparse_$1_$2.jsonl" 2>> "$out/stderr.log"; }
 start=$SECONDS
-if [ "${AB_ONLY:-}" = fused ]; then
-  fused base 1; fused new 1; fused new 2; fused base 2; echo "fused3s, two rounds: $((SECONDS - start)) s"
+if [[ "${AB_ONLY:-}" == *fused* || "${AB_ONLY:-}" == *sparse* ]]; then
+  if [[ "$AB_ONLY" == *fused* ]]; then
+    fused base 1; fused new 1; fused new 2; fused base 2; echo "fused3s, two rounds: $((SECONDS - start)) s"
+  fi
+  if [[ "$AB_ONLY" == *sparse* ]]; then
+    sparse new 1; sparse base 1; sparse base 2; sparse new 2; echo "sparse, two rounds: $((SECONDS - start)) s"
+  fi
   tar -cf "$final/ab_runs.tar" -C "$out" .
   exit 0
 fi
