@@ -9,8 +9,8 @@
 # TRAIN=1 GPS training on OGB molecules (below). Build and pack here first:
 #   cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRISPARSE_CUDA=ON \
 #         -DCMAKE_CUDA_ARCHITECTURES=90 -DTRISPARSE_PYTHON=OFF -DTRISPARSE_DATASETS_DIR=data
-#   cmake --build build/gpu --target gpu_tests op_gpu_tests && mkdir -p .devpack .devlibs data
-#   tar -cJf .devpack/gpu_tests.tar.xz -C build/gpu/tests gpu_tests op_gpu_tests
+#   cmake --build build/gpu --target gpu_tests op_gpu_tests large_gpu_tests && mkdir -p .devpack .devlibs data
+#   tar -cJf .devpack/gpu_tests.tar.xz -C build/gpu/tests gpu_tests op_gpu_tests large_gpu_tests
 #   cp -L /lib/x86_64-linux-gnu/libzip.so.4 /lib/x86_64-linux-gnu/libbz2.so.1.0 .devlibs/
 #   cp ../shared/datasets/* data/   (and ogbg/, planetoid/)
 # and call with carry = [.devpack, .devlibs, data]. Logs go under $OUT.
@@ -34,10 +34,14 @@ if [ "${GTEST:-*}" != none ]; then
   mkdir -p /tmp/packed && tar -xJf .devpack/gpu_tests.tar.xz -C /tmp/packed
   /tmp/packed/gpu_tests --gtest_brief=1 --gtest_filter="${GTEST:-*}" > "$out/gpu_tests.log" 2>&1 || status=1
   tail -4 "$out/gpu_tests.log"
-  # Every op x backend x dtype on CUDA (tests/generic), where packed.
+  # Every op x backend x dtype on CUDA, and offsets and sizes past 2^31 (tests/generic), where packed.
   if [ -x /tmp/packed/op_gpu_tests ]; then
     /tmp/packed/op_gpu_tests > "$out/op_gpu_tests.log" 2>&1 || status=1
     grep -E "cases on|FAILED|PASSED" "$out/op_gpu_tests.log" | head -5
+  fi
+  if [ -x /tmp/packed/large_gpu_tests ]; then
+    /tmp/packed/large_gpu_tests --gtest_brief=1 > "$out/large_gpu_tests.log" 2>&1 || status=1
+    tail -3 "$out/large_gpu_tests.log"
   fi
   echo "gpu tests: $((SECONDS - start)) s"
 fi
