@@ -18,6 +18,7 @@ __all__ = [
     "PatternLearner",
     "attention_error",
     "block_mass",
+    "dense_attention",
     "learn_block_pattern",
     "pooled_block_mass",
     "prune_blocks",
@@ -448,15 +449,38 @@ def _nhd(q: Tensor, k: Tensor) -> tuple:
     )
 
 
-def attention_error(q: Tensor, k: Tensor, v: Tensor, pattern: BlockPattern) -> Tensor:
+def attention_error(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pattern: BlockPattern,
+    causal: bool = False,
+    dense: Tensor | None = None,
+) -> Tensor:
     """Per head, the relative L2 error ||O_pattern - O_dense|| / ||O_dense|| of the attention
     over the pattern's blocks against dense attention (float64 [H]), for q [H, N_q, D], k and v
-    [H, N_k, D] in the pattern's node order: how much of the attention a pattern loses."""
-    mask = pattern.to_block_mask(device=q.device)
+    [H, N_k, D] in the pattern's node order (causal: keys up to each query's position, aligned at
+    the bottom right, in both): how much of the attention a pattern loses. ``dense``: the dense
+    output [H, N_q, Dv] when already computed (:func:`dense_attention`), for several patterns."""
+    mask = pattern.to_block_mask(causal=causal, device=q.device)
     q64, k64, v64 = (t.to(torch.float64)[None] for t in (q, k, v))
     sparse = block_sparse_attention(q64, k64, v64, mask)[0]
-    dense = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64)[0]
+    if dense is None:
+        dense = dense_attention(q, k, v, causal)
+    dense = dense.to(torch.float64)
     return (sparse - dense).flatten(1).norm(dim=1) / dense.flatten(1).norm(dim=1)
+
+
+def dense_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> Tensor:
+    """Dense attention in float64 of q [H, N_q, D] over k, v [H, N_k, D] (causal: aligned at the
+    bottom right), the reference :func:`attention_error` compares against."""
+    q64, k64, v64 = (t.to(torch.float64) for t in (q, k, v))
+    if causal and q64.shape[1] != k64.shape[1]:
+        # SDPA's is_causal aligns at the top left; the library's masks at the bottom right.
+        rows = torch.arange(q64.shape[1], device=q.device)[:, None] + (k64.shape[1] - q64.shape[1])
+        allowed = torch.arange(k64.shape[1], device=q.device)[None, :] <= rows
+        return torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, attn_mask=allowed)
+    return torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=causal)
 
 
 class PatternLearner:

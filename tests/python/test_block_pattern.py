@@ -233,6 +233,27 @@ def test_attention_error_is_zero_for_dense_and_grows_with_sparsity():
     assert errors[0] < errors[1]
 
 
+def test_causal_attention_error_against_masked_dense_attention():
+    """causal: the pattern's mask is causal and so is the dense reference (bottom-right aligned
+    where the query count differs); a pattern holding every block has no error, and the error
+    equals one computed by hand from masked dense attention."""
+    gen = torch.Generator().manual_seed(26)
+    q, k, v = (torch.randn(2, 200, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    full = trisparse.BlockPattern.layout("dense", 200, block_size=32, heads=2)
+    assert float(trisparse.attention_error(q, k, v, full, causal=True).max()) < 1e-12
+    p = trisparse.learn_block_pattern(q, k, 32, sparsity=0.5, causal=True)
+    keep = p.blocks().repeat_interleave(32, 1).repeat_interleave(32, 2)[:, :200, :200]
+    allowed = keep & torch.ones(200, 200, dtype=torch.bool).tril()
+    by_hand = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    dense = trisparse.dense_attention(q, k, v, causal=True)
+    want = (by_hand - dense).flatten(1).norm(dim=1) / dense.flatten(1).norm(dim=1)
+    got = trisparse.attention_error(q, k, v, p, causal=True, dense=dense)
+    assert torch.allclose(got, want, rtol=1e-9, atol=1e-12)
+    # Fewer queries than keys: the last query row sees every key (bottom-right alignment).
+    tail = trisparse.dense_attention(q[:, 150:], k, v, causal=True)
+    assert torch.allclose(tail[:, -1], trisparse.dense_attention(q[:, -1:], k, v)[:, 0])
+
+
 def test_flex_block_mask_holds_the_same_blocks():
     pytest.importorskip("torch.nn.attention.flex_attention")
     blocks = random_blocks(2, 6, 6, 0.4, seed=17)

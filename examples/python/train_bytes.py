@@ -1,0 +1,305 @@
+#!/usr/bin/env python3
+"""The learned-pattern plan's evaluation (b): a byte-level causal transformer on real text every
+machine has (the Python standard library's sources), dense attention against learned block
+patterns.
+
+    python3 examples/python/train_bytes.py --mode errors     # the error table (JSON lines)
+    python3 examples/python/train_bytes.py --mode train      # bits per byte (JSON lines)
+
+--mode errors trains the model with dense causal attention, then takes each layer's q, k, v on a
+held-out sequence and, for each pattern and block sparsity, the relative L2 error of the attention
+output against dense (trisparse.attention_error, causal), averaged over heads and layers. Patterns
+at sparsity s keep, in each block row, the diagonal block and the best (1 - s) of the row's causal
+blocks by: random scores; pooled q . k (topk: the routing rule of trisparse.topk_block_mask,
+pooled_block_mass); the exact attention mass summed over --learn-samples training sequences
+(learned: offline, then applied to the held-out sequence); the held-out sequence's own mass
+(oracle: how sparse its attention really is; oracle_mass_kept is the mass its blocks hold).
+local_strided is a band of blocks and every stride-th block below the diagonal, as close to
+(1 - s) of the causal blocks as its parameters come.
+
+--mode train trains the same model with dense attention and with a trisparse.PatternLearner per
+layer at each --sparsity (dense for --learner-warmup steps, then block-sparse under the pattern
+learned from the kernels' block importance) and reports the held-out bits per byte of each.
+"""
+
+import argparse
+import functools
+import json
+import math
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import trisparse
+from torch import nn
+
+
+def corpus() -> tuple[torch.Tensor, int]:
+    """The standard library's .py files (sorted by path) as one byte tensor, and the file count."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    data = b"\n".join(p.read_bytes() for p in files)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long(), len(files)
+
+
+class Attention(nn.Module):
+    def __init__(self, channels, heads, learner=None):
+        super().__init__()
+        self.qkv = nn.Linear(channels, 3 * channels)
+        self.out = nn.Linear(channels, channels)
+        self.heads, self.learner, self.saved = heads, learner, None
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        self.saved = (q.detach(), k.detach(), v.detach())  # [B, H, N, D] each
+        if self.learner is not None:
+            y = self.learner(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, n, c))
+
+
+class Block(nn.Module):
+    def __init__(self, channels, heads, learner=None):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(channels), nn.LayerNorm(channels)
+        self.attn = Attention(channels, heads, learner)
+        self.mlp = nn.Sequential(
+            nn.Linear(channels, 4 * channels), nn.GELU(), nn.Linear(4 * channels, channels)
+        )
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class ByteModel(nn.Module):
+    def __init__(self, channels, heads, layers, seq, learners=None):
+        super().__init__()
+        self.embed = nn.Embedding(256, channels)
+        self.pos = nn.Parameter(torch.zeros(seq, channels))
+        learners = learners or [None] * layers
+        self.blocks = nn.ModuleList(Block(channels, heads, ln) for ln in learners)
+        self.norm = nn.LayerNorm(channels)
+        self.head = nn.Linear(channels, 256)
+
+    def forward(self, tokens):
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def sequences(data, starts, seq):
+    """Rows data[s : s + seq + 1] for each start: inputs and next-byte targets."""
+    idx = starts[:, None] + torch.arange(seq + 1)[None, :]
+    rows = data[idx]
+    return rows[:, :-1], rows[:, 1:]
+
+
+def bits_per_byte(model, data, seq, starts, device, amp):
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad(), amp:
+        for s in starts:
+            x, y = sequences(data, s[None], seq)
+            logits = model(x.to(device)).float()
+            total += float(
+                F.cross_entropy(logits.view(-1, 256), y.to(device).view(-1), reduction="sum")
+            )
+            count += y.numel()
+    model.train()
+    return total / count / math.log(2)
+
+
+def train(args, data, split, learners=None):
+    """Trains a model (dense attention, or the given learners per layer); returns it and the
+    held-out bits per byte."""
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    model = ByteModel(args.channels, args.heads, args.layers, args.seq, learners).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, args.lr, total_steps=args.steps, pct_start=0.1)
+    amp = torch.autocast(device.type, torch.bfloat16, enabled=args.bf16)
+    gen = torch.Generator().manual_seed(args.seed)
+    for _ in range(args.steps):
+        starts = torch.randint(0, split - args.seq - 1, (args.batch,), generator=gen)
+        x, y = sequences(data, starts, args.seq)
+        with amp:
+            logits = model(x.to(device))
+            loss = F.cross_entropy(logits.float().view(-1, 256), y.to(device).view(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+    held_out = torch.linspace(split, data.numel() - args.seq - 2, args.eval_sequences).long()
+    return model, bits_per_byte(model, data, args.seq, held_out, device, amp)
+
+
+def keep_per_row(score, sparsity):
+    """Each causal block row's highest-scoring blocks ([H, qb, kb] bool): the diagonal, then up to
+    (1 - sparsity) of the row's causal blocks (at least one)."""
+    heads, nb, _ = score.shape
+    allowed = torch.ones(nb, nb, dtype=torch.bool).tril()
+    score = score.to(torch.float64).masked_fill(~allowed, float("-inf"))
+    score = score.masked_fill(torch.eye(nb, dtype=torch.bool), float("inf"))
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices
+    budget = torch.clamp(torch.round((1.0 - sparsity) * torch.arange(1, nb + 1)), min=1)
+    kept_rank = torch.arange(nb)[None, :] < budget[:, None]
+    keep = torch.zeros(heads, nb, nb, dtype=torch.bool)
+    keep.scatter_(2, order, kept_rank.expand(heads, nb, nb))
+    return keep & allowed
+
+
+def local_strided(nb, keep):
+    """Below the diagonal: a band plus every stride-th block, the parameters that come closest to
+    `keep` of the causal blocks."""
+    r, c = torch.arange(nb)[:, None], torch.arange(nb)[None, :]
+    causal = c <= r
+    best = None
+    for window in range(nb):
+        for stride in range(2, nb + 1):
+            blocks = causal & (((r - c) <= window) | ((r - c) % stride == 0))
+            gap = abs(float(blocks.sum() / causal.sum()) - keep)
+            if best is None or gap < best[0]:
+                best = (gap, blocks)
+    return best[1]
+
+
+def pattern_error(q, k, v, dense, g, blocks):
+    """The mean over heads of the causal attention's relative L2 error under `blocks`."""
+    heads, n = q.shape[0], q.shape[1]
+    blocks = blocks.expand(heads, *blocks.shape[-2:]) if blocks.dim() == 2 else blocks
+    p = trisparse.BlockPattern.from_blocks(blocks.contiguous(), g, n, n)
+    return float(trisparse.attention_error(q, k, v, p, causal=True, dense=dense).mean())
+
+
+def layer_qkv(model, tokens, device, amp):
+    """Each layer's q, k, v ([H, N, D], first sequence) on `tokens` [B, N]."""
+    model.eval()
+    with torch.no_grad(), amp:
+        model(tokens.to(device))
+    return [tuple(t[0].float().cpu() for t in b.attn.saved) for b in model.blocks]
+
+
+def error_table(args, data, split):
+    start = time.perf_counter()
+    model, bpb = train(args, data, split)
+    trained_s = time.perf_counter() - start
+    device = torch.device(args.device)
+    amp = torch.autocast(device.type, torch.bfloat16, enabled=args.bf16)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    learn_starts = torch.randint(0, split - args.seq - 1, (args.learn_samples,), generator=gen)
+    held = torch.tensor([split + (data.numel() - split - args.seq - 1) // 2])
+    learn = [
+        layer_qkv(model, sequences(data, s[None], args.seq)[0], device, amp) for s in learn_starts
+    ]
+    test = layer_qkv(model, sequences(data, held, args.seq)[0], device, amp)
+    g, nb = args.block, -(-args.seq // args.block)
+    print(
+        json.dumps(
+            {
+                "bits_per_byte_dense": bpb,
+                "trained_s": trained_s,
+                "seq": args.seq,
+                "block": g,
+                "layers": args.layers,
+                "heads": args.heads,
+                "channels": args.channels,
+                "steps": args.steps,
+                "device": args.device,
+            }
+        ),
+        flush=True,
+    )
+    methods = ("random", "local_strided", "topk", "learned", "oracle")
+    causal_blocks = torch.ones(nb, nb, dtype=torch.bool).tril()
+    for s in args.sparsity:
+        per = {m: [] for m in (*methods, "oracle_mass_kept", "density")}
+        for layer, (q, k, v) in enumerate(test):
+            heads = q.shape[0]
+            dense = trisparse.dense_attention(q, k, v, causal=True)
+            error = functools.partial(pattern_error, q, k, v, dense, g)
+
+            rand = keep_per_row(torch.rand(heads, nb, nb, generator=gen), s)
+            per["random"].append(error(rand))
+            per["local_strided"].append(error(local_strided(nb, 1.0 - s)))
+            per["topk"].append(error(keep_per_row(trisparse.pooled_block_mass(q, k, g, True), s)))
+            # Offline: the exact mass over the training samples' q and k.
+            mass = sum(
+                trisparse.block_mass(sample[layer][0], sample[layer][1], g, True)
+                for sample in learn
+            )
+            per["learned"].append(error(keep_per_row(mass, s)))
+            true_mass = trisparse.block_mass(q, k, g, True)
+            oracle = keep_per_row(true_mass, s)
+            per["oracle"].append(error(oracle))
+            per["oracle_mass_kept"].append(float((true_mass * oracle).sum(-1).mean()))
+            per["density"].append(float(oracle.sum() / (heads * causal_blocks.sum())))
+        row = {"sparsity": s, **{m: sum(x) / len(x) for m, x in per.items()}}
+        print(json.dumps(row), flush=True)
+
+
+def train_table(args, data, split):
+    for s in [0.0, *args.sparsity]:
+        learners = None
+        if s > 0:
+            learners = [
+                trisparse.PatternLearner(
+                    args.block,
+                    s,
+                    every=args.learner_every,
+                    warmup=args.learner_warmup,
+                    causal=True,
+                    track_every=2,
+                )
+                for _ in range(args.layers)
+            ]
+        start = time.perf_counter()
+        _, bpb = train(args, data, split, learners)
+        row = {
+            "mode": "dense" if s == 0 else "learned",
+            "sparsity": s,
+            "bits_per_byte": bpb,
+            "seconds": time.perf_counter() - start,
+            "seq": args.seq,
+            "block": args.block,
+            "steps": args.steps,
+            "device": args.device,
+            "bf16": args.bf16,
+        }
+        print(json.dumps(row), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mode", choices=("errors", "train"), default="errors")
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--block", type=int, default=64)
+    ap.add_argument("--sparsity", type=float, nargs="+", default=[0.8, 0.9, 0.95])
+    ap.add_argument("--channels", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--eval-sequences", type=int, default=4)
+    ap.add_argument("--learn-samples", type=int, default=4, help="training sequences learned from")
+    ap.add_argument("--learner-warmup", type=int, default=50)
+    ap.add_argument("--learner-every", type=int, default=25)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA block kernels)")
+    args = ap.parse_args()
+    data, files = corpus()
+    split = int(data.numel() * 0.95)
+    print(json.dumps({"corpus_bytes": data.numel(), "files": files}), flush=True)
+    (error_table if args.mode == "errors" else train_table)(args, data, split)
+
+
+if __name__ == "__main__":
+    main()
