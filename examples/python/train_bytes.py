@@ -108,7 +108,7 @@ def bits_per_byte(model, data, seq, starts, device, amp):
             x, y = sequences(data, s[None], seq)
             logits = model(x.to(device)).float()
             total += float(
-                F.cross_entropy(logits.view(-1, 256), y.to(device).view(-1), reduction="sum")
+                F.cross_entropy(logits.view(-1, 256), y.to(device).reshape(-1), reduction="sum")
             )
             count += y.numel()
     model.train()
@@ -130,7 +130,7 @@ def train(args, data, split, learners=None):
         x, y = sequences(data, starts, args.seq)
         with amp:
             logits = model(x.to(device))
-            loss = F.cross_entropy(logits.float().view(-1, 256), y.to(device).view(-1))
+            loss = F.cross_entropy(logits.float().view(-1, 256), y.to(device).reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
