@@ -476,10 +476,12 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> Te
     bottom right), the reference :func:`attention_error` compares against."""
     q64, k64, v64 = (t.to(torch.float64) for t in (q, k, v))
     if causal and q64.shape[1] != k64.shape[1]:
-        # SDPA's is_causal aligns at the top left; the library's masks at the bottom right.
+        # SDPA's is_causal aligns at the top left; the library's masks at the bottom right, where
+        # a query that sees no key gets zeros (SDPA: NaN).
         rows = torch.arange(q64.shape[1], device=q.device)[:, None] + (k64.shape[1] - q64.shape[1])
         allowed = torch.arange(k64.shape[1], device=q.device)[None, :] <= rows
-        return torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, attn_mask=allowed)
+        out = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, attn_mask=allowed)
+        return out.masked_fill(~allowed.any(1)[:, None], 0.0)
     return torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=causal)
 
 

@@ -252,6 +252,10 @@ def test_causal_attention_error_against_masked_dense_attention():
     # Fewer queries than keys: the last query row sees every key (bottom-right alignment).
     tail = trisparse.dense_attention(q[:, 150:], k, v, causal=True)
     assert torch.allclose(tail[:, -1], trisparse.dense_attention(q[:, -1:], k, v)[:, 0])
+    # More queries than keys: the first ones see no key and get zeros, as the kernels give them.
+    wide = trisparse.dense_attention(q, k[:, :120], v[:, :120], causal=True)
+    assert wide[:, :80].abs().max() == 0 and bool(torch.isfinite(wide).all())
+    assert torch.allclose(wide[:, 80], v[:, 0])
 
 
 def test_flex_block_mask_holds_the_same_blocks():
