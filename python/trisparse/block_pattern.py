@@ -477,7 +477,7 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -> Te
     q64, k64, v64 = (t.to(torch.float64) for t in (q, k, v))
     if causal and q64.shape[1] != k64.shape[1]:
         # SDPA's is_causal aligns at the top left; the library's masks at the bottom right, where
-        # a query that sees no key gets zeros (SDPA: NaN).
+        # a query that sees no key gets zeros (whatever the SDPA backend gives such a row).
         rows = torch.arange(q64.shape[1], device=q.device)[:, None] + (k64.shape[1] - q64.shape[1])
         allowed = torch.arange(k64.shape[1], device=q.device)[None, :] <= rows
         out = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, attn_mask=allowed)
