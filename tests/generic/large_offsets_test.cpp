@@ -8,11 +8,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <fstream>
-#include <limits>
-#include <set>
+#include <memory>
+#include <optional>
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "support.hpp"
@@ -429,7 +432,7 @@ std::unique_ptr<big> heads_of(const host_tensor& data, std::int64_t heads,
   return b;
 }
 
-// Writes every element of a big output: poisoned first.
+// A big output, poisoned: an element the op leaves unwritten shows as NaN.
 std::unique_ptr<big> big_output(dtype t, std::int64_t rows, std::int64_t heads, std::int64_t dim) {
   auto b = std::make_unique<big>(t, rows, heads, dim, heads * dim);
   b->poison();
