@@ -29,6 +29,12 @@ def _bias_view(bias: Tensor | None) -> tuple | None:
     return _tensors.view(bias.unsqueeze(-1) if bias.dim() == 2 else bias.view(-1, 1, 1))
 
 
+def _forward_outputs(q: Tensor, v: Tensor, with_lse: bool) -> tuple[Tensor, Tensor]:
+    """The forward's out [rows, H, Dv] and lse, unwritten (the op's and its fake's)."""
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    return out, q.new_empty(_lse_shape(q, with_lse), dtype=_lse_dtype(q))
+
+
 @torch.library.custom_op("trisparse::sparse_attention", mutates_args=())
 def _forward(
     q: Tensor,
@@ -47,8 +53,7 @@ def _forward(
     # holds.
     rowwise = q.device.type == "cuda" and (q.dtype == torch.float32 or bias is not None)
     plan = lookup(pattern).plan(q.device, gradients=gradients or rowwise)
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-    lse = q.new_empty(_lse_shape(q, with_lse), dtype=_lse_dtype(q))
+    out, lse = _forward_outputs(q, v, with_lse)
     _owner, ws, ws_bytes = _tensors.workspace(
         plan.workspace_bytes(q.shape[1], max(q.shape[2], v.shape[2])), q.device
     )
@@ -70,8 +75,7 @@ def _forward(
 
 @_forward.register_fake
 def _forward_fake(q, k, v, bias, pattern, scale, with_lse, gradients):
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-    return out, q.new_empty(_lse_shape(q, with_lse), dtype=_lse_dtype(q))
+    return _forward_outputs(q, v, with_lse)
 
 
 @torch.library.custom_op("trisparse::sparse_attention_backward", mutates_args=())

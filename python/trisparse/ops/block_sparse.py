@@ -32,6 +32,12 @@ def _lse_rows(q: Tensor, with_lse: bool) -> int:
     return q.shape[0] if with_lse and q.device.type == "cuda" else 0
 
 
+def _forward_outputs(q: Tensor, v: Tensor, with_lse: bool) -> tuple[Tensor, Tensor]:
+    """The forward's out (in q's layout) and lse, unwritten (the op's and its fake's)."""
+    lse = q.new_empty(_lse_rows(q, with_lse), q.shape[1], dtype=torch.float32)
+    return _out_like(q, v.shape[2]), lse
+
+
 @torch.library.custom_op("trisparse::block_sparse_attention", mutates_args=())
 def _forward(
     q: Tensor,
@@ -48,8 +54,7 @@ def _forward(
     out and, on CUDA with `with_lse`, each row's log-sum-exp (f32 [rows, H]; else [0, H]).
     `importance`: the id of a BlockImportance the backward fills (0: none)."""
     plan = _plan(q, mask, cu_q, cu_k)
-    out = _out_like(q, v.shape[2])
-    lse = q.new_empty(_lse_rows(q, with_lse), q.shape[1], dtype=torch.float32)
+    out, lse = _forward_outputs(q, v, with_lse)
     _owner, ws, ws_bytes = _tensors.workspace(
         plan.workspace_bytes(q.shape[1], max(q.shape[2], v.shape[2])), q.device
     )
@@ -67,10 +72,7 @@ def _forward(
 
 @_forward.register_fake
 def _forward_fake(q, k, v, mask, cu_q, cu_k, scale, with_lse, importance=0):
-    return (
-        _out_like(q, v.shape[2]),
-        q.new_empty(_lse_rows(q, with_lse), q.shape[1], dtype=torch.float32),
-    )
+    return _forward_outputs(q, v, with_lse)
 
 
 @torch.library.custom_op("trisparse::block_sparse_attention_backward", mutates_args=())

@@ -24,6 +24,17 @@ def _edge_rows(a: Tensor | None) -> tuple | None:
     return None if a is None else _tensors.view(a.unsqueeze(1))
 
 
+def _forward_outputs(q: Tensor, r: Tensor | None, rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    """out [rows, H, C] in q's dtype, out_edge [rows, H, F] and lse [rows, H] float32, unwritten
+    (the op's and its fake's)."""
+    heads, features = q.shape[1], 0 if r is None else r.shape[2]
+    return (
+        q.new_empty(rows, heads, q.shape[2]),
+        q.new_empty(rows, heads, features, dtype=torch.float32),
+        q.new_empty(rows, heads, dtype=torch.float32),
+    )
+
+
 @torch.library.custom_op("trisparse::edge_attention", mutates_args=())
 def _forward(
     q: Tensor,
@@ -38,10 +49,7 @@ def _forward(
     """(out [rows, H, C] in q's dtype, out_edge [rows, H, F] float32, lse [rows, H] float32);
     `keep`: [E, H] float32 factors on the weights (attention dropout) or None."""
     p = lookup(pattern)
-    rows, heads = p.num_rows, q.shape[1]
-    out = q.new_empty(rows, heads, q.shape[2])
-    out_edge = q.new_empty(rows, heads, 0 if r is None else r.shape[2], dtype=torch.float32)
-    lse = q.new_empty(rows, heads, dtype=torch.float32)
+    out, out_edge, lse = _forward_outputs(q, r, p.num_rows)
     p.edge_attention_plan(q.device).forward(
         _tensors.view(q),
         _tensors.view(k),
@@ -60,12 +68,18 @@ def _forward(
 
 @_forward.register_fake
 def _forward_fake(q, k, v, r, a, keep, pattern, scale):
-    p = lookup(pattern)
-    rows, heads = p.num_rows, q.shape[1]
+    return _forward_outputs(q, r, lookup(pattern).num_rows)
+
+
+def _grads(q, k, v, r, a) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv, dr, da: float32, packed, unwritten (dr and da empty without edge features);
+    the op's and its fake's."""
+    f32 = {"dtype": torch.float32, "device": q.device}
+    edged = r is not None
     return (
-        q.new_empty(rows, heads, q.shape[2]),
-        q.new_empty(rows, heads, 0 if r is None else r.shape[2], dtype=torch.float32),
-        q.new_empty(rows, heads, dtype=torch.float32),
+        *(torch.empty(t.shape, **f32) for t in (q, k, v)),
+        torch.empty(r.shape if edged else (0,), **f32),
+        torch.empty(a.shape if edged else (0,), **f32),
     )
 
 
@@ -88,11 +102,8 @@ def _backward_op(
     """(dq, dk, dv, dr, da), float32 (dr and da empty without edge features)."""
     p = lookup(pattern)
     plan = p.edge_attention_plan(q.device)
-    f32 = {"dtype": torch.float32}
-    dq, dk, dv = (torch.empty(t.shape, device=t.device, **f32) for t in (q, k, v))
+    dq, dk, dv, dr, da = _grads(q, k, v, r, a)
     edged = r is not None
-    dr = torch.empty(r.shape if edged else (0,), device=q.device, **f32)
-    da = torch.empty(a.shape if edged else (0,), device=q.device, **f32)
     _owner, ws, ws_bytes = _tensors.workspace(plan.workspace_bytes(q.shape[1]), q.device)
     plan.backward(
         _tensors.view(q),
@@ -121,14 +132,14 @@ def _backward_op(
 
 @_backward_op.register_fake
 def _backward_fake(q, k, v, r, a, keep, out, out_edge, lse, dout, dout_edge, pattern, scale):
-    f32 = {"dtype": torch.float32}
-    edged = r is not None
+    return _grads(q, k, v, r, a)
+
+
+def _gat_outputs(x: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+    """GAT's out [rows, H, C] in x's dtype and lse [rows, H] float32, unwritten (op and fake)."""
     return (
-        torch.empty_like(q, **f32),
-        torch.empty_like(k, **f32),
-        torch.empty_like(v, **f32),
-        torch.empty_like(r, **f32) if edged else q.new_empty(0, **f32),
-        torch.empty_like(a, **f32) if edged else q.new_empty(0, **f32),
+        x.new_empty(rows, x.shape[1], x.shape[2]),
+        x.new_empty(rows, x.shape[1], dtype=torch.float32),
     )
 
 
@@ -144,8 +155,7 @@ def _gat_forward(
 ) -> tuple[Tensor, Tensor]:
     """(out [rows, H, C] in x's dtype, lse [rows, H] float32); `keep` as edge_attention's."""
     p = lookup(pattern)
-    out = x.new_empty(p.num_rows, x.shape[1], x.shape[2])
-    lse = x.new_empty(p.num_rows, x.shape[1], dtype=torch.float32)
+    out, lse = _gat_outputs(x, p.num_rows)
     p.edge_attention_plan(x.device).gat_forward(
         _tensors.view(x),
         _tensors.view2(a_src),
@@ -162,10 +172,17 @@ def _gat_forward(
 
 @_gat_forward.register_fake
 def _gat_forward_fake(x, a_src, a_dst, a_edge, keep, pattern, negative_slope):
-    p = lookup(pattern)
+    return _gat_outputs(x, lookup(pattern).num_rows)
+
+
+def _gat_grads(x, a_src, a_dst, a_edge) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dx (float32, packed), da_src, da_dst, da_edge (empty without a_edge), unwritten (the op's
+    and its fake's)."""
     return (
-        x.new_empty(p.num_rows, x.shape[1], x.shape[2]),
-        x.new_empty(p.num_rows, x.shape[1], dtype=torch.float32),
+        torch.empty(x.shape, device=x.device, dtype=torch.float32),
+        torch.empty_like(a_src),
+        torch.empty_like(a_dst),
+        torch.empty_like(a_edge) if a_edge is not None else a_src.new_empty(0),
     )
 
 
@@ -185,9 +202,7 @@ def _gat_backward_op(
     """(dx float32, da_src, da_dst, da_edge: empty without a_edge)."""
     p = lookup(pattern)
     plan = p.edge_attention_plan(x.device)
-    dx = torch.empty(x.shape, device=x.device, dtype=torch.float32)
-    da_src, da_dst = torch.empty_like(a_src), torch.empty_like(a_dst)
-    da_edge = torch.empty_like(a_edge) if a_edge is not None else a_src.new_empty(0)
+    dx, da_src, da_dst, da_edge = _gat_grads(x, a_src, a_dst, a_edge)
     _owner, ws, ws_bytes = _tensors.workspace(plan.workspace_bytes(x.shape[1]), x.device)
     plan.gat_backward(
         _tensors.view(x),
@@ -212,9 +227,4 @@ def _gat_backward_op(
 
 @_gat_backward_op.register_fake
 def _gat_backward_fake(x, a_src, a_dst, a_edge, keep, out, lse, dout, pattern, negative_slope):
-    return (
-        torch.empty_like(x, dtype=torch.float32),
-        torch.empty_like(a_src),
-        torch.empty_like(a_dst),
-        torch.empty_like(a_edge) if a_edge is not None else a_src.new_empty(0),
-    )
+    return _gat_grads(x, a_src, a_dst, a_edge)

@@ -10,6 +10,17 @@ from .. import _tensors
 from ..pattern import lookup
 
 
+def _outputs(x: Tensor, a_dst: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+    """out [rows, H, C] in x's dtype and lse [rows, H] in the scores' dtype, unwritten (the op's
+    and its fake's)."""
+    return x.new_empty(rows, x.shape[1], x.shape[2]), a_dst.new_empty(rows, x.shape[1])
+
+
+def _grads(x: Tensor, a_src: Tensor, a_dst: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """dx, da_src, da_dst like their inputs, unwritten (the op's and its fake's)."""
+    return torch.empty_like(x), torch.empty_like(a_src), torch.empty_like(a_dst)
+
+
 @torch.library.custom_op("trisparse::gat_attention", mutates_args=())
 def _gat(
     x: Tensor,
@@ -23,8 +34,7 @@ def _gat(
     """(out [rows, H, C] in x's dtype, lse [rows, H] in the scores' dtype: float32, or float64
     with float64 x on the CPU)."""
     p = lookup(pattern)
-    out = x.new_empty(p.num_rows, x.shape[1], x.shape[2])
-    lse = a_dst.new_empty(p.num_rows, x.shape[1])
+    out, lse = _outputs(x, a_dst, p.num_rows)
     plan = p.gat_plan(x.device)
     _owner, ws, ws_bytes = _tensors.workspace(
         plan.workspace_bytes(x.shape[1], x.shape[2], False), x.device
@@ -47,11 +57,7 @@ def _gat(
 
 @_gat.register_fake
 def _gat_fake(x, a_src, a_dst, keep, keep_index, pattern, negative_slope):
-    p = lookup(pattern)
-    return (
-        x.new_empty(p.num_rows, x.shape[1], x.shape[2]),
-        a_dst.new_empty(p.num_rows, x.shape[1]),
-    )
+    return _outputs(x, a_dst, lookup(pattern).num_rows)
 
 
 @torch.library.custom_op("trisparse::gat_attention_backward", mutates_args=())
@@ -71,7 +77,7 @@ def _gat_backward(
     p = lookup(pattern)
     plan = p.gat_plan(x.device)
     heads = x.shape[1]
-    dx, da_src, da_dst = torch.empty_like(x), torch.empty_like(a_src), torch.empty_like(a_dst)
+    dx, da_src, da_dst = _grads(x, a_src, a_dst)
     _owner, ws, ws_bytes = _tensors.workspace(
         plan.workspace_bytes(heads, x.shape[2], True), x.device
     )
@@ -97,4 +103,4 @@ def _gat_backward(
 
 @_gat_backward.register_fake
 def _gat_backward_fake(dout, x, a_src, a_dst, keep, keep_index, out, lse, pattern, negative_slope):
-    return torch.empty_like(x), torch.empty_like(a_src), torch.empty_like(a_dst)
+    return _grads(x, a_src, a_dst)

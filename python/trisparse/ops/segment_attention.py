@@ -15,14 +15,22 @@ def _workspace(batch: Tensor, rows: int, heads: int, backward: bool):
     )
 
 
+def _forward_outputs(q: Tensor) -> tuple[Tensor, Tensor]:
+    """out [rows, H, D] in q's dtype and lse [rows, H] float32, unwritten (op and fake)."""
+    return q.new_empty(q.shape), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
+
+
+def _grads(q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv in q's shape and dtype, unwritten (op and fake)."""
+    return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
+
+
 @torch.library.custom_op("trisparse::segment_attention", mutates_args=())
 def _forward(q: Tensor, k: Tensor, v: Tensor, batch: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """(out [rows, H, D] in q's dtype, lse [rows, H] float32); q, k, v any strides."""
     q, k, v = (_tensors.rows16(t) for t in (q, k, v))
-    rows, heads = q.shape[0], q.shape[1]
-    out = q.new_empty(q.shape)
-    lse = q.new_empty(rows, heads, dtype=torch.float32)
-    _owner, ws, ws_bytes = _workspace(batch, rows, heads, False)
+    out, lse = _forward_outputs(q)
+    _owner, ws, ws_bytes = _workspace(batch, q.shape[0], q.shape[1], False)
     _C.segment_attention_forward(
         batch.data_ptr(),
         batch.dtype == torch.int64,
@@ -38,7 +46,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, batch: Tensor, scale: float) -> tu
 
 @_forward.register_fake
 def _forward_fake(q, k, v, batch, scale):
-    return q.new_empty(q.shape), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
+    return _forward_outputs(q)
 
 
 @torch.library.custom_op("trisparse::segment_attention_backward", mutates_args=())
@@ -54,7 +62,7 @@ def _backward_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv in q's dtype (fp32 accumulation, one rounding at the store)."""
     q, k, v, out, dout = (_tensors.rows16(t) for t in (q, k, v, out, dout))
-    dq, dk, dv = (q.new_empty(q.shape) for _ in range(3))
+    dq, dk, dv = _grads(q)
     _owner, ws, ws_bytes = _workspace(batch, q.shape[0], q.shape[1], True)
     _C.segment_attention_backward(
         batch.data_ptr(),
@@ -72,4 +80,4 @@ def _backward_op(
 
 @_backward_op.register_fake
 def _backward_fake(q, k, v, out, lse, dout, batch, scale):
-    return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
+    return _grads(q)
