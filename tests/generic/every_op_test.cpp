@@ -21,7 +21,9 @@
 #include <string>
 #include <vector>
 
+#include "bias_problem.hpp"
 #include "support.hpp"
+#include "topk_rows.hpp"
 
 #ifndef TRISPARSE_OP_TEST_DEVICE
 #define TRISPARSE_OP_TEST_DEVICE cpu
@@ -42,6 +44,10 @@ class buffer {
     host_tensor h(t, rows, heads, dim);
     h.fill(std::numeric_limits<double>::quiet_NaN());
     return buffer(h);
+  }
+  // Poisoned scratch memory of at least `bytes` bytes (a plan's workspace).
+  static buffer scratch(std::size_t bytes) {
+    return output(dtype::f32, static_cast<std::int64_t>(bytes / 4) + 1, 1, 1);
   }
   // A [slots, H, 1] output in the sparse plans' slot layout (the slots of each head in a run).
   static buffer slot_output(dtype t, std::int64_t slots, std::int64_t heads) {
@@ -264,6 +270,59 @@ void attention_cases(recorder& rec) {
   }
 }
 
+// --- the attention score bias (attention_options::bias, dbias): forward and backward ----------
+
+void attention_bias_cases(recorder& rec) {
+  for (const auto& s : shapes()) {
+    const csr_graph& g = s.pattern;
+    for (const algorithm a : {algorithm::fused}) {
+      if (!runs_on(a, kWhere)) continue;
+      const std::string backend = backend_name(a, kWhere);
+      for (const std::int64_t dim : {16, 64, 128}) {
+        for (const bool shared : {false, true}) {
+          const std::string shape = s.name + ", d " + std::to_string(dim) +
+                                    (shared ? ", shared bias" : ", bias per head");
+          for (const dtype in : kDtypes) {
+            const types t{in, out_of(in)};
+            rec.attempt("attention_bias", backend, t, [&] {
+              const std::int64_t heads = 2;
+              const double scale = effective_scale({}, dim);
+              const test::biased_problem p =
+                  test::make_biased_problem(g, heads, dim, in, shared, scale, 200 + dim);
+              const auto plan = attention_plan::build(g, kWhere, {.algo = a, .gradients = true});
+              const dtype lse_type =
+                  in == dtype::f64 && kWhere == device_kind::cpu ? dtype::f64 : dtype::f32;
+              buffer bq(p.q), bk(p.k), bv(p.v), bbias(p.bias), bdout(p.dout),
+                  out = buffer::output(t.out, g.rows, heads, dim),
+                  lse = buffer::output(lse_type, g.rows, heads, 1),
+                  dq = buffer::output(t.out, g.rows, heads, dim),
+                  dk = buffer::output(t.out, g.cols, heads, dim),
+                  dv = buffer::output(t.out, g.cols, heads, dim),
+                  dbias = buffer::output(lse_type, g.nnz(), heads, 1);
+              plan.run(bq.view(), bk.view(), bv.view(), out.view(),
+                       {.scale = scale, .lse = lse.view(), .bias = bbias.view()});
+              rec.check("attention_bias", backend, t, shape, out.fetch(), p.out,
+                        tolerance(in, t.out, 8), "out");
+              const auto [lse_got, lse_want] = test::finite_lse(lse.fetch(), p.lse);
+              rec.check("attention_bias", backend, t, shape, lse_got, lse_want,
+                        tolerance(in, lse_type, 8), "lse");
+              plan.backward(bq.view(), bk.view(), bv.view(), out.view(), lse.view(), bdout.view(),
+                            dq.view(), dk.view(), dv.view(),
+                            {.scale = scale, .bias = bbias.view(), .dbias = dbias.view()});
+              const double tol =
+                  tolerance(in, t.out, 16) + (in == dtype::f64 ? 0 : 8 * unit_roundoff(in));
+              rec.check("attention_bias", backend, t, shape, dq.fetch(), p.dq, tol, "dq");
+              rec.check("attention_bias", backend, t, shape, dk.fetch(), p.dk, tol, "dk");
+              rec.check("attention_bias", backend, t, shape, dv.fetch(), p.dv, tol, "dv");
+              rec.check("attention_bias", backend, t, shape, dbias.fetch(), p.dbias, tol, "dbias");
+            });
+          }
+        }
+      }
+    }
+  }
+}
+
 // --- SpMM, SDDMM, softmax (sparse_plan) -------------------------------------------------------
 
 void sparse_cases(recorder& rec) {
@@ -400,6 +459,127 @@ void block_sparse_cases(recorder& rec) {
   }
 }
 
+// --- block importance (attention_options::block_mass, block_grad) and top-k masks -------------
+
+void block_importance_cases(recorder& rec) {
+  const std::vector<std::int64_t> lens{70, 0, 33, 130};
+  const std::int64_t heads = 2, dim = 64;
+  for (const std::int64_t g : {16, 64}) {
+    for (const bool causal : {false, true}) {
+      const auto mask = make_block_sparse_mask({.layout = block_layout::random,
+                                                .block = g,
+                                                .p = 0.5,
+                                                .causal = causal,
+                                                .heads = heads,
+                                                .seed = 6},
+                                               lens);
+      const std::string shape = "G" + std::to_string(g) + (causal ? " causal" : "") + " ragged";
+      const std::int64_t rows = mask.cu_seqlens_q.back();
+      const std::int64_t qb = (130 + g - 1) / g, kb = qb;
+      // The backend with a backward: the CPU engine, CUDA's block kernels.
+      const algorithm a = kWhere == device_kind::cuda ? algorithm::block : algorithm::fused;
+      const std::string backend = backend_name(a, kWhere, true);
+      for (const dtype in : kDtypes) {
+        const types t{in, dtype::f32};
+        rec.attempt("block_importance", backend, t, [&] {
+          const auto plan = block_sparse_attention_plan::build(
+              mask, kWhere, {.algo = a, .gradients = kWhere == device_kind::cuda});
+          const double scale = effective_scale({}, dim);
+          const host_tensor q = random(in, rows, heads, dim, 45),
+                            k = random(in, rows, heads, dim, 46),
+                            v = random(in, rows, heads, dim, 47),
+                            dout = random(in, rows, heads, dim, 48);
+          buffer bq(q), bk(k), bv(v), bdout(dout),
+              out = buffer::output(in, rows, heads, dim),
+              lse = buffer::output(dtype::f32, rows, heads, 1),
+              dq = buffer::output(out_of(in), rows, heads, dim),
+              dk = buffer::output(out_of(in), rows, heads, dim),
+              dv = buffer::output(out_of(in), rows, heads, dim),
+              mass = buffer::output(dtype::f32, 4 * qb, heads, kb),
+              grad = buffer::output(dtype::f32, 4 * qb, heads, kb);
+          const std::size_t bytes = plan.backward_workspace_bytes(heads, true);
+          buffer ws = buffer::scratch(bytes);
+          // The CPU's backward recomputes the forward (out and lse unused).
+          const tensor_view lse_view = kWhere == device_kind::cuda ? lse.view() : tensor_view{};
+          plan.run(bq.view(), bk.view(), bv.view(), out.view(), {.lse = lse_view});
+          plan.backward(bq.view(), bk.view(), bv.view(), out.view(), lse_view, bdout.view(),
+                        dq.view(), dk.view(), dv.view(),
+                        {.block_mass = mass.view(), .block_grad = grad.view()}, {},
+                        {bytes > 0 ? ws.view().data : nullptr, bytes});
+          host_tensor want[2] = {host_tensor(dtype::f64, 4 * qb, heads, kb),
+                                 host_tensor(dtype::f64, 4 * qb, heads, kb)};
+          for (host_tensor& w : want) w.fill(std::numeric_limits<double>::quiet_NaN());
+          reference::block_importance(mask, q.view(), k.view(), v.view(), dout.view(), scale,
+                                      want[0].view(), want[1].view());
+          host_tensor got[2] = {mass.fetch(), grad.fetch()};
+          // Blocks the mask drops are left as they were (NaN here); compare the kept ones.
+          for (int x = 0; x < 2; ++x) {
+            for (std::int64_t i = 0; i < want[x].numel(); ++i) {
+              if (!std::isnan(want[x].get(i))) continue;
+              EXPECT_TRUE(std::isnan(got[x].get(i))) << "a dropped block was written";
+              got[x].set(i, 0.0);
+              want[x].set(i, 0.0);
+            }
+          }
+          // dS reads <dO, O> with O rounded to q's dtype, as the gradients do.
+          const double tol =
+              tolerance(in, dtype::f32, 8) + (in == dtype::f64 ? 0 : 8 * unit_roundoff(in));
+          rec.check("block_importance", backend, t, shape, got[0], want[0], tol, "block_mass");
+          rec.check("block_importance", backend, t, shape, got[1], want[1], tol, "block_grad");
+        });
+      }
+    }
+  }
+}
+
+// Top-k masks selected from q and k (the CPU's topk_block_mask, the device's
+// topk_block_sparse_plan): every selected row against the pooled float64 scores, and attention
+// under the selection against the float64 reference under that mask.
+void topk_cases(recorder& rec) {
+  const std::vector<std::int64_t> cu{0, 300, 301, 818};
+  const std::int64_t heads = 2;
+  const std::string backend = kWhere == device_kind::cuda ? "cuda_topk_block" : "cpu_topk_block";
+  for (const std::int64_t g : {16, 64, 128}) {
+    for (const bool causal : {false, true}) {
+      for (const std::int64_t dim : {64, 128}) {
+        const topk_mask_options o{
+            .block = g, .top_k = 3, .causal = causal, .keep_diagonal = g != 64};
+        const std::string shape = "G" + std::to_string(g) + (causal ? " causal" : "") + ", d " +
+                                  std::to_string(dim) + ", top 3" +
+                                  (o.keep_diagonal ? " + diagonal" : "");
+        for (const dtype in : kDtypes) {
+          const types t{in, out_of(in)};
+          rec.attempt("topk_block_attention", backend, t, [&] {
+            if (kWhere == device_kind::cuda && in != dtype::f16 && in != dtype::bf16)
+              throw not_supported("the device's top-k selection takes f16 and bf16");
+            const host_tensor q = random(in, cu.back(), heads, dim, 110 + g),
+                              k = random(in, cu.back(), heads, dim, 111 + g),
+                              v = random(in, cu.back(), heads, dim, 112 + g);
+            buffer bq(q), bk(k), bv(v), out = buffer::output(t.out, cu.back(), heads, dim);
+            block_sparse_mask mask;
+            if (kWhere == device_kind::cuda) {
+              auto plan = topk_block_sparse_plan::build(cu, cu, heads, dim, o);
+              plan.select(bq.view(), bk.view());
+              plan.run(bq.view(), bk.view(), bv.view(), out.view());
+              mask = plan.mask();
+            } else {
+              mask = topk_block_mask(q.view(), k.view(), cu, cu, o);
+              block_sparse_attention_plan::build(mask).run(bq.view(), bk.view(), bv.view(),
+                                                           out.view());
+            }
+            ASSERT_NO_FATAL_FAILURE(test::expect_topk_rows(mask, q, k, o)) << shape;
+            host_tensor want(dtype::f64, cu.back(), heads, dim);
+            reference::block_sparse_attention(mask, q.view(), k.view(), v.view(), want.view(),
+                                              effective_scale({}, dim));
+            rec.check("topk_block_attention", backend, t, shape, out.fetch(), want,
+                      tolerance(in, t.out, 4));
+          });
+        }
+      }
+    }
+  }
+}
+
 // --- the GCN layer: out = Â (x w) ---------------------------------------------------------------
 
 void gcn_cases(recorder& rec) {
@@ -453,16 +633,56 @@ void gcn_fused_cases(recorder& rec) {
                           w = random(t.in, f_in, 1, f_out, 61),
                           bias = random(dtype::f32, 1, 1, f_out, 62);
         const std::size_t bytes = plan.workspace_bytes(f_in, f_out, t.in, order);
-        buffer bx(x), bw(w), bb(bias),
-            out = buffer::output(t.out, p.rows, 1, f_out),
-            workspace = buffer::output(dtype::f32, static_cast<std::int64_t>(bytes / 4) + 1, 1, 1);
-        plan.forward(
-            {.x = bx.view(), .w = bw.view(), .bias = bb.view(), .out = out.view(), .order = order},
-            {}, {workspace.view().data, bytes});
+        const std::int64_t words = (f_out + 31) / 32;
+        const bool fused = plan.fused(f_in, f_out, t.in, order);  // it writes P x
+        buffer bx(x), bw(w), bb(bias), out = buffer::output(t.out, p.rows, 1, f_out),
+                                       mask = buffer::output(dtype::f32, p.rows * words, 1, 1),
+                                       ax = buffer::output(t.in, p.rows, 1, f_in),
+                                       workspace = buffer::scratch(bytes);
+        plan.forward({.x = bx.view(),
+                      .w = bw.view(),
+                      .bias = bb.view(),
+                      .out = out.view(),
+                      .relu_mask = static_cast<std::uint32_t*>(mask.view().data),
+                      .ax = fused ? ax.view() : tensor_view{},
+                      .order = order},
+                     {}, {workspace.view().data, bytes});
         host_tensor want(dtype::f64, p.rows, 1, f_out);
         reference::gcn_fused(p, x.view(), w.view(), bias.view(), true, want.view());
         rec.check("gcn_fused_layer", backend, t, shape, out.fetch(), want,
                   tolerance(t.in, t.out, 16));
+
+        // The backward from the forward's ReLU mask (and P x, where the fused order wrote it),
+        // against the float64 gradients given that mask: an output within rounding of 0 may fall
+        // either way, and a flipped bit moves the gradients by a whole dout value.
+        const host_tensor dout = random(t.out, p.rows, 1, f_out, 63);
+        const std::size_t bwd_bytes = plan.backward_workspace_bytes(f_in, f_out, t.in, order);
+        buffer bdout(dout),
+            dx = buffer::output(t.out, p.rows, 1, f_in), dw = buffer::output(t.out, f_in, 1, f_out),
+            dbias = buffer::output(dtype::f32, 1, 1, f_out), bwd_ws = buffer::scratch(bwd_bytes);
+        plan.backward({.dout = bdout.view(),
+                       .relu_mask = static_cast<const std::uint32_t*>(mask.view().data),
+                       .x = bx.view(),
+                       .w = bw.view(),
+                       .ax = fused ? ax.view() : tensor_view{},
+                       .dx = dx.view(),
+                       .dw = dw.view(),
+                       .dbias = dbias.view(),
+                       .order = order},
+                      {}, {bwd_ws.view().data, bwd_bytes});
+        const host_tensor bits = mask.fetch();
+        std::vector<std::uint32_t> relu(static_cast<std::size_t>(p.rows * words));
+        std::memcpy(relu.data(), bits.data(), relu.size() * sizeof(std::uint32_t));
+        host_tensor wx(dtype::f64, p.rows, 1, f_in), ww(dtype::f64, f_in, 1, f_out),
+            wb(dtype::f64, 1, 1, f_out);
+        reference::gcn_fused_backward(p, x.view(), w.view(), relu, dout.view(), wx.view(),
+                                      ww.view(), wb.view());
+        // dZ is rounded to x's dtype before the products.
+        const double tol = tolerance(t.in, t.out, 16) + 8 * unit_roundoff(t.in);
+        rec.check("gcn_fused_backward", backend, t, shape, dx.fetch(), wx, tol, "dx");
+        rec.check("gcn_fused_backward", backend, t, shape, dw.fetch(), ww, tol, "dw");
+        rec.check("gcn_fused_backward", backend, t, shape, dbias.fetch(), wb,
+                  tolerance(t.in, dtype::f32, 16) + 8 * unit_roundoff(t.in), "dbias");
       });
     }
   }
@@ -502,8 +722,7 @@ void gat_cases(recorder& rec) {
                  da_src = buffer::output(dtype::f32, g.cols, heads, 1),
                  da_dst = buffer::output(dtype::f32, g.rows, heads, 1);
           const std::size_t bytes = plan.backward_workspace_bytes(heads, width);
-          buffer workspace =
-              buffer::output(dtype::f32, static_cast<std::int64_t>(bytes / 4) + 1, 1, 1);
+          buffer workspace = buffer::scratch(bytes);
           plan.backward({.x = bx.view(),
                          .a_src = bs.view(),
                          .a_dst = bd.view(),
@@ -564,6 +783,286 @@ void agnn_cases(recorder& rec) {
   }
 }
 
+// --- attention over a multigraph (edge_attention_plan; CUDA) ----------------------------------
+
+// A multigraph on the device as edge_attention_plan reads it: 150 targets x 140 sources, random
+// edges with repeated pairs and targets without edges, target 0 with 300 edges and source 7 with
+// 200 (both past heavy_degree: the thread-block paths). `edges` lists them in input order (src:
+// target, dst: source), the reference's view.
+class device_multigraph {
+ public:
+  coo_graph edges;
+
+  device_multigraph() {
+    edges.rows = 150;
+    edges.cols = 140;
+    const auto add = [&](std::int64_t i, std::int64_t j) {
+      edges.src.push_back(i);
+      edges.dst.push_back(j);
+    };
+    std::uint64_t state = 12345;
+    const auto next = [&](std::uint64_t n) {
+      state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+      return static_cast<std::int64_t>((state >> 33) % n);
+    };
+    for (std::int64_t x = 0; x < 300; ++x) add(0, next(140));  // repeats within
+    for (std::int64_t i = 0; i < 200; ++i) add(i % 150, 7);    // 50 repeated pairs
+    for (std::int64_t i = 1; i < 150; ++i) {
+      if (i % 9 == 4) continue;  // targets without other edges (some keep source 7's)
+      for (std::int64_t x = next(6); x > 0; --x) {
+        add(i, next(140));
+        if (x == 2) add(i, edges.dst.back());  // a repeated pair
+      }
+    }
+    for (std::int64_t i = 0; i < 150; i += 10) {  // targets with no edge at all
+      for (std::size_t p = 0; p < edges.src.size(); ++p)
+        if (edges.src[p] == i + 5) edges.src[p] = i + 6;
+    }
+    build();
+  }
+
+  multigraph_view view() const { return view_; }
+
+ private:
+  void build() {
+    const std::int64_t e = edges.nnz(), heavy = edge_attention_plan::heavy_degree;
+    std::vector<std::int64_t> order(static_cast<std::size_t>(e)), row_ptr(edges.rows + 1, 0),
+        col_ptr(edges.cols + 1, 0), by_source(static_cast<std::size_t>(e));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::int64_t a, std::int64_t b) { return edges.src[a] < edges.src[b]; });
+    std::vector<std::int32_t> src, dst, heavy_rows, heavy_cols;
+    for (const std::int64_t p : order) {
+      src.push_back(static_cast<std::int32_t>(edges.dst[p]));
+      dst.push_back(static_cast<std::int32_t>(edges.src[p]));
+      ++row_ptr[edges.src[p] + 1];
+      ++col_ptr[edges.dst[p] + 1];
+    }
+    std::partial_sum(row_ptr.begin(), row_ptr.end(), row_ptr.begin());
+    std::partial_sum(col_ptr.begin(), col_ptr.end(), col_ptr.begin());
+    std::iota(by_source.begin(), by_source.end(), 0);
+    std::stable_sort(by_source.begin(), by_source.end(),
+                     [&](std::int64_t a, std::int64_t b) { return src[a] < src[b]; });
+    for (std::int64_t i = 0; i < edges.rows; ++i)
+      if (row_ptr[i + 1] - row_ptr[i] > heavy) heavy_rows.push_back(static_cast<std::int32_t>(i));
+    for (std::int64_t j = 0; j < edges.cols; ++j)
+      if (col_ptr[j + 1] - col_ptr[j] > heavy) heavy_cols.push_back(static_cast<std::int32_t>(j));
+    const auto upload = [&](const auto& v) -> const void* {
+      const std::size_t bytes = v.size() * sizeof(v[0]);
+      host_tensor h(dtype::f32, static_cast<std::int64_t>(bytes / 4) + 1, 1, 1);
+      std::memcpy(h.data(), v.data(), bytes);
+      return arrays_.emplace_back(h).view().data;
+    };
+    arrays_.reserve(8);
+    view_ = {.rows = edges.rows,
+             .cols = edges.cols,
+             .edges = e,
+             .row_ptr = static_cast<const std::int64_t*>(upload(row_ptr)),
+             .src = static_cast<const std::int32_t*>(upload(src)),
+             .dst = static_cast<const std::int32_t*>(upload(dst)),
+             .edge = static_cast<const std::int64_t*>(upload(order)),
+             .col_ptr = static_cast<const std::int64_t*>(upload(col_ptr)),
+             .by_source = static_cast<const std::int64_t*>(upload(by_source)),
+             .heavy = heavy,
+             .heavy_row_count = static_cast<std::int64_t>(heavy_rows.size()),
+             .heavy_col_count = static_cast<std::int64_t>(heavy_cols.size()),
+             .heavy_rows = static_cast<const std::int32_t*>(upload(heavy_rows)),
+             .heavy_cols = static_cast<const std::int32_t*>(upload(heavy_cols))};
+    EXPECT_FALSE(heavy_rows.empty() || heavy_cols.empty()) << "no heavy line to test";
+  }
+
+  std::vector<buffer> arrays_;
+  multigraph_view view_;
+};
+
+void edge_attention_cases(recorder& rec) {
+  if (kWhere != device_kind::cuda) return;
+  const device_multigraph m;
+  const coo_graph& g = m.edges;
+  const std::int64_t e = g.nnz();
+  const std::string backend = "cuda_edge_attention";
+  // TransformerConv: heads x channels, edge features (padded to the kernels' width), dropout.
+  struct config {
+    std::int64_t heads, dim, features;
+    bool keep;
+  };
+  for (const config c : {config{2, 16, 5, false}, config{4, 64, 16, true}, config{1, 128, 0, true},
+                         config{3, 32, 0, false}}) {
+    const std::int64_t f =
+        c.features > 0 ? edge_attention_plan::feature_width(c.dim, c.features) : 0;
+    const std::string shape = "150x140 multigraph, " + std::to_string(c.heads) + " x " +
+                              std::to_string(c.dim) + ", F " + std::to_string(f) +
+                              (c.keep ? ", dropout" : "");
+    for (const dtype in : kDtypes) {
+      const types t{in, in};
+      rec.attempt("edge_attention", backend, t, [&] {
+        const auto plan = edge_attention_plan::build(m.view());
+        const std::int64_t h = c.heads, d = c.dim;
+        const double scale = effective_scale({}, d);
+        const host_tensor q = random(in, g.rows, h, d, 120), k = random(in, g.cols, h, d, 121),
+                          v = random(in, g.cols, h, d, 122),
+                          r = f > 0 ? random(in, g.rows, h, f, 123) : host_tensor(),
+                          a = f > 0 ? random(in, e, 1, f, 124) : host_tensor(),
+                          dout = random(in, g.rows, h, d, 125),
+                          dout_edge = f > 0 ? random(dtype::f32, g.rows, h, f, 126) : host_tensor();
+        host_tensor keep(dtype::f32, e, h, 1);
+        for (std::int64_t i = 0; i < keep.numel(); ++i) keep.set(i, i % 5 == 3 ? 0.0 : 1.25);
+        buffer bq(q), bk(k), bv(v), bdout(dout), bkeep(keep),
+            out = buffer::output(in, g.rows, h, d), lse = buffer::output(dtype::f32, g.rows, h, 1);
+        std::optional<buffer> br, ba, bdout_edge, out_edge, dr, da;
+        if (f > 0) {
+          br.emplace(r);
+          ba.emplace(a);
+          bdout_edge.emplace(dout_edge);
+          out_edge.emplace(buffer::output(dtype::f32, g.rows, h, f));
+          dr.emplace(buffer::output(dtype::f32, g.rows, h, f));
+          da.emplace(buffer::output(dtype::f32, e, 1, f));
+        }
+        const auto view_of = [](std::optional<buffer>& b) { return b ? b->view() : tensor_view{}; };
+        const tensor_view keep_view = c.keep ? bkeep.view() : tensor_view{};
+        plan.forward({.q = bq.view(),
+                      .k = bk.view(),
+                      .v = bv.view(),
+                      .r = view_of(br),
+                      .a = view_of(ba),
+                      .out = out.view(),
+                      .out_edge = view_of(out_edge),
+                      .lse = lse.view(),
+                      .keep = keep_view,
+                      .scale = scale});
+        host_tensor want(dtype::f64, g.rows, h, d),
+            want_edge(dtype::f64, g.rows, h, std::max<std::int64_t>(f, 1)),
+            want_lse(dtype::f64, g.rows, h, 1);
+        // The reference's views of the optional inputs.
+        const tensor_view ref_r = f > 0 ? r.view() : tensor_view{},
+                          ref_a = f > 0 ? a.view() : tensor_view{},
+                          ref_keep = c.keep ? keep.view() : tensor_view{};
+        reference::edge_attention(g, q.view(), k.view(), v.view(), ref_r, ref_a, ref_keep, scale,
+                                  want.view(), f > 0 ? want_edge.view() : tensor_view{},
+                                  want_lse.view());
+        rec.check("edge_attention", backend, t, shape, out.fetch(), want, tolerance(in, in, 8),
+                  "out");
+        const auto [lse_got, lse_want] = test::finite_lse(lse.fetch(), want_lse);
+        rec.check("edge_attention", backend, t, shape, lse_got, lse_want,
+                  tolerance(in, dtype::f32, 8), "lse");
+        if (f > 0)
+          rec.check("edge_attention", backend, t, shape, out_edge->fetch(), want_edge,
+                    tolerance(in, dtype::f32, 8), "out_edge");
+
+        buffer dq = buffer::output(dtype::f32, g.rows, h, d),
+               dk = buffer::output(dtype::f32, g.cols, h, d),
+               dv = buffer::output(dtype::f32, g.cols, h, d);
+        const std::size_t bytes = plan.backward_workspace_bytes(h);
+        buffer ws = buffer::scratch(bytes);
+        plan.backward({.q = bq.view(),
+                       .k = bk.view(),
+                       .v = bv.view(),
+                       .r = view_of(br),
+                       .a = view_of(ba),
+                       .out = out.view(),
+                       .out_edge = view_of(out_edge),
+                       .lse = lse.view(),
+                       .dout = bdout.view(),
+                       .dout_edge = view_of(bdout_edge),
+                       .dq = dq.view(),
+                       .dk = dk.view(),
+                       .dv = dv.view(),
+                       .dr = view_of(dr),
+                       .da = view_of(da),
+                       .keep = keep_view,
+                       .scale = scale},
+                      {}, {ws.view().data, bytes});
+        host_tensor wq(dtype::f64, g.rows, h, d), wk(dtype::f64, g.cols, h, d),
+            wv(dtype::f64, g.cols, h, d), wr(dtype::f64, g.rows, h, std::max<std::int64_t>(f, 1)),
+            wa(dtype::f64, e, 1, std::max<std::int64_t>(f, 1));
+        reference::edge_attention_backward(
+            g, q.view(), k.view(), v.view(), ref_r, ref_a, ref_keep, scale, dout.view(),
+            f > 0 ? dout_edge.view() : tensor_view{}, wq.view(), wk.view(), wv.view(),
+            f > 0 ? wr.view() : tensor_view{}, f > 0 ? wa.view() : tensor_view{});
+        // out (rounded to q's dtype) enters the backward through D = <dout, out>.
+        const double tol = tolerance(in, dtype::f32, 8) + 8 * unit_roundoff(in);
+        rec.check("edge_attention_backward", backend, t, shape, dq.fetch(), wq, tol, "dq");
+        rec.check("edge_attention_backward", backend, t, shape, dk.fetch(), wk, tol, "dk");
+        rec.check("edge_attention_backward", backend, t, shape, dv.fetch(), wv, tol, "dv");
+        if (f > 0) {
+          rec.check("edge_attention_backward", backend, t, shape, dr->fetch(), wr, tol, "dr");
+          rec.check("edge_attention_backward", backend, t, shape, da->fetch(), wa, tol, "da");
+        }
+      });
+    }
+  }
+  // GAT: heads x channels, an edge term, dropout.
+  for (const config c : {config{2, 16, 1, true}, config{1, 64, 0, false}, config{4, 8, 1, false}}) {
+    const bool edge_term = c.features > 0;
+    const std::string shape = "150x140 multigraph, " + std::to_string(c.heads) + " x " +
+                              std::to_string(c.dim) + (edge_term ? ", edge term" : "") +
+                              (c.keep ? ", dropout" : "");
+    for (const dtype in : kDtypes) {
+      const types t{in, in};
+      rec.attempt("edge_gat", backend, t, [&] {
+        const auto plan = edge_attention_plan::build(m.view());
+        const std::int64_t h = c.heads, d = c.dim;
+        const host_tensor x = random(in, g.cols, h, d, 130),
+                          a_src = random(dtype::f32, g.cols, h, 1, 131, -2.0, 2.0),
+                          a_dst = random(dtype::f32, g.rows, h, 1, 132, -2.0, 2.0),
+                          a_edge = random(dtype::f32, e, h, 1, 133, -2.0, 2.0),
+                          dout = random(in, g.rows, h, d, 134);
+        host_tensor keep(dtype::f32, e, h, 1);
+        for (std::int64_t i = 0; i < keep.numel(); ++i) keep.set(i, i % 4 == 1 ? 0.0 : 1.5);
+        buffer bx(x), bs(a_src), bd(a_dst), be(a_edge), bdout(dout), bkeep(keep),
+            out = buffer::output(in, g.rows, h, d), lse = buffer::output(dtype::f32, g.rows, h, 1),
+            dx = buffer::output(dtype::f32, g.cols, h, d),
+            ds = buffer::output(dtype::f32, g.cols, h, 1),
+            dd = buffer::output(dtype::f32, g.rows, h, 1), de = buffer::output(dtype::f32, e, h, 1);
+        const tensor_view edge_view = edge_term ? be.view() : tensor_view{},
+                          keep_view = c.keep ? bkeep.view() : tensor_view{};
+        plan.gat_forward({.x = bx.view(),
+                          .a_src = bs.view(),
+                          .a_dst = bd.view(),
+                          .a_edge = edge_view,
+                          .out = out.view(),
+                          .lse = lse.view(),
+                          .keep = keep_view});
+        const tensor_view ref_edge = edge_term ? a_edge.view() : tensor_view{},
+                          ref_keep = c.keep ? keep.view() : tensor_view{};
+        host_tensor want(dtype::f64, g.rows, h, d), want_lse(dtype::f64, g.rows, h, 1);
+        reference::edge_gat(g, x.view(), a_src.view(), a_dst.view(), ref_edge, ref_keep, 0.2,
+                            want.view(), want_lse.view());
+        rec.check("edge_gat", backend, t, shape, out.fetch(), want, tolerance(in, in, 8), "out");
+        const auto [lse_got, lse_want] = test::finite_lse(lse.fetch(), want_lse);
+        rec.check("edge_gat", backend, t, shape, lse_got, lse_want, tolerance(in, dtype::f32, 8),
+                  "lse");
+        const std::size_t bytes = plan.backward_workspace_bytes(h);
+        buffer ws = buffer::scratch(bytes);
+        plan.gat_backward({.x = bx.view(),
+                           .a_src = bs.view(),
+                           .a_dst = bd.view(),
+                           .a_edge = edge_view,
+                           .out = out.view(),
+                           .lse = lse.view(),
+                           .dout = bdout.view(),
+                           .dx = dx.view(),
+                           .da_src = ds.view(),
+                           .da_dst = dd.view(),
+                           .da_edge = edge_term ? de.view() : tensor_view{},
+                           .keep = keep_view},
+                          {}, {ws.view().data, bytes});
+        host_tensor wx(dtype::f64, g.cols, h, d), ws_(dtype::f64, g.cols, h, 1),
+            wd(dtype::f64, g.rows, h, 1), we(dtype::f64, e, h, 1);
+        reference::edge_gat_backward(g, x.view(), a_src.view(), a_dst.view(), ref_edge, ref_keep,
+                                     0.2, dout.view(), wx.view(), ws_.view(), wd.view(),
+                                     edge_term ? we.view() : tensor_view{});
+        const double tol = tolerance(in, dtype::f32, 8) + 8 * unit_roundoff(in);
+        rec.check("edge_gat_backward", backend, t, shape, dx.fetch(), wx, tol, "dx");
+        rec.check("edge_gat_backward", backend, t, shape, ds.fetch(), ws_, tol, "da_src");
+        rec.check("edge_gat_backward", backend, t, shape, dd.fetch(), wd, tol, "da_dst");
+        if (edge_term)
+          rec.check("edge_gat_backward", backend, t, shape, de.fetch(), we, tol, "da_edge");
+      });
+    }
+  }
+}
+
 // --- attention within segments (CUDA; the CPU takes the segments' pattern as attention) -------
 
 void segment_cases(recorder& rec) {
@@ -606,9 +1105,7 @@ void segment_cases(recorder& rec) {
             dq = buffer::output(dtype::f32, rows, heads, dim),
             dk = buffer::output(dtype::f32, rows, heads, dim),
             dv = buffer::output(dtype::f32, rows, heads, dim),
-            ws = buffer::output(
-                dtype::f32, static_cast<std::int64_t>(plan.backward_workspace_bytes(heads) / 4 + 1),
-                1, 1);
+            ws = buffer::scratch(plan.backward_workspace_bytes(heads));
         const workspace_view w{ws.view().data, plan.backward_workspace_bytes(heads)};
         plan.run(bq.view(), bk.view(), bv.view(), out.view(), {.lse = lse.view()}, w);
         plan.backward(bq.view(), bk.view(), bv.view(), out.view(), lse.view(), bdout.view(),
@@ -632,8 +1129,10 @@ void segment_cases(recorder& rec) {
 // Every op's registration: add one here for a new op.
 const std::vector<std::function<void(recorder&)>>& registry() {
   static const std::vector<std::function<void(recorder&)>> all{
-      attention_cases, sparse_cases, block_sparse_cases, gcn_cases,
-      gcn_fused_cases, agnn_cases,   gat_cases,          segment_cases};
+      attention_cases,    attention_bias_cases,   sparse_cases,
+      block_sparse_cases, block_importance_cases, topk_cases,
+      gcn_cases,          gcn_fused_cases,        agnn_cases,
+      gat_cases,          edge_attention_cases,   segment_cases};
   return all;
 }
 
@@ -644,12 +1143,15 @@ TEST(EveryOp, AgainstTheFloat64Reference) {
   for (const auto& cases : registry()) cases(rec);
   rec.print();
   // Every registered op ran somewhere on this device.
-  for (const char* op : {"attention", "attention_backward", "spmm", "sddmm", "softmax",
-                         "block_sparse_attention", "block_sparse_backward", "gcn_layer",
-                         "gcn_fused_layer", "agnn_layer", "gat_attention", "gat_backward"})
+  for (const char* op : {"attention", "attention_backward", "attention_bias", "spmm", "sddmm",
+                         "softmax", "block_sparse_attention", "block_sparse_backward",
+                         "block_importance", "topk_block_attention", "gcn_layer", "gcn_fused_layer",
+                         "gcn_fused_backward", "agnn_layer", "gat_attention", "gat_backward"})
     EXPECT_TRUE(rec.ops().count(op)) << op << ": no case ran on " << to_string(kWhere);
   if (kWhere == device_kind::cuda) {
-    EXPECT_TRUE(rec.ops().count("segment_attention")) << "segment_attention: no case ran";
+    for (const char* op : {"segment_attention", "edge_attention", "edge_attention_backward",
+                           "edge_gat", "edge_gat_backward"})
+      EXPECT_TRUE(rec.ops().count(op)) << op << ": no case ran on " << to_string(kWhere);
   }
 }
 

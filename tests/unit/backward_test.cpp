@@ -1,8 +1,11 @@
 // Gradients on the CPU (issue 42): the float64 references against central finite differences, and
 // the fused CPU backward against the references on random and shared graphs.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
+#include <utility>
 #include <vector>
 
 #include "support.hpp"
@@ -215,6 +218,153 @@ TEST(ReferenceGradients, BlockSparseMatchesFiniteDifferences) {
   expect_matches_finite_differences(q, loss, dq, "dq");
   expect_matches_finite_differences(k, loss, dk, "dk");
   expect_matches_finite_differences(v, loss, dv, "dv");
+}
+
+// Block importance in float64: what the CPU engine writes for float64 inputs (its dot products
+// are then float64 too), a dense mask's block rows summing to 1, blocks the mask drops untouched.
+TEST(ReferenceGradients, BlockImportanceIsTheBlocksSoftmaxAndScoreGradientMass) {
+  const std::vector<std::int64_t> lens{5, 11};
+  const std::int64_t heads = 2, d = 3, rows = 16, qb = 3, kb = 3;
+  host_tensor q = random_f64(rows, heads, d, 71), k = random_f64(rows, heads, d, 72),
+              v = random_f64(rows, heads, d, 73), w = random_f64(rows, heads, d, 74);
+  for (const block_layout layout : {block_layout::random, block_layout::dense}) {
+    const block_sparse_mask mask = make_block_sparse_mask(
+        {.layout = layout, .block = 4, .p = 0.4, .causal = true, .heads = 2}, lens);
+    host_tensor mass(dtype::f64, 2 * qb, heads, kb), grad(dtype::f64, 2 * qb, heads, kb),
+        engine_mass(dtype::f64, 2 * qb, heads, kb), engine_grad(dtype::f64, 2 * qb, heads, kb);
+    for (host_tensor* t : {&mass, &grad, &engine_mass, &engine_grad})
+      t->fill(std::numeric_limits<double>::quiet_NaN());
+    reference::block_importance(mask, q.view(), k.view(), v.view(), w.view(), 0.8, mass.view(),
+                                grad.view());
+    host_tensor dq(dtype::f64, rows, heads, d), dk(dtype::f64, rows, heads, d),
+        dv(dtype::f64, rows, heads, d);
+    block_sparse_attention_plan::build(mask).backward(
+        q.view(), k.view(), v.view(), {}, {}, w.view(), dq.view(), dk.view(), dv.view(),
+        {.scale = 0.8, .block_mass = engine_mass.view(), .block_grad = engine_grad.view()});
+    for (std::int64_t i = 0; i < mass.numel(); ++i) {
+      EXPECT_EQ(std::isnan(mass.get(i)), std::isnan(engine_mass.get(i))) << i;
+      if (std::isnan(mass.get(i))) continue;
+      EXPECT_NEAR(mass.get(i), engine_mass.get(i), 1e-12) << i;
+      EXPECT_NEAR(grad.get(i), engine_grad.get(i), 1e-12) << i;
+    }
+    if (layout != block_layout::dense) continue;
+    for (std::int64_t b = 0; b < 2; ++b) {
+      for (std::int64_t r = 0; r * 4 < lens[static_cast<std::size_t>(b)]; ++r) {
+        for (std::int64_t h = 0; h < heads; ++h) {
+          double sum = 0;
+          for (std::int64_t c = 0; c <= r; ++c)
+            sum += mass.get(((b * qb + r) * heads + h) * kb + c);
+          EXPECT_NEAR(sum, 1.0, 1e-12) << "sequence " << b << " block row " << r;
+        }
+      }
+    }
+  }
+}
+
+// A multigraph over small_pattern's pairs, given out of order, with (5, 3) three times and (0, 0)
+// twice; row 2 has no edge.
+coo_graph small_multigraph() {
+  const csr_graph g = small_pattern();
+  coo_graph coo{.rows = g.rows, .cols = g.cols, .src = {}, .dst = {}, .values = {}};
+  for (std::int64_t x = 0; x < g.nnz(); ++x) {
+    const std::int64_t e = (x * 5) % g.nnz();  // nnz = 14: 5 is coprime to it
+    coo.src.push_back(std::upper_bound(g.row_ptr.begin(), g.row_ptr.end(), e) - g.row_ptr.begin() -
+                      1);
+    coo.dst.push_back(g.col_idx[e]);
+  }
+  for (const auto& [r, c] : std::vector<std::pair<int, int>>{{5, 3}, {0, 0}, {5, 3}}) {
+    coo.src.push_back(r);
+    coo.dst.push_back(c);
+  }
+  return coo;
+}
+
+// TransformerConv's multigraph attention with edge features and keep factors: every gradient
+// against central differences of <dout, out> + <dout_edge, out_edge>; without features it is
+// attention() over the merged pattern with log(multiplicity) as bias.
+TEST(ReferenceGradients, EdgeAttentionMatchesFiniteDifferences) {
+  const coo_graph g = small_multigraph();
+  const std::int64_t heads = 2, c = 3, f = 2, e = g.nnz();
+  host_tensor q = random_f64(g.rows, heads, c, 91), k = random_f64(g.cols, heads, c, 92),
+              v = random_f64(g.cols, heads, c, 93), r = random_f64(g.rows, heads, f, 94),
+              a = random_f64(e, 1, f, 95), up = random_f64(g.rows, heads, c, 96),
+              up_edge = random_f64(g.rows, heads, f, 97), keep(dtype::f64, e, heads, 1),
+              out(dtype::f64, g.rows, heads, c), out_edge(dtype::f64, g.rows, heads, f);
+  for (std::int64_t i = 0; i < keep.numel(); ++i) keep.set(i, i % 4 == 1 ? 0.0 : 1.25);
+  const double scale = 0.6;
+  const auto loss = [&] {
+    reference::edge_attention(g, q.view(), k.view(), v.view(), r.view(), a.view(), keep.view(),
+                              scale, out.view(), out_edge.view(), {});
+    return inner(up, out) + inner(up_edge, out_edge);
+  };
+  host_tensor dq(dtype::f64, g.rows, heads, c), dk(dtype::f64, g.cols, heads, c),
+      dv(dtype::f64, g.cols, heads, c), dr(dtype::f64, g.rows, heads, f), da(dtype::f64, e, 1, f);
+  reference::edge_attention_backward(g, q.view(), k.view(), v.view(), r.view(), a.view(),
+                                     keep.view(), scale, up.view(), up_edge.view(), dq.view(),
+                                     dk.view(), dv.view(), dr.view(), da.view());
+  expect_matches_finite_differences(q, loss, dq, "dq");
+  expect_matches_finite_differences(k, loss, dk, "dk");
+  expect_matches_finite_differences(v, loss, dv, "dv");
+  expect_matches_finite_differences(r, loss, dr, "dr");
+  expect_matches_finite_differences(a, loss, da, "da");
+
+  // Without features or keep: the merged pattern with log(copies) as a per-entry bias.
+  const csr_graph merged = small_pattern();
+  host_tensor bias(dtype::f64, merged.nnz(), 1, 1), want(dtype::f64, g.rows, heads, c),
+      want_lse(dtype::f64, g.rows, heads, 1), lse(dtype::f64, g.rows, heads, 1);
+  for (std::int64_t x = 0; x < e; ++x) {
+    const auto* row = merged.col_idx.data() + merged.row_ptr[g.src[x]];
+    const std::int64_t entry =
+        merged.row_ptr[g.src[x]] +
+        (std::lower_bound(row, row + merged.degree(g.src[x]), static_cast<std::int32_t>(g.dst[x])) -
+         row);
+    bias.set(entry, bias.get(entry) + 1);
+  }
+  for (std::int64_t x = 0; x < merged.nnz(); ++x) bias.set(x, std::log(bias.get(x)));
+  reference::edge_attention(g, q.view(), k.view(), v.view(), {}, {}, {}, scale, out.view(), {},
+                            lse.view());
+  reference::attention(merged, q.view(), k.view(), v.view(), want.view(), scale, want_lse.view(),
+                       bias.view());
+  EXPECT_LE(test::compare(out, want).max_abs, 1e-12);
+  for (std::int64_t i = 0; i < lse.numel(); ++i) {
+    if (std::isinf(want_lse.get(i))) {
+      EXPECT_EQ(lse.get(i), want_lse.get(i));
+    } else {
+      EXPECT_NEAR(lse.get(i), want_lse.get(i), 1e-12);
+    }
+  }
+}
+
+// GAT's multigraph attention with an edge term and keep factors against central differences;
+// over a graph without repeats and without the edge term it is gat().
+TEST(ReferenceGradients, EdgeGatMatchesFiniteDifferences) {
+  const coo_graph g = small_multigraph();
+  const std::int64_t heads = 2, c = 4, e = g.nnz();
+  host_tensor x = random_f64(g.cols, heads, c, 101), src = random_f64(g.cols, heads, 1, 102),
+              dst = random_f64(g.rows, heads, 1, 103), edge = random_f64(e, heads, 1, 104),
+              up = random_f64(g.rows, heads, c, 105), keep(dtype::f64, e, heads, 1),
+              out(dtype::f64, g.rows, heads, c);
+  for (std::int64_t i = 0; i < keep.numel(); ++i) keep.set(i, i % 3 == 2 ? 0.0 : 1.5);
+  const auto loss = [&] {
+    reference::edge_gat(g, x.view(), src.view(), dst.view(), edge.view(), keep.view(), 0.2,
+                        out.view(), {});
+    return inner(up, out);
+  };
+  host_tensor dx(dtype::f64, g.cols, heads, c), dsrc(dtype::f64, g.cols, heads, 1),
+      ddst(dtype::f64, g.rows, heads, 1), dedge(dtype::f64, e, heads, 1);
+  reference::edge_gat_backward(g, x.view(), src.view(), dst.view(), edge.view(), keep.view(), 0.2,
+                               up.view(), dx.view(), dsrc.view(), ddst.view(), dedge.view());
+  expect_matches_finite_differences(x, loss, dx, "dx");
+  expect_matches_finite_differences(src, loss, dsrc, "da_src");
+  expect_matches_finite_differences(dst, loss, ddst, "da_dst");
+  expect_matches_finite_differences(edge, loss, dedge, "da_edge");
+
+  const csr_graph simple = small_pattern();
+  const coo_graph pairs = to_coo(simple);
+  host_tensor want(dtype::f64, g.rows, heads, c), got(dtype::f64, g.rows, heads, c);
+  reference::edge_gat(pairs, x.view(), src.view(), dst.view(), {}, {}, 0.2, got.view(), {});
+  reference::gat(simple, x.view(), src.view(), dst.view(), {}, 0.2, want.view(), {});
+  EXPECT_LE(test::compare(got, want).max_abs, 1e-12);
 }
 
 TEST(BlockSparsePlanBackward, GivesTheReferenceGradientsAndNamesBadArguments) {

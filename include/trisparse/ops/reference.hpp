@@ -77,6 +77,58 @@ void block_sparse_attention_backward(const block_sparse_mask& mask, const tensor
                                      const tensor_view& dout, const tensor_view& dq,
                                      const tensor_view& dk, const tensor_view& dv, double scale);
 
+/// Each kept block's importance under a block mask, in float64 (what a block-sparse backward
+/// writes with attention_options::block_mass / block_grad): per sequence b, head h and kept block
+/// (r, c), the softmax weights P summed over the block's (query, key) pairs and divided by the
+/// block's query rows (block_mass), and the sum of |dS| over them (block_grad; dS = dL/dS for the
+/// scaled score S, given dout). Views [batch * QB, H, KB] (QB, KB: the longest sequence's query
+/// and key blocks), row b * QB + r; data == nullptr: not written; blocks the mask drops are not
+/// written. Shapes of q, k, v, dout as block_sparse_attention_backward's.
+void block_importance(const block_sparse_mask& mask, const tensor_view& q, const tensor_view& k,
+                      const tensor_view& v, const tensor_view& dout, double scale,
+                      const tensor_view& block_mass, const tensor_view& block_grad);
+
+// --- Multigraphs (edge_attention_plan): edge p of `edges` runs from source edges.dst[p] (a column)
+// into target edges.src[p] (a row); repeated pairs are separate edges, each its own term of the
+// softmax; row p of a per-edge tensor is edge p's. ---
+
+/// TransformerConv's attention with edge features (edge_attention_args): per head h, the score
+/// of edge p = (i <- j) is s_p = scale <q_i, k_j> + <r_i, a_p> (r and a with data == nullptr: no
+/// feature term), the softmax runs over target i's edges, out_i = sum_p alpha_p keep_p v_j,
+/// out_edge_i = sum_p alpha_p keep_p a_p, lse_i = log sum_p exp(s_p) (-inf without edges). q
+/// [rows, H, C], k and v [cols, H, C], r [rows, H, F], a [edges, 1, F], keep [edges, H, 1]
+/// (data == nullptr: 1); out_edge and lse with data == nullptr are not written.
+void edge_attention(const coo_graph& edges, const tensor_view& q, const tensor_view& k,
+                    const tensor_view& v, const tensor_view& r, const tensor_view& a,
+                    const tensor_view& keep, double scale, const tensor_view& out,
+                    const tensor_view& out_edge, const tensor_view& lse);
+
+/// Gradients of edge_attention's out and out_edge given dout [rows, H, C] and dout_edge [rows,
+/// H, F] (data == nullptr: 0): dq, dk, dv, and with features dr [rows, H, F] and da [edges, 1, F]
+/// (summed over the heads).
+void edge_attention_backward(const coo_graph& edges, const tensor_view& q, const tensor_view& k,
+                             const tensor_view& v, const tensor_view& r, const tensor_view& a,
+                             const tensor_view& keep, double scale, const tensor_view& dout,
+                             const tensor_view& dout_edge, const tensor_view& dq,
+                             const tensor_view& dk, const tensor_view& dv, const tensor_view& dr,
+                             const tensor_view& da);
+
+/// GAT's attention over a multigraph (edge_gat_args): per head, z_p = a_dst[i] + a_src[j] +
+/// a_edge[p] (a_edge with data == nullptr: no edge term), the softmax of LeakyReLU(z) over target
+/// i's edges, out_i = sum_p alpha_p keep_p x_j. x [cols, H, C], a_src [cols, H, 1], a_dst [rows,
+/// H, 1], a_edge and keep [edges, H, 1]; lse as edge_attention's.
+void edge_gat(const coo_graph& edges, const tensor_view& x, const tensor_view& a_src,
+              const tensor_view& a_dst, const tensor_view& a_edge, const tensor_view& keep,
+              double negative_slope, const tensor_view& out, const tensor_view& lse);
+
+/// Gradients of edge_gat's out given dout: dx [cols, H, C], da_src [cols, H, 1], da_dst [rows, H,
+/// 1] and, with a_edge, da_edge [edges, H, 1].
+void edge_gat_backward(const coo_graph& edges, const tensor_view& x, const tensor_view& a_src,
+                       const tensor_view& a_dst, const tensor_view& a_edge, const tensor_view& keep,
+                       double negative_slope, const tensor_view& dout, const tensor_view& dx,
+                       const tensor_view& da_src, const tensor_view& da_dst,
+                       const tensor_view& da_edge);
+
 /// The fused GCN layer (GraphCUDA's A·X·W with its epilogue): out = relu(Â x w + bias), x
 /// [N, 1, F_in], w [F_in, 1, F_out], bias [1, 1, F_out] (data == nullptr: none), out [N, 1, F_out],
 /// all in float64. With `relu`, returns the ReLU mask, one bit per output element: bit f % 32 of

@@ -1,6 +1,7 @@
 #pragma once
 // Element access of the float64 references (internal): every view read and written as double.
 #include <cstdint>
+#include <vector>
 
 #include "trisparse/core/numeric.hpp"
 #include "trisparse/core/tensor.hpp"
@@ -20,6 +21,22 @@ inline double dot(const tensor_view& x, std::int64_t i, const tensor_view& y, st
   for (std::int64_t d = 0; d < x.dim; ++d) s += at(x, i, h, d) * at(y, j, h, d);
   return s;
 }
+
+/// A [rows, heads, dim] float64 accumulator, written to a view at the end.
+struct accumulator {
+  std::int64_t heads, dim;
+  std::vector<double> g;
+  accumulator(std::int64_t rows, std::int64_t h, std::int64_t d)
+      : heads(h), dim(d), g(static_cast<std::size_t>(rows * h * d), 0.0) {}
+  double& operator()(std::int64_t r, std::int64_t h, std::int64_t d) {
+    return g[static_cast<std::size_t>((r * heads + h) * dim + d)];
+  }
+  void store(const tensor_view& t) {
+    for (std::int64_t r = 0; r < t.rows; ++r)
+      for (std::int64_t h = 0; h < heads; ++h)
+        for (std::int64_t d = 0; d < dim; ++d) put(t, r, h, d, (*this)(r, h, d));
+  }
+};
 
 /// t's elements as a packed float64 tensor (read once, so that the loops over entries read doubles
 /// instead of converting 16-bit values at every use; the values are the same).

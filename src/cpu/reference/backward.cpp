@@ -22,21 +22,7 @@ using access::at;
 using access::dot;
 using access::put;
 
-// A [rows, heads, dim] float64 accumulator, written to a view at the end.
-struct grad {
-  std::int64_t heads, dim;
-  std::vector<double> g;
-  grad(std::int64_t rows, std::int64_t h, std::int64_t d)
-      : heads(h), dim(d), g(static_cast<std::size_t>(rows * h * d), 0.0) {}
-  double& operator()(std::int64_t r, std::int64_t h, std::int64_t d) {
-    return g[static_cast<std::size_t>((r * heads + h) * dim + d)];
-  }
-  void store(const tensor_view& t) {
-    for (std::int64_t r = 0; r < t.rows; ++r)
-      for (std::int64_t h = 0; h < heads; ++h)
-        for (std::int64_t d = 0; d < dim; ++d) put(t, r, h, d, (*this)(r, h, d));
-  }
-};
+using grad = access::accumulator;
 
 // The scaled score of entry e = (i, j), head h, with its bias.
 double score(const tensor_view& q, const tensor_view& k, const tensor_view& bias, std::int64_t i,

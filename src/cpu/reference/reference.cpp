@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../../common/arguments.hpp"
@@ -172,6 +173,52 @@ void block_sparse_attention_backward(const block_sparse_mask& mask, const tensor
     attention_backward(mask.expand(b, h), slice(q, q0, lq, h), slice(k, k0, lk, h),
                        slice(v, k0, lk, h), slice(dout, q0, lq, h), slice(dq, q0, lq, h),
                        slice(dk, k0, lk, h), slice(dv, k0, lk, h), scale);
+  });
+}
+
+void block_importance(const block_sparse_mask& mask, const tensor_view& q, const tensor_view& k,
+                      const tensor_view& v, const tensor_view& dout, double scale,
+                      const tensor_view& block_mass, const tensor_view& block_grad) {
+  mask.check();
+  const std::int64_t rows = mask.cu_seqlens_q.back(), g = mask.block;
+  detail::check_attention_args(rows, mask.cu_seqlens_k.back(), q, k, v, dout, device_kind::cpu);
+  std::int64_t qb = 0, kb = 0;
+  for (std::int64_t b = 0; b < mask.batch(); ++b) {
+    qb = std::max(qb, (mask.len_q(b) + g - 1) / g);
+    kb = std::max(kb, (mask.len_k(b) + g - 1) / g);
+  }
+  for (const auto& [t, what] : {std::pair{&block_mass, "block_mass"}, {&block_grad, "block_grad"}})
+    if (t->data != nullptr) check_view(*t, what, mask.batch() * qb, q.heads, kb);
+  for_each_sequence_head(mask.batch(), q.heads, [&](std::int64_t b, std::int64_t h) {
+    const std::int64_t q0 = mask.cu_seqlens_q[b], k0 = mask.cu_seqlens_k[b];
+    const std::int64_t lq = mask.len_q(b), lk = mask.len_k(b);
+    const csr_graph pattern = mask.expand(b, h);
+    const tensor_view qs = slice(q, q0, lq, h), ks = slice(k, k0, lk, h);
+    // P from the row's lse, dS from the reference backward, both per entry of the expansion.
+    host_tensor out(dtype::f64, lq, 1, v.dim), lse(dtype::f64, lq, 1, 1),
+        ds(dtype::f64, pattern.nnz(), 1, 1), dq(dtype::f64, lq, 1, q.dim),
+        dk(dtype::f64, lk, 1, q.dim), dv(dtype::f64, lk, 1, v.dim);
+    attention(pattern, qs, ks, slice(v, k0, lk, h), out.view(), scale, lse.view());
+    attention_backward(pattern, qs, ks, slice(v, k0, lk, h), slice(dout, q0, lq, h), dq.view(),
+                       dk.view(), dv.view(), scale, ds.view());
+    std::vector<double> mass(static_cast<std::size_t>(qb * kb), 0.0), grad(mass.size(), 0.0);
+    for (std::int64_t i = 0; i < lq; ++i) {
+      for (std::int64_t e = pattern.row_ptr[i]; e < pattern.row_ptr[i + 1]; ++e) {
+        const std::int64_t j = pattern.col_idx[e], block = (i / g) * kb + j / g;
+        mass[block] += std::exp(scale * dot(qs, i, ks, j, 0) - lse.get(i));
+        grad[block] += std::abs(ds.get(e));
+      }
+    }
+    const csr_graph& kept = mask.at(b, h).blocks;
+    for (std::int64_t r = 0; r < kept.rows; ++r) {
+      const auto block_rows = static_cast<double>(std::min(g, lq - r * g));
+      for (std::int64_t e = kept.row_ptr[r]; e < kept.row_ptr[r + 1]; ++e) {
+        const std::int64_t c = kept.col_idx[e];
+        if (block_mass.data != nullptr)
+          put(block_mass, b * qb + r, h, c, mass[r * kb + c] / block_rows);
+        if (block_grad.data != nullptr) put(block_grad, b * qb + r, h, c, grad[r * kb + c]);
+      }
+    }
   });
 }
 
