@@ -10,6 +10,9 @@ the rows this rank owns: the halo's input rows arrive by ``all_to_all`` while th
 sources are all local (the interior) are computed, the boundary rows after; in the backward the
 halo's gradients go back to their owners and are summed there in rank order (bitwise
 repeatable). :class:`ContextParallel` does the same for one long sequence under a block mask.
+:meth:`DistributedPattern.sparse_attention` is the attention op over the partitioned graph summed
+in one process's order: on the CPU engine its output and gradients equal one process's bit for
+bit.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import _tensors
 from .pattern import Pattern, _check_index
 from .sparse import SparseMatrix
 
@@ -227,6 +231,8 @@ class DistributedPattern:
             self.send_counts = torch.bincount(pairs // n, minlength=world).tolist()
         l_src, l_dst = local[e_src], local[e_dst]
         self._local_edges = (l_src, l_dst)
+        self._part, self._edges = part, (e_src, e_dst)  # global ids, for the global order
+        self._global = None
         rows = l_dst >= self.num_interior
         self._sides = []  # (edge selection, Pattern) of the interior, then the boundary rows
         for side, sel in enumerate((~rows, rows)):
@@ -354,12 +360,149 @@ class DistributedPattern:
             self._matrices[key] = matrices
         return self._matrices[key][side]
 
+    def sparse_attention(
+        self, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None
+    ) -> Tensor:
+        """``trisparse.sparse_attention`` over the whole graph (its pattern: repeated edges merged,
+        self loops as given), computed for this rank's rows: ``q``, ``k``, ``v`` are its owned
+        rows ([num_owned, H, D], local order), the result its rows of the output (collective).
+
+        Every sum runs in the single process's order, so on the CPU engine (float32, float64) the
+        output and the gradients of q, k and v equal one process's bit for bit: a row's sources
+        are attended in global id order (the halo's keys and values gathered among the owned ones
+        in that order), and each owned source's dk and dv are summed over all of its targets in
+        global id order on its owner, which receives the remote targets' q, out, lse and dout in
+        the backward (one exchange; the halo's partial dk and dv are not returned). Built at the
+        first call: every rank must make it."""
+        if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+            raise ValueError("q, k, v must have shape [num_owned, heads, channels]")
+        for t, name in ((q, "q"), (k, "k"), (v, "v")):
+            if t.shape[0] != self.num_owned:
+                raise ValueError(
+                    f"{name} must hold this rank's {self.num_owned} owned rows "
+                    f"(DistributedPattern.local), got {t.shape[0]}"
+                )
+        scale = _tensors.resolve_scale(scale, q.shape[2])
+        return _GlobalOrderAttention.apply(q, k, v, self._global_order(), float(scale))
+
+    def _global_order(self) -> _GlobalOrder:
+        if self._global is None:
+            self._global = _GlobalOrder(self)
+        return self._global
+
     def __repr__(self) -> str:
         return (
             f"DistributedPattern(rank={self.rank}/{self.world_size}, owned={self.num_owned} "
             f"({self.num_interior} interior), halo={self.num_halo}, "
             f"sent={sum(self.send_counts)})"
         )
+
+
+def _exchanged(
+    x: Tensor, send_index: Tensor, send_counts: list, recv_counts: list, group
+) -> Tensor:
+    """The rows of x other ranks send this one (send_index: x's rows each rank gets, grouped by
+    rank), by one all_to_all."""
+    send = x.index_select(0, send_index.to(x.device)).contiguous()
+    got = x.new_empty((sum(recv_counts), *x.shape[1:]))
+    dist.all_to_all_single(got, send, recv_counts, send_counts, group=group)
+    return got
+
+
+class _GlobalOrder:
+    """DistributedPattern.sparse_attention's structures, in global id order (built collectively):
+    the source table C (owned and halo ids sorted), the forward's pattern (owned rows x C), the
+    backward's rows R (owned rows and the foreign targets of owned sources, sorted) and its pattern
+    (R x C: the owned rows' edges and those from owned sources into foreign rows), and the lists of
+    the foreign rows' exchange (each owned row to the ranks owning one of its sources)."""
+
+    def __init__(self, dp: DistributedPattern):
+        e_src, e_dst = dp._edges
+        part, n, world, device = dp._part, dp.num_nodes, dp.world_size, e_src.device
+        self.dp = dp
+        local = torch.full((n,), -1, dtype=torch.int64, device=device)
+        local[dp.owned] = torch.arange(dp.num_owned, device=device)
+        sources = torch.cat([dp.owned, dp.halo])
+        self.c_order = torch.argsort(sources)  # the source table's rows in global order
+        cols = sources[self.c_order]
+        # Edges from other ranks' sources into owned rows go, as (target, source) pairs, to the
+        # sources' owners: their foreign rows and the edges into them.
+        remote = (part[e_src] != dp.rank).nonzero().view(-1)
+        remote = remote[torch.sort(part[e_src[remote]], stable=True).indices]
+        pairs = torch.stack([e_dst[remote], e_src[remote]], dim=1).contiguous()
+        pair_counts = torch.bincount(part[e_src[remote]], minlength=world)
+        got_counts = torch.empty_like(pair_counts)
+        dist.all_to_all_single(got_counts, pair_counts, group=dp.group)
+        got = pairs.new_empty((int(got_counts.sum()), 2))
+        dist.all_to_all_single(
+            got, pairs, got_counts.tolist(), pair_counts.tolist(), group=dp.group
+        )
+        # Foreign rows: each sent once to each rank that owns one of its sources, by id; received
+        # grouped by sender, by id (the same lists on both sides).
+        sent = torch.unique(part[pairs[:, 1]] * n + pairs[:, 0])
+        self.send_index = local[sent % n]
+        self.send_counts = torch.bincount(sent // n, minlength=world).tolist()
+        sender = torch.repeat_interleave(torch.arange(world, device=device), got_counts)
+        received = torch.unique(sender * n + got[:, 0])
+        self.recv_counts = torch.bincount(received // n, minlength=world).tolist()
+        rows = torch.cat([dp.owned, received % n])
+        self.r_order = torch.argsort(rows)
+        rows = rows[self.r_order]
+        self.r_owned = torch.searchsorted(rows, dp.owned)  # the owned rows' places in R
+        self.c_owned = torch.searchsorted(cols, dp.owned)  # and among the sources
+        size = (cols.numel(), dp.num_owned)
+        self.forward_pattern = Pattern.from_edge_index(
+            torch.stack([torch.searchsorted(cols, e_src), local[e_dst]]), size=size
+        )
+        b_src, b_dst = torch.cat([e_src, got[:, 1]]), torch.cat([e_dst, got[:, 0]])
+        self.backward_pattern = Pattern.from_edge_index(
+            torch.stack([torch.searchsorted(cols, b_src), torch.searchsorted(rows, b_dst)]),
+            size=(cols.numel(), rows.numel()),
+        )
+
+    def sources(self, k: Tensor, halo: Tensor) -> Tensor:
+        """The source table in global order from the owned rows and the halo's."""
+        return torch.cat([k, halo]).index_select(0, self.c_order.to(k.device))
+
+    def backward_rows(self, x: Tensor, foreign: Tensor) -> Tensor:
+        return torch.cat([x, foreign]).index_select(0, self.r_order.to(x.device))
+
+    def foreign(self, x: Tensor) -> Tensor:
+        return _exchanged(x, self.send_index, self.send_counts, self.recv_counts, self.dp.group)
+
+
+class _GlobalOrderAttention(torch.autograd.Function):
+    """DistributedPattern.sparse_attention: the halo's k and v arrive, the owned rows attend C in
+    global order; the backward gathers the foreign rows' q, out, lse, dout and runs the backward
+    over R x C, keeping dq of the owned rows and dk, dv of the owned sources."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, order: _GlobalOrder, scale: float):
+        dp = order.dp
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        halo = [
+            _exchanged(t, dp.send_index, dp.send_counts, dp.recv_counts, dp.group) for t in (k, v)
+        ]
+        k_all, v_all = order.sources(k, halo[0]), order.sources(v, halo[1])
+        out, lse = torch.ops.trisparse.sparse_attention(
+            q, k_all, v_all, None, order.forward_pattern.id, scale, True, True
+        )
+        ctx.save_for_backward(q, k_all, v_all, out, lse)
+        ctx.order, ctx.scale = order, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        q, k_all, v_all, out, lse = ctx.saved_tensors
+        order = ctx.order
+        dout = dout.contiguous()
+        rows = [order.backward_rows(t, order.foreign(t)) for t in (q, out, lse, dout)]
+        dq, dk, dv, _ = torch.ops.trisparse.sparse_attention_backward(
+            rows[0], k_all, v_all, rows[1], rows[2], rows[3], None,
+            order.backward_pattern.id, ctx.scale, False,
+        )  # fmt: skip
+        owned_rows, owned_sources = order.r_owned.to(dq.device), order.c_owned.to(dq.device)
+        return dq[owned_rows], dk[owned_sources], dv[owned_sources], None, None
 
 
 CONTEXT_LAYOUTS = ("contiguous", "zigzag")

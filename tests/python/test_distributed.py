@@ -213,6 +213,74 @@ def test_layers_over_several_processes_equal_one_process_float64(tmp_path, world
     _run(tmp_path, "gloo", "float64", method, 1e-10, world=world, graph=graph)
 
 
+def _attention_worker(rank: int, world: int, path: str):
+    dist.init_process_group("gloo", init_method=f"file://{path}.init", rank=rank, world_size=world)
+    data = torch.load(f"{path}.inputs", weights_only=False)
+    ei, part = data["edge_index"], data["part"]
+    results = {}
+    for sharded in (False, True):
+        mine = part[ei[1]] == rank
+        dp = DistributedPattern.build(ei[:, mine] if sharded else ei, part, N, local_edges=sharded)
+        for dtype in (torch.float32, torch.float64):
+            runs = []
+            for _ in range(2):  # twice: the same bits
+                q, k, v = (dp.local(data[t]).to(dtype).requires_grad_() for t in "qkv")
+                out = dp.sparse_attention(q, k, v)
+                (out * dp.local(data["w"]).to(dtype)).sum().backward()
+                runs.append([out.detach(), q.grad, k.grad, v.grad])
+            results[sharded, str(dtype)] = {
+                "owned": dp.owned,
+                "values": runs[0],
+                "repeatable": all(torch.equal(a, b) for a, b in zip(*runs)),
+            }
+    torch.save(results, f"{path}.rank{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "world,graph,method",
+    [
+        (2, "communities", "community"),
+        (4, "communities", "random"),
+        (4, "hub", "random"),
+        (2, "skewed", "random"),
+        (3, "skewed", "idle"),
+    ],
+)
+def test_attention_over_processes_equals_one_process_bitwise(tmp_path, world, graph, method):
+    """DistributedPattern.sparse_attention (CPU engine, float32 and float64, the whole graph or a
+    sharded load, 2 - 4 processes; a hub, skewed degrees, a rank that owns no edge): the output
+    and the gradients of q, k and v equal one process's bit for bit."""
+    ei, _ = GRAPHS[graph]()
+    if method == "idle":  # the last rank owns only the isolated nodes
+        part = torch.arange(N) % (world - 1)
+        part[N - 5 :] = world - 1
+    else:
+        part = partition(ei, world, num_nodes=N, method=method)
+    gen = torch.Generator().manual_seed(9)
+    data = {t: torch.randn(N, 2, 8, generator=gen, dtype=torch.float64) for t in "qkvw"}
+    data |= {"edge_index": ei, "part": part}
+    path = str(tmp_path / "attention")
+    torch.save(data, f"{path}.inputs")
+    mp.spawn(_attention_worker, args=(world, path), nprocs=world, join=True)
+    ranks = [torch.load(f"{path}.rank{r}", weights_only=False) for r in range(world)]
+    pattern = trisparse.Pattern.from_edge_index(ei, num_nodes=N)
+    for dtype in (torch.float32, torch.float64):
+        q, k, v = (data[t].to(dtype).requires_grad_() for t in "qkv")
+        out = trisparse.sparse_attention(q, k, v, pattern)
+        (out * data["w"].to(dtype)).sum().backward()
+        want = [out.detach(), q.grad, k.grad, v.grad]
+        for sharded in (False, True):
+            key = (sharded, str(dtype))
+            owned = torch.cat([r[key]["owned"] for r in ranks])
+            assert torch.equal(owned.sort().values, torch.arange(N))
+            for i, name in enumerate(("out", "dq", "dk", "dv")):
+                got = torch.cat([r[key]["values"][i] for r in ranks])
+                assert torch.equal(got, want[i][owned]), (name, key)
+            assert all(r[key]["repeatable"] for r in ranks), key
+
+
 @pytest.mark.skipif(
     not trisparse.cuda_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"
 )
