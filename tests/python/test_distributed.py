@@ -165,16 +165,21 @@ def _single_process(data):
     return out
 
 
+def _parts(ei, world: int, method: str):
+    """Each node's rank: a partition method's, or "idle": the last rank owns only the isolated
+    nodes (no edge into or out of its rows)."""
+    if method != "idle":
+        return partition(ei, world, num_nodes=N, method=method)
+    part = torch.arange(N) % (world - 1)
+    part[N - 5 :] = world - 1
+    return part
+
+
 def _run(tmp_path, backend, dtype, method, tol, world=2, graph="communities"):
-    """The layers over `world` processes against one process. method: a partition method, or
-    "idle": the last rank owns only the isolated nodes (no edge into or out of its rows)."""
+    """The layers over `world` processes against one process (method: as _parts')."""
     ei, attr = GRAPHS[graph]()
     gen = torch.Generator().manual_seed(5)
-    if method == "idle":
-        part = torch.arange(N) % (world - 1)
-        part[N - 5 :] = world - 1
-    else:
-        part = partition(ei, world, num_nodes=N, method=method)
+    part = _parts(ei, world, method)
     data = {
         "edge_index": ei,
         "edge_attr": attr,
@@ -266,11 +271,7 @@ def test_attention_over_processes_equals_one_process_bitwise(tmp_path, world, gr
     rank that owns no edge): the output and the gradients of q, k and v equal one process's bit
     for bit."""
     ei, _ = GRAPHS[graph]()
-    if method == "idle":  # the last rank owns only the isolated nodes
-        part = torch.arange(N) % (world - 1)
-        part[N - 5 :] = world - 1
-    else:
-        part = partition(ei, world, num_nodes=N, method=method)
+    part = _parts(ei, world, method)
     gen = torch.Generator().manual_seed(9)
     data = {t: torch.randn(N, 2, 8, generator=gen, dtype=torch.float64) for t in "qkvw"}
     data |= {"edge_index": ei, "part": part}
