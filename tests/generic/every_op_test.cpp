@@ -475,7 +475,9 @@ void block_importance_cases(recorder& rec) {
                                                lens);
       const std::string shape = "G" + std::to_string(g) + (causal ? " causal" : "") + " ragged";
       const std::int64_t rows = mask.cu_seqlens_q.back();
-      const std::int64_t qb = (130 + g - 1) / g, kb = qb;
+      // [batch * QB, H, KB]: QB and KB the longest sequence's blocks.
+      const std::int64_t qb = (*std::max_element(lens.begin(), lens.end()) + g - 1) / g, kb = qb,
+                         importance_rows = static_cast<std::int64_t>(lens.size()) * qb;
       // The backend with a backward: the CPU engine, CUDA's block kernels.
       const algorithm a = kWhere == device_kind::cuda ? algorithm::block : algorithm::fused;
       const std::string backend = backend_name(a, kWhere, true);
@@ -495,8 +497,8 @@ void block_importance_cases(recorder& rec) {
               dq = buffer::output(out_of(in), rows, heads, dim),
               dk = buffer::output(out_of(in), rows, heads, dim),
               dv = buffer::output(out_of(in), rows, heads, dim),
-              mass = buffer::output(dtype::f32, 4 * qb, heads, kb),
-              grad = buffer::output(dtype::f32, 4 * qb, heads, kb);
+              mass = buffer::output(dtype::f32, importance_rows, heads, kb),
+              grad = buffer::output(dtype::f32, importance_rows, heads, kb);
           const std::size_t bytes = plan.backward_workspace_bytes(heads, true);
           buffer ws = buffer::scratch(bytes);
           // The CPU's backward recomputes the forward (out and lse unused).
@@ -506,8 +508,8 @@ void block_importance_cases(recorder& rec) {
                         dq.view(), dk.view(), dv.view(),
                         {.block_mass = mass.view(), .block_grad = grad.view()}, {},
                         {bytes > 0 ? ws.view().data : nullptr, bytes});
-          host_tensor want[2] = {host_tensor(dtype::f64, 4 * qb, heads, kb),
-                                 host_tensor(dtype::f64, 4 * qb, heads, kb)};
+          host_tensor want[2] = {host_tensor(dtype::f64, importance_rows, heads, kb),
+                                 host_tensor(dtype::f64, importance_rows, heads, kb)};
           for (host_tensor& w : want) w.fill(std::numeric_limits<double>::quiet_NaN());
           reference::block_importance(mask, q.view(), k.view(), v.view(), dout.view(), scale,
                                       want[0].view(), want[1].view());
