@@ -83,4 +83,14 @@ double resolve_scale(const std::optional<double>& scale, std::int64_t head_dim) 
   return s;
 }
 
+void check_device_entries(std::int64_t nnz, const char* what) {
+  TRISPARSE_EXPECTS_INPUT(
+      nnz <= kMaxDeviceEntries,
+      std::string(what) +
+          " on CUDA takes patterns of at most 2^31 - 1 = " + std::to_string(kMaxDeviceEntries) +
+          " entries (32-bit indices in its "
+          "kernels); this one has " +
+          std::to_string(nnz) + ": split the graph (trisparse.distributed) or run on the CPU");
+}
+
 }  // namespace trisparse::detail

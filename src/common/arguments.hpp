@@ -42,6 +42,14 @@ inline std::int64_t bias_head(const tensor_view& bias, std::int64_t h) {
 void check_block_importance(const attention_options& options, std::int64_t batch, std::int64_t qb,
                             std::int64_t heads, std::int64_t kb, device_kind where);
 
+/// The largest entry count a CUDA plan over a graph pattern takes: its kernels and device formats
+/// index entries and blocks in 32 bits.
+inline constexpr std::int64_t kMaxDeviceEntries = (std::int64_t{1} << 31) - 1;
+
+/// Checks, before anything is built, that a pattern of `nnz` entries fits a CUDA plan (`what`:
+/// the plan). @throws invalid_input naming the limit and the count.
+void check_device_entries(std::int64_t nnz, const char* what);
+
 /// The scale to use: the given one, or 1/sqrt(head_dim). @throws invalid_input if not finite.
 double resolve_scale(const std::optional<double>& scale, std::int64_t head_dim);
 

@@ -223,6 +223,7 @@ void attention_plan::own_unfused_workspace(state& s, const plan_options& options
 attention_plan attention_plan::build(const csr_graph& pattern, device_kind where,
                                      const plan_options& options, stream_ref stream) {
   const auto t0 = std::chrono::steady_clock::now();
+  if (where == device_kind::cuda) detail::check_device_entries(pattern.nnz(), "attention_plan");
   pattern.check();
   const algorithm algo = choose(options.algo, where);
   auto s = std::make_shared<state>();
@@ -300,6 +301,7 @@ attention_plan attention_plan::build(const csr_view& pattern, const plan_options
     }
     return build(to_csr(coo), device_kind::cpu, options, stream);
   }
+  detail::check_device_entries(pattern.nnz, "attention_plan");
   const auto t0 = std::chrono::steady_clock::now();
   const algorithm algo = choose(options.algo, pattern.where);
   auto s = std::make_shared<state>();

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cmath>
 
+#include "../common/arguments.hpp"
 #include "../cpu/sparse/kernels.hpp"
 #include "../cuda/me_bcrs/heuristics.hpp"
 #include "../cuda/me_bcrs/plan.hpp"
@@ -93,6 +94,7 @@ void copy_entries(const tensor_view& from, const tensor_view& to, std::int64_t n
 sparse_plan sparse_plan::build(const csr_graph& pattern, device_kind where,
                                const sparse_plan_options& options, stream_ref stream) {
   check_options(options);
+  if (where == device_kind::cuda) detail::check_device_entries(pattern.nnz(), "sparse_plan");
   pattern.check();
   const auto t0 = std::chrono::steady_clock::now();
   auto s = std::make_shared<state>();
@@ -125,6 +127,7 @@ sparse_plan sparse_plan::build(const csr_view& pattern, const float* values,
   TRISPARSE_EXPECTS_INPUT(pattern.where == device_kind::cuda,
                           "sparse_plan::build(csr_view) takes a pattern in GPU memory; build "
                           "CPU plans from a csr_graph");
+  detail::check_device_entries(pattern.nnz, "sparse_plan");
   TRISPARSE_EXPECTS_INPUT(
       options.order == row_order::automatic || options.order == row_order::original,
       "a plan from a device pattern keeps its rows in the given order: build from a csr_graph for "

@@ -1,6 +1,7 @@
 // Every CPU attention path against the float64 reference, typed over the input dtype.
 #include <algorithm>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "support.hpp"
@@ -145,6 +146,29 @@ TEST(Attention, PlanRunsEveryCpuAlgorithmAndChecksArguments) {
   EXPECT_EQ(backend_name(algorithm::unfused, device_kind::cuda), "cuda_me_bcrs");
   EXPECT_EQ(backend_name(algorithm::fused, device_kind::cpu, true), "cpu_block");
   EXPECT_EQ(backend_name(algorithm::unfused, device_kind::cuda, true), "cuda_block_unfused");
+}
+
+// CUDA plans over graph patterns index entries in 32 bits: a pattern past 2^31 - 1 entries is
+// refused before anything is read or built, with the limit and the count named (the views'
+// arrays are never touched, so none is allocated here).
+TEST(Attention, CudaPlansNameTheEntryLimit) {
+  const std::int64_t too_many = std::int64_t{1} << 31;
+  const std::int64_t row_ptr[2] = {0, too_many};
+  const std::int32_t col = 0;
+  const csr_view huge{.rows = 1, .cols = 1, .nnz = too_many, .row_ptr = row_ptr, .col_idx = &col};
+  const auto expect_named = [](const auto& build, const char* plan) {
+    try {
+      build();
+      ADD_FAILURE() << plan << " took a pattern of 2^31 entries";
+    } catch (const invalid_input& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(plan), std::string::npos) << what;
+      EXPECT_NE(what.find("2^31 - 1"), std::string::npos) << what;
+      EXPECT_NE(what.find("2147483648"), std::string::npos) << what;
+    }
+  };
+  expect_named([&] { (void)attention_plan::build(huge, {.gradients = true}); }, "attention_plan");
+  expect_named([&] { (void)sparse_plan::build(huge, nullptr); }, "sparse_plan");
 }
 
 TEST(Attention, ReferenceSddmmSoftmaxSpmmAgreeWithHandComputation) {

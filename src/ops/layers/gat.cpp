@@ -4,6 +4,7 @@
 #include <span>
 #include <type_traits>
 
+#include "../../common/arguments.hpp"
 #include "../../cpu/layers/f32.hpp"
 #include "../../cpu/layers/gat.hpp"
 #include "../../cuda/layers/gat/plan.hpp"
@@ -87,6 +88,7 @@ struct gat_plan::state {
 };
 
 gat_plan gat_plan::build(const csr_graph& pattern, device_kind where, stream_ref stream) {
+  if (where == device_kind::cuda) detail::check_device_entries(pattern.nnz(), "gat_plan");
   pattern.check();
   auto s = std::make_shared<state>();
   s->where = where;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <bit>
 
+#include "../../common/arguments.hpp"
 #include "../../cpu/layers/f32.hpp"
 #include "../../cpu/layers/gcn.hpp"
 #include "../../cuda/layers/dense.hpp"
@@ -120,6 +121,7 @@ struct gcn_fused_plan::state {
 
 gcn_fused_plan gcn_fused_plan::build(const csr_graph& propagation, device_kind where,
                                      stream_ref stream) {
+  if (where == device_kind::cuda) detail::check_device_entries(propagation.nnz(), "gcn_fused_plan");
   propagation.check();
   TRISPARSE_EXPECTS_INPUT(propagation.rows == propagation.cols,
                           "the fused GCN layer needs a square propagation matrix; this one is " +
