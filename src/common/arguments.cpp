@@ -88,8 +88,8 @@ void check_device_entries(std::int64_t nnz, const char* what) {
       nnz <= kMaxDeviceEntries,
       std::string(what) +
           " on CUDA takes patterns of at most 2^31 - 1 = " + std::to_string(kMaxDeviceEntries) +
-          " entries (32-bit indices in its "
-          "kernels); this one has " +
+          " entries (the limit its device formats and kernels are built and tested for); this "
+          "one has " +
           std::to_string(nnz) + ": split the graph (trisparse.distributed) or run on the CPU");
 }
 

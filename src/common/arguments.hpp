@@ -42,8 +42,9 @@ inline std::int64_t bias_head(const tensor_view& bias, std::int64_t h) {
 void check_block_importance(const attention_options& options, std::int64_t batch, std::int64_t qb,
                             std::int64_t heads, std::int64_t kb, device_kind where);
 
-/// The largest entry count a CUDA plan over a graph pattern takes: its kernels and device formats
-/// index entries and blocks in 32 bits.
+/// The largest entry count a CUDA plan over a graph pattern takes: the fused 3S, ME-BCRS and
+/// backward formats index entries and blocks in 32 bits (GAT's hold 64-bit offsets, but no run
+/// has gone past 2^31 entries, so it takes the same limit).
 inline constexpr std::int64_t kMaxDeviceEntries = (std::int64_t{1} << 31) - 1;
 
 /// Checks, before anything is built, that a pattern of `nnz` entries fits a CUDA plan (`what`:
