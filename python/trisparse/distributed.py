@@ -401,14 +401,16 @@ class DistributedPattern:
 
 
 def _exchanged(
-    x: Tensor, send_index: Tensor, send_counts: list, recv_counts: list, group
-) -> Tensor:
+    x: Tensor, send_index: Tensor, send_counts: list, recv_counts: list, group, async_op=False
+):
     """The rows of x other ranks send this one (send_index: x's rows each rank gets, grouped by
-    rank), by one all_to_all."""
+    rank), by one all_to_all; with ``async_op`` also its handle (wait on it before reading)."""
     send = x.index_select(0, send_index.to(x.device)).contiguous()
     got = x.new_empty((sum(recv_counts), *x.shape[1:]))
-    dist.all_to_all_single(got, send, recv_counts, send_counts, group=group)
-    return got
+    work = dist.all_to_all_single(
+        got, send, recv_counts, send_counts, group=group, async_op=async_op
+    )
+    return (got, work) if async_op else got
 
 
 class _GlobalOrder:
@@ -672,10 +674,8 @@ class _HaloExchange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, dp: DistributedPattern, pending: list):
-        send = x.index_select(0, dp.send_index.to(x.device)).contiguous()
-        halo = x.new_empty((dp.num_halo, *x.shape[1:]))
-        work = dist.all_to_all_single(
-            halo, send, dp.recv_counts, dp.send_counts, group=dp.group, async_op=True
+        halo, work = _exchanged(
+            x, dp.send_index, dp.send_counts, dp.recv_counts, dp.group, async_op=True
         )
         pending.append(work)
         ctx.dp = dp
