@@ -14,7 +14,9 @@ within itself. Four implementations on the same q, k, v [N, H, D] (packed nodes)
 - flex: FlexAttention (compiled) over [1, H, N, D] with a document mask, its block mask built for
   each batch (timed apart: ``mask_ms``); flex_build: the mask's build inside every step;
 - pyg_padded: what PyG's GPSConv does, ``to_dense_batch`` to [B, n_max, H, D] then
-  scaled_dot_product_attention with the key padding mask, and the real rows gathered back.
+  scaled_dot_product_attention with the key padding mask, and the real rows gathered back;
+- with --dropout p: trisparse_segment_dropout (the segment kernels drawing attention dropout
+  themselves) and pyg_padded_dropout (SDPA's dropout_p), as training pays them.
 
     python3 bench/python/gps_attention.py data/tu_nci1.graph_ptr.xz --graphs 0 128 1024 \
         --heads-dims 4x16 4x32 4x64 > gps_attention.jsonl
@@ -58,9 +60,9 @@ def ours_with_build(batch):
     return attend
 
 
-def segment(batch):
+def segment(batch, dropout=0.0):
     def attend(q, k, v):
-        return trisparse.segment_attention(q, k, v, batch, assume_sorted=True)
+        return trisparse.segment_attention(q, k, v, batch, assume_sorted=True, dropout=dropout)
 
     return attend
 
@@ -79,13 +81,15 @@ def edge_with_build(batch):
     return attend
 
 
-def padded(batch):
+def padded(batch, dropout=0.0):
     def attend(q, k, v):
         n, h, d = q.shape
         dense = [to_dense_batch(t.reshape(n, h * d), batch)[0] for t in (q, k, v)]
         mask = to_dense_batch(q[:, 0, 0], batch)[1]  # [B, n_max] real nodes
         qd, kd, vd = (t.view(t.shape[0], t.shape[1], h, d).transpose(1, 2) for t in dense)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask[:, None, None, :])
+        o = F.scaled_dot_product_attention(
+            qd, kd, vd, attn_mask=mask[:, None, None, :], dropout_p=dropout
+        )
         return o.transpose(1, 2)[mask]
 
     return attend
@@ -155,6 +159,13 @@ def main():
     ap.add_argument("--graphs", type=int, nargs="+", default=[0, 128, 1024])
     ap.add_argument("--heads-dims", nargs="+", default=["4x16", "4x32", "4x64"])
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument(
+        "--dropout",
+        type=float,
+        default=0.0,
+        help="also time attention dropout p (as training pays it): the segment kernels drawing it "
+        "themselves, and PyG's padded path (SDPA's dropout_p); no error for these",
+    )
     a = ap.parse_args()
     dev = torch.device("cuda")
     from torch.nn.attention.flex_attention import flex_attention
@@ -200,6 +211,9 @@ def main():
                 cases += [("trisparse_build", ours_with_build(batch))]
                 cases += [("trisparse_edge", edge(pattern))]
                 cases += [("trisparse_edge_build", edge_with_build(batch))]
+                if a.dropout > 0:
+                    cases += [("trisparse_segment_dropout", segment(batch, a.dropout))]
+                    cases += [("pyg_padded_dropout", padded(batch, a.dropout))]
                 try:
                     start.record()
                     attend = flex(batch, compiled)
@@ -213,7 +227,7 @@ def main():
                 for name, attend in cases:
                     try:
                         step, result = step_of(attend, q, k, v, dout)
-                        err = rel(result(), want)
+                        err = None if name.endswith("_dropout") else rel(result(), want)
                         torch.cuda.synchronize()
                         base = torch.cuda.memory_allocated()
                         torch.cuda.reset_peak_memory_stats()

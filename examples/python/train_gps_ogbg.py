@@ -83,13 +83,19 @@ def roc_auc(score, label):
     return float((ranks[label == 1].sum() - pos * (pos + 1) / 2) / (pos * neg))
 
 
-def evaluate(model, loader, regression, device):
+def autocast(device, bf16: bool):
+    """bfloat16 autocast on CUDA where asked (--bf16), else nothing."""
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16 and device.type == "cuda")
+
+
+def evaluate(model, loader, regression, device, bf16=False):
     model.eval()
     preds, labels = [], []
     with torch.no_grad():
         for data in loader:
             data = data.to(device)
-            preds.append(model(data).float().cpu())
+            with autocast(device, bf16):
+                preds.append(model(data).float().cpu())
             labels.append(data.y.float().cpu())
     p, y = torch.cat(preds), torch.cat(labels)
     if regression:
@@ -120,13 +126,13 @@ def run(args, graphs, split, seed, device):
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        loads.append(train_epoch(model, opt, train, regression, device))
+        loads.append(train_epoch(model, opt, train, regression, device, args.bf16))
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        val = evaluate(model, valid, regression, device)
+        val = evaluate(model, valid, regression, device, args.bf16)
         if best is None or (val < best if regression else val > best):
-            best, best_test = val, evaluate(model, test, regression, device)
+            best, best_test = val, evaluate(model, test, regression, device, args.bf16)
     peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
     result = {
         "seed": seed,
@@ -137,11 +143,11 @@ def run(args, graphs, split, seed, device):
         "peak_mib": peak,
     }
     if args.profile and device.type == "cuda":
-        result.update(profile_epoch(model, opt, train, regression, device))
+        result.update(profile_epoch(model, opt, train, regression, device, args.bf16))
     return result
 
 
-def train_epoch(model, opt, train, regression, device):
+def train_epoch(model, opt, train, regression, device, bf16=False):
     """One pass over the training batches; returns the host time spent collating them and
     copying them to the device."""
     model.train()
@@ -154,7 +160,8 @@ def train_epoch(model, opt, train, regression, device):
             return load
         data = data.to(device)
         load += time.perf_counter() - t0
-        out = model(data)
+        with autocast(device, bf16):
+            out = model(data).float()
         y = data.y.float()
         keep = ~torch.isnan(y)
         if regression:
@@ -166,7 +173,7 @@ def train_epoch(model, opt, train, regression, device):
         opt.step()
 
 
-def profile_epoch(model, opt, train, regression, device):
+def profile_epoch(model, opt, train, regression, device, bf16=False):
     """One more epoch under torch.profiler: the GPU's busy time (the sum of the kernels' times)
     and the kernel count, against the epoch's wall time; a busy time far below it means the
     epoch waits on the host (Python, launches, the loader), not on the kernels."""
@@ -176,7 +183,7 @@ def profile_epoch(model, opt, train, regression, device):
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        train_epoch(model, opt, train, regression, device)
+        train_epoch(model, opt, train, regression, device, bf16)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
@@ -205,6 +212,12 @@ def main():
     ap.add_argument(
         "--profile", action="store_true", help="CUDA: one more epoch under torch.profiler"
     )
+    ap.add_argument(
+        "--bf16",
+        action="store_true",
+        help="CUDA: bfloat16 autocast, both backends (trisparse: the segment kernels, attention "
+        "dropout drawn inside them)",
+    )
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     graphs, split = trisparse.datasets.ogbg(args.dataset, args.root)
@@ -212,7 +225,7 @@ def main():
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         r = run(args, graphs, split, seed, device)
         r.update(dataset=args.dataset, backend=args.backend, epochs=args.epochs)
-        r.update(batch_size=args.batch_size, attn_dropout=args.attn_dropout)
+        r.update(batch_size=args.batch_size, attn_dropout=args.attn_dropout, bf16=args.bf16)
         r.update(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
         results.append(r)
         if args.json:

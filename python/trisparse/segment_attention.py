@@ -9,11 +9,13 @@ pattern. The ops: ``trisparse.ops.segment_attention``; their autograd:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import _C, _tensors
 from .attention import sparse_attention
 from .autograd.segment_attention import _call
+from .edge import edge_softmax, edge_spmm, sddmm
 from .pattern import Pattern, check_batch
 
 __all__ = ["segment_attention", "segment_attention_supported"]
@@ -39,6 +41,7 @@ def segment_attention(
     batch: Tensor | None,
     scale: float | None = None,
     assume_sorted: bool = False,
+    dropout: float = 0.0,
 ) -> Tensor:
     """out[i] = softmax_j(scale q[i] . k[j]) v[j] over the rows j with batch[j] == batch[i]: q, k,
     v [rows, heads, channels], ``batch`` [rows] sorted int64 or int32 ids (PyG's mini-batch vector;
@@ -46,7 +49,15 @@ def segment_attention(
     gradients are the same bits on every run. On CUDA with float16/bfloat16 and 16, 32, 64 or 128
     channels a head, the segment kernels (no pattern, no host work per batch); elsewhere
     :func:`trisparse.sparse_attention` over :meth:`Pattern.from_batch`. ``assume_sorted``: skip
-    the sortedness check (a device round trip) for a batch already checked."""
+    the sortedness check (a device round trip) for a batch already checked.
+
+    ``dropout``: attention dropout, as ``F.scaled_dot_product_attention``'s ``dropout_p`` (apply
+    it while training only): each weight is kept with probability 1 - p and scaled by 1 / (1 -
+    p). The segment kernels draw it themselves from a counter-based generator (Philox4x32-10 per
+    query, key and head, ``trisparse/core/dropout.hpp``) seeded from torch's generator of q's
+    device, and regenerate it in the backward: nothing [pairs, heads] is stored, the result is the
+    same bits for the same seed. Elsewhere the weights are dropped by ``F.dropout`` (the same
+    distribution, other draws)."""
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         if not isinstance(t, Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a [rows, heads, channels] tensor")
@@ -61,9 +72,18 @@ def segment_attention(
         batch = torch.zeros(rows, dtype=torch.int64, device=q.device)
     elif not assume_sorted and not torch.compiler.is_compiling():
         check_batch(batch, rows)
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
     batch = batch.contiguous()
     scale = _tensors.resolve_scale(scale, q.shape[-1])
     if segment_attention_supported(q) and batch.device == q.device:
-        out, _ = _call(q, k, v, batch, scale)
+        state = None
+        if dropout > 0:  # {seed, offset}: one draw of the device's generator, no host round trip
+            state = torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64, device=q.device)
+        out, _ = _call(q, k, v, batch, scale, float(dropout), state)
         return out
-    return sparse_attention(q, k, v, Pattern.from_batch(batch, rows), scale=scale)
+    pattern = Pattern.from_batch(batch, rows)
+    if dropout > 0:
+        alpha = edge_softmax(scale * sddmm(q, k, pattern), pattern)
+        return edge_spmm(F.dropout(alpha, p=dropout, training=True), v, pattern)
+    return sparse_attention(q, k, v, pattern, scale=scale)

@@ -93,4 +93,20 @@ void check_device_entries(std::int64_t nnz, const char* what) {
           std::to_string(nnz) + ": split the graph (trisparse.distributed) or run on the CPU");
 }
 
+void check_dropout(const attention_dropout& dropout) {
+  TRISPARSE_EXPECTS_INPUT(
+      dropout.p >= 0 && dropout.p < 1,
+      "attention dropout: p must be in [0, 1), got " + std::to_string(dropout.p));
+  TRISPARSE_EXPECTS_INPUT(dropout.p == 0 || dropout.state != nullptr,
+                          "attention dropout: p > 0 needs the generator's state ({seed, offset} on "
+                          "the device)");
+}
+
+void check_no_dropout(const attention_options& options, const char* what) {
+  if (options.dropout.p == 0) return;
+  throw not_supported(std::string(what) +
+                      " does not draw attention dropout inside its kernels (attention within "
+                      "segments does); drop the weights outside, or give p = 0");
+}
+
 }  // namespace trisparse::detail

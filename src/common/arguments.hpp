@@ -51,6 +51,13 @@ inline constexpr std::int64_t kMaxDeviceEntries = (std::int64_t{1} << 31) - 1;
 /// the plan). @throws invalid_input naming the limit and the count.
 void check_device_entries(std::int64_t nnz, const char* what);
 
+/// @throws not_supported if options.dropout asks for dropout: `what` does not draw it (attention
+/// within segments does).
+void check_no_dropout(const attention_options& options, const char* what);
+
+/// @throws invalid_input unless options.dropout is none or p in [0, 1) with a state.
+void check_dropout(const attention_dropout& dropout);
+
 /// The scale to use: the given one, or 1/sqrt(head_dim). @throws invalid_input if not finite.
 double resolve_scale(const std::optional<double>& scale, std::int64_t head_dim);
 

@@ -360,6 +360,7 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
   const plan_report& r = report();
   detail::check_attention_args(r.rows, r.cols, q, k, v, out, r.where);
   const double scale = detail::resolve_scale(options.scale, q.dim);
+  detail::check_no_dropout(options, "attention_plan");
   const algorithm algo = resolve(options.algo);
   if (!runs_on(algo, r.where)) {
     throw invalid_input("algorithm " + std::string(to_string(algo)) + " does not run on " +
@@ -503,6 +504,7 @@ void attention_plan::backward(const tensor_view& q, const tensor_view& k, const 
   }
   const algorithm algo = resolve(options.algo);
   const double scale = detail::resolve_scale(options.scale, q.dim);
+  detail::check_no_dropout(options, "attention_plan");
   const tensor_view &bias = options.bias, &dbias = options.dbias;
   if (bias.data != nullptr) detail::check_bias(bias, "bias", r.nnz, q.heads, r.where);
   if (dbias.data != nullptr) detail::check_bias(dbias, "dbias", r.nnz, q.heads, r.where, true);

@@ -242,6 +242,7 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
   const block_sparse_mask& m = state_->mask;
   check_run_args(m, q, k, v, out, state_->report.where);
   const double scale = detail::resolve_scale(options.scale, q.dim);
+  detail::check_no_dropout(options, "block_sparse_attention_plan");
   const algorithm algo = options.algo == algorithm::automatic ? state_->report.algo : options.algo;
   if (options.lse.data != nullptr) {
     TRISPARSE_EXPECTS_INPUT(algo == algorithm::block,
@@ -313,6 +314,7 @@ void block_sparse_attention_plan::backward(const tensor_view& q, const tensor_vi
   check_run_args(m, q, k, v, dout, where);
   detail::check_gradient_args(q, k, v, dq, dk, dv, where);
   const double scale = detail::resolve_scale(options.scale, q.dim);
+  detail::check_no_dropout(options, "block_sparse_attention_plan");
   const auto [qb, kb] = detail::most_blocks(m);
   detail::check_block_importance(options, m.batch(), qb, q.heads, kb, where);
   const cuda::block_importance_views importance{options.block_mass, options.block_grad, qb};

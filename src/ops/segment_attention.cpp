@@ -5,6 +5,7 @@
 #include <string>
 #include <utility>
 
+#include "../common/arguments.hpp"
 #include "../cuda/attention/segments/plan.hpp"
 #include "../cuda/common/layout.hpp"
 #include "layers/common.hpp"
@@ -55,6 +56,7 @@ void check_plain(const attention_options& o) {
   TRISPARSE_EXPECTS_INPUT(o.bias.data == nullptr && o.dbias.data == nullptr &&
                               o.block_mass.data == nullptr && o.block_grad.data == nullptr,
                           std::string(kWhat) + " takes no bias and writes no block importance");
+  detail::check_dropout(o.dropout);
 }
 
 void check_workspace(workspace_view w, std::size_t need, const char* call) {
@@ -103,7 +105,8 @@ void segment_attention_plan::run(const tensor_view& q, const tensor_view& k, con
   check_plain(options);
   check_workspace(workspace, workspace_bytes(), "run()");
   cuda::segment_attention_forward(segments_, q, k, v, out, options.lse,
-                                  effective_scale(options, q.dim), workspace, stream);
+                                  effective_scale(options, q.dim), options.dropout, workspace,
+                                  stream);
 }
 
 void segment_attention_plan::backward(const tensor_view& q, const tensor_view& k,
@@ -126,7 +129,8 @@ void segment_attention_plan::backward(const tensor_view& q, const tensor_view& k
   check_plain(options);
   check_workspace(workspace, backward_workspace_bytes(q.heads), "backward()");
   cuda::segment_attention_backward(segments_, q, k, v, out, lse, dout, dq, dk, dv,
-                                   effective_scale(options, q.dim), workspace, stream);
+                                   effective_scale(options, q.dim), options.dropout, workspace,
+                                   stream);
 }
 
 }  // namespace trisparse

@@ -147,6 +147,12 @@ TEST(GpuSegmentAttention, BadArgumentsAreNamed) {
   EXPECT_THROW(plan.run(f32.view(), f32.view(), f32.view(), f32.view(), {}, w), not_supported);
   EXPECT_THROW(plan.run(q.view(), q.view(), q.view(), q.view(), {}, {ws.view().data, 8}),
                invalid_input);
+  // Dropout: p in [0, 1), and a generator state to draw from.
+  const auto* state = static_cast<const std::uint64_t*>(ws.view().data);
+  EXPECT_THROW(plan.run(q.view(), q.view(), q.view(), q.view(), {.dropout = {1.0, state}}, w),
+               invalid_input);
+  EXPECT_THROW(plan.run(q.view(), q.view(), q.view(), q.view(), {.dropout = {0.2, nullptr}}, w),
+               invalid_input);
 }
 
 }  // namespace

@@ -1085,47 +1085,64 @@ void segment_cases(recorder& rec) {
         coo.src.push_back(i);
         coo.dst.push_back(j);
       }
-  const csr_graph g = to_csr(coo);
   host_tensor ids_h(dtype::f64, rows, 1, 1);  // the int64 ids' bytes
   std::memcpy(ids_h.data(), ids.data(), ids.size() * sizeof(std::int64_t));
   buffer bids(ids_h);
+  // Attention dropout's generator state {seed, offset}, on the device as the kernels read it.
+  const std::uint64_t seed = 0x9E3779B97F4A7C15ull, offset = 77;
+  host_tensor state_h(dtype::f64, 2, 1, 1);
+  std::memcpy(state_h.data(), &seed, sizeof seed);
+  std::memcpy(reinterpret_cast<char*>(state_h.data()) + sizeof seed, &offset, sizeof offset);
+  buffer bstate(state_h);
   const std::string backend = "cuda_segments";
-  for (const std::int64_t dim : {16, 32, 64, 128}) {
-    const std::string shape = "5 segments, d " + std::to_string(dim);
-    for (const dtype in : kDtypes) {
-      const types t{in, in};
-      rec.attempt("segment_attention", backend, t, [&] {
-        const auto plan = segment_attention_plan::build({rows, bids.view().data, true, 0});
-        const std::int64_t heads = 2;
-        const host_tensor q = random(in, rows, heads, dim, 90),
-                          k = random(in, rows, heads, dim, 91),
-                          v = random(in, rows, heads, dim, 92),
-                          dout = random(in, rows, heads, dim, 93);
-        buffer bq(q), bk(k), bv(v), bdout(dout),
-            out = buffer::output(in, rows, heads, dim),
-            lse = buffer::output(dtype::f32, rows, heads, 1),
-            dq = buffer::output(dtype::f32, rows, heads, dim),
-            dk = buffer::output(dtype::f32, rows, heads, dim),
-            dv = buffer::output(dtype::f32, rows, heads, dim),
-            ws = buffer::scratch(plan.backward_workspace_bytes(heads));
-        const workspace_view w{ws.view().data, plan.backward_workspace_bytes(heads)};
-        plan.run(bq.view(), bk.view(), bv.view(), out.view(), {.lse = lse.view()}, w);
-        plan.backward(bq.view(), bk.view(), bv.view(), out.view(), lse.view(), bdout.view(),
-                      dq.view(), dk.view(), dv.view(), {}, w);
-        const double scale = effective_scale({}, dim);
-        host_tensor want(dtype::f64, rows, heads, dim), wq(dtype::f64, rows, heads, dim),
-            wk(dtype::f64, rows, heads, dim), wv(dtype::f64, rows, heads, dim);
-        reference::attention(g, q.view(), k.view(), v.view(), want.view(), scale);
-        reference::attention_backward(g, q.view(), k.view(), v.view(), dout.view(), wq.view(),
-                                      wk.view(), wv.view(), scale);
-        rec.check("segment_attention", backend, t, shape, out.fetch(), want, tolerance(in, in, 4));
-        const double tol = tolerance(in, dtype::f32, 8) + unit_roundoff(in) * 8;
-        rec.check("segment_attention", backend, t, shape, dq.fetch(), wq, tol, "dq");
-        rec.check("segment_attention", backend, t, shape, dk.fetch(), wk, tol, "dk");
-        rec.check("segment_attention", backend, t, shape, dv.fetch(), wv, tol, "dv");
-      });
+  for (const std::int64_t dim : {16, 32, 64, 128})
+    for (const double p : {0.0, 0.3}) {
+      const std::string shape = "5 segments, d " + std::to_string(dim) + (p > 0 ? ", dropout" : "");
+      const attention_dropout drop{p, static_cast<const std::uint64_t*>(bstate.view().data)};
+      for (const dtype in : kDtypes) {
+        const types t{in, in};
+        rec.attempt("segment_attention", backend, t, [&] {
+          const auto plan = segment_attention_plan::build({rows, bids.view().data, true, 0});
+          const std::int64_t heads = 2;
+          const host_tensor q = random(in, rows, heads, dim, 90),
+                            k = random(in, rows, heads, dim, 91),
+                            v = random(in, rows, heads, dim, 92),
+                            dout = random(in, rows, heads, dim, 93);
+          buffer bq(q), bk(k), bv(v), bdout(dout),
+              out = buffer::output(in, rows, heads, dim),
+              lse = buffer::output(dtype::f32, rows, heads, 1),
+              dq = buffer::output(dtype::f32, rows, heads, dim),
+              dk = buffer::output(dtype::f32, rows, heads, dim),
+              dv = buffer::output(dtype::f32, rows, heads, dim),
+              ws = buffer::scratch(plan.backward_workspace_bytes(heads));
+          const workspace_view w{ws.view().data, plan.backward_workspace_bytes(heads)};
+          plan.run(bq.view(), bk.view(), bv.view(), out.view(),
+                   {.lse = lse.view(), .dropout = drop}, w);
+          plan.backward(bq.view(), bk.view(), bv.view(), out.view(), lse.view(), bdout.view(),
+                        dq.view(), dk.view(), dv.view(), {.dropout = drop}, w);
+          const double scale = effective_scale({}, dim);
+          host_tensor want(dtype::f64, rows, heads, dim), wq(dtype::f64, rows, heads, dim),
+              wk(dtype::f64, rows, heads, dim), wv(dtype::f64, rows, heads, dim);
+          // The multigraph reference over the segments' pairs, each with the factor the draw gives.
+          host_tensor keep(dtype::f64, static_cast<std::int64_t>(coo.src.size()), heads, 1);
+          for (std::size_t e = 0; e < coo.src.size(); ++e)
+            for (std::int32_t h = 0; h < heads; ++h)
+              keep.set(static_cast<std::int64_t>(e) * heads + h,
+                       dropout_factor(drop, seed, offset, coo.src[e], coo.dst[e], h));
+          reference::edge_attention(coo, q.view(), k.view(), v.view(), {}, {}, keep.view(), scale,
+                                    want.view(), {}, {});
+          reference::edge_attention_backward(coo, q.view(), k.view(), v.view(), {}, {}, keep.view(),
+                                             scale, dout.view(), {}, wq.view(), wk.view(),
+                                             wv.view(), {}, {});
+          rec.check("segment_attention", backend, t, shape, out.fetch(), want,
+                    tolerance(in, in, 4));
+          const double tol = tolerance(in, dtype::f32, 8) + unit_roundoff(in) * 8;
+          rec.check("segment_attention", backend, t, shape, dq.fetch(), wq, tol, "dq");
+          rec.check("segment_attention", backend, t, shape, dk.fetch(), wk, tol, "dk");
+          rec.check("segment_attention", backend, t, shape, dv.fetch(), wv, tol, "dv");
+        });
+      }
     }
-  }
 }
 
 // Every op's registration: add one here for a new op.

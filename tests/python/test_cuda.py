@@ -5,8 +5,10 @@ step captured in a CUDA graph, torch.compile of a model on the GPU. Every test h
 `gpu` marker and skips without a GPU."""
 
 import copy
+import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 import trisparse
@@ -761,6 +763,106 @@ def test_segment_attention_matches_float64(dim, dtype):
     for i, (a, b) in enumerate(zip(got, want)):
         assert relerr(a, b) <= (2e-2 if dtype == torch.bfloat16 else 4e-3), i
     assert all(torch.equal(a, b) for a, b in zip(got, run(torch.int32)))
+
+
+def _philox_factors(rows_i, rows_j, heads: int, state, p: float):
+    """Attention dropout's factors [pairs, heads] (float64) for query rows rows_i and key rows
+    rows_j, as trisparse/core/dropout.hpp draws them from state = {seed, offset}: Philox4x32-10
+    counted by (i / 2, j / 2, head, offset), word (i % 2) * 2 + j % 2."""
+    mask = np.uint64(0xFFFFFFFF)
+    seed, offset = (int(x) % 2**64 for x in state.tolist())
+    i, j = np.asarray(rows_i, np.int64), np.asarray(rows_j, np.int64)
+    pick = (i & 1) * 2 + (j & 1)
+    t = p * 2.0**32
+    below = 4294967295 if t >= 4294967295 else int(t + 0.5)
+    out = []
+    for h in range(heads):
+        c = [(i >> 1).astype(np.uint64), (j >> 1).astype(np.uint64)]
+        c += [np.full_like(c[0], h), np.full_like(c[0], offset & 0xFFFFFFFF)]
+        k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
+        for _ in range(10):
+            p0, p1 = np.uint64(0xD2511F53) * c[0], np.uint64(0xCD9E8D57) * c[2]
+            c = [(p1 >> np.uint64(32)) ^ c[1] ^ k0, p1 & mask, (p0 >> np.uint64(32)) ^ c[3] ^ k1]
+            c.append(p0 & mask)
+            k0 = (k0 + np.uint64(0x9E3779B9)) & mask
+            k1 = (k1 + np.uint64(0xBB67AE85)) & mask
+        words = np.stack(c)[pick, np.arange(i.size)]
+        out.append(np.where(words < below, 0.0, 1.0 / (1.0 - p)))
+    return torch.from_numpy(np.stack(out, 1))
+
+
+@pytest.mark.parametrize("dim", [16, 64, 128])
+def test_segment_attention_dropout_matches_float64(dim):
+    """Attention dropout inside the segment kernels: forward and gradients equal float64 dense
+    attention per graph with the kernels' draws (Philox, computed here independently); the same
+    bits for the same state, other bits for another; about 1 - p of the weights kept."""
+    g = torch.Generator().manual_seed(30 + dim)
+    sizes = torch.randint(1, 41, (60,), generator=g)
+    sizes[10] = 200
+    batch = torch.repeat_interleave(torch.arange(60), sizes).cuda()
+    n, heads, p = batch.numel(), 2, 0.3
+    qkv = torch.randn(n, 3, heads, dim, generator=g)
+    dout = torch.randn(n, heads, dim, generator=g)
+    scale = 1 / math.sqrt(dim)
+    state = torch.tensor([0x1234_5678_9ABC_DEF0, -77], dtype=torch.int64, device="cuda")
+    from trisparse.autograd.segment_attention import _call
+
+    def run(st):
+        x = qkv.cuda().bfloat16().requires_grad_()
+        out, _ = _call(*x.unbind(1), batch, scale, p, st)
+        out.backward(dout.cuda().bfloat16())
+        return [t.double().cpu() for t in (out.detach(), *x.grad.unbind(1))]
+
+    got = run(state)
+    xs = [t.double().requires_grad_() for t in qkv.bfloat16().unbind(1)]
+    ptr = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(sizes, 0)]).tolist()
+    outs, kept = [], []
+    for a, b in itertools.pairwise(ptr):
+        ii, jj = torch.meshgrid(torch.arange(a, b), torch.arange(a, b), indexing="ij")
+        m = _philox_factors(ii.flatten(), jj.flatten(), heads, state.cpu(), p)
+        m = m.T.reshape(heads, b - a, b - a)
+        kept.append((m > 0).flatten())
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t in xs)
+        w = torch.softmax(scale * qs @ ks.transpose(1, 2), -1)
+        outs.append(((w * m) @ vs).transpose(0, 1))
+    out = torch.cat(outs)
+    out.backward(dout.bfloat16().double())
+    for i, (a, b) in enumerate(zip(got, [out.detach(), *(x.grad for x in xs)])):
+        assert relerr(a, b) <= 2e-2, i
+    assert abs(torch.cat(kept).double().mean().item() - (1 - p)) < 0.01
+    assert all(torch.equal(a, b) for a, b in zip(got, run(state)))
+    other = run(torch.tensor([5, 6], dtype=torch.int64, device="cuda"))
+    assert not torch.equal(got[0], other[0])
+
+
+def test_gps_conv_dropout_takes_the_segment_kernels(monkeypatch):
+    """GPSConv training with attention dropout under bf16 autocast runs the segment kernels (no
+    per-batch pattern is built); its gradients are finite and another seed drops other weights."""
+    from trisparse.nn.conv import gps_conv
+
+    def no_pattern(*args, **kwargs):
+        raise AssertionError("a per-batch pattern was built")
+
+    monkeypatch.setattr(gps_conv._BatchPatterns, "get", no_pattern)
+    g = torch.Generator().manual_seed(9)
+    batch, ei = _molecule_batch(g)
+    n, channels = batch.numel(), 64
+    mlp = torch.nn.Sequential(torch.nn.Linear(channels, channels), torch.nn.ReLU())
+    layer = trisparse.nn.GPSConv(
+        channels, pyg_nn.GINConv(mlp), heads=4, attn_kwargs={"dropout": 0.5}
+    )
+    layer = layer.cuda().train()
+    layer.dropout = 0.0  # only the attention's dropout differs between runs
+    x = torch.randn(n, channels, generator=g).cuda()
+    outs = []
+    for seed in (1, 1, 2):
+        torch.manual_seed(seed)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = layer(x, ei.cuda(), batch.cuda())
+        out.float().sum().backward()
+        assert all(p.grad.isfinite().all() for p in layer.parameters() if p.grad is not None)
+        outs.append(out.detach())
+    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
 
 
 @pytest.mark.parametrize("channels", [64, 128])

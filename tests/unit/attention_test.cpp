@@ -130,6 +130,12 @@ TEST(Attention, PlanRunsEveryCpuAlgorithmAndChecksArguments) {
                invalid_input);
   EXPECT_THROW(plan.run(x.q.view(), x.k.view(), x.v.view(), out.view(), {.scale = std::nan("")}),
                invalid_input);
+  // Attention dropout is drawn by the segment kernels only: a graph plan names that.
+  const std::uint64_t state[2] = {1, 2};
+  EXPECT_THROW(plan.run(x.q.view(), x.k.view(), x.v.view(), out.view(), {.dropout = {0.1, state}}),
+               not_supported);
+  EXPECT_NO_THROW(
+      plan.run(x.q.view(), x.k.view(), x.v.view(), out.view(), {.dropout = {0.0, state}}));
   // Methods the CPU has none of: unfused and block run on CUDA only.
   EXPECT_THROW(attention_plan::build(g, device_kind::cpu, {.algo = algorithm::unfused}),
                invalid_input);

@@ -5,6 +5,7 @@
 
 #include "../../src/cpu/common/exp2.hpp"
 #include "support.hpp"
+#include "trisparse/core/dropout.hpp"
 
 namespace trisparse {
 namespace {
@@ -92,6 +93,46 @@ TEST(Tensor, CheckViewNamesTheArgument) {
   tensor_view overlapping = t.view();
   overlapping.row_stride = 8;
   EXPECT_THROW(check_view(overlapping, "k", -1, -1, -1), invalid_input);
+}
+
+TEST(Numeric, PhiloxGivesTheKnownAnswers) {
+  // Philox4x32-10's published known-answer vectors (Random123, kat_vectors).
+  const auto expect = [](philox::words w, std::uint32_t a, std::uint32_t b, std::uint32_t c,
+                         std::uint32_t d) {
+    EXPECT_EQ(w.x[0], a);
+    EXPECT_EQ(w.x[1], b);
+    EXPECT_EQ(w.x[2], c);
+    EXPECT_EQ(w.x[3], d);
+  };
+  expect(philox::draw(0, 0, 0, 0, 0), 0x6627e8d5u, 0xe169c58du, 0xbc57ac4cu, 0x9b00dbd8u);
+  const std::uint32_t ones = 0xffffffffu;
+  expect(philox::draw(ones, ones, ones, ones, ~std::uint64_t{0}), 0x408f276du, 0x41c83b0eu,
+         0xa20bc7c6u, 0x6d5451fdu);
+  expect(philox::draw(0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u,
+                      (std::uint64_t{0x299f31d0u} << 32) | 0xa4093822u),
+         0xd16cfe09u, 0x94fdccebu, 0x5001e420u, 0x24126ea1u);
+}
+
+TEST(Numeric, DropoutKeepsOneMinusPAndScalesTheKept) {
+  const attention_dropout d{0.3, nullptr};
+  const double keep_scale = 1.0 / 0.7;
+  std::int64_t kept = 0, total = 0;
+  for (std::int64_t i = 0; i < 300; ++i)
+    for (std::int64_t j = 0; j < 300; ++j)
+      for (std::int32_t h = 0; h < 2; ++h, ++total) {
+        const double f = dropout_factor(d, 12345, 6, i, j, h);
+        ASSERT_TRUE(f == 0.0 || f == keep_scale) << f;
+        kept += f > 0;
+      }
+  // 180,000 draws: the kept fraction within 5 standard deviations (0.0054) of 0.7.
+  EXPECT_NEAR(static_cast<double>(kept) / static_cast<double>(total), 0.7, 0.0054);
+  // Another seed or offset draws another mask.
+  std::int64_t same = 0;
+  for (std::int64_t i = 0; i < 100; ++i)
+    same += dropout_factor(d, 12345, 6, i, 7, 0) == dropout_factor(d, 12345, 7, i, 7, 0);
+  EXPECT_LT(same, 80);
+  EXPECT_EQ(philox::drop_below(0.0), 0u);
+  EXPECT_EQ(dropout_factor({0.0, nullptr}, 1, 2, 3, 4, 0), 1.0);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <string_view>
 #include <vector>
 
+#include "trisparse/core/dropout.hpp"
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/tensor.hpp"
 #include "trisparse/core/workspace.hpp"
@@ -93,6 +94,9 @@ struct attention_options {
   /// As block_mass, the sum of |dS| over the block, dS = dL/dz for the scaled score z (not
   /// divided by the rows): how much the loss moves with the block's scores.
   tensor_view block_grad{};
+  /// Attention dropout drawn in the kernels (trisparse/core/dropout.hpp): run() and backward() of
+  /// segment_attention_plan; the other plans throw not_supported for p > 0.
+  attention_dropout dropout{};
 };
 
 /// The head dims the CUDA tensor-core attention kernels of this build take (the fused 3S

@@ -12,19 +12,20 @@ from ..ops.segment_attention import (
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, batch, scale = inputs
+    q, k, v, batch, scale, dropout, dropout_state = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, batch)
+    ctx.save_for_backward(q, k, v, out, lse, batch, dropout_state)
     ctx.scale = scale
+    ctx.dropout = dropout
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, batch = ctx.saved_tensors
+    q, k, v, out, lse, batch, dropout_state = ctx.saved_tensors
     dq, dk, dv = torch.ops.trisparse.segment_attention_backward(
-        q, k, v, out, lse, dout, batch, ctx.scale
+        q, k, v, out, lse, dout, batch, ctx.scale, ctx.dropout, dropout_state
     )
-    return dq, dk, dv, None, None
+    return dq, dk, dv, None, None, None, None
 
 
 _forward.register_autograd(_backward, setup_context=_setup_context)

@@ -25,9 +25,24 @@ def _grads(q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
 
 
+def _dropout_state(dropout: float, state: Tensor | None) -> int:
+    """The device address of attention dropout's {seed, offset} (int64 [2]), 0 without dropout."""
+    return state.data_ptr() if dropout > 0 and state is not None else 0
+
+
 @torch.library.custom_op("trisparse::segment_attention", mutates_args=())
-def _forward(q: Tensor, k: Tensor, v: Tensor, batch: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """(out [rows, H, D] in q's dtype, lse [rows, H] float32); q, k, v any strides."""
+def _forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    batch: Tensor,
+    scale: float,
+    dropout: float,
+    dropout_state: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """(out [rows, H, D] in q's dtype, lse [rows, H] float32); q, k, v any strides; attention
+    dropout p = ``dropout`` drawn in the kernels from ``dropout_state`` ({seed, offset}, int64
+    [2] on q's device)."""
     q, k, v = (_tensors.rows16(t) for t in (q, k, v))
     out, lse = _forward_outputs(q)
     _owner, ws, ws_bytes = _workspace(batch, q.shape[0], q.shape[1], False)
@@ -37,6 +52,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, batch: Tensor, scale: float) -> tu
         *(_tensors.view(t) for t in (q, k, v, out)),
         _tensors.view2(lse),
         scale,
+        dropout,
+        _dropout_state(dropout, dropout_state),
         _tensors.stream(q.device),
         ws,
         ws_bytes,
@@ -45,7 +62,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, batch: Tensor, scale: float) -> tu
 
 
 @_forward.register_fake
-def _forward_fake(q, k, v, batch, scale):
+def _forward_fake(q, k, v, batch, scale, dropout, dropout_state):
     return _forward_outputs(q)
 
 
@@ -59,8 +76,11 @@ def _backward_op(
     dout: Tensor,
     batch: Tensor,
     scale: float,
+    dropout: float,
+    dropout_state: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv in q's dtype (fp32 accumulation, one rounding at the store)."""
+    """dq, dk, dv in q's dtype (fp32 accumulation, one rounding at the store); the forward's
+    dropout regenerated from the same state."""
     q, k, v, out, dout = (_tensors.rows16(t) for t in (q, k, v, out, dout))
     dq, dk, dv = _grads(q)
     _owner, ws, ws_bytes = _workspace(batch, q.shape[0], q.shape[1], True)
@@ -71,6 +91,8 @@ def _backward_op(
         _tensors.view2(lse),
         *(_tensors.view(t) for t in (dout, dq, dk, dv)),
         scale,
+        dropout,
+        _dropout_state(dropout, dropout_state),
         _tensors.stream(q.device),
         ws,
         ws_bytes,
@@ -79,5 +101,5 @@ def _backward_op(
 
 
 @_backward_op.register_fake
-def _backward_fake(q, k, v, out, lse, dout, batch, scale):
+def _backward_fake(q, k, v, out, lse, dout, batch, scale, dropout, dropout_state):
     return _grads(q)

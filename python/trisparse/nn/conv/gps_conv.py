@@ -71,12 +71,14 @@ class GPSConv(_PygGPSConv):
     and running dense ``nn.MultiheadAttention``: no padding, memory linear in sum n_g^2, the
     gradients deterministic. ``attn``'s own projections (``in_proj_weight``, ``out_proj``) are
     used as they are. On CUDA, float16/bfloat16 heads of 16, 32, 64 or 128 channels (autocast)
-    without attention dropout run the segment kernels (:func:`trisparse.segment_attention`: no
-    pattern at all, the batch vector read on the device); other CUDA heads of 4 * 2^k <= 128
-    channels the multigraph kernels (:func:`trisparse.edge_attention`), whose pattern is grouped
-    on the GPU, so a new batch costs no host-side plan; elsewhere the fused attention. Attention
-    dropout (``attn_kwargs={"dropout": p}``) while training draws one factor per pair and head (the same distribution as PyG's, not
-    the same draws): in the kernels on CUDA, on the per-pair weights elsewhere. Falls back to
+    run the segment kernels (:func:`trisparse.segment_attention`: no pattern at all, the batch
+    vector read on the device); other CUDA heads of 4 * 2^k <= 128 channels the multigraph
+    kernels (:func:`trisparse.edge_attention`), whose pattern is grouped on the GPU, so a new
+    batch costs no host-side plan; elsewhere the fused attention. Attention dropout
+    (``attn_kwargs={"dropout": p}``) while training draws one factor per pair and head (the same
+    distribution as PyG's, not the same draws): inside the kernels on CUDA (the segment kernels
+    regenerate theirs in the backward from a counter-based generator), on the per-pair weights
+    elsewhere. Falls back to
     PyG's code, with a one-time warning, for ``attn_type="performer"`` and
     ``MultiheadAttention`` options beyond PyG's default use (``add_bias_kv``, ``add_zero_attn``,
     ``kdim``/``vdim``)."""
@@ -131,9 +133,9 @@ class GPSConv(_PygGPSConv):
         q, k, v = qkv.unbind(1)
         scale = resolve_scale(None, q.shape[-1])
         dropout = attn.dropout if self.training else 0.0
-        if dropout == 0.0 and segment_attention_supported(q):
+        if segment_attention_supported(q):
             batch = self._batches.checked(batch, n)
-            out = segment_attention(q, k, v, batch, scale, assume_sorted=True)
+            out = segment_attention(q, k, v, batch, scale, assume_sorted=True, dropout=dropout)
             return attn.out_proj(out.reshape(n, channels))
         pattern = self._batches.get(batch, n)
         if edge_attention_supported(pattern, q):  # CUDA: its multigraph is grouped on the GPU

@@ -144,8 +144,9 @@ __device__ __forceinline__ void store_gradient(void* base, std::int64_t row_stri
 }
 
 /// Walk: void for the block mask's (tile_walk for dq, key_walk for dk/dv), or another walk with
-/// their interface (tile.cuh) for both.
-template <class T, int D, int BM, int BN, bool KV, class Walk = void>
+/// their interface (tile.cuh) for both. DROPOUT: the forward's dropout factors m regenerated:
+/// dS = P (m dP - dterm) (dterm = <dO, O> of the dropped output), dV += (m P)ᵀ dO.
+template <class T, int D, int BM, int BN, bool KV, class Walk = void, bool DROPOUT = false>
 __global__ void __launch_bounds__(BM / 16 * 32)
     backward_kernel(const __grid_constant__ backward_params p) {
   static_assert(D % 16 == 0 && BM % 16 == 0 && BN % 16 == 0);
@@ -225,6 +226,12 @@ __global__ void __launch_bounds__(BM / 16 * 32)
     }
   }
   const float c = p.negate_scores ? -p.scale_log2 : p.scale_log2;
+  [[maybe_unused]] const auto drops = [&] {
+    if constexpr (DROPOUT)
+      return dropout_draws(p);
+    else
+      return 0;
+  }();
 
   for (int it = 0; y_cur >= 0; ++it) {
     const int stage = it & 1;
@@ -262,23 +269,40 @@ __global__ void __launch_bounds__(BM / 16 * 32)
       }
     }
 
-    // P (in s) and dS = P (dP - dterm) (in t); masked pairs give exact zeros.
+    // P (in s; with dropout, dk/dv: m P) and dS = P (m dP - dterm) (in t); masked pairs give
+    // exact zeros.
     const bool masked = w.masks(y_cur);
 #pragma unroll
     for (int n = 0; n < BN / 8; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = n * 8 + 2 * tq + (e & 1), r = e >> 1;
-        const float lse = KV ? terms[stage * 2 * BN + col] : row_lse[r];
-        const float dterm = KV ? terms[stage * 2 * BN + BN + col] : row_dterm[r];
-        float pv = exp2_approx(fmaf(s[n][e], c, -lse));
-        if (masked) {
-          const int i = KV ? y_cur + col : r_lo + 8 * r;  // query
-          const int j = KV ? r_lo + 8 * r : y_cur + col;  // key
-          if (w.hides(i, j, r)) pv = 0.f;
+      for (int r = 0; r < 2; ++r) {
+        float keep[2] = {1.f, 1.f};
+        if constexpr (DROPOUT) {
+          const int first = n * 8 + 2 * tq;  // the pair's first streamed row
+          if constexpr (KV)
+            drops.along_queries(w.q0 + y_cur + first, w.k0 + r_lo + 8 * r, w.h, keep);
+          else
+            drops.along_keys(w.q0 + r_lo + 8 * r, w.k0 + y_cur + first, w.h, keep);
         }
-        s[n][e] = pv;
-        t[n][e] = pv * (t[n][e] - dterm);
+#pragma unroll
+        for (int e = 2 * r; e < 2 * r + 2; ++e) {
+          const int col = n * 8 + 2 * tq + (e & 1);
+          const float lse = KV ? terms[stage * 2 * BN + col] : row_lse[r];
+          const float dterm = KV ? terms[stage * 2 * BN + BN + col] : row_dterm[r];
+          float pv = exp2_approx(fmaf(s[n][e], c, -lse));
+          if (masked) {
+            const int i = KV ? y_cur + col : r_lo + 8 * r;  // query
+            const int j = KV ? r_lo + 8 * r : y_cur + col;  // key
+            if (w.hides(i, j, r)) pv = 0.f;
+          }
+          if constexpr (DROPOUT) {
+            t[n][e] = pv * (keep[e & 1] * t[n][e] - dterm);
+            s[n][e] = pv * keep[e & 1];
+          } else {
+            s[n][e] = pv;
+            t[n][e] = pv * (t[n][e] - dterm);
+          }
+        }
       }
     }
     if constexpr (KV) {

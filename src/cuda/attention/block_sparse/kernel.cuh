@@ -32,7 +32,9 @@ __host__ __device__ constexpr int min_blocks() {
 }
 
 /// Walk: tile_walk (the block mask's key tiles), or another walk with its interface (tile.cuh).
-template <class T, int D, class O, int BM, int BN, class Walk = tile_walk<BM, BN>>
+/// DROPOUT: P times params' dropout factors on the way to O (the normaliser keeps every P).
+template <class T, int D, class O, int BM, int BN, class Walk = tile_walk<BM, BN>,
+          bool DROPOUT = false>
 __global__ void __launch_bounds__(threads<BM>(), (min_blocks<D, BM>()))
     block_sparse_kernel(const __grid_constant__ params p) {
   static_assert(D % 16 == 0 && BM % 16 == 0 && BN % 16 == 0);
@@ -63,6 +65,12 @@ __global__ void __launch_bounds__(threads<BM>(), (min_blocks<D, BM>()))
   // Running max (log2 units) and this thread's partial sum of its rows i_lo and i_lo + 8.
   float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
   const int i_lo = w.row0 + warp * 16 + lane / 4;
+  [[maybe_unused]] const auto drops = [&] {
+    if constexpr (DROPOUT)
+      return dropout_draws(p);
+    else
+      return 0;
+  }();
 
   for (int it = 0; j_cur >= 0; ++it) {
     const int stage = static_cast<int>(it & 1);
@@ -102,7 +110,8 @@ __global__ void __launch_bounds__(threads<BM>(), (min_blocks<D, BM>()))
     float alpha[2];
     softmax_step<BN>(s, m, l, alpha, w, j_cur, i_lo);
     rescale<D>(o, alpha);
-    // O += P V: P's A fragments straight from the S accumulators, V through ldmatrix.trans.
+    if constexpr (DROPOUT) drop<BN>(s, drops, w, j_cur, i_lo);
+      // O += P V: P's A fragments straight from the S accumulators, V through ldmatrix.trans.
 #pragma unroll
     for (int kp = 0; kp < BN / 16; ++kp) {
       std::uint32_t pa[4];

@@ -40,6 +40,12 @@ struct params : ragged_attention_io {
   // num_tiles holds rows [64 t, 64 t + 64).
   const std::int32_t* segments;
   std::int32_t segment_rows;
+  // Attention dropout (kernels instantiated with DROPOUT; trisparse/core/dropout.hpp): {seed,
+  // offset} on the device; pair (i, j) of head h, in packed rows, keeps P times dropout_scale
+  // where its Philox word is at least drop_below, else 0.
+  const std::uint64_t* dropout_state;
+  std::uint32_t drop_below;
+  float dropout_scale;
 };
 
 /// The backward kernels (backward.cuh). The forward's fields give q, k, v, the mask and, in

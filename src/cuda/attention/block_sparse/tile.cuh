@@ -23,6 +23,7 @@
 #include "../../common/dependent_launch.cuh"
 #include "../../common/online_softmax.cuh"
 #include "params.hpp"
+#include "trisparse/core/dropout.hpp"
 
 namespace trisparse::cuda::block_sparse {
 
@@ -196,6 +197,69 @@ __device__ __forceinline__ void softmax_step(float (&s)[BN / 8][4], float (&m)[2
     }
   }
   softmax_rows<true, BN>(s, m, l, alpha, w.p.scale_log2);
+}
+
+/// Attention dropout's factors (params::dropout_state): 0 or 1 / (1 - p) per (query, key, head),
+/// from the Philox words of the pair's 2 x 2 group (trisparse/core/dropout.hpp), so the forward
+/// and both backward kernels draw the same factors whatever their layouts. Rows are packed rows.
+struct dropout_draws {
+  std::uint64_t seed, offset;
+  std::uint32_t below;
+  float keep_scale;
+
+  __device__ __forceinline__ explicit dropout_draws(const params& p)
+      : seed(p.dropout_state[0]),
+        offset(p.dropout_state[1]),
+        below(p.drop_below),
+        keep_scale(p.dropout_scale) {}
+
+  __device__ __forceinline__ float factor(std::uint32_t word) const {
+    return word < below ? 0.f : keep_scale;
+  }
+  /// f[x] for query i and key j + x (x = 0, 1).
+  __device__ __forceinline__ void along_keys(std::int64_t i, std::int64_t j, int h,
+                                             float (&f)[2]) const {
+    const int b = static_cast<int>(i & 1) * 2;
+    const philox::words w = philox::group(i, j, h, seed, offset);
+    if ((j & 1) == 0) {
+      f[0] = factor(w.x[b]);
+      f[1] = factor(w.x[b + 1]);
+    } else {
+      f[0] = factor(w.x[b + 1]);
+      f[1] = factor(philox::group(i, j + 1, h, seed, offset).x[b]);
+    }
+  }
+  /// f[x] for query i + x (x = 0, 1) and key j.
+  __device__ __forceinline__ void along_queries(std::int64_t i, std::int64_t j, int h,
+                                                float (&f)[2]) const {
+    const int b = static_cast<int>(j & 1);
+    const philox::words w = philox::group(i, j, h, seed, offset);
+    if ((i & 1) == 0) {
+      f[0] = factor(w.x[b]);
+      f[1] = factor(w.x[2 + b]);
+    } else {
+      f[0] = factor(w.x[2 + b]);
+      f[1] = factor(philox::group(i + 1, j, h, seed, offset).x[b]);
+    }
+  }
+};
+
+/// P *= the dropout factors, for s in the m16n8 accumulator layout of the warp's rows (queries
+/// i_lo, i_lo + 8) and the keys j0 .. j0 + BN - 1 (sequence-local; the walk gives q0, k0, h).
+template <int BN, class Walk>
+__device__ __forceinline__ void drop(float (&s)[BN / 8][4], const dropout_draws& d, const Walk& w,
+                                     int j0, int i_lo) {
+  const int tq = static_cast<int>(threadIdx.x) % 4;
+#pragma unroll
+  for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float f[2];
+      d.along_keys(w.q0 + i_lo + 8 * r, w.k0 + j0 + n * 8 + 2 * tq, w.h, f);
+      s[n][2 * r] *= f[0];
+      s[n][2 * r + 1] *= f[1];
+    }
+  }
 }
 
 /// o *= alpha row-wise (skipped when no row of the warp changed its max).

@@ -70,7 +70,7 @@ std::int32_t* write_bounds(const segment_view& seg, workspace_view workspace, cu
 block_sparse::params segment_params(const segment_view& seg, const tensor_view& q,
                                     const tensor_view& k, const tensor_view& v,
                                     const tensor_view& out, const tensor_view& lse, double scale,
-                                    const std::int32_t* bounds) {
+                                    const attention_dropout& dropout, const std::int32_t* bounds) {
   block_sparse::params p{};
   static_cast<attention_io&>(p) = attention_io_of(q, k, v, out);
   p.num_tiles = static_cast<std::int32_t>((seg.rows + kTile - 1) / kTile);
@@ -84,7 +84,21 @@ block_sparse::params segment_params(const segment_view& seg, const tensor_view& 
   }
   p.segments = bounds;
   p.segment_rows = static_cast<std::int32_t>(seg.rows);
+  if (dropout.p > 0) {
+    p.dropout_state = dropout.state;
+    p.drop_below = philox::drop_below(dropout.p);
+    p.dropout_scale = static_cast<float>(1.0 / (1.0 - dropout.p));
+  }
   return p;
+}
+
+/// f.template operator()<DROPOUT>() for the kernels with or without attention dropout.
+template <class F>
+void with_dropout(const attention_dropout& dropout, F&& f) {
+  if (dropout.p > 0)
+    f.template operator()<true>();
+  else
+    f.template operator()<false>();
 }
 
 /// f.template operator()<D>() for the head dims the kernels take (16 always, the others where
@@ -109,18 +123,22 @@ bool segment_attention_takes(std::int64_t head_dim) {
 
 void segment_attention_forward(const segment_view& seg, const tensor_view& q, const tensor_view& k,
                                const tensor_view& v, const tensor_view& out, const tensor_view& lse,
-                               double scale, workspace_view workspace, stream_ref stream) {
+                               double scale, const attention_dropout& dropout,
+                               workspace_view workspace, stream_ref stream) {
   expect_current_device(seg.device_id);
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const std::int32_t* bounds = write_bounds(seg, workspace, s);
-  const block_sparse::params p = segment_params(seg, q, k, v, out, lse, scale, bounds);
+  const block_sparse::params p = segment_params(seg, q, k, v, out, lse, scale, dropout, bounds);
   with_half_type(q.type, "attention within segments' q", [&]<class T>() {
     with_segment_dim(q.dim, [&]<int D>() {
       with_output_type<T>(out.type, "attention within segments' out", [&]<class O>() {
-        using walk = segments::segment_walk<kTile, kTile, false>;
-        block_sparse::launch_kernel<block_sparse::block_sparse_kernel<T, D, O, kTile, kTile, walk>>(
-            block_sparse::threads<kTile>(), block_sparse::shared_bytes<D, kTile, kTile>(), p,
-            p.num_tiles, s);
+        with_dropout(dropout, [&]<bool DROPOUT>() {
+          using walk = segments::segment_walk<kTile, kTile, false>;
+          block_sparse::launch_kernel<
+              block_sparse::block_sparse_kernel<T, D, O, kTile, kTile, walk, DROPOUT>>(
+              block_sparse::threads<kTile>(), block_sparse::shared_bytes<D, kTile, kTile>(), p,
+              p.num_tiles, s);
+        });
       });
     });
   });
@@ -130,12 +148,14 @@ void segment_attention_backward(const segment_view& seg, const tensor_view& q, c
                                 const tensor_view& v, const tensor_view& out,
                                 const tensor_view& lse, const tensor_view& dout,
                                 const tensor_view& dq, const tensor_view& dk, const tensor_view& dv,
-                                double scale, workspace_view workspace, stream_ref stream) {
+                                double scale, const attention_dropout& dropout,
+                                workspace_view workspace, stream_ref stream) {
   expect_current_device(seg.device_id);
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const std::int32_t* bounds = write_bounds(seg, workspace, s);
   block_sparse::backward_params p{};
-  static_cast<block_sparse::params&>(p) = segment_params(seg, q, k, v, out, lse, scale, bounds);
+  static_cast<block_sparse::params&>(p) =
+      segment_params(seg, q, k, v, out, lse, scale, dropout, bounds);
   block_sparse::set_gradient_io(p, dout, dq, dk, dv, scale);
   auto* terms =
       reinterpret_cast<float*>(static_cast<char*>(workspace.data) + segment_bounds_bytes(seg.rows));
@@ -145,18 +165,20 @@ void segment_attention_backward(const segment_view& seg, const tensor_view& q, c
   with_half_type(q.type, "attention within segments' q", [&]<class T>() {
     block_sparse::launch_backward_terms<T>(p, out.type, static_cast<int>(v.dim), terms, s);
     with_segment_dim(q.dim, [&]<int D>() {
-      constexpr int kThreads = kTile / 16 * 32;
-      constexpr int kKeyStream = D == 128 ? 32 : kTile;
-      using query_walk = segments::segment_walk<kTile, kTile, false>;
-      using key_walk = segments::segment_walk<kTile, kKeyStream, true>;
-      block_sparse::launch_kernel<
-          block_sparse::backward_kernel<T, D, kTile, kTile, false, query_walk>>(
-          kThreads, block_sparse::backward_shared_bytes<D, kTile, kTile, false>(), p, p.num_tiles,
-          s);
-      block_sparse::launch_kernel<
-          block_sparse::backward_kernel<T, D, kTile, kKeyStream, true, key_walk>>(
-          kThreads, block_sparse::backward_shared_bytes<D, kTile, kKeyStream, true>(), p,
-          p.num_tiles, s);
+      with_dropout(dropout, [&]<bool DROPOUT>() {
+        constexpr int kThreads = kTile / 16 * 32;
+        constexpr int kKeyStream = D == 128 ? 32 : kTile;
+        using query_walk = segments::segment_walk<kTile, kTile, false>;
+        using key_walk = segments::segment_walk<kTile, kKeyStream, true>;
+        block_sparse::launch_kernel<
+            block_sparse::backward_kernel<T, D, kTile, kTile, false, query_walk, DROPOUT>>(
+            kThreads, block_sparse::backward_shared_bytes<D, kTile, kTile, false>(), p, p.num_tiles,
+            s);
+        block_sparse::launch_kernel<
+            block_sparse::backward_kernel<T, D, kTile, kKeyStream, true, key_walk, DROPOUT>>(
+            kThreads, block_sparse::backward_shared_bytes<D, kTile, kKeyStream, true>(), p,
+            p.num_tiles, s);
+      });
     });
   });
 }

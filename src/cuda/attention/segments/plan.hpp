@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "../../common/entry.hpp"
+#include "trisparse/core/dropout.hpp"
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/tensor.hpp"
 #include "trisparse/core/workspace.hpp"
@@ -23,18 +24,17 @@ TRISPARSE_CUDA_ENTRY(bool segment_attention_takes(std::int64_t head_dim))
 
 /// segment_attention_plan::run on CUDA (arguments checked by the caller): the bounds into the
 /// workspace, then the forward kernel.
-TRISPARSE_CUDA_ENTRY(void segment_attention_forward(const segment_view& segments,
-                                                    const tensor_view& q, const tensor_view& k,
-                                                    const tensor_view& v, const tensor_view& out,
-                                                    const tensor_view& lse, double scale,
-                                                    workspace_view workspace, stream_ref stream))
+TRISPARSE_CUDA_ENTRY(void segment_attention_forward(
+    const segment_view& segments, const tensor_view& q, const tensor_view& k, const tensor_view& v,
+    const tensor_view& out, const tensor_view& lse, double scale, const attention_dropout& dropout,
+    workspace_view workspace, stream_ref stream))
 
 /// segment_attention_plan::backward on CUDA: the bounds and the rows' terms (lse in log2 units,
 /// <dout, out>) into the workspace, then the dq and the dk/dv kernels.
 TRISPARSE_CUDA_ENTRY(void segment_attention_backward(
     const segment_view& segments, const tensor_view& q, const tensor_view& k, const tensor_view& v,
     const tensor_view& out, const tensor_view& lse, const tensor_view& dout, const tensor_view& dq,
-    const tensor_view& dk, const tensor_view& dv, double scale, workspace_view workspace,
-    stream_ref stream))
+    const tensor_view& dk, const tensor_view& dv, double scale, const attention_dropout& dropout,
+    workspace_view workspace, stream_ref stream))
 
 }  // namespace trisparse::cuda

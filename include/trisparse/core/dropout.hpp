@@ -1,0 +1,87 @@
+#pragma once
+/// @file Attention dropout drawn inside the fused kernels: a counter-based generator
+/// (Philox4x32-10, Salmon et al., SC'11) keyed by a seed and counted by (query row pair, key row
+/// pair, head, offset), so the backward regenerates the forward's draws instead of storing them,
+/// and any backend (the float64 references, the tests) can compute the same draws. Host and device
+/// (nvcc) code; no CUDA headers.
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define TRISPARSE_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define TRISPARSE_HOST_DEVICE inline
+#endif
+
+namespace trisparse {
+
+/// Attention dropout (attention_options::dropout): each softmax weight P_ij of head h is kept
+/// with probability 1 - p and then scaled by 1 / (1 - p), or set to 0; the normaliser (the
+/// log-sum-exp) is the undropped one, as torch's and PyG's dropout of the attention weights.
+/// `state` points to two uint64 on the device, {seed, offset}, read by the kernels at each call
+/// (so a generator state written on the device, or captured in a CUDA graph, serves): give the
+/// same state to backward() as to run(). p = 0 or state == nullptr: no dropout.
+struct attention_dropout {
+  double p = 0;
+  const std::uint64_t* state = nullptr;
+};
+
+namespace philox {
+
+/// Philox4x32 with 10 rounds: four 32-bit counters and a 64-bit key to four random words.
+struct words {
+  std::uint32_t x[4];
+};
+
+TRISPARSE_HOST_DEVICE std::uint32_t mul_hi(std::uint32_t a, std::uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __umulhi(a, b);
+#else
+  return static_cast<std::uint32_t>((std::uint64_t{a} * b) >> 32);
+#endif
+}
+
+TRISPARSE_HOST_DEVICE words draw(std::uint32_t c0, std::uint32_t c1, std::uint32_t c2,
+                                 std::uint32_t c3, std::uint64_t key) {
+  std::uint32_t k0 = static_cast<std::uint32_t>(key), k1 = static_cast<std::uint32_t>(key >> 32);
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int round = 0; round < 10; ++round) {
+    const std::uint32_t hi0 = mul_hi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+    const std::uint32_t hi1 = mul_hi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+    c0 = hi1 ^ c1 ^ k0;
+    c1 = lo1;
+    c2 = hi0 ^ c3 ^ k1;
+    c3 = lo0;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return {{c0, c1, c2, c3}};
+}
+
+/// The draws of the 2 x 2 (query, key) group holding query row i and key row j of head h: word
+/// (i & 1) * 2 + (j & 1) is pair (i, j)'s. Rows are the op's own packed row numbers.
+TRISPARSE_HOST_DEVICE words group(std::int64_t i, std::int64_t j, std::int32_t h,
+                                  std::uint64_t seed, std::uint64_t offset) {
+  return draw(static_cast<std::uint32_t>(i >> 1), static_cast<std::uint32_t>(j >> 1),
+              static_cast<std::uint32_t>(h), static_cast<std::uint32_t>(offset), seed);
+}
+
+/// A word below this is a drop: round(p 2^32), p in [0, 1).
+TRISPARSE_HOST_DEVICE std::uint32_t drop_below(double p) {
+  const double t = p * 4294967296.0;
+  return t >= 4294967295.0 ? 4294967295u : static_cast<std::uint32_t>(t + 0.5);
+}
+
+}  // namespace philox
+
+/// The factor attention dropout puts on pair (i, j) of head h: 0 (dropped) or 1 / (1 - p).
+inline double dropout_factor(const attention_dropout& d, std::uint64_t seed, std::uint64_t offset,
+                             std::int64_t i, std::int64_t j, std::int32_t h) {
+  if (d.p <= 0) return 1.0;
+  const philox::words w = philox::group(i, j, h, seed, offset);
+  const std::uint32_t x = w.x[(i & 1) * 2 + (j & 1)];
+  return x < philox::drop_below(d.p) ? 0.0 : 1.0 / (1.0 - d.p);
+}
+
+}  // namespace trisparse
