@@ -52,7 +52,9 @@ def dense_times(q, k, v, dout, repeat):
     return {"sdpa_flash_fwd_ms": fwd, "sdpa_flash_fwd_bwd_ms": both}
 
 
-def point(compiled, q, k, v, dout, g, p, repeat, dense=None, importance=False, topk=False):
+def point(
+    compiled, q, k, v, dout, g, p, repeat, dense=None, importance=False, topk=False, dropout=0.0
+):
     """One (N, G, p) line: both libraries' times, and their gradients' largest difference."""
     h, n, d = q.shape[1], q.shape[2], q.shape[3]
     nb = -(-n // g)
@@ -95,6 +97,10 @@ def point(compiled, q, k, v, dout, g, p, repeat, dense=None, importance=False, t
         fns["trisparse_importance"] = lambda q_, k_, v_: trisparse.block_sparse_attention(
             q_, k_, v_, ours_mask, importance=tracker
         )
+    if dropout > 0:  # attention dropout drawn in the kernels (FlexAttention has none)
+        fns["trisparse_dropout"] = lambda q_, k_, v_: trisparse.block_sparse_attention(
+            q_, k_, v_, ours_mask, dropout_p=dropout
+        )
     for i, opts in enumerate([None] if g >= 128 else FLEX_OPTIONS_64):
         fns[f"flex{i}"] = lambda q_, k_, v_, opts=opts: compiled(
             q_, k_, v_, block_mask=flex_mask, kernel_options=opts
@@ -132,6 +138,9 @@ def point(compiled, q, k, v, dout, g, p, repeat, dense=None, importance=False, t
     if "trisparse_device" in grads and "trisparse" in grads:
         pairs = zip(grads["trisparse_device"], grads["trisparse"], strict=True)
         r["device_mask_grad_max_diff"] = max(float((a - b).abs().max()) for a, b in pairs)
+    if "trisparse_dropout_fwd_bwd_ms" in r:
+        r["dropout_p"] = dropout
+        r["dropout_overhead"] = r["trisparse_dropout_fwd_bwd_ms"] / r["trisparse_fwd_bwd_ms"] - 1
     if "trisparse_importance_fwd_bwd_ms" in r:
         r["importance_overhead"] = (
             r["trisparse_importance_fwd_bwd_ms"] / r["trisparse_fwd_bwd_ms"] - 1
@@ -161,6 +170,9 @@ def main():
         "--importance", action="store_true", help="also time the step with BlockImportance"
     )
     ap.add_argument("--topk", action="store_true", help="also time top-k masks routed per step")
+    ap.add_argument(
+        "--dropout", type=float, default=0.0, help="also time attention dropout p in the kernels"
+    )
     args = ap.parse_args()
     dev = torch.device("cuda")
     compiled = torch.compile(flex_attention, dynamic=False)
@@ -176,7 +188,18 @@ def main():
         for g in args.block:
             for p in args.sparsity:
                 line = point(
-                    compiled, q, k, v, dout, g, p, args.repeat, dense, args.importance, args.topk
+                    compiled,
+                    q,
+                    k,
+                    v,
+                    dout,
+                    g,
+                    p,
+                    args.repeat,
+                    dense,
+                    args.importance,
+                    args.topk,
+                    args.dropout,
                 )
                 print(json.dumps(line), flush=True)
 

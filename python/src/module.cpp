@@ -151,10 +151,11 @@ struct py_block_plan_calls {
   void run(const tensor_tuple& q, const tensor_tuple& k, const tensor_tuple& v,
            const tensor_tuple& out, const std::optional<tensor_tuple>& lse,
            std::optional<double> scale, std::uintptr_t stream, std::uintptr_t ws,
-           std::size_t ws_bytes) const {
+           std::size_t ws_bytes, double dropout, std::uintptr_t dropout_state) const {
     attention_options o;
     o.scale = scale;
     o.lse = view_of(lse);
+    o.dropout = {dropout, reinterpret_cast<const std::uint64_t*>(dropout_state)};
     nb::gil_scoped_release release;
     if constexpr (topk)  // (its forward needs no workspace)
       plan.run(view_of(q), view_of(k), view_of(v), view_of(out), o, stream_of(stream));
@@ -169,9 +170,11 @@ struct py_block_plan_calls {
                 const tensor_tuple& dv, std::optional<double> scale, std::uintptr_t stream,
                 std::uintptr_t ws, std::size_t ws_bytes,
                 const std::optional<tensor_tuple>& block_mass,
-                const std::optional<tensor_tuple>& block_grad) const {
+                const std::optional<tensor_tuple>& block_grad, double dropout,
+                std::uintptr_t dropout_state) const {
     attention_options o;
     o.scale = scale;
+    o.dropout = {dropout, reinterpret_cast<const std::uint64_t*>(dropout_state)};
     o.block_mass = view_of(block_mass);
     o.block_grad = view_of(block_grad);
     nb::gil_scoped_release release;
@@ -693,10 +696,11 @@ struct py_block_pattern {
 template <class T>
 void bind_block_plan_calls(nb::class_<T>& c) {
   c.def("run", &T::run, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(), "scale"_a.none(), "stream"_a,
-        "workspace"_a, "workspace_bytes"_a)
+        "workspace"_a, "workspace_bytes"_a, "dropout"_a = 0.0, "dropout_state"_a = 0)
       .def("backward", &T::backward, "q"_a, "k"_a, "v"_a, "out"_a.none(), "lse"_a.none(), "dout"_a,
            "dq"_a, "dk"_a, "dv"_a, "scale"_a.none(), "stream"_a, "workspace"_a, "workspace_bytes"_a,
-           "block_mass"_a.none() = nb::none(), "block_grad"_a.none() = nb::none())
+           "block_mass"_a.none() = nb::none(), "block_grad"_a.none() = nb::none(),
+           "dropout"_a = 0.0, "dropout_state"_a = 0)
       .def("backward_workspace_bytes", &T::backward_workspace_bytes, "heads"_a,
            "importance"_a = false)
       .def_prop_ro("backend", &T::backend);

@@ -84,3 +84,16 @@ def workspace(nbytes: int, device: torch.device) -> tuple[torch.Tensor | None, i
     if _POISON:
         buf.fill_(255)
     return buf, buf.data_ptr(), nbytes
+
+
+def dropout_state(dropout: float, state: torch.Tensor | None) -> int:
+    """The device address of attention dropout's {seed, offset} (int64 [2]), 0 without dropout."""
+    return state.data_ptr() if dropout > 0 and state is not None else 0
+
+
+def new_dropout_state(dropout: float, device: torch.device) -> torch.Tensor | None:
+    """Attention dropout's {seed, offset} for one call, drawn from torch's generator of `device`
+    (on the device: no host round trip; None without dropout)."""
+    if dropout <= 0:
+        return None
+    return torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64, device=device)

@@ -47,6 +47,7 @@ def block_sparse_attention(
     cu_seqlens_q: Tensor | list[int] | None = None,
     cu_seqlens_k: Tensor | list[int] | None = None,
     importance: BlockImportance | None = None,
+    dropout_p: float = 0.0,
 ) -> Tensor:
     """Attention of q [B, H, N_q, D] over k [B, H, N_k, D], v [B, H, N_k, Dv] under a block mask
     (a :class:`BlockMask`, or FlexAttention's ``BlockMask``, converted by
@@ -64,7 +65,15 @@ def block_sparse_attention(
     sizes a multiple of 16, D 64 or 128; other masks raise NotImplementedError), on the CPU by
     the CPU engine's fp32 backward (float64 inputs: the float64 reference). With ``importance``
     (a :class:`BlockImportance`) the backward also measures each kept block's attention mass and
-    gradient there, in the same pass (eager and CUDA graphs; not under torch.compile)."""
+    gradient there, in the same pass (eager and CUDA graphs; not under torch.compile).
+
+    ``dropout_p``: attention dropout, as ``F.scaled_dot_product_attention``'s (apply it while
+    training only; FlexAttention has none): each weight is kept with probability 1 - p and scaled
+    by 1 / (1 - p). The CUDA kernels draw it themselves from a counter-based generator
+    (Philox4x32-10 per sequence, head, query and key: the same draws in either layout) seeded from
+    torch's generator of q's device, and regenerate it in the backward: nothing [rows, keys] is
+    stored, the gradients stay bitwise repeatable. On sm_90 it runs the mma.sync kernels (the
+    wgmma ones draw none yet). CUDA only."""
     if not isinstance(mask, BlockMask):
         if hasattr(mask, "kv_num_blocks") and hasattr(mask, "BLOCK_SIZE"):
             # Converted once and kept on the FlexAttention mask: the ops refer to it by id, so it
@@ -135,6 +144,14 @@ def block_sparse_attention(
     if mask.shape[1] not in (1, qp.shape[1]):
         raise ValueError(f"mask: {mask.shape[1]} heads' masks for {h} heads")
     scale = _tensors.resolve_scale(scale, d)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p > 0 and q.device.type != "cuda":
+        raise NotImplementedError(
+            "block_sparse_attention: attention dropout is drawn by the CUDA kernels; on the CPU "
+            "give dropout_p=0"
+        )
+    state = _tensors.new_dropout_state(dropout_p, q.device)
 
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     qp, kp, vp = (t if t.stride(-1) == 1 else t.contiguous() for t in (qp, kp, vp))
@@ -146,7 +163,9 @@ def block_sparse_attention(
             )
         importance._shape = (len(cu_q) - 1, h) if packed else (b, h)
         tracker = importance.id
-    out, _lse = _forward_eager(qp, kp, vp, mask.id, cu_q, cu_k, scale, needs_grad, tracker)
+    out, _lse = _forward_eager(
+        qp, kp, vp, mask.id, cu_q, cu_k, scale, needs_grad, tracker, float(dropout_p), state
+    )
     if packed:
         return out
     if heads_folded:

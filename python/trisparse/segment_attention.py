@@ -41,7 +41,7 @@ def segment_attention(
     batch: Tensor | None,
     scale: float | None = None,
     assume_sorted: bool = False,
-    dropout: float = 0.0,
+    dropout_p: float = 0.0,
 ) -> Tensor:
     """out[i] = softmax_j(scale q[i] . k[j]) v[j] over the rows j with batch[j] == batch[i]: q, k,
     v [rows, heads, channels], ``batch`` [rows] sorted int64 or int32 ids (PyG's mini-batch vector;
@@ -51,8 +51,8 @@ def segment_attention(
     :func:`trisparse.sparse_attention` over :meth:`Pattern.from_batch`. ``assume_sorted``: skip
     the sortedness check (a device round trip) for a batch already checked.
 
-    ``dropout``: attention dropout, as ``F.scaled_dot_product_attention``'s ``dropout_p`` (apply
-    it while training only): each weight is kept with probability 1 - p and scaled by 1 / (1 -
+    ``dropout_p``: attention dropout, as ``F.scaled_dot_product_attention``'s (apply it while
+    training only): each weight is kept with probability 1 - p and scaled by 1 / (1 -
     p). The segment kernels draw it themselves from a counter-based generator (Philox4x32-10 per
     query, key and head, ``trisparse/core/dropout.hpp``) seeded from torch's generator of q's
     device, and regenerate it in the backward: nothing [pairs, heads] is stored, the result is the
@@ -72,18 +72,16 @@ def segment_attention(
         batch = torch.zeros(rows, dtype=torch.int64, device=q.device)
     elif not assume_sorted and not torch.compiler.is_compiling():
         check_batch(batch, rows)
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     batch = batch.contiguous()
     scale = _tensors.resolve_scale(scale, q.shape[-1])
     if segment_attention_supported(q) and batch.device == q.device:
-        state = None
-        if dropout > 0:  # {seed, offset}: one draw of the device's generator, no host round trip
-            state = torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64, device=q.device)
-        out, _ = _call(q, k, v, batch, scale, float(dropout), state)
+        state = _tensors.new_dropout_state(dropout_p, q.device)
+        out, _ = _call(q, k, v, batch, scale, float(dropout_p), state)
         return out
     pattern = Pattern.from_batch(batch, rows)
-    if dropout > 0:
+    if dropout_p > 0:
         alpha = edge_softmax(scale * sddmm(q, k, pattern), pattern)
-        return edge_spmm(F.dropout(alpha, p=dropout, training=True), v, pattern)
+        return edge_spmm(F.dropout(alpha, p=dropout_p, training=True), v, pattern)
     return sparse_attention(q, k, v, pattern, scale=scale)

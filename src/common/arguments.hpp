@@ -52,7 +52,7 @@ inline constexpr std::int64_t kMaxDeviceEntries = (std::int64_t{1} << 31) - 1;
 void check_device_entries(std::int64_t nnz, const char* what);
 
 /// @throws not_supported if options.dropout asks for dropout: `what` does not draw it (attention
-/// within segments does).
+/// within segments and the CUDA block kernels do).
 void check_no_dropout(const attention_options& options, const char* what);
 
 /// @throws invalid_input unless options.dropout is none or p in [0, 1) with a state.

@@ -36,6 +36,15 @@ struct block_sparse_attention_plan::state {
 
 namespace {
 
+// Attention dropout runs in the CUDA block kernels only.
+void check_dropout_runs(const attention_options& options, algorithm algo, device_kind where) {
+  detail::check_dropout(options.dropout);
+  if (options.dropout.p > 0 && (algo != algorithm::block || where != device_kind::cuda))
+    detail::check_no_dropout(options, ("block-sparse attention with " +
+                                       std::string(to_string(algo)) + " on " + to_string(where))
+                                          .c_str());
+}
+
 // One head of a [rows, heads, dim] view.
 tensor_view head_of(const tensor_view& t, std::int64_t h) {
   tensor_view one = t;
@@ -242,8 +251,8 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
   const block_sparse_mask& m = state_->mask;
   check_run_args(m, q, k, v, out, state_->report.where);
   const double scale = detail::resolve_scale(options.scale, q.dim);
-  detail::check_no_dropout(options, "block_sparse_attention_plan");
   const algorithm algo = options.algo == algorithm::automatic ? state_->report.algo : options.algo;
+  check_dropout_runs(options, algo, state_->report.where);
   if (options.lse.data != nullptr) {
     TRISPARSE_EXPECTS_INPUT(algo == algorithm::block,
                             "block-sparse plans write the log-sum-exp with algorithm::block only, "
@@ -260,7 +269,8 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
           to_string(where) + ", not " + std::string(to_string(algo)));
   switch (algo) {
     case algorithm::block:
-      cuda::run_block_sparse(*state_->device, q, k, v, out, options.lse, scale, stream);
+      cuda::run_block_sparse(*state_->device, q, k, v, out, options.lse, scale, options.dropout,
+                             stream);
       return;
     case algorithm::unfused:
       cuda::run_unfused(*state_->unfused, q, k, v, out, scale, workspace, stream);
@@ -314,7 +324,8 @@ void block_sparse_attention_plan::backward(const tensor_view& q, const tensor_vi
   check_run_args(m, q, k, v, dout, where);
   detail::check_gradient_args(q, k, v, dq, dk, dv, where);
   const double scale = detail::resolve_scale(options.scale, q.dim);
-  detail::check_no_dropout(options, "block_sparse_attention_plan");
+  check_dropout_runs(
+      options, options.algo == algorithm::automatic ? state_->report.algo : options.algo, where);
   const auto [qb, kb] = detail::most_blocks(m);
   detail::check_block_importance(options, m.batch(), qb, q.heads, kb, where);
   const cuda::block_importance_views importance{options.block_mass, options.block_grad, qb};
@@ -352,7 +363,7 @@ void block_sparse_attention_plan::backward(const tensor_view& q, const tensor_vi
     ws = {state_->grad_own.view().data, static_cast<std::size_t>(state_->grad_own.view().rows) * 4};
   }
   cuda::run_block_sparse_backward(*state_->device, q, k, v, out, lse, dout, dq, dk, dv, scale,
-                                  importance, ws, stream);
+                                  importance, options.dropout, ws, stream);
 }
 
 std::array<double, 3> block_sparse_attention_plan::run_timing_stages(

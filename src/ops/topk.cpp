@@ -78,7 +78,7 @@ void topk_block_sparse_plan::run(const tensor_view& q, const tensor_view& k, con
   detail::check_attention_args(m.cu_seqlens_q.back(), m.cu_seqlens_k.back(), q, k, v, out,
                                device_kind::cuda);
   TRISPARSE_EXPECTS_INPUT(state_->selected, "top-k plan: select() the mask before run()");
-  detail::check_no_dropout(options, "topk_block_sparse_plan");
+  detail::check_dropout(options.dropout);
   TRISPARSE_EXPECTS_INPUT(q.heads == m.heads, "the plan has " + std::to_string(m.heads) +
                                                   " heads, q " + std::to_string(q.heads));
   TRISPARSE_EXPECTS_INPUT(options.algo == algorithm::automatic || options.algo == algorithm::block,
@@ -88,7 +88,7 @@ void topk_block_sparse_plan::run(const tensor_view& q, const tensor_view& k, con
     TRISPARSE_EXPECTS_INPUT(options.lse.where == device_kind::cuda, "lse must be on the GPU");
   }
   cuda::run_block_sparse(cuda::attention_of(*state_->device), q, k, v, out, options.lse,
-                         detail::resolve_scale(options.scale, q.dim), stream);
+                         detail::resolve_scale(options.scale, q.dim), options.dropout, stream);
 }
 
 void topk_block_sparse_plan::backward(const tensor_view& q, const tensor_view& k,
@@ -107,10 +107,11 @@ void topk_block_sparse_plan::backward(const tensor_view& q, const tensor_view& k
                                                   " heads, q " + std::to_string(q.heads));
   const auto [qb, kb] = detail::most_blocks(m);
   detail::check_block_importance(options, m.batch(), qb, q.heads, kb, device_kind::cuda);
-  detail::check_no_dropout(options, "topk_block_sparse_plan");
+  detail::check_dropout(options.dropout);
   cuda::run_block_sparse_backward(cuda::attention_of(*state_->device), q, k, v, out, lse, dout, dq,
                                   dk, dv, detail::resolve_scale(options.scale, q.dim),
-                                  {options.block_mass, options.block_grad, qb}, workspace, stream);
+                                  {options.block_mass, options.block_grad, qb}, options.dropout,
+                                  workspace, stream);
 }
 
 std::size_t topk_block_sparse_plan::backward_workspace_bytes(std::int64_t heads,

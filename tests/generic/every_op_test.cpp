@@ -459,6 +459,118 @@ void block_sparse_cases(recorder& rec) {
   }
 }
 
+// --- attention dropout in the CUDA block kernels: the float64 multigraph reference over the
+// mask's (query, key) pairs, each with the factor the draw gives ------------------------------
+
+// The pairs a mask with one mask head allows: in packed rows (edge p: target src[p], source
+// dst[p]), and their sequence and rows within it (what the dropout draws are counted by).
+struct mask_pairs {
+  coo_graph coo;
+  std::vector<std::int64_t> seq, i, j;
+};
+
+mask_pairs pairs_of(const block_sparse_mask& mask) {
+  mask_pairs out;
+  coo_graph& coo = out.coo;
+  coo.rows = mask.cu_seqlens_q.back();
+  coo.cols = mask.cu_seqlens_k.back();
+  const std::int64_t g = mask.block;
+  for (std::int64_t b = 0; b < mask.batch(); ++b) {
+    const std::int64_t q0 = mask.cu_seqlens_q[static_cast<std::size_t>(b)],
+                       k0 = mask.cu_seqlens_k[static_cast<std::size_t>(b)], lq = mask.len_q(b),
+                       lk = mask.len_k(b);
+    const csr_graph& blocks = mask.masks[static_cast<std::size_t>(b)].blocks;
+    for (std::int64_t r = 0; r < blocks.rows; ++r)
+      for (std::int64_t e = blocks.row_ptr[r]; e < blocks.row_ptr[r + 1]; ++e)
+        for (std::int64_t i = r * g; i < std::min(lq, (r + 1) * g); ++i)
+          for (std::int64_t j = blocks.col_idx[e] * g;
+               j < std::min(lk, (blocks.col_idx[e] + 1) * g); ++j)
+            if (!mask.causal || j <= i + lk - lq) {
+              coo.src.push_back(q0 + i);
+              coo.dst.push_back(k0 + j);
+              out.seq.push_back(b);
+              out.i.push_back(i);
+              out.j.push_back(j);
+            }
+  }
+  return out;
+}
+
+void block_sparse_dropout_cases(recorder& rec) {
+  if (kWhere != device_kind::cuda) return;
+  const std::vector<std::int64_t> lens{70, 0, 33, 130};
+  const std::uint64_t seed = 0x0123456789ABCDEFull, offset = 5;
+  host_tensor state_h(dtype::f64, 2, 1, 1);
+  std::memcpy(state_h.data(), &seed, sizeof seed);
+  std::memcpy(reinterpret_cast<char*>(state_h.data()) + sizeof seed, &offset, sizeof offset);
+  buffer bstate(state_h);
+  const attention_dropout drop{0.25, static_cast<const std::uint64_t*>(bstate.view().data)};
+  const std::int64_t heads = 2;
+  // G 16: mma.sync plans; 64 and 128 on sm_90: wgmma plans (their own 64-row tiles; the
+  // two-warpgroup plan's 128-row tiles give way to the backward's).
+  for (const std::int64_t g : {16, 64, 128}) {
+    for (const bool causal : {false, true}) {
+      const auto mask = make_block_sparse_mask(
+          {.layout = block_layout::random, .block = g, .p = 0.6, .causal = causal, .seed = 8},
+          lens);
+      const mask_pairs all = pairs_of(mask);
+      const coo_graph& pairs = all.coo;
+      const auto e = static_cast<std::int64_t>(pairs.src.size());
+      host_tensor keep(dtype::f64, e, heads, 1);
+      for (std::size_t p = 0; p < all.seq.size(); ++p)
+        for (std::int32_t h = 0; h < heads; ++h)
+          keep.set(static_cast<std::int64_t>(p) * heads + h,
+                   dropout_factor(drop, seed, offset, all.i[p], all.j[p],
+                                  static_cast<std::int32_t>(all.seq[p] * heads + h)));
+      const std::int64_t rows = mask.cu_seqlens_q.back();
+      for (const block_kernel kernel : {block_kernel::automatic, block_kernel::wgmma_pingpong}) {
+        if (kernel == block_kernel::wgmma_pingpong && g % 128 != 0) continue;
+        const std::string shape = "G" + std::to_string(g) + (causal ? " causal" : "") +
+                                  " ragged, dropout" +
+                                  (kernel == block_kernel::wgmma_pingpong ? ", pingpong plan" : "");
+        for (const std::int64_t dim : {64, 128}) {
+          const std::string at = shape + ", d " + std::to_string(dim);
+          for (const dtype in : kDtypes) {
+            const types t{in, in};
+            rec.attempt("block_sparse_dropout", "cuda_block", t, [&] {
+              const auto plan = block_sparse_attention_plan::build(
+                  mask, kWhere, {.algo = algorithm::block, .kernel = kernel, .gradients = true});
+              const host_tensor q = random(in, rows, heads, dim, 50),
+                                k = random(in, rows, heads, dim, 51),
+                                v = random(in, rows, heads, dim, 52),
+                                dout = random(in, rows, heads, dim, 53);
+              buffer bq(q), bk(k), bv(v), bdout(dout),
+                  out = buffer::output(in, rows, heads, dim),
+                  lse = buffer::output(dtype::f32, rows, heads, 1),
+                  dq = buffer::output(in, rows, heads, dim),
+                  dk = buffer::output(in, rows, heads, dim),
+                  dv = buffer::output(in, rows, heads, dim);
+              plan.run(bq.view(), bk.view(), bv.view(), out.view(),
+                       {.lse = lse.view(), .dropout = drop});
+              plan.backward(bq.view(), bk.view(), bv.view(), out.view(), lse.view(), bdout.view(),
+                            dq.view(), dk.view(), dv.view(), {.dropout = drop});
+              const double scale = effective_scale({}, dim);
+              host_tensor want(dtype::f64, rows, heads, dim), wq(dtype::f64, rows, heads, dim),
+                  wk(dtype::f64, rows, heads, dim), wv(dtype::f64, rows, heads, dim);
+              reference::edge_attention(pairs, q.view(), k.view(), v.view(), {}, {}, keep.view(),
+                                        scale, want.view(), {}, {});
+              reference::edge_attention_backward(pairs, q.view(), k.view(), v.view(), {}, {},
+                                                 keep.view(), scale, dout.view(), {}, wq.view(),
+                                                 wk.view(), wv.view(), {}, {});
+              rec.check("block_sparse_dropout", "cuda_block", t, at, out.fetch(), want,
+                        tolerance(in, in, 4), "out");
+              const double tol = tolerance(in, in, 8) + unit_roundoff(in) * 8;
+              rec.check("block_sparse_dropout", "cuda_block", t, at, dq.fetch(), wq, tol, "dq");
+              rec.check("block_sparse_dropout", "cuda_block", t, at, dk.fetch(), wk, tol, "dk");
+              rec.check("block_sparse_dropout", "cuda_block", t, at, dv.fetch(), wv, tol, "dv");
+            });
+          }
+        }
+      }
+    }
+  }
+}
+
 // --- block importance (attention_options::block_mass, block_grad) and top-k masks -------------
 
 void block_importance_cases(recorder& rec) {
@@ -1147,11 +1259,19 @@ void segment_cases(recorder& rec) {
 
 // Every op's registration: add one here for a new op.
 const std::vector<std::function<void(recorder&)>>& registry() {
-  static const std::vector<std::function<void(recorder&)>> all{
-      attention_cases,    attention_bias_cases,   sparse_cases,
-      block_sparse_cases, block_importance_cases, topk_cases,
-      gcn_cases,          gcn_fused_cases,        agnn_cases,
-      gat_cases,          edge_attention_cases,   segment_cases};
+  static const std::vector<std::function<void(recorder&)>> all{attention_cases,
+                                                               attention_bias_cases,
+                                                               sparse_cases,
+                                                               block_sparse_cases,
+                                                               block_sparse_dropout_cases,
+                                                               block_importance_cases,
+                                                               topk_cases,
+                                                               gcn_cases,
+                                                               gcn_fused_cases,
+                                                               agnn_cases,
+                                                               gat_cases,
+                                                               edge_attention_cases,
+                                                               segment_cases};
   return all;
 }
 
@@ -1168,8 +1288,8 @@ TEST(EveryOp, AgainstTheFloat64Reference) {
                          "gcn_fused_backward", "agnn_layer", "gat_attention", "gat_backward"})
     EXPECT_TRUE(rec.ops().count(op)) << op << ": no case ran on " << to_string(kWhere);
   if (kWhere == device_kind::cuda) {
-    for (const char* op : {"segment_attention", "edge_attention", "edge_attention_backward",
-                           "edge_gat", "edge_gat_backward"})
+    for (const char* op : {"segment_attention", "block_sparse_dropout", "edge_attention",
+                           "edge_attention_backward", "edge_gat", "edge_gat_backward"})
       EXPECT_TRUE(rec.ops().count(op)) << op << ": no case ran on " << to_string(kWhere);
   }
 }

@@ -765,10 +765,11 @@ def test_segment_attention_matches_float64(dim, dtype):
     assert all(torch.equal(a, b) for a, b in zip(got, run(torch.int32)))
 
 
-def _philox_factors(rows_i, rows_j, heads: int, state, p: float):
-    """Attention dropout's factors [pairs, heads] (float64) for query rows rows_i and key rows
-    rows_j, as trisparse/core/dropout.hpp draws them from state = {seed, offset}: Philox4x32-10
-    counted by (i / 2, j / 2, head, offset), word (i % 2) * 2 + j % 2."""
+def _philox_factors(rows_i, rows_j, heads, state, p: float):
+    """Attention dropout's factors [pairs, len(heads)] (float64) for query rows rows_i and key
+    rows rows_j of the head ids `heads` (sequence * H + head), as trisparse/core/dropout.hpp
+    draws them from state = {seed, offset}: Philox4x32-10 counted by (i / 2, j / 2, head,
+    offset), word (i % 2) * 2 + j % 2."""
     mask = np.uint64(0xFFFFFFFF)
     seed, offset = (int(x) % 2**64 for x in state.tolist())
     i, j = np.asarray(rows_i, np.int64), np.asarray(rows_j, np.int64)
@@ -776,7 +777,7 @@ def _philox_factors(rows_i, rows_j, heads: int, state, p: float):
     t = p * 2.0**32
     below = 4294967295 if t >= 4294967295 else int(t + 0.5)
     out = []
-    for h in range(heads):
+    for h in heads:
         c = [(i >> 1).astype(np.uint64), (j >> 1).astype(np.uint64)]
         c += [np.full_like(c[0], h), np.full_like(c[0], offset & 0xFFFFFFFF)]
         k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
@@ -819,7 +820,7 @@ def test_segment_attention_dropout_matches_float64(dim):
     outs, kept = [], []
     for a, b in itertools.pairwise(ptr):
         ii, jj = torch.meshgrid(torch.arange(a, b), torch.arange(a, b), indexing="ij")
-        m = _philox_factors(ii.flatten(), jj.flatten(), heads, state.cpu(), p)
+        m = _philox_factors(ii.flatten(), jj.flatten(), range(heads), state.cpu(), p)
         m = m.T.reshape(heads, b - a, b - a)
         kept.append((m > 0).flatten())
         qs, ks, vs = (t[a:b].transpose(0, 1) for t in xs)
@@ -833,6 +834,50 @@ def test_segment_attention_dropout_matches_float64(dim):
     assert all(torch.equal(a, b) for a, b in zip(got, run(state)))
     other = run(torch.tensor([5, 6], dtype=torch.int64, device="cuda"))
     assert not torch.equal(got[0], other[0])
+
+
+@pytest.mark.parametrize("g, causal", [(64, False), (128, True), (32, True)])
+def test_block_sparse_dropout_matches_float64(g, causal):
+    """Attention dropout inside the block-sparse kernels (mma.sync plans at G 32, wgmma plans at
+    64 and 128 on sm_90): forward and gradients equal float64 masked attention with the kernels'
+    draws (computed here independently); bitwise repeatable; the same draws whether the batch
+    comes as [B, H, N, D] (heads folded) or with rows outermost (packed)."""
+    b, h, n_q, n_k, d, p = 2, 3, 300, 250, 64, 0.2
+    gen = torch.Generator().manual_seed(40 + g)
+    blocks = torch.rand(b, h, -(-n_q // g), -(-n_k // g), generator=gen) < 0.5
+    mask = trisparse.BlockMask(blocks, block_size=g, causal=causal)
+    q, k, v, dout = (torch.randn(b, h, n, d, generator=gen) for n in (n_q, n_k, n_k, n_q))
+
+    def run(packed):
+        leaves = []
+        for t in (q, k, v):
+            x = t.cuda().bfloat16()
+            if packed:  # [B, N, H, D] in memory
+                x = x.transpose(1, 2).contiguous().transpose(1, 2)
+            leaves.append(x.requires_grad_())
+        torch.cuda.manual_seed(11)
+        out = trisparse.block_sparse_attention(*leaves, mask, dropout_p=p)
+        grads = torch.autograd.grad(out, leaves, dout.cuda().bfloat16())
+        return [t.double().cpu() for t in (out.detach(), *grads)]
+
+    torch.cuda.manual_seed(11)
+    state = trisparse._tensors.new_dropout_state(p, torch.device("cuda")).cpu()
+    xs = [t.bfloat16().double().requires_grad_() for t in (q, k, v)]
+    qi, kj = torch.arange(n_q)[:, None], torch.arange(n_k)[None, :]
+    allowed = blocks.repeat_interleave(g, 2).repeat_interleave(g, 3)[:, :, :n_q, :n_k]
+    if causal:
+        allowed = allowed & (kj <= qi + n_k - n_q)
+    ii, jj = (t.expand(n_q, n_k).flatten() for t in (qi, kj))
+    m = _philox_factors(ii, jj, range(b * h), state, p).T.reshape(b, h, n_q, n_k)
+    s = (xs[0] @ xs[1].transpose(-1, -2) / math.sqrt(d)).masked_fill(~allowed, float("-inf"))
+    out = (torch.softmax(s, -1).nan_to_num(0.0) * m) @ xs[2]
+    want = [out.detach(), *torch.autograd.grad(out, xs, dout.bfloat16().double())]
+    got = run(False)
+    for i, (a, w) in enumerate(zip(got, want, strict=True)):
+        assert relerr(a, w) <= 3e-2, i
+    assert all(torch.equal(a, c) for a, c in zip(got, run(False), strict=True))
+    for i, (a, c) in enumerate(zip(got, run(True), strict=True)):
+        assert relerr(a, c) <= 2e-2, i
 
 
 def test_gps_conv_dropout_takes_the_segment_kernels(monkeypatch):

@@ -60,7 +60,8 @@ TRISPARSE_HOST_DEVICE words draw(std::uint32_t c0, std::uint32_t c1, std::uint32
 }
 
 /// The draws of the 2 x 2 (query, key) group holding query row i and key row j of head h: word
-/// (i & 1) * 2 + (j & 1) is pair (i, j)'s. Rows are the op's own packed row numbers.
+/// (i & 1) * 2 + (j & 1) is pair (i, j)'s. Rows are the sequence's own (attention within
+/// segments: the packed rows, one sequence), h = sequence * heads + head.
 TRISPARSE_HOST_DEVICE words group(std::int64_t i, std::int64_t j, std::int32_t h,
                                   std::uint64_t seed, std::uint64_t offset) {
   return draw(static_cast<std::uint32_t>(i >> 1), static_cast<std::uint32_t>(j >> 1),

@@ -13,10 +13,11 @@ from ..ops.block_sparse import (
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, cu_q, cu_k, scale, _with_lse, importance = inputs
+    q, k, v, mask, cu_q, cu_k, scale, _with_lse, importance, dropout, dropout_state = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, dropout_state)
     ctx.mask, ctx.cu_q, ctx.cu_k, ctx.scale = mask, cu_q, cu_k, scale
+    ctx.dropout = dropout
     ctx.importance = _trackers.get(importance) if importance else None
     ctx.importance_shape = ctx.importance._shape if ctx.importance is not None else None
     # Held until the backward: a mask made for one step (a top-k selection) may be dropped by the
@@ -25,14 +26,26 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, dropout_state = ctx.saved_tensors
     tracker = ctx.importance
     dq, dk, dv, mass, grad = torch.ops.trisparse.block_sparse_attention_backward(
-        q, k, v, out, lse, dout, ctx.mask, ctx.cu_q, ctx.cu_k, ctx.scale, tracker is not None
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dout,
+        ctx.mask,
+        ctx.cu_q,
+        ctx.cu_k,
+        ctx.scale,
+        tracker is not None,
+        ctx.dropout,
+        dropout_state,
     )
     if tracker is not None:
         tracker._record(mass, grad, ctx.importance_shape)
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 _forward.register_autograd(_backward, setup_context=_setup_context)

@@ -49,10 +49,14 @@ def _forward(
     scale: float,
     with_lse: bool,
     importance: int = 0,
+    dropout: float = 0.0,
+    dropout_state: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Packed [rows, H, D] tensors, sequence i at rows cu_q[i]:cu_q[i + 1] (keys cu_k); returns
     out and, on CUDA with `with_lse`, each row's log-sum-exp (f32 [rows, H]; else [0, H]).
-    `importance`: the id of a BlockImportance the backward fills (0: none)."""
+    `importance`: the id of a BlockImportance the backward fills (0: none). `dropout`: attention
+    dropout drawn in the CUDA kernels from `dropout_state` ({seed, offset}, int64 [2] on q's
+    device)."""
     plan = _plan(q, mask, cu_q, cu_k)
     out, lse = _forward_outputs(q, v, with_lse)
     _owner, ws, ws_bytes = _tensors.workspace(
@@ -66,12 +70,16 @@ def _forward(
         _tensors.stream(q.device),
         ws,
         ws_bytes,
+        dropout,
+        _tensors.dropout_state(dropout, dropout_state),
     )
     return out, lse
 
 
 @_forward.register_fake
-def _forward_fake(q, k, v, mask, cu_q, cu_k, scale, with_lse, importance=0):
+def _forward_fake(
+    q, k, v, mask, cu_q, cu_k, scale, with_lse, importance=0, dropout=0.0, dropout_state=None
+):
     return _forward_outputs(q, v, with_lse)
 
 
@@ -88,6 +96,8 @@ def _backward_op(
     cu_k: list[int],
     scale: float,
     importance: bool = False,
+    dropout: float = 0.0,
+    dropout_state: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv, and with `importance` each kept block's attention mass and |dS| sum (f32
     [sequences, query blocks, H, key blocks], zeros where the mask drops a block; else [0])."""
@@ -115,6 +125,8 @@ def _backward_op(
         ws,
         ws_bytes,
         *blocks,
+        dropout,
+        _tensors.dropout_state(dropout, dropout_state),
     )
     return dq, dk, dv, mass, grad
 
@@ -132,7 +144,21 @@ def _importance_like(q, mask, cu_q, cu_k, importance):
 
 
 @_backward_op.register_fake
-def _backward_fake(q, k, v, out, lse, dout, mask, cu_q, cu_k, scale, importance=False):
+def _backward_fake(
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dout,
+    mask,
+    cu_q,
+    cu_k,
+    scale,
+    importance=False,
+    dropout=0.0,
+    dropout_state=None,
+):
     mass, grad = _importance_like(q, mask, cu_q, cu_k, importance)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), mass, grad
 

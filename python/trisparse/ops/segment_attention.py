@@ -25,11 +25,6 @@ def _grads(q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
 
 
-def _dropout_state(dropout: float, state: Tensor | None) -> int:
-    """The device address of attention dropout's {seed, offset} (int64 [2]), 0 without dropout."""
-    return state.data_ptr() if dropout > 0 and state is not None else 0
-
-
 @torch.library.custom_op("trisparse::segment_attention", mutates_args=())
 def _forward(
     q: Tensor,
@@ -53,7 +48,7 @@ def _forward(
         _tensors.view2(lse),
         scale,
         dropout,
-        _dropout_state(dropout, dropout_state),
+        _tensors.dropout_state(dropout, dropout_state),
         _tensors.stream(q.device),
         ws,
         ws_bytes,
@@ -92,7 +87,7 @@ def _backward_op(
         *(_tensors.view(t) for t in (dout, dq, dk, dv)),
         scale,
         dropout,
-        _dropout_state(dropout, dropout_state),
+        _tensors.dropout_state(dropout, dropout_state),
         _tensors.stream(q.device),
         ws,
         ws_bytes,

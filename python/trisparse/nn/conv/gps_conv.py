@@ -135,7 +135,7 @@ class GPSConv(_PygGPSConv):
         dropout = attn.dropout if self.training else 0.0
         if segment_attention_supported(q):
             batch = self._batches.checked(batch, n)
-            out = segment_attention(q, k, v, batch, scale, assume_sorted=True, dropout=dropout)
+            out = segment_attention(q, k, v, batch, scale, assume_sorted=True, dropout_p=dropout)
             return attn.out_proj(out.reshape(n, channels))
         pattern = self._batches.get(batch, n)
         if edge_attention_supported(pattern, q):  # CUDA: its multigraph is grouped on the GPU

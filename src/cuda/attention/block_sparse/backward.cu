@@ -70,15 +70,16 @@ __global__ void importance_finish_kernel(const __grid_constant__ block_sparse::b
 
 // The dq and dk/dv kernels at tile rows BM (the plan's backward tile: 16, 32 or 64). The streamed
 // tiles hold BM rows too, except dk/dv at D = 128, whose two accumulators leave room for 32.
-template <class T, int D, int BM>
+template <class T, int D, int BM, bool DROPOUT>
 void launch_gradients(const block_sparse::backward_params& p, const block_sparse_device_plan& plan,
                       cudaStream_t s) {
   constexpr int kThreads = BM / 16 * 32;
   constexpr int kKeyStream = D == 128 && BM > 32 ? 32 : BM;
-  block_sparse::launch_kernel<block_sparse::backward_kernel<T, D, BM, BM, false>>(
+  block_sparse::launch_kernel<block_sparse::backward_kernel<T, D, BM, BM, false, void, DROPOUT>>(
       kThreads, block_sparse::backward_shared_bytes<D, BM, BM, false>(), p, plan.num_backward_tiles,
       s);
-  block_sparse::launch_kernel<block_sparse::backward_kernel<T, D, BM, kKeyStream, true>>(
+  block_sparse::launch_kernel<
+      block_sparse::backward_kernel<T, D, BM, kKeyStream, true, void, DROPOUT>>(
       kThreads, block_sparse::backward_shared_bytes<D, BM, kKeyStream, true>(), p,
       plan.num_key_tiles, s);
 }
@@ -97,7 +98,8 @@ void run_block_sparse_backward(const block_sparse_device_plan& plan, const tenso
                                const tensor_view& lse, const tensor_view& dout,
                                const tensor_view& dq, const tensor_view& dk, const tensor_view& dv,
                                double scale, const block_importance_views& importance,
-                               workspace_view workspace, stream_ref stream) {
+                               const attention_dropout& dropout, workspace_view workspace,
+                               stream_ref stream) {
   const char* what = "the CUDA block-sparse backward";
   TRISPARSE_EXPECTS_INPUT(plan.gradients,
                           "block-sparse backward: this plan was built without gradients "
@@ -133,6 +135,7 @@ void run_block_sparse_backward(const block_sparse_device_plan& plan, const tenso
   p.tiles = plan.backward_tiles.data();
   p.num_tiles = plan.num_backward_tiles;
   block_sparse::set_gradient_io(p, dout, dq, dk, dv, scale);
+  block_sparse::set_dropout(p, dropout);
   auto* terms = static_cast<float*>(workspace.data);
   p.lse2 = terms;
   p.dterm = terms + q.heads * plan.rows_q;
@@ -156,20 +159,23 @@ void run_block_sparse_backward(const block_sparse_device_plan& plan, const tenso
   with_half_type(q.type, "block-sparse backward's q", [&]<class T>() {
     block_sparse::launch_backward_terms<T>(p, out.type, static_cast<int>(v.dim), terms, s);
 #if TRISPARSE_HAVE_SM90A
-    if (plan.wgmma && plan.backward_tile_rows == 64 && block_sparse::wgmma_backward_takes(q.dim)) {
+    if (plan.wgmma && plan.backward_tile_rows == 64 && block_sparse::wgmma_backward_takes(q.dim) &&
+        dropout.p == 0) {
       return block_sparse::launch_wgmma_backward(q.type, q.dim, p, plan.num_backward_tiles,
                                                  plan.num_key_tiles, s);
     }
 #endif
     with_head_dim<64, 128>(q.dim, "the CUDA block-sparse backward's head_dim", [&]<int D>() {
-      switch (plan.backward_tile_rows) {
-        case 16:
-          return launch_gradients<T, D, 16>(p, plan, s);
-        case 32:
-          return launch_gradients<T, D, 32>(p, plan, s);
-        default:
-          return launch_gradients<T, D, 64>(p, plan, s);
-      }
+      block_sparse::with_dropout(dropout, [&]<bool DROPOUT>() {
+        switch (plan.backward_tile_rows) {
+          case 16:
+            return launch_gradients<T, D, 16, DROPOUT>(p, plan, s);
+          case 32:
+            return launch_gradients<T, D, 32, DROPOUT>(p, plan, s);
+          default:
+            return launch_gradients<T, D, 64, DROPOUT>(p, plan, s);
+        }
+      });
     });
   });
   if (importance.wanted() && plan.num_key_tiles > 0 && q.heads > 0) {

@@ -73,7 +73,7 @@ void launch_backward_terms(const backward_params& p, dtype out, int dim, float* 
 template <int BM, int BN>
 struct key_walk {
   const backward_params& p;
-  int h, lq, lk, row0, shift;
+  int h, lq, lk, row0, shift, seq;
   std::int64_t q0, k0;
   int e, e_end, u, sub;
   int first_row;   // causal: rows before it see none of the tile's keys
@@ -83,6 +83,7 @@ struct key_walk {
     h = static_cast<int>(blockIdx.x / p.num_key_tiles);
     const tile t = p.key_tiles[blockIdx.x % p.num_key_tiles];
     row0 = t.row0;
+    seq = t.seq;
     q0 = p.cu_q[t.seq];
     k0 = p.cu_k[t.seq];
     lq = static_cast<int>(p.cu_q[t.seq + 1] - q0);
@@ -280,9 +281,9 @@ __global__ void __launch_bounds__(BM / 16 * 32)
         if constexpr (DROPOUT) {
           const int first = n * 8 + 2 * tq;  // the pair's first streamed row
           if constexpr (KV)
-            drops.along_queries(w.q0 + y_cur + first, w.k0 + r_lo + 8 * r, w.h, keep);
+            drops.along_queries(y_cur + first, r_lo + 8 * r, head_of(w), keep);
           else
-            drops.along_keys(w.q0 + r_lo + 8 * r, w.k0 + y_cur + first, w.h, keep);
+            drops.along_keys(r_lo + 8 * r, y_cur + first, head_of(w), keep);
         }
 #pragma unroll
         for (int e = 2 * r; e < 2 * r + 2; ++e) {

@@ -36,6 +36,15 @@ void dispatch(const kernel_key& key, F&& f) {
   });
 }
 
+/// f.template operator()<DROPOUT>() for the kernels with or without attention dropout.
+template <class F>
+void with_dropout(const attention_dropout& dropout, F&& f) {
+  if (dropout.p > 0)
+    f.template operator()<true>();
+  else
+    f.template operator()<false>();
+}
+
 /// Launches Kernel(p, extra...) (p: params or a derived struct) over tiles x heads blocks (its
 /// shared-memory limit raised once), with p.down_wave = the blocks the device holds at once, so
 /// that every other wave of blocks walks its keys in descending order; as a dependent launch where

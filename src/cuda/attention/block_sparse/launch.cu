@@ -34,11 +34,15 @@ std::int64_t tile_rows_for(std::int64_t block) {
 // warp, each K/V fragment feeding two MMAs, spilled under the 128-register cap at D = 64 and
 // measured slower without it: docs/notes/block_sparse.md.)
 void launch_mma(std::int64_t bm, const block_sparse::kernel_key& key, const block_sparse::params& p,
-                std::int32_t tiles, cudaStream_t s) {
+                std::int32_t tiles, const attention_dropout& dropout, cudaStream_t s) {
   block_sparse::dispatch(key, [&]<class T, int D, class O>() {
     const auto with_tile = [&]<int BM>() {
-      block_sparse::launch_kernel<block_sparse::block_sparse_kernel<T, D, O, BM, BM>>(
-          block_sparse::threads<BM>(), block_sparse::shared_bytes<D, BM, BM>(), p, tiles, s);
+      block_sparse::with_dropout(dropout, [&]<bool DROPOUT>() {
+        using walk = block_sparse::tile_walk<BM, BM>;
+        block_sparse::launch_kernel<
+            block_sparse::block_sparse_kernel<T, D, O, BM, BM, walk, DROPOUT>>(
+            block_sparse::threads<BM>(), block_sparse::shared_bytes<D, BM, BM>(), p, tiles, s);
+      });
     };
     switch (bm) {
       case 16:
@@ -383,17 +387,33 @@ block_sparse::params run_params(const block_sparse_device_plan& plan, const tens
 
 void run_block_sparse(const block_sparse_device_plan& plan, const tensor_view& q,
                       const tensor_view& k, const tensor_view& v, const tensor_view& out,
-                      const tensor_view& lse, double scale, stream_ref stream) {
+                      const tensor_view& lse, double scale, const attention_dropout& dropout,
+                      stream_ref stream) {
   check_attention_operands(q, k, v, out, "the CUDA block-sparse kernel");
   expect_current_device(plan.device);
-  const block_sparse::params p = run_params(plan, q, k, v, out, lse, scale);
+  block_sparse::params p = run_params(plan, q, k, v, out, lse, scale);
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const block_sparse::kernel_key key{q.type, out.type, q.dim};
+  if (dropout.p > 0) {
+    // Dropout runs the mma.sync kernel (the wgmma kernels draw none yet), over tiles of its rows:
+    // the plan's own where they have them, else the backward's query tiles.
+    block_sparse::set_dropout(p, dropout);
+    const std::int64_t bm = tile_rows_for(plan.block);
+    if (plan.tile_rows != bm) {
+      TRISPARSE_EXPECTS_INPUT(plan.gradients,
+                              "block-sparse attention with dropout on this plan's kernel (" +
+                                  std::string(kernel_name(plan)) +
+                                  ") needs a plan built with gradients");
+      p.tiles = plan.backward_tiles.data();
+      p.num_tiles = plan.num_backward_tiles;
+    }
+    return launch_mma(bm, key, p, p.num_tiles, dropout, s);
+  }
 #if TRISPARSE_HAVE_SM90A
   if (plan.wgmma)
     return block_sparse::launch_wgmma(key, p, k.rows, v.rows, plan.pingpong, plan.num_tiles, s);
 #endif
-  launch_mma(plan.tile_rows, key, p, plan.num_tiles, s);
+  launch_mma(plan.tile_rows, key, p, plan.num_tiles, dropout, s);
 }
 
 std::int64_t device_bytes(const block_sparse_device_plan& plan) {

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "../../common/attention_io.hpp"
+#include "trisparse/core/dropout.hpp"
 
 namespace trisparse::cuda::block_sparse {
 
@@ -81,6 +82,15 @@ struct backward_params : params {
   std::int64_t imp_slots;
   std::int32_t imp_sub, imp_warps;
 };
+
+/// Sets p's dropout fields from `dropout` (p = 0: none; the kernels' DROPOUT instantiations read
+/// them).
+inline void set_dropout(params& p, const attention_dropout& dropout) {
+  if (dropout.p <= 0) return;
+  p.dropout_state = dropout.state;
+  p.drop_below = philox::drop_below(dropout.p);
+  p.dropout_scale = static_cast<float>(1.0 / (1.0 - dropout.p));
+}
 
 /// Sets p's gradient operands: dout, dq, dk, dv with their strides, grads_f32 (dq's dtype f32)
 /// and the signed scale.

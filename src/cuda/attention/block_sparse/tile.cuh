@@ -69,7 +69,7 @@ __device__ __forceinline__ void load_rows(std::uint32_t base, const char* src, s
 template <int BM, int BN>
 struct tile_walk {
   const params& p;
-  int h, lq, lk, row0;
+  int h, lq, lk, row0, seq;
   std::int64_t q0, k0;
   int shift;             // causal: key j is visible to row i iff j <= i + shift
   int kmax;              // the last key any row of the tile sees
@@ -81,6 +81,7 @@ struct tile_walk {
     h = static_cast<int>(blockIdx.x / p.num_tiles);
     const tile t = p.tiles[blockIdx.x % p.num_tiles];
     row0 = t.row0;
+    seq = t.seq;
     q0 = p.cu_q[t.seq];
     k0 = p.cu_k[t.seq];
     lq = static_cast<int>(p.cu_q[t.seq + 1] - q0);
@@ -201,7 +202,9 @@ __device__ __forceinline__ void softmax_step(float (&s)[BN / 8][4], float (&m)[2
 
 /// Attention dropout's factors (params::dropout_state): 0 or 1 / (1 - p) per (query, key, head),
 /// from the Philox words of the pair's 2 x 2 group (trisparse/core/dropout.hpp), so the forward
-/// and both backward kernels draw the same factors whatever their layouts. Rows are packed rows.
+/// and both backward kernels draw the same factors whatever their layouts. Rows are the
+/// sequence's own, the head is seq * heads + h (head_of): the same draws whether B sequences of
+/// H heads come packed as [B N, H, D] or folded as [N, B H, D].
 struct dropout_draws {
   std::uint64_t seed, offset;
   std::uint32_t below;
@@ -244,8 +247,14 @@ struct dropout_draws {
   }
 };
 
+/// The head a walk's dropout draws are counted by.
+template <class Walk>
+__device__ __forceinline__ int head_of(const Walk& w) {
+  return w.seq * w.p.heads + w.h;
+}
+
 /// P *= the dropout factors, for s in the m16n8 accumulator layout of the warp's rows (queries
-/// i_lo, i_lo + 8) and the keys j0 .. j0 + BN - 1 (sequence-local; the walk gives q0, k0, h).
+/// i_lo, i_lo + 8) and the keys j0 .. j0 + BN - 1 (sequence-local).
 template <int BN, class Walk>
 __device__ __forceinline__ void drop(float (&s)[BN / 8][4], const dropout_draws& d, const Walk& w,
                                      int j0, int i_lo) {
@@ -255,7 +264,7 @@ __device__ __forceinline__ void drop(float (&s)[BN / 8][4], const dropout_draws&
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float f[2];
-      d.along_keys(w.q0 + i_lo + 8 * r, w.k0 + j0 + n * 8 + 2 * tq, w.h, f);
+      d.along_keys(i_lo + 8 * r, j0 + n * 8 + 2 * tq, head_of(w), f);
       s[n][2 * r] *= f[0];
       s[n][2 * r + 1] *= f[1];
     }

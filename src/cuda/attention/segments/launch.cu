@@ -84,21 +84,8 @@ block_sparse::params segment_params(const segment_view& seg, const tensor_view& 
   }
   p.segments = bounds;
   p.segment_rows = static_cast<std::int32_t>(seg.rows);
-  if (dropout.p > 0) {
-    p.dropout_state = dropout.state;
-    p.drop_below = philox::drop_below(dropout.p);
-    p.dropout_scale = static_cast<float>(1.0 / (1.0 - dropout.p));
-  }
+  block_sparse::set_dropout(p, dropout);
   return p;
-}
-
-/// f.template operator()<DROPOUT>() for the kernels with or without attention dropout.
-template <class F>
-void with_dropout(const attention_dropout& dropout, F&& f) {
-  if (dropout.p > 0)
-    f.template operator()<true>();
-  else
-    f.template operator()<false>();
 }
 
 /// f.template operator()<D>() for the head dims the kernels take (16 always, the others where
@@ -132,7 +119,7 @@ void segment_attention_forward(const segment_view& seg, const tensor_view& q, co
   with_half_type(q.type, "attention within segments' q", [&]<class T>() {
     with_segment_dim(q.dim, [&]<int D>() {
       with_output_type<T>(out.type, "attention within segments' out", [&]<class O>() {
-        with_dropout(dropout, [&]<bool DROPOUT>() {
+        block_sparse::with_dropout(dropout, [&]<bool DROPOUT>() {
           using walk = segments::segment_walk<kTile, kTile, false>;
           block_sparse::launch_kernel<
               block_sparse::block_sparse_kernel<T, D, O, kTile, kTile, walk, DROPOUT>>(
@@ -165,7 +152,7 @@ void segment_attention_backward(const segment_view& seg, const tensor_view& q, c
   with_half_type(q.type, "attention within segments' q", [&]<class T>() {
     block_sparse::launch_backward_terms<T>(p, out.type, static_cast<int>(v.dim), terms, s);
     with_segment_dim(q.dim, [&]<int D>() {
-      with_dropout(dropout, [&]<bool DROPOUT>() {
+      block_sparse::with_dropout(dropout, [&]<bool DROPOUT>() {
         constexpr int kThreads = kTile / 16 * 32;
         constexpr int kKeyStream = D == 128 ? 32 : kTile;
         using query_walk = segments::segment_walk<kTile, kTile, false>;

@@ -12,7 +12,7 @@ namespace trisparse::cuda::segments {
 template <int BM, int BN, bool KEYS>
 struct segment_walk {
   const block_sparse::params& p;
-  int h, lq, lk, row0;
+  int h, lq, lk, row0, seq = 0;  // one sequence of packed rows
   std::int64_t q0 = 0, k0 = 0;
   int j, j_end;      // streamed tiles from j, BN rows apart, while j < j_end
   int lo[2], hi[2];  // the segments of the thread's stationary rows r_lo and r_lo + 8
