@@ -275,16 +275,16 @@ __global__ void __launch_bounds__(BM / 16 * 32)
     const bool masked = w.masks(y_cur);
 #pragma unroll
     for (int n = 0; n < BN / 8; ++n) {
+      float keep[2][2] = {{1.f, 1.f}, {1.f, 1.f}};  // [stationary row slot][streamed row]
+      if constexpr (DROPOUT) {
+        const int first = y_cur + n * 8 + 2 * tq;  // the thread's first streamed row
+        if constexpr (KV)
+          drops.keys_by_queries(first, r_lo, head_of(w), keep);
+        else
+          drops.rows_by_keys(r_lo, first, head_of(w), keep);
+      }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float keep[2] = {1.f, 1.f};
-        if constexpr (DROPOUT) {
-          const int first = n * 8 + 2 * tq;  // the pair's first streamed row
-          if constexpr (KV)
-            drops.along_queries(y_cur + first, r_lo + 8 * r, head_of(w), keep);
-          else
-            drops.along_keys(r_lo + 8 * r, y_cur + first, head_of(w), keep);
-        }
 #pragma unroll
         for (int e = 2 * r; e < 2 * r + 2; ++e) {
           const int col = n * 8 + 2 * tq + (e & 1);
@@ -297,8 +297,8 @@ __global__ void __launch_bounds__(BM / 16 * 32)
             if (w.hides(i, j, r)) pv = 0.f;
           }
           if constexpr (DROPOUT) {
-            t[n][e] = pv * (keep[e & 1] * t[n][e] - dterm);
-            s[n][e] = pv * keep[e & 1];
+            t[n][e] = pv * (keep[r][e & 1] * t[n][e] - dterm);
+            s[n][e] = pv * keep[r][e & 1];
           } else {
             s[n][e] = pv;
             t[n][e] = pv * (t[n][e] - dterm);

@@ -219,31 +219,43 @@ struct dropout_draws {
   __device__ __forceinline__ float factor(std::uint32_t word) const {
     return word < below ? 0.f : keep_scale;
   }
-  /// f[x] for query i and key j + x (x = 0, 1).
-  __device__ __forceinline__ void along_keys(std::int64_t i, std::int64_t j, int h,
-                                             float (&f)[2]) const {
-    const int b = static_cast<int>(i & 1) * 2;
-    const philox::words w = philox::group(i, j, h, seed, offset);
-    if ((j & 1) == 0) {
-      f[0] = factor(w.x[b]);
-      f[1] = factor(w.x[b + 1]);
-    } else {
-      f[0] = factor(w.x[b + 1]);
-      f[1] = factor(philox::group(i, j + 1, h, seed, offset).x[b]);
-    }
+  // A thread of the m16n8 layout holds rows r and r + 8 (r = its lane / 4 within the warp's 16)
+  // and two adjacent columns; the lanes of rows r and r ^ 1 (lane ^ 4) share the 2 x 2 groups of
+  // both their rows: each draws one group and passes the other lane the half it needs, so one
+  // Philox call serves four pairs. Rows r of even lanes are even (tiles start at multiples of
+  // 16), and the first column is even.
+
+  /// f[a][x] for queries i + 8 a (a = 0, 1; i the thread's first row) and keys j + x (j even):
+  /// the forward's and the dq pass's layout.
+  __device__ __forceinline__ void rows_by_keys(int i, int j, int h, float (&f)[2][2]) const {
+    const bool even = (i & 1) == 0;
+    const int base = i & ~1;  // groups: queries {base, base + 1} and {base + 8, base + 9}
+    const philox::words w = philox::group(even ? base : base + 8, j, h, seed, offset);
+    // Word (query & 1) * 2 + (key & 1): the even lane keeps row base's, the odd row base + 9's.
+    const std::uint32_t mine0 = even ? w.x[0] : w.x[2], mine1 = even ? w.x[1] : w.x[3];
+    const std::uint32_t got0 = __shfl_xor_sync(0xffffffffu, even ? w.x[2] : w.x[0], 4);
+    const std::uint32_t got1 = __shfl_xor_sync(0xffffffffu, even ? w.x[3] : w.x[1], 4);
+    const int a = even ? 0 : 1;
+    f[a][0] = factor(mine0);
+    f[a][1] = factor(mine1);
+    f[1 - a][0] = factor(got0);
+    f[1 - a][1] = factor(got1);
   }
-  /// f[x] for query i + x (x = 0, 1) and key j.
-  __device__ __forceinline__ void along_queries(std::int64_t i, std::int64_t j, int h,
-                                                float (&f)[2]) const {
-    const int b = static_cast<int>(j & 1);
-    const philox::words w = philox::group(i, j, h, seed, offset);
-    if ((i & 1) == 0) {
-      f[0] = factor(w.x[b]);
-      f[1] = factor(w.x[2 + b]);
-    } else {
-      f[0] = factor(w.x[2 + b]);
-      f[1] = factor(philox::group(i + 1, j, h, seed, offset).x[b]);
-    }
+
+  /// f[a][x] for keys j + 8 a (a = 0, 1; j the thread's first row) and queries i + x (i even):
+  /// the dk/dv pass's layout (its rows are keys).
+  __device__ __forceinline__ void keys_by_queries(int i, int j, int h, float (&f)[2][2]) const {
+    const bool even = (j & 1) == 0;
+    const int base = j & ~1;  // groups: keys {base, base + 1} and {base + 8, base + 9}
+    const philox::words w = philox::group(i, even ? base : base + 8, h, seed, offset);
+    const std::uint32_t mine0 = even ? w.x[0] : w.x[1], mine1 = even ? w.x[2] : w.x[3];
+    const std::uint32_t got0 = __shfl_xor_sync(0xffffffffu, even ? w.x[1] : w.x[0], 4);
+    const std::uint32_t got1 = __shfl_xor_sync(0xffffffffu, even ? w.x[3] : w.x[2], 4);
+    const int a = even ? 0 : 1;
+    f[a][0] = factor(mine0);
+    f[a][1] = factor(mine1);
+    f[1 - a][0] = factor(got0);
+    f[1 - a][1] = factor(got1);
   }
 };
 
@@ -261,13 +273,10 @@ __device__ __forceinline__ void drop(float (&s)[BN / 8][4], const dropout_draws&
   const int tq = static_cast<int>(threadIdx.x) % 4;
 #pragma unroll
   for (int n = 0; n < BN / 8; ++n) {
+    float f[2][2];
+    d.rows_by_keys(i_lo, j0 + n * 8 + 2 * tq, head_of(w), f);
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float f[2];
-      d.along_keys(i_lo + 8 * r, j0 + n * 8 + 2 * tq, head_of(w), f);
-      s[n][2 * r] *= f[0];
-      s[n][2 * r + 1] *= f[1];
-    }
+    for (int e = 0; e < 4; ++e) s[n][e] *= f[e >> 1][e & 1];
   }
 }
 
