@@ -78,10 +78,9 @@ class GPSConv(_PygGPSConv):
     (``attn_kwargs={"dropout": p}``) while training draws one factor per pair and head (the same
     distribution as PyG's, not the same draws): inside the kernels on CUDA (the segment kernels
     regenerate theirs in the backward from a counter-based generator), on the per-pair weights
-    elsewhere. Falls back to
-    PyG's code, with a one-time warning, for ``attn_type="performer"`` and
-    ``MultiheadAttention`` options beyond PyG's default use (``add_bias_kv``, ``add_zero_attn``,
-    ``kdim``/``vdim``)."""
+    elsewhere. Falls back to PyG's code, with a one-time warning, for ``attn_type="performer"``
+    and ``MultiheadAttention`` options beyond PyG's default use (``add_bias_kv``,
+    ``add_zero_attn``, ``kdim``/``vdim``)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

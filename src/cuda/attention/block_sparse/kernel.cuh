@@ -110,8 +110,10 @@ __global__ void __launch_bounds__(threads<BM>(), (min_blocks<D, BM>()))
     float alpha[2];
     softmax_step<BN>(s, m, l, alpha, w, j_cur, i_lo);
     rescale<D>(o, alpha);
-    if constexpr (DROPOUT) drop<BN>(s, drops, w, j_cur, i_lo);
-      // O += P V: P's A fragments straight from the S accumulators, V through ldmatrix.trans.
+    if constexpr (DROPOUT) {
+      drop<BN>(s, drops, w, j_cur, i_lo);
+    }
+    // O += P V: P's A fragments straight from the S accumulators, V through ldmatrix.trans.
 #pragma unroll
     for (int kp = 0; kp < BN / 16; ++kp) {
       std::uint32_t pa[4];
