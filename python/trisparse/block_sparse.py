@@ -69,11 +69,11 @@ def block_sparse_attention(
 
     ``dropout_p``: attention dropout, as ``F.scaled_dot_product_attention``'s (apply it while
     training only; FlexAttention has none): each weight is kept with probability 1 - p and scaled
-    by 1 / (1 - p). The CUDA kernels draw it themselves from a counter-based generator
-    (Philox4x32-10 per sequence, head, query and key: the same draws in either layout) seeded from
-    torch's generator of q's device, and regenerate it in the backward: nothing [rows, keys] is
-    stored, the gradients stay bitwise repeatable. On sm_90 it runs the mma.sync kernels (the
-    wgmma ones draw none yet). CUDA only."""
+    by 1 / (1 - p). The kernels draw it themselves from a counter-based generator (Philox4x32-10
+    per sequence, head, query and key: the same draws in either layout, on the CPU and on CUDA)
+    seeded from torch's generator of q's device, and regenerate it in the backward: nothing
+    [rows, keys] is stored, the gradients stay bitwise repeatable. On sm_90 it runs the mma.sync
+    kernels (the wgmma ones draw none yet)."""
     if not isinstance(mask, BlockMask):
         if hasattr(mask, "kv_num_blocks") and hasattr(mask, "BLOCK_SIZE"):
             # Converted once and kept on the FlexAttention mask: the ops refer to it by id, so it
@@ -146,11 +146,6 @@ def block_sparse_attention(
     scale = _tensors.resolve_scale(scale, d)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if dropout_p > 0 and q.device.type != "cuda":
-        raise NotImplementedError(
-            "block_sparse_attention: attention dropout is drawn by the CUDA kernels; on the CPU "
-            "give dropout_p=0"
-        )
     state = _tensors.new_dropout_state(dropout_p, q.device)
 
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)

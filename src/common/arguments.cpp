@@ -106,8 +106,8 @@ void check_no_dropout(const attention_options& options, const char* what) {
   if (options.dropout.p == 0) return;
   throw not_supported(std::string(what) +
                       " does not draw attention dropout inside its kernels (attention within "
-                      "segments and CUDA block-sparse and top-k plans do); drop the weights "
-                      "outside, or give p = 0");
+                      "segments, block-sparse and top-k plans do); drop the weights outside, or "
+                      "give p = 0");
 }
 
 }  // namespace trisparse::detail

@@ -36,10 +36,12 @@ struct block_sparse_attention_plan::state {
 
 namespace {
 
-// Attention dropout runs in the CUDA block kernels only.
+// Attention dropout runs in the CUDA block kernels and the CPU engine.
 void check_dropout_runs(const attention_options& options, algorithm algo, device_kind where) {
   detail::check_dropout(options.dropout);
-  if (options.dropout.p > 0 && (algo != algorithm::block || where != device_kind::cuda))
+  const bool draws =
+      where == device_kind::cuda ? algo == algorithm::block : algo == algorithm::fused;
+  if (options.dropout.p > 0 && !draws)
     detail::check_no_dropout(options, ("block-sparse attention with " +
                                        std::string(to_string(algo)) + " on " + to_string(where))
                                           .c_str());
@@ -69,7 +71,7 @@ tensor_view rows_of(const tensor_view& t, std::int64_t row0, std::int64_t rows) 
 void cpu_block_sparse_backward(const block_sparse_mask& m, const tensor_view& q,
                                const tensor_view& k, const tensor_view& v, const tensor_view& dout,
                                const tensor_view& dq, const tensor_view& dk, const tensor_view& dv,
-                               double scale) {
+                               double scale, const attention_dropout& dropout) {
   for (std::int64_t b = 0; b < m.batch(); ++b) {
     const std::int64_t q0 = m.cu_seqlens_q[b], k0 = m.cu_seqlens_k[b];
     const std::int64_t lq = m.len_q(b), lk = m.len_k(b);
@@ -86,10 +88,11 @@ void cpu_block_sparse_backward(const block_sparse_mask& m, const tensor_view& q,
       host_tensor out(t, lq, heads, v.dim), lse(t, lq, heads, 1);
       cpu::fused_attention_unchecked(a, part(q, q0, lq), part(k, k0, lk), part(v, k0, lk),
                                      out.view(), scale, lse.view());
-      cpu::fused_attention_backward_unchecked(a, transpose(a), part(q, q0, lq), part(k, k0, lk),
-                                              part(v, k0, lk), out.view(), lse.view(),
-                                              part(dout, q0, lq), part(dq, q0, lq),
-                                              part(dk, k0, lk), part(dv, k0, lk), scale);
+      // Dropout's draws: rows within the sequence, head b * H + h (the kernels' numbering).
+      cpu::fused_attention_backward_unchecked(
+          a, transpose(a), part(q, q0, lq), part(k, k0, lk), part(v, k0, lk), out.view(),
+          lse.view(), part(dout, q0, lq), part(dq, q0, lq), part(dk, k0, lk), part(dv, k0, lk),
+          scale, {.dropout = dropout, .dropout_head0 = b * q.heads + (groups == 1 ? 0 : g)});
     }
   }
 }
@@ -277,7 +280,7 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
       return;
     case algorithm::fused: {
       if (where == device_kind::cpu) {
-        cpu::block_sparse_attention_unchecked(m, q, k, v, out, scale);
+        cpu::block_sparse_attention_unchecked(m, q, k, v, out, scale, options.dropout);
         return;
       }
       // The element plans hold no device CSR for the row-wise kernels (they are forward-only).
@@ -335,7 +338,7 @@ void block_sparse_attention_plan::backward(const tensor_view& q, const tensor_vi
     TRISPARSE_EXPECTS_INPUT(
         runs_block_masks(algo, where),
         "block-sparse backward on the CPU runs fused, not " + std::string(to_string(algo)));
-    cpu_block_sparse_backward(m, q, k, v, dout, dq, dk, dv, scale);
+    cpu_block_sparse_backward(m, q, k, v, dout, dq, dk, dv, scale, options.dropout);
     if (importance.wanted()) {
       cpu::block_importance_unchecked(m, q, k, v, dout, scale, importance.mass, importance.grad,
                                       qb);

@@ -497,7 +497,10 @@ mask_pairs pairs_of(const block_sparse_mask& mask) {
 }
 
 void block_sparse_dropout_cases(recorder& rec) {
-  if (kWhere != device_kind::cuda) return;
+  const bool cuda = kWhere == device_kind::cuda;
+  // The backends that draw it: CUDA's block kernels, the CPU engine (the state in host memory).
+  const algorithm algo = cuda ? algorithm::block : algorithm::fused;
+  const std::string backend = backend_name(algo, kWhere, true);
   const std::vector<std::int64_t> lens{70, 0, 33, 130};
   const std::uint64_t seed = 0x0123456789ABCDEFull, offset = 5;
   host_tensor state_h(dtype::f64, 2, 1, 1);
@@ -524,7 +527,7 @@ void block_sparse_dropout_cases(recorder& rec) {
                                   static_cast<std::int32_t>(all.seq[p] * heads + h)));
       const std::int64_t rows = mask.cu_seqlens_q.back();
       for (const block_kernel kernel : {block_kernel::automatic, block_kernel::wgmma_pingpong}) {
-        if (kernel == block_kernel::wgmma_pingpong && g % 128 != 0) continue;
+        if (kernel == block_kernel::wgmma_pingpong && (g % 128 != 0 || !cuda)) continue;
         const std::string shape = "G" + std::to_string(g) + (causal ? " causal" : "") +
                                   " ragged, dropout" +
                                   (kernel == block_kernel::wgmma_pingpong ? ", pingpong plan" : "");
@@ -532,9 +535,10 @@ void block_sparse_dropout_cases(recorder& rec) {
           const std::string at = shape + ", d " + std::to_string(dim);
           for (const dtype in : kDtypes) {
             const types t{in, in};
-            rec.attempt("block_sparse_dropout", "cuda_block", t, [&] {
+            rec.attempt("block_sparse_dropout", backend, t, [&] {
+              const dtype grad = cuda ? in : out_of(in);
               const auto plan = block_sparse_attention_plan::build(
-                  mask, kWhere, {.algo = algorithm::block, .kernel = kernel, .gradients = true});
+                  mask, kWhere, {.algo = algo, .kernel = kernel, .gradients = cuda});
               const host_tensor q = random(in, rows, heads, dim, 50),
                                 k = random(in, rows, heads, dim, 51),
                                 v = random(in, rows, heads, dim, 52),
@@ -542,12 +546,14 @@ void block_sparse_dropout_cases(recorder& rec) {
               buffer bq(q), bk(k), bv(v), bdout(dout),
                   out = buffer::output(in, rows, heads, dim),
                   lse = buffer::output(dtype::f32, rows, heads, 1),
-                  dq = buffer::output(in, rows, heads, dim),
-                  dk = buffer::output(in, rows, heads, dim),
-                  dv = buffer::output(in, rows, heads, dim);
+                  dq = buffer::output(grad, rows, heads, dim),
+                  dk = buffer::output(grad, rows, heads, dim),
+                  dv = buffer::output(grad, rows, heads, dim);
+              // The lse on CUDA only (the CPU backward recomputes it).
+              const tensor_view lse_view = cuda ? lse.view() : tensor_view{};
               plan.run(bq.view(), bk.view(), bv.view(), out.view(),
-                       {.lse = lse.view(), .dropout = drop});
-              plan.backward(bq.view(), bk.view(), bv.view(), out.view(), lse.view(), bdout.view(),
+                       {.lse = lse_view, .dropout = drop});
+              plan.backward(bq.view(), bk.view(), bv.view(), out.view(), lse_view, bdout.view(),
                             dq.view(), dk.view(), dv.view(), {.dropout = drop});
               const double scale = effective_scale({}, dim);
               host_tensor want(dtype::f64, rows, heads, dim), wq(dtype::f64, rows, heads, dim),
@@ -557,12 +563,12 @@ void block_sparse_dropout_cases(recorder& rec) {
               reference::edge_attention_backward(pairs, q.view(), k.view(), v.view(), {}, {},
                                                  keep.view(), scale, dout.view(), {}, wq.view(),
                                                  wk.view(), wv.view(), {}, {});
-              rec.check("block_sparse_dropout", "cuda_block", t, at, out.fetch(), want,
+              rec.check("block_sparse_dropout", backend, t, at, out.fetch(), want,
                         tolerance(in, in, 4), "out");
               const double tol = tolerance(in, in, 8) + unit_roundoff(in) * 8;
-              rec.check("block_sparse_dropout", "cuda_block", t, at, dq.fetch(), wq, tol, "dq");
-              rec.check("block_sparse_dropout", "cuda_block", t, at, dk.fetch(), wk, tol, "dk");
-              rec.check("block_sparse_dropout", "cuda_block", t, at, dv.fetch(), wv, tol, "dv");
+              rec.check("block_sparse_dropout", backend, t, at, dq.fetch(), wq, tol, "dq");
+              rec.check("block_sparse_dropout", backend, t, at, dk.fetch(), wk, tol, "dk");
+              rec.check("block_sparse_dropout", backend, t, at, dv.fetch(), wv, tol, "dv");
             });
           }
         }
@@ -1282,14 +1288,15 @@ TEST(EveryOp, AgainstTheFloat64Reference) {
   for (const auto& cases : registry()) cases(rec);
   rec.print();
   // Every registered op ran somewhere on this device.
-  for (const char* op : {"attention", "attention_backward", "attention_bias", "spmm", "sddmm",
-                         "softmax", "block_sparse_attention", "block_sparse_backward",
-                         "block_importance", "topk_block_attention", "gcn_layer", "gcn_fused_layer",
-                         "gcn_fused_backward", "agnn_layer", "gat_attention", "gat_backward"})
+  for (const char* op :
+       {"attention", "attention_backward", "attention_bias", "spmm", "sddmm", "softmax",
+        "block_sparse_attention", "block_sparse_backward", "block_importance",
+        "block_sparse_dropout", "topk_block_attention", "gcn_layer", "gcn_fused_layer",
+        "gcn_fused_backward", "agnn_layer", "gat_attention", "gat_backward"})
     EXPECT_TRUE(rec.ops().count(op)) << op << ": no case ran on " << to_string(kWhere);
   if (kWhere == device_kind::cuda) {
-    for (const char* op : {"segment_attention", "block_sparse_dropout", "edge_attention",
-                           "edge_attention_backward", "edge_gat", "edge_gat_backward"})
+    for (const char* op : {"segment_attention", "edge_attention", "edge_attention_backward",
+                           "edge_gat", "edge_gat_backward"})
       EXPECT_TRUE(rec.ops().count(op)) << op << ": no case ran on " << to_string(kWhere);
   }
 }

@@ -3,6 +3,7 @@
 import os
 import pathlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,3 +75,48 @@ def load_shared_graph(name):
     import trisparse.datasets
 
     return trisparse.datasets.read_graph(d / f"{name}.el.xz", undirected=True)
+
+
+def philox_factors(rows_i, rows_j, heads, state, p: float):
+    """Attention dropout's factors [pairs, len(heads)] (float64) for query rows rows_i and key
+    rows rows_j of the head ids `heads` (sequence * H + head), as trisparse/core/dropout.hpp
+    draws them from state = {seed, offset}: Philox4x32-10 counted by (i / 2, j / 2, head,
+    offset), word (i % 2) * 2 + j % 2."""
+    mask = np.uint64(0xFFFFFFFF)
+    seed, offset = (int(x) % 2**64 for x in state.tolist())
+    i, j = np.asarray(rows_i, np.int64), np.asarray(rows_j, np.int64)
+    pick = (i & 1) * 2 + (j & 1)
+    t = p * 2.0**32
+    below = 4294967295 if t >= 4294967295 else int(t + 0.5)
+    out = []
+    for h in heads:
+        c = [(i >> 1).astype(np.uint64), (j >> 1).astype(np.uint64)]
+        c += [np.full_like(c[0], h), np.full_like(c[0], offset & 0xFFFFFFFF)]
+        k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
+        for _ in range(10):
+            p0, p1 = np.uint64(0xD2511F53) * c[0], np.uint64(0xCD9E8D57) * c[2]
+            c = [(p1 >> np.uint64(32)) ^ c[1] ^ k0, p1 & mask, (p0 >> np.uint64(32)) ^ c[3] ^ k1]
+            c.append(p0 & mask)
+            k0 = (k0 + np.uint64(0x9E3779B9)) & mask
+            k1 = (k1 + np.uint64(0xBB67AE85)) & mask
+        words = np.stack(c)[pick, np.arange(i.size)]
+        out.append(np.where(words < below, 0.0, 1.0 / (1.0 - p)))
+    return torch.from_numpy(np.stack(out, 1))
+
+
+def block_dropout_reference(q, k, v, dout, blocks, g, causal, state, p):
+    """float64 out, dq, dk, dv of block-sparse attention of q [B, H, N_q, D] under `blocks`
+    [B, H, QB, KB] of size g (causal: at the bottom right) with attention dropout p drawn as the
+    kernels draw it from state = {seed, offset} (head b * H + h, rows within the sequence)."""
+    b, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    xs = [t.double().requires_grad_() for t in (q, k, v)]
+    qi, kj = torch.arange(n_q)[:, None], torch.arange(n_k)[None, :]
+    allowed = blocks.repeat_interleave(g, 2).repeat_interleave(g, 3)[:, :, :n_q, :n_k]
+    if causal:
+        allowed = allowed & (kj <= qi + n_k - n_q)
+    ii, jj = (t.expand(n_q, n_k).flatten() for t in (qi, kj))
+    m = philox_factors(ii, jj, range(b * h), state, p).T.reshape(b, h, n_q, n_k)
+    s = (xs[0] @ xs[1].transpose(-1, -2) / d**0.5).masked_fill(~allowed, float("-inf"))
+    out = (torch.softmax(s, -1).nan_to_num(0.0) * m) @ xs[2]
+    return [out.detach(), *torch.autograd.grad(out, xs, dout.double())]

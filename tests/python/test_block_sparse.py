@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import trisparse
+from conftest import block_dropout_reference
 
 
 def dense_block_attention(q, k, v, blocks, g, causal, scale):
@@ -432,3 +433,45 @@ def test_block_importance_on_cuda(dtype, d, g, causal):
     for on_device in (False, True):  # a host mask, and one the device's kernels read
         mask = trisparse.BlockMask(blocks.to("cuda") if on_device else blocks, g, causal=causal)
         check_importance(q, k, v, dout, mask, blocks, causal, 2e-3)
+
+
+def relerr(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("g, causal", [(16, False), (32, True)])
+def test_block_sparse_dropout_on_the_cpu_matches_float64(dtype, g, causal):
+    """Attention dropout drawn by the CPU engine (the CUDA kernels' Philox draws, computed here
+    independently): forward and gradients equal float64 masked attention with those draws; the
+    same bits on a second run; the same draws whether the batch comes as [B, H, N, D] or with
+    rows outermost; another seed drops other weights."""
+    b, h, n_q, n_k, d, p = 2, 3, 70, 50, 16, 0.25
+    gen = torch.Generator().manual_seed(60 + g)
+    blocks = torch.rand(b, h, -(-n_q // g), -(-n_k // g), generator=gen) < 0.6
+    mask = trisparse.BlockMask(blocks, block_size=g, causal=causal)
+    q, k, v, dout = (
+        torch.randn(b, h, n, d, generator=gen, dtype=torch.float64).to(dtype)
+        for n in (n_q, n_k, n_k, n_q)
+    )
+
+    def run(seed=5, packed=False):
+        leaves = []
+        for t in (q, k, v):
+            x = t.transpose(1, 2).contiguous().transpose(1, 2) if packed else t.clone()
+            leaves.append(x.requires_grad_())
+        torch.manual_seed(seed)
+        out = trisparse.block_sparse_attention(*leaves, mask, dropout_p=p)
+        return [t.double() for t in (out.detach(), *torch.autograd.grad(out, leaves, dout))]
+
+    torch.manual_seed(5)
+    state = trisparse._tensors.new_dropout_state(p, torch.device("cpu"))
+    want = block_dropout_reference(q, k, v, dout, blocks, g, causal, state, p)
+    got = run()
+    tol = 1e-12 if dtype == torch.float64 else 3e-5
+    for i, (a, w) in enumerate(zip(got, want, strict=True)):
+        assert relerr(a, w) <= tol, i
+    assert all(torch.equal(a, c) for a, c in zip(got, run(), strict=True))
+    for i, (a, c) in enumerate(zip(got, run(packed=True), strict=True)):
+        assert relerr(a, c) <= tol, i
+    assert not torch.equal(got[0], run(seed=6)[0])

@@ -8,11 +8,16 @@ import copy
 import itertools
 import math
 
-import numpy as np
 import pytest
 import torch
 import trisparse
-from conftest import load_shared_graph, random_edge_index, shared_graph_names
+from conftest import (
+    block_dropout_reference,
+    load_shared_graph,
+    philox_factors,
+    random_edge_index,
+    shared_graph_names,
+)
 
 pyg_nn = pytest.importorskip("torch_geometric.nn")
 import trisparse.nn
@@ -765,33 +770,6 @@ def test_segment_attention_matches_float64(dim, dtype):
     assert all(torch.equal(a, b) for a, b in zip(got, run(torch.int32)))
 
 
-def _philox_factors(rows_i, rows_j, heads, state, p: float):
-    """Attention dropout's factors [pairs, len(heads)] (float64) for query rows rows_i and key
-    rows rows_j of the head ids `heads` (sequence * H + head), as trisparse/core/dropout.hpp
-    draws them from state = {seed, offset}: Philox4x32-10 counted by (i / 2, j / 2, head,
-    offset), word (i % 2) * 2 + j % 2."""
-    mask = np.uint64(0xFFFFFFFF)
-    seed, offset = (int(x) % 2**64 for x in state.tolist())
-    i, j = np.asarray(rows_i, np.int64), np.asarray(rows_j, np.int64)
-    pick = (i & 1) * 2 + (j & 1)
-    t = p * 2.0**32
-    below = 4294967295 if t >= 4294967295 else int(t + 0.5)
-    out = []
-    for h in heads:
-        c = [(i >> 1).astype(np.uint64), (j >> 1).astype(np.uint64)]
-        c += [np.full_like(c[0], h), np.full_like(c[0], offset & 0xFFFFFFFF)]
-        k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
-        for _ in range(10):
-            p0, p1 = np.uint64(0xD2511F53) * c[0], np.uint64(0xCD9E8D57) * c[2]
-            c = [(p1 >> np.uint64(32)) ^ c[1] ^ k0, p1 & mask, (p0 >> np.uint64(32)) ^ c[3] ^ k1]
-            c.append(p0 & mask)
-            k0 = (k0 + np.uint64(0x9E3779B9)) & mask
-            k1 = (k1 + np.uint64(0xBB67AE85)) & mask
-        words = np.stack(c)[pick, np.arange(i.size)]
-        out.append(np.where(words < below, 0.0, 1.0 / (1.0 - p)))
-    return torch.from_numpy(np.stack(out, 1))
-
-
 @pytest.mark.parametrize("dim", [16, 64, 128])
 def test_segment_attention_dropout_matches_float64(dim):
     """Attention dropout inside the segment kernels: forward and gradients equal float64 dense
@@ -820,7 +798,7 @@ def test_segment_attention_dropout_matches_float64(dim):
     outs, kept = [], []
     for a, b in itertools.pairwise(ptr):
         ii, jj = torch.meshgrid(torch.arange(a, b), torch.arange(a, b), indexing="ij")
-        m = _philox_factors(ii.flatten(), jj.flatten(), range(heads), state.cpu(), p)
+        m = philox_factors(ii.flatten(), jj.flatten(), range(heads), state.cpu(), p)
         m = m.T.reshape(heads, b - a, b - a)
         kept.append((m > 0).flatten())
         qs, ks, vs = (t[a:b].transpose(0, 1) for t in xs)
@@ -862,16 +840,8 @@ def test_block_sparse_dropout_matches_float64(g, causal):
 
     torch.cuda.manual_seed(11)
     state = trisparse._tensors.new_dropout_state(p, torch.device("cuda")).cpu()
-    xs = [t.bfloat16().double().requires_grad_() for t in (q, k, v)]
-    qi, kj = torch.arange(n_q)[:, None], torch.arange(n_k)[None, :]
-    allowed = blocks.repeat_interleave(g, 2).repeat_interleave(g, 3)[:, :, :n_q, :n_k]
-    if causal:
-        allowed = allowed & (kj <= qi + n_k - n_q)
-    ii, jj = (t.expand(n_q, n_k).flatten() for t in (qi, kj))
-    m = _philox_factors(ii, jj, range(b * h), state, p).T.reshape(b, h, n_q, n_k)
-    s = (xs[0] @ xs[1].transpose(-1, -2) / math.sqrt(d)).masked_fill(~allowed, float("-inf"))
-    out = (torch.softmax(s, -1).nan_to_num(0.0) * m) @ xs[2]
-    want = [out.detach(), *torch.autograd.grad(out, xs, dout.bfloat16().double())]
+    ins = [t.bfloat16().double() for t in (q, k, v, dout)]
+    want = block_dropout_reference(*ins, blocks, g, causal, state, p)
     got = run(False)
     for i, (a, w) in enumerate(zip(got, want, strict=True)):
         assert relerr(a, w) <= 3e-2, i

@@ -17,9 +17,10 @@ namespace trisparse {
 /// Attention dropout (attention_options::dropout): each softmax weight P_ij of head h is kept
 /// with probability 1 - p and then scaled by 1 / (1 - p), or set to 0; the normaliser (the
 /// log-sum-exp) is the undropped one, as torch's and PyG's dropout of the attention weights.
-/// `state` points to two uint64 on the device, {seed, offset}, read by the kernels at each call
-/// (so a generator state written on the device, or captured in a CUDA graph, serves): give the
-/// same state to backward() as to run(). p = 0 or state == nullptr: no dropout.
+/// `state` points to two uint64 {seed, offset} where the plan runs (device memory for CUDA plans,
+/// host memory for the CPU), read by the kernels at each call (so a generator state written on
+/// the device, or captured in a CUDA graph, serves): give the same state to backward() as to
+/// run(). p = 0: no dropout (p > 0 needs a state).
 struct attention_dropout {
   double p = 0;
   const std::uint64_t* state = nullptr;

@@ -16,7 +16,10 @@ namespace {
 // The engine in T: fp32, or float64 for float64 inputs.
 template <class T>
 void attend_blocks(const block_sparse_mask& mask, const tensor_view& q, const tensor_view& k,
-                   const tensor_view& v, const tensor_view& out, double scale) {
+                   const tensor_view& v, const tensor_view& out, double scale,
+                   const attention_dropout& dropout) {
+  const bool drops = dropout.p > 0;
+  const std::uint64_t seed = drops ? dropout.state[0] : 0, offset = drops ? dropout.state[1] : 0;
   const operand<T> qf = as_operand<T>(q), kf = as_operand<T>(k), vf = as_operand<T>(v);
   const std::int64_t heads = q.heads, dk = q.dim, dv = v.dim, g = mask.block;
   const T scale2 = static_cast<T>(scale) * std::numbers::log2e_v<T>;
@@ -47,9 +50,17 @@ void attend_blocks(const block_sparse_mask& mask, const tensor_view& q, const te
           const std::int64_t j0 = std::int64_t{blocks.col_idx[e]} * g;
           const std::int64_t j1 = std::min(j0 + g, last + 1);
           for (std::int64_t c0 = j0; c0 < j1; c0 += kChunk) {
-            attend_chunk(
-                qrow.data(), std::min(kChunk, j1 - c0), [&](std::int64_t j) { return k0 + c0 + j; },
-                kf, vf, h, dk, dv, st);
+            const std::int64_t n = std::min(kChunk, j1 - c0);
+            const auto key_row = [&](std::int64_t j) { return k0 + c0 + j; };
+            if (drops) {
+              attend_chunk(qrow.data(), n, key_row, kf, vf, h, dk, dv, st, no_bias{},
+                           [&](std::int64_t j) {
+                             return dropout_factor(dropout, seed, offset, i, c0 + j,
+                                                   static_cast<std::int32_t>(b * heads + h));
+                           });
+            } else {
+              attend_chunk(qrow.data(), n, key_row, kf, vf, h, dk, dv, st);
+            }
           }
         }
         store_row(st, out, q0 + i, h);
@@ -62,8 +73,9 @@ void attend_blocks(const block_sparse_mask& mask, const tensor_view& q, const te
 
 void block_sparse_attention_unchecked(const block_sparse_mask& mask, const tensor_view& q,
                                       const tensor_view& k, const tensor_view& v,
-                                      const tensor_view& out, double scale) {
-  in_type_of(q.type, [&]<class T>() { attend_blocks<T>(mask, q, k, v, out, scale); });
+                                      const tensor_view& out, double scale,
+                                      const attention_dropout& dropout) {
+  in_type_of(q.type, [&]<class T>() { attend_blocks<T>(mask, q, k, v, out, scale, dropout); });
 }
 
 }  // namespace trisparse::cpu

@@ -1,14 +1,17 @@
 #pragma once
+#include "trisparse/core/dropout.hpp"
 #include "trisparse/core/tensor.hpp"
 #include "trisparse/formats/block_sparse.hpp"
 
 namespace trisparse::cpu {
 /// Block-sparse attention, fp32 (float64 for float64 q), OpenMP over (query block, head), for a
 /// mask already checked and operands already checked against it (by a plan). Rows with no key
-/// left give zeros.
+/// left give zeros. With `dropout` (its state in host memory), the kernels' draws
+/// (trisparse/core/dropout.hpp: rows within the sequence, head b * H + h).
 void block_sparse_attention_unchecked(const block_sparse_mask& mask, const tensor_view& q,
                                       const tensor_view& k, const tensor_view& v,
-                                      const tensor_view& out, double scale);
+                                      const tensor_view& out, double scale,
+                                      const attention_dropout& dropout = {});
 
 /// Block importance (attention_options::block_mass, block_grad; either view may be empty), float64
 /// sums over the rows' recomputed softmax, OpenMP over (query block, head); operands and views

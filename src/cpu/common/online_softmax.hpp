@@ -82,13 +82,19 @@ struct no_bias {
   float operator()(std::int64_t) const { return 0.0f; }
 };
 
+/// Every key kept (attend_chunk's default: no dropout).
+struct keep_all {
+  float operator()(std::int64_t) const { return 1.0f; }
+};
+
 /// Attends qrow (already scaled by scale * log2 e) to n <= kChunk keys, key j at row key_row(j)
 /// of k and v (head h), its score plus key_bias(j) (in log2 units): one rescale of the state per
-/// chunk.
-template <class T, class KeyRow, class KeyBias = no_bias>
+/// chunk. key_keep(j): the factor on key j's weight in the output, not in the normaliser
+/// (attention dropout).
+template <class T, class KeyRow, class KeyBias = no_bias, class KeyKeep = keep_all>
 inline void attend_chunk(const T* qrow, std::int64_t n, KeyRow key_row, const operand<T>& kf,
                          const operand<T>& vf, std::int64_t h, std::int64_t dk, std::int64_t dv,
-                         row_state<T>& st, KeyBias key_bias = {}) {
+                         row_state<T>& st, KeyBias key_bias = {}, KeyKeep key_keep = {}) {
   T chunk_max = -std::numeric_limits<T>::infinity();
   for (std::int64_t j = 0; j < n; ++j) {
     // K ahead for this loop; V of this key for the accumulation loop below.
@@ -112,9 +118,10 @@ inline void attend_chunk(const T* qrow, std::int64_t n, KeyRow key_row, const op
   for (std::int64_t j = 0; j < n; ++j) {
     const T p = std::exp2(st.s[j] - st.m);
     st.l += p;
+    const T w = p * static_cast<T>(key_keep(j));
     const T* vp = vf.row(key_row(j), h);
 #pragma omp simd
-    for (std::int64_t d = 0; d < dv; ++d) st.acc[d] += p * vp[d];
+    for (std::int64_t d = 0; d < dv; ++d) st.acc[d] += w * vp[d];
   }
 }
 

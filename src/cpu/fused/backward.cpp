@@ -38,10 +38,20 @@ void backward_passes(const csr_graph& a, const csr_graph& at, const tensor_view&
                    of = as_operand<T>(out), gf = as_operand<T>(dout), lf = as_operand<T>(lse);
   const T scale = static_cast<T>(scale_in);
   const std::int64_t heads = q.heads, d_k = q.dim, d_v = v.dim;
+  // Attention dropout's factor m of pair (i, j), head h (1 without dropout).
+  const attention_dropout& drop = bias.dropout;
+  const bool drops = drop.p > 0;
+  const std::uint64_t seed = drops ? drop.state[0] : 0, offset = drops ? drop.state[1] : 0;
+  const auto keep = [&](std::int64_t i, std::int64_t j, std::int64_t h) {
+    return drops ? static_cast<T>(dropout_factor(drop, seed, offset, i, j,
+                                                 static_cast<std::int32_t>(bias.dropout_head0 + h)))
+                 : T{1};
+  };
   // D[i, h] = <dout_i, out_i> = sum_j P_ij dP_ij: the softmax's backward term of row i.
   std::vector<T> rowdot(static_cast<std::size_t>(a.rows * heads));
 
-  // Pass 1, rows of A: dS_ij = P_ij (dout_i . v_j - D_i), dq_i = scale sum_j dS_ij k_j.
+  // Pass 1, rows of A: dS_ij = P_ij (m_ij dout_i . v_j - D_i), dq_i = scale sum_j dS_ij k_j
+  // (m = 1 without dropout; with it, D_i = sum_j P_ij m_ij dout_i . v_j, formed first).
 #pragma omp parallel
   {
     std::vector<T> acc(static_cast<std::size_t>(d_k));
@@ -51,14 +61,23 @@ void backward_passes(const csr_graph& a, const csr_graph& at, const tensor_view&
         const T* qi = qf.row(i, h);
         const T* gi = gf.row(i, h);
         const T l = *lf.row(i, h);
-        const T di = dot(gi, of.row(i, h), d_v);
+        T di = 0;
+        if (drops) {
+          for (std::int64_t e = a.row_ptr[i]; e < a.row_ptr[i + 1]; ++e) {
+            const std::int64_t j = a.col_idx[e];
+            const T p = std::exp(scale * dot(qi, kf.row(j, h), d_k) + bias_of(e, h) - l);
+            di += p * keep(i, j, h) * dot(gi, vf.row(j, h), d_v);
+          }
+        } else {
+          di = dot(gi, of.row(i, h), d_v);
+        }
         rowdot[static_cast<std::size_t>(i * heads + h)] = di;
         std::fill(acc.begin(), acc.end(), T{0});
         for (std::int64_t e = a.row_ptr[i]; e < a.row_ptr[i + 1]; ++e) {
           const std::int64_t j = a.col_idx[e];
           const T* kj = kf.row(j, h);
           const T p = std::exp(scale * dot(qi, kj, d_k) + bias_of(e, h) - l);
-          const T ds = p * (dot(gi, vf.row(j, h), d_v) - di);
+          const T ds = p * (keep(i, j, h) * dot(gi, vf.row(j, h), d_v) - di);
           if (bias.dbias.data != nullptr) store_value(bias.dbias, e, h, 0, ds);
 #pragma omp simd
           for (std::int64_t d = 0; d < d_k; ++d) acc[d] += ds * kj[d];
@@ -86,11 +105,12 @@ void backward_passes(const csr_graph& a, const csr_graph& at, const tensor_view&
           const T b =
               biased ? bias_of(bias.transposed_entry[static_cast<std::size_t>(e)], h) : T{0};
           const T p = std::exp(scale * dot(qi, kj, d_k) + b - *lf.row(i, h));
-          const T ds = p * (dot(gi, vj, d_v) - rowdot[static_cast<std::size_t>(i * heads + h)]);
+          const T m = keep(i, j, h), pm = p * m;
+          const T ds = p * (m * dot(gi, vj, d_v) - rowdot[static_cast<std::size_t>(i * heads + h)]);
 #pragma omp simd
           for (std::int64_t d = 0; d < d_k; ++d) acc_k[d] += ds * qi[d];
 #pragma omp simd
-          for (std::int64_t d = 0; d < d_v; ++d) acc_v[d] += p * gi[d];
+          for (std::int64_t d = 0; d < d_v; ++d) acc_v[d] += pm * gi[d];
         }
         for (std::int64_t d = 0; d < d_k; ++d) store_value(dk, j, h, d, scale * acc_k[d]);
         for (std::int64_t d = 0; d < d_v; ++d) store_value(dv, j, h, d, acc_v[d]);
@@ -126,6 +146,7 @@ void fused_attention_backward_unchecked(const csr_graph& a, const csr_graph& at,
   }
   if (bias.dbias.data != nullptr)
     detail::check_bias(bias.dbias, "dbias", a.nnz(), q.heads, device_kind::cpu, true);
+  detail::check_dropout(bias.dropout);
   in_type_of(q.type, [&]<class T>() {
     backward_passes<T>(a, at, q, k, v, out, lse, dout, dq, dk, dv, scale, bias);
   });

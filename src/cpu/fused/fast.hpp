@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <span>
 
+#include "trisparse/core/dropout.hpp"
 #include "trisparse/core/tensor.hpp"
 #include "trisparse/graph/csr.hpp"
 
@@ -22,6 +23,11 @@ void fused_attention_unchecked(const csr_graph& a, const tensor_view& q, const t
 struct backward_bias {
   tensor_view bias{}, dbias{};
   std::span<const std::int64_t> transposed_entry{};
+  /// Attention dropout (its state in host memory): the draws of pair (i, j) of head
+  /// dropout_head0 + h (trisparse/core/dropout.hpp; rows as the pattern's). The forward's out is
+  /// not read then: the backward forms <dout, dropped out> itself.
+  attention_dropout dropout{};
+  std::int64_t dropout_head0 = 0;
 };
 
 /// Gradients of out = fused_attention(a, q, k, v) given dout, from the forward's out and lse
