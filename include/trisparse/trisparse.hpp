@@ -1,5 +1,6 @@
 #pragma once
 /// @file Everything public in one include.
+#include "trisparse/core/dropout.hpp"
 #include "trisparse/core/dtype.hpp"
 #include "trisparse/core/error.hpp"
 #include "trisparse/core/numeric.hpp"

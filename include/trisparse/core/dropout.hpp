@@ -60,9 +60,10 @@ TRISPARSE_HOST_DEVICE words draw(std::uint32_t c0, std::uint32_t c1, std::uint32
   return {{c0, c1, c2, c3}};
 }
 
-/// The draws of the 2 x 2 (query, key) group holding query row i and key row j of head h: word
-/// (i & 1) * 2 + (j & 1) is pair (i, j)'s. Rows are the sequence's own (attention within
-/// segments: the packed rows, one sequence), h = sequence * heads + head.
+/// The draws of the 2 x 2 (query, key) group holding query row i and key row j of head h (the
+/// offset's low 32 bits count the fourth word): word (i & 1) * 2 + (j & 1) is pair (i, j)'s. Rows
+/// are the sequence's own (attention within segments: the packed rows, one sequence), h = sequence
+/// * heads + head.
 TRISPARSE_HOST_DEVICE words group(std::int64_t i, std::int64_t j, std::int32_t h,
                                   std::uint64_t seed, std::uint64_t offset) {
   return draw(static_cast<std::uint32_t>(i >> 1), static_cast<std::uint32_t>(j >> 1),
@@ -87,3 +88,5 @@ inline double dropout_factor(const attention_dropout& d, std::uint64_t seed, std
 }
 
 }  // namespace trisparse
+
+#undef TRISPARSE_HOST_DEVICE
