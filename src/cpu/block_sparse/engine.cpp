@@ -40,6 +40,7 @@ void attend_blocks(const block_sparse_mask& mask, const tensor_view& q, const te
       const std::int64_t lq = mask.len_q(b);
       const std::int64_t q0 = mask.cu_seqlens_q[b], k0 = mask.cu_seqlens_k[b];
       const csr_graph& blocks = mask.at(b, h).blocks;
+      const auto draw_head = static_cast<std::int32_t>(b * heads + h);  // dropout's head
       for (std::int64_t i = r * g; i < std::min(lq, (r + 1) * g); ++i) {
         const T* qp = qf.row(q0 + i, h);
         for (std::int64_t d = 0; d < dk; ++d) qrow[d] = qp[d] * scale2;
@@ -55,8 +56,7 @@ void attend_blocks(const block_sparse_mask& mask, const tensor_view& q, const te
             if (drops) {
               attend_chunk(qrow.data(), n, key_row, kf, vf, h, dk, dv, st, no_bias{},
                            [&](std::int64_t j) {
-                             return dropout_factor(dropout, seed, offset, i, c0 + j,
-                                                   static_cast<std::int32_t>(b * heads + h));
+                             return dropout_factor(dropout, seed, offset, i, c0 + j, draw_head);
                            });
             } else {
               attend_chunk(qrow.data(), n, key_row, kf, vf, h, dk, dv, st);
