@@ -45,6 +45,28 @@ if [ "${GTEST:-*}" != none ]; then
   fi
   echo "gpu tests: $((SECONDS - start)) s"
 fi
+# SANITIZE=1: compute-sanitizer memcheck and racecheck side by side over the generic test's ops
+# named in SANITIZE_OPS (TRISPARSE_OPS), and memcheck over the CUDA pytest tests matching
+# SANITIZE_K; each under SANITIZE_SECONDS.
+if [ "${SANITIZE:-0}" = 1 ]; then
+  mkdir -p /tmp/packed && tar -xJf .devpack/gpu_tests.tar.xz -C /tmp/packed
+  for tool in memcheck racecheck; do
+    TRISPARSE_OPS=${SANITIZE_OPS:-block_sparse_dropout,segment,topk} timeout "${SANITIZE_SECONDS:-300}" \
+      compute-sanitizer --tool $tool --error-exitcode 9 /tmp/packed/op_gpu_tests \
+      > "$out/${tool}_ops.log" 2>&1 &
+  done
+  if [ -n "${SANITIZE_K:-}" ]; then
+    timeout "${SANITIZE_SECONDS:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 \
+      env PYTHONPATH=build/device/python python3 -m pytest -q -p no:cacheprovider \
+      tests/python/test_cuda.py -k "$SANITIZE_K" > "$out/memcheck_pytest.log" 2>&1 &
+  fi
+  wait
+  for f in "$out"/*check_*.log; do
+    echo "$(basename "$f"): $(grep -E 'cases on|ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' "$f" | tr '\n' ' ')"
+    grep -q -E "ERROR SUMMARY: [1-9]|RACECHECK SUMMARY: [1-9]|FAILED" "$f" && status=1
+  done
+  echo "sanitize: $((SECONDS - start)) s"
+fi
 if [ "${PYTEST_K:-}" != none ]; then
   # Tests poison every workspace (_tensors.workspace); benchmarks below do not pay that fill.
   TRISPARSE_POISON_WORKSPACE=1 PYTHONPATH=build/device/python python3 -m pytest -q -p no:cacheprovider ${PYTEST_FILES:-tests/python/test_cuda.py} \

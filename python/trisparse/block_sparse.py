@@ -72,8 +72,7 @@ def block_sparse_attention(
     by 1 / (1 - p). The kernels draw it themselves from a counter-based generator (Philox4x32-10
     per sequence, head, query and key: the same draws in either layout, on the CPU and on CUDA)
     seeded from torch's generator of q's device, and regenerate it in the backward: nothing
-    [rows, keys] is stored, the gradients stay bitwise repeatable. On sm_90 it runs the mma.sync
-    kernels (the wgmma ones draw none yet)."""
+    [rows, keys] is stored, the gradients stay bitwise repeatable."""
     if not isinstance(mask, BlockMask):
         if hasattr(mask, "kv_num_blocks") and hasattr(mask, "BLOCK_SIZE"):
             # Converted once and kept on the FlexAttention mask: the ops refer to it by id, so it

@@ -95,8 +95,8 @@ struct attention_options {
   /// divided by the rows): how much the loss moves with the block's scores.
   tensor_view block_grad{};
   /// Attention dropout drawn in the kernels (trisparse/core/dropout.hpp): run() and backward() of
-  /// segment_attention_plan, of CUDA block-sparse (algorithm::block) and top-k plans, whose
-  /// dropout runs the mma.sync kernels, and of CPU block-sparse plans (the CPU engine, the same
+  /// segment_attention_plan, of CUDA block-sparse (algorithm::block; every kernel: mma.sync and
+  /// sm_90's wgmma) and top-k plans, and of CPU block-sparse plans (the CPU engine, the same
   /// draws; the state in host memory there); the other plans throw not_supported for p > 0.
   attention_dropout dropout{};
 };

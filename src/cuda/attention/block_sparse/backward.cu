@@ -159,10 +159,9 @@ void run_block_sparse_backward(const block_sparse_device_plan& plan, const tenso
   with_half_type(q.type, "block-sparse backward's q", [&]<class T>() {
     block_sparse::launch_backward_terms<T>(p, out.type, static_cast<int>(v.dim), terms, s);
 #if TRISPARSE_HAVE_SM90A
-    if (plan.wgmma && plan.backward_tile_rows == 64 && block_sparse::wgmma_backward_takes(q.dim) &&
-        dropout.p == 0) {
+    if (plan.wgmma && plan.backward_tile_rows == 64 && block_sparse::wgmma_backward_takes(q.dim)) {
       return block_sparse::launch_wgmma_backward(q.type, q.dim, p, plan.num_backward_tiles,
-                                                 plan.num_key_tiles, s);
+                                                 plan.num_key_tiles, dropout, s);
     }
 #endif
     with_head_dim<64, 128>(q.dim, "the CUDA block-sparse backward's head_dim", [&]<int D>() {

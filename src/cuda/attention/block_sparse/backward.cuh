@@ -144,6 +144,48 @@ __device__ __forceinline__ void store_gradient(void* base, std::int64_t row_stri
   }
 }
 
+/// The backward's elementwise step, shared by the mma.sync and wgmma kernels (both hold S and T in
+/// the m16n8 accumulator layout: the thread's stationary rows r_lo and r_lo + 8, streamed rows
+/// y + 8 n + 2 tq + {0, 1}): from S = X1 Y1ᵀ and T = dP (or dPᵀ), P = 2^(c S - lse2) into s and
+/// dS = P (m dP - dterm) into t, masked pairs exact zeros. With DROPOUT, m the forward's factors
+/// (regenerated) and, for dk/dv (KV), s = m P (dV's operand). The terms: dq's row_lse/row_dterm
+/// per stationary row; dk/dv's from `terms` (the stage's BN lse2 values, then BN dterm values).
+template <int BN, bool KV, bool DROPOUT, class Walk, class Draws>
+__device__ __forceinline__ void probabilities_and_ds(float (&s)[BN / 8][4], float (&t)[BN / 8][4],
+                                                     const Walk& w, const Draws& drops, int y,
+                                                     int r_lo, const float* terms,
+                                                     const float (&row_lse)[2],
+                                                     const float (&row_dterm)[2], float c) {
+  const int tq = static_cast<int>(threadIdx.x) % 4;
+  const bool masked = w.masks(y);
+#pragma unroll
+  for (int n = 0; n < BN / 8; ++n) {
+    float keep[2][2] = {{1.f, 1.f}, {1.f, 1.f}};  // [stationary row slot][streamed row]
+    if constexpr (DROPOUT) {
+      const int first = y + n * 8 + 2 * tq;  // the thread's first streamed row
+      if constexpr (KV)
+        drops.keys_by_queries(first, r_lo, head_of(w), keep);
+      else
+        drops.rows_by_keys(r_lo, first, head_of(w), keep);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int col = n * 8 + 2 * tq + (e & 1), r = e >> 1;
+      const float lse = KV ? terms[col] : row_lse[r];
+      const float dterm = KV ? terms[BN + col] : row_dterm[r];
+      float pv = exp2_approx(fmaf(s[n][e], c, -lse));
+      if (masked) {
+        const int i = KV ? y + col : r_lo + 8 * r;  // query
+        const int j = KV ? r_lo + 8 * r : y + col;  // key
+        if (w.hides(i, j, r)) pv = 0.f;
+      }
+      const float m = keep[r][e & 1];  // constant 1 without dropout
+      t[n][e] = pv * (m * t[n][e] - dterm);
+      s[n][e] = pv * m;
+    }
+  }
+}
+
 /// Walk: void for the block mask's (tile_walk for dq, key_walk for dk/dv), or another walk with
 /// their interface (tile.cuh) for both. DROPOUT: the forward's dropout factors m regenerated:
 /// dS = P (m dP - dterm) (dterm = <dO, O> of the dropped output), dV += (m P)ᵀ dO.
@@ -214,7 +256,6 @@ __global__ void __launch_bounds__(BM / 16 * 32)
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) acc[a][n][0] = acc[a][n][1] = acc[a][n][2] = acc[a][n][3] = 0.f;
   const int r_lo = w.row0 + warp * 16 + lane / 4;  // the thread's first stationary row
-  const int tq = lane % 4;
   // dq: the terms of the thread's query rows r_lo and r_lo + 8.
   float row_lse[2] = {0.f, 0.f}, row_dterm[2] = {0.f, 0.f};
   if constexpr (!KV) {
@@ -227,12 +268,7 @@ __global__ void __launch_bounds__(BM / 16 * 32)
     }
   }
   const float c = p.negate_scores ? -p.scale_log2 : p.scale_log2;
-  [[maybe_unused]] const auto drops = [&] {
-    if constexpr (DROPOUT)
-      return dropout_draws(p);
-    else
-      return 0;
-  }();
+  [[maybe_unused]] const auto drops = draws_if<DROPOUT>(p);
 
   for (int it = 0; y_cur >= 0; ++it) {
     const int stage = it & 1;
@@ -270,42 +306,8 @@ __global__ void __launch_bounds__(BM / 16 * 32)
       }
     }
 
-    // P (in s; with dropout, dk/dv: m P) and dS = P (m dP - dterm) (in t); masked pairs give
-    // exact zeros.
-    const bool masked = w.masks(y_cur);
-#pragma unroll
-    for (int n = 0; n < BN / 8; ++n) {
-      float keep[2][2] = {{1.f, 1.f}, {1.f, 1.f}};  // [stationary row slot][streamed row]
-      if constexpr (DROPOUT) {
-        const int first = y_cur + n * 8 + 2 * tq;  // the thread's first streamed row
-        if constexpr (KV)
-          drops.keys_by_queries(first, r_lo, head_of(w), keep);
-        else
-          drops.rows_by_keys(r_lo, first, head_of(w), keep);
-      }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-#pragma unroll
-        for (int e = 2 * r; e < 2 * r + 2; ++e) {
-          const int col = n * 8 + 2 * tq + (e & 1);
-          const float lse = KV ? terms[stage * 2 * BN + col] : row_lse[r];
-          const float dterm = KV ? terms[stage * 2 * BN + BN + col] : row_dterm[r];
-          float pv = exp2_approx(fmaf(s[n][e], c, -lse));
-          if (masked) {
-            const int i = KV ? y_cur + col : r_lo + 8 * r;  // query
-            const int j = KV ? r_lo + 8 * r : y_cur + col;  // key
-            if (w.hides(i, j, r)) pv = 0.f;
-          }
-          if constexpr (DROPOUT) {
-            t[n][e] = pv * (keep[r][e & 1] * t[n][e] - dterm);
-            s[n][e] = pv * keep[r][e & 1];
-          } else {
-            s[n][e] = pv;
-            t[n][e] = pv * (t[n][e] - dterm);
-          }
-        }
-      }
-    }
+    probabilities_and_ds<BN, KV, DROPOUT>(s, t, w, drops, y_cur, r_lo, terms + stage * 2 * BN,
+                                          row_lse, row_dterm, c);
     if constexpr (KV) {
       if (p.imp_partial != nullptr) {  // the walk is the block's: uniform
         imp.add(s, t);

@@ -56,8 +56,9 @@ __device__ __forceinline__ void issue_accumulate(float (&acc)[D / 8][4],
   }
 }
 
-/// dq (KV = false: a block per query tile) or dk and dv (KV: a block per key tile).
-template <class T, int D, bool KV>
+/// dq (KV = false: a block per query tile) or dk and dv (KV: a block per key tile); DROPOUT: the
+/// forward's dropout factors regenerated (backward_kernel's terms).
+template <class T, int D, bool KV, bool DROPOUT = false>
 __global__ void __launch_bounds__(128, 2)
     backward_wgmma_kernel(const __grid_constant__ backward_params p) {
   static_assert(D % 64 == 0);
@@ -121,7 +122,6 @@ __global__ void __launch_bounds__(128, 2)
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) acc[a][n][0] = acc[a][n][1] = acc[a][n][2] = acc[a][n][3] = 0.f;
   const int r_lo = w.row0 + warp * 16 + lane / 4;  // the thread's first stationary row
-  const int tq = lane % 4;
   float row_lse[2] = {0.f, 0.f}, row_dterm[2] = {0.f, 0.f};
   if constexpr (!KV) {
 #pragma unroll
@@ -133,6 +133,7 @@ __global__ void __launch_bounds__(128, 2)
     }
   }
   const float c = p.negate_scores ? -p.scale_log2 : p.scale_log2;
+  [[maybe_unused]] const auto drops = draws_if<DROPOUT>(p);
 
   for (int it = 0; y_cur >= 0; ++it) {
     const int stage = it & 1;
@@ -154,25 +155,8 @@ __global__ void __launch_bounds__(128, 2)
     arch::fence_operands(flat(s));
     arch::fence_operands(flat(t));
 
-    // P (in s) and dS = P (dP - dterm) (in t); masked pairs give exact zeros.
-    const bool masked = w.masks(y_cur);
-#pragma unroll
-    for (int n = 0; n < BN / 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = n * 8 + 2 * tq + (e & 1), r = e >> 1;
-        const float lse = KV ? terms[stage * 2 * BN + col] : row_lse[r];
-        const float dterm = KV ? terms[stage * 2 * BN + BN + col] : row_dterm[r];
-        float pv = exp2_approx(fmaf(s[n][e], c, -lse));
-        if (masked) {
-          const int i = KV ? y_cur + col : r_lo + 8 * r;  // query
-          const int j = KV ? r_lo + 8 * r : y_cur + col;  // key
-          if (w.hides(i, j, r)) pv = 0.f;
-        }
-        s[n][e] = pv;
-        t[n][e] = pv * (t[n][e] - dterm);
-      }
-    }
+    probabilities_and_ds<BN, KV, DROPOUT>(s, t, w, drops, y_cur, r_lo, terms + stage * 2 * BN,
+                                          row_lse, row_dterm, c);
     if constexpr (KV) {
       if (p.imp_partial != nullptr) imp.add(s, t);
     }

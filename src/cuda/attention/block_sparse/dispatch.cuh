@@ -79,14 +79,16 @@ void launch_kernel(int threads, int shared_bytes, const P& p, std::int32_t tiles
 
 /// The wgmma kernels (sm_90 only; launch_sm90.cu, built when the architectures include 90): one
 /// warpgroup on 64-row tiles, or with `pingpong` two on 128-row tiles; k and v hold k_rows and
-/// v_rows rows (their TMA descriptors' extents).
+/// v_rows rows (their TMA descriptors' extents); p's dropout fields set where dropout.p > 0.
 void launch_wgmma(const kernel_key& key, const params& p, std::int64_t k_rows, std::int64_t v_rows,
-                  bool pingpong, std::int32_t tiles, cudaStream_t s);
+                  bool pingpong, std::int32_t tiles, const attention_dropout& dropout,
+                  cudaStream_t s);
 
 /// The wgmma backward (sm_90 only, launch_sm90.cu): dq over the query tiles, then dk and dv over
 /// the key tiles, 64 rows a tile (the plan's backward tile), D = 64; the terms already written.
 void launch_wgmma_backward(dtype in, std::int64_t dim, const backward_params& p,
-                           std::int32_t query_tiles, std::int32_t key_tiles, cudaStream_t s);
+                           std::int32_t query_tiles, std::int32_t key_tiles,
+                           const attention_dropout& dropout, cudaStream_t s);
 
 /// The head dims the wgmma backward takes.
 inline bool wgmma_backward_takes(std::int64_t dim) { return dim == 64; }

@@ -65,12 +65,7 @@ __global__ void __launch_bounds__(threads<BM>(), (min_blocks<D, BM>()))
   // Running max (log2 units) and this thread's partial sum of its rows i_lo and i_lo + 8.
   float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
   const int i_lo = w.row0 + warp * 16 + lane / 4;
-  [[maybe_unused]] const auto drops = [&] {
-    if constexpr (DROPOUT)
-      return dropout_draws(p);
-    else
-      return 0;
-  }();
+  [[maybe_unused]] const auto drops = draws_if<DROPOUT>(p);
 
   for (int it = 0; j_cur >= 0; ++it) {
     const int stage = static_cast<int>(it & 1);

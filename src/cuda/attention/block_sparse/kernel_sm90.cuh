@@ -132,8 +132,9 @@ __device__ __forceinline__ void tma_load_kv_tile(std::uint32_t k_dst, std::uint3
   }
 }
 
-/// BN keys per step (launched with 64; 128 needs blocks that are multiples of 128).
-template <class T, int D, class O, int BN>
+/// BN keys per step (launched with 64; 128 needs blocks that are multiples of 128). DROPOUT: P
+/// times params' dropout factors on the way to O (block_sparse_kernel's).
+template <class T, int D, class O, int BN, bool DROPOUT = false>
 __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
     block_sparse_wgmma_kernel(const __grid_constant__ params p,
                               const __grid_constant__ tma_maps maps) {
@@ -192,6 +193,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
   for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
   float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
   const int i_lo = w.row0 + warp * 16 + lane / 4;
+  [[maybe_unused]] const auto drops = draws_if<DROPOUT>(p);
 
   // Q's A operand from shared memory where that lets a fourth block fit an SM (D = 64 with 64-key
   // steps: 128 registers; +6-11% there), else from registers, loaded once by ldmatrix (1-4% faster
@@ -240,6 +242,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
   arch::wgmma_wait<0>();
   arch::fence_operands(flat(s));
   softmax_step<BN>(s, m, l, alpha, w, j_cur, i_lo);
+  if constexpr (DROPOUT) drop<BN>(s, drops, w, j_cur, i_lo);
 
   std::uint32_t pa[BN / 16][4];
   const auto issue_pv = [&](int t) { issue_values<T, D, BN>(o, pa, v_tile(t)); };
@@ -264,6 +267,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
     arch::wgmma_wait<1>();  // S_{it+1}; P_it V_it may still run
     arch::fence_operands(flat(s));
     softmax_step<BN>(s, m, l, alpha, w, j_next, i_lo);
+    if constexpr (DROPOUT) drop<BN>(s, drops, w, j_next, i_lo);
     arch::wgmma_wait<0>();
     arch::fence_operands(flat(o));
     rescale<D>(o, alpha);
@@ -301,7 +305,7 @@ __host__ __device__ constexpr int shared_bytes() {
 }
 }  // namespace pingpong
 
-template <class T, int D, class O, int BN>
+template <class T, int D, class O, int BN, bool DROPOUT = false>
 __global__ void __launch_bounds__(pingpong::kBlockThreads, 1)
     block_sparse_pingpong_kernel(const __grid_constant__ params p,
                                  const __grid_constant__ tma_maps maps) {
@@ -371,6 +375,7 @@ __global__ void __launch_bounds__(pingpong::kBlockThreads, 1)
   arch::set_max_registers<false, pingpong::kConsumerRegisters>();
   const int group = warp / 4;
   const int i_lo = w.row0 + warp * 16 + lane / 4;
+  [[maybe_unused]] const auto drops = draws_if<DROPOUT>(p);
   // Tile t's key, once its stage is full: read by lane 0 alone (a volatile read, so that it is not
   // made unconditional), whose arrival on the stage's `empty` barrier (release_tile) then orders
   // the read before the producer's next write there.
@@ -420,6 +425,7 @@ __global__ void __launch_bounds__(pingpong::kBlockThreads, 1)
   arch::wgmma_wait<0>();
   arch::fence_operands(flat(s));
   softmax_step<BN>(s, m, l, alpha, w, j_cur, i_lo);
+  if constexpr (DROPOUT) drop<BN>(s, drops, w, j_cur, i_lo);
 
   std::uint32_t pa[BN / 16][4];
   int it = 0;
@@ -436,6 +442,7 @@ __global__ void __launch_bounds__(pingpong::kBlockThreads, 1)
     arch::wgmma_wait<1>();  // S_{it+1}; P_it V_it may still run
     arch::fence_operands(flat(s));
     softmax_step<BN>(s, m, l, alpha, w, j_next, i_lo);
+    if constexpr (DROPOUT) drop<BN>(s, drops, w, j_next, i_lo);
     arch::wgmma_wait<0>();
     arch::fence_operands(flat(o));
     release_tile(it);

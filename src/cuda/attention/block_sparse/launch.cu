@@ -394,24 +394,11 @@ void run_block_sparse(const block_sparse_device_plan& plan, const tensor_view& q
   block_sparse::params p = run_params(plan, q, k, v, out, lse, scale);
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const block_sparse::kernel_key key{q.type, out.type, q.dim};
-  if (dropout.p > 0) {
-    // Dropout runs the mma.sync kernel (the wgmma kernels draw none yet), over tiles of its rows:
-    // the plan's own where they have them, else the backward's query tiles.
-    block_sparse::set_dropout(p, dropout);
-    const std::int64_t bm = tile_rows_for(plan.block);
-    if (plan.tile_rows != bm) {
-      TRISPARSE_EXPECTS_INPUT(plan.gradients,
-                              "block-sparse attention with dropout on this plan's kernel (" +
-                                  std::string(kernel_name(plan)) +
-                                  ") needs a plan built with gradients");
-      p.tiles = plan.backward_tiles.data();
-      p.num_tiles = plan.num_backward_tiles;
-    }
-    return launch_mma(bm, key, p, p.num_tiles, dropout, s);
-  }
+  block_sparse::set_dropout(p, dropout);
 #if TRISPARSE_HAVE_SM90A
   if (plan.wgmma)
-    return block_sparse::launch_wgmma(key, p, k.rows, v.rows, plan.pingpong, plan.num_tiles, s);
+    return block_sparse::launch_wgmma(key, p, k.rows, v.rows, plan.pingpong, plan.num_tiles,
+                                      dropout, s);
 #endif
   launch_mma(plan.tile_rows, key, p, plan.num_tiles, dropout, s);
 }

@@ -47,7 +47,8 @@ bool encode_kv(CUtensorMap& map, const void* data, std::int64_t rows, std::int64
 }  // namespace
 
 void launch_wgmma(const kernel_key& key, const params& p, std::int64_t k_rows, std::int64_t v_rows,
-                  bool pingpong, std::int32_t tiles, cudaStream_t s) {
+                  bool pingpong, std::int32_t tiles, const attention_dropout& dropout,
+                  cudaStream_t s) {
   // 128-key steps in the two-warpgroup kernel at D = 64, where the blocks allow them (at D = 128
   // its stages would overflow shared memory). The one-warpgroup kernel takes 64-key steps: at
   // D = 64 they fit four blocks an SM (Q read from shared memory), which measured 2-12% faster at
@@ -57,27 +58,33 @@ void launch_wgmma(const kernel_key& key, const params& p, std::int64_t k_rows, s
   maps.use = encode_kv(maps.k, p.k, k_rows, p.heads, key.dim, p.k_row, p.k_head, keys) &&
              encode_kv(maps.v, p.v, v_rows, p.heads, key.dim, p.v_row, p.v_head, keys);
   dispatch(key, [&]<class T, int D, class O>() {
-    const auto two_groups = [&]<int BN>() {
-      launch_kernel<sm90::block_sparse_pingpong_kernel<T, D, O, BN>>(
-          sm90::pingpong::kBlockThreads, sm90::pingpong::shared_bytes<D, BN>(), p, tiles, s, maps);
-    };
-    if constexpr (D == 64) {
-      if (keys == 128) return two_groups.template operator()<128>();
-    }
-    if (pingpong) return two_groups.template operator()<64>();
-    launch_kernel<sm90::block_sparse_wgmma_kernel<T, D, O, 64>>(
-        sm90::kThreads, sm90::shared_bytes<D, 64>(), p, tiles, s, maps);
+    with_dropout(dropout, [&]<bool DROPOUT>() {
+      const auto two_groups = [&]<int BN>() {
+        launch_kernel<sm90::block_sparse_pingpong_kernel<T, D, O, BN, DROPOUT>>(
+            sm90::pingpong::kBlockThreads, sm90::pingpong::shared_bytes<D, BN>(), p, tiles, s,
+            maps);
+      };
+      if constexpr (D == 64) {
+        if (keys == 128) return two_groups.template operator()<128>();
+      }
+      if (pingpong) return two_groups.template operator()<64>();
+      launch_kernel<sm90::block_sparse_wgmma_kernel<T, D, O, 64, DROPOUT>>(
+          sm90::kThreads, sm90::shared_bytes<D, 64>(), p, tiles, s, maps);
+    });
   });
 }
 
 void launch_wgmma_backward(dtype in, std::int64_t dim, const backward_params& p,
-                           std::int32_t query_tiles, std::int32_t key_tiles, cudaStream_t s) {
+                           std::int32_t query_tiles, std::int32_t key_tiles,
+                           const attention_dropout& dropout, cudaStream_t s) {
   with_half_type(in, "block-sparse backward's q", [&]<class T>() {
     with_head_dim<64>(dim, "the wgmma block-sparse backward's head_dim", [&]<int D>() {
-      launch_kernel<sm90::backward_wgmma_kernel<T, D, false>>(
-          128, sm90::backward_shared_bytes<D, false>(), p, query_tiles, s);
-      launch_kernel<sm90::backward_wgmma_kernel<T, D, true>>(
-          128, sm90::backward_shared_bytes<D, true>(), p, key_tiles, s);
+      with_dropout(dropout, [&]<bool DROPOUT>() {
+        launch_kernel<sm90::backward_wgmma_kernel<T, D, false, DROPOUT>>(
+            128, sm90::backward_shared_bytes<D, false>(), p, query_tiles, s);
+        launch_kernel<sm90::backward_wgmma_kernel<T, D, true, DROPOUT>>(
+            128, sm90::backward_shared_bytes<D, true>(), p, key_tiles, s);
+      });
     });
   });
 }

@@ -232,14 +232,8 @@ struct dropout_draws {
     const int base = i & ~1;  // groups: queries {base, base + 1} and {base + 8, base + 9}
     const philox::words w = philox::group(even ? base : base + 8, j, h, seed, offset);
     // Word (query & 1) * 2 + (key & 1): the even lane keeps row base's, the odd row base + 9's.
-    const std::uint32_t mine0 = even ? w.x[0] : w.x[2], mine1 = even ? w.x[1] : w.x[3];
-    const std::uint32_t got0 = __shfl_xor_sync(0xffffffffu, even ? w.x[2] : w.x[0], 4);
-    const std::uint32_t got1 = __shfl_xor_sync(0xffffffffu, even ? w.x[3] : w.x[1], 4);
-    const int a = even ? 0 : 1;
-    f[a][0] = factor(mine0);
-    f[a][1] = factor(mine1);
-    f[1 - a][0] = factor(got0);
-    f[1 - a][1] = factor(got1);
+    split(even, even ? w.x[0] : w.x[2], even ? w.x[1] : w.x[3], even ? w.x[2] : w.x[0],
+          even ? w.x[3] : w.x[1], f);
   }
 
   /// f[a][x] for keys j + 8 a (a = 0, 1; j the thread's first row) and queries i + x (i even):
@@ -248,16 +242,35 @@ struct dropout_draws {
     const bool even = (j & 1) == 0;
     const int base = j & ~1;  // groups: keys {base, base + 1} and {base + 8, base + 9}
     const philox::words w = philox::group(i, even ? base : base + 8, h, seed, offset);
-    const std::uint32_t mine0 = even ? w.x[0] : w.x[1], mine1 = even ? w.x[2] : w.x[3];
-    const std::uint32_t got0 = __shfl_xor_sync(0xffffffffu, even ? w.x[1] : w.x[0], 4);
-    const std::uint32_t got1 = __shfl_xor_sync(0xffffffffu, even ? w.x[3] : w.x[2], 4);
-    const int a = even ? 0 : 1;
-    f[a][0] = factor(mine0);
-    f[a][1] = factor(mine1);
-    f[1 - a][0] = factor(got0);
-    f[1 - a][1] = factor(got1);
+    split(even, even ? w.x[0] : w.x[1], even ? w.x[2] : w.x[3], even ? w.x[1] : w.x[0],
+          even ? w.x[3] : w.x[2], f);
+  }
+
+ private:
+  /// f from this lane's words for its own row (mine) and those it hands its partner lane (lane ^
+  /// 4) for the partner's row, receiving the partner's for its other row: the even lane's own row
+  /// is slot 0, the odd lane's slot 1. Selects, not a run-time index, keep f in registers.
+  __device__ __forceinline__ void split(bool even, std::uint32_t mine0, std::uint32_t mine1,
+                                        std::uint32_t give0, std::uint32_t give1,
+                                        float (&f)[2][2]) const {
+    const float m0 = factor(mine0), m1 = factor(mine1);
+    const float g0 = factor(__shfl_xor_sync(0xffffffffu, give0, 4));
+    const float g1 = factor(__shfl_xor_sync(0xffffffffu, give1, 4));
+    f[0][0] = even ? m0 : g0;
+    f[0][1] = even ? m1 : g1;
+    f[1][0] = even ? g0 : m0;
+    f[1][1] = even ? g1 : m1;
   }
 };
+
+/// A kernel's dropout draws: dropout_draws(p) with DROPOUT, else a placeholder never read.
+template <bool DROPOUT>
+__device__ __forceinline__ auto draws_if([[maybe_unused]] const params& p) {
+  if constexpr (DROPOUT)
+    return dropout_draws(p);
+  else
+    return 0;
+}
 
 /// The head a walk's dropout draws are counted by.
 template <class Walk>
