@@ -440,17 +440,19 @@ struct py_edge_attention_plan {
                const std::optional<tensor_tuple>& r, const std::optional<tensor_tuple>& a,
                const tensor_tuple& out, const std::optional<tensor_tuple>& out_edge,
                const tensor_tuple& lse, const std::optional<tensor_tuple>& keep, double scale,
-               std::uintptr_t stream) const {
-    const edge_attention_args args{.q = view_of(q),
-                                   .k = view_of(k),
-                                   .v = view_of(v),
-                                   .r = view_of(r),
-                                   .a = view_of(a),
-                                   .out = view_of(out),
-                                   .out_edge = view_of(out_edge),
-                                   .lse = view_of(lse),
-                                   .keep = view_of(keep),
-                                   .scale = scale};
+               std::uintptr_t stream, double dropout, std::uintptr_t dropout_state) const {
+    const edge_attention_args args{
+        .q = view_of(q),
+        .k = view_of(k),
+        .v = view_of(v),
+        .r = view_of(r),
+        .a = view_of(a),
+        .out = view_of(out),
+        .out_edge = view_of(out_edge),
+        .lse = view_of(lse),
+        .keep = view_of(keep),
+        .dropout = {dropout, reinterpret_cast<const std::uint64_t*>(dropout_state)},
+        .scale = scale};
     nb::gil_scoped_release release;
     plan.forward(args, stream_of(stream));
   }
@@ -463,24 +465,27 @@ struct py_edge_attention_plan {
                 const tensor_tuple& dk, const tensor_tuple& dv,
                 const std::optional<tensor_tuple>& dr, const std::optional<tensor_tuple>& da,
                 const std::optional<tensor_tuple>& keep, double scale, std::uintptr_t stream,
-                std::uintptr_t ws, std::size_t ws_bytes) const {
-    const edge_attention_grad_args args{.q = view_of(q),
-                                        .k = view_of(k),
-                                        .v = view_of(v),
-                                        .r = view_of(r),
-                                        .a = view_of(a),
-                                        .out = view_of(out),
-                                        .out_edge = view_of(out_edge),
-                                        .lse = view_of(lse),
-                                        .dout = view_of(dout),
-                                        .dout_edge = view_of(dout_edge),
-                                        .dq = view_of(dq),
-                                        .dk = view_of(dk),
-                                        .dv = view_of(dv),
-                                        .dr = view_of(dr),
-                                        .da = view_of(da),
-                                        .keep = view_of(keep),
-                                        .scale = scale};
+                std::uintptr_t ws, std::size_t ws_bytes, double dropout,
+                std::uintptr_t dropout_state) const {
+    const edge_attention_grad_args args{
+        .q = view_of(q),
+        .k = view_of(k),
+        .v = view_of(v),
+        .r = view_of(r),
+        .a = view_of(a),
+        .out = view_of(out),
+        .out_edge = view_of(out_edge),
+        .lse = view_of(lse),
+        .dout = view_of(dout),
+        .dout_edge = view_of(dout_edge),
+        .dq = view_of(dq),
+        .dk = view_of(dk),
+        .dv = view_of(dv),
+        .dr = view_of(dr),
+        .da = view_of(da),
+        .keep = view_of(keep),
+        .dropout = {dropout, reinterpret_cast<const std::uint64_t*>(dropout_state)},
+        .scale = scale};
     nb::gil_scoped_release release;
     plan.backward(args, stream_of(stream), workspace_of(ws, ws_bytes));
   }
@@ -488,15 +493,18 @@ struct py_edge_attention_plan {
   void gat_forward(const tensor_tuple& x, const tensor_tuple& a_src, const tensor_tuple& a_dst,
                    const std::optional<tensor_tuple>& a_edge, const tensor_tuple& out,
                    const tensor_tuple& lse, const std::optional<tensor_tuple>& keep,
-                   double negative_slope, std::uintptr_t stream) const {
-    const edge_gat_args args{.x = view_of(x),
-                             .a_src = view_of(a_src),
-                             .a_dst = view_of(a_dst),
-                             .a_edge = view_of(a_edge),
-                             .out = view_of(out),
-                             .lse = view_of(lse),
-                             .keep = view_of(keep),
-                             .negative_slope = negative_slope};
+                   double negative_slope, std::uintptr_t stream, double dropout,
+                   std::uintptr_t dropout_state) const {
+    const edge_gat_args args{
+        .x = view_of(x),
+        .a_src = view_of(a_src),
+        .a_dst = view_of(a_dst),
+        .a_edge = view_of(a_edge),
+        .out = view_of(out),
+        .lse = view_of(lse),
+        .keep = view_of(keep),
+        .dropout = {dropout, reinterpret_cast<const std::uint64_t*>(dropout_state)},
+        .negative_slope = negative_slope};
     nb::gil_scoped_release release;
     plan.gat_forward(args, stream_of(stream));
   }
@@ -507,20 +515,23 @@ struct py_edge_attention_plan {
                     const tensor_tuple& da_src, const tensor_tuple& da_dst,
                     const std::optional<tensor_tuple>& da_edge,
                     const std::optional<tensor_tuple>& keep, double negative_slope,
-                    std::uintptr_t stream, std::uintptr_t ws, std::size_t ws_bytes) const {
-    const edge_gat_grad_args args{.x = view_of(x),
-                                  .a_src = view_of(a_src),
-                                  .a_dst = view_of(a_dst),
-                                  .a_edge = view_of(a_edge),
-                                  .out = view_of(out),
-                                  .lse = view_of(lse),
-                                  .dout = view_of(dout),
-                                  .dx = view_of(dx),
-                                  .da_src = view_of(da_src),
-                                  .da_dst = view_of(da_dst),
-                                  .da_edge = view_of(da_edge),
-                                  .keep = view_of(keep),
-                                  .negative_slope = negative_slope};
+                    std::uintptr_t stream, std::uintptr_t ws, std::size_t ws_bytes, double dropout,
+                    std::uintptr_t dropout_state) const {
+    const edge_gat_grad_args args{
+        .x = view_of(x),
+        .a_src = view_of(a_src),
+        .a_dst = view_of(a_dst),
+        .a_edge = view_of(a_edge),
+        .out = view_of(out),
+        .lse = view_of(lse),
+        .dout = view_of(dout),
+        .dx = view_of(dx),
+        .da_src = view_of(da_src),
+        .da_dst = view_of(da_dst),
+        .da_edge = view_of(da_edge),
+        .keep = view_of(keep),
+        .dropout = {dropout, reinterpret_cast<const std::uint64_t*>(dropout_state)},
+        .negative_slope = negative_slope};
     nb::gil_scoped_release release;
     plan.gat_backward(args, stream_of(stream), workspace_of(ws, ws_bytes));
   }
@@ -839,17 +850,18 @@ NB_MODULE(_C, m) {
       .def_static("feature_width", &edge_attention_plan::feature_width, "head_dim"_a, "features"_a)
       .def("forward", &py_edge_attention_plan::forward, "q"_a, "k"_a, "v"_a, "r"_a.none(),
            "a"_a.none(), "out"_a, "out_edge"_a.none(), "lse"_a, "keep"_a.none(), "scale"_a,
-           "stream"_a)
+           "stream"_a, "dropout"_a = 0.0, "dropout_state"_a = 0)
       .def("backward", &py_edge_attention_plan::backward, "q"_a, "k"_a, "v"_a, "r"_a.none(),
            "a"_a.none(), "out"_a, "out_edge"_a.none(), "lse"_a, "dout"_a, "dout_edge"_a.none(),
            "dq"_a, "dk"_a, "dv"_a, "dr"_a.none(), "da"_a.none(), "keep"_a.none(), "scale"_a,
-           "stream"_a, "workspace"_a, "workspace_bytes"_a)
+           "stream"_a, "workspace"_a, "workspace_bytes"_a, "dropout"_a = 0.0, "dropout_state"_a = 0)
       .def("gat_forward", &py_edge_attention_plan::gat_forward, "x"_a, "a_src"_a, "a_dst"_a,
-           "a_edge"_a.none(), "out"_a, "lse"_a, "keep"_a.none(), "negative_slope"_a, "stream"_a)
+           "a_edge"_a.none(), "out"_a, "lse"_a, "keep"_a.none(), "negative_slope"_a, "stream"_a,
+           "dropout"_a = 0.0, "dropout_state"_a = 0)
       .def("gat_backward", &py_edge_attention_plan::gat_backward, "x"_a, "a_src"_a, "a_dst"_a,
            "a_edge"_a.none(), "out"_a, "lse"_a, "dout"_a, "dx"_a, "da_src"_a, "da_dst"_a,
            "da_edge"_a.none(), "keep"_a.none(), "negative_slope"_a, "stream"_a, "workspace"_a,
-           "workspace_bytes"_a)
+           "workspace_bytes"_a, "dropout"_a = 0.0, "dropout_state"_a = 0)
       .def("workspace_bytes", [](const py_edge_attention_plan& p, std::int64_t heads) {
         return p.plan.backward_workspace_bytes(heads);
       });

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _C
+from . import _C, _tensors
 from .autograd.edge_attention import (
     _forward_eager,
     _gat_forward_eager,
@@ -25,15 +25,20 @@ from .pattern import Pattern
 __all__ = ["edge_attention", "edge_attention_supported", "edge_gat_attention"]
 
 
-def _dropout_factors(pattern: Pattern, like: Tensor, p: float) -> Tensor | None:
-    """Attention dropout's factors, one per (input edge, head) in the input's edge order (0 or
-    1 / (1 - p), as F.dropout draws them over PyG's [E, H] weights); None for p = 0."""
+def _dropout_args(pattern: Pattern, like: Tensor, p: float, pyg_dropout: bool) -> tuple:
+    """The ops' dropout arguments (keep, dropout, dropout_state). pyg_dropout: factors per (input
+    edge, head) in the input's edge order (0 or 1 / (1 - p)) drawn as F.dropout draws them over
+    PyG's [E, H] weights, read by the kernels; else drawn in the kernels (Philox4x32-10, input
+    edge u of head h as pair (u, 0): trisparse/core/dropout.hpp) from a {seed, offset} state taken
+    from torch's generator of the device, and regenerated in the backward."""
+    if not (0.0 <= p < 1.0 or (pyg_dropout and p == 1.0)):
+        raise ValueError(f"dropout must be in [0, 1), got {p}")
     if p == 0.0:
-        return None
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"dropout must be in [0, 1], got {p}")
-    ones = torch.ones(pattern.num_edges, like.shape[1], device=like.device, dtype=torch.float32)
-    return F.dropout(ones, p=p, training=True)
+        return None, 0.0, None
+    if pyg_dropout:
+        ones = torch.ones(pattern.num_edges, like.shape[1], device=like.device, dtype=torch.float32)
+        return F.dropout(ones, p=p, training=True), 0.0, None
+    return None, p, _tensors.new_dropout_state(p, like.device)
 
 
 def edge_gat_attention(
@@ -44,14 +49,17 @@ def edge_gat_attention(
     negative_slope: float = 0.2,
     a_edge: Tensor | None = None,
     dropout: float = 0.0,
+    pyg_dropout: bool = False,
 ) -> Tensor:
     """out[i, h] = sum over the input pairs e = (i, j) of softmax_e(LeakyReLU(a_dst[i, h] +
     a_src[j, h] + a_edge[e, h])) x[j, h], each copy of a repeated pair its own term: GAT's
     attention (PyG's GATConv) over a multigraph with edge features, fused on CUDA. x [num_cols,
     H, C], a_src [num_cols, H], a_dst [num_rows, H], a_edge [E, H] (one row per input pair, in
     the input's order) or None. `dropout`: attention dropout's probability (applied as given:
-    pass 0 in eval mode), one draw per (input edge, head) as PyG's F.dropout over its [E, H]
-    weights. Differentiable in all four; deterministic given the draws."""
+    pass 0 in eval mode), one draw per (input edge, head), made in the kernels (regenerated in
+    the backward: nothing [E, H] is stored) or, with `pyg_dropout`, drawn as PyG's F.dropout over
+    its [E, H] weights (the same factors as PyG's layer given torch's seed). Differentiable in
+    all four; deterministic given the draws."""
     _check_cuda(x)
     heads = x.shape[1]
     for name, t, rows in (
@@ -63,14 +71,17 @@ def edge_gat_attention(
     if a_edge is not None and (a_edge.dim() != 2 or a_edge.shape[1] != heads):
         raise ValueError(f"a_edge must be [edges, {heads}], got {list(a_edge.shape)}")
     f32 = {"dtype": torch.float32}
+    keep, p, state = _dropout_args(pattern, x, float(dropout), pyg_dropout)
     out, _lse = _gat_forward_eager(
         x.contiguous(),
         a_src.to(**f32).contiguous(),
         a_dst.to(**f32).contiguous(),
         None if a_edge is None else a_edge.to(**f32).contiguous(),
-        _dropout_factors(pattern, x, float(dropout)),
+        keep,
         pattern.id,
         float(negative_slope),
+        p,
+        state,
     )
     return out
 
@@ -107,13 +118,14 @@ def edge_attention(
     r: Tensor | None = None,
     a: Tensor | None = None,
     dropout: float = 0.0,
+    pyg_dropout: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """(out [num_rows, H, C], out_edge [num_rows, H, F] or None): the attention over the
     pattern's input pairs (each copy of a repeated pair a separate term) with scores
     scale q_i . k_j + r_i . a_e, out = sum alpha v_j and out_edge = sum alpha a_e. q [num_rows, H,
     C], k and v [num_cols, H, C], r [num_rows, H, F] and a [E, F] (one row per input pair, in the
-    input's order) in q's dtype, on CUDA (:func:`edge_attention_supported`). `dropout`: attention
-    dropout's probability on the weights of both sums (as :func:`edge_gat_attention`'s).
+    input's order) in q's dtype, on CUDA (:func:`edge_attention_supported`). `dropout`,
+    `pyg_dropout`: attention dropout on the weights of both sums (as :func:`edge_gat_attention`'s).
     Differentiable in all five; deterministic given the draws."""
     _check_cuda(q)
     if (r is None) != (a is None):
@@ -129,14 +141,17 @@ def edge_attention(
             r = F.pad(r, (0, width - features))
             a = F.pad(a, (0, width - features))
         r, a = r.contiguous(), a.contiguous()
+    keep, p, state = _dropout_args(pattern, q, float(dropout), pyg_dropout)
     out, out_edge, _lse = _forward_eager(
         q.contiguous(),
         k.contiguous(),
         v.contiguous(),
         r,
         a,
-        _dropout_factors(pattern, q, float(dropout)),
+        keep,
         pattern.id,
         float(scale),
+        p,
+        state,
     )
     return out, (None if r is None else out_edge[..., :features])

@@ -613,7 +613,8 @@ def test_attention_dropout_on_multigraphs_drops_what_pyg_drops(layer, kwargs):
     ei = torch.cat([ei, ei[:, picks]], dim=1)[:, torch.randperm(ei.shape[1] * 5 // 4, generator=g)]
     torch.manual_seed(0)
     pyg = getattr(pyg_nn, layer)(24, 16, dropout=0.3, **kwargs).cuda().train()
-    ours = getattr(trisparse.nn, layer)(24, 16, dropout=0.3, **kwargs).cuda().train()
+    exact = {"pyg_dropout": True} if layer == "TransformerConv" else {}  # (GATConv: always)
+    ours = getattr(trisparse.nn, layer)(24, 16, dropout=0.3, **kwargs, **exact).cuda().train()
     ours.load_state_dict(pyg.state_dict())
     x = torch.randn(n, 24, generator=g)
     ea = torch.randn(ei.shape[1], 6, generator=g) if "edge_dim" in kwargs else None
@@ -910,14 +911,20 @@ def test_gps_conv_under_autocast_is_as_close_as_pygs(channels):
         assert relerr(a, w) <= 2 * relerr(b, w) + 1e-3, i
 
 
-def _dropout_draws(seed, edges, heads, p):
+def _dropout_draws(seed, edges, heads, p, pyg=True):
     """The factors trisparse's multigraph kernels apply for attention dropout p after
-    torch.cuda.manual_seed(seed): F.dropout over [E, H] ones, as PyG's over its weights."""
+    torch.cuda.manual_seed(seed): with pyg, F.dropout over [E, H] ones, as PyG's over its
+    weights; else the kernels' own draws, recomputed here (Philox, input edge u of head h as pair
+    (u, 0)) from the state the call takes from torch's generator."""
     if p == 0:
         return None
     torch.cuda.manual_seed(seed)
-    ones = torch.ones(edges, heads, device="cuda")
-    return torch.nn.functional.dropout(ones, p=p, training=True).double().cpu()
+    if pyg:
+        ones = torch.ones(edges, heads, device="cuda")
+        return torch.nn.functional.dropout(ones, p=p, training=True).double().cpu()
+    state = torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64, device="cuda").cpu()
+    u = torch.arange(edges)
+    return philox_factors(u, torch.zeros_like(u), range(heads), state, p)
 
 
 def _edge_attention_oracle(q, k, v, r, a, edge_index, num_rows, scale, keep=None):
@@ -943,14 +950,16 @@ def _edge_attention_oracle(q, k, v, r, a, edge_index, num_rows, scale, keep=None
     return out, out_edge.index_add(0, dst, alpha[..., None] * a[:, None, :])
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.3])
+@pytest.mark.parametrize("dropout, pyg", [(0.0, False), (0.3, False), (0.3, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads, c, f", [(8, 16, 16), (2, 64, 3), (3, 4, 5), (1, 256, 0)])
-def test_edge_attention_matches_float64_on_multigraphs(dtype, heads, c, f, dropout):
+def test_edge_attention_matches_float64_on_multigraphs(dtype, heads, c, f, dropout, pyg):
     """trisparse.edge_attention on CUDA against the float64 per-edge oracle: outputs and the
     gradients of q, k, v, r and a on a multigraph with repeated pairs, empty rows, a hub row and a
     hub column (the heavy lines' kernels), with attention dropout drawn per input edge and head
-    as F.dropout over [E, H]; the same bits on a second run."""
+    in the kernels (the oracle recomputes the draws: forward and backward saw the same mask, and
+    the kept fraction is 1 - p within 3 standard errors) or, with pyg, as F.dropout over [E, H];
+    the same bits on a second run."""
     rows, cols = 300, 250
     g = torch.Generator().manual_seed(11)
     ei = random_edge_index(cols, rows, 7, seed=12)
@@ -967,7 +976,10 @@ def test_edge_attention_matches_float64_on_multigraphs(dtype, heads, c, f, dropo
     a = torch.randn(ei.shape[1], f, generator=g) if f else None
     dedge = torch.randn(rows, heads, f, generator=g) if f else None
     inputs = [t for t in (q, k, v, r, a) if t is not None]
-    keep = _dropout_draws(13, ei.shape[1], heads, dropout)
+    keep = _dropout_draws(13, ei.shape[1], heads, dropout, pyg)
+    if keep is not None:
+        kept, n = float((keep > 0).double().mean()), keep.numel()
+        assert abs(kept - (1 - dropout)) <= 3 * math.sqrt(dropout * (1 - dropout) / n)
 
     def step(device, dt):
         xs = [t.to(device, dt).requires_grad_() for t in inputs]
@@ -978,7 +990,7 @@ def test_edge_attention_matches_float64_on_multigraphs(dtype, heads, c, f, dropo
         else:
             torch.cuda.manual_seed(13)
             out, out_edge = trisparse.edge_attention(
-                qs, ks, vs, pattern, scale, rs, as_, dropout=dropout
+                qs, ks, vs, pattern, scale, rs, as_, dropout=dropout, pyg_dropout=pyg
             )
         loss = (out * dout.to(device, out.dtype)).sum()
         if f:
@@ -1050,7 +1062,7 @@ def test_edge_gat_attention_matches_float64_on_multigraphs(dtype, heads, c, edge
     a_edge = torch.randn(ei.shape[1], heads, generator=g) if edge_term else None
     dout = torch.randn(rows, heads, c, generator=g)
     inputs = [t for t in (x, a_src, a_dst, a_edge) if t is not None]
-    keep = _dropout_draws(23, ei.shape[1], heads, dropout)
+    keep = _dropout_draws(23, ei.shape[1], heads, dropout, pyg=False)
 
     def step(device, dt):
         xs = [

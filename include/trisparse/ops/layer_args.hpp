@@ -3,6 +3,7 @@
 // so that the backends' private headers take these types without the plans' declarations.
 #include <cstdint>
 
+#include "trisparse/core/dropout.hpp"
 #include "trisparse/core/tensor.hpp"
 
 namespace trisparse {
@@ -124,6 +125,10 @@ struct edge_attention_args {
   /// row e for edge e (attention dropout: 0 or 1 / (1 - p)); data == nullptr: none. The softmax's
   /// normaliser is not affected (PyG drops the normalised weights).
   tensor_view keep;
+  /// Attention dropout drawn in the kernels, in place of `keep` (trisparse/core/dropout.hpp): the
+  /// factor of input edge u (each copy its own) in head h is pair (u, 0)'s draw of head h. Give
+  /// the backward the forward's.
+  attention_dropout dropout{};
   double scale = 1.0;
 };
 
@@ -138,6 +143,7 @@ struct edge_attention_grad_args {
   tensor_view dr;                  ///< [rows, H, F] f32 (with edge features)
   tensor_view da;                  ///< [edges, 1, F] f32 (with edge features): row e, edge e's
   tensor_view keep;                ///< the forward's keep factors (or none)
+  attention_dropout dropout{};     ///< the forward's dropout draws (or none)
   double scale = 1.0;
 };
 
@@ -152,6 +158,7 @@ struct edge_gat_args {
   tensor_view out;     ///< [rows, H, C], x's dtype
   tensor_view lse;     ///< [rows, H, 1] f32
   tensor_view keep;    ///< as edge_attention_args::keep
+  attention_dropout dropout{};  ///< as edge_attention_args::dropout
   double negative_slope = 0.2;
 };
 
@@ -165,6 +172,7 @@ struct edge_gat_grad_args {
   tensor_view da_dst;                   ///< [rows, H, 1] f32
   tensor_view da_edge;                  ///< [edges, H, 1] f32 (with a_edge): row e, edge e's
   tensor_view keep;                     ///< the forward's keep factors (or none)
+  attention_dropout dropout{};          ///< the forward's dropout draws (or none)
   double negative_slope = 0.2;
 };
 

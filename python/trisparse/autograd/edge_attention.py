@@ -14,25 +14,39 @@ from ..pattern import lookup
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, r, a, keep, pattern, scale = inputs
+    q, k, v, r, a, keep, pattern, scale, dropout, dropout_state = inputs
     out, out_edge, lse = output
-    ctx.save_for_backward(q, k, v, r, a, keep, out, out_edge, lse)
-    ctx.pattern, ctx.scale = pattern, scale
+    ctx.save_for_backward(q, k, v, r, a, keep, out, out_edge, lse, dropout_state)
+    ctx.pattern, ctx.scale, ctx.dropout = pattern, scale, dropout
     ctx.held = lookup(pattern)  # alive until the backward, if the caller dropped it
 
 
 def _backward(ctx, dout, dout_edge, _dlse):
-    q, k, v, r, a, keep, out, out_edge, lse = ctx.saved_tensors
+    q, k, v, r, a, keep, out, out_edge, lse, dropout_state = ctx.saved_tensors
     dout = dout.to(out.dtype).contiguous()
     if dout_edge is None:
         dout_edge = torch.zeros_like(out_edge)
     dout_edge = dout_edge.float().contiguous()
     dq, dk, dv, dr, da = torch.ops.trisparse.edge_attention_backward(
-        q, k, v, r, a, keep, out, out_edge, lse, dout, dout_edge, ctx.pattern, ctx.scale
+        q,
+        k,
+        v,
+        r,
+        a,
+        keep,
+        out,
+        out_edge,
+        lse,
+        dout,
+        dout_edge,
+        ctx.pattern,
+        ctx.scale,
+        ctx.dropout,
+        dropout_state,
     )
     grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)]
     grads += [None, None] if r is None else [dr.to(r.dtype), da.to(a.dtype)]
-    return (*grads, None, None, None)
+    return (*grads, None, None, None, None, None)
 
 
 _forward.register_autograd(_backward, setup_context=_setup)
@@ -42,15 +56,15 @@ _forward_eager = eager_autograd(_forward, _setup, _backward)
 
 
 def _gat_setup(ctx, inputs, output):
-    x, a_src, a_dst, a_edge, keep, pattern, negative_slope = inputs
+    x, a_src, a_dst, a_edge, keep, pattern, negative_slope, dropout, dropout_state = inputs
     out, lse = output
-    ctx.save_for_backward(x, a_src, a_dst, a_edge, keep, out, lse)
-    ctx.pattern, ctx.negative_slope = pattern, negative_slope
+    ctx.save_for_backward(x, a_src, a_dst, a_edge, keep, out, lse, dropout_state)
+    ctx.pattern, ctx.negative_slope, ctx.dropout = pattern, negative_slope, dropout
     ctx.held = lookup(pattern)
 
 
 def _gat_backward(ctx, dout, _dlse):
-    x, a_src, a_dst, a_edge, keep, out, lse = ctx.saved_tensors
+    x, a_src, a_dst, a_edge, keep, out, lse, dropout_state = ctx.saved_tensors
     dx, da_src, da_dst, da_edge = torch.ops.trisparse.edge_gat_backward(
         x,
         a_src,
@@ -62,9 +76,11 @@ def _gat_backward(ctx, dout, _dlse):
         dout.to(out.dtype).contiguous(),
         ctx.pattern,
         ctx.negative_slope,
+        ctx.dropout,
+        dropout_state,
     )
     da_edge = None if a_edge is None else da_edge
-    return dx.to(x.dtype), da_src, da_dst, da_edge, None, None, None
+    return dx.to(x.dtype), da_src, da_dst, da_edge, None, None, None, None, None
 
 
 _gat_forward.register_autograd(_gat_backward, setup_context=_gat_setup)

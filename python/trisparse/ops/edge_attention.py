@@ -45,9 +45,12 @@ def _forward(
     keep: Tensor | None,
     pattern: int,
     scale: float,
+    dropout: float,
+    dropout_state: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(out [rows, H, C] in q's dtype, out_edge [rows, H, F] float32, lse [rows, H] float32);
-    `keep`: [E, H] float32 factors on the weights (attention dropout) or None."""
+    attention dropout as `keep`: [E, H] float32 factors on the weights, or drawn in the kernels
+    with probability `dropout` from `dropout_state` ({seed, offset}, int64 [2] on q's device)."""
     p = lookup(pattern)
     out, out_edge, lse = _forward_outputs(q, r, p.num_rows)
     p.edge_attention_plan(q.device).forward(
@@ -62,12 +65,14 @@ def _forward(
         _keep(keep),
         scale,
         _tensors.stream(q.device),
+        dropout,
+        _tensors.dropout_state(dropout, dropout_state),
     )
     return out, out_edge, lse
 
 
 @_forward.register_fake
-def _forward_fake(q, k, v, r, a, keep, pattern, scale):
+def _forward_fake(q, k, v, r, a, keep, pattern, scale, dropout, dropout_state):
     return _forward_outputs(q, r, lookup(pattern).num_rows)
 
 
@@ -98,8 +103,11 @@ def _backward_op(
     dout_edge: Tensor,
     pattern: int,
     scale: float,
+    dropout: float,
+    dropout_state: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dr, da), float32 (dr and da empty without edge features)."""
+    """(dq, dk, dv, dr, da), float32 (dr and da empty without edge features); the forward's
+    dropout regenerated from the same state."""
     p = lookup(pattern)
     plan = p.edge_attention_plan(q.device)
     dq, dk, dv, dr, da = _grads(q, k, v, r, a)
@@ -126,12 +134,16 @@ def _backward_op(
         _tensors.stream(q.device),
         ws,
         ws_bytes,
+        dropout,
+        _tensors.dropout_state(dropout, dropout_state),
     )
     return dq, dk, dv, dr, da
 
 
 @_backward_op.register_fake
-def _backward_fake(q, k, v, r, a, keep, out, out_edge, lse, dout, dout_edge, pattern, scale):
+def _backward_fake(
+    q, k, v, r, a, keep, out, out_edge, lse, dout, dout_edge, pattern, scale, dropout, state
+):
     return _grads(q, k, v, r, a)
 
 
@@ -152,8 +164,10 @@ def _gat_forward(
     keep: Tensor | None,
     pattern: int,
     negative_slope: float,
+    dropout: float,
+    dropout_state: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
-    """(out [rows, H, C] in x's dtype, lse [rows, H] float32); `keep` as edge_attention's."""
+    """(out [rows, H, C] in x's dtype, lse [rows, H] float32); the dropout as edge_attention's."""
     p = lookup(pattern)
     out, lse = _gat_outputs(x, p.num_rows)
     p.edge_attention_plan(x.device).gat_forward(
@@ -166,12 +180,14 @@ def _gat_forward(
         _keep(keep),
         negative_slope,
         _tensors.stream(x.device),
+        dropout,
+        _tensors.dropout_state(dropout, dropout_state),
     )
     return out, lse
 
 
 @_gat_forward.register_fake
-def _gat_forward_fake(x, a_src, a_dst, a_edge, keep, pattern, negative_slope):
+def _gat_forward_fake(x, a_src, a_dst, a_edge, keep, pattern, negative_slope, dropout, state):
     return _gat_outputs(x, lookup(pattern).num_rows)
 
 
@@ -198,6 +214,8 @@ def _gat_backward_op(
     dout: Tensor,
     pattern: int,
     negative_slope: float,
+    dropout: float,
+    dropout_state: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx float32, da_src, da_dst, da_edge: empty without a_edge)."""
     p = lookup(pattern)
@@ -221,10 +239,14 @@ def _gat_backward_op(
         _tensors.stream(x.device),
         ws,
         ws_bytes,
+        dropout,
+        _tensors.dropout_state(dropout, dropout_state),
     )
     return dx, da_src, da_dst, da_edge
 
 
 @_gat_backward_op.register_fake
-def _gat_backward_fake(x, a_src, a_dst, a_edge, keep, out, lse, dout, pattern, negative_slope):
+def _gat_backward_fake(
+    x, a_src, a_dst, a_edge, keep, out, lse, dout, pattern, negative_slope, dropout, state
+):
     return _gat_grads(x, a_src, a_dst, a_edge)

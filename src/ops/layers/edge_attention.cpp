@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <string>
 
+#include "../../common/arguments.hpp"
 #include "../../cuda/layers/edge_attention/plan.hpp"
 #include "common.hpp"
 #include "trisparse/ops/layers.hpp"
@@ -71,9 +72,14 @@ void check_f32(const tensor_view& t, const char* what, std::int64_t rows, std::i
                           std::string(what) + " " + t.describe() + " must be f32");
 }
 
-// The keep factors of attention dropout, where given: [edges, H, 1] f32.
-void check_keep(const multigraph_view& g, const tensor_view& keep, std::int64_t heads) {
+// Attention dropout's factors, where given: [edges, H, 1] f32 keep factors, or draws made in the
+// kernels, not both.
+void check_keep(const multigraph_view& g, const tensor_view& keep, const attention_dropout& dropout,
+                std::int64_t heads) {
   if (keep.data != nullptr) check_f32(keep, "keep", g.edges, heads, 1);
+  detail::check_dropout(dropout);
+  TRISPARSE_EXPECTS_INPUT(keep.data == nullptr || dropout.p == 0,
+                          "attention dropout: give keep factors or dropout draws, not both");
 }
 
 }  // namespace
@@ -134,7 +140,7 @@ void edge_attention_plan::forward(const edge_attention_args& a, stream_ref strea
   TRISPARSE_EXPECTS_INPUT(a.out.type == a.q.type, "out must have q's dtype");
   check_f32(a.lse, "lse", g.rows, s.heads, 1);
   if (s.features > 0) check_f32(a.out_edge, "out_edge", g.rows, s.heads, s.features);
-  check_keep(g, a.keep, s.heads);
+  check_keep(g, a.keep, a.dropout, s.heads);
   cuda::edge_attention_forward(g, a, stream);
 }
 
@@ -152,7 +158,7 @@ void edge_attention_plan::backward(const edge_attention_grad_args& a, stream_ref
   check_f32(a.dq, "dq", g.rows, s.heads, s.dim);
   check_f32(a.dk, "dk", g.cols, s.heads, s.dim);
   check_f32(a.dv, "dv", g.cols, s.heads, s.dim);
-  check_keep(g, a.keep, s.heads);
+  check_keep(g, a.keep, a.dropout, s.heads);
   if (s.features > 0) {
     check_f32(a.out_edge, "out_edge", g.rows, s.heads, s.features);
     check_f32(a.dout_edge, "dout_edge", g.rows, s.heads, s.features);
@@ -198,7 +204,7 @@ void edge_attention_plan::gat_forward(const edge_gat_args& a, stream_ref stream)
   TRISPARSE_EXPECTS_INPUT(a.out.type == a.x.type, "out must have x's dtype");
   check_f32(a.lse, "lse", g.rows, a.x.heads, 1);
   TRISPARSE_EXPECTS_INPUT(std::isfinite(a.negative_slope), "negative_slope must be finite");
-  check_keep(g, a.keep, a.x.heads);
+  check_keep(g, a.keep, a.dropout, a.x.heads);
   cuda::edge_gat_forward(g, a, stream);
 }
 
@@ -218,7 +224,7 @@ void edge_attention_plan::gat_backward(const edge_gat_grad_args& a, stream_ref s
   check_f32(a.da_src, "da_src", g.cols, a.x.heads, 1);
   check_f32(a.da_dst, "da_dst", g.rows, a.x.heads, 1);
   if (a.a_edge.data != nullptr) check_f32(a.da_edge, "da_edge", g.edges, a.x.heads, 1);
-  check_keep(g, a.keep, a.x.heads);
+  check_keep(g, a.keep, a.dropout, a.x.heads);
   TRISPARSE_EXPECTS_INPUT(workspace.bytes >= backward_workspace_bytes(a.x.heads) &&
                               (workspace.data != nullptr || g.edges == 0),
                           "GAT's backward needs backward_workspace_bytes(" +

@@ -116,6 +116,7 @@ class GATConv(_Fused, _PygGATConv):
                 self.negative_slope,
                 a_edge,
                 self.dropout if dropout else 0.0,
+                pyg_dropout=True,  # PyG's draws, as the plain graph's fused kernel takes them
             )
             return out, None
         if per_edge or pattern.duplicates or C > _C.GatPlan.max_head_width:

@@ -16,6 +16,18 @@ from ...edge_attention import edge_attention, edge_attention_supported
 from ._common import _edge_features, _Fused, _input_edges
 
 
+def _plain_graph_on_edge_kernels(query: Tensor) -> bool:
+    """Whether a graph without repeated edges, features or dropout runs faster on the multigraph
+    kernels (:func:`edge_attention`: a warp per row) than on :func:`sparse_attention` (the fused
+    3S kernel in 16-bit, the row-wise kernel in float32), forward + backward. Measured on the H200
+    over the 12 shared graphs of >= 200K edges (bench/python/graph_attention_paths.py,
+    docs/notes/graph_transformers.md): faster on every one at 16 channels a head (1.4-3.4 x in
+    float32, 1.2-2.2 x in bfloat16) and in float32 at 64 (1.04-1.55 x on 11 of 12), slower in
+    bfloat16 at 64 (0.41-1.03 x: the tensor cores' turn)."""
+    channels = query.shape[-1]
+    return channels <= 16 or (query.dtype == torch.float32 and channels <= 64)
+
+
 class TransformerConv(_Fused, _PygTransformerConv):
     """PyG's :class:`torch_geometric.nn.TransformerConv` (same arguments, parameters, outputs),
     its attention fused by trisparse: no [E, heads, channels] messages are materialised, and the
@@ -23,10 +35,14 @@ class TransformerConv(_Fused, _PygTransformerConv):
 
     ``edge_index`` may also be a :class:`trisparse.Pattern` (built once, reused every step).
     Repeated edges count once per copy, as in PyG (on CUDA each copy is its own edge of the
-    multigraph kernels; elsewhere a log-count bias on the fused scores). Edge
+    multigraph kernels; elsewhere a log-count bias on the fused scores). On CUDA a plain graph
+    takes the multigraph kernels too where they measured faster (heads of at most 16 channels, or
+    64 in float32), else :func:`trisparse.sparse_attention`'s tensor-core kernel. Edge
     features (``edge_dim``) and attention dropout on CUDA run fused
-    (:func:`trisparse.edge_attention`: the kernel reads each edge's features; the dropout is a
-    factor per input edge and head, drawn as PyG draws it). ``return_attention_weights``, and edge
+    (:func:`trisparse.edge_attention`: the kernel reads each edge's features; the dropout is drawn
+    per input edge and head in the kernels and regenerated in the backward, or with
+    ``pyg_dropout=True`` drawn as PyG draws it, the same edges as PyG's layer for the same seed,
+    and read as an [E, heads] factor). ``return_attention_weights``, and edge
     features or attention dropout on the CPU, run the per-edge path: [E, heads] scores (SDDMM),
     softmax and dropout per input edge, then the per-edge SpMM; an edge feature a_ij enters as
     q_i . W_e a_ij on the score and W_e sum_j alpha_ij a_ij on the output (exact by linearity), so
@@ -36,8 +52,9 @@ class TransformerConv(_Fused, _PygTransformerConv):
     Falls back to PyG's code, with a one-time warning, only for edge features or attention weights
     over a graph given as a ``SparseTensor``."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, pyg_dropout: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
+        self.pyg_dropout = pyg_dropout
         self._init_fused()
 
     def forward(self, x, edge_index, edge_attr=None, return_attention_weights=None):
@@ -71,9 +88,14 @@ class TransformerConv(_Fused, _PygTransformerConv):
         dropout = self.dropout if self.training else 0.0
         features = self.edge_dim if edge_attr is not None else 0
         # Repeated edges, edge features and dropout take the multigraph kernels (each copy its
-        # own edge); a plain graph takes the tensor-core attention.
+        # own edge); a plain graph too where they measured faster, else sparse_attention.
         fused_edges = (
-            (edge_attr is not None or dropout > 0 or pattern.duplicates > 0)
+            (
+                edge_attr is not None
+                or dropout > 0
+                or pattern.duplicates > 0
+                or _plain_graph_on_edge_kernels(query)
+            )
             and not return_weights
             and edge_attention_supported(pattern, query, features)
         )
@@ -134,7 +156,9 @@ class TransformerConv(_Fused, _PygTransformerConv):
         as one GEMM with a block-diagonal weight (a batched GEMM of [C, edge_dim] blocks reduces
         its weight gradient over all nodes in a few thread blocks)."""
         if edge_attr is None:
-            out, _ = edge_attention(query, key, value, pattern, scale, dropout=dropout)
+            out, _ = edge_attention(
+                query, key, value, pattern, scale, dropout=dropout, pyg_dropout=self.pyg_dropout
+            )
             return out
         H, C = self.heads, self.out_channels
         edge_attr = _edge_features(edge_attr, pattern, self.edge_dim)
@@ -151,6 +175,7 @@ class TransformerConv(_Fused, _PygTransformerConv):
             r.to(query.dtype),
             edge_attr.to(query.dtype),
             dropout=dropout,
+            pyg_dropout=self.pyg_dropout,
         )
         from_edge = torch.block_diag(*w_edge)  # [H C, H edge_dim]
         message = F.linear(out_edge.reshape(n, -1).to(out.dtype), from_edge)

@@ -30,6 +30,7 @@
 #include <cstring>
 
 #include "../../common/convert.cuh"
+#include "trisparse/core/dropout.hpp"
 #include "trisparse/ops/layer_args.hpp"
 #include "tuning.hpp"
 
@@ -65,6 +66,10 @@ struct params {
   float scale = 1.0f;
   mat q, k, v, r, a, out_in, out_edge_in, lse_in, dout, dout_edge;
   mat keep;  // [edges, H, 1] f32 by input edge id, or none
+  // Or attention dropout drawn here (dropout_state: {seed, offset} on the device, or null).
+  const std::uint64_t* dropout_state = nullptr;
+  std::uint32_t drop_below = 0;
+  float dropout_scale = 1.0f;
   out_mat out, out_edge, lse, dq, dk, dv, dr, da;
   float* prob = nullptr;    // [edges, H]: m P
   float* dscore = nullptr;  // [edges, H]: dL/ds (GAT: dL/dz, before the LeakyReLU)
@@ -81,8 +86,15 @@ __device__ __forceinline__ float gat_z(const params& p, std::int64_t i, std::int
   if (p.a_edge.data != nullptr) z += *p.a_edge.at<float>(p.g.edge[e], h);
   return z;
 }
-// Edge e's keep factor for head h (1 without dropout).
+// Edge e's keep factor for head h (1 without dropout): given per input edge, or drawn for the
+// input edge u = edge[e] as pair (u, 0) of head h (trisparse/core/dropout.hpp), the same in the
+// forward and the backward.
 __device__ __forceinline__ float keep_of(const params& p, std::int64_t e, int h) {
+  if (p.dropout_state != nullptr) {
+    const std::int64_t u = p.g.edge[e];
+    const philox::words w = philox::group(u, 0, h, p.dropout_state[0], p.dropout_state[1]);
+    return ((u & 1) != 0 ? w.x[2] : w.x[0]) < p.drop_below ? 0.0f : p.dropout_scale;
+  }
   return p.keep.data != nullptr ? *p.keep.at<float>(p.g.edge[e], h) : 1.0f;
 }
 __device__ __forceinline__ float leaky_log2(float z, float slope) {

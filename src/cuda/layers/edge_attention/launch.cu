@@ -78,6 +78,14 @@ params params_of(const multigraph_view& g, const tensor_view& q, double scale) {
   return p;
 }
 
+// Attention dropout's draws made in the kernels, where asked.
+void set_dropout(params& p, const attention_dropout& d) {
+  if (d.p <= 0) return;
+  p.dropout_state = d.state;
+  p.drop_below = philox::drop_below(d.p);
+  p.dropout_scale = static_cast<float>(1.0 / (1.0 - d.p));
+}
+
 // TransformerConv's operands (q, k, v, r, a) and the dropout factors, for forward and backward.
 template <class Args>
 params attention_params(const multigraph_view& g, const Args& a) {
@@ -88,6 +96,7 @@ params attention_params(const multigraph_view& g, const Args& a) {
   p.r = in_of(a.r);
   p.a = in_of(a.a);
   p.keep = in_of(a.keep);
+  set_dropout(p, a.dropout);
   return p;
 }
 
@@ -101,6 +110,7 @@ params gat_params(const multigraph_view& g, const Args& a) {
   p.a_edge = in_of(a.a_edge);
   p.slope = static_cast<float>(a.negative_slope);
   p.keep = in_of(a.keep);
+  set_dropout(p, a.dropout);
   return p;
 }
 
