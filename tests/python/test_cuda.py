@@ -602,10 +602,11 @@ def test_layers_on_multigraphs_with_edge_features_on_cuda(layer, kwargs):
     ],
 )
 def test_attention_dropout_on_multigraphs_drops_what_pyg_drops(layer, kwargs):
-    """Attention dropout in the multigraph kernels draws F.dropout over [E, H] in the input's
-    edge order, as PyG's layers drop their weights: with the same CUDA seed, the output and the
-    gradients of x, edge_attr and every parameter equal PyG's layer on CUDA (float32), so the
-    same edges were dropped; no fallback."""
+    """With PyG's draws (TransformerConv(pyg_dropout=True); GATConv always), attention dropout
+    in the multigraph kernels applies F.dropout over [E, H] in the input's edge order, as PyG's
+    layers drop their weights: with the same CUDA seed, the output and the gradients of x,
+    edge_attr and every parameter equal PyG's layer on CUDA (float32), so the same edges were
+    dropped; no fallback."""
     n = 300
     g = torch.Generator().manual_seed(53)
     ei = random_edge_index(n, n, 8, seed=54, self_loops=True)
