@@ -1,9 +1,6 @@
 // Float64 GAT attention and its gradients over a pattern: the multigraph references (edge.cpp)
 // over the pattern's entries in CSR order, so that entry e is edge e (keep's rows line up). The
 // oracle of gat_plan's kernels; checked against finite differences (tests/unit/backward_test.cpp).
-#include <cmath>
-
-#include "trisparse/core/error.hpp"
 #include "trisparse/ops/reference.hpp"
 
 namespace trisparse::reference {
