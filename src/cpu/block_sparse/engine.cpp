@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "../common/dropout_draws.hpp"
 #include "../common/online_softmax.hpp"
 
 namespace trisparse::cpu {
@@ -19,7 +20,6 @@ void attend_blocks(const block_sparse_mask& mask, const tensor_view& q, const te
                    const tensor_view& v, const tensor_view& out, double scale,
                    const attention_dropout& dropout) {
   const bool drops = dropout.p > 0;
-  const std::uint64_t seed = drops ? dropout.state[0] : 0, offset = drops ? dropout.state[1] : 0;
   const operand<T> qf = as_operand<T>(q), kf = as_operand<T>(k), vf = as_operand<T>(v);
   const std::int64_t heads = q.heads, dk = q.dim, dv = v.dim, g = mask.block;
   const T scale2 = static_cast<T>(scale) * std::numbers::log2e_v<T>;
@@ -33,6 +33,7 @@ void attend_blocks(const block_sparse_mask& mask, const tensor_view& q, const te
   {
     std::vector<T> qrow(dk);
     row_state<T> st(dv);
+    dropout_draws draws(dropout);
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < tasks; ++task) {
       const auto [b, r] = block_rows[task / heads];
@@ -55,9 +56,7 @@ void attend_blocks(const block_sparse_mask& mask, const tensor_view& q, const te
             const auto key_row = [&](std::int64_t j) { return k0 + c0 + j; };
             if (drops) {
               attend_chunk(qrow.data(), n, key_row, kf, vf, h, dk, dv, st, no_bias{},
-                           [&](std::int64_t j) {
-                             return dropout_factor(dropout, seed, offset, i, c0 + j, draw_head);
-                           });
+                           [&](std::int64_t j) { return draws.factor(i, c0 + j, draw_head); });
             } else {
               attend_chunk(qrow.data(), n, key_row, kf, vf, h, dk, dv, st);
             }

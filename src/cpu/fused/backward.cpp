@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "../../common/arguments.hpp"
+#include "../common/dropout_draws.hpp"
 #include "../common/online_softmax.hpp"
 #include "fast.hpp"
 #include "trisparse/core/error.hpp"
@@ -38,14 +39,10 @@ void backward_passes(const csr_graph& a, const csr_graph& at, const tensor_view&
                    of = as_operand<T>(out), gf = as_operand<T>(dout), lf = as_operand<T>(lse);
   const T scale = static_cast<T>(scale_in);
   const std::int64_t heads = q.heads, d_k = q.dim, d_v = v.dim;
-  // Attention dropout's factor m of pair (i, j), head h (1 without dropout).
-  const attention_dropout& drop = bias.dropout;
-  const bool drops = drop.p > 0;
-  const std::uint64_t seed = drops ? drop.state[0] : 0, offset = drops ? drop.state[1] : 0;
-  const auto keep = [&](std::int64_t i, std::int64_t j, std::int64_t h) {
-    return drops ? static_cast<T>(dropout_factor(drop, seed, offset, i, j,
-                                                 static_cast<std::int32_t>(bias.dropout_head0 + h)))
-                 : T{1};
+  // Attention dropout's factor m of pair (i, j), head h (1 without dropout), from a thread's draws.
+  const bool drops = bias.dropout.p > 0;
+  const auto keep = [&](dropout_draws& draws, std::int64_t i, std::int64_t j, std::int64_t h) {
+    return static_cast<T>(draws.factor(i, j, static_cast<std::int32_t>(bias.dropout_head0 + h)));
   };
   // D[i, h] = <dout_i, out_i> = sum_j P_ij dP_ij: the softmax's backward term of row i.
   std::vector<T> rowdot(static_cast<std::size_t>(a.rows * heads));
@@ -55,6 +52,7 @@ void backward_passes(const csr_graph& a, const csr_graph& at, const tensor_view&
 #pragma omp parallel
   {
     std::vector<T> acc(static_cast<std::size_t>(d_k));
+    dropout_draws draws(bias.dropout);
 #pragma omp for schedule(dynamic, 16)
     for (std::int64_t i = 0; i < a.rows; ++i) {
       for (std::int64_t h = 0; h < heads; ++h) {
@@ -66,7 +64,7 @@ void backward_passes(const csr_graph& a, const csr_graph& at, const tensor_view&
           for (std::int64_t e = a.row_ptr[i]; e < a.row_ptr[i + 1]; ++e) {
             const std::int64_t j = a.col_idx[e];
             const T p = std::exp(scale * dot(qi, kf.row(j, h), d_k) + bias_of(e, h) - l);
-            di += p * keep(i, j, h) * dot(gi, vf.row(j, h), d_v);
+            di += p * keep(draws, i, j, h) * dot(gi, vf.row(j, h), d_v);
           }
         } else {
           di = dot(gi, of.row(i, h), d_v);
@@ -77,7 +75,7 @@ void backward_passes(const csr_graph& a, const csr_graph& at, const tensor_view&
           const std::int64_t j = a.col_idx[e];
           const T* kj = kf.row(j, h);
           const T p = std::exp(scale * dot(qi, kj, d_k) + bias_of(e, h) - l);
-          const T ds = p * (keep(i, j, h) * dot(gi, vf.row(j, h), d_v) - di);
+          const T ds = p * (keep(draws, i, j, h) * dot(gi, vf.row(j, h), d_v) - di);
           if (bias.dbias.data != nullptr) store_value(bias.dbias, e, h, 0, ds);
 #pragma omp simd
           for (std::int64_t d = 0; d < d_k; ++d) acc[d] += ds * kj[d];
@@ -91,6 +89,7 @@ void backward_passes(const csr_graph& a, const csr_graph& at, const tensor_view&
 #pragma omp parallel
   {
     std::vector<T> acc_k(static_cast<std::size_t>(d_k)), acc_v(static_cast<std::size_t>(d_v));
+    dropout_draws draws(bias.dropout);
 #pragma omp for schedule(dynamic, 16)
     for (std::int64_t j = 0; j < at.rows; ++j) {
       for (std::int64_t h = 0; h < heads; ++h) {
@@ -105,7 +104,7 @@ void backward_passes(const csr_graph& a, const csr_graph& at, const tensor_view&
           const T b =
               biased ? bias_of(bias.transposed_entry[static_cast<std::size_t>(e)], h) : T{0};
           const T p = std::exp(scale * dot(qi, kj, d_k) + b - *lf.row(i, h));
-          const T m = keep(i, j, h), pm = p * m;
+          const T m = keep(draws, i, j, h), pm = p * m;
           const T ds = p * (m * dot(gi, vj, d_v) - rowdot[static_cast<std::size_t>(i * heads + h)]);
 #pragma omp simd
           for (std::int64_t d = 0; d < d_k; ++d) acc_k[d] += ds * qi[d];
