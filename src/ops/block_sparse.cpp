@@ -83,16 +83,17 @@ void cpu_block_sparse_backward(const block_sparse_mask& m, const tensor_view& q,
       };
       const csr_graph a = m.expand(b, g);
       const std::int64_t heads = groups == 1 ? q.heads : 1;
-      // The forward recomputed in the engine's type (float64 for float64 inputs).
+      // The forward recomputed in the engine's type (float64 for float64 inputs), out with the
+      // dropout. Dropout's draws: rows within the sequence, head b * H + h (the kernels').
       const dtype t = q.type == dtype::f64 ? dtype::f64 : dtype::f32;
+      const std::int64_t head0 = b * q.heads + (groups == 1 ? 0 : g);
       host_tensor out(t, lq, heads, v.dim), lse(t, lq, heads, 1);
       cpu::fused_attention_unchecked(a, part(q, q0, lq), part(k, k0, lk), part(v, k0, lk),
-                                     out.view(), scale, lse.view());
-      // Dropout's draws: rows within the sequence, head b * H + h (the kernels' numbering).
+                                     out.view(), scale, lse.view(), {}, dropout, head0);
       cpu::fused_attention_backward_unchecked(
           a, transpose(a), part(q, q0, lq), part(k, k0, lk), part(v, k0, lk), out.view(),
           lse.view(), part(dout, q0, lq), part(dq, q0, lq), part(dk, k0, lk), part(dv, k0, lk),
-          scale, {.dropout = dropout, .dropout_head0 = b * q.heads + (groups == 1 ? 0 : g)});
+          scale, {.dropout = dropout, .dropout_head0 = head0});
     }
   }
 }

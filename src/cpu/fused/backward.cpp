@@ -40,7 +40,6 @@ void backward_passes(const csr_graph& a, const csr_graph& at, const tensor_view&
   const T scale = static_cast<T>(scale_in);
   const std::int64_t heads = q.heads, d_k = q.dim, d_v = v.dim;
   // Attention dropout's factor m of pair (i, j), head h (1 without dropout), from a thread's draws.
-  const bool drops = bias.dropout.p > 0;
   const auto keep = [&](dropout_draws& draws, std::int64_t i, std::int64_t j, std::int64_t h) {
     return static_cast<T>(draws.factor(i, j, static_cast<std::int32_t>(bias.dropout_head0 + h)));
   };
@@ -48,7 +47,7 @@ void backward_passes(const csr_graph& a, const csr_graph& at, const tensor_view&
   std::vector<T> rowdot(static_cast<std::size_t>(a.rows * heads));
 
   // Pass 1, rows of A: dS_ij = P_ij (m_ij dout_i . v_j - D_i), dq_i = scale sum_j dS_ij k_j
-  // (m = 1 without dropout; with it, D_i = sum_j P_ij m_ij dout_i . v_j, formed first).
+  // (m = 1 without dropout; D_i = dout_i . out_i = sum_j P_ij m_ij dout_i . v_j, out dropped).
 #pragma omp parallel
   {
     std::vector<T> acc(static_cast<std::size_t>(d_k));
@@ -59,16 +58,7 @@ void backward_passes(const csr_graph& a, const csr_graph& at, const tensor_view&
         const T* qi = qf.row(i, h);
         const T* gi = gf.row(i, h);
         const T l = *lf.row(i, h);
-        T di = 0;
-        if (drops) {
-          for (std::int64_t e = a.row_ptr[i]; e < a.row_ptr[i + 1]; ++e) {
-            const std::int64_t j = a.col_idx[e];
-            const T p = std::exp(scale * dot(qi, kf.row(j, h), d_k) + bias_of(e, h) - l);
-            di += p * keep(draws, i, j, h) * dot(gi, vf.row(j, h), d_v);
-          }
-        } else {
-          di = dot(gi, of.row(i, h), d_v);
-        }
+        const T di = dot(gi, of.row(i, h), d_v);  // out: the dropped output with dropout
         rowdot[static_cast<std::size_t>(i * heads + h)] = di;
         std::fill(acc.begin(), acc.end(), T{0});
         for (std::int64_t e = a.row_ptr[i]; e < a.row_ptr[i + 1]; ++e) {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "../../common/arguments.hpp"
+#include "../common/dropout_draws.hpp"
 #include "../common/online_softmax.hpp"
 #include "fast.hpp"
 #include "trisparse/core/error.hpp"
@@ -21,8 +22,9 @@ namespace {
 template <class T>
 void attend_rows(const csr_graph& a, const tensor_view& q, const tensor_view& k,
                  const tensor_view& v, const tensor_view& out, double scale, const tensor_view& lse,
-                 const tensor_view& bias) {
-  const bool biased = bias.data != nullptr;
+                 const tensor_view& bias, const attention_dropout& dropout,
+                 std::int64_t dropout_head0) {
+  const bool biased = bias.data != nullptr, drops = dropout.p > 0;
   const operand<T> qf = as_operand<T>(q), kf = as_operand<T>(k), vf = as_operand<T>(v);
   const operand<T> bf = biased ? as_operand<T>(bias) : operand<T>{};
   const std::int64_t heads = q.heads, dk = q.dim, dv = v.dim;
@@ -33,6 +35,7 @@ void attend_rows(const csr_graph& a, const tensor_view& q, const tensor_view& k,
   {
     std::vector<T> qrow(dk);
     row_state<T> st(dv);
+    dropout_draws draws(dropout);
 #pragma omp for schedule(dynamic, 16)
     for (std::int64_t i = 0; i < a.rows; ++i) {
       const std::int64_t e0 = a.row_ptr[i], e1 = a.row_ptr[i + 1];
@@ -48,6 +51,10 @@ void attend_rows(const csr_graph& a, const tensor_view& q, const tensor_view& k,
             attend_chunk(qrow.data(), n, key_row, kf, vf, h, dk, dv, st, [&](std::int64_t j) {
               return *bf.row(c0 + j, bh) * std::numbers::log2e_v<T>;
             });
+          } else if (drops) {
+            const auto head = static_cast<std::int32_t>(dropout_head0 + h);
+            attend_chunk(qrow.data(), n, key_row, kf, vf, h, dk, dv, st, no_bias{},
+                         [&](std::int64_t j) { return draws.factor(i, key_row(j), head); });
           } else {
             attend_chunk(qrow.data(), n, key_row, kf, vf, h, dk, dv, st);
           }
@@ -63,12 +70,17 @@ void attend_rows(const csr_graph& a, const tensor_view& q, const tensor_view& k,
 
 void fused_attention_unchecked(const csr_graph& a, const tensor_view& q, const tensor_view& k,
                                const tensor_view& v, const tensor_view& out, double scale,
-                               const tensor_view& lse, const tensor_view& bias) {
+                               const tensor_view& lse, const tensor_view& bias,
+                               const attention_dropout& dropout, std::int64_t dropout_head0) {
   detail::check_attention_args(a.rows, a.cols, q, k, v, out, device_kind::cpu);
   if (lse.data != nullptr) check_view(lse, "lse", a.rows, q.heads, 1);
   if (bias.data != nullptr) detail::check_bias(bias, "bias", a.nnz(), q.heads, device_kind::cpu);
   TRISPARSE_EXPECTS_INPUT(std::isfinite(scale), "scale must be finite");
-  in_type_of(q.type, [&]<class T>() { attend_rows<T>(a, q, k, v, out, scale, lse, bias); });
+  TRISPARSE_EXPECTS(bias.data == nullptr || dropout.p == 0,
+                    "the CPU engine's graph forward takes a bias or dropout, not both");
+  in_type_of(q.type, [&]<class T>() {
+    attend_rows<T>(a, q, k, v, out, scale, lse, bias, dropout, dropout_head0);
+  });
 }
 
 void fused_attention(const csr_graph& a, const tensor_view& q, const tensor_view& k,

@@ -13,9 +13,13 @@ namespace trisparse::cpu {
 /// also writes the per-row log-sum-exp ([rows, H, 1], natural log, -inf for empty rows). bias: a
 /// per-entry score bias
 /// ([nnz, H, 1] or [nnz, 1, 1], any float dtype; data == nullptr: none).
+/// With dropout, out sums the kept weights (the draws of pair (i, j) of head dropout_head0 + h:
+/// trisparse/core/dropout.hpp), lse the undropped normaliser; not with a bias.
 void fused_attention_unchecked(const csr_graph& a, const tensor_view& q, const tensor_view& k,
                                const tensor_view& v, const tensor_view& out, double scale,
-                               const tensor_view& lse = {}, const tensor_view& bias = {});
+                               const tensor_view& lse = {}, const tensor_view& bias = {},
+                               const attention_dropout& dropout = {},
+                               std::int64_t dropout_head0 = 0);
 
 /// The score bias of a backward and its gradient: bias as the forward's, dbias [nnz, H, 1]
 /// (dL/dS per entry; data == nullptr: not written), and for a bias the entry of the pattern that
@@ -24,8 +28,8 @@ struct backward_bias {
   tensor_view bias{}, dbias{};
   std::span<const std::int64_t> transposed_entry{};
   /// Attention dropout (its state in host memory): the draws of pair (i, j) of head
-  /// dropout_head0 + h (trisparse/core/dropout.hpp; rows as the pattern's). The forward's out is
-  /// not read then: the backward forms <dout, dropped out> itself.
+  /// dropout_head0 + h (trisparse/core/dropout.hpp; rows as the pattern's). out must then be the
+  /// dropped output (fused_attention_unchecked with the same dropout).
   attention_dropout dropout{};
   std::int64_t dropout_head0 = 0;
 };
