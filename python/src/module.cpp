@@ -52,6 +52,12 @@ tensor_view view_of(const std::optional<tensor_tuple>& t) {
 
 stream_ref stream_of(std::uintptr_t s) { return {reinterpret_cast<void*>(s)}; }
 
+/// Attention dropout's argument from the package: p and the device address of {seed, offset}
+/// (0 without dropout).
+attention_dropout dropout_of(double p, std::uintptr_t state) {
+  return {p, reinterpret_cast<const std::uint64_t*>(state)};
+}
+
 workspace_view workspace_of(std::uintptr_t data, std::size_t bytes) {
   return bytes == 0 ? workspace_view{} : workspace_view{reinterpret_cast<void*>(data), bytes};
 }
@@ -155,7 +161,7 @@ struct py_block_plan_calls {
     attention_options o;
     o.scale = scale;
     o.lse = view_of(lse);
-    o.dropout = {dropout, reinterpret_cast<const std::uint64_t*>(dropout_state)};
+    o.dropout = dropout_of(dropout, dropout_state);
     nb::gil_scoped_release release;
     if constexpr (topk)  // (its forward needs no workspace)
       plan.run(view_of(q), view_of(k), view_of(v), view_of(out), o, stream_of(stream));
@@ -174,7 +180,7 @@ struct py_block_plan_calls {
                 std::uintptr_t dropout_state) const {
     attention_options o;
     o.scale = scale;
-    o.dropout = {dropout, reinterpret_cast<const std::uint64_t*>(dropout_state)};
+    o.dropout = dropout_of(dropout, dropout_state);
     o.block_mass = view_of(block_mass);
     o.block_grad = view_of(block_grad);
     nb::gil_scoped_release release;
@@ -441,18 +447,17 @@ struct py_edge_attention_plan {
                const tensor_tuple& out, const std::optional<tensor_tuple>& out_edge,
                const tensor_tuple& lse, const std::optional<tensor_tuple>& keep, double scale,
                std::uintptr_t stream, double dropout, std::uintptr_t dropout_state) const {
-    const edge_attention_args args{
-        .q = view_of(q),
-        .k = view_of(k),
-        .v = view_of(v),
-        .r = view_of(r),
-        .a = view_of(a),
-        .out = view_of(out),
-        .out_edge = view_of(out_edge),
-        .lse = view_of(lse),
-        .keep = view_of(keep),
-        .dropout = {dropout, reinterpret_cast<const std::uint64_t*>(dropout_state)},
-        .scale = scale};
+    const edge_attention_args args{.q = view_of(q),
+                                   .k = view_of(k),
+                                   .v = view_of(v),
+                                   .r = view_of(r),
+                                   .a = view_of(a),
+                                   .out = view_of(out),
+                                   .out_edge = view_of(out_edge),
+                                   .lse = view_of(lse),
+                                   .keep = view_of(keep),
+                                   .dropout = dropout_of(dropout, dropout_state),
+                                   .scale = scale};
     nb::gil_scoped_release release;
     plan.forward(args, stream_of(stream));
   }
@@ -467,25 +472,24 @@ struct py_edge_attention_plan {
                 const std::optional<tensor_tuple>& keep, double scale, std::uintptr_t stream,
                 std::uintptr_t ws, std::size_t ws_bytes, double dropout,
                 std::uintptr_t dropout_state) const {
-    const edge_attention_grad_args args{
-        .q = view_of(q),
-        .k = view_of(k),
-        .v = view_of(v),
-        .r = view_of(r),
-        .a = view_of(a),
-        .out = view_of(out),
-        .out_edge = view_of(out_edge),
-        .lse = view_of(lse),
-        .dout = view_of(dout),
-        .dout_edge = view_of(dout_edge),
-        .dq = view_of(dq),
-        .dk = view_of(dk),
-        .dv = view_of(dv),
-        .dr = view_of(dr),
-        .da = view_of(da),
-        .keep = view_of(keep),
-        .dropout = {dropout, reinterpret_cast<const std::uint64_t*>(dropout_state)},
-        .scale = scale};
+    const edge_attention_grad_args args{.q = view_of(q),
+                                        .k = view_of(k),
+                                        .v = view_of(v),
+                                        .r = view_of(r),
+                                        .a = view_of(a),
+                                        .out = view_of(out),
+                                        .out_edge = view_of(out_edge),
+                                        .lse = view_of(lse),
+                                        .dout = view_of(dout),
+                                        .dout_edge = view_of(dout_edge),
+                                        .dq = view_of(dq),
+                                        .dk = view_of(dk),
+                                        .dv = view_of(dv),
+                                        .dr = view_of(dr),
+                                        .da = view_of(da),
+                                        .keep = view_of(keep),
+                                        .dropout = dropout_of(dropout, dropout_state),
+                                        .scale = scale};
     nb::gil_scoped_release release;
     plan.backward(args, stream_of(stream), workspace_of(ws, ws_bytes));
   }
@@ -495,16 +499,15 @@ struct py_edge_attention_plan {
                    const tensor_tuple& lse, const std::optional<tensor_tuple>& keep,
                    double negative_slope, std::uintptr_t stream, double dropout,
                    std::uintptr_t dropout_state) const {
-    const edge_gat_args args{
-        .x = view_of(x),
-        .a_src = view_of(a_src),
-        .a_dst = view_of(a_dst),
-        .a_edge = view_of(a_edge),
-        .out = view_of(out),
-        .lse = view_of(lse),
-        .keep = view_of(keep),
-        .dropout = {dropout, reinterpret_cast<const std::uint64_t*>(dropout_state)},
-        .negative_slope = negative_slope};
+    const edge_gat_args args{.x = view_of(x),
+                             .a_src = view_of(a_src),
+                             .a_dst = view_of(a_dst),
+                             .a_edge = view_of(a_edge),
+                             .out = view_of(out),
+                             .lse = view_of(lse),
+                             .keep = view_of(keep),
+                             .dropout = dropout_of(dropout, dropout_state),
+                             .negative_slope = negative_slope};
     nb::gil_scoped_release release;
     plan.gat_forward(args, stream_of(stream));
   }
@@ -517,21 +520,20 @@ struct py_edge_attention_plan {
                     const std::optional<tensor_tuple>& keep, double negative_slope,
                     std::uintptr_t stream, std::uintptr_t ws, std::size_t ws_bytes, double dropout,
                     std::uintptr_t dropout_state) const {
-    const edge_gat_grad_args args{
-        .x = view_of(x),
-        .a_src = view_of(a_src),
-        .a_dst = view_of(a_dst),
-        .a_edge = view_of(a_edge),
-        .out = view_of(out),
-        .lse = view_of(lse),
-        .dout = view_of(dout),
-        .dx = view_of(dx),
-        .da_src = view_of(da_src),
-        .da_dst = view_of(da_dst),
-        .da_edge = view_of(da_edge),
-        .keep = view_of(keep),
-        .dropout = {dropout, reinterpret_cast<const std::uint64_t*>(dropout_state)},
-        .negative_slope = negative_slope};
+    const edge_gat_grad_args args{.x = view_of(x),
+                                  .a_src = view_of(a_src),
+                                  .a_dst = view_of(a_dst),
+                                  .a_edge = view_of(a_edge),
+                                  .out = view_of(out),
+                                  .lse = view_of(lse),
+                                  .dout = view_of(dout),
+                                  .dx = view_of(dx),
+                                  .da_src = view_of(da_src),
+                                  .da_dst = view_of(da_dst),
+                                  .da_edge = view_of(da_edge),
+                                  .keep = view_of(keep),
+                                  .dropout = dropout_of(dropout, dropout_state),
+                                  .negative_slope = negative_slope};
     nb::gil_scoped_release release;
     plan.gat_backward(args, stream_of(stream), workspace_of(ws, ws_bytes));
   }
@@ -883,11 +885,10 @@ NB_MODULE(_C, m) {
         const tensor_view qv = view_of(q);
         const auto plan = segment_plan(qv.rows, ids, ids_64, qv.device_id);
         nb::gil_scoped_release release;
-        plan.run(qv, view_of(k), view_of(v), view_of(out),
-                 {.scale = scale,
-                  .lse = view_of(lse),
-                  .dropout = {dropout, reinterpret_cast<const std::uint64_t*>(dropout_state)}},
-                 workspace_of(ws, ws_bytes), stream_of(stream));
+        plan.run(
+            qv, view_of(k), view_of(v), view_of(out),
+            {.scale = scale, .lse = view_of(lse), .dropout = dropout_of(dropout, dropout_state)},
+            workspace_of(ws, ws_bytes), stream_of(stream));
       },
       "ids"_a, "ids_64"_a, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "scale"_a, "dropout"_a,
       "dropout_state"_a, "stream"_a, "workspace"_a, "workspace_bytes"_a);
@@ -903,8 +904,7 @@ NB_MODULE(_C, m) {
         nb::gil_scoped_release release;
         plan.backward(qv, view_of(k), view_of(v), view_of(out), view_of(lse), view_of(dout),
                       view_of(dq), view_of(dk), view_of(dv),
-                      {.scale = scale,
-                       .dropout = {dropout, reinterpret_cast<const std::uint64_t*>(dropout_state)}},
+                      {.scale = scale, .dropout = dropout_of(dropout, dropout_state)},
                       workspace_of(ws, ws_bytes), stream_of(stream));
       },
       "ids"_a, "ids_64"_a, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "dout"_a, "dq"_a, "dk"_a, "dv"_a,
