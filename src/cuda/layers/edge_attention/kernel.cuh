@@ -86,16 +86,15 @@ __device__ __forceinline__ float gat_z(const params& p, std::int64_t i, std::int
   if (p.a_edge.data != nullptr) z += *p.a_edge.at<float>(p.g.edge[e], h);
   return z;
 }
-// Edge e's keep factor for head h (1 without dropout): given per input edge, or drawn for the
-// input edge u = edge[e] as pair (u, 0) of head h (trisparse/core/dropout.hpp), the same in the
-// forward and the backward.
-__device__ __forceinline__ float keep_of(const params& p, std::int64_t e, int h) {
-  if (p.dropout_state != nullptr) {
-    const std::int64_t u = p.g.edge[e];
-    const philox::words w = philox::group(u, 0, h, p.dropout_state[0], p.dropout_state[1]);
-    return ((u & 1) != 0 ? w.x[2] : w.x[0]) < p.drop_below ? 0.0f : p.dropout_scale;
-  }
-  return p.keep.data != nullptr ? *p.keep.at<float>(p.g.edge[e], h) : 1.0f;
+// Attention dropout's word for edge e and head h: drawn for the input edge u = edge[e] as pair
+// (u, 0) of head h (trisparse/core/dropout.hpp), the same in the forward and the backward.
+__device__ __forceinline__ std::uint32_t dropout_word(const params& p, std::int64_t e, int h) {
+  const std::int64_t u = p.g.edge[e];
+  const philox::words w = philox::group(u, 0, h, p.dropout_state[0], p.dropout_state[1]);
+  return (u & 1) != 0 ? w.x[2] : w.x[0];
+}
+__device__ __forceinline__ float keep_of(const params& p, std::uint32_t word) {
+  return word < p.drop_below ? 0.0f : p.dropout_scale;
 }
 __device__ __forceinline__ float leaky_log2(float z, float slope) {
   return (z > 0.0f ? z : z * slope) * kLog2e;
@@ -263,6 +262,31 @@ __device__ __forceinline__ bool column_place(const params& p, bool heavy, place&
   return place_of(p, heavy, p.g.cols, p.g.col_ptr, p.g.heavy_cols, p.g.heavy_col_count, at);
 }
 
+// An edge's keep factor for the lane's head along a line's loop (1 without dropout): given per
+// input edge, or drawn (dropout_word). A group's lanes share the draws: every L-th step lane s of
+// a group draws the word of the group's edge s steps ahead, and each step the group reads its
+// word from the lane of that step, so a line costs one Philox call per edge and head, not L.
+// Called by every lane at every step (it shuffles).
+struct line_keeps {
+  std::uint32_t mine = 0;
+  int step = 0;
+  __device__ __forceinline__ float next(const params& p, const place& at, std::int64_t base,
+                                        std::int64_t end) {
+    const std::int64_t e = base + at.group;
+    if (p.dropout_state == nullptr) {
+      if (p.keep.data == nullptr || !at.valid || e >= end) return 1.0f;
+      return *p.keep.at<float>(p.g.edge[e], at.head);
+    }
+    const int phase = step++ & (p.lanes - 1);
+    if (phase == 0) {
+      const std::int64_t ahead = e + static_cast<std::int64_t>(at.slot) * at.groups;
+      mine = at.valid && ahead < end ? dropout_word(p, ahead, at.head) : 0u;
+    }
+    const int lane = static_cast<int>(threadIdx.x & 31);
+    return keep_of(p, __shfl_sync(0xffffffffu, mine, (lane & ~(p.lanes - 1)) | phase));
+  }
+};
+
 // NF = 0: no edge features (arrays of one unused element).
 template <int NF>
 inline constexpr int kSlots = NF > 0 ? NF : 1;
@@ -279,14 +303,15 @@ __global__ void __launch_bounds__(kWarps * 32) forward_kernel(const params p, bo
   if constexpr (!G) load<T, NC>(p.q.at<T>(i, h) + at.slot * NC, qi, p.scale * kLog2e);
   if constexpr (NF > 0) load<T, NF>(p.r.at<T>(i, h) + at.slot * NF, ri, kLog2e);
   float m = -INFINITY, l = 0.0f;
+  line_keeps keeps;
   const std::int64_t begin = p.g.row_ptr[i], end = p.g.row_ptr[i + 1];
   for (std::int64_t base = begin; base < end; base += at.groups) {
     const std::int64_t e = base + at.group;
     const bool on = at.valid && e < end;
-    float kj[NC] = {}, vj[NC] = {}, ae[MF] = {}, s = 0.0f, keep = 1.0f;
+    const float keep = keeps.next(p, at, base, end);
+    float kj[NC] = {}, vj[NC] = {}, ae[MF] = {}, s = 0.0f;
     if (on) {
       const std::int32_t j = p.g.src[e];
-      keep = keep_of(p, e, h);
       if constexpr (G) s = leaky_log2(gat_z(p, i, j, e, h), p.slope);
       if constexpr (!G) load<T, NC>(p.k.at<T>(j, h) + at.slot * NC, kj);
       load<T, NC>(p.v.at<T>(j, h) + at.slot * NC, vj);
@@ -353,14 +378,15 @@ __global__ void __launch_bounds__(kWarps * 32) row_kernel(const params p, bool h
   const float D = group_sum(dot(doi, oi) + dot(doa, oa), p.lanes);
   const float lse2 = *p.lse_in.at<float>(i, h) * kLog2e;
   float dq[NC] = {}, dr[MF] = {}, dz_sum[1] = {};
+  line_keeps keeps;
   const std::int64_t begin = p.g.row_ptr[i], end = p.g.row_ptr[i + 1];
   for (std::int64_t base = begin; base < end; base += at.groups) {
     const std::int64_t e = base + at.group;
     const bool on = at.valid && e < end;
-    float kj[NC] = {}, vj[NC] = {}, ae[MF] = {}, z = 0.0f, keep = 1.0f;
+    const float keep = keeps.next(p, at, base, end);
+    float kj[NC] = {}, vj[NC] = {}, ae[MF] = {}, z = 0.0f;
     if (on) {
       const std::int32_t j = p.g.src[e];
-      keep = keep_of(p, e, h);
       if constexpr (G) z = gat_z(p, i, j, e, h);
       if constexpr (!G) load<T, NC>(p.k.at<T>(j, h) + at.slot * NC, kj);
       load<T, NC>(p.v.at<T>(j, h) + at.slot * NC, vj);
