@@ -66,6 +66,35 @@ def _check_index(t: Any, name: str) -> torch.Tensor:
     return t.to(torch.int64)
 
 
+_CSR_CHECK_CHUNK = 1 << 28
+
+
+def _check_sorted_csr(rowptr: torch.Tensor, col: torch.Tensor, num_cols: int) -> None:
+    """ValueError unless rowptr starts at 0, never decreases and ends at col's length, and col
+    lies in [0, num_cols), ascending and unique within each row (chunks of _CSR_CHECK_CHUNK
+    entries)."""
+    nnz = col.numel()
+    if int(rowptr[0]) != 0 or int(rowptr[-1]) != nnz or bool((rowptr.diff() < 0).any()):
+        raise ValueError(f"rowptr must start at 0, never decrease and end at col's length {nnz}")
+    if rowptr.numel() - 1 >= 2**31 or num_cols >= 2**31 or num_cols < 0:
+        raise ValueError("node ids are 32-bit: rows and num_cols must be below 2^31")
+    chunk = _CSR_CHECK_CHUNK
+    for a in range(0, nnz, chunk):
+        b = min(a + chunk, nnz)
+        part = col[a:b]
+        if int(part.min()) < 0 or int(part.max()) >= num_cols:
+            raise ValueError(f"col must lie in [0, {num_cols})")
+        if b - a < 2 and b < nnz:
+            continue
+        step = col[a + 1 : b + 1] if b < nnz else col[a + 1 : b]
+        up = step > part[: step.numel()]
+        # a row starting at position p + 1 may start lower than position p ends
+        starts = rowptr[(rowptr > a) & (rowptr <= a + step.numel())] - 1 - a
+        up[starts] = True
+        if not bool(up.all()):
+            raise ValueError("col must be ascending and unique within each row")
+
+
 def check_batch(batch: Any, num_nodes: int | None) -> None:
     """TypeError / ValueError unless ``batch`` is a 1-D int64 or int32 vector of ``num_nodes``
     (None: any count) graph ids, sorted and >= 0, as PyG's mini-batches are (one device round
@@ -201,6 +230,25 @@ class Pattern:
             )
         rows = torch.repeat_interleave(torch.arange(rowptr.numel() - 1, device=col.device), counts)
         return cls.from_coo(rows, col, rowptr.numel() - 1, num_cols)
+
+    @classmethod
+    def from_sorted_csr(
+        cls, rowptr: torch.Tensor, col: torch.Tensor, num_cols: int, check: bool = True
+    ) -> Pattern:
+        """From CSR arrays that are canonical already: rowptr int64 [rows + 1], col int32 [nnz]
+        ascending and unique within each row (as a graph's CSR file or a generator gives them);
+        taken as they are, without a sort or a copy, so that patterns of billions of entries fit
+        (entries past 2^31: :func:`trisparse.edge_attention` runs them forward). ``check``: verify
+        that on their device, in chunks (a few passes over col). Repeated pairs cannot be given
+        here; use :meth:`from_csr`."""
+        for t, name, dtype in ((rowptr, "rowptr", torch.int64), (col, "col", torch.int32)):
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 1:
+                raise TypeError(f"{name} must be a 1-D {dtype} tensor")
+        if rowptr.device != col.device or rowptr.numel() < 1:
+            raise ValueError("rowptr (rows + 1 entries) and col must be on one device")
+        if check:
+            _check_sorted_csr(rowptr, col, int(num_cols))
+        return cls(rowptr, col, int(num_cols), 0)
 
     @classmethod
     def exphormer(
@@ -531,47 +579,68 @@ class Pattern:
             self._gat_plans[device] = plan
         return plan
 
-    def edge_attention_plan(self, device: torch.device):
+    def edge_attention_plan(self, device: torch.device, backward: bool = True):
         """The C++ plan of the edge-feature attention (:func:`trisparse.edge_attention`) on
         `device`: the input's pairs as a multigraph (each copy of a repeated pair its own edge,
-        edge e = input pair e; a pattern not built from pairs: its entries), grouped by target
-        and by source on the device; built on first use."""
+        edge e = input pair e; a pattern not built from pairs: its entries, read in place), grouped
+        by target and, for the backward, by source, on the device; built on first use. With
+        ``backward=False``, for a pattern not built from pairs, a plan for the forward alone (no
+        grouping by source: no sort and no copy, so entry counts past 2^31 fit), unless the whole
+        plan is built already."""
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        whole = self._per_device.get(("edge_attention_plan", device))
+        if whole is None and not backward and self._input_entries is None:
+            return self._cached(
+                "edge_attention_forward_plan", device, lambda: self._multigraph_plan(device, False)
+            )[0]
+        return self._cached(
+            "edge_attention_plan", device, lambda: self._multigraph_plan(device, True)
+        )[0]
 
-        def make():
+    def _multigraph_plan(self, device: torch.device, by_source: bool):
+        """(EdgeAttentionPlan, the arrays it views: kept with it) of the multigraph (see
+        edge_attention_plan), with or without (a pattern not built from pairs) its grouping by
+        source."""
+        entries = self.entries_of_input(device)
+        if entries is not None:
             rows, cols = self.entries(device)
-            entries = self.entries_of_input(device)
-            if entries is not None:
-                rows, cols = rows[entries], cols[entries]
-                order = torch.argsort(rows, stable=True)  # by target, input order within
-            else:  # the entries: already by target
-                order = torch.arange(rows.numel(), device=device)
+            rows, cols = rows[entries], cols[entries]
+            order = torch.argsort(rows, stable=True)  # by target, input order within
             src = cols[order].to(torch.int32)
-            by_source = torch.argsort(src, stable=True)
-            row_ptr = row_offsets(rows[order], self.num_rows)
-            col_ptr = row_offsets(src[by_source].to(torch.int64), self.num_cols)
-            # Lines longer than this get a warp per head (their id lists).
-            heavy = _C.EdgeAttentionPlan.heavy_degree
-            heavy_rows = torch.nonzero(row_ptr.diff() > heavy).flatten().to(torch.int32)
+            dst = rows[order].to(torch.int32)
+            row_ptr = row_offsets(dst, self.num_rows)
+        else:  # the entries, already by target, are the edges: read in place, no edge ids
+            row_ptr, src = self._on(device)
+            order = None
+            dst = None
+            if by_source:
+                targets = torch.arange(self.num_rows, dtype=torch.int32, device=device)
+                dst = torch.repeat_interleave(targets, row_ptr.diff(), output_size=self.nnz)
+        # Lines longer than this get a warp per head (their id lists).
+        heavy = _C.EdgeAttentionPlan.heavy_degree
+        heavy_rows = torch.nonzero(row_ptr.diff() > heavy).flatten().to(torch.int32)
+        col_ptr = by_src = heavy_cols = None
+        if by_source:
+            sorted_src, by_src = torch.sort(src, stable=True)
+            col_ptr = row_offsets(sorted_src, self.num_cols)
+            del sorted_src
             heavy_cols = torch.nonzero(col_ptr.diff() > heavy).flatten().to(torch.int32)
-            arrays = (row_ptr, src, rows[order].to(torch.int32), order, col_ptr, by_source)
-            plan = _C.EdgeAttentionPlan.build(
-                self.num_rows,
-                self.num_cols,
-                order.numel(),
-                *(t.data_ptr() for t in arrays),
-                heavy,
-                heavy_rows.data_ptr(),
-                heavy_rows.numel(),
-                heavy_cols.data_ptr(),
-                heavy_cols.numel(),
-                device_index(device),
-            )
-            arrays += (heavy_rows, heavy_cols)
-            return plan, arrays  # the plan views the arrays: kept together
-
-        return self._cached("edge_attention_plan", device, make)[0]
+        arrays = (row_ptr, src, dst, order, col_ptr, by_src, heavy_rows, heavy_cols)
+        ptr = [0 if t is None or t.numel() == 0 else t.data_ptr() for t in arrays]
+        plan = _C.EdgeAttentionPlan.build(
+            self.num_rows,
+            self.num_cols,
+            src.numel(),
+            *ptr[:6],
+            heavy,
+            ptr[6],
+            heavy_rows.numel(),
+            ptr[7],
+            0 if heavy_cols is None else heavy_cols.numel(),
+            device_index(device),
+        )
+        return plan, arrays  # the plan views the arrays: kept together
 
     def edge_index(self) -> torch.Tensor:
         """The entries as PyG's ``edge_index`` [2, nnz] (row 0 sources j, row 1 targets i), in

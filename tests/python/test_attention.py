@@ -319,6 +319,39 @@ def test_every_pattern_source_agrees():
     assert torch.equal(p.rowptr, ref.rowptr) and torch.equal(p.col, ref.col)
 
 
+@pytest.mark.parametrize("chunk", [1 << 28, 2, 3, 7])
+def test_a_sorted_csr_is_taken_in_place_and_checked(monkeypatch, chunk):
+    """Pattern.from_sorted_csr takes a canonical CSR as it is (the same arrays, no copy) and
+    equals from_csr's; every violation is found, wherever the check's chunks cut the entries."""
+    from trisparse import pattern as pattern_module
+
+    monkeypatch.setattr(pattern_module, "_CSR_CHECK_CHUNK", chunk)
+    ei = random_edge_index(40, 30, 5, seed=23)
+    ref = trisparse.Pattern.from_edge_index(ei, size=(40, 30))
+    rowptr, col = ref.rowptr.clone(), ref.col.clone()
+    p = trisparse.Pattern.from_sorted_csr(rowptr, col, 40)
+    assert p.rowptr is rowptr and p.col is col and (p.num_rows, p.num_cols) == (30, 40)
+    assert p.duplicates == 0 and p.nnz == ref.nnz
+    starts = rowptr[:-1][rowptr.diff() >= 2]
+    a = int(starts[3])  # a row of two or more entries
+    for edit, what in (
+        (lambda c: c.__setitem__(a + 1, c[a]), "unique"),  # a repeat
+        (lambda c: c.__setitem__(slice(a, a + 2), c[a : a + 2].flip(0)), "ascending"),
+        (lambda c: c.__setitem__(-1, 40), "lie in"),
+        (lambda c: c.__setitem__(0, -1), "lie in"),
+    ):
+        bad = col.clone()
+        edit(bad)
+        with pytest.raises(ValueError, match=what):
+            trisparse.Pattern.from_sorted_csr(rowptr, bad, 40)
+    with pytest.raises(ValueError, match="rowptr"):
+        trisparse.Pattern.from_sorted_csr(rowptr[:-1], col, 40)
+    with pytest.raises(TypeError, match="int32"):
+        trisparse.Pattern.from_sorted_csr(rowptr, col.long(), 40)
+    # Rows may start below where the previous one ended: no false alarm at any chunk cut.
+    trisparse.Pattern.from_sorted_csr(rowptr, col, 40)
+
+
 def test_a_freed_pattern_is_reported():
     ei = random_edge_index(10, 10, 3, seed=20)
     pid = trisparse.Pattern.of(ei, num_nodes=10).id

@@ -1008,6 +1008,48 @@ def test_edge_attention_matches_float64_on_multigraphs(dtype, heads, c, f, dropo
         assert relerr(x, z) <= tol, i
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_edge_attention_reads_a_sorted_csr_in_place(dtype, dropout):
+    """A pattern from Pattern.from_sorted_csr (no input pairs) runs edge_attention's forward on
+    a plan without the by-source side (the CSR read in place, edge ids = positions) until a
+    backward asks for the whole plan; outputs and gradients (in q's dtype, rounded once from the
+    kernels' float32 sums) equal the same graph's given as edge_index, bit for bit, with dropout
+    drawn per edge alike (input edge e = CSR position e)."""
+    rows, cols, heads, c = 300, 250, 4, 16
+    g = torch.Generator().manual_seed(31)
+    ei = random_edge_index(cols, rows, 7, seed=32)
+    hub = torch.stack([torch.randperm(cols, generator=g)[:200], torch.full((200,), 5)])
+    ref = trisparse.Pattern.from_edge_index(torch.cat([ei, hub], dim=1), size=(cols, rows))
+    in_csr = ref.edge_index().cuda()  # the graph's pairs in CSR order: input e = position e
+    by_pairs = trisparse.Pattern.from_edge_index(in_csr, size=(cols, rows))
+    p = trisparse.Pattern.from_sorted_csr(ref.rowptr.cuda(), ref.col.cuda(), cols)
+    q = torch.randn(rows, heads, c, generator=g).cuda().to(dtype)
+    k, v = (torch.randn(cols, heads, c, generator=g).cuda().to(dtype) for _ in range(2))
+    dout = torch.randn(rows, heads, c, generator=g).cuda().to(dtype)
+
+    def run(pattern, grad):
+        xs = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+        torch.cuda.manual_seed(5)
+        out, _ = trisparse.edge_attention(*xs, pattern, 0.25, dropout=dropout)
+        if not grad:
+            return [out]
+        out.backward(dout)
+        assert all(x.grad.dtype == dtype for x in xs)
+        return [out.detach()] + [x.grad for x in xs]
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    forward_only = run(p, False)
+    assert ("edge_attention_forward_plan", dev) in p._per_device
+    assert ("edge_attention_plan", dev) not in p._per_device
+    whole = run(p, True)
+    assert ("edge_attention_plan", dev) in p._per_device
+    want = run(by_pairs, True)
+    assert torch.equal(forward_only[0], want[0])
+    for i, (x, y) in enumerate(zip(whole, want, strict=True)):
+        assert torch.equal(x, y), i
+
+
 def test_edge_attention_names_bad_arguments():
     ei = random_edge_index(20, 20, 3, seed=1)
     pattern = trisparse.Pattern.from_edge_index(ei, num_nodes=20)

@@ -90,7 +90,9 @@ struct gat_grad_args {
 /// edges with src[p] the source and edge[p] the row of the per-edge tensors (the input's edge id)
 /// of the edge at position p, and dst[p] its target; by source, col_ptr[cols + 1] over
 /// by_source[], the positions (in target order) of each source's edges. Node ids are 32-bit;
-/// positions and offsets 64-bit.
+/// positions, offsets and the edge count 64-bit (past 2^31 edges). `edge` may be null: the
+/// positions are the input's edge ids (a CSR given in target order). col_ptr, dst and by_source
+/// may be left null together: a forward-only multigraph (its plan's backward refuses).
 struct multigraph_view {
   std::int64_t rows = 0, cols = 0, edges = 0;
   const std::int64_t* row_ptr = nullptr;
@@ -138,8 +140,8 @@ struct edge_attention_grad_args {
   tensor_view out, out_edge, lse;  ///< its outputs
   tensor_view dout;                ///< [rows, H, C], q's dtype
   tensor_view dout_edge;           ///< [rows, H, F] f32 (with edge features)
-  tensor_view dq;                  ///< [rows, H, C] f32
-  tensor_view dk, dv;              ///< [cols, H, C] f32
+  tensor_view dq;                  ///< [rows, H, C] f32 or q's dtype (dk and dv alike)
+  tensor_view dk, dv;              ///< [cols, H, C] f32 or q's dtype
   tensor_view dr;                  ///< [rows, H, F] f32 (with edge features)
   tensor_view da;                  ///< [edges, 1, F] f32 (with edge features): row e, edge e's
   tensor_view keep;                ///< the forward's keep factors (or none)
@@ -167,7 +169,7 @@ struct edge_gat_grad_args {
   tensor_view x, a_src, a_dst, a_edge;  ///< the forward's inputs
   tensor_view out, lse;                 ///< its outputs
   tensor_view dout;                     ///< [rows, H, C], x's dtype
-  tensor_view dx;                       ///< [cols, H, C] f32
+  tensor_view dx;                       ///< [cols, H, C] f32 or x's dtype
   tensor_view da_src;                   ///< [cols, H, 1] f32
   tensor_view da_dst;                   ///< [rows, H, 1] f32
   tensor_view da_edge;                  ///< [edges, H, 1] f32 (with a_edge): row e, edge e's

@@ -53,7 +53,7 @@ def _forward(
     with probability `dropout` from `dropout_state` ({seed, offset}, int64 [2] on q's device)."""
     p = lookup(pattern)
     out, out_edge, lse = _forward_outputs(q, r, p.num_rows)
-    p.edge_attention_plan(q.device).forward(
+    p.edge_attention_plan(q.device, backward=False).forward(
         _tensors.view(q),
         _tensors.view(k),
         _tensors.view(v),
@@ -77,12 +77,12 @@ def _forward_fake(q, k, v, r, a, keep, pattern, scale, dropout, dropout_state):
 
 
 def _grads(q, k, v, r, a) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """dq, dk, dv, dr, da: float32, packed, unwritten (dr and da empty without edge features);
-    the op's and its fake's."""
+    """dq, dk, dv in q's dtype (the kernels round their float32 sums once), dr and da float32
+    (empty without edge features); packed, unwritten; the op's and its fake's."""
     f32 = {"dtype": torch.float32, "device": q.device}
     edged = r is not None
     return (
-        *(torch.empty(t.shape, **f32) for t in (q, k, v)),
+        *(torch.empty(t.shape, dtype=q.dtype, device=q.device) for t in (q, k, v)),
         torch.empty(r.shape if edged else (0,), **f32),
         torch.empty(a.shape if edged else (0,), **f32),
     )
@@ -106,7 +106,7 @@ def _backward_op(
     dropout: float,
     dropout_state: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dr, da), float32 (dr and da empty without edge features); the forward's
+    """(dq, dk, dv) in q's dtype, (dr, da) float32 (empty without edge features); the forward's
     dropout regenerated from the same state."""
     p = lookup(pattern)
     plan = p.edge_attention_plan(q.device)
@@ -170,7 +170,7 @@ def _gat_forward(
     """(out [rows, H, C] in x's dtype, lse [rows, H] float32); the dropout as edge_attention's."""
     p = lookup(pattern)
     out, lse = _gat_outputs(x, p.num_rows)
-    p.edge_attention_plan(x.device).gat_forward(
+    p.edge_attention_plan(x.device, backward=False).gat_forward(
         _tensors.view(x),
         _tensors.view2(a_src),
         _tensors.view2(a_dst),
@@ -192,10 +192,10 @@ def _gat_forward_fake(x, a_src, a_dst, a_edge, keep, pattern, negative_slope, dr
 
 
 def _gat_grads(x, a_src, a_dst, a_edge) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """dx (float32, packed), da_src, da_dst, da_edge (empty without a_edge), unwritten (the op's
-    and its fake's)."""
+    """dx (x's dtype, packed), da_src, da_dst, da_edge (empty without a_edge), unwritten (the
+    op's and its fake's)."""
     return (
-        torch.empty(x.shape, device=x.device, dtype=torch.float32),
+        torch.empty(x.shape, device=x.device, dtype=x.dtype),
         torch.empty_like(a_src),
         torch.empty_like(a_dst),
         torch.empty_like(a_edge) if a_edge is not None else a_src.new_empty(0),
@@ -217,7 +217,7 @@ def _gat_backward_op(
     dropout: float,
     dropout_state: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dx float32, da_src, da_dst, da_edge: empty without a_edge)."""
+    """(dx in x's dtype, da_src, da_dst, da_edge: empty without a_edge)."""
     p = lookup(pattern)
     plan = p.edge_attention_plan(x.device)
     dx, da_src, da_dst, da_edge = _gat_grads(x, a_src, a_dst, a_edge)

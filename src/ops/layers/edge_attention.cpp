@@ -72,6 +72,24 @@ void check_f32(const tensor_view& t, const char* what, std::int64_t rows, std::i
                           std::string(what) + " " + t.describe() + " must be f32");
 }
 
+// A gradient: f32, or the operands' dtype (rounded once from the kernels' f32 sums).
+void check_grad(const tensor_view& t, const char* what, std::int64_t rows, std::int64_t heads,
+                std::int64_t dim, dtype operand) {
+  check_view(t, what, rows, heads, dim);
+  detail::check_device_arg(t, what);
+  TRISPARSE_EXPECTS_INPUT(
+      t.type == dtype::f32 || t.type == operand,
+      std::string(what) + " " + t.describe() + " must be f32 or the operands' dtype");
+}
+
+// The backward's side of the multigraph (by target and by source), which a forward-only
+// multigraph leaves out.
+void check_backward_side(const multigraph_view& g) {
+  TRISPARSE_EXPECTS_INPUT(g.col_ptr != nullptr,
+                          "edge_attention_plan: this multigraph was built for the forward only "
+                          "(no dst, col_ptr and by_source); build it with them for the backward");
+}
+
 // Attention dropout's factors, where given: [edges, H, 1] f32 keep factors, or draws made in the
 // kernels, not both.
 void check_keep(const multigraph_view& g, const tensor_view& keep, const attention_dropout& dropout,
@@ -91,10 +109,13 @@ edge_attention_plan edge_attention_plan::build(const multigraph_view& g) {
                           "the multigraph's sizes must be non-negative");
   TRISPARSE_EXPECTS_INPUT(g.rows < (std::int64_t{1} << 31) && g.cols < (std::int64_t{1} << 31),
                           "node ids are 32-bit: rows and cols must be below 2^31");
-  TRISPARSE_EXPECTS_INPUT(g.row_ptr != nullptr && g.col_ptr != nullptr &&
-                              (g.edges == 0 || (g.src != nullptr && g.dst != nullptr &&
-                                                g.edge != nullptr && g.by_source != nullptr)),
-                          "the multigraph needs row_ptr, col_ptr, src, dst, edge and by_source");
+  TRISPARSE_EXPECTS_INPUT(g.row_ptr != nullptr && (g.edges == 0 || g.src != nullptr),
+                          "the multigraph needs row_ptr and src");
+  TRISPARSE_EXPECTS_INPUT(
+      g.col_ptr != nullptr ? g.edges == 0 || (g.dst != nullptr && g.by_source != nullptr)
+                           : g.dst == nullptr && g.by_source == nullptr && g.heavy_col_count == 0,
+      "the multigraph's col_ptr, dst and by_source come together (all, or none for a "
+      "forward-only plan)");
   TRISPARSE_EXPECTS_INPUT(
       g.heavy >= 0 && g.heavy_row_count >= 0 && g.heavy_col_count >= 0 &&
           (g.heavy_row_count == 0 || g.heavy_rows != nullptr) &&
@@ -155,9 +176,12 @@ void edge_attention_plan::backward(const edge_attention_grad_args& a, stream_ref
     check_aligned(*t, "out and dout", s.dim / cuda::edge_attention_group(s.dim));
   }
   check_f32(a.lse, "lse", g.rows, s.heads, 1);
-  check_f32(a.dq, "dq", g.rows, s.heads, s.dim);
-  check_f32(a.dk, "dk", g.cols, s.heads, s.dim);
-  check_f32(a.dv, "dv", g.cols, s.heads, s.dim);
+  check_backward_side(g);
+  check_grad(a.dq, "dq", g.rows, s.heads, s.dim, a.q.type);
+  check_grad(a.dk, "dk", g.cols, s.heads, s.dim, a.q.type);
+  check_grad(a.dv, "dv", g.cols, s.heads, s.dim, a.q.type);
+  TRISPARSE_EXPECTS_INPUT(a.dk.type == a.dq.type && a.dv.type == a.dq.type,
+                          "dq, dk and dv must have one dtype");
   check_keep(g, a.keep, a.dropout, s.heads);
   if (s.features > 0) {
     check_f32(a.out_edge, "out_edge", g.rows, s.heads, s.features);
@@ -220,7 +244,8 @@ void edge_attention_plan::gat_backward(const edge_gat_grad_args& a, stream_ref s
     check_aligned(*t, "out and dout", a.x.dim / lanes);
   }
   check_f32(a.lse, "lse", g.rows, a.x.heads, 1);
-  check_f32(a.dx, "dx", g.cols, a.x.heads, a.x.dim);
+  check_backward_side(g);
+  check_grad(a.dx, "dx", g.cols, a.x.heads, a.x.dim, a.x.type);
   check_f32(a.da_src, "da_src", g.cols, a.x.heads, 1);
   check_f32(a.da_dst, "da_dst", g.rows, a.x.heads, 1);
   if (a.a_edge.data != nullptr) check_f32(a.da_edge, "da_edge", g.edges, a.x.heads, 1);

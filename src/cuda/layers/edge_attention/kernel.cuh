@@ -77,19 +77,24 @@ struct params {
   mat a_src, a_dst, a_edge;
   out_mat da_src, da_dst, da_edge;
   float slope = 0.2f;
+  bool grads_in_t = false;  // dq, dk and dv (GAT: dx) in the operands' dtype T, else f32
 };
 
+// The input edge at position e (the multigraph's `edge`; null: the positions are the input's).
+__device__ __forceinline__ std::int64_t input_edge(const params& p, std::int64_t e) {
+  return p.g.edge != nullptr ? p.g.edge[e] : e;
+}
 // GAT's pre-activation score of edge e (target i, source j, head h) and its score in log2 units.
 __device__ __forceinline__ float gat_z(const params& p, std::int64_t i, std::int32_t j,
                                        std::int64_t e, int h) {
   float z = *p.a_dst.at<float>(i, h) + *p.a_src.at<float>(j, h);
-  if (p.a_edge.data != nullptr) z += *p.a_edge.at<float>(p.g.edge[e], h);
+  if (p.a_edge.data != nullptr) z += *p.a_edge.at<float>(input_edge(p, e), h);
   return z;
 }
 // Attention dropout's word for edge e and head h: drawn for the input edge u = edge[e] as pair
 // (u, 0) of head h (trisparse/core/dropout.hpp), the same in the forward and the backward.
 __device__ __forceinline__ std::uint32_t dropout_word(const params& p, std::int64_t e, int h) {
-  const std::int64_t u = p.g.edge[e];
+  const std::int64_t u = input_edge(p, e);
   const philox::words w = philox::group(u, 0, h, p.dropout_state[0], p.dropout_state[1]);
   return (u & 1) != 0 ? w.x[2] : w.x[0];
 }
@@ -126,6 +131,17 @@ template <class T, int N>
 __device__ __forceinline__ void store(T* p, const float (&x)[N], float f) {
 #pragma unroll
   for (int n = 0; n < N; ++n) p[n] = convert<T>(x[n] * f);
+}
+
+// A gradient's elements at (r, h) + offset, f32 or (grads_in_t) T.
+template <class T, int N>
+__device__ __forceinline__ void store_grad(const params& p, const out_mat& m, std::int64_t r, int h,
+                                           int offset, const float (&x)[N], float f) {
+  if (p.grads_in_t) {
+    store<T, N>(m.at<T>(r, h) + offset, x, f);
+  } else {
+    store<float, N>(m.at<float>(r, h) + offset, x, f);
+  }
 }
 
 template <int N>
@@ -275,7 +291,7 @@ struct line_keeps {
     const std::int64_t e = base + at.group;
     if (p.dropout_state == nullptr) {
       if (p.keep.data == nullptr || !at.valid || e >= end) return 1.0f;
-      return *p.keep.at<float>(p.g.edge[e], at.head);
+      return *p.keep.at<float>(input_edge(p, e), at.head);
     }
     const int phase = step++ & (p.lanes - 1);
     if (phase == 0) {
@@ -315,7 +331,7 @@ __global__ void __launch_bounds__(kWarps * 32) forward_kernel(const params p, bo
       if constexpr (G) s = leaky_log2(gat_z(p, i, j, e, h), p.slope);
       if constexpr (!G) load<T, NC>(p.k.at<T>(j, h) + at.slot * NC, kj);
       load<T, NC>(p.v.at<T>(j, h) + at.slot * NC, vj);
-      if constexpr (NF > 0) load<T, NF>(p.a.at<T>(p.g.edge[e], 0) + at.slot * NF, ae);
+      if constexpr (NF > 0) load<T, NF>(p.a.at<T>(input_edge(p, e), 0) + at.slot * NF, ae);
     }
     if constexpr (!G) {
       s = dot(qi, kj);
@@ -390,7 +406,7 @@ __global__ void __launch_bounds__(kWarps * 32) row_kernel(const params p, bool h
       if constexpr (G) z = gat_z(p, i, j, e, h);
       if constexpr (!G) load<T, NC>(p.k.at<T>(j, h) + at.slot * NC, kj);
       load<T, NC>(p.v.at<T>(j, h) + at.slot * NC, vj);
-      if constexpr (NF > 0) load<T, NF>(p.a.at<T>(p.g.edge[e], 0) + at.slot * NF, ae);
+      if constexpr (NF > 0) load<T, NF>(p.a.at<T>(input_edge(p, e), 0) + at.slot * NF, ae);
     }
     float s = G ? leaky_log2(z, p.slope) : dot(qi, kj) + dot(ri, ae);
     float dp = dot(doi, vj) + dot(doa, ae);
@@ -402,7 +418,8 @@ __global__ void __launch_bounds__(kWarps * 32) row_kernel(const params p, bool h
       if constexpr (G) {
         ds *= z > 0.0f ? 1.0f : p.slope;  // dL/dz
         dz_sum[0] += ds;
-        if (at.slot == 0 && p.da_edge.data != nullptr) *p.da_edge.at<float>(p.g.edge[e], h) = ds;
+        if (at.slot == 0 && p.da_edge.data != nullptr)
+          *p.da_edge.at<float>(input_edge(p, e), h) = ds;
       }
       if (at.slot == 0) {
         p.prob[e * p.heads + h] = prob * keep;
@@ -424,7 +441,7 @@ __global__ void __launch_bounds__(kWarps * 32) row_kernel(const params p, bool h
   if constexpr (NF > 0) butterfly_sum(dr, at.merge);
   if (heavy) heavy_sum(p, dq, dr);
   if (at.group != 0 || !at.valid) return;
-  store<float, NC>(p.dq.at<float>(i, h) + at.slot * NC, dq, p.scale);
+  store_grad<T>(p, p.dq, i, h, at.slot * NC, dq, p.scale);
   if constexpr (NF > 0) store<float, NF>(p.dr.at<float>(i, h) + at.slot * NF, dr, 1.0f);
 }
 
@@ -459,9 +476,9 @@ __global__ void __launch_bounds__(kWarps * 32) column_kernel(const params p, boo
   if constexpr (G) {
     if (at.slot == 0) *p.da_src.at<float>(j, h) = dk[0];
   } else {
-    store<float, NC>(p.dk.at<float>(j, h) + at.slot * NC, dk, p.scale);
+    store_grad<T>(p, p.dk, j, h, at.slot * NC, dk, p.scale);
   }
-  store<float, NC>(p.dv.at<float>(j, h) + at.slot * NC, dv, 1.0f);
+  store_grad<T>(p, p.dv, j, h, at.slot * NC, dv, 1.0f);
 }
 
 // da of edge position e, feature f: a thread each, the heads in order.
@@ -477,7 +494,7 @@ __global__ void feature_kernel(const params p, int features) {
     acc = fmaf(p.dscore[e * p.heads + h], convert<float>(p.r.at<T>(i, h)[f]), acc);
     acc = fmaf(p.prob[e * p.heads + h], p.dout_edge.at<float>(i, h)[f], acc);
   }
-  p.da.at<float>(p.g.edge[e], 0)[f] = acc;
+  p.da.at<float>(input_edge(p, e), 0)[f] = acc;
 }
 
 }  // namespace trisparse::cuda::edge_attention_kernels

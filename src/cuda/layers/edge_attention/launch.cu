@@ -174,6 +174,7 @@ void edge_attention_backward(const multigraph_view& g, const edge_attention_grad
   p.dq = out_of(a.dq);
   p.dk = out_of(a.dk);
   p.dv = out_of(a.dv);
+  p.grads_in_t = a.dq.type != dtype::f32;
   p.dr = out_of(a.dr);
   p.da = out_of(a.da);
   backward_passes<false>(p, g, a.q, a.r.data != nullptr ? a.r.dim : 0, workspace, stream);
@@ -198,6 +199,7 @@ void edge_gat_backward(const multigraph_view& g, const edge_gat_grad_args& a,
   p.lse_in = in_of(a.lse);
   p.dout = in_of(a.dout);
   p.dv = out_of(a.dx);
+  p.grads_in_t = a.dx.type != dtype::f32;
   p.da_src = out_of(a.da_src);
   p.da_dst = out_of(a.da_dst);
   p.da_edge = out_of(a.da_edge);

@@ -1,0 +1,289 @@
+"""ogbn-papers100M's shape on one GPU: a power-law graph of 111M nodes and 1.6B edges generated on
+the device as a canonical CSR, graph attention forward and backward over it (H = 1, D = 64, bf16,
+the multigraph kernels: 64-bit positions and offsets), and the attention forward over a pattern of
+twice the entries (3.2B, the symmetrised graph's count, past 2^31). Times (CUDA events, median of
+--repeat), peak memory, build times; outputs, lse and gradients checked against float64 on sampled
+rows and columns. One JSON line per stage on stdout.
+
+Generator (deterministic from --seed): row i's in-degree d_i from a Pareto law (shape --alpha)
+scaled to the edge count, capped at --max-degree; its sources y_k = N ((k + u_k) / d_i)^2 for
+k < d_i (one uniform u_k in each of d_i strata, squared so that low ids are hubs), floored and
+deduplicated, so columns come ascending and unique: Pattern.from_sorted_csr takes them in place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import torch
+import trisparse
+
+PAPERS_NODES, PAPERS_EDGES = 111_059_956, 1_615_685_872
+
+
+def degrees(n: int, edges: int, alpha: float, cap: int, g: torch.Generator, device) -> torch.Tensor:
+    """In-degrees (int64 [n]) summing to `edges`, Pareto(alpha) shaped, each at most `cap`."""
+    w = torch.rand(n, generator=g, device=device, dtype=torch.float64).clamp_min_(1e-12)
+    w = w.pow_(-1.0 / alpha)
+    d = torch.floor(w * (edges / float(w.sum()))).clamp_(max=cap).to(torch.int64)
+    del w
+    short = edges - int(d.sum())
+    while short > 0:  # one more edge for rows below the cap, in a random order
+        room = torch.nonzero(d < cap).flatten()
+        pick = room[torch.randperm(room.numel(), generator=g, device=device)[:short]]
+        d[pick] += 1
+        short = edges - int(d.sum())
+    return d
+
+
+def generate(n: int, edges: int, alpha: float, cap: int, seed: int, device, chunk: int):
+    """(rowptr int64 [n + 1], col int32 [nnz]): ascending unique sources per row."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    deg = degrees(n, edges, alpha, cap, g, device)
+    bound = torch.zeros(n + 1, dtype=torch.int64, device=device)
+    torch.cumsum(deg, 0, out=bound[1:])
+    col = torch.empty(edges, dtype=torch.int32, device=device)
+    kept = torch.zeros(n, dtype=torch.int64, device=device)
+    written, r0 = 0, 0
+    while r0 < n:  # rows in chunks of about `chunk` entries
+        r1 = int(torch.searchsorted(bound, bound[r0] + chunk, right=True)) - 1
+        r1 = min(max(r1, r0 + 1), n)
+        lo, hi = int(bound[r0]), int(bound[r1])
+        d = deg[r0:r1]
+        row = torch.repeat_interleave(torch.arange(r1 - r0, device=device), d, output_size=hi - lo)
+        k = torch.arange(lo, hi, device=device) - bound[r0:r1][row]
+        u = torch.rand(hi - lo, generator=g, device=device, dtype=torch.float64)
+        y = ((k + u) / d[row]).square_().mul_(n).floor_().to(torch.int32)
+        del k, u
+        first = torch.ones_like(y, dtype=torch.bool)
+        first[1:] = (y[1:] != y[:-1]) | (row[1:] != row[:-1])
+        y = y[first]
+        kept[r0:r1] = torch.bincount(row[first], minlength=r1 - r0)
+        col[written : written + y.numel()] = y
+        written += y.numel()
+        del row, y, first
+        r0 = r1
+    rowptr = torch.zeros(n + 1, dtype=torch.int64, device=device)
+    torch.cumsum(kept, 0, out=rowptr[1:])
+    return rowptr, col[:written]
+
+
+def timed(fn, repeat: int) -> float:
+    """Median milliseconds of `repeat` calls (CUDA events), after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def wall(fn):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    got = fn()
+    torch.cuda.synchronize()
+    return got, 1e3 * (time.perf_counter() - t)
+
+
+def gib(nbytes: int) -> float:
+    return nbytes / 2**30
+
+
+def reference_rows(rowptr, col, x, scale, rows):
+    """float64 (out, lse) of `rows` over their sources (q = k = v = x [N, 1, D])."""
+    outs, lses = [], []
+    for i in rows.tolist():
+        src = col[int(rowptr[i]) : int(rowptr[i + 1])].long()
+        xi, xs = x[i, 0].double(), x[src, 0].double()
+        s = scale * (xs @ xi)
+        lse = torch.logsumexp(s, 0) if src.numel() else torch.tensor(-math.inf, device=x.device)
+        outs.append(torch.softmax(s, 0) @ xs if src.numel() else torch.zeros_like(xi))
+        lses.append(lse)
+    return torch.stack(outs), torch.stack(lses)
+
+
+def check_forward(rowptr, col, x, out, lse, scale, rows):
+    want, want_lse = reference_rows(rowptr, col, x, scale, rows)
+    got = out[rows, 0].double()
+    err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+    lse_err = float((lse[rows, 0].double() - want_lse).abs().max())
+    return err, lse_err
+
+
+def check_backward(rowptr, col, x, out, grads, scale, rows, cols):
+    """Relative errors of dq on `rows` and dk, dv on `cols` against float64, dout = out (the
+    gradient of |out|^2 / 2), recomputing every row that reads a checked column."""
+    dq, dk, dv = grads
+
+    def xd(ids):  # rows of x, and of dout = out, in float64 (gathered: never all N)
+        return x[ids, 0].double()
+
+    def dout(ids):
+        return out[ids, 0].double()
+
+    def row_terms(i):
+        src = col[int(rowptr[i]) : int(rowptr[i + 1])].long()
+        xs, xi, di = xd(src), xd(i), dout(i)
+        p = torch.softmax(scale * (xs @ xi), 0)
+        ds = p * (xs @ di - di @ (p @ xs))
+        return src, xs, p, ds
+
+    want_q = []
+    for i in rows.tolist():
+        _src, xs, _p, ds = row_terms(i)
+        want_q.append(scale * (ds @ xs))
+    want_q = torch.stack(want_q)
+    q_err = float((dq[rows, 0].double() - want_q).abs().max() / want_q.abs().max())
+    want_k = torch.zeros(len(cols), x.shape[2], dtype=torch.float64, device=x.device)
+    want_v = torch.zeros_like(want_k)
+    for c, j in enumerate(cols.tolist()):
+        where = torch.nonzero(col == j).flatten()
+        readers = torch.searchsorted(rowptr, where, right=True) - 1
+        for i in readers.tolist():
+            src, _xs, p, ds = row_terms(i)
+            at = src == j
+            want_k[c] += scale * ds[at].sum() * xd(i)
+            want_v[c] += p[at].sum() * dout(i)
+    k_err = float((dk[cols, 0].double() - want_k).abs().max() / want_k.abs().max())
+    v_err = float((dv[cols, 0].double() - want_v).abs().max() / want_v.abs().max())
+    return q_err, k_err, v_err
+
+
+def sample_rows(rowptr, n, count, g, device):
+    """Random rows and the longest one."""
+    rows = torch.randint(0, n, (count,), generator=g, device=device)
+    return torch.cat([rows, rowptr.diff().argmax().view(1)])
+
+
+def sample_cols(col, n, count, g, device, max_readers):
+    """Random columns read by 1 to `max_readers` rows."""
+    cols = []
+    for j in torch.randint(0, n, (count * 8,), generator=g, device=device).tolist():
+        if 0 < int((col == j).sum()) <= max_readers:
+            cols.append(j)
+        if len(cols) == count:
+            break
+    return torch.tensor(cols, device=device, dtype=torch.int64)
+
+
+def emit(record: dict) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, default=PAPERS_NODES)
+    ap.add_argument("--edges", type=int, default=PAPERS_EDGES)
+    ap.add_argument("--wide-edges", type=int, default=2 * PAPERS_EDGES, help="0: skip that stage")
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--alpha", type=float, default=1.5, help="Pareto shape of the in-degrees")
+    ap.add_argument("--max-degree", type=int, default=1 << 20)
+    ap.add_argument("--chunk", type=int, default=1 << 27, help="entries generated at a time")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--check-rows", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name(dev)
+    base = {"device": name, "torch": torch.__version__, "nodes": args.nodes, "dim": args.dim}
+    scale = args.dim**-0.5
+    g = torch.Generator(device=dev).manual_seed(args.seed + 1)
+
+    # 1. The graph, its pattern and the multigraph plan with its backward side.
+    torch.cuda.reset_peak_memory_stats(dev)
+    (rowptr, col), gen_ms = wall(
+        lambda: generate(
+            args.nodes, args.edges, args.alpha, args.max_degree, args.seed, dev, args.chunk
+        )
+    )
+    pattern, check_ms = wall(lambda: trisparse.Pattern.from_sorted_csr(rowptr, col, args.nodes))
+    _plan, build_ms = wall(lambda: pattern.edge_attention_plan(dev))
+    torch.cuda.empty_cache()
+    deg = rowptr.diff()
+    graph = {
+        **base,
+        "edges": pattern.nnz,
+        "max_in_degree": int(deg.max()),
+        "max_out_degree": int(torch.bincount(col).max()),
+        "empty_rows": int((deg == 0).sum()),
+        "generate_ms": gen_ms,
+        "check_ms": check_ms,
+        "plan_build_ms": build_ms,
+        "build_peak_gib": gib(torch.cuda.max_memory_allocated(dev)),
+        "after_build_gib": gib(torch.cuda.memory_allocated(dev)),
+    }
+    print(f"graph: {graph}", file=sys.stderr, flush=True)
+
+    # 2. Forward and backward, q = k = v = x, dout = out (the ops, as the autograd calls them).
+    x = torch.randn(args.nodes, 1, args.dim, generator=g, device=dev, dtype=torch.bfloat16)
+    ops = torch.ops.trisparse
+    torch.cuda.reset_peak_memory_stats(dev)
+
+    def forward():
+        return ops.edge_attention(x, x, x, None, None, None, pattern.id, scale, 0.0, None)
+
+    out, _edge, lse = forward()
+    fwd_ms = timed(forward, args.repeat)
+    empty_edge = torch.empty(args.nodes, 1, 0, device=dev)
+
+    def backward():
+        return ops.edge_attention_backward(
+            x, x, x, None, None, None, out, empty_edge, lse, out, empty_edge,
+            pattern.id, scale, 0.0, None,
+        )  # fmt: skip
+
+    bwd_ms = timed(backward, args.repeat)  # (the timed calls' results are dropped at once)
+    grads = backward()[:3]
+    peak = gib(torch.cuda.max_memory_allocated(dev))
+    rows = sample_rows(rowptr, args.nodes, args.check_rows, g, dev)
+    cols = sample_cols(col, args.nodes, args.check_rows, g, dev, 64)
+    f_err, lse_err = check_forward(rowptr, col, x, out, lse, scale, rows)
+    q_err, k_err, v_err = check_backward(rowptr, col, x, out, grads, scale, rows, cols)
+    emit({
+        **graph, "stage": "attention forward + backward", "heads": 1, "dtype": "bf16",
+        "forward_ms": fwd_ms, "backward_ms": bwd_ms, "peak_gib": peak,
+        "rows_checked": rows.numel(), "cols_checked": cols.numel(), "out_rel_err": f_err,
+        "lse_abs_err": lse_err, "dq_rel_err": q_err, "dk_rel_err": k_err, "dv_rel_err": v_err,
+    })  # fmt: skip
+    del out, lse, grads, _plan, pattern, rowptr, col, deg
+    torch.cuda.empty_cache()
+
+    # 3. The forward over 3.2B entries (past 2^31): the forward-only plan reads the CSR in place.
+    if args.wide_edges > 0:
+        torch.cuda.reset_peak_memory_stats(dev)
+        (rowptr, col), gen_ms = wall(
+            lambda: generate(
+                args.nodes, args.wide_edges, args.alpha, args.max_degree, args.seed + 7, dev,
+                args.chunk,
+            )
+        )  # fmt: skip
+        pattern, check_ms = wall(lambda: trisparse.Pattern.from_sorted_csr(rowptr, col, args.nodes))
+        _plan, build_ms = wall(lambda: pattern.edge_attention_plan(dev, backward=False))
+
+        def wide():
+            return ops.edge_attention(x, x, x, None, None, None, pattern.id, scale, 0.0, None)
+
+        out, _edge, lse = wide()
+        ms = timed(wide, args.repeat)
+        rows = sample_rows(rowptr, args.nodes, args.check_rows, g, dev)
+        f_err, lse_err = check_forward(rowptr, col, x, out, lse, scale, rows)
+        emit({
+            **base, "stage": "attention forward, entries past 2^31", "edges": pattern.nnz,
+            "heads": 1, "dtype": "bf16", "generate_ms": gen_ms, "check_ms": check_ms,
+            "plan_build_ms": build_ms, "forward_ms": ms,
+            "peak_gib": gib(torch.cuda.max_memory_allocated(dev)), "rows_checked": rows.numel(),
+            "out_rel_err": f_err, "lse_abs_err": lse_err,
+        })  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
