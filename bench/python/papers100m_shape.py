@@ -21,6 +21,7 @@ import time
 
 import torch
 import trisparse
+from block_sparse import time_ms
 
 PAPERS_NODES, PAPERS_EDGES = 111_059_956, 1_615_685_872
 
@@ -70,20 +71,6 @@ def generate(n: int, edges: int, alpha: float, cap: int, seed: int, device, chun
     rowptr = torch.zeros(n + 1, dtype=torch.int64, device=device)
     torch.cumsum(kept, 0, out=rowptr[1:])
     return rowptr, col[:written]
-
-
-def timed(fn, repeat: int) -> float:
-    """Median milliseconds of `repeat` calls (CUDA events), after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 def wall(fn):
@@ -232,7 +219,7 @@ def main() -> None:
         return ops.edge_attention(x, x, x, None, None, None, pattern.id, scale, 0.0, None)
 
     out, _edge, lse = forward()
-    fwd_ms = timed(forward, args.repeat)
+    fwd_ms = time_ms(forward, args.repeat)
     empty_edge = torch.empty(args.nodes, 1, 0, device=dev)
 
     def backward():
@@ -241,7 +228,7 @@ def main() -> None:
             pattern.id, scale, 0.0, None,
         )  # fmt: skip
 
-    bwd_ms = timed(backward, args.repeat)  # (the timed calls' results are dropped at once)
+    bwd_ms = time_ms(backward, args.repeat)  # (the timed calls' results are dropped at once)
     grads = backward()[:3]
     peak = gib(torch.cuda.max_memory_allocated(dev))
     rows = sample_rows(rowptr, args.nodes, args.check_rows, g, dev)
@@ -273,7 +260,7 @@ def main() -> None:
             return ops.edge_attention(x, x, x, None, None, None, pattern.id, scale, 0.0, None)
 
         out, _edge, lse = wide()
-        ms = timed(wide, args.repeat)
+        ms = time_ms(wide, args.repeat)
         rows = sample_rows(rowptr, args.nodes, args.check_rows, g, dev)
         f_err, lse_err = check_forward(rowptr, col, x, out, lse, scale, rows)
         emit({
