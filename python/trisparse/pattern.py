@@ -84,8 +84,6 @@ def _check_sorted_csr(rowptr: torch.Tensor, col: torch.Tensor, num_cols: int) ->
         part = col[a:b]
         if int(part.min()) < 0 or int(part.max()) >= num_cols:
             raise ValueError(f"col must lie in [0, {num_cols})")
-        if b - a < 2 and b < nnz:
-            continue
         step = col[a + 1 : b + 1] if b < nnz else col[a + 1 : b]
         up = step > part[: step.numel()]
         # a row starting at position p + 1 may start lower than position p ends

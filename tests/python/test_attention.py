@@ -319,7 +319,7 @@ def test_every_pattern_source_agrees():
     assert torch.equal(p.rowptr, ref.rowptr) and torch.equal(p.col, ref.col)
 
 
-@pytest.mark.parametrize("chunk", [1 << 28, 2, 3, 7])
+@pytest.mark.parametrize("chunk", [1 << 28, 1, 2, 3, 7])
 def test_a_sorted_csr_is_taken_in_place_and_checked(monkeypatch, chunk):
     """Pattern.from_sorted_csr takes a canonical CSR as it is (the same arrays, no copy) and
     equals from_csr's; every violation is found, wherever the check's chunks cut the entries."""
