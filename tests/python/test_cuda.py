@@ -1050,6 +1050,31 @@ def test_edge_attention_reads_a_sorted_csr_in_place(dtype, dropout):
         assert torch.equal(x, y), i
 
 
+def test_edge_attention_runs_past_2_31_entries():
+    """The multigraph forward over 2^31 + 2^19 entries (64-bit positions and offsets): 2^16 rows,
+    each attending every one of 2^15 + 8 keys, read in place from a sorted CSR (8.6 GB of
+    column ids). Rows whose entries lie past position 2^31 (the last ones) and the first rows
+    equal float64 attention over all keys."""
+    free, _total = torch.cuda.mem_get_info()
+    if free < 16 * 2**30:
+        pytest.skip(f"needs 16 GiB of free GPU memory, has {free / 2**30:.1f}")
+    rows, keys, c = 1 << 16, (1 << 15) + 8, 4
+    rowptr = torch.arange(rows + 1, dtype=torch.int64, device="cuda") * keys
+    col = torch.arange(keys, dtype=torch.int32, device="cuda").repeat(rows)
+    assert col.numel() > 2**31
+    p = trisparse.Pattern.from_sorted_csr(rowptr, col, keys, check=False)
+    g = torch.Generator().manual_seed(41)
+    q = torch.randn(rows, 1, c, generator=g).cuda()
+    k, v = (torch.randn(keys, 1, c, generator=g).cuda() for _ in range(2))
+    with torch.no_grad():
+        out, _ = trisparse.edge_attention(q, k, v, p, 0.5)
+    del col, p
+    picks = torch.tensor([0, 1, 2, rows - 3, rows - 2, rows - 1])
+    s = 0.5 * q[picks, 0].double() @ k[:, 0].double().T
+    want = torch.softmax(s, -1) @ v[:, 0].double()
+    assert relerr(out[picks, 0].double(), want) <= 1e-5
+
+
 def test_edge_attention_names_bad_arguments():
     ei = random_edge_index(20, 20, 3, seed=1)
     pattern = trisparse.Pattern.from_edge_index(ei, num_nodes=20)
