@@ -94,6 +94,12 @@ def _check_cuda(t: Tensor) -> None:
         )
 
 
+def _operand(t: Tensor) -> Tensor:
+    """t as the kernels read it: as it is if contiguous, or a view whose rows and heads are
+    16-byte aligned (a slice of a fused projection's output); else a contiguous copy."""
+    return t if t.is_contiguous() or _tensors.aligned16(t) else t.contiguous()
+
+
 def edge_attention_supported(pattern: Pattern, q: Tensor, features: int = 0) -> bool:
     """True where :func:`edge_attention` runs fused: CUDA tensors, heads of 4 * 2^k <= 128 (or
     256) channels and at most 8 features a lane."""
@@ -143,9 +149,9 @@ def edge_attention(
         r, a = r.contiguous(), a.contiguous()
     keep, p, state = _dropout_args(pattern, q, float(dropout), pyg_dropout)
     out, out_edge, _lse = _forward_eager(
-        q.contiguous(),
-        k.contiguous(),
-        v.contiguous(),
+        _operand(q),
+        _operand(k),
+        _operand(v),
         r,
         a,
         keep,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.parameter import UninitializedParameter
 from torch_geometric.nn import TransformerConv as _PygTransformerConv
 
 from ..._tensors import resolve_scale
@@ -69,14 +70,11 @@ class TransformerConv(_Fused, _PygTransformerConv):
             raise ValueError("edge_attr: this layer has edge_dim set and needs edge features")
         x_src, x_dst = (x, x) if isinstance(x, Tensor) else x
         pattern = self._patterns.get(edge_index, x_src.size(0), x_dst.size(0))
-        H, C = self.heads, self.out_channels
-        query = self.lin_query(x_dst).view(-1, H, C)
-        key = self.lin_key(x_src).view(-1, H, C)
-        value = self.lin_value(x_src).view(-1, H, C)
+        query, key, value, x_r = self._project(x_src, x_dst)
         out, alpha = self._attend(
             query, key, value, pattern, edge_attr, per_edge, return_attention_weights
         )
-        out = self._finish(out, x_dst)
+        out = self._finish(out, x_r)
         if return_attention_weights:
             return out, (edge_index, alpha)
         return out
@@ -106,11 +104,33 @@ class TransformerConv(_Fused, _PygTransformerConv):
         bias = pattern.log_multiplicity(query.device)
         return sparse_attention(query, key, value, pattern, scale=scale, bias=bias), None
 
-    def _finish(self, out, x_dst):
-        """The heads concatenated or averaged, then the skip connection (gated with beta)."""
+    def _project(self, x_src, x_dst):
+        """query [N_dst, H, C], key and value [N_src, H, C] and the skip term lin_skip(x_dst)
+        (None without root_weight). One node set: one GEMM over the concatenated weights and
+        biases, whose output the attention reads in place (one cast of x under autocast, one
+        gradient of x and one bias reduction in the backward, where four linears pay each four
+        times); the same products, the columns of one matrix."""
+        H, C = self.heads, self.out_channels
+        lins = [self.lin_query, self.lin_key, self.lin_value]
+        lins += [self.lin_skip] if self.root_weight else []
+        if x_src is not x_dst or any(
+            isinstance(lin.weight, UninitializedParameter) for lin in lins
+        ):
+            parts = [lins[0](x_dst), lins[1](x_src), lins[2](x_src)]
+            parts += [lins[3](x_dst)] if self.root_weight else []
+        else:
+            weight = torch.cat([lin.weight for lin in lins])
+            bias = None if lins[0].bias is None else torch.cat([lin.bias for lin in lins])
+            y = F.linear(x_src, weight, bias)
+            parts = list(y.split([lin.weight.shape[0] for lin in lins], dim=-1))
+        x_r = parts[3] if self.root_weight else None
+        return parts[0].view(-1, H, C), parts[1].view(-1, H, C), parts[2].view(-1, H, C), x_r
+
+    def _finish(self, out, x_r):
+        """The heads concatenated or averaged, then the skip connection x_r = lin_skip(x_dst)
+        (gated with beta)."""
         out = out.reshape(-1, self.heads * self.out_channels) if self.concat else out.mean(dim=1)
         if self.root_weight:
-            x_r = self.lin_skip(x_dst)
             if self.lin_beta is not None:
                 beta = self.lin_beta(torch.cat([out, x_r, out - x_r], dim=-1)).sigmoid()
                 out = beta * x_r + (1 - beta) * out
@@ -146,7 +166,7 @@ class TransformerConv(_Fused, _PygTransformerConv):
                 )
                 outs.append(out)
         out = dp.joined(outs[0] if len(outs) == 1 else torch.cat(outs), halo)
-        return self._finish(out, x)
+        return self._finish(out, self.lin_skip(x) if self.root_weight else None)
 
     def _edge_attention(self, query, key, value, edge_attr, pattern, scale, dropout):
         """Edge features or attention dropout on CUDA, fused: the score term q_i . W_e a_ij =
