@@ -469,5 +469,32 @@ TEST(Layers, RejectWrongShapesAndDevices) {
   EXPECT_THROW(agnn_layer::build(test::random_pattern(3, 4, 2, 1)), invalid_input);
 }
 
+// The multigraph plan's view rules, checked at build before any array is read (the arrays below
+// are never dereferenced): `edge` may be null (positions are the input's edge ids); col_ptr, dst
+// and by_source come together, or all null for a forward-only plan (3.2 B entries read in place).
+TEST(EdgeAttentionPlan, ForwardOnlyViewsAndTheirRules) {
+  const std::int64_t row_ptr[3] = {0, 1, 2}, col_ptr[3] = {0, 1, 2}, by_source[2] = {0, 1};
+  const std::int32_t src[2] = {0, 1}, dst[2] = {0, 1};
+  multigraph_view g{.rows = 2, .cols = 2, .edges = 2, .row_ptr = row_ptr, .src = src};
+  EXPECT_NO_THROW((void)edge_attention_plan::build(g));  // forward only, no edge ids
+  g.edges = std::int64_t{3} << 31;                       // entry counts past 2^31
+  EXPECT_NO_THROW((void)edge_attention_plan::build(g));
+  g.edges = 2;
+  g.col_ptr = col_ptr;  // a by-source side without dst and by_source
+  try {
+    (void)edge_attention_plan::build(g);
+    ADD_FAILURE() << "a partial by-source side was accepted";
+  } catch (const invalid_input& e) {
+    EXPECT_NE(std::string(e.what()).find("come together"), std::string::npos) << e.what();
+  }
+  g.dst = dst;
+  g.by_source = by_source;
+  EXPECT_NO_THROW((void)edge_attention_plan::build(g));
+  g.col_ptr = nullptr;  // dst and by_source without col_ptr
+  EXPECT_THROW((void)edge_attention_plan::build(g), invalid_input);
+  g = {.rows = 2, .cols = 2, .edges = 2, .row_ptr = row_ptr};  // no src
+  EXPECT_THROW((void)edge_attention_plan::build(g), invalid_input);
+}
+
 }  // namespace
 }  // namespace trisparse
