@@ -258,7 +258,9 @@ def main() -> None:
             dv_rel_err=v_err,
         )  # fmt: skip
     else:
-        record["backward"] = f"not run: its gradients and workspace need {gib(need):.1f} GiB more"
+        record["backward"] = (
+            f"not run: its gradients and workspace need {gib(need):.1f} GiB, more than is free"
+        )
     record["peak_gib"] = gib(torch.cuda.max_memory_allocated(dev))
     emit(record)
     del out, lse, grads, _plan, pattern, rowptr, col, deg
