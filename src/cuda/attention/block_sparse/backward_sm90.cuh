@@ -57,9 +57,10 @@ __device__ __forceinline__ void issue_accumulate(float (&acc)[D / 8][4],
 }
 
 /// dq (KV = false: a block per query tile) or dk and dv (KV: a block per key tile); DROPOUT: the
-/// forward's dropout factors regenerated (backward_kernel's terms).
-template <class T, int D, bool KV, bool DROPOUT = false>
-__global__ void __launch_bounds__(128, 2)
+/// forward's dropout factors regenerated (backward_kernel's terms); MIN_BLOCKS: the blocks per SM
+/// the registers are held to (heuristics.hpp).
+template <class T, int D, bool KV, bool DROPOUT = false, int MIN_BLOCKS = 2>
+__global__ void __launch_bounds__(128, MIN_BLOCKS)
     backward_wgmma_kernel(const __grid_constant__ backward_params p) {
   static_assert(D % 64 == 0);
   constexpr int BM = kBackwardRows, BN = kBackwardRows, kThreads = 128;

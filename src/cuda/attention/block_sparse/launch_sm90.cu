@@ -3,6 +3,7 @@
 
 #include "backward_sm90.cuh"
 #include "dispatch.cuh"
+#include "heuristics.hpp"
 #include "kernel_sm90.cuh"
 
 namespace trisparse::cuda::block_sparse {
@@ -82,7 +83,8 @@ void launch_wgmma_backward(dtype in, std::int64_t dim, const backward_params& p,
       with_dropout(dropout, [&]<bool DROPOUT>() {
         launch_kernel<sm90::backward_wgmma_kernel<T, D, false, DROPOUT>>(
             128, sm90::backward_shared_bytes<D, false>(), p, query_tiles, s);
-        launch_kernel<sm90::backward_wgmma_kernel<T, D, true, DROPOUT>>(
+        constexpr int kBlocks = DROPOUT ? kKeyPassBlocksDropout : kKeyPassBlocks;
+        launch_kernel<sm90::backward_wgmma_kernel<T, D, true, DROPOUT, kBlocks>>(
             128, sm90::backward_shared_bytes<D, true>(), p, key_tiles, s);
       });
     });
