@@ -61,8 +61,10 @@ def run(layer, x, edge_index, edge_attr, dout, autocast, repeat):
     out = step()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    # Copies: float() of a float32 gradient is the gradient itself, which --profile's later
+    # steps would keep accumulating into.
     tensors = [out.detach().float(), x.grad.float()] + [t.grad.float() for t in extra.values()]
-    tensors += [p.grad.float() for p in layer.parameters()]
+    tensors = [t.clone() for t in tensors] + [p.grad.float().clone() for p in layer.parameters()]
     return {"step_ms": ms, "peak_mib": peak}, tensors
 
 
