@@ -46,14 +46,22 @@ if [ "${GTEST:-*}" != none ]; then
   echo "gpu tests: $((SECONDS - start)) s"
 fi
 # SANITIZE=1: compute-sanitizer memcheck and racecheck side by side over the generic test's ops
-# named in SANITIZE_OPS (TRISPARSE_OPS), and memcheck over the CUDA pytest tests matching
+# named in SANITIZE_OPS (TRISPARSE_OPS; "none" skips them), both over the GPU tests matching
+# SANITIZE_GTEST (a gtest filter) where set, and memcheck over the CUDA pytest tests matching
 # SANITIZE_K; each under SANITIZE_SECONDS.
 if [ "${SANITIZE:-0}" = 1 ]; then
   mkdir -p /tmp/packed && tar -xJf .devpack/gpu_tests.tar.xz -C /tmp/packed
   for tool in memcheck racecheck; do
-    TRISPARSE_OPS=${SANITIZE_OPS:-block_sparse_dropout,segment,topk} timeout "${SANITIZE_SECONDS:-300}" \
-      compute-sanitizer --tool $tool --error-exitcode 9 /tmp/packed/op_gpu_tests \
-      > "$out/${tool}_ops.log" 2>&1 &
+    if [ "${SANITIZE_OPS:-}" != none ]; then
+      TRISPARSE_OPS=${SANITIZE_OPS:-block_sparse_dropout,segment,topk} timeout "${SANITIZE_SECONDS:-300}" \
+        compute-sanitizer --tool $tool --error-exitcode 9 /tmp/packed/op_gpu_tests \
+        > "$out/${tool}_ops.log" 2>&1 &
+    fi
+    if [ -n "${SANITIZE_GTEST:-}" ]; then
+      timeout "${SANITIZE_SECONDS:-300}" compute-sanitizer --tool $tool --error-exitcode 9 \
+        /tmp/packed/gpu_tests --gtest_brief=1 --gtest_filter="$SANITIZE_GTEST" \
+        > "$out/${tool}_gtest.log" 2>&1 &
+    fi
   done
   if [ -n "${SANITIZE_K:-}" ]; then
     timeout "${SANITIZE_SECONDS:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 \
@@ -62,7 +70,7 @@ if [ "${SANITIZE:-0}" = 1 ]; then
   fi
   wait
   for f in "$out"/*check_*.log; do
-    echo "$(basename "$f"): $(grep -E 'cases on|ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' "$f" | tr '\n' ' ')"
+    echo "$(basename "$f"): $(grep -E 'cases on|PASSED|ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' "$f" | tr '\n' ' ')"
     grep -q -E "ERROR SUMMARY: [1-9]|RACECHECK SUMMARY: [1-9]|FAILED" "$f" && status=1
   done
   echo "sanitize: $((SECONDS - start)) s"

@@ -85,12 +85,13 @@ void launch_wgmma(const kernel_key& key, const params& p, std::int64_t k_rows, s
                   cudaStream_t s);
 
 /// The wgmma backward (sm_90 only, launch_sm90.cu): dq over the query tiles, then dk and dv over
-/// the key tiles, 64 rows a tile (the plan's backward tile), D = 64; the terms already written.
+/// the key tiles, 64 rows a tile (the plan's backward tile), D = 64 or 128; the terms already
+/// written.
 void launch_wgmma_backward(dtype in, std::int64_t dim, const backward_params& p,
                            std::int32_t query_tiles, std::int32_t key_tiles,
                            const attention_dropout& dropout, cudaStream_t s);
 
 /// The head dims the wgmma backward takes.
-inline bool wgmma_backward_takes(std::int64_t dim) { return dim == 64; }
+inline bool wgmma_backward_takes(std::int64_t dim) { return dim == 64 || dim == 128; }
 
 }  // namespace trisparse::cuda::block_sparse

@@ -14,8 +14,9 @@ inline constexpr double kPingpongFromTiles = 12;
 /// Blocks per SM the wgmma backward's dk/dv kernel is compiled for (launch bounds): three hold it
 /// to 168 registers without spills (198 at two), and the extra warps per scheduler hide the
 /// elementwise step's latency: the backward 10-12 % faster (H200, D = 64, N 32K-128K, G 64-128,
-/// p 0.5-0.9; docs/notes/block_sparse_backward.md). With dropout's draws it would spill: two.
-inline constexpr int kKeyPassBlocks = 3, kKeyPassBlocksDropout = 2;
+/// p 0.5-0.9; docs/notes/block_sparse_backward.md). With dropout's draws it would spill: two. At
+/// D = 128 (two 64 x 128 accumulators) both take two: 246 registers, 255 with dropout.
+inline constexpr int kKeyPassBlocks = 3, kKeyPassBlocksDropout = 2, kKeyPassBlocksD128 = 2;
 
 /// The three-kernel pipeline keeps the scores of as many heads at a time as fit this many bytes
 /// (at least one head): past it, more heads at once save only launches.

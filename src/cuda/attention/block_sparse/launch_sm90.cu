@@ -79,11 +79,13 @@ void launch_wgmma_backward(dtype in, std::int64_t dim, const backward_params& p,
                            std::int32_t query_tiles, std::int32_t key_tiles,
                            const attention_dropout& dropout, cudaStream_t s) {
   with_half_type(in, "block-sparse backward's q", [&]<class T>() {
-    with_head_dim<64>(dim, "the wgmma block-sparse backward's head_dim", [&]<int D>() {
+    with_head_dim<64, 128>(dim, "the wgmma block-sparse backward's head_dim", [&]<int D>() {
       with_dropout(dropout, [&]<bool DROPOUT>() {
         launch_kernel<sm90::backward_wgmma_kernel<T, D, false, DROPOUT>>(
             128, sm90::backward_shared_bytes<D, false>(), p, query_tiles, s);
-        constexpr int kBlocks = DROPOUT ? kKeyPassBlocksDropout : kKeyPassBlocks;
+        constexpr int kBlocks = D == 128  ? kKeyPassBlocksD128
+                                : DROPOUT ? kKeyPassBlocksDropout
+                                          : kKeyPassBlocks;
         launch_kernel<sm90::backward_wgmma_kernel<T, D, true, DROPOUT, kBlocks>>(
             128, sm90::backward_shared_bytes<D, true>(), p, key_tiles, s);
       });
