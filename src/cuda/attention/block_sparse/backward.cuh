@@ -157,33 +157,40 @@ __device__ __forceinline__ void probabilities_and_ds(float (&s)[BN / 8][4], floa
                                                      const float (&row_lse)[2],
                                                      const float (&row_dterm)[2], float c) {
   const int tq = static_cast<int>(threadIdx.x) % 4;
-  const bool masked = w.masks(y);
+  // Two copies of the loop, with and without the per-pair test: most tiles need none, and a test
+  // inside the loop would cost a branch per pair there too.
+  const auto step = [&]<bool MASKED>() {
 #pragma unroll
-  for (int n = 0; n < BN / 8; ++n) {
-    float keep[2][2] = {{1.f, 1.f}, {1.f, 1.f}};  // [stationary row slot][streamed row]
-    if constexpr (DROPOUT) {
-      const int first = y + n * 8 + 2 * tq;  // the thread's first streamed row
-      if constexpr (KV)
-        drops.keys_by_queries(first, r_lo, head_of(w), keep);
-      else
-        drops.rows_by_keys(r_lo, first, head_of(w), keep);
-    }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int col = n * 8 + 2 * tq + (e & 1), r = e >> 1;
-      const float lse = KV ? terms[col] : row_lse[r];
-      const float dterm = KV ? terms[BN + col] : row_dterm[r];
-      float pv = exp2_approx(fmaf(s[n][e], c, -lse));
-      if (masked) {
-        const int i = KV ? y + col : r_lo + 8 * r;  // query
-        const int j = KV ? r_lo + 8 * r : y + col;  // key
-        if (w.hides(i, j, r)) pv = 0.f;
+    for (int n = 0; n < BN / 8; ++n) {
+      float keep[2][2] = {{1.f, 1.f}, {1.f, 1.f}};  // [stationary row slot][streamed row]
+      if constexpr (DROPOUT) {
+        const int first = y + n * 8 + 2 * tq;  // the thread's first streamed row
+        if constexpr (KV)
+          drops.keys_by_queries(first, r_lo, head_of(w), keep);
+        else
+          drops.rows_by_keys(r_lo, first, head_of(w), keep);
       }
-      const float m = keep[r][e & 1];  // constant 1 without dropout
-      t[n][e] = pv * (m * t[n][e] - dterm);
-      s[n][e] = pv * m;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = n * 8 + 2 * tq + (e & 1), r = e >> 1;
+        const float lse = KV ? terms[col] : row_lse[r];
+        const float dterm = KV ? terms[BN + col] : row_dterm[r];
+        float pv = exp2_approx(fmaf(s[n][e], c, -lse));
+        if constexpr (MASKED) {
+          const int i = KV ? y + col : r_lo + 8 * r;  // query
+          const int j = KV ? r_lo + 8 * r : y + col;  // key
+          if (w.hides(i, j, r)) pv = 0.f;
+        }
+        const float m = keep[r][e & 1];  // constant 1 without dropout
+        t[n][e] = pv * (m * t[n][e] - dterm);
+        s[n][e] = pv * m;
+      }
     }
-  }
+  };
+  if (w.masks(y))
+    step.template operator()<true>();
+  else
+    step.template operator()<false>();
 }
 
 /// Walk: void for the block mask's (tile_walk for dq, key_walk for dk/dv), or another walk with

@@ -92,13 +92,12 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
                                y_len - y);
     load_rows<D, BN, kThreads>(sy2 + stage * kStage, y2g + ((y0 + y) * y2s + w.h * y2h) * 2, y2s,
                                y_len - y);
-    if constexpr (KV) {
-      for (int x = static_cast<int>(threadIdx.x); x < 2 * BN; x += kThreads) {
-        const int r = x % BN;
-        const float* src = (x < BN ? p.lse2 : p.dterm) + w.h * p.rows_q + w.q0 + y + r;
-        arch::cp_async_4(sterm + static_cast<std::uint32_t>((stage * 2 * BN + x) * 4), src,
-                         y + r < w.lq);
-      }
+    if constexpr (KV) {  // a thread per value: lse2 of the BN queries, then their dterm
+      static_assert(2 * BN == kThreads);
+      const int x = static_cast<int>(threadIdx.x), r = x % BN;
+      const float* src = (x < BN ? p.lse2 : p.dterm) + w.h * p.rows_q + w.q0 + y + r;
+      arch::cp_async_4(sterm + static_cast<std::uint32_t>((stage * 2 * BN + x) * 4), src,
+                       y + r < w.lq);
     }
   };
 
