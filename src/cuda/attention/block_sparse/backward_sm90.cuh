@@ -56,6 +56,37 @@ __device__ __forceinline__ void issue_accumulate(float (&acc)[D / 8][4],
   }
 }
 
+/// The streamed tiles' copies for one thread (load_rows' split: chunk x % (D / 8) of rows
+/// x / (D / 8) + i * kStep), its first chunk's address and the step between its rows computed once
+/// per kernel: a tile at row y costs one multiply-add and a 64-bit add a chunk. Rows at or past
+/// `valid` are zero-filled (the predicated copy reads nothing).
+template <int D, int ROWS, int THREADS>
+struct row_stream {
+  static constexpr int kPerRow = D / 8, kStep = THREADS / kPerRow;
+  static_assert(THREADS % kPerRow == 0 && ROWS % kStep == 0);
+  const char* first;  // row 0's chunk of this thread
+  std::int64_t row_bytes, step;
+  int row, chunk;
+
+  __device__ row_stream(const char* src, std::int64_t stride) {
+    const int x = static_cast<int>(threadIdx.x) % THREADS;
+    row = x / kPerRow;
+    chunk = x % kPerRow;
+    row_bytes = stride * 2;
+    step = kStep * row_bytes;
+    first = src + row * row_bytes + chunk * 16;
+  }
+  __device__ __forceinline__ void load(std::uint32_t base, int y, int valid) const {
+    const char* from = first + y * row_bytes;
+#pragma unroll
+    for (int i = 0; i < ROWS / kStep; ++i) {
+      arch::cp_async_16(swizzled<ROWS>(base, row + i * kStep, chunk / 8, chunk % 8), from,
+                        row + i * kStep < valid - y);
+      from += step;
+    }
+  }
+};
+
 /// dq (KV = false: a block per query tile) or dk and dv (KV: a block per key tile); DROPOUT: the
 /// forward's dropout factors regenerated (backward_kernel's terms); MIN_BLOCKS: the blocks per SM
 /// the registers are held to (heuristics.hpp).
@@ -87,11 +118,11 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
   const std::int64_t y1h = KV ? p.q_head : p.k_head, y2h = KV ? p.do_head : p.v_head;
   const std::int64_t x0 = KV ? w.k0 : w.q0, y0 = KV ? w.q0 : w.k0;
   const int x_len = KV ? w.lk : w.lq, y_len = KV ? w.lq : w.lk;
+  const row_stream<D, BN, kThreads> y1r(y1g + (y0 * y1s + w.h * y1h) * 2, y1s),
+      y2r(y2g + (y0 * y2s + w.h * y2h) * 2, y2s);
   const auto load_stage = [&](int stage, int y) {
-    load_rows<D, BN, kThreads>(sy1 + stage * kStage, y1g + ((y0 + y) * y1s + w.h * y1h) * 2, y1s,
-                               y_len - y);
-    load_rows<D, BN, kThreads>(sy2 + stage * kStage, y2g + ((y0 + y) * y2s + w.h * y2h) * 2, y2s,
-                               y_len - y);
+    y1r.load(sy1 + stage * kStage, y, y_len);
+    y2r.load(sy2 + stage * kStage, y, y_len);
     if constexpr (KV) {  // a thread per value: lse2 of the BN queries, then their dterm
       static_assert(2 * BN == kThreads);
       const int x = static_cast<int>(threadIdx.x), r = x % BN;
