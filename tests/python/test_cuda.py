@@ -501,6 +501,35 @@ def test_gcn_conv_layer_with_fused_relu_matches_pyg_on_cuda():
     assert relerr(gp["bias"], pyg.bias.grad) <= 2e-3
 
 
+def test_gcn_conv_learned_edge_weights_on_cuda_match_pyg():
+    """An edge_weight that requires grad on a multigraph (repeated edges, self loops): out and the
+    gradients of x, the weights and every parameter against PyG's layer (whose gcn_norm both
+    run: its degree sums add with atomics on CUDA, so no bitwise check here)."""
+    n = 3000
+    ei = random_edge_index(n, n, 12, seed=44, self_loops=True)
+    ei = torch.cat([ei, ei[:, ::5]], 1).cuda()
+    torch.manual_seed(0)
+    pyg = pyg_nn.GCNConv(32, 48).cuda()
+    ours = trisparse.nn.GCNConv(32, 48).cuda()
+    ours.load_state_dict(pyg.state_dict())
+    x = torch.randn(n, 32, device="cuda")
+    w = torch.rand(ei.shape[1], device="cuda") + 0.5
+    up = torch.randn(n, 48, device="cuda")
+
+    def step(layer):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = layer(xs, ei, ws)
+        out.backward(up)
+        grads = [out.detach(), xs.grad, ws.grad, layer.lin.weight.grad, layer.bias.grad]
+        grads = [g.clone() for g in grads]
+        layer.zero_grad()
+        return grads
+
+    got, want = step(ours), step(pyg)
+    for name, a, b in zip(["out", "dx", "dw", "dlin", "dbias"], got, want):
+        assert relerr(a, b) <= 1e-3, name
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads, d, shared", [(8, 16, False), (2, 64, True), (4, 32, False)])
 def test_biased_attention_on_cuda_matches_the_float64_cpu_op(dtype, heads, d, shared):

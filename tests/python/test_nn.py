@@ -341,14 +341,54 @@ def test_gcn_conv_on_shared_graphs(name):
     assert_close(run(ours, x, ei), run(pyg, x, ei), rtol=5e-5)  # from the cache
 
 
-def test_gcn_conv_edge_weight_gradients_fall_back():
-    ei = random_edge_index(30, 30, 4, seed=7)
-    ours, pyg = pair(trisparse.nn.GCNConv, pyg_nn.GCNConv, 8, 4)
-    x = torch.randn(30, 8)
-    w = (torch.rand(ei.shape[1]) + 0.5).requires_grad_()
-    with pytest.warns(UserWarning, match="edge_weight"):
-        a = ours(x, ei, w)
-    assert torch.equal(a, pyg(x, ei, w))
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"improved": True},
+        {"add_self_loops": False},
+        {"normalize": False},
+        {"bias": False},
+        {"flow": "target_to_source"},
+    ],
+)
+def test_gcn_conv_learned_edge_weights_match_pyg(kwargs):
+    n = 90
+    ei = multigraph(n, n, seed=7)
+    ours, pyg = pair(trisparse.nn.GCNConv, pyg_nn.GCNConv, 8, 5, **kwargs)
+    ours, pyg = ours.double(), pyg.double()
+    x = torch.randn(n, 8, dtype=torch.float64)
+    w = torch.rand(ei.shape[1], dtype=torch.float64) + 0.5
+
+    def step(layer):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = layer(xs, ei, ws)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).double())
+        grads = {k: p.grad.clone() for k, p in layer.named_parameters()}
+        layer.zero_grad()
+        return out.detach(), xs.grad, ws.grad, grads
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback
+        got = step(ours)
+    want = step(pyg)
+    for a, b in zip(got[:3], want[:3]):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+    assert got[3].keys() == want[3].keys()
+    for k in got[3]:
+        assert torch.allclose(got[3][k], want[3][k], rtol=1e-12, atol=1e-12), k
+    again = step(ours)  # the cached pattern; the same bits
+    assert all(torch.equal(a, b) for a, b in zip(got[:3], again[:3]))
+
+
+def test_gcn_conv_takes_another_graph_on_each_call():
+    ours, pyg = pair(trisparse.nn.GCNConv, pyg_nn.GCNConv, 6, 4)
+    x = torch.randn(40, 6)
+    for seed in (1, 2, 3):  # a new edge_index object each call, of another shape
+        ei = random_edge_index(40, 40, 3 + seed, seed=seed)
+        assert torch.allclose(ours(x, ei), pyg(x, ei), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="edge_weight must have shape"):
+        ours(x, ei, torch.rand(ei.shape[1] + 1, requires_grad=True))
 
 
 def test_spmm_gradients():

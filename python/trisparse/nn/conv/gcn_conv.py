@@ -8,7 +8,10 @@ from torch import Tensor
 from torch_geometric.nn import GCNConv as _PygGCNConv
 from torch_geometric.nn.conv.gcn_conv import gcn_norm
 
+from ...copies import copy_sum
 from ...distributed import DistributedPattern
+from ...edge import edge_spmm
+from ...pattern import Pattern
 from ...sparse import SparseMatrix, gcn_conv, spmm
 from ._common import _Fused
 
@@ -21,9 +24,11 @@ class GCNConv(_Fused, _PygGCNConv):
     x W then the SpMM, whichever the measured rule picks; deterministic in both directions.
 
     One argument beyond PyG's: ``fuse_relu=True`` applies the ReLU that usually follows the layer
-    in the same kernel (the backward keeps a 1-bit mask instead of the output). Falls back to
-    PyG's code, with a one-time warning, for an ``edge_weight`` that requires grad and for graphs
-    that are not an ``edge_index`` tensor. A :class:`trisparse.distributed.DistributedPattern`
+    in the same kernel (the backward keeps a 1-bit mask instead of the output). An
+    ``edge_weight`` that requires grad (learned weights) runs PyG's ``gcn_norm``, then the
+    per-edge SpMM of x W (:func:`trisparse.edge_spmm`; repeated edges summed, as PyG sums their
+    messages), differentiable in x, the weights and every parameter. Falls back to PyG's code,
+    with a one-time warning, for graphs that are not an ``edge_index`` tensor. A :class:`trisparse.distributed.DistributedPattern`
     as ``edge_index`` computes this rank's rows of a partitioned graph."""
 
     def __init__(self, *args, fuse_relu: bool = False, **kwargs):
@@ -32,6 +37,8 @@ class GCNConv(_Fused, _PygGCNConv):
         self._init_fused()
         self._matrix_key = None
         self._matrix = None
+        self._weighted_key = None  # the Pattern of learned edge weights' graph
+        self._weighted = None
 
     def _propagation(self, x: Tensor, edge_index: Tensor, edge_weight) -> SparseMatrix:
         if torch.compiler.is_compiling():
@@ -47,7 +54,7 @@ class GCNConv(_Fused, _PygGCNConv):
             None if edge_weight is None else edge_weight._version,
             n,
         )
-        if self._matrix is not None and (self.cached or self._matrix_key == key):
+        if self._matrix is not None and (self.cached or _same_key(self._matrix_key, key)):
             return self._matrix
         if self.normalize:
             ei, w = gcn_norm(
@@ -69,14 +76,45 @@ class GCNConv(_Fused, _PygGCNConv):
             reason = "bipartite inputs are not supported"
         elif not isinstance(edge_index, Tensor) or edge_index.layout != torch.strided:
             reason = f"{type(edge_index).__name__} graphs are not fused (pass edge_index)"
-        elif edge_weight is not None and edge_weight.requires_grad:
-            reason = "gradients of edge_weight are not fused"
         if reason is not None:
             self._fallback(reason, edge_index)
             out = super().forward(x, edge_index, edge_weight)
             return F.relu(out) if self.fuse_relu else out
+        if edge_weight is not None and edge_weight.requires_grad:
+            out = self._learned_weights(x, edge_index, edge_weight)
+            return F.relu(out) if self.fuse_relu else out
         matrix = self._propagation(x, edge_index, edge_weight)
         return gcn_conv(matrix, x, self.lin.weight, self.bias, relu=self.fuse_relu)
+
+    def _learned_weights(self, x: Tensor, edge_index: Tensor, edge_weight: Tensor) -> Tensor:
+        """An edge_weight that requires grad (learned edge weights, explainer masks): PyG's own
+        gcn_norm (differentiable in the weights; its degree sums are torch scatters, with atomics
+        on CUDA), each entry's weight the sum over its copies, then the per-edge SpMM of x W,
+        whose gradient in the weights is the SDDMM of the output gradient with x W (both in a
+        fixed order)."""
+        n = x.size(0)
+        if edge_weight.shape != (edge_index.size(1),):
+            raise ValueError(
+                f"edge_weight must have shape [{edge_index.size(1)}] (one weight per edge), got "
+                f"{list(edge_weight.shape)}"
+            )
+        if self.normalize:
+            ei, w = gcn_norm(
+                edge_index, edge_weight, n, self.improved, self.add_self_loops, self.flow, x.dtype
+            )
+        else:
+            ei, w = edge_index, edge_weight
+        # gcn_norm's edges depend on edge_index alone: their Pattern is kept per edge_index.
+        key = (edge_index, edge_index._version, n, self.normalize, self.add_self_loops, self.flow)
+        if not _same_key(self._weighted_key, key):
+            pairs = ei if self.flow == "source_to_target" else ei.flip(0)
+            self._weighted = Pattern.from_edge_index(pairs, size=(n, n))
+            self._weighted_key = key
+        pattern = self._weighted
+        h = self.lin(x)
+        values = copy_sum(w.to(h.dtype).unsqueeze(-1), pattern)
+        out = edge_spmm(values, h.unsqueeze(1), pattern).squeeze(1)
+        return out if self.bias is None else out + self.bias
 
     def _distributed_gcn(self, x: Tensor, dp: DistributedPattern, edge_weight) -> Tensor:
         """This rank's rows of a partitioned graph: PyG's gcn_norm (DistributedPattern.gcn_matrix:
@@ -99,6 +137,15 @@ class GCNConv(_Fused, _PygGCNConv):
             return F.relu(out) if self.fuse_relu else out
 
         return dp.run(compute, x)
+
+
+def _same_key(old, new) -> bool:
+    """Cache keys equal: tensors by identity (with their version beside them), the rest by value
+    (== on two tensors compares their elements)."""
+    return old is not None and all(
+        a is b if isinstance(a, Tensor) or isinstance(b, Tensor) else a == b
+        for a, b in zip(old, new, strict=True)
+    )
 
 
 # The matrices that compiled graphs hold (by id), kept alive for them.
