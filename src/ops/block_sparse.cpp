@@ -66,12 +66,15 @@ tensor_view rows_of(const tensor_view& t, std::int64_t row0, std::int64_t rows) 
 }
 
 // The CPU engine's backward over a block mask: per sequence (and mask head), the expanded pattern
-// and its transpose, the forward recomputed for out and lse (fp32), then the fused backward,
-// which writes every row of dq, dk and dv (zeros where no pair reaches).
+// and its transpose, the forward's out and lse (given, as run() wrote them, or recomputed in the
+// engine's type where null), then the fused backward, which writes every row of dq, dk and dv
+// (zeros where no pair reaches).
 void cpu_block_sparse_backward(const block_sparse_mask& m, const tensor_view& q,
-                               const tensor_view& k, const tensor_view& v, const tensor_view& dout,
-                               const tensor_view& dq, const tensor_view& dk, const tensor_view& dv,
-                               double scale, const attention_dropout& dropout) {
+                               const tensor_view& k, const tensor_view& v,
+                               const tensor_view* saved_out, const tensor_view* saved_lse,
+                               const tensor_view& dout, const tensor_view& dq,
+                               const tensor_view& dk, const tensor_view& dv, double scale,
+                               const attention_dropout& dropout) {
   for (std::int64_t b = 0; b < m.batch(); ++b) {
     const std::int64_t q0 = m.cu_seqlens_q[b], k0 = m.cu_seqlens_k[b];
     const std::int64_t lq = m.len_q(b), lk = m.len_k(b);
@@ -87,13 +90,16 @@ void cpu_block_sparse_backward(const block_sparse_mask& m, const tensor_view& q,
       // dropout. Dropout's draws: rows within the sequence, head b * H + h (the kernels').
       const dtype t = q.type == dtype::f64 ? dtype::f64 : dtype::f32;
       const std::int64_t head0 = b * q.heads + (groups == 1 ? 0 : g);
-      host_tensor out(t, lq, heads, v.dim), lse(t, lq, heads, 1);
-      cpu::fused_attention_unchecked(a, part(q, q0, lq), part(k, k0, lk), part(v, k0, lk),
-                                     out.view(), scale, lse.view(), {}, dropout, head0);
+      host_tensor out(t, saved_out ? 0 : lq, heads, v.dim), lse(t, saved_lse ? 0 : lq, heads, 1);
+      if (saved_out == nullptr) {
+        cpu::fused_attention_unchecked(a, part(q, q0, lq), part(k, k0, lk), part(v, k0, lk),
+                                       out.view(), scale, lse.view(), {}, dropout, head0);
+      }
       cpu::fused_attention_backward_unchecked(
-          a, transpose(a), part(q, q0, lq), part(k, k0, lk), part(v, k0, lk), out.view(),
-          lse.view(), part(dout, q0, lq), part(dq, q0, lq), part(dk, k0, lk), part(dv, k0, lk),
-          scale, {.dropout = dropout, .dropout_head0 = head0});
+          a, transpose(a), part(q, q0, lq), part(k, k0, lk), part(v, k0, lk),
+          saved_out ? part(*saved_out, q0, lq) : out.view(),
+          saved_lse ? part(*saved_lse, q0, lq) : lse.view(), part(dout, q0, lq), part(dq, q0, lq),
+          part(dk, k0, lk), part(dv, k0, lk), scale, {.dropout = dropout, .dropout_head0 = head0});
     }
   }
 }
@@ -257,15 +263,21 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
   const double scale = detail::resolve_scale(options.scale, q.dim);
   const algorithm algo = options.algo == algorithm::automatic ? state_->report.algo : options.algo;
   check_dropout_runs(options, algo, state_->report.where);
-  if (options.lse.data != nullptr) {
-    TRISPARSE_EXPECTS_INPUT(algo == algorithm::block,
-                            "block-sparse plans write the log-sum-exp with algorithm::block only, "
-                            "not " +
-                                std::string(to_string(algo)));
-    check_view(options.lse, "lse", m.cu_seqlens_q.back(), q.heads, 1);
-    TRISPARSE_EXPECTS_INPUT(options.lse.where == device_kind::cuda, "lse must be on the GPU");
-  }
   const device_kind where = state_->report.where;
+  if (options.lse.data != nullptr) {
+    const bool cpu = where == device_kind::cpu;
+    TRISPARSE_EXPECTS_INPUT(algo == (cpu ? algorithm::fused : algorithm::block),
+                            "block-sparse plans write the log-sum-exp with algorithm::block on "
+                            "CUDA and algorithm::fused on the CPU, not " +
+                                std::string(to_string(algo)) + " on " + to_string(where));
+    check_view(options.lse, "lse", m.cu_seqlens_q.back(), q.heads, 1);
+    TRISPARSE_EXPECTS_INPUT(
+        options.lse.where == where,
+        std::string("lse must be on the plan's device (") + to_string(where) + ")");
+    TRISPARSE_EXPECTS_INPUT(
+        options.lse.type == dtype::f32 || (cpu && options.lse.type == dtype::f64),
+        "lse must be f32 (or f64 on the CPU), not " + std::string(to_string(options.lse.type)));
+  }
   // The CPU runs either algorithm from the mask; a CUDA plan runs the one it was built for.
   TRISPARSE_EXPECTS_INPUT(
       runs_block_masks(algo, where) && (where == device_kind::cpu || algo == state_->report.algo),
@@ -281,7 +293,7 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
       return;
     case algorithm::fused: {
       if (where == device_kind::cpu) {
-        cpu::block_sparse_attention_unchecked(m, q, k, v, out, scale, options.dropout);
+        cpu::block_sparse_attention_unchecked(m, q, k, v, out, scale, options.dropout, options.lse);
         return;
       }
       // The element plans hold no device CSR for the row-wise kernels (they are forward-only).
@@ -339,7 +351,15 @@ void block_sparse_attention_plan::backward(const tensor_view& q, const tensor_vi
     TRISPARSE_EXPECTS_INPUT(
         runs_block_masks(algo, where),
         "block-sparse backward on the CPU runs fused, not " + std::string(to_string(algo)));
-    cpu_block_sparse_backward(m, q, k, v, dout, dq, dk, dv, scale, options.dropout);
+    const bool saved = out.data != nullptr && lse.data != nullptr;
+    if (saved) {
+      check_view(out, "out", m.cu_seqlens_q.back(), q.heads, v.dim);
+      check_view(lse, "lse", m.cu_seqlens_q.back(), q.heads, 1);
+      TRISPARSE_EXPECTS_INPUT(out.where == device_kind::cpu && lse.where == device_kind::cpu,
+                              "out and lse must be on the CPU, as the plan");
+    }
+    cpu_block_sparse_backward(m, q, k, v, saved ? &out : nullptr, saved ? &lse : nullptr, dout, dq,
+                              dk, dv, scale, options.dropout);
     if (importance.wanted()) {
       cpu::block_importance_unchecked(m, q, k, v, dout, scale, importance.mass, importance.grad,
                                       qb);

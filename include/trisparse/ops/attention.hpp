@@ -67,7 +67,8 @@ struct attention_options {
   algorithm algo = algorithm::automatic;  ///< automatic = the plan's algorithm
   /// run(): where data != nullptr, also the per-row log-sum-exp of the scaled scores, what
   /// backward() needs: [rows, H, 1] (f32 for the fused algorithms), natural log, -inf for empty
-  /// rows. The reference and fused algorithms (CPU and CUDA); not block-sparse plans yet.
+  /// rows. The reference and fused algorithms (CPU and CUDA); block-sparse plans with
+  /// algorithm::block on CUDA (f32) and the CPU engine (f32, or f64 for exact float64 gradients).
   tensor_view lse{};
   /// A per-entry additive score bias: S_ij = scale q_i . k_j + bias[e, h] for entry e = (i, j) in
   /// the pattern's CSR order (rows sorted, columns sorted within a row). [nnz, H, 1], or

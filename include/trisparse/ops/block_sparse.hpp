@@ -84,8 +84,8 @@ class block_sparse_attention_plan {
                                            stream_ref stream = {});
 
   /// out = attention(q, k, v) under the mask (CUDA: asynchronous on `stream`; q, k, v f16 or bf16,
-  /// D 64 or 128 for algorithm::block; options.lse (f32 [rows, H, 1]) with algorithm::block
-  /// only). q: [cu_seqlens_q.back(), H, D],
+  /// D 64 or 128 for algorithm::block; options.lse, [rows, H, 1], f32 with algorithm::block on
+  /// CUDA, f32 or f64 with the CPU engine). q: [cu_seqlens_q.back(), H, D],
   /// k: [cu_seqlens_k.back(), H, D], v: [cu_seqlens_k.back(), H, Dv], out: [cu_seqlens_q.back(),
   /// H, Dv], on the plan's device; H = the mask's heads unless the mask is shared. Query rows with
   /// no key left give zeros. @throws invalid_input naming the argument that is wrong.
@@ -99,9 +99,10 @@ class block_sparse_attention_plan {
 
   /// Gradients of out = run(q, k, v) given dout: dq, dk, dv shaped as q, k, v, overwritten (rows
   /// and columns no pair reaches get exact zeros), bitwise deterministic. `out` and `lse` are
-  /// what run() wrote for these q, k, v (lse through attention_options::lse). CPU (out and lse
-  /// unused): reference, the float64 reference gradients; fused (the default), the CPU engine's
-  /// fp32 backward per sequence, its forward recomputed (OpenMP, deterministic). CUDA
+  /// what run() wrote for these q, k, v (lse through attention_options::lse). CPU: reference
+  /// (out and lse unused), the float64 reference gradients; fused (the default), the CPU engine's
+  /// fp32 (float64 for float64 q) backward per sequence from the given out and lse, or with both
+  /// empty from its forward recomputed (OpenMP, deterministic). CUDA
   /// (algorithm::block, a plan built with gradients): FlashAttention-2's backward over the mask
   /// and its transpose on tensor cores, q, k, v, dout f16 or bf16, D 64 or 128, dq/dk/dv in q's
   /// dtype or f32, asynchronous on `stream`; `workspace`: backward_workspace_bytes() bytes, or

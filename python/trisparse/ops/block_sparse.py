@@ -26,15 +26,15 @@ def _out_like(q: Tensor, dim: int) -> Tensor:
     return q.new_empty(rows, heads, dim)
 
 
-def _lse_rows(q: Tensor, with_lse: bool) -> int:
-    # The log-sum-exp the backward reads: written on CUDA only (the CPU backward recomputes), and
-    # only when a gradient is needed.
-    return q.shape[0] if with_lse and q.device.type == "cuda" else 0
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    # f32; f64 for float64 inputs (the CPU engine's type, so that its backward reads it exactly).
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 def _forward_outputs(q: Tensor, v: Tensor, with_lse: bool) -> tuple[Tensor, Tensor]:
-    """The forward's out (in q's layout) and lse, unwritten (the op's and its fake's)."""
-    lse = q.new_empty(_lse_rows(q, with_lse), q.shape[1], dtype=torch.float32)
+    """The forward's out (in q's layout) and, when a gradient is needed (`with_lse`), the
+    log-sum-exp the backward reads, unwritten (the op's and its fake's)."""
+    lse = q.new_empty(q.shape[0] if with_lse else 0, q.shape[1], dtype=_lse_dtype(q))
     return _out_like(q, v.shape[2]), lse
 
 
@@ -53,7 +53,8 @@ def _forward(
     dropout_state: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Packed [rows, H, D] tensors, sequence i at rows cu_q[i]:cu_q[i + 1] (keys cu_k); returns
-    out and, on CUDA with `with_lse`, each row's log-sum-exp (f32 [rows, H]; else [0, H]).
+    out and, with `with_lse`, each row's log-sum-exp (f32 [rows, H], f64 for float64 inputs;
+    else [0, H]), which the backward reads instead of recomputing the forward.
     `importance`: the id of a BlockImportance the backward fills (0: none). `dropout`: attention
     dropout drawn in the CUDA kernels from `dropout_state` ({seed, offset}, int64 [2] on q's
     device)."""
@@ -62,7 +63,7 @@ def _forward(
     _owner, ws, ws_bytes = _tensors.workspace(
         plan.workspace_bytes(q.shape[1], max(q.shape[2], v.shape[2])), q.device
     )
-    with_lse = lse.shape[0] > 0 and plan.backend == "cuda_block"
+    with_lse = lse.shape[0] > 0 and plan.backend in ("cuda_block", "cpu_block")
     plan.run(
         *(_tensors.view(t) for t in (q, k, v, out)),
         _tensors.view(lse.unsqueeze(-1)) if with_lse else None,
@@ -115,10 +116,12 @@ def _backward_op(
         plan.backward_workspace_bytes(q.shape[1], importance) if on_cuda else 0, q.device
     )
     blocks = [_tensors.view(t.flatten(0, 1)) if importance else None for t in (mass, grad)]
+    # The forward's out and lse where it wrote them (the CPU recomputes them without).
+    saved = on_cuda or lse.shape[0] == q.shape[0] > 0
     plan.backward(
         *(_tensors.view(t) for t in (q, k, v)),
-        _tensors.view(out) if on_cuda else None,
-        _tensors.view(lse.unsqueeze(-1)) if on_cuda else None,
+        _tensors.view(out) if saved else None,
+        _tensors.view(lse.unsqueeze(-1)) if saved else None,
         *(_tensors.view(t) for t in (dout, dq, dk, dv)),
         scale,
         _tensors.stream(q.device),

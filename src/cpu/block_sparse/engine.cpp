@@ -18,7 +18,7 @@ namespace {
 template <class T>
 void attend_blocks(const block_sparse_mask& mask, const tensor_view& q, const tensor_view& k,
                    const tensor_view& v, const tensor_view& out, double scale,
-                   const attention_dropout& dropout) {
+                   const attention_dropout& dropout, const tensor_view& lse) {
   const bool drops = dropout.p > 0;
   const operand<T> qf = as_operand<T>(q), kf = as_operand<T>(k), vf = as_operand<T>(v);
   const std::int64_t heads = q.heads, dk = q.dim, dv = v.dim, g = mask.block;
@@ -63,6 +63,7 @@ void attend_blocks(const block_sparse_mask& mask, const tensor_view& q, const te
           }
         }
         store_row(st, out, q0 + i, h);
+        if (lse.data != nullptr) store_value(lse, q0 + i, h, 0, static_cast<double>(row_lse(st)));
       }
     }
   }
@@ -73,8 +74,8 @@ void attend_blocks(const block_sparse_mask& mask, const tensor_view& q, const te
 void block_sparse_attention_unchecked(const block_sparse_mask& mask, const tensor_view& q,
                                       const tensor_view& k, const tensor_view& v,
                                       const tensor_view& out, double scale,
-                                      const attention_dropout& dropout) {
-  in_type_of(q.type, [&]<class T>() { attend_blocks<T>(mask, q, k, v, out, scale, dropout); });
+                                      const attention_dropout& dropout, const tensor_view& lse) {
+  in_type_of(q.type, [&]<class T>() { attend_blocks<T>(mask, q, k, v, out, scale, dropout, lse); });
 }
 
 }  // namespace trisparse::cpu

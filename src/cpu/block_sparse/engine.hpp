@@ -7,11 +7,14 @@ namespace trisparse::cpu {
 /// Block-sparse attention, fp32 (float64 for float64 q), OpenMP over (query block, head), for a
 /// mask already checked and operands already checked against it (by a plan). Rows with no key
 /// left give zeros. With `dropout` (its state in host memory), the kernels' draws
-/// (trisparse/core/dropout.hpp: rows within the sequence, head b * H + h).
+/// (trisparse/core/dropout.hpp: rows within the sequence, head b * H + h). With `lse` (any float
+/// type, [rows, H, 1]) also each row's log-sum-exp of the scaled scores (-inf for a row with no
+/// key; dropout does not enter it), what the backward reads.
 void block_sparse_attention_unchecked(const block_sparse_mask& mask, const tensor_view& q,
                                       const tensor_view& k, const tensor_view& v,
                                       const tensor_view& out, double scale,
-                                      const attention_dropout& dropout = {});
+                                      const attention_dropout& dropout = {},
+                                      const tensor_view& lse = {});
 
 /// Block importance (attention_options::block_mass, block_grad; either view may be empty), float64
 /// sums over the rows' recomputed softmax, OpenMP over (query block, head); operands and views
