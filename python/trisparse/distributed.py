@@ -591,6 +591,30 @@ class ContextParallel:
         key_blocks = torch.cat([self.halo_blocks, self.owned_blocks]).to(mask.blocks.device)
         local_blocks = mask.blocks.index_select(2, self.owned_blocks.to(mask.blocks.device))
         self.mask = BlockMask(local_blocks.index_select(3, key_blocks), g, causal=mask.causal)
+        # The ring's parts: this rank's rows against each owner's blocks that they read (its own
+        # under the mask's causal rule; received blocks lie wholly before a causal row that reads
+        # them, so theirs need none). Step s attends to rank (rank - s)'s part.
+        self._parts = []
+        for step in range(world):
+            src = (rank - step) % world
+            first = sum(self.recv_counts[:src])
+            cols = (
+                self.owned_blocks
+                if step == 0
+                else self.halo_blocks[first : first + self.recv_counts[src]]
+            )
+            part = None
+            if cols.numel() > 0:
+                part = BlockMask(
+                    local_blocks.index_select(3, cols.to(mask.blocks.device)),
+                    g,
+                    causal=mask.causal and step == 0,
+                )
+            self._parts.append(part)
+        offsets = [0]
+        for c in self.send_counts:
+            offsets.append(offsets[-1] + c)
+        self._send_offsets = offsets
         self._tokens: dict = {}
         return self
 
@@ -610,9 +634,20 @@ class ContextParallel:
         """This rank's rows [B, H, n_own, D] of a whole sequence's [B, H, N, D]."""
         return x.index_select(2, self._token_index(self.owned_blocks, x.device))
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
+    def attention(
+        self, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, ring: bool = False
+    ) -> Tensor:
         """This rank's rows of block_sparse_attention(q, k, v, mask) over the whole sequence:
-        q, k, v are [B, H, n_own, D] (:meth:`shard`), the result [B, H, n_own, Dv]."""
+        q, k, v are [B, H, n_own, D] (:meth:`shard`), the result [B, H, n_own, Dv].
+
+        ``ring=False``: every block this rank's rows read arrives first (one all_to_all), then
+        one attention over them. ``ring=True``: the other ranks' blocks arrive one rank at a time
+        (step s: from rank - s, while sending to rank + s), each step's transfer in flight while
+        the previous part is attended; the parts' outputs are merged by their log-sum-exp, and
+        the backward runs each part's backward with the merged output and lse, fetching the
+        blocks again and returning their gradients to the owners, who add them in step order
+        (repeatable). In the forward a rank holds at most two other ranks' blocks at a time; the
+        backward keeps the gradients of the blocks it read until its last step."""
         from .block_sparse import block_sparse_attention
 
         n_own = self.owned_blocks.numel() * self.block_size
@@ -632,6 +667,8 @@ class ContextParallel:
 
         d = k.shape[3]
         kv = torch.cat([k, v], dim=-1)
+        if ring:
+            return _RingAttention.apply(q, kv, d, self, _tensors.resolve_scale(scale, q.shape[3]))
         halo, arrived = _start_halo(as_blocks(kv), self)
         arrived.wait()
         kv = torch.cat([from_blocks(halo), kv], dim=2)
@@ -643,6 +680,157 @@ class ContextParallel:
             f"blocks={self.owned_blocks.numel()}, received={self.num_halo}, "
             f"sent={sum(self.send_counts)})"
         )
+
+
+def _packed_rows(t: Tensor) -> Tensor:
+    """[B, H, n, D] -> [B * n, H, D] (sequence b at rows b n ..)."""
+    return t.permute(0, 2, 1, 3).reshape(-1, t.shape[1], t.shape[3])
+
+
+def _unpacked_rows(t: Tensor, b: int) -> Tensor:
+    return t.reshape(b, -1, t.shape[1], t.shape[2]).permute(0, 2, 1, 3)
+
+
+class _RingStep:
+    """One step of the ring: this rank's blocks that rank + s reads, sent to it, and the blocks
+    of rank - s that this rank reads, received (point to point, started at construction)."""
+
+    def __init__(self, cp: ContextParallel, blocks: Tensor, s: int):
+        dst, src = (cp.rank + s) % cp.world_size, (cp.rank - s) % cp.world_size
+        lo, hi = cp._send_offsets[dst], cp._send_offsets[dst + 1]
+        self.works = []
+        if hi > lo:
+            self.sent = blocks.index_select(0, cp.send_index[lo:hi].to(blocks.device)).contiguous()
+            self.works.append(dist.isend(self.sent, dst, group=cp.group))
+        self.received = blocks.new_empty((cp.recv_counts[src], *blocks.shape[1:]))
+        if self.received.shape[0] > 0:
+            self.works.append(dist.irecv(self.received, src, group=cp.group))
+
+    def wait(self) -> Tensor:
+        for w in self.works:
+            w.wait()
+        return self.received
+
+
+def _part_ranges(b: int, n_q: int, n_k: int) -> tuple[list[int], list[int]]:
+    """cu_seqlens of b packed sequences of n_q queries and n_k keys."""
+    return [i * n_q for i in range(b + 1)], [i * n_k for i in range(b + 1)]
+
+
+class _RingAttention(torch.autograd.Function):
+    """ContextParallel.attention(ring=True): the parts attended one step at a time and merged by
+    their log-sum-exp; the backward as described there."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, kv: Tensor, d: int, cp: ContextParallel, scale: float):
+        b, g = q.shape[0], cp.block_size
+        blocks = kv.permute(2, 0, 1, 3).reshape(-1, g, b, kv.shape[1], kv.shape[3])
+        qp = _packed_rows(q).contiguous()
+        parts, outs, lses = cp._parts, [], []
+        step = _RingStep(cp, blocks, 1) if cp.world_size > 1 else None
+        for s in range(cp.world_size):
+            if s == 0:
+                mine = blocks
+            else:
+                mine = step.wait()
+                step = _RingStep(cp, blocks, s + 1) if s + 1 < cp.world_size else None
+            if parts[s] is None:
+                continue
+            out, lse = _attend_part(qp, mine, d, parts[s], b, scale)
+            outs.append(out)
+            lses.append(lse)
+        out, lse = _merged(outs, lses)
+        ctx.save_for_backward(q, kv, out, lse)
+        ctx.cp, ctx.d, ctx.scale = cp, d, scale
+        return _unpacked_rows(out, b)
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        q, kv, out, lse = ctx.saved_tensors
+        cp, d, scale = ctx.cp, ctx.d, ctx.scale
+        b, g = q.shape[0], cp.block_size
+        blocks = kv.permute(2, 0, 1, 3).reshape(-1, g, b, kv.shape[1], kv.shape[3])
+        qp, dop = _packed_rows(q).contiguous(), _packed_rows(dout).contiguous()
+        dq = torch.zeros(
+            qp.shape, dtype=torch.promote_types(qp.dtype, torch.float32), device=qp.device
+        )
+        dblocks = torch.zeros(blocks.shape, dtype=dq.dtype, device=blocks.device)
+        returned = []  # (rank - s, the gradients of its blocks that this rank read)
+        step = _RingStep(cp, blocks, 1) if cp.world_size > 1 else None
+        for s in range(cp.world_size):
+            if s == 0:
+                mine = blocks
+            else:
+                mine = step.wait()
+                step = _RingStep(cp, blocks, s + 1) if s + 1 < cp.world_size else None
+            src = (cp.rank - s) % cp.world_size
+            grads = None
+            if cp._parts[s] is not None:
+                dq_s, grads = _part_backward(qp, mine, d, cp._parts[s], b, out, lse, dop, scale)
+                dq += dq_s
+            if s == 0:
+                if grads is not None:
+                    dblocks += grads
+                continue
+            if grads is not None and grads.shape[0] > 0:
+                returned.append((src, grads.to(blocks.dtype).contiguous()))
+        # The gradients go back once every rank is past its steps: between two ranks each
+        # direction then carries the blocks before their gradients, the order both sides post
+        # (NCCL matches point-to-point messages in order, not by tag).
+        works = [dist.isend(t, src, group=cp.group) for src, t in returned]
+        # Gradients of this rank's blocks from the ranks that read them, added in step order.
+        for s in range(1, cp.world_size):
+            dst = (cp.rank + s) % cp.world_size
+            lo, hi = cp._send_offsets[dst], cp._send_offsets[dst + 1]
+            if hi == lo:
+                continue
+            got = blocks.new_empty((hi - lo, *blocks.shape[1:]))
+            dist.recv(got, dst, group=cp.group)
+            index = cp.send_index[lo:hi].to(blocks.device)
+            dblocks.index_add_(0, index, got.to(dblocks.dtype))
+        for work in works:
+            work.wait()
+        dkv = dblocks.reshape(-1, b, kv.shape[1], kv.shape[3]).permute(1, 2, 0, 3)
+        return _unpacked_rows(dq.to(q.dtype), b), dkv.to(kv.dtype), None, None, None
+
+
+def _part_kv(mine: Tensor, d: int, b: int) -> tuple[Tensor, Tensor]:
+    """[blocks, G, B, H, 2D] -> packed k, v [B * n, H, D] (sequence b at rows b n ..)."""
+    x = mine.permute(2, 0, 1, 3, 4).reshape(-1, mine.shape[3], mine.shape[4])
+    return x[..., :d].contiguous(), x[..., d:].contiguous()
+
+
+def _attend_part(qp: Tensor, mine: Tensor, d: int, mask, b: int, scale: float):
+    k, v = _part_kv(mine, d, b)
+    cu_q, cu_k = _part_ranges(b, qp.shape[0] // b, k.shape[0] // b)
+    return torch.ops.trisparse.block_sparse_attention(
+        qp, k, v, mask.id, cu_q, cu_k, float(scale), True
+    )
+
+
+def _merged(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """The parts' outputs combined by their log-sum-exp: out = sum_p exp(lse_p - lse) out_p with
+    lse = log sum_p exp(lse_p); rows no part reaches give zeros (lse -inf)."""
+    lse = torch.stack(lses).logsumexp(0)
+    finite = torch.isfinite(lse)
+    total = torch.zeros_like(outs[0], dtype=torch.promote_types(outs[0].dtype, torch.float32))
+    for out, part_lse in zip(outs, lses, strict=True):
+        w = torch.where(finite, torch.exp(part_lse - lse), torch.zeros_like(lse))
+        total += w.unsqueeze(-1).to(total.dtype) * out
+    return total.to(outs[0].dtype), lse
+
+
+def _part_backward(qp, mine, d, mask, b, out, lse, dop, scale):
+    """One part's dq and its blocks' [blocks, G, B, H, 2D] dk | dv, from the merged out and lse."""
+    k, v = _part_kv(mine, d, b)
+    cu_q, cu_k = _part_ranges(b, qp.shape[0] // b, k.shape[0] // b)
+    dq, dk, dv, _m, _g = torch.ops.trisparse.block_sparse_attention_backward(
+        qp, k, v, out, lse, dop, mask.id, cu_q, cu_k, float(scale)
+    )
+    dkv = torch.cat([dk, dv], dim=-1)  # [B * n, H, 2D]
+    n_blocks, g = mine.shape[0], mine.shape[1]
+    dkv = dkv.reshape(b, n_blocks, g, dkv.shape[1], dkv.shape[2]).permute(1, 2, 0, 3, 4)
+    return dq.to(torch.promote_types(dq.dtype, torch.float32)), dkv
 
 
 def _start_halo(x: Tensor, lists):

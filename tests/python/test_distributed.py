@@ -357,6 +357,15 @@ def _cp_masks():
     return {"random": (rand, False), "causal": (causal, True)}
 
 
+def _cp_cases():
+    """(name, (blocks, causal), ring): each mask gathered at once and as a ring."""
+    return [
+        (name + (" ring" if ring else ""), spec, ring)
+        for name, spec in _cp_masks().items()
+        for ring in (False, True)
+    ]
+
+
 def _cp_worker(rank: int, world: int, path: str, backend: str):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     dist.init_process_group(backend, init_method=f"file://{path}.init", rank=rank, world_size=world)
@@ -367,11 +376,11 @@ def _cp_worker(rank: int, world: int, path: str, backend: str):
     data = torch.load(f"{path}.inputs", weights_only=False)
     data = {t: x.to(device, dtype) for t, x in data.items()}
     results = {}
-    for name, (blocks, causal) in _cp_masks().items():
+    for name, (blocks, causal), ring in _cp_cases():
         mask = trisparse.BlockMask(blocks.to(device), BLOCK, causal=causal)
         cp = trisparse.distributed.ContextParallel.build(mask, SEQ)
         q, k, v = (cp.shard(data[t]).requires_grad_() for t in ("q", "k", "v"))
-        out = cp.attention(q, k, v)
+        out = cp.attention(q, k, v, ring=ring)
         (out * cp.shard(data["w"])).sum().backward()
         results[name] = {
             "tokens": cp.shard(torch.arange(SEQ).view(1, 1, SEQ, 1)).view(-1),
@@ -392,7 +401,7 @@ def _context_parallel(tmp_path, backend: str, dim: int, tol: float, world: int =
     torch.save(data, f"{path}.inputs")
     mp.spawn(_cp_worker, args=(world, path, backend), nprocs=world, join=True)
     ranks = [torch.load(f"{path}.rank{r}", weights_only=False) for r in range(world)]
-    for name, (blocks, causal) in _cp_masks().items():
+    for name, (blocks, causal), _ring in _cp_cases():
         mask = trisparse.BlockMask(blocks, BLOCK, causal=causal)
         q, k, v = (data[t].clone().requires_grad_() for t in "qkv")
         out = trisparse.block_sparse_attention(q, k, v, mask)
