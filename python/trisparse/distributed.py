@@ -698,13 +698,15 @@ class _RingStep:
     def __init__(self, cp: ContextParallel, blocks: Tensor, s: int):
         dst, src = (cp.rank + s) % cp.world_size, (cp.rank - s) % cp.world_size
         lo, hi = cp._send_offsets[dst], cp._send_offsets[dst + 1]
-        self.works = []
+        ops = []
         if hi > lo:
             self.sent = blocks.index_select(0, cp.send_index[lo:hi].to(blocks.device)).contiguous()
-            self.works.append(dist.isend(self.sent, dst, group=cp.group))
+            ops.append(dist.P2POp(dist.isend, self.sent, dst, group=cp.group))
         self.received = blocks.new_empty((cp.recv_counts[src], *blocks.shape[1:]))
         if self.received.shape[0] > 0:
-            self.works.append(dist.irecv(self.received, src, group=cp.group))
+            ops.append(dist.P2POp(dist.irecv, self.received, src, group=cp.group))
+        # One batch: NCCL runs a rank's send and receive together (in turn they could deadlock).
+        self.works = dist.batch_isend_irecv(ops) if ops else []
 
     def wait(self) -> Tensor:
         for w in self.works:
@@ -777,19 +779,21 @@ class _RingAttention(torch.autograd.Function):
         # The gradients go back once every rank is past its steps: between two ranks each
         # direction then carries the blocks before their gradients, the order both sides post
         # (NCCL matches point-to-point messages in order, not by tag).
-        works = [dist.isend(t, src, group=cp.group) for src, t in returned]
-        # Gradients of this rank's blocks from the ranks that read them, added in step order.
+        ops = [dist.P2POp(dist.isend, t, src, group=cp.group) for src, t in returned]
+        arriving = []  # (rank, its gradients of this rank's blocks)
         for s in range(1, cp.world_size):
             dst = (cp.rank + s) % cp.world_size
             lo, hi = cp._send_offsets[dst], cp._send_offsets[dst + 1]
-            if hi == lo:
-                continue
-            got = blocks.new_empty((hi - lo, *blocks.shape[1:]))
-            dist.recv(got, dst, group=cp.group)
+            if hi > lo:
+                arriving.append((dst, blocks.new_empty((hi - lo, *blocks.shape[1:]))))
+                ops.append(dist.P2POp(dist.irecv, arriving[-1][1], dst, group=cp.group))
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+        # Added in step order: a fixed order, repeatable.
+        for dst, got in arriving:
+            lo, hi = cp._send_offsets[dst], cp._send_offsets[dst + 1]
             index = cp.send_index[lo:hi].to(blocks.device)
             dblocks.index_add_(0, index, got.to(dblocks.dtype))
-        for work in works:
-            work.wait()
         dkv = dblocks.reshape(-1, b, kv.shape[1], kv.shape[3]).permute(1, 2, 0, 3)
         return _unpacked_rows(dq.to(q.dtype), b), dkv.to(kv.dtype), None, None, None
 
