@@ -381,6 +381,24 @@ def test_gcn_conv_learned_edge_weights_match_pyg(kwargs):
     assert all(torch.equal(a, b) for a, b in zip(got[:3], again[:3]))
 
 
+@pytest.mark.parametrize("layout", [torch.sparse_coo, torch.sparse_csr])
+@pytest.mark.parametrize("kwargs", [{}, {"add_self_loops": False}, {"normalize": False}])
+def test_gcn_conv_on_a_torch_sparse_adjacency_matches_pyg(layout, kwargs):
+    """adj_t as PyG takes it (rows: targets; weights as values), self loops included."""
+    n = 70
+    ei = random_edge_index(n, n, 5, seed=9, self_loops=True)
+    w = torch.rand(ei.shape[1], dtype=torch.float64) + 0.5
+    adj = torch.sparse_coo_tensor(ei.flip(0), w, (n, n)).coalesce()
+    adj = adj if layout == torch.sparse_coo else adj.to_sparse_csr()
+    ours, pyg = pair(trisparse.nn.GCNConv, pyg_nn.GCNConv, 6, 4, **kwargs)
+    ours, pyg = ours.double(), pyg.double()
+    x = torch.randn(n, 6, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback
+        got = run(ours, x, adj)
+    assert_close(got, run(pyg, x, adj), rtol=1e-6)  # the matrix holds float32 values
+
+
 def test_gcn_conv_takes_another_graph_on_each_call():
     ours, pyg = pair(trisparse.nn.GCNConv, pyg_nn.GCNConv, 6, 4)
     x = torch.randn(40, 6)

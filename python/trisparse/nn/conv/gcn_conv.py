@@ -28,7 +28,9 @@ class GCNConv(_Fused, _PygGCNConv):
     ``edge_weight`` that requires grad (learned weights) runs PyG's ``gcn_norm``, then the
     per-edge SpMM of x W (:func:`trisparse.edge_spmm`; repeated edges summed, as PyG sums their
     messages), differentiable in x, the weights and every parameter. Falls back to PyG's code,
-    with a one-time warning, for graphs that are not an ``edge_index`` tensor. A :class:`trisparse.distributed.DistributedPattern`
+    with a one-time warning, for graphs given as a ``SparseTensor`` and for a torch.sparse
+    adjacency whose values require grad (a COO or CSR ``adj_t`` runs fused, normalised by PyG's
+    ``gcn_norm`` as PyG does). A :class:`trisparse.distributed.DistributedPattern`
     as ``edge_index`` computes this rank's rows of a partitioned graph."""
 
     def __init__(self, *args, fuse_relu: bool = False, **kwargs):
@@ -56,6 +58,17 @@ class GCNConv(_Fused, _PygGCNConv):
         )
         if self._matrix is not None and (self.cached or _same_key(self._matrix_key, key)):
             return self._matrix
+        if edge_index.layout != torch.strided:  # a torch.sparse adj_t (rows: targets)
+            adj = edge_index
+            if self.normalize:  # PyG's gcn_norm of it; edge_weight unused, as in PyG
+                adj, _ = gcn_norm(
+                    adj, None, n, self.improved, self.add_self_loops, self.flow, dtype
+                )
+            coo = adj.to_sparse_coo().coalesce()
+            rows, cols = coo.indices()
+            self._matrix = SparseMatrix(rows, cols, coo.values(), n, n)
+            self._matrix_key = key
+            return self._matrix
         if self.normalize:
             ei, w = gcn_norm(
                 edge_index, edge_weight, n, self.improved, self.add_self_loops, self.flow, dtype
@@ -74,13 +87,22 @@ class GCNConv(_Fused, _PygGCNConv):
         reason = None
         if isinstance(x, (tuple, list)):
             reason = "bipartite inputs are not supported"
-        elif not isinstance(edge_index, Tensor) or edge_index.layout != torch.strided:
+        elif not isinstance(edge_index, Tensor):
             reason = f"{type(edge_index).__name__} graphs are not fused (pass edge_index)"
+        elif edge_index.layout not in (torch.strided, torch.sparse_coo, torch.sparse_csr):
+            reason = f"{edge_index.layout} adjacency is not fused (pass edge_index, COO or CSR)"
+        elif edge_index.layout != torch.strided and (
+            edge_index.requires_grad or self.flow != "source_to_target"
+        ):
+            reason = "a sparse adjacency with gradients or flow='target_to_source' is not fused"
         if reason is not None:
             self._fallback(reason, edge_index)
             out = super().forward(x, edge_index, edge_weight)
             return F.relu(out) if self.fuse_relu else out
-        if edge_weight is not None and edge_weight.requires_grad:
+        sparse = edge_index.layout != torch.strided
+        if sparse:
+            edge_weight = None  # PyG's propagate over a sparse adjacency reads its values only
+        elif edge_weight is not None and edge_weight.requires_grad:
             out = self._learned_weights(x, edge_index, edge_weight)
             return F.relu(out) if self.fuse_relu else out
         matrix = self._propagation(x, edge_index, edge_weight)
