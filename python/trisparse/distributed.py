@@ -646,8 +646,8 @@ class ContextParallel:
         the previous part is attended; the parts' outputs are merged by their log-sum-exp, and
         the backward runs each part's backward with the merged output and lse, fetching the
         blocks again and returning their gradients to the owners, who add them in step order
-        (repeatable). In the forward a rank holds at most two other ranks' blocks at a time; the
-        backward keeps the gradients of the blocks it read until its last step."""
+        (repeatable). A rank holds at most two other ranks' blocks, or their gradients, at a
+        time."""
         from .block_sparse import block_sparse_attention
 
         n_own = self.owned_blocks.numel() * self.block_size
@@ -757,7 +757,21 @@ class _RingAttention(torch.autograd.Function):
             qp.shape, dtype=torch.promote_types(qp.dtype, torch.float32), device=qp.device
         )
         dblocks = torch.zeros(blocks.shape, dtype=dq.dtype, device=blocks.device)
-        returned = []  # (rank - s, the gradients of its blocks that this rank read)
+        # Step s also returns the gradients of rank - s's blocks to it and receives those of this
+        # rank's blocks from rank + s: each message is posted at the same (step, phase) on both
+        # sides, so every two ranks post their messages to each other in one order (NCCL matches
+        # point-to-point messages in order, not by tag). They are added in step order.
+        pending: list = []  # the last step's gradient messages: (works, arrived, sent)
+
+        def settle():
+            for works, arrived, _sent in pending:
+                for work in works:
+                    work.wait()
+                if arrived is not None:
+                    index, got = arrived
+                    dblocks.index_add_(0, index, got.to(dblocks.dtype))
+            pending.clear()
+
         step = _RingStep(cp, blocks, 1) if cp.world_size > 1 else None
         for s in range(cp.world_size):
             if s == 0:
@@ -765,7 +779,6 @@ class _RingAttention(torch.autograd.Function):
             else:
                 mine = step.wait()
                 step = _RingStep(cp, blocks, s + 1) if s + 1 < cp.world_size else None
-            src = (cp.rank - s) % cp.world_size
             grads = None
             if cp._parts[s] is not None:
                 dq_s, grads = _part_backward(qp, mine, d, cp._parts[s], b, out, lse, dop, scale)
@@ -774,26 +787,20 @@ class _RingAttention(torch.autograd.Function):
                 if grads is not None:
                     dblocks += grads
                 continue
-            if grads is not None and grads.shape[0] > 0:
-                returned.append((src, grads.to(blocks.dtype).contiguous()))
-        # The gradients go back once every rank is past its steps: between two ranks each
-        # direction then carries the blocks before their gradients, the order both sides post
-        # (NCCL matches point-to-point messages in order, not by tag).
-        ops = [dist.P2POp(dist.isend, t, src, group=cp.group) for src, t in returned]
-        arriving = []  # (rank, its gradients of this rank's blocks)
-        for s in range(1, cp.world_size):
-            dst = (cp.rank + s) % cp.world_size
+            settle()
+            src, dst = (cp.rank - s) % cp.world_size, (cp.rank + s) % cp.world_size
+            ops, sent, arrived = [], None, None
+            if grads is not None:
+                sent = grads.to(blocks.dtype).contiguous()
+                ops.append(dist.P2POp(dist.isend, sent, src, group=cp.group))
             lo, hi = cp._send_offsets[dst], cp._send_offsets[dst + 1]
             if hi > lo:
-                arriving.append((dst, blocks.new_empty((hi - lo, *blocks.shape[1:]))))
-                ops.append(dist.P2POp(dist.irecv, arriving[-1][1], dst, group=cp.group))
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
-        # Added in step order: a fixed order, repeatable.
-        for dst, got in arriving:
-            lo, hi = cp._send_offsets[dst], cp._send_offsets[dst + 1]
-            index = cp.send_index[lo:hi].to(blocks.device)
-            dblocks.index_add_(0, index, got.to(dblocks.dtype))
+                got = blocks.new_empty((hi - lo, *blocks.shape[1:]))
+                arrived = (cp.send_index[lo:hi].to(blocks.device), got)
+                ops.append(dist.P2POp(dist.irecv, got, dst, group=cp.group))
+            if ops:
+                pending.append((dist.batch_isend_irecv(ops), arrived, sent))
+        settle()
         dkv = dblocks.reshape(-1, b, kv.shape[1], kv.shape[3]).permute(1, 2, 0, 3)
         return _unpacked_rows(dq.to(q.dtype), b), dkv.to(kv.dtype), None, None, None
 
