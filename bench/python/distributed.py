@@ -22,7 +22,8 @@ line each. NCCL_NVLS_ENABLE=0 is set for every process (NVLink multicast stays o
 context: block-sparse attention over one sequence split across the GPUs
 (trisparse.distributed.ContextParallel), forward + backward, B = 1, H = 8, D = 64, bf16, G =
 --block, a random per-head mask keeping 1 - --sparsity of the blocks (causal: of the lower
-triangle, diagonal kept) against block_sparse_attention on one GPU (strong scaling).
+triangle, diagonal kept) against block_sparse_attention on one GPU (strong scaling); with
+--ring also ContextParallel.attention(ring=True) (one owner's blocks at a time).
 partition (no GPU): each method of trisparse.distributed.partition on each --graph into each
 --parts: edge cut, halo, balance (partition_stats) and seconds.
 """
@@ -30,6 +31,7 @@ partition (no GPU): each method of trisparse.distributed.partition on each --gra
 import argparse
 import copy
 import functools
+import itertools
 import json
 import math
 import os
@@ -250,7 +252,7 @@ def context_mask(seq, args, causal):
     return blocks
 
 
-def context_worker(rank, world, args, seq, causal, queue):
+def context_worker(rank, world, args, seq, causal, ring, queue):
     import trisparse
     from trisparse.distributed import ContextParallel, _start_halo
 
@@ -270,7 +272,7 @@ def context_worker(rank, world, args, seq, causal, queue):
     def step():
         for t in leaves:
             t.grad = None
-        cp.attention(*leaves).backward(dout)
+        cp.attention(*leaves, ring=ring).backward(dout)
 
     # The exchange alone, both ways: this rank's key and value blocks out, the halo's gradient back.
     kv = torch.cat([k, v], dim=-1).detach().permute(2, 0, 1, 3)  # [n, B, H, 2D]: as attention()
@@ -296,6 +298,7 @@ def context_worker(rank, world, args, seq, causal, queue):
                 "causal": causal,
                 "gpus": world,
                 "layout": cp.layout,
+                "ring": ring,
                 "step_ms": ms,
                 "exchange_ms": [float(g[0]) for g in gathered],
                 "kept_blocks": [int(g[1]) for g in gathered],  # over heads, this rank's rows
@@ -395,6 +398,7 @@ def main():
     ap.add_argument("--seq", type=int, nargs="+", default=[262144, 1048576])
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--sparsity", type=float, default=0.9)
+    ap.add_argument("--ring", action="store_true", help="context: also the ring form")
     args = ap.parse_args()
     if args.mode == "partition":
         partition_quality(args)
@@ -404,8 +408,10 @@ def main():
         for seq in args.seq:
             for causal in (False, True):
                 one, kept, peak = context_single(args, seq, causal)
-                for world in [g for g in args.gpus if g > 1]:
-                    for r in spawn(context_worker, world, args, seq, causal):
+                for world, ring in itertools.product(
+                    [g for g in args.gpus if g > 1], (False, True) if args.ring else (False,)
+                ):
+                    for r in spawn(context_worker, world, args, seq, causal, ring):
                         r.update(one_gpu_ms=one, one_gpu_kept_blocks=kept, one_gpu_peak_gb=peak)
                         r.update(efficiency=one / (world * r["step_ms"]))
                         emit({**r, "mode": "context", "device": device})
