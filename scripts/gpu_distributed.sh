@@ -32,6 +32,6 @@ for mode in ${MODES:-link weak strong context}; do
     strong) bench strong 150 strong --gpus $counts --kinds rmat --edges 65000000 --repeat 5
             bench strong 60 strong --gpus $counts --kinds --graph data/snap_web_notredame.el.xz \
               --partition metis --repeat 5 ;;
-    context) bench context 150 context --gpus $counts --seq 262144 1048576 --repeat 5 ;;
+    context) bench context 240 context --gpus $counts --seq 262144 1048576 --repeat 5 --ring ;;
   esac
 done
