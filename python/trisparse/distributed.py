@@ -714,6 +714,22 @@ class _RingStep:
         return self.received
 
 
+def _kv_blocks(kv: Tensor, g: int) -> Tensor:
+    """[B, H, n, 2D] -> [n / g, g, B, H, 2D]: a row per block to exchange."""
+    return kv.permute(2, 0, 1, 3).reshape(-1, g, kv.shape[0], kv.shape[1], kv.shape[3])
+
+
+def _ring(cp: ContextParallel, blocks: Tensor):
+    """(s, the blocks of rank - s that this rank reads) for s = 0 .. world - 1, its own first;
+    step s + 1's transfer is posted before step s is handed out."""
+    step = _RingStep(cp, blocks, 1) if cp.world_size > 1 else None
+    yield 0, blocks
+    for s in range(1, cp.world_size):
+        mine = step.wait()
+        step = _RingStep(cp, blocks, s + 1) if s + 1 < cp.world_size else None
+        yield s, mine
+
+
 def _part_ranges(b: int, n_q: int, n_k: int) -> tuple[list[int], list[int]]:
     """cu_seqlens of b packed sequences of n_q queries and n_k keys."""
     return [i * n_q for i in range(b + 1)], [i * n_k for i in range(b + 1)]
@@ -725,17 +741,11 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, kv: Tensor, d: int, cp: ContextParallel, scale: float):
-        b, g = q.shape[0], cp.block_size
-        blocks = kv.permute(2, 0, 1, 3).reshape(-1, g, b, kv.shape[1], kv.shape[3])
+        b = q.shape[0]
+        blocks = _kv_blocks(kv, cp.block_size)
         qp = _packed_rows(q).contiguous()
         parts, outs, lses = cp._parts, [], []
-        step = _RingStep(cp, blocks, 1) if cp.world_size > 1 else None
-        for s in range(cp.world_size):
-            if s == 0:
-                mine = blocks
-            else:
-                mine = step.wait()
-                step = _RingStep(cp, blocks, s + 1) if s + 1 < cp.world_size else None
+        for s, mine in _ring(cp, blocks):
             if parts[s] is None:
                 continue
             out, lse = _attend_part(qp, mine, d, parts[s], b, scale)
@@ -750,8 +760,8 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout: Tensor):
         q, kv, out, lse = ctx.saved_tensors
         cp, d, scale = ctx.cp, ctx.d, ctx.scale
-        b, g = q.shape[0], cp.block_size
-        blocks = kv.permute(2, 0, 1, 3).reshape(-1, g, b, kv.shape[1], kv.shape[3])
+        b = q.shape[0]
+        blocks = _kv_blocks(kv, cp.block_size)
         qp, dop = _packed_rows(q).contiguous(), _packed_rows(dout).contiguous()
         dq = torch.zeros(
             qp.shape, dtype=torch.promote_types(qp.dtype, torch.float32), device=qp.device
@@ -772,13 +782,7 @@ class _RingAttention(torch.autograd.Function):
                     dblocks.index_add_(0, index, got.to(dblocks.dtype))
             pending.clear()
 
-        step = _RingStep(cp, blocks, 1) if cp.world_size > 1 else None
-        for s in range(cp.world_size):
-            if s == 0:
-                mine = blocks
-            else:
-                mine = step.wait()
-                step = _RingStep(cp, blocks, s + 1) if s + 1 < cp.world_size else None
+        for s, mine in _ring(cp, blocks):
             grads = None
             if cp._parts[s] is not None:
                 dq_s, grads = _part_backward(qp, mine, d, cp._parts[s], b, out, lse, dop, scale)
