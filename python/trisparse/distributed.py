@@ -17,11 +17,14 @@ bit.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from . import _tensors
+from .block_mask import _packed
 from .pattern import Pattern, _check_index
 from .sparse import SparseMatrix
 
@@ -611,10 +614,7 @@ class ContextParallel:
                     causal=mask.causal and step == 0,
                 )
             self._parts.append(part)
-        offsets = [0]
-        for c in self.send_counts:
-            offsets.append(offsets[-1] + c)
-        self._send_offsets = offsets
+        self._send_offsets = [0, *itertools.accumulate(self.send_counts)]
         self._tokens: dict = {}
         return self
 
@@ -682,11 +682,6 @@ class ContextParallel:
         )
 
 
-def _packed_rows(t: Tensor) -> Tensor:
-    """[B, H, n, D] -> [B * n, H, D] (sequence b at rows b n ..)."""
-    return t.permute(0, 2, 1, 3).reshape(-1, t.shape[1], t.shape[3])
-
-
 def _unpacked_rows(t: Tensor, b: int) -> Tensor:
     return t.reshape(b, -1, t.shape[1], t.shape[2]).permute(0, 2, 1, 3)
 
@@ -743,7 +738,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q: Tensor, kv: Tensor, d: int, cp: ContextParallel, scale: float):
         b = q.shape[0]
         blocks = _kv_blocks(kv, cp.block_size)
-        qp = _packed_rows(q).contiguous()
+        qp = _packed(q).contiguous()
         parts, outs, lses = cp._parts, [], []
         for s, mine in _ring(cp, blocks):
             if parts[s] is None:
@@ -762,7 +757,7 @@ class _RingAttention(torch.autograd.Function):
         cp, d, scale = ctx.cp, ctx.d, ctx.scale
         b = q.shape[0]
         blocks = _kv_blocks(kv, cp.block_size)
-        qp, dop = _packed_rows(q).contiguous(), _packed_rows(dout).contiguous()
+        qp, dop = _packed(q).contiguous(), _packed(dout).contiguous()
         dq = torch.zeros(
             qp.shape, dtype=torch.promote_types(qp.dtype, torch.float32), device=qp.device
         )
