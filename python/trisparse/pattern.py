@@ -8,6 +8,7 @@ reuses them at every step.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -67,6 +68,10 @@ def _check_index(t: Any, name: str) -> torch.Tensor:
 
 
 _CSR_CHECK_CHUNK = 1 << 28
+
+
+# Pattern.undirected reads the columns in pieces of this many entries.
+_UNDIRECTED_PIECE = 1 << 30
 
 
 def _check_sorted_csr(rowptr: torch.Tensor, col: torch.Tensor, num_cols: int) -> None:
@@ -247,6 +252,61 @@ class Pattern:
         if check:
             _check_sorted_csr(rowptr, col, int(num_cols))
         return cls(rowptr, col, int(num_cols), 0)
+
+    def undirected(self, chunk: int = 1 << 27) -> Pattern:
+        """A ∪ Aᵀ of this square pattern (PyG's ``to_undirected`` on its pairs), built on the
+        pattern's device: (i, j) is an entry if (i, j) or (j, i) is one here; a binary pattern
+        (repeated input pairs count once), its CSR canonical, so the result is
+        :meth:`from_sorted_csr`'s and may pass 2^31 entries. Memory: the result plus about
+        ``chunk`` entries' work at a time (each pass over a range of output rows reads this
+        pattern's columns in pieces of at most 2^30), so billions of entries fit."""
+        if self.num_rows != self.num_cols:
+            raise ValueError(
+                f"undirected() needs a square pattern, this one is {self.num_rows} x {self.num_cols}"
+            )
+        if chunk < 1:
+            raise ValueError(f"chunk must be positive, got {chunk}")
+        n, nnz, dev = self.num_rows, self.nnz, self.rowptr.device
+        rowptr, col = self.rowptr, self.col
+        if nnz == 0:
+            return Pattern.from_sorted_csr(rowptr.clone(), col.clone(), n, check=False)
+        piece = _UNDIRECTED_PIECE  # torch's nonzero and bincount: < 2^31 elements at once
+        pieces = range(0, nnz, piece)
+        out_degree = torch.zeros(n, dtype=torch.int64, device=dev)
+        for a in pieces:
+            out_degree += torch.bincount(col[a : a + piece], minlength=n)
+        # Output row ranges of at most `chunk` entries from A and from A^T (one row may exceed it).
+        work = torch.cumsum(rowptr.diff() + out_degree, 0)
+        del out_degree
+        ends = torch.searchsorted(
+            work, torch.arange(chunk, int(work[-1]) + chunk, chunk, device=dev)
+        )
+        bounds = sorted({0, n, *(min(int(e) + 1, n) for e in ends.tolist())})
+        del work, ends
+        out_col = torch.empty(2 * nnz, dtype=torch.int32, device=dev)
+        counts = torch.zeros(n, dtype=torch.int64, device=dev)
+        written = 0
+        for r0, r1 in itertools.pairwise(bounds):
+            lo, hi = int(rowptr[r0]), int(rowptr[r1])
+            rows = torch.repeat_interleave(
+                torch.arange(r1 - r0, device=dev), rowptr[r0 : r1 + 1].diff(), output_size=hi - lo
+            )
+            keys = [rows * n + col[lo:hi]]
+            for a in pieces:  # A's entries (i, j) with j in [r0, r1), as (j, i)
+                part = col[a : a + piece]
+                at = torch.nonzero((part >= r0) & (part < r1)).squeeze(1)
+                sources = torch.searchsorted(rowptr, at + a, right=True) - 1
+                keys.append((part[at].long() - r0) * n + sources)
+            key = torch.unique(torch.cat(keys), sorted=True)
+            del keys, rows
+            local = torch.div(key, n, rounding_mode="floor")
+            counts[r0:r1] = torch.bincount(local, minlength=r1 - r0)
+            out_col[written : written + key.numel()] = key - local * n
+            written += key.numel()
+            del key, local
+        out_rowptr = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+        torch.cumsum(counts, 0, out=out_rowptr[1:])
+        return Pattern.from_sorted_csr(out_rowptr, out_col[:written], n, check=False)
 
     @classmethod
     def exphormer(

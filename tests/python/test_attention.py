@@ -352,6 +352,29 @@ def test_a_sorted_csr_is_taken_in_place_and_checked(monkeypatch, chunk):
     trisparse.Pattern.from_sorted_csr(rowptr, col, 40)
 
 
+@pytest.mark.parametrize("chunk, piece", [(1 << 27, 1 << 30), (1, 7), (13, 1), (40, 64)])
+def test_undirected_is_the_union_with_the_transpose(monkeypatch, chunk, piece):
+    """Pattern.undirected: A | A^T as a canonical CSR (repeats, self loops and isolated nodes
+    included), wherever its row ranges (chunk) and column pieces cut the entries."""
+    from trisparse import pattern as pattern_module
+
+    monkeypatch.setattr(pattern_module, "_UNDIRECTED_PIECE", piece)
+    n = 37
+    ei = torch.cat([random_edge_index(n, n, 4, seed=29), torch.tensor([[3, 3, 5], [3, 9, 9]])], 1)
+    p = trisparse.Pattern.from_edge_index(ei, num_nodes=n)
+    u = p.undirected(chunk=chunk)
+    dense = torch.zeros(n, n, dtype=torch.bool)
+    dense[ei[1], ei[0]] = True
+    want = trisparse.Pattern.from_edge_index(torch.nonzero(dense | dense.T).T.flip(0), num_nodes=n)
+    assert torch.equal(u.rowptr, want.rowptr) and torch.equal(u.col, want.col)
+    assert u.duplicates == 0 and u.col.dtype == torch.int32
+    trisparse.Pattern.from_sorted_csr(u.rowptr, u.col, n)  # canonical
+    empty = trisparse.Pattern.from_sorted_csr(torch.zeros(4, dtype=torch.int64), p.col[:0], 3)
+    assert empty.undirected().nnz == 0
+    with pytest.raises(ValueError, match="square"):
+        trisparse.Pattern.from_edge_index(ei, size=(n, n + 1)).undirected()
+
+
 def test_a_freed_pattern_is_reported():
     ei = random_edge_index(10, 10, 3, seed=20)
     pid = trisparse.Pattern.of(ei, num_nodes=10).id
