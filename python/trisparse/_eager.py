@@ -14,15 +14,20 @@ from collections.abc import Callable
 import torch
 
 
-def eager_autograd(op, setup_context: Callable, backward: Callable) -> Callable:
+def eager_autograd(
+    op, setup_context: Callable, backward: Callable, materialize_grads: bool = True
+) -> Callable:
     """A callable equal to ``op(*args)``: under torch.compile the op, else an autograd.Function
     running the op's implementation (``op._init_fn``), ``setup_context(ctx, inputs, output)``
-    and ``backward(ctx, *grads)``."""
+    and ``backward(ctx, *grads)``. ``materialize_grads=False``: outputs the loss does not reach
+    (an lse kept for the backward) give ``backward`` None, not a tensor of zeros filled per step.
+    """
     impl = op._init_fn
 
     class _Function(torch.autograd.Function):
         @staticmethod
         def forward(ctx, *args):
+            ctx.set_materialize_grads(materialize_grads)
             output = impl(*args)
             setup_context(ctx, args, output)
             return output

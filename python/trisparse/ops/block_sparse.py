@@ -138,7 +138,7 @@ def _importance_like(q, mask, cu_q, cu_k, importance):
     """Zeroed block importance outputs: [sequences, QB, H, KB] f32 (QB, KB: the longest
     sequence's query and key blocks), or [0] without `importance`."""
     if not importance:
-        return tuple(q.new_zeros(0, dtype=torch.float32) for _ in range(2))
+        return tuple(q.new_empty(0, dtype=torch.float32) for _ in range(2))
     g = _masks.lookup(mask).block_size
     lq = max(b - a for a, b in itertools.pairwise(cu_q))
     lk = max(b - a for a, b in itertools.pairwise(cu_k))

@@ -51,19 +51,89 @@ __global__ void backward_terms_kernel(const __grid_constant__ backward_params p,
   }
 }
 
-/// Launches backward_terms_kernel over the p.rows_q x p.heads (row, head) items, `out` f32 or T,
-/// into terms (p.lse2 and p.dterm point into it).
+/// backward_terms_kernel's result with L lanes an item (dim = 8 L; 16-byte aligned rows): lane
+/// reads of 8 elements (16 bytes of dout, 16 or 32 of out), items head-major so that a warp's
+/// 32 / L items are consecutive rows of one head and its writes of the terms are contiguous.
+template <class T, class Out, int L>
+__global__ void backward_terms_vector_kernel(const __grid_constant__ backward_params p,
+                                             float* terms) {
+  const std::int64_t thread = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  const std::int64_t item = thread / L;
+  if (item >= p.rows_q * p.heads) return;  // whole groups of L lanes leave together
+  const int h = static_cast<int>(item / p.rows_q);
+  const std::int64_t row = item % p.rows_q;
+  const int d0 = 8 * static_cast<int>(thread % L);
+  const T* dout = static_cast<const T*>(p.dout) + row * p.do_row + h * p.do_head + d0;
+  const Out* out = static_cast<const Out*>(p.out) + row * p.o_row + h * p.o_head + d0;
+  alignas(16) T g[8];
+  alignas(16) Out o[8];
+  *reinterpret_cast<uint4*>(g) = *reinterpret_cast<const uint4*>(dout);
+#pragma unroll
+  for (int c = 0; c < static_cast<int>(sizeof(o) / 16); ++c)
+    reinterpret_cast<uint4*>(o)[c] = reinterpret_cast<const uint4*>(out)[c];
+  float acc = 0.f;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) acc += convert<float>(g[c]) * convert<float>(o[c]);
+  // The item's L lanes only: items past the end have left (a group leaves whole).
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const unsigned group = L == 32 ? 0xffffffffu : ((1u << L) - 1u) << (lane & ~(L - 1));
+#pragma unroll
+  for (int o2 = L / 2; o2 > 0; o2 /= 2) acc += __shfl_xor_sync(group, acc, o2);
+  if (thread % L == 0) {
+    terms[h * p.rows_q + row] = p.lse[row * p.lse_row + h * p.lse_head] * 1.4426950408889634f;
+    terms[(p.heads + h) * p.rows_q + row] = acc;
+  }
+}
+
+/// Whether dout and out (elements of `dout_bytes` and `out_bytes`) sit in 16-byte aligned rows
+/// of `dim` = 8 L elements, L a power of two up to 32: backward_terms_vector_kernel's case.
+inline bool terms_vectorise(const backward_params& p, int dim, int dout_bytes, int out_bytes) {
+  const auto aligned = [](const void* ptr, std::int64_t row, std::int64_t head, int bytes) {
+    return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0 && (row * bytes) % 16 == 0 &&
+           (head * bytes) % 16 == 0;
+  };
+  const int lanes = dim / 8;
+  return dim % 8 == 0 && lanes >= 1 && lanes <= 32 && (lanes & (lanes - 1)) == 0 &&
+         aligned(p.dout, p.do_row, p.do_head, dout_bytes) &&
+         aligned(p.out, p.o_row, p.o_head, out_bytes);
+}
+
+/// Launches the terms over the p.rows_q x p.heads (row, head) items, `out` f32 or T, into terms
+/// (p.lse2 and p.dterm point into it): the vector kernel where terms_vectorise, else a warp an
+/// item.
 template <class T>
 void launch_backward_terms(const backward_params& p, dtype out, int dim, float* terms,
                            cudaStream_t s) {
-  constexpr int kThreads = 256;  // 8 items a block
+  constexpr int kThreads = 256;
   const std::int64_t items = p.rows_q * p.heads;
   if (items == 0) return;
-  const auto blocks = static_cast<unsigned>((items + kThreads / 32 - 1) / (kThreads / 32));
-  if (out == dtype::f32)
-    backward_terms_kernel<T, float><<<blocks, kThreads, 0, s>>>(p, dim, terms);
-  else
-    backward_terms_kernel<T, T><<<blocks, kThreads, 0, s>>>(p, dim, terms);
+  const bool f32 = out == dtype::f32;
+  if (terms_vectorise(p, dim, sizeof(T), f32 ? 4 : 2)) {
+    const auto vector = [&]<class Out>() {
+      const auto run = [&]<int L>() {
+        const auto blocks = static_cast<unsigned>((items * L + kThreads - 1) / kThreads);
+        backward_terms_vector_kernel<T, Out, L><<<blocks, kThreads, 0, s>>>(p, terms);
+      };
+      switch (dim / 8) {
+        case 1: return run.template operator()<1>();
+        case 2: return run.template operator()<2>();
+        case 4: return run.template operator()<4>();
+        case 8: return run.template operator()<8>();
+        case 16: return run.template operator()<16>();
+        default: return run.template operator()<32>();
+      }
+    };
+    if (f32)
+      vector.template operator()<float>();
+    else
+      vector.template operator()<T>();
+  } else {
+    const auto blocks = static_cast<unsigned>((items + kThreads / 32 - 1) / (kThreads / 32));
+    if (f32)
+      backward_terms_kernel<T, float><<<blocks, kThreads, 0, s>>>(p, dim, terms);
+    else
+      backward_terms_kernel<T, T><<<blocks, kThreads, 0, s>>>(p, dim, terms);
+  }
   TRISPARSE_CUDA_TRY(cudaGetLastError());
 }
 
