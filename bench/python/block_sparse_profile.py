@@ -1,0 +1,101 @@
+"""Where a block-sparse training step's time goes: for trisparse and compiled flex_attention
+(the same random per-head blocks, bf16 [1, H, N, D]), the kernels of one forward + backward
+(torch.profiler, microseconds a step), the span of the last step against its kernels' busy time,
+the wall time a step with 50 steps queued (the GPU idles where the host is slower), and the host
+time of the forward and of the backward alone (enqueue only).
+
+  python3 bench/python/block_sparse_profile.py [--n 32768] [--block 128] [--sparsity 0.99 0.95]
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import trisparse
+from torch.nn.attention.flex_attention import flex_attention
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from block_sparse import block_mask_from
+
+
+def report(name, fn, leaves, dout, steps=5):
+    def step():
+        return torch.autograd.grad(fn(*leaves), leaves, dout)
+
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    print(f"== {name}")
+    per_name: dict[str, float] = {}
+    for e in kernels:
+        per_name[e.name[:90]] = per_name.get(e.name[:90], 0.0) + e.device_time / steps
+    for kernel, us in sorted(per_name.items(), key=lambda x: -x[1]):
+        print(f"  {us:8.1f} us a step  {kernel}")
+    last = sorted(kernels, key=lambda e: e.time_range.start)[-(len(kernels) // steps) :]
+    span = last[-1].time_range.end - last[0].time_range.start
+    busy = sum(e.time_range.end - e.time_range.start for e in last)
+    print(f"  last step: span {span:.1f} us, kernels busy {busy:.1f} us")
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(50):
+        step()
+    torch.cuda.synchronize()
+    print(f"  wall a step (50 queued): {(time.perf_counter() - t) / 50 * 1e6:.1f} us")
+    t = time.perf_counter()
+    outs = [fn(*leaves) for _ in range(30)]
+    forward = (time.perf_counter() - t) / 30
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for out in outs:
+        torch.autograd.grad(out, leaves, dout)
+    backward = (time.perf_counter() - t) / 30
+    torch.cuda.synchronize()
+    print(f"  host: forward {forward * 1e6:.1f} us, backward {backward * 1e6:.1f} us")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=32768)
+    ap.add_argument("--block", type=int, default=128)
+    ap.add_argument("--sparsity", type=float, nargs="+", default=[0.99, 0.95])
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--no-flex", action="store_true")
+    args = ap.parse_args()
+    compiled = torch.compile(flex_attention, dynamic=False)
+    h, d, g, n = args.heads, args.dim, args.block, args.n
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, H {h}, D {d}, G {g}, N {n}")
+    for p in args.sparsity:
+        q, k, v, dout = (
+            torch.rand(1, h, n, d, device="cuda", dtype=torch.bfloat16) * 2 - 1 for _ in range(4)
+        )
+        blocks = np.random.default_rng(n + g + int(1000 * p)).random((h, n // g, n // g)) >= p
+        ours = trisparse.BlockMask(torch.from_numpy(blocks)[None], block_size=g)
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        report(
+            f"trisparse p={p}",
+            lambda a, b, c: trisparse.block_sparse_attention(a, b, c, ours),
+            leaves,
+            dout,
+        )
+        if not args.no_flex:
+            flex_mask = block_mask_from(blocks, n, g, q.device)
+            report(
+                f"flex p={p}",
+                lambda a, b, c: compiled(a, b, c, block_mask=flex_mask),
+                leaves,
+                dout,
+            )
+
+
+if __name__ == "__main__":
+    main()
