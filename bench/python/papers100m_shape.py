@@ -2,7 +2,8 @@
 the device as a canonical CSR, graph attention forward and backward over it (--heads x --dim,
 default 1 x 64, bf16, the multigraph kernels: 64-bit positions and offsets; the backward where
 it fits), and the attention forward over its symmetrised form A + A^T (Pattern.undirected, made
-on the device: 3.2B entries, past 2^31, as PyG loads papers100M). Times (CUDA events, median of
+on the device: 3.2B entries, past 2^31, as PyG loads papers100M), then a GCN layer's training
+step over it (trisparse.nn.GCNConv given the Pattern: neighbour sums, no per-edge values). Times (CUDA events, median of
 --repeat), peak memory, build times; outputs, lse and gradients checked against float64 on sampled
 rows and columns. One JSON line per stage on stdout.
 
@@ -166,67 +167,9 @@ def emit(record: dict) -> None:
     print(json.dumps(record), flush=True)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nodes", type=int, default=PAPERS_NODES)
-    ap.add_argument("--edges", type=int, default=PAPERS_EDGES)
-    ap.add_argument(
-        "--wide",
-        choices=["symmetrised", "generated", "none"],
-        default="symmetrised",
-        help="the 3.2B-entry stage: A + A^T of the graph, the generator at twice the edges, or none",
-    )
-    ap.add_argument("--heads", type=int, default=1)
-    ap.add_argument("--dim", type=int, default=64, help="channels per head")
-    ap.add_argument("--alpha", type=float, default=1.5, help="Pareto shape of the in-degrees")
-    ap.add_argument("--max-degree", type=int, default=1 << 20)
-    ap.add_argument("--chunk", type=int, default=1 << 27, help="entries generated at a time")
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--check-rows", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    dev = torch.device("cuda")
-    name = torch.cuda.get_device_name(dev)
-    base = {
-        "device": name,
-        "torch": torch.__version__,
-        "nodes": args.nodes,
-        "heads": args.heads,
-        "dim": args.dim,
-        "dtype": "bf16",
-    }
-    scale = args.dim**-0.5
-    g = torch.Generator(device=dev).manual_seed(args.seed + 1)
-
-    # 1. The graph, its pattern and the multigraph plan with its backward side.
-    torch.cuda.reset_peak_memory_stats(dev)
-    (rowptr, col), gen_ms = wall(
-        lambda: generate(
-            args.nodes, args.edges, args.alpha, args.max_degree, args.seed, dev, args.chunk
-        )
-    )
-    pattern, check_ms = wall(lambda: trisparse.Pattern.from_sorted_csr(rowptr, col, args.nodes))
-    _plan, build_ms = wall(lambda: pattern.edge_attention_plan(dev))
-    torch.cuda.empty_cache()
-    deg = rowptr.diff()
-    graph = {
-        **base,
-        "edges": pattern.nnz,
-        "max_in_degree": int(deg.max()),
-        "max_out_degree": int(torch.bincount(col).max()),
-        "empty_rows": int((deg == 0).sum()),
-        "generate_ms": gen_ms,
-        "check_ms": check_ms,
-        "plan_build_ms": build_ms,
-        "build_peak_gib": gib(torch.cuda.max_memory_allocated(dev)),
-        "after_build_gib": gib(torch.cuda.memory_allocated(dev)),
-    }
-    print(f"graph: {graph}", file=sys.stderr, flush=True)
-
-    # 2. Forward and backward, q = k = v = x, dout = out (the ops, as the autograd calls them);
-    # the backward where its gradients (3 x's) and [E, H] workspace (8 bytes each) fit.
-    shape = (args.nodes, args.heads, args.dim)
-    x = torch.randn(*shape, generator=g, device=dev, dtype=torch.bfloat16)
+def attention_stage(args, graph, pattern, rowptr, col, x, scale, dev, g):
+    """2. Forward and backward, q = k = v = x, dout = out (the ops, as the autograd calls them);
+    the backward where its gradients (3 x's) and [E, H] workspace (8 bytes each) fit."""
     ops = torch.ops.trisparse
     torch.cuda.reset_peak_memory_stats(dev)
 
@@ -268,7 +211,80 @@ def main() -> None:
         )
     record["peak_gib"] = gib(torch.cuda.max_memory_allocated(dev))
     emit(record)
-    del out, lse, grads, _plan, pattern, deg
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, default=PAPERS_NODES)
+    ap.add_argument("--edges", type=int, default=PAPERS_EDGES)
+    ap.add_argument(
+        "--wide",
+        choices=["symmetrised", "generated", "none"],
+        default="symmetrised",
+        help="the 3.2B-entry stage: A + A^T of the graph, the generator at twice the edges, or none",
+    )
+    ap.add_argument(
+        "--no-gcn", dest="gcn", action="store_false", help="skip the GCN layer over A + A^T"
+    )
+    ap.add_argument(
+        "--skip-attention", action="store_true", help="only the graphs and the GCN layer"
+    )
+    ap.add_argument("--heads", type=int, default=1)
+    ap.add_argument("--dim", type=int, default=64, help="channels per head")
+    ap.add_argument("--alpha", type=float, default=1.5, help="Pareto shape of the in-degrees")
+    ap.add_argument("--max-degree", type=int, default=1 << 20)
+    ap.add_argument("--chunk", type=int, default=1 << 27, help="entries generated at a time")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--check-rows", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name(dev)
+    base = {
+        "device": name,
+        "torch": torch.__version__,
+        "nodes": args.nodes,
+        "heads": args.heads,
+        "dim": args.dim,
+        "dtype": "bf16",
+    }
+    scale = args.dim**-0.5
+    g = torch.Generator(device=dev).manual_seed(args.seed + 1)
+
+    # 1. The graph, its pattern and the multigraph plan with its backward side.
+    torch.cuda.reset_peak_memory_stats(dev)
+    (rowptr, col), gen_ms = wall(
+        lambda: generate(
+            args.nodes, args.edges, args.alpha, args.max_degree, args.seed, dev, args.chunk
+        )
+    )
+    pattern, check_ms = wall(lambda: trisparse.Pattern.from_sorted_csr(rowptr, col, args.nodes))
+    _plan, build_ms = (
+        (None, 0.0) if args.skip_attention else wall(lambda: pattern.edge_attention_plan(dev))
+    )
+    torch.cuda.empty_cache()
+    deg = rowptr.diff()
+    graph = {
+        **base,
+        "edges": pattern.nnz,
+        "max_in_degree": int(deg.max()),
+        "max_out_degree": int(torch.bincount(col).max()),
+        "empty_rows": int((deg == 0).sum()),
+        "generate_ms": gen_ms,
+        "check_ms": check_ms,
+        "plan_build_ms": build_ms,
+        "build_peak_gib": gib(torch.cuda.max_memory_allocated(dev)),
+        "after_build_gib": gib(torch.cuda.memory_allocated(dev)),
+    }
+    print(f"graph: {graph}", file=sys.stderr, flush=True)
+
+    # 2. The attention's forward and backward (attention_stage).
+    shape = (args.nodes, args.heads, args.dim)
+    x = torch.randn(*shape, generator=g, device=dev, dtype=torch.bfloat16)
+    ops = torch.ops.trisparse
+    if not args.skip_attention:
+        attention_stage(args, graph, pattern, rowptr, col, x, scale, dev, g)
+    del _plan, pattern, deg
     torch.cuda.empty_cache()
 
     # 3. The forward over its symmetrised form A + A^T (as PyG loads papers100M: 3.2B entries,
@@ -294,6 +310,8 @@ def main() -> None:
         pattern, check_ms = wall(lambda: trisparse.Pattern.from_sorted_csr(rowptr, col, args.nodes))
     torch.cuda.empty_cache()
     make_peak = gib(torch.cuda.max_memory_allocated(dev))
+    if args.skip_attention:
+        return gcn_stage(args, base, pattern, rowptr, col, x.view(args.nodes, -1), dev, g)
     _plan, build_ms = wall(lambda: pattern.edge_attention_plan(dev, backward=False))
 
     def wide():
@@ -309,6 +327,59 @@ def main() -> None:
         "plan_build_ms": build_ms, "forward_ms": ms,
         "peak_gib": gib(torch.cuda.max_memory_allocated(dev)), "rows_checked": rows.numel(),
         "out_rel_err": f_err, "lse_abs_err": lse_err,
+    })  # fmt: skip
+    del out, lse, _edge
+    if args.wide == "symmetrised" and args.gcn:
+        gcn_stage(args, base, pattern, rowptr, col, x.view(args.nodes, -1), dev, g)
+
+
+def gcn_stage(args, base, pattern, rowptr, col, x, dev, g):
+    """4. A GCN layer's training step over the symmetrised graph: trisparse.nn.GCNConv (C -> C,
+    bf16) given the Pattern (its neighbour sums, no per-edge values); forward + backward of the
+    weights, timed; out checked against float64 on sampled rows (from the layer's own bf16
+    x W and degrees)."""
+    import trisparse.nn
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    layer = trisparse.nn.GCNConv(x.shape[1], x.shape[1]).to(dev, torch.bfloat16)
+    _, counts_ms = wall(lambda: pattern.pair_counts(dev))
+    up = torch.randn(args.nodes, x.shape[1], generator=g, device=dev, dtype=torch.bfloat16)
+
+    def forward():
+        with torch.no_grad():
+            return layer(x, pattern)
+
+    def step():
+        out = layer(x, pattern)
+        out.backward(up)
+        layer.zero_grad(set_to_none=True)
+
+    out = forward()
+    fwd_ms = time_ms(forward, args.repeat)
+    step_ms = time_ms(step, args.repeat)
+    peak = gib(torch.cuda.max_memory_allocated(dev))
+    # float64 reference on sampled rows: out_i = d_i^-1/2 (sum_j d_j^-1/2 h_j + [no loop] d_i^-1/2
+    # h_i) + b, with h = x W as the layer rounds it (bf16) and its bf16 degrees' d^-1/2.
+    in_deg, _out_deg, loops = pattern.pair_counts(dev)
+    deg = in_deg - loops + 1
+    dinv = deg.to(torch.bfloat16).pow(-0.5).double()
+    w, b = layer.lin.weight, layer.bias.double()
+    rows = sample_rows(rowptr, args.nodes, args.check_rows, g, dev)
+    errs = []
+    with torch.no_grad():
+        for i in rows.tolist():
+            src = col[int(rowptr[i]) : int(rowptr[i + 1])].long()
+            h_src = (x[src] @ w.t()).double()
+            h_i = (x[i : i + 1] @ w.t()).double()[0]
+            s = (dinv[src, None] * h_src).sum(0) + (1 - int(loops[i])) * dinv[i] * h_i
+            want = dinv[i] * s + b
+            errs.append(float((out[i].double() - want).abs().max() / want.abs().max()))
+    emit({
+        **base, "stage": "GCN layer, entries past 2^31", "edges": pattern.nnz,
+        "channels": x.shape[1], "pair_counts_ms": counts_ms, "forward_ms": fwd_ms,
+        "forward_backward_ms": step_ms, "peak_gib": peak, "rows_checked": rows.numel(),
+        "out_rel_err": max(errs),
     })  # fmt: skip
 
 

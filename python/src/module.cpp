@@ -864,6 +864,15 @@ NB_MODULE(_C, m) {
            "a_edge"_a.none(), "out"_a, "lse"_a, "dout"_a, "dx"_a, "da_src"_a, "da_dst"_a,
            "da_edge"_a.none(), "keep"_a.none(), "negative_slope"_a, "stream"_a, "workspace"_a,
            "workspace_bytes"_a, "dropout"_a = 0.0, "dropout_state"_a = 0)
+      .def(
+          "neighbor_sum",
+          [](const py_edge_attention_plan& p, const tensor_tuple& x, const tensor_tuple& out,
+             bool transposed, std::uintptr_t stream) {
+            const tensor_view xv = view_of(x), ov = view_of(out);
+            nb::gil_scoped_release release;
+            p.plan.neighbor_sum(xv, ov, transposed, stream_of(stream));
+          },
+          "x"_a, "out"_a, "transposed"_a, "stream"_a)
       .def("workspace_bytes", [](const py_edge_attention_plan& p, std::int64_t heads) {
         return p.plan.backward_workspace_bytes(heads);
       });

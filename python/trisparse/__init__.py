@@ -22,7 +22,7 @@ from .block_pattern import (
 )
 from .block_sparse import BlockImportance, BlockMask, block_sparse_attention, topk_block_mask
 from .edge import edge_scores, edge_softmax, edge_spmm, sddmm
-from .edge_attention import edge_attention, edge_gat_attention
+from .edge_attention import edge_attention, edge_gat_attention, neighbor_sum
 from .gat import gat_attention
 from .pattern import Pattern
 from .segment_attention import segment_attention, segment_attention_supported
@@ -58,6 +58,7 @@ __all__ = [
     "gat_attention",
     "gcn_conv",
     "learn_block_pattern",
+    "neighbor_sum",
     "pooled_block_mass",
     "prune_blocks",
     "sddmm",

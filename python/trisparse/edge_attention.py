@@ -19,10 +19,11 @@ from . import _C, _tensors
 from .autograd.edge_attention import (
     _forward_eager,
     _gat_forward_eager,
+    _neighbor_sum_eager,
 )
 from .pattern import Pattern
 
-__all__ = ["edge_attention", "edge_attention_supported", "edge_gat_attention"]
+__all__ = ["edge_attention", "edge_attention_supported", "edge_gat_attention", "neighbor_sum"]
 
 
 def _dropout_args(pattern: Pattern, like: Tensor, p: float, pyg_dropout: bool) -> tuple:
@@ -161,3 +162,55 @@ def edge_attention(
         state,
     )
     return out, (None if r is None else out_edge[..., :features])
+
+
+def _sum_width(channels: int) -> int:
+    """The channels the CUDA neighbour sum takes for a head of `channels`: 4 * 2^k up to 128, then
+    256; wider heads run in slices of 128."""
+    width = 4
+    while width < channels and width < 128:
+        width *= 2
+    return 256 if 128 < channels <= 256 else width
+
+
+def neighbor_sum(x: Tensor, pattern: Pattern, transposed: bool = False) -> Tensor:
+    """out_i = sum over the pattern's input pairs (i <- j) of x_j: the unweighted aggregation of
+    message passing (PyG's ``aggr="add"`` over ``pattern.edge_index()``, each copy of a repeated
+    pair counted), x [num_cols, C] or [num_cols, H, C], out [num_rows, ...] in x's dtype;
+    ``transposed``: out_j = sum over the pairs (i <- j) of x_i. A GCN layer's normalised
+    aggregation is d^-1/2 ⊙ neighbor_sum(d^-1/2 ⊙ x) (:class:`trisparse.nn.GCNConv` given a
+    Pattern). On CUDA (f16, bf16, f32) the multigraph kernels, f32 sums in a fixed order, 64-bit
+    positions: a pattern of billions of entries (:meth:`Pattern.from_sorted_csr`,
+    :meth:`Pattern.undirected`) runs in place; the transposed sum groups the pairs by source once
+    (a sort), except for a symmetric pattern (:meth:`Pattern.undirected`'s), whose transpose is
+    itself. On the CPU index_add in the pairs' order. Differentiable in x, deterministic."""
+    if not isinstance(pattern, Pattern):
+        raise TypeError(f"pattern must be a trisparse.Pattern, got {type(pattern).__name__}")
+    if not isinstance(x, Tensor) or x.dtype not in _tensors.FLOAT_DTYPES:
+        raise TypeError("x must be a float16, bfloat16, float32 or float64 tensor")
+    rows = pattern.num_rows if transposed else pattern.num_cols
+    if x.dim() not in (2, 3) or x.shape[0] != rows:
+        raise ValueError(
+            f"x must be [{rows}, C] or [{rows}, H, C] (the pattern's "
+            f"{'rows' if transposed else 'columns'}), got {list(x.shape)}"
+        )
+    flat = x.dim() == 2
+    h = x.unsqueeze(1) if flat else x
+    if h.is_cuda:
+        if h.dtype == torch.float64:
+            raise TypeError("neighbor_sum on CUDA takes float16, bfloat16 or float32 x")
+        c = h.shape[2]
+        if c > 256:  # slices of 128 channels (one pass over the pattern each)
+            out = torch.cat(
+                [neighbor_sum(h[..., a : a + 128], pattern, transposed) for a in range(0, c, 128)],
+                dim=2,
+            )
+            return out.squeeze(1) if flat else out
+        width = _sum_width(c)
+        if width != c:
+            h = F.pad(h, (0, width - c))
+        h = h if _tensors.aligned16(h) else h.contiguous()
+        out = _neighbor_sum_eager(h, pattern.id, bool(transposed))[..., :c]
+    else:
+        out = _neighbor_sum_eager(h.contiguous(), pattern.id, bool(transposed))
+    return out.squeeze(1) if flat else out

@@ -158,6 +158,8 @@ class Pattern:
         # from_edge_index with add_self_loops: the input edges kept (not self loops), in order.
         self._kept_edges: torch.Tensor | None = None
         self._per_device: dict[tuple[str, torch.device], Any] = {}
+        # Known equal to its transpose (undirected()'s): transposed sums run the forward's lines.
+        self.symmetric = False
 
     # --- builders -------------------------------------------------------------------------------
 
@@ -269,7 +271,9 @@ class Pattern:
         n, nnz, dev = self.num_rows, self.nnz, self.rowptr.device
         rowptr, col = self.rowptr, self.col
         if nnz == 0:
-            return Pattern.from_sorted_csr(rowptr.clone(), col.clone(), n, check=False)
+            result = Pattern.from_sorted_csr(rowptr.clone(), col.clone(), n, check=False)
+            result.symmetric = True
+            return result
         piece = _UNDIRECTED_PIECE  # torch's nonzero and bincount: < 2^31 elements at once
         pieces = range(0, nnz, piece)
         out_degree = torch.zeros(n, dtype=torch.int64, device=dev)
@@ -306,7 +310,9 @@ class Pattern:
             del key, local
         out_rowptr = torch.zeros(n + 1, dtype=torch.int64, device=dev)
         torch.cumsum(counts, 0, out=out_rowptr[1:])
-        return Pattern.from_sorted_csr(out_rowptr, out_col[:written], n, check=False)
+        result = Pattern.from_sorted_csr(out_rowptr, out_col[:written], n, check=False)
+        result.symmetric = True
+        return result
 
     @classmethod
     def exphormer(
@@ -699,6 +705,41 @@ class Pattern:
             device_index(device),
         )
         return plan, arrays  # the plan views the arrays: kept together
+
+    def pair_counts(
+        self, device: torch.device, chunk: int = 1 << 27
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(in-degrees int64 [num_rows], out-degrees [num_cols], self-loop counts [min(rows,
+        cols)]) of the input's pairs, each copy of a repeated pair counted (PyG's degrees of
+        ``edge_index()`` with its repeats): in row ranges of at most ``chunk`` entries, so
+        patterns of billions of entries fit. Cached."""
+
+        def count():
+            rowptr, col = self._on(device)
+            mult = self.multiplicity(device)
+            in_deg = torch.zeros(self.num_rows, dtype=torch.int64, device=device)
+            out_deg = torch.zeros(self.num_cols, dtype=torch.int64, device=device)
+            loops = torch.zeros(min(self.num_rows, self.num_cols), dtype=torch.int64, device=device)
+            r0 = 0
+            while r0 < self.num_rows:
+                r1 = int(torch.searchsorted(rowptr, rowptr[r0] + chunk, right=True)) - 1
+                r1 = min(max(r1, r0 + 1), self.num_rows)
+                lo, hi = int(rowptr[r0]), int(rowptr[r1])
+                rows = torch.repeat_interleave(
+                    torch.arange(r0, r1, device=device),
+                    rowptr[r0 : r1 + 1].diff(),
+                    output_size=hi - lo,
+                )
+                c = col[lo:hi].long()
+                m = torch.ones_like(c) if mult is None else mult[lo:hi]
+                in_deg.index_add_(0, rows, m)  # integer sums: exact in any order
+                out_deg.index_add_(0, c, m)
+                on = rows == c
+                loops.index_add_(0, c[on], m[on])
+                r0 = r1
+            return in_deg, out_deg, loops
+
+        return self._cached("pair_counts", device, count)
 
     def edge_index(self) -> torch.Tensor:
         """The entries as PyG's ``edge_index`` [2, nnz] (row 0 sources j, row 1 targets i), in

@@ -381,6 +381,80 @@ def test_gcn_conv_learned_edge_weights_match_pyg(kwargs):
     assert all(torch.equal(a, b) for a, b in zip(got[:3], again[:3]))
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"improved": True},
+        {"add_self_loops": False},
+        {"normalize": False, "add_self_loops": False},
+        {"bias": False},
+        {"flow": "target_to_source"},
+    ],
+)
+def test_gcn_conv_over_a_pattern_matches_pyg(kwargs):
+    """A Pattern as the graph (the neighbour-sum path, no per-edge values): PyG's layer over the
+    same pairs, repeated pairs and repeated self loops included, in float64, outputs and the
+    gradients of x and every parameter; and over a from_sorted_csr / undirected() pattern
+    against PyG over its edge_index()."""
+    n = 60
+    ei = multigraph(n, n, seed=12)
+    ei = torch.cat([ei, torch.tensor([[4, 4, 4, 9], [4, 4, 4, 9]])], 1)
+    ours, pyg = pair(trisparse.nn.GCNConv, pyg_nn.GCNConv, 8, 5, **kwargs)
+    ours, pyg = ours.double(), pyg.double()
+    x = torch.randn(n, 8, dtype=torch.float64)
+    up = torch.randn(n, 5, generator=torch.Generator().manual_seed(3)).double()
+
+    def step(layer, graph):
+        xs = x.clone().requires_grad_()
+        out = layer(xs, graph)
+        out.backward(up)
+        grads = {k: p.grad.clone() for k, p in layer.named_parameters()}
+        layer.zero_grad()
+        return [out.detach(), xs.grad, *grads.values()]
+
+    pattern = trisparse.Pattern.from_edge_index(ei, num_nodes=n)
+    undirected = trisparse.Pattern.from_sorted_csr(pattern.rowptr, pattern.col, n).undirected()
+    for graph, pairs in ((pattern, ei), (undirected, undirected.edge_index())):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback
+            got = step(ours, graph)
+        for a, b in zip(got, step(pyg, pairs), strict=True):
+            assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="edge_weight"):
+        ours(x, pattern, torch.ones(ei.shape[1], dtype=torch.float64))
+    with pytest.raises(ValueError, match="square"):
+        ours(x[:-1], pattern)
+
+
+def test_neighbor_sum_against_index_add_and_its_gradient():
+    """trisparse.neighbor_sum over a multigraph (each copy counted), both directions, [N, C] and
+    [N, H, C], equals index_add over the pairs; gradcheck; a symmetric pattern's transposed sum
+    is its sum."""
+    n_src, n_dst = 23, 31
+    ei = multigraph(n_src, n_dst, seed=4)
+    p = trisparse.Pattern.from_edge_index(ei, size=(n_src, n_dst))
+    for shape in ((n_src, 6), (n_src, 3, 4)):
+        x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+        want = torch.zeros(n_dst, *shape[1:], dtype=torch.float64).index_add(0, ei[1], x[ei[0]])
+        assert torch.allclose(trisparse.neighbor_sum(x, p), want, rtol=1e-14, atol=1e-14)
+        y = torch.randn(n_dst, *shape[1:], dtype=torch.float64, requires_grad=True)
+        want_t = torch.zeros(*shape, dtype=torch.float64).index_add(0, ei[0], y[ei[1]])
+        got_t = trisparse.neighbor_sum(y, p, transposed=True)
+        assert torch.allclose(got_t, want_t, rtol=1e-14, atol=1e-14)
+        assert torch.autograd.gradcheck(lambda t: trisparse.neighbor_sum(t, p), (x,))
+        assert torch.autograd.gradcheck(lambda t: trisparse.neighbor_sum(t, p, True), (y,))
+    u = trisparse.Pattern.from_edge_index(ei[:, ei[0] < n_src], num_nodes=n_dst)
+    u = trisparse.Pattern.from_sorted_csr(u.rowptr, u.col, n_dst).undirected()
+    z = torch.randn(n_dst, 5, dtype=torch.float64)
+    assert u.symmetric
+    assert torch.equal(trisparse.neighbor_sum(z, u, transposed=True), trisparse.neighbor_sum(z, u))
+    with pytest.raises(ValueError, match="x must be"):
+        trisparse.neighbor_sum(torch.randn(n_dst, 4), p)
+    with pytest.raises(TypeError, match="Pattern"):
+        trisparse.neighbor_sum(torch.randn(n_src, 4), ei)
+
+
 @pytest.mark.parametrize("layout", [torch.sparse_coo, torch.sparse_csr])
 @pytest.mark.parametrize("kwargs", [{}, {"add_self_loops": False}, {"normalize": False}])
 def test_gcn_conv_on_a_torch_sparse_adjacency_matches_pyg(layout, kwargs):

@@ -171,6 +171,14 @@ class edge_attention_plan {
   void gat_forward(const edge_gat_args& args, stream_ref stream = {}) const;
   void gat_backward(const edge_gat_grad_args& args, stream_ref stream = {},
                     workspace_view workspace = {}) const;
+  /// The neighbour sum over the multigraph's edges (each copy of a repeated pair its own term):
+  /// out_i = sum over the edges (i <- j) of x_j, x [cols, H, C], out [rows, H, C]; `transposed`:
+  /// out_j = sum over the edges (i <- j) of x_i, x [rows, H, C], out [cols, H, C] (needs the
+  /// backward's side). x f16, bf16 or f32 with C as the attention's; out f32 or x's dtype (f32
+  /// sums rounded once). Each sum in a fixed order: bitwise repeatable. A GCN layer's
+  /// aggregation, with the normalisation on the nodes (D^-1/2 A D^-1/2 x = d^-1/2 sum d^-1/2 x).
+  void neighbor_sum(const tensor_view& x, const tensor_view& out, bool transposed,
+                    stream_ref stream = {}) const;
   const multigraph_view& graph() const { return graph_; }
 
  private:

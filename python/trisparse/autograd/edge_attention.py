@@ -9,6 +9,7 @@ from .._eager import eager_autograd
 from ..ops.edge_attention import (
     _forward,
     _gat_forward,
+    _neighbor_sum,
 )
 from ..pattern import lookup
 
@@ -87,3 +88,20 @@ _gat_forward.register_autograd(_gat_backward, setup_context=_gat_setup)
 
 
 _gat_forward_eager = eager_autograd(_gat_forward, _gat_setup, _gat_backward)
+
+
+def _sum_setup(ctx, inputs, output):
+    _x, pattern, transposed = inputs
+    ctx.pattern, ctx.transposed = pattern, transposed
+    ctx.held = lookup(pattern)
+
+
+def _sum_backward(ctx, dout):
+    dx = torch.ops.trisparse.neighbor_sum(dout.contiguous(), ctx.pattern, not ctx.transposed)
+    return dx, None, None
+
+
+_neighbor_sum.register_autograd(_sum_backward, setup_context=_sum_setup)
+
+
+_neighbor_sum_eager = eager_autograd(_neighbor_sum, _sum_setup, _sum_backward)

@@ -250,3 +250,39 @@ def _gat_backward_fake(
     x, a_src, a_dst, a_edge, keep, out, lse, dout, pattern, negative_slope, dropout, state
 ):
     return _gat_grads(x, a_src, a_dst, a_edge)
+
+
+def _input_pairs(p, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(targets, sources) of the pattern's input pairs, each copy of a repeated pair its own."""
+    rows, cols = p.entries(device)
+    entries = p.entries_of_input(device)
+    return (rows, cols) if entries is None else (rows[entries], cols[entries])
+
+
+@torch.library.custom_op("trisparse::neighbor_sum", mutates_args=())
+def _neighbor_sum(x: Tensor, pattern: int, transposed: bool) -> Tensor:
+    """out [num_rows, H, C] = sum over the input's pairs (i <- j) of x[j] (transposed: out
+    [num_cols, H, C] = sum of x[i] at j), in x's dtype: on CUDA the multigraph kernels (f32 sums
+    in a fixed order), on the CPU index_add in the pairs' order."""
+    p = lookup(pattern)
+    transposed = transposed and not p.symmetric
+    rows = p.num_cols if transposed else p.num_rows
+    if x.device.type == "cuda":
+        out = x.new_empty(rows, x.shape[1], x.shape[2])
+        plan = p.edge_attention_plan(x.device, backward=transposed)
+        plan.neighbor_sum(
+            _tensors.view(x), _tensors.view(out), transposed, _tensors.stream(x.device)
+        )
+        return out
+    targets, sources = _input_pairs(p, x.device)
+    at, of = (sources, targets) if transposed else (targets, sources)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    out = x.new_zeros(rows, x.shape[1], x.shape[2], dtype=acc)
+    return out.index_add_(0, at, x[of].to(acc)).to(x.dtype)
+
+
+@_neighbor_sum.register_fake
+def _neighbor_sum_fake(x, pattern, transposed):
+    p = lookup(pattern)
+    rows = p.num_cols if transposed and not p.symmetric else p.num_rows
+    return x.new_empty(rows, x.shape[1], x.shape[2])

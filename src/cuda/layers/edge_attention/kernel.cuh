@@ -481,6 +481,33 @@ __global__ void __launch_bounds__(kWarps * 32) column_kernel(const params p, boo
   store_grad<T>(p, p.dv, j, h, at.slot * NC, dv, 1.0f);
 }
 
+// The neighbour sum: out_i = sum over line i's edges of x at the edge's other end (rows: the
+// sources; COLUMNS: the targets, over by_source), f32 sums; a group's edges in line order, the
+// groups and a heavy line's warps merged as the gradients are. x in p.v, out in p.dq.
+template <class T, int NC, bool COLUMNS>
+__global__ void __launch_bounds__(kWarps * 32) sum_kernel(const params p, bool heavy) {
+  place at;
+  if (!(COLUMNS ? column_place(p, heavy, at) : row_place(p, heavy, at))) return;
+  const std::int64_t i = at.line;
+  const int h = at.head;
+  const std::int64_t* ptr = COLUMNS ? p.g.col_ptr : p.g.row_ptr;
+  float acc[NC] = {}, none[1] = {};
+  const std::int64_t begin = ptr[i], end = ptr[i + 1];
+  for (std::int64_t base = begin; base < end; base += at.groups) {
+    const std::int64_t t = base + at.group;
+    if (!at.valid || t >= end) break;  // no shuffles in this loop: groups may leave early
+    const std::int32_t j = COLUMNS ? p.g.dst[p.g.by_source[t]] : p.g.src[t];
+    float xj[NC];
+    load<T, NC>(p.v.at<T>(j, h) + at.slot * NC, xj);
+#pragma unroll
+    for (int n = 0; n < NC; ++n) acc[n] += xj[n];
+  }
+  butterfly_sum(acc, at.merge);
+  if (heavy) heavy_sum(p, acc, none);
+  if (at.group != 0 || !at.valid) return;
+  store_grad<T>(p, p.dq, i, h, at.slot * NC, acc, 1.0f);
+}
+
 // da of edge position e, feature f: a thread each, the heads in order.
 template <class T>
 __global__ void feature_kernel(const params p, int features) {

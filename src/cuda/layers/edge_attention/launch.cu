@@ -206,4 +206,20 @@ void edge_gat_backward(const multigraph_view& g, const edge_gat_grad_args& a,
   backward_passes<true>(p, g, a.x, 0, workspace, stream);
 }
 
+void edge_neighbor_sum(const multigraph_view& g, const tensor_view& x, const tensor_view& out,
+                       bool transposed, stream_ref stream) {
+  expect_current_device(g.device_id);
+  params p = params_of(g, x, 1.0);
+  p.v = in_of(x);
+  p.dq = out_of(out);
+  p.grads_in_t = out.type != dtype::f32;
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  dispatch(x.type, x.dim, 0, [&]<class T, int NC, int NF>() {
+    if (transposed)
+      over_lines(sum_kernel<T, NC, true>, p, g.cols, g.heavy_col_count, s);
+    else
+      over_lines(sum_kernel<T, NC, false>, p, g.rows, g.heavy_row_count, s);
+  });
+}
+
 }  // namespace trisparse::cuda

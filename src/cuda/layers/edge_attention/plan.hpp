@@ -31,4 +31,9 @@ TRISPARSE_CUDA_ENTRY(void edge_gat_backward(const multigraph_view& g,
                                             const edge_gat_grad_args& args,
                                             const workspace_view& workspace, stream_ref stream))
 
+/// edge_attention_plan::neighbor_sum on CUDA (arguments checked by the caller).
+TRISPARSE_CUDA_ENTRY(void edge_neighbor_sum(const multigraph_view& g, const tensor_view& x,
+                                            const tensor_view& out, bool transposed,
+                                            stream_ref stream))
+
 }  // namespace trisparse::cuda
