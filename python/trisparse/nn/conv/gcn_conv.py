@@ -31,8 +31,11 @@ class GCNConv(_Fused, _PygGCNConv):
     messages), differentiable in x, the weights and every parameter. Falls back to PyG's code,
     with a one-time warning, for graphs given as a ``SparseTensor`` and for a torch.sparse
     adjacency whose values require grad (a COO or CSR ``adj_t`` runs fused, normalised by PyG's
-    ``gcn_norm`` as PyG does). A :class:`trisparse.distributed.DistributedPattern`
-    as ``edge_index`` computes this rank's rows of a partitioned graph."""
+    ``gcn_norm`` as PyG does). A :class:`trisparse.Pattern` as ``edge_index`` (PyG's layer over
+    ``pattern.edge_index()``) runs the node-normalised neighbour sums of
+    :func:`trisparse.neighbor_sum`, no per-edge value: patterns of billions of entries fit. A
+    :class:`trisparse.distributed.DistributedPattern` as ``edge_index`` computes this rank's rows
+    of a partitioned graph."""
 
     def __init__(self, *args, fuse_relu: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
