@@ -11,12 +11,17 @@ from torch import Tensor
 
 from . import _C, _tensors
 from .autograd.attention import _forward_eager
+from .autograd.edge_attention import _forward_eager as _edge_forward_eager
 from .ops.attention import (
     _bias_dtype,
 )
 from .pattern import Pattern
 
 __all__ = ["sparse_attention"]
+
+# Entry counts from which a CUDA call runs the multigraph kernels (64-bit positions; the fused 3S
+# and row-wise plans index entries in 32 bits).
+_WIDE_ENTRIES = 2**31 - 1
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern) -> None:
@@ -80,7 +85,9 @@ def sparse_attention(
     Differentiable in q, k, v and bias (deterministic: the same gradients on every run). On the CPU,
     float16/bfloat16/float32 run the OpenMP engine in float32, float64 the float64 reference; on
     CUDA float16 and bfloat16 run the fused 3S kernel (tensor cores), float32 a row-wise float32
-    kernel, and the backward a deterministic two-pass kernel.
+    kernel, and the backward a deterministic two-pass kernel; a pattern of 2^31 entries or more
+    (their plans index entries in 32 bits) the multigraph kernels of :func:`edge_attention`
+    (64-bit; no bias there).
     """
     if not isinstance(pattern, Pattern):
         pattern = Pattern.of(pattern, num_nodes=k.shape[0] if isinstance(k, Tensor) else None)
@@ -94,12 +101,35 @@ def sparse_attention(
         t is not None and t.requires_grad for t in (q, k, v, bias)
     )
     dim_v = v.shape[2]
+    if q.device.type == "cuda" and pattern.nnz >= _WIDE_ENTRIES:
+        return _wide(q, k, v, pattern, scale, return_lse, bias)
     if q.device.type == "cuda":
         q, k, v = _padded_for_cuda(q, k, v)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     with_lse = bool(return_lse or needs_grad)  # the backward reads it
     out, lse = _forward_eager(q, k, v, bias, pattern.id, float(scale), with_lse, bool(needs_grad))
     out = out if out.shape[2] == dim_v else out[..., :dim_v]
+    return (out, lse) if return_lse else out
+
+
+def _wide(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, scale: float, return_lse, bias):
+    """A pattern of 2^31 entries or more on CUDA: the multigraph kernels (trisparse.edge_attention,
+    64-bit), which read a pattern not built from pairs in place; each entry once, as here."""
+    from .edge_attention import _operand, edge_attention_supported
+
+    if bias is not None or pattern.duplicates > 0 or q.shape[2] != v.shape[2]:
+        raise ValueError(
+            f"a pattern of {pattern.nnz} entries (2^31 or more) runs on CUDA through the multigraph "
+            "kernels, which take no bias, repeated pairs or a head dim of v other than q's"
+        )
+    if not edge_attention_supported(pattern, q):
+        raise ValueError(
+            f"a pattern of {pattern.nnz} entries (2^31 or more) runs on CUDA through the multigraph "
+            f"kernels: heads of 4 * 2^k <= 128 or 256 channels, not {q.shape[2]}"
+        )
+    out, _edge, lse = _edge_forward_eager(
+        _operand(q), _operand(k), _operand(v), None, None, None, pattern.id, float(scale), 0.0, None
+    )
     return (out, lse) if return_lse else out
 
 

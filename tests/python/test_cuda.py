@@ -1039,6 +1039,30 @@ def test_edge_attention_matches_float64_on_multigraphs(dtype, heads, c, f, dropo
         assert relerr(x, z) <= tol, i
 
 
+def test_sparse_attention_past_2_31_entries_takes_the_multigraph_kernels(monkeypatch):
+    """sparse_attention over a pattern of 2^31 entries or more runs the multigraph kernels (the
+    threshold lowered here): out, lse and the gradients equal the fused path's within bf16."""
+    from trisparse import attention as attention_module
+
+    n = 2000
+    ei = random_edge_index(n, n, 9, seed=51, self_loops=True).cuda()
+    pattern = trisparse.Pattern.from_edge_index(ei, num_nodes=n)
+    q, k, v = (torch.randn(n, 4, 32, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    up = torch.randn(n, 4, 32, device="cuda", dtype=torch.bfloat16)
+    runs = []
+    for threshold in (2**31 - 1, 0):
+        monkeypatch.setattr(attention_module, "_WIDE_ENTRIES", threshold)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = trisparse.sparse_attention(*leaves, pattern, return_lse=True)
+        grads = torch.autograd.grad(out, leaves, up)
+        runs.append([out, lse, *grads])
+    for a, b in zip(*runs, strict=True):
+        assert relerr(a.float(), b.float()) <= 2e-2
+    bias = torch.zeros(pattern.nnz, device="cuda")
+    with pytest.raises(ValueError, match="2\\^31"):
+        trisparse.sparse_attention(q, k, v, pattern, bias=bias)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads, channels", [(1, 64), (4, 16), (1, 48), (2, 300)])
 def test_neighbor_sum_on_cuda_against_float64(dtype, heads, channels):
