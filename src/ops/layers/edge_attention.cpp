@@ -203,12 +203,14 @@ void edge_attention_plan::backward(const edge_attention_grad_args& a, stream_ref
 void edge_attention_plan::neighbor_sum(const tensor_view& x, const tensor_view& out,
                                        bool transposed, stream_ref stream) const {
   const multigraph_view& g = graph_;
-  const std::int64_t in_rows = transposed ? g.rows : g.cols, out_rows = transposed ? g.cols : g.rows;
+  const std::int64_t in_rows = transposed ? g.rows : g.cols,
+                     out_rows = transposed ? g.cols : g.rows;
   check_view(x, "x", in_rows, -1, -1);
   const int lanes = cuda::edge_attention_group(x.dim);
-  TRISPARSE_EXPECTS_INPUT(lanes > 0, "neighbor_sum takes heads of 4 * 2^k <= 128 or 256 "
-                                     "channels, not " +
-                                         std::to_string(x.dim));
+  TRISPARSE_EXPECTS_INPUT(lanes > 0,
+                          "neighbor_sum takes heads of 4 * 2^k <= 128 or 256 "
+                          "channels, not " +
+                              std::to_string(x.dim));
   detail::check_device_arg(x, "x");
   check_aligned(x, "x", x.dim / lanes);
   check_grad(out, "out", out_rows, x.heads, x.dim, x.type);

@@ -115,12 +115,18 @@ void launch_backward_terms(const backward_params& p, dtype out, int dim, float* 
         backward_terms_vector_kernel<T, Out, L><<<blocks, kThreads, 0, s>>>(p, terms);
       };
       switch (dim / 8) {
-        case 1: return run.template operator()<1>();
-        case 2: return run.template operator()<2>();
-        case 4: return run.template operator()<4>();
-        case 8: return run.template operator()<8>();
-        case 16: return run.template operator()<16>();
-        default: return run.template operator()<32>();
+        case 1:
+          return run.template operator()<1>();
+        case 2:
+          return run.template operator()<2>();
+        case 4:
+          return run.template operator()<4>();
+        case 8:
+          return run.template operator()<8>();
+        case 16:
+          return run.template operator()<16>();
+        default:
+          return run.template operator()<32>();
       }
     };
     if (f32)
