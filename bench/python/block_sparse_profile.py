@@ -1,8 +1,9 @@
 """Where a block-sparse training step's time goes: for trisparse and compiled flex_attention
 (the same random per-head blocks, bf16 [1, H, N, D]), the kernels of one forward + backward
 (torch.profiler, microseconds a step), the span of the last step against its kernels' busy time,
-the wall time a step with 50 steps queued (the GPU idles where the host is slower), and the host
-time of the forward and of the backward alone (enqueue only).
+the wall time a step with 50 steps queued (the GPU idles where the host is slower), the host
+time of the forward and of the backward alone (enqueue only), and of the C++ plan's run and
+backward alone and the ops' Python implementations around them.
 
   python3 bench/python/block_sparse_profile.py [--n 32768] [--block 128] [--sparsity 0.99 0.95]
 """
@@ -62,6 +63,56 @@ def report(name, fn, leaves, dout, steps=5):
     print(f"  host: forward {forward * 1e6:.1f} us, backward {backward * 1e6:.1f} us")
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def host_breakdown(q, k, v, dout, mask, repeat=100):
+    """Host time a call (enqueue only) of the C++ plan's run and backward alone and of the ops'
+    Python implementations around them, on [1, H, N, D] q, k, v, dout seen as [N, H, D]: where a
+    small step's host time goes below the autograd layer."""
+    from trisparse import _tensors
+    from trisparse.ops import block_sparse as ops
+
+    qf, kf, vf, df = (t[0].transpose(0, 1) for t in (q, k, v, dout))
+    n, heads, dim = qf.shape
+    cu, scale, dev = [0, n], dim**-0.5, q.device
+    plan = ops._plan(qf, mask.id, cu, cu)
+    out, lse = ops._forward._init_fn(qf, kf, vf, mask.id, cu, cu, scale, True)
+    grads = [torch.empty_like(t) for t in (qf, kf, vf)]
+    _fwd_owner, fws, fws_bytes = _tensors.workspace(plan.workspace_bytes(heads, dim), dev)
+    _bwd_owner, bws, bws_bytes = _tensors.workspace(
+        plan.backward_workspace_bytes(heads, False), dev
+    )
+    stream = _tensors.stream(dev)
+    io = [_tensors.view(t) for t in (qf, kf, vf, out)]
+    lse_view = _tensors.view(lse.unsqueeze(-1))
+    grad_io = [_tensors.view(t) for t in (df, *grads)]
+
+    calls = {
+        "plan.run": lambda: plan.run(*io, lse_view, scale, stream, fws, fws_bytes, 0.0, 0),
+        "forward op implementation": lambda: ops._forward._init_fn(
+            qf, kf, vf, mask.id, cu, cu, scale, True
+        ),
+        "plan.backward": lambda: plan.backward(
+            *io[:3], io[3], lse_view, *grad_io, scale, stream, bws, bws_bytes, None, None, 0.0, 0
+        ),
+        "backward op implementation": lambda: ops._backward_op._init_fn(
+            qf, kf, vf, out, lse, df, mask.id, cu, cu, scale
+        ),
+    }
+    for name, call in calls.items():
+        call()
+        _sync(dev)
+        t = time.perf_counter()
+        for _ in range(repeat):
+            call()
+        host = (time.perf_counter() - t) / repeat
+        _sync(dev)
+        print(f"  host: {name} {host * 1e6:.1f} us")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=32768)
@@ -87,6 +138,7 @@ def main():
             leaves,
             dout,
         )
+        host_breakdown(q, k, v, dout, ours)
         if not args.no_flex:
             flex_mask = block_mask_from(blocks, n, g, q.device)
             report(
