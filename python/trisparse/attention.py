@@ -12,6 +12,7 @@ from torch import Tensor
 from . import _C, _tensors
 from .autograd.attention import _forward_eager
 from .autograd.edge_attention import _forward_eager as _edge_forward_eager
+from .edge_attention import _operand, edge_attention_supported
 from .ops.attention import (
     _bias_dtype,
 )
@@ -115,8 +116,6 @@ def sparse_attention(
 def _wide(q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, scale: float, return_lse, bias):
     """A pattern of 2^31 entries or more on CUDA: the multigraph kernels (trisparse.edge_attention,
     64-bit), which read a pattern not built from pairs in place; each entry once, as here."""
-    from .edge_attention import _operand, edge_attention_supported
-
     if bias is not None or pattern.duplicates > 0 or q.shape[2] != v.shape[2]:
         raise ValueError(
             f"a pattern of {pattern.nnz} entries (2^31 or more) runs on CUDA through the multigraph "

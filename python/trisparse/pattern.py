@@ -70,6 +70,14 @@ def _check_index(t: Any, name: str) -> torch.Tensor:
 _CSR_CHECK_CHUNK = 1 << 28
 
 
+def _range_rows(rowptr: torch.Tensor, r0: int, r1: int, first: int) -> torch.Tensor:
+    """The row id of each entry of rows [r0, r1), numbered from `first` (int64, on rowptr's
+    device)."""
+    counts = rowptr[r0 : r1 + 1].diff()
+    ids = torch.arange(first, first + r1 - r0, device=rowptr.device)
+    return torch.repeat_interleave(ids, counts, output_size=int(rowptr[r1] - rowptr[r0]))
+
+
 # Pattern.undirected reads the columns in pieces of this many entries.
 _UNDIRECTED_PIECE = 1 << 30
 
@@ -292,9 +300,7 @@ class Pattern:
         written = 0
         for r0, r1 in itertools.pairwise(bounds):
             lo, hi = int(rowptr[r0]), int(rowptr[r1])
-            rows = torch.repeat_interleave(
-                torch.arange(r1 - r0, device=dev), rowptr[r0 : r1 + 1].diff(), output_size=hi - lo
-            )
+            rows = _range_rows(rowptr, r0, r1, 0)
             keys = [rows * n + col[lo:hi]]
             for a in pieces:  # A's entries (i, j) with j in [r0, r1), as (j, i)
                 part = col[a : a + piece]
@@ -666,10 +672,8 @@ class Pattern:
         """(EdgeAttentionPlan, the arrays it views: kept with it) of the multigraph (see
         edge_attention_plan), with or without (a pattern not built from pairs) its grouping by
         source."""
-        entries = self.entries_of_input(device)
-        if entries is not None:
-            rows, cols = self.entries(device)
-            rows, cols = rows[entries], cols[entries]
+        if self.entries_of_input(device) is not None:
+            rows, cols = self.input_pairs(device)
             order = torch.argsort(rows, stable=True)  # by target, input order within
             src = cols[order].to(torch.int32)
             dst = rows[order].to(torch.int32)
@@ -706,6 +710,13 @@ class Pattern:
         )
         return plan, arrays  # the plan views the arrays: kept together
 
+    def input_pairs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(targets, sources) int64 of the input's pairs in input order, each copy of a repeated
+        pair its own; the entries for a pattern not built from pairs."""
+        rows, cols = self.entries(device)
+        entries = self.entries_of_input(device)
+        return (rows, cols) if entries is None else (rows[entries], cols[entries])
+
     def pair_counts(
         self, device: torch.device, chunk: int = 1 << 27
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -725,11 +736,7 @@ class Pattern:
                 r1 = int(torch.searchsorted(rowptr, rowptr[r0] + chunk, right=True)) - 1
                 r1 = min(max(r1, r0 + 1), self.num_rows)
                 lo, hi = int(rowptr[r0]), int(rowptr[r1])
-                rows = torch.repeat_interleave(
-                    torch.arange(r0, r1, device=device),
-                    rowptr[r0 : r1 + 1].diff(),
-                    output_size=hi - lo,
-                )
+                rows = _range_rows(rowptr, r0, r1, r0)
                 c = col[lo:hi].long()
                 m = torch.ones_like(c) if mult is None else mult[lo:hi]
                 in_deg.index_add_(0, rows, m)  # integer sums: exact in any order

@@ -252,13 +252,6 @@ def _gat_backward_fake(
     return _gat_grads(x, a_src, a_dst, a_edge)
 
 
-def _input_pairs(p, device: torch.device) -> tuple[Tensor, Tensor]:
-    """(targets, sources) of the pattern's input pairs, each copy of a repeated pair its own."""
-    rows, cols = p.entries(device)
-    entries = p.entries_of_input(device)
-    return (rows, cols) if entries is None else (rows[entries], cols[entries])
-
-
 @torch.library.custom_op("trisparse::neighbor_sum", mutates_args=())
 def _neighbor_sum(x: Tensor, pattern: int, transposed: bool) -> Tensor:
     """out [num_rows, H, C] = sum over the input's pairs (i <- j) of x[j] (transposed: out
@@ -274,7 +267,7 @@ def _neighbor_sum(x: Tensor, pattern: int, transposed: bool) -> Tensor:
             _tensors.view(x), _tensors.view(out), transposed, _tensors.stream(x.device)
         )
         return out
-    targets, sources = _input_pairs(p, x.device)
+    targets, sources = p.input_pairs(x.device)
     at, of = (sources, targets) if transposed else (targets, sources)
     acc = torch.promote_types(x.dtype, torch.float32)
     out = x.new_zeros(rows, x.shape[1], x.shape[2], dtype=acc)

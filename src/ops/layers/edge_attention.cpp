@@ -26,6 +26,19 @@ void check_aligned(const tensor_view& t, const char* what, std::int64_t per_lane
                                   "-byte aligned with strides to match (make it contiguous)");
 }
 
+// A per-node operand [rows, H, C] of the line kernels: its shape, device, a head width they take
+// and the vector loads' alignment; returns the lanes of a group. `op` names the call.
+int check_node_operand(const tensor_view& x, const char* what, std::int64_t rows, const char* op) {
+  check_view(x, what, rows, -1, -1);
+  const int lanes = cuda::edge_attention_group(x.dim);
+  TRISPARSE_EXPECTS_INPUT(lanes > 0, std::string(op) +
+                                         " takes heads of 4 * 2^k <= 128 or 256 channels, not " +
+                                         std::to_string(x.dim));
+  detail::check_device_arg(x, what);
+  check_aligned(x, what, x.dim / lanes);
+  return lanes;
+}
+
 struct shapes {
   std::int64_t heads, dim, features;
 };
@@ -205,14 +218,7 @@ void edge_attention_plan::neighbor_sum(const tensor_view& x, const tensor_view& 
   const multigraph_view& g = graph_;
   const std::int64_t in_rows = transposed ? g.rows : g.cols,
                      out_rows = transposed ? g.cols : g.rows;
-  check_view(x, "x", in_rows, -1, -1);
-  const int lanes = cuda::edge_attention_group(x.dim);
-  TRISPARSE_EXPECTS_INPUT(lanes > 0,
-                          "neighbor_sum takes heads of 4 * 2^k <= 128 or 256 "
-                          "channels, not " +
-                              std::to_string(x.dim));
-  detail::check_device_arg(x, "x");
-  check_aligned(x, "x", x.dim / lanes);
+  check_node_operand(x, "x", in_rows, "neighbor_sum");
   check_grad(out, "out", out_rows, x.heads, x.dim, x.type);
   if (transposed) check_backward_side(g);
   cuda::edge_neighbor_sum(g, x, out, transposed, stream);
@@ -223,14 +229,7 @@ namespace {
 // x and the per-node and per-edge score terms of GAT's attention.
 void check_gat(const multigraph_view& g, const tensor_view& x, const tensor_view& a_src,
                const tensor_view& a_dst, const tensor_view& a_edge) {
-  check_view(x, "x", g.cols, -1, -1);
-  const int lanes = cuda::edge_attention_group(x.dim);
-  TRISPARSE_EXPECTS_INPUT(lanes > 0,
-                          "edge_attention takes heads of 4 * 2^k <= 128 or 256 "
-                          "channels, not " +
-                              std::to_string(x.dim));
-  detail::check_device_arg(x, "x");
-  check_aligned(x, "x", x.dim / lanes);
+  check_node_operand(x, "x", g.cols, "edge_attention");
   check_f32(a_src, "a_src", g.cols, x.heads, 1);
   check_f32(a_dst, "a_dst", g.rows, x.heads, 1);
   if (a_edge.data != nullptr) check_f32(a_edge, "a_edge", g.edges, x.heads, 1);
