@@ -12,7 +12,9 @@ output against dense (trisparse.attention_error, causal), averaged over heads an
 at sparsity s keep, in each block row, the diagonal block and the best (1 - s) of the row's causal
 blocks by: random scores; pooled q . k (topk: the routing rule of trisparse.topk_block_mask,
 pooled_block_mass); the exact attention mass summed over --learn-samples training sequences
-(learned: offline, then applied to the held-out sequence); the held-out sequence's own mass
+(learned: offline, then applied to the held-out sequence); a trisparse.BlockGate per layer
+trained by distillation on the same samples (gate: --gate-steps Adam steps against their block
+mass, then applied to the held-out sequence's own pooled q and k); the held-out sequence's own mass
 (oracle: how sparse its attention really is; oracle_mass_kept is the mass its blocks hold).
 local_strided is a band of blocks and every stride-th block below the diagonal, as close to
 (1 - s) of the causal blocks as its parameters come.
@@ -216,7 +218,14 @@ def error_table(args, data, split):
         ),
         flush=True,
     )
-    methods = ("random", "local_strided", "topk", "learned", "oracle")
+    methods = ("random", "local_strided", "topk", "learned", "gate", "oracle")
+    gates = []
+    for layer in range(args.layers):
+        q0 = learn[0][layer][0]
+        gate = trisparse.BlockGate(q0.shape[0], q0.shape[2], g, causal=True).to(device)
+        samples = [(x[layer][0].to(device), x[layer][1].to(device)) for x in learn]
+        gate.fit(samples, steps=args.gate_steps)
+        gates.append(gate)
     causal_blocks = torch.ones(nb, nb, dtype=torch.bool).tril()
     for s in args.sparsity:
         per = {m: [] for m in (*methods, "oracle_mass_kept", "density")}
@@ -235,6 +244,9 @@ def error_table(args, data, split):
                 for sample in learn
             )
             per["learned"].append(error(keep_per_row(mass, s)))
+            with torch.no_grad():
+                routed = gates[layer](q.to(device), k.to(device)).exp().cpu()
+            per["gate"].append(error(keep_per_row(routed, s)))
             true_mass = trisparse.block_mass(q, k, g, True)
             oracle = keep_per_row(true_mass, s)
             per["oracle"].append(error(oracle))
@@ -289,6 +301,7 @@ def main():
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--eval-sequences", type=int, default=4)
     ap.add_argument("--learn-samples", type=int, default=4, help="training sequences learned from")
+    ap.add_argument("--gate-steps", type=int, default=300, help="BlockGate distillation steps")
     ap.add_argument("--learner-warmup", type=int, default=50)
     ap.add_argument("--learner-every", type=int, default=25)
     ap.add_argument("--seed", type=int, default=0)

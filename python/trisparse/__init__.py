@@ -10,6 +10,7 @@ import torch  # noqa: F401  (loads the CUDA libraries torch ships, which the ext
 
 from . import _C, distributed
 from .attention import sparse_attention
+from .block_gate import BlockGate
 from .block_pattern import (
     BlockPattern,
     PatternLearner,
@@ -37,6 +38,7 @@ def cuda_available() -> bool:
 
 
 __all__ = [
+    "BlockGate",
     "BlockImportance",
     "BlockMask",
     "BlockPattern",

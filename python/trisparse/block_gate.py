@@ -1,0 +1,170 @@
+"""trisparse.BlockGate: a learned router that picks each input's attention blocks (the learned
+pattern for content-dependent attention: SeerAttention's gate, per head), trained by distillation
+against the true block mass."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from . import _tensors
+from .block_mask import BlockMask
+from .block_pattern import block_mass, prune_blocks
+
+__all__ = ["BlockGate"]
+
+
+class BlockGate(nn.Module):
+    """Scores every (query block, key block) pair of one input from its pooled queries and keys,
+    so that a block mask can be chosen per input (a sequence's own content), where a
+    :class:`BlockPattern` is one mask for all inputs.
+
+    Per head h, query block r and key block c:
+    ``score = scale * (mean_q[r] Wq[h]) . ([mean_k, max_k, min_k][c] Wk[h]) + bias[h, r - c] +
+    log(keys in c)``, causal blocks past the diagonal excluded, and the gate's estimate of block
+    (r, c)'s attention mass is the softmax of the scores over c. ``Wq`` starts as the identity and
+    ``Wk`` as the identity on the mean (and zero on max and min), ``bias`` (learned per block
+    offset up to ``max_distance``, clamped beyond) at zero: untrained, the gate is
+    :func:`pooled_block_mass`, the rule top-k block routing ranks by. :meth:`fit` trains it on
+    attention samples by distillation (the cross-entropy of its estimate against
+    :func:`block_mass`, each block row a distribution), so that it ranks blocks by the mass they
+    really hold.
+
+    q and k are [H, N, D] (one input: a sequence, or a graph's nodes in a block-friendly order);
+    a batch is a loop over inputs or a call per input. The scores cost two small GEMMs over
+    N / G pooled rows: far below the attention they select for."""
+
+    def __init__(
+        self,
+        heads: int,
+        head_dim: int,
+        block_size: int,
+        causal: bool = False,
+        max_distance: int = 64,
+        scale: float | None = None,
+    ):
+        super().__init__()
+        if heads < 1 or head_dim < 1 or block_size < 1 or max_distance < 0:
+            raise ValueError(
+                f"heads, head_dim and block_size must be positive and max_distance >= 0, got "
+                f"{heads}, {head_dim}, {block_size}, {max_distance}"
+            )
+        self.heads, self.head_dim, self.block_size = heads, head_dim, int(block_size)
+        self.causal, self.max_distance = bool(causal), int(max_distance)
+        self.scale = _tensors.resolve_scale(scale, head_dim)
+        eye = torch.eye(head_dim).expand(heads, head_dim, head_dim)
+        self.wq = nn.Parameter(eye.clone())
+        self.wk = nn.Parameter(torch.cat([eye, torch.zeros(heads, 2 * head_dim, head_dim)], 1))
+        self.bias = nn.Parameter(torch.zeros(heads, 2 * self.max_distance + 1))
+
+    def _check(self, q: Tensor, k: Tensor) -> None:
+        want = (self.heads, self.head_dim)
+        if (
+            q.dim() != 3
+            or k.dim() != 3
+            or (q.shape[0], q.shape[2]) != want
+            or ((k.shape[0], k.shape[2]) != want)
+        ):
+            raise ValueError(
+                f"q and k must be [{self.heads}, N, {self.head_dim}] (heads, rows, head_dim), "
+                f"got {tuple(q.shape)} and {tuple(k.shape)}"
+            )
+
+    def _pooled(self, x: Tensor, with_extremes: bool) -> tuple[Tensor, Tensor]:
+        """Each block's mean row (and max and min rows) [H, blocks, D or 3D], and its row counts."""
+        g, (heads, n, d) = self.block_size, x.shape
+        blocks = -(-n // g)
+        counts = torch.clamp(n - torch.arange(blocks, device=x.device) * g, max=g)
+        pad = blocks * g - n
+        x = x.to(self.wq.dtype)
+        mean = nn.functional.pad(x, (0, 0, 0, pad)).view(heads, blocks, g, d).sum(2)
+        mean = mean / counts.to(x.dtype)[None, :, None]
+        if not with_extremes:
+            return mean, counts
+        grid = nn.functional.pad(x, (0, 0, 0, pad), value=math.nan).view(heads, blocks, g, d)
+        high = grid.nan_to_num(-math.inf).amax(2)
+        low = grid.nan_to_num(math.inf).amin(2)
+        return torch.cat([mean, high, low], -1), counts
+
+    def forward(self, q: Tensor, k: Tensor) -> Tensor:
+        """The gate's log block mass [H, query blocks, key blocks] for q [H, N_q, D], k [H, N_k,
+        D] (float32, or the parameters' dtype; excluded causal blocks -inf, each block row's
+        exp summing to 1)."""
+        self._check(q, k)
+        n_q, n_k, g = q.shape[1], k.shape[1], self.block_size
+        qm, _ = self._pooled(q, False)
+        kf, keys = self._pooled(k, True)
+        s = self.scale * ((qm @ self.wq) @ (kf @ self.wk).transpose(1, 2))
+        qb, kb = s.shape[1], s.shape[2]
+        dev = s.device
+        r = torch.arange(qb, device=dev)[:, None]
+        c = torch.arange(kb, device=dev)[None, :]
+        # Block offsets as the square case counts them: the query block's own key block is 0.
+        shift = (n_k - n_q) // g
+        offset = torch.clamp(r + shift - c, -self.max_distance, self.max_distance)
+        s = s + self.bias[:, offset + self.max_distance] + keys.to(s.dtype).log()[None, None, :]
+        if self.causal:  # block c holds a key the block row's last query sees
+            last = torch.clamp((torch.arange(qb, device=dev) + 1) * g, max=n_q) - 1 + (n_k - n_q)
+            s = s.masked_fill(c * g > last[:, None], -math.inf)
+        return torch.log_softmax(s, -1)
+
+    def loss(self, q: Tensor, k: Tensor, target: Tensor) -> Tensor:
+        """The cross-entropy of the gate's block mass against `target` ([H, qb, kb], each block
+        row's mass summing to 1, as :func:`block_mass` gives it), averaged over block rows."""
+        logp = self(q, k)
+        if target.shape != logp.shape:
+            raise ValueError(
+                f"target must be the block mass [H, qb, kb] = {list(logp.shape)}, got "
+                f"{list(target.shape)}"
+            )
+        target = target.to(logp.dtype)
+        terms = torch.where(target > 0, target * logp, torch.zeros_like(logp))
+        return -terms.sum(-1).mean()
+
+    def fit(
+        self,
+        samples: Iterable[Sequence[Tensor]],
+        steps: int = 300,
+        lr: float = 1e-2,
+    ) -> list[float]:
+        """Trains the gate by distillation on attention samples: each a (q, k) pair ([H, N, D],
+        its targets the exact :func:`block_mass`, computed once) or (q, k, mass). Adam over the
+        samples in turn for `steps` steps; returns the losses."""
+        data = []
+        for sample in samples:
+            q, k = sample[0].detach(), sample[1].detach()
+            self._check(q, k)
+            mass = sample[2] if len(sample) > 2 else block_mass(q, k, self.block_size, self.causal)
+            data.append((q, k, mass.to(self.wq.device, torch.float32)))
+        if not data:
+            raise ValueError("samples: give at least one (q, k) pair")
+        opt = torch.optim.Adam(self.parameters(), lr=lr)
+        losses = []
+        for step in range(steps):
+            q, k, mass = data[step % len(data)]
+            loss = self.loss(q, k, mass)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        return losses
+
+    @torch.no_grad()
+    def select(self, q: Tensor, k: Tensor, sparsity: float, method: str = "row", **keep_rules):
+        """The blocks to keep for this input (bool [H, qb, kb]): the gate's block mass pruned by
+        :func:`prune_blocks` (`method`, `sparsity`, keep rules), causal blocks past the diagonal
+        never kept."""
+        logp = self(q, k)
+        keep = prune_blocks(logp.exp(), sparsity, method, **keep_rules)
+        return keep & torch.isfinite(logp) if self.causal else keep
+
+    @torch.no_grad()
+    def block_mask(self, q: Tensor, k: Tensor, sparsity: float, method: str = "row", **keep_rules):
+        """:meth:`select` as a :class:`BlockMask` for :func:`block_sparse_attention` ([1, H, qb,
+        kb], causal as the gate), made on q's device: no host synchronisation on CUDA."""
+        keep = self.select(q, k, sparsity, method, **keep_rules)
+        density = 1.0 - sparsity if method == "row" else None
+        return BlockMask(keep[None], self.block_size, causal=self.causal, density=density)

@@ -1,0 +1,118 @@
+"""trisparse.BlockGate: the learned block router. Untrained it is pooled top-k's estimate; trained
+by distillation it finds planted attention blocks that pooled means cannot see, and its masks run
+the block-sparse attention."""
+
+import math
+
+import pytest
+import torch
+import trisparse
+
+H, D, G = 2, 32, 32
+
+
+def planted(n, seed, offset=3, strength=4.0):
+    """q, k [H, n, D] whose attention sits at key block r - offset for query block r: in each such
+    pair of blocks, rows alternate +u and -u (u a random unit vector per pair and head), so the
+    blocks' mean rows cancel (pooled q . k cannot see the pair) while a query and the keys of its
+    sign score strength^2 |u|^2."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(H, n, D, generator=gen) * 0.3
+    k = torch.randn(H, n, D, generator=gen) * 0.3
+    sign = torch.tensor([1.0, -1.0]).repeat(G // 2)[:, None]
+    for r in range(offset, n // G):
+        u = torch.nn.functional.normalize(torch.randn(H, 1, D, generator=gen), dim=-1)
+        c = r - offset
+        q[:, r * G : (r + 1) * G] += strength * sign * u
+        k[:, c * G : (c + 1) * G] += strength * sign * u
+    return q, k
+
+
+def planted_blocks(n, offset=3):
+    nb = n // G
+    want = torch.zeros(nb, nb, dtype=torch.bool)
+    for r in range(offset, nb):
+        want[r, r - offset] = True
+    return want
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_an_untrained_gate_is_the_pooled_estimate(causal):
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(H, 200, D, generator=gen), torch.randn(H, 200, D, generator=gen)
+    gate = trisparse.BlockGate(H, D, G, causal=causal)
+    with torch.no_grad():
+        got = gate(q, k).exp().double()
+    want = trisparse.pooled_block_mass(q, k, G, causal)
+    assert torch.allclose(got, want, atol=1e-5)
+    assert torch.allclose(got.sum(-1), torch.ones(H, got.shape[1], dtype=torch.float64))
+
+
+def test_distillation_finds_planted_blocks_pooled_means_miss():
+    n = 1024
+    samples = [planted(n, seed) for seed in range(4)]
+    gate = trisparse.BlockGate(H, D, G, causal=True, max_distance=8)
+    q, k = planted(n, seed=99)  # a fresh input: its own directions
+    want = planted_blocks(n).expand(H, -1, -1)
+    mass = trisparse.block_mass(q, k, G, causal=True)
+    assert float((mass * want).sum() / want[:, :, 0].numel()) > 0.3  # the planted blocks matter
+    losses = gate.fit(samples, steps=150, lr=3e-2)
+    assert losses[-1] < losses[0]
+    found = gate.select(q, k, sparsity=0.9)
+    recovered = float((found & want).sum() / want.sum())
+    pooled = trisparse.prune_blocks(trisparse.pooled_block_mass(q, k, G, True), 0.9)
+    assert recovered >= 0.95, recovered
+    assert float((pooled & want).sum() / want.sum()) < 0.5  # pooled q . k misses them
+    # The trained estimate is closer to the fresh input's true mass than the untrained one.
+    assert gate.loss(q, k, mass) < trisparse.BlockGate(H, D, G, causal=True).loss(q, k, mass)
+
+
+def test_select_keeps_causal_blocks_and_the_diagonal():
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(H, 300, D, generator=gen), torch.randn(H, 300, D, generator=gen)
+    gate = trisparse.BlockGate(H, D, G, causal=True)
+    keep = gate.select(q, k, sparsity=0.7)
+    nb = math.ceil(300 / G)
+    assert keep.shape == (H, nb, nb)
+    assert not (keep & ~torch.ones(nb, nb, dtype=torch.bool).tril()).any()
+    assert keep.diagonal(dim1=1, dim2=2).all()
+    mask = gate.block_mask(q, k, sparsity=0.7)
+    assert mask.shape == (1, H, nb, nb) and mask.causal and torch.equal(mask.blocks[0], keep)
+    # Its mask runs the attention: rows see only their kept blocks' keys.
+    v = torch.randn(H, 300, D, generator=gen)
+    out = trisparse.block_sparse_attention(
+        q[None].double(), k[None].double(), v[None].double(), mask
+    )[0]
+    want = trisparse.dense_attention(q.double(), k.double(), v.double(), causal=True)
+    assert out.shape == want.shape and torch.isfinite(out).all()
+
+
+def test_bad_shapes_name_the_arguments():
+    gate = trisparse.BlockGate(H, D, G)
+    with pytest.raises(ValueError, match="q and k must be"):
+        gate(torch.randn(H + 1, 64, D), torch.randn(H + 1, 64, D))
+    with pytest.raises(ValueError, match="target must be the block mass"):
+        gate.loss(torch.randn(H, 64, D), torch.randn(H, 64, D), torch.ones(H, 3, 3))
+    with pytest.raises(ValueError, match="heads, head_dim and block_size"):
+        trisparse.BlockGate(0, D, G)
+    with pytest.raises(ValueError, match="samples"):
+        gate.fit([])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not trisparse.cuda_available(), reason="needs a CUDA device and build")
+def test_a_gate_on_cuda_routes_the_tensor_core_kernels():
+    n = 2048
+    q, k = (t.cuda() for t in planted(n, seed=5))
+    gate = trisparse.BlockGate(H, D, G, causal=True, max_distance=8).cuda()
+    gate.fit([tuple(t.cuda() for t in planted(n, seed)) for seed in range(3)], steps=100, lr=3e-2)
+    want = planted_blocks(n).expand(H, -1, -1).cuda()
+    found = gate.select(q, k, sparsity=0.9)
+    assert float((found & want).sum() / want.sum()) >= 0.95
+    mask = gate.block_mask(q, k, sparsity=0.9)
+    assert mask.blocks.device.type == "cuda"
+    v = torch.randn_like(q)
+    args = [t[None].to(torch.bfloat16) for t in (q, k, v)]
+    out = trisparse.block_sparse_attention(*args, mask)[0].float()
+    ref = trisparse.block_sparse_attention(*[t.double() for t in args], mask)[0]
+    assert (out - ref).abs().max() <= 2e-2 * ref.abs().max()
