@@ -11,17 +11,17 @@ import trisparse
 H, D, G = 2, 32, 32
 
 
-def planted(n, seed, offset=3, strength=4.0):
+def planted(n, seed, offset=3, strength=4.0, dim=D):
     """q, k [H, n, D] whose attention sits at key block r - offset for query block r: in each such
     pair of blocks, rows alternate +u and -u (u a random unit vector per pair and head), so the
     blocks' mean rows cancel (pooled q . k cannot see the pair) while a query and the keys of its
     sign score strength^2 |u|^2."""
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(H, n, D, generator=gen) * 0.3
-    k = torch.randn(H, n, D, generator=gen) * 0.3
+    q = torch.randn(H, n, dim, generator=gen) * 0.3
+    k = torch.randn(H, n, dim, generator=gen) * 0.3
     sign = torch.tensor([1.0, -1.0]).repeat(G // 2)[:, None]
     for r in range(offset, n // G):
-        u = torch.nn.functional.normalize(torch.randn(H, 1, D, generator=gen), dim=-1)
+        u = torch.nn.functional.normalize(torch.randn(H, 1, dim, generator=gen), dim=-1)
         c = r - offset
         q[:, r * G : (r + 1) * G] += strength * sign * u
         k[:, c * G : (c + 1) * G] += strength * sign * u
@@ -102,10 +102,11 @@ def test_bad_shapes_name_the_arguments():
 @pytest.mark.gpu
 @pytest.mark.skipif(not trisparse.cuda_available(), reason="needs a CUDA device and build")
 def test_a_gate_on_cuda_routes_the_tensor_core_kernels():
-    n = 2048
-    q, k = (t.cuda() for t in planted(n, seed=5))
-    gate = trisparse.BlockGate(H, D, G, causal=True, max_distance=8).cuda()
-    gate.fit([tuple(t.cuda() for t in planted(n, seed)) for seed in range(3)], steps=100, lr=3e-2)
+    n, dim = 2048, 64  # the CUDA block kernels take head dims 64 and 128
+    q, k = (t.cuda() for t in planted(n, seed=5, dim=dim))
+    gate = trisparse.BlockGate(H, dim, G, causal=True, max_distance=8).cuda()
+    samples = [tuple(t.cuda() for t in planted(n, seed, dim=dim)) for seed in range(3)]
+    gate.fit(samples, steps=100, lr=3e-2)
     want = planted_blocks(n).expand(H, -1, -1).cuda()
     found = gate.select(q, k, sparsity=0.9)
     assert float((found & want).sum() / want.sum()) >= 0.95
