@@ -33,8 +33,8 @@ class BlockGate(nn.Module):
     :func:`block_mass`, each block row a distribution), so that it ranks blocks by the mass they
     really hold.
 
-    q and k are [H, N, D] (one input: a sequence, or a graph's nodes in a block-friendly order);
-    a batch is a loop over inputs or a call per input. The scores cost two small GEMMs over
+    q and k are [H, N, D] (one input: a sequence, or a graph's nodes in a block-friendly order) or
+    [B, H, N, D] (a batch, each sequence its own blocks). The scores cost two small GEMMs over
     N / G pooled rows: far below the attention they select for."""
 
     def __init__(
@@ -63,61 +63,65 @@ class BlockGate(nn.Module):
     def _check(self, q: Tensor, k: Tensor) -> None:
         want = (self.heads, self.head_dim)
         if (
-            q.dim() != 3
-            or k.dim() != 3
-            or (q.shape[0], q.shape[2]) != want
-            or ((k.shape[0], k.shape[2]) != want)
+            q.dim() not in (3, 4)
+            or k.dim() != q.dim()
+            or q.shape[:-3] != k.shape[:-3]
+            or (q.shape[-3], q.shape[-1]) != want
+            or (k.shape[-3], k.shape[-1]) != want
         ):
             raise ValueError(
-                f"q and k must be [{self.heads}, N, {self.head_dim}] (heads, rows, head_dim), "
-                f"got {tuple(q.shape)} and {tuple(k.shape)}"
+                f"q and k must be [{self.heads}, N, {self.head_dim}] or [B, {self.heads}, N, "
+                f"{self.head_dim}] alike (heads, rows, head_dim), got {tuple(q.shape)} and "
+                f"{tuple(k.shape)}"
             )
 
     def _pooled(self, x: Tensor, with_extremes: bool) -> tuple[Tensor, Tensor]:
-        """Each block's mean row (and max and min rows) [H, blocks, D or 3D], and its row counts."""
-        g, (heads, n, d) = self.block_size, x.shape
+        """Each block's mean row (and max and min rows) [..., H, blocks, D or 3D], and its row
+        counts."""
+        g, lead, (n, d) = self.block_size, x.shape[:-2], x.shape[-2:]
         blocks = -(-n // g)
         counts = torch.clamp(n - torch.arange(blocks, device=x.device) * g, max=g)
         pad = blocks * g - n
         x = x.to(self.wq.dtype)
-        mean = nn.functional.pad(x, (0, 0, 0, pad)).view(heads, blocks, g, d).sum(2)
-        mean = mean / counts.to(x.dtype)[None, :, None]
+        mean = nn.functional.pad(x, (0, 0, 0, pad)).view(*lead, blocks, g, d).sum(-2)
+        mean = mean / counts.to(x.dtype)[:, None]
         if not with_extremes:
             return mean, counts
-        grid = nn.functional.pad(x, (0, 0, 0, pad), value=math.nan).view(heads, blocks, g, d)
-        high = grid.nan_to_num(-math.inf).amax(2)
-        low = grid.nan_to_num(math.inf).amin(2)
+        grid = nn.functional.pad(x, (0, 0, 0, pad), value=math.nan).view(*lead, blocks, g, d)
+        high = grid.nan_to_num(-math.inf).amax(-2)
+        low = grid.nan_to_num(math.inf).amin(-2)
         return torch.cat([mean, high, low], -1), counts
 
     def forward(self, q: Tensor, k: Tensor) -> Tensor:
-        """The gate's log block mass [H, query blocks, key blocks] for q [H, N_q, D], k [H, N_k,
-        D] (float32, or the parameters' dtype; excluded causal blocks -inf, each block row's
-        exp summing to 1)."""
+        """The gate's log block mass [(B,) H, query blocks, key blocks] for q [(B,) H, N_q, D],
+        k [(B,) H, N_k, D] (float32, or the parameters' dtype; excluded causal blocks -inf,
+        each block row's exp summing to 1)."""
         self._check(q, k)
-        n_q, n_k, g = q.shape[1], k.shape[1], self.block_size
+        n_q, n_k, g = q.shape[-2], k.shape[-2], self.block_size
         qm, _ = self._pooled(q, False)
         kf, keys = self._pooled(k, True)
-        s = self.scale * ((qm @ self.wq) @ (kf @ self.wk).transpose(1, 2))
-        qb, kb = s.shape[1], s.shape[2]
+        s = self.scale * ((qm @ self.wq) @ (kf @ self.wk).transpose(-1, -2))
+        qb, kb = s.shape[-2], s.shape[-1]
         dev = s.device
         r = torch.arange(qb, device=dev)[:, None]
         c = torch.arange(kb, device=dev)[None, :]
         # Block offsets as the square case counts them: the query block's own key block is 0.
         shift = (n_k - n_q) // g
         offset = torch.clamp(r + shift - c, -self.max_distance, self.max_distance)
-        s = s + self.bias[:, offset + self.max_distance] + keys.to(s.dtype).log()[None, None, :]
+        s = s + self.bias[:, offset + self.max_distance] + keys.to(s.dtype).log()
         if self.causal:  # block c holds a key the block row's last query sees
             last = torch.clamp((torch.arange(qb, device=dev) + 1) * g, max=n_q) - 1 + (n_k - n_q)
             s = s.masked_fill(c * g > last[:, None], -math.inf)
         return torch.log_softmax(s, -1)
 
     def loss(self, q: Tensor, k: Tensor, target: Tensor) -> Tensor:
-        """The cross-entropy of the gate's block mass against `target` ([H, qb, kb], each block
-        row's mass summing to 1, as :func:`block_mass` gives it), averaged over block rows."""
+        """The cross-entropy of the gate's block mass against `target` ([(B,) H, qb, kb], each
+        block row's mass summing to 1, as :func:`block_mass` gives it), averaged over block
+        rows."""
         logp = self(q, k)
         if target.shape != logp.shape:
             raise ValueError(
-                f"target must be the block mass [H, qb, kb] = {list(logp.shape)}, got "
+                f"target must be the block mass [(B,) H, qb, kb] = {list(logp.shape)}, got "
                 f"{list(target.shape)}"
             )
         target = target.to(logp.dtype)
@@ -130,14 +134,21 @@ class BlockGate(nn.Module):
         steps: int = 300,
         lr: float = 1e-2,
     ) -> list[float]:
-        """Trains the gate by distillation on attention samples: each a (q, k) pair ([H, N, D],
-        its targets the exact :func:`block_mass`, computed once) or (q, k, mass). Adam over the
-        samples in turn for `steps` steps; returns the losses."""
+        """Trains the gate by distillation on attention samples: each a (q, k) pair ([(B,) H, N,
+        D], its targets the exact :func:`block_mass`, computed once) or (q, k, mass). Adam over
+        the samples in turn for `steps` steps; returns the losses."""
         data = []
         for sample in samples:
             q, k = sample[0].detach(), sample[1].detach()
             self._check(q, k)
-            mass = sample[2] if len(sample) > 2 else block_mass(q, k, self.block_size, self.causal)
+            if len(sample) > 2:
+                mass = sample[2]
+            elif q.dim() == 3:
+                mass = block_mass(q, k, self.block_size, self.causal)
+            else:
+                mass = torch.stack(
+                    [block_mass(a, b, self.block_size, self.causal) for a, b in zip(q, k)]
+                )
             data.append((q, k, mass.to(self.wq.device, torch.float32)))
         if not data:
             raise ValueError("samples: give at least one (q, k) pair")
@@ -154,17 +165,19 @@ class BlockGate(nn.Module):
 
     @torch.no_grad()
     def select(self, q: Tensor, k: Tensor, sparsity: float, method: str = "row", **keep_rules):
-        """The blocks to keep for this input (bool [H, qb, kb]): the gate's block mass pruned by
-        :func:`prune_blocks` (`method`, `sparsity`, keep rules), causal blocks past the diagonal
-        never kept."""
+        """The blocks to keep for this input (bool [(B,) H, qb, kb]): the gate's block mass pruned
+        by :func:`prune_blocks` (`method`, `sparsity`, keep rules; per input and head), causal
+        blocks past the diagonal never kept."""
         logp = self(q, k)
-        keep = prune_blocks(logp.exp(), sparsity, method, **keep_rules)
+        keep = prune_blocks(logp.exp().flatten(0, -3), sparsity, method, **keep_rules)
+        keep = keep.view(logp.shape)
         return keep & torch.isfinite(logp) if self.causal else keep
 
     @torch.no_grad()
     def block_mask(self, q: Tensor, k: Tensor, sparsity: float, method: str = "row", **keep_rules):
-        """:meth:`select` as a :class:`BlockMask` for :func:`block_sparse_attention` ([1, H, qb,
-        kb], causal as the gate), made on q's device: no host synchronisation on CUDA."""
+        """:meth:`select` as a :class:`BlockMask` for :func:`block_sparse_attention` ([B or 1, H,
+        qb, kb], causal as the gate), made on q's device: no host synchronisation on CUDA."""
         keep = self.select(q, k, sparsity, method, **keep_rules)
+        keep = keep if keep.dim() == 4 else keep[None]
         density = 1.0 - sparsity if method == "row" else None
-        return BlockMask(keep[None], self.block_size, causal=self.causal, density=density)
+        return BlockMask(keep, self.block_size, causal=self.causal, density=density)

@@ -87,6 +87,34 @@ def test_select_keeps_causal_blocks_and_the_diagonal():
     assert out.shape == want.shape and torch.isfinite(out).all()
 
 
+def test_a_batch_gets_each_sequences_own_blocks():
+    n = 512
+    pairs = [planted(n, seed) for seed in (7, 8)]
+    q, k = (torch.stack(t) for t in zip(*pairs))  # [2, H, N, D]
+    gate = trisparse.BlockGate(H, D, G, causal=True, max_distance=8)
+    gate.fit([(q, k)], steps=60, lr=3e-2)
+    keep = gate.select(q, k, sparsity=0.8)
+    for b in range(2):
+        assert torch.equal(keep[b], gate.select(q[b], k[b], sparsity=0.8))
+    mass = torch.stack([trisparse.block_mass(q[b], k[b], G, True) for b in range(2)])
+    with torch.no_grad():
+        both = float(gate.loss(q, k, mass))
+        each = [float(gate.loss(q[b], k[b], mass[b])) for b in range(2)]
+    assert both == pytest.approx(sum(each) / 2, rel=1e-5)
+    mask = gate.block_mask(q, k, sparsity=0.8)
+    assert mask.shape == (2, H, n // G, n // G)
+    v = torch.randn_like(q)
+    out = trisparse.block_sparse_attention(q.double(), k.double(), v.double(), mask)
+    for b in range(2):
+        one = trisparse.block_sparse_attention(
+            q[b : b + 1].double(),
+            k[b : b + 1].double(),
+            v[b : b + 1].double(),
+            gate.block_mask(q[b], k[b], sparsity=0.8),
+        )
+        assert torch.allclose(out[b : b + 1], one)
+
+
 def test_bad_shapes_name_the_arguments():
     gate = trisparse.BlockGate(H, D, G)
     with pytest.raises(ValueError, match="q and k must be"):
@@ -114,6 +142,6 @@ def test_a_gate_on_cuda_routes_the_tensor_core_kernels():
     assert mask.blocks.device.type == "cuda"
     v = torch.randn_like(q)
     args = [t[None].to(torch.bfloat16) for t in (q, k, v)]
-    out = trisparse.block_sparse_attention(*args, mask)[0].float()
-    ref = trisparse.block_sparse_attention(*[t.double() for t in args], mask)[0]
+    out = trisparse.block_sparse_attention(*args, mask)[0].float().cpu()
+    ref = trisparse.block_sparse_attention(*[t.double().cpu() for t in args], mask)[0]
     assert (out - ref).abs().max() <= 2e-2 * ref.abs().max()
