@@ -59,6 +59,7 @@ class BlockGate(nn.Module):
         self.wq = nn.Parameter(eye.clone())
         self.wk = nn.Parameter(torch.cat([eye, torch.zeros(heads, 2 * head_dim, head_dim)], 1))
         self.bias = nn.Parameter(torch.zeros(heads, 2 * self.max_distance + 1))
+        self._layouts: dict[tuple, tuple] = {}
 
     def _check(self, q: Tensor, k: Tensor) -> None:
         want = (self.heads, self.head_dim)
@@ -75,44 +76,64 @@ class BlockGate(nn.Module):
                 f"{tuple(k.shape)}"
             )
 
-    def _pooled(self, x: Tensor, with_extremes: bool) -> tuple[Tensor, Tensor]:
-        """Each block's mean row (and max and min rows) [..., H, blocks, D or 3D], and its row
-        counts."""
+    def _layout(self, n_q: int, n_k: int, device: torch.device) -> tuple:
+        """What depends on the sizes only, made once per (N_q, N_k, device): the query and key
+        blocks' row counts, each block's bias slot (its offset, the square case's diagonal 0,
+        clamped to max_distance), the scores' constant term (log of the keys in c; -inf where
+        causal excludes the block) and the diagonal that selection always keeps (per dtype of the
+        parameters, too)."""
+        key = (n_q, n_k, device, self.wq.dtype)
+        hit = self._layouts.get(key)
+        if hit is None:
+            g = self.block_size
+            qb, kb = -(-n_q // g), -(-n_k // g)
+            rows = torch.clamp(n_q - torch.arange(qb, device=device) * g, max=g)
+            keys = torch.clamp(n_k - torch.arange(kb, device=device) * g, max=g)
+            r = torch.arange(qb, device=device)[:, None]
+            c = torch.arange(kb, device=device)[None, :]
+            slot = torch.clamp(r + (n_k - n_q) // g - c, -self.max_distance, self.max_distance)
+            constant = keys.to(self.wq.dtype).log().expand(qb, kb)
+            if self.causal:  # block c holds a key the block row's last query sees
+                last = torch.clamp((r + 1) * g, max=n_q) - 1 + (n_k - n_q)
+                constant = constant.masked_fill(c * g > last, -math.inf)
+            diagonal = torch.eye(qb, kb, dtype=torch.bool, device=device)
+            hit = (rows, keys, slot + self.max_distance, constant.contiguous(), diagonal)
+            if len(self._layouts) >= 16:
+                self._layouts.clear()
+            self._layouts[key] = hit
+        return hit
+
+    def _pooled(self, x: Tensor, counts: Tensor, with_extremes: bool) -> Tensor:
+        """Each block's mean row (and max and min rows) [..., H, blocks, D or 3D]."""
         g, lead, (n, d) = self.block_size, x.shape[:-2], x.shape[-2:]
-        blocks = -(-n // g)
-        counts = torch.clamp(n - torch.arange(blocks, device=x.device) * g, max=g)
+        blocks = counts.numel()
         pad = blocks * g - n
         x = x.to(self.wq.dtype)
+        if pad == 0:  # whole blocks: no padding rows to keep out of max and min
+            grid = x.view(*lead, blocks, g, d)
+            mean = grid.mean(-2)
+            if not with_extremes:
+                return mean
+            return torch.cat([mean, grid.amax(-2), grid.amin(-2)], -1)
         mean = nn.functional.pad(x, (0, 0, 0, pad)).view(*lead, blocks, g, d).sum(-2)
         mean = mean / counts.to(x.dtype)[:, None]
         if not with_extremes:
-            return mean, counts
+            return mean
         grid = nn.functional.pad(x, (0, 0, 0, pad), value=math.nan).view(*lead, blocks, g, d)
         high = grid.nan_to_num(-math.inf).amax(-2)
         low = grid.nan_to_num(math.inf).amin(-2)
-        return torch.cat([mean, high, low], -1), counts
+        return torch.cat([mean, high, low], -1)
 
     def forward(self, q: Tensor, k: Tensor) -> Tensor:
         """The gate's log block mass [(B,) H, query blocks, key blocks] for q [(B,) H, N_q, D],
         k [(B,) H, N_k, D] (float32, or the parameters' dtype; excluded causal blocks -inf,
         each block row's exp summing to 1)."""
         self._check(q, k)
-        n_q, n_k, g = q.shape[-2], k.shape[-2], self.block_size
-        qm, _ = self._pooled(q, False)
-        kf, keys = self._pooled(k, True)
+        rows, keys, slot, constant, _ = self._layout(q.shape[-2], k.shape[-2], q.device)
+        qm = self._pooled(q, rows, False)
+        kf = self._pooled(k, keys, True)
         s = self.scale * ((qm @ self.wq) @ (kf @ self.wk).transpose(-1, -2))
-        qb, kb = s.shape[-2], s.shape[-1]
-        dev = s.device
-        r = torch.arange(qb, device=dev)[:, None]
-        c = torch.arange(kb, device=dev)[None, :]
-        # Block offsets as the square case counts them: the query block's own key block is 0.
-        shift = (n_k - n_q) // g
-        offset = torch.clamp(r + shift - c, -self.max_distance, self.max_distance)
-        s = s + self.bias[:, offset + self.max_distance] + keys.to(s.dtype).log()
-        if self.causal:  # block c holds a key the block row's last query sees
-            last = torch.clamp((torch.arange(qb, device=dev) + 1) * g, max=n_q) - 1 + (n_k - n_q)
-            s = s.masked_fill(c * g > last[:, None], -math.inf)
-        return torch.log_softmax(s, -1)
+        return torch.log_softmax(s + self.bias[:, slot] + constant, -1)
 
     def loss(self, q: Tensor, k: Tensor, target: Tensor) -> Tensor:
         """The cross-entropy of the gate's block mass against `target` ([(B,) H, qb, kb], each
@@ -166,11 +187,21 @@ class BlockGate(nn.Module):
     @torch.no_grad()
     def select(self, q: Tensor, k: Tensor, sparsity: float, method: str = "row", **keep_rules):
         """The blocks to keep for this input (bool [(B,) H, qb, kb]): the gate's block mass pruned
-        by :func:`prune_blocks` (`method`, `sparsity`, keep rules; per input and head), causal
-        blocks past the diagonal never kept."""
+        by :func:`prune_blocks` (`method`, `sparsity`, keep rules; per input and head; "row"
+        with the default rules by top-k, ties in any order), causal blocks past the diagonal
+        never kept."""
         logp = self(q, k)
-        keep = prune_blocks(logp.exp().flatten(0, -3), sparsity, method, **keep_rules)
-        keep = keep.view(logp.shape)
+        if method == "row" and not keep_rules:  # prune_blocks' rule in fewer launches: top-k
+            if not 0.0 <= sparsity < 1.0:
+                raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+            kb = logp.shape[-1]
+            diagonal = self._layout(q.shape[-2], k.shape[-2], q.device)[4]
+            budget = max(1, round((1.0 - sparsity) * kb))
+            top = logp.masked_fill(diagonal, math.inf).topk(budget, -1).indices
+            keep = torch.zeros_like(diagonal).expand_as(logp).scatter(-1, top, True) | diagonal
+        else:
+            keep = prune_blocks(logp.exp().flatten(0, -3), sparsity, method, **keep_rules)
+            keep = keep.view(logp.shape)
         return keep & torch.isfinite(logp) if self.causal else keep
 
     @torch.no_grad()

@@ -67,6 +67,22 @@ def test_distillation_finds_planted_blocks_pooled_means_miss():
     assert gate.loss(q, k, mass) < trisparse.BlockGate(H, D, G, causal=True).loss(q, k, mass)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_select_is_prune_blocks_of_the_gates_mass(causal):
+    gen = torch.Generator().manual_seed(4)
+    q, k = torch.randn(2, H, 1000, D, generator=gen), torch.randn(2, H, 1000, D, generator=gen)
+    gate = trisparse.BlockGate(H, D, G, causal=causal)
+    with torch.no_grad():
+        gate.bias.normal_(generator=gen)
+        logp = gate(q, k)
+    for sparsity in (0.5, 0.8, 0.95):
+        want = trisparse.prune_blocks(logp.exp().flatten(0, 1), sparsity).view(logp.shape)
+        want = want & torch.isfinite(logp) if causal else want
+        assert torch.equal(gate.select(q, k, sparsity), want)
+    slow = gate.select(q, k, 0.8, method="row", window=0)  # the keep rules' path
+    assert torch.equal(slow, gate.select(q, k, 0.8))
+
+
 def test_select_keeps_causal_blocks_and_the_diagonal():
     gen = torch.Generator().manual_seed(3)
     q, k = torch.randn(H, 300, D, generator=gen), torch.randn(H, 300, D, generator=gen)
