@@ -18,7 +18,7 @@ __all__ = ["BlockGate"]
 
 
 class BlockGate(nn.Module):
-    """Scores every (query block, key block) pair of one input from its pooled queries and keys,
+    """Scores every (query block, key block) pair of an input from its pooled queries and keys,
     so that a block mask can be chosen per input (a sequence's own content), where a
     :class:`BlockPattern` is one mask for all inputs.
 
@@ -34,8 +34,9 @@ class BlockGate(nn.Module):
     really hold.
 
     q and k are [H, N, D] (one input: a sequence, or a graph's nodes in a block-friendly order) or
-    [B, H, N, D] (a batch, each sequence its own blocks). The scores cost two small GEMMs over
-    N / G pooled rows: far below the attention they select for."""
+    [B, H, N, D] (a batch, each sequence its own blocks). A selection is two small GEMMs over
+    N / G pooled rows, a top-k per block row and some 60 torch ops: below 128K rows on an H200 the
+    ops' host time, not the GPU, sets its cost (docs/notes/block_patterns.md)."""
 
     def __init__(
         self,
