@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "../../common/convert.cuh"
+#include "../../common/dispatch.cuh"
 #include "../../common/error.cuh"
 #include "importance.cuh"
 #include "tile.cuh"
@@ -114,20 +115,7 @@ void launch_backward_terms(const backward_params& p, dtype out, int dim, float* 
         const auto blocks = static_cast<unsigned>((items * L + kThreads - 1) / kThreads);
         backward_terms_vector_kernel<T, Out, L><<<blocks, kThreads, 0, s>>>(p, terms);
       };
-      switch (dim / 8) {
-        case 1:
-          return run.template operator()<1>();
-        case 2:
-          return run.template operator()<2>();
-        case 4:
-          return run.template operator()<4>();
-        case 8:
-          return run.template operator()<8>();
-        case 16:
-          return run.template operator()<16>();
-        default:
-          return run.template operator()<32>();
-      }
+      with_value<1, 2, 4, 8, 16, 32>(dim / 8, "the terms kernel's lanes a head", run);
     };
     if (f32)
       vector.template operator()<float>();
