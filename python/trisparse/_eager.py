@@ -19,7 +19,8 @@ def eager_autograd(
 ) -> Callable:
     """A callable equal to ``op(*args)``: under torch.compile the op, else an autograd.Function
     running the op's implementation (``op._init_fn``), ``setup_context(ctx, inputs, output)``
-    and ``backward(ctx, *grads)``. ``materialize_grads=False``: outputs the loss does not reach
+    and ``backward(ctx, *grads)`` (without a node where no input needs a gradient: the
+    implementation alone). ``materialize_grads=False``: outputs the loss does not reach
     (an lse kept for the backward) give ``backward`` None, not a tensor of zeros filled per step.
     """
     impl = op._init_fn
@@ -41,6 +42,10 @@ def eager_autograd(
     def call(*args):
         if torch.compiler.is_compiling():
             return op(*args)
+        if not torch.is_grad_enabled() or not any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in args
+        ):
+            return impl(*args)  # nothing to differentiate: no autograd node, no saved tensors
         return _Function.apply(*args)
 
     return call
