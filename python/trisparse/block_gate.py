@@ -61,6 +61,7 @@ class BlockGate(nn.Module):
         self.wk = nn.Parameter(torch.cat([eye, torch.zeros(heads, 2 * head_dim, head_dim)], 1))
         self.bias = nn.Parameter(torch.zeros(heads, 2 * self.max_distance + 1))
         self._layouts: dict[tuple, tuple] = {}
+        self._select_cache: tuple | None = None
 
     def _check(self, q: Tensor, k: Tensor) -> None:
         want = (self.heads, self.head_dim)
@@ -81,8 +82,8 @@ class BlockGate(nn.Module):
         """What depends on the sizes only, made once per (N_q, N_k, device): the query and key
         blocks' row counts, each block's bias slot (its offset, the square case's diagonal 0,
         clamped to max_distance), the scores' constant term (log of the keys in c; -inf where
-        causal excludes the block) and the diagonal that selection always keeps (per dtype of the
-        parameters, too)."""
+        causal excludes the block), the diagonal that selection always keeps and, causal, the
+        blocks it may keep (per dtype of the parameters, too)."""
         key = (n_q, n_k, device, self.wq.dtype)
         hit = self._layouts.get(key)
         if hit is None:
@@ -98,43 +99,54 @@ class BlockGate(nn.Module):
                 last = torch.clamp((r + 1) * g, max=n_q) - 1 + (n_k - n_q)
                 constant = constant.masked_fill(c * g > last, -math.inf)
             diagonal = torch.eye(qb, kb, dtype=torch.bool, device=device)
-            hit = (rows, keys, slot + self.max_distance, constant.contiguous(), diagonal)
+            allowed = torch.isfinite(constant) if self.causal else None
+            hit = (rows, keys, slot + self.max_distance, constant.contiguous(), diagonal, allowed)
             if len(self._layouts) >= 16:
                 self._layouts.clear()
             self._layouts[key] = hit
         return hit
 
     def _pooled(self, x: Tensor, counts: Tensor, with_extremes: bool) -> Tensor:
-        """Each block's mean row (and max and min rows) [..., H, blocks, D or 3D]."""
+        """Each block's mean row (and max and min rows) [..., H, blocks, D or 3D] in the
+        parameters' dtype, reduced from x's own dtype (no converted copy of x: the mean
+        accumulates in the parameters' dtype, max and min are exact in any)."""
         g, lead, (n, d) = self.block_size, x.shape[:-2], x.shape[-2:]
-        blocks = counts.numel()
+        blocks, dtype = counts.numel(), self.wq.dtype
         pad = blocks * g - n
-        x = x.to(self.wq.dtype)
         if pad == 0:  # whole blocks: no padding rows to keep out of max and min
             grid = x.view(*lead, blocks, g, d)
-            mean = grid.mean(-2)
+            mean = grid.mean(-2, dtype=dtype)
             if not with_extremes:
                 return mean
-            return torch.cat([mean, grid.amax(-2), grid.amin(-2)], -1)
-        mean = nn.functional.pad(x, (0, 0, 0, pad)).view(*lead, blocks, g, d).sum(-2)
-        mean = mean / counts.to(x.dtype)[:, None]
+            return torch.cat([mean, grid.amax(-2).to(dtype), grid.amin(-2).to(dtype)], -1)
+        grid = nn.functional.pad(x, (0, 0, 0, pad)).view(*lead, blocks, g, d)
+        mean = grid.sum(-2, dtype=dtype) / counts.to(dtype)[:, None]
         if not with_extremes:
             return mean
         grid = nn.functional.pad(x, (0, 0, 0, pad), value=math.nan).view(*lead, blocks, g, d)
-        high = grid.nan_to_num(-math.inf).amax(-2)
-        low = grid.nan_to_num(math.inf).amin(-2)
+        high = grid.nan_to_num(-math.inf).amax(-2).to(dtype)
+        low = grid.nan_to_num(math.inf).amin(-2).to(dtype)
         return torch.cat([mean, high, low], -1)
+
+    def _scores(self, q: Tensor, k: Tensor, layout: tuple, constant: Tensor) -> Tensor:
+        """scale (q̄ Wq) · (k̄ Wk) + `constant` [H, qb, kb] (the bias and log-count terms): the
+        product's scale on its small left factor, the sum in the product's epilogue where the
+        shapes allow (one pass over the [.., H, qb, kb] scores)."""
+        rows, keys = layout[0], layout[1]
+        a = (self._pooled(q, rows, False) @ self.wq) * self.scale
+        b = (self._pooled(k, keys, True) @ self.wk).transpose(-1, -2)
+        if a.dim() == 3:
+            return torch.baddbmm(constant, a, b)
+        return torch.matmul(a, b) + constant
 
     def forward(self, q: Tensor, k: Tensor) -> Tensor:
         """The gate's log block mass [(B,) H, query blocks, key blocks] for q [(B,) H, N_q, D],
         k [(B,) H, N_k, D] (float32, or the parameters' dtype; excluded causal blocks -inf,
         each block row's exp summing to 1)."""
         self._check(q, k)
-        rows, keys, slot, constant, _ = self._layout(q.shape[-2], k.shape[-2], q.device)
-        qm = self._pooled(q, rows, False)
-        kf = self._pooled(k, keys, True)
-        s = self.scale * ((qm @ self.wq) @ (kf @ self.wk).transpose(-1, -2))
-        return torch.log_softmax(s + self.bias[:, slot] + constant, -1)
+        layout = self._layout(q.shape[-2], k.shape[-2], q.device)
+        constant = self.bias[:, layout[2]] + layout[3]
+        return torch.log_softmax(self._scores(q, k, layout, constant), -1)
 
     def loss(self, q: Tensor, k: Tensor, target: Tensor) -> Tensor:
         """The cross-entropy of the gate's block mass against `target` ([(B,) H, qb, kb], each
@@ -191,19 +203,32 @@ class BlockGate(nn.Module):
         by :func:`prune_blocks` (`method`, `sparsity`, keep rules; per input and head; "row"
         with the default rules by top-k, ties in any order), causal blocks past the diagonal
         never kept."""
-        logp = self(q, k)
-        if method == "row" and not keep_rules:  # prune_blocks' rule in fewer launches: top-k
+        if method == "row" and not keep_rules:  # prune_blocks' rule in fewer passes: top-k
             if not 0.0 <= sparsity < 1.0:
                 raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
-            kb = logp.shape[-1]
-            diagonal = self._layout(q.shape[-2], k.shape[-2], q.device)[4]
-            budget = max(1, round((1.0 - sparsity) * kb))
-            top = logp.masked_fill(diagonal, math.inf).topk(budget, -1).indices
-            keep = torch.zeros_like(diagonal).expand_as(logp).scatter(-1, top, True) | diagonal
-        else:
-            keep = prune_blocks(logp.exp().flatten(0, -3), sparsity, method, **keep_rules)
-            keep = keep.view(logp.shape)
+            self._check(q, k)
+            layout = self._layout(q.shape[-2], k.shape[-2], q.device)
+            # Ranked by the scores themselves (the softmax keeps each row's order); the diagonal
+            # forced by +inf in the constant term, made once per layout and parameters' version.
+            scores = self._scores(q, k, layout, self._select_constant(layout))
+            kb = scores.shape[-1]
+            top = scores.topk(max(1, round((1.0 - sparsity) * kb)), -1).indices
+            keep = torch.zeros(scores.shape, dtype=torch.bool, device=q.device)
+            keep.scatter_(-1, top, True)
+            return keep & layout[5] if self.causal else keep
+        logp = self(q, k)
+        keep = prune_blocks(logp.exp().flatten(0, -3), sparsity, method, **keep_rules)
+        keep = keep.view(logp.shape)
         return keep & torch.isfinite(logp) if self.causal else keep
+
+    def _select_constant(self, layout: tuple) -> Tensor:
+        """bias[:, slot] + log-count terms with +inf on the diagonal [H, qb, kb], cached while
+        neither the layout nor the bias changes (the bias's version counts its updates)."""
+        key = (id(layout), self.bias._version, self.bias.data_ptr())
+        if self._select_cache is None or self._select_cache[0] != key:
+            constant = (self.bias[:, layout[2]] + layout[3]).masked_fill(layout[4], math.inf)
+            self._select_cache = (key, constant, layout)  # holds the layout: its id stays its own
+        return self._select_cache[1]
 
     @torch.no_grad()
     def block_mask(self, q: Tensor, k: Tensor, sparsity: float, method: str = "row", **keep_rules):
