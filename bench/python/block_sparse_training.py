@@ -7,7 +7,9 @@ One JSON line per (N, G, p): CUDA-event medians of the forward alone and of forw
 libraries' gradients relative to flex's largest entry. bf16 inputs [1, H, N, D], uniform in [-1, 1).
 trisparse_device: the same blocks as a mask on the GPU, a new one (and its plan, built there)
 at every step; trisparse_device_hint: the same with the density given (BlockMask(density=1 - p)).
-With --topk, trisparse_topk: a top-k mask of the same density selected from q and k at every step
+With --importance, trisparse_importance: the step with the kernels' block importance (mass and
+|dS|), trisparse_importance_mass: the mass alone (as PatternLearner tracks it). With --topk,
+trisparse_topk: a top-k mask of the same density selected from q and k at every step
 (topk_block_mask: the library's GPU plan), and trisparse_topk_torch: the same selection with
 torch's ops into a BlockMask (the package's path before the plan was bound).
 
@@ -109,6 +111,10 @@ def point(
         fns["trisparse_importance"] = lambda q_, k_, v_: trisparse.block_sparse_attention(
             q_, k_, v_, ours_mask, importance=tracker
         )
+        mass_only = trisparse.BlockImportance(measure_grad=False)  # as PatternLearner tracks
+        fns["trisparse_importance_mass"] = lambda q_, k_, v_: trisparse.block_sparse_attention(
+            q_, k_, v_, ours_mask, importance=mass_only
+        )
     if dropout > 0:  # attention dropout drawn in the kernels (FlexAttention has none)
         fns["trisparse_dropout"] = lambda q_, k_, v_: trisparse.block_sparse_attention(
             q_, k_, v_, ours_mask, dropout_p=dropout
@@ -153,10 +159,11 @@ def point(
     if "trisparse_dropout_fwd_bwd_ms" in r:
         r["dropout_p"] = dropout
         r["dropout_overhead"] = r["trisparse_dropout_fwd_bwd_ms"] / r["trisparse_fwd_bwd_ms"] - 1
-    if "trisparse_importance_fwd_bwd_ms" in r:
-        r["importance_overhead"] = (
-            r["trisparse_importance_fwd_bwd_ms"] / r["trisparse_fwd_bwd_ms"] - 1
-        )
+    for name in ("importance", "importance_mass"):
+        if f"trisparse_{name}_fwd_bwd_ms" in r:
+            r[f"{name}_overhead"] = (
+                r[f"trisparse_{name}_fwd_bwd_ms"] / r["trisparse_fwd_bwd_ms"] - 1
+            )
     if "trisparse_fwd_bwd_ms" in r:
         r["bwd_over_fwd"] = r["trisparse_fwd_bwd_ms"] / r["trisparse_fwd_ms"] - 1
     if dense is not None and "trisparse_fwd_bwd_ms" in r:

@@ -30,11 +30,13 @@ class BlockImportance:
     - ``grad``: the sum of |dS| over the block, dS = dL/dz for the scaled scores z;
 
     as float32 [B, H, query blocks, key blocks] (the packed form: [sequences, H, ...]), zeros
-    where the mask drops a block; None before the first backward. Each block is summed in a fixed
+    where the mask drops a block; None before the first backward (``grad`` stays None with
+    ``measure_grad=False``: the mass alone, at less cost). Each block is summed in a fixed
     order, without atomics: the same bits on every run. The last backward's values are kept
     (``steps`` counts the backwards); :class:`PatternLearner` folds them into its average."""
 
-    def __init__(self):
+    def __init__(self, measure_grad: bool = True):
+        self.measure_grad = bool(measure_grad)
         self.mass: Tensor | None = None
         self.grad: Tensor | None = None
         self.steps = 0
@@ -46,7 +48,9 @@ class BlockImportance:
         # the (B, H) of the forward this backward belongs to.
         b, h = shape
         qb, kb = mass.shape[1], mass.shape[3]
-        self.mass, self.grad = (t.permute(0, 2, 1, 3).reshape(b, h, qb, kb) for t in (mass, grad))
+        self.mass, self.grad = (
+            t.permute(0, 2, 1, 3).reshape(b, h, qb, kb) if t.numel() else None for t in (mass, grad)
+        )
         self.steps += 1
 
 

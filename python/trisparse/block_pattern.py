@@ -547,7 +547,7 @@ class PatternLearner:
         self._seen: Tensor | None = None
         self._keep: Tensor | None = None
         self._mask: BlockMask | None = None
-        self.tracker = BlockImportance()
+        self.tracker = BlockImportance(measure_grad=False)  # the mass is what it folds
         self._history: Tensor | None = None  # mean / max: [window, H, qb, kb]
         self._slot: Tensor | None = None  # [qb]: each block row's next slot
         self._pending: tuple[Tensor, Tensor, int] | None = None  # (keep, pooled, tracker steps)

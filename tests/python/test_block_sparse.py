@@ -390,6 +390,16 @@ def check_importance(q, k, v, dout, mask, blocks, causal, tol, **kwargs):
     )
     assert imp.steps == 2
     assert torch.equal(first[0], imp.mass) and torch.equal(first[1], imp.grad)
+    # The mass alone (as PatternLearner asks): the same bits, no |dS| sums.
+    alone = trisparse.BlockImportance(measure_grad=False)
+    with_grads(
+        lambda a, c, e: trisparse.block_sparse_attention(a, c, e, mask, importance=alone, **kwargs),
+        q,
+        k,
+        v,
+        dout,
+    )
+    assert alone.grad is None and torch.equal(alone.mass, imp.mass)
     return imp
 
 

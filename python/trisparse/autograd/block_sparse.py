@@ -52,7 +52,7 @@ def _backward(ctx, dout, run_backward):
         ctx.cu_q,
         ctx.cu_k,
         ctx.scale,
-        tracker is not None,
+        0 if tracker is None else 1 + tracker.measure_grad,
         ctx.dropout,
         dropout_state,
     )

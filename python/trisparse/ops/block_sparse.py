@@ -96,12 +96,13 @@ def _backward_op(
     cu_q: list[int],
     cu_k: list[int],
     scale: float,
-    importance: bool = False,
+    importance: int = 0,
     dropout: float = 0.0,
     dropout_state: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """dq, dk, dv, and with `importance` each kept block's attention mass and |dS| sum (f32
-    [sequences, query blocks, H, key blocks], zeros where the mask drops a block; else [0])."""
+    """dq, dk, dv, and with `importance` 1 each kept block's attention mass, with 2 also its
+    |dS| sum (f32 [sequences, query blocks, H, key blocks], zeros where the mask drops a block;
+    else [0])."""
     plan = _plan(q, mask, cu_q, cu_k)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -113,9 +114,9 @@ def _backward_op(
             f"sizes a multiple of 16 and head dims 64 or 128); this mask runs {plan.backend}"
         )
     _owner, ws, ws_bytes = _tensors.workspace(
-        plan.backward_workspace_bytes(q.shape[1], importance) if on_cuda else 0, q.device
+        plan.backward_workspace_bytes(q.shape[1], importance > 0) if on_cuda else 0, q.device
     )
-    blocks = [_tensors.view(t.flatten(0, 1)) if importance else None for t in (mass, grad)]
+    blocks = [_tensors.view(t.flatten(0, 1)) if t.numel() else None for t in (mass, grad)]
     # The forward's out and lse where it wrote them (the CPU recomputes them without).
     saved = on_cuda or lse.shape[0] == q.shape[0] > 0
     plan.backward(
@@ -136,14 +137,17 @@ def _backward_op(
 
 def _importance_like(q, mask, cu_q, cu_k, importance):
     """Zeroed block importance outputs: [sequences, QB, H, KB] f32 (QB, KB: the longest
-    sequence's query and key blocks), or [0] without `importance`."""
-    if not importance:
-        return tuple(q.new_empty(0, dtype=torch.float32) for _ in range(2))
+    sequence's query and key blocks) for the mass (`importance` >= 1) and the |dS| sums (2),
+    else [0]."""
+    if not importance:  # (two tensors: a custom op's outputs may not alias)
+        return q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32)
     g = _masks.lookup(mask).block_size
     lq = max(b - a for a, b in itertools.pairwise(cu_q))
     lk = max(b - a for a, b in itertools.pairwise(cu_k))
     shape = (len(cu_q) - 1, -(-lq // g), q.shape[1], -(-lk // g))
-    return tuple(q.new_zeros(shape, dtype=torch.float32) for _ in range(2))
+    mass = q.new_zeros(shape, dtype=torch.float32)
+    grad = q.new_zeros(shape if importance > 1 else 0, dtype=torch.float32)
+    return mass, grad
 
 
 @_backward_op.register_fake
@@ -158,7 +162,7 @@ def _backward_fake(
     cu_q,
     cu_k,
     scale,
-    importance=False,
+    importance=0,
     dropout=0.0,
     dropout_state=None,
 ):

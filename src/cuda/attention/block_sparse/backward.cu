@@ -152,6 +152,7 @@ void run_block_sparse_backward(const block_sparse_device_plan& plan, const tenso
     p.imp_slots = static_cast<std::int64_t>(plan.t_idx.size());
     p.imp_sub = static_cast<std::int32_t>(plan.block / plan.backward_tile_rows);
     p.imp_warps = key_tile_warps(plan, q.dim);
+    p.imp_grad = importance.grad.data != nullptr;
     // Zeros where a key tile sees none of a block's rows (the walk skips those query tiles).
     TRISPARSE_CUDA_TRY(cudaMemsetAsync(
         p.imp_partial, 0, static_cast<std::size_t>(2 * importance_slots(plan, q.heads)) * 4, s));

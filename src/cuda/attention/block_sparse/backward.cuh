@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(BM / 16 * 32)
   int y_cur = w.next();
   [[maybe_unused]] int e_cur =
       walk_entry(w);  // dk/dv: the kept block being walked (block importance)
-  [[maybe_unused]] importance_sums<BN> imp;
+  [[maybe_unused]] importance_sums<BN> imp(p, w.h, w.row0);
   if (y_cur >= 0) {
     load_rows<D, BM, kThreads>(sx1, x1g + ((x0 + w.row0) * x1s + w.h * x1h) * 2, x1s,
                                x_len - w.row0);
@@ -382,7 +382,7 @@ __global__ void __launch_bounds__(BM / 16 * 32)
     if constexpr (KV) {
       if (p.imp_partial != nullptr) {  // the walk is the block's: uniform
         imp.add(s, t);
-        if (y_next < 0 || e_next != e_cur) imp.flush(p, w.h, e_cur, w.row0);
+        if (y_next < 0 || e_next != e_cur) imp.flush(e_cur);
       }
     }
 

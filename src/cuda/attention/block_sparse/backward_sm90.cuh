@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
   int y_cur = w.next();
   [[maybe_unused]] int e_cur =
       walk_entry(w);  // dk/dv: the kept block being walked (block importance)
-  [[maybe_unused]] importance_sums<BN> imp;
+  [[maybe_unused]] importance_sums<BN> imp(p, w.h, w.row0);
   if (y_cur >= 0) {
     load_rows<D, BM, kThreads>(sx1, x1g + ((x0 + w.row0) * x1s + w.h * x1h) * 2, x1s,
                                x_len - w.row0);
@@ -188,9 +188,6 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
 
     probabilities_and_ds<BN, KV, DROPOUT>(s, t, w, drops, y_cur, r_lo, terms + stage * 2 * BN,
                                           row_lse, row_dterm, c);
-    if constexpr (KV) {
-      if (p.imp_partial != nullptr) imp.add(s, t);
-    }
 
     // dq += dS K; or dk += dSᵀ Q and dv += Pᵀ dO.
     std::uint32_t da[BN / 16][4], pa[KV ? BN / 16 : 1][4];
@@ -199,13 +196,15 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
       p_fragment<T, BN>(da[kp], t, kp);
       if constexpr (KV) p_fragment<T, BN>(pa[kp], s, kp);
     }
+    if constexpr (KV) {  // before the products read pa and da
+      if (imp.out != nullptr) imp.template add_fragments<T>(pa, da, p.imp_grad);
+    }
     arch::wgmma_fence();
     issue_accumulate<T, D>(acc[0], da, y1);
     if constexpr (KV) issue_accumulate<T, D>(acc[kAcc - 1], pa, y2);
     arch::wgmma_commit();
     if constexpr (KV) {  // the warp's reduction while the tensor cores accumulate
-      if (p.imp_partial != nullptr && (y_next < 0 || e_next != e_cur))
-        imp.flush(p, w.h, e_cur, w.row0);
+      if (imp.out != nullptr && (y_next < 0 || e_next != e_cur)) imp.template flush<true>(e_cur);
     }
     arch::wgmma_wait<0>();
 #pragma unroll

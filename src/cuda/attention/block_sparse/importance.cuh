@@ -1,10 +1,14 @@
 #pragma once
 // Block importance from the block-sparse backward (attention_options::block_mass / block_grad):
 // the dk/dv kernels hold, for each (key tile, query tile) they visit, P and dS of the tile; each
-// thread sums its share of the pairs, and when the walk leaves a transposed entry (a kept block)
-// each warp reduces its sums and writes one partial per (entry, key tile, warp). A last kernel adds
-// a block's partials in a fixed order and writes the block's mass and |dS| sum: no atomics, the
-// same bits on every run.
+// thread sums its share of the pairs (the wgmma kernels on the tensor cores, from P's and dS's
+// packed fragments), and when the walk leaves a transposed entry (a kept block) each warp reduces
+// its sums and writes one partial per (entry, key tile, warp). A last kernel adds a block's
+// partials in a fixed order and writes the block's mass and |dS| sum: no atomics, the same bits on
+// every run.
+#include <type_traits>
+
+#include "../../common/arch/mma.cuh"
 #include "params.hpp"
 
 namespace trisparse::cuda::block_sparse {
@@ -26,10 +30,23 @@ __device__ __forceinline__ std::int64_t importance_slot(const backward_params& p
          p.imp_warps;
 }
 
-/// One thread's sums of P and |dS| over the pairs of the entry its walk is in.
+/// One thread's sums of P and |dS| over the pairs of the entry its walk is in, and where its warp
+/// writes them.
 template <int BN>
 struct importance_sums {
   float mass = 0.f, grad = 0.f;
+  float* out = nullptr;  // the warp's partial of transposed entry 0 (null: no importance)
+  std::int64_t stride = 0;
+
+  /// Where this warp's partials go (key tile `row0` of its block, head h); `out` stays null
+  /// without importance.
+  __device__ __forceinline__ importance_sums(const backward_params& p, int h, int row0) {
+    if (p.imp_partial == nullptr) return;
+    const int tile = (row0 % p.block) / (p.block / p.imp_sub);  // the key tile in its block
+    out = p.imp_partial +
+          2 * (importance_slot(p, h, 0) + tile * p.imp_warps + static_cast<int>(threadIdx.x) / 32);
+    stride = 2 * std::int64_t{p.imp_sub} * p.imp_warps;
+  }
 
   /// Adds the thread's P (s) and dS (t) elements of this tile (the kernels zero the pairs past the
   /// sequence's queries and keys).
@@ -44,21 +61,43 @@ struct importance_sums {
     }
   }
 
-  /// Writes the warp's sums as its partial of (entry, this key tile) and restarts at zero: lane
-  /// sums by shuffles, no barrier (the last kernel adds the warps in order).
-  __device__ __forceinline__ void flush(const backward_params& p, int h, int entry, int row0) {
+  /// The same sums from the tile's packed A fragments of P and dS (pa, da: the wgmma kernels'),
+  /// on the tensor cores: per fragment an m16n8k16 product against all-ones, whose C holds the
+  /// fragment's 16 row sums in each of its eight columns (|dS|: the pairs' sign bits cleared).
+  /// 2 x BN / 16 products and BN logic operations a tile where the additions take 2 x BN / 2
+  /// (half without `with_grad`: the mass alone); the four lanes of a quad hold the same sums
+  /// (flush<true>). The values summed are those the products use (in T).
+  template <class T>
+  __device__ __forceinline__ void add_fragments(const std::uint32_t (&pa)[BN / 16][4],
+                                                const std::uint32_t (&da)[BN / 16][4],
+                                                bool with_grad) {
+    constexpr std::uint32_t one = std::is_same_v<T, __half> ? 0x3C003C00u : 0x3F803F80u;
+    float cm[4] = {0.f, 0.f, 0.f, 0.f}, cg[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int o = 16; o > 0; o /= 2) {
+    for (int kp = 0; kp < BN / 16; ++kp) arch::mma_16x8x16_f32<T>(cm, pa[kp], {one, one});
+    mass += cm[0] + cm[2];
+    if (!with_grad) return;
+#pragma unroll
+    for (int kp = 0; kp < BN / 16; ++kp) {
+      const std::uint32_t a[4] = {da[kp][0] & 0x7FFF7FFFu, da[kp][1] & 0x7FFF7FFFu,
+                                  da[kp][2] & 0x7FFF7FFFu, da[kp][3] & 0x7FFF7FFFu};
+      arch::mma_16x8x16_f32<T>(cg, a, {one, one});
+    }
+    grad += cg[0] + cg[2];
+  }
+
+  /// Writes the warp's sums as its partial of transposed entry `entry` and restarts at zero: lane
+  /// sums by shuffles, no barrier (the last kernel adds the warps in order). `Quads`: the sums of
+  /// add_fragments, alike in a quad's four lanes (the groups' sums only).
+  template <bool Quads = false>
+  __device__ __forceinline__ void flush(int entry) {
+#pragma unroll
+    for (int o = 16; o >= (Quads ? 4 : 1); o /= 2) {
       mass += __shfl_xor_sync(0xffffffffu, mass, o);
       grad += __shfl_xor_sync(0xffffffffu, grad, o);
     }
-    if (threadIdx.x % 32 == 0) {
-      const int tile = (row0 % p.block) / (p.block / p.imp_sub);  // the key tile in its block
-      const std::int64_t slot =
-          importance_slot(p, h, entry) + tile * p.imp_warps + static_cast<int>(threadIdx.x) / 32;
-      p.imp_partial[2 * slot] = mass;
-      p.imp_partial[2 * slot + 1] = grad;
-    }
+    if (threadIdx.x % 32 == 0)
+      *reinterpret_cast<float2*>(out + entry * stride) = make_float2(mass, grad);
     mass = grad = 0.f;
   }
 };

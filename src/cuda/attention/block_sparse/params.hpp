@@ -81,6 +81,7 @@ struct backward_params : params {
   float* imp_partial;
   std::int64_t imp_slots;
   std::int32_t imp_sub, imp_warps;
+  bool imp_grad;  // the |dS| sums too (the wgmma kernels skip them where no one reads them)
 };
 
 /// Sets p's dropout fields from `dropout` (p = 0: none; the kernels' DROPOUT instantiations read
