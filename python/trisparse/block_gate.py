@@ -35,8 +35,10 @@ class BlockGate(nn.Module):
 
     q and k are [H, N, D] (one input: a sequence, or a graph's nodes in a block-friendly order) or
     [B, H, N, D] (a batch, each sequence its own blocks). A selection is two small GEMMs over
-    N / G pooled rows, a top-k per block row and some 60 torch ops: below 128K rows on an H200 the
-    ops' host time, not the GPU, sets its cost (docs/notes/block_patterns.md)."""
+    N / G pooled rows, a top-k per block row and some 20 torch ops: below 32K rows on an H200 the
+    ops' host time, not the GPU, sets its cost (docs/notes/block_patterns.md). It keeps the last
+    shape's constant term, one float [H, N_q / G, N_k / G] tensor (134 MB at 8 heads of 128K rows
+    in blocks of 64)."""
 
     def __init__(
         self,
