@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -15,6 +16,17 @@ from .block_mask import BlockMask
 from .block_pattern import block_mass, prune_blocks
 
 __all__ = ["BlockGate"]
+
+
+class _Layout(NamedTuple):
+    """What a gate's scores depend on besides q and k: the sizes (BlockGate._layout)."""
+
+    rows: Tensor  # [qb] query rows a block
+    keys: Tensor  # [kb] keys a block
+    slot: Tensor  # [qb, kb] each block's bias slot
+    constant: Tensor  # [qb, kb] log(keys in c); -inf where causal excludes the block
+    diagonal: Tensor  # [qb, kb] bool: the blocks selection always keeps
+    allowed: Tensor | None  # [qb, kb] bool, causal: the blocks selection may keep
 
 
 class BlockGate(nn.Module):
@@ -62,7 +74,7 @@ class BlockGate(nn.Module):
         self.wq = nn.Parameter(eye.clone())
         self.wk = nn.Parameter(torch.cat([eye, torch.zeros(heads, 2 * head_dim, head_dim)], 1))
         self.bias = nn.Parameter(torch.zeros(heads, 2 * self.max_distance + 1))
-        self._layouts: dict[tuple, tuple] = {}
+        self._layouts: dict[tuple, _Layout] = {}
         self._select_cache: tuple | None = None
 
     def _check(self, q: Tensor, k: Tensor) -> None:
@@ -80,7 +92,7 @@ class BlockGate(nn.Module):
                 f"{tuple(k.shape)}"
             )
 
-    def _layout(self, n_q: int, n_k: int, device: torch.device) -> tuple:
+    def _layout(self, n_q: int, n_k: int, device: torch.device) -> _Layout:
         """What depends on the sizes only, made once per (N_q, N_k, device): the query and key
         blocks' row counts, each block's bias slot (its offset, the square case's diagonal 0,
         clamped to max_distance), the scores' constant term (log of the keys in c; -inf where
@@ -102,7 +114,9 @@ class BlockGate(nn.Module):
                 constant = constant.masked_fill(c * g > last, -math.inf)
             diagonal = torch.eye(qb, kb, dtype=torch.bool, device=device)
             allowed = torch.isfinite(constant) if self.causal else None
-            hit = (rows, keys, slot + self.max_distance, constant.contiguous(), diagonal, allowed)
+            hit = _Layout(
+                rows, keys, slot + self.max_distance, constant.contiguous(), diagonal, allowed
+            )
             if len(self._layouts) >= 16:
                 self._layouts.clear()
             self._layouts[key] = hit
@@ -130,13 +144,12 @@ class BlockGate(nn.Module):
         low = grid.nan_to_num(math.inf).amin(-2).to(dtype)
         return torch.cat([mean, high, low], -1)
 
-    def _scores(self, q: Tensor, k: Tensor, layout: tuple, constant: Tensor) -> Tensor:
+    def _scores(self, q: Tensor, k: Tensor, layout: _Layout, constant: Tensor) -> Tensor:
         """scale (q̄ Wq) · (k̄ Wk) + `constant` [H, qb, kb] (the bias and log-count terms): the
         product's scale on its small left factor, the sum in the product's epilogue where the
         shapes allow (one pass over the [.., H, qb, kb] scores)."""
-        rows, keys = layout[0], layout[1]
-        a = (self._pooled(q, rows, False) @ self.wq) * self.scale
-        b = (self._pooled(k, keys, True) @ self.wk).transpose(-1, -2)
+        a = (self._pooled(q, layout.rows, False) @ self.wq) * self.scale
+        b = (self._pooled(k, layout.keys, True) @ self.wk).transpose(-1, -2)
         if a.dim() == 3:
             return torch.baddbmm(constant, a, b)
         return torch.matmul(a, b) + constant
@@ -147,7 +160,7 @@ class BlockGate(nn.Module):
         each block row's exp summing to 1)."""
         self._check(q, k)
         layout = self._layout(q.shape[-2], k.shape[-2], q.device)
-        constant = self.bias[:, layout[2]] + layout[3]
+        constant = self.bias[:, layout.slot] + layout.constant
         return torch.log_softmax(self._scores(q, k, layout, constant), -1)
 
     def loss(self, q: Tensor, k: Tensor, target: Tensor) -> Tensor:
@@ -217,18 +230,19 @@ class BlockGate(nn.Module):
             top = scores.topk(max(1, round((1.0 - sparsity) * kb)), -1).indices
             keep = torch.zeros(scores.shape, dtype=torch.bool, device=q.device)
             keep.scatter_(-1, top, True)
-            return keep & layout[5] if self.causal else keep
+            return keep & layout.allowed if self.causal else keep
         logp = self(q, k)
         keep = prune_blocks(logp.exp().flatten(0, -3), sparsity, method, **keep_rules)
         keep = keep.view(logp.shape)
         return keep & torch.isfinite(logp) if self.causal else keep
 
-    def _select_constant(self, layout: tuple) -> Tensor:
+    def _select_constant(self, layout: _Layout) -> Tensor:
         """bias[:, slot] + log-count terms with +inf on the diagonal [H, qb, kb], cached while
         neither the layout nor the bias changes (the bias's version counts its updates)."""
         key = (id(layout), self.bias._version, self.bias.data_ptr())
         if self._select_cache is None or self._select_cache[0] != key:
-            constant = (self.bias[:, layout[2]] + layout[3]).masked_fill(layout[4], math.inf)
+            constant = self.bias[:, layout.slot] + layout.constant
+            constant = constant.masked_fill(layout.diagonal, math.inf)
             self._select_cache = (key, constant, layout)  # holds the layout: its id stays its own
         return self._select_cache[1]
 
