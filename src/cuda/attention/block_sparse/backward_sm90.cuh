@@ -204,7 +204,8 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
     if constexpr (KV) issue_accumulate<T, D>(acc[kAcc - 1], pa, y2);
     arch::wgmma_commit();
     if constexpr (KV) {  // the warp's reduction while the tensor cores accumulate
-      if (imp.out != nullptr && (y_next < 0 || e_next != e_cur)) imp.template flush<true>(e_cur);
+      if (imp.out != nullptr && (y_next < 0 || e_next != e_cur))
+        imp.template flush<true>(e_cur, p.imp_grad);
     }
     arch::wgmma_wait<0>();
 #pragma unroll

@@ -36,7 +36,8 @@ template <int BN>
 struct importance_sums {
   float mass = 0.f, grad = 0.f;
   float* out = nullptr;  // the warp's partial of transposed entry 0 (null: no importance)
-  std::int64_t stride = 0;
+  int stride = 0;        // floats from one entry's partial to the next (2 x key tiles x warps)
+  bool lead = false;     // the warp's lane 0, which writes
 
   /// Where this warp's partials go (key tile `row0` of its block, head h); `out` stays null
   /// without importance.
@@ -45,7 +46,8 @@ struct importance_sums {
     const int tile = (row0 % p.block) / (p.block / p.imp_sub);  // the key tile in its block
     out = p.imp_partial +
           2 * (importance_slot(p, h, 0) + tile * p.imp_warps + static_cast<int>(threadIdx.x) / 32);
-    stride = 2 * std::int64_t{p.imp_sub} * p.imp_warps;
+    stride = 2 * p.imp_sub * p.imp_warps;
+    lead = threadIdx.x % 32 == 0;
   }
 
   /// Adds the thread's P (s) and dS (t) elements of this tile (the kernels zero the pairs past the
@@ -88,16 +90,23 @@ struct importance_sums {
 
   /// Writes the warp's sums as its partial of transposed entry `entry` and restarts at zero: lane
   /// sums by shuffles, no barrier (the last kernel adds the warps in order). `Quads`: the sums of
-  /// add_fragments, alike in a quad's four lanes (the groups' sums only).
+  /// add_fragments, alike in a quad's four lanes (the groups' sums only); without `with_grad`
+  /// the |dS| sum is not reduced (it is not read).
   template <bool Quads = false>
-  __device__ __forceinline__ void flush(int entry) {
+  __device__ __forceinline__ void flush(int entry, bool with_grad = true) {
+    if (with_grad) {
 #pragma unroll
-    for (int o = 16; o >= (Quads ? 4 : 1); o /= 2) {
-      mass += __shfl_xor_sync(0xffffffffu, mass, o);
-      grad += __shfl_xor_sync(0xffffffffu, grad, o);
+      for (int o = 16; o >= (Quads ? 4 : 1); o /= 2) {
+        mass += __shfl_xor_sync(0xffffffffu, mass, o);
+        grad += __shfl_xor_sync(0xffffffffu, grad, o);
+      }
+    } else {
+#pragma unroll
+      for (int o = 16; o >= (Quads ? 4 : 1); o /= 2) mass += __shfl_xor_sync(0xffffffffu, mass, o);
     }
-    if (threadIdx.x % 32 == 0)
-      *reinterpret_cast<float2*>(out + entry * stride) = make_float2(mass, grad);
+    if (lead)
+      *reinterpret_cast<float2*>(out + static_cast<std::int64_t>(entry) * stride) =
+          make_float2(mass, grad);
     mass = grad = 0.f;
   }
 };
