@@ -9,21 +9,35 @@ traces the op itself (its fake and registered autograd)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
 
 def eager_autograd(
-    op, setup_context: Callable, backward: Callable, materialize_grads: bool = True
+    op,
+    setup_context: Callable,
+    backward: Callable,
+    materialize_grads: bool = True,
+    backward_op=None,
 ) -> Callable:
     """A callable equal to ``op(*args)``: under torch.compile the op, else an autograd.Function
     running the op's implementation (``op._init_fn``), ``setup_context(ctx, inputs, output)``
     and ``backward(ctx, *grads)`` (without a node where no input needs a gradient: the
     implementation alone). ``materialize_grads=False``: outputs the loss does not reach
     (an lse kept for the backward) give ``backward`` None, not a tensor of zeros filled per step.
+    ``backward_op``: the op ``backward`` runs, given to it as ``run=`` (its default, the
+    dispatcher's op, is what the registered autograd traces): eager backwards run its
+    implementation, without the dispatcher's host time, except under ``create_graph`` (grad
+    mode on in the backward), where the op keeps its own autograd.
     """
     impl = op._init_fn
+    if backward_op is not None:
+        through_op, direct = backward, functools.partial(backward, run=backward_op._init_fn)
+
+        def backward(ctx, *grads):
+            return (through_op if torch.is_grad_enabled() else direct)(ctx, *grads)
 
     class _Function(torch.autograd.Function):
         @staticmethod

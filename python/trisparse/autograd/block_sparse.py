@@ -26,22 +26,12 @@ def _setup_context(ctx, inputs, output):
     ctx.mask_object = _masks.get(mask)
 
 
-def _backward_with(run_backward):
-    """The backward over `run_backward` (the op; in eager calls its implementation, without the
-    dispatcher's host time)."""
-
-    def backward(ctx, dout, _dlse):
-        if dout is None:  # (unmaterialised: the loss does not reach the output)
-            return (None,) * 11
-        return _backward(ctx, dout, run_backward)
-
-    return backward
-
-
-def _backward(ctx, dout, run_backward):
+def _backward(ctx, dout, _dlse, *, run=torch.ops.trisparse.block_sparse_attention_backward):
+    if dout is None:  # (unmaterialised: the loss does not reach the output)
+        return (None,) * 11
     q, k, v, out, lse, dropout_state = ctx.saved_tensors
     tracker = ctx.importance
-    dq, dk, dv, mass, grad = run_backward(
+    dq, dk, dv, mass, grad = run(
         q,
         k,
         v,
@@ -61,12 +51,9 @@ def _backward(ctx, dout, run_backward):
     return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
-_forward.register_autograd(
-    _backward_with(torch.ops.trisparse.block_sparse_attention_backward),
-    setup_context=_setup_context,
-)
+_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 _forward_eager = eager_autograd(
-    _forward, _setup_context, _backward_with(_backward_op._init_fn), materialize_grads=False
+    _forward, _setup_context, _backward, materialize_grads=False, backward_op=_backward_op
 )

@@ -7,7 +7,9 @@ import torch
 
 from .._eager import eager_autograd
 from ..ops.edge_attention import (
+    _backward_op,
     _forward,
+    _gat_backward_op,
     _gat_forward,
     _neighbor_sum,
 )
@@ -22,13 +24,15 @@ def _setup(ctx, inputs, output):
     ctx.held = lookup(pattern)  # alive until the backward, if the caller dropped it
 
 
-def _backward(ctx, dout, dout_edge, _dlse):
+def _backward(ctx, dout, dout_edge, _dlse, *, run=torch.ops.trisparse.edge_attention_backward):
     q, k, v, r, a, keep, out, out_edge, lse, dropout_state = ctx.saved_tensors
-    dout = dout.to(out.dtype).contiguous()
+    if dout is None and dout_edge is None:  # (unmaterialised: the loss reaches neither)
+        return (None,) * 10
+    dout = torch.zeros_like(out) if dout is None else dout.to(out.dtype).contiguous()
     if dout_edge is None:
         dout_edge = torch.zeros_like(out_edge)
     dout_edge = dout_edge.float().contiguous()
-    dq, dk, dv, dr, da = torch.ops.trisparse.edge_attention_backward(
+    dq, dk, dv, dr, da = run(
         q,
         k,
         v,
@@ -53,7 +57,9 @@ def _backward(ctx, dout, dout_edge, _dlse):
 _forward.register_autograd(_backward, setup_context=_setup)
 
 
-_forward_eager = eager_autograd(_forward, _setup, _backward)
+_forward_eager = eager_autograd(
+    _forward, _setup, _backward, materialize_grads=False, backward_op=_backward_op
+)
 
 
 def _gat_setup(ctx, inputs, output):
@@ -64,9 +70,11 @@ def _gat_setup(ctx, inputs, output):
     ctx.held = lookup(pattern)
 
 
-def _gat_backward(ctx, dout, _dlse):
+def _gat_backward(ctx, dout, _dlse, *, run=torch.ops.trisparse.edge_gat_backward):
+    if dout is None:  # (unmaterialised: the loss does not reach the output)
+        return (None,) * 9
     x, a_src, a_dst, a_edge, keep, out, lse, dropout_state = ctx.saved_tensors
-    dx, da_src, da_dst, da_edge = torch.ops.trisparse.edge_gat_backward(
+    dx, da_src, da_dst, da_edge = run(
         x,
         a_src,
         a_dst,
@@ -87,7 +95,9 @@ def _gat_backward(ctx, dout, _dlse):
 _gat_forward.register_autograd(_gat_backward, setup_context=_gat_setup)
 
 
-_gat_forward_eager = eager_autograd(_gat_forward, _gat_setup, _gat_backward)
+_gat_forward_eager = eager_autograd(
+    _gat_forward, _gat_setup, _gat_backward, materialize_grads=False, backward_op=_gat_backward_op
+)
 
 
 def _sum_setup(ctx, inputs, output):

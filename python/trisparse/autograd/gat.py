@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .._eager import eager_autograd
-from ..ops.gat import _gat
+from ..ops.gat import _gat, _gat_backward
 
 
 def _setup(ctx, inputs, output):
@@ -16,10 +16,12 @@ def _setup(ctx, inputs, output):
     ctx.pattern, ctx.negative_slope = pattern, negative_slope
 
 
-def _backward(ctx, dout, _dlse):
+def _backward(ctx, dout, _dlse, *, run=torch.ops.trisparse.gat_attention_backward):
+    if dout is None:  # (unmaterialised: the loss does not reach the output)
+        return (None,) * 7
     x, a_src, a_dst, keep, keep_index, out, lse = ctx.saved_tensors
     dout = dout.to(out.dtype).contiguous()
-    dx, da_src, da_dst = torch.ops.trisparse.gat_attention_backward(
+    dx, da_src, da_dst = run(
         dout, x, a_src, a_dst, keep, keep_index, out, lse, ctx.pattern, ctx.negative_slope
     )
     return dx, da_src, da_dst, None, None, None, None
@@ -28,4 +30,6 @@ def _backward(ctx, dout, _dlse):
 _gat.register_autograd(_backward, setup_context=_setup)
 
 
-_gat_eager = eager_autograd(_gat, _setup, _backward)
+_gat_eager = eager_autograd(
+    _gat, _setup, _backward, materialize_grads=False, backward_op=_gat_backward
+)

@@ -21,27 +21,17 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _backward_with(run_backward):
-    """The backward over `run_backward` (the op; in eager calls its implementation, without the
-    dispatcher's host time)."""
-
-    def backward(ctx, dout, _dlse):
-        if dout is None:  # (unmaterialised: the loss does not reach the output)
-            return (None,) * 7
-        q, k, v, out, lse, batch, dropout_state = ctx.saved_tensors
-        dq, dk, dv = run_backward(
-            q, k, v, out, lse, dout, batch, ctx.scale, ctx.dropout, dropout_state
-        )
-        return dq, dk, dv, None, None, None, None
-
-    return backward
+def _backward(ctx, dout, _dlse, *, run=torch.ops.trisparse.segment_attention_backward):
+    if dout is None:  # (unmaterialised: the loss does not reach the output)
+        return (None,) * 7
+    q, k, v, out, lse, batch, dropout_state = ctx.saved_tensors
+    dq, dk, dv = run(q, k, v, out, lse, dout, batch, ctx.scale, ctx.dropout, dropout_state)
+    return dq, dk, dv, None, None, None, None
 
 
-_forward.register_autograd(
-    _backward_with(torch.ops.trisparse.segment_attention_backward), setup_context=_setup_context
-)
+_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 _call = eager_autograd(
-    _forward, _setup_context, _backward_with(_backward_op._init_fn), materialize_grads=False
+    _forward, _setup_context, _backward, materialize_grads=False, backward_op=_backward_op
 )

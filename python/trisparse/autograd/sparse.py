@@ -8,6 +8,7 @@ import torch
 from .._eager import eager_autograd
 from ..ops.sparse import (
     _gcn_fused,
+    _gcn_fused_backward,
     _spmm,
 )
 
@@ -17,15 +18,15 @@ def _setup_context(ctx, inputs, output):
     ctx.matrix, ctx.transposed = matrix, transposed
 
 
-def _backward(ctx, dc):
+def _backward(ctx, dc, *, run=torch.ops.trisparse.spmm):
     dc = dc if dc.stride(-1) == 1 else dc.contiguous()
-    return torch.ops.trisparse.spmm(dc, ctx.matrix, not ctx.transposed), None, None
+    return run(dc, ctx.matrix, not ctx.transposed), None, None
 
 
 _spmm.register_autograd(_backward, setup_context=_setup_context)
 
 
-_spmm_eager = eager_autograd(_spmm, _setup_context, _backward)
+_spmm_eager = eager_autograd(_spmm, _setup_context, _backward, backward_op=_spmm)
 
 
 def _gcn_setup_context(ctx, inputs, output):
@@ -35,9 +36,11 @@ def _gcn_setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, w, mask if relu else None, ax, bias)
 
 
-def _gcn_backward(ctx, dout, _dmask, _dax):
+def _gcn_backward(ctx, dout, _dmask, _dax, *, run=torch.ops.trisparse.gcn_fused_backward):
+    if dout is None:  # (unmaterialised: the loss does not reach the output)
+        return (None,) * 6
     x, w, mask, ax, bias = ctx.saved_tensors
-    dx, dw, dbias = torch.ops.trisparse.gcn_fused_backward(
+    dx, dw, dbias = run(
         dout.contiguous(), mask, x, w, ax, bias, ctx.matrix, ctx.order, ctx.needs_input_grad[0]
     )
     return (
@@ -53,4 +56,10 @@ def _gcn_backward(ctx, dout, _dmask, _dax):
 _gcn_fused.register_autograd(_gcn_backward, setup_context=_gcn_setup_context)
 
 
-_gcn_fused_eager = eager_autograd(_gcn_fused, _gcn_setup_context, _gcn_backward)
+_gcn_fused_eager = eager_autograd(
+    _gcn_fused,
+    _gcn_setup_context,
+    _gcn_backward,
+    materialize_grads=False,
+    backward_op=_gcn_fused_backward,
+)

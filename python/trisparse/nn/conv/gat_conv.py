@@ -15,15 +15,13 @@ from ...edge import edge_scores, edge_softmax, edge_spmm
 from ...edge_attention import edge_attention_supported, edge_gat_attention
 from ...gat import gat_attention
 from ...pattern import Pattern
-from ._common import _check_float, _edge_features, _Fused
+from ._common import _block_diagonal, _check_float, _edge_features, _Fused
 
 
-def _block_diagonal(att: Tensor) -> Tensor:
+def _att_columns(att: Tensor) -> Tensor:
     """[1, H, C] -> [H C, H]: column h holds att[0, h] in rows h C .. h C + C - 1, zeros
     elsewhere, so that x [N, H C] @ it = (x.view(N, H, C) * att).sum(-1)."""
-    _, H, C = att.shape
-    eye = torch.eye(H, dtype=att.dtype, device=att.device)
-    return (att[0][:, :, None] * eye[:, None, :]).reshape(H * C, H)
+    return _block_diagonal(att[0][:, :, None])
 
 
 class _SharedTerms(torch.autograd.Function):
@@ -42,7 +40,7 @@ class _SharedTerms(torch.autograd.Function):
         N, H, C = x.shape
         ct = torch.promote_types(x.dtype, att_src.dtype)  # as PyG's mul promotes
         with torch.autocast(x.device.type, enabled=False):
-            w = torch.cat([_block_diagonal(att_src.to(ct)), _block_diagonal(att_dst.to(ct))], 1)
+            w = torch.cat([_att_columns(att_src.to(ct)), _att_columns(att_dst.to(ct))], 1)
             alpha = x.reshape(N, H * C).to(ct) @ w
         ctx.save_for_backward(x, w)
         ctx.att_dtype = att_src.dtype

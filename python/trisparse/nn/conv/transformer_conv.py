@@ -14,7 +14,7 @@ from ...copies import copy_aggregate, copy_dot, copy_logsumexp, copy_sum, copy_w
 from ...distributed import DistributedPattern
 from ...edge import edge_softmax, edge_spmm, sddmm
 from ...edge_attention import edge_attention, edge_attention_supported
-from ._common import _edge_features, _Fused, _input_edges
+from ._common import _block_diagonal, _edge_features, _Fused, _input_edges
 
 
 def _plain_graph_on_edge_kernels(query: Tensor) -> bool:
@@ -184,7 +184,7 @@ class TransformerConv(_Fused, _PygTransformerConv):
         edge_attr = _edge_features(edge_attr, pattern, self.edge_dim)
         n = query.shape[0]
         w_edge = self.lin_edge.weight.view(H, C, -1)  # W_e of head h: [C, edge_dim]
-        to_edge = torch.block_diag(*(scale * w_edge).transpose(1, 2))  # [H edge_dim, H C]
+        to_edge = _block_diagonal(scale * w_edge.transpose(1, 2))  # [H edge_dim, H C]
         r = F.linear(query.reshape(n, H * C), to_edge).view(n, H, -1)
         out, out_edge = edge_attention(
             query,
@@ -197,7 +197,7 @@ class TransformerConv(_Fused, _PygTransformerConv):
             dropout=dropout,
             pyg_dropout=self.pyg_dropout,
         )
-        from_edge = torch.block_diag(*w_edge)  # [H C, H edge_dim]
+        from_edge = _block_diagonal(w_edge)  # [H C, H edge_dim]
         message = F.linear(out_edge.reshape(n, -1).to(out.dtype), from_edge)
         return out + message.view(n, H, C)
 
