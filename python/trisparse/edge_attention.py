@@ -74,7 +74,7 @@ def edge_gat_attention(
     f32 = {"dtype": torch.float32}
     keep, p, state = _dropout_args(pattern, x, float(dropout), pyg_dropout)
     out, _lse = _gat_forward_eager(
-        x.contiguous(),
+        _operand(x),
         a_src.to(**f32).contiguous(),
         a_dst.to(**f32).contiguous(),
         None if a_edge is None else a_edge.to(**f32).contiguous(),

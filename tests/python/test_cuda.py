@@ -572,15 +572,19 @@ def test_biased_attention_on_cuda_matches_the_float64_cpu_op(dtype, heads, d, sh
         ("TransformerConv", {"heads": 4, "edge_dim": 6}),
         ("GATConv", {"heads": 4}),
         ("GATConv", {"heads": 4, "edge_dim": 6}),
+        ("GATConv", {"heads": 4, "edge_dim": 6, "fill_value": "add"}),
+        ("GATConv", {"heads": 4, "edge_dim": 6, "fill_value": 0.5}),
     ],
 )
 def test_layers_on_multigraphs_with_edge_features_on_cuda(layer, kwargs):
-    """Repeated edges and edge features on CUDA in float32 against PyG's layer in float64 on the
-    CPU: outputs and the gradients of x, edge_attr and every parameter, no fallback. The per-edge
-    path's SpMM multiplies f32 on tf32 tensor cores (its SDDMM in three tf32 products): 1e-3."""
+    """Repeated edges, self loops, nodes without incoming edges and edge features on CUDA in
+    float32 against PyG's layer in float64 on the CPU: outputs and the gradients of x, edge_attr
+    and every parameter, no fallback. The per-edge path's SpMM multiplies f32 on tf32 tensor cores
+    (its SDDMM in three tf32 products): 1e-3."""
     n = 400
     g = torch.Generator().manual_seed(43)
     ei = random_edge_index(n, n, 8, seed=44, self_loops=True)
+    ei = ei[:, ei[1] >= 10]  # nodes 0-9: no incoming edge (GATConv's "mean" fill gives them 0)
     picks = torch.randint(0, ei.shape[1], (ei.shape[1] // 4,), generator=g)
     ei = torch.cat([ei, ei[:, picks]], dim=1)
     ei = ei[:, torch.randperm(ei.shape[1], generator=g)]

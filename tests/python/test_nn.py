@@ -803,6 +803,53 @@ def test_torch_compile_fullgraph_gps():
     torch.compiler.reset()
 
 
+def test_gat_projection_with_node_terms_equals_pygs_products():
+    """GATConv's projection and node terms as one GEMM (its CUDA path, called here on the CPU):
+    lin(x) and PyG's (lin(x) * att).sum(-1) in float64, and the same gradients of x, lin's
+    weight and att."""
+    torch.manual_seed(4)
+    layer = trisparse.nn.GATConv(7, 5, heads=3).double()
+    x = torch.randn(30, 7, dtype=torch.float64)
+
+    def run(fused):
+        xs = x.clone().requires_grad_()
+        if fused:
+            proj, (src, dst) = layer._project_with_terms(xs)
+        else:
+            proj = layer.lin(xs).view(-1, 3, 5)
+            src, dst = (proj * layer.att_src).sum(-1), (proj * layer.att_dst).sum(-1)
+        loss = proj.square().sum() + (src * dst).sum() + src.sum()
+        params = [layer.lin.weight, layer.att_src, layer.att_dst]
+        grads = torch.autograd.grad(loss, [xs, *params])
+        return [proj.detach(), src.detach(), dst.detach(), *grads]
+
+    for got, want in zip(run(True), run(False)):
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_gat_incoming_sum_equals_a_scatter_and_gradcheck():
+    """The sum and mean over each node's incoming kept edges (GATConv's self-loop fill on CUDA,
+    its autograd Function called here on the CPU): PyG's scatter over the kept edges in float64,
+    zero where no kept edge comes in, and gradcheck."""
+    from torch_geometric.utils import scatter
+    from trisparse.nn.conv.gat_conv import _IncomingLines, _IncomingSum
+
+    gen = torch.Generator().manual_seed(5)
+    n, e = 12, 50
+    targets = torch.randint(2, n, (e,), generator=gen)  # nodes 0 and 1: nothing comes in
+    kept = torch.sort(torch.randperm(e, generator=gen)[:40]).values
+    values = torch.randn(e, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    lines = _IncomingLines(targets, kept, n, e)
+    for reduce in ("sum", "mean"):
+        got = _IncomingSum.apply(values, lines, reduce == "mean")
+        want = scatter(values[kept], targets[kept], 0, n, reduce=reduce)
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+        assert torch.equal(got[:2], torch.zeros(2, 3, dtype=torch.float64))
+        assert torch.autograd.gradcheck(
+            lambda v, m=reduce == "mean": _IncomingSum.apply(v, lines, m), [values]
+        )
+
+
 def test_gat_node_terms_as_one_gemm_equal_pygs_products_and_gradcheck():
     """GATConv's node terms on CUDA (one GEMM with block-diagonal att, its gradients two more):
     PyG's (x * att).sum(-1) in float64, the gradients by gradcheck, float32 out of bf16 x with

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.parameter import UninitializedParameter
 from torch_geometric.nn import GATConv as _PygGATConv
 from torch_geometric.utils import scatter
 
@@ -12,7 +13,7 @@ from ... import _C
 from ...copies import copy_logsumexp, copy_sum, copy_weights, gather_rows, to_copies
 from ...distributed import DistributedPattern
 from ...edge import edge_scores, edge_softmax, edge_spmm
-from ...edge_attention import edge_attention_supported, edge_gat_attention
+from ...edge_attention import edge_attention_supported, edge_gat_attention, neighbor_sum
 from ...gat import gat_attention
 from ...pattern import Pattern
 from ._common import _block_diagonal, _check_float, _edge_features, _Fused
@@ -64,6 +65,12 @@ class _SharedTerms(torch.autograd.Function):
         return dx, d_att_src, d_att_dst
 
 
+def _projects_with_terms(lin, x: Tensor) -> bool:
+    """Whether GATConv's projection and node terms run as one GEMM (CUDA, lin initialised and
+    without a bias, as PyG makes it)."""
+    return x.is_cuda and lin.bias is None and not isinstance(lin.weight, UninitializedParameter)
+
+
 class GATConv(_Fused, _PygGATConv):
     """PyG's :class:`torch_geometric.nn.GATConv` (same arguments, parameters, outputs): the
     scores LeakyReLU(a_dst . W x_i + a_src . W x_j), their softmax over each target's incoming
@@ -103,10 +110,13 @@ class GATConv(_Fused, _PygGATConv):
         if unfused:
             return super().forward(x, edge_index, edge_attr, size, return_attention_weights)
         H, C = self.heads, self.out_channels
-        res = None
+        res = alphas = None
         if isinstance(x, Tensor):
             res = self.res(x) if getattr(self, "res", None) is not None else None
-            if self.lin is not None:
+            if self.lin is not None and _projects_with_terms(self.lin, x):
+                x_src, alphas = self._project_with_terms(x)
+                x_dst = x_src
+            elif self.lin is not None:
                 x_src = x_dst = self.lin(x).view(-1, H, C)
             else:
                 x_src, x_dst = self.lin_src(x).view(-1, H, C), self.lin_dst(x).view(-1, H, C)
@@ -125,7 +135,9 @@ class GATConv(_Fused, _PygGATConv):
         pattern = self._patterns.get(
             edge_index, num_src, num_dst, add_self_loops=self.add_self_loops
         )
-        if x_dst is x_src and x_src.is_cuda:
+        if alphas is not None:
+            alpha_src, alpha_dst = alphas
+        elif x_dst is x_src and x_src.is_cuda:
             alpha_src, alpha_dst = _SharedTerms.apply(x_src, self.att_src, self.att_dst)
         else:
             alpha_src = (x_src * self.att_src).sum(dim=-1)
@@ -144,6 +156,21 @@ class GATConv(_Fused, _PygGATConv):
         if return_attention_weights:
             return out, (_with_loops(edge_index, pattern), weights)
         return out
+
+    def _project_with_terms(self, x: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """W x [N, H, C] and GAT's node terms alpha_src, alpha_dst [N, H] from one GEMM: the
+        terms are x's products with att_h W_h (W_h: head h's rows of lin's weight), two more
+        [H, in] rows appended to W, so the terms cost H / C more of the projection instead of a
+        pass over W x (and its backward) of their own. Both are views of the GEMM's output, which
+        the kernels read in place. Under autocast the terms come out of the GEMM in 16 bits (PyG
+        sums att * W x in float32), as the projection does."""
+        H, C = self.heads, self.out_channels
+        w = self.lin.weight  # [H C, in]
+        heads = w.view(H, C, -1)
+        rows = [torch.einsum("hc,hci->hi", att[0], heads) for att in (self.att_src, self.att_dst)]
+        y = F.linear(x, torch.cat([w, *rows]))  # [N, H C + 2 H]
+        x_proj, alpha_src, alpha_dst = y.split([H * C, H, H], dim=-1)  # (one cat backward)
+        return x_proj.view(-1, H, C), (alpha_src, alpha_dst)
 
     def _attend(
         self, x_src, alpha_src, alpha_dst, pattern, edge_attr, edge_terms, per_edge, weights
@@ -257,10 +284,6 @@ class GATConv(_Fused, _PygGATConv):
         fill = self.fill_value
         nonlinear = isinstance(fill, str) and fill not in ("mean", "add", "sum")
         values = edge_attr if nonlinear else edge_attr @ to_heads
-        targets = edge_index[1]
-        if kept.numel() != edge_attr.size(0):  # self loops in the input: dropped
-            values = gather_rows(values, kept)
-            targets = targets[kept]
         if fill is None or isinstance(fill, (int, float, Tensor)):
             row = edge_attr.new_full((self.edge_dim,), 1.0 if fill is None else 0.0)
             if isinstance(fill, Tensor):
@@ -269,7 +292,9 @@ class GATConv(_Fused, _PygGATConv):
                 row = row + fill
             loops = (row @ to_heads).expand(n, H)
         else:  # a reduction over each node's incoming kept edges
-            loops = _incoming(values, targets, n, fill, pattern)
+            loops = _incoming(values, edge_index[1], kept, n, fill, pattern)
+        if kept.numel() != edge_attr.size(0):  # self loops in the input: dropped
+            values = gather_rows(values, kept)
         if nonlinear:
             values, loops = values @ to_heads, loops @ to_heads
         return torch.cat([values, loops])
@@ -292,27 +317,88 @@ class GATConv(_Fused, _PygGATConv):
         return edge_spmm(copy_sum(weights, pattern), x_src, pattern), weights
 
 
-def _incoming(attr: Tensor, targets: Tensor, n: int, reduce: str, pattern: Pattern) -> Tensor:
-    """[n, edge_dim]: PyG's scatter(attr, targets, 0, n, reduce) (0 where no edge comes in). A
-    sum or mean runs over the edges grouped by target once per graph (a segment reduction, in a
-    fixed order: repeatable, where PyG's scatter adds with atomics);
-    the others, and any call under torch.compile, take PyG's scatter."""
-    if reduce not in ("mean", "add", "sum") or torch.compiler.is_compiling():
-        return scatter(attr, targets, 0, n, reduce=reduce)
+def _incoming(
+    values: Tensor, targets: Tensor, kept: Tensor, n: int, reduce: str, pattern: Pattern
+) -> Tensor:
+    """[n, W]: PyG's scatter(values[kept], targets[kept], 0, n, reduce) (0 where no edge comes
+    in) for the given edges' values [E, W]. A sum or mean on CUDA (16 or 32 bits) is
+    :func:`neighbor_sum` over a pattern of the nodes' incoming kept edges (made once per graph),
+    which reads each row of `values` in place, in a fixed order, and whose gradient is the
+    transposed sum; elsewhere a segment reduction over the kept edges grouped by target (also a
+    fixed order: repeatable, where PyG's scatter adds with atomics); the other reductions, and
+    any call under torch.compile, take PyG's scatter."""
+    linear = reduce in ("mean", "add", "sum")
+    fused = values.is_cuda and values.dtype != torch.float64  # neighbor_sum's CUDA types
+    if linear and fused and not torch.compiler.is_compiling():
+        lines = pattern._cached(
+            "loop_fill_lines",
+            values.device,
+            lambda: _IncomingLines(targets, kept, n, values.size(0)),
+        )
+        return _IncomingSum.apply(values, lines, reduce == "mean")
+    if kept.numel() != values.size(0):
+        values, targets = gather_rows(values, kept), targets[kept]
+    if not linear or torch.compiler.is_compiling():
+        return scatter(values, targets, 0, n, reduce=reduce)
 
     def grouped():
         order = torch.argsort(targets, stable=True)
         return order, torch.bincount(targets, minlength=n)
 
-    order, lengths = pattern._cached("loop_fill_groups", attr.device, grouped)
+    order, lengths = pattern._cached("loop_fill_groups", values.device, grouped)
     return torch.segment_reduce(
-        gather_rows(attr, order),
+        gather_rows(values, order),
         "mean" if reduce == "mean" else "sum",
         lengths=lengths,
         axis=0,
         unsafe=True,  # the lengths sum to the edges by construction: no host check
         initial=0.0,
     )
+
+
+class _IncomingLines:
+    """Each node's incoming kept edges: a pattern whose row i lists them (columns: their positions
+    among the given `edges`, ascending), each row's count (at least 1: a mean's divisor, float32
+    [n, 1]), and each given edge's row in a gradient with a zero row appended (its target, or n
+    for a dropped edge)."""
+
+    def __init__(self, targets: Tensor, kept: Tensor, n: int, edges: int):
+        into = targets[kept]
+        lengths = torch.bincount(into, minlength=n)
+        if lengths.numel() != n:
+            raise ValueError(
+                f"edge_index: an edge's target is {lengths.numel() - 1}, past the {n} nodes "
+                "that get self loops"
+            )
+        order = torch.argsort(into, stable=True)
+        rowptr = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
+        self.pattern = Pattern.from_sorted_csr(
+            rowptr, kept[order].to(torch.int32), edges, check=False
+        )
+        self.count = lengths.clamp(min=1).to(torch.float32)[:, None]
+        self.source_row = torch.full((edges,), n, dtype=torch.int64, device=targets.device)
+        self.source_row[kept] = into
+
+
+class _IncomingSum(torch.autograd.Function):
+    """The sum (or mean) over each node's incoming kept edges of the given edges' values [E, W]
+    on CUDA: forward the multigraph kernels' sum over the lines (a fixed order), backward a
+    gather of each edge's target's gradient (zero for a dropped edge): one read of each, where
+    the transposed sum would take a warp per edge."""
+
+    @staticmethod
+    def forward(ctx, values, lines: _IncomingLines, mean: bool):
+        total = neighbor_sum(values, lines.pattern)
+        ctx.lines, ctx.mean = lines, mean
+        return total / lines.count.to(total.dtype) if mean else total
+
+    @staticmethod
+    def backward(ctx, grad):
+        lines = ctx.lines
+        if ctx.mean:
+            grad = grad / lines.count.to(grad.dtype)
+        padded = torch.cat([grad, grad.new_zeros(1, grad.shape[1])])
+        return gather_rows(padded, lines.source_row), None, None
 
 
 def _with_loops(edge_index, pattern: Pattern) -> Tensor:
