@@ -322,11 +322,10 @@ def _incoming(
 ) -> Tensor:
     """[n, W]: PyG's scatter(values[kept], targets[kept], 0, n, reduce) (0 where no edge comes
     in) for the given edges' values [E, W]. A sum or mean on CUDA (16 or 32 bits) is
-    :func:`neighbor_sum` over a pattern of the nodes' incoming kept edges (made once per graph),
-    which reads each row of `values` in place, in a fixed order, and whose gradient is the
-    transposed sum; elsewhere a segment reduction over the kept edges grouped by target (also a
-    fixed order: repeatable, where PyG's scatter adds with atomics); the other reductions, and
-    any call under torch.compile, take PyG's scatter."""
+    :class:`_IncomingSum` (the rows of `values` read in place, in a fixed order); elsewhere a
+    segment reduction over the kept edges grouped by target (also a fixed order: repeatable,
+    where PyG's scatter adds with atomics); the other reductions, and any call under
+    torch.compile, take PyG's scatter."""
     linear = reduce in ("mean", "add", "sum")
     fused = values.is_cuda and values.dtype != torch.float64  # neighbor_sum's CUDA types
     if linear and fused and not torch.compiler.is_compiling():
