@@ -8,24 +8,41 @@
 # features and a random 10M-edge multigraph), with GPS=1 GPS's global attention (bench/python/gps_attention.py), with
 # TRAIN=1 GPS training on OGB molecules (below). Build and pack here first:
 #   cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRISPARSE_CUDA=ON \
-#         -DCMAKE_CUDA_ARCHITECTURES=90 -DTRISPARSE_PYTHON=OFF -DTRISPARSE_DATASETS_DIR=data
-#   cmake --build build/gpu --target gpu_tests op_gpu_tests large_gpu_tests && mkdir -p .devpack .devlibs data
-#   tar -cJf .devpack/gpu_tests.tar.xz -C build/gpu/tests gpu_tests op_gpu_tests large_gpu_tests
+#         -DCMAKE_CUDA_ARCHITECTURES=90 -DTRISPARSE_DATASETS_DIR=data
+#   scripts/devpack.sh && mkdir -p .devlibs data
 #   cp -L /lib/x86_64-linux-gnu/libzip.so.4 /lib/x86_64-linux-gnu/libbz2.so.1.0 .devlibs/
 #   cp ../shared/datasets/* data/   (and ogbg/, planetoid/)
-# and call with carry = [.devpack, .devlibs, data]. Logs go under $OUT.
+# and call with carry = [.devpack, .devlibs, data]. Where .devpack's libtrisparse.a was built from
+# the sources here (its stamp, scripts/source_stamp.sh), the module links it and compiles alone
+# (~75 s less a call); else, or if that link fails, the whole library builds here. Logs go under
+# $OUT.
 set -uo pipefail
 out=${OUT:-/tmp/trisparse-dev}
 mkdir -p "$out"
 start=$SECONDS
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/gpu.txt"
 echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown) $(date -u +%FT%TZ)" | tee -a "$out/gpu.txt"
-cmake -S . -B build/device -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRISPARSE_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES=90 -DTRISPARSE_PYTHON=ON -DTRISPARSE_IO=OFF -DTRISPARSE_BUILD_TESTS=OFF \
-  -DTRISPARSE_BUILD_CLI=OFF -DTRISPARSE_BUILD_BENCH=OFF > "$out/build.log" 2>&1 ||
-  { tail -20 "$out/build.log"; exit 1; }
-cmake --build build/device -j "$(nproc)" --target trisparse_python trisparse_python_files > "$out/build.log" 2>&1 ||
-  { grep -B2 -A12 "error" "$out/build.log" | head -60; exit 1; }
+build_module() {  # $1: the prebuilt library, or empty to build it from source
+  cmake -S . -B build/device -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRISPARSE_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES=90 -DTRISPARSE_PYTHON=ON -DTRISPARSE_IO=OFF -DTRISPARSE_BUILD_TESTS=OFF \
+    -DTRISPARSE_BUILD_CLI=OFF -DTRISPARSE_BUILD_BENCH=OFF -DTRISPARSE_PREBUILT_LIBRARY="$1" \
+    > "$out/build.log" 2>&1 &&
+    cmake --build build/device -j "$(nproc)" --target trisparse_python trisparse_python_files \
+      >> "$out/build.log" 2>&1 && PYTHONPATH=build/device/python python3 -c "import trisparse._C"
+}
+lib=
+if [ -f .devpack/libtrisparse.a.xz ] &&
+  [ "$(cat .devpack/libtrisparse.stamp 2>/dev/null)" = "$(scripts/source_stamp.sh)" ]; then
+  mkdir -p /tmp/prebuilt && xz -dc .devpack/libtrisparse.a.xz > /tmp/prebuilt/libtrisparse.a &&
+    lib=/tmp/prebuilt/libtrisparse.a
+fi
+if [ -n "$lib" ] && build_module "$lib"; then
+  echo "library: prebuilt (.devpack, sources unchanged)"
+else
+  [ -n "$lib" ] && { echo "library: the prebuilt one failed, building it here"; tail -5 "$out/build.log"; }
+  build_module "" || { grep -B2 -A12 "error" "$out/build.log" | head -60; exit 1; }
+  echo "library: built here"
+fi
 echo "build: $((SECONDS - start)) s"
 status=0
 export TRISPARSE_DATASETS=$PWD/data TRISPARSE_GPU_TEST_QUICK=1

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Here, before device calls (scripts/gpu_dev.sh): builds the GPU test binaries and the library in
+# build/gpu (configured as gpu_dev.sh's header says) and packs them into .devpack: the tests as
+# gpu_tests.tar.xz, and libtrisparse.a with the stamp of the sources it was built from, which
+# gpu_dev.sh links its Python module against (it compiles only the module there) while the
+# device's copy of src/, include/ and the CMake files has the same stamp.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${BUILD:-build/gpu}
+ninja -C "$build" -j "${JOBS:-2}" src/libtrisparse.a gpu_tests op_gpu_tests large_gpu_tests
+mkdir -p .devpack
+tar -cJf .devpack/gpu_tests.tar.xz -C "$build/tests" gpu_tests op_gpu_tests large_gpu_tests
+xz -T0 -c "$build/src/libtrisparse.a" > .devpack/libtrisparse.a.xz
+scripts/source_stamp.sh > .devpack/libtrisparse.stamp
+ls -la .devpack/gpu_tests.tar.xz .devpack/libtrisparse.a.xz
