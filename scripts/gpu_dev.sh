@@ -14,8 +14,8 @@
 #   cp ../shared/datasets/* data/   (and ogbg/, planetoid/)
 # and call with carry = [.devpack, .devlibs, data]. Where .devpack's libtrisparse.a was built from
 # the sources here (its stamp, scripts/source_stamp.sh), the module links it and compiles alone
-# (~75 s less a call); else, or if that link fails, the whole library builds here. Logs go under
-# $OUT.
+# (the kernels are most of the 90-110 s build); else, or if that link fails, the whole library
+# builds here. Logs go under $OUT.
 set -uo pipefail
 out=${OUT:-/tmp/trisparse-dev}
 mkdir -p "$out"
