@@ -848,29 +848,3 @@ def test_gat_incoming_sum_equals_a_scatter_and_gradcheck():
         assert torch.autograd.gradcheck(
             lambda v, m=reduce == "mean": _IncomingSum.apply(v, lines, m), [values]
         )
-
-
-def test_gat_node_terms_as_one_gemm_equal_pygs_products_and_gradcheck():
-    """GATConv's node terms on CUDA (one GEMM with block-diagonal att, its gradients two more):
-    PyG's (x * att).sum(-1) in float64, the gradients by gradcheck, float32 out of bf16 x with
-    x's gradient in x's dtype and att's in att's (autocast's types)."""
-    from trisparse.nn.conv.gat_conv import _SharedTerms
-
-    gen = torch.Generator().manual_seed(3)
-    x, a, b = (
-        torch.randn(s, generator=gen, dtype=torch.float64)
-        for s in [(40, 3, 5), (1, 3, 5), (1, 3, 5)]
-    )
-    src, dst = _SharedTerms.apply(x, a, b)
-    assert torch.allclose(src, (x * a).sum(-1), rtol=0, atol=1e-13)
-    assert torch.allclose(dst, (x * b).sum(-1), rtol=0, atol=1e-13)
-    leaves = [t.clone().requires_grad_() for t in (x, a, b)]
-    assert torch.autograd.gradcheck(_SharedTerms.apply, leaves)
-    xb = x.bfloat16().requires_grad_()
-    af, bf = a.float().requires_grad_(), b.float().requires_grad_()
-    src, dst = _SharedTerms.apply(xb, af, bf)
-    (src.sum() + dst.square().sum()).backward()
-    assert src.dtype == torch.float32 and xb.grad.dtype == torch.bfloat16
-    assert af.grad.dtype == torch.float32 and af.grad.shape == (1, 3, 5)
-    want = (xb.float() * bf.detach()).sum(-1)
-    assert torch.allclose(dst.detach(), want, rtol=1e-6, atol=1e-6)

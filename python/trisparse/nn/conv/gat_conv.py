@@ -16,58 +16,12 @@ from ...edge import edge_scores, edge_softmax, edge_spmm
 from ...edge_attention import edge_attention_supported, edge_gat_attention, neighbor_sum
 from ...gat import gat_attention
 from ...pattern import Pattern
-from ._common import _block_diagonal, _check_float, _edge_features, _Fused
-
-
-def _att_columns(att: Tensor) -> Tensor:
-    """[1, H, C] -> [H C, H]: column h holds att[0, h] in rows h C .. h C + C - 1, zeros
-    elsewhere, so that x [N, H C] @ it = (x.view(N, H, C) * att).sum(-1)."""
-    return _block_diagonal(att[0][:, :, None])
-
-
-class _SharedTerms(torch.autograd.Function):
-    """GAT's node terms of one projected x [N, H, C] (not bipartite):
-    alpha_src = (x * att_src).sum(-1) and alpha_dst = (x * att_dst).sum(-1) as one GEMM of
-    x [N, H C] with the two block-diagonal [H C, H] att side by side; the backward:
-    dx = [d_src d_dst] @ that matrix^T and att's gradients the diagonal blocks of x^T [d_src
-    d_dst], two more GEMMs. PyG's mul and sum write [N, H, C] twice and reduce att's gradients
-    over N by column sums (~1 ms a step at 325K nodes x 8 x 16 on an H200, where these read x
-    once). Each value is the same sum of C products (the zero blocks add exact zeros), in another
-    order. Autocast is off inside: x is taken to att's type (float32 at least), as PyG's mul
-    promotes it."""
-
-    @staticmethod
-    def forward(ctx, x, att_src, att_dst):
-        N, H, C = x.shape
-        ct = torch.promote_types(x.dtype, att_src.dtype)  # as PyG's mul promotes
-        with torch.autocast(x.device.type, enabled=False):
-            w = torch.cat([_att_columns(att_src.to(ct)), _att_columns(att_dst.to(ct))], 1)
-            alpha = x.reshape(N, H * C).to(ct) @ w
-        ctx.save_for_backward(x, w)
-        ctx.att_dtype = att_src.dtype
-        return alpha[:, :H], alpha[:, H:]
-
-    @staticmethod
-    def backward(ctx, d_src, d_dst):
-        x, w = ctx.saved_tensors
-        N, H, C = x.shape
-        dx = d_att_src = d_att_dst = None
-        with torch.autocast(x.device.type, enabled=False):
-            d = torch.cat([d_src, d_dst], 1).to(w.dtype)
-            if ctx.needs_input_grad[0]:
-                dx = (d @ w.t()).view(N, H, C).to(x.dtype)
-            if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-                g = x.reshape(N, H * C).to(w.dtype).t() @ d  # [H C, 2 H]
-                # g[h C + c, s H + h] -> [C, 2, H] along the diagonal of (h, h)
-                diag = torch.diagonal(g.view(H, C, 2, H), dim1=0, dim2=3)
-                d_att_src = diag[:, 0, :].t()[None].to(ctx.att_dtype)
-                d_att_dst = diag[:, 1, :].t()[None].to(ctx.att_dtype)
-        return dx, d_att_src, d_att_dst
+from ._common import _check_float, _edge_features, _Fused
 
 
 def _projects_with_terms(lin, x: Tensor) -> bool:
     """Whether GATConv's projection and node terms run as one GEMM (CUDA, lin initialised and
-    without a bias, as PyG makes it)."""
+    without a bias, as PyG makes it; a lazy lin's first call takes PyG's products)."""
     return x.is_cuda and lin.bias is None and not isinstance(lin.weight, UninitializedParameter)
 
 
@@ -137,8 +91,6 @@ class GATConv(_Fused, _PygGATConv):
         )
         if alphas is not None:
             alpha_src, alpha_dst = alphas
-        elif x_dst is x_src and x_src.is_cuda:
-            alpha_src, alpha_dst = _SharedTerms.apply(x_src, self.att_src, self.att_dst)
         else:
             alpha_src = (x_src * self.att_src).sum(dim=-1)
             alpha_dst = (
