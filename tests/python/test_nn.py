@@ -827,6 +827,61 @@ def test_gat_projection_with_node_terms_equals_pygs_products():
         assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
+def test_gat_bias_add_gradcheck_and_autocast_types():
+    """GATConv's bias add on CUDA (its autograd Function called here on the CPU): gradcheck in
+    float64, and 16-bit out with a float32 bias gives a float32 output, out's gradient in out's
+    type and the bias's in float32."""
+    from trisparse.nn.conv.gat_conv import _BiasAdd
+
+    gen = torch.Generator().manual_seed(6)
+    out = torch.randn(20, 3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(4, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(_BiasAdd.apply, [out, bias])
+    half = out.detach().bfloat16().requires_grad_()
+    b32 = bias.detach().float().requires_grad_()
+    y = _BiasAdd.apply(half, b32)
+    y.square().sum().backward()
+    assert y.dtype == torch.float32 and half.grad.dtype == torch.bfloat16
+    assert b32.grad.dtype == torch.float32
+    assert torch.allclose(b32.grad, (2 * y.detach()).sum((0, 1)), rtol=1e-5, atol=1e-5)
+
+
+def test_gat_edge_product_gradcheck_with_folds_and_chunks(monkeypatch):
+    """GATConv's float32 CUDA product of edge features with their [edge_dim, heads] weight (its
+    autograd Function called here on the CPU, with chunks of 8 rows): rows neither the fold nor
+    the chunks divide, equal to the matmul and gradcheck in float64."""
+    from trisparse.nn.conv import gat_conv
+
+    monkeypatch.setattr(gat_conv, "_CHUNK_ROWS", 8)
+    gen = torch.Generator().manual_seed(8)
+    for rows in (3, 37, 64):
+        a = torch.randn(rows, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+        w = torch.randn(5, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+        assert torch.allclose(gat_conv._EdgeProduct.apply(a, w), a @ w, rtol=0, atol=1e-12)
+        assert torch.autograd.gradcheck(gat_conv._EdgeProduct.apply, [a, w])
+
+
+def test_head_product_gradcheck_on_strided_views(monkeypatch):
+    """The per-head product with a weight per head (TransformerConv's edge-feature products in
+    float32 on CUDA; its autograd Function called here on the CPU, with 4 interleaved chunks):
+    on a strided view as the projection's split gives it, rows the chunks do not divide, equal
+    to the block-diagonal GEMM and gradcheck in float64."""
+    from trisparse.nn.conv import _common
+
+    monkeypatch.setattr(_common, "_HEAD_CHUNKS", 4)
+    gen = torch.Generator().manual_seed(9)
+    for rows in (3, 13, 16):
+        y = torch.randn(rows, 3 * 2 * 5, generator=gen, dtype=torch.float64)
+        x = y[:, 10:20].view(rows, 2, 5).requires_grad_()  # a strided view, like a split
+        w = torch.randn(2, 5, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+        block = _common._block_diagonal(w.transpose(1, 2))
+        want = torch.nn.functional.linear(x.reshape(rows, -1), block).view(rows, 2, 4)
+        got = _common._HeadProduct.apply(x, w)
+        assert got.shape == (rows, 2, 4)
+        assert torch.allclose(got, want, rtol=0, atol=1e-12)
+        assert torch.autograd.gradcheck(_common._HeadProduct.apply, [x, w])
+
+
 def test_gat_incoming_sum_equals_a_scatter_and_gradcheck():
     """The sum and mean over each node's incoming kept edges (GATConv's self-loop fill on CUDA,
     its autograd Function called here on the CPU): PyG's scatter over the kept edges in float64,

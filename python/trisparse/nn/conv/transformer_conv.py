@@ -14,7 +14,7 @@ from ...copies import copy_aggregate, copy_dot, copy_logsumexp, copy_sum, copy_w
 from ...distributed import DistributedPattern
 from ...edge import edge_softmax, edge_spmm, sddmm
 from ...edge_attention import edge_attention, edge_attention_supported
-from ._common import _block_diagonal, _edge_features, _Fused, _input_edges
+from ._common import _edge_features, _Fused, _head_product, _input_edges
 
 
 def _plain_graph_on_edge_kernels(query: Tensor) -> bool:
@@ -172,9 +172,8 @@ class TransformerConv(_Fused, _PygTransformerConv):
         """Edge features or attention dropout on CUDA, fused: the score term q_i . W_e a_ij =
         (W_e^T q_i) . a_ij and the message term W_e sum_j alpha_ij a_ij come from one kernel that
         reads a_ij per edge (trisparse.edge_attention), the dropout a factor per (edge, head) on
-        the weights; no per-edge tensor but edge_attr itself. The per-head products with W_e run
-        as one GEMM with a block-diagonal weight (a batched GEMM of [C, edge_dim] blocks reduces
-        its weight gradient over all nodes in a few thread blocks)."""
+        the weights; no per-edge tensor but edge_attr itself. The per-head products with W_e are
+        :func:`_head_product`'s."""
         if edge_attr is None:
             out, _ = edge_attention(
                 query, key, value, pattern, scale, dropout=dropout, pyg_dropout=self.pyg_dropout
@@ -184,8 +183,7 @@ class TransformerConv(_Fused, _PygTransformerConv):
         edge_attr = _edge_features(edge_attr, pattern, self.edge_dim)
         n = query.shape[0]
         w_edge = self.lin_edge.weight.view(H, C, -1)  # W_e of head h: [C, edge_dim]
-        to_edge = _block_diagonal(scale * w_edge.transpose(1, 2))  # [H edge_dim, H C]
-        r = F.linear(query.reshape(n, H * C), to_edge).view(n, H, -1)
+        r = _head_product(query, scale * w_edge)  # (W_e^T q_i) per head: [n, H, edge_dim]
         out, out_edge = edge_attention(
             query,
             key,
@@ -197,9 +195,8 @@ class TransformerConv(_Fused, _PygTransformerConv):
             dropout=dropout,
             pyg_dropout=self.pyg_dropout,
         )
-        from_edge = _block_diagonal(w_edge)  # [H C, H edge_dim]
-        message = F.linear(out_edge.reshape(n, -1).to(out.dtype), from_edge)
-        return out + message.view(n, H, C)
+        message = _head_product(out_edge.view(n, H, -1).to(out.dtype), w_edge.transpose(1, 2))
+        return out + message
 
     def _per_edge(self, query, key, value, edge_attr, pattern, scale, dropout):
         """The attention with [E, H] weights: returns the output [N, H, C] and the weights of the
