@@ -148,6 +148,13 @@ def main():
         action="store_true",
         help="TransformerConv: PyG's dropout draws (else the kernels'; no error vs PyG then)",
     )
+    ap.add_argument(
+        "--negative-slope",
+        type=float,
+        default=None,
+        help="GATConv's LeakyReLU slope (PyG's 0.2 by default; 1.0 removes the kink, where "
+        "scores within rounding of 0 take either slope, from --f64's comparison)",
+    )
     a = ap.parse_args()
     dev = torch.device("cuda")
     for path in [*a.graphs, *(f"random:{spec}" for spec in a.random)]:
@@ -168,6 +175,8 @@ def main():
             a.dropout, (("fp32", False), ("bf16_autocast", True))
         ):
             kwargs = {"heads": a.heads, "dropout": dropout}
+            if a.negative_slope is not None:
+                kwargs["negative_slope"] = a.negative_slope
             if a.edge_dim:
                 kwargs["edge_dim"] = a.edge_dim
             torch.manual_seed(0)

@@ -846,10 +846,10 @@ def test_gat_bias_add_gradcheck_and_autocast_types():
     assert torch.allclose(b32.grad, (2 * y.detach()).sum((0, 1)), rtol=1e-5, atol=1e-5)
 
 
-def test_gat_edge_product_gradcheck_with_folds_and_chunks(monkeypatch):
+def test_gat_edge_product_gradcheck_with_chunks(monkeypatch):
     """GATConv's float32 CUDA product of edge features with their [edge_dim, heads] weight (its
-    autograd Function called here on the CPU, with chunks of 8 rows): rows neither the fold nor
-    the chunks divide, equal to the matmul and gradcheck in float64."""
+    autograd Function called here on the CPU, with chunks of 8 rows): rows the chunks do not
+    divide, equal to the matmul and gradcheck in float64."""
     from trisparse.nn.conv import gat_conv
 
     monkeypatch.setattr(gat_conv, "_CHUNK_ROWS", 8)

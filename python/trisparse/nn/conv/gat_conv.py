@@ -16,7 +16,7 @@ from ...edge import edge_scores, edge_softmax, edge_spmm
 from ...edge_attention import edge_attention_supported, edge_gat_attention, neighbor_sum
 from ...gat import gat_attention
 from ...pattern import Pattern
-from ._common import _block_diagonal, _check_float, _edge_features, _Fused
+from ._common import _check_float, _edge_features, _Fused
 
 
 class _BiasAdd(torch.autograd.Function):
@@ -40,21 +40,7 @@ class _BiasAdd(torch.autograd.Function):
         return d_out, d_bias
 
 
-_FOLD = 4  # rows of the edge features folded into one row of their product with a small weight
 _CHUNK_ROWS = 1024  # rows of the edge features a chunk of the weight's gradient sums
-
-
-def _fold_product(a: Tensor, w: Tensor) -> Tensor:
-    """a [E, F] @ w [F, H] with _FOLD rows of a as one row of a product with _FOLD copies of w
-    on the diagonal: cuBLAS's tiles for 16 x 8 weights waste most of each load."""
-    (rows, f), h, r = a.shape, w.shape[1], _FOLD
-    body = rows // r * r
-    out = a.new_empty(rows, h)
-    wide = _block_diagonal(w.expand(r, f, h))
-    torch.mm(a[:body].view(body // r, r * f), wide, out=out[:body].view(body // r, r * h))
-    if body < rows:
-        torch.mm(a[body:], w, out=out[body:])
-    return out
 
 
 def _chunked_outer(a: Tensor, g: Tensor) -> Tensor:
@@ -69,21 +55,21 @@ def _chunked_outer(a: Tensor, g: Tensor) -> Tensor:
 
 
 class _EdgeProduct(torch.autograd.Function):
-    """GATConv's edge features times their [edge_dim, heads] weight, float32 on CUDA: the
-    products folded (:func:`_fold_product`), the weight's gradient by chunks (repeatable: no
-    atomics, a fixed order)."""
+    """GATConv's edge features times their [edge_dim, heads] weight, float32 on CUDA, with the
+    weight's gradient by chunks (:func:`_chunked_outer`; repeatable: no atomics, a fixed
+    order)."""
 
     @staticmethod
     def forward(ctx, a, w):
         a = a.contiguous()
         ctx.save_for_backward(a, w)
-        return _fold_product(a, w)
+        return a @ w
 
     @staticmethod
     def backward(ctx, g):
         a, w = ctx.saved_tensors
         g = g.contiguous()
-        da = _fold_product(g, w.t()) if ctx.needs_input_grad[0] else None
+        da = g @ w.t() if ctx.needs_input_grad[0] else None
         dw = _chunked_outer(a, g) if ctx.needs_input_grad[1] else None
         return da, dw
 
@@ -201,9 +187,9 @@ class GATConv(_Fused, _PygGATConv):
         sums att * W x in float32), as the projection does."""
         H, C = self.heads, self.out_channels
         w = self.lin.weight  # [H C, in]
-        heads = w.view(H, C, -1)
-        rows = [torch.einsum("hc,hci->hi", att[0], heads) for att in (self.att_src, self.att_dst)]
-        y = F.linear(x, torch.cat([w, *rows]))  # [N, H C + 2 H]
+        atts = torch.cat([self.att_src, self.att_dst]).transpose(0, 1)  # [H, 2, C]
+        rows = torch.bmm(atts, w.view(H, C, -1)).transpose(0, 1).reshape(2 * H, -1)
+        y = F.linear(x, torch.cat([w, rows]))  # [N, H C + 2 H]: (one product, few host ops)
         x_proj, alpha_src, alpha_dst = y.split([H * C, H, H], dim=-1)  # (one cat backward)
         return x_proj.view(-1, H, C), (alpha_src, alpha_dst)
 
@@ -300,7 +286,8 @@ class GATConv(_Fused, _PygGATConv):
         (torch.compile)."""
         _check_float("edge_attr", edge_attr)
         H, C = self.heads, self.out_channels
-        to_heads = torch.einsum("hcd,hc->dh", self.lin_edge.weight.view(H, C, -1), self.att_edge[0])
+        w_edge = self.lin_edge.weight.view(H, C, -1)
+        to_heads = torch.bmm(self.att_edge.transpose(0, 1), w_edge).view(H, -1).t()  # [F, H]
         if not self.add_self_loops:
             return _edge_product(_edge_features(edge_attr, pattern, self.edge_dim), to_heads)
         kept = pattern.kept_edges(edge_attr.device)
