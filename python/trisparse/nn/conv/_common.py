@@ -136,6 +136,19 @@ def _block_diagonal(blocks: Tensor) -> Tensor:
     return (blocks[:, :, None, :] * eye[:, None, :, None]).reshape(H * a, H * b)
 
 
+def _float32_cuda_eager(x: Tensor, w: Tensor, min_rows: int) -> bool:
+    """Whether a product of x (at least min_rows rows) with a small weight w takes its float32
+    CUDA form of our own: both float32 on CUDA, outside autocast (whose 16-bit products are
+    fast) and outside torch.compile (which traces the plain products)."""
+    return (
+        x.is_cuda
+        and x.dtype == w.dtype == torch.float32
+        and x.shape[0] >= min_rows
+        and not torch.is_autocast_enabled(x.device.type)
+        and not torch.compiler.is_compiling()
+    )
+
+
 _HEAD_CHUNKS = 256  # interleaved row chunks a per-head weight gradient sums (cuBLAS's split-K
 # over 325,729 rows runs in a few thread blocks)
 
@@ -189,14 +202,7 @@ def _head_product(x: Tensor, w: Tensor) -> Tensor:
     on float32 cores); else one GEMM with the block-diagonal weight, which costs fewer launches
     where the host sets the pace (few nodes) or tensor cores make FLOPs cheap (autocast)."""
     n, h, _ = x.shape
-    fast = (
-        x.is_cuda
-        and x.dtype == w.dtype == torch.float32
-        and n >= 16 * _HEAD_CHUNKS
-        and not torch.is_autocast_enabled(x.device.type)
-        and not torch.compiler.is_compiling()
-    )
-    if fast:
+    if _float32_cuda_eager(x, w, 16 * _HEAD_CHUNKS):
         return _HeadProduct.apply(x, w)
     return F.linear(x.reshape(n, -1), _block_diagonal(w.transpose(1, 2))).view(n, h, -1)
 

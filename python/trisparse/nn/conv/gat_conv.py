@@ -16,7 +16,7 @@ from ...edge import edge_scores, edge_softmax, edge_spmm
 from ...edge_attention import edge_attention_supported, edge_gat_attention, neighbor_sum
 from ...gat import gat_attention
 from ...pattern import Pattern
-from ._common import _check_float, _edge_features, _Fused
+from ._common import _check_float, _edge_features, _float32_cuda_eager, _Fused
 
 
 class _BiasAdd(torch.autograd.Function):
@@ -78,13 +78,7 @@ def _edge_product(a: Tensor, w: Tensor) -> Tensor:
     """a @ w for edge features a [E, F] and their weight w [F, H]: :class:`_EdgeProduct` for
     float32 on CUDA with enough rows to chunk (outside autocast, whose 16-bit product is fast),
     else the matmul."""
-    fast = (
-        a.is_cuda
-        and a.dtype == w.dtype == torch.float32
-        and a.shape[0] >= 16 * _CHUNK_ROWS
-        and not torch.is_autocast_enabled(a.device.type)
-        and not torch.compiler.is_compiling()
-    )
+    fast = _float32_cuda_eager(a, w, 16 * _CHUNK_ROWS)
     return _EdgeProduct.apply(a, w) if fast else a @ w
 
 
