@@ -61,9 +61,11 @@ class GPS(nn.Module):
     def forward(self, data):
         x = sum(emb(data.x[:, i]) for i, emb in enumerate(self.atoms))
         edge_attr = sum(emb(data.edge_attr[:, i]) for i, emb in enumerate(self.bonds))
+        # a batch padded for a captured step (--cuda-graph) names its real nodes
+        mask = {"node_mask": data.node_mask} if "node_mask" in data else {}
         for conv in self.convs:
-            x = conv(x, data.edge_index, data.batch, edge_attr=edge_attr)
-        return self.head(global_add_pool(x, data.batch))
+            x = conv(x, data.edge_index, data.batch, edge_attr=edge_attr, **mask)
+        return self.head(global_add_pool(x, data.batch, size=data.num_graphs))
 
 
 def roc_auc(score, label):
@@ -112,44 +114,118 @@ def run(args, graphs, split, seed, device):
     tasks = graphs[0].y.shape[1]
     model = GPS(args.backend, tasks, args.channels, args.layers, args.heads, args.attn_dropout)
     model = model.to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr, capturable=args.cuda_graph)
+    step = captured_step(model, opt, regression, args.bf16) if args.cuda_graph else None
     gen = torch.Generator().manual_seed(seed)
-    train = DataLoader(
-        [graphs[i] for i in split["train"]], batch_size=args.batch_size, shuffle=True, generator=gen
-    )
+    if args.loader == "packed":
+        train = PackedLoader([graphs[i] for i in split["train"]], args.batch_size, gen)
+    else:
+        train = DataLoader(
+            [graphs[i] for i in split["train"]],
+            batch_size=args.batch_size,
+            shuffle=True,
+            generator=gen,
+            num_workers=args.workers,
+            persistent_workers=args.workers > 0,
+        )
     valid = DataLoader([graphs[i] for i in split["valid"]], batch_size=512)
     test = DataLoader([graphs[i] for i in split["test"]], batch_size=512)
     best, best_test, times, loads = None, None, [], []
-    if device.type == "cuda":
+    cuda = device.type == "cuda"
+    peaks = {"train": 0.0, "all": 0.0}  # MiB: the training epochs', and with evaluation
+
+    def peak(phase):
+        if cuda:
+            now = torch.cuda.max_memory_allocated() / 2**20
+            peaks[phase], peaks["all"] = max(peaks[phase], now), max(peaks["all"], now)
+            torch.cuda.reset_peak_memory_stats()
+
+    if cuda:
         torch.cuda.reset_peak_memory_stats()
     for _ in range(args.epochs):
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        loads.append(train_epoch(model, opt, train, regression, device, args.bf16))
-        if device.type == "cuda":
+        loads.append(train_epoch(model, opt, train, regression, device, args.bf16, step))
+        if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        peak("train")
         val = evaluate(model, valid, regression, device, args.bf16)
         if best is None or (val < best if regression else val > best):
             best, best_test = val, evaluate(model, test, regression, device, args.bf16)
-    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
+        peak("all")
     result = {
         "seed": seed,
         "valid": best,
         "test": best_test,
         "epoch_s": statistics.median(times[1:] if len(times) > 1 else times),
         "load_s": statistics.median(loads[1:] if len(loads) > 1 else loads),
-        "peak_mib": peak,
+        "peak_mib": peaks["all"] if cuda else None,
+        "train_peak_mib": peaks["train"] if cuda else None,
+        "cuda_graph": args.cuda_graph,
+        "captured_shapes": step.num_graphs if step is not None else None,
     }
     if args.profile and device.type == "cuda":
-        result.update(profile_epoch(model, opt, train, regression, device, args.bf16))
+        result.update(profile_epoch(model, opt, train, regression, device, args.bf16, step))
     return result
 
 
-def train_epoch(model, opt, train, regression, device, bf16=False):
-    """One pass over the training batches; returns the host time spent collating them and
-    copying them to the device."""
+class PackedLoader:
+    """--loader packed: shuffled mini-batches collated by trisparse.nn.capture.PackedGraphs
+    (whole-dataset tensors and index gathers; the same batches' contents as PyG's DataLoader)."""
+
+    def __init__(self, graphs, batch_size, generator):
+        from trisparse.nn.capture import PackedGraphs
+
+        self.packed, self.batch_size, self.generator = PackedGraphs(graphs), batch_size, generator
+
+    def __iter__(self):
+        return self.packed.batches(self.batch_size, shuffle=True, generator=self.generator)
+
+
+def masked_loss(out, y, regression):
+    """The loss over the targets that are not NaN, without boolean indexing (no host sync)."""
+    keep = ~torch.isnan(y)
+    y, out = torch.where(keep, y, 0.0), torch.where(keep, out, 0.0)  # (no 0 * inf gradients)
+    if regression:
+        each = (out - y).square()
+    else:
+        each = F.binary_cross_entropy_with_logits(out, y, reduction="none")
+    return torch.where(keep, each, 0.0).sum() / keep.sum()
+
+
+def captured_step(model, opt, regression, bf16):
+    """--cuda-graph: the training step (forward, loss, backward, Adam) as a CUDA graph per padded
+    batch shape (trisparse.nn.capture; trisparse's GPSConv with bf16 autocast)."""
+    from torch_geometric.data import Data
+    from trisparse.nn.capture import CapturedStep
+
+    def step(x, edge_index, edge_attr, batch, y, node_mask):
+        data = Data(x=x, edge_index=edge_index, edge_attr=edge_attr, batch=batch)
+        data.node_mask, data.num_graphs = node_mask, y.size(0)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
+            out = model(data).float()
+        loss = masked_loss(out, y.float(), regression)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return CapturedStep(step, model, opt)
+
+
+def padded(data, batch_size):
+    """The mini-batch padded to bucketed sizes (trisparse.nn.capture.pad_batch): a few shapes,
+    one captured graph each."""
+    from trisparse.nn.capture import bucket, pad_batch
+
+    nodes = bucket(data.num_nodes)
+    return pad_batch(data, nodes, bucket(data.edge_index.size(1)), batch_size + -(-nodes // 32))
+
+
+def train_epoch(model, opt, train, regression, device, bf16=False, step=None):
+    """One pass over the training batches (with ``step``: the captured step over padded
+    batches); returns the host time spent collating them and copying them to the device."""
     model.train()
     load = 0.0
     batches = iter(train)
@@ -158,6 +234,11 @@ def train_epoch(model, opt, train, regression, device, bf16=False):
         data = next(batches, None)
         if data is None:
             return load
+        if step is not None:
+            p = padded(data, train.batch_size)
+            load += time.perf_counter() - t0
+            step(p.x, p.edge_index, p.edge_attr, p.batch, p.y, p.node_mask)  # (copied in)
+            continue
         data = data.to(device)
         load += time.perf_counter() - t0
         with autocast(device, bf16):
@@ -173,7 +254,7 @@ def train_epoch(model, opt, train, regression, device, bf16=False):
         opt.step()
 
 
-def profile_epoch(model, opt, train, regression, device, bf16=False):
+def profile_epoch(model, opt, train, regression, device, bf16=False, step=None):
     """One more epoch under torch.profiler: the GPU's busy time (the sum of the kernels' times)
     and the kernel count, against the epoch's wall time; a busy time far below it means the
     epoch waits on the host (Python, launches, the loader), not on the kernels."""
@@ -183,7 +264,7 @@ def profile_epoch(model, opt, train, regression, device, bf16=False):
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        train_epoch(model, opt, train, regression, device, bf16)
+        train_epoch(model, opt, train, regression, device, bf16, step)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
@@ -208,6 +289,16 @@ def main():
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--attn-dropout", type=float, default=0.5)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument(
+        "--workers", type=int, default=0, help="DataLoader worker processes collating batches"
+    )
+    ap.add_argument(
+        "--loader",
+        choices=["pyg", "packed"],
+        default="pyg",
+        help="training batches from PyG's DataLoader or trisparse.nn.capture.PackedGraphs (both "
+        "backends alike)",
+    )
     ap.add_argument("--json", action="store_true", help="one JSON line per run")
     ap.add_argument(
         "--profile", action="store_true", help="CUDA: one more epoch under torch.profiler"
@@ -218,7 +309,18 @@ def main():
         help="CUDA: bfloat16 autocast, both backends (trisparse: the segment kernels, attention "
         "dropout drawn inside them)",
     )
+    ap.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="CUDA, trisparse with --bf16: the training step captured as a CUDA graph per padded "
+        "batch shape (trisparse.nn.capture)",
+    )
     args = ap.parse_args()
+    if args.cuda_graph and (args.backend != "trisparse" or not args.bf16):
+        ap.error(
+            "--cuda-graph needs --backend trisparse and --bf16 (PyG's GPSConv pads each "
+            "batch on the host, which a CUDA graph cannot replay)"
+        )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     graphs, split = trisparse.datasets.ogbg(args.dataset, args.root)
     results = []
@@ -226,6 +328,7 @@ def main():
         r = run(args, graphs, split, seed, device)
         r.update(dataset=args.dataset, backend=args.backend, epochs=args.epochs)
         r.update(batch_size=args.batch_size, attn_dropout=args.attn_dropout, bf16=args.bf16)
+        r.update(workers=args.workers, loader=args.loader)
         r.update(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
         results.append(r)
         if args.json:

@@ -1276,3 +1276,113 @@ def test_edge_gat_attention_matches_float64_on_multigraphs(dtype, heads, c, edge
     for i, (a, b, w) in enumerate(zip(got, again, want)):
         assert torch.equal(a, b), i
         assert relerr(a, w) <= tol, i
+
+
+def _captured_gps(channels, heads, dropout):
+    """Two GPSConv layers (GINE over 3 edge features, BatchNorm) and a graph-level linear head."""
+    from torch_geometric.nn import global_add_pool
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.edge = torch.nn.Linear(3, channels)
+            self.convs = torch.nn.ModuleList(
+                trisparse.nn.GPSConv(
+                    channels,
+                    pyg_nn.GINEConv(torch.nn.Sequential(torch.nn.Linear(channels, channels))),
+                    heads=heads,
+                    attn_kwargs={"dropout": dropout},
+                )
+                for _ in range(2)
+            )
+            self.head = torch.nn.Linear(channels, 1)
+
+        def forward(self, x, edge_index, edge_attr, batch, node_mask, num_graphs):
+            e = self.edge(edge_attr)
+            for conv in self.convs:
+                x = conv(x, edge_index, batch, edge_attr=e, node_mask=node_mask)
+            return self.head(global_add_pool(x, batch, size=num_graphs))
+
+    return Model().cuda()
+
+
+def _padded_batches(channels):
+    """Four padded mini-batches of random molecules-sized graphs, two shapes, on the CPU."""
+    from torch_geometric.data import Batch, Data
+    from trisparse.nn.capture import pad_batch
+
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for count in (20, 31, 24, 29):
+        graphs = []
+        for _ in range(count):
+            n = int(torch.randint(2, 40, (1,), generator=g))
+            e = torch.randint(0, n, (2, 2 * n), generator=g)
+            graphs.append(
+                Data(
+                    x=torch.randn(n, channels, generator=g),
+                    edge_index=e,
+                    edge_attr=torch.randn(2 * n, 3, generator=g),
+                    y=torch.randn(1, 1, generator=g),
+                )
+            )
+        data = Batch.from_data_list(graphs)
+        big = count > 25  # two shapes
+        p = pad_batch(data, 1536 if big else 1024, 3072 if big else 2048, 96 if big else 64)
+        out.append((p.x, p.edge_index, p.edge_attr, p.batch, p.y, p.node_mask))
+    return out
+
+
+def _gps_step(model, opt):
+    def step(x, edge_index, edge_attr, batch, y, node_mask):
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            out = model(x, edge_index, edge_attr, batch, node_mask, y.size(0)).float()
+        keep = ~torch.isnan(y)
+        loss = torch.where(keep, out - torch.where(keep, y, 0.0), 0.0).square().sum() / keep.sum()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
+def test_captured_gps_training_step_equals_the_eager_steps():
+    """trisparse.nn.capture: a GPS training step (GINE, segment attention under bf16 autocast,
+    masked BatchNorm, Adam) captured per padded shape and replayed over four batches of two shapes
+    gives the eager steps' losses and parameters (the warm-up leaves no trace: the first step
+    starts from the same state), with two graphs captured."""
+    from trisparse.nn.capture import CapturedStep
+
+    channels = 64
+    torch.manual_seed(0)
+    eager = _captured_gps(channels, heads=4, dropout=0.0)
+    model = copy.deepcopy(eager)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2, capturable=True) for m in (eager, model)]
+    captured = CapturedStep(_gps_step(model, opts[1]), model, opts[1])
+    eager_step = _gps_step(eager, opts[0])
+    start = [p.detach().clone() for p in model.parameters()]
+    for inputs in _padded_batches(channels):
+        opts[0].zero_grad()
+        want = eager_step(*(t.cuda() for t in inputs))
+        got = captured(*inputs).clone()
+        assert torch.isfinite(got) and abs(float(got - want)) <= 1e-2 * abs(float(want)) + 1e-5
+    assert captured.num_graphs == 2
+    for (name, a), b in zip(model.state_dict().items(), eager.state_dict().values(), strict=True):
+        assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-3), name
+    assert all(not torch.equal(a, b) for a, b in zip(start, model.parameters()))
+
+
+def test_captured_gps_step_redraws_attention_dropout():
+    """Replays of one captured step (learning rate 0: the parameters stay) draw new attention
+    dropout each time: the losses differ between replays of the same batch."""
+    from trisparse.nn.capture import CapturedStep
+
+    torch.manual_seed(0)
+    model = _captured_gps(64, heads=4, dropout=0.5)
+    for conv in model.convs:
+        conv.dropout = 0.0  # only the attention's dropout
+    opt = torch.optim.Adam(model.parameters(), lr=0.0, capturable=True)
+    captured = CapturedStep(_gps_step(model, opt), model, opt)
+    inputs = _padded_batches(64)[0]
+    losses = [float(captured(*inputs)) for _ in range(3)]
+    assert all(math.isfinite(v) for v in losses) and len(set(losses)) == 3

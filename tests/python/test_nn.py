@@ -659,6 +659,106 @@ def test_gps_conv_batch_errors_name_the_argument():
         layer(x, ei, torch.tensor([0, 0, 1, 1]))
 
 
+def _gps_batch(num_graphs, seed, channels=16, edge_dim=3):
+    """A PyG Batch of random small graphs with float features, edge features and one graph label."""
+    from torch_geometric.data import Batch, Data
+
+    batch, ei = random_batch(num_graphs, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    graphs = []
+    for b in range(num_graphs):
+        nodes = (batch == b).nonzero().squeeze(1)
+        keep = (batch[ei[0]] == b).nonzero().squeeze(1)
+        graphs.append(
+            Data(
+                x=torch.randn(nodes.numel(), channels, generator=g, dtype=torch.float64),
+                edge_index=ei[:, keep] - nodes[0],
+                edge_attr=torch.randn(keep.numel(), edge_dim, generator=g, dtype=torch.float64),
+                y=torch.randn(1, 2, generator=g, dtype=torch.float64),
+            )
+        )
+    return Batch.from_data_list(graphs)
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_gps_conv_on_a_padded_batch_equals_the_batch(momentum):
+    """GPSConv (GINE local MPNN, BatchNorm) on a batch padded by pad_batch, with its node_mask:
+    the real nodes' outputs, every parameter's gradient and BatchNorm's running statistics equal
+    the unpadded batch's in float64 (the padded nodes reach no real node, not even through the
+    norms' statistics); without the mask the statistics differ (the test can fail)."""
+    from torch_geometric.nn import global_add_pool
+    from trisparse.nn.capture import bucket, pad_batch
+
+    channels = 16
+    data = _gps_batch(9, seed=5, channels=channels)
+    nodes, edges = bucket(data.num_nodes), bucket(data.edge_index.size(1))
+    padded = pad_batch(data, nodes, edges, data.num_graphs + 8, segment=8)
+
+    def layer():
+        torch.manual_seed(0)
+        mlp = torch.nn.Sequential(torch.nn.Linear(channels, channels), torch.nn.ReLU())
+        conv = pyg_nn.GINEConv(mlp, edge_dim=3)
+        norm = {"momentum": momentum}
+        return trisparse.nn.GPSConv(channels, conv, heads=2, norm_kwargs=norm).double()
+
+    def run(d, mask):
+        m = layer()
+        x = d.x.clone().requires_grad_()
+        out = m(x, d.edge_index, d.batch, edge_attr=d.edge_attr, node_mask=mask)
+        pooled = global_add_pool(out, d.batch, size=d.num_graphs)[: data.num_graphs]
+        (pooled * torch.arange(1.0, channels + 1, dtype=torch.float64)).square().sum().backward()
+        grads = {k: p.grad for k, p in m.named_parameters()}
+        stats = [b.double() for b in m.buffers()]  # running means, variances, batch counts
+        return (out[: data.num_nodes].detach(), [x.grad[: data.num_nodes]], grads), stats
+
+    want, want_stats = run(data, None)
+    got, got_stats = run(padded, padded.node_mask)
+    assert_close(got, want, rtol=1e-9)
+    for a, b in zip(got_stats, want_stats, strict=True):
+        assert torch.allclose(a, b, rtol=1e-12, atol=0)
+    m = layer()
+    out = m(padded.x, padded.edge_index, padded.batch, edge_attr=padded.edge_attr,
+            node_mask=padded.node_mask)  # fmt: skip
+    assert not out[data.num_nodes :].any()
+    unmasked, _ = run(padded, None)
+    assert not torch.allclose(unmasked[0], want[0], rtol=1e-3)
+
+
+def test_pad_batch_and_bucket():
+    from trisparse.nn.capture import bucket, pad_batch
+
+    for n in [0, 1, 63, 64, 1000, 4097, 123457]:
+        b = bucket(n)
+        assert b > n and b % 64 == 0
+        if n >= 1024:
+            assert (b - n - 1) / (n + 1) < 1 / 8
+    assert len({bucket(n) for n in range(4096, 8192)}) <= 9
+    data = _gps_batch(5, seed=2)
+    data.y = data.y.float()
+    p = pad_batch(data, data.num_nodes + 20, data.edge_index.size(1) + 7, 10, segment=8)
+    n, e = data.num_nodes, data.edge_index.size(1)
+    assert p.x.shape == (n + 20, 16) and not p.x[n:].any() and torch.equal(p.x[:n], data.x)
+    assert torch.equal(p.batch, torch.cat([data.batch, torch.tensor([5] * 8 + [6] * 8 + [7] * 4)]))
+    assert torch.equal(p.edge_index[:, :e], data.edge_index)
+    loops = p.edge_index[:, e:]
+    assert torch.equal(loops[0], loops[1]) and torch.equal(loops[0], n + torch.arange(7))
+    assert p.edge_attr.shape == (e + 7, 3) and not p.edge_attr[e:].any()
+    assert p.y.shape == (10, 2) and p.y[5:].isnan().all() and torch.equal(p.y[:5], data.y)
+    assert p.node_mask.sum() == n and p.node_mask[:n].all() and p.num_graphs == 10
+    with pytest.raises(ValueError, match="padded nodes need 3 graphs"):
+        pad_batch(data, n + 20, e, 7, segment=8)
+    with pytest.raises(ValueError, match="padded edges need a padded node"):
+        pad_batch(data, n, e + 1, 5)
+
+
+def test_captured_step_needs_a_capturable_optimizer():
+    from trisparse.nn.capture import CapturedStep
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="capturable=True"):
+        CapturedStep(lambda x: x, model, torch.optim.Adam(model.parameters()))
+
+
 def test_segment_attention_on_the_cpu_and_its_errors():
     """segment_attention off CUDA (the fused attention over the batch's pattern) against float64
     dense attention per graph, with gradients; bad batches named."""
@@ -903,3 +1003,40 @@ def test_gat_incoming_sum_equals_a_scatter_and_gradcheck():
         assert torch.autograd.gradcheck(
             lambda v, m=reduce == "mean": _IncomingSum.apply(v, lines, m), [values]
         )
+
+
+def test_layers_deepcopy_after_a_forward():
+    """copy.deepcopy of layers that have run (their pattern caches hold plans, which are not
+    copyable): the copies run and give the same outputs."""
+    import copy
+
+    batch, ei = random_batch(6, seed=4)
+    x = torch.randn(batch.numel(), 16)
+    layers = [
+        (trisparse.nn.TransformerConv(16, 8, heads=2), lambda m: m(x, ei)),
+        (trisparse.nn.GATConv(16, 8, heads=2), lambda m: m(x, ei)),
+        (trisparse.nn.GPSConv(16, None, heads=2).eval(), lambda m: m(x, ei, batch)),
+    ]
+    for layer, call in layers:
+        want = call(layer)
+        twin = copy.deepcopy(layer)
+        assert torch.equal(call(twin), want)
+
+
+def test_packed_graphs_collate_as_pyg():
+    """PackedGraphs.batch gives PyG's Batch.from_data_list fields for any subset and order of the
+    graphs; batches() covers every graph once."""
+    from torch_geometric.data import Batch
+    from trisparse.nn.capture import PackedGraphs
+
+    data = _gps_batch(7, seed=8)
+    graphs = data.to_data_list()
+    packed = PackedGraphs(graphs)
+    for ids in ([3, 0, 6], [5], list(range(7))):
+        got = packed.batch(torch.tensor(ids))
+        want = Batch.from_data_list([graphs[i] for i in ids])
+        for key in ("x", "edge_index", "edge_attr", "batch", "y"):
+            assert torch.equal(getattr(got, key), getattr(want, key)), key
+        assert got.num_graphs == len(ids)
+    seen = torch.cat([b.y for b in packed.batches(3, shuffle=True, generator=torch.Generator())])
+    assert sorted(seen[:, 0].tolist()) == sorted(data.y[:, 0].tolist())

@@ -23,6 +23,11 @@ class _PatternCache:
         self._key = None
         self._pattern = None
 
+    def __deepcopy__(self, memo):
+        """An empty cache: a copied layer (copy.deepcopy of a model) builds its own patterns
+        (a Pattern's plans are device state, not copyable)."""
+        return type(self)()
+
     def get(self, adj, num_src: int, num_dst: int, add_self_loops: bool = False) -> Pattern:
         if isinstance(adj, Pattern):
             return adj

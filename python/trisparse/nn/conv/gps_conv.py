@@ -28,9 +28,14 @@ class _BatchPatterns:
         self._pattern = None
         self._checked = None
 
+    def __deepcopy__(self, memo):
+        """The same cache: a model's GPS layers share one, copies included (a Pattern's plans
+        are device state, not copyable)."""
+        return self
+
     def checked(self, batch, num_nodes: int):
         """``batch``, checked sorted once per tensor and version (not while compiling)."""
-        if batch is None or torch.compiler.is_compiling():
+        if batch is None or torch.compiler.is_compiling() or _capturing(batch):
             return batch
         key = (batch, getattr(batch, "_version", None), num_nodes)
         if self._checked is None or self._checked[0] is not batch or self._checked[1:] != key[1:]:
@@ -49,6 +54,38 @@ class _BatchPatterns:
             self._pattern = Pattern.from_batch(batch, num_nodes)
             self._batch, self._key = batch, key
         return self._pattern
+
+
+def _capturing(t: Tensor) -> bool:
+    """Whether ``t``'s CUDA stream is being captured into a CUDA graph (no synchronisation then)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _masked_batch_norm(norm: torch.nn.BatchNorm1d, h: Tensor, mask: Tensor) -> Tensor:
+    """``norm(h)`` with batch statistics (training, or no running statistics kept) taken, and the
+    running averages updated, over the rows where ``mask`` holds only, as ``norm`` computes them on
+    those rows alone; the other rows are normalised with the same statistics. No host
+    synchronisation (capturable)."""
+    x = h.float() if h.element_size() < 4 else h  # (16-bit: float32 statistics, as torch's)
+    m = mask.to(x.dtype).unsqueeze(1)
+    count = m.sum()
+    mean = (x * m).sum(0) / count
+    centred = x - mean
+    var = (centred.square() * m).sum(0) / count
+    out = centred * torch.rsqrt(var + norm.eps)
+    if norm.affine:
+        out = out * norm.weight + norm.bias
+    if norm.track_running_stats and norm.training:
+        with torch.no_grad():
+            norm.num_batches_tracked.add_(1)
+            if norm.momentum is None:  # a cumulative average, as torch's
+                momentum = 1.0 / norm.num_batches_tracked.to(x.dtype)
+            else:
+                momentum = norm.momentum
+            unbiased = var * count / (count - 1).clamp_min(1)
+            norm.running_mean.lerp_(mean.to(norm.running_mean.dtype), momentum)
+            norm.running_var.lerp_(unbiased.to(norm.running_var.dtype), momentum)
+    return out.to(h.dtype)
 
 
 @torch._dynamo.assume_constant_result
@@ -95,8 +132,14 @@ class GPSConv(_PygGPSConv):
             return "MultiheadAttention with add_bias_kv, add_zero_attn, kdim or vdim is not fused"
         return None
 
-    def forward(self, x: Tensor, edge_index, batch=None, **kwargs) -> Tensor:
+    def forward(self, x: Tensor, edge_index, batch=None, node_mask=None, **kwargs) -> Tensor:
+        """PyG's GPSConv.forward; ``node_mask`` (bool [num_nodes], optional: the real nodes of a
+        batch padded by :func:`trisparse.nn.capture.pad_batch`) leaves the padded nodes out of
+        ``BatchNorm``'s statistics while training and sets their output rows to 0 (their values
+        would otherwise grow from layer to layer, up to overflow in 16 bits)."""
         reason = self._unfused_reason()
+        if reason is not None and node_mask is not None:
+            raise ValueError(f"node_mask: {reason}; PyG's code takes no node_mask")
         if reason is not None:
             if reason not in self._warned:
                 self._warned.add(reason)
@@ -110,17 +153,27 @@ class GPSConv(_PygGPSConv):
         if self.conv is not None:  # the local MPNN, as PyG's
             h = self.conv(x, edge_index, **kwargs)
             h = F.dropout(h, p=self.dropout, training=self.training)
-            hs.append(self._norm(self.norm1, h + x, batch))
+            hs.append(self._norm(self.norm1, h + x, batch, node_mask))
         h = self._global_attention(x, batch)
         h = F.dropout(h, p=self.dropout, training=self.training)
-        hs.append(self._norm(self.norm2, h + x, batch))
+        hs.append(self._norm(self.norm2, h + x, batch, node_mask))
         out = sum(hs)
         out = out + self.mlp(out)
-        return self._norm(self.norm3, out, batch)
+        out = self._norm(self.norm3, out, batch, node_mask)
+        if node_mask is not None:  # padded rows to 0: nothing grows over the layers there
+            out = torch.where(node_mask.unsqueeze(1), out, 0.0)
+        return out
 
-    def _norm(self, norm, h: Tensor, batch) -> Tensor:
+    def _norm(self, norm, h: Tensor, batch, node_mask=None) -> Tensor:
         if norm is None:
             return h
+        bn = norm if isinstance(norm, torch.nn.BatchNorm1d) else getattr(norm, "module", None)
+        if (  # (PyG's BatchNorm wraps torch's; batch statistics: training or untracked)
+            node_mask is not None
+            and isinstance(bn, torch.nn.BatchNorm1d)
+            and (bn.training or not bn.track_running_stats)
+        ):
+            return _masked_batch_norm(bn, h, node_mask)
         return norm(h, batch=batch) if self.norm_with_batch else norm(h)
 
     def _global_attention(self, x: Tensor, batch) -> Tensor:
