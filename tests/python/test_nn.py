@@ -1040,3 +1040,15 @@ def test_packed_graphs_collate_as_pyg():
         assert got.num_graphs == len(ids)
     seen = torch.cat([b.y for b in packed.batches(3, shuffle=True, generator=torch.Generator())])
     assert sorted(seen[:, 0].tolist()) == sorted(data.y[:, 0].tolist())
+
+
+def test_gps_conv_under_capture_names_what_it_needs(monkeypatch):
+    """GPSConv's global attention while a CUDA graph is being captured (faked here) on heads the
+    segment kernels do not take: a RuntimeError naming the dtype and channels, not a capture
+    failure deep in a host synchronisation."""
+    from trisparse.nn.conv import gps_conv
+
+    monkeypatch.setattr(gps_conv, "_capturing", lambda t: True)
+    layer = trisparse.nn.GPSConv(8, None, heads=2)
+    with pytest.raises(RuntimeError, match="float16/bfloat16 heads.*torch.float32, 4 channels"):
+        layer(torch.randn(5, 8), torch.tensor([[0, 1], [1, 2]]), torch.tensor([0, 0, 1, 1, 1]))

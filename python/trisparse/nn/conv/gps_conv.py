@@ -189,6 +189,13 @@ class GPSConv(_PygGPSConv):
             batch = self._batches.checked(batch, n)
             out = segment_attention(q, k, v, batch, scale, assume_sorted=True, dropout_p=dropout)
             return attn.out_proj(out.reshape(n, channels))
+        if _capturing(x):
+            raise RuntimeError(
+                f"trisparse.nn.GPSConv under CUDA graph capture needs float16/bfloat16 heads of "
+                f"16, 32, 64 or 128 channels (autocast), which run the segment kernels; these "
+                f"heads ({q.dtype}, {q.shape[-1]} channels) need a pattern built on the host per "
+                f"batch"
+            )
         pattern = self._batches.get(batch, n)
         if edge_attention_supported(pattern, q):  # CUDA: its multigraph is grouped on the GPU
             out, _ = edge_attention(q, k, v, pattern, scale, dropout=dropout)
