@@ -26,7 +26,8 @@ __all__ = ["CapturedStep", "PackedGraphs", "bucket", "pad_batch"]
 def bucket(n: int, steps: int = 8, minimum: int = 64) -> int:
     """The size a count of ``n`` is padded to: ``n + 1`` rounded up to a multiple of the power of
     two at most ``1 / steps`` of it (at least ``minimum``), so at most about ``steps`` sizes per
-    octave (one captured graph each) and under ``1 / steps`` of padding."""
+    octave (one captured graph each) and, above ``minimum * steps``, under ``1 / steps`` of
+    padding."""
     if n < 0 or steps < 1 or minimum < 1:
         raise ValueError(
             f"bucket needs n >= 0, steps >= 1, minimum >= 1; got {n}, {steps}, {minimum}"
@@ -47,9 +48,9 @@ def pad_batch(data, num_nodes: int, num_edges: int, num_graphs: int, segment: in
     to ``num_nodes`` nodes, ``num_edges`` edges and ``num_graphs`` graphs, returned as a new
     :class:`torch_geometric.data.Data` with the same fields plus ``node_mask`` (bool [num_nodes]:
     the real nodes) and ``num_graphs``. Padded nodes (zero features) form graphs of at most
-    ``segment`` nodes after the real ones (so attention over them stays small); padded edges (zero
-    features) are self loops spread over the padded nodes; graph-level (or node-level) ``y`` gets NaN
-    rows (floating) or -100 (integer: cross entropy's ``ignore_index``). Pool with
+    ``segment`` nodes after the real ones (so attention over them stays small); padded edges
+    (zero features) are self loops spread over the padded nodes; graph-level (or node-level)
+    ``y`` gets NaN rows (floating) or -100 (integer: cross entropy's ``ignore_index``). Pool with
     ``size=data.num_graphs`` and drop the NaN targets with a mask (not boolean indexing, which
     synchronises) to keep the step capturable."""
     from torch_geometric.data import Data

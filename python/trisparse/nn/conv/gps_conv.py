@@ -34,7 +34,8 @@ class _BatchPatterns:
         return self
 
     def checked(self, batch, num_nodes: int):
-        """``batch``, checked sorted once per tensor and version (not while compiling or capturing)."""
+        """``batch``, checked sorted once per tensor and version (not while compiling or
+        capturing)."""
         if batch is None or torch.compiler.is_compiling() or _capturing(batch):
             return batch
         key = (batch, getattr(batch, "_version", None), num_nodes)
