@@ -95,12 +95,14 @@ class PackedGraphs:
         whole = Batch.from_data_list(list(graphs))
         self.num_graphs = whole.num_graphs
         self._node_ptr = whole.ptr
+        graph_of_edge = whole.batch[whole.edge_index[0]]
         self._edge_ptr = torch.zeros(self.num_graphs + 1, dtype=torch.int64)
-        counts = torch.bincount(whole.batch[whole.edge_index[0]], minlength=self.num_graphs)
-        self._edge_ptr[1:] = torch.cumsum(counts, 0)
-        order = torch.argsort(whole.batch[whole.edge_index[0]], stable=True)
-        local = whole.edge_index[:, order] - whole.ptr[whole.batch[whole.edge_index[0, order]]]
-        self._edge_index = local  # per-graph node ids, edges grouped by graph
+        self._edge_ptr[1:] = torch.cumsum(
+            torch.bincount(graph_of_edge, minlength=self.num_graphs), 0
+        )
+        order = torch.argsort(graph_of_edge, stable=True)
+        # per-graph node ids, edges grouped by graph
+        self._edge_index = whole.edge_index[:, order] - whole.ptr[graph_of_edge[order]]
         self._x = whole.x
         self._edge_attr = None if whole.edge_attr is None else whole.edge_attr[order]
         self._y = getattr(whole, "y", None)
