@@ -33,12 +33,18 @@ class GPS(nn.Module):
     """Atom and bond embeddings (a table per OGB feature column, summed), `layers` GPSConv layers
     with a GINE local MPNN, sum pooling and a two-layer head."""
 
-    def __init__(self, backend, tasks, channels=64, layers=4, heads=4, attn_dropout=0.5):
+    def __init__(
+        self, backend, tasks, channels=64, layers=4, heads=4, attn_dropout=0.5, recompute=False
+    ):
         super().__init__()
         if backend == "pyg":
             from torch_geometric.nn import GPSConv
         else:
+            from functools import partial
+
             from trisparse.nn import GPSConv
+
+            GPSConv = partial(GPSConv, recompute=recompute)
         self.atoms = nn.ModuleList(nn.Embedding(128, channels) for _ in range(9))
         self.bonds = nn.ModuleList(nn.Embedding(16, channels) for _ in range(3))
         self.convs = nn.ModuleList()
@@ -112,7 +118,15 @@ def run(args, graphs, split, seed, device):
     regression = args.dataset.endswith(("esol", "freesolv"))
     torch.manual_seed(seed)
     tasks = graphs[0].y.shape[1]
-    model = GPS(args.backend, tasks, args.channels, args.layers, args.heads, args.attn_dropout)
+    model = GPS(
+        args.backend,
+        tasks,
+        args.channels,
+        args.layers,
+        args.heads,
+        args.attn_dropout,
+        args.recompute,
+    )
     model = model.to(device)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr, capturable=args.cuda_graph)
     step = captured_step(model, opt, regression, args.bf16) if args.cuda_graph else None
@@ -315,7 +329,15 @@ def main():
         help="CUDA, trisparse with --bf16: the training step captured as a CUDA graph per padded "
         "batch shape (trisparse.nn.capture)",
     )
+    ap.add_argument(
+        "--recompute",
+        action="store_true",
+        help="trisparse: GPSConv(recompute=True), the layers' activations recomputed in the "
+        "backward",
+    )
     args = ap.parse_args()
+    if args.recompute and args.backend != "trisparse":
+        ap.error("--recompute is trisparse's GPSConv argument")
     if args.cuda_graph and (args.backend != "trisparse" or not args.bf16):
         ap.error(
             "--cuda-graph needs --backend trisparse and --bf16 (PyG's GPSConv pads each "
@@ -328,7 +350,7 @@ def main():
         r = run(args, graphs, split, seed, device)
         r.update(dataset=args.dataset, backend=args.backend, epochs=args.epochs)
         r.update(batch_size=args.batch_size, attn_dropout=args.attn_dropout, bf16=args.bf16)
-        r.update(workers=args.workers, loader=args.loader)
+        r.update(workers=args.workers, loader=args.loader, recompute=args.recompute)
         r.update(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
         results.append(r)
         if args.json:

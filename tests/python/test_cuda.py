@@ -1278,7 +1278,7 @@ def test_edge_gat_attention_matches_float64_on_multigraphs(dtype, heads, c, edge
         assert relerr(a, w) <= tol, i
 
 
-def _captured_gps(channels, heads, dropout):
+def _captured_gps(channels, heads, dropout, recompute=False):
     """Two GPSConv layers (GINE over 3 edge features, BatchNorm) and a graph-level linear head."""
     from torch_geometric.nn import global_add_pool
 
@@ -1292,6 +1292,7 @@ def _captured_gps(channels, heads, dropout):
                     pyg_nn.GINEConv(torch.nn.Sequential(torch.nn.Linear(channels, channels))),
                     heads=heads,
                     attn_kwargs={"dropout": dropout},
+                    recompute=recompute,
                 )
                 for _ in range(2)
             )
@@ -1346,17 +1347,21 @@ def _gps_step(model, opt):
     return step
 
 
-def test_captured_gps_training_step_equals_the_eager_steps():
+@pytest.mark.parametrize("recompute", [False, True])
+def test_captured_gps_training_step_equals_the_eager_steps(recompute):
     """trisparse.nn.capture: a GPS training step (GINE, segment attention under bf16 autocast,
     masked BatchNorm, Adam) captured per padded shape and replayed over four batches of two shapes
     gives the eager steps' losses and parameters (the warm-up leaves no trace: the first step
-    starts from the same state), with two graphs captured."""
+    starts from the same state), with two graphs captured; also with the captured layers'
+    activations recomputed in the backward (GPSConv(recompute=True))."""
     from trisparse.nn.capture import CapturedStep
 
     channels = 64
     torch.manual_seed(0)
     eager = _captured_gps(channels, heads=4, dropout=0.0)
     model = copy.deepcopy(eager)
+    for conv in model.convs:
+        conv.recompute = recompute
     opts = [torch.optim.Adam(m.parameters(), lr=1e-2, capturable=True) for m in (eager, model)]
     captured = CapturedStep(_gps_step(model, opts[1]), model, opts[1])
     eager_step = _gps_step(eager, opts[0])
@@ -1386,3 +1391,24 @@ def test_captured_gps_step_redraws_attention_dropout():
     inputs = _padded_batches(64)[0]
     losses = [float(captured(*inputs)) for _ in range(3)]
     assert all(math.isfinite(v) for v in losses) and len(set(losses)) == 3
+
+
+def test_gps_recompute_redraws_the_same_attention_dropout_on_cuda():
+    """GPSConv(recompute=True) on CUDA under bf16 autocast with attention dropout (the segment
+    kernels' draws from torch's CUDA generator): the recomputation sees the forward's draws, so
+    the gradients equal the plain layers' for the same seed."""
+    torch.manual_seed(0)
+    plain = _captured_gps(64, heads=4, dropout=0.5)
+    twin = copy.deepcopy(plain)
+    for conv in twin.convs:
+        conv.recompute = True
+    x, ei, ea, batch, y, mask = (t.cuda() for t in _padded_batches(64)[1])
+    grads = []
+    for model in (plain, twin):
+        torch.manual_seed(5)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(x, ei, ea, batch, mask, y.size(0)).float()
+        out[: int((~y.isnan()).sum())].square().sum().backward()
+        grads.append([p.grad.float() for p in model.parameters()])
+    for a, b in zip(*grads, strict=True):
+        assert torch.allclose(a, b, rtol=1e-2, atol=1e-4)

@@ -6,6 +6,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor
 from torch_geometric.nn import GPSConv as _PygGPSConv
 
@@ -62,11 +63,13 @@ def _capturing(t: Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _masked_batch_norm(norm: torch.nn.BatchNorm1d, h: Tensor, mask: Tensor) -> Tensor:
+def _masked_batch_norm(
+    norm: torch.nn.BatchNorm1d, h: Tensor, mask: Tensor, update: bool = True
+) -> Tensor:
     """``norm(h)`` with batch statistics (training, or no running statistics kept) taken, and the
     running averages updated, over the rows where ``mask`` holds only, as ``norm`` computes them on
-    those rows alone; the other rows are normalised with the same statistics. No host
-    synchronisation (capturable)."""
+    those rows alone (not updated with ``update=False``); the other rows are normalised with the
+    same statistics. No host synchronisation (capturable)."""
     x = h.float() if h.element_size() < 4 else h  # (16-bit: float32 statistics, as torch's)
     m = mask.to(x.dtype).unsqueeze(1)
     count = m.sum()
@@ -76,7 +79,7 @@ def _masked_batch_norm(norm: torch.nn.BatchNorm1d, h: Tensor, mask: Tensor) -> T
     out = centred * torch.rsqrt(var + norm.eps)
     if norm.affine:
         out = out * norm.weight + norm.bias
-    if norm.track_running_stats and norm.training:
+    if update and norm.track_running_stats and norm.training:
         with torch.no_grad():
             norm.num_batches_tracked.add_(1)
             if norm.momentum is None:  # a cumulative average, as torch's
@@ -118,12 +121,17 @@ class GPSConv(_PygGPSConv):
     regenerate theirs in the backward from a counter-based generator), on the per-pair weights
     elsewhere. Falls back to PyG's code, with a one-time warning, for ``attn_type="performer"``
     and ``MultiheadAttention`` options beyond PyG's default use (``add_bias_kv``,
-    ``add_zero_attn``, ``kdim``/``vdim``)."""
+    ``add_zero_attn``, ``kdim``/``vdim``). ``recompute=True`` (trisparse's own argument): while
+    training, the layer keeps only its inputs and recomputes its activations in the backward
+    (``torch.utils.checkpoint``, the random draws preserved, the norms' running averages updated
+    once): the same results for a second forward's time."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, recompute: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self._batches = _SHARED_BATCHES  # a model's layers see one batch: one pattern for all
         self._warned: set[str] = set()
+        self.recompute = recompute
+        self._recomputing = False
 
     def _unfused_reason(self) -> str | None:
         attn = self.attn
@@ -150,6 +158,26 @@ class GPSConv(_PygGPSConv):
                     stacklevel=2,
                 )
             return super().forward(x, edge_index, batch, **kwargs)
+        if self.recompute and self.training and torch.is_grad_enabled():
+            calls = []
+
+            def body(x, *args):
+                # the second call is the backward's recomputation: the norms' running averages
+                # were updated by the first
+                self._recomputing = bool(calls)
+                calls.append(None)
+                try:
+                    return self._forward(x, edge_index, batch, node_mask, kwargs)
+                finally:
+                    self._recomputing = False
+
+            tensors = [t for t in kwargs.values() if isinstance(t, Tensor)]
+            return torch.utils.checkpoint.checkpoint(
+                body, x, *tensors, use_reentrant=False, preserve_rng_state=True
+            )
+        return self._forward(x, edge_index, batch, node_mask, kwargs)
+
+    def _forward(self, x, edge_index, batch, node_mask, kwargs) -> Tensor:
         hs = []
         if self.conv is not None:  # the local MPNN, as PyG's
             h = self.conv(x, edge_index, **kwargs)
@@ -169,12 +197,16 @@ class GPSConv(_PygGPSConv):
         if norm is None:
             return h
         bn = norm if isinstance(norm, torch.nn.BatchNorm1d) else getattr(norm, "module", None)
-        if (  # (PyG's BatchNorm wraps torch's; batch statistics: training or untracked)
-            node_mask is not None
-            and isinstance(bn, torch.nn.BatchNorm1d)
-            and (bn.training or not bn.track_running_stats)
-        ):
-            return _masked_batch_norm(bn, h, node_mask)
+        batch_stats = isinstance(bn, torch.nn.BatchNorm1d) and (
+            bn.training or not bn.track_running_stats
+        )  # (PyG's BatchNorm wraps torch's)
+        if batch_stats and node_mask is not None:
+            return _masked_batch_norm(bn, h, node_mask, update=not self._recomputing)
+        if batch_stats and self._recomputing and bn.track_running_stats:
+            # the same output and saved tensors, the running averages left (momentum 0)
+            return F.batch_norm(
+                h, bn.running_mean, bn.running_var, bn.weight, bn.bias, True, 0.0, bn.eps
+            )
         return norm(h, batch=batch) if self.norm_with_batch else norm(h)
 
     def _global_attention(self, x: Tensor, batch) -> Tensor:
