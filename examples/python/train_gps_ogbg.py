@@ -147,6 +147,7 @@ def run(args, graphs, split, seed, device):
     best, best_test, times, loads = None, None, [], []
     cuda = device.type == "cuda"
     peaks = {"train": 0.0, "all": 0.0}  # MiB: the training epochs', and with evaluation
+    held = None
 
     def peak(phase):
         if cuda:
@@ -165,6 +166,8 @@ def run(args, graphs, split, seed, device):
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         peak("train")
+        if cuda:  # what stays between steps: weights, optimizer state, data, workspaces, graphs
+            held = torch.cuda.memory_allocated() / 2**20
         val = evaluate(model, valid, regression, device, args.bf16)
         if best is None or (val < best if regression else val > best):
             best, best_test = val, evaluate(model, test, regression, device, args.bf16)
@@ -177,6 +180,7 @@ def run(args, graphs, split, seed, device):
         "load_s": statistics.median(loads[1:] if len(loads) > 1 else loads),
         "peak_mib": peaks["all"] if cuda else None,
         "train_peak_mib": peaks["train"] if cuda else None,
+        "held_mib": held,
         "cuda_graph": args.cuda_graph,
         "captured_shapes": step.num_graphs if step is not None else None,
     }

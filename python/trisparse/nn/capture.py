@@ -140,6 +140,18 @@ class PackedGraphs:
             yield self.batch(order[start : start + batch_size])
 
 
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for every CapturedStep's warm-ups and captures: torch keeps a
+    cuBLAS workspace (32 MiB on Hopper) per thread and stream for the process's lifetime, so a
+    stream per CapturedStep would hold two more for each model trained in the process."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
 class CapturedStep:
     """``step(*inputs)`` (forward, loss, ``backward()``, ``optimizer.step()``; returns tensors, e.g.
     the loss) run as a CUDA graph captured once per input shape and dtype, then replayed with the
@@ -163,8 +175,6 @@ class CapturedStep:
         self._step, self._model, self._optimizer, self._warmup = step, model, optimizer, warmup
         self._graphs: dict = {}
         self._pool = None
-        self._stream = None  # one side stream for every warm-up and capture (each new stream
-        # gets its own cuBLAS workspace from the caching allocator)
 
     @property
     def num_graphs(self) -> int:
@@ -186,9 +196,7 @@ class CapturedStep:
         device = next(self._model.parameters()).device
         static = [t.to(device, copy=True) for t in inputs]
         saved = self._state()
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device)
-        side = self._stream
+        side = _side_stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(self._warmup):
