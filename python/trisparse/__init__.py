@@ -16,10 +16,12 @@ from .block_pattern import (
     PatternLearner,
     attention_error,
     block_mass,
+    block_value_mass,
     dense_attention,
     learn_block_pattern,
     pooled_block_mass,
     prune_blocks,
+    prune_blocks_by_output,
 )
 from .block_sparse import BlockImportance, BlockMask, block_sparse_attention, topk_block_mask
 from .edge import edge_scores, edge_softmax, edge_spmm, sddmm
@@ -49,6 +51,7 @@ __all__ = [
     "attention_error",
     "block_mass",
     "block_sparse_attention",
+    "block_value_mass",
     "cuda_available",
     "dense_attention",
     "distributed",
@@ -63,6 +66,7 @@ __all__ = [
     "neighbor_sum",
     "pooled_block_mass",
     "prune_blocks",
+    "prune_blocks_by_output",
     "sddmm",
     "segment_attention",
     "segment_attention_supported",

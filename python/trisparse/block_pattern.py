@@ -18,10 +18,12 @@ __all__ = [
     "PatternLearner",
     "attention_error",
     "block_mass",
+    "block_value_mass",
     "dense_attention",
     "learn_block_pattern",
     "pooled_block_mass",
     "prune_blocks",
+    "prune_blocks_by_output",
 ]
 
 
@@ -292,9 +294,45 @@ def block_mass(
         out = torch.empty(heads, qb, kb, dtype=torch.float64)
         _C.block_attention_mass(*_nhd(q, k), g, causal, scale, out.data_ptr())
         return out
+    return _block_sums(q, k, None, g, causal, scale)[0]
+
+
+def block_value_mass(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    block_size: int,
+    causal: bool = False,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Each block's attention mass and value sum: ``(mass, value)``, float64 [H, query blocks, key
+    blocks] and [H, query blocks, key blocks, Dv], where ``value[h, r, c]`` is the softmax weights
+    of the block times the keys' values, summed over the block's keys and averaged over its rows
+    as :func:`block_mass` averages the mass (so ``value.sum(2)`` is each block row's mean
+    attention output). q [H, N_q, D], k [H, N_k, D], v [H, N_k, Dv]; what
+    :func:`prune_blocks_by_output` selects from. Torch ops on q's device (float64 scores for
+    float64 inputs, else float32; sums in float64)."""
+    if v.dim() != 3 or v.shape[:2] != k.shape[:2]:
+        raise ValueError(
+            f"v must be [H, N_k, Dv] as k, got {tuple(v.shape)} for k {tuple(k.shape)}"
+        )
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k must be [H, N, D] alike, got {tuple(q.shape)}, {tuple(k.shape)}")
+    return _block_sums(q, k, v, int(block_size), causal, _tensors.resolve_scale(scale, q.shape[2]))
+
+
+def _block_sums(q, k, v, g, causal, scale):
+    """block_mass's torch path, and with v the blocks' value sums (block_value_mass)."""
+    heads, n_q, _ = q.shape
+    n_k = k.shape[1]
+    qb, kb = -(-n_q // g), -(-n_k // g)
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     qc, kc = q.to(dtype), k.to(dtype)
     out = torch.zeros(heads, qb, kb, dtype=torch.float64, device=q.device)
+    value = None
+    if v is not None:
+        vb = torch.nn.functional.pad(v.to(dtype), (0, 0, 0, kb * g - n_k)).view(heads, kb, g, -1)
+        value = torch.zeros(heads, qb, kb, v.shape[2], dtype=torch.float64, device=q.device)
     step = max(1, (1 << 24) // max(1, heads * n_k * g))  # query blocks a chunk
     for r0 in range(0, qb, step):
         rows = slice(r0 * g, min(n_q, (r0 + step) * g))
@@ -308,8 +346,13 @@ def block_mass(
         p = torch.nn.functional.pad(p, (0, kb * g - n_k, 0, blocks * g - p.shape[1]))
         per_key = p.view(heads, blocks * g, kb, g).sum(-1)  # contiguous runs of g keys
         out[:, r0 : r0 + blocks] = per_key.view(heads, blocks, g, kb).sum(2, dtype=torch.float64)
+        if v is not None:  # each key's weight summed over the block's rows, times its value
+            per_row = p.view(heads, blocks, g, kb, g).sum(2)  # [H, blocks, kb, g]
+            value[:, r0 : r0 + blocks] = torch.einsum("hbkj,hkjd->hbkd", per_row, vb).double()
     counts = torch.clamp(n_q - torch.arange(qb, device=q.device) * g, max=g).to(torch.float64)
-    return out / counts[None, :, None]
+    if value is not None:
+        value /= counts[None, :, None, None]
+    return out / counts[None, :, None], value
 
 
 def pooled_block_mass(
@@ -363,12 +406,7 @@ def prune_blocks(
         raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
     heads, qb, kb = importance.shape
     dev = importance.device
-    r = torch.arange(qb, device=dev)[:, None]
-    c = torch.arange(kb, device=dev)[None, :]
-    forced = (r - c).abs() <= window if (keep_diagonal or window > 0) else r < 0
-    if global_blocks > 0:
-        forced = forced | (c < global_blocks) | (r < global_blocks)
-    forced = forced.expand(heads, qb, kb)
+    forced = _forced_blocks(qb, kb, dev, keep_diagonal, window, global_blocks).expand(heads, qb, kb)
     score = importance.to(torch.float64).masked_fill(forced, float("inf"))
     keep = torch.zeros(heads, qb, kb, dtype=torch.bool, device=dev)
     if method == "global":
@@ -391,6 +429,69 @@ def prune_blocks(
     return keep | forced
 
 
+def _forced_blocks(qb, kb, device, keep_diagonal, window, global_blocks) -> Tensor:
+    """[qb, kb]: the blocks the keep rules force (diagonal, band, global blocks)."""
+    r = torch.arange(qb, device=device)[:, None]
+    c = torch.arange(kb, device=device)[None, :]
+    forced = (r - c).abs() <= window if (keep_diagonal or window > 0) else r < 0
+    if global_blocks > 0:
+        forced = forced | (c < global_blocks) | (r < global_blocks)
+    return forced
+
+
+def prune_blocks_by_output(
+    mass: Tensor,
+    value: Tensor,
+    sparsity: float,
+    keep_diagonal: bool = True,
+    window: int = 0,
+    global_blocks: int = 0,
+) -> Tensor:
+    """The blocks to keep (bool [H, qb, kb]) chosen for the attention output rather than the mass:
+    each block row keeps (1 - sparsity) of its key blocks (at least one; the keep rules' blocks
+    first), adding one block at a time, the one that brings the kept blocks' renormalised output
+    sum(value) / sum(mass) nearest (L2) to the row's full output. `mass`, `value`: the
+    blocks' statistics of :func:`block_value_mass` (or their average over samples). Where the
+    attention spreads evenly (no block holds much mass) the mass says little about which blocks
+    matter, the values do: the kept blocks are made to average to the dropped ones. Ties go to
+    the lower key block. Torch ops on mass's device (float64), no host synchronisation."""
+    if mass.dim() != 3 or value.dim() != 4 or value.shape[:3] != mass.shape:
+        raise ValueError(
+            f"mass must be [H, qb, kb] and value [H, qb, kb, Dv] over the same blocks, got "
+            f"{tuple(mass.shape)} and {tuple(value.shape)}"
+        )
+    if not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+    heads, qb, kb = mass.shape
+    m, u = mass.to(torch.float64), value.to(torch.float64)
+    tiny = torch.finfo(torch.float64).tiny
+    target = u.sum(2) / m.sum(2).clamp(min=tiny)[..., None]  # [H, qb, Dv]: the full output
+    forced = _forced_blocks(qb, kb, m.device, keep_diagonal, window, global_blocks)
+    keep = forced.expand(heads, qb, kb).clone()
+    kept_m = (m * keep).sum(-1)
+    kept_u = (u * keep[..., None]).sum(2)
+    budget = max(1, round((1.0 - sparsity) * kb))
+    for _ in range(budget):  # rows at their budget (or with every block kept) add nothing
+        err = (
+            (
+                (
+                    (kept_u[:, :, None] + u) / (kept_m[:, :, None] + m).clamp(min=tiny)[..., None]
+                    - target[:, :, None]
+                )
+                ** 2
+            )
+            .sum(-1)
+            .masked_fill(keep, float("inf"))
+        )
+        best = err.argmin(-1, keepdim=True)  # [H, qb, 1]
+        add = (keep.sum(-1, keepdim=True) < budget) & ~keep.all(-1, keepdim=True)
+        keep |= torch.zeros_like(keep).scatter_(2, best, add)
+        kept_m += m.gather(2, best)[..., 0] * add[..., 0]
+        gathered = u.gather(2, best[..., None].expand(heads, qb, 1, u.shape[3]))[:, :, 0]
+        kept_u += gathered * add
+    return keep
+
+
 def learn_block_pattern(
     q: Tensor,
     k: Tensor,
@@ -398,13 +499,28 @@ def learn_block_pattern(
     sparsity: float,
     method: str = "row",
     causal: bool = False,
+    v: Tensor | None = None,
     **keep_rules,
 ) -> BlockPattern:
     """A pattern learned offline from attention samples: the blocks' exact attention mass
     (:func:`block_mass` of q [H, N_q, D], k [H, N_k, D]) pruned by :func:`prune_blocks` (`method`,
     `sparsity` and the keep rules) — per head, the blocks that carry the most attention. CPU
     inputs other than float64 run the library's learner (C++: blocked float32 scores, OpenMP,
-    the same rules); the rest torch ops on q's device."""
+    the same rules); the rest torch ops on q's device. ``method="output"`` with the values ``v``
+    [H, N_k, Dv]: the blocks that keep the attention output (:func:`block_value_mass`, then
+    :func:`prune_blocks_by_output`), torch ops."""
+    if method == "output":
+        if v is None:
+            raise ValueError('learn_block_pattern: method="output" needs the values v [H, N_k, Dv]')
+        mass, value = block_value_mass(q, k, v, block_size, causal)
+        keep = prune_blocks_by_output(mass, value, sparsity, **keep_rules)
+        made_by = (
+            f"learned from attention mass and values of {q.shape[1]} queries x {k.shape[1]} keys, "
+            f"{q.shape[0]} heads; prune output sparsity={sparsity} {keep_rules}"
+        )
+        return BlockPattern.from_blocks(
+            keep.cpu(), block_size, rows=q.shape[1], cols=k.shape[1], made_by=made_by
+        )
     if _cpu_fast(q, k):  # the library's learner (ops/pattern_learn.hpp), the same rules
         rules = {"keep_diagonal": True, "window": 0, "global_blocks": 0, "top_p": 0.9}
         unknown = set(keep_rules) - set(rules)

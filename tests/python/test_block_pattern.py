@@ -156,6 +156,66 @@ def test_block_mass_equals_float64_dense_attention(causal):
     assert single.dtype == torch.float64 and torch.allclose(single, want, atol=1e-5)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_value_mass_equals_float64_dense_attention(causal):
+    """block_value_mass: the masses equal block_mass's, the value sums each block's softmax weights
+    times the keys' values summed over the block and averaged over its rows (float64 against a
+    dense computation; float32 inputs within float32's rounding), so that a block row's value
+    sums add up to its rows' mean attention output."""
+    g = torch.Generator().manual_seed(21)
+    q = torch.randn(2, 70, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 90, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 90, 5, generator=g, dtype=torch.float64)
+    mass, value = trisparse.block_value_mass(q, k, v, 16, causal=causal)
+    s = (q @ k.transpose(1, 2)) / math.sqrt(8)
+    if causal:
+        s = s.masked_fill(torch.arange(90)[None, :] > torch.arange(70)[:, None] + 20, -math.inf)
+    p = torch.softmax(s, -1)
+    want = torch.zeros(2, 5, 6, 5, dtype=torch.float64)
+    for r in range(5):
+        rows = slice(16 * r, min(70, 16 * r + 16))
+        for c in range(6):
+            keys = slice(16 * c, 16 * c + 16)
+            want[:, r, c] = (p[:, rows, keys] @ v[:, keys]).sum(1) / (rows.stop - rows.start)
+    assert torch.equal(mass, trisparse.block_mass(q, k, 16, causal=causal))
+    assert torch.allclose(value, want, atol=1e-12)
+    out = p @ v
+    means = torch.stack([out[:, 16 * r : 16 * r + 16].mean(1) for r in range(5)], 1)
+    assert torch.allclose(value.sum(2), means, atol=1e-12)
+    single = trisparse.block_value_mass(q.float(), k.float(), v.float(), 16, causal=causal)[1]
+    assert single.dtype == torch.float64 and torch.allclose(single, want, atol=1e-5)
+    with pytest.raises(ValueError, match="v must be"):
+        trisparse.block_value_mass(q, k, v[:, :80], 16)
+
+
+def test_prune_blocks_by_output_keeps_the_output_where_the_mass_cannot():
+    """Attention spread evenly (every block holds the same mass) over values that differ by key
+    block: the blocks of highest mass (ties: the first ones) leave a biased output, the blocks
+    chosen for the output average to the dropped ones, with the same count a row and the
+    diagonal kept; with nothing dropped the output is exact."""
+    g = torch.Generator().manual_seed(22)
+    n, d, block = 512, 8, 32
+    q = 1e-3 * torch.randn(2, n, d, generator=g, dtype=torch.float64)
+    k = torch.randn(2, n, d, generator=g, dtype=torch.float64)
+    offsets = torch.randn(2, n // block, 1, d, generator=g, dtype=torch.float64)
+    v = (offsets + 0.1 * torch.randn(2, n // block, block, d, generator=g)).reshape(2, n, d)
+    mass, value = trisparse.block_value_mass(q, k, v, block)
+    keep = trisparse.prune_blocks_by_output(mass, value, 0.75)
+    assert torch.equal(keep.sum(-1), torch.full((2, 16), 4)) and keep.diagonal(0, 1, 2).all()
+    by_output = trisparse.learn_block_pattern(q, k, block, 0.75, method="output", v=v)
+    assert torch.equal(by_output.blocks(), keep)
+    by_mass = trisparse.learn_block_pattern(q, k, block, 0.75)
+    err_output = trisparse.attention_error(q, k, v, by_output)
+    err_mass = trisparse.attention_error(q, k, v, by_mass)
+    assert (err_output < 0.5 * err_mass).all(), (err_output, err_mass)
+    full = trisparse.learn_block_pattern(q, k, block, 0.0, method="output", v=v)
+    assert float(trisparse.attention_error(q, k, v, full).max()) < 1e-12
+    with pytest.raises(ValueError, match="needs the values"):
+        trisparse.learn_block_pattern(q, k, block, 0.75, method="output")
+    with pytest.raises(ValueError, match="over the same blocks"):
+        trisparse.prune_blocks_by_output(mass, value[:, 1:], 0.75)
+
+
 def test_prune_blocks_methods():
     g = torch.Generator().manual_seed(13)
     imp = torch.rand(3, 10, 20, generator=g)
