@@ -449,7 +449,7 @@ def prune_blocks_by_output(
 ) -> Tensor:
     """The blocks to keep (bool [H, qb, kb]) chosen for the attention output rather than the mass:
     each block row keeps (1 - sparsity) of its key blocks (at least one; the keep rules' blocks
-    first), adding one block at a time, the one that brings the kept blocks' renormalised output
+    first; blocks of no mass are never added), adding one block at a time, the one that brings the kept blocks' renormalised output
     sum(value) / sum(mass) nearest (L2) to the row's full output. `mass`, `value`: the
     blocks' statistics of :func:`block_value_mass` (or their average over samples). Where the
     attention spreads evenly (no block holds much mass) the mass says little about which blocks
@@ -471,20 +471,12 @@ def prune_blocks_by_output(
     kept_m = (m * keep).sum(-1)
     kept_u = (u * keep[..., None]).sum(2)
     budget = max(1, round((1.0 - sparsity) * kb))
-    for _ in range(budget):  # rows at their budget (or with every block kept) add nothing
-        err = (
-            (
-                (
-                    (kept_u[:, :, None] + u) / (kept_m[:, :, None] + m).clamp(min=tiny)[..., None]
-                    - target[:, :, None]
-                )
-                ** 2
-            )
-            .sum(-1)
-            .masked_fill(keep, float("inf"))
-        )
-        best = err.argmin(-1, keepdim=True)  # [H, qb, 1]
-        add = (keep.sum(-1, keepdim=True) < budget) & ~keep.all(-1, keepdim=True)
+    empty = m <= 0  # blocks no query of the row sees (causal): never worth a slot
+    for _ in range(budget):  # rows at their budget, or out of candidates, add nothing
+        mixed = (kept_u[:, :, None] + u) / (kept_m[:, :, None] + m).clamp(min=tiny)[..., None]
+        err = ((mixed - target[:, :, None]) ** 2).sum(-1).masked_fill(keep | empty, float("inf"))
+        least, best = err.min(-1, keepdim=True)  # [H, qb, 1]: ties to the lower key block
+        add = (keep.sum(-1, keepdim=True) < budget) & torch.isfinite(least)
         keep |= torch.zeros_like(keep).scatter_(2, best, add)
         kept_m += m.gather(2, best)[..., 0] * add[..., 0]
         gathered = u.gather(2, best[..., None].expand(heads, qb, 1, u.shape[3]))[:, :, 0]

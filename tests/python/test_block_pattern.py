@@ -188,17 +188,24 @@ def test_block_value_mass_equals_float64_dense_attention(causal):
         trisparse.block_value_mass(q, k, v[:, :80], 16)
 
 
-def test_prune_blocks_by_output_keeps_the_output_where_the_mass_cannot():
-    """Attention spread evenly (every block holds the same mass) over values that differ by key
-    block: the blocks of highest mass (ties: the first ones) leave a biased output, the blocks
-    chosen for the output average to the dropped ones, with the same count a row and the
-    diagonal kept; with nothing dropped the output is exact."""
+def _even_attention_over_block_values(n=512, d=8, block=32):
+    """q, k, v [2, n, d] float64: attention spread evenly (q near zero), values that differ by key
+    block (an offset a block plus small noise)."""
     g = torch.Generator().manual_seed(22)
-    n, d, block = 512, 8, 32
     q = 1e-3 * torch.randn(2, n, d, generator=g, dtype=torch.float64)
     k = torch.randn(2, n, d, generator=g, dtype=torch.float64)
     offsets = torch.randn(2, n // block, 1, d, generator=g, dtype=torch.float64)
     v = (offsets + 0.1 * torch.randn(2, n // block, block, d, generator=g)).reshape(2, n, d)
+    return q, k, v
+
+
+def test_prune_blocks_by_output_keeps_the_output_where_the_mass_cannot():
+    """Attention spread evenly (every block holds the same mass) over values that differ by key
+    block: the blocks of highest mass (ties: the first ones) leave a biased output, the blocks
+    chosen for the output average to the dropped ones, with the same count a row and the
+    diagonal kept (causal: nothing past it); with nothing dropped the output is exact."""
+    block = 32
+    q, k, v = _even_attention_over_block_values(block=block)
     mass, value = trisparse.block_value_mass(q, k, v, block)
     keep = trisparse.prune_blocks_by_output(mass, value, 0.75)
     assert torch.equal(keep.sum(-1), torch.full((2, 16), 4)) and keep.diagonal(0, 1, 2).all()
@@ -208,6 +215,10 @@ def test_prune_blocks_by_output_keeps_the_output_where_the_mass_cannot():
     err_output = trisparse.attention_error(q, k, v, by_output)
     err_mass = trisparse.attention_error(q, k, v, by_mass)
     assert (err_output < 0.5 * err_mass).all(), (err_output, err_mass)
+    causal = trisparse.prune_blocks_by_output(
+        *trisparse.block_value_mass(q, k, v, block, causal=True), 0.75
+    )  # no block past the diagonal (no mass): the first rows keep what they see
+    assert not causal.triu(1).any() and torch.equal(causal.sum(-1)[0, :4], torch.arange(1, 5))
     full = trisparse.learn_block_pattern(q, k, block, 0.0, method="output", v=v)
     assert float(trisparse.attention_error(q, k, v, full).max()) < 1e-12
     with pytest.raises(ValueError, match="needs the values"):
@@ -431,6 +442,22 @@ def test_pattern_learner_tracks_every_nth_step():
     learner = trisparse.PatternLearner(g, sparsity=0.5, every=1, track_every=3)
     _learner_steps(learner, q[None], k[None], v[None], 7)
     assert learner.tracker.steps == 2  # steps 3 and 6 (step 0 is dense: no pattern yet)
+
+
+@pytest.mark.gpu
+def test_selection_for_the_output_on_cuda_equals_the_cpu():
+    """block_value_mass and prune_blocks_by_output as torch ops on CUDA (float64): the same
+    statistics and the same blocks as on the CPU, causal too."""
+    q, k, v = _even_attention_over_block_values()
+    for causal in (False, True):
+        want = trisparse.block_value_mass(q, k, v, 32, causal=causal)
+        got = trisparse.block_value_mass(q.cuda(), k.cuda(), v.cuda(), 32, causal=causal)
+        for a, b in zip(got, want, strict=True):
+            assert a.is_cuda and torch.allclose(a.cpu(), b, rtol=1e-12, atol=1e-15)
+        keep = trisparse.prune_blocks_by_output(*got, 0.75)
+        assert keep.is_cuda and torch.equal(
+            keep.cpu(), trisparse.prune_blocks_by_output(*want, 0.75)
+        )
 
 
 @pytest.mark.gpu
