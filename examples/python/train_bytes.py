@@ -14,8 +14,9 @@ blocks by: random scores; pooled q . k (topk: the routing rule of trisparse.topk
 pooled_block_mass); the exact attention mass summed over --learn-samples training sequences
 (learned: offline, then applied to the held-out sequence); a trisparse.BlockGate per layer
 trained by distillation on the same samples (gate: --gate-steps Adam steps against their block
-mass, then applied to the held-out sequence's own pooled q and k); the held-out sequence's own mass
-(oracle: how sparse its attention really is; oracle_mass_kept is the mass its blocks hold).
+mass, then applied to the held-out sequence's own pooled q and k); the held-out sequence's own
+blocks for the output (output: trisparse.prune_blocks_by_output on its masses and value sums, per
+sample as the oracle); the held-out sequence's own mass (oracle: how sparse its attention really is; oracle_mass_kept is the mass its blocks hold).
 local_strided is a band of blocks and every stride-th block below the diagonal, as close to
 (1 - s) of the causal blocks as its parameters come.
 
@@ -218,7 +219,7 @@ def error_table(args, data, split):
         ),
         flush=True,
     )
-    methods = ("random", "local_strided", "topk", "learned", "gate", "oracle")
+    methods = ("random", "local_strided", "topk", "learned", "gate", "output", "oracle")
     gates = []
     for layer in range(args.layers):
         q0 = learn[0][layer][0]
@@ -247,6 +248,9 @@ def error_table(args, data, split):
             with torch.no_grad():
                 routed = gates[layer](q.to(device), k.to(device)).exp().cpu()
             per["gate"].append(error(keep_per_row(routed, s)))
+            # Per sample, for the output: the blocks whose renormalised output comes nearest.
+            stats = trisparse.block_value_mass(q, k, v, g, True)
+            per["output"].append(error(trisparse.prune_blocks_by_output(*stats, s, causal=True)))
             true_mass = trisparse.block_mass(q, k, g, True)
             oracle = keep_per_row(true_mass, s)
             per["oracle"].append(error(oracle))

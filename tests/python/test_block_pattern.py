@@ -215,10 +215,13 @@ def test_prune_blocks_by_output_keeps_the_output_where_the_mass_cannot():
     err_output = trisparse.attention_error(q, k, v, by_output)
     err_mass = trisparse.attention_error(q, k, v, by_mass)
     assert (err_output < 0.5 * err_mass).all(), (err_output, err_mass)
-    causal = trisparse.prune_blocks_by_output(
-        *trisparse.block_value_mass(q, k, v, block, causal=True), 0.75
-    )  # no block past the diagonal (no mass): the first rows keep what they see
+    stats = trisparse.block_value_mass(q, k, v, block, causal=True)
+    causal = trisparse.prune_blocks_by_output(*stats, 0.75)
+    # no block past the diagonal (no mass): the first rows keep what they see
     assert not causal.triu(1).any() and torch.equal(causal.sum(-1)[0, :4], torch.arange(1, 5))
+    causal = trisparse.prune_blocks_by_output(*stats, 0.75, causal=True)  # 1/4 of what a row sees
+    want = torch.round(0.25 * torch.arange(1, 17)).clamp(min=1).long()
+    assert not causal.triu(1).any() and torch.equal(causal.sum(-1), want.expand(2, 16))
     full = trisparse.learn_block_pattern(q, k, block, 0.0, method="output", v=v)
     assert float(trisparse.attention_error(q, k, v, full).max()) < 1e-12
     with pytest.raises(ValueError, match="needs the values"):
