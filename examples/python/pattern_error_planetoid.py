@@ -17,7 +17,10 @@ Patterns at sparsity s (the share of blocks dropped; every block row keeps its d
 random; local-strided (a band of blocks and every stride-th block, as close to s as its
 parameters allow); community and knn (the graph's / features' community order, then the blocks
 holding the most edges of that graph); topk (pooled q . k routing, trisparse.topk_block_mask's
-rule); oracle (the blocks of highest true attention mass per block row, learn_block_pattern from
+rule); learned (a PatternLearner per layer, dense through the training, folding each step's
+exact block mass into its moving average, pruned per block row); output (learn_block_pattern's
+"output" method on the very q, k, v: per block row the blocks whose renormalised output comes
+nearest the dense one, chosen greedily from the blocks' masses and value sums); oracle (the blocks of highest true attention mass per block row, learn_block_pattern from
 the very q and k: how sparse the attention really is; oracle_mass_kept is the attention mass
 its blocks hold).
 """
@@ -172,7 +175,13 @@ def main():
     if args.train_learner:
         return train_with_learners(data, args)
     start = time.perf_counter()
-    model, val, test = train(data, args)
+    # Learners that stay dense for the whole run (the same training as plain SDPA) and observe
+    # each step's exact block mass: the pattern learned from training, pruned at each sparsity.
+    observers = [
+        trisparse.PatternLearner(args.block, 0.9, warmup=args.epochs + 1)
+        for _ in range(args.layers)
+    ]
+    model, val, test = train(data, args, learners=observers)
     trained_s = time.perf_counter() - start
     with torch.no_grad():
         model(data.x, data.edge_index)
@@ -206,9 +215,10 @@ def main():
     for s in args.sparsity:
         keep = 1.0 - s
         row = {"sparsity": s}
-        methods = ("random", "local_strided", "community", "knn", "topk", "oracle")
+        methods = ("random", "local_strided", "community", "knn", "topk", "learned", "output")
+        methods = (*methods, "oracle")
         per = {m: [] for m in (*methods, "oracle_mass_kept")}
-        for q, k, v in saved:
+        for (q, k, v), observer in zip(saved, observers, strict=True):
             q, k, v = q.double(), k.double(), v.double()
             heads = q.shape[0]
             rand = torch.rand(heads, nb, nb, generator=gen) < keep
@@ -226,6 +236,10 @@ def main():
             top_k = max(1, round(keep * nb))
             routed = trisparse.topk_block_mask(q[None].float(), k[None].float(), g, top_k)
             per["topk"].append(errors(q, k, v, routed.blocks[0], g))
+            learned = trisparse.prune_blocks(observer.importance, s, "row")
+            per["learned"].append(errors(q, k, v, learned, g))
+            output = trisparse.learn_block_pattern(q, k, g, s, method="output", v=v)
+            per["output"].append(float(trisparse.attention_error(q, k, v, output).mean()))
             oracle = trisparse.learn_block_pattern(q, k, g, s)
             per["oracle"].append(float(trisparse.attention_error(q, k, v, oracle).mean()))
             mass = trisparse.block_mass(q, k, g)  # each block row's share the oracle keeps
