@@ -510,16 +510,11 @@ def learn_block_pattern(
     if method == "output":
         if v is None:
             raise ValueError('learn_block_pattern: method="output" needs the values v [H, N_k, Dv]')
-        mass, value = block_value_mass(q, k, v, block_size, causal)
-        keep = prune_blocks_by_output(mass, value, sparsity, **keep_rules)
-        made_by = (
-            f"learned from attention mass and values of {q.shape[1]} queries x {k.shape[1]} keys, "
-            f"{q.shape[0]} heads; prune output sparsity={sparsity} {keep_rules}"
+        keep = prune_blocks_by_output(
+            *block_value_mass(q, k, v, block_size, causal), sparsity, **keep_rules
         )
-        return BlockPattern.from_blocks(
-            keep.cpu(), block_size, rows=q.shape[1], cols=k.shape[1], made_by=made_by
-        )
-    if _cpu_fast(q, k):  # the library's learner (ops/pattern_learn.hpp), the same rules
+        made_by = "attention mass and values"
+    elif _cpu_fast(q, k):  # the library's learner (ops/pattern_learn.hpp), the same rules
         rules = {"keep_diagonal": True, "window": 0, "global_blocks": 0, "top_p": 0.9}
         unknown = set(keep_rules) - set(rules)
         if unknown:
@@ -538,10 +533,11 @@ def learn_block_pattern(
                 bool(causal),
             )
         )
-    mass = block_mass(q, k, block_size, causal)
-    keep = prune_blocks(mass, sparsity, method, **keep_rules)
+    else:
+        keep = prune_blocks(block_mass(q, k, block_size, causal), sparsity, method, **keep_rules)
+        made_by = "attention mass"
     made_by = (
-        f"learned from attention mass of {q.shape[1]} queries x {k.shape[1]} keys, "
+        f"learned from {made_by} of {q.shape[1]} queries x {k.shape[1]} keys, "
         f"{q.shape[0]} heads; prune {method} sparsity={sparsity} {keep_rules}"
     )
     return BlockPattern.from_blocks(
