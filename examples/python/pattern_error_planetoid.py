@@ -14,15 +14,15 @@ at each --sparsity (learned from the start: dense for --learner-warmup epochs, t
 with the kernels' block importance), test accuracy at the best validation epoch per seed.
 
 Patterns at sparsity s (the share of blocks dropped; every block row keeps its diagonal block):
-random; local-strided (a band of blocks and every stride-th block, as close to s as its
-parameters allow); community and knn (the graph's / features' community order, then the blocks
-holding the most edges of that graph); topk (pooled q . k routing, trisparse.topk_block_mask's
-rule); learned (a PatternLearner per layer, dense through the training, folding each step's
-exact block mass into its moving average, pruned per block row); output (learn_block_pattern's
-"output" method on the very q, k, v: per block row the blocks whose renormalised output comes
-nearest the dense one, chosen greedily from the blocks' masses and value sums); oracle (the blocks of highest true attention mass per block row, learn_block_pattern from
-the very q and k: how sparse the attention really is; oracle_mass_kept is the attention mass
-its blocks hold).
+random; local-strided (a band of blocks and every stride-th block, as close to s as its parameters
+allow); community and knn (the graph's / features' community order, then the blocks holding the most
+edges of that graph); topk (pooled q . k routing, trisparse.topk_block_mask's rule); learned (a
+PatternLearner per layer, dense through the training, folding each step's exact block mass into its
+moving average, pruned per block row); output (learn_block_pattern's "output" method on the very q,
+k, v: per block row the blocks whose renormalised output comes nearest the dense one, chosen
+greedily from the blocks' masses and value sums); oracle (the blocks of highest true attention mass
+per block row, learn_block_pattern from the very q and k: how sparse the attention really is;
+oracle_mass_kept is the attention mass its blocks hold).
 """
 
 import argparse

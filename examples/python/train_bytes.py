@@ -12,13 +12,13 @@ output against dense (trisparse.attention_error, causal), averaged over heads an
 at sparsity s keep, in each block row, the diagonal block and the best (1 - s) of the row's causal
 blocks by: random scores; pooled q . k (topk: the routing rule of trisparse.topk_block_mask,
 pooled_block_mass); the exact attention mass summed over --learn-samples training sequences
-(learned: offline, then applied to the held-out sequence); a trisparse.BlockGate per layer
-trained by distillation on the same samples (gate: --gate-steps Adam steps against their block
-mass, then applied to the held-out sequence's own pooled q and k); the held-out sequence's own
-blocks for the output (output: trisparse.prune_blocks_by_output on its masses and value sums, per
-sample as the oracle); the held-out sequence's own mass (oracle: how sparse its attention really is; oracle_mass_kept is the mass its blocks hold).
-local_strided is a band of blocks and every stride-th block below the diagonal, as close to
-(1 - s) of the causal blocks as its parameters come.
+(learned: offline, then applied to the held-out sequence); a trisparse.BlockGate per layer trained
+by distillation on the same samples (gate: --gate-steps Adam steps against their block mass, then
+applied to the held-out sequence's own pooled q and k); the held-out sequence's own blocks for the
+output (output: trisparse.prune_blocks_by_output on its masses and value sums, per sample as the
+oracle); the held-out sequence's own mass (oracle: how sparse its attention really is;
+oracle_mass_kept is the mass its blocks hold). local_strided is a band of blocks and every stride-th
+block below the diagonal, as close to (1 - s) of the causal blocks as its parameters come.
 
 --mode train trains the same model with dense attention and with a trisparse.PatternLearner per
 layer at each --sparsity (dense for --learner-warmup steps, then block-sparse under the pattern

@@ -451,12 +451,13 @@ def prune_blocks_by_output(
     """The blocks to keep (bool [H, qb, kb]) chosen for the attention output rather than the mass:
     each block row keeps (1 - sparsity) of its key blocks (causal: of the blocks it sees, the
     last block row aligned with the last key block; at least one; the keep rules' blocks first;
-    blocks of no mass are never added), adding one block at a time, the one that brings the kept blocks' renormalised output
-    sum(value) / sum(mass) nearest (L2) to the row's full output. `mass`, `value`: the
-    blocks' statistics of :func:`block_value_mass` (or their average over samples). Where the
-    attention spreads evenly (no block holds much mass) the mass says little about which blocks
-    matter, the values do: the kept blocks are made to average to the dropped ones. Ties go to
-    the lower key block. Torch ops on mass's device (float64), no host synchronisation."""
+    blocks of no mass are never added), adding one block at a time, the one that brings the kept
+    blocks' renormalised output sum(value) / sum(mass) nearest (L2) to the row's full output.
+    `mass`, `value`: the blocks' statistics of :func:`block_value_mass` (or their average over
+    samples). Where the attention spreads evenly (no block holds much mass) the mass says little
+    about which blocks matter, the values do: the kept blocks are made to average to the dropped
+    ones. Ties go to the lower key block. Torch ops on mass's device (float64), no host
+    synchronisation."""
     if mass.dim() != 3 or value.dim() != 4 or value.shape[:3] != mass.shape:
         raise ValueError(
             f"mass must be [H, qb, kb] and value [H, qb, kb, Dv] over the same blocks, got "
@@ -477,8 +478,8 @@ def prune_blocks_by_output(
         seen = (torch.arange(qb, device=m.device) + 1 + kb - qb).clamp(1, kb)
     budget = torch.round((1.0 - sparsity) * seen).clamp(min=1)[None, :, None]  # [1, qb, 1]
     empty = m <= 0  # blocks no query of the row sees (causal): never worth a slot
-    for _ in range(max(1, round((1.0 - sparsity) * kb))):  # rows at their budget, or out of
-        # candidates, add nothing
+    # One block a row a step; rows at their budget, or out of candidates, add nothing.
+    for _ in range(max(1, round((1.0 - sparsity) * kb))):
         mixed = (kept_u[:, :, None] + u) / (kept_m[:, :, None] + m).clamp(min=tiny)[..., None]
         err = ((mixed - target[:, :, None]) ** 2).sum(-1).masked_fill(keep | empty, float("inf"))
         least, best = err.min(-1, keepdim=True)  # [H, qb, 1]: ties to the lower key block
