@@ -614,9 +614,16 @@ class PatternLearner:
 
     Either way the importance aggregates the observations: `aggregate` "ema" (an exponential moving
     average, `decay`), or "mean" / "max" over each block row's last `window` observations; the
-    pattern is pruned
-    from it (:func:`prune_blocks`: `sparsity`, `method` and keep rules) once past the warm-up,
-    refreshed every `every` steps and frozen after `freeze_after` steps. Block rows never
+    pattern is pruned from it (:func:`prune_blocks`: `sparsity`, `method` and keep rules) once
+    past the warm-up, refreshed every `every` steps and frozen after `freeze_after` steps.
+
+    ``method="output"`` chooses for the attention output (:func:`prune_blocks_by_output`) from
+    the aggregated masses and value sums (:func:`block_value_mass`, in :attr:`values`): where the
+    attention spreads evenly the mass cannot tell the blocks apart, the values can. The values
+    are observed too (``observe(q, k, v)``), and in the block-sparse phase every
+    `track_every`-th step takes the exact statistics of the sampled block rows of the first
+    sequence by torch ops (sample_blocks · G queries against every key; the kernels measure no
+    value sums) in place of the kernels' mass; "ema" or "mean" only. Block rows never
     observed keep an initial importance (uniform, or `initial`: a BlockPattern's kept blocks weigh
     1) so that an initialiser seeds the pattern. Everything runs as torch ops on q's device: no
     host synchronisation in a step. The pattern (:meth:`pattern`) can be saved and reloaded."""
@@ -640,6 +647,8 @@ class PatternLearner:
     ):
         if aggregate not in ("ema", "mean", "max"):
             raise ValueError(f"aggregate must be ema, mean or max, not {aggregate!r}")
+        if method == "output" and aggregate == "max":
+            raise ValueError('method="output" averages value sums: aggregate "ema" or "mean"')
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.aggregate, self.window = aggregate, window
@@ -655,11 +664,12 @@ class PatternLearner:
         self.initial = initial
         self.steps = 0
         self.importance: Tensor | None = None
+        self.values: Tensor | None = None  # method "output": [H, qb, kb, Dv] value sums
         self._seen: Tensor | None = None
         self._keep: Tensor | None = None
         self._mask: BlockMask | None = None
         self.tracker = BlockImportance(measure_grad=False)  # the mass is what it folds
-        self._history: Tensor | None = None  # mean / max: [window, H, qb, kb]
+        self._history: list[Tensor] | None = None  # mean / max: [window, H, qb, kb(, Dv)]
         self._slot: Tensor | None = None  # [qb]: each block row's next slot
         self._pending: tuple[Tensor, Tensor, int] | None = None  # (keep, pooled, tracker steps)
 
@@ -680,12 +690,15 @@ class PatternLearner:
             self._start(q.shape[1], -(-q.shape[2] // g), -(-k.shape[2] // g), q.device)
             self._keep = self.importance > 0
         if self._keep is None or self.steps < self.warmup:
-            self.observe(q[0], k[0])
+            self.observe(q[0], k[0], v[0])
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, is_causal=self.causal, scale=scale
             )
         mask = self._block_mask()
         track = self.steps % self.track_every == 0 and not self._frozen()  # frozen: no use
+        if track and self.method == "output":  # value sums: sampled rows, exact, by torch ops
+            self._observe_rows(q[0].detach(), k[0].detach(), v[0].detach())
+            track = False
         out = block_sparse_attention(
             q, k, v, mask, scale=scale, importance=self.tracker if track else None
         )
@@ -696,21 +709,31 @@ class PatternLearner:
         self._advance(frozen=self._frozen())
         return out
 
-    def observe(self, q: Tensor, k: Tensor) -> None:
-        """One step's q [H, N_q, D] and k [H, N_k, D] (detached): the mass of the sampled block
-        rows enters the average; the pattern is re-pruned when due."""
-        q, k = q.detach(), k.detach()
+    def observe(self, q: Tensor, k: Tensor, v: Tensor | None = None) -> None:
+        """One step's q [H, N_q, D] and k [H, N_k, D] (and v [H, N_k, Dv], which
+        ``method="output"`` needs; detached): the mass (and value sums) of the sampled block rows
+        enter the average; the pattern is re-pruned when due."""
+        frozen = self._frozen()
+        if not frozen:
+            self._observe_rows(q.detach(), k.detach(), None if v is None else v.detach())
+        else:
+            g = self.block_size
+            self._start(q.shape[0], -(-q.shape[1] // g), -(-k.shape[1] // g), q.device)
+        self._advance(frozen)
+
+    def _observe_rows(self, q: Tensor, k: Tensor, v: Tensor | None) -> None:
+        """Folds the exact statistics of the sampled block rows (all, without `sample_blocks`)."""
+        if self.method == "output" and v is None:
+            raise ValueError('PatternLearner(method="output") observes the values: give v')
+        if self.method != "output":
+            v = None  # the mass is all the other methods use
         g = self.block_size
         qb, kb = -(-q.shape[1] // g), -(-k.shape[1] // g)
         self._start(q.shape[0], qb, kb, q.device)
-        frozen = self._frozen()
-        if not frozen:
-            rows = torch.arange(qb, device=q.device)
-            if self.sample_blocks is not None and self.sample_blocks < qb:
-                rows = torch.randperm(qb, device=q.device)[: self.sample_blocks]
-            elems = (rows[:, None] * g + torch.arange(g, device=q.device)).reshape(-1)
-            self._fold(rows, _sampled_mass(q, k, g, elems, rows.numel(), self.causal))
-        self._advance(frozen)
+        rows = torch.arange(qb, device=q.device)
+        if self.sample_blocks is not None and self.sample_blocks < qb:
+            rows = torch.randperm(qb, device=q.device)[: self.sample_blocks]
+        self._fold(rows, *_sampled_stats(q, k, v, g, rows, self.causal))
 
     def observe_importance(self, mass: Tensor, keep: Tensor, pooled: Tensor) -> None:
         """Folds a backward's kernel-measured mass ([B or 1, H, qb, kb], or [H, qb, kb]: the
@@ -769,32 +792,43 @@ class PatternLearner:
             return f"ema decay {self.decay}"
         return f"{self.aggregate} of the last {self.window} observations"
 
-    def _fold(self, rows: Tensor, mass: Tensor) -> None:
-        if self.aggregate == "ema":
-            old = self.importance[:, rows]
-            seen = self._seen[rows][None, :, None]
-            self.importance[:, rows] = torch.where(
-                seen, self.decay * old + (1 - self.decay) * mass, mass
+    def _fold(self, rows: Tensor, mass: Tensor, value: Tensor | None = None) -> None:
+        """Aggregates block rows `rows`' new mass [H, R, kb] (and value sums [H, R, kb, Dv])."""
+        if value is not None and self.values is None:
+            self.values = torch.zeros(
+                *self.importance.shape, value.shape[-1], dtype=torch.float64, device=value.device
             )
+        states = [(self.importance, mass)] + ([] if value is None else [(self.values, value)])
+        if self.aggregate == "ema":
+            for state, new in states:
+                seen = self._seen[rows].view(1, -1, *[1] * (state.dim() - 2))
+                state[:, rows] = torch.where(
+                    seen, self.decay * state[:, rows] + (1 - self.decay) * new, new
+                )
         else:  # the rows' observations in a ring of `window` slots a row (NaN: none yet)
             if self._history is None:
-                self._history = torch.full(
-                    (self.window, *self.importance.shape),
-                    torch.nan,
-                    dtype=torch.float64,
-                    device=self.importance.device,
-                )
+                self._history = []
                 self._slot = torch.zeros(
                     self.importance.shape[1], dtype=torch.int64, device=self.importance.device
                 )
             slot = self._slot[rows]
-            self._history[slot, :, rows] = mass.transpose(0, 1)
+            for i, (state, new) in enumerate(states):
+                if len(self._history) == i:
+                    self._history.append(
+                        torch.full(
+                            (self.window, *state.shape),
+                            torch.nan,
+                            dtype=torch.float64,
+                            device=state.device,
+                        )
+                    )
+                self._history[i][slot, :, rows] = new.transpose(0, 1)
+                window = self._history[i][:, :, rows]
+                if self.aggregate == "mean":
+                    state[:, rows] = window.nanmean(0)
+                else:
+                    state[:, rows] = window.nan_to_num(-torch.inf).amax(0)
             self._slot.index_put_((rows,), (slot + 1) % self.window)
-            window = self._history[:, :, rows]
-            if self.aggregate == "mean":
-                self.importance[:, rows] = window.nanmean(0)
-            else:
-                self.importance[:, rows] = window.nan_to_num(-torch.inf).amax(0)
         self._seen.index_fill_(0, rows, True)  # no host tensor: capturable in a CUDA graph
 
     def _fold_pending(self) -> None:
@@ -808,18 +842,29 @@ class PatternLearner:
         self.steps += 1
         due = self._keep is None or (self.steps - self.warmup - 1) % self.every == 0
         if self.steps > self.warmup and due and not (frozen and self._keep is not None):
-            self._keep = prune_blocks(
-                self.importance, self.sparsity, self.method, **self.keep_rules
-            )
+            if self.method != "output":
+                self._keep = prune_blocks(
+                    self.importance, self.sparsity, self.method, **self.keep_rules
+                )
+            else:
+                rules = {k: x for k, x in self.keep_rules.items() if k != "top_p"}
+                # Block rows not observed yet: by their initial importance.
+                self._keep = prune_blocks(self.importance, self.sparsity, "row", **rules)
+                if self.values is not None:
+                    by_output = prune_blocks_by_output(
+                        self.importance, self.values, self.sparsity, causal=self.causal, **rules
+                    )
+                    self._keep = torch.where(self._seen[None, :, None], by_output, self._keep)
             self._mask = None
 
 
-def _sampled_mass(q, k, g, elems, rows, causal):
-    """block_mass of `rows` whole block rows whose query rows are `elems` (g a row, in order;
-    those past N_q, in a partial last block, weigh nothing: masked, not dropped, so no shape
-    depends on data)."""
+def _sampled_stats(q, k, v, g, rows, causal):
+    """(mass, value sums or None) of the whole block rows `rows` ([R] block indices), as
+    block_value_mass gives them: [H, R, kb] and [H, R, kb, Dv]. A partial last block's rows past
+    N_q weigh nothing (masked, not dropped: no shape depends on data); float64."""
     n_q, n_k = q.shape[1], k.shape[1]
-    kb = -(-n_k // g)
+    kb, r = -(-n_k // g), rows.numel()
+    elems = (rows[:, None] * g + torch.arange(g, device=q.device)).reshape(-1)
     valid = (elems < n_q).to(torch.float64)
     at = elems.clamp(max=n_q - 1)
     scale = _tensors.resolve_scale(None, q.shape[2])
@@ -828,10 +873,12 @@ def _sampled_mass(q, k, g, elems, rows, causal):
         limit = at[:, None] + (n_k - n_q)
         s = s.masked_fill(torch.arange(n_k, device=q.device)[None, :] > limit, float("-inf"))
     p = torch.softmax(s, -1).nan_to_num(0.0) * valid[None, :, None]
-    per_key = torch.zeros(q.shape[0], elems.numel(), kb, dtype=torch.float64, device=q.device)
-    per_key.index_add_(2, torch.arange(n_k, device=q.device) // g, p)
-    slot = torch.repeat_interleave(torch.arange(rows, device=q.device), g)
-    out = torch.zeros(q.shape[0], rows, kb, dtype=torch.float64, device=q.device)
-    out.index_add_(1, slot, per_key)
-    counts = torch.zeros(rows, dtype=torch.float64, device=q.device).index_add(0, slot, valid)
-    return out / counts.clamp(min=1)[None, :, None]
+    p = torch.nn.functional.pad(p, (0, kb * g - n_k))
+    per_key = p.view(q.shape[0], r, g, kb, g).sum(2)  # [H, R, kb, g]: over the block's rows
+    counts = valid.view(r, g).sum(1).clamp(min=1)[None, :, None]
+    value = None
+    if v is not None:
+        vb = torch.nn.functional.pad(v.to(torch.float64), (0, 0, 0, kb * g - n_k))
+        value = torch.einsum("hrkj,hkjd->hrkd", per_key, vb.view(v.shape[0], kb, g, -1))
+        value = value / counts[..., None]
+    return per_key.sum(-1) / counts, value

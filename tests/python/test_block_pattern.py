@@ -447,6 +447,58 @@ def test_pattern_learner_tracks_every_nth_step():
     assert learner.tracker.steps == 2  # steps 3 and 6 (step 0 is dense: no pattern yet)
 
 
+@pytest.mark.parametrize("aggregate", ["ema", "mean"])
+def test_pattern_learner_for_the_output_equals_the_offline_choice(aggregate):
+    """PatternLearner(method="output") observing q, k, v aggregates the blocks' exact masses and
+    value sums (block_value_mass's, sampled rows too) and prunes them as learn_block_pattern's
+    "output" method does; it needs the values and averages them (no max)."""
+    block = 32
+    q, k, v = _even_attention_over_block_values(n=500, block=20)  # a partial last block
+    learner = trisparse.PatternLearner(
+        block, sparsity=0.75, method="output", every=1, aggregate=aggregate, window=3
+    )
+    for _ in range(3):
+        learner.observe(q, k, v)
+    mass, value = trisparse.block_value_mass(q, k, v, block)
+    torch.testing.assert_close(learner.importance, mass, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(learner.values, value, rtol=1e-12, atol=1e-15)
+    want = trisparse.learn_block_pattern(q, k, block, 0.75, method="output", v=v)
+    assert torch.equal(learner.pattern(500, 500).blocks(), want.blocks())
+    torch.manual_seed(30)  # sampled block rows: the same statistics for the rows drawn
+    sampled = trisparse.PatternLearner(block, 0.75, method="output", sample_blocks=5, decay=0.0)
+    sampled.observe(q, k, v)
+    rows = sampled._seen.nonzero()[:, 0]
+    assert rows.numel() == 5
+    torch.testing.assert_close(sampled.values[:, rows], value[:, rows], rtol=1e-12, atol=1e-15)
+    with pytest.raises(ValueError, match="observes the values"):
+        sampled.observe(q, k)
+    with pytest.raises(ValueError, match="ema"):
+        trisparse.PatternLearner(block, 0.75, method="output", aggregate="max")
+
+
+def test_pattern_learner_for_the_output_in_training_steps():
+    """Called in place of the attention from a diagonal-only start, the output learner takes each
+    tracked step's exact statistics and reaches the offline output choice; on attention spread
+    evenly over values that differ by key block its pattern's error is less than half of the
+    mass learner's."""
+    n, g = 512, 32
+    q, k, v = _even_attention_over_block_values(n=n, block=g)
+    diagonal = trisparse.BlockPattern.layout("window", n, block_size=g, window=0)
+    make = lambda method: trisparse.PatternLearner(
+        g, sparsity=0.75, method=method, every=1, decay=0.5, initial=diagonal, track_every=2
+    )
+    by_output, by_mass = make("output"), make("row")
+    for learner in (by_output, by_mass):
+        _learner_steps(learner, q[None], k[None], v[None], 6)
+    assert by_output.tracker.steps == 0  # no kernel importance: the sampled statistics
+    want = trisparse.learn_block_pattern(q, k, g, 0.75, method="output", v=v)
+    got = by_output.pattern(n, n)
+    assert torch.equal(got.blocks(), want.blocks()) and "prune output" in got.made_by
+    err_output = trisparse.attention_error(q, k, v, got)
+    err_mass = trisparse.attention_error(q, k, v, by_mass.pattern(n, n))
+    assert (err_output < 0.5 * err_mass).all(), (err_output, err_mass)
+
+
 @pytest.mark.gpu
 def test_selection_for_the_output_on_cuda_equals_the_cpu():
     """block_value_mass and prune_blocks_by_output as torch ops on CUDA (float64): the same
@@ -477,34 +529,38 @@ def test_pattern_learner_learns_from_the_kernels_importance_on_cuda():
 
 
 @pytest.mark.gpu
-def test_pattern_learner_steps_under_cuda_graph_capture():
+@pytest.mark.parametrize("method", ["row", "output"])
+def test_pattern_learner_steps_under_cuda_graph_capture(method):
     """observe() captured once in a CUDA graph and replayed on new inputs follows the eager
-    learner step for step: the same importance (to rounding: torch's index_add) and pattern."""
+    learner step for step: the same importance (and value sums) to rounding, the same pattern."""
     heads, n, g = 2, 512, 32
     _, q, k = _planted(heads, n, g, 32, torch.Generator().manual_seed(26))
     q, k = q.cuda(), k.cuda()
-    make = lambda: trisparse.PatternLearner(g, sparsity=0.75, every=1, decay=0.5)
+    v = torch.randn(q.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(31))
+    make = lambda: trisparse.PatternLearner(g, sparsity=0.75, method=method, every=1, decay=0.5)
     eager, graphed = make(), make()
     static_q, static_k = q.clone(), k.clone()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-ups outside the graph, on a side stream
         for _ in range(2):
-            graphed.observe(static_q, static_k)
+            graphed.observe(static_q, static_k, v)
     torch.cuda.current_stream().wait_stream(side)
     for _ in range(2):
-        eager.observe(q, k)
+        eager.observe(q, k, v)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        graphed.observe(static_q, static_k)
+        graphed.observe(static_q, static_k, v)
     gen = torch.Generator(device="cuda").manual_seed(27)
     for _ in range(4):
         step_q = q + 2.0 * torch.randn(q.shape, device="cuda", generator=gen)
         static_q.copy_(step_q)
         graph.replay()
-        eager.observe(step_q, k)
+        eager.observe(step_q, k, v)
     torch.cuda.synchronize()
     torch.testing.assert_close(graphed.importance, eager.importance, rtol=1e-12, atol=1e-12)
+    if method == "output":
+        torch.testing.assert_close(graphed.values, eager.values, rtol=1e-12, atol=1e-12)
     assert torch.equal(graphed._keep, eager._keep)
 
 
