@@ -11,16 +11,19 @@ of the attention output, averaged over the heads and layers.
 With --train-learner, the accuracy side instead: the same model trained over --seeds seeds with
 dense global attention and with each layer's global attention through a trisparse.PatternLearner
 at each --sparsity (learned from the start: dense for --learner-warmup epochs, then block-sparse
-with the kernels' block importance), test accuracy at the best validation epoch per seed.
+with the kernels' block importance; --learner-method output: pruned for the output, the tracked
+steps' statistics from torch ops), test accuracy at the best validation epoch per seed.
 
 Patterns at sparsity s (the share of blocks dropped; every block row keeps its diagonal block):
 random; local-strided (a band of blocks and every stride-th block, as close to s as its parameters
 allow); community and knn (the graph's / features' community order, then the blocks holding the most
 edges of that graph); topk (pooled q . k routing, trisparse.topk_block_mask's rule); learned (a
 PatternLearner per layer, dense through the training, folding each step's exact block mass into its
-moving average, pruned per block row); output (learn_block_pattern's "output" method on the very q,
-k, v: per block row the blocks whose renormalised output comes nearest the dense one, chosen
-greedily from the blocks' masses and value sums); oracle (the blocks of highest true attention mass
+moving average, pruned per block row); learned_output (the same learners' moving averages of the
+masses and value sums, pruned for the output: PatternLearner(method="output")); output
+(learn_block_pattern's "output" method on the very q, k, v: per block row the blocks whose
+renormalised output comes nearest the dense one, chosen greedily from the blocks' masses and value
+sums); oracle (the blocks of highest true attention mass
 per block row, learn_block_pattern from the very q and k: how sparse the attention really is;
 oracle_mass_kept is the attention mass its blocks hold).
 """
@@ -168,6 +171,9 @@ def main():
     ap.add_argument("--train-learner", action="store_true", help="the accuracy side (above)")
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--learner-warmup", type=int, default=20, help="dense epochs first")
+    ap.add_argument(
+        "--learner-method", default="row", help="PatternLearner's pruning: row or output"
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA block kernels)")
     args = ap.parse_args()
@@ -176,9 +182,10 @@ def main():
         return train_with_learners(data, args)
     start = time.perf_counter()
     # Learners that stay dense for the whole run (the same training as plain SDPA) and observe
-    # each step's exact block mass: the pattern learned from training, pruned at each sparsity.
+    # each step's exact block masses and value sums: the pattern learned from training, pruned at
+    # each sparsity by the mass and for the output.
     observers = [
-        trisparse.PatternLearner(args.block, 0.9, warmup=args.epochs + 1)
+        trisparse.PatternLearner(args.block, 0.9, method="output", warmup=args.epochs + 1)
         for _ in range(args.layers)
     ]
     model, val, test = train(data, args, learners=observers)
@@ -215,8 +222,8 @@ def main():
     for s in args.sparsity:
         keep = 1.0 - s
         row = {"sparsity": s}
-        methods = ("random", "local_strided", "community", "knn", "topk", "learned", "output")
-        methods = (*methods, "oracle")
+        methods = ("random", "local_strided", "community", "knn", "topk", "learned")
+        methods = (*methods, "learned_output", "output", "oracle")
         per = {m: [] for m in (*methods, "oracle_mass_kept")}
         for (q, k, v), observer in zip(saved, observers, strict=True):
             q, k, v = q.double(), k.double(), v.double()
@@ -238,6 +245,8 @@ def main():
             per["topk"].append(errors(q, k, v, routed.blocks[0], g))
             learned = trisparse.prune_blocks(observer.importance, s, "row")
             per["learned"].append(errors(q, k, v, learned, g))
+            learned = trisparse.prune_blocks_by_output(observer.importance, observer.values, s)
+            per["learned_output"].append(errors(q, k, v, learned, g))
             output = trisparse.learn_block_pattern(q, k, g, s, method="output", v=v)
             per["output"].append(float(trisparse.attention_error(q, k, v, output).mean()))
             oracle = trisparse.learn_block_pattern(q, k, g, s)
@@ -263,7 +272,12 @@ def train_with_learners(data, args):
             if s > 0:
                 learners = [
                     trisparse.PatternLearner(
-                        args.block, s, every=10, warmup=args.learner_warmup, track_every=2
+                        args.block,
+                        s,
+                        method=args.learner_method,
+                        every=10,
+                        warmup=args.learner_warmup,
+                        track_every=2,
                     )
                     for _ in range(args.layers)
                 ]
@@ -272,6 +286,7 @@ def train_with_learners(data, args):
         row = {
             "dataset": args.dataset,
             "mode": "dense" if s == 0 else "learned",
+            "method": args.learner_method,
             "sparsity": s,
             "block": args.block,
             "channels": args.channels,

@@ -219,14 +219,25 @@ def error_table(args, data, split):
         ),
         flush=True,
     )
-    methods = ("random", "local_strided", "topk", "learned", "gate", "output", "oracle")
-    gates = []
+    # Offline: the exact mass over the training samples' q and k, per layer.
+    masses = [
+        [trisparse.block_mass(x[layer][0], x[layer][1], g, True) for x in learn]
+        for layer in range(args.layers)
+    ]
+    # A gate per layer and distillation length: "gate" the first, "gate_<steps>" the others.
+    gate_names = ["gate"] + [f"gate_{n}" for n in args.gate_steps[1:]]
+    methods = ("random", "local_strided", "topk", "learned", *gate_names, "output", "oracle")
+    gates = {name: [] for name in gate_names}
     for layer in range(args.layers):
         q0 = learn[0][layer][0]
-        gate = trisparse.BlockGate(q0.shape[0], q0.shape[2], g, causal=True).to(device)
-        samples = [(x[layer][0].to(device), x[layer][1].to(device)) for x in learn]
-        gate.fit(samples, steps=args.gate_steps)
-        gates.append(gate)
+        samples = [
+            (x[layer][0].to(device), x[layer][1].to(device), m.to(device))
+            for x, m in zip(learn, masses[layer], strict=True)
+        ]
+        for name, steps in zip(gate_names, args.gate_steps, strict=True):
+            gate = trisparse.BlockGate(q0.shape[0], q0.shape[2], g, causal=True).to(device)
+            gate.fit(samples, steps=steps)
+            gates[name].append(gate)
     causal_blocks = torch.ones(nb, nb, dtype=torch.bool).tril()
     for s in args.sparsity:
         per = {m: [] for m in (*methods, "oracle_mass_kept", "density")}
@@ -239,15 +250,11 @@ def error_table(args, data, split):
             per["random"].append(error(rand))
             per["local_strided"].append(error(local_strided(nb, 1.0 - s)))
             per["topk"].append(error(keep_per_row(trisparse.pooled_block_mass(q, k, g, True), s)))
-            # Offline: the exact mass over the training samples' q and k.
-            mass = sum(
-                trisparse.block_mass(sample[layer][0], sample[layer][1], g, True)
-                for sample in learn
-            )
-            per["learned"].append(error(keep_per_row(mass, s)))
-            with torch.no_grad():
-                routed = gates[layer](q.to(device), k.to(device)).exp().cpu()
-            per["gate"].append(error(keep_per_row(routed, s)))
+            per["learned"].append(error(keep_per_row(sum(masses[layer]), s)))
+            for name, per_layer in gates.items():
+                with torch.no_grad():
+                    routed = per_layer[layer](q.to(device), k.to(device)).exp().cpu()
+                per[name].append(error(keep_per_row(routed, s)))
             # Per sample, for the output: the blocks whose renormalised output comes nearest.
             stats = trisparse.block_value_mass(q, k, v, g, True)
             per["output"].append(error(trisparse.prune_blocks_by_output(*stats, s, causal=True)))
@@ -305,7 +312,13 @@ def main():
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--eval-sequences", type=int, default=4)
     ap.add_argument("--learn-samples", type=int, default=4, help="training sequences learned from")
-    ap.add_argument("--gate-steps", type=int, default=300, help="BlockGate distillation steps")
+    ap.add_argument(
+        "--gate-steps",
+        type=int,
+        nargs="+",
+        default=[300],
+        help="BlockGate distillation steps (several: a gate each, columns gate_<steps>)",
+    )
     ap.add_argument("--learner-warmup", type=int, default=50)
     ap.add_argument("--learner-every", type=int, default=25)
     ap.add_argument("--seed", type=int, default=0)
