@@ -929,6 +929,19 @@ NB_MODULE(_C, m) {
       },
       "q"_a, "k"_a, "block"_a, "causal"_a, "scale"_a, "out"_a,
       "Each block's attention mass into the float64 [H, qb, kb] buffer at `out`.");
+  m.def(
+      "block_value_mass",
+      [](const tensor_tuple& q, const tensor_tuple& k, const tensor_tuple& v, std::int64_t block,
+         bool causal, double scale, std::uintptr_t mass, std::uintptr_t value) {
+        const tensor_view qv = view_of(q), kv = view_of(k), vv = view_of(v);
+        nb::gil_scoped_release release;
+        const block_value_statistics st = block_value_mass(qv, kv, vv, block, causal, scale);
+        std::copy(st.mass.begin(), st.mass.end(), reinterpret_cast<double*>(mass));
+        std::copy(st.value.begin(), st.value.end(), reinterpret_cast<double*>(value));
+      },
+      "q"_a, "k"_a, "v"_a, "block"_a, "causal"_a, "scale"_a, "mass"_a, "value"_a,
+      "Each block's attention mass and value sums into the float64 [H, qb, kb] and "
+      "[H, qb, kb, Dv] buffers at `mass` and `value`.");
   nb::class_<py_block_pattern>(m, "BlockPattern")
       .def_static("from_csr", &py_block_pattern::from_csr, "block"_a, "rows"_a, "cols"_a, "heads"_a,
                   "row_ptr"_a, "col_idx"_a, "order"_a, "order_len"_a, "made_by"_a)
@@ -981,14 +994,17 @@ NB_MODULE(_C, m) {
           "learn",
           [](const tensor_tuple& q, const tensor_tuple& k, std::int64_t block,
              const std::string& method, double sparsity, double top_p, bool keep_diagonal,
-             std::int64_t window, std::int64_t global_blocks, bool causal) {
+             std::int64_t window, std::int64_t global_blocks, bool causal,
+             const std::optional<tensor_tuple>& v) {
             const prune_options o{method, sparsity, top_p, keep_diagonal, window, global_blocks};
             const tensor_view qv = view_of(q), kv = view_of(k);
+            std::optional<tensor_view> vv;
+            if (v) vv = view_of(*v);
             nb::gil_scoped_release release;
-            return py_block_pattern{learn_block_pattern(qv, kv, block, o, causal)};
+            return py_block_pattern{learn_block_pattern(qv, kv, block, o, causal, vv)};
           },
           "q"_a, "k"_a, "block"_a, "method"_a, "sparsity"_a, "top_p"_a, "keep_diagonal"_a,
-          "window"_a, "global_blocks"_a, "causal"_a)
+          "window"_a, "global_blocks"_a, "causal"_a, "v"_a = nb::none())
       .def_static("union",
                   [](const std::vector<const py_block_pattern*>& parts) {
                     std::vector<block_pattern> ps;

@@ -310,15 +310,25 @@ def block_value_mass(
     of the block times the keys' values, summed over the block's keys and averaged over its rows
     as :func:`block_mass` averages the mass (so ``value.sum(2)`` is each block row's mean
     attention output). q [H, N_q, D], k [H, N_k, D], v [H, N_k, Dv]; what
-    :func:`prune_blocks_by_output` selects from. Torch ops on q's device (float64 scores for
-    float64 inputs, else float32; sums in float64)."""
+    :func:`prune_blocks_by_output` selects from. CPU inputs other than float64 run the library's
+    loops (float32 scores, OpenMP), the rest torch ops on q's device (float64 scores for float64
+    inputs, else float32); sums in float64."""
     if v.dim() != 3 or v.shape[:2] != k.shape[:2]:
         raise ValueError(
             f"v must be [H, N_k, Dv] as k, got {tuple(v.shape)} for k {tuple(k.shape)}"
         )
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"q and k must be [H, N, D] alike, got {tuple(q.shape)}, {tuple(k.shape)}")
-    return _block_sums(q, k, v, int(block_size), causal, _tensors.resolve_scale(scale, q.shape[2]))
+    g, scale = int(block_size), _tensors.resolve_scale(scale, q.shape[2])
+    if _cpu_fast(q, k) and v.dtype == q.dtype:  # the library's blocked CPU loops
+        qb, kb = -(-q.shape[1] // g), -(-k.shape[1] // g)
+        mass = torch.empty(q.shape[0], qb, kb, dtype=torch.float64)
+        value = torch.empty(q.shape[0], qb, kb, v.shape[2], dtype=torch.float64)
+        _C.block_value_mass(
+            *_nhd(q, k), *_nhd(v), g, causal, scale, mass.data_ptr(), value.data_ptr()
+        )
+        return mass, value
+    return _block_sums(q, k, v, g, causal, scale)
 
 
 def _block_sums(q, k, v, g, causal, scale):
@@ -476,7 +486,8 @@ def prune_blocks_by_output(
     seen = torch.full((qb,), kb, device=m.device)
     if causal:
         seen = (torch.arange(qb, device=m.device) + 1 + kb - qb).clamp(1, kb)
-    budget = torch.round((1.0 - sparsity) * seen).clamp(min=1)[None, :, None]  # [1, qb, 1]
+    # [1, qb, 1]: float64 as the library's budget (llrint of a double)
+    budget = torch.round((1.0 - sparsity) * seen.double()).clamp(min=1)[None, :, None]
     empty = m <= 0  # blocks no query of the row sees (causal): never worth a slot
     # One block a row a step; rows at their budget, or out of candidates, add nothing.
     for _ in range(max(1, round((1.0 - sparsity) * kb))):
@@ -507,12 +518,12 @@ def learn_block_pattern(
     inputs other than float64 run the library's learner (C++: blocked float32 scores, OpenMP,
     the same rules); the rest torch ops on q's device. ``method="output"`` with the values ``v``
     [H, N_k, Dv]: the blocks that keep the attention output (:func:`block_value_mass`, then
-    :func:`prune_blocks_by_output`), torch ops."""
-    if method == "output":
-        if v is None:
-            raise ValueError('learn_block_pattern: method="output" needs the values v [H, N_k, Dv]')
+    :func:`prune_blocks_by_output`, causal budgets where `causal`)."""
+    if method == "output" and v is None:
+        raise ValueError('learn_block_pattern: method="output" needs the values v [H, N_k, Dv]')
+    if method == "output" and not (_cpu_fast(q, k) and v.dtype == q.dtype):
         keep = prune_blocks_by_output(
-            *block_value_mass(q, k, v, block_size, causal), sparsity, **keep_rules
+            *block_value_mass(q, k, v, block_size, causal), sparsity, causal=causal, **keep_rules
         )
         made_by = "attention mass and values"
     elif _cpu_fast(q, k):  # the library's learner (ops/pattern_learn.hpp), the same rules
@@ -532,6 +543,7 @@ def learn_block_pattern(
                 int(rules["window"]),
                 int(rules["global_blocks"]),
                 bool(causal),
+                _nhd(v)[0] if method == "output" else None,
             )
         )
     else:
@@ -552,11 +564,11 @@ def _cpu_fast(q: Tensor, k: Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype != torch.float64 and k.dtype == q.dtype
 
 
-def _nhd(q: Tensor, k: Tensor) -> tuple:
-    """q [H, N_q, D] and k [H, N_k, D] as the library's [N, H, D] views (no copy)."""
+def _nhd(*ts: Tensor) -> tuple:
+    """[H, N, D] tensors (q, k, v) as the library's [N, H, D] views (no copy)."""
     return tuple(
         _tensors.view(t.transpose(0, 1) if t.stride(-1) == 1 else t.contiguous().transpose(0, 1))
-        for t in (q, k)
+        for t in ts
     )
 
 

@@ -9,6 +9,7 @@
 #include <limits>
 #include <numbers>
 #include <numeric>
+#include <optional>
 
 #include "../cpu/common/exp2.hpp"
 #include "../cpu/common/online_softmax.hpp"
@@ -56,11 +57,78 @@ constexpr std::int64_t kKeys = 1024;  // keys a chunk (kRows x kKeys scores stay
   return total;
 }
 
+// sum_j 2^(s[j] - top) over the keys j <= last, each s[j] replaced by its term.
+[[gnu::target_clones("arch=x86-64-v3", "default")]] double key_weights(float* s, std::int64_t last,
+                                                                       float top) {
+  double total = 0.0;
+#pragma omp simd reduction(+ : total)
+  for (std::int64_t j = 0; j <= last; ++j) {
+    s[j] = cpu::exp2_nonpositive(s[j] - top);
+    total += s[j];
+  }
+  return total;
+}
+
+// The scores (log2 units) of query rows against every key of a head, for block_attention_mass and
+// block_value_mass: the keys transposed per head, [H][D][N_k], so a query row's scores are D
+// axpy passes over them.
+struct score_source {
+  std::int64_t heads, nq, nk, d, block, qb, kb;
+  float s2;  // the scale times log2 e
+  cpu::f32_operand qf;
+  std::vector<float> kt;
+
+  score_source(const tensor_view& q, const tensor_view& k, std::int64_t g, double scale,
+               const char* op)
+      : heads(q.heads), nq(q.rows), nk(k.rows), d(q.dim), block(g) {
+    TRISPARSE_EXPECTS_INPUT(block >= 1, "block must be >= 1, got " + std::to_string(block));
+    TRISPARSE_EXPECTS_INPUT(q.where == device_kind::cpu && k.where == device_kind::cpu,
+                            std::string(op) + ": q and k must be on the CPU");
+    TRISPARSE_EXPECTS_INPUT(
+        k.heads == q.heads && k.dim == q.dim,
+        "q and k must have the same heads and head dim: q " + q.describe() + ", k " + k.describe());
+    qb = (nq + block - 1) / block;
+    kb = (nk + block - 1) / block;
+    s2 = static_cast<float>((scale > 0.0 ? scale : 1.0 / std::sqrt(double(d))) *
+                            std::numbers::log2e);
+    qf = cpu::as_f32(q);
+    const cpu::f32_operand kf = cpu::as_f32(k);
+    kt.resize(static_cast<std::size_t>(heads * d * nk));
+#pragma omp parallel for collapse(2) schedule(static)
+    for (std::int64_t h = 0; h < heads; ++h)
+      for (std::int64_t j = 0; j < nk; ++j)
+        for (std::int64_t x = 0; x < d; ++x) kt[(h * d + x) * nk + j] = kf.row(j, h)[x];
+  }
+
+  // s[a * nk + j]: the scores of query rows i0 .. i0 + rows - 1 of head h (rows <= kRows; qs
+  // holds kRows * d floats of scratch), a chunk of keys at a time.
+  void scores(std::int64_t h, std::int64_t i0, std::int64_t rows, float* qs, float* s) const {
+    for (std::int64_t a = 0; a < rows; ++a)
+      for (std::int64_t x = 0; x < d; ++x) qs[a * d + x] = qf.row(i0 + a, h)[x] * s2;
+    for (std::int64_t j0 = 0; j0 < nk; j0 += kKeys) {
+      score_chunk(qs, rows, d, &kt[static_cast<std::size_t>(h * d * nk + j0)], nk,
+                  std::min(kKeys, nk - j0), s + j0, nk);
+    }
+  }
+
+  // The last key query row i sees (causal: aligned at the bottom right), -1 for none.
+  std::int64_t last_key(std::int64_t i, bool causal) const {
+    return causal ? std::min(nk - 1, i + (nk - nq)) : nk - 1;
+  }
+};
+
+// Whether the keep rules force block (r, c): the diagonal, the band, the global rows and columns.
+bool forced_block(const prune_options& o, std::int64_t r, std::int64_t c) {
+  return ((o.keep_diagonal || o.window > 0) && std::abs(r - c) <= o.window) ||
+         (o.global_blocks > 0 && (c < o.global_blocks || r < o.global_blocks));
+}
+
 }  // namespace
 
 void prune_options::check() const {
-  TRISPARSE_EXPECTS_INPUT(method == "row" || method == "global" || method == "threshold",
-                          "prune method must be row, global or threshold, not '" + method + "'");
+  TRISPARSE_EXPECTS_INPUT(
+      method == "row" || method == "global" || method == "threshold" || method == "output",
+      "prune method must be row, global, threshold or output, not '" + method + "'");
   TRISPARSE_EXPECTS_INPUT(sparsity >= 0.0 && sparsity < 1.0,
                           "sparsity must be in [0, 1), got " + std::to_string(sparsity));
   TRISPARSE_EXPECTS_INPUT(top_p > 0.0 && top_p <= 1.0,
@@ -71,29 +139,13 @@ void prune_options::check() const {
 
 std::vector<double> block_attention_mass(const tensor_view& q, const tensor_view& k,
                                          std::int64_t block, bool causal, double scale) {
-  TRISPARSE_EXPECTS_INPUT(block >= 1, "block must be >= 1, got " + std::to_string(block));
-  TRISPARSE_EXPECTS_INPUT(q.where == device_kind::cpu && k.where == device_kind::cpu,
-                          "block_attention_mass: q and k must be on the CPU");
-  TRISPARSE_EXPECTS_INPUT(
-      k.heads == q.heads && k.dim == q.dim,
-      "q and k must have the same heads and head dim: q " + q.describe() + ", k " + k.describe());
-  const std::int64_t heads = q.heads, nq = q.rows, nk = k.rows, d = q.dim;
-  const std::int64_t qb = (nq + block - 1) / block, kb = (nk + block - 1) / block;
-  const float s2 =
-      static_cast<float>((scale > 0.0 ? scale : 1.0 / std::sqrt(double(d))) * std::numbers::log2e);
-  const cpu::f32_operand qf = cpu::as_f32(q), kf = cpu::as_f32(k);
-  // Keys transposed per head, [H][D][N_k]: a query row's scores are D axpy passes over them.
-  std::vector<float> kt(static_cast<std::size_t>(heads * d * nk));
-#pragma omp parallel for collapse(2) schedule(static)
-  for (std::int64_t h = 0; h < heads; ++h)
-    for (std::int64_t j = 0; j < nk; ++j)
-      for (std::int64_t x = 0; x < d; ++x) kt[(h * d + x) * nk + j] = kf.row(j, h)[x];
-
+  const score_source src(q, k, block, scale, "block_attention_mass");
+  const std::int64_t heads = src.heads, nq = src.nq, nk = src.nk, qb = src.qb, kb = src.kb;
   std::vector<double> mass(static_cast<std::size_t>(heads * qb * kb), 0.0);
 #pragma omp parallel
   {
     std::vector<float> s(static_cast<std::size_t>(kRows * nk)),
-        qs(static_cast<std::size_t>(kRows * d));
+        qs(static_cast<std::size_t>(kRows * src.d));
     std::vector<double> sums(static_cast<std::size_t>(kb));
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < heads * qb; ++task) {
@@ -102,16 +154,9 @@ std::vector<double> block_attention_mass(const tensor_view& q, const tensor_view
       double* out = mass.data() + task * kb;
       for (std::int64_t i0 = r * block; i0 < i1; i0 += kRows) {
         const std::int64_t rows = std::min(kRows, i1 - i0);
-        // Scores (log2 units) of `rows` queries against every key, a chunk of keys at a time.
-        for (std::int64_t a = 0; a < rows; ++a)
-          for (std::int64_t x = 0; x < d; ++x) qs[a * d + x] = qf.row(i0 + a, h)[x] * s2;
-        for (std::int64_t j0 = 0; j0 < nk; j0 += kKeys) {
-          score_chunk(qs.data(), rows, d, &kt[h * d * nk + j0], nk, std::min(kKeys, nk - j0),
-                      &s[j0], nk);
-        }
+        src.scores(h, i0, rows, qs.data(), s.data());
         for (std::int64_t a = 0; a < rows; ++a) {
-          const std::int64_t i = i0 + a;
-          const std::int64_t last = causal ? std::min(nk - 1, i + (nk - nq)) : nk - 1;
+          const std::int64_t last = src.last_key(i0 + a, causal);
           if (last < 0) continue;  // no key: no mass
           const float* sr = &s[a * nk];
           const float top = *std::max_element(sr, sr + last + 1);
@@ -126,6 +171,57 @@ std::vector<double> block_attention_mass(const tensor_view& q, const tensor_view
   return mass;
 }
 
+block_value_statistics block_value_mass(const tensor_view& q, const tensor_view& k,
+                                        const tensor_view& v, std::int64_t block, bool causal,
+                                        double scale) {
+  const score_source src(q, k, block, scale, "block_value_mass");
+  TRISPARSE_EXPECTS_INPUT(
+      v.where == device_kind::cpu && v.heads == k.heads && v.rows == k.rows,
+      "v must be [N_k, H, Dv] on the CPU as k: v " + v.describe() + ", k " + k.describe());
+  const std::int64_t heads = src.heads, nq = src.nq, nk = src.nk, qb = src.qb, kb = src.kb;
+  block_value_statistics st{.heads = heads, .qb = qb, .kb = kb, .dv = v.dim};
+  const std::int64_t dv = st.dv;
+  st.mass.assign(static_cast<std::size_t>(heads * qb * kb), 0.0);
+  st.value.assign(static_cast<std::size_t>(heads * qb * kb * dv), 0.0);
+  const cpu::f32_operand vf = cpu::as_f32(v);
+#pragma omp parallel
+  {
+    std::vector<float> s(static_cast<std::size_t>(kRows * nk)),
+        qs(static_cast<std::size_t>(kRows * src.d));
+    std::vector<double> weight(static_cast<std::size_t>(nk));  // each key's, over the block row
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t task = 0; task < heads * qb; ++task) {
+      const std::int64_t h = task / qb, r = task % qb;
+      const std::int64_t i1 = std::min(nq, (r + 1) * block);
+      std::fill(weight.begin(), weight.end(), 0.0);
+      for (std::int64_t i0 = r * block; i0 < i1; i0 += kRows) {
+        const std::int64_t rows = std::min(kRows, i1 - i0);
+        src.scores(h, i0, rows, qs.data(), s.data());
+        for (std::int64_t a = 0; a < rows; ++a) {
+          const std::int64_t last = src.last_key(i0 + a, causal);
+          if (last < 0) continue;  // no key: no mass
+          float* sr = &s[a * nk];
+          const float top = *std::max_element(sr, sr + last + 1);
+          const double w = 1.0 / (key_weights(sr, last, top) * static_cast<double>(i1 - r * block));
+          for (std::int64_t j = 0; j <= last; ++j) weight[j] += double(sr[j]) * w;
+        }
+      }
+      // The block row's weights per key into each block's mass and value sum.
+      double* mass = st.mass.data() + task * kb;
+      double* value = st.value.data() + task * kb * dv;
+      for (std::int64_t j = 0; j < nk; ++j) {
+        const double wj = weight[static_cast<std::size_t>(j)];
+        if (wj == 0.0) continue;
+        const std::int64_t c = j / block;
+        mass[c] += wj;
+        const float* vr = vf.row(j, h);
+        for (std::int64_t x = 0; x < dv; ++x) value[c * dv + x] += wj * vr[x];
+      }
+    }
+  }
+  return st;
+}
+
 std::vector<std::uint8_t> prune_blocks(const std::vector<double>& importance, std::int64_t heads,
                                        std::int64_t qb, std::int64_t kb, const prune_options& o) {
   o.check();
@@ -133,10 +229,10 @@ std::vector<std::uint8_t> prune_blocks(const std::vector<double>& importance, st
       static_cast<std::int64_t>(importance.size()) == heads * qb * kb,
       "importance holds " + std::to_string(importance.size()) +
           " values, not heads x query blocks x key blocks = " + std::to_string(heads * qb * kb));
-  const auto forced = [&](std::int64_t r, std::int64_t c) {
-    return ((o.keep_diagonal || o.window > 0) && std::abs(r - c) <= o.window) ||
-           (o.global_blocks > 0 && (c < o.global_blocks || r < o.global_blocks));
-  };
+  TRISPARSE_EXPECTS_INPUT(o.method != "output",
+                          "prune method 'output' needs the blocks' value sums: "
+                          "prune_blocks_by_output");
+  const auto forced = [&](std::int64_t r, std::int64_t c) { return forced_block(o, r, c); };
   std::vector<std::uint8_t> keep(importance.size(), 0);
   const auto at = [&](std::int64_t h, std::int64_t r, std::int64_t c) {
     return static_cast<std::size_t>((h * qb + r) * kb + c);
@@ -187,17 +283,81 @@ std::vector<std::uint8_t> prune_blocks(const std::vector<double>& importance, st
   return keep;
 }
 
-block_pattern learn_block_pattern(const tensor_view& q, const tensor_view& k, std::int64_t block,
-                                  const prune_options& options, bool causal) {
-  options.check();
-  const std::int64_t heads = q.heads;
-  const std::int64_t qb = (q.rows + block - 1) / block, kb = (k.rows + block - 1) / block;
-  const std::vector<double> mass = block_attention_mass(q, k, block, causal);
-  const std::vector<std::uint8_t> keep = prune_blocks(mass, heads, qb, kb, options);
+std::vector<std::uint8_t> prune_blocks_by_output(const block_value_statistics& st,
+                                                 const prune_options& o, bool causal) {
+  o.check();
+  const std::int64_t heads = st.heads, qb = st.qb, kb = st.kb, dv = st.dv;
+  TRISPARSE_EXPECTS_INPUT(static_cast<std::int64_t>(st.mass.size()) == heads * qb * kb &&
+                              static_cast<std::int64_t>(st.value.size()) == heads * qb * kb * dv,
+                          "block statistics: " + std::to_string(st.mass.size()) + " masses and " +
+                              std::to_string(st.value.size()) + " value sums for " +
+                              std::to_string(heads) + " x " + std::to_string(qb) + " x " +
+                              std::to_string(kb) + " blocks of " + std::to_string(dv));
+  constexpr double tiny = std::numeric_limits<double>::min();
+  std::vector<std::uint8_t> keep(st.mass.size(), 0);
+#pragma omp parallel
+  {
+    std::vector<double> target(static_cast<std::size_t>(dv)), kept_u(target.size());
+#pragma omp for schedule(static)
+    for (std::int64_t task = 0; task < heads * qb; ++task) {
+      const std::int64_t r = task % qb;
+      const double* m = st.mass.data() + task * kb;
+      const double* u = st.value.data() + task * kb * dv;
+      std::uint8_t* kept = keep.data() + task * kb;
+      // The row's full output, and the keep rules' blocks first.
+      std::fill(target.begin(), target.end(), 0.0);
+      std::fill(kept_u.begin(), kept_u.end(), 0.0);
+      double total = 0.0, kept_m = 0.0;
+      std::int64_t count = 0;
+      for (std::int64_t c = 0; c < kb; ++c) {
+        total += m[c];
+        for (std::int64_t x = 0; x < dv; ++x) target[x] += u[c * dv + x];
+        if (forced_block(o, r, c)) {
+          kept[c] = 1;
+          ++count;
+          kept_m += m[c];
+          for (std::int64_t x = 0; x < dv; ++x) kept_u[x] += u[c * dv + x];
+        }
+      }
+      for (double& t : target) t /= std::max(total, tiny);
+      const std::int64_t seen = causal ? std::clamp(r + 1 + kb - qb, std::int64_t{1}, kb) : kb;
+      const auto budget =
+          std::max<std::int64_t>(1, std::llrint((1.0 - o.sparsity) * static_cast<double>(seen)));
+      // One block at a time: the one whose addition brings the renormalised output nearest.
+      for (; count < budget; ++count) {
+        std::int64_t best = -1;
+        double least = std::numeric_limits<double>::infinity();
+        for (std::int64_t c = 0; c < kb; ++c) {
+          if (kept[c] != 0 || !(m[c] > 0.0)) continue;  // no mass: never worth a slot
+          const double denom = std::max(kept_m + m[c], tiny);
+          double err = 0.0;
+          for (std::int64_t x = 0; x < dv; ++x) {
+            const double e = (kept_u[x] + u[c * dv + x]) / denom - target[x];
+            err += e * e;
+          }
+          if (err < least) least = err, best = c;  // ties to the lower key block
+        }
+        if (best < 0) break;
+        kept[best] = 1;
+        kept_m += m[best];
+        for (std::int64_t x = 0; x < dv; ++x) kept_u[x] += u[best * dv + x];
+      }
+    }
+  }
+  return keep;
+}
+
+namespace {
+
+// The pattern of kept blocks `keep` [H][qb][kb] over rows x cols elements, and how it was made.
+block_pattern pattern_of(const std::vector<std::uint8_t>& keep, std::int64_t heads,
+                         std::int64_t block, std::int64_t rows, std::int64_t cols,
+                         const prune_options& options, bool causal, const char* from) {
+  const std::int64_t qb = (rows + block - 1) / block, kb = (cols + block - 1) / block;
   block_pattern p;
   p.block = block;
-  p.rows = q.rows;
-  p.cols = k.rows;
+  p.rows = rows;
+  p.cols = cols;
   for (std::int64_t h = 0; h < heads; ++h) {
     csr_graph g{.rows = qb, .cols = kb};
     g.row_ptr = {0};
@@ -216,9 +376,9 @@ block_pattern learn_block_pattern(const tensor_view& q, const tensor_view& k, st
     const auto end = std::to_chars(buf.data(), buf.data() + buf.size(), x).ptr;
     return std::string(buf.data(), end);
   };
-  std::string made = "learned from attention mass of " + std::to_string(q.rows) + " queries x " +
-                     std::to_string(k.rows) + " keys, " + std::to_string(heads) + " heads" +
-                     (causal ? ", causal" : "") + "; prune " + options.method +
+  std::string made = std::string("learned from ") + from + " of " + std::to_string(rows) +
+                     " queries x " + std::to_string(cols) + " keys, " + std::to_string(heads) +
+                     " heads" + (causal ? ", causal" : "") + "; prune " + options.method +
                      " sparsity=" + number(options.sparsity);
   if (options.method == "threshold") made += " top_p=" + number(options.top_p);
   made += " keep_diagonal=" + std::to_string(int{options.keep_diagonal}) +
@@ -227,6 +387,24 @@ block_pattern learn_block_pattern(const tensor_view& q, const tensor_view& k, st
   p.made_by = std::move(made);
   p.check();
   return p;
+}
+
+}  // namespace
+
+block_pattern learn_block_pattern(const tensor_view& q, const tensor_view& k, std::int64_t block,
+                                  const prune_options& options, bool causal,
+                                  const std::optional<tensor_view>& v) {
+  options.check();
+  if (options.method == "output") {
+    TRISPARSE_EXPECTS_INPUT(v.has_value(), "prune method 'output' needs the values v [N_k, H, Dv]");
+    const block_value_statistics st = block_value_mass(q, k, *v, block, causal);
+    return pattern_of(prune_blocks_by_output(st, options, causal), q.heads, block, q.rows, k.rows,
+                      options, causal, "attention mass and values");
+  }
+  const std::int64_t qb = (q.rows + block - 1) / block, kb = (k.rows + block - 1) / block;
+  const std::vector<double> mass = block_attention_mass(q, k, block, causal);
+  return pattern_of(prune_blocks(mass, q.heads, qb, kb, options), q.heads, block, q.rows, k.rows,
+                    options, causal, "attention mass");
 }
 
 }  // namespace trisparse

@@ -53,6 +53,10 @@ k = np.repeat(basis, 64, axis=0)[None].repeat(2, 0) + 0.05 * g.standard_normal((
 q = 30 * np.repeat(basis[[(3 * r + 1) % 8 for r in range(8)]], 64, axis=0)[None].repeat(2, 0)
 np.save(sys.argv[1] + "/q.npy", q.astype(np.float32))
 np.save(sys.argv[1] + "/k.npy", k)  # float64
+# values that differ by key block: the output choice keeps the planted blocks too
+v = np.repeat(3 * g.standard_normal((2, 8, 1, 16)), 64, axis=2).reshape(2, 512, 16)
+np.save(sys.argv[1] + "/v.npy", (v + 0.1 * g.standard_normal((2, 512, 16))).astype(np.float32))
+np.save(sys.argv[1] + "/shortv.npy", v[:, :500])
 open(sys.argv[1] + "/cut.npy", "wb").write(open(sys.argv[1] + "/q.npy", "rb").read()[:500])
 PY
 "$cli" -q pattern learn --q "$dir/q.npy" --k "$dir/k.npy" --block 64 --sparsity 0.875 \
@@ -66,18 +70,34 @@ assert j["heads"] == 2 and j["rows"] == 512 and j["block"] == 64, j
 assert j["density"] == [0.125, 0.125] and "learned" in j["made_by"], j
 PY
 expect "learned pattern's fields" $?
-python3 - "$dir/l.tsbp" <<'PY'
+"$cli" -q pattern learn --q "$dir/q.npy" --k "$dir/k.npy" --v "$dir/v.npy" --block 64 \
+  --sparsity 0.875 --method output --no-diagonal -o "$dir/o.tsbp"
+expect "learn --method output" $?
+json=$("$cli" -q pattern show "$dir/o.tsbp" --json)
+python3 - "$json" <<'PY'
+import json, sys
+j = json.loads(sys.argv[1])
+assert j["density"] == [0.125, 0.125] and "mass and values" in j["made_by"], j
+PY
+expect "output pattern's fields" $?
+python3 - "$dir/l.tsbp" "$dir/o.tsbp" <<'PY'
 import sys
 try:
     import trisparse
 except ImportError:
     sys.exit(0)  # the Python package is tested on its own; here only where it is installed
-blocks = trisparse.BlockPattern.load(sys.argv[1]).blocks()
-for h in range(2):
-    for r in range(8):
-        assert blocks[h, r].nonzero().flatten().tolist() == [(3 * r + 1) % 8], (h, r)
+for path in sys.argv[1:]:
+    blocks = trisparse.BlockPattern.load(path).blocks()
+    for h in range(2):
+        for r in range(8):
+            assert blocks[h, r].nonzero().flatten().tolist() == [(3 * r + 1) % 8], (path, h, r)
 PY
 expect "learned blocks are the planted ones" $?
+expect_error "output without values" "needs the values: --v" \
+  "$cli" -q pattern learn --q "$dir/q.npy" --k "$dir/k.npy" --method output -o "$dir/x.tsbp"
+expect_error "values of other keys" "shortv.npy: values" \
+  "$cli" -q pattern learn --q "$dir/q.npy" --k "$dir/k.npy" --v "$dir/shortv.npy" --method output \
+  -o "$dir/x.tsbp"
 expect_error "truncated .npy" "cut.npy: truncated" \
   "$cli" -q pattern learn --q "$dir/cut.npy" --k "$dir/k.npy" -o "$dir/x.tsbp"
 head -c 60 "$dir/b.tsbp" > "$dir/cut.tsbp"

@@ -447,6 +447,31 @@ def test_pattern_learner_tracks_every_nth_step():
     assert learner.tracker.steps == 2  # steps 3 and 6 (step 0 is dense: no pattern yet)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_cpp_selection_for_the_output_equals_the_torch_path(causal):
+    """The library's CPU statistics and selection for the output (float32 inputs) against the
+    torch path on the same values in float64: masses and value sums within 1e-5, the same blocks
+    (the greedy's steps well separated: values that differ by key block), causal budgets too;
+    more keys than queries and partial last blocks."""
+    q, k, v = _even_attention_over_block_values(n=520, block=40)
+    q = 300.0 * q[:, :500]  # attention that is not flat: the masses differ
+    mass, value = trisparse.block_value_mass(q.float(), k.float(), v.float(), 32, causal)
+    want_mass, want_value = trisparse.block_value_mass(q, k, v, 32, causal)
+    torch.testing.assert_close(mass, want_mass, rtol=0, atol=1e-5)
+    torch.testing.assert_close(value, want_value, rtol=0, atol=1e-5)
+    rules = {"window": 1, "global_blocks": 1}
+    got = trisparse.learn_block_pattern(
+        q.float(), k.float(), 32, 0.5, "output", causal, v=v.float(), **rules
+    )
+    want = trisparse.prune_blocks_by_output(want_mass, want_value, 0.5, causal=causal, **rules)
+    assert torch.equal(got.blocks(), want) and got.shape == (500, 520)
+    by_mass = trisparse.learn_block_pattern(q.float(), k.float(), 32, 0.5, "row", causal, **rules)
+    assert int((got.blocks() != by_mass.blocks()).sum()) > 100  # the greedy chose most blocks
+    assert "mass and values" in got.made_by and "output" in got.made_by
+    with pytest.raises(ValueError, match="needs the values"):
+        trisparse.learn_block_pattern(q.float(), k.float(), 32, 0.75, "output")
+
+
 @pytest.mark.parametrize("aggregate", ["ema", "mean"])
 def test_pattern_learner_for_the_output_equals_the_offline_choice(aggregate):
     """PatternLearner(method="output") observing q, k, v aggregates the blocks' exact masses and

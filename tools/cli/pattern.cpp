@@ -8,6 +8,7 @@
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <xtensor/xarray.hpp>
 #include <xtensor/xnpy.hpp>
 
@@ -30,7 +31,7 @@ struct init_args {
 };
 
 struct learn_args {
-  std::string q, k, out, method = "row";
+  std::string q, k, v, out, method = "row";
   std::int64_t block = 64, window = 0, globals = 0;
   double sparsity = 0.9, top_p = 0.9;
   bool causal = false, no_diagonal = false;
@@ -154,20 +155,33 @@ int run_learn(const learn_args& a) {
   o.window = a.window;
   o.global_blocks = a.globals;
   o.check();
-  host_tensor q, k;
+  if (o.method == "output" && a.v.empty()) {
+    throw invalid_input("pattern learn --method output needs the values: --v V.npy");
+  }
+  host_tensor q, k, v;
   {
     phase step("reading queries and keys");
     q = load_samples(a.q, "queries");
     k = load_samples(a.k, "keys");
+    if (o.method == "output") v = load_samples(a.v, "values");
   }
   if (k.view().heads != q.view().heads || k.view().dim != q.view().dim) {
     throw invalid_input(a.k + ": keys " + k.view().describe() + " do not match the queries " +
                         q.view().describe() + " of " + a.q + " (same H and D)");
   }
+  std::optional<tensor_view> values;
+  if (o.method == "output") {
+    if (v.view().heads != k.view().heads || v.view().rows != k.view().rows) {
+      throw invalid_input(a.v + ": values " + v.view().describe() + " do not match the keys " +
+                          k.view().describe() + " of " + a.k + " (same H and N)");
+    }
+    values = v.view();
+  }
   block_pattern p;
   {
-    phase step("block masses and pruning");
-    p = learn_block_pattern(q.view(), k.view(), a.block, o, a.causal);
+    phase step(o.method == "output" ? "block masses, value sums and pruning"
+                                    : "block masses and pruning");
+    p = learn_block_pattern(q.view(), k.view(), a.block, o, a.causal, values);
   }
   return save_and_report(p, a.out);
 }
@@ -245,13 +259,15 @@ action add_pattern(CLI::App& app) {
       "learn", "learn a pattern from saved queries and keys (.npy, [N, D] or [H, N, D])");
   l->add_option("--q", learn->q, "queries (.npy, float32 or float64)")->required();
   l->add_option("--k", learn->k, "keys (.npy, the queries' H and D)")->required();
+  l->add_option("--v", learn->v, "values (.npy, the keys' H and N; --method output)");
   l->add_option("--block", learn->block, "block size G")->capture_default_str();
   l->add_option("--sparsity", learn->sparsity, "fraction of blocks dropped (not threshold)")
       ->capture_default_str();
   l->add_option("--method", learn->method,
-                "topk (= row: each block row's top blocks), global (each head's) or threshold "
-                "(each row's fewest blocks holding --top-p of its mass)")
-      ->check(CLI::IsMember({"topk", "row", "global", "threshold"}))
+                "topk (= row: each block row's top blocks), global (each head's), threshold "
+                "(each row's fewest blocks holding --top-p of its mass) or output (each block "
+                "row's blocks that keep its attention output; needs --v)")
+      ->check(CLI::IsMember({"topk", "row", "global", "threshold", "output"}))
       ->capture_default_str();
   l->add_option("--top-p", learn->top_p, "threshold: the mass each block row keeps")
       ->capture_default_str();

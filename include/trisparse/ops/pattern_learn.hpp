@@ -3,6 +3,7 @@
 /// steps on the CPU): each block's exact attention mass, pruned to a target sparsity per head.
 /// Python's trisparse.learn_block_pattern and `trisparse pattern learn` run it.
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -15,7 +16,9 @@ namespace trisparse {
 struct prune_options {
   /// "row": each block row's highest up to (1 - sparsity) of its key blocks (at least one);
   /// "global": each head's highest up to (1 - sparsity) of its blocks; "threshold": each block
-  /// row's fewest blocks whose importance reaches top_p of the row's total (sparsity unused).
+  /// row's fewest blocks whose importance reaches top_p of the row's total (sparsity unused);
+  /// "output": chosen for the attention output from the blocks' masses and value sums
+  /// (prune_blocks_by_output).
   std::string method = "row";
   double sparsity = 0.9, top_p = 0.9;
   /// Forced blocks, kept beyond the budget: the diagonal, a band of `window` blocks each side,
@@ -36,16 +39,45 @@ std::vector<double> block_attention_mass(const tensor_view& q, const tensor_view
                                          std::int64_t block, bool causal = false,
                                          double scale = 0.0);
 
+/// Each block's attention mass and softmax-weighted value sum per head.
+struct block_value_statistics {
+  /// mass [H][qb][kb] as block_attention_mass; value [H][qb][kb][dv]: the block's softmax weights
+  /// times the keys' values, summed over the block and divided by the block row's query rows (a
+  /// block row's value sums add up to its rows' mean attention output).
+  std::vector<double> mass, value;
+  std::int64_t heads = 0, qb = 0, kb = 0, dv = 0;
+};
+
+/// block_attention_mass with each block's value sum, v [N_k, H, Dv] on the CPU (Python's
+/// block_value_mass): the weights of a block row's queries summed per key, then into the blocks.
+/// @throws invalid_input for mismatched shapes or block < 1.
+block_value_statistics block_value_mass(const tensor_view& q, const tensor_view& k,
+                                        const tensor_view& v, std::int64_t block,
+                                        bool causal = false, double scale = 0.0);
+
+/// The blocks kept for the attention output (1 = kept; Python's prune_blocks_by_output): per
+/// block row the keep rules' blocks, then one at a time the block that brings the kept blocks'
+/// renormalised output sum(value) / sum(mass) nearest (L2) the row's full output, up to
+/// (1 - sparsity) of the key blocks the row sees (causal: the last block row aligned with the
+/// last key block; at least one); blocks of no mass never; ties to the lower key block.
+/// @throws invalid_input for mismatched sizes or bad options.
+std::vector<std::uint8_t> prune_blocks_by_output(const block_value_statistics& stats,
+                                                 const prune_options& options, bool causal = false);
+
 /// The kept blocks (1 = kept) of an importance [heads][qb][kb] (mass, |dS|, pooled scores) by
 /// `options`, ties to the lower key block (the Python prune_blocks' rule).
-/// @throws invalid_input for a size mismatch or bad options.
+/// @throws invalid_input for a size mismatch or bad options (method "output" among them: it
+/// needs the value sums, prune_blocks_by_output).
 std::vector<std::uint8_t> prune_blocks(const std::vector<double>& importance, std::int64_t heads,
                                        std::int64_t qb, std::int64_t kb,
                                        const prune_options& options);
 
 /// A pattern learned from attention samples: block_attention_mass of q and k pruned by `options`
-/// (per head), rows = N_q, cols = N_k, made_by saying how.
+/// (per head), rows = N_q, cols = N_k, made_by saying how; method "output": block_value_mass with
+/// the values `v` [N_k, H, Dv], pruned by prune_blocks_by_output.
+/// @throws invalid_input for method "output" without v, and as the steps do.
 block_pattern learn_block_pattern(const tensor_view& q, const tensor_view& k, std::int64_t block,
-                                  const prune_options& options, bool causal = false);
+                                  const prune_options& options, bool causal = false,
+                                  const std::optional<tensor_view>& v = std::nullopt);
 
 }  // namespace trisparse
