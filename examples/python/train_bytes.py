@@ -214,6 +214,10 @@ def error_table(args, data, split):
                 "heads": args.heads,
                 "channels": args.channels,
                 "steps": args.steps,
+                "lr": args.lr,
+                "seed": args.seed,
+                "learn_samples": args.learn_samples,
+                "gate_steps": args.gate_steps,
                 "device": args.device,
             }
         ),
@@ -292,6 +296,8 @@ def train_table(args, data, split):
             "seq": args.seq,
             "block": args.block,
             "steps": args.steps,
+            "lr": args.lr,
+            "seed": args.seed,
             "device": args.device,
             "bf16": args.bf16,
         }

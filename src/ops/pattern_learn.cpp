@@ -60,13 +60,21 @@ constexpr std::int64_t kKeys = 1024;  // keys a chunk (kRows x kKeys scores stay
 // sum_j 2^(s[j] - top) over the keys j <= last, each s[j] replaced by its term.
 [[gnu::target_clones("arch=x86-64-v3", "default")]] double key_weights(float* s, std::int64_t last,
                                                                        float top) {
-  double total = 0.0;
+  float total = 0.f;  // terms in (0, 1]: float partial sums, as block_sums keeps them
 #pragma omp simd reduction(+ : total)
   for (std::int64_t j = 0; j <= last; ++j) {
     s[j] = cpu::exp2_nonpositive(s[j] - top);
     total += s[j];
   }
   return total;
+}
+
+// weight[j] += s[j] * w over the keys j <= last (a row's softmax weights into the block row's).
+[[gnu::target_clones("arch=x86-64-v3", "default")]] void add_weights(const float* s,
+                                                                     std::int64_t last, float w,
+                                                                     float* weight) {
+#pragma omp simd
+  for (std::int64_t j = 0; j <= last; ++j) weight[j] += s[j] * w;
 }
 
 // The scores (log2 units) of query rows against every key of a head, for block_attention_mass and
@@ -188,12 +196,12 @@ block_value_statistics block_value_mass(const tensor_view& q, const tensor_view&
   {
     std::vector<float> s(static_cast<std::size_t>(kRows * nk)),
         qs(static_cast<std::size_t>(kRows * src.d));
-    std::vector<double> weight(static_cast<std::size_t>(nk));  // each key's, over the block row
+    std::vector<float> weight(static_cast<std::size_t>(nk));  // each key's, over the block row
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < heads * qb; ++task) {
       const std::int64_t h = task / qb, r = task % qb;
       const std::int64_t i1 = std::min(nq, (r + 1) * block);
-      std::fill(weight.begin(), weight.end(), 0.0);
+      std::fill(weight.begin(), weight.end(), 0.f);
       for (std::int64_t i0 = r * block; i0 < i1; i0 += kRows) {
         const std::int64_t rows = std::min(kRows, i1 - i0);
         src.scores(h, i0, rows, qs.data(), s.data());
@@ -203,7 +211,7 @@ block_value_statistics block_value_mass(const tensor_view& q, const tensor_view&
           float* sr = &s[a * nk];
           const float top = *std::max_element(sr, sr + last + 1);
           const double w = 1.0 / (key_weights(sr, last, top) * static_cast<double>(i1 - r * block));
-          for (std::int64_t j = 0; j <= last; ++j) weight[j] += double(sr[j]) * w;
+          add_weights(sr, last, static_cast<float>(w), weight.data());
         }
       }
       // The block row's weights per key into each block's mass and value sum.
@@ -211,7 +219,7 @@ block_value_statistics block_value_mass(const tensor_view& q, const tensor_view&
       double* value = st.value.data() + task * kb * dv;
       for (std::int64_t j = 0; j < nk; ++j) {
         const double wj = weight[static_cast<std::size_t>(j)];
-        if (wj == 0.0) continue;
+        if (wj == 0.0) continue;  // keys past the causal limit of every row
         const std::int64_t c = j / block;
         mass[c] += wj;
         const float* vr = vf.row(j, h);
