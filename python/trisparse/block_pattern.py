@@ -284,8 +284,7 @@ def block_mass(
     mass a pattern keeps or drops). q [H, N_q, D], k [H, N_k, D]; the scores and the softmax in
     float64 for float64 inputs (exact), else in float32 (about 1e-6 relative), the block sums in
     float64; a chunk of query blocks at a time on q's device (memory: H x chunk x N_k)."""
-    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
-        raise ValueError(f"q and k must be [H, N, D] alike, got {tuple(q.shape)}, {tuple(k.shape)}")
+    _check_qk(q, k)
     heads, n_q, d = q.shape
     n_k, g = k.shape[1], int(block_size)
     qb, kb = -(-n_q // g), -(-n_k // g)
@@ -317,8 +316,7 @@ def block_value_mass(
         raise ValueError(
             f"v must be [H, N_k, Dv] as k, got {tuple(v.shape)} for k {tuple(k.shape)}"
         )
-    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
-        raise ValueError(f"q and k must be [H, N, D] alike, got {tuple(q.shape)}, {tuple(k.shape)}")
+    _check_qk(q, k)
     g, scale = int(block_size), _tensors.resolve_scale(scale, q.shape[2])
     if _cpu_fast(q, k) and v.dtype == q.dtype:  # the library's blocked CPU loops
         qb, kb = -(-q.shape[1] // g), -(-k.shape[1] // g)
@@ -329,6 +327,11 @@ def block_value_mass(
         )
         return mass, value
     return _block_sums(q, k, v, g, causal, scale)
+
+
+def _check_qk(q: Tensor, k: Tensor) -> None:
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k must be [H, N, D] alike, got {tuple(q.shape)}, {tuple(k.shape)}")
 
 
 def _block_sums(q, k, v, g, causal, scale):
