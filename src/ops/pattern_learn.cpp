@@ -119,9 +119,27 @@ struct score_source {
     }
   }
 
-  // The last key query row i sees (causal: aligned at the bottom right), -1 for none.
-  std::int64_t last_key(std::int64_t i, bool causal) const {
-    return causal ? std::min(nk - 1, i + (nk - nq)) : nk - 1;
+  // The query rows of block row r (the last one may be partial).
+  std::int64_t rows_of(std::int64_t r) const { return std::min(nq, (r + 1) * block) - r * block; }
+
+  // visit(scores, last, top) for each query row of block row r of head h that sees a key (causal:
+  // aligned at the bottom right): its scores (a row of s, writable), its last key and its highest
+  // score. qs and s as scores() takes them.
+  template <class Visit>
+  void visit_rows(std::int64_t h, std::int64_t r, bool causal, float* qs, float* s,
+                  Visit&& visit) const {
+    const std::int64_t i1 = std::min(nq, (r + 1) * block);
+    for (std::int64_t i0 = r * block; i0 < i1; i0 += kRows) {
+      const std::int64_t rows = std::min(kRows, i1 - i0);
+      scores(h, i0, rows, qs, s);
+      for (std::int64_t a = 0; a < rows; ++a) {
+        const std::int64_t i = i0 + a;
+        const std::int64_t last = causal ? std::min(nk - 1, i + (nk - nq)) : nk - 1;
+        if (last < 0) continue;  // no key: no mass
+        float* sr = s + a * nk;
+        visit(sr, last, *std::max_element(sr, sr + last + 1));
+      }
+    }
   }
 };
 
@@ -148,7 +166,7 @@ void prune_options::check() const {
 std::vector<double> block_attention_mass(const tensor_view& q, const tensor_view& k,
                                          std::int64_t block, bool causal, double scale) {
   const score_source src(q, k, block, scale, "block_attention_mass");
-  const std::int64_t heads = src.heads, nq = src.nq, nk = src.nk, qb = src.qb, kb = src.kb;
+  const std::int64_t heads = src.heads, nk = src.nk, qb = src.qb, kb = src.kb;
   std::vector<double> mass(static_cast<std::size_t>(heads * qb * kb), 0.0);
 #pragma omp parallel
   {
@@ -158,22 +176,14 @@ std::vector<double> block_attention_mass(const tensor_view& q, const tensor_view
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < heads * qb; ++task) {
       const std::int64_t h = task / qb, r = task % qb;
-      const std::int64_t i1 = std::min(nq, (r + 1) * block);
+      const auto rows = static_cast<double>(src.rows_of(r));
       double* out = mass.data() + task * kb;
-      for (std::int64_t i0 = r * block; i0 < i1; i0 += kRows) {
-        const std::int64_t rows = std::min(kRows, i1 - i0);
-        src.scores(h, i0, rows, qs.data(), s.data());
-        for (std::int64_t a = 0; a < rows; ++a) {
-          const std::int64_t last = src.last_key(i0 + a, causal);
-          if (last < 0) continue;  // no key: no mass
-          const float* sr = &s[a * nk];
-          const float top = *std::max_element(sr, sr + last + 1);
-          std::fill(sums.begin(), sums.end(), 0.0);
-          const double total = block_sums(sr, last, block, top, sums.data());
-          const double w = 1.0 / (total * static_cast<double>(i1 - r * block));
-          for (std::int64_t c = 0; c < kb; ++c) out[c] += sums[static_cast<std::size_t>(c)] * w;
-        }
-      }
+      src.visit_rows(
+          h, r, causal, qs.data(), s.data(), [&](float* sr, std::int64_t last, float top) {
+            std::fill(sums.begin(), sums.end(), 0.0);
+            const double w = 1.0 / (block_sums(sr, last, block, top, sums.data()) * rows);
+            for (std::int64_t c = 0; c < kb; ++c) out[c] += sums[static_cast<std::size_t>(c)] * w;
+          });
     }
   }
   return mass;
@@ -186,7 +196,7 @@ block_value_statistics block_value_mass(const tensor_view& q, const tensor_view&
   TRISPARSE_EXPECTS_INPUT(
       v.where == device_kind::cpu && v.heads == k.heads && v.rows == k.rows,
       "v must be [N_k, H, Dv] on the CPU as k: v " + v.describe() + ", k " + k.describe());
-  const std::int64_t heads = src.heads, nq = src.nq, nk = src.nk, qb = src.qb, kb = src.kb;
+  const std::int64_t heads = src.heads, nk = src.nk, qb = src.qb, kb = src.kb;
   block_value_statistics st{.heads = heads, .qb = qb, .kb = kb, .dv = v.dim};
   const std::int64_t dv = st.dv;
   st.mass.assign(static_cast<std::size_t>(heads * qb * kb), 0.0);
@@ -200,20 +210,13 @@ block_value_statistics block_value_mass(const tensor_view& q, const tensor_view&
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < heads * qb; ++task) {
       const std::int64_t h = task / qb, r = task % qb;
-      const std::int64_t i1 = std::min(nq, (r + 1) * block);
+      const auto rows = static_cast<double>(src.rows_of(r));
       std::fill(weight.begin(), weight.end(), 0.f);
-      for (std::int64_t i0 = r * block; i0 < i1; i0 += kRows) {
-        const std::int64_t rows = std::min(kRows, i1 - i0);
-        src.scores(h, i0, rows, qs.data(), s.data());
-        for (std::int64_t a = 0; a < rows; ++a) {
-          const std::int64_t last = src.last_key(i0 + a, causal);
-          if (last < 0) continue;  // no key: no mass
-          float* sr = &s[a * nk];
-          const float top = *std::max_element(sr, sr + last + 1);
-          const double w = 1.0 / (key_weights(sr, last, top) * static_cast<double>(i1 - r * block));
-          add_weights(sr, last, static_cast<float>(w), weight.data());
-        }
-      }
+      src.visit_rows(h, r, causal, qs.data(), s.data(),
+                     [&](float* sr, std::int64_t last, float top) {
+                       const double w = 1.0 / (key_weights(sr, last, top) * rows);
+                       add_weights(sr, last, static_cast<float>(w), weight.data());
+                     });
       // The block row's weights per key into each block's mass and value sum.
       double* mass = st.mass.data() + task * kb;
       double* value = st.value.data() + task * kb * dv;
