@@ -942,6 +942,30 @@ NB_MODULE(_C, m) {
       "q"_a, "k"_a, "v"_a, "block"_a, "causal"_a, "scale"_a, "mass"_a, "value"_a,
       "Each block's attention mass and value sums into the float64 [H, qb, kb] and "
       "[H, qb, kb, Dv] buffers at `mass` and `value`.");
+  m.def(
+      "prune_blocks_by_output",
+      [](std::uintptr_t mass, std::uintptr_t value, std::int64_t heads, std::int64_t qb,
+         std::int64_t kb, std::int64_t dv, double sparsity, bool keep_diagonal, std::int64_t window,
+         std::int64_t global_blocks, bool causal, std::uintptr_t keep) {
+        block_value_statistics st{.heads = heads, .qb = qb, .kb = kb, .dv = dv};
+        const auto* m = reinterpret_cast<const double*>(mass);
+        const auto* u = reinterpret_cast<const double*>(value);
+        st.mass.assign(m, m + heads * qb * kb);
+        st.value.assign(u, u + heads * qb * kb * dv);
+        prune_options o;
+        o.method = "output";
+        o.sparsity = sparsity;
+        o.keep_diagonal = keep_diagonal;
+        o.window = window;
+        o.global_blocks = global_blocks;
+        nb::gil_scoped_release release;
+        const std::vector<std::uint8_t> kept = prune_blocks_by_output(st, o, causal);
+        std::copy(kept.begin(), kept.end(), reinterpret_cast<std::uint8_t*>(keep));
+      },
+      "mass"_a, "value"_a, "heads"_a, "qb"_a, "kb"_a, "dv"_a, "sparsity"_a, "keep_diagonal"_a,
+      "window"_a, "global_blocks"_a, "causal"_a, "keep"_a,
+      "The blocks kept for the output (uint8 [H, qb, kb] at `keep`) from the float64 block "
+      "statistics at `mass` and `value`.");
   nb::class_<py_block_pattern>(m, "BlockPattern")
       .def_static("from_csr", &py_block_pattern::from_csr, "block"_a, "rows"_a, "cols"_a, "heads"_a,
                   "row_ptr"_a, "col_idx"_a, "order"_a, "order_len"_a, "made_by"_a)

@@ -469,8 +469,8 @@ def prune_blocks_by_output(
     `mass`, `value`: the blocks' statistics of :func:`block_value_mass` (or their average over
     samples). Where the attention spreads evenly (no block holds much mass) the mass says little
     about which blocks matter, the values do: the kept blocks are made to average to the dropped
-    ones. Ties go to the lower key block. Torch ops on mass's device (float64), no host
-    synchronisation."""
+    ones. Ties go to the lower key block. On the CPU the library's greedy (OpenMP), elsewhere
+    torch ops on mass's device (float64, no host synchronisation): the same blocks."""
     if mass.dim() != 3 or value.dim() != 4 or value.shape[:3] != mass.shape:
         raise ValueError(
             f"mass must be [H, qb, kb] and value [H, qb, kb, Dv] over the same blocks, got "
@@ -478,6 +478,19 @@ def prune_blocks_by_output(
         )
     if not 0.0 <= sparsity < 1.0:
         raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+    rules = (bool(keep_diagonal), int(window), int(global_blocks), bool(causal))
+    if mass.device.type == "cpu":
+        m, u = (t.to(torch.float64).contiguous() for t in (mass, value))
+        keep = torch.empty(mass.shape, dtype=torch.uint8)
+        _C.prune_blocks_by_output(
+            m.data_ptr(), u.data_ptr(), *u.shape, float(sparsity), *rules, keep.data_ptr()
+        )
+        return keep.bool()
+    return _prune_by_output_torch(mass, value, sparsity, *rules)
+
+
+def _prune_by_output_torch(mass, value, sparsity, keep_diagonal, window, global_blocks, causal):
+    """prune_blocks_by_output as torch ops on mass's device."""
     heads, qb, kb = mass.shape
     m, u = mass.to(torch.float64), value.to(torch.float64)
     tiny = torch.finfo(torch.float64).tiny

@@ -449,10 +449,10 @@ def test_pattern_learner_tracks_every_nth_step():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_cpp_selection_for_the_output_equals_the_torch_path(causal):
-    """The library's CPU statistics and selection for the output (float32 inputs) against the
-    torch path on the same values in float64: masses and value sums within 1e-5, the same blocks
-    (the greedy's steps well separated: values that differ by key block), causal budgets too;
-    more keys than queries and partial last blocks."""
+    """The library's CPU statistics and selection for the output (float32 inputs, and its greedy
+    on float64 statistics) against the torch path on the same values in float64: masses and value
+    sums within 1e-5, the same blocks (the greedy's steps well separated: values that differ by
+    key block), causal budgets too; more keys than queries and partial last blocks."""
     q, k, v = _even_attention_over_block_values(n=520, block=40)
     q = 300.0 * q[:, :500]  # attention that is not flat: the masses differ
     mass, value = trisparse.block_value_mass(q.float(), k.float(), v.float(), 32, causal)
@@ -463,8 +463,13 @@ def test_cpp_selection_for_the_output_equals_the_torch_path(causal):
     got = trisparse.learn_block_pattern(
         q.float(), k.float(), 32, 0.5, "output", causal, v=v.float(), **rules
     )
-    want = trisparse.prune_blocks_by_output(want_mass, want_value, 0.5, causal=causal, **rules)
+    # The torch ops CUDA runs, on the CPU here.
+    want = trisparse.block_pattern._prune_by_output_torch(
+        want_mass, want_value, 0.5, True, 1, 1, causal
+    )
     assert torch.equal(got.blocks(), want) and got.shape == (500, 520)
+    on_cpu = trisparse.prune_blocks_by_output(want_mass, want_value, 0.5, causal=causal, **rules)
+    assert torch.equal(on_cpu, want)  # the library's greedy on float64 statistics
     by_mass = trisparse.learn_block_pattern(q.float(), k.float(), 32, 0.5, "row", causal, **rules)
     assert int((got.blocks() != by_mass.blocks()).sum()) > 100  # the greedy chose most blocks
     assert "mass and values" in got.made_by and "output" in got.made_by
