@@ -22,7 +22,9 @@ block below the diagonal, as close to (1 - s) of the causal blocks as its parame
 
 --mode train trains the same model with dense attention and with a trisparse.PatternLearner per
 layer at each --sparsity (dense for --learner-warmup steps, then block-sparse under the pattern
-learned from the kernels' block importance) and reports the held-out bits per byte of each.
+learned from the kernels' block importance) and reports the held-out bits per byte of each;
+--learner gate: a trisparse.GateLearner per layer instead (each input's own blocks, the gate
+distilled every --learner-every steps for --gate-fit-steps Adam steps while the model trains).
 """
 
 import argparse
@@ -274,7 +276,7 @@ def error_table(args, data, split):
 def train_table(args, data, split):
     for s in [0.0, *args.sparsity]:
         learners = None
-        if s > 0:
+        if s > 0 and args.learner == "pattern":
             learners = [
                 trisparse.PatternLearner(
                     args.block,
@@ -286,10 +288,25 @@ def train_table(args, data, split):
                 )
                 for _ in range(args.layers)
             ]
+        elif s > 0:  # a gate per layer, distilled while the model trains
+            learners = [
+                trisparse.GateLearner(
+                    args.heads,
+                    args.channels // args.heads,
+                    args.block,
+                    s,
+                    causal=True,
+                    warmup=args.learner_warmup,
+                    fit_every=args.learner_every,
+                    fit_steps=args.gate_fit_steps,
+                )
+                for _ in range(args.layers)
+            ]
         start = time.perf_counter()
         _, bpb = train(args, data, split, learners)
         row = {
             "mode": "dense" if s == 0 else "learned",
+            "learner": args.learner if s > 0 else None,
             "sparsity": s,
             "bits_per_byte": bpb,
             "seconds": time.perf_counter() - start,
@@ -325,6 +342,13 @@ def main():
         default=[300],
         help="BlockGate distillation steps (several: a gate each, columns gate_<steps>)",
     )
+    ap.add_argument(
+        "--learner",
+        choices=("pattern", "gate"),
+        default="pattern",
+        help="--mode train: one learned pattern (PatternLearner) or a gate per input (GateLearner)",
+    )
+    ap.add_argument("--gate-fit-steps", type=int, default=10, help="GateLearner: Adam steps a fit")
     ap.add_argument("--learner-warmup", type=int, default=50)
     ap.add_argument("--learner-every", type=int, default=25)
     ap.add_argument("--seed", type=int, default=0)

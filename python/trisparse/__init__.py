@@ -10,7 +10,7 @@ import torch  # noqa: F401  (loads the CUDA libraries torch ships, which the ext
 
 from . import _C, distributed
 from .attention import sparse_attention
-from .block_gate import BlockGate
+from .block_gate import BlockGate, GateLearner
 from .block_pattern import (
     BlockPattern,
     PatternLearner,
@@ -44,6 +44,7 @@ __all__ = [
     "BlockImportance",
     "BlockMask",
     "BlockPattern",
+    "GateLearner",
     "Pattern",
     "PatternLearner",
     "SparseMatrix",

@@ -14,8 +14,9 @@ from torch import Tensor, nn
 from . import _tensors
 from .block_mask import BlockMask
 from .block_pattern import block_mass, prune_blocks
+from .block_sparse import block_sparse_attention
 
-__all__ = ["BlockGate"]
+__all__ = ["BlockGate", "GateLearner"]
 
 
 class _Layout(NamedTuple):
@@ -254,3 +255,84 @@ class BlockGate(nn.Module):
         keep = keep if keep.dim() == 4 else keep[None]
         density = 1.0 - sparsity if method == "row" else None
         return BlockMask(keep, self.block_size, causal=self.causal, density=density)
+
+
+class GateLearner:
+    """A :class:`BlockGate` learned while the model trains (the gate inside training), for one
+    attention site whose blocks change with the input (text). Called in place of the site's
+    attention, ``learner(q, k, v)`` with q, k, v [B, H, N, D] (causal as the learner):
+
+    - every `fit_every`-th training step (the first included) the gate takes `fit_steps` Adam
+      steps (`lr`) of distillation against the exact block mass of the step's first sequence
+      (:func:`block_mass` of its detached q and k: dense work, H · N² · D, in float32 with
+      autocast off), so that it follows the attention as the model changes;
+    - the attention is dense (SDPA) through the first `warmup` steps, then block-sparse under each
+      input's own blocks as the gate chooses them (:meth:`BlockGate.block_mask` at `sparsity`,
+      the diagonal kept, from the detached q and k, autocast off).
+
+    The gate is distilled, not trained by the model's loss: its parameters are the learner's own
+    (``learner.gate``), not the model's, so keep the learner a plain attribute of the module (as
+    :class:`PatternLearner`), out of the model's optimizer. Evaluation calls (no gradients)
+    attend only: dense before the warm-up's end, block-sparse after. ``last_loss`` is the latest
+    distillation loss (a device tensor: reading it synchronises)."""
+
+    def __init__(
+        self,
+        heads: int,
+        head_dim: int,
+        block_size: int,
+        sparsity: float,
+        causal: bool = False,
+        warmup: int = 0,
+        fit_every: int = 10,
+        fit_steps: int = 1,
+        lr: float = 1e-2,
+        max_distance: int = 64,
+    ):
+        if not 0.0 <= sparsity < 1.0:
+            raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+        if fit_every < 1 or fit_steps < 0 or warmup < 0:
+            raise ValueError(
+                f"fit_every must be >= 1, fit_steps and warmup >= 0, got {fit_every}, "
+                f"{fit_steps}, {warmup}"
+            )
+        self.gate = BlockGate(heads, head_dim, block_size, causal, max_distance)
+        self.sparsity, self.causal, self.warmup = sparsity, bool(causal), warmup
+        self.fit_every, self.fit_steps, self.lr = fit_every, fit_steps, lr
+        self.steps = 0
+        self.last_loss: Tensor | None = None
+        self._opt: torch.optim.Optimizer | None = None
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
+        """The site's attention (see the class) and, with gradients on, one learning step."""
+        if q.dim() != 4:
+            raise ValueError(f"q, k, v must be [B, H, N, D], got q {tuple(q.shape)}")
+        if self.gate.wq.device != q.device:
+            self.gate.to(q.device)
+            self._opt = None
+        training = torch.is_grad_enabled()
+        if training and self.steps % self.fit_every == 0 and self.fit_steps > 0:
+            self._distil(q[0].detach(), k[0].detach())
+        dense = self.steps < self.warmup
+        if training:
+            self.steps += 1
+        if dense:
+            return nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=self.causal, scale=scale
+            )
+        with torch.autocast(q.device.type, enabled=False):
+            mask = self.gate.block_mask(q.detach(), k.detach(), self.sparsity)
+        return block_sparse_attention(q, k, v, mask, scale=scale)
+
+    def _distil(self, q: Tensor, k: Tensor) -> None:
+        if self._opt is None:
+            self._opt = torch.optim.Adam(self.gate.parameters(), lr=self.lr)
+        g = self.gate
+        with torch.enable_grad(), torch.autocast(q.device.type, enabled=False):
+            mass = block_mass(q, k, g.block_size, self.causal).to(torch.float32)
+            for _ in range(self.fit_steps):
+                loss = g.loss(q, k, mass)
+                self._opt.zero_grad(set_to_none=True)
+                loss.backward()
+                self._opt.step()
+        self.last_loss = loss.detach()

@@ -67,6 +67,57 @@ def test_distillation_finds_planted_blocks_pooled_means_miss():
     assert gate.loss(q, k, mass) < trisparse.BlockGate(H, D, G, causal=True).loss(q, k, mass)
 
 
+def _gate_learner_steps(learner, inputs, v):
+    """Training steps as a model calls the learner: attention on [1, H, N, D], a loss,
+    backward; returns the last step's (mask the learner attended under, output, gradients)."""
+    for q, k in inputs:
+        leaves = [t[None].clone().requires_grad_() for t in (q, k, v)]
+        out = learner(*leaves)
+        out.square().sum().backward()
+    return out, [t.grad for t in leaves]
+
+
+def test_gate_learner_distils_while_training_and_attends_under_its_blocks():
+    """A GateLearner called in place of the attention: dense through the warm-up, distilling
+    the gate on each step's exact block mass; past it, block-sparse under each input's own
+    blocks (the output and the gradients of q, k, v those of block_sparse_attention under the
+    gate's mask); on a fresh input it finds >= 95 % of the planted blocks pooled q . k misses.
+    Evaluation calls take no step."""
+    n = 1024
+    torch.manual_seed(0)
+    learner = trisparse.GateLearner(
+        H, D, G, 0.9, causal=True, warmup=4, fit_every=1, fit_steps=40, lr=3e-2, max_distance=8
+    )
+    v = torch.randn(H, n, D, generator=torch.Generator().manual_seed(7))
+    inputs = [planted(n, seed) for seed in range(4)]
+    out, _ = _gate_learner_steps(learner, inputs, v)
+    assert learner.steps == 4 and float(learner.last_loss) > 0
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        inputs[-1][0][None], inputs[-1][1][None], v[None], is_causal=True
+    )
+    torch.testing.assert_close(out, dense)  # the warm-up attends densely
+    q, k = planted(n, seed=99)
+    with torch.no_grad():
+        learner(q[None], k[None], v[None])
+    assert learner.steps == 4  # evaluation: no step
+    want = planted_blocks(n).expand(H, -1, -1)
+    found = learner.gate.select(q, k, sparsity=0.9)
+    assert float((found & want).sum() / want.sum()) >= 0.95
+    # Past the warm-up: block-sparse under the mask the gate (distilled first) gives this input.
+    out, grads = _gate_learner_steps(learner, [(q, k)], v)
+    assert learner.steps == 5
+    chosen = learner.gate.block_mask(q, k, 0.9)
+    assert chosen.blocks.sum() < 0.2 * chosen.blocks.numel()
+    leaves = [t[None].clone().requires_grad_() for t in (q, k, v)]
+    want_out = trisparse.block_sparse_attention(*leaves, chosen)
+    want_out.square().sum().backward()
+    torch.testing.assert_close(out, want_out)
+    for got, leaf in zip(grads, leaves, strict=True):
+        torch.testing.assert_close(got, leaf.grad)
+    with pytest.raises(ValueError, match="sparsity"):
+        trisparse.GateLearner(H, D, G, 1.0)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_select_is_prune_blocks_of_the_gates_mass(causal):
     gen = torch.Generator().manual_seed(4)
