@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <span>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -947,11 +948,10 @@ NB_MODULE(_C, m) {
       [](std::uintptr_t mass, std::uintptr_t value, std::int64_t heads, std::int64_t qb,
          std::int64_t kb, std::int64_t dv, double sparsity, bool keep_diagonal, std::int64_t window,
          std::int64_t global_blocks, bool causal, std::uintptr_t keep) {
-        block_value_statistics st{.heads = heads, .qb = qb, .kb = kb, .dv = dv};
-        const auto* m = reinterpret_cast<const double*>(mass);
-        const auto* u = reinterpret_cast<const double*>(value);
-        st.mass.assign(m, m + heads * qb * kb);
-        st.value.assign(u, u + heads * qb * kb * dv);
+        const std::span<const double> m(reinterpret_cast<const double*>(mass),
+                                        static_cast<std::size_t>(heads * qb * kb));
+        const std::span<const double> u(reinterpret_cast<const double*>(value),
+                                        static_cast<std::size_t>(heads * qb * kb * dv));
         prune_options o;
         o.method = "output";
         o.sparsity = sparsity;
@@ -959,7 +959,8 @@ NB_MODULE(_C, m) {
         o.window = window;
         o.global_blocks = global_blocks;
         nb::gil_scoped_release release;
-        const std::vector<std::uint8_t> kept = prune_blocks_by_output(st, o, causal);
+        const std::vector<std::uint8_t> kept =
+            prune_blocks_by_output(m, u, heads, qb, kb, dv, o, causal);
         std::copy(kept.begin(), kept.end(), reinterpret_cast<std::uint8_t*>(keep));
       },
       "mass"_a, "value"_a, "heads"_a, "qb"_a, "kb"_a, "dv"_a, "sparsity"_a, "keep_diagonal"_a,

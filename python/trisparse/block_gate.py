@@ -203,15 +203,15 @@ class BlockGate(nn.Module):
         if not data:
             raise ValueError("samples: give at least one (q, k) pair")
         opt = torch.optim.Adam(self.parameters(), lr=lr)
-        losses = []
-        for step in range(steps):
-            q, k, mass = data[step % len(data)]
-            loss = self.loss(q, k, mass)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            losses.append(float(loss.detach()))
-        return losses
+        return [float(self._step(opt, *data[step % len(data)])) for step in range(steps)]
+
+    def _step(self, opt: torch.optim.Optimizer, q: Tensor, k: Tensor, mass: Tensor) -> Tensor:
+        """One distillation step of `opt` on (q, k, mass); the loss before it (detached)."""
+        loss = self.loss(q, k, mass)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss.detach()
 
     @torch.no_grad()
     def select(self, q: Tensor, k: Tensor, sparsity: float, method: str = "row", **keep_rules):
@@ -327,12 +327,7 @@ class GateLearner:
     def _distil(self, q: Tensor, k: Tensor) -> None:
         if self._opt is None:
             self._opt = torch.optim.Adam(self.gate.parameters(), lr=self.lr)
-        g = self.gate
         with torch.enable_grad(), torch.autocast(q.device.type, enabled=False):
-            mass = block_mass(q, k, g.block_size, self.causal).to(torch.float32)
+            mass = block_mass(q, k, self.gate.block_size, self.causal).to(torch.float32)
             for _ in range(self.fit_steps):
-                loss = g.loss(q, k, mass)
-                self._opt.zero_grad(set_to_none=True)
-                loss.backward()
-                self._opt.step()
-        self.last_loss = loss.detach()
+                self.last_loss = self.gate._step(self._opt, q, k, mass)

@@ -342,7 +342,7 @@ def _block_sums(q, k, v, g, causal, scale):
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     qc, kc = q.to(dtype), k.to(dtype)
     out = torch.zeros(heads, qb, kb, dtype=torch.float64, device=q.device)
-    value = None
+    value = vb = None
     if v is not None:
         vb = torch.nn.functional.pad(v.to(dtype), (0, 0, 0, kb * g - n_k)).view(heads, kb, g, -1)
         value = torch.zeros(heads, qb, kb, v.shape[2], dtype=torch.float64, device=q.device)
@@ -355,17 +355,26 @@ def _block_sums(q, k, v, g, causal, scale):
             s = s.masked_fill(torch.arange(n_k, device=q.device)[None, :] > i, float("-inf"))
         p = torch.softmax(s, dim=-1).nan_to_num(0.0)
         blocks = -(-(rows.stop - rows.start) // g)
-        # Zero rows and keys up to whole blocks, then sum each G x G block.
-        p = torch.nn.functional.pad(p, (0, kb * g - n_k, 0, blocks * g - p.shape[1]))
-        per_key = p.view(heads, blocks * g, kb, g).sum(-1)  # contiguous runs of g keys
-        out[:, r0 : r0 + blocks] = per_key.view(heads, blocks, g, kb).sum(2, dtype=torch.float64)
-        if v is not None:  # each key's weight summed over the block's rows, times its value
-            per_row = p.view(heads, blocks, g, kb, g).sum(2)  # [H, blocks, kb, g]
-            value[:, r0 : r0 + blocks] = torch.einsum("hbkj,hkjd->hbkd", per_row, vb).double()
+        p = torch.nn.functional.pad(p, (0, 0, 0, blocks * g - p.shape[1]))  # whole blocks
+        out[:, r0 : r0 + blocks], sums = _block_row_sums(p, vb, g)
+        if value is not None:
+            value[:, r0 : r0 + blocks] = sums
     counts = torch.clamp(n_q - torch.arange(qb, device=q.device) * g, max=g).to(torch.float64)
     if value is not None:
         value /= counts[None, :, None, None]
     return out / counts[None, :, None], value
+
+
+def _block_row_sums(p: Tensor, vb: Tensor | None, g: int) -> tuple[Tensor, Tensor | None]:
+    """Softmax weights p [H, R·g, N_k] of R whole block rows (padding rows zero) summed per block:
+    ([H, R, kb] masses, [H, R, kb, Dv] value sums with the values vb [H, kb, g, Dv], or None), in
+    float64, not yet divided by the rows; _block_sums' and _sampled_stats' one summation."""
+    heads, n, n_k = p.shape
+    kb = -(-n_k // g)
+    p = torch.nn.functional.pad(p, (0, kb * g - n_k))
+    per_key = p.view(heads, n // g, g, kb, g).sum(2, dtype=torch.float64)  # over the rows
+    value = None if vb is None else torch.einsum("hrkj,hkjd->hrkd", per_key, vb.double())
+    return per_key.sum(-1), value
 
 
 def pooled_block_mass(
@@ -901,12 +910,9 @@ def _sampled_stats(q, k, v, g, rows, causal):
         limit = at[:, None] + (n_k - n_q)
         s = s.masked_fill(torch.arange(n_k, device=q.device)[None, :] > limit, float("-inf"))
     p = torch.softmax(s, -1).nan_to_num(0.0) * valid[None, :, None]
-    p = torch.nn.functional.pad(p, (0, kb * g - n_k))
-    per_key = p.view(q.shape[0], r, g, kb, g).sum(2)  # [H, R, kb, g]: over the block's rows
-    counts = valid.view(r, g).sum(1).clamp(min=1)[None, :, None]
-    value = None
+    vb = None
     if v is not None:
-        vb = torch.nn.functional.pad(v.to(torch.float64), (0, 0, 0, kb * g - n_k))
-        value = torch.einsum("hrkj,hkjd->hrkd", per_key, vb.view(v.shape[0], kb, g, -1))
-        value = value / counts[..., None]
-    return per_key.sum(-1) / counts, value
+        vb = torch.nn.functional.pad(v, (0, 0, 0, kb * g - n_k)).view(v.shape[0], kb, g, -1)
+    mass, value = _block_row_sums(p, vb, g)
+    counts = valid.view(r, g).sum(1).clamp(min=1)[None, :, None]
+    return mass / counts, None if value is None else value / counts[..., None]

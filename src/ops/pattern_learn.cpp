@@ -10,6 +10,7 @@
 #include <numbers>
 #include <numeric>
 #include <optional>
+#include <span>
 
 #include "../cpu/common/exp2.hpp"
 #include "../cpu/common/online_softmax.hpp"
@@ -294,26 +295,27 @@ std::vector<std::uint8_t> prune_blocks(const std::vector<double>& importance, st
   return keep;
 }
 
-std::vector<std::uint8_t> prune_blocks_by_output(const block_value_statistics& st,
+std::vector<std::uint8_t> prune_blocks_by_output(std::span<const double> mass,
+                                                 std::span<const double> value, std::int64_t heads,
+                                                 std::int64_t qb, std::int64_t kb, std::int64_t dv,
                                                  const prune_options& o, bool causal) {
   o.check();
-  const std::int64_t heads = st.heads, qb = st.qb, kb = st.kb, dv = st.dv;
-  TRISPARSE_EXPECTS_INPUT(static_cast<std::int64_t>(st.mass.size()) == heads * qb * kb &&
-                              static_cast<std::int64_t>(st.value.size()) == heads * qb * kb * dv,
-                          "block statistics: " + std::to_string(st.mass.size()) + " masses and " +
-                              std::to_string(st.value.size()) + " value sums for " +
+  TRISPARSE_EXPECTS_INPUT(static_cast<std::int64_t>(mass.size()) == heads * qb * kb &&
+                              static_cast<std::int64_t>(value.size()) == heads * qb * kb * dv,
+                          "block statistics: " + std::to_string(mass.size()) + " masses and " +
+                              std::to_string(value.size()) + " value sums for " +
                               std::to_string(heads) + " x " + std::to_string(qb) + " x " +
                               std::to_string(kb) + " blocks of " + std::to_string(dv));
   constexpr double tiny = std::numeric_limits<double>::min();
-  std::vector<std::uint8_t> keep(st.mass.size(), 0);
+  std::vector<std::uint8_t> keep(mass.size(), 0);
 #pragma omp parallel
   {
     std::vector<double> target(static_cast<std::size_t>(dv)), kept_u(target.size());
 #pragma omp for schedule(static)
     for (std::int64_t task = 0; task < heads * qb; ++task) {
       const std::int64_t r = task % qb;
-      const double* m = st.mass.data() + task * kb;
-      const double* u = st.value.data() + task * kb * dv;
+      const double* m = mass.data() + task * kb;
+      const double* u = value.data() + task * kb * dv;
       std::uint8_t* kept = keep.data() + task * kb;
       // The row's full output, and the keep rules' blocks first.
       std::fill(target.begin(), target.end(), 0.0);
@@ -409,8 +411,10 @@ block_pattern learn_block_pattern(const tensor_view& q, const tensor_view& k, st
   if (options.method == "output") {
     TRISPARSE_EXPECTS_INPUT(v.has_value(), "prune method 'output' needs the values v [N_k, H, Dv]");
     const block_value_statistics st = block_value_mass(q, k, *v, block, causal);
-    return pattern_of(prune_blocks_by_output(st, options, causal), q.heads, block, q.rows, k.rows,
-                      options, causal, "attention mass and values");
+    const std::vector<std::uint8_t> keep =
+        prune_blocks_by_output(st.mass, st.value, st.heads, st.qb, st.kb, st.dv, options, causal);
+    return pattern_of(keep, q.heads, block, q.rows, k.rows, options, causal,
+                      "attention mass and values");
   }
   const std::int64_t qb = (q.rows + block - 1) / block, kb = (k.rows + block - 1) / block;
   const std::vector<double> mass = block_attention_mass(q, k, block, causal);

@@ -4,6 +4,7 @@
 /// Python's trisparse.learn_block_pattern and `trisparse pattern learn` run it.
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -60,8 +61,12 @@ block_value_statistics block_value_mass(const tensor_view& q, const tensor_view&
 /// renormalised output sum(value) / sum(mass) nearest (L2) the row's full output, up to
 /// (1 - sparsity) of the key blocks the row sees (causal: the last block row aligned with the
 /// last key block; at least one); blocks of no mass never; ties to the lower key block.
+/// `mass` [heads][qb][kb] and `value` [heads][qb][kb][dv] as block_value_mass gives them (or
+/// their averages; the caller's buffers, not copied).
 /// @throws invalid_input for mismatched sizes or bad options.
-std::vector<std::uint8_t> prune_blocks_by_output(const block_value_statistics& stats,
+std::vector<std::uint8_t> prune_blocks_by_output(std::span<const double> mass,
+                                                 std::span<const double> value, std::int64_t heads,
+                                                 std::int64_t qb, std::int64_t kb, std::int64_t dv,
                                                  const prune_options& options, bool causal = false);
 
 /// The kept blocks (1 = kept) of an importance [heads][qb][kb] (mass, |dS|, pooled scores) by
