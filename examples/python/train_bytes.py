@@ -25,12 +25,18 @@ layer at each --sparsity (dense for --learner-warmup steps, then block-sparse un
 learned from the kernels' block importance) and reports the held-out bits per byte of each;
 --learner gate: a trisparse.GateLearner per layer instead (each input's own blocks, the gate
 distilled every --learner-every steps for --gate-fit-steps Adam steps while the model trains).
+On CUDA each row has step_ms, the median training step past the warm-up.
+
+--mode cost (CUDA) times the importance tracking inside training: one model with a PatternLearner
+per layer, the kernels measuring the mass at every step for --cost-period steps and at none for as
+many, alternating; the two kinds of step's medians and the cost between them.
 """
 
 import argparse
 import functools
 import json
 import math
+import statistics
 import sysconfig
 import time
 from pathlib import Path
@@ -120,9 +126,10 @@ def bits_per_byte(model, data, seq, starts, device, amp):
     return total / count / math.log(2)
 
 
-def train(args, data, split, learners=None):
-    """Trains a model (dense attention, or the given learners per layer); returns it and the
-    held-out bits per byte."""
+def train(args, data, split, learners=None, before_step=None):
+    """Trains a model (dense attention, or the given learners per layer; `before_step(i)` called
+    before step i); returns it, the held-out bits per byte and, on CUDA, each step's time (ms,
+    CUDA events around it; None on the CPU)."""
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
     model = ByteModel(args.channels, args.heads, args.layers, args.seq, learners).to(device)
@@ -130,7 +137,16 @@ def train(args, data, split, learners=None):
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, args.lr, total_steps=args.steps, pct_start=0.1)
     amp = torch.autocast(device.type, torch.bfloat16, enabled=args.bf16)
     gen = torch.Generator().manual_seed(args.seed)
-    for _ in range(args.steps):
+    timed = device.type == "cuda"
+    events = []
+    for step in range(args.steps):
+        if before_step is not None:
+            before_step(step)
+        if timed:
+            events.append(
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            )
+            events[-1][0].record()
         starts = torch.randint(0, split - args.seq - 1, (args.batch,), generator=gen)
         x, y = sequences(data, starts, args.seq)
         with amp:
@@ -141,8 +157,14 @@ def train(args, data, split, learners=None):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
+        if timed:
+            events[-1][1].record()
+    times = None
+    if timed:
+        torch.cuda.synchronize()
+        times = [a.elapsed_time(b) for a, b in events]
     held_out = torch.linspace(split, data.numel() - args.seq - 2, args.eval_sequences).long()
-    return model, bits_per_byte(model, data, args.seq, held_out, device, amp)
+    return model, bits_per_byte(model, data, args.seq, held_out, device, amp), times
 
 
 def keep_per_row(score, sparsity):
@@ -193,7 +215,7 @@ def layer_qkv(model, tokens, device, amp):
 
 def error_table(args, data, split):
     start = time.perf_counter()
-    model, bpb = train(args, data, split)
+    model, bpb, _ = train(args, data, split)
     trained_s = time.perf_counter() - start
     device = torch.device(args.device)
     amp = torch.autocast(device.type, torch.bfloat16, enabled=args.bf16)
@@ -273,21 +295,72 @@ def error_table(args, data, split):
         print(json.dumps(row), flush=True)
 
 
+def pattern_learners(args, sparsity):
+    return [
+        trisparse.PatternLearner(
+            args.block,
+            sparsity,
+            every=args.learner_every,
+            warmup=args.learner_warmup,
+            causal=True,
+            track_every=args.track_every,
+        )
+        for _ in range(args.layers)
+    ]
+
+
+def cost_table(args, data, split):
+    """--mode cost (CUDA): one model trained with a PatternLearner per layer at each --sparsity,
+    the kernels measuring the kept blocks' mass at every step for --cost-period steps, then at
+    none for as many, alternating past the warm-up: the medians of the two kinds of step in one
+    process (the same model, pattern and GPU state) and the tracking's cost between them."""
+    for s in args.sparsity:
+        learners = pattern_learners(args, s)
+
+        def before_step(step, learners=learners):
+            tracked = step < args.learner_warmup or (step // args.cost_period) % 2 == 0
+            for learner in learners:
+                learner.track_every = 1 if tracked else args.steps + 1
+
+        _, bpb, times = train(args, data, split, learners, before_step)
+        first = args.learner_warmup + 2  # the first sparse steps build the pattern
+        split_times = {True: [], False: []}
+        for step in range(first, args.steps):
+            split_times[(step // args.cost_period) % 2 == 0].append(times[step])
+        tracked, untracked = (statistics.median(split_times[b]) for b in (True, False))
+        row = {
+            "mode": "cost",
+            "sparsity": s,
+            "tracked_ms": tracked,
+            "untracked_ms": untracked,
+            "cost": tracked / untracked - 1.0,
+            "steps_each": len(split_times[True]),
+            "bits_per_byte": bpb,
+            **setting(args),
+        }
+        print(json.dumps(row), flush=True)
+
+
+def setting(args):
+    return {
+        "seq": args.seq,
+        "block": args.block,
+        "steps": args.steps,
+        "lr": args.lr,
+        "seed": args.seed,
+        "device": args.device,
+        "bf16": args.bf16,
+        "layers": args.layers,
+        "heads": args.heads,
+        "channels": args.channels,
+    }
+
+
 def train_table(args, data, split):
-    for s in [0.0, *args.sparsity]:
+    for s in ([] if args.skip_dense else [0.0]) + args.sparsity:
         learners = None
         if s > 0 and args.learner == "pattern":
-            learners = [
-                trisparse.PatternLearner(
-                    args.block,
-                    s,
-                    every=args.learner_every,
-                    warmup=args.learner_warmup,
-                    causal=True,
-                    track_every=2,
-                )
-                for _ in range(args.layers)
-            ]
+            learners = pattern_learners(args, s)
         elif s > 0:  # a gate per layer, distilled while the model trains
             learners = [
                 trisparse.GateLearner(
@@ -303,27 +376,28 @@ def train_table(args, data, split):
                 for _ in range(args.layers)
             ]
         start = time.perf_counter()
-        _, bpb = train(args, data, split, learners)
+        _, bpb, times = train(args, data, split, learners)
         row = {
             "mode": "dense" if s == 0 else "learned",
             "learner": args.learner if s > 0 else None,
             "sparsity": s,
             "bits_per_byte": bpb,
             "seconds": time.perf_counter() - start,
-            "seq": args.seq,
-            "block": args.block,
-            "steps": args.steps,
-            "lr": args.lr,
-            "seed": args.seed,
-            "device": args.device,
-            "bf16": args.bf16,
+            "step_ms": None
+            if times is None
+            else statistics.median(times[args.learner_warmup + 1 :]),
+            **setting(args),
         }
+        if s > 0 and args.learner == "pattern":
+            row["track_every"] = args.track_every
+        elif s > 0:
+            row["gate_fit_steps"] = args.gate_fit_steps
         print(json.dumps(row), flush=True)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mode", choices=("errors", "train"), default="errors")
+    ap.add_argument("--mode", choices=("errors", "train", "cost"), default="errors")
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--block", type=int, default=64)
     ap.add_argument("--sparsity", type=float, nargs="+", default=[0.8, 0.9, 0.95])
@@ -351,6 +425,16 @@ def main():
     ap.add_argument("--gate-fit-steps", type=int, default=10, help="GateLearner: Adam steps a fit")
     ap.add_argument("--learner-warmup", type=int, default=50)
     ap.add_argument("--learner-every", type=int, default=25)
+    ap.add_argument(
+        "--track-every",
+        type=int,
+        default=2,
+        help="PatternLearner: the kernels measure the kept blocks' mass every this many steps",
+    )
+    ap.add_argument("--skip-dense", action="store_true", help="--mode train: no dense row")
+    ap.add_argument(
+        "--cost-period", type=int, default=50, help="--mode cost: steps tracked, then untracked"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA block kernels)")
@@ -358,7 +442,10 @@ def main():
     data, files = corpus()
     split = int(data.numel() * 0.95)
     print(json.dumps({"corpus_bytes": data.numel(), "files": files}), flush=True)
-    (error_table if args.mode == "errors" else train_table)(args, data, split)
+    modes = {"errors": error_table, "train": train_table, "cost": cost_table}
+    if args.mode == "cost" and args.device == "cpu":
+        ap.error("--mode cost times CUDA steps: give --device cuda")
+    modes[args.mode](args, data, split)
 
 
 if __name__ == "__main__":

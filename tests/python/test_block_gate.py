@@ -77,36 +77,53 @@ def _gate_learner_steps(learner, inputs, v):
     return out, [t.grad for t in leaves]
 
 
-def test_gate_learner_distils_while_training_and_attends_under_its_blocks():
+CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not trisparse.cuda_available(), reason="needs a CUDA device and build"),
+    ],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_gate_learner_distils_while_training_and_attends_under_its_blocks(device):
     """A GateLearner called in place of the attention: dense through the warm-up, distilling
     the gate on each step's exact block mass; past it, block-sparse under each input's own
     blocks (the output and the gradients of q, k, v those of block_sparse_attention under the
     gate's mask); on a fresh input it finds >= 95 % of the planted blocks pooled q . k misses.
-    Evaluation calls take no step."""
-    n = 1024
+    Evaluation calls take no step. On CUDA (bf16 and head dim 64, which the block kernels take,
+    as a model under autocast calls it) the gate's selection, fit and mask stay on the device."""
+    n, dim = 1024, D if device == "cpu" else 64
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
     torch.manual_seed(0)
     learner = trisparse.GateLearner(
-        H, D, G, 0.9, causal=True, warmup=4, fit_every=1, fit_steps=40, lr=3e-2, max_distance=8
+        H, dim, G, 0.9, causal=True, warmup=4, fit_every=1, fit_steps=40, lr=3e-2, max_distance=8
     )
-    v = torch.randn(H, n, D, generator=torch.Generator().manual_seed(7))
-    inputs = [planted(n, seed) for seed in range(4)]
+    v = torch.randn(H, n, dim, generator=torch.Generator().manual_seed(7)).to(device, dtype)
+
+    def on_device(seed):
+        return tuple(t.to(device, dtype) for t in planted(n, seed, dim=dim))
+
+    inputs = [on_device(seed) for seed in range(4)]
     out, _ = _gate_learner_steps(learner, inputs, v)
     assert learner.steps == 4 and float(learner.last_loss) > 0
     dense = torch.nn.functional.scaled_dot_product_attention(
         inputs[-1][0][None], inputs[-1][1][None], v[None], is_causal=True
     )
     torch.testing.assert_close(out, dense)  # the warm-up attends densely
-    q, k = planted(n, seed=99)
+    q, k = on_device(99)
     with torch.no_grad():
         learner(q[None], k[None], v[None])
     assert learner.steps == 4  # evaluation: no step
-    want = planted_blocks(n).expand(H, -1, -1)
+    want = planted_blocks(n).expand(H, -1, -1).to(device)
     found = learner.gate.select(q, k, sparsity=0.9)
     assert float((found & want).sum() / want.sum()) >= 0.95
     # Past the warm-up: block-sparse under the mask the gate (distilled first) gives this input.
     out, grads = _gate_learner_steps(learner, [(q, k)], v)
     assert learner.steps == 5
     chosen = learner.gate.block_mask(q, k, 0.9)
+    assert chosen.blocks.device.type == device
     assert chosen.blocks.sum() < 0.2 * chosen.blocks.numel()
     leaves = [t[None].clone().requires_grad_() for t in (q, k, v)]
     want_out = trisparse.block_sparse_attention(*leaves, chosen)
