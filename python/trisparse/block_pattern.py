@@ -6,6 +6,7 @@ its statistics, its file, and the masks the attention takes."""
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -383,27 +384,70 @@ def pooled_block_mass(
     """An estimate of each block's attention mass from pooled queries and keys (the scores top-k
     block routing ranks by): per head and block row r, the softmax over key blocks c of
     scale <mean of r's q rows, mean of c's k rows> + log(c's keys), causal blocks past the
-    diagonal excluded — float64 [H, query blocks, key blocks], rows summing to 1. One small
-    product; what :class:`PatternLearner` gives the blocks the kernels do not see."""
+    diagonal excluded — float64 [H, query blocks, key blocks], rows summing to 1 (zeros where
+    causal leaves a block row no key). One small product; what :class:`PatternLearner` gives the
+    blocks the kernels do not see. A handful of torch ops (what depends on the sizes alone is
+    made once per shape): a learner calls it inside training steps."""
     heads, n_q, d = q.shape
     n_k, g = k.shape[1], int(block_size)
+    layout = _pooled_layout(n_q, n_k, g, bool(causal), q.device)
+    scores = torch.baddbmm(
+        layout.constant.expand(heads, -1, -1),
+        _block_means(q, g, layout.rows),
+        _block_means(k, g, layout.keys).transpose(1, 2),
+        alpha=_tensors.resolve_scale(scale, d),
+    )
+    p = torch.softmax(scores, -1)
+    return p.nan_to_num(0.0) if layout.empty_rows else p
+
+
+class _PooledLayout(NamedTuple):
+    rows: Tensor | None  # [qb] float64 query rows a block (None: all G)
+    keys: Tensor | None  # [kb] keys a block (None: all G)
+    constant: Tensor  # [qb, kb] float64: log(keys in c); -inf where causal excludes the block
+    empty_rows: bool  # causal leaves some block row no key block
+
+
+_POOLED_LAYOUTS: dict[tuple, _PooledLayout] = {}
+
+
+def _pooled_layout(n_q: int, n_k: int, g: int, causal: bool, device: torch.device) -> _PooledLayout:
+    """The sizes' part of the pooled scores, kept for the last few shapes. Made under CUDA-graph
+    capture it is not kept: its kernels run only when the graph is replayed."""
+    key = (n_q, n_k, g, causal, device)
+    hit = _POOLED_LAYOUTS.get(key)
+    if hit is not None:
+        return hit
     qb, kb = -(-n_q // g), -(-n_k // g)
-    scale = _tensors.resolve_scale(scale, d)
-
-    def means(x, counts):  # each block's mean row (its padding rows are zeros)
-        x = torch.nn.functional.pad(x.to(torch.float64), (0, 0, 0, counts.numel() * g - x.shape[1]))
-        return x.view(heads, counts.numel(), g, d).sum(2) / counts[None, :, None]
-
-    rows = torch.clamp(n_q - torch.arange(qb, device=q.device) * g, max=g).to(torch.float64)
-    keys = torch.clamp(n_k - torch.arange(kb, device=q.device) * g, max=g).to(torch.float64)
-    qm, km = means(q, rows), means(k, keys)
-    s = scale * (qm @ km.transpose(1, 2)) + keys.log()[None, None, :]
+    rows = torch.clamp(n_q - torch.arange(qb, device=device) * g, max=g).to(torch.float64)
+    keys = torch.clamp(n_k - torch.arange(kb, device=device) * g, max=g).to(torch.float64)
+    constant = keys.log()[None, :].expand(qb, kb)
     if causal:  # block c holds a key the block row's last query sees
-        last = torch.clamp((torch.arange(qb, device=q.device) + 1) * g, max=n_q) - 1 + (n_k - n_q)
-        s = s.masked_fill(
-            torch.arange(kb, device=q.device)[None, :] * g > last[:, None], -torch.inf
+        last = torch.clamp((torch.arange(qb, device=device) + 1) * g, max=n_q) - 1 + (n_k - n_q)
+        constant = constant.masked_fill(
+            torch.arange(kb, device=device)[None, :] * g > last[:, None], -torch.inf
         )
-    return torch.softmax(s, -1).nan_to_num(0.0)
+    layout = _PooledLayout(
+        None if n_q % g == 0 else rows,
+        None if n_k % g == 0 else keys,
+        constant.contiguous(),
+        causal and min(g, n_q) - 1 + n_k - n_q < 0,  # block row 0's last query sees no key
+    )
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if len(_POOLED_LAYOUTS) >= 8:
+            _POOLED_LAYOUTS.pop(next(iter(_POOLED_LAYOUTS)))
+        _POOLED_LAYOUTS[key] = layout
+    return layout
+
+
+def _block_means(x: Tensor, g: int, counts: Tensor | None) -> Tensor:
+    """Each G-row block's mean row of x [H, N, D] in float64 ([H, N / G, D]; counts: the rows of
+    each block where the last is partial, its padding rows zeros)."""
+    heads, n, d = x.shape
+    if counts is None:
+        return x.reshape(heads, n // g, g, d).mean(2, dtype=torch.float64)
+    x = torch.nn.functional.pad(x.to(torch.float64), (0, 0, 0, counts.numel() * g - n))
+    return x.view(heads, counts.numel(), g, d).sum(2) / counts[None, :, None]
 
 
 def prune_blocks(
@@ -740,8 +784,8 @@ class PatternLearner:
             q, k, v, mask, scale=scale, importance=self.tracker if track else None
         )
         if track:
-            q0, k0 = q[0].detach(), k[0].detach()
-            pooled = pooled_block_mass(q0, k0, self.block_size, self.causal, scale)
+            with torch.no_grad():  # (fewer ops than detaching q and k)
+                pooled = pooled_block_mass(q[0], k[0], self.block_size, self.causal, scale)
             self._pending = (self._keep, pooled, self.tracker.steps)
         self._advance(frozen=self._frozen())
         return out
@@ -778,14 +822,14 @@ class PatternLearner:
         (:func:`pooled_block_mass`): each kept block's share of its row's pooled estimate is
         split by the measured masses, dropped blocks keep their pooled estimate."""
         if mass.dim() == 4:
-            mass = mass.mean(0)
+            mass = mass[0] if mass.shape[0] == 1 else mass.mean(0)
         self._start(*mass.shape, mass.device)
         if self._frozen():
             return
-        keep = keep.to(mass.device).expand(mass.shape)
+        keep = keep if keep.device == mass.device else keep.to(mass.device)
         kept_share = (pooled * keep).sum(-1, keepdim=True)
         imp = torch.where(keep, mass.to(torch.float64) * kept_share, pooled)
-        self._fold(torch.arange(mass.shape[1], device=mass.device), imp)
+        self._fold(None, imp)
 
     def mask(self) -> BlockMask | None:
         """The current pattern as a mask for :func:`block_sparse_attention` (on q's device), or
@@ -829,13 +873,26 @@ class PatternLearner:
             return f"ema decay {self.decay}"
         return f"{self.aggregate} of the last {self.window} observations"
 
-    def _fold(self, rows: Tensor, mass: Tensor, value: Tensor | None = None) -> None:
-        """Aggregates block rows `rows`' new mass [H, R, kb] (and value sums [H, R, kb, Dv])."""
+    def _fold(self, rows: Tensor | None, mass: Tensor, value: Tensor | None = None) -> None:
+        """Aggregates block rows `rows`' new mass [H, R, kb] (and value sums [H, R, kb, Dv]);
+        rows None: every block row (the kernels' measure), in fewer ops."""
         if value is not None and self.values is None:
             self.values = torch.zeros(
                 *self.importance.shape, value.shape[-1], dtype=torch.float64, device=value.device
             )
         states = [(self.importance, mass)] + ([] if value is None else [(self.values, value)])
+        if rows is None and self.aggregate == "ema":
+            for state, new in states:
+                seen = self._seen.view(1, -1, *[1] * (state.dim() - 2))
+                state.copy_(
+                    torch.where(
+                        seen, torch.add(new * (1 - self.decay), state, alpha=self.decay), new
+                    )
+                )
+            self._seen.fill_(True)
+            return
+        if rows is None:
+            rows = torch.arange(self.importance.shape[1], device=mass.device)
         if self.aggregate == "ema":
             for state, new in states:
                 seen = self._seen[rows].view(1, -1, *[1] * (state.dim() - 2))

@@ -394,6 +394,34 @@ def test_pooled_block_mass_is_a_distribution_over_allowed_blocks():
     torch.testing.assert_close(flat[0, 0], torch.tensor([32, 32, 16], dtype=torch.float64) / 80)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n_q,n_k", [(256, 256), (100, 130), (130, 100), (96, 20)])
+def test_pooled_block_mass_equals_the_pooled_scores_softmax(causal, n_q, n_k):
+    """Against the definition in float64, block by block: full and partial blocks, causal
+    aligned at the bottom right (n_k < n_q leaves the first block rows no key: zeros); the
+    second call reuses the sizes' cached part; a strided q (heads a view of [N, H, D])."""
+    g, d = 32, 8
+    gen = torch.Generator().manual_seed(n_q + n_k)
+    q = torch.randn(n_q, 3, d, generator=gen).transpose(0, 1)
+    k = torch.randn(3, n_k, d, generator=gen)
+    qb, kb = -(-n_q // g), -(-n_k // g)
+    want = torch.zeros(3, qb, kb, dtype=torch.float64)
+    for r in range(qb):
+        qm = q[:, r * g : (r + 1) * g].double().mean(1)
+        last = min((r + 1) * g, n_q) - 1 + n_k - n_q
+        scores = torch.full((3, kb), -torch.inf, dtype=torch.float64)
+        for c in range(kb):
+            if causal and c * g > last:
+                continue
+            keys = k[:, c * g : (c + 1) * g].double()
+            scores[:, c] = (qm * keys.mean(1)).sum(-1) / math.sqrt(d) + math.log(keys.shape[1])
+        if bool(torch.isfinite(scores).any()):
+            want[:, r] = torch.softmax(scores, -1)
+    for _ in range(2):
+        got = trisparse.pooled_block_mass(q, k, g, causal)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def _diagonal_start_learner(n, g):
     """A learner sparse from its first step under the diagonal blocks only, 3 of 16 key blocks a
     row once learned, the kernels measuring every step."""
