@@ -747,6 +747,7 @@ class PatternLearner:
         self.importance: Tensor | None = None
         self.values: Tensor | None = None  # method "output": [H, qb, kb, Dv] value sums
         self._seen: Tensor | None = None
+        self._all_seen = False
         self._keep: Tensor | None = None
         self._mask: BlockMask | None = None
         self.tracker = BlockImportance(measure_grad=False)  # the mass is what it folds
@@ -867,6 +868,7 @@ class PatternLearner:
             init = self.initial.blocks().to(device, torch.float64)
             self.importance = init.expand(heads, qb, kb).clone()
         self._seen = torch.zeros(qb, dtype=torch.bool, device=device)
+        self._all_seen = False  # known on the host once a fold covered every block row
 
     def _aggregation(self) -> str:
         if self.aggregate == "ema":
@@ -883,13 +885,15 @@ class PatternLearner:
         states = [(self.importance, mass)] + ([] if value is None else [(self.values, value)])
         if rows is None and self.aggregate == "ema":
             for state, new in states:
-                seen = self._seen.view(1, -1, *[1] * (state.dim() - 2))
-                state.copy_(
-                    torch.where(
-                        seen, torch.add(new * (1 - self.decay), state, alpha=self.decay), new
-                    )
-                )
-            self._seen.fill_(True)
+                if self._all_seen:  # every row observed before: the average alone
+                    state.mul_(self.decay).add_(new, alpha=1 - self.decay)
+                else:
+                    seen = self._seen.view(1, -1, *[1] * (state.dim() - 2))
+                    blend = (state * self.decay).add_(new, alpha=1 - self.decay)
+                    state.copy_(torch.where(seen, blend, new))
+            if not self._all_seen:
+                self._seen.fill_(True)
+                self._all_seen = True
             return
         if rows is None:
             rows = torch.arange(self.importance.shape[1], device=mass.device)
