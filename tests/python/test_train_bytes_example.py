@@ -1,0 +1,52 @@
+"""examples/python/train_bytes.py (the learned-pattern plan's evaluation (b)) on the CPU at toy
+sizes: every mode runs and writes the rows the docs cite."""
+
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = pathlib.Path(__file__).parents[2] / "examples" / "python" / "train_bytes.py"
+TOY = ["--steps", "3", "--seq", "256", "--sparsity", "0.5", "--learner-warmup", "1"]
+
+
+def _rows(*args, ok=True):
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), *TOY, *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if not ok:
+        return run
+    assert run.returncode == 0, run.stderr[-2000:]
+    return [json.loads(line) for line in run.stdout.strip().splitlines()][1:]  # past the corpus
+
+
+def test_error_table_rows():
+    (head, row) = _rows("--mode", "errors", "--learn-samples", "1", "--gate-steps", "2")
+    assert head["steps"] == 3 and math.isfinite(head["bits_per_byte_dense"])
+    assert row["sparsity"] == 0.5
+    for column in ("random", "local_strided", "topk", "learned", "gate", "output", "oracle"):
+        assert 0.0 <= row[column] < 1.5, (column, row[column])
+    assert 0.0 < row["oracle_mass_kept"] <= 1.0
+
+
+@pytest.mark.parametrize("learner", ["pattern", "gate"])
+def test_train_rows(learner):
+    dense, learned = _rows("--mode", "train", "--learner", learner, "--learner-every", "1")
+    assert dense["mode"] == "dense" and learned["mode"] == "learned"
+    assert learned["learner"] == learner and learned["sparsity"] == 0.5
+    for row in (dense, learned):  # 3 steps from uniform bytes (8 bits): a little learned
+        assert 0.0 < row["bits_per_byte"] < 8.0 and row["step_ms"] is None  # (CPU: not timed)
+    (only,) = _rows("--mode", "train", "--skip-dense", "--track-every", "1")
+    assert only["mode"] == "learned" and only["track_every"] == 1
+
+
+def test_cost_mode_needs_cuda():
+    run = _rows("--mode", "cost", ok=False)
+    assert run.returncode != 0 and "--device cuda" in run.stderr
