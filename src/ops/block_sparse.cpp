@@ -75,6 +75,15 @@ void cpu_block_sparse_backward(const block_sparse_mask& m, const tensor_view& q,
                                const tensor_view& dout, const tensor_view& dq,
                                const tensor_view& dk, const tensor_view& dv, double scale,
                                const attention_dropout& dropout) {
+  if (cpu::blocked_engine_takes(q, dropout)) {  // fp32 tiles over the blocks, no expansion
+    const bool saved = saved_out != nullptr && saved_lse != nullptr;
+    host_tensor out(dtype::f32, saved ? 0 : q.rows, q.heads, v.dim),
+        lse(dtype::f32, saved ? 0 : q.rows, q.heads, 1);
+    if (!saved) cpu::block_sparse_forward_blocked(m, q, k, v, out.view(), scale, lse.view());
+    cpu::block_sparse_backward_blocked(m, q, k, v, saved ? *saved_out : out.view(),
+                                       saved ? *saved_lse : lse.view(), dout, dq, dk, dv, scale);
+    return;
+  }
   for (std::int64_t b = 0; b < m.batch(); ++b) {
     const std::int64_t q0 = m.cu_seqlens_q[b], k0 = m.cu_seqlens_k[b];
     const std::int64_t lq = m.len_q(b), lk = m.len_k(b);

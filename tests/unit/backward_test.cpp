@@ -409,78 +409,91 @@ TEST(BlockSparsePlanBackward, GivesTheReferenceGradientsAndNamesBadArguments) {
 // with an empty sequence and rectangular sequences, per-head and shared causal masks; f32 and
 // f16 inputs; bitwise repeatable. Given the out and lse that run() wrote (the lse checked against
 // a float64 sum over each row's keys), the same gradients without recomputing the forward.
+// Blocks of 8 (the tiles pad rows, keys and channels), 64 and 128 (two 64-key chunks a block in
+// the tiled engine's dk, dv pass), partial last blocks, empty and one-row sequences.
 TEST(BlockSparseBackward, TheCpuEngineMatchesTheReference) {
-  for (const std::int64_t mask_heads : {1, 2}) {
-    block_sparse_mask mask = make_block_sparse_mask(
-        {.layout = block_layout::random, .block = 8, .p = 0.4, .causal = true, .heads = mask_heads},
-        std::vector<std::int64_t>{13, 0, 30});
-    for (const dtype t : {dtype::f32, dtype::f16}) {
-      SCOPED_TRACE(std::to_string(mask_heads) + " mask heads, " + std::string(to_string(t)));
-      const std::int64_t heads = 2, d = 6, rows = 43;
-      host_tensor q(t, rows, heads, d), k(t, rows, heads, d), v(t, rows, heads, d),
-          w(t, rows, heads, d);
-      q.fill_uniform(-1, 1, 81);
-      k.fill_uniform(-1, 1, 82);
-      v.fill_uniform(-1, 1, 83);
-      w.fill_uniform(-1, 1, 84);
-      const auto plan = block_sparse_attention_plan::build(mask);
-      host_tensor out(dtype::f32, rows, heads, d), lse(dtype::f32, rows, heads, 1);
-      plan.run(q.view(), k.view(), v.view(), out.view(), {.scale = 0.6, .lse = lse.view()});
-      for (std::int64_t b = 0; b < mask.batch(); ++b) {
-        for (std::int64_t h = 0; h < heads; ++h) {
-          const csr_graph pattern = mask.expand(b, mask_heads == 1 ? 0 : h);
-          for (std::int64_t i = 0; i < pattern.rows; ++i) {
-            const std::int64_t row = mask.cu_seqlens_q[b] + i;
-            double sum = 0;
-            for (std::int64_t e = pattern.row_ptr[i]; e < pattern.row_ptr[i + 1]; ++e) {
-              const std::int64_t col = mask.cu_seqlens_k[b] + pattern.col_idx[e];
-              double dot = 0;
-              for (std::int64_t x = 0; x < d; ++x)
-                dot += q.get((row * heads + h) * d + x) * k.get((col * heads + h) * d + x);
-              sum += std::exp(0.6 * dot);
+  struct config {
+    std::int64_t block, d;
+    std::vector<std::int64_t> lens;
+    bool causal;
+  };
+  for (const config& c : {config{8, 6, {13, 0, 30}, true}, config{64, 24, {130, 1, 77}, true},
+                          config{128, 16, {200, 0, 60}, false}})
+    for (const std::int64_t mask_heads : {1, 2}) {
+      block_sparse_mask mask = make_block_sparse_mask({.layout = block_layout::random,
+                                                       .block = c.block,
+                                                       .p = 0.4,
+                                                       .causal = c.causal,
+                                                       .heads = mask_heads},
+                                                      c.lens);
+      for (const dtype t : {dtype::f32, dtype::f16}) {
+        SCOPED_TRACE("block " + std::to_string(c.block) + ", " + std::to_string(mask_heads) +
+                     " mask heads, " + std::string(to_string(t)));
+        const std::int64_t heads = 2, d = c.d, rows = mask.cu_seqlens_q.back();
+        host_tensor q(t, rows, heads, d), k(t, rows, heads, d), v(t, rows, heads, d),
+            w(t, rows, heads, d);
+        q.fill_uniform(-1, 1, 81);
+        k.fill_uniform(-1, 1, 82);
+        v.fill_uniform(-1, 1, 83);
+        w.fill_uniform(-1, 1, 84);
+        const auto plan = block_sparse_attention_plan::build(mask);
+        host_tensor out(dtype::f32, rows, heads, d), lse(dtype::f32, rows, heads, 1);
+        plan.run(q.view(), k.view(), v.view(), out.view(), {.scale = 0.6, .lse = lse.view()});
+        for (std::int64_t b = 0; b < mask.batch(); ++b) {
+          for (std::int64_t h = 0; h < heads; ++h) {
+            const csr_graph pattern = mask.expand(b, mask_heads == 1 ? 0 : h);
+            for (std::int64_t i = 0; i < pattern.rows; ++i) {
+              const std::int64_t row = mask.cu_seqlens_q[b] + i;
+              double sum = 0;
+              for (std::int64_t e = pattern.row_ptr[i]; e < pattern.row_ptr[i + 1]; ++e) {
+                const std::int64_t col = mask.cu_seqlens_k[b] + pattern.col_idx[e];
+                double dot = 0;
+                for (std::int64_t x = 0; x < d; ++x)
+                  dot += q.get((row * heads + h) * d + x) * k.get((col * heads + h) * d + x);
+                sum += std::exp(0.6 * dot);
+              }
+              const double got_lse = lse.get(row * heads + h);
+              if (pattern.degree(i) == 0)
+                EXPECT_EQ(got_lse, -std::numeric_limits<double>::infinity());
+              else
+                EXPECT_NEAR(got_lse, std::log(sum), 1e-5) << "row " << row << ", head " << h;
             }
-            const double got_lse = lse.get(row * heads + h);
-            if (pattern.degree(i) == 0)
-              EXPECT_EQ(got_lse, -std::numeric_limits<double>::infinity());
-            else
-              EXPECT_NEAR(got_lse, std::log(sum), 1e-5) << "row " << row << ", head " << h;
           }
         }
-      }
-      host_tensor got[3][3];
-      for (int round = 0; round < 3; ++round) {
-        for (auto& g : got[round]) {
-          g = host_tensor(dtype::f32, rows, heads, d);
-          g.fill(std::nan(""));
+        host_tensor got[3][3];
+        for (int round = 0; round < 3; ++round) {
+          for (auto& g : got[round]) {
+            g = host_tensor(dtype::f32, rows, heads, d);
+            g.fill(std::nan(""));
+          }
+          const bool saved = round == 2;
+          plan.backward(q.view(), k.view(), v.view(), saved ? out.view() : tensor_view{},
+                        saved ? lse.view() : tensor_view{}, w.view(), got[round][0].view(),
+                        got[round][1].view(), got[round][2].view(), {.scale = 0.6});
         }
-        const bool saved = round == 2;
-        plan.backward(q.view(), k.view(), v.view(), saved ? out.view() : tensor_view{},
-                      saved ? lse.view() : tensor_view{}, w.view(), got[round][0].view(),
-                      got[round][1].view(), got[round][2].view(), {.scale = 0.6});
-      }
-      host_tensor want[3] = {host_tensor(dtype::f64, rows, heads, d),
-                             host_tensor(dtype::f64, rows, heads, d),
-                             host_tensor(dtype::f64, rows, heads, d)};
-      reference::block_sparse_attention_backward(mask, q.view(), k.view(), v.view(), w.view(),
-                                                 want[0].view(), want[1].view(), want[2].view(),
-                                                 0.6);
-      for (int i = 0; i < 3; ++i) {
-        double err = 0, ref = 0;
-        for (std::int64_t x = 0; x < want[i].numel(); ++x) {
-          ASSERT_TRUE(std::isfinite(got[0][i].get(x))) << "unwritten gradient " << i;
-          err = std::max(err, std::abs(got[0][i].get(x) - want[i].get(x)));
-          ref = std::max(ref, std::abs(want[i].get(x)));
+        host_tensor want[3] = {host_tensor(dtype::f64, rows, heads, d),
+                               host_tensor(dtype::f64, rows, heads, d),
+                               host_tensor(dtype::f64, rows, heads, d)};
+        reference::block_sparse_attention_backward(mask, q.view(), k.view(), v.view(), w.view(),
+                                                   want[0].view(), want[1].view(), want[2].view(),
+                                                   0.6);
+        for (int i = 0; i < 3; ++i) {
+          double err = 0, ref = 0;
+          for (std::int64_t x = 0; x < want[i].numel(); ++x) {
+            ASSERT_TRUE(std::isfinite(got[0][i].get(x))) << "unwritten gradient " << i;
+            err = std::max(err, std::abs(got[0][i].get(x) - want[i].get(x)));
+            ref = std::max(ref, std::abs(want[i].get(x)));
+          }
+          EXPECT_GT(ref, 0.0);
+          EXPECT_LE(err, 1e-5 * ref) << "gradient " << i;
+          EXPECT_EQ(std::memcmp(got[0][i].data(), got[1][i].data(), got[0][i].size_bytes()), 0);
+          double saved_err = 0;  // from run()'s out and lse
+          for (std::int64_t x = 0; x < want[i].numel(); ++x)
+            saved_err = std::max(saved_err, std::abs(got[2][i].get(x) - want[i].get(x)));
+          EXPECT_LE(saved_err, 1e-5 * ref) << "gradient " << i << " from the saved out and lse";
         }
-        EXPECT_GT(ref, 0.0);
-        EXPECT_LE(err, 1e-5 * ref) << "gradient " << i;
-        EXPECT_EQ(std::memcmp(got[0][i].data(), got[1][i].data(), got[0][i].size_bytes()), 0);
-        double saved_err = 0;  // from run()'s out and lse
-        for (std::int64_t x = 0; x < want[i].numel(); ++x)
-          saved_err = std::max(saved_err, std::abs(got[2][i].get(x) - want[i].get(x)));
-        EXPECT_LE(saved_err, 1e-5 * ref) << "gradient " << i << " from the saved out and lse";
       }
     }
-  }
 }
 
 TEST(ReferenceGradients, GcnLayerMatchesFiniteDifferences) {
