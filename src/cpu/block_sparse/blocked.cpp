@@ -1,11 +1,11 @@
-// The CPU engine's block-sparse attention in tiles (fp32, no dropout): a query block's rows
-// against 64-key chunks of its kept key blocks as small matrix products in registers (the AVX2 +
-// FMA clones: 4 rows x 16 keys for the scores, 2 rows x 32 channels for the weighted sums), the
-// online softmax between them. The backward recomputes P from the forward's lse in two passes
-// with no shared writes: dq per query block (over its kept blocks), dk and dv per 64-key chunk
-// (over the query blocks that keep its block, the transposed lists). Operands are copied into
-// per-thread tiles padded with zeros (rows to 4, channels to 8, keys to 16), so any head dim and
-// block size work and the products never branch.
+// The CPU engine's block-sparse attention in tiles (fp32, no dropout): a query block against
+// 64-key chunks of its kept key blocks as small matrix products in registers (the AVX2 + FMA
+// clones: 4 x 16 score tiles, 2 x 32 weighted-sum tiles), the online softmax between them. Each
+// task transposes what stays for its whole walk once (the query block's q and dO for the forward
+// and dq, the 64 keys' K and V for dk and dv) and reads what changes along the walk in place, so
+// no operand is copied per visit. The backward recomputes P from the forward's lse in two passes
+// with no shared writes: dq per query block over its kept blocks, dk and dv per 64-key chunk over
+// the query blocks that keep its block (the transposed lists). Any block size and head dim.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -22,108 +22,199 @@ namespace trisparse::cpu {
 
 namespace {
 
-constexpr std::int64_t kKeys = 64;  // keys a chunk (the score tiles' width)
+constexpr std::int64_t kKeys = 64;  // keys a chunk
 constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kNoKey = -1e30f;  // a row's running max before its first key: finite, so that
+                                  // the softmax's differences stay finite and its loops branchless
 
 std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
 
-/// C[i, 0:n) = sum over t < depth of A[i, t] * B[t, 0:n) for i < rows (a multiple of 4), n a
-/// multiple of 16 (B's row stride kKeys): the scores of A's rows against B's columns.
+/// `count` rows read in place: row r at data + r * stride.
+struct rows_ref {
+  const float* data;
+  std::int64_t stride, count;
+};
+
+/// C[r, 0:ncols) = sum over t < depth of A_r[t] * B[t, 0:ncols) for r < nrows (a multiple of 4;
+/// rows past a.count repeat its last, their results unused), ncols a multiple of 16.
 [[gnu::target_clones("arch=x86-64-v3", "default")]] void product_tiles(
-    const float* a, std::int64_t lda, std::int64_t rows, std::int64_t depth, const float* b,
-    std::int64_t n, float* c) {
-  for (std::int64_t i0 = 0; i0 < rows; i0 += 4) {
-    for (std::int64_t j0 = 0; j0 < n; j0 += 16) {
+    rows_ref a, std::int64_t nrows, std::int64_t depth, const float* b, std::int64_t ldb,
+    std::int64_t ncols, float* c, std::int64_t ldc) {
+  for (std::int64_t i0 = 0; i0 < nrows; i0 += 4) {
+    const float* ar[4];
+    for (int r = 0; r < 4; ++r) ar[r] = a.data + std::min(i0 + r, a.count - 1) * a.stride;
+    for (std::int64_t j0 = 0; j0 < ncols; j0 += 16) {
       v8 acc[4][2] = {};
       for (std::int64_t t = 0; t < depth; ++t) {
         v8 b0, b1;
-        std::memcpy(&b0, b + t * kKeys + j0, sizeof b0);
-        std::memcpy(&b1, b + t * kKeys + j0 + 8, sizeof b1);
+        std::memcpy(&b0, b + t * ldb + j0, sizeof b0);
+        std::memcpy(&b1, b + t * ldb + j0 + 8, sizeof b1);
 #pragma GCC unroll 4
         for (int r = 0; r < 4; ++r) {
-          const float x = a[(i0 + r) * lda + t];
+          const float x = ar[r][t];
           acc[r][0] += x * b0;
           acc[r][1] += x * b1;
         }
       }
-      for (int r = 0; r < 4; ++r) std::memcpy(c + (i0 + r) * kKeys + j0, acc[r], sizeof acc[r]);
+      for (int r = 0; r < 4; ++r) std::memcpy(c + (i0 + r) * ldc + j0, acc[r], sizeof acc[r]);
     }
   }
 }
 
+/// Two output rows' 8 V channels from d on: c0/c1 += sum over t of w0/w1[t * w_term] * B_t.
 template <int V>
-[[gnu::always_inline]] inline void accumulate_tile(const float* w, std::int64_t ldw,
-                                                   std::int64_t terms, const float* b,
-                                                   std::int64_t ldb, float* c0, float* c1) {
+[[gnu::always_inline]] inline void accumulate_tile(const float* w0, const float* w1,
+                                                   std::int64_t w_term, std::int64_t terms,
+                                                   rows_ref b, std::int64_t d, float* c0,
+                                                   float* c1) {
   v8 acc[2][V];
-  std::memcpy(acc[0], c0, sizeof acc[0]);
-  std::memcpy(acc[1], c1, sizeof acc[1]);
+  std::memcpy(acc[0], c0 + d, sizeof acc[0]);
+  std::memcpy(acc[1], c1 + d, sizeof acc[1]);
   for (std::int64_t t = 0; t < terms; ++t) {
-    const float w0 = w[t], w1 = w[ldw + t];
+    const float x0 = w0[t * w_term], x1 = w1[t * w_term];
+    const float* row = b.data + t * b.stride + d;
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) {
       v8 x;
-      std::memcpy(&x, b + t * ldb + 8 * v, sizeof x);
-      acc[0][v] += w0 * x;
-      acc[1][v] += w1 * x;
+      std::memcpy(&x, row + 8 * v, sizeof x);
+      acc[0][v] += x0 * x;
+      acc[1][v] += x1 * x;
     }
   }
-  std::memcpy(c0, acc[0], sizeof acc[0]);
-  std::memcpy(c1, acc[1], sizeof acc[1]);
+  std::memcpy(c0 + d, acc[0], sizeof acc[0]);
+  std::memcpy(c1 + d, acc[1], sizeof acc[1]);
 }
 
-/// C[i, 0:cols) += sum over t < terms of W[i, t] * B[t, 0:cols) for i < rows (a multiple of 2),
-/// cols a multiple of 8: weighted sums of B's rows.
+/// C[o, 0:cols) += sum over t < terms of W(o, t) * B_t[0:cols) for o < nout (a multiple of 2),
+/// W(o, t) = w[o * w_out + t * w_term], B's rows read in place (8-channel vectors, then the
+/// channels past the last whole vector one by one).
 [[gnu::target_clones("arch=x86-64-v3", "default")]] void accumulate_tiles(
-    const float* w, std::int64_t ldw, std::int64_t rows, std::int64_t terms, const float* b,
-    std::int64_t ldb, std::int64_t cols, float* c, std::int64_t ldc) {
-  for (std::int64_t i = 0; i < rows; i += 2) {
-    const float* wi = w + i * ldw;
-    float* ci = c + i * ldc;
+    const float* w, std::int64_t w_out, std::int64_t w_term, std::int64_t nout, std::int64_t terms,
+    rows_ref b, std::int64_t cols, float* c, std::int64_t ldc) {
+  const std::int64_t whole = cols / 8 * 8;
+  for (std::int64_t o = 0; o < nout; o += 2) {
+    const float *w0 = w + o * w_out, *w1 = w0 + w_out;
+    float *c0 = c + o * ldc, *c1 = c0 + ldc;
     std::int64_t d = 0;
-    for (; d + 32 <= cols; d += 32)
-      accumulate_tile<4>(wi, ldw, terms, b + d, ldb, ci + d, ci + ldc + d);
-    switch ((cols - d) / 8) {
+    for (; d + 32 <= whole; d += 32) accumulate_tile<4>(w0, w1, w_term, terms, b, d, c0, c1);
+    switch ((whole - d) / 8) {
       case 3:
-        accumulate_tile<3>(wi, ldw, terms, b + d, ldb, ci + d, ci + ldc + d);
+        accumulate_tile<3>(w0, w1, w_term, terms, b, d, c0, c1);
         break;
       case 2:
-        accumulate_tile<2>(wi, ldw, terms, b + d, ldb, ci + d, ci + ldc + d);
+        accumulate_tile<2>(w0, w1, w_term, terms, b, d, c0, c1);
         break;
       case 1:
-        accumulate_tile<1>(wi, ldw, terms, b + d, ldb, ci + d, ci + ldc + d);
+        accumulate_tile<1>(w0, w1, w_term, terms, b, d, c0, c1);
         break;
       default:
         break;
     }
-  }
-}
-
-/// rows x cols of `from` (any float type; row r, head h) into `to` (row stride ld, zeros past
-/// rows and cols up to `rows_to`, `ld`), times `factor`.
-void load_tile(const operand<float>& from, std::int64_t row0, std::int64_t rows, std::int64_t h,
-               std::int64_t cols, float factor, std::int64_t rows_to, std::int64_t ld, float* to) {
-  for (std::int64_t r = 0; r < rows_to; ++r) {
-    float* t = to + r * ld;
-    if (r < rows) {
-      const float* f = from.row(row0 + r, h);
-      for (std::int64_t d = 0; d < cols; ++d) t[d] = f[d] * factor;
-      std::fill(t + cols, t + ld, 0.0f);
-    } else {
-      std::fill(t, t + ld, 0.0f);
+    for (d = whole; d < cols; ++d) {
+      for (std::int64_t t = 0; t < terms; ++t) {
+        c0[d] += w0[t * w_term] * b.data[t * b.stride + d];
+        c1[d] += w1[t * w_term] * b.data[t * b.stride + d];
+      }
     }
   }
 }
 
-/// The transpose of rows [row0, row0 + n) (cols channels) into to[d * kKeys + j], zeros past n
-/// and cols up to cols_to.
-void load_transposed(const operand<float>& from, std::int64_t row0, std::int64_t n, std::int64_t h,
-                     std::int64_t cols, std::int64_t cols_to, float* to) {
-  std::fill(to, to + cols_to * kKeys, 0.0f);
+/// The forward's online-softmax step over a chunk of n keys, vectorised over the query rows:
+/// st[j * ld + i] holds key j's score for row i (scaled by scale * log2 e), keys from lim[i] on
+/// excluded; p (same layout) gets 2^(s - m'), the running max m and sum l move on, and corr[i]
+/// is the factor row i's accumulator takes. (Selections, not branches: the loops vectorise.)
+[[gnu::target_clones("arch=x86-64-v3", "default")]] void softmax_step(
+    const float* st, std::int64_t n, std::int64_t rows, std::int64_t ld, const float* lim, float* m,
+    float* l, float* corr, float* top, float* p) {
+#pragma omp simd
+  for (std::int64_t i = 0; i < rows; ++i) top[i] = -kInf;
   for (std::int64_t j = 0; j < n; ++j) {
-    const float* f = from.row(row0 + j, h);
-    for (std::int64_t d = 0; d < cols; ++d) to[d * kKeys + j] = f[d];
+    const float* s = st + j * ld;
+    const auto fj = static_cast<float>(j);
+#pragma omp simd
+    for (std::int64_t i = 0; i < rows; ++i) {
+      const float x = fj < lim[i] ? s[i] : -kInf;
+      top[i] = top[i] < x ? x : top[i];
+    }
   }
+#pragma omp simd
+  for (std::int64_t i = 0; i < rows; ++i) {
+    const float next = m[i] < top[i] ? top[i] : m[i];  // finite: m starts at kNoKey
+    const float c = exp2_nonpositive(m[i] - next);
+    corr[i] = c;
+    m[i] = next;
+    l[i] *= c;
+  }
+  for (std::int64_t j = 0; j < n; ++j) {
+    const float* s = st + j * ld;
+    float* pj = p + j * ld;
+    const auto fj = static_cast<float>(j);
+#pragma omp simd
+    for (std::int64_t i = 0; i < rows; ++i) {
+      const float d = s[i] - m[i];  // (kept keys: <= 0; the rest, any value, weigh 0)
+      const float x = exp2_nonpositive(d < 0.0f ? d : 0.0f) * static_cast<float>(fj < lim[i]);
+      pj[i] = x;
+      l[i] += x;
+    }
+  }
+}
+
+/// The dq pass's step, vectorised over the query rows (layouts as softmax_step's): in st,
+/// dS = P (dP - delta) with P = 2^(s - lse2) (lse2 +inf where a row saw no key: P = 0).
+[[gnu::target_clones("arch=x86-64-v3", "default")]] void gradient_columns(
+    float* st, const float* dpt, std::int64_t n, std::int64_t rows, std::int64_t ld,
+    const float* lim, const float* lse2, const float* delta) {
+  for (std::int64_t j = 0; j < n; ++j) {
+    float* s = st + j * ld;
+    const float* dp = dpt + j * ld;
+    const auto fj = static_cast<float>(j);
+#pragma omp simd
+    for (std::int64_t i = 0; i < rows; ++i) {
+      const float d = s[i] - lse2[i];
+      const float x = exp2_nonpositive(d < 0.0f ? d : 0.0f) * static_cast<float>(fj < lim[i]);
+      s[i] = x * (dp[i] - delta[i]);
+    }
+  }
+}
+
+/// The dk, dv pass's step for one query row over n keys (its first `keys` attended): the
+/// unscaled scores s become dS, p gets P = 2^(scale2 * s - lse2).
+[[gnu::target_clones("arch=x86-64-v3", "default")]] void gradient_row(float* s, const float* dp,
+                                                                      std::int64_t n,
+                                                                      std::int64_t keys,
+                                                                      float scale2, float lse2,
+                                                                      float delta, float* p) {
+#pragma omp simd
+  for (std::int64_t j = 0; j < n; ++j) {
+    const float d = s[j] * scale2 - lse2;
+    const float x = exp2_nonpositive(d < 0.0f ? d : 0.0f) * static_cast<float>(j < keys);
+    p[j] = x;
+    s[j] = x * (dp[j] - delta);
+  }
+}
+
+/// to[d * ld + i] = factor * row (row0 + i) of `from` at channel d, for i < rows (zeros from
+/// rows to ld) and d < dim.
+void transpose_rows(const operand<float>& from, std::int64_t row0, std::int64_t rows,
+                    std::int64_t h, std::int64_t dim, float factor, std::int64_t ld, float* to) {
+  std::fill(to, to + dim * ld, 0.0f);
+  for (std::int64_t i = 0; i < rows; ++i) {
+    const float* f = from.row(row0 + i, h);
+    for (std::int64_t d = 0; d < dim; ++d) to[d * ld + i] = f[d] * factor;
+  }
+}
+
+rows_ref rows_of(const operand<float>& o, std::int64_t row0, std::int64_t h, std::int64_t count) {
+  return {o.row(row0, h), o.row_stride, count};
+}
+
+/// The rows copied next to each other into `to` (the operands' rows are H heads apart, so that
+/// a chunk's rows fall into a few of L1's sets; the weighted sums read every row many times).
+rows_ref packed(const operand<float>& o, std::int64_t row0, std::int64_t h, std::int64_t count,
+                std::int64_t dim, std::vector<float>& to) {
+  for (std::int64_t r = 0; r < count; ++r)
+    std::memcpy(to.data() + r * dim, o.row(row0 + r, h), static_cast<std::size_t>(dim) * 4);
+  return {to.data(), dim, count};
 }
 
 void store_tile(const tensor_view& t, std::int64_t row0, std::int64_t rows, std::int64_t h,
@@ -140,29 +231,19 @@ void store_tile(const tensor_view& t, std::int64_t row0, std::int64_t rows, std:
   }
 }
 
-/// What one task's tiles need, sized once a thread for the mask's block.
+/// A thread's tiles, sized once for the mask's block: the transposed operands (qt, ot), the
+/// score and weight tiles (s, p, dp), the accumulators and the rows' softmax state.
 struct tiles {
-  std::int64_t dk, dv, rows;  // padded channels and rows
-  std::vector<float> q, o, kt, vt, k, v, s, p, dp, acc, acc2, m, l, lse2, delta;
-  tiles(std::int64_t dk_, std::int64_t dv_, std::int64_t block)
-      : dk(round_up(dk_, 8)), dv(round_up(dv_, 8)), rows(round_up(block, 4)) {
+  std::int64_t width;  // query rows a task, to a multiple of 16 (the transposed layouts' ld)
+  std::vector<float> qt, ot, s, p, dp, acc, acc2, m, l, corr, top, lse2, delta, lim, rows_a, rows_b;
+  tiles(std::int64_t dk, std::int64_t dv, std::int64_t block) : width(round_up(block, 16)) {
     const auto n = [](std::int64_t x) { return static_cast<std::size_t>(x); };
-    const std::int64_t wide = std::max(rows, kKeys);
-    q.resize(n(wide * dk));
-    o.resize(n(wide * dv));
-    kt.resize(n(dk * kKeys));
-    vt.resize(n(dv * kKeys));
-    k.resize(n(kKeys * dk));
-    v.resize(n(kKeys * dv));
-    s.resize(n(wide * wide));
-    p.resize(n(wide * wide));
-    dp.resize(n(wide * kKeys));
-    acc.resize(n(wide * std::max(dk, dv)));
-    acc2.resize(n(wide * std::max(dk, dv)));
-    m.resize(n(rows));
-    l.resize(n(rows));
-    lse2.resize(n(rows));
-    delta.resize(n(rows));
+    const std::int64_t side = std::max(width, kKeys), dmax = std::max(dk, dv);
+    qt.resize(n(std::max(dk * side, dk * kKeys)));
+    ot.resize(n(std::max(dv * side, dv * kKeys)));
+    for (auto* t : {&s, &p, &dp}) t->resize(n(side * side));
+    for (auto* t : {&acc, &acc2, &rows_a, &rows_b}) t->resize(n(side * dmax));
+    for (auto* t : {&m, &l, &corr, &top, &lse2, &delta, &lim}) t->resize(n(width));
   }
 };
 
@@ -189,47 +270,23 @@ task_list units_of(const block_sparse_mask& mask, std::int64_t heads, bool keys)
   return t;
 }
 
-/// Masks a row's scores from key `keys` on (the chunk's keys past the row's last) and returns
-/// their maximum (-inf: none left).
-[[gnu::target_clones("arch=x86-64-v3", "default")]] float mask_row(float* s, std::int64_t n_pad,
-                                                                   std::int64_t keys) {
-  float top = -kInf;
-#pragma omp simd reduction(max : top)
-  for (std::int64_t j = 0; j < n_pad; ++j) {
-    s[j] = j < keys ? s[j] : -kInf;
-    top = std::max(top, s[j]);
+/// For each of a query block's rows (first row i0, `rows` of them, up to w.width), how many keys
+/// of the chunk from c0 (n keys) it attends: 0 to n.
+void key_limits(const block_sparse_mask& mask, std::int64_t b, std::int64_t i0, std::int64_t rows,
+                std::int64_t c0, std::int64_t n, tiles& w) {
+  for (std::int64_t i = 0; i < w.width; ++i) {
+    const std::int64_t keys = i < rows ? mask.last_key(b, i0 + i) + 1 - c0 : 0;
+    w.lim[static_cast<std::size_t>(i)] = static_cast<float>(std::clamp<std::int64_t>(keys, 0, n));
   }
-  return top;
 }
 
-/// One row's online-softmax step over a chunk: p = 2^(s - m') with m' = max(m, top), the running
-/// sum l rescaled and grown; returns the factor the row's accumulator takes (2^(m - m')).
-[[gnu::target_clones("arch=x86-64-v3", "default")]] float softmax_step(const float* s,
-                                                                       std::int64_t n, float top,
-                                                                       float& m, float& l,
-                                                                       float* p) {
-  const float next = std::max(m, top);
-  const float correction = exp2_nonpositive(m - next);
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (std::int64_t j = 0; j < n; ++j) {
-    p[j] = exp2_nonpositive(s[j] - next);
-    sum += p[j];
-  }
-  l = l * correction + sum;
-  m = next;
-  return correction;
-}
-
-/// A backward row: p = 2^(s - lse2) and, in s, dS = p (dp - delta).
-[[gnu::target_clones("arch=x86-64-v3", "default")]] void gradient_row(float* s, const float* dp,
-                                                                      std::int64_t n, float lse2,
-                                                                      float delta, float* p) {
-#pragma omp simd
-  for (std::int64_t j = 0; j < n; ++j) {
-    p[j] = exp2_nonpositive(s[j] - lse2);
-    s[j] = p[j] * (dp[j] - delta);
-  }
+/// The chunks of kept key block e of block row r's list that the rows up to `last` reach.
+template <class F>
+void for_each_chunk(const block_sparse_mask& mask, std::int64_t b, std::int64_t block,
+                    std::int64_t last, F&& f) {
+  const std::int64_t g = mask.block, j0 = block * g;
+  const std::int64_t j1 = std::min({j0 + g, mask.len_k(b), last + 1});
+  for (std::int64_t c0 = j0; c0 < j1; c0 += kKeys) f(c0, std::min(kKeys, j1 - c0));
 }
 
 }  // namespace
@@ -252,54 +309,46 @@ void block_sparse_forward_blocked(const block_sparse_mask& mask, const tensor_vi
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < tasks.size(); ++task) {
       const std::int64_t b = tasks.seq[task / heads], i0 = tasks.first[task / heads];
-      const std::int64_t h = task % heads, r = i0 / g;
+      const std::int64_t h = task % heads;
       const std::int64_t q0 = mask.cu_seqlens_q[b], k0 = mask.cu_seqlens_k[b];
-      const std::int64_t rows = std::min(g, mask.len_q(b) - i0), rows4 = round_up(rows, 4);
-      load_tile(qf, q0 + i0, rows, h, dk, scale2, rows4, w.dk, w.q.data());
-      std::fill(w.acc.begin(), w.acc.begin() + rows4 * w.dv, 0.0f);
-      std::fill(w.m.begin(), w.m.end(), -kInf);
+      const std::int64_t rows = std::min(g, mask.len_q(b) - i0), rows2 = round_up(rows, 2);
+      const std::int64_t ld = round_up(rows, 16);
+      transpose_rows(qf, q0 + i0, rows, h, dk, scale2, ld, w.qt.data());
+      std::fill(w.acc.begin(), w.acc.begin() + rows2 * dv, 0.0f);
+      std::fill(w.m.begin(), w.m.end(), kNoKey);
       std::fill(w.l.begin(), w.l.end(), 0.0f);
-      const std::int64_t last_row = mask.last_key(b, i0 + rows - 1);  // the rows' furthest key
+      const std::int64_t last = mask.last_key(b, i0 + rows - 1);  // the rows' furthest key
       const csr_graph& blocks = mask.at(b, h).blocks;
-      for (std::int64_t e = blocks.row_ptr[r]; e < blocks.row_ptr[r + 1]; ++e) {
-        const std::int64_t j0 = std::int64_t{blocks.col_idx[e]} * g;
-        const std::int64_t j1 = std::min({j0 + g, mask.len_k(b), last_row + 1});
-        for (std::int64_t c0 = j0; c0 < j1; c0 += kKeys) {
-          const std::int64_t n = std::min(kKeys, j1 - c0), n16 = round_up(n, 16);
-          load_transposed(kf, k0 + c0, n, h, dk, w.dk, w.kt.data());
-          load_tile(vf, k0 + c0, n, h, dv, 1.0f, n16, w.dv, w.v.data());
-          product_tiles(w.q.data(), w.dk, rows4, w.dk, w.kt.data(), n16, w.s.data());
-          for (std::int64_t i = 0; i < rows4; ++i) {
-            float* s = w.s.data() + i * kKeys;
-            float* p = w.p.data() + i * kKeys;
-            const std::int64_t keys = i < rows ? mask.last_key(b, i0 + i) + 1 - c0 : 0;
-            const float top = mask_row(s, n16, std::min(keys, n));
-            if (top == -kInf) {
-              std::fill(p, p + n16, 0.0f);
-              continue;
-            }
-            const float correction = softmax_step(s, n16, top, w.m[i], w.l[i], p);
-            if (correction != 1.0f) {
-              float* a = w.acc.data() + i * w.dv;
-              for (std::int64_t d = 0; d < w.dv; ++d) a[d] *= correction;
-            }
+      for (std::int64_t e = blocks.row_ptr[i0 / g]; e < blocks.row_ptr[i0 / g + 1]; ++e) {
+        for_each_chunk(mask, b, blocks.col_idx[e], last, [&](std::int64_t c0, std::int64_t n) {
+          key_limits(mask, b, i0, rows, c0, n, w);
+          product_tiles(rows_of(kf, k0 + c0, h, n), round_up(n, 4), dk, w.qt.data(), ld, ld,
+                        w.s.data(), ld);
+          softmax_step(w.s.data(), n, ld, ld, w.lim.data(), w.m.data(), w.l.data(), w.corr.data(),
+                       w.top.data(), w.p.data());
+          for (std::int64_t i = 0; i < rows; ++i) {
+            const float c = w.corr[static_cast<std::size_t>(i)];
+            if (c == 1.0f) continue;
+            float* a = w.acc.data() + i * dv;
+            for (std::int64_t d = 0; d < dv; ++d) a[d] *= c;
           }
-          accumulate_tiles(w.p.data(), kKeys, rows4, n16, w.v.data(), w.dv, w.dv, w.acc.data(),
-                           w.dv);
-        }
+          accumulate_tiles(w.p.data(), 1, ld, rows2, n, packed(vf, k0 + c0, h, n, dv, w.rows_a), dv,
+                           w.acc.data(), dv);
+        });
       }
       for (std::int64_t i = 0; i < rows; ++i) {
-        const float inv = w.l[i] > 0.0f ? 1.0f / w.l[i] : 0.0f;
-        float* a = w.acc.data() + i * w.dv;
+        const float sum = w.l[static_cast<std::size_t>(i)], top = w.m[static_cast<std::size_t>(i)];
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        float* a = w.acc.data() + i * dv;
         for (std::int64_t d = 0; d < dv; ++d) a[d] *= inv;
         if (lse.data != nullptr) {
-          const double row_lse = w.l[i] > 0.0f ? (double{w.m[i]} + std::log2(double{w.l[i]})) *
-                                                     std::numbers::ln2_v<double>
-                                               : -std::numeric_limits<double>::infinity();
+          const double row_lse =
+              sum > 0.0f ? (double{top} + std::log2(double{sum})) * std::numbers::ln2_v<double>
+                         : -std::numeric_limits<double>::infinity();
           store_value(lse, q0 + i0 + i, h, 0, row_lse);
         }
       }
-      store_tile(out, q0 + i0, rows, h, w.acc.data(), w.dv, 1.0f);
+      store_tile(out, q0 + i0, rows, h, w.acc.data(), dv, 1.0f);
     }
   }
 }
@@ -323,39 +372,15 @@ void block_sparse_backward_blocked(const block_sparse_mask& mask, const tensor_v
   for (std::int64_t i = 0; i < rows_q; ++i) {
     for (std::int64_t h = 0; h < heads; ++h) {
       const double x = load_as_double(lse.data, lse.type, lse.offset(i, h, 0));
-      lse2[i * heads + h] = std::isfinite(x) ? static_cast<float>(x * std::numbers::log2e) : kInf;
-      const float* o = of.row(i, h);
-      const float* d = df.row(i, h);
+      const auto at = static_cast<std::size_t>(i * heads + h);
+      lse2[at] = std::isfinite(x) ? static_cast<float>(x * std::numbers::log2e) : kInf;
+      const float *o = of.row(i, h), *d = df.row(i, h);
       float sum = 0.0f;
       for (std::int64_t c = 0; c < dvd; ++c) sum += o[c] * d[c];
-      delta[i * heads + h] = sum;
+      delta[at] = sum;
     }
   }
-  // One query tile's P and dS against a 64-key chunk whose K and V are in w.kt and w.vt (rows
-  // of q and dO loaded, rows past `rows` zero): w.p = P, w.s = dS, both [rows4, kKeys].
-  const auto probabilities = [&](tiles& w, std::int64_t b, std::int64_t h, std::int64_t i0,
-                                 std::int64_t rows, std::int64_t c0, std::int64_t n) {
-    const std::int64_t rows4 = round_up(rows, 4), n16 = round_up(n, 16);
-    const std::int64_t q0 = mask.cu_seqlens_q[b];
-    product_tiles(w.q.data(), w.dk, rows4, w.dk, w.kt.data(), n16, w.s.data());
-    product_tiles(w.o.data(), w.dv, rows4, w.dv, w.vt.data(), n16, w.dp.data());
-    for (std::int64_t i = 0; i < rows4; ++i) {
-      float* s = w.s.data() + i * kKeys;
-      float* p = w.p.data() + i * kKeys;
-      const float* dp = w.dp.data() + i * kKeys;
-      if (i >= rows) {
-        std::fill(p, p + n16, 0.0f);
-        std::fill(s, s + n16, 0.0f);
-        continue;
-      }
-      const std::int64_t row = q0 + i0 + i;
-      const std::int64_t keys = std::min(mask.last_key(b, i0 + i) + 1 - c0, n);
-      mask_row(s, n16, keys);
-      // +inf: the row saw no key (2^-inf: P = 0, dS = 0).
-      gradient_row(s, dp, n16, lse2[row * heads + h], delta[row * heads + h], p);
-    }
-  };
-  // Pass 1: dq per query block.
+  // Pass 1: dq per query block, its q and dO transposed once, K and V read in place.
   const task_list row_tasks = units_of(mask, heads, false);
 #pragma omp parallel
   {
@@ -363,77 +388,77 @@ void block_sparse_backward_blocked(const block_sparse_mask& mask, const tensor_v
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < row_tasks.size(); ++task) {
       const std::int64_t b = row_tasks.seq[task / heads], i0 = row_tasks.first[task / heads];
-      const std::int64_t h = task % heads, r = i0 / g;
+      const std::int64_t h = task % heads;
       const std::int64_t q0 = mask.cu_seqlens_q[b], k0 = mask.cu_seqlens_k[b];
-      const std::int64_t rows = std::min(g, mask.len_q(b) - i0), rows4 = round_up(rows, 4);
-      load_tile(qf, q0 + i0, rows, h, dkd, scale2, rows4, w.dk, w.q.data());
-      load_tile(df, q0 + i0, rows, h, dvd, 1.0f, rows4, w.dv, w.o.data());
-      std::fill(w.acc.begin(), w.acc.begin() + rows4 * w.dk, 0.0f);
-      const std::int64_t last_row = mask.last_key(b, i0 + rows - 1);
-      const csr_graph& blocks = mask.at(b, h).blocks;
-      for (std::int64_t e = blocks.row_ptr[r]; e < blocks.row_ptr[r + 1]; ++e) {
-        const std::int64_t j0 = std::int64_t{blocks.col_idx[e]} * g;
-        const std::int64_t j1 = std::min({j0 + g, mask.len_k(b), last_row + 1});
-        for (std::int64_t c0 = j0; c0 < j1; c0 += kKeys) {
-          const std::int64_t n = std::min(kKeys, j1 - c0), n16 = round_up(n, 16);
-          load_transposed(kf, k0 + c0, n, h, dkd, w.dk, w.kt.data());
-          load_transposed(vf, k0 + c0, n, h, dvd, w.dv, w.vt.data());
-          load_tile(kf, k0 + c0, n, h, dkd, 1.0f, n16, w.dk, w.k.data());
-          probabilities(w, b, h, i0, rows, c0, n);
-          accumulate_tiles(w.s.data(), kKeys, rows4, n16, w.k.data(), w.dk, w.dk, w.acc.data(),
-                           w.dk);
-        }
+      const std::int64_t rows = std::min(g, mask.len_q(b) - i0), rows2 = round_up(rows, 2);
+      const std::int64_t ld = round_up(rows, 16);
+      transpose_rows(qf, q0 + i0, rows, h, dkd, scale2, ld, w.qt.data());
+      transpose_rows(df, q0 + i0, rows, h, dvd, 1.0f, ld, w.ot.data());
+      for (std::int64_t i = 0; i < ld; ++i) {
+        const auto at = static_cast<std::size_t>((q0 + i0 + i) * heads + h);
+        w.lse2[static_cast<std::size_t>(i)] = i < rows ? lse2[at] : kInf;
+        w.delta[static_cast<std::size_t>(i)] = i < rows ? delta[at] : 0.0f;
       }
-      store_tile(dq, q0 + i0, rows, h, w.acc.data(), w.dk, static_cast<float>(scale));
+      std::fill(w.acc.begin(), w.acc.begin() + rows2 * dkd, 0.0f);
+      const std::int64_t last = mask.last_key(b, i0 + rows - 1);
+      const csr_graph& blocks = mask.at(b, h).blocks;
+      for (std::int64_t e = blocks.row_ptr[i0 / g]; e < blocks.row_ptr[i0 / g + 1]; ++e) {
+        for_each_chunk(mask, b, blocks.col_idx[e], last, [&](std::int64_t c0, std::int64_t n) {
+          key_limits(mask, b, i0, rows, c0, n, w);
+          const std::int64_t n4 = round_up(n, 4);
+          const rows_ref ks = packed(kf, k0 + c0, h, n, dkd, w.rows_a);
+          product_tiles(ks, n4, dkd, w.qt.data(), ld, ld, w.s.data(), ld);
+          product_tiles(rows_of(vf, k0 + c0, h, n), n4, dvd, w.ot.data(), ld, ld, w.dp.data(), ld);
+          gradient_columns(w.s.data(), w.dp.data(), n, ld, ld, w.lim.data(), w.lse2.data(),
+                           w.delta.data());
+          accumulate_tiles(w.s.data(), 1, ld, rows2, n, ks, dkd, w.acc.data(), dkd);
+        });
+      }
+      store_tile(dq, q0 + i0, rows, h, w.acc.data(), dkd, static_cast<float>(scale));
     }
   }
-  // Pass 2: dk and dv per 64 keys, over the query blocks that keep their block.
+  // Pass 2: dk and dv per 64 keys, their K and V transposed once, the query blocks that keep
+  // their block (the transposed lists) read in place.
   std::vector<csr_graph> columns(mask.masks.size());
   for (std::size_t i = 0; i < mask.masks.size(); ++i) columns[i] = transpose(mask.masks[i].blocks);
   const task_list key_tasks = units_of(mask, heads, true);
 #pragma omp parallel
   {
     tiles w(dkd, dvd, g);
-    std::vector<float> pt(static_cast<std::size_t>(kKeys * w.rows));
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < key_tasks.size(); ++task) {
       const std::int64_t b = key_tasks.seq[task / heads], c0 = key_tasks.first[task / heads];
       const std::int64_t h = task % heads, c = c0 / g;
       const std::int64_t q0 = mask.cu_seqlens_q[b], k0 = mask.cu_seqlens_k[b];
-      const std::int64_t n = std::min({kKeys, g - c0 % g, mask.len_k(b) - c0});
-      const std::int64_t n2 = round_up(n, 2);
-      load_transposed(kf, k0 + c0, n, h, dkd, w.dk, w.kt.data());
-      load_transposed(vf, k0 + c0, n, h, dvd, w.dv, w.vt.data());
-      std::fill(w.acc.begin(), w.acc.begin() + n2 * w.dv, 0.0f);    // dv
-      std::fill(w.acc2.begin(), w.acc2.begin() + n2 * w.dk, 0.0f);  // dk
+      const std::int64_t n = std::min({kKeys, (c + 1) * g - c0, mask.len_k(b) - c0});
+      const std::int64_t n16 = round_up(n, 16), n2 = round_up(n, 2);
+      transpose_rows(kf, k0 + c0, n, h, dkd, 1.0f, kKeys, w.qt.data());
+      transpose_rows(vf, k0 + c0, n, h, dvd, 1.0f, kKeys, w.ot.data());
+      std::fill(w.acc.begin(), w.acc.begin() + n2 * dvd, 0.0f);    // dv
+      std::fill(w.acc2.begin(), w.acc2.begin() + n2 * dkd, 0.0f);  // dk
       const csr_graph& column =
           columns[static_cast<std::size_t>(b * mask.heads + (mask.heads == 1 ? 0 : h))];
       for (std::int64_t e = column.row_ptr[c]; e < column.row_ptr[c + 1]; ++e) {
         const std::int64_t i0 = std::int64_t{column.col_idx[e]} * g;
         const std::int64_t rows = std::min(g, mask.len_q(b) - i0), rows4 = round_up(rows, 4);
         if (mask.last_key(b, i0 + rows - 1) < c0) continue;  // causal: no row reaches these keys
-        load_tile(qf, q0 + i0, rows, h, dkd, scale2, rows4, w.dk, w.q.data());
-        load_tile(df, q0 + i0, rows, h, dvd, 1.0f, rows4, w.dv, w.o.data());
-        probabilities(w, b, h, i0, rows, c0, n);
-        // dv += P^T dO, dk += dS^T q (q unscaled: the scale and log2 e come off at the end).
-        for (int which = 0; which < 2; ++which) {
-          const float* src = which == 0 ? w.p.data() : w.s.data();
-          for (std::int64_t j = 0; j < n2; ++j) {
-            float* t = pt.data() + j * w.rows;
-            for (std::int64_t i = 0; i < rows4; ++i) t[i] = j < n ? src[i * kKeys + j] : 0.0f;
-          }
-          if (which == 0) {
-            accumulate_tiles(pt.data(), w.rows, n2, rows4, w.o.data(), w.dv, w.dv, w.acc.data(),
-                             w.dv);
-          } else {
-            accumulate_tiles(pt.data(), w.rows, n2, rows4, w.q.data(), w.dk, w.dk, w.acc2.data(),
-                             w.dk);
-          }
+        const rows_ref qs = packed(qf, q0 + i0, h, rows, dkd, w.rows_a),
+                       dos = packed(df, q0 + i0, h, rows, dvd, w.rows_b);
+        product_tiles(qs, rows4, dkd, w.qt.data(), kKeys, n16, w.s.data(), kKeys);
+        product_tiles(dos, rows4, dvd, w.ot.data(), kKeys, n16, w.dp.data(), kKeys);
+        for (std::int64_t i = 0; i < rows; ++i) {
+          const auto at = static_cast<std::size_t>((q0 + i0 + i) * heads + h);
+          const std::int64_t keys =
+              std::clamp<std::int64_t>(mask.last_key(b, i0 + i) + 1 - c0, 0, n);
+          gradient_row(w.s.data() + i * kKeys, w.dp.data() + i * kKeys, n16, keys, scale2, lse2[at],
+                       delta[at], w.p.data() + i * kKeys);
         }
+        // dv += P^T dO, dk += dS^T q (scaled at the end).
+        accumulate_tiles(w.p.data(), 1, kKeys, n2, rows, dos, dvd, w.acc.data(), dvd);
+        accumulate_tiles(w.s.data(), 1, kKeys, n2, rows, qs, dkd, w.acc2.data(), dkd);
       }
-      store_tile(dv, k0 + c0, n, h, w.acc.data(), w.dv, 1.0f);
-      // w.q held q * scale * log2 e: dk = scale * dS^T q.
-      store_tile(dk, k0 + c0, n, h, w.acc2.data(), w.dk, std::numbers::ln2_v<float>);
+      store_tile(dv, k0 + c0, n, h, w.acc.data(), dvd, 1.0f);
+      store_tile(dk, k0 + c0, n, h, w.acc2.data(), dkd, static_cast<float>(scale));
     }
   }
 }
