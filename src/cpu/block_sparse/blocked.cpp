@@ -23,8 +23,6 @@ namespace trisparse::cpu {
 namespace {
 
 constexpr std::int64_t kKeys = 64;  // keys a chunk
-constexpr int kTileRows = 6;        // rows of a score tile (12 accumulators of 8 floats)
-constexpr int kSumRows = 3;         // output rows of a weighted-sum tile (12 accumulators)
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNoKey = -1e30f;  // a row's running max before its first key: finite, so that
                                   // the softmax's differences stay finite and its loops branchless
@@ -37,87 +35,85 @@ struct rows_ref {
   std::int64_t stride, count;
 };
 
-/// C[r, 0:ncols) = sum over t < depth of A_r[t] * B[t, 0:ncols) for r < nrows (a multiple of 6;
+/// C[r, 0:ncols) = sum over t < depth of A_r[t] * B[t, 0:ncols) for r < nrows (a multiple of 4;
 /// rows past a.count repeat its last, their results unused), ncols a multiple of 16.
 [[gnu::target_clones("arch=x86-64-v3", "default")]] void product_tiles(
     rows_ref a, std::int64_t nrows, std::int64_t depth, const float* b, std::int64_t ldb,
     std::int64_t ncols, float* c, std::int64_t ldc) {
-  for (std::int64_t i0 = 0; i0 < nrows; i0 += kTileRows) {
-    const float* ar[kTileRows];
-    for (int r = 0; r < kTileRows; ++r) ar[r] = a.data + std::min(i0 + r, a.count - 1) * a.stride;
+  for (std::int64_t i0 = 0; i0 < nrows; i0 += 4) {
+    const float* ar[4];
+    for (int r = 0; r < 4; ++r) ar[r] = a.data + std::min(i0 + r, a.count - 1) * a.stride;
     for (std::int64_t j0 = 0; j0 < ncols; j0 += 16) {
-      v8 acc[kTileRows][2] = {};
+      v8 acc[4][2] = {};
       for (std::int64_t t = 0; t < depth; ++t) {
         v8 b0, b1;
         std::memcpy(&b0, b + t * ldb + j0, sizeof b0);
         std::memcpy(&b1, b + t * ldb + j0 + 8, sizeof b1);
-#pragma GCC unroll 8
-        for (int r = 0; r < kTileRows; ++r) {
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {
           const float x = ar[r][t];
           acc[r][0] += x * b0;
           acc[r][1] += x * b1;
         }
       }
-      for (int r = 0; r < kTileRows; ++r)
-        std::memcpy(c + (i0 + r) * ldc + j0, acc[r], sizeof acc[r]);
+      for (int r = 0; r < 4; ++r) std::memcpy(c + (i0 + r) * ldc + j0, acc[r], sizeof acc[r]);
     }
   }
 }
 
-/// kSumRows output rows' 8 V channels from d on: c_r += sum over t of w_r[t * w_term] * B_t
-/// (w_r = w + r * w_out, c_r = c + r * ldc).
+/// Two output rows' 8 V channels from d on: c0/c1 += sum over t of w0/w1[t * w_term] * B_t.
 template <int V>
-[[gnu::always_inline]] inline void accumulate_tile(const float* w, std::int64_t w_out,
+[[gnu::always_inline]] inline void accumulate_tile(const float* w0, const float* w1,
                                                    std::int64_t w_term, std::int64_t terms,
-                                                   rows_ref b, std::int64_t d, float* c,
-                                                   std::int64_t ldc) {
-  v8 acc[kSumRows][V];
-  for (int r = 0; r < kSumRows; ++r) std::memcpy(acc[r], c + r * ldc + d, sizeof acc[r]);
+                                                   rows_ref b, std::int64_t d, float* c0,
+                                                   float* c1) {
+  v8 acc[2][V];
+  std::memcpy(acc[0], c0 + d, sizeof acc[0]);
+  std::memcpy(acc[1], c1 + d, sizeof acc[1]);
   for (std::int64_t t = 0; t < terms; ++t) {
-    float x[kSumRows];
-    for (int r = 0; r < kSumRows; ++r) x[r] = w[r * w_out + t * w_term];
+    const float x0 = w0[t * w_term], x1 = w1[t * w_term];
     const float* row = b.data + t * b.stride + d;
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) {
-      v8 y;
-      std::memcpy(&y, row + 8 * v, sizeof y);
-#pragma GCC unroll 4
-      for (int r = 0; r < kSumRows; ++r) acc[r][v] += x[r] * y;
+      v8 x;
+      std::memcpy(&x, row + 8 * v, sizeof x);
+      acc[0][v] += x0 * x;
+      acc[1][v] += x1 * x;
     }
   }
-  for (int r = 0; r < kSumRows; ++r) std::memcpy(c + r * ldc + d, acc[r], sizeof acc[r]);
+  std::memcpy(c0 + d, acc[0], sizeof acc[0]);
+  std::memcpy(c1 + d, acc[1], sizeof acc[1]);
 }
 
-/// C[o, 0:cols) += sum over t < terms of W(o, t) * B_t[0:cols) for o < nout (a multiple of
-/// kSumRows), W(o, t) = w[o * w_out + t * w_term], B's rows read in place (8-channel vectors,
-/// then the channels past the last whole vector one by one).
+/// C[o, 0:cols) += sum over t < terms of W(o, t) * B_t[0:cols) for o < nout (a multiple of 2),
+/// W(o, t) = w[o * w_out + t * w_term], B's rows read in place (8-channel vectors, then the
+/// channels past the last whole vector one by one).
 [[gnu::target_clones("arch=x86-64-v3", "default")]] void accumulate_tiles(
     const float* w, std::int64_t w_out, std::int64_t w_term, std::int64_t nout, std::int64_t terms,
     rows_ref b, std::int64_t cols, float* c, std::int64_t ldc) {
   const std::int64_t whole = cols / 8 * 8;
-  for (std::int64_t o = 0; o < nout; o += kSumRows) {
-    const float* wo = w + o * w_out;
-    float* co = c + o * ldc;
+  for (std::int64_t o = 0; o < nout; o += 2) {
+    const float *w0 = w + o * w_out, *w1 = w0 + w_out;
+    float *c0 = c + o * ldc, *c1 = c0 + ldc;
     std::int64_t d = 0;
-    for (; d + 32 <= whole; d += 32) accumulate_tile<4>(wo, w_out, w_term, terms, b, d, co, ldc);
+    for (; d + 32 <= whole; d += 32) accumulate_tile<4>(w0, w1, w_term, terms, b, d, c0, c1);
     switch ((whole - d) / 8) {
       case 3:
-        accumulate_tile<3>(wo, w_out, w_term, terms, b, d, co, ldc);
+        accumulate_tile<3>(w0, w1, w_term, terms, b, d, c0, c1);
         break;
       case 2:
-        accumulate_tile<2>(wo, w_out, w_term, terms, b, d, co, ldc);
+        accumulate_tile<2>(w0, w1, w_term, terms, b, d, c0, c1);
         break;
       case 1:
-        accumulate_tile<1>(wo, w_out, w_term, terms, b, d, co, ldc);
+        accumulate_tile<1>(w0, w1, w_term, terms, b, d, c0, c1);
         break;
       default:
         break;
     }
-    for (int r = 0; r < kSumRows; ++r) {
-      const float* wr = wo + r * w_out;
-      float* cr = co + r * ldc;
-      for (d = whole; d < cols; ++d) {
-        for (std::int64_t t = 0; t < terms; ++t) cr[d] += wr[t * w_term] * b.data[t * b.stride + d];
+    for (d = whole; d < cols; ++d) {
+      for (std::int64_t t = 0; t < terms; ++t) {
+        c0[d] += w0[t * w_term] * b.data[t * b.stride + d];
+        c1[d] += w1[t * w_term] * b.data[t * b.stride + d];
       }
     }
   }
@@ -245,8 +241,8 @@ struct tiles {
     const std::int64_t side = std::max(width, kKeys), dmax = std::max(dk, dv);
     qt.resize(n(std::max(dk * side, dk * kKeys)));
     ot.resize(n(std::max(dv * side, dv * kKeys)));
-    for (auto* t : {&s, &p, &dp}) t->resize(n((side + kTileRows) * side));
-    for (auto* t : {&acc, &acc2, &rows_a, &rows_b}) t->resize(n((side + kTileRows) * dmax));
+    for (auto* t : {&s, &p, &dp}) t->resize(n(side * side));
+    for (auto* t : {&acc, &acc2, &rows_a, &rows_b}) t->resize(n(side * dmax));
     for (auto* t : {&m, &l, &corr, &top, &lse2, &delta, &lim}) t->resize(n(width));
   }
 };
@@ -315,7 +311,7 @@ void block_sparse_forward_blocked(const block_sparse_mask& mask, const tensor_vi
       const std::int64_t b = tasks.seq[task / heads], i0 = tasks.first[task / heads];
       const std::int64_t h = task % heads;
       const std::int64_t q0 = mask.cu_seqlens_q[b], k0 = mask.cu_seqlens_k[b];
-      const std::int64_t rows = std::min(g, mask.len_q(b) - i0), rows2 = round_up(rows, kSumRows);
+      const std::int64_t rows = std::min(g, mask.len_q(b) - i0), rows2 = round_up(rows, 2);
       const std::int64_t ld = round_up(rows, 16);
       transpose_rows(qf, q0 + i0, rows, h, dk, scale2, ld, w.qt.data());
       std::fill(w.acc.begin(), w.acc.begin() + rows2 * dv, 0.0f);
@@ -326,7 +322,7 @@ void block_sparse_forward_blocked(const block_sparse_mask& mask, const tensor_vi
       for (std::int64_t e = blocks.row_ptr[i0 / g]; e < blocks.row_ptr[i0 / g + 1]; ++e) {
         for_each_chunk(mask, b, blocks.col_idx[e], last, [&](std::int64_t c0, std::int64_t n) {
           key_limits(mask, b, i0, rows, c0, n, w);
-          product_tiles(rows_of(kf, k0 + c0, h, n), round_up(n, kTileRows), dk, w.qt.data(), ld, ld,
+          product_tiles(rows_of(kf, k0 + c0, h, n), round_up(n, 4), dk, w.qt.data(), ld, ld,
                         w.s.data(), ld);
           softmax_step(w.s.data(), n, ld, ld, w.lim.data(), w.m.data(), w.l.data(), w.corr.data(),
                        w.top.data(), w.p.data());
@@ -394,7 +390,7 @@ void block_sparse_backward_blocked(const block_sparse_mask& mask, const tensor_v
       const std::int64_t b = row_tasks.seq[task / heads], i0 = row_tasks.first[task / heads];
       const std::int64_t h = task % heads;
       const std::int64_t q0 = mask.cu_seqlens_q[b], k0 = mask.cu_seqlens_k[b];
-      const std::int64_t rows = std::min(g, mask.len_q(b) - i0), rows2 = round_up(rows, kSumRows);
+      const std::int64_t rows = std::min(g, mask.len_q(b) - i0), rows2 = round_up(rows, 2);
       const std::int64_t ld = round_up(rows, 16);
       transpose_rows(qf, q0 + i0, rows, h, dkd, scale2, ld, w.qt.data());
       transpose_rows(df, q0 + i0, rows, h, dvd, 1.0f, ld, w.ot.data());
@@ -409,7 +405,7 @@ void block_sparse_backward_blocked(const block_sparse_mask& mask, const tensor_v
       for (std::int64_t e = blocks.row_ptr[i0 / g]; e < blocks.row_ptr[i0 / g + 1]; ++e) {
         for_each_chunk(mask, b, blocks.col_idx[e], last, [&](std::int64_t c0, std::int64_t n) {
           key_limits(mask, b, i0, rows, c0, n, w);
-          const std::int64_t n4 = round_up(n, kTileRows);
+          const std::int64_t n4 = round_up(n, 4);
           const rows_ref ks = packed(kf, k0 + c0, h, n, dkd, w.rows_a);
           product_tiles(ks, n4, dkd, w.qt.data(), ld, ld, w.s.data(), ld);
           product_tiles(rows_of(vf, k0 + c0, h, n), n4, dvd, w.ot.data(), ld, ld, w.dp.data(), ld);
@@ -435,7 +431,7 @@ void block_sparse_backward_blocked(const block_sparse_mask& mask, const tensor_v
       const std::int64_t h = task % heads, c = c0 / g;
       const std::int64_t q0 = mask.cu_seqlens_q[b], k0 = mask.cu_seqlens_k[b];
       const std::int64_t n = std::min({kKeys, (c + 1) * g - c0, mask.len_k(b) - c0});
-      const std::int64_t n16 = round_up(n, 16), n2 = round_up(n, kSumRows);
+      const std::int64_t n16 = round_up(n, 16), n2 = round_up(n, 2);
       transpose_rows(kf, k0 + c0, n, h, dkd, 1.0f, kKeys, w.qt.data());
       transpose_rows(vf, k0 + c0, n, h, dvd, 1.0f, kKeys, w.ot.data());
       std::fill(w.acc.begin(), w.acc.begin() + n2 * dvd, 0.0f);    // dv
@@ -444,8 +440,7 @@ void block_sparse_backward_blocked(const block_sparse_mask& mask, const tensor_v
           columns[static_cast<std::size_t>(b * mask.heads + (mask.heads == 1 ? 0 : h))];
       for (std::int64_t e = column.row_ptr[c]; e < column.row_ptr[c + 1]; ++e) {
         const std::int64_t i0 = std::int64_t{column.col_idx[e]} * g;
-        const std::int64_t rows = std::min(g, mask.len_q(b) - i0),
-                           rows4 = round_up(rows, kTileRows);
+        const std::int64_t rows = std::min(g, mask.len_q(b) - i0), rows4 = round_up(rows, 4);
         if (mask.last_key(b, i0 + rows - 1) < c0) continue;  // causal: no row reaches these keys
         const rows_ref qs = packed(qf, q0 + i0, h, rows, dkd, w.rows_a),
                        dos = packed(df, q0 + i0, h, rows, dvd, w.rows_b);
