@@ -270,23 +270,40 @@ task_list units_of(const block_sparse_mask& mask, std::int64_t heads, bool keys)
   return t;
 }
 
-/// For each of a query block's rows (first row i0, `rows` of them, up to w.width), how many keys
-/// of the chunk from c0 (n keys) it attends: 0 to n.
-void key_limits(const block_sparse_mask& mask, std::int64_t b, std::int64_t i0, std::int64_t rows,
-                std::int64_t c0, std::int64_t n, tiles& w) {
-  for (std::int64_t i = 0; i < w.width; ++i) {
-    const std::int64_t keys = i < rows ? mask.last_key(b, i0 + i) + 1 - c0 : 0;
-    w.lim[static_cast<std::size_t>(i)] = static_cast<float>(std::clamp<std::int64_t>(keys, 0, n));
-  }
-}
+/// A query task's place: sequence b, head h, the sequence's rows [i0, i0 + rows) (q0, k0: its
+/// first query and key rows), the transposed tiles' width ld and the rows' furthest key.
+struct query_task {
+  std::int64_t b, h, i0, q0, k0, rows, ld, last;
+  query_task(const block_sparse_mask& mask, const task_list& tasks, std::int64_t task)
+      : b(tasks.seq[static_cast<std::size_t>(task / tasks.heads)]),
+        h(task % tasks.heads),
+        i0(tasks.first[static_cast<std::size_t>(task / tasks.heads)]),
+        q0(mask.cu_seqlens_q[b]),
+        k0(mask.cu_seqlens_k[b]),
+        rows(std::min(mask.block, mask.len_q(b) - i0)),
+        ld(round_up(rows, 16)),
+        last(mask.last_key(b, i0 + rows - 1)) {}
+};
 
-/// The chunks of kept key block e of block row r's list that the rows up to `last` reach.
+/// Calls f(c0, n) for each chunk of up to 64 keys of the key blocks t's block row keeps, up to
+/// the rows' furthest key, with w.lim holding how many of the chunk's keys each row attends.
 template <class F>
-void for_each_chunk(const block_sparse_mask& mask, std::int64_t b, std::int64_t block,
-                    std::int64_t last, F&& f) {
-  const std::int64_t g = mask.block, j0 = block * g;
-  const std::int64_t j1 = std::min({j0 + g, mask.len_k(b), last + 1});
-  for (std::int64_t c0 = j0; c0 < j1; c0 += kKeys) f(c0, std::min(kKeys, j1 - c0));
+void for_each_chunk(const block_sparse_mask& mask, const query_task& t, tiles& w, F&& f) {
+  const std::int64_t g = mask.block, r = t.i0 / g;
+  const csr_graph& blocks = mask.at(t.b, t.h).blocks;
+  for (std::int64_t e = blocks.row_ptr[r]; e < blocks.row_ptr[r + 1]; ++e) {
+    const std::int64_t j0 = std::int64_t{blocks.col_idx[e]} * g;
+    const std::int64_t j1 = std::min({j0 + g, mask.len_k(t.b), t.last + 1});
+    for (std::int64_t c0 = j0; c0 < j1; c0 += kKeys) {
+      const std::int64_t n = std::min(kKeys, j1 - c0);
+      for (std::int64_t i = 0; i < w.width; ++i) {
+        const std::int64_t keys = i < t.rows ? mask.last_key(t.b, t.i0 + i) + 1 - c0 : 0;
+        w.lim[static_cast<std::size_t>(i)] =
+            static_cast<float>(std::clamp<std::int64_t>(keys, 0, n));
+      }
+      f(c0, n);
+    }
+  }
 }
 
 }  // namespace
@@ -308,35 +325,27 @@ void block_sparse_forward_blocked(const block_sparse_mask& mask, const tensor_vi
     tiles w(dk, dv, g);
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < tasks.size(); ++task) {
-      const std::int64_t b = tasks.seq[task / heads], i0 = tasks.first[task / heads];
-      const std::int64_t h = task % heads;
-      const std::int64_t q0 = mask.cu_seqlens_q[b], k0 = mask.cu_seqlens_k[b];
-      const std::int64_t rows = std::min(g, mask.len_q(b) - i0), rows2 = round_up(rows, 2);
-      const std::int64_t ld = round_up(rows, 16);
-      transpose_rows(qf, q0 + i0, rows, h, dk, scale2, ld, w.qt.data());
+      const query_task t(mask, tasks, task);
+      const std::int64_t rows2 = round_up(t.rows, 2);
+      transpose_rows(qf, t.q0 + t.i0, t.rows, t.h, dk, scale2, t.ld, w.qt.data());
       std::fill(w.acc.begin(), w.acc.begin() + rows2 * dv, 0.0f);
       std::fill(w.m.begin(), w.m.end(), kNoKey);
       std::fill(w.l.begin(), w.l.end(), 0.0f);
-      const std::int64_t last = mask.last_key(b, i0 + rows - 1);  // the rows' furthest key
-      const csr_graph& blocks = mask.at(b, h).blocks;
-      for (std::int64_t e = blocks.row_ptr[i0 / g]; e < blocks.row_ptr[i0 / g + 1]; ++e) {
-        for_each_chunk(mask, b, blocks.col_idx[e], last, [&](std::int64_t c0, std::int64_t n) {
-          key_limits(mask, b, i0, rows, c0, n, w);
-          product_tiles(rows_of(kf, k0 + c0, h, n), round_up(n, 4), dk, w.qt.data(), ld, ld,
-                        w.s.data(), ld);
-          softmax_step(w.s.data(), n, ld, ld, w.lim.data(), w.m.data(), w.l.data(), w.corr.data(),
-                       w.top.data(), w.p.data());
-          for (std::int64_t i = 0; i < rows; ++i) {
-            const float c = w.corr[static_cast<std::size_t>(i)];
-            if (c == 1.0f) continue;
-            float* a = w.acc.data() + i * dv;
-            for (std::int64_t d = 0; d < dv; ++d) a[d] *= c;
-          }
-          accumulate_tiles(w.p.data(), 1, ld, rows2, n, packed(vf, k0 + c0, h, n, dv, w.rows_a), dv,
-                           w.acc.data(), dv);
-        });
-      }
-      for (std::int64_t i = 0; i < rows; ++i) {
+      for_each_chunk(mask, t, w, [&](std::int64_t c0, std::int64_t n) {
+        product_tiles(rows_of(kf, t.k0 + c0, t.h, n), round_up(n, 4), dk, w.qt.data(), t.ld, t.ld,
+                      w.s.data(), t.ld);
+        softmax_step(w.s.data(), n, t.ld, t.ld, w.lim.data(), w.m.data(), w.l.data(), w.corr.data(),
+                     w.top.data(), w.p.data());
+        for (std::int64_t i = 0; i < t.rows; ++i) {
+          const float c = w.corr[static_cast<std::size_t>(i)];
+          if (c == 1.0f) continue;
+          float* a = w.acc.data() + i * dv;
+          for (std::int64_t d = 0; d < dv; ++d) a[d] *= c;
+        }
+        accumulate_tiles(w.p.data(), 1, t.ld, rows2, n, packed(vf, t.k0 + c0, t.h, n, dv, w.rows_a),
+                         dv, w.acc.data(), dv);
+      });
+      for (std::int64_t i = 0; i < t.rows; ++i) {
         const float sum = w.l[static_cast<std::size_t>(i)], top = w.m[static_cast<std::size_t>(i)];
         const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
         float* a = w.acc.data() + i * dv;
@@ -345,10 +354,10 @@ void block_sparse_forward_blocked(const block_sparse_mask& mask, const tensor_vi
           const double row_lse =
               sum > 0.0f ? (double{top} + std::log2(double{sum})) * std::numbers::ln2_v<double>
                          : -std::numeric_limits<double>::infinity();
-          store_value(lse, q0 + i0 + i, h, 0, row_lse);
+          store_value(lse, t.q0 + t.i0 + i, t.h, 0, row_lse);
         }
       }
-      store_tile(out, q0 + i0, rows, h, w.acc.data(), dv, 1.0f);
+      store_tile(out, t.q0 + t.i0, t.rows, t.h, w.acc.data(), dv, 1.0f);
     }
   }
 }
@@ -380,41 +389,34 @@ void block_sparse_backward_blocked(const block_sparse_mask& mask, const tensor_v
       delta[at] = sum;
     }
   }
-  // Pass 1: dq per query block, its q and dO transposed once, K and V read in place.
+  // Pass 1: dq per query block, its q and dO transposed once; V read in place, K packed.
   const task_list row_tasks = units_of(mask, heads, false);
 #pragma omp parallel
   {
     tiles w(dkd, dvd, g);
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < row_tasks.size(); ++task) {
-      const std::int64_t b = row_tasks.seq[task / heads], i0 = row_tasks.first[task / heads];
-      const std::int64_t h = task % heads;
-      const std::int64_t q0 = mask.cu_seqlens_q[b], k0 = mask.cu_seqlens_k[b];
-      const std::int64_t rows = std::min(g, mask.len_q(b) - i0), rows2 = round_up(rows, 2);
-      const std::int64_t ld = round_up(rows, 16);
-      transpose_rows(qf, q0 + i0, rows, h, dkd, scale2, ld, w.qt.data());
-      transpose_rows(df, q0 + i0, rows, h, dvd, 1.0f, ld, w.ot.data());
-      for (std::int64_t i = 0; i < ld; ++i) {
-        const auto at = static_cast<std::size_t>((q0 + i0 + i) * heads + h);
-        w.lse2[static_cast<std::size_t>(i)] = i < rows ? lse2[at] : kInf;
-        w.delta[static_cast<std::size_t>(i)] = i < rows ? delta[at] : 0.0f;
+      const query_task t(mask, row_tasks, task);
+      const std::int64_t rows2 = round_up(t.rows, 2);
+      transpose_rows(qf, t.q0 + t.i0, t.rows, t.h, dkd, scale2, t.ld, w.qt.data());
+      transpose_rows(df, t.q0 + t.i0, t.rows, t.h, dvd, 1.0f, t.ld, w.ot.data());
+      for (std::int64_t i = 0; i < t.ld; ++i) {
+        const auto at = static_cast<std::size_t>((t.q0 + t.i0 + i) * heads + t.h);
+        w.lse2[static_cast<std::size_t>(i)] = i < t.rows ? lse2[at] : kInf;
+        w.delta[static_cast<std::size_t>(i)] = i < t.rows ? delta[at] : 0.0f;
       }
       std::fill(w.acc.begin(), w.acc.begin() + rows2 * dkd, 0.0f);
-      const std::int64_t last = mask.last_key(b, i0 + rows - 1);
-      const csr_graph& blocks = mask.at(b, h).blocks;
-      for (std::int64_t e = blocks.row_ptr[i0 / g]; e < blocks.row_ptr[i0 / g + 1]; ++e) {
-        for_each_chunk(mask, b, blocks.col_idx[e], last, [&](std::int64_t c0, std::int64_t n) {
-          key_limits(mask, b, i0, rows, c0, n, w);
-          const std::int64_t n4 = round_up(n, 4);
-          const rows_ref ks = packed(kf, k0 + c0, h, n, dkd, w.rows_a);
-          product_tiles(ks, n4, dkd, w.qt.data(), ld, ld, w.s.data(), ld);
-          product_tiles(rows_of(vf, k0 + c0, h, n), n4, dvd, w.ot.data(), ld, ld, w.dp.data(), ld);
-          gradient_columns(w.s.data(), w.dp.data(), n, ld, ld, w.lim.data(), w.lse2.data(),
-                           w.delta.data());
-          accumulate_tiles(w.s.data(), 1, ld, rows2, n, ks, dkd, w.acc.data(), dkd);
-        });
-      }
-      store_tile(dq, q0 + i0, rows, h, w.acc.data(), dkd, static_cast<float>(scale));
+      for_each_chunk(mask, t, w, [&](std::int64_t c0, std::int64_t n) {
+        const std::int64_t n4 = round_up(n, 4);
+        const rows_ref ks = packed(kf, t.k0 + c0, t.h, n, dkd, w.rows_a);
+        product_tiles(ks, n4, dkd, w.qt.data(), t.ld, t.ld, w.s.data(), t.ld);
+        product_tiles(rows_of(vf, t.k0 + c0, t.h, n), n4, dvd, w.ot.data(), t.ld, t.ld, w.dp.data(),
+                      t.ld);
+        gradient_columns(w.s.data(), w.dp.data(), n, t.ld, t.ld, w.lim.data(), w.lse2.data(),
+                         w.delta.data());
+        accumulate_tiles(w.s.data(), 1, t.ld, rows2, n, ks, dkd, w.acc.data(), dkd);
+      });
+      store_tile(dq, t.q0 + t.i0, t.rows, t.h, w.acc.data(), dkd, static_cast<float>(scale));
     }
   }
   // Pass 2: dk and dv per 64 keys, their K and V transposed once, the query blocks that keep
