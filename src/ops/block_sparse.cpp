@@ -65,10 +65,11 @@ tensor_view rows_of(const tensor_view& t, std::int64_t row0, std::int64_t rows) 
   return s;
 }
 
-// The CPU engine's backward over a block mask: per sequence (and mask head), the expanded pattern
-// and its transpose, the forward's out and lse (given, as run() wrote them, or recomputed in the
-// engine's type where null), then the fused backward, which writes every row of dq, dk and dv
-// (zeros where no pair reaches).
+// The CPU engine's backward over a block mask: fp32 work without dropout in tiles over the blocks
+// (cpu/block_sparse/blocked.cpp); float64 and dropout per sequence (and mask head), the expanded
+// pattern and its transpose, the forward's out and lse (given, as run() wrote them, or recomputed
+// in the engine's type where null), then the fused backward, which writes every row of dq, dk and
+// dv (zeros where no pair reaches).
 void cpu_block_sparse_backward(const block_sparse_mask& m, const tensor_view& q,
                                const tensor_view& k, const tensor_view& v,
                                const tensor_view* saved_out, const tensor_view* saved_lse,

@@ -2,10 +2,11 @@
 // 64-key chunks of its kept key blocks as small matrix products in registers (the AVX2 + FMA
 // clones: 4 x 16 score tiles, 2 x 32 weighted-sum tiles), the online softmax between them. Each
 // task transposes what stays for its whole walk once (the query block's q and dO for the forward
-// and dq, the 64 keys' K and V for dk and dv) and reads what changes along the walk in place, so
-// no operand is copied per visit. The backward recomputes P from the forward's lse in two passes
-// with no shared writes: dq per query block over its kept blocks, dk and dv per 64-key chunk over
-// the query blocks that keep its block (the transposed lists). Any block size and head dim.
+// and dq, the 64 keys' K and V for dk and dv); what changes along the walk is read in place, or
+// packed next to each other where a weighted sum reads its rows many times. The backward recomputes
+// P from the forward's lse in two passes with no shared writes: dq per query block over its kept
+// blocks, dk and dv per 64-key chunk over the query blocks that keep its block (the transposed
+// lists). Any block size and head dim.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -419,8 +420,8 @@ void block_sparse_backward_blocked(const block_sparse_mask& mask, const tensor_v
       store_tile(dq, t.q0 + t.i0, t.rows, t.h, w.acc.data(), dkd, static_cast<float>(scale));
     }
   }
-  // Pass 2: dk and dv per 64 keys, their K and V transposed once, the query blocks that keep
-  // their block (the transposed lists) read in place.
+  // Pass 2: dk and dv per 64 keys, their K and V transposed once, the q and dO rows of the query
+  // blocks that keep their block (the transposed lists) packed.
   std::vector<csr_graph> columns(mask.masks.size());
   for (std::size_t i = 0; i < mask.masks.size(); ++i) columns[i] = transpose(mask.masks[i].blocks);
   const task_list key_tasks = units_of(mask, heads, true);
