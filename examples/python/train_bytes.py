@@ -28,8 +28,9 @@ distilled every --learner-every steps for --gate-fit-steps Adam steps while the 
 On CUDA each row has step_ms, the median training step past the warm-up.
 
 --mode cost (CUDA) times the importance tracking inside training: one model with a PatternLearner
-per layer, the kernels measuring the mass at every step for --cost-period steps and at none for as
-many, alternating; the two kinds of step's medians and the cost between them.
+per layer, the kernels measuring the mass at every step (every --cost-track-every steps) for
+--cost-period steps and at none for as many, alternating; the two kinds of step's medians and
+means, and the cost between them.
 """
 
 import argparse
@@ -320,7 +321,7 @@ def cost_table(args, data, split):
         def before_step(step, learners=learners):
             tracked = step < args.learner_warmup or (step // args.cost_period) % 2 == 0
             for learner in learners:
-                learner.track_every = 1 if tracked else args.steps + 1
+                learner.track_every = args.cost_track_every if tracked else args.steps + 1
 
         _, bpb, times = train(args, data, split, learners, before_step)
         first = args.learner_warmup + 2  # the first sparse steps build the pattern
@@ -328,12 +329,19 @@ def cost_table(args, data, split):
         for step in range(first, args.steps):
             split_times[(step // args.cost_period) % 2 == 0].append(times[step])
         tracked, untracked = (statistics.median(split_times[b]) for b in (True, False))
+        means = [statistics.fmean(split_times[b]) for b in (True, False)]
         row = {
             "mode": "cost",
             "sparsity": s,
             "tracked_ms": tracked,
             "untracked_ms": untracked,
             "cost": tracked / untracked - 1.0,
+            # (means: where the tracked phase measures one step in several, its median is an
+            # untracked step's)
+            "tracked_mean_ms": means[0],
+            "untracked_mean_ms": means[1],
+            "cost_of_means": means[0] / means[1] - 1.0,
+            "cost_track_every": args.cost_track_every,
             "steps_each": len(split_times[True]),
             "bits_per_byte": bpb,
             **setting(args),
@@ -434,6 +442,12 @@ def main():
     ap.add_argument("--skip-dense", action="store_true", help="--mode train: no dense row")
     ap.add_argument(
         "--cost-period", type=int, default=50, help="--mode cost: steps tracked, then untracked"
+    )
+    ap.add_argument(
+        "--cost-track-every",
+        type=int,
+        default=1,
+        help="--mode cost: the tracked steps' cadence (1: every step measured)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")

@@ -943,6 +943,46 @@ NB_MODULE(_C, m) {
       "q"_a, "k"_a, "v"_a, "block"_a, "causal"_a, "scale"_a, "mass"_a, "value"_a,
       "Each block's attention mass and value sums into the float64 [H, qb, kb] and "
       "[H, qb, kb, Dv] buffers at `mass` and `value`.");
+  m.def("pooled_block_mass_workspace_bytes", &pooled_block_mass_workspace_bytes, "heads"_a, "n_q"_a,
+        "n_k"_a, "dim"_a, "block"_a);
+  m.def(
+      "pooled_block_mass",
+      [](const tensor_tuple& q, const tensor_tuple& k, std::int64_t block, bool causal,
+         double scale, std::uintptr_t out, std::uintptr_t ws, std::size_t ws_bytes,
+         std::uintptr_t stream) {
+        pooled_block_mass(view_of(q), view_of(k), block, causal, scale,
+                          reinterpret_cast<double*>(out), reinterpret_cast<void*>(ws), ws_bytes,
+                          stream_of(stream));
+      },
+      "q"_a, "k"_a, "block"_a, "causal"_a, "scale"_a, "out"_a, "workspace"_a, "workspace_bytes"_a,
+      "stream"_a,
+      "The pooled block mass into the float64 [H, qb, kb] buffer at `out` (q's device).");
+  m.def(
+      "fold_block_importance",
+      [](std::uintptr_t state, std::uintptr_t mass, const std::vector<std::int64_t>& strides,
+         std::int64_t batch, std::uintptr_t keep, std::uintptr_t pooled, std::uintptr_t seen,
+         std::int64_t heads, std::int64_t qb, std::int64_t kb, double decay, int device,
+         std::uintptr_t stream) {
+        TRISPARSE_EXPECTS_INPUT(strides.size() == 4, "fold_block_importance: 4 mass strides");
+        importance_fold_args a;
+        a.state = reinterpret_cast<double*>(state);
+        a.mass = reinterpret_cast<const float*>(mass);
+        std::copy(strides.begin(), strides.end(), a.mass_strides);
+        a.batch = batch;
+        a.keep = reinterpret_cast<const bool*>(keep);
+        a.pooled = reinterpret_cast<const double*>(pooled);
+        a.seen = reinterpret_cast<const bool*>(seen);
+        a.heads = heads;
+        a.qb = qb;
+        a.kb = kb;
+        a.decay = decay;
+        a.where = device < 0 ? device_kind::cpu : device_kind::cuda;
+        a.device_id = device < 0 ? 0 : device;
+        fold_block_importance(a, stream_of(stream));
+      },
+      "state"_a, "mass"_a, "mass_strides"_a, "batch"_a, "keep"_a, "pooled"_a, "seen"_a, "heads"_a,
+      "qb"_a, "kb"_a, "decay"_a, "device"_a, "stream"_a,
+      "A kernel-measured block mass folded into the float64 importance average at `state`.");
   m.def(
       "prune_blocks_by_output",
       [](std::uintptr_t mass, std::uintptr_t value, std::int64_t heads, std::int64_t qb,

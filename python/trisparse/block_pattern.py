@@ -6,7 +6,6 @@ its statistics, its file, and the masks the attention takes."""
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -385,69 +384,31 @@ def pooled_block_mass(
     block routing ranks by): per head and block row r, the softmax over key blocks c of
     scale <mean of r's q rows, mean of c's k rows> + log(c's keys), causal blocks past the
     diagonal excluded — float64 [H, query blocks, key blocks], rows summing to 1 (zeros where
-    causal leaves a block row no key). One small product; what :class:`PatternLearner` gives the
-    blocks the kernels do not see. A handful of torch ops (what depends on the sizes alone is
-    made once per shape): a learner calls it inside training steps."""
+    causal leaves a block row no key). q [H, N_q, D], k [H, N_k, D] on the CPU or CUDA (the
+    library's loops, or two kernels on the current stream: no host synchronisation). What
+    :class:`PatternLearner` gives the blocks the kernels do not see, inside training steps."""
+    _check_qk(q, k)
     heads, n_q, d = q.shape
     n_k, g = k.shape[1], int(block_size)
-    layout = _pooled_layout(n_q, n_k, g, bool(causal), q.device)
-    scores = torch.baddbmm(
-        layout.constant.expand(heads, -1, -1),
-        _block_means(q, g, layout.rows),
-        _block_means(k, g, layout.keys).transpose(1, 2),
-        alpha=_tensors.resolve_scale(scale, d),
+    if g < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    qv, kv = (t.transpose(0, 1) for t in (q, k.to(q.dtype)))  # [N, H, D] views
+    qv, kv = (t if t.stride(-1) == 1 else t.contiguous() for t in (qv, kv))
+    out = torch.empty(heads, -(-n_q // g), -(-n_k // g), dtype=torch.float64, device=q.device)
+    nbytes = _C.pooled_block_mass_workspace_bytes(heads, n_q, n_k, d, g) if q.is_cuda else 0
+    _owner, ws, ws_bytes = _tensors.workspace(nbytes, q.device)
+    _C.pooled_block_mass(
+        _tensors.view(qv),
+        _tensors.view(kv),
+        g,
+        bool(causal),
+        _tensors.resolve_scale(scale, d),
+        out.data_ptr(),
+        ws,
+        ws_bytes,
+        _tensors.stream(q.device),
     )
-    p = torch.softmax(scores, -1)
-    return p.nan_to_num(0.0) if layout.empty_rows else p
-
-
-class _PooledLayout(NamedTuple):
-    rows: Tensor | None  # [qb] float64 query rows a block (None: all G)
-    keys: Tensor | None  # [kb] keys a block (None: all G)
-    constant: Tensor  # [qb, kb] float64: log(keys in c); -inf where causal excludes the block
-    empty_rows: bool  # causal leaves some block row no key block
-
-
-_POOLED_LAYOUTS: dict[tuple, _PooledLayout] = {}
-
-
-def _pooled_layout(n_q: int, n_k: int, g: int, causal: bool, device: torch.device) -> _PooledLayout:
-    """The sizes' part of the pooled scores, kept for the last few shapes. Made under CUDA-graph
-    capture it is not kept: its kernels run only when the graph is replayed."""
-    key = (n_q, n_k, g, causal, device)
-    hit = _POOLED_LAYOUTS.get(key)
-    if hit is not None:
-        return hit
-    qb, kb = -(-n_q // g), -(-n_k // g)
-    rows = torch.clamp(n_q - torch.arange(qb, device=device) * g, max=g).to(torch.float64)
-    keys = torch.clamp(n_k - torch.arange(kb, device=device) * g, max=g).to(torch.float64)
-    constant = keys.log()[None, :].expand(qb, kb)
-    if causal:  # block c holds a key the block row's last query sees
-        last = torch.clamp((torch.arange(qb, device=device) + 1) * g, max=n_q) - 1 + (n_k - n_q)
-        constant = constant.masked_fill(
-            torch.arange(kb, device=device)[None, :] * g > last[:, None], -torch.inf
-        )
-    layout = _PooledLayout(
-        None if n_q % g == 0 else rows,
-        None if n_k % g == 0 else keys,
-        constant.contiguous(),
-        causal and min(g, n_q) - 1 + n_k - n_q < 0,  # block row 0's last query sees no key
-    )
-    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        if len(_POOLED_LAYOUTS) >= 8:
-            _POOLED_LAYOUTS.pop(next(iter(_POOLED_LAYOUTS)))
-        _POOLED_LAYOUTS[key] = layout
-    return layout
-
-
-def _block_means(x: Tensor, g: int, counts: Tensor | None) -> Tensor:
-    """Each G-row block's mean row of x [H, N, D] in float64 ([H, N / G, D]; counts: the rows of
-    each block where the last is partial, its padding rows zeros)."""
-    heads, n, d = x.shape
-    if counts is None:
-        return x.reshape(heads, n // g, g, d).mean(2, dtype=torch.float64)
-    x = torch.nn.functional.pad(x.to(torch.float64), (0, 0, 0, counts.numel() * g - n))
-    return x.view(heads, counts.numel(), g, d).sum(2) / counts[None, :, None]
+    return out
 
 
 def prune_blocks(
@@ -822,15 +783,51 @@ class PatternLearner:
         mean over the batch) of the blocks `keep` held, the rest from `pooled`
         (:func:`pooled_block_mass`): each kept block's share of its row's pooled estimate is
         split by the measured masses, dropped blocks keep their pooled estimate."""
-        if mass.dim() == 4:
-            mass = mass[0] if mass.shape[0] == 1 else mass.mean(0)
-        self._start(*mass.shape, mass.device)
+        self._start(*mass.shape[-3:], mass.device)
         if self._frozen():
             return
         keep = keep if keep.device == mass.device else keep.to(mass.device)
+        if self.aggregate == "ema" and mass.dtype == torch.float32:  # one library call
+            mass = mass if mass.dim() == 4 else mass[None]
+            shape = self.importance.shape
+            if any(s != shape for s in (mass.shape[1:], keep.shape, pooled.shape)):
+                raise ValueError(
+                    f"mass {tuple(mass.shape)}, keep {tuple(keep.shape)} and pooled "
+                    f"{tuple(pooled.shape)} must be [(B,) {', '.join(map(str, shape))}] as the "
+                    "importance"
+                )
+            keep, pooled = keep.to(torch.bool).contiguous(), pooled.to(torch.float64).contiguous()
+            self._fold_measured(mass, keep, pooled)
+            return
+        if mass.dim() == 4:
+            mass = mass[0] if mass.shape[0] == 1 else mass.mean(0)
         kept_share = (pooled * keep).sum(-1, keepdim=True)
         imp = torch.where(keep, mass.to(torch.float64) * kept_share, pooled)
         self._fold(None, imp)
+
+    def _fold_measured(self, mass: Tensor, keep: Tensor, pooled: Tensor) -> None:
+        """The "ema" fold of float32 mass [B, H, qb, kb] (any strides), bool keep and float64
+        pooled [H, qb, kb] (contiguous, on the importance's device) in one library call
+        (fold_block_importance: the torch path's arithmetic)."""
+        heads, qb, kb = self.importance.shape
+        _C.fold_block_importance(
+            self.importance.data_ptr(),
+            mass.data_ptr(),
+            list(mass.stride()),
+            mass.shape[0],
+            keep.data_ptr(),
+            pooled.data_ptr(),
+            0 if self._all_seen else self._seen.data_ptr(),
+            heads,
+            qb,
+            kb,
+            self.decay,
+            _tensors.device_index(mass.device),
+            _tensors.stream(mass.device),
+        )
+        if not self._all_seen:
+            self._seen.fill_(True)
+            self._all_seen = True
 
     def mask(self) -> BlockMask | None:
         """The current pattern as a mask for :func:`block_sparse_attention` (on q's device), or
@@ -934,7 +931,12 @@ class PatternLearner:
         if self._pending is not None and self.tracker.steps > self._pending[2]:
             keep, pooled, _ = self._pending
             self._pending = None
-            self.observe_importance(self.tracker.mass, keep, pooled)
+            mass = self.tracker.mass
+            fast = self.aggregate == "ema" and mass.shape[1:] == keep.shape
+            if fast and keep.is_contiguous() and not self._frozen():
+                self._fold_measured(mass, keep, pooled)  # (all made here: no conversion)
+            else:
+                self.observe_importance(mass, keep, pooled)
 
     def _advance(self, frozen: bool) -> None:
         self.steps += 1

@@ -394,16 +394,28 @@ def test_pooled_block_mass_is_a_distribution_over_allowed_blocks():
     torch.testing.assert_close(flat[0, 0], torch.tensor([32, 32, 16], dtype=torch.float64) / 80)
 
 
+CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not trisparse.cuda_available(), reason="needs a CUDA device and build"),
+    ],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("n_q,n_k", [(256, 256), (100, 130), (130, 100), (96, 20)])
-def test_pooled_block_mass_equals_the_pooled_scores_softmax(causal, n_q, n_k):
+@pytest.mark.parametrize("n_q,n_k", [(256, 256), (100, 130), (130, 100), (96, 20), (1100, 900)])
+def test_pooled_block_mass_equals_the_pooled_scores_softmax(device, dtype, causal, n_q, n_k):
     """Against the definition in float64, block by block: full and partial blocks, causal
-    aligned at the bottom right (n_k < n_q leaves the first block rows no key: zeros); the
-    second call reuses the sizes' cached part; a strided q (heads a view of [N, H, D])."""
+    aligned at the bottom right (n_k < n_q leaves the first block rows no key: zeros), more block
+    rows than a CUDA thread block scores (1100: 35 rows); a strided q (heads a view of
+    [N, H, D]); the inputs' dtype read as it is; the same bits on a second call."""
     g, d = 32, 8
     gen = torch.Generator().manual_seed(n_q + n_k)
-    q = torch.randn(n_q, 3, d, generator=gen).transpose(0, 1)
-    k = torch.randn(3, n_k, d, generator=gen)
+    q = torch.randn(n_q, 3, d, generator=gen).to(dtype).transpose(0, 1)
+    k = torch.randn(3, n_k, d, generator=gen).to(dtype)
     qb, kb = -(-n_q // g), -(-n_k // g)
     want = torch.zeros(3, qb, kb, dtype=torch.float64)
     for r in range(qb):
@@ -417,9 +429,41 @@ def test_pooled_block_mass_equals_the_pooled_scores_softmax(causal, n_q, n_k):
             scores[:, c] = (qm * keys.mean(1)).sum(-1) / math.sqrt(d) + math.log(keys.shape[1])
         if bool(torch.isfinite(scores).any()):
             want[:, r] = torch.softmax(scores, -1)
+    got = trisparse.pooled_block_mass(q.to(device), k.to(device), g, causal)
+    assert got.device.type == device and got.dtype == torch.float64
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-12, atol=1e-12)
+    assert torch.equal(trisparse.pooled_block_mass(q.to(device), k.to(device), g, causal), got)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_pattern_learner_folds_the_kernels_mass_as_defined(device, batch):
+    """observe_importance's one-call fold (float32 mass, "ema") against its definition in float64:
+    kept blocks get their measured mass (the batch's mean, from a strided view as the tracker
+    gives it) times the row's pooled total over the kept blocks, dropped blocks their pooled
+    estimate; rows seen before blend with the average, unseen rows take the new value; a second
+    fold blends every row."""
+    heads, qb, kb, decay = 2, 37, 45, 0.8
+    gen = torch.Generator().manual_seed(batch)
+    learner = trisparse.PatternLearner(32, sparsity=0.5, decay=decay)
+    learner._start(heads, qb, kb, torch.device(device))
+    state = torch.rand(heads, qb, kb, dtype=torch.float64, generator=gen)
+    learner.importance.copy_(state)
+    seen = torch.rand(qb, generator=gen) < 0.5
+    learner._seen.copy_(seen)
+    want = state.clone()
     for _ in range(2):
-        got = trisparse.pooled_block_mass(q, k, g, causal)
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        raw = torch.rand(batch, qb, heads, kb, generator=gen)  # the op's [B, QB, H, KB]
+        mass = raw.permute(0, 2, 1, 3)
+        keep = torch.rand(heads, qb, kb, generator=gen) < 0.3
+        pooled = torch.softmax(torch.randn(heads, qb, kb, generator=gen, dtype=torch.float64), -1)
+        share = (pooled * keep).sum(-1, keepdim=True)
+        fresh = torch.where(keep, mass.double().mean(0) * share, pooled)
+        want = torch.where(seen[None, :, None], decay * want + (1 - decay) * fresh, fresh)
+        seen[:] = True
+        learner.observe_importance(mass.to(device), keep.to(device), pooled.to(device))
+        torch.testing.assert_close(learner.importance.cpu(), want, rtol=1e-12, atol=1e-14)
+    assert bool(learner._seen.all())
 
 
 def _diagonal_start_learner(n, g):

@@ -1,11 +1,13 @@
 // block_pattern: its checks, statistics, union, conversion to a mask, and its file (round trip and
-// the errors a damaged file gives).
+// the errors a damaged file gives); a learner's tracked step (importance_fold.hpp) on the CPU.
 #include "trisparse/formats/block_pattern.hpp"
 
 #include "trisparse/formats/bcsr.hpp"
+#include "trisparse/ops/importance_fold.hpp"
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <fstream>
 #include <iterator>
 #include <numeric>
@@ -213,6 +215,70 @@ TEST(BlockPattern, DamagedFilesNameTheFileAndTheProblem) {
   expect_load_error(dir / "v2.tsbp", "version 2");
   write_bytes(dir / "text.tsbp", {'h', 'e', 'l', 'l', 'o'});
   expect_load_error(dir / "text.tsbp", "not a trisparse pattern file");
+}
+
+// Pooled block mass by its definition, one head of 3 query and 2 key blocks of G = 2 (the last
+// key block partial), causal aligned at the bottom right: the first block row sees no key.
+TEST(ImportanceFold, PooledBlockMassByItsDefinition) {
+  const std::vector<float> q = {1, 0, 3, 2, -1, 1, 0, 0, 2, 2, 1, -3};  // 6 rows, D = 2
+  const std::vector<float> k = {1, 1, 0, 2, -2, 1};                     // 3 rows
+  const auto qv = tensor_view::contiguous(const_cast<float*>(q.data()), dtype::f32, 6, 1, 2);
+  const auto kv = tensor_view::contiguous(const_cast<float*>(k.data()), dtype::f32, 3, 1, 2);
+  EXPECT_EQ(pooled_block_mass_workspace_bytes(1, 6, 3, 2, 2), 5 * 2 * sizeof(double));
+  for (const bool causal : {false, true}) {
+    std::vector<double> out(6, -1.0);
+    pooled_block_mass(qv, kv, 2, causal, 0.5, out.data(), nullptr, 0);
+    const double km[2][2] = {{0.5, 1.5}, {-2, 1}};  // key block means; keys 2 and 1
+    for (int r = 0; r < 3; ++r) {
+      const double qm[2] = {(q[4 * r] + q[4 * r + 2]) / 2, (q[4 * r + 1] + q[4 * r + 3]) / 2};
+      const std::int64_t last = 2 * r + 1 - 3;  // the row's last query sees keys up to here
+      double s[2], total = 0;
+      for (int c = 0; c < 2; ++c) {
+        const bool seen = !causal || 2 * c <= last;
+        s[c] = seen ? std::exp(0.5 * (qm[0] * km[c][0] + qm[1] * km[c][1])) * (c == 0 ? 2 : 1) : 0;
+        total += s[c];
+      }
+      for (int c = 0; c < 2; ++c)
+        EXPECT_NEAR(out[2 * r + c], total > 0 ? s[c] / total : 0.0, 1e-14) << r << " " << c;
+    }
+  }
+  std::vector<double> out(6);
+  EXPECT_THROW(pooled_block_mass(qv, kv, 0, false, 0.5, out.data(), nullptr, 0), invalid_input);
+  const auto wide = tensor_view::contiguous(const_cast<float*>(k.data()), dtype::f32, 1, 1, 3);
+  EXPECT_THROW(pooled_block_mass(qv, wide, 2, false, 0.5, out.data(), nullptr, 0), invalid_input);
+}
+
+// The fold: a kept block takes its batch-mean mass times the row's pooled total over the kept
+// blocks, a dropped block its pooled estimate; a seen row blends, an unseen row is replaced.
+TEST(ImportanceFold, FoldsMeasuredMassIntoTheAverage) {
+  std::vector<double> state = {1, 1, 1, 1};  // 1 head, 2 rows, 2 key blocks
+  const std::vector<float> mass = {0.25F, 0, 0.5F, 0.5F, 0.75F, 0, 0.5F, 0.5F};  // [2][1][2][2]
+  const bool keep[4] = {true, false, true, true};
+  const std::vector<double> pooled = {0.6, 0.4, 0.3, 0.7};
+  const bool seen[2] = {true, false};
+  importance_fold_args a;
+  a.state = state.data();
+  a.mass = mass.data();
+  a.mass_strides[0] = 4;
+  a.mass_strides[1] = 4;
+  a.mass_strides[2] = 2;
+  a.batch = 2;
+  a.keep = keep;
+  a.pooled = pooled.data();
+  a.seen = seen;
+  a.heads = 1;
+  a.qb = a.kb = 2;
+  a.decay = 0.5;
+  fold_block_importance(a);
+  EXPECT_DOUBLE_EQ(state[0], 0.5 + 0.5 * (0.5 * 0.6));  // kept: mean mass 0.5, kept total 0.6
+  EXPECT_DOUBLE_EQ(state[1], 0.5 + 0.5 * 0.4);          // dropped: pooled
+  EXPECT_DOUBLE_EQ(state[2], 0.5 * 1.0);                // unseen row: mean mass 0.5 x total 1
+  EXPECT_DOUBLE_EQ(state[3], 0.5 * 1.0);
+  a.decay = 1.0;
+  EXPECT_THROW(fold_block_importance(a), invalid_input);
+  a.decay = 0.5;
+  a.batch = 0;
+  EXPECT_THROW(fold_block_importance(a), invalid_input);
 }
 
 }  // namespace

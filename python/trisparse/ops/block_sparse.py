@@ -146,8 +146,9 @@ def _importance_like(q, mask, cu_q, cu_k, importance):
     lk = max(b - a for a, b in itertools.pairwise(cu_k))
     shape = (len(cu_q) - 1, -(-lq // g), q.shape[1], -(-lk // g))
     mass = q.new_zeros(shape, dtype=torch.float32)
-    grad = q.new_zeros(shape if importance > 1 else 0, dtype=torch.float32)
-    return mass, grad
+    if importance == 1:  # (empty: nothing to fill)
+        return mass, q.new_empty(0, dtype=torch.float32)
+    return mass, q.new_zeros(shape, dtype=torch.float32)
 
 
 @_backward_op.register_fake

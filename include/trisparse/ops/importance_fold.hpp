@@ -1,0 +1,62 @@
+#pragma once
+/// @file A pattern learner's tracked step (Python's PatternLearner) in two calls on the inputs'
+/// device: the pooled estimate of every block's attention mass (what a mask's dropped blocks
+/// are judged by), and the fold of a backward's kernel-measured block mass into the learner's
+/// moving average. On CUDA both are stream-ordered kernels with no host synchronisation and no
+/// allocation (capturable in a CUDA graph); the CPU runs the same arithmetic in loops.
+#include <cstddef>
+#include <cstdint>
+
+#include "trisparse/core/stream.hpp"
+#include "trisparse/core/tensor.hpp"
+
+namespace trisparse {
+
+/// Bytes of the workspace pooled_block_mass takes for these sizes on CUDA (the block means, in
+/// float64); the CPU takes none.
+std::size_t pooled_block_mass_workspace_bytes(std::int64_t heads, std::int64_t n_q,
+                                              std::int64_t n_k, std::int64_t dim,
+                                              std::int64_t block);
+
+/// The pooled estimate of each block's attention mass (the scores top-k block routing ranks by):
+/// per head and block row r, the softmax over key blocks c of
+///   scale <mean of r's q rows, mean of c's k rows> + log(keys in c),
+/// causal blocks past the diagonal (aligned at the bottom right) excluded, into `out`
+/// [H][ceil(N_q / G)][ceil(N_k / G)] float64, dense, on q's device; block rows that see no key
+/// block hold zeros. q [N_q, H, D], k [N_k, H, D], any dtype, on one device; means, scores and
+/// softmax in float64, each sum in a fixed order (the same bits on every run). scale <= 0:
+/// 1/sqrt(D). On CUDA `workspace` holds pooled_block_mass_workspace_bytes on q's device and
+/// the kernels run on `stream`.
+/// @throws invalid_input for mismatched shapes or devices, block < 1 or a short workspace.
+void pooled_block_mass(const tensor_view& q, const tensor_view& k, std::int64_t block, bool causal,
+                       double scale, double* out, void* workspace, std::size_t workspace_bytes,
+                       stream_ref stream = {});
+
+/// One observation of the kernels' block mass folded into an importance average.
+struct importance_fold_args {
+  double* state = nullptr;  ///< [heads][qb][kb] float64, dense: the average, updated in place
+  /// [batch][heads][qb][kb] float32 at `mass_strides` (elements): each kept block's mass as the
+  /// backward measured it (a block row's kept masses sum to 1), averaged over the batch.
+  const float* mass = nullptr;
+  std::int64_t mass_strides[4] = {0, 0, 0, 1};
+  std::int64_t batch = 1;
+  const bool* keep = nullptr;      ///< [heads][qb][kb], dense: the blocks the mask held
+  const double* pooled = nullptr;  ///< [heads][qb][kb], dense: pooled_block_mass of that step
+  const bool* seen = nullptr;      ///< [qb]: block rows observed before (nullptr: every row)
+  std::int64_t heads = 0, qb = 0, kb = 0;
+  double decay = 0.9;
+  device_kind where = device_kind::cpu;
+  int device_id = 0;
+  /// @throws invalid_input naming the field that is out of range.
+  void check() const;
+};
+
+/// Per head, block row r and key block c: the new importance is the pooled estimate where the
+/// mask dropped the block, and where it kept it the block's measured mass times the pooled
+/// estimate's total over the kept blocks of the row (the kept blocks' share split by what the
+/// kernels saw); state = decay * state + (1 - decay) * new where row r was seen, else new.
+/// Python's PatternLearner.observe_importance with aggregate "ema"; one kernel on CUDA.
+/// @throws invalid_input as check() does.
+void fold_block_importance(const importance_fold_args& args, stream_ref stream = {});
+
+}  // namespace trisparse

@@ -1,0 +1,23 @@
+#pragma once
+// The CUDA kernels of a pattern learner's tracked step (internal; the public interface and its
+// checks: include/trisparse/ops/importance_fold.hpp, src/ops/importance_fold.cpp).
+#include <cstdint>
+
+#include "../common/entry.hpp"
+#include "trisparse/core/stream.hpp"
+#include "trisparse/core/tensor.hpp"
+#include "trisparse/ops/importance_fold.hpp"
+
+namespace trisparse::cuda {
+
+/// The pooled block mass of q and k (checked views on one device) into out, the block means in
+/// `means` (pooled_block_mass_workspace_bytes); scale > 0.
+TRISPARSE_CUDA_ENTRY(void pooled_block_mass(const tensor_view& q, const tensor_view& k,
+                                            std::int64_t block, bool causal, double scale,
+                                            double* out, double* means, stream_ref stream))
+
+/// fold_block_importance on the device (checked arguments, at least one block).
+TRISPARSE_CUDA_ENTRY(void fold_block_importance(const importance_fold_args& args,
+                                                stream_ref stream))
+
+}  // namespace trisparse::cuda

@@ -1,0 +1,161 @@
+// A pattern learner's tracked step (include/trisparse/ops/importance_fold.hpp): the argument
+// checks, the CPU's loops, and the CUDA kernels' entry (src/cuda/block_pattern).
+#include "trisparse/ops/importance_fold.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "../cuda/block_pattern/importance_fold.hpp"
+#include "trisparse/core/error.hpp"
+#include "trisparse/core/numeric.hpp"
+
+namespace trisparse {
+
+namespace {
+
+std::int64_t blocks_of(std::int64_t n, std::int64_t g) { return (n + g - 1) / g; }
+
+// Each G-row block's mean row of x [N, H, D] in float64: [H][blocks][D].
+std::vector<double> block_means(const tensor_view& x, std::int64_t g) {
+  const std::int64_t nb = blocks_of(x.rows, g), d = x.dim;
+  std::vector<double> means(static_cast<std::size_t>(x.heads * nb * d), 0.0);
+#pragma omp parallel for collapse(2) schedule(static)
+  for (std::int64_t h = 0; h < x.heads; ++h) {
+    for (std::int64_t b = 0; b < nb; ++b) {
+      double* m = means.data() + (h * nb + b) * d;
+      const std::int64_t rows = std::min(g, x.rows - b * g);
+      for (std::int64_t i = 0; i < rows; ++i)
+        for (std::int64_t j = 0; j < d; ++j)
+          m[j] += load_as_double(x.data, x.type, x.offset(b * g + i, h, j));
+      for (std::int64_t j = 0; j < d; ++j) m[j] /= static_cast<double>(rows);
+    }
+  }
+  return means;
+}
+
+void pooled_block_mass_cpu(const tensor_view& q, const tensor_view& k, std::int64_t g, bool causal,
+                           double scale, double* out) {
+  const std::int64_t heads = q.heads, d = q.dim, qb = blocks_of(q.rows, g),
+                     kb = blocks_of(k.rows, g);
+  const std::vector<double> qm = block_means(q, g), km = block_means(k, g);
+  const double minus_inf = -std::numeric_limits<double>::infinity();
+#pragma omp parallel for collapse(2) schedule(static)
+  for (std::int64_t h = 0; h < heads; ++h) {
+    for (std::int64_t r = 0; r < qb; ++r) {
+      double* row = out + (h * qb + r) * kb;
+      const double* a = qm.data() + (h * qb + r) * d;
+      // The last key the block row's last query sees (causal, aligned at the bottom right).
+      const std::int64_t last = std::min((r + 1) * g, q.rows) - 1 + k.rows - q.rows;
+      double top = minus_inf;
+      for (std::int64_t c = 0; c < kb; ++c) {
+        row[c] = minus_inf;
+        if (causal && c * g > last) continue;
+        const double* b = km.data() + (h * kb + c) * d;
+        double dot = 0.0;
+        for (std::int64_t j = 0; j < d; ++j) dot += a[j] * b[j];
+        row[c] = scale * dot + std::log(static_cast<double>(std::min(g, k.rows - c * g)));
+        top = std::max(top, row[c]);
+      }
+      if (top == minus_inf) {  // no key block: zeros
+        std::fill(row, row + kb, 0.0);
+        continue;
+      }
+      double sum = 0.0;
+      for (std::int64_t c = 0; c < kb; ++c) sum += std::exp(row[c] - top);
+      for (std::int64_t c = 0; c < kb; ++c) row[c] = std::exp(row[c] - top) / sum;
+    }
+  }
+}
+
+void fold_block_importance_cpu(const importance_fold_args& a) {
+  const std::int64_t kb = a.kb;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (std::int64_t h = 0; h < a.heads; ++h) {
+    for (std::int64_t r = 0; r < a.qb; ++r) {
+      const std::int64_t base = (h * a.qb + r) * kb;
+      double kept = 0.0;
+      for (std::int64_t c = 0; c < kb; ++c)
+        if (a.keep[base + c]) kept += a.pooled[base + c];
+      const bool seen = a.seen == nullptr || a.seen[r];
+      for (std::int64_t c = 0; c < kb; ++c) {
+        double fresh = a.pooled[base + c];
+        if (a.keep[base + c]) {
+          double mass = 0.0;
+          for (std::int64_t b = 0; b < a.batch; ++b)
+            mass += a.mass[b * a.mass_strides[0] + h * a.mass_strides[1] + r * a.mass_strides[2] +
+                           c * a.mass_strides[3]];
+          fresh = mass / static_cast<double>(a.batch) * kept;
+        }
+        double& s = a.state[base + c];
+        s = seen ? s * a.decay + (1.0 - a.decay) * fresh : fresh;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+std::size_t pooled_block_mass_workspace_bytes(std::int64_t heads, std::int64_t n_q,
+                                              std::int64_t n_k, std::int64_t dim,
+                                              std::int64_t block) {
+  TRISPARSE_EXPECTS_INPUT(block >= 1 && heads >= 0 && n_q >= 0 && n_k >= 0 && dim >= 0,
+                          "pooled_block_mass: block must be >= 1 and the sizes >= 0");
+  return static_cast<std::size_t>(heads * (blocks_of(n_q, block) + blocks_of(n_k, block)) * dim) *
+         sizeof(double);
+}
+
+void pooled_block_mass(const tensor_view& q, const tensor_view& k, std::int64_t block, bool causal,
+                       double scale, double* out, void* workspace, std::size_t workspace_bytes,
+                       stream_ref stream) {
+  TRISPARSE_EXPECTS_INPUT(block >= 1,
+                          "pooled_block_mass: block must be >= 1, got " + std::to_string(block));
+  check_view(q, "pooled_block_mass: q", -1, -1, -1);
+  check_view(k, "pooled_block_mass: k", -1, q.heads, q.dim);
+  TRISPARSE_EXPECTS_INPUT(q.where == k.where && q.device_id == k.device_id,
+                          "pooled_block_mass: q and k must be on one device");
+  const std::int64_t qb = blocks_of(q.rows, block), kb = blocks_of(k.rows, block);
+  if (q.heads * qb * kb == 0) return;
+  TRISPARSE_EXPECTS_INPUT(out != nullptr, "pooled_block_mass: out is null");
+  if (scale <= 0.0) scale = 1.0 / std::sqrt(static_cast<double>(std::max<std::int64_t>(q.dim, 1)));
+  if (q.where == device_kind::cpu) {
+    pooled_block_mass_cpu(q, k, block, causal, scale, out);
+    return;
+  }
+  const std::size_t need = pooled_block_mass_workspace_bytes(q.heads, q.rows, k.rows, q.dim, block);
+  TRISPARSE_EXPECTS_INPUT(workspace_bytes >= need && (need == 0 || workspace != nullptr),
+                          "pooled_block_mass: the workspace holds " +
+                              std::to_string(workspace_bytes) + " bytes, it needs " +
+                              std::to_string(need));
+  cuda::pooled_block_mass(q, k, block, causal, scale, out, static_cast<double*>(workspace), stream);
+}
+
+void importance_fold_args::check() const {
+  TRISPARSE_EXPECTS_INPUT(heads >= 0 && qb >= 0 && kb >= 0,
+                          "fold_block_importance: heads, qb and kb must be >= 0");
+  TRISPARSE_EXPECTS_INPUT(
+      batch >= 1, "fold_block_importance: batch must be >= 1, got " + std::to_string(batch));
+  TRISPARSE_EXPECTS_INPUT(
+      decay >= 0.0 && decay < 1.0,
+      "fold_block_importance: decay must be in [0, 1), got " + std::to_string(decay));
+  if (heads * qb * kb == 0) return;
+  TRISPARSE_EXPECTS_INPUT(
+      state != nullptr && mass != nullptr && keep != nullptr && pooled != nullptr,
+      "fold_block_importance: state, mass, keep and pooled must be given");
+  TRISPARSE_EXPECTS_INPUT(
+      std::all_of(mass_strides, mass_strides + 4, [](std::int64_t s) { return s >= 0; }),
+      "fold_block_importance: mass_strides must be >= 0");
+}
+
+void fold_block_importance(const importance_fold_args& args, stream_ref stream) {
+  args.check();
+  if (args.heads * args.qb * args.kb == 0) return;
+  if (args.where == device_kind::cpu)
+    fold_block_importance_cpu(args);
+  else
+    cuda::fold_block_importance(args, stream);
+}
+
+}  // namespace trisparse
