@@ -647,8 +647,8 @@ class PatternLearner:
       folding the sampled exact mass of the first sequence; then block-sparse under the current
       pattern (with `initial`, its blocks from the first step past the warm-up), where every
       `track_every`-th step the kernels measure each kept block's attention mass in the backward
-      (:class:`BlockImportance`, no extra pass; 5-13 % of a measured step on an H200 at D = 64,
-      so about 1-3 % at the default cadence) and the next call folds it in, with the blocks the
+      (:class:`BlockImportance`, no extra pass; 4-9 % of an attention step on an H200 at D = 64,
+      so about 1-2 % at the default cadence) and the next call folds it in, with the blocks the
       pattern drops estimated from pooled queries and keys (:func:`pooled_block_mass`) so that
       they can come back;
     - ``observe(q, k)`` with q [H, N_q, D], k [H, N_k, D]: the exact mass (:func:`block_mass`
