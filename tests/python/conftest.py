@@ -12,9 +12,15 @@ import torch
 os.environ.setdefault("TRISPARSE_POISON_WORKSPACE", "1")
 
 
+# "cuda" as a test parameter: the gpu marker's (skipped below without a device or a CUDA build).
+CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
+
+
 def pytest_collection_modifyitems(config, items):
-    if not torch.cuda.is_available():
-        skip = pytest.mark.skip(reason="no CUDA device: skipping GPU tests")
+    import trisparse  # (after the environment above)
+
+    if not torch.cuda.is_available() or not trisparse.cuda_available():
+        skip = pytest.mark.skip(reason="no CUDA device or build: skipping GPU tests")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)

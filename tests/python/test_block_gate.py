@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import trisparse
+from conftest import CUDA
 
 H, D, G = 2, 32, 32
 
@@ -75,15 +76,6 @@ def _gate_learner_steps(learner, inputs, v):
         out = learner(*leaves)
         out.square().sum().backward()
     return out, [t.grad for t in leaves]
-
-
-CUDA = pytest.param(
-    "cuda",
-    marks=[
-        pytest.mark.gpu,
-        pytest.mark.skipif(not trisparse.cuda_available(), reason="needs a CUDA device and build"),
-    ],
-)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import trisparse
+from conftest import CUDA
 
 
 def random_blocks(heads, qb, kb, density, seed):
@@ -392,15 +393,6 @@ def test_pooled_block_mass_is_a_distribution_over_allowed_blocks():
     # Identical pooled rows give each block a share by its keys.
     flat = trisparse.pooled_block_mass(torch.zeros(1, 64, 4), torch.zeros(1, 80, 4), 32)
     torch.testing.assert_close(flat[0, 0], torch.tensor([32, 32, 16], dtype=torch.float64) / 80)
-
-
-CUDA = pytest.param(
-    "cuda",
-    marks=[
-        pytest.mark.gpu,
-        pytest.mark.skipif(not trisparse.cuda_available(), reason="needs a CUDA device and build"),
-    ],
-)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])

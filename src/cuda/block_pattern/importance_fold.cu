@@ -16,6 +16,7 @@
 #include <limits>
 #include <string>
 
+#include "../common/dispatch.cuh"
 #include "../common/error.cuh"
 #include "importance_fold.hpp"
 
@@ -173,20 +174,13 @@ void pooled_block_mass(const tensor_view& q, const tensor_view& k, std::int64_t 
   double* qm = means;
   double* km_t = means + static_cast<std::int64_t>(heads) * qb * d;
   const dim3 mean_grid(static_cast<unsigned>(qb + kb), static_cast<unsigned>(heads));
-  switch (q.type) {
-    case dtype::f16:
-      block_means<__half><<<mean_grid, kMeanThreads, 0, s>>>(q, k, g, qb, kb, qm, km_t);
-      break;
-    case dtype::bf16:
-      block_means<__nv_bfloat16><<<mean_grid, kMeanThreads, 0, s>>>(q, k, g, qb, kb, qm, km_t);
-      break;
-    case dtype::f32:
-      block_means<float><<<mean_grid, kMeanThreads, 0, s>>>(q, k, g, qb, kb, qm, km_t);
-      break;
-    case dtype::f64:
-      block_means<double><<<mean_grid, kMeanThreads, 0, s>>>(q, k, g, qb, kb, qm, km_t);
-      break;
-  }
+  const auto launch = [&]<class T>() {
+    block_means<T><<<mean_grid, kMeanThreads, 0, s>>>(q, k, g, qb, kb, qm, km_t);
+  };
+  if (q.type == dtype::f64)  // (a dtype the attention kernels do not take; the means read it)
+    launch.template operator()<double>();
+  else
+    with_element_type(q.type, "pooled_block_mass", launch);
   TRISPARSE_CUDA_CHECK_LAUNCH();
   const std::size_t shared = sizeof(double) * kRows * static_cast<std::size_t>(d);
   if (shared > 48 * 1024) {
