@@ -961,8 +961,17 @@ class PatternLearner:
 def _sampled_stats(q, k, v, g, rows, causal):
     """(mass, value sums or None) of the whole block rows `rows` ([R] block indices), as
     block_value_mass gives them: [H, R, kb] and [H, R, kb, Dv]. A partial last block's rows past
-    N_q weigh nothing (masked, not dropped: no shape depends on data); float64."""
+    N_q weigh nothing (masked, not dropped: no shape depends on data); float64. The rows in
+    chunks of about 2^26 scores (at 32K keys and 8 heads, 4 block rows of 64)."""
     n_q, n_k = q.shape[1], k.shape[1]
+    step = max(1, (1 << 26) // max(1, q.shape[0] * n_k * g))
+    if rows.numel() > step:
+        parts = [
+            _sampled_stats(q, k, v, g, rows[i : i + step], causal)
+            for i in range(0, rows.numel(), step)
+        ]
+        value = None if v is None else torch.cat([x for _, x in parts], 1)
+        return torch.cat([m for m, _ in parts], 1), value
     kb, r = -(-n_k // g), rows.numel()
     elems = (rows[:, None] * g + torch.arange(g, device=q.device)).reshape(-1)
     valid = (elems < n_q).to(torch.float64)
