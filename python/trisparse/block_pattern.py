@@ -796,7 +796,13 @@ class PatternLearner:
                     f"{tuple(pooled.shape)} must be [(B,) {', '.join(map(str, shape))}] as the "
                     "importance"
                 )
-            keep, pooled = keep.to(torch.bool).contiguous(), pooled.to(torch.float64).contiguous()
+            if self.importance.device != mass.device:
+                raise ValueError(
+                    f"mass is on {mass.device}, the learner's importance on "
+                    f"{self.importance.device}"
+                )
+            keep = keep.to(torch.bool).contiguous()
+            pooled = pooled.to(mass.device, torch.float64).contiguous()
             self._fold_measured(mass, keep, pooled)
             return
         if mass.dim() == 4:
