@@ -18,8 +18,10 @@ namespace {
 
 std::int64_t blocks_of(std::int64_t n, std::int64_t g) { return (n + g - 1) / g; }
 
-// Each G-row block's mean row of x [N, H, D] in float64: [H][blocks][D].
-std::vector<double> block_means(const tensor_view& x, std::int64_t g) {
+// Each G-row block's mean row of x [N, H, D] in float64: [H][blocks][D], x's elements read by
+// load(data, offset).
+template <class Load>
+std::vector<double> block_means(const tensor_view& x, std::int64_t g, Load load) {
   const std::int64_t nb = blocks_of(x.rows, g), d = x.dim;
   std::vector<double> means(static_cast<std::size_t>(x.heads * nb * d), 0.0);
 #pragma omp parallel for collapse(2) schedule(static)
@@ -27,13 +29,39 @@ std::vector<double> block_means(const tensor_view& x, std::int64_t g) {
     for (std::int64_t b = 0; b < nb; ++b) {
       double* m = means.data() + (h * nb + b) * d;
       const std::int64_t rows = std::min(g, x.rows - b * g);
-      for (std::int64_t i = 0; i < rows; ++i)
-        for (std::int64_t j = 0; j < d; ++j)
-          m[j] += load_as_double(x.data, x.type, x.offset(b * g + i, h, j));
+      for (std::int64_t i = 0; i < rows; ++i) {
+        const std::int64_t at = x.offset(b * g + i, h, 0);
+#pragma omp simd
+        for (std::int64_t j = 0; j < d; ++j) m[j] += load(x.data, at + j);
+      }
       for (std::int64_t j = 0; j < d; ++j) m[j] /= static_cast<double>(rows);
     }
   }
   return means;
+}
+
+std::vector<double> block_means(const tensor_view& x, std::int64_t g) {
+  const auto bits = [](const void* p, std::int64_t i) {
+    return static_cast<const std::uint16_t*>(p)[i];
+  };
+  switch (x.type) {
+    case dtype::f16:
+      return block_means(x, g, [&](const void* p, std::int64_t i) {
+        return static_cast<double>(half_bits_to_float(bits(p, i)));
+      });
+    case dtype::bf16:
+      return block_means(x, g, [&](const void* p, std::int64_t i) {
+        return static_cast<double>(bf16_bits_to_float(bits(p, i)));
+      });
+    case dtype::f32:
+      return block_means(x, g, [](const void* p, std::int64_t i) {
+        return static_cast<double>(static_cast<const float*>(p)[i]);
+      });
+    case dtype::f64:
+      break;
+  }
+  return block_means(
+      x, g, [](const void* p, std::int64_t i) { return static_cast<const double*>(p)[i]; });
 }
 
 void pooled_block_mass_cpu(const tensor_view& q, const tensor_view& k, std::int64_t g, bool causal,
@@ -41,31 +69,45 @@ void pooled_block_mass_cpu(const tensor_view& q, const tensor_view& k, std::int6
   const std::int64_t heads = q.heads, d = q.dim, qb = blocks_of(q.rows, g),
                      kb = blocks_of(k.rows, g);
   const std::vector<double> qm = block_means(q, g), km = block_means(k, g);
+  std::vector<double> km_t(km.size());  // [H][D][kb]: a row's scores as axpy passes over c
+  for (std::int64_t h = 0; h < heads; ++h)
+    for (std::int64_t c = 0; c < kb; ++c)
+      for (std::int64_t j = 0; j < d; ++j) km_t[(h * d + j) * kb + c] = km[(h * kb + c) * d + j];
+  std::vector<double> log_keys(static_cast<std::size_t>(kb));
+  for (std::int64_t c = 0; c < kb; ++c)
+    log_keys[c] = std::log(static_cast<double>(std::min(g, k.rows - c * g)));
   const double minus_inf = -std::numeric_limits<double>::infinity();
 #pragma omp parallel for collapse(2) schedule(static)
   for (std::int64_t h = 0; h < heads; ++h) {
     for (std::int64_t r = 0; r < qb; ++r) {
       double* row = out + (h * qb + r) * kb;
       const double* a = qm.data() + (h * qb + r) * d;
-      // The last key the block row's last query sees (causal, aligned at the bottom right).
-      const std::int64_t last = std::min((r + 1) * g, q.rows) - 1 + k.rows - q.rows;
-      double top = minus_inf;
-      for (std::int64_t c = 0; c < kb; ++c) {
-        row[c] = minus_inf;
-        if (causal && c * g > last) continue;
-        const double* b = km.data() + (h * kb + c) * d;
-        double dot = 0.0;
-        for (std::int64_t j = 0; j < d; ++j) dot += a[j] * b[j];
-        row[c] = scale * dot + std::log(static_cast<double>(std::min(g, k.rows - c * g)));
-        top = std::max(top, row[c]);
+      std::fill(row, row + kb, 0.0);
+      for (std::int64_t j = 0; j < d; ++j) {  // the dot products, each summed over j in order
+        const double* b = km_t.data() + (h * d + j) * kb;
+#pragma omp simd
+        for (std::int64_t c = 0; c < kb; ++c) row[c] += a[j] * b[c];
       }
-      if (top == minus_inf) {  // no key block: zeros
+      // Key blocks past the one holding the last key the block row's last query sees (causal,
+      // aligned at the bottom right) are excluded.
+      const std::int64_t last = std::min((r + 1) * g, q.rows) - 1 + k.rows - q.rows;
+      const std::int64_t seen = causal ? std::clamp<std::int64_t>(last / g + 1, 0, kb) : kb;
+      if (last < 0 && causal) {  // no key block: zeros
         std::fill(row, row + kb, 0.0);
         continue;
       }
+      double top = minus_inf;
+      for (std::int64_t c = 0; c < seen; ++c) {
+        row[c] = scale * row[c] + log_keys[c];
+        top = std::max(top, row[c]);
+      }
       double sum = 0.0;
-      for (std::int64_t c = 0; c < kb; ++c) sum += std::exp(row[c] - top);
-      for (std::int64_t c = 0; c < kb; ++c) row[c] = std::exp(row[c] - top) / sum;
+      for (std::int64_t c = 0; c < seen; ++c) {
+        row[c] = std::exp(row[c] - top);
+        sum += row[c];
+      }
+      for (std::int64_t c = 0; c < seen; ++c) row[c] /= sum;
+      std::fill(row + seen, row + kb, 0.0);
     }
   }
 }
