@@ -16,6 +16,7 @@
 #include <limits>
 #include <string>
 
+#include "../common/current_device.cuh"
 #include "../common/dispatch.cuh"
 #include "../common/error.cuh"
 #include "importance_fold.hpp"
@@ -152,19 +153,11 @@ __global__ void __launch_bounds__(kFoldWarps * 32) fold(importance_fold_args a) 
   }
 }
 
-void expect_current(int device_id, const char* what) {
-  int device = 0;
-  TRISPARSE_CUDA_TRY(cudaGetDevice(&device));
-  TRISPARSE_EXPECTS_INPUT(device == device_id, std::string(what) + ": the tensors are on device " +
-                                                   std::to_string(device_id) + " but device " +
-                                                   std::to_string(device) + " is current");
-}
-
 }  // namespace
 
 void pooled_block_mass(const tensor_view& q, const tensor_view& k, std::int64_t block, bool causal,
                        double scale, double* out, double* means, stream_ref stream) {
-  expect_current(q.device_id, "pooled_block_mass");
+  expect_current_device(q.device_id, "pooled_block_mass: q");
   TRISPARSE_EXPECTS_INPUT(q.type == k.type, "pooled_block_mass: q and k must have one dtype");
   const int g = static_cast<int>(block), d = static_cast<int>(q.dim);
   const int qb = static_cast<int>((q.rows + block - 1) / block);
@@ -194,7 +187,7 @@ void pooled_block_mass(const tensor_view& q, const tensor_view& k, std::int64_t 
 }
 
 void fold_block_importance(const importance_fold_args& args, stream_ref stream) {
-  expect_current(args.device_id, "fold_block_importance");
+  expect_current_device(args.device_id, "fold_block_importance: state");
   const std::int64_t lines = args.heads * args.qb;
   const auto blocks = static_cast<unsigned>((lines + kFoldWarps - 1) / kFoldWarps);
   fold<<<blocks, kFoldWarps * 32, 0, static_cast<cudaStream_t>(stream.handle)>>>(args);

@@ -18,13 +18,14 @@ inline device_id_and_sms current_device() {
   return d;
 }
 
-/// Throws invalid_input unless `plan_device` (where a plan was built) is the current device.
-inline void expect_current_device(int plan_device) {
-  int device = 0;
-  TRISPARSE_CUDA_TRY(cudaGetDevice(&device));
-  if (device != plan_device) {
-    throw invalid_input("the plan was built on device " + std::to_string(plan_device) +
-                        " but device " + std::to_string(device) + " is current");
+/// Throws invalid_input unless `device` (where a plan was built, or where `what` lives) is the
+/// current device.
+inline void expect_current_device(int device, const char* what = "the plan") {
+  int current = 0;
+  TRISPARSE_CUDA_TRY(cudaGetDevice(&current));
+  if (current != device) {
+    throw invalid_input(std::string(what) + " is on device " + std::to_string(device) +
+                        " but device " + std::to_string(current) + " is current");
   }
 }
 
