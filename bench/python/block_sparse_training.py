@@ -8,7 +8,9 @@ libraries' gradients relative to flex's largest entry. bf16 inputs [1, H, N, D],
 trisparse_device: the same blocks as a mask on the GPU, a new one (and its plan, built there)
 at every step; trisparse_device_hint: the same with the density given (BlockMask(density=1 - p)).
 With --importance, trisparse_importance: the step with the kernels' block importance (mass and
-|dS|), trisparse_importance_mass: the mass alone (as PatternLearner tracks it). With --topk,
+|dS|), trisparse_importance_mass: the mass alone (as PatternLearner tracks it); their forwards,
+timed without gradients, measure the mass by the light pass after the forward
+(light_mass_overhead: over the forward alone). With --topk,
 trisparse_topk: a top-k mask of the same density selected from q and k at every step
 (topk_block_mask: the library's GPU plan), and trisparse_topk_torch: the same selection with
 torch's ops into a BlockMask (the package's path before the plan was bound).
@@ -164,6 +166,8 @@ def point(
             r[f"{name}_overhead"] = (
                 r[f"trisparse_{name}_fwd_bwd_ms"] / r["trisparse_fwd_bwd_ms"] - 1
             )
+    if "trisparse_importance_mass_fwd_ms" in r:  # no_grad: the forward and the light pass
+        r["light_mass_overhead"] = r["trisparse_importance_mass_fwd_ms"] / r["trisparse_fwd_ms"] - 1
     if "trisparse_fwd_bwd_ms" in r:
         r["bwd_over_fwd"] = r["trisparse_fwd_bwd_ms"] / r["trisparse_fwd_ms"] - 1
     if dense is not None and "trisparse_fwd_bwd_ms" in r:

@@ -197,6 +197,25 @@ struct py_block_plan_calls {
   std::size_t backward_workspace_bytes(std::int64_t heads, bool importance) const {
     return plan.backward_workspace_bytes(heads, importance);
   }
+
+  void block_mass(const tensor_tuple& q, const tensor_tuple& k,
+                  const std::optional<tensor_tuple>& lse, const tensor_tuple& mass,
+                  std::optional<double> scale, std::uintptr_t stream, std::uintptr_t ws,
+                  std::size_t ws_bytes) const {
+    attention_options o;
+    o.scale = scale;
+    o.block_mass = view_of(mass);
+    nb::gil_scoped_release release;
+    if constexpr (topk)
+      plan.block_mass(view_of(q), view_of(k), view_of(lse), workspace_of(ws, ws_bytes), o,
+                      stream_of(stream));
+    else
+      plan.block_mass(view_of(q), view_of(k), view_of(lse), o, stream_of(stream),
+                      workspace_of(ws, ws_bytes));
+  }
+  std::size_t block_mass_workspace_bytes(std::int64_t heads) const {
+    return plan.block_mass_workspace_bytes(heads);
+  }
   std::string backend() const {
     const auto& r = plan.report();
     return trisparse::backend_name(r.algo, r.where, true);
@@ -706,7 +725,7 @@ struct py_block_pattern {
   }
 };
 
-/// run, backward, backward_workspace_bytes and backend of a block-sparse plan class.
+/// run, backward, block_mass, their workspace sizes and backend of a block-sparse plan class.
 template <class T>
 void bind_block_plan_calls(nb::class_<T>& c) {
   c.def("run", &T::run, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(), "scale"_a.none(), "stream"_a,
@@ -717,6 +736,9 @@ void bind_block_plan_calls(nb::class_<T>& c) {
            "dropout"_a = 0.0, "dropout_state"_a = 0)
       .def("backward_workspace_bytes", &T::backward_workspace_bytes, "heads"_a,
            "importance"_a = false)
+      .def("block_mass", &T::block_mass, "q"_a, "k"_a, "lse"_a.none(), "mass"_a, "scale"_a.none(),
+           "stream"_a, "workspace"_a, "workspace_bytes"_a)
+      .def("block_mass_workspace_bytes", &T::block_mass_workspace_bytes, "heads"_a)
       .def_prop_ro("backend", &T::backend);
 }
 

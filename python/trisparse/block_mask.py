@@ -31,9 +31,11 @@ class BlockImportance:
 
     as float32 [B, H, query blocks, key blocks] (the packed form: [sequences, H, ...]), zeros
     where the mask drops a block; None before the first backward (``grad`` stays None with
-    ``measure_grad=False``: the mass alone, at less cost). Each block is summed in a fixed
-    order, without atomics: the same bits on every run. The last backward's values are kept
-    (``steps`` counts the backwards); :class:`PatternLearner` folds them into its average."""
+    ``measure_grad=False``: the mass alone, at less cost). A call without gradients (inference,
+    a frozen model) measures the mass alone by a light pass after the forward (``grad`` None:
+    |dS| needs a backward; the weights before any dropout). Each block is summed in a
+    fixed order, without atomics: the same bits on every run. The last measurement's values are
+    kept (``steps`` counts them); :class:`PatternLearner` folds them into its average."""
 
     def __init__(self, measure_grad: bool = True):
         self.measure_grad = bool(measure_grad)

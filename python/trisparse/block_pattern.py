@@ -648,7 +648,8 @@ class PatternLearner:
       pattern (with `initial`, its blocks from the first step past the warm-up), where every
       `track_every`-th step the kernels measure each kept block's attention mass in the backward
       (:class:`BlockImportance`, no extra pass; 4-9 % of an attention step on an H200 at D = 64,
-      so about 1-2 % at the default cadence) and the next call folds it in, with the blocks the
+      so about 1-2 % at the default cadence; inputs that need no gradient, as a frozen model's:
+      the light pass after the forward) and the next call folds it in, with the blocks the
       pattern drops estimated from pooled queries and keys (:func:`pooled_block_mass`) so that
       they can come back;
     - ``observe(q, k)`` with q [H, N_q, D], k [H, N_k, D]: the exact mass (:func:`block_mass`
@@ -714,7 +715,8 @@ class PatternLearner:
         self.tracker = BlockImportance(measure_grad=False)  # the mass is what it folds
         self._history: list[Tensor] | None = None  # mean / max: [window, H, qb, kb(, Dv)]
         self._slot: Tensor | None = None  # [qb]: each block row's next slot
-        self._pending: tuple[Tensor, Tensor, int] | None = None  # (keep, pooled, tracker steps)
+        # (keep, pooled, the tracker's steps before the measuring call)
+        self._pending: tuple[Tensor, Tensor, int] | None = None
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
         """The site's attention, q [B, H, N_q, D], k [B, H, N_k, D], v [B, H, N_k, Dv]
@@ -742,13 +744,14 @@ class PatternLearner:
         if track and self.method == "output":  # value sums: sampled rows, exact, by torch ops
             self._observe_rows(q[0].detach(), k[0].detach(), v[0].detach())
             track = False
+        measured = self.tracker.steps  # the backward measures, or (no gradients) the forward
         out = block_sparse_attention(
             q, k, v, mask, scale=scale, importance=self.tracker if track else None
         )
         if track:
             with torch.no_grad():  # (fewer ops than detaching q and k)
                 pooled = pooled_block_mass(q[0], k[0], self.block_size, self.causal, scale)
-            self._pending = (self._keep, pooled, self.tracker.steps)
+            self._pending = (self._keep, pooled, measured)
         self._advance(frozen=self._frozen())
         return out
 

@@ -65,7 +65,10 @@ def block_sparse_attention(
     sizes a multiple of 16, D 64 or 128; other masks raise NotImplementedError), on the CPU by
     the CPU engine's fp32 backward (float64 inputs: the float64 reference). With ``importance``
     (a :class:`BlockImportance`) the backward also measures each kept block's attention mass and
-    gradient there, in the same pass (eager and CUDA graphs; not under torch.compile).
+    gradient there, in the same pass (eager and CUDA graphs; not under torch.compile); a call
+    without gradients (``torch.no_grad``, or inputs that do not require them) measures the mass
+    alone by a light pass after the forward (on CUDA: the key tiles walk their kept blocks with
+    P = exp(scale q·k - lse) from the forward's lse, about the forward's Q Kᵀ work).
 
     ``dropout_p``: attention dropout, as ``F.scaled_dot_product_attention``'s (apply it while
     training only; FlexAttention has none): each weight is kept with probability 1 - p and scaled
@@ -157,9 +160,25 @@ def block_sparse_attention(
             )
         importance._shape = (len(cu_q) - 1, h) if packed else (b, h)
         tracker = importance.id
-    out, _lse = _forward_eager(
-        qp, kp, vp, mask.id, cu_q, cu_k, scale, needs_grad, tracker, float(dropout_p), state
+    measure = tracker != 0 and not needs_grad  # no backward to measure in: the light pass
+    out, lse = _forward_eager(
+        qp,
+        kp,
+        vp,
+        mask.id,
+        cu_q,
+        cu_k,
+        scale,
+        needs_grad or measure,
+        tracker,
+        float(dropout_p),
+        state,
     )
+    if measure:
+        mass = torch.ops.trisparse.block_sparse_attention_mass(
+            qp, kp, lse, mask.id, cu_q, cu_k, scale
+        )
+        importance._record(mass, mass.new_empty(0), importance._shape)
     if packed:
         return out
     if heads_folded:

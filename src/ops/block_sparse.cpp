@@ -339,6 +339,40 @@ std::size_t block_sparse_attention_plan::backward_workspace_bytes(std::int64_t h
              : 0;
 }
 
+std::size_t block_sparse_attention_plan::block_mass_workspace_bytes(std::int64_t heads) const {
+  TRISPARSE_EXPECTS_INPUT(heads >= 0, "block_mass_workspace_bytes: heads must be >= 0");
+  return state_->device ? cuda::block_sparse_mass_workspace_bytes(*state_->device, heads) : 0;
+}
+
+void block_sparse_attention_plan::block_mass(const tensor_view& q, const tensor_view& k,
+                                             const tensor_view& lse,
+                                             const attention_options& options, stream_ref stream,
+                                             workspace_view workspace) const {
+  const block_sparse_mask& m = state_->mask;
+  const device_kind where = state_->report.where;
+  check_run_args(m, q, k, k, q, where);  // (no v or out: q and k stand in)
+  const double scale = detail::resolve_scale(options.scale, q.dim);
+  const auto [qb, kb] = detail::most_blocks(m);
+  detail::check_block_importance(options, m.batch(), qb, q.heads, kb, where);
+  TRISPARSE_EXPECTS_INPUT(options.block_mass.data != nullptr && options.block_grad.data == nullptr,
+                          "block_mass writes options.block_mass (set it) and no block_grad (the "
+                          "|dS| sums need a backward)");
+  if (where == device_kind::cpu) {
+    cpu::block_importance_unchecked(m, q, k, {}, {}, scale, options.block_mass, {}, qb);
+    return;
+  }
+  if (state_->report.algo != algorithm::block) {
+    throw not_supported(
+        "block mass on CUDA runs algorithm::block (blocks a multiple of 16); this "
+        "plan runs " +
+        std::string(to_string(state_->report.algo)));
+  }
+  check_view(lse, "lse", m.cu_seqlens_q.back(), q.heads, 1);
+  TRISPARSE_EXPECTS_INPUT(lse.where == device_kind::cuda, "lse must be on the GPU");
+  cuda::run_block_sparse_mass(*state_->device, q, k, lse, scale, {options.block_mass, {}, qb},
+                              workspace, stream);
+}
+
 void block_sparse_attention_plan::backward(const tensor_view& q, const tensor_view& k,
                                            const tensor_view& v, const tensor_view& out,
                                            const tensor_view& lse, const tensor_view& dout,

@@ -121,6 +121,32 @@ std::size_t topk_block_sparse_plan::backward_workspace_bytes(std::int64_t heads,
                                                      importance);
 }
 
+void topk_block_sparse_plan::block_mass(const tensor_view& q, const tensor_view& k,
+                                        const tensor_view& lse, workspace_view workspace,
+                                        const attention_options& options, stream_ref stream) const {
+  const block_sparse_mask& m = state_->shape;
+  detail::check_attention_args(m.cu_seqlens_q.back(), m.cu_seqlens_k.back(), q, k, k, q,
+                               device_kind::cuda);  // (no v or out: q and k stand in)
+  TRISPARSE_EXPECTS_INPUT(state_->selected, "top-k plan: select() the mask before block_mass()");
+  TRISPARSE_EXPECTS_INPUT(q.heads == m.heads, "the plan has " + std::to_string(m.heads) +
+                                                  " heads, q " + std::to_string(q.heads));
+  const auto [qb, kb] = detail::most_blocks(m);
+  detail::check_block_importance(options, m.batch(), qb, q.heads, kb, device_kind::cuda);
+  TRISPARSE_EXPECTS_INPUT(options.block_mass.data != nullptr && options.block_grad.data == nullptr,
+                          "block_mass writes options.block_mass (set it) and no block_grad (the "
+                          "|dS| sums need a backward)");
+  check_view(lse, "lse", m.cu_seqlens_q.back(), q.heads, 1);
+  TRISPARSE_EXPECTS_INPUT(lse.where == device_kind::cuda, "lse must be on the GPU");
+  cuda::run_block_sparse_mass(cuda::attention_of(*state_->device), q, k, lse,
+                              detail::resolve_scale(options.scale, q.dim),
+                              {options.block_mass, {}, qb}, workspace, stream);
+}
+
+std::size_t topk_block_sparse_plan::block_mass_workspace_bytes(std::int64_t heads) const {
+  TRISPARSE_EXPECTS_INPUT(heads >= 0, "block_mass_workspace_bytes: heads must be >= 0");
+  return cuda::block_sparse_mass_workspace_bytes(cuda::attention_of(*state_->device), heads);
+}
+
 block_sparse_mask topk_block_sparse_plan::mask(stream_ref stream) const {
   TRISPARSE_EXPECTS_INPUT(state_->selected, "top-k plan: select() the mask before mask()");
   const std::vector<std::int32_t> slots = cuda::download_blocks(*state_->device, stream);

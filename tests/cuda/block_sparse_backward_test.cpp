@@ -64,7 +64,7 @@ struct kept_bytes {
 // against the CPU's float64 sums: every kept block, the mass within 2e-3 of the largest, |dS|
 // within 2e-2 (bf16) or 4e-3 (f16), as dS takes <dO, O> from the forward's O rounded to q's type
 // (as the gradients do); two runs give the same bits, and the gradients stay those of the run
-// without it (`grads`).
+// without it (`grads`). The mass without a backward (block_mass) too, within 1e-4, repeatable.
 void check_importance(const block_sparse_mask& m, const block_sparse_attention_plan& plan,
                       const host_tensor& hq, const host_tensor& hk, const host_tensor& hv,
                       const host_tensor& hdo, double scale, const host_tensor (&grads)[3]) {
@@ -110,6 +110,25 @@ void check_importance(const block_sparse_mask& m, const block_sparse_attention_p
       }
     }
   }
+  // The mass without a backward (block_mass: the light pass), twice.
+  host_tensor light;
+  {
+    const std::size_t bytes = plan.block_mass_workspace_bytes(h);
+    test::device_tensor mws(
+        host_tensor(dtype::f32, static_cast<std::int64_t>(bytes / 4) + 1, 1, 1));
+    for (int round = 0; round < 2; ++round) {
+      mass.poison();
+      mws.poison();
+      plan.block_mass(q.view(), k.view(), lse.view(), {.scale = scale, .block_mass = mass.view()},
+                      {}, {mws.view().data, bytes});
+      host_tensor now = mass.download();
+      if (round == 0)
+        light = std::move(now);
+      else
+        EXPECT_EQ(std::memcmp(light.data(), now.data(), now.size_bytes()), 0)
+            << "block_mass differs between runs: a race";
+    }
+  }
   host_tensor want[2] = {host_tensor(dtype::f64, rows, h, kb),
                          host_tensor(dtype::f64, rows, h, kb)};
   const auto cpu = block_sparse_attention_plan::build(m, device_kind::cpu);
@@ -117,8 +136,11 @@ void check_importance(const block_sparse_mask& m, const block_sparse_attention_p
   cpu.backward(hq.view(), hk.view(), hv.view(), {}, {}, hdo.view(), dqc.view(), dkc.view(),
                dvc.view(),
                {.scale = scale, .block_mass = want[0].view(), .block_grad = want[1].view()});
-  const char* names[2] = {"block_mass", "block_grad"};
-  for (int i = 0; i < 2; ++i) {
+  // The light pass sums P in fp32 from the lse (no rounding to q's type): tighter.
+  const char* names[3] = {"block_mass", "block_grad", "block_mass without a backward"};
+  const host_tensor* measured[3] = {&first[0], &first[1], &light};
+  for (int i = 0; i < 3; ++i) {
+    const host_tensor& ref_of = want[i == 1 ? 1 : 0];
     double top = 0.0, err = 0.0;
     std::int64_t bad = 0;
     for (std::int64_t b = 0; b < m.batch(); ++b) {
@@ -126,8 +148,8 @@ void check_importance(const block_sparse_mask& m, const block_sparse_attention_p
         const csr_graph& blocks = m.at(b, x).blocks;
         for (std::int64_t r = 0; r < blocks.rows; ++r) {
           for (std::int64_t e = blocks.row_ptr[r]; e < blocks.row_ptr[r + 1]; ++e) {
-            const std::int64_t at = first[i].view().offset(b * qb + r, x, blocks.col_idx[e]);
-            const double got = first[i].get(at), ref = want[i].get(at);
+            const std::int64_t at = measured[i]->view().offset(b * qb + r, x, blocks.col_idx[e]);
+            const double got = measured[i]->get(at), ref = ref_of.get(at);
             bad += !std::isfinite(got);
             top = std::max(top, std::abs(ref));
             err = std::max(err, std::abs(got - ref));
@@ -136,7 +158,9 @@ void check_importance(const block_sparse_mask& m, const block_sparse_attention_p
       }
     }
     EXPECT_EQ(bad, 0) << names[i] << ": kept blocks unwritten or not finite";
-    const double tol = i == 0 ? 2e-3 : (hq.view().type == dtype::bf16 ? 2e-2 : 4e-3);
+    const double tol = i == 0   ? 2e-3
+                       : i == 2 ? 1e-4
+                                : (hq.view().type == dtype::bf16 ? 2e-2 : 4e-3);
     EXPECT_LE(err, tol * top + 1e-6) << names[i] << ": largest " << top;
   }
 }
@@ -394,6 +418,38 @@ TEST(GpuBlockSparseBackward, TopkPlanOnTheDevice) {
         EXPECT_LE(e.relative(), test::gpu_tolerance(dtype::f16, dtype::f32, 8))
             << names[i] << ": max abs " << e.max_abs << " of " << e.max_ref;
       }
+      // The mass without a backward under the selected mask: the CPU's float64 masses.
+      std::int64_t lq = 0, lk = 0;
+      for (std::int64_t b = 0; b < m.batch(); ++b) {
+        lq = std::max(lq, m.len_q(b));
+        lk = std::max(lk, m.len_k(b));
+      }
+      const std::int64_t qb = (lq + g - 1) / g, kb = (lk + g - 1) / g;
+      const std::size_t bytes = plan.block_mass_workspace_bytes(h);
+      test::device_tensor mass(host_tensor(dtype::f32, m.batch() * qb, h, kb)),
+          mws(host_tensor(dtype::f32, static_cast<std::int64_t>(bytes / 4) + 1, 1, 1));
+      mass.poison();
+      mws.poison();
+      plan.block_mass(q.view(), k.view(), lse.view(), {mws.view().data, bytes},
+                      {.block_mass = mass.view()});
+      const host_tensor got = mass.download();
+      host_tensor ref(dtype::f64, m.batch() * qb, h, kb);
+      block_sparse_attention_plan::build(m, device_kind::cpu)
+          .block_mass(hq.view(), hk.view(), {}, {.scale = 1.0 / 8.0, .block_mass = ref.view()});
+      double top = 0.0, err = 0.0;
+      for (std::int64_t b = 0; b < m.batch(); ++b) {
+        for (std::int64_t x = 0; x < h; ++x) {
+          const csr_graph& blocks = m.at(b, x).blocks;
+          for (std::int64_t r = 0; r < blocks.rows; ++r) {
+            for (std::int64_t e = blocks.row_ptr[r]; e < blocks.row_ptr[r + 1]; ++e) {
+              const std::int64_t at = got.view().offset(b * qb + r, x, blocks.col_idx[e]);
+              top = std::max(top, std::abs(ref.get(at)));
+              err = std::max(err, std::abs(got.get(at) - ref.get(at)));
+            }
+          }
+        }
+      }
+      EXPECT_LE(err, 1e-4 * top + 1e-6) << "block_mass: largest " << top;
     }
   }
   const std::vector<std::int64_t> cu{0, 128};

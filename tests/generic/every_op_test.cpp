@@ -634,6 +634,9 @@ void block_importance_cases(recorder& rec) {
                                       want[0].view(), want[1].view());
           host_tensor got[2] = {mass.fetch(), grad.fetch()};
           // Blocks the mask drops are left as they were (NaN here); compare the kept ones.
+          std::vector<bool> dropped(static_cast<std::size_t>(want[0].numel()));
+          for (std::int64_t i = 0; i < want[0].numel(); ++i)
+            dropped[static_cast<std::size_t>(i)] = std::isnan(want[0].get(i));
           for (int x = 0; x < 2; ++x) {
             for (std::int64_t i = 0; i < want[x].numel(); ++i) {
               if (!std::isnan(want[x].get(i))) continue;
@@ -647,6 +650,19 @@ void block_importance_cases(recorder& rec) {
               tolerance(in, dtype::f32, 8) + (in == dtype::f64 ? 0 : 8 * unit_roundoff(in));
           rec.check("block_importance", backend, t, shape, got[0], want[0], tol, "block_mass");
           rec.check("block_importance", backend, t, shape, got[1], want[1], tol, "block_grad");
+          // The mass without a backward (block_mass: from the forward's lse on CUDA).
+          buffer light = buffer::output(dtype::f32, importance_rows, heads, kb);
+          const std::size_t light_bytes = plan.block_mass_workspace_bytes(heads);
+          buffer light_ws = buffer::scratch(light_bytes);
+          plan.block_mass(bq.view(), bk.view(), lse_view, {.block_mass = light.view()}, {},
+                          {light_bytes > 0 ? light_ws.view().data : nullptr, light_bytes});
+          host_tensor mass_alone = light.fetch();
+          for (std::int64_t i = 0; i < mass_alone.numel(); ++i) {
+            if (!dropped[static_cast<std::size_t>(i)]) continue;
+            EXPECT_TRUE(std::isnan(mass_alone.get(i))) << "block_mass wrote a dropped block";
+            mass_alone.set(i, 0.0);
+          }
+          rec.check("block_mass", backend, t, shape, mass_alone, want[0], tol, "block_mass");
         });
       }
     }
@@ -1309,7 +1325,7 @@ TEST(EveryOp, AgainstTheFloat64Reference) {
   // Every registered op ran somewhere on this device.
   for (const char* op :
        {"attention", "attention_backward", "attention_bias", "spmm", "sddmm", "softmax",
-        "block_sparse_attention", "block_sparse_backward", "block_importance",
+        "block_sparse_attention", "block_sparse_backward", "block_importance", "block_mass",
         "block_sparse_dropout", "topk_block_attention", "gcn_layer", "gcn_fused_layer",
         "gcn_fused_backward", "agnn_layer", "gat_attention", "gat_backward"})
     EXPECT_TRUE(rec.ops().count(op)) << op << ": no case ran on " << to_string(kWhere);

@@ -502,6 +502,26 @@ def test_pattern_learner_learns_from_the_kernels_importance():
     assert bool(((learner.tracker.mass[0] > 0) <= masks[-2].blocks[0]).all())
 
 
+def test_pattern_learner_of_a_frozen_model_learns_from_the_light_pass():
+    """Inputs that need no gradient (a frozen model: no backward to measure in): the light pass
+    after each forward measures the kept blocks' mass, so the learner takes the same steps as
+    one trained with backwards (on the CPU both masses are the same float64 sums: the same
+    bits) and recovers the planted blocks."""
+    heads, n, g = 2, 512, 32
+    planted, q, k = _planted(heads, n, g, 32, torch.Generator().manual_seed(21))
+    v = torch.randn(heads, n, 32, generator=torch.Generator().manual_seed(22))
+    q, k, v = q[None], k[None], v[None]
+    trained = _diagonal_start_learner(n, g)
+    _learner_steps(trained, q, k, v, 8)
+    frozen = _diagonal_start_learner(n, g)
+    for _ in range(8):
+        frozen(q, k, v)
+    assert frozen.tracker.steps == 8 and frozen.tracker.grad is None
+    assert torch.equal(frozen.importance, trained.importance)
+    learned = frozen.pattern(n, n).blocks()
+    assert float((learned & planted).sum() / planted.sum()) >= 0.95
+
+
 def test_pattern_learner_tracks_every_nth_step():
     heads, n, g = 1, 256, 32
     _, q, k = _planted(heads, n, g, 32, torch.Generator().manual_seed(23))

@@ -1,6 +1,7 @@
 """trisparse.block_sparse_attention: our masks and FlexAttention's, forward and gradients against a
 dense float64 oracle and against flex_attention."""
 
+import contextlib
 import gc
 import math
 
@@ -400,6 +401,22 @@ def check_importance(q, k, v, dout, mask, blocks, causal, tol, **kwargs):
         dout,
     )
     assert alone.grad is None and torch.equal(alone.mass, imp.mass)
+    # Without gradients (torch.no_grad, then inputs that need none): the light pass after the
+    # forward, the mass alone, the same output; the same bits twice.
+    light = trisparse.BlockImportance()
+    masses = []
+    for step in range(2):
+        with torch.no_grad() if step == 0 else contextlib.nullcontext():
+            out = trisparse.block_sparse_attention(q, k, v, mask, importance=light, **kwargs)
+        assert torch.equal(out, got[0]), "the light pass changed the output"
+        assert light.steps == step + 1 and light.grad is None
+        masses.append(light.mass)
+    assert torch.equal(masses[0], masses[1]), "the light pass differs between runs"
+    x = masses[0].cpu().double()
+    assert x.shape == want[0].shape and masses[0].dtype == torch.float32
+    assert torch.equal(x[~full], torch.zeros_like(x[~full])), "light pass: dropped blocks"
+    err = float((x - want[0]).abs().max() / want[0].abs().max().clamp_min(1e-30))
+    assert err <= min(tol, 1e-4), ("light pass", err)
     return imp
 
 
@@ -443,6 +460,32 @@ def test_block_importance_on_cuda(dtype, d, g, causal):
     for on_device in (False, True):  # a host mask, and one the device's kernels read
         mask = trisparse.BlockMask(blocks.to("cuda") if on_device else blocks, g, causal=causal)
         check_importance(q, k, v, dout, mask, blocks, causal, 2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_mass_without_a_backward_under_a_topk_mask(causal):
+    """The light pass under a top-k mask the GPU selects (the top-k plan's block_mass): the
+    backward's masses (which sum P rounded to bf16) within 2e-3 of the largest; zeros where
+    the selection dropped a block."""
+    b, h, n, d, g = 2, 2, 600, 64, 64
+    q, k, v = (t.to("cuda") for t in inputs(b, h, n, n, d, torch.bfloat16, seed=8))
+    dout = torch.randn(b, h, n, d, generator=torch.Generator().manual_seed(8)).to(q)
+    mask = trisparse.topk_block_mask(q, k, g, 3, causal=causal)
+    imp = trisparse.BlockImportance(measure_grad=False)
+    with_grads(
+        lambda a, c, e: trisparse.block_sparse_attention(a, c, e, mask, importance=imp),
+        q,
+        k,
+        v,
+        dout,
+    )
+    light = trisparse.BlockImportance()
+    with torch.no_grad():
+        trisparse.block_sparse_attention(q, k, v, mask, importance=light)
+    assert light.grad is None and light.mass.shape == imp.mass.shape
+    assert torch.equal(light.mass == 0, imp.mass == 0)
+    assert relerr(light.mass, imp.mass) <= 2e-3
 
 
 def relerr(a, b):

@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <set>
 
@@ -510,6 +511,54 @@ TEST(BlockSparseImportance, FullMaskRowsSumToOneAndBadViewsAreNamed) {
       EXPECT_NE(std::string(e.what()).find("block_mass"), std::string::npos) << e.what();
     }
   }
+}
+
+// block_mass (the mass without a backward) on the CPU: the backward's masses to the bit, with no
+// v, dout or lse (it recomputes the softmax); causal masks too; block_grad, a missing block_mass
+// and bad views are refused naming them.
+TEST(BlockSparseImportance, MassWithoutABackwardEqualsTheBackwards) {
+  const std::vector<std::int64_t> lens{70, 33};
+  const std::int64_t rows = 103, heads = 2, dim = 8, qb = 5, kb = 5;
+  host_tensor q(dtype::f32, rows, heads, dim), k(dtype::f32, rows, heads, dim),
+      v(dtype::f32, rows, heads, dim), dout(dtype::f32, rows, heads, dim),
+      dq(dtype::f32, rows, heads, dim), dk(dtype::f32, rows, heads, dim),
+      dv(dtype::f32, rows, heads, dim);
+  q.fill_uniform(-2, 2, 5);
+  k.fill_uniform(-2, 2, 6);
+  v.fill_uniform(-1, 1, 7);
+  dout.fill_uniform(-1, 1, 8);
+  for (const bool causal : {false, true}) {
+    const auto mask = make_block_sparse_mask({.layout = block_layout::random,
+                                              .block = 16,
+                                              .p = 0.5,
+                                              .causal = causal,
+                                              .heads = heads,
+                                              .seed = 3},
+                                             lens);
+    const auto plan = block_sparse_attention_plan::build(mask);
+    host_tensor want(dtype::f64, 2 * qb, heads, kb), got(dtype::f64, 2 * qb, heads, kb);
+    want.fill(-7.0);  // dropped blocks: not written by either
+    got.fill(-7.0);
+    plan.backward(q.view(), k.view(), v.view(), {}, {}, dout.view(), dq.view(), dk.view(),
+                  dv.view(), {.block_mass = want.view()});
+    plan.block_mass(q.view(), k.view(), {}, {.block_mass = got.view()});
+    EXPECT_EQ(std::memcmp(want.data(), got.data(), got.size_bytes()), 0) << "causal " << causal;
+    EXPECT_EQ(plan.block_mass_workspace_bytes(heads), 0U);
+  }
+  const auto plan = block_sparse_attention_plan::build(
+      make_block_sparse_mask({.layout = block_layout::dense, .block = 16}, lens));
+  host_tensor mass(dtype::f32, 2 * qb, heads, kb), short_rows(dtype::f32, qb, heads, kb);
+  const auto refused = [&](const attention_options& o, const char* name) {
+    try {
+      plan.block_mass(q.view(), k.view(), {}, o);
+      ADD_FAILURE() << name << ": accepted";
+    } catch (const invalid_input& e) {
+      EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+    }
+  };
+  refused({.block_mass = mass.view(), .block_grad = mass.view()}, "block_grad");
+  refused({}, "block_mass");
+  refused({.block_mass = short_rows.view()}, "block_mass");
 }
 
 }  // namespace

@@ -119,6 +119,21 @@ class block_sparse_attention_plan {
   /// `importance`, one that also writes attention_options::block_mass or block_grad.
   std::size_t backward_workspace_bytes(std::int64_t heads, bool importance = false) const;
 
+  /// Each kept block's attention mass without a backward (inference, or a frozen model whose
+  /// pattern is still measured): options.block_mass as backward() writes it (block_grad must be
+  /// empty: |dS| needs a backward), from q, k and the lse that run() wrote for them. CUDA
+  /// (algorithm::block, a plan built with gradients): the key tiles walk their kept blocks as the
+  /// dk/dv kernel does with only P = exp(scale q·k - lse) left (about the forward's Q Kᵀ FLOPs),
+  /// asynchronous on `stream`, the same bits on every run; `workspace`:
+  /// block_mass_workspace_bytes(heads) bytes. CPU: the float64 block masses of the CPU engine's
+  /// importance (lse unused). @throws invalid_input naming a wrong argument; not_supported for
+  /// the fused and unfused CUDA algorithms.
+  void block_mass(const tensor_view& q, const tensor_view& k, const tensor_view& lse,
+                  const attention_options& options, stream_ref stream = {},
+                  workspace_view workspace = {}) const;
+  /// Bytes of workspace that block_mass with `heads` heads needs (0 on the CPU).
+  std::size_t block_mass_workspace_bytes(std::int64_t heads) const;
+
   /// unfused plans: run() with events around the pipeline's kernels; returns their times in
   /// milliseconds (SDDMM, softmax, SpMM; summed over the groups of heads whose scores the
   /// workspace holds at a time). Synchronises `stream`. @throws invalid_input for other plans or
@@ -174,6 +189,12 @@ class topk_block_sparse_plan {
                 workspace_view workspace, const attention_options& options = {},
                 stream_ref stream = {}) const;
   std::size_t backward_workspace_bytes(std::int64_t heads, bool importance = false) const;
+  /// Each kept block's attention mass under the last selected mask, without a backward, as
+  /// block_sparse_attention_plan::block_mass on CUDA (build with plan_options.gradients).
+  void block_mass(const tensor_view& q, const tensor_view& k, const tensor_view& lse,
+                  workspace_view workspace, const attention_options& options,
+                  stream_ref stream = {}) const;
+  std::size_t block_mass_workspace_bytes(std::int64_t heads) const;
 
   /// The last selected mask, downloaded (synchronous on `stream`). @throws invalid_input before
   /// the first select().

@@ -135,6 +135,42 @@ def _backward_op(
     return dq, dk, dv, mass, grad
 
 
+@torch.library.custom_op("trisparse::block_sparse_attention_mass", mutates_args=())
+def _mass_op(
+    q: Tensor, k: Tensor, lse: Tensor, mask: int, cu_q: list[int], cu_k: list[int], scale: float
+) -> Tensor:
+    """Each kept block's attention mass without a backward (f32 [sequences, query blocks, H, key
+    blocks], zeros where the mask drops a block), from the forward's `lse` (CUDA; the CPU
+    recomputes the softmax in float64)."""
+    plan = _plan(q, mask, cu_q, cu_k)
+    mass, _ = _importance_like(q, mask, cu_q, cu_k, 1)
+    on_cuda = q.device.type == "cuda"
+    if on_cuda and plan.backend != "cuda_block":
+        raise NotImplementedError(
+            "block_sparse_attention: the CUDA block mass runs with the tensor-core block kernel "
+            f"(block sizes a multiple of 16 and head dims 64 or 128); this mask runs {plan.backend}"
+        )
+    _owner, ws, ws_bytes = _tensors.workspace(
+        plan.block_mass_workspace_bytes(q.shape[1]) if on_cuda else 0, q.device
+    )
+    plan.block_mass(
+        _tensors.view(q),
+        _tensors.view(k),
+        _tensors.view(lse.unsqueeze(-1)) if on_cuda else None,
+        _tensors.view(mass.flatten(0, 1)),
+        scale,
+        _tensors.stream(q.device),
+        ws,
+        ws_bytes,
+    )
+    return mass
+
+
+@_mass_op.register_fake
+def _mass_fake(q, k, lse, mask, cu_q, cu_k, scale):
+    return _importance_like(q, mask, cu_q, cu_k, 1)[0]
+
+
 def _importance_like(q, mask, cu_q, cu_k, importance):
     """Zeroed block importance outputs: [sequences, QB, H, KB] f32 (QB, KB: the longest
     sequence's query and key blocks) for the mass (`importance` >= 1) and the |dS| sums (2),

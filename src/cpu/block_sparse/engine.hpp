@@ -35,7 +35,8 @@ void block_sparse_backward_blocked(const block_sparse_mask& mask, const tensor_v
                                    const tensor_view& dout, const tensor_view& dq,
                                    const tensor_view& dk, const tensor_view& dv, double scale);
 
-/// Block importance (attention_options::block_mass, block_grad; either view may be empty), float64
+/// Block importance (attention_options::block_mass, block_grad; either view may be empty, and v
+/// and dout too where block_grad is), float64
 /// sums over the rows' recomputed softmax, OpenMP over (query block, head); operands and views
 /// already checked; row b * qb_max + r for sequence b's block row r. Blocks the mask drops are not
 /// written.

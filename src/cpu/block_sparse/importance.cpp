@@ -17,12 +17,14 @@ namespace trisparse::cpu {
 namespace {
 
 // Row dot products of two operands: float64 views read as they are, others through float32
-// copies (made once per call).
+// copies (made once per call; none for an empty view, whose rows are not read).
 struct rows_of {
   const tensor_view& t;
   cpu::f32_operand f;
   explicit rows_of(const tensor_view& view)
-      : t(view), f(view.type == dtype::f64 ? cpu::f32_operand{} : cpu::as_f32(view)) {}
+      : t(view),
+        f(view.type == dtype::f64 || view.data == nullptr ? cpu::f32_operand{}
+                                                          : cpu::as_f32(view)) {}
 };
 
 double dot_rows(const rows_of& a, std::int64_t ra, const rows_of& b, std::int64_t rb,
@@ -50,7 +52,9 @@ void block_importance_unchecked(const block_sparse_mask& mask, const tensor_view
                                 double scale, const tensor_view& mass, const tensor_view& grad,
                                 std::int64_t qb_max) {
   const std::int64_t heads = q.heads, g = mask.block;
-  const rows_of qr(q), kr(k), vr(v), dr(dout);
+  const bool with_grad = grad.data != nullptr;  // else v and dout may be empty: not read
+  const tensor_view none{}, &v_read = with_grad ? v : none, &dout_read = with_grad ? dout : none;
+  const rows_of qr(q), kr(k), vr(v_read), dr(dout_read);
   std::vector<std::pair<std::int64_t, std::int64_t>> block_rows;  // (sequence, query block)
   for (std::int64_t b = 0; b < mask.batch(); ++b) {
     for (std::int64_t r = 0; r * g < mask.len_q(b); ++r) block_rows.emplace_back(b, r);
@@ -80,7 +84,7 @@ void block_importance_unchecked(const block_sparse_mask& mask, const tensor_view
           const std::int64_t j0 = std::int64_t{blocks.col_idx[e]} * g;
           for (std::int64_t j = j0; j < std::min(j0 + g, last + 1); ++j) {
             score.push_back(scale * dot_rows(qr, q0 + i, kr, k0 + j, h));
-            dp.push_back(dot_rows(dr, q0 + i, vr, k0 + j, h));
+            if (with_grad) dp.push_back(dot_rows(dr, q0 + i, vr, k0 + j, h));
             top = std::max(top, score.back());
           }
         }
@@ -88,13 +92,16 @@ void block_importance_unchecked(const block_sparse_mask& mask, const tensor_view
         double sum = 0.0;
         for (double& s : score) sum += (s = std::exp(s - top));
         double dterm = 0.0;
-        for (std::size_t x = 0; x < score.size(); ++x) dterm += (score[x] /= sum) * dp[x];
+        for (std::size_t x = 0; x < score.size(); ++x) {
+          score[x] /= sum;
+          if (with_grad) dterm += score[x] * dp[x];
+        }
         std::size_t x = 0;
         for (std::int64_t e = e0; e < e1; ++e) {
           const std::int64_t j0 = std::int64_t{blocks.col_idx[e]} * g;
           for (std::int64_t j = j0; j < std::min(j0 + g, last + 1); ++j, ++x) {
             block_p[e - e0] += score[x];
-            block_ds[e - e0] += std::abs(score[x] * (dp[x] - dterm));
+            if (with_grad) block_ds[e - e0] += std::abs(score[x] * (dp[x] - dterm));
           }
         }
       }

@@ -1,6 +1,6 @@
 // The block-sparse backward's launches (kernels: backward.cuh): the per-row terms, then dq over
 // the query tiles, then dk and dv over the key tiles, and on request the block importance's last
-// step (importance.cuh), all on one stream.
+// step (importance.cuh), all on one stream; and the block mass without a backward (mass.cuh).
 #include <string>
 
 #include "../../common/error.cuh"
@@ -8,6 +8,7 @@
 #include "backward.cuh"
 #include "device_plan.cuh"
 #include "dispatch.cuh"
+#include "mass.cuh"
 #include "plan.hpp"
 
 namespace trisparse::cuda {
@@ -18,16 +19,6 @@ constexpr int kFinishThreads = 128;
 
 std::size_t terms_bytes(std::int64_t heads, std::int64_t rows) {
   return (static_cast<std::size_t>(2 * heads * rows) * sizeof(float) + 15) / 16 * 16;
-}
-
-// The warps of the dk/dv kernel (wgmma: one warpgroup; mma.sync: a warp per 16 key rows).
-int key_tile_warps(const block_sparse_device_plan& plan, std::int64_t dim) {
-#if TRISPARSE_HAVE_SM90A
-  if (plan.wgmma && plan.backward_tile_rows == 64 && block_sparse::wgmma_backward_takes(dim))
-    return 4;
-#endif
-  (void)dim;
-  return static_cast<int>(plan.backward_tile_rows / 16);
 }
 
 // The block importance's partial sums: a slot per transposed entry (per head with a shared mask),
@@ -66,6 +57,37 @@ __global__ void importance_finish_kernel(const __grid_constant__ block_sparse::b
       o.mass[at * o.mass_row + h * o.mass_head + c] = rows > 0 ? m / static_cast<float>(rows) : 0.f;
     if (o.grad != nullptr) o.grad[at * o.grad_row + h * o.grad_head + c] = g;
   }
+}
+
+// The block importance's partial sums at `at` (importance_slots(plan, heads) pairs of floats),
+// zeroed on s: a key tile that sees none of a block's rows (the walk skips those query tiles)
+// leaves its slots as they are. The dk/dv and mass kernels have a warp per 16 keys of a tile
+// (wgmma: one warpgroup of 64).
+void set_partials(block_sparse::backward_params& p, const block_sparse_device_plan& plan,
+                  std::int64_t heads, void* at, cudaStream_t s) {
+  p.imp_partial = static_cast<float*>(at);
+  p.imp_slots = static_cast<std::int64_t>(plan.t_idx.size());
+  p.imp_sub = static_cast<std::int32_t>(plan.block / plan.backward_tile_rows);
+  p.imp_warps = static_cast<std::int32_t>(plan.backward_tile_rows / 16);
+  TRISPARSE_CUDA_TRY(cudaMemsetAsync(
+      p.imp_partial, 0, static_cast<std::size_t>(2 * importance_slots(plan, heads)) * 4, s));
+}
+
+// The importance's last kernel: the partials of each kept block added in order into the views.
+void finish_importance(const block_sparse::backward_params& p, const block_sparse_device_plan& plan,
+                       const block_importance_views& importance, std::int64_t heads,
+                       cudaStream_t s) {
+  if (plan.num_key_tiles == 0 || heads == 0) return;
+  const block_sparse::importance_out o{static_cast<float*>(importance.mass.data),
+                                       static_cast<float*>(importance.grad.data),
+                                       importance.mass.row_stride,
+                                       importance.mass.head_stride,
+                                       importance.grad.row_stride,
+                                       importance.grad.head_stride,
+                                       importance.qb_max};
+  importance_finish_kernel<<<static_cast<unsigned>(heads * plan.num_key_tiles), kFinishThreads, 0,
+                             s>>>(p, o);
+  TRISPARSE_CUDA_TRY(cudaGetLastError());
 }
 
 // The dq and dk/dv kernels at tile rows BM (the plan's backward tile: 16, 32 or 64). The streamed
@@ -147,15 +169,9 @@ void run_block_sparse_backward(const block_sparse_device_plan& plan, const tenso
   p.num_key_tiles = plan.num_key_tiles;
   const auto s = static_cast<cudaStream_t>(stream.handle);
   if (importance.wanted()) {
-    p.imp_partial = reinterpret_cast<float*>(static_cast<char*>(workspace.data) +
-                                             terms_bytes(q.heads, plan.rows_q));
-    p.imp_slots = static_cast<std::int64_t>(plan.t_idx.size());
-    p.imp_sub = static_cast<std::int32_t>(plan.block / plan.backward_tile_rows);
-    p.imp_warps = key_tile_warps(plan, q.dim);
+    set_partials(p, plan, q.heads,
+                 static_cast<char*>(workspace.data) + terms_bytes(q.heads, plan.rows_q), s);
     p.imp_grad = importance.grad.data != nullptr;
-    // Zeros where a key tile sees none of a block's rows (the walk skips those query tiles).
-    TRISPARSE_CUDA_TRY(cudaMemsetAsync(
-        p.imp_partial, 0, static_cast<std::size_t>(2 * importance_slots(plan, q.heads)) * 4, s));
   }
   with_half_type(q.type, "block-sparse backward's q", [&]<class T>() {
     block_sparse::launch_backward_terms<T>(p, out.type, static_cast<int>(v.dim), terms, s);
@@ -178,18 +194,57 @@ void run_block_sparse_backward(const block_sparse_device_plan& plan, const tenso
       });
     });
   });
-  if (importance.wanted() && plan.num_key_tiles > 0 && q.heads > 0) {
-    const block_sparse::importance_out o{static_cast<float*>(importance.mass.data),
-                                         static_cast<float*>(importance.grad.data),
-                                         importance.mass.row_stride,
-                                         importance.mass.head_stride,
-                                         importance.grad.row_stride,
-                                         importance.grad.head_stride,
-                                         importance.qb_max};
-    importance_finish_kernel<<<static_cast<unsigned>(q.heads * plan.num_key_tiles), kFinishThreads,
-                               0, s>>>(p, o);
-    TRISPARSE_CUDA_TRY(cudaGetLastError());
-  }
+  if (importance.wanted()) finish_importance(p, plan, importance, q.heads, s);
+}
+
+std::size_t block_sparse_mass_workspace_bytes(const block_sparse_device_plan& plan,
+                                              std::int64_t heads) {
+  return static_cast<std::size_t>(2 * importance_slots(plan, heads)) * sizeof(float);
+}
+
+void run_block_sparse_mass(const block_sparse_device_plan& plan, const tensor_view& q,
+                           const tensor_view& k, const tensor_view& lse, double scale,
+                           const block_importance_views& importance, workspace_view workspace,
+                           stream_ref stream) {
+  const char* what = "the CUDA block mass";
+  TRISPARSE_EXPECTS_INPUT(plan.gradients,
+                          "block mass: this plan was built without the transposed masks "
+                          "(block_sparse_plan_options::gradients = true)");
+  check_16bit_inputs(q, k, k, what);
+  check_16byte_rows(q, "q");
+  check_16byte_rows(k, "k");
+  TRISPARSE_EXPECTS_INPUT(lse.data != nullptr && lse.type == dtype::f32,
+                          "block mass needs the forward's lse (f32; run() with "
+                          "attention_options::lse)");
+  TRISPARSE_EXPECTS_INPUT(importance.mass.data != nullptr && importance.grad.data == nullptr,
+                          "block mass writes attention_options::block_mass only (block_grad "
+                          "needs a backward)");
+  expect_current_device(plan.device);
+  const std::size_t need = block_sparse_mass_workspace_bytes(plan, q.heads);
+  TRISPARSE_EXPECTS_INPUT(workspace.data != nullptr && workspace.bytes >= need,
+                          "block mass: the workspace holds " + std::to_string(workspace.bytes) +
+                              " bytes, it needs " + std::to_string(need) +
+                              " (block_mass_workspace_bytes)");
+  block_sparse::backward_params p{};
+  static_cast<block_sparse::params&>(p) = run_params(plan, q, k, k, q, lse, scale);  // (no v, out)
+  p.rows_q = plan.rows_q;
+  p.t_mask_col = plan.t_mask_col.data();
+  p.t_ptr = plan.t_ptr.data();
+  p.t_idx = plan.t_idx.data();
+  p.key_tiles = plan.key_tiles.data();
+  p.num_key_tiles = plan.num_key_tiles;
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  const int rows = static_cast<int>(plan.backward_tile_rows);
+  set_partials(p, plan, q.heads, workspace.data, s);
+  with_half_type(q.type, "block mass's q", [&]<class T>() {
+    with_head_dim<64, 128>(q.dim, "the CUDA block mass's head_dim", [&]<int D>() {
+      with_value<16, 32, 64>(rows, "the block mass's key tile rows", [&]<int BM>() {
+        block_sparse::launch_kernel<block_sparse::mass_kernel<T, D, BM>>(
+            BM / 16 * 32, block_sparse::mass_shared_bytes<D, BM>(), p, plan.num_key_tiles, s);
+      });
+    });
+  });
+  finish_importance(p, plan, importance, q.heads, s);
 }
 
 }  // namespace trisparse::cuda

@@ -83,6 +83,21 @@ TRISPARSE_CUDA_ENTRY(void run_block_sparse_backward(
     const block_importance_views& importance, const attention_dropout& dropout,
     workspace_view workspace, stream_ref stream))
 
+/// Bytes of workspace run_block_sparse_mass needs for `heads` heads (the partial sums).
+TRISPARSE_CUDA_ENTRY(std::size_t block_sparse_mass_workspace_bytes(
+    const block_sparse_device_plan& plan, std::int64_t heads))
+
+/// Each kept block's attention mass (importance.mass; importance.grad unused) from q, k and the
+/// forward's lse (f32 [rows, H, 1]), without a backward: two kernels (mass.cuh, then the
+/// backward's finishing one), asynchronous on `stream`, no atomics. The plan must have been made
+/// with gradients (the transposed masks). @throws invalid_input for a plan without them, a small
+/// workspace, unsupported dims or layouts; not_supported for dtypes other than f16/bf16.
+TRISPARSE_CUDA_ENTRY(void run_block_sparse_mass(const block_sparse_device_plan& plan,
+                                                const tensor_view& q, const tensor_view& k,
+                                                const tensor_view& lse, double scale,
+                                                const block_importance_views& importance,
+                                                workspace_view workspace, stream_ref stream))
+
 TRISPARSE_CUDA_ENTRY(std::int64_t device_bytes(const block_sparse_device_plan& plan))
 
 /// An attention plan whose blocks the device selects (top-k block routing).
