@@ -84,6 +84,18 @@ def _forward_fake(
     return _forward_outputs(q, v, with_lse)
 
 
+def _on_block_kernel(plan, q: Tensor, what: str) -> bool:
+    """Whether q is on CUDA, where the `what` pass runs the tensor-core block kernel alone
+    (NotImplementedError for a mask that runs another backend)."""
+    on_cuda = q.device.type == "cuda"
+    if on_cuda and plan.backend != "cuda_block":
+        raise NotImplementedError(
+            f"block_sparse_attention: the CUDA {what} runs the tensor-core block kernel (block "
+            f"sizes a multiple of 16 and head dims 64 or 128); this mask runs {plan.backend}"
+        )
+    return on_cuda
+
+
 @torch.library.custom_op("trisparse::block_sparse_attention_backward", mutates_args=())
 def _backward_op(
     q: Tensor,
@@ -107,12 +119,7 @@ def _backward_op(
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     mass, grad = _importance_like(q, mask, cu_q, cu_k, importance)
-    on_cuda = q.device.type == "cuda"
-    if on_cuda and plan.backend != "cuda_block":
-        raise NotImplementedError(
-            "block_sparse_attention: the CUDA backward runs the tensor-core block kernel (block "
-            f"sizes a multiple of 16 and head dims 64 or 128); this mask runs {plan.backend}"
-        )
+    on_cuda = _on_block_kernel(plan, q, "backward")
     _owner, ws, ws_bytes = _tensors.workspace(
         plan.backward_workspace_bytes(q.shape[1], importance > 0) if on_cuda else 0, q.device
     )
@@ -144,12 +151,7 @@ def _mass_op(
     recomputes the softmax in float64)."""
     plan = _plan(q, mask, cu_q, cu_k)
     mass, _ = _importance_like(q, mask, cu_q, cu_k, 1)
-    on_cuda = q.device.type == "cuda"
-    if on_cuda and plan.backend != "cuda_block":
-        raise NotImplementedError(
-            "block_sparse_attention: the CUDA block mass runs with the tensor-core block kernel "
-            f"(block sizes a multiple of 16 and head dims 64 or 128); this mask runs {plan.backend}"
-        )
+    on_cuda = _on_block_kernel(plan, q, "block mass")
     _owner, ws, ws_bytes = _tensors.workspace(
         plan.block_mass_workspace_bytes(q.shape[1]) if on_cuda else 0, q.device
     )

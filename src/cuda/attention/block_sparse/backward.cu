@@ -59,6 +59,16 @@ __global__ void importance_finish_kernel(const __grid_constant__ block_sparse::b
   }
 }
 
+// What the key walks read (key_walk: the transposed masks and the key tiles) and the query rows.
+void set_key_walk(block_sparse::backward_params& p, const block_sparse_device_plan& plan) {
+  p.rows_q = plan.rows_q;
+  p.t_mask_col = plan.t_mask_col.data();
+  p.t_ptr = plan.t_ptr.data();
+  p.t_idx = plan.t_idx.data();
+  p.key_tiles = plan.key_tiles.data();
+  p.num_key_tiles = plan.num_key_tiles;
+}
+
 // The block importance's partial sums at `at` (importance_slots(plan, heads) pairs of floats),
 // zeroed on s: a key tile that sees none of a block's rows (the walk skips those query tiles)
 // leaves its slots as they are. The dk/dv and mass kernels have a warp per 16 keys of a tile
@@ -161,12 +171,7 @@ void run_block_sparse_backward(const block_sparse_device_plan& plan, const tenso
   auto* terms = static_cast<float*>(workspace.data);
   p.lse2 = terms;
   p.dterm = terms + q.heads * plan.rows_q;
-  p.rows_q = plan.rows_q;
-  p.t_mask_col = plan.t_mask_col.data();
-  p.t_ptr = plan.t_ptr.data();
-  p.t_idx = plan.t_idx.data();
-  p.key_tiles = plan.key_tiles.data();
-  p.num_key_tiles = plan.num_key_tiles;
+  set_key_walk(p, plan);
   const auto s = static_cast<cudaStream_t>(stream.handle);
   if (importance.wanted()) {
     set_partials(p, plan, q.heads,
@@ -227,12 +232,7 @@ void run_block_sparse_mass(const block_sparse_device_plan& plan, const tensor_vi
                               " (block_mass_workspace_bytes)");
   block_sparse::backward_params p{};
   static_cast<block_sparse::params&>(p) = run_params(plan, q, k, k, q, lse, scale);  // (no v, out)
-  p.rows_q = plan.rows_q;
-  p.t_mask_col = plan.t_mask_col.data();
-  p.t_ptr = plan.t_ptr.data();
-  p.t_idx = plan.t_idx.data();
-  p.key_tiles = plan.key_tiles.data();
-  p.num_key_tiles = plan.num_key_tiles;
+  set_key_walk(p, plan);
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const int rows = static_cast<int>(plan.backward_tile_rows);
   set_partials(p, plan, q.heads, workspace.data, s);

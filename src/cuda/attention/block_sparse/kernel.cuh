@@ -89,19 +89,7 @@ __global__ void __launch_bounds__(threads<BM>(), (min_blocks<D, BM>()))
 
     // S = Q Kᵀ for this warp's 16 rows and the tile's BN keys.
     float s[BN / 8][4];
-#pragma unroll
-    for (int n = 0; n < BN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-#pragma unroll
-      for (int np = 0; np < BN / 16; ++np) {
-        std::uint32_t b[4];
-        arch::ldmatrix_x4(b, swizzled<BN>(ks, np * 16 + lane % 8 + 8 * (lane / 16), kk / 4,
-                                          2 * (kk % 4) + (lane / 8) % 2));
-        arch::mma_16x8x16_f32<T>(s[2 * np], qa[kk], {b[0], b[1]});
-        arch::mma_16x8x16_f32<T>(s[2 * np + 1], qa[kk], {b[2], b[3]});
-      }
-    }
+    tile_scores<T, D, BN>(s, qa, ks);
     float alpha[2];
     softmax_step<BN>(s, m, l, alpha, w, j_cur, i_lo);
     rescale<D>(o, alpha);

@@ -70,19 +70,7 @@ __global__ void __launch_bounds__(BM / 16 * 32)
     }
     const std::uint32_t y1 = sq + stage * kStage;
     float s[BN / 8][4];
-#pragma unroll
-    for (int n = 0; n < BN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-#pragma unroll
-      for (int np = 0; np < BN / 16; ++np) {
-        std::uint32_t b[4];
-        arch::ldmatrix_x4(b, swizzled<BN>(y1, np * 16 + lane % 8 + 8 * (lane / 16), kk / 4,
-                                          2 * (kk % 4) + (lane / 8) % 2));
-        arch::mma_16x8x16_f32<T>(s[2 * np], a[kk], {b[0], b[1]});
-        arch::mma_16x8x16_f32<T>(s[2 * np + 1], a[kk], {b[2], b[3]});
-      }
-    }
+    tile_scores<T, D, BN>(s, a, y1);
     const float* tile_lse = lse + stage * BN;
     // As probabilities_and_ds: a copy of the loop with the per-pair test where the tile needs it.
     const auto add = [&]<bool MASKED>() {

@@ -62,6 +62,28 @@ __device__ __forceinline__ void load_rows(std::uint32_t base, const char* src, s
   }
 }
 
+/// S = A Bᵀ for a warp's 16 stationary rows, A as D / 16 k16 fragments in registers, and the BN
+/// rows of the swizzled tile at `b` (ldmatrix, two m16n8k16 products a 16-row slice), in the
+/// m16n8 accumulator layout.
+template <class T, int D, int BN>
+__device__ __forceinline__ void tile_scores(float (&s)[BN / 8][4],
+                                            const std::uint32_t (&a)[D / 16][4], std::uint32_t b) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+#pragma unroll
+  for (int n = 0; n < BN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+    for (int np = 0; np < BN / 16; ++np) {
+      std::uint32_t f[4];
+      arch::ldmatrix_x4(f, swizzled<BN>(b, np * 16 + lane % 8 + 8 * (lane / 16), kk / 4,
+                                        2 * (kk % 4) + (lane / 8) % 2));
+      arch::mma_16x8x16_f32<T>(s[2 * np], a[kk], {f[0], f[1]});
+      arch::mma_16x8x16_f32<T>(s[2 * np + 1], a[kk], {f[2], f[3]});
+    }
+  }
+}
+
 /// The query tile of this thread block (block x = head * tiles + tile) and the key tiles of BN
 /// keys it visits: those of its block row's active key blocks up to the last key any of its rows
 /// sees, in ascending order, or descending in the odd waves of blocks (params::down_wave; next()
