@@ -68,7 +68,7 @@ def block_sparse_attention(
     gradient there, in the same pass (eager and CUDA graphs; not under torch.compile); a call
     without gradients (``torch.no_grad``, or inputs that do not require them) measures the mass
     alone by a light pass after the forward (on CUDA: the key tiles walk their kept blocks with
-    P = exp(scale q·k - lse) from the forward's lse, about the forward's Q Kᵀ work).
+    P = exp(scale q·k - lse) from the forward's lse; about a forward's time).
 
     ``dropout_p``: attention dropout, as ``F.scaled_dot_product_attention``'s (apply it while
     training only; FlexAttention has none): each weight is kept with probability 1 - p and scaled

@@ -123,8 +123,8 @@ class block_sparse_attention_plan {
   /// pattern is still measured): options.block_mass as backward() writes it (block_grad must be
   /// empty: |dS| needs a backward), from q, k and the lse that run() wrote for them. CUDA
   /// (algorithm::block, a plan built with gradients): the key tiles walk their kept blocks as the
-  /// dk/dv kernel does with only P = exp(scale q·k - lse) left (about the forward's Q Kᵀ FLOPs),
-  /// asynchronous on `stream`, the same bits on every run; `workspace`:
+  /// dk/dv kernel does with only P = exp(scale q·k - lse) left (about a forward's time: as many
+  /// exponentials), asynchronous on `stream`, the same bits on every run; `workspace`:
   /// block_mass_workspace_bytes(heads) bytes. CPU: the float64 block masses of the CPU engine's
   /// importance (lse unused). @throws invalid_input naming a wrong argument; not_supported for
   /// the fused and unfused CUDA algorithms.

@@ -4,7 +4,8 @@
 // left, each kept block's sum of P added per thread, flushed per warp as the backward's
 // (importance.cuh) and finished by the same last kernel. A thread block per (key tile of BM keys,
 // head): K's fragments stay in registers, the query tiles and their lse come through two cp.async
-// stages. About the forward's Q Kᵀ FLOPs and one exponential a pair; no dO, V or dS work.
+// stages. Half the forward's FLOPs and one exponential a pair, no dO, V or dS work; it takes about
+// a forward's time (block_patterns.md: the walk, copies and barriers of 64 x 64 tiles).
 #include "backward.cuh"
 
 namespace trisparse::cuda::block_sparse {
