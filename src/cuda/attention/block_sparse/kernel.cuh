@@ -79,10 +79,7 @@ __global__ void __launch_bounds__(threads<BM>(), (min_blocks<D, BM>()))
     arch::cp_async_wait<1>();
     __syncthreads();
     if (it == 0) {
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk)
-        arch::ldmatrix_x4(
-            qa[kk], swizzled<BM>(sq, warp * 16 + lane % 16, kk / 4, 2 * (kk % 4) + lane / 16));
+      load_a_fragments<D, BM>(qa, sq, warp * 16);
       apply_score_sign(qa, p);
     }
     const std::uint32_t ks = sk + stage * kStage, vs = sv + stage * kStage;

@@ -229,10 +229,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
       __syncthreads();
     }
   } else {
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      arch::ldmatrix_x4(
-          qa[kk], swizzled<kRows>(q_tile, warp * 16 + lane % 16, kk / 4, 2 * (kk % 4) + lane / 16));
+    load_a_fragments<D, kRows>(qa, q_tile, warp * 16);
     apply_score_sign(qa, p);
   }
   float s[BN / 8][4];
@@ -400,10 +397,7 @@ __global__ void __launch_bounds__(pingpong::kBlockThreads, 1)
   arch::cp_async_wait<0>();
   arch::barrier_sync(3, kThreads);  // Q visible to every consumer warp
   std::uint32_t qa[D / 16][4];
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk)
-    arch::ldmatrix_x4(
-        qa[kk], swizzled<kRows>(q_tile, warp * 16 + lane % 16, kk / 4, 2 * (kk % 4) + lane / 16));
+  load_a_fragments<D, kRows>(qa, q_tile, warp * 16);
   apply_score_sign(qa, p);
 
   float o[D / 8][4];

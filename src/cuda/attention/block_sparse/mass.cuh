@@ -63,12 +63,7 @@ __global__ void __launch_bounds__(BM / 16 * 32)
     arch::cp_async_commit();
     arch::cp_async_wait<1>();
     __syncthreads();
-    if (it == 0) {
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk)
-        arch::ldmatrix_x4(
-            a[kk], swizzled<BM>(sk, warp * 16 + lane % 16, kk / 4, 2 * (kk % 4) + lane / 16));
-    }
+    if (it == 0) load_a_fragments<D, BM>(a, sk, warp * 16);
     const std::uint32_t y1 = sq + stage * kStage;
     float s[BN / 8][4];
     tile_scores<T, D, BN>(s, a, y1);

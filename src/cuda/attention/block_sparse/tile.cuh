@@ -62,6 +62,18 @@ __device__ __forceinline__ void load_rows(std::uint32_t base, const char* src, s
   }
 }
 
+/// The A fragments (m16n8k16, D / 16 k steps) of the 16 rows from `row` of the swizzled ROWS-row
+/// tile at `tile`, by ldmatrix: what tile_scores takes.
+template <int D, int ROWS>
+__device__ __forceinline__ void load_a_fragments(std::uint32_t (&a)[D / 16][4], std::uint32_t tile,
+                                                 int row) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    arch::ldmatrix_x4(a[kk],
+                      swizzled<ROWS>(tile, row + lane % 16, kk / 4, 2 * (kk % 4) + lane / 16));
+}
+
 /// S = A Bᵀ for a warp's 16 stationary rows, A as D / 16 k16 fragments in registers, and the BN
 /// rows of the swizzled tile at `b` (ldmatrix, two m16n8k16 products a 16-row slice), in the
 /// m16n8 accumulator layout.
