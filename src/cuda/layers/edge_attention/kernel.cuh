@@ -28,6 +28,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "../../common/convert.cuh"
 #include "trisparse/core/dropout.hpp"
@@ -55,6 +56,16 @@ struct out_mat {
   __device__ __forceinline__ T* at(std::int64_t r, int h) const {
     return static_cast<T*>(data) + r * rs + h * hs;
   }
+};
+// A lane's columns of one head of an operand, its head and lane offsets added once a line: row
+// r's at base + r * rs (TransformerConv's row passes; two registers more than whole addresses).
+template <class T>
+struct lane_cols {
+  const T* base;
+  std::int64_t rs;
+  __device__ __forceinline__ lane_cols(const mat& m, int h, int offset)
+      : base(m.at<T>(0, h) + offset), rs(m.rs) {}
+  __device__ __forceinline__ const T* row(std::int64_t r) const { return base + r * rs; }
 };
 
 struct params {
@@ -123,8 +134,19 @@ __device__ __forceinline__ void load(const T* p, float (&x)[N], float f = 1.0f) 
 #pragma unroll
     for (int n = 0; n < N; ++n) t[n] = p[n];
   }
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && N % 2 == 0 && bytes >= 4) {
+    // A pair's halves as floats by a shift and a mask (a bf16 is a float's upper half).
+    unsigned w[N / 2];
+    memcpy(w, t, bytes);
 #pragma unroll
-  for (int n = 0; n < N; ++n) x[n] = convert<float>(t[n]) * f;
+    for (int n = 0; n < N / 2; ++n) {
+      x[2 * n] = __uint_as_float(w[n] << 16) * f;
+      x[2 * n + 1] = __uint_as_float(w[n] & 0xffff0000u) * f;
+    }
+  } else {
+#pragma unroll
+    for (int n = 0; n < N; ++n) x[n] = convert<float>(t[n]) * f;
+  }
 }
 
 template <class T, int N>
@@ -144,6 +166,13 @@ __device__ __forceinline__ void store_grad(const params& p, const out_mat& m, st
   }
 }
 
+// 2^x (ex2.approx with subnormal results flushed to zero: weights far below any sum's rounding).
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 template <int N>
 __device__ __forceinline__ float dot(const float (&x)[N], const float (&y)[N]) {
   float s = 0.0f;
@@ -152,9 +181,16 @@ __device__ __forceinline__ float dot(const float (&x)[N], const float (&y)[N]) {
   return s;
 }
 
-// The sum over a group's lanes (xor offsets below L).
+// The sum over a group's lanes (xor offsets below L): LT > 0, L fixed by the dispatch (unrolled
+// shuffles); else the runtime `lanes`.
+template <int LT>
 __device__ __forceinline__ float group_sum(float x, int lanes) {
-  for (int off = 1; off < lanes; off <<= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  if constexpr (LT > 0) {
+#pragma unroll
+    for (int off = 1; off < LT; off <<= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  } else {
+    for (int off = 1; off < lanes; off <<= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  }
   return x;
 }
 
@@ -307,9 +343,11 @@ struct line_keeps {
 template <int NF>
 inline constexpr int kSlots = NF > 0 ? NF : 1;
 
-// G: GAT's scores (q, k, r, a unused).
-template <class T, int NC, int NF, bool G>
-__global__ void __launch_bounds__(kWarps * 32) forward_kernel(const params p, bool heavy) {
+// G: GAT's scores (q, k, r, a unused). LT: the group's lanes where the dispatch fixed them (0:
+// p.lanes).
+template <class T, int NC, int NF, bool G, int LT>
+__global__ void __launch_bounds__(kWarps * 32, edge_attention_tuning::forward_blocks(NC, NF, G))
+    forward_kernel(const params p, bool heavy) {
   constexpr int MF = kSlots<NF>;
   place at;
   if (!row_place(p, heavy, at)) return;
@@ -318,30 +356,32 @@ __global__ void __launch_bounds__(kWarps * 32) forward_kernel(const params p, bo
   float qi[NC] = {}, ri[MF] = {}, acc[NC] = {}, acc_a[MF] = {};
   if constexpr (!G) load<T, NC>(p.q.at<T>(i, h) + at.slot * NC, qi, p.scale * kLog2e);
   if constexpr (NF > 0) load<T, NF>(p.r.at<T>(i, h) + at.slot * NF, ri, kLog2e);
+  const lane_cols<T> k(p.k, h, at.slot * NC), v(p.v, h, at.slot * NC), a(p.a, 0, at.slot * NF);
+  const bool keyed = p.dropout_state != nullptr || p.keep.data != nullptr;
   float m = -INFINITY, l = 0.0f;
   line_keeps keeps;
   const std::int64_t begin = p.g.row_ptr[i], end = p.g.row_ptr[i + 1];
   for (std::int64_t base = begin; base < end; base += at.groups) {
     const std::int64_t e = base + at.group;
     const bool on = at.valid && e < end;
-    const float keep = keeps.next(p, at, base, end);
+    const float keep = keyed ? keeps.next(p, at, base, end) : 1.0f;
     float kj[NC] = {}, vj[NC] = {}, ae[MF] = {}, s = 0.0f;
     if (on) {
       const std::int32_t j = p.g.src[e];
       if constexpr (G) s = leaky_log2(gat_z(p, i, j, e, h), p.slope);
-      if constexpr (!G) load<T, NC>(p.k.at<T>(j, h) + at.slot * NC, kj);
-      load<T, NC>(p.v.at<T>(j, h) + at.slot * NC, vj);
-      if constexpr (NF > 0) load<T, NF>(p.a.at<T>(input_edge(p, e), 0) + at.slot * NF, ae);
+      if constexpr (!G) load<T, NC>(k.row(j), kj);
+      load<T, NC>(G ? p.v.at<T>(j, h) + at.slot * NC : v.row(j), vj);
+      if constexpr (NF > 0) load<T, NF>(a.row(input_edge(p, e)), ae);
     }
     if constexpr (!G) {
       s = dot(qi, kj);
       if constexpr (NF > 0) s += dot(ri, ae);
-      s = group_sum(s, p.lanes);
+      s = group_sum<LT>(s, p.lanes);
     }
     if (on) {
       const float mn = fmaxf(m, s);
-      const float c = m == -INFINITY ? 0.0f : exp2f(m - mn);
-      const float w = exp2f(s - mn);
+      const float c = m == -INFINITY ? 0.0f : exp2_ftz(m - mn);
+      const float w = exp2_ftz(s - mn);
       l = fmaf(l, c, w);
       const float wk = w * keep;
 #pragma unroll
@@ -375,8 +415,9 @@ __global__ void __launch_bounds__(kWarps * 32) forward_kernel(const params p, bo
   if (at.slot == 0) *p.lse.at<float>(i, h) = l > 0.0f ? (m + log2f(l)) / kLog2e : -INFINITY;
 }
 
-template <class T, int NC, int NF, bool G>
-__global__ void __launch_bounds__(kWarps * 32) row_kernel(const params p, bool heavy) {
+template <class T, int NC, int NF, bool G, int LT>
+__global__ void __launch_bounds__(kWarps * 32, edge_attention_tuning::row_blocks(NC, NF))
+    row_kernel(const params p, bool heavy) {
   constexpr int MF = kSlots<NF>;
   place at;
   if (!row_place(p, heavy, at)) return;
@@ -391,29 +432,31 @@ __global__ void __launch_bounds__(kWarps * 32) row_kernel(const params p, bool h
     load<float, NF>(p.dout_edge.at<float>(i, h) + at.slot * NF, doa);
     load<float, NF>(p.out_edge_in.at<float>(i, h) + at.slot * NF, oa);
   }
-  const float D = group_sum(dot(doi, oi) + dot(doa, oa), p.lanes);
+  const float D = group_sum<LT>(dot(doi, oi) + dot(doa, oa), p.lanes);
   const float lse2 = *p.lse_in.at<float>(i, h) * kLog2e;
+  const lane_cols<T> k(p.k, h, at.slot * NC), v(p.v, h, at.slot * NC), a(p.a, 0, at.slot * NF);
+  const bool keyed = p.dropout_state != nullptr || p.keep.data != nullptr;
   float dq[NC] = {}, dr[MF] = {}, dz_sum[1] = {};
   line_keeps keeps;
   const std::int64_t begin = p.g.row_ptr[i], end = p.g.row_ptr[i + 1];
   for (std::int64_t base = begin; base < end; base += at.groups) {
     const std::int64_t e = base + at.group;
     const bool on = at.valid && e < end;
-    const float keep = keeps.next(p, at, base, end);
+    const float keep = keyed ? keeps.next(p, at, base, end) : 1.0f;
     float kj[NC] = {}, vj[NC] = {}, ae[MF] = {}, z = 0.0f;
     if (on) {
       const std::int32_t j = p.g.src[e];
       if constexpr (G) z = gat_z(p, i, j, e, h);
-      if constexpr (!G) load<T, NC>(p.k.at<T>(j, h) + at.slot * NC, kj);
-      load<T, NC>(p.v.at<T>(j, h) + at.slot * NC, vj);
-      if constexpr (NF > 0) load<T, NF>(p.a.at<T>(input_edge(p, e), 0) + at.slot * NF, ae);
+      if constexpr (!G) load<T, NC>(k.row(j), kj);
+      load<T, NC>(G ? p.v.at<T>(j, h) + at.slot * NC : v.row(j), vj);
+      if constexpr (NF > 0) load<T, NF>(a.row(input_edge(p, e)), ae);
     }
     float s = G ? leaky_log2(z, p.slope) : dot(qi, kj) + dot(ri, ae);
     float dp = dot(doi, vj) + dot(doa, ae);
-    if constexpr (!G) s = group_sum(s, p.lanes);
-    dp = group_sum(dp, p.lanes);
+    if constexpr (!G) s = group_sum<LT>(s, p.lanes);
+    dp = group_sum<LT>(dp, p.lanes);
     if (on) {
-      const float prob = exp2f(s - lse2);
+      const float prob = exp2_ftz(s - lse2);
       float ds = prob * (dp * keep - D);
       if constexpr (G) {
         ds *= z > 0.0f ? 1.0f : p.slope;  // dL/dz

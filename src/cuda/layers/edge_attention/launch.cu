@@ -44,7 +44,8 @@ void with_features(int nf, F&& f) {
   }
 }
 
-// Calls f.template operator()<T, NC, NF>() for q's dtype, C and F.
+// Calls f.template operator()<T, NC, NF, LT>() for q's dtype, C and F; LT: the group's lanes as a
+// compile-time constant for heads of 16 channels (four lanes: the layers' 8 x 16), else 0.
 template <class F>
 void dispatch(dtype type, std::int64_t C, std::int64_t features, F&& f) {
   const int lanes = edge_attention_group(C);
@@ -58,10 +59,12 @@ void dispatch(dtype type, std::int64_t C, std::int64_t features, F&& f) {
                               " (pad it to edge_attention_plan::feature_width)");
   const int nf = static_cast<int>(features / lanes);
   with_element_type(type, "edge_attention", [&]<class T>() {
-    if (C / lanes == 4)
-      with_features<T, 4>(nf, [&]<int NC, int NF>() { f.template operator()<T, NC, NF>(); });
+    if (C == 16)
+      with_features<T, 4>(nf, [&]<int NC, int NF>() { f.template operator()<T, NC, NF, 4>(); });
+    else if (C / lanes == 4)
+      with_features<T, 4>(nf, [&]<int NC, int NF>() { f.template operator()<T, NC, NF, 0>(); });
     else
-      with_features<T, 8>(nf, [&]<int NC, int NF>() { f.template operator()<T, NC, NF>(); });
+      with_features<T, 8>(nf, [&]<int NC, int NF>() { f.template operator()<T, NC, NF, 0>(); });
   });
 }
 
@@ -133,9 +136,9 @@ void backward_passes(params& p, const multigraph_view& g, const tensor_view& x,
   p.prob = static_cast<float*>(workspace.data);
   p.dscore = p.prob + g.edges * p.heads;
   const auto s = static_cast<cudaStream_t>(stream.handle);
-  dispatch(x.type, x.dim, features, [&]<class T, int NC, int NF>() {
+  dispatch(x.type, x.dim, features, [&]<class T, int NC, int NF, int LT>() {
     if constexpr (!G || NF == 0) {  // (GAT has no feature columns: features = 0)
-      over_lines(row_kernel<T, NC, NF, G>, p, g.rows, g.heavy_row_count, s);
+      over_lines(row_kernel<T, NC, NF, G, LT>, p, g.rows, g.heavy_row_count, s);
       over_lines(column_kernel<T, NC, G>, p, g.cols, g.heavy_col_count, s);
     }
     if constexpr (!G && NF > 0) {
@@ -157,8 +160,8 @@ void edge_attention_forward(const multigraph_view& g, const edge_attention_args&
   p.lse = out_of(a.lse);
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const std::int64_t features = a.r.data != nullptr ? a.r.dim : 0;
-  dispatch(a.q.type, a.q.dim, features, [&]<class T, int NC, int NF>() {
-    over_lines(forward_kernel<T, NC, NF, false>, p, g.rows, g.heavy_row_count, s);
+  dispatch(a.q.type, a.q.dim, features, [&]<class T, int NC, int NF, int LT>() {
+    over_lines(forward_kernel<T, NC, NF, false, LT>, p, g.rows, g.heavy_row_count, s);
   });
 }
 
@@ -186,8 +189,8 @@ void edge_gat_forward(const multigraph_view& g, const edge_gat_args& a, stream_r
   p.out = out_of(a.out);
   p.lse = out_of(a.lse);
   const auto s = static_cast<cudaStream_t>(stream.handle);
-  dispatch(a.x.type, a.x.dim, 0, [&]<class T, int NC, int NF>() {
-    over_lines(forward_kernel<T, NC, 0, true>, p, g.rows, g.heavy_row_count, s);
+  dispatch(a.x.type, a.x.dim, 0, [&]<class T, int NC, int NF, int LT>() {
+    over_lines(forward_kernel<T, NC, 0, true, LT>, p, g.rows, g.heavy_row_count, s);
   });
 }
 
@@ -214,7 +217,7 @@ void edge_neighbor_sum(const multigraph_view& g, const tensor_view& x, const ten
   p.dq = out_of(out);
   p.grads_in_t = out.type != dtype::f32;
   const auto s = static_cast<cudaStream_t>(stream.handle);
-  dispatch(x.type, x.dim, 0, [&]<class T, int NC, int NF>() {
+  dispatch(x.type, x.dim, 0, [&]<class T, int NC, int NF, int LT>() {
     if (transposed)
       over_lines(sum_kernel<T, NC, true>, p, g.cols, g.heavy_col_count, s);
     else
