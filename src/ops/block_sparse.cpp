@@ -136,6 +136,17 @@ bool runs_block_masks(algorithm a, device_kind where) {
   return runs_on(a, where) && a != algorithm::blocked_reference && a != algorithm::automatic;
 }
 
+// The CUDA backward passes (and the block mass) exist for algorithm::block only: `what` names
+// the call in the error.
+void expect_block_kernel(algorithm plan_algo, const char* what) {
+  if (plan_algo != algorithm::block) {
+    throw not_supported(std::string(what) +
+                        " on CUDA runs algorithm::block (blocks a multiple of 16); this plan "
+                        "runs " +
+                        std::string(to_string(plan_algo)));
+  }
+}
+
 }  // namespace
 
 block_sparse_attention_plan block_sparse_attention_plan::build(
@@ -361,12 +372,7 @@ void block_sparse_attention_plan::block_mass(const tensor_view& q, const tensor_
     cpu::block_importance_unchecked(m, q, k, {}, {}, scale, options.block_mass, {}, qb);
     return;
   }
-  if (state_->report.algo != algorithm::block) {
-    throw not_supported(
-        "block mass on CUDA runs algorithm::block (blocks a multiple of 16); this "
-        "plan runs " +
-        std::string(to_string(state_->report.algo)));
-  }
+  expect_block_kernel(state_->report.algo, "block mass");
   check_view(lse, "lse", m.cu_seqlens_q.back(), q.heads, 1);
   TRISPARSE_EXPECTS_INPUT(lse.where == device_kind::cuda, "lse must be on the GPU");
   cuda::run_block_sparse_mass(*state_->device, q, k, lse, scale, {options.block_mass, {}, qb},
@@ -410,12 +416,7 @@ void block_sparse_attention_plan::backward(const tensor_view& q, const tensor_vi
     }
     return;
   }
-  if (state_->report.algo != algorithm::block) {
-    throw not_supported(
-        "block-sparse backward on CUDA runs algorithm::block (blocks a multiple "
-        "of 16); this plan runs " +
-        std::string(to_string(state_->report.algo)));
-  }
+  expect_block_kernel(state_->report.algo, "block-sparse backward");
   detail::check_saved_forward(m.cu_seqlens_q.back(), q, v, out, lse);
   workspace_view ws = given;
   TRISPARSE_EXPECTS_INPUT(ws.data != nullptr || !importance.wanted(),

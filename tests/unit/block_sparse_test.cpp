@@ -467,6 +467,25 @@ TEST(BlockSparsePlan, RejectsWhatItCannotRun) {
   EXPECT_THROW(block_sparse_attention_plan::build(broken), invalid_input);
 }
 
+// The block importance tests' f32 inputs of `rows` rows, `heads` heads of 8: q and k uniform in
+// [-span, span], v and dout in [-1, 1] (seeds seed .. seed + 3), and the gradients' outputs.
+struct importance_inputs {
+  host_tensor q, k, v, dout, dq, dk, dv;
+  importance_inputs(std::int64_t rows, std::int64_t heads, double span, std::uint64_t seed)
+      : q(dtype::f32, rows, heads, 8),
+        k(dtype::f32, rows, heads, 8),
+        v(dtype::f32, rows, heads, 8),
+        dout(dtype::f32, rows, heads, 8),
+        dq(dtype::f32, rows, heads, 8),
+        dk(dtype::f32, rows, heads, 8),
+        dv(dtype::f32, rows, heads, 8) {
+    q.fill_uniform(-span, span, seed);
+    k.fill_uniform(-span, span, seed + 1);
+    v.fill_uniform(-1, 1, seed + 2);
+    dout.fill_uniform(-1, 1, seed + 3);
+  }
+};
+
 // Block importance on the CPU (attention_options::block_mass, block_grad): with every block kept a
 // block row's masses sum to 1 and every |dS| sum is >= 0, in each dtype the outputs take; ragged
 // sequences use rows b * QB + r; wrong shapes and dtypes are named.
@@ -474,15 +493,9 @@ TEST(BlockSparseImportance, FullMaskRowsSumToOneAndBadViewsAreNamed) {
   const std::vector<std::int64_t> lens{70, 33};
   const auto mask = make_block_sparse_mask({.layout = block_layout::dense, .block = 16}, lens);
   const auto plan = block_sparse_attention_plan::build(mask);
-  const std::int64_t rows = 103, heads = 2, dim = 8, qb = 5, kb = 5;
-  host_tensor q(dtype::f32, rows, heads, dim), k(dtype::f32, rows, heads, dim),
-      v(dtype::f32, rows, heads, dim), dout(dtype::f32, rows, heads, dim),
-      dq(dtype::f32, rows, heads, dim), dk(dtype::f32, rows, heads, dim),
-      dv(dtype::f32, rows, heads, dim);
-  q.fill_uniform(-1, 1, 1);
-  k.fill_uniform(-1, 1, 2);
-  v.fill_uniform(-1, 1, 3);
-  dout.fill_uniform(-1, 1, 4);
+  const std::int64_t heads = 2, qb = 5, kb = 5;
+  importance_inputs x(103, heads, 1.0, 1);
+  host_tensor &q = x.q, &k = x.k, &v = x.v, &dout = x.dout, &dq = x.dq, &dk = x.dk, &dv = x.dv;
   for (const dtype t : {dtype::f32, dtype::f64}) {
     host_tensor mass(t, 2 * qb, heads, kb), grad(t, 2 * qb, heads, kb);
     plan.backward(q.view(), k.view(), v.view(), {}, {}, dout.view(), dq.view(), dk.view(),
@@ -518,15 +531,9 @@ TEST(BlockSparseImportance, FullMaskRowsSumToOneAndBadViewsAreNamed) {
 // and bad views are refused naming them.
 TEST(BlockSparseImportance, MassWithoutABackwardEqualsTheBackwards) {
   const std::vector<std::int64_t> lens{70, 33};
-  const std::int64_t rows = 103, heads = 2, dim = 8, qb = 5, kb = 5;
-  host_tensor q(dtype::f32, rows, heads, dim), k(dtype::f32, rows, heads, dim),
-      v(dtype::f32, rows, heads, dim), dout(dtype::f32, rows, heads, dim),
-      dq(dtype::f32, rows, heads, dim), dk(dtype::f32, rows, heads, dim),
-      dv(dtype::f32, rows, heads, dim);
-  q.fill_uniform(-2, 2, 5);
-  k.fill_uniform(-2, 2, 6);
-  v.fill_uniform(-1, 1, 7);
-  dout.fill_uniform(-1, 1, 8);
+  const std::int64_t heads = 2, qb = 5, kb = 5;
+  importance_inputs x(103, heads, 2.0, 5);
+  host_tensor &q = x.q, &k = x.k, &v = x.v, &dout = x.dout, &dq = x.dq, &dk = x.dk, &dv = x.dv;
   for (const bool causal : {false, true}) {
     const auto mask = make_block_sparse_mask({.layout = block_layout::random,
                                               .block = 16,
