@@ -26,6 +26,7 @@
 #include "cuda_core.cuh"
 #include "device.cuh"
 #include "plan.hpp"
+#include "slots.cuh"
 #include "tensor_core.cuh"
 #include "trisparse/formats/bsb.hpp"
 #include "tuning.hpp"
@@ -50,11 +51,16 @@ struct tc_work {
 };
 
 // One pass's BSB (16x8 TCBs) and its window chunks for the tensor-core kernels, at two sizes:
-// fine for runs of few heads (balance), coarse for many (fewer partial rows; tuning.hpp).
+// fine for runs of few heads (balance), coarse for many (fewer partial rows; tuning.hpp); the
+// slots of its entries (slots.cuh).
 struct tc_pass {
+  device_buffer<std::int64_t> tcb_offset;  // [windows + 1]
   device_buffer<std::int32_t> col_idx;
   device_buffer<std::uint64_t> bitmap;
+  device_buffer<std::int32_t> first_slot;  // [tcbs]
+  device_buffer<std::int32_t> source;      // [nnz]: the dq pass's slots (the dk/dv pass only)
   tc_work fine, coarse;
+  std::int64_t tcbs() const { return static_cast<std::int64_t>(bitmap.size() / 2); }
   const tc_work& work(std::int64_t heads) const {
     return heads >= kCoarseFromHeads ? coarse : fine;
   }
@@ -81,7 +87,7 @@ using namespace attention_backward;
 
 struct workspace_segments {
   detail::workspace_layout layout;
-  std::size_t lse = 0, delta = 0, dq = 0, dk = 0, dv = 0, dout = 0;
+  std::size_t lse = 0, delta = 0, dq = 0, dk = 0, dv = 0, dout = 0, pds = 0;
 };
 
 // pdim: floats per partial row (the larger head dim of q and v).
@@ -102,6 +108,8 @@ workspace_segments segments(const attention_backward_device_plan& plan, std::int
   w.dv = w.layout.add(col_slots * row);
   // The tensor-core kernels' 16-bit copy of an f32 dout.
   w.dout = w.layout.add(static_cast<std::size_t>(plan.rows * heads * pdim) * 2);
+  // The tensor-core dq pass's P and dS for the dk/dv pass: a 32-bit word per entry and head.
+  w.pds = w.layout.add(static_cast<std::size_t>(plan.nnz * heads) * sizeof(std::uint32_t));
   return w;
 }
 
@@ -189,7 +197,8 @@ tc_work make_tc_work(std::span<const std::int64_t> tcb_offset, std::int64_t rows
 
 // A pattern's BSB (`tcb_offset` on the host, columns and bitmap on the device) and its work at
 // both chunk sizes: kChunkTcbs, or the TCBs over chunks_per_sm x `sms` chunks where more.
-tc_pass make_tc_pass(std::span<const std::int64_t> tcb_offset, std::int64_t rows,
+tc_pass make_tc_pass(std::span<const std::int64_t> tcb_offset,
+                     device_buffer<std::int64_t> device_offset, std::int64_t rows,
                      device_buffer<std::int32_t> col_idx, device_buffer<std::uint64_t> bitmap,
                      std::int64_t sms) {
   const auto size = [&](std::int64_t per_sm) {
@@ -197,6 +206,7 @@ tc_pass make_tc_pass(std::span<const std::int64_t> tcb_offset, std::int64_t rows
     return std::max<std::int64_t>(kChunkTcbs, (tcb_offset.back() + target - 1) / target);
   };
   tc_pass p;
+  p.tcb_offset = std::move(device_offset);
   p.col_idx = std::move(col_idx);
   p.bitmap = std::move(bitmap);
   p.fine = make_tc_work(tcb_offset, rows, size(kFineChunksPerSm));
@@ -206,7 +216,8 @@ tc_pass make_tc_pass(std::span<const std::int64_t> tcb_offset, std::int64_t rows
 
 tc_pass make_tc_pass(const csr_graph& g, std::int64_t sms) {
   const bsb b = build_bsb(g, 8);
-  return make_tc_pass(b.tcb_offset, g.rows, device_buffer<std::int32_t>(b.col_idx),
+  return make_tc_pass(b.tcb_offset, device_buffer<std::int64_t>(b.tcb_offset), g.rows,
+                      device_buffer<std::int32_t>(b.col_idx),
                       device_buffer<std::uint64_t>(b.bitmap), sms);
 }
 
@@ -228,12 +239,14 @@ bool tensor_core_eligible(const tensor_view& q, const tensor_view& k, const tens
   return true;
 }
 
-// dq, dk, dv (or their partial rows) on the tensor-core kernels (the terms already in `terms`).
+// dq, dk, dv (or their partial rows) on the tensor-core kernels: the per-row terms from `out`
+// and `lse` in the dq pass where out.data is set, else already in `terms`.
 template <class T, class G>
 void run_tensor_core(const attention_backward_device_plan& plan, const tensor_view& q,
                      const tensor_view& k, const tensor_view& v, view<const T> dout,
-                     const tensor_view& dq, const tensor_view& dk, const tensor_view& dv,
-                     row_terms terms, partials dq_part, partials dk_part, partials dv_part,
+                     view<const T> out, view<const float> lse, const tensor_view& dq,
+                     const tensor_view& dk, const tensor_view& dv, row_terms terms,
+                     std::uint32_t* pds, partials dq_part, partials dk_part, partials dv_part,
                      float scale, cudaStream_t s) {
   const auto heads = static_cast<int>(q.heads);
   const float scale_log2 = scale * kLog2e;
@@ -246,20 +259,23 @@ void run_tensor_core(const attention_backward_device_plan& plan, const tensor_vi
                    rows,
                    heads,
                    scale,
-                   scale_log2};
+                   scale_log2,
+                   pass.first_slot.data(),
+                   pass.source.data(),
+                   pds,
+                   plan.nnz};
   };
   const tc_args row = args(plan.tc_row, plan.rows), column = args(plan.tc_column(), plan.cols);
   with_head_dim<32, 64, 128>(q.dim, "attention backward", [&]<int D>() {
     if (row.n_chunks * heads > 0) {
       tc_row_pass<T, G, D><<<grid_of(row.n_chunks * heads), kWarps * 32, 0, s>>>(
-          row, view_of<const T>(q), view_of<const T>(k), view_of<const T>(v), dout, terms,
+          row, view_of<const T>(q), view_of<const T>(k), view_of<const T>(v), dout, out, lse, terms,
           view_of<G>(dq), dq_part);
       TRISPARSE_CUDA_CHECK_LAUNCH();
     }
     if (column.n_chunks * heads > 0) {
       tc_column_pass<T, G, D><<<grid_of(column.n_chunks * heads), kWarps * 32, 0, s>>>(
-          column, view_of<const T>(q), view_of<const T>(k), view_of<const T>(v), dout, terms,
-          view_of<G>(dk), view_of<G>(dv), dk_part, dv_part);
+          column, view_of<const T>(q), dout, view_of<G>(dk), view_of<G>(dv), dk_part, dv_part);
       TRISPARSE_CUDA_CHECK_LAUNCH();
     }
   });
@@ -363,6 +379,29 @@ void check_dims(const tensor_view& q, const tensor_view& v, const char* what) {
                               std::to_string(std::max(q.dim, v.dim)));
 }
 
+// The tensor-core passes' slot maps (slots.cuh), from the pattern's CSR on the device.
+void link_slots(attention_backward_device_plan& p, cudaStream_t s) {
+  tc_pass& row = p.tc_row;
+  tc_pass& column = p.symmetric ? p.tc_row : p.tc_transposed;
+  row.first_slot = first_slots(row.bitmap.data(), row.tcbs(), s);
+  if (!p.symmetric) column.first_slot = first_slots(column.bitmap.data(), column.tcbs(), s);
+  column.source = device_buffer<std::int32_t>(static_cast<std::size_t>(p.nnz));
+  if (p.nnz == 0) return;
+  device_buffer<std::int32_t> slot_of(static_cast<std::size_t>(p.nnz), s);
+  const auto windows = [](const tc_pass& t) {
+    return static_cast<std::int64_t>(t.tcb_offset.size()) - 1;
+  };
+  pattern_slots<<<slot_blocks(row.tcbs()), kSlotThreads, 0, s>>>(
+      row.tcb_offset.data(), windows(row), row.col_idx.data(), row.bitmap.data(),
+      row.first_slot.data(), row.tcbs(), p.row_ptr.data(), p.row.col_idx.data(), slot_of.data());
+  TRISPARSE_CUDA_CHECK_LAUNCH();
+  transposed_sources<<<slot_blocks(column.tcbs()), kSlotThreads, 0, s>>>(
+      column.tcb_offset.data(), windows(column), column.col_idx.data(), column.bitmap.data(),
+      column.first_slot.data(), column.tcbs(), p.row_ptr.data(), p.row.col_idx.data(),
+      slot_of.data(), column.source.data());
+  TRISPARSE_CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace
 
 std::shared_ptr<attention_backward_device_plan> make_attention_backward_plan(
@@ -388,6 +427,7 @@ std::shared_ptr<attention_backward_device_plan> make_attention_backward_plan(
   p->row_ptr = device_buffer<std::int64_t>(pattern.row_ptr);
   p->column_entry = device_buffer<std::int64_t>(
       std::vector<std::int64_t>(transposed_entry.begin(), transposed_entry.end()));
+  link_slots(*p, static_cast<cudaStream_t>(stream.handle));
   TRISPARSE_CUDA_TRY(cudaStreamSynchronize(static_cast<cudaStream_t>(stream.handle)));
   return p;
 }
@@ -494,7 +534,8 @@ int read_flag(const device_buffer<int>& flag, cudaStream_t s) {
 tc_pass device_tc_pass(const csr_view& g, std::int64_t sms, cudaStream_t s) {
   device_bsb b = build_bsb_device(g, s, true, false);
   const std::vector<std::int64_t> offsets = host_copy(b.tcb_offset.data(), b.windows + 1, s);
-  return make_tc_pass(offsets, g.rows, std::move(b.col_idx), std::move(b.bitmap), sms);
+  return make_tc_pass(offsets, std::move(b.tcb_offset), g.rows, std::move(b.col_idx),
+                      std::move(b.bitmap), sms);
 }
 
 }  // namespace
@@ -578,6 +619,7 @@ std::shared_ptr<attention_backward_device_plan> make_attention_backward_plan(
     p->tc_transposed = device_tc_pass(t, sms, s);
     p->transposed = make_pass(host_copy(t_row_ptr.data(), cols + 1, s), std::move(t_col));
   }
+  link_slots(*p, s);
   TRISPARSE_CUDA_TRY(cudaStreamSynchronize(s));
   return p;
 }
@@ -626,11 +668,14 @@ void run_attention_backward(const attention_backward_device_plan& plan, const te
           // The tensor-core kernels take dout in T: an f32 dout is rounded into the workspace.
           const bool round_dout = tensor_core && !std::is_same_v<T, O>;
           T* const rounded = round_dout ? layout::at<T>(workspace, w.dout) : nullptr;
+          // Given the forward's lse and dout in T, the tensor-core dq pass takes the terms itself
+          // (D from out's rows as it reads dout's): no terms pass.
+          const bool dq_terms = tensor_core && !round_dout && lse.data != nullptr;
           core_params p = base;
           p.row_ptr = plan.row_ptr.data();
           p.col = plan.row.col_idx.data();
           p.rounded = {rounded, heads * dout.dim, dout.dim};
-          if (plan.rows * p.l.groups > 0) {
+          if (!dq_terms && plan.rows * p.l.groups > 0) {
             core_terms<T, O, V, F>
                 <<<grid_of(plan.rows * p.l.groups), kWarps * 32, 0, s>>>(p, plan.rows);
             TRISPARSE_CUDA_CHECK_LAUNCH();
@@ -642,7 +687,10 @@ void run_attention_backward(const attention_backward_device_plan& plan, const te
                                              static_cast<int>(dout.dim)}
                              : view<const T>{static_cast<const T*>(dout.data), dout.row_stride,
                                              dout.head_stride, static_cast<int>(dout.dim)};
-              run_tensor_core<T, G>(plan, q, k, v, dout_t, dq, dk, dv, terms,
+              const view<const T> out_t =
+                  dq_terms ? view_of<const T>(out) : view<const T>{nullptr, 0, 0, 0};
+              run_tensor_core<T, G>(plan, q, k, v, dout_t, out_t, view_of<const float>(lse), dq, dk,
+                                    dv, terms, layout::at<std::uint32_t>(workspace, w.pds),
                                     partials{dq_part, heads, pdim}, partials{dk_part, heads, pdim},
                                     partials{dv_part, heads, pdim}, static_cast<float>(scale), s);
               launch_reduce<G, V, F>(base, plan.tc_row.work(heads).splits, dq_part, dq, base.scale,
@@ -727,7 +775,8 @@ std::int64_t device_bytes(const attention_backward_device_plan& plan) {
     return p.col_idx.bytes() + p.chunks.bytes() + p.splits.bytes();
   };
   const auto tc_bytes = [](const tc_pass& p) {
-    std::size_t bytes = p.col_idx.bytes() + p.bitmap.bytes();
+    std::size_t bytes = p.tcb_offset.bytes() + p.col_idx.bytes() + p.bitmap.bytes() +
+                        p.first_slot.bytes() + p.source.bytes();
     for (const tc_work* w : {&p.fine, &p.coarse}) bytes += w->chunks.bytes() + w->splits.bytes();
     return bytes;
   };

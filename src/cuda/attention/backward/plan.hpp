@@ -6,10 +6,12 @@
 // D = <dout, out> (and the log-sum-exp, recomputed when the forward's is not given); a pass over
 // the pattern that writes dq; a pass over the transposed pattern that writes dk and dv. Work too
 // long for one warp is cut into chunks whose partial sums a reduction adds in a fixed order.
-// P = exp(S - lse) is recomputed, never stored. Two kernel families: tensor-core (mma.sync over
-// the BSB windows of the pattern and of its transpose, both built at plan build) for f16/bf16
-// inputs of one head dim in {32, 64, 128} with 16-byte aligned rows; CUDA-core (a warp per row
-// chunk and head group) for the rest (f32, other or unequal head dims, unaligned views).
+// P = exp(S - lse) is recomputed from the forward's lse. Two kernel families: tensor-core
+// (mma.sync over the BSB windows of the pattern and of its transpose, both built at plan build,
+// with the map between their entries) for f16/bf16 inputs of one head dim in {32, 64, 128} with
+// 16-byte aligned rows, whose dq pass stores P and dS per entry in the workspace for the dk/dv
+// pass; CUDA-core (a warp per row chunk and head group) for the rest (f32, other or unequal head
+// dims, unaligned views).
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -45,7 +47,8 @@ TRISPARSE_CUDA_ENTRY(std::shared_ptr<attention_backward_device_plan> make_attent
     const csr_view& pattern, stream_ref stream))
 
 /// Bytes of workspace a backward with `heads` heads of up to `head_dim` elements (q's and v's)
-/// needs: the per-row terms and the partial rows of cut rows, 256-byte aligned.
+/// needs: the per-row terms, the partial rows of cut rows and the tensor-core kernels' P and dS
+/// (4 bytes an entry and head), 256-byte aligned.
 TRISPARSE_CUDA_ENTRY(std::size_t attention_backward_workspace_bytes(
     const attention_backward_device_plan& plan, std::int64_t heads, std::int64_t head_dim))
 

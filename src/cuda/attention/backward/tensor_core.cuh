@@ -10,9 +10,11 @@
 // the contraction permuted alike in both operands: load_quarter), P = exp(S − lse) under the
 // bitmap, dS = P ∘ (dP − D), then dQ += dS K (m16n8k8, A = dS straight from the S accumulators,
 // B = K rows col[2t], col[2t+1] with the output columns permuted so that a lane holds whole
-// 16-byte runs of each: load_slice). The transposed pass is the same with keys as rows:
-// Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, dV += Pᵀ dO, dK += dSᵀ Q. dout comes in the inputs' 16-bit type (the
-// terms pass rounds an f32 one into the workspace).
+// 16-byte runs of each: load_slice). It stores each entry's P and dS (16-bit, as the products
+// take them) at the entry's slot (slots.cuh), so the transposed pass (keys as rows) recomputes
+// nothing: it reads them at its own bits' sources and gathers only the Q and dO slices of
+// dV += Pᵀ dO, dK += dSᵀ Q. dout comes in the inputs' 16-bit type (the terms pass rounds an f32
+// one into the workspace).
 #include "../../common/arch/mma.cuh"
 #include "../../common/fragment_io.cuh"
 #include "device.cuh"
@@ -29,6 +31,10 @@ struct tc_args {
   std::int64_t rows;  // rows of the pass's pattern
   int heads;
   float scale, scale_log2;
+  const std::int32_t* first_slot;  // [tcbs]: the TCB's first slot
+  const std::int32_t* source;      // [nnz]: the dq pass's slot of each slot (the dk/dv pass)
+  std::uint32_t* pds;              // [heads, nnz]: P and dS (16-bit each) per slot
+  std::int64_t nnz;
 };
 
 // Row `r` of a view at head h, offset by `offset` elements, or nullptr for r < 0.
@@ -104,6 +110,10 @@ template <int D>
 inline constexpr int kTcMinBlocks = D <= 32   ? 4
                                     : D <= 64 ? 3
                                               : 2;
+template <int D>
+inline constexpr int kTcColumnMinBlocks = D <= 32   ? 5
+                                          : D <= 64 ? 3
+                                                    : 2;
 
 // P under the bitmap (a product of exactly 0 is still an edge) from S and the base-2 log-sum-exp
 // of each accumulator (la: columns 2t of both rows ... as the caller passes them).
@@ -121,67 +131,84 @@ __device__ __forceinline__ void probabilities(const tcb_meta& m, int bit, const 
 template <int D>
 struct dq_rows {
   std::uint32_t kq[D / 8], vq[D / 8];
+  std::int32_t first;  // the TCB's first slot
 };
 
 template <class T, int D>
-__device__ __forceinline__ void load_dq_rows(const tcb_meta& m, view<const T> k, view<const T> v,
-                                             int h, int g, int t, dq_rows<D>& r) {
+__device__ __forceinline__ void load_dq_rows(const tcb_meta& m, const tc_args& a, std::int64_t tcb,
+                                             view<const T> k, view<const T> v, int h, int t,
+                                             dq_rows<D>& r) {
   load_quarter<D>(row_or_null(k, m.cb, h, 0), t, r.kq);
   load_quarter<D>(row_or_null(v, m.cb, h, 0), t, r.vq);
+  r.first = __ldg(a.first_slot + tcb);
 }
 
-// The dk/dv pass's B rows of one TCB (queries): Q and dO quarter-rows of col[g], and the base-2
-// log-sum-exp and D of queries col[2t], col[2t+1] (0 for padding). (Their Q and dO slices load in
-// the TCB's own step.)
+// The slots of the lane's four bits of a TCB (bit and bit + 1 of both masks: rows g and g + 8,
+// columns 2t and 2t + 1), -1 where the bit is clear.
+__device__ __forceinline__ void lane_slots(const tcb_meta& m, int bit, std::int32_t first,
+                                           std::int32_t (&slot)[4]) {
+  const std::uint64_t below = (std::uint64_t{1} << bit) - 1;
+  const std::int32_t r0 = first + __popcll(m.mask0 & below),
+                     r1 = first + __popcll(m.mask0) + __popcll(m.mask1 & below);
+  const bool b0 = (m.mask0 >> bit) & 1, b1 = (m.mask0 >> (bit + 1)) & 1, b2 = (m.mask1 >> bit) & 1,
+             b3 = (m.mask1 >> (bit + 1)) & 1;
+  slot[0] = b0 ? r0 : -1;
+  slot[1] = b1 ? r0 + b0 : -1;
+  slot[2] = b2 ? r1 : -1;
+  slot[3] = b3 ? r1 + b2 : -1;
+}
+
+// The dq pass's P and dS of the lane's entries of a TCB, at their slots.
+template <class T>
+__device__ __forceinline__ void store_pds(const tc_args& a, const tcb_meta& m, int bit,
+                                          std::int32_t first, int h, const float (&p)[4],
+                                          const float (&ds)[4]) {
+  std::int32_t slot[4];
+  lane_slots(m, bit, first, slot);
+  std::uint32_t* const out = a.pds + std::int64_t{h} * a.nnz;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    if (slot[i] >= 0) out[slot[i]] = arch::pack2<T>(p[i], ds[i]);
+}
+
+// The dk/dv pass's operands of one TCB (queries): the Q and dO slices of col[2t], col[2t+1] and
+// the dq pass's P and dS words of the lane's four entries (0 where clear).
 template <int D>
 struct dkv_rows {
-  std::uint32_t qq[D / 8], gq[D / 8];
-  float lse0, lse1, d0, d1;
+  std::uint32_t q0[D / 16], q1[D / 16], g0[D / 16], g1[D / 16], w[4];
 };
 
 template <class T, int D>
-__device__ __forceinline__ void load_dkv_rows(const tcb_meta& m, const tc_args& a, view<const T> q,
-                                              view<const T> dout, const row_terms& terms, int h,
-                                              int g, int t, dkv_rows<D>& r) {
-  load_quarter<D>(row_or_null(q, m.cb, h, 0), t, r.qq);
-  load_quarter<D>(row_or_null(dout, m.cb, h, 0), t, r.gq);
-  r.lse0 = r.lse1 = r.d0 = r.d1 = 0.0f;
-  if (m.c0 >= 0) {
-    r.lse0 = __ldg(terms.lse + std::int64_t{m.c0} * a.heads + h) * kLog2e;
-    r.d0 = __ldg(terms.delta + std::int64_t{m.c0} * a.heads + h);
-  }
-  if (m.c1 >= 0) {
-    r.lse1 = __ldg(terms.lse + std::int64_t{m.c1} * a.heads + h) * kLog2e;
-    r.d1 = __ldg(terms.delta + std::int64_t{m.c1} * a.heads + h);
-  }
+__device__ __forceinline__ void load_dkv_rows(const tcb_meta& m, const tc_args& a, std::int64_t tcb,
+                                              view<const T> q, view<const T> dout, int h, int g,
+                                              int t, dkv_rows<D>& r) {
+  std::int32_t slot[4];
+  lane_slots(m, g * 8 + 2 * t, __ldg(a.first_slot + tcb), slot);
+  const std::uint32_t* const pds = a.pds + std::int64_t{h} * a.nnz;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) r.w[i] = slot[i] >= 0 ? __ldg(pds + __ldg(a.source + slot[i])) : 0u;
+  load_slice<D>(row_or_null(q, m.c0, h, 0), g, r.q0);
+  load_slice<D>(row_or_null(q, m.c1, h, 0), g, r.q1);
+  load_slice<D>(row_or_null(dout, m.c0, h, 0), g, r.g0);
+  load_slice<D>(row_or_null(dout, m.c1, h, 0), g, r.g1);
 }
 
-// Whether a pass keeps the next TCB's rows in flight during this one's products (a second copy of
-// the rows in registers): where that fits the register budget without spilling.
-template <int D, bool kColumn>
-inline constexpr bool kTcPipelined = D <= 64 || !kColumn;
-
-// The pass's TCB loop: metadata two TCBs ahead, rows one TCB ahead where kPipelined, `body` on
-// each TCB's (meta, rows).
-template <class Rows, bool kPipelined, class Load, class Body>
+// The pass's TCB loop: metadata two TCBs ahead, the operands (`load`) one TCB ahead, `body` on
+// each TCB's (meta, operands).
+template <class Rows, class Load, class Body>
 __device__ __forceinline__ void tcb_loop(const tc_args& a, const tc_chunk& w, int g, int t,
                                          Load&& load, Body&& body) {
   tcb_meta meta1 = w.begin < w.end ? load_tcb_meta(a.col_idx, a.bitmap, w.begin, g, t) : tcb_meta{};
   tcb_meta meta2 =
       w.begin + 1 < w.end ? load_tcb_meta(a.col_idx, a.bitmap, w.begin + 1, g, t) : tcb_meta{};
   Rows next;
-  if (kPipelined && w.begin < w.end) load(meta1, next);
+  if (w.begin < w.end) load(meta1, w.begin, next);
   for (std::int64_t tcb = w.begin; tcb < w.end; ++tcb) {
-    Rows cur;
+    const Rows cur = next;
     const tcb_meta m = meta1;
     meta1 = meta2;
     if (tcb + 2 < w.end) meta2 = load_tcb_meta(a.col_idx, a.bitmap, tcb + 2, g, t);
-    if constexpr (kPipelined) {
-      cur = next;
-      if (tcb + 1 < w.end) load(meta1, next);  // in flight during this TCB's products
-    } else {
-      load(m, cur);
-    }
+    if (tcb + 1 < w.end) load(meta1, tcb + 1, next);  // in flight during this TCB's products
     body(m, cur);
   }
 }
@@ -194,9 +221,9 @@ struct window_task {
   std::int64_t row0, row1;
 };
 
-// This warp's task (one per warp: item = chunk * heads + head), false past the last.
-__device__ __forceinline__ bool warp_task(const tc_args& a, int g, window_task& task) {
-  const std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+// The task of item = chunk * heads + head, false past the last.
+__device__ __forceinline__ bool warp_task(const tc_args& a, std::int64_t item, int g,
+                                          window_task& task) {
   if (item >= a.n_chunks * a.heads) return false;
   task.w = a.chunks[item / a.heads];
   task.h = static_cast<int>(item % a.heads);
@@ -215,45 +242,85 @@ __device__ __forceinline__ void load_a_rows(view<const T> x, const window_task& 
   load_quarter<D>(row_or_null(x, task.row1, task.h, 0), t, a1);
 }
 
-// dq over the pattern's windows: one warp per (chunk, head).
+// Σ over the row of a · b, the row's quarters in the lane and its 3 neighbours t (the quad).
+template <class T, int D>
+__device__ __forceinline__ float quarter_dot(const std::uint32_t (&a)[D / 8],
+                                             const std::uint32_t (&b)[D / 8]) {
+  float sum = 0.0f;
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+    const float2 x = arch::unpack2<T>(a[j]), y = arch::unpack2<T>(b[j]);
+    sum = fmaf(x.x, y.x, fmaf(x.y, y.y, sum));
+  }
+  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+  return sum + __shfl_xor_sync(0xffffffffu, sum, 2);
+}
+
+// The per-row terms of the task's rows g and g + 8: the log-sum-exp (base 2) and D. From the
+// forward's lse and D = <dout, out> (out in T, its quarters) where `out` is given, else from the
+// terms pass; 0 past the last row (no entries there).
+template <class T, int D>
+__device__ __forceinline__ void row_terms_of(const window_task& task, int t, const tc_args& a,
+                                             view<const T> out, view<const float> lse,
+                                             const row_terms& terms,
+                                             const std::uint32_t (&g0)[D / 8],
+                                             const std::uint32_t (&g1)[D / 8], float (&l)[2],
+                                             float (&d)[2]) {
+  const std::int64_t rows[2] = {task.row0, task.row1};
+  if (out.data != nullptr) {
+    std::uint32_t o0[D / 8], o1[D / 8];
+    load_a_rows<T, D>(out, task, t, o0, o1);
+    d[0] = quarter_dot<T, D>(g0, o0);
+    d[1] = quarter_dot<T, D>(g1, o1);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) l[i] = rows[i] >= 0 ? *lse.at(rows[i], task.h) * kLog2e : 0.0f;
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const std::int64_t at = rows[i] * a.heads + task.h;
+    l[i] = rows[i] >= 0 ? terms.lse[at] * kLog2e : 0.0f;
+    d[i] = rows[i] >= 0 ? terms.delta[at] : 0.0f;
+  }
+}
+
+// dq over the pattern's windows: one warp per (chunk, head). The per-row terms come from out and
+// the forward's lse where `out` is given (no terms pass), else from `terms`.
 template <class T, class G, int D>
 __global__ void __launch_bounds__(kWarps * 32, kTcMinBlocks<D>)
     tc_row_pass(tc_args a, view<const T> q, view<const T> k, view<const T> v, view<const T> dout,
-                row_terms terms, view<G> dq, partials part) {
+                view<const T> out, view<const float> lse_in, row_terms terms, view<G> dq,
+                partials part) {
   const int lane = threadIdx.x & 31, g = lane / 4, t = lane % 4;
   window_task task;
-  if (!warp_task(a, g, task)) return;
+  if (!warp_task(a, blockIdx.x * std::int64_t{kWarps} + (threadIdx.x >> 5), g, task)) return;
   const tc_chunk& w = task.w;
   const int h = task.h;
-  const std::int64_t row0 = task.row0, row1 = task.row1;
   std::uint32_t q0[D / 8], q1[D / 8], g0[D / 8], g1[D / 8];
   load_a_rows<T, D>(q, task, t, q0, q1);
   load_a_rows<T, D>(dout, task, t, g0, g1);
-  // The rows' log-sum-exp (base 2) and D; 0 past the last row (no entries there).
-  float lse0 = 0.0f, lse1 = 0.0f, d0 = 0.0f, d1 = 0.0f;
-  if (row0 >= 0) {
-    lse0 = terms.lse[row0 * a.heads + h] * kLog2e;
-    d0 = terms.delta[row0 * a.heads + h];
-  }
-  if (row1 >= 0) {
-    lse1 = terms.lse[row1 * a.heads + h] * kLog2e;
-    d1 = terms.delta[row1 * a.heads + h];
-  }
-  const float lse[4] = {lse0, lse0, lse1, lse1};
+  float l[2], d[2];
+  row_terms_of<T, D>(task, t, a, out, lse_in, terms, g0, g1, l, d);
+  const float lse[4] = {l[0], l[0], l[1], l[1]}, d0 = d[0], d1 = d[1];
   float acc[D / 8][4];
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
   const int bit = g * 8 + 2 * t;
-  tcb_loop<dq_rows<D>, kTcPipelined<D, false>>(
+  tcb_loop<dq_rows<D>>(
       a, w, g, t,
-      [&](const tcb_meta& m, dq_rows<D>& r) { load_dq_rows<T, D>(m, k, v, h, g, t, r); },
+      [&](const tcb_meta& m, std::int64_t tcb, dq_rows<D>& r) {
+        load_dq_rows<T, D>(m, a, tcb, k, v, h, t, r);
+      },
       [&](const tcb_meta& m, const dq_rows<D>& r) {
         float s[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dp[4] = {0.0f, 0.0f, 0.0f, 0.0f}, p[4];
         product<T, D>(s, q0, q1, r.kq);
         product<T, D>(dp, g0, g1, r.vq);
         probabilities(m, bit, s, a.scale_log2, lse, p);
-        const std::uint32_t ds[2] = {arch::pack2<T>(p[0] * (dp[0] - d0), p[1] * (dp[1] - d0)),
-                                     arch::pack2<T>(p[2] * (dp[2] - d1), p[3] * (dp[3] - d1))};
+        const float dsv[4] = {p[0] * (dp[0] - d0), p[1] * (dp[1] - d0), p[2] * (dp[2] - d1),
+                              p[3] * (dp[3] - d1)};
+        store_pds<T>(a, m, bit, r.first, h, p, dsv);
+        const std::uint32_t ds[2] = {arch::pack2<T>(dsv[0], dsv[1]),
+                                     arch::pack2<T>(dsv[2], dsv[3])};
         std::uint32_t k0[D / 16], k1[D / 16];
         load_slice<D>(row_or_null(k, m.c0, h, 0), g, k0);
         load_slice<D>(row_or_null(k, m.c1, h, 0), g, k1);
@@ -262,51 +329,37 @@ __global__ void __launch_bounds__(kWarps * 32, kTcMinBlocks<D>)
   finish_window<G, D>(w, a, h, g, t, acc, a.scale, dq, part);
 }
 
-// dk, dv over the transposed pattern's windows (16 keys; TCBs of 8 queries): one warp per
-// (chunk, head).
+// dk, dv over the transposed pattern's windows (16 keys; TCBs of 8 queries), from the dq pass's
+// P and dS: one warp per (chunk, head).
 template <class T, class G, int D>
-__global__ void __launch_bounds__(kWarps * 32, kTcMinBlocks<D>)
-    tc_column_pass(tc_args a, view<const T> q, view<const T> k, view<const T> v, view<const T> dout,
-                   row_terms terms, view<G> dk, view<G> dv, partials dk_part, partials dv_part) {
+__global__ void __launch_bounds__(kWarps * 32, kTcColumnMinBlocks<D>)
+    tc_column_pass(tc_args a, view<const T> q, view<const T> dout, view<G> dk, view<G> dv,
+                   partials dk_part, partials dv_part) {
   const int lane = threadIdx.x & 31, g = lane / 4, t = lane % 4;
   window_task task;
-  if (!warp_task(a, g, task)) return;
+  if (!warp_task(a, blockIdx.x * std::int64_t{kWarps} + (threadIdx.x >> 5), g, task)) return;
   const tc_chunk& w = task.w;
   const int h = task.h;
-  std::uint32_t k0[D / 8], k1[D / 8], v0[D / 8], v1[D / 8];
-  load_a_rows<T, D>(k, task, t, k0, k1);
-  load_a_rows<T, D>(v, task, t, v0, v1);
   float acc_k[D / 8][4], acc_v[D / 8][4];
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc_k[j][i] = acc_v[j][i] = 0.0f;
   }
-  const int bit = g * 8 + 2 * t;
-  tcb_loop<dkv_rows<D>, kTcPipelined<D, true>>(
+  tcb_loop<dkv_rows<D>>(
       a, w, g, t,
-      [&](const tcb_meta& m, dkv_rows<D>& r) {
-        load_dkv_rows<T, D>(m, a, q, dout, terms, h, g, t, r);
+      [&](const tcb_meta& m, std::int64_t tcb, dkv_rows<D>& r) {
+        load_dkv_rows<T, D>(m, a, tcb, q, dout, h, g, t, r);
       },
-      [&](const tcb_meta& m, const dkv_rows<D>& r) {
-        float s[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dp[4] = {0.0f, 0.0f, 0.0f, 0.0f}, p[4];
-        product<T, D>(s, k0, k1, r.qq);
-        product<T, D>(dp, v0, v1, r.gq);
-        const float lse[4] = {r.lse0, r.lse1, r.lse0, r.lse1};
-        probabilities(m, bit, s, a.scale_log2, lse, p);
-        const std::uint32_t pa[2] = {arch::pack2<T>(p[0], p[1]), arch::pack2<T>(p[2], p[3])};
-        const std::uint32_t ds[2] = {arch::pack2<T>(p[0] * (dp[0] - r.d0), p[1] * (dp[1] - r.d1)),
-                                     arch::pack2<T>(p[2] * (dp[2] - r.d0), p[3] * (dp[3] - r.d1))};
-        {
-          std::uint32_t b0[D / 16], b1[D / 16];
-          load_slice<D>(row_or_null(dout, m.c0, h, 0), g, b0);
-          load_slice<D>(row_or_null(dout, m.c1, h, 0), g, b1);
-          accumulate<T, D>(acc_v, pa, b0, b1);
-        }
-        std::uint32_t b0[D / 16], b1[D / 16];
-        load_slice<D>(row_or_null(q, m.c0, h, 0), g, b0);
-        load_slice<D>(row_or_null(q, m.c1, h, 0), g, b1);
-        accumulate<T, D>(acc_k, ds, b0, b1);
+      [&](const tcb_meta&, const dkv_rows<D>& r) {
+        // Rows g and g + 8 (keys), columns 2t and 2t + 1 (queries): P in the words' low halves,
+        // dS in the high.
+        const std::uint32_t pa[2] = {arch::interleave_lo(r.w[0], r.w[1]),
+                                     arch::interleave_lo(r.w[2], r.w[3])};
+        const std::uint32_t ds[2] = {arch::interleave_hi(r.w[0], r.w[1]),
+                                     arch::interleave_hi(r.w[2], r.w[3])};
+        accumulate<T, D>(acc_v, pa, r.g0, r.g1);
+        accumulate<T, D>(acc_k, ds, r.q0, r.q1);
       });
   finish_window<G, D>(w, a, h, g, t, acc_k, a.scale, dk, dk_part);
   finish_window<G, D>(w, a, h, g, t, acc_v, 1.0f, dv, dv_part);

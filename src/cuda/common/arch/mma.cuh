@@ -109,6 +109,18 @@ __device__ __forceinline__ std::uint32_t pack2<__nv_bfloat16>(float lo, float hi
   return *reinterpret_cast<const std::uint32_t*>(&h);
 }
 
+/// One register of two 16-bit values -> two floats (x the low half): pack2's inverse.
+template <class T>
+__device__ __forceinline__ float2 unpack2(std::uint32_t r);
+template <>
+__device__ __forceinline__ float2 unpack2<__half>(std::uint32_t r) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&r));
+}
+template <>
+__device__ __forceinline__ float2 unpack2<__nv_bfloat16>(std::uint32_t r) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r));
+}
+
 /// The 16-bit halves of two registers: (lo of a, lo of b) and (hi of a, hi of b).
 __device__ __forceinline__ std::uint32_t interleave_lo(std::uint32_t a, std::uint32_t b) {
   return __byte_perm(a, b, 0x5410);

@@ -1,0 +1,120 @@
+#pragma once
+// The slots of the tensor-core backward's stored P and dS (included by launch.cu, at plan build).
+//
+// The dq pass writes P and dS of each pattern entry it recomputes (one 32-bit word a head: the two
+// 16-bit values) at the entry's *slot*: its rank among the set bits of the pattern's BSB, in TCB
+// order and, within a TCB, bit order (rows 0-7 of mask0, then rows 8-15 of mask1), so a TCB's
+// entries are the slots first_slot[tcb] + [0, popcount). The dk/dv pass reads them where its own
+// BSB (the transpose's) has the entry: source[its slot] is the dq pass's slot of the same pair.
+// Both maps are built here on the device from the pattern's CSR (columns increasing in each row):
+// each set bit's pair found by a binary search of its row.
+#include <cub/device/device_scan.cuh>
+
+#include <cstdint>
+
+#include "../../common/buffer.cuh"
+#include "../../common/error.cuh"
+
+namespace trisparse::cuda::attention_backward {
+
+constexpr int kSlotThreads = 256;
+
+inline unsigned slot_blocks(std::int64_t threads) {
+  return static_cast<unsigned>((threads + kSlotThreads - 1) / kSlotThreads);
+}
+
+// The window of TCB `tcb`: the last w with tcb_offset[w] <= tcb.
+__device__ __forceinline__ std::int64_t window_of(const std::int64_t* tcb_offset,
+                                                  std::int64_t windows, std::int64_t tcb) {
+  std::int64_t lo = 0, hi = windows;  // tcb_offset[lo] <= tcb < tcb_offset[hi]
+  while (hi - lo > 1) {
+    const std::int64_t mid = (lo + hi) / 2;
+    if (tcb_offset[mid] <= tcb)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+// The entry (row, col) of a CSR with increasing columns in each row (present by construction).
+__device__ __forceinline__ std::int64_t entry_of(const std::int64_t* row_ptr,
+                                                 const std::int32_t* col, std::int64_t row,
+                                                 std::int32_t c) {
+  std::int64_t lo = row_ptr[row], hi = row_ptr[row + 1];
+  while (lo < hi) {
+    const std::int64_t mid = (lo + hi) / 2;
+    if (col[mid] < c)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+__global__ void tcb_entry_counts(const std::uint64_t* bitmap, std::int64_t tcbs,
+                                 std::int32_t* count) {
+  const std::int64_t t = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
+  if (t < tcbs) count[t] = __popcll(bitmap[2 * t]) + __popcll(bitmap[2 * t + 1]);
+}
+
+// Calls f(r, c, slot) for each set bit of TCB `tcb` (window row r, column slot c) in slot order.
+template <class F>
+__device__ __forceinline__ void for_each_bit(const std::uint64_t* bitmap, std::int64_t tcb,
+                                             std::int32_t first, F&& f) {
+  std::int32_t slot = first;
+  for (int half = 0; half < 2; ++half) {
+    for (std::uint64_t m = bitmap[2 * tcb + half]; m != 0; m &= m - 1) {
+      const int bit = __ffsll(static_cast<long long>(m)) - 1;
+      f(half * 8 + bit / 8, bit % 8, slot++);
+    }
+  }
+}
+
+// slot_of[e] = the slot of the pattern's entry e, over the pattern's own BSB (rows = windows).
+__global__ void pattern_slots(const std::int64_t* tcb_offset, std::int64_t windows,
+                              const std::int32_t* tcb_col, const std::uint64_t* bitmap,
+                              const std::int32_t* first_slot, std::int64_t tcbs,
+                              const std::int64_t* row_ptr, const std::int32_t* col,
+                              std::int32_t* slot_of) {
+  const std::int64_t tcb = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
+  if (tcb >= tcbs) return;
+  const std::int64_t base = window_of(tcb_offset, windows, tcb) * 16;
+  for_each_bit(bitmap, tcb, first_slot[tcb], [&](int r, int c, std::int32_t slot) {
+    slot_of[entry_of(row_ptr, col, base + r, tcb_col[tcb * 8 + c])] = slot;
+  });
+}
+
+// source[s] = the pattern's slot of the transpose's slot s (key window row r, query column c:
+// the pattern's entry (query, key)).
+__global__ void transposed_sources(const std::int64_t* tcb_offset, std::int64_t windows,
+                                   const std::int32_t* tcb_col, const std::uint64_t* bitmap,
+                                   const std::int32_t* first_slot, std::int64_t tcbs,
+                                   const std::int64_t* row_ptr, const std::int32_t* col,
+                                   const std::int32_t* slot_of, std::int32_t* source) {
+  const std::int64_t tcb = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
+  if (tcb >= tcbs) return;
+  const auto base = static_cast<std::int32_t>(window_of(tcb_offset, windows, tcb) * 16);
+  for_each_bit(bitmap, tcb, first_slot[tcb], [&](int r, int c, std::int32_t slot) {
+    source[slot] = slot_of[entry_of(row_ptr, col, tcb_col[tcb * 8 + c], base + r)];
+  });
+}
+
+// first_slot of a BSB: the exclusive prefix sum of its TCBs' entry counts.
+inline device_buffer<std::int32_t> first_slots(const std::uint64_t* bitmap, std::int64_t tcbs,
+                                               cudaStream_t s) {
+  device_buffer<std::int32_t> first(static_cast<std::size_t>(tcbs));
+  if (tcbs == 0) return first;
+  device_buffer<std::int32_t> count(static_cast<std::size_t>(tcbs), s);
+  tcb_entry_counts<<<slot_blocks(tcbs), kSlotThreads, 0, s>>>(bitmap, tcbs, count.data());
+  TRISPARSE_CUDA_CHECK_LAUNCH();
+  std::size_t bytes = 0;
+  TRISPARSE_CUDA_TRY(cub::DeviceScan::ExclusiveSum(nullptr, bytes, count.data(), first.data(),
+                                                   static_cast<int>(tcbs), s));
+  device_buffer<std::byte> temp(bytes, s);
+  TRISPARSE_CUDA_TRY(cub::DeviceScan::ExclusiveSum(temp.data(), bytes, count.data(), first.data(),
+                                                   static_cast<int>(tcbs), s));
+  return first;
+}
+
+}  // namespace trisparse::cuda::attention_backward
