@@ -485,16 +485,8 @@ __global__ void mirror_entries(const std::int64_t* row_ptr, const std::int32_t* 
   const std::int64_t t = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
   if (t >= nnz) return;
   const std::int32_t c = entry_row[t], r = col[t];
-  const std::int64_t end = row_ptr[r + 1];
-  std::int64_t lo = row_ptr[r], hi = end;
-  while (lo < hi) {
-    const std::int64_t mid = (lo + hi) / 2;
-    if (col[mid] < c)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  if (lo < end && col[lo] == c)
+  const std::int64_t lo = lower_entry(row_ptr, col, r, c);
+  if (lo < row_ptr[r + 1] && col[lo] == c)
     mirror[t] = lo;
   else
     atomicOr(flags, 1);

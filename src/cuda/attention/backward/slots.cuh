@@ -37,10 +37,11 @@ __device__ __forceinline__ std::int64_t window_of(const std::int64_t* tcb_offset
   return lo;
 }
 
-// The entry (row, col) of a CSR with increasing columns in each row (present by construction).
-__device__ __forceinline__ std::int64_t entry_of(const std::int64_t* row_ptr,
-                                                 const std::int32_t* col, std::int64_t row,
-                                                 std::int32_t c) {
+// The first entry of `row` whose column is >= c, in a CSR with increasing columns in each row:
+// the entry (row, c) where it is present.
+__device__ __forceinline__ std::int64_t lower_entry(const std::int64_t* row_ptr,
+                                                    const std::int32_t* col, std::int64_t row,
+                                                    std::int32_t c) {
   std::int64_t lo = row_ptr[row], hi = row_ptr[row + 1];
   while (lo < hi) {
     const std::int64_t mid = (lo + hi) / 2;
@@ -81,7 +82,7 @@ __global__ void pattern_slots(const std::int64_t* tcb_offset, std::int64_t windo
   if (tcb >= tcbs) return;
   const std::int64_t base = window_of(tcb_offset, windows, tcb) * 16;
   for_each_bit(bitmap, tcb, first_slot[tcb], [&](int r, int c, std::int32_t slot) {
-    slot_of[entry_of(row_ptr, col, base + r, tcb_col[tcb * 8 + c])] = slot;
+    slot_of[lower_entry(row_ptr, col, base + r, tcb_col[tcb * 8 + c])] = slot;
   });
 }
 
@@ -96,7 +97,7 @@ __global__ void transposed_sources(const std::int64_t* tcb_offset, std::int64_t 
   if (tcb >= tcbs) return;
   const auto base = static_cast<std::int32_t>(window_of(tcb_offset, windows, tcb) * 16);
   for_each_bit(bitmap, tcb, first_slot[tcb], [&](int r, int c, std::int32_t slot) {
-    source[slot] = slot_of[entry_of(row_ptr, col, tcb_col[tcb * 8 + c], base + r)];
+    source[slot] = slot_of[lower_entry(row_ptr, col, tcb_col[tcb * 8 + c], base + r)];
   });
 }
 
