@@ -10,6 +10,7 @@
 // each set bit's pair found by a binary search of its row.
 #include <cub/device/device_scan.cuh>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "../../common/buffer.cuh"
@@ -112,7 +113,7 @@ inline device_buffer<std::int32_t> first_slots(const std::uint64_t* bitmap, std:
   std::size_t bytes = 0;
   TRISPARSE_CUDA_TRY(cub::DeviceScan::ExclusiveSum(nullptr, bytes, count.data(), first.data(),
                                                    static_cast<int>(tcbs), s));
-  device_buffer<std::byte> temp(bytes, s);
+  device_buffer<std::byte> temp(std::max<std::size_t>(bytes, 1), s);  // non-null: not a size query
   TRISPARSE_CUDA_TRY(cub::DeviceScan::ExclusiveSum(temp.data(), bytes, count.data(), first.data(),
                                                    static_cast<int>(tcbs), s));
   return first;
