@@ -790,10 +790,12 @@ NB_MODULE(_C, m) {
            "algo"_a, "stream"_a, "workspace"_a, "workspace_bytes"_a)
       .def("workspace_bytes", [](const py_attention_plan& p, std::int64_t heads,
                                  std::int64_t dim) { return p.plan.workspace_bytes(heads, dim); })
-      .def("backward_workspace_bytes",
-           [](const py_attention_plan& p, std::int64_t heads, std::int64_t dim) {
-             return p.plan.backward_workspace_bytes(heads, dim);
-           })
+      .def(
+          "backward_workspace_bytes",
+          [](const py_attention_plan& p, std::int64_t heads, std::int64_t dim, int type) {
+            return p.plan.backward_workspace_bytes(heads, dim, static_cast<dtype>(type));
+          },
+          "heads"_a, "dim"_a, "dtype"_a)
       .def("resolve",
            [](const py_attention_plan& p, const std::string& algo) {
              return std::string(

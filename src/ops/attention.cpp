@@ -208,7 +208,8 @@ void attention_plan::own_backward(state& s, const plan_options& options) {
   s.grad_dim = std::max<std::int64_t>(options.workspace_dim, 1);
   // Serves the backward and the row-wise forward (f32), which run in turn on the stream.
   const std::size_t bytes =
-      std::max(cuda::attention_backward_workspace_bytes(*s.device_grad, s.grad_heads, s.grad_dim),
+      std::max(cuda::attention_backward_workspace_bytes(*s.device_grad, s.grad_heads, s.grad_dim,
+                                                        dtype::f16),
                cuda::attention_rowwise_workspace_bytes(*s.device_grad, s.grad_heads, s.grad_dim));
   s.grad_own = device_tensor(dtype::f32, static_cast<std::int64_t>(bytes / 4), 1, 1);
   s.gradients = true;
@@ -472,12 +473,12 @@ workspace_view attention_plan::own_grad_workspace(const tensor_view& q,
   return {state_->grad_own.view().data, static_cast<std::size_t>(state_->grad_own.view().rows) * 4};
 }
 
-std::size_t attention_plan::backward_workspace_bytes(std::int64_t heads,
-                                                     std::int64_t head_dim) const {
+std::size_t attention_plan::backward_workspace_bytes(std::int64_t heads, std::int64_t head_dim,
+                                                     dtype type) const {
   TRISPARSE_EXPECTS_INPUT(heads >= 0 && head_dim >= 0,
                           "backward_workspace_bytes: heads and head_dim must be >= 0");
   return state_->device_grad
-             ? cuda::attention_backward_workspace_bytes(*state_->device_grad, heads, head_dim)
+             ? cuda::attention_backward_workspace_bytes(*state_->device_grad, heads, head_dim, type)
              : 0;
 }
 

@@ -67,16 +67,16 @@ problem make_problem(const csr_graph& g, const grad_config& c, std::uint64_t see
   return p;
 }
 
-// Runs the plan's backward twice on poisoned outputs, in a given workspace poisoned too (as a
-// caching allocator hands it over: a read of what the run did not write shows as NaN), asserts
-// both runs bitwise equal, and returns the first.
+// Runs the plan's backward twice on poisoned outputs, in a given workspace of the size queried for
+// the inputs' dtype, poisoned too (as a caching allocator hands it over: a read of what the run
+// did not write shows as NaN), asserts both runs bitwise equal, and returns the first.
 gradients run_twice(const attention_plan& plan, const problem& p, const grad_config& c,
                     bool with_lse, double scale) {
   test::device_tensor q(p.q), k(p.k), v(p.v), out(p.out), lse(p.lse), dout(p.dout);
   test::device_tensor dq(host_tensor(c.grad, p.q.rows(), c.heads, c.dim)),
       dk(host_tensor(c.grad, p.k.rows(), c.heads, c.dim)),
       dv(host_tensor(c.grad, p.v.rows(), c.heads, c.dim_v));
-  const std::size_t bytes = plan.backward_workspace_bytes(c.heads, std::max(c.dim, c.dim_v));
+  const std::size_t bytes = plan.backward_workspace_bytes(c.heads, std::max(c.dim, c.dim_v), c.in);
   test::device_tensor workspace(
       host_tensor(dtype::f32, static_cast<std::int64_t>(bytes / 4 + 1), 1, 1));
   const tensor_view no_lse{};
@@ -422,7 +422,7 @@ TEST(GpuAttentionBackward, TwoStreamsGiveTheSameBits) {
     std::unique_ptr<test::device_tensor> dq, dk, dv;
   };
   lane lanes[2];
-  const std::size_t bytes = plan.backward_workspace_bytes(c.heads, std::max(c.dim, c.dim_v));
+  const std::size_t bytes = plan.backward_workspace_bytes(c.heads, std::max(c.dim, c.dim_v), c.in);
   for (auto& l : lanes) {
     test::cuda_check(cudaStreamCreateWithFlags(&l.s, cudaStreamNonBlocking), "stream");
     test::cuda_check(cudaMalloc(&l.ws, bytes), "workspace");
@@ -467,6 +467,17 @@ TEST(GpuAttentionBackward, SaysWhatItNeeds) {
   test::cuda_check(cudaMalloc(&small, 256), "workspace");
   EXPECT_THROW(plan.backward(q.view(), k.view(), v.view(), out.view(), {}, dout.view(), dq.view(),
                              dk.view(), dv.view(), {}, {}, {small, 256}),
+               invalid_input);
+  // f32 never takes the tensor-core kernels: its workspace holds no P and dS (4 B an entry), and
+  // an f16 backward refuses it.
+  const std::size_t f32_bytes = plan.backward_workspace_bytes(1, 64, dtype::f32);
+  EXPECT_GE(plan.backward_workspace_bytes(1, 64, dtype::f16),
+            f32_bytes + static_cast<std::size_t>(g.nnz()) * 4);
+  EXPECT_EQ(plan.backward_workspace_bytes(1, 64),
+            plan.backward_workspace_bytes(1, 64, dtype::bf16));
+  test::cuda_check(cudaMalloc(&small, f32_bytes), "workspace");
+  EXPECT_THROW(plan.backward(q.view(), k.view(), v.view(), out.view(), {}, dout.view(), dq.view(),
+                             dk.view(), dv.view(), {}, {}, {small, f32_bytes}),
                invalid_input);
   cudaFree(small);
   host_tensor wide(dtype::f16, 64, 1, 512);

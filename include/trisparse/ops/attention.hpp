@@ -175,10 +175,12 @@ class attention_plan {
                 const attention_options& options = {}, stream_ref stream = {},
                 workspace_view workspace = {}) const;
 
-  /// Bytes of workspace that a CUDA backward with `heads` heads of up to `head_dim` elements (q's
-  /// and v's) needs (0 on the CPU): per-row terms, and partial sums of rows and columns cut into
-  /// chunks for balance (hubs).
-  std::size_t backward_workspace_bytes(std::int64_t heads, std::int64_t head_dim) const;
+  /// Bytes of workspace that a CUDA backward of q's dtype `type` with `heads` heads of up to
+  /// `head_dim` elements (q's and v's) needs (0 on the CPU): per-row terms, partial sums of rows
+  /// and columns cut into chunks for balance (hubs), and for f16/bf16 the tensor-core kernels' P
+  /// and dS (4 bytes an entry and head). The default, f16, covers every dtype.
+  std::size_t backward_workspace_bytes(std::int64_t heads, std::int64_t head_dim,
+                                       dtype type = dtype::f16) const;
   const plan_report& report() const;
   /// The algorithm that run() uses for `requested` (automatic -> the plan's own).
   algorithm resolve(algorithm requested) const;

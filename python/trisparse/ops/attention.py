@@ -97,7 +97,9 @@ def _backward_op(
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dbias = q.new_empty(_dbias_shape(q, pattern, with_dbias), dtype=_bias_dtype(q))
-    ws_need = plan.backward_workspace_bytes(q.shape[1], max(q.shape[2], v.shape[2]))
+    ws_need = plan.backward_workspace_bytes(
+        q.shape[1], max(q.shape[2], v.shape[2]), _tensors.dtype_code(q.dtype)
+    )
     _owner, ws, ws_bytes = _tensors.workspace(ws_need, q.device)
     plan.backward(
         *(_tensors.view(t) for t in (q, k, v, out)),

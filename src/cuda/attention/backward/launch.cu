@@ -90,23 +90,26 @@ struct workspace_segments {
   std::size_t lse = 0, delta = 0, dq = 0, dk = 0, dv = 0, dout = 0, pds = 0;
 };
 
-// pdim: floats per partial row (the larger head dim of q and v).
+// pdim: floats per partial row (the larger head dim of q and v). An f32 backward never takes
+// the tensor-core kernels: no room for their partial rows, rounded dout, P and dS.
 workspace_segments segments(const attention_backward_device_plan& plan, std::int64_t heads,
-                            std::int64_t pdim) {
+                            std::int64_t pdim, dtype type) {
+  const bool tensor_core = type == dtype::f16 || type == dtype::bf16;
   workspace_segments w;
   const auto n = static_cast<std::size_t>(plan.rows * heads) * sizeof(float);
   const auto row = static_cast<std::size_t>(heads * pdim) * sizeof(float);
   w.lse = w.layout.add(n);
   w.delta = w.layout.add(n);
   // One kernel family runs per call: room for the partial rows of either.
-  const auto row_slots =
-      static_cast<std::size_t>(std::max(plan.row.slots, plan.tc_row.work(heads).slots));
-  const auto col_slots =
-      static_cast<std::size_t>(std::max(plan.column().slots, plan.tc_column().work(heads).slots));
+  const auto row_slots = static_cast<std::size_t>(
+      std::max(plan.row.slots, tensor_core ? plan.tc_row.work(heads).slots : 0));
+  const auto col_slots = static_cast<std::size_t>(
+      std::max(plan.column().slots, tensor_core ? plan.tc_column().work(heads).slots : 0));
   w.dq = w.layout.add(row_slots * row);
   w.dk = w.layout.add(col_slots * row);
   w.dv = w.layout.add(col_slots * row);
   // The tensor-core kernels' 16-bit copy of an f32 dout.
+  if (!tensor_core) return w;
   w.dout = w.layout.add(static_cast<std::size_t>(plan.rows * heads * pdim) * 2);
   // The tensor-core dq pass's P and dS for the dk/dv pass: a 32-bit word per entry and head.
   w.pds = w.layout.add(static_cast<std::size_t>(plan.nnz * heads) * sizeof(std::uint32_t));
@@ -617,8 +620,9 @@ std::shared_ptr<attention_backward_device_plan> make_attention_backward_plan(
 }
 
 std::size_t attention_backward_workspace_bytes(const attention_backward_device_plan& plan,
-                                               std::int64_t heads, std::int64_t head_dim) {
-  return segments(plan, heads, head_dim).layout.bytes();
+                                               std::int64_t heads, std::int64_t head_dim,
+                                               dtype type) {
+  return segments(plan, heads, head_dim, type).layout.bytes();
 }
 
 void run_attention_backward(const attention_backward_device_plan& plan, const tensor_view& q,
@@ -634,7 +638,7 @@ void run_attention_backward(const attention_backward_device_plan& plan, const te
   TRISPARSE_EXPECTS_INPUT(lse.data == nullptr || lse.type == dtype::f32,
                           "the CUDA backward takes the log-sum-exp as f32");
   const int pdim = static_cast<int>(std::max(q.dim, v.dim));
-  const workspace_segments w = segments(plan, q.heads, pdim);
+  const workspace_segments w = segments(plan, q.heads, pdim, q.type);
   w.layout.check(workspace, "attention backward");
   using layout = detail::workspace_layout;
   const row_terms terms{layout::at<float>(workspace, w.lse), layout::at<float>(workspace, w.delta)};

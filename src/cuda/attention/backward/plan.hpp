@@ -46,11 +46,13 @@ TRISPARSE_CUDA_ENTRY(std::shared_ptr<attention_backward_device_plan> make_attent
 TRISPARSE_CUDA_ENTRY(std::shared_ptr<attention_backward_device_plan> make_attention_backward_plan(
     const csr_view& pattern, stream_ref stream))
 
-/// Bytes of workspace a backward with `heads` heads of up to `head_dim` elements (q's and v's)
-/// needs: the per-row terms, the partial rows of cut rows and the tensor-core kernels' P and dS
-/// (4 bytes an entry and head), 256-byte aligned.
+/// Bytes of workspace a backward of q's dtype `type` with `heads` heads of up to `head_dim`
+/// elements (q's and v's) needs: the per-row terms, the partial rows of cut rows, and for 16-bit
+/// inputs the tensor-core kernels' rounded dout, P and dS (4 bytes an entry and head) (f16 covers
+/// every dtype), 256-byte aligned.
 TRISPARSE_CUDA_ENTRY(std::size_t attention_backward_workspace_bytes(
-    const attention_backward_device_plan& plan, std::int64_t heads, std::int64_t head_dim))
+    const attention_backward_device_plan& plan, std::int64_t heads, std::int64_t head_dim,
+    dtype type))
 
 /// dq, dk, dv of out = attention(q, k, v) given dout, on `stream`. q, k, v: f16, bf16 or f32, one
 /// dtype, head dims up to 256; out and dout: f32 or q's dtype, one dtype; dq, dk, dv: f32 or q's
