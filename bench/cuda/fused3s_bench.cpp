@@ -87,6 +87,7 @@ struct settings {
   dtype in = dtype::f16;
   bool baselines = true;
   bool training = false;
+  bool f32_dout = false;  // the training step's out and dout in f32, not the inputs' dtype
   double dense_budget_gib = 16;
 };
 
@@ -220,7 +221,8 @@ void bench_graph(const std::string& name, const csr_graph& g, const settings& cf
                    {"all_finite", acc.all_finite}};
   if (cfg.training) {
     // Training: a plan with gradients (its build includes the transposed pattern), the forward
-    // writing the log-sum-exp, and the backward from it (dq, dk, dv in the input dtype, dout f32).
+    // writing the log-sum-exp, and the backward from it (dq, dk, dv in the input dtype; out and
+    // dout in it too, as autograd hands them over, or in f32 with --f32-dout).
     const auto tg = std::chrono::steady_clock::now();
     const attention_plan gp = attention_plan::build(g, device_kind::cuda,
                                                     {.split_tcbs = split,
@@ -231,20 +233,23 @@ void bench_graph(const std::string& name, const csr_graph& g, const settings& cf
     check(cudaDeviceSynchronize(), "plan");
     const double grad_build_ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - tg).count();
-    host_tensor hlse(dtype::f32, g.rows, heads, 1), hdout(dtype::f32, g.rows, heads, dim);
+    const dtype grad_out = cfg.f32_dout ? dtype::f32 : in;
+    host_tensor hlse(dtype::f32, g.rows, heads, 1), hdout(grad_out, g.rows, heads, dim),
+        hto(grad_out, g.rows, heads, dim);
     hdout.fill_uniform(-1.0, 1.0, now + 101);
     host_tensor hdq(in, g.rows, heads, dim), hdk(in, g.cols, heads, dim),
         hdv(in, g.cols, heads, dim);
-    device_mem dlse(hlse.size_bytes()), ddout(hdout.size_bytes()), ddq(hdq.size_bytes()),
-        ddk(hdk.size_bytes()), ddv(hdv.size_bytes());
+    device_mem dlse(hlse.size_bytes()), ddout(hdout.size_bytes()), dto(hto.size_bytes()),
+        ddq(hdq.size_bytes()), ddk(hdk.size_bytes()), ddv(hdv.size_bytes());
+    const tensor_view train_out = view(hto, dto.p);
     check(cudaMemcpy(ddout.p, hdout.data(), hdout.size_bytes(), cudaMemcpyHostToDevice), "upload");
     const attention_options with_lse{.scale = 1.0, .lse = view(hlse, dlse.p)};
     const std::function<void(int)> forward = [&](int s) {
-      gp.run(view(hq[s], dq[s]->p), view(hk[s], dk[s]->p), view(hv[s], dv[s]->p), out_view,
+      gp.run(view(hq[s], dq[s]->p), view(hk[s], dk[s]->p), view(hv[s], dv[s]->p), train_out,
              with_lse);
     };
     const std::function<void(int)> backward = [&](int s) {
-      gp.backward(view(hq[s], dq[s]->p), view(hk[s], dk[s]->p), view(hv[s], dv[s]->p), out_view,
+      gp.backward(view(hq[s], dq[s]->p), view(hk[s], dk[s]->p), view(hv[s], dv[s]->p), train_out,
                   view(hlse, dlse.p), view(hdout, ddout.p), view(hdq, ddq.p), view(hdk, ddk.p),
                   view(hdv, ddv.p), opts);
     };
@@ -269,7 +274,8 @@ void bench_graph(const std::string& name, const csr_graph& g, const settings& cf
                      {"backward_ms", bwd.median},
                      {"step_ms", both.median},
                      {"backward_gflops", 10 * nnz * hd / bwd.median * 1e-6},
-                     {"backward_workspace_bytes", gp.backward_workspace_bytes(heads, dim)},
+                     {"backward_workspace_bytes", gp.backward_workspace_bytes(heads, dim, in)},
+                     {"dout_dtype", std::string(to_string(grad_out))},
                      {"grads_finite", finite}};
     if (nnz * hd <= kFullGradientCheck) {
       host_tensor rq(dtype::f64, g.rows, heads, dim), rk(dtype::f64, g.cols, heads, dim),
@@ -390,7 +396,10 @@ int main(int argc, char** argv) {
                "time the cuSPARSE pipeline and dense cuBLAS attention too (f16 inputs)")
       ->capture_default_str();
   app.add_flag("--training", cfg.training,
-               "also time the forward writing the log-sum-exp, the backward and both (f32 dout)");
+               "also time the forward writing the log-sum-exp, the backward and both");
+  app.add_flag("--f32-dout", cfg.f32_dout,
+               "the training step's out and dout in f32 (default: the inputs' dtype, as autograd "
+               "gives them)");
   app.add_option("--dense-budget-gib", cfg.dense_budget_gib,
                  "largest rows x cols score matrices the dense baseline allocates")
       ->capture_default_str();
