@@ -15,7 +15,8 @@
 # and call with carry = [.devpack, .devlibs, data]. Where .devpack's libtrisparse.a was built from
 # the sources here (its stamp, scripts/source_stamp.sh), the module links it and compiles alone
 # (the kernels are most of the 90-110 s build); else, or if that link fails, the whole library
-# builds here. Logs go under $OUT.
+# builds here. Logs go under $OUT (a device call brings back at most 8 files: the tests' logs and
+# benchmark files of one call count together).
 set -uo pipefail
 out=${OUT:-/tmp/trisparse-dev}
 mkdir -p "$out"

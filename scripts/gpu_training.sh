@@ -5,9 +5,11 @@
 # bench_fused3s arguments: a 200K-neighbour hub, rmat20, a 10M-node uniform graph; set it empty
 # for none) in the first configuration. Binaries come packed in
 # .devpack/new.tar.xz (see scripts/gpu_ab.sh); call with carry = [.devpack, .devlibs, data].
-# TRAIN_GRAPHS: the graph files (default data/*.el.xz). JSONL per configuration under $OUT.
-# TRAIN_BASE=1: also the parent build's bench_fused3s from
-# .devpack/base.tar.xz on the same inputs (base_*.jsonl), for an A/B in the same call.
+# TRAIN_GRAPHS: the graph files (default data/*.el.xz). One JSONL under $OUT, training.jsonl, every
+# configuration's records (each names its dim, heads and dtype); TRAIN_ARGS: more bench_fused3s
+# arguments (e.g. --f32-dout). TRAIN_BASE=1: also the parent build's bench_fused3s from
+# .devpack/base.tar.xz on the same inputs (base.jsonl), for an A/B in the same call. (A device
+# call brings back at most 8 files.)
 set -uo pipefail
 out=${OUT:-/tmp/trisparse-training}
 mkdir -p "$out" /tmp/train
@@ -22,12 +24,12 @@ generated=${TRAIN_GENERATED-hub:400000 --rmat 20:16 --er 10000000:8}
 for c in ${TRAIN_CONFIGS:-128:1:f16 64:8:f16 128:8:bf16}; do
   IFS=: read -r dim heads dt <<< "$c"
   /tmp/train/bench_fused3s --dim "$dim" --heads "$heads" --dtype "$dt" --repeat 10 --no-baselines \
-    --training ${TRAIN_GRAPHS:-data/*.el.xz} $generated \
-    > "$out/training_d${dim}_h${heads}_${dt}.jsonl" 2>> "$out/stderr.log"
+    --training ${TRAIN_ARGS:-} ${TRAIN_GRAPHS:-data/*.el.xz} $generated \
+    >> "$out/training.jsonl" 2>> "$out/stderr.log"
   if [ "${TRAIN_BASE:-0}" = 1 ]; then
     /tmp/train/base/bench_fused3s --dim "$dim" --heads "$heads" --dtype "$dt" --repeat 10 \
-      --no-baselines --training ${TRAIN_GRAPHS:-data/*.el.xz} $generated \
-      > "$out/base_d${dim}_h${heads}_${dt}.jsonl" 2>> "$out/stderr.log"
+      --no-baselines --training ${TRAIN_ARGS:-} ${TRAIN_GRAPHS:-data/*.el.xz} $generated \
+      >> "$out/base.jsonl" 2>> "$out/stderr.log"
   fi
   generated=
   echo "$c: $((SECONDS - start)) s"
