@@ -394,11 +394,11 @@ void link_slots(attention_backward_device_plan& p, cudaStream_t s) {
   const auto windows = [](const tc_pass& t) {
     return static_cast<std::int64_t>(t.tcb_offset.size()) - 1;
   };
-  pattern_slots<<<slot_blocks(row.tcbs()), kSlotThreads, 0, s>>>(
+  pattern_slots<<<build_blocks(row.tcbs()), kBuildThreads, 0, s>>>(
       row.tcb_offset.data(), windows(row), row.col_idx.data(), row.bitmap.data(),
       row.first_slot.data(), row.tcbs(), p.row_ptr.data(), p.row.col_idx.data(), slot_of.data());
   TRISPARSE_CUDA_CHECK_LAUNCH();
-  transposed_sources<<<slot_blocks(column.tcbs()), kSlotThreads, 0, s>>>(
+  transposed_sources<<<build_blocks(column.tcbs()), kBuildThreads, 0, s>>>(
       column.tcb_offset.data(), windows(column), column.col_idx.data(), column.bitmap.data(),
       column.first_slot.data(), column.tcbs(), p.row_ptr.data(), p.row.col_idx.data(),
       slot_of.data(), column.source.data());
@@ -493,12 +493,6 @@ __global__ void mirror_entries(const std::int64_t* row_ptr, const std::int32_t* 
     mirror[t] = lo;
   else
     atomicOr(flags, 1);
-}
-
-constexpr int kBuildThreads = 256;
-
-unsigned build_blocks(std::int64_t threads) {
-  return static_cast<unsigned>((threads + kBuildThreads - 1) / kBuildThreads);
 }
 
 template <class T>

@@ -18,10 +18,11 @@
 
 namespace trisparse::cuda::attention_backward {
 
-constexpr int kSlotThreads = 256;
+// Thread blocks of the plan build's kernels (a thread per item).
+constexpr int kBuildThreads = 256;
 
-inline unsigned slot_blocks(std::int64_t threads) {
-  return static_cast<unsigned>((threads + kSlotThreads - 1) / kSlotThreads);
+inline unsigned build_blocks(std::int64_t threads) {
+  return static_cast<unsigned>((threads + kBuildThreads - 1) / kBuildThreads);
 }
 
 // The window of TCB `tcb`: the last w with tcb_offset[w] <= tcb.
@@ -108,7 +109,7 @@ inline device_buffer<std::int32_t> first_slots(const std::uint64_t* bitmap, std:
   device_buffer<std::int32_t> first(static_cast<std::size_t>(tcbs));
   if (tcbs == 0) return first;
   device_buffer<std::int32_t> count(static_cast<std::size_t>(tcbs), s);
-  tcb_entry_counts<<<slot_blocks(tcbs), kSlotThreads, 0, s>>>(bitmap, tcbs, count.data());
+  tcb_entry_counts<<<build_blocks(tcbs), kBuildThreads, 0, s>>>(bitmap, tcbs, count.data());
   TRISPARSE_CUDA_CHECK_LAUNCH();
   std::size_t bytes = 0;
   TRISPARSE_CUDA_TRY(cub::DeviceScan::ExclusiveSum(nullptr, bytes, count.data(), first.data(),

@@ -221,9 +221,9 @@ struct window_task {
   std::int64_t row0, row1;
 };
 
-// The task of item = chunk * heads + head, false past the last.
-__device__ __forceinline__ bool warp_task(const tc_args& a, std::int64_t item, int g,
-                                          window_task& task) {
+// This warp's task (one per warp: item = chunk * heads + head), false past the last.
+__device__ __forceinline__ bool warp_task(const tc_args& a, int g, window_task& task) {
+  const std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (item >= a.n_chunks * a.heads) return false;
   task.w = a.chunks[item / a.heads];
   task.h = static_cast<int>(item % a.heads);
@@ -293,7 +293,7 @@ __global__ void __launch_bounds__(kWarps * 32, kTcMinBlocks<D>)
                 partials part) {
   const int lane = threadIdx.x & 31, g = lane / 4, t = lane % 4;
   window_task task;
-  if (!warp_task(a, blockIdx.x * std::int64_t{kWarps} + (threadIdx.x >> 5), g, task)) return;
+  if (!warp_task(a, g, task)) return;
   const tc_chunk& w = task.w;
   const int h = task.h;
   std::uint32_t q0[D / 8], q1[D / 8], g0[D / 8], g1[D / 8];
@@ -337,7 +337,7 @@ __global__ void __launch_bounds__(kWarps * 32, kTcColumnMinBlocks<D>)
                    partials dk_part, partials dv_part) {
   const int lane = threadIdx.x & 31, g = lane / 4, t = lane % 4;
   window_task task;
-  if (!warp_task(a, blockIdx.x * std::int64_t{kWarps} + (threadIdx.x >> 5), g, task)) return;
+  if (!warp_task(a, g, task)) return;
   const tc_chunk& w = task.w;
   const int h = task.h;
   float acc_k[D / 8][4], acc_v[D / 8][4];
