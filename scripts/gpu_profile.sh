@@ -20,6 +20,32 @@ if [ "${PROFILE_ATTENTION:-1}" = 1 ]; then
     --training "$graph" > "$out/ncu_attention.txt" 2>&1
   echo "attention: $(grep -c '^  [a-z_]*.*(' "$out/ncu_attention.txt") kernels profiled"
 fi
+# PROFILE_TIMES="graph:dim:heads ...": each kernel's duration (ncu, one pass) in bench_fused3s
+# --training on those shared graphs (f16), the median launch of each kernel and grid size: where a
+# backward's time goes.
+for spec in ${PROFILE_TIMES:-}; do
+  IFS=: read -r name dim heads <<< "$spec"
+  ncu --csv --print-units base --metrics gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active \
+    -k 'regex:tc_|reduce|core_|fused3s_kernel' --launch-count 400 /tmp/profile/bench_fused3s \
+    --dim "$dim" --heads "$heads" --repeat 3 --no-baselines --training "data/$name.el.xz" \
+    > /tmp/profile/times.csv 2> /tmp/profile/times.err
+  echo "$spec" >> "$out/kernel_times.txt"
+  python3 - /tmp/profile/times.csv >> "$out/kernel_times.txt" <<'PY'
+import csv, statistics, sys
+from collections import defaultdict
+lines = [l for l in open(sys.argv[1]) if l.startswith('"')]
+runs = defaultdict(lambda: defaultdict(list))
+for r in csv.DictReader(lines):
+    key = (r["Kernel Name"].split("(")[0].split("<")[0].split("::")[-1], r["Grid Size"])
+    runs[key][r["Metric Name"]].append(float(r["Metric Value"].replace(",", "")))
+for (k, grid), m in sorted(runs.items()):
+    t = m["gpu__time_duration.sum"]
+    w = m.get("sm__warps_active.avg.pct_of_peak_sustained_active", [0])
+    print(f"  {k:24s} grid {grid:>16s} n {len(t):3d} median {statistics.median(t) / 1e3:8.1f} us"
+          f" occupancy {statistics.median(w):5.1f} %")
+PY
+done
+[ -n "${PROFILE_TIMES:-}" ] && cat "$out/kernel_times.txt"
 if [ "${PROFILE_BLOCK:-1}" = 1 ]; then
   # (PROFILE_SKIP_BUILD=1: the package is already there, from scripts/gpu_python.sh.)
   if [ "${PROFILE_SKIP_BUILD:-0}" != 1 ]; then

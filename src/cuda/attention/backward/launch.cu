@@ -58,7 +58,7 @@ struct tc_pass {
   device_buffer<std::int32_t> col_idx;
   device_buffer<std::uint64_t> bitmap;
   device_buffer<std::int32_t> first_slot;  // [tcbs]
-  device_buffer<std::int32_t> source;      // [nnz]: the dq pass's slots (the dk/dv pass only)
+  device_buffer<std::int32_t> target;      // [nnz]: the dk/dv pass's slots (the dq pass only)
   tc_work fine, coarse;
   std::int64_t tcbs() const { return static_cast<std::int64_t>(bitmap.size() / 2); }
   const tc_work& work(std::int64_t heads) const {
@@ -264,7 +264,7 @@ void run_tensor_core(const attention_backward_device_plan& plan, const tensor_vi
                    scale,
                    scale_log2,
                    pass.first_slot.data(),
-                   pass.source.data(),
+                   pass.target.data(),
                    pds,
                    plan.nnz};
   };
@@ -388,7 +388,7 @@ void link_slots(attention_backward_device_plan& p, cudaStream_t s) {
   tc_pass& column = p.symmetric ? p.tc_row : p.tc_transposed;
   row.first_slot = first_slots(row.bitmap.data(), row.tcbs(), s);
   if (!p.symmetric) column.first_slot = first_slots(column.bitmap.data(), column.tcbs(), s);
-  column.source = device_buffer<std::int32_t>(static_cast<std::size_t>(p.nnz));
+  row.target = device_buffer<std::int32_t>(static_cast<std::size_t>(p.nnz));
   if (p.nnz == 0) return;
   device_buffer<std::int32_t> slot_of(static_cast<std::size_t>(p.nnz), s);
   const auto windows = [](const tc_pass& t) {
@@ -398,10 +398,10 @@ void link_slots(attention_backward_device_plan& p, cudaStream_t s) {
       row.tcb_offset.data(), windows(row), row.col_idx.data(), row.bitmap.data(),
       row.first_slot.data(), row.tcbs(), p.row_ptr.data(), p.row.col_idx.data(), slot_of.data());
   TRISPARSE_CUDA_CHECK_LAUNCH();
-  transposed_sources<<<build_blocks(column.tcbs()), kBuildThreads, 0, s>>>(
+  transposed_targets<<<build_blocks(column.tcbs()), kBuildThreads, 0, s>>>(
       column.tcb_offset.data(), windows(column), column.col_idx.data(), column.bitmap.data(),
       column.first_slot.data(), column.tcbs(), p.row_ptr.data(), p.row.col_idx.data(),
-      slot_of.data(), column.source.data());
+      slot_of.data(), row.target.data());
   TRISPARSE_CUDA_CHECK_LAUNCH();
 }
 
@@ -766,7 +766,7 @@ std::int64_t device_bytes(const attention_backward_device_plan& plan) {
   };
   const auto tc_bytes = [](const tc_pass& p) {
     std::size_t bytes = p.tcb_offset.bytes() + p.col_idx.bytes() + p.bitmap.bytes() +
-                        p.first_slot.bytes() + p.source.bytes();
+                        p.first_slot.bytes() + p.target.bytes();
     for (const tc_work* w : {&p.fine, &p.coarse}) bytes += w->chunks.bytes() + w->splits.bytes();
     return bytes;
   };

@@ -4,10 +4,10 @@
 // The dq pass writes P and dS of each pattern entry it recomputes (one 32-bit word a head: the two
 // 16-bit values) at the entry's *slot*: its rank among the set bits of the pattern's BSB, in TCB
 // order and, within a TCB, bit order (rows 0-7 of mask0, then rows 8-15 of mask1), so a TCB's
-// entries are the slots first_slot[tcb] + [0, popcount). The dk/dv pass reads them where its own
-// BSB (the transpose's) has the entry: source[its slot] is the dq pass's slot of the same pair.
-// Both maps are built here on the device from the pattern's CSR (columns increasing in each row):
-// each set bit's pair found by a binary search of its row.
+// entries are the slots first_slot[tcb] + [0, popcount) -- but it stores them at the slot of the
+// same pair in the transpose's BSB (target[its slot]), so the dk/dv pass reads its own TCB's words
+// in place. Both maps are built here on the device from the pattern's CSR (columns increasing in
+// each row): each set bit's pair found by a binary search of its row.
 #include <cub/device/device_scan.cuh>
 
 #include <algorithm>
@@ -88,18 +88,18 @@ __global__ void pattern_slots(const std::int64_t* tcb_offset, std::int64_t windo
   });
 }
 
-// source[s] = the pattern's slot of the transpose's slot s (key window row r, query column c:
-// the pattern's entry (query, key)).
-__global__ void transposed_sources(const std::int64_t* tcb_offset, std::int64_t windows,
+// target[slot_of[e]] = the transpose's slot s of the pattern's entry e (key window row r, query
+// column c: the pattern's entry (query, key)).
+__global__ void transposed_targets(const std::int64_t* tcb_offset, std::int64_t windows,
                                    const std::int32_t* tcb_col, const std::uint64_t* bitmap,
                                    const std::int32_t* first_slot, std::int64_t tcbs,
                                    const std::int64_t* row_ptr, const std::int32_t* col,
-                                   const std::int32_t* slot_of, std::int32_t* source) {
+                                   const std::int32_t* slot_of, std::int32_t* target) {
   const std::int64_t tcb = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
   if (tcb >= tcbs) return;
   const auto base = static_cast<std::int32_t>(window_of(tcb_offset, windows, tcb) * 16);
   for_each_bit(bitmap, tcb, first_slot[tcb], [&](int r, int c, std::int32_t slot) {
-    source[slot] = slot_of[lower_entry(row_ptr, col, tcb_col[tcb * 8 + c], base + r)];
+    target[slot_of[lower_entry(row_ptr, col, tcb_col[tcb * 8 + c], base + r)]] = slot;
   });
 }
 

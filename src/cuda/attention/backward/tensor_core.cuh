@@ -11,9 +11,9 @@
 // bitmap, dS = P ∘ (dP − D), then dQ += dS K (m16n8k8, A = dS straight from the S accumulators,
 // B = K rows col[2t], col[2t+1] with the output columns permuted so that a lane holds whole
 // 16-byte runs of each: load_slice). It stores each entry's P and dS (16-bit, as the products
-// take them) at the entry's slot (slots.cuh), so the transposed pass (keys as rows) recomputes
-// nothing: it reads them at its own bits' sources and gathers only the Q and dO slices of
-// dV += Pᵀ dO, dK += dSᵀ Q. dout comes in the inputs' 16-bit type (the terms pass rounds an f32
+// take them) at the slot of the same pair in the transposed pattern's BSB (slots.cuh), so the
+// transposed pass (keys as rows) recomputes nothing: it reads its own TCB's words in place and
+// gathers only the Q and dO slices of dV += Pᵀ dO, dK += dSᵀ Q. dout comes in the inputs' 16-bit type (the terms pass rounds an f32
 // one into the workspace).
 #include "../../common/arch/mma.cuh"
 #include "../../common/fragment_io.cuh"
@@ -32,7 +32,7 @@ struct tc_args {
   int heads;
   float scale, scale_log2;
   const std::int32_t* first_slot;  // [tcbs]: the TCB's first slot
-  const std::int32_t* source;      // [nnz]: the dq pass's slot of each slot (the dk/dv pass)
+  const std::int32_t* target;      // [nnz]: the dk/dv pass's slot of each slot (the dq pass)
   std::uint32_t* pds;              // [heads, nnz]: P and dS (16-bit each) per slot
   std::int64_t nnz;
 };
@@ -158,17 +158,22 @@ __device__ __forceinline__ void lane_slots(const tcb_meta& m, int bit, std::int3
   slot[3] = b3 ? r1 + b2 : -1;
 }
 
-// The dq pass's P and dS of the lane's entries of a TCB, at their slots.
+// The dk/dv pass's slots of the lane's entries of a TCB (-1 where clear): where the dq pass
+// stores their P and dS.
+__device__ __forceinline__ void lane_targets(const tc_args& a, const tcb_meta& m, int bit,
+                                             std::int32_t first, std::int32_t (&target)[4]) {
+  lane_slots(m, bit, first, target);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) target[i] = target[i] >= 0 ? __ldg(a.target + target[i]) : -1;
+}
+
 template <class T>
-__device__ __forceinline__ void store_pds(const tc_args& a, const tcb_meta& m, int bit,
-                                          std::int32_t first, int h, const float (&p)[4],
-                                          const float (&ds)[4]) {
-  std::int32_t slot[4];
-  lane_slots(m, bit, first, slot);
+__device__ __forceinline__ void store_pds(const tc_args& a, const std::int32_t (&target)[4], int h,
+                                          const float (&p)[4], const float (&ds)[4]) {
   std::uint32_t* const out = a.pds + std::int64_t{h} * a.nnz;
 #pragma unroll
   for (int i = 0; i < 4; ++i)
-    if (slot[i] >= 0) out[slot[i]] = arch::pack2<T>(p[i], ds[i]);
+    if (target[i] >= 0) out[target[i]] = arch::pack2<T>(p[i], ds[i]);
 }
 
 // The dk/dv pass's operands of one TCB (queries): the Q and dO slices of col[2t], col[2t+1] and
@@ -186,7 +191,7 @@ __device__ __forceinline__ void load_dkv_rows(const tcb_meta& m, const tc_args& 
   lane_slots(m, g * 8 + 2 * t, __ldg(a.first_slot + tcb), slot);
   const std::uint32_t* const pds = a.pds + std::int64_t{h} * a.nnz;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) r.w[i] = slot[i] >= 0 ? __ldg(pds + __ldg(a.source + slot[i])) : 0u;
+  for (int i = 0; i < 4; ++i) r.w[i] = slot[i] >= 0 ? __ldg(pds + slot[i]) : 0u;
   load_slice<D>(row_or_null(q, m.c0, h, 0), g, r.q0);
   load_slice<D>(row_or_null(q, m.c1, h, 0), g, r.q1);
   load_slice<D>(row_or_null(dout, m.c0, h, 0), g, r.g0);
@@ -312,13 +317,15 @@ __global__ void __launch_bounds__(kWarps * 32, kTcMinBlocks<D>)
         load_dq_rows<T, D>(m, a, tcb, k, v, h, t, r);
       },
       [&](const tcb_meta& m, const dq_rows<D>& r) {
+        std::int32_t target[4];  // in flight during the products
+        lane_targets(a, m, bit, r.first, target);
         float s[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dp[4] = {0.0f, 0.0f, 0.0f, 0.0f}, p[4];
         product<T, D>(s, q0, q1, r.kq);
         product<T, D>(dp, g0, g1, r.vq);
         probabilities(m, bit, s, a.scale_log2, lse, p);
         const float dsv[4] = {p[0] * (dp[0] - d0), p[1] * (dp[1] - d0), p[2] * (dp[2] - d1),
                               p[3] * (dp[3] - d1)};
-        store_pds<T>(a, m, bit, r.first, h, p, dsv);
+        store_pds<T>(a, target, h, p, dsv);
         const std::uint32_t ds[2] = {arch::pack2<T>(dsv[0], dsv[1]),
                                      arch::pack2<T>(dsv[2], dsv[3])};
         std::uint32_t k0[D / 16], k1[D / 16];
