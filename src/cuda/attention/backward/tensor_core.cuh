@@ -131,17 +131,8 @@ __device__ __forceinline__ void probabilities(const tcb_meta& m, int bit, const 
 template <int D>
 struct dq_rows {
   std::uint32_t kq[D / 8], vq[D / 8];
-  std::int32_t first;  // the TCB's first slot
+  std::int32_t target[4];  // the lane's entries' slots in the transpose (lane_targets)
 };
-
-template <class T, int D>
-__device__ __forceinline__ void load_dq_rows(const tcb_meta& m, const tc_args& a, std::int64_t tcb,
-                                             view<const T> k, view<const T> v, int h, int t,
-                                             dq_rows<D>& r) {
-  load_quarter<D>(row_or_null(k, m.cb, h, 0), t, r.kq);
-  load_quarter<D>(row_or_null(v, m.cb, h, 0), t, r.vq);
-  r.first = __ldg(a.first_slot + tcb);
-}
 
 // The slots of the lane's four bits of a TCB (bit and bit + 1 of both masks: rows g and g + 8,
 // columns 2t and 2t + 1), -1 where the bit is clear.
@@ -184,11 +175,12 @@ struct dkv_rows {
 };
 
 template <class T, int D>
-__device__ __forceinline__ void load_dkv_rows(const tcb_meta& m, const tc_args& a, std::int64_t tcb,
-                                              view<const T> q, view<const T> dout, int h, int g,
-                                              int t, dkv_rows<D>& r) {
+__device__ __forceinline__ void load_dkv_rows(const tcb_meta& m, const tc_args& a,
+                                              std::int32_t first, view<const T> q,
+                                              view<const T> dout, int h, int g, int t,
+                                              dkv_rows<D>& r) {
   std::int32_t slot[4];
-  lane_slots(m, g * 8 + 2 * t, __ldg(a.first_slot + tcb), slot);
+  lane_slots(m, g * 8 + 2 * t, first, slot);
   const std::uint32_t* const pds = a.pds + std::int64_t{h} * a.nnz;
 #pragma unroll
   for (int i = 0; i < 4; ++i) r.w[i] = slot[i] >= 0 ? __ldg(pds + slot[i]) : 0u;
@@ -198,22 +190,31 @@ __device__ __forceinline__ void load_dkv_rows(const tcb_meta& m, const tc_args& 
   load_slice<D>(row_or_null(dout, m.c1, h, 0), g, r.g1);
 }
 
-// The pass's TCB loop: metadata two TCBs ahead, the operands (`load`) one TCB ahead, `body` on
-// each TCB's (meta, operands).
+// A TCB's metadata and its first slot.
+struct tcb_ahead {
+  tcb_meta m;
+  std::int32_t first = 0;
+};
+
+__device__ __forceinline__ tcb_ahead load_ahead(const tc_args& a, std::int64_t tcb, int g, int t) {
+  return {load_tcb_meta(a.col_idx, a.bitmap, tcb, g, t), __ldg(a.first_slot + tcb)};
+}
+
+// The pass's TCB loop: metadata and first slots two TCBs ahead, the operands (`load`) one TCB
+// ahead, `body` on each TCB's (meta, operands).
 template <class Rows, class Load, class Body>
 __device__ __forceinline__ void tcb_loop(const tc_args& a, const tc_chunk& w, int g, int t,
                                          Load&& load, Body&& body) {
-  tcb_meta meta1 = w.begin < w.end ? load_tcb_meta(a.col_idx, a.bitmap, w.begin, g, t) : tcb_meta{};
-  tcb_meta meta2 =
-      w.begin + 1 < w.end ? load_tcb_meta(a.col_idx, a.bitmap, w.begin + 1, g, t) : tcb_meta{};
+  tcb_ahead next1 = w.begin < w.end ? load_ahead(a, w.begin, g, t) : tcb_ahead{};
+  tcb_ahead next2 = w.begin + 1 < w.end ? load_ahead(a, w.begin + 1, g, t) : tcb_ahead{};
   Rows next;
-  if (w.begin < w.end) load(meta1, w.begin, next);
+  if (w.begin < w.end) load(next1.m, next1.first, next);
   for (std::int64_t tcb = w.begin; tcb < w.end; ++tcb) {
     const Rows cur = next;
-    const tcb_meta m = meta1;
-    meta1 = meta2;
-    if (tcb + 2 < w.end) meta2 = load_tcb_meta(a.col_idx, a.bitmap, tcb + 2, g, t);
-    if (tcb + 1 < w.end) load(meta1, tcb + 1, next);  // in flight during this TCB's products
+    const tcb_meta m = next1.m;
+    next1 = next2;
+    if (tcb + 2 < w.end) next2 = load_ahead(a, tcb + 2, g, t);
+    if (tcb + 1 < w.end) load(next1.m, next1.first, next);  // in flight during this TCB's products
     body(m, cur);
   }
 }
@@ -313,19 +314,19 @@ __global__ void __launch_bounds__(kWarps * 32, kTcMinBlocks<D>)
   const int bit = g * 8 + 2 * t;
   tcb_loop<dq_rows<D>>(
       a, w, g, t,
-      [&](const tcb_meta& m, std::int64_t tcb, dq_rows<D>& r) {
-        load_dq_rows<T, D>(m, a, tcb, k, v, h, t, r);
+      [&](const tcb_meta& m, std::int32_t first, dq_rows<D>& r) {
+        load_quarter<D>(row_or_null(k, m.cb, h, 0), t, r.kq);
+        load_quarter<D>(row_or_null(v, m.cb, h, 0), t, r.vq);
+        lane_targets(a, m, bit, first, r.target);
       },
       [&](const tcb_meta& m, const dq_rows<D>& r) {
-        std::int32_t target[4];  // in flight during the products
-        lane_targets(a, m, bit, r.first, target);
         float s[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dp[4] = {0.0f, 0.0f, 0.0f, 0.0f}, p[4];
         product<T, D>(s, q0, q1, r.kq);
         product<T, D>(dp, g0, g1, r.vq);
         probabilities(m, bit, s, a.scale_log2, lse, p);
         const float dsv[4] = {p[0] * (dp[0] - d0), p[1] * (dp[1] - d0), p[2] * (dp[2] - d1),
                               p[3] * (dp[3] - d1)};
-        store_pds<T>(a, target, h, p, dsv);
+        store_pds<T>(a, r.target, h, p, dsv);
         const std::uint32_t ds[2] = {arch::pack2<T>(dsv[0], dsv[1]),
                                      arch::pack2<T>(dsv[2], dsv[3])};
         std::uint32_t k0[D / 16], k1[D / 16];
@@ -355,8 +356,8 @@ __global__ void __launch_bounds__(kWarps * 32, kTcColumnMinBlocks<D>)
   }
   tcb_loop<dkv_rows<D>>(
       a, w, g, t,
-      [&](const tcb_meta& m, std::int64_t tcb, dkv_rows<D>& r) {
-        load_dkv_rows<T, D>(m, a, tcb, q, dout, h, g, t, r);
+      [&](const tcb_meta& m, std::int32_t first, dkv_rows<D>& r) {
+        load_dkv_rows<T, D>(m, a, first, q, dout, h, g, t, r);
       },
       [&](const tcb_meta&, const dkv_rows<D>& r) {
         // Rows g and g + 8 (keys), columns 2t and 2t + 1 (queries): P in the words' low halves,
