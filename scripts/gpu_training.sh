@@ -8,12 +8,13 @@
 # TRAIN_GRAPHS: the graph files (default data/*.el.xz). One JSONL under $OUT, training.jsonl, every
 # configuration's records (each names its dim, heads and dtype); TRAIN_ARGS: more bench_fused3s
 # arguments (e.g. --f32-dout). TRAIN_BASE=1: also the parent build's bench_fused3s from
-# .devpack/base.tar.xz on the same inputs (base.jsonl), for an A/B in the same call. (A device
-# call brings back at most 8 files.)
+# .devpack/base.tar.xz on the same inputs (base.jsonl), for an A/B in the same call; TRAIN_NEW:
+# another packed build in place of .devpack/new.tar.xz. (A device call brings back at most 8
+# files.)
 set -uo pipefail
 out=${OUT:-/tmp/trisparse-training}
 mkdir -p "$out" /tmp/train
-tar -xJf .devpack/new.tar.xz -C /tmp/train
+tar -xJf "${TRAIN_NEW:-.devpack/new.tar.xz}" -C /tmp/train
 if [ "${TRAIN_BASE:-0}" = 1 ]; then
   mkdir -p /tmp/train/base && tar -xJf .devpack/base.tar.xz -C /tmp/train/base
 fi
