@@ -13,8 +13,8 @@
 // 16-byte runs of each: load_slice). It stores each entry's P and dS (16-bit, as the products
 // take them) at the slot of the same pair in the transposed pattern's BSB (slots.cuh), so the
 // transposed pass (keys as rows) recomputes nothing: it reads its own TCB's words in place and
-// gathers only the Q and dO slices of dV += Pᵀ dO, dK += dSᵀ Q. dout comes in the inputs' 16-bit type (the terms pass rounds an f32
-// one into the workspace).
+// gathers only the Q and dO slices of dV += Pᵀ dO, dK += dSᵀ Q. dout comes in the inputs' 16-bit
+// type (the terms pass rounds an f32 one into the workspace).
 #include "../../common/arch/mma.cuh"
 #include "../../common/fragment_io.cuh"
 #include "device.cuh"
