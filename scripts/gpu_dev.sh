@@ -31,13 +31,21 @@ build_module() {  # $1: the prebuilt library, or empty to build it from source
     cmake --build build/device -j "$(nproc)" --target trisparse_python trisparse_python_files \
       >> "$out/build.log" 2>&1 && PYTHONPATH=build/device/python python3 -c "import trisparse._C"
 }
+# Only the packed test binaries (no pytest, benchmarks or pytest under memcheck): no module.
+python_needed=1
+if [ "${PYTEST_K:-}" = none ] && [ -z "${SANITIZE_K:-}" ] &&
+  [ "${BENCH:-0}${BLOCK:-0}${EXPHORMER:-0}${GPS:-0}${TRAIN:-0}" = 00000 ]; then
+  python_needed=0
+fi
 lib=
-if [ -f .devpack/libtrisparse.a.xz ] &&
+if [ "$python_needed" = 1 ] && [ -f .devpack/libtrisparse.a.xz ] &&
   [ "$(cat .devpack/libtrisparse.stamp 2>/dev/null)" = "$(scripts/source_stamp.sh)" ]; then
   mkdir -p /tmp/prebuilt && xz -dc .devpack/libtrisparse.a.xz > /tmp/prebuilt/libtrisparse.a &&
     lib=/tmp/prebuilt/libtrisparse.a
 fi
-if [ -n "$lib" ] && build_module "$lib"; then
+if [ "$python_needed" = 0 ]; then
+  echo "library: none (no Python module needed)"
+elif [ -n "$lib" ] && build_module "$lib"; then
   echo "library: prebuilt (.devpack, sources unchanged)"
 else
   [ -n "$lib" ] && { echo "library: the prebuilt one failed, building it here"; tail -5 "$out/build.log"; }

@@ -9,29 +9,30 @@
 # configuration's records (each names its dim, heads and dtype); TRAIN_ARGS: more bench_fused3s
 # arguments (e.g. --f32-dout). TRAIN_BASE=1: also the parent build's bench_fused3s from
 # .devpack/base.tar.xz on the same inputs (base.jsonl), for an A/B in the same call; TRAIN_NEW:
-# another packed build in place of .devpack/new.tar.xz. (A device call brings back at most 8
-# files.)
+# another packed build in place of .devpack/new.tar.xz; TRAIN_BUILDS="new2 ...": more packed
+# builds (.devpack/NAME.tar.xz, NAME.jsonl), each configuration run by every build in turn. (A
+# device call brings back at most 8 files.)
 set -uo pipefail
 out=${OUT:-/tmp/trisparse-training}
 mkdir -p "$out" /tmp/train
-tar -xJf "${TRAIN_NEW:-.devpack/new.tar.xz}" -C /tmp/train
-if [ "${TRAIN_BASE:-0}" = 1 ]; then
-  mkdir -p /tmp/train/base && tar -xJf .devpack/base.tar.xz -C /tmp/train/base
-fi
+# Each build: a name (its JSONL under $OUT) and its packed bench_fused3s.
+builds=("training:${TRAIN_NEW:-.devpack/new.tar.xz}")
+[ "${TRAIN_BASE:-0}" = 1 ] && builds+=("base:.devpack/base.tar.xz")
+for b in ${TRAIN_BUILDS:-}; do builds+=("$b:.devpack/$b.tar.xz"); done
+for b in "${builds[@]}"; do
+  mkdir -p "/tmp/train/${b%%:*}" && tar -xJf "${b#*:}" -C "/tmp/train/${b%%:*}"
+done
 export LD_LIBRARY_PATH=$PWD/.devlibs:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 start=$SECONDS
 generated=${TRAIN_GENERATED-hub:400000 --rmat 20:16 --er 10000000:8}
 for c in ${TRAIN_CONFIGS:-128:1:f16 64:8:f16 128:8:bf16}; do
   IFS=: read -r dim heads dt <<< "$c"
-  /tmp/train/bench_fused3s --dim "$dim" --heads "$heads" --dtype "$dt" --repeat 10 --no-baselines \
-    --training ${TRAIN_ARGS:-} ${TRAIN_GRAPHS:-data/*.el.xz} $generated \
-    >> "$out/training.jsonl" 2>> "$out/stderr.log"
-  if [ "${TRAIN_BASE:-0}" = 1 ]; then
-    /tmp/train/base/bench_fused3s --dim "$dim" --heads "$heads" --dtype "$dt" --repeat 10 \
+  for b in "${builds[@]}"; do
+    "/tmp/train/${b%%:*}/bench_fused3s" --dim "$dim" --heads "$heads" --dtype "$dt" --repeat 10 \
       --no-baselines --training ${TRAIN_ARGS:-} ${TRAIN_GRAPHS:-data/*.el.xz} $generated \
-      >> "$out/base.jsonl" 2>> "$out/stderr.log"
-  fi
+      >> "$out/${b%%:*}.jsonl" 2>> "$out/stderr.log"
+  done
   generated=
   echo "$c: $((SECONDS - start)) s"
 done
