@@ -4,6 +4,8 @@
 // (cuda_core.cuh), fp32 accumulation. Rows longer than kChunkEntries are cut into chunks whose
 // partial sums a reduction adds in chunk order: deterministic, and a hub spreads over many warps.
 #include <cuda_runtime.h>
+#include <thrust/binary_search.h>
+#include <thrust/execution_policy.h>
 #include <cub/device/device_radix_sort.cuh>
 
 #include <algorithm>
@@ -462,15 +464,11 @@ __global__ void column_offsets(const std::uint32_t* sorted_cols, std::int64_t nn
                                std::int64_t cols, std::int64_t* offset) {
   const std::int64_t c = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
   if (c > cols) return;
-  std::int64_t lo = 0, hi = nnz;
-  while (lo < hi) {
-    const std::int64_t mid = (lo + hi) / 2;
-    if (static_cast<std::int64_t>(sorted_cols[mid]) < c)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  offset[c] = lo;
+  offset[c] = thrust::lower_bound(thrust::seq, sorted_cols, sorted_cols + nnz, c,
+                                  [](std::uint32_t col, std::int64_t x) {
+                                    return static_cast<std::int64_t>(col) < x;
+                                  }) -
+              sorted_cols;
 }
 
 __global__ void gather_rows(const std::int64_t* entry, const std::int32_t* entry_row,

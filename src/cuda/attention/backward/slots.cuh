@@ -8,6 +8,8 @@
 // same pair in the transpose's BSB (target[its slot]), so the dk/dv pass reads its own TCB's words
 // in place. Both maps are built here on the device from the pattern's CSR (columns increasing in
 // each row): each set bit's pair found by a binary search of its row.
+#include <thrust/binary_search.h>
+#include <thrust/execution_policy.h>
 #include <cub/device/device_scan.cuh>
 
 #include <algorithm>
@@ -25,18 +27,11 @@ inline unsigned build_blocks(std::int64_t threads) {
   return static_cast<unsigned>((threads + kBuildThreads - 1) / kBuildThreads);
 }
 
-// The window of TCB `tcb`: the last w with tcb_offset[w] <= tcb.
+// The window of TCB `tcb`: the last w with tcb_offset[w] <= tcb (tcb_offset: windows + 1 offsets).
 __device__ __forceinline__ std::int64_t window_of(const std::int64_t* tcb_offset,
                                                   std::int64_t windows, std::int64_t tcb) {
-  std::int64_t lo = 0, hi = windows;  // tcb_offset[lo] <= tcb < tcb_offset[hi]
-  while (hi - lo > 1) {
-    const std::int64_t mid = (lo + hi) / 2;
-    if (tcb_offset[mid] <= tcb)
-      lo = mid;
-    else
-      hi = mid;
-  }
-  return lo;
+  return thrust::upper_bound(thrust::seq, tcb_offset, tcb_offset + windows + 1, tcb) - tcb_offset -
+         1;
 }
 
 // The first entry of `row` whose column is >= c, in a CSR with increasing columns in each row:
@@ -44,15 +39,7 @@ __device__ __forceinline__ std::int64_t window_of(const std::int64_t* tcb_offset
 __device__ __forceinline__ std::int64_t lower_entry(const std::int64_t* row_ptr,
                                                     const std::int32_t* col, std::int64_t row,
                                                     std::int32_t c) {
-  std::int64_t lo = row_ptr[row], hi = row_ptr[row + 1];
-  while (lo < hi) {
-    const std::int64_t mid = (lo + hi) / 2;
-    if (col[mid] < c)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  return lo;
+  return thrust::lower_bound(thrust::seq, col + row_ptr[row], col + row_ptr[row + 1], c) - col;
 }
 
 __global__ void tcb_entry_counts(const std::uint64_t* bitmap, std::int64_t tcbs,

@@ -2,6 +2,9 @@
 // kernels (block_sparse/kernel.cuh, backward.cuh) over segment walks (walk.cuh), all on one
 // stream. Tiles of 64 rows (four warps), streamed tiles of 64 (32 for dk/dv at D = 128, whose two
 // accumulators leave no room for more).
+#include <thrust/binary_search.h>
+#include <thrust/execution_policy.h>
+
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -29,25 +32,10 @@ __global__ void segment_bounds_kernel(const I* ids, std::int32_t rows, std::int3
   const std::int64_t i = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   if (i >= rows) return;
   const I id = ids[i];
-  std::int32_t lo = 0, hi = static_cast<std::int32_t>(i);
-  while (lo < hi) {
-    const std::int32_t mid = lo + (hi - lo) / 2;
-    if (ids[mid] < id)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  bounds[2 * i] = lo;
-  lo = static_cast<std::int32_t>(i) + 1;
-  hi = rows;
-  while (lo < hi) {
-    const std::int32_t mid = lo + (hi - lo) / 2;
-    if (ids[mid] <= id)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  bounds[2 * i + 1] = lo;
+  bounds[2 * i] =
+      static_cast<std::int32_t>(thrust::lower_bound(thrust::seq, ids, ids + i, id) - ids);
+  bounds[2 * i + 1] = static_cast<std::int32_t>(
+      thrust::upper_bound(thrust::seq, ids + i + 1, ids + rows, id) - ids);
 }
 
 std::int32_t* write_bounds(const segment_view& seg, workspace_view workspace, cudaStream_t s) {
