@@ -21,9 +21,10 @@ struct split_row {
 };
 
 // TCBs [begin, end) of BSB window `window`; slot < 0: the chunk is the whole window and writes the
-// gradient rows, else row r of the window goes to partial row slot + r * stride.
+// gradient rows, else it is chunk `piece` of the window's `stride` and row r of the window goes to
+// partial row slot + r * stride (the window's partial rows start at slot - piece).
 struct tc_chunk {
-  std::int32_t window, slot, stride, pad;
+  std::int32_t window, slot, stride, piece;
   std::int64_t begin, end;
 };
 

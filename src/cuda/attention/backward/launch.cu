@@ -45,10 +45,10 @@ struct pass {
   std::int64_t slots = 0;  // partial rows
 };
 
-// The window chunks of one pass at one chunk size, and their partial rows.
+// The window chunks of one pass at one chunk size, and their partial rows (16 per chunk of a cut
+// window).
 struct tc_work {
   device_buffer<tc_chunk> chunks;
-  device_buffer<split_row> splits;
   std::int64_t slots = 0;
 };
 
@@ -89,7 +89,8 @@ using namespace attention_backward;
 
 struct workspace_segments {
   detail::workspace_layout layout;
-  std::size_t lse = 0, delta = 0, dq = 0, dk = 0, dv = 0, dout = 0, pds = 0;
+  std::size_t lse = 0, delta = 0, dq = 0, dk = 0, dv = 0, dout = 0, pds = 0, arrivals = 0;
+  std::size_t row_arrivals = 0, column_arrivals = 0;  // counters of each pass's cut windows
 };
 
 // pdim: floats per partial row (the larger head dim of q and v). An f32 backward never takes
@@ -115,6 +116,12 @@ workspace_segments segments(const attention_backward_device_plan& plan, std::int
   w.dout = w.layout.add(static_cast<std::size_t>(plan.rows * heads * pdim) * 2);
   // The tensor-core dq pass's P and dS for the dk/dv pass: a 32-bit word per entry and head.
   w.pds = w.layout.add(static_cast<std::size_t>(plan.nnz * heads) * sizeof(std::uint32_t));
+  // A counter per cut window and head for each pass (16 partial rows per chunk of a cut window).
+  w.row_arrivals =
+      static_cast<std::size_t>(plan.tc_row.work(heads).slots / bsb::kRowWindow * heads);
+  w.column_arrivals =
+      static_cast<std::size_t>(plan.tc_column().work(heads).slots / bsb::kRowWindow * heads);
+  w.arrivals = w.layout.add((w.row_arrivals + w.column_arrivals) * sizeof(std::uint32_t));
   return w;
 }
 
@@ -166,12 +173,10 @@ pass make_pass(std::span<const std::int64_t> row_ptr, device_buffer<std::int32_t
 }
 
 // The BSB windows as work: one chunk per window of at most `size` TCBs (empty windows too: they
-// write zeros), `size`-TCB chunks of larger windows, whose 16 rows each become a split row over
-// the chunks' partial rows (row r of chunk c at first + r * n + c).
-tc_work make_tc_work(std::span<const std::int64_t> tcb_offset, std::int64_t rows,
-                     std::int64_t size) {
+// write zeros), `size`-TCB chunks of larger windows with partial rows (row r of chunk c at
+// first + r * n + c), which the last of them to finish adds up (tensor_core.cuh).
+tc_work make_tc_work(std::span<const std::int64_t> tcb_offset, std::int64_t size) {
   std::vector<tc_chunk> chunks;
-  std::vector<split_row> splits;
   std::int32_t slots = 0;
   const auto windows = static_cast<std::int64_t>(tcb_offset.size()) - 1;
   chunks.reserve(static_cast<std::size_t>(windows));
@@ -185,17 +190,12 @@ tc_work make_tc_work(std::span<const std::int64_t> tcb_offset, std::int64_t rows
     const auto n = static_cast<std::int32_t>((end - begin + size - 1) / size);
     for (std::int32_t c = 0; c < n; ++c) {
       const std::int64_t from = begin + static_cast<std::int64_t>(c) * size;
-      chunks.push_back({window, slots + c, n, 0, from, std::min(end, from + size)});
-    }
-    for (std::int32_t r = 0; r < bsb::kRowWindow; ++r) {
-      const std::int64_t row = w * bsb::kRowWindow + r;
-      if (row < rows) splits.push_back({static_cast<std::int32_t>(row), slots + r * n, n, 0});
+      chunks.push_back({window, slots + c, n, c, from, std::min(end, from + size)});
     }
     slots += bsb::kRowWindow * n;
   }
   tc_work work;
   work.chunks = device_buffer<tc_chunk>(chunks);
-  work.splits = device_buffer<split_row>(splits);
   work.slots = slots;
   return work;
 }
@@ -203,9 +203,8 @@ tc_work make_tc_work(std::span<const std::int64_t> tcb_offset, std::int64_t rows
 // A pattern's BSB (`tcb_offset` on the host, columns and bitmap on the device) and its work at
 // both chunk sizes: kChunkTcbs, or the TCBs over chunks_per_sm x `sms` chunks where more.
 tc_pass make_tc_pass(std::span<const std::int64_t> tcb_offset,
-                     device_buffer<std::int64_t> device_offset, std::int64_t rows,
-                     device_buffer<std::int32_t> col_idx, device_buffer<std::uint64_t> bitmap,
-                     std::int64_t sms) {
+                     device_buffer<std::int64_t> device_offset, device_buffer<std::int32_t> col_idx,
+                     device_buffer<std::uint64_t> bitmap, std::int64_t sms) {
   const auto size = [&](std::int64_t per_sm) {
     const std::int64_t target = sms * per_sm;
     return std::max<std::int64_t>(kChunkTcbs, (tcb_offset.back() + target - 1) / target);
@@ -214,14 +213,14 @@ tc_pass make_tc_pass(std::span<const std::int64_t> tcb_offset,
   p.tcb_offset = std::move(device_offset);
   p.col_idx = std::move(col_idx);
   p.bitmap = std::move(bitmap);
-  p.fine = make_tc_work(tcb_offset, rows, size(kFineChunksPerSm));
-  p.coarse = make_tc_work(tcb_offset, rows, size(kCoarseChunksPerSm));
+  p.fine = make_tc_work(tcb_offset, size(kFineChunksPerSm));
+  p.coarse = make_tc_work(tcb_offset, size(kCoarseChunksPerSm));
   return p;
 }
 
 tc_pass make_tc_pass(const csr_graph& g, std::int64_t sms) {
   const bsb b = build_bsb(g, 8);
-  return make_tc_pass(b.tcb_offset, device_buffer<std::int64_t>(b.tcb_offset), g.rows,
+  return make_tc_pass(b.tcb_offset, device_buffer<std::int64_t>(b.tcb_offset),
                       device_buffer<std::int32_t>(b.col_idx),
                       device_buffer<std::uint64_t>(b.bitmap), sms);
 }
@@ -252,10 +251,11 @@ void run_tensor_core(const attention_backward_device_plan& plan, const tensor_vi
                      view<const T> out, view<const float> lse, const tensor_view& dq,
                      const tensor_view& dk, const tensor_view& dv, row_terms terms,
                      std::uint32_t* pds, partials dq_part, partials dk_part, partials dv_part,
-                     float scale, cudaStream_t s) {
+                     std::uint32_t* row_arrivals, std::uint32_t* column_arrivals, float scale,
+                     cudaStream_t s) {
   const auto heads = static_cast<int>(q.heads);
   const float scale_log2 = scale * kLog2e;
-  const auto args = [&](const tc_pass& pass, std::int64_t rows) {
+  const auto args = [&](const tc_pass& pass, std::int64_t rows, std::uint32_t* arrivals) {
     const tc_work& work = pass.work(heads);
     return tc_args{pass.col_idx.data(),
                    pass.bitmap.data(),
@@ -268,9 +268,11 @@ void run_tensor_core(const attention_backward_device_plan& plan, const tensor_vi
                    pass.first_slot.data(),
                    pass.target.data(),
                    pds,
-                   plan.nnz};
+                   plan.nnz,
+                   arrivals};
   };
-  const tc_args row = args(plan.tc_row, plan.rows), column = args(plan.tc_column(), plan.cols);
+  const tc_args row = args(plan.tc_row, plan.rows, row_arrivals),
+                column = args(plan.tc_column(), plan.cols, column_arrivals);
   with_head_dim<32, 64, 128>(q.dim, "attention backward", [&]<int D>() {
     if (row.n_chunks * heads > 0) {
       tc_row_pass<T, G, D><<<grid_of(row.n_chunks * heads), kWarps * 32, 0, s>>>(
@@ -521,8 +523,8 @@ int read_flag(const device_buffer<int>& flag, cudaStream_t s) {
 tc_pass device_tc_pass(const csr_view& g, std::int64_t sms, cudaStream_t s) {
   device_bsb b = build_bsb_device(g, s, true, false);
   const std::vector<std::int64_t> offsets = host_copy(b.tcb_offset.data(), b.windows + 1, s);
-  return make_tc_pass(offsets, std::move(b.tcb_offset), g.rows, std::move(b.col_idx),
-                      std::move(b.bitmap), sms);
+  return make_tc_pass(offsets, std::move(b.tcb_offset), std::move(b.col_idx), std::move(b.bitmap),
+                      sms);
 }
 
 }  // namespace
@@ -670,6 +672,11 @@ void run_attention_backward(const attention_backward_device_plan& plan, const te
           }
           if constexpr (!std::is_same_v<T, float>) {
             if (tensor_core) {
+              std::uint32_t* const arrivals = layout::at<std::uint32_t>(workspace, w.arrivals);
+              const std::size_t counters = w.row_arrivals + w.column_arrivals;
+              if (counters > 0)
+                TRISPARSE_CUDA_TRY(
+                    cudaMemsetAsync(arrivals, 0, counters * sizeof(std::uint32_t), s));
               const view<const T> dout_t =
                   round_dout ? view<const T>{rounded, heads * dout.dim, dout.dim,
                                              static_cast<int>(dout.dim)}
@@ -680,13 +687,8 @@ void run_attention_backward(const attention_backward_device_plan& plan, const te
               run_tensor_core<T, G>(plan, q, k, v, dout_t, out_t, view_of<const float>(lse), dq, dk,
                                     dv, terms, layout::at<std::uint32_t>(workspace, w.pds),
                                     partials{dq_part, heads, pdim}, partials{dk_part, heads, pdim},
-                                    partials{dv_part, heads, pdim}, static_cast<float>(scale), s);
-              launch_reduce<G, V, F>(base, plan.tc_row.work(heads).splits, dq_part, dq, base.scale,
-                                     s);
-              launch_reduce<G, V, F>(base, plan.tc_column().work(heads).splits, dk_part, dk,
-                                     base.scale, s);
-              launch_reduce<G, V, F>(base, plan.tc_column().work(heads).splits, dv_part, dv, 1.0f,
-                                     s);
+                                    partials{dv_part, heads, pdim}, arrivals,
+                                    arrivals + w.row_arrivals, static_cast<float>(scale), s);
               return;
             }
           }
@@ -765,7 +767,7 @@ std::int64_t device_bytes(const attention_backward_device_plan& plan) {
   const auto tc_bytes = [](const tc_pass& p) {
     std::size_t bytes = p.tcb_offset.bytes() + p.col_idx.bytes() + p.bitmap.bytes() +
                         p.first_slot.bytes() + p.target.bytes();
-    for (const tc_work* w : {&p.fine, &p.coarse}) bytes += w->chunks.bytes() + w->splits.bytes();
+    for (const tc_work* w : {&p.fine, &p.coarse}) bytes += w->chunks.bytes();
     return bytes;
   };
   return static_cast<std::int64_t>(plan.row_ptr.bytes() + plan.column_entry.bytes() +

@@ -2,8 +2,9 @@
 // The tensor-core attention backward over BSB (16-row windows, 16x8 TCBs with bitmaps; included
 // by launch.cu, the shared pieces from device.cuh): a pass over the pattern's windows writes dq, a
 // pass over the transposed pattern's windows (16 keys, TCBs of 8 queries) writes dk and dv. One
-// warp per work chunk (a window's TCB range) and head; a window with more TCBs than a chunk takes
-// leaves fp32 partial rows that reduce_pass adds in chunk order: no atomics, bitwise repeatable.
+// warp per work chunk (a window's TCB range) and head; a window with more TCBs than a chunk is cut
+// into chunks that leave fp32 partial rows, which the last of them to finish adds in chunk order:
+// no floating-point atomics, bitwise repeatable.
 //
 // Per TCB the warp gathers each of the 8 columns' rows once for its 16 rows (the reuse the
 // CUDA-core kernel lacks) and does the products on mma.sync: S = Q Kᵀ and dP = dO Vᵀ (m16n8k16,
@@ -35,6 +36,7 @@ struct tc_args {
   const std::int32_t* target;      // [nnz]: the dk/dv pass's slot of each slot (the dq pass)
   std::uint32_t* pds;              // [heads, nnz]: P and dS (16-bit each) per slot
   std::int64_t nnz;
+  std::uint32_t* arrivals;  // [cut windows, heads]: chunks done (zeroed before the pass)
 };
 
 // Row `r` of a view at head h, offset by `offset` elements, or nullptr for r < 0.
@@ -100,6 +102,57 @@ __device__ __forceinline__ void finish_window(const tc_chunk& w, const tc_args& 
       store_slice<G, D>(out.at(row, h), 2 * t, x0);
       store_slice<G, D>(out.at(row, h), 2 * t + 1, x1);
     }
+  }
+}
+
+// Whether the warp's chunk of a cut window is the last of the window's chunks (this head) to have
+// stored its partial rows; then they are all visible to it. The window's counter is at its first
+// partial row / 16.
+__device__ __forceinline__ bool last_to_arrive(const tc_chunk& w, const tc_args& a, int h) {
+  __threadfence();  // the lane's partial rows before the count
+  __syncwarp();
+  unsigned done = 0;
+  if ((threadIdx.x & 31) == 0)
+    done = atomicAdd(a.arrivals + (w.slot - w.piece) / 16 * std::int64_t{a.heads} + h, 1u);
+  done = __shfl_sync(0xffffffffu, done, 0);
+  if (done + 1 != static_cast<unsigned>(w.stride)) return false;
+  __threadfence();  // the others' partial rows after their counts
+  return true;
+}
+
+// A cut window's gradient rows (times `factor`): its chunks' partial rows added in chunk order (so
+// the same bits whichever chunk comes last), read past L1 (other SMs wrote them).
+template <class G, int D>
+__device__ __forceinline__ void reduce_window(const tc_chunk& w, const tc_args& a, int h, int lane,
+                                              float factor, view<G> out, partials part) {
+  constexpr int kRuns = D / 8;             // 8-float runs of a row
+  constexpr int kItems = 16 * kRuns / 32;  // the lane's runs of the window's 16 rows
+  const std::int64_t first = w.slot - w.piece;
+  float acc[kItems][8];
+#pragma unroll
+  for (int i = 0; i < kItems; ++i)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[i][e] = 0.0f;
+  for (int c = 0; c < w.stride; ++c) {
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const int f = i * 32 + lane, r = f / kRuns;
+      const auto* src = reinterpret_cast<const float4*>(
+          part.at(first + std::int64_t{r} * w.stride + c, h) + f % kRuns * 8);
+      const float4 x0 = __ldcg(src), x1 = __ldcg(src + 1);
+      const float x[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[i][e] += x[e];
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kItems; ++i) {
+    const int f = i * 32 + lane;
+    const std::int64_t row = std::int64_t{w.window} * 16 + f / kRuns;
+    if (row >= a.rows) continue;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[i][e] *= factor;
+    store_run<G, 8>(out.at(row, h) + f % kRuns * 8, acc[i]);
   }
 }
 
@@ -335,6 +388,7 @@ __global__ void __launch_bounds__(kWarps * 32, kTcMinBlocks<D>)
         accumulate<T, D>(acc, ds, k0, k1);
       });
   finish_window<G, D>(w, a, h, g, t, acc, a.scale, dq, part);
+  if (w.slot >= 0 && last_to_arrive(w, a, h)) reduce_window<G, D>(w, a, h, lane, a.scale, dq, part);
 }
 
 // dk, dv over the transposed pattern's windows (16 keys; TCBs of 8 queries), from the dq pass's
@@ -371,6 +425,10 @@ __global__ void __launch_bounds__(kWarps * 32, kTcColumnMinBlocks<D>)
       });
   finish_window<G, D>(w, a, h, g, t, acc_k, a.scale, dk, dk_part);
   finish_window<G, D>(w, a, h, g, t, acc_v, 1.0f, dv, dv_part);
+  if (w.slot >= 0 && last_to_arrive(w, a, h)) {
+    reduce_window<G, D>(w, a, h, lane, a.scale, dk, dk_part);
+    reduce_window<G, D>(w, a, h, lane, 1.0f, dv, dv_part);
+  }
 }
 
 }  // namespace trisparse::cuda::attention_backward
