@@ -110,6 +110,16 @@ __device__ __forceinline__ void load_quarter(const void* row, int t, std::uint32
   load_runs<D / 4, 4>(row, t, dst);
 }
 
+// Stores a lane's D/4 floats of one row (converted to G) in the quarter layout above: element
+// i·8 + e at column i·32 + t·8 + e.
+template <class G, int D>
+__device__ __forceinline__ void store_quarter(G* row, int t, const float (&x)[D / 4]) {
+  static_assert(D % 32 == 0, "the quarter layout stores 8-element runs");
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i)
+    store_run<G, 8>(row + i * 32 + t * 8, *reinterpret_cast<const float(*)[8]>(&x[i * 8]));
+}
+
 // A lane's slice of a row for the m16n8k8 products: D/8 elements in runs of kRun<D> = min(8, D/8),
 // run i at columns i·8·kRun + g·kRun + [0, kRun). Slice element j = i·kRun + e is output column j
 // of the lane's blocks.

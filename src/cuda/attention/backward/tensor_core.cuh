@@ -10,12 +10,12 @@
 // CUDA-core kernel lacks) and does the products on mma.sync: S = Q Kᵀ and dP = dO Vᵀ (m16n8k16,
 // the contraction permuted alike in both operands: load_quarter), P = exp(S − lse) under the
 // bitmap, dS = P ∘ (dP − D), then dQ += dS K (m16n8k8, A = dS straight from the S accumulators,
-// B = K rows col[2t], col[2t+1] with the output columns permuted so that a lane holds whole
-// 16-byte runs of each: load_slice). It stores each entry's P and dS (16-bit, as the products
-// take them) at the slot of the same pair in the transposed pattern's BSB (slots.cuh), so the
-// transposed pass (keys as rows) recomputes nothing: it reads its own TCB's words in place and
-// gathers only the Q and dO slices of dV += Pᵀ dO, dK += dSᵀ Q. dout comes in the inputs' 16-bit
-// type (the terms pass rounds an f32 one into the workspace).
+// B = K rows col[2t], col[2t+1] shuffled out of the K quarter-rows already in the registers, the
+// output columns in the quarter layout: accumulate_quarters). It stores each entry's P and dS
+// (16-bit, as the products take them) at the slot of the same pair in the transposed pattern's BSB
+// (slots.cuh), so the transposed pass (keys as rows) recomputes nothing: it reads its own TCB's
+// words in place and gathers only the Q and dO slices of dV += Pᵀ dO, dK += dSᵀ Q. dout comes in
+// the inputs' 16-bit type (the terms pass rounds an f32 one into the workspace).
 #include "../../common/arch/mma.cuh"
 #include "../../common/fragment_io.cuh"
 #include "device.cuh"
@@ -59,6 +59,28 @@ __device__ __forceinline__ void accumulate(float (&acc)[D / 8][4], const std::ui
   }
 }
 
+// acc [16 x 8] per 8 columns (A from the 16x8 block `a`) with B = the rows col[2t], col[2t+1] of
+// the TCB taken from its quarter-rows kq, which the lanes hold by row g (row col[g], quarter t):
+// B's element (2t, g) of block r is the b16 of row 2t at column 32 i + 8 (g/2) + 2 p + g%2
+// (i = r/4, p = r%4), register r of lane (2t, g/2), and row 2t + 1's the same of lane
+// (2t + 1, g/2). So block r's output columns 2t, 2t + 1 are columns 32 i + 8 t + 2 p + {0, 1}: the
+// quarter layout (store_quarter), no second gather of the rows.
+template <class T, int D>
+__device__ __forceinline__ void accumulate_quarters(float (&acc)[D / 8][4],
+                                                    const std::uint32_t (&a)[2],
+                                                    const std::uint32_t (&kq)[D / 8], int g,
+                                                    int t) {
+  const int from0 = 8 * t + g / 2, from1 = from0 + 4;
+  const unsigned halves = g % 2 != 0 ? 0x7632u : 0x5410u;  // both high or both low halves
+#pragma unroll
+  for (int r = 0; r < D / 8; ++r) {
+    const std::uint32_t x0 = __shfl_sync(0xffffffffu, kq[r], from0),
+                        x1 = __shfl_sync(0xffffffffu, kq[r], from1);
+    const std::uint32_t b = __byte_perm(x0, x1, halves);
+    arch::mma_16x8x8_f32<T>(acc[r], a, b);
+  }
+}
+
 // c = A Bᵀ (16 x 8) over D: A rows (g, g+8) and B row g, quarters t, in two accumulation chains.
 template <class T, int D>
 __device__ __forceinline__ void product(float (&c)[4], const std::uint32_t (&a0)[D / 8],
@@ -75,9 +97,10 @@ __device__ __forceinline__ void product(float (&c)[4], const std::uint32_t (&a0)
   for (int i = 0; i < 4; ++i) c[i] += odd[i];
 }
 
-// A chunk's 16 x D accumulators (rows g, g+8; columns permuted as above) to the gradient rows
-// (times `factor`) or to the chunk's partial rows.
-template <class G, int D>
+// A chunk's 16 x D accumulators (rows g, g+8) to the gradient rows (times `factor`) or to the
+// chunk's partial rows: block j's columns 2t, 2t + 1 in the slice layout (store_slice) or, with
+// Quarters, in the quarter layout (accumulate_quarters, store_quarter).
+template <class G, int D, bool Quarters = false>
 __device__ __forceinline__ void finish_window(const tc_chunk& w, const tc_args& a, int h, int g,
                                               int t, const float (&acc)[D / 8][4], float factor,
                                               view<G> out, partials part) {
@@ -85,22 +108,32 @@ __device__ __forceinline__ void finish_window(const tc_chunk& w, const tc_args& 
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = g + 8 * half;
-    float x0[kV], x1[kV];
     const float f = w.slot < 0 ? factor : 1.0f;
+    const auto put = [&]<class O>(O* dst) {
+      if constexpr (Quarters) {
+        float x[2 * kV];
 #pragma unroll
-    for (int j = 0; j < kV; ++j) {
-      x0[j] = acc[j][2 * half] * f;
-      x1[j] = acc[j][2 * half + 1] * f;
-    }
+        for (int j = 0; j < kV; ++j) {
+          x[2 * j] = acc[j][2 * half] * f;
+          x[2 * j + 1] = acc[j][2 * half + 1] * f;
+        }
+        store_quarter<O, D>(dst, t, x);
+      } else {
+        float x0[kV], x1[kV];
+#pragma unroll
+        for (int j = 0; j < kV; ++j) {
+          x0[j] = acc[j][2 * half] * f;
+          x1[j] = acc[j][2 * half + 1] * f;
+        }
+        store_slice<O, D>(dst, 2 * t, x0);
+        store_slice<O, D>(dst, 2 * t + 1, x1);
+      }
+    };
     if (w.slot >= 0) {
-      float* dst = part.at(w.slot + static_cast<std::int64_t>(r) * w.stride, h);
-      store_slice<float, D>(dst, 2 * t, x0);
-      store_slice<float, D>(dst, 2 * t + 1, x1);
+      put(part.at(w.slot + static_cast<std::int64_t>(r) * w.stride, h));
     } else {
       const std::int64_t row = std::int64_t{w.window} * 16 + r;
-      if (row >= a.rows) continue;
-      store_slice<G, D>(out.at(row, h), 2 * t, x0);
-      store_slice<G, D>(out.at(row, h), 2 * t + 1, x1);
+      if (row < a.rows) put(out.at(row, h));
     }
   }
 }
@@ -179,8 +212,8 @@ __device__ __forceinline__ void probabilities(const tcb_meta& m, int bit, const 
   p[3] = (m.mask1 >> (bit + 1)) & 1 ? exp2f(s[3] * scale_log2 - lse[3]) : 0.0f;
 }
 
-// The dq pass's B rows of one TCB: K and V quarter-rows of col[g]. (The K slices of col[2t],
-// col[2t+1] load in the TCB's own step: a second copy of them would not fit the registers.)
+// The dq pass's B rows of one TCB: K and V quarter-rows of col[g] (dQ's B operand is shuffled out
+// of the K quarters: accumulate_quarters).
 template <int D>
 struct dq_rows {
   std::uint32_t kq[D / 8], vq[D / 8];
@@ -382,12 +415,9 @@ __global__ void __launch_bounds__(kWarps * 32, kTcMinBlocks<D>)
         store_pds<T>(a, r.target, h, p, dsv);
         const std::uint32_t ds[2] = {arch::pack2<T>(dsv[0], dsv[1]),
                                      arch::pack2<T>(dsv[2], dsv[3])};
-        std::uint32_t k0[D / 16], k1[D / 16];
-        load_slice<D>(row_or_null(k, m.c0, h, 0), g, k0);
-        load_slice<D>(row_or_null(k, m.c1, h, 0), g, k1);
-        accumulate<T, D>(acc, ds, k0, k1);
+        accumulate_quarters<T, D>(acc, ds, r.kq, g, t);
       });
-  finish_window<G, D>(w, a, h, g, t, acc, a.scale, dq, part);
+  finish_window<G, D, true>(w, a, h, g, t, acc, a.scale, dq, part);
   if (w.slot >= 0 && last_to_arrive(w, a, h)) reduce_window<G, D>(w, a, h, lane, a.scale, dq, part);
 }
 
