@@ -14,13 +14,13 @@ constexpr int kUnroll = 4;        // entries a warp loads and reduces together (
 constexpr int kChunkEntries = 256;
 // TCBs per work chunk of the tensor-core kernels (16 rows x 8 columns each): larger windows are
 // cut into chunks, their partial rows (16 per chunk of a cut window, each heads x dim floats)
-// added in chunk order by the last chunk of the window to finish. A chunk holds at least kChunkTcbs, and at least the pattern's
-// TCBs over chunks_per_sm x the SMs, so that on a large pattern only windows far above the even
-// share of the work are cut: the partial rows stay few (rmat20, 8 heads x 64: 11.3 GB of them at
-// 32 TCBs a chunk, 1.7 GB at 32 chunks an SM). Runs of kCoarseFromHeads heads or more take the
-// coarse chunks (their heads give the parallelism); fewer heads, the fine ones (balance: rmat20 at
-// one head ran 1.23 x slower on 32 chunks an SM than on 32-TCB chunks). Small patterns keep
-// 32-TCB chunks at both sizes.
+// added in chunk order by the last chunk of the window to finish. A chunk holds at least
+// kChunkTcbs, and at least the pattern's TCBs over chunks_per_sm x the SMs, so that on a large
+// pattern only windows far above the even share of the work are cut: the partial rows stay few
+// (rmat20, 8 heads x 64: 11.3 GB of them at 32 TCBs a chunk, 1.7 GB at 32 chunks an SM). Runs of
+// kCoarseFromHeads heads or more take the coarse chunks (their heads give the parallelism); fewer
+// heads, the fine ones (balance: rmat20 at one head ran 1.23 x slower on 32 chunks an SM than on
+// 32-TCB chunks). Small patterns keep 32-TCB chunks at both sizes.
 constexpr int kChunkTcbs = 32;
 constexpr int kFineChunksPerSm = 128;
 constexpr int kCoarseChunksPerSm = 32;
