@@ -127,15 +127,17 @@ def bench_graph(path, dim, heads, repeat):
     return rec
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(bench=None, description=None, repeat=10):
+    """Runs bench(path, dim, heads, repeat) over the graphs named on the command line, one JSON
+    object a graph (this file's bench_graph by default; step_profile.py passes its own)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("graphs", nargs="+")
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--repeat", type=int, default=repeat)
     a = ap.parse_args()
     for path in a.graphs:
-        print(json.dumps(bench_graph(path, a.dim, a.heads, a.repeat)), flush=True)
+        print(json.dumps((bench or bench_graph)(path, a.dim, a.heads, a.repeat)), flush=True)
 
 
 if __name__ == "__main__":

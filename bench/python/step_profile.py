@@ -4,8 +4,6 @@
 and their list (torch.profiler), and the same step replayed from a CUDA graph (no host work).
 One JSON object per graph; 8 heads x 64, float16, as attention_training.py."""
 
-import argparse
-import json
 import os
 import sys
 import time
@@ -15,6 +13,7 @@ import trisparse
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import attention_training
 from attention_training import events_ms
 from pyg_attention import read_graph
 
@@ -70,16 +69,5 @@ def profile_graph(path, dim, heads, repeat):
     return rec
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("graphs", nargs="+")
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--repeat", type=int, default=20)
-    a = ap.parse_args()
-    for p in a.graphs:
-        print(json.dumps(profile_graph(p, a.dim, a.heads, a.repeat)), flush=True)
-
-
 if __name__ == "__main__":
-    main()
+    attention_training.main(profile_graph, __doc__, repeat=20)
