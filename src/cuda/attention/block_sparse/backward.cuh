@@ -208,6 +208,93 @@ __device__ __forceinline__ void store_gradient(void* base, std::int64_t row_stri
   }
 }
 
+/// What a dq (KV = false) or dk/dv (KV) pass reads, for the mma.sync and wgmma kernels alike:
+/// the stationary rows X1, X2 (Q and dO, or K and V) from row x0 of the sequence on and the
+/// streamed rows Y1, Y2 (K and V, or Q and dO) from row y0 on; strides in elements.
+template <bool KV>
+struct pass_rows {
+  const char* x1g;
+  const char* x2g;
+  const char* y1g;
+  const char* y2g;
+  std::int64_t x1s, x2s, y1s, y2s, x1h, x2h, y1h, y2h, x0, y0;
+  int x_len, y_len;
+
+  template <class Walk>
+  __device__ __forceinline__ pass_rows(const backward_params& p, const Walk& w)
+      : x1g(static_cast<const char*>(KV ? p.k : p.q)),
+        x2g(static_cast<const char*>(KV ? p.v : p.dout)),
+        y1g(static_cast<const char*>(KV ? p.q : p.k)),
+        y2g(static_cast<const char*>(KV ? p.dout : p.v)),
+        x1s(KV ? p.k_row : p.q_row),
+        x2s(KV ? p.v_row : p.do_row),
+        y1s(KV ? p.q_row : p.k_row),
+        y2s(KV ? p.do_row : p.v_row),
+        x1h(KV ? p.k_head : p.q_head),
+        x2h(KV ? p.v_head : p.do_head),
+        y1h(KV ? p.q_head : p.k_head),
+        y2h(KV ? p.do_head : p.v_head),
+        x0(KV ? w.k0 : w.q0),
+        y0(KV ? w.q0 : w.k0),
+        x_len(KV ? w.lk : w.lq),
+        y_len(KV ? w.lq : w.lk) {}
+
+  /// The stationary tiles (BM rows from the walk's row0) into sx1 and sx2, as one cp.async group.
+  template <int D, int BM, int THREADS, class Walk>
+  __device__ __forceinline__ void load_stationary(std::uint32_t sx1, std::uint32_t sx2,
+                                                  const Walk& w) const {
+    load_rows<D, BM, THREADS>(sx1, x1g + ((x0 + w.row0) * x1s + w.h * x1h) * 2, x1s,
+                              x_len - w.row0);
+    load_rows<D, BM, THREADS>(sx2, x2g + ((x0 + w.row0) * x2s + w.h * x2h) * 2, x2s,
+                              x_len - w.row0);
+    arch::cp_async_commit();
+  }
+};
+
+/// A pass's accumulators zeroed (dq; or dk, dv) and, for dq, the terms (lse2, dterm) of the
+/// thread's query rows r_lo and r_lo + 8 (zeros for dk/dv, which reads its queries' per stage).
+template <bool KV, int D, int ACC, class Walk>
+__device__ __forceinline__ void start_pass(float (&acc)[ACC][D / 8][4], float (&row_lse)[2],
+                                           float (&row_dterm)[2], const backward_params& p,
+                                           const Walk& w, int r_lo) {
+#pragma unroll
+  for (int a = 0; a < ACC; ++a)
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) acc[a][n][0] = acc[a][n][1] = acc[a][n][2] = acc[a][n][3] = 0.f;
+  row_lse[0] = row_lse[1] = row_dterm[0] = row_dterm[1] = 0.f;
+  if constexpr (!KV) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (r_lo + 8 * r < w.lq) {
+        row_lse[r] = p.lse2[w.h * p.rows_q + w.q0 + r_lo + 8 * r];
+        row_dterm[r] = p.dterm[w.h * p.rows_q + w.q0 + r_lo + 8 * r];
+      }
+    }
+  }
+}
+
+/// A pass's gradients from its accumulators: dq = scale acc[0]; or dk = scale acc[0] and
+/// dv = acc[1]; in f32 or T as the run asks.
+template <bool KV, class T, int D, int ACC, class Walk>
+__device__ __forceinline__ void store_pass(const backward_params& p, const Walk& w,
+                                           const float (&acc)[ACC][D / 8][4], int r_lo) {
+  const auto store = [&]<class G>() {
+    if constexpr (KV) {
+      store_gradient<G, D>(static_cast<G*>(p.dk) + (w.k0 * p.dk_row + w.h * p.dk_head), p.dk_row,
+                           acc[0], p.scale, r_lo, w.lk);
+      store_gradient<G, D>(static_cast<G*>(p.dv) + (w.k0 * p.dv_row + w.h * p.dv_head), p.dv_row,
+                           acc[ACC - 1], 1.f, r_lo, w.lk);
+    } else {
+      store_gradient<G, D>(static_cast<G*>(p.dq) + (w.q0 * p.dq_row + w.h * p.dq_head), p.dq_row,
+                           acc[0], p.scale, r_lo, w.lq);
+    }
+  };
+  if (p.grads_f32)
+    store.template operator()<float>();
+  else
+    store.template operator()<T>();
+}
+
 /// The backward's elementwise step, shared by the mma.sync and wgmma kernels (both hold S and T in
 /// the m16n8 accumulator layout: the thread's stationary rows r_lo and r_lo + 8, streamed rows
 /// y + 8 n + 2 tq + {0, 1}): from S = X1 Y1ᵀ and T = dP (or dPᵀ), P = 2^(c S - lse2) into s and
@@ -280,22 +367,12 @@ __global__ void __launch_bounds__(BM / 16 * 32)
       std::conditional_t<std::is_void_v<Walk>,
                          std::conditional_t<KV, key_walk<BM, BN>, tile_walk<BM, BN>>, Walk>;
   walk w(p);
-  // Stationary X1, X2 from rows x0 on; streamed Y1, Y2 from rows y0 on (of the sequence).
-  const char* const x1g = static_cast<const char*>(KV ? p.k : p.q);
-  const char* const x2g = static_cast<const char*>(KV ? p.v : p.dout);
-  const char* const y1g = static_cast<const char*>(KV ? p.q : p.k);
-  const char* const y2g = static_cast<const char*>(KV ? p.dout : p.v);
-  const std::int64_t x1s = KV ? p.k_row : p.q_row, x2s = KV ? p.v_row : p.do_row;
-  const std::int64_t y1s = KV ? p.q_row : p.k_row, y2s = KV ? p.do_row : p.v_row;
-  const std::int64_t x1h = KV ? p.k_head : p.q_head, x2h = KV ? p.v_head : p.do_head;
-  const std::int64_t y1h = KV ? p.q_head : p.k_head, y2h = KV ? p.do_head : p.v_head;
-  const std::int64_t x0 = KV ? w.k0 : w.q0, y0 = KV ? w.q0 : w.k0;
-  const int x_len = KV ? w.lk : w.lq, y_len = KV ? w.lq : w.lk;
+  const pass_rows<KV> o(p, w);
   const auto load_stage = [&](int stage, int y) {
-    load_rows<D, BN, kThreads>(sy1 + stage * kStage, y1g + ((y0 + y) * y1s + w.h * y1h) * 2, y1s,
-                               y_len - y);
-    load_rows<D, BN, kThreads>(sy2 + stage * kStage, y2g + ((y0 + y) * y2s + w.h * y2h) * 2, y2s,
-                               y_len - y);
+    load_rows<D, BN, kThreads>(sy1 + stage * kStage, o.y1g + ((o.y0 + y) * o.y1s + w.h * o.y1h) * 2,
+                               o.y1s, o.y_len - y);
+    load_rows<D, BN, kThreads>(sy2 + stage * kStage, o.y2g + ((o.y0 + y) * o.y2s + w.h * o.y2h) * 2,
+                               o.y2s, o.y_len - y);
     if constexpr (KV) {
       for (int x = static_cast<int>(threadIdx.x); x < 2 * BN; x += kThreads) {
         const int r = x % BN;
@@ -311,33 +388,15 @@ __global__ void __launch_bounds__(BM / 16 * 32)
       walk_entry(w);  // dk/dv: the kept block being walked (block importance)
   [[maybe_unused]] importance_sums<BN> imp(p, w.h, w.row0);
   if (y_cur >= 0) {
-    load_rows<D, BM, kThreads>(sx1, x1g + ((x0 + w.row0) * x1s + w.h * x1h) * 2, x1s,
-                               x_len - w.row0);
-    load_rows<D, BM, kThreads>(sx2, x2g + ((x0 + w.row0) * x2s + w.h * x2h) * 2, x2s,
-                               x_len - w.row0);
-    arch::cp_async_commit();
+    o.template load_stationary<D, BM, kThreads>(sx1, sx2, w);
     load_stage(0, y_cur);
     arch::cp_async_commit();
   }
 
   constexpr int kAcc = KV ? 2 : 1;  // dq; or dk, dv
-  float acc[kAcc][D / 8][4];
-#pragma unroll
-  for (int a = 0; a < kAcc; ++a)
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) acc[a][n][0] = acc[a][n][1] = acc[a][n][2] = acc[a][n][3] = 0.f;
+  float acc[kAcc][D / 8][4], row_lse[2], row_dterm[2];
   const int r_lo = w.row0 + warp * 16 + lane / 4;  // the thread's first stationary row
-  // dq: the terms of the thread's query rows r_lo and r_lo + 8.
-  float row_lse[2] = {0.f, 0.f}, row_dterm[2] = {0.f, 0.f};
-  if constexpr (!KV) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if (r_lo + 8 * r < w.lq) {
-        row_lse[r] = p.lse2[w.h * p.rows_q + w.q0 + r_lo + 8 * r];
-        row_dterm[r] = p.dterm[w.h * p.rows_q + w.q0 + r_lo + 8 * r];
-      }
-    }
-  }
+  start_pass<KV, D>(acc, row_lse, row_dterm, p, w, r_lo);
   const float c = p.negate_scores ? -p.scale_log2 : p.scale_log2;
   [[maybe_unused]] const auto drops = draws_if<DROPOUT>(p);
 
@@ -412,21 +471,7 @@ __global__ void __launch_bounds__(BM / 16 * 32)
     e_cur = e_next;
   }
 
-  const auto store = [&]<class G>() {
-    if constexpr (KV) {
-      store_gradient<G, D>(static_cast<G*>(p.dk) + (w.k0 * p.dk_row + w.h * p.dk_head), p.dk_row,
-                           acc[0], p.scale, r_lo, w.lk);
-      store_gradient<G, D>(static_cast<G*>(p.dv) + (w.k0 * p.dv_row + w.h * p.dv_head), p.dv_row,
-                           acc[kAcc - 1], 1.f, r_lo, w.lk);
-    } else {
-      store_gradient<G, D>(static_cast<G*>(p.dq) + (w.q0 * p.dq_row + w.h * p.dq_head), p.dq_row,
-                           acc[0], p.scale, r_lo, w.lq);
-    }
-  };
-  if (p.grads_f32)
-    store.template operator()<float>();
-  else
-    store.template operator()<T>();
+  store_pass<KV, T, D>(p, w, acc, r_lo);
 }
 
 }  // namespace trisparse::cuda::block_sparse

@@ -108,21 +108,12 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
   const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
   using walk = std::conditional_t<KV, key_walk<BM, BN>, tile_walk<BM, BN>>;
   walk w(p);
-  const char* const x1g = static_cast<const char*>(KV ? p.k : p.q);
-  const char* const x2g = static_cast<const char*>(KV ? p.v : p.dout);
-  const char* const y1g = static_cast<const char*>(KV ? p.q : p.k);
-  const char* const y2g = static_cast<const char*>(KV ? p.dout : p.v);
-  const std::int64_t x1s = KV ? p.k_row : p.q_row, x2s = KV ? p.v_row : p.do_row;
-  const std::int64_t y1s = KV ? p.q_row : p.k_row, y2s = KV ? p.do_row : p.v_row;
-  const std::int64_t x1h = KV ? p.k_head : p.q_head, x2h = KV ? p.v_head : p.do_head;
-  const std::int64_t y1h = KV ? p.q_head : p.k_head, y2h = KV ? p.do_head : p.v_head;
-  const std::int64_t x0 = KV ? w.k0 : w.q0, y0 = KV ? w.q0 : w.k0;
-  const int x_len = KV ? w.lk : w.lq, y_len = KV ? w.lq : w.lk;
-  const row_stream<D, BN, kThreads> y1r(y1g + (y0 * y1s + w.h * y1h) * 2, y1s),
-      y2r(y2g + (y0 * y2s + w.h * y2h) * 2, y2s);
+  const block_sparse::pass_rows<KV> o(p, w);
+  const row_stream<D, BN, kThreads> y1r(o.y1g + (o.y0 * o.y1s + w.h * o.y1h) * 2, o.y1s),
+      y2r(o.y2g + (o.y0 * o.y2s + w.h * o.y2h) * 2, o.y2s);
   const auto load_stage = [&](int stage, int y) {
-    y1r.load(sy1 + stage * kStage, y, y_len);
-    y2r.load(sy2 + stage * kStage, y, y_len);
+    y1r.load(sy1 + stage * kStage, y, o.y_len);
+    y2r.load(sy2 + stage * kStage, y, o.y_len);
     if constexpr (KV) {  // a thread per value: lse2 of the BN queries, then their dterm
       static_assert(2 * BN == kThreads);
       const int x = static_cast<int>(threadIdx.x), r = x % BN;
@@ -137,32 +128,15 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
       walk_entry(w);  // dk/dv: the kept block being walked (block importance)
   [[maybe_unused]] importance_sums<BN> imp(p, w.h, w.row0);
   if (y_cur >= 0) {
-    load_rows<D, BM, kThreads>(sx1, x1g + ((x0 + w.row0) * x1s + w.h * x1h) * 2, x1s,
-                               x_len - w.row0);
-    load_rows<D, BM, kThreads>(sx2, x2g + ((x0 + w.row0) * x2s + w.h * x2h) * 2, x2s,
-                               x_len - w.row0);
-    arch::cp_async_commit();
+    o.template load_stationary<D, BM, kThreads>(sx1, sx2, w);
     load_stage(0, y_cur);
     arch::cp_async_commit();
   }
 
   constexpr int kAcc = KV ? 2 : 1;  // dq; or dk, dv
-  float acc[kAcc][D / 8][4];
-#pragma unroll
-  for (int a = 0; a < kAcc; ++a)
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) acc[a][n][0] = acc[a][n][1] = acc[a][n][2] = acc[a][n][3] = 0.f;
+  float acc[kAcc][D / 8][4], row_lse[2], row_dterm[2];
   const int r_lo = w.row0 + warp * 16 + lane / 4;  // the thread's first stationary row
-  float row_lse[2] = {0.f, 0.f}, row_dterm[2] = {0.f, 0.f};
-  if constexpr (!KV) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if (r_lo + 8 * r < w.lq) {
-        row_lse[r] = p.lse2[w.h * p.rows_q + w.q0 + r_lo + 8 * r];
-        row_dterm[r] = p.dterm[w.h * p.rows_q + w.q0 + r_lo + 8 * r];
-      }
-    }
-  }
+  start_pass<KV, D>(acc, row_lse, row_dterm, p, w, r_lo);
   const float c = p.negate_scores ? -p.scale_log2 : p.scale_log2;
   [[maybe_unused]] const auto drops = draws_if<DROPOUT>(p);
 
@@ -215,21 +189,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
     e_cur = e_next;
   }
 
-  const auto store = [&]<class G>() {
-    if constexpr (KV) {
-      store_gradient<G, D>(static_cast<G*>(p.dk) + (w.k0 * p.dk_row + w.h * p.dk_head), p.dk_row,
-                           acc[0], p.scale, r_lo, w.lk);
-      store_gradient<G, D>(static_cast<G*>(p.dv) + (w.k0 * p.dv_row + w.h * p.dv_head), p.dv_row,
-                           acc[kAcc - 1], 1.f, r_lo, w.lk);
-    } else {
-      store_gradient<G, D>(static_cast<G*>(p.dq) + (w.q0 * p.dq_row + w.h * p.dq_head), p.dq_row,
-                           acc[0], p.scale, r_lo, w.lq);
-    }
-  };
-  if (p.grads_f32)
-    store.template operator()<float>();
-  else
-    store.template operator()<T>();
+  store_pass<KV, T, D>(p, w, acc, r_lo);
 }
 
 }  // namespace trisparse::cuda::block_sparse::sm90
