@@ -135,29 +135,16 @@ void launch_backward_terms(const backward_params& p, dtype out, int dim, float* 
 /// rows it visits: those of the query blocks listed for its key block, ascending, that hold a
 /// row seeing one of its keys.
 template <int BM, int BN>
-struct key_walk {
+struct key_walk : tile_place {
   const backward_params& p;
-  int h, lq, lk, row0, shift, seq;
-  std::int64_t q0, k0;
-  int e, e_end, u, sub;
+  int u, sub;
   int first_row;   // causal: rows before it see none of the tile's keys
   int entry = -1;  // the transposed entry (kept block) of the tile next() returned last
 
-  __device__ __forceinline__ explicit key_walk(const backward_params& params) : p(params) {
-    h = static_cast<int>(blockIdx.x / p.num_key_tiles);
-    const tile t = p.key_tiles[blockIdx.x % p.num_key_tiles];
-    row0 = t.row0;
-    seq = t.seq;
-    q0 = p.cu_q[t.seq];
-    k0 = p.cu_k[t.seq];
-    lq = static_cast<int>(p.cu_q[t.seq + 1] - q0);
-    lk = static_cast<int>(p.cu_k[t.seq + 1] - k0);
-    shift = lk - lq;
-    const std::int32_t* col = p.t_ptr +
-                              p.t_mask_col[t.seq * p.mask_heads + (p.mask_heads == 1 ? 0 : h)] +
-                              t.row0 / p.block;
-    e = col[0];
-    e_end = col[1];
+  __device__ __forceinline__ explicit key_walk(const backward_params& params)
+      : tile_place(params, &backward_params::key_tiles, &backward_params::num_key_tiles,
+                   &backward_params::t_ptr, &backward_params::t_mask_col),
+        p(params) {
     sub = p.block / BN;
     u = 0;
     first_row = p.causal ? row0 - shift : 0;

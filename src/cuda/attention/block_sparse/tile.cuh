@@ -96,24 +96,23 @@ __device__ __forceinline__ void tile_scores(float (&s)[BN / 8][4],
   }
 }
 
-/// The query tile of this thread block (block x = head * tiles + tile) and the key tiles of BN
-/// keys it visits: those of its block row's active key blocks up to the last key any of its rows
-/// sees, in ascending order, or descending in the odd waves of blocks (params::down_wave; next()
-/// walks them).
-template <int BM, int BN>
-struct tile_walk {
-  const params& p;
+/// Where a thread block's tile lies (block x = head * num + tile index): its head, its
+/// sequence's query and key offsets and lengths, its first row, and the mask list it walks
+/// (entries e .. e_end of `ptr`, from `lists`' offset for its sequence and head, at its row
+/// block): what tile_walk and key_walk share. The arrays are named as members of P and read
+/// where they are used.
+struct tile_place {
   int h, lq, lk, row0, seq;
   std::int64_t q0, k0;
-  int shift;             // causal: key j is visible to row i iff j <= i + shift
-  int kmax;              // the last key any row of the tile sees
-  int kall;              // the last key every row of the tile sees (no masking up to it)
-  int e, e_end, u, sub;  // the walk: block e (of the block row's e .. e_end), key tile u of sub
-  bool down;             // walking from the last block to the first (e_end - 1 down to e)
+  int shift;  // causal: key j is visible to row i iff j <= i + shift
+  int e, e_end;
 
-  __device__ __forceinline__ explicit tile_walk(const params& params) : p(params) {
-    h = static_cast<int>(blockIdx.x / p.num_tiles);
-    const tile t = p.tiles[blockIdx.x % p.num_tiles];
+  template <class P>
+  __device__ __forceinline__ tile_place(const P& p, const tile* P::*tiles, std::int32_t P::*num,
+                                        const std::int32_t* P::*ptr,
+                                        const std::int32_t* P::*lists) {
+    h = static_cast<int>(blockIdx.x / p.*num);
+    const tile t = (p.*tiles)[blockIdx.x % p.*num];
     row0 = t.row0;
     seq = t.seq;
     q0 = p.cu_q[t.seq];
@@ -121,17 +120,35 @@ struct tile_walk {
     lq = static_cast<int>(p.cu_q[t.seq + 1] - q0);
     lk = static_cast<int>(p.cu_k[t.seq + 1] - k0);
     shift = lk - lq;
-    const std::int32_t* row = p.row_ptr +
-                              p.mask_row[t.seq * p.mask_heads + (p.mask_heads == 1 ? 0 : h)] +
-                              t.row0 / p.block;
-    e = row[0];
-    e_end = row[1];
+    const std::int32_t* list =
+        p.*ptr + (p.*lists)[t.seq * p.mask_heads + (p.mask_heads == 1 ? 0 : h)] + t.row0 / p.block;
+    e = list[0];
+    e_end = list[1];
+  }
+};
+
+/// The query tile of this thread block (block x = head * tiles + tile) and the key tiles of BN
+/// keys it visits: those of its block row's active key blocks up to the last key any of its rows
+/// sees, in ascending order, or descending in the odd waves of blocks (params::down_wave; next()
+/// walks them).
+template <int BM, int BN>
+struct tile_walk : tile_place {
+  const params& p;
+  int kmax;    // the last key any row of the tile sees
+  int kall;    // the last key every row of the tile sees (no masking up to it)
+  int u, sub;  // the walk: block e (of the block row's e .. e_end), key tile u of sub
+  bool down;   // walking from the last block to the first (e_end - 1 down to e)
+
+  __device__ __forceinline__ explicit tile_walk(const params& params)
+      : tile_place(params, &block_sparse::params::tiles, &block_sparse::params::num_tiles,
+                   &block_sparse::params::row_ptr, &block_sparse::params::mask_row),
+        p(params) {
     sub = p.block / BN;
     down = p.down_wave > 0 && (blockIdx.x / p.down_wave) % 2 == 1;
     u = down ? sub - 1 : 0;
-    const int last_row = min(t.row0 + BM, lq) - 1;
+    const int last_row = min(row0 + BM, lq) - 1;
     kmax = p.causal ? min(lk - 1, last_row + shift) : lk - 1;
-    kall = p.causal ? min(lk - 1, t.row0 + shift) : lk - 1;
+    kall = p.causal ? min(lk - 1, row0 + shift) : lk - 1;
     // Launched as a dependent (launch_kernel), the block may start while the kernel before it
     // runs (a top-k selection writing col_idx, or whatever wrote Q, K, V). Everything above reads
     // only the plan's own arrays, written when it was built; the walk, the inputs and the output
