@@ -90,7 +90,7 @@ using namespace attention_backward;
 struct workspace_segments {
   detail::workspace_layout layout;
   std::size_t lse = 0, delta = 0, dq = 0, dk = 0, dv = 0, dout = 0, pds = 0, arrivals = 0;
-  std::size_t row_arrivals = 0, column_arrivals = 0;  // counters of each pass's cut windows
+  std::size_t row_arrivals = 0;  // the dq pass's counters; the dk/dv pass's follow them
 };
 
 // pdim: floats per partial row (the larger head dim of q and v). An f32 backward never takes
@@ -99,6 +99,15 @@ workspace_segments segments(const attention_backward_device_plan& plan, std::int
                             std::int64_t pdim, dtype type) {
   const bool tensor_core = type == dtype::f16 || type == dtype::bf16;
   workspace_segments w;
+  if (tensor_core) {
+    // A counter per cut window and head for each tensor-core pass (16 partial rows per chunk of a
+    // cut window), zero when the passes start (the layout's zeroed segment).
+    w.row_arrivals =
+        static_cast<std::size_t>(plan.tc_row.work(heads).slots / bsb::kRowWindow * heads);
+    const auto column_arrivals =
+        static_cast<std::size_t>(plan.tc_column().work(heads).slots / bsb::kRowWindow * heads);
+    w.arrivals = w.layout.add_zeroed((w.row_arrivals + column_arrivals) * sizeof(std::uint32_t));
+  }
   const auto n = static_cast<std::size_t>(plan.rows * heads) * sizeof(float);
   const auto row = static_cast<std::size_t>(heads * pdim) * sizeof(float);
   w.lse = w.layout.add(n);
@@ -116,12 +125,6 @@ workspace_segments segments(const attention_backward_device_plan& plan, std::int
   w.dout = w.layout.add(static_cast<std::size_t>(plan.rows * heads * pdim) * 2);
   // The tensor-core dq pass's P and dS for the dk/dv pass: a 32-bit word per entry and head.
   w.pds = w.layout.add(static_cast<std::size_t>(plan.nnz * heads) * sizeof(std::uint32_t));
-  // A counter per cut window and head for each pass (16 partial rows per chunk of a cut window).
-  w.row_arrivals =
-      static_cast<std::size_t>(plan.tc_row.work(heads).slots / bsb::kRowWindow * heads);
-  w.column_arrivals =
-      static_cast<std::size_t>(plan.tc_column().work(heads).slots / bsb::kRowWindow * heads);
-  w.arrivals = w.layout.add((w.row_arrivals + w.column_arrivals) * sizeof(std::uint32_t));
   return w;
 }
 
@@ -673,10 +676,8 @@ void run_attention_backward(const attention_backward_device_plan& plan, const te
           if constexpr (!std::is_same_v<T, float>) {
             if (tensor_core) {
               std::uint32_t* const arrivals = layout::at<std::uint32_t>(workspace, w.arrivals);
-              const std::size_t counters = w.row_arrivals + w.column_arrivals;
-              if (counters > 0)
-                TRISPARSE_CUDA_TRY(
-                    cudaMemsetAsync(arrivals, 0, counters * sizeof(std::uint32_t), s));
+              if (w.layout.zeroed_bytes() > 0)
+                TRISPARSE_CUDA_TRY(cudaMemsetAsync(workspace.data, 0, w.layout.zeroed_bytes(), s));
               const view<const T> dout_t =
                   round_dout ? view<const T>{rounded, heads * dout.dim, dout.dim,
                                              static_cast<int>(dout.dim)}
