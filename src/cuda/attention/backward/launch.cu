@@ -175,9 +175,9 @@ pass make_pass(std::span<const std::int64_t> row_ptr, device_buffer<std::int32_t
   return p;
 }
 
-// The BSB windows as work: one chunk per window of at most `size` TCBs (empty windows too: they
-// write zeros), `size`-TCB chunks of larger windows with partial rows (row r of chunk c at
-// first + r * n + c), which the last of them to finish adds up (tensor_core.cuh).
+// The BSB windows as work, largest chunks first: one chunk per window of at most `size` TCBs (empty
+// windows too: they write zeros), `size`-TCB chunks of larger windows with partial rows (row r of
+// chunk c at first + r * n + c), which the last of them to finish adds up (tensor_core.cuh).
 tc_work make_tc_work(std::span<const std::int64_t> tcb_offset, std::int64_t size) {
   std::vector<tc_chunk> chunks;
   std::int32_t slots = 0;
@@ -197,6 +197,12 @@ tc_work make_tc_work(std::span<const std::int64_t> tcb_offset, std::int64_t size
     }
     slots += bsb::kRowWindow * n;
   }
+  // Largest chunks first (stable: windows, and a window's chunks, in order among equals), as the
+  // forward orders its items: the blocks start in grid order, so the long chains do not start
+  // last and set the tail. Nothing depends on the order (a chunk's slots and counter are its own).
+  std::stable_sort(chunks.begin(), chunks.end(), [](const tc_chunk& a, const tc_chunk& b) {
+    return a.end - a.begin > b.end - b.begin;
+  });
   tc_work work;
   work.chunks = device_buffer<tc_chunk>(chunks);
   work.slots = slots;
