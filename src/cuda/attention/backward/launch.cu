@@ -175,10 +175,15 @@ pass make_pass(std::span<const std::int64_t> row_ptr, device_buffer<std::int32_t
   return p;
 }
 
-// The BSB windows as work, largest chunks first: one chunk per window of at most `size` TCBs (empty
-// windows too: they write zeros), `size`-TCB chunks of larger windows with partial rows (row r of
-// chunk c at first + r * n + c), which the last of them to finish adds up (tensor_core.cuh).
-tc_work make_tc_work(std::span<const std::int64_t> tcb_offset, std::int64_t size) {
+// The BSB windows as work: one chunk per window of at most `size` TCBs (empty windows too: they
+// write zeros), `size`-TCB chunks of larger windows with partial rows (row r of chunk c at
+// first + r * n + c), which the last of them to finish adds up (tensor_core.cuh). `largest_first`:
+// the chunks stably sorted by size, as the forward orders its items, so that the long chains do not
+// start last and set the tail; else the cut windows' chunks first, the rest in window order (whose
+// neighbours share columns in L2). Nothing depends on the order (a chunk's slots and counter are
+// its own).
+tc_work make_tc_work(std::span<const std::int64_t> tcb_offset, std::int64_t size,
+                     bool largest_first) {
   std::vector<tc_chunk> chunks;
   std::int32_t slots = 0;
   const auto windows = static_cast<std::int64_t>(tcb_offset.size()) - 1;
@@ -197,12 +202,13 @@ tc_work make_tc_work(std::span<const std::int64_t> tcb_offset, std::int64_t size
     }
     slots += bsb::kRowWindow * n;
   }
-  // Largest chunks first (stable: windows, and a window's chunks, in order among equals), as the
-  // forward orders its items: the blocks start in grid order, so the long chains do not start
-  // last and set the tail. Nothing depends on the order (a chunk's slots and counter are its own).
-  std::stable_sort(chunks.begin(), chunks.end(), [](const tc_chunk& a, const tc_chunk& b) {
-    return a.end - a.begin > b.end - b.begin;
-  });
+  if (largest_first)
+    std::stable_sort(chunks.begin(), chunks.end(), [](const tc_chunk& a, const tc_chunk& b) {
+      return a.end - a.begin > b.end - b.begin;
+    });
+  else
+    std::stable_partition(chunks.begin(), chunks.end(),
+                          [](const tc_chunk& c) { return c.slot >= 0; });
   tc_work work;
   work.chunks = device_buffer<tc_chunk>(chunks);
   work.slots = slots;
@@ -222,8 +228,8 @@ tc_pass make_tc_pass(std::span<const std::int64_t> tcb_offset,
   p.tcb_offset = std::move(device_offset);
   p.col_idx = std::move(col_idx);
   p.bitmap = std::move(bitmap);
-  p.fine = make_tc_work(tcb_offset, size(kFineChunksPerSm));
-  p.coarse = make_tc_work(tcb_offset, size(kCoarseChunksPerSm));
+  p.fine = make_tc_work(tcb_offset, size(kFineChunksPerSm), true);
+  p.coarse = make_tc_work(tcb_offset, size(kCoarseChunksPerSm), kCoarseLargestFirst);
   return p;
 }
 

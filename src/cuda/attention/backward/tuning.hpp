@@ -25,5 +25,8 @@ constexpr int kChunkTcbs = 32;
 constexpr int kFineChunksPerSm = 128;
 constexpr int kCoarseChunksPerSm = 32;
 constexpr int kCoarseFromHeads = 4;
+// The fine chunks run largest first (one head: the tail sets the time); the coarse ones largest
+// first too where true, else the cut windows' chunks first and the rest in window order.
+constexpr bool kCoarseLargestFirst = false;
 
 }  // namespace trisparse::cuda::attention_backward
