@@ -21,6 +21,7 @@
 #include "trisparse/ops/attention.hpp"
 #include "trisparse/ops/block_sparse.hpp"
 #include "trisparse/ops/cpu.hpp"
+#include "trisparse/ops/head_product.hpp"
 #include "trisparse/ops/importance_fold.hpp"
 #include "trisparse/ops/layers.hpp"
 #include "trisparse/ops/pattern_learn.hpp"

@@ -981,6 +981,29 @@ NB_MODULE(_C, m) {
       "q"_a, "k"_a, "block"_a, "causal"_a, "scale"_a, "out"_a, "workspace"_a, "workspace_bytes"_a,
       "stream"_a,
       "The pooled block mass into the float64 [H, qb, kb] buffer at `out` (q's device).");
+  m.attr("head_product_max_width") = kHeadProductMaxWidth;
+  m.def(
+      "head_product",
+      [](const tensor_tuple& x, const tensor_tuple& w, const tensor_tuple& out,
+         std::uintptr_t stream) {
+        const tensor_view xv = view_of(x), wv = view_of(w), ov = view_of(out);
+        nb::gil_scoped_release release;
+        head_product(xv, wv, ov, stream_of(stream));
+      },
+      "x"_a, "w"_a, "out"_a, "stream"_a,
+      "out[n, h] = x[n, h] w[h] (float32 [N, H, a] x [H, a, b] -> [N, H, b]).");
+  m.def("head_outer_workspace_bytes", &head_outer_workspace_bytes, "rows"_a, "heads"_a, "a"_a,
+        "b"_a);
+  m.def(
+      "head_outer",
+      [](const tensor_tuple& x, const tensor_tuple& g, const tensor_tuple& dw, std::uintptr_t ws,
+         std::size_t ws_bytes, std::uintptr_t stream) {
+        const tensor_view xv = view_of(x), gv = view_of(g), dv = view_of(dw);
+        nb::gil_scoped_release release;
+        head_outer(xv, gv, dv, reinterpret_cast<void*>(ws), ws_bytes, stream_of(stream));
+      },
+      "x"_a, "g"_a, "dw"_a, "workspace"_a, "workspace_bytes"_a, "stream"_a,
+      "dw[h] = sum over n of x[n, h]^T g[n, h] (float32, a fixed order of sums).");
   m.def(
       "fold_block_importance",
       [](std::uintptr_t state, std::uintptr_t mass, const std::vector<std::int64_t>& strides,

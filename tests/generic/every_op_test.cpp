@@ -1280,6 +1280,64 @@ void segment_cases(recorder& rec) {
     }
 }
 
+// --- per-head products (head_product, head_outer) ---------------------------------------------
+
+// x [n, heads, a] (its heads side by side, or padded to a + 3 columns: strided views), w [heads,
+// a, b], g [n, heads, b]: out = x w per head and dw = Σ_n xᵀ g per head against float64 loops;
+// float32 only (other dtypes are invalid input, not cases). head_outer twice: the same bits.
+void head_product_cases(recorder& rec) {
+  const std::string backend = kWhere == device_kind::cuda ? "cuda_head_product" : "cpu_loops";
+  const types t{dtype::f32, dtype::f32};
+  struct size {
+    std::int64_t n, heads, a, b, pad;
+  };
+  for (const size z : {size{2500, 3, 16, 16, 3}, size{2500, 3, 16, 16, 0}, size{45, 9, 8, 4, 0},
+                       size{1, 2, 5, 7, 3}, size{1030, 4, 32, 8, 3}, size{0, 2, 4, 4, 3}}) {
+    const std::string shape = std::to_string(z.n) + " x " + std::to_string(z.heads) + " heads, " +
+                              std::to_string(z.a) + " -> " + std::to_string(z.b) +
+                              (z.pad > 0 ? ", x strided" : "");
+    rec.attempt("head_product", backend, t, [&] {
+      const std::int64_t wide = z.a + z.pad;
+      const host_tensor x = random(dtype::f32, z.n, z.heads, wide, 7 + z.a);
+      const host_tensor w = random(dtype::f32, z.heads, z.a, z.b, 8 + z.b);
+      const host_tensor g = random(dtype::f32, z.n, z.heads, z.b, 9 + z.n);
+      buffer bx(x), bw(w), bg(g), out = buffer::output(dtype::f32, z.n, z.heads, z.b);
+      buffer dw = buffer::output(dtype::f32, z.heads, z.a, z.b),
+             again = buffer::output(dtype::f32, z.heads, z.a, z.b),
+             ws = buffer::scratch(head_outer_workspace_bytes(z.n, z.heads, z.a, z.b));
+      tensor_view xv = bx.view();
+      xv.dim = z.a;  // the first a of each head's a + pad columns
+      const auto xat = [&](std::int64_t n, std::int64_t h, std::int64_t i) {
+        return x.get((n * z.heads + h) * wide + i);
+      };
+      host_tensor want(dtype::f64, z.n, z.heads, z.b), want_dw(dtype::f64, z.heads, z.a, z.b);
+      want_dw.fill(0.0);
+      for (std::int64_t n = 0; n < z.n; ++n)
+        for (std::int64_t h = 0; h < z.heads; ++h)
+          for (std::int64_t j = 0; j < z.b; ++j) {
+            double sum = 0.0;
+            for (std::int64_t i = 0; i < z.a; ++i) {
+              sum += xat(n, h, i) * w.get((h * z.a + i) * z.b + j);
+              const std::int64_t at = (h * z.a + i) * z.b + j;
+              want_dw.set(at, want_dw.get(at) + xat(n, h, i) * g.get((n * z.heads + h) * z.b + j));
+            }
+            want.set((n * z.heads + h) * z.b + j, sum);
+          }
+      const std::size_t ws_bytes = head_outer_workspace_bytes(z.n, z.heads, z.a, z.b);
+      if (z.n > 0) {
+        head_product(xv, bw.view(), out.view());
+        rec.check("head_product", backend, t, shape, out.fetch(), want, tolerance(t.in, t.out));
+      }
+      head_outer(xv, bg.view(), dw.view(), ws.view().data, ws_bytes);
+      head_outer(xv, bg.view(), again.view(), ws.view().data, ws_bytes);
+      const host_tensor got = dw.fetch(), got_again = again.fetch();
+      rec.check("head_outer", backend, t, shape, got, want_dw, tolerance(t.in, t.out, 16));
+      EXPECT_EQ(std::memcmp(got.data(), got_again.data(), got.size_bytes()), 0)
+          << "head_outer: two runs differ (" << shape << ")";
+    });
+  }
+}
+
 // Every op's registration: add one here for a new op.
 struct registration {
   const char* name;  // what TRISPARSE_OPS names it by
@@ -1301,6 +1359,7 @@ const std::vector<registration>& registry() {
       {"gat", gat_cases},
       {"edge_attention", edge_attention_cases},
       {"segment", segment_cases},
+      {"head_product", head_product_cases},
   };
   return all;
 }
@@ -1328,6 +1387,8 @@ TEST(EveryOp, AgainstTheFloat64Reference) {
         "block_sparse_attention", "block_sparse_backward", "block_importance", "block_mass",
         "block_sparse_dropout", "topk_block_attention", "gcn_layer", "gcn_fused_layer",
         "gcn_fused_backward", "agnn_layer", "gat_attention", "gat_backward"})
+    EXPECT_TRUE(rec.ops().count(op)) << op << ": no case ran on " << to_string(kWhere);
+  for (const char* op : {"head_product", "head_outer"})
     EXPECT_TRUE(rec.ops().count(op)) << op << ": no case ran on " << to_string(kWhere);
   if (kWhere == device_kind::cuda) {
     for (const char* op : {"segment_attention", "edge_attention", "edge_attention_backward",

@@ -1436,3 +1436,32 @@ def test_captured_steps_of_successive_models_hold_no_memory_after_they_go():
         torch.cuda.synchronize()
         held.append(torch.cuda.memory_allocated())
     assert held[2] <= held[1], held
+
+
+@pytest.mark.parametrize("heads,a,b", [(8, 16, 16), (3, 5, 7), (4, 32, 8)])
+def test_head_product_kernels_equal_float64(heads, a, b):
+    """TransformerConv's per-head W_e products on CUDA (`_per_head`, `_head_outer`: trisparse's
+    kernels for float32 widths up to 32) on a strided view as the projection's split gives it,
+    rows past several 1,024-row chunks: within float32 rounding of float64, the weight gradient
+    bitwise the same on a second run, and the autograd Function's gradients equal float64's."""
+    from trisparse.nn.conv import _common
+
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    rows = 5000
+    y = torch.randn(rows, heads * a * 3, generator=gen, device="cuda")
+    x = y[:, heads * a : 2 * heads * a].view(rows, heads, a)  # a strided view, like a split
+    w = torch.randn(heads, a, b, generator=gen, device="cuda")
+    g = torch.randn(rows, heads, b, generator=gen, device="cuda")
+    assert _common._library_takes(x, a, b)
+    got = _common._per_head(x, w)
+    want = torch.einsum("nha,hab->nhb", x.double(), w.double())
+    assert relerr(got.double(), want) < 1e-6
+    dw = _common._head_outer(x, g)
+    assert relerr(dw.double(), torch.einsum("nha,nhb->hab", x.double(), g.double())) < 1e-5
+    assert torch.equal(dw, _common._head_outer(x, g))
+    xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+    _common._HeadProduct.apply(xg, wg).backward(g)
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    torch.einsum("nha,hab->nhb", x64, w64).backward(g.double())
+    assert relerr(xg.grad.double(), x64.grad) < 1e-6
+    assert relerr(wg.grad.double(), w64.grad) < 1e-5

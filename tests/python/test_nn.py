@@ -982,6 +982,34 @@ def test_head_product_gradcheck_on_strided_views(monkeypatch):
         assert torch.autograd.gradcheck(_common._HeadProduct.apply, [x, w])
 
 
+def test_head_product_ops_on_the_cpu_equal_float64():
+    """trisparse's per-head product and its weight gradient (`_C.head_product`, `_C.head_outer`:
+    the CPU's float64 loops, rounded once), on strided float32 views: x[n, h] @ w[h] and
+    sum_n x[n, h]^T g[n, h] as float64 einsums give them."""
+    from trisparse import _C, _tensors
+
+    gen = torch.Generator().manual_seed(10)
+    for rows, heads, a, b in ((7, 3, 5, 4), (1, 1, 1, 1), (2100, 2, 16, 16)):
+        y = torch.randn(rows, heads * (a + 2), generator=gen)
+        x = y.view(rows, heads, a + 2)[:, :, 1 : a + 1]  # strided rows and heads
+        w = torch.randn(heads, a, b, generator=gen)
+        g = torch.randn(rows, heads, b, generator=gen)
+        out = torch.full((rows, heads, b), float("nan"))
+        _C.head_product(_tensors.view(x), _tensors.view(w), _tensors.view(out), 0)
+        want = torch.einsum("nha,hab->nhb", x.double(), w.double())
+        assert torch.allclose(out.double(), want, rtol=1e-6, atol=1e-6)
+        dw = torch.full((heads, a, b), float("nan"))
+        _C.head_outer(_tensors.view(x), _tensors.view(g), _tensors.view(dw), 0, 0, 0)
+        want_dw = torch.einsum("nha,nhb->hab", x.double(), g.double())
+        assert torch.allclose(dw.double(), want_dw, rtol=1e-6, atol=1e-5)
+    with pytest.raises(ValueError, match="float32"):
+        x64 = torch.zeros(2, 1, 3, dtype=torch.float64)
+        w64 = torch.zeros(1, 3, 2, dtype=torch.float64)
+        _C.head_product(
+            _tensors.view(x64), _tensors.view(w64), _tensors.view(torch.zeros(2, 1, 2)), 0
+        )
+
+
 def test_gat_incoming_sum_equals_a_scatter_and_gradcheck():
     """The sum and mean over each node's incoming kept edges (GATConv's self-loop fill on CUDA,
     its autograd Function called here on the CPU): PyG's scatter over the kept edges in float64,

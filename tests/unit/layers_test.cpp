@@ -496,5 +496,43 @@ TEST(EdgeAttentionPlan, ForwardOnlyViewsAndTheirRules) {
   EXPECT_THROW((void)edge_attention_plan::build(g), invalid_input);
 }
 
+// The per-head products' argument rules: float32 only, the weight's shape from x's, an output
+// apart from the inputs; each refusal names what is wrong.
+TEST(HeadProduct, RefusesWhatItDoesNotTake) {
+  host_tensor x(dtype::f32, 5, 2, 3), w(dtype::f32, 2, 3, 4), out(dtype::f32, 5, 2, 4),
+      g(dtype::f32, 5, 2, 4), dw(dtype::f32, 2, 3, 4), x64(dtype::f64, 5, 2, 3);
+  x.fill(1.0);
+  w.fill(2.0);
+  g.fill(1.0);
+  const auto refuses = [](const std::function<void()>& f, const char* says) {
+    try {
+      f();
+      ADD_FAILURE() << "accepted; expected a refusal saying '" << says << "'";
+    } catch (const invalid_input& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  };
+  head_product(x.view(), w.view(), out.view());
+  EXPECT_EQ(out.get(0), 6.0);  // 1 x 2 over a = 3
+  head_outer(x.view(), g.view(), dw.view());
+  EXPECT_EQ(dw.get(0), 5.0);  // 5 rows of 1 x 1
+  refuses([&] { head_product(x64.view(), w.view(), out.view()); }, "float32");
+  host_tensor w_short(dtype::f32, 2, 2, 4);
+  refuses([&] { head_product(x.view(), w_short.view(), out.view()); }, "head_product: w");
+  refuses([&] { head_product(x.view(), w.view(), x.view()); }, "head_product: out");
+  tensor_view into_w = w.view();  // [2, 3, 4] as a [5, 2, 4] view over w's 24 floats: overlaps w
+  into_w.rows = 3;
+  into_w.heads = 2;
+  into_w.dim = 4;
+  into_w.row_stride = 8;
+  into_w.head_stride = 4;
+  host_tensor x3(dtype::f32, 3, 2, 3);
+  refuses([&] { head_product(x3.view(), w.view(), into_w); }, "overlaps an input");
+  host_tensor g_short(dtype::f32, 4, 2, 4);
+  refuses([&] { head_outer(x.view(), g_short.view(), dw.view()); }, "head_outer: g");
+  EXPECT_EQ(head_outer_workspace_bytes(0, 2, 3, 4), 0U);
+  EXPECT_EQ(head_outer_workspace_bytes(kHeadOuterChunkRows + 1, 2, 3, 4), 2U * 2 * 3 * 4 * 4);
+}
+
 }  // namespace
 }  // namespace trisparse

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch_geometric.nn import MessagePassing
 
+from ... import _C, _tensors
 from ...pattern import Pattern
 
 
@@ -158,20 +159,49 @@ _HEAD_CHUNKS = 256  # interleaved row chunks a per-head weight gradient sums (cu
 # over 325,729 rows runs in a few thread blocks)
 
 
+def _library_takes(x: Tensor, a: int, b: int) -> bool:
+    """Whether trisparse's per-head kernels (`head_product`, `head_outer`: one pass over the rows)
+    take [N, H, a] x with widths a, b: float32 on CUDA, up to head_product_max_width."""
+    return x.is_cuda and x.dtype == torch.float32 and max(a, b) <= _C.head_product_max_width
+
+
+def _unit_last(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _per_head(x: Tensor, w: Tensor) -> Tensor:
     """[N, H, b]: x[n, h] @ w[h] for x [N, H, a] with a unit last stride (read in place) and w
-    [H, a, b]: one product batched over the heads, written in place into the [N, H, b] result."""
+    [H, a, b]: the library's kernel, else one product batched over the heads, written in place
+    into the [N, H, b] result."""
     out = x.new_empty(x.shape[0], x.shape[1], w.shape[2])
+    if _library_takes(x, w.shape[1], w.shape[2]):
+        views = (_tensors.view(x), _tensors.view(_unit_last(w)), _tensors.view(out))
+        _C.head_product(*views, _tensors.stream(x.device))
+        return out
     torch.bmm(x.transpose(0, 1), w, out=out.transpose(0, 1))
     return out
 
 
 def _head_outer(x: Tensor, g: Tensor) -> Tensor:
-    """[H, a, b]: sum over n of x[n, h]^T g[n, h] for x [N, H, a], g [N, H, b]. The rows are
-    dealt to _HEAD_CHUNKS interleaved chunks (row n to chunk n mod K: chunk and head then index
-    one batch of a strided batched product, no copy), the chunks summed in a fixed order."""
-    x, g = x.contiguous(), g.contiguous()
+    """[H, a, b]: sum over n of x[n, h]^T g[n, h] for x [N, H, a], g [N, H, b]: the library's
+    kernels (chunks of rows summed in order, then the chunks), else the rows dealt to
+    _HEAD_CHUNKS interleaved chunks (row n to chunk n mod K: chunk and head then index one batch
+    of a strided batched product, no copy), the chunks summed in a fixed order."""
     (n, h, a), b = x.shape, g.shape[2]
+    if _library_takes(x, a, b):
+        x, g = _unit_last(x), _unit_last(g)
+        dw = x.new_empty(h, a, b)
+        _owner, ws, nbytes = _tensors.workspace(_C.head_outer_workspace_bytes(n, h, a, b), x.device)
+        _C.head_outer(
+            _tensors.view(x),
+            _tensors.view(g),
+            _tensors.view(dw),
+            ws,
+            nbytes,
+            _tensors.stream(x.device),
+        )
+        return dw
+    x, g = x.contiguous(), g.contiguous()
     k = _HEAD_CHUNKS
     body = n // k * k
     xs = x[:body].view(body // k, k * h, a).transpose(0, 1)  # [K H, rows, a]
