@@ -44,6 +44,14 @@ void check_operands(const char* op, const tensor_view& x, const tensor_view& y, 
                           std::string(op) + ": " + out_name + " overlaps an input");
 }
 
+// The CUDA kernels' widths (register arrays of kHeadProductMaxWidth floats).
+void check_cuda_widths(const char* op, std::int64_t a, std::int64_t b) {
+  if (a > kHeadProductMaxWidth || b > kHeadProductMaxWidth)
+    throw not_supported(std::string(op) + ": CUDA takes widths up to " +
+                        std::to_string(kHeadProductMaxWidth) + ", got " + std::to_string(a) +
+                        " x " + std::to_string(b));
+}
+
 }  // namespace
 
 void head_product(const tensor_view& x, const tensor_view& w, const tensor_view& out,
@@ -56,10 +64,7 @@ void head_product(const tensor_view& x, const tensor_view& w, const tensor_view&
   const std::int64_t a = x.dim, b = w.dim;
   if (x.rows * x.heads * b == 0) return;
   if (x.where == device_kind::cuda) {
-    if (a > kHeadProductMaxWidth || b > kHeadProductMaxWidth)
-      throw not_supported("head_product: CUDA takes widths up to " +
-                          std::to_string(kHeadProductMaxWidth) + ", got " + std::to_string(a) +
-                          " x " + std::to_string(b));
+    check_cuda_widths("head_product", a, b);
     cuda::head_product(x, w, out, stream);
     return;
   }
@@ -98,10 +103,7 @@ void head_outer(const tensor_view& x, const tensor_view& g, const tensor_view& d
   const std::int64_t a = x.dim, b = g.dim;
   if (x.heads * a * b == 0) return;
   if (x.where == device_kind::cuda) {
-    if (a > kHeadProductMaxWidth || b > kHeadProductMaxWidth)
-      throw not_supported("head_outer: CUDA takes widths up to " +
-                          std::to_string(kHeadProductMaxWidth) + ", got " + std::to_string(a) +
-                          " x " + std::to_string(b));
+    check_cuda_widths("head_outer", a, b);
     const std::size_t need = head_outer_workspace_bytes(x.rows, x.heads, a, b);
     TRISPARSE_EXPECTS_INPUT(workspace_bytes >= need && (need == 0 || workspace != nullptr),
                             "head_outer: the workspace holds " + std::to_string(workspace_bytes) +
