@@ -52,6 +52,28 @@ __device__ __forceinline__ void load_row(const float* p, int count, float (&v)[M
   }
 }
 
+// The group's weights w[h0 + hh] into sw[hh], zero-padded to M x M.
+template <int M>
+__device__ __forceinline__ void stage_weights(float (*sw)[M * M], const operand& w, int h0,
+                                              int group, int a, int b) {
+  for (int t = static_cast<int>(threadIdx.x); t < group * M * M; t += kProductWarps * 32) {
+    const int hh = t / (M * M), i = t % (M * M) / M, j = t % M;
+    sw[hh][t % (M * M)] = i < a && j < b ? w.data[(h0 + hh) * w.rs + i * w.hs + j] : 0.f;
+  }
+}
+
+// acc[j] = Σ_i xv[i] wh[i M + j], each sum in order of i (wh: the padded weight).
+template <int M>
+__device__ __forceinline__ void multiply(const float (&xv)[M], const float* wh, float (&acc)[M]) {
+#pragma unroll
+  for (int j = 0; j < M; ++j) acc[j] = 0.f;
+#pragma unroll
+  for (int i = 0; i < M; ++i) {
+#pragma unroll
+    for (int j = 0; j < M; ++j) acc[j] = fmaf(xv[i], wh[i * M + j], acc[j]);
+  }
+}
+
 template <int M, bool VEC>
 __global__ void __launch_bounds__(kProductWarps * 32)
     product(operand x, operand w, result out, std::int64_t rows, int heads, int a, int b) {
@@ -59,10 +81,7 @@ __global__ void __launch_bounds__(kProductWarps * 32)
   __shared__ __align__(16) float sw[kProductWarps][M * M];
   const int h0 = static_cast<int>(blockIdx.y) * kProductWarps;
   const int group = heads - h0 < kProductWarps ? heads - h0 : kProductWarps;
-  for (int t = static_cast<int>(threadIdx.x); t < group * M * M; t += kProductWarps * 32) {
-    const int hh = t / (M * M), i = t % (M * M) / M, j = t % M;
-    sw[hh][t % (M * M)] = i < a && j < b ? w.data[(h0 + hh) * w.rs + i * w.hs + j] : 0.f;
-  }
+  stage_weights<M>(sw, w, h0, group, a, b);
   __syncthreads();
   const int warp = static_cast<int>(threadIdx.x) / 32;
   const std::int64_t n = static_cast<std::int64_t>(blockIdx.x) * 32 + threadIdx.x % 32;
@@ -71,13 +90,7 @@ __global__ void __launch_bounds__(kProductWarps * 32)
   const float* wh = sw[warp];
   float xv[M], acc[M];
   load_row<M, VEC>(x.data + n * x.rs + h * x.hs, a, xv);
-#pragma unroll
-  for (int j = 0; j < M; ++j) acc[j] = 0.f;
-#pragma unroll
-  for (int i = 0; i < M; ++i) {
-#pragma unroll
-    for (int j = 0; j < M; ++j) acc[j] = fmaf(xv[i], wh[i * M + j], acc[j]);
-  }
+  multiply<M>(xv, wh, acc);
   float* o = out.data + n * out.rs + h * out.hs;
 #pragma unroll
   for (int j = 0; j < M; j += 4) {
@@ -105,10 +118,7 @@ __global__ void __launch_bounds__(kProductWarps * 32)
   __shared__ __align__(16) float tile[32][kStride];
   const int h0 = static_cast<int>(blockIdx.y) * kProductWarps;
   const int group = heads - h0 < kProductWarps ? heads - h0 : kProductWarps;
-  for (int t = static_cast<int>(threadIdx.x); t < group * M * M; t += kProductWarps * 32) {
-    const int hh = t / (M * M), i = t % (M * M) / M, j = t % M;
-    sw[hh][t % (M * M)] = i < a && j < b ? w.data[(h0 + hh) * w.rs + i * w.hs + j] : 0.f;
-  }
+  stage_weights<M>(sw, w, h0, group, a, b);
   const std::int64_t n0 = static_cast<std::int64_t>(blockIdx.x) * 32;
   const int count = rows - n0 < 32 ? static_cast<int>(rows - n0) : 32;
   const auto copy = [&](int width, auto&& move) {  // width: floats a row, a multiple of 4
@@ -124,25 +134,10 @@ __global__ void __launch_bounds__(kProductWarps * 32)
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const bool active = warp < group && lane < count;
   float acc[M];
-#pragma unroll
-  for (int j = 0; j < M; ++j) acc[j] = 0.f;
   if (active) {
     float xv[M];
-#pragma unroll
-    for (int i = 0; i < M; i += 4) {
-      float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (i < a) f = *reinterpret_cast<const float4*>(&tile[lane][warp * a + i]);
-      xv[i] = f.x;
-      xv[i + 1] = f.y;
-      xv[i + 2] = f.z;
-      xv[i + 3] = f.w;
-    }
-    const float* wh = sw[warp];
-#pragma unroll
-    for (int i = 0; i < M; ++i) {
-#pragma unroll
-      for (int j = 0; j < M; ++j) acc[j] = fmaf(xv[i], wh[i * M + j], acc[j]);
-    }
+    load_row<M, true>(&tile[lane][warp * a], a, xv);
+    multiply<M>(xv, sw[warp], acc);
   }
   __syncthreads();  // every row read before the outputs take its place
   if (active) {
