@@ -86,19 +86,17 @@ def sync_stacks(step, config):
 
     def show(message, category, filename, lineno, file=None, line=None):
         stack = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
-        seen.append((str(message), stack[-8:]))
+        if "synchroniz" in str(message) and "prototype" not in str(message):
+            seen.append((str(message), stack[-8:]))
 
-    old = warnings.showwarning
-    warnings.showwarning = show
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = show
-            torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings():  # (restores showwarning and the filters after)
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
             step()
+        finally:
             torch.cuda.set_sync_debug_mode("default")
-    finally:
-        warnings.showwarning = old
     print(f"# {config}: {len(seen)} synchronising calls", flush=True)
     for message, stack in seen:
         print(f"#   {message}")
