@@ -16,7 +16,7 @@ torch.cuda.max_memory_allocated beyond what was allocated before it. Error: max 
 max |PyG| over the output and the gradients of x and the parameters, both in the same mode
 (rel_error below). --f64 also runs PyG's layer in float64 on the same inputs and reports both
 backends' fp32 errors against it (which side carries a difference). --profile adds, for our
-layer and PyG's, the CUDA kernels' time per step (torch.profiler, top 12) to each record.
+layer and PyG's, the CUDA kernels' time per step (torch.profiler, top 24) to each record.
 One JSON line per (graph, mode); a backend out of memory is reported ("error"), not skipped.
 """
 
@@ -100,7 +100,7 @@ def profile_top(layer, x, edge_index, edge_attr, dout, autocast, steps=3):
     )
     ops = [
         [e.key, str(e.input_shapes)[:80], round(e.self_device_time_total / 1e3 / steps, 3)]
-        for e in ops[:10]
+        for e in ops[:16]
     ]
     rows.sort(key=lambda r: -r[1])
     total = sum(r[1] for r in rows)
@@ -110,7 +110,7 @@ def profile_top(layer, x, edge_index, edge_attr, dout, autocast, steps=3):
     return {
         "gpu_ms": round(total, 3),
         "gemm_ms": round(gemm, 3),
-        "top": [[n, round(ms, 3), c] for n, ms, c in rows[:12]],
+        "top": [[n, round(ms, 3), c] for n, ms, c in rows[:24]],
         "ops": ops,
     }
 

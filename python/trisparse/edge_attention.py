@@ -127,8 +127,8 @@ def edge_attention(
     dropout: float = 0.0,
     pyg_dropout: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """(out [num_rows, H, C], out_edge [num_rows, H, F] or None): the attention over the
-    pattern's input pairs (each copy of a repeated pair a separate term) with scores
+    """(out [num_rows, H, C], out_edge [num_rows, H, F] or None; in q's dtype): the attention over
+    the pattern's input pairs (each copy of a repeated pair a separate term) with scores
     scale q_i . k_j + r_i . a_e, out = sum alpha v_j and out_edge = sum alpha a_e. q [num_rows, H,
     C], k and v [num_cols, H, C], r [num_rows, H, F] and a [E, F] (one row per input pair, in the
     input's order) in q's dtype, on CUDA (:func:`edge_attention_supported`). `dropout`,

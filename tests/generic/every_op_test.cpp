@@ -1018,20 +1018,22 @@ void edge_attention_cases(recorder& rec) {
   const coo_graph& g = m.edges;
   const std::int64_t e = g.nnz();
   const std::string backend = "cuda_edge_attention";
-  // TransformerConv: heads x channels, edge features (padded to the kernels' width), dropout.
+  // TransformerConv: heads x channels, edge features (padded to the kernels' width), dropout;
+  // narrow: out_edge, dout_edge and every gradient in the operands' dtype (else f32).
   struct config {
     std::int64_t heads, dim, features;
-    bool keep;
+    bool keep, narrow = false;
   };
-  for (const config c : {config{2, 16, 5, false}, config{4, 64, 16, true}, config{1, 128, 0, true},
-                         config{3, 32, 0, false}}) {
+  for (const config c : {config{2, 16, 5, false}, config{4, 64, 16, true, true},
+                         config{1, 128, 0, true}, config{3, 32, 0, false, true}}) {
     const std::int64_t f =
         c.features > 0 ? edge_attention_plan::feature_width(c.dim, c.features) : 0;
     const std::string shape = "150x140 multigraph, " + std::to_string(c.heads) + " x " +
                               std::to_string(c.dim) + ", F " + std::to_string(f) +
-                              (c.keep ? ", dropout" : "");
+                              (c.keep ? ", dropout" : "") + (c.narrow ? ", narrow" : "");
     for (const dtype in : kDtypes) {
       const types t{in, in};
+      const dtype wide = c.narrow ? in : dtype::f32;  // out_edge's and the gradients' dtype
       rec.attempt("edge_attention", backend, t, [&] {
         const auto plan = edge_attention_plan::build(m.view());
         const std::int64_t h = c.heads, d = c.dim;
@@ -1041,7 +1043,7 @@ void edge_attention_cases(recorder& rec) {
                           r = f > 0 ? random(in, g.rows, h, f, 123) : host_tensor(),
                           a = f > 0 ? random(in, e, 1, f, 124) : host_tensor(),
                           dout = random(in, g.rows, h, d, 125),
-                          dout_edge = f > 0 ? random(dtype::f32, g.rows, h, f, 126) : host_tensor();
+                          dout_edge = f > 0 ? random(wide, g.rows, h, f, 126) : host_tensor();
         host_tensor keep(dtype::f32, e, h, 1);
         for (std::int64_t i = 0; i < keep.numel(); ++i) keep.set(i, i % 5 == 3 ? 0.0 : 1.25);
         buffer bq(q), bk(k), bv(v), bdout(dout), bkeep(keep),
@@ -1051,9 +1053,9 @@ void edge_attention_cases(recorder& rec) {
           br.emplace(r);
           ba.emplace(a);
           bdout_edge.emplace(dout_edge);
-          out_edge.emplace(buffer::output(dtype::f32, g.rows, h, f));
-          dr.emplace(buffer::output(dtype::f32, g.rows, h, f));
-          da.emplace(buffer::output(dtype::f32, e, 1, f));
+          out_edge.emplace(buffer::output(wide, g.rows, h, f));
+          dr.emplace(buffer::output(wide, g.rows, h, f));
+          da.emplace(buffer::output(wide, e, 1, f));
         }
         const auto view_of = [](std::optional<buffer>& b) { return b ? b->view() : tensor_view{}; };
         const tensor_view keep_view = c.keep ? bkeep.view() : tensor_view{};
@@ -1084,11 +1086,10 @@ void edge_attention_cases(recorder& rec) {
                   tolerance(in, dtype::f32, 8), "lse");
         if (f > 0)
           rec.check("edge_attention", backend, t, shape, out_edge->fetch(), want_edge,
-                    tolerance(in, dtype::f32, 8), "out_edge");
+                    tolerance(in, wide, 8), "out_edge");
 
-        buffer dq = buffer::output(dtype::f32, g.rows, h, d),
-               dk = buffer::output(dtype::f32, g.cols, h, d),
-               dv = buffer::output(dtype::f32, g.cols, h, d);
+        buffer dq = buffer::output(wide, g.rows, h, d), dk = buffer::output(wide, g.cols, h, d),
+               dv = buffer::output(wide, g.cols, h, d);
         const std::size_t bytes = plan.backward_workspace_bytes(h);
         buffer ws = buffer::scratch(bytes);
         plan.backward({.q = bq.view(),
@@ -1117,7 +1118,7 @@ void edge_attention_cases(recorder& rec) {
             f > 0 ? dout_edge.view() : tensor_view{}, wq.view(), wk.view(), wv.view(),
             f > 0 ? wr.view() : tensor_view{}, f > 0 ? wa.view() : tensor_view{});
         // out (rounded to q's dtype) enters the backward through D = <dout, out>.
-        const double tol = tolerance(in, dtype::f32, 8) + 8 * unit_roundoff(in);
+        const double tol = tolerance(in, wide, 8) + 8 * unit_roundoff(in);
         rec.check("edge_attention_backward", backend, t, shape, dq.fetch(), wq, tol, "dq");
         rec.check("edge_attention_backward", backend, t, shape, dk.fetch(), wk, tol, "dk");
         rec.check("edge_attention_backward", backend, t, shape, dv.fetch(), wv, tol, "dv");

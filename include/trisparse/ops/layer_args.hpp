@@ -121,7 +121,7 @@ struct edge_attention_args {
   tensor_view r;         ///< [rows, H, F], q's dtype; F = 0 (data == nullptr): no edge features
   tensor_view a;         ///< [edges, 1, F], q's dtype: row e holds the features of edge e
   tensor_view out;       ///< [rows, H, C], q's dtype
-  tensor_view out_edge;  ///< [rows, H, F] f32 (with edge features)
+  tensor_view out_edge;  ///< [rows, H, F] f32 or q's dtype (with edge features)
   tensor_view lse;       ///< [rows, H, 1] f32: the log-sum-exp of each row's scores (-inf: none)
   /// [edges, H, 1] f32: a factor per (edge, head) on the edge's weight in the output's sums,
   /// row e for edge e (attention dropout: 0 or 1 / (1 - p)); data == nullptr: none. The softmax's
@@ -139,13 +139,13 @@ struct edge_attention_grad_args {
   tensor_view q, k, v, r, a;       ///< the forward's inputs
   tensor_view out, out_edge, lse;  ///< its outputs
   tensor_view dout;                ///< [rows, H, C], q's dtype
-  tensor_view dout_edge;           ///< [rows, H, F] f32 (with edge features)
-  tensor_view dq;                  ///< [rows, H, C] f32 or q's dtype (dk and dv alike)
+  tensor_view dout_edge;           ///< [rows, H, F] out_edge's dtype (with edge features)
+  tensor_view dq;                  ///< [rows, H, C] f32 or q's dtype (dk, dv, dr, da alike)
   tensor_view dk, dv;              ///< [cols, H, C] f32 or q's dtype
-  tensor_view dr;                  ///< [rows, H, F] f32 (with edge features)
-  tensor_view da;                  ///< [edges, 1, F] f32 (with edge features): row e, edge e's
-  tensor_view keep;                ///< the forward's keep factors (or none)
-  attention_dropout dropout{};     ///< the forward's dropout draws (or none)
+  tensor_view dr;                  ///< [rows, H, F] dq's dtype (with edge features)
+  tensor_view da;               ///< [edges, 1, F] dq's dtype (with edge features): row e, edge e's
+  tensor_view keep;             ///< the forward's keep factors (or none)
+  attention_dropout dropout{};  ///< the forward's dropout draws (or none)
   double scale = 1.0;
 };
 

@@ -31,7 +31,7 @@ def _backward(ctx, dout, dout_edge, _dlse, *, run=torch.ops.trisparse.edge_atten
     dout = torch.zeros_like(out) if dout is None else dout.to(out.dtype).contiguous()
     if dout_edge is None:
         dout_edge = torch.zeros_like(out_edge)
-    dout_edge = dout_edge.float().contiguous()
+    dout_edge = dout_edge.to(out_edge.dtype).contiguous()
     dq, dk, dv, dr, da = run(
         q,
         k,

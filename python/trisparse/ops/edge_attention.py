@@ -25,12 +25,12 @@ def _edge_rows(a: Tensor | None) -> tuple | None:
 
 
 def _forward_outputs(q: Tensor, r: Tensor | None, rows: int) -> tuple[Tensor, Tensor, Tensor]:
-    """out [rows, H, C] in q's dtype, out_edge [rows, H, F] and lse [rows, H] float32, unwritten
-    (the op's and its fake's)."""
+    """out and out_edge [rows, H, C], [rows, H, F] in q's dtype and lse [rows, H] float32,
+    unwritten (the op's and its fake's)."""
     heads, features = q.shape[1], 0 if r is None else r.shape[2]
     return (
         q.new_empty(rows, heads, q.shape[2]),
-        q.new_empty(rows, heads, features, dtype=torch.float32),
+        q.new_empty(rows, heads, features),
         q.new_empty(rows, heads, dtype=torch.float32),
     )
 
@@ -48,7 +48,7 @@ def _forward(
     dropout: float,
     dropout_state: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(out [rows, H, C] in q's dtype, out_edge [rows, H, F] float32, lse [rows, H] float32);
+    """(out [rows, H, C] and out_edge [rows, H, F] in q's dtype, lse [rows, H] float32);
     attention dropout as `keep`: [E, H] float32 factors on the weights, or drawn in the kernels
     with probability `dropout` from `dropout_state` ({seed, offset}, int64 [2] on q's device)."""
     p = lookup(pattern)
@@ -77,14 +77,14 @@ def _forward_fake(q, k, v, r, a, keep, pattern, scale, dropout, dropout_state):
 
 
 def _grads(q, k, v, r, a) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """dq, dk, dv in q's dtype (the kernels round their float32 sums once), dr and da float32
-    (empty without edge features); packed, unwritten; the op's and its fake's."""
-    f32 = {"dtype": torch.float32, "device": q.device}
+    """dq, dk, dv, dr and da in q's dtype (the kernels round their float32 sums once; dr and da
+    empty without edge features); packed, unwritten; the op's and its fake's."""
+    like = {"dtype": q.dtype, "device": q.device}
     edged = r is not None
     return (
-        *(torch.empty(t.shape, dtype=q.dtype, device=q.device) for t in (q, k, v)),
-        torch.empty(r.shape if edged else (0,), **f32),
-        torch.empty(a.shape if edged else (0,), **f32),
+        *(torch.empty(t.shape, **like) for t in (q, k, v)),
+        torch.empty(r.shape if edged else (0,), **like),
+        torch.empty(a.shape if edged else (0,), **like),
     )
 
 
@@ -106,7 +106,7 @@ def _backward_op(
     dropout: float,
     dropout_state: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) in q's dtype, (dr, da) float32 (empty without edge features); the forward's
+    """(dq, dk, dv, dr, da) in q's dtype (dr and da empty without edge features); the forward's
     dropout regenerated from the same state."""
     p = lookup(pattern)
     plan = p.edge_attention_plan(q.device)

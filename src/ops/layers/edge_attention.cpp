@@ -85,7 +85,7 @@ void check_f32(const tensor_view& t, const char* what, std::int64_t rows, std::i
                           std::string(what) + " " + t.describe() + " must be f32");
 }
 
-// A gradient: f32, or the operands' dtype (rounded once from the kernels' f32 sums).
+// A gradient (or out_edge): f32, or the operands' dtype (rounded once from the kernels' f32 sums).
 void check_grad(const tensor_view& t, const char* what, std::int64_t rows, std::int64_t heads,
                 std::int64_t dim, dtype operand) {
   check_view(t, what, rows, heads, dim);
@@ -173,7 +173,10 @@ void edge_attention_plan::forward(const edge_attention_args& a, stream_ref strea
   detail::check_device_arg(a.out, "out");
   TRISPARSE_EXPECTS_INPUT(a.out.type == a.q.type, "out must have q's dtype");
   check_f32(a.lse, "lse", g.rows, s.heads, 1);
-  if (s.features > 0) check_f32(a.out_edge, "out_edge", g.rows, s.heads, s.features);
+  if (s.features > 0) {
+    check_grad(a.out_edge, "out_edge", g.rows, s.heads, s.features, a.q.type);
+    check_aligned(a.out_edge, "out_edge", s.features / cuda::edge_attention_group(s.dim));
+  }
   check_keep(g, a.keep, a.dropout, s.heads);
   cuda::edge_attention_forward(g, a, stream);
 }
@@ -197,10 +200,15 @@ void edge_attention_plan::backward(const edge_attention_grad_args& a, stream_ref
                           "dq, dk and dv must have one dtype");
   check_keep(g, a.keep, a.dropout, s.heads);
   if (s.features > 0) {
-    check_f32(a.out_edge, "out_edge", g.rows, s.heads, s.features);
-    check_f32(a.dout_edge, "dout_edge", g.rows, s.heads, s.features);
-    check_f32(a.dr, "dr", g.rows, s.heads, s.features);
-    check_f32(a.da, "da", g.edges, 1, s.features);
+    check_grad(a.out_edge, "out_edge", g.rows, s.heads, s.features, a.q.type);
+    check_grad(a.dout_edge, "dout_edge", g.rows, s.heads, s.features, a.q.type);
+    TRISPARSE_EXPECTS_INPUT(a.dout_edge.type == a.out_edge.type,
+                            "dout_edge must have out_edge's dtype; got " + a.dout_edge.describe() +
+                                " beside " + a.out_edge.describe());
+    check_grad(a.dr, "dr", g.rows, s.heads, s.features, a.q.type);
+    check_grad(a.da, "da", g.edges, 1, s.features, a.q.type);
+    TRISPARSE_EXPECTS_INPUT(a.dr.type == a.dq.type && a.da.type == a.dq.type,
+                            "dr and da must have dq's dtype");
     const std::int64_t lanes = cuda::edge_attention_group(s.dim);
     check_aligned(a.out_edge, "out_edge", s.features / lanes);
     check_aligned(a.dout_edge, "dout_edge", s.features / lanes);

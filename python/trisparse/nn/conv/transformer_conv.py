@@ -195,7 +195,7 @@ class TransformerConv(_Fused, _PygTransformerConv):
             dropout=dropout,
             pyg_dropout=self.pyg_dropout,
         )
-        message = _head_product(out_edge.view(n, H, -1).to(out.dtype), w_edge.transpose(1, 2))
+        message = _head_product(out_edge.view(n, H, -1), w_edge.transpose(1, 2))
         return out + message
 
     def _per_edge(self, query, key, value, edge_attr, pattern, scale, dropout):

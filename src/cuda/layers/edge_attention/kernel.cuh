@@ -88,7 +88,8 @@ struct params {
   mat a_src, a_dst, a_edge;
   out_mat da_src, da_dst, da_edge;
   float slope = 0.2f;
-  bool grads_in_t = false;  // dq, dk and dv (GAT: dx) in the operands' dtype T, else f32
+  bool grads_in_t = false;  // dq, dk, dv, dr and da (GAT: dx) in the operands' dtype T, else f32
+  bool edge_in_t = false;   // out_edge (the backward's out_edge and dout_edge) in T, else f32
 };
 
 // The input edge at position e (the multigraph's `edge`; null: the positions are the input's).
@@ -155,15 +156,30 @@ __device__ __forceinline__ void store(T* p, const float (&x)[N], float f) {
   for (int n = 0; n < N; ++n) p[n] = convert<T>(x[n] * f);
 }
 
-// A gradient's elements at (r, h) + offset, f32 or (grads_in_t) T.
+// N elements at (r, h) + offset of a matrix held in T (in_t) or f32.
 template <class T, int N>
-__device__ __forceinline__ void store_grad(const params& p, const out_mat& m, std::int64_t r, int h,
-                                           int offset, const float (&x)[N], float f) {
-  if (p.grads_in_t) {
+__device__ __forceinline__ void load_either(bool in_t, const mat& m, std::int64_t r, int h,
+                                            int offset, float (&x)[N]) {
+  if (in_t) {
+    load<T, N>(m.at<T>(r, h) + offset, x);
+  } else {
+    load<float, N>(m.at<float>(r, h) + offset, x);
+  }
+}
+template <class T, int N>
+__device__ __forceinline__ void store_either(bool in_t, const out_mat& m, std::int64_t r, int h,
+                                             int offset, const float (&x)[N], float f) {
+  if (in_t) {
     store<T, N>(m.at<T>(r, h) + offset, x, f);
   } else {
     store<float, N>(m.at<float>(r, h) + offset, x, f);
   }
+}
+// A gradient's elements at (r, h) + offset, f32 or (grads_in_t) T.
+template <class T, int N>
+__device__ __forceinline__ void store_grad(const params& p, const out_mat& m, std::int64_t r, int h,
+                                           int offset, const float (&x)[N], float f) {
+  store_either<T, N>(p.grads_in_t, m, r, h, offset, x, f);
 }
 
 // 2^x (ex2.approx with subnormal results flushed to zero: weights far below any sum's rounding).
@@ -411,7 +427,8 @@ __global__ void __launch_bounds__(kWarps * 32, edge_attention_tuning::forward_bl
   if (at.group != 0 || !at.valid) return;
   const float inv = l > 0.0f ? 1.0f / l : 0.0f;
   store<T, NC>(p.out.at<T>(i, h) + at.slot * NC, acc, inv);
-  if constexpr (NF > 0) store<float, NF>(p.out_edge.at<float>(i, h) + at.slot * NF, acc_a, inv);
+  if constexpr (NF > 0)
+    store_either<T, NF>(p.edge_in_t, p.out_edge, i, h, at.slot * NF, acc_a, inv);
   if (at.slot == 0) *p.lse.at<float>(i, h) = l > 0.0f ? (m + log2f(l)) / kLog2e : -INFINITY;
 }
 
@@ -429,8 +446,8 @@ __global__ void __launch_bounds__(kWarps * 32, edge_attention_tuning::row_blocks
   load<T, NC>(p.out_in.at<T>(i, h) + at.slot * NC, oi);
   if constexpr (NF > 0) {
     load<T, NF>(p.r.at<T>(i, h) + at.slot * NF, ri, kLog2e);
-    load<float, NF>(p.dout_edge.at<float>(i, h) + at.slot * NF, doa);
-    load<float, NF>(p.out_edge_in.at<float>(i, h) + at.slot * NF, oa);
+    load_either<T, NF>(p.edge_in_t, p.dout_edge, i, h, at.slot * NF, doa);
+    load_either<T, NF>(p.edge_in_t, p.out_edge_in, i, h, at.slot * NF, oa);
   }
   const float D = group_sum<LT>(dot(doi, oi) + dot(doa, oa), p.lanes);
   const float lse2 = *p.lse_in.at<float>(i, h) * kLog2e;
@@ -485,7 +502,7 @@ __global__ void __launch_bounds__(kWarps * 32, edge_attention_tuning::row_blocks
   if (heavy) heavy_sum(p, dq, dr);
   if (at.group != 0 || !at.valid) return;
   store_grad<T>(p, p.dq, i, h, at.slot * NC, dq, p.scale);
-  if constexpr (NF > 0) store<float, NF>(p.dr.at<float>(i, h) + at.slot * NF, dr, 1.0f);
+  if constexpr (NF > 0) store_grad<T>(p, p.dr, i, h, at.slot * NF, dr, 1.0f);
 }
 
 template <class T, int NC, bool G>
@@ -559,12 +576,17 @@ __global__ void feature_kernel(const params p, int features) {
   const std::int64_t e = x / features;
   const int f = static_cast<int>(x % features);
   const std::int32_t i = p.g.dst[e];
-  float acc = 0.0f;
-  for (int h = 0; h < p.heads; ++h) {
-    acc = fmaf(p.dscore[e * p.heads + h], convert<float>(p.r.at<T>(i, h)[f]), acc);
-    acc = fmaf(p.prob[e * p.heads + h], p.dout_edge.at<float>(i, h)[f], acc);
-  }
-  p.da.at<float>(input_edge(p, e), 0)[f] = acc;
+  const auto sum = [&]<class E>() {  // E: dout_edge's element type
+    float acc = 0.0f;
+    for (int h = 0; h < p.heads; ++h) {
+      acc = fmaf(p.dscore[e * p.heads + h], convert<float>(p.r.at<T>(i, h)[f]), acc);
+      acc = fmaf(p.prob[e * p.heads + h], convert<float>(p.dout_edge.at<E>(i, h)[f]), acc);
+    }
+    return acc;
+  };
+  const float da[1] = {p.edge_in_t ? sum.template operator()<T>()
+                                   : sum.template operator()<float>()};
+  store_grad<T>(p, p.da, input_edge(p, e), 0, f, da, 1.0f);
 }
 
 }  // namespace trisparse::cuda::edge_attention_kernels

@@ -157,6 +157,7 @@ void edge_attention_forward(const multigraph_view& g, const edge_attention_args&
   params p = attention_params(g, a);
   p.out = out_of(a.out);
   p.out_edge = out_of(a.out_edge);
+  p.edge_in_t = a.out_edge.type != dtype::f32;
   p.lse = out_of(a.lse);
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const std::int64_t features = a.r.data != nullptr ? a.r.dim : 0;
@@ -171,6 +172,7 @@ void edge_attention_backward(const multigraph_view& g, const edge_attention_grad
   params p = attention_params(g, a);
   p.out_in = in_of(a.out);
   p.out_edge_in = in_of(a.out_edge);
+  p.edge_in_t = a.out_edge.type != dtype::f32;
   p.lse_in = in_of(a.lse);
   p.dout = in_of(a.dout);
   p.dout_edge = in_of(a.dout_edge);
