@@ -1465,3 +1465,28 @@ def test_head_product_kernels_equal_float64(heads, a, b):
     torch.einsum("nha,hab->nhb", x64, w64).backward(g.double())
     assert relerr(xg.grad.double(), x64.grad) < 1e-6
     assert relerr(wg.grad.double(), w64.grad) < 1e-5
+
+
+def test_head_product_under_autocast_takes_the_float32_kernels_on_few_rows():
+    """Under bf16 autocast a product over 4,096 to 65,535 rows runs the float32 kernels (cast in,
+    result in x's dtype): the result and the gradients of x and w within bf16 rounding of float64's,
+    in the dtypes the block-diagonal GEMM gives (x's, w's)."""
+    from trisparse.nn.conv import _common
+
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    rows, heads, a, b = 5000, 8, 16, 16
+    x = torch.randn(rows, heads, a, generator=gen, device="cuda").bfloat16().requires_grad_()
+    w = torch.randn(heads, a, b, generator=gen, device="cuda", requires_grad=True)
+    g = torch.randn(rows, heads, b, generator=gen, device="cuda").bfloat16()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert _common._few_rows_under_autocast(x, w)
+        out = _common._head_product(x, w)
+    assert out.dtype == torch.bfloat16
+    out.backward(g)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    want = torch.einsum("nha,hab->nhb", x64, w64)
+    want.backward(g.double())
+    assert relerr(out.double(), want) < 1e-2
+    assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+    assert relerr(x.grad.double(), x64.grad) < 1e-2
+    assert relerr(w.grad.double(), w64.grad) < 1e-5

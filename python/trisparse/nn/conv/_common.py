@@ -239,7 +239,27 @@ def _head_product(x: Tensor, w: Tensor) -> Tensor:
     n, h, _ = x.shape
     if _float32_cuda_eager(x, w, 16 * _HEAD_CHUNKS):
         return _HeadProduct.apply(x, w)
+    if _few_rows_under_autocast(x, w):
+        with torch.autocast("cuda", enabled=False):
+            return _HeadProduct.apply(x.float(), w.float()).to(x.dtype)
     return F.linear(x.reshape(n, -1), _block_diagonal(w.transpose(1, 2))).view(n, h, -1)
+
+
+_AUTOCAST_KERNEL_ROWS = 65_536  # below: the host's pace (few nodes), fewer ops than autocast's GEMM
+
+
+def _few_rows_under_autocast(x: Tensor, w: Tensor) -> bool:
+    """Whether a 16-bit product under CUDA autocast takes the float32 kernels (two casts and one
+    kernel a pass against the block-diagonal GEMM's ~6 ops): few rows, where the host sets the
+    step's pace."""
+    return (
+        x.is_cuda
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and 16 * _HEAD_CHUNKS <= x.shape[0] < _AUTOCAST_KERNEL_ROWS
+        and torch.is_autocast_enabled("cuda")
+        and not torch.compiler.is_compiling()
+        and max(w.shape[1], w.shape[2]) <= _C.head_product_max_width
+    )
 
 
 def _input_edges(pattern: Pattern) -> int:
