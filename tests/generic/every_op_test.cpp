@@ -1033,7 +1033,7 @@ void edge_attention_cases(recorder& rec) {
                               (c.keep ? ", dropout" : "") + (c.narrow ? ", narrow" : "");
     for (const dtype in : kDtypes) {
       const types t{in, in};
-      const dtype wide = c.narrow ? in : dtype::f32;  // out_edge's and the gradients' dtype
+      const dtype res = c.narrow ? in : dtype::f32;  // out_edge's and the gradients' dtype
       rec.attempt("edge_attention", backend, t, [&] {
         const auto plan = edge_attention_plan::build(m.view());
         const std::int64_t h = c.heads, d = c.dim;
@@ -1043,7 +1043,7 @@ void edge_attention_cases(recorder& rec) {
                           r = f > 0 ? random(in, g.rows, h, f, 123) : host_tensor(),
                           a = f > 0 ? random(in, e, 1, f, 124) : host_tensor(),
                           dout = random(in, g.rows, h, d, 125),
-                          dout_edge = f > 0 ? random(wide, g.rows, h, f, 126) : host_tensor();
+                          dout_edge = f > 0 ? random(res, g.rows, h, f, 126) : host_tensor();
         host_tensor keep(dtype::f32, e, h, 1);
         for (std::int64_t i = 0; i < keep.numel(); ++i) keep.set(i, i % 5 == 3 ? 0.0 : 1.25);
         buffer bq(q), bk(k), bv(v), bdout(dout), bkeep(keep),
@@ -1053,9 +1053,9 @@ void edge_attention_cases(recorder& rec) {
           br.emplace(r);
           ba.emplace(a);
           bdout_edge.emplace(dout_edge);
-          out_edge.emplace(buffer::output(wide, g.rows, h, f));
-          dr.emplace(buffer::output(wide, g.rows, h, f));
-          da.emplace(buffer::output(wide, e, 1, f));
+          out_edge.emplace(buffer::output(res, g.rows, h, f));
+          dr.emplace(buffer::output(res, g.rows, h, f));
+          da.emplace(buffer::output(res, e, 1, f));
         }
         const auto view_of = [](std::optional<buffer>& b) { return b ? b->view() : tensor_view{}; };
         const tensor_view keep_view = c.keep ? bkeep.view() : tensor_view{};
@@ -1086,10 +1086,10 @@ void edge_attention_cases(recorder& rec) {
                   tolerance(in, dtype::f32, 8), "lse");
         if (f > 0)
           rec.check("edge_attention", backend, t, shape, out_edge->fetch(), want_edge,
-                    tolerance(in, wide, 8), "out_edge");
+                    tolerance(in, res, 8), "out_edge");
 
-        buffer dq = buffer::output(wide, g.rows, h, d), dk = buffer::output(wide, g.cols, h, d),
-               dv = buffer::output(wide, g.cols, h, d);
+        buffer dq = buffer::output(res, g.rows, h, d), dk = buffer::output(res, g.cols, h, d),
+               dv = buffer::output(res, g.cols, h, d);
         const std::size_t bytes = plan.backward_workspace_bytes(h);
         buffer ws = buffer::scratch(bytes);
         plan.backward({.q = bq.view(),
@@ -1118,7 +1118,7 @@ void edge_attention_cases(recorder& rec) {
             f > 0 ? dout_edge.view() : tensor_view{}, wq.view(), wk.view(), wv.view(),
             f > 0 ? wr.view() : tensor_view{}, f > 0 ? wa.view() : tensor_view{});
         // out (rounded to q's dtype) enters the backward through D = <dout, out>.
-        const double tol = tolerance(in, wide, 8) + 8 * unit_roundoff(in);
+        const double tol = tolerance(in, res, 8) + 8 * unit_roundoff(in);
         rec.check("edge_attention_backward", backend, t, shape, dq.fetch(), wq, tol, "dq");
         rec.check("edge_attention_backward", backend, t, shape, dk.fetch(), wk, tol, "dk");
         rec.check("edge_attention_backward", backend, t, shape, dv.fetch(), wv, tol, "dv");

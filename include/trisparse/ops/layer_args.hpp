@@ -143,9 +143,9 @@ struct edge_attention_grad_args {
   tensor_view dq;                  ///< [rows, H, C] f32 or q's dtype (dk, dv, dr, da alike)
   tensor_view dk, dv;              ///< [cols, H, C] f32 or q's dtype
   tensor_view dr;                  ///< [rows, H, F] dq's dtype (with edge features)
-  tensor_view da;               ///< [edges, 1, F] dq's dtype (with edge features): row e, edge e's
-  tensor_view keep;             ///< the forward's keep factors (or none)
-  attention_dropout dropout{};  ///< the forward's dropout draws (or none)
+  tensor_view da;                  ///< [edges, 1, F] dq's dtype (with features): row e, edge e
+  tensor_view keep;                ///< the forward's keep factors (or none)
+  attention_dropout dropout{};     ///< the forward's dropout draws (or none)
   double scale = 1.0;
 };
 
