@@ -85,9 +85,9 @@ void check_f32(const tensor_view& t, const char* what, std::int64_t rows, std::i
                           std::string(what) + " " + t.describe() + " must be f32");
 }
 
-// A gradient (or out_edge): f32, or the operands' dtype (rounded once from the kernels' f32 sums).
-void check_grad(const tensor_view& t, const char* what, std::int64_t rows, std::int64_t heads,
-                std::int64_t dim, dtype operand) {
+// A gradient or out_edge: f32, or the operands' dtype (rounded once from the kernels' f32 sums).
+void check_f32_or_operand(const tensor_view& t, const char* what, std::int64_t rows,
+                          std::int64_t heads, std::int64_t dim, dtype operand) {
   check_view(t, what, rows, heads, dim);
   detail::check_device_arg(t, what);
   TRISPARSE_EXPECTS_INPUT(
@@ -173,10 +173,8 @@ void edge_attention_plan::forward(const edge_attention_args& a, stream_ref strea
   detail::check_device_arg(a.out, "out");
   TRISPARSE_EXPECTS_INPUT(a.out.type == a.q.type, "out must have q's dtype");
   check_f32(a.lse, "lse", g.rows, s.heads, 1);
-  if (s.features > 0) {
-    check_grad(a.out_edge, "out_edge", g.rows, s.heads, s.features, a.q.type);
-    check_aligned(a.out_edge, "out_edge", s.features / cuda::edge_attention_group(s.dim));
-  }
+  if (s.features > 0)
+    check_f32_or_operand(a.out_edge, "out_edge", g.rows, s.heads, s.features, a.q.type);
   check_keep(g, a.keep, a.dropout, s.heads);
   cuda::edge_attention_forward(g, a, stream);
 }
@@ -193,20 +191,20 @@ void edge_attention_plan::backward(const edge_attention_grad_args& a, stream_ref
   }
   check_f32(a.lse, "lse", g.rows, s.heads, 1);
   check_backward_side(g);
-  check_grad(a.dq, "dq", g.rows, s.heads, s.dim, a.q.type);
-  check_grad(a.dk, "dk", g.cols, s.heads, s.dim, a.q.type);
-  check_grad(a.dv, "dv", g.cols, s.heads, s.dim, a.q.type);
+  check_f32_or_operand(a.dq, "dq", g.rows, s.heads, s.dim, a.q.type);
+  check_f32_or_operand(a.dk, "dk", g.cols, s.heads, s.dim, a.q.type);
+  check_f32_or_operand(a.dv, "dv", g.cols, s.heads, s.dim, a.q.type);
   TRISPARSE_EXPECTS_INPUT(a.dk.type == a.dq.type && a.dv.type == a.dq.type,
                           "dq, dk and dv must have one dtype");
   check_keep(g, a.keep, a.dropout, s.heads);
   if (s.features > 0) {
-    check_grad(a.out_edge, "out_edge", g.rows, s.heads, s.features, a.q.type);
-    check_grad(a.dout_edge, "dout_edge", g.rows, s.heads, s.features, a.q.type);
+    check_f32_or_operand(a.out_edge, "out_edge", g.rows, s.heads, s.features, a.q.type);
+    check_f32_or_operand(a.dout_edge, "dout_edge", g.rows, s.heads, s.features, a.q.type);
     TRISPARSE_EXPECTS_INPUT(a.dout_edge.type == a.out_edge.type,
                             "dout_edge must have out_edge's dtype; got " + a.dout_edge.describe() +
                                 " beside " + a.out_edge.describe());
-    check_grad(a.dr, "dr", g.rows, s.heads, s.features, a.q.type);
-    check_grad(a.da, "da", g.edges, 1, s.features, a.q.type);
+    check_f32_or_operand(a.dr, "dr", g.rows, s.heads, s.features, a.q.type);
+    check_f32_or_operand(a.da, "da", g.edges, 1, s.features, a.q.type);
     TRISPARSE_EXPECTS_INPUT(a.dr.type == a.dq.type && a.da.type == a.dq.type,
                             "dr and da must have dq's dtype");
     const std::int64_t lanes = cuda::edge_attention_group(s.dim);
@@ -227,7 +225,7 @@ void edge_attention_plan::neighbor_sum(const tensor_view& x, const tensor_view& 
   const std::int64_t in_rows = transposed ? g.rows : g.cols,
                      out_rows = transposed ? g.cols : g.rows;
   check_node_operand(x, "x", in_rows, "neighbor_sum");
-  check_grad(out, "out", out_rows, x.heads, x.dim, x.type);
+  check_f32_or_operand(out, "out", out_rows, x.heads, x.dim, x.type);
   if (transposed) check_backward_side(g);
   cuda::edge_neighbor_sum(g, x, out, transposed, stream);
 }
@@ -270,7 +268,7 @@ void edge_attention_plan::gat_backward(const edge_gat_grad_args& a, stream_ref s
   }
   check_f32(a.lse, "lse", g.rows, a.x.heads, 1);
   check_backward_side(g);
-  check_grad(a.dx, "dx", g.cols, a.x.heads, a.x.dim, a.x.type);
+  check_f32_or_operand(a.dx, "dx", g.cols, a.x.heads, a.x.dim, a.x.type);
   check_f32(a.da_src, "da_src", g.cols, a.x.heads, 1);
   check_f32(a.da_dst, "da_dst", g.rows, a.x.heads, 1);
   if (a.a_edge.data != nullptr) check_f32(a.da_edge, "da_edge", g.edges, a.x.heads, 1);
