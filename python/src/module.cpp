@@ -898,9 +898,12 @@ NB_MODULE(_C, m) {
             p.plan.neighbor_sum(xv, ov, transposed, stream_of(stream));
           },
           "x"_a, "out"_a, "transposed"_a, "stream"_a)
-      .def("workspace_bytes", [](const py_edge_attention_plan& p, std::int64_t heads) {
-        return p.plan.backward_workspace_bytes(heads);
-      });
+      .def(
+          "workspace_bytes",
+          [](const py_edge_attention_plan& p, std::int64_t heads, int grads) {
+            return p.plan.backward_workspace_bytes(heads, static_cast<dtype>(grads));
+          },
+          "heads"_a, "grads"_a = static_cast<int>(dtype::f32));
   m.def("cuda_head_dims", &cuda_head_dims);
   m.def("segment_attention_supports", &segment_attention_plan::supports, "head_dim"_a);
   m.def(

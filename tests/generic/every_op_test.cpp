@@ -1090,7 +1090,8 @@ void edge_attention_cases(recorder& rec) {
 
         buffer dq = buffer::output(res, g.rows, h, d), dk = buffer::output(res, g.cols, h, d),
                dv = buffer::output(res, g.cols, h, d);
-        const std::size_t bytes = plan.backward_workspace_bytes(h);
+        // Exactly the bytes the gradients' dtype needs (bf16 weights for 16-bit gradients).
+        const std::size_t bytes = plan.backward_workspace_bytes(h, res);
         buffer ws = buffer::scratch(bytes);
         plan.backward({.q = bq.view(),
                        .k = bk.view(),

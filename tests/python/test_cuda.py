@@ -1467,6 +1467,41 @@ def test_head_product_kernels_equal_float64(heads, a, b):
     assert relerr(wg.grad.double(), w64.grad) < 1e-5
 
 
+def test_projection_under_autocast_keeps_x_in_float32():
+    """TransformerConv's projection of many rows under bf16 autocast (_linear): output and the
+    gradients of x, the weight and the bias bitwise F.linear's under autocast, with x saved for
+    the backward as the float32 input (no [N, in] 16-bit copy kept)."""
+    from trisparse.nn.conv import _common
+
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    rows = _common._AUTOCAST_KERNEL_ROWS + 5
+    x = torch.randn(rows, 32, generator=gen, device="cuda")
+    w = torch.randn(64, 32, generator=gen, device="cuda")
+    b = torch.randn(64, generator=gen, device="cuda")
+    g = torch.randn(rows, 64, generator=gen, device="cuda").bfloat16()
+
+    def run(linear):
+        saved = []
+
+        def pack(t):
+            saved.append((t.dtype, tuple(t.shape)))
+            return t
+
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with hooks, torch.autocast("cuda", dtype=torch.bfloat16):
+            out = linear(*leaves)
+        out.backward(g)
+        return [out.detach()] + [t.grad for t in leaves], saved
+
+    got, saved = run(_common._linear)
+    want, saved_autocast = run(torch.nn.functional.linear)
+    for a, e in zip(got, want, strict=True):
+        assert a.dtype == e.dtype and torch.equal(a, e)
+    assert (torch.bfloat16, (rows, 32)) in saved_autocast
+    assert (torch.bfloat16, (rows, 32)) not in saved and (torch.float32, (rows, 32)) in saved
+
+
 def test_head_product_under_autocast_takes_the_float32_kernels_on_few_rows():
     """Under bf16 autocast a product over 4,096 to 65,535 rows runs the float32 kernels (cast in,
     result in x's dtype): the result and the gradients of x and w within bf16 rounding of float64's,

@@ -946,6 +946,38 @@ def test_gat_bias_add_gradcheck_and_autocast_types():
     assert torch.allclose(b32.grad, (2 * y.detach()).sum((0, 1)), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_autocast_linear_equals_autocast_bitwise(with_bias):
+    """TransformerConv's projection under CUDA autocast (its autograd Function called here on
+    the CPU, in bf16): the output and the gradients of x, the weight and the bias bitwise those
+    of F.linear under autocast, which saves x's 16-bit copy where the Function saves x."""
+    from trisparse.nn.conv._common import _AutocastLinear
+
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(300, 24, generator=gen)
+    w = torch.randn(40, 24, generator=gen)
+    b = torch.randn(40, generator=gen) if with_bias else None
+    g = torch.randn(300, 40, generator=gen).bfloat16()
+
+    def grads(run):
+        leaves = [t.detach().requires_grad_() for t in (x, w, b) if t is not None]
+        xs, ws = leaves[0], leaves[1]
+        bs = leaves[2] if with_bias else None
+        out = run(xs, ws, bs)
+        out.backward(g)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    def autocast(xs, ws, bs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return torch.nn.functional.linear(xs, ws, bs)
+
+    got = grads(lambda xs, ws, bs: _AutocastLinear.apply(xs, ws, bs, torch.bfloat16))
+    want = grads(autocast)
+    assert [t.dtype for t in got] == [t.dtype for t in want]
+    for a, e in zip(got, want):
+        assert torch.equal(a, e)
+
+
 def test_gat_edge_product_gradcheck_with_chunks(monkeypatch):
     """GATConv's float32 CUDA product of edge features with their [edge_dim, heads] weight (its
     autograd Function called here on the CPU, with chunks of 8 rows): rows the chunks do not

@@ -160,8 +160,10 @@ class edge_attention_plan {
   /// to a multiple of the lanes that split a head): pad a and r with zero columns to it.
   static std::int64_t feature_width(std::int64_t head_dim, std::int64_t features);
   /// Bytes of workspace a backward with `heads` heads needs (each edge's weight and score
-  /// gradient).
-  std::size_t backward_workspace_bytes(std::int64_t heads) const;
+  /// gradient): f32 (8 bytes an edge and head), or bf16 (4) where `grads`, the dtype of
+  /// backward()'s dq, is f16 or bf16 (the gradients are rounded to 16 bits anyway). GAT's
+  /// backward keeps f32: gat_backward's need is backward_workspace_bytes(heads).
+  std::size_t backward_workspace_bytes(std::int64_t heads, dtype grads = dtype::f32) const;
   /// Asynchronous on `stream`; never synchronises the host, allocates or locks.
   void forward(const edge_attention_args& args, stream_ref stream = {}) const;
   void backward(const edge_attention_grad_args& args, stream_ref stream = {},

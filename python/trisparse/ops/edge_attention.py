@@ -112,7 +112,8 @@ def _backward_op(
     plan = p.edge_attention_plan(q.device)
     dq, dk, dv, dr, da = _grads(q, k, v, r, a)
     edged = r is not None
-    _owner, ws, ws_bytes = _tensors.workspace(plan.workspace_bytes(q.shape[1]), q.device)
+    ws_need = plan.workspace_bytes(q.shape[1], _tensors.dtype_code(dq.dtype))
+    _owner, ws, ws_bytes = _tensors.workspace(ws_need, q.device)
     plan.backward(
         _tensors.view(q),
         _tensors.view(k),

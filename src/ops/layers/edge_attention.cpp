@@ -161,9 +161,10 @@ std::int64_t edge_attention_plan::feature_width(std::int64_t head_dim, std::int6
   return per_lane * lanes;
 }
 
-std::size_t edge_attention_plan::backward_workspace_bytes(std::int64_t heads) const {
+std::size_t edge_attention_plan::backward_workspace_bytes(std::int64_t heads, dtype grads) const {
   TRISPARSE_EXPECTS_INPUT(heads >= 1, "edge_attention needs heads >= 1");
-  return static_cast<std::size_t>(graph_.edges * heads * 2) * sizeof(float);
+  const std::size_t bytes = grads == dtype::f16 || grads == dtype::bf16 ? 2 : sizeof(float);
+  return static_cast<std::size_t>(graph_.edges * heads * 2) * bytes;
 }
 
 void edge_attention_plan::forward(const edge_attention_args& a, stream_ref stream) const {
@@ -211,11 +212,11 @@ void edge_attention_plan::backward(const edge_attention_grad_args& a, stream_ref
     check_aligned(a.out_edge, "out_edge", s.features / lanes);
     check_aligned(a.dout_edge, "dout_edge", s.features / lanes);
   }
-  TRISPARSE_EXPECTS_INPUT(
-      workspace.bytes >= backward_workspace_bytes(s.heads) &&
-          (workspace.data != nullptr || g.edges == 0),
-      "edge_attention's backward needs backward_workspace_bytes(" + std::to_string(s.heads) +
-          ") = " + std::to_string(backward_workspace_bytes(s.heads)) + " bytes of workspace");
+  const std::size_t need = backward_workspace_bytes(s.heads, a.dq.type);
+  TRISPARSE_EXPECTS_INPUT(workspace.bytes >= need && (workspace.data != nullptr || g.edges == 0),
+                          "edge_attention's backward needs backward_workspace_bytes(" +
+                              std::to_string(s.heads) + ", dq's dtype) = " + std::to_string(need) +
+                              " bytes of workspace");
   cuda::edge_attention_backward(g, a, workspace, stream);
 }
 

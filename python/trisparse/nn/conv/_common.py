@@ -262,6 +262,52 @@ def _few_rows_under_autocast(x: Tensor, w: Tensor) -> bool:
     )
 
 
+class _AutocastLinear(torch.autograd.Function):
+    """F.linear(x, weight, bias) as CUDA autocast computes it (x, weight and bias cast to the
+    autocast dtype, the product and its gradients in it, the gradients cast back), saving x
+    itself for the weight's gradient instead of its 16-bit copy: the backward casts x again. A
+    float32 x is the caller's (an input, held anyway), so the copy was one [N, in] tensor more
+    alive through the backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dtype):
+        w = weight.to(dtype)
+        ctx.save_for_backward(x, w)
+        ctx.bias = bias is not None
+        return F.linear(x.to(dtype), w, None if bias is None else bias.to(dtype))
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        dx = dw = db = None
+        # As autograd's addmm backward orders the products (grad @ w, grad^T @ x).
+        if ctx.needs_input_grad[0]:
+            dx = g.mm(w).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = g.t().mm(x.to(w.dtype)).float()
+        if ctx.bias and ctx.needs_input_grad[2]:
+            db = g.sum(0).float()
+        return dx, dw, db, None
+
+
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """F.linear; under CUDA autocast with many rows of a float32 x (from _AUTOCAST_KERNEL_ROWS,
+    where the copy's memory counts and one more cast costs little), :class:`_AutocastLinear`."""
+    if (
+        x.is_cuda
+        and x.dim() == 2
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and x.shape[0] >= _AUTOCAST_KERNEL_ROWS
+        and torch.is_autocast_enabled("cuda")
+        and not torch.compiler.is_compiling()
+    ):
+        dtype = torch.get_autocast_dtype("cuda")
+        with torch.autocast("cuda", enabled=False):
+            return _AutocastLinear.apply(x, weight, bias, dtype)
+    return F.linear(x, weight, bias)
+
+
 def _input_edges(pattern: Pattern) -> int:
     entries = pattern.entries_of_input(torch.device("cpu"))
     if entries is None:

@@ -14,7 +14,7 @@ from ...copies import copy_aggregate, copy_dot, copy_logsumexp, copy_sum, copy_w
 from ...distributed import DistributedPattern
 from ...edge import edge_softmax, edge_spmm, sddmm
 from ...edge_attention import edge_attention, edge_attention_supported
-from ._common import _edge_features, _Fused, _head_product, _input_edges
+from ._common import _edge_features, _Fused, _head_product, _input_edges, _linear
 
 
 def _plain_graph_on_edge_kernels(query: Tensor) -> bool:
@@ -121,7 +121,7 @@ class TransformerConv(_Fused, _PygTransformerConv):
         else:
             weight = torch.cat([lin.weight for lin in lins])
             bias = None if lins[0].bias is None else torch.cat([lin.bias for lin in lins])
-            y = F.linear(x_src, weight, bias)
+            y = _linear(x_src, weight, bias)
             parts = list(y.split([lin.weight.shape[0] for lin in lins], dim=-1))
         x_r = parts[3] if self.root_weight else None
         return parts[0].view(-1, H, C), parts[1].view(-1, H, C), parts[2].view(-1, H, C), x_r

@@ -19,7 +19,8 @@
 // Backward, with dp = m_p (dout_i.v_j + dout_edge_i.a_p) and D_i = dout_i.out_i +
 // dout_edge_i.out_edge_i (= sum_p P dp, as out holds the kept weights):
 //   1. per target and head: P = exp(s - lse), dS = P (dp - D); dq_i = scale sum dS k_j,
-//      dr_i = sum dS a_p; m_p P and dS per (edge, head) into the workspace: row_kernel.
+//      dr_i = sum dS a_p; m_p P and dS per (edge, head) into the workspace (bf16 where the
+//      gradients are 16-bit: ws_16): row_kernel.
 //   2. per source and head, over by_source: dk_j = scale sum dS q_i, dv_j = sum m P dout_i:
 //      column_kernel.
 //   3. a thread per (edge, feature): da_p = sum_h dS r_i + m P dout_edge_i: feature_kernel.
@@ -82,8 +83,10 @@ struct params {
   std::uint32_t drop_below = 0;
   float dropout_scale = 1.0f;
   out_mat out, out_edge, lse, dq, dk, dv, dr, da;
-  float* prob = nullptr;    // [edges, H]: m P
-  float* dscore = nullptr;  // [edges, H]: dL/ds (GAT: dL/dz, before the LeakyReLU)
+  // The backward's workspace, [edges, H] each, f32 or (ws_16) bf16: ws_load / ws_store.
+  void* prob = nullptr;    // m P
+  void* dscore = nullptr;  // dL/ds (GAT: dL/dz, before the LeakyReLU)
+  bool ws_16 = false;      // bf16 (16-bit runs whose gradients are 16-bit), else f32
   // GAT: z = a_dst_i + a_src_j + a_edge_p, s = LeakyReLU(z); v holds x.
   mat a_src, a_dst, a_edge;
   out_mat da_src, da_dst, da_edge;
@@ -91,6 +94,26 @@ struct params {
   bool grads_in_t = false;  // dq, dk, dv, dr and da (GAT: dx) in the operands' dtype T, else f32
   bool edge_in_t = false;   // out_edge (the backward's out_edge and dout_edge) in T, else f32
 };
+
+// Element x of the workspace array w (p.prob or p.dscore), read or written as f32; bf16 storage
+// where p.ws_16 (never for T = float or GAT, G: their kernels keep their code).
+template <class T, bool G = false>
+__device__ __forceinline__ float ws_load(const params& p, const void* w, std::int64_t x) {
+  if constexpr (sizeof(T) == 2 && !G) {
+    if (p.ws_16) return __bfloat162float(static_cast<const __nv_bfloat16*>(w)[x]);
+  }
+  return static_cast<const float*>(w)[x];
+}
+template <class T, bool G = false>
+__device__ __forceinline__ void ws_store(const params& p, void* w, std::int64_t x, float value) {
+  if constexpr (sizeof(T) == 2 && !G) {
+    if (p.ws_16) {
+      static_cast<__nv_bfloat16*>(w)[x] = __float2bfloat16_rn(value);
+      return;
+    }
+  }
+  static_cast<float*>(w)[x] = value;
+}
 
 // The input edge at position e (the multigraph's `edge`; null: the positions are the input's).
 __device__ __forceinline__ std::int64_t input_edge(const params& p, std::int64_t e) {
@@ -482,8 +505,8 @@ __global__ void __launch_bounds__(kWarps * 32, edge_attention_tuning::row_blocks
           *p.da_edge.at<float>(input_edge(p, e), h) = ds;
       }
       if (at.slot == 0) {
-        p.prob[e * p.heads + h] = prob * keep;
-        p.dscore[e * p.heads + h] = ds;
+        ws_store<T, G>(p, p.prob, e * p.heads + h, prob * keep);
+        ws_store<T, G>(p, p.dscore, e * p.heads + h, ds);
       }
 #pragma unroll
       for (int n = 0; n < NC; ++n) dq[n] = fmaf(ds, kj[n], dq[n]);
@@ -518,7 +541,8 @@ __global__ void __launch_bounds__(kWarps * 32) column_kernel(const params p, boo
     if (!at.valid || t >= end) break;  // no shuffles in this loop: groups may leave early
     const std::int64_t e = p.g.by_source[t];
     const std::int32_t i = p.g.dst[e];
-    const float ds = p.dscore[e * p.heads + h], prob = p.prob[e * p.heads + h];
+    const float ds = ws_load<T, G>(p, p.dscore, e * p.heads + h);
+    const float prob = ws_load<T, G>(p, p.prob, e * p.heads + h);
     float qi[NC] = {}, doi[NC];
     if constexpr (G) qi[0] = at.slot == 0 ? 1.0f : 0.0f;  // dk[0] sums dz: da_src
     if constexpr (!G) load<T, NC>(p.q.at<T>(i, h) + at.slot * NC, qi);
@@ -568,19 +592,22 @@ __global__ void __launch_bounds__(kWarps * 32) sum_kernel(const params p, bool h
   store_grad<T>(p, p.dq, i, h, at.slot * NC, acc, 1.0f);
 }
 
-// da of edge position e, feature f: a thread each, the heads in order.
-template <class T>
+// da of edge position e, feature f: a thread each, the heads in order; W: the workspace's element
+// type (float, or bf16 where p.ws_16), chosen at the launch.
+template <class T, class W>
 __global__ void feature_kernel(const params p, int features) {
   const std::int64_t x = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (x >= p.g.edges * features) return;
   const std::int64_t e = x / features;
   const int f = static_cast<int>(x % features);
   const std::int32_t i = p.g.dst[e];
+  const W* ds = static_cast<const W*>(p.dscore) + e * p.heads;
+  const W* prob = static_cast<const W*>(p.prob) + e * p.heads;
   const auto sum = [&]<class E>() {  // E: dout_edge's element type
     float acc = 0.0f;
     for (int h = 0; h < p.heads; ++h) {
-      acc = fmaf(p.dscore[e * p.heads + h], convert<float>(p.r.at<T>(i, h)[f]), acc);
-      acc = fmaf(p.prob[e * p.heads + h], convert<float>(p.dout_edge.at<E>(i, h)[f]), acc);
+      acc = fmaf(convert<float>(ds[h]), convert<float>(p.r.at<T>(i, h)[f]), acc);
+      acc = fmaf(convert<float>(prob[h]), convert<float>(p.dout_edge.at<E>(i, h)[f]), acc);
     }
     return acc;
   };

@@ -133,8 +133,9 @@ void over_lines(K kernel, const params& p, std::int64_t lines, std::int64_t heav
 template <bool G>
 void backward_passes(params& p, const multigraph_view& g, const tensor_view& x,
                      std::int64_t features, const workspace_view& workspace, stream_ref stream) {
-  p.prob = static_cast<float*>(workspace.data);
-  p.dscore = p.prob + g.edges * p.heads;
+  p.prob = workspace.data;
+  p.dscore = static_cast<char*>(workspace.data) +
+             g.edges * p.heads * (p.ws_16 ? 2 : static_cast<std::int64_t>(sizeof(float)));
   const auto s = static_cast<cudaStream_t>(stream.handle);
   dispatch(x.type, x.dim, features, [&]<class T, int NC, int NF, int LT>() {
     if constexpr (!G || NF == 0) {  // (GAT has no feature columns: features = 0)
@@ -143,7 +144,15 @@ void backward_passes(params& p, const multigraph_view& g, const tensor_view& x,
     }
     if constexpr (!G && NF > 0) {
       const int f = static_cast<int>(features);
-      feature_kernel<T><<<blocks_for(g.edges * f, 256), 256, 0, s>>>(p, f);
+      const auto blocks = blocks_for(g.edges * f, 256);
+      if constexpr (sizeof(T) == 2) {
+        if (p.ws_16) {
+          feature_kernel<T, __nv_bfloat16><<<blocks, 256, 0, s>>>(p, f);
+          TRISPARSE_CUDA_CHECK_LAUNCH();
+          return;
+        }
+      }
+      feature_kernel<T, float><<<blocks, 256, 0, s>>>(p, f);
       TRISPARSE_CUDA_CHECK_LAUNCH();
     }
   });
@@ -180,6 +189,7 @@ void edge_attention_backward(const multigraph_view& g, const edge_attention_grad
   p.dk = out_of(a.dk);
   p.dv = out_of(a.dv);
   p.grads_in_t = a.dq.type != dtype::f32;
+  p.ws_16 = p.grads_in_t;  // (16-bit dq: a 16-bit q; backward_workspace_bytes(heads, dq's dtype))
   p.dr = out_of(a.dr);
   p.da = out_of(a.da);
   backward_passes<false>(p, g, a.q, a.r.data != nullptr ? a.r.dim : 0, workspace, stream);
