@@ -273,7 +273,7 @@ class _AutocastLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, dtype):
         w = weight.to(dtype)
         ctx.save_for_backward(x, w)
-        ctx.bias = bias is not None
+        ctx.bias = None if bias is None else bias.dtype
         return F.linear(x.to(dtype), w, None if bias is None else bias.to(dtype))
 
     @staticmethod
@@ -285,8 +285,8 @@ class _AutocastLinear(torch.autograd.Function):
             dx = g.mm(w).to(x.dtype)
         if ctx.needs_input_grad[1]:
             dw = g.t().mm(x.to(w.dtype)).float()
-        if ctx.bias and ctx.needs_input_grad[2]:
-            db = g.sum(0).float()
+        if ctx.bias is not None and ctx.needs_input_grad[2]:
+            db = g.sum(0).to(ctx.bias)
         return dx, dw, db, None
 
 
