@@ -88,6 +88,7 @@ struct settings {
   bool baselines = true;
   bool training = false;
   bool f32_dout = false;  // the training step's out and dout in f32, not the inputs' dtype
+  row_order order = row_order::automatic;  // the plans' windows (forward and backward)
   double dense_budget_gib = 16;
 };
 
@@ -114,6 +115,7 @@ void bench_graph(const std::string& name, const csr_graph& g, const settings& cf
   const attention_plan plan = attention_plan::build(g, device_kind::cuda,
                                                     {.split_tcbs = split,
                                                      .team_tcbs = team,
+                                                     .order = cfg.order,
                                                      .workspace_heads = cfg.heads,
                                                      .workspace_dim = cfg.dim});
   check(cudaDeviceSynchronize(), "plan");
@@ -217,6 +219,7 @@ void bench_graph(const std::string& name, const csr_graph& g, const settings& cf
                    {"split_tcbs", split},
                    {"team_tcbs", team},
                    {"format", plan.report().format},
+                   {"order", to_string(cfg.order)},
                    {"max_rel_error", acc.max_rel_error},
                    {"all_finite", acc.all_finite}};
   if (cfg.training) {
@@ -227,6 +230,7 @@ void bench_graph(const std::string& name, const csr_graph& g, const settings& cf
     const attention_plan gp = attention_plan::build(g, device_kind::cuda,
                                                     {.split_tcbs = split,
                                                      .team_tcbs = team,
+                                                     .order = cfg.order,
                                                      .workspace_heads = heads,
                                                      .workspace_dim = dim,
                                                      .gradients = true});
@@ -374,7 +378,7 @@ int main(int argc, char** argv) {
   settings cfg;
   std::vector<std::int32_t> splits{0}, teams{0};
   std::vector<std::string> paths, rmats, ers, batches;
-  std::string dtype_name = "f16";
+  std::string dtype_name = "f16", order_name = "automatic";
   CLI::App app{"GPU fused 3S benchmark"};
   app.add_option("graphs", paths, "graph files");
   app.add_option("--dim", cfg.dim, "head dimension")->capture_default_str();
@@ -400,6 +404,9 @@ int main(int argc, char** argv) {
   app.add_flag("--f32-dout", cfg.f32_dout,
                "the training step's out and dout in f32 (default: the inputs' dtype, as autograd "
                "gives them)");
+  app.add_option("--order", order_name,
+                 "the plans' row order from a host pattern: automatic, original, rcm or clustered")
+      ->capture_default_str();
   app.add_option("--dense-budget-gib", cfg.dense_budget_gib,
                  "largest rows x cols score matrices the dense baseline allocates")
       ->capture_default_str();
@@ -409,6 +416,7 @@ int main(int argc, char** argv) {
   for (const auto& b : batches) paths.push_back("batch" + b);
   try {
     cfg.in = parse_dtype(dtype_name);
+    cfg.order = parse_row_order(order_name);
     cudaDeviceProp prop{};
     check(cudaGetDeviceProperties(&prop, 0), "properties");
     std::cout << nlohmann::json{{"device", prop.name},

@@ -201,6 +201,23 @@ void finish_report(plan_report& r, algorithm algo, device_kind where, std::int64
   r.build_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// The order in which a CUDA plan's tensor-core windows take g's rows (empty: g's own): RCM where
+// asked, or under `automatic` where g is square with at most kRcmMaxNnz entries and RCM cuts its
+// TCBs enough (rcm_pays). `rcm`: the RCM order, computed at the first call that needs it and
+// reused (it orders the symmetrised graph, the same for a pattern and its transpose).
+std::vector<std::int64_t> window_order(const csr_graph& g, std::vector<std::int64_t>& rcm,
+                                       row_order asked) {
+  const bool square = g.rows == g.cols && g.rows > 1;
+  if (!square || !(asked == row_order::rcm ||
+                   (asked == row_order::automatic && g.nnz() <= cuda::fused3s::kRcmMaxNnz)))
+    return {};
+  if (rcm.empty()) rcm = reverse_cuthill_mckee(g);
+  if (asked == row_order::automatic &&
+      !cuda::fused3s::rcm_pays(count_tcbs(select_rows(g, rcm)), count_tcbs(g)))
+    return {};
+  return rcm;
+}
+
 }  // namespace
 
 void attention_plan::own_backward(state& s, const plan_options& options) {
@@ -229,6 +246,12 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
   const algorithm algo = choose(options.algo, where);
   auto s = std::make_shared<state>();
   std::int64_t bytes = 0;
+  std::vector<std::int64_t> rcm;                         // window_order's, computed once
+  std::optional<std::vector<std::int64_t>> query_order;  // the pattern's rows' (forward, backward)
+  const auto queries = [&]() -> const std::vector<std::int64_t>& {
+    if (!query_order) query_order = window_order(pattern, rcm, options.order);
+    return *query_order;
+  };
   if (algo == algorithm::unfused) {
     // Attention's pattern is binary: a plan from the values would scale the scores by them.
     s->unfused = sparse_plan::build(binary_copy(pattern), where, unfused_options(options), stream);
@@ -239,21 +262,10 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
     // The BSB (16x8) is built on the GPU from the checked pattern; the plan keeps only that.
     // Rows grouped into windows in RCM order where that cuts the TCB count (item 3(d)); the
     // kernel maps window rows back to query rows.
-    std::vector<std::int64_t> order;
-    csr_graph permuted;
-    const bool square = pattern.rows == pattern.cols && pattern.rows > 1;
-    if (square &&
-        (options.order == row_order::rcm ||
-         (options.order == row_order::automatic && pattern.nnz() <= cuda::fused3s::kRcmMaxNnz))) {
-      order = reverse_cuthill_mckee(pattern);
-      permuted = select_rows(pattern, order);
-      if (options.order == row_order::automatic &&
-          !cuda::fused3s::rcm_pays(count_tcbs(permuted), count_tcbs(pattern))) {
-        order.clear();
-      }
-    }
-    s->device_blocks = cuda::make_fused3s_plan(order.empty() ? pattern : permuted,
-                                               fused3s_limits(options), stream, order);
+    const std::vector<std::int64_t>& order = queries();
+    s->device_blocks =
+        cuda::make_fused3s_plan(order.empty() ? pattern : select_rows(pattern, order),
+                                fused3s_limits(options), stream, order);
     s->report.format = order.empty() ? "bsb16x8 (device)" : "bsb16x8 (device), rows in RCM order";
     bytes = cuda::device_bytes(*s->device_blocks);
   } else {
@@ -271,9 +283,12 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
     }
   }
   if (options.gradients && where == device_kind::cuda) {
+    // The backward's tensor-core passes group the rows of the pattern (queries) and of its
+    // transpose (keys) into windows by the same rule as the forward.
     const csr_graph b = binary_copy(pattern);
     const auto [transposed, entries] = transpose_with_entries(b);
-    s->device_grad = cuda::make_attention_backward_plan(b, transposed, entries, stream);
+    s->device_grad = cuda::make_attention_backward_plan(
+        b, transposed, entries, stream, queries(), window_order(transposed, rcm, options.order));
     own_backward(*s, options);
   }
   finish_report(s->report, algo, where, pattern.rows, pattern.cols, pattern.nnz(), bytes, t0);

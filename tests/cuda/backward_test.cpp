@@ -2,8 +2,11 @@
 // device): dtypes, head dims, rectangular patterns with empty rows and columns, a 10^5-entry row
 // and column, scores near 1e4, the shared datasets; bitwise repeatable, also on two streams; in
 // given workspaces poisoned before each run.
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <numeric>
+#include <random>
 
 #include "device_tensor.hpp"
 
@@ -113,16 +116,18 @@ struct device_csr {
   }
 };
 
-// from_device: the plan is built from the pattern in device memory (transposed there).
+// from_device: the plan is built from the pattern in device memory (transposed there); order:
+// the windows' row order of a plan built from the host pattern.
 void check(const csr_graph& g, const grad_config& c, std::uint64_t seed, bool with_lse = true,
            double lo = -1.0, double hi = 1.0, std::optional<double> scale_opt = std::nullopt,
-           bool cancels = false, bool from_device = false) {
+           bool cancels = false, bool from_device = false, row_order order = row_order::automatic) {
   SCOPED_TRACE(name(c) + (with_lse ? " lse" : " no lse") + " rows " + std::to_string(g.rows) +
                " cols " + std::to_string(g.cols) + " nnz " + std::to_string(g.nnz()) +
-               (from_device ? " (device-built plan)" : ""));
+               (from_device ? " (device-built plan)" : "") + " order " +
+               std::string(to_string(order)));
   const double scale = effective_scale({.scale = scale_opt}, c.dim);
-  const plan_options options{.workspace_heads = std::max<std::int64_t>(8, c.heads),
-                             .gradients = true};
+  const plan_options options{
+      .order = order, .workspace_heads = std::max<std::int64_t>(8, c.heads), .gradients = true};
   const device_csr on_device(from_device ? g : csr_graph{});
   const auto plan = from_device ? attention_plan::build(on_device.view(), options)
                                 : attention_plan::build(g, device_kind::cuda, options);
@@ -278,6 +283,36 @@ TEST(GpuAttentionBackward, LargePatternsCutIntoLargerChunks) {
                                               .seed = 15});
   check(g, {dtype::f16, dtype::f32, dtype::f32, 32, 32, 1}, 5, true);
   check(g, {dtype::bf16, dtype::bf16, dtype::bf16, 32, 32, 4}, 6, true);
+}
+
+// The tensor-core passes' windows in RCM order (the forward's, where it cuts the TCBs): a banded
+// graph whose rows are shuffled (RCM restores the band: the automatic rule takes it, for the
+// pattern and its transpose, one BSB as the pattern is symmetric), and RCM asked for a
+// non-symmetric pattern with empty rows and columns (two BSBs, each ordered, and the map between
+// their slots).
+TEST(GpuAttentionBackward, WindowsInRcmOrder) {
+  SKIP_WITHOUT_GPU();
+  constexpr std::int64_t n = 4000;
+  std::vector<std::int64_t> shuffled(n);
+  std::iota(shuffled.begin(), shuffled.end(), 0);
+  std::shuffle(shuffled.begin(), shuffled.end(), std::mt19937_64(31));
+  coo_graph band{.rows = n, .cols = n, .src = {}, .dst = {}, .values = {}};
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t j = std::max<std::int64_t>(0, i - 12); j <= std::min(n - 1, i + 12); ++j) {
+      band.src.push_back(shuffled[static_cast<std::size_t>(i)]);
+      band.dst.push_back(shuffled[static_cast<std::size_t>(j)]);
+    }
+  const csr_graph banded = to_csr(band);
+  const auto plan = attention_plan::build(banded, device_kind::cuda, {.gradients = true});
+  EXPECT_NE(plan.report().format.find("RCM"), std::string::npos) << plan.report().format;
+  std::uint64_t seed = 800;
+  for (const grad_config c : {grad_config{dtype::f16, dtype::f16, dtype::f16, 64, 64, 8},
+                              grad_config{dtype::bf16, dtype::f32, dtype::f32, 128, 128, 1},
+                              grad_config{dtype::bf16, dtype::bf16, dtype::bf16, 32, 32, 4}}) {
+    check(banded, c, seed++, true);
+    check(test::random_pattern(900, 900, 30, 32), c, seed++, true, -1.0, 1.0, std::nullopt, false,
+          false, row_order::rcm);
+  }
 }
 
 TEST(GpuAttentionBackward, EverySharedDataset) {

@@ -51,9 +51,11 @@ struct plan_options {
   /// largest items is chosen per heads and head dim by the same model; negative = never, one warp
   /// per item).
   std::int32_t team_tcbs = 0;
-  /// CUDA plans from a host pattern: how query rows are grouped into windows. automatic:
-  /// fused on CUDA uses reverse Cuthill-McKee where it cuts the TCB count by >= 35% (square
-  /// patterns up to 4M nonzeros), else the original order; unfused as sparse_plan does.
+  /// CUDA plans from a host pattern: how query rows are grouped into windows (and, with
+  /// gradients, the backward's tensor-core windows of queries and of keys). automatic: fused on
+  /// CUDA uses reverse Cuthill-McKee where it cuts the TCB count by >= 35% (square patterns up to
+  /// 4M nonzeros; the backward decides for the pattern and its transpose alike), else the
+  /// original order; unfused as sparse_plan does.
   row_order order = row_order::automatic;
   /// CUDA: the largest heads and head dim that the plan's own workspace, sized at build, serves
   /// (the workspace of runs not given one); larger runs pass their own (workspace_bytes()).

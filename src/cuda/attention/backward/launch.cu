@@ -15,6 +15,7 @@
 #include <span>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../../../common/workspace_layout.hpp"
@@ -54,9 +55,11 @@ struct tc_work {
 
 // One pass's BSB (16x8 TCBs) and its window chunks for the tensor-core kernels, at two sizes:
 // fine for runs of few heads (balance), coarse for many (fewer partial rows; tuning.hpp); the
-// slots of its entries (slots.cuh).
+// slots of its entries (slots.cuh). The windows take the rows in the order of `row_of` where it
+// is set (the forward's RCM order, where it cuts the TCBs), else in the rows' own.
 struct tc_pass {
   device_buffer<std::int64_t> tcb_offset;  // [windows + 1]
+  device_buffer<std::int32_t> row_of;      // [rows]: the row at each window position, or empty
   device_buffer<std::int32_t> col_idx;
   device_buffer<std::uint64_t> bitmap;
   device_buffer<std::int32_t> first_slot;  // [tcbs]
@@ -233,11 +236,15 @@ tc_pass make_tc_pass(std::span<const std::int64_t> tcb_offset,
   return p;
 }
 
-tc_pass make_tc_pass(const csr_graph& g, std::int64_t sms) {
-  const bsb b = build_bsb(g, 8);
-  return make_tc_pass(b.tcb_offset, device_buffer<std::int64_t>(b.tcb_offset),
-                      device_buffer<std::int32_t>(b.col_idx),
-                      device_buffer<std::uint64_t>(b.bitmap), sms);
+// `order` (empty: the rows' own): the row placed at each window position.
+tc_pass make_tc_pass(const csr_graph& g, std::int64_t sms, std::span<const std::int64_t> order) {
+  const bsb b = build_bsb(order.empty() ? g : select_rows(g, order), 8);
+  tc_pass p = make_tc_pass(b.tcb_offset, device_buffer<std::int64_t>(b.tcb_offset),
+                           device_buffer<std::int32_t>(b.col_idx),
+                           device_buffer<std::uint64_t>(b.bitmap), sms);
+  if (!order.empty())
+    p.row_of = device_buffer<std::int32_t>(std::vector<std::int32_t>(order.begin(), order.end()));
+  return p;
 }
 
 // Whether the tensor-core kernels take these tensors: 16-bit q, k, v of one head dim in
@@ -277,6 +284,7 @@ void run_tensor_core(const attention_backward_device_plan& plan, const tensor_vi
                    work.chunks.data(),
                    static_cast<std::int64_t>(work.chunks.size()),
                    rows,
+                   pass.row_of.data(),
                    heads,
                    scale,
                    scale_log2,
@@ -415,12 +423,13 @@ void link_slots(attention_backward_device_plan& p, cudaStream_t s) {
   };
   pattern_slots<<<build_blocks(row.tcbs()), kBuildThreads, 0, s>>>(
       row.tcb_offset.data(), windows(row), row.col_idx.data(), row.bitmap.data(),
-      row.first_slot.data(), row.tcbs(), p.row_ptr.data(), p.row.col_idx.data(), slot_of.data());
+      row.first_slot.data(), row.tcbs(), row.row_of.data(), p.row_ptr.data(), p.row.col_idx.data(),
+      slot_of.data());
   TRISPARSE_CUDA_CHECK_LAUNCH();
   transposed_targets<<<build_blocks(column.tcbs()), kBuildThreads, 0, s>>>(
       column.tcb_offset.data(), windows(column), column.col_idx.data(), column.bitmap.data(),
-      column.first_slot.data(), column.tcbs(), p.row_ptr.data(), p.row.col_idx.data(),
-      slot_of.data(), row.target.data());
+      column.first_slot.data(), column.tcbs(), column.row_of.data(), p.row_ptr.data(),
+      p.row.col_idx.data(), slot_of.data(), row.target.data());
   TRISPARSE_CUDA_CHECK_LAUNCH();
 }
 
@@ -428,11 +437,16 @@ void link_slots(attention_backward_device_plan& p, cudaStream_t s) {
 
 std::shared_ptr<attention_backward_device_plan> make_attention_backward_plan(
     const csr_graph& pattern, const csr_graph& transposed,
-    std::span<const std::int64_t> transposed_entry, stream_ref stream) {
+    std::span<const std::int64_t> transposed_entry, stream_ref stream,
+    std::span<const std::int64_t> row_order, std::span<const std::int64_t> column_order) {
   TRISPARSE_EXPECTS_INPUT(transposed.rows == pattern.cols && transposed.cols == pattern.rows &&
                               transposed.nnz() == pattern.nnz() &&
                               transposed_entry.size() == static_cast<std::size_t>(pattern.nnz()),
                           "the transposed pattern does not match the pattern");
+  TRISPARSE_EXPECTS_INPUT(
+      (row_order.empty() || std::cmp_equal(row_order.size(), pattern.rows)) &&
+          (column_order.empty() || std::cmp_equal(column_order.size(), pattern.cols)),
+      "the backward's window orders must hold every row of the pattern and of its transpose");
   auto p = std::make_shared<attention_backward_device_plan>();
   p->rows = pattern.rows;
   p->cols = pattern.cols;
@@ -444,8 +458,8 @@ std::shared_ptr<attention_backward_device_plan> make_attention_backward_plan(
   if (!p->symmetric)
     p->transposed = make_pass(transposed.row_ptr, device_buffer<std::int32_t>(transposed.col_idx));
   const std::int64_t sms = std::max(current_device().sms, 1);
-  p->tc_row = make_tc_pass(pattern, sms);
-  if (!p->symmetric) p->tc_transposed = make_tc_pass(transposed, sms);
+  p->tc_row = make_tc_pass(pattern, sms, row_order);
+  if (!p->symmetric) p->tc_transposed = make_tc_pass(transposed, sms, column_order);
   p->row_ptr = device_buffer<std::int64_t>(pattern.row_ptr);
   p->column_entry = device_buffer<std::int64_t>(
       std::vector<std::int64_t>(transposed_entry.begin(), transposed_entry.end()));
@@ -778,8 +792,8 @@ std::int64_t device_bytes(const attention_backward_device_plan& plan) {
     return p.col_idx.bytes() + p.chunks.bytes() + p.splits.bytes();
   };
   const auto tc_bytes = [](const tc_pass& p) {
-    std::size_t bytes = p.tcb_offset.bytes() + p.col_idx.bytes() + p.bitmap.bytes() +
-                        p.first_slot.bytes() + p.target.bytes();
+    std::size_t bytes = p.tcb_offset.bytes() + p.row_of.bytes() + p.col_idx.bytes() +
+                        p.bitmap.bytes() + p.first_slot.bytes() + p.target.bytes();
     for (const tc_work* w : {&p.fine, &p.coarse}) bytes += w->chunks.bytes();
     return bytes;
   };

@@ -34,10 +34,13 @@ struct score_bias {
 };
 
 /// Uploads a checked host pattern and its transpose (with the entry of the pattern each of its
-/// entries is, which a biased column pass reads), and builds both BSBs. Synchronous on `stream`.
+/// entries is, which a biased column pass reads), and builds both BSBs, their windows taking the
+/// rows in `row_order` and the transpose's in `column_order` (order[i]: the row at position i;
+/// empty: the rows' own order). Synchronous on `stream`.
 TRISPARSE_CUDA_ENTRY(std::shared_ptr<attention_backward_device_plan> make_attention_backward_plan(
     const csr_graph& pattern, const csr_graph& transposed,
-    std::span<const std::int64_t> transposed_entry, stream_ref stream))
+    std::span<const std::int64_t> transposed_entry, stream_ref stream,
+    std::span<const std::int64_t> row_order = {}, std::span<const std::int64_t> column_order = {}))
 
 /// The same from a pattern in device memory (its columns strictly increasing within each row):
 /// checked, transposed (a stable sort of the entries by column) and blocked on the device; only

@@ -61,32 +61,41 @@ __device__ __forceinline__ void for_each_bit(const std::uint64_t* bitmap, std::i
   }
 }
 
-// slot_of[e] = the slot of the pattern's entry e, over the pattern's own BSB (rows = windows).
+// The row at window position `at` of a BSB whose windows take the rows in `row_of`'s order (null:
+// the rows' own order).
+__device__ __forceinline__ std::int64_t position_row(const std::int32_t* row_of, std::int64_t at) {
+  return row_of != nullptr ? std::int64_t{row_of[at]} : at;
+}
+
+// slot_of[e] = the slot of the pattern's entry e, over the pattern's own BSB (its windows' rows in
+// row_of's order).
 __global__ void pattern_slots(const std::int64_t* tcb_offset, std::int64_t windows,
                               const std::int32_t* tcb_col, const std::uint64_t* bitmap,
                               const std::int32_t* first_slot, std::int64_t tcbs,
-                              const std::int64_t* row_ptr, const std::int32_t* col,
-                              std::int32_t* slot_of) {
+                              const std::int32_t* row_of, const std::int64_t* row_ptr,
+                              const std::int32_t* col, std::int32_t* slot_of) {
   const std::int64_t tcb = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
   if (tcb >= tcbs) return;
   const std::int64_t base = window_of(tcb_offset, windows, tcb) * 16;
   for_each_bit(bitmap, tcb, first_slot[tcb], [&](int r, int c, std::int32_t slot) {
-    slot_of[lower_entry(row_ptr, col, base + r, tcb_col[tcb * 8 + c])] = slot;
+    slot_of[lower_entry(row_ptr, col, position_row(row_of, base + r), tcb_col[tcb * 8 + c])] = slot;
   });
 }
 
-// target[slot_of[e]] = the transpose's slot s of the pattern's entry e (key window row r, query
-// column c: the pattern's entry (query, key)).
+// target[slot_of[e]] = the transpose's slot s of the pattern's entry e (key at window row r, in
+// row_of's order; query column c: the pattern's entry (query, key)).
 __global__ void transposed_targets(const std::int64_t* tcb_offset, std::int64_t windows,
                                    const std::int32_t* tcb_col, const std::uint64_t* bitmap,
                                    const std::int32_t* first_slot, std::int64_t tcbs,
-                                   const std::int64_t* row_ptr, const std::int32_t* col,
-                                   const std::int32_t* slot_of, std::int32_t* target) {
+                                   const std::int32_t* row_of, const std::int64_t* row_ptr,
+                                   const std::int32_t* col, const std::int32_t* slot_of,
+                                   std::int32_t* target) {
   const std::int64_t tcb = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x;
   if (tcb >= tcbs) return;
-  const auto base = static_cast<std::int32_t>(window_of(tcb_offset, windows, tcb) * 16);
+  const std::int64_t base = window_of(tcb_offset, windows, tcb) * 16;
   for_each_bit(bitmap, tcb, first_slot[tcb], [&](int r, int c, std::int32_t slot) {
-    target[slot_of[lower_entry(row_ptr, col, tcb_col[tcb * 8 + c], base + r)]] = slot;
+    const auto key = static_cast<std::int32_t>(position_row(row_of, base + r));
+    target[slot_of[lower_entry(row_ptr, col, tcb_col[tcb * 8 + c], key)]] = slot;
   });
 }
 

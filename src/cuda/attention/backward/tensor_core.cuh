@@ -29,7 +29,8 @@ struct tc_args {
   const std::uint64_t* bitmap;
   const tc_chunk* chunks;
   std::int64_t n_chunks;
-  std::int64_t rows;  // rows of the pass's pattern
+  std::int64_t rows;           // rows of the pass's pattern
+  const std::int32_t* row_of;  // [rows]: the row at each window position (null: the identity)
   int heads;
   float scale, scale_log2;
   const std::int32_t* first_slot;  // [tcbs]: the TCB's first slot
@@ -38,6 +39,12 @@ struct tc_args {
   std::int64_t nnz;
   std::uint32_t* arrivals;  // [cut windows, heads]: chunks done (zeroed before the pass)
 };
+
+// The pass's row at window position `at` (window * 16 + row in the window), or -1 past the last.
+__device__ __forceinline__ std::int64_t window_row(const tc_args& a, std::int64_t at) {
+  if (at >= a.rows) return -1;
+  return a.row_of != nullptr ? std::int64_t{a.row_of[at]} : at;
+}
 
 // Row `r` of a view at head h, offset by `offset` elements, or nullptr for r < 0.
 template <class T>
@@ -132,8 +139,8 @@ __device__ __forceinline__ void finish_window(const tc_chunk& w, const tc_args& 
     if (w.slot >= 0) {
       put(part.at(w.slot + static_cast<std::int64_t>(r) * w.stride, h));
     } else {
-      const std::int64_t row = std::int64_t{w.window} * 16 + r;
-      if (row < a.rows) put(out.at(row, h));
+      const std::int64_t row = window_row(a, std::int64_t{w.window} * 16 + r);
+      if (row >= 0) put(out.at(row, h));
     }
   }
 }
@@ -181,8 +188,8 @@ __device__ __forceinline__ void reduce_window(const tc_chunk& w, const tc_args& 
 #pragma unroll
   for (int i = 0; i < kItems; ++i) {
     const int f = i * 32 + lane;
-    const std::int64_t row = std::int64_t{w.window} * 16 + f / kRuns;
-    if (row >= a.rows) continue;
+    const std::int64_t row = window_row(a, std::int64_t{w.window} * 16 + f / kRuns);
+    if (row < 0) continue;
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[i][e] *= factor;
     store_run<G, 8>(out.at(row, h) + f % kRuns * 8, acc[i]);
@@ -319,9 +326,9 @@ __device__ __forceinline__ bool warp_task(const tc_args& a, int g, window_task& 
   if (item >= a.n_chunks * a.heads) return false;
   task.w = a.chunks[item / a.heads];
   task.h = static_cast<int>(item % a.heads);
-  const std::int64_t r0 = std::int64_t{task.w.window} * 16 + g, r1 = r0 + 8;
-  task.row0 = r0 < a.rows ? r0 : -1;
-  task.row1 = r1 < a.rows ? r1 : -1;
+  const std::int64_t r0 = std::int64_t{task.w.window} * 16 + g;
+  task.row0 = window_row(a, r0);
+  task.row1 = window_row(a, r0 + 8);
   return true;
 }
 
