@@ -10,6 +10,7 @@
 #include "../common/workspace_layout.hpp"
 #include "../cpu/fused/fast.hpp"
 #include "../cuda/attention/backward/plan.hpp"
+#include "../cuda/attention/backward/tuning.hpp"
 #include "../cuda/attention/fused3s/heuristics.hpp"
 #include "../cuda/attention/fused3s/plan.hpp"
 #include "../cuda/common/device.hpp"
@@ -202,18 +203,19 @@ void finish_report(plan_report& r, algorithm algo, device_kind where, std::int64
 }
 
 // The order in which a CUDA plan's tensor-core windows take g's rows (empty: g's own): RCM where
-// asked, or under `automatic` where g is square with at most kRcmMaxNnz entries and RCM cuts its
-// TCBs enough (rcm_pays). `rcm`: the RCM order, computed at the first call that needs it and
-// reused (it orders the symmetrised graph, the same for a pattern and its transpose).
+// asked, or under `automatic` where g is square with at most kRcmMaxNnz entries and RCM leaves at
+// most `keep_percent` % of its TCBs (the forward's and the backward's rules differ). `rcm`: the
+// RCM order, computed at the first call that needs it and reused (it orders the symmetrised
+// graph, the same for a pattern and its transpose).
 std::vector<std::int64_t> window_order(const csr_graph& g, std::vector<std::int64_t>& rcm,
-                                       row_order asked) {
+                                       row_order asked, std::int64_t keep_percent) {
   const bool square = g.rows == g.cols && g.rows > 1;
   if (!square || !(asked == row_order::rcm ||
                    (asked == row_order::automatic && g.nnz() <= cuda::fused3s::kRcmMaxNnz)))
     return {};
   if (rcm.empty()) rcm = reverse_cuthill_mckee(g);
   if (asked == row_order::automatic &&
-      !cuda::fused3s::rcm_pays(count_tcbs(select_rows(g, rcm)), count_tcbs(g)))
+      100 * count_tcbs(select_rows(g, rcm)) > keep_percent * count_tcbs(g))
     return {};
   return rcm;
 }
@@ -246,12 +248,7 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
   const algorithm algo = choose(options.algo, where);
   auto s = std::make_shared<state>();
   std::int64_t bytes = 0;
-  std::vector<std::int64_t> rcm;                         // window_order's, computed once
-  std::optional<std::vector<std::int64_t>> query_order;  // the pattern's rows' (forward, backward)
-  const auto queries = [&]() -> const std::vector<std::int64_t>& {
-    if (!query_order) query_order = window_order(pattern, rcm, options.order);
-    return *query_order;
-  };
+  std::vector<std::int64_t> rcm;  // window_order's, computed once
   if (algo == algorithm::unfused) {
     // Attention's pattern is binary: a plan from the values would scale the scores by them.
     s->unfused = sparse_plan::build(binary_copy(pattern), where, unfused_options(options), stream);
@@ -262,7 +259,8 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
     // The BSB (16x8) is built on the GPU from the checked pattern; the plan keeps only that.
     // Rows grouped into windows in RCM order where that cuts the TCB count (item 3(d)); the
     // kernel maps window rows back to query rows.
-    const std::vector<std::int64_t>& order = queries();
+    const std::vector<std::int64_t> order =
+        window_order(pattern, rcm, options.order, cuda::fused3s::kRcmKeepPercent);
     s->device_blocks =
         cuda::make_fused3s_plan(order.empty() ? pattern : select_rows(pattern, order),
                                 fused3s_limits(options), stream, order);
@@ -284,11 +282,13 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
   }
   if (options.gradients && where == device_kind::cuda) {
     // The backward's tensor-core passes group the rows of the pattern (queries) and of its
-    // transpose (keys) into windows by the same rule as the forward.
+    // transpose (keys) into windows by their own rule (attention_backward::kRcmKeepPercent).
     const csr_graph b = binary_copy(pattern);
     const auto [transposed, entries] = transpose_with_entries(b);
     s->device_grad = cuda::make_attention_backward_plan(
-        b, transposed, entries, stream, queries(), window_order(transposed, rcm, options.order));
+        b, transposed, entries, stream,
+        window_order(b, rcm, options.order, cuda::attention_backward::kRcmKeepPercent),
+        window_order(transposed, rcm, options.order, cuda::attention_backward::kRcmKeepPercent));
     own_backward(*s, options);
   }
   finish_report(s->report, algo, where, pattern.rows, pattern.cols, pattern.nnz(), bytes, t0);

@@ -1,6 +1,8 @@
 #pragma once
-// The CUDA attention backward's shapes (constexpr; measured on H100:
+// The CUDA attention backward's shapes (constexpr; measured on H100 and H200:
 // docs/notes/attention_backward.md).
+
+#include <cstdint>
 
 namespace trisparse::cuda::attention_backward {
 
@@ -25,6 +27,11 @@ constexpr int kChunkTcbs = 32;
 constexpr int kFineChunksPerSm = 128;
 constexpr int kCoarseChunksPerSm = 32;
 constexpr int kCoarseFromHeads = 4;
+// A plan from a host pattern runs each tensor-core pass over windows in reverse Cuthill-McKee
+// order where that leaves at most this percentage of the pass's TCBs (the forward keeps 65 %, its
+// densest windows lengthening; the backward cuts long windows into chunks, and its time follows
+// the TCB count).
+constexpr std::int64_t kRcmKeepPercent = 90;
 // The fine chunks run largest first (one head: the tail sets the time); the coarse ones largest
 // first too where true, else the cut windows' chunks first and the rest in window order.
 constexpr bool kCoarseLargestFirst = false;

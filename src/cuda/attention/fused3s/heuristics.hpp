@@ -16,10 +16,6 @@ inline constexpr std::int64_t kRcmMaxNnz = std::int64_t{4} << 20;
 /// windows and adds a row-map load per item, so fewer TCBs paid only from about a third fewer.
 inline constexpr std::int64_t kRcmKeepPercent = 65;
 
-inline bool rcm_pays(std::int64_t tcbs_rcm, std::int64_t tcbs) {
-  return 100 * tcbs_rcm <= kRcmKeepPercent * tcbs;
-}
-
 /// At D = 128, run 12 warps per SM (rows not loaded a TCB ahead, to fit 168 registers) where that
 /// runs every task at once and 8 would not: tasks between the warp slots of two and of three
 /// 4-warp blocks, all short. Batches of small graphs (tu_enzymes: two rounds of tasks become one)
