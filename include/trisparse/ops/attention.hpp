@@ -54,8 +54,8 @@ struct plan_options {
   /// CUDA plans from a host pattern: how query rows are grouped into windows (and, with
   /// gradients, the backward's tensor-core windows of queries and of keys). automatic: fused on
   /// CUDA uses reverse Cuthill-McKee where it cuts the TCB count by >= 35% (square patterns up to
-  /// 4M nonzeros; the backward decides for the pattern and its transpose alike), else the
-  /// original order; unfused as sparse_plan does.
+  /// 4M nonzeros; the backward where it cuts a pass's TCBs by >= 10%, for the pattern and its
+  /// transpose each), else the original order; unfused as sparse_plan does.
   row_order order = row_order::automatic;
   /// CUDA: the largest heads and head dim that the plan's own workspace, sized at build, serves
   /// (the workspace of runs not given one); larger runs pass their own (workspace_bytes()).

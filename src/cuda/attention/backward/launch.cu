@@ -56,7 +56,7 @@ struct tc_work {
 // One pass's BSB (16x8 TCBs) and its window chunks for the tensor-core kernels, at two sizes:
 // fine for runs of few heads (balance), coarse for many (fewer partial rows; tuning.hpp); the
 // slots of its entries (slots.cuh). The windows take the rows in the order of `row_of` where it
-// is set (the forward's RCM order, where it cuts the TCBs), else in the rows' own.
+// is set (RCM, where it cuts the pass's TCBs: ops/attention.cpp), else in the rows' own.
 struct tc_pass {
   device_buffer<std::int64_t> tcb_offset;  // [windows + 1]
   device_buffer<std::int32_t> row_of;      // [rows]: the row at each window position, or empty
