@@ -202,22 +202,40 @@ void finish_report(plan_report& r, algorithm algo, device_kind where, std::int64
   r.build_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// The order in which a CUDA plan's tensor-core windows take g's rows (empty: g's own): RCM where
-// asked, or under `automatic` where g is square with at most kRcmMaxNnz entries and RCM leaves at
-// most `keep_percent` % of its TCBs (the forward's and the backward's rules differ). `rcm`: the
-// RCM order, computed at the first call that needs it and reused (it orders the symmetrised
-// graph, the same for a pattern and its transpose).
-std::vector<std::int64_t> window_order(const csr_graph& g, std::vector<std::int64_t>& rcm,
-                                       row_order asked, std::int64_t keep_percent) {
+// Reverse Cuthill-McKee tried on a square pattern's windows: the order (of the symmetrised graph,
+// so its transpose's too) and, under `automatic`, the TCBs in the pattern's own order and in it.
+// No order where RCM is neither asked nor tried (automatic: square patterns of at most
+// kRcmMaxNnz entries).
+struct rcm_trial {
+  std::vector<std::int64_t> order;
+  std::int64_t tcbs = 0, tcbs_rcm = 0;
+};
+
+rcm_trial try_rcm(const csr_graph& g, row_order asked) {
   const bool square = g.rows == g.cols && g.rows > 1;
   if (!square || !(asked == row_order::rcm ||
                    (asked == row_order::automatic && g.nnz() <= cuda::fused3s::kRcmMaxNnz)))
     return {};
-  if (rcm.empty()) rcm = reverse_cuthill_mckee(g);
-  if (asked == row_order::automatic &&
-      100 * count_tcbs(select_rows(g, rcm)) > keep_percent * count_tcbs(g))
-    return {};
-  return rcm;
+  rcm_trial t{.order = reverse_cuthill_mckee(g)};
+  if (asked == row_order::automatic) {
+    t.tcbs = count_tcbs(g);
+    t.tcbs_rcm = count_tcbs(select_rows(g, t.order));
+  }
+  return t;
+}
+
+// The same order tried on another pattern of the same rows (the transpose): its TCB counts.
+rcm_trial recounted(const rcm_trial& t, const csr_graph& g) {
+  if (t.order.empty() || t.tcbs == 0) return t;
+  return {.order = t.order, .tcbs = count_tcbs(g), .tcbs_rcm = count_tcbs(select_rows(g, t.order))};
+}
+
+// The order in which a CUDA plan's tensor-core windows take the rows (empty: their own): the
+// trial's where asked, or where it leaves at most `keep_percent` % of the TCBs (the forward's
+// and the backward's rules differ).
+std::vector<std::int64_t> window_order(const rcm_trial& t, std::int64_t keep_percent) {
+  if (t.order.empty() || 100 * t.tcbs_rcm > keep_percent * t.tcbs) return {};
+  return t.order;
 }
 
 }  // namespace
@@ -248,7 +266,10 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
   const algorithm algo = choose(options.algo, where);
   auto s = std::make_shared<state>();
   std::int64_t bytes = 0;
-  std::vector<std::int64_t> rcm;  // window_order's, computed once
+  // The tensor-core windows' row order, tried once for the forward and the backward.
+  const bool cuda_windows =
+      where == device_kind::cuda && (algo == algorithm::fused || options.gradients);
+  const rcm_trial rcm = cuda_windows ? try_rcm(pattern, options.order) : rcm_trial{};
   if (algo == algorithm::unfused) {
     // Attention's pattern is binary: a plan from the values would scale the scores by them.
     s->unfused = sparse_plan::build(binary_copy(pattern), where, unfused_options(options), stream);
@@ -259,8 +280,7 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
     // The BSB (16x8) is built on the GPU from the checked pattern; the plan keeps only that.
     // Rows grouped into windows in RCM order where that cuts the TCB count (item 3(d)); the
     // kernel maps window rows back to query rows.
-    const std::vector<std::int64_t> order =
-        window_order(pattern, rcm, options.order, cuda::fused3s::kRcmKeepPercent);
+    const std::vector<std::int64_t> order = window_order(rcm, cuda::fused3s::kRcmKeepPercent);
     s->device_blocks =
         cuda::make_fused3s_plan(order.empty() ? pattern : select_rows(pattern, order),
                                 fused3s_limits(options), stream, order);
@@ -283,12 +303,14 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
   if (options.gradients && where == device_kind::cuda) {
     // The backward's tensor-core passes group the rows of the pattern (queries) and of its
     // transpose (keys) into windows by their own rule (attention_backward::kRcmKeepPercent).
+    // A symmetric pattern's transpose is itself: its counts are the pattern's.
     const csr_graph b = binary_copy(pattern);
     const auto [transposed, entries] = transpose_with_entries(b);
+    const bool symmetric = transposed.row_ptr == b.row_ptr && transposed.col_idx == b.col_idx;
+    constexpr std::int64_t keep = cuda::attention_backward::kRcmKeepPercent;
     s->device_grad = cuda::make_attention_backward_plan(
-        b, transposed, entries, stream,
-        window_order(b, rcm, options.order, cuda::attention_backward::kRcmKeepPercent),
-        window_order(transposed, rcm, options.order, cuda::attention_backward::kRcmKeepPercent));
+        b, transposed, entries, stream, window_order(rcm, keep),
+        window_order(symmetric ? rcm : recounted(rcm, transposed), keep));
     own_backward(*s, options);
   }
   finish_report(s->report, algo, where, pattern.rows, pattern.cols, pattern.nnz(), bytes, t0);
