@@ -81,7 +81,9 @@ def sparse_attention(
     edge_index's order to it), finite. A bias of log(m) counts an entry as m copies (what
     :meth:`Pattern.log_multiplicity` gives for repeated edges); a learned bias (edge encodings,
     Graphormer's spatial biases) gets its gradient dL/dbias, written once per entry (no atomics).
-    On CUDA a biased call runs the row-wise kernels (float32 math, any float dtype).
+    On CUDA float16/bfloat16 heads of up to 128 channels take the bias on the tensor cores (the
+    fused 3S forward and the backward's dq pass); other biased calls run the row-wise kernels
+    (float32 math, any float dtype).
 
     Differentiable in q, k, v and bias (deterministic: the same gradients on every run). On the CPU,
     float16/bfloat16/float32 run the OpenMP engine in float32, float64 the float64 reference; on

@@ -281,9 +281,7 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
     // Rows grouped into windows in RCM order where that cuts the TCB count (item 3(d)); the
     // kernel maps window rows back to query rows.
     const std::vector<std::int64_t> order = window_order(rcm, cuda::fused3s::kRcmKeepPercent);
-    s->device_blocks =
-        cuda::make_fused3s_plan(order.empty() ? pattern : select_rows(pattern, order),
-                                fused3s_limits(options), stream, order);
+    s->device_blocks = cuda::make_fused3s_plan(pattern, fused3s_limits(options), stream, order);
     s->report.format = order.empty() ? "bsb16x8 (device)" : "bsb16x8 (device), rows in RCM order";
     bytes = cuda::device_bytes(*s->device_blocks);
   } else {
@@ -433,9 +431,12 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
         cpu::fused_attention_unchecked(state_->pattern, q, k, v, out, scale, lse, bias);
         return;
       }
-      if (q.type == dtype::f32 || bias.data != nullptr) {
-        // The tensor-core kernel takes f16 and bf16 without a bias; f32 and biased runs go
-        // row-wise on the CSR that a plan with gradients holds.
+      if (q.type == dtype::f32 ||
+          (bias.data != nullptr &&
+           (!state_->device_blocks ||
+            !cuda::fused3s_takes_bias(*state_->device_blocks, q, k, v, out)))) {
+        // The tensor-core kernel takes f16 and bf16 (with a bias where fused3s_takes_bias); f32
+        // runs and the other biased ones go row-wise on the CSR that a plan with gradients holds.
         TRISPARSE_EXPECTS_INPUT(state_->device_grad != nullptr,
                                 "f32 or biased attention on CUDA runs row-wise on the plan's "
                                 "device CSR: build the plan with plan_options.gradients = true");
@@ -448,7 +449,7 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
         throw invalid_input(
             "this plan holds no device BSB: build it with plan_options.algo = fused");
       }
-      cuda::run_fused3s(*state_->device_blocks, q, k, v, out, lse, scale, workspace, stream);
+      cuda::run_fused3s(*state_->device_blocks, q, k, v, out, lse, bias, scale, workspace, stream);
       return;
     case algorithm::unfused: {
       if (!state_->unfused) {

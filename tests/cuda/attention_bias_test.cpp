@@ -1,8 +1,14 @@
-// The per-entry score bias on CUDA (label gpu; skipped without a device): the row-wise forward
-// (out, lse) and the CUDA-core backward (dq, dk, dv, dbias) against the float64 reference, for
-// f32, f16 and bf16 inputs, per-head and shared biases, rows and columns cut into chunks (a hub),
-// outputs and workspaces poisoned, bitwise repeatable.
+// The per-entry score bias on CUDA (label gpu; skipped without a device): the forward (out, lse)
+// and the backward (dq, dk, dv, dbias) against the float64 reference, for f32, f16 and bf16
+// inputs, per-head and shared biases, rows and columns cut into chunks (a hub), outputs and
+// workspaces poisoned, bitwise repeatable. The row-wise forward takes f32 inputs, an f32 out and
+// head dims the tensor cores do not; 16-bit inputs with out in their dtype take the fused 3S
+// kernel (split windows, teams, windows in RCM order), and the backward the tensor-core dq pass
+// where its head dims and alignment allow, else the CUDA-core kernels.
+#include <algorithm>
 #include <cstring>
+#include <numeric>
+#include <random>
 
 #include "bias_problem.hpp"
 #include "device_tensor.hpp"
@@ -12,21 +18,31 @@ namespace {
 
 using test::expect_close;
 
+// t rounded to `to`.
+host_tensor cast(const host_tensor& t, dtype to) {
+  host_tensor r(to, t.rows(), t.heads(), t.dim());
+  for (std::int64_t i = 0; i < t.numel(); ++i) r.set(i, t.get(i));
+  return r;
+}
+
 struct bias_config {
   dtype type;
   std::int64_t heads, dim;
   bool shared;
+  dtype out = dtype::f32;  // out's and dout's dtype
 };
 
-void check(const csr_graph& g, const bias_config& c, std::uint64_t seed) {
+void check(const csr_graph& g, const bias_config& c, std::uint64_t seed,
+           plan_options options = {.gradients = true}) {
   SCOPED_TRACE(std::string(to_string(c.type)) + " h" + std::to_string(c.heads) + " d" +
-               std::to_string(c.dim) + (c.shared ? " shared" : " per head"));
+               std::to_string(c.dim) + (c.shared ? " shared" : " per head") + " out " +
+               std::string(to_string(c.out)));
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.dim));
   const test::biased_problem p =
       test::make_biased_problem(g, c.heads, c.dim, c.type, c.shared, scale, seed);
-  const auto plan = attention_plan::build(g, device_kind::cuda, {.gradients = true});
-  test::device_tensor q(p.q), k(p.k), v(p.v), bias(p.bias), dout(p.dout);
-  test::device_tensor out(host_tensor(dtype::f32, g.rows, c.heads, c.dim)),
+  const auto plan = attention_plan::build(g, device_kind::cuda, options);
+  test::device_tensor q(p.q), k(p.k), v(p.v), bias(p.bias), dout(cast(p.dout, c.out));
+  test::device_tensor out(host_tensor(c.out, g.rows, c.heads, c.dim)),
       lse(host_tensor(dtype::f32, g.rows, c.heads, 1));
   const std::size_t fwd_bytes = plan.workspace_bytes(c.heads, c.dim),
                     bwd_bytes = plan.backward_workspace_bytes(c.heads, c.dim);
@@ -44,7 +60,7 @@ void check(const csr_graph& g, const bias_config& c, std::uint64_t seed) {
       },
       got_out);
   got_lse = lse.download();
-  const double tol = test::gpu_tolerance(c.type, dtype::f32, 8);
+  const double tol = test::gpu_tolerance(c.type, c.out, 8);
   expect_close(got_out, p.out, tol, "out");
   const auto [lse_got, lse_want] = test::finite_lse(got_lse, p.lse);
   expect_close(lse_got, lse_want, 1e-5, "lse");
@@ -64,7 +80,7 @@ void check(const csr_graph& g, const bias_config& c, std::uint64_t seed) {
                       {ws.view().data, bwd_bytes});
       },
       first_dbias);
-  const double gtol = test::gpu_tolerance(c.type, dtype::f32, 16);
+  const double gtol = test::gpu_tolerance(c.type, c.out, 16);
   expect_close(first_dbias, p.dbias, gtol, "dbias");
   expect_close(dq.download(), p.dq, gtol, "dq");
   expect_close(dk.download(), p.dk, gtol, "dk");
@@ -88,6 +104,43 @@ TEST(GpuAttentionBias, ForwardAndBackwardMatchTheReference) {
         bias_config{dtype::bf16, 8, 16, false}, bias_config{dtype::f16, 2, 64, false},
         bias_config{dtype::bf16, 4, 128, true}})
     check(g, c, seed++);
+}
+
+// 16-bit inputs with out in their dtype: the fused 3S forward takes the bias (head dims 32-128),
+// its windows in the pattern's order and cut (split windows, teams) and in RCM order (a banded
+// pattern whose rows are shuffled); the tensor-core dq pass takes it in the backward.
+TEST(GpuAttentionBias, OnTheTensorCores) {
+  SKIP_WITHOUT_GPU();
+  coo_graph coo = to_coo(test::random_pattern(700, 650, 10, 22));
+  for (std::int64_t j = 0; j < 600; ++j) {
+    coo.src.push_back(5);
+    coo.dst.push_back(j);
+    coo.src.push_back(j + 50);
+    coo.dst.push_back(3);
+  }
+  const csr_graph hub = to_csr(coo);
+  constexpr std::int64_t n = 3000;
+  std::vector<std::int64_t> shuffled(n);
+  std::iota(shuffled.begin(), shuffled.end(), 0);
+  std::shuffle(shuffled.begin(), shuffled.end(), std::mt19937_64(33));
+  coo_graph band{.rows = n, .cols = n, .src = {}, .dst = {}, .values = {}};
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t j = std::max<std::int64_t>(0, i - 10); j <= std::min(n - 1, i + 10); ++j) {
+      band.src.push_back(shuffled[static_cast<std::size_t>(i)]);
+      band.dst.push_back(shuffled[static_cast<std::size_t>(j)]);
+    }
+  const csr_graph banded = to_csr(band);
+  ASSERT_NE(attention_plan::build(banded, device_kind::cuda).report().format.find("RCM"),
+            std::string::npos);
+  std::uint64_t seed = 60;
+  for (const bias_config c : {bias_config{dtype::f16, 4, 64, false, dtype::f16},
+                              bias_config{dtype::bf16, 2, 128, true, dtype::bf16},
+                              bias_config{dtype::bf16, 8, 32, false, dtype::bf16}}) {
+    check(hub, c, seed++);
+    check(hub, c, seed++, {.split_tcbs = 3, .gradients = true});
+    check(hub, c, seed++, {.split_tcbs = 1 << 30, .team_tcbs = 2, .gradients = true});
+    check(banded, c, seed++);
+  }
 }
 
 }  // namespace

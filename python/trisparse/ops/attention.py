@@ -49,8 +49,8 @@ def _forward(
     """`with_lse`: also write the log-sum-exp (else it comes back empty); `gradients`: build the
     plan with what backward needs. `bias`: per-entry score bias ([nnz, H] or [nnz], float32, or
     float64 for float64 inputs), or None."""
-    # float32 and biased runs on CUDA go row-wise on the device CSR that a plan with gradients
-    # holds.
+    # float32 runs on CUDA go row-wise on the device CSR that a plan with gradients holds, and so do
+    # biased runs the fused 3S kernel does not take (head dims over 128, device-built plans).
     rowwise = q.device.type == "cuda" and (q.dtype == torch.float32 or bias is not None)
     plan = lookup(pattern).plan(q.device, gradients=gradients or rowwise)
     out, lse = _forward_outputs(q, v, with_lse)

@@ -64,6 +64,7 @@ struct tc_pass {
   device_buffer<std::uint64_t> bitmap;
   device_buffer<std::int32_t> first_slot;  // [tcbs]
   device_buffer<std::int32_t> target;      // [nnz]: the dk/dv pass's slots (the dq pass only)
+  device_buffer<std::int32_t> entry;       // [nnz]: the entry at each slot (the dq pass only)
   tc_work fine, coarse;
   std::int64_t tcbs() const { return static_cast<std::int64_t>(bitmap.size() / 2); }
   const tc_work& work(std::int64_t heads) const {
@@ -274,7 +275,7 @@ void run_tensor_core(const attention_backward_device_plan& plan, const tensor_vi
                      const tensor_view& dk, const tensor_view& dv, row_terms terms,
                      std::uint32_t* pds, partials dq_part, partials dk_part, partials dv_part,
                      std::uint32_t* row_arrivals, std::uint32_t* column_arrivals, float scale,
-                     cudaStream_t s) {
+                     tc_bias bias, cudaStream_t s) {
   const auto heads = static_cast<int>(q.heads);
   const float scale_log2 = scale * kLog2e;
   const auto args = [&](const tc_pass& pass, std::int64_t rows, std::uint32_t* arrivals) {
@@ -298,10 +299,16 @@ void run_tensor_core(const attention_backward_device_plan& plan, const tensor_vi
                 column = args(plan.tc_column(), plan.cols, column_arrivals);
   with_head_dim<32, 64, 128>(q.dim, "attention backward", [&]<int D>() {
     if (row.n_chunks * heads > 0) {
-      tc_row_pass<T, G, D><<<grid_of(row.n_chunks * heads), kWarps * 32, 0, s>>>(
-          row, view_of<const T>(q), view_of<const T>(k), view_of<const T>(v), dout, out, lse, terms,
-          view_of<G>(dq), dq_part);
-      TRISPARSE_CUDA_CHECK_LAUNCH();
+      const auto launch = [&]<bool kBias>() {
+        tc_row_pass<T, G, D, kBias><<<grid_of(row.n_chunks * heads), kWarps * 32, 0, s>>>(
+            row, view_of<const T>(q), view_of<const T>(k), view_of<const T>(v), dout, out, lse,
+            terms, view_of<G>(dq), dq_part, bias);
+        TRISPARSE_CUDA_CHECK_LAUNCH();
+      };
+      if (bias.bias != nullptr || bias.dbias != nullptr)
+        launch.template operator()<true>();
+      else
+        launch.template operator()<false>();
     }
     if (column.n_chunks * heads > 0) {
       tc_column_pass<T, G, D><<<grid_of(column.n_chunks * heads), kWarps * 32, 0, s>>>(
@@ -416,6 +423,7 @@ void link_slots(attention_backward_device_plan& p, cudaStream_t s) {
   row.first_slot = first_slots(row.bitmap.data(), row.tcbs(), s);
   if (!p.symmetric) column.first_slot = first_slots(column.bitmap.data(), column.tcbs(), s);
   row.target = device_buffer<std::int32_t>(static_cast<std::size_t>(p.nnz));
+  row.entry = device_buffer<std::int32_t>(static_cast<std::size_t>(p.nnz));
   if (p.nnz == 0) return;
   device_buffer<std::int32_t> slot_of(static_cast<std::size_t>(p.nnz), s);
   const auto windows = [](const tc_pass& t) {
@@ -425,6 +433,9 @@ void link_slots(attention_backward_device_plan& p, cudaStream_t s) {
       row.tcb_offset.data(), windows(row), row.col_idx.data(), row.bitmap.data(),
       row.first_slot.data(), row.tcbs(), row.row_of.data(), p.row_ptr.data(), p.row.col_idx.data(),
       slot_of.data());
+  TRISPARSE_CUDA_CHECK_LAUNCH();
+  invert_slots<<<build_blocks(p.nnz), kBuildThreads, 0, s>>>(slot_of.data(), p.nnz,
+                                                             row.entry.data());
   TRISPARSE_CUDA_CHECK_LAUNCH();
   transposed_targets<<<build_blocks(column.tcbs()), kBuildThreads, 0, s>>>(
       column.tcb_offset.data(), windows(column), column.col_idx.data(), column.bitmap.data(),
@@ -670,9 +681,7 @@ void run_attention_backward(const attention_backward_device_plan& plan, const te
   float* const dq_part = layout::at<float>(workspace, w.dq);
   float* const dk_part = layout::at<float>(workspace, w.dk);
   float* const dv_part = layout::at<float>(workspace, w.dv);
-  // The tensor-core kernels take no bias and write no dbias.
-  const bool tensor_core = bias.bias.data == nullptr && bias.dbias.data == nullptr &&
-                           tensor_core_eligible(q, k, v, out, dout, dq, dk, dv);
+  const bool tensor_core = tensor_core_eligible(q, k, v, out, dout, dq, dk, dv);
   const core_layout cl = core_layout_of(q, v, {&q, &k, &v, &out, &dout, &dq, &dk, &dv});
   core_params base = core_base(cl, q, k, v, scale);
   base.out = head_lanes::in(out);
@@ -715,7 +724,10 @@ void run_attention_backward(const attention_backward_device_plan& plan, const te
                                     dv, terms, layout::at<std::uint32_t>(workspace, w.pds),
                                     partials{dq_part, heads, pdim}, partials{dk_part, heads, pdim},
                                     partials{dv_part, heads, pdim}, arrivals,
-                                    arrivals + w.row_arrivals, static_cast<float>(scale), s);
+                                    arrivals + w.row_arrivals, static_cast<float>(scale),
+                                    tc_bias{plan.tc_row.entry.data(), base.bias, base.bias_rs,
+                                            base.bias_hs, base.dbias, base.dbias_rs, base.dbias_hs},
+                                    s);
               return;
             }
           }

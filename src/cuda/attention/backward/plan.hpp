@@ -60,7 +60,8 @@ TRISPARSE_CUDA_ENTRY(std::size_t attention_backward_workspace_bytes(
 /// dq, dk, dv of out = attention(q, k, v) given dout, on `stream`. q, k, v: f16, bf16 or f32, one
 /// dtype, head dims up to 256; out and dout: f32 or q's dtype, one dtype; dq, dk, dv: f32 or q's
 /// dtype, one dtype. lse: [rows, H, 1] f32 from the forward, or data == nullptr to recompute it.
-/// A bias, or dbias wanted, takes the CUDA-core kernels (the row pass writes dbias).
+/// A bias and dbias enter the dq pass (the tensor-core or the CUDA-core row pass writes dbias,
+/// each entry once); the dk/dv pass reads P and dS as it stored them, or the bias itself.
 /// Asynchronous: no host synchronisation, allocation or lock.
 /// @throws not_supported for dtypes other than f16/bf16; invalid_input for unsupported dims or
 /// too small a workspace.

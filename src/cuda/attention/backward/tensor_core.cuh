@@ -18,6 +18,7 @@
 // the inputs' 16-bit type (the terms pass rounds an f32 one into the workspace).
 #include "../../common/arch/mma.cuh"
 #include "../../common/fragment_io.cuh"
+#include "../../formats/bsb_slots.cuh"
 #include "device.cuh"
 
 namespace trisparse::cuda::attention_backward {
@@ -38,6 +39,18 @@ struct tc_args {
   std::uint32_t* pds;              // [heads, nnz]: P and dS (16-bit each) per slot
   std::int64_t nnz;
   std::uint32_t* arrivals;  // [cut windows, heads]: chunks done (zeroed before the pass)
+};
+
+// A per-entry score bias and its gradient on the dq pass (the column pass reads P and dS as the
+// dq pass stored them), in the pattern's entry order: bias[e * bias_rs + h * bias_hs] (natural
+// units; bias_hs = 0: shared by the heads), dL/dS at dbias[e * dbias_rs + h * dbias_hs], each
+// entry written once (by the chunk holding it); null: none.
+struct tc_bias {
+  const std::int32_t* entry = nullptr;  // [nnz]: the pattern's entry at each slot of A's BSB
+  const float* bias = nullptr;
+  std::int64_t bias_rs = 0, bias_hs = 0;
+  float* dbias = nullptr;
+  std::int64_t dbias_rs = 0, dbias_hs = 0;
 };
 
 // The pass's row at window position `at` (window * 16 + row in the window), or -1 past the last.
@@ -225,30 +238,33 @@ template <int D>
 struct dq_rows {
   std::uint32_t kq[D / 8], vq[D / 8];
   std::int32_t target[4];  // the lane's entries' slots in the transpose (lane_targets)
+  std::int32_t entry[4];   // with a bias: the lane's entries in the pattern (-1 where clear)
+  float bias[4];           // their bias, base 2 (loaded a stage after `entry`: load_bias)
 };
-
-// The slots of the lane's four bits of a TCB (bit and bit + 1 of both masks: rows g and g + 8,
-// columns 2t and 2t + 1), -1 where the bit is clear.
-__device__ __forceinline__ void lane_slots(const tcb_meta& m, int bit, std::int32_t first,
-                                           std::int32_t (&slot)[4]) {
-  const std::uint64_t below = (std::uint64_t{1} << bit) - 1;
-  const std::int32_t r0 = first + __popcll(m.mask0 & below),
-                     r1 = first + __popcll(m.mask0) + __popcll(m.mask1 & below);
-  const bool b0 = (m.mask0 >> bit) & 1, b1 = (m.mask0 >> (bit + 1)) & 1, b2 = (m.mask1 >> bit) & 1,
-             b3 = (m.mask1 >> (bit + 1)) & 1;
-  slot[0] = b0 ? r0 : -1;
-  slot[1] = b1 ? r0 + b0 : -1;
-  slot[2] = b2 ? r1 : -1;
-  slot[3] = b3 ? r1 + b2 : -1;
-}
 
 // The dk/dv pass's slots of the lane's entries of a TCB (-1 where clear): where the dq pass
 // stores their P and dS.
-__device__ __forceinline__ void lane_targets(const tc_args& a, const tcb_meta& m, int bit,
-                                             std::int32_t first, std::int32_t (&target)[4]) {
-  lane_slots(m, bit, first, target);
+// With kBias, also the lane's entries in the pattern.
+template <bool kBias, int D>
+__device__ __forceinline__ void lane_targets(const tc_args& a, const tc_bias& b, const tcb_meta& m,
+                                             int bit, std::int32_t first, dq_rows<D>& r) {
+  std::int32_t slot[4];
+  lane_slots(m, bit, first, slot);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) target[i] = target[i] >= 0 ? __ldg(a.target + target[i]) : -1;
+  for (int i = 0; i < 4; ++i) {
+    r.target[i] = slot[i] >= 0 ? __ldg(a.target + slot[i]) : -1;
+    if constexpr (kBias) r.entry[i] = slot[i] >= 0 ? __ldg(b.entry + slot[i]) : -1;
+  }
+}
+
+// The bias of the lane's entries (r.entry), base 2; 0 where clear or without a bias.
+template <int D>
+__device__ __forceinline__ void load_bias(const tc_bias& b, int h, dq_rows<D>& r) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    r.bias[i] = b.bias != nullptr && r.entry[i] >= 0
+                    ? __ldg(b.bias + r.entry[i] * b.bias_rs + h * b.bias_hs) * kLog2e
+                    : 0.0f;
 }
 
 template <class T>
@@ -294,14 +310,18 @@ __device__ __forceinline__ tcb_ahead load_ahead(const tc_args& a, std::int64_t t
 }
 
 // The pass's TCB loop: metadata and first slots two TCBs ahead, the operands (`load`) one TCB
-// ahead, `body` on each TCB's (meta, operands).
-template <class Rows, class Load, class Body>
+// ahead, `body` on each TCB's (meta, operands), then `late` on the next TCB's operands (loads
+// that depend on what `load` read, in flight across the loop's turn).
+template <class Rows, class Load, class Body, class Late>
 __device__ __forceinline__ void tcb_loop(const tc_args& a, const tc_chunk& w, int g, int t,
-                                         Load&& load, Body&& body) {
+                                         Load&& load, Body&& body, Late&& late) {
   tcb_ahead next1 = w.begin < w.end ? load_ahead(a, w.begin, g, t) : tcb_ahead{};
   tcb_ahead next2 = w.begin + 1 < w.end ? load_ahead(a, w.begin + 1, g, t) : tcb_ahead{};
   Rows next;
-  if (w.begin < w.end) load(next1.m, next1.first, next);
+  if (w.begin < w.end) {
+    load(next1.m, next1.first, next);
+    late(next);
+  }
   for (std::int64_t tcb = w.begin; tcb < w.end; ++tcb) {
     const Rows cur = next;
     const tcb_meta m = next1.m;
@@ -309,6 +329,7 @@ __device__ __forceinline__ void tcb_loop(const tc_args& a, const tc_chunk& w, in
     if (tcb + 2 < w.end) next2 = load_ahead(a, tcb + 2, g, t);
     if (tcb + 1 < w.end) load(next1.m, next1.first, next);  // in flight during this TCB's products
     body(m, cur);
+    if (tcb + 1 < w.end) late(next);
   }
 }
 
@@ -384,12 +405,13 @@ __device__ __forceinline__ void row_terms_of(const window_task& task, int t, con
 }
 
 // dq over the pattern's windows: one warp per (chunk, head). The per-row terms come from out and
-// the forward's lse where `out` is given (no terms pass), else from `terms`.
-template <class T, class G, int D>
+// the forward's lse where `out` is given (no terms pass), else from `terms`. kBias: the scores
+// take b's bias, and b's dbias (where set) gets each entry's dS.
+template <class T, class G, int D, bool kBias>
 __global__ void __launch_bounds__(kWarps * 32, kTcMinBlocks<D>)
     tc_row_pass(tc_args a, view<const T> q, view<const T> k, view<const T> v, view<const T> dout,
                 view<const T> out, view<const float> lse_in, row_terms terms, view<G> dq,
-                partials part) {
+                partials part, tc_bias b) {
   const int lane = threadIdx.x & 31, g = lane / 4, t = lane % 4;
   window_task task;
   if (!warp_task(a, g, task)) return;
@@ -410,19 +432,36 @@ __global__ void __launch_bounds__(kWarps * 32, kTcMinBlocks<D>)
       [&](const tcb_meta& m, std::int32_t first, dq_rows<D>& r) {
         load_quarter<D>(row_or_null(k, m.cb, h, 0), t, r.kq);
         load_quarter<D>(row_or_null(v, m.cb, h, 0), t, r.vq);
-        lane_targets(a, m, bit, first, r.target);
+        lane_targets<kBias>(a, b, m, bit, first, r);
       },
       [&](const tcb_meta& m, const dq_rows<D>& r) {
         float s[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dp[4] = {0.0f, 0.0f, 0.0f, 0.0f}, p[4];
         product<T, D>(s, q0, q1, r.kq);
         product<T, D>(dp, g0, g1, r.vq);
-        probabilities(m, bit, s, a.scale_log2, lse, p);
+        if constexpr (kBias) {
+          // exp2(S scale log2 e + bias log2 e - lse log2 e): the bias taken off the lse.
+          const float shifted[4] = {lse[0] - r.bias[0], lse[1] - r.bias[1], lse[2] - r.bias[2],
+                                    lse[3] - r.bias[3]};
+          probabilities(m, bit, s, a.scale_log2, shifted, p);
+        } else {
+          probabilities(m, bit, s, a.scale_log2, lse, p);
+        }
         const float dsv[4] = {p[0] * (dp[0] - d0), p[1] * (dp[1] - d0), p[2] * (dp[2] - d1),
                               p[3] * (dp[3] - d1)};
+        if constexpr (kBias) {
+          if (b.dbias != nullptr) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+              if (r.entry[i] >= 0) b.dbias[r.entry[i] * b.dbias_rs + h * b.dbias_hs] = dsv[i];
+          }
+        }
         store_pds<T>(a, r.target, h, p, dsv);
         const std::uint32_t ds[2] = {arch::pack2<T>(dsv[0], dsv[1]),
                                      arch::pack2<T>(dsv[2], dsv[3])};
         accumulate_quarters<T, D>(acc, ds, r.kq, g, t);
+      },
+      [&](dq_rows<D>& r) {
+        if constexpr (kBias) load_bias(b, h, r);
       });
   finish_window<G, D, true>(w, a, h, g, t, acc, a.scale, dq, part);
   if (w.slot >= 0 && last_to_arrive(w, a, h)) reduce_window<G, D>(w, a, h, lane, a.scale, dq, part);
@@ -459,7 +498,8 @@ __global__ void __launch_bounds__(kWarps * 32, kTcColumnMinBlocks<D>)
                                      arch::interleave_hi(r.w[2], r.w[3])};
         accumulate<T, D>(acc_v, pa, r.g0, r.g1);
         accumulate<T, D>(acc_k, ds, r.q0, r.q1);
-      });
+      },
+      [](dkv_rows<D>&) {});
   finish_window<G, D>(w, a, h, g, t, acc_k, a.scale, dk, dk_part);
   finish_window<G, D>(w, a, h, g, t, acc_v, 1.0f, dv, dv_part);
   if (w.slot >= 0 && last_to_arrive(w, a, h)) {

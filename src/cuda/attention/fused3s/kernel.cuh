@@ -23,6 +23,7 @@
 #include "../../common/convert.cuh"
 #include "../../common/fragment_io.cuh"
 #include "../../common/online_softmax.cuh"
+#include "../../formats/bsb_slots.cuh"
 #include "params.hpp"
 
 namespace trisparse::cuda::fused3s {
@@ -48,6 +49,29 @@ __device__ __forceinline__ void load_rows(const params& p, const tcb_meta& m, in
   load_quarter<D>(m.cb >= 0 ? k + m.cb * p.k_row : nullptr, t, r.k);
   load_slice<D>(m.c0 >= 0 ? v + m.c0 * p.v_row : nullptr, g, r.v0);
   load_slice<D>(m.c1 >= 0 ? v + m.c1 * p.v_row : nullptr, g, r.v1);
+}
+
+/// With a score bias: the pattern's entries of a lane's four bits of a TCB (-1 where clear), then
+/// their bias in base 2 (0 where clear), a stage later (the bias loads wait on the entries).
+struct tcb_bias {
+  std::int32_t entry[4];
+  float b[4];
+};
+
+__device__ __forceinline__ void load_entries(const params& p, const tcb_meta& m, int bit,
+                                             std::int32_t first, tcb_bias& r) {
+  std::int32_t slot[4];
+  lane_slots(m, bit, first, slot);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) r.entry[i] = slot[i] >= 0 ? __ldg(p.slot_entry + slot[i]) : -1;
+}
+
+__device__ __forceinline__ void load_bias(const params& p, int h, tcb_bias& r) {
+  constexpr float kLog2e = 1.4426950408889634f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    r.b[i] =
+        r.entry[i] >= 0 ? __ldg(p.bias + r.entry[i] * p.bias_row + h * p.bias_head) * kLog2e : 0.0f;
 }
 
 /// The query row (of Q and O) that window slot `slot` holds: the plan's row order, or itself.
@@ -124,8 +148,10 @@ constexpr int team_words(int warps) {
 /// shares of the item's TCBs, and the others hand their (m, l, O) to member 0 through `shared`
 /// (team_words<D>(team) floats), which combines them and finishes the item.
 /// kPipelined: the next TCB's rows load during this one's products (a second copy of the rows in
-/// registers), else at the top of their own iteration.
-template <class T, int D, class O, bool kPipelined, bool kLse>
+/// registers), else at the top of their own iteration. kBias: the scores take p.bias, each TCB's
+/// first slot loaded two TCBs ahead with its metadata, the entries with the rows, the bias after
+/// the products of the TCB before (at the top where not pipelined).
+template <class T, int D, class O, bool kPipelined, bool kLse, bool kBias>
 __device__ __forceinline__ void process_item(const params& p, const work_item& it, int h, int lane,
                                              int member, int team, float* shared) {
   constexpr int kQ = D / 4;  // halves of a Q/K row per lane
@@ -155,18 +181,44 @@ __device__ __forceinline__ void process_item(const params& p, const work_item& i
                      end = it.begin + size * (member + 1) / team;
   tcb_meta meta1 = begin < end ? load_meta(p, begin, g, t) : tcb_meta{};
   tcb_meta meta2 = begin + 1 < end ? load_meta(p, begin + 1, g, t) : tcb_meta{};
+  std::int32_t first1 = 0, first2 = 0;  // the first slots of meta1's and meta2's TCBs (kBias)
+  if constexpr (kBias) {
+    if (begin < end) first1 = __ldg(p.first_slot + begin);
+    if (begin + 1 < end) first2 = __ldg(p.first_slot + begin + 1);
+  }
   tcb_rows<D> next;
-  if (kPipelined && begin < end) load_rows<T, D>(p, meta1, h, g, t, next);
+  tcb_bias next_bias;
+  if (kPipelined && begin < end) {
+    load_rows<T, D>(p, meta1, h, g, t, next);
+    if constexpr (kBias) {
+      load_entries(p, meta1, bit, first1, next_bias);
+      load_bias(p, h, next_bias);
+    }
+  }
   for (std::int32_t tcb = begin; tcb < end; ++tcb) {
     tcb_rows<D> cur;
+    tcb_bias cur_bias;
     const tcb_meta m = meta1;
+    const std::int32_t first = first1;
     meta1 = meta2;
-    if (tcb + 2 < end) meta2 = load_meta(p, tcb + 2, g, t);
+    first1 = first2;
+    if (tcb + 2 < end) {
+      meta2 = load_meta(p, tcb + 2, g, t);
+      if constexpr (kBias) first2 = __ldg(p.first_slot + tcb + 2);
+    }
     if constexpr (kPipelined) {
       cur = next;
-      if (tcb + 1 < end) load_rows<T, D>(p, meta1, h, g, t, next);  // in flight during compute
+      if constexpr (kBias) cur_bias = next_bias;
+      if (tcb + 1 < end) {
+        load_rows<T, D>(p, meta1, h, g, t, next);  // in flight during compute
+        if constexpr (kBias) load_entries(p, meta1, bit, first1, next_bias);
+      }
     } else {
       load_rows<T, D>(p, m, h, g, t, cur);
+      if constexpr (kBias) {
+        load_entries(p, m, bit, first, cur_bias);
+        load_bias(p, h, cur_bias);
+      }
     }
 
     // S = Q · K_tcbᵀ (16 x 8), fp32, in two independent accumulation chains (even and odd k-steps)
@@ -181,10 +233,17 @@ __device__ __forceinline__ void process_item(const params& p, const work_item& i
 #pragma unroll
     for (int i = 0; i < 4; ++i) s[i] += s_odd[i];
     // Bitmap mask (a score of exactly 0 is still an edge), scale folded with log2 e.
-    s[0] = (m.mask0 >> bit) & 1 ? s[0] * p.scale_log2 : kNegInf;
-    s[1] = (m.mask0 >> (bit + 1)) & 1 ? s[1] * p.scale_log2 : kNegInf;
-    s[2] = (m.mask1 >> bit) & 1 ? s[2] * p.scale_log2 : kNegInf;
-    s[3] = (m.mask1 >> (bit + 1)) & 1 ? s[3] * p.scale_log2 : kNegInf;
+    if constexpr (kBias) {
+      s[0] = (m.mask0 >> bit) & 1 ? fmaf(s[0], p.scale_log2, cur_bias.b[0]) : kNegInf;
+      s[1] = (m.mask0 >> (bit + 1)) & 1 ? fmaf(s[1], p.scale_log2, cur_bias.b[1]) : kNegInf;
+      s[2] = (m.mask1 >> bit) & 1 ? fmaf(s[2], p.scale_log2, cur_bias.b[2]) : kNegInf;
+      s[3] = (m.mask1 >> (bit + 1)) & 1 ? fmaf(s[3], p.scale_log2, cur_bias.b[3]) : kNegInf;
+    } else {
+      s[0] = (m.mask0 >> bit) & 1 ? s[0] * p.scale_log2 : kNegInf;
+      s[1] = (m.mask0 >> (bit + 1)) & 1 ? s[1] * p.scale_log2 : kNegInf;
+      s[2] = (m.mask1 >> bit) & 1 ? s[2] * p.scale_log2 : kNegInf;
+      s[3] = (m.mask1 >> (bit + 1)) & 1 ? s[3] * p.scale_log2 : kNegInf;
+    }
     float x0 = fmaxf(s[0], s[1]), x1 = fmaxf(s[2], s[3]);
     x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, 1));
     x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, 2));
@@ -211,6 +270,10 @@ __device__ __forceinline__ void process_item(const params& p, const work_item& i
       const std::uint32_t b = j % 2 == 0 ? arch::interleave_lo(cur.v0[j / 2], cur.v1[j / 2])
                                          : arch::interleave_hi(cur.v0[j / 2], cur.v1[j / 2]);
       arch::mma_16x8x8_f32<T>(o[j], pa, b);
+    }
+    // The next TCB's bias: its entries arrived during these products.
+    if constexpr (kPipelined && kBias) {
+      if (tcb + 1 < end) load_bias(p, h, next_bias);
     }
   }
   if (team > 1) {
@@ -340,7 +403,7 @@ __device__ __forceinline__ void process_item(const params& p, const work_item& i
 /// warp task. Dynamic shared memory: team_words<D>(kWarps) floats when team_items > 0.
 /// kLse: also write each row's log-sum-exp (p.lse); an instantiation of its own, so that runs
 /// that do not ask for it run the same code as before it existed.
-template <class T, int D, class O, int kWarps, int kMinBlocks, bool kLse>
+template <class T, int D, class O, int kWarps, int kMinBlocks, bool kLse, bool kBias>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) fused3s_kernel(const params p) {
   extern __shared__ float team_state[];
   __shared__ unsigned long long claimed;
@@ -368,9 +431,9 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) fused3s_kernel(const 
     // Rows one TCB ahead up to D = 128 at 8 warps per SM; at D = 256, or D = 128 with 12 warps
     // (168 registers), the second copy of the rows does not fit.
     constexpr bool kPipelined = D <= 64 || (D <= 128 && kMinBlocks * kWarps <= 8);
-    process_item<T, D, O, kPipelined, kLse>(p, p.items[task / p.heads],
-                                            static_cast<int>(task % p.heads), lane,
-                                            on_team ? warp : 0, on_team ? kWarps : 1, team_state);
+    process_item<T, D, O, kPipelined, kLse, kBias>(
+        p, p.items[task / p.heads], static_cast<int>(task % p.heads), lane, on_team ? warp : 0,
+        on_team ? kWarps : 1, team_state);
     if (!p.use_queue) return;  // one task per block (teams) or warp: no claims, nothing to reset
     if (on_team) {
       if (threadIdx.x == 0)

@@ -3,8 +3,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
+#include <span>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "../../../common/workspace_layout.hpp"
 #include "../../common/buffer.cuh"
@@ -14,6 +19,7 @@
 #include "../../common/layout.hpp"
 #include "../../common/work_list.cuh"
 #include "../../formats/bsb_build.cuh"
+#include "../../formats/bsb_slots.cuh"
 #include "heuristics.hpp"
 #include "kernel.cuh"
 #include "plan.hpp"
@@ -64,6 +70,9 @@ struct fused3s_device_plan {
   device_buffer<std::uint64_t> bitmap;
   device_buffer<fused3s::work_item> items;
   device_buffer<fused3s::split_window> splits;
+  // A score bias's maps (bsb_slots.cuh), for plans from host patterns; empty: runs take no bias.
+  device_buffer<std::int32_t> first_slot;  // [tcbs]
+  device_buffer<std::int32_t> slot_entry;  // [nnz]: the pattern's entry at each slot
   std::int32_t num_items = 0, num_splits = 0, num_parts = 0;
   std::int64_t tcbs = 0;
   fused3s::item_list host_items;  // the items' TCB counts (decreasing) and splits, on the host
@@ -117,9 +126,9 @@ std::int32_t team_items(const fused3s_device_plan& plan, std::int64_t heads, std
   });
 }
 
-template <class T, int D, class O, bool kLse, int kBlocks, int kBlockWarps = kWarps>
+template <class T, int D, class O, bool kLse, bool kBias, int kBlocks, int kBlockWarps = kWarps>
 void launch_blocks(const fused3s::params& p, const fused3s_device_plan& plan, cudaStream_t s) {
-  const auto kernel = fused3s::fused3s_kernel<T, D, O, kBlockWarps, kBlocks, kLse>;
+  const auto kernel = fused3s::fused3s_kernel<T, D, O, kBlockWarps, kBlocks, kLse, kBias>;
   constexpr int kTeamBytes = fused3s::team_words<D>(kBlockWarps) * static_cast<int>(sizeof(float));
   // Persistent warps: no more blocks than fit at once (the occupancy of this instantiation with
   // the teams' shared memory, on the first device it runs on).
@@ -149,17 +158,17 @@ void launch_blocks(const fused3s::params& p, const fused3s_device_plan& plan, cu
   }
 }
 
-template <class T, int D, class O, bool kLse>
+template <class T, int D, class O, bool kLse, bool kBias>
 void launch(const fused3s::params& p, const fused3s_device_plan& plan, cudaStream_t s) {
   if constexpr (D == 128) {
     const auto& sizes = plan.host_items.tcbs;
     if (!sizes.empty() && fused3s::short_items_on_small_blocks(
                               sizes.front(), std::int64_t{p.num_items} * p.heads, plan.sms)) {
-      return launch_blocks<T, D, O, kLse, fused3s::kShortBlocks, fused3s::kShortBlockWarps>(p, plan,
-                                                                                            s);
+      return launch_blocks<T, D, O, kLse, kBias, fused3s::kShortBlocks, fused3s::kShortBlockWarps>(
+          p, plan, s);
     }
   }
-  launch_blocks<T, D, O, kLse, kMinBlocks<D>>(p, plan, s);
+  launch_blocks<T, D, O, kLse, kBias, kMinBlocks<D>>(p, plan, s);
 }
 
 std::shared_ptr<fused3s_device_plan> plan_from(device_bsb f, fused3s_limits limits,
@@ -211,10 +220,36 @@ std::shared_ptr<fused3s_device_plan> plan_from(device_bsb f, fused3s_limits limi
 
 std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_graph& pattern,
                                                        fused3s_limits limits, stream_ref stream,
-                                                       const std::vector<std::int64_t>& row_map) {
+                                                       std::span<const std::int64_t> row_order) {
+  TRISPARSE_EXPECTS_INPUT(row_order.empty() || std::cmp_equal(row_order.size(), pattern.rows),
+                          "fused 3S: the window order must hold every row of the pattern");
   const auto s = static_cast<cudaStream_t>(stream.handle);
-  auto plan = plan_from(build_bsb_device(pattern, s, false), limits, s);
-  if (!row_map.empty()) plan->row_map = device_buffer<std::int64_t>(row_map);
+  const device_buffer<std::int64_t> row_ptr(pattern.row_ptr);
+  const device_buffer<std::int32_t> col(pattern.col_idx);
+  device_bsb b = row_order.empty() ? build_bsb_device(csr_view{.rows = pattern.rows,
+                                                               .cols = pattern.cols,
+                                                               .nnz = pattern.nnz(),
+                                                               .row_ptr = row_ptr.data(),
+                                                               .col_idx = col.data()},
+                                                      s, true, false)
+                                   : build_bsb_device(select_rows(pattern, row_order), s, false);
+  device_buffer<std::int64_t> row_map;
+  if (!row_order.empty())
+    row_map =
+        device_buffer<std::int64_t>(std::vector<std::int64_t>(row_order.begin(), row_order.end()));
+  // The bias's maps: each slot's entry of the pattern, its window row taken through the order.
+  device_buffer<std::int32_t> first = first_slots(b.bitmap.data(), b.tcbs, s);
+  device_buffer<std::int32_t> entry(static_cast<std::size_t>(pattern.nnz()));
+  if (b.tcbs > 0) {
+    slot_entries<<<slot_build_blocks(b.tcbs), kSlotBuildThreads, 0, s>>>(
+        b.tcb_offset.data(), b.windows, b.col_idx.data(), b.bitmap.data(), first.data(), b.tcbs,
+        row_map.size() > 0 ? row_map.data() : nullptr, row_ptr.data(), col.data(), entry.data());
+    TRISPARSE_CUDA_CHECK_LAUNCH();
+  }
+  auto plan = plan_from(std::move(b), limits, s);  // synchronises the stream
+  plan->row_map = std::move(row_map);
+  plan->first_slot = std::move(first);
+  plan->slot_entry = std::move(entry);
   return plan;
 }
 
@@ -229,13 +264,37 @@ std::size_t fused3s_workspace_bytes(const fused3s_device_plan& plan, std::int64_
   return workspace_of(plan, heads, head_dim).layout.bytes();
 }
 
+bool fused3s_takes_bias(const fused3s_device_plan& plan, const tensor_view& q, const tensor_view& k,
+                        const tensor_view& v, const tensor_view& out) {
+  const auto rows16 = [](const tensor_view& t) {
+    return t.row_stride % 8 == 0 && t.head_stride % 8 == 0 &&
+           reinterpret_cast<std::uintptr_t>(t.data) % 16 == 0;
+  };
+  const bool dims = k.dim == q.dim && v.dim == q.dim &&
+                    (q.dim == 32 || q.dim == 64 || q.dim == 128) &&
+                    head_dim_built(static_cast<int>(q.dim));
+  return plan.first_slot.size() > 0 && (q.type == dtype::f16 || q.type == dtype::bf16) &&
+         k.type == q.type && v.type == q.type && out.type == q.type && dims && rows16(q) &&
+         rows16(k) && rows16(v) && rows16(out);
+}
+
 void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const tensor_view& k,
-                 const tensor_view& v, const tensor_view& out, const tensor_view& lse, double scale,
-                 const workspace_view* workspace, stream_ref stream) {
+                 const tensor_view& v, const tensor_view& out, const tensor_view& lse,
+                 const tensor_view& bias, double scale, const workspace_view* workspace,
+                 stream_ref stream) {
   check_attention_operands(q, k, v, out, "fused 3S");
   TRISPARSE_EXPECTS_INPUT(
       lse.data == nullptr || lse.type == dtype::f32,
       "fused 3S writes the log-sum-exp as f32, not " + std::string(to_string(lse.type)));
+  if (bias.data != nullptr) {
+    TRISPARSE_EXPECTS_INPUT(fused3s_takes_bias(plan, q, k, v, out),
+                            "fused 3S takes a bias on plans from host patterns, with out in q's "
+                            "dtype, head dims 32, 64 or 128 and 16-byte rows");
+    TRISPARSE_EXPECTS_INPUT(
+        bias.type == dtype::f32 && bias.rows == std::ssize(plan.slot_entry) &&
+            (bias.heads == 1 || bias.heads == q.heads),
+        "fused 3S takes the bias as f32 [nnz, H or 1, 1], not " + bias.describe());
+  }
   expect_current_device(plan.device);
   fused3s::params p{};
   static_cast<attention_io&>(p) = attention_io_of(q, k, v, out);
@@ -252,6 +311,11 @@ void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const te
   p.lse = static_cast<float*>(lse.data);
   p.lse_row = lse.row_stride;
   p.lse_head = lse.head_stride;
+  p.bias = static_cast<const float*>(bias.data);
+  p.bias_row = bias.row_stride;
+  p.bias_head = bias.heads == 1 ? 0 : bias.head_stride;
+  p.first_slot = plan.first_slot.data();
+  p.slot_entry = plan.slot_entry.data();
   const auto s = static_cast<cudaStream_t>(stream.handle);
   // The plan's own workspace keeps the layout it was zeroed in (a smaller run's scratch would
   // otherwise overlap a larger run's counters); the caller's is laid out for this run and cleared.
@@ -282,10 +346,20 @@ void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const te
   with_half_type(q.type, "fused 3S's q", [&]<class T>() {
     with_head_dim<32, 64, 128, 256>(q.dim, "fused 3S's head_dim", [&]<int D>() {
       with_type<float, __half, __nv_bfloat16>(out.type, "fused 3S's out", [&]<class O>() {
+        // Biased instantiations: out in T, D <= 128 (fused3s_takes_bias).
+        if constexpr (std::is_same_v<O, T> && D <= 128) {
+          if (p.bias != nullptr) {
+            if (p.lse != nullptr)
+              launch<T, D, O, true, true>(p, plan, s);
+            else
+              launch<T, D, O, false, true>(p, plan, s);
+            return;
+          }
+        }
         if (p.lse != nullptr)
-          launch<T, D, O, true>(p, plan, s);
+          launch<T, D, O, true, false>(p, plan, s);
         else
-          launch<T, D, O, false>(p, plan, s);
+          launch<T, D, O, false, false>(p, plan, s);
       });
     });
   });
@@ -293,7 +367,8 @@ void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const te
 
 std::int64_t device_bytes(const fused3s_device_plan& plan) {
   return static_cast<std::int64_t>(plan.col_idx.bytes() + plan.bitmap.bytes() + plan.items.bytes() +
-                                   plan.splits.bytes() + plan.row_map.bytes() + plan.own.bytes());
+                                   plan.splits.bytes() + plan.row_map.bytes() + plan.own.bytes() +
+                                   plan.first_slot.bytes() + plan.slot_entry.bytes());
 }
 
 }  // namespace trisparse::cuda

@@ -34,6 +34,13 @@ struct params : attention_io {
   // the backward needs: nullptr = not written.
   float* lse;
   std::int64_t lse_row, lse_head;  // element strides
+  // Optional per-entry score bias (natural units) of the pattern's entry e at head h:
+  // bias[e * bias_row + h * bias_head] (bias_head = 0: shared by the heads); the kernel finds a
+  // TCB's entries through its slots (../../formats/bsb_slots.cuh). nullptr = none.
+  const float* bias;
+  std::int64_t bias_row, bias_head;
+  const std::int32_t* first_slot;  // [tcbs]: each TCB's first slot
+  const std::int32_t* slot_entry;  // [nnz]: the pattern's entry at each slot
 };
 
 }  // namespace trisparse::cuda::fused3s
