@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -62,6 +64,36 @@ inline csr_graph random_pattern(std::int64_t rows, std::int64_t cols, std::int64
       coo.dst.push_back(static_cast<std::int64_t>(r.below(static_cast<std::uint64_t>(cols))));
       if (with_values) coo.values.push_back(static_cast<float>(0.5 + r.uniform()));
     }
+  }
+  return to_csr(coo);
+}
+
+/// A band of half-width `half` around the diagonal of an n x n pattern with its rows and columns
+/// shuffled alike (reverse Cuthill-McKee restores the band: a plan's automatic order takes it).
+inline csr_graph shuffled_band(std::int64_t n, std::int64_t half, std::uint64_t seed) {
+  std::vector<std::int64_t> shuffled(static_cast<std::size_t>(n));
+  std::iota(shuffled.begin(), shuffled.end(), 0);
+  std::shuffle(shuffled.begin(), shuffled.end(), std::mt19937_64(seed));
+  coo_graph band{.rows = n, .cols = n, .src = {}, .dst = {}, .values = {}};
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t j = std::max<std::int64_t>(0, i - half); j <= std::min(n - 1, i + half);
+         ++j) {
+      band.src.push_back(shuffled[static_cast<std::size_t>(i)]);
+      band.dst.push_back(shuffled[static_cast<std::size_t>(j)]);
+    }
+  return to_csr(band);
+}
+
+/// random_pattern(rows, cols, max_degree, seed) with row 5 attending columns 0..hub-1 and column
+/// 3 attended by rows 50..hub+49 (a hub row and column, cut into chunks by the plans).
+inline csr_graph pattern_with_hubs(std::int64_t rows, std::int64_t cols, std::int64_t max_degree,
+                                   std::int64_t hub, std::uint64_t seed) {
+  coo_graph coo = to_coo(random_pattern(rows, cols, max_degree, seed));
+  for (std::int64_t j = 0; j < hub; ++j) {
+    coo.src.push_back(5);
+    coo.dst.push_back(j);
+    coo.src.push_back(j + 50);
+    coo.dst.push_back(3);
   }
   return to_csr(coo);
 }

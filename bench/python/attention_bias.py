@@ -20,8 +20,7 @@ import torch
 import trisparse
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention_training import events_ms, rel_error
-from pyg_attention import read_graph
+from attention_training import events_ms, graph_inputs, rel_error
 from torch_geometric.utils import scatter, softmax
 
 
@@ -32,14 +31,9 @@ def pyg_biased(row, col, q, k, v, bias, scale, n):
 
 
 def bench_graph(path, dim, heads, repeat, dtypes, label):
-    dev = torch.device("cuda")
     scale = dim**-0.5
-    n, row, col = read_graph(path)
-    row, col = row.to(dev), col.to(dev)
-    pattern = trisparse.Pattern.from_coo(row, col, n, n)
-    gen = torch.Generator(device=dev).manual_seed(int.from_bytes(os.urandom(4), "little"))
-    q, k, v, dout = (torch.randn(n, heads, dim, device=dev, generator=gen) for _ in range(4))
-    bias = 2 * torch.randn(row.numel(), heads, device=dev, generator=gen)
+    n, row, col, pattern, gen, (q, k, v, dout) = graph_inputs(path, dim, heads)
+    bias = 2 * torch.randn(row.numel(), heads, device=q.device, generator=gen)
     rec = {
         "graph": os.path.basename(path).split(".")[0],
         "label": label,

@@ -97,14 +97,21 @@ def rel_error(got, ref):
     )
 
 
-def bench_graph(path, dim, heads, repeat):
+def graph_inputs(path, dim, heads):
+    """A graph on CUDA as trisparse reads it and fresh random inputs: (n, row, col, pattern,
+    generator, (q, k, v, dout)), each [n, heads, dim] float32."""
     dev = torch.device("cuda")
-    scale = dim**-0.5
     n, row, col = read_graph(path)
     row, col = row.to(dev), col.to(dev)
     pattern = trisparse.Pattern.from_coo(row, col, n, n)
     gen = torch.Generator(device=dev).manual_seed(int.from_bytes(os.urandom(4), "little"))
-    q, k, v, dout = (torch.randn(n, heads, dim, device=dev, generator=gen) for _ in range(4))
+    qkvd = tuple(torch.randn(n, heads, dim, device=dev, generator=gen) for _ in range(4))
+    return n, row, col, pattern, gen, qkvd
+
+
+def bench_graph(path, dim, heads, repeat):
+    scale = dim**-0.5
+    n, row, col, pattern, _, (q, k, v, dout) = graph_inputs(path, dim, heads)
     rec = {
         "graph": os.path.basename(path).split(".")[0],
         "rows": n,

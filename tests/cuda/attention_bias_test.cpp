@@ -5,10 +5,7 @@
 // head dims the tensor cores do not; 16-bit inputs with out in their dtype take the fused 3S
 // kernel (split windows, teams, windows in RCM order), and the backward the tensor-core dq pass
 // where its head dims and alignment allow, else the CUDA-core kernels.
-#include <algorithm>
 #include <cstring>
-#include <numeric>
-#include <random>
 
 #include "bias_problem.hpp"
 #include "device_tensor.hpp"
@@ -90,14 +87,7 @@ void check(const csr_graph& g, const bias_config& c, std::uint64_t seed,
 TEST(GpuAttentionBias, ForwardAndBackwardMatchTheReference) {
   SKIP_WITHOUT_GPU();
   // Empty rows and columns; row 5 and column 3 of 600 entries each (cut into chunks).
-  coo_graph coo = to_coo(test::random_pattern(700, 650, 10, 21));
-  for (std::int64_t j = 0; j < 600; ++j) {
-    coo.src.push_back(5);
-    coo.dst.push_back(j);
-    coo.src.push_back(j + 50);
-    coo.dst.push_back(3);
-  }
-  const csr_graph g = to_csr(coo);
+  const csr_graph g = test::pattern_with_hubs(700, 650, 10, 600, 21);
   std::uint64_t seed = 30;
   for (const bias_config c :
        {bias_config{dtype::f32, 8, 16, false}, bias_config{dtype::f32, 2, 64, true},
@@ -111,25 +101,8 @@ TEST(GpuAttentionBias, ForwardAndBackwardMatchTheReference) {
 // pattern whose rows are shuffled); the tensor-core dq pass takes it in the backward.
 TEST(GpuAttentionBias, OnTheTensorCores) {
   SKIP_WITHOUT_GPU();
-  coo_graph coo = to_coo(test::random_pattern(700, 650, 10, 22));
-  for (std::int64_t j = 0; j < 600; ++j) {
-    coo.src.push_back(5);
-    coo.dst.push_back(j);
-    coo.src.push_back(j + 50);
-    coo.dst.push_back(3);
-  }
-  const csr_graph hub = to_csr(coo);
-  constexpr std::int64_t n = 3000;
-  std::vector<std::int64_t> shuffled(n);
-  std::iota(shuffled.begin(), shuffled.end(), 0);
-  std::shuffle(shuffled.begin(), shuffled.end(), std::mt19937_64(33));
-  coo_graph band{.rows = n, .cols = n, .src = {}, .dst = {}, .values = {}};
-  for (std::int64_t i = 0; i < n; ++i)
-    for (std::int64_t j = std::max<std::int64_t>(0, i - 10); j <= std::min(n - 1, i + 10); ++j) {
-      band.src.push_back(shuffled[static_cast<std::size_t>(i)]);
-      band.dst.push_back(shuffled[static_cast<std::size_t>(j)]);
-    }
-  const csr_graph banded = to_csr(band);
+  const csr_graph hub = test::pattern_with_hubs(700, 650, 10, 600, 22);
+  const csr_graph banded = test::shuffled_band(3000, 10, 33);
   ASSERT_NE(attention_plan::build(banded, device_kind::cuda).report().format.find("RCM"),
             std::string::npos);
   std::uint64_t seed = 60;

@@ -292,17 +292,7 @@ TEST(GpuAttentionBackward, LargePatternsCutIntoLargerChunks) {
 // their slots).
 TEST(GpuAttentionBackward, WindowsInRcmOrder) {
   SKIP_WITHOUT_GPU();
-  constexpr std::int64_t n = 4000;
-  std::vector<std::int64_t> shuffled(n);
-  std::iota(shuffled.begin(), shuffled.end(), 0);
-  std::shuffle(shuffled.begin(), shuffled.end(), std::mt19937_64(31));
-  coo_graph band{.rows = n, .cols = n, .src = {}, .dst = {}, .values = {}};
-  for (std::int64_t i = 0; i < n; ++i)
-    for (std::int64_t j = std::max<std::int64_t>(0, i - 12); j <= std::min(n - 1, i + 12); ++j) {
-      band.src.push_back(shuffled[static_cast<std::size_t>(i)]);
-      band.dst.push_back(shuffled[static_cast<std::size_t>(j)]);
-    }
-  const csr_graph banded = to_csr(band);
+  const csr_graph banded = test::shuffled_band(4000, 12, 31);
   const auto plan = attention_plan::build(banded, device_kind::cuda, {.gradients = true});
   EXPECT_NE(plan.report().format.find("RCM"), std::string::npos) << plan.report().format;
   std::uint64_t seed = 800;
