@@ -77,6 +77,32 @@ void check_block_importance(const attention_options& options, std::int64_t batch
   }
 }
 
+void check_block_bias(const attention_options& options, std::int64_t batch, std::int64_t qb,
+                      std::int64_t heads, std::int64_t kb, device_kind where, bool backward) {
+  TRISPARSE_EXPECTS_INPUT(backward || options.dblock_bias.data == nullptr,
+                          "dblock_bias is written by backward(), not by this call");
+  TRISPARSE_EXPECTS_INPUT(options.dblock_bias.data == nullptr || options.block_bias.data != nullptr,
+                          "dblock_bias needs the block_bias the forward ran with");
+  for (const auto& [t, what] : {std::pair{&options.block_bias, "block_bias"},
+                                std::pair{&options.dblock_bias, "dblock_bias"}}) {
+    if (t->data == nullptr) continue;
+    TRISPARSE_EXPECTS_INPUT(
+        t->type == dtype::f32 || (where == device_kind::cpu && t->type == dtype::f64),
+        std::string(what) + " must be f32" + (where == device_kind::cpu ? " or f64" : "") +
+            ", got " + t->describe());
+    const bool shared = t == &options.block_bias && t->heads == 1;
+    check_view(*t, what, batch * qb, shared ? 1 : heads, kb);
+    TRISPARSE_EXPECTS_INPUT(t->where == where, std::string(what) + " is on " + to_string(t->where) +
+                                                   " but the plan runs on " + to_string(where));
+  }
+}
+
+void check_no_block_bias(const attention_options& options, const char* what) {
+  if (options.block_bias.data == nullptr && options.dblock_bias.data == nullptr) return;
+  throw not_supported(std::string(what) +
+                      " takes no block bias (block-sparse plans over a given mask do)");
+}
+
 double resolve_scale(const std::optional<double>& scale, std::int64_t head_dim) {
   const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(head_dim)));
   if (!std::isfinite(s)) throw invalid_input("scale must be finite, got " + std::to_string(s));

@@ -42,6 +42,17 @@ inline std::int64_t bias_head(const tensor_view& bias, std::int64_t h) {
 void check_block_importance(const attention_options& options, std::int64_t batch, std::int64_t qb,
                             std::int64_t heads, std::int64_t kb, device_kind where);
 
+/// Checks a block-sparse call's block bias (options.block_bias: [batch * qb, heads or 1, kb]) and,
+/// with `backward`, its gradient (dblock_bias: [batch * qb, heads, kb]): f32 (or f64 on the CPU),
+/// on `where`; none of them set outside a backward (`backward` false: dblock_bias must be empty).
+/// @throws invalid_input naming the argument.
+void check_block_bias(const attention_options& options, std::int64_t batch, std::int64_t qb,
+                      std::int64_t heads, std::int64_t kb, device_kind where, bool backward);
+
+/// @throws not_supported if options asks for a block bias: `what` does not take one (block-sparse
+/// plans do).
+void check_no_block_bias(const attention_options& options, const char* what);
+
 /// The largest entry count a CUDA plan over a graph pattern takes: the fused 3S, ME-BCRS and
 /// backward formats index entries and blocks in 32 bits (GAT's hold 64-bit offsets, but no run
 /// has gone past 2^31 entries, so it takes the same limit).

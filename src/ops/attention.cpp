@@ -397,6 +397,7 @@ void attention_plan::run(const tensor_view& q, const tensor_view& k, const tenso
   detail::check_attention_args(r.rows, r.cols, q, k, v, out, r.where);
   const double scale = detail::resolve_scale(options.scale, q.dim);
   detail::check_no_dropout(options, "attention_plan");
+  detail::check_no_block_bias(options, "attention_plan");
   const algorithm algo = resolve(options.algo);
   if (!runs_on(algo, r.where)) {
     throw invalid_input("algorithm " + std::string(to_string(algo)) + " does not run on " +
@@ -527,6 +528,7 @@ void attention_plan::backward(const tensor_view& q, const tensor_view& k, const 
                               stream_ref stream, workspace_view given) const {
   const plan_report& r = report();
   detail::check_attention_args(r.rows, r.cols, q, k, v, out, r.where);
+  detail::check_no_block_bias(options, "attention_plan");
   check_view(dout, "dout", r.rows, q.heads, v.dim);
   check_view(dq, "dq", r.rows, q.heads, q.dim);
   check_view(dk, "dk", r.cols, q.heads, q.dim);

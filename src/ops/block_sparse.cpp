@@ -13,6 +13,7 @@
 #include "../cuda/attention/block_sparse/plan.hpp"
 #include "../cuda/attention/block_sparse/unfused/plan.hpp"
 #include "../formats/block_sparse_internal.hpp"
+#include "../graph/transposed.hpp"
 #include "trisparse/core/error.hpp"
 #include "trisparse/core/numeric.hpp"
 
@@ -65,18 +66,119 @@ tensor_view rows_of(const tensor_view& t, std::int64_t row0, std::int64_t rows) 
   return s;
 }
 
-// The CPU engine's backward over a block mask: fp32 work without dropout in tiles over the blocks
-// (cpu/block_sparse/blocked.cpp); float64 and dropout per sequence (and mask head), the expanded
-// pattern and its transpose, the forward's out and lse (given, as run() wrote them, or recomputed
-// in the engine's type where null), then the fused backward, which writes every row of dq, dk and
-// dv (zeros where no pair reaches).
+// A block bias on the CPU (attention_options::block_bias, dblock_bias): the element pattern's
+// per-entry bias and its gradient's sums per block.
+struct cpu_block_bias {
+  tensor_view bias, dbias;
+  std::int64_t qb = 0;  // query blocks a sequence in the bias's rows
+
+  bool wanted() const { return bias.data != nullptr; }
+
+  // The global head of head h of a run over `heads` heads of mask group g.
+  static std::int64_t head_of_run(std::int64_t heads, std::int64_t g, std::int64_t h) {
+    return heads == 1 ? g : h;
+  }
+
+  // Entry (i, j) of sequence b's element pattern `a` (mask group g; `heads` heads in the run)
+  // takes B[b * qb + i / G, head, j / G].
+  host_tensor entries(const block_sparse_mask& m, const csr_graph& a, std::int64_t b,
+                      std::int64_t g, std::int64_t heads, dtype t) const {
+    host_tensor e(t, a.nnz(), heads, 1);
+    const tensor_view ev = e.view();
+    for (std::int64_t i = 0; i < a.rows; ++i) {
+      const std::int64_t row = b * qb + i / m.block;
+      for (std::int64_t x = a.row_ptr[i]; x < a.row_ptr[i + 1]; ++x) {
+        const std::int64_t c = a.col_idx[x] / m.block;
+        for (std::int64_t h = 0; h < heads; ++h) {
+          const std::int64_t head = bias.heads == 1 ? 0 : head_of_run(heads, g, h);
+          store_from_double(ev.data, t, ev.offset(x, h, 0),
+                            load_as_double(bias.data, bias.type, bias.offset(row, head, c)));
+        }
+      }
+    }
+    return e;
+  }
+
+  // dB of sequence b's kept blocks (mask group g) from the per-entry gradient `d` of `a`: each
+  // block's entries summed in float64 in entry order, zeros for kept blocks without pairs.
+  void store_sums(const block_sparse_mask& m, const csr_graph& a, const tensor_view& d,
+                  std::int64_t b, std::int64_t g, std::int64_t heads) const {
+    const std::int64_t kb = dbias.dim;
+    std::vector<double> sums(static_cast<std::size_t>(qb * heads * kb), 0.0);
+    const auto at = [&](std::int64_t r, std::int64_t h, std::int64_t c) {
+      return static_cast<std::size_t>((r * heads + h) * kb + c);
+    };
+    for (std::int64_t i = 0; i < a.rows; ++i) {
+      for (std::int64_t x = a.row_ptr[i]; x < a.row_ptr[i + 1]; ++x) {
+        for (std::int64_t h = 0; h < heads; ++h)
+          sums[at(i / m.block, h, a.col_idx[x] / m.block)] +=
+              load_as_double(d.data, d.type, d.offset(x, h, 0));
+      }
+    }
+    for (std::int64_t h = 0; h < heads; ++h) {
+      const std::int64_t head = head_of_run(heads, g, h);
+      const csr_graph& blocks = m.at(b, head).blocks;
+      for (std::int64_t r = 0; r < blocks.rows; ++r) {
+        for (std::int64_t e = blocks.row_ptr[r]; e < blocks.row_ptr[r + 1]; ++e) {
+          const std::int64_t c = blocks.col_idx[e];
+          store_from_double(dbias.data, dbias.type, dbias.offset(b * qb + r, head, c),
+                            sums[at(r, h, c)]);
+        }
+      }
+    }
+  }
+};
+
+// Calls f(b, g, heads, part) for each sequence b and mask group g of the element-pattern paths
+// (one group where the mask is shared by the heads, else one per head), `part(t, row0, rows)`
+// the group's view of t's rows [row0, row0 + rows).
+template <class F>
+void for_each_sequence_group(const block_sparse_mask& m, std::int64_t heads, F&& f) {
+  for (std::int64_t b = 0; b < m.batch(); ++b) {
+    const std::int64_t groups = m.heads == 1 ? 1 : heads;  // heads run together per mask
+    for (std::int64_t g = 0; g < groups; ++g) {
+      const auto part = [&](const tensor_view& t, std::int64_t row0, std::int64_t rows) {
+        if (t.data == nullptr) return t;
+        const tensor_view r = rows_of(t, row0, rows);
+        return groups == 1 ? r : head_of(r, g);
+      };
+      f(b, g, groups == 1 ? heads : std::int64_t{1}, part);
+    }
+  }
+}
+
+// The CPU forward with a block bias: per sequence (and mask head) the element pattern with the
+// bias per entry, through the fused engine (fp32, float64 for float64 inputs; dropout drawn as
+// the engine draws it).
+void cpu_biased_forward(const block_sparse_mask& m, const tensor_view& q, const tensor_view& k,
+                        const tensor_view& v, const tensor_view& out, double scale,
+                        const attention_dropout& dropout, const tensor_view& lse,
+                        const cpu_block_bias& bias) {
+  const dtype t = q.type == dtype::f64 ? dtype::f64 : dtype::f32;
+  for_each_sequence_group(m, q.heads, [&](std::int64_t b, std::int64_t g, std::int64_t heads,
+                                          const auto& part) {
+    const std::int64_t q0 = m.cu_seqlens_q[b], k0 = m.cu_seqlens_k[b];
+    const std::int64_t lq = m.len_q(b), lk = m.len_k(b);
+    const csr_graph a = m.expand(b, g);
+    const host_tensor e = bias.entries(m, a, b, g, heads, t);
+    cpu::fused_attention_unchecked(a, part(q, q0, lq), part(k, k0, lk), part(v, k0, lk),
+                                   part(out, q0, lq), scale, part(lse, q0, lq), e.view(), dropout,
+                                   b * q.heads + g);  // (g = 0 where the mask is shared)
+  });
+}
+
+// The CPU engine's backward over a block mask: fp32 work without dropout or block bias in tiles
+// over the blocks (cpu/block_sparse/blocked.cpp); float64, dropout and block biases per sequence
+// (and mask head), the expanded pattern and its transpose, the forward's out and lse (given, as
+// run() wrote them, or recomputed in the engine's type where null), then the fused backward,
+// which writes every row of dq, dk and dv (zeros where no pair reaches).
 void cpu_block_sparse_backward(const block_sparse_mask& m, const tensor_view& q,
                                const tensor_view& k, const tensor_view& v,
                                const tensor_view* saved_out, const tensor_view* saved_lse,
                                const tensor_view& dout, const tensor_view& dq,
                                const tensor_view& dk, const tensor_view& dv, double scale,
-                               const attention_dropout& dropout) {
-  if (cpu::blocked_engine_takes(q, dropout)) {  // fp32 tiles over the blocks, no expansion
+                               const attention_dropout& dropout, const cpu_block_bias& bias) {
+  if (cpu::blocked_engine_takes(q, dropout) && !bias.wanted()) {  // fp32 tiles, no expansion
     const bool saved = saved_out != nullptr && saved_lse != nullptr;
     host_tensor out(dtype::f32, saved ? 0 : q.rows, q.heads, v.dim),
         lse(dtype::f32, saved ? 0 : q.rows, q.heads, 1);
@@ -85,33 +187,42 @@ void cpu_block_sparse_backward(const block_sparse_mask& m, const tensor_view& q,
                                        saved ? *saved_lse : lse.view(), dout, dq, dk, dv, scale);
     return;
   }
-  for (std::int64_t b = 0; b < m.batch(); ++b) {
+  const dtype t = q.type == dtype::f64 ? dtype::f64 : dtype::f32;
+  for_each_sequence_group(m, q.heads, [&](std::int64_t b, std::int64_t g, std::int64_t heads,
+                                          const auto& part) {
     const std::int64_t q0 = m.cu_seqlens_q[b], k0 = m.cu_seqlens_k[b];
     const std::int64_t lq = m.len_q(b), lk = m.len_k(b);
-    const std::int64_t groups = m.heads == 1 ? 1 : q.heads;  // heads run together per mask
-    for (std::int64_t g = 0; g < groups; ++g) {
-      const auto part = [&](const tensor_view& t, std::int64_t row0, std::int64_t rows) {
-        const tensor_view r = rows_of(t, row0, rows);
-        return groups == 1 ? r : head_of(r, g);
-      };
-      const csr_graph a = m.expand(b, g);
-      const std::int64_t heads = groups == 1 ? q.heads : 1;
-      // The forward recomputed in the engine's type (float64 for float64 inputs), out with the
-      // dropout. Dropout's draws: rows within the sequence, head b * H + h (the kernels').
-      const dtype t = q.type == dtype::f64 ? dtype::f64 : dtype::f32;
-      const std::int64_t head0 = b * q.heads + (groups == 1 ? 0 : g);
-      host_tensor out(t, saved_out ? 0 : lq, heads, v.dim), lse(t, saved_lse ? 0 : lq, heads, 1);
-      if (saved_out == nullptr) {
-        cpu::fused_attention_unchecked(a, part(q, q0, lq), part(k, k0, lk), part(v, k0, lk),
-                                       out.view(), scale, lse.view(), {}, dropout, head0);
-      }
-      cpu::fused_attention_backward_unchecked(
-          a, transpose(a), part(q, q0, lq), part(k, k0, lk), part(v, k0, lk),
-          saved_out ? part(*saved_out, q0, lq) : out.view(),
-          saved_lse ? part(*saved_lse, q0, lq) : lse.view(), part(dout, q0, lq), part(dq, q0, lq),
-          part(dk, k0, lk), part(dv, k0, lk), scale, {.dropout = dropout, .dropout_head0 = head0});
+    const csr_graph a = m.expand(b, g);
+    detail::transposed_pattern tp = detail::transposed_of(a);
+    csr_graph at;
+    at.rows = a.cols;
+    at.cols = a.rows;
+    at.row_ptr = std::move(tp.col_ptr);
+    at.col_idx = std::move(tp.row_idx);
+    // Dropout's draws: rows within the sequence, head b * H + h (the kernels').
+    const std::int64_t head0 = b * q.heads + g;
+    const host_tensor e = bias.wanted() ? bias.entries(m, a, b, g, heads, t) : host_tensor{};
+    host_tensor de(t, bias.dbias.data != nullptr ? a.nnz() : 0, heads, 1);
+    // The forward recomputed in the engine's type (float64 for float64 inputs), out with the
+    // dropout.
+    host_tensor out(t, saved_out ? 0 : lq, heads, v.dim), lse(t, saved_lse ? 0 : lq, heads, 1);
+    if (saved_out == nullptr) {
+      cpu::fused_attention_unchecked(a, part(q, q0, lq), part(k, k0, lk), part(v, k0, lk),
+                                     out.view(), scale, lse.view(),
+                                     bias.wanted() ? e.view() : tensor_view{}, dropout, head0);
     }
-  }
+    cpu::fused_attention_backward_unchecked(
+        a, at, part(q, q0, lq), part(k, k0, lk), part(v, k0, lk),
+        saved_out ? part(*saved_out, q0, lq) : out.view(),
+        saved_lse ? part(*saved_lse, q0, lq) : lse.view(), part(dout, q0, lq), part(dq, q0, lq),
+        part(dk, k0, lk), part(dv, k0, lk), scale,
+        {.bias = bias.wanted() ? e.view() : tensor_view{},
+         .dbias = de.rows() > 0 ? de.view() : tensor_view{},
+         .transposed_entry = tp.entry,
+         .dropout = dropout,
+         .dropout_head0 = head0});
+    if (de.rows() > 0) bias.store_sums(m, a, de.view(), b, g, heads);
+  });
 }
 
 // run()'s operands against the mask: shapes, devices, and the heads a mask serves.
@@ -285,6 +396,14 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
   const algorithm algo = options.algo == algorithm::automatic ? state_->report.algo : options.algo;
   check_dropout_runs(options, algo, state_->report.where);
   const device_kind where = state_->report.where;
+  const auto [qb, kb] = detail::most_blocks(m);
+  detail::check_block_bias(options, m.batch(), qb, q.heads, kb, where, false);
+  const cpu_block_bias bias{options.block_bias, {}, qb};
+  if (bias.wanted() && algo != (where == device_kind::cpu ? algorithm::fused : algorithm::block)) {
+    throw not_supported("a block bias runs with algorithm::block on CUDA and algorithm::fused on "
+                        "the CPU, not " +
+                        std::string(to_string(algo)));
+  }
   if (options.lse.data != nullptr) {
     const bool cpu = where == device_kind::cpu;
     TRISPARSE_EXPECTS_INPUT(algo == (cpu ? algorithm::fused : algorithm::block),
@@ -306,6 +425,7 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
           to_string(where) + ", not " + std::string(to_string(algo)));
   switch (algo) {
     case algorithm::block:
+      if (bias.wanted()) throw not_supported("a block bias on CUDA: not yet");
       cuda::run_block_sparse(*state_->device, q, k, v, out, options.lse, scale, options.dropout,
                              stream);
       return;
@@ -314,6 +434,10 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
       return;
     case algorithm::fused: {
       if (where == device_kind::cpu) {
+        if (bias.wanted()) {
+          cpu_biased_forward(m, q, k, v, out, scale, options.dropout, options.lse, bias);
+          return;
+        }
         cpu::block_sparse_attention_unchecked(m, q, k, v, out, scale, options.dropout, options.lse);
         return;
       }
@@ -365,6 +489,7 @@ void block_sparse_attention_plan::block_mass(const tensor_view& q, const tensor_
   const double scale = detail::resolve_scale(options.scale, q.dim);
   const auto [qb, kb] = detail::most_blocks(m);
   detail::check_block_importance(options, m.batch(), qb, q.heads, kb, where);
+  detail::check_no_block_bias(options, "block_mass (the light pass)");
   TRISPARSE_EXPECTS_INPUT(options.block_mass.data != nullptr && options.block_grad.data == nullptr,
                           "block_mass writes options.block_mass (set it) and no block_grad (the "
                           "|dS| sums need a backward)");
@@ -394,7 +519,11 @@ void block_sparse_attention_plan::backward(const tensor_view& q, const tensor_vi
       options, options.algo == algorithm::automatic ? state_->report.algo : options.algo, where);
   const auto [qb, kb] = detail::most_blocks(m);
   detail::check_block_importance(options, m.batch(), qb, q.heads, kb, where);
+  detail::check_block_bias(options, m.batch(), qb, q.heads, kb, where, true);
   const cuda::block_importance_views importance{options.block_mass, options.block_grad, qb};
+  const cpu_block_bias bias{options.block_bias, options.dblock_bias, qb};
+  if (bias.wanted() && importance.wanted())
+    throw not_supported("block importance together with a block bias");
   if (where == device_kind::cpu) {
     const algorithm algo =
         options.algo == algorithm::automatic ? state_->report.algo : options.algo;
@@ -409,7 +538,7 @@ void block_sparse_attention_plan::backward(const tensor_view& q, const tensor_vi
                               "out and lse must be on the CPU, as the plan");
     }
     cpu_block_sparse_backward(m, q, k, v, saved ? &out : nullptr, saved ? &lse : nullptr, dout, dq,
-                              dk, dv, scale, options.dropout);
+                              dk, dv, scale, options.dropout, bias);
     if (importance.wanted()) {
       cpu::block_importance_unchecked(m, q, k, v, dout, scale, importance.mass, importance.grad,
                                       qb);
@@ -431,6 +560,7 @@ void block_sparse_attention_plan::backward(const tensor_view& q, const tensor_vi
             "workspace");
     ws = {state_->grad_own.view().data, static_cast<std::size_t>(state_->grad_own.view().rows) * 4};
   }
+  if (bias.wanted()) throw not_supported("a block bias on CUDA: not yet");
   cuda::run_block_sparse_backward(*state_->device, q, k, v, out, lse, dout, dq, dk, dv, scale,
                                   importance, options.dropout, ws, stream);
 }

@@ -54,7 +54,8 @@ void check_lse(const tensor_view& lse, const tensor_view& q) {
 
 void check_plain(const attention_options& o) {
   TRISPARSE_EXPECTS_INPUT(o.bias.data == nullptr && o.dbias.data == nullptr &&
-                              o.block_mass.data == nullptr && o.block_grad.data == nullptr,
+                              o.block_mass.data == nullptr && o.block_grad.data == nullptr &&
+                              o.block_bias.data == nullptr && o.dblock_bias.data == nullptr,
                           std::string(kWhat) + " takes no bias and writes no block importance");
   detail::check_dropout(o.dropout);
 }

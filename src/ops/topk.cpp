@@ -79,6 +79,7 @@ void topk_block_sparse_plan::run(const tensor_view& q, const tensor_view& k, con
                                device_kind::cuda);
   TRISPARSE_EXPECTS_INPUT(state_->selected, "top-k plan: select() the mask before run()");
   detail::check_dropout(options.dropout);
+  detail::check_no_block_bias(options, "topk_block_sparse_plan");
   TRISPARSE_EXPECTS_INPUT(q.heads == m.heads, "the plan has " + std::to_string(m.heads) +
                                                   " heads, q " + std::to_string(q.heads));
   TRISPARSE_EXPECTS_INPUT(options.algo == algorithm::automatic || options.algo == algorithm::block,
@@ -108,6 +109,7 @@ void topk_block_sparse_plan::backward(const tensor_view& q, const tensor_view& k
   const auto [qb, kb] = detail::most_blocks(m);
   detail::check_block_importance(options, m.batch(), qb, q.heads, kb, device_kind::cuda);
   detail::check_dropout(options.dropout);
+  detail::check_no_block_bias(options, "topk_block_sparse_plan");
   cuda::run_block_sparse_backward(cuda::attention_of(*state_->device), q, k, v, out, lse, dout, dq,
                                   dk, dv, detail::resolve_scale(options.scale, q.dim),
                                   {options.block_mass, options.block_grad, qb}, options.dropout,

@@ -669,6 +669,83 @@ void block_importance_cases(recorder& rec) {
   }
 }
 
+// A per-block score bias (attention_options::block_bias) and its gradient (dblock_bias) against
+// the float64 reference over the expanded pattern with the bias per entry: per-head and shared
+// biases, every tile shape of the CUDA kernels (G 16 and 32: mma.sync; 64 and 128: wgmma on sm_90),
+// causal or not, ragged, dropped blocks left as they were.
+void block_sparse_bias_cases(recorder& rec) {
+  // (A block row's dB sum to 0 where it holds every key of its rows, Σ_j dS_ij = 0: the longest
+  // sequence spans several blocks at every G, so that dB has a scale to be compared at.)
+  const std::vector<std::int64_t> lens{70, 0, 33, 300};
+  const std::int64_t heads = 2;
+  for (const std::int64_t g : {16, 32, 64, 128}) {
+    for (const bool causal : {false, true}) {
+      const auto mask = make_block_sparse_mask({.layout = block_layout::random,
+                                                .block = g,
+                                                .p = 0.4,
+                                                .causal = causal,
+                                                .heads = heads,
+                                                .seed = 7},
+                                               lens);
+      const std::int64_t rows = mask.cu_seqlens_q.back();
+      const std::int64_t qb = (*std::max_element(lens.begin(), lens.end()) + g - 1) / g, kb = qb,
+                         bias_rows = static_cast<std::int64_t>(lens.size()) * qb;
+      const algorithm a = kWhere == device_kind::cuda ? algorithm::block : algorithm::fused;
+      const std::string backend = backend_name(a, kWhere, true);
+      for (const std::int64_t bias_heads : {heads, std::int64_t{1}}) {
+        const std::string shape = "G" + std::to_string(g) + (causal ? " causal" : "") +
+                                  (bias_heads == 1 ? " shared bias" : " per-head bias");
+        for (const dtype in : kDtypes) {
+          const std::int64_t dim = 64;
+          const types t{in, out_of(in)};
+          rec.attempt("block_sparse_bias", backend, t, [&] {
+            const auto plan = block_sparse_attention_plan::build(
+                mask, kWhere, {.algo = a, .gradients = kWhere == device_kind::cuda});
+            const double scale = effective_scale({}, dim);
+            const host_tensor q = random(in, rows, heads, dim, 50),
+                              k = random(in, rows, heads, dim, 51),
+                              v = random(in, rows, heads, dim, 52),
+                              dout = random(in, rows, heads, dim, 53),
+                              bias = random(dtype::f32, bias_rows, bias_heads, kb, 54);
+            const dtype grad = out_of(in);
+            host_tensor zeros(in == dtype::f64 ? dtype::f64 : dtype::f32, bias_rows, heads, kb);
+            zeros.fill(0.0);
+            buffer bq(q), bk(k), bv(v), bdout(dout), bbias(bias), dbias(zeros),
+                out = buffer::output(in, rows, heads, dim),
+                lse = buffer::output(in == dtype::f64 ? dtype::f64 : dtype::f32, rows, heads, 1),
+                dq = buffer::output(grad, rows, heads, dim),
+                dk = buffer::output(grad, rows, heads, dim),
+                dv = buffer::output(grad, rows, heads, dim);
+            plan.run(bq.view(), bk.view(), bv.view(), out.view(),
+                     {.lse = lse.view(), .block_bias = bbias.view()});
+            host_tensor want(dtype::f64, rows, heads, dim), wq(dtype::f64, rows, heads, dim),
+                wk(dtype::f64, rows, heads, dim), wv(dtype::f64, rows, heads, dim),
+                wb(dtype::f64, bias_rows, heads, kb);
+            wb.fill(0.0);
+            reference::block_sparse_attention(mask, q.view(), k.view(), v.view(), want.view(),
+                                              scale, bias.view());
+            rec.check("block_sparse_bias", backend, t, shape, out.fetch(), want,
+                      tolerance(in, t.out, 4), "out");
+            plan.backward(bq.view(), bk.view(), bv.view(), out.view(), lse.view(), bdout.view(),
+                          dq.view(), dk.view(), dv.view(),
+                          {.block_bias = bbias.view(), .dblock_bias = dbias.view()});
+            reference::block_sparse_attention_backward(mask, q.view(), k.view(), v.view(),
+                                                       dout.view(), wq.view(), wk.view(),
+                                                       wv.view(), scale, bias.view(), wb.view());
+            const double tol =
+                tolerance(in, grad, 8) + (in == dtype::f64 ? 0 : unit_roundoff(in) * 8);
+            rec.check("block_sparse_bias", backend, t, shape, dq.fetch(), wq, tol, "dq");
+            rec.check("block_sparse_bias", backend, t, shape, dk.fetch(), wk, tol, "dk");
+            rec.check("block_sparse_bias", backend, t, shape, dv.fetch(), wv, tol, "dv");
+            rec.check("block_sparse_bias", backend, t, shape, dbias.fetch(), wb, tol,
+                      "dblock_bias");
+          });
+        }
+      }
+    }
+  }
+}
+
 // Top-k masks selected from q and k (the CPU's topk_block_mask, the device's
 // topk_block_sparse_plan): every selected row against the pooled float64 scores, and attention
 // under the selection against the float64 reference under that mask.
@@ -1354,6 +1431,7 @@ const std::vector<registration>& registry() {
       {"block_sparse", block_sparse_cases},
       {"block_sparse_dropout", block_sparse_dropout_cases},
       {"block_importance", block_importance_cases},
+      {"block_sparse_bias", block_sparse_bias_cases},
       {"topk", topk_cases},
       {"gcn", gcn_cases},
       {"gcn_fused", gcn_fused_cases},
@@ -1387,6 +1465,7 @@ TEST(EveryOp, AgainstTheFloat64Reference) {
   for (const char* op :
        {"attention", "attention_backward", "attention_bias", "spmm", "sddmm", "softmax",
         "block_sparse_attention", "block_sparse_backward", "block_importance", "block_mass",
+        "block_sparse_bias",
         "block_sparse_dropout", "topk_block_attention", "gcn_layer", "gcn_fused_layer",
         "gcn_fused_backward", "agnn_layer", "gat_attention", "gat_backward"})
     EXPECT_TRUE(rec.ops().count(op)) << op << ": no case ran on " << to_string(kWhere);

@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <cmath>
+#include <functional>
 #include <cstring>
 #include <limits>
 #include <set>
@@ -465,6 +466,67 @@ TEST(BlockSparsePlan, RejectsWhatItCannotRun) {
   auto broken = mask;
   broken.masks.pop_back();
   EXPECT_THROW(block_sparse_attention_plan::build(broken), invalid_input);
+}
+
+// A block bias: a zero bias changes nothing (up to rounding: the CPU runs a biased call on the
+// element pattern's engine), and what cannot take one, or a bias of the wrong shape, is refused
+// with a message naming it.
+TEST(BlockSparsePlan, BlockBiasArguments) {
+  const auto mask =
+      make_block_sparse_mask({.block = 16, .heads = 2}, std::vector<std::int64_t>{40, 24});
+  const auto plan = block_sparse_attention_plan::build(mask);
+  // [batch * QB, H, KB]: QB = KB = 3 (the longest sequence, 40 rows of blocks of 16).
+  host_tensor q(dtype::f32, 64, 2, 8), a(dtype::f32, 64, 2, 8),
+              b(dtype::f32, 64, 2, 8), zero(dtype::f32, 6, 2, 3), shared(dtype::f32, 6, 1, 3),
+              wrong(dtype::f32, 6, 2, 4), mass(dtype::f32, 6, 2, 3);
+  q.fill_uniform(-1, 1, 3);
+  zero.fill(0.0);
+  shared.fill(0.0);
+  plan.run(q.view(), q.view(), q.view(), a.view());
+  plan.run(q.view(), q.view(), q.view(), b.view(), {.block_bias = zero.view()});
+  EXPECT_LT(test::compare(b, a).relative(), 1e-6);
+  plan.run(q.view(), q.view(), q.view(), b.view(), {.block_bias = shared.view()});
+  EXPECT_LT(test::compare(b, a).relative(), 1e-6);
+  const auto names = [](const std::function<void()>& f, const char* what) {
+    try {
+      f();
+      ADD_FAILURE() << "taken: " << what;
+    } catch (const error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  names([&] { plan.run(q.view(), q.view(), q.view(), a.view(), {.block_bias = wrong.view()}); },
+        "block_bias");
+  names([&] { plan.run(q.view(), q.view(), q.view(), a.view(), {.dblock_bias = zero.view()}); },
+        "dblock_bias");
+  names(
+      [&] {
+        plan.backward(q.view(), q.view(), q.view(), {}, {}, q.view(), a.view(), b.view(),
+                      b.view(), {.dblock_bias = zero.view()});
+      },
+      "dblock_bias");
+  names(
+      [&] {
+        plan.backward(q.view(), q.view(), q.view(), {}, {}, q.view(), a.view(), b.view(),
+                      b.view(), {.block_bias = shared.view(), .dblock_bias = shared.view()});
+      },
+      "dblock_bias");
+  names(
+      [&] {
+        plan.backward(q.view(), q.view(), q.view(), {}, {}, q.view(), a.view(), b.view(),
+                      b.view(), {.block_mass = mass.view(), .block_bias = zero.view()});
+      },
+      "block bias");
+  names(
+      [&] {
+        plan.block_mass(q.view(), q.view(), {}, {.block_mass = mass.view(), .block_bias = zero.view()});
+      },
+      "block bias");
+  const auto graph = attention_plan::build(mask.expand(0, 0));
+  host_tensor x(dtype::f32, 40, 2, 8), y(dtype::f32, 40, 2, 8);
+  x.fill_uniform(-1, 1, 4);
+  names([&] { graph.run(x.view(), x.view(), x.view(), y.view(), {.block_bias = zero.view()}); },
+        "block bias");
 }
 
 // The block importance tests' f32 inputs of `rows` rows, `heads` heads of 8: q and k uniform in

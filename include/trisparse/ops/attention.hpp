@@ -97,6 +97,19 @@ struct attention_options {
   /// As block_mass, the sum of |dS| over the block, dS = dL/dz for the scaled score z (not
   /// divided by the rows): how much the loss moves with the block's scores.
   tensor_view block_grad{};
+  /// Block-sparse plans only (run() and backward() of the CPU engine and of CUDA
+  /// algorithm::block): a per-block additive score bias, S_ij = scale q_i . k_j + B[row, h, c] for
+  /// every pair of the kept block (query block r, key block c) of sequence b, row = b * QB + r
+  /// (block_mass's layout): [batch * QB, H, KB], or [batch * QB, 1, KB] shared by the heads; f32
+  /// (f64 too on the CPU), finite. Blocks the mask drops are not read. Relative-position or
+  /// learned block biases (Graphormer-style encodings at block granularity), or a gate's log-score
+  /// that makes a block selection differentiable. data == nullptr: none.
+  tensor_view block_bias{};
+  /// backward(): where data != nullptr, dL/dB = the sum of dS = dL/dS over each kept block's pairs,
+  /// [batch * QB, H, KB] (f32, f64 too on the CPU), overwritten at the kept blocks (fill the rest
+  /// first); a fixed order of sums, no atomics: the same bits on every run. For a bias shared by
+  /// the heads, sum it over the heads.
+  tensor_view dblock_bias{};
   /// Attention dropout drawn in the kernels (trisparse/core/dropout.hpp): run() and backward() of
   /// segment_attention_plan, of CUDA block-sparse (algorithm::block; every kernel: mma.sync and
   /// sm_90's wgmma) and top-k plans, and of CPU block-sparse plans (the CPU engine, the same

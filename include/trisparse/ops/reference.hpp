@@ -39,9 +39,11 @@ void attention(const csr_graph& pattern, const tensor_view& q, const tensor_view
 /// k: [cu_seqlens_k.back(), H, D], v: [.., H, Dv], out: [cu_seqlens_q.back(), H, Dv]; H equal to
 /// mask.heads unless the mask is shared (heads == 1). Rows with no key left give 0.
 /// @throws invalid_input on a broken mask or mismatched shapes.
+/// block_bias (data == nullptr: none): attention_options::block_bias's per-block score bias,
+/// [batch * QB, H or 1, KB], any float dtype.
 void block_sparse_attention(const block_sparse_mask& mask, const tensor_view& q,
                             const tensor_view& k, const tensor_view& v, const tensor_view& out,
-                            double scale);
+                            double scale, const tensor_view& block_bias = {});
 
 /// The same function computed the way the fused kernel does: over the BSB's row windows and
 /// tensor-core blocks in order, with the bitmap as mask and an online (running max, running sum)
@@ -71,11 +73,15 @@ void attention_backward(const csr_graph& pattern, const tensor_view& q, const te
                         const tensor_view& ds = {}, const tensor_view& bias = {});
 
 /// Gradients of out = block_sparse_attention(mask, q, k, v) given dout, per sequence and head as
-/// attention_backward over mask.expand(b, h). Shapes as block_sparse_attention's.
+/// attention_backward over mask.expand(b, h). Shapes as block_sparse_attention's; block_bias as
+/// its; dblock_bias (data == nullptr: not written): each kept block's sum of dS = dL/dS,
+/// [batch * QB, H, KB], blocks the mask drops not written.
 void block_sparse_attention_backward(const block_sparse_mask& mask, const tensor_view& q,
                                      const tensor_view& k, const tensor_view& v,
                                      const tensor_view& dout, const tensor_view& dq,
-                                     const tensor_view& dk, const tensor_view& dv, double scale);
+                                     const tensor_view& dk, const tensor_view& dv, double scale,
+                                     const tensor_view& block_bias = {},
+                                     const tensor_view& dblock_bias = {});
 
 /// Each kept block's importance under a block mask, in float64 (what a block-sparse backward
 /// writes with attention_options::block_mass / block_grad): per sequence b, head h and kept block

@@ -136,28 +136,68 @@ void for_each_sequence_head(std::int64_t batch, std::int64_t heads, const F& f) 
     for (std::int64_t h = 0; h < heads; ++h) f(b, h);
 }
 
+// The query and key blocks of the longest sequence (the block importance and bias layouts).
+std::pair<std::int64_t, std::int64_t> most_blocks_of(const block_sparse_mask& mask) {
+  std::int64_t qb = 0, kb = 0;
+  for (std::int64_t b = 0; b < mask.batch(); ++b) {
+    qb = std::max(qb, (mask.len_q(b) + mask.block - 1) / mask.block);
+    kb = std::max(kb, (mask.len_k(b) + mask.block - 1) / mask.block);
+  }
+  return {qb, kb};
+}
+
+// The per-entry bias [nnz, 1, 1] of `pattern` (sequence b's expansion for head h) from a block
+// bias: entry (i, j) takes block_bias[b * qb + i / G, h (0 if shared), j / G].
+host_tensor entry_bias(const block_sparse_mask& mask, const csr_graph& pattern,
+                       const tensor_view& block_bias, std::int64_t b, std::int64_t h,
+                       std::int64_t qb) {
+  host_tensor e(dtype::f64, pattern.nnz(), 1, 1);
+  const std::int64_t hb = block_bias.heads == 1 ? 0 : h;
+  for (std::int64_t i = 0; i < pattern.rows; ++i)
+    for (std::int64_t x = pattern.row_ptr[i]; x < pattern.row_ptr[i + 1]; ++x)
+      put(e.view(), x, 0, 0,
+          at(block_bias, b * qb + i / mask.block, hb, pattern.col_idx[x] / mask.block));
+  return e;
+}
+
+void check_block_bias_view(const block_sparse_mask& mask, const tensor_view& t, const char* what,
+                           std::int64_t heads, bool shared_ok) {
+  if (t.data == nullptr) return;
+  const auto [qb, kb] = most_blocks_of(mask);
+  check_view(t, what, mask.batch() * qb, shared_ok && t.heads == 1 ? 1 : heads, kb);
+}
+
 }  // namespace
 
 void block_sparse_attention(const block_sparse_mask& mask, const tensor_view& q,
                             const tensor_view& k, const tensor_view& v, const tensor_view& out,
-                            double scale) {
+                            double scale, const tensor_view& block_bias) {
   mask.check();
   detail::check_attention_args(mask.cu_seqlens_q.back(), mask.cu_seqlens_k.back(), q, k, v, out,
                                device_kind::cpu);
   TRISPARSE_EXPECTS_INPUT(mask.heads == 1 || mask.heads == q.heads,
                           "the mask has " + std::to_string(mask.heads) + " heads, q " +
                               std::to_string(q.heads) + " (a mask is per head or shared)");
+  check_block_bias_view(mask, block_bias, "block_bias", q.heads, true);
+  const std::int64_t qb = most_blocks_of(mask).first;
   for_each_sequence_head(mask.batch(), q.heads, [&](std::int64_t b, std::int64_t h) {
     const std::int64_t q0 = mask.cu_seqlens_q[b], k0 = mask.cu_seqlens_k[b];
-    attention(mask.expand(b, h), slice(q, q0, mask.len_q(b), h), slice(k, k0, mask.len_k(b), h),
-              slice(v, k0, mask.len_k(b), h), slice(out, q0, mask.len_q(b), h), scale);
+    const csr_graph pattern = mask.expand(b, h);
+    const host_tensor bias = block_bias.data != nullptr
+                                 ? entry_bias(mask, pattern, block_bias, b, h, qb)
+                                 : host_tensor{};
+    attention(pattern, slice(q, q0, mask.len_q(b), h), slice(k, k0, mask.len_k(b), h),
+              slice(v, k0, mask.len_k(b), h), slice(out, q0, mask.len_q(b), h), scale, {},
+              block_bias.data != nullptr ? bias.view() : tensor_view{});
   });
 }
 
 void block_sparse_attention_backward(const block_sparse_mask& mask, const tensor_view& q,
                                      const tensor_view& k, const tensor_view& v,
                                      const tensor_view& dout, const tensor_view& dq,
-                                     const tensor_view& dk, const tensor_view& dv, double scale) {
+                                     const tensor_view& dk, const tensor_view& dv, double scale,
+                                     const tensor_view& block_bias,
+                                     const tensor_view& dblock_bias) {
   mask.check();
   const std::int64_t rows = mask.cu_seqlens_q.back(), cols = mask.cu_seqlens_k.back();
   detail::check_attention_args(rows, cols, q, k, v, dout, device_kind::cpu);
@@ -167,12 +207,33 @@ void block_sparse_attention_backward(const block_sparse_mask& mask, const tensor
   TRISPARSE_EXPECTS_INPUT(mask.heads == 1 || mask.heads == q.heads,
                           "the mask has " + std::to_string(mask.heads) + " heads, q " +
                               std::to_string(q.heads) + " (a mask is per head or shared)");
+  check_block_bias_view(mask, block_bias, "block_bias", q.heads, true);
+  check_block_bias_view(mask, dblock_bias, "dblock_bias", q.heads, false);
+  TRISPARSE_EXPECTS_INPUT(dblock_bias.data == nullptr || block_bias.data != nullptr,
+                          "dblock_bias needs the block_bias");
+  const std::int64_t qb = most_blocks_of(mask).first, g = mask.block;
   for_each_sequence_head(mask.batch(), q.heads, [&](std::int64_t b, std::int64_t h) {
     const std::int64_t q0 = mask.cu_seqlens_q[b], k0 = mask.cu_seqlens_k[b];
     const std::int64_t lq = mask.len_q(b), lk = mask.len_k(b);
-    attention_backward(mask.expand(b, h), slice(q, q0, lq, h), slice(k, k0, lk, h),
-                       slice(v, k0, lk, h), slice(dout, q0, lq, h), slice(dq, q0, lq, h),
-                       slice(dk, k0, lk, h), slice(dv, k0, lk, h), scale);
+    const csr_graph pattern = mask.expand(b, h);
+    const bool biased = block_bias.data != nullptr;
+    const host_tensor bias = biased ? entry_bias(mask, pattern, block_bias, b, h, qb) : host_tensor{};
+    host_tensor ds(dtype::f64, dblock_bias.data != nullptr ? pattern.nnz() : 0, 1, 1);
+    attention_backward(pattern, slice(q, q0, lq, h), slice(k, k0, lk, h), slice(v, k0, lk, h),
+                       slice(dout, q0, lq, h), slice(dq, q0, lq, h), slice(dk, k0, lk, h),
+                       slice(dv, k0, lk, h), scale, ds.rows() > 0 ? ds.view() : tensor_view{},
+                       biased ? bias.view() : tensor_view{});
+    if (ds.rows() == 0) return;
+    // dB: each kept block's entries summed (kept blocks without a pair give 0).
+    const csr_graph& blocks = mask.at(b, h).blocks;
+    for (std::int64_t r = 0; r < blocks.rows; ++r)
+      for (std::int64_t e = blocks.row_ptr[r]; e < blocks.row_ptr[r + 1]; ++e)
+        put(dblock_bias, b * qb + r, h, blocks.col_idx[e], 0.0);
+    for (std::int64_t i = 0; i < pattern.rows; ++i)
+      for (std::int64_t x = pattern.row_ptr[i]; x < pattern.row_ptr[i + 1]; ++x) {
+        const std::int64_t r = b * qb + i / g, c = pattern.col_idx[x] / g;
+        put(dblock_bias, r, h, c, at(dblock_bias, r, h, c) + at(ds.view(), x, 0, 0));
+      }
   });
 }
 
@@ -182,11 +243,7 @@ void block_importance(const block_sparse_mask& mask, const tensor_view& q, const
   mask.check();
   const std::int64_t rows = mask.cu_seqlens_q.back(), g = mask.block;
   detail::check_attention_args(rows, mask.cu_seqlens_k.back(), q, k, v, dout, device_kind::cpu);
-  std::int64_t qb = 0, kb = 0;
-  for (std::int64_t b = 0; b < mask.batch(); ++b) {
-    qb = std::max(qb, (mask.len_q(b) + g - 1) / g);
-    kb = std::max(kb, (mask.len_k(b) + g - 1) / g);
-  }
+  const auto [qb, kb] = most_blocks_of(mask);
   for (const auto& [t, what] : {std::pair{&block_mass, "block_mass"}, {&block_grad, "block_grad"}})
     if (t->data != nullptr) check_view(*t, what, mask.batch() * qb, q.heads, kb);
   for_each_sequence_head(mask.batch(), q.heads, [&](std::int64_t b, std::int64_t h) {
