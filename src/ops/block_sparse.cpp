@@ -155,16 +155,17 @@ void cpu_biased_forward(const block_sparse_mask& m, const tensor_view& q, const 
                         const attention_dropout& dropout, const tensor_view& lse,
                         const cpu_block_bias& bias) {
   const dtype t = q.type == dtype::f64 ? dtype::f64 : dtype::f32;
-  for_each_sequence_group(m, q.heads, [&](std::int64_t b, std::int64_t g, std::int64_t heads,
-                                          const auto& part) {
-    const std::int64_t q0 = m.cu_seqlens_q[b], k0 = m.cu_seqlens_k[b];
-    const std::int64_t lq = m.len_q(b), lk = m.len_k(b);
-    const csr_graph a = m.expand(b, g);
-    const host_tensor e = bias.entries(m, a, b, g, heads, t);
-    cpu::fused_attention_unchecked(a, part(q, q0, lq), part(k, k0, lk), part(v, k0, lk),
-                                   part(out, q0, lq), scale, part(lse, q0, lq), e.view(), dropout,
-                                   b * q.heads + g);  // (g = 0 where the mask is shared)
-  });
+  for_each_sequence_group(
+      m, q.heads, [&](std::int64_t b, std::int64_t g, std::int64_t heads, const auto& part) {
+        const std::int64_t q0 = m.cu_seqlens_q[b], k0 = m.cu_seqlens_k[b];
+        const std::int64_t lq = m.len_q(b), lk = m.len_k(b);
+        const csr_graph a = m.expand(b, g);
+        const host_tensor e = bias.entries(m, a, b, g, heads, t);
+        cpu::fused_attention_unchecked(a, part(q, q0, lq), part(k, k0, lk), part(v, k0, lk),
+                                       part(out, q0, lq), scale, part(lse, q0, lq), e.view(),
+                                       dropout,
+                                       b * q.heads + g);  // (g = 0 where the mask is shared)
+      });
 }
 
 // The CPU engine's backward over a block mask: fp32 work without dropout or block bias in tiles
@@ -188,41 +189,41 @@ void cpu_block_sparse_backward(const block_sparse_mask& m, const tensor_view& q,
     return;
   }
   const dtype t = q.type == dtype::f64 ? dtype::f64 : dtype::f32;
-  for_each_sequence_group(m, q.heads, [&](std::int64_t b, std::int64_t g, std::int64_t heads,
-                                          const auto& part) {
-    const std::int64_t q0 = m.cu_seqlens_q[b], k0 = m.cu_seqlens_k[b];
-    const std::int64_t lq = m.len_q(b), lk = m.len_k(b);
-    const csr_graph a = m.expand(b, g);
-    detail::transposed_pattern tp = detail::transposed_of(a);
-    csr_graph at;
-    at.rows = a.cols;
-    at.cols = a.rows;
-    at.row_ptr = std::move(tp.col_ptr);
-    at.col_idx = std::move(tp.row_idx);
-    // Dropout's draws: rows within the sequence, head b * H + h (the kernels').
-    const std::int64_t head0 = b * q.heads + g;
-    const host_tensor e = bias.wanted() ? bias.entries(m, a, b, g, heads, t) : host_tensor{};
-    host_tensor de(t, bias.dbias.data != nullptr ? a.nnz() : 0, heads, 1);
-    // The forward recomputed in the engine's type (float64 for float64 inputs), out with the
-    // dropout.
-    host_tensor out(t, saved_out ? 0 : lq, heads, v.dim), lse(t, saved_lse ? 0 : lq, heads, 1);
-    if (saved_out == nullptr) {
-      cpu::fused_attention_unchecked(a, part(q, q0, lq), part(k, k0, lk), part(v, k0, lk),
-                                     out.view(), scale, lse.view(),
-                                     bias.wanted() ? e.view() : tensor_view{}, dropout, head0);
-    }
-    cpu::fused_attention_backward_unchecked(
-        a, at, part(q, q0, lq), part(k, k0, lk), part(v, k0, lk),
-        saved_out ? part(*saved_out, q0, lq) : out.view(),
-        saved_lse ? part(*saved_lse, q0, lq) : lse.view(), part(dout, q0, lq), part(dq, q0, lq),
-        part(dk, k0, lk), part(dv, k0, lk), scale,
-        {.bias = bias.wanted() ? e.view() : tensor_view{},
-         .dbias = de.rows() > 0 ? de.view() : tensor_view{},
-         .transposed_entry = tp.entry,
-         .dropout = dropout,
-         .dropout_head0 = head0});
-    if (de.rows() > 0) bias.store_sums(m, a, de.view(), b, g, heads);
-  });
+  for_each_sequence_group(
+      m, q.heads, [&](std::int64_t b, std::int64_t g, std::int64_t heads, const auto& part) {
+        const std::int64_t q0 = m.cu_seqlens_q[b], k0 = m.cu_seqlens_k[b];
+        const std::int64_t lq = m.len_q(b), lk = m.len_k(b);
+        const csr_graph a = m.expand(b, g);
+        detail::transposed_pattern tp = detail::transposed_of(a);
+        csr_graph at;
+        at.rows = a.cols;
+        at.cols = a.rows;
+        at.row_ptr = std::move(tp.col_ptr);
+        at.col_idx = std::move(tp.row_idx);
+        // Dropout's draws: rows within the sequence, head b * H + h (the kernels').
+        const std::int64_t head0 = b * q.heads + g;
+        const host_tensor e = bias.wanted() ? bias.entries(m, a, b, g, heads, t) : host_tensor{};
+        host_tensor de(t, bias.dbias.data != nullptr ? a.nnz() : 0, heads, 1);
+        // The forward recomputed in the engine's type (float64 for float64 inputs), out with the
+        // dropout.
+        host_tensor out(t, saved_out ? 0 : lq, heads, v.dim), lse(t, saved_lse ? 0 : lq, heads, 1);
+        if (saved_out == nullptr) {
+          cpu::fused_attention_unchecked(a, part(q, q0, lq), part(k, k0, lk), part(v, k0, lk),
+                                         out.view(), scale, lse.view(),
+                                         bias.wanted() ? e.view() : tensor_view{}, dropout, head0);
+        }
+        cpu::fused_attention_backward_unchecked(
+            a, at, part(q, q0, lq), part(k, k0, lk), part(v, k0, lk),
+            saved_out ? part(*saved_out, q0, lq) : out.view(),
+            saved_lse ? part(*saved_lse, q0, lq) : lse.view(), part(dout, q0, lq), part(dq, q0, lq),
+            part(dk, k0, lk), part(dv, k0, lk), scale,
+            {.bias = bias.wanted() ? e.view() : tensor_view{},
+             .dbias = de.rows() > 0 ? de.view() : tensor_view{},
+             .transposed_entry = tp.entry,
+             .dropout = dropout,
+             .dropout_head0 = head0});
+        if (de.rows() > 0) bias.store_sums(m, a, de.view(), b, g, heads);
+      });
 }
 
 // run()'s operands against the mask: shapes, devices, and the heads a mask serves.
@@ -400,9 +401,10 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
   detail::check_block_bias(options, m.batch(), qb, q.heads, kb, where, false);
   const cpu_block_bias bias{options.block_bias, {}, qb};
   if (bias.wanted() && algo != (where == device_kind::cpu ? algorithm::fused : algorithm::block)) {
-    throw not_supported("a block bias runs with algorithm::block on CUDA and algorithm::fused on "
-                        "the CPU, not " +
-                        std::string(to_string(algo)));
+    throw not_supported(
+        "a block bias runs with algorithm::block on CUDA and algorithm::fused on "
+        "the CPU, not " +
+        std::string(to_string(algo)));
   }
   if (options.lse.data != nullptr) {
     const bool cpu = where == device_kind::cpu;
@@ -425,9 +427,8 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
           to_string(where) + ", not " + std::string(to_string(algo)));
   switch (algo) {
     case algorithm::block:
-      if (bias.wanted()) throw not_supported("a block bias on CUDA: not yet");
       cuda::run_block_sparse(*state_->device, q, k, v, out, options.lse, scale, options.dropout,
-                             stream);
+                             {bias.bias, {}, qb}, stream);
       return;
     case algorithm::unfused:
       cuda::run_unfused(*state_->unfused, q, k, v, out, scale, workspace, stream);
@@ -524,6 +525,9 @@ void block_sparse_attention_plan::backward(const tensor_view& q, const tensor_vi
   const cpu_block_bias bias{options.block_bias, options.dblock_bias, qb};
   if (bias.wanted() && importance.wanted())
     throw not_supported("block importance together with a block bias");
+  if (bias.wanted() && options.dropout.p > 0 && where == device_kind::cuda)
+    throw not_supported(
+        "a block bias with attention dropout in the CUDA backward (the CPU takes both)");
   if (where == device_kind::cpu) {
     const algorithm algo =
         options.algo == algorithm::automatic ? state_->report.algo : options.algo;
@@ -548,9 +552,9 @@ void block_sparse_attention_plan::backward(const tensor_view& q, const tensor_vi
   expect_block_kernel(state_->report.algo, "block-sparse backward");
   detail::check_saved_forward(m.cu_seqlens_q.back(), q, v, out, lse);
   workspace_view ws = given;
-  TRISPARSE_EXPECTS_INPUT(ws.data != nullptr || !importance.wanted(),
-                          "block-sparse backward with block importance: pass a workspace of "
-                          "backward_workspace_bytes(heads, true) bytes");
+  TRISPARSE_EXPECTS_INPUT(ws.data != nullptr || !(importance.wanted() || bias.dbias.data),
+                          "block-sparse backward with block importance or dblock_bias: pass a "
+                          "workspace of backward_workspace_bytes(heads, true) bytes");
   if (ws.empty()) {
     TRISPARSE_EXPECTS_INPUT(
         state_->grad_own.view().data != nullptr && q.heads <= state_->grad_heads,
@@ -560,9 +564,9 @@ void block_sparse_attention_plan::backward(const tensor_view& q, const tensor_vi
             "workspace");
     ws = {state_->grad_own.view().data, static_cast<std::size_t>(state_->grad_own.view().rows) * 4};
   }
-  if (bias.wanted()) throw not_supported("a block bias on CUDA: not yet");
   cuda::run_block_sparse_backward(*state_->device, q, k, v, out, lse, dout, dq, dk, dv, scale,
-                                  importance, options.dropout, ws, stream);
+                                  importance, options.dropout, {bias.bias, bias.dbias, qb}, ws,
+                                  stream);
 }
 
 std::array<double, 3> block_sparse_attention_plan::run_timing_stages(

@@ -89,7 +89,7 @@ void topk_block_sparse_plan::run(const tensor_view& q, const tensor_view& k, con
     TRISPARSE_EXPECTS_INPUT(options.lse.where == device_kind::cuda, "lse must be on the GPU");
   }
   cuda::run_block_sparse(cuda::attention_of(*state_->device), q, k, v, out, options.lse,
-                         detail::resolve_scale(options.scale, q.dim), options.dropout, stream);
+                         detail::resolve_scale(options.scale, q.dim), options.dropout, {}, stream);
 }
 
 void topk_block_sparse_plan::backward(const tensor_view& q, const tensor_view& k,
@@ -112,7 +112,7 @@ void topk_block_sparse_plan::backward(const tensor_view& q, const tensor_view& k
   detail::check_no_block_bias(options, "topk_block_sparse_plan");
   cuda::run_block_sparse_backward(cuda::attention_of(*state_->device), q, k, v, out, lse, dout, dq,
                                   dk, dv, detail::resolve_scale(options.scale, q.dim),
-                                  {options.block_mass, options.block_grad, qb}, options.dropout,
+                                  {options.block_mass, options.block_grad, qb}, options.dropout, {},
                                   workspace, stream);
 }
 

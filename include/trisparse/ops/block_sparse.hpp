@@ -116,7 +116,7 @@ class block_sparse_attention_plan {
                 const attention_options& options = {}, stream_ref stream = {},
                 workspace_view workspace = {}) const;
   /// Bytes of workspace that a CUDA backward with `heads` heads needs (0 on the CPU); with
-  /// `importance`, one that also writes attention_options::block_mass or block_grad.
+  /// `importance`, one that also writes attention_options::block_mass, block_grad or dblock_bias.
   std::size_t backward_workspace_bytes(std::int64_t heads, bool importance = false) const;
 
   /// Each kept block's attention mass without a backward (inference, or a frozen model whose

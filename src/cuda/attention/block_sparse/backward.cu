@@ -102,16 +102,17 @@ void finish_importance(const block_sparse::backward_params& p, const block_spars
 
 // The dq and dk/dv kernels at tile rows BM (the plan's backward tile: 16, 32 or 64). The streamed
 // tiles hold BM rows too, except dk/dv at D = 128, whose two accumulators leave room for 32.
-template <class T, int D, int BM, bool DROPOUT>
+template <class T, int D, int BM, bool DROPOUT, bool BIAS>
 void launch_gradients(const block_sparse::backward_params& p, const block_sparse_device_plan& plan,
                       cudaStream_t s) {
   constexpr int kThreads = BM / 16 * 32;
   constexpr int kKeyStream = D == 128 && BM > 32 ? 32 : BM;
-  block_sparse::launch_kernel<block_sparse::backward_kernel<T, D, BM, BM, false, void, DROPOUT>>(
+  block_sparse::launch_kernel<
+      block_sparse::backward_kernel<T, D, BM, BM, false, void, DROPOUT, BIAS>>(
       kThreads, block_sparse::backward_shared_bytes<D, BM, BM, false>(), p, plan.num_backward_tiles,
       s);
   block_sparse::launch_kernel<
-      block_sparse::backward_kernel<T, D, BM, kKeyStream, true, void, DROPOUT>>(
+      block_sparse::backward_kernel<T, D, BM, kKeyStream, true, void, DROPOUT, BIAS>>(
       kThreads, block_sparse::backward_shared_bytes<D, BM, kKeyStream, true>(), p,
       plan.num_key_tiles, s);
 }
@@ -130,9 +131,14 @@ void run_block_sparse_backward(const block_sparse_device_plan& plan, const tenso
                                const tensor_view& lse, const tensor_view& dout,
                                const tensor_view& dq, const tensor_view& dk, const tensor_view& dv,
                                double scale, const block_importance_views& importance,
-                               const attention_dropout& dropout, workspace_view workspace,
-                               stream_ref stream) {
+                               const attention_dropout& dropout, const block_bias_views& bias,
+                               workspace_view workspace, stream_ref stream) {
   const char* what = "the CUDA block-sparse backward";
+  // dblock_bias: the importance's |dS| sums, signed, into bias.grad (no importance with it).
+  TRISPARSE_EXPECTS_INPUT(bias.grad.data == nullptr || !importance.wanted(),
+                          "block-sparse backward: block importance and dblock_bias together");
+  const block_importance_views sums =
+      bias.grad.data != nullptr ? block_importance_views{{}, bias.grad, bias.qb_max} : importance;
   TRISPARSE_EXPECTS_INPUT(plan.gradients,
                           "block-sparse backward: this plan was built without gradients "
                           "(block_sparse_plan_options::gradients = true)");
@@ -155,28 +161,29 @@ void run_block_sparse_backward(const block_sparse_device_plan& plan, const tenso
   check_16byte_rows(dk, "dk");
   check_16byte_rows(dv, "dv");
   expect_current_device(plan.device);
-  const std::size_t need =
-      block_sparse_backward_workspace_bytes(plan, q.heads, importance.wanted());
+  const std::size_t need = block_sparse_backward_workspace_bytes(plan, q.heads, sums.wanted());
   TRISPARSE_EXPECTS_INPUT(workspace.data != nullptr && workspace.bytes >= need,
                           "block-sparse backward: the workspace holds " +
                               std::to_string(workspace.bytes) + " bytes, it needs " +
                               std::to_string(need) + " (backward_workspace_bytes" +
-                              (importance.wanted() ? " with importance)" : ")"));
+                              (sums.wanted() ? " with importance)" : ")"));
   block_sparse::backward_params p{};
   static_cast<block_sparse::params&>(p) = run_params(plan, q, k, v, out, lse, scale);
   p.tiles = plan.backward_tiles.data();
   p.num_tiles = plan.num_backward_tiles;
   block_sparse::set_gradient_io(p, dout, dq, dk, dv, scale);
   block_sparse::set_dropout(p, dropout);
+  block_sparse::set_block_bias(p, bias.bias, bias.qb_max);
+  p.imp_signed = bias.grad.data != nullptr;
   auto* terms = static_cast<float*>(workspace.data);
   p.lse2 = terms;
   p.dterm = terms + q.heads * plan.rows_q;
   set_key_walk(p, plan);
   const auto s = static_cast<cudaStream_t>(stream.handle);
-  if (importance.wanted()) {
+  if (sums.wanted()) {
     set_partials(p, plan, q.heads,
                  static_cast<char*>(workspace.data) + terms_bytes(q.heads, plan.rows_q), s);
-    p.imp_grad = importance.grad.data != nullptr;
+    p.imp_grad = sums.grad.data != nullptr;
   }
   with_half_type(q.type, "block-sparse backward's q", [&]<class T>() {
     block_sparse::launch_backward_terms<T>(p, out.type, static_cast<int>(v.dim), terms, s);
@@ -187,19 +194,20 @@ void run_block_sparse_backward(const block_sparse_device_plan& plan, const tenso
     }
 #endif
     with_head_dim<64, 128>(q.dim, "the CUDA block-sparse backward's head_dim", [&]<int D>() {
-      block_sparse::with_dropout(dropout, [&]<bool DROPOUT>() {
-        switch (plan.backward_tile_rows) {
-          case 16:
-            return launch_gradients<T, D, 16, DROPOUT>(p, plan, s);
-          case 32:
-            return launch_gradients<T, D, 32, DROPOUT>(p, plan, s);
-          default:
-            return launch_gradients<T, D, 64, DROPOUT>(p, plan, s);
-        }
-      });
+      block_sparse::with_dropout_or_bias(
+          dropout, p.block_bias != nullptr, [&]<bool DROPOUT, bool BIAS>() {
+            switch (plan.backward_tile_rows) {
+              case 16:
+                return launch_gradients<T, D, 16, DROPOUT, BIAS>(p, plan, s);
+              case 32:
+                return launch_gradients<T, D, 32, DROPOUT, BIAS>(p, plan, s);
+              default:
+                return launch_gradients<T, D, 64, DROPOUT, BIAS>(p, plan, s);
+            }
+          });
     });
   });
-  if (importance.wanted()) finish_importance(p, plan, importance, q.heads, s);
+  if (sums.wanted()) finish_importance(p, plan, sums, q.heads, s);
 }
 
 std::size_t block_sparse_mass_workspace_bytes(const block_sparse_device_plan& plan,

@@ -159,6 +159,10 @@ struct key_walk : tile_place {
   __device__ __forceinline__ bool hides(int i, int j, int) const {
     return i >= lq || j >= lk || (p.causal && j > i + shift);
   }
+  /// The block bias (log2 units) of the query tile from i0 (in one block) and this key tile.
+  __device__ __forceinline__ float bias2(int i0) const {
+    return block_bias2(p, seq, h, i0 / p.block, row0 / p.block);
+  }
 
   /// The first query row of the next query tile, or -1 past the end.
   __device__ __forceinline__ int next() {
@@ -285,16 +289,21 @@ __device__ __forceinline__ void store_pass(const backward_params& p, const Walk&
 /// The backward's elementwise step, shared by the mma.sync and wgmma kernels (both hold S and T in
 /// the m16n8 accumulator layout: the thread's stationary rows r_lo and r_lo + 8, streamed rows
 /// y + 8 n + 2 tq + {0, 1}): from S = X1 Y1ᵀ and T = dP (or dPᵀ), P = 2^(c S - lse2) into s and
-/// dS = P (m dP - dterm) into t, masked pairs exact zeros. With DROPOUT, m the forward's factors
-/// (regenerated) and, for dk/dv (KV), s = m P (dV's operand). The terms: dq's row_lse/row_dterm
-/// per stationary row; dk/dv's from `terms` (the stage's BN lse2 values, then BN dterm values).
-template <int BN, bool KV, bool DROPOUT, class Walk, class Draws>
+/// dS = P (m dP - dterm) into t, masked pairs exact zeros; BIAS: the block bias added to the
+/// scores. With DROPOUT, m the forward's factors (regenerated) and, for dk/dv (KV), s = m P (dV's
+/// operand). The terms: dq's row_lse/row_dterm per stationary row; dk/dv's from `terms` (the
+/// stage's BN lse2 values, then BN dterm values).
+template <int BN, bool KV, bool DROPOUT, bool BIAS, class Walk, class Draws>
 __device__ __forceinline__ void probabilities_and_ds(float (&s)[BN / 8][4], float (&t)[BN / 8][4],
                                                      const Walk& w, const Draws& drops, int y,
                                                      int r_lo, const float* terms,
                                                      const float (&row_lse)[2],
                                                      const float (&row_dterm)[2], float c) {
   const int tq = static_cast<int>(threadIdx.x) % 4;
+  // BIAS: the tile's block bias b2 (log2 units) enters as lse2 - b2: per row for dq, per streamed
+  // query for dk/dv (a kernel of its own: the unbiased kernels' registers stay as they were).
+  const float b2 = BIAS ? w.bias2(y) : 0.f;
+  const float lse_rows[2] = {row_lse[0] - b2, row_lse[1] - b2};
   // Two copies of the loop, with and without the per-pair test: most tiles need none, and a test
   // inside the loop would cost a branch per pair there too.
   const auto step = [&]<bool MASKED>() {
@@ -311,7 +320,7 @@ __device__ __forceinline__ void probabilities_and_ds(float (&s)[BN / 8][4], floa
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int col = n * 8 + 2 * tq + (e & 1), r = e >> 1;
-        const float lse = KV ? terms[col] : row_lse[r];
+        const float lse = KV ? terms[col] - b2 : lse_rows[r];
         const float dterm = KV ? terms[BN + col] : row_dterm[r];
         float pv = exp2_approx(fmaf(s[n][e], c, -lse));
         if constexpr (MASKED) {
@@ -334,7 +343,8 @@ __device__ __forceinline__ void probabilities_and_ds(float (&s)[BN / 8][4], floa
 /// Walk: void for the block mask's (tile_walk for dq, key_walk for dk/dv), or another walk with
 /// their interface (tile.cuh) for both. DROPOUT: the forward's dropout factors m regenerated:
 /// dS = P (m dP - dterm) (dterm = <dO, O> of the dropped output), dV += (m P)ᵀ dO.
-template <class T, int D, int BM, int BN, bool KV, class Walk = void, bool DROPOUT = false>
+template <class T, int D, int BM, int BN, bool KV, class Walk = void, bool DROPOUT = false,
+          bool BIAS = false>
 __global__ void __launch_bounds__(BM / 16 * 32)
     backward_kernel(const __grid_constant__ backward_params p) {
   static_assert(D % 16 == 0 && BM % 16 == 0 && BN % 16 == 0);
@@ -423,11 +433,11 @@ __global__ void __launch_bounds__(BM / 16 * 32)
       }
     }
 
-    probabilities_and_ds<BN, KV, DROPOUT>(s, t, w, drops, y_cur, r_lo, terms + stage * 2 * BN,
-                                          row_lse, row_dterm, c);
+    probabilities_and_ds<BN, KV, DROPOUT, BIAS>(s, t, w, drops, y_cur, r_lo, terms + stage * 2 * BN,
+                                                row_lse, row_dterm, c);
     if constexpr (KV) {
       if (p.imp_partial != nullptr) {  // the walk is the block's: uniform
-        imp.add(s, t);
+        imp.add(s, t, p.imp_signed);
         if (y_next < 0 || e_next != e_cur) imp.flush(e_cur);
       }
     }

@@ -90,7 +90,7 @@ struct row_stream {
 /// dq (KV = false: a block per query tile) or dk and dv (KV: a block per key tile); DROPOUT: the
 /// forward's dropout factors regenerated (backward_kernel's terms); MIN_BLOCKS: the blocks per SM
 /// the registers are held to (heuristics.hpp).
-template <class T, int D, bool KV, bool DROPOUT = false, int MIN_BLOCKS = 2>
+template <class T, int D, bool KV, bool DROPOUT = false, int MIN_BLOCKS = 2, bool BIAS = false>
 __global__ void __launch_bounds__(128, MIN_BLOCKS)
     backward_wgmma_kernel(const __grid_constant__ backward_params p) {
   static_assert(D % 64 == 0);
@@ -160,8 +160,8 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
     arch::fence_operands(flat(s));
     arch::fence_operands(flat(t));
 
-    probabilities_and_ds<BN, KV, DROPOUT>(s, t, w, drops, y_cur, r_lo, terms + stage * 2 * BN,
-                                          row_lse, row_dterm, c);
+    probabilities_and_ds<BN, KV, DROPOUT, BIAS>(s, t, w, drops, y_cur, r_lo, terms + stage * 2 * BN,
+                                                row_lse, row_dterm, c);
 
     // dq += dS K; or dk += dSᵀ Q and dv += Pᵀ dO.
     std::uint32_t da[BN / 16][4], pa[KV ? BN / 16 : 1][4];
@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
       if constexpr (KV) p_fragment<T, BN>(pa[kp], s, kp);
     }
     if constexpr (KV) {  // before the products read pa and da
-      if (imp.out != nullptr) imp.template add_fragments<T>(pa, da, p.imp_grad);
+      if (imp.out != nullptr) imp.template add_fragments<T>(pa, da, p.imp_grad, p.imp_signed);
     }
     arch::wgmma_fence();
     issue_accumulate<T, D>(acc[0], da, y1);

@@ -45,6 +45,18 @@ void with_dropout(const attention_dropout& dropout, F&& f) {
     f.template operator()<false>();
 }
 
+/// f.template operator()<DROPOUT, BIAS>() for the backward kernels: with attention dropout, with a
+/// block bias, or neither (a bias with dropout is refused before a launch).
+template <class F>
+void with_dropout_or_bias(const attention_dropout& dropout, bool biased, F&& f) {
+  if (dropout.p > 0)
+    f.template operator()<true, false>();
+  else if (biased)
+    f.template operator()<false, true>();
+  else
+    f.template operator()<false, false>();
+}
+
 /// Launches Kernel(p, extra...) (p: params or a derived struct) over tiles x heads blocks (its
 /// shared-memory limit raised once), with p.down_wave = the blocks the device holds at once, so
 /// that every other wave of blocks walks its keys in descending order; as a dependent launch where

@@ -51,38 +51,40 @@ struct importance_sums {
   }
 
   /// Adds the thread's P (s) and dS (t) elements of this tile (the kernels zero the pairs past the
-  /// sequence's queries and keys).
-  __device__ __forceinline__ void add(const float (&s)[BN / 8][4], const float (&t)[BN / 8][4]) {
+  /// sequence's queries and keys); `signed_sums` (params::imp_signed): dS, not |dS|.
+  __device__ __forceinline__ void add(const float (&s)[BN / 8][4], const float (&t)[BN / 8][4],
+                                      bool signed_sums) {
 #pragma unroll
     for (int n = 0; n < BN / 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         mass += s[n][e];
-        grad += fabsf(t[n][e]);
+        grad += signed_sums ? t[n][e] : fabsf(t[n][e]);
       }
     }
   }
 
   /// The same sums from the tile's packed A fragments of P and dS (pa, da: the wgmma kernels'),
   /// on the tensor cores: per fragment an m16n8k16 product against all-ones, whose C holds the
-  /// fragment's 16 row sums in each of its eight columns (|dS|: the pairs' sign bits cleared).
-  /// 2 x BN / 16 products and BN logic operations a tile where the additions take 2 x BN / 2
-  /// (half without `with_grad`: the mass alone); the four lanes of a quad hold the same sums
-  /// (flush<true>). The values summed are those the products use (in T).
+  /// fragment's 16 row sums in each of its eight columns (|dS|: the pairs' sign bits cleared,
+  /// unless `signed_sums`). 2 x BN / 16 products and BN logic operations a tile where the additions
+  /// take 2 x BN / 2 (half without `with_grad`: the mass alone); the four lanes of a quad hold the
+  /// same sums (flush<true>). The values summed are those the products use (in T).
   template <class T>
   __device__ __forceinline__ void add_fragments(const std::uint32_t (&pa)[BN / 16][4],
                                                 const std::uint32_t (&da)[BN / 16][4],
-                                                bool with_grad) {
+                                                bool with_grad, bool signed_sums) {
     constexpr std::uint32_t one = std::is_same_v<T, __half> ? 0x3C003C00u : 0x3F803F80u;
     float cm[4] = {0.f, 0.f, 0.f, 0.f}, cg[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int kp = 0; kp < BN / 16; ++kp) arch::mma_16x8x16_f32<T>(cm, pa[kp], {one, one});
     mass += cm[0] + cm[2];
     if (!with_grad) return;
+    const std::uint32_t magnitude = signed_sums ? 0xFFFFFFFFu : 0x7FFF7FFFu;
 #pragma unroll
     for (int kp = 0; kp < BN / 16; ++kp) {
-      const std::uint32_t a[4] = {da[kp][0] & 0x7FFF7FFFu, da[kp][1] & 0x7FFF7FFFu,
-                                  da[kp][2] & 0x7FFF7FFFu, da[kp][3] & 0x7FFF7FFFu};
+      const std::uint32_t a[4] = {da[kp][0] & magnitude, da[kp][1] & magnitude,
+                                  da[kp][2] & magnitude, da[kp][3] & magnitude};
       arch::mma_16x8x16_f32<T>(cg, a, {one, one});
     }
     grad += cg[0] + cg[2];

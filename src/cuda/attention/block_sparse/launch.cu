@@ -388,13 +388,14 @@ block_sparse::params run_params(const block_sparse_device_plan& plan, const tens
 void run_block_sparse(const block_sparse_device_plan& plan, const tensor_view& q,
                       const tensor_view& k, const tensor_view& v, const tensor_view& out,
                       const tensor_view& lse, double scale, const attention_dropout& dropout,
-                      stream_ref stream) {
+                      const block_bias_views& bias, stream_ref stream) {
   check_attention_operands(q, k, v, out, "the CUDA block-sparse kernel");
   expect_current_device(plan.device);
   block_sparse::params p = run_params(plan, q, k, v, out, lse, scale);
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const block_sparse::kernel_key key{q.type, out.type, q.dim};
   block_sparse::set_dropout(p, dropout);
+  block_sparse::set_block_bias(p, bias.bias, bias.qb_max);
 #if TRISPARSE_HAVE_SM90A
   if (plan.wgmma)
     return block_sparse::launch_wgmma(key, p, k.rows, v.rows, plan.pingpong, plan.num_tiles,

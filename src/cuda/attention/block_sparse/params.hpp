@@ -47,6 +47,12 @@ struct params : ragged_attention_io {
   const std::uint64_t* dropout_state;
   std::uint32_t drop_below;
   float dropout_scale;
+  // A per-block score bias (attention_options::block_bias) where set, f32 natural-log units: head
+  // h's bias at sequence seq's kept block (query block r, key block c) is
+  // block_bias[(seq * bias_qb + r) * bias_row + h * bias_head + c] (bias_head 0: shared).
+  const float* block_bias;
+  std::int64_t bias_row, bias_head;
+  std::int32_t bias_qb;
 };
 
 /// The backward kernels (backward.cuh). The forward's fields give q, k, v, the mask and, in
@@ -81,7 +87,8 @@ struct backward_params : params {
   float* imp_partial;
   std::int64_t imp_slots;
   std::int32_t imp_sub, imp_warps;
-  bool imp_grad;  // the |dS| sums too (the wgmma kernels skip them where no one reads them)
+  bool imp_grad;    // the |dS| sums too (the wgmma kernels skip them where no one reads them)
+  bool imp_signed;  // the grad sums add dS, not |dS| (a block bias's gradient, dblock_bias)
 };
 
 /// Sets p's dropout fields from `dropout` (p = 0: none; the kernels' DROPOUT instantiations read
@@ -91,6 +98,16 @@ inline void set_dropout(params& p, const attention_dropout& dropout) {
   p.dropout_state = dropout.state;
   p.drop_below = philox::drop_below(dropout.p);
   p.dropout_scale = static_cast<float>(1.0 / (1.0 - dropout.p));
+}
+
+/// Sets p's block bias (f32 [batch * qb_max, H or 1, KB], checked by the caller; data == nullptr:
+/// none).
+inline void set_block_bias(params& p, const tensor_view& bias, std::int64_t qb_max) {
+  if (bias.data == nullptr) return;
+  p.block_bias = static_cast<const float*>(bias.data);
+  p.bias_row = bias.row_stride;
+  p.bias_head = bias.heads == 1 ? 0 : bias.head_stride;
+  p.bias_qb = static_cast<std::int32_t>(qb_max);
 }
 
 /// Sets p's gradient operands: dout, dq, dk, dv with their strides, grads_f32 (dq's dtype f32)

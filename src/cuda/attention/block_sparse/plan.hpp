@@ -38,6 +38,15 @@ TRISPARSE_CUDA_ENTRY(std::shared_ptr<block_sparse_device_plan> make_block_sparse
     const block_sparse_mask& layout, const device_block_mask& kept, block_kernel kernel,
     bool gradients, double mean_blocks, stream_ref stream))
 
+/// A per-block score bias (attention_options::block_bias: f32 [batch * qb_max, H or 1, KB],
+/// checked by the caller; data == nullptr: none) and, for a backward, its gradient (dblock_bias,
+/// f32 [batch * qb_max, H, KB]: each kept block's sum of dS, written by the importance's last
+/// kernel from signed partial sums; the workspace sized as for importance).
+struct block_bias_views {
+  tensor_view bias{}, grad{};
+  std::int64_t qb_max = 0;
+};
+
 /// The kernel the plan runs ("mma.sync" or "wgmma").
 TRISPARSE_CUDA_ENTRY(const char* kernel_name(const block_sparse_device_plan& plan))
 
@@ -48,11 +57,10 @@ TRISPARSE_CUDA_ENTRY(const char* kernel_name(const block_sparse_device_plan& pla
 /// the mma.sync kernel draws it (over the backward's query tiles where the plan's are not its).
 /// @throws not_supported for dtypes other than f16/bf16; invalid_input for unsupported dims or
 /// layouts.
-TRISPARSE_CUDA_ENTRY(void run_block_sparse(const block_sparse_device_plan& plan,
-                                           const tensor_view& q, const tensor_view& k,
-                                           const tensor_view& v, const tensor_view& out,
-                                           const tensor_view& lse, double scale,
-                                           const attention_dropout& dropout, stream_ref stream))
+TRISPARSE_CUDA_ENTRY(void run_block_sparse(
+    const block_sparse_device_plan& plan, const tensor_view& q, const tensor_view& k,
+    const tensor_view& v, const tensor_view& out, const tensor_view& lse, double scale,
+    const attention_dropout& dropout, const block_bias_views& bias, stream_ref stream))
 
 /// What a backward also writes, where mass.data or grad.data is set: each kept block's attention
 /// mass and |dS| sum (attention_options::block_mass, block_grad; f32, checked by the caller), row
@@ -81,7 +89,7 @@ TRISPARSE_CUDA_ENTRY(void run_block_sparse_backward(
     const tensor_view& v, const tensor_view& out, const tensor_view& lse, const tensor_view& dout,
     const tensor_view& dq, const tensor_view& dk, const tensor_view& dv, double scale,
     const block_importance_views& importance, const attention_dropout& dropout,
-    workspace_view workspace, stream_ref stream))
+    const block_bias_views& bias, workspace_view workspace, stream_ref stream))
 
 /// Bytes of workspace run_block_sparse_mass needs for `heads` heads (the partial sums).
 TRISPARSE_CUDA_ENTRY(std::size_t block_sparse_mass_workspace_bytes(

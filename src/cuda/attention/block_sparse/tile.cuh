@@ -96,6 +96,14 @@ __device__ __forceinline__ void tile_scores(float (&s)[BN / 8][4],
   }
 }
 
+/// The block bias of head h at sequence seq's block (query block r, key block c) in log2 units
+/// (params::block_bias; 0 without one).
+__device__ __forceinline__ float block_bias2(const params& p, int seq, int h, int r, int c) {
+  if (p.block_bias == nullptr) return 0.f;
+  return p.block_bias[(std::int64_t{seq} * p.bias_qb + r) * p.bias_row + h * p.bias_head + c] *
+         1.4426950408889634f;
+}
+
 /// Where a thread block's tile lies (block x = head * num + tile index): its head, its
 /// sequence's query and key offsets and lengths, its first row, and the mask list it walks
 /// (entries e .. e_end of `ptr`, from `lists`' offset for its sequence and head, at its row
@@ -158,6 +166,10 @@ struct tile_walk : tile_place {
 
   /// Whether key tile j0 needs masking: keys past what every row sees.
   __device__ __forceinline__ bool masks(int j0) const { return j0 + BN - 1 > kall; }
+  /// The block bias (log2 units) of the key tile from j0 (a tile lies in one block).
+  __device__ __forceinline__ float bias2(int j0) const {
+    return block_bias2(p, seq, h, row0 / p.block, j0 / p.block);
+  }
   /// Key j is past the sequence or the causal limit of row i.
   __device__ __forceinline__ bool hides(int i, int j, int) const {
     return j >= lk || (p.causal && j > i + shift);
@@ -200,10 +212,10 @@ __device__ __forceinline__ void apply_score_sign(std::uint32_t (&qa)[N][4], cons
 
 /// softmax_step's work after the masking: masked elements of s are NaN (which fmaxf skips), and
 /// with MASKED their P is set to 0. The scale c >= 0 (apply_score_sign) is folded into the
-/// exponent's FMA: max_j c s_j = c max_j s_j.
+/// exponent's FMA: max_j c s_j = c max_j s_j; so is the tile's block bias b2 (log2 units).
 template <bool MASKED, int BN>
 __device__ __forceinline__ void softmax_rows(float (&s)[BN / 8][4], float (&m)[2], float (&l)[2],
-                                             float (&alpha)[2], float c) {
+                                             float (&alpha)[2], float c, float b2) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float mx = kNegInf;
@@ -211,8 +223,8 @@ __device__ __forceinline__ void softmax_rows(float (&s)[BN / 8][4], float (&m)[2
     for (int n = 0; n < BN / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m[r], mx * c);  // NaN (c = 0, no key) leaves m
-    const float base = safe_max(m_new);
+    const float m_new = fmaxf(m[r], fmaf(mx, c, b2));  // NaN (c = 0, no key) leaves m
+    const float base = safe_max(m_new), shift = b2 - base;
     alpha[r] = exp2_approx(m[r] - base);
     m[r] = m_new;
     float sum = 0.f;
@@ -220,7 +232,7 @@ __device__ __forceinline__ void softmax_rows(float (&s)[BN / 8][4], float (&m)[2
     for (int n = 0; n < BN / 8; ++n) {
 #pragma unroll
       for (int e = 2 * r; e < 2 * r + 2; ++e) {
-        const float x = exp2_approx(fmaf(s[n][e], c, -base));
+        const float x = exp2_approx(fmaf(s[n][e], c, shift));
         s[n][e] = MASKED && s[n][e] != s[n][e] ? 0.f : x;
         sum += s[n][e];
       }
@@ -237,7 +249,8 @@ __device__ __forceinline__ void softmax_rows(float (&s)[BN / 8][4], float (&m)[2
 template <int BN, class Walk>
 __device__ __forceinline__ void softmax_step(float (&s)[BN / 8][4], float (&m)[2], float (&l)[2],
                                              float (&alpha)[2], const Walk& w, int j0, int i_lo) {
-  if (!w.masks(j0)) return softmax_rows<false, BN>(s, m, l, alpha, w.p.scale_log2);
+  const float b2 = w.bias2(j0);
+  if (!w.masks(j0)) return softmax_rows<false, BN>(s, m, l, alpha, w.p.scale_log2, b2);
   const int tq = static_cast<int>(threadIdx.x) % 4;
 #pragma unroll
   for (int n = 0; n < BN / 8; ++n) {
@@ -248,7 +261,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[BN / 8][4], float (&m)[2
       if (w.hides(i, j, e >> 1)) s[n][e] = __int_as_float(0x7fffffff);
     }
   }
-  softmax_rows<true, BN>(s, m, l, alpha, w.p.scale_log2);
+  softmax_rows<true, BN>(s, m, l, alpha, w.p.scale_log2, b2);
 }
 
 /// Attention dropout's factors (params::dropout_state): 0 or 1 / (1 - p) per (query, key, head),

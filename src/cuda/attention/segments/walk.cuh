@@ -47,6 +47,7 @@ struct segment_walk {
   }
   /// Every tile may mix segments.
   __device__ __forceinline__ bool masks(int) const { return true; }
+  __device__ __forceinline__ float bias2(int) const { return 0.f; }  // (no block bias)
   /// Query i and key j lie in different segments (r: the stationary row's slot).
   __device__ __forceinline__ bool hides(int i, int j_key, int r) const {
     const int other = KEYS ? i : j_key;
