@@ -45,7 +45,7 @@ void with_dropout(const attention_dropout& dropout, F&& f) {
     f.template operator()<false>();
 }
 
-/// f.template operator()<DROPOUT, BIAS>() for the backward kernels: with attention dropout, with a
+/// f.template operator()<DROPOUT, BIAS>() for the block kernels: with attention dropout, with a
 /// block bias, or neither (a bias with dropout is refused before a launch).
 template <class F>
 void with_dropout_or_bias(const attention_dropout& dropout, bool biased, F&& f) {

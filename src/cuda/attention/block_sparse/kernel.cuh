@@ -34,7 +34,7 @@ __host__ __device__ constexpr int min_blocks() {
 /// Walk: tile_walk (the block mask's key tiles), or another walk with its interface (tile.cuh).
 /// DROPOUT: P times params' dropout factors on the way to O (the normaliser keeps every P).
 template <class T, int D, class O, int BM, int BN, class Walk = tile_walk<BM, BN>,
-          bool DROPOUT = false>
+          bool DROPOUT = false, bool BIAS = false>
 __global__ void __launch_bounds__(threads<BM>(), (min_blocks<D, BM>()))
     block_sparse_kernel(const __grid_constant__ params p) {
   static_assert(D % 16 == 0 && BM % 16 == 0 && BN % 16 == 0);
@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(threads<BM>(), (min_blocks<D, BM>()))
     float s[BN / 8][4];
     tile_scores<T, D, BN>(s, qa, ks);
     float alpha[2];
-    softmax_step<BN>(s, m, l, alpha, w, j_cur, i_lo);
+    softmax_step<BN, BIAS>(s, m, l, alpha, w, j_cur, i_lo);
     rescale<D>(o, alpha);
     if constexpr (DROPOUT) {
       drop<BN>(s, drops, w, j_cur, i_lo);

@@ -134,7 +134,7 @@ __device__ __forceinline__ void tma_load_kv_tile(std::uint32_t k_dst, std::uint3
 
 /// BN keys per step (launched with 64; 128 needs blocks that are multiples of 128). DROPOUT: P
 /// times params' dropout factors on the way to O (block_sparse_kernel's).
-template <class T, int D, class O, int BN, bool DROPOUT = false>
+template <class T, int D, class O, int BN, bool DROPOUT = false, bool BIAS = false>
 __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
     block_sparse_wgmma_kernel(const __grid_constant__ params p,
                               const __grid_constant__ tma_maps maps) {
@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
   issue_s(s, 0);
   arch::wgmma_wait<0>();
   arch::fence_operands(flat(s));
-  softmax_step<BN>(s, m, l, alpha, w, j_cur, i_lo);
+  softmax_step<BN, BIAS>(s, m, l, alpha, w, j_cur, i_lo);
   if constexpr (DROPOUT) drop<BN>(s, drops, w, j_cur, i_lo);
 
   std::uint32_t pa[BN / 16][4];
@@ -263,7 +263,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
     issue_pv(it);
     arch::wgmma_wait<1>();  // S_{it+1}; P_it V_it may still run
     arch::fence_operands(flat(s));
-    softmax_step<BN>(s, m, l, alpha, w, j_next, i_lo);
+    softmax_step<BN, BIAS>(s, m, l, alpha, w, j_next, i_lo);
     if constexpr (DROPOUT) drop<BN>(s, drops, w, j_next, i_lo);
     arch::wgmma_wait<0>();
     arch::fence_operands(flat(o));
@@ -302,7 +302,7 @@ __host__ __device__ constexpr int shared_bytes() {
 }
 }  // namespace pingpong
 
-template <class T, int D, class O, int BN, bool DROPOUT = false>
+template <class T, int D, class O, int BN, bool DROPOUT = false, bool BIAS = false>
 __global__ void __launch_bounds__(pingpong::kBlockThreads, 1)
     block_sparse_pingpong_kernel(const __grid_constant__ params p,
                                  const __grid_constant__ tma_maps maps) {
@@ -418,7 +418,7 @@ __global__ void __launch_bounds__(pingpong::kBlockThreads, 1)
   turn_end(false);
   arch::wgmma_wait<0>();
   arch::fence_operands(flat(s));
-  softmax_step<BN>(s, m, l, alpha, w, j_cur, i_lo);
+  softmax_step<BN, BIAS>(s, m, l, alpha, w, j_cur, i_lo);
   if constexpr (DROPOUT) drop<BN>(s, drops, w, j_cur, i_lo);
 
   std::uint32_t pa[BN / 16][4];
@@ -435,7 +435,7 @@ __global__ void __launch_bounds__(pingpong::kBlockThreads, 1)
     turn_end(false);
     arch::wgmma_wait<1>();  // S_{it+1}; P_it V_it may still run
     arch::fence_operands(flat(s));
-    softmax_step<BN>(s, m, l, alpha, w, j_next, i_lo);
+    softmax_step<BN, BIAS>(s, m, l, alpha, w, j_next, i_lo);
     if constexpr (DROPOUT) drop<BN>(s, drops, w, j_next, i_lo);
     arch::wgmma_wait<0>();
     arch::fence_operands(flat(o));

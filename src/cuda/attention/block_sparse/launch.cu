@@ -37,12 +37,13 @@ void launch_mma(std::int64_t bm, const block_sparse::kernel_key& key, const bloc
                 std::int32_t tiles, const attention_dropout& dropout, cudaStream_t s) {
   block_sparse::dispatch(key, [&]<class T, int D, class O>() {
     const auto with_tile = [&]<int BM>() {
-      block_sparse::with_dropout(dropout, [&]<bool DROPOUT>() {
-        using walk = block_sparse::tile_walk<BM, BM>;
-        block_sparse::launch_kernel<
-            block_sparse::block_sparse_kernel<T, D, O, BM, BM, walk, DROPOUT>>(
-            block_sparse::threads<BM>(), block_sparse::shared_bytes<D, BM, BM>(), p, tiles, s);
-      });
+      block_sparse::with_dropout_or_bias(
+          dropout, p.block_bias != nullptr, [&]<bool DROPOUT, bool BIAS>() {
+            using walk = block_sparse::tile_walk<BM, BM>;
+            block_sparse::launch_kernel<
+                block_sparse::block_sparse_kernel<T, D, O, BM, BM, walk, DROPOUT, BIAS>>(
+                block_sparse::threads<BM>(), block_sparse::shared_bytes<D, BM, BM>(), p, tiles, s);
+          });
     };
     switch (bm) {
       case 16:

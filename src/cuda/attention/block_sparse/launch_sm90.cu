@@ -59,9 +59,9 @@ void launch_wgmma(const kernel_key& key, const params& p, std::int64_t k_rows, s
   maps.use = encode_kv(maps.k, p.k, k_rows, p.heads, key.dim, p.k_row, p.k_head, keys) &&
              encode_kv(maps.v, p.v, v_rows, p.heads, key.dim, p.v_row, p.v_head, keys);
   dispatch(key, [&]<class T, int D, class O>() {
-    with_dropout(dropout, [&]<bool DROPOUT>() {
+    with_dropout_or_bias(dropout, p.block_bias != nullptr, [&]<bool DROPOUT, bool BIAS>() {
       const auto two_groups = [&]<int BN>() {
-        launch_kernel<sm90::block_sparse_pingpong_kernel<T, D, O, BN, DROPOUT>>(
+        launch_kernel<sm90::block_sparse_pingpong_kernel<T, D, O, BN, DROPOUT, BIAS>>(
             sm90::pingpong::kBlockThreads, sm90::pingpong::shared_bytes<D, BN>(), p, tiles, s,
             maps);
       };
@@ -69,7 +69,7 @@ void launch_wgmma(const kernel_key& key, const params& p, std::int64_t k_rows, s
         if (keys == 128) return two_groups.template operator()<128>();
       }
       if (pingpong) return two_groups.template operator()<64>();
-      launch_kernel<sm90::block_sparse_wgmma_kernel<T, D, O, 64, DROPOUT>>(
+      launch_kernel<sm90::block_sparse_wgmma_kernel<T, D, O, 64, DROPOUT, BIAS>>(
           sm90::kThreads, sm90::shared_bytes<D, 64>(), p, tiles, s, maps);
     });
   });

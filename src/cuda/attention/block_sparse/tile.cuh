@@ -212,8 +212,9 @@ __device__ __forceinline__ void apply_score_sign(std::uint32_t (&qa)[N][4], cons
 
 /// softmax_step's work after the masking: masked elements of s are NaN (which fmaxf skips), and
 /// with MASKED their P is set to 0. The scale c >= 0 (apply_score_sign) is folded into the
-/// exponent's FMA: max_j c s_j = c max_j s_j; so is the tile's block bias b2 (log2 units).
-template <bool MASKED, int BN>
+/// exponent's FMA: max_j c s_j = c max_j s_j; with BIAS so is the tile's block bias b2 (log2
+/// units: a kernel of its own, the unbiased kernels as they were).
+template <bool MASKED, int BN, bool BIAS>
 __device__ __forceinline__ void softmax_rows(float (&s)[BN / 8][4], float (&m)[2], float (&l)[2],
                                              float (&alpha)[2], float c, float b2) {
 #pragma unroll
@@ -223,8 +224,8 @@ __device__ __forceinline__ void softmax_rows(float (&s)[BN / 8][4], float (&m)[2
     for (int n = 0; n < BN / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m[r], fmaf(mx, c, b2));  // NaN (c = 0, no key) leaves m
-    const float base = safe_max(m_new), shift = b2 - base;
+    const float m_new = fmaxf(m[r], BIAS ? fmaf(mx, c, b2) : mx * c);  // NaN (c = 0) leaves m
+    const float base = safe_max(m_new), shift = BIAS ? b2 - base : -base;
     alpha[r] = exp2_approx(m[r] - base);
     m[r] = m_new;
     float sum = 0.f;
@@ -246,11 +247,11 @@ __device__ __forceinline__ void softmax_rows(float (&s)[BN / 8][4], float (&m)[2
 /// the keys the walk hides, updates the running max m (log2 units, scale
 /// applied) and this thread's partial sums l, leaves P = exp2(scale log2(e) s - m) in s and in
 /// alpha the factor the output rows must be rescaled by (rescale()).
-template <int BN, class Walk>
+template <int BN, bool BIAS = false, class Walk>
 __device__ __forceinline__ void softmax_step(float (&s)[BN / 8][4], float (&m)[2], float (&l)[2],
                                              float (&alpha)[2], const Walk& w, int j0, int i_lo) {
-  const float b2 = w.bias2(j0);
-  if (!w.masks(j0)) return softmax_rows<false, BN>(s, m, l, alpha, w.p.scale_log2, b2);
+  const float b2 = BIAS ? w.bias2(j0) : 0.f;
+  if (!w.masks(j0)) return softmax_rows<false, BN, BIAS>(s, m, l, alpha, w.p.scale_log2, b2);
   const int tq = static_cast<int>(threadIdx.x) % 4;
 #pragma unroll
   for (int n = 0; n < BN / 8; ++n) {
@@ -261,7 +262,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[BN / 8][4], float (&m)[2
       if (w.hides(i, j, e >> 1)) s[n][e] = __int_as_float(0x7fffffff);
     }
   }
-  softmax_rows<true, BN>(s, m, l, alpha, w.p.scale_log2, b2);
+  softmax_rows<true, BN, BIAS>(s, m, l, alpha, w.p.scale_log2, b2);
 }
 
 /// Attention dropout's factors (params::dropout_state): 0 or 1 / (1 - p) per (query, key, head),
