@@ -2,6 +2,7 @@
 // The transpose of a pattern that remembers where each entry came from (the GAT layer's backward
 // walks columns but reads and writes per-entry values in the pattern's own order).
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "trisparse/graph/csr.hpp"
@@ -31,6 +32,17 @@ inline transposed_pattern transposed_of(const csr_graph& g) {
     }
   }
   return t;
+}
+
+// The transpose of a binary pattern as a CSR graph, and the entry of g that each of its entries is.
+inline std::pair<csr_graph, std::vector<std::int64_t>> transpose_with_entries(const csr_graph& g) {
+  transposed_pattern t = transposed_of(g);
+  csr_graph b;
+  b.rows = g.cols;
+  b.cols = g.rows;
+  b.row_ptr = std::move(t.col_ptr);
+  b.col_idx = std::move(t.row_idx);
+  return {std::move(b), std::move(t.entry)};
 }
 
 }  // namespace trisparse::detail

@@ -142,16 +142,7 @@ csr_graph binary_copy(const csr_graph& g) {
   return b;
 }
 
-// The transpose of a binary pattern, and the entry of the pattern that each of its entries is.
-std::pair<csr_graph, std::vector<std::int64_t>> transpose_with_entries(const csr_graph& g) {
-  detail::transposed_pattern t = detail::transposed_of(g);
-  csr_graph b;
-  b.rows = g.cols;
-  b.cols = g.rows;
-  b.row_ptr = std::move(t.col_ptr);
-  b.col_idx = std::move(t.row_idx);
-  return {std::move(b), std::move(t.entry)};
-}
+using detail::transpose_with_entries;
 
 cuda::fused3s_limits fused3s_limits(const plan_options& o) {
   return {o.split_tcbs, o.team_tcbs, o.workspace_heads, o.workspace_dim};

@@ -194,12 +194,7 @@ void cpu_block_sparse_backward(const block_sparse_mask& m, const tensor_view& q,
         const std::int64_t q0 = m.cu_seqlens_q[b], k0 = m.cu_seqlens_k[b];
         const std::int64_t lq = m.len_q(b), lk = m.len_k(b);
         const csr_graph a = m.expand(b, g);
-        detail::transposed_pattern tp = detail::transposed_of(a);
-        csr_graph at;
-        at.rows = a.cols;
-        at.cols = a.rows;
-        at.row_ptr = std::move(tp.col_ptr);
-        at.col_idx = std::move(tp.row_idx);
+        const auto [at, transposed_entry] = detail::transpose_with_entries(a);
         // Dropout's draws: rows within the sequence, head b * H + h (the kernels').
         const std::int64_t head0 = b * q.heads + g;
         const host_tensor e = bias.wanted() ? bias.entries(m, a, b, g, heads, t) : host_tensor{};
@@ -219,7 +214,7 @@ void cpu_block_sparse_backward(const block_sparse_mask& m, const tensor_view& q,
             part(dk, k0, lk), part(dv, k0, lk), scale,
             {.bias = bias.wanted() ? e.view() : tensor_view{},
              .dbias = de.rows() > 0 ? de.view() : tensor_view{},
-             .transposed_entry = tp.entry,
+             .transposed_entry = transposed_entry,
              .dropout = dropout,
              .dropout_head0 = head0});
         if (de.rows() > 0) bias.store_sums(m, a, de.view(), b, g, heads);
