@@ -4,8 +4,8 @@
 #include <omp.h>
 
 #include <cmath>
-#include <functional>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <set>
 
@@ -476,9 +476,9 @@ TEST(BlockSparsePlan, BlockBiasArguments) {
       make_block_sparse_mask({.block = 16, .heads = 2}, std::vector<std::int64_t>{40, 24});
   const auto plan = block_sparse_attention_plan::build(mask);
   // [batch * QB, H, KB]: QB = KB = 3 (the longest sequence, 40 rows of blocks of 16).
-  host_tensor q(dtype::f32, 64, 2, 8), a(dtype::f32, 64, 2, 8),
-              b(dtype::f32, 64, 2, 8), zero(dtype::f32, 6, 2, 3), shared(dtype::f32, 6, 1, 3),
-              wrong(dtype::f32, 6, 2, 4), mass(dtype::f32, 6, 2, 3);
+  host_tensor q(dtype::f32, 64, 2, 8), a(dtype::f32, 64, 2, 8), b(dtype::f32, 64, 2, 8),
+      zero(dtype::f32, 6, 2, 3), shared(dtype::f32, 6, 1, 3), wrong(dtype::f32, 6, 2, 4),
+      mass(dtype::f32, 6, 2, 3);
   q.fill_uniform(-1, 1, 3);
   zero.fill(0.0);
   shared.fill(0.0);
@@ -501,25 +501,26 @@ TEST(BlockSparsePlan, BlockBiasArguments) {
         "dblock_bias");
   names(
       [&] {
-        plan.backward(q.view(), q.view(), q.view(), {}, {}, q.view(), a.view(), b.view(),
-                      b.view(), {.dblock_bias = zero.view()});
+        plan.backward(q.view(), q.view(), q.view(), {}, {}, q.view(), a.view(), b.view(), b.view(),
+                      {.dblock_bias = zero.view()});
       },
       "dblock_bias");
   names(
       [&] {
-        plan.backward(q.view(), q.view(), q.view(), {}, {}, q.view(), a.view(), b.view(),
-                      b.view(), {.block_bias = shared.view(), .dblock_bias = shared.view()});
+        plan.backward(q.view(), q.view(), q.view(), {}, {}, q.view(), a.view(), b.view(), b.view(),
+                      {.block_bias = shared.view(), .dblock_bias = shared.view()});
       },
       "dblock_bias");
   names(
       [&] {
-        plan.backward(q.view(), q.view(), q.view(), {}, {}, q.view(), a.view(), b.view(),
-                      b.view(), {.block_mass = mass.view(), .block_bias = zero.view()});
+        plan.backward(q.view(), q.view(), q.view(), {}, {}, q.view(), a.view(), b.view(), b.view(),
+                      {.block_mass = mass.view(), .block_bias = zero.view()});
       },
       "block bias");
   names(
       [&] {
-        plan.block_mass(q.view(), q.view(), {}, {.block_mass = mass.view(), .block_bias = zero.view()});
+        plan.block_mass(q.view(), q.view(), {},
+                        {.block_mass = mass.view(), .block_bias = zero.view()});
       },
       "block bias");
   const auto graph = attention_plan::build(mask.expand(0, 0));

@@ -217,7 +217,8 @@ void block_sparse_attention_backward(const block_sparse_mask& mask, const tensor
     const std::int64_t lq = mask.len_q(b), lk = mask.len_k(b);
     const csr_graph pattern = mask.expand(b, h);
     const bool biased = block_bias.data != nullptr;
-    const host_tensor bias = biased ? entry_bias(mask, pattern, block_bias, b, h, qb) : host_tensor{};
+    const host_tensor bias =
+        biased ? entry_bias(mask, pattern, block_bias, b, h, qb) : host_tensor{};
     host_tensor ds(dtype::f64, dblock_bias.data != nullptr ? pattern.nnz() : 0, 1, 1);
     attention_backward(pattern, slice(q, q0, lq, h), slice(k, k0, lk, h), slice(v, k0, lk, h),
                        slice(dout, q0, lq, h), slice(dq, q0, lq, h), slice(dk, k0, lk, h),
@@ -243,7 +244,8 @@ void block_importance(const block_sparse_mask& mask, const tensor_view& q, const
   mask.check();
   const std::int64_t rows = mask.cu_seqlens_q.back(), g = mask.block;
   detail::check_attention_args(rows, mask.cu_seqlens_k.back(), q, k, v, dout, device_kind::cpu);
-  const auto [qb, kb] = most_blocks_of(mask);
+  // Named variables (not a structured binding): the lambda below captures them.
+  const std::int64_t qb = most_blocks_of(mask).first, kb = most_blocks_of(mask).second;
   for (const auto& [t, what] : {std::pair{&block_mass, "block_mass"}, {&block_grad, "block_grad"}})
     if (t->data != nullptr) check_view(*t, what, mask.batch() * qb, q.heads, kb);
   for_each_sequence_head(mask.batch(), q.heads, [&](std::int64_t b, std::int64_t h) {
