@@ -70,6 +70,7 @@ def point(
     topk=False,
     dropout=0.0,
     flex=True,
+    bias=False,
 ):
     """One (N, G, p) line: both libraries' times, and their gradients' largest difference."""
     h, n, d = q.shape[1], q.shape[2], q.shape[3]
@@ -121,6 +122,11 @@ def point(
         fns["trisparse_dropout"] = lambda q_, k_, v_: trisparse.block_sparse_attention(
             q_, k_, v_, ours_mask, dropout_p=dropout
         )
+    if bias:  # a learnable per-head block bias (its gradient written by the backward)
+        table = torch.randn(1, h, nb, nb, device=q.device, requires_grad=True)
+        fns["trisparse_bias"] = lambda q_, k_, v_: trisparse.block_sparse_attention(
+            q_, k_, v_, ours_mask, bias=table
+        )
     for i, opts in enumerate(([None] if g >= 128 else FLEX_OPTIONS_64) if flex else []):
         fns[f"flex{i}"] = lambda q_, k_, v_, opts=opts: compiled(
             q_, k_, v_, block_mask=flex_mask, kernel_options=opts
@@ -161,7 +167,7 @@ def point(
     if "trisparse_dropout_fwd_bwd_ms" in r:
         r["dropout_p"] = dropout
         r["dropout_overhead"] = r["trisparse_dropout_fwd_bwd_ms"] / r["trisparse_fwd_bwd_ms"] - 1
-    for name in ("importance", "importance_mass"):
+    for name in ("importance", "importance_mass", "bias"):
         if f"trisparse_{name}_fwd_bwd_ms" in r:
             r[f"{name}_overhead"] = (
                 r[f"trisparse_{name}_fwd_bwd_ms"] / r["trisparse_fwd_bwd_ms"] - 1
@@ -193,6 +199,7 @@ def main():
         "--importance", action="store_true", help="also time the step with BlockImportance"
     )
     ap.add_argument("--topk", action="store_true", help="also time top-k masks routed per step")
+    ap.add_argument("--bias", action="store_true", help="also time a learnable block bias")
     ap.add_argument(
         "--dropout", type=float, default=0.0, help="also time attention dropout p in the kernels"
     )
@@ -230,6 +237,7 @@ def main():
                     args.topk,
                     args.dropout,
                     not args.no_flex,
+                    args.bias,
                 )
                 print(json.dumps(line), flush=True)
 

@@ -158,11 +158,13 @@ struct py_block_plan_calls {
   void run(const tensor_tuple& q, const tensor_tuple& k, const tensor_tuple& v,
            const tensor_tuple& out, const std::optional<tensor_tuple>& lse,
            std::optional<double> scale, std::uintptr_t stream, std::uintptr_t ws,
-           std::size_t ws_bytes, double dropout, std::uintptr_t dropout_state) const {
+           std::size_t ws_bytes, double dropout, std::uintptr_t dropout_state,
+           const std::optional<tensor_tuple>& block_bias) const {
     attention_options o;
     o.scale = scale;
     o.lse = view_of(lse);
     o.dropout = dropout_of(dropout, dropout_state);
+    o.block_bias = view_of(block_bias);
     nb::gil_scoped_release release;
     if constexpr (topk)  // (its forward needs no workspace)
       plan.run(view_of(q), view_of(k), view_of(v), view_of(out), o, stream_of(stream));
@@ -178,12 +180,15 @@ struct py_block_plan_calls {
                 std::uintptr_t ws, std::size_t ws_bytes,
                 const std::optional<tensor_tuple>& block_mass,
                 const std::optional<tensor_tuple>& block_grad, double dropout,
-                std::uintptr_t dropout_state) const {
+                std::uintptr_t dropout_state, const std::optional<tensor_tuple>& block_bias,
+                const std::optional<tensor_tuple>& dblock_bias) const {
     attention_options o;
     o.scale = scale;
     o.dropout = dropout_of(dropout, dropout_state);
     o.block_mass = view_of(block_mass);
     o.block_grad = view_of(block_grad);
+    o.block_bias = view_of(block_bias);
+    o.dblock_bias = view_of(dblock_bias);
     nb::gil_scoped_release release;
     const auto ws_view = workspace_of(ws, ws_bytes);
     if constexpr (topk)
@@ -729,11 +734,13 @@ struct py_block_pattern {
 template <class T>
 void bind_block_plan_calls(nb::class_<T>& c) {
   c.def("run", &T::run, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(), "scale"_a.none(), "stream"_a,
-        "workspace"_a, "workspace_bytes"_a, "dropout"_a = 0.0, "dropout_state"_a = 0)
+        "workspace"_a, "workspace_bytes"_a, "dropout"_a = 0.0, "dropout_state"_a = 0,
+        "block_bias"_a.none() = nb::none())
       .def("backward", &T::backward, "q"_a, "k"_a, "v"_a, "out"_a.none(), "lse"_a.none(), "dout"_a,
            "dq"_a, "dk"_a, "dv"_a, "scale"_a.none(), "stream"_a, "workspace"_a, "workspace_bytes"_a,
            "block_mass"_a.none() = nb::none(), "block_grad"_a.none() = nb::none(),
-           "dropout"_a = 0.0, "dropout_state"_a = 0)
+           "dropout"_a = 0.0, "dropout_state"_a = 0, "block_bias"_a.none() = nb::none(),
+           "dblock_bias"_a.none() = nb::none())
       .def("backward_workspace_bytes", &T::backward_workspace_bytes, "heads"_a,
            "importance"_a = false)
       .def("block_mass", &T::block_mass, "q"_a, "k"_a, "lse"_a.none(), "mass"_a, "scale"_a.none(),

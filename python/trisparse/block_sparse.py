@@ -38,6 +38,37 @@ def _offsets(cu: Any, name: str) -> list[int]:
     return cu
 
 
+def _kernel_bias(
+    bias: Tensor, sequences: int, h: int, qb: int, kb: int, q: Tensor, folded: bool
+) -> Tensor:
+    """The user's [B or 1, H or 1, QB, KB] bias in the kernels' layout, by differentiable views
+    and copies (their autograd sums the gradient over broadcast dimensions): [sequences * QB,
+    H or 1, KB]; heads folded ([N, B * H, D] tensors, one sequence): [QB, B * H or 1, KB]."""
+    if not isinstance(bias, Tensor):
+        raise TypeError(f"bias must be a torch.Tensor, got {type(bias).__name__}")
+    if (
+        bias.dim() != 4
+        or bias.shape[0] not in (1, sequences)
+        or bias.shape[1] not in (1, h)
+        or bias.shape[2:] != (qb, kb)
+    ):
+        raise ValueError(
+            f"bias must be [{sequences} or 1, {h} or 1, {qb}, {kb}] (sequences, heads, query "
+            f"blocks, key blocks), got {tuple(bias.shape)}"
+        )
+    if bias.device != q.device:
+        raise TypeError(f"bias must be on q's device ({q.device}), got {bias.device}")
+    wide = q.dtype == torch.float64 and q.device.type == "cpu"
+    bias = bias.to(torch.float64 if wide else torch.float32).contiguous()
+    if folded:
+        if bias.shape[0] == 1 and bias.shape[1] == 1:
+            return bias[0].transpose(0, 1)  # [QB, 1, KB]
+        return bias.expand(sequences, h, qb, kb).reshape(sequences * h, qb, kb).transpose(0, 1)
+    heads = bias.shape[1]
+    bias = bias.expand(sequences, heads, qb, kb).transpose(1, 2)
+    return bias.reshape(sequences * qb, heads, kb)
+
+
 def block_sparse_attention(
     q: Tensor,
     k: Tensor,
@@ -48,6 +79,7 @@ def block_sparse_attention(
     cu_seqlens_k: Tensor | list[int] | None = None,
     importance: BlockImportance | None = None,
     dropout_p: float = 0.0,
+    bias: Tensor | None = None,
 ) -> Tensor:
     """Attention of q [B, H, N_q, D] over k [B, H, N_k, D], v [B, H, N_k, Dv] under a block mask
     (a :class:`BlockMask`, or FlexAttention's ``BlockMask``, converted by
@@ -75,7 +107,15 @@ def block_sparse_attention(
     by 1 / (1 - p). The kernels draw it themselves from a counter-based generator (Philox4x32-10
     per sequence, head, query and key: the same draws in either layout, on the CPU and on CUDA)
     seeded from torch's generator of q's device, and regenerate it in the backward: nothing
-    [rows, keys] is stored, the gradients stay bitwise repeatable."""
+    [rows, keys] is stored, the gradients stay bitwise repeatable.
+
+    ``bias``: a learnable score bias per block, [B, H, QB, KB] (packed: [sequences, H, QB, KB];
+    QB, KB the query and key blocks of the longest sequence, as the mask's ``blocks``), B and H
+    broadcast where they are 1: each score of block (r, c) becomes scale * q·k + bias[b, h, r, c]
+    (Graphormer-style pair or distance encodings at block granularity). Blocks the mask drops
+    ignore it. Its gradient is each kept block's sum of dS, summed in a fixed order (no atomics:
+    bitwise repeatable), zeros where the mask drops the block. Read as float32 (float64 for
+    float64 inputs on the CPU); not with ``importance``, nor with ``dropout_p`` on CUDA."""
     if not isinstance(mask, BlockMask):
         if hasattr(mask, "kv_num_blocks") and hasattr(mask, "BLOCK_SIZE"):
             # Converted once and kept on the FlexAttention mask: the ops refer to it by id, so it
@@ -150,7 +190,16 @@ def block_sparse_attention(
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     state = _tensors.new_dropout_state(dropout_p, q.device)
 
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if bias is not None:
+        if importance is not None:
+            raise ValueError("block_sparse_attention: importance and bias cannot be combined")
+        qb = -(-max(b - a for a, b in itertools.pairwise(cu_q)) // mask.block_size)
+        kb = -(-max(b - a for a, b in itertools.pairwise(cu_k)) // mask.block_size)
+        sequences = len(cu_q) - 1 if packed else b
+        bias = _kernel_bias(bias, sequences, h, qb, kb, q, not packed and heads_folded)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, bias)
+    )
     qp, kp, vp = (t if t.stride(-1) == 1 else t.contiguous() for t in (qp, kp, vp))
     tracker = 0
     if importance is not None:
@@ -173,6 +222,7 @@ def block_sparse_attention(
         tracker,
         float(dropout_p),
         state,
+        bias,
     )
     if measure:
         mass = torch.ops.trisparse.block_sparse_attention_mass(

@@ -834,7 +834,7 @@ def _part_backward(qp, mine, d, mask, b, out, lse, dop, scale):
     """One part's dq and its blocks' [blocks, G, B, H, 2D] dk | dv, from the merged out and lse."""
     k, v = _part_kv(mine, d, b)
     cu_q, cu_k = _part_ranges(b, qp.shape[0] // b, k.shape[0] // b)
-    dq, dk, dv, _m, _g = torch.ops.trisparse.block_sparse_attention_backward(
+    dq, dk, dv, _m, _g, _db = torch.ops.trisparse.block_sparse_attention_backward(
         qp, k, v, out, lse, dop, mask.id, cu_q, cu_k, float(scale)
     )
     dkv = torch.cat([dk, dv], dim=-1)  # [B * n, H, 2D]

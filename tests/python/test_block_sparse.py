@@ -528,3 +528,125 @@ def test_block_sparse_dropout_on_the_cpu_matches_float64(dtype, g, causal):
     for i, (a, c) in enumerate(zip(got, run(packed=True), strict=True)):
         assert relerr(a, c) <= tol, i
     assert not torch.equal(got[0], run(seed=6)[0])
+
+
+def dense_biased_attention(q, k, v, blocks, bias, g, causal, scale):
+    """The oracle with a block bias: bias [B|1, H|1, QB, KB] expanded to elements and added to
+    the scores before the mask."""
+    n_q, n_k = q.shape[2], k.shape[2]
+    m = blocks.repeat_interleave(g, 2).repeat_interleave(g, 3)[..., :n_q, :n_k]
+    if causal:
+        m = m & (torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None] + (n_k - n_q))
+    b = bias.repeat_interleave(g, 2).repeat_interleave(g, 3)[..., :n_q, :n_k]
+    s = (q.double() @ k.double().transpose(-1, -2)) * scale + b
+    p = torch.softmax(s.masked_fill(~m, -math.inf), dim=-1).nan_to_num(0.0)
+    return p @ v.double()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("layout", ["bhnd", "hbnd"])  # heads folded into one sequence, or not
+@pytest.mark.parametrize("bias_shape", [(2, 3), (1, 3), (1, 1), (2, 1)])
+def test_block_bias_matches_dense_float64(bias_shape, layout, dtype, causal):
+    """A learnable [B|1, H|1, QB, KB] bias: output and the gradients of q, k, v and the bias
+    (summed over broadcast dimensions; zeros on dropped blocks) against the float64 oracle."""
+    b, h, n_q, n_k, d, g = 2, 3, 70, 100, 8, 16
+    gen = torch.Generator().manual_seed(sum(bias_shape) + causal)
+    qb, kb = math.ceil(n_q / g), math.ceil(n_k / g)
+    blocks = torch.rand(b, h, qb, kb, generator=gen) < 0.6
+    mask = trisparse.BlockMask(blocks, g, causal=causal)
+    q, k, v = (_laid_out(t, layout) for t in inputs(b, h, n_q, n_k, d, dtype, seed=4))
+    dout = torch.randn(b, h, n_q, d, generator=gen).to(dtype)
+    bias = torch.randn(*bias_shape, qb, kb, generator=gen, dtype=torch.float64)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    bias_leaf = bias.to(dtype).requires_grad_()
+    out = trisparse.block_sparse_attention(*leaves, mask, bias=bias_leaf)
+    out.backward(dout)
+    want_leaves = [t.detach().double().requires_grad_() for t in (q, k, v, bias)]
+    want = dense_biased_attention(*want_leaves[:3], blocks, want_leaves[3], g, causal, d**-0.5)
+    want.backward(dout.double())
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    got = [out, *(t.grad for t in leaves), bias_leaf.grad]
+    for name, x, y in zip(("out", "dq", "dk", "dv", "dbias"), got, [want] + [
+        t.grad for t in want_leaves
+    ]):  # fmt: skip
+        assert x.dtype == dtype and x.shape == y.shape, name
+        err = float((x.detach().double() - y.detach()).abs().max() / y.abs().max())
+        assert err <= tol, (name, err)
+    dropped = ~blocks.any(0, keepdim=True) if bias_shape[0] == 1 else ~blocks
+    dropped = dropped.all(1, keepdim=True) if bias_shape[1] == 1 else dropped
+    assert bool((bias_leaf.grad[dropped.expand_as(bias_leaf.grad)] == 0).all())
+
+
+def test_block_bias_gradcheck_packed_ragged():
+    """gradcheck in float64 through q, k, v and a per-sequence, per-head bias on a packed ragged
+    batch (lengths 9/12, 0/5, 16/16; blocks of 4, causal)."""
+    h, d, g = 2, 3, 4
+    cu_q, cu_k = [0, 9, 9, 25], [0, 12, 17, 33]
+    gen = torch.Generator().manual_seed(8)
+    blocks = torch.rand(3, h, 4, 4, generator=gen) < 0.7
+    mask = trisparse.BlockMask(blocks, g, causal=True)
+    q = torch.randn(cu_q[-1], h, d, generator=gen, dtype=torch.float64).requires_grad_()
+    k, v = (
+        torch.randn(cu_k[-1], h, d, generator=gen, dtype=torch.float64).requires_grad_()
+        for _ in range(2)
+    )
+    bias = torch.randn(3, h, 4, 4, generator=gen, dtype=torch.float64).requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda a, c, e, f: trisparse.block_sparse_attention(
+            a, c, e, mask, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, bias=f
+        ),
+        (q, k, v, bias),
+    )
+
+
+def test_block_bias_opcheck_and_errors():
+    blocks = torch.rand(1, 1, 2, 2, generator=torch.Generator().manual_seed(5)) < 0.7
+    blocks[0, 0, 0, 0] = True
+    mask = trisparse.BlockMask(blocks, 8)
+    q, k, v = (t.requires_grad_() for t in inputs(1, 2, 16, 16, 4, torch.float32, 6))
+    packed = [t.detach()[0].transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v)]
+    bias = torch.randn(2, 2, 2).requires_grad_()  # [QB, H, KB], the kernels' layout
+    torch.library.opcheck(
+        torch.ops.trisparse.block_sparse_attention.default,
+        (*packed, mask.id, [0, 16], [0, 16], 0.5, True, 0, 0.0, None, bias),
+    )
+    with pytest.raises(ValueError, match=r"bias must be \[1 or 1, 2 or 1, 2, 2\]"):
+        trisparse.block_sparse_attention(q, k, v, mask, bias=torch.zeros(1, 2, 3, 2))
+    with pytest.raises(ValueError, match="importance and bias"):
+        trisparse.block_sparse_attention(
+            q, k, v, mask, bias=torch.zeros(1, 1, 2, 2), importance=trisparse.BlockImportance()
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("d", "g"), [(64, 64), (128, 128), (64, 32)])
+def test_block_bias_on_cuda(d, g, causal):
+    """bf16 on the tensor-core kernels: output and gradients (q, k, v, a per-head bias shared by
+    the batch) against the float64 oracle; the bias gradient bitwise repeatable."""
+    b, h, n = 2, 2, 600
+    gen = torch.Generator().manual_seed(d + g + causal)
+    nb = math.ceil(n / g)
+    blocks = torch.rand(b, h, nb, nb, generator=gen) < 0.5
+    blocks[..., 0] = True
+    q, k, v = inputs(b, h, n, n, d, torch.bfloat16, seed=2)
+    dout = torch.randn(b, h, n, d, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(1, h, nb, nb, generator=gen, dtype=torch.float64)
+    want_leaves = [t.detach().double().requires_grad_() for t in (q, k, v, bias)]
+    want = dense_biased_attention(*want_leaves[:3], blocks, want_leaves[3], g, causal, d**-0.5)
+    want.backward(dout.double())
+    mask = trisparse.BlockMask(blocks.to("cuda"), g, causal=causal)
+    runs = []
+    for _ in range(2):
+        leaves = [t.to("cuda").requires_grad_() for t in (q, k, v)]
+        bias_leaf = bias.float().to("cuda").requires_grad_()
+        out = trisparse.block_sparse_attention(*leaves, mask, bias=bias_leaf)
+        out.backward(dout.to("cuda"))
+        runs.append([out, *(t.grad for t in leaves), bias_leaf.grad])
+    for name, x, y in zip(("out", "dq", "dk", "dv", "dbias"), runs[0], [want] + [
+        t.grad for t in want_leaves
+    ]):  # fmt: skip
+        err = float((x.detach().double().cpu() - y.detach()).abs().max() / y.abs().max())
+        assert err <= 2e-2, (name, err)
+    assert torch.equal(runs[0][4], runs[1][4])

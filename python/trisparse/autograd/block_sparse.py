@@ -14,9 +14,9 @@ from ..ops.block_sparse import (
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, cu_q, cu_k, scale, _with_lse, importance, dropout, dropout_state = inputs
+    q, k, v, mask, cu_q, cu_k, scale, _with_lse, importance, dropout, dropout_state, bias = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, dropout_state)
+    ctx.save_for_backward(q, k, v, out, lse, dropout_state, bias)
     ctx.mask, ctx.cu_q, ctx.cu_k, ctx.scale = mask, cu_q, cu_k, scale
     ctx.dropout = dropout
     ctx.importance = _trackers.get(importance) if importance else None
@@ -28,10 +28,10 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, _dlse, *, run=torch.ops.trisparse.block_sparse_attention_backward):
     if dout is None:  # (unmaterialised: the loss does not reach the output)
-        return (None,) * 11
-    q, k, v, out, lse, dropout_state = ctx.saved_tensors
+        return (None,) * 12
+    q, k, v, out, lse, dropout_state, bias = ctx.saved_tensors
     tracker = ctx.importance
-    dq, dk, dv, mass, grad = run(
+    dq, dk, dv, mass, grad, dbias = run(
         q,
         k,
         v,
@@ -45,10 +45,11 @@ def _backward(ctx, dout, _dlse, *, run=torch.ops.trisparse.block_sparse_attentio
         0 if tracker is None else 1 + tracker.measure_grad,
         ctx.dropout,
         dropout_state,
+        bias,
     )
     if tracker is not None:
         tracker._record(mass, grad, ctx.importance_shape)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * 8 + (dbias if bias is not None else None,)
 
 
 _forward.register_autograd(_backward, setup_context=_setup_context)

@@ -51,13 +51,15 @@ def _forward(
     importance: int = 0,
     dropout: float = 0.0,
     dropout_state: Tensor | None = None,
+    block_bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Packed [rows, H, D] tensors, sequence i at rows cu_q[i]:cu_q[i + 1] (keys cu_k); returns
     out and, with `with_lse`, each row's log-sum-exp (f32 [rows, H], f64 for float64 inputs;
     else [0, H]), which the backward reads instead of recomputing the forward.
     `importance`: the id of a BlockImportance the backward fills (0: none). `dropout`: attention
     dropout drawn in the CUDA kernels from `dropout_state` ({seed, offset}, int64 [2] on q's
-    device)."""
+    device). `block_bias`: a score bias per kept block, [sequences * query blocks, H or 1, key
+    blocks] (f32; f64 for float64 inputs on the CPU), added to scale * q·k."""
     plan = _plan(q, mask, cu_q, cu_k)
     out, lse = _forward_outputs(q, v, with_lse)
     _owner, ws, ws_bytes = _tensors.workspace(
@@ -73,13 +75,25 @@ def _forward(
         ws_bytes,
         dropout,
         _tensors.dropout_state(dropout, dropout_state),
+        _tensors.view(block_bias) if block_bias is not None else None,
     )
     return out, lse
 
 
 @_forward.register_fake
 def _forward_fake(
-    q, k, v, mask, cu_q, cu_k, scale, with_lse, importance=0, dropout=0.0, dropout_state=None
+    q,
+    k,
+    v,
+    mask,
+    cu_q,
+    cu_k,
+    scale,
+    with_lse,
+    importance=0,
+    dropout=0.0,
+    dropout_state=None,
+    block_bias=None,
 ):
     return _forward_outputs(q, v, with_lse)
 
@@ -111,17 +125,22 @@ def _backward_op(
     importance: int = 0,
     dropout: float = 0.0,
     dropout_state: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    block_bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv, and with `importance` 1 each kept block's attention mass, with 2 also its
     |dS| sum (f32 [sequences, query blocks, H, key blocks], zeros where the mask drops a block;
-    else [0])."""
+    else [0]); with `block_bias` its gradient, each kept block's sum of dS (block_bias's shape and
+    dtype, summed over the heads where it has one; zeros where the mask drops a block; else
+    [0])."""
     plan = _plan(q, mask, cu_q, cu_k)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     mass, grad = _importance_like(q, mask, cu_q, cu_k, importance)
+    dbias = _dbias_like(q, block_bias)
     on_cuda = _on_block_kernel(plan, q, "backward")
+    sums = importance > 0 or block_bias is not None  # (dB: the importance's partial sums)
     _owner, ws, ws_bytes = _tensors.workspace(
-        plan.backward_workspace_bytes(q.shape[1], importance > 0) if on_cuda else 0, q.device
+        plan.backward_workspace_bytes(q.shape[1], sums) if on_cuda else 0, q.device
     )
     blocks = [_tensors.view(t.flatten(0, 1)) if t.numel() else None for t in (mass, grad)]
     # The forward's out and lse where it wrote them (the CPU recomputes them without).
@@ -138,8 +157,13 @@ def _backward_op(
         *blocks,
         dropout,
         _tensors.dropout_state(dropout, dropout_state),
+        *(_tensors.view(t) if t is not None else None for t in (block_bias, dbias)),
     )
-    return dq, dk, dv, mass, grad
+    if dbias is None:
+        return dq, dk, dv, mass, grad, q.new_empty(0)
+    if block_bias.shape[1] != dbias.shape[1]:
+        dbias = dbias.sum(1, keepdim=True)  # a bias shared by the heads
+    return dq, dk, dv, mass, grad, dbias
 
 
 @torch.library.custom_op("trisparse::block_sparse_attention_mass", mutates_args=())
@@ -173,6 +197,13 @@ def _mass_fake(q, k, lse, mask, cu_q, cu_k, scale):
     return _importance_like(q, mask, cu_q, cu_k, 1)[0]
 
 
+def _dbias_like(q: Tensor, block_bias: Tensor | None) -> Tensor | None:
+    """Zeroed dB for the kernels: block_bias's rows and key blocks, every head of q."""
+    if block_bias is None:
+        return None
+    return block_bias.new_zeros(block_bias.shape[0], q.shape[1], block_bias.shape[2])
+
+
 def _importance_like(q, mask, cu_q, cu_k, importance):
     """Zeroed block importance outputs: [sequences, QB, H, KB] f32 (QB, KB: the longest
     sequence's query and key blocks) for the mass (`importance` >= 1) and the |dS| sums (2),
@@ -204,9 +235,11 @@ def _backward_fake(
     importance=0,
     dropout=0.0,
     dropout_state=None,
+    block_bias=None,
 ):
     mass, grad = _importance_like(q, mask, cu_q, cu_k, importance)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), mass, grad
+    dbias = q.new_empty(0) if block_bias is None else torch.empty_like(block_bias)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), mass, grad, dbias
 
 
 @torch.library.custom_op("trisparse::topk_blocks", mutates_args=())
