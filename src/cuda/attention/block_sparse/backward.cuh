@@ -298,11 +298,12 @@ __device__ __forceinline__ void probabilities_and_ds(float (&s)[BN / 8][4], floa
                                                      const Walk& w, const Draws& drops, int y,
                                                      int r_lo, const float* terms,
                                                      const float (&row_lse)[2],
-                                                     const float (&row_dterm)[2], float c) {
+                                                     const float (&row_dterm)[2], float c,
+                                                     float b2) {
   const int tq = static_cast<int>(threadIdx.x) % 4;
-  // BIAS: the tile's block bias b2 (log2 units) enters as lse2 - b2: per row for dq, per streamed
-  // query for dk/dv (a kernel of its own: the unbiased kernels' registers stay as they were).
-  const float b2 = BIAS ? w.bias2(y) : 0.f;
+  // BIAS: the tile's block bias b2 (w.bias2(y), log2 units, read by the caller ahead of the
+  // tile's products) enters as lse2 - b2: per row for dq, per streamed query for dk/dv (a kernel
+  // of its own: the unbiased kernels' registers stay as they were).
   const float lse_rows[2] = {row_lse[0] - b2, row_lse[1] - b2};
   // Two copies of the loop, with and without the per-pair test: most tiles need none, and a test
   // inside the loop would cost a branch per pair there too.
@@ -399,6 +400,7 @@ __global__ void __launch_bounds__(BM / 16 * 32)
 
   for (int it = 0; y_cur >= 0; ++it) {
     const int stage = it & 1;
+    const float b2 = BIAS ? w.bias2(y_cur) : 0.f;  // (its load under the tile's wait and products)
     const int y_next = w.next();
     [[maybe_unused]] const int e_next = walk_entry(w);
     if (y_next >= 0) load_stage(stage ^ 1, y_next);
@@ -434,7 +436,7 @@ __global__ void __launch_bounds__(BM / 16 * 32)
     }
 
     probabilities_and_ds<BN, KV, DROPOUT, BIAS>(s, t, w, drops, y_cur, r_lo, terms + stage * 2 * BN,
-                                                row_lse, row_dterm, c);
+                                                row_lse, row_dterm, c, b2);
     if constexpr (KV) {
       if (p.imp_partial != nullptr) {  // the walk is the block's: uniform
         imp.add(s, t, p.imp_signed);

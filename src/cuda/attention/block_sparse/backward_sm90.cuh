@@ -142,6 +142,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
 
   for (int it = 0; y_cur >= 0; ++it) {
     const int stage = it & 1;
+    const float b2 = BIAS ? w.bias2(y_cur) : 0.f;  // (its load under the tile's wait and products)
     const int y_next = w.next();
     [[maybe_unused]] const int e_next = walk_entry(w);
     if (y_next >= 0) load_stage(stage ^ 1, y_next);
@@ -161,7 +162,7 @@ __global__ void __launch_bounds__(128, MIN_BLOCKS)
     arch::fence_operands(flat(t));
 
     probabilities_and_ds<BN, KV, DROPOUT, BIAS>(s, t, w, drops, y_cur, r_lo, terms + stage * 2 * BN,
-                                                row_lse, row_dterm, c);
+                                                row_lse, row_dterm, c, b2);
 
     // dq += dS K; or dk += dSᵀ Q and dv += Pᵀ dO.
     std::uint32_t da[BN / 16][4], pa[KV ? BN / 16 : 1][4];

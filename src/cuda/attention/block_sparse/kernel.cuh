@@ -69,6 +69,7 @@ __global__ void __launch_bounds__(threads<BM>(), (min_blocks<D, BM>()))
 
   for (int it = 0; j_cur >= 0; ++it) {
     const int stage = static_cast<int>(it & 1);
+    const float b2 = BIAS ? w.bias2(j_cur) : 0.f;  // (its load under the tile's wait and S)
     const int j_next = w.next();
     if (j_next >= 0) {
       const std::uint32_t off = (stage ^ 1) * kStage;
@@ -88,7 +89,7 @@ __global__ void __launch_bounds__(threads<BM>(), (min_blocks<D, BM>()))
     float s[BN / 8][4];
     tile_scores<T, D, BN>(s, qa, ks);
     float alpha[2];
-    softmax_step<BN, BIAS>(s, m, l, alpha, w, j_cur, i_lo);
+    softmax_step<BN, BIAS>(s, m, l, alpha, w, j_cur, i_lo, b2);
     rescale<D>(o, alpha);
     if constexpr (DROPOUT) {
       drop<BN>(s, drops, w, j_cur, i_lo);

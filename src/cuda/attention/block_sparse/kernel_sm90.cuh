@@ -213,6 +213,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
     return;
   }
   int j_next = w.next();
+  // The tiles' block biases are read a step ahead: their loads run under the waits and S.
+  float b2 = BIAS ? w.bias2(j_cur) : 0.f;
   // Prologue: Q and tile 0, then tile 1; S_0 and P_0.
   load_rows<D, kRows, kThreads>(q_tile, qg, p.q_row, w.lq - w.row0);
   load_tile(0, j_cur);
@@ -238,7 +240,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
   issue_s(s, 0);
   arch::wgmma_wait<0>();
   arch::fence_operands(flat(s));
-  softmax_step<BN, BIAS>(s, m, l, alpha, w, j_cur, i_lo);
+  softmax_step<BN, BIAS>(s, m, l, alpha, w, j_cur, i_lo, b2);
   if constexpr (DROPOUT) drop<BN>(s, drops, w, j_cur, i_lo);
 
   std::uint32_t pa[BN / 16][4];
@@ -250,6 +252,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
     for (int kp = 0; kp < BN / 16; ++kp) p_fragment<T, BN>(pa[kp], s, kp);
     if (j_next < 0) break;
     const int j_after = w.next();
+    if constexpr (BIAS) b2 = w.bias2(j_next);
     arch::cp_async_wait<0>();  // tile it + 1
     wait_tma(it + 1);
     arch::fence_proxy_async();
@@ -263,7 +266,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<D, BN>())
     issue_pv(it);
     arch::wgmma_wait<1>();  // S_{it+1}; P_it V_it may still run
     arch::fence_operands(flat(s));
-    softmax_step<BN, BIAS>(s, m, l, alpha, w, j_next, i_lo);
+    softmax_step<BN, BIAS>(s, m, l, alpha, w, j_next, i_lo, b2);
     if constexpr (DROPOUT) drop<BN>(s, drops, w, j_next, i_lo);
     arch::wgmma_wait<0>();
     arch::fence_operands(flat(o));
@@ -410,6 +413,8 @@ __global__ void __launch_bounds__(pingpong::kBlockThreads, 1)
     return;
   }
   if (group == 1) arch::barrier_arrive(1, kThreads);  // warpgroup 0 goes first
+  // Each tile's block bias is read before the turn's wait: its load runs under the wait and S.
+  float b2 = BIAS ? w.bias2(j_cur) : 0.f;
   float s[BN / 8][4];
   float alpha[2];
   turn_begin();
@@ -418,7 +423,7 @@ __global__ void __launch_bounds__(pingpong::kBlockThreads, 1)
   turn_end(false);
   arch::wgmma_wait<0>();
   arch::fence_operands(flat(s));
-  softmax_step<BN, BIAS>(s, m, l, alpha, w, j_cur, i_lo);
+  softmax_step<BN, BIAS>(s, m, l, alpha, w, j_cur, i_lo, b2);
   if constexpr (DROPOUT) drop<BN>(s, drops, w, j_cur, i_lo);
 
   std::uint32_t pa[BN / 16][4];
@@ -428,6 +433,7 @@ __global__ void __launch_bounds__(pingpong::kBlockThreads, 1)
     for (int kp = 0; kp < BN / 16; ++kp) p_fragment<T, BN>(pa[kp], s, kp);
     const int j_next = wait_tile(it + 1);
     if (j_next < 0) break;
+    if constexpr (BIAS) b2 = w.bias2(j_next);
     turn_begin();
     arch::wgmma_fence();
     issue_scores<T, D, BN>(s, qa, k_tile((it + 1) % kStages));
@@ -435,7 +441,7 @@ __global__ void __launch_bounds__(pingpong::kBlockThreads, 1)
     turn_end(false);
     arch::wgmma_wait<1>();  // S_{it+1}; P_it V_it may still run
     arch::fence_operands(flat(s));
-    softmax_step<BN, BIAS>(s, m, l, alpha, w, j_next, i_lo);
+    softmax_step<BN, BIAS>(s, m, l, alpha, w, j_next, i_lo, b2);
     if constexpr (DROPOUT) drop<BN>(s, drops, w, j_next, i_lo);
     arch::wgmma_wait<0>();
     arch::fence_operands(flat(o));

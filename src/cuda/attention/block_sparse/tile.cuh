@@ -246,11 +246,12 @@ __device__ __forceinline__ void softmax_rows(float (&s)[BN / 8][4], float (&m)[2
 /// the m16n8 accumulator layout (rows i_lo and i_lo + 8, i_lo = the thread's first row). Masks
 /// the keys the walk hides, updates the running max m (log2 units, scale
 /// applied) and this thread's partial sums l, leaves P = exp2(scale log2(e) s - m) in s and in
-/// alpha the factor the output rows must be rescaled by (rescale()).
+/// alpha the factor the output rows must be rescaled by (rescale()). BIAS: b2 is the tile's
+/// block bias (w.bias2(j0)), read by the caller ahead of the tile's S, off the critical path.
 template <int BN, bool BIAS = false, class Walk>
 __device__ __forceinline__ void softmax_step(float (&s)[BN / 8][4], float (&m)[2], float (&l)[2],
-                                             float (&alpha)[2], const Walk& w, int j0, int i_lo) {
-  const float b2 = BIAS ? w.bias2(j0) : 0.f;
+                                             float (&alpha)[2], const Walk& w, int j0, int i_lo,
+                                             float b2 = 0.f) {
   if (!w.masks(j0)) return softmax_rows<false, BN, BIAS>(s, m, l, alpha, w.p.scale_log2, b2);
   const int tq = static_cast<int>(threadIdx.x) % 4;
 #pragma unroll
