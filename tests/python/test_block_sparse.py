@@ -600,6 +600,35 @@ def test_block_bias_gradcheck_packed_ragged():
     )
 
 
+def test_block_bias_without_its_gradient():
+    """A bias that needs no gradient (a fixed encoding): the same q, k, v gradients as a learnable
+    one, no dB computed, and the backward op's bias_grad=False returns an empty dB."""
+    b, h, n, d, g = 1, 2, 40, 8, 8
+    gen = torch.Generator().manual_seed(11)
+    blocks = torch.rand(b, h, 5, 5, generator=gen) < 0.6
+    mask = trisparse.BlockMask(blocks, g, causal=True)
+    q, k, v = inputs(b, h, n, n, d, torch.float64, seed=12)
+    bias = torch.randn(1, h, 5, 5, generator=gen, dtype=torch.float64)
+    grads = []
+    for learnable in (False, True):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        bias_leaf = bias.clone().requires_grad_(learnable)
+        trisparse.block_sparse_attention(*leaves, mask, bias=bias_leaf).square().sum().backward()
+        assert (bias_leaf.grad is not None) == learnable
+        grads.append([t.grad for t in leaves])
+    for x, y in zip(*grads, strict=True):
+        assert torch.equal(x, y)
+    packed = [t[0].transpose(0, 1).contiguous() for t in (q, k, v)]
+    out, lse = torch.ops.trisparse.block_sparse_attention(
+        *packed, mask.id, [0, n], [0, n], d**-0.5, True, 0, 0.0, None, bias[0].transpose(0, 1)
+    )
+    *_, dbias = torch.ops.trisparse.block_sparse_attention_backward(
+        *packed, out, lse, torch.ones_like(out), mask.id, [0, n], [0, n], d**-0.5, 0, 0.0, None,
+        bias[0].transpose(0, 1).contiguous(), False,
+    )  # fmt: skip
+    assert dbias.numel() == 0
+
+
 def test_block_bias_opcheck_and_errors():
     blocks = torch.rand(1, 1, 2, 2, generator=torch.Generator().manual_seed(5)) < 0.7
     blocks[0, 0, 0, 0] = True

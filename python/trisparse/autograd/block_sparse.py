@@ -46,10 +46,11 @@ def _backward(ctx, dout, _dlse, *, run=torch.ops.trisparse.block_sparse_attentio
         ctx.dropout,
         dropout_state,
         bias,
+        bias is not None and ctx.needs_input_grad[11],
     )
     if tracker is not None:
         tracker._record(mass, grad, ctx.importance_shape)
-    return (dq, dk, dv) + (None,) * 8 + (dbias if bias is not None else None,)
+    return (dq, dk, dv) + (None,) * 8 + (dbias if dbias.numel() else None,)
 
 
 _forward.register_autograd(_backward, setup_context=_setup_context)

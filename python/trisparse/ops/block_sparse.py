@@ -126,19 +126,20 @@ def _backward_op(
     dropout: float = 0.0,
     dropout_state: Tensor | None = None,
     block_bias: Tensor | None = None,
+    bias_grad: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv, and with `importance` 1 each kept block's attention mass, with 2 also its
     |dS| sum (f32 [sequences, query blocks, H, key blocks], zeros where the mask drops a block;
-    else [0]); with `block_bias` its gradient, each kept block's sum of dS (block_bias's shape and
-    dtype, summed over the heads where it has one; zeros where the mask drops a block; else
-    [0])."""
+    else [0]); with `block_bias` and `bias_grad` its gradient, each kept block's sum of dS
+    (block_bias's shape and dtype, summed over the heads where it has one; zeros where the mask
+    drops a block; else [0]: a bias that needs no gradient costs no dB pass)."""
     plan = _plan(q, mask, cu_q, cu_k)
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     mass, grad = _importance_like(q, mask, cu_q, cu_k, importance)
-    dbias = _dbias_like(q, block_bias)
+    dbias = _dbias_like(q, block_bias) if bias_grad else None
     on_cuda = _on_block_kernel(plan, q, "backward")
-    sums = importance > 0 or block_bias is not None  # (dB: the importance's partial sums)
+    sums = importance > 0 or dbias is not None  # (dB: the importance's partial sums)
     _owner, ws, ws_bytes = _tensors.workspace(
         plan.backward_workspace_bytes(q.shape[1], sums) if on_cuda else 0, q.device
     )
@@ -236,9 +237,10 @@ def _backward_fake(
     dropout=0.0,
     dropout_state=None,
     block_bias=None,
+    bias_grad=True,
 ):
     mass, grad = _importance_like(q, mask, cu_q, cu_k, importance)
-    dbias = q.new_empty(0) if block_bias is None else torch.empty_like(block_bias)
+    dbias = torch.empty_like(block_bias) if block_bias is not None and bias_grad else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), mass, grad, dbias
 
 
