@@ -20,6 +20,7 @@ from .block_mask import (
     _packed,
     _topk_on_plan,
 )
+from .ops.block_sparse import longest_blocks
 
 __all__ = ["BlockImportance", "BlockMask", "block_sparse_attention", "topk_block_mask"]
 
@@ -193,8 +194,7 @@ def block_sparse_attention(
     if bias is not None:
         if importance is not None:
             raise ValueError("block_sparse_attention: importance and bias cannot be combined")
-        qb = -(-max(b - a for a, b in itertools.pairwise(cu_q)) // mask.block_size)
-        kb = -(-max(b - a for a, b in itertools.pairwise(cu_k)) // mask.block_size)
+        qb, kb = longest_blocks(cu_q, mask.block_size), longest_blocks(cu_k, mask.block_size)
         sequences = len(cu_q) - 1 if packed else b
         bias = _kernel_bias(bias, sequences, h, qb, kb, q, not packed and heads_folded)
     needs_grad = torch.is_grad_enabled() and any(

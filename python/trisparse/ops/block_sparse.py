@@ -205,6 +205,12 @@ def _dbias_like(q: Tensor, block_bias: Tensor | None) -> Tensor | None:
     return block_bias.new_zeros(block_bias.shape[0], q.shape[1], block_bias.shape[2])
 
 
+def longest_blocks(cu: list[int], g: int) -> int:
+    """Blocks of g rows covering the longest sequence of offsets `cu` (a mask's blocks per row
+    or column, the importance's and the bias's QB and KB)."""
+    return -(-max(b - a for a, b in itertools.pairwise(cu)) // g)
+
+
 def _importance_like(q, mask, cu_q, cu_k, importance):
     """Zeroed block importance outputs: [sequences, QB, H, KB] f32 (QB, KB: the longest
     sequence's query and key blocks) for the mass (`importance` >= 1) and the |dS| sums (2),
@@ -212,9 +218,7 @@ def _importance_like(q, mask, cu_q, cu_k, importance):
     if not importance:  # (two tensors: a custom op's outputs may not alias)
         return q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32)
     g = _masks.lookup(mask).block_size
-    lq = max(b - a for a, b in itertools.pairwise(cu_q))
-    lk = max(b - a for a, b in itertools.pairwise(cu_k))
-    shape = (len(cu_q) - 1, -(-lq // g), q.shape[1], -(-lk // g))
+    shape = (len(cu_q) - 1, longest_blocks(cu_q, g), q.shape[1], longest_blocks(cu_k, g))
     mass = q.new_zeros(shape, dtype=torch.float32)
     if importance == 1:  # (empty: nothing to fill)
         return mass, q.new_empty(0, dtype=torch.float32)
