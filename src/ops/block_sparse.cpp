@@ -395,9 +395,6 @@ void block_sparse_attention_plan::run(const tensor_view& q, const tensor_view& k
   const auto [qb, kb] = detail::most_blocks(m);
   detail::check_block_bias(options, m.batch(), qb, q.heads, kb, where, false);
   const cpu_block_bias bias{options.block_bias, {}, qb};
-  if (bias.wanted() && options.dropout.p > 0 && where == device_kind::cuda)
-    throw not_supported(
-        "a block bias with attention dropout in the CUDA kernels (the CPU takes both)");
   if (bias.wanted() && algo != (where == device_kind::cpu ? algorithm::fused : algorithm::block)) {
     throw not_supported(
         "a block bias runs with algorithm::block on CUDA and algorithm::fused on "
@@ -523,9 +520,6 @@ void block_sparse_attention_plan::backward(const tensor_view& q, const tensor_vi
   const cpu_block_bias bias{options.block_bias, options.dblock_bias, qb};
   if (bias.wanted() && importance.wanted())
     throw not_supported("block importance together with a block bias");
-  if (bias.wanted() && options.dropout.p > 0 && where == device_kind::cuda)
-    throw not_supported(
-        "a block bias with attention dropout in the CUDA kernels (the CPU takes both)");
   if (where == device_kind::cpu) {
     const algorithm algo =
         options.algo == algorithm::automatic ? state_->report.algo : options.algo;

@@ -497,6 +497,10 @@ mask_pairs pairs_of(const block_sparse_mask& mask) {
   return out;
 }
 
+// Attention dropout drawn in the kernels, alone and with a per-head block bias (the dropout
+// kernels read it where set): out, dq, dk, dv and dblock_bias against the float64 reference over
+// the expanded pairs with the same draws (the bias as a feature term: r one-hot per head, a the
+// pair's bias per head, so that da is dS per head).
 void block_sparse_dropout_cases(recorder& rec) {
   const bool cuda = kWhere == device_kind::cuda;
   // The backends that draw it: CUDA's block kernels, the CPU engine (the state in host memory).
@@ -520,57 +524,99 @@ void block_sparse_dropout_cases(recorder& rec) {
       const mask_pairs all = pairs_of(mask);
       const coo_graph& pairs = all.coo;
       const auto e = static_cast<std::int64_t>(pairs.src.size());
+      const std::int64_t rows = mask.cu_seqlens_q.back();
+      const std::int64_t qb = (*std::max_element(lens.begin(), lens.end()) + g - 1) / g, kb = qb,
+                         bias_rows = static_cast<std::int64_t>(lens.size()) * qb;
       host_tensor keep(dtype::f64, e, heads, 1);
-      for (std::size_t p = 0; p < all.seq.size(); ++p)
+      // The bias of pair p's block in bias_rows x heads x kb.
+      std::vector<std::int64_t> bias_at(static_cast<std::size_t>(e));
+      for (std::size_t p = 0; p < all.seq.size(); ++p) {
+        bias_at[p] = (all.seq[p] * qb + all.i[p] / g) * heads * kb + all.j[p] / g;
         for (std::int32_t h = 0; h < heads; ++h)
           keep.set(static_cast<std::int64_t>(p) * heads + h,
                    dropout_factor(drop, seed, offset, all.i[p], all.j[p],
                                   static_cast<std::int32_t>(all.seq[p] * heads + h)));
-      const std::int64_t rows = mask.cu_seqlens_q.back();
+      }
+      host_tensor one_hot(dtype::f64, rows, heads, heads);
+      one_hot.fill(0.0);
+      for (std::int64_t r = 0; r < rows; ++r)
+        for (std::int64_t h = 0; h < heads; ++h) one_hot.set((r * heads + h) * heads + h, 1.0);
       for (const block_kernel kernel : {block_kernel::automatic, block_kernel::wgmma_pingpong}) {
         if (kernel == block_kernel::wgmma_pingpong && (g % 128 != 0 || !cuda)) continue;
-        const std::string shape = "G" + std::to_string(g) + (causal ? " causal" : "") +
-                                  " ragged, dropout" +
-                                  (kernel == block_kernel::wgmma_pingpong ? ", pingpong plan" : "");
-        for (const std::int64_t dim : {64, 128}) {
-          const std::string at = shape + ", d " + std::to_string(dim);
-          for (const dtype in : kDtypes) {
-            const types t{in, in};
-            rec.attempt("block_sparse_dropout", backend, t, [&] {
-              const dtype grad = cuda ? in : out_of(in);
-              const auto plan = block_sparse_attention_plan::build(
-                  mask, kWhere, {.algo = algo, .kernel = kernel, .gradients = cuda});
-              const host_tensor q = random(in, rows, heads, dim, 50),
-                                k = random(in, rows, heads, dim, 51),
-                                v = random(in, rows, heads, dim, 52),
-                                dout = random(in, rows, heads, dim, 53);
-              buffer bq(q), bk(k), bv(v), bdout(dout),
-                  out = buffer::output(in, rows, heads, dim),
-                  lse = buffer::output(dtype::f32, rows, heads, 1),
-                  dq = buffer::output(grad, rows, heads, dim),
-                  dk = buffer::output(grad, rows, heads, dim),
-                  dv = buffer::output(grad, rows, heads, dim);
-              // The lse on CUDA only (the CPU backward recomputes it).
-              const tensor_view lse_view = cuda ? lse.view() : tensor_view{};
-              plan.run(bq.view(), bk.view(), bv.view(), out.view(),
-                       {.lse = lse_view, .dropout = drop});
-              plan.backward(bq.view(), bk.view(), bv.view(), out.view(), lse_view, bdout.view(),
-                            dq.view(), dk.view(), dv.view(), {.dropout = drop});
-              const double scale = effective_scale({}, dim);
-              host_tensor want(dtype::f64, rows, heads, dim), wq(dtype::f64, rows, heads, dim),
-                  wk(dtype::f64, rows, heads, dim), wv(dtype::f64, rows, heads, dim);
-              reference::edge_attention(pairs, q.view(), k.view(), v.view(), {}, {}, keep.view(),
-                                        scale, want.view(), {}, {});
-              reference::edge_attention_backward(pairs, q.view(), k.view(), v.view(), {}, {},
-                                                 keep.view(), scale, dout.view(), {}, wq.view(),
-                                                 wk.view(), wv.view(), {}, {});
-              rec.check("block_sparse_dropout", backend, t, at, out.fetch(), want,
-                        tolerance(in, in, 4), "out");
-              const double tol = tolerance(in, in, 8) + unit_roundoff(in) * 8;
-              rec.check("block_sparse_dropout", backend, t, at, dq.fetch(), wq, tol, "dq");
-              rec.check("block_sparse_dropout", backend, t, at, dk.fetch(), wk, tol, "dk");
-              rec.check("block_sparse_dropout", backend, t, at, dv.fetch(), wv, tol, "dv");
-            });
+        for (const bool biased : {false, true}) {
+          const std::string shape =
+              "G" + std::to_string(g) + (causal ? " causal" : "") + " ragged, dropout" +
+              (biased ? ", block bias" : "") +
+              (kernel == block_kernel::wgmma_pingpong ? ", pingpong plan" : "");
+          for (const std::int64_t dim : {64, 128}) {
+            const std::string at = shape + ", d " + std::to_string(dim);
+            for (const dtype in : kDtypes) {
+              const types t{in, in};
+              rec.attempt("block_sparse_dropout", backend, t, [&] {
+                const dtype grad = cuda ? in : out_of(in);
+                const auto plan = block_sparse_attention_plan::build(
+                    mask, kWhere, {.algo = algo, .kernel = kernel, .gradients = cuda});
+                const host_tensor q = random(in, rows, heads, dim, 50),
+                                  k = random(in, rows, heads, dim, 51),
+                                  v = random(in, rows, heads, dim, 52),
+                                  dout = random(in, rows, heads, dim, 53);
+                const dtype bias_type = in == dtype::f64 && !cuda ? dtype::f64 : dtype::f32;
+                host_tensor bias = random(bias_type, bias_rows, heads, kb, 54);
+                host_tensor zeros(bias_type, bias_rows, heads, kb);
+                zeros.fill(0.0);
+                buffer bq(q), bk(k), bv(v), bdout(dout), bbias(bias), dbias(zeros),
+                    out = buffer::output(in, rows, heads, dim),
+                    lse = buffer::output(dtype::f32, rows, heads, 1),
+                    dq = buffer::output(grad, rows, heads, dim),
+                    dk = buffer::output(grad, rows, heads, dim),
+                    dv = buffer::output(grad, rows, heads, dim);
+                // The lse on CUDA only (the CPU backward recomputes it).
+                const tensor_view lse_view = cuda ? lse.view() : tensor_view{};
+                const tensor_view bias_view = biased ? bbias.view() : tensor_view{},
+                                  dbias_view = biased ? dbias.view() : tensor_view{};
+                const std::size_t bytes = plan.backward_workspace_bytes(heads, biased);
+                buffer ws = buffer::scratch(bytes);
+                plan.run(bq.view(), bk.view(), bv.view(), out.view(),
+                         {.lse = lse_view, .dropout = drop, .block_bias = bias_view});
+                plan.backward(bq.view(), bk.view(), bv.view(), out.view(), lse_view, bdout.view(),
+                              dq.view(), dk.view(), dv.view(),
+                              {.dropout = drop, .block_bias = bias_view, .dblock_bias = dbias_view},
+                              {}, {bytes > 0 ? ws.view().data : nullptr, bytes});
+                const double scale = effective_scale({}, dim);
+                host_tensor want(dtype::f64, rows, heads, dim), wq(dtype::f64, rows, heads, dim),
+                    wk(dtype::f64, rows, heads, dim), wv(dtype::f64, rows, heads, dim),
+                    a(dtype::f64, e, 1, heads), da(dtype::f64, e, 1, heads),
+                    dr(dtype::f64, rows, heads, heads);
+                for (std::int64_t p = 0; p < e; ++p)
+                  for (std::int64_t h = 0; h < heads; ++h)
+                    a.set(p * heads + h, bias.get(bias_at[static_cast<std::size_t>(p)] + h * kb));
+                const tensor_view r_view = biased ? one_hot.view() : tensor_view{},
+                                  a_view = biased ? a.view() : tensor_view{};
+                reference::edge_attention(pairs, q.view(), k.view(), v.view(), r_view, a_view,
+                                          keep.view(), scale, want.view(), {}, {});
+                reference::edge_attention_backward(
+                    pairs, q.view(), k.view(), v.view(), r_view, a_view, keep.view(), scale,
+                    dout.view(), {}, wq.view(), wk.view(), wv.view(),
+                    biased ? dr.view() : tensor_view{}, biased ? da.view() : tensor_view{});
+                rec.check("block_sparse_dropout", backend, t, at, out.fetch(), want,
+                          tolerance(in, in, 4), "out");
+                const double tol = tolerance(in, in, 8) + unit_roundoff(in) * 8;
+                rec.check("block_sparse_dropout", backend, t, at, dq.fetch(), wq, tol, "dq");
+                rec.check("block_sparse_dropout", backend, t, at, dk.fetch(), wk, tol, "dk");
+                rec.check("block_sparse_dropout", backend, t, at, dv.fetch(), wv, tol, "dv");
+                if (!biased) return;
+                host_tensor wb(dtype::f64, bias_rows, heads, kb);
+                wb.fill(0.0);
+                for (std::int64_t p = 0; p < e; ++p) {
+                  for (std::int64_t h = 0; h < heads; ++h) {
+                    const std::int64_t x = bias_at[static_cast<std::size_t>(p)] + h * kb;
+                    wb.set(x, wb.get(x) + da.get(p * heads + h));
+                  }
+                }
+                rec.check("block_sparse_dropout", backend, t, at, dbias.fetch(), wb, tol,
+                          "dblock_bias");
+              });
+            }
           }
         }
       }

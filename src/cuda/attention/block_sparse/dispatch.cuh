@@ -45,12 +45,13 @@ void with_dropout(const attention_dropout& dropout, F&& f) {
     f.template operator()<false>();
 }
 
-/// f.template operator()<DROPOUT, BIAS>() for the block kernels: with attention dropout, with a
-/// block bias, or neither (a bias with dropout is refused before a launch).
+/// f.template operator()<DROPOUT, BIAS>() for the block kernels: with attention dropout (and a
+/// block bias or none: the dropout kernels read it where set, b2 = 0 otherwise, which leaves
+/// their arithmetic exact), with a block bias, or neither.
 template <class F>
 void with_dropout_or_bias(const attention_dropout& dropout, bool biased, F&& f) {
   if (dropout.p > 0)
-    f.template operator()<true, false>();
+    f.template operator()<true, true>();
   else if (biased)
     f.template operator()<false, true>();
   else
