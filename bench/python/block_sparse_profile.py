@@ -6,6 +6,7 @@ time of the forward and of the backward alone (enqueue only), and of the C++ pla
 backward alone and the ops' Python implementations around them.
 
   python3 bench/python/block_sparse_profile.py [--n 32768] [--block 128] [--sparsity 0.99 0.95]
+      [--bias]
 """
 
 import argparse
@@ -121,6 +122,9 @@ def main():
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument(
+        "--bias", action="store_true", help="also a learnable per-head block bias's step"
+    )
     args = ap.parse_args()
     compiled = torch.compile(flex_attention, dynamic=False)
     h, d, g, n = args.heads, args.dim, args.block, args.n
@@ -139,6 +143,14 @@ def main():
             dout,
         )
         host_breakdown(q, k, v, dout, ours)
+        if args.bias:
+            table = torch.randn(1, h, n // g, n // g, device="cuda", requires_grad=True)
+            report(
+                f"trisparse with a block bias p={p}",
+                lambda a, b, c: trisparse.block_sparse_attention(a, b, c, ours, bias=table),
+                leaves,
+                dout,
+            )
         if not args.no_flex:
             flex_mask = block_mask_from(blocks, n, g, q.device)
             report(

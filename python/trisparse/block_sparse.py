@@ -116,7 +116,7 @@ def block_sparse_attention(
     (Graphormer-style pair or distance encodings at block granularity). Blocks the mask drops
     ignore it. Its gradient is each kept block's sum of dS, summed in a fixed order (no atomics:
     bitwise repeatable), zeros where the mask drops the block. Read as float32 (float64 for
-    float64 inputs on the CPU); not with ``importance``, nor with ``dropout_p`` on CUDA."""
+    float64 inputs on the CPU), with ``dropout_p`` or without; not with ``importance``."""
     if not isinstance(mask, BlockMask):
         if hasattr(mask, "kv_num_blocks") and hasattr(mask, "BLOCK_SIZE"):
             # Converted once and kept on the FlexAttention mask: the ops refer to it by id, so it

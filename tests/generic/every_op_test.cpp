@@ -506,7 +506,8 @@ void block_sparse_dropout_cases(recorder& rec) {
   // The backends that draw it: CUDA's block kernels, the CPU engine (the state in host memory).
   const algorithm algo = cuda ? algorithm::block : algorithm::fused;
   const std::string backend = backend_name(algo, kWhere, true);
-  const std::vector<std::int64_t> lens{70, 0, 33, 130};
+  // (300: dB has a scale to be compared at, as block_sparse_bias_cases says.)
+  const std::vector<std::int64_t> lens{70, 0, 33, 300};
   const std::uint64_t seed = 0x0123456789ABCDEFull, offset = 5;
   host_tensor state_h(dtype::f64, 2, 1, 1);
   std::memcpy(state_h.data(), &seed, sizeof seed);
@@ -549,10 +550,11 @@ void block_sparse_dropout_cases(recorder& rec) {
               (biased ? ", block bias" : "") +
               (kernel == block_kernel::wgmma_pingpong ? ", pingpong plan" : "");
           for (const std::int64_t dim : {64, 128}) {
+            if (biased && dim == 128 && !cuda) continue;  // (the CPU engine's loops take any D)
             const std::string at = shape + ", d " + std::to_string(dim);
             for (const dtype in : kDtypes) {
               const types t{in, in};
-              rec.attempt("block_sparse_dropout", backend, t, [&] {
+              rec.attempt("block_sparse_dropout"", backend, t, [&] {
                 const dtype grad = cuda ? in : out_of(in);
                 const auto plan = block_sparse_attention_plan::build(
                     mask, kWhere, {.algo = algo, .kernel = kernel, .gradients = cuda});
@@ -577,10 +579,10 @@ void block_sparse_dropout_cases(recorder& rec) {
                 const std::size_t bytes = plan.backward_workspace_bytes(heads, biased);
                 buffer ws = buffer::scratch(bytes);
                 plan.run(bq.view(), bk.view(), bv.view(), out.view(),
-                         {.lse = lse_view, .dropout = drop, .block_bias = bias_view});
+                         {.lse = lse_view, .block_bias = bias_view, .dropout = drop});
                 plan.backward(bq.view(), bk.view(), bv.view(), out.view(), lse_view, bdout.view(),
                               dq.view(), dk.view(), dv.view(),
-                              {.dropout = drop, .block_bias = bias_view, .dblock_bias = dbias_view},
+                              {.block_bias = bias_view, .dblock_bias = dbias_view, .dropout = drop},
                               {}, {bytes > 0 ? ws.view().data : nullptr, bytes});
                 const double scale = effective_scale({}, dim);
                 host_tensor want(dtype::f64, rows, heads, dim), wq(dtype::f64, rows, heads, dim),

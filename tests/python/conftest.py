@@ -110,19 +110,23 @@ def philox_factors(rows_i, rows_j, heads, state, p: float):
     return torch.from_numpy(np.stack(out, 1))
 
 
-def block_dropout_reference(q, k, v, dout, blocks, g, causal, state, p):
-    """float64 out, dq, dk, dv of block-sparse attention of q [B, H, N_q, D] under `blocks`
-    [B, H, QB, KB] of size g (causal: at the bottom right) with attention dropout p drawn as the
-    kernels draw it from state = {seed, offset} (head b * H + h, rows within the sequence)."""
+def block_dropout_reference(q, k, v, dout, blocks, g, causal, state, p, bias=None):
+    """float64 out, dq, dk, dv (and with `bias` [B|1, H|1, QB, KB], a score bias per block, its
+    gradient) of block-sparse attention of q [B, H, N_q, D] under `blocks` [B, H, QB, KB] of size g
+    (causal: at the bottom right) with attention dropout p drawn as the kernels draw it from state
+    = {seed, offset} (head b * H + h, rows within the sequence)."""
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
-    xs = [t.double().requires_grad_() for t in (q, k, v)]
+    xs = [t.double().requires_grad_() for t in (q, k, v, *([] if bias is None else [bias]))]
     qi, kj = torch.arange(n_q)[:, None], torch.arange(n_k)[None, :]
     allowed = blocks.repeat_interleave(g, 2).repeat_interleave(g, 3)[:, :, :n_q, :n_k]
     if causal:
         allowed = allowed & (kj <= qi + n_k - n_q)
     ii, jj = (t.expand(n_q, n_k).flatten() for t in (qi, kj))
     m = philox_factors(ii, jj, range(b * h), state, p).T.reshape(b, h, n_q, n_k)
-    s = (xs[0] @ xs[1].transpose(-1, -2) / d**0.5).masked_fill(~allowed, float("-inf"))
+    s = xs[0] @ xs[1].transpose(-1, -2) / d**0.5
+    if bias is not None:
+        s = s + xs[3].repeat_interleave(g, 2).repeat_interleave(g, 3)[..., :n_q, :n_k]
+    s = s.masked_fill(~allowed, float("-inf"))
     out = (torch.softmax(s, -1).nan_to_num(0.0) * m) @ xs[2]
     return [out.detach(), *torch.autograd.grad(out, xs, dout.double())]

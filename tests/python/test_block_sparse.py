@@ -600,6 +600,29 @@ def test_block_bias_gradcheck_packed_ragged():
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_block_bias_with_dropout_on_the_cpu(dtype):
+    """A learnable bias with attention dropout (the CPU engine's draws): out and the gradients of
+    q, k, v and the bias against float64 with the same draws."""
+    b, h, n, d, g, p = 2, 2, 45, 8, 16, 0.3
+    gen = torch.Generator().manual_seed(21)
+    nb = math.ceil(n / g)
+    blocks = torch.rand(b, h, nb, nb, generator=gen) < 0.7
+    mask = trisparse.BlockMask(blocks, g, causal=True)
+    q, k, v, dout = (torch.randn(b, h, n, d, generator=gen, dtype=torch.float64) for _ in range(4))
+    bias = torch.randn(1, h, nb, nb, generator=gen, dtype=torch.float64)
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v, bias)]
+    torch.manual_seed(3)
+    out = trisparse.block_sparse_attention(*leaves[:3], mask, dropout_p=p, bias=leaves[3])
+    got = [out.detach(), *torch.autograd.grad(out, leaves, dout.to(dtype))]
+    torch.manual_seed(3)
+    state = trisparse._tensors.new_dropout_state(p, torch.device("cpu"))
+    want = block_dropout_reference(q, k, v, dout, blocks, g, True, state, p, bias)
+    tol = 1e-12 if dtype == torch.float64 else 3e-5
+    for name, a, w in zip(("out", "dq", "dk", "dv", "dbias"), got, want, strict=True):
+        assert relerr(a.double(), w) <= tol, name
+
+
 def test_block_bias_without_its_gradient():
     """A bias that needs no gradient (a fixed encoding): the same q, k, v gradients as a learnable
     one, no dB computed, and the backward op's bias_grad=False returns an empty dB."""
@@ -649,11 +672,13 @@ def test_block_bias_opcheck_and_errors():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(("d", "g"), [(64, 64), (128, 128), (64, 32)])
-def test_block_bias_on_cuda(d, g, causal):
+def test_block_bias_on_cuda(d, g, causal, dropout):
     """bf16 on the tensor-core kernels: output and gradients (q, k, v, a per-head bias shared by
-    the batch) against the float64 oracle; the bias gradient bitwise repeatable."""
+    the batch) against the float64 oracle, with attention dropout (the kernels' draws) or
+    without; the bias gradient bitwise repeatable."""
     b, h, n = 2, 2, 600
     gen = torch.Generator().manual_seed(d + g + causal)
     nb = math.ceil(n / g)
@@ -662,20 +687,24 @@ def test_block_bias_on_cuda(d, g, causal):
     q, k, v = inputs(b, h, n, n, d, torch.bfloat16, seed=2)
     dout = torch.randn(b, h, n, d, generator=gen).to(torch.bfloat16)
     bias = torch.randn(1, h, nb, nb, generator=gen, dtype=torch.float64)
-    want_leaves = [t.detach().double().requires_grad_() for t in (q, k, v, bias)]
-    want = dense_biased_attention(*want_leaves[:3], blocks, want_leaves[3], g, causal, d**-0.5)
-    want.backward(dout.double())
+    torch.cuda.manual_seed(4)
+    state = trisparse._tensors.new_dropout_state(dropout, torch.device("cuda"))
+    if dropout:
+        want = block_dropout_reference(q, k, v, dout, blocks, g, causal, state.cpu(), dropout, bias)
+    else:
+        want_leaves = [t.detach().double().requires_grad_() for t in (q, k, v, bias)]
+        out = dense_biased_attention(*want_leaves[:3], blocks, want_leaves[3], g, causal, d**-0.5)
+        want = [out, *torch.autograd.grad(out, want_leaves, dout.double())]
     mask = trisparse.BlockMask(blocks.to("cuda"), g, causal=causal)
     runs = []
     for _ in range(2):
         leaves = [t.to("cuda").requires_grad_() for t in (q, k, v)]
         bias_leaf = bias.float().to("cuda").requires_grad_()
-        out = trisparse.block_sparse_attention(*leaves, mask, bias=bias_leaf)
+        torch.cuda.manual_seed(4)
+        out = trisparse.block_sparse_attention(*leaves, mask, dropout_p=dropout, bias=bias_leaf)
         out.backward(dout.to("cuda"))
         runs.append([out, *(t.grad for t in leaves), bias_leaf.grad])
-    for name, x, y in zip(("out", "dq", "dk", "dv", "dbias"), runs[0], [want] + [
-        t.grad for t in want_leaves
-    ]):  # fmt: skip
+    for name, x, y in zip(("out", "dq", "dk", "dv", "dbias"), runs[0], want, strict=True):
         err = float((x.detach().double().cpu() - y.detach()).abs().max() / y.abs().max())
         assert err <= 2e-2, (name, err)
     assert torch.equal(runs[0][4], runs[1][4])

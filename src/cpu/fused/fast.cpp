@@ -46,15 +46,17 @@ void attend_rows(const csr_graph& a, const tensor_view& q, const tensor_view& k,
         for (std::int64_t c0 = e0; c0 < e1; c0 += kChunk) {
           const auto key_row = [&](std::int64_t j) { return std::int64_t{a.col_idx[c0 + j]}; };
           const std::int64_t n = std::min(kChunk, e1 - c0);
-          if (biased) {
-            const std::int64_t bh = detail::bias_head(bias, h);
-            attend_chunk(qrow.data(), n, key_row, kf, vf, h, dk, dv, st, [&](std::int64_t j) {
-              return *bf.row(c0 + j, bh) * std::numbers::log2e_v<T>;
-            });
+          const auto bias_of = [&, bh = biased ? detail::bias_head(bias, h) : 0](std::int64_t j) {
+            return *bf.row(c0 + j, bh) * std::numbers::log2e_v<T>;
+          };
+          const auto keep_of = [&, head = static_cast<std::int32_t>(dropout_head0 + h)](
+                                   std::int64_t j) { return draws.factor(i, key_row(j), head); };
+          if (biased && drops) {
+            attend_chunk(qrow.data(), n, key_row, kf, vf, h, dk, dv, st, bias_of, keep_of);
+          } else if (biased) {
+            attend_chunk(qrow.data(), n, key_row, kf, vf, h, dk, dv, st, bias_of);
           } else if (drops) {
-            const auto head = static_cast<std::int32_t>(dropout_head0 + h);
-            attend_chunk(qrow.data(), n, key_row, kf, vf, h, dk, dv, st, no_bias{},
-                         [&](std::int64_t j) { return draws.factor(i, key_row(j), head); });
+            attend_chunk(qrow.data(), n, key_row, kf, vf, h, dk, dv, st, no_bias{}, keep_of);
           } else {
             attend_chunk(qrow.data(), n, key_row, kf, vf, h, dk, dv, st);
           }
@@ -76,8 +78,6 @@ void fused_attention_unchecked(const csr_graph& a, const tensor_view& q, const t
   if (lse.data != nullptr) check_view(lse, "lse", a.rows, q.heads, 1);
   if (bias.data != nullptr) detail::check_bias(bias, "bias", a.nnz(), q.heads, device_kind::cpu);
   TRISPARSE_EXPECTS_INPUT(std::isfinite(scale), "scale must be finite");
-  TRISPARSE_EXPECTS(bias.data == nullptr || dropout.p == 0,
-                    "the CPU engine's graph forward takes a bias or dropout, not both");
   in_type_of(q.type, [&]<class T>() {
     attend_rows<T>(a, q, k, v, out, scale, lse, bias, dropout, dropout_head0);
   });

@@ -245,7 +245,8 @@ void block_importance(const block_sparse_mask& mask, const tensor_view& q, const
   const std::int64_t rows = mask.cu_seqlens_q.back(), g = mask.block;
   detail::check_attention_args(rows, mask.cu_seqlens_k.back(), q, k, v, dout, device_kind::cpu);
   // Named variables (not a structured binding): the lambda below captures them.
-  const std::int64_t qb = most_blocks_of(mask).first, kb = most_blocks_of(mask).second;
+  const std::pair<std::int64_t, std::int64_t> most = most_blocks_of(mask);
+  const std::int64_t qb = most.first, kb = most.second;
   for (const auto& [t, what] : {std::pair{&block_mass, "block_mass"}, {&block_grad, "block_grad"}})
     if (t->data != nullptr) check_view(*t, what, mask.batch() * qb, q.heads, kb);
   for_each_sequence_head(mask.batch(), q.heads, [&](std::int64_t b, std::int64_t h) {
