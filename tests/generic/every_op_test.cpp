@@ -554,7 +554,7 @@ void block_sparse_dropout_cases(recorder& rec) {
             const std::string at = shape + ", d " + std::to_string(dim);
             for (const dtype in : kDtypes) {
               const types t{in, in};
-              rec.attempt("block_sparse_dropout"", backend, t, [&] {
+              rec.attempt("block_sparse_dropout", backend, t, [&] {
                 const dtype grad = cuda ? in : out_of(in);
                 const auto plan = block_sparse_attention_plan::build(
                     mask, kWhere, {.algo = algo, .kernel = kernel, .gradients = cuda});
