@@ -117,7 +117,9 @@ def block_dropout_reference(q, k, v, dout, blocks, g, causal, state, p, bias=Non
     = {seed, offset} (head b * H + h, rows within the sequence)."""
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
-    xs = [t.double().requires_grad_() for t in (q, k, v, *([] if bias is None else [bias]))]
+    xs = [
+        t.detach().double().requires_grad_() for t in (q, k, v, *([] if bias is None else [bias]))
+    ]
     qi, kj = torch.arange(n_q)[:, None], torch.arange(n_k)[None, :]
     allowed = blocks.repeat_interleave(g, 2).repeat_interleave(g, 3)[:, :, :n_q, :n_k]
     if causal:

@@ -161,7 +161,7 @@ struct key_walk : tile_place {
   }
   /// The block bias (log2 units) of the query tile from i0 (in one block) and this key tile.
   __device__ __forceinline__ float bias2(int i0) const {
-    return block_bias2(p, seq, h, i0 / p.block, row0 / p.block);
+    return block_bias2(p, seq, h, bias_block(p, i0), bias_block(p, row0));
   }
 
   /// The first query row of the next query tile, or -1 past the end.

@@ -1,6 +1,7 @@
 #pragma once
 // Host <-> kernel parameters of the fused block-sparse attention kernels, forward and backward
 // (plain data).
+#include <bit>
 #include <cstdint>
 
 #include "../../common/attention_io.hpp"
@@ -53,6 +54,7 @@ struct params : ragged_attention_io {
   const float* block_bias;
   std::int64_t bias_row, bias_head;
   std::int32_t bias_qb;
+  std::int32_t bias_block_log2;  // log2(block) where block is a power of two, else -1 (divide)
 };
 
 /// The backward kernels (backward.cuh). The forward's fields give q, k, v, the mask and, in
@@ -108,6 +110,9 @@ inline void set_block_bias(params& p, const tensor_view& bias, std::int64_t qb_m
   p.bias_row = bias.row_stride;
   p.bias_head = bias.heads == 1 ? 0 : bias.head_stride;
   p.bias_qb = static_cast<std::int32_t>(qb_max);
+  // (p.block set by the caller before: a shift per tile where it is a power of two.)
+  const auto block = static_cast<std::uint32_t>(p.block);
+  p.bias_block_log2 = std::has_single_bit(block) ? std::countr_zero(block) : -1;
 }
 
 /// Sets p's gradient operands: dout, dq, dk, dv with their strides, grads_f32 (dq's dtype f32)
