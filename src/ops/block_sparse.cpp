@@ -129,20 +129,32 @@ struct cpu_block_bias {
   }
 };
 
-// Calls f(b, g, heads, part) for each sequence b and mask group g of the element-pattern paths
-// (one group where the mask is shared by the heads, else one per head), `part(t, row0, rows)`
-// the group's view of t's rows [row0, row0 + rows).
+// One sequence b and mask group g of the element-pattern paths: its rows, its expanded pattern,
+// the heads run together (all where the mask is shared, else head g alone) and the group's views
+// of a tensor's rows of the sequence's queries (part_q) or keys (part_k).
+struct sequence_group {
+  std::int64_t b, g, heads, q0, k0, lq, lk;
+  bool per_head;
+  csr_graph a;
+
+  tensor_view part(const tensor_view& t, std::int64_t row0, std::int64_t rows) const {
+    if (t.data == nullptr) return t;
+    const tensor_view r = rows_of(t, row0, rows);
+    return per_head ? head_of(r, g) : r;
+  }
+  tensor_view part_q(const tensor_view& t) const { return part(t, q0, lq); }
+  tensor_view part_k(const tensor_view& t) const { return part(t, k0, lk); }
+};
+
+// Calls f(group) for each sequence and mask group (one group where the mask is shared by the
+// heads, else one per head).
 template <class F>
 void for_each_sequence_group(const block_sparse_mask& m, std::int64_t heads, F&& f) {
+  const bool per_head = m.heads != 1;  // else the heads run together
   for (std::int64_t b = 0; b < m.batch(); ++b) {
-    const std::int64_t groups = m.heads == 1 ? 1 : heads;  // heads run together per mask
-    for (std::int64_t g = 0; g < groups; ++g) {
-      const auto part = [&](const tensor_view& t, std::int64_t row0, std::int64_t rows) {
-        if (t.data == nullptr) return t;
-        const tensor_view r = rows_of(t, row0, rows);
-        return groups == 1 ? r : head_of(r, g);
-      };
-      f(b, g, groups == 1 ? heads : std::int64_t{1}, part);
+    for (std::int64_t g = 0; g < (per_head ? heads : 1); ++g) {
+      f(sequence_group{b, g, per_head ? 1 : heads, m.cu_seqlens_q[b], m.cu_seqlens_k[b], m.len_q(b),
+                       m.len_k(b), per_head, m.expand(b, g)});
     }
   }
 }
@@ -155,17 +167,12 @@ void cpu_biased_forward(const block_sparse_mask& m, const tensor_view& q, const 
                         const attention_dropout& dropout, const tensor_view& lse,
                         const cpu_block_bias& bias) {
   const dtype t = q.type == dtype::f64 ? dtype::f64 : dtype::f32;
-  for_each_sequence_group(
-      m, q.heads, [&](std::int64_t b, std::int64_t g, std::int64_t heads, const auto& part) {
-        const std::int64_t q0 = m.cu_seqlens_q[b], k0 = m.cu_seqlens_k[b];
-        const std::int64_t lq = m.len_q(b), lk = m.len_k(b);
-        const csr_graph a = m.expand(b, g);
-        const host_tensor e = bias.entries(m, a, b, g, heads, t);
-        cpu::fused_attention_unchecked(a, part(q, q0, lq), part(k, k0, lk), part(v, k0, lk),
-                                       part(out, q0, lq), scale, part(lse, q0, lq), e.view(),
-                                       dropout,
-                                       b * q.heads + g);  // (g = 0 where the mask is shared)
-      });
+  for_each_sequence_group(m, q.heads, [&](const sequence_group& s) {
+    const host_tensor e = bias.entries(m, s.a, s.b, s.g, s.heads, t);
+    cpu::fused_attention_unchecked(s.a, s.part_q(q), s.part_k(k), s.part_k(v), s.part_q(out), scale,
+                                   s.part_q(lse), e.view(), dropout,
+                                   s.b * q.heads + s.g);  // (g = 0 where the mask is shared)
+  });
 }
 
 // The CPU engine's backward over a block mask: fp32 work without dropout or block bias in tiles
@@ -189,36 +196,34 @@ void cpu_block_sparse_backward(const block_sparse_mask& m, const tensor_view& q,
     return;
   }
   const dtype t = q.type == dtype::f64 ? dtype::f64 : dtype::f32;
-  for_each_sequence_group(
-      m, q.heads, [&](std::int64_t b, std::int64_t g, std::int64_t heads, const auto& part) {
-        const std::int64_t q0 = m.cu_seqlens_q[b], k0 = m.cu_seqlens_k[b];
-        const std::int64_t lq = m.len_q(b), lk = m.len_k(b);
-        const csr_graph a = m.expand(b, g);
-        const auto [at, transposed_entry] = detail::transpose_with_entries(a);
-        // Dropout's draws: rows within the sequence, head b * H + h (the kernels').
-        const std::int64_t head0 = b * q.heads + g;
-        const host_tensor e = bias.wanted() ? bias.entries(m, a, b, g, heads, t) : host_tensor{};
-        host_tensor de(t, bias.dbias.data != nullptr ? a.nnz() : 0, heads, 1);
-        // The forward recomputed in the engine's type (float64 for float64 inputs), out with the
-        // dropout.
-        host_tensor out(t, saved_out ? 0 : lq, heads, v.dim), lse(t, saved_lse ? 0 : lq, heads, 1);
-        if (saved_out == nullptr) {
-          cpu::fused_attention_unchecked(a, part(q, q0, lq), part(k, k0, lk), part(v, k0, lk),
-                                         out.view(), scale, lse.view(),
-                                         bias.wanted() ? e.view() : tensor_view{}, dropout, head0);
-        }
-        cpu::fused_attention_backward_unchecked(
-            a, at, part(q, q0, lq), part(k, k0, lk), part(v, k0, lk),
-            saved_out ? part(*saved_out, q0, lq) : out.view(),
-            saved_lse ? part(*saved_lse, q0, lq) : lse.view(), part(dout, q0, lq), part(dq, q0, lq),
-            part(dk, k0, lk), part(dv, k0, lk), scale,
-            {.bias = bias.wanted() ? e.view() : tensor_view{},
-             .dbias = de.rows() > 0 ? de.view() : tensor_view{},
-             .transposed_entry = transposed_entry,
-             .dropout = dropout,
-             .dropout_head0 = head0});
-        if (de.rows() > 0) bias.store_sums(m, a, de.view(), b, g, heads);
-      });
+  for_each_sequence_group(m, q.heads, [&](const sequence_group& s) {
+    const auto [at, transposed_entry] = detail::transpose_with_entries(s.a);
+    // Dropout's draws: rows within the sequence, head b * H + h (the kernels').
+    const std::int64_t head0 = s.b * q.heads + s.g;
+    const host_tensor e =
+        bias.wanted() ? bias.entries(m, s.a, s.b, s.g, s.heads, t) : host_tensor{};
+    host_tensor de(t, bias.dbias.data != nullptr ? s.a.nnz() : 0, s.heads, 1);
+    // The forward recomputed in the engine's type (float64 for float64 inputs), out with the
+    // dropout.
+    host_tensor out(t, saved_out ? 0 : s.lq, s.heads, v.dim),
+        lse(t, saved_lse ? 0 : s.lq, s.heads, 1);
+    if (saved_out == nullptr) {
+      cpu::fused_attention_unchecked(s.a, s.part_q(q), s.part_k(k), s.part_k(v), out.view(), scale,
+                                     lse.view(), bias.wanted() ? e.view() : tensor_view{}, dropout,
+                                     head0);
+    }
+    cpu::fused_attention_backward_unchecked(s.a, at, s.part_q(q), s.part_k(k), s.part_k(v),
+                                            saved_out ? s.part_q(*saved_out) : out.view(),
+                                            saved_lse ? s.part_q(*saved_lse) : lse.view(),
+                                            s.part_q(dout), s.part_q(dq), s.part_k(dk),
+                                            s.part_k(dv), scale,
+                                            {.bias = bias.wanted() ? e.view() : tensor_view{},
+                                             .dbias = de.rows() > 0 ? de.view() : tensor_view{},
+                                             .transposed_entry = transposed_entry,
+                                             .dropout = dropout,
+                                             .dropout_head0 = head0});
+    if (de.rows() > 0) bias.store_sums(m, s.a, de.view(), s.b, s.g, s.heads);
+  });
 }
 
 // run()'s operands against the mask: shapes, devices, and the heads a mask serves.
