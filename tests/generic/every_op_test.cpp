@@ -497,6 +497,28 @@ mask_pairs pairs_of(const block_sparse_mask& mask) {
   return out;
 }
 
+// A random block mask over sequences of `lens` for the cases with per-block tensors (importance,
+// bias: [batch * QB, H, KB], QB = KB the longest sequence's blocks) and the backend with a
+// backward (the CPU engine, CUDA's block kernels).
+struct blocked_case {
+  block_sparse_mask mask;
+  std::int64_t rows, qb, kb, block_rows;
+  algorithm algo;
+  std::string backend;
+};
+
+blocked_case make_blocked_case(const std::vector<std::int64_t>& lens, block_layout_options o) {
+  o.layout = block_layout::random;
+  blocked_case c;
+  c.mask = make_block_sparse_mask(o, lens);
+  c.rows = c.mask.cu_seqlens_q.back();
+  c.qb = c.kb = (*std::max_element(lens.begin(), lens.end()) + o.block - 1) / o.block;
+  c.block_rows = static_cast<std::int64_t>(lens.size()) * c.qb;
+  c.algo = kWhere == device_kind::cuda ? algorithm::block : algorithm::fused;
+  c.backend = backend_name(c.algo, kWhere, true);
+  return c;
+}
+
 // Attention dropout drawn in the kernels, alone and with a per-head block bias (the dropout
 // kernels read it where set): out, dq, dk, dv and dblock_bias against the float64 reference over
 // the expanded pairs with the same draws (the bias as a feature term: r one-hot per head, a the
@@ -519,15 +541,13 @@ void block_sparse_dropout_cases(recorder& rec) {
   // two-warpgroup plan's 128-row tiles give way to the backward's).
   for (const std::int64_t g : {16, 64, 128}) {
     for (const bool causal : {false, true}) {
-      const auto mask = make_block_sparse_mask(
-          {.layout = block_layout::random, .block = g, .p = 0.6, .causal = causal, .seed = 8},
-          lens);
+      const blocked_case c =
+          make_blocked_case(lens, {.block = g, .p = 0.6, .causal = causal, .seed = 8});
+      const block_sparse_mask& mask = c.mask;
       const mask_pairs all = pairs_of(mask);
       const coo_graph& pairs = all.coo;
       const auto e = static_cast<std::int64_t>(pairs.src.size());
-      const std::int64_t rows = mask.cu_seqlens_q.back();
-      const std::int64_t qb = (*std::max_element(lens.begin(), lens.end()) + g - 1) / g, kb = qb,
-                         bias_rows = static_cast<std::int64_t>(lens.size()) * qb;
+      const std::int64_t rows = c.rows, qb = c.qb, kb = c.kb, bias_rows = c.block_rows;
       host_tensor keep(dtype::f64, e, heads, 1);
       // The bias of pair p's block in bias_rows x heads x kb.
       std::vector<std::int64_t> bias_at(static_cast<std::size_t>(e));
@@ -633,21 +653,13 @@ void block_importance_cases(recorder& rec) {
   const std::int64_t heads = 2, dim = 64;
   for (const std::int64_t g : {16, 64}) {
     for (const bool causal : {false, true}) {
-      const auto mask = make_block_sparse_mask({.layout = block_layout::random,
-                                                .block = g,
-                                                .p = 0.5,
-                                                .causal = causal,
-                                                .heads = heads,
-                                                .seed = 6},
-                                               lens);
+      const blocked_case c = make_blocked_case(
+          lens, {.block = g, .p = 0.5, .causal = causal, .heads = heads, .seed = 6});
+      const block_sparse_mask& mask = c.mask;
       const std::string shape = "G" + std::to_string(g) + (causal ? " causal" : "") + " ragged";
-      const std::int64_t rows = mask.cu_seqlens_q.back();
-      // [batch * QB, H, KB]: QB and KB the longest sequence's blocks.
-      const std::int64_t qb = (*std::max_element(lens.begin(), lens.end()) + g - 1) / g, kb = qb,
-                         importance_rows = static_cast<std::int64_t>(lens.size()) * qb;
-      // The backend with a backward: the CPU engine, CUDA's block kernels.
-      const algorithm a = kWhere == device_kind::cuda ? algorithm::block : algorithm::fused;
-      const std::string backend = backend_name(a, kWhere, true);
+      const std::int64_t rows = c.rows, kb = c.kb, importance_rows = c.block_rows;
+      const algorithm a = c.algo;
+      const std::string& backend = c.backend;
       for (const dtype in : kDtypes) {
         const types t{in, dtype::f32};
         rec.attempt("block_importance", backend, t, [&] {
@@ -728,18 +740,12 @@ void block_sparse_bias_cases(recorder& rec) {
   const std::int64_t heads = 2;
   for (const std::int64_t g : {16, 32, 64, 128}) {
     for (const bool causal : {false, true}) {
-      const auto mask = make_block_sparse_mask({.layout = block_layout::random,
-                                                .block = g,
-                                                .p = 0.4,
-                                                .causal = causal,
-                                                .heads = heads,
-                                                .seed = 7},
-                                               lens);
-      const std::int64_t rows = mask.cu_seqlens_q.back();
-      const std::int64_t qb = (*std::max_element(lens.begin(), lens.end()) + g - 1) / g, kb = qb,
-                         bias_rows = static_cast<std::int64_t>(lens.size()) * qb;
-      const algorithm a = kWhere == device_kind::cuda ? algorithm::block : algorithm::fused;
-      const std::string backend = backend_name(a, kWhere, true);
+      const blocked_case c = make_blocked_case(
+          lens, {.block = g, .p = 0.4, .causal = causal, .heads = heads, .seed = 7});
+      const block_sparse_mask& mask = c.mask;
+      const std::int64_t rows = c.rows, kb = c.kb, bias_rows = c.block_rows;
+      const algorithm a = c.algo;
+      const std::string& backend = c.backend;
       for (const std::int64_t bias_heads : {heads, std::int64_t{1}}) {
         const std::string shape = "G" + std::to_string(g) + (causal ? " causal" : "") +
                                   (bias_heads == 1 ? " shared bias" : " per-head bias");
