@@ -4,10 +4,10 @@
 // over rotating input sets; each output checked against the float64 CPU layer (max relative
 // error). With --fused IN:OUT ...: the fused GCN layer (relu(Â x w + b) and its mask) in both
 // orders, the fused kernel and x w + SpMM + epilogue, per width pair and dtype, and the order the
-// rule picks. With --gat H:C ...: the fused GAT attention (H heads of C channels, f32, attention
-// dropout's factors in a shuffled edge order as PyG draws them), forward and backward, each checked
-// against the float64 CPU plan. --only picks sections (layers, fused, gat). One JSON object per
-// line.
+// rule picks. With --gat H:C ...: the fused GAT attention (H heads of C channels, f32; attention
+// dropout's factors in a shuffled edge order as PyG draws them, none, or drawn in the kernels),
+// forward and backward, each checked against the float64 CPU plan. --only picks sections (layers,
+// fused, gat). One JSON object per line.
 //   bench_layers [--in 128] [--out 128] [--agnn 128] [--fused 64:128 ...] [--gat 8:8 ...]
 //                [--only layers,fused,gat] [--repeat R] GRAPH...
 #include <cuda_runtime.h>
@@ -141,9 +141,11 @@ struct gat_input {
   }
 };
 
-// The fused GAT attention per head layout: forward (out, lse) and backward (dx, da_src, da_dst) in
-// f32, keep = 0 or 2.5 (dropout 0.6) in rows keep_index[e], a shuffled order; outputs poisoned,
-// then checked against the float64 CPU plan.
+// The fused GAT attention per head layout, forward (out, lse) and backward (dx, da_src, da_dst)
+// in f32, three ways: keep = 0 or 2.5 (dropout 0.6) in rows keep_index[e], a shuffled order (keys
+// "gat_HxC_forward_ms", ...); no dropout ("gat_HxC_plain_..."); dropout 0.6 drawn in the kernels,
+// keyed by the same shuffled input edges ("gat_HxC_drawn_..."). Outputs poisoned, then checked
+// against the float64 CPU plan given the same factors or draws.
 void bench_gat(const csr_graph& g, const settings& cfg, nlohmann::json& j) {
   const gat_plan plan = gat_plan::build(g, device_kind::cuda);
   const gat_plan cpu = gat_plan::build(g);
@@ -153,6 +155,12 @@ void bench_gat(const csr_graph& g, const settings& cfg, nlohmann::json& j) {
   std::shuffle(index.begin(), index.end(), std::mt19937_64(7));
   bench::device_mem index_d(index.size() * 8);
   check(cudaMemcpy(index_d.p, index.data(), index.size() * 8, cudaMemcpyHostToDevice), "upload");
+  const auto* keep_index = static_cast<const std::int64_t*>(index_d.p);
+  const std::uint64_t state[2] = {0x5DEECE66Dull, 11};  // attention dropout's {seed, offset}
+  bench::device_mem state_d(sizeof state);
+  check(cudaMemcpy(state_d.p, state, sizeof state, cudaMemcpyHostToDevice), "upload");
+  const attention_dropout drawn{0.6, static_cast<const std::uint64_t*>(state_d.p)},
+      drawn_host{0.6, state};
   for (const std::string& spec : cfg.gat) {
     const auto [H, C] = pair_of(spec);
     gat_input x(g.cols, H, C), src(g.cols, H, 1), dst(g.rows, H, 1), keep(nnz, H, 1),
@@ -166,62 +174,83 @@ void bench_gat(const csr_graph& g, const settings& cfg, nlohmann::json& j) {
     for (std::int64_t i = 0; i < keep.host.numel(); ++i)
       keep.host.set(i, keep.host.get(i) < 0.6 ? 0.0 : 2.5);
     for (gat_input* t : {&x, &src, &dst, &keep, &dout}) t->upload();
-    const auto* keep_index = static_cast<const std::int64_t*>(index_d.p);
-    const gat_args args{.x = x.device(),
-                        .a_src = src.device(),
-                        .a_dst = dst.device(),
-                        .keep = keep.device(),
-                        .keep_index = keep_index,
-                        .out = out.device(),
-                        .lse = lse.device()};
-    const gat_grad_args grad{.x = x.device(),
-                             .a_src = src.device(),
-                             .a_dst = dst.device(),
-                             .keep = keep.device(),
-                             .keep_index = keep_index,
-                             .out = out.device(),
-                             .lse = lse.device(),
-                             .dout = dout.device(),
-                             .dx = dx.device(),
-                             .da_src = dsrc.device(),
-                             .da_dst = ddst.device()};
+    // The CPU plan reads keep in entry order: keep's rows gathered through the index.
+    host_tensor keep_e(dtype::f32, nnz, H, 1);
+    for (std::int64_t e = 0; e < nnz; ++e)
+      for (std::int64_t h = 0; h < H; ++h) keep_e.set(e * H + h, keep.host.get(index[e] * H + h));
     const std::size_t fbytes = plan.forward_workspace_bytes(H, C),
                       bbytes = plan.backward_workspace_bytes(H, C);
     bench::device_mem fws(fbytes), bws(bbytes);
-    const auto forward = [&](int) { plan.forward(args, {}, {fws.p, fbytes}); };
-    const auto backward = [&](int) { plan.backward(grad, {}, {bws.p, bbytes}); };
-    for (gat_input* t : {&out, &lse, &dx, &dsrc, &ddst})
-      check(cudaMemset(t->mem.p, 0xFF, t->host.size_bytes()), "poison");
-    forward(0);
-    backward(0);
-    // The CPU plan reads keep in entry order: keep's rows gathered through the index.
-    host_tensor keep_e(dtype::f32, nnz, H, 1), out_w(dtype::f64, g.rows, H, C),
-        lse_w(dtype::f64, g.rows, H, 1), dx_w(dtype::f64, g.cols, H, C),
-        dsrc_w(dtype::f64, g.cols, H, 1), ddst_w(dtype::f64, g.rows, H, 1);
-    for (std::int64_t e = 0; e < nnz; ++e)
-      for (std::int64_t h = 0; h < H; ++h) keep_e.set(e * H + h, keep.host.get(index[e] * H + h));
-    cpu.forward({.x = x.host.view(),
-                 .a_src = src.host.view(),
-                 .a_dst = dst.host.view(),
-                 .keep = keep_e.view(),
-                 .out = out_w.view(),
-                 .lse = lse_w.view()});
-    cpu.backward({.x = x.host.view(),
-                  .a_src = src.host.view(),
-                  .a_dst = dst.host.view(),
-                  .keep = keep_e.view(),
-                  .out = out_w.view(),
-                  .lse = lse_w.view(),
-                  .dout = dout.host.view(),
-                  .dx = dx_w.view(),
-                  .da_src = dsrc_w.view(),
-                  .da_dst = ddst_w.view()});
     const std::string key = "gat_" + std::to_string(H) + "x" + std::to_string(C);
-    j[key + "_forward_ms"] = bench::time_runs(cfg.repeat, 1, false, forward).median;
-    j[key + "_backward_ms"] = bench::time_runs(cfg.repeat, 1, false, backward).median;
-    j[key + "_error"] =
-        std::max({relative_error(out.mem.p, out_w), relative_error(dx.mem.p, dx_w),
-                  relative_error(dsrc.mem.p, dsrc_w), relative_error(ddst.mem.p, ddst_w)});
+    // One way of dropping: GPU keep factors (or none) and draws, and the CPU plan's.
+    struct way {
+      std::string name;
+      tensor_view keep, cpu_keep;
+      const std::int64_t* index;
+      const std::int64_t* cpu_index;
+      attention_dropout dropout, cpu_dropout;
+    };
+    const way ways[] = {
+        {"", keep.device(), keep_e.view(), keep_index, nullptr, {}, {}},
+        {"_plain", {}, {}, nullptr, nullptr, {}, {}},
+        {"_drawn", {}, {}, keep_index, index.data(), drawn, drawn_host},
+    };
+    for (const way& w : ways) {
+      const gat_args args{.x = x.device(),
+                          .a_src = src.device(),
+                          .a_dst = dst.device(),
+                          .keep = w.keep,
+                          .keep_index = w.index,
+                          .out = out.device(),
+                          .lse = lse.device(),
+                          .dropout = w.dropout};
+      const gat_grad_args grad{.x = x.device(),
+                               .a_src = src.device(),
+                               .a_dst = dst.device(),
+                               .keep = w.keep,
+                               .keep_index = w.index,
+                               .dropout = w.dropout,
+                               .out = out.device(),
+                               .lse = lse.device(),
+                               .dout = dout.device(),
+                               .dx = dx.device(),
+                               .da_src = dsrc.device(),
+                               .da_dst = ddst.device()};
+      const auto forward = [&](int) { plan.forward(args, {}, {fws.p, fbytes}); };
+      const auto backward = [&](int) { plan.backward(grad, {}, {bws.p, bbytes}); };
+      for (gat_input* t : {&out, &lse, &dx, &dsrc, &ddst})
+        check(cudaMemset(t->mem.p, 0xFF, t->host.size_bytes()), "poison");
+      forward(0);
+      backward(0);
+      host_tensor out_w(dtype::f64, g.rows, H, C), lse_w(dtype::f64, g.rows, H, 1),
+          dx_w(dtype::f64, g.cols, H, C), dsrc_w(dtype::f64, g.cols, H, 1),
+          ddst_w(dtype::f64, g.rows, H, 1);
+      cpu.forward({.x = x.host.view(),
+                   .a_src = src.host.view(),
+                   .a_dst = dst.host.view(),
+                   .keep = w.cpu_keep,
+                   .keep_index = w.cpu_index,
+                   .out = out_w.view(),
+                   .lse = lse_w.view(),
+                   .dropout = w.cpu_dropout});
+      cpu.backward({.x = x.host.view(),
+                    .a_src = src.host.view(),
+                    .a_dst = dst.host.view(),
+                    .keep = w.cpu_keep,
+                    .keep_index = w.cpu_index,
+                    .dropout = w.cpu_dropout,
+                    .out = out_w.view(),
+                    .lse = lse_w.view(),
+                    .dout = dout.host.view(),
+                    .dx = dx_w.view(),
+                    .da_src = dsrc_w.view(),
+                    .da_dst = ddst_w.view()});
+      j[key + w.name + "_forward_ms"] = bench::time_runs(cfg.repeat, 1, false, forward).median;
+      j[key + w.name + "_backward_ms"] = bench::time_runs(cfg.repeat, 1, false, backward).median;
+      j[key + w.name + "_error"] =
+          std::max({relative_error(out.mem.p, out_w), relative_error(dx.mem.p, dx_w),
+                    relative_error(dsrc.mem.p, dsrc_w), relative_error(ddst.mem.p, ddst_w)});
+    }
   }
 }
 

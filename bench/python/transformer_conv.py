@@ -3,9 +3,9 @@
 own, with the same weights: per graph file (read as trisparse.datasets reads it) with at least
 --min-edges edges, and per --random N:E uniform random multigraph (E edges drawn with repeats), in
 float32 and under bfloat16 autocast; with --edge-dim F, random edge features of F columns; with
---dropout P, attention dropout P in training mode (TransformerConv draws it in the kernels, so
-its errors against PyG are left out; with --pyg-dropout, and for GATConv, both layers draw the
-same factors for the compared step).
+--dropout P, attention dropout P in training mode (our layers draw it in the kernels, so their
+errors against PyG are left out; with --pyg-dropout both layers draw the same factors for the
+compared step).
 
     python3 bench/python/transformer_conv.py data/*.el.xz --heads 8 --channels 16 > results.jsonl
     python3 bench/python/transformer_conv.py --layer GATConv --edge-dim 16 --random 1000000:10000000
@@ -146,7 +146,7 @@ def main():
     ap.add_argument(
         "--pyg-dropout",
         action="store_true",
-        help="TransformerConv: PyG's dropout draws (else the kernels'; no error vs PyG then)",
+        help="PyG's dropout draws (else the kernels'; no error vs PyG then)",
     )
     ap.add_argument(
         "--negative-slope",
@@ -181,9 +181,9 @@ def main():
                 kwargs["edge_dim"] = a.edge_dim
             torch.manual_seed(0)
             pyg = getattr(torch_geometric.nn, a.layer)(a.in_channels, a.channels, **kwargs)
-            # TransformerConv draws its dropout in the kernels unless asked for PyG's draws.
-            exact = a.layer == "GATConv" or a.pyg_dropout or dropout == 0
-            mine = {"pyg_dropout": True} if a.pyg_dropout and a.layer == "TransformerConv" else {}
+            # Our layers draw their dropout in the kernels unless asked for PyG's draws.
+            exact = a.pyg_dropout or dropout == 0
+            mine = {"pyg_dropout": True} if a.pyg_dropout else {}
             ours = getattr(trisparse.nn, a.layer)(a.in_channels, a.channels, **kwargs, **mine)
             pyg, ours = pyg.to(dev), ours.to(dev)
             ours.load_state_dict(pyg.state_dict())

@@ -390,10 +390,12 @@ struct py_gat_plan {
   }
 
   /// keep_index: a pointer to [nnz] int64 rows of keep, or 0.
+  /// dropout, dropout_state: attention dropout drawn in the kernels (the state's address, or 0).
   void forward(const tensor_tuple& x, const tensor_tuple& a_src, const tensor_tuple& a_dst,
                const std::optional<tensor_tuple>& keep, std::uintptr_t keep_index,
                const tensor_tuple& out, const tensor_tuple& lse, double negative_slope,
-               std::uintptr_t stream, std::uintptr_t ws, std::size_t ws_bytes) const {
+               std::uintptr_t stream, std::uintptr_t ws, std::size_t ws_bytes, double dropout,
+               std::uintptr_t dropout_state) const {
     const gat_args a{.x = view_of(x),
                      .a_src = view_of(a_src),
                      .a_dst = view_of(a_dst),
@@ -401,6 +403,7 @@ struct py_gat_plan {
                      .keep_index = reinterpret_cast<const std::int64_t*>(keep_index),
                      .out = view_of(out),
                      .lse = view_of(lse),
+                     .dropout = dropout_of(dropout, dropout_state),
                      .negative_slope = negative_slope};
     nb::gil_scoped_release release;
     plan.forward(a, stream_of(stream), workspace_of(ws, ws_bytes));
@@ -411,12 +414,13 @@ struct py_gat_plan {
                 const tensor_tuple& out, const tensor_tuple& lse, const tensor_tuple& dout,
                 const tensor_tuple& dx, const tensor_tuple& da_src, const tensor_tuple& da_dst,
                 double negative_slope, std::uintptr_t stream, std::uintptr_t ws,
-                std::size_t ws_bytes) const {
+                std::size_t ws_bytes, double dropout, std::uintptr_t dropout_state) const {
     const gat_grad_args a{.x = view_of(x),
                           .a_src = view_of(a_src),
                           .a_dst = view_of(a_dst),
                           .keep = view_of(keep),
                           .keep_index = reinterpret_cast<const std::int64_t*>(keep_index),
+                          .dropout = dropout_of(dropout, dropout_state),
                           .out = view_of(out),
                           .lse = view_of(lse),
                           .dout = view_of(dout),
@@ -863,10 +867,11 @@ NB_MODULE(_C, m) {
                   "cols"_a, "nnz"_a, "device"_a, "stream"_a)
       .def("forward", &py_gat_plan::forward, "x"_a, "a_src"_a, "a_dst"_a, "keep"_a.none(),
            "keep_index"_a, "out"_a, "lse"_a, "negative_slope"_a, "stream"_a, "workspace"_a,
-           "workspace_bytes"_a)
+           "workspace_bytes"_a, "dropout"_a, "dropout_state"_a)
       .def("backward", &py_gat_plan::backward, "x"_a, "a_src"_a, "a_dst"_a, "keep"_a.none(),
            "keep_index"_a, "out"_a, "lse"_a, "dout"_a, "dx"_a, "da_src"_a, "da_dst"_a,
-           "negative_slope"_a, "stream"_a, "workspace"_a, "workspace_bytes"_a)
+           "negative_slope"_a, "stream"_a, "workspace"_a, "workspace_bytes"_a, "dropout"_a,
+           "dropout_state"_a)
       .def(
           "workspace_bytes",
           [](const py_gat_plan& p, std::int64_t heads, std::int64_t width, bool backward) {

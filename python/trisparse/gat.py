@@ -24,6 +24,7 @@ def gat_attention(
     negative_slope: float = 0.2,
     keep: Tensor | None = None,
     keep_order: Tensor | None = None,
+    dropout: float = 0.0,
 ) -> Tensor:
     """out[i, h] = sum over the pattern's entries (i, j) of softmax_j(LeakyReLU(a_dst[i, h] +
     a_src[j, h])) * keep[e, h] * x[j, h]: GAT's attention (PyG's GATConv between its linear map
@@ -31,8 +32,11 @@ def gat_attention(
     a_src [num_cols, H], a_dst [num_rows, H] (the per-node attention terms), keep [E, H]
     (attention dropout's factors: 0 or 1 / (1 - p)) or None, in the pattern's entry order or, with
     ``keep_order`` (int64 [E]), entry e's in row keep_order[e] (a mask drawn in the input's edge
-    order serves as it is). Differentiable in x, a_src and a_dst; the scores are computed in
-    float32."""
+    order serves as it is). Or `dropout` > 0 (applied as given: pass 0 in eval mode): attention
+    dropout drawn in the kernels, one draw per (edge, head) keyed by the entry's input edge
+    (``keep_order[e]``, or e) from a seed taken from torch's generator, regenerated in the
+    backward (nothing [E, H] is stored; the draws of :func:`trisparse.edge_gat_attention` for the
+    same input edges). Differentiable in x, a_src and a_dst; the scores are computed in float32."""
     if not isinstance(pattern, Pattern):
         raise TypeError(f"pattern must be a trisparse.Pattern, got {type(pattern).__name__}")
     if not isinstance(x, Tensor) or x.dtype not in _tensors.FLOAT_DTYPES or x.dim() != 3:
@@ -57,9 +61,14 @@ def gat_attention(
             f"keep must be [{pattern.nnz}, {heads}] (entries, heads) on {x.device}, got "
             f"{tuple(keep.shape)} on {keep.device}"
         )
+    dropout = float(dropout)
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+    if dropout > 0 and keep is not None:
+        raise ValueError("give keep (factors drawn outside) or dropout (drawn here), not both")
     if keep_order is not None:
-        if keep is None:
-            raise ValueError("keep_order orders keep's rows: pass keep too")
+        if keep is None and dropout == 0:
+            raise ValueError("keep_order orders keep's rows (or keys dropout's draws): pass one")
         if keep_order.shape != (pattern.nnz,) or keep_order.device != x.device:
             raise ValueError(
                 f"keep_order must be [{pattern.nnz}] on {x.device}, got "
@@ -75,5 +84,7 @@ def gat_attention(
         keep_order,
         pattern.id,
         float(negative_slope),
+        dropout,
+        _tensors.new_dropout_state(dropout, x.device),
     )
     return out

@@ -20,6 +20,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "bias_problem.hpp"
@@ -523,6 +524,14 @@ blocked_case make_blocked_case(const std::vector<std::int64_t>& lens, block_layo
 // kernels read it where set): out, dq, dk, dv and dblock_bias against the float64 reference over
 // the expanded pairs with the same draws (the bias as a feature term: r one-hot per head, a the
 // pair's bias per head, so that da is dS per head).
+// Attention dropout's generator state {seed, offset} where the plans run (the device for CUDA).
+buffer dropout_state(std::uint64_t seed, std::uint64_t offset) {
+  host_tensor state(dtype::f64, 2, 1, 1);  // (two 8-byte words)
+  std::memcpy(state.data(), &seed, sizeof seed);
+  std::memcpy(reinterpret_cast<char*>(state.data()) + sizeof seed, &offset, sizeof offset);
+  return buffer(state);
+}
+
 void block_sparse_dropout_cases(recorder& rec) {
   const bool cuda = kWhere == device_kind::cuda;
   // The backends that draw it: CUDA's block kernels, the CPU engine (the state in host memory).
@@ -531,10 +540,7 @@ void block_sparse_dropout_cases(recorder& rec) {
   // (300: dB has a scale to be compared at, as block_sparse_bias_cases says.)
   const std::vector<std::int64_t> lens{70, 0, 33, 300};
   const std::uint64_t seed = 0x0123456789ABCDEFull, offset = 5;
-  host_tensor state_h(dtype::f64, 2, 1, 1);
-  std::memcpy(state_h.data(), &seed, sizeof seed);
-  std::memcpy(reinterpret_cast<char*>(state_h.data()) + sizeof seed, &offset, sizeof offset);
-  buffer bstate(state_h);
+  buffer bstate = dropout_state(seed, offset);
   const attention_dropout drop{0.25, static_cast<const std::uint64_t*>(bstate.view().data)};
   const std::int64_t heads = 2;
   // G 16: mma.sync plans; 64 and 128 on sm_90: wgmma plans (their own 64-row tiles; the
@@ -972,14 +978,25 @@ void gcn_fused_cases(recorder& rec) {
 
 // --- GAT's attention: forward and backward -----------------------------------------------------
 
+// With attention dropout drawn by the plan: entry e's factor in head h is pair (e, 0)'s draw
+// (no keep_index), against the reference given those factors.
 void gat_cases(recorder& rec) {
+  const std::uint64_t seed = 0x243F6A8885A308D3ull, offset = 3;
+  buffer bstate = dropout_state(seed, offset);
   for (const auto& s : shapes()) {
     const csr_graph& g = s.pattern;
     const std::string backend = kWhere == device_kind::cuda ? "cuda_gat" : "cpu_layers";
-    for (const auto& [heads, width] :
-         std::vector<std::pair<std::int64_t, std::int64_t>>{{2, 16}, {3, 5}, {1, 64}}) {
-      const std::string shape =
-          s.name + ", " + std::to_string(heads) + " x " + std::to_string(width);
+    for (const auto& [heads, width, p] :
+         std::vector<std::tuple<std::int64_t, std::int64_t, double>>{
+             {2, 16, 0.0}, {3, 5, 0.0}, {1, 64, 0.0}, {2, 16, 0.3}, {40, 4, 0.3}}) {
+      const std::string shape = s.name + ", " + std::to_string(heads) + " x " +
+                                std::to_string(width) + (p > 0 ? ", dropout" : "");
+      const attention_dropout drop{p, static_cast<const std::uint64_t*>(bstate.view().data)};
+      host_tensor keep(dtype::f64, g.nnz(), heads, 1);
+      for (std::int64_t e = 0; e < g.nnz(); ++e)
+        for (std::int32_t h = 0; h < heads; ++h)
+          keep.set(e * heads + h, dropout_factor(drop, seed, offset, e, 0, h));
+      const tensor_view ref_keep = p > 0 ? keep.view() : tensor_view{};
       for (const types t : type_pairs()) {
         const dtype in = t.in;
         rec.attempt("gat_attention", backend, t, [&] {
@@ -995,9 +1012,10 @@ void gat_cases(recorder& rec) {
                         .a_src = bs.view(),
                         .a_dst = bd.view(),
                         .out = out.view(),
-                        .lse = lse.view()});
+                        .lse = lse.view(),
+                        .dropout = drop});
           host_tensor want(dtype::f64, g.rows, heads, width);
-          reference::gat(g, x.view(), a_src.view(), a_dst.view(), tensor_view{}, 0.2, want.view(),
+          reference::gat(g, x.view(), a_src.view(), a_dst.view(), ref_keep, 0.2, want.view(),
                          tensor_view{});
           rec.check("gat_attention", backend, t, shape, out.fetch(), want, tolerance(in, t.out));
           buffer dx = buffer::output(t.out, g.cols, heads, width),
@@ -1008,6 +1026,7 @@ void gat_cases(recorder& rec) {
           plan.backward({.x = bx.view(),
                          .a_src = bs.view(),
                          .a_dst = bd.view(),
+                         .dropout = drop,
                          .out = out.view(),
                          .lse = lse.view(),
                          .dout = bdout.view(),
@@ -1017,7 +1036,7 @@ void gat_cases(recorder& rec) {
                         {}, {workspace.view().data, bytes});
           host_tensor wx(dtype::f64, g.cols, heads, width), ws(dtype::f64, g.cols, heads, 1),
               wd(dtype::f64, g.rows, heads, 1);
-          reference::gat_backward(g, x.view(), a_src.view(), a_dst.view(), tensor_view{}, 0.2,
+          reference::gat_backward(g, x.view(), a_src.view(), a_dst.view(), ref_keep, 0.2,
                                   dout.view(), wx.view(), ws.view(), wd.view());
           // The backward reads the forward's lse (f32); float64 recomputes it in float64. The
           // score gradients are written in f32.
@@ -1372,10 +1391,7 @@ void segment_cases(recorder& rec) {
   buffer bids(ids_h);
   // Attention dropout's generator state {seed, offset}, on the device as the kernels read it.
   const std::uint64_t seed = 0x9E3779B97F4A7C15ull, offset = 77;
-  host_tensor state_h(dtype::f64, 2, 1, 1);
-  std::memcpy(state_h.data(), &seed, sizeof seed);
-  std::memcpy(reinterpret_cast<char*>(state_h.data()) + sizeof seed, &offset, sizeof offset);
-  buffer bstate(state_h);
+  buffer bstate = dropout_state(seed, offset);
   const std::string backend = "cuda_segments";
   for (const std::int64_t dim : {16, 32, 64, 128})
     for (const double p : {0.0, 0.3}) {

@@ -178,6 +178,53 @@ def test_gat_attention_matches_the_float64_cpu_op_on_cuda(dtype, heads, c, dropo
         assert torch.equal(a, b)  # deterministic
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, c", [(8, 16), (3, 100), (40, 4), (2, 512)])
+def test_gat_attention_draws_its_dropout_as_the_cpu_op(dtype, heads, c):
+    """Attention dropout drawn in GAT's plain-graph kernels (forward and column pass; keyed by
+    keep_order's input edges, or the entries) equals the CPU op's draws from the same {seed,
+    offset}: output and gradients against the float64 CPU op, hub rows and columns cut into
+    chunks, heads over more than one warp (40 x 4); bitwise repeatable. And the draws are the
+    multigraph kernels' (edge_gat_attention) for the same input edges and CUDA seed."""
+    n = 600
+    g = torch.Generator().manual_seed(31)
+    ei = random_edge_index(n, n, 9, seed=32)
+    hub = torch.stack([torch.randint(0, n, (700,), generator=g), torch.full((700,), 5)])
+    fan = torch.stack([torch.full((500,), 7), torch.randint(0, n, (500,), generator=g)])
+    ei = torch.cat([ei, hub, fan], dim=1).unique(dim=1)
+    ei = ei[:, torch.randperm(ei.shape[1], generator=g)]
+    p = trisparse.Pattern.from_edge_index(ei, size=(n, n))
+    order = p.input_order(torch.device("cpu"))[1]
+    x = torch.randn(n, heads, c, generator=g)
+    src, dst = 2 * torch.randn(n, heads, generator=g), 2 * torch.randn(n, heads, generator=g)
+    dout = torch.randn(n, heads, c, generator=g)
+    state = torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64, generator=g)
+    op = torch.ops.trisparse.gat_attention
+
+    def grads(device, dt, keep_order):
+        ft = torch.float64 if dt == torch.float64 else torch.float32
+        xs = (x.to(device, dt), src.to(device, ft), dst.to(device, ft))
+        xs = [t.detach().clone().requires_grad_() for t in xs]
+        ko = None if keep_order is None else keep_order.to(device)
+        out, _lse = op(*xs, None, ko, p.id, 0.2, 0.3, state.to(device))
+        return [out, *torch.autograd.grad(out, xs, dout.to(device, out.dtype))]
+
+    for keep_order in (None, order):
+        want = grads("cpu", torch.float64, keep_order)
+        got = grads("cuda", dtype, keep_order)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        for a, b, what in zip(got, want, ("out", "dx", "da_src", "da_dst")):
+            assert relerr(a.double().cpu(), b.detach()) <= tol, what
+        for a, b in zip(got, grads("cuda", dtype, keep_order)):
+            assert torch.equal(a, b)
+    xs = [t.cuda() for t in (x, src, dst)]
+    torch.cuda.manual_seed(9)
+    plain = trisparse.gat_attention(*xs, p, 0.2, keep_order=order.cuda(), dropout=0.3)
+    torch.cuda.manual_seed(9)
+    multi = trisparse.edge_gat_attention(*xs, p, 0.2, None, 0.3)
+    assert relerr(plain.double().cpu(), multi.double().cpu()) <= 1e-5
+
+
 def _attention_step(q, k, v, dout, pattern):
     out = trisparse.sparse_attention(q, k, v, pattern)
     return torch.autograd.grad(out, (q, k, v), dout)
@@ -629,28 +676,31 @@ def test_layers_on_multigraphs_with_edge_features_on_cuda(layer, kwargs):
 
 
 @pytest.mark.parametrize(
-    "layer, kwargs",
+    "layer, kwargs, repeats",
     [
-        ("TransformerConv", {"heads": 4}),
-        ("TransformerConv", {"heads": 4, "edge_dim": 6}),
-        ("GATConv", {"heads": 4, "edge_dim": 6}),
+        ("TransformerConv", {"heads": 4}, True),
+        ("TransformerConv", {"heads": 4, "edge_dim": 6}, True),
+        ("GATConv", {"heads": 4, "edge_dim": 6}, True),
+        ("GATConv", {"heads": 4}, False),
     ],
 )
-def test_attention_dropout_on_multigraphs_drops_what_pyg_drops(layer, kwargs):
-    """With PyG's draws (TransformerConv(pyg_dropout=True); GATConv always), attention dropout
-    in the multigraph kernels applies F.dropout over [E, H] in the input's edge order, as PyG's
-    layers drop their weights: with the same CUDA seed, the output and the gradients of x,
-    edge_attr and every parameter equal PyG's layer on CUDA (float32), so the same edges were
-    dropped; no fallback."""
+def test_attention_dropout_with_pyg_draws_drops_what_pyg_drops(layer, kwargs, repeats):
+    """With PyG's draws (``pyg_dropout=True``), attention dropout in the fused kernels (the
+    multigraph kernels; GAT's plain-graph kernel) applies F.dropout over [E, H] in the input's
+    edge order, as PyG's layers drop their weights: with the same CUDA seed, the output and the
+    gradients of x, edge_attr and every parameter equal PyG's layer on CUDA (float32), so the
+    same edges were dropped; no fallback."""
     n = 300
     g = torch.Generator().manual_seed(53)
     ei = random_edge_index(n, n, 8, seed=54, self_loops=True)
-    picks = torch.randint(0, ei.shape[1], (ei.shape[1] // 4,), generator=g)
-    ei = torch.cat([ei, ei[:, picks]], dim=1)[:, torch.randperm(ei.shape[1] * 5 // 4, generator=g)]
+    if repeats:
+        picks = torch.randint(0, ei.shape[1], (ei.shape[1] // 4,), generator=g)
+        ei = torch.cat([ei, ei[:, picks]], dim=1)
+    ei = ei[:, torch.randperm(ei.shape[1], generator=g)]
     torch.manual_seed(0)
     pyg = getattr(pyg_nn, layer)(24, 16, dropout=0.3, **kwargs).cuda().train()
-    exact = {"pyg_dropout": True} if layer == "TransformerConv" else {}  # (GATConv: always)
-    ours = getattr(trisparse.nn, layer)(24, 16, dropout=0.3, **kwargs, **exact).cuda().train()
+    ours = getattr(trisparse.nn, layer)(24, 16, dropout=0.3, **kwargs, pyg_dropout=True)
+    ours = ours.cuda().train()
     ours.load_state_dict(pyg.state_dict())
     x = torch.randn(n, 24, generator=g)
     ea = torch.randn(ei.shape[1], 6, generator=g) if "edge_dim" in kwargs else None

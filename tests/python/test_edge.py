@@ -1,10 +1,12 @@
 """trisparse.edge_spmm, sddmm, edge_softmax and edge_scores: against dense float64 sums and
 PyG's softmax, gradcheck, opcheck, bitwise-repeatable gradients (CPU and CUDA), bad inputs."""
 
+import math
+
 import pytest
 import torch
 import trisparse
-from conftest import random_edge_index
+from conftest import philox_factors, random_edge_index
 
 
 def pattern_and_entries(num_src, num_dst, seed):
@@ -165,7 +167,52 @@ def test_gat_attention_matches_its_definition_and_gradcheck(dropout):
         again = trisparse.gat_attention(x, src, dst, p, 0.2, keep[perm], keep_order=order)
         assert torch.equal(again, out)
     args = (x.detach().float(), src.detach().float(), dst.detach().float(), None, None, p.id, 0.2)
-    torch.library.opcheck(torch.ops.trisparse.gat_attention.default, args)
+    torch.library.opcheck(torch.ops.trisparse.gat_attention.default, (*args, 0.0, None))
+    state = torch.tensor([5, 6], dtype=torch.int64)
+    torch.library.opcheck(torch.ops.trisparse.gat_attention.default, (*args, 0.25, state))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_gat_attention_draws_its_dropout(dtype):
+    """gat_attention(dropout=p) on the CPU draws as the CUDA kernels do (Philox: the entry's
+    input edge u = keep_order[e], or e, of head h as pair (u, 0)), from a state taken from torch's
+    generator: the output and gradients equal the definition with those factors recomputed here,
+    forward and backward see the same draws (gradcheck given the seed), and the kept fraction is
+    1 - p within 3 standard errors."""
+    pytest.importorskip("torch_geometric")
+    p, _row, _col = pattern_and_entries(200, 150, 21)
+    g = torch.Generator().manual_seed(22)
+    heads, c, drop = 3, 4, 0.3
+    x = torch.randn(200, heads, c, generator=g, dtype=torch.float64, requires_grad=True)
+    src = torch.randn(200, heads, generator=g, dtype=torch.float64, requires_grad=True)
+    dst = torch.randn(150, heads, generator=g, dtype=torch.float64, requires_grad=True)
+    order = p.input_order(torch.device("cpu"))[1]
+    for keep_order, u in ((None, torch.arange(p.nnz)), (order, order)):
+        torch.manual_seed(23)
+        state = torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64)
+        keep = philox_factors(u, torch.zeros_like(u), range(heads), state, drop)
+        kept, n = float((keep > 0).double().mean()), keep.numel()
+        assert abs(kept - (1 - drop)) <= 3 * math.sqrt(drop * (1 - drop) / n)
+        want = _gat_by_hand(x, src, dst, p, 0.2, keep)
+        dout = torch.randn_like(want)
+        want_grads = torch.autograd.grad(want, (x, src, dst), dout)
+
+        def run(x, s, d, keep_order=keep_order):
+            torch.manual_seed(23)
+            return trisparse.gat_attention(x, s, d, p, 0.2, keep_order=keep_order, dropout=drop)
+
+        xs = [t.detach().to(dtype).requires_grad_() for t in (x, src, dst)]
+        out = run(*xs)
+        grads = torch.autograd.grad(out, xs, dout.to(dtype))
+        tol = 1e-12 if dtype == torch.float64 else 1e-5
+        for a, b in zip((out, *grads), (want, *want_grads)):
+            assert torch.allclose(a.double(), b, rtol=tol, atol=tol)
+        if dtype == torch.float64:
+            assert torch.autograd.gradcheck(run, (x, src, dst))
+    with pytest.raises(ValueError, match="not both"):
+        trisparse.gat_attention(x, src, dst, p, keep=torch.ones(p.nnz, heads), dropout=0.1)
+    with pytest.raises(ValueError, match="dropout must be in"):
+        trisparse.gat_attention(x, src, dst, p, dropout=1.0)
 
 
 def test_gat_attention_names_bad_inputs():

@@ -1,10 +1,12 @@
 """trisparse.nn layers against the PyG layers with the same weights: outputs, and gradients of the
 inputs and of every parameter; state_dict both ways; the fallbacks."""
 
+import math
 import os
 import subprocess
 import sys
 import warnings
+from functools import partial
 
 import pytest
 import torch
@@ -268,13 +270,19 @@ def test_edge_feature_errors_name_the_argument():
 
 @pytest.mark.parametrize("layer", ["TransformerConv", "GATConv"])
 def test_attention_dropout_drops_the_edges_pyg_drops(layer):
-    """Training with attention dropout, no fallback: for the same seed the layer drops the same
-    edges as PyG's (its draws follow the edge_index order), so outputs and gradients agree."""
+    """Training with attention dropout and ``pyg_dropout=True``, no fallback: for the same seed
+    the layer drops the same edges as PyG's (its draws follow the edge_index order), so outputs
+    and gradients agree."""
     n = 60
     ei = random_edge_index(n, n, 6, seed=12)
     ei = ei[:, torch.randperm(ei.shape[1], generator=torch.Generator().manual_seed(3))]
     ours, pyg = pair(
-        getattr(trisparse.nn, layer), getattr(pyg_nn, layer), 8, 4, heads=2, dropout=0.5
+        partial(getattr(trisparse.nn, layer), pyg_dropout=True),
+        getattr(pyg_nn, layer),
+        8,
+        4,
+        heads=2,
+        dropout=0.5,
     )
     x = torch.randn(n, 8)
     with warnings.catch_warnings():
@@ -283,6 +291,32 @@ def test_attention_dropout_drops_the_edges_pyg_drops(layer):
         got = run(ours, x, ei)
     torch.manual_seed(13)
     assert_close(got, run(pyg, x, ei), rtol=2e-5)
+
+
+def test_gat_conv_draws_its_dropout_in_the_op():
+    """GATConv's default attention dropout is drawn in the fused op (no [E, heads] factors):
+    the same seed gives the same bits, another seed other drops, and over many seeds the mean
+    output is the eval-mode output (the undropped normaliser, kept weights scaled by 1 / (1 -
+    p)) within 5 standard errors per element."""
+    n = 60
+    ei = random_edge_index(n, n, 6, seed=14)
+    torch.manual_seed(0)
+    layer = trisparse.nn.GATConv(8, 4, heads=2, dropout=0.5)
+    x = torch.randn(n, 8, generator=torch.Generator().manual_seed(15))
+    with torch.no_grad():
+        want = layer.eval()(x, ei)
+        layer.train()
+        outs = []
+        for seed in range(300):
+            torch.manual_seed(seed)
+            outs.append(layer(x, ei))
+        torch.manual_seed(0)
+        again = layer(x, ei)
+    outs = torch.stack(outs).double()
+    assert torch.equal(again, outs[0].float())
+    assert not torch.equal(outs[0], outs[1])
+    mean, err = outs.mean(0), outs.std(0) / math.sqrt(outs.shape[0])
+    assert bool(((mean - want.double()).abs() <= 5 * err + 1e-6).all())
 
 
 def test_bad_graph_inputs():

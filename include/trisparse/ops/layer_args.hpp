@@ -64,24 +64,33 @@ struct gat_args {
   /// keep_index[e] where keep_index is given.
   tensor_view keep;
   /// [nnz] on keep's device: the row of keep holding each entry's factors, so that a mask drawn
-  /// in another edge order (PyG's) serves without a gather; nullptr: row e.
+  /// in another edge order (PyG's) serves without a gather; nullptr: row e. With `dropout`: the
+  /// input edge each entry's draws are keyed by.
   const std::int64_t* keep_index = nullptr;
   tensor_view out;  ///< [rows, H, C], f32 or x's dtype (CPU: any float dtype)
   /// [rows, H, 1] f32: log sum_j exp(e_ij) over row i (-inf for an empty row), what the backward
   /// reads; data == nullptr: not written.
   tensor_view lse;
+  /// Attention dropout drawn in the kernels, in place of `keep` (trisparse/core/dropout.hpp): the
+  /// factor of entry e in head h is input edge u's draw, pair (u, 0) of head h, where u =
+  /// keep_index[e] (or e without keep_index): the draws of edge_attention_plan's GAT kernels for
+  /// the same input edges. `state` in host memory for the CPU, device memory for CUDA; give the
+  /// backward the forward's.
+  attention_dropout dropout{};
   double negative_slope = 0.2;
 };
 
 /// The gradients of one gat_plan::forward given dout (deterministic).
 struct gat_grad_args {
   tensor_view x, a_src, a_dst, keep;  ///< the forward's inputs
+  /// The rows of keep, or the input edges the dropout draws are keyed by (as gat_args's).
   const std::int64_t* keep_index = nullptr;
-  tensor_view out, lse;  ///< the forward's outputs (lse is required)
-  tensor_view dout;      ///< [rows, H, C] in out's dtype
-  tensor_view dx;        ///< [cols, H, C] in dout's dtype
-  tensor_view da_src;    ///< [cols, H, 1] f32
-  tensor_view da_dst;    ///< [rows, H, 1] f32
+  attention_dropout dropout{};  ///< the forward's dropout draws (or none)
+  tensor_view out, lse;         ///< the forward's outputs (lse is required)
+  tensor_view dout;             ///< [rows, H, C] in out's dtype
+  tensor_view dx;               ///< [cols, H, C] in dout's dtype
+  tensor_view da_src;           ///< [cols, H, 1] f32
+  tensor_view da_dst;           ///< [rows, H, 1] f32
   double negative_slope = 0.2;
 };
 

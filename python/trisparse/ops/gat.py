@@ -30,9 +30,13 @@ def _gat(
     keep_index: Tensor | None,
     pattern: int,
     negative_slope: float,
+    dropout: float,
+    dropout_state: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
     """(out [rows, H, C] in x's dtype, lse [rows, H] in the scores' dtype: float32, or float64
-    with float64 x on the CPU)."""
+    with float64 x on the CPU). `dropout` > 0: attention dropout drawn in the kernels from
+    `dropout_state` ({seed, offset}, int64 [2] on x's device), keyed by keep_index (the input
+    edges) or the entries."""
     p = lookup(pattern)
     out, lse = _outputs(x, a_dst, p.num_rows)
     plan = p.gat_plan(x.device)
@@ -51,12 +55,14 @@ def _gat(
         _tensors.stream(x.device),
         ws,
         ws_bytes,
+        dropout,
+        _tensors.dropout_state(dropout, dropout_state),
     )
     return out, lse
 
 
 @_gat.register_fake
-def _gat_fake(x, a_src, a_dst, keep, keep_index, pattern, negative_slope):
+def _gat_fake(x, a_src, a_dst, keep, keep_index, pattern, negative_slope, dropout, state):
     return _outputs(x, a_dst, lookup(pattern).num_rows)
 
 
@@ -72,8 +78,10 @@ def _gat_backward(
     lse: Tensor,
     pattern: int,
     negative_slope: float,
+    dropout: float,
+    dropout_state: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx in x's dtype, da_src and da_dst in the scores' dtype)."""
+    """(dx in x's dtype, da_src and da_dst in the scores' dtype); the dropout as the forward's."""
     p = lookup(pattern)
     plan = p.gat_plan(x.device)
     heads = x.shape[1]
@@ -97,10 +105,14 @@ def _gat_backward(
         _tensors.stream(x.device),
         ws,
         ws_bytes,
+        dropout,
+        _tensors.dropout_state(dropout, dropout_state),
     )
     return dx, da_src, da_dst
 
 
 @_gat_backward.register_fake
-def _gat_backward_fake(dout, x, a_src, a_dst, keep, keep_index, out, lse, pattern, negative_slope):
+def _gat_backward_fake(
+    dout, x, a_src, a_dst, keep, keep_index, out, lse, pattern, negative_slope, dropout, state
+):
     return _grads(x, a_src, a_dst)

@@ -32,19 +32,49 @@ void check_gat_cpu(const csr_graph& g, const tensor_view& x, const tensor_view& 
                                 "] = " + std::to_string(keep_index[e]) + " is not a row of keep");
 }
 
+// Attention dropout's factors drawn for the CPU engine: [nnz, H, 1] in T, entry e's for input
+// edge keep_index[e] (or e) as pair (u, 0) of each head, the kernels' draws. Read with no index.
+template <class T>
+host_tensor drawn_keep(const csr_graph& g, std::int64_t heads, const attention_dropout& d,
+                       const std::int64_t* keep_index) {
+  host_tensor keep(cpu::dtype_of<T>, g.nnz(), heads, 1);
+  auto* f = reinterpret_cast<T*>(keep.data());
+  const std::uint64_t seed = d.state[0], offset = d.state[1];
+#pragma omp parallel for schedule(static)
+  for (std::int64_t e = 0; e < g.nnz(); ++e) {
+    const std::int64_t u = keep_index != nullptr ? keep_index[e] : e;
+    for (std::int64_t h = 0; h < heads; ++h)
+      f[e * heads + h] =
+          static_cast<T>(dropout_factor(d, seed, offset, u, 0, static_cast<std::int32_t>(h)));
+  }
+  return keep;
+}
+
+// keep factors or dropout draws (not both), the state in host memory.
+void check_dropout_cpu(const tensor_view& keep, const attention_dropout& d) {
+  detail::check_dropout(d);
+  TRISPARSE_EXPECTS_INPUT(keep.data == nullptr || d.p == 0,
+                          "attention dropout: give keep factors or dropout draws, not both");
+}
+
 // The CPU engine in T (float or double) on copies of the arguments in T where they hold another
-// dtype. The backward reads the forward's lse in fp32 and recomputes it in float64.
+// dtype (dropout's draws as keep factors). The backward reads the forward's lse in fp32 and
+// recomputes it in float64.
 template <class T>
 void cpu_forward(const csr_graph& g, const gat_args& a) {
+  check_dropout_cpu(a.keep, a.dropout);
   host_tensor xs, ss, ds, ks, os, ls;
+  if (a.dropout.p > 0) ks = drawn_keep<T>(g, a.x.heads, a.dropout, a.keep_index);
+  const std::int64_t* keep_index = a.dropout.p > 0 ? nullptr : a.keep_index;
   const tensor_view x = cpu::typed_view<T>(a.x, xs), src = cpu::typed_view<T>(a.a_src, ss),
-                    dst = cpu::typed_view<T>(a.a_dst, ds), keep = cpu::typed_view<T>(a.keep, ks),
+                    dst = cpu::typed_view<T>(a.a_dst, ds),
+                    keep = a.dropout.p > 0 ? ks.view() : cpu::typed_view<T>(a.keep, ks),
                     out = cpu::typed_view<T>(a.out, os, false),
                     lse = cpu::typed_view<T>(a.lse, ls, false);
-  check_gat_cpu(g, x, src, dst, keep, a.keep_index, a.negative_slope);
+  check_gat_cpu(g, x, src, dst, keep, keep_index, a.negative_slope);
   check_view(a.out, "out", g.rows, a.x.heads, a.x.dim);
   if (a.lse.data != nullptr) check_view(a.lse, "lse", g.rows, a.x.heads, 1);
-  cpu::gat_forward<T>(g, x, src, dst, {keep, a.keep_index}, static_cast<T>(a.negative_slope), out,
+  cpu::gat_forward<T>(g, x, src, dst, {keep, keep_index}, static_cast<T>(a.negative_slope), out,
                       lse);
   cpu::store_view<T>(out, a.out);
   cpu::store_view<T>(lse, a.lse);
@@ -61,17 +91,21 @@ void cpu_backward(const csr_graph& g, const detail::transposed_pattern& t, const
     check_host(a.lse, "lse");
     check_view(a.lse, "lse", g.rows, a.x.heads, 1);
   }
+  check_dropout_cpu(a.keep, a.dropout);
   host_tensor xs, ss, ds, ks, ls, gs, dxs, dss, dds;
+  if (a.dropout.p > 0) ks = drawn_keep<T>(g, a.x.heads, a.dropout, a.keep_index);
+  const std::int64_t* keep_index = a.dropout.p > 0 ? nullptr : a.keep_index;
   const tensor_view x = cpu::typed_view<T>(a.x, xs), src = cpu::typed_view<T>(a.a_src, ss),
-                    dst = cpu::typed_view<T>(a.a_dst, ds), keep = cpu::typed_view<T>(a.keep, ks),
+                    dst = cpu::typed_view<T>(a.a_dst, ds),
+                    keep = a.dropout.p > 0 ? ks.view() : cpu::typed_view<T>(a.keep, ks),
                     lse = given_lse ? cpu::typed_view<T>(a.lse, ls) : tensor_view{},
                     dout = cpu::typed_view<T>(a.dout, gs),
                     dx = cpu::typed_view<T>(a.dx, dxs, false),
                     da_src = cpu::typed_view<T>(a.da_src, dss, false),
                     da_dst = cpu::typed_view<T>(a.da_dst, dds, false);
-  check_gat_cpu(g, x, src, dst, keep, a.keep_index, a.negative_slope);
-  cpu::gat_backward<T>(g, t, x, src, dst, {keep, a.keep_index}, static_cast<T>(a.negative_slope),
-                       lse, dout, dx, da_src, da_dst);
+  check_gat_cpu(g, x, src, dst, keep, keep_index, a.negative_slope);
+  cpu::gat_backward<T>(g, t, x, src, dst, {keep, keep_index}, static_cast<T>(a.negative_slope), lse,
+                       dout, dx, da_src, da_dst);
   cpu::store_view<T>(dx, a.dx);
   cpu::store_view<T>(da_src, a.da_src);
   cpu::store_view<T>(da_dst, a.da_dst);

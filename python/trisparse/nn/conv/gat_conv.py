@@ -93,8 +93,11 @@ class GATConv(_Fused, _PygGATConv):
     scores LeakyReLU(a_dst . W x_i + a_src . W x_j), their softmax over each target's incoming
     edges and the aggregation of W x_j run as one fused op (:func:`trisparse.gat_attention`), so
     neither [E, heads] scores nor [E, heads, channels] messages are materialised, and the
-    gradients are deterministic. Attention dropout (``dropout``) drops the same edges as PyG's
-    for the same seed (its [E, heads] factors are the one per-edge tensor formed).
+    gradients are deterministic. Attention dropout (``dropout``) is drawn in the fused kernels,
+    one draw per (input edge, head), and regenerated in the backward: no [E, heads] tensor, and
+    the same draws for a plain graph (CPU or CUDA) and a multigraph (CUDA). With
+    ``pyg_dropout=True`` it drops the same edges as PyG's layer for the same seed (PyG's
+    [E, heads] factors, read by the kernels), as the per-edge path below always does.
 
     Repeated edges (each copy its own term, as in PyG) and edge features (``edge_dim``: the edge
     term a_edge . W_e a_ij becomes one [edge_dim, heads] product, with ``fill_value`` for the self
@@ -108,8 +111,9 @@ class GATConv(_Fused, _PygGATConv):
     Falls back to PyG's code, with a one-time warning, only for edge features or attention
     weights over a graph given as a ``SparseTensor``."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, pyg_dropout: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
+        self.pyg_dropout = pyg_dropout
         self._init_fused()
 
     def forward(self, x, edge_index, edge_attr=None, size=None, return_attention_weights=None):
@@ -207,18 +211,23 @@ class GATConv(_Fused, _PygGATConv):
                 self.negative_slope,
                 a_edge,
                 self.dropout if dropout else 0.0,
-                pyg_dropout=True,  # PyG's draws, as the plain graph's fused kernel takes them
+                pyg_dropout=self.pyg_dropout,
             )
             return out, None
         if per_edge or pattern.duplicates or C > _C.GatPlan.max_head_width:
             a_edge = edge_terms() if edge_attr is not None else None
             return self._per_edge(x_src, alpha_src, alpha_dst, a_edge, pattern, dropout)
         keep = order = None
-        if dropout:  # PyG's dropout of the [E, H] weights, drawn in the input's edge order
-            keep = F.dropout(x_src.new_ones(pattern.nnz, self.heads), p=self.dropout, training=True)
+        p = self.dropout if dropout else 0.0
+        if dropout:  # keyed by (or PyG's factors in) the input's edge order
             order = pattern.input_order(x_src.device)
             order = None if order is None else order[1]
-        out = gat_attention(x_src, alpha_src, alpha_dst, pattern, self.negative_slope, keep, order)
+        if dropout and self.pyg_dropout:  # PyG's dropout of the [E, H] weights
+            keep = F.dropout(x_src.new_ones(pattern.nnz, self.heads), p=p, training=True)
+            p = 0.0
+        out = gat_attention(
+            x_src, alpha_src, alpha_dst, pattern, self.negative_slope, keep, order, dropout=p
+        )
         return out, None
 
     def _finish(self, out, res):

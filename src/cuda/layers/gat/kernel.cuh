@@ -8,6 +8,8 @@
 // accumulators: each source row is read once and the [E, H] scores are never stored. The loads of
 // 2-4 entries are issued before their updates. The row's log-sum-exp is kept for the backward.
 //
+// keep_ij: attention dropout's factor, read from keep or drawn per 32-entry batch (drop_bits).
+//
 // Backward, with dp_ij = keep_ij <dout_i, x_j> and D_i = sum_j p_ij dp_ij = <dout_i, out_i>:
 //   1. D per (row, head), packed with a_dst and the lse into one 16-byte record per (row, head)
 //      that the column pass reads for each entry: row_dot_kernel.
@@ -27,6 +29,7 @@
 
 #include "../../common/convert.cuh"
 #include "../../common/head_lanes.cuh"
+#include "trisparse/core/dropout.hpp"
 #include "tuning.hpp"
 
 namespace trisparse::cuda::gat {
@@ -34,6 +37,51 @@ namespace trisparse::cuda::gat {
 using namespace head_lanes;
 
 inline constexpr float kLog2e = 1.4426950408889634f;
+
+// Attention dropout drawn in the kernels (gat_args::dropout): state null without.
+struct draws {
+  const std::uint64_t* state = nullptr;  // {seed, offset} on the device
+  std::uint32_t below = 0;               // a word below it is a drop
+  float scale = 1.0f;                    // 1 / (1 - p)
+};
+
+// The drops of a batch of n <= 32 entries for the lane's head: bit e set where entry e, of input
+// edge u_e = __shfl(mine_u, e), is dropped in the lane's head (pair (u_e, 0)'s word, as
+// edge_attention's kernels draw it). The warp's hw heads times n entries are drawn once each, 32
+// a round, and each round's drops reach the heads' lanes by one ballot: ceil(hw n / 32) Philox
+// calls a lane, not n.
+__device__ __forceinline__ std::uint32_t drop_bits(const draws& d, std::uint64_t seed,
+                                                   std::uint64_t offset, std::int64_t mine_u, int n,
+                                                   const lanes& l, int group) {
+  const int lane = static_cast<int>(threadIdx.x & 31), per_warp = 32 / l.per_head;
+  const int h0 = group * per_warp, hw = min(per_warp, l.heads - h0);
+  const int items = hw * n, lo = (lane / l.per_head) * n;  // this lane's head's first item
+  std::uint64_t mine = 0;
+  for (int r = 0; r * 32 < items; ++r) {
+    const int it = r * 32 + lane, s = min(it, items - 1) / n, e = min(it, items - 1) % n;
+    const std::int64_t u = __shfl_sync(0xffffffffu, mine_u, e);
+    bool dropped = false;
+    if (it < items) {
+      const philox::words w = philox::group(u, 0, h0 + s, seed, offset);
+      dropped = ((u & 1) != 0 ? w.x[2] : w.x[0]) < d.below;
+    }
+    const std::uint32_t bits = __ballot_sync(0xffffffffu, dropped);
+    const int shift = r * 32 - lo;  // item r * 32 + b is this head's entry b + shift
+    if (shift >= 0 && shift < n)
+      mine |= std::uint64_t{bits} << shift;
+    else if (shift < 0 && shift > -32)
+      mine |= bits >> -shift;
+  }
+  return static_cast<std::uint32_t>(mine);  // (entries past n: not read)
+}
+
+// Entry e's keep factor in the lane's head: drawn (bits from drop_bits), or read from keep at
+// row kr, or 1.
+__device__ __forceinline__ float keep_factor(const draws& d, std::uint32_t bits, int e,
+                                             const operand& keep, std::int64_t kr, int head) {
+  if (d.state != nullptr) return (bits >> e) & 1u ? 0.0f : d.scale;
+  return keep.data == nullptr ? 1.0f : *keep.at<float>(kr, head);
+}
 
 // What the kernels read of a chunk list.
 struct chunks {
@@ -88,22 +136,27 @@ struct forward_params {
   float* part_acc;  // [chunks, H, C]
   float* part_ml;   // [chunks, H, 2]: running max (log2 units) and sum
   float slope;
+  draws drop;  // keyed by keep_index[e] (or e)
 };
 
 // The online softmax over entries [begin, end) of row i for the lane's head: m (log2 units), l
 // and the unnormalised accumulators. U edges' loads are issued before their updates.
 template <class T, int V, int K, int U>
-__device__ __forceinline__ void attend(const forward_params& p, const place& q, std::int64_t i,
-                                       std::int64_t begin, std::int64_t end, float& m, float& l,
-                                       float (&acc)[K][V]) {
+__device__ __forceinline__ void attend(const forward_params& p, const place& q, int group,
+                                       std::int64_t i, std::int64_t begin, std::int64_t end,
+                                       float& m, float& l, float (&acc)[K][V]) {
   const int lane = static_cast<int>(threadIdx.x & 31);
   const float ad = *p.a_dst.at<float>(i, q.load_head);
+  const bool drawn = p.drop.state != nullptr;
+  const std::uint64_t seed = drawn ? p.drop.state[0] : 0, offset = drawn ? p.drop.state[1] : 0;
   for (std::int64_t base = begin; base < end; base += 32) {
     const int n = static_cast<int>(min(std::int64_t{32}, end - base));
     const int mine = lane < n ? p.col[base + lane] : 0;
     // Each lane looks up one entry's keep row up front: per edge, one load less in the chain.
     const std::int64_t mine_keep =
         lane < n && p.keep_index != nullptr ? p.keep_index[base + lane] : base + lane;
+    const std::uint32_t bits =
+        drawn ? drop_bits(p.drop, seed, offset, mine_keep, n, p.l, group) : 0u;
     for (int u = 0; u < n; u += U) {
       float t[U], kp[U], v[U][K][V];
 #pragma unroll
@@ -113,7 +166,7 @@ __device__ __forceinline__ void attend(const forward_params& p, const place& q, 
         const float s = ad + *p.a_src.at<float>(j, q.load_head);
         t[b] = (s > 0.0f ? s : s * p.slope) * kLog2e;
         const std::int64_t kr = __shfl_sync(0xffffffffu, mine_keep, e);
-        kp[b] = p.keep.data == nullptr ? 1.0f : *p.keep.at<float>(kr, q.load_head);
+        kp[b] = keep_factor(p.drop, bits, e, p.keep, kr, q.load_head);
         load_row<T, V, K>(p.x.at<T>(j, q.load_head), p.l, q.sub, v[b]);
       }
 #pragma unroll
@@ -154,7 +207,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<V, F>)
   if (!w.valid) return;
   const place q = place_of(p.l, w.group);
   float m = -INFINITY, l = 0.0f, acc[K][V] = {};
-  attend<T, V, K, kUnroll<F>>(p, q, w.line, w.begin, w.end, m, l, acc);
+  attend<T, V, K, kUnroll<F>>(p, q, w.group, w.line, w.begin, w.end, m, l, acc);
   if (!q.active) return;
   if (w.chunk < 0) {
     finish_row<O, V, K>(p, q, w.line, m, l, acc);
@@ -233,6 +286,7 @@ struct column_params {
   float* part_dx;   // [chunks, H, C]
   float* part_das;  // [chunks, H]
   float slope;
+  draws drop;  // the forward's
 };
 
 template <class T, class G, int V, int F>
@@ -247,12 +301,16 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<V, F>)
   load_row<T, V, K>(p.x.at<T>(w.line, q.load_head), p.l, q.sub, xj);
   const float as = *p.a_src.at<float>(w.line, q.load_head);
   float das = 0.0f;
+  const bool drawn = p.drop.state != nullptr;
+  const std::uint64_t seed = drawn ? p.drop.state[0] : 0, offset = drawn ? p.drop.state[1] : 0;
   for (std::int64_t base = w.begin; base < w.end; base += 32) {
     const int n = static_cast<int>(min(std::int64_t{32}, w.end - base));
     const int mine_row = lane < n ? p.row_idx[base + lane] : 0;
     const std::int64_t mine_entry = lane < n ? p.entry_of[base + lane] : 0;
     const std::int64_t mine_keep =
         lane < n && p.keep_index != nullptr ? p.keep_index[mine_entry] : mine_entry;
+    const std::uint32_t bits =
+        drawn ? drop_bits(p.drop, seed, offset, mine_keep, n, p.l, w.group) : 0u;
     for (int u = 0; u < n; u += U) {
       float g[U][K][V], kp[U];
       float4 r[U];
@@ -263,7 +321,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<V, F>)
         load_row<G, V, K>(p.dout.at<G>(i, q.load_head), p.l, q.sub, g[b]);
         r[b] = p.rec[i * p.l.heads + q.load_head];
         const std::int64_t kr = __shfl_sync(0xffffffffu, mine_keep, e);
-        kp[b] = p.keep.data == nullptr ? 1.0f : *p.keep.at<float>(kr, q.load_head);
+        kp[b] = keep_factor(p.drop, bits, e, p.keep, kr, q.load_head);
       }
 #pragma unroll
       for (int b = 0; b < U; ++b) {

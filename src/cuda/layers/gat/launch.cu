@@ -8,6 +8,7 @@
 #include <string_view>
 #include <vector>
 
+#include "../../../common/arguments.hpp"
 #include "../../../common/workspace_layout.hpp"
 #include "../../../graph/transposed.hpp"
 #include "../../common/buffer.cuh"
@@ -66,9 +67,16 @@ void check_f32(const tensor_view& t, const char* what, std::int64_t rows, std::i
                           std::string(what) + " " + t.describe() + " must be f32");
 }
 
+// Attention dropout's draws made in the kernels, where asked (gat_args::dropout).
+draws draws_of(const attention_dropout& d) {
+  if (d.p <= 0) return {};
+  return {d.state, philox::drop_below(d.p), static_cast<float>(1.0 / (1.0 - d.p))};
+}
+
 // The checks forward and backward share.
 void check_inputs(const gat_device& d, const tensor_view& x, const tensor_view& a_src,
-                  const tensor_view& a_dst, const tensor_view& keep, double slope) {
+                  const tensor_view& a_dst, const tensor_view& keep,
+                  const attention_dropout& dropout, double slope) {
   expect_current_device(d.device);
   check_gpu(x, "x", d.cols, -1, -1);
   TRISPARSE_EXPECTS_INPUT(x.heads >= 1, "x needs at least one head, got " + x.describe());
@@ -78,6 +86,9 @@ void check_inputs(const gat_device& d, const tensor_view& x, const tensor_view& 
   check_f32(a_src, "a_src", d.cols, x.heads);
   check_f32(a_dst, "a_dst", d.rows, x.heads);
   if (keep.data != nullptr) check_f32(keep, "keep", d.nnz, x.heads);
+  detail::check_dropout(dropout);
+  TRISPARSE_EXPECTS_INPUT(keep.data == nullptr || dropout.p == 0,
+                          "attention dropout: give keep factors or dropout draws, not both");
   TRISPARSE_EXPECTS_INPUT(std::isfinite(slope), "negative_slope must be finite");
 }
 
@@ -155,7 +166,7 @@ std::size_t gat_workspace_bytes(const gat_device& d, std::int64_t heads, std::in
 
 void gat_forward(const gat_device& d, const gat_args& a, const workspace_view& workspace,
                  stream_ref stream) {
-  check_inputs(d, a.x, a.a_src, a.a_dst, a.keep, a.negative_slope);
+  check_inputs(d, a.x, a.a_src, a.a_dst, a.keep, a.dropout, a.negative_slope);
   check_gpu(a.out, "out", d.rows, a.x.heads, a.x.dim);
   if (a.lse.data != nullptr) check_f32(a.lse, "lse", d.rows, a.x.heads);
   const workspace_parts ws = workspace_of(d, a.x.heads, a.x.dim, false);
@@ -177,7 +188,8 @@ void gat_forward(const gat_device& d, const gat_args& a, const workspace_view& w
                          out_of(a.lse),
                          detail::workspace_layout::at<float>(workspace, ws.part_a),
                          detail::workspace_layout::at<float>(workspace, ws.part_b),
-                         static_cast<float>(a.negative_slope)};
+                         static_cast<float>(a.negative_slope),
+                         draws_of(a.dropout)};
   const std::int64_t groups = p.l.groups;
   const auto s = static_cast<cudaStream_t>(stream.handle);
   with_element_type(a.x.type, "x", [&]<class T>() {
@@ -198,7 +210,7 @@ void gat_forward(const gat_device& d, const gat_args& a, const workspace_view& w
 
 void gat_backward(const gat_device& d, const gat_grad_args& a, const workspace_view& workspace,
                   stream_ref stream) {
-  check_inputs(d, a.x, a.a_src, a.a_dst, a.keep, a.negative_slope);
+  check_inputs(d, a.x, a.a_src, a.a_dst, a.keep, a.dropout, a.negative_slope);
   const std::int64_t heads = a.x.heads;
   check_gpu(a.out, "out", d.rows, heads, a.x.dim);
   check_f32(a.lse, "lse", d.rows, heads);
@@ -238,7 +250,8 @@ void gat_backward(const gat_device& d, const gat_grad_args& a, const workspace_v
                          de,
                          detail::workspace_layout::at<float>(workspace, ws.part_a),
                          detail::workspace_layout::at<float>(workspace, ws.part_b),
-                         static_cast<float>(a.negative_slope)};
+                         static_cast<float>(a.negative_slope),
+                         draws_of(a.dropout)};
   with_element_type(a.x.type, "x", [&]<class T>() {
     with_output_type<T>(a.dout.type, "dout", [&]<class G>() {
       with_lanes<16>(vec, l, kVectorWidth, [&]<int V, int F>() {
