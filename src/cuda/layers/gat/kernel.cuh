@@ -8,7 +8,8 @@
 // accumulators: each source row is read once and the [E, H] scores are never stored. The loads of
 // 2-4 entries are issued before their updates. The row's log-sum-exp is kept for the backward.
 //
-// keep_ij: attention dropout's factor, read from keep or drawn per 32-entry batch (drop_bits).
+// keep_ij: attention dropout's factor, read from keep or drawn per 32-entry batch (drop_bits; the
+// kernels with DRAWN, so that those without are unchanged).
 //
 // Backward, with dp_ij = keep_ij <dout_i, x_j> and D_i = sum_j p_ij dp_ij = <dout_i, out_i>:
 //   1. D per (row, head), packed with a_dst and the lse into one 16-byte record per (row, head)
@@ -75,11 +76,12 @@ __device__ __forceinline__ std::uint32_t drop_bits(const draws& d, std::uint64_t
   return static_cast<std::uint32_t>(mine);  // (entries past n: not read)
 }
 
-// Entry e's keep factor in the lane's head: drawn (bits from drop_bits), or read from keep at
-// row kr, or 1.
+// Entry e's keep factor in the lane's head: drawn (DRAWN: bits from drop_bits), or read from
+// keep at row kr, or 1.
+template <bool DRAWN>
 __device__ __forceinline__ float keep_factor(const draws& d, std::uint32_t bits, int e,
                                              const operand& keep, std::int64_t kr, int head) {
-  if (d.state != nullptr) return (bits >> e) & 1u ? 0.0f : d.scale;
+  if constexpr (DRAWN) return (bits >> e) & 1u ? 0.0f : d.scale;
   return keep.data == nullptr ? 1.0f : *keep.at<float>(kr, head);
 }
 
@@ -141,14 +143,13 @@ struct forward_params {
 
 // The online softmax over entries [begin, end) of row i for the lane's head: m (log2 units), l
 // and the unnormalised accumulators. U edges' loads are issued before their updates.
-template <class T, int V, int K, int U>
+template <class T, int V, int K, int U, bool DRAWN>
 __device__ __forceinline__ void attend(const forward_params& p, const place& q, int group,
                                        std::int64_t i, std::int64_t begin, std::int64_t end,
                                        float& m, float& l, float (&acc)[K][V]) {
   const int lane = static_cast<int>(threadIdx.x & 31);
   const float ad = *p.a_dst.at<float>(i, q.load_head);
-  const bool drawn = p.drop.state != nullptr;
-  const std::uint64_t seed = drawn ? p.drop.state[0] : 0, offset = drawn ? p.drop.state[1] : 0;
+  const std::uint64_t seed = DRAWN ? p.drop.state[0] : 0, offset = DRAWN ? p.drop.state[1] : 0;
   for (std::int64_t base = begin; base < end; base += 32) {
     const int n = static_cast<int>(min(std::int64_t{32}, end - base));
     const int mine = lane < n ? p.col[base + lane] : 0;
@@ -156,7 +157,7 @@ __device__ __forceinline__ void attend(const forward_params& p, const place& q, 
     const std::int64_t mine_keep =
         lane < n && p.keep_index != nullptr ? p.keep_index[base + lane] : base + lane;
     const std::uint32_t bits =
-        drawn ? drop_bits(p.drop, seed, offset, mine_keep, n, p.l, group) : 0u;
+        DRAWN ? drop_bits(p.drop, seed, offset, mine_keep, n, p.l, group) : 0u;
     for (int u = 0; u < n; u += U) {
       float t[U], kp[U], v[U][K][V];
 #pragma unroll
@@ -166,7 +167,7 @@ __device__ __forceinline__ void attend(const forward_params& p, const place& q, 
         const float s = ad + *p.a_src.at<float>(j, q.load_head);
         t[b] = (s > 0.0f ? s : s * p.slope) * kLog2e;
         const std::int64_t kr = __shfl_sync(0xffffffffu, mine_keep, e);
-        kp[b] = keep_factor(p.drop, bits, e, p.keep, kr, q.load_head);
+        kp[b] = keep_factor<DRAWN>(p.drop, bits, e, p.keep, kr, q.load_head);
         load_row<T, V, K>(p.x.at<T>(j, q.load_head), p.l, q.sub, v[b]);
       }
 #pragma unroll
@@ -199,7 +200,7 @@ __device__ __forceinline__ void finish_row(const forward_params& p, const place&
     *p.lse.at<float>(i, q.head) = l > 0.0f ? (m + log2f(l)) / kLog2e : -INFINITY;
 }
 
-template <class T, class O, int V, int F>
+template <class T, class O, int V, int F, bool DRAWN>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<V, F>)
     forward_kernel(const forward_params p) {
   constexpr int K = F / V;
@@ -207,7 +208,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<V, F>)
   if (!w.valid) return;
   const place q = place_of(p.l, w.group);
   float m = -INFINITY, l = 0.0f, acc[K][V] = {};
-  attend<T, V, K, kUnroll<F>>(p, q, w.group, w.line, w.begin, w.end, m, l, acc);
+  attend<T, V, K, kUnroll<F>, DRAWN>(p, q, w.group, w.line, w.begin, w.end, m, l, acc);
   if (!q.active) return;
   if (w.chunk < 0) {
     finish_row<O, V, K>(p, q, w.line, m, l, acc);
@@ -289,7 +290,7 @@ struct column_params {
   draws drop;  // the forward's
 };
 
-template <class T, class G, int V, int F>
+template <class T, class G, int V, int F, bool DRAWN>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<V, F>)
     column_kernel(const column_params p) {
   constexpr int K = F / V, U = kUnroll<F>;
@@ -301,8 +302,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<V, F>)
   load_row<T, V, K>(p.x.at<T>(w.line, q.load_head), p.l, q.sub, xj);
   const float as = *p.a_src.at<float>(w.line, q.load_head);
   float das = 0.0f;
-  const bool drawn = p.drop.state != nullptr;
-  const std::uint64_t seed = drawn ? p.drop.state[0] : 0, offset = drawn ? p.drop.state[1] : 0;
+  const std::uint64_t seed = DRAWN ? p.drop.state[0] : 0, offset = DRAWN ? p.drop.state[1] : 0;
   for (std::int64_t base = w.begin; base < w.end; base += 32) {
     const int n = static_cast<int>(min(std::int64_t{32}, w.end - base));
     const int mine_row = lane < n ? p.row_idx[base + lane] : 0;
@@ -310,7 +310,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<V, F>)
     const std::int64_t mine_keep =
         lane < n && p.keep_index != nullptr ? p.keep_index[mine_entry] : mine_entry;
     const std::uint32_t bits =
-        drawn ? drop_bits(p.drop, seed, offset, mine_keep, n, p.l, w.group) : 0u;
+        DRAWN ? drop_bits(p.drop, seed, offset, mine_keep, n, p.l, w.group) : 0u;
     for (int u = 0; u < n; u += U) {
       float g[U][K][V], kp[U];
       float4 r[U];
@@ -321,7 +321,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<V, F>)
         load_row<G, V, K>(p.dout.at<G>(i, q.load_head), p.l, q.sub, g[b]);
         r[b] = p.rec[i * p.l.heads + q.load_head];
         const std::int64_t kr = __shfl_sync(0xffffffffu, mine_keep, e);
-        kp[b] = keep_factor(p.drop, bits, e, p.keep, kr, q.load_head);
+        kp[b] = keep_factor<DRAWN>(p.drop, bits, e, p.keep, kr, q.load_head);
       }
 #pragma unroll
       for (int b = 0; b < U; ++b) {

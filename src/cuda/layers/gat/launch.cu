@@ -195,8 +195,11 @@ void gat_forward(const gat_device& d, const gat_args& a, const workspace_view& w
   with_element_type(a.x.type, "x", [&]<class T>() {
     with_output_type<T>(a.out.type, "out", [&]<class O>() {
       with_lanes<16>(vec, p.l, kVectorWidth, [&]<int V, int F>() {
-        forward_kernel<T, O, V, F>
-            <<<warps_blocks((d.rows + d.row_chunks.count) * groups), kWarps * 32, 0, s>>>(p);
+        const unsigned blocks = warps_blocks((d.rows + d.row_chunks.count) * groups);
+        if (p.drop.state != nullptr)
+          forward_kernel<T, O, V, F, true><<<blocks, kWarps * 32, 0, s>>>(p);
+        else
+          forward_kernel<T, O, V, F, false><<<blocks, kWarps * 32, 0, s>>>(p);
         TRISPARSE_CUDA_CHECK_LAUNCH();
         if (d.row_chunks.lines > 0) {
           forward_merge_kernel<O, V, F>
@@ -257,8 +260,11 @@ void gat_backward(const gat_device& d, const gat_grad_args& a, const workspace_v
       with_lanes<16>(vec, l, kVectorWidth, [&]<int V, int F>() {
         row_dot_kernel<G, V, F><<<warps_blocks(d.rows * l.groups), kWarps * 32, 0, s>>>(rd);
         TRISPARSE_CUDA_CHECK_LAUNCH();
-        column_kernel<T, G, V, F>
-            <<<warps_blocks((d.cols + d.col_chunks.count) * l.groups), kWarps * 32, 0, s>>>(cp);
+        const unsigned blocks = warps_blocks((d.cols + d.col_chunks.count) * l.groups);
+        if (cp.drop.state != nullptr)
+          column_kernel<T, G, V, F, true><<<blocks, kWarps * 32, 0, s>>>(cp);
+        else
+          column_kernel<T, G, V, F, false><<<blocks, kWarps * 32, 0, s>>>(cp);
         TRISPARSE_CUDA_CHECK_LAUNCH();
         if (d.col_chunks.lines > 0) {
           column_merge_kernel<G, V, F>
