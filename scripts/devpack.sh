@@ -3,7 +3,8 @@
 # build/gpu (configured as gpu_dev.sh's header says) and packs them into .devpack: the tests as
 # gpu_tests.tar.xz, and libtrisparse.a with the stamp of the sources it was built from, which
 # gpu_dev.sh links its Python module against (it compiles only the module there) while the
-# device's copy of src/, include/ and the CMake files has the same stamp.
+# device's copy of src/, include/ and the CMake files has the same stamp. BENCH_BINS (e.g.
+# "bench_layers") also packs those benchmark binaries as bench.tar.xz.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${BUILD:-build/gpu}
@@ -12,4 +13,10 @@ mkdir -p .devpack
 tar -cJf .devpack/gpu_tests.tar.xz -C "$build/tests" gpu_tests op_gpu_tests large_gpu_tests
 xz -T0 -c "$build/src/libtrisparse.a" > .devpack/libtrisparse.a.xz
 scripts/source_stamp.sh > .devpack/libtrisparse.stamp
-ls -la .devpack/gpu_tests.tar.xz .devpack/libtrisparse.a.xz
+if [ -n "${BENCH_BINS:-}" ]; then
+  # shellcheck disable=SC2086
+  ninja -C "$build" -j "${JOBS:-2}" $BENCH_BINS
+  # shellcheck disable=SC2086
+  tar -cJf .devpack/bench.tar.xz -C "$build" $BENCH_BINS
+fi
+ls -la .devpack/*.tar.xz .devpack/libtrisparse.a.xz

@@ -137,6 +137,18 @@ if [ "${BENCH:-0}" = 1 ]; then
   tail -5 "$out/stderr.log"
   echo "bench: $((SECONDS - start)) s"
 fi
+# GAT_KERNELS=1: the fused GAT attention's kernels (bench_layers --only gat, packed by devpack.sh
+# with BENCH_BINS=bench_layers) on BENCH_GRAPHS, head layouts GAT_LAYOUTS: dropout factors read,
+# none, and drawn in the kernels.
+if [ "${GAT_KERNELS:-0}" = 1 ]; then
+  mkdir -p /tmp/bench && tar -xJf .devpack/bench.tar.xz -C /tmp/bench
+  graphs=()
+  for g in ${BENCH_GRAPHS:-snap_web_notredame deezer_egos het_tolokers}; do graphs+=("data/$g.el.xz"); done
+  # shellcheck disable=SC2086
+  /tmp/bench/bench_layers --only gat --gat ${GAT_LAYOUTS:-8:8 8:16 1:16} --repeat 20 "${graphs[@]}" \
+    > "$out/gat_kernels.jsonl" 2>> "$out/stderr.log" || status=1
+  echo "gat kernels: $((SECONDS - start)) s"
+fi
 # BLOCK=1: block-sparse attention through the package against FlexAttention, forward and
 # forward + backward (bench/python/block_sparse_training.py with BLOCK_ARGS).
 if [ "${BLOCK:-0}" = 1 ]; then
