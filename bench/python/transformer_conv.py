@@ -189,7 +189,7 @@ def main():
             ours.load_state_dict(pyg.state_dict())
             rec = {"graph": graph, "layer": a.layer, "edge_dim": a.edge_dim, "nodes": n}
             rec.update(edges=int(edge_index.shape[1]), heads=a.heads, channels=a.channels)
-            rec.update(dropout=dropout)
+            rec.update(dropout=dropout, pyg_dropout=a.pyg_dropout)
             rec.update(mode=mode, device=torch.cuda.get_device_name(), torch=torch.__version__)
             ref = None
 

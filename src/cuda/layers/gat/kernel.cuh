@@ -76,13 +76,13 @@ __device__ __forceinline__ std::uint32_t drop_bits(const draws& d, std::uint64_t
   return static_cast<std::uint32_t>(mine);  // (entries past n: not read)
 }
 
-// Entry e's keep factor in the lane's head: drawn (DRAWN: bits from drop_bits), or read from
-// keep at row kr, or 1.
-template <bool DRAWN>
-__device__ __forceinline__ float keep_factor(const draws& d, std::uint32_t bits, int e,
-                                             const operand& keep, std::int64_t kr, int head) {
-  if constexpr (DRAWN) return (bits >> e) & 1u ? 0.0f : d.scale;
+// An entry's keep factor in the lane's head: read from keep at row kr (or 1 without keep), or
+// the batch's entry e drawn (bits from drop_bits).
+__device__ __forceinline__ float read_keep(const operand& keep, std::int64_t kr, int head) {
   return keep.data == nullptr ? 1.0f : *keep.at<float>(kr, head);
+}
+__device__ __forceinline__ float drawn_keep(const draws& d, std::uint32_t bits, int e) {
+  return (bits >> e) & 1u ? 0.0f : d.scale;
 }
 
 // What the kernels read of a chunk list.
@@ -156,8 +156,7 @@ __device__ __forceinline__ void attend(const forward_params& p, const place& q, 
     // Each lane looks up one entry's keep row up front: per edge, one load less in the chain.
     const std::int64_t mine_keep =
         lane < n && p.keep_index != nullptr ? p.keep_index[base + lane] : base + lane;
-    const std::uint32_t bits =
-        DRAWN ? drop_bits(p.drop, seed, offset, mine_keep, n, p.l, group) : 0u;
+    std::uint32_t bits = 0;  // DRAWN: the batch's drops, drawn under its first edges' loads
     for (int u = 0; u < n; u += U) {
       float t[U], kp[U], v[U][K][V];
 #pragma unroll
@@ -166,9 +165,14 @@ __device__ __forceinline__ void attend(const forward_params& p, const place& q, 
         const std::int64_t j = __shfl_sync(0xffffffffu, mine, e);
         const float s = ad + *p.a_src.at<float>(j, q.load_head);
         t[b] = (s > 0.0f ? s : s * p.slope) * kLog2e;
-        const std::int64_t kr = __shfl_sync(0xffffffffu, mine_keep, e);
-        kp[b] = keep_factor<DRAWN>(p.drop, bits, e, p.keep, kr, q.load_head);
+        if constexpr (!DRAWN)
+          kp[b] = read_keep(p.keep, __shfl_sync(0xffffffffu, mine_keep, e), q.load_head);
         load_row<T, V, K>(p.x.at<T>(j, q.load_head), p.l, q.sub, v[b]);
+      }
+      if constexpr (DRAWN) {
+        if (u == 0) bits = drop_bits(p.drop, seed, offset, mine_keep, n, p.l, group);
+#pragma unroll
+        for (int b = 0; b < U; ++b) kp[b] = drawn_keep(p.drop, bits, min(u + b, n - 1));
       }
 #pragma unroll
       for (int b = 0; b < U; ++b) {
@@ -309,8 +313,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<V, F>)
     const std::int64_t mine_entry = lane < n ? p.entry_of[base + lane] : 0;
     const std::int64_t mine_keep =
         lane < n && p.keep_index != nullptr ? p.keep_index[mine_entry] : mine_entry;
-    const std::uint32_t bits =
-        DRAWN ? drop_bits(p.drop, seed, offset, mine_keep, n, p.l, w.group) : 0u;
+    std::uint32_t bits = 0;  // DRAWN: the batch's drops, drawn under its first entries' loads
     for (int u = 0; u < n; u += U) {
       float g[U][K][V], kp[U];
       float4 r[U];
@@ -320,8 +323,13 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks<V, F>)
         const std::int64_t i = __shfl_sync(0xffffffffu, mine_row, e);
         load_row<G, V, K>(p.dout.at<G>(i, q.load_head), p.l, q.sub, g[b]);
         r[b] = p.rec[i * p.l.heads + q.load_head];
-        const std::int64_t kr = __shfl_sync(0xffffffffu, mine_keep, e);
-        kp[b] = keep_factor<DRAWN>(p.drop, bits, e, p.keep, kr, q.load_head);
+        if constexpr (!DRAWN)
+          kp[b] = read_keep(p.keep, __shfl_sync(0xffffffffu, mine_keep, e), q.load_head);
+      }
+      if constexpr (DRAWN) {
+        if (u == 0) bits = drop_bits(p.drop, seed, offset, mine_keep, n, p.l, w.group);
+#pragma unroll
+        for (int b = 0; b < U; ++b) kp[b] = drawn_keep(p.drop, bits, min(u + b, n - 1));
       }
 #pragma unroll
       for (int b = 0; b < U; ++b) {
