@@ -8,10 +8,13 @@ epoch.
     python3 examples/python/train_planetoid.py --model transformer --backend pyg --seeds 10
 
 The two backends build the same parameters from the same seed (trisparse's layers are PyG's
-subclasses) and draw the same dropout masks, so their runs differ only by rounding.
+subclasses) and draw the same feature dropout masks. GAT's attention dropout is drawn in
+trisparse's kernels (other masks, the same distribution) unless --pyg-dropout asks for PyG's draws,
+with which the two backends' runs differ only by rounding.
 """
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -23,14 +26,17 @@ import trisparse.datasets
 from torch import nn
 
 
-def layers(backend):
+def layers(backend, pyg_dropout=False):
     if backend == "pyg":
         import torch_geometric.nn as pyg
 
         return pyg.GCNConv, pyg.TransformerConv, pyg.GATConv
     import trisparse.nn
 
-    return trisparse.nn.GCNConv, trisparse.nn.TransformerConv, trisparse.nn.GATConv
+    gat = trisparse.nn.GATConv
+    if pyg_dropout:
+        gat = functools.partial(gat, pyg_dropout=True)
+    return trisparse.nn.GCNConv, trisparse.nn.TransformerConv, gat
 
 
 class GCN(nn.Module):
@@ -57,9 +63,11 @@ class GAT(nn.Module):
     """Velickovic et al.'s two-layer GAT (8 heads x 8 hidden, one output head, dropout 0.6 on the
     features and on the attention weights)."""
 
-    def __init__(self, backend, features, classes, hidden=8, heads=8, dropout=0.6):
+    def __init__(
+        self, backend, features, classes, hidden=8, heads=8, dropout=0.6, pyg_dropout=False
+    ):
         super().__init__()
-        _, _, conv = layers(backend)
+        _, _, conv = layers(backend, pyg_dropout)
         self.dropout = dropout
         self.conv1 = conv(features, hidden, heads=heads, dropout=dropout)
         self.conv2 = conv(hidden * heads, classes, heads=1, concat=False, dropout=dropout)
@@ -139,7 +147,8 @@ def run(args, data, seed):
     if args.model == "gcn":
         model, lr = GCN(args.backend, data.num_features, classes, fuse_relu=args.fuse_relu), 0.01
     elif args.model == "gat":
-        model, lr = GAT(args.backend, data.num_features, classes), 0.005
+        gat = GAT(args.backend, data.num_features, classes, pyg_dropout=args.pyg_dropout)
+        model, lr = gat, 0.005
     elif args.model == "gps":
         model, lr = GPS(args.backend, data.num_features, classes), 0.001
     else:
@@ -237,6 +246,11 @@ def main():
         f"{GRAPH_AFTER} eager epochs and replay it (both backends; host overhead out of the epoch)",
     )
     ap.add_argument("--root", default=None, help="the Planetoid raw files (ind.<name>.*)")
+    ap.add_argument(
+        "--pyg-dropout",
+        action="store_true",
+        help="trisparse's GAT draws its attention dropout as PyG's (the same masks)",
+    )
     ap.add_argument("--json", action="store_true", help="one JSON line instead of text")
     args = ap.parse_args()
     if args.cuda_graph and args.device != "cuda":

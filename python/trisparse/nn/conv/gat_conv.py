@@ -43,6 +43,10 @@ class _BiasAdd(torch.autograd.Function):
 _CHUNK_ROWS = 1024  # rows of the edge features a chunk of the weight's gradient sums
 
 
+# The fused kernel's widest head (a plain int: torch.compile does not compare the extension's).
+_MAX_HEAD_WIDTH = int(_C.GatPlan.max_head_width)
+
+
 def _chunked_outer(a: Tensor, g: Tensor) -> Tensor:
     """a^T g [F, H] over E rows as chunks of _CHUNK_ROWS rows (one batched product) summed in a
     fixed order, then the rest: cuBLAS's split-K product over 1.5M float32 rows took 0.23 ms on
@@ -214,7 +218,7 @@ class GATConv(_Fused, _PygGATConv):
                 pyg_dropout=self.pyg_dropout,
             )
             return out, None
-        if per_edge or pattern.duplicates or C > _C.GatPlan.max_head_width:
+        if per_edge or pattern.duplicates or C > _MAX_HEAD_WIDTH:
             a_edge = edge_terms() if edge_attr is not None else None
             return self._per_edge(x_src, alpha_src, alpha_dst, a_edge, pattern, dropout)
         keep = order = None
