@@ -80,7 +80,7 @@ void launch_wgmma_backward(dtype in, std::int64_t dim, const backward_params& p,
                            const attention_dropout& dropout, cudaStream_t s) {
   with_half_type(in, "block-sparse backward's q", [&]<class T>() {
     with_head_dim<64, 128>(dim, "the wgmma block-sparse backward's head_dim", [&]<int D>() {
-      with_dropout_or_bias(dropout, p.block_bias != nullptr, [&]<bool DROPOUT, bool BIAS>() {
+      with_dropout_and_bias(dropout, p.block_bias != nullptr, [&]<bool DROPOUT, bool BIAS>() {
         launch_kernel<sm90::backward_wgmma_kernel<T, D, false, DROPOUT, 2, BIAS>>(
             128, sm90::backward_shared_bytes<D, false>(), p, query_tiles, s);
         constexpr int kBlocks = D == 128  ? kKeyPassBlocksD128
