@@ -17,7 +17,9 @@ namespace trisparse::test {
 
 /// ../shared/datasets (or $TRISPARSE_DATASETS), or "" when absent.
 inline std::filesystem::path datasets_dir() {
-  if (const char* env = std::getenv("TRISPARSE_DATASETS")) return env;
+  if (const char* env = std::getenv("TRISPARSE_DATASETS"))  // (a folder not there: skipped)
+    return std::filesystem::is_directory(env) ? std::filesystem::path(env)
+                                              : std::filesystem::path{};
   const std::filesystem::path p = TRISPARSE_DATASETS_DIR;
   return std::filesystem::exists(p / "MANIFEST.md") ? p : std::filesystem::path{};
 }

@@ -128,6 +128,12 @@ void check_dropout(const attention_dropout& dropout) {
                           "the device)");
 }
 
+void check_keep_or_dropout(const tensor_view& keep, const attention_dropout& dropout) {
+  check_dropout(dropout);
+  TRISPARSE_EXPECTS_INPUT(keep.data == nullptr || dropout.p == 0,
+                          "attention dropout: give keep factors or dropout draws, not both");
+}
+
 void check_no_dropout(const attention_options& options, const char* what) {
   if (options.dropout.p == 0) return;
   throw not_supported(std::string(what) +

@@ -69,6 +69,9 @@ void check_no_dropout(const attention_options& options, const char* what);
 /// @throws invalid_input unless options.dropout is none or p in [0, 1) with a state.
 void check_dropout(const attention_dropout& dropout);
 
+/// check_dropout, and @throws invalid_input if both keep factors (keep.data) and draws are given.
+void check_keep_or_dropout(const tensor_view& keep, const attention_dropout& dropout);
+
 /// The scale to use: the given one, or 1/sqrt(head_dim). @throws invalid_input if not finite.
 double resolve_scale(const std::optional<double>& scale, std::int64_t head_dim);
 

@@ -108,9 +108,7 @@ void check_backward_side(const multigraph_view& g) {
 void check_keep(const multigraph_view& g, const tensor_view& keep, const attention_dropout& dropout,
                 std::int64_t heads) {
   if (keep.data != nullptr) check_f32(keep, "keep", g.edges, heads, 1);
-  detail::check_dropout(dropout);
-  TRISPARSE_EXPECTS_INPUT(keep.data == nullptr || dropout.p == 0,
-                          "attention dropout: give keep factors or dropout draws, not both");
+  detail::check_keep_or_dropout(keep, dropout);
 }
 
 }  // namespace

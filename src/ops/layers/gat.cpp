@@ -50,19 +50,12 @@ host_tensor drawn_keep(const csr_graph& g, std::int64_t heads, const attention_d
   return keep;
 }
 
-// keep factors or dropout draws (not both), the state in host memory.
-void check_dropout_cpu(const tensor_view& keep, const attention_dropout& d) {
-  detail::check_dropout(d);
-  TRISPARSE_EXPECTS_INPUT(keep.data == nullptr || d.p == 0,
-                          "attention dropout: give keep factors or dropout draws, not both");
-}
-
 // The CPU engine in T (float or double) on copies of the arguments in T where they hold another
 // dtype (dropout's draws as keep factors). The backward reads the forward's lse in fp32 and
 // recomputes it in float64.
 template <class T>
 void cpu_forward(const csr_graph& g, const gat_args& a) {
-  check_dropout_cpu(a.keep, a.dropout);
+  detail::check_keep_or_dropout(a.keep, a.dropout);  // (the state in host memory)
   host_tensor xs, ss, ds, ks, os, ls;
   if (a.dropout.p > 0) ks = drawn_keep<T>(g, a.x.heads, a.dropout, a.keep_index);
   const std::int64_t* keep_index = a.dropout.p > 0 ? nullptr : a.keep_index;
@@ -91,7 +84,7 @@ void cpu_backward(const csr_graph& g, const detail::transposed_pattern& t, const
     check_host(a.lse, "lse");
     check_view(a.lse, "lse", g.rows, a.x.heads, 1);
   }
-  check_dropout_cpu(a.keep, a.dropout);
+  detail::check_keep_or_dropout(a.keep, a.dropout);  // (the state in host memory)
   host_tensor xs, ss, ds, ks, ls, gs, dxs, dss, dds;
   if (a.dropout.p > 0) ks = drawn_keep<T>(g, a.x.heads, a.dropout, a.keep_index);
   const std::int64_t* keep_index = a.dropout.p > 0 ? nullptr : a.keep_index;

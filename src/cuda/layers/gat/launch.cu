@@ -86,9 +86,7 @@ void check_inputs(const gat_device& d, const tensor_view& x, const tensor_view& 
   check_f32(a_src, "a_src", d.cols, x.heads);
   check_f32(a_dst, "a_dst", d.rows, x.heads);
   if (keep.data != nullptr) check_f32(keep, "keep", d.nnz, x.heads);
-  detail::check_dropout(dropout);
-  TRISPARSE_EXPECTS_INPUT(keep.data == nullptr || dropout.p == 0,
-                          "attention dropout: give keep factors or dropout draws, not both");
+  detail::check_keep_or_dropout(keep, dropout);
   TRISPARSE_EXPECTS_INPUT(std::isfinite(slope), "negative_slope must be finite");
 }
 
