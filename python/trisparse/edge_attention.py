@@ -30,7 +30,7 @@ def _dropout_args(pattern: Pattern, like: Tensor, p: float, pyg_dropout: bool) -
     """The ops' dropout arguments (keep, dropout, dropout_state). pyg_dropout: factors per (input
     edge, head) in the input's edge order (0 or 1 / (1 - p)) drawn as F.dropout draws them over
     PyG's [E, H] weights, read by the kernels; else drawn in the kernels (Philox4x32-10, input
-    edge u of head h as pair (u, 0): trisparse/core/dropout.hpp) from a {seed, offset} state taken
+    edge u's word of head h: trisparse/core/dropout.hpp) from a {seed, offset} state taken
     from torch's generator of the device, and regenerated in the backward."""
     if not (0.0 <= p < 1.0 or (pyg_dropout and p == 1.0)):
         raise ValueError(f"dropout must be in [0, 1), got {p}")

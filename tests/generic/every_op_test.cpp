@@ -978,7 +978,7 @@ void gcn_fused_cases(recorder& rec) {
 
 // --- GAT's attention: forward and backward -----------------------------------------------------
 
-// With attention dropout drawn by the plan: entry e's factor in head h is pair (e, 0)'s draw
+// With attention dropout drawn by the plan: entry e's factor in head h is input edge e's draw
 // (no keep_index), against the reference given those factors.
 void gat_cases(recorder& rec) {
   const std::uint64_t seed = 0x243F6A8885A308D3ull, offset = 3;
@@ -995,7 +995,7 @@ void gat_cases(recorder& rec) {
       host_tensor keep(dtype::f64, g.nnz(), heads, 1);
       for (std::int64_t e = 0; e < g.nnz(); ++e)
         for (std::int32_t h = 0; h < heads; ++h)
-          keep.set(e * heads + h, dropout_factor(drop, seed, offset, e, 0, h));
+          keep.set(e * heads + h, edge_dropout_factor(drop, seed, offset, e, h));
       const tensor_view ref_keep = p > 0 ? keep.view() : tensor_view{};
       for (const types t : type_pairs()) {
         const dtype in = t.in;

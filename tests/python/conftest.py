@@ -83,29 +83,56 @@ def load_shared_graph(name):
     return trisparse.datasets.read_graph(d / f"{name}.el.xz", undirected=True)
 
 
+def _philox(c, seed):
+    """Philox4x32-10 of the counters c (four uint64 arrays holding 32-bit values) under the 64-bit
+    key `seed`: the four words, as trisparse/core/dropout.hpp's draw()."""
+    mask = np.uint64(0xFFFFFFFF)
+    k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
+    for _ in range(10):
+        p0, p1 = np.uint64(0xD2511F53) * c[0], np.uint64(0xCD9E8D57) * c[2]
+        c = [(p1 >> np.uint64(32)) ^ c[1] ^ k0, p1 & mask, (p0 >> np.uint64(32)) ^ c[3] ^ k1]
+        c.append(p0 & mask)
+        k0 = (k0 + np.uint64(0x9E3779B9)) & mask
+        k1 = (k1 + np.uint64(0xBB67AE85)) & mask
+    return np.stack(c)
+
+
 def philox_factors(rows_i, rows_j, heads, state, p: float):
     """Attention dropout's factors [pairs, len(heads)] (float64) for query rows rows_i and key
     rows rows_j of the head ids `heads` (sequence * H + head), as trisparse/core/dropout.hpp
-    draws them from state = {seed, offset}: Philox4x32-10 counted by (i / 2, j / 2, head,
-    offset), word (i % 2) * 2 + j % 2."""
-    mask = np.uint64(0xFFFFFFFF)
+    draws them from state = {seed, offset}: Philox4x32-10 counted by (query set, j / 2, head,
+    offset), the query set 4 (i / 16) + (i % 8) / 2; 16-bit half j % 2 of word
+    2 ((i / 8) % 2) + i % 2 against round(p 2^16)."""
     seed, offset = (int(x) % 2**64 for x in state.tolist())
     i, j = np.asarray(rows_i, np.int64), np.asarray(rows_j, np.int64)
-    pick = (i & 1) * 2 + (j & 1)
+    query_set = ((i >> 4) << 2) | ((i >> 1) & 3)
+    pick = ((i >> 3) & 1) * 2 + (i & 1)
+    t = p * 2.0**16
+    below = 65535 if t >= 65535 else int(t + 0.5)
+    out = []
+    for h in heads:
+        c = [query_set.astype(np.uint64), (j >> 1).astype(np.uint64)]
+        c += [np.full_like(c[0], h), np.full_like(c[0], offset & 0xFFFFFFFF)]
+        words = _philox(c, seed)[pick, np.arange(i.size)]
+        draws = np.where(j & 1, words >> np.uint64(16), words & np.uint64(0xFFFF))
+        out.append(np.where(draws < below, 0.0, 1.0 / (1.0 - p)))
+    return torch.from_numpy(np.stack(out, 1))
+
+
+def philox_edge_factors(edges, heads: int, state, p: float):
+    """Attention dropout's factors [len(edges), heads] (float64) of input edges `edges`, as the
+    multigraph and GAT kernels draw them (trisparse/core/dropout.hpp's edge_word): Philox4x32-10
+    counted by (u's low and high 32 bits, head / 4, offset), word head % 4 against
+    round(p 2^32)."""
+    seed, offset = (int(x) % 2**64 for x in state.tolist())
+    u = np.asarray(edges, np.int64).astype(np.uint64)
     t = p * 2.0**32
     below = 4294967295 if t >= 4294967295 else int(t + 0.5)
     out = []
-    for h in heads:
-        c = [(i >> 1).astype(np.uint64), (j >> 1).astype(np.uint64)]
-        c += [np.full_like(c[0], h), np.full_like(c[0], offset & 0xFFFFFFFF)]
-        k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
-        for _ in range(10):
-            p0, p1 = np.uint64(0xD2511F53) * c[0], np.uint64(0xCD9E8D57) * c[2]
-            c = [(p1 >> np.uint64(32)) ^ c[1] ^ k0, p1 & mask, (p0 >> np.uint64(32)) ^ c[3] ^ k1]
-            c.append(p0 & mask)
-            k0 = (k0 + np.uint64(0x9E3779B9)) & mask
-            k1 = (k1 + np.uint64(0xBB67AE85)) & mask
-        words = np.stack(c)[pick, np.arange(i.size)]
+    for h in range(heads):
+        c = [u & np.uint64(0xFFFFFFFF), u >> np.uint64(32), np.full_like(u, h >> 2)]
+        c.append(np.full_like(u, offset & 0xFFFFFFFF))
+        words = _philox(c, seed)[h & 3]
         out.append(np.where(words < below, 0.0, 1.0 / (1.0 - p)))
     return torch.from_numpy(np.stack(out, 1))
 

@@ -14,6 +14,7 @@ import trisparse
 from conftest import (
     block_dropout_reference,
     load_shared_graph,
+    philox_edge_factors,
     philox_factors,
     random_edge_index,
     shared_graph_names,
@@ -1004,8 +1005,8 @@ def test_gps_conv_under_autocast_is_as_close_as_pygs(channels):
 def _dropout_draws(seed, edges, heads, p, pyg=True):
     """The factors trisparse's multigraph kernels apply for attention dropout p after
     torch.cuda.manual_seed(seed): with pyg, F.dropout over [E, H] ones, as PyG's over its
-    weights; else the kernels' own draws, recomputed here (Philox, input edge u of head h as pair
-    (u, 0)) from the state the call takes from torch's generator."""
+    weights; else the kernels' own draws, recomputed here (input edge u's word of head h,
+    philox_edge_factors) from the state the call takes from torch's generator."""
     if p == 0:
         return None
     torch.cuda.manual_seed(seed)
@@ -1014,7 +1015,7 @@ def _dropout_draws(seed, edges, heads, p, pyg=True):
         return torch.nn.functional.dropout(ones, p=p, training=True).double().cpu()
     state = torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64, device="cuda").cpu()
     u = torch.arange(edges)
-    return philox_factors(u, torch.zeros_like(u), range(heads), state, p)
+    return philox_edge_factors(u, heads, state, p)
 
 
 def _edge_attention_oracle(q, k, v, r, a, edge_index, num_rows, scale, keep=None):

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import trisparse
-from conftest import philox_factors, random_edge_index
+from conftest import philox_edge_factors, random_edge_index
 
 
 def pattern_and_entries(num_src, num_dst, seed):
@@ -175,7 +175,7 @@ def test_gat_attention_matches_its_definition_and_gradcheck(dropout):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_gat_attention_draws_its_dropout(dtype):
     """gat_attention(dropout=p) on the CPU draws as the CUDA kernels do (Philox: the entry's
-    input edge u = keep_order[e], or e, of head h as pair (u, 0)), from a state taken from torch's
+    input edge u = keep_order[e], or e, in head h: philox_edge_factors), from a state taken from torch's
     generator: the output and gradients equal the definition with those factors recomputed here,
     forward and backward see the same draws (gradcheck given the seed), and the kept fraction is
     1 - p within 3 standard errors."""
@@ -190,7 +190,7 @@ def test_gat_attention_draws_its_dropout(dtype):
     for keep_order, u in ((None, torch.arange(p.nnz)), (order, order)):
         torch.manual_seed(23)
         state = torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64)
-        keep = philox_factors(u, torch.zeros_like(u), range(heads), state, drop)
+        keep = philox_edge_factors(u, heads, state, drop)
         kept, n = float((keep > 0).double().mean()), keep.numel()
         assert abs(kept - (1 - drop)) <= 3 * math.sqrt(drop * (1 - drop) / n)
         want = _gat_by_hand(x, src, dst, p, 0.2, keep)

@@ -132,7 +132,39 @@ TEST(Numeric, DropoutKeepsOneMinusPAndScalesTheKept) {
     same += dropout_factor(d, 12345, 6, i, 7, 0) == dropout_factor(d, 12345, 7, i, 7, 0);
   EXPECT_LT(same, 80);
   EXPECT_EQ(philox::drop_below(0.0), 0u);
+  EXPECT_EQ(philox::drop_below16(0.0), 0u);
   EXPECT_EQ(dropout_factor({0.0, nullptr}, 1, 2, 3, 4, 0), 1.0);
+  EXPECT_EQ(edge_dropout_factor({0.0, nullptr}, 1, 2, 3, 0), 1.0);
+}
+
+TEST(Numeric, DropoutDrawsOfOneCallAreIndependent) {
+  // The eight 16-bit draws of a pair group (two keys' halves of four queries' words) and the four
+  // heads of an edge's call: pairs drawn from one call are dropped together at rate p^2.
+  const attention_dropout d{0.5, nullptr};
+  std::int64_t both_keys = 0, both_queries = 0, pairs = 0;
+  for (std::int64_t i = 0; i < 256; ++i)
+    for (std::int64_t j = 0; j < 256; j += 2, ++pairs) {
+      const bool a = dropout_factor(d, 99, 1, i, j, 3) == 0.0;
+      both_keys += a && dropout_factor(d, 99, 1, i, j + 1, 3) == 0.0;
+      both_queries += a && dropout_factor(d, 99, 1, i ^ 8, j, 3) == 0.0;
+    }
+  // 32,768 pairs: within 5 standard deviations (0.012) of 0.25.
+  EXPECT_NEAR(static_cast<double>(both_keys) / static_cast<double>(pairs), 0.25, 0.012);
+  EXPECT_NEAR(static_cast<double>(both_queries) / static_cast<double>(pairs), 0.25, 0.012);
+  std::int64_t kept = 0, both_heads = 0, edges = 0;
+  for (std::int64_t u = 0; u < 40000; ++u, ++edges) {
+    const bool a = edge_dropout_factor(d, 7, 2, u, 4) == 0.0;
+    kept += !a;
+    both_heads += a && edge_dropout_factor(d, 7, 2, u, 5) == 0.0;
+  }
+  EXPECT_NEAR(static_cast<double>(kept) / static_cast<double>(edges), 0.5, 0.0125);
+  EXPECT_NEAR(static_cast<double>(both_heads) / static_cast<double>(edges), 0.25, 0.011);
+  // Edges past 2^32 draw their own words.
+  std::int64_t same = 0;
+  for (std::int64_t u = 0; u < 100; ++u)
+    same += edge_dropout_factor(d, 7, 2, u, 0) ==
+            edge_dropout_factor(d, 7, 2, u + (std::int64_t{1} << 32), 0);
+  EXPECT_LT(same, 80);
 }
 
 }  // namespace

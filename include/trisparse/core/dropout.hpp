@@ -1,9 +1,9 @@
 #pragma once
 /// @file Attention dropout drawn inside the fused kernels: a counter-based generator
-/// (Philox4x32-10, Salmon et al., SC'11) keyed by a seed and counted by (query row pair, key row
-/// pair, head, offset), so the backward regenerates the forward's draws instead of storing them,
-/// and any backend (the float64 references, the tests) can compute the same draws. Host and device
-/// (nvcc) code; no CUDA headers.
+/// (Philox4x32-10, Salmon et al., SC'11) keyed by a seed and counted by (query rows, key row
+/// pair, head, offset) or (input edge, heads, offset), so the backward regenerates the forward's
+/// draws instead of storing them, and any backend (the float64 references, the tests) can compute
+/// the same draws. Host and device (nvcc) code; no CUDA headers.
 #include <cstdint>
 
 #if defined(__CUDACC__)
@@ -60,20 +60,63 @@ TRISPARSE_HOST_DEVICE words draw(std::uint32_t c0, std::uint32_t c1, std::uint32
   return {{c0, c1, c2, c3}};
 }
 
-/// The draws of the 2 x 2 (query, key) group holding query row i and key row j of head h (the
-/// offset's low 32 bits count the fourth word): word (i & 1) * 2 + (j & 1) is pair (i, j)'s. Rows
-/// are the sequence's own (attention within segments: the packed rows, one sequence), h = sequence
-/// * heads + head.
+/// The four-query set of query row i in group(): {a, a + 1, a + 8, a + 9}, a = 16 (i / 16) +
+/// 2 ((i % 8) / 2).
+TRISPARSE_HOST_DEVICE std::int64_t query_set(std::int64_t i) {
+  return ((i >> 4) << 2) | ((i >> 1) & 3);
+}
+
+/// The draws of the (query, key) group holding query row i and key row j of head h (the offset's
+/// low 32 bits count the fourth word): eight 16-bit draws from one call, for the four queries of
+/// query_set(i) by the two keys {j & ~1, j | 1}. Pair (i, j)'s draw is half j & 1 (low, high) of
+/// word pair_word(i). The shape fits the kernels' m16n8 fragments both ways round: two lanes
+/// (rows r and r ^ 1) hold a group in each pair of key columns with the queries as rows and, with
+/// the keys as rows, in each pair of query columns 8 apart (tiles and streamed rows start at
+/// multiples of 16). Rows are the sequence's own (attention within segments: the packed rows, one
+/// sequence), h = sequence * heads + head.
 TRISPARSE_HOST_DEVICE words group(std::int64_t i, std::int64_t j, std::int32_t h,
                                   std::uint64_t seed, std::uint64_t offset) {
-  return draw(static_cast<std::uint32_t>(i >> 1), static_cast<std::uint32_t>(j >> 1),
+  return draw(static_cast<std::uint32_t>(query_set(i)), static_cast<std::uint32_t>(j >> 1),
               static_cast<std::uint32_t>(h), static_cast<std::uint32_t>(offset), seed);
 }
 
-/// A word below this is a drop: round(p 2^32), p in [0, 1).
+/// The word of group() holding query row i's two draws.
+TRISPARSE_HOST_DEVICE int pair_word(std::int64_t i) {
+  return static_cast<int>(((i >> 3) & 1) * 2 + (i & 1));
+}
+
+/// Key row j's draw in a word of group(): its low (even j) or high half.
+TRISPARSE_HOST_DEVICE std::uint32_t pair_half(std::uint32_t word, std::int64_t j) {
+  return (j & 1) != 0 ? word >> 16 : word & 0xFFFFu;
+}
+
+/// The words of input edge u for heads 4 t .. 4 t + 3 (t = h / 4): the edge-keyed draws of the
+/// multigraph and GAT kernels, Philox counted by (u's low and high 32 bits, t, offset); head h's
+/// draw is word h % 4 (edge_word), so one call serves four heads.
+TRISPARSE_HOST_DEVICE words edge_group(std::int64_t u, std::int32_t h, std::uint64_t seed,
+                                       std::uint64_t offset) {
+  return draw(static_cast<std::uint32_t>(u), static_cast<std::uint32_t>(u >> 32),
+              static_cast<std::uint32_t>(h >> 2), static_cast<std::uint32_t>(offset), seed);
+}
+
+/// Input edge u's word in head h.
+TRISPARSE_HOST_DEVICE std::uint32_t edge_word(std::int64_t u, std::int32_t h, std::uint64_t seed,
+                                              std::uint64_t offset) {
+  const words w = edge_group(u, h, seed, offset);
+  const int k = h & 3;
+  return k == 0 ? w.x[0] : k == 1 ? w.x[1] : k == 2 ? w.x[2] : w.x[3];
+}
+
+/// A 32-bit word below this is a drop (the edge draws): round(p 2^32), p in [0, 1).
 TRISPARSE_HOST_DEVICE std::uint32_t drop_below(double p) {
   const double t = p * 4294967296.0;
   return t >= 4294967295.0 ? 4294967295u : static_cast<std::uint32_t>(t + 0.5);
+}
+
+/// A 16-bit draw below this is a drop (the pair draws): round(p 2^16), p in [0, 1).
+TRISPARSE_HOST_DEVICE std::uint32_t drop_below16(double p) {
+  const double t = p * 65536.0;
+  return t >= 65535.0 ? 65535u : static_cast<std::uint32_t>(t + 0.5);
 }
 
 }  // namespace philox
@@ -83,8 +126,15 @@ inline double dropout_factor(const attention_dropout& d, std::uint64_t seed, std
                              std::int64_t i, std::int64_t j, std::int32_t h) {
   if (d.p <= 0) return 1.0;
   const philox::words w = philox::group(i, j, h, seed, offset);
-  const std::uint32_t x = w.x[(i & 1) * 2 + (j & 1)];
-  return x < philox::drop_below(d.p) ? 0.0 : 1.0 / (1.0 - d.p);
+  const std::uint32_t x = philox::pair_half(w.x[philox::pair_word(i)], j);
+  return x < philox::drop_below16(d.p) ? 0.0 : 1.0 / (1.0 - d.p);
+}
+
+/// The factor attention dropout puts on input edge u in head h (the edge-keyed draws).
+inline double edge_dropout_factor(const attention_dropout& d, std::uint64_t seed,
+                                  std::uint64_t offset, std::int64_t u, std::int32_t h) {
+  if (d.p <= 0) return 1.0;
+  return philox::edge_word(u, h, seed, offset) < philox::drop_below(d.p) ? 0.0 : 1.0 / (1.0 - d.p);
 }
 
 }  // namespace trisparse

@@ -72,7 +72,7 @@ struct gat_args {
   /// reads; data == nullptr: not written.
   tensor_view lse;
   /// Attention dropout drawn in the kernels, in place of `keep` (trisparse/core/dropout.hpp): the
-  /// factor of entry e in head h is input edge u's draw, pair (u, 0) of head h, where u =
+  /// factor of entry e in head h is input edge u's draw in head h (philox::edge_word), where u =
   /// keep_index[e] (or e without keep_index): the draws of edge_attention_plan's GAT kernels for
   /// the same input edges. `state` in host memory for the CPU, device memory for CUDA; give the
   /// backward the forward's.
@@ -137,7 +137,7 @@ struct edge_attention_args {
   /// normaliser is not affected (PyG drops the normalised weights).
   tensor_view keep;
   /// Attention dropout drawn in the kernels, in place of `keep` (trisparse/core/dropout.hpp): the
-  /// factor of input edge u (each copy its own) in head h is pair (u, 0)'s draw of head h. Give
+  /// factor of input edge u (each copy its own) in head h is philox::edge_word(u, h)'s. Give
   /// the backward the forward's.
   attention_dropout dropout{};
   double scale = 1.0;

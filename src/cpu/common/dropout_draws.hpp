@@ -1,8 +1,8 @@
 #pragma once
 // Attention dropout's factors for the CPU engine's loops: the draws of trisparse/core/dropout.hpp
-// (one Philox4x32-10 call per 2 x 2 group of (query, key) pairs), the last group remembered, so
-// that a loop walking a row's keys (or a column's queries) in order draws each group once for the
-// pairs it visits in a row. One per thread.
+// (one Philox4x32-10 call per group of 4 x 2 (query, key) pairs), the last group remembered, so
+// that a loop walking a row's keys in order draws each group once for the pairs it visits in a
+// row. One per thread.
 #include <cstdint>
 
 #include "trisparse/core/dropout.hpp"
@@ -15,19 +15,20 @@ class dropout_draws {
       : on_(d.p > 0),
         seed_(on_ ? d.state[0] : 0),
         offset_(on_ ? d.state[1] : 0),
-        below_(on_ ? philox::drop_below(d.p) : 0),
+        below_(on_ ? philox::drop_below16(d.p) : 0),
         scale_(on_ ? 1.0 / (1.0 - d.p) : 1.0) {}
 
   /// Pair (i, j)'s factor in head h (dropout_factor's): 0 or 1 / (1 - p); 1 without dropout.
   double factor(std::int64_t i, std::int64_t j, std::int32_t h) {
     if (!on_) return 1.0;
-    if ((i >> 1) != group_i_ || (j >> 1) != group_j_ || h != head_) {
+    const std::int64_t set = philox::query_set(i);
+    if (set != group_i_ || (j >> 1) != group_j_ || h != head_) {
       words_ = philox::group(i, j, h, seed_, offset_);
-      group_i_ = i >> 1;
+      group_i_ = set;
       group_j_ = j >> 1;
       head_ = h;
     }
-    return words_.x[(i & 1) * 2 + (j & 1)] < below_ ? 0.0 : scale_;
+    return philox::pair_half(words_.x[philox::pair_word(i)], j) < below_ ? 0.0 : scale_;
   }
 
  private:

@@ -33,7 +33,7 @@ void check_gat_cpu(const csr_graph& g, const tensor_view& x, const tensor_view& 
 }
 
 // Attention dropout's factors drawn for the CPU engine: [nnz, H, 1] in T, entry e's for input
-// edge keep_index[e] (or e) as pair (u, 0) of each head, the kernels' draws. Read with no index.
+// edge keep_index[e] (or e) in each head (edge_dropout_factor), the kernels' draws. Read with no index.
 template <class T>
 host_tensor drawn_keep(const csr_graph& g, std::int64_t heads, const attention_dropout& d,
                        const std::int64_t* keep_index) {
@@ -45,7 +45,7 @@ host_tensor drawn_keep(const csr_graph& g, std::int64_t heads, const attention_d
     const std::int64_t u = keep_index != nullptr ? keep_index[e] : e;
     for (std::int64_t h = 0; h < heads; ++h)
       f[e * heads + h] =
-          static_cast<T>(dropout_factor(d, seed, offset, u, 0, static_cast<std::int32_t>(h)));
+          static_cast<T>(edge_dropout_factor(d, seed, offset, u, static_cast<std::int32_t>(h)));
   }
   return keep;
 }

@@ -308,30 +308,36 @@ __device__ __forceinline__ void probabilities_and_ds(float (&s)[BN / 8][4], floa
   // Two copies of the loop, with and without the per-pair test: most tiles need none, and a test
   // inside the loop would cost a branch per pair there too.
   const auto step = [&]<bool MASKED>() {
+    static_assert(BN % 16 == 0);
 #pragma unroll
-    for (int n = 0; n < BN / 8; ++n) {
-      float keep[2][2] = {{1.f, 1.f}, {1.f, 1.f}};  // [stationary row slot][streamed row]
+    for (int n2 = 0; n2 < BN / 8; n2 += 2) {  // fragments n2, n2 + 1: one dropout group each
+      // [stationary row slot][streamed row: first, + 1, + 8, + 9]
+      float keep[2][4] = {{1.f, 1.f, 1.f, 1.f}, {1.f, 1.f, 1.f, 1.f}};
       if constexpr (DROPOUT) {
-        const int first = y + n * 8 + 2 * tq;  // the thread's first streamed row
+        const int first = y + n2 * 8 + 2 * tq;  // the thread's first streamed row
         if constexpr (KV)
           drops.keys_by_queries(first, r_lo, head_of(w), keep);
         else
           drops.rows_by_keys(r_lo, first, head_of(w), keep);
       }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = n * 8 + 2 * tq + (e & 1), r = e >> 1;
-        const float lse = KV ? terms[col] - b2 : lse_rows[r];
-        const float dterm = KV ? terms[BN + col] : row_dterm[r];
-        float pv = exp2_approx(fmaf(s[n][e], c, -lse));
-        if constexpr (MASKED) {
-          const int i = KV ? y + col : r_lo + 8 * r;  // query
-          const int j = KV ? r_lo + 8 * r : y + col;  // key
-          if (w.hides(i, j, r)) pv = 0.f;
+      for (int half = 0; half < 2; ++half) {
+        const int n = n2 + half;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = n * 8 + 2 * tq + (e & 1), r = e >> 1;
+          const float lse = KV ? terms[col] - b2 : lse_rows[r];
+          const float dterm = KV ? terms[BN + col] : row_dterm[r];
+          float pv = exp2_approx(fmaf(s[n][e], c, -lse));
+          if constexpr (MASKED) {
+            const int i = KV ? y + col : r_lo + 8 * r;  // query
+            const int j = KV ? r_lo + 8 * r : y + col;  // key
+            if (w.hides(i, j, r)) pv = 0.f;
+          }
+          const float m = keep[r][2 * half + (e & 1)];  // constant 1 without dropout
+          t[n][e] = pv * (m * t[n][e] - dterm);
+          s[n][e] = pv * m;
         }
-        const float m = keep[r][e & 1];  // constant 1 without dropout
-        t[n][e] = pv * (m * t[n][e] - dterm);
-        s[n][e] = pv * m;
       }
     }
   };

@@ -44,7 +44,7 @@ struct params : ragged_attention_io {
   std::int32_t segment_rows;
   // Attention dropout (kernels instantiated with DROPOUT; trisparse/core/dropout.hpp): {seed,
   // offset} on the device; pair (i, j) of head h, in packed rows, keeps P times dropout_scale
-  // where its Philox word is at least drop_below, else 0.
+  // where its 16-bit draw is at least drop_below (philox::drop_below16), else 0.
   const std::uint64_t* dropout_state;
   std::uint32_t drop_below;
   float dropout_scale;
@@ -98,7 +98,7 @@ struct backward_params : params {
 inline void set_dropout(params& p, const attention_dropout& dropout) {
   if (dropout.p <= 0) return;
   p.dropout_state = dropout.state;
-  p.drop_below = philox::drop_below(dropout.p);
+  p.drop_below = philox::drop_below16(dropout.p);
   p.dropout_scale = static_cast<float>(1.0 / (1.0 - dropout.p));
 }
 

@@ -273,65 +273,81 @@ __device__ __forceinline__ void softmax_step(float (&s)[BN / 8][4], float (&m)[2
 }
 
 /// Attention dropout's factors (params::dropout_state): 0 or 1 / (1 - p) per (query, key, head),
-/// from the Philox words of the pair's 2 x 2 group (trisparse/core/dropout.hpp), so the forward
-/// and both backward kernels draw the same factors whatever their layouts. Rows are the
-/// sequence's own, the head is seq * heads + h (head_of): the same draws whether B sequences of
-/// H heads come packed as [B N, H, D] or folded as [N, B H, D].
+/// from the 16-bit draws of the pair's group (trisparse/core/dropout.hpp: four queries by two
+/// keys, one Philox call), so the forward and both backward kernels draw the same factors whatever
+/// their layouts. Rows are the sequence's own, the head is seq * heads + h (head_of): the same
+/// draws whether B sequences of H heads come packed as [B N, H, D] or folded as [N, B H, D].
 struct dropout_draws {
   std::uint64_t seed, offset;
-  std::uint32_t below;
+  std::uint32_t below;  // a draw below 2^16 p is a drop, compared in the high half: below << 16
   float keep_scale;
 
   __device__ __forceinline__ explicit dropout_draws(const params& p)
       : seed(p.dropout_state[0]),
         offset(p.dropout_state[1]),
-        below(p.drop_below),
+        below(p.drop_below << 16),
         keep_scale(p.dropout_scale) {}
 
-  __device__ __forceinline__ float factor(std::uint32_t word) const {
+  __device__ __forceinline__ float low(std::uint32_t word) const {
+    return (word << 16) < below ? 0.f : keep_scale;
+  }
+  __device__ __forceinline__ float high(std::uint32_t word) const {
     return word < below ? 0.f : keep_scale;
   }
-  // A thread of the m16n8 layout holds rows r and r + 8 (r = its lane / 4 within the warp's 16)
-  // and two adjacent columns; the lanes of rows r and r ^ 1 (lane ^ 4) share the 2 x 2 groups of
-  // both their rows: each draws one group and passes the other lane the half it needs, so one
-  // Philox call serves four pairs. Rows r of even lanes are even (tiles start at multiples of
-  // 16), and the first column is even.
+  // A thread of the m16n8 layout holds rows r and r + 8 (r = its lane / 4 within the warp's 16,
+  // r % 16 < 8) and two adjacent columns of each fragment; the lanes of rows r and r ^ 1 (lane ^ 4)
+  // together hold two groups of every pair of fragments n, n + 1 (columns c, c + 1 and c + 8,
+  // c + 9): each lane draws one and hands the other lane the two words it needs, so one Philox
+  // call serves eight pairs. Rows r of even lanes are even, the first column is even and, for the
+  // dk/dv pass, a multiple of 16 plus 2 tq (streamed tiles start at multiples of 16).
 
-  /// f[a][x] for queries i + 8 a (a = 0, 1; i the thread's first row) and keys j + x (j even):
-  /// the forward's and the dq pass's layout.
-  __device__ __forceinline__ void rows_by_keys(int i, int j, int h, float (&f)[2][2]) const {
+  /// f[a][x] for queries i + 8 a (a = 0, 1; i the thread's first row) and keys j, j + 1, j + 8,
+  /// j + 9 (x = 0 .. 3; j even): fragments n and n + 1 of the forward's and the dq pass's layout.
+  /// The even lane draws the group of keys j, the odd lane that of keys j + 8.
+  __device__ __forceinline__ void rows_by_keys(int i, int j, int h, float (&f)[2][4]) const {
     const bool even = (i & 1) == 0;
-    const int base = i & ~1;  // groups: queries {base, base + 1} and {base + 8, base + 9}
-    const philox::words w = philox::group(even ? base : base + 8, j, h, seed, offset);
-    // Word (query & 1) * 2 + (key & 1): the even lane keeps row base's, the odd row base + 9's.
-    split(even, even ? w.x[0] : w.x[2], even ? w.x[1] : w.x[3], even ? w.x[2] : w.x[0],
-          even ? w.x[3] : w.x[1], f);
+    const philox::words w = philox::group(i, even ? j : j + 8, h, seed, offset);
+    // Words: queries i & ~1, i | 1, (i & ~1) + 8, (i | 1) + 8; halves: the two keys.
+    const std::uint32_t mine0 = even ? w.x[0] : w.x[1], mine1 = even ? w.x[2] : w.x[3];
+    const std::uint32_t give0 = even ? w.x[1] : w.x[0], give1 = even ? w.x[3] : w.x[2];
+    const std::uint32_t got0 = __shfl_xor_sync(0xffffffffu, give0, 4);
+    const std::uint32_t got1 = __shfl_xor_sync(0xffffffffu, give1, 4);
+    const std::uint32_t near0 = even ? mine0 : got0, near1 = even ? mine1 : got1;  // keys j, j + 1
+    const std::uint32_t far0 = even ? got0 : mine0, far1 = even ? got1 : mine1;    // j + 8, j + 9
+    f[0][0] = low(near0);
+    f[0][1] = high(near0);
+    f[0][2] = low(far0);
+    f[0][3] = high(far0);
+    f[1][0] = low(near1);
+    f[1][1] = high(near1);
+    f[1][2] = low(far1);
+    f[1][3] = high(far1);
   }
 
-  /// f[a][x] for keys j + 8 a (a = 0, 1; j the thread's first row) and queries i + x (i even):
-  /// the dk/dv pass's layout (its rows are keys).
-  __device__ __forceinline__ void keys_by_queries(int i, int j, int h, float (&f)[2][2]) const {
+  /// f[a][x] for keys j + 8 a (a = 0, 1; j the thread's first row) and queries i, i + 1, i + 8,
+  /// i + 9 (x = 0 .. 3; i % 16 < 8, even): fragments n and n + 1 of the dk/dv pass's layout (its
+  /// rows are keys). The even lane draws the group of keys j, j + 1, the odd lane that of keys
+  /// j + 7, j + 8; each keeps its key's halves and hands over the other halves, packed.
+  __device__ __forceinline__ void keys_by_queries(int i, int j, int h, float (&f)[2][4]) const {
     const bool even = (j & 1) == 0;
-    const int base = j & ~1;  // groups: keys {base, base + 1} and {base + 8, base + 9}
-    const philox::words w = philox::group(i, even ? base : base + 8, h, seed, offset);
-    split(even, even ? w.x[0] : w.x[1], even ? w.x[2] : w.x[3], even ? w.x[1] : w.x[0],
-          even ? w.x[3] : w.x[2], f);
-  }
-
- private:
-  /// f from this lane's words for its own row (mine) and those it hands its partner lane (lane ^
-  /// 4) for the partner's row, receiving the partner's for its other row: the even lane's own row
-  /// is slot 0, the odd lane's slot 1. Selects, not a run-time index, keep f in registers.
-  __device__ __forceinline__ void split(bool even, std::uint32_t mine0, std::uint32_t mine1,
-                                        std::uint32_t give0, std::uint32_t give1,
-                                        float (&f)[2][2]) const {
-    const float m0 = factor(mine0), m1 = factor(mine1);
-    const float g0 = factor(__shfl_xor_sync(0xffffffffu, give0, 4));
-    const float g1 = factor(__shfl_xor_sync(0xffffffffu, give1, 4));
-    f[0][0] = even ? m0 : g0;
-    f[0][1] = even ? m1 : g1;
-    f[1][0] = even ? g0 : m0;
-    f[1][1] = even ? g1 : m1;
+    const philox::words w = philox::group(i, even ? j : j + 8, h, seed, offset);
+    const std::uint32_t keep_half = even ? 0x5410u : 0x7632u, give_half = even ? 0x7632u : 0x5410u;
+    const std::uint32_t mine0 = __byte_perm(w.x[0], w.x[1], keep_half);  // queries i, i + 1
+    const std::uint32_t mine1 = __byte_perm(w.x[2], w.x[3], keep_half);  // i + 8, i + 9
+    const std::uint32_t got0 =
+        __shfl_xor_sync(0xffffffffu, __byte_perm(w.x[0], w.x[1], give_half), 4);
+    const std::uint32_t got1 =
+        __shfl_xor_sync(0xffffffffu, __byte_perm(w.x[2], w.x[3], give_half), 4);
+    const std::uint32_t near0 = even ? mine0 : got0, near1 = even ? mine1 : got1;  // key j
+    const std::uint32_t far0 = even ? got0 : mine0, far1 = even ? got1 : mine1;    // key j + 8
+    f[0][0] = low(near0);
+    f[0][1] = high(near0);
+    f[0][2] = low(near1);
+    f[0][3] = high(near1);
+    f[1][0] = low(far0);
+    f[1][1] = high(far0);
+    f[1][2] = low(far1);
+    f[1][3] = high(far1);
   }
 };
 
@@ -356,12 +372,16 @@ template <int BN, class Walk>
 __device__ __forceinline__ void drop(float (&s)[BN / 8][4], const dropout_draws& d, const Walk& w,
                                      int j0, int i_lo) {
   const int tq = static_cast<int>(threadIdx.x) % 4;
+  static_assert(BN % 16 == 0);
 #pragma unroll
-  for (int n = 0; n < BN / 8; ++n) {
-    float f[2][2];
+  for (int n = 0; n < BN / 8; n += 2) {  // fragments n and n + 1: one group each
+    float f[2][4];
     d.rows_by_keys(i_lo, j0 + n * 8 + 2 * tq, head_of(w), f);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) s[n][e] *= f[e >> 1][e & 1];
+    for (int e = 0; e < 4; ++e) {
+      s[n][e] *= f[e >> 1][e & 1];
+      s[n + 1][e] *= f[e >> 1][2 + (e & 1)];
+    }
   }
 }
 

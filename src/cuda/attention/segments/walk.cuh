@@ -24,9 +24,10 @@ struct segment_walk {
     arch::wait_for_primary();  // the bounds come from the kernel before
     const int last = min(row0 + BM, lq) - 1;
     const std::int32_t* bounds = p.segments;  // two a row: 64-bit offsets past 2^30 rows
-    // From an even row, so that a thread's pairs of streamed rows share their dropout draws
-    // (tile.cuh: dropout_draws); the row before the segment is hidden as any other.
-    j = bounds[2 * std::int64_t{row0}] & ~1;
+    // From an even row, or with dropout a multiple of 16, so that a thread's streamed rows share
+    // their dropout draws (tile.cuh: dropout_draws); the rows before the segment are hidden as
+    // any other.
+    j = bounds[2 * std::int64_t{row0}] & (p.dropout_state != nullptr ? ~15 : ~1);
     j_end = bounds[2 * std::int64_t{last} + 1];
     const int r_lo =
         row0 + static_cast<int>(threadIdx.x) / 32 * 16 + static_cast<int>(threadIdx.x) % 32 / 4;

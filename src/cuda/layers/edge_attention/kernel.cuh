@@ -126,12 +126,10 @@ __device__ __forceinline__ float gat_z(const params& p, std::int64_t i, std::int
   if (p.a_edge.data != nullptr) z += *p.a_edge.at<float>(input_edge(p, e), h);
   return z;
 }
-// Attention dropout's word for edge e and head h: drawn for the input edge u = edge[e] as pair
-// (u, 0) of head h (trisparse/core/dropout.hpp), the same in the forward and the backward.
+// Attention dropout's word for edge e and head h: input edge u = edge[e]'s (philox::edge_word),
+// the same in the forward and the backward.
 __device__ __forceinline__ std::uint32_t dropout_word(const params& p, std::int64_t e, int h) {
-  const std::int64_t u = input_edge(p, e);
-  const philox::words w = philox::group(u, 0, h, p.dropout_state[0], p.dropout_state[1]);
-  return (u & 1) != 0 ? w.x[2] : w.x[0];
+  return philox::edge_word(input_edge(p, e), h, p.dropout_state[0], p.dropout_state[1]);
 }
 __device__ __forceinline__ float keep_of(const params& p, std::uint32_t word) {
   return word < p.drop_below ? 0.0f : p.dropout_scale;

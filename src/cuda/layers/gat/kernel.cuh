@@ -47,27 +47,36 @@ struct draws {
 };
 
 // The drops of a batch of n <= 32 entries for the lane's head: bit e set where entry e, of input
-// edge u_e = __shfl(mine_u, e), is dropped in the lane's head (pair (u_e, 0)'s word, as
-// edge_attention's kernels draw it). The warp's hw heads times n entries are drawn once each, 32
-// a round, and each round's drops reach the heads' lanes by one ballot: ceil(hw n / 32) Philox
-// calls a lane, not n.
+// edge u_e = __shfl(mine_u, e), is dropped in the lane's head (philox::edge_word, as
+// edge_attention's kernels draw it). One Philox call gives an edge's words for four heads
+// (philox::edge_group): the warp's heads lie in `quads` such fours, and quads times n items are
+// drawn once each, 32 a round; each round's drops reach the heads' lanes by four ballots, one a
+// word: ceil(quads n / 32) calls a lane, not n.
 __device__ __forceinline__ std::uint32_t drop_bits(const draws& d, std::uint64_t seed,
                                                    std::uint64_t offset, std::int64_t mine_u, int n,
                                                    const lanes& l, int group) {
   const int lane = static_cast<int>(threadIdx.x & 31), per_warp = 32 / l.per_head;
   const int h0 = group * per_warp, hw = min(per_warp, l.heads - h0);
-  const int items = hw * n, lo = (lane / l.per_head) * n;  // this lane's head's first item
+  const int t0 = h0 >> 2, quads = ((h0 + hw - 1) >> 2) - t0 + 1, items = quads * n;
+  const int head = h0 + lane / l.per_head, word = head & 3;
+  const int lo = ((head >> 2) - t0) * n;  // this lane's quad's first item
   std::uint64_t mine = 0;
   for (int r = 0; r * 32 < items; ++r) {
-    const int it = r * 32 + lane, s = min(it, items - 1) / n, e = min(it, items - 1) % n;
+    const int it = r * 32 + lane, q = min(it, items - 1) / n, e = min(it, items - 1) % n;
     const std::int64_t u = __shfl_sync(0xffffffffu, mine_u, e);
-    bool dropped = false;
+    bool dropped[4] = {false, false, false, false};
     if (it < items) {
-      const philox::words w = philox::group(u, 0, h0 + s, seed, offset);
-      dropped = ((u & 1) != 0 ? w.x[2] : w.x[0]) < d.below;
+      const philox::words w = philox::edge_group(u, (t0 + q) << 2, seed, offset);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) dropped[k] = w.x[k] < d.below;
     }
-    const std::uint32_t bits = __ballot_sync(0xffffffffu, dropped);
-    const int shift = r * 32 - lo;  // item r * 32 + b is this head's entry b + shift
+    std::uint32_t bits = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const std::uint32_t b = __ballot_sync(0xffffffffu, dropped[k]);
+      bits = k == word ? b : bits;
+    }
+    const int shift = r * 32 - lo;  // item r * 32 + b is this quad's entry b + shift
     if (shift >= 0 && shift < n)
       mine |= std::uint64_t{bits} << shift;
     else if (shift < 0 && shift > -32)
