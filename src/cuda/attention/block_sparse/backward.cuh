@@ -310,9 +310,8 @@ __device__ __forceinline__ void probabilities_and_ds(float (&s)[BN / 8][4], floa
   const auto step = [&]<bool MASKED>() {
     static_assert(BN % 16 == 0);
 #pragma unroll
-    for (int n2 = 0; n2 < BN / 8; n2 += 2) {  // fragments n2, n2 + 1: one dropout group each
-      // [stationary row slot][streamed row: first, + 1, + 8, + 9]
-      float keep[2][4] = {{1.f, 1.f, 1.f, 1.f}, {1.f, 1.f, 1.f, 1.f}};
+    for (int n2 = 0; n2 < BN / 8; n2 += 2) {      // fragments n2, n2 + 1: one dropout group each
+      [[maybe_unused]] std::uint32_t keep[2][2];  // [stationary row slot][fragment]: the words
       if constexpr (DROPOUT) {
         const int first = y + n2 * 8 + 2 * tq;  // the thread's first streamed row
         if constexpr (KV)
@@ -334,7 +333,8 @@ __device__ __forceinline__ void probabilities_and_ds(float (&s)[BN / 8][4], floa
             const int j = KV ? r_lo + 8 * r : y + col;  // key
             if (w.hides(i, j, r)) pv = 0.f;
           }
-          const float m = keep[r][2 * half + (e & 1)];  // constant 1 without dropout
+          float m = 1.f;
+          if constexpr (DROPOUT) m = drops.factor(keep[r][half], e & 1);
           t[n][e] = pv * (m * t[n][e] - dterm);
           s[n][e] = pv * m;
         }

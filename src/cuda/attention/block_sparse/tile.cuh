@@ -279,7 +279,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[BN / 8][4], float (&m)[2
 /// draws whether B sequences of H heads come packed as [B N, H, D] or folded as [N, B H, D].
 struct dropout_draws {
   std::uint64_t seed, offset;
-  std::uint32_t below;  // a draw below 2^16 p is a drop, compared in the high half: below << 16
+  std::uint32_t below;  // drop_below16 << 16: a half compared in the high 16 bits
   float keep_scale;
 
   __device__ __forceinline__ explicit dropout_draws(const params& p)
@@ -288,47 +288,43 @@ struct dropout_draws {
         below(p.drop_below << 16),
         keep_scale(p.dropout_scale) {}
 
-  __device__ __forceinline__ float low(std::uint32_t word) const {
-    return (word << 16) < below ? 0.f : keep_scale;
-  }
-  __device__ __forceinline__ float high(std::uint32_t word) const {
-    return word < below ? 0.f : keep_scale;
+  /// The factor of a word's low (odd = 0) or high half: 0 where the draw is below p 2^16.
+  __device__ __forceinline__ float factor(std::uint32_t word, int odd) const {
+    return (odd != 0 ? word : word << 16) < below ? 0.f : keep_scale;
   }
   // A thread of the m16n8 layout holds rows r and r + 8 (r = its lane / 4 within the warp's 16,
   // r % 16 < 8) and two adjacent columns of each fragment; the lanes of rows r and r ^ 1 (lane ^ 4)
   // together hold two groups of every pair of fragments n, n + 1 (columns c, c + 1 and c + 8,
   // c + 9): each lane draws one and hands the other lane the two words it needs, so one Philox
   // call serves eight pairs. Rows r of even lanes are even, the first column is even and, for the
-  // dk/dv pass, a multiple of 16 plus 2 tq (streamed tiles start at multiples of 16).
+  // dk/dv pass, a multiple of 16 plus 2 tq (streamed tiles start at multiples of 16). Both give
+  // w[a][m]: the word of row slot a (rows r, r + 8) for fragment n + m, whose low half is column
+  // c's draw and high half column c + 1's (factor(w[a][m], column & 1)); words, not factors, to
+  // keep four registers live.
 
-  /// f[a][x] for queries i + 8 a (a = 0, 1; i the thread's first row) and keys j, j + 1, j + 8,
-  /// j + 9 (x = 0 .. 3; j even): fragments n and n + 1 of the forward's and the dq pass's layout.
-  /// The even lane draws the group of keys j, the odd lane that of keys j + 8.
-  __device__ __forceinline__ void rows_by_keys(int i, int j, int h, float (&f)[2][4]) const {
+  /// Queries i + 8 a as rows (i the thread's first row), keys j, j + 1 (m = 0) and j + 8, j + 9
+  /// (m = 1; j even) as columns: the forward's and the dq pass's layout. The even lane draws the
+  /// group of keys j, the odd lane that of keys j + 8; each hands over its partner's rows' words.
+  __device__ __forceinline__ void rows_by_keys(int i, int j, int h,
+                                               std::uint32_t (&f)[2][2]) const {
     const bool even = (i & 1) == 0;
     const philox::words w = philox::group(i, even ? j : j + 8, h, seed, offset);
     // Words: queries i & ~1, i | 1, (i & ~1) + 8, (i | 1) + 8; halves: the two keys.
     const std::uint32_t mine0 = even ? w.x[0] : w.x[1], mine1 = even ? w.x[2] : w.x[3];
-    const std::uint32_t give0 = even ? w.x[1] : w.x[0], give1 = even ? w.x[3] : w.x[2];
-    const std::uint32_t got0 = __shfl_xor_sync(0xffffffffu, give0, 4);
-    const std::uint32_t got1 = __shfl_xor_sync(0xffffffffu, give1, 4);
-    const std::uint32_t near0 = even ? mine0 : got0, near1 = even ? mine1 : got1;  // keys j, j + 1
-    const std::uint32_t far0 = even ? got0 : mine0, far1 = even ? got1 : mine1;    // j + 8, j + 9
-    f[0][0] = low(near0);
-    f[0][1] = high(near0);
-    f[0][2] = low(far0);
-    f[0][3] = high(far0);
-    f[1][0] = low(near1);
-    f[1][1] = high(near1);
-    f[1][2] = low(far1);
-    f[1][3] = high(far1);
+    const std::uint32_t got0 = __shfl_xor_sync(0xffffffffu, even ? w.x[1] : w.x[0], 4);
+    const std::uint32_t got1 = __shfl_xor_sync(0xffffffffu, even ? w.x[3] : w.x[2], 4);
+    f[0][0] = even ? mine0 : got0;  // keys j, j + 1
+    f[1][0] = even ? mine1 : got1;
+    f[0][1] = even ? got0 : mine0;  // keys j + 8, j + 9
+    f[1][1] = even ? got1 : mine1;
   }
 
-  /// f[a][x] for keys j + 8 a (a = 0, 1; j the thread's first row) and queries i, i + 1, i + 8,
-  /// i + 9 (x = 0 .. 3; i % 16 < 8, even): fragments n and n + 1 of the dk/dv pass's layout (its
-  /// rows are keys). The even lane draws the group of keys j, j + 1, the odd lane that of keys
-  /// j + 7, j + 8; each keeps its key's halves and hands over the other halves, packed.
-  __device__ __forceinline__ void keys_by_queries(int i, int j, int h, float (&f)[2][4]) const {
+  /// Keys j + 8 a as rows (j the thread's first row), queries i, i + 1 (m = 0) and i + 8, i + 9
+  /// (m = 1; i % 16 < 8, even) as columns: the dk/dv pass's layout. The even lane draws the group
+  /// of keys j, j + 1, the odd lane that of keys j + 7, j + 8; each keeps its key's halves of the
+  /// four query words and hands over the other key's, packed by twos.
+  __device__ __forceinline__ void keys_by_queries(int i, int j, int h,
+                                                  std::uint32_t (&f)[2][2]) const {
     const bool even = (j & 1) == 0;
     const philox::words w = philox::group(i, even ? j : j + 8, h, seed, offset);
     const std::uint32_t keep_half = even ? 0x5410u : 0x7632u, give_half = even ? 0x7632u : 0x5410u;
@@ -338,16 +334,10 @@ struct dropout_draws {
         __shfl_xor_sync(0xffffffffu, __byte_perm(w.x[0], w.x[1], give_half), 4);
     const std::uint32_t got1 =
         __shfl_xor_sync(0xffffffffu, __byte_perm(w.x[2], w.x[3], give_half), 4);
-    const std::uint32_t near0 = even ? mine0 : got0, near1 = even ? mine1 : got1;  // key j
-    const std::uint32_t far0 = even ? got0 : mine0, far1 = even ? got1 : mine1;    // key j + 8
-    f[0][0] = low(near0);
-    f[0][1] = high(near0);
-    f[0][2] = low(near1);
-    f[0][3] = high(near1);
-    f[1][0] = low(far0);
-    f[1][1] = high(far0);
-    f[1][2] = low(far1);
-    f[1][3] = high(far1);
+    f[0][0] = even ? mine0 : got0;  // key j
+    f[0][1] = even ? mine1 : got1;
+    f[1][0] = even ? got0 : mine0;  // key j + 8
+    f[1][1] = even ? got1 : mine1;
   }
 };
 
@@ -375,12 +365,12 @@ __device__ __forceinline__ void drop(float (&s)[BN / 8][4], const dropout_draws&
   static_assert(BN % 16 == 0);
 #pragma unroll
   for (int n = 0; n < BN / 8; n += 2) {  // fragments n and n + 1: one group each
-    float f[2][4];
+    std::uint32_t f[2][2];
     d.rows_by_keys(i_lo, j0 + n * 8 + 2 * tq, head_of(w), f);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      s[n][e] *= f[e >> 1][e & 1];
-      s[n + 1][e] *= f[e >> 1][2 + (e & 1)];
+      s[n][e] *= d.factor(f[e >> 1][0], e & 1);
+      s[n + 1][e] *= d.factor(f[e >> 1][1], e & 1);
     }
   }
 }
