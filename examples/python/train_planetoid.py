@@ -276,6 +276,7 @@ def main():
         "warmup": args.warmup,
         "dtype": args.dtype,
         "cuda_graph": args.cuda_graph,
+        "pyg_dropout": args.pyg_dropout,
         "accuracy_mean": 100 * statistics.mean(accs),
         "accuracy_std": 100 * statistics.pstdev(accs),
         "epoch_ms_median": 1000 * statistics.median(epoch_s),
