@@ -6,7 +6,7 @@ time of the forward and of the backward alone (enqueue only), and of the C++ pla
 backward alone and the ops' Python implementations around them.
 
   python3 bench/python/block_sparse_profile.py [--n 32768] [--block 128] [--sparsity 0.99 0.95]
-      [--bias]
+      [--bias] [--importance]
 """
 
 import argparse
@@ -125,6 +125,12 @@ def main():
     ap.add_argument(
         "--bias", action="store_true", help="also a learnable per-head block bias's step"
     )
+    ap.add_argument(
+        "--importance",
+        action="store_true",
+        help="also the step with the block masses tracked (BlockImportance(measure_grad=False), "
+        "as PatternLearner tracks them)",
+    )
     args = ap.parse_args()
     compiled = torch.compile(flex_attention, dynamic=False)
     h, d, g, n = args.heads, args.dim, args.block, args.n
@@ -148,6 +154,14 @@ def main():
             report(
                 f"trisparse with a block bias p={p}",
                 lambda a, b, c: trisparse.block_sparse_attention(a, b, c, ours, bias=table),
+                leaves,
+                dout,
+            )
+        if args.importance:
+            tracker = trisparse.BlockImportance(measure_grad=False)
+            report(
+                f"trisparse with the block masses p={p}",
+                lambda a, b, c: trisparse.block_sparse_attention(a, b, c, ours, importance=tracker),
                 leaves,
                 dout,
             )
