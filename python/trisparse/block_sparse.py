@@ -106,7 +106,8 @@ def block_sparse_attention(
     ``dropout_p``: attention dropout, as ``F.scaled_dot_product_attention``'s (apply it while
     training only; FlexAttention has none): each weight is kept with probability 1 - p and scaled
     by 1 / (1 - p). The kernels draw it themselves from a counter-based generator (Philox4x32-10
-    per sequence, head, query and key: the same draws in either layout, on the CPU and on CUDA)
+    per sequence, head, query and key, 16-bit draws: p to 1 / 65,536; the same draws in either
+    layout, on the CPU and on CUDA)
     seeded from torch's generator of q's device, and regenerate it in the backward: nothing
     [rows, keys] is stored, the gradients stay bitwise repeatable.
 

@@ -54,9 +54,9 @@ def segment_attention(
     ``dropout_p``: attention dropout, as ``F.scaled_dot_product_attention``'s (apply it while
     training only): each weight is kept with probability 1 - p and scaled by 1 / (1 -
     p). The segment kernels draw it themselves from a counter-based generator (Philox4x32-10 per
-    query, key and head, ``trisparse/core/dropout.hpp``) seeded from torch's generator of q's
-    device, and regenerate it in the backward: nothing [pairs, heads] is stored, the result is the
-    same bits for the same seed. Elsewhere the weights are dropped by ``F.dropout`` (the same
+    query, key and head, 16-bit draws: p to 1 / 65,536; ``trisparse/core/dropout.hpp``) seeded
+    from torch's generator of q's device, and regenerate it in the backward: nothing [pairs,
+    heads] is stored, the result is the same bits for the same seed. Elsewhere the weights are dropped by ``F.dropout`` (the same
     distribution, other draws)."""
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         if not isinstance(t, Tensor) or t.dim() != 3:
