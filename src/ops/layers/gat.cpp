@@ -33,7 +33,8 @@ void check_gat_cpu(const csr_graph& g, const tensor_view& x, const tensor_view& 
 }
 
 // Attention dropout's factors drawn for the CPU engine: [nnz, H, 1] in T, entry e's for input
-// edge keep_index[e] (or e) in each head (edge_dropout_factor), the kernels' draws. Read with no index.
+// edge keep_index[e] (or e) in each head (edge_dropout_factor), the kernels' draws. Read with no
+// index.
 template <class T>
 host_tensor drawn_keep(const csr_graph& g, std::int64_t heads, const attention_dropout& d,
                        const std::int64_t* keep_index) {
