@@ -5,7 +5,8 @@ of 20 after 3 warm-ups) and the multigraph kernels' time per step (torch.profile
 JSON line per (graph, layer, mode). For A/B runs of two builds in one call (PYTHONPATH to each
 build's module; --label names the side).
 
-    python3 bench/python/edge_kernel_times.py data/snap_web_notredame.el.xz --label main
+    python3 bench/python/edge_kernel_times.py data/snap_web_notredame.el.xz --label main \
+        [--dropout 0.1]
 """
 
 import argparse
@@ -43,6 +44,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("graphs", nargs="+")
     ap.add_argument("--label", default="")
+    ap.add_argument(
+        "--dropout", type=float, default=0.0, help="the layers' attention dropout (training mode)"
+    )
     a = ap.parse_args()
     dev = torch.device("cuda")
     for path in a.graphs:
@@ -54,7 +58,7 @@ def main():
         dout = torch.randn(n, 128, device=dev)
         for name, edge_dim in LAYERS:
             kw = {"edge_dim": edge_dim} if edge_dim else {}
-            layer = getattr(trisparse.nn, name)(128, 16, heads=8, **kw).to(dev)
+            layer = getattr(trisparse.nn, name)(128, 16, heads=8, dropout=a.dropout, **kw).to(dev)
             extra = {"edge_attr": edge_attr} if edge_dim else {}
             for mode in ("fp32", "bf16"):
 
@@ -69,6 +73,7 @@ def main():
                     "layer": name,
                     "edge_dim": edge_dim,
                     "mode": mode,
+                    "dropout": a.dropout,
                     "device": torch.cuda.get_device_name(),
                     "step_ms": round(events_ms(step, 20), 3),
                     "kernels": kernel_ms(step),
