@@ -355,14 +355,16 @@ __device__ __forceinline__ bool column_place(const params& p, bool heavy, place&
 // input edge, or drawn (dropout_word). A group's lanes share the draws: every L-th step lane s of
 // a group draws the word of the group's edge s steps ahead, and each step the group reads its
 // word from the lane of that step, so a line costs one Philox call per edge and head, not L.
-// Called by every lane at every step (it shuffles).
+// Called by every lane at every step (it shuffles). DRAWN: the instantiation for draws (where
+// p.dropout_state is set); those without them (!DRAWN) leave the draws' code out.
 struct line_keeps {
   std::uint32_t mine = 0;
   int step = 0;
+  template <bool DRAWN>
   __device__ __forceinline__ float next(const params& p, const place& at, std::int64_t base,
                                         std::int64_t end) {
     const std::int64_t e = base + at.group;
-    if (p.dropout_state == nullptr) {
+    if (!DRAWN || p.dropout_state == nullptr) {
       if (p.keep.data == nullptr || !at.valid || e >= end) return 1.0f;
       return *p.keep.at<float>(input_edge(p, e), at.head);
     }
@@ -381,8 +383,8 @@ template <int NF>
 inline constexpr int kSlots = NF > 0 ? NF : 1;
 
 // G: GAT's scores (q, k, r, a unused). LT: the group's lanes where the dispatch fixed them (0:
-// p.lanes).
-template <class T, int NC, int NF, bool G, int LT>
+// p.lanes). DRAWN: attention dropout drawn here (line_keeps).
+template <class T, int NC, int NF, bool G, int LT, bool DRAWN>
 __global__ void __launch_bounds__(kWarps * 32, edge_attention_tuning::forward_blocks(NC, NF, G))
     forward_kernel(const params p, bool heavy) {
   constexpr int MF = kSlots<NF>;
@@ -394,14 +396,14 @@ __global__ void __launch_bounds__(kWarps * 32, edge_attention_tuning::forward_bl
   if constexpr (!G) load<T, NC>(p.q.at<T>(i, h) + at.slot * NC, qi, p.scale * kLog2e);
   if constexpr (NF > 0) load<T, NF>(p.r.at<T>(i, h) + at.slot * NF, ri, kLog2e);
   const lane_cols<T> k(p.k, h, at.slot * NC), v(p.v, h, at.slot * NC), a(p.a, 0, at.slot * NF);
-  const bool keyed = p.dropout_state != nullptr || p.keep.data != nullptr;
+  const bool keyed = (DRAWN && p.dropout_state != nullptr) || p.keep.data != nullptr;
   float m = -INFINITY, l = 0.0f;
   line_keeps keeps;
   const std::int64_t begin = p.g.row_ptr[i], end = p.g.row_ptr[i + 1];
   for (std::int64_t base = begin; base < end; base += at.groups) {
     const std::int64_t e = base + at.group;
     const bool on = at.valid && e < end;
-    const float keep = keyed ? keeps.next(p, at, base, end) : 1.0f;
+    const float keep = keyed ? keeps.template next<DRAWN>(p, at, base, end) : 1.0f;
     float kj[NC] = {}, vj[NC] = {}, ae[MF] = {}, s = 0.0f;
     if (on) {
       const std::int32_t j = p.g.src[e];
@@ -453,7 +455,7 @@ __global__ void __launch_bounds__(kWarps * 32, edge_attention_tuning::forward_bl
   if (at.slot == 0) *p.lse.at<float>(i, h) = l > 0.0f ? (m + log2f(l)) / kLog2e : -INFINITY;
 }
 
-template <class T, int NC, int NF, bool G, int LT>
+template <class T, int NC, int NF, bool G, int LT, bool DRAWN>
 __global__ void __launch_bounds__(kWarps * 32, edge_attention_tuning::row_blocks(NC, NF))
     row_kernel(const params p, bool heavy) {
   constexpr int MF = kSlots<NF>;
@@ -473,14 +475,14 @@ __global__ void __launch_bounds__(kWarps * 32, edge_attention_tuning::row_blocks
   const float D = group_sum<LT>(dot(doi, oi) + dot(doa, oa), p.lanes);
   const float lse2 = *p.lse_in.at<float>(i, h) * kLog2e;
   const lane_cols<T> k(p.k, h, at.slot * NC), v(p.v, h, at.slot * NC), a(p.a, 0, at.slot * NF);
-  const bool keyed = p.dropout_state != nullptr || p.keep.data != nullptr;
+  const bool keyed = (DRAWN && p.dropout_state != nullptr) || p.keep.data != nullptr;
   float dq[NC] = {}, dr[MF] = {}, dz_sum[1] = {};
   line_keeps keeps;
   const std::int64_t begin = p.g.row_ptr[i], end = p.g.row_ptr[i + 1];
   for (std::int64_t base = begin; base < end; base += at.groups) {
     const std::int64_t e = base + at.group;
     const bool on = at.valid && e < end;
-    const float keep = keyed ? keeps.next(p, at, base, end) : 1.0f;
+    const float keep = keyed ? keeps.template next<DRAWN>(p, at, base, end) : 1.0f;
     float kj[NC] = {}, vj[NC] = {}, ae[MF] = {}, z = 0.0f;
     if (on) {
       const std::int32_t j = p.g.src[e];

@@ -117,6 +117,16 @@ params gat_params(const multigraph_view& g, const Args& a) {
   return p;
 }
 
+// Calls f.template operator()<DRAWN>() with DRAWN: the kernels draw attention dropout (their own
+// instantiations: those without draws keep their registers).
+template <class F>
+void with_draws(const params& p, F&& f) {
+  if (p.dropout_state != nullptr)
+    f.template operator()<true>();
+  else
+    f.template operator()<false>();
+}
+
 // A line kernel over the light lines (a warp a line), then over the listed heavy ones (a thread
 // block per (line, head), staging its warps' states in shared memory).
 template <class K>
@@ -139,7 +149,9 @@ void backward_passes(params& p, const multigraph_view& g, const tensor_view& x,
   const auto s = static_cast<cudaStream_t>(stream.handle);
   dispatch(x.type, x.dim, features, [&]<class T, int NC, int NF, int LT>() {
     if constexpr (!G || NF == 0) {  // (GAT has no feature columns: features = 0)
-      over_lines(row_kernel<T, NC, NF, G, LT>, p, g.rows, g.heavy_row_count, s);
+      with_draws(p, [&]<bool DRAWN>() {
+        over_lines(row_kernel<T, NC, NF, G, LT, DRAWN>, p, g.rows, g.heavy_row_count, s);
+      });
       over_lines(column_kernel<T, NC, G>, p, g.cols, g.heavy_col_count, s);
     }
     if constexpr (!G && NF > 0) {
@@ -171,7 +183,9 @@ void edge_attention_forward(const multigraph_view& g, const edge_attention_args&
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const std::int64_t features = a.r.data != nullptr ? a.r.dim : 0;
   dispatch(a.q.type, a.q.dim, features, [&]<class T, int NC, int NF, int LT>() {
-    over_lines(forward_kernel<T, NC, NF, false, LT>, p, g.rows, g.heavy_row_count, s);
+    with_draws(p, [&]<bool DRAWN>() {
+      over_lines(forward_kernel<T, NC, NF, false, LT, DRAWN>, p, g.rows, g.heavy_row_count, s);
+    });
   });
 }
 
@@ -202,7 +216,9 @@ void edge_gat_forward(const multigraph_view& g, const edge_gat_args& a, stream_r
   p.lse = out_of(a.lse);
   const auto s = static_cast<cudaStream_t>(stream.handle);
   dispatch(a.x.type, a.x.dim, 0, [&]<class T, int NC, int NF, int LT>() {
-    over_lines(forward_kernel<T, NC, 0, true, LT>, p, g.rows, g.heavy_row_count, s);
+    with_draws(p, [&]<bool DRAWN>() {
+      over_lines(forward_kernel<T, NC, 0, true, LT, DRAWN>, p, g.rows, g.heavy_row_count, s);
+    });
   });
 }
 
