@@ -448,7 +448,12 @@ def test_block_importance_of_a_full_mask_sums_to_one_per_block_row():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(
     ("dtype", "d", "g"),
-    [(torch.bfloat16, 64, 64), (torch.float16, 64, 128), (torch.bfloat16, 128, 32)],
+    [
+        (torch.bfloat16, 64, 64),
+        (torch.float16, 64, 128),
+        (torch.bfloat16, 128, 32),
+        (torch.bfloat16, 128, 128),
+    ],
 )
 def test_block_importance_on_cuda(dtype, d, g, causal):
     b, h, n = 2, 2, 700
