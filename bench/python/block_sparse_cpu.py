@@ -5,9 +5,11 @@ the same inputs, dense (the work a sparse kernel saves) and with the block mask 
 boolean [H, N, N] mask (what a PyTorch user writes without us; its output is ours). Random
 per-head block masks (p = the fraction of blocks dropped, the diagonal kept), fp32 [1, H, N, D]
 inputs in [-1, 1); wall-clock medians after a warm-up. JSON lines on stdout; the error is ours
-against float64 on the masked path (max |ours - ref| / max |ref|, output and gradients).
+against float64 on the masked path (max |ours - ref| / max |ref|, output and gradients). With
+--dropout P also ours with attention dropout P drawn in the kernels (ours_dropout_*; its time
+over ours without: dropout_over_*).
 
-    python3 bench/python/block_sparse_cpu.py --n 4096 --sparsity 0 0.5 0.9 0.95
+    python3 bench/python/block_sparse_cpu.py --n 4096 --sparsity 0 0.5 0.9 0.95 [--dropout 0.1]
 """
 
 import argparse
@@ -40,6 +42,7 @@ def main():
     ap.add_argument("--causal", type=int, nargs="+", default=[1, 0])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch's threads (default: its own)")
+    ap.add_argument("--dropout", type=float, default=0.0, help="also time attention dropout P")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -63,6 +66,9 @@ def main():
 
                 def ours():
                     return trisparse.block_sparse_attention(q, k, v, mask)
+
+                def ours_dropout():
+                    return trisparse.block_sparse_attention(q, k, v, mask, dropout_p=args.dropout)
 
                 def dense():
                     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -93,9 +99,17 @@ def main():
                 for name, f in (("ours", ours), ("sdpa_dense", dense), ("sdpa_masked", masked)):
                     row[f"{name}_fwd_ms"] = median_ms(no_grad(f), args.repeat)
                     row[f"{name}_fwd_bwd_ms"] = median_ms(training(f), args.repeat)
+                if args.dropout > 0:
+                    row["dropout"] = args.dropout
+                    row["ours_dropout_fwd_ms"] = median_ms(no_grad(ours_dropout), args.repeat)
+                    row["ours_dropout_fwd_bwd_ms"] = median_ms(training(ours_dropout), args.repeat)
                 for kind in ("fwd", "fwd_bwd"):
                     for base in ("sdpa_dense", "sdpa_masked"):
                         row[f"vs_{base}_{kind}"] = row[f"{base}_{kind}_ms"] / row[f"ours_{kind}_ms"]
+                    if args.dropout > 0:
+                        row[f"dropout_over_{kind}"] = (
+                            row[f"ours_dropout_{kind}_ms"] / row[f"ours_{kind}_ms"]
+                        )
                 # Error against float64 on the masked path (rows with no key: zeros in both).
                 ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
                 ref = F.scaled_dot_product_attention(*ref_in, attn_mask=dense_mask).nan_to_num()

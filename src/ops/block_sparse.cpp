@@ -175,8 +175,8 @@ void cpu_biased_forward(const block_sparse_mask& m, const tensor_view& q, const 
   });
 }
 
-// The CPU engine's backward over a block mask: fp32 work without dropout or block bias in tiles
-// over the blocks (cpu/block_sparse/blocked.cpp); float64, dropout and block biases per sequence
+// The CPU engine's backward over a block mask: fp32 work without a block bias in tiles over the
+// blocks (cpu/block_sparse/blocked.cpp); float64 and block biases per sequence
 // (and mask head), the expanded pattern and its transpose, the forward's out and lse (given, as
 // run() wrote them, or recomputed in the engine's type where null), then the fused backward,
 // which writes every row of dq, dk and dv (zeros where no pair reaches).
@@ -186,13 +186,15 @@ void cpu_block_sparse_backward(const block_sparse_mask& m, const tensor_view& q,
                                const tensor_view& dout, const tensor_view& dq,
                                const tensor_view& dk, const tensor_view& dv, double scale,
                                const attention_dropout& dropout, const cpu_block_bias& bias) {
-  if (cpu::blocked_engine_takes(q, dropout) && !bias.wanted()) {  // fp32 tiles, no expansion
+  if (cpu::blocked_engine_takes(q) && !bias.wanted()) {  // fp32 tiles, no expansion
     const bool saved = saved_out != nullptr && saved_lse != nullptr;
     host_tensor out(dtype::f32, saved ? 0 : q.rows, q.heads, v.dim),
         lse(dtype::f32, saved ? 0 : q.rows, q.heads, 1);
-    if (!saved) cpu::block_sparse_forward_blocked(m, q, k, v, out.view(), scale, lse.view());
+    if (!saved)
+      cpu::block_sparse_forward_blocked(m, q, k, v, out.view(), scale, dropout, lse.view());
     cpu::block_sparse_backward_blocked(m, q, k, v, saved ? *saved_out : out.view(),
-                                       saved ? *saved_lse : lse.view(), dout, dq, dk, dv, scale);
+                                       saved ? *saved_lse : lse.view(), dout, dq, dk, dv, scale,
+                                       dropout);
     return;
   }
   const dtype t = q.type == dtype::f64 ? dtype::f64 : dtype::f32;

@@ -1,4 +1,4 @@
-// The CPU engine's block-sparse attention in tiles (fp32, no dropout): a query block against
+// The CPU engine's block-sparse attention in tiles (fp32): a query block against
 // 64-key chunks of its kept key blocks as small matrix products in registers (the AVX2 + FMA
 // clones: 4 x 16 score tiles, 2 x 32 weighted-sum tiles), the online softmax between them. Each
 // task transposes what stays for its whole walk once (the query block's q and dO for the forward
@@ -6,7 +6,8 @@
 // packed next to each other where a weighted sum reads its rows many times. The backward recomputes
 // P from the forward's lse in two passes with no shared writes: dq per query block over its kept
 // blocks, dk and dv per 64-key chunk over the query blocks that keep its block (the transposed
-// lists). Any block size and head dim.
+// lists). Attention dropout's factors come a tile at a time, each Philox call's eight draws (a
+// query set by a key pair) used together. Any block size and head dim.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -18,6 +19,7 @@
 #include "../common/online_softmax.hpp"
 #include "../common/simd.hpp"
 #include "engine.hpp"
+#include "trisparse/core/dropout.hpp"
 
 namespace trisparse::cpu {
 
@@ -232,17 +234,100 @@ void store_tile(const tensor_view& t, std::int64_t row0, std::int64_t rows, std:
   }
 }
 
+/// Philox4x32-10 (philox::draw) for `count` key pairs at once, a loop the compiler vectorises:
+/// counter (set, pair0 + t, head, offset) into x[0..3][t].
+[[gnu::target_clones("arch=x86-64-v3", "default")]] void draw_pairs(
+    std::uint32_t set, std::uint32_t pair0, std::uint32_t head, std::uint32_t offset,
+    std::uint64_t seed, int count, std::uint32_t (*x)[kKeys]) {
+#pragma omp simd
+  for (int t = 0; t < count; ++t) {
+    std::uint32_t c0 = set, c1 = pair0 + static_cast<std::uint32_t>(t), c2 = head, c3 = offset;
+    std::uint32_t k0 = static_cast<std::uint32_t>(seed),
+                  k1 = static_cast<std::uint32_t>(seed >> 32);
+    for (int round = 0; round < 10; ++round) {
+      const std::uint64_t p0 = std::uint64_t{0xD2511F53u} * c0,
+                          p1 = std::uint64_t{0xCD9E8D57u} * c2;
+      c0 = static_cast<std::uint32_t>(p1 >> 32) ^ c1 ^ k0;
+      c1 = static_cast<std::uint32_t>(p1);
+      c2 = static_cast<std::uint32_t>(p0 >> 32) ^ c3 ^ k1;
+      c3 = static_cast<std::uint32_t>(p0);
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    x[0][t] = c0;
+    x[1][t] = c1;
+    x[2][t] = c2;
+    x[3][t] = c3;
+  }
+}
+
+/// Attention dropout's factors for a tile of n <= 64 keys (philox::group's draws, test:
+/// dropout_factor): f[i * rs + j * ks] = 0 or 1 / (1 - p) for the sequence's query rows i0 + i
+/// (i < rows) and keys c0 + j (j < n) in draw head `head` (b * H + h). One Philox call per query
+/// set ({a, a + 1, a + 8, a + 9}) and key pair the tile touches, its eight draws used together.
+void dropout_factors(const attention_dropout& d, std::int64_t head, std::int64_t i0,
+                     std::int64_t rows, std::int64_t c0, std::int64_t n, std::int64_t rs,
+                     std::int64_t ks, float* f) {
+  const std::uint32_t below = philox::drop_below16(d.p);
+  const auto keep = static_cast<float>(1.0 / (1.0 - d.p));
+  const std::int64_t i1 = i0 + rows, pair0 = c0 / 2, pairs = (c0 + n + 1) / 2 - pair0;
+  std::uint32_t x[4][kKeys];
+  for (std::int64_t window = i0 / 16 * 16; window < i1; window += 16) {
+    for (std::int64_t a = window; a < window + 8; a += 2) {
+      const std::int64_t set[4] = {a, a + 1, a + 8, a + 9};
+      if (std::none_of(set, set + 4, [&](std::int64_t i) { return i >= i0 && i < i1; })) continue;
+      draw_pairs(static_cast<std::uint32_t>(philox::query_set(a)),
+                 static_cast<std::uint32_t>(pair0), static_cast<std::uint32_t>(head),
+                 static_cast<std::uint32_t>(d.state[1]), d.state[0], static_cast<int>(pairs), x);
+      for (const std::int64_t i : set) {
+        if (i < i0 || i >= i1) continue;
+        const std::uint32_t* word = x[philox::pair_word(i)];
+        float* row = f + (i - i0) * rs;
+        if (c0 % 2 == 0 && n % 2 == 0) {  // whole pairs (every even block size)
+          for (std::int64_t t = 0; t < n / 2; ++t) {
+            row[2 * t * ks] = (word[t] & 0xFFFFu) < below ? 0.0f : keep;
+            row[(2 * t + 1) * ks] = (word[t] >> 16) < below ? 0.0f : keep;
+          }
+          continue;
+        }
+        for (std::int64_t j = 0; j < n; ++j) {
+          const std::int64_t key = c0 + j;
+          const std::uint32_t draw = philox::pair_half(word[key / 2 - pair0], key);
+          row[j * ks] = draw < below ? 0.0f : keep;
+        }
+      }
+    }
+  }
+}
+
+/// x[i * rs + j * ks] *= f[...] for i < rows, j < n (a tile by its dropout factors; the inner
+/// loop along the unit stride, rs or ks = 1).
+void scale_tile(float* x, const float* f, std::int64_t rows, std::int64_t n, std::int64_t rs,
+                std::int64_t ks) {
+  const bool by_rows = rs == 1;  // keys outer, rows inner
+  const std::int64_t outer = by_rows ? n : rows, inner = by_rows ? rows : n;
+  const std::int64_t step = by_rows ? ks : rs;
+  for (std::int64_t o = 0; o < outer; ++o) {
+    float* xo = x + o * step;
+    const float* fo = f + o * step;
+#pragma omp simd
+    for (std::int64_t i = 0; i < inner; ++i) xo[i] *= fo[i];
+  }
+}
+
 /// A thread's tiles, sized once for the mask's block: the transposed operands (qt, ot), the
-/// score and weight tiles (s, p, dp), the accumulators and the rows' softmax state.
+/// score and weight tiles (s, p, dp; f: dropout's factors), the accumulators and the rows'
+/// softmax state.
 struct tiles {
   std::int64_t width;  // query rows a task, to a multiple of 16 (the transposed layouts' ld)
-  std::vector<float> qt, ot, s, p, dp, acc, acc2, m, l, corr, top, lse2, delta, lim, rows_a, rows_b;
+  std::vector<float> qt, ot, s, p, dp, f, acc, acc2, m, l, corr, top, lse2, delta, lim, rows_a,
+      rows_b;
   tiles(std::int64_t dk, std::int64_t dv, std::int64_t block) : width(round_up(block, 16)) {
     const auto n = [](std::int64_t x) { return static_cast<std::size_t>(x); };
     const std::int64_t side = std::max(width, kKeys), dmax = std::max(dk, dv);
     qt.resize(n(std::max(dk * side, dk * kKeys)));
     ot.resize(n(std::max(dv * side, dv * kKeys)));
-    for (auto* t : {&s, &p, &dp}) t->resize(n(side * side));
+    for (auto* t : {&s, &p, &dp, &f}) t->resize(n(side * side));
     for (auto* t : {&acc, &acc2, &rows_a, &rows_b}) t->resize(n(side * dmax));
     for (auto* t : {&m, &l, &corr, &top, &lse2, &delta, &lim}) t->resize(n(width));
   }
@@ -309,13 +394,13 @@ void for_each_chunk(const block_sparse_mask& mask, const query_task& t, tiles& w
 
 }  // namespace
 
-bool blocked_engine_takes(const tensor_view& q, const attention_dropout& dropout) {
-  return q.type != dtype::f64 && dropout.p == 0;
-}
+bool blocked_engine_takes(const tensor_view& q) { return q.type != dtype::f64; }
 
 void block_sparse_forward_blocked(const block_sparse_mask& mask, const tensor_view& q,
                                   const tensor_view& k, const tensor_view& v,
-                                  const tensor_view& out, double scale, const tensor_view& lse) {
+                                  const tensor_view& out, double scale,
+                                  const attention_dropout& dropout, const tensor_view& lse) {
+  const bool drops = dropout.p > 0;
   const operand<float> qf = as_operand<float>(q), kf = as_operand<float>(k),
                        vf = as_operand<float>(v);
   const std::int64_t heads = q.heads, dk = q.dim, dv = v.dim, g = mask.block;
@@ -337,6 +422,10 @@ void block_sparse_forward_blocked(const block_sparse_mask& mask, const tensor_vi
                       w.s.data(), t.ld);
         softmax_step(w.s.data(), n, t.ld, t.ld, w.lim.data(), w.m.data(), w.l.data(), w.corr.data(),
                      w.top.data(), w.p.data());
+        if (drops) {  // the weights dropped, the normaliser l not
+          dropout_factors(dropout, t.b * heads + t.h, t.i0, t.rows, c0, n, 1, t.ld, w.f.data());
+          scale_tile(w.p.data(), w.f.data(), t.rows, n, 1, t.ld);
+        }
         for (std::int64_t i = 0; i < t.rows; ++i) {
           const float c = w.corr[static_cast<std::size_t>(i)];
           if (c == 1.0f) continue;
@@ -367,14 +456,16 @@ void block_sparse_backward_blocked(const block_sparse_mask& mask, const tensor_v
                                    const tensor_view& k, const tensor_view& v,
                                    const tensor_view& out, const tensor_view& lse,
                                    const tensor_view& dout, const tensor_view& dq,
-                                   const tensor_view& dk, const tensor_view& dv, double scale) {
+                                   const tensor_view& dk, const tensor_view& dv, double scale,
+                                   const attention_dropout& dropout) {
+  const bool drops = dropout.p > 0;
   const operand<float> qf = as_operand<float>(q), kf = as_operand<float>(k),
                        vf = as_operand<float>(v), of = as_operand<float>(out),
                        df = as_operand<float>(dout);
   const std::int64_t heads = q.heads, dkd = q.dim, dvd = v.dim, g = mask.block;
   const float scale2 = static_cast<float>(scale) * std::numbers::log2e_v<float>;
   // Per row and head: lse in log2 units (+inf where the row saw no key: its P is 0) and
-  // delta = rowsum(dO o O).
+  // delta = rowsum(dO o O) (with dropout, O's kept weights: the sum of P m dP over the row).
   const std::int64_t rows_q = q.rows;
   std::vector<float> lse2(static_cast<std::size_t>(rows_q * heads)),
       delta(static_cast<std::size_t>(rows_q * heads));
@@ -413,6 +504,10 @@ void block_sparse_backward_blocked(const block_sparse_mask& mask, const tensor_v
         product_tiles(ks, n4, dkd, w.qt.data(), t.ld, t.ld, w.s.data(), t.ld);
         product_tiles(rows_of(vf, t.k0 + c0, t.h, n), n4, dvd, w.ot.data(), t.ld, t.ld, w.dp.data(),
                       t.ld);
+        if (drops) {  // dS = P (m dP - delta)
+          dropout_factors(dropout, t.b * heads + t.h, t.i0, t.rows, c0, n, 1, t.ld, w.f.data());
+          scale_tile(w.dp.data(), w.f.data(), t.rows, n, 1, t.ld);
+        }
         gradient_columns(w.s.data(), w.dp.data(), n, t.ld, t.ld, w.lim.data(), w.lse2.data(),
                          w.delta.data());
         accumulate_tiles(w.s.data(), 1, t.ld, rows2, n, ks, dkd, w.acc.data(), dkd);
@@ -449,6 +544,10 @@ void block_sparse_backward_blocked(const block_sparse_mask& mask, const tensor_v
                        dos = packed(df, q0 + i0, h, rows, dvd, w.rows_b);
         product_tiles(qs, rows4, dkd, w.qt.data(), kKeys, n16, w.s.data(), kKeys);
         product_tiles(dos, rows4, dvd, w.ot.data(), kKeys, n16, w.dp.data(), kKeys);
+        if (drops) {  // dS = P (m dP - delta) below; dv's weights P m after
+          dropout_factors(dropout, b * heads + h, i0, rows, c0, n, kKeys, 1, w.f.data());
+          scale_tile(w.dp.data(), w.f.data(), rows, n, kKeys, 1);
+        }
         for (std::int64_t i = 0; i < rows; ++i) {
           const auto at = static_cast<std::size_t>((q0 + i0 + i) * heads + h);
           const std::int64_t keys =
@@ -456,6 +555,7 @@ void block_sparse_backward_blocked(const block_sparse_mask& mask, const tensor_v
           gradient_row(w.s.data() + i * kKeys, w.dp.data() + i * kKeys, n16, keys, scale2, lse2[at],
                        delta[at], w.p.data() + i * kKeys);
         }
+        if (drops) scale_tile(w.p.data(), w.f.data(), rows, n, kKeys, 1);
         // dv += P^T dO, dk += dS^T q (scaled at the end).
         accumulate_tiles(w.p.data(), 1, kKeys, n2, rows, dos, dvd, w.acc.data(), dvd);
         accumulate_tiles(w.s.data(), 1, kKeys, n2, rows, qs, dkd, w.acc2.data(), dkd);

@@ -75,8 +75,8 @@ void block_sparse_attention_unchecked(const block_sparse_mask& mask, const tenso
                                       const tensor_view& k, const tensor_view& v,
                                       const tensor_view& out, double scale,
                                       const attention_dropout& dropout, const tensor_view& lse) {
-  if (blocked_engine_takes(q, dropout))
-    return block_sparse_forward_blocked(mask, q, k, v, out, scale, lse);
+  if (blocked_engine_takes(q))
+    return block_sparse_forward_blocked(mask, q, k, v, out, scale, dropout, lse);
   in_type_of(q.type, [&]<class T>() { attend_blocks<T>(mask, q, k, v, out, scale, dropout, lse); });
 }
 

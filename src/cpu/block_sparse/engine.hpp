@@ -16,24 +16,26 @@ void block_sparse_attention_unchecked(const block_sparse_mask& mask, const tenso
                                       const attention_dropout& dropout = {},
                                       const tensor_view& lse = {});
 
-/// Whether the tiled engine (blocked.cpp) runs a call: fp32 work (any input type but float64)
-/// without dropout; the row engine above runs the rest.
-bool blocked_engine_takes(const tensor_view& q, const attention_dropout& dropout);
+/// Whether the tiled engine (blocked.cpp) runs a call: fp32 work (any input type but float64);
+/// the row engine above runs the rest.
+bool blocked_engine_takes(const tensor_view& q);
 
-/// The forward in tiles (block_sparse_attention_unchecked's contract, without dropout; lse
-/// always written when given).
+/// The forward in tiles (block_sparse_attention_unchecked's contract; lse always written when
+/// given).
 void block_sparse_forward_blocked(const block_sparse_mask& mask, const tensor_view& q,
                                   const tensor_view& k, const tensor_view& v,
-                                  const tensor_view& out, double scale, const tensor_view& lse);
+                                  const tensor_view& out, double scale,
+                                  const attention_dropout& dropout, const tensor_view& lse);
 
-/// The backward in tiles, from the forward's out and lse (as the forward wrote them): dq, dk and
-/// dv (any float type; every row written, zeros where no pair reaches), fp32 inside, without
-/// dropout; operands already checked.
+/// The backward in tiles, from the forward's out and lse (as the forward wrote them, with the
+/// same dropout): dq, dk and dv (any float type; every row written, zeros where no pair reaches),
+/// fp32 inside; operands already checked.
 void block_sparse_backward_blocked(const block_sparse_mask& mask, const tensor_view& q,
                                    const tensor_view& k, const tensor_view& v,
                                    const tensor_view& out, const tensor_view& lse,
                                    const tensor_view& dout, const tensor_view& dq,
-                                   const tensor_view& dk, const tensor_view& dv, double scale);
+                                   const tensor_view& dk, const tensor_view& dv, double scale,
+                                   const attention_dropout& dropout);
 
 /// Block importance (attention_options::block_mass, block_grad; either view may be empty, and v
 /// and dout too where block_grad is), float64
