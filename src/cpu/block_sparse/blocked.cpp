@@ -261,10 +261,11 @@ void store_tile(const tensor_view& t, std::int64_t row0, std::int64_t rows, std:
   }
 }
 
-/// Attention dropout's factors for a tile of n <= 64 keys (philox::group's draws, test:
-/// dropout_factor): f[i * rs + j * ks] = 0 or 1 / (1 - p) for the sequence's query rows i0 + i
-/// (i < rows) and keys c0 + j (j < n) in draw head `head` (b * H + h). One Philox call per query
-/// set ({a, a + 1, a + 8, a + 9}) and key pair the tile touches, its eight draws used together.
+/// Attention dropout's factors for a tile of n <= 64 keys (philox::group's draws, as
+/// dropout_factor gives them): f[i * rs + j * ks] = 0 or 1 / (1 - p) for a sequence's query rows
+/// i0 + i (i < rows) and keys c0 + j (j < n) in draw head `head` (b * H + h). One Philox call per
+/// query set ({a, a + 1, a + 8, a + 9}) and key pair the tile touches, its eight draws used
+/// together.
 void dropout_factors(const attention_dropout& d, std::int64_t head, std::int64_t i0,
                      std::int64_t rows, std::int64_t c0, std::int64_t n, std::int64_t rs,
                      std::int64_t ks, float* f) {

@@ -1,6 +1,7 @@
 // GAT's fused attention (gat_plan): the CPU engines and the CUDA kernels behind one plan.
 #include "trisparse/ops/layers.hpp"
 
+#include <algorithm>
 #include <span>
 #include <type_traits>
 
@@ -33,20 +34,24 @@ void check_gat_cpu(const csr_graph& g, const tensor_view& x, const tensor_view& 
 }
 
 // Attention dropout's factors drawn for the CPU engine: [nnz, H, 1] in T, entry e's for input
-// edge keep_index[e] (or e) in each head (edge_dropout_factor), the kernels' draws. Read with no
-// index.
+// edge keep_index[e] (or e) in each head (edge_dropout_factor's draws, the kernels'), one Philox
+// call per edge and four heads (philox::edge_group). Read with no index.
 template <class T>
 host_tensor drawn_keep(const csr_graph& g, std::int64_t heads, const attention_dropout& d,
                        const std::int64_t* keep_index) {
   host_tensor keep(cpu::dtype_of<T>, g.nnz(), heads, 1);
   auto* f = reinterpret_cast<T*>(keep.data());
   const std::uint64_t seed = d.state[0], offset = d.state[1];
+  const std::uint32_t below = philox::drop_below(d.p);
+  const auto kept = static_cast<T>(1.0 / (1.0 - d.p));
 #pragma omp parallel for schedule(static)
   for (std::int64_t e = 0; e < g.nnz(); ++e) {
     const std::int64_t u = keep_index != nullptr ? keep_index[e] : e;
-    for (std::int64_t h = 0; h < heads; ++h)
-      f[e * heads + h] =
-          static_cast<T>(edge_dropout_factor(d, seed, offset, u, static_cast<std::int32_t>(h)));
+    for (std::int64_t h0 = 0; h0 < heads; h0 += 4) {
+      const philox::words w = philox::edge_group(u, static_cast<std::int32_t>(h0), seed, offset);
+      for (std::int64_t h = h0; h < std::min(h0 + 4, heads); ++h)
+        f[e * heads + h] = w.x[h - h0] < below ? T{0} : kept;
+    }
   }
   return keep;
 }
