@@ -9,11 +9,14 @@ names the side).
 
 import argparse
 import json
-import statistics
-import time
+import os
+import sys
 
 import torch
 import trisparse
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from block_sparse_cpu import median_ms
 
 
 def main():
@@ -45,13 +48,7 @@ def main():
             out = trisparse.gat_attention(x, a_src, a_dst, pattern, dropout=p)
             torch.autograd.grad(out, (x, a_src, a_dst), dout)
 
-        step()
-        times = []
-        for _ in range(a.repeat):
-            start = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - start) * 1e3)
-        row[f"fwd_bwd_ms_dropout_{p}"] = round(statistics.median(times), 2)
+        row[f"fwd_bwd_ms_dropout_{p}"] = round(median_ms(step, a.repeat), 2)
     row["dropout_over"] = row[f"fwd_bwd_ms_dropout_{a.dropout}"] / row["fwd_bwd_ms_dropout_0.0"]
     print(json.dumps(row), flush=True)
 

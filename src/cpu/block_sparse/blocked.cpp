@@ -234,30 +234,19 @@ void store_tile(const tensor_view& t, std::int64_t row0, std::int64_t rows, std:
   }
 }
 
-/// Philox4x32-10 (philox::draw) for `count` key pairs at once, a loop the compiler vectorises:
-/// counter (set, pair0 + t, head, offset) into x[0..3][t].
+/// philox::draw for `count` key pairs at once, a loop the compiler vectorises: counter (set,
+/// pair0 + t, head, offset) into x[0..3][t].
 [[gnu::target_clones("arch=x86-64-v3", "default")]] void draw_pairs(
     std::uint32_t set, std::uint32_t pair0, std::uint32_t head, std::uint32_t offset,
     std::uint64_t seed, int count, std::uint32_t (*x)[kKeys]) {
 #pragma omp simd
   for (int t = 0; t < count; ++t) {
-    std::uint32_t c0 = set, c1 = pair0 + static_cast<std::uint32_t>(t), c2 = head, c3 = offset;
-    std::uint32_t k0 = static_cast<std::uint32_t>(seed),
-                  k1 = static_cast<std::uint32_t>(seed >> 32);
-    for (int round = 0; round < 10; ++round) {
-      const std::uint64_t p0 = std::uint64_t{0xD2511F53u} * c0,
-                          p1 = std::uint64_t{0xCD9E8D57u} * c2;
-      c0 = static_cast<std::uint32_t>(p1 >> 32) ^ c1 ^ k0;
-      c1 = static_cast<std::uint32_t>(p1);
-      c2 = static_cast<std::uint32_t>(p0 >> 32) ^ c3 ^ k1;
-      c3 = static_cast<std::uint32_t>(p0);
-      k0 += 0x9E3779B9u;
-      k1 += 0xBB67AE85u;
-    }
-    x[0][t] = c0;
-    x[1][t] = c1;
-    x[2][t] = c2;
-    x[3][t] = c3;
+    const philox::words w =
+        philox::draw(set, pair0 + static_cast<std::uint32_t>(t), head, offset, seed);
+    x[0][t] = w.x[0];
+    x[1][t] = w.x[1];
+    x[2][t] = w.x[2];
+    x[3][t] = w.x[3];
   }
 }
 
