@@ -30,12 +30,12 @@ __host__ __device__ constexpr int backward_shared_bytes() {
 template <class T, int D>
 __device__ __forceinline__ void issue_products(float (&acc)[8][4], std::uint32_t a,
                                                std::uint32_t b) {
+  const std::uint64_t da = arch::sw128_descriptor(a), db = arch::sw128_descriptor(b);
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     const std::uint32_t step = (kk / 4) * kBackwardRows * 128 + (kk % 4) * 32;
-    arch::wgmma_64x64x16_ss<T>(reinterpret_cast<float(&)[32]>(acc),
-                               arch::sw128_descriptor(a + step), arch::sw128_descriptor(b + step),
-                               kk > 0);
+    arch::wgmma_64x64x16_ss<T>(reinterpret_cast<float(&)[32]>(acc), arch::sw128_advance(da, step),
+                               arch::sw128_advance(db, step), kk > 0);
   }
 }
 
@@ -45,13 +45,14 @@ __device__ __forceinline__ void issue_products(float (&acc)[8][4], std::uint32_t
 template <class T, int D>
 __device__ __forceinline__ void issue_accumulate(float (&acc)[D / 8][4],
                                                  const std::uint32_t (&fa)[4][4], std::uint32_t y) {
+  const std::uint64_t dy = arch::sw128_descriptor(y);
 #pragma unroll
   for (int kp = 0; kp < 4; ++kp) {
 #pragma unroll
     for (int dp = 0; dp < D / 64; ++dp) {
-      const std::uint32_t at = y + dp * kBackwardRows * 128 + kp * 2048;
+      const std::uint32_t at = dp * kBackwardRows * 128 + kp * 2048;
       arch::wgmma_64x64x16<T, 1>(reinterpret_cast<float(&)[32]>(acc[8 * dp]), fa[kp],
-                                 arch::sw128_descriptor(at), true);
+                                 arch::sw128_advance(dy, at), true);
     }
   }
 }

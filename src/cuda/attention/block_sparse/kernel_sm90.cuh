@@ -54,18 +54,21 @@ __device__ __forceinline__ float (&flat(float (&a)[N][4]))[4 * N] {
 
 /// S = Q Kᵀ for the K tile of BN keys at `k`, 64 keys (key rows 64 c.., 8 KB into each panel) at
 /// a time into s[8 c ..]: k16 step kk reads columns 16 kk.. of panel kk / 4 (32 bytes a step into
-/// it); one commit group.
-template <class T, int D, int BN>
+/// it); one commit group. ONCE: K's descriptor built once and stepped (sw128_advance), else built
+/// at every step.
+template <class T, int D, int BN, bool ONCE = true>
 __device__ __forceinline__ void issue_scores(float (&s)[BN / 8][4],
                                              const std::uint32_t (&qa)[D / 16][4],
                                              std::uint32_t k) {
+  const std::uint64_t dk = arch::sw128_descriptor(k);
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
     for (int c = 0; c < BN / 64; ++c) {
-      const std::uint32_t at = k + (kk / 4) * BN * 128 + c * 64 * 128 + (kk % 4) * 32;
-      arch::wgmma_64x64x16<T, 0>(reinterpret_cast<float(&)[32]>(s[8 * c]), qa[kk],
-                                 arch::sw128_descriptor(at), kk > 0);
+      const std::uint32_t at = (kk / 4) * BN * 128 + c * 64 * 128 + (kk % 4) * 32;
+      arch::wgmma_64x64x16<T, 0>(
+          reinterpret_cast<float(&)[32]>(s[8 * c]), qa[kk],
+          ONCE ? arch::sw128_advance(dk, at) : arch::sw128_descriptor(k + at), kk > 0);
     }
   }
   arch::wgmma_commit();
@@ -75,14 +78,15 @@ __device__ __forceinline__ void issue_scores(float (&s)[BN / 8][4],
 template <class T, int D, int BN>
 __device__ __forceinline__ void issue_scores(float (&s)[BN / 8][4], std::uint32_t q,
                                              std::uint32_t k) {
+  const std::uint64_t dq = arch::sw128_descriptor(q), dk = arch::sw128_descriptor(k);
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
-    const std::uint64_t a = arch::sw128_descriptor(q + (kk / 4) * 64 * 128 + (kk % 4) * 32);
+    const std::uint64_t a = arch::sw128_advance(dq, (kk / 4) * 64 * 128 + (kk % 4) * 32);
 #pragma unroll
     for (int c = 0; c < BN / 64; ++c) {
-      const std::uint32_t at = k + (kk / 4) * BN * 128 + c * 64 * 128 + (kk % 4) * 32;
+      const std::uint32_t at = (kk / 4) * BN * 128 + c * 64 * 128 + (kk % 4) * 32;
       arch::wgmma_64x64x16_ss<T>(reinterpret_cast<float(&)[32]>(s[8 * c]), a,
-                                 arch::sw128_descriptor(at), kk > 0);
+                                 arch::sw128_advance(dk, at), kk > 0);
     }
   }
   arch::wgmma_commit();
@@ -100,18 +104,21 @@ __device__ __forceinline__ void negate_tile(std::uint32_t base) {
 }
 
 /// O += P V for the V tile of BN keys at `v`: k16 step kp reads key rows 16 kp.. (two 8-row
-/// groups, 2048 bytes a step); the output columns 64 dp.. come from panel dp; one commit group.
-template <class T, int D, int BN>
+/// groups, 2048 bytes a step); the output columns 64 dp.. come from panel dp; one commit group;
+/// ONCE as for issue_scores.
+template <class T, int D, int BN, bool ONCE = true>
 __device__ __forceinline__ void issue_values(float (&o)[D / 8][4],
                                              const std::uint32_t (&pa)[BN / 16][4],
                                              std::uint32_t v) {
+  const std::uint64_t dv = arch::sw128_descriptor(v);
 #pragma unroll
   for (int kp = 0; kp < BN / 16; ++kp) {
 #pragma unroll
     for (int dp = 0; dp < D / 64; ++dp) {
-      const std::uint32_t at = v + dp * BN * 128 + kp * 2048;
-      arch::wgmma_64x64x16<T, 1>(reinterpret_cast<float(&)[32]>(o[8 * dp]), pa[kp],
-                                 arch::sw128_descriptor(at), true);
+      const std::uint32_t at = dp * BN * 128 + kp * 2048;
+      arch::wgmma_64x64x16<T, 1>(
+          reinterpret_cast<float(&)[32]>(o[8 * dp]), pa[kp],
+          ONCE ? arch::sw128_advance(dv, at) : arch::sw128_descriptor(v + at), true);
     }
   }
   arch::wgmma_commit();
@@ -312,6 +319,9 @@ __global__ void __launch_bounds__(pingpong::kBlockThreads, 1)
   static_assert(D % 64 == 0);
   constexpr int kRows = pingpong::kRows, kThreads = pingpong::kThreads, kStages = pingpong::kStages;
   constexpr int kTile = BN * D * 2;  // bytes of one K or V tile
+  // The wgmma descriptors built once a tile (sw128_advance) at D = 128 (1-2 % faster, H200);
+  // at D = 64 built at every k16 step, which measured 1-3 % faster there (block_sparse.md).
+  constexpr bool kOnce = D != 64;
   extern __shared__ uint4 shared_raw[];
   const std::uint32_t q_tile = (arch::shared_address(shared_raw) + 1023u) & ~1023u;
   // Stage x: K tile at k_tile(x), V tile after it.
@@ -419,7 +429,7 @@ __global__ void __launch_bounds__(pingpong::kBlockThreads, 1)
   float alpha[2];
   turn_begin();
   arch::wgmma_fence();
-  issue_scores<T, D, BN>(s, qa, k_tile(0));
+  issue_scores<T, D, BN, kOnce>(s, qa, k_tile(0));
   turn_end(false);
   arch::wgmma_wait<0>();
   arch::fence_operands(flat(s));
@@ -436,8 +446,8 @@ __global__ void __launch_bounds__(pingpong::kBlockThreads, 1)
     if constexpr (BIAS) b2 = w.bias2(j_next);
     turn_begin();
     arch::wgmma_fence();
-    issue_scores<T, D, BN>(s, qa, k_tile((it + 1) % kStages));
-    issue_values<T, D, BN>(o, pa, v_tile(it % kStages));
+    issue_scores<T, D, BN, kOnce>(s, qa, k_tile((it + 1) % kStages));
+    issue_values<T, D, BN, kOnce>(o, pa, v_tile(it % kStages));
     turn_end(false);
     arch::wgmma_wait<1>();  // S_{it+1}; P_it V_it may still run
     arch::fence_operands(flat(s));
@@ -450,7 +460,7 @@ __global__ void __launch_bounds__(pingpong::kBlockThreads, 1)
   }
   turn_begin();
   arch::wgmma_fence();
-  issue_values<T, D, BN>(o, pa, v_tile(it % kStages));
+  issue_values<T, D, BN, kOnce>(o, pa, v_tile(it % kStages));
   turn_end(true);
   arch::wgmma_wait<0>();
   arch::fence_operands(flat(o));

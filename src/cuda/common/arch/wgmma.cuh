@@ -25,6 +25,14 @@ __device__ __forceinline__ std::uint64_t sw128_descriptor(std::uint32_t start) {
          (std::uint64_t{1} << 62);
 }
 
+/// `descriptor` (sw128_descriptor) moved `bytes` further into its tile: the start field holds the
+/// address / 16 in 14 bits and shared addresses stay below 2^18 bytes, so the sum cannot carry
+/// into the next field. A loop over k16 steps builds its tiles' descriptors once this way.
+__device__ __forceinline__ std::uint64_t sw128_advance(std::uint64_t descriptor,
+                                                       std::uint32_t bytes) {
+  return descriptor + (bytes >> 4);
+}
+
 /// Orders this thread's earlier generic-proxy writes to shared memory (cp.async, st.shared) before
 /// later async-proxy reads (wgmma operands).
 __device__ __forceinline__ void fence_proxy_async() {
