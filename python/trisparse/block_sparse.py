@@ -67,7 +67,10 @@ def _kernel_bias(
         return bias.expand(sequences, h, qb, kb).reshape(sequences * h, qb, kb).transpose(0, 1)
     heads = bias.shape[1]
     bias = bias.expand(sequences, heads, qb, kb).transpose(1, 2)
-    return bias.reshape(sequences * qb, heads, kb)
+    bias = bias.reshape(sequences * qb, heads, kb)
+    # (one query block and a bias shared by the sequences: reshape keeps the broadcast as a zero
+    # row stride, which the kernels' views refuse as overlapping rows)
+    return bias.contiguous() if sequences * qb > 1 and bias.stride(0) == 0 else bias
 
 
 def block_sparse_attention(
