@@ -5,6 +5,7 @@ layer: the arguments checked, then the ops (``trisparse.ops.sparse``; autograd i
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import _tensors
@@ -46,7 +47,8 @@ def gcn_conv(
     """A (x weightᵀ) + bias, ReLU'd with `relu`, as one fused layer (GraphCUDA's A·X·W): on CUDA
     (A x) W in one kernel with the bias and ReLU in its epilogue, or x W, SpMM and the epilogue,
     whichever `order` ('auto': the measured rule, 'fused', 'unfused') picks; the CPU computes
-    float32 in float32 (OpenMP), other dtypes in float64. ``weight`` is [F_out, F_in] as
+    float32 in float32 (OpenMP), other dtypes in float64 (with a matrix of float64 values, by
+    those values: x Wᵀ, then the SpMM). ``weight`` is [F_out, F_in] as
     torch.nn.Linear's; x [N, F_in] float16, bfloat16 or float32 (tf32 on the tensor cores); bias
     [F_out] in float32 or x's dtype. Differentiable in x, weight and bias (deterministic): the
     ReLU is applied through a 1-bit mask."""
@@ -59,6 +61,12 @@ def gcn_conv(
     if order not in ("auto", "fused", "unfused"):
         raise ValueError(f"order must be 'auto', 'fused' or 'unfused', not {order!r}")
     x = x if x.stride(-1) == 1 else x.contiguous()
+    if x.dtype == torch.float64 and x.device.type == "cpu" and matrix.has_float64_values:
+        # float64 by the matrix's float64 values (the fused plan holds float32 ones): A (x Wᵀ),
+        # as PyG's GCNConv orders it
+        out = spmm(matrix, F.linear(x, weight.to(x.dtype)))
+        out = out if bias is None else out + bias.to(x.dtype)
+        return F.relu(out) if relu else out
     w = weight.t().to(x.dtype).contiguous()
     if bias is not None:
         bias = bias.to(x.dtype if bias.dtype != torch.float32 else bias.dtype).contiguous()

@@ -17,7 +17,9 @@ _matrices = Registry("matrix", "trisparse.SparseMatrix")
 
 class SparseMatrix:
     """A ``num_rows x num_cols`` matrix with float32 values, kept with its transpose (the SpMM's
-    gradient) and prepared per device on first use. Repeated entries are summed."""
+    gradient) and prepared per device on first use. Repeated entries are summed (in float64).
+    Given float64 values it also keeps their float64 sums, which float64 operands on the CPU
+    multiply by (:func:`spmm`, :func:`gcn_conv`): float64 results as exact as the values."""
 
     PLAN_CACHES = ("_plans", "_fused_plans")  # freed at exit (_registry)
 
@@ -31,11 +33,14 @@ class SparseMatrix:
             raise ValueError(f"({num_rows}, {num_cols}) does not fit the kernels' 32-bit ids")
         # Canonical CSR on the host (the sums of repeated entries in one fixed order).
         row, col = row.detach().to("cpu", torch.int64), col.detach().to("cpu", torch.int64)
-        value = value.detach().to("cpu", torch.float32)
+        wide = value.dtype == torch.float64
+        value = value.detach().to("cpu", torch.float64 if wide else torch.float32)
         check_edge_ids(row, col, num_rows, num_cols)
         self.num_rows, self.num_cols = int(num_rows), int(num_cols)
         self._csr = {False: self._canonical(row, col, value, num_rows, num_cols)}
         self._csr[True] = self._canonical(col, row, value, num_cols, num_rows)
+        # {transposed: float64 [nnz] in the CSR's entry order}, float64 values only.
+        self._values64 = {t: csr[3] for t, csr in self._csr.items()} if wide else None
         self._plans: dict[tuple[torch.device, bool], Any] = {}
         self._fused_plans: dict[torch.device, Any] = {}
         self.id = _matrices.add(self)
@@ -47,14 +52,15 @@ class SparseMatrix:
         summed = torch.zeros(col_ids.numel(), dtype=torch.float64).index_add_(
             0, inverse, value.double()
         )
-        return rowptr, col_ids, summed.float()
+        # (the float64 sums kept for float64 values only: 8 more bytes an entry)
+        return rowptr, col_ids, summed.float(), summed if value.dtype == torch.float64 else None
 
     def plan(self, device: torch.device, transposed: bool = False):
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         plan = self._plans.get((device, transposed))
         if plan is None:
-            rowptr, col, value = self._csr[transposed]
+            rowptr, col, value, _ = self._csr[transposed]
             rows, cols = (
                 (self.num_cols, self.num_rows) if transposed else (self.num_rows, self.num_cols)
             )
@@ -71,6 +77,18 @@ class SparseMatrix:
             self._plans[(device, transposed)] = plan
         return plan
 
+    @property
+    def has_float64_values(self) -> bool:
+        """Whether the matrix was given float64 values (and keeps their float64 sums)."""
+        return self._values64 is not None
+
+    def values64(self, transposed: bool, heads: int) -> torch.Tensor | None:
+        """The float64 values as the CPU plan's per-head weights [nnz, heads, 1] (None where the
+        matrix was given float32 values)."""
+        if self._values64 is None:
+            return None
+        return self._values64[transposed].view(-1, 1, 1).expand(-1, heads, 1).contiguous()
+
     def fused_plan(self, device: torch.device):
         """The fused GCN layer's plan on `device` (square matrices only)."""
         if device.type == "cuda" and device.index is None:
@@ -82,7 +100,7 @@ class SparseMatrix:
                     f"the fused GCN layer needs a square matrix, not {self.num_rows} x "
                     f"{self.num_cols}"
                 )
-            rowptr, col, value = self._csr[False]
+            rowptr, col, value, _ = self._csr[False]
             plan = _C.GcnFusedPlan.from_host(
                 rowptr.data_ptr(),
                 col.data_ptr(),

@@ -504,7 +504,50 @@ def test_gcn_conv_on_a_torch_sparse_adjacency_matches_pyg(layout, kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback
         got = run(ours, x, adj)
-    assert_close(got, run(pyg, x, adj), rtol=1e-6)  # the matrix holds float32 values
+    assert_close(got, run(pyg, x, adj), rtol=1e-12)  # the matrix's float64 values
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"improved": True},
+        {"add_self_loops": False},
+        {"normalize": False},
+        {"flow": "target_to_source"},
+        {"fuse_relu": True},
+    ],
+)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_gcn_conv_matches_pyg_in_float64(kwargs, weighted):
+    """On a multigraph with repeated edges, self loops and isolated nodes, in float64: the output
+    and the gradients of x and every parameter equal PyG's to float64's precision (the
+    propagation matrix keeps gcn_norm's float64 weights; float32 inputs take its float32 ones)."""
+    n = 80
+    ei = multigraph(n, n, seed=11)
+    relu = kwargs.pop("fuse_relu", False)
+    ours, pyg = pair(trisparse.nn.GCNConv, pyg_nn.GCNConv, 7, 5, **kwargs)
+    if relu:
+        ours.fuse_relu = True
+    ours, pyg = ours.double(), pyg.double()
+    x = torch.randn(n, 7, dtype=torch.float64)
+    w = torch.rand(ei.shape[1], dtype=torch.float64) + 0.5 if weighted else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback
+        got = run_full(ours, x, ei, edge_weight=w)
+    want = pyg_relu(pyg) if relu else pyg
+    assert_same(got, run_full(want, x, ei, edge_weight=w), rtol=1e-12)
+
+
+def pyg_relu(layer):
+    """PyG's layer followed by a ReLU (fused_relu's reference)."""
+
+    def call(*args, **kwargs):
+        return torch.relu(layer(*args, **kwargs))
+
+    call.named_parameters = layer.named_parameters
+    call.zero_grad = layer.zero_grad
+    return call
 
 
 def test_gcn_conv_takes_another_graph_on_each_call():

@@ -12,7 +12,8 @@ from ..sparse_matrix import _matrices
 
 @torch.library.custom_op("trisparse::spmm", mutates_args=())
 def _spmm(b: Tensor, matrix: int, transposed: bool) -> Tensor:
-    """c = A b (A^T b when transposed) for b [cols, H, n]: c [rows, H, n] in b's dtype."""
+    """c = A b (A^T b when transposed) for b [cols, H, n]: c [rows, H, n] in b's dtype (float64
+    b on the CPU by the matrix's float64 values where it has them)."""
     m = _matrices.lookup(matrix)
     plan = m.plan(b.device, transposed)
     rows = m.num_cols if transposed else m.num_rows
@@ -20,7 +21,17 @@ def _spmm(b: Tensor, matrix: int, transposed: bool) -> Tensor:
     _owner, ws, ws_bytes = _tensors.workspace(
         plan.workspace_bytes(b.shape[1], b.shape[2]), b.device
     )
-    plan.spmm(None, _tensors.view(b), _tensors.view(c), _tensors.stream(b.device), ws, ws_bytes)
+    values = None
+    if b.dtype == torch.float64 and b.device.type == "cpu":
+        values = m.values64(transposed, b.shape[1])
+    plan.spmm(
+        None if values is None else _tensors.view(values),
+        _tensors.view(b),
+        _tensors.view(c),
+        _tensors.stream(b.device),
+        ws,
+        ws_bytes,
+    )
     return c
 
 
