@@ -5,6 +5,7 @@ its statistics, its file, and the masks the attention takes."""
 
 from __future__ import annotations
 
+import numbers
 import os
 
 import torch
@@ -286,7 +287,7 @@ def block_mass(
     float64; a chunk of query blocks at a time on q's device (memory: H x chunk x N_k)."""
     _check_qk(q, k)
     heads, n_q, d = q.shape
-    n_k, g = k.shape[1], int(block_size)
+    n_k, g = k.shape[1], _block_size(block_size)
     qb, kb = -(-n_q // g), -(-n_k // g)
     scale = _tensors.resolve_scale(scale, d)
     if _cpu_fast(q, k):  # the library's blocked CPU loops
@@ -317,7 +318,7 @@ def block_value_mass(
             f"v must be [H, N_k, Dv] as k, got {tuple(v.shape)} for k {tuple(k.shape)}"
         )
     _check_qk(q, k)
-    g, scale = int(block_size), _tensors.resolve_scale(scale, q.shape[2])
+    g, scale = _block_size(block_size), _tensors.resolve_scale(scale, q.shape[2])
     if _cpu_fast(q, k) and v.dtype == q.dtype:  # the library's blocked CPU loops
         qb, kb = -(-q.shape[1] // g), -(-k.shape[1] // g)
         mass = torch.empty(q.shape[0], qb, kb, dtype=torch.float64)
@@ -332,6 +333,41 @@ def block_value_mass(
 def _check_qk(q: Tensor, k: Tensor) -> None:
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"q and k must be [H, N, D] alike, got {tuple(q.shape)}, {tuple(k.shape)}")
+
+
+def _block_size(block_size) -> int:
+    """block_size as an int, checked (>= 1)."""
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
+        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    return int(block_size)
+
+
+def _check_pruning(method: str, sparsity: float) -> None:
+    """A learner's pruning method and sparsity, checked."""
+    if method not in ("row", "global", "threshold", "output"):
+        raise ValueError(f"method must be row, global, threshold or output, not {method!r}")
+    if not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+
+
+_KEEP_RULES = {"keep_diagonal": True, "window": 0, "global_blocks": 0, "top_p": 0.9}
+
+
+def _keep_rules(**rules) -> dict:
+    """The keep rules (and top_p) with their defaults, checked: names, window and global_blocks
+    >= 0, top_p in (0, 1]."""
+    unknown = set(rules) - set(_KEEP_RULES)
+    if unknown:
+        raise TypeError(f"unknown keep rules {sorted(unknown)} (known: {sorted(_KEEP_RULES)})")
+    rules = {**_KEEP_RULES, **rules}
+    for name in ("window", "global_blocks"):
+        if rules[name] < 0:
+            raise ValueError(f"{name} must be >= 0, got {rules[name]}")
+    if not 0.0 < rules["top_p"] <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {rules['top_p']}")
+    return rules
 
 
 def _block_sums(q, k, v, g, causal, scale):
@@ -389,9 +425,7 @@ def pooled_block_mass(
     :class:`PatternLearner` gives the blocks the kernels do not see, inside training steps."""
     _check_qk(q, k)
     heads, n_q, d = q.shape
-    n_k, g = k.shape[1], int(block_size)
-    if g < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    n_k, g = k.shape[1], _block_size(block_size)
     qv, kv = (t.transpose(0, 1) for t in (q, k.to(q.dtype)))  # [N, H, D] views
     qv, kv = (t if t.stride(-1) == 1 else t.contiguous() for t in (qv, kv))
     out = torch.empty(heads, -(-n_q // g), -(-n_k // g), dtype=torch.float64, device=q.device)
@@ -431,6 +465,7 @@ def prune_blocks(
         raise ValueError(f"importance must be [H, qb, kb], got {tuple(importance.shape)}")
     if not 0.0 <= sparsity < 1.0:
         raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+    _keep_rules(window=window, global_blocks=global_blocks, top_p=top_p)
     heads, qb, kb = importance.shape
     dev = importance.device
     forced = _forced_blocks(qb, kb, dev, keep_diagonal, window, global_blocks).expand(heads, qb, kb)
@@ -492,6 +527,7 @@ def prune_blocks_by_output(
         )
     if not 0.0 <= sparsity < 1.0:
         raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+    _keep_rules(window=window, global_blocks=global_blocks)
     rules = (bool(keep_diagonal), int(window), int(global_blocks), bool(causal))
     if mass.device.type == "cpu":
         m, u = (t.to(torch.float64).contiguous() for t in (mass, value))
@@ -549,23 +585,24 @@ def learn_block_pattern(
     the same rules); the rest torch ops on q's device. ``method="output"`` with the values ``v``
     [H, N_k, Dv]: the blocks that keep the attention output (:func:`block_value_mass`, then
     :func:`prune_blocks_by_output`, causal budgets where `causal`)."""
+    block_size = _block_size(block_size)
+    rules = _keep_rules(**keep_rules)
+    _check_pruning(method, sparsity)
     if method == "output" and v is None:
         raise ValueError('learn_block_pattern: method="output" needs the values v [H, N_k, Dv]')
     if method == "output" and not (_cpu_fast(q, k) and v.dtype == q.dtype):
         keep = prune_blocks_by_output(
-            *block_value_mass(q, k, v, block_size, causal), sparsity, causal=causal, **keep_rules
+            *block_value_mass(q, k, v, block_size, causal),
+            sparsity,
+            causal=causal,
+            **{name: x for name, x in keep_rules.items() if name != "top_p"},
         )
         made_by = "attention mass and values"
     elif _cpu_fast(q, k):  # the library's learner (ops/pattern_learn.hpp), the same rules
-        rules = {"keep_diagonal": True, "window": 0, "global_blocks": 0, "top_p": 0.9}
-        unknown = set(keep_rules) - set(rules)
-        if unknown:
-            raise TypeError(f"unknown keep rules {sorted(unknown)}")
-        rules.update(keep_rules)
         return BlockPattern(
             _C.BlockPattern.learn(
                 *_nhd(q, k),
-                int(block_size),
+                block_size,
                 method,
                 float(sparsity),
                 float(rules["top_p"]),
@@ -699,7 +736,9 @@ class PatternLearner:
             raise ValueError(f"decay must be in [0, 1), got {decay}")
         if every < 1 or track_every < 1:
             raise ValueError(f"every and track_every must be >= 1, got {every}, {track_every}")
-        self.block_size, self.sparsity, self.method = int(block_size), sparsity, method
+        _check_pruning(method, sparsity)
+        _keep_rules(**keep_rules)
+        self.block_size, self.sparsity, self.method = _block_size(block_size), sparsity, method
         self.every, self.warmup, self.freeze_after = every, warmup, freeze_after
         self.decay, self.sample_blocks, self.causal = decay, sample_blocks, causal
         self.track_every = track_every

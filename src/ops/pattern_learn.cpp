@@ -407,6 +407,7 @@ block_pattern pattern_of(const std::vector<std::uint8_t>& keep, std::int64_t hea
 block_pattern learn_block_pattern(const tensor_view& q, const tensor_view& k, std::int64_t block,
                                   const prune_options& options, bool causal,
                                   const std::optional<tensor_view>& v) {
+  TRISPARSE_EXPECTS_INPUT(block >= 1, "block must be >= 1, got " + std::to_string(block));
   options.check();
   if (options.method == "output") {
     TRISPARSE_EXPECTS_INPUT(v.has_value(), "prune method 'output' needs the values v [N_k, H, Dv]");

@@ -100,6 +100,26 @@ expect_error "values of other keys" "shortv.npy: values" \
   -o "$dir/x.tsbp"
 expect_error "truncated .npy" "cut.npy: truncated" \
   "$cli" -q pattern learn --q "$dir/cut.npy" --k "$dir/k.npy" -o "$dir/x.tsbp"
+expect_bad_flag() {  # description, what the output must hold, command... (an exit, not a signal)
+  local what=$1 holds=$2 out rc
+  shift 2
+  out=$("$@" 2>&1)
+  rc=$?
+  if [ "$rc" -ne 0 ] && [ "$rc" -lt 128 ] && grep -qF -- "$holds" <<<"$out"; then
+    echo "ok   $(head -1 <<<"$out")"
+  else
+    echo "FAIL $what: rc=$rc output: $out"
+    fail=1
+  fi
+}
+expect_bad_flag "learn --block 0" "--block: must be a whole number >= 1" \
+  "$cli" -q pattern learn --q "$dir/q.npy" --k "$dir/k.npy" --block 0 -o "$dir/x.tsbp"
+expect_bad_flag "learn --sparsity 1" "--sparsity: must be a number in [0, 1)" \
+  "$cli" -q pattern learn --q "$dir/q.npy" --k "$dir/k.npy" --sparsity 1 -o "$dir/x.tsbp"
+expect_bad_flag "init --heads 0" "--heads: must be a whole number >= 1" \
+  "$cli" -q pattern init --method random --n 100 --heads 0 -o "$dir/x.tsbp"
+expect_bad_flag "show --columns 0" "--columns: must be a whole number >= 1" \
+  "$cli" -q pattern show "$dir/b.tsbp" --png "$dir/x.png" --columns 0
 head -c 60 "$dir/b.tsbp" > "$dir/cut.tsbp"
 expect_error "truncated pattern file" "cut.tsbp: truncated" "$cli" -q pattern show "$dir/cut.tsbp"
 exit $fail

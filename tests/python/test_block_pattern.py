@@ -252,6 +252,37 @@ def test_prune_blocks_methods():
         trisparse.prune_blocks(imp, 0.5, "random")
 
 
+def test_bad_arguments_are_named():
+    """Block sizes, pruning methods, sparsities and keep rules are checked where they are given
+    (ValueError or TypeError naming the argument), on the CPU's library path and torch's alike."""
+    q, k = torch.randn(2, 100, 16), torch.randn(2, 100, 16)
+    imp = torch.rand(2, 4, 4)
+    bad = [
+        (ValueError, "block_size must be >= 1", lambda: trisparse.block_mass(q, k, 0)),
+        (TypeError, "block_size must be an int", lambda: trisparse.block_mass(q, k, 2.5)),
+        (ValueError, "block_size", lambda: trisparse.block_value_mass(q, k, k, 0)),
+        (ValueError, "block_size", lambda: trisparse.learn_block_pattern(q, k, 0, 0.5)),
+        (ValueError, "block_size", lambda: trisparse.PatternLearner(0, 0.5)),
+        (ValueError, "sparsity", lambda: trisparse.PatternLearner(16, 1.0)),
+        (ValueError, "method", lambda: trisparse.PatternLearner(16, 0.5, method="top")),
+        (TypeError, "unknown keep rules", lambda: trisparse.PatternLearner(16, 0.5, band=2)),
+        (ValueError, "window must be >= 0", lambda: trisparse.prune_blocks(imp, 0.5, window=-1)),
+        (ValueError, "global_blocks", lambda: trisparse.prune_blocks(imp, 0.5, global_blocks=-1)),
+        (ValueError, "top_p", lambda: trisparse.prune_blocks(imp, 0.5, "threshold", top_p=0.0)),
+    ]
+    for h in (torch.float32, torch.float64):  # the library's learner and torch's path
+        bad.append(
+            (
+                ValueError,
+                "window must be >= 0",
+                lambda h=h: trisparse.learn_block_pattern(q.to(h), k.to(h), 16, 0.5, window=-2),
+            )
+        )
+    for error, match, call in bad:
+        with pytest.raises(error, match=match):
+            call()
+
+
 def _planted(heads, n, g, d, gen):
     """(planted blocks, q, k): block row r of head h attends the keys of two planted key blocks."""
     nb = n // g

@@ -4,6 +4,7 @@
 
 #include "trisparse/formats/bcsr.hpp"
 #include "trisparse/ops/importance_fold.hpp"
+#include "trisparse/ops/pattern_learn.hpp"
 
 #include <gtest/gtest.h>
 
@@ -244,6 +245,8 @@ TEST(ImportanceFold, PooledBlockMassByItsDefinition) {
   }
   std::vector<double> out(6);
   EXPECT_THROW(pooled_block_mass(qv, kv, 0, false, 0.5, out.data(), nullptr, 0), invalid_input);
+  // The offline learner too refuses a block of 0 (it divided by it before).
+  EXPECT_THROW(learn_block_pattern(qv, kv, 0, prune_options{}), invalid_input);
   const auto wide = tensor_view::contiguous(const_cast<float*>(k.data()), dtype::f32, 1, 1, 3);
   EXPECT_THROW(pooled_block_mass(qv, wide, 2, false, 0.5, out.data(), nullptr, 0), invalid_input);
 }

@@ -230,6 +230,31 @@ action add_pattern(CLI::App& app) {
   auto* cmd =
       app.add_subcommand("pattern", "block-sparse attention patterns: make, learn, describe, draw");
   cmd->require_subcommand(1);
+  // Sizes of at least 1, counts of at least 0, fractions of blocks in [0, 1) or (0, 1].
+  const auto fraction = [](bool zero, bool one) {
+    const std::string range = std::string(zero ? "[0" : "(0") + ", 1" + (one ? "]" : ")");
+    return CLI::Validator(
+        [=](const std::string& text) -> std::string {
+          double x = 0.0;
+          if (!CLI::detail::lexical_cast(text, x) || !(zero ? x >= 0.0 : x > 0.0) ||
+              !(one ? x <= 1.0 : x < 1.0))
+            return "must be a number in " + range + ", got " + text;
+          return {};
+        },
+        "in " + range);
+  };
+  const auto at_least = [](std::int64_t low) {
+    return CLI::Validator(
+        [=](const std::string& text) -> std::string {
+          std::int64_t x = 0;
+          if (!CLI::detail::lexical_cast(text, x) || x < low)
+            return "must be a whole number >= " + std::to_string(low) + ", got " + text;
+          return {};
+        },
+        ">= " + std::to_string(low));
+  };
+  const CLI::Validator positive = at_least(1), counts = at_least(0);
+  const CLI::Validator below_one = fraction(true, false);
   auto init = std::make_shared<init_args>();
   auto* i = cmd->add_subcommand("init", "make a pattern from a graph's structure or a layout");
   i->add_option("graph", init->graph, "graph file (community; other methods: its node count)");
@@ -237,19 +262,27 @@ action add_pattern(CLI::App& app) {
       ->check(CLI::IsMember(
           {"community", "random", "window", "strided", "global", "bigbird", "local-strided"}))
       ->capture_default_str();
-  i->add_option("--block", init->block, "block size G")->capture_default_str();
+  i->add_option("--block", init->block, "block size G")->check(positive)->capture_default_str();
   i->add_option("--heads", init->heads, "heads (random layouts draw per head)")
+      ->check(positive)
       ->capture_default_str();
   i->add_option("--sparsity", init->sparsity, "random: fraction of blocks dropped")
+      ->check(fraction(true, true))
       ->capture_default_str();
-  i->add_option("--n", init->n, "nodes / tokens when no graph is given")->capture_default_str();
+  i->add_option("--n", init->n, "nodes / tokens when no graph is given")
+      ->check(counts)
+      ->capture_default_str();
   i->add_option("--window", init->window, "window, bigbird, local-strided: band of blocks")
+      ->check(counts)
       ->capture_default_str();
   i->add_option("--stride", init->stride, "strided, local-strided: stride in blocks")
+      ->check(positive)
       ->capture_default_str();
   i->add_option("--globals", init->globals, "global, bigbird: global block rows and columns")
+      ->check(counts)
       ->capture_default_str();
   i->add_option("--random", init->random, "bigbird: random key blocks a row")
+      ->check(counts)
       ->capture_default_str();
   i->add_option("--seed", init->seed, "random seed")->capture_default_str();
   i->add_option("-o,--output", init->out, "pattern file to write")->required();
@@ -260,8 +293,9 @@ action add_pattern(CLI::App& app) {
   l->add_option("--q", learn->q, "queries (.npy, float32 or float64)")->required();
   l->add_option("--k", learn->k, "keys (.npy, the queries' H and D)")->required();
   l->add_option("--v", learn->v, "values (.npy, the keys' H and N; --method output)");
-  l->add_option("--block", learn->block, "block size G")->capture_default_str();
+  l->add_option("--block", learn->block, "block size G")->check(positive)->capture_default_str();
   l->add_option("--sparsity", learn->sparsity, "fraction of blocks dropped (not threshold)")
+      ->check(below_one)
       ->capture_default_str();
   l->add_option("--method", learn->method,
                 "topk (= row: each block row's top blocks), global (each head's), threshold "
@@ -270,11 +304,15 @@ action add_pattern(CLI::App& app) {
       ->check(CLI::IsMember({"topk", "row", "global", "threshold", "output"}))
       ->capture_default_str();
   l->add_option("--top-p", learn->top_p, "threshold: the mass each block row keeps")
+      ->check(fraction(false, true))
       ->capture_default_str();
   l->add_flag("--causal", learn->causal, "keys up to each query's position only");
   l->add_flag("--no-diagonal", learn->no_diagonal, "do not force the diagonal blocks");
-  l->add_option("--window", learn->window, "also force a band of blocks")->capture_default_str();
+  l->add_option("--window", learn->window, "also force a band of blocks")
+      ->check(counts)
+      ->capture_default_str();
   l->add_option("--globals", learn->globals, "also force the first block rows and columns")
+      ->check(counts)
       ->capture_default_str();
   l->add_option("-o,--output", learn->out, "pattern file to write")->required();
   auto show = std::make_shared<show_args>();
@@ -283,8 +321,11 @@ action add_pattern(CLI::App& app) {
   s->add_flag("--json", show->json, "one JSON object instead of text");
   s->add_option("--png", show->png, "also draw it: one panel per head");
   s->add_option("--max-side", show->max_side, "PNG: largest panel side in pixels")
+      ->check(positive)
       ->capture_default_str();
-  s->add_option("--columns", show->columns, "PNG: panels a row")->capture_default_str();
+  s->add_option("--columns", show->columns, "PNG: panels a row")
+      ->check(positive)
+      ->capture_default_str();
   return [init, learn, show, i, l, s] {
     if (i->parsed()) return run_init(*init);
     if (l->parsed()) return run_learn(*learn);
