@@ -19,7 +19,11 @@ FLOAT_DTYPES = tuple(_DTYPE_CODES)
 def resolve_scale(scale: float | None, head_dim: int) -> float:
     """The attention's score scale: `scale`, or 1/sqrt(head_dim) (the C++ plans' default,
     detail::resolve_scale; here in Python so that torch.compile traces it)."""
-    return head_dim**-0.5 if scale is None else float(scale)
+    if scale is not None:
+        return float(scale)
+    if head_dim < 1:
+        raise ValueError(f"the head dim must be >= 1, got {head_dim}")
+    return head_dim**-0.5
 
 
 def device_index(device: torch.device) -> int:

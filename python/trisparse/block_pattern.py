@@ -652,6 +652,8 @@ def attention_error(
     [H, N_k, D] in the pattern's node order (causal: keys up to each query's position, aligned at
     the bottom right, in both): how much of the attention a pattern loses. ``dense``: the dense
     output [H, N_q, Dv] when already computed (:func:`dense_attention`), for several patterns."""
+    if not isinstance(pattern, BlockPattern):
+        raise TypeError(f"pattern must be a trisparse.BlockPattern, got {type(pattern).__name__}")
     mask = pattern.to_block_mask(causal=causal, device=q.device)
     q64, k64, v64 = (t.to(torch.float64)[None] for t in (q, k, v))
     sparse = block_sparse_attention(q64, k64, v64, mask)[0]

@@ -344,10 +344,17 @@ void save_block_pattern(const block_pattern& p, const std::filesystem::path& pat
 
 block_pattern load_block_pattern(const std::filesystem::path& path) {
   const std::string name = path.string();
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw invalid_input(name + ": is a directory, not a pattern file");
   std::ifstream f(path, std::ios::binary);
   if (!f) throw invalid_input(name + ": cannot open the pattern file");
-  const std::vector<char> bytes((std::istreambuf_iterator<char>(f)),
-                                std::istreambuf_iterator<char>());
+  std::vector<char> bytes;
+  try {  // (libstdc++'s filebuf throws on a read error, whatever the stream's exception mask)
+    bytes.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  } catch (const std::ios_base::failure& e) {
+    throw invalid_input(name + ": cannot read the pattern file (" + e.what() + ")");
+  }
   return parse_block_pattern(bytes, name);
 }
 

@@ -289,6 +289,8 @@ def test_bad_inputs_name_the_argument():
         trisparse.Pattern.from_csr(torch.tensor([0, 2, 1]), torch.tensor([0, 1]), 3)
     with pytest.raises(ValueError, match="scale must be finite"):
         trisparse.sparse_attention(q, k, v, pattern, scale=math.inf)
+    with pytest.raises(ValueError, match="head dim must be >= 1"):  # (the default scale's)
+        trisparse.sparse_attention(q[..., :0], k[..., :0], v, pattern)
 
 
 def test_every_pattern_source_agrees():

@@ -55,6 +55,9 @@ def test_bad_files_name_the_file(tmp_path):
         trisparse.BlockPattern.load(tmp_path / "flip.tsbp")
     with pytest.raises(ValueError, match="missing.tsbp"):
         trisparse.BlockPattern.load(tmp_path / "missing.tsbp")
+    (tmp_path / "folder.tsbp").mkdir()
+    with pytest.raises(ValueError, match="folder.tsbp: is a directory"):
+        trisparse.BlockPattern.load(tmp_path / "folder.tsbp")
 
 
 def test_rectangular_patterns_and_bad_orders():

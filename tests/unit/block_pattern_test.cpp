@@ -216,6 +216,8 @@ TEST(BlockPattern, DamagedFilesNameTheFileAndTheProblem) {
   expect_load_error(dir / "v2.tsbp", "version 2");
   write_bytes(dir / "text.tsbp", {'h', 'e', 'l', 'l', 'o'});
   expect_load_error(dir / "text.tsbp", "not a trisparse pattern file");
+  std::filesystem::create_directory(dir / "folder.tsbp");
+  expect_load_error(dir / "folder.tsbp", "is a directory");
 }
 
 // Pooled block mass by its definition, one head of 3 query and 2 key blocks of G = 2 (the last
