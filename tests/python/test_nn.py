@@ -558,6 +558,13 @@ def test_gcn_conv_takes_another_graph_on_each_call():
         assert torch.allclose(ours(x, ei), pyg(x, ei), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="edge_weight must have shape"):
         ours(x, ei, torch.rand(ei.shape[1] + 1, requires_grad=True))
+    with pytest.raises(ValueError, match="edge_weight must have shape"):  # fixed weights too
+        ours(x, ei, torch.rand(ei.shape[1] + 1))
+    bad = ei.clone()
+    bad[1, 0] = 40  # a node past x's rows, before gcn_norm indexes with it
+    for w in (None, torch.rand(ei.shape[1]), torch.rand(ei.shape[1], requires_grad=True)):
+        with pytest.raises(ValueError, match="edge_index: a target"):
+            ours(x, bad, w)
 
 
 def test_spmm_gradients():

@@ -12,7 +12,7 @@ from ...copies import copy_sum
 from ...distributed import DistributedPattern
 from ...edge import edge_spmm
 from ...edge_attention import neighbor_sum
-from ...pattern import Pattern
+from ...pattern import Pattern, check_edge_ids
 from ...sparse import SparseMatrix, gcn_conv, spmm
 from ._common import _Fused
 
@@ -73,6 +73,7 @@ class GCNConv(_Fused, _PygGCNConv):
             self._matrix = SparseMatrix(rows, cols, coo.values(), n, n)
             self._matrix_key = key
             return self._matrix
+        _check_graph(edge_index, edge_weight, n)  # (gcn_norm indexes with them)
         if self.normalize:
             ei, w = gcn_norm(
                 edge_index, edge_weight, n, self.improved, self.add_self_loops, self.flow, dtype
@@ -161,20 +162,17 @@ class GCNConv(_Fused, _PygGCNConv):
         whose gradient in the weights is the SDDMM of the output gradient with x W (both in a
         fixed order)."""
         n = x.size(0)
-        if edge_weight.shape != (edge_index.size(1),):
-            raise ValueError(
-                f"edge_weight must have shape [{edge_index.size(1)}] (one weight per edge), got "
-                f"{list(edge_weight.shape)}"
-            )
+        # gcn_norm's edges depend on edge_index alone: their Pattern is kept per edge_index.
+        key = (edge_index, edge_index._version, n, self.normalize, self.add_self_loops, self.flow)
+        new_graph = not _same_key(self._weighted_key, key)
+        _check_graph(edge_index, edge_weight, n, ids=new_graph)  # (gcn_norm indexes with them)
         if self.normalize:
             ei, w = gcn_norm(
                 edge_index, edge_weight, n, self.improved, self.add_self_loops, self.flow, x.dtype
             )
         else:
             ei, w = edge_index, edge_weight
-        # gcn_norm's edges depend on edge_index alone: their Pattern is kept per edge_index.
-        key = (edge_index, edge_index._version, n, self.normalize, self.add_self_loops, self.flow)
-        if not _same_key(self._weighted_key, key):
+        if new_graph:
             pairs = ei if self.flow == "source_to_target" else ei.flip(0)
             self._weighted = Pattern.from_edge_index(pairs, size=(n, n))
             self._weighted_key = key
@@ -205,6 +203,19 @@ class GCNConv(_Fused, _PygGCNConv):
             return F.relu(out) if self.fuse_relu else out
 
         return dp.run(compute, x)
+
+
+def _check_graph(edge_index: Tensor, edge_weight, n: int, ids: bool = True) -> None:
+    """ValueError naming the argument: edge_weight not one value per edge, or (`ids`: a graph not
+    checked before) node ids outside [0, n), before PyG's gcn_norm indexes with them."""
+    edges = edge_index.size(1)
+    if edge_weight is not None and edge_weight.shape != (edges,):
+        raise ValueError(
+            f"edge_weight must have shape [{edges}] (one weight per edge), got "
+            f"{list(edge_weight.shape)}"
+        )
+    if ids:
+        check_edge_ids(edge_index[1], edge_index[0], n, n)
 
 
 def _same_key(old, new) -> bool:
