@@ -77,11 +77,6 @@ class SparseMatrix:
             self._plans[(device, transposed)] = plan
         return plan
 
-    @property
-    def has_float64_values(self) -> bool:
-        """Whether the matrix was given float64 values (and keeps their float64 sums)."""
-        return self._values64 is not None
-
     def values64(self, transposed: bool, heads: int) -> torch.Tensor | None:
         """The float64 values as the CPU plan's per-head weights [nnz, heads, 1] (None where the
         matrix was given float32 values)."""
