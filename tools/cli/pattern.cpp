@@ -3,6 +3,7 @@
 // pattern files, described and drawn (PNG through libpng).
 #include <png.h>
 
+#include <charconv>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -52,6 +53,14 @@ void write_png(const gray_image& img, const std::string& path) {
   if (png_image_write_to_file(&image, path.c_str(), 0, img.pixels.data(), 0, nullptr) == 0) {
     throw invalid_input(path + ": cannot write the PNG (" + image.message + ")");
   }
+}
+
+// Whether all of `text` reads as one number into x.
+template <class T>
+bool parses_as(const std::string& text, T& x) {
+  const char* end = text.data() + text.size();
+  const auto [p, ec] = std::from_chars(text.data(), end, x);
+  return ec == std::errc{} && p == end;
 }
 
 // Writes the pattern and says on stderr what it holds.
@@ -236,8 +245,7 @@ action add_pattern(CLI::App& app) {
     return CLI::Validator(
         [=](const std::string& text) -> std::string {
           double x = 0.0;
-          if (!CLI::detail::lexical_cast(text, x) || !(zero ? x >= 0.0 : x > 0.0) ||
-              !(one ? x <= 1.0 : x < 1.0))
+          if (!parses_as(text, x) || !(zero ? x >= 0.0 : x > 0.0) || !(one ? x <= 1.0 : x < 1.0))
             return "must be a number in " + range + ", got " + text;
           return {};
         },
@@ -247,7 +255,7 @@ action add_pattern(CLI::App& app) {
     return CLI::Validator(
         [=](const std::string& text) -> std::string {
           std::int64_t x = 0;
-          if (!CLI::detail::lexical_cast(text, x) || x < low)
+          if (!parses_as(text, x) || x < low)
             return "must be a whole number >= " + std::to_string(low) + ", got " + text;
           return {};
         },
