@@ -39,8 +39,6 @@ class SparseMatrix:
         self.num_rows, self.num_cols = int(num_rows), int(num_cols)
         self._csr = {False: self._canonical(row, col, value, num_rows, num_cols)}
         self._csr[True] = self._canonical(col, row, value, num_cols, num_rows)
-        # {transposed: float64 [nnz] in the CSR's entry order}, float64 values only.
-        self._values64 = {t: csr[3] for t, csr in self._csr.items()} if wide else None
         self._plans: dict[tuple[torch.device, bool], Any] = {}
         self._fused_plans: dict[torch.device, Any] = {}
         self.id = _matrices.add(self)
@@ -80,9 +78,8 @@ class SparseMatrix:
     def values64(self, transposed: bool, heads: int) -> torch.Tensor | None:
         """The float64 values as the CPU plan's per-head weights [nnz, heads, 1] (None where the
         matrix was given float32 values)."""
-        if self._values64 is None:
-            return None
-        return self._values64[transposed].view(-1, 1, 1).expand(-1, heads, 1).contiguous()
+        sums = self._csr[transposed][3]  # float64 [nnz] in the CSR's entry order, or None
+        return None if sums is None else sums.view(-1, 1, 1).expand(-1, heads, 1).contiguous()
 
     def fused_plan(self, device: torch.device):
         """The fused GCN layer's plan on `device` (square matrices only)."""

@@ -262,7 +262,6 @@ action add_pattern(CLI::App& app) {
         ">= " + std::to_string(low));
   };
   const CLI::Validator positive = at_least(1), counts = at_least(0);
-  const CLI::Validator below_one = fraction(true, false);
   auto init = std::make_shared<init_args>();
   auto* i = cmd->add_subcommand("init", "make a pattern from a graph's structure or a layout");
   i->add_option("graph", init->graph, "graph file (community; other methods: its node count)");
@@ -303,7 +302,7 @@ action add_pattern(CLI::App& app) {
   l->add_option("--v", learn->v, "values (.npy, the keys' H and N; --method output)");
   l->add_option("--block", learn->block, "block size G")->check(positive)->capture_default_str();
   l->add_option("--sparsity", learn->sparsity, "fraction of blocks dropped (not threshold)")
-      ->check(below_one)
+      ->check(fraction(true, false))
       ->capture_default_str();
   l->add_option("--method", learn->method,
                 "topk (= row: each block row's top blocks), global (each head's), threshold "

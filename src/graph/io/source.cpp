@@ -32,7 +32,8 @@ class file_source final : public byte_source {
  public:
   explicit file_source(const std::filesystem::path& path) : f_(std::fopen(path.c_str(), "rb")) {
     if (f_ == nullptr) {
-      throw error(path.string() + ": cannot open (" + std::string(std::strerror(errno)) + ")");
+      throw invalid_input(path.string() + ": cannot open (" + std::string(std::strerror(errno)) +
+                          ")");
     }
   }
   ~file_source() override { std::fclose(f_); }
@@ -184,7 +185,8 @@ class xz_source final : public inflating_source {
 
 std::unique_ptr<byte_source> open_file(const std::filesystem::path& path) {
   std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) throw error(path.string() + ": is a directory");
+  if (std::filesystem::is_directory(path, ec))
+    throw invalid_input(path.string() + ": is a directory");
   return std::make_unique<file_source>(path);
 }
 
