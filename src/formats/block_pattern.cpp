@@ -7,11 +7,9 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
-#include <limits>
 #include <span>
 #include <string_view>
 
-#include "../graph/io/source.hpp"
 #include "trisparse/core/error.hpp"
 #include "trisparse/formats/bcsr.hpp"
 #include "trisparse/graph/reorder.hpp"
@@ -346,10 +344,18 @@ void save_block_pattern(const block_pattern& p, const std::filesystem::path& pat
 
 block_pattern load_block_pattern(const std::filesystem::path& path) {
   const std::string name = path.string();
-  const auto source = io::open_file(path);  // (names a missing file or a directory)
-  const std::vector<std::byte> bytes =
-      io::read_all(*source, name, std::numeric_limits<std::uint64_t>::max());
-  return parse_block_pattern({reinterpret_cast<const char*>(bytes.data()), bytes.size()}, name);
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    throw invalid_input(name + ": is a directory, not a pattern file");
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw invalid_input(name + ": cannot open the pattern file");
+  std::vector<char> bytes;
+  try {  // (libstdc++'s filebuf throws on a read error, whatever the stream's exception mask)
+    bytes.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  } catch (const std::ios_base::failure& e) {
+    throw invalid_input(name + ": cannot read the pattern file (" + e.what() + ")");
+  }
+  return parse_block_pattern(bytes, name);
 }
 
 block_pattern parse_block_pattern(std::span<const char> bytes, const std::string& name) {
