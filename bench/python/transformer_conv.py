@@ -5,7 +5,8 @@ own, with the same weights: per graph file (read as trisparse.datasets reads it)
 float32 and under bfloat16 autocast; with --edge-dim F, random edge features of F columns; with
 --dropout P, attention dropout P in training mode (our layers draw it in the kernels, so their
 errors against PyG are left out; with --pyg-dropout both layers draw the same factors for the
-compared step).
+compared step). --device cpu: float32 only, wall-clock medians, no memory column (our CPU layers
+draw PyG's dropout factors).
 
     python3 bench/python/transformer_conv.py data/*.el.xz --heads 8 --channels 16 > results.jsonl
     python3 bench/python/transformer_conv.py --layer GATConv --edge-dim 16 --random 1000000:10000000
@@ -24,7 +25,10 @@ import argparse
 import itertools
 import json
 import os
+import platform
+import statistics
 import sys
+import time
 
 import torch
 import torch_geometric.nn
@@ -51,21 +55,37 @@ def run(layer, x, edge_index, edge_attr, dout, autocast, repeat):
         out.backward(dout.to(out.dtype))
         return out
 
-    ms = events_ms(step, repeat)
+    cuda = x.is_cuda
+    ms = events_ms(step, repeat) if cuda else wall_ms(step, repeat)
     layer.zero_grad(set_to_none=True)
     x.grad = None
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    torch.cuda.manual_seed(0)  # both layers draw the same dropout factors (PyG's order)
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)  # both layers draw the same dropout factors (PyG's order)
     out = step()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    peak = None
+    if cuda:
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     # Copies: float() of a float32 gradient is the gradient itself, which --profile's later
     # steps would keep accumulating into.
     tensors = [out.detach().float(), x.grad.float()] + [t.grad.float() for t in extra.values()]
     tensors = [t.clone() for t in tensors] + [p.grad.float().clone() for p in layer.parameters()]
     return {"step_ms": ms, "peak_mib": peak}, tensors
+
+
+def wall_ms(fn, repeat):
+    """Median wall-clock milliseconds of fn() (on the CPU) over `repeat` runs after 3 warm-ups."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
 
 def profile_top(layer, x, edge_index, edge_attr, dout, autocast, steps=3):
@@ -155,8 +175,11 @@ def main():
         help="GATConv's LeakyReLU slope (PyG's 0.2 by default; 1.0 removes the kink, where "
         "scores within rounding of 0 take either slope, from --f64's comparison)",
     )
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     a = ap.parse_args()
-    dev = torch.device("cuda")
+    dev = torch.device(a.device)
+    modes = (("fp32", False), ("bf16_autocast", True)) if dev.type == "cuda" else (("fp32", False),)
+    device_name = torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor()
     for path in [*a.graphs, *(f"random:{spec}" for spec in a.random)]:
         if path.startswith("random:"):
             n, e = (int(v) for v in path.split(":")[1:])
@@ -171,9 +194,7 @@ def main():
         x = torch.randn(n, a.in_channels, device=dev)
         edge_attr = torch.randn(edge_index.shape[1], a.edge_dim, device=dev) if a.edge_dim else None
         dout = torch.randn(n, a.heads * a.channels, device=dev)
-        for dropout, (mode, autocast) in itertools.product(
-            a.dropout, (("fp32", False), ("bf16_autocast", True))
-        ):
+        for dropout, (mode, autocast) in itertools.product(a.dropout, modes):
             kwargs = {"heads": a.heads, "dropout": dropout}
             if a.negative_slope is not None:
                 kwargs["negative_slope"] = a.negative_slope
@@ -181,8 +202,9 @@ def main():
                 kwargs["edge_dim"] = a.edge_dim
             torch.manual_seed(0)
             pyg = getattr(torch_geometric.nn, a.layer)(a.in_channels, a.channels, **kwargs)
-            # Our layers draw their dropout in the kernels unless asked for PyG's draws.
-            exact = a.pyg_dropout or dropout == 0
+            # Our layers draw their dropout in the kernels unless asked for PyG's draws (always on
+            # the CPU for TransformerConv).
+            exact = a.pyg_dropout or dropout == 0 or (dev.type == "cpu" and a.layer != "GATConv")
             mine = {"pyg_dropout": True} if a.pyg_dropout else {}
             ours = getattr(trisparse.nn, a.layer)(a.in_channels, a.channels, **kwargs, **mine)
             pyg, ours = pyg.to(dev), ours.to(dev)
@@ -190,7 +212,7 @@ def main():
             rec = {"graph": graph, "layer": a.layer, "edge_dim": a.edge_dim, "nodes": n}
             rec.update(edges=int(edge_index.shape[1]), heads=a.heads, channels=a.channels)
             rec.update(dropout=dropout, pyg_dropout=a.pyg_dropout)
-            rec.update(mode=mode, device=torch.cuda.get_device_name(), torch=torch.__version__)
+            rec.update(mode=mode, device=device_name, torch=torch.__version__)
             ref = None
 
             def f64_tensors(layer):
@@ -201,7 +223,8 @@ def main():
                 attr = None if edge_attr is None else edge_attr.double()
                 _, t64 = run(ref64, x.double(), edge_index, attr, dout.double(), False, 1)
                 del ref64
-                torch.cuda.empty_cache()
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
                 return t64
 
             for name, layer in (("pyg", pyg), ("trisparse", ours)):
@@ -209,7 +232,8 @@ def main():
                     r, tensors = run(layer, x, edge_index, edge_attr, dout, autocast, a.repeat)
                 except torch.OutOfMemoryError as e:
                     rec[name] = {"error": "out of memory: " + str(e).splitlines()[0][:160]}
-                    torch.cuda.empty_cache()
+                    if dev.type == "cuda":
+                        torch.cuda.empty_cache()
                     continue
                 if name == "pyg":
                     ref = tensors
@@ -227,7 +251,8 @@ def main():
                 if a.profile:
                     r["profile"] = profile_top(layer, x, edge_index, edge_attr, dout, autocast)
                 rec[name] = r
-                torch.cuda.empty_cache()
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
             print(json.dumps(rec), flush=True)
 
 

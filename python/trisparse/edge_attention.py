@@ -1,4 +1,4 @@
-"""TransformerConv's attention with edge features, fused (CUDA): per head, the score of edge
+"""TransformerConv's attention with edge features, fused (CUDA kernels, or the CPU engine): per head, the score of edge
 (i <- j) with features a is scale q_i . k_j + r_i . a (r_i = scale W_e^T q_i for PyG's layer), the
 softmax runs over each target's incoming edges (every copy of a repeated pair its own term), and
 the op returns out_i = sum alpha v_j and out_edge_i = sum alpha a, so that PyG's message sum is
@@ -37,7 +37,10 @@ def _dropout_args(pattern: Pattern, like: Tensor, p: float, pyg_dropout: bool) -
     if p == 0.0:
         return None, 0.0, None
     if pyg_dropout:
-        ones = torch.ones(pattern.num_edges, like.shape[1], device=like.device, dtype=torch.float32)
+        # float32 factors for the kernels; float64 for the CPU engine's float64 (1 / (1 - p) exact)
+        exact = like.is_cpu and like.dtype == torch.float64
+        dtype = torch.float64 if exact else torch.float32
+        ones = torch.ones(pattern.num_edges, like.shape[1], device=like.device, dtype=dtype)
         return F.dropout(ones, p=p, training=True), 0.0, None
     return None, p, _tensors.new_dropout_state(p, like.device)
 
@@ -102,9 +105,13 @@ def _operand(t: Tensor) -> Tensor:
 
 
 def edge_attention_supported(pattern: Pattern, q: Tensor, features: int = 0) -> bool:
-    """True where :func:`edge_attention` runs fused: CUDA tensors, heads of 4 * 2^k <= 128 (or
-    256) channels and at most 8 features a lane."""
-    if not q.is_cuda or pattern.num_rows >= 2**31 or pattern.num_cols >= 2**31:
+    """True where :func:`edge_attention` runs fused: CPU tensors (any heads and features), or CUDA
+    tensors with heads of 4 * 2^k <= 128 (or 256) channels and at most 8 features a lane."""
+    if pattern.num_rows >= 2**31 or pattern.num_cols >= 2**31:
+        return False
+    if q.is_cpu:
+        return True
+    if not q.is_cuda:
         return False
     C = q.shape[-1]
     if not _C.EdgeAttentionPlan.supports(C):
@@ -131,14 +138,16 @@ def edge_attention(
     the pattern's input pairs (each copy of a repeated pair a separate term) with scores
     scale q_i . k_j + r_i . a_e, out = sum alpha v_j and out_edge = sum alpha a_e. q [num_rows, H,
     C], k and v [num_cols, H, C], r [num_rows, H, F] and a [E, F] (one row per input pair, in the
-    input's order) in q's dtype, on CUDA (:func:`edge_attention_supported`). `dropout`,
-    `pyg_dropout`: attention dropout on the weights of both sums (as :func:`edge_gat_attention`'s).
-    Differentiable in all five; deterministic given the draws."""
-    _check_cuda(q)
+    input's order) in q's dtype, on CUDA or the CPU (:func:`edge_attention_supported`; the CPU
+    engine in float64 for float64 tensors, else fp32). `dropout`, `pyg_dropout`: attention dropout
+    on the weights of both sums (as :func:`edge_gat_attention`'s). Differentiable in all five;
+    deterministic given the draws."""
+    if not (q.is_cuda or q.is_cpu):
+        raise ValueError(f"edge_attention runs on the CPU and on CUDA, not on {q.device}")
     if (r is None) != (a is None):
         raise ValueError("r and a come together (the edge features' score term) or not at all")
     features = 0 if r is None else r.shape[-1]
-    width = _C.EdgeAttentionPlan.feature_width(q.shape[-1], features)
+    width = _C.EdgeAttentionPlan.feature_width(q.shape[-1], features) if q.is_cuda else features
     if r is not None:
         if a.dim() != 2 or a.shape[1] != features:
             raise ValueError(

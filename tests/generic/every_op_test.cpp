@@ -1084,12 +1084,12 @@ void agnn_cases(recorder& rec) {
   }
 }
 
-// --- attention over a multigraph (edge_attention_plan; CUDA) ----------------------------------
+// --- attention over a multigraph (edge_attention_plan; GAT's on CUDA only) ------------------
 
-// A multigraph on the device as edge_attention_plan reads it: 150 targets x 140 sources, random
-// edges with repeated pairs and targets without edges, target 0 with 300 edges and source 7 with
-// 200 (both past heavy_degree: the thread-block paths). `edges` lists them in input order (src:
-// target, dst: source), the reference's view.
+// A multigraph where the plan runs, as edge_attention_plan reads it: 150 targets x 140 sources,
+// random edges with repeated pairs and targets without edges, target 0 with 300 edges and source 7
+// with 200 (both past heavy_degree: the thread-block paths). `edges` lists them in input order
+// (src: target, dst: source), the reference's view.
 class device_multigraph {
  public:
   coo_graph edges;
@@ -1168,7 +1168,8 @@ class device_multigraph {
              .heavy_row_count = static_cast<std::int64_t>(heavy_rows.size()),
              .heavy_col_count = static_cast<std::int64_t>(heavy_cols.size()),
              .heavy_rows = static_cast<const std::int32_t*>(upload(heavy_rows)),
-             .heavy_cols = static_cast<const std::int32_t*>(upload(heavy_cols))};
+             .heavy_cols = static_cast<const std::int32_t*>(upload(heavy_cols)),
+             .where = kWhere};
     EXPECT_FALSE(heavy_rows.empty() || heavy_cols.empty()) << "no heavy line to test";
   }
 
@@ -1177,11 +1178,11 @@ class device_multigraph {
 };
 
 void edge_attention_cases(recorder& rec) {
-  if (kWhere != device_kind::cuda) return;
   const device_multigraph m;
   const coo_graph& g = m.edges;
   const std::int64_t e = g.nnz();
-  const std::string backend = "cuda_edge_attention";
+  const bool cuda = kWhere == device_kind::cuda;
+  const std::string backend = cuda ? "cuda_edge_attention" : "cpu_edge_attention";
   // TransformerConv: heads x channels, edge features (padded to the kernels' width), dropout;
   // narrow: out_edge, dout_edge and every gradient in the operands' dtype (else f32).
   struct config {
@@ -1190,8 +1191,9 @@ void edge_attention_cases(recorder& rec) {
   };
   for (const config c : {config{2, 16, 5, false}, config{4, 64, 16, true, true},
                          config{1, 128, 0, true}, config{3, 32, 0, false, true}}) {
-    const std::int64_t f =
-        c.features > 0 ? edge_attention_plan::feature_width(c.dim, c.features) : 0;
+    const std::int64_t f = c.features > 0 && cuda
+                               ? edge_attention_plan::feature_width(c.dim, c.features)
+                               : c.features;  // the CPU engine: any feature count
     const std::string shape = "150x140 multigraph, " + std::to_string(c.heads) + " x " +
                               std::to_string(c.dim) + ", F " + std::to_string(f) +
                               (c.keep ? ", dropout" : "") + (c.narrow ? ", narrow" : "");
@@ -1294,6 +1296,7 @@ void edge_attention_cases(recorder& rec) {
       });
     }
   }
+  if (!cuda) return;  // GAT over the multigraph: CUDA kernels only
   // GAT: heads x channels, an edge term, dropout.
   for (const config c : {config{2, 16, 1, true}, config{1, 64, 0, false}, config{4, 8, 1, false}}) {
     const bool edge_term = c.features > 0;

@@ -1,5 +1,6 @@
 """Shared helpers: random graphs of awkward shapes, a dense float64 oracle, the shared datasets."""
 
+import math
 import os
 import pathlib
 
@@ -159,3 +160,44 @@ def block_dropout_reference(q, k, v, dout, blocks, g, causal, state, p, bias=Non
     s = s.masked_fill(~allowed, float("-inf"))
     out = (torch.softmax(s, -1).nan_to_num(0.0) * m) @ xs[2]
     return [out.detach(), *torch.autograd.grad(out, xs, dout.double())]
+
+
+def edge_dropout_draws(seed, edges, heads, p, pyg, device, dtype=torch.float32):
+    """The factors [E, H] (float64, CPU) the multigraph attention applies for dropout p after
+    seeding `device`'s generator with `seed`: with pyg, F.dropout over [E, H] ones of `dtype`
+    (the call's: float64 for float64 on the CPU), as PyG's over its weights; else the kernels' own draws, recomputed here (input edge u's word of head h,
+    philox_edge_factors) from the state the call takes from torch's generator."""
+    if p == 0:
+        return None
+    if device == "cuda":
+        torch.cuda.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
+    if pyg:
+        ones = torch.ones(edges, heads, device=device, dtype=dtype)
+        return torch.nn.functional.dropout(ones, p=p, training=True).double().cpu()
+    state = torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64, device=device).cpu()
+    return philox_edge_factors(torch.arange(edges), heads, state, p)
+
+
+def edge_attention_oracle(q, k, v, r, a, edge_index, num_rows, scale, keep=None):
+    """The edge-feature attention in float64 per edge (each copy of a pair its own term; `keep`:
+    dropout factors [E, H] on the weights)."""
+    src, dst = edge_index
+    s = scale * (q[dst] * k[src]).sum(-1)
+    if r is not None:
+        s = s + (r[dst] * a[:, None, :]).sum(-1)
+    heads = q.shape[1]
+    m = torch.full((num_rows, heads), -math.inf, dtype=s.dtype)
+    m = m.scatter_reduce(0, dst[:, None].expand_as(s), s, "amax")
+    w = (s - m[dst]).exp()
+    total = torch.zeros(num_rows, heads, dtype=s.dtype).index_add(0, dst, w)
+    alpha = w / total[dst]
+    if keep is not None:
+        alpha = alpha * keep
+    out = torch.zeros(num_rows, heads, q.shape[2], dtype=s.dtype)
+    out = out.index_add(0, dst, alpha[..., None] * v[src])
+    if r is None:
+        return out, None
+    out_edge = torch.zeros(num_rows, heads, a.shape[1], dtype=s.dtype)
+    return out, out_edge.index_add(0, dst, alpha[..., None] * a[:, None, :])

@@ -13,8 +13,9 @@ import torch
 import trisparse
 from conftest import (
     block_dropout_reference,
+    edge_attention_oracle,
+    edge_dropout_draws,
     load_shared_graph,
-    philox_edge_factors,
     philox_factors,
     random_edge_index,
     shared_graph_names,
@@ -1002,45 +1003,6 @@ def test_gps_conv_under_autocast_is_as_close_as_pygs(channels):
         assert relerr(a, w) <= 2 * relerr(b, w) + 1e-3, i
 
 
-def _dropout_draws(seed, edges, heads, p, pyg=True):
-    """The factors trisparse's multigraph kernels apply for attention dropout p after
-    torch.cuda.manual_seed(seed): with pyg, F.dropout over [E, H] ones, as PyG's over its
-    weights; else the kernels' own draws, recomputed here (input edge u's word of head h,
-    philox_edge_factors) from the state the call takes from torch's generator."""
-    if p == 0:
-        return None
-    torch.cuda.manual_seed(seed)
-    if pyg:
-        ones = torch.ones(edges, heads, device="cuda")
-        return torch.nn.functional.dropout(ones, p=p, training=True).double().cpu()
-    state = torch.randint(-(2**63), 2**63 - 1, (2,), dtype=torch.int64, device="cuda").cpu()
-    u = torch.arange(edges)
-    return philox_edge_factors(u, heads, state, p)
-
-
-def _edge_attention_oracle(q, k, v, r, a, edge_index, num_rows, scale, keep=None):
-    """The edge-feature attention in float64 per edge (each copy of a pair its own term; `keep`:
-    dropout factors [E, H] on the weights)."""
-    src, dst = edge_index
-    s = scale * (q[dst] * k[src]).sum(-1)
-    if r is not None:
-        s = s + (r[dst] * a[:, None, :]).sum(-1)
-    heads = q.shape[1]
-    m = torch.full((num_rows, heads), -math.inf, dtype=s.dtype)
-    m = m.scatter_reduce(0, dst[:, None].expand_as(s), s, "amax")
-    w = (s - m[dst]).exp()
-    total = torch.zeros(num_rows, heads, dtype=s.dtype).index_add(0, dst, w)
-    alpha = w / total[dst]
-    if keep is not None:
-        alpha = alpha * keep
-    out = torch.zeros(num_rows, heads, q.shape[2], dtype=s.dtype)
-    out = out.index_add(0, dst, alpha[..., None] * v[src])
-    if r is None:
-        return out, None
-    out_edge = torch.zeros(num_rows, heads, a.shape[1], dtype=s.dtype)
-    return out, out_edge.index_add(0, dst, alpha[..., None] * a[:, None, :])
-
-
 @pytest.mark.parametrize("dropout, pyg", [(0.0, False), (0.3, False), (0.3, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads, c, f", [(8, 16, 16), (2, 64, 3), (3, 4, 5), (1, 256, 0)])
@@ -1067,7 +1029,7 @@ def test_edge_attention_matches_float64_on_multigraphs(dtype, heads, c, f, dropo
     a = torch.randn(ei.shape[1], f, generator=g) if f else None
     dedge = torch.randn(rows, heads, f, generator=g) if f else None
     inputs = [t for t in (q, k, v, r, a) if t is not None]
-    keep = _dropout_draws(13, ei.shape[1], heads, dropout, pyg)
+    keep = edge_dropout_draws(13, ei.shape[1], heads, dropout, pyg, "cuda")
     if keep is not None:
         kept, n = float((keep > 0).double().mean()), keep.numel()
         assert abs(kept - (1 - dropout)) <= 3 * math.sqrt(dropout * (1 - dropout) / n)
@@ -1077,7 +1039,7 @@ def test_edge_attention_matches_float64_on_multigraphs(dtype, heads, c, f, dropo
         qs, ks, vs = xs[:3]
         rs, as_ = (xs[3], xs[4]) if f else (None, None)
         if device == "cpu":
-            out, out_edge = _edge_attention_oracle(qs, ks, vs, rs, as_, ei, rows, scale, keep)
+            out, out_edge = edge_attention_oracle(qs, ks, vs, rs, as_, ei, rows, scale, keep)
         else:
             torch.cuda.manual_seed(13)
             out, out_edge = trisparse.edge_attention(
@@ -1297,7 +1259,7 @@ def test_edge_gat_attention_matches_float64_on_multigraphs(dtype, heads, c, edge
     a_edge = torch.randn(ei.shape[1], heads, generator=g) if edge_term else None
     dout = torch.randn(rows, heads, c, generator=g)
     inputs = [t for t in (x, a_src, a_dst, a_edge) if t is not None]
-    keep = _dropout_draws(23, ei.shape[1], heads, dropout, pyg=False)
+    keep = edge_dropout_draws(23, ei.shape[1], heads, dropout, False, "cuda")
 
     def step(device, dt):
         xs = [

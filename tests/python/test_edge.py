@@ -6,7 +6,12 @@ import math
 import pytest
 import torch
 import trisparse
-from conftest import philox_edge_factors, random_edge_index
+from conftest import (
+    edge_attention_oracle,
+    edge_dropout_draws,
+    philox_edge_factors,
+    random_edge_index,
+)
 
 
 def pattern_and_entries(num_src, num_dst, seed):
@@ -226,12 +231,64 @@ def test_gat_attention_names_bad_inputs():
         trisparse.gat_attention(x, src, dst, None)
 
 
-def test_multigraph_kernels_name_the_device_they_need():
-    """trisparse.edge_attention and edge_gat_attention run on CUDA: CPU tensors get a ValueError
-    that says so (the layers take the per-edge ops there, as test_nn checks against PyG)."""
+def test_multigraph_gat_kernels_name_the_device_they_need():
+    """trisparse.edge_gat_attention runs on CUDA: CPU tensors get a ValueError that says so (GATConv
+    takes the per-edge ops there, as test_nn checks against PyG)."""
     p, _row, _col = pattern_and_entries(12, 10, 4)
-    q, k = torch.randn(10, 2, 16), torch.randn(12, 2, 16)
-    with pytest.raises(ValueError, match="run on CUDA tensors"):
-        trisparse.edge_attention(q, k, k, p, 0.25)
+    k = torch.randn(12, 2, 16)
     with pytest.raises(ValueError, match="run on CUDA tensors"):
         trisparse.edge_gat_attention(k, torch.randn(12, 2), torch.randn(10, 2), p)
+
+
+@pytest.mark.parametrize("dropout, pyg", [(0.0, False), (0.3, False), (0.3, True)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, c, f", [(8, 16, 16), (3, 5, 7), (2, 12, 0)])
+def test_edge_attention_on_the_cpu_matches_float64(dtype, heads, c, f, dropout, pyg):
+    """trisparse.edge_attention's CPU engine against the float64 per-edge oracle: outputs and the
+    gradients of q, k, v, r and a on a multigraph with repeated pairs, empty rows and a hub row
+    and column, any head width and feature count; attention dropout drawn as the CUDA kernels
+    draw it (the oracle recomputes the draws: forward and backward saw the same mask) or, with
+    pyg, as F.dropout over [E, H]; the same bits on a second run."""
+    rows, cols = 90, 70
+    g = torch.Generator().manual_seed(21)
+    ei = random_edge_index(cols, rows, 6, seed=22)
+    picks = torch.randint(0, ei.shape[1], (ei.shape[1] // 3,), generator=g)
+    hub = torch.stack([torch.randint(0, cols, (200,), generator=g), torch.full((200,), 5)])
+    fan = torch.stack([torch.full((150,), 7), torch.randint(0, rows, (150,), generator=g)])
+    ei = torch.cat([ei, ei[:, picks], hub, fan], dim=1)
+    ei = ei[:, torch.randperm(ei.shape[1], generator=g)]
+    ei = ei[:, ei[1] % 11 != 3]  # targets without edges
+    pattern = trisparse.Pattern.from_edge_index(ei, size=(cols, rows))
+    scale = 1 / math.sqrt(c)
+    q, dout = (torch.randn(rows, heads, c, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(cols, heads, c, generator=g, dtype=torch.float64) for _ in range(2))
+    r = torch.randn(rows, heads, f, generator=g, dtype=torch.float64) if f else None
+    a = torch.randn(ei.shape[1], f, generator=g, dtype=torch.float64) if f else None
+    dedge = torch.randn(rows, heads, f, generator=g, dtype=torch.float64) if f else None
+    inputs = [t for t in (q, k, v, r, a) if t is not None]
+    draws = torch.float64 if dtype == torch.float64 else torch.float32
+    keep = edge_dropout_draws(13, ei.shape[1], heads, dropout, pyg, "cpu", draws)
+
+    def step(dt, oracle=False):
+        xs = [t.to(dt).requires_grad_() for t in inputs]
+        qs, ks, vs = xs[:3]
+        rs, as_ = (xs[3], xs[4]) if f else (None, None)
+        if oracle:
+            out, out_edge = edge_attention_oracle(qs, ks, vs, rs, as_, ei, rows, scale, keep)
+        else:
+            torch.manual_seed(13)
+            out, out_edge = trisparse.edge_attention(
+                qs, ks, vs, pattern, scale, rs, as_, dropout=dropout, pyg_dropout=pyg
+            )
+        loss = (out * dout.to(out.dtype)).sum()
+        if f:
+            loss = loss + (out_edge * dedge.to(out_edge.dtype)).sum()
+        loss.backward()
+        res = [out.detach()] + ([out_edge.detach()] if f else []) + [x.grad for x in xs]
+        return [t.double() for t in res]
+
+    got, again, want = step(dtype), step(dtype), step(torch.float64, oracle=True)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
+    for i, (x, y, z) in enumerate(zip(got, again, want)):
+        assert torch.equal(x, y), i
+        assert ((x - z).norm() / z.norm()).item() <= tol, i

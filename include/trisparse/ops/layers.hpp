@@ -147,10 +147,13 @@ class gat_plan {
 /// gradient into the workspace), then a warp per source over by_source (dk, dv), heavy sources a
 /// thread block per head, and a thread per (edge,
 /// feature) (da). Every sum has a fixed order: the same bits on every run. C must be
-/// 4 * 2^k <= 128 or 256; F a multiple of the group width (feature_width() pads it). CUDA only.
+/// 4 * 2^k <= 128 or 256; F a multiple of the group width (feature_width() pads it).
+/// CPU (a multigraph in host memory; forward and backward, not the GAT or neighbour sums): any C
+/// and F, fp32 (f16 and bf16 widened) or float64 for float64 operands, OpenMP over targets and
+/// over sources (by_source), each sum in a fixed order; dropout's draws are the kernels'.
 class edge_attention_plan {
  public:
-  /// @throws invalid_input if the view's sizes are inconsistent or it is not on CUDA.
+  /// @throws invalid_input if the view's sizes are inconsistent.
   static edge_attention_plan build(const multigraph_view& graph);
   /// The degree above which the view should list a line as heavy.
   static constexpr std::int64_t heavy_degree = 128;
@@ -161,8 +164,9 @@ class edge_attention_plan {
   static std::int64_t feature_width(std::int64_t head_dim, std::int64_t features);
   /// Bytes of workspace a backward with `heads` heads needs (each edge's weight and score
   /// gradient): f32 (8 bytes an edge and head), or bf16 (4) where `grads`, the dtype of
-  /// backward()'s dq, is f16 or bf16 (the gradients are rounded to 16 bits anyway). GAT's
-  /// backward keeps f32: gat_backward's need is backward_workspace_bytes(heads).
+  /// backward()'s dq, is f16 or bf16 (the gradients are rounded to 16 bits anyway); on the CPU 16
+  /// bytes an edge and head (float64 for float64 operands). GAT's backward keeps f32:
+  /// gat_backward's need is backward_workspace_bytes(heads).
   std::size_t backward_workspace_bytes(std::int64_t heads, dtype grads = dtype::f32) const;
   /// Asynchronous on `stream`; never synchronises the host, allocates or locks.
   void forward(const edge_attention_args& args, stream_ref stream = {}) const;

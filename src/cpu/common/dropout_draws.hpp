@@ -3,9 +3,12 @@
 // (one Philox4x32-10 call per group of 4 x 2 (query, key) pairs), the last group remembered, so
 // that a loop walking a row's keys in order draws each group once for the pairs it visits in a
 // row. One per thread.
+#include <algorithm>
 #include <cstdint>
 
+#include "compute_type.hpp"
 #include "trisparse/core/dropout.hpp"
+#include "trisparse/core/tensor.hpp"
 
 namespace trisparse::cpu {
 
@@ -40,5 +43,28 @@ class dropout_draws {
   std::int32_t head_ = -1;
   philox::words words_{};
 };
+
+/// Attention dropout's edge-keyed factors for the CPU engines: [n, H, 1] in T, row e's for input
+/// edge index[e] (or e) in each head (edge_dropout_factor's draws, the CUDA kernels'), one Philox
+/// call per edge and four heads (philox::edge_group). Read with no index.
+template <class T>
+host_tensor drawn_edge_keep(std::int64_t n, std::int64_t heads, const attention_dropout& d,
+                            const std::int64_t* index) {
+  host_tensor keep(dtype_of<T>, n, heads, 1);
+  auto* f = reinterpret_cast<T*>(keep.data());
+  const std::uint64_t seed = d.state[0], offset = d.state[1];
+  const std::uint32_t below = philox::drop_below(d.p);
+  const auto kept = static_cast<T>(1.0 / (1.0 - d.p));
+#pragma omp parallel for schedule(static)
+  for (std::int64_t e = 0; e < n; ++e) {
+    const std::int64_t u = index != nullptr ? index[e] : e;
+    for (std::int64_t h0 = 0; h0 < heads; h0 += 4) {
+      const philox::words w = philox::edge_group(u, static_cast<std::int32_t>(h0), seed, offset);
+      for (std::int64_t h = h0; h < std::min(h0 + 4, heads); ++h)
+        f[e * heads + h] = w.x[h - h0] < below ? T{0} : kept;
+    }
+  }
+  return keep;
+}
 
 }  // namespace trisparse::cpu

@@ -1,10 +1,15 @@
 // TransformerConv's attention with edge features (edge_attention_plan): argument checks, then the
-// CUDA kernels.
+// CPU engine or the CUDA kernels.
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 #include "../../common/arguments.hpp"
+#include "../../cpu/common/dropout_draws.hpp"
+#include "../../cpu/layers/edge_attention.hpp"
+#include "../../cpu/layers/f32.hpp"
 #include "../../cuda/layers/edge_attention/plan.hpp"
 #include "common.hpp"
 #include "trisparse/ops/layers.hpp"
@@ -111,11 +116,119 @@ void check_keep(const multigraph_view& g, const tensor_view& keep, const attenti
   detail::check_keep_or_dropout(keep, dropout);
 }
 
+// The CPU engine's operands: shapes, host memory and one dtype; returns the feature count.
+std::int64_t check_cpu_inputs(const multigraph_view& g, const tensor_view& q, const tensor_view& k,
+                              const tensor_view& v, const tensor_view& r, const tensor_view& a) {
+  check_view(q, "q", g.rows, -1, -1);
+  check_view(k, "k", g.cols, q.heads, q.dim);
+  check_view(v, "v", g.cols, q.heads, q.dim);
+  // Given: data, or a shape (an empty tensor's data may be null).
+  const auto given = [](const tensor_view& t) { return t.data != nullptr || t.dim > 0; };
+  TRISPARSE_EXPECTS_INPUT(given(r) == given(a),
+                          "r and a come together (the edge features' score term) or not at all");
+  if (given(r)) {
+    check_view(r, "r", g.rows, q.heads, -1);
+    check_view(a, "a", g.edges, 1, r.dim);
+  }
+  for (const tensor_view* t : {&q, &k, &v, &r, &a}) {
+    if (t->data == nullptr) continue;
+    detail::check_host(*t, "edge_attention operand");
+    TRISPARSE_EXPECTS_INPUT(t->type == q.type, "q, k, v (and r, a) must share one dtype; got " +
+                                                   t->describe() + " beside " + q.describe());
+  }
+  return given(r) ? r.dim : 0;
+}
+
+// A host view of the given shape (an output or gradient, any float dtype), where given.
+void check_cpu_view(const tensor_view& t, const char* what, std::int64_t rows, std::int64_t heads,
+                    std::int64_t dim) {
+  check_view(t, what, rows, heads, dim);
+  detail::check_host(t, what);
+}
+
+// keep [edges, H, 1] on the host, or draws, not both.
+void check_cpu_keep(const multigraph_view& g, const tensor_view& keep,
+                    const attention_dropout& dropout, std::int64_t heads) {
+  if (keep.data != nullptr) check_cpu_view(keep, "keep", g.edges, heads, 1);
+  detail::check_keep_or_dropout(keep, dropout);  // (the state in host memory)
+}
+
+// The CPU engine in T on copies of the arguments in T where they hold another dtype (dropout's
+// draws as keep factors).
+template <class T>
+void cpu_forward(const multigraph_view& g, const edge_attention_args& a) {
+  const std::int64_t features = check_cpu_inputs(g, a.q, a.k, a.v, a.r, a.a), heads = a.q.heads;
+  check_cpu_view(a.out, "out", g.rows, heads, a.q.dim);
+  check_cpu_view(a.lse, "lse", g.rows, heads, 1);
+  if (features > 0) check_cpu_view(a.out_edge, "out_edge", g.rows, heads, features);
+  check_cpu_keep(g, a.keep, a.dropout, heads);
+  host_tensor qs, ks, vs, rs, as, keeps, os, es, ls;
+  if (a.dropout.p > 0) keeps = cpu::drawn_edge_keep<T>(g.edges, heads, a.dropout, nullptr);
+  const cpu::edge_operands x{cpu::typed_view<T>(a.q, qs),
+                             cpu::typed_view<T>(a.k, ks),
+                             cpu::typed_view<T>(a.v, vs),
+                             cpu::typed_view<T>(a.r, rs),
+                             cpu::typed_view<T>(a.a, as),
+                             a.dropout.p > 0 ? keeps.view() : cpu::typed_view<T>(a.keep, keeps)};
+  const tensor_view out = cpu::typed_view<T>(a.out, os, false),
+                    out_edge =
+                        features > 0 ? cpu::typed_view<T>(a.out_edge, es, false) : tensor_view{},
+                    lse = cpu::typed_view<T>(a.lse, ls, false);
+  cpu::edge_attention_forward<T>(g, x, static_cast<T>(a.scale), out, out_edge, lse);
+  cpu::store_view<T>(out, a.out);
+  if (features > 0) cpu::store_view<T>(out_edge, a.out_edge);
+  cpu::store_view<T>(lse, a.lse);
+}
+
+// The backward reads the forward's lse in fp32 and recomputes it in float64.
+template <class T>
+void cpu_backward(const multigraph_view& g, const edge_attention_grad_args& a,
+                  workspace_view workspace) {
+  const std::int64_t features = check_cpu_inputs(g, a.q, a.k, a.v, a.r, a.a), heads = a.q.heads,
+                     dim = a.q.dim;
+  check_backward_side(g);
+  check_cpu_view(a.lse, "lse", g.rows, heads, 1);
+  check_cpu_view(a.dout, "dout", g.rows, heads, dim);
+  check_cpu_view(a.dq, "dq", g.rows, heads, dim);
+  check_cpu_view(a.dk, "dk", g.cols, heads, dim);
+  check_cpu_view(a.dv, "dv", g.cols, heads, dim);
+  if (features > 0) {
+    check_cpu_view(a.dout_edge, "dout_edge", g.rows, heads, features);
+    check_cpu_view(a.dr, "dr", g.rows, heads, features);
+    check_cpu_view(a.da, "da", g.edges, 1, features);
+  }
+  check_cpu_keep(g, a.keep, a.dropout, heads);
+  const std::size_t need = static_cast<std::size_t>(2 * g.edges * heads) * sizeof(T);
+  TRISPARSE_EXPECTS_INPUT(workspace.bytes >= need && (workspace.data != nullptr || need == 0),
+                          "edge_attention's backward needs backward_workspace_bytes(" +
+                              std::to_string(heads) + ", dq's dtype) = " + std::to_string(need) +
+                              " bytes of workspace");
+  host_tensor qs, ks, vs, rs, as, keeps, ls, gs, ges, dqs, dks, dvs, drs, das;
+  if (a.dropout.p > 0) keeps = cpu::drawn_edge_keep<T>(g.edges, heads, a.dropout, nullptr);
+  const cpu::edge_operands x{cpu::typed_view<T>(a.q, qs),
+                             cpu::typed_view<T>(a.k, ks),
+                             cpu::typed_view<T>(a.v, vs),
+                             cpu::typed_view<T>(a.r, rs),
+                             cpu::typed_view<T>(a.a, as),
+                             a.dropout.p > 0 ? keeps.view() : cpu::typed_view<T>(a.keep, keeps)};
+  const bool given_lse = std::is_same_v<T, float>;
+  const tensor_view lse = given_lse ? cpu::typed_view<T>(a.lse, ls) : tensor_view{},
+                    dout = cpu::typed_view<T>(a.dout, gs),
+                    dout_edge = features > 0 ? cpu::typed_view<T>(a.dout_edge, ges) : tensor_view{},
+                    dq = cpu::typed_view<T>(a.dq, dqs, false),
+                    dk = cpu::typed_view<T>(a.dk, dks, false),
+                    dv = cpu::typed_view<T>(a.dv, dvs, false),
+                    dr = features > 0 ? cpu::typed_view<T>(a.dr, drs, false) : tensor_view{},
+                    da = features > 0 ? cpu::typed_view<T>(a.da, das, false) : tensor_view{};
+  cpu::edge_attention_backward<T>(g, x, static_cast<T>(a.scale), lse, dout, dout_edge, dq, dk, dv,
+                                  dr, da, static_cast<T*>(workspace.data));
+  for (const auto& [from, to] :
+       {std::pair{dq, a.dq}, {dk, a.dk}, {dv, a.dv}, {dr, a.dr}, {da, a.da}})
+    if (from.data != nullptr) cpu::store_view<T>(from, to);
+}
 }  // namespace
 
 edge_attention_plan edge_attention_plan::build(const multigraph_view& g) {
-  TRISPARSE_EXPECTS_INPUT(g.where == device_kind::cuda,
-                          "edge_attention_plan runs on CUDA: give the multigraph's device arrays");
   TRISPARSE_EXPECTS_INPUT(g.rows >= 0 && g.cols >= 0 && g.edges >= 0,
                           "the multigraph's sizes must be non-negative");
   TRISPARSE_EXPECTS_INPUT(g.rows < (std::int64_t{1} << 31) && g.cols < (std::int64_t{1} << 31),
@@ -161,12 +274,20 @@ std::int64_t edge_attention_plan::feature_width(std::int64_t head_dim, std::int6
 
 std::size_t edge_attention_plan::backward_workspace_bytes(std::int64_t heads, dtype grads) const {
   TRISPARSE_EXPECTS_INPUT(heads >= 1, "edge_attention needs heads >= 1");
-  const std::size_t bytes = grads == dtype::f16 || grads == dtype::bf16 ? 2 : sizeof(float);
+  // The CPU engine keeps fp32 or (float64 operands) float64 values; the kernels round to 16-bit
+  // gradients.
+  const std::size_t bytes = graph_.where == device_kind::cpu              ? sizeof(double)
+                            : grads == dtype::f16 || grads == dtype::bf16 ? 2
+                                                                          : sizeof(float);
   return static_cast<std::size_t>(graph_.edges * heads * 2) * bytes;
 }
 
 void edge_attention_plan::forward(const edge_attention_args& a, stream_ref stream) const {
   const multigraph_view& g = graph_;
+  if (g.where == device_kind::cpu) {
+    cpu::in_type_of(a.q.type, [&]<class T>() { cpu_forward<T>(g, a); });
+    return;
+  }
   const shapes s = check_inputs(g, a.q, a.k, a.v, a.r, a.a);
   check_view(a.out, "out", g.rows, s.heads, s.dim);
   detail::check_device_arg(a.out, "out");
@@ -181,6 +302,10 @@ void edge_attention_plan::forward(const edge_attention_args& a, stream_ref strea
 void edge_attention_plan::backward(const edge_attention_grad_args& a, stream_ref stream,
                                    workspace_view workspace) const {
   const multigraph_view& g = graph_;
+  if (g.where == device_kind::cpu) {
+    cpu::in_type_of(a.q.type, [&]<class T>() { cpu_backward<T>(g, a, workspace); });
+    return;
+  }
   const shapes s = check_inputs(g, a.q, a.k, a.v, a.r, a.a);
   for (const tensor_view* t : {&a.out, &a.dout}) {
     check_view(*t, "out and dout", g.rows, s.heads, s.dim);

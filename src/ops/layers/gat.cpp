@@ -6,6 +6,7 @@
 #include <type_traits>
 
 #include "../../common/arguments.hpp"
+#include "../../cpu/common/dropout_draws.hpp"
 #include "../../cpu/layers/f32.hpp"
 #include "../../cpu/layers/gat.hpp"
 #include "../../cuda/layers/gat/plan.hpp"
@@ -33,29 +34,6 @@ void check_gat_cpu(const csr_graph& g, const tensor_view& x, const tensor_view& 
                                 "] = " + std::to_string(keep_index[e]) + " is not a row of keep");
 }
 
-// Attention dropout's factors drawn for the CPU engine: [nnz, H, 1] in T, entry e's for input
-// edge keep_index[e] (or e) in each head (edge_dropout_factor's draws, the kernels'), one Philox
-// call per edge and four heads (philox::edge_group). Read with no index.
-template <class T>
-host_tensor drawn_keep(const csr_graph& g, std::int64_t heads, const attention_dropout& d,
-                       const std::int64_t* keep_index) {
-  host_tensor keep(cpu::dtype_of<T>, g.nnz(), heads, 1);
-  auto* f = reinterpret_cast<T*>(keep.data());
-  const std::uint64_t seed = d.state[0], offset = d.state[1];
-  const std::uint32_t below = philox::drop_below(d.p);
-  const auto kept = static_cast<T>(1.0 / (1.0 - d.p));
-#pragma omp parallel for schedule(static)
-  for (std::int64_t e = 0; e < g.nnz(); ++e) {
-    const std::int64_t u = keep_index != nullptr ? keep_index[e] : e;
-    for (std::int64_t h0 = 0; h0 < heads; h0 += 4) {
-      const philox::words w = philox::edge_group(u, static_cast<std::int32_t>(h0), seed, offset);
-      for (std::int64_t h = h0; h < std::min(h0 + 4, heads); ++h)
-        f[e * heads + h] = w.x[h - h0] < below ? T{0} : kept;
-    }
-  }
-  return keep;
-}
-
 // The CPU engine in T (float or double) on copies of the arguments in T where they hold another
 // dtype (dropout's draws as keep factors). The backward reads the forward's lse in fp32 and
 // recomputes it in float64.
@@ -63,7 +41,7 @@ template <class T>
 void cpu_forward(const csr_graph& g, const gat_args& a) {
   detail::check_keep_or_dropout(a.keep, a.dropout);  // (the state in host memory)
   host_tensor xs, ss, ds, ks, os, ls;
-  if (a.dropout.p > 0) ks = drawn_keep<T>(g, a.x.heads, a.dropout, a.keep_index);
+  if (a.dropout.p > 0) ks = cpu::drawn_edge_keep<T>(g.nnz(), a.x.heads, a.dropout, a.keep_index);
   const std::int64_t* keep_index = a.dropout.p > 0 ? nullptr : a.keep_index;
   const tensor_view x = cpu::typed_view<T>(a.x, xs), src = cpu::typed_view<T>(a.a_src, ss),
                     dst = cpu::typed_view<T>(a.a_dst, ds),
@@ -92,7 +70,7 @@ void cpu_backward(const csr_graph& g, const detail::transposed_pattern& t, const
   }
   detail::check_keep_or_dropout(a.keep, a.dropout);  // (the state in host memory)
   host_tensor xs, ss, ds, ks, ls, gs, dxs, dss, dds;
-  if (a.dropout.p > 0) ks = drawn_keep<T>(g, a.x.heads, a.dropout, a.keep_index);
+  if (a.dropout.p > 0) ks = cpu::drawn_edge_keep<T>(g.nnz(), a.x.heads, a.dropout, a.keep_index);
   const std::int64_t* keep_index = a.dropout.p > 0 ? nullptr : a.keep_index;
   const tensor_view x = cpu::typed_view<T>(a.x, xs), src = cpu::typed_view<T>(a.a_src, ss),
                     dst = cpu::typed_view<T>(a.a_dst, ds),

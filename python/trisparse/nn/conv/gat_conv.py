@@ -204,7 +204,12 @@ class GATConv(_Fused, _PygGATConv):
         C = self.out_channels
         dropout = self.training and self.dropout > 0
         multigraph = edge_attr is not None or pattern.duplicates
-        if multigraph and not weights and edge_attention_supported(pattern, x_src):
+        if (
+            multigraph
+            and not weights
+            and x_src.is_cuda
+            and edge_attention_supported(pattern, x_src)
+        ):
             # fused over the input's edges, each copy its own term and dropout draw
             a_edge = edge_terms() if edge_attr is not None else None
             out = edge_gat_attention(

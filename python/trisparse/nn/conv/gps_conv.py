@@ -230,7 +230,7 @@ class GPSConv(_PygGPSConv):
                 f"batch"
             )
         pattern = self._batches.get(batch, n)
-        if edge_attention_supported(pattern, q):  # CUDA: its multigraph is grouped on the GPU
+        if q.is_cuda and edge_attention_supported(pattern, q):  # grouped on the GPU
             out, _ = edge_attention(q, k, v, pattern, scale, dropout=dropout)
         elif dropout > 0:
             alpha = edge_softmax(scale * sddmm(q, k, pattern), pattern)

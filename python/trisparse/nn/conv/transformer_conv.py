@@ -26,7 +26,7 @@ def _plain_graph_on_edge_kernels(query: Tensor) -> bool:
     float32, 1.2-2.2 x in bfloat16) and in float32 at 64 (1.04-1.55 x on 11 of 12), slower in
     bfloat16 at 64 (0.41-1.03 x: the tensor cores' turn)."""
     channels = query.shape[-1]
-    return channels <= 16 or (query.dtype == torch.float32 and channels <= 64)
+    return query.is_cuda and (channels <= 16 or (query.dtype == torch.float32 and channels <= 64))
 
 
 class TransformerConv(_Fused, _PygTransformerConv):
@@ -39,15 +39,15 @@ class TransformerConv(_Fused, _PygTransformerConv):
     multigraph kernels; elsewhere a log-count bias on the fused scores). On CUDA a plain graph
     takes the multigraph kernels too where they measured faster (heads of at most 16 channels, or
     64 in float32), else :func:`trisparse.sparse_attention`'s tensor-core kernel. Edge
-    features (``edge_dim``) and attention dropout on CUDA run fused
-    (:func:`trisparse.edge_attention`: the kernel reads each edge's features; the dropout is drawn
-    per input edge and head in the kernels and regenerated in the backward, or with
-    ``pyg_dropout=True`` drawn as PyG draws it, the same edges as PyG's layer for the same seed,
-    and read as an [E, heads] factor). ``return_attention_weights``, and edge
-    features or attention dropout on the CPU, run the per-edge path: [E, heads] scores (SDDMM),
-    softmax and dropout per input edge, then the per-edge SpMM; an edge feature a_ij enters as
+    features (``edge_dim``) and attention dropout run fused on CUDA and on the CPU
+    (:func:`trisparse.edge_attention`: the kernel reads each edge's features; on CUDA the dropout
+    is drawn per input edge and head in the kernels and regenerated in the backward, or with
+    ``pyg_dropout=True`` -- always on the CPU -- drawn as PyG draws it, the same edges as PyG's
+    layer for the same seed, and read as an [E, heads] factor); an edge feature a_ij enters as
     q_i . W_e a_ij on the score and W_e sum_j alpha_ij a_ij on the output (exact by linearity), so
-    only [E, edge_dim] and [N, heads, edge_dim] tensors appear.
+    only [E, edge_dim] and [N, heads, edge_dim] tensors appear. ``return_attention_weights`` runs
+    the per-edge path: [E, heads] scores (SDDMM), softmax and dropout per input edge, then the
+    per-edge SpMM.
     With a :class:`trisparse.distributed.DistributedPattern` as ``edge_index`` and this rank's
     rows as ``x``, it computes this rank's rows of a partitioned graph (halo exchange included).
     Falls back to PyG's code, with a one-time warning, only for edge features or attention weights
@@ -168,6 +168,11 @@ class TransformerConv(_Fused, _PygTransformerConv):
         out = dp.joined(outs[0] if len(outs) == 1 else torch.cat(outs), halo)
         return self._finish(out, self.lin_skip(x) if self.root_weight else None)
 
+    def _pyg_draws(self, query: Tensor) -> bool:
+        """Whether the dropout is drawn as PyG's (an [E, heads] factor): asked for, or on the CPU
+        (whose engine reads the factors; its draws then match PyG's layer as before)."""
+        return self.pyg_dropout or query.is_cpu
+
     def _edge_attention(self, query, key, value, edge_attr, pattern, scale, dropout):
         """Edge features or attention dropout on CUDA, fused: the score term q_i . W_e a_ij =
         (W_e^T q_i) . a_ij and the message term W_e sum_j alpha_ij a_ij come from one kernel that
@@ -176,7 +181,13 @@ class TransformerConv(_Fused, _PygTransformerConv):
         :func:`_head_product`'s."""
         if edge_attr is None:
             out, _ = edge_attention(
-                query, key, value, pattern, scale, dropout=dropout, pyg_dropout=self.pyg_dropout
+                query,
+                key,
+                value,
+                pattern,
+                scale,
+                dropout=dropout,
+                pyg_dropout=self._pyg_draws(query),
             )
             return out
         H, C = self.heads, self.out_channels
@@ -193,7 +204,7 @@ class TransformerConv(_Fused, _PygTransformerConv):
             r.to(query.dtype),
             edge_attr.to(query.dtype),
             dropout=dropout,
-            pyg_dropout=self.pyg_dropout,
+            pyg_dropout=self._pyg_draws(query),
         )
         message = _head_product(out_edge.view(n, H, -1), w_edge.transpose(1, 2))
         return out + message
