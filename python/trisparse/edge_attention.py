@@ -93,8 +93,8 @@ def edge_gat_attention(
 def _check_cuda(t: Tensor) -> None:
     if not t.is_cuda:
         raise ValueError(
-            f"the multigraph kernels run on CUDA tensors, got one on {t.device} (on the CPU, "
-            "trisparse.nn's layers take the per-edge ops: sddmm, edge_softmax, edge_spmm)"
+            f"GAT's multigraph kernels run on CUDA tensors, got one on {t.device} (on the CPU, "
+            "GATConv takes the per-edge ops: sddmm, edge_softmax, edge_spmm)"
         )
 
 
