@@ -153,8 +153,29 @@ void check_cpu_keep(const multigraph_view& g, const tensor_view& keep,
   detail::check_keep_or_dropout(keep, dropout);  // (the state in host memory)
 }
 
-// The CPU engine in T on copies of the arguments in T where they hold another dtype (dropout's
-// draws as keep factors).
+// The operands q, k, v, r, a and keep of a forward's or backward's arguments as views of T:
+// themselves, or copies where they hold another dtype; dropout's draws as keep factors.
+template <class T>
+struct typed_operands {
+  host_tensor q, k, v, r, a, keep;
+  cpu::edge_operands views;
+
+  template <class Args>
+  typed_operands(const multigraph_view& g, const Args& args) {
+    if (args.dropout.p > 0)
+      keep = cpu::drawn_edge_keep<T>(g.edges, args.q.heads, args.dropout, nullptr);
+    views = {cpu::typed_view<T>(args.q, q),
+             cpu::typed_view<T>(args.k, k),
+             cpu::typed_view<T>(args.v, v),
+             cpu::typed_view<T>(args.r, r),
+             cpu::typed_view<T>(args.a, a),
+             args.dropout.p > 0 ? keep.view() : cpu::typed_view<T>(args.keep, keep)};
+  }
+  typed_operands(const typed_operands&) = delete;  // the views point into the copies
+  typed_operands& operator=(const typed_operands&) = delete;
+};
+
+// The CPU engine in T (float, or double for float64 operands).
 template <class T>
 void cpu_forward(const multigraph_view& g, const edge_attention_args& a) {
   const std::int64_t features = check_cpu_inputs(g, a.q, a.k, a.v, a.r, a.a), heads = a.q.heads;
@@ -162,19 +183,13 @@ void cpu_forward(const multigraph_view& g, const edge_attention_args& a) {
   check_cpu_view(a.lse, "lse", g.rows, heads, 1);
   if (features > 0) check_cpu_view(a.out_edge, "out_edge", g.rows, heads, features);
   check_cpu_keep(g, a.keep, a.dropout, heads);
-  host_tensor qs, ks, vs, rs, as, keeps, os, es, ls;
-  if (a.dropout.p > 0) keeps = cpu::drawn_edge_keep<T>(g.edges, heads, a.dropout, nullptr);
-  const cpu::edge_operands x{cpu::typed_view<T>(a.q, qs),
-                             cpu::typed_view<T>(a.k, ks),
-                             cpu::typed_view<T>(a.v, vs),
-                             cpu::typed_view<T>(a.r, rs),
-                             cpu::typed_view<T>(a.a, as),
-                             a.dropout.p > 0 ? keeps.view() : cpu::typed_view<T>(a.keep, keeps)};
+  const typed_operands<T> x(g, a);
+  host_tensor os, es, ls;
   const tensor_view out = cpu::typed_view<T>(a.out, os, false),
                     out_edge =
                         features > 0 ? cpu::typed_view<T>(a.out_edge, es, false) : tensor_view{},
                     lse = cpu::typed_view<T>(a.lse, ls, false);
-  cpu::edge_attention_forward<T>(g, x, static_cast<T>(a.scale), out, out_edge, lse);
+  cpu::edge_attention_forward<T>(g, x.views, static_cast<T>(a.scale), out, out_edge, lse);
   cpu::store_view<T>(out, a.out);
   if (features > 0) cpu::store_view<T>(out_edge, a.out_edge);
   cpu::store_view<T>(lse, a.lse);
@@ -203,14 +218,8 @@ void cpu_backward(const multigraph_view& g, const edge_attention_grad_args& a,
                           "edge_attention's backward needs backward_workspace_bytes(" +
                               std::to_string(heads) + ", dq's dtype) = " + std::to_string(need) +
                               " bytes of workspace");
-  host_tensor qs, ks, vs, rs, as, keeps, ls, gs, ges, dqs, dks, dvs, drs, das;
-  if (a.dropout.p > 0) keeps = cpu::drawn_edge_keep<T>(g.edges, heads, a.dropout, nullptr);
-  const cpu::edge_operands x{cpu::typed_view<T>(a.q, qs),
-                             cpu::typed_view<T>(a.k, ks),
-                             cpu::typed_view<T>(a.v, vs),
-                             cpu::typed_view<T>(a.r, rs),
-                             cpu::typed_view<T>(a.a, as),
-                             a.dropout.p > 0 ? keeps.view() : cpu::typed_view<T>(a.keep, keeps)};
+  const typed_operands<T> x(g, a);
+  host_tensor ls, gs, ges, dqs, dks, dvs, drs, das;
   const bool given_lse = std::is_same_v<T, float>;
   const tensor_view lse = given_lse ? cpu::typed_view<T>(a.lse, ls) : tensor_view{},
                     dout = cpu::typed_view<T>(a.dout, gs),
@@ -220,8 +229,8 @@ void cpu_backward(const multigraph_view& g, const edge_attention_grad_args& a,
                     dv = cpu::typed_view<T>(a.dv, dvs, false),
                     dr = features > 0 ? cpu::typed_view<T>(a.dr, drs, false) : tensor_view{},
                     da = features > 0 ? cpu::typed_view<T>(a.da, das, false) : tensor_view{};
-  cpu::edge_attention_backward<T>(g, x, static_cast<T>(a.scale), lse, dout, dout_edge, dq, dk, dv,
-                                  dr, da, static_cast<T*>(workspace.data));
+  cpu::edge_attention_backward<T>(g, x.views, static_cast<T>(a.scale), lse, dout, dout_edge, dq, dk,
+                                  dv, dr, da, static_cast<T*>(workspace.data));
   for (const auto& [from, to] :
        {std::pair{dq, a.dq}, {dk, a.dk}, {dv, a.dv}, {dr, a.dr}, {da, a.da}})
     if (from.data != nullptr) cpu::store_view<T>(from, to);
