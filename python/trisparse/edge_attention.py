@@ -1,5 +1,5 @@
-"""TransformerConv's attention with edge features, fused (CUDA kernels, or the CPU engine): per head, the score of edge
-(i <- j) with features a is scale q_i . k_j + r_i . a (r_i = scale W_e^T q_i for PyG's layer), the
+"""TransformerConv's attention with edge features, fused (CUDA kernels or the CPU engine): per
+head, the score of edge (i <- j) with features a is scale q_i . k_j + r_i . a (r_i = scale W_e^T q_i for PyG's layer), the
 softmax runs over each target's incoming edges (every copy of a repeated pair its own term), and
 the op returns out_i = sum alpha v_j and out_edge_i = sum alpha a, so that PyG's message sum is
 out + W_e out_edge: no [E, H, C] message and no [E, H] score is stored in the forward. The
@@ -26,6 +26,12 @@ from .pattern import Pattern
 __all__ = ["edge_attention", "edge_attention_supported", "edge_gat_attention", "neighbor_sum"]
 
 
+def _factor_dtype(t: Tensor) -> torch.dtype:
+    """The dtype of per-edge factors and score terms beside t: float32 (the CUDA kernels), float64
+    where the CPU engine runs in float64."""
+    return torch.float64 if t.is_cpu and t.dtype == torch.float64 else torch.float32
+
+
 def _dropout_args(pattern: Pattern, like: Tensor, p: float, pyg_dropout: bool) -> tuple:
     """The ops' dropout arguments (keep, dropout, dropout_state). pyg_dropout: factors per (input
     edge, head) in the input's edge order (0 or 1 / (1 - p)) drawn as F.dropout draws them over
@@ -38,8 +44,7 @@ def _dropout_args(pattern: Pattern, like: Tensor, p: float, pyg_dropout: bool) -
         return None, 0.0, None
     if pyg_dropout:
         # float32 factors for the kernels; float64 for the CPU engine's float64 (1 / (1 - p) exact)
-        exact = like.is_cpu and like.dtype == torch.float64
-        dtype = torch.float64 if exact else torch.float32
+        dtype = _factor_dtype(like)
         ones = torch.ones(pattern.num_edges, like.shape[1], device=like.device, dtype=dtype)
         return F.dropout(ones, p=p, training=True), 0.0, None
     return None, p, _tensors.new_dropout_state(p, like.device)
@@ -57,14 +62,14 @@ def edge_gat_attention(
 ) -> Tensor:
     """out[i, h] = sum over the input pairs e = (i, j) of softmax_e(LeakyReLU(a_dst[i, h] +
     a_src[j, h] + a_edge[e, h])) x[j, h], each copy of a repeated pair its own term: GAT's
-    attention (PyG's GATConv) over a multigraph with edge features, fused on CUDA. x [num_cols,
-    H, C], a_src [num_cols, H], a_dst [num_rows, H], a_edge [E, H] (one row per input pair, in
+    attention (PyG's GATConv) over a multigraph with edge features, fused (CUDA or the CPU). x
+    [num_cols, H, C], a_src [num_cols, H], a_dst [num_rows, H], a_edge [E, H] (one row per input pair, in
     the input's order) or None. `dropout`: attention dropout's probability (applied as given:
     pass 0 in eval mode), one draw per (input edge, head), made in the kernels (regenerated in
     the backward: nothing [E, H] is stored) or, with `pyg_dropout`, drawn as PyG's F.dropout over
     its [E, H] weights (the same factors as PyG's layer given torch's seed). Differentiable in
     all four; deterministic given the draws."""
-    _check_cuda(x)
+    _check_device(x)
     heads = x.shape[1]
     for name, t, rows in (
         ("a_src", a_src, pattern.num_cols),
@@ -74,13 +79,13 @@ def edge_gat_attention(
             raise ValueError(f"{name} must be [{rows}, {heads}], got {list(t.shape)}")
     if a_edge is not None and (a_edge.dim() != 2 or a_edge.shape[1] != heads):
         raise ValueError(f"a_edge must be [edges, {heads}], got {list(a_edge.shape)}")
-    f32 = {"dtype": torch.float32}
+    terms = {"dtype": _factor_dtype(x)}
     keep, p, state = _dropout_args(pattern, x, float(dropout), pyg_dropout)
     out, _lse = _gat_forward_eager(
         _operand(x),
-        a_src.to(**f32).contiguous(),
-        a_dst.to(**f32).contiguous(),
-        None if a_edge is None else a_edge.to(**f32).contiguous(),
+        a_src.to(**terms).contiguous(),
+        a_dst.to(**terms).contiguous(),
+        None if a_edge is None else a_edge.to(**terms).contiguous(),
         keep,
         pattern.id,
         float(negative_slope),
@@ -90,12 +95,9 @@ def edge_gat_attention(
     return out
 
 
-def _check_cuda(t: Tensor) -> None:
-    if not t.is_cuda:
-        raise ValueError(
-            f"GAT's multigraph kernels run on CUDA tensors, got one on {t.device} (on the CPU, "
-            "GATConv takes the per-edge ops: sddmm, edge_softmax, edge_spmm)"
-        )
+def _check_device(t: Tensor) -> None:
+    if not (t.is_cuda or t.is_cpu):
+        raise ValueError(f"the multigraph attention runs on the CPU and on CUDA, not on {t.device}")
 
 
 def _operand(t: Tensor) -> Tensor:
@@ -142,8 +144,7 @@ def edge_attention(
     engine in float64 for float64 tensors, else fp32). `dropout`, `pyg_dropout`: attention dropout
     on the weights of both sums (as :func:`edge_gat_attention`'s). Differentiable in all five;
     deterministic given the draws."""
-    if not (q.is_cuda or q.is_cpu):
-        raise ValueError(f"edge_attention runs on the CPU and on CUDA, not on {q.device}")
+    _check_device(q)
     if (r is None) != (a is None):
         raise ValueError("r and a come together (the edge features' score term) or not at all")
     features = 0 if r is None else r.shape[-1]

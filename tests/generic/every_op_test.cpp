@@ -1084,7 +1084,7 @@ void agnn_cases(recorder& rec) {
   }
 }
 
-// --- attention over a multigraph (edge_attention_plan; GAT's on CUDA only) ------------------
+// --- attention over a multigraph (edge_attention_plan) ------------------------------------
 
 // A multigraph where the plan runs, as edge_attention_plan reads it: 150 targets x 140 sources,
 // random edges with repeated pairs and targets without edges, target 0 with 300 edges and source 7
@@ -1296,7 +1296,6 @@ void edge_attention_cases(recorder& rec) {
       });
     }
   }
-  if (!cuda) return;  // GAT over the multigraph: CUDA kernels only
   // GAT: heads x channels, an edge term, dropout.
   for (const config c : {config{2, 16, 1, true}, config{1, 64, 0, false}, config{4, 8, 1, false}}) {
     const bool edge_term = c.features > 0;

@@ -231,15 +231,6 @@ def test_gat_attention_names_bad_inputs():
         trisparse.gat_attention(x, src, dst, None)
 
 
-def test_multigraph_gat_kernels_name_the_device_they_need():
-    """trisparse.edge_gat_attention runs on CUDA: CPU tensors get a ValueError that says so (GATConv
-    takes the per-edge ops there, as test_nn checks against PyG)."""
-    p, _row, _col = pattern_and_entries(12, 10, 4)
-    k = torch.randn(12, 2, 16)
-    with pytest.raises(ValueError, match="run on CUDA tensors"):
-        trisparse.edge_gat_attention(k, torch.randn(12, 2), torch.randn(10, 2), p)
-
-
 @pytest.mark.parametrize("dropout, pyg", [(0.0, False), (0.3, False), (0.3, True)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, c, f", [(8, 16, 16), (3, 5, 7), (2, 12, 0)])

@@ -148,7 +148,7 @@ class gat_plan {
 /// thread block per head, and a thread per (edge,
 /// feature) (da). Every sum has a fixed order: the same bits on every run. C must be
 /// 4 * 2^k <= 128 or 256; F a multiple of the group width (feature_width() pads it).
-/// CPU (a multigraph in host memory; forward and backward, not the GAT or neighbour sums): any C
+/// CPU (a multigraph in host memory; forward, backward and GAT's, not the neighbour sums): any C
 /// and F, fp32 (f16 and bf16 widened) or float64 for float64 operands, OpenMP over targets and
 /// over sources (by_source), each sum in a fixed order; dropout's draws are the kernels'.
 class edge_attention_plan {

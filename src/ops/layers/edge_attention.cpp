@@ -153,6 +153,18 @@ void check_cpu_keep(const multigraph_view& g, const tensor_view& keep,
   detail::check_keep_or_dropout(keep, dropout);  // (the state in host memory)
 }
 
+// The CPU backward's scratch: 2 edges H values of T.
+template <class T>
+T* cpu_scratch(const multigraph_view& g, std::int64_t heads, workspace_view workspace,
+               const char* op) {
+  const std::size_t need = static_cast<std::size_t>(2 * g.edges * heads) * sizeof(T);
+  TRISPARSE_EXPECTS_INPUT(workspace.bytes >= need && (workspace.data != nullptr || need == 0),
+                          std::string(op) + "'s backward needs backward_workspace_bytes(" +
+                              std::to_string(heads) + ") = " + std::to_string(need) +
+                              " bytes of workspace");
+  return static_cast<T*>(workspace.data);
+}
+
 // The operands q, k, v, r, a and keep of a forward's or backward's arguments as views of T:
 // themselves, or copies where they hold another dtype; dropout's draws as keep factors.
 template <class T>
@@ -213,11 +225,7 @@ void cpu_backward(const multigraph_view& g, const edge_attention_grad_args& a,
     check_cpu_view(a.da, "da", g.edges, 1, features);
   }
   check_cpu_keep(g, a.keep, a.dropout, heads);
-  const std::size_t need = static_cast<std::size_t>(2 * g.edges * heads) * sizeof(T);
-  TRISPARSE_EXPECTS_INPUT(workspace.bytes >= need && (workspace.data != nullptr || need == 0),
-                          "edge_attention's backward needs backward_workspace_bytes(" +
-                              std::to_string(heads) + ", dq's dtype) = " + std::to_string(need) +
-                              " bytes of workspace");
+  T* const scratch = cpu_scratch<T>(g, heads, workspace, "edge_attention");
   const typed_operands<T> x(g, a);
   host_tensor ls, gs, ges, dqs, dks, dvs, drs, das;
   const bool given_lse = std::is_same_v<T, float>;
@@ -230,9 +238,82 @@ void cpu_backward(const multigraph_view& g, const edge_attention_grad_args& a,
                     dr = features > 0 ? cpu::typed_view<T>(a.dr, drs, false) : tensor_view{},
                     da = features > 0 ? cpu::typed_view<T>(a.da, das, false) : tensor_view{};
   cpu::edge_attention_backward<T>(g, x.views, static_cast<T>(a.scale), lse, dout, dout_edge, dq, dk,
-                                  dv, dr, da, static_cast<T*>(workspace.data));
+                                  dv, dr, da, scratch);
   for (const auto& [from, to] :
        {std::pair{dq, a.dq}, {dk, a.dk}, {dv, a.dv}, {dr, a.dr}, {da, a.da}})
+    if (from.data != nullptr) cpu::store_view<T>(from, to);
+}
+
+// GAT's operands as views of T, as typed_operands.
+template <class T>
+struct typed_gat_operands {
+  host_tensor x, a_src, a_dst, a_edge, keep;
+  cpu::gat_operands views;
+
+  template <class Args>
+  typed_gat_operands(const multigraph_view& g, const Args& args) {
+    if (args.dropout.p > 0)
+      keep = cpu::drawn_edge_keep<T>(g.edges, args.x.heads, args.dropout, nullptr);
+    views = {cpu::typed_view<T>(args.x, x), cpu::typed_view<T>(args.a_src, a_src),
+             cpu::typed_view<T>(args.a_dst, a_dst), cpu::typed_view<T>(args.a_edge, a_edge),
+             args.dropout.p > 0 ? keep.view() : cpu::typed_view<T>(args.keep, keep)};
+  }
+  typed_gat_operands(const typed_gat_operands&) = delete;  // the views point into the copies
+  typed_gat_operands& operator=(const typed_gat_operands&) = delete;
+};
+
+// GAT's operands on the host: x, its terms and the keep factors.
+void check_cpu_gat(const multigraph_view& g, const tensor_view& x, const tensor_view& a_src,
+                   const tensor_view& a_dst, const tensor_view& a_edge, const tensor_view& keep,
+                   const attention_dropout& dropout, double negative_slope) {
+  check_cpu_view(x, "x", g.cols, -1, -1);
+  check_cpu_view(a_src, "a_src", g.cols, x.heads, 1);
+  check_cpu_view(a_dst, "a_dst", g.rows, x.heads, 1);
+  if (a_edge.data != nullptr) check_cpu_view(a_edge, "a_edge", g.edges, x.heads, 1);
+  TRISPARSE_EXPECTS_INPUT(std::isfinite(negative_slope), "negative_slope must be finite");
+  check_cpu_keep(g, keep, dropout, x.heads);
+}
+
+template <class T>
+void cpu_gat_forward(const multigraph_view& g, const edge_gat_args& a) {
+  check_cpu_gat(g, a.x, a.a_src, a.a_dst, a.a_edge, a.keep, a.dropout, a.negative_slope);
+  check_cpu_view(a.out, "out", g.rows, a.x.heads, a.x.dim);
+  check_cpu_view(a.lse, "lse", g.rows, a.x.heads, 1);
+  const typed_gat_operands<T> x(g, a);
+  host_tensor os, ls;
+  const tensor_view out = cpu::typed_view<T>(a.out, os, false),
+                    lse = cpu::typed_view<T>(a.lse, ls, false);
+  cpu::edge_gat_forward<T>(g, x.views, static_cast<T>(a.negative_slope), out, lse);
+  cpu::store_view<T>(out, a.out);
+  cpu::store_view<T>(lse, a.lse);
+}
+
+template <class T>
+void cpu_gat_backward(const multigraph_view& g, const edge_gat_grad_args& a,
+                      workspace_view workspace) {
+  check_cpu_gat(g, a.x, a.a_src, a.a_dst, a.a_edge, a.keep, a.dropout, a.negative_slope);
+  check_backward_side(g);
+  const std::int64_t heads = a.x.heads;
+  check_cpu_view(a.lse, "lse", g.rows, heads, 1);
+  check_cpu_view(a.dout, "dout", g.rows, heads, a.x.dim);
+  check_cpu_view(a.dx, "dx", g.cols, heads, a.x.dim);
+  check_cpu_view(a.da_src, "da_src", g.cols, heads, 1);
+  check_cpu_view(a.da_dst, "da_dst", g.rows, heads, 1);
+  const bool edge_term = a.a_edge.data != nullptr;
+  if (edge_term) check_cpu_view(a.da_edge, "da_edge", g.edges, heads, 1);
+  T* const scratch = cpu_scratch<T>(g, heads, workspace, "GAT");
+  const typed_gat_operands<T> x(g, a);
+  host_tensor ls, gs, dxs, dss, dds, des;
+  const tensor_view lse = std::is_same_v<T, float> ? cpu::typed_view<T>(a.lse, ls) : tensor_view{},
+                    dout = cpu::typed_view<T>(a.dout, gs),
+                    dx = cpu::typed_view<T>(a.dx, dxs, false),
+                    da_src = cpu::typed_view<T>(a.da_src, dss, false),
+                    da_dst = cpu::typed_view<T>(a.da_dst, dds, false),
+                    da_edge = edge_term ? cpu::typed_view<T>(a.da_edge, des, false) : tensor_view{};
+  cpu::edge_gat_backward<T>(g, x.views, static_cast<T>(a.negative_slope), lse, dout, dx, da_src,
+                            da_dst, da_edge, scratch);
+  for (const auto& [from, to] :
+       {std::pair{dx, a.dx}, {da_src, a.da_src}, {da_dst, a.da_dst}, {da_edge, a.da_edge}})
     if (from.data != nullptr) cpu::store_view<T>(from, to);
 }
 }  // namespace
@@ -378,6 +459,10 @@ void check_gat(const multigraph_view& g, const tensor_view& x, const tensor_view
 
 void edge_attention_plan::gat_forward(const edge_gat_args& a, stream_ref stream) const {
   const multigraph_view& g = graph_;
+  if (g.where == device_kind::cpu) {
+    cpu::in_type_of(a.x.type, [&]<class T>() { cpu_gat_forward<T>(g, a); });
+    return;
+  }
   check_gat(g, a.x, a.a_src, a.a_dst, a.a_edge);
   check_view(a.out, "out", g.rows, a.x.heads, a.x.dim);
   detail::check_device_arg(a.out, "out");
@@ -391,6 +476,10 @@ void edge_attention_plan::gat_forward(const edge_gat_args& a, stream_ref stream)
 void edge_attention_plan::gat_backward(const edge_gat_grad_args& a, stream_ref stream,
                                        workspace_view workspace) const {
   const multigraph_view& g = graph_;
+  if (g.where == device_kind::cpu) {
+    cpu::in_type_of(a.x.type, [&]<class T>() { cpu_gat_backward<T>(g, a, workspace); });
+    return;
+  }
   check_gat(g, a.x, a.a_src, a.a_dst, a.a_edge);
   const std::int64_t lanes = cuda::edge_attention_group(a.x.dim);
   for (const tensor_view* t : {&a.out, &a.dout}) {

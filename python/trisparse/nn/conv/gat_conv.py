@@ -99,15 +99,15 @@ class GATConv(_Fused, _PygGATConv):
     neither [E, heads] scores nor [E, heads, channels] messages are materialised, and the
     gradients are deterministic. Attention dropout (``dropout``) is drawn in the fused kernels,
     one draw per (input edge, head), and regenerated in the backward: no [E, heads] tensor, and
-    the same draws for a plain graph (CPU or CUDA) and a multigraph (CUDA). With
+    the same draws for a plain graph and a multigraph, on the CPU and on CUDA. With
     ``pyg_dropout=True`` it drops the same edges as PyG's layer for the same seed (PyG's
     [E, heads] factors, read by the kernels), as the per-edge path below always does.
 
     Repeated edges (each copy its own term, as in PyG) and edge features (``edge_dim``: the edge
     term a_edge . W_e a_ij becomes one [edge_dim, heads] product, with ``fill_value`` for the self
-    loops as PyG) run fused on CUDA over the input's edges (:func:`trisparse.edge_gat_attention`,
-    attention dropout included). These on the CPU, ``return_attention_weights`` and heads wider
-    than 512 channels run the per-edge path:
+    loops as PyG) run fused over the input's edges (:func:`trisparse.edge_gat_attention`, CUDA
+    kernels or the CPU engine, attention dropout included). ``return_attention_weights`` and
+    heads wider than 512 channels run the per-edge path:
     [E, heads] scores, their softmax and the per-edge SpMM (no [E, heads, channels] tensor).
     Bipartite inputs ``(x_src, x_dst)`` and ``size`` are taken as PyG takes them. ``edge_index``
     may also be a :class:`trisparse.Pattern` (built once, self loops included if wanted) or a
@@ -204,12 +204,7 @@ class GATConv(_Fused, _PygGATConv):
         C = self.out_channels
         dropout = self.training and self.dropout > 0
         multigraph = edge_attr is not None or pattern.duplicates
-        if (
-            multigraph
-            and not weights
-            and x_src.is_cuda
-            and edge_attention_supported(pattern, x_src)
-        ):
+        if multigraph and not weights and edge_attention_supported(pattern, x_src):
             # fused over the input's edges, each copy its own term and dropout draw
             a_edge = edge_terms() if edge_attr is not None else None
             out = edge_gat_attention(
