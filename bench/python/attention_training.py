@@ -15,7 +15,9 @@ One JSON object per graph.
 import argparse
 import json
 import os
+import statistics
 import sys
+import time
 
 import torch
 import trisparse
@@ -40,6 +42,18 @@ def events_ms(fn, repeat):
         times.append(start.elapsed_time(stop))
     times.sort()
     return times[len(times) // 2]
+
+
+def wall_ms(fn, repeat):
+    """Median wall-clock milliseconds of fn() (on the CPU) over `repeat` runs after 3 warm-ups."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
 
 def back_to_back_ms(fn, repeat):

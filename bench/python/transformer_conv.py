@@ -26,9 +26,7 @@ import itertools
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 
 import torch
 import torch_geometric.nn
@@ -37,7 +35,7 @@ import trisparse.datasets
 import trisparse.nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention_training import events_ms
+from attention_training import events_ms, wall_ms
 
 
 def run(layer, x, edge_index, edge_attr, dout, autocast, repeat):
@@ -74,18 +72,6 @@ def run(layer, x, edge_index, edge_attr, dout, autocast, repeat):
     tensors = [out.detach().float(), x.grad.float()] + [t.grad.float() for t in extra.values()]
     tensors = [t.clone() for t in tensors] + [p.grad.float().clone() for p in layer.parameters()]
     return {"step_ms": ms, "peak_mib": peak}, tensors
-
-
-def wall_ms(fn, repeat):
-    """Median wall-clock milliseconds of fn() (on the CPU) over `repeat` runs after 3 warm-ups."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def profile_top(layer, x, edge_index, edge_attr, dout, autocast, steps=3):
