@@ -165,7 +165,9 @@ def main():
     a = ap.parse_args()
     dev = torch.device(a.device)
     modes = (("fp32", False), ("bf16_autocast", True)) if dev.type == "cuda" else (("fp32", False),)
-    device_name = torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor()
+    device_name = (
+        torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor() or "cpu"
+    )
     for path in [*a.graphs, *(f"random:{spec}" for spec in a.random)]:
         if path.startswith("random:"):
             n, e = (int(v) for v in path.split(":")[1:])
