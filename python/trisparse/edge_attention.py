@@ -1,9 +1,9 @@
-"""TransformerConv's attention with edge features, fused (CUDA kernels or the CPU engine): per
-head, the score of edge (i <- j) with features a is scale q_i . k_j + r_i . a (r_i = scale W_e^T q_i for PyG's layer), the
-softmax runs over each target's incoming edges (every copy of a repeated pair its own term), and
-the op returns out_i = sum alpha v_j and out_edge_i = sum alpha a, so that PyG's message sum is
-out + W_e out_edge: no [E, H, C] message and no [E, H] score is stored in the forward. The
-backward recomputes the weights from the saved lse; every sum has a fixed order.
+"""TransformerConv's attention with edge features, fused (CUDA kernels or the CPU engine): per head,
+the score of edge (i <- j) with features a is scale q_i . k_j + r_i . a (r_i = scale W_e^T q_i for
+PyG's layer), the softmax runs over each target's incoming edges (every copy of a repeated pair its
+own term), and the op returns out_i = sum alpha v_j and out_edge_i = sum alpha a, so that PyG's
+message sum is out + W_e out_edge: no [E, H, C] message and no [E, H] score is stored in the
+forward. The backward recomputes the weights from the saved lse; every sum has a fixed order.
 
 :func:`edge_gat_attention` is GAT's attention over the same multigraph (PyG's GATConv with
 repeated edges and edge features): additive scores LeakyReLU(a_dst_i + a_src_j + a_edge_e).
@@ -60,15 +60,15 @@ def edge_gat_attention(
     dropout: float = 0.0,
     pyg_dropout: bool = False,
 ) -> Tensor:
-    """out[i, h] = sum over the input pairs e = (i, j) of softmax_e(LeakyReLU(a_dst[i, h] +
-    a_src[j, h] + a_edge[e, h])) x[j, h], each copy of a repeated pair its own term: GAT's
-    attention (PyG's GATConv) over a multigraph with edge features, fused (CUDA or the CPU). x
-    [num_cols, H, C], a_src [num_cols, H], a_dst [num_rows, H], a_edge [E, H] (one row per input pair, in
-    the input's order) or None. `dropout`: attention dropout's probability (applied as given:
-    pass 0 in eval mode), one draw per (input edge, head), made in the kernels (regenerated in
-    the backward: nothing [E, H] is stored) or, with `pyg_dropout`, drawn as PyG's F.dropout over
-    its [E, H] weights (the same factors as PyG's layer given torch's seed). Differentiable in
-    all four; deterministic given the draws."""
+    """out[i, h] = sum over the input pairs e = (i, j) of softmax_e(LeakyReLU(a_dst[i, h] + a_src[j,
+    h] + a_edge[e, h])) x[j, h], each copy of a repeated pair its own term: GAT's attention (PyG's
+    GATConv) over a multigraph with edge features, fused (CUDA or the CPU). x [num_cols, H, C],
+    a_src [num_cols, H], a_dst [num_rows, H], a_edge [E, H] (one row per input pair, in the input's
+    order) or None. `dropout`: attention dropout's probability (applied as given: pass 0 in eval
+    mode), one draw per (input edge, head), made in the kernels (regenerated in the backward:
+    nothing [E, H] is stored) or, with `pyg_dropout`, drawn as PyG's F.dropout over its [E, H]
+    weights (the same factors as PyG's layer given torch's seed). Differentiable in all four;
+    deterministic given the draws."""
     _check_device(x)
     heads = x.shape[1]
     for name, t, rows in (
