@@ -14,22 +14,11 @@ over ours without: dropout_over_*).
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 import trisparse
-
-
-def median_ms(fn, repeat):
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+from attention_training import wall_ms
 
 
 def main():
@@ -97,12 +86,12 @@ def main():
                     "threads": torch.get_num_threads(),
                 }
                 for name, f in (("ours", ours), ("sdpa_dense", dense), ("sdpa_masked", masked)):
-                    row[f"{name}_fwd_ms"] = median_ms(no_grad(f), args.repeat)
-                    row[f"{name}_fwd_bwd_ms"] = median_ms(training(f), args.repeat)
+                    row[f"{name}_fwd_ms"] = wall_ms(no_grad(f), args.repeat)
+                    row[f"{name}_fwd_bwd_ms"] = wall_ms(training(f), args.repeat)
                 if args.dropout > 0:
                     row["dropout"] = args.dropout
-                    row["ours_dropout_fwd_ms"] = median_ms(no_grad(ours_dropout), args.repeat)
-                    row["ours_dropout_fwd_bwd_ms"] = median_ms(training(ours_dropout), args.repeat)
+                    row["ours_dropout_fwd_ms"] = wall_ms(no_grad(ours_dropout), args.repeat)
+                    row["ours_dropout_fwd_bwd_ms"] = wall_ms(training(ours_dropout), args.repeat)
                 for kind in ("fwd", "fwd_bwd"):
                     for base in ("sdpa_dense", "sdpa_masked"):
                         row[f"vs_{base}_{kind}"] = row[f"{base}_{kind}_ms"] / row[f"ours_{kind}_ms"]

@@ -12,24 +12,14 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 from torch_geometric.nn import AGNNConv, GCNConv
 from torch_geometric.utils import softmax, spmm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attention_training import wall_ms
 from pyg_attention import read_graph
-
-
-def median_ms(fn, repeat):
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - start))
-    return sorted(times)[len(times) // 2]
 
 
 def main():
@@ -54,11 +44,11 @@ def main():
         r = {"graph": path, "rows": n, "nnz": int(row.numel()), "dim": args.dim}
         r["threads"] = torch.get_num_threads()
         with torch.no_grad():
-            r["pyg_spmm_ms"] = median_ms(lambda: spmm(adj, y), args.repeat)
-            r["pyg_sddmm_ms"] = median_ms(lambda: (x[row] * y[col]).sum(-1), args.repeat)
-            r["pyg_softmax_ms"] = median_ms(lambda: softmax(s, row, num_nodes=n), args.repeat)
-            r["pyg_gcn_ms"] = median_ms(lambda: gcn(x, edge_index), args.repeat)
-            r["pyg_agnn_ms"] = median_ms(lambda: agnn(x, edge_index), args.repeat)
+            r["pyg_spmm_ms"] = wall_ms(lambda: spmm(adj, y), args.repeat)
+            r["pyg_sddmm_ms"] = wall_ms(lambda: (x[row] * y[col]).sum(-1), args.repeat)
+            r["pyg_softmax_ms"] = wall_ms(lambda: softmax(s, row, num_nodes=n), args.repeat)
+            r["pyg_gcn_ms"] = wall_ms(lambda: gcn(x, edge_index), args.repeat)
+            r["pyg_agnn_ms"] = wall_ms(lambda: agnn(x, edge_index), args.repeat)
         r["torch"] = torch.__version__
         print(json.dumps(r), flush=True)
 
