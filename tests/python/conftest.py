@@ -201,3 +201,20 @@ def edge_attention_oracle(q, k, v, r, a, edge_index, num_rows, scale, keep=None)
         return out, None
     out_edge = torch.zeros(num_rows, heads, a.shape[1], dtype=s.dtype)
     return out, out_edge.index_add(0, dst, alpha[..., None] * a[:, None, :])
+
+
+def hub_multigraph(num_src, num_dst, degree, seed, g, hub=(5, 900), fan=(7, 400)):
+    """[2, E] edge_index of a bipartite multigraph: random edges (random_edge_index), a third of
+    them repeated, target hub[0] with hub[1] more incoming edges and source fan[0] with fan[1]
+    more outgoing ones (heavy lines), shuffled; random draws from generator g."""
+    ei = random_edge_index(num_src, num_dst, degree, seed=seed)
+    picks = torch.randint(0, ei.shape[1], (ei.shape[1] // 3,), generator=g)
+    (target, t_count), (source, s_count) = hub, fan
+    into = torch.stack(
+        [torch.randint(0, num_src, (t_count,), generator=g), torch.full((t_count,), target)]
+    )
+    out_of = torch.stack(
+        [torch.full((s_count,), source), torch.randint(0, num_dst, (s_count,), generator=g)]
+    )
+    ei = torch.cat([ei, ei[:, picks], into, out_of], dim=1)
+    return ei[:, torch.randperm(ei.shape[1], generator=g)]

@@ -15,6 +15,7 @@ from conftest import (
     block_dropout_reference,
     edge_attention_oracle,
     edge_dropout_draws,
+    hub_multigraph,
     load_shared_graph,
     philox_factors,
     random_edge_index,
@@ -1015,12 +1016,7 @@ def test_edge_attention_matches_float64_on_multigraphs(dtype, heads, c, f, dropo
     the same bits on a second run."""
     rows, cols = 300, 250
     g = torch.Generator().manual_seed(11)
-    ei = random_edge_index(cols, rows, 7, seed=12)
-    picks = torch.randint(0, ei.shape[1], (ei.shape[1] // 3,), generator=g)
-    hub = torch.stack([torch.randint(0, cols, (900,), generator=g), torch.full((900,), 5)])
-    fan = torch.stack([torch.full((400,), 7), torch.randint(0, rows, (400,), generator=g)])
-    ei = torch.cat([ei, ei[:, picks], hub, fan], dim=1)
-    ei = ei[:, torch.randperm(ei.shape[1], generator=g)]
+    ei = hub_multigraph(cols, rows, 7, 12, g)
     pattern = trisparse.Pattern.from_edge_index(ei, size=(cols, rows))
     scale = 1 / math.sqrt(c)
     q, dout = (torch.randn(rows, heads, c, generator=g) for _ in range(2))
@@ -1247,12 +1243,7 @@ def test_edge_gat_attention_matches_float64_on_multigraphs(dtype, heads, c, edge
     with heavy rows and columns and attention dropout; the same bits on a second run."""
     rows, cols = 260, 240
     g = torch.Generator().manual_seed(21)
-    ei = random_edge_index(cols, rows, 6, seed=22)
-    picks = torch.randint(0, ei.shape[1], (ei.shape[1] // 3,), generator=g)
-    hub = torch.stack([torch.randint(0, cols, (700,), generator=g), torch.full((700,), 3)])
-    fan = torch.stack([torch.full((300,), 9), torch.randint(0, rows, (300,), generator=g)])
-    ei = torch.cat([ei, ei[:, picks], hub, fan], dim=1)
-    ei = ei[:, torch.randperm(ei.shape[1], generator=g)]
+    ei = hub_multigraph(cols, rows, 6, 22, g, hub=(3, 700), fan=(9, 300))
     pattern = trisparse.Pattern.from_edge_index(ei, size=(cols, rows))
     x = torch.randn(cols, heads, c, generator=g)
     a_src, a_dst = torch.randn(cols, heads, generator=g), torch.randn(rows, heads, generator=g)

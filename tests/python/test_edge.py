@@ -9,6 +9,7 @@ import trisparse
 from conftest import (
     edge_attention_oracle,
     edge_dropout_draws,
+    hub_multigraph,
     philox_edge_factors,
     random_edge_index,
 )
@@ -242,12 +243,7 @@ def test_edge_attention_on_the_cpu_matches_float64(dtype, heads, c, f, dropout, 
     pyg, as F.dropout over [E, H]; the same bits on a second run."""
     rows, cols = 90, 70
     g = torch.Generator().manual_seed(21)
-    ei = random_edge_index(cols, rows, 6, seed=22)
-    picks = torch.randint(0, ei.shape[1], (ei.shape[1] // 3,), generator=g)
-    hub = torch.stack([torch.randint(0, cols, (200,), generator=g), torch.full((200,), 5)])
-    fan = torch.stack([torch.full((150,), 7), torch.randint(0, rows, (150,), generator=g)])
-    ei = torch.cat([ei, ei[:, picks], hub, fan], dim=1)
-    ei = ei[:, torch.randperm(ei.shape[1], generator=g)]
+    ei = hub_multigraph(cols, rows, 6, 22, g, hub=(5, 200), fan=(7, 150))
     ei = ei[:, ei[1] % 11 != 3]  # targets without edges
     pattern = trisparse.Pattern.from_edge_index(ei, size=(cols, rows))
     scale = 1 / math.sqrt(c)
