@@ -34,7 +34,15 @@ class GPS(nn.Module):
     with a GINE local MPNN, sum pooling and a two-layer head."""
 
     def __init__(
-        self, backend, tasks, channels=64, layers=4, heads=4, attn_dropout=0.5, recompute=False
+        self,
+        backend,
+        tasks,
+        channels=64,
+        layers=4,
+        heads=4,
+        attn_dropout=0.5,
+        recompute=False,
+        edge_bias=False,
     ):
         super().__init__()
         if backend == "pyg":
@@ -44,7 +52,8 @@ class GPS(nn.Module):
 
             from trisparse.nn import GPSConv
 
-            GPSConv = partial(GPSConv, recompute=recompute)
+            bias = {"edge_bias": True, "edge_dim": channels} if edge_bias else {}
+            GPSConv = partial(GPSConv, recompute=recompute, **bias)
         self.atoms = nn.ModuleList(nn.Embedding(128, channels) for _ in range(9))
         self.bonds = nn.ModuleList(nn.Embedding(16, channels) for _ in range(3))
         self.convs = nn.ModuleList()
@@ -126,6 +135,7 @@ def run(args, graphs, split, seed, device):
         args.heads,
         args.attn_dropout,
         args.recompute,
+        args.edge_bias,
     )
     model = model.to(device)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr, capturable=args.cuda_graph)
@@ -339,9 +349,15 @@ def main():
         help="trisparse: GPSConv(recompute=True), the layers' activations recomputed in the "
         "backward",
     )
+    ap.add_argument(
+        "--edge-bias",
+        action="store_true",
+        help="trisparse: GPSConv(edge_bias=True, edge_dim=channels), the embedded bonds also a "
+        "learned score bias of the global attention between bonded atoms",
+    )
     args = ap.parse_args()
-    if args.recompute and args.backend != "trisparse":
-        ap.error("--recompute is trisparse's GPSConv argument")
+    if (args.recompute or args.edge_bias) and args.backend != "trisparse":
+        ap.error("--recompute and --edge-bias are trisparse's GPSConv arguments")
     if args.cuda_graph and (args.backend != "trisparse" or not args.bf16):
         ap.error(
             "--cuda-graph needs --backend trisparse and --bf16 (PyG's GPSConv pads each "
@@ -355,6 +371,7 @@ def main():
         r.update(dataset=args.dataset, backend=args.backend, epochs=args.epochs)
         r.update(batch_size=args.batch_size, attn_dropout=args.attn_dropout, bf16=args.bf16)
         r.update(workers=args.workers, loader=args.loader, recompute=args.recompute)
+        r.update(edge_bias=args.edge_bias)
         r.update(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
         results.append(r)
         if args.json:

@@ -135,6 +135,7 @@ def edge_attention(
     a: Tensor | None = None,
     dropout: float = 0.0,
     pyg_dropout: bool = False,
+    bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """(out [num_rows, H, C], out_edge [num_rows, H, F] or None; in q's dtype): the attention over
     the pattern's input pairs (each copy of a repeated pair a separate term) with scores
@@ -142,21 +143,25 @@ def edge_attention(
     C], k and v [num_cols, H, C], r [num_rows, H, F] and a [E, F] (one row per input pair, in the
     input's order) in q's dtype, on CUDA or the CPU (:func:`edge_attention_supported`; the CPU
     engine in float64 for float64 tensors, else fp32). `dropout`, `pyg_dropout`: attention dropout
-    on the weights of both sums (as :func:`edge_gat_attention`'s). Differentiable in all five;
-    deterministic given the draws."""
+    on the weights of both sums (as :func:`edge_gat_attention`'s). `bias`: an additive score bias
+    per input pair, [E, H] or [E] (shared by the heads), rounded to q's dtype: the score term with
+    H more features, r_i one-hot per head and a_e the bias (so `features` H more where
+    :func:`edge_attention_supported` is asked). Differentiable in all six; deterministic given
+    the draws."""
     _check_device(q)
     if (r is None) != (a is None):
         raise ValueError("r and a come together (the edge features' score term) or not at all")
     features = 0 if r is None else r.shape[-1]
-    width = _C.EdgeAttentionPlan.feature_width(q.shape[-1], features) if q.is_cuda else features
+    if r is not None and (a.dim() != 2 or a.shape[1] != features):
+        raise ValueError(f"a must be [edges, {features}] (r's feature count), got {list(a.shape)}")
+    if bias is not None:
+        r, a = _with_bias(q, r, a, bias, pattern.num_edges)
+    total = 0 if r is None else r.shape[-1]  # the features and the bias's columns
+    width = _C.EdgeAttentionPlan.feature_width(q.shape[-1], total) if q.is_cuda else total
     if r is not None:
-        if a.dim() != 2 or a.shape[1] != features:
-            raise ValueError(
-                f"a must be [edges, {features}] (r's feature count), got {list(a.shape)}"
-            )
-        if width != features:  # zero columns up to the kernels' width
-            r = F.pad(r, (0, width - features))
-            a = F.pad(a, (0, width - features))
+        if width != total:  # zero columns up to the kernels' width
+            r = F.pad(r, (0, width - total))
+            a = F.pad(a, (0, width - total))
         r, a = r.contiguous(), a.contiguous()
     keep, p, state = _dropout_args(pattern, q, float(dropout), pyg_dropout)
     out, out_edge, _lse = _forward_eager(
@@ -171,7 +176,27 @@ def edge_attention(
         p,
         state,
     )
-    return out, (None if r is None else out_edge[..., :features])
+    return out, (None if features == 0 else out_edge[..., :features])
+
+
+def _with_bias(q: Tensor, r, a, bias: Tensor, edges: int) -> tuple[Tensor, Tensor]:
+    """The score term's r and a with a per-pair bias [E, H] or [E] appended as H features: r_i's
+    one-hot head selects a_e's column of that head. Raises TypeError/ValueError naming bias."""
+    if not isinstance(bias, Tensor) or not bias.is_floating_point():
+        raise TypeError(f"bias must be a float tensor, got {getattr(bias, 'dtype', type(bias))}")
+    heads = q.shape[1]
+    if tuple(bias.shape) not in ((edges,), (edges, heads)):
+        raise ValueError(
+            f"bias must be [E] or [E, heads] = [{edges}, {heads}] (one row per input pair), got "
+            f"{list(bias.shape)}"
+        )
+    if bias.device != q.device:
+        raise ValueError(f"bias is on {bias.device} but q is on {q.device}")
+    b = (bias if bias.dim() == 2 else bias[:, None].expand(edges, heads)).to(q.dtype)
+    one_hot = torch.eye(heads, dtype=q.dtype, device=q.device).expand(q.shape[0], heads, heads)
+    if r is None:
+        return one_hot, b
+    return torch.cat([r, one_hot], -1), torch.cat([a, b.to(a.dtype)], -1)
 
 
 def _sum_width(channels: int) -> int:

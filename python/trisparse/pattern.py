@@ -514,6 +514,49 @@ class Pattern:
             return None
         return self._cached("input_entries", device, lambda: self._input_entries.to(device))
 
+    def entries_of(self, edge_index: torch.Tensor, check: bool = True) -> torch.Tensor:
+        """The entry (int64, on edge_index's device) of each edge of ``edge_index`` [2, E] (row 0
+        sources j, row 1 targets i: the pair (i, j)) in this pattern's entry order, for per-edge
+        values on a pattern that holds the edges among others: a bias on the local edges of a
+        mini-batch's block-diagonal pattern (:meth:`from_batch`), on the graph's edges of an
+        :meth:`exphormer` pattern. Copies of a repeated edge share their entry. ``check`` (skipped
+        while compiling): a ValueError naming the first edge that is not an entry (one device
+        round trip)."""
+        ei = _check_index(edge_index, "edge_index")
+        if ei.dim() != 2 or ei.shape[0] != 2:
+            raise ValueError(f"edge_index must have shape [2, E], got {tuple(ei.shape)}")
+        device = ei.device
+        if ei.shape[1] == 0:
+            return ei.new_zeros(0)
+        if self.nnz == 0:
+            raise ValueError("edge_index: the pattern has no entries to hold its edges")
+
+        def make():  # row * num_cols + col: ascending in the canonical CSR
+            rowptr, col = self._on(device)
+            rows = torch.arange(self.num_rows, device=device)
+            row = torch.repeat_interleave(rows, rowptr.diff(), output_size=self.nnz)
+            return row * max(self.num_cols, 1) + col.to(torch.int64)
+
+        keys = self._cached("pair_keys", device, make)
+        dst, src = ei[1], ei[0]
+        query = dst * max(self.num_cols, 1) + src
+        entry = torch.searchsorted(keys, query).clamp_(max=self.nnz - 1)
+        if check and not torch.compiler.is_compiling():
+            bad = (src < 0) | (src >= self.num_cols) | (dst < 0) | (dst >= self.num_rows)
+            bad |= keys[entry] != query
+            if bool(bad.any()):
+                e = int(bad.nonzero()[0, 0])
+                raise ValueError(
+                    f"edge_index: edge {e} ({int(src[e])} -> {int(dst[e])}) is not an entry of "
+                    f"the pattern ({self.num_rows} x {self.num_cols}, {self.nnz} entries)"
+                    + (
+                        "; in a mini-batch's pattern an edge must join two nodes of one graph"
+                        if self._keep_order
+                        else ""
+                    )
+                )
+        return entry
+
     def kept_edges(self, device: torch.device) -> torch.Tensor | None:
         """For a pattern from ``from_edge_index(..., add_self_loops=True)``: the edges of the
         given edge_index that were kept (not self loops), int64 in their order, on `device` (the

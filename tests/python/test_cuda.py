@@ -793,6 +793,46 @@ def test_gps_conv_on_cuda_matches_pyg_in_float64():
         assert (a - b).abs().max() <= 1e-3 * norm, i
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_gps_conv_edge_bias_on_cuda_matches_float64(autocast):
+    """GPSConv(edge_bias=True, edge_dim=3) on CUDA (float32: the row-wise kernels; bf16 autocast
+    with 16-channel heads: the bias on the fused 3S tensor cores) against the same layer in
+    float64 on the CPU (equal to PyG's with the dense bias: test_nn), repeated edges included;
+    the gradients, the bias's too, the same bits on a second run."""
+    g = torch.Generator().manual_seed(9)
+    batch, ei = _molecule_batch(g)
+    ei = torch.cat([ei, ei[:, :50], ei[:, :20]], dim=1)  # pairs with two and three edges
+    n, channels = batch.numel(), 64
+    torch.manual_seed(0)
+    exact = trisparse.nn.GPSConv(channels, None, heads=4, edge_bias=True, edge_dim=3).double()
+    ours = copy.deepcopy(exact).float().cuda()
+    x = torch.randn(n, channels, generator=g)
+    ea = torch.randn(ei.shape[1], 3, generator=g)
+    dout = torch.randn(n, channels, generator=g)
+
+    def result(layer, device):
+        dt = torch.float64 if device == "cpu" else torch.float32
+        xs, eas = x.to(device, dt).requires_grad_(), ea.to(device, dt).requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast and device == "cuda"):
+            out = layer(xs, ei.to(device), batch.to(device), edge_attr=eas)
+        out.float().backward(dout.to(device, out.dtype).float())
+        grads = [p.grad.clone() for _, p in sorted(layer.named_parameters()) if p.grad is not None]
+        layer.zero_grad()
+        return [t.double().cpu() for t in (out.detach(), xs.grad, eas.grad, *grads)]
+
+    want, got = result(exact, "cpu"), result(ours, "cuda")
+    tol = 3e-2 if autocast else 1e-4
+    for i in range(3):  # out, x's and edge_attr's gradients
+        assert relerr(got[i], want[i]) <= tol, i
+    # Normwise over the parameters: some gradients are zero up to rounding (BatchNorm cancels
+    # out_proj's bias).
+    norm = max(float(w.abs().max()) for w in want[3:])
+    for i, (a, w) in enumerate(zip(got[3:], want[3:])):
+        assert (a - w).abs().max() <= tol * norm, i
+    again = result(ours, "cuda")
+    assert all(torch.equal(a, b) for a, b in zip(got[1:], again[1:]))
+
+
 @pytest.mark.parametrize("dim", [32, 64])
 def test_batch_attention_plan_built_on_the_gpu(dim):
     """A mini-batch's block-diagonal pattern made on the GPU: its plan with gradients is built

@@ -279,3 +279,50 @@ def test_edge_attention_on_the_cpu_matches_float64(dtype, heads, c, f, dropout, 
     for i, (x, y, z) in enumerate(zip(got, again, want)):
         assert torch.equal(x, y), i
         assert ((x - z).norm() / z.norm()).item() <= tol, i
+
+
+@pytest.mark.parametrize("shared, features", [(False, 0), (True, 0), (False, 3)])
+def test_edge_attention_bias_equals_sparse_attentions_bias(shared, features):
+    """edge_attention(bias=) (the score term with one-hot r and the bias as a) against
+    sparse_attention(bias=) over a graph without repeated pairs, the bias moved to the entries'
+    order, in float64: outputs and the gradients of q, k, v and the bias (and with edge features,
+    those of r and a unchanged by the bias's columns)."""
+    heads, c, n = 3, 8, 40
+    ei = random_edge_index(n, n, 6, seed=11)
+    pattern = trisparse.Pattern.from_edge_index(ei, n)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(n, heads, c, generator=g, dtype=torch.float64) for _ in range(3))
+    bias = torch.randn(ei.shape[1], *(() if shared else (heads,)), generator=g).double()
+    r = torch.randn(n, heads, features, generator=g, dtype=torch.float64)
+    a = torch.randn(ei.shape[1], features, generator=g, dtype=torch.float64)
+    dout = torch.randn(n, heads, c, generator=g, dtype=torch.float64)
+    entry = pattern.entries_of(ei)
+
+    def run(fn, *tensors):
+        leaves = [t.clone().requires_grad_() for t in tensors]
+        out = fn(*leaves)
+        out.backward(dout)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    def ours(q, k, v, b, *ra):
+        out, out_edge = trisparse.edge_attention(
+            q, k, v, pattern, 0.3, *(ra or (None, None)), bias=b
+        )
+        assert out_edge is None if not ra else out_edge.shape == (n, heads, features)
+        return out
+
+    def theirs(q, k, v, b, *ra):
+        if ra:  # the features' score term as a bias too: r_i . a_e per head
+            b = b.expand(ei.shape[1], heads) + torch.einsum("ehf,ef->eh", ra[0][ei[1]], ra[1])
+        at = torch.empty_like(b).index_copy_(0, entry, b)
+        return trisparse.sparse_attention(q, k, v, pattern, scale=0.3, bias=at)
+
+    got = run(ours, q, k, v, bias)
+    for x, y in zip(got, run(theirs, q, k, v, bias)):
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
+    if features:
+        got = run(ours, q, k, v, bias, r, a)
+        for x, y in zip(got, run(theirs, q, k, v, bias, r, a)):
+            torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match=r"bias must be \[E\] or \[E, heads\]"):
+        trisparse.edge_attention(q, k, v, pattern, 0.3, bias=bias[:-1])

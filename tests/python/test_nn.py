@@ -723,6 +723,160 @@ def test_gps_conv_equals_pyg_in_float64(conv, kwargs):
         assert_close(got, result(pyg), rtol=1e-9)
 
 
+class _BiasedAttention(torch.nn.MultiheadAttention):
+    """PyG's GPSConv attention with an additive float attn_mask [B * heads, L, L] (the dense
+    reference of GPSConv(edge_bias=True)): ``self.dense`` is set before each call."""
+
+    dense = None
+
+    def forward(self, q, k, v, key_padding_mask=None, need_weights=False):
+        padding = torch.zeros(key_padding_mask.shape, dtype=q.dtype).masked_fill(
+            key_padding_mask, -math.inf
+        )
+        return super().forward(
+            q, k, v, key_padding_mask=padding, attn_mask=self.dense, need_weights=False
+        )
+
+
+def _dense_edge_bias(scores, ei, batch, heads):
+    """[B * heads, L, L]: each graph's edges' scores [E, heads] summed at (target, source)."""
+    counts = torch.bincount(batch)
+    start = torch.cumsum(counts, 0) - counts
+    g = batch[ei[1]]
+    dense = scores.new_zeros(counts.numel(), heads, int(counts.max()), int(counts.max()))
+    heads_ = torch.arange(heads).expand(ei.shape[1], heads)
+    at = (g[:, None].expand_as(heads_), heads_)
+    at += (
+        (ei[1] - start[g])[:, None].expand_as(heads_),
+        (ei[0] - start[g])[:, None].expand_as(heads_),
+    )
+    dense = dense.index_put(at, scores, accumulate=True)
+    return dense.view(-1, dense.shape[-2], dense.shape[-1])
+
+
+@pytest.mark.parametrize("edge_dim, dropout", [(None, 0.0), (3, 0.0), (3, 0.3)])
+def test_gps_conv_edge_bias_equals_dense_attention_with_the_bias(edge_dim, dropout):
+    """GPSConv(edge_bias=True): the local edges' bias (a learned scalar per head, or a linear map
+    of edge_attr; repeated edges summed) equals PyG's GPSConv whose attention adds the same bias
+    as a dense float mask, in float64: outputs and the gradients of x, edge_attr and every
+    parameter, the bias's included; bitwise the same on a second run."""
+    channels, heads = 16, 4
+    batch, ei = random_batch(10, seed=5)
+    ei = torch.cat([ei, ei[:, :7], ei[:, :3]], dim=1)  # pairs with two and three edges
+    n = batch.numel()
+    mlp = torch.nn.Sequential(torch.nn.Linear(channels, channels), torch.nn.ReLU())
+    torch.manual_seed(0)
+    pyg = pyg_nn.GPSConv(channels, pyg_nn.GINEConv(mlp, edge_dim=3), heads=heads).double()
+    ours = trisparse.nn.GPSConv(
+        channels,
+        pyg_nn.GINEConv(mlp, edge_dim=3),
+        heads=heads,
+        edge_bias=True,
+        edge_dim=edge_dim,
+    ).double()
+    biased = _BiasedAttention(channels, heads, batch_first=True).double()
+    biased.load_state_dict(pyg.attn.state_dict())
+    pyg.attn = biased
+    with torch.no_grad():  # a bias away from its zero start
+        for p in [ours.edge_bias] if edge_dim is None else ours.lin_edge_bias.parameters():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)))
+    missing = ours.load_state_dict(pyg.state_dict(), strict=False).missing_keys
+    assert sorted(missing) == (
+        ["edge_bias"] if edge_dim is None else ["lin_edge_bias.bias", "lin_edge_bias.weight"]
+    )
+    ref_bias = ours.edge_bias if edge_dim is None else ours.lin_edge_bias
+    x = torch.randn(n, channels, dtype=torch.float64)
+    ea = torch.randn(ei.shape[1], 3, dtype=torch.float64)
+    dout = torch.randn(n, channels, generator=torch.Generator().manual_seed(1)).double()
+
+    def result(layer):
+        xs, eas = x.clone().requires_grad_(), ea.clone().requires_grad_()
+        if layer is pyg:  # the same scores from ours' bias parameters
+            scores = ref_bias.expand(ei.shape[1], heads) if edge_dim is None else ref_bias(eas)
+            biased.dense = _dense_edge_bias(scores, ei, batch, heads)
+        torch.manual_seed(7)  # the same dropout draws for the layers' own dropout
+        out = layer(xs, ei, batch, edge_attr=eas)
+        out.backward(dout)
+        grads = {k: p.grad.clone() for k, p in layer.named_parameters() if p.grad is not None}
+        for k, p in ours.named_parameters():
+            if "edge_bias" in k:
+                grads[k] = p.grad.clone()
+        layer.zero_grad()
+        ours.zero_grad()
+        return out.detach(), [xs.grad, eas.grad], grads
+
+    ours.dropout = pyg.dropout = dropout
+    for train in (True, False):
+        ours.train(train)
+        pyg.train(train)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = result(ours)
+        want = result(pyg)
+        assert_close(got, want, rtol=1e-9)
+        running = {k: b.clone() for k, b in ours.named_buffers()}
+        again = result(ours)
+        for k, b in ours.named_buffers():  # the norms' running statistics as PyG's layer's
+            b.copy_(running[k])
+        assert all(torch.equal(a, b) for a, b in zip(again[1], got[1]))
+        assert all(torch.equal(again[2][k], got[2][k]) for k in got[2])
+
+
+def test_gps_conv_edge_bias_with_attention_dropout():
+    """GPSConv(edge_bias=True) with attention dropout: the weights dropped per pair and head
+    (torch's generator: the same bits for the same seed), the bias learning through them; in
+    evaluation the layer equals the one without dropout."""
+    batch, ei = random_batch(6, seed=2)
+    x = torch.randn(batch.numel(), 8, dtype=torch.float64)
+    torch.manual_seed(0)
+    layer = trisparse.nn.GPSConv(8, None, heads=2, edge_bias=True, attn_kwargs={"dropout": 0.5})
+    plain = trisparse.nn.GPSConv(8, None, heads=2, edge_bias=True)
+    layer, plain = layer.double(), plain.double()
+
+    def step(seed):
+        torch.manual_seed(seed)
+        out = layer(x, ei, batch)
+        (grad,) = torch.autograd.grad(out.square().sum(), layer.edge_bias)
+        return out.detach(), grad
+
+    (a, ga), (b, gb), (c, _) = step(1), step(1), step(2)
+    assert torch.equal(a, b) and torch.equal(ga, gb) and not torch.equal(a, c)
+    assert ga.abs().min() > 0
+    plain.load_state_dict(layer.state_dict())  # the norms' running statistics too
+    layer.eval(), plain.eval()
+    torch.testing.assert_close(layer(x, ei, batch), plain(x, ei, batch), rtol=0, atol=0)
+
+
+def test_gps_conv_edge_bias_names_bad_arguments():
+    batch, ei = random_batch(3, seed=1)
+    x = torch.randn(batch.numel(), 8)
+    with pytest.raises(ValueError, match="edge_dim: the edge features feed edge_bias"):
+        trisparse.nn.GPSConv(8, None, heads=2, edge_dim=3)
+    layer = trisparse.nn.GPSConv(8, None, heads=2, edge_bias=True, edge_dim=3)
+    with pytest.raises(ValueError, match=r"edge_attr: .* \[E, edge_dim\]"):
+        layer(x, ei, batch)
+    with pytest.raises(ValueError, match=r"edge_attr: .*got \(5, 3\)"):
+        layer(x, ei, batch, edge_attr=torch.randn(5, 3))
+    layer = trisparse.nn.GPSConv(8, None, heads=2, edge_bias=True)
+    cross = torch.tensor([[0, int(batch.numel()) - 1], [1, 0]])  # the second joins two graphs
+    with pytest.raises(ValueError, match="edge_index: edge 1 .* one graph"):
+        layer(x, cross, batch)
+    performer = trisparse.nn.GPSConv(8, None, heads=2, attn_type="performer", edge_bias=True)
+    with pytest.raises(ValueError, match="edge_bias: attn_type='performer'"):
+        performer(x, ei, batch)
+
+
+def test_pattern_entries_of_finds_each_edge():
+    ei = random_edge_index(50, 50, 8, seed=4)
+    pattern = trisparse.Pattern.from_edge_index(ei, 50)
+    rows, cols = pattern.entries(torch.device("cpu"))
+    got = pattern.entries_of(ei)
+    assert torch.equal(rows[got], ei[1]) and torch.equal(cols[got], ei[0])
+    assert torch.equal(got, pattern.entries_of_input(torch.device("cpu")))
+    with pytest.raises(ValueError, match=r"edge_index: edge 0 \(0 -> 50\) is not an entry"):
+        pattern.entries_of(torch.tensor([[0], [50]]))
+
+
 def test_gps_conv_batch_errors_name_the_argument():
     layer = trisparse.nn.GPSConv(8, None, heads=2)
     x = torch.randn(5, 8)

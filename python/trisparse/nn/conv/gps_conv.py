@@ -28,6 +28,7 @@ class _BatchPatterns:
         self._key = None
         self._pattern = None
         self._checked = None
+        self._entries = None  # (edge_index, (its version, pattern id), its entries)
 
     def __deepcopy__(self, memo):
         """The same cache: a model's GPS layers share one, copies included (a Pattern's plans
@@ -47,8 +48,18 @@ class _BatchPatterns:
 
     def get(self, batch, num_nodes: int) -> Pattern:
         if torch.compiler.is_compiling():  # built from the real batch while tracing, as layers'
-            return _TRACED[_traced_batch_pattern(self, batch, num_nodes)]
+            return _TRACED[_traced_batch_pattern(batch, num_nodes)]
         return self._get(batch, num_nodes)
+
+    def entries(self, pattern: Pattern, edge_index: Tensor) -> Tensor:
+        """edge_index's entries in `pattern` (checked once per edge_index tensor, version and
+        pattern: a model's layers share them)."""
+        if torch.compiler.is_compiling():
+            return pattern.entries_of(edge_index)
+        key = (getattr(edge_index, "_version", None), pattern.id)
+        if self._entries is None or self._entries[0] is not edge_index or self._entries[1] != key:
+            self._entries = (edge_index, key, pattern.entries_of(edge_index))
+        return self._entries[2]
 
     def _get(self, batch, num_nodes: int) -> Pattern:
         key = (getattr(batch, "_version", None), num_nodes)
@@ -93,10 +104,11 @@ def _masked_batch_norm(
 
 
 @torch._dynamo.assume_constant_result
-def _traced_batch_pattern(cache, batch, num_nodes: int) -> int:
+def _traced_batch_pattern(batch, num_nodes: int) -> int:
     """Run by torch.compile while tracing, on the real batch vector: its Pattern's id, a constant
-    of the compiled graph (see _common._traced_pattern)."""
-    pattern = cache._get(batch, num_nodes)
+    of the compiled graph (see _common._traced_pattern). The layers' one cache is a global here:
+    torch 2.11's dynamo takes no object argument to a constant result."""
+    pattern = _SHARED_BATCHES._get(batch, num_nodes)
     _TRACED[pattern.id] = pattern
     return pattern.id
 
@@ -124,14 +136,50 @@ class GPSConv(_PygGPSConv):
     ``add_zero_attn``, ``kdim``/``vdim``). ``recompute=True`` (trisparse's own argument): while
     training, the layer keeps only its inputs and recomputes its activations in the backward
     (``torch.utils.checkpoint``, the random draws preserved, the norms' running averages updated
-    once): the same results for a second forward's time."""
+    once): the same results for a second forward's time.
 
-    def __init__(self, *args, recompute: bool = False, **kwargs):
+    ``edge_bias=True`` (trisparse's own argument; off, the layer and its state_dict are PyG's):
+    the local MPNN's edges as an additive score bias of the global attention, Graphormer's edge
+    encoding for adjacent nodes: a pair (i, j) joined by edges j -> i of ``edge_index`` gets, per
+    head, the learned ``edge_bias`` [heads] (zeros at first: PyG's attention) once per edge, or,
+    with ``edge_dim``, ``lin_edge_bias(edge_attr)`` ([E, edge_dim] -> [E, heads], the features the
+    local MPNN takes as ``edge_attr``) summed over the pair's edges; every other pair of a graph
+    gets none. It runs the multigraph kernels (:func:`trisparse.edge_attention` with the bias,
+    attention dropout inside; elsewhere :func:`trisparse.sparse_attention`) over the batch's
+    block-diagonal pattern, made per batch (on the GPU, but with host synchronisations): not under
+    CUDA graph capture. The bias's gradient is written once per pair (no atomics)."""
+
+    def __init__(
+        self,
+        *args,
+        recompute: bool = False,
+        edge_bias: bool = False,
+        edge_dim: int | None = None,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         self._batches = _SHARED_BATCHES  # a model's layers see one batch: one pattern for all
         self._warned: set[str] = set()
         self.recompute = recompute
         self._recomputing = False
+        if edge_dim is not None and not edge_bias:
+            raise ValueError("edge_dim: the edge features feed edge_bias; set edge_bias=True")
+        if edge_dim is not None and (not isinstance(edge_dim, int) or edge_dim < 1):
+            raise ValueError(f"edge_dim must be a positive int, got {edge_dim!r}")
+        self.edge_dim = edge_dim
+        self.edge_bias = None
+        self.lin_edge_bias = None
+        if edge_bias and edge_dim is None:
+            self.edge_bias = torch.nn.Parameter(torch.zeros(self.heads))
+        elif edge_bias:
+            self.lin_edge_bias = torch.nn.Linear(edge_dim, self.heads)
+
+    def reset_parameters(self):
+        super().reset_parameters()
+        if getattr(self, "edge_bias", None) is not None:
+            torch.nn.init.zeros_(self.edge_bias)
+        if getattr(self, "lin_edge_bias", None) is not None:
+            self.lin_edge_bias.reset_parameters()
 
     def _unfused_reason(self) -> str | None:
         attn = self.attn
@@ -149,6 +197,8 @@ class GPSConv(_PygGPSConv):
         reason = self._unfused_reason()
         if reason is not None and node_mask is not None:
             raise ValueError(f"node_mask: {reason}; PyG's code takes no node_mask")
+        if reason is not None and self._biased():
+            raise ValueError(f"edge_bias: {reason}; PyG's code has no edge bias")
         if reason is not None:
             if reason not in self._warned:
                 self._warned.add(reason)
@@ -183,7 +233,7 @@ class GPSConv(_PygGPSConv):
             h = self.conv(x, edge_index, **kwargs)
             h = F.dropout(h, p=self.dropout, training=self.training)
             hs.append(self._norm(self.norm1, h + x, batch, node_mask))
-        h = self._global_attention(x, batch)
+        h = self._global_attention(x, batch, edge_index, kwargs.get("edge_attr"))
         h = F.dropout(h, p=self.dropout, training=self.training)
         hs.append(self._norm(self.norm2, h + x, batch, node_mask))
         out = sum(hs)
@@ -209,8 +259,31 @@ class GPSConv(_PygGPSConv):
             )
         return norm(h, batch=batch) if self.norm_with_batch else norm(h)
 
-    def _global_attention(self, x: Tensor, batch) -> Tensor:
-        """nn.MultiheadAttention(x, x, x) within each graph, as packed sparse attention."""
+    def _biased(self) -> bool:
+        return self.edge_bias is not None or self.lin_edge_bias is not None
+
+    def _edge_scores(self, edge_index, edge_attr, dtype: torch.dtype) -> Tensor:
+        """The bias of each edge of edge_index, [E, heads]."""
+        if not isinstance(edge_index, Tensor) or edge_index.dim() != 2 or edge_index.shape[0] != 2:
+            raise ValueError(
+                "edge_index: GPSConv(edge_bias=True) takes the edges as a [2, E] tensor, got "
+                f"{type(edge_index).__name__}"
+                + (f" of shape {tuple(edge_index.shape)}" if isinstance(edge_index, Tensor) else "")
+            )
+        edges = edge_index.shape[1]
+        if self.lin_edge_bias is None:
+            return self.edge_bias.to(dtype).expand(edges, -1)
+        if not isinstance(edge_attr, Tensor) or edge_attr.shape != (edges, self.edge_dim):
+            got = tuple(edge_attr.shape) if isinstance(edge_attr, Tensor) else edge_attr
+            raise ValueError(
+                f"edge_attr: GPSConv(edge_bias=True, edge_dim={self.edge_dim}) needs edge "
+                f"features [E, edge_dim] = [{edges}, {self.edge_dim}], got {got}"
+            )
+        return self.lin_edge_bias(edge_attr).to(dtype)
+
+    def _global_attention(self, x: Tensor, batch, edge_index=None, edge_attr=None) -> Tensor:
+        """nn.MultiheadAttention(x, x, x) within each graph, as packed sparse attention (with the
+        edges' bias where edge_bias is set)."""
         attn = self.attn
         n, channels = x.shape
         heads = attn.num_heads
@@ -218,6 +291,29 @@ class GPSConv(_PygGPSConv):
         q, k, v = qkv.unbind(1)
         scale = resolve_scale(None, q.shape[-1])
         dropout = attn.dropout if self.training else 0.0
+        if self._biased():
+            if _capturing(x):
+                raise RuntimeError(
+                    "trisparse.nn.GPSConv(edge_bias=True) under CUDA graph capture: the biased "
+                    "attention builds the batch's pattern on the host"
+                )
+            pattern = self._batches.get(batch, n)
+            scores = self._edge_scores(
+                edge_index, edge_attr, torch.promote_types(x.dtype, torch.float32)
+            )
+            entries = self._batches.entries(pattern, edge_index)
+            # a pair's edges summed (index_put's accumulation: a fixed order on every run)
+            bias = scores.new_zeros(pattern.nnz, heads).index_put(
+                (entries,), scores, accumulate=True
+            )
+            if edge_attention_supported(pattern, q, heads):  # grouped on the GPU
+                out, _ = edge_attention(q, k, v, pattern, scale, dropout=dropout, bias=bias)
+            elif dropout > 0:
+                alpha = edge_softmax(scale * sddmm(q, k, pattern) + bias, pattern)
+                out = edge_spmm(F.dropout(alpha, p=dropout, training=True), v, pattern)
+            else:
+                out = sparse_attention(q, k, v, pattern, scale=scale, bias=bias)
+            return attn.out_proj(out.reshape(n, channels))
         if segment_attention_supported(q):
             batch = self._batches.checked(batch, n)
             out = segment_attention(q, k, v, batch, scale, assume_sorted=True, dropout_p=dropout)
