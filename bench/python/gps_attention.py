@@ -136,8 +136,10 @@ def rel(got, want):
     )
 
 
-def step_of(attend, q, k, v, dout):
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+def step_of(attend, q, k, v, dout, *more):
+    """(step, result) of attend(q, k, v, *more) and its backward from dout: result gives the
+    output and the gradients of every input."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, *more)]
 
     def step():
         for t in leaves:
@@ -151,6 +153,26 @@ def step_of(attend, q, k, v, dout):
         return [out.detach(), *(t.grad for t in leaves)]
 
     return step, result
+
+
+def time_cases(rec, cases, inputs, want, repeat):
+    """rec[name] = step_ms, peak_mib (beyond what was allocated before) and rel_error against
+    want (None for names ending _dropout) of each (name, attend) of cases, stepped by
+    step_of(attend, *inputs); an error's first line where one fails."""
+    for name, attend in cases:
+        try:
+            step, result = step_of(attend, *inputs)
+            got = result()  # also leaves the gradients allocated, as in the others
+            err = None if name.endswith("_dropout") else rel(got, want)
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            ms = events_ms(step, repeat)
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+            rec[name] = {"step_ms": ms, "peak_mib": peak, "rel_error": err}
+        except Exception as e:  # noqa: BLE001 - out of memory, a compile failure
+            rec[name] = {"error": str(e).splitlines()[0][:200]}
+        torch.cuda.empty_cache()
 
 
 def main():
@@ -224,20 +246,7 @@ def main():
                     cases.append(("flex_build", lambda *t: flex(batch, compiled)(*t)))
                 except Exception as e:  # noqa: BLE001 - reported in the row, then the others
                     rec["flex"] = {"error": str(e).splitlines()[0][:200]}
-                for name, attend in cases:
-                    try:
-                        step, result = step_of(attend, q, k, v, dout)
-                        got = result()  # also leaves the gradients allocated, as in the others
-                        err = None if name.endswith("_dropout") else rel(got, want)
-                        torch.cuda.synchronize()
-                        base = torch.cuda.memory_allocated()
-                        torch.cuda.reset_peak_memory_stats()
-                        ms = events_ms(step, a.repeat)
-                        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-                        rec[name] = {"step_ms": ms, "peak_mib": peak, "rel_error": err}
-                    except Exception as e:  # noqa: BLE001 - out of memory, a compile failure
-                        rec[name] = {"error": str(e).splitlines()[0][:200]}
-                    torch.cuda.empty_cache()
+                time_cases(rec, cases, (q, k, v, dout), want, a.repeat)
                 print(json.dumps(rec), flush=True)
 
 

@@ -37,8 +37,7 @@ import trisparse.datasets
 from torch_geometric.utils import to_dense_batch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention_training import events_ms
-from gps_attention import read_ptr, rel
+from gps_attention import read_ptr, time_cases
 
 
 def dense_bias(scores, edge_index, batch, start, n_max):
@@ -53,36 +52,28 @@ def dense_bias(scores, edge_index, batch, start, n_max):
     return out.view(-1, heads, n_max, n_max)
 
 
-def ours(pattern, entries):
+def _three_s(q, k, v, pattern, bias):
+    return trisparse.sparse_attention(q, k, v, pattern, bias=bias)
+
+
+def _multigraph(q, k, v, pattern, bias):
+    return trisparse.edge_attention(q, k, v, pattern, q.shape[-1] ** -0.5, bias=bias)[0]
+
+
+def biased(op, pattern, entries):
+    """op (_three_s or _multigraph) with the scores summed into a bias [nnz, H] at the entries."""
+
     def attend(q, k, v, scores):
         bias = scores.new_zeros(pattern.nnz, scores.shape[1])
-        bias = bias.index_put((entries,), scores, accumulate=True)
-        return trisparse.sparse_attention(q, k, v, pattern, bias=bias)
+        return op(q, k, v, pattern, bias.index_put((entries,), scores, accumulate=True))
 
     return attend
 
 
-def ours_with_build(batch, edge_index):
+def biased_with_build(op, batch, edge_index):
     def attend(q, k, v, scores):
         pattern = trisparse.Pattern.from_batch(batch)
-        return ours(pattern, pattern.entries_of(edge_index))(q, k, v, scores)
-
-    return attend
-
-
-def edge(pattern, entries):
-    def attend(q, k, v, scores):
-        bias = scores.new_zeros(pattern.nnz, scores.shape[1])
-        bias = bias.index_put((entries,), scores, accumulate=True)
-        return trisparse.edge_attention(q, k, v, pattern, q.shape[-1] ** -0.5, bias=bias)[0]
-
-    return attend
-
-
-def edge_with_build(batch, edge_index):
-    def attend(q, k, v, scores):
-        pattern = trisparse.Pattern.from_batch(batch)
-        return edge(pattern, pattern.entries_of(edge_index))(q, k, v, scores)
+        return biased(op, pattern, pattern.entries_of(edge_index))(q, k, v, scores)
 
     return attend
 
@@ -147,23 +138,6 @@ def reference(q, k, v, scores, edge_index, batch, ptr, dout):
     return [out.detach(), *(t.grad for t in leaves)]
 
 
-def step_of(attend, q, k, v, scores, dout):
-    leaves = [t.detach().requires_grad_() for t in (q, k, v, scores)]
-
-    def step():
-        for t in leaves:
-            t.grad = None
-        out = attend(*leaves)
-        out.backward(dout)
-        return out
-
-    def result():
-        out = step()
-        return [out.detach(), *(t.grad for t in leaves)]
-
-    return step, result
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("graph", help="the union graph's edge list (tu_nci1.el.xz)")
@@ -199,11 +173,12 @@ def main():
             want = reference(q, k, v, scores, ei, batch, ptr.to(dev), dout)
             pattern = trisparse.Pattern.from_batch(batch)
             pattern.plan(dev, gradients=True)
-            cases = [("trisparse", ours(pattern, pattern.entries_of(ei)))]
-            cases += [("trisparse_build", ours_with_build(batch, ei))]
+            entries = pattern.entries_of(ei)
             pattern.edge_attention_plan(dev)
-            cases += [("trisparse_edge", edge(pattern, pattern.entries_of(ei)))]
-            cases += [("trisparse_edge_build", edge_with_build(batch, ei))]
+            cases = [("trisparse", biased(_three_s, pattern, entries))]
+            cases += [("trisparse_build", biased_with_build(_three_s, batch, ei))]
+            cases += [("trisparse_edge", biased(_multigraph, pattern, entries))]
+            cases += [("trisparse_edge_build", biased_with_build(_multigraph, batch, ei))]
             cases += [("pyg_padded", padded(batch, ei, start, n_max))]
             try:
                 begin, end = torch.cuda.Event(True), torch.cuda.Event(True)
@@ -216,19 +191,7 @@ def main():
                 cases.append(("flex_build", lambda *t: flex(batch, ei, start, n_max, compiled)(*t)))
             except Exception as e:  # noqa: BLE001 - reported in the row, then the others
                 rec["flex"] = {"error": str(e).splitlines()[0][:200]}
-            for name, attend in cases:
-                try:
-                    step, result = step_of(attend, q, k, v, scores, dout)
-                    err = rel(result(), want)
-                    torch.cuda.synchronize()
-                    base = torch.cuda.memory_allocated()
-                    torch.cuda.reset_peak_memory_stats()
-                    ms = events_ms(step, a.repeat)
-                    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-                    rec[name] = {"step_ms": ms, "peak_mib": peak, "rel_error": err}
-                except Exception as e:  # noqa: BLE001 - out of memory, a compile failure
-                    rec[name] = {"error": str(e).splitlines()[0][:200]}
-                torch.cuda.empty_cache()
+            time_cases(rec, cases, (q, k, v, dout, scores), want, a.repeat)
             print(json.dumps(rec), flush=True)
 
 
