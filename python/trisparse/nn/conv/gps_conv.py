@@ -306,7 +306,8 @@ class GPSConv(_PygGPSConv):
             bias = scores.new_zeros(pattern.nnz, heads).index_put(
                 (entries,), scores, accumulate=True
             )
-            if edge_attention_supported(pattern, q, heads):  # grouped on the GPU
+            # the multigraph kernels (grouped on the GPU); compiled: the ops torch traces
+            if edge_attention_supported(pattern, q, heads) and not torch.compiler.is_compiling():
                 out, _ = edge_attention(q, k, v, pattern, scale, dropout=dropout, bias=bias)
             elif dropout > 0:
                 alpha = edge_softmax(scale * sddmm(q, k, pattern) + bias, pattern)
