@@ -64,7 +64,10 @@ def view2(t: torch.Tensor | None) -> tuple | None:
 
 def aligned16(t: torch.Tensor) -> bool:
     """Whether the CUDA kernels' 16-byte row loads take [rows, H, D] t as it is: a unit last
-    stride, row and head strides that are multiples of 8 elements, a 16-byte aligned start."""
+    stride, row and head strides that are multiples of 8 elements, a 16-byte aligned start. False
+    while torch.compile traces (a traced graph has no pointer to test: the callers' copy is)."""
+    if torch.compiler.is_compiling():
+        return False
     s = t.stride()
     return s[-1] == 1 and s[0] % 8 == 0 and s[1] % 8 == 0 and t.data_ptr() % 16 == 0
 
