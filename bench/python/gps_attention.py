@@ -155,13 +155,22 @@ def step_of(attend, q, k, v, dout, *more):
     return step, result
 
 
-def time_cases(rec, cases, inputs, want, repeat):
+def inputs(n, heads, dim, dev):
+    """(the generator, seed 1 on dev, that drew them; bf16 q, k, v and dout [n, heads, dim])."""
+    g = torch.Generator(device=dev).manual_seed(1)
+    tensors = [
+        torch.randn(n, heads, dim, generator=g, device=dev, dtype=torch.bfloat16) for _ in range(4)
+    ]
+    return g, tensors
+
+
+def time_cases(rec, cases, args, want, repeat):
     """rec[name] = step_ms, peak_mib (beyond what was allocated before) and rel_error against
     want (None for names ending _dropout) of each (name, attend) of cases, stepped by
-    step_of(attend, *inputs); an error's first line where one fails."""
+    step_of(attend, *args); an error's first line where one fails."""
     for name, attend in cases:
         try:
-            step, result = step_of(attend, *inputs)
+            step, result = step_of(attend, *args)
             got = result()  # also leaves the gradients allocated, as in the others
             err = None if name.endswith("_dropout") else rel(got, want)
             torch.cuda.synchronize()
@@ -203,11 +212,7 @@ def main():
             n = int(ptr[-1])
             for hd in a.heads_dims:
                 heads, dim = (int(v) for v in hd.split("x"))
-                g = torch.Generator(device=dev).manual_seed(1)
-                q, k, v, dout = (
-                    torch.randn(n, heads, dim, generator=g, device=dev, dtype=torch.bfloat16)
-                    for _ in range(4)
-                )
+                _, (q, k, v, dout) = inputs(n, heads, dim, dev)
                 rec = {"set": os.path.basename(path).split(".")[0], "graphs": sizes.numel()}
                 rec.update(nodes=n, max_nodes=int(sizes.max()), heads=heads, dim=dim)
                 rec.update(pairs=int((sizes * sizes).sum()), dtype="bf16")

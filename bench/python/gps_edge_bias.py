@@ -37,7 +37,7 @@ import trisparse.datasets
 from torch_geometric.utils import to_dense_batch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gps_attention import read_ptr, time_cases
+from gps_attention import inputs, read_ptr, time_cases
 
 
 def dense_bias(scores, edge_index, batch, start, n_max):
@@ -161,11 +161,7 @@ def main():
         start, n_max = ptr[:-1].to(dev), int(sizes.max())
         for hd in a.heads_dims:
             heads, dim = (int(v) for v in hd.split("x"))
-            g = torch.Generator(device=dev).manual_seed(1)
-            q, k, v, dout = (
-                torch.randn(n, heads, dim, generator=g, device=dev, dtype=torch.bfloat16)
-                for _ in range(4)
-            )
+            g, (q, k, v, dout) = inputs(n, heads, dim, dev)
             scores = torch.randn(ei.shape[1], heads, generator=g, device=dev)
             rec = {"set": "tu_nci1", "graphs": sizes.numel(), "nodes": n, "edges": ei.shape[1]}
             rec.update(max_nodes=n_max, heads=heads, dim=dim, pairs=int((sizes * sizes).sum()))
