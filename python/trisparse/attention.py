@@ -142,7 +142,12 @@ def _checked_bias(bias, q: Tensor, pattern: Pattern) -> Tensor:
     if not bias.is_floating_point():
         raise TypeError(f"bias must be a float tensor, got {bias.dtype}")
     shapes = ((pattern.nnz,), (pattern.nnz, q.shape[1]))
-    if tuple(bias.shape) not in shapes:
+    if torch.compiler.is_compiling() and bias.dim() in (1, 2):
+        # A bias made in the traced graph from the pattern (log_multiplicity's counts) has a
+        # size the compiler cannot read: stated here, checked when the graph runs.
+        torch._check(bias.shape[0] == pattern.nnz)
+        torch._check(bias.dim() == 1 or bias.shape[1] == q.shape[1])
+    elif tuple(bias.shape) not in shapes:
         raise ValueError(
             f"bias must have shape [nnz] or [nnz, heads] = {list(shapes[0])} or "
             f"{list(shapes[1])} (one value per pattern entry, in entry order), got "

@@ -35,7 +35,7 @@ class _PatternCache:
         if torch.compiler.is_compiling():
             # Under torch.compile the Pattern is built from the real edge_index when the graph
             # is traced and baked into it (building it is data-dependent: no graph can hold it).
-            return _TRACED[_traced_pattern(self, adj, num_src, num_dst, add_self_loops)]
+            return _TRACED[_traced_pattern(adj, num_src, num_dst, add_self_loops)]
         return self._get(adj, num_src, num_dst, add_self_loops)
 
     def _get(self, adj, num_src: int, num_dst: int, add_self_loops: bool) -> Pattern:
@@ -61,13 +61,18 @@ _TRACED: dict[int, Pattern] = {}
 
 
 @torch._dynamo.assume_constant_result
-def _traced_pattern(cache, adj, num_src: int, num_dst: int, add_self_loops: bool) -> int:
+def _traced_pattern(adj, num_src: int, num_dst: int, add_self_loops: bool) -> int:
     """Run by torch.compile while tracing, on the real edge_index: its Pattern's id, a constant
     of the compiled graph. The graph then serves that edge_index; a model called with another
-    graph of the same shape must be recompiled (torch.compiler.reset()) or given a Pattern."""
-    pattern = cache._get(adj, num_src, num_dst, add_self_loops)
+    graph of the same shape must be recompiled (torch.compiler.reset()) or given a Pattern. The
+    layers share one cache here: torch 2.11's dynamo takes no object argument to a constant
+    result."""
+    pattern = _TRACE_CACHE._get(adj, num_src, num_dst, add_self_loops)
     _TRACED[pattern.id] = pattern
     return pattern.id
+
+
+_TRACE_CACHE = _PatternCache()
 
 
 def _generic_propagate(self, edge_index, size=None, **kwargs):

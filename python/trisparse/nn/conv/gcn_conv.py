@@ -49,7 +49,8 @@ class GCNConv(_Fused, _PygGCNConv):
     def _propagation(self, x: Tensor, edge_index: Tensor, edge_weight) -> SparseMatrix:
         if torch.compiler.is_compiling():
             # Built from the real graph while torch.compile traces, and baked into the graph.
-            return _TRACED[_traced_matrix(self, x.size(0), x.dtype, edge_index, edge_weight)]
+            settings = (self.normalize, self.improved, self.add_self_loops, self.flow)
+            return _TRACED[_traced_matrix(settings, x.size(0), x.dtype, edge_index, edge_weight)]
         return self._cached_propagation(x.size(0), x.dtype, edge_index, edge_weight)
 
     def _cached_propagation(self, n: int, dtype, edge_index: Tensor, edge_weight) -> SparseMatrix:
@@ -62,27 +63,8 @@ class GCNConv(_Fused, _PygGCNConv):
         )
         if self._matrix is not None and (self.cached or _same_key(self._matrix_key, key)):
             return self._matrix
-        if edge_index.layout != torch.strided:  # a torch.sparse adj_t (rows: targets)
-            adj = edge_index
-            if self.normalize:  # PyG's gcn_norm of it; edge_weight unused, as in PyG
-                adj, _ = gcn_norm(
-                    adj, None, n, self.improved, self.add_self_loops, self.flow, dtype
-                )
-            coo = adj.to_sparse_coo().coalesce()
-            rows, cols = coo.indices()
-            self._matrix = SparseMatrix(rows, cols, coo.values(), n, n)
-            self._matrix_key = key
-            return self._matrix
-        _check_graph(edge_index, edge_weight, n)  # (gcn_norm indexes with them)
-        if self.normalize:
-            ei, w = gcn_norm(
-                edge_index, edge_weight, n, self.improved, self.add_self_loops, self.flow, dtype
-            )
-        else:
-            ei = edge_index
-            w = edge_weight if edge_weight is not None else torch.ones(ei.size(1))
-        src, dst = (ei[0], ei[1]) if self.flow == "source_to_target" else (ei[1], ei[0])
-        self._matrix = SparseMatrix(dst, src, w, n, n)
+        settings = (self.normalize, self.improved, self.add_self_loops, self.flow)
+        self._matrix = _propagation_matrix(settings, n, dtype, edge_index, edge_weight)
         self._matrix_key = key
         return self._matrix
 
@@ -227,14 +209,38 @@ def _same_key(old, new) -> bool:
     )
 
 
+def _propagation_matrix(settings, n: int, dtype, edge_index: Tensor, edge_weight) -> SparseMatrix:
+    """The propagation matrix of a graph: an edge_index (with edge_weight) or a torch.sparse
+    adj_t, normalised as PyG's gcn_norm where `settings` = (normalize, improved, add_self_loops,
+    flow) asks."""
+    normalize, improved, add_self_loops, flow = settings
+    if edge_index.layout != torch.strided:  # a torch.sparse adj_t (rows: targets)
+        adj = edge_index
+        if normalize:  # PyG's gcn_norm of it; edge_weight unused, as in PyG
+            adj, _ = gcn_norm(adj, None, n, improved, add_self_loops, flow, dtype)
+        coo = adj.to_sparse_coo().coalesce()
+        rows, cols = coo.indices()
+        return SparseMatrix(rows, cols, coo.values(), n, n)
+    _check_graph(edge_index, edge_weight, n)  # (gcn_norm indexes with them)
+    if normalize:
+        ei, w = gcn_norm(edge_index, edge_weight, n, improved, add_self_loops, flow, dtype)
+    else:
+        ei = edge_index
+        w = edge_weight if edge_weight is not None else torch.ones(ei.size(1))
+    src, dst = (ei[0], ei[1]) if flow == "source_to_target" else (ei[1], ei[0])
+    return SparseMatrix(dst, src, w, n, n)
+
+
 # The matrices that compiled graphs hold (by id), kept alive for them.
 _TRACED: dict[int, SparseMatrix] = {}
 
 
 @torch._dynamo.assume_constant_result
-def _traced_matrix(layer, n: int, dtype, edge_index, edge_weight) -> int:
+def _traced_matrix(settings, n: int, dtype, edge_index, edge_weight) -> int:
     """Run by torch.compile while tracing, on the real graph: the propagation matrix's id, a
-    constant of the compiled graph (a model given another graph must be recompiled)."""
-    matrix = layer._cached_propagation(n, dtype, edge_index, edge_weight)
+    constant of the compiled graph (a model given another graph must be recompiled). It takes
+    the layer's settings, not the layer: torch 2.11's dynamo takes no object argument to a
+    constant result."""
+    matrix = _propagation_matrix(settings, n, dtype, edge_index, edge_weight)
     _TRACED[id(matrix)] = matrix
     return id(matrix)
