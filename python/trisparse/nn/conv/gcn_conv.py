@@ -49,9 +49,15 @@ class GCNConv(_Fused, _PygGCNConv):
     def _propagation(self, x: Tensor, edge_index: Tensor, edge_weight) -> SparseMatrix:
         if torch.compiler.is_compiling():
             # Built from the real graph while torch.compile traces, and baked into the graph.
-            settings = (self.normalize, self.improved, self.add_self_loops, self.flow)
-            return _TRACED[_traced_matrix(settings, x.size(0), x.dtype, edge_index, edge_weight)]
+            return _TRACED[
+                _traced_matrix(self._settings(), x.size(0), x.dtype, edge_index, edge_weight)
+            ]
         return self._cached_propagation(x.size(0), x.dtype, edge_index, edge_weight)
+
+    def _settings(self) -> tuple:
+        """What the propagation matrix depends on besides the graph: (normalize, improved,
+        add_self_loops, flow)."""
+        return (self.normalize, self.improved, self.add_self_loops, self.flow)
 
     def _cached_propagation(self, n: int, dtype, edge_index: Tensor, edge_weight) -> SparseMatrix:
         key = (
@@ -63,8 +69,7 @@ class GCNConv(_Fused, _PygGCNConv):
         )
         if self._matrix is not None and (self.cached or _same_key(self._matrix_key, key)):
             return self._matrix
-        settings = (self.normalize, self.improved, self.add_self_loops, self.flow)
-        self._matrix = _propagation_matrix(settings, n, dtype, edge_index, edge_weight)
+        self._matrix = _propagation_matrix(self._settings(), n, dtype, edge_index, edge_weight)
         self._matrix_key = key
         return self._matrix
 
