@@ -825,10 +825,11 @@ def test_gps_conv_edge_bias_on_cuda_matches_float64(autocast):
     for i in range(3):  # out, x's and edge_attr's gradients
         assert relerr(got[i], want[i]) <= tol, i
     # Normwise over the parameters: some gradients are zero up to rounding (BatchNorm cancels
-    # out_proj's bias).
+    # out_proj's bias). Under autocast the MLP's weight gradients sum products of bf16 activations
+    # downstream of the attention and two norms (H100: mlp.0.weight 3.1 % of the largest).
     norm = max(float(w.abs().max()) for w in want[3:])
     for i, (a, w) in enumerate(zip(got[3:], want[3:])):
-        assert (a - w).abs().max() <= tol * norm, i
+        assert (a - w).abs().max() <= (5e-2 if autocast else tol) * norm, i
     again = result(ours, "cuda")
     assert all(torch.equal(a, b) for a, b in zip(got[1:], again[1:]))
 
