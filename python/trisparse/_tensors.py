@@ -42,24 +42,57 @@ def dtype_code(dtype: torch.dtype) -> int:
     return _DTYPE_CODES[dtype]
 
 
-def view(t: torch.Tensor) -> tuple:
-    """A [rows, heads, dim] tensor whose last dimension is contiguous, as _C's tensor tuple. (On
-    every op's path: one shape and one stride query, and no torch.device object.)"""
+def foldable(t: torch.Tensor) -> bool:
+    """Whether [B, H, N, D] t can be seen as [N, B * H, D] (head b * H + h: sequence b's head h)
+    without a copy: its heads evenly spaced (B = 1, H = 1, or a batch stride of H head strides).
+    Other ranks: True."""
+    if t.dim() != 4:
+        return True
+    s = t.stride()
+    return t.shape[0] == 1 or t.shape[1] == 1 or s[0] == t.shape[1] * s[1]
+
+
+def rows_heads(t: torch.Tensor) -> tuple[int, int]:
+    """(rows, heads) of a [rows, H, D] tensor or of [B, H, N, D] as `view` sees it: (N, B * H)."""
+    shape = t.shape
+    if len(shape) == 4:
+        return shape[2], shape[0] * shape[1]
+    return shape[0], shape[1]
+
+
+def _device(t: torch.Tensor) -> int:
+    """view's device code, without a torch.device object where it can."""
     if t.is_cuda:
-        device = t.get_device()
-    elif t.is_cpu:
-        device = -1
-    else:
-        device = device_index(t.device)  # raises, naming the device
-    rows, heads, dim = t.shape
+        return t.get_device()
+    if t.is_cpu:
+        return -1
+    return device_index(t.device)  # raises, naming the device
+
+
+def view(t: torch.Tensor) -> tuple:
+    """A [rows, heads, dim] tensor whose last dimension is contiguous, or a `foldable` [B, H, N,
+    D] one as [N, B * H, D] (no torch view made), as _C's tensor tuple. (On every op's path: one
+    shape and one stride query, and no torch.device object.)"""
+    shape = t.shape
     stride = t.stride()
-    return (t.data_ptr(), _DTYPE_CODES[t.dtype], device, rows, heads, dim, stride[0], stride[1])
+    if len(shape) == 4:
+        b, h, n, d = shape
+        if not foldable(t):
+            raise ValueError(f"a [B, H, N, D] tensor of strides {stride} has no [N, B * H, D] view")
+        rows, heads, dim = n, b * h, d
+        stride = (stride[2], stride[0] if h == 1 else stride[1])
+    else:
+        rows, heads, dim = shape
+    return (t.data_ptr(), _DTYPE_CODES[t.dtype], _device(t), rows, heads, dim, stride[0], stride[1])
 
 
 def view2(t: torch.Tensor | None) -> tuple | None:
     """A [n, H] tensor (per node or per edge, one value a head) as the [n, H, 1] view the plans
-    take; None stays None."""
-    return None if t is None else view(t.unsqueeze(-1))
+    take (no torch view made); None stays None."""
+    if t is None:
+        return None
+    (n, h), (s0, s1) = t.shape, t.stride()
+    return (t.data_ptr(), _DTYPE_CODES[t.dtype], _device(t), n, h, 1, s0, s1)
 
 
 def aligned16(t: torch.Tensor) -> bool:
@@ -77,9 +110,18 @@ def rows16(t: torch.Tensor) -> torch.Tensor:
     return t if aligned16(t) else t.contiguous()
 
 
+# torch's current stream as an integer without a torch.cuda.Stream object (what inductor's
+# generated code calls); torch.cuda.current_stream where a build lacks it.
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def stream(device: torch.device) -> int:
     """torch's current stream on `device` as an integer (0 on the CPU)."""
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    if device.type != "cuda":
+        return 0
+    if _RAW_STREAM is not None and device.index is not None:
+        return _RAW_STREAM(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def workspace(nbytes: int, device: torch.device) -> tuple[torch.Tensor | None, int, int]:

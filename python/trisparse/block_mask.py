@@ -304,6 +304,14 @@ def _topk_on_plan(q: Tensor, k: Tensor, block: int, top_k: int, causal: bool, ke
     return mask
 
 
+@torch.compiler.assume_constant_result
+def _folded_id(mask: int, batch: int, heads: int) -> int:
+    """The id of mask `mask` folded for `batch` sequences of `heads` heads (`BlockMask.folded`):
+    a constant to torch.compile, which cannot trace a new mask's registration (the fold is made
+    while tracing and kept on the mask)."""
+    return _masks.lookup(mask).folded(batch, heads).id
+
+
 def _packed(t: Tensor) -> Tensor:  # [B, H, N, D] -> [B * N, H, D]
     return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
 

@@ -16,7 +16,7 @@ from .autograd.block_sparse import _forward_eager
 from .block_mask import (
     BlockImportance,
     BlockMask,
-    _heads_folded,
+    _folded_id,
     _packed,
     _topk_on_plan,
 )
@@ -135,6 +135,7 @@ def block_sparse_attention(
                 f"mask must be a trisparse.BlockMask or a FlexAttention BlockMask, got "
                 f"{type(mask).__name__}"
             )
+    mask_id = mask.id
     packed = cu_seqlens_q is not None
     if cu_seqlens_k is not None and not packed:
         raise ValueError("cu_seqlens_k needs cu_seqlens_q")
@@ -179,16 +180,19 @@ def block_sparse_attention(
                 f"mask: {mask.shape[0]} sequences' and {mask.shape[1]} heads' "
                 f"masks for a batch of {b} sequences of {h} heads"
             )
-        folded = [_heads_folded(t) for t in (q, k, v)]
-        heads_folded = all(t is not None for t in folded)
-        if heads_folded:  # [B, H, N, D] as [N, B * H, D]: no copy
-            qp, kp, vp = folded
+        heads_folded = all(_tensors.foldable(t) for t in (q, k, v))
+        if heads_folded:  # [B, H, N, D] seen as [N, B * H, D] by the op: no copy, no view
+            qp, kp, vp = q, k, v
             cu_q, cu_k = [0, n_q], [0, n_k]
-            mask = mask.folded(b, h)
+            if torch.compiler.is_compiling():  # (a constant: the fold is made while tracing)
+                mask_id = _folded_id(mask.id, b, h)
+            else:  # (a top-k mask's fold is a new object, held until the op's context holds it)
+                mask = mask.folded(b, h)
+                mask_id = mask.id
         else:  # as [B * N, H, D], B sequences: a view where the rows are outermost, else a copy
             cu_q, cu_k = [i * n_q for i in range(b + 1)], [i * n_k for i in range(b + 1)]
             qp, kp, vp = _packed(q), _packed(k), _packed(v)
-    if mask.shape[1] not in (1, qp.shape[1]):
+    if (packed or not heads_folded) and mask.shape[1] not in (1, qp.shape[1]):
         raise ValueError(f"mask: {mask.shape[1]} heads' masks for {h} heads")
     scale = _tensors.resolve_scale(scale, d)
     if not 0.0 <= dropout_p < 1.0:
@@ -218,7 +222,7 @@ def block_sparse_attention(
         qp,
         kp,
         vp,
-        mask.id,
+        mask_id,
         cu_q,
         cu_k,
         scale,
@@ -230,13 +234,11 @@ def block_sparse_attention(
     )
     if measure:
         mass = torch.ops.trisparse.block_sparse_attention_mass(
-            qp, kp, lse, mask.id, cu_q, cu_k, scale
+            qp, kp, lse, mask_id, cu_q, cu_k, scale
         )
         importance._record(mass, mass.new_empty(0), importance._shape)
-    if packed:
+    if packed or heads_folded:
         return out
-    if heads_folded:
-        return out.transpose(0, 1).view(b, h, n_q, v.shape[3])
     return out.view(b, n_q, h, v.shape[3]).transpose(1, 2)
 
 

@@ -18,10 +18,6 @@ def _lse_shape(q: Tensor, with_lse: bool) -> tuple[int, ...]:
     return (q.shape[0], q.shape[1]) if with_lse else (0,)
 
 
-def _lse_view(lse: Tensor) -> tuple:
-    return _tensors.view(lse.unsqueeze(-1))
-
-
 def _bias_view(bias: Tensor | None) -> tuple | None:
     """[nnz, H] or [nnz] (shared by the heads) as the plans' [nnz, H, 1] or [nnz, 1, 1] view."""
     if bias is None:
@@ -62,7 +58,7 @@ def _forward(
         _tensors.view(k),
         _tensors.view(v),
         _tensors.view(out),
-        _lse_view(lse) if with_lse else None,
+        _tensors.view2(lse) if with_lse else None,
         _bias_view(bias),
         scale,
         "automatic",  # the fastest; on the CPU float64 in float64 (gradcheck)
@@ -103,10 +99,10 @@ def _backward_op(
     _owner, ws, ws_bytes = _tensors.workspace(ws_need, q.device)
     plan.backward(
         *(_tensors.view(t) for t in (q, k, v, out)),
-        _lse_view(lse) if lse.dim() == 2 else None,
+        _tensors.view2(lse) if lse.dim() == 2 else None,
         *(_tensors.view(t) for t in (dout, dq, dk, dv)),
         _bias_view(bias),
-        _tensors.view(dbias.unsqueeze(-1)) if with_dbias else None,
+        _tensors.view2(dbias) if with_dbias else None,
         scale,
         "automatic",  # the fastest; on the CPU float64 in float64 (gradcheck)
         _tensors.stream(q.device),

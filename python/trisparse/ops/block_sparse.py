@@ -18,8 +18,15 @@ def _plan(q: Tensor, mask: int, cu_q: list[int], cu_k: list[int]):
 
 
 def _out_like(q: Tensor, dim: int) -> Tensor:
-    """[rows, H, dim] in q's layout: heads outermost where q's are (q from [B, H, N, D], seen as
-    [N, B * H, D]), so that the result is [B, H, N, Dv] as q was given; else rows outermost."""
+    """The output in q's layout: for q [B, H, N, D], [B, H, N, dim] with the heads outside the
+    rows unless q's are inside them (one sequence of [1, N, H, D] as a transposed view); for q
+    [rows, H, D], heads outermost where q's are (q from [B, H, N, D], seen as [N, B * H, D]),
+    else rows outermost."""
+    if q.dim() == 4:
+        b, h, n, _ = q.shape
+        if h > 1 and n > 1 and q.stride(1) < q.stride(2):
+            return q.new_empty(b, n, h, dim).transpose(1, 2)
+        return q.new_empty(b, h, n, dim)
     rows, heads = q.shape[0], q.shape[1]
     if heads > 1 and rows > 1 and q.stride(1) > q.stride(0):
         return q.new_empty(heads, rows, dim).transpose(0, 1)
@@ -33,9 +40,11 @@ def _lse_dtype(q: Tensor) -> torch.dtype:
 
 def _forward_outputs(q: Tensor, v: Tensor, with_lse: bool) -> tuple[Tensor, Tensor]:
     """The forward's out (in q's layout) and, when a gradient is needed (`with_lse`), the
-    log-sum-exp the backward reads, unwritten (the op's and its fake's)."""
-    lse = q.new_empty(q.shape[0] if with_lse else 0, q.shape[1], dtype=_lse_dtype(q))
-    return _out_like(q, v.shape[2]), lse
+    log-sum-exp the backward reads, [rows, heads] as `_tensors.view` sees q, unwritten (the op's
+    and its fake's)."""
+    rows, heads = _tensors.rows_heads(q)
+    lse = q.new_empty(rows if with_lse else 0, heads, dtype=_lse_dtype(q))
+    return _out_like(q, v.shape[-1]), lse
 
 
 @torch.library.custom_op("trisparse::block_sparse_attention", mutates_args=())
@@ -53,9 +62,11 @@ def _forward(
     dropout_state: Tensor | None = None,
     block_bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Packed [rows, H, D] tensors, sequence i at rows cu_q[i]:cu_q[i + 1] (keys cu_k); returns
-    out and, with `with_lse`, each row's log-sum-exp (f32 [rows, H], f64 for float64 inputs;
-    else [0, H]), which the backward reads instead of recomputing the forward.
+    """Packed [rows, H, D] tensors, sequence i at rows cu_q[i]:cu_q[i + 1] (keys cu_k), or one
+    sequence of [B, H, N, D] tensors whose heads fold (`_tensors.foldable`: seen as [N, B * H,
+    D], no copy; out [B, H, N, Dv]); returns out and, with `with_lse`, each row's log-sum-exp
+    (f32 [rows, H], f64 for float64 inputs; else [0, H]), which the backward reads instead of
+    recomputing the forward.
     `importance`: the id of a BlockImportance the backward fills (0: none). `dropout`: attention
     dropout drawn in the CUDA kernels from `dropout_state` ({seed, offset}, int64 [2] on q's
     device). `block_bias`: a score bias per kept block, [sequences * query blocks, H or 1, key
@@ -63,12 +74,12 @@ def _forward(
     plan = _plan(q, mask, cu_q, cu_k)
     out, lse = _forward_outputs(q, v, with_lse)
     _owner, ws, ws_bytes = _tensors.workspace(
-        plan.workspace_bytes(q.shape[1], max(q.shape[2], v.shape[2])), q.device
+        plan.workspace_bytes(_tensors.rows_heads(q)[1], max(q.shape[-1], v.shape[-1])), q.device
     )
     with_lse = lse.shape[0] > 0 and plan.backend in ("cuda_block", "cpu_block")
     plan.run(
         *(_tensors.view(t) for t in (q, k, v, out)),
-        _tensors.view(lse.unsqueeze(-1)) if with_lse else None,
+        _tensors.view2(lse) if with_lse else None,
         scale,
         _tensors.stream(q.device),
         ws,
@@ -134,22 +145,23 @@ def _backward_op(
     (block_bias's shape and dtype, summed over the heads where it has one; zeros where the mask
     drops a block; else [0]: a bias that needs no gradient costs no dB pass)."""
     plan = _plan(q, mask, cu_q, cu_k)
-    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    dout = dout if dout.stride(-1) == 1 and _tensors.foldable(dout) else dout.contiguous()
+    rows, heads = _tensors.rows_heads(q)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     mass, grad = _importance_like(q, mask, cu_q, cu_k, importance)
     dbias = _dbias_like(q, block_bias) if bias_grad else None
     on_cuda = _on_block_kernel(plan, q, "backward")
     sums = importance > 0 or dbias is not None  # (dB: the importance's partial sums)
     _owner, ws, ws_bytes = _tensors.workspace(
-        plan.backward_workspace_bytes(q.shape[1], sums) if on_cuda else 0, q.device
+        plan.backward_workspace_bytes(heads, sums) if on_cuda else 0, q.device
     )
     blocks = [_tensors.view(t.flatten(0, 1)) if t.numel() else None for t in (mass, grad)]
     # The forward's out and lse where it wrote them (the CPU recomputes them without).
-    saved = on_cuda or lse.shape[0] == q.shape[0] > 0
+    saved = on_cuda or lse.shape[0] == rows > 0
     plan.backward(
         *(_tensors.view(t) for t in (q, k, v)),
         _tensors.view(out) if saved else None,
-        _tensors.view(lse.unsqueeze(-1)) if saved else None,
+        _tensors.view2(lse) if saved else None,
         *(_tensors.view(t) for t in (dout, dq, dk, dv)),
         scale,
         _tensors.stream(q.device),
@@ -178,12 +190,12 @@ def _mass_op(
     mass, _ = _importance_like(q, mask, cu_q, cu_k, 1)
     on_cuda = _on_block_kernel(plan, q, "block mass")
     _owner, ws, ws_bytes = _tensors.workspace(
-        plan.block_mass_workspace_bytes(q.shape[1]) if on_cuda else 0, q.device
+        plan.block_mass_workspace_bytes(_tensors.rows_heads(q)[1]) if on_cuda else 0, q.device
     )
     plan.block_mass(
         _tensors.view(q),
         _tensors.view(k),
-        _tensors.view(lse.unsqueeze(-1)) if on_cuda else None,
+        _tensors.view2(lse) if on_cuda else None,
         _tensors.view(mass.flatten(0, 1)),
         scale,
         _tensors.stream(q.device),
@@ -202,7 +214,8 @@ def _dbias_like(q: Tensor, block_bias: Tensor | None) -> Tensor | None:
     """Zeroed dB for the kernels: block_bias's rows and key blocks, every head of q."""
     if block_bias is None:
         return None
-    return block_bias.new_zeros(block_bias.shape[0], q.shape[1], block_bias.shape[2])
+    heads = _tensors.rows_heads(q)[1]
+    return block_bias.new_zeros(block_bias.shape[0], heads, block_bias.shape[2])
 
 
 def longest_blocks(cu: list[int], g: int) -> int:
@@ -218,7 +231,8 @@ def _importance_like(q, mask, cu_q, cu_k, importance):
     if not importance:  # (two tensors: a custom op's outputs may not alias)
         return q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32)
     g = _masks.lookup(mask).block_size
-    shape = (len(cu_q) - 1, longest_blocks(cu_q, g), q.shape[1], longest_blocks(cu_k, g))
+    heads = _tensors.rows_heads(q)[1]
+    shape = (len(cu_q) - 1, longest_blocks(cu_q, g), heads, longest_blocks(cu_k, g))
     mass = q.new_zeros(shape, dtype=torch.float32)
     if importance == 1:  # (empty: nothing to fill)
         return mass, q.new_empty(0, dtype=torch.float32)
