@@ -1517,9 +1517,11 @@ def test_head_product_kernels_equal_float64(heads, a, b):
 
 
 def test_projection_under_autocast_keeps_x_in_float32():
-    """TransformerConv's projection of many rows under bf16 autocast (_linear): output and the
-    gradients of x, the weight and the bias bitwise F.linear's under autocast, with x saved for
-    the backward as the float32 input (no [N, in] 16-bit copy kept)."""
+    """TransformerConv's projection of many rows under bf16 autocast (_linear): the output bitwise
+    F.linear's under autocast, with x saved for the backward as the float32 input (no [N, in]
+    16-bit copy kept); the gradients of x, the weight and the bias written in float32 by the
+    products themselves (the bias's as a column of the weight's): within float32 accumulation of
+    the float64 products of the same 16-bit operands, where autocast's are rounded to bf16."""
     from trisparse.nn.conv import _common
 
     gen = torch.Generator(device="cuda").manual_seed(21)
@@ -1545,8 +1547,12 @@ def test_projection_under_autocast_keeps_x_in_float32():
 
     got, saved = run(_common._linear)
     want, saved_autocast = run(torch.nn.functional.linear)
-    for a, e in zip(got, want, strict=True):
-        assert a.dtype == e.dtype and torch.equal(a, e)
+    assert got[0].dtype == want[0].dtype and torch.equal(got[0], want[0])
+    g64, x16, w16 = g.double(), x.bfloat16().double(), w.bfloat16().double()
+    exact = [g64 @ w16, g64.t() @ x16, g64.sum(0)]  # dx, dw, db of the 16-bit operands
+    for ours, autocast, e in zip(got[1:], want[1:], exact, strict=True):
+        assert ours.dtype == autocast.dtype == torch.float32 and ours.shape == autocast.shape
+        assert relerr(ours.double(), e) < 1e-5 <= relerr(autocast.double(), e)
     assert (torch.bfloat16, (rows, 32)) in saved_autocast
     assert (torch.bfloat16, (rows, 32)) not in saved and (torch.float32, (rows, 32)) in saved
 

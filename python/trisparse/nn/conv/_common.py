@@ -285,13 +285,23 @@ class _AutocastLinear(torch.autograd.Function):
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         dx = dw = db = None
-        # As autograd's addmm backward orders the products (grad @ w, grad^T @ x).
+        # As autograd's addmm backward orders the products (grad @ w, grad^T @ x), each written
+        # in float32 by the GEMM itself (no cast pass over its result).
         if ctx.needs_input_grad[0]:
-            dx = g.mm(w).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            dw = g.t().mm(x.to(w.dtype)).float()
-        if ctx.bias is not None and ctx.needs_input_grad[2]:
-            db = g.sum(0).to(ctx.bias)
+            dx = torch.mm(g, w, out_dtype=x.dtype)
+        with_bias = ctx.bias is not None and ctx.needs_input_grad[2]
+        if ctx.needs_input_grad[1] or with_bias:
+            # x in the products' dtype with a column of ones (padded to 8 columns for the tensor
+            # cores' alignment): the bias gradient g^T 1 is a column of the weight's product
+            # instead of a reduction pass over g.
+            n, k = x.shape
+            xa = x.new_empty(n, k + 8, dtype=w.dtype)
+            xa[:, :k].copy_(x)
+            xa[:, k:].zero_()
+            xa[:, k].fill_(1)
+            dwa = torch.mm(g.t(), xa, out_dtype=torch.float32)
+            dw = dwa[:, :k] if ctx.needs_input_grad[1] else None
+            db = dwa[:, k].to(ctx.bias) if with_bias else None
         return dx, dw, db, None
 
 
