@@ -17,7 +17,10 @@ torch.cuda.max_memory_allocated beyond what was allocated before it. Error: max 
 max |PyG| over the output and the gradients of x and the parameters, both in the same mode
 (rel_error below). --f64 also runs PyG's layer in float64 on the same inputs and reports both
 backends' fp32 errors against it (which side carries a difference). --profile adds, for our
-layer and PyG's, the CUDA kernels' time per step (torch.profiler, top 24) to each record.
+layer and PyG's, the CUDA kernels' time per step (torch.profiler, top 24) to each record. --host
+adds the step back to back (the host ahead of the GPU) and the host's enqueue time of the forward
+and of the backward (medians, the GPU held busy meanwhile so that no call waits on it): where
+their sum nears the GPU's step, the step from idle is the host's.
 One JSON line per (graph, mode); a backend out of memory is reported ("error"), not skipped.
 """
 
@@ -26,7 +29,9 @@ import itertools
 import json
 import os
 import platform
+import statistics
 import sys
+import time
 
 import torch
 import torch_geometric.nn
@@ -35,7 +40,7 @@ import trisparse.datasets
 import trisparse.nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention_training import events_ms, wall_ms
+from attention_training import back_to_back_ms, events_ms, wall_ms
 
 
 def run(layer, x, edge_index, edge_attr, dout, autocast, repeat):
@@ -72,6 +77,40 @@ def run(layer, x, edge_index, edge_attr, dout, autocast, repeat):
     tensors = [out.detach().float(), x.grad.float()] + [t.grad.float() for t in extra.values()]
     tensors = [t.clone() for t in tensors] + [p.grad.float().clone() for p in layer.parameters()]
     return {"step_ms": ms, "peak_mib": peak}, tensors
+
+
+def host_times(layer, x, edge_index, edge_attr, dout, autocast, repeat):
+    """Back-to-back ms a step and the host's enqueue ms of the forward and of the backward."""
+    x = x.detach().requires_grad_()
+    extra = {} if edge_attr is None else {"edge_attr": edge_attr.detach().requires_grad_()}
+
+    def forward():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        for t in extra.values():
+            t.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            return layer(x, edge_index, **extra)
+
+    def step():
+        out = forward()
+        out.backward(dout.to(out.dtype))
+
+    rec = {"b2b_ms": back_to_back_ms(step, repeat)}
+    fwd, bwd = [], []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU work queued ahead of the step
+        t0 = time.perf_counter()
+        out = forward()
+        t1 = time.perf_counter()
+        out.backward(dout.to(out.dtype))
+        t2 = time.perf_counter()
+        fwd.append((t1 - t0) * 1e3)
+        bwd.append((t2 - t1) * 1e3)
+    torch.cuda.synchronize()
+    rec.update(host_fwd_ms=statistics.median(fwd), host_bwd_ms=statistics.median(bwd))
+    return rec
 
 
 def profile_top(layer, x, edge_index, edge_attr, dout, autocast, steps=3):
@@ -146,6 +185,9 @@ def main():
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--f64", action="store_true", help="both fp32 runs against PyG in float64")
     ap.add_argument("--profile", action="store_true", help="each step's kernels (torch.profiler)")
+    ap.add_argument(
+        "--host", action="store_true", help="also back to back and the host's enqueue times"
+    )
     ap.add_argument(
         "--dropout", type=float, nargs="+", default=[0.0], help="attention dropouts (training)"
     )
@@ -238,6 +280,8 @@ def main():
                     ]
                 if a.profile:
                     r["profile"] = profile_top(layer, x, edge_index, edge_attr, dout, autocast)
+                if a.host and dev.type == "cuda":
+                    r.update(host_times(layer, x, edge_index, edge_attr, dout, autocast, a.repeat))
                 rec[name] = r
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
