@@ -267,6 +267,15 @@ def _few_rows_under_autocast(x: Tensor, w: Tensor) -> bool:
     )
 
 
+def _mm_f32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b of 16-bit operands, accumulated and written in float32: by the GEMM itself on CUDA
+    (out_dtype: no cast pass over the result), from float32 copies elsewhere (the CPU's mm has
+    no out_dtype)."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float().mm(b.float())
+
+
 class _AutocastLinear(torch.autograd.Function):
     """F.linear(x, weight, bias) as CUDA autocast computes it (x, weight and bias cast to the
     autocast dtype, the product and its gradients in it, the gradients cast back), saving x
@@ -288,7 +297,7 @@ class _AutocastLinear(torch.autograd.Function):
         # As autograd's addmm backward orders the products (grad @ w, grad^T @ x), each written
         # in float32 by the GEMM itself (no cast pass over its result).
         if ctx.needs_input_grad[0]:
-            dx = torch.mm(g, w, out_dtype=x.dtype)
+            dx = _mm_f32(g, w).to(x.dtype)
         with_bias = ctx.bias is not None and ctx.needs_input_grad[2]
         if ctx.needs_input_grad[1] or with_bias:
             # x in the products' dtype with a column of ones (padded to 8 columns for the tensor
@@ -299,7 +308,7 @@ class _AutocastLinear(torch.autograd.Function):
             xa[:, :k].copy_(x)
             xa[:, k:].zero_()
             xa[:, k].fill_(1)
-            dwa = torch.mm(g.t(), xa, out_dtype=torch.float32)
+            dwa = _mm_f32(g.t(), xa)
             dw = dwa[:, :k] if ctx.needs_input_grad[1] else None
             db = dwa[:, k].to(ctx.bias) if with_bias else None
         return dx, dw, db, None
