@@ -43,18 +43,29 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from attention_training import back_to_back_ms, events_ms, wall_ms
 
 
-def run(layer, x, edge_index, edge_attr, dout, autocast, repeat):
-    """Step time, peak memory beyond the inputs, and (output, gradients) of one step."""
+def leaves_and_forward(layer, x, edge_index, edge_attr, autocast):
+    """Fresh leaves x and {"edge_attr": ...} (or {}), and the layer's forward on them with every
+    gradient cleared first (under bf16 autocast with `autocast`)."""
     x = x.detach().requires_grad_()
     extra = {} if edge_attr is None else {"edge_attr": edge_attr.detach().requires_grad_()}
 
-    def step():
+    def forward():
         layer.zero_grad(set_to_none=True)
         x.grad = None
         for t in extra.values():
             t.grad = None
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            out = layer(x, edge_index, **extra)
+            return layer(x, edge_index, **extra)
+
+    return x, extra, forward
+
+
+def run(layer, x, edge_index, edge_attr, dout, autocast, repeat):
+    """Step time, peak memory beyond the inputs, and (output, gradients) of one step."""
+    x, extra, forward = leaves_and_forward(layer, x, edge_index, edge_attr, autocast)
+
+    def step():
+        out = forward()
         out.backward(dout.to(out.dtype))
         return out
 
@@ -81,16 +92,7 @@ def run(layer, x, edge_index, edge_attr, dout, autocast, repeat):
 
 def host_times(layer, x, edge_index, edge_attr, dout, autocast, repeat):
     """Back-to-back ms a step and the host's enqueue ms of the forward and of the backward."""
-    x = x.detach().requires_grad_()
-    extra = {} if edge_attr is None else {"edge_attr": edge_attr.detach().requires_grad_()}
-
-    def forward():
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
-        for t in extra.values():
-            t.grad = None
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            return layer(x, edge_index, **extra)
+    forward = leaves_and_forward(layer, x, edge_index, edge_attr, autocast)[2]
 
     def step():
         out = forward()
