@@ -304,12 +304,20 @@ def _topk_on_plan(q: Tensor, k: Tensor, block: int, top_k: int, causal: bool, ke
     return mask
 
 
+# The folded masks compiled graphs hold (by id): a graph baked with one must find it alive (a top-k
+# mask's fold is a new object each call, not cached on the mask).
+_TRACED_FOLDS: dict[int, BlockMask] = {}
+atexit.register(_TRACED_FOLDS.clear)
+
+
 @torch.compiler.assume_constant_result
 def _folded_id(mask: int, batch: int, heads: int) -> int:
     """The id of mask `mask` folded for `batch` sequences of `heads` heads (`BlockMask.folded`):
     a constant to torch.compile, which cannot trace a new mask's registration (the fold is made
-    while tracing and kept on the mask)."""
-    return _masks.lookup(mask).folded(batch, heads).id
+    while tracing and kept alive for the graph)."""
+    fold = _masks.lookup(mask).folded(batch, heads)
+    _TRACED_FOLDS[fold.id] = fold
+    return fold.id
 
 
 def _packed(t: Tensor) -> Tensor:  # [B, H, N, D] -> [B * N, H, D]
