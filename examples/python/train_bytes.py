@@ -20,6 +20,10 @@ oracle); the held-out sequence's own mass (oracle: how sparse its attention real
 oracle_mass_kept is the mass its blocks hold). local_strided is a band of blocks and every stride-th
 block below the diagonal, as close to (1 - s) of the causal blocks as its parameters come.
 
+--save-model PREFIX keeps the trained weights (bf16, files of at most 15 MiB) and --load-model PREFIX
+takes them instead of training: the error table again, on another machine, without the training
+(the text is that machine's standard library: another Python version's sources differ).
+
 --mode train trains the same model with dense attention and with a trisparse.PatternLearner per
 layer at each --sparsity (dense for --learner-warmup steps, then block-sparse under the pattern
 learned from the kernels' block importance) and reports the held-out bits per byte of each;
@@ -214,12 +218,47 @@ def layer_qkv(model, tokens, device, amp):
     return [tuple(t[0].float().cpu() for t in b.attn.saved) for b in model.blocks]
 
 
+def save_model(model, prefix, shard_bytes=15 << 20):
+    """The model's weights in bf16, in files `prefix`.<i>.pt of at most `shard_bytes` each (a
+    device call brings back files of up to 16 MiB), tensors in state_dict order."""
+    shards, size = [{}], 0
+    for name, t in model.state_dict().items():
+        t = t.detach().to("cpu", torch.bfloat16 if t.is_floating_point() else t.dtype)
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name], size = t, size + nbytes
+    for i, shard in enumerate(shards):
+        torch.save(shard, f"{prefix}.{i}.pt")
+
+
+def load_model(args, prefix, device):
+    """A ByteModel of the arguments' shape with save_model's weights (float32)."""
+    model = ByteModel(args.channels, args.heads, args.layers, args.seq)
+    state, i = {}, 0
+    while Path(f"{prefix}.{i}.pt").exists():
+        state.update(torch.load(f"{prefix}.{i}.pt", map_location="cpu"))
+        i += 1
+    if i == 0:
+        raise SystemExit(f"--load-model: no file {prefix}.0.pt")
+    model.load_state_dict({name: t.float() for name, t in state.items()})
+    return model.to(device)
+
+
 def error_table(args, data, split):
     start = time.perf_counter()
-    model, bpb, _ = train(args, data, split)
-    trained_s = time.perf_counter() - start
     device = torch.device(args.device)
     amp = torch.autocast(device.type, torch.bfloat16, enabled=args.bf16)
+    if args.load_model:
+        model = load_model(args, args.load_model, device)
+        held_out = torch.linspace(split, data.numel() - args.seq - 2, args.eval_sequences).long()
+        bpb = bits_per_byte(model, data, args.seq, held_out, device, amp)
+    else:
+        model, bpb, _ = train(args, data, split)
+        if args.save_model:
+            save_model(model, args.save_model)
+    trained_s = time.perf_counter() - start
     gen = torch.Generator().manual_seed(args.seed + 1)
     learn_starts = torch.randint(0, split - args.seq - 1, (args.learn_samples,), generator=gen)
     held = torch.tensor([split + (data.numel() - split - args.seq - 1) // 2])
@@ -244,6 +283,7 @@ def error_table(args, data, split):
                 "learn_samples": args.learn_samples,
                 "gate_steps": args.gate_steps,
                 "device": args.device,
+                "loaded_from": args.load_model,
             }
         ),
         flush=True,
@@ -448,6 +488,12 @@ def main():
         type=int,
         default=1,
         help="--mode cost: the tracked steps' cadence (1: every step measured)",
+    )
+    ap.add_argument(
+        "--save-model", help="--mode errors: the trained weights (bf16) to PREFIX.<i>.pt"
+    )
+    ap.add_argument(
+        "--load-model", help="--mode errors: weights from --save-model's PREFIX, no training"
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")

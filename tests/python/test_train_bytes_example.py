@@ -31,9 +31,31 @@ def test_error_table_rows():
     (head, row) = _rows("--mode", "errors", "--learn-samples", "1", "--gate-steps", "2")
     assert head["steps"] == 3 and math.isfinite(head["bits_per_byte_dense"])
     assert row["sparsity"] == 0.5
-    for column in ("random", "local_strided", "topk", "learned", "gate", "output", "oracle"):
+    for column in (
+        "random",
+        "local_strided",
+        "topk",
+        "learned",
+        "gate",
+        "output",
+        "oracle",
+    ):
         assert 0.0 <= row[column] < 1.5, (column, row[column])
     assert 0.0 < row["oracle_mass_kept"] <= 1.0
+
+
+def test_error_table_from_saved_weights(tmp_path):
+    """--save-model's weights (bf16) give --load-model the same model: the held-out bits per byte
+    within bf16's rounding of the weights, and the table without training."""
+    prefix, errors = str(tmp_path / "model"), ["--mode", "errors", "--learn-samples", "1"]
+    (trained, row) = _rows(*errors, "--gate-steps", "2", "--save-model", prefix)
+    assert (tmp_path / "model.0.pt").exists()
+    (loaded, again) = _rows(*errors, "--gate-steps", "2", "--load-model", prefix)
+    assert loaded["loaded_from"] == prefix and trained["loaded_from"] is None
+    assert abs(loaded["bits_per_byte_dense"] - trained["bits_per_byte_dense"]) < 0.05
+    assert again["oracle_mass_kept"] == pytest.approx(row["oracle_mass_kept"], abs=0.02)
+    run = _rows(*errors, "--load-model", str(tmp_path / "absent"), ok=False)
+    assert run.returncode != 0 and "absent.0.pt" in run.stderr
 
 
 @pytest.mark.parametrize("learner", ["pattern", "gate"])
