@@ -34,7 +34,9 @@ On CUDA each row has step_ms, the median training step past the warm-up.
 --mode cost (CUDA) times the importance tracking inside training: one model with a PatternLearner
 per layer, the kernels measuring the mass at every step (every --cost-track-every steps) for
 --cost-period steps and at none for as many, alternating; the two kinds of step's medians and
-means, and the cost between them.
+means, and the cost between them. Where the step is host-bound (8K tokens) that wall-clock cost
+is mostly the host's noise: kernel_cost is the GPU's (every kernel's time, profiled over
+--cost-profile-steps steps tracked at every step and as many untracked, after the training).
 """
 
 import argparse
@@ -131,10 +133,11 @@ def bits_per_byte(model, data, seq, starts, device, amp):
     return total / count / math.log(2)
 
 
-def train(args, data, split, learners=None, before_step=None):
+def train(args, data, split, learners=None, before_step=None, after=None):
     """Trains a model (dense attention, or the given learners per layer; `before_step(i)` called
-    before step i); returns it, the held-out bits per byte and, on CUDA, each step's time (ms,
-    CUDA events around it; None on the CPU)."""
+    before step i; `after(step)` once the steps are done, with a function that takes one more
+    training step at the final learning rate); returns it, the held-out bits per byte and, on
+    CUDA, each step's time (ms, CUDA events around it; None on the CPU)."""
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
     model = ByteModel(args.channels, args.heads, args.layers, args.seq, learners).to(device)
@@ -144,14 +147,8 @@ def train(args, data, split, learners=None, before_step=None):
     gen = torch.Generator().manual_seed(args.seed)
     timed = device.type == "cuda"
     events = []
-    for step in range(args.steps):
-        if before_step is not None:
-            before_step(step)
-        if timed:
-            events.append(
-                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            )
-            events[-1][0].record()
+
+    def one_step(scheduled=True):
         starts = torch.randint(0, split - args.seq - 1, (args.batch,), generator=gen)
         x, y = sequences(data, starts, args.seq)
         with amp:
@@ -161,9 +158,22 @@ def train(args, data, split, learners=None, before_step=None):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        sched.step()
+        if scheduled:
+            sched.step()
+
+    for step in range(args.steps):
+        if before_step is not None:
+            before_step(step)
+        if timed:
+            events.append(
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            )
+            events[-1][0].record()
+        one_step()
         if timed:
             events[-1][1].record()
+    if after is not None:
+        after(functools.partial(one_step, scheduled=False))
     times = None
     if timed:
         torch.cuda.synchronize()
@@ -363,7 +373,15 @@ def cost_table(args, data, split):
             for learner in learners:
                 learner.track_every = args.cost_track_every if tracked else args.steps + 1
 
-        _, bpb, times = train(args, data, split, learners, before_step)
+        kernels = {}
+
+        def after(step, learners=learners, kernels=kernels):
+            for tracked in (True, False):
+                for learner in learners:
+                    learner.track_every = 1 if tracked else args.steps + 1
+                kernels[tracked] = kernel_ms(step, args.cost_profile_steps)
+
+        _, bpb, times = train(args, data, split, learners, before_step, after)
         first = args.learner_warmup + 2  # the first sparse steps build the pattern
         split_times = {True: [], False: []}
         for step in range(first, args.steps):
@@ -382,11 +400,31 @@ def cost_table(args, data, split):
             "untracked_mean_ms": means[1],
             "cost_of_means": means[0] / means[1] - 1.0,
             "cost_track_every": args.cost_track_every,
+            # The GPU's work a step, host time aside (a host-bound step hides it): every kernel's
+            # time, --cost-profile-steps steps tracked at every step, then as many untracked.
+            "tracked_kernel_ms": kernels[True],
+            "untracked_kernel_ms": kernels[False],
+            "kernel_cost": kernels[True] / kernels[False] - 1.0,
             "steps_each": len(split_times[True]),
             "bits_per_byte": bpb,
             **setting(args),
         }
         print(json.dumps(row), flush=True)
+
+
+def kernel_ms(step, steps):
+    """The GPU time of every kernel (and copy) a call of `step` runs, the mean over `steps` calls
+    after two unprofiled ones (ms, torch.profiler's CUDA activity)."""
+    step()
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    on_gpu = torch.autograd.DeviceType.CUDA
+    total = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == on_gpu)
+    return total / steps / 1e3
 
 
 def setting(args):
@@ -482,6 +520,12 @@ def main():
     ap.add_argument("--skip-dense", action="store_true", help="--mode train: no dense row")
     ap.add_argument(
         "--cost-period", type=int, default=50, help="--mode cost: steps tracked, then untracked"
+    )
+    ap.add_argument(
+        "--cost-profile-steps",
+        type=int,
+        default=20,
+        help="--mode cost: steps profiled for the kernels' time, tracked and untracked",
     )
     ap.add_argument(
         "--cost-track-every",
