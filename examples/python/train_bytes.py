@@ -118,6 +118,11 @@ def sequences(data, starts, seq):
     return rows[:, :-1], rows[:, 1:]
 
 
+def held_out_starts(args, data, split):
+    """The --eval-sequences held-out sequences' starts, spread over the text past `split`."""
+    return torch.linspace(split, data.numel() - args.seq - 2, args.eval_sequences).long()
+
+
 def bits_per_byte(model, data, seq, starts, device, amp):
     model.eval()
     total, count = 0.0, 0
@@ -178,8 +183,8 @@ def train(args, data, split, learners=None, before_step=None, after=None):
     if timed:
         torch.cuda.synchronize()
         times = [a.elapsed_time(b) for a, b in events]
-    held_out = torch.linspace(split, data.numel() - args.seq - 2, args.eval_sequences).long()
-    return model, bits_per_byte(model, data, args.seq, held_out, device, amp), times
+    bpb = bits_per_byte(model, data, args.seq, held_out_starts(args, data, split), device, amp)
+    return model, bpb, times
 
 
 def keep_per_row(score, sparsity):
@@ -262,8 +267,7 @@ def error_table(args, data, split):
     amp = torch.autocast(device.type, torch.bfloat16, enabled=args.bf16)
     if args.load_model:
         model = load_model(args, args.load_model, device)
-        held_out = torch.linspace(split, data.numel() - args.seq - 2, args.eval_sequences).long()
-        bpb = bits_per_byte(model, data, args.seq, held_out, device, amp)
+        bpb = bits_per_byte(model, data, args.seq, held_out_starts(args, data, split), device, amp)
     else:
         model, bpb, _ = train(args, data, split)
         if args.save_model:

@@ -31,15 +31,7 @@ def test_error_table_rows():
     (head, row) = _rows("--mode", "errors", "--learn-samples", "1", "--gate-steps", "2")
     assert head["steps"] == 3 and math.isfinite(head["bits_per_byte_dense"])
     assert row["sparsity"] == 0.5
-    for column in (
-        "random",
-        "local_strided",
-        "topk",
-        "learned",
-        "gate",
-        "output",
-        "oracle",
-    ):
+    for column in ("random", "local_strided", "topk", "learned", "gate", "output", "oracle"):
         assert 0.0 <= row[column] < 1.5, (column, row[column])
     assert 0.0 < row["oracle_mass_kept"] <= 1.0
 
