@@ -29,7 +29,11 @@ layer at each --sparsity (dense for --learner-warmup steps, then block-sparse un
 learned from the kernels' block importance) and reports the held-out bits per byte of each;
 --learner gate: a trisparse.GateLearner per layer instead (each input's own blocks, the gate
 distilled every --learner-every steps for --gate-fit-steps Adam steps while the model trains).
-On CUDA each row has step_ms, the median training step past the warm-up.
+On CUDA each row has step_ms, the median training step past the warm-up. --cuda-graph: the
+steps past the warm-up are replays of one CUDA graph (the learners capturable: the mass measured
+at every step, the pattern re-pruned inside the graph); --mode cost --cuda-graph compares the
+trained model's graph against a graph of the same step under the learned masks without the
+learners (importance, fold and prune left out), replayed in alternating rounds.
 
 --mode cost (CUDA) times the importance tracking inside training: one model with a PatternLearner
 per layer, the kernels measuring the mass at every step (every --cost-track-every steps) for
@@ -68,12 +72,15 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(channels, 3 * channels)
         self.out = nn.Linear(channels, channels)
         self.heads, self.learner, self.saved = heads, learner, None
+        self.fixed_mask = None  # a BlockMask: attention under it, the learner left out
 
     def forward(self, x):
         b, n, c = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
         self.saved = (q.detach(), k.detach(), v.detach())  # [B, H, N, D] each
-        if self.learner is not None:
+        if self.fixed_mask is not None:
+            y = trisparse.block_sparse_attention(q, k, v, self.fixed_mask)
+        elif self.learner is not None:
             y = self.learner(q, k, v)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -138,47 +145,96 @@ def bits_per_byte(model, data, seq, starts, device, amp):
     return total / count / math.log(2)
 
 
+def graph_start(args, learners):
+    """--cuda-graph: the first captured step (the learners' dense warm-up and two block-sparse
+    steps eager before it, then three more on a side stream: the capture's own warm-up)."""
+    return (args.learner_warmup + 2 if learners else 0) + 3
+
+
 def train(args, data, split, learners=None, before_step=None, after=None):
     """Trains a model (dense attention, or the given learners per layer; `before_step(i)` called
-    before step i; `after(step)` once the steps are done, with a function that takes one more
-    training step at the final learning rate); returns it, the held-out bits per byte and, on
-    CUDA, each step's time (ms, CUDA events around it; None on the CPU)."""
+    before step i; `after(model, step, capture, replaying)` once the steps are done, with a
+    function that takes one more training step at the final learning rate and, with --cuda-graph,
+    one that captures a step as the model is now and one that makes a graph's step, or with None
+    an eager step); returns it, the held-out bits per byte and, on CUDA, each step's time (ms,
+    CUDA events around it; None on the CPU). --cuda-graph: from graph_start() on, each step is a
+    replay of one CUDA graph holding the forward, backward, clipping and the optimizer's step
+    (capturable AdamW with a tensor learning rate, which the schedule sets between replays; the
+    momentum is not cycled: floats the graph holds)."""
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
     model = ByteModel(args.channels, args.heads, args.layers, args.seq, learners).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, args.lr, total_steps=args.steps, pct_start=0.1)
-    amp = torch.autocast(device.type, torch.bfloat16, enabled=args.bf16)
+    graphed = args.cuda_graph
+    lr = torch.tensor(args.lr, device=device) if graphed else args.lr
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, capturable=graphed)
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        opt, args.lr, total_steps=args.steps, pct_start=0.1, cycle_momentum=not graphed
+    )
+    # (a capture must not keep autocast's cast weights across steps)
+    amp = torch.autocast(device.type, torch.bfloat16, enabled=args.bf16, cache_enabled=not graphed)
     gen = torch.Generator().manual_seed(args.seed)
     timed = device.type == "cuda"
     events = []
+    static = [torch.zeros(args.batch, args.seq, dtype=torch.long, device=device) for _ in "xy"]
+    graph = None
 
-    def one_step(scheduled=True):
-        starts = torch.randint(0, split - args.seq - 1, (args.batch,), generator=gen)
-        x, y = sequences(data, starts, args.seq)
+    def compute(x, y):
         with amp:
-            logits = model(x.to(device))
-            loss = F.cross_entropy(logits.float().view(-1, 256), y.to(device).reshape(-1))
+            logits = model(x)
+            loss = F.cross_entropy(logits.float().view(-1, 256), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+
+    def one_step(scheduled=True, graph_of="current"):
+        starts = torch.randint(0, split - args.seq - 1, (args.batch,), generator=gen)
+        x, y = sequences(data, starts, args.seq)
+        replayed = graph if graph_of == "current" else graph_of
+        if replayed is None:
+            compute(x.to(device), y.to(device))
+        else:
+            static[0].copy_(x)
+            static[1].copy_(y)
+            replayed.replay()
         if scheduled:
             sched.step()
 
+    def capture():
+        g = torch.cuda.CUDAGraph()
+        opt.zero_grad(set_to_none=True)
+        with torch.cuda.graph(g):
+            compute(*static)
+        return g
+
+    start = graph_start(args, learners) if graphed else args.steps
+    side = torch.cuda.Stream() if graphed else None
     for step in range(args.steps):
         if before_step is not None:
             before_step(step)
+        if graphed and step == start:
+            graph = capture()
         if timed:
             events.append(
                 (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             )
             events[-1][0].record()
-        one_step()
+        if graphed and start - 3 <= step < start:  # the capture's warm-up, on a side stream
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                one_step()
+            torch.cuda.current_stream().wait_stream(side)
+        else:
+            one_step()
         if timed:
             events[-1][1].record()
     if after is not None:
-        after(functools.partial(one_step, scheduled=False))
+        after(
+            model,
+            functools.partial(one_step, scheduled=False),
+            capture if graphed else None,
+            lambda g: functools.partial(one_step, scheduled=False, graph_of=g),
+        )
     times = None
     if timed:
         torch.cuda.synchronize()
@@ -358,10 +414,74 @@ def pattern_learners(args, sparsity):
             every=args.learner_every,
             warmup=args.learner_warmup,
             causal=True,
-            track_every=args.track_every,
+            track_every=None if args.cuda_graph else args.track_every,
+            capturable=args.cuda_graph,
         )
         for _ in range(args.layers)
     ]
+
+
+def graph_cost_row(args, data, split, s):
+    """--mode cost --cuda-graph: the model trained with capturable learners (the mass measured
+    at every step, the pattern re-pruned in the graph), then the training graph's step against a
+    graph of the same step under the learners' current masks without them (no importance, no
+    fold, no prune), replayed in alternating rounds: the wall clock of replayed steps (no host
+    time in them) and every kernel's time."""
+    learners = pattern_learners(args, s)
+    result = {}
+
+    def after(model, step, capture, replaying, learners=learners):
+        attentions = [m for m in model.modules() if isinstance(m, Attention)]
+        for a, learner in zip(attentions, learners):
+            a.fixed_mask = learner.mask()
+        replaying(None)()  # the path's first run, eager (plans and autograd made)
+        plain = replaying(capture())
+        for a in attentions:
+            a.fixed_mask = None
+        steps = {True: step, False: plain}
+        walls = {True: [], False: []}
+        for _ in range(args.cost_rounds):
+            for tracked in (True, False):
+                walls[tracked].append(replay_ms(steps[tracked], args.cost_period))
+        result["wall"] = {b: statistics.median(w) for b, w in walls.items()}
+        result["kernels"] = {b: kernel_ms(steps[b], args.cost_profile_steps, True) for b in steps}
+
+    _, bpb, times = train(args, data, split, learners, None, after)
+    wall = result["wall"]
+    (tracked, by_name), (untracked, without) = result["kernels"][True], result["kernels"][False]
+    names = sorted(by_name, key=lambda n: without.get(n, 0.0) - by_name[n])[:8]
+    kernels = {True: tracked, False: untracked}
+    return {
+        "mode": "cost",
+        "cuda_graph": True,
+        "sparsity": s,
+        "tracked_ms": wall[True],
+        "untracked_ms": wall[False],
+        "cost": wall[True] / wall[False] - 1.0,
+        "tracked_kernel_ms": kernels[True],
+        "untracked_kernel_ms": kernels[False],
+        "kernel_cost": kernels[True] / kernels[False] - 1.0,
+        # where the difference goes: the kernels (names cut short) whose time grew most, ms a step
+        "kernel_growth": {n[:90]: by_name[n] - without.get(n, 0.0) for n in names},
+        "training_step_ms": statistics.median(times[graph_start(args, learners) + 1 :]),
+        "rounds": args.cost_rounds,
+        "steps_a_round": args.cost_period,
+        "device_steps": learners[0].device_steps(),
+        "bits_per_byte": bpb,
+        **setting(args),
+    }
+
+
+def replay_ms(step, steps):
+    """The mean time of `steps` back-to-back calls of `step` (ms, CUDA events around them)."""
+    step()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(steps):
+        step()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / steps
 
 
 def cost_table(args, data, split):
@@ -370,6 +490,9 @@ def cost_table(args, data, split):
     none for as many, alternating past the warm-up: the medians of the two kinds of step in one
     process (the same model, pattern and GPU state) and the tracking's cost between them."""
     for s in args.sparsity:
+        if args.cuda_graph:
+            print(json.dumps(graph_cost_row(args, data, split, s)), flush=True)
+            continue
         learners = pattern_learners(args, s)
 
         def before_step(step, learners=learners):
@@ -379,7 +502,7 @@ def cost_table(args, data, split):
 
         kernels = {}
 
-        def after(step, learners=learners, kernels=kernels):
+        def after(_model, step, _capture, _replaying, learners=learners, kernels=kernels):
             for tracked in (True, False):
                 for learner in learners:
                     learner.track_every = 1 if tracked else args.steps + 1
@@ -416,9 +539,10 @@ def cost_table(args, data, split):
         print(json.dumps(row), flush=True)
 
 
-def kernel_ms(step, steps):
+def kernel_ms(step, steps, by_name=False):
     """The GPU time of every kernel (and copy) a call of `step` runs, the mean over `steps` calls
-    after two unprofiled ones (ms, torch.profiler's CUDA activity)."""
+    after two unprofiled ones (ms, torch.profiler's CUDA activity); with `by_name`, also each
+    kernel name's share."""
     step()
     step()
     torch.cuda.synchronize()
@@ -427,8 +551,12 @@ def kernel_ms(step, steps):
             step()
         torch.cuda.synchronize()
     on_gpu = torch.autograd.DeviceType.CUDA
-    total = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == on_gpu)
-    return total / steps / 1e3
+    names: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == on_gpu:
+            names[e.name] = names.get(e.name, 0.0) + e.time_range.elapsed_us() / steps / 1e3
+    total = sum(names.values())
+    return (total, names) if by_name else total
 
 
 def setting(args):
@@ -467,19 +595,20 @@ def train_table(args, data, split):
             ]
         start = time.perf_counter()
         _, bpb, times = train(args, data, split, learners)
+        # Past the warm-up (with --cuda-graph: the replayed steps, the learners' warm-up too)
+        first = graph_start(args, learners) if args.cuda_graph else args.learner_warmup + 1
         row = {
             "mode": "dense" if s == 0 else "learned",
             "learner": args.learner if s > 0 else None,
             "sparsity": s,
             "bits_per_byte": bpb,
             "seconds": time.perf_counter() - start,
-            "step_ms": None
-            if times is None
-            else statistics.median(times[args.learner_warmup + 1 :]),
+            "step_ms": None if times is None else statistics.median(times[first:]),
+            "cuda_graph": args.cuda_graph,
             **setting(args),
         }
         if s > 0 and args.learner == "pattern":
-            row["track_every"] = args.track_every
+            row["track_every"] = 1 if args.cuda_graph else args.track_every
         elif s > 0:
             row["gate_fit_steps"] = args.gate_fit_steps
         print(json.dumps(row), flush=True)
@@ -543,6 +672,18 @@ def main():
     ap.add_argument(
         "--load-model", help="--mode errors: weights from --save-model's PREFIX, no training"
     )
+    ap.add_argument(
+        "--cost-rounds",
+        type=int,
+        default=5,
+        help="--mode cost --cuda-graph: rounds of --cost-period replays of each step",
+    )
+    ap.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="--mode train / cost (CUDA): training steps replayed from a CUDA graph "
+        "(capturable PatternLearners: the mass measured at every step)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA block kernels)")
@@ -553,6 +694,10 @@ def main():
     modes = {"errors": error_table, "train": train_table, "cost": cost_table}
     if args.mode == "cost" and args.device == "cpu":
         ap.error("--mode cost times CUDA steps: give --device cuda")
+    if args.cuda_graph and (args.device == "cpu" or args.mode == "errors"):
+        ap.error("--cuda-graph replays CUDA training steps: --mode train or cost, --device cuda")
+    if args.cuda_graph and args.mode == "train" and args.learner == "gate":
+        ap.error("--cuda-graph: the PatternLearner only (a GateLearner's fits are not captured)")
     modes[args.mode](args, data, split)
 
 

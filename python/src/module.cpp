@@ -303,6 +303,21 @@ struct py_block_sparse_plan : py_block_plan_calls<block_sparse_attention_plan> {
     o.mean_blocks = mean_blocks;
     return {{block_sparse_attention_plan::build(std::move(layout), d, o, stream_of(stream))}};
   }
+
+  /// build_on_device's plan, its lists rewritten from the mask at `kept` (the same strides and
+  /// block counts as at build): kernels on `stream`, no allocation, capturable.
+  void refill(std::uintptr_t kept, std::int64_t seq_stride, std::int64_t head_stride,
+              std::int64_t row_stride, std::int64_t rows, std::int64_t cols, int device,
+              std::uintptr_t stream) const {
+    const device_block_mask d{reinterpret_cast<const void*>(kept),
+                              device,
+                              seq_stride,
+                              head_stride,
+                              row_stride,
+                              rows,
+                              cols};
+    plan.refill(d, stream_of(stream));
+  }
 };
 
 csr_graph csr_of(std::uintptr_t row_ptr, std::uintptr_t col_idx, std::uintptr_t values,
@@ -1187,6 +1202,8 @@ NB_MODULE(_C, m) {
                       "heads"_a, "causal"_a, "cu_seqlens_q"_a, "cu_seqlens_k"_a, "kept"_a,
                       "seq_stride"_a, "head_stride"_a, "row_stride"_a, "rows"_a, "cols"_a,
                       "device"_a, "stream"_a, "mean_blocks"_a = -1.0)
+          .def("refill", &py_block_sparse_plan::refill, "kept"_a, "seq_stride"_a, "head_stride"_a,
+               "row_stride"_a, "rows"_a, "cols"_a, "device"_a, "stream"_a)
           .def("workspace_bytes",
                [](const py_block_sparse_plan& p, std::int64_t heads, std::int64_t dim) {
                  return p.plan.workspace_bytes(heads, dim);

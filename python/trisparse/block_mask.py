@@ -43,6 +43,7 @@ class BlockImportance:
         self.grad: Tensor | None = None
         self.steps = 0
         self._shape: tuple[int, int] | None = None  # (B, H) of the last call
+        self._sink: Tensor | None = None  # a buffer each mass is also copied into (PatternLearner)
         self.id = _trackers.add(self)
 
     def _record(self, mass: Tensor, grad: Tensor, shape: tuple[int, int]) -> None:
@@ -53,6 +54,8 @@ class BlockImportance:
         self.mass, self.grad = (
             t.permute(0, 2, 1, 3).reshape(b, h, qb, kb) if t.numel() else None for t in (mass, grad)
         )
+        if self._sink is not None and self.mass is not None:
+            self._sink.copy_(self.mass)
         self.steps += 1
 
 
@@ -95,6 +98,7 @@ class BlockMask:
             raise ValueError(f"density must be in [0, 1], got {density}")
         self.density = density
         self._plans: dict[tuple, Any] = {}
+        self._refills: dict[tuple, tuple] = {}  # per device plan: what refresh_ rewrites it from
         self._folds: dict[tuple[int, int], BlockMask] = {}
         self.id = _masks.add(self)
 
@@ -102,6 +106,34 @@ class BlockMask:
     def shape(self) -> tuple[int, int, int, int]:
         """The blocks' shape: (B or 1, H or 1, query blocks, key blocks)."""
         return tuple(self.blocks.shape)
+
+    def refresh_(self) -> None:
+        """After new contents were written into ``blocks`` in place (a pattern pruned again): the
+        mask's plans follow them. The plans built on the GPU are rewritten by kernels on the
+        current stream, into their own memory (no allocation, no host synchronisation: a step
+        that changes its mask can be captured in a CUDA graph); plans made from a host copy are
+        dropped and made again at their next use (not while capturing). Calls enqueued before
+        see the old mask, later ones the new: refresh between a step's backward and the next
+        forward, as a backward runs under its forward's mask."""
+        rebuilt = [key for key in self._plans if key not in self._refills]
+        if rebuilt and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "BlockMask.refresh_: plans made from a host copy of the blocks (CPU, float64 or "
+                "a block size that is not a multiple of 16) cannot be made again under CUDA graph "
+                "capture"
+            )
+        for key in rebuilt:
+            del self._plans[key]
+        self._host = self.blocks if self.blocks.device.type == "cpu" else None
+        for key, (kept, layout) in self._refills.items():
+            if kept is not self.blocks:  # a contiguous copy the plan reads
+                kept.copy_(self.blocks)
+            self._plans[key].refill(kept.data_ptr(), *layout, _tensors.stream(key[0]))
+        for (batch, heads), fold in self._folds.items():
+            if fold.blocks.data_ptr() != self.blocks.data_ptr():  # shared blocks, expanded
+                qb, kb = self.blocks.shape[2:]
+                fold.blocks.copy_(self.blocks.expand(batch, heads, qb, kb).reshape(fold.shape))
+            fold.refresh_()
 
     @classmethod
     def from_flex(cls, block_mask: Any, causal: bool = False) -> BlockMask:
@@ -146,6 +178,14 @@ class BlockMask:
         ):
             kept = self.blocks if self.blocks.stride(-1) == 1 else self.blocks.contiguous()
             self._kept = kept  # read by the plan's kernels, in stream order
+            layout = (
+                kept.stride(0) if b_m > 1 else 0,
+                kept.stride(1) if h_m > 1 else 0,
+                kept.stride(2),
+                qb,
+                kb,
+                _tensors.device_index(device),
+            )
             plan = _C.BlockSparsePlan.build_on_device(
                 g,
                 h_m,
@@ -153,16 +193,12 @@ class BlockMask:
                 list(cu_q),
                 list(cu_k),
                 kept.data_ptr(),
-                kept.stride(0) if b_m > 1 else 0,
-                kept.stride(1) if h_m > 1 else 0,
-                kept.stride(2),
-                qb,
-                kb,
-                _tensors.device_index(device),
+                *layout,
                 stream,
                 -1.0 if self.density is None else self.density * kb,
             )
             self._plans[key] = plan
+            self._refills[key] = (kept, layout)
             return plan
         if self._host is None:
             self._host = self.blocks.to("cpu")  # one host synchronisation per mask
@@ -221,6 +257,7 @@ class _TopkMask(BlockMask):
         self._host = None
         self.block_size, self.causal, self.density = block_size, causal, density
         self._plans: dict[tuple, Any] = {}
+        self._refills: dict[tuple, tuple] = {}
         self._folds: dict[tuple[int, int], BlockMask] = {}
         self.id = _masks.add(self)
 
@@ -236,6 +273,9 @@ class _TopkMask(BlockMask):
             self._held["plan"].blocks(table.data_ptr(), _tensors.stream(device))
             self._blocks = table.bool().to(device)
         return self._blocks
+
+    def refresh_(self) -> None:
+        raise TypeError("a top-k mask is selected by its plan: select it again (topk_block_mask)")
 
     def plan(self, device: torch.device, cu_q: list[int], cu_k: list[int], algo: str):
         if algo == "automatic" and (device, tuple(cu_q), tuple(cu_k)) == self._layout:

@@ -5,6 +5,7 @@ its statistics, its file, and the masks the attention takes."""
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import os
 
@@ -423,12 +424,18 @@ def pooled_block_mass(
     causal leaves a block row no key). q [H, N_q, D], k [H, N_k, D] on the CPU or CUDA (the
     library's loops, or two kernels on the current stream: no host synchronisation). What
     :class:`PatternLearner` gives the blocks the kernels do not see, inside training steps."""
+    return _pooled_block_mass(q, k, block_size, causal, scale)
+
+
+def _pooled_block_mass(q, k, block_size, causal, scale, out: Tensor | None = None) -> Tensor:
+    """pooled_block_mass, written into `out` where given (float64, contiguous, its shape)."""
     _check_qk(q, k)
     heads, n_q, d = q.shape
     n_k, g = k.shape[1], _block_size(block_size)
     qv, kv = (t.transpose(0, 1) for t in (q, k.to(q.dtype)))  # [N, H, D] views
     qv, kv = (t if t.stride(-1) == 1 else t.contiguous() for t in (qv, kv))
-    out = torch.empty(heads, -(-n_q // g), -(-n_k // g), dtype=torch.float64, device=q.device)
+    if out is None:
+        out = torch.empty(heads, -(-n_q // g), -(-n_k // g), dtype=torch.float64, device=q.device)
     nbytes = _C.pooled_block_mass_workspace_bytes(heads, n_q, n_k, d, g) if q.is_cuda else 0
     _owner, ws, ws_bytes = _tensors.workspace(nbytes, q.device)
     _C.pooled_block_mass(
@@ -467,8 +474,14 @@ def prune_blocks(
         raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
     _keep_rules(window=window, global_blocks=global_blocks, top_p=top_p)
     heads, qb, kb = importance.shape
+    forced = _forced_blocks(qb, kb, importance.device, keep_diagonal, window, global_blocks)
+    return _prune(importance, forced.expand(heads, qb, kb), sparsity, method, top_p)
+
+
+def _prune(importance: Tensor, forced: Tensor, sparsity: float, method: str, top_p: float):
+    """prune_blocks with its forced blocks [H, qb, kb] given (a capturable learner keeps them)."""
+    heads, qb, kb = importance.shape
     dev = importance.device
-    forced = _forced_blocks(qb, kb, dev, keep_diagonal, window, global_blocks).expand(heads, qb, kb)
     score = importance.to(torch.float64).masked_fill(forced, float("inf"))
     keep = torch.zeros(heads, qb, kb, dtype=torch.bool, device=dev)
     if method == "global":
@@ -708,7 +721,18 @@ class PatternLearner:
     value sums) in place of the kernels' mass; "ema" or "mean" only. Block rows never
     observed keep an initial importance (uniform, or `initial`: a BlockPattern's kept blocks weigh
     1) so that an initialiser seeds the pattern. Everything runs as torch ops on q's device: no
-    host synchronisation in a step. The pattern (:meth:`pattern`) can be saved and reloaded."""
+    host synchronisation in a step. The pattern (:meth:`pattern`) can be saved and reloaded.
+
+    ``capturable=True``: the block-sparse steps are the same kernels at every step, so that a
+    training step (forward, backward, optimizer) can be captured once in a CUDA graph and
+    replayed: the kernels measure the mass at every step (`track_every` 1), the re-pruning's
+    schedule (`every`, `freeze_after`) is counted on the device and the pattern is updated in
+    place (the mask's plan rewritten by kernels, :meth:`BlockMask.refresh_`) at the start of the
+    step after it is due, before the fold of the previous step's mass; the outputs and the
+    importance equal a learner's with ``track_every=1`` step for step. Not with ``method="output"`` or `aggregate`
+    other than "ema". Capture after the warm-up and at least two block-sparse steps (the warm-up
+    of the capture itself); :attr:`steps` counts the host's calls, :meth:`device_steps` the
+    replays too."""
 
     def __init__(
         self,
@@ -722,11 +746,21 @@ class PatternLearner:
         sample_blocks: int | None = None,
         initial: BlockPattern | None = None,
         causal: bool = False,
-        track_every: int = 4,
+        track_every: int | None = None,
         aggregate: str = "ema",
         window: int = 10,
+        capturable: bool = False,
         **keep_rules,
     ):
+        if capturable:
+            if method == "output" or aggregate != "ema" or track_every not in (None, 1):
+                raise ValueError(
+                    'capturable=True: method "row", "global" or "threshold", aggregate "ema" and '
+                    f"the mass measured at every step (track_every 1), got method {method!r}, "
+                    f"aggregate {aggregate!r}, track_every {track_every}"
+                )
+            track_every = 1
+        track_every = 4 if track_every is None else track_every
         if aggregate not in ("ema", "mean", "max"):
             raise ValueError(f"aggregate must be ema, mean or max, not {aggregate!r}")
         if method == "output" and aggregate == "max":
@@ -758,6 +792,8 @@ class PatternLearner:
         self._slot: Tensor | None = None  # [qb]: each block row's next slot
         # (keep, pooled, the tracker's steps before the measuring call)
         self._pending: tuple[Tensor, Tensor, int] | None = None
+        self.capturable = bool(capturable)
+        self._buffers: _CaptureBuffers | None = None  # capturable, from the first sparse step
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
         """The site's attention, q [B, H, N_q, D], k [B, H, N_k, D], v [B, H, N_k, Dv]
@@ -781,6 +817,8 @@ class PatternLearner:
                 q, k, v, is_causal=self.causal, scale=scale
             )
         mask = self._block_mask()
+        if self.capturable:
+            return self._capturable_step(q, k, v, mask, scale)
         track = self.steps % self.track_every == 0 and not self._frozen()  # frozen: no use
         if track and self.method == "output":  # value sums: sampled rows, exact, by torch ops
             self._observe_rows(q[0].detach(), k[0].detach(), v[0].detach())
@@ -795,6 +833,71 @@ class PatternLearner:
             self._pending = (self._keep, pooled, measured)
         self._advance(frozen=self._frozen())
         return out
+
+    def _capturable_step(self, q: Tensor, k: Tensor, v: Tensor, mask, scale) -> Tensor:
+        """A block-sparse step of capturable=True: the same launches every step (see the class).
+        The order is the default learner's (fold the last step's mass, attend, prune when due)
+        with the prune moved to the start of the next step, where it cannot change the mask
+        under this step's backward."""
+        b = self._buffers
+        if b is None:  # the first block-sparse step: the pattern the warm-up left, made persistent
+            if not self._keep.is_contiguous():
+                self._keep, self._mask = self._keep.contiguous(), None
+                mask = self._block_mask()
+            b = self._buffers = _CaptureBuffers(
+                steps=torch.tensor(self.steps, dtype=torch.int64, device=self._keep.device),
+                keep=torch.empty_like(self._keep),
+                pooled=torch.empty(self._keep.shape, dtype=torch.float64, device=q.device),
+                mass=torch.empty(q.shape[0], *self._keep.shape, device=q.device),
+                measured=False,
+            )
+        else:
+            steps = b.steps  # (past the warm-up here: steps > warmup)
+            due = (steps - (self.warmup + 1)) % self.every == 0
+            frozen_now = None
+            if self.freeze_after is not None:
+                due = due & (steps - 1 < self.freeze_after)  # frozen when the last step ran
+                frozen_now = steps >= self.freeze_after
+            self._prune_in_place(due)
+            if b.measured:
+                if frozen_now is None:
+                    self._fold_measured(b.mass, b.keep, b.pooled)
+                else:  # no fold once frozen
+                    before = self.importance.clone()
+                    self._fold_measured(b.mass, b.keep, b.pooled)
+                    self.importance.copy_(torch.where(frozen_now, before, self.importance))
+        b.keep.copy_(self._keep)  # the blocks this step measures
+        self.tracker._sink = b.mass
+        out = block_sparse_attention(q, k, v, mask, scale=scale, importance=self.tracker)
+        with torch.no_grad():
+            _pooled_block_mass(q[0], k[0], self.block_size, self.causal, scale, out=b.pooled)
+        b.measured = True
+        self.steps += 1
+        b.steps.add_(1)
+        return out
+
+    def _prune_in_place(self, due: Tensor) -> None:
+        """capturable: the pattern pruned from the importance where `due` (a device bool), written
+        into the persistent keep and the mask's plans."""
+        b = self._buffers
+        rules = _keep_rules(**self.keep_rules)
+        if b.forced is None:
+            forced = _forced_blocks(
+                *self._keep.shape[1:],
+                self._keep.device,
+                rules["keep_diagonal"],
+                rules["window"],
+                rules["global_blocks"],
+            )
+            b.forced = forced.expand(self._keep.shape)
+        new = _prune(self.importance, b.forced, self.sparsity, self.method, rules["top_p"])
+        torch.where(due, new, self._keep, out=self._keep)
+        self._block_mask().refresh_()
+
+    def device_steps(self) -> int:
+        """The steps taken, CUDA graph replays included (capturable; reads the device's count:
+        a host synchronisation)."""
+        return self.steps if self._buffers is None else int(self._buffers.steps)
 
     def observe(self, q: Tensor, k: Tensor, v: Tensor | None = None) -> None:
         """One step's q [H, N_q, D] and k [H, N_k, D] (and v [H, N_k, Dv], which
@@ -992,6 +1095,12 @@ class PatternLearner:
         self.steps += 1
         due = self._keep is None or (self.steps - self.warmup - 1) % self.every == 0
         if self.steps > self.warmup and due and not (frozen and self._keep is not None):
+            if self._buffers is not None:  # capturable: in place, the plans rewritten
+                self._keep.copy_(
+                    prune_blocks(self.importance, self.sparsity, self.method, **self.keep_rules)
+                )
+                self._block_mask().refresh_()
+                return
             if self.method != "output":
                 self._keep = prune_blocks(
                     self.importance, self.sparsity, self.method, **self.keep_rules
@@ -1006,6 +1115,19 @@ class PatternLearner:
                     )
                     self._keep = torch.where(self._seen[None, :, None], by_output, self._keep)
             self._mask = None
+
+
+@dataclasses.dataclass
+class _CaptureBuffers:
+    """A capturable PatternLearner's state that crosses steps at fixed addresses: the step count,
+    the blocks the last step measured, its pooled estimate and its measured mass."""
+
+    steps: Tensor  # int64, on the device
+    keep: Tensor
+    pooled: Tensor
+    mass: Tensor  # [B, H, qb, kb] float32, written by the backward (BlockImportance's sink)
+    measured: bool  # whether a step has measured into them yet
+    forced: Tensor | None = None  # [H, qb, kb]: the blocks the keep rules force
 
 
 def _sampled_stats(q, k, v, g, rows, causal):

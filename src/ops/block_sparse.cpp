@@ -582,6 +582,12 @@ std::array<double, 3> block_sparse_attention_plan::run_timing_stages(
   return ms;
 }
 
+void block_sparse_attention_plan::refill(const device_block_mask& kept, stream_ref stream) const {
+  TRISPARSE_EXPECTS_INPUT(state_->device != nullptr && state_->report.nnz < 0,
+                          "refill: the plan was not built from a mask on the device");
+  cuda::refill_block_sparse_plan(*state_->device, kept, stream);
+}
+
 const plan_report& block_sparse_attention_plan::report() const { return state_->report; }
 const block_sparse_mask& block_sparse_attention_plan::mask() const { return state_->mask; }
 

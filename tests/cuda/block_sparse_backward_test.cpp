@@ -166,16 +166,24 @@ void check_importance(const block_sparse_mask& m, const block_sparse_attention_p
 }
 
 // on_device: the plan is built from the mask's blocks as bytes on the device (kept_bytes), with
-// `shared` as there.
+// `shared` as there; with `built_from`, built from that mask's bytes (the same layout) and then
+// refilled from m's.
 void check(const block_sparse_mask& m, const grad_case& c, std::uint64_t seed, double lo = -1.0,
-           double hi = 1.0, double scale = 0.125, bool on_device = false, bool shared = false) {
+           double hi = 1.0, double scale = 0.125, bool on_device = false, bool shared = false,
+           const block_sparse_mask* built_from = nullptr) {
   std::unique_ptr<kept_bytes> kept;
   block_sparse_attention_plan plan;
   if (on_device) {
     kept = std::make_unique<kept_bytes>(m, shared);
     block_sparse_mask layout = m;
     layout.masks.clear();
-    plan = block_sparse_attention_plan::build(layout, kept->view, {.gradients = true});
+    if (built_from != nullptr) {
+      const kept_bytes before(*built_from, shared);
+      plan = block_sparse_attention_plan::build(layout, before.view, {.gradients = true});
+      plan.refill(kept->view);
+    } else {
+      plan = block_sparse_attention_plan::build(layout, kept->view, {.gradients = true});
+    }
   } else {
     plan = block_sparse_attention_plan::build(m, device_kind::cuda, {.gradients = true});
   }
@@ -362,6 +370,44 @@ TEST(GpuBlockSparseBackward, MasksOnTheDevice) {
   const auto topk =
       topk_block_mask(q.view(), k.view(), cu_q, cu_k, {.block = 64, .top_k = 2, .causal = true});
   check(topk, {dtype::bf16, dtype::f32, 128, 1}, 52, -30.0, 30.0, 0.125, true);
+}
+
+// A plan built from one mask on the device and refilled from another of the same layout (a
+// pattern pruned again in place): forward and gradients those of the second mask; refill refuses
+// a plan built from a host mask and bytes of another layout.
+TEST(GpuBlockSparseBackward, RefilledFromAnotherMaskOnTheDevice) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<std::int64_t> lens{1, 300, 0, 517, 64};
+  std::uint64_t seed = 71;
+  for (const std::int64_t g : {16, 64, 128}) {
+    for (const bool causal : {false, true}) {
+      const auto make = [&](double p) {
+        return make_block_sparse_mask({.layout = block_layout::random,
+                                       .block = g,
+                                       .p = p,
+                                       .causal = causal,
+                                       .heads = 2,
+                                       .seed = seed++},
+                                      lens);
+      };
+      const auto first = make(0.8), second = make(0.4);
+      check(second, {dtype::f16, dtype::f32, 64, 2}, seed++, -1.0, 1.0, 0.125, true, false, &first);
+      check(first, {dtype::bf16, dtype::bf16, 128, 2}, seed++, -1.0, 1.0, 0.125, true, false,
+            &second);
+    }
+  }
+  const auto mask = make_block_sparse_mask({.layout = block_layout::random, .block = 64}, lens);
+  const kept_bytes kept(mask, false);
+  const auto host_plan =
+      block_sparse_attention_plan::build(mask, device_kind::cuda, {.gradients = true});
+  EXPECT_THROW(host_plan.refill(kept.view), invalid_input);
+  block_sparse_mask layout = mask;
+  layout.masks.clear();
+  const auto plan = block_sparse_attention_plan::build(layout, kept.view, {.gradients = true});
+  device_block_mask other = kept.view;
+  other.cols += 1;
+  other.row_stride += 1;
+  EXPECT_THROW(plan.refill(other), invalid_input);
 }
 
 // The top-k plan's backward: the transposed masks rebuilt on the device after each selection,

@@ -712,6 +712,184 @@ def test_pattern_learner_steps_under_cuda_graph_capture(method):
     assert torch.equal(graphed._keep, eager._keep)
 
 
+def _capturable_pair(g, method, **kwargs):
+    """A capturable learner and the default one it must equal (the mass measured every step),
+    warm-up dense, re-pruned every 3 steps, frozen after 11."""
+    make = lambda capturable: trisparse.PatternLearner(
+        g,
+        sparsity=0.5,
+        method=method,
+        every=3,
+        warmup=2,
+        freeze_after=11,
+        decay=0.5,
+        track_every=1,
+        capturable=capturable,
+        **kwargs,
+    )
+    return make(True), make(False)
+
+
+def _moving_steps(learner, q, k, v, steps, seed):
+    """Training steps on inputs that drift (the planted pattern fading into noise), so that the
+    pattern changes at the re-prunes; the outputs and the masks' blocks after each step."""
+    gen = torch.Generator(q.device).manual_seed(seed)
+    outs, blocks = [], []
+    for i in range(steps):
+        noise = torch.randn(q.shape, generator=gen, device=q.device, dtype=q.dtype)
+        leaves = [(q + 0.5 * i * noise).detach().requires_grad_(), k.detach(), v.detach()]
+        leaves[1].requires_grad_(), leaves[2].requires_grad_()
+        out = learner(*leaves)
+        out.float().square().sum().backward()
+        outs.append(out.detach().clone())
+        blocks.append(None if learner._keep is None else learner._keep.clone())
+    return outs, blocks
+
+
+@pytest.mark.parametrize("method", ["row", "global", "threshold"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_capturable_pattern_learner_equals_the_default_learner(method, batch):
+    """capturable=True (the prune moved to the next step's start, the schedule counted on the
+    device, the pattern and its mask's plans updated in place) takes the default learner's steps
+    with the mass measured at every step: the same outputs, patterns and importance, bit for
+    bit, across re-prunes and the freeze."""
+    heads, n, g = 2, 256, 32
+    _, q, k = _planted(heads, n, g, 32, torch.Generator().manual_seed(40))
+    v = torch.randn(heads, n, 32, generator=torch.Generator().manual_seed(41))
+    q, k, v = (t[None].expand(batch, -1, -1, -1).contiguous() for t in (q, k, v))
+    capturable, default = _capturable_pair(
+        g, method, **({"top_p": 0.5} if method == "threshold" else {})
+    )
+    got = _moving_steps(capturable, q, k, v, 16, seed=42)
+    want = _moving_steps(default, q, k, v, 16, seed=42)
+    for a, b in zip(got[0], want[0]):
+        assert torch.equal(a, b)
+    # The default learner prunes at the end of a step, the capturable one at the next start.
+    for a, b in zip(got[1][3:], want[1][2:]):
+        assert torch.equal(a, b)
+    assert torch.equal(capturable.importance, default.importance)
+    assert capturable.steps == default.steps == 16 and capturable.device_steps() == 16
+    changes = sum(not torch.equal(a, b) for a, b in zip(want[1][2:], want[1][3:]))
+    assert changes >= 1  # the pattern moved at a re-prune, before the freeze
+
+
+def test_capturable_pattern_learner_arguments():
+    with pytest.raises(ValueError, match="capturable"):
+        trisparse.PatternLearner(32, 0.5, method="output", capturable=True)
+    with pytest.raises(ValueError, match="capturable"):
+        trisparse.PatternLearner(32, 0.5, aggregate="max", capturable=True)
+    with pytest.raises(ValueError, match="track_every"):
+        trisparse.PatternLearner(32, 0.5, track_every=4, capturable=True)
+    assert trisparse.PatternLearner(32, 0.5, capturable=True).track_every == 1
+    assert trisparse.PatternLearner(32, 0.5).track_every == 4
+
+
+def test_block_mask_refresh_follows_new_blocks():
+    """refresh_ after writing new blocks in place: the attention runs under the new mask (the
+    host plan made again), its fold for a batch too."""
+    g, n = 32, 128
+    gen = torch.Generator().manual_seed(43)
+    q, k, v = (torch.randn(2, 2, n, 32, generator=gen) for _ in range(3))
+    blocks = torch.rand(1, 2, 4, 4, generator=gen) < 0.5
+    blocks |= torch.eye(4, dtype=torch.bool)
+    mask = trisparse.BlockMask(blocks.clone(), g)
+    trisparse.block_sparse_attention(q, k, v, mask)
+    new = ~blocks | torch.eye(4, dtype=torch.bool)
+    mask.blocks.copy_(new)
+    mask.refresh_()
+    want = trisparse.block_sparse_attention(q, k, v, trisparse.BlockMask(new, g))
+    assert torch.equal(trisparse.block_sparse_attention(q, k, v, mask), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, shared", [(1, False), (2, False), (2, True)])
+def test_block_mask_refresh_rewrites_the_device_plan(batch, shared):
+    """A mask on the GPU rewritten in place: refresh_ rewrites its plan's lists (and its fold's)
+    by kernels; forward and gradients equal a new mask's, bitwise, at G 64 and 128, causal or
+    not."""
+    for g, causal in ((64, False), (128, True), (64, True)):
+        n = 1000
+        nb = -(-n // g)
+        gen = torch.Generator("cuda").manual_seed(g + causal)
+        q, k, v = (
+            torch.randn(batch, 4, n, 64, generator=gen, device="cuda", dtype=torch.bfloat16)
+            for _ in range(3)
+        )
+        heads = 1 if shared else 4
+        first = torch.rand(1, heads, nb, nb, generator=gen, device="cuda") < 0.3
+        second = torch.rand(1, heads, nb, nb, generator=gen, device="cuda") < 0.3
+        mask = trisparse.BlockMask(first.clone(), g, causal=causal)
+        trisparse.block_sparse_attention(q, k, v, mask)
+        mask.blocks.copy_(second)
+        mask.refresh_()
+        fresh = trisparse.BlockMask(second, g, causal=causal)
+        for m in (mask, fresh):
+            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+            out = trisparse.block_sparse_attention(*leaves, m)
+            out.float().square().sum().backward()
+            got = (out, *(t.grad for t in leaves))
+            if m is mask:
+                ours = got
+        for a, b in zip(ours, got):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_capturable_pattern_learner_under_cuda_graph_capture():
+    """A training step with a capturable PatternLearner (forward, backward, an optimizer's
+    step) captured once in a CUDA graph and replayed follows the same learner run eagerly: the
+    same importance and patterns (re-pruned at the replays where due, then frozen), bit for bit,
+    and the weights to the GEMMs' rounding."""
+    heads, n, g, d = 2, 1024, 64, 64
+    _, q0, k0 = _planted(heads, n, g, d, torch.Generator().manual_seed(44))
+    base = torch.cat([q0, k0], -1).transpose(0, 1).reshape(n, 2 * heads * d).cuda()
+
+    def model_and_learner():
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(2 * heads * d, 3 * heads * d, device="cuda")
+        learner = trisparse.PatternLearner(
+            g, sparsity=0.75, every=3, warmup=2, freeze_after=14, decay=0.5, capturable=True
+        )
+        opt = torch.optim.SGD(lin.parameters(), lr=1e-3)
+        return lin, learner, opt
+
+    def step(lin, learner, opt, x):
+        with torch.autocast("cuda", torch.bfloat16, cache_enabled=False):
+            qkv = lin(x).view(1, n, 3, heads, d).permute(2, 0, 3, 1, 4)
+            out = learner(qkv[0], qkv[1], qkv[2])
+            loss = out.float().square().mean()
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        opt.step()
+
+    gen = torch.Generator("cuda").manual_seed(45)
+    inputs = [base + 0.5 * torch.randn(base.shape, device="cuda", generator=gen) for _ in range(18)]
+    eager = model_and_learner()
+    for x in inputs:
+        step(*eager, x)
+    graphed = model_and_learner()
+    static_x = inputs[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # dense warm-up and two sparse steps, eagerly
+        for x in inputs[:4]:
+            static_x.copy_(x)
+            step(*graphed, static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(*graphed, static_x)
+    for x in inputs[4:]:
+        static_x.copy_(x)
+        graph.replay()
+    torch.cuda.synchronize()
+    assert graphed[1].device_steps() == 18
+    assert torch.equal(graphed[1]._keep, eager[1]._keep)
+    torch.testing.assert_close(graphed[1].importance, eager[1].importance, rtol=0, atol=0)
+    for a, b in zip(graphed[0].parameters(), eager[0].parameters()):  # (GEMMs may differ)
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("method", ["row", "global", "threshold"])
 def test_cpp_learner_equals_the_torch_path(method, causal):

@@ -64,3 +64,27 @@ def test_train_rows(learner):
 def test_cost_mode_needs_cuda():
     run = _rows("--mode", "cost", ok=False)
     assert run.returncode != 0 and "--device cuda" in run.stderr
+
+
+def test_cuda_graph_needs_cuda_and_the_pattern_learner():
+    run = _rows("--mode", "train", "--cuda-graph", ok=False)
+    assert run.returncode != 0 and "--cuda-graph" in run.stderr
+
+
+@pytest.mark.gpu
+def test_cuda_graph_rows():
+    """--cuda-graph on the GPU: training replayed from a CUDA graph (capturable PatternLearners
+    re-pruning inside it) and --mode cost's two graphs give finite rows; the learners counted
+    every replayed step on the device."""
+    graph = ["--device", "cuda", "--bf16", "--cuda-graph", "--channels", "128", "--heads", "2"]
+    graph += ["--learner-warmup", "2", "--learner-every", "2"]
+    steps = ["--steps", "14", "--seq", "1024"]
+    dense, learned = _rows("--mode", "train", *graph, *steps)
+    for row in (dense, learned):
+        assert row["cuda_graph"] and 0.0 < row["bits_per_byte"] < 8.0 and row["step_ms"] > 0
+    (cost,) = _rows("--mode", "cost", *graph, *steps, "--cost-period", "3", "--cost-rounds", "2")
+    assert cost["cuda_graph"] and cost["tracked_ms"] > 0 and cost["untracked_ms"] > 0
+    assert cost["tracked_kernel_ms"] > cost["untracked_kernel_ms"] > 0
+    # 14 training steps, then the tracked graph's replays: 2 rounds of 3 + 1 and the profile's
+    # 2 + 20.
+    assert cost["device_steps"] == 14 + 2 * 4 + 22

@@ -83,6 +83,16 @@ class block_sparse_attention_plan {
                                            const block_sparse_plan_options& options = {},
                                            stream_ref stream = {});
 
+  /// A plan built from a mask on the device, its lists rewritten from `kept`: the same device,
+  /// strides and block counts as at build, new contents (a pattern pruned again in place). The
+  /// build's kernels on `stream`, into the plan's own memory: no allocation, no host
+  /// synchronisation, so a training step that changes its mask can be captured in a CUDA graph.
+  /// The kernel chosen at build stays. Runs and backwards enqueued before it on `stream` see the
+  /// old mask, those after it the new one (a backward must follow its own forward's mask: refill
+  /// between a step's backward and the next forward). @throws invalid_input for a plan built
+  /// from a host mask or a `kept` of another layout.
+  void refill(const device_block_mask& kept, stream_ref stream = {}) const;
+
   /// out = attention(q, k, v) under the mask (CUDA: asynchronous on `stream`; q, k, v f16 or bf16,
   /// D 64 or 128 for algorithm::block; options.lse, [rows, H, 1], f32 with algorithm::block on
   /// CUDA, f32 or f64 with the CPU engine). q: [cu_seqlens_q.back(), H, D],

@@ -41,6 +41,10 @@ struct block_sparse_device_plan {
   // lives; the transposed masks are rebuilt from row_ptr and col_idx by transpose_on_device.
   device_buffer<mask_extent> extents;
   std::int32_t num_masks = 0, most_rows = 0, most_cols = 0;
+  // A plan made from a mask on the device: that mask's layout (refill_block_sparse_plan takes
+  // only another mask of the same).
+  bool from_kept = false;
+  device_block_mask kept_layout{};
 };
 
 /// A mask's blocks as bytes on the device (nonzero: kept): mask (b, h) at kept + offset of

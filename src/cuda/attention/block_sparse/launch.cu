@@ -258,9 +258,33 @@ std::shared_ptr<block_sparse_device_plan> make_block_sparse_plan_on_device(
   plan->tiles = device_buffer<block_sparse::tile>(tiles, s);
   set_extents(*plan, extents, s);
   if (gradients) prepare_device_backward(*plan, layout, extents, s);
+  plan->from_kept = true;
+  plan->kept_layout = kept;
+  plan->kept_layout.data = nullptr;
   fill_from_kept(*plan, device_kept{static_cast<const std::uint8_t*>(kept.data), kept.row_stride},
                  s);
   return plan;
+}
+
+void refill_block_sparse_plan(block_sparse_device_plan& plan, const device_block_mask& kept,
+                              stream_ref stream) {
+  const device_block_mask& was = plan.kept_layout;
+  TRISPARSE_EXPECTS_INPUT(plan.from_kept,
+                          "refill: the plan was not built from a mask on the device");
+  TRISPARSE_EXPECTS_INPUT(
+      kept.device_id == was.device_id && kept.seq_stride == was.seq_stride &&
+          kept.head_stride == was.head_stride && kept.row_stride == was.row_stride &&
+          kept.rows == was.rows && kept.cols == was.cols,
+      "refill: kept must have the device, strides and block counts the plan was built with "
+      "(" +
+          std::to_string(was.rows) + " x " + std::to_string(was.cols) + " blocks, strides " +
+          std::to_string(was.seq_stride) + ", " + std::to_string(was.head_stride) + ", " +
+          std::to_string(was.row_stride) + " on device " + std::to_string(was.device_id) + ")");
+  TRISPARSE_EXPECTS_INPUT(kept.data != nullptr || plan.num_masks == 0 || plan.most_rows == 0,
+                          "refill: kept has null data");
+  expect_current_device(kept.device_id);
+  fill_from_kept(plan, device_kept{static_cast<const std::uint8_t*>(kept.data), kept.row_stride},
+                 static_cast<cudaStream_t>(stream.handle));
 }
 
 void prepare_topk_backward(block_sparse_device_plan& plan, const block_sparse_mask& skeleton,
