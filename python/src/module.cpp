@@ -227,6 +227,15 @@ struct py_block_plan_calls {
   }
 };
 
+/// A bool block mask on CUDA device `device` at `kept` ([B or 1, H or 1, rows, cols], element
+/// strides seq/head/row).
+device_block_mask device_mask_of(std::uintptr_t kept, std::int64_t seq_stride,
+                                 std::int64_t head_stride, std::int64_t row_stride,
+                                 std::int64_t rows, std::int64_t cols, int device) {
+  return {
+      reinterpret_cast<const void*>(kept), device, seq_stride, head_stride, row_stride, rows, cols};
+}
+
 /// A block-sparse attention plan for one mask: (b, h) block patterns as CSR arrays in host
 /// memory (row_ptr int64 [query blocks + 1], col_idx int32), sequence b's mask h at b * heads + h.
 struct py_block_sparse_plan : py_block_plan_calls<block_sparse_attention_plan> {
@@ -289,13 +298,8 @@ struct py_block_sparse_plan : py_block_plan_calls<block_sparse_attention_plan> {
                                               std::int64_t rows, std::int64_t cols, int device,
                                               std::uintptr_t stream, double mean_blocks) {
     block_sparse_mask layout = layout_of(block, heads, causal, cu_seqlens_q, cu_seqlens_k);
-    const device_block_mask d{reinterpret_cast<const void*>(kept),
-                              device,
-                              seq_stride,
-                              head_stride,
-                              row_stride,
-                              rows,
-                              cols};
+    const device_block_mask d =
+        device_mask_of(kept, seq_stride, head_stride, row_stride, rows, cols, device);
     nb::gil_scoped_release release;
     block_sparse_plan_options o;
     o.gradients = true;
@@ -309,14 +313,8 @@ struct py_block_sparse_plan : py_block_plan_calls<block_sparse_attention_plan> {
   void refill(std::uintptr_t kept, std::int64_t seq_stride, std::int64_t head_stride,
               std::int64_t row_stride, std::int64_t rows, std::int64_t cols, int device,
               std::uintptr_t stream) const {
-    const device_block_mask d{reinterpret_cast<const void*>(kept),
-                              device,
-                              seq_stride,
-                              head_stride,
-                              row_stride,
-                              rows,
-                              cols};
-    plan.refill(d, stream_of(stream));
+    plan.refill(device_mask_of(kept, seq_stride, head_stride, row_stride, rows, cols, device),
+                stream_of(stream));
   }
 };
 
