@@ -12,6 +12,7 @@
 #include <cuda_fp16.h>
 #include <math_constants.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -27,7 +28,8 @@ namespace {
 
 constexpr int kMeanThreads = 64;    // features a pass of block_means
 constexpr int kRows = 16;           // block rows a thread block of pooled_scores
-constexpr int kScoreThreads = 256;  // pooled_scores' threads
+constexpr int kScoreThreads = 256;  // pooled_scores' threads at most (a key block each)
+constexpr int kLoads = 8;           // key features a thread of pooled_scores loads at once
 constexpr int kFoldWarps = 8;       // block rows a thread block of fold
 
 __device__ __forceinline__ double as_double(__half x) { return __half2float(x); }
@@ -81,7 +83,7 @@ __global__ void __launch_bounds__(kScoreThreads) pooled_scores(score_args a) {
   extern __shared__ double rows_q[];  // [kRows][D]
   const int h = static_cast<int>(blockIdx.y), r0 = static_cast<int>(blockIdx.x) * kRows;
   const int rows = min(kRows, a.qb - r0);
-  for (int i = static_cast<int>(threadIdx.x); i < kRows * a.d; i += kScoreThreads) {
+  for (int i = static_cast<int>(threadIdx.x); i < kRows * a.d; i += static_cast<int>(blockDim.x)) {
     const int r = i / a.d;
     rows_q[i] =
         r < rows ? a.qm[(static_cast<std::int64_t>(h) * a.qb + r0 + r) * a.d + i % a.d] : 0.0;
@@ -89,10 +91,22 @@ __global__ void __launch_bounds__(kScoreThreads) pooled_scores(score_args a) {
   __syncthreads();
   const double minus_inf = -CUDART_INF;
   double* out = a.out + (static_cast<std::int64_t>(h) * a.qb + r0) * a.kb;
-  for (int c = static_cast<int>(threadIdx.x); c < a.kb; c += kScoreThreads) {
+  const int threads = static_cast<int>(blockDim.x);
+  for (int c = static_cast<int>(threadIdx.x); c < a.kb; c += threads) {
     double dot[kRows] = {};
     const double* key = a.km_t + static_cast<std::int64_t>(h) * a.d * a.kb + c;
-    for (int j = 0; j < a.d; ++j) {
+    int j = 0;
+    for (; j + kLoads <= a.d; j += kLoads) {  // kLoads key features in flight, then their FMAs
+      double kv[kLoads];
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) kv[u] = key[static_cast<std::int64_t>(j + u) * a.kb];
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) dot[r] += rows_q[r * a.d + j + u] * kv[u];
+      }
+    }
+    for (; j < a.d; ++j) {  // (each sum in feature order either way: the same bits)
       const double kv = key[static_cast<std::int64_t>(j) * a.kb];
 #pragma unroll
       for (int r = 0; r < kRows; ++r) dot[r] += rows_q[r * a.d + j] * kv;
@@ -112,7 +126,7 @@ __global__ void __launch_bounds__(kScoreThreads) pooled_scores(score_args a) {
   }
   __syncthreads();  // (the block's global writes are visible to its threads past the barrier)
   const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
-  for (int r = warp; r < rows; r += kScoreThreads / 32) {
+  for (int r = warp; r < rows; r += threads / 32) {
     double* row = out + static_cast<std::int64_t>(r) * a.kb;
     double top = minus_inf;
     for (int c = lane; c < a.kb; c += 32) top = fmax(top, row[c]);
@@ -182,7 +196,8 @@ void pooled_block_mass(const tensor_view& q, const tensor_view& k, std::int64_t 
   }
   const score_args a{qm, km_t, out, qb, kb, d, g, q.rows, k.rows, causal, scale};
   const dim3 grid(static_cast<unsigned>((qb + kRows - 1) / kRows), static_cast<unsigned>(heads));
-  pooled_scores<<<grid, kScoreThreads, shared, s>>>(a);
+  const int threads = std::max(32, std::min(kScoreThreads, (kb + 31) / 32 * 32));  // none idle
+  pooled_scores<<<grid, threads, shared, s>>>(a);
   TRISPARSE_CUDA_CHECK_LAUNCH();
 }
 
