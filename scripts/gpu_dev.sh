@@ -85,8 +85,9 @@ fi
 # SANITIZE=1: compute-sanitizer memcheck and racecheck side by side over the generic test's ops
 # named in SANITIZE_OPS (TRISPARSE_OPS; "none" skips them), both over the GPU tests matching
 # SANITIZE_GTEST (a gtest filter) where set, in SANITIZE_SHARDS processes side by side (gtest's
-# sharding; racecheck over GpuAttentionBackward.* takes ~12 min in one, 5.5 in four), and memcheck
-# over the CUDA pytest tests matching SANITIZE_K; each under SANITIZE_SECONDS.
+# sharding; racecheck over GpuAttentionBackward.* takes ~12 min in one, 5.5 in four), and the
+# tools in SANITIZE_K_TOOLS (default memcheck) over the pytest tests matching SANITIZE_K in
+# SANITIZE_FILES (default test_cuda.py); each under SANITIZE_SECONDS.
 if [ "${SANITIZE:-0}" = 1 ]; then
   mkdir -p /tmp/packed && tar -xJf .devpack/gpu_tests.tar.xz -C /tmp/packed
   for tool in memcheck racecheck; do
@@ -104,9 +105,12 @@ if [ "${SANITIZE:-0}" = 1 ]; then
     fi
   done
   if [ -n "${SANITIZE_K:-}" ]; then
-    timeout "${SANITIZE_SECONDS:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 \
-      env PYTHONPATH=build/device/python python3 -m pytest -q -p no:cacheprovider \
-      tests/python/test_cuda.py -k "$SANITIZE_K" > "$out/memcheck_pytest.log" 2>&1 &
+    for tool in ${SANITIZE_K_TOOLS:-memcheck}; do
+      # shellcheck disable=SC2086
+      timeout "${SANITIZE_SECONDS:-300}" compute-sanitizer --tool "$tool" --error-exitcode 9 \
+        env PYTHONPATH=build/device/python python3 -m pytest -q -p no:cacheprovider \
+        ${SANITIZE_FILES:-tests/python/test_cuda.py} -k "$SANITIZE_K" > "$out/${tool}_pytest.log" 2>&1 &
+    done
   fi
   wait
   for tool in memcheck racecheck; do  # one log a tool, the shards' in order

@@ -30,8 +30,9 @@ learned from the kernels' block importance) and reports the held-out bits per by
 --learner gate: a trisparse.GateLearner per layer instead (each input's own blocks, the gate
 distilled every --learner-every steps for --gate-fit-steps Adam steps while the model trains).
 On CUDA each row has step_ms, the median training step past the warm-up. --cuda-graph: the
-steps past the warm-up are replays of one CUDA graph (the learners capturable: the mass measured
-at every step, the pattern re-pruned inside the graph); --mode cost --cuda-graph compares the
+steps past the warm-up are replays of one CUDA graph (the learners capturable: tracked every
+--track-every steps and re-pruned inside the graph, the kernels told by flags on the device
+whether their work is due); --mode cost --cuda-graph compares the
 trained model's graph against a graph of the same step under the learned masks without the
 learners (importance, fold and prune left out), replayed in alternating rounds.
 
@@ -414,7 +415,7 @@ def pattern_learners(args, sparsity):
             every=args.learner_every,
             warmup=args.learner_warmup,
             causal=True,
-            track_every=None if args.cuda_graph else args.track_every,
+            track_every=args.track_every,
             capturable=args.cuda_graph,
         )
         for _ in range(args.layers)
@@ -422,8 +423,9 @@ def pattern_learners(args, sparsity):
 
 
 def graph_cost_row(args, data, split, s):
-    """--mode cost --cuda-graph: the model trained with capturable learners (the mass measured
-    at every step, the pattern re-pruned in the graph), then the training graph's step against a
+    """--mode cost --cuda-graph: the model trained with capturable learners (tracked every
+    --track-every steps, re-pruned every --learner-every, in the graph), then the training
+    graph's step against a
     graph of the same step under the learners' current masks without them (no importance, no
     fold, no prune), replayed in alternating rounds: the wall clock of replayed steps (no host
     time in them) and every kernel's time."""
@@ -467,6 +469,8 @@ def graph_cost_row(args, data, split, s):
         "rounds": args.cost_rounds,
         "steps_a_round": args.cost_period,
         "device_steps": learners[0].device_steps(),
+        "track_every": args.track_every,
+        "learner_every": args.learner_every,
         "bits_per_byte": bpb,
         **setting(args),
     }
@@ -608,7 +612,7 @@ def train_table(args, data, split):
             **setting(args),
         }
         if s > 0 and args.learner == "pattern":
-            row["track_every"] = 1 if args.cuda_graph else args.track_every
+            row["track_every"] = args.track_every
         elif s > 0:
             row["gate_fit_steps"] = args.gate_fit_steps
         print(json.dumps(row), flush=True)
@@ -682,7 +686,7 @@ def main():
         "--cuda-graph",
         action="store_true",
         help="--mode train / cost (CUDA): training steps replayed from a CUDA graph "
-        "(capturable PatternLearners: the mass measured at every step)",
+        "(capturable PatternLearners: their schedule kept on the device)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")

@@ -312,9 +312,9 @@ struct py_block_sparse_plan : py_block_plan_calls<block_sparse_attention_plan> {
   /// block counts as at build): kernels on `stream`, no allocation, capturable.
   void refill(std::uintptr_t kept, std::int64_t seq_stride, std::int64_t head_stride,
               std::int64_t row_stride, std::int64_t rows, std::int64_t cols, int device,
-              std::uintptr_t stream) const {
+              std::uintptr_t stream, std::uintptr_t due) const {
     plan.refill(device_mask_of(kept, seq_stride, head_stride, row_stride, rows, cols, device),
-                stream_of(stream));
+                stream_of(stream), reinterpret_cast<const bool*>(due));
   }
 };
 
@@ -1001,14 +1001,15 @@ NB_MODULE(_C, m) {
       "pooled_block_mass",
       [](const tensor_tuple& q, const tensor_tuple& k, std::int64_t block, bool causal,
          double scale, std::uintptr_t out, std::uintptr_t ws, std::size_t ws_bytes,
-         std::uintptr_t stream) {
+         std::uintptr_t stream, std::uintptr_t due) {
         pooled_block_mass(view_of(q), view_of(k), block, causal, scale,
                           reinterpret_cast<double*>(out), reinterpret_cast<void*>(ws), ws_bytes,
-                          stream_of(stream));
+                          stream_of(stream), reinterpret_cast<const bool*>(due));
       },
       "q"_a, "k"_a, "block"_a, "causal"_a, "scale"_a, "out"_a, "workspace"_a, "workspace_bytes"_a,
-      "stream"_a,
-      "The pooled block mass into the float64 [H, qb, kb] buffer at `out` (q's device).");
+      "stream"_a, "due"_a = 0,
+      "The pooled block mass into the float64 [H, qb, kb] buffer at `out` (q's device), where "
+      "the bool at `due` (0: none) is true.");
   m.attr("head_product_max_width") = kHeadProductMaxWidth;
   m.def(
       "head_product",
@@ -1037,7 +1038,7 @@ NB_MODULE(_C, m) {
       [](std::uintptr_t state, std::uintptr_t mass, const std::vector<std::int64_t>& strides,
          std::int64_t batch, std::uintptr_t keep, std::uintptr_t pooled, std::uintptr_t seen,
          std::int64_t heads, std::int64_t qb, std::int64_t kb, double decay, int device,
-         std::uintptr_t stream) {
+         std::uintptr_t stream, std::uintptr_t due) {
         TRISPARSE_EXPECTS_INPUT(strides.size() == 4, "fold_block_importance: 4 mass strides");
         importance_fold_args a;
         a.state = reinterpret_cast<double*>(state);
@@ -1051,13 +1052,42 @@ NB_MODULE(_C, m) {
         a.qb = qb;
         a.kb = kb;
         a.decay = decay;
+        a.due = reinterpret_cast<const bool*>(due);
         a.where = device < 0 ? device_kind::cpu : device_kind::cuda;
         a.device_id = device < 0 ? 0 : device;
         fold_block_importance(a, stream_of(stream));
       },
       "state"_a, "mass"_a, "mass_strides"_a, "batch"_a, "keep"_a, "pooled"_a, "seen"_a, "heads"_a,
-      "qb"_a, "kb"_a, "decay"_a, "device"_a, "stream"_a,
-      "A kernel-measured block mass folded into the float64 importance average at `state`.");
+      "qb"_a, "kb"_a, "decay"_a, "device"_a, "stream"_a, "due"_a = 0,
+      "A kernel-measured block mass folded into the float64 importance average at `state`, "
+      "where the bool at `due` (0: none) is true.");
+  m.def(
+      "prune_block_importance",
+      [](std::uintptr_t importance, std::uintptr_t forced, std::uintptr_t keep, std::uintptr_t due,
+         std::int64_t heads, std::int64_t qb, std::int64_t kb, std::int64_t budget,
+         const std::string& scope, int device, std::uintptr_t stream) {
+        TRISPARSE_EXPECTS_INPUT(
+            scope == "row" || scope == "global",
+            "prune_block_importance: scope must be row or global, not " + scope);
+        block_prune_args a;
+        a.importance = reinterpret_cast<const double*>(importance);
+        a.forced = reinterpret_cast<const bool*>(forced);
+        a.keep = reinterpret_cast<bool*>(keep);
+        a.due = reinterpret_cast<const bool*>(due);
+        a.heads = heads;
+        a.qb = qb;
+        a.kb = kb;
+        a.budget = budget;
+        a.scope = scope == "row" ? prune_scope::row : prune_scope::global;
+        a.where = device < 0 ? device_kind::cpu : device_kind::cuda;
+        a.device_id = device < 0 ? 0 : device;
+        prune_block_importance(a, stream_of(stream));
+      },
+      "importance"_a, "forced"_a, "keep"_a, "due"_a, "heads"_a, "qb"_a, "kb"_a, "budget"_a,
+      "scope"_a, "device"_a, "stream"_a,
+      "keep = forced | each row's (or head's) `budget` most important blocks (float64 "
+      "importance [H, qb, kb], bool forced [qb, kb] or 0, bool keep), where the bool at `due` "
+      "(0: always) is true.");
   m.def(
       "prune_blocks_by_output",
       [](std::uintptr_t mass, std::uintptr_t value, std::int64_t heads, std::int64_t qb,
@@ -1201,7 +1231,7 @@ NB_MODULE(_C, m) {
                       "seq_stride"_a, "head_stride"_a, "row_stride"_a, "rows"_a, "cols"_a,
                       "device"_a, "stream"_a, "mean_blocks"_a = -1.0)
           .def("refill", &py_block_sparse_plan::refill, "kept"_a, "seq_stride"_a, "head_stride"_a,
-               "row_stride"_a, "rows"_a, "cols"_a, "device"_a, "stream"_a)
+               "row_stride"_a, "rows"_a, "cols"_a, "device"_a, "stream"_a, "due"_a = 0)
           .def("workspace_bytes",
                [](const py_block_sparse_plan& p, std::int64_t heads, std::int64_t dim) {
                  return p.plan.workspace_bytes(heads, dim);

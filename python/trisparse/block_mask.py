@@ -107,14 +107,16 @@ class BlockMask:
         """The blocks' shape: (B or 1, H or 1, query blocks, key blocks)."""
         return tuple(self.blocks.shape)
 
-    def refresh_(self) -> None:
+    def refresh_(self, due: torch.Tensor | None = None) -> None:
         """After new contents were written into ``blocks`` in place (a pattern pruned again): the
         mask's plans follow them. The plans built on the GPU are rewritten by kernels on the
         current stream, into their own memory (no allocation, no host synchronisation: a step
         that changes its mask can be captured in a CUDA graph); plans made from a host copy are
         dropped and made again at their next use (not while capturing). Calls enqueued before
         see the old mask, later ones the new: refresh between a step's backward and the next
-        forward, as a backward runs under its forward's mask."""
+        forward, as a backward runs under its forward's mask. `due` (a bool on the plans'
+        device): the device plans' kernels rewrite them only where it is true, so that a captured
+        step refreshes at a cadence (the blocks must then be new only where it is)."""
         rebuilt = [key for key in self._plans if key not in self._refills]
         if rebuilt and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
@@ -128,12 +130,17 @@ class BlockMask:
         for key, (kept, layout) in self._refills.items():
             if kept is not self.blocks:  # a contiguous copy the plan reads
                 kept.copy_(self.blocks)
-            self._plans[key].refill(kept.data_ptr(), *layout, _tensors.stream(key[0]))
+            self._plans[key].refill(
+                kept.data_ptr(),
+                *layout,
+                _tensors.stream(key[0]),
+                0 if due is None else due.data_ptr(),
+            )
         for (batch, heads), fold in self._folds.items():
             if fold.blocks.data_ptr() != self.blocks.data_ptr():  # shared blocks, expanded
                 qb, kb = self.blocks.shape[2:]
                 fold.blocks.copy_(self.blocks.expand(batch, heads, qb, kb).reshape(fold.shape))
-            fold.refresh_()
+            fold.refresh_(due)
 
     @classmethod
     def from_flex(cls, block_mask: Any, causal: bool = False) -> BlockMask:
@@ -274,7 +281,7 @@ class _TopkMask(BlockMask):
             self._blocks = table.bool().to(device)
         return self._blocks
 
-    def refresh_(self) -> None:
+    def refresh_(self, due: torch.Tensor | None = None) -> None:
         raise TypeError("a top-k mask is selected by its plan: select it again (topk_block_mask)")
 
     def plan(self, device: torch.device, cu_q: list[int], cu_k: list[int], algo: str):

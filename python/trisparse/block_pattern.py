@@ -427,8 +427,11 @@ def pooled_block_mass(
     return _pooled_block_mass(q, k, block_size, causal, scale)
 
 
-def _pooled_block_mass(q, k, block_size, causal, scale, out: Tensor | None = None) -> Tensor:
-    """pooled_block_mass, written into `out` where given (float64, contiguous, its shape)."""
+def _pooled_block_mass(
+    q, k, block_size, causal, scale, out: Tensor | None = None, due: Tensor | None = None
+) -> Tensor:
+    """pooled_block_mass, written into `out` where given (float64, contiguous, its shape), and
+    only where the bool `due` on q's device (if given) is true."""
     _check_qk(q, k)
     heads, n_q, d = q.shape
     n_k, g = k.shape[1], _block_size(block_size)
@@ -448,6 +451,7 @@ def _pooled_block_mass(q, k, block_size, causal, scale, out: Tensor | None = Non
         ws,
         ws_bytes,
         _tensors.stream(q.device),
+        0 if due is None else due.data_ptr(),
     )
     return out
 
@@ -723,16 +727,18 @@ class PatternLearner:
     1) so that an initialiser seeds the pattern. Everything runs as torch ops on q's device: no
     host synchronisation in a step. The pattern (:meth:`pattern`) can be saved and reloaded.
 
-    ``capturable=True``: the block-sparse steps are the same kernels at every step, so that a
+    ``capturable=True``: the block-sparse steps are the same launches at every step, so that a
     training step (forward, backward, optimizer) can be captured once in a CUDA graph and
-    replayed: the kernels measure the mass at every step (`track_every` 1), the re-pruning's
-    schedule (`every`, `freeze_after`) is counted on the device and the pattern is updated in
-    place (the mask's plan rewritten by kernels, :meth:`BlockMask.refresh_`) at the start of the
-    step after it is due, before the fold of the previous step's mass; the outputs and the
-    importance equal a learner's with ``track_every=1`` step for step. Not with ``method="output"`` or `aggregate`
-    other than "ema". Capture after the warm-up and at least two block-sparse steps (the warm-up
-    of the capture itself); :attr:`steps` counts the host's calls, :meth:`device_steps` the
-    replays too."""
+    replayed: the step is counted on the device, and the kernels that track (the pooled
+    estimate, the fold), prune and rewrite the mask's plan (:meth:`BlockMask.refresh_`) read
+    flags computed from it and return at once where their work is not due, so the schedule
+    (`track_every`, `every`, `freeze_after`) holds under replay at its own cost; the backward
+    measures the mass at every step. The prune runs at the start of the step after it is due,
+    before the fold of the previous step's mass; the outputs and the importance equal the
+    default learner's step for step. Not with ``method="output"`` or `aggregate` other than
+    "ema"; with "threshold" the prune is torch ops at every step (its result kept where due).
+    Capture after the warm-up and at least two block-sparse steps (the warm-up of the capture
+    itself); :attr:`steps` counts the host's calls, :meth:`device_steps` the replays too."""
 
     def __init__(
         self,
@@ -752,14 +758,11 @@ class PatternLearner:
         capturable: bool = False,
         **keep_rules,
     ):
-        if capturable:
-            if method == "output" or aggregate != "ema" or track_every not in (None, 1):
-                raise ValueError(
-                    'capturable=True: method "row", "global" or "threshold", aggregate "ema" and '
-                    f"the mass measured at every step (track_every 1), got method {method!r}, "
-                    f"aggregate {aggregate!r}, track_every {track_every}"
-                )
-            track_every = 1
+        if capturable and (method == "output" or aggregate != "ema"):
+            raise ValueError(
+                'capturable=True: method "row", "global" or "threshold" and aggregate "ema", '
+                f"got method {method!r}, aggregate {aggregate!r}"
+            )
         track_every = 4 if track_every is None else track_every
         if aggregate not in ("ema", "mean", "max"):
             raise ValueError(f"aggregate must be ema, mean or max, not {aggregate!r}")
@@ -852,47 +855,78 @@ class PatternLearner:
                 measured=False,
             )
         else:
-            steps = b.steps  # (past the warm-up here: steps > warmup)
-            due = (steps - (self.warmup + 1)) % self.every == 0
-            frozen_now = None
+            # The default learner's schedule from the step count on the device (steps > warmup
+            # here): re-pruned at the end of the last step, its mass folded in (it was tracked
+            # and the learner is not frozen now).
+            steps = b.steps
+            prune = (steps - (self.warmup + 1)) % self.every == 0
+            fold = None if self.track_every == 1 else (steps - 1) % self.track_every == 0
             if self.freeze_after is not None:
-                due = due & (steps - 1 < self.freeze_after)  # frozen when the last step ran
-                frozen_now = steps >= self.freeze_after
-            self._prune_in_place(due)
+                prune = prune & (steps - 1 < self.freeze_after)  # frozen when the last step ran
+                live = steps < self.freeze_after
+                fold = live if fold is None else fold & live
+            self._prune_in_place(prune)
             if b.measured:
-                if frozen_now is None:
-                    self._fold_measured(b.mass, b.keep, b.pooled)
-                else:  # no fold once frozen
-                    before = self.importance.clone()
-                    self._fold_measured(b.mass, b.keep, b.pooled)
-                    self.importance.copy_(torch.where(frozen_now, before, self.importance))
+                self._fold_measured(b.mass, b.keep, b.pooled, fold)
         b.keep.copy_(self._keep)  # the blocks this step measures
         self.tracker._sink = b.mass
         out = block_sparse_attention(q, k, v, mask, scale=scale, importance=self.tracker)
+        # The pooled estimate where the next step folds this one's mass.
+        track = None if self.track_every == 1 else b.steps % self.track_every == 0
+        if self.freeze_after is not None:
+            live = b.steps + 1 < self.freeze_after
+            track = live if track is None else track & live
         with torch.no_grad():
-            _pooled_block_mass(q[0], k[0], self.block_size, self.causal, scale, out=b.pooled)
+            _pooled_block_mass(
+                q[0], k[0], self.block_size, self.causal, scale, out=b.pooled, due=track
+            )
         b.measured = True
         self.steps += 1
         b.steps.add_(1)
         return out
 
-    def _prune_in_place(self, due: Tensor) -> None:
-        """capturable: the pattern pruned from the importance where `due` (a device bool), written
-        into the persistent keep and the mask's plans."""
+    def _prune_in_place(self, due: Tensor | None) -> None:
+        """capturable: the pattern pruned from the importance where `due` (a device bool; None:
+        now), written into the persistent keep and the mask's plans. "row" and "global": one
+        library kernel that returns at once where not due; "threshold": torch ops, kept where
+        due."""
         b = self._buffers
         rules = _keep_rules(**self.keep_rules)
+        heads, qb, kb = self._keep.shape
+        dev = self._keep.device
         if b.forced is None:
-            forced = _forced_blocks(
-                *self._keep.shape[1:],
-                self._keep.device,
-                rules["keep_diagonal"],
-                rules["window"],
-                rules["global_blocks"],
+            b.forced = (
+                _forced_blocks(
+                    qb, kb, dev, rules["keep_diagonal"], rules["window"], rules["global_blocks"]
+                )
+                .expand(qb, kb)
+                .contiguous()
             )
-            b.forced = forced.expand(self._keep.shape)
-        new = _prune(self.importance, b.forced, self.sparsity, self.method, rules["top_p"])
-        torch.where(due, new, self._keep, out=self._keep)
-        self._block_mask().refresh_()
+        if self.method == "threshold":
+            forced = b.forced.expand(heads, qb, kb)
+            new = _prune(self.importance, forced, self.sparsity, self.method, rules["top_p"])
+            if due is None:
+                self._keep.copy_(new)
+            else:
+                torch.where(due, new, self._keep, out=self._keep)
+        else:
+            budget = max(
+                1, round((1.0 - self.sparsity) * kb * (qb if self.method == "global" else 1))
+            )
+            _C.prune_block_importance(
+                self.importance.data_ptr(),
+                b.forced.data_ptr(),
+                self._keep.data_ptr(),
+                0 if due is None else due.data_ptr(),
+                heads,
+                qb,
+                kb,
+                budget,
+                self.method,
+                _tensors.device_index(dev),
+                _tensors.stream(dev),
+            )
+        self._block_mask().refresh_(due)
 
     def device_steps(self) -> int:
         """The steps taken, CUDA graph replays included (capturable; reads the device's count:
@@ -958,10 +992,13 @@ class PatternLearner:
         imp = torch.where(keep, mass.to(torch.float64) * kept_share, pooled)
         self._fold(None, imp)
 
-    def _fold_measured(self, mass: Tensor, keep: Tensor, pooled: Tensor) -> None:
+    def _fold_measured(
+        self, mass: Tensor, keep: Tensor, pooled: Tensor, due: Tensor | None = None
+    ) -> None:
         """The "ema" fold of float32 mass [B, H, qb, kb] (any strides), bool keep and float64
         pooled [H, qb, kb] (contiguous, on the importance's device) in one library call
-        (fold_block_importance: the torch path's arithmetic)."""
+        (fold_block_importance: the torch path's arithmetic), where the device bool `due` (if
+        given) is true."""
         heads, qb, kb = self.importance.shape
         _C.fold_block_importance(
             self.importance.data_ptr(),
@@ -977,10 +1014,15 @@ class PatternLearner:
             self.decay,
             _tensors.device_index(mass.device),
             _tensors.stream(mass.device),
+            0 if due is None else due.data_ptr(),
         )
-        if not self._all_seen:
+        if self._all_seen:
+            return
+        if due is None:
             self._seen.fill_(True)
             self._all_seen = True
+        else:  # (on the host the rows stay unknown: the seen flags are read each fold)
+            torch.logical_or(self._seen, due, out=self._seen)
 
     def mask(self) -> BlockMask | None:
         """The current pattern as a mask for :func:`block_sparse_attention` (on q's device), or
@@ -1096,10 +1138,7 @@ class PatternLearner:
         due = self._keep is None or (self.steps - self.warmup - 1) % self.every == 0
         if self.steps > self.warmup and due and not (frozen and self._keep is not None):
             if self._buffers is not None:  # capturable: in place, the plans rewritten
-                self._keep.copy_(
-                    prune_blocks(self.importance, self.sparsity, self.method, **self.keep_rules)
-                )
-                self._block_mask().refresh_()
+                self._prune_in_place(None)
                 return
             if self.method != "output":
                 self._keep = prune_blocks(
@@ -1127,7 +1166,7 @@ class _CaptureBuffers:
     pooled: Tensor
     mass: Tensor  # [B, H, qb, kb] float32, written by the backward (BlockImportance's sink)
     measured: bool  # whether a step has measured into them yet
-    forced: Tensor | None = None  # [H, qb, kb]: the blocks the keep rules force
+    forced: Tensor | None = None  # [qb, kb]: the blocks the keep rules force (every head)
 
 
 def _sampled_stats(q, k, v, g, rows, causal):

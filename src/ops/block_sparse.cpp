@@ -582,10 +582,11 @@ std::array<double, 3> block_sparse_attention_plan::run_timing_stages(
   return ms;
 }
 
-void block_sparse_attention_plan::refill(const device_block_mask& kept, stream_ref stream) const {
+void block_sparse_attention_plan::refill(const device_block_mask& kept, stream_ref stream,
+                                         const bool* due) const {
   TRISPARSE_EXPECTS_INPUT(state_->device != nullptr && state_->report.nnz < 0,
                           "refill: the plan was not built from a mask on the device");
-  cuda::refill_block_sparse_plan(*state_->device, kept, stream);
+  cuda::refill_block_sparse_plan(*state_->device, kept, stream, due);
 }
 
 const plan_report& block_sparse_attention_plan::report() const { return state_->report; }

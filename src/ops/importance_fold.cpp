@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -138,6 +139,40 @@ void fold_block_importance_cpu(const importance_fold_args& a) {
   }
 }
 
+// The ranking key of prune_block_importance: unsigned order is the order of the values, NaN
+// highest, -0 as 0.
+std::uint64_t rank_key(double x) {
+  if (std::isnan(x)) return ~std::uint64_t{0};
+  if (x == 0.0) x = 0.0;
+  std::uint64_t bits = 0;
+  std::memcpy(&bits, &x, sizeof bits);
+  return (bits >> 63) != 0 ? ~bits : bits | (std::uint64_t{1} << 63);
+}
+
+void prune_block_importance_cpu(const block_prune_args& a) {
+  const bool global = a.scope == prune_scope::global;
+  const std::int64_t length = global ? a.qb * a.kb : a.kb;
+  const std::int64_t segments = global ? a.heads : a.heads * a.qb;
+  const std::uint64_t forced_key = rank_key(std::numeric_limits<double>::infinity());
+#pragma omp parallel for schedule(static)
+  for (std::int64_t s = 0; s < segments; ++s) {
+    const std::int64_t base = s * length, forced0 = global ? 0 : (s % a.qb) * a.kb;
+    std::vector<std::uint64_t> key(static_cast<std::size_t>(length));
+    std::vector<std::int64_t> order(static_cast<std::size_t>(length));
+    for (std::int64_t i = 0; i < length; ++i) {
+      const bool forced = a.forced != nullptr && a.forced[forced0 + i];
+      key[i] = forced ? forced_key : rank_key(a.importance[base + i]);
+      order[i] = i;
+    }
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::int64_t x, std::int64_t y) { return key[x] > key[y]; });
+    bool* keep = a.keep + base;
+    for (std::int64_t i = 0; i < length; ++i)
+      keep[i] = a.forced != nullptr && a.forced[forced0 + i];
+    for (std::int64_t i = 0; i < std::min(a.budget, length); ++i) keep[order[i]] = true;
+  }
+}
+
 }  // namespace
 
 std::size_t pooled_block_mass_workspace_bytes(std::int64_t heads, std::int64_t n_q,
@@ -151,7 +186,7 @@ std::size_t pooled_block_mass_workspace_bytes(std::int64_t heads, std::int64_t n
 
 void pooled_block_mass(const tensor_view& q, const tensor_view& k, std::int64_t block, bool causal,
                        double scale, double* out, void* workspace, std::size_t workspace_bytes,
-                       stream_ref stream) {
+                       stream_ref stream, const bool* due) {
   TRISPARSE_EXPECTS_INPUT(block >= 1,
                           "pooled_block_mass: block must be >= 1, got " + std::to_string(block));
   check_view(q, "pooled_block_mass: q", -1, -1, -1);
@@ -163,7 +198,7 @@ void pooled_block_mass(const tensor_view& q, const tensor_view& k, std::int64_t 
   TRISPARSE_EXPECTS_INPUT(out != nullptr, "pooled_block_mass: out is null");
   if (scale <= 0.0) scale = 1.0 / std::sqrt(static_cast<double>(std::max<std::int64_t>(q.dim, 1)));
   if (q.where == device_kind::cpu) {
-    pooled_block_mass_cpu(q, k, block, causal, scale, out);
+    if (due == nullptr || *due) pooled_block_mass_cpu(q, k, block, causal, scale, out);
     return;
   }
   const std::size_t need = pooled_block_mass_workspace_bytes(q.heads, q.rows, k.rows, q.dim, block);
@@ -171,7 +206,8 @@ void pooled_block_mass(const tensor_view& q, const tensor_view& k, std::int64_t 
                           "pooled_block_mass: the workspace holds " +
                               std::to_string(workspace_bytes) + " bytes, it needs " +
                               std::to_string(need));
-  cuda::pooled_block_mass(q, k, block, causal, scale, out, static_cast<double*>(workspace), stream);
+  cuda::pooled_block_mass(q, k, block, causal, scale, out, static_cast<double*>(workspace), due,
+                          stream);
 }
 
 void importance_fold_args::check() const {
@@ -194,10 +230,31 @@ void importance_fold_args::check() const {
 void fold_block_importance(const importance_fold_args& args, stream_ref stream) {
   args.check();
   if (args.heads * args.qb * args.kb == 0) return;
-  if (args.where == device_kind::cpu)
-    fold_block_importance_cpu(args);
-  else
+  if (args.where != device_kind::cpu)
     cuda::fold_block_importance(args, stream);
+  else if (args.due == nullptr || *args.due)
+    fold_block_importance_cpu(args);
+}
+
+void block_prune_args::check() const {
+  TRISPARSE_EXPECTS_INPUT(heads >= 0 && qb >= 0 && kb >= 0,
+                          "prune_block_importance: heads, qb and kb must be >= 0");
+  TRISPARSE_EXPECTS_INPUT(
+      budget >= 1, "prune_block_importance: budget must be >= 1, got " + std::to_string(budget));
+  TRISPARSE_EXPECTS_INPUT(scope == prune_scope::row || scope == prune_scope::global,
+                          "prune_block_importance: scope must be row or global");
+  if (heads * qb * kb == 0) return;
+  TRISPARSE_EXPECTS_INPUT(importance != nullptr && keep != nullptr,
+                          "prune_block_importance: importance and keep must be given");
+}
+
+void prune_block_importance(const block_prune_args& args, stream_ref stream) {
+  args.check();
+  if (args.heads * args.qb * args.kb == 0) return;
+  if (args.where != device_kind::cpu)
+    cuda::prune_block_importance(args, stream);
+  else if (args.due == nullptr || *args.due)
+    prune_block_importance_cpu(args);
 }
 
 }  // namespace trisparse

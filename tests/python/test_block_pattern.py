@@ -712,9 +712,9 @@ def test_pattern_learner_steps_under_cuda_graph_capture(method):
     assert torch.equal(graphed._keep, eager._keep)
 
 
-def _capturable_pair(g, method, **kwargs):
-    """A capturable learner and the default one it must equal (the mass measured every step),
-    warm-up dense, re-pruned every 3 steps, frozen after 11."""
+def _capturable_pair(g, method, track_every=1, **kwargs):
+    """A capturable learner and the default one it must equal, warm-up dense, re-pruned every 3
+    steps, frozen after 11."""
     make = lambda capturable: trisparse.PatternLearner(
         g,
         sparsity=0.5,
@@ -723,7 +723,7 @@ def _capturable_pair(g, method, **kwargs):
         warmup=2,
         freeze_after=11,
         decay=0.5,
-        track_every=1,
+        track_every=track_every,
         capturable=capturable,
         **kwargs,
     )
@@ -746,19 +746,20 @@ def _moving_steps(learner, q, k, v, steps, seed):
     return outs, blocks
 
 
+@pytest.mark.parametrize("track_every", [1, 2])
 @pytest.mark.parametrize("method", ["row", "global", "threshold"])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_capturable_pattern_learner_equals_the_default_learner(method, batch):
+def test_capturable_pattern_learner_equals_the_default_learner(method, batch, track_every):
     """capturable=True (the prune moved to the next step's start, the schedule counted on the
-    device, the pattern and its mask's plans updated in place) takes the default learner's steps
-    with the mass measured at every step: the same outputs, patterns and importance, bit for
-    bit, across re-prunes and the freeze."""
+    device and the tracking, pruning and refill kernels told by flags whether they are due, the
+    pattern and its mask's plans updated in place) takes the default learner's steps: the same
+    outputs, patterns and importance, bit for bit, across re-prunes and the freeze."""
     heads, n, g = 2, 256, 32
     _, q, k = _planted(heads, n, g, 32, torch.Generator().manual_seed(40))
     v = torch.randn(heads, n, 32, generator=torch.Generator().manual_seed(41))
     q, k, v = (t[None].expand(batch, -1, -1, -1).contiguous() for t in (q, k, v))
     capturable, default = _capturable_pair(
-        g, method, **({"top_p": 0.5} if method == "threshold" else {})
+        g, method, track_every, **({"top_p": 0.5} if method == "threshold" else {})
     )
     got = _moving_steps(capturable, q, k, v, 16, seed=42)
     want = _moving_steps(default, q, k, v, 16, seed=42)
@@ -778,10 +779,50 @@ def test_capturable_pattern_learner_arguments():
         trisparse.PatternLearner(32, 0.5, method="output", capturable=True)
     with pytest.raises(ValueError, match="capturable"):
         trisparse.PatternLearner(32, 0.5, aggregate="max", capturable=True)
-    with pytest.raises(ValueError, match="track_every"):
-        trisparse.PatternLearner(32, 0.5, track_every=4, capturable=True)
-    assert trisparse.PatternLearner(32, 0.5, capturable=True).track_every == 1
-    assert trisparse.PatternLearner(32, 0.5).track_every == 4
+    assert trisparse.PatternLearner(32, 0.5, capturable=True).track_every == 4
+    assert trisparse.PatternLearner(32, 0.5, track_every=1, capturable=True).track_every == 1
+
+
+def _check_prune_kernel(device):
+    """The library's prune (what a capturable learner runs) against prune_blocks: "row" and
+    "global", keep rules, ties (importance rounded to a few values), NaN and -0; nothing written
+    where the flag says it is not due."""
+    from trisparse import _C, _tensors
+    from trisparse.block_pattern import _forced_blocks
+
+    gen = torch.Generator().manual_seed(46)
+    for heads, qb, kb in ((3, 7, 5), (2, 40, 37), (1, 3, 600)):
+        imp = (torch.rand(heads, qb, kb, generator=gen, dtype=torch.float64) * 4).round() / 4
+        imp[0, 0, :2] = torch.tensor([float("nan"), -0.0])
+        imp = imp.to(device)
+        for method, rules, sparsity in (
+            ("row", {}, 0.5),
+            ("row", {"window": 1, "global_blocks": 1}, 0.8),
+            ("global", {}, 0.7),
+            ("global", {"keep_diagonal": False}, 0.95),
+        ):
+            want = trisparse.prune_blocks(imp, sparsity, method, **rules)
+            r = {"keep_diagonal": True, "window": 0, "global_blocks": 0, **rules}
+            forced = _forced_blocks(qb, kb, imp.device, *r.values()).expand(qb, kb).contiguous()
+            budget = max(1, round((1.0 - sparsity) * kb * (qb if method == "global" else 1)))
+            for due in (True, False):
+                keep = torch.zeros(heads, qb, kb, dtype=torch.bool, device=device)
+                flag = torch.tensor(due, device=device)
+                args = (forced.data_ptr(), keep.data_ptr(), flag.data_ptr(), heads, qb, kb)
+                dev = _tensors.device_index(imp.device)
+                _C.prune_block_importance(
+                    imp.data_ptr(), *args, budget, method, dev, _tensors.stream(imp.device)
+                )
+                assert torch.equal(keep, want if due else torch.zeros_like(keep)), (method, rules)
+
+
+def test_prune_kernel_equals_prune_blocks():
+    _check_prune_kernel("cpu")
+
+
+@pytest.mark.gpu
+def test_prune_kernel_equals_prune_blocks_on_the_gpu():
+    _check_prune_kernel("cuda")
 
 
 def test_block_mask_refresh_follows_new_blocks():
@@ -819,9 +860,11 @@ def test_block_mask_refresh_rewrites_the_device_plan(batch, shared):
         first = torch.rand(1, heads, nb, nb, generator=gen, device="cuda") < 0.3
         second = torch.rand(1, heads, nb, nb, generator=gen, device="cuda") < 0.3
         mask = trisparse.BlockMask(first.clone(), g, causal=causal)
-        trisparse.block_sparse_attention(q, k, v, mask)
+        want = trisparse.block_sparse_attention(q, k, v, mask)
         mask.blocks.copy_(second)
-        mask.refresh_()
+        mask.refresh_(torch.tensor(False, device="cuda"))  # not due: the plan stays
+        assert torch.equal(trisparse.block_sparse_attention(q, k, v, mask), want)
+        mask.refresh_(torch.tensor(True, device="cuda"))
         fresh = trisparse.BlockMask(second, g, causal=causal)
         for m in (mask, fresh):
             leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -835,20 +878,30 @@ def test_block_mask_refresh_rewrites_the_device_plan(batch, shared):
 
 
 @pytest.mark.gpu
-def test_capturable_pattern_learner_under_cuda_graph_capture():
+@pytest.mark.parametrize("method, track_every", [("row", 1), ("global", 3), ("threshold", 2)])
+def test_capturable_pattern_learner_under_cuda_graph_capture(method, track_every):
     """A training step with a capturable PatternLearner (forward, backward, an optimizer's
-    step) captured once in a CUDA graph and replayed follows the same learner run eagerly: the
-    same importance and patterns (re-pruned at the replays where due, then frozen), bit for bit,
-    and the weights to the GEMMs' rounding."""
+    step) captured once in a CUDA graph and replayed follows the same learner run eagerly and
+    the default learner: the same importance and patterns (tracked, re-pruned at the replays
+    where due, then frozen), bit for bit, and the weights to the GEMMs' rounding."""
     heads, n, g, d = 2, 1024, 64, 64
     _, q0, k0 = _planted(heads, n, g, d, torch.Generator().manual_seed(44))
     base = torch.cat([q0, k0], -1).transpose(0, 1).reshape(n, 2 * heads * d).cuda()
 
-    def model_and_learner():
+    def model_and_learner(capturable=True):
         torch.manual_seed(0)
         lin = torch.nn.Linear(2 * heads * d, 3 * heads * d, device="cuda")
         learner = trisparse.PatternLearner(
-            g, sparsity=0.75, every=3, warmup=2, freeze_after=14, decay=0.5, capturable=True
+            g,
+            sparsity=0.75,
+            method=method,
+            every=3,
+            warmup=2,
+            freeze_after=14,
+            decay=0.5,
+            track_every=track_every,
+            capturable=capturable,
+            **({"top_p": 0.6} if method == "threshold" else {}),
         )
         opt = torch.optim.SGD(lin.parameters(), lr=1e-3)
         return lin, learner, opt
@@ -864,9 +917,12 @@ def test_capturable_pattern_learner_under_cuda_graph_capture():
 
     gen = torch.Generator("cuda").manual_seed(45)
     inputs = [base + 0.5 * torch.randn(base.shape, device="cuda", generator=gen) for _ in range(18)]
-    eager = model_and_learner()
+    eager, default = model_and_learner(), model_and_learner(capturable=False)
     for x in inputs:
         step(*eager, x)
+        step(*default, x)
+    assert torch.equal(eager[1]._keep, default[1]._keep)
+    torch.testing.assert_close(eager[1].importance, default[1].importance, rtol=0, atol=0)
     graphed = model_and_learner()
     static_x = inputs[0].clone()
     side = torch.cuda.Stream()

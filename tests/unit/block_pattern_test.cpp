@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <iterator>
@@ -284,6 +285,51 @@ TEST(ImportanceFold, FoldsMeasuredMassIntoTheAverage) {
   a.decay = 0.5;
   a.batch = 0;
   EXPECT_THROW(fold_block_importance(a), invalid_input);
+  // Not due: the state is left as it was.
+  a.batch = 2;
+  const bool not_due = false;
+  a.due = &not_due;
+  const std::vector<double> before = state;
+  fold_block_importance(a);
+  EXPECT_EQ(state, before);
+}
+
+// The prune: forced blocks rank first, NaN above every number, ties (and -0 against 0) to the
+// lower index; a row's or a head's budget; nothing written where not due.
+TEST(ImportanceFold, PrunesToTheBudgetInStableOrder) {
+  const double nan = std::nan("");
+  const std::vector<double> imp = {0.1, 0.5, 0.5, -0.0,  // 1 head, 2 rows of 4 key blocks
+                                   nan, 0.2, 0.0, -0.0};
+  const bool forced[8] = {false, false, false, true, false, false, false, false};
+  bool keep[8] = {};
+  block_prune_args a;
+  a.importance = imp.data();
+  a.forced = forced;
+  a.keep = keep;
+  a.heads = 1;
+  a.qb = 2;
+  a.kb = 4;
+  a.budget = 2;
+  prune_block_importance(a);
+  const bool rows[8] = {false, true, false, true, true, true, false, false};
+  EXPECT_TRUE(std::equal(keep, keep + 8, rows));
+  a.scope = prune_scope::global;
+  a.budget = 3;
+  prune_block_importance(a);
+  const bool head[8] = {false, true, false, true, true, false, false, false};
+  EXPECT_TRUE(std::equal(keep, keep + 8, head));
+  a.forced = nullptr;
+  a.budget = 6;  // NaN, 0.5, 0.5, 0.2, 0.1, then the first of the zeros (-0 at 3)
+  prune_block_importance(a);
+  const bool six[8] = {true, true, true, true, true, true, false, false};
+  EXPECT_TRUE(std::equal(keep, keep + 8, six));
+  const bool not_due = false;
+  a.due = &not_due;
+  a.budget = 1;
+  prune_block_importance(a);
+  EXPECT_TRUE(std::equal(keep, keep + 8, six));
+  a.budget = 0;
+  EXPECT_THROW(prune_block_importance(a), invalid_input);
 }
 
 }  // namespace

@@ -89,9 +89,12 @@ class block_sparse_attention_plan {
   /// synchronisation, so a training step that changes its mask can be captured in a CUDA graph.
   /// The kernel chosen at build stays. Runs and backwards enqueued before it on `stream` see the
   /// old mask, those after it the new one (a backward must follow its own forward's mask: refill
-  /// between a step's backward and the next forward). @throws invalid_input for a plan built
-  /// from a host mask or a `kept` of another layout.
-  void refill(const device_block_mask& kept, stream_ref stream = {}) const;
+  /// between a step's backward and the next forward). `due` (one flag on the plan's device, or
+  /// null): the kernels rewrite the lists only where it is true (a captured step that refills
+  /// at a cadence). @throws invalid_input for a plan built from a host mask or a `kept` of
+  /// another layout.
+  void refill(const device_block_mask& kept, stream_ref stream = {},
+              const bool* due = nullptr) const;
 
   /// out = attention(q, k, v) under the mask (CUDA: asynchronous on `stream`; q, k, v f16 or bf16,
   /// D 64 or 128 for algorithm::block; options.lse, [rows, H, 1], f32 with algorithm::block on

@@ -26,11 +26,12 @@ std::size_t pooled_block_mass_workspace_bytes(std::int64_t heads, std::int64_t n
 /// block hold zeros. q [N_q, H, D], k [N_k, H, D], any dtype, on one device; means, scores and
 /// softmax in float64, each sum in a fixed order (the same bits on every run). scale <= 0:
 /// 1/sqrt(D). On CUDA `workspace` holds pooled_block_mass_workspace_bytes on q's device and
-/// the kernels run on `stream`.
+/// the kernels run on `stream`. `due` (one flag on q's device, or null): out is written only
+/// where it is true.
 /// @throws invalid_input for mismatched shapes or devices, block < 1 or a short workspace.
 void pooled_block_mass(const tensor_view& q, const tensor_view& k, std::int64_t block, bool causal,
                        double scale, double* out, void* workspace, std::size_t workspace_bytes,
-                       stream_ref stream = {});
+                       stream_ref stream = {}, const bool* due = nullptr);
 
 /// One observation of the kernels' block mass folded into an importance average.
 struct importance_fold_args {
@@ -43,6 +44,7 @@ struct importance_fold_args {
   const bool* keep = nullptr;      ///< [heads][qb][kb], dense: the blocks the mask held
   const double* pooled = nullptr;  ///< [heads][qb][kb], dense: pooled_block_mass of that step
   const bool* seen = nullptr;      ///< [qb]: block rows observed before (nullptr: every row)
+  const bool* due = nullptr;  ///< one flag on the state's device: fold only if true (null: always)
   std::int64_t heads = 0, qb = 0, kb = 0;
   double decay = 0.9;
   device_kind where = device_kind::cpu;
@@ -58,5 +60,34 @@ struct importance_fold_args {
 /// Python's PatternLearner.observe_importance with aggregate "ema"; one kernel on CUDA.
 /// @throws invalid_input as check() does.
 void fold_block_importance(const importance_fold_args& args, stream_ref stream = {});
+
+/// What prune_block_importance ranks the blocks over.
+enum class prune_scope : std::uint8_t {
+  row,     ///< each (head, block row) keeps `budget` of its key blocks
+  global,  ///< each head keeps `budget` of all its blocks
+};
+
+/// One pruning of an importance average to the blocks kept.
+struct block_prune_args {
+  const double* importance = nullptr;  ///< [heads][qb][kb] float64, dense
+  const bool* forced = nullptr;        ///< [qb][kb], dense, the same for every head (null: none)
+  bool* keep = nullptr;                ///< [heads][qb][kb], dense: written only where due
+  const bool* due = nullptr;  ///< one flag on keep's device: prune only if true (null: always)
+  std::int64_t heads = 0, qb = 0, kb = 0;
+  std::int64_t budget = 1;  ///< blocks kept per row or head, forced ones first (>= 1)
+  prune_scope scope = prune_scope::row;
+  device_kind where = device_kind::cpu;
+  int device_id = 0;
+  /// @throws invalid_input naming the field that is out of range.
+  void check() const;
+};
+
+/// keep = forced | the `budget` highest-ranked blocks of each row (or head), ranked by
+/// importance with forced blocks first, ties to the lower index (row-major): a stable sort's
+/// first `budget` (NaN ranks highest, -0 equals 0), as Python's prune_blocks "row" / "global".
+/// On CUDA one kernel (a radix select a row or head, no atomics outside shared-memory counts:
+/// the same blocks on every run); where `due` is false it returns at once and keep is untouched.
+/// @throws invalid_input as check() does.
+void prune_block_importance(const block_prune_args& args, stream_ref stream = {});
 
 }  // namespace trisparse

@@ -7,7 +7,11 @@
 //   each thread scores its key blocks against all kRows rows, then a warp per row turns the
 //   scores into the softmax in place (the row is in L2: it was just written);
 // - fold: a warp per (head, block row): the pooled total over the kept blocks, then the new
-//   importance folded into the average.
+//   importance folded into the average;
+// - prune_top: a thread block per row (or head): a radix select of the `budget`-th highest
+//   ranking key, 8 bits a pass (counts in shared memory), then keep written in index order, ties
+//   at the threshold to the lowest indices (a ballot scan).
+// Each kernel reads the caller's `due` flag first and returns at once where it is false.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <math_constants.h>
@@ -26,11 +30,15 @@ namespace trisparse::cuda {
 
 namespace {
 
-constexpr int kMeanThreads = 64;    // features a pass of block_means
-constexpr int kRows = 16;           // block rows a thread block of pooled_scores
-constexpr int kScoreThreads = 256;  // pooled_scores' threads at most (a key block each)
-constexpr int kLoads = 8;           // key features a thread of pooled_scores loads at once
-constexpr int kFoldWarps = 8;       // block rows a thread block of fold
+constexpr int kMeanThreads = 64;           // features a pass of block_means
+constexpr int kRows = 16;                  // block rows a thread block of pooled_scores
+constexpr int kScoreThreads = 256;         // pooled_scores' threads at most (a key block each)
+constexpr int kLoads = 8;                  // key features a thread of pooled_scores loads at once
+constexpr int kFoldWarps = 8;              // block rows a thread block of fold
+constexpr int kPruneRowThreads = 256;      // prune_top's threads for a row
+constexpr int kPruneGlobalThreads = 1024;  // and for a head
+
+__device__ __forceinline__ bool not_due(const bool* due) { return due != nullptr && !*due; }
 
 __device__ __forceinline__ double as_double(__half x) { return __half2float(x); }
 __device__ __forceinline__ double as_double(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -50,7 +58,8 @@ __device__ __forceinline__ double warp_max(double x) {
 template <class T>
 __global__ void __launch_bounds__(kMeanThreads)
     block_means(tensor_view q, tensor_view k, int g, int qb, int kb, double* __restrict__ qm,
-                double* __restrict__ km_t) {
+                double* __restrict__ km_t, const bool* due) {
+  if (not_due(due)) return;
   const bool is_q = static_cast<int>(blockIdx.x) < qb;
   const tensor_view& x = is_q ? q : k;
   const int b = is_q ? static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x) - qb;
@@ -77,10 +86,12 @@ struct score_args {
   std::int64_t n_q, n_k;
   bool causal;
   double scale;
+  const bool* due;
 };
 
 __global__ void __launch_bounds__(kScoreThreads) pooled_scores(score_args a) {
   extern __shared__ double rows_q[];  // [kRows][D]
+  if (not_due(a.due)) return;
   const int h = static_cast<int>(blockIdx.y), r0 = static_cast<int>(blockIdx.x) * kRows;
   const int rows = min(kRows, a.qb - r0);
   for (int i = static_cast<int>(threadIdx.x); i < kRows * a.d; i += static_cast<int>(blockDim.x)) {
@@ -143,6 +154,7 @@ __global__ void __launch_bounds__(kScoreThreads) pooled_scores(score_args a) {
 }
 
 __global__ void __launch_bounds__(kFoldWarps * 32) fold(importance_fold_args a) {
+  if (not_due(a.due)) return;
   const std::int64_t line =
       static_cast<std::int64_t>(blockIdx.x) * kFoldWarps + static_cast<int>(threadIdx.x) / 32;
   if (line >= a.heads * a.qb) return;
@@ -167,10 +179,78 @@ __global__ void __launch_bounds__(kFoldWarps * 32) fold(importance_fold_args a) 
   }
 }
 
+// The ranking key (prune_block_importance): unsigned order is the values' order, NaN highest,
+// -0 as 0.
+__device__ __forceinline__ std::uint64_t rank_key(double x) {
+  if (isnan(x)) return ~0ull;
+  const auto bits = static_cast<std::uint64_t>(__double_as_longlong(x == 0.0 ? 0.0 : x));
+  return (bits >> 63) != 0 ? ~bits : bits | (1ull << 63);
+}
+
+// blockIdx.x: a row (h * qb + r) of kb blocks, or (GLOBAL) a head of qb * kb.
+template <bool GLOBAL>
+__global__ void __launch_bounds__(GLOBAL ? kPruneGlobalThreads : kPruneRowThreads)
+    prune_top(block_prune_args a) {
+  constexpr int kThreads = GLOBAL ? kPruneGlobalThreads : kPruneRowThreads;
+  __shared__ unsigned counts[256];
+  __shared__ std::uint64_t chosen;
+  __shared__ std::int64_t left;
+  __shared__ int warp_ties[kThreads / 32];
+  if (not_due(a.due)) return;
+  const std::int64_t length = GLOBAL ? a.qb * a.kb : a.kb;
+  const std::int64_t base = static_cast<std::int64_t>(blockIdx.x) * length;
+  const std::int64_t forced0 = GLOBAL ? 0 : static_cast<std::int64_t>(blockIdx.x) % a.qb * a.kb;
+  const int t = static_cast<int>(threadIdx.x), lane = t % 32, warp = t / 32;
+  const std::uint64_t forced_key = rank_key(CUDART_INF);
+  const auto forced = [&](std::int64_t i) { return a.forced != nullptr && a.forced[forced0 + i]; };
+  const auto key = [&](std::int64_t i) {
+    return forced(i) ? forced_key : rank_key(a.importance[base + i]);
+  };
+  // The threshold: the highest key with at least `budget` keys at or above it, 8 bits a pass.
+  std::uint64_t prefix = 0, fixed = 0;
+  std::int64_t need = ::min(a.budget, length);  // keys still to choose at the threshold
+  for (int shift = 56; shift >= 0; shift -= 8) {
+    for (int d = t; d < 256; d += kThreads) counts[d] = 0;
+    __syncthreads();
+    for (std::int64_t i = t; i < length; i += kThreads) {
+      const std::uint64_t k = key(i);
+      if ((k & fixed) == prefix) atomicAdd(&counts[(k >> shift) & 255u], 1u);
+    }
+    __syncthreads();
+    if (t == 0) {
+      std::int64_t above = 0;
+      int digit = 255;
+      for (; digit > 0 && above + counts[digit] < need; --digit) above += counts[digit];
+      chosen = prefix | (static_cast<std::uint64_t>(digit) << shift);
+      left = need - above;
+    }
+    __syncthreads();
+    prefix = chosen;
+    need = left;
+    fixed |= 255ull << shift;
+  }
+  // Keys above the threshold, the forced blocks, and the first `need` keys at it.
+  std::int64_t ties_before = 0;
+  for (std::int64_t i0 = 0; i0 < length; i0 += kThreads) {
+    const std::int64_t i = i0 + t;
+    const std::uint64_t k = i < length ? key(i) : 0;
+    const bool tie = i < length && k == prefix;
+    const unsigned ballot = __ballot_sync(0xffffffffu, tie);
+    if (lane == 0) warp_ties[warp] = __popc(ballot);
+    __syncthreads();
+    std::int64_t rank = ties_before + __popc(ballot & ((1u << lane) - 1u));
+    for (int w = 0; w < warp; ++w) rank += warp_ties[w];
+    if (i < length) a.keep[base + i] = forced(i) || k > prefix || (tie && rank < need);
+    for (int w = 0; w < kThreads / 32; ++w) ties_before += warp_ties[w];
+    __syncthreads();
+  }
+}
+
 }  // namespace
 
 void pooled_block_mass(const tensor_view& q, const tensor_view& k, std::int64_t block, bool causal,
-                       double scale, double* out, double* means, stream_ref stream) {
+                       double scale, double* out, double* means, const bool* due,
+                       stream_ref stream) {
   expect_current_device(q.device_id, "pooled_block_mass: q");
   TRISPARSE_EXPECTS_INPUT(q.type == k.type, "pooled_block_mass: q and k must have one dtype");
   const int g = static_cast<int>(block), d = static_cast<int>(q.dim);
@@ -182,7 +262,7 @@ void pooled_block_mass(const tensor_view& q, const tensor_view& k, std::int64_t 
   double* km_t = means + static_cast<std::int64_t>(heads) * qb * d;
   const dim3 mean_grid(static_cast<unsigned>(qb + kb), static_cast<unsigned>(heads));
   const auto launch = [&]<class T>() {
-    block_means<T><<<mean_grid, kMeanThreads, 0, s>>>(q, k, g, qb, kb, qm, km_t);
+    block_means<T><<<mean_grid, kMeanThreads, 0, s>>>(q, k, g, qb, kb, qm, km_t, due);
   };
   if (q.type == dtype::f64)  // (a dtype the attention kernels do not take; the means read it)
     launch.template operator()<double>();
@@ -194,7 +274,7 @@ void pooled_block_mass(const tensor_view& q, const tensor_view& k, std::int64_t 
     TRISPARSE_CUDA_TRY(cudaFuncSetAttribute(
         pooled_scores, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
   }
-  const score_args a{qm, km_t, out, qb, kb, d, g, q.rows, k.rows, causal, scale};
+  const score_args a{qm, km_t, out, qb, kb, d, g, q.rows, k.rows, causal, scale, due};
   const dim3 grid(static_cast<unsigned>((qb + kRows - 1) / kRows), static_cast<unsigned>(heads));
   const int threads = std::max(32, std::min(kScoreThreads, (kb + 31) / 32 * 32));  // none idle
   pooled_scores<<<grid, threads, shared, s>>>(a);
@@ -206,6 +286,18 @@ void fold_block_importance(const importance_fold_args& args, stream_ref stream) 
   const std::int64_t lines = args.heads * args.qb;
   const auto blocks = static_cast<unsigned>((lines + kFoldWarps - 1) / kFoldWarps);
   fold<<<blocks, kFoldWarps * 32, 0, static_cast<cudaStream_t>(stream.handle)>>>(args);
+  TRISPARSE_CUDA_CHECK_LAUNCH();
+}
+
+void prune_block_importance(const block_prune_args& args, stream_ref stream) {
+  expect_current_device(args.device_id, "prune_block_importance: keep");
+  const auto s = static_cast<cudaStream_t>(stream.handle);
+  if (args.scope == prune_scope::global) {
+    prune_top<true><<<static_cast<unsigned>(args.heads), kPruneGlobalThreads, 0, s>>>(args);
+  } else {
+    const auto rows = static_cast<unsigned>(args.heads * args.qb);
+    prune_top<false><<<rows, kPruneRowThreads, 0, s>>>(args);
+  }
   TRISPARSE_CUDA_CHECK_LAUNCH();
 }
 

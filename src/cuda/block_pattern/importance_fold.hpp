@@ -14,10 +14,14 @@ namespace trisparse::cuda {
 /// `means` (pooled_block_mass_workspace_bytes); scale > 0.
 TRISPARSE_CUDA_ENTRY(void pooled_block_mass(const tensor_view& q, const tensor_view& k,
                                             std::int64_t block, bool causal, double scale,
-                                            double* out, double* means, stream_ref stream))
+                                            double* out, double* means, const bool* due,
+                                            stream_ref stream))
 
 /// fold_block_importance on the device (checked arguments, at least one block).
 TRISPARSE_CUDA_ENTRY(void fold_block_importance(const importance_fold_args& args,
                                                 stream_ref stream))
+
+/// prune_block_importance on the device (checked arguments, at least one block).
+TRISPARSE_CUDA_ENTRY(void prune_block_importance(const block_prune_args& args, stream_ref stream))
 
 }  // namespace trisparse::cuda

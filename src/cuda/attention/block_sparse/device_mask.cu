@@ -41,7 +41,9 @@ template <bool ROWS, bool COUNT>
 __global__ void __launch_bounds__(kWarps * 32)
     walk_lines(const mask_extent* __restrict__ extents, int masks, device_kept kept,
                const std::int32_t* __restrict__ row_ptr, const std::int32_t* __restrict__ col_idx,
-               std::int32_t* __restrict__ offsets, std::int32_t* __restrict__ lists) {
+               std::int32_t* __restrict__ offsets, std::int32_t* __restrict__ lists,
+               const bool* due) {
+  if (due != nullptr && !*due) return;
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int line = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x) / 32;
   for (int m = static_cast<int>(blockIdx.y); m < masks; m += static_cast<int>(gridDim.y)) {
@@ -73,8 +75,10 @@ __global__ void __launch_bounds__(kWarps * 32)
 // sums are scanned in shared memory, then each thread writes its run.
 template <bool ROWS>
 __global__ void __launch_bounds__(kScanThreads)
-    scan_lines(const mask_extent* __restrict__ extents, std::int32_t* __restrict__ offsets) {
+    scan_lines(const mask_extent* __restrict__ extents, std::int32_t* __restrict__ offsets,
+               const bool* due) {
   __shared__ std::int32_t sums[kScanThreads];
+  if (due != nullptr && !*due) return;
   const mask_extent e = extents[blockIdx.x];
   const int n = ROWS ? e.rows : e.cols;
   std::int32_t* o = offsets + (ROWS ? e.row0 : e.col0);
@@ -104,32 +108,34 @@ __global__ void __launch_bounds__(kScanThreads)
 
 template <bool ROWS>
 void build_lists(block_sparse_device_plan& plan, const device_kept& kept, std::int32_t* offsets,
-                 std::int32_t* lists, cudaStream_t s) {
+                 std::int32_t* lists, cudaStream_t s, const bool* due) {
   const int lines = ROWS ? plan.most_rows : plan.most_cols;
   if (plan.num_masks == 0 || lines == 0) return;
   const dim3 grid(static_cast<unsigned>((lines + kWarps - 1) / kWarps),
                   static_cast<unsigned>(std::min(plan.num_masks, 65535)));
   const std::int32_t *row_ptr = plan.row_ptr.data(), *col_idx = plan.col_idx.data();
   walk_lines<ROWS, true><<<grid, kWarps * 32, 0, s>>>(plan.extents.data(), plan.num_masks, kept,
-                                                      row_ptr, col_idx, offsets, lists);
+                                                      row_ptr, col_idx, offsets, lists, due);
   TRISPARSE_CUDA_CHECK_LAUNCH();
-  scan_lines<ROWS>
-      <<<static_cast<unsigned>(plan.num_masks), kScanThreads, 0, s>>>(plan.extents.data(), offsets);
+  scan_lines<ROWS><<<static_cast<unsigned>(plan.num_masks), kScanThreads, 0, s>>>(
+      plan.extents.data(), offsets, due);
   TRISPARSE_CUDA_CHECK_LAUNCH();
   walk_lines<ROWS, false><<<grid, kWarps * 32, 0, s>>>(plan.extents.data(), plan.num_masks, kept,
-                                                       row_ptr, col_idx, offsets, lists);
+                                                       row_ptr, col_idx, offsets, lists, due);
   TRISPARSE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
 
-void fill_from_kept(block_sparse_device_plan& plan, const device_kept& kept, cudaStream_t stream) {
-  build_lists<true>(plan, kept, plan.row_ptr.data(), plan.col_idx.data(), stream);
-  if (plan.gradients) transpose_on_device(plan, stream);
+void fill_from_kept(block_sparse_device_plan& plan, const device_kept& kept, cudaStream_t stream,
+                    const bool* due) {
+  build_lists<true>(plan, kept, plan.row_ptr.data(), plan.col_idx.data(), stream, due);
+  if (plan.gradients) transpose_on_device(plan, stream, due);
 }
 
-void transpose_on_device(block_sparse_device_plan& plan, cudaStream_t stream) {
-  build_lists<false>(plan, device_kept{nullptr, 0}, plan.t_ptr.data(), plan.t_idx.data(), stream);
+void transpose_on_device(block_sparse_device_plan& plan, cudaStream_t stream, const bool* due) {
+  build_lists<false>(plan, device_kept{nullptr, 0}, plan.t_ptr.data(), plan.t_idx.data(), stream,
+                     due);
 }
 
 }  // namespace trisparse::cuda

@@ -60,13 +60,16 @@ void prepare_topk_backward(block_sparse_device_plan& plan, const block_sparse_ma
                            std::int64_t slots, stream_ref stream);
 
 /// Writes the plan's row_ptr and col_idx from `kept` (three launches on `stream`: counts, their
-/// prefix sums, the ascending lists), and with gradients the transposed masks.
-void fill_from_kept(block_sparse_device_plan& plan, const device_kept& kept, cudaStream_t stream);
+/// prefix sums, the ascending lists), and with gradients the transposed masks; where `due` (a
+/// flag on the device) is given and false, the kernels return at once.
+void fill_from_kept(block_sparse_device_plan& plan, const device_kept& kept, cudaStream_t stream,
+                    const bool* due = nullptr);
 
 /// Rebuilds the plan's transposed masks (t_ptr, t_idx) from its row_ptr and col_idx on `stream`:
 /// per mask, key block c lists the query blocks whose rows hold c, ascending (entries past the
 /// sequence's key blocks, a top-k row's unused slots, are left out). No atomics.
-void transpose_on_device(block_sparse_device_plan& plan, cudaStream_t stream);
+void transpose_on_device(block_sparse_device_plan& plan, cudaStream_t stream,
+                         const bool* due = nullptr);
 
 /// Fills the gradients part of `plan` from its mask (launch.cu).
 void prepare_backward(block_sparse_device_plan& plan, const block_sparse_mask& mask);

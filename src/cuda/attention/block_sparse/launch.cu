@@ -267,7 +267,7 @@ std::shared_ptr<block_sparse_device_plan> make_block_sparse_plan_on_device(
 }
 
 void refill_block_sparse_plan(block_sparse_device_plan& plan, const device_block_mask& kept,
-                              stream_ref stream) {
+                              stream_ref stream, const bool* due) {
   const device_block_mask& was = plan.kept_layout;
   TRISPARSE_EXPECTS_INPUT(plan.from_kept,
                           "refill: the plan was not built from a mask on the device");
@@ -284,7 +284,7 @@ void refill_block_sparse_plan(block_sparse_device_plan& plan, const device_block
                           "refill: kept has null data");
   expect_current_device(kept.device_id);
   fill_from_kept(plan, device_kept{static_cast<const std::uint8_t*>(kept.data), kept.row_stride},
-                 static_cast<cudaStream_t>(stream.handle));
+                 static_cast<cudaStream_t>(stream.handle), due);
 }
 
 void prepare_topk_backward(block_sparse_device_plan& plan, const block_sparse_mask& skeleton,

@@ -41,10 +41,11 @@ TRISPARSE_CUDA_ENTRY(std::shared_ptr<block_sparse_device_plan> make_block_sparse
 /// Rewrites the lists of a plan made by make_block_sparse_plan_on_device from `kept` (the same
 /// device, strides and block counts as at build; new contents): the build's kernels on `stream`
 /// into the plan's memory, the transposed masks too, no allocation and no host synchronisation,
-/// so that it can be captured in a CUDA graph. The kernel choice made at build stays.
+/// so that it can be captured in a CUDA graph. The kernel choice made at build stays. `due`
+/// (null: always): a flag on the device the kernels read first, returning at once where false.
 TRISPARSE_CUDA_ENTRY(void refill_block_sparse_plan(block_sparse_device_plan& plan,
-                                                   const device_block_mask& kept,
-                                                   stream_ref stream))
+                                                   const device_block_mask& kept, stream_ref stream,
+                                                   const bool* due))
 
 /// A per-block score bias (attention_options::block_bias: f32 [batch * qb_max, H or 1, KB],
 /// checked by the caller; data == nullptr: none) and, for a backward, its gradient (dblock_bias,
