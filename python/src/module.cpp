@@ -1062,6 +1062,25 @@ NB_MODULE(_C, m) {
       "A kernel-measured block mass folded into the float64 importance average at `state`, "
       "where the bool at `due` (0: none) is true.");
   m.def(
+      "advance_learner_schedule",
+      [](std::uintptr_t steps, std::uintptr_t flags, std::int64_t warmup, std::int64_t every,
+         std::int64_t track_every, std::int64_t freeze_after, int device, std::uintptr_t stream) {
+        learner_schedule_args a;
+        a.steps = reinterpret_cast<std::int64_t*>(steps);
+        a.flags = reinterpret_cast<bool*>(flags);
+        a.warmup = warmup;
+        a.every = every;
+        a.track_every = track_every;
+        a.freeze_after = freeze_after;
+        a.where = device < 0 ? device_kind::cpu : device_kind::cuda;
+        a.device_id = device < 0 ? 0 : device;
+        advance_learner_schedule(a, stream_of(stream));
+      },
+      "steps"_a, "flags"_a, "warmup"_a, "every"_a, "track_every"_a, "freeze_after"_a, "device"_a,
+      "stream"_a,
+      "A learner's step count (int64 at `steps`) advanced, its prune, fold and track flags for "
+      "the step into the 3 bools at `flags` (freeze_after < 0: never).");
+  m.def(
       "prune_block_importance",
       [](std::uintptr_t importance, std::uintptr_t forced, std::uintptr_t keep, std::uintptr_t due,
          std::int64_t heads, std::int64_t qb, std::int64_t kb, std::int64_t budget,

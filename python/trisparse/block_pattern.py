@@ -797,6 +797,7 @@ class PatternLearner:
         self._pending: tuple[Tensor, Tensor, int] | None = None
         self.capturable = bool(capturable)
         self._buffers: _CaptureBuffers | None = None  # capturable, from the first sparse step
+        self._host_counts = True  # capturable: steps equals the device's count (no replay yet)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
         """The site's attention, q [B, H, N_q, D], k [B, H, N_k, D], v [B, H, N_k, Dv]
@@ -849,40 +850,43 @@ class PatternLearner:
                 mask = self._block_mask()
             b = self._buffers = _CaptureBuffers(
                 steps=torch.tensor(self.steps, dtype=torch.int64, device=self._keep.device),
+                flags=torch.zeros(3, dtype=torch.bool, device=self._keep.device),
                 keep=torch.empty_like(self._keep),
                 pooled=torch.empty(self._keep.shape, dtype=torch.float64, device=q.device),
                 mass=torch.empty(q.shape[0], *self._keep.shape, device=q.device),
                 measured=False,
             )
-        else:
-            # The default learner's schedule from the step count on the device (steps > warmup
-            # here): re-pruned at the end of the last step, its mass folded in (it was tracked
-            # and the learner is not frozen now).
-            steps = b.steps
-            prune = (steps - (self.warmup + 1)) % self.every == 0
-            fold = None if self.track_every == 1 else (steps - 1) % self.track_every == 0
-            if self.freeze_after is not None:
-                prune = prune & (steps - 1 < self.freeze_after)  # frozen when the last step ran
-                live = steps < self.freeze_after
-                fold = live if fold is None else fold & live
+        # The default learner's schedule from the step count on the device, in one launch: the
+        # last step's re-prune and fold, this step's pooled estimate (schedule_flags).
+        freeze = -1 if self.freeze_after is None else self.freeze_after
+        dev = self._keep.device
+        _C.advance_learner_schedule(
+            b.steps.data_ptr(),
+            b.flags.data_ptr(),
+            self.warmup,
+            self.every,
+            self.track_every,
+            freeze,
+            _tensors.device_index(dev),
+            _tensors.stream(dev),
+        )
+        prune, fold, track = b.flags.unbind()
+        if b.measured:  # (past the first block-sparse step: steps > warmup)
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                self._host_counts = False  # replays count on the device alone from here
+            s = self.steps  # the host's count, exact until a replay
+            folds = (s - 1) % self.track_every == 0 and (self.freeze_after is None or s < freeze)
             self._prune_in_place(prune)
-            if b.measured:
-                self._fold_measured(b.mass, b.keep, b.pooled, fold)
+            self._fold_measured(b.mass, b.keep, b.pooled, fold, folds and self._host_counts)
         b.keep.copy_(self._keep)  # the blocks this step measures
         self.tracker._sink = b.mass
         out = block_sparse_attention(q, k, v, mask, scale=scale, importance=self.tracker)
-        # The pooled estimate where the next step folds this one's mass.
-        track = None if self.track_every == 1 else b.steps % self.track_every == 0
-        if self.freeze_after is not None:
-            live = b.steps + 1 < self.freeze_after
-            track = live if track is None else track & live
-        with torch.no_grad():
+        with torch.no_grad():  # (where the next step folds this one's mass)
             _pooled_block_mass(
                 q[0], k[0], self.block_size, self.causal, scale, out=b.pooled, due=track
             )
         b.measured = True
         self.steps += 1
-        b.steps.add_(1)
         return out
 
     def _prune_in_place(self, due: Tensor | None) -> None:
@@ -993,12 +997,17 @@ class PatternLearner:
         self._fold(None, imp)
 
     def _fold_measured(
-        self, mass: Tensor, keep: Tensor, pooled: Tensor, due: Tensor | None = None
+        self,
+        mass: Tensor,
+        keep: Tensor,
+        pooled: Tensor,
+        due: Tensor | None = None,
+        folds: bool = False,
     ) -> None:
         """The "ema" fold of float32 mass [B, H, qb, kb] (any strides), bool keep and float64
         pooled [H, qb, kb] (contiguous, on the importance's device) in one library call
         (fold_block_importance: the torch path's arithmetic), where the device bool `due` (if
-        given) is true."""
+        given) is true; `folds`: the host knows that it is."""
         heads, qb, kb = self.importance.shape
         _C.fold_block_importance(
             self.importance.data_ptr(),
@@ -1018,10 +1027,10 @@ class PatternLearner:
         )
         if self._all_seen:
             return
-        if due is None:
+        if due is None or folds:
             self._seen.fill_(True)
             self._all_seen = True
-        else:  # (on the host the rows stay unknown: the seen flags are read each fold)
+        else:  # (the host does not know: the seen flags are kept on the device)
             torch.logical_or(self._seen, due, out=self._seen)
 
     def mask(self) -> BlockMask | None:
@@ -1162,6 +1171,7 @@ class _CaptureBuffers:
     the blocks the last step measured, its pooled estimate and its measured mass."""
 
     steps: Tensor  # int64, on the device
+    flags: Tensor  # [3] bool: this step's prune, fold and track (schedule_flags)
     keep: Tensor
     pooled: Tensor
     mass: Tensor  # [B, H, qb, kb] float32, written by the backward (BlockImportance's sink)

@@ -236,6 +236,30 @@ void fold_block_importance(const importance_fold_args& args, stream_ref stream) 
     fold_block_importance_cpu(args);
 }
 
+void learner_schedule_args::check() const {
+  TRISPARSE_EXPECTS_INPUT(steps != nullptr && flags != nullptr,
+                          "advance_learner_schedule: steps and flags must be given");
+  TRISPARSE_EXPECTS_INPUT(warmup >= 0 && every >= 1 && track_every >= 1,
+                          "advance_learner_schedule: warmup must be >= 0, every and track_every "
+                          ">= 1, got " +
+                              std::to_string(warmup) + ", " + std::to_string(every) + ", " +
+                              std::to_string(track_every));
+}
+
+void advance_learner_schedule(const learner_schedule_args& args, stream_ref stream) {
+  args.check();
+  if (args.where != device_kind::cpu) {
+    cuda::advance_learner_schedule(args, stream);
+    return;
+  }
+  const learner_flags f =
+      schedule_flags(*args.steps, args.warmup, args.every, args.track_every, args.freeze_after);
+  args.flags[0] = f.prune;
+  args.flags[1] = f.fold;
+  args.flags[2] = f.track;
+  *args.steps += 1;
+}
+
 void block_prune_args::check() const {
   TRISPARSE_EXPECTS_INPUT(heads >= 0 && qb >= 0 && kb >= 0,
                           "prune_block_importance: heads, qb and kb must be >= 0");

@@ -294,6 +294,24 @@ TEST(ImportanceFold, FoldsMeasuredMassIntoTheAverage) {
   EXPECT_EQ(state, before);
 }
 
+// The schedule: warm-up 2, re-pruned every 3, tracked every 2, frozen after 9; the count moves on.
+TEST(ImportanceFold, ScheduleCountsTheSteps) {
+  std::int64_t steps = 2;
+  bool flags[3] = {};
+  learner_schedule_args a{&steps, flags, 2, 3, 2, 9};
+  std::string got;
+  for (int i = 0; i < 9; ++i) {
+    advance_learner_schedule(a);
+    for (const bool f : flags) got += f ? '1' : '0';
+    got += ' ';
+  }
+  // s = 2 .. 10: prune at s = 3, 6, 9, fold at odd s < 9, track at even s < 8.
+  EXPECT_EQ(got, "001 110 001 010 101 010 000 100 000 ");
+  EXPECT_EQ(steps, 11);
+  a.every = 0;
+  EXPECT_THROW(advance_learner_schedule(a), invalid_input);
+}
+
 // The prune: forced blocks rank first, NaN above every number, ties (and -0 against 0) to the
 // lower index; a row's or a head's budget; nothing written where not due.
 TEST(ImportanceFold, PrunesToTheBudgetInStableOrder) {

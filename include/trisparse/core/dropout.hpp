@@ -6,11 +6,7 @@
 /// the same draws. Host and device (nvcc) code; no CUDA headers.
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define TRISPARSE_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define TRISPARSE_HOST_DEVICE inline
-#endif
+#include "trisparse/core/host_device.hpp"
 
 namespace trisparse {
 
@@ -138,5 +134,3 @@ inline double edge_dropout_factor(const attention_dropout& d, std::uint64_t seed
 }
 
 }  // namespace trisparse
-
-#undef TRISPARSE_HOST_DEVICE

@@ -1,12 +1,16 @@
 #pragma once
-/// @file A pattern learner's tracked step (Python's PatternLearner) in two calls on the inputs'
-/// device: the pooled estimate of every block's attention mass (what a mask's dropped blocks
-/// are judged by), and the fold of a backward's kernel-measured block mass into the learner's
-/// moving average. On CUDA both are stream-ordered kernels with no host synchronisation and no
-/// allocation (capturable in a CUDA graph); the CPU runs the same arithmetic in loops.
+/// @file A pattern learner's step (Python's PatternLearner) in calls on the inputs' device: its
+/// schedule, the pooled estimate of every block's attention mass (what a mask's dropped blocks
+/// are judged by), the fold of a backward's kernel-measured block mass into the learner's
+/// moving average, and the pruning of the average to the blocks kept. On CUDA each is
+/// stream-ordered kernels with no host synchronisation and no allocation (capturable in a CUDA
+/// graph), and the last three take a `due` flag on the device: where it is false the kernels
+/// return at once, so that a captured step does the work only at its cadence. The CPU runs the
+/// same arithmetic in loops.
 #include <cstddef>
 #include <cstdint>
 
+#include "trisparse/core/host_device.hpp"
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/tensor.hpp"
 
@@ -60,6 +64,43 @@ struct importance_fold_args {
 /// Python's PatternLearner.observe_importance with aggregate "ema"; one kernel on CUDA.
 /// @throws invalid_input as check() does.
 void fold_block_importance(const importance_fold_args& args, stream_ref stream = {});
+
+/// What a learner's step s does (advance_learner_schedule).
+struct learner_flags {
+  bool prune = false;  ///< re-prune (due at the end of step s - 1)
+  bool fold = false;   ///< fold step s - 1's measured mass
+  bool track = false;  ///< make step s's pooled estimate (the next step folds it)
+};
+
+/// A learner's schedule at step s (floor modulo; frozen at s >= freeze_after, never where < 0):
+///   prune = (s - warmup - 1) % every == 0 and not frozen at s - 1,
+///   fold = (s - 1) % track_every == 0 and not frozen at s,
+///   track = s % track_every == 0 and not frozen at s + 1.
+TRISPARSE_HOST_DEVICE learner_flags schedule_flags(std::int64_t s, std::int64_t warmup,
+                                                   std::int64_t every, std::int64_t track_every,
+                                                   std::int64_t freeze_after) {
+  const auto hits = [](std::int64_t x, std::int64_t m) { return ((x % m) + m) % m == 0; };
+  const auto live = [&](std::int64_t at) { return freeze_after < 0 || at < freeze_after; };
+  return {hits(s - warmup - 1, every) && live(s - 1), hits(s - 1, track_every) && live(s),
+          hits(s, track_every) && live(s + 1)};
+}
+
+/// A learner's schedule counted on the device (a captured step replays with no host in it).
+struct learner_schedule_args {
+  std::int64_t* steps = nullptr;  ///< the step count s, on the device: read, then s + 1
+  bool* flags = nullptr;  ///< [3] on the same device: schedule_flags(s) as prune, fold, track
+  std::int64_t warmup = 0, every = 1, track_every = 1;
+  std::int64_t freeze_after = -1;  ///< < 0: never frozen
+  device_kind where = device_kind::cpu;
+  int device_id = 0;
+  /// @throws invalid_input naming the field that is out of range.
+  void check() const;
+};
+
+/// flags = schedule_flags(*steps, ...), then *steps += 1: one thread on CUDA (stream-ordered,
+/// capturable), so that a replayed step knows what is due with no host in it.
+/// @throws invalid_input as check() does.
+void advance_learner_schedule(const learner_schedule_args& args, stream_ref stream = {});
 
 /// What prune_block_importance ranks the blocks over.
 enum class prune_scope : std::uint8_t {

@@ -187,6 +187,15 @@ __device__ __forceinline__ std::uint64_t rank_key(double x) {
   return (bits >> 63) != 0 ? ~bits : bits | (1ull << 63);
 }
 
+__global__ void schedule(learner_schedule_args a) {
+  const std::int64_t s = *a.steps;
+  const learner_flags f = schedule_flags(s, a.warmup, a.every, a.track_every, a.freeze_after);
+  a.flags[0] = f.prune;
+  a.flags[1] = f.fold;
+  a.flags[2] = f.track;
+  *a.steps = s + 1;
+}
+
 // blockIdx.x: a row (h * qb + r) of kb blocks, or (GLOBAL) a head of qb * kb.
 template <bool GLOBAL>
 __global__ void __launch_bounds__(GLOBAL ? kPruneGlobalThreads : kPruneRowThreads)
@@ -286,6 +295,12 @@ void fold_block_importance(const importance_fold_args& args, stream_ref stream) 
   const std::int64_t lines = args.heads * args.qb;
   const auto blocks = static_cast<unsigned>((lines + kFoldWarps - 1) / kFoldWarps);
   fold<<<blocks, kFoldWarps * 32, 0, static_cast<cudaStream_t>(stream.handle)>>>(args);
+  TRISPARSE_CUDA_CHECK_LAUNCH();
+}
+
+void advance_learner_schedule(const learner_schedule_args& args, stream_ref stream) {
+  expect_current_device(args.device_id, "advance_learner_schedule: steps");
+  schedule<<<1, 1, 0, static_cast<cudaStream_t>(stream.handle)>>>(args);
   TRISPARSE_CUDA_CHECK_LAUNCH();
 }
 

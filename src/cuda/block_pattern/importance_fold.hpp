@@ -21,6 +21,10 @@ TRISPARSE_CUDA_ENTRY(void pooled_block_mass(const tensor_view& q, const tensor_v
 TRISPARSE_CUDA_ENTRY(void fold_block_importance(const importance_fold_args& args,
                                                 stream_ref stream))
 
+/// advance_learner_schedule on the device (checked arguments).
+TRISPARSE_CUDA_ENTRY(void advance_learner_schedule(const learner_schedule_args& args,
+                                                   stream_ref stream))
+
 /// prune_block_importance on the device (checked arguments, at least one block).
 TRISPARSE_CUDA_ENTRY(void prune_block_importance(const block_prune_args& args, stream_ref stream))
 
