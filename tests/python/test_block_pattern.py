@@ -712,22 +712,25 @@ def test_pattern_learner_steps_under_cuda_graph_capture(method):
     assert torch.equal(graphed._keep, eager._keep)
 
 
-def _capturable_pair(g, method, track_every=1, **kwargs):
-    """A capturable learner and the default one it must equal, warm-up dense, re-pruned every 3
-    steps, frozen after 11."""
-    make = lambda capturable: trisparse.PatternLearner(
+def _scheduled_learner(g, method, track_every, capturable, sparsity=0.5, freeze_after=11):
+    """A learner whose warm-up is dense for 2 steps, re-pruned every 3 steps, then frozen."""
+    return trisparse.PatternLearner(
         g,
-        sparsity=0.5,
+        sparsity=sparsity,
         method=method,
         every=3,
         warmup=2,
-        freeze_after=11,
+        freeze_after=freeze_after,
         decay=0.5,
         track_every=track_every,
         capturable=capturable,
-        **kwargs,
+        **({"top_p": 0.5} if method == "threshold" else {}),
     )
-    return make(True), make(False)
+
+
+def _capturable_pair(g, method, track_every=1):
+    """A capturable learner and the default one it must equal."""
+    return (_scheduled_learner(g, method, track_every, c) for c in (True, False))
 
 
 def _moving_steps(learner, q, k, v, steps, seed):
@@ -758,9 +761,7 @@ def test_capturable_pattern_learner_equals_the_default_learner(method, batch, tr
     _, q, k = _planted(heads, n, g, 32, torch.Generator().manual_seed(40))
     v = torch.randn(heads, n, 32, generator=torch.Generator().manual_seed(41))
     q, k, v = (t[None].expand(batch, -1, -1, -1).contiguous() for t in (q, k, v))
-    capturable, default = _capturable_pair(
-        g, method, track_every, **({"top_p": 0.5} if method == "threshold" else {})
-    )
+    capturable, default = _capturable_pair(g, method, track_every)
     got = _moving_steps(capturable, q, k, v, 16, seed=42)
     want = _moving_steps(default, q, k, v, 16, seed=42)
     for a, b in zip(got[0], want[0]):
@@ -891,18 +892,7 @@ def test_capturable_pattern_learner_under_cuda_graph_capture(method, track_every
     def model_and_learner(capturable=True):
         torch.manual_seed(0)
         lin = torch.nn.Linear(2 * heads * d, 3 * heads * d, device="cuda")
-        learner = trisparse.PatternLearner(
-            g,
-            sparsity=0.75,
-            method=method,
-            every=3,
-            warmup=2,
-            freeze_after=14,
-            decay=0.5,
-            track_every=track_every,
-            capturable=capturable,
-            **({"top_p": 0.6} if method == "threshold" else {}),
-        )
+        learner = _scheduled_learner(g, method, track_every, capturable, 0.75, freeze_after=14)
         opt = torch.optim.SGD(lin.parameters(), lr=1e-3)
         return lin, learner, opt
 
