@@ -489,12 +489,12 @@ def _prune(importance: Tensor, forced: Tensor, sparsity: float, method: str, top
     score = importance.to(torch.float64).masked_fill(forced, float("inf"))
     keep = torch.zeros(heads, qb, kb, dtype=torch.bool, device=dev)
     if method == "global":
-        budget = max(1, round((1.0 - sparsity) * qb * kb))
+        budget = _prune_budget(sparsity, qb * kb)
         flat = score.reshape(heads, -1)
         order = torch.sort(flat, dim=-1, descending=True, stable=True).indices[:, :budget]
         keep.view(heads, -1).scatter_(1, order, True)
     elif method == "row":
-        budget = max(1, round((1.0 - sparsity) * kb))
+        budget = _prune_budget(sparsity, kb)
         order = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :budget]
         keep.scatter_(2, order, True)
     elif method == "threshold":
@@ -506,6 +506,12 @@ def _prune(importance: Tensor, forced: Tensor, sparsity: float, method: str, top
     else:
         raise ValueError(f"method must be global, row or threshold, not {method!r}")
     return keep | forced
+
+
+def _prune_budget(sparsity: float, n: int) -> int:
+    """The blocks `sparsity` leaves of n: round((1 - sparsity) n), half to even, at least 1 (the
+    library's prune_budget)."""
+    return max(1, round((1.0 - sparsity) * n))
 
 
 def _forced_blocks(qb, kb, device, keep_diagonal, window, global_blocks) -> Tensor:
@@ -914,9 +920,7 @@ class PatternLearner:
             else:
                 torch.where(due, new, self._keep, out=self._keep)
         else:
-            budget = max(
-                1, round((1.0 - self.sparsity) * kb * (qb if self.method == "global" else 1))
-            )
+            budget = _prune_budget(self.sparsity, kb * (qb if self.method == "global" else 1))
             _C.prune_block_importance(
                 self.importance.data_ptr(),
                 b.forced.data_ptr(),

@@ -7,6 +7,7 @@
 #include <charconv>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <numbers>
 #include <numeric>
 #include <optional>
@@ -15,6 +16,7 @@
 #include "../cpu/common/exp2.hpp"
 #include "../cpu/common/online_softmax.hpp"
 #include "trisparse/core/error.hpp"
+#include "trisparse/ops/importance_fold.hpp"
 
 namespace trisparse {
 
@@ -246,46 +248,42 @@ std::vector<std::uint8_t> prune_blocks(const std::vector<double>& importance, st
                           "prune_blocks_by_output");
   const auto forced = [&](std::int64_t r, std::int64_t c) { return forced_block(o, r, c); };
   std::vector<std::uint8_t> keep(importance.size(), 0);
+  if (o.method != "threshold") {  // "row", "global": the learner's prune on the CPU
+    const auto forced_rc = std::make_unique<bool[]>(static_cast<std::size_t>(qb * kb));
+    for (std::int64_t r = 0; r < qb; ++r)
+      for (std::int64_t c = 0; c < kb; ++c) forced_rc[r * kb + c] = forced(r, c);
+    const auto kept = std::make_unique<bool[]>(importance.size());
+    block_prune_args a;
+    a.importance = importance.data();
+    a.forced = forced_rc.get();
+    a.keep = kept.get();
+    a.heads = heads;
+    a.qb = qb;
+    a.kb = kb;
+    a.scope = o.method == "global" ? prune_scope::global : prune_scope::row;
+    a.budget = prune_budget(o.sparsity, a.scope == prune_scope::global ? qb * kb : kb);
+    prune_block_importance(a);
+    std::copy(kept.get(), kept.get() + importance.size(), keep.begin());
+    return keep;
+  }
   const auto at = [&](std::int64_t h, std::int64_t r, std::int64_t c) {
     return static_cast<std::size_t>((h * qb + r) * kb + c);
   };
-  // Ranks `n` candidates (index -> (r, c)) by score, highest first, ties to the lower index.
   std::vector<std::int64_t> order;
-  const auto rank = [&](std::int64_t n, const auto& score) {
-    order.resize(static_cast<std::size_t>(n));
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(),
-                     [&](std::int64_t a, std::int64_t b) { return score(a) > score(b); });
-  };
-  constexpr double inf = std::numeric_limits<double>::infinity();
   for (std::int64_t h = 0; h < heads; ++h) {
-    if (o.method == "global") {
-      const auto budget =
-          std::max<std::int64_t>(1, std::llrint((1.0 - o.sparsity) * static_cast<double>(qb * kb)));
-      rank(qb * kb, [&](std::int64_t x) {
-        return forced(x / kb, x % kb) ? inf : importance[at(h, x / kb, x % kb)];
-      });
-      for (std::int64_t x = 0; x < std::min(budget, qb * kb); ++x)
-        keep[at(h, order[x] / kb, order[x] % kb)] = 1;
-    } else {
-      for (std::int64_t r = 0; r < qb; ++r) {
-        if (o.method == "row") {
-          const auto budget =
-              std::max<std::int64_t>(1, std::llrint((1.0 - o.sparsity) * static_cast<double>(kb)));
-          rank(kb, [&](std::int64_t c) { return forced(r, c) ? inf : importance[at(h, r, c)]; });
-          for (std::int64_t x = 0; x < std::min(budget, kb); ++x) keep[at(h, r, order[x])] = 1;
-        } else {  // threshold: the fewest blocks reaching top_p of the row's mass
-          const auto imp = [&](std::int64_t c) { return std::max(0.0, importance[at(h, r, c)]); };
-          double row = 0.0;
-          for (std::int64_t c = 0; c < kb; ++c) row += imp(c);
-          rank(kb, imp);
-          double before = 0.0;
-          for (const std::int64_t c : order) {
-            if (!(before < o.top_p * row)) break;
-            keep[at(h, r, c)] = 1;
-            before += imp(c);
-          }
-        }
+    for (std::int64_t r = 0; r < qb; ++r) {  // the fewest blocks reaching top_p of the row's mass
+      const auto imp = [&](std::int64_t c) { return std::max(0.0, importance[at(h, r, c)]); };
+      double row = 0.0;
+      for (std::int64_t c = 0; c < kb; ++c) row += imp(c);
+      order.resize(static_cast<std::size_t>(kb));  // highest first, ties to the lower index
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(),
+                       [&](std::int64_t x, std::int64_t y) { return imp(x) > imp(y); });
+      double before = 0.0;
+      for (const std::int64_t c : order) {
+        if (!(before < o.top_p * row)) break;
+        keep[at(h, r, c)] = 1;
+        before += imp(c);
       }
     }
     for (std::int64_t r = 0; r < qb; ++r)
@@ -334,8 +332,7 @@ std::vector<std::uint8_t> prune_blocks_by_output(std::span<const double> mass,
       }
       for (double& t : target) t /= std::max(total, tiny);
       const std::int64_t seen = causal ? std::clamp(r + 1 + kb - qb, std::int64_t{1}, kb) : kb;
-      const auto budget =
-          std::max<std::int64_t>(1, std::llrint((1.0 - o.sparsity) * static_cast<double>(seen)));
+      const auto budget = prune_budget(o.sparsity, seen);
       // One block at a time: the one whose addition brings the renormalised output nearest.
       for (; count < budget; ++count) {
         std::int64_t best = -1;

@@ -789,7 +789,7 @@ def _check_prune_kernel(device):
     "global", keep rules, ties (importance rounded to a few values), NaN and -0; nothing written
     where the flag says it is not due."""
     from trisparse import _C, _tensors
-    from trisparse.block_pattern import _forced_blocks
+    from trisparse.block_pattern import _forced_blocks, _prune_budget
 
     gen = torch.Generator().manual_seed(46)
     for heads, qb, kb in ((3, 7, 5), (2, 40, 37), (1, 3, 600)):
@@ -805,7 +805,7 @@ def _check_prune_kernel(device):
             want = trisparse.prune_blocks(imp, sparsity, method, **rules)
             r = {"keep_diagonal": True, "window": 0, "global_blocks": 0, **rules}
             forced = _forced_blocks(qb, kb, imp.device, *r.values()).expand(qb, kb).contiguous()
-            budget = max(1, round((1.0 - sparsity) * kb * (qb if method == "global" else 1)))
+            budget = _prune_budget(sparsity, kb * (qb if method == "global" else 1))
             for due in (True, False):
                 keep = torch.zeros(heads, qb, kb, dtype=torch.bool, device=device)
                 flag = torch.tensor(due, device=device)

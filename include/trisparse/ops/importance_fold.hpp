@@ -7,6 +7,8 @@
 /// graph), and the last three take a `due` flag on the device: where it is false the kernels
 /// return at once, so that a captured step does the work only at its cadence. The CPU runs the
 /// same arithmetic in loops.
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -108,6 +110,12 @@ enum class prune_scope : std::uint8_t {
   global,  ///< each head keeps `budget` of all its blocks
 };
 
+/// The blocks `sparsity` leaves of n: round((1 - sparsity) n), half to even, at least 1 (the
+/// offline learner's, prune_block_importance's and Python's prune_blocks' budget).
+inline std::int64_t prune_budget(double sparsity, std::int64_t n) {
+  return std::max<std::int64_t>(1, std::llrint((1.0 - sparsity) * static_cast<double>(n)));
+}
+
 /// One pruning of an importance average to the blocks kept.
 struct block_prune_args {
   const double* importance = nullptr;  ///< [heads][qb][kb] float64, dense
@@ -115,7 +123,7 @@ struct block_prune_args {
   bool* keep = nullptr;                ///< [heads][qb][kb], dense: written only where due
   const bool* due = nullptr;  ///< one flag on keep's device: prune only if true (null: always)
   std::int64_t heads = 0, qb = 0, kb = 0;
-  std::int64_t budget = 1;  ///< blocks kept per row or head, forced ones first (>= 1)
+  std::int64_t budget = 1;  ///< blocks kept per row or head, forced ones first (prune_budget)
   prune_scope scope = prune_scope::row;
   device_kind where = device_kind::cpu;
   int device_id = 0;
