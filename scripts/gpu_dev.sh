@@ -87,7 +87,8 @@ fi
 # SANITIZE_GTEST (a gtest filter) where set, in SANITIZE_SHARDS processes side by side (gtest's
 # sharding; racecheck over GpuAttentionBackward.* takes ~12 min in one, 5.5 in four), and the
 # tools in SANITIZE_K_TOOLS (default memcheck) over the pytest tests matching SANITIZE_K in
-# SANITIZE_FILES (default test_cuda.py); each under SANITIZE_SECONDS.
+# SANITIZE_FILES (default test_cuda.py), with SANITIZE_ARGS (e.g. "--kernel-name kns=trisparse
+# --print-limit 1000": our kernels only); each under SANITIZE_SECONDS.
 if [ "${SANITIZE:-0}" = 1 ]; then
   mkdir -p /tmp/packed && tar -xJf .devpack/gpu_tests.tar.xz -C /tmp/packed
   for tool in memcheck racecheck; do
@@ -108,7 +109,7 @@ if [ "${SANITIZE:-0}" = 1 ]; then
     for tool in ${SANITIZE_K_TOOLS:-memcheck}; do
       # shellcheck disable=SC2086
       timeout "${SANITIZE_SECONDS:-300}" compute-sanitizer --tool "$tool" --error-exitcode 9 \
-        env PYTHONPATH=build/device/python python3 -m pytest -q -p no:cacheprovider \
+        ${SANITIZE_ARGS:-} env PYTHONPATH=build/device/python python3 -m pytest -q -p no:cacheprovider \
         ${SANITIZE_FILES:-tests/python/test_cuda.py} -k "$SANITIZE_K" > "$out/${tool}_pytest.log" 2>&1 &
     done
   fi

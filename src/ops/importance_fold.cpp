@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -139,21 +138,11 @@ void fold_block_importance_cpu(const importance_fold_args& a) {
   }
 }
 
-// The ranking key of prune_block_importance: unsigned order is the order of the values, NaN
-// highest, -0 as 0.
-std::uint64_t rank_key(double x) {
-  if (std::isnan(x)) return ~std::uint64_t{0};
-  if (x == 0.0) x = 0.0;
-  std::uint64_t bits = 0;
-  std::memcpy(&bits, &x, sizeof bits);
-  return (bits >> 63) != 0 ? ~bits : bits | (std::uint64_t{1} << 63);
-}
-
 void prune_block_importance_cpu(const block_prune_args& a) {
   const bool global = a.scope == prune_scope::global;
   const std::int64_t length = global ? a.qb * a.kb : a.kb;
   const std::int64_t segments = global ? a.heads : a.heads * a.qb;
-  const std::uint64_t forced_key = rank_key(std::numeric_limits<double>::infinity());
+  const std::uint64_t forced_key = prune_rank_key(std::numeric_limits<double>::infinity());
 #pragma omp parallel for schedule(static)
   for (std::int64_t s = 0; s < segments; ++s) {
     const std::int64_t base = s * length, forced0 = global ? 0 : (s % a.qb) * a.kb;
@@ -161,7 +150,7 @@ void prune_block_importance_cpu(const block_prune_args& a) {
     std::vector<std::int64_t> order(static_cast<std::size_t>(length));
     for (std::int64_t i = 0; i < length; ++i) {
       const bool forced = a.forced != nullptr && a.forced[forced0 + i];
-      key[i] = forced ? forced_key : rank_key(a.importance[base + i]);
+      key[i] = forced ? forced_key : prune_rank_key(a.importance[base + i]);
       order[i] = i;
     }
     std::stable_sort(order.begin(), order.end(),

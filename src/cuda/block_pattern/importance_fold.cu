@@ -179,14 +179,6 @@ __global__ void __launch_bounds__(kFoldWarps * 32) fold(importance_fold_args a) 
   }
 }
 
-// The ranking key (prune_block_importance): unsigned order is the values' order, NaN highest,
-// -0 as 0.
-__device__ __forceinline__ std::uint64_t rank_key(double x) {
-  if (isnan(x)) return ~0ull;
-  const auto bits = static_cast<std::uint64_t>(__double_as_longlong(x == 0.0 ? 0.0 : x));
-  return (bits >> 63) != 0 ? ~bits : bits | (1ull << 63);
-}
-
 __global__ void schedule(learner_schedule_args a) {
   const std::int64_t s = *a.steps;
   const learner_flags f = schedule_flags(s, a.warmup, a.every, a.track_every, a.freeze_after);
@@ -210,10 +202,10 @@ __global__ void __launch_bounds__(GLOBAL ? kPruneGlobalThreads : kPruneRowThread
   const std::int64_t base = static_cast<std::int64_t>(blockIdx.x) * length;
   const std::int64_t forced0 = GLOBAL ? 0 : static_cast<std::int64_t>(blockIdx.x) % a.qb * a.kb;
   const int t = static_cast<int>(threadIdx.x), lane = t % 32, warp = t / 32;
-  const std::uint64_t forced_key = rank_key(CUDART_INF);
+  const std::uint64_t forced_key = prune_rank_key(CUDART_INF);
   const auto forced = [&](std::int64_t i) { return a.forced != nullptr && a.forced[forced0 + i]; };
   const auto key = [&](std::int64_t i) {
-    return forced(i) ? forced_key : rank_key(a.importance[base + i]);
+    return forced(i) ? forced_key : prune_rank_key(a.importance[base + i]);
   };
   // The threshold: the highest key with at least `budget` keys at or above it, 8 bits a pass.
   std::uint64_t prefix = 0, fixed = 0;

@@ -2,11 +2,26 @@
 // The CUDA kernels of a pattern learner's tracked step (internal; the public interface and its
 // checks: include/trisparse/ops/importance_fold.hpp, src/ops/importance_fold.cpp).
 #include <cstdint>
+#include <cstring>
 
 #include "../common/entry.hpp"
 #include "trisparse/core/stream.hpp"
 #include "trisparse/core/tensor.hpp"
 #include "trisparse/ops/importance_fold.hpp"
+
+namespace trisparse {
+
+/// The ranking key of prune_block_importance, for the CPU loops and the kernels alike: the
+/// unsigned order of the keys is the order of the values, NaN highest, -0 as 0.
+TRISPARSE_HOST_DEVICE std::uint64_t prune_rank_key(double x) {
+  if (x != x) return ~std::uint64_t{0};
+  if (x == 0.0) x = 0.0;
+  std::uint64_t bits = 0;
+  memcpy(&bits, &x, sizeof bits);
+  return (bits >> 63) != 0 ? ~bits : bits | (std::uint64_t{1} << 63);
+}
+
+}  // namespace trisparse
 
 namespace trisparse::cuda {
 
