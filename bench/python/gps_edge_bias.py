@@ -11,6 +11,9 @@ mini-batch attends within itself, a pair joined by an edge adding that edge's pe
 - trisparse_edge_build: GPSConv's path on CUDA, the same with ``edge_attention(..., bias=)``
   (the multigraph kernels, the pattern grouped on the GPU) in place of sparse_attention;
   trisparse_edge: its pattern and grouping made once;
+- trisparse_segments: GPSConv's path for 16-bit heads since the pair bias: the scores summed
+  into a pair bias [N, H, n_max] inside every step (no pattern), then ``segment_attention(...,
+  bias=)`` (the segment kernels add it to the scores; their dq pass writes its gradient);
 - pyg_padded: PyG's GPSConv path with the bias as ``nn.MultiheadAttention`` takes one:
   ``to_dense_batch`` to [B, n_max, H, D], the edges' scores scattered into a dense float mask
   [B, H, n_max, n_max] (-inf at padded keys) and scaled_dot_product_attention;
@@ -74,6 +77,24 @@ def biased_with_build(op, batch, edge_index):
     def attend(q, k, v, scores):
         pattern = trisparse.Pattern.from_batch(batch)
         return biased(op, pattern, pattern.entries_of(edge_index))(q, k, v, scores)
+
+    return attend
+
+
+def segments(batch, edge_index, n_max):
+    """segment_attention with the scores summed into a pair bias [N, H, n_max] in the step."""
+
+    def attend(q, k, v, scores):
+        n, heads = q.shape[0], q.shape[1]
+        first = torch.searchsorted(batch, batch)
+        src, dst = edge_index[0], edge_index[1]
+        place = (dst * heads)[:, None] * n_max + (src - first[dst])[:, None]
+        place = place + torch.arange(heads, device=q.device) * n_max
+        flat = scores.new_zeros(n * heads * n_max)
+        bias = flat.index_put((place.flatten(),), scores.flatten(), accumulate=True)
+        return trisparse.segment_attention(
+            q, k, v, batch, assume_sorted=True, bias=bias.view(n, heads, n_max)
+        )
 
     return attend
 
@@ -175,6 +196,7 @@ def main():
             cases += [("trisparse_build", biased_with_build(_three_s, batch, ei))]
             cases += [("trisparse_edge", biased(_multigraph, pattern, entries))]
             cases += [("trisparse_edge_build", biased_with_build(_multigraph, batch, ei))]
+            cases += [("trisparse_segments", segments(batch, ei, n_max))]
             cases += [("pyg_padded", padded(batch, ei, start, n_max))]
             try:
                 begin, end = torch.cuda.Event(True), torch.cuda.Event(True)

@@ -942,35 +942,42 @@ NB_MODULE(_C, m) {
       "segment_attention_forward",
       [](std::uintptr_t ids, bool ids_64, const tensor_tuple& q, const tensor_tuple& k,
          const tensor_tuple& v, const tensor_tuple& out, const tensor_tuple& lse, double scale,
-         double dropout, std::uintptr_t dropout_state, std::uintptr_t stream, std::uintptr_t ws,
-         std::size_t ws_bytes) {
+         double dropout, std::uintptr_t dropout_state, const std::optional<tensor_tuple>& bias,
+         std::uintptr_t stream, std::uintptr_t ws, std::size_t ws_bytes) {
         const tensor_view qv = view_of(q);
         const auto plan = segment_plan(qv.rows, ids, ids_64, qv.device_id);
         nb::gil_scoped_release release;
-        plan.run(
-            qv, view_of(k), view_of(v), view_of(out),
-            {.scale = scale, .lse = view_of(lse), .dropout = dropout_of(dropout, dropout_state)},
-            workspace_of(ws, ws_bytes), stream_of(stream));
+        plan.run(qv, view_of(k), view_of(v), view_of(out),
+                 {.scale = scale,
+                  .lse = view_of(lse),
+                  .bias = view_of(bias),
+                  .dropout = dropout_of(dropout, dropout_state)},
+                 workspace_of(ws, ws_bytes), stream_of(stream));
       },
       "ids"_a, "ids_64"_a, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "scale"_a, "dropout"_a,
-      "dropout_state"_a, "stream"_a, "workspace"_a, "workspace_bytes"_a);
+      "dropout_state"_a, "bias"_a.none(), "stream"_a, "workspace"_a, "workspace_bytes"_a);
   m.def(
       "segment_attention_backward",
       [](std::uintptr_t ids, bool ids_64, const tensor_tuple& q, const tensor_tuple& k,
          const tensor_tuple& v, const tensor_tuple& out, const tensor_tuple& lse,
          const tensor_tuple& dout, const tensor_tuple& dq, const tensor_tuple& dk,
          const tensor_tuple& dv, double scale, double dropout, std::uintptr_t dropout_state,
+         const std::optional<tensor_tuple>& bias, const std::optional<tensor_tuple>& dbias,
          std::uintptr_t stream, std::uintptr_t ws, std::size_t ws_bytes) {
         const tensor_view qv = view_of(q);
         const auto plan = segment_plan(qv.rows, ids, ids_64, qv.device_id);
         nb::gil_scoped_release release;
         plan.backward(qv, view_of(k), view_of(v), view_of(out), view_of(lse), view_of(dout),
                       view_of(dq), view_of(dk), view_of(dv),
-                      {.scale = scale, .dropout = dropout_of(dropout, dropout_state)},
+                      {.scale = scale,
+                       .bias = view_of(bias),
+                       .dbias = view_of(dbias),
+                       .dropout = dropout_of(dropout, dropout_state)},
                       workspace_of(ws, ws_bytes), stream_of(stream));
       },
       "ids"_a, "ids_64"_a, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "dout"_a, "dq"_a, "dk"_a, "dv"_a,
-      "scale"_a, "dropout"_a, "dropout_state"_a, "stream"_a, "workspace"_a, "workspace_bytes"_a);
+      "scale"_a, "dropout"_a, "dropout_state"_a, "bias"_a.none(), "dbias"_a.none(), "stream"_a,
+      "workspace"_a, "workspace_bytes"_a);
   m.def(
       "block_attention_mass",
       [](const tensor_tuple& q, const tensor_tuple& k, std::int64_t block, bool causal,

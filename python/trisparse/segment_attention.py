@@ -42,6 +42,7 @@ def segment_attention(
     scale: float | None = None,
     assume_sorted: bool = False,
     dropout_p: float = 0.0,
+    bias: Tensor | None = None,
 ) -> Tensor:
     """out[i] = softmax_j(scale q[i] . k[j]) v[j] over the rows j with batch[j] == batch[i]: q, k,
     v [rows, heads, channels], ``batch`` [rows] sorted int64 or int32 ids (PyG's mini-batch vector;
@@ -57,7 +58,16 @@ def segment_attention(
     query, key and head, 16-bit draws: p to 1 / 65,536; ``trisparse/core/dropout.hpp``) seeded
     from torch's generator of q's device, and regenerate it in the backward: nothing [pairs,
     heads] is stored, the result is the same bits for the same seed. Elsewhere the weights are dropped by ``F.dropout`` (the same
-    distribution, other draws)."""
+    distribution, other draws).
+
+    ``bias``: a score bias per pair, S_ij = scale q_i . k_j + bias[i, h, j - first(i)] with first(i)
+    the first row of i's segment: [rows, heads, M] or [rows, M] (shared by the heads), M at least
+    the longest segment's rows (each row's biases over its segment's keys, in order, then
+    padding that is not read), float, finite: Graphormer's spatial and edge encodings, GPS's
+    local edges as a bias. Differentiable: the segment kernels add it on the tensor cores' scores
+    and the backward's dq pass writes each pair's gradient once (no atomics; places of no pair
+    get 0). M is checked against the segments with the sortedness check (not with
+    ``assume_sorted``: then the caller vouches for it)."""
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         if not isinstance(t, Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a [rows, heads, channels] tensor")
@@ -68,20 +78,63 @@ def segment_attention(
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     rows = q.shape[0]
+    if bias is not None:
+        bias = _pair_bias(bias, q)
     if batch is None:
         batch = torch.zeros(rows, dtype=torch.int64, device=q.device)
     elif not assume_sorted and not torch.compiler.is_compiling():
         check_batch(batch, rows)
+    if bias is not None and not assume_sorted and not torch.compiler.is_compiling() and rows:
+        longest = int(torch.unique_consecutive(batch, return_counts=True)[1].max())
+        if longest > bias.shape[2]:
+            raise ValueError(
+                f"bias has M = {bias.shape[2]} places a row, the longest segment {longest} rows"
+            )
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     batch = batch.contiguous()
     scale = _tensors.resolve_scale(scale, q.shape[-1])
     if segment_attention_supported(q) and batch.device == q.device:
         state = _tensors.new_dropout_state(dropout_p, q.device)
-        out, _ = _call(q, k, v, batch, scale, float(dropout_p), state)
+        kernel_bias = None if bias is None else bias.float().contiguous()
+        out, _ = _call(q, k, v, batch, scale, float(dropout_p), state, kernel_bias)
         return out
     pattern = Pattern.from_batch(batch, rows)
+    entry_bias = None if bias is None else _entry_bias(bias, batch)
     if dropout_p > 0:
-        alpha = edge_softmax(scale * sddmm(q, k, pattern), pattern)
+        scores = scale * sddmm(q, k, pattern)
+        if entry_bias is not None:
+            scores = scores + entry_bias.to(scores.dtype)
+        alpha = edge_softmax(scores, pattern)
         return edge_spmm(F.dropout(alpha, p=dropout_p, training=True), v, pattern)
-    return sparse_attention(q, k, v, pattern, scale=scale)
+    if entry_bias is not None and entry_bias.shape[1] == 1:
+        entry_bias = entry_bias[:, 0]
+    return sparse_attention(q, k, v, pattern, scale=scale, bias=entry_bias)
+
+
+def _pair_bias(bias: Tensor, q: Tensor) -> Tensor:
+    """bias as [rows, H or 1, M], checked against q [rows, H, D]."""
+    if not isinstance(bias, Tensor) or not bias.is_floating_point():
+        raise TypeError(f"bias must be a float tensor, got {getattr(bias, 'dtype', type(bias))}")
+    if bias.dim() == 2:
+        bias = bias.unsqueeze(1)
+    rows, heads = q.shape[0], q.shape[1]
+    if bias.dim() != 3 or bias.shape[0] != rows or bias.shape[1] not in (1, heads):
+        raise ValueError(
+            f"bias must be [rows, heads, M] or [rows, M] with rows = {rows} and heads = {heads}, "
+            f"got {tuple(bias.shape)}"
+        )
+    if bias.shape[2] < 1:
+        raise ValueError("bias needs M >= 1 places a row")
+    if bias.device != q.device:
+        raise ValueError(f"bias is on {bias.device}, q on {q.device}")
+    return bias
+
+
+def _entry_bias(bias: Tensor, batch: Tensor) -> Tensor:
+    """The pair bias [rows, H, M] at the entries of Pattern.from_batch(batch) ([nnz, H], in its
+    entry order: row by row, each row's segment in order, i.e. each row's first places)."""
+    counts = torch.unique_consecutive(batch, return_counts=True)[1]
+    lengths = torch.repeat_interleave(counts, counts)  # each row's segment length
+    places = torch.arange(bias.shape[2], device=bias.device)
+    return bias.transpose(1, 2)[places[None, :] < lengths[:, None]]

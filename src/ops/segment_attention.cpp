@@ -52,11 +52,36 @@ void check_lse(const tensor_view& lse, const tensor_view& q) {
   TRISPARSE_EXPECTS_INPUT(lse.type == dtype::f32, "lse " + lse.describe() + " must be f32");
 }
 
-void check_plain(const attention_options& o) {
-  TRISPARSE_EXPECTS_INPUT(o.bias.data == nullptr && o.dbias.data == nullptr &&
-                              o.block_mass.data == nullptr && o.block_grad.data == nullptr &&
-                              o.block_bias.data == nullptr && o.dblock_bias.data == nullptr,
-                          std::string(kWhat) + " takes no bias and writes no block importance");
+// options: dropout, the pair bias (f32 [rows, H or 1, M]) and, for backward(), its gradient (f32
+// [rows, H, M]); no block bias or block importance.
+void check_options(const attention_options& o, const tensor_view& q, bool backward) {
+  TRISPARSE_EXPECTS_INPUT(
+      o.block_mass.data == nullptr && o.block_grad.data == nullptr &&
+          o.block_bias.data == nullptr && o.dblock_bias.data == nullptr,
+      std::string(kWhat) + " takes no block bias and writes no block importance");
+  TRISPARSE_EXPECTS_INPUT(backward || o.dbias.data == nullptr,
+                          std::string(kWhat) + ": dbias is backward()'s");
+  TRISPARSE_EXPECTS_INPUT(o.dbias.data == nullptr || o.bias.data != nullptr,
+                          std::string(kWhat) + ": dbias needs the bias it is the gradient of");
+  if (o.bias.data != nullptr) {
+    check_view(o.bias, "bias", q.rows, -1, -1);
+    detail::check_device_arg(o.bias, "bias");
+    TRISPARSE_EXPECTS_INPUT(o.bias.device_id == q.device_id, "bias must be on q's device");
+    TRISPARSE_EXPECTS_INPUT(o.bias.type == dtype::f32,
+                            "bias " + o.bias.describe() + " must be f32");
+    TRISPARSE_EXPECTS_INPUT(o.bias.heads == q.heads || o.bias.heads == 1,
+                            "bias " + o.bias.describe() + " must have q's " +
+                                std::to_string(q.heads) + " heads or 1 (shared)");
+    TRISPARSE_EXPECTS_INPUT(o.bias.dim >= 1, "bias " + o.bias.describe() +
+                                                 " needs M >= 1 (the longest segment's rows)");
+  }
+  if (o.dbias.data != nullptr) {
+    check_view(o.dbias, "dbias", q.rows, q.heads, o.bias.dim);
+    detail::check_device_arg(o.dbias, "dbias");
+    TRISPARSE_EXPECTS_INPUT(o.dbias.device_id == q.device_id, "dbias must be on q's device");
+    TRISPARSE_EXPECTS_INPUT(o.dbias.type == dtype::f32,
+                            "dbias " + o.dbias.describe() + " must be f32");
+  }
   detail::check_dropout(o.dropout);
 }
 
@@ -103,11 +128,11 @@ void segment_attention_plan::run(const tensor_view& q, const tensor_view& k, con
   check_operands(segments_, q, k, v);
   check_output(out, "out", q);
   if (options.lse.data != nullptr) check_lse(options.lse, q);
-  check_plain(options);
+  check_options(options, q, false);
   check_workspace(workspace, workspace_bytes(), "run()");
   cuda::segment_attention_forward(segments_, q, k, v, out, options.lse,
-                                  effective_scale(options, q.dim), options.dropout, workspace,
-                                  stream);
+                                  effective_scale(options, q.dim), options.dropout, options.bias,
+                                  workspace, stream);
 }
 
 void segment_attention_plan::backward(const tensor_view& q, const tensor_view& k,
@@ -127,11 +152,11 @@ void segment_attention_plan::backward(const tensor_view& q, const tensor_view& k
     check_output(*t, what, q);
     TRISPARSE_EXPECTS_INPUT(t->type == dq.type, "dq, dk and dv must all be f32 or all q's dtype");
   }
-  check_plain(options);
+  check_options(options, q, true);
   check_workspace(workspace, backward_workspace_bytes(q.heads), "backward()");
   cuda::segment_attention_backward(segments_, q, k, v, out, lse, dout, dq, dk, dv,
-                                   effective_scale(options, q.dim), options.dropout, workspace,
-                                   stream);
+                                   effective_scale(options, q.dim), options.dropout, options.bias,
+                                   options.dbias, workspace, stream);
 }
 
 }  // namespace trisparse

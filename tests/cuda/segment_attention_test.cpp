@@ -153,6 +153,16 @@ TEST(GpuSegmentAttention, BadArgumentsAreNamed) {
                invalid_input);
   EXPECT_THROW(plan.run(q.view(), q.view(), q.view(), q.view(), {.dropout = {0.2, nullptr}}, w),
                invalid_input);
+  // The pair bias: f32 [rows, H or 1, M]; its gradient [rows, H, M] in backward() only.
+  test::device_tensor bias(host_tensor(dtype::f32, rows, 2, 8)),
+      bias3(host_tensor(dtype::f32, rows, 3, 8)), bias16(host_tensor(dtype::bf16, rows, 2, 8)),
+      short_bias(host_tensor(dtype::f32, rows - 1, 2, 8));
+  for (test::device_tensor* b : {&bias3, &bias16, &short_bias})
+    EXPECT_THROW(plan.run(q.view(), q.view(), q.view(), q.view(), {.bias = b->view()}, w),
+                 invalid_input);
+  EXPECT_THROW(plan.run(q.view(), q.view(), q.view(), q.view(),
+                        {.bias = bias.view(), .dbias = bias.view()}, w),
+               invalid_input);
 }
 
 }  // namespace

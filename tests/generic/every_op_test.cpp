@@ -1394,55 +1394,101 @@ void segment_cases(recorder& rec) {
   // Attention dropout's generator state {seed, offset}, on the device as the kernels read it.
   const std::uint64_t seed = 0x9E3779B97F4A7C15ull, offset = 77;
   buffer bstate = dropout_state(seed, offset);
+  // Each row's first row of its segment (the pair bias's places: key j at j - first(i)).
+  std::vector<std::int64_t> first(ids.size());
+  for (std::size_t i = 0; i < ids.size(); ++i)
+    first[i] = i > 0 && ids[i] == ids[i - 1] ? first[i - 1] : static_cast<std::int64_t>(i);
+  const std::int64_t places = 72;  // M >= the longest segment (70)
   const std::string backend = "cuda_segments";
+  // bias: 0 none, 1 a pair bias per head, 2 one shared by the heads (d 64 only).
   for (const std::int64_t dim : {16, 32, 64, 128})
-    for (const double p : {0.0, 0.3}) {
-      const std::string shape = "5 segments, d " + std::to_string(dim) + (p > 0 ? ", dropout" : "");
-      const attention_dropout drop{p, static_cast<const std::uint64_t*>(bstate.view().data)};
-      for (const dtype in : kDtypes) {
-        const types t{in, in};
-        rec.attempt("segment_attention", backend, t, [&] {
-          const auto plan = segment_attention_plan::build({rows, bids.view().data, true, 0});
-          const std::int64_t heads = 2;
-          const host_tensor q = random(in, rows, heads, dim, 90),
-                            k = random(in, rows, heads, dim, 91),
-                            v = random(in, rows, heads, dim, 92),
-                            dout = random(in, rows, heads, dim, 93);
-          buffer bq(q), bk(k), bv(v), bdout(dout),
-              out = buffer::output(in, rows, heads, dim),
-              lse = buffer::output(dtype::f32, rows, heads, 1),
-              dq = buffer::output(dtype::f32, rows, heads, dim),
-              dk = buffer::output(dtype::f32, rows, heads, dim),
-              dv = buffer::output(dtype::f32, rows, heads, dim),
-              ws = buffer::scratch(plan.backward_workspace_bytes(heads));
-          const workspace_view w{ws.view().data, plan.backward_workspace_bytes(heads)};
-          plan.run(bq.view(), bk.view(), bv.view(), out.view(),
-                   {.lse = lse.view(), .dropout = drop}, w);
-          plan.backward(bq.view(), bk.view(), bv.view(), out.view(), lse.view(), bdout.view(),
-                        dq.view(), dk.view(), dv.view(), {.dropout = drop}, w);
-          const double scale = effective_scale({}, dim);
-          host_tensor want(dtype::f64, rows, heads, dim), wq(dtype::f64, rows, heads, dim),
-              wk(dtype::f64, rows, heads, dim), wv(dtype::f64, rows, heads, dim);
-          // The multigraph reference over the segments' pairs, each with the factor the draw gives.
-          host_tensor keep(dtype::f64, static_cast<std::int64_t>(coo.src.size()), heads, 1);
-          for (std::size_t e = 0; e < coo.src.size(); ++e)
-            for (std::int32_t h = 0; h < heads; ++h)
-              keep.set(static_cast<std::int64_t>(e) * heads + h,
-                       dropout_factor(drop, seed, offset, coo.src[e], coo.dst[e], h));
-          reference::edge_attention(coo, q.view(), k.view(), v.view(), {}, {}, keep.view(), scale,
-                                    want.view(), {}, {});
-          reference::edge_attention_backward(coo, q.view(), k.view(), v.view(), {}, {}, keep.view(),
-                                             scale, dout.view(), {}, wq.view(), wk.view(),
-                                             wv.view(), {}, {});
-          rec.check("segment_attention", backend, t, shape, out.fetch(), want,
-                    tolerance(in, in, 4));
-          const double tol = tolerance(in, dtype::f32, 8) + unit_roundoff(in) * 8;
-          rec.check("segment_attention", backend, t, shape, dq.fetch(), wq, tol, "dq");
-          rec.check("segment_attention", backend, t, shape, dk.fetch(), wk, tol, "dk");
-          rec.check("segment_attention", backend, t, shape, dv.fetch(), wv, tol, "dv");
-        });
+    for (const double p : {0.0, 0.3})
+      for (const int bias_kind : {0, 1, 2}) {
+        if (bias_kind == 2 && dim != 64) continue;
+        const std::string shape = "5 segments, d " + std::to_string(dim) +
+                                  (p > 0 ? ", dropout" : "") +
+                                  (bias_kind == 1   ? ", pair bias"
+                                   : bias_kind == 2 ? ", shared pair bias"
+                                                    : "");
+        const attention_dropout drop{p, static_cast<const std::uint64_t*>(bstate.view().data)};
+        for (const dtype in : kDtypes) {
+          const types t{in, in};
+          rec.attempt("segment_attention", backend, t, [&] {
+            const auto plan = segment_attention_plan::build({rows, bids.view().data, true, 0});
+            const std::int64_t heads = 2, bias_heads = bias_kind == 2 ? 1 : heads;
+            const host_tensor q = random(in, rows, heads, dim, 90),
+                              k = random(in, rows, heads, dim, 91),
+                              v = random(in, rows, heads, dim, 92),
+                              dout = random(in, rows, heads, dim, 93),
+                              bias = random(dtype::f32, rows, bias_heads, places, 94);
+            buffer bq(q), bk(k), bv(v), bdout(dout), bbias(bias),
+                dbias(host_tensor(dtype::f32, rows, heads, places)),  // zeros: places of no pair
+                out = buffer::output(in, rows, heads, dim),
+                lse = buffer::output(dtype::f32, rows, heads, 1),
+                dq = buffer::output(dtype::f32, rows, heads, dim),
+                dk = buffer::output(dtype::f32, rows, heads, dim),
+                dv = buffer::output(dtype::f32, rows, heads, dim),
+                ws = buffer::scratch(plan.backward_workspace_bytes(heads));
+            const workspace_view w{ws.view().data, plan.backward_workspace_bytes(heads)};
+            const tensor_view bias_view = bias_kind > 0 ? bbias.view() : tensor_view{};
+            const tensor_view dbias_view = bias_kind > 0 ? dbias.view() : tensor_view{};
+            plan.run(bq.view(), bk.view(), bv.view(), out.view(),
+                     {.lse = lse.view(), .bias = bias_view, .dropout = drop}, w);
+            plan.backward(bq.view(), bk.view(), bv.view(), out.view(), lse.view(), bdout.view(),
+                          dq.view(), dk.view(), dv.view(),
+                          {.bias = bias_view, .dbias = dbias_view, .dropout = drop}, w);
+            const double scale = effective_scale({}, dim);
+            const auto pairs = static_cast<std::int64_t>(coo.src.size());
+            host_tensor want(dtype::f64, rows, heads, dim), wq(dtype::f64, rows, heads, dim),
+                wk(dtype::f64, rows, heads, dim), wv(dtype::f64, rows, heads, dim);
+            // The multigraph reference over the segments' pairs, each with the factor the draw
+            // gives; the pair bias as its feature term: r one-hot per head, a_p = the pair's bias
+            // per head, so that da_p is the bias's gradient per head.
+            host_tensor keep(dtype::f64, pairs, heads, 1), r(dtype::f64, rows, heads, heads),
+                a(dtype::f64, pairs, 1, heads), da(dtype::f64, pairs, 1, heads),
+                dr(dtype::f64, rows, heads, heads);
+            for (std::int64_t i = 0; i < rows; ++i)
+              for (std::int64_t h = 0; h < heads; ++h) r.set((i * heads + h) * heads + h, 1.0);
+            for (std::int64_t e = 0; e < pairs; ++e) {
+              const std::int64_t i = coo.src[static_cast<std::size_t>(e)],
+                                 place = coo.dst[static_cast<std::size_t>(e)] -
+                                         first[static_cast<std::size_t>(i)];
+              for (std::int32_t h = 0; h < heads; ++h) {
+                keep.set(e * heads + h,
+                         dropout_factor(drop, seed, offset, coo.src[static_cast<std::size_t>(e)],
+                                        coo.dst[static_cast<std::size_t>(e)], h));
+                a.set(e * heads + h,
+                      bias.get((i * bias_heads + (bias_kind == 2 ? 0 : h)) * places + place));
+              }
+            }
+            const tensor_view rv = bias_kind > 0 ? r.view() : tensor_view{},
+                              av = bias_kind > 0 ? a.view() : tensor_view{};
+            reference::edge_attention(coo, q.view(), k.view(), v.view(), rv, av, keep.view(), scale,
+                                      want.view(), {}, {});
+            reference::edge_attention_backward(
+                coo, q.view(), k.view(), v.view(), rv, av, keep.view(), scale, dout.view(), {},
+                wq.view(), wk.view(), wv.view(), bias_kind > 0 ? dr.view() : tensor_view{},
+                bias_kind > 0 ? da.view() : tensor_view{});
+            rec.check("segment_attention", backend, t, shape, out.fetch(), want,
+                      tolerance(in, in, 4));
+            const double tol = tolerance(in, dtype::f32, 8) + unit_roundoff(in) * 8;
+            rec.check("segment_attention", backend, t, shape, dq.fetch(), wq, tol, "dq");
+            rec.check("segment_attention", backend, t, shape, dk.fetch(), wk, tol, "dk");
+            rec.check("segment_attention", backend, t, shape, dv.fetch(), wv, tol, "dv");
+            if (bias_kind > 0) {  // dL/dS per pair and head at its place, zeros elsewhere
+              host_tensor wdb(dtype::f64, rows, heads, places);
+              for (std::int64_t e = 0; e < pairs; ++e) {
+                const std::int64_t i = coo.src[static_cast<std::size_t>(e)],
+                                   place = coo.dst[static_cast<std::size_t>(e)] -
+                                           first[static_cast<std::size_t>(i)];
+                for (std::int64_t h = 0; h < heads; ++h)
+                  wdb.set((i * heads + h) * places + place, da.get(e * heads + h));
+              }
+              rec.check("segment_attention", backend, t, shape, dbias.fetch(), wdb, tol, "dbias");
+            }
+          });
+        }
       }
-    }
 }
 
 // --- per-head products (head_product, head_outer) ---------------------------------------------

@@ -795,8 +795,8 @@ def test_gps_conv_on_cuda_matches_pyg_in_float64():
 
 @pytest.mark.parametrize("autocast", [False, True])
 def test_gps_conv_edge_bias_on_cuda_matches_float64(autocast):
-    """GPSConv(edge_bias=True, edge_dim=3) on CUDA (float32: the row-wise kernels; bf16 autocast
-    with 16-channel heads: the bias on the fused 3S tensor cores) against the same layer in
+    """GPSConv(edge_bias=True, edge_dim=3) on CUDA (float32: the multigraph kernels; bf16
+    autocast with 16-channel heads: the segment kernels with the pair bias) against the same layer in
     float64 on the CPU (equal to PyG's with the dense bias: test_nn), repeated edges included;
     the gradients, the bias's too, the same bits on a second run."""
     g = torch.Generator().manual_seed(9)
@@ -905,6 +905,57 @@ def test_segment_attention_matches_float64(dim, dtype):
     assert all(torch.equal(a, b) for a, b in zip(got, run(torch.int32)))
 
 
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("dim, dropout", [(16, 0.0), (32, 0.0), (64, 0.2), (128, 0.0)])
+def test_segment_attention_pair_bias_matches_float64(dim, dropout, shared):
+    """The segment kernels with a score bias per pair (Graphormer's encodings; per head or shared
+    by the heads) against float64 dense attention per graph with the same bias (and, with
+    dropout, the kernels' draws computed here independently): the output and the gradients of
+    q, k, v and the bias; places of no pair get a zero gradient; the same bits on a second run."""
+    g = torch.Generator().manual_seed(50 + dim)
+    sizes = torch.randint(1, 41, (50,), generator=g)
+    sizes[7], sizes[30] = 130, 70
+    batch = torch.repeat_interleave(torch.arange(50), sizes).cuda()
+    n, heads, m = batch.numel(), 2, 140
+    qkv = torch.randn(n, 3, heads, dim, generator=g)
+    bias0 = 2 * torch.randn(n, 1 if shared else heads, m, generator=g)
+    dout = torch.randn(n, heads, dim, generator=g)
+    scale = 0.8 / math.sqrt(dim)
+    state = torch.tensor([0x0DDB_A11, 99], dtype=torch.int64, device="cuda")
+    from trisparse.autograd.segment_attention import _call
+
+    def run():
+        x = qkv.cuda().bfloat16().requires_grad_()
+        bias = bias0.cuda().requires_grad_()
+        out, _ = _call(*x.unbind(1), batch, scale, dropout, state, bias)
+        out.backward(dout.cuda().bfloat16())
+        return [t.double().cpu() for t in (out.detach(), *x.grad.unbind(1), bias.grad)]
+
+    got = run()
+    xs = [t.double().requires_grad_() for t in qkv.bfloat16().unbind(1)]
+    bias = bias0.double().requires_grad_()
+    ptr = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(sizes, 0)]).tolist()
+    outs = []
+    for a, b in itertools.pairwise(ptr):
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t in xs)
+        s = scale * qs @ ks.transpose(1, 2) + bias[a:b, :, : b - a].transpose(0, 1)
+        w = torch.softmax(s, -1)
+        if dropout > 0:
+            ii, jj = torch.meshgrid(torch.arange(a, b), torch.arange(a, b), indexing="ij")
+            f = philox_factors(ii.flatten(), jj.flatten(), range(heads), state.cpu(), dropout)
+            w = w * f.T.reshape(heads, b - a, b - a)
+        outs.append((w @ vs).transpose(0, 1))
+    out = torch.cat(outs)
+    out.backward(dout.bfloat16().double())
+    want = [out.detach(), *(x.grad for x in xs), bias.grad]
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert relerr(a, b) <= 2e-2, i
+    lengths = torch.repeat_interleave(sizes, sizes)
+    unused = torch.arange(m)[None, :] >= lengths[:, None]
+    assert bool((got[4].transpose(1, 2)[unused] == 0).all())
+    assert all(torch.equal(a, b) for a, b in zip(got, run()))
+
+
 @pytest.mark.parametrize("dim", [16, 64, 128])
 def test_segment_attention_dropout_matches_float64(dim):
     """Attention dropout inside the segment kernels: forward and gradients equal float64 dense
@@ -923,7 +974,7 @@ def test_segment_attention_dropout_matches_float64(dim):
 
     def run(st):
         x = qkv.cuda().bfloat16().requires_grad_()
-        out, _ = _call(*x.unbind(1), batch, scale, p, st)
+        out, _ = _call(*x.unbind(1), batch, scale, p, st, None)
         out.backward(dout.cuda().bfloat16())
         return [t.double().cpu() for t in (out.detach(), *x.grad.unbind(1))]
 
@@ -1363,8 +1414,9 @@ def test_edge_gat_attention_matches_float64_on_multigraphs(dtype, heads, c, edge
         assert relerr(a, w) <= tol, i
 
 
-def _captured_gps(channels, heads, dropout, recompute=False):
-    """Two GPSConv layers (GINE over 3 edge features, BatchNorm) and a graph-level linear head."""
+def _captured_gps(channels, heads, dropout, recompute=False, edge_bias=False):
+    """Two GPSConv layers (GINE over 3 edge features, BatchNorm; with edge_bias the edge features
+    as the attention's bias too, pair biases of 40 places) and a graph-level linear head."""
     from torch_geometric.nn import global_add_pool
 
     class Model(torch.nn.Module):
@@ -1378,6 +1430,9 @@ def _captured_gps(channels, heads, dropout, recompute=False):
                     heads=heads,
                     attn_kwargs={"dropout": dropout},
                     recompute=recompute,
+                    edge_bias=edge_bias,
+                    edge_dim=channels if edge_bias else None,
+                    max_num_nodes=40 if edge_bias else None,
                 )
                 for _ in range(2)
             )
@@ -1432,18 +1487,19 @@ def _gps_step(model, opt):
     return step
 
 
-@pytest.mark.parametrize("recompute", [False, True])
-def test_captured_gps_training_step_equals_the_eager_steps(recompute):
+@pytest.mark.parametrize("recompute, edge_bias", [(False, False), (True, False), (False, True)])
+def test_captured_gps_training_step_equals_the_eager_steps(recompute, edge_bias):
     """trisparse.nn.capture: a GPS training step (GINE, segment attention under bf16 autocast,
     masked BatchNorm, Adam) captured per padded shape and replayed over four batches of two shapes
     gives the eager steps' losses and parameters (the warm-up leaves no trace: the first step
     starts from the same state), with two graphs captured; also with the captured layers'
-    activations recomputed in the backward (GPSConv(recompute=True))."""
+    activations recomputed in the backward (GPSConv(recompute=True)), and with the edges as the
+    attention's bias (the segment kernels' pair bias, max_num_nodes fixed)."""
     from trisparse.nn.capture import CapturedStep
 
     channels = 64
     torch.manual_seed(0)
-    eager = _captured_gps(channels, heads=4, dropout=0.0)
+    eager = _captured_gps(channels, heads=4, dropout=0.0, edge_bias=edge_bias)
     model = copy.deepcopy(eager)
     for conv in model.convs:
         conv.recompute = recompute

@@ -1016,6 +1016,39 @@ def test_segment_attention_on_the_cpu_and_its_errors():
         trisparse.segment_attention(q, k[:, :1], v, batch)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_segment_attention_pair_bias_on_the_cpu_and_its_errors(shared):
+    """segment_attention with a score bias per pair off CUDA (the fused attention over the
+    batch's pattern with the bias at its entries) against float64 dense attention per graph with
+    the bias; gradcheck in q, k, v and the bias; bad biases named."""
+    g = torch.Generator().manual_seed(4)
+    sizes = torch.tensor([3, 1, 7, 4])
+    batch = torch.repeat_interleave(torch.tensor([0, 2, 3, 5]), sizes)
+    q, k, v = (
+        torch.randn(15, 2, 8, generator=g, dtype=torch.float64, requires_grad=True)
+        for _ in range(3)
+    )
+    bias = torch.randn(15, 1 if shared else 2, 9, generator=g, dtype=torch.float64)
+    bias.requires_grad_()
+    out = trisparse.segment_attention(q, k, v, batch, scale=0.4, bias=bias)
+    want = []
+    for a, b in ((0, 3), (3, 4), (4, 11), (11, 15)):
+        s = 0.4 * torch.einsum("ihd,jhd->hij", q[a:b], k[a:b])
+        w = torch.softmax(s + bias[a:b, :, : b - a].transpose(0, 1), -1)
+        want.append(torch.einsum("hij,jhd->ihd", w, v[a:b]))
+    torch.testing.assert_close(out, torch.cat(want), rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(
+        lambda *t: trisparse.segment_attention(*t[:3], batch, scale=0.4, bias=t[3]),
+        (q, k, v, bias),
+    )
+    with pytest.raises(ValueError, match="longest segment 7"):
+        trisparse.segment_attention(q, k, v, batch, bias=bias[:, :, :6])
+    with pytest.raises(ValueError, match="bias must be"):
+        trisparse.segment_attention(q, k, v, batch, bias=bias[1:])
+    with pytest.raises(TypeError, match="float tensor"):
+        trisparse.segment_attention(q, k, v, batch, bias=bias.long())
+
+
 @pytest.mark.parametrize("layer", ["TransformerConv", "GATConv"])
 def test_edge_features_without_repeats_equal_pyg_in_float64(layer):
     """A graph without repeated edges (each entry one edge: the per-copy reductions reduce to a

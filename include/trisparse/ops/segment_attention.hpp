@@ -39,15 +39,23 @@ class segment_attention_plan {
 
   /// out = attention(q, k, v) within segments: q, k, v, out [rows, H, D] on the plan's device, out
   /// f32 or q's dtype; options.scale (default 1/sqrt(D)) and, where options.lse.data is set, the
-  /// per-row log-sum-exp (f32 [rows, H, 1]) that backward() needs; options' bias and block
-  /// outputs are not taken. Asynchronous on `stream`: no synchronisation, allocation or lock.
+  /// per-row log-sum-exp (f32 [rows, H, 1]) that backward() needs. options.bias, where set, is a
+  /// score bias per pair: S_ij = scale q_i . k_j + bias[i, h, j - first(i)], first(i) the first
+  /// row of i's segment (f32 [rows, H, M], or [rows, 1, M] shared by the heads; M at least the
+  /// longest segment's rows, which the caller guarantees: the ids are read on the device only;
+  /// Graphormer's spatial and edge encodings, GPS's local edges as a bias). Block biases and
+  /// block outputs are not taken. Asynchronous on `stream`: no synchronisation, allocation or
+  /// lock.
   /// @throws invalid_input naming a wrong argument, not_supported for other dtypes or head dims.
   void run(const tensor_view& q, const tensor_view& k, const tensor_view& v, const tensor_view& out,
            const attention_options& options, workspace_view workspace,
            stream_ref stream = {}) const;
 
   /// dq, dk, dv (shaped as q, k, v, all f32 or all q's dtype; overwritten) of out = run(q, k, v)
-  /// given dout (q's dtype); `out` and `lse` are what run() wrote. Asynchronous on `stream`.
+  /// given dout (q's dtype); `out` and `lse` are what run() wrote, options as run() had them.
+  /// Where options.dbias is set (f32 [rows, H, M], M the bias's), dL/dS of each pair is written
+  /// at its place in it, once (no atomics: the same bits on every run); places of no pair are
+  /// left as they were (zero them first). Asynchronous on `stream`.
   void backward(const tensor_view& q, const tensor_view& k, const tensor_view& v,
                 const tensor_view& out, const tensor_view& lse, const tensor_view& dout,
                 const tensor_view& dq, const tensor_view& dk, const tensor_view& dv,

@@ -20,9 +20,15 @@ def _forward_outputs(q: Tensor) -> tuple[Tensor, Tensor]:
     return q.new_empty(q.shape), q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
 
 
-def _grads(q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv in q's shape and dtype, unwritten (op and fake)."""
-    return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
+def _grads(q: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv in q's shape and dtype, unwritten, and the pair bias's gradient: float32 [rows,
+    H, M] zeros where a bias is given (places of no pair stay 0), else empty (op and fake)."""
+    dbias = (
+        q.new_zeros(q.shape[0], q.shape[1], bias.shape[2], dtype=torch.float32)
+        if bias is not None
+        else q.new_empty(0, dtype=torch.float32)
+    )
+    return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape), dbias
 
 
 @torch.library.custom_op("trisparse::segment_attention", mutates_args=())
@@ -34,10 +40,12 @@ def _forward(
     scale: float,
     dropout: float,
     dropout_state: Tensor | None,
+    bias: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
     """(out [rows, H, D] in q's dtype, lse [rows, H] float32); q, k, v any strides; attention
     dropout p = ``dropout`` drawn in the kernels from ``dropout_state`` ({seed, offset}, int64
-    [2] on q's device)."""
+    [2] on q's device); ``bias`` the pairs' score bias (float32 [rows, H or 1, M], last dimension
+    contiguous: pair (i, j) at [i, h, j - the first row of i's segment]) or None."""
     q, k, v = (_tensors.rows16(t) for t in (q, k, v))
     out, lse = _forward_outputs(q)
     _owner, ws, ws_bytes = _workspace(batch, q.shape[0], q.shape[1], False)
@@ -49,6 +57,7 @@ def _forward(
         scale,
         dropout,
         _tensors.dropout_state(dropout, dropout_state),
+        None if bias is None else _tensors.view(bias),
         _tensors.stream(q.device),
         ws,
         ws_bytes,
@@ -57,7 +66,7 @@ def _forward(
 
 
 @_forward.register_fake
-def _forward_fake(q, k, v, batch, scale, dropout, dropout_state):
+def _forward_fake(q, k, v, batch, scale, dropout, dropout_state, bias):
     return _forward_outputs(q)
 
 
@@ -73,11 +82,13 @@ def _backward_op(
     scale: float,
     dropout: float,
     dropout_state: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv in q's dtype (fp32 accumulation, one rounding at the store); the forward's
+    bias: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv in q's dtype (fp32 accumulation, one rounding at the store), and dL/dS of each
+    pair where a bias is given (float32 [rows, H, M], zeros elsewhere; else empty); the forward's
     dropout regenerated from the same state."""
     q, k, v, out, dout = (_tensors.rows16(t) for t in (q, k, v, out, dout))
-    dq, dk, dv = _grads(q)
+    dq, dk, dv, dbias = _grads(q, bias)
     _owner, ws, ws_bytes = _workspace(batch, q.shape[0], q.shape[1], True)
     _C.segment_attention_backward(
         batch.data_ptr(),
@@ -88,13 +99,15 @@ def _backward_op(
         scale,
         dropout,
         _tensors.dropout_state(dropout, dropout_state),
+        None if bias is None else _tensors.view(bias),
+        None if bias is None else _tensors.view(dbias),
         _tensors.stream(q.device),
         ws,
         ws_bytes,
     )
-    return dq, dk, dv
+    return dq, dk, dv, dbias
 
 
 @_backward_op.register_fake
-def _backward_fake(q, k, v, out, lse, dout, batch, scale, dropout, dropout_state):
-    return _grads(q)
+def _backward_fake(q, k, v, out, lse, dout, batch, scale, dropout, dropout_state, bias):
+    return _grads(q, bias)

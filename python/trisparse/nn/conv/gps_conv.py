@@ -29,6 +29,8 @@ class _BatchPatterns:
         self._pattern = None
         self._checked = None
         self._entries = None  # (edge_index, (its version, pattern id), its entries)
+        self._segments = None  # (batch, (its version, node count), (first rows, longest))
+        self._local = None  # (edge_index, (its version, batch, its version)): checked local
 
     def __deepcopy__(self, memo):
         """The same cache: a model's GPS layers share one, copies included (a Pattern's plans
@@ -60,6 +62,43 @@ class _BatchPatterns:
         if self._entries is None or self._entries[0] is not edge_index or self._entries[1] != key:
             self._entries = (edge_index, key, pattern.entries_of(edge_index))
         return self._entries[2]
+
+    def segments(self, batch: Tensor, num_nodes: int) -> tuple[Tensor, int | None]:
+        """Each node's first node of its graph (int64 [N], on the device) and the longest graph's
+        node count (one device round trip per batch tensor and version; None while capturing:
+        no round trip then)."""
+        key = (getattr(batch, "_version", None), num_nodes)
+        if self._segments is not None and self._segments[0] is batch and self._segments[1] == key:
+            return self._segments[2]
+        first = torch.searchsorted(batch, batch)
+        if _capturing(batch):
+            return first, None
+        counts = torch.unique_consecutive(batch, return_counts=True)[1]
+        longest = int(counts.max()) if num_nodes else 0
+        self._segments = (batch, key, (first, longest))
+        return first, longest
+
+    def check_local(self, edge_index: Tensor, batch: Tensor) -> None:
+        """A ValueError naming an edge of edge_index whose ends lie in different graphs (once per
+        edge_index and batch tensor and version; not while capturing)."""
+        if _capturing(batch):
+            return
+        key = (getattr(edge_index, "_version", None), batch, getattr(batch, "_version", None))
+        if self._local is not None and self._local[0] is edge_index and self._local[1] == key:
+            return
+        if edge_index.numel() and (
+            bool((edge_index.min() < 0).item()) or bool((edge_index.max() >= len(batch)).item())
+        ):
+            raise ValueError(f"edge_index has node ids outside [0, {len(batch)})")
+        across = (batch[edge_index[0]] != batch[edge_index[1]]).nonzero()
+        if across.numel():
+            e = int(across[0, 0])
+            j, i = (int(t) for t in edge_index[:, e])
+            raise ValueError(
+                f"edge_index: edge {e} ({j} -> {i}) joins nodes of graphs {int(batch[j])} and "
+                f"{int(batch[i])}: GPS's edge bias takes edges within a graph"
+            )
+        self._local = (edge_index, key)
 
     def _get(self, batch, num_nodes: int) -> Pattern:
         key = (getattr(batch, "_version", None), num_nodes)
@@ -144,10 +183,13 @@ class GPSConv(_PygGPSConv):
     head, the learned ``edge_bias`` [heads] (zeros at first: PyG's attention) once per edge, or,
     with ``edge_dim``, ``lin_edge_bias(edge_attr)`` ([E, edge_dim] -> [E, heads], the features the
     local MPNN takes as ``edge_attr``) summed over the pair's edges; every other pair of a graph
-    gets none. It runs the multigraph kernels (:func:`trisparse.edge_attention` with the bias,
-    attention dropout inside; elsewhere :func:`trisparse.sparse_attention`) over the batch's
-    block-diagonal pattern, made per batch (on the GPU, but with host synchronisations): not under
-    CUDA graph capture. The bias's gradient is written once per pair (no atomics)."""
+    gets none. float16/bfloat16 heads of 16 - 128 channels on CUDA run the segment kernels with a
+    pair bias ([N, heads, M] float32, M the longest graph's nodes: one device round trip per
+    batch; ``max_num_nodes``, trisparse's own argument, fixes M and so lets the step be captured
+    in a CUDA graph); other heads the multigraph kernels (:func:`trisparse.edge_attention` with
+    the bias, attention dropout inside; elsewhere :func:`trisparse.sparse_attention`) over the
+    batch's block-diagonal pattern, made per batch (on the GPU, with host synchronisations: not
+    under CUDA graph capture). The bias's gradient is written once per pair (no atomics)."""
 
     def __init__(
         self,
@@ -155,9 +197,13 @@ class GPSConv(_PygGPSConv):
         recompute: bool = False,
         edge_bias: bool = False,
         edge_dim: int | None = None,
+        max_num_nodes: int | None = None,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
+        if max_num_nodes is not None and (not isinstance(max_num_nodes, int) or max_num_nodes < 1):
+            raise ValueError(f"max_num_nodes must be a positive int, got {max_num_nodes!r}")
+        self.max_num_nodes = max_num_nodes
         self._batches = _SHARED_BATCHES  # a model's layers see one batch: one pattern for all
         self._warned: set[str] = set()
         self.recompute = recompute
@@ -281,6 +327,36 @@ class GPSConv(_PygGPSConv):
             )
         return self.lin_edge_bias(edge_attr).to(dtype)
 
+    def _on_segment_kernels(self, q: Tensor, x: Tensor, edge_index) -> bool:
+        """Whether the biased attention runs the segment kernels with a pair bias: 16-bit heads
+        they take, edges as a tensor, eager (compiled: the pattern's ops), and under capture only
+        with max_num_nodes."""
+        return (
+            segment_attention_supported(q)
+            and isinstance(edge_index, Tensor)
+            and not torch.compiler.is_compiling()
+            and (not _capturing(x) or self.max_num_nodes is not None)
+        )
+
+    def _pair_bias(self, batch, n: int, heads: int, edge_index, edge_attr) -> Tensor:
+        """The segment kernels' pair bias, float32 [n, heads, M]: each edge j -> i's bias (per
+        head) at [i, h, j - the first node of i's graph], a pair's edges summed (index_put's
+        sorted accumulation: a fixed order on every run); M = max_num_nodes where given (a fixed
+        size: capturable), else the batch's longest graph."""
+        batch = self._batches.checked(batch, n)
+        first, longest = self._batches.segments(batch, n)
+        self._batches.check_local(edge_index, batch)
+        m = self.max_num_nodes if self.max_num_nodes is not None else longest
+        if longest is not None and longest > m:
+            raise ValueError(f"max_num_nodes = {m}, but the batch has a graph of {longest} nodes")
+        scores = self._edge_scores(edge_index, edge_attr, torch.float32)
+        src, dst = edge_index[0], edge_index[1]
+        place = (dst * heads)[:, None] * m + (src - first[dst])[:, None]
+        place = place + torch.arange(heads, device=place.device) * m
+        flat = scores.new_zeros(n * heads * max(m, 1))
+        flat = flat.index_put((place.flatten(),), scores.flatten(), accumulate=True)
+        return flat.view(n, heads, max(m, 1))
+
     def _global_attention(self, x: Tensor, batch, edge_index=None, edge_attr=None) -> Tensor:
         """nn.MultiheadAttention(x, x, x) within each graph, as packed sparse attention (with the
         edges' bias where edge_bias is set)."""
@@ -291,11 +367,21 @@ class GPSConv(_PygGPSConv):
         q, k, v = qkv.unbind(1)
         scale = resolve_scale(None, q.shape[-1])
         dropout = attn.dropout if self.training else 0.0
+        if self._biased() and self._on_segment_kernels(q, x, edge_index):
+            if batch is None:
+                batch = torch.zeros(n, dtype=torch.int64, device=x.device)
+            bias = self._pair_bias(batch, n, heads, edge_index, edge_attr)
+            out = segment_attention(
+                q, k, v, batch, scale, assume_sorted=True, dropout_p=dropout, bias=bias
+            )
+            return attn.out_proj(out.reshape(n, channels))
         if self._biased():
             if _capturing(x):
                 raise RuntimeError(
-                    "trisparse.nn.GPSConv(edge_bias=True) under CUDA graph capture: the biased "
-                    "attention builds the batch's pattern on the host"
+                    "trisparse.nn.GPSConv(edge_bias=True) under CUDA graph capture needs "
+                    "max_num_nodes (the pair bias's fixed size) and float16/bfloat16 heads of 16, "
+                    "32, 64 or 128 channels (autocast); else the biased attention builds the "
+                    "batch's pattern on the host"
                 )
             pattern = self._batches.get(batch, n)
             scores = self._edge_scores(

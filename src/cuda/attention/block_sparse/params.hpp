@@ -42,6 +42,13 @@ struct params : ragged_attention_io {
   // num_tiles holds rows [64 t, 64 t + 64).
   const std::int32_t* segments;
   std::int32_t segment_rows;
+  // Its per-pair score bias (walks instantiated with PAIR), f32 natural-log units: pair (i, j) of
+  // head h at pair_bias[i * pair_row + h * pair_head + j - segments[2 i]] (pair_head 0: shared);
+  // where dpair_bias is set the dq kernel writes dL/dS of each pair at the same place of it.
+  const float* pair_bias;
+  std::int64_t pair_row, pair_head;
+  float* dpair_bias;
+  std::int64_t dpair_row, dpair_head;
   // Attention dropout (kernels instantiated with DROPOUT; trisparse/core/dropout.hpp): {seed,
   // offset} on the device; pair (i, j) of head h, in packed rows, keeps P times dropout_scale
   // where its 16-bit draw is at least drop_below (philox::drop_below16), else 0.

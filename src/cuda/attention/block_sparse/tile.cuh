@@ -216,6 +216,13 @@ __device__ __forceinline__ void apply_score_sign(std::uint32_t (&qa)[N][4], cons
     for (int j = 0; j < 4; ++j) qa[i][j] ^= 0x80008000u;
 }
 
+/// Walks whose pairs carry a score bias of their own (segments/walk.cuh: kPairBias, with
+/// pair_bias2(i, j, r) in log2 units and, for the dq pass, store_dpair(i, j, r, dS)).
+template <class Walk>
+inline constexpr bool pair_biased = requires {
+  requires Walk::kPairBias;
+};
+
 /// softmax_step's work after the masking: masked elements of s are NaN (which fmaxf skips), and
 /// with MASKED their P is set to 0. The scale c >= 0 (apply_score_sign) is folded into the
 /// exponent's FMA: max_j c s_j = c max_j s_j; with BIAS so is the tile's block bias b2 (log2
@@ -258,8 +265,20 @@ template <int BN, bool BIAS = false, class Walk>
 __device__ __forceinline__ void softmax_step(float (&s)[BN / 8][4], float (&m)[2], float (&l)[2],
                                              float (&alpha)[2], const Walk& w, int j0, int i_lo,
                                              float b2 = 0.f) {
-  if (!w.masks(j0)) return softmax_rows<false, BN, BIAS>(s, m, l, alpha, w.p.scale_log2, b2);
   const int tq = static_cast<int>(threadIdx.x) % 4;
+  if constexpr (pair_biased<Walk>) {  // s = c S + the pair's bias (log2 units), then c = 1
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = j0 + n * 8 + 2 * tq + (e & 1), i = i_lo + (e >> 1) * 8;
+        s[n][e] = w.hides(i, j, e >> 1) ? __int_as_float(0x7fffffff)
+                                        : fmaf(s[n][e], w.p.scale_log2, w.pair_bias2(i, j, e >> 1));
+      }
+    }
+    return softmax_rows<true, BN, BIAS>(s, m, l, alpha, 1.f, b2);
+  }
+  if (!w.masks(j0)) return softmax_rows<false, BN, BIAS>(s, m, l, alpha, w.p.scale_log2, b2);
 #pragma unroll
   for (int n = 0; n < BN / 8; ++n) {
 #pragma unroll

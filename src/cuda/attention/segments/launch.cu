@@ -76,6 +76,27 @@ block_sparse::params segment_params(const segment_view& seg, const tensor_view& 
   return p;
 }
 
+/// p's pair bias and its gradient (f32 [rows, H or 1, M], checked by the caller; data == nullptr:
+/// none).
+void set_pair_bias(block_sparse::params& p, const tensor_view& bias, const tensor_view& dbias) {
+  if (bias.data == nullptr) return;
+  p.pair_bias = static_cast<const float*>(bias.data);
+  p.pair_row = bias.row_stride;
+  p.pair_head = bias.heads == 1 ? 0 : bias.head_stride;
+  p.dpair_bias = static_cast<float*>(dbias.data);
+  p.dpair_row = dbias.row_stride;
+  p.dpair_head = dbias.head_stride;
+}
+
+/// f.template operator()<PAIR>() with PAIR = whether a pair bias is given.
+template <class F>
+void with_pair_bias(const tensor_view& bias, F&& f) {
+  if (bias.data != nullptr)
+    f.template operator()<true>();
+  else
+    f.template operator()<false>();
+}
+
 /// f.template operator()<D>() for the head dims the kernels take (16 always, the others where
 /// this build has them).
 template <class F>
@@ -99,20 +120,24 @@ bool segment_attention_takes(std::int64_t head_dim) {
 void segment_attention_forward(const segment_view& seg, const tensor_view& q, const tensor_view& k,
                                const tensor_view& v, const tensor_view& out, const tensor_view& lse,
                                double scale, const attention_dropout& dropout,
-                               workspace_view workspace, stream_ref stream) {
+                               const tensor_view& bias, workspace_view workspace,
+                               stream_ref stream) {
   expect_current_device(seg.device_id);
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const std::int32_t* bounds = write_bounds(seg, workspace, s);
-  const block_sparse::params p = segment_params(seg, q, k, v, out, lse, scale, dropout, bounds);
+  block_sparse::params p = segment_params(seg, q, k, v, out, lse, scale, dropout, bounds);
+  set_pair_bias(p, bias, {});
   with_half_type(q.type, "attention within segments' q", [&]<class T>() {
     with_segment_dim(q.dim, [&]<int D>() {
       with_output_type<T>(out.type, "attention within segments' out", [&]<class O>() {
         block_sparse::with_dropout(dropout, [&]<bool DROPOUT>() {
-          using walk = segments::segment_walk<kTile, kTile, false>;
-          block_sparse::launch_kernel<
-              block_sparse::block_sparse_kernel<T, D, O, kTile, kTile, walk, DROPOUT>>(
-              block_sparse::threads<kTile>(), block_sparse::shared_bytes<D, kTile, kTile>(), p,
-              p.num_tiles, s);
+          with_pair_bias(bias, [&]<bool PAIR>() {
+            using walk = segments::segment_walk<kTile, kTile, false, PAIR>;
+            block_sparse::launch_kernel<
+                block_sparse::block_sparse_kernel<T, D, O, kTile, kTile, walk, DROPOUT>>(
+                block_sparse::threads<kTile>(), block_sparse::shared_bytes<D, kTile, kTile>(), p,
+                p.num_tiles, s);
+          });
         });
       });
     });
@@ -124,6 +149,7 @@ void segment_attention_backward(const segment_view& seg, const tensor_view& q, c
                                 const tensor_view& lse, const tensor_view& dout,
                                 const tensor_view& dq, const tensor_view& dk, const tensor_view& dv,
                                 double scale, const attention_dropout& dropout,
+                                const tensor_view& bias, const tensor_view& dbias,
                                 workspace_view workspace, stream_ref stream) {
   expect_current_device(seg.device_id);
   const auto s = static_cast<cudaStream_t>(stream.handle);
@@ -131,6 +157,7 @@ void segment_attention_backward(const segment_view& seg, const tensor_view& q, c
   block_sparse::backward_params p{};
   static_cast<block_sparse::params&>(p) =
       segment_params(seg, q, k, v, out, lse, scale, dropout, bounds);
+  set_pair_bias(p, bias, dbias);
   block_sparse::set_gradient_io(p, dout, dq, dk, dv, scale);
   auto* terms =
       reinterpret_cast<float*>(static_cast<char*>(workspace.data) + segment_bounds_bytes(seg.rows));
@@ -141,18 +168,20 @@ void segment_attention_backward(const segment_view& seg, const tensor_view& q, c
     block_sparse::launch_backward_terms<T>(p, out.type, static_cast<int>(v.dim), terms, s);
     with_segment_dim(q.dim, [&]<int D>() {
       block_sparse::with_dropout(dropout, [&]<bool DROPOUT>() {
-        constexpr int kThreads = kTile / 16 * 32;
-        constexpr int kKeyStream = D == 128 ? 32 : kTile;
-        using query_walk = segments::segment_walk<kTile, kTile, false>;
-        using key_walk = segments::segment_walk<kTile, kKeyStream, true>;
-        block_sparse::launch_kernel<
-            block_sparse::backward_kernel<T, D, kTile, kTile, false, query_walk, DROPOUT>>(
-            kThreads, block_sparse::backward_shared_bytes<D, kTile, kTile, false>(), p, p.num_tiles,
-            s);
-        block_sparse::launch_kernel<
-            block_sparse::backward_kernel<T, D, kTile, kKeyStream, true, key_walk, DROPOUT>>(
-            kThreads, block_sparse::backward_shared_bytes<D, kTile, kKeyStream, true>(), p,
-            p.num_tiles, s);
+        with_pair_bias(bias, [&]<bool PAIR>() {
+          constexpr int kThreads = kTile / 16 * 32;
+          constexpr int kKeyStream = D == 128 ? 32 : kTile;
+          using query_walk = segments::segment_walk<kTile, kTile, false, PAIR>;
+          using key_walk = segments::segment_walk<kTile, kKeyStream, true, PAIR>;
+          block_sparse::launch_kernel<
+              block_sparse::backward_kernel<T, D, kTile, kTile, false, query_walk, DROPOUT>>(
+              kThreads, block_sparse::backward_shared_bytes<D, kTile, kTile, false>(), p,
+              p.num_tiles, s);
+          block_sparse::launch_kernel<
+              block_sparse::backward_kernel<T, D, kTile, kKeyStream, true, key_walk, DROPOUT>>(
+              kThreads, block_sparse::backward_shared_bytes<D, kTile, kKeyStream, true>(), p,
+              p.num_tiles, s);
+        });
       });
     });
   });

@@ -8,9 +8,11 @@
 
 namespace trisparse::cuda::segments {
 
-/// KEYS: the stationary rows are keys (the dk/dv kernel).
-template <int BM, int BN, bool KEYS>
+/// KEYS: the stationary rows are keys (the dk/dv kernel). PAIR: the pairs' score bias
+/// (params::pair_bias) is added to the scores, and the dq kernel writes its gradient.
+template <int BM, int BN, bool KEYS, bool PAIR = false>
 struct segment_walk {
+  static constexpr bool kPairBias = PAIR;
   const block_sparse::params& p;
   int h, lq, lk, row0, seq = 0;  // one sequence of packed rows
   std::int64_t q0 = 0, k0 = 0;
@@ -49,6 +51,16 @@ struct segment_walk {
   /// Every tile may mix segments.
   __device__ __forceinline__ bool masks(int) const { return true; }
   __device__ __forceinline__ float bias2(int) const { return 0.f; }  // (no block bias)
+  /// The bias of query i and key j (not hidden: one segment, starting at lo[r]), log2 units.
+  __device__ __forceinline__ float pair_bias2(int i, int j_key, int r) const {
+    return p.pair_bias[std::int64_t{i} * p.pair_row + h * p.pair_head + (j_key - lo[r])] *
+           1.4426950408889634f;
+  }
+  /// dL/dS of query i and key j (not hidden) into dpair_bias, where set (the dq kernel).
+  __device__ __forceinline__ void store_dpair(int i, int j_key, int r, float ds) const {
+    if (p.dpair_bias != nullptr)
+      p.dpair_bias[std::int64_t{i} * p.dpair_row + h * p.dpair_head + (j_key - lo[r])] = ds;
+  }
   /// Query i and key j lie in different segments (r: the stationary row's slot).
   __device__ __forceinline__ bool hides(int i, int j_key, int r) const {
     const int other = KEYS ? i : j_key;
