@@ -823,7 +823,8 @@ def test_gps_conv_edge_bias_on_cuda_matches_float64(autocast):
     want, got = result(exact, "cpu"), result(ours, "cuda")
     tol = 3e-2 if autocast else 1e-4
     for i in range(3):  # out, x's and edge_attr's gradients
-        assert relerr(got[i], want[i]) <= tol, i
+        # (edge_attr's: each pair's dS from bf16 P and dP, through lin_edge_bias: 3.02 % on an H100)
+        assert relerr(got[i], want[i]) <= (4e-2 if autocast and i == 2 else tol), i
     # Normwise over the parameters: some gradients are zero up to rounding (BatchNorm cancels
     # out_proj's bias). Under autocast the MLP's weight gradients sum products of bf16 activations
     # downstream of the attention and two norms (H100: mlp.0.weight 3.1 % of the largest).

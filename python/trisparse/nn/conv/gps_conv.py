@@ -30,7 +30,7 @@ class _BatchPatterns:
         self._checked = None
         self._entries = None  # (edge_index, (its version, pattern id), its entries)
         self._segments = None  # (batch, (its version, node count), (first rows, longest))
-        self._local = None  # (edge_index, (its version, batch, its version)): checked local
+        self._local = None  # (edge_index, batch, their versions): edges checked within graphs
 
     def __deepcopy__(self, memo):
         """The same cache: a model's GPS layers share one, copies included (a Pattern's plans
@@ -67,12 +67,12 @@ class _BatchPatterns:
         """Each node's first node of its graph (int64 [N], on the device) and the longest graph's
         node count (one device round trip per batch tensor and version; None while capturing:
         no round trip then)."""
+        if _capturing(batch):  # computed in the graph: a replay's batch is another
+            return torch.searchsorted(batch, batch), None
         key = (getattr(batch, "_version", None), num_nodes)
         if self._segments is not None and self._segments[0] is batch and self._segments[1] == key:
             return self._segments[2]
         first = torch.searchsorted(batch, batch)
-        if _capturing(batch):
-            return first, None
         counts = torch.unique_consecutive(batch, return_counts=True)[1]
         longest = int(counts.max()) if num_nodes else 0
         self._segments = (batch, key, (first, longest))
@@ -83,8 +83,13 @@ class _BatchPatterns:
         edge_index and batch tensor and version; not while capturing)."""
         if _capturing(batch):
             return
-        key = (getattr(edge_index, "_version", None), batch, getattr(batch, "_version", None))
-        if self._local is not None and self._local[0] is edge_index and self._local[1] == key:
+        key = (getattr(edge_index, "_version", None), getattr(batch, "_version", None))
+        if (
+            self._local is not None
+            and self._local[0] is edge_index
+            and self._local[1] is batch
+            and self._local[2] == key
+        ):
             return
         if edge_index.numel() and (
             bool((edge_index.min() < 0).item()) or bool((edge_index.max() >= len(batch)).item())
@@ -98,7 +103,7 @@ class _BatchPatterns:
                 f"edge_index: edge {e} ({j} -> {i}) joins nodes of graphs {int(batch[j])} and "
                 f"{int(batch[i])}: GPS's edge bias takes edges within a graph"
             )
-        self._local = (edge_index, key)
+        self._local = (edge_index, batch, key)
 
     def _get(self, batch, num_nodes: int) -> Pattern:
         key = (getattr(batch, "_version", None), num_nodes)

@@ -327,24 +327,23 @@ __device__ __forceinline__ void probabilities_and_ds(float (&s)[BN / 8][4], floa
           const int col = n * 8 + 2 * tq + (e & 1), r = e >> 1;
           const float lse = KV ? terms[col] - b2 : lse_rows[r];
           const float dterm = KV ? terms[BN + col] : row_dterm[r];
-          const int i = KV ? y + col : r_lo + 8 * r;  // query
-          const int j = KV ? r_lo + 8 * r : y + col;  // key
-          [[maybe_unused]] bool hidden = false;
-          float pv;
-          if constexpr (pair_biased<Walk>) {
-            hidden = w.hides(i, j, r);
-            pv = hidden ? 0.f : exp2_approx(fmaf(s[n][e], c, w.pair_bias2(i, j, r) - lse));
-          } else {
-            pv = exp2_approx(fmaf(s[n][e], c, -lse));
-            if constexpr (MASKED)
-              if (w.hides(i, j, r)) pv = 0.f;
+          float pv = exp2_approx(fmaf(s[n][e], c, -lse));
+          if constexpr (MASKED && !pair_biased<Walk>) {
+            const int i = KV ? y + col : r_lo + 8 * r;  // query
+            const int j = KV ? r_lo + 8 * r : y + col;  // key
+            if (w.hides(i, j, r)) pv = 0.f;
           }
           float m = 1.f;
           if constexpr (DROPOUT) m = drops.factor(keep[r][half], e & 1);
+          if constexpr (pair_biased<Walk>) {  // every pair tested; the dq pass writes dS
+            const int i = KV ? y + col : r_lo + 8 * r, j = KV ? r_lo + 8 * r : y + col;
+            const bool hidden = w.hides(i, j, r);
+            pv = hidden ? 0.f : exp2_approx(fmaf(s[n][e], c, w.pair_bias2(i, j, r) - lse));
+            if constexpr (!KV)
+              if (!hidden) w.store_dpair(i, j, r, pv * (m * t[n][e] - dterm));
+          }
           t[n][e] = pv * (m * t[n][e] - dterm);
           s[n][e] = pv * m;
-          if constexpr (pair_biased<Walk> && !KV)  // the pair's bias gradient, once a pair
-            if (!hidden) w.store_dpair(i, j, r, t[n][e]);
         }
       }
     }
