@@ -847,6 +847,43 @@ def test_gps_conv_edge_bias_with_attention_dropout():
     torch.testing.assert_close(layer(x, ei, batch), plain(x, ei, batch), rtol=0, atol=0)
 
 
+def test_gps_conv_pair_bias_places_each_edges_score(monkeypatch):
+    """GPSConv's pair bias for the segment kernels (built the same way on every device): each
+    edge j -> i's scores at [i, h, j - the first node of i's graph], repeated edges summed, every
+    other place 0, as the dense per-graph bias; M the longest graph or max_num_nodes; bad
+    max_num_nodes named; under capture without max_num_nodes a RuntimeError naming it."""
+    batch, ei = random_batch(6, seed=5)
+    ei = torch.cat([ei, ei[:, :7]], dim=1)  # repeated edges
+    n, heads = batch.numel(), 2
+    layer = trisparse.nn.GPSConv(8, None, heads=heads, edge_bias=True, edge_dim=3)
+    ea = torch.randn(ei.shape[1], 3)
+    scores = layer._edge_scores(ei, ea, torch.float32)
+    counts = torch.bincount(batch)
+    longest = int(counts.max())
+    dense = _dense_edge_bias(scores, ei, batch, heads).view(6, heads, longest, longest)
+    start = torch.cumsum(counts, 0) - counts
+    pair = layer._pair_bias(batch, n, heads, ei, ea)
+    assert pair.shape == (n, heads, longest)
+    local = torch.arange(n) - start[batch]
+    want = dense[batch, :, local, :]
+    torch.testing.assert_close(pair, want[:, :, : pair.shape[2]], rtol=0, atol=1e-6)
+    layer.max_num_nodes = 60
+    wide = layer._pair_bias(batch, n, heads, ei, ea)
+    assert wide.shape[2] == 60 and torch.equal(wide[:, :, : pair.shape[2]], pair)
+    assert not wide[:, :, pair.shape[2] :].any()
+    layer.max_num_nodes = 3
+    with pytest.raises(ValueError, match="max_num_nodes = 3, but the batch has a graph of"):
+        layer._pair_bias(batch, n, heads, ei, ea)
+    with pytest.raises(ValueError, match="max_num_nodes must be a positive int"):
+        trisparse.nn.GPSConv(8, None, heads=2, edge_bias=True, max_num_nodes=0)
+    from trisparse.nn.conv import gps_conv
+
+    monkeypatch.setattr(gps_conv, "_capturing", lambda t: True)
+    layer.max_num_nodes = None
+    with pytest.raises(RuntimeError, match="needs max_num_nodes"):
+        layer(torch.randn(n, 8), ei, batch, edge_attr=ea)
+
+
 def test_gps_conv_edge_bias_names_bad_arguments():
     batch, ei = random_batch(3, seed=1)
     x = torch.randn(batch.numel(), 8)
