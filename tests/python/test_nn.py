@@ -876,10 +876,15 @@ def test_gps_conv_pair_bias_places_each_edges_score(monkeypatch):
         layer._pair_bias(batch, n, heads, ei, ea)
     with pytest.raises(ValueError, match="max_num_nodes must be a positive int"):
         trisparse.nn.GPSConv(8, None, heads=2, edge_bias=True, max_num_nodes=0)
+    layer.max_num_nodes = None
+    cross = torch.tensor([[0, n - 1], [1, 0]])  # the second joins two graphs
+    with pytest.raises(ValueError, match=r"edge 1 \(.* joins nodes of graphs 5 and 0"):
+        layer._pair_bias(batch, n, heads, cross, torch.randn(2, 3))
+    with pytest.raises(ValueError, match=r"outside \[0, .*edge 0"):
+        layer._pair_bias(batch, n, heads, torch.tensor([[n], [0]]), torch.randn(1, 3))
     from trisparse.nn.conv import gps_conv
 
     monkeypatch.setattr(gps_conv, "_capturing", lambda t: True)
-    layer.max_num_nodes = None
     with pytest.raises(RuntimeError, match="needs max_num_nodes"):
         layer(torch.randn(n, 8), ei, batch, edge_attr=ea)
 

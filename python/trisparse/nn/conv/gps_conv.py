@@ -91,14 +91,14 @@ class _BatchPatterns:
             and self._local[2] == key
         ):
             return
-        if edge_index.numel() and (
-            bool((edge_index.min() < 0).item()) or bool((edge_index.max() >= len(batch)).item())
-        ):
-            raise ValueError(f"edge_index has node ids outside [0, {len(batch)})")
-        across = (batch[edge_index[0]] != batch[edge_index[1]]).nonzero()
-        if across.numel():
-            e = int(across[0, 0])
+        n = len(batch)
+        ends = edge_index.clamp(0, max(n - 1, 0))
+        bad = (edge_index != ends).any(0) | (batch[ends[0]] != batch[ends[1]])
+        if edge_index.numel() and bool(bad.any()):  # (one round trip where all is well)
+            e = int(bad.nonzero()[0, 0])
             j, i = (int(t) for t in edge_index[:, e])
+            if not (0 <= j < n and 0 <= i < n):
+                raise ValueError(f"edge_index has node ids outside [0, {n}): edge {e} ({j} -> {i})")
             raise ValueError(
                 f"edge_index: edge {e} ({j} -> {i}) joins nodes of graphs {int(batch[j])} and "
                 f"{int(batch[i])}: GPS's edge bias takes edges within a graph"
