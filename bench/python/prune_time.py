@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""The capturable learner's prune (trisparse's prune_block_importance kernel, "row" and "global")
-against prune_blocks' torch ops (a stable sort) on CUDA: CUDA-event times a call, 8 heads, 90 %
-block sparsity, the diagonal kept, N 8K - 128K tokens at G 64 and 128 (qb = kb = N / G); the
-kernel's keep checked equal to prune_blocks' on each input before timing. One JSON line a point.
+"""The prune kernels (prune_block_importance, "row" and "global": what a capturable learner and
+prune_blocks on CUDA run; a global prune of more than 16,384 blocks a head over many thread
+blocks, with its workspace) against torch ops (a stable sort: prune_blocks' path before, and its
+CPU path) on CUDA: CUDA-event times a call, 8 heads, 90 % block sparsity, the diagonal kept, N 8K
+- 128K tokens at G 64 and 128 (qb = kb = N / G); the kernel's keep checked equal to the sort's on
+each input before timing. One JSON line a point.
 
     PYTHONPATH=build/device/python python3 bench/python/prune_time.py [--out FILE]
 """
@@ -11,28 +13,8 @@ import argparse
 import json
 
 import torch
-import trisparse
-from trisparse import _C, _tensors
-from trisparse.block_pattern import _forced_blocks, _prune_budget
-
-
-def _kernel(importance, forced, keep, method, sparsity):
-    heads, qb, kb = importance.shape
-    budget = _prune_budget(sparsity, kb * (qb if method == "global" else 1))
-    dev = importance.device
-    _C.prune_block_importance(
-        importance.data_ptr(),
-        forced.data_ptr(),
-        keep.data_ptr(),
-        0,
-        heads,
-        qb,
-        kb,
-        budget,
-        method,
-        _tensors.device_index(dev),
-        _tensors.stream(dev),
-    )
+from trisparse import _C
+from trisparse.block_pattern import _forced_blocks, _prune, _prune_budget, _prune_kernel
 
 
 def _time(fn, reps):
@@ -62,24 +44,29 @@ def main():
             forced = _forced_blocks(qb, kb, "cuda", True, 0, 0).expand(qb, kb).contiguous()
             for method in ("row", "global"):
                 keep = torch.ones(args.heads, qb, kb, device="cuda", dtype=torch.bool)
-                _kernel(importance, forced, keep, method, args.sparsity)
-                want = trisparse.prune_blocks(importance, args.sparsity, method)
-                assert torch.equal(keep, want), (n, g, method)
+                budget = _prune_budget(args.sparsity, kb * (qb if method == "global" else 1))
+                nbytes = _C.prune_block_importance_workspace_bytes(args.heads, qb, kb, method)
+                ws = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+                def kernel():
+                    _prune_kernel(importance, forced, keep, None, budget, method, ws)
+
+                def by_sort():
+                    forced_h = forced.expand(args.heads, qb, kb)
+                    return _prune(importance, forced_h, args.sparsity, method, 0.9)
+
+                kernel()
+                assert torch.equal(keep, by_sort()), (n, g, method)
                 reps = 20 if n < 131072 else 5
-                kernel_ms = _time(
-                    lambda: _kernel(importance, forced, keep, method, args.sparsity), reps
-                )
-                torch_ms = _time(
-                    lambda: trisparse.prune_blocks(importance, args.sparsity, method), reps
-                )
                 row = {
                     "n": n,
                     "block": g,
                     "heads": args.heads,
                     "method": method,
                     "blocks_per_head": qb * kb,
-                    "kernel_ms": round(kernel_ms, 4),
-                    "prune_blocks_ms": round(torch_ms, 4),
+                    "workspace_bytes": nbytes,
+                    "kernel_ms": round(_time(kernel, reps), 4),
+                    "sort_ms": round(_time(by_sort, reps), 4),
                     "gpu": torch.cuda.get_device_name(),
                 }
                 rows.append(row)

@@ -53,6 +53,12 @@ tensor_view view_of(const std::optional<tensor_tuple>& t) {
 
 stream_ref stream_of(std::uintptr_t s) { return {reinterpret_cast<void*>(s)}; }
 
+prune_scope prune_scope_of(const std::string& scope) {
+  TRISPARSE_EXPECTS_INPUT(scope == "row" || scope == "global",
+                          "prune_block_importance: scope must be row or global, not " + scope);
+  return scope == "row" ? prune_scope::row : prune_scope::global;
+}
+
 /// Attention dropout's argument from the package: p and the device address of {seed, offset}
 /// (0 without dropout).
 attention_dropout dropout_of(double p, std::uintptr_t state) {
@@ -1091,10 +1097,8 @@ NB_MODULE(_C, m) {
       "prune_block_importance",
       [](std::uintptr_t importance, std::uintptr_t forced, std::uintptr_t keep, std::uintptr_t due,
          std::int64_t heads, std::int64_t qb, std::int64_t kb, std::int64_t budget,
-         const std::string& scope, int device, std::uintptr_t stream) {
-        TRISPARSE_EXPECTS_INPUT(
-            scope == "row" || scope == "global",
-            "prune_block_importance: scope must be row or global, not " + scope);
+         const std::string& scope, int device, std::uintptr_t stream, std::uintptr_t workspace,
+         std::size_t workspace_bytes) {
         block_prune_args a;
         a.importance = reinterpret_cast<const double*>(importance);
         a.forced = reinterpret_cast<const bool*>(forced);
@@ -1104,16 +1108,25 @@ NB_MODULE(_C, m) {
         a.qb = qb;
         a.kb = kb;
         a.budget = budget;
-        a.scope = scope == "row" ? prune_scope::row : prune_scope::global;
+        a.scope = prune_scope_of(scope);
         a.where = device < 0 ? device_kind::cpu : device_kind::cuda;
         a.device_id = device < 0 ? 0 : device;
+        a.workspace = reinterpret_cast<void*>(workspace);
+        a.workspace_bytes = workspace_bytes;
         prune_block_importance(a, stream_of(stream));
       },
       "importance"_a, "forced"_a, "keep"_a, "due"_a, "heads"_a, "qb"_a, "kb"_a, "budget"_a,
-      "scope"_a, "device"_a, "stream"_a,
+      "scope"_a, "device"_a, "stream"_a, "workspace"_a = 0, "workspace_bytes"_a = 0,
       "keep = forced | each row's (or head's) `budget` most important blocks (float64 "
       "importance [H, qb, kb], bool forced [qb, kb] or 0, bool keep), where the bool at `due` "
-      "(0: always) is true.");
+      "(0: always) is true; on CUDA with prune_block_importance_workspace_bytes of workspace.");
+  m.def(
+      "prune_block_importance_workspace_bytes",
+      [](std::int64_t heads, std::int64_t qb, std::int64_t kb, const std::string& scope) {
+        return prune_block_importance_workspace_bytes(heads, qb, kb, prune_scope_of(scope));
+      },
+      "heads"_a, "qb"_a, "kb"_a, "scope"_a,
+      "Bytes of prune_block_importance's workspace on CUDA for these sizes and scope.");
   m.def(
       "prune_blocks_by_output",
       [](std::uintptr_t mass, std::uintptr_t value, std::int64_t heads, std::int64_t qb,

@@ -471,7 +471,8 @@ def prune_blocks(
     blocks of each head up to (1 - sparsity) of its blocks, "row" each block row's highest up to
     (1 - sparsity) of its key blocks (at least one), "threshold" each block row's fewest blocks
     whose importance reaches `top_p` of the row's total (top-p; `sparsity` unused). Ties go to
-    the lower key block. Torch ops on importance's device, no host synchronisation."""
+    the lower key block. No host synchronisation: on CUDA "row" and "global" are the library's
+    prune kernels (a radix select a row or head), the rest torch ops on importance's device."""
     if importance.dim() != 3:
         raise ValueError(f"importance must be [H, qb, kb], got {tuple(importance.shape)}")
     if not 0.0 <= sparsity < 1.0:
@@ -479,11 +480,44 @@ def prune_blocks(
     _keep_rules(window=window, global_blocks=global_blocks, top_p=top_p)
     heads, qb, kb = importance.shape
     forced = _forced_blocks(qb, kb, importance.device, keep_diagonal, window, global_blocks)
+    if importance.is_cuda and method in ("row", "global"):
+        keep = torch.empty(heads, qb, kb, dtype=torch.bool, device=importance.device)
+        budget = _prune_budget(sparsity, kb * (qb if method == "global" else 1))
+        imp = importance.to(torch.float64).contiguous()
+        _prune_kernel(imp, forced.expand(qb, kb).contiguous(), keep, None, budget, method)
+        return keep
     return _prune(importance, forced.expand(heads, qb, kb), sparsity, method, top_p)
 
 
+def _prune_kernel(importance, forced, keep, due, budget, method, workspace=None) -> None:
+    """keep = the library's prune of importance (float64 [H, qb, kb], contiguous) with the forced
+    blocks [qb, kb] (contiguous), where `due` (a device bool; None: always); `workspace`: its
+    bytes (prune_block_importance_workspace_bytes), or None for one from the allocator."""
+    heads, qb, kb = importance.shape
+    dev = importance.device
+    if workspace is None:
+        nbytes = _C.prune_block_importance_workspace_bytes(heads, qb, kb, method)
+        workspace = torch.empty(nbytes if dev.type == "cuda" else 0, dtype=torch.uint8, device=dev)
+    _C.prune_block_importance(
+        importance.data_ptr(),
+        forced.data_ptr(),
+        keep.data_ptr(),
+        0 if due is None else due.data_ptr(),
+        heads,
+        qb,
+        kb,
+        budget,
+        method,
+        _tensors.device_index(dev),
+        _tensors.stream(dev),
+        workspace.data_ptr(),
+        workspace.numel(),
+    )
+
+
 def _prune(importance: Tensor, forced: Tensor, sparsity: float, method: str, top_p: float):
-    """prune_blocks with its forced blocks [H, qb, kb] given (a capturable learner keeps them)."""
+    """prune_blocks by torch ops (a stable sort) with its forced blocks [H, qb, kb] given: the
+    threshold method, the CPU's, and the reference the kernels are tested against."""
     heads, qb, kb = importance.shape
     dev = importance.device
     score = importance.to(torch.float64).masked_fill(forced, float("inf"))
@@ -921,18 +955,12 @@ class PatternLearner:
                 torch.where(due, new, self._keep, out=self._keep)
         else:
             budget = _prune_budget(self.sparsity, kb * (qb if self.method == "global" else 1))
-            _C.prune_block_importance(
-                self.importance.data_ptr(),
-                b.forced.data_ptr(),
-                self._keep.data_ptr(),
-                0 if due is None else due.data_ptr(),
-                heads,
-                qb,
-                kb,
-                budget,
-                self.method,
-                _tensors.device_index(dev),
-                _tensors.stream(dev),
+            if b.prune_workspace is None:  # (kept: its address stays in a captured graph)
+                nbytes = _C.prune_block_importance_workspace_bytes(heads, qb, kb, self.method)
+                nbytes = nbytes if dev.type == "cuda" else 0
+                b.prune_workspace = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+            _prune_kernel(
+                self.importance, b.forced, self._keep, due, budget, self.method, b.prune_workspace
             )
         self._block_mask().refresh_(due)
 
@@ -1181,6 +1209,7 @@ class _CaptureBuffers:
     mass: Tensor  # [B, H, qb, kb] float32, written by the backward (BlockImportance's sink)
     measured: bool  # whether a step has measured into them yet
     forced: Tensor | None = None  # [qb, kb]: the blocks the keep rules force (every head)
+    prune_workspace: Tensor | None = None  # the prune kernel's (a long head's global prune)
 
 
 def _sampled_stats(q, k, v, g, rows, causal):

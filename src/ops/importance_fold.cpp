@@ -261,13 +261,28 @@ void block_prune_args::check() const {
                           "prune_block_importance: importance and keep must be given");
 }
 
+std::size_t prune_block_importance_workspace_bytes(std::int64_t heads, std::int64_t qb,
+                                                   std::int64_t kb, prune_scope scope) {
+  TRISPARSE_EXPECTS_INPUT(heads >= 0 && qb >= 0 && kb >= 0,
+                          "prune_block_importance: heads, qb and kb must be >= 0");
+  const std::int64_t words = heads * prune_words_per_head(prune_chunks(qb, kb, scope));
+  return static_cast<std::size_t>(words) * sizeof(std::uint64_t);
+}
+
 void prune_block_importance(const block_prune_args& args, stream_ref stream) {
   args.check();
   if (args.heads * args.qb * args.kb == 0) return;
-  if (args.where != device_kind::cpu)
-    cuda::prune_block_importance(args, stream);
-  else if (args.due == nullptr || *args.due)
-    prune_block_importance_cpu(args);
+  if (args.where == device_kind::cpu) {
+    if (args.due == nullptr || *args.due) prune_block_importance_cpu(args);
+    return;
+  }
+  const std::size_t need =
+      prune_block_importance_workspace_bytes(args.heads, args.qb, args.kb, args.scope);
+  TRISPARSE_EXPECTS_INPUT(args.workspace_bytes >= need && (need == 0 || args.workspace != nullptr),
+                          "prune_block_importance: the workspace holds " +
+                              std::to_string(args.workspace_bytes) + " bytes, it needs " +
+                              std::to_string(need) + " (prune_block_importance_workspace_bytes)");
+  cuda::prune_block_importance(args, stream);
 }
 
 }  // namespace trisparse

@@ -785,15 +785,19 @@ def test_capturable_pattern_learner_arguments():
 
 
 def _check_prune_kernel(device):
-    """The library's prune (what a capturable learner runs) against prune_blocks: "row" and
-    "global", keep rules, ties (importance rounded to a few values), NaN and -0; nothing written
-    where the flag says it is not due."""
+    """The library's prune (what a capturable learner and prune_blocks on CUDA run) against
+    prune_blocks' torch ops on the CPU: "row" and "global", keep rules, ties (importance rounded to a few values, or none), NaN and -0; heads
+    of more than 16,384 blocks (the global prune over many thread blocks on CUDA, ties across
+    its chunks); nothing written where the flag says it is not due."""
     from trisparse import _C, _tensors
     from trisparse.block_pattern import _forced_blocks, _prune_budget
 
     gen = torch.Generator().manual_seed(46)
-    for heads, qb, kb in ((3, 7, 5), (2, 40, 37), (1, 3, 600)):
-        imp = (torch.rand(heads, qb, kb, generator=gen, dtype=torch.float64) * 4).round() / 4
+    shapes = ((3, 7, 5, 4), (2, 40, 37, 4), (1, 3, 600, 4), (2, 131, 150, 4), (1, 150, 131, 0))
+    for heads, qb, kb, levels in shapes:
+        imp = torch.rand(heads, qb, kb, generator=gen, dtype=torch.float64)
+        if levels:
+            imp = (imp * levels).round() / levels
         imp[0, 0, :2] = torch.tensor([float("nan"), -0.0])
         imp = imp.to(device)
         for method, rules, sparsity in (
@@ -802,19 +806,30 @@ def _check_prune_kernel(device):
             ("global", {}, 0.7),
             ("global", {"keep_diagonal": False}, 0.95),
         ):
-            want = trisparse.prune_blocks(imp, sparsity, method, **rules)
+            want = trisparse.prune_blocks(imp.cpu(), sparsity, method, **rules).to(device)
+            # (on CUDA prune_blocks runs the kernels; on the CPU the torch ops, the reference)
+            assert torch.equal(trisparse.prune_blocks(imp, sparsity, method, **rules), want)
             r = {"keep_diagonal": True, "window": 0, "global_blocks": 0, **rules}
             forced = _forced_blocks(qb, kb, imp.device, *r.values()).expand(qb, kb).contiguous()
             budget = _prune_budget(sparsity, kb * (qb if method == "global" else 1))
+            nbytes = _C.prune_block_importance_workspace_bytes(heads, qb, kb, method)
+            assert (nbytes > 0) == (method == "global" and qb * kb > 16384)
+            ws = torch.full((nbytes,), 255, dtype=torch.uint8, device=device)  # (poisoned)
             for due in (True, False):
                 keep = torch.zeros(heads, qb, kb, dtype=torch.bool, device=device)
                 flag = torch.tensor(due, device=device)
                 args = (forced.data_ptr(), keep.data_ptr(), flag.data_ptr(), heads, qb, kb)
                 dev = _tensors.device_index(imp.device)
+                stream = _tensors.stream(imp.device)
                 _C.prune_block_importance(
-                    imp.data_ptr(), *args, budget, method, dev, _tensors.stream(imp.device)
+                    imp.data_ptr(), *args, budget, method, dev, stream, ws.data_ptr(), nbytes
                 )
                 assert torch.equal(keep, want if due else torch.zeros_like(keep)), (method, rules)
+            if nbytes > 0 and device != "cpu":  # (the CPU takes none)
+                with pytest.raises(ValueError, match="workspace holds 0 bytes"):
+                    _C.prune_block_importance(
+                        imp.data_ptr(), *args, budget, method, dev, stream, 0, 0
+                    )
 
 
 def test_prune_kernel_equals_prune_blocks():

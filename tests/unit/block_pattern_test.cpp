@@ -348,6 +348,12 @@ TEST(ImportanceFold, PrunesToTheBudgetInStableOrder) {
   EXPECT_TRUE(std::equal(keep, keep + 8, six));
   a.budget = 0;
   EXPECT_THROW(prune_block_importance(a), invalid_input);
+  // A workspace only for a global prune of heads of more than 16,384 blocks (on CUDA).
+  EXPECT_EQ(prune_block_importance_workspace_bytes(8, 128, 128, prune_scope::global), 0u);
+  EXPECT_EQ(prune_block_importance_workspace_bytes(8, 512, 512, prune_scope::row), 0u);
+  EXPECT_GT(prune_block_importance_workspace_bytes(8, 512, 512, prune_scope::global),
+            prune_block_importance_workspace_bytes(8, 256, 256, prune_scope::global));
+  EXPECT_THROW(prune_block_importance_workspace_bytes(-1, 1, 1, prune_scope::row), invalid_input);
 }
 
 }  // namespace

@@ -116,6 +116,12 @@ inline std::int64_t prune_budget(double sparsity, std::int64_t n) {
   return std::max<std::int64_t>(1, std::llrint((1.0 - sparsity) * static_cast<double>(n)));
 }
 
+/// Bytes of the workspace prune_block_importance takes on CUDA for these sizes: a global prune
+/// of heads of more than 16,384 blocks ranks each head over many thread blocks through per-head
+/// digit counts (about 16 KiB a head); other prunes, and the CPU, take none.
+std::size_t prune_block_importance_workspace_bytes(std::int64_t heads, std::int64_t qb,
+                                                   std::int64_t kb, prune_scope scope);
+
 /// One pruning of an importance average to the blocks kept.
 struct block_prune_args {
   const double* importance = nullptr;  ///< [heads][qb][kb] float64, dense
@@ -127,6 +133,9 @@ struct block_prune_args {
   prune_scope scope = prune_scope::row;
   device_kind where = device_kind::cpu;
   int device_id = 0;
+  /// On CUDA: prune_block_importance_workspace_bytes on keep's device (may be null where 0).
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
   /// @throws invalid_input naming the field that is out of range.
   void check() const;
 };
@@ -134,9 +143,10 @@ struct block_prune_args {
 /// keep = forced | the `budget` highest-ranked blocks of each row (or head), ranked by
 /// importance with forced blocks first, ties to the lower index (row-major): a stable sort's
 /// first `budget` (NaN ranks highest, -0 equals 0), as Python's prune_blocks "row" / "global".
-/// On CUDA one kernel (a radix select a row or head, no atomics outside shared-memory counts:
-/// the same blocks on every run); where `due` is false it returns at once and keep is untouched.
-/// @throws invalid_input as check() does.
+/// On CUDA a radix select a row or head, one kernel (a long head's global prune: ten, over its
+/// chunks, their digit counts summed in the workspace: integer sums, the same blocks on every
+/// run); where `due` is false the kernels return at once and keep is untouched.
+/// @throws invalid_input as check() does, or for a short workspace.
 void prune_block_importance(const block_prune_args& args, stream_ref stream = {});
 
 }  // namespace trisparse

@@ -1,5 +1,6 @@
-// A pattern learner's tracked step on the device (importance_fold.hpp): three small kernels on
-// the caller's stream, no atomics (each sum in a fixed order: the same bits on every run).
+// A pattern learner's tracked step on the device (importance_fold.hpp): small kernels on the
+// caller's stream, no floating-point atomics (each sum in a fixed order: the same bits on every
+// run).
 // - block_means: one thread block per (block, head), a thread per feature: the query blocks'
 //   means as [H][qb][D] and the key blocks' transposed, [H][D][kb], so that the scores kernel's
 //   threads (one per key block) read them coalesced;
@@ -10,7 +11,10 @@
 //   importance folded into the average;
 // - prune_top: a thread block per row (or head): a radix select of the `budget`-th highest
 //   ranking key, 8 bits a pass (counts in shared memory), then keep written in index order, ties
-//   at the threshold to the lowest indices (a ballot scan).
+//   at the threshold to the lowest indices (a ballot scan);
+// - prune_chunk: the same for a long head's global prune over its chunks, ten launches: each
+//   pass's counts summed over the chunks in the workspace (64-bit integer atomics: the same sums
+//   in any order), the keys at the threshold a chunk, then the marking.
 // Each kernel reads the caller's `due` flag first and returns at once where it is false.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -37,6 +41,7 @@ constexpr int kLoads = 8;                  // key features a thread of pooled_sc
 constexpr int kFoldWarps = 8;              // block rows a thread block of fold
 constexpr int kPruneRowThreads = 256;      // prune_top's threads for a row
 constexpr int kPruneGlobalThreads = 1024;  // and for a head
+constexpr int kPruneChunkThreads = 512;    // and for a chunk of a long head
 
 __device__ __forceinline__ bool not_due(const bool* due) { return due != nullptr && !*due; }
 
@@ -188,62 +193,204 @@ __global__ void schedule(learner_schedule_args a) {
   *a.steps = s + 1;
 }
 
+// A radix select's state before a pass: the key bits chosen so far, the keys still to take at
+// or below them, and (after the last pass) how many keys equal the threshold.
+struct radix_state {
+  std::uint64_t prefix = 0;
+  std::int64_t need = 0;
+  std::int64_t at_digit = 0;
+};
+
+// The state after the pass at `shift`, from the counts of that digit among the keys matching
+// s.prefix (count(d), d < 256): the highest digit with at least s.need keys at or above it.
+// The whole thread block calls it (at least 256 threads); `scan`: 256 words of shared memory.
+template <class Count>
+__device__ radix_state select_digit(Count count, radix_state s, int shift, std::int64_t* scan) {
+  const int t = static_cast<int>(threadIdx.x);
+  if (t < 256) scan[t] = static_cast<std::int64_t>(count(255 - t));  // digits high to low
+  __syncthreads();
+  for (int o = 1; o < 256; o *= 2) {  // scan[t]: the keys of the t + 1 highest digits
+    const std::int64_t add = t < 256 && t >= o ? scan[t - o] : 0;
+    __syncthreads();
+    if (t < 256) scan[t] += add;
+    __syncthreads();
+  }
+  const int higher = ::min(__syncthreads_count(t < 256 && scan[t] < s.need), 255);
+  const std::int64_t above = higher > 0 ? scan[higher - 1] : 0;
+  radix_state next;
+  next.prefix = s.prefix | static_cast<std::uint64_t>(255 - higher) << shift;
+  next.need = s.need - above;
+  next.at_digit = scan[higher] - above;
+  __syncthreads();  // (scan is read before the next call writes it)
+  return next;
+}
+
+// keep over [begin, end) of a row or head: forced, above the threshold, or among the first
+// `need` keys at it counting the `ties_before` ones before `begin` (a ballot scan).
+template <int kThreads, class Key, class Forced>
+__device__ void mark_kept(const block_prune_args& a, std::int64_t base, std::int64_t begin,
+                          std::int64_t end, radix_state s, std::int64_t ties_before, Key key,
+                          Forced forced, int* warp_ties) {
+  const int t = static_cast<int>(threadIdx.x), lane = t % 32, warp = t / 32;
+  const bool all_ties = s.need >= s.at_digit;
+  for (std::int64_t i0 = begin; i0 < end; i0 += kThreads) {
+    const std::int64_t i = i0 + t;
+    const std::uint64_t k = i < end ? key(i) : 0;
+    const bool tie = i < end && k == s.prefix;
+    if (all_ties) {  // (every key at the threshold kept: no order needed)
+      if (i < end) a.keep[base + i] = forced(i) || k >= s.prefix;
+      continue;
+    }
+    const unsigned ballot = __ballot_sync(0xffffffffu, tie);
+    if (lane == 0) warp_ties[warp] = __popc(ballot);
+    __syncthreads();
+    std::int64_t rank = ties_before + __popc(ballot & ((1u << lane) - 1u));
+    for (int w = 0; w < warp; ++w) rank += warp_ties[w];
+    if (i < end) a.keep[base + i] = forced(i) || k > s.prefix || (tie && rank < s.need);
+    for (int w = 0; w < kThreads / 32; ++w) ties_before += warp_ties[w];
+    __syncthreads();
+  }
+}
+
+// The ranking key of block i of the row or head at `base` (forced ones first), and whether it
+// is forced.
+struct prune_keys {
+  const block_prune_args& a;
+  std::int64_t base, forced0;
+  __device__ bool forced(std::int64_t i) const {
+    return a.forced != nullptr && a.forced[forced0 + i];
+  }
+  __device__ std::uint64_t key(std::int64_t i) const {
+    return forced(i) ? prune_rank_key(CUDART_INF) : prune_rank_key(a.importance[base + i]);
+  }
+};
+
 // blockIdx.x: a row (h * qb + r) of kb blocks, or (GLOBAL) a head of qb * kb.
 template <bool GLOBAL>
 __global__ void __launch_bounds__(GLOBAL ? kPruneGlobalThreads : kPruneRowThreads)
     prune_top(block_prune_args a) {
   constexpr int kThreads = GLOBAL ? kPruneGlobalThreads : kPruneRowThreads;
   __shared__ unsigned counts[256];
-  __shared__ std::uint64_t chosen;
-  __shared__ std::int64_t left;
+  __shared__ std::int64_t scan[256];
   __shared__ int warp_ties[kThreads / 32];
   if (not_due(a.due)) return;
   const std::int64_t length = GLOBAL ? a.qb * a.kb : a.kb;
   const std::int64_t base = static_cast<std::int64_t>(blockIdx.x) * length;
-  const std::int64_t forced0 = GLOBAL ? 0 : static_cast<std::int64_t>(blockIdx.x) % a.qb * a.kb;
-  const int t = static_cast<int>(threadIdx.x), lane = t % 32, warp = t / 32;
-  const std::uint64_t forced_key = prune_rank_key(CUDART_INF);
-  const auto forced = [&](std::int64_t i) { return a.forced != nullptr && a.forced[forced0 + i]; };
-  const auto key = [&](std::int64_t i) {
-    return forced(i) ? forced_key : prune_rank_key(a.importance[base + i]);
-  };
+  const prune_keys keys{a, base, GLOBAL ? 0 : static_cast<std::int64_t>(blockIdx.x) % a.qb * a.kb};
+  const int t = static_cast<int>(threadIdx.x);
   // The threshold: the highest key with at least `budget` keys at or above it, 8 bits a pass.
-  std::uint64_t prefix = 0, fixed = 0;
-  std::int64_t need = ::min(a.budget, length);  // keys still to choose at the threshold
+  radix_state s;
+  s.need = ::min(a.budget, length);
   for (int shift = 56; shift >= 0; shift -= 8) {
+    const std::uint64_t fixed = shift == 56 ? 0 : ~std::uint64_t{0} << (shift + 8);
     for (int d = t; d < 256; d += kThreads) counts[d] = 0;
     __syncthreads();
     for (std::int64_t i = t; i < length; i += kThreads) {
-      const std::uint64_t k = key(i);
-      if ((k & fixed) == prefix) atomicAdd(&counts[(k >> shift) & 255u], 1u);
+      const std::uint64_t k = keys.key(i);
+      if ((k & fixed) == s.prefix) atomicAdd(&counts[(k >> shift) & 255u], 1u);
     }
     __syncthreads();
-    if (t == 0) {
-      std::int64_t above = 0;
-      int digit = 255;
-      for (; digit > 0 && above + counts[digit] < need; --digit) above += counts[digit];
-      chosen = prefix | (static_cast<std::uint64_t>(digit) << shift);
-      left = need - above;
-    }
-    __syncthreads();
-    prefix = chosen;
-    need = left;
-    fixed |= 255ull << shift;
+    s = select_digit([&](int d) { return counts[d]; }, s, shift, scan);
   }
-  // Keys above the threshold, the forced blocks, and the first `need` keys at it.
-  std::int64_t ties_before = 0;
-  for (std::int64_t i0 = 0; i0 < length; i0 += kThreads) {
+  mark_kept<kThreads>(
+      a, base, 0, length, s, 0, [&](std::int64_t i) { return keys.key(i); },
+      [&](std::int64_t i) { return keys.forced(i); }, warp_ties);
+}
+
+// The global prune of long heads, a chunk of kPruneChunkKeys blocks a thread block: 8 counting
+// passes, then the ties a chunk and the marking, each a launch over every head's chunks.
+struct chunk_ws {
+  std::uint64_t* counts;  // [heads][8][256]: the keys of each digit matching the pass's prefix
+  std::uint64_t* prefix;  // [heads][8]: the state before each pass (1-7)
+  std::int64_t* need;     // [heads][8]
+  std::int64_t* ties;     // [heads][chunks]: keys at the threshold in each chunk
+  std::int64_t chunks;
+};
+
+// The state before `pass` (0-8) of head h: pass 0 from the budget, later ones from the counts
+// and state of the pass before; chunk 0 writes it for the next pass to read.
+__device__ radix_state chunk_state(const block_prune_args& a, const chunk_ws& w, std::int64_t h,
+                                   int pass, std::int64_t* scan) {
+  radix_state s;
+  s.need = ::min(a.budget, a.qb * a.kb);
+  if (pass == 0) return s;
+  if (pass > 1) {
+    s.prefix = w.prefix[h * 8 + pass - 1];
+    s.need = w.need[h * 8 + pass - 1];
+  }
+  const std::uint64_t* counts = w.counts + (h * 8 + pass - 1) * 256;
+  s = select_digit([&](int d) { return counts[d]; }, s, 64 - 8 * pass, scan);
+  if (pass < 8 && blockIdx.x % w.chunks == 0 && threadIdx.x == 0) {
+    w.prefix[h * 8 + pass] = s.prefix;
+    w.need[h * 8 + pass] = s.need;
+  }
+  return s;
+}
+
+// pass 0-7: count the digit at 56 - 8 pass of the chunk's keys matching the prefix.
+// pass 8: count the chunk's keys at the threshold. pass 9: mark the chunk's blocks.
+__global__ void __launch_bounds__(kPruneChunkThreads)
+    prune_chunk(block_prune_args a, chunk_ws w, int pass) {
+  constexpr int kThreads = kPruneChunkThreads;
+  __shared__ unsigned counts[256];
+  __shared__ std::int64_t scan[256];
+  __shared__ std::int64_t total;
+  __shared__ int warp_ties[kThreads / 32];
+  if (not_due(a.due)) return;
+  const std::int64_t h = blockIdx.x / w.chunks, chunk = blockIdx.x % w.chunks;
+  const std::int64_t length = a.qb * a.kb;
+  const std::int64_t begin = chunk * kPruneChunkKeys;
+  const std::int64_t end = ::min(begin + kPruneChunkKeys, length);
+  const prune_keys keys{a, h * length, 0};
+  const int t = static_cast<int>(threadIdx.x), lane = t % 32;
+  const radix_state s = chunk_state(a, w, h, ::min(pass, 8), scan);
+  if (pass == 9) {
+    std::int64_t before = 0;
+    if (s.need < s.at_digit) {  // ties to rank: those of the chunks before this one
+      if (t == 0) total = 0;
+      __syncthreads();
+      std::int64_t mine = 0;
+      for (std::int64_t c = t; c < chunk; c += kThreads) mine += w.ties[h * w.chunks + c];
+      if (mine != 0) atomicAdd(reinterpret_cast<unsigned long long*>(&total), mine);
+      __syncthreads();
+      before = total;
+    }
+    mark_kept<kThreads>(
+        a, h * length, begin, end, s, before, [&](std::int64_t i) { return keys.key(i); },
+        [&](std::int64_t i) { return keys.forced(i); }, warp_ties);
+    return;
+  }
+  if (pass == 8) {
+    if (s.need >= s.at_digit) return;  // (every tie kept: the marking needs no ranks)
+    std::int64_t mine = 0;
+    for (std::int64_t i = begin + t; i < end; i += kThreads) mine += keys.key(i) == s.prefix;
+    if (t == 0) total = 0;
+    __syncthreads();
+    if (mine != 0) atomicAdd(reinterpret_cast<unsigned long long*>(&total), mine);
+    __syncthreads();
+    if (t == 0) w.ties[h * w.chunks + chunk] = total;
+    return;
+  }
+  const int shift = 56 - 8 * pass;
+  const std::uint64_t fixed = pass == 0 ? 0 : ~std::uint64_t{0} << (shift + 8);
+  for (int d = t; d < 256; d += kThreads) counts[d] = 0;
+  __syncthreads();
+  for (std::int64_t i0 = begin; i0 < end; i0 += kThreads) {  // (whole warps: the match below)
     const std::int64_t i = i0 + t;
-    const std::uint64_t k = i < length ? key(i) : 0;
-    const bool tie = i < length && k == prefix;
-    const unsigned ballot = __ballot_sync(0xffffffffu, tie);
-    if (lane == 0) warp_ties[warp] = __popc(ballot);
-    __syncthreads();
-    std::int64_t rank = ties_before + __popc(ballot & ((1u << lane) - 1u));
-    for (int w = 0; w < warp; ++w) rank += warp_ties[w];
-    if (i < length) a.keep[base + i] = forced(i) || k > prefix || (tie && rank < need);
-    for (int w = 0; w < kThreads / 32; ++w) ties_before += warp_ties[w];
-    __syncthreads();
+    int digit = 256;  // (none)
+    if (i < end) {
+      const std::uint64_t k = keys.key(i);
+      if ((k & fixed) == s.prefix) digit = static_cast<int>((k >> shift) & 255u);
+    }
+    const unsigned peers = __match_any_sync(0xffffffffu, digit);  // one add a warp and digit
+    if (digit < 256 && lane == __ffs(peers) - 1) atomicAdd(&counts[digit], __popc(peers));
+  }
+  __syncthreads();
+  for (int d = t; d < 256; d += kThreads) {
+    if (counts[d] != 0) {
+      atomicAdd(reinterpret_cast<unsigned long long*>(&w.counts[(h * 8 + pass) * 256 + d]),
+                static_cast<unsigned long long>(counts[d]));
+    }
   }
 }
 
@@ -299,7 +446,20 @@ void advance_learner_schedule(const learner_schedule_args& args, stream_ref stre
 void prune_block_importance(const block_prune_args& args, stream_ref stream) {
   expect_current_device(args.device_id, "prune_block_importance: keep");
   const auto s = static_cast<cudaStream_t>(stream.handle);
-  if (args.scope == prune_scope::global) {
+  const std::int64_t chunks = prune_chunks(args.qb, args.kb, args.scope);
+  if (chunks > 0) {
+    auto* words = static_cast<std::uint64_t*>(args.workspace);
+    const chunk_ws w{words, words + args.heads * 8 * 256,
+                     reinterpret_cast<std::int64_t*>(words + args.heads * (8 * 256 + 8)),
+                     reinterpret_cast<std::int64_t*>(words + args.heads * (8 * 256 + 16)), chunks};
+    TRISPARSE_CUDA_TRY(
+        cudaMemsetAsync(w.counts, 0, sizeof(std::uint64_t) * args.heads * 8 * 256, s));
+    const auto grid = static_cast<unsigned>(args.heads * chunks);
+    for (int pass = 0; pass < 10; ++pass) {
+      prune_chunk<<<grid, kPruneChunkThreads, 0, s>>>(args, w, pass);
+      TRISPARSE_CUDA_CHECK_LAUNCH();
+    }
+  } else if (args.scope == prune_scope::global) {
     prune_top<true><<<static_cast<unsigned>(args.heads), kPruneGlobalThreads, 0, s>>>(args);
   } else {
     const auto rows = static_cast<unsigned>(args.heads * args.qb);

@@ -21,6 +21,25 @@ TRISPARSE_HOST_DEVICE std::uint64_t prune_rank_key(double x) {
   return (bits >> 63) != 0 ? ~bits : bits | (std::uint64_t{1} << 63);
 }
 
+/// The global prune's split on CUDA: a head of more than kPruneOneBlockKeys blocks is ranked in
+/// chunks of kPruneChunkKeys blocks, a thread block each, through per-head sums in the workspace:
+/// 8 passes' digit counts [heads][8][256], the state after each pass (prefix, need) [heads][8]
+/// and the keys at the threshold a chunk [heads][chunks], all 64-bit.
+inline constexpr std::int64_t kPruneChunkKeys = 8192;
+inline constexpr std::int64_t kPruneOneBlockKeys = 16384;
+
+/// Chunks a head of the global prune runs in (0: one thread block a head, no workspace).
+inline std::int64_t prune_chunks(std::int64_t qb, std::int64_t kb, prune_scope scope) {
+  const std::int64_t length = qb * kb;
+  if (scope != prune_scope::global || length <= kPruneOneBlockKeys) return 0;
+  return (length + kPruneChunkKeys - 1) / kPruneChunkKeys;
+}
+
+/// 64-bit words of the global prune's workspace a head.
+inline std::int64_t prune_words_per_head(std::int64_t chunks) {
+  return chunks == 0 ? 0 : 8 * 256 + 8 + 8 + chunks;
+}
+
 }  // namespace trisparse
 
 namespace trisparse::cuda {
@@ -40,7 +59,7 @@ TRISPARSE_CUDA_ENTRY(void fold_block_importance(const importance_fold_args& args
 TRISPARSE_CUDA_ENTRY(void advance_learner_schedule(const learner_schedule_args& args,
                                                    stream_ref stream))
 
-/// prune_block_importance on the device (checked arguments, at least one block).
+/// prune_block_importance on the device (checked arguments and workspace, at least one block).
 TRISPARSE_CUDA_ENTRY(void prune_block_importance(const block_prune_args& args, stream_ref stream))
 
 }  // namespace trisparse::cuda
