@@ -867,6 +867,12 @@ def test_gps_conv_pair_bias_places_each_edges_score(monkeypatch):
     local = torch.arange(n) - start[batch]
     want = dense[batch, :, local, :]
     torch.testing.assert_close(pair, want[:, :, : pair.shape[2]], rtol=0, atol=1e-6)
+    r = torch.randn(pair.shape)  # the edge scores' parameters get the places' gradients
+    w = layer.lin_edge_bias.weight
+    got = torch.autograd.grad((pair * r).sum(), w, retain_graph=True)[0]
+    torch.testing.assert_close(
+        got, torch.autograd.grad((want[:, :, : pair.shape[2]] * r).sum(), w)[0]
+    )
     layer.max_num_nodes = 60
     wide = layer._pair_bias(batch, n, heads, ei, ea)
     assert wide.shape[2] == 60 and torch.equal(wide[:, :, : pair.shape[2]], pair)

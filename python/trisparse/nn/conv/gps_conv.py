@@ -358,8 +358,8 @@ class GPSConv(_PygGPSConv):
         src, dst = edge_index[0], edge_index[1]
         place = (dst * heads)[:, None] * m + (src - first[dst])[:, None]
         place = place + torch.arange(heads, device=place.device) * m
-        flat = scores.new_zeros(n * heads * max(m, 1))
-        flat = flat.index_put((place.flatten(),), scores.flatten(), accumulate=True)
+        flat = scores.new_zeros(n * heads * max(m, 1))  # (in place: no second [n, heads, M])
+        flat.index_put_((place.flatten(),), scores.flatten(), accumulate=True)
         return flat.view(n, heads, max(m, 1))
 
     def _global_attention(self, x: Tensor, batch, edge_index=None, edge_attr=None) -> Tensor:
