@@ -13,8 +13,13 @@ import argparse
 import json
 
 import torch
-from trisparse import _C
-from trisparse.block_pattern import _forced_blocks, _prune, _prune_budget, _prune_kernel
+from trisparse.block_pattern import (
+    _forced_blocks,
+    _prune,
+    _prune_budget,
+    _prune_kernel,
+    _prune_workspace,
+)
 
 
 def _time(fn, reps):
@@ -45,8 +50,7 @@ def main():
             for method in ("row", "global"):
                 keep = torch.ones(args.heads, qb, kb, device="cuda", dtype=torch.bool)
                 budget = _prune_budget(args.sparsity, kb * (qb if method == "global" else 1))
-                nbytes = _C.prune_block_importance_workspace_bytes(args.heads, qb, kb, method)
-                ws = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+                ws = _prune_workspace(args.heads, qb, kb, method, importance.device)
 
                 def kernel():
                     _prune_kernel(importance, forced, keep, None, budget, method, ws)
@@ -64,7 +68,7 @@ def main():
                     "heads": args.heads,
                     "method": method,
                     "blocks_per_head": qb * kb,
-                    "workspace_bytes": nbytes,
+                    "workspace_bytes": ws.numel(),
                     "kernel_ms": round(_time(kernel, reps), 4),
                     "sort_ms": round(_time(by_sort, reps), 4),
                     "gpu": torch.cuda.get_device_name(),

@@ -496,8 +496,7 @@ def _prune_kernel(importance, forced, keep, due, budget, method, workspace=None)
     heads, qb, kb = importance.shape
     dev = importance.device
     if workspace is None:
-        nbytes = _C.prune_block_importance_workspace_bytes(heads, qb, kb, method)
-        workspace = torch.empty(nbytes if dev.type == "cuda" else 0, dtype=torch.uint8, device=dev)
+        workspace = _prune_workspace(heads, qb, kb, method, dev)
     _C.prune_block_importance(
         importance.data_ptr(),
         forced.data_ptr(),
@@ -513,6 +512,12 @@ def _prune_kernel(importance, forced, keep, due, budget, method, workspace=None)
         workspace.data_ptr(),
         workspace.numel(),
     )
+
+
+def _prune_workspace(heads, qb, kb, method, device) -> Tensor:
+    """The prune kernels' workspace (bytes; none on the CPU)."""
+    nbytes = _C.prune_block_importance_workspace_bytes(heads, qb, kb, method)
+    return torch.empty(nbytes if device.type == "cuda" else 0, dtype=torch.uint8, device=device)
 
 
 def _prune(importance: Tensor, forced: Tensor, sparsity: float, method: str, top_p: float):
@@ -956,9 +961,7 @@ class PatternLearner:
         else:
             budget = _prune_budget(self.sparsity, kb * (qb if self.method == "global" else 1))
             if b.prune_workspace is None:  # (kept: its address stays in a captured graph)
-                nbytes = _C.prune_block_importance_workspace_bytes(heads, qb, kb, self.method)
-                nbytes = nbytes if dev.type == "cuda" else 0
-                b.prune_workspace = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+                b.prune_workspace = _prune_workspace(heads, qb, kb, self.method, dev)
             _prune_kernel(
                 self.importance, b.forced, self._keep, due, budget, self.method, b.prune_workspace
             )
