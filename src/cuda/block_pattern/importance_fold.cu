@@ -10,8 +10,9 @@
 // - fold: a warp per (head, block row): the pooled total over the kept blocks, then the new
 //   importance folded into the average;
 // - prune_top: a thread block per row (or head): a radix select of the `budget`-th highest
-//   ranking key, 8 bits a pass (counts in shared memory), then keep written in index order, ties
-//   at the threshold to the lowest indices (a ballot scan);
+//   ranking key, 8 bits a pass (counts in shared memory; no more passes once every key matching
+//   the bits chosen is to be kept), then keep written in index order, ties at the threshold to
+//   the lowest indices (a ballot scan);
 // - prune_chunk: the same for a long head's global prune over its chunks, ten launches: each
 //   pass's counts summed over the chunks in the workspace (64-bit integer atomics: the same sums
 //   in any order), the keys at the threshold a chunk, then the marking.
@@ -193,12 +194,14 @@ __global__ void schedule(learner_schedule_args a) {
   *a.steps = s + 1;
 }
 
-// A radix select's state before a pass: the key bits chosen so far, the keys still to take at
-// or below them, and (after the last pass) how many keys equal the threshold.
+// A radix select's state before a pass: the key bits chosen so far (`prefix` at the bits of
+// `fixed`), the keys still to take among those matching them, and how many keys match them.
+// Done when every matching key is to be taken (the later passes would change nothing).
 struct radix_state {
-  std::uint64_t prefix = 0;
+  std::uint64_t prefix = 0, fixed = 0;
   std::int64_t need = 0;
   std::int64_t at_digit = 0;
+  __device__ bool done() const { return fixed != 0 && need == at_digit; }
 };
 
 // The state after the pass at `shift`, from the counts of that digit among the keys matching
@@ -219,6 +222,7 @@ __device__ radix_state select_digit(Count count, radix_state s, int shift, std::
   const std::int64_t above = higher > 0 ? scan[higher - 1] : 0;
   radix_state next;
   next.prefix = s.prefix | static_cast<std::uint64_t>(255 - higher) << shift;
+  next.fixed = s.fixed | std::uint64_t{255} << shift;
   next.need = s.need - above;
   next.at_digit = scan[higher] - above;
   __syncthreads();  // (scan is read before the next call writes it)
@@ -226,7 +230,8 @@ __device__ radix_state select_digit(Count count, radix_state s, int shift, std::
 }
 
 // keep over [begin, end) of a row or head: forced, above the threshold, or among the first
-// `need` keys at it counting the `ties_before` ones before `begin` (a ballot scan).
+// `need` keys at it counting the `ties_before` ones before `begin` (a ballot scan; every key at
+// it where the select is done, compared on its fixed bits).
 template <int kThreads, class Key, class Forced>
 __device__ void mark_kept(const block_prune_args& a, std::int64_t base, std::int64_t begin,
                           std::int64_t end, radix_state s, std::int64_t ties_before, Key key,
@@ -235,7 +240,7 @@ __device__ void mark_kept(const block_prune_args& a, std::int64_t base, std::int
   const bool all_ties = s.need >= s.at_digit;
   for (std::int64_t i0 = begin; i0 < end; i0 += kThreads) {
     const std::int64_t i = i0 + t;
-    const std::uint64_t k = i < end ? key(i) : 0;
+    const std::uint64_t k = i < end ? key(i) & s.fixed : 0;
     const bool tie = i < end && k == s.prefix;
     if (all_ties) {  // (every key at the threshold kept: no order needed)
       if (i < end) a.keep[base + i] = forced(i) || k >= s.prefix;
@@ -281,13 +286,12 @@ __global__ void __launch_bounds__(GLOBAL ? kPruneGlobalThreads : kPruneRowThread
   // The threshold: the highest key with at least `budget` keys at or above it, 8 bits a pass.
   radix_state s;
   s.need = ::min(a.budget, length);
-  for (int shift = 56; shift >= 0; shift -= 8) {
-    const std::uint64_t fixed = shift == 56 ? 0 : ~std::uint64_t{0} << (shift + 8);
+  for (int shift = 56; shift >= 0 && !s.done(); shift -= 8) {
     for (int d = t; d < 256; d += kThreads) counts[d] = 0;
     __syncthreads();
     for (std::int64_t i = t; i < length; i += kThreads) {
       const std::uint64_t k = keys.key(i);
-      if ((k & fixed) == s.prefix) atomicAdd(&counts[(k >> shift) & 255u], 1u);
+      if ((k & s.fixed) == s.prefix) atomicAdd(&counts[(k >> shift) & 255u], 1u);
     }
     __syncthreads();
     s = select_digit([&](int d) { return counts[d]; }, s, shift, scan);
@@ -301,29 +305,25 @@ __global__ void __launch_bounds__(GLOBAL ? kPruneGlobalThreads : kPruneRowThread
 // passes, then the ties a chunk and the marking, each a launch over every head's chunks.
 struct chunk_ws {
   std::uint64_t* counts;  // [heads][8][256]: the keys of each digit matching the pass's prefix
-  std::uint64_t* prefix;  // [heads][8]: the state before each pass (1-7)
-  std::int64_t* need;     // [heads][8]
+  radix_state* state;     // [heads][8]: the state before each pass (1-7)
   std::int64_t* ties;     // [heads][chunks]: keys at the threshold in each chunk
   std::int64_t chunks;
 };
 
 // The state before `pass` (0-8) of head h: pass 0 from the budget, later ones from the counts
-// and state of the pass before; chunk 0 writes it for the next pass to read.
+// and state of the pass before (as it was where that was done); chunk 0 writes it for the next
+// pass to read.
 __device__ radix_state chunk_state(const block_prune_args& a, const chunk_ws& w, std::int64_t h,
                                    int pass, std::int64_t* scan) {
   radix_state s;
   s.need = ::min(a.budget, a.qb * a.kb);
   if (pass == 0) return s;
-  if (pass > 1) {
-    s.prefix = w.prefix[h * 8 + pass - 1];
-    s.need = w.need[h * 8 + pass - 1];
+  if (pass > 1) s = w.state[h * 8 + pass - 1];
+  if (!s.done()) {
+    const std::uint64_t* counts = w.counts + (h * 8 + pass - 1) * 256;
+    s = select_digit([&](int d) { return counts[d]; }, s, 64 - 8 * pass, scan);
   }
-  const std::uint64_t* counts = w.counts + (h * 8 + pass - 1) * 256;
-  s = select_digit([&](int d) { return counts[d]; }, s, 64 - 8 * pass, scan);
-  if (pass < 8 && blockIdx.x % w.chunks == 0 && threadIdx.x == 0) {
-    w.prefix[h * 8 + pass] = s.prefix;
-    w.need[h * 8 + pass] = s.need;
-  }
+  if (pass < 8 && blockIdx.x % w.chunks == 0 && threadIdx.x == 0) w.state[h * 8 + pass] = s;
   return s;
 }
 
@@ -361,7 +361,7 @@ __global__ void __launch_bounds__(kPruneChunkThreads)
     return;
   }
   if (pass == 8) {
-    if (s.need >= s.at_digit) return;  // (every tie kept: the marking needs no ranks)
+    if (s.need >= s.at_digit) return;  // (every tie kept, or done: the marking needs no ranks)
     std::int64_t mine = 0;
     for (std::int64_t i = begin + t; i < end; i += kThreads) mine += keys.key(i) == s.prefix;
     if (t == 0) total = 0;
@@ -371,8 +371,8 @@ __global__ void __launch_bounds__(kPruneChunkThreads)
     if (t == 0) w.ties[h * w.chunks + chunk] = total;
     return;
   }
+  if (s.done()) return;  // (an earlier pass settled every key)
   const int shift = 56 - 8 * pass;
-  const std::uint64_t fixed = pass == 0 ? 0 : ~std::uint64_t{0} << (shift + 8);
   for (int d = t; d < 256; d += kThreads) counts[d] = 0;
   __syncthreads();
   for (std::int64_t i0 = begin; i0 < end; i0 += kThreads) {  // (whole warps: the match below)
@@ -380,7 +380,7 @@ __global__ void __launch_bounds__(kPruneChunkThreads)
     int digit = 256;  // (none)
     if (i < end) {
       const std::uint64_t k = keys.key(i);
-      if ((k & fixed) == s.prefix) digit = static_cast<int>((k >> shift) & 255u);
+      if ((k & s.fixed) == s.prefix) digit = static_cast<int>((k >> shift) & 255u);
     }
     const unsigned peers = __match_any_sync(0xffffffffu, digit);  // one add a warp and digit
     if (digit < 256 && lane == __ffs(peers) - 1) atomicAdd(&counts[digit], __popc(peers));
@@ -449,9 +449,9 @@ void prune_block_importance(const block_prune_args& args, stream_ref stream) {
   const std::int64_t chunks = prune_chunks(args.qb, args.kb, args.scope);
   if (chunks > 0) {
     auto* words = static_cast<std::uint64_t*>(args.workspace);
-    const chunk_ws w{words, words + args.heads * 8 * 256,
-                     reinterpret_cast<std::int64_t*>(words + args.heads * (8 * 256 + 8)),
-                     reinterpret_cast<std::int64_t*>(words + args.heads * (8 * 256 + 16)), chunks};
+    static_assert(sizeof(radix_state) == 4 * sizeof(std::uint64_t));
+    const chunk_ws w{words, reinterpret_cast<radix_state*>(words + args.heads * 8 * 256),
+                     reinterpret_cast<std::int64_t*>(words + args.heads * (8 * 256 + 32)), chunks};
     TRISPARSE_CUDA_TRY(
         cudaMemsetAsync(w.counts, 0, sizeof(std::uint64_t) * args.heads * 8 * 256, s));
     const auto grid = static_cast<unsigned>(args.heads * chunks);

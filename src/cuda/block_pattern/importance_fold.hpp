@@ -23,8 +23,8 @@ TRISPARSE_HOST_DEVICE std::uint64_t prune_rank_key(double x) {
 
 /// The global prune's split on CUDA: a head of more than kPruneOneBlockKeys blocks is ranked in
 /// chunks of kPruneChunkKeys blocks, a thread block each, through per-head sums in the workspace:
-/// 8 passes' digit counts [heads][8][256], the state after each pass (prefix, need) [heads][8]
-/// and the keys at the threshold a chunk [heads][chunks], all 64-bit.
+/// 8 passes' digit counts [heads][8][256], the state before each pass (4 words) [heads][8] and
+/// the keys at the threshold a chunk [heads][chunks], all 64-bit.
 inline constexpr std::int64_t kPruneChunkKeys = 8192;
 inline constexpr std::int64_t kPruneOneBlockKeys = 16384;
 
@@ -37,7 +37,7 @@ inline std::int64_t prune_chunks(std::int64_t qb, std::int64_t kb, prune_scope s
 
 /// 64-bit words of the global prune's workspace a head.
 inline std::int64_t prune_words_per_head(std::int64_t chunks) {
-  return chunks == 0 ? 0 : 8 * 256 + 8 + 8 + chunks;
+  return chunks == 0 ? 0 : 8 * 256 + 8 * 4 + chunks;
 }
 
 }  // namespace trisparse
