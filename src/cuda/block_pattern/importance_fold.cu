@@ -229,34 +229,6 @@ __device__ radix_state select_digit(Count count, radix_state s, int shift, std::
   return next;
 }
 
-// keep over [begin, end) of a row or head: forced, above the threshold, or among the first
-// `need` keys at it counting the `ties_before` ones before `begin` (a ballot scan; every key at
-// it where the select is done, compared on its fixed bits).
-template <int kThreads, class Key, class Forced>
-__device__ void mark_kept(const block_prune_args& a, std::int64_t base, std::int64_t begin,
-                          std::int64_t end, radix_state s, std::int64_t ties_before, Key key,
-                          Forced forced, int* warp_ties) {
-  const int t = static_cast<int>(threadIdx.x), lane = t % 32, warp = t / 32;
-  const bool all_ties = s.need >= s.at_digit;
-  for (std::int64_t i0 = begin; i0 < end; i0 += kThreads) {
-    const std::int64_t i = i0 + t;
-    const std::uint64_t k = i < end ? key(i) & s.fixed : 0;
-    const bool tie = i < end && k == s.prefix;
-    if (all_ties) {  // (every key at the threshold kept: no order needed)
-      if (i < end) a.keep[base + i] = forced(i) || k >= s.prefix;
-      continue;
-    }
-    const unsigned ballot = __ballot_sync(0xffffffffu, tie);
-    if (lane == 0) warp_ties[warp] = __popc(ballot);
-    __syncthreads();
-    std::int64_t rank = ties_before + __popc(ballot & ((1u << lane) - 1u));
-    for (int w = 0; w < warp; ++w) rank += warp_ties[w];
-    if (i < end) a.keep[base + i] = forced(i) || k > s.prefix || (tie && rank < s.need);
-    for (int w = 0; w < kThreads / 32; ++w) ties_before += warp_ties[w];
-    __syncthreads();
-  }
-}
-
 // The ranking key of block i of the row or head at `base` (forced ones first), and whether it
 // is forced.
 struct prune_keys {
@@ -269,6 +241,35 @@ struct prune_keys {
     return forced(i) ? prune_rank_key(CUDART_INF) : prune_rank_key(a.importance[base + i]);
   }
 };
+
+// keep over [begin, end) of a row or head: forced, above the threshold, or among the first
+// `need` keys at it counting the `ties_before` ones before `begin` (a ballot scan; every key at
+// it where the select is done, compared on its fixed bits).
+template <int kThreads>
+__device__ void mark_kept(const prune_keys& keys, std::int64_t begin, std::int64_t end,
+                          radix_state s, std::int64_t ties_before, int* warp_ties) {
+  const int t = static_cast<int>(threadIdx.x), lane = t % 32, warp = t / 32;
+  const bool all_ties = s.need >= s.at_digit;
+  for (std::int64_t i0 = begin; i0 < end; i0 += kThreads) {
+    const std::int64_t i = i0 + t;
+    const std::uint64_t k = i < end ? keys.key(i) & s.fixed : 0;
+    const bool tie = i < end && k == s.prefix;
+    if (all_ties) {  // (every key at the threshold kept: no order needed)
+      if (i < end) keys.a.keep[keys.base + i] = keys.forced(i) || k >= s.prefix;
+      continue;
+    }
+    const unsigned ballot = __ballot_sync(0xffffffffu, tie);
+    if (lane == 0) warp_ties[warp] = __popc(ballot);
+    __syncthreads();
+    std::int64_t rank = ties_before + __popc(ballot & ((1u << lane) - 1u));
+    for (int w = 0; w < warp; ++w) rank += warp_ties[w];
+    if (i < end) {
+      keys.a.keep[keys.base + i] = keys.forced(i) || k > s.prefix || (tie && rank < s.need);
+    }
+    for (int w = 0; w < kThreads / 32; ++w) ties_before += warp_ties[w];
+    __syncthreads();
+  }
+}
 
 // blockIdx.x: a row (h * qb + r) of kb blocks, or (GLOBAL) a head of qb * kb.
 template <bool GLOBAL>
@@ -296,9 +297,17 @@ __global__ void __launch_bounds__(GLOBAL ? kPruneGlobalThreads : kPruneRowThread
     __syncthreads();
     s = select_digit([&](int d) { return counts[d]; }, s, shift, scan);
   }
-  mark_kept<kThreads>(
-      a, base, 0, length, s, 0, [&](std::int64_t i) { return keys.key(i); },
-      [&](std::int64_t i) { return keys.forced(i); }, warp_ties);
+  mark_kept<kThreads>(keys, 0, length, s, 0, warp_ties);
+}
+
+// The sum of the threads' `mine` over the thread block, through `total` in shared memory
+// (integer atomics: the same sum in any order).
+__device__ std::int64_t block_sum(std::int64_t mine, std::int64_t* total) {
+  if (threadIdx.x == 0) *total = 0;
+  __syncthreads();
+  if (mine != 0) atomicAdd(reinterpret_cast<unsigned long long*>(total), mine);
+  __syncthreads();
+  return *total;
 }
 
 // The global prune of long heads, a chunk of kPruneChunkKeys blocks a thread block: 8 counting
@@ -347,28 +356,19 @@ __global__ void __launch_bounds__(kPruneChunkThreads)
   if (pass == 9) {
     std::int64_t before = 0;
     if (s.need < s.at_digit) {  // ties to rank: those of the chunks before this one
-      if (t == 0) total = 0;
-      __syncthreads();
       std::int64_t mine = 0;
       for (std::int64_t c = t; c < chunk; c += kThreads) mine += w.ties[h * w.chunks + c];
-      if (mine != 0) atomicAdd(reinterpret_cast<unsigned long long*>(&total), mine);
-      __syncthreads();
-      before = total;
+      before = block_sum(mine, &total);
     }
-    mark_kept<kThreads>(
-        a, h * length, begin, end, s, before, [&](std::int64_t i) { return keys.key(i); },
-        [&](std::int64_t i) { return keys.forced(i); }, warp_ties);
+    mark_kept<kThreads>(keys, begin, end, s, before, warp_ties);
     return;
   }
   if (pass == 8) {
     if (s.need >= s.at_digit) return;  // (every tie kept, or done: the marking needs no ranks)
     std::int64_t mine = 0;
     for (std::int64_t i = begin + t; i < end; i += kThreads) mine += keys.key(i) == s.prefix;
-    if (t == 0) total = 0;
-    __syncthreads();
-    if (mine != 0) atomicAdd(reinterpret_cast<unsigned long long*>(&total), mine);
-    __syncthreads();
-    if (t == 0) w.ties[h * w.chunks + chunk] = total;
+    const std::int64_t ties = block_sum(mine, &total);
+    if (t == 0) w.ties[h * w.chunks + chunk] = ties;
     return;
   }
   if (s.done()) return;  // (an earlier pass settled every key)
