@@ -11,9 +11,12 @@ mini-batch attends within itself, a pair joined by an edge adding that edge's pe
 - trisparse_edge_build: GPSConv's path on CUDA, the same with ``edge_attention(..., bias=)``
   (the multigraph kernels, the pattern grouped on the GPU) in place of sparse_attention;
   trisparse_edge: its pattern and grouping made once;
-- trisparse_segments: GPSConv's path for 16-bit heads since the pair bias: the scores summed
-  into a pair bias [N, H, n_max] inside every step (no pattern), then ``segment_attention(...,
-  bias=)`` (the segment kernels add it to the scores; their dq pass writes its gradient);
+- trisparse_segments: the scores summed into a pair bias [N, H, n_max] inside every step (no
+  pattern), then ``segment_attention(..., bias=)`` (the segment kernels add it to the scores;
+  their dq pass writes its gradient): GPSConv's path for 16-bit heads before the edge lists;
+- trisparse_edges: GPSConv's path for 16-bit heads, ``segment_attention(..., edge_index=,
+  edge_bias=)``: the edges' two sorted lists made in the step, the kernels reading each row's
+  edges through them (nothing [N, H, n_max]; each edge's gradient written by the dq pass);
 - pyg_padded: PyG's GPSConv path with the bias as ``nn.MultiheadAttention`` takes one:
   ``to_dense_batch`` to [B, n_max, H, D], the edges' scores scattered into a dense float mask
   [B, H, n_max, n_max] (-inf at padded keys) and scaled_dot_product_attention;
@@ -94,6 +97,17 @@ def segments(batch, edge_index, n_max):
         bias = flat.index_put((place.flatten(),), scores.flatten(), accumulate=True)
         return trisparse.segment_attention(
             q, k, v, batch, assume_sorted=True, bias=bias.view(n, heads, n_max)
+        )
+
+    return attend
+
+
+def edges(batch, edge_index):
+    """segment_attention with the edges' bias (their lists made in the step)."""
+
+    def attend(q, k, v, scores):
+        return trisparse.segment_attention(
+            q, k, v, batch, assume_sorted=True, edge_index=edge_index, edge_bias=scores
         )
 
     return attend
@@ -197,6 +211,7 @@ def main():
             cases += [("trisparse_edge", biased(_multigraph, pattern, entries))]
             cases += [("trisparse_edge_build", biased_with_build(_multigraph, batch, ei))]
             cases += [("trisparse_segments", segments(batch, ei, n_max))]
+            cases += [("trisparse_edges", edges(batch, ei))]
             cases += [("pyg_padded", padded(batch, ei, start, n_max))]
             try:
                 begin, end = torch.cuda.Event(True), torch.cuda.Event(True)

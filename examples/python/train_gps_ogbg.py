@@ -43,7 +43,6 @@ class GPS(nn.Module):
         attn_dropout=0.5,
         recompute=False,
         edge_bias=False,
-        max_num_nodes=None,
     ):
         super().__init__()
         if backend == "pyg":
@@ -53,12 +52,7 @@ class GPS(nn.Module):
 
             from trisparse.nn import GPSConv
 
-            # max_num_nodes: the pair bias's fixed size (capturable; None: each batch's longest)
-            bias = (
-                {"edge_bias": True, "edge_dim": channels, "max_num_nodes": max_num_nodes}
-                if edge_bias
-                else {}
-            )
+            bias = {"edge_bias": True, "edge_dim": channels} if edge_bias else {}
             GPSConv = partial(GPSConv, recompute=recompute, **bias)
         self.atoms = nn.ModuleList(nn.Embedding(128, channels) for _ in range(9))
         self.bonds = nn.ModuleList(nn.Embedding(16, channels) for _ in range(3))
@@ -142,8 +136,6 @@ def run(args, graphs, split, seed, device):
         args.attn_dropout,
         args.recompute,
         args.edge_bias,
-        # a captured step's pair bias: the largest molecule, or a padded graph (<= 32 nodes)
-        max(32, max(g.num_nodes for g in graphs)) if args.cuda_graph else None,
     )
     model = model.to(device)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr, capturable=args.cuda_graph)

@@ -452,11 +452,24 @@ struct py_gat_plan {
   }
 };
 
-/// Attention within segments: the plan is a view of the ids, made per call (no state to keep).
-segment_attention_plan segment_plan(std::int64_t rows, std::uintptr_t ids, bool ids_64,
-                                    int device) {
+/// Attention within segments: the plan is a view of the ids, made per call (no state to keep);
+/// `edges` (0: none) the edges' lists packed as one int32 array, in segment_edges' order:
+/// query_ptr [rows + 1], query_key, query_edge [E], key_ptr [rows + 1], key_query, key_edge [E].
+segment_attention_plan segment_plan(std::int64_t rows, std::uintptr_t ids, bool ids_64, int device,
+                                    std::uintptr_t edges = 0, std::int64_t num_edges = 0) {
+  segment_edges lists{};
+  if (edges != 0) {
+    const auto* at = reinterpret_cast<const std::int32_t*>(edges);
+    lists = {num_edges,
+             at,
+             at + rows + 1,
+             at + rows + 1 + num_edges,
+             at + rows + 1 + 2 * num_edges,
+             at + 2 * (rows + 1) + 2 * num_edges,
+             at + 2 * (rows + 1) + 3 * num_edges};
+  }
   return segment_attention_plan::build(
-      {rows, reinterpret_cast<const void*>(ids), ids_64, device < 0 ? 0 : device});
+      {rows, reinterpret_cast<const void*>(ids), ids_64, device < 0 ? 0 : device}, lists);
 }
 
 /// TransformerConv's attention with edge features over a multigraph whose arrays torch keeps on
@@ -949,9 +962,10 @@ NB_MODULE(_C, m) {
       [](std::uintptr_t ids, bool ids_64, const tensor_tuple& q, const tensor_tuple& k,
          const tensor_tuple& v, const tensor_tuple& out, const tensor_tuple& lse, double scale,
          double dropout, std::uintptr_t dropout_state, const std::optional<tensor_tuple>& bias,
-         std::uintptr_t stream, std::uintptr_t ws, std::size_t ws_bytes) {
+         std::uintptr_t edges, std::int64_t num_edges, std::uintptr_t stream, std::uintptr_t ws,
+         std::size_t ws_bytes) {
         const tensor_view qv = view_of(q);
-        const auto plan = segment_plan(qv.rows, ids, ids_64, qv.device_id);
+        const auto plan = segment_plan(qv.rows, ids, ids_64, qv.device_id, edges, num_edges);
         nb::gil_scoped_release release;
         plan.run(qv, view_of(k), view_of(v), view_of(out),
                  {.scale = scale,
@@ -961,7 +975,8 @@ NB_MODULE(_C, m) {
                  workspace_of(ws, ws_bytes), stream_of(stream));
       },
       "ids"_a, "ids_64"_a, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "scale"_a, "dropout"_a,
-      "dropout_state"_a, "bias"_a.none(), "stream"_a, "workspace"_a, "workspace_bytes"_a);
+      "dropout_state"_a, "bias"_a.none(), "edges"_a, "num_edges"_a, "stream"_a, "workspace"_a,
+      "workspace_bytes"_a);
   m.def(
       "segment_attention_backward",
       [](std::uintptr_t ids, bool ids_64, const tensor_tuple& q, const tensor_tuple& k,
@@ -969,9 +984,10 @@ NB_MODULE(_C, m) {
          const tensor_tuple& dout, const tensor_tuple& dq, const tensor_tuple& dk,
          const tensor_tuple& dv, double scale, double dropout, std::uintptr_t dropout_state,
          const std::optional<tensor_tuple>& bias, const std::optional<tensor_tuple>& dbias,
-         std::uintptr_t stream, std::uintptr_t ws, std::size_t ws_bytes) {
+         std::uintptr_t edges, std::int64_t num_edges, std::uintptr_t stream, std::uintptr_t ws,
+         std::size_t ws_bytes) {
         const tensor_view qv = view_of(q);
-        const auto plan = segment_plan(qv.rows, ids, ids_64, qv.device_id);
+        const auto plan = segment_plan(qv.rows, ids, ids_64, qv.device_id, edges, num_edges);
         nb::gil_scoped_release release;
         plan.backward(qv, view_of(k), view_of(v), view_of(out), view_of(lse), view_of(dout),
                       view_of(dq), view_of(dk), view_of(dv),
@@ -982,8 +998,8 @@ NB_MODULE(_C, m) {
                       workspace_of(ws, ws_bytes), stream_of(stream));
       },
       "ids"_a, "ids_64"_a, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "dout"_a, "dq"_a, "dk"_a, "dv"_a,
-      "scale"_a, "dropout"_a, "dropout_state"_a, "bias"_a.none(), "dbias"_a.none(), "stream"_a,
-      "workspace"_a, "workspace_bytes"_a);
+      "scale"_a, "dropout"_a, "dropout_state"_a, "bias"_a.none(), "dbias"_a.none(), "edges"_a,
+      "num_edges"_a, "stream"_a, "workspace"_a, "workspace_bytes"_a);
   m.def(
       "block_attention_mass",
       [](const tensor_tuple& q, const tensor_tuple& k, std::int64_t block, bool causal,

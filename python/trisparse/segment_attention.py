@@ -43,6 +43,8 @@ def segment_attention(
     assume_sorted: bool = False,
     dropout_p: float = 0.0,
     bias: Tensor | None = None,
+    edge_index: Tensor | None = None,
+    edge_bias: Tensor | None = None,
 ) -> Tensor:
     """out[i] = softmax_j(scale q[i] . k[j]) v[j] over the rows j with batch[j] == batch[i]: q, k,
     v [rows, heads, channels], ``batch`` [rows] sorted int64 or int32 ids (PyG's mini-batch vector;
@@ -67,7 +69,16 @@ def segment_attention(
     local edges as a bias. Differentiable: the segment kernels add it on the tensor cores' scores
     and the backward's dq pass writes each pair's gradient once (no atomics; places of no pair
     get 0). M is checked against the segments with the sortedness check (not with
-    ``assume_sorted``: then the caller vouches for it)."""
+    ``assume_sorted``: then the caller vouches for it).
+
+    ``edge_index`` [2, E] and ``edge_bias`` [E, heads] or [E] (shared by the heads), instead of
+    ``bias``: a score bias per edge, S_ij gaining the sum of the biases of the edges j -> i (PyG's
+    flow: ``edge_index[0]`` the key row, ``edge_index[1]`` the query row; copies of a pair add);
+    an edge between rows of different segments joins no pair (no score, zero gradient).
+    Differentiable in ``edge_bias``. On the segment kernels nothing [rows, M] is made: the
+    kernels read each row's edges from two sorted lists built here (two sorts, no host work:
+    capturable), and the dq pass writes each edge's gradient once (no atomics). The ids are
+    checked to lie in [0, rows) unless ``assume_sorted`` (a device round trip)."""
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         if not isinstance(t, Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a [rows, heads, channels] tensor")
@@ -78,6 +89,15 @@ def segment_attention(
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     rows = q.shape[0]
+    if bias is not None and (edge_index is not None or edge_bias is not None):
+        raise ValueError("bias and edge_bias: give one score bias, per pair or per edge")
+    if (edge_index is None) != (edge_bias is None):
+        raise ValueError("edge_index and edge_bias come together (the edges and their biases)")
+    if edge_bias is not None:
+        edge_index, edge_bias = _edge_bias(edge_index, edge_bias, q)
+        checked = not assume_sorted and not torch.compiler.is_compiling() and edge_index.numel()
+        if checked and bool(((edge_index < 0) | (edge_index >= rows)).any()):
+            raise ValueError(f"edge_index has ids outside [0, {rows}) (rows of q)")
     if bias is not None:
         bias = _pair_bias(bias, q)
     if batch is None:
@@ -95,10 +115,15 @@ def segment_attention(
     batch = batch.contiguous()
     scale = _tensors.resolve_scale(scale, q.shape[-1])
     if segment_attention_supported(q) and batch.device == q.device:
+        if edge_bias is not None:
+            lists = _edge_lists(edge_index, rows)
+            return _segment_edge_attention(q, k, v, batch, scale, dropout_p, edge_bias, lists)
         state = _tensors.new_dropout_state(dropout_p, q.device)
         kernel_bias = None if bias is None else bias.float().contiguous()
-        out, _ = _call(q, k, v, batch, scale, float(dropout_p), state, kernel_bias)
+        out, _ = _call(q, k, v, batch, scale, float(dropout_p), state, kernel_bias, None)
         return out
+    if edge_bias is not None:
+        bias = _dense_edge_bias(edge_index, edge_bias, batch, rows)
     pattern = Pattern.from_batch(batch, rows)
     entry_bias = None if bias is None else _entry_bias(bias, batch)
     if dropout_p > 0:
@@ -129,6 +154,81 @@ def _pair_bias(bias: Tensor, q: Tensor) -> Tensor:
     if bias.device != q.device:
         raise ValueError(f"bias is on {bias.device}, q on {q.device}")
     return bias
+
+
+def _segment_edge_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    batch: Tensor,
+    scale: float,
+    dropout_p: float,
+    edge_bias: Tensor,
+    lists: Tensor,
+) -> Tensor:
+    """The segment kernels with a bias per edge ([E, H or 1]) whose lists are made
+    (``_edge_lists``: GPSConv's layers share one)."""
+    state = _tensors.new_dropout_state(dropout_p, q.device)
+    bias = edge_bias.float().unsqueeze(2).contiguous()  # [E, H or 1, 1]
+    out, _ = _call(q, k, v, batch, scale, float(dropout_p), state, bias, lists)
+    return out
+
+
+def _edge_bias(edge_index: Tensor, edge_bias: Tensor, q: Tensor) -> tuple[Tensor, Tensor]:
+    """edge_index as int64 [2, E] and edge_bias as [E, H or 1], checked against q [rows, H, D]."""
+    if not isinstance(edge_index, Tensor) or edge_index.dtype not in (torch.int32, torch.int64):
+        raise TypeError(
+            f"edge_index must be an int64 or int32 tensor, got "
+            f"{getattr(edge_index, 'dtype', type(edge_index))}"
+        )
+    if edge_index.dim() != 2 or edge_index.shape[0] != 2:
+        raise ValueError(f"edge_index must be [2, E], got {tuple(edge_index.shape)}")
+    if not isinstance(edge_bias, Tensor) or not edge_bias.is_floating_point():
+        raise TypeError(
+            f"edge_bias must be a float tensor, got {getattr(edge_bias, 'dtype', type(edge_bias))}"
+        )
+    if edge_bias.dim() == 1:
+        edge_bias = edge_bias.unsqueeze(1)
+    edges, heads = edge_index.shape[1], q.shape[1]
+    if edge_bias.dim() != 2 or edge_bias.shape[0] != edges or edge_bias.shape[1] not in (1, heads):
+        raise ValueError(
+            f"edge_bias must be [E, heads] or [E] with E = {edges} edges and heads = {heads}, "
+            f"got {tuple(edge_bias.shape)}"
+        )
+    for t, name in ((edge_index, "edge_index"), (edge_bias, "edge_bias")):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    return edge_index.long(), edge_bias
+
+
+def _edge_lists(edge_index: Tensor, rows: int) -> Tensor:
+    """The segment kernels' edge lists, packed int32 (trisparse::segment_edges): by query
+    (offsets [rows + 1], keys ascending, edge ids) then by key (offsets, queries ascending, edge
+    ids); stable sorts: copies of a pair in edge order, the same lists on every run."""
+    src, dst = edge_index[0], edge_index[1]
+    bounds = torch.arange(rows + 1, device=src.device)
+    lists = []
+    for mine, other in ((dst, src), (src, dst)):
+        order = torch.argsort(mine * rows + other, stable=True)
+        lists += [
+            torch.searchsorted(mine[order], bounds, out_int32=True),
+            other[order].int(),
+            order.int(),
+        ]
+    return torch.cat(lists)
+
+
+def _dense_edge_bias(edge_index: Tensor, edge_bias: Tensor, batch: Tensor, rows: int) -> Tensor:
+    """The edges' bias as the pair bias [rows, H or 1, M] (M the longest segment; copies of a pair
+    summed, edges between segments left out): the path without the segment kernels."""
+    src, dst = edge_index[0], edge_index[1]
+    first = torch.searchsorted(batch, batch)  # each row's segment's first row
+    longest = int(torch.unique_consecutive(batch, return_counts=True)[1].max()) if rows else 1
+    local = batch[src] == batch[dst]
+    src, dst, values = src[local], dst[local], edge_bias[local]
+    pair = values.new_zeros(rows, max(longest, 1), edge_bias.shape[1])
+    pair = pair.index_put((dst, src - first[dst]), values, accumulate=True)
+    return pair.transpose(1, 2)
 
 
 def _entry_bias(bias: Tensor, batch: Tensor) -> Tensor:

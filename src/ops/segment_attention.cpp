@@ -52,9 +52,12 @@ void check_lse(const tensor_view& lse, const tensor_view& q) {
   TRISPARSE_EXPECTS_INPUT(lse.type == dtype::f32, "lse " + lse.describe() + " must be f32");
 }
 
-// options: dropout, the pair bias (f32 [rows, H or 1, M]) and, for backward(), its gradient (f32
-// [rows, H, M]); no block bias or block importance.
-void check_options(const attention_options& o, const tensor_view& q, bool backward) {
+// options: dropout, the pair bias (f32 [rows, H or 1, M]; with edges [E, H or 1, 1]) and, for
+// backward(), its gradient (f32 [rows, H, M]; [E, H, 1]); no block bias or block importance.
+void check_options(const attention_options& o, const tensor_view& q, const segment_edges& edges,
+                   bool backward) {
+  const bool by_edge = edges.query_ptr != nullptr;
+  const std::int64_t bias_rows = by_edge ? edges.edges : q.rows;
   TRISPARSE_EXPECTS_INPUT(
       o.block_mass.data == nullptr && o.block_grad.data == nullptr &&
           o.block_bias.data == nullptr && o.dblock_bias.data == nullptr,
@@ -64,7 +67,7 @@ void check_options(const attention_options& o, const tensor_view& q, bool backwa
   TRISPARSE_EXPECTS_INPUT(o.dbias.data == nullptr || o.bias.data != nullptr,
                           std::string(kWhat) + ": dbias needs the bias it is the gradient of");
   if (o.bias.data != nullptr) {
-    check_view(o.bias, "bias", q.rows, -1, -1);
+    check_view(o.bias, "bias", bias_rows, -1, by_edge ? 1 : -1);
     detail::check_device_arg(o.bias, "bias");
     TRISPARSE_EXPECTS_INPUT(o.bias.device_id == q.device_id, "bias must be on q's device");
     TRISPARSE_EXPECTS_INPUT(o.bias.type == dtype::f32,
@@ -76,7 +79,7 @@ void check_options(const attention_options& o, const tensor_view& q, bool backwa
                                                  " needs M >= 1 (the longest segment's rows)");
   }
   if (o.dbias.data != nullptr) {
-    check_view(o.dbias, "dbias", q.rows, q.heads, o.bias.dim);
+    check_view(o.dbias, "dbias", bias_rows, q.heads, o.bias.dim);
     detail::check_device_arg(o.dbias, "dbias");
     TRISPARSE_EXPECTS_INPUT(o.dbias.device_id == q.device_id, "dbias must be on q's device");
     TRISPARSE_EXPECTS_INPUT(o.dbias.type == dtype::f32,
@@ -93,14 +96,26 @@ void check_workspace(workspace_view w, std::size_t need, const char* call) {
 
 }  // namespace
 
-segment_attention_plan segment_attention_plan::build(const segment_view& segments) {
+segment_attention_plan segment_attention_plan::build(const segment_view& segments,
+                                                     const segment_edges& edges) {
   TRISPARSE_EXPECTS_INPUT(
       segments.rows >= 0 && segments.rows < kMaxRows,
       "segments: rows must be in [0, 2^31 - 64), got " + std::to_string(segments.rows));
   TRISPARSE_EXPECTS_INPUT(segments.rows == 0 || segments.ids != nullptr,
                           "segments: the ids are missing");
+  if (edges.query_ptr != nullptr) {
+    TRISPARSE_EXPECTS_INPUT(
+        edges.edges >= 0 && edges.edges < (std::int64_t{1} << 31),
+        "edges: the count must be in [0, 2^31), got " + std::to_string(edges.edges));
+    TRISPARSE_EXPECTS_INPUT(
+        edges.key_ptr != nullptr &&
+            (edges.edges == 0 || (edges.query_key != nullptr && edges.query_edge != nullptr &&
+                                  edges.key_query != nullptr && edges.key_edge != nullptr)),
+        "edges: query_ptr is set, so the lists by query and by key must all be");
+  }
   segment_attention_plan plan;
   plan.segments_ = segments;
+  plan.edges_ = edges;
   return plan;
 }
 
@@ -128,9 +143,9 @@ void segment_attention_plan::run(const tensor_view& q, const tensor_view& k, con
   check_operands(segments_, q, k, v);
   check_output(out, "out", q);
   if (options.lse.data != nullptr) check_lse(options.lse, q);
-  check_options(options, q, false);
+  check_options(options, q, edges_, false);
   check_workspace(workspace, workspace_bytes(), "run()");
-  cuda::segment_attention_forward(segments_, q, k, v, out, options.lse,
+  cuda::segment_attention_forward(segments_, edges_, q, k, v, out, options.lse,
                                   effective_scale(options, q.dim), options.dropout, options.bias,
                                   workspace, stream);
 }
@@ -152,9 +167,9 @@ void segment_attention_plan::backward(const tensor_view& q, const tensor_view& k
     check_output(*t, what, q);
     TRISPARSE_EXPECTS_INPUT(t->type == dq.type, "dq, dk and dv must all be f32 or all q's dtype");
   }
-  check_options(options, q, true);
+  check_options(options, q, edges_, true);
   check_workspace(workspace, backward_workspace_bytes(q.heads), "backward()");
-  cuda::segment_attention_backward(segments_, q, k, v, out, lse, dout, dq, dk, dv,
+  cuda::segment_attention_backward(segments_, edges_, q, k, v, out, lse, dout, dq, dk, dv,
                                    effective_scale(options, q.dim), options.dropout, options.bias,
                                    options.dbias, workspace, stream);
 }

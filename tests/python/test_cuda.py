@@ -796,7 +796,7 @@ def test_gps_conv_on_cuda_matches_pyg_in_float64():
 @pytest.mark.parametrize("autocast", [False, True])
 def test_gps_conv_edge_bias_on_cuda_matches_float64(autocast):
     """GPSConv(edge_bias=True, edge_dim=3) on CUDA (float32: the multigraph kernels; bf16
-    autocast with 16-channel heads: the segment kernels with the pair bias) against the same layer in
+    autocast with 16-channel heads: the segment kernels with the edges' bias) against the same layer in
     float64 on the CPU (equal to PyG's with the dense bias: test_nn), repeated edges included;
     the gradients, the bias's too, the same bits on a second run."""
     g = torch.Generator().manual_seed(9)
@@ -928,7 +928,7 @@ def test_segment_attention_pair_bias_matches_float64(dim, dropout, shared):
     def run():
         x = qkv.cuda().bfloat16().requires_grad_()
         bias = bias0.cuda().requires_grad_()
-        out, _ = _call(*x.unbind(1), batch, scale, dropout, state, bias)
+        out, _ = _call(*x.unbind(1), batch, scale, dropout, state, bias, None)
         out.backward(dout.cuda().bfloat16())
         return [t.double().cpu() for t in (out.detach(), *x.grad.unbind(1), bias.grad)]
 
@@ -957,6 +957,74 @@ def test_segment_attention_pair_bias_matches_float64(dim, dropout, shared):
     assert all(torch.equal(a, b) for a, b in zip(got, run()))
 
 
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("dim, dropout", [(16, 0.0), (32, 0.2), (64, 0.0), (128, 0.2)])
+def test_segment_attention_edge_bias_matches_float64(dim, dropout, shared):
+    """The segment kernels with a score bias per edge (GPS's bonds; per head or shared) against
+    float64 dense attention per graph with each pair's edges summed: repeated edges, self loops,
+    a hub row whose edges span tiles (every node of a 130-node graph to its first), edges
+    between graphs (no pair: no score, zero gradient); the output and the gradients of q, k, v
+    and every edge's bias (with dropout, the kernels' draws computed here); the same bits on a
+    second run; no edges at all as no bias."""
+    g = torch.Generator().manual_seed(70 + dim)
+    sizes = torch.randint(1, 41, (50,), generator=g)
+    sizes[7], sizes[30] = 130, 70
+    batch = torch.repeat_interleave(torch.arange(50), sizes).cuda()
+    n, heads = batch.numel(), 2
+    ptr = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(sizes, 0)]).tolist()
+    parts = [torch.randint(0, int(m), (2, 3 * int(m)), generator=g) + a for a, m in zip(ptr, sizes)]
+    hub = ptr[7]
+    parts.append(torch.stack([torch.arange(hub, hub + 130), torch.full((130,), hub)]))
+    parts.append(torch.tensor([[0, 5, 5, n - 1], [n - 1, 5, 5, 2]]))  # cross, self loop twice
+    ei = torch.cat(parts, dim=1)
+    ei = ei[:, torch.randperm(ei.shape[1], generator=g)]
+    eb0 = 2 * torch.randn(ei.shape[1], 1 if shared else heads, generator=g)
+    qkv = torch.randn(n, 3, heads, dim, generator=g)
+    dout = torch.randn(n, heads, dim, generator=g)
+    scale = 0.8 / math.sqrt(dim)
+
+    def run(edges=ei, bias0=eb0):
+        torch.manual_seed(5)  # the kernels' dropout state
+        x = qkv.cuda().bfloat16().requires_grad_()
+        eb = bias0.cuda().requires_grad_()
+        out = trisparse.segment_attention(
+            *x.unbind(1), batch, scale, dropout_p=dropout, edge_index=edges.cuda(), edge_bias=eb
+        )
+        out.backward(dout.cuda().bfloat16())
+        return [t.double().cpu() for t in (out.detach(), *x.grad.unbind(1), eb.grad)]
+
+    got = run()
+    torch.manual_seed(5)
+    state = trisparse._tensors.new_dropout_state(dropout, torch.device("cuda"))
+    xs = [t.double().requires_grad_() for t in qkv.bfloat16().unbind(1)]
+    eb = eb0.double().requires_grad_()
+    local = batch.cpu()[ei[0]] == batch.cpu()[ei[1]]
+    pair = torch.zeros(n, n, eb.shape[1], dtype=torch.float64)
+    pair = pair.index_put((ei[1, local], ei[0, local]), eb[local], accumulate=True)
+    outs = []
+    for a, b in itertools.pairwise(ptr):
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t in xs)
+        s = scale * qs @ ks.transpose(1, 2) + pair[a:b, a:b].permute(2, 0, 1)
+        w = torch.softmax(s, -1)
+        if dropout > 0:
+            ii, jj = torch.meshgrid(torch.arange(a, b), torch.arange(a, b), indexing="ij")
+            f = philox_factors(ii.flatten(), jj.flatten(), range(heads), state.cpu(), dropout)
+            w = w * f.T.reshape(heads, b - a, b - a)
+        outs.append((w @ vs).transpose(0, 1))
+    out = torch.cat(outs)
+    out.backward(dout.bfloat16().double())
+    want = [out.detach(), *(x.grad for x in xs), eb.grad]
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert relerr(a, b) <= 2e-2, i
+    assert bool((got[4][~local] == 0).all()) and bool((got[4][local] != 0).any())
+    assert all(torch.equal(a, b) for a, b in zip(got, run()))
+    none = run(ei[:, :0], eb0[:0])
+    torch.manual_seed(5)
+    x = qkv.cuda().bfloat16()
+    plain = trisparse.segment_attention(*x.unbind(1), batch, scale, dropout_p=dropout)
+    assert torch.equal(none[0], plain.double().cpu()) and none[4].shape == (0, eb0.shape[1])
+
+
 @pytest.mark.parametrize("dim", [16, 64, 128])
 def test_segment_attention_dropout_matches_float64(dim):
     """Attention dropout inside the segment kernels: forward and gradients equal float64 dense
@@ -975,7 +1043,7 @@ def test_segment_attention_dropout_matches_float64(dim):
 
     def run(st):
         x = qkv.cuda().bfloat16().requires_grad_()
-        out, _ = _call(*x.unbind(1), batch, scale, p, st, None)
+        out, _ = _call(*x.unbind(1), batch, scale, p, st, None, None)
         out.backward(dout.cuda().bfloat16())
         return [t.double().cpu() for t in (out.detach(), *x.grad.unbind(1))]
 
@@ -1417,7 +1485,7 @@ def test_edge_gat_attention_matches_float64_on_multigraphs(dtype, heads, c, edge
 
 def _captured_gps(channels, heads, dropout, recompute=False, edge_bias=False):
     """Two GPSConv layers (GINE over 3 edge features, BatchNorm; with edge_bias the edge features
-    as the attention's bias too, pair biases of 40 places) and a graph-level linear head."""
+    as the attention's bias too) and a graph-level linear head."""
     from torch_geometric.nn import global_add_pool
 
     class Model(torch.nn.Module):
@@ -1433,7 +1501,6 @@ def _captured_gps(channels, heads, dropout, recompute=False, edge_bias=False):
                     recompute=recompute,
                     edge_bias=edge_bias,
                     edge_dim=channels if edge_bias else None,
-                    max_num_nodes=40 if edge_bias else None,
                 )
                 for _ in range(2)
             )
@@ -1495,7 +1562,7 @@ def test_captured_gps_training_step_equals_the_eager_steps(recompute, edge_bias)
     gives the eager steps' losses and parameters (the warm-up leaves no trace: the first step
     starts from the same state), with two graphs captured; also with the captured layers'
     activations recomputed in the backward (GPSConv(recompute=True)), and with the edges as the
-    attention's bias (the segment kernels' pair bias, max_num_nodes fixed)."""
+    attention's bias (the segment kernels' edge bias, its lists made in the graph)."""
     from trisparse.nn.capture import CapturedStep
 
     channels = 64

@@ -847,52 +847,88 @@ def test_gps_conv_edge_bias_with_attention_dropout():
     torch.testing.assert_close(layer(x, ei, batch), plain(x, ei, batch), rtol=0, atol=0)
 
 
-def test_gps_conv_pair_bias_places_each_edges_score(monkeypatch):
-    """GPSConv's pair bias for the segment kernels (built the same way on every device): each
-    edge j -> i's scores at [i, h, j - the first node of i's graph], repeated edges summed, every
-    other place 0, as the dense per-graph bias; M the longest graph or max_num_nodes; bad
-    max_num_nodes named; under capture without max_num_nodes a RuntimeError naming it."""
-    batch, ei = random_batch(6, seed=5)
+def _edge_lookup(lists, rows, edges, by_key):
+    """The segment kernels' cursor walk over the edges' lists, in Python: for each stationary row
+    (query, or key with by_key) and the streamed rows in rising order, the pair's edges (the
+    kernels sum their biases and write each one's gradient)."""
+    ptr0 = rows + 1 + 2 * edges if by_key else 0
+    ptr = lists[ptr0 : ptr0 + rows + 1].tolist()
+    other = lists[ptr0 + rows + 1 : ptr0 + rows + 1 + edges].tolist()
+    ids = lists[ptr0 + rows + 1 + edges : ptr0 + rows + 1 + 2 * edges].tolist()
+    found = {}
+    for r in range(rows):
+        cur, end = ptr[r], ptr[r + 1]
+        at = other[cur] if cur < end else math.inf
+        for col in range(rows):  # a thread sees a rising subset; all of them here
+            while at < col:
+                cur += 1
+                at = other[cur] if cur < end else math.inf
+            run = []
+            while at == col:
+                run.append(ids[cur])
+                cur += 1
+                at = other[cur] if cur < end else math.inf
+            if run:
+                found[(col, r) if by_key else (r, col)] = run
+    return found
+
+
+def test_segment_edge_lists_find_each_pairs_edges():
+    """The lists the segment kernels read an edge bias from (trisparse.segment_attention's
+    `_edge_lists`, made by torch ops on every device): walked as the kernels walk them (by
+    query for the forward and dq, by key for dk/dv), each (query, key) pair finds exactly its
+    edges j -> i, copies in edge order; the edges' bias summed per pair equals the dense
+    per-graph bias; the dense form (the path without the kernels) too, with its gradient."""
+    from trisparse.segment_attention import _dense_edge_bias as dense_form
+    from trisparse.segment_attention import _edge_lists
+
+    batch, ei = random_batch(5, seed=5, max_nodes=12)
     ei = torch.cat([ei, ei[:, :7]], dim=1)  # repeated edges
-    n, heads = batch.numel(), 2
-    layer = trisparse.nn.GPSConv(8, None, heads=heads, edge_bias=True, edge_dim=3)
-    ea = torch.randn(ei.shape[1], 3)
-    scores = layer._edge_scores(ei, ea, torch.float32)
+    n, e = batch.numel(), ei.shape[1]
+    lists = _edge_lists(ei, n)
+    assert lists.dtype == torch.int32 and lists.numel() == 2 * (n + 1) + 4 * e
+    want = {}
+    for k in range(e):
+        want.setdefault((int(ei[1, k]), int(ei[0, k])), []).append(k)
+    assert _edge_lookup(lists, n, e, by_key=False) == want
+    assert _edge_lookup(lists, n, e, by_key=True) == want
+    heads = 2
+    scores = torch.randn(e, heads, dtype=torch.float64, requires_grad=True)
     counts = torch.bincount(batch)
-    longest = int(counts.max())
-    dense = _dense_edge_bias(scores, ei, batch, heads).view(6, heads, longest, longest)
     start = torch.cumsum(counts, 0) - counts
-    pair = layer._pair_bias(batch, n, heads, ei, ea)
-    assert pair.shape == (n, heads, longest)
+    pair = dense_form(ei, scores, batch, n)  # [n, heads, longest]
+    dense = _dense_edge_bias(scores, ei, batch, heads).view(5, heads, *(2 * [int(counts.max())]))
     local = torch.arange(n) - start[batch]
-    want = dense[batch, :, local, :]
-    torch.testing.assert_close(pair, want[:, :, : pair.shape[2]], rtol=0, atol=1e-6)
-    r = torch.randn(pair.shape)  # the edge scores' parameters get the places' gradients
-    w = layer.lin_edge_bias.weight
-    got = torch.autograd.grad((pair * r).sum(), w, retain_graph=True)[0]
-    torch.testing.assert_close(
-        got, torch.autograd.grad((want[:, :, : pair.shape[2]] * r).sum(), w)[0]
-    )
-    layer.max_num_nodes = 60
-    wide = layer._pair_bias(batch, n, heads, ei, ea)
-    assert wide.shape[2] == 60 and torch.equal(wide[:, :, : pair.shape[2]], pair)
-    assert not wide[:, :, pair.shape[2] :].any()
-    layer.max_num_nodes = 3
-    with pytest.raises(ValueError, match="max_num_nodes = 3, but the batch has a graph of"):
-        layer._pair_bias(batch, n, heads, ei, ea)
+    torch.testing.assert_close(pair, dense[batch, :, local, :], rtol=0, atol=1e-12)
+    r = torch.randn(pair.shape, dtype=torch.float64)
+    got = torch.autograd.grad((pair * r).sum(), scores)[0]
+    for (i, j), ks in want.items():  # each edge's gradient: its pair's place
+        for k in ks:
+            torch.testing.assert_close(got[k], r[i, :, j - start[batch[i]]], rtol=0, atol=0)
+    cross = torch.tensor([[0, n - 1], [1, 0]])  # the second joins two graphs: no pair
+    two = dense_form(cross, torch.ones(2, 1), batch, n)
+    assert two.sum() == 1 and two[1, 0, 0] == 1
+
+
+def test_gps_conv_edge_bias_checks_edges(monkeypatch):
+    """GPSConv(edge_bias=True) names edges joining two graphs and ids out of range; max_num_nodes
+    (once the pair bias's size, now unused) is still checked to be a positive int; under capture,
+    heads the segment kernels do not take are a RuntimeError naming what is needed."""
+    batch, ei = random_batch(6, seed=5)
+    n = batch.numel()
+    layer = trisparse.nn.GPSConv(8, None, heads=2, edge_bias=True, edge_dim=3)
     with pytest.raises(ValueError, match="max_num_nodes must be a positive int"):
         trisparse.nn.GPSConv(8, None, heads=2, edge_bias=True, max_num_nodes=0)
-    layer.max_num_nodes = None
     cross = torch.tensor([[0, n - 1], [1, 0]])  # the second joins two graphs
     with pytest.raises(ValueError, match=r"edge 1 \(.* joins nodes of graphs 5 and 0"):
-        layer._pair_bias(batch, n, heads, cross, torch.randn(2, 3))
+        layer._batches.check_local(cross, batch)
     with pytest.raises(ValueError, match=r"outside \[0, .*edge 0"):
-        layer._pair_bias(batch, n, heads, torch.tensor([[n], [0]]), torch.randn(1, 3))
+        layer._batches.check_local(torch.tensor([[n], [0]]), batch)
     from trisparse.nn.conv import gps_conv
 
     monkeypatch.setattr(gps_conv, "_capturing", lambda t: True)
-    with pytest.raises(RuntimeError, match="needs max_num_nodes"):
-        layer(torch.randn(n, 8), ei, batch, edge_attr=ea)
+    with pytest.raises(RuntimeError, match="under CUDA graph capture needs float16/bfloat16"):
+        layer(torch.randn(n, 8), ei, batch, edge_attr=torch.randn(ei.shape[1], 3))
 
 
 def test_gps_conv_edge_bias_names_bad_arguments():
@@ -1095,6 +1131,55 @@ def test_segment_attention_pair_bias_on_the_cpu_and_its_errors(shared):
         trisparse.segment_attention(q, k, v, batch, bias=bias[1:])
     with pytest.raises(TypeError, match="float tensor"):
         trisparse.segment_attention(q, k, v, batch, bias=bias.long())
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_segment_attention_edge_bias_on_the_cpu_and_its_errors(shared):
+    """segment_attention with a score bias per edge off CUDA against float64 dense attention per
+    graph with each pair's edges summed (repeated edges, self loops, an edge between two
+    segments, which joins no pair); gradcheck in q, k, v and the edges' bias; bad arguments
+    named."""
+    g = torch.Generator().manual_seed(6)
+    sizes = torch.tensor([3, 1, 7, 4])
+    batch = torch.repeat_interleave(torch.tensor([0, 2, 3, 5]), sizes)
+    starts = (0, 3, 4, 11)
+    ei = torch.cat(
+        [torch.randint(0, int(m), (2, 2 * int(m)), generator=g) + a for a, m in zip(starts, sizes)]
+        + [torch.tensor([[0, 5, 5], [12, 5, 5]])],  # a cross edge, a self loop twice
+        dim=1,
+    )
+    q, k, v = (
+        torch.randn(15, 2, 8, generator=g, dtype=torch.float64, requires_grad=True)
+        for _ in range(3)
+    )
+    eb = torch.randn(ei.shape[1], 1 if shared else 2, generator=g, dtype=torch.float64)
+    eb.requires_grad_()
+    out = trisparse.segment_attention(q, k, v, batch, scale=0.4, edge_index=ei, edge_bias=eb)
+    pair = torch.zeros(15, 15, eb.shape[1], dtype=torch.float64)
+    local = batch[ei[0]] == batch[ei[1]]
+    pair = pair.index_put((ei[1, local], ei[0, local]), eb[local], accumulate=True)
+    pair = pair.permute(2, 0, 1)  # [H or 1, query, key]
+    want = []
+    for a, b in zip(starts, (3, 4, 11, 15)):
+        s = 0.4 * torch.einsum("ihd,jhd->hij", q[a:b], k[a:b]) + pair[:, a:b, a:b]
+        want.append(torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), v[a:b]))
+    torch.testing.assert_close(out, torch.cat(want), rtol=1e-12, atol=1e-12)
+    call = partial(trisparse.segment_attention, batch=batch, scale=0.4, edge_index=ei)
+    assert torch.autograd.gradcheck(lambda *t: call(*t[:3], edge_bias=t[3]), (q, k, v, eb))
+    with pytest.raises(ValueError, match="edge_bias must be"):
+        trisparse.segment_attention(q, k, v, batch, edge_index=ei, edge_bias=eb[1:])
+    with pytest.raises(TypeError, match="edge_bias must be a float tensor"):
+        trisparse.segment_attention(q, k, v, batch, edge_index=ei, edge_bias=eb.long())
+    with pytest.raises(ValueError, match="edge_index must be"):
+        trisparse.segment_attention(q, k, v, batch, edge_index=ei[0], edge_bias=eb)
+    with pytest.raises(ValueError, match=r"outside \[0, 15\)"):
+        trisparse.segment_attention(q, k, v, batch, edge_index=ei + 1, edge_bias=eb)
+    with pytest.raises(ValueError, match="come together"):
+        trisparse.segment_attention(q, k, v, batch, edge_index=ei)
+    with pytest.raises(ValueError, match="give one score bias"):
+        trisparse.segment_attention(
+            q, k, v, batch, bias=torch.zeros(15, 2, 7), edge_index=ei, edge_bias=eb
+        )
 
 
 @pytest.mark.parametrize("layer", ["TransformerConv", "GATConv"])

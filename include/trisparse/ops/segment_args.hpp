@@ -15,4 +15,23 @@ struct segment_view {
   int device_id = 0;
 };
 
+/// Edges between the rows of segment_view (GPS's local edges, a molecule's bonds), for a score bias
+/// per edge: S_ij += bias[e, h] summed over the edges e from key row j to query row i (copies of a
+/// pair add). The same E edges in two orders, int32 arrays on the device that the caller keeps
+/// alive (trisparse.segment_attention makes them from an edge_index with two sorts):
+/// - by query: query_ptr [rows + 1] (offsets), query_key [E] each query row's key rows ascending,
+///   query_edge [E] the edge (its index into the bias) of each;
+/// - by key: key_ptr [rows + 1], key_query [E] each key row's query rows ascending, key_edge [E].
+/// An edge between rows of different segments joins no pair: it adds no score and takes no
+/// gradient. query_ptr == nullptr: no edges.
+struct segment_edges {
+  std::int64_t edges = 0;
+  const std::int32_t* query_ptr = nullptr;
+  const std::int32_t* query_key = nullptr;
+  const std::int32_t* query_edge = nullptr;
+  const std::int32_t* key_ptr = nullptr;
+  const std::int32_t* key_query = nullptr;
+  const std::int32_t* key_edge = nullptr;
+};
+
 }  // namespace trisparse

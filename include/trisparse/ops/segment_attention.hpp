@@ -28,8 +28,10 @@ namespace trisparse {
 /// pattern to attention_plan.
 class segment_attention_plan {
  public:
-  /// @throws invalid_input for negative or too many rows, or ids missing.
-  static segment_attention_plan build(const segment_view& segments);
+  /// `edges`, where given (query_ptr set), makes options.bias a bias per edge (below).
+  /// @throws invalid_input for negative or too many rows, ids missing, or edge lists missing.
+  static segment_attention_plan build(const segment_view& segments,
+                                      const segment_edges& edges = {});
   /// True if the kernels take heads of `head_dim` (16, 32, 64, 128 where built).
   static bool supports(std::int64_t head_dim);
   /// Bytes of workspace run() needs (the segments' bounds).
@@ -43,9 +45,11 @@ class segment_attention_plan {
   /// score bias per pair: S_ij = scale q_i . k_j + bias[i, h, j - first(i)], first(i) the first
   /// row of i's segment (f32 [rows, H, M], or [rows, 1, M] shared by the heads; M at least the
   /// longest segment's rows, which the caller guarantees: the ids are read on the device only;
-  /// Graphormer's spatial and edge encodings, GPS's local edges as a bias). Block biases and
-  /// block outputs are not taken. Asynchronous on `stream`: no synchronisation, allocation or
-  /// lock.
+  /// Graphormer's spatial and edge encodings, GPS's local edges as a bias). On a plan built with
+  /// edges, options.bias is instead one per edge, f32 [E, H or 1, 1]: S_ij gains the sum of the
+  /// biases of the edges from key j to query i (nothing [rows, M] is made: GPS's bonds as a
+  /// bias at the edges' own size). Block biases and block outputs are not taken. Asynchronous on
+  /// `stream`: no synchronisation, allocation or lock.
   /// @throws invalid_input naming a wrong argument, not_supported for other dtypes or head dims.
   void run(const tensor_view& q, const tensor_view& k, const tensor_view& v, const tensor_view& out,
            const attention_options& options, workspace_view workspace,
@@ -55,7 +59,8 @@ class segment_attention_plan {
   /// given dout (q's dtype); `out` and `lse` are what run() wrote, options as run() had them.
   /// Where options.dbias is set (f32 [rows, H, M], M the bias's), dL/dS of each pair is written
   /// at its place in it, once (no atomics: the same bits on every run); places of no pair are
-  /// left as they were (zero them first). Asynchronous on `stream`.
+  /// left as they were (zero them first). With edges, dbias is f32 [E, H, 1] and each edge takes
+  /// its pair's dL/dS (edges between segments are left as they were). Asynchronous on `stream`.
   void backward(const tensor_view& q, const tensor_view& k, const tensor_view& v,
                 const tensor_view& out, const tensor_view& lse, const tensor_view& dout,
                 const tensor_view& dq, const tensor_view& dk, const tensor_view& dv,
@@ -63,9 +68,11 @@ class segment_attention_plan {
                 stream_ref stream = {}) const;
 
   const segment_view& segments() const { return segments_; }
+  const segment_edges& edges() const { return edges_; }
 
  private:
   segment_view segments_;
+  segment_edges edges_;
 };
 
 }  // namespace trisparse

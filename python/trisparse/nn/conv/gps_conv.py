@@ -15,7 +15,12 @@ from ...attention import sparse_attention
 from ...edge import edge_softmax, edge_spmm, sddmm
 from ...edge_attention import edge_attention, edge_attention_supported
 from ...pattern import Pattern, check_batch
-from ...segment_attention import segment_attention, segment_attention_supported
+from ...segment_attention import (
+    _edge_lists,
+    _segment_edge_attention,
+    segment_attention,
+    segment_attention_supported,
+)
 from ._common import _TRACED
 
 
@@ -29,8 +34,8 @@ class _BatchPatterns:
         self._pattern = None
         self._checked = None
         self._entries = None  # (edge_index, (its version, pattern id), its entries)
-        self._segments = None  # (batch, (its version, node count), (first rows, longest))
         self._local = None  # (edge_index, batch, their versions): edges checked within graphs
+        self._edge_lists = None  # (edge_index, (its version, node count), the kernels' lists)
 
     def __deepcopy__(self, memo):
         """The same cache: a model's GPS layers share one, copies included (a Pattern's plans
@@ -63,20 +68,17 @@ class _BatchPatterns:
             self._entries = (edge_index, key, pattern.entries_of(edge_index))
         return self._entries[2]
 
-    def segments(self, batch: Tensor, num_nodes: int) -> tuple[Tensor, int | None]:
-        """Each node's first node of its graph (int64 [N], on the device) and the longest graph's
-        node count (one device round trip per batch tensor and version; None while capturing:
-        no round trip then)."""
-        if _capturing(batch):  # computed in the graph: a replay's batch is another
-            return torch.searchsorted(batch, batch), None
-        key = (getattr(batch, "_version", None), num_nodes)
-        if self._segments is not None and self._segments[0] is batch and self._segments[1] == key:
-            return self._segments[2]
-        first = torch.searchsorted(batch, batch)
-        counts = torch.unique_consecutive(batch, return_counts=True)[1]
-        longest = int(counts.max()) if num_nodes else 0
-        self._segments = (batch, key, (first, longest))
-        return first, longest
+    def edge_lists(self, edge_index: Tensor, num_nodes: int) -> Tensor:
+        """The segment kernels' lists of edge_index's edges (once per edge_index tensor, version
+        and node count: a model's layers share them; made afresh while capturing, in the graph,
+        where a replay's edges are others)."""
+        if _capturing(edge_index):
+            return _edge_lists(edge_index, num_nodes)
+        key = (getattr(edge_index, "_version", None), num_nodes)
+        cached = self._edge_lists
+        if cached is None or cached[0] is not edge_index or cached[1] != key:
+            self._edge_lists = cached = (edge_index, key, _edge_lists(edge_index.long(), num_nodes))
+        return cached[2]
 
     def check_local(self, edge_index: Tensor, batch: Tensor) -> None:
         """A ValueError naming an edge of edge_index whose ends lie in different graphs (once per
@@ -188,13 +190,15 @@ class GPSConv(_PygGPSConv):
     head, the learned ``edge_bias`` [heads] (zeros at first: PyG's attention) once per edge, or,
     with ``edge_dim``, ``lin_edge_bias(edge_attr)`` ([E, edge_dim] -> [E, heads], the features the
     local MPNN takes as ``edge_attr``) summed over the pair's edges; every other pair of a graph
-    gets none. float16/bfloat16 heads of 16 - 128 channels on CUDA run the segment kernels with a
-    pair bias ([N, heads, M] float32, M the longest graph's nodes: one device round trip per
-    batch; ``max_num_nodes``, trisparse's own argument, fixes M and so lets the step be captured
-    in a CUDA graph); other heads the multigraph kernels (:func:`trisparse.edge_attention` with
-    the bias, attention dropout inside; elsewhere :func:`trisparse.sparse_attention`) over the
-    batch's block-diagonal pattern, made per batch (on the GPU, with host synchronisations: not
-    under CUDA graph capture). The bias's gradient is written once per pair (no atomics)."""
+    gets none. float16/bfloat16 heads of 16 - 128 channels on CUDA run the segment kernels with
+    the edges' bias (each row's edges read from two sorted lists made once per ``edge_index``
+    for all layers: nothing [N, heads, nodes] is made, no host round trip: the step can be
+    captured in a CUDA graph); other heads the multigraph kernels (:func:`trisparse.edge_attention`
+    with the bias, attention dropout inside; elsewhere :func:`trisparse.sparse_attention`) over
+    the batch's block-diagonal pattern, made per batch (on the GPU, with host synchronisations:
+    not under CUDA graph capture). The bias's gradient is written once per edge (no atomics).
+    ``max_num_nodes`` (trisparse's own argument, once the pair bias's fixed size, which
+    capture needed) is taken and unused: the edges' lists have no fixed size."""
 
     def __init__(
         self,
@@ -332,35 +336,14 @@ class GPSConv(_PygGPSConv):
             )
         return self.lin_edge_bias(edge_attr).to(dtype)
 
-    def _on_segment_kernels(self, q: Tensor, x: Tensor, edge_index) -> bool:
-        """Whether the biased attention runs the segment kernels with a pair bias: 16-bit heads
-        they take, edges as a tensor, eager (compiled: the pattern's ops), and under capture only
-        with max_num_nodes."""
+    def _on_segment_kernels(self, q: Tensor, edge_index) -> bool:
+        """Whether the biased attention runs the segment kernels with the edges' bias: 16-bit
+        heads they take, edges as a tensor, eager or captured (compiled: the pattern's ops)."""
         return (
             segment_attention_supported(q)
             and isinstance(edge_index, Tensor)
             and not torch.compiler.is_compiling()
-            and (not _capturing(x) or self.max_num_nodes is not None)
         )
-
-    def _pair_bias(self, batch, n: int, heads: int, edge_index, edge_attr) -> Tensor:
-        """The segment kernels' pair bias, float32 [n, heads, M]: each edge j -> i's bias (per
-        head) at [i, h, j - the first node of i's graph], a pair's edges summed (index_put's
-        sorted accumulation: a fixed order on every run); M = max_num_nodes where given (a fixed
-        size: capturable), else the batch's longest graph."""
-        batch = self._batches.checked(batch, n)
-        first, longest = self._batches.segments(batch, n)
-        self._batches.check_local(edge_index, batch)
-        m = self.max_num_nodes if self.max_num_nodes is not None else longest
-        if longest is not None and longest > m:
-            raise ValueError(f"max_num_nodes = {m}, but the batch has a graph of {longest} nodes")
-        scores = self._edge_scores(edge_index, edge_attr, torch.float32)
-        src, dst = edge_index[0], edge_index[1]
-        place = (dst * heads)[:, None] * m + (src - first[dst])[:, None]
-        place = place + torch.arange(heads, device=place.device) * m
-        flat = scores.new_zeros(n * heads * max(m, 1))  # (in place: no second [n, heads, M])
-        flat.index_put_((place.flatten(),), scores.flatten(), accumulate=True)
-        return flat.view(n, heads, max(m, 1))
 
     def _global_attention(self, x: Tensor, batch, edge_index=None, edge_attr=None) -> Tensor:
         """nn.MultiheadAttention(x, x, x) within each graph, as packed sparse attention (with the
@@ -372,21 +355,22 @@ class GPSConv(_PygGPSConv):
         q, k, v = qkv.unbind(1)
         scale = resolve_scale(None, q.shape[-1])
         dropout = attn.dropout if self.training else 0.0
-        if self._biased() and self._on_segment_kernels(q, x, edge_index):
+        if self._biased() and self._on_segment_kernels(q, edge_index):
             if batch is None:
                 batch = torch.zeros(n, dtype=torch.int64, device=x.device)
-            bias = self._pair_bias(batch, n, heads, edge_index, edge_attr)
-            out = segment_attention(
-                q, k, v, batch, scale, assume_sorted=True, dropout_p=dropout, bias=bias
-            )
+            batch = self._batches.checked(batch, n)
+            self._batches.check_local(edge_index, batch)
+            # each edge's bias read by the kernels through the edges' lists: nothing [n, M]
+            scores = self._edge_scores(edge_index, edge_attr, torch.float32)
+            lists = self._batches.edge_lists(edge_index, n)
+            out = _segment_edge_attention(q, k, v, batch, scale, dropout, scores, lists)
             return attn.out_proj(out.reshape(n, channels))
         if self._biased():
             if _capturing(x):
                 raise RuntimeError(
                     "trisparse.nn.GPSConv(edge_bias=True) under CUDA graph capture needs "
-                    "max_num_nodes (the pair bias's fixed size) and float16/bfloat16 heads of 16, "
-                    "32, 64 or 128 channels (autocast); else the biased attention builds the "
-                    "batch's pattern on the host"
+                    "float16/bfloat16 heads of 16, 32, 64 or 128 channels (autocast); else the "
+                    "biased attention builds the batch's pattern on the host"
                 )
             pattern = self._batches.get(batch, n)
             scores = self._edge_scores(

@@ -49,6 +49,13 @@ struct params : ragged_attention_io {
   std::int64_t pair_row, pair_head;
   float* dpair_bias;
   std::int64_t dpair_row, dpair_head;
+  // Or (walks instantiated with EDGES) a score bias per edge (trisparse::segment_edges): pair (i,
+  // j) takes the sum of pair_bias[e * pair_row + h * pair_head] over the edges e from key j to
+  // query i, found through the edges' lists by query (query_ptr, query_key, query_edge: each
+  // query's edges, keys ascending) or by key (key_ptr, key_query, key_edge); dpair_bias[e *
+  // dpair_row + h * dpair_head] takes each edge's dL/dS.
+  const std::int32_t *query_ptr, *query_key, *query_edge;
+  const std::int32_t *key_ptr, *key_query, *key_edge;
   // Attention dropout (kernels instantiated with DROPOUT; trisparse/core/dropout.hpp): {seed,
   // offset} on the device; pair (i, j) of head h, in packed rows, keeps P times dropout_scale
   // where its 16-bit draw is at least drop_below (philox::drop_below16), else 0.

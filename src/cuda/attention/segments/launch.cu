@@ -76,9 +76,10 @@ block_sparse::params segment_params(const segment_view& seg, const tensor_view& 
   return p;
 }
 
-/// p's pair bias and its gradient (f32 [rows, H or 1, M], checked by the caller; data == nullptr:
-/// none).
-void set_pair_bias(block_sparse::params& p, const tensor_view& bias, const tensor_view& dbias) {
+/// p's pair bias and its gradient (f32 [rows, H or 1, M], or per edge [E, H or 1, 1] with the
+/// edges' lists; checked by the caller; data == nullptr: none).
+void set_pair_bias(block_sparse::params& p, const segment_edges& edges, const tensor_view& bias,
+                   const tensor_view& dbias) {
   if (bias.data == nullptr) return;
   p.pair_bias = static_cast<const float*>(bias.data);
   p.pair_row = bias.row_stride;
@@ -86,15 +87,24 @@ void set_pair_bias(block_sparse::params& p, const tensor_view& bias, const tenso
   p.dpair_bias = static_cast<float*>(dbias.data);
   p.dpair_row = dbias.row_stride;
   p.dpair_head = dbias.head_stride;
+  p.query_ptr = edges.query_ptr;
+  p.query_key = edges.query_key;
+  p.query_edge = edges.query_edge;
+  p.key_ptr = edges.key_ptr;
+  p.key_query = edges.key_query;
+  p.key_edge = edges.key_edge;
 }
 
-/// f.template operator()<PAIR>() with PAIR = whether a pair bias is given.
+/// f.template operator()<BIAS>() with the kind of pair bias given.
 template <class F>
-void with_pair_bias(const tensor_view& bias, F&& f) {
-  if (bias.data != nullptr)
-    f.template operator()<true>();
+void with_pair_bias(const segment_edges& edges, const tensor_view& bias, F&& f) {
+  using segments::pair_bias;
+  if (bias.data == nullptr)
+    f.template operator()<pair_bias::none>();
+  else if (edges.query_ptr != nullptr)
+    f.template operator()<pair_bias::edges>();
   else
-    f.template operator()<false>();
+    f.template operator()<pair_bias::dense>();
 }
 
 /// f.template operator()<D>() for the head dims the kernels take (16 always, the others where
@@ -117,21 +127,21 @@ bool segment_attention_takes(std::int64_t head_dim) {
                             head_dim_built(static_cast<int>(head_dim)));
 }
 
-void segment_attention_forward(const segment_view& seg, const tensor_view& q, const tensor_view& k,
-                               const tensor_view& v, const tensor_view& out, const tensor_view& lse,
-                               double scale, const attention_dropout& dropout,
-                               const tensor_view& bias, workspace_view workspace,
-                               stream_ref stream) {
+void segment_attention_forward(const segment_view& seg, const segment_edges& edges,
+                               const tensor_view& q, const tensor_view& k, const tensor_view& v,
+                               const tensor_view& out, const tensor_view& lse, double scale,
+                               const attention_dropout& dropout, const tensor_view& bias,
+                               workspace_view workspace, stream_ref stream) {
   expect_current_device(seg.device_id);
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const std::int32_t* bounds = write_bounds(seg, workspace, s);
   block_sparse::params p = segment_params(seg, q, k, v, out, lse, scale, dropout, bounds);
-  set_pair_bias(p, bias, {});
+  set_pair_bias(p, edges, bias, {});
   with_half_type(q.type, "attention within segments' q", [&]<class T>() {
     with_segment_dim(q.dim, [&]<int D>() {
       with_output_type<T>(out.type, "attention within segments' out", [&]<class O>() {
         block_sparse::with_dropout(dropout, [&]<bool DROPOUT>() {
-          with_pair_bias(bias, [&]<bool PAIR>() {
+          with_pair_bias(edges, bias, [&]<segments::pair_bias PAIR>() {
             using walk = segments::segment_walk<kTile, kTile, false, PAIR>;
             block_sparse::launch_kernel<
                 block_sparse::block_sparse_kernel<T, D, O, kTile, kTile, walk, DROPOUT>>(
@@ -144,20 +154,21 @@ void segment_attention_forward(const segment_view& seg, const tensor_view& q, co
   });
 }
 
-void segment_attention_backward(const segment_view& seg, const tensor_view& q, const tensor_view& k,
-                                const tensor_view& v, const tensor_view& out,
-                                const tensor_view& lse, const tensor_view& dout,
-                                const tensor_view& dq, const tensor_view& dk, const tensor_view& dv,
-                                double scale, const attention_dropout& dropout,
-                                const tensor_view& bias, const tensor_view& dbias,
-                                workspace_view workspace, stream_ref stream) {
+void segment_attention_backward(const segment_view& seg, const segment_edges& edges,
+                                const tensor_view& q, const tensor_view& k, const tensor_view& v,
+                                const tensor_view& out, const tensor_view& lse,
+                                const tensor_view& dout, const tensor_view& dq,
+                                const tensor_view& dk, const tensor_view& dv, double scale,
+                                const attention_dropout& dropout, const tensor_view& bias,
+                                const tensor_view& dbias, workspace_view workspace,
+                                stream_ref stream) {
   expect_current_device(seg.device_id);
   const auto s = static_cast<cudaStream_t>(stream.handle);
   const std::int32_t* bounds = write_bounds(seg, workspace, s);
   block_sparse::backward_params p{};
   static_cast<block_sparse::params&>(p) =
       segment_params(seg, q, k, v, out, lse, scale, dropout, bounds);
-  set_pair_bias(p, bias, dbias);
+  set_pair_bias(p, edges, bias, dbias);
   block_sparse::set_gradient_io(p, dout, dq, dk, dv, scale);
   auto* terms =
       reinterpret_cast<float*>(static_cast<char*>(workspace.data) + segment_bounds_bytes(seg.rows));
@@ -168,7 +179,7 @@ void segment_attention_backward(const segment_view& seg, const tensor_view& q, c
     block_sparse::launch_backward_terms<T>(p, out.type, static_cast<int>(v.dim), terms, s);
     with_segment_dim(q.dim, [&]<int D>() {
       block_sparse::with_dropout(dropout, [&]<bool DROPOUT>() {
-        with_pair_bias(bias, [&]<bool PAIR>() {
+        with_pair_bias(edges, bias, [&]<segments::pair_bias PAIR>() {
           constexpr int kThreads = kTile / 16 * 32;
           constexpr int kKeyStream = D == 128 ? 32 : kTile;
           using query_walk = segments::segment_walk<kTile, kTile, false, PAIR>;

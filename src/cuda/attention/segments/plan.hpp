@@ -23,19 +23,22 @@ inline std::size_t segment_bounds_bytes(std::int64_t rows) {
 TRISPARSE_CUDA_ENTRY(bool segment_attention_takes(std::int64_t head_dim))
 
 /// segment_attention_plan::run on CUDA (arguments checked by the caller): the bounds into the
-/// workspace, then the forward kernel; `bias` the pairs' score bias (data == nullptr: none).
+/// workspace, then the forward kernel; `bias` the pairs' score bias (data == nullptr: none), per
+/// edge where `edges` has lists.
 TRISPARSE_CUDA_ENTRY(void segment_attention_forward(
-    const segment_view& segments, const tensor_view& q, const tensor_view& k, const tensor_view& v,
-    const tensor_view& out, const tensor_view& lse, double scale, const attention_dropout& dropout,
-    const tensor_view& bias, workspace_view workspace, stream_ref stream))
+    const segment_view& segments, const segment_edges& edges, const tensor_view& q,
+    const tensor_view& k, const tensor_view& v, const tensor_view& out, const tensor_view& lse,
+    double scale, const attention_dropout& dropout, const tensor_view& bias,
+    workspace_view workspace, stream_ref stream))
 
 /// segment_attention_plan::backward on CUDA: the bounds and the rows' terms (lse in log2 units,
 /// <dout, out>) into the workspace, then the dq and the dk/dv kernels; the dq kernel writes the
 /// pair bias's gradient into dbias where set.
 TRISPARSE_CUDA_ENTRY(void segment_attention_backward(
-    const segment_view& segments, const tensor_view& q, const tensor_view& k, const tensor_view& v,
-    const tensor_view& out, const tensor_view& lse, const tensor_view& dout, const tensor_view& dq,
-    const tensor_view& dk, const tensor_view& dv, double scale, const attention_dropout& dropout,
-    const tensor_view& bias, const tensor_view& dbias, workspace_view workspace, stream_ref stream))
+    const segment_view& segments, const segment_edges& edges, const tensor_view& q,
+    const tensor_view& k, const tensor_view& v, const tensor_view& out, const tensor_view& lse,
+    const tensor_view& dout, const tensor_view& dq, const tensor_view& dk, const tensor_view& dv,
+    double scale, const attention_dropout& dropout, const tensor_view& bias,
+    const tensor_view& dbias, workspace_view workspace, stream_ref stream))
 
 }  // namespace trisparse::cuda

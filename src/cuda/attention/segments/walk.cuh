@@ -4,20 +4,32 @@
 // the dk/dv kernel: the pattern is symmetric), its streamed tiles of BN rows run from its first
 // row's segment start to its last row's segment end (ids sorted: the bounds grow with the row), and
 // a pair is hidden when the streamed row lies outside the stationary row's segment.
+#include <climits>
+
 #include "../block_sparse/tile.cuh"
 
 namespace trisparse::cuda::segments {
 
-/// KEYS: the stationary rows are keys (the dk/dv kernel). PAIR: the pairs' score bias
-/// (params::pair_bias) is added to the scores, and the dq kernel writes its gradient.
-template <int BM, int BN, bool KEYS, bool PAIR = false>
+/// The pairs' score bias: none, a dense one per pair (params::pair_bias: [rows, H, M]), or one per
+/// edge (params::query_ptr ...: trisparse::segment_edges).
+enum class pair_bias { none, dense, edges };
+
+/// KEYS: the stationary rows are keys (the dk/dv kernel). BIAS: the pairs' score bias added to the
+/// scores; the dq kernel writes its gradient.
+template <int BM, int BN, bool KEYS, pair_bias BIAS = pair_bias::none>
 struct segment_walk {
-  static constexpr bool kPairBias = PAIR;
+  static constexpr bool kPairBias = BIAS != pair_bias::none;
+  static constexpr bool kEdges = BIAS == pair_bias::edges;
   const block_sparse::params& p;
   int h, lq, lk, row0, seq = 0;  // one sequence of packed rows
   std::int64_t q0 = 0, k0 = 0;
   int j, j_end;      // streamed tiles from j, BN rows apart, while j < j_end
   int lo[2], hi[2];  // the segments of the thread's stationary rows r_lo and r_lo + 8
+  // kEdges: each stationary row's cursor into its edge list (by query, or by key with KEYS), the
+  // list's end, the streamed row of the cursor's edge (INT_MAX past the end) and the first edge of
+  // the pair looked up last. The streamed rows a thread sees rise through its tiles, so a cursor
+  // only moves forward: an edge is read once a thread.
+  mutable int cur[2], end[2], at[2], run[2];
 
   __device__ __forceinline__ explicit segment_walk(const block_sparse::params& params) : p(params) {
     h = static_cast<int>(blockIdx.x / p.num_tiles);
@@ -38,7 +50,18 @@ struct segment_walk {
       const int i = r_lo + 8 * r;
       lo[r] = i < lq ? bounds[2 * std::int64_t{i}] : 0;
       hi[r] = i < lq ? bounds[2 * std::int64_t{i} + 1] : 0;
+      if constexpr (kEdges) {
+        const std::int32_t* ptr = KEYS ? p.key_ptr : p.query_ptr;
+        cur[r] = i < lq ? ptr[i] : 0;
+        end[r] = i < lq ? ptr[i + 1] : 0;
+        at[r] = streamed_at(cur[r], r);
+      }
     }
+  }
+
+  /// The streamed row of edge list entry c of stationary slot r (INT_MAX past its end).
+  __device__ __forceinline__ int streamed_at(int c, int r) const {
+    return c < end[r] ? (KEYS ? p.key_query : p.query_key)[c] : INT_MAX;
   }
 
   /// The first row of the next streamed tile, or -1 past the end.
@@ -52,14 +75,35 @@ struct segment_walk {
   __device__ __forceinline__ bool masks(int) const { return true; }
   __device__ __forceinline__ float bias2(int) const { return 0.f; }  // (no block bias)
   /// The bias of query i and key j (not hidden: one segment, starting at lo[r]), log2 units.
+  /// kEdges: called for a stationary row's pairs with the streamed row rising (the kernels' order).
   __device__ __forceinline__ float pair_bias2(int i, int j_key, int r) const {
-    return p.pair_bias[std::int64_t{i} * p.pair_row + h * p.pair_head + (j_key - lo[r])] *
-           1.4426950408889634f;
+    if constexpr (kEdges) {
+      const int other = KEYS ? i : j_key;
+      while (at[r] < other) at[r] = streamed_at(++cur[r], r);
+      run[r] = cur[r];
+      float b = 0.f;  // the pair's edges, in the list's order
+      for (; at[r] == other; at[r] = streamed_at(++cur[r], r))
+        b += p.pair_bias[std::int64_t{edge_of(cur[r])} * p.pair_row + h * p.pair_head];
+      return b * 1.4426950408889634f;
+    } else {
+      return p.pair_bias[std::int64_t{i} * p.pair_row + h * p.pair_head + (j_key - lo[r])] *
+             1.4426950408889634f;
+    }
   }
-  /// dL/dS of query i and key j (not hidden) into dpair_bias, where set (the dq kernel).
+  /// dL/dS of query i and key j (not hidden) into dpair_bias, where set (the dq kernel); kEdges:
+  /// into each edge of the pair pair_bias2 looked up last.
   __device__ __forceinline__ void store_dpair(int i, int j_key, int r, float ds) const {
-    if (p.dpair_bias != nullptr)
+    if (p.dpair_bias == nullptr) return;
+    if constexpr (kEdges) {
+      for (int c = run[r]; c < cur[r]; ++c)
+        p.dpair_bias[std::int64_t{edge_of(c)} * p.dpair_row + h * p.dpair_head] = ds;
+    } else {
       p.dpair_bias[std::int64_t{i} * p.dpair_row + h * p.dpair_head + (j_key - lo[r])] = ds;
+    }
+  }
+  /// The edge of list entry c.
+  __device__ __forceinline__ int edge_of(int c) const {
+    return (KEYS ? p.key_edge : p.query_edge)[c];
   }
   /// Query i and key j lie in different segments (r: the stationary row's slot).
   __device__ __forceinline__ bool hides(int i, int j_key, int r) const {
