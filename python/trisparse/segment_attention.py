@@ -205,13 +205,15 @@ def _edge_lists(edge_index: Tensor, rows: int) -> Tensor:
     """The segment kernels' edge lists, packed int32 (trisparse::segment_edges): by query
     (offsets [rows + 1], keys ascending, edge ids) then by key (offsets, queries ascending, edge
     ids); stable sorts: copies of a pair in edge order, the same lists on every run."""
-    src, dst = edge_index[0], edge_index[1]
-    bounds = torch.arange(rows + 1, device=src.device)
+    # 32-bit sort keys where row * rows + row fits: half the radix passes
+    dtype = torch.int32 if rows * rows < 2**31 else torch.int64
+    src, dst = edge_index[0].to(dtype), edge_index[1].to(dtype)
+    bounds = torch.arange(rows + 1, device=src.device, dtype=dtype)
     lists = []
     for mine, other in ((dst, src), (src, dst)):
-        order = torch.argsort(mine * rows + other, stable=True)
+        keys, order = torch.sort(mine * rows + other, stable=True)
         lists += [
-            torch.searchsorted(mine[order], bounds, out_int32=True),
+            torch.searchsorted(keys, bounds * rows, out_int32=True),
             other[order].int(),
             order.int(),
         ]

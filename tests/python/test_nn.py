@@ -892,6 +892,12 @@ def test_segment_edge_lists_find_each_pairs_edges():
         want.setdefault((int(ei[1, k]), int(ei[0, k])), []).append(k)
     assert _edge_lookup(lists, n, e, by_key=False) == want
     assert _edge_lookup(lists, n, e, by_key=True) == want
+    big, m = _edge_lists(ei, 50_000), 50_001  # 64-bit sort keys: the same lists, longer offsets
+    assert torch.equal(big[: n + 1], lists[: n + 1]) and bool((big[n + 1 : m] == e).all())
+    assert torch.equal(big[m : m + 2 * e], lists[n + 1 : n + 1 + 2 * e])
+    k0 = n + 1 + 2 * e
+    assert torch.equal(big[m + 2 * e : m + 2 * e + n + 1], lists[k0 : k0 + n + 1])
+    assert torch.equal(big[-2 * e :], lists[-2 * e :])
     heads = 2
     scores = torch.randn(e, heads, dtype=torch.float64, requires_grad=True)
     counts = torch.bincount(batch)
