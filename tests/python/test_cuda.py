@@ -906,6 +906,21 @@ def test_segment_attention_matches_float64(dim, dtype):
     assert all(torch.equal(a, b) for a, b in zip(got, run(torch.int32)))
 
 
+def _biased_per_graph(xs, ptr, scale, bias_of, dropout, state):
+    """float64 attention within each graph [a, b) of ptr with the score bias bias_of(a, b) ([H or
+    1, b - a, b - a]) and, with dropout, the kernels' draws (Philox, computed here)."""
+    heads, outs = xs[0].shape[1], []
+    for a, b in itertools.pairwise(ptr):
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t in xs)
+        w = torch.softmax(scale * qs @ ks.transpose(1, 2) + bias_of(a, b), -1)
+        if dropout > 0:
+            ii, jj = torch.meshgrid(torch.arange(a, b), torch.arange(a, b), indexing="ij")
+            f = philox_factors(ii.flatten(), jj.flatten(), range(heads), state.cpu(), dropout)
+            w = w * f.T.reshape(heads, b - a, b - a)
+        outs.append((w @ vs).transpose(0, 1))
+    return torch.cat(outs)
+
+
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("dim, dropout", [(16, 0.0), (32, 0.0), (64, 0.2), (128, 0.0)])
 def test_segment_attention_pair_bias_matches_float64(dim, dropout, shared):
@@ -936,17 +951,9 @@ def test_segment_attention_pair_bias_matches_float64(dim, dropout, shared):
     xs = [t.double().requires_grad_() for t in qkv.bfloat16().unbind(1)]
     bias = bias0.double().requires_grad_()
     ptr = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(sizes, 0)]).tolist()
-    outs = []
-    for a, b in itertools.pairwise(ptr):
-        qs, ks, vs = (t[a:b].transpose(0, 1) for t in xs)
-        s = scale * qs @ ks.transpose(1, 2) + bias[a:b, :, : b - a].transpose(0, 1)
-        w = torch.softmax(s, -1)
-        if dropout > 0:
-            ii, jj = torch.meshgrid(torch.arange(a, b), torch.arange(a, b), indexing="ij")
-            f = philox_factors(ii.flatten(), jj.flatten(), range(heads), state.cpu(), dropout)
-            w = w * f.T.reshape(heads, b - a, b - a)
-        outs.append((w @ vs).transpose(0, 1))
-    out = torch.cat(outs)
+    out = _biased_per_graph(
+        xs, ptr, scale, lambda a, b: bias[a:b, :, : b - a].transpose(0, 1), dropout, state
+    )
     out.backward(dout.bfloat16().double())
     want = [out.detach(), *(x.grad for x in xs), bias.grad]
     for i, (a, b) in enumerate(zip(got, want)):
@@ -1001,17 +1008,9 @@ def test_segment_attention_edge_bias_matches_float64(dim, dropout, shared):
     local = batch.cpu()[ei[0]] == batch.cpu()[ei[1]]
     pair = torch.zeros(n, n, eb.shape[1], dtype=torch.float64)
     pair = pair.index_put((ei[1, local], ei[0, local]), eb[local], accumulate=True)
-    outs = []
-    for a, b in itertools.pairwise(ptr):
-        qs, ks, vs = (t[a:b].transpose(0, 1) for t in xs)
-        s = scale * qs @ ks.transpose(1, 2) + pair[a:b, a:b].permute(2, 0, 1)
-        w = torch.softmax(s, -1)
-        if dropout > 0:
-            ii, jj = torch.meshgrid(torch.arange(a, b), torch.arange(a, b), indexing="ij")
-            f = philox_factors(ii.flatten(), jj.flatten(), range(heads), state.cpu(), dropout)
-            w = w * f.T.reshape(heads, b - a, b - a)
-        outs.append((w @ vs).transpose(0, 1))
-    out = torch.cat(outs)
+    out = _biased_per_graph(
+        xs, ptr, scale, lambda a, b: pair[a:b, a:b].permute(2, 0, 1), dropout, state
+    )
     out.backward(dout.bfloat16().double())
     want = [out.detach(), *(x.grad for x in xs), eb.grad]
     for i, (a, b) in enumerate(zip(got, want)):
