@@ -1,13 +1,14 @@
 // Attention within segments on CUDA (label gpu; skipped without a device): forward (out, lse) and
 // backward (dq, dk, dv) against the float64 reference over the segments' block-diagonal pattern,
 // for f16 and bf16, head dims 16 - 128, int32 and int64 ids; segments of one row, empty ids
-// (gaps), segments longer than a tile, rows not a multiple of the tile; outputs and workspaces
-// poisoned, bitwise repeatable; bad arguments named.
+// (gaps), segments longer than a tile, rows not a multiple of the tile; a bias per edge (repeated
+// edges); outputs and workspaces poisoned, bitwise repeatable; bad arguments named.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
+#include "../bias_problem.hpp"
 #include "device_tensor.hpp"
 #include "trisparse/ops/segment_attention.hpp"
 
@@ -125,6 +126,149 @@ TEST(GpuSegmentAttention, ForwardAndBackwardMatchTheReference) {
     check(ids, {dim % 64 ? dtype::f16 : dtype::bf16, 3, dim, dim % 32 == 0}, 100);
   check(random_ids(5, 12), {dtype::bf16, 1, 64, false}, 200);
   check(std::vector<std::int64_t>(70, 4), {dtype::f16, 2, 32, true}, 300);  // one segment
+}
+
+// The ids (int64) on the device: an f64 host tensor's bytes carry them.
+test::device_tensor device_ids(const std::vector<std::int64_t>& ids) {
+  host_tensor h(dtype::f64, static_cast<std::int64_t>(ids.size()), 1, 1);
+  std::memcpy(h.data(), ids.data(), ids.size() * 8);
+  return test::device_tensor(h);
+}
+
+// Edges (dst = query, src = key) as segment_edges' packed int32 lists, on the device: by query
+// (keys rising, copies in edge order), then by key (queries rising).
+test::device_tensor edge_lists(std::int64_t rows, const std::vector<std::int64_t>& dst,
+                               const std::vector<std::int64_t>& src) {
+  const auto edges = static_cast<std::int64_t>(dst.size());
+  std::vector<std::int32_t> packed;
+  for (const bool by_key : {false, true}) {
+    const auto& mine = by_key ? src : dst;
+    const auto& other = by_key ? dst : src;
+    std::vector<std::int64_t> order(dst.size());
+    for (std::size_t e = 0; e < order.size(); ++e) order[e] = static_cast<std::int64_t>(e);
+    std::stable_sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) {
+      return std::pair(mine[a], other[a]) < std::pair(mine[b], other[b]);
+    });
+    std::vector<std::int32_t> ptr(static_cast<std::size_t>(rows) + 1, 0);
+    for (const std::int64_t e : order) ++ptr[static_cast<std::size_t>(mine[e]) + 1];
+    for (std::size_t i = 0; i < static_cast<std::size_t>(rows); ++i) ptr[i + 1] += ptr[i];
+    packed.insert(packed.end(), ptr.begin(), ptr.end());
+    for (const std::int64_t e : order) packed.push_back(static_cast<std::int32_t>(other[e]));
+    for (const std::int64_t e : order) packed.push_back(static_cast<std::int32_t>(e));
+  }
+  EXPECT_EQ(static_cast<std::int64_t>(packed.size()), 2 * (rows + 1) + 4 * edges);
+  host_tensor h(dtype::f32, static_cast<std::int64_t>(packed.size()), 1, 1);
+  std::memcpy(h.data(), packed.data(), packed.size() * 4);
+  return test::device_tensor(h);
+}
+
+segment_edges edges_of(test::device_tensor& lists, std::int64_t rows, std::int64_t edges) {
+  const auto* at = static_cast<const std::int32_t*>(lists.view().data);
+  return {edges,
+          at,
+          at + rows + 1,
+          at + rows + 1 + edges,
+          at + rows + 1 + 2 * edges,
+          at + 2 * (rows + 1) + 2 * edges,
+          at + 2 * (rows + 1) + 3 * edges};
+}
+
+// A bias per edge: every pair of the block-diagonal pattern an edge (its entry's bias), every
+// seventh pair a second edge of its own bias (the pair takes their sum, each its dS), in a
+// shuffled order; against the float64 reference with the summed bias per entry: out, lse, dq, dk,
+// dv and every edge's gradient, twice identically.
+TEST(GpuSegmentAttention, EdgeBiasMatchesTheReference) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<std::int64_t> ids = random_ids(30, 21);
+  const auto rows = static_cast<std::int64_t>(ids.size());
+  const csr_graph g = pattern_of(ids);
+  for (const bool shared : {false, true}) {
+    SCOPED_TRACE(shared ? "shared" : "per head");
+    const std::int64_t heads = 2, dim = 64, hb = shared ? 1 : heads;
+    const double scale = 0.125;
+    const test::biased_problem base =
+        test::make_biased_problem(g, heads, dim, dtype::bf16, shared, scale, 31);
+    // The edges: entry e, and a copy of every seventh entry, shuffled; the bias split between them.
+    std::vector<std::int64_t> entry_of;
+    for (std::int64_t e = 0; e < g.nnz(); ++e) {
+      entry_of.push_back(e);
+      if (e % 7 == 0) entry_of.push_back(e);
+    }
+    rng r(5);
+    for (std::size_t i = entry_of.size(); i > 1; --i)
+      std::swap(entry_of[i - 1], entry_of[static_cast<std::size_t>(r.below(i))]);
+    const auto edges = static_cast<std::int64_t>(entry_of.size());
+    std::vector<std::int64_t> dst(entry_of.size()), src(entry_of.size()), row_of(g.nnz());
+    for (std::int64_t i = 0; i < rows; ++i)
+      for (std::int64_t e = g.row_ptr[i]; e < g.row_ptr[i + 1]; ++e) row_of[e] = i;
+    host_tensor edge_bias(dtype::f32, edges, hb, 1), entry_bias(dtype::f32, g.nnz(), hb, 1);
+    edge_bias.fill_uniform(-3.0, 3.0, 41);
+    for (std::int64_t e = 0; e < edges; ++e) {
+      const std::int64_t at = entry_of[static_cast<std::size_t>(e)];
+      dst[static_cast<std::size_t>(e)] = row_of[at];
+      src[static_cast<std::size_t>(e)] = g.col_idx[at];
+      for (std::int64_t h = 0; h < hb; ++h)
+        entry_bias.set(at * hb + h, entry_bias.get(at * hb + h) + edge_bias.get(e * hb + h));
+    }
+    host_tensor out_w(dtype::f64, rows, heads, dim), lse_w(dtype::f64, rows, heads, 1),
+        dq_w(dtype::f64, rows, heads, dim), dk_w(dtype::f64, rows, heads, dim),
+        dv_w(dtype::f64, rows, heads, dim), dbias_w(dtype::f64, g.nnz(), heads, 1);
+    reference::attention(g, base.q.view(), base.k.view(), base.v.view(), out_w.view(), scale,
+                         lse_w.view(), entry_bias.view());
+    reference::attention_backward(g, base.q.view(), base.k.view(), base.v.view(), base.dout.view(),
+                                  dq_w.view(), dk_w.view(), dv_w.view(), scale, dbias_w.view(),
+                                  entry_bias.view());
+    host_tensor dedge_w(dtype::f64, edges, heads, 1);  // each edge: its entry's dS
+    for (std::int64_t e = 0; e < edges; ++e)
+      for (std::int64_t h = 0; h < heads; ++h)
+        dedge_w.set(e * heads + h, dbias_w.get(entry_of[static_cast<std::size_t>(e)] * heads + h));
+
+    test::device_tensor ids_d = device_ids(ids), lists = edge_lists(rows, dst, src);
+    const auto plan = segment_attention_plan::build({rows, ids_d.view().data, true, 0},
+                                                    edges_of(lists, rows, edges));
+    test::device_tensor q(base.q), k(base.k), v(base.v), dout(base.dout), bias(edge_bias);
+    test::device_tensor out(host_tensor(dtype::bf16, rows, heads, dim)),
+        lse(host_tensor(dtype::f32, rows, heads, 1)),
+        dedge(host_tensor(dtype::f32, edges, heads, 1));
+    const std::size_t bytes = plan.backward_workspace_bytes(heads);
+    test::device_tensor ws(host_tensor(dtype::f32, static_cast<std::int64_t>(bytes / 4 + 1), 1, 1));
+    host_tensor got_out;
+    test::run_twice_identically(
+        out,
+        [&] {
+          plan.run(q.view(), k.view(), v.view(), out.view(),
+                   {.scale = scale, .lse = lse.view(), .bias = bias.view()},
+                   {ws.view().data, bytes});
+        },
+        got_out);
+    expect_close(got_out, out_w, test::gpu_tolerance(dtype::bf16, dtype::bf16, 8), "out");
+    expect_close(lse.download(), lse_w, 1e-5, "lse");
+    test::device_tensor dq(host_tensor(dtype::bf16, rows, heads, dim)),
+        dk(host_tensor(dtype::bf16, rows, heads, dim)),
+        dv(host_tensor(dtype::bf16, rows, heads, dim));
+    host_tensor got_dedge;
+    test::run_twice_identically(
+        dedge,
+        [&] {
+          for (test::device_tensor* t : {&dq, &dk, &dv}) t->poison();
+          plan.backward(q.view(), k.view(), v.view(), out.view(), lse.view(), dout.view(),
+                        dq.view(), dk.view(), dv.view(),
+                        {.scale = scale, .bias = bias.view(), .dbias = dedge.view()},
+                        {ws.view().data, bytes});
+        },
+        got_dedge);
+    const double gtol = test::gpu_tolerance(dtype::bf16, dtype::bf16, 16);
+    expect_close(dq.download(), dq_w, gtol, "dq");
+    expect_close(dk.download(), dk_w, gtol, "dk");
+    expect_close(dv.download(), dv_w, gtol, "dv");
+    expect_close(got_dedge, dedge_w, gtol, "dedge");
+  }
+  // Lists missing where query_ptr is set, a bias not [E, H or 1, 1]: named.
+  test::device_tensor ids_d = device_ids(ids);
+  segment_edges partial{};
+  partial.query_ptr = static_cast<const std::int32_t*>(ids_d.view().data);
+  EXPECT_THROW(segment_attention_plan::build({rows, ids_d.view().data, true, 0}, partial),
+               invalid_input);
 }
 
 TEST(GpuSegmentAttention, BadArgumentsAreNamed) {
