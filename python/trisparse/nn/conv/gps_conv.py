@@ -77,7 +77,7 @@ class _BatchPatterns:
         key = (getattr(edge_index, "_version", None), num_nodes)
         cached = self._edge_lists
         if cached is None or cached[0] is not edge_index or cached[1] != key:
-            self._edge_lists = cached = (edge_index, key, _edge_lists(edge_index.long(), num_nodes))
+            self._edge_lists = cached = (edge_index, key, _edge_lists(edge_index, num_nodes))
         return cached[2]
 
     def check_local(self, edge_index: Tensor, batch: Tensor) -> None:
