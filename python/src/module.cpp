@@ -457,17 +457,10 @@ struct py_gat_plan {
 /// query_ptr [rows + 1], query_key, query_edge [E], key_ptr [rows + 1], key_query, key_edge [E].
 segment_attention_plan segment_plan(std::int64_t rows, std::uintptr_t ids, bool ids_64, int device,
                                     std::uintptr_t edges = 0, std::int64_t num_edges = 0) {
-  segment_edges lists{};
-  if (edges != 0) {
-    const auto* at = reinterpret_cast<const std::int32_t*>(edges);
-    lists = {num_edges,
-             at,
-             at + rows + 1,
-             at + rows + 1 + num_edges,
-             at + rows + 1 + 2 * num_edges,
-             at + 2 * (rows + 1) + 2 * num_edges,
-             at + 2 * (rows + 1) + 3 * num_edges};
-  }
+  const segment_edges lists =
+      edges == 0
+          ? segment_edges{}
+          : packed_segment_edges(reinterpret_cast<const std::int32_t*>(edges), rows, num_edges);
   return segment_attention_plan::build(
       {rows, reinterpret_cast<const void*>(ids), ids_64, device < 0 ? 0 : device}, lists);
 }

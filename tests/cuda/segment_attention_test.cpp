@@ -162,17 +162,6 @@ test::device_tensor edge_lists(std::int64_t rows, const std::vector<std::int64_t
   return test::device_tensor(h);
 }
 
-segment_edges edges_of(test::device_tensor& lists, std::int64_t rows, std::int64_t edges) {
-  const auto* at = static_cast<const std::int32_t*>(lists.view().data);
-  return {edges,
-          at,
-          at + rows + 1,
-          at + rows + 1 + edges,
-          at + rows + 1 + 2 * edges,
-          at + 2 * (rows + 1) + 2 * edges,
-          at + 2 * (rows + 1) + 3 * edges};
-}
-
 // A bias per edge: every pair of the block-diagonal pattern an edge (its entry's bias), every
 // seventh pair a second edge of its own bias (the pair takes their sum, each its dS), in a
 // shuffled order; against the float64 reference with the summed bias per entry: out, lse, dq, dk,
@@ -224,8 +213,9 @@ TEST(GpuSegmentAttention, EdgeBiasMatchesTheReference) {
         dedge_w.set(e * heads + h, dbias_w.get(entry_of[static_cast<std::size_t>(e)] * heads + h));
 
     test::device_tensor ids_d = device_ids(ids), lists = edge_lists(rows, dst, src);
-    const auto plan = segment_attention_plan::build({rows, ids_d.view().data, true, 0},
-                                                    edges_of(lists, rows, edges));
+    const auto plan = segment_attention_plan::build(
+        {rows, ids_d.view().data, true, 0},
+        packed_segment_edges(static_cast<const std::int32_t*>(lists.view().data), rows, edges));
     test::device_tensor q(base.q), k(base.k), v(base.v), dout(base.dout), bias(edge_bias);
     test::device_tensor out(host_tensor(dtype::bf16, rows, heads, dim)),
         lse(host_tensor(dtype::f32, rows, heads, 1)),

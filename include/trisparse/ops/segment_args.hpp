@@ -34,4 +34,19 @@ struct segment_edges {
   const std::int32_t* key_edge = nullptr;
 };
 
+/// The lists packed in one int32 array in the order above (query_ptr [rows + 1], query_key,
+/// query_edge [E], key_ptr [rows + 1], key_query, key_edge [E]: 2 (rows + 1) + 4 E values, as
+/// trisparse.segment_attention makes them).
+inline segment_edges packed_segment_edges(const std::int32_t* lists, std::int64_t rows,
+                                          std::int64_t edges) {
+  const std::int32_t* by_key = lists + rows + 1 + 2 * edges;
+  return {edges,
+          lists,
+          lists + rows + 1,
+          lists + rows + 1 + edges,
+          by_key,
+          by_key + rows + 1,
+          by_key + rows + 1 + edges};
+}
+
 }  // namespace trisparse
