@@ -180,6 +180,7 @@ def main():
     ap.add_argument("--graphs", type=int, nargs="+", default=[0, 128, 1024])
     ap.add_argument("--heads-dims", nargs="+", default=["4x16", "4x64"])
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--cases", nargs="+", help="only these columns (e.g. trisparse_edges)")
     a = ap.parse_args()
     dev = torch.device("cuda")
     from torch.nn.attention.flex_attention import flex_attention
@@ -213,7 +214,11 @@ def main():
             cases += [("trisparse_segments", segments(batch, ei, n_max))]
             cases += [("trisparse_edges", edges(batch, ei))]
             cases += [("pyg_padded", padded(batch, ei, start, n_max))]
+            if a.cases:
+                cases = [c for c in cases if c[0] in a.cases]
             try:
+                if a.cases and "flex" not in a.cases:
+                    raise RuntimeError("not asked for (--cases)")
                 begin, end = torch.cuda.Event(True), torch.cuda.Event(True)
                 begin.record()
                 attend = flex(batch, ei, start, n_max, compiled)
