@@ -34,7 +34,7 @@ build_module() {  # $1: the prebuilt library, or empty to build it from source
 # Only the packed test binaries (no pytest, benchmarks or pytest under memcheck): no module.
 python_needed=1
 if [ "${PYTEST_K:-}" = none ] && [ -z "${SANITIZE_K:-}" ] &&
-  [ "${BENCH:-0}${BLOCK:-0}${EXPHORMER:-0}${GPS:-0}${TRAIN:-0}" = 00000 ]; then
+  [ "${BENCH:-0}${BLOCK:-0}${EXPHORMER:-0}${GPS:-0}${TRAIN:-0}" = 00000 ] && [ -z "${AB_ENVS:-}" ]; then
   python_needed=0
 fi
 lib=
@@ -186,5 +186,18 @@ if [ "${TRAIN:-0}" = 1 ]; then
     done
   done
   tail -3 "$out/stderr.log"
+fi
+# AB_ENVS ("NAME=a NAME=b ..."): AB_CMD (a command printing JSON lines, read by bash -c) under each
+# setting in turn and then in reverse order (A B B A for two), each line labelled with its setting,
+# into $out/ab_env.jsonl: an A/B of a runtime switch in one build.
+if [ -n "${AB_ENVS:-}" ]; then
+  read -ra envs <<< "$AB_ENVS"
+  order=("${envs[@]}")
+  for ((i = ${#envs[@]} - 1; i >= 0; i--)); do order+=("${envs[i]}"); done
+  for e in "${order[@]}"; do
+    env "$e" PYTHONPATH=build/device/python bash -c "$AB_CMD" 2>> "$out/stderr.log" |
+      sed "s/^{/{\"env\": \"$e\", /" >> "$out/ab_env.jsonl" || status=1
+    echo "$e: $((SECONDS - start)) s"
+  done
 fi
 exit $status
