@@ -6,7 +6,8 @@
 # of test_cuda.py; "none" skips them), and with BENCH=1 the layer benchmarks
 # (bench/python/transformer_conv.py, both layers, on BENCH_GRAPHS; BENCH_ARGS, default: edge
 # features and a random 10M-edge multigraph), with GPS=1 GPS's global attention (bench/python/gps_attention.py), with
-# TRAIN=1 GPS training on OGB molecules (below). Build and pack here first:
+# TRAIN=1 GPS training on OGB molecules, with AB_ENVS an A/B of a runtime switch (both below).
+# Build and pack here first:
 #   cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRISPARSE_CUDA=ON \
 #         -DCMAKE_CUDA_ARCHITECTURES=90 -DTRISPARSE_DATASETS_DIR=data
 #   scripts/devpack.sh && mkdir -p .devlibs data
