@@ -204,7 +204,9 @@ TEST(GpuSegmentAttention, EdgeBiasMatchesTheReference) {
         dv_w(dtype::f64, rows, heads, dim), dbias_w(dtype::f64, g.nnz(), heads, 1);
     reference::attention(g, base.q.view(), base.k.view(), base.v.view(), out_w.view(), scale,
                          lse_w.view(), entry_bias.view());
-    reference::attention_backward(g, base.q.view(), base.k.view(), base.v.view(), base.dout.view(),
+    host_tensor dout16(dtype::bf16, rows, heads, dim);  // dout in q's dtype, as the plan takes it
+    for (std::int64_t i = 0; i < dout16.numel(); ++i) dout16.set(i, base.dout.get(i));
+    reference::attention_backward(g, base.q.view(), base.k.view(), base.v.view(), dout16.view(),
                                   dq_w.view(), dk_w.view(), dv_w.view(), scale, dbias_w.view(),
                                   entry_bias.view());
     host_tensor dedge_w(dtype::f64, edges, heads, 1);  // each edge: its entry's dS
@@ -216,7 +218,7 @@ TEST(GpuSegmentAttention, EdgeBiasMatchesTheReference) {
     const auto plan = segment_attention_plan::build(
         {rows, ids_d.view().data, true, 0},
         packed_segment_edges(static_cast<const std::int32_t*>(lists.view().data), rows, edges));
-    test::device_tensor q(base.q), k(base.k), v(base.v), dout(base.dout), bias(edge_bias);
+    test::device_tensor q(base.q), k(base.k), v(base.v), dout(dout16), bias(edge_bias);
     test::device_tensor out(host_tensor(dtype::bf16, rows, heads, dim)),
         lse(host_tensor(dtype::f32, rows, heads, 1)),
         dedge(host_tensor(dtype::f32, edges, heads, 1));
