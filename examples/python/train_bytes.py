@@ -14,7 +14,8 @@ blocks by: random scores; pooled q . k (topk: the routing rule of trisparse.topk
 pooled_block_mass); the exact attention mass summed over --learn-samples training sequences
 (learned: offline, then applied to the held-out sequence); a trisparse.BlockGate per layer trained
 by distillation on the same samples (gate: --gate-steps Adam steps against their block mass, then
-applied to the held-out sequence's own pooled q and k); the held-out sequence's own blocks for the
+applied to the held-out sequence's own pooled q and k; gate_p<S>x<T>: the same with --gate-probes
+S x T, each block pooled as S query and T key probes); the held-out sequence's own blocks for the
 output (output: trisparse.prune_blocks_by_output on its masses and value sums, per sample as the
 oracle); the held-out sequence's own mass (oracle: how sparse its attention really is;
 oracle_mass_kept is the mass its blocks hold). local_strided is a band of blocks and every stride-th
@@ -353,6 +354,7 @@ def error_table(args, data, split):
                 "seed": args.seed,
                 "learn_samples": args.learn_samples,
                 "gate_steps": args.gate_steps,
+                "gate_probes": args.gate_probes,
                 "device": args.device,
                 "loaded_from": args.load_model,
             }
@@ -364,19 +366,22 @@ def error_table(args, data, split):
         [trisparse.block_mass(x[layer][0], x[layer][1], g, True) for x in learn]
         for layer in range(args.layers)
     ]
-    # A gate per layer and distillation length: "gate" the first, "gate_<steps>" the others.
-    gate_names = ["gate"] + [f"gate_{n}" for n in args.gate_steps[1:]]
-    methods = ("random", "local_strided", "topk", "learned", *gate_names, "output", "oracle")
-    gates = {name: [] for name in gate_names}
+    # A gate per layer and setting: "gate" the first distillation length, "gate_<steps>" the
+    # others, "gate_p<S>x<T>" the first length with probes (S, T).
+    settings = {"gate": (args.gate_steps[0], 1)}
+    settings.update({f"gate_{n}": (n, 1) for n in args.gate_steps[1:]})
+    settings.update({f"gate_p{p[0]}x{p[1]}": (args.gate_steps[0], p) for p in args.gate_probes})
+    methods = ("random", "local_strided", "topk", "learned", *settings, "output", "oracle")
+    gates = {name: [] for name in settings}
     for layer in range(args.layers):
         q0 = learn[0][layer][0]
         samples = [
             (x[layer][0].to(device), x[layer][1].to(device), m.to(device))
             for x, m in zip(learn, masses[layer], strict=True)
         ]
-        for name, steps in zip(gate_names, args.gate_steps, strict=True):
-            gate = trisparse.BlockGate(q0.shape[0], q0.shape[2], g, causal=True).to(device)
-            gate.fit(samples, steps=steps)
+        for name, (steps, probes) in settings.items():
+            gate = trisparse.BlockGate(q0.shape[0], q0.shape[2], g, causal=True, probes=probes)
+            gate.to(device).fit(samples, steps=steps)
             gates[name].append(gate)
     causal_blocks = torch.ones(nb, nb, dtype=torch.bool).tril()
     for s in args.sparsity:
@@ -618,6 +623,14 @@ def train_table(args, data, split):
         print(json.dumps(row), flush=True)
 
 
+def probe_pair(text: str) -> tuple[int, int]:
+    """--gate-probes' S or SxT."""
+    parts = text.lower().split("x")
+    if len(parts) > 2 or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"probes are S or SxT (positive integers), got {text!r}")
+    return (int(parts[0]), int(parts[-1]))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", choices=("errors", "train", "cost"), default="errors")
@@ -638,6 +651,13 @@ def main():
         nargs="+",
         default=[300],
         help="BlockGate distillation steps (several: a gate each, columns gate_<steps>)",
+    )
+    ap.add_argument(
+        "--gate-probes",
+        type=probe_pair,
+        nargs="*",
+        default=[],
+        help="--mode errors: a gate each with BlockGate probes S or SxT (columns gate_p<S>x<T>)",
     )
     ap.add_argument(
         "--learner",

@@ -28,6 +28,11 @@ class _Layout(NamedTuple):
     constant: Tensor  # [qb, kb] log(keys in c); -inf where causal excludes the block
     diagonal: Tensor  # [qb, kb] bool: the blocks selection always keeps
     allowed: Tensor | None  # [qb, kb] bool, causal: the blocks selection may keep
+    # With probes (S, T) other than (1, 1), else None:
+    probe_rows: Tensor | None  # [qb S] query rows a probe
+    probe_keys: Tensor | None  # [kb T] keys a probe
+    probe_weight: Tensor | None  # [qb, S, 1] log(rows of the probe / rows of its block)
+    probe_constant: Tensor | None  # [qb or 1, S or 1, kb, T] log(keys a probe); none seen: low
 
 
 class BlockGate(nn.Module):
@@ -46,6 +51,14 @@ class BlockGate(nn.Module):
     :func:`block_mass`, each block row a distribution), so that it ranks blocks by the mass they
     really hold.
 
+    ``probes`` (S or (S, T), each dividing block_size) pools finer: each query block as S probes
+    of G / S rows and each key block as T probes of G / T keys, with the same weights. A probe's
+    score for key block c is the log-sum-exp over c's key probes of the score above (its
+    log-count that of the key probe, causal at the probes' rows) plus the bias; the block row's
+    estimate is the mean of its probes' softmaxes over c, weighted by their rows, as the true
+    block mass is the mean of its rows' (untrained, probes = G is :func:`block_mass` itself).
+    It costs S T times the pooled scores ([H, qb S, kb T]).
+
     q and k are [H, N, D] (one input: a sequence, or a graph's nodes in a block-friendly order) or
     [B, H, N, D] (a batch, each sequence its own blocks). A selection is two small GEMMs over
     N / G pooled rows, a top-k per block row and some 20 torch ops: below 32K rows on an H200 the
@@ -61,6 +74,7 @@ class BlockGate(nn.Module):
         causal: bool = False,
         max_distance: int = 64,
         scale: float | None = None,
+        probes: int | tuple[int, int] = 1,
     ):
         super().__init__()
         if heads < 1 or head_dim < 1 or block_size < 1 or max_distance < 0:
@@ -68,6 +82,13 @@ class BlockGate(nn.Module):
                 f"heads, head_dim and block_size must be positive and max_distance >= 0, got "
                 f"{heads}, {head_dim}, {block_size}, {max_distance}"
             )
+        pair = (probes, probes) if isinstance(probes, int) else tuple(probes)
+        if len(pair) != 2 or any(p < 1 or block_size % p for p in pair):
+            raise ValueError(
+                f"probes must be S or (S, T), each a positive divisor of block_size "
+                f"{block_size}, got {probes}"
+            )
+        self.probes = (int(pair[0]), int(pair[1]))
         self.heads, self.head_dim, self.block_size = heads, head_dim, int(block_size)
         self.causal, self.max_distance = bool(causal), int(max_distance)
         self.scale = _tensors.resolve_scale(scale, head_dim)
@@ -115,19 +136,51 @@ class BlockGate(nn.Module):
                 constant = constant.masked_fill(c * g > last, -math.inf)
             diagonal = torch.eye(qb, kb, dtype=torch.bool, device=device)
             allowed = torch.isfinite(constant) if self.causal else None
+            probed = self._probe_layout(n_q, n_k, rows, device) if self.probes != (1, 1) else ()
             hit = _Layout(
-                rows, keys, slot + self.max_distance, constant.contiguous(), diagonal, allowed
+                rows,
+                keys,
+                slot + self.max_distance,
+                constant.contiguous(),
+                diagonal,
+                allowed,
+                *(probed or (None,) * 4),
             )
             if len(self._layouts) >= 16:
                 self._layouts.clear()
             self._layouts[key] = hit
         return hit
 
-    def _pooled(self, x: Tensor, counts: Tensor, with_extremes: bool) -> Tensor:
-        """Each block's mean row (and max and min rows) [..., H, blocks, D or 3D] in the
-        parameters' dtype, reduced from x's own dtype (no converted copy of x: the mean
-        accumulates in the parameters' dtype, max and min are exact in any)."""
-        g, lead, (n, d) = self.block_size, x.shape[:-2], x.shape[-2:]
+    def _probe_layout(self, n_q: int, n_k: int, rows: Tensor, device: torch.device) -> tuple:
+        """_Layout's probe fields: each probe's rows or keys, the query probes' weights in their
+        block (log of their share of its rows; -inf for a probe past the last row) and the key
+        probes' log-counts, causal per probe (a key probe counts for a query probe where its
+        first key is at or before the probe's last row; the diagonal block's first key probe
+        always does). Excluded terms take a very low finite value, not -inf, so that the
+        log-sum-exps' gradients stay finite; blocks causal excludes are set to -inf after."""
+        s, t = self.probes
+        g, dtype = self.block_size, self.wq.dtype
+        gs, gt = g // s, g // t
+        qb, kb = rows.numel(), -(-n_k // g)
+        q_start = torch.arange(qb * s, device=device) * gs
+        k_start = torch.arange(kb * t, device=device) * gt
+        probe_rows = torch.clamp(n_q - q_start, 0, gs)
+        probe_keys = torch.clamp(n_k - k_start, 0, gt)
+        weight = (probe_rows.view(qb, s).to(dtype) / rows.to(dtype)[:, None]).log()[..., None]
+        low = torch.finfo(dtype).min / 4
+        constant = probe_keys.to(dtype).log().clamp(min=low).view(1, 1, kb, t)
+        if self.causal:
+            last = torch.clamp(q_start + gs, max=n_q) - 1 + (n_k - n_q)
+            seen = k_start[None, :] <= last[:, None]  # [qb s, kb t]
+            constant = constant.expand(qb, s, kb, t).masked_fill(~seen.view(qb, s, kb, t), low)
+        return probe_rows, probe_keys, weight, constant.contiguous()
+
+    def _pooled(self, x: Tensor, counts: Tensor, with_extremes: bool, size: int = 0) -> Tensor:
+        """Each block's (of `size` rows, default block_size) mean row (and max and min rows)
+        [..., H, blocks, D or 3D] in the parameters' dtype, reduced from x's own dtype (no
+        converted copy of x: the mean accumulates in the parameters' dtype, max and min are exact
+        in any); zeros for a block past the last row."""
+        g, lead, (n, d) = size or self.block_size, x.shape[:-2], x.shape[-2:]
         blocks, dtype = counts.numel(), self.wq.dtype
         pad = blocks * g - n
         if pad == 0:  # whole blocks: no padding rows to keep out of max and min
@@ -137,13 +190,16 @@ class BlockGate(nn.Module):
                 return mean
             return torch.cat([mean, grid.amax(-2).to(dtype), grid.amin(-2).to(dtype)], -1)
         grid = nn.functional.pad(x, (0, 0, 0, pad)).view(*lead, blocks, g, d)
-        mean = grid.sum(-2, dtype=dtype) / counts.to(dtype)[:, None]
+        mean = grid.sum(-2, dtype=dtype) / counts.clamp(min=1).to(dtype)[:, None]
         if not with_extremes:
             return mean
         grid = nn.functional.pad(x, (0, 0, 0, pad), value=math.nan).view(*lead, blocks, g, d)
         high = grid.nan_to_num(-math.inf).amax(-2).to(dtype)
         low = grid.nan_to_num(math.inf).amin(-2).to(dtype)
-        return torch.cat([mean, high, low], -1)
+        extremes = torch.cat([high, low], -1)
+        if pad >= g:  # probes past the last row (their mean is 0 already)
+            extremes = extremes.masked_fill((counts == 0)[:, None], 0.0)
+        return torch.cat([mean, extremes], -1)
 
     def _scores(self, q: Tensor, k: Tensor, layout: _Layout, constant: Tensor) -> Tensor:
         """scale (q̄ Wq) · (k̄ Wk) + `constant` [H, qb, kb] (the bias and log-count terms): the
@@ -155,12 +211,28 @@ class BlockGate(nn.Module):
             return torch.baddbmm(constant, a, b)
         return torch.matmul(a, b) + constant
 
+    def _probed(self, q: Tensor, k: Tensor, layout: _Layout) -> Tensor:
+        """The log block mass with probes (S, T): [.., H, qb S, kb T] probe scores, the
+        log-sum-exp over each key block's probes, the bias, a softmax over key blocks per query
+        probe, the probes' row-weighted mean per block row; causal's excluded blocks -inf."""
+        (s, t), g = self.probes, self.block_size
+        qb, kb = layout.rows.numel(), layout.keys.numel()
+        a = (self._pooled(q, layout.probe_rows, False, g // s) @ self.wq) * self.scale
+        b = (self._pooled(k, layout.probe_keys, True, g // t) @ self.wk).transpose(-1, -2)
+        scores = torch.matmul(a, b).unflatten(-1, (kb, t)).unflatten(-3, (qb, s))
+        logits = torch.logsumexp(scores + layout.probe_constant, -1)  # [.., H, qb, s, kb]
+        logits = logits + self.bias[:, layout.slot].unsqueeze(-2)
+        logp = torch.logsumexp(torch.log_softmax(logits, -1) + layout.probe_weight, -2)
+        return logp.masked_fill(~layout.allowed, -math.inf) if self.causal else logp
+
     def forward(self, q: Tensor, k: Tensor) -> Tensor:
         """The gate's log block mass [(B,) H, query blocks, key blocks] for q [(B,) H, N_q, D],
         k [(B,) H, N_k, D] (float32, or the parameters' dtype; excluded causal blocks -inf,
         each block row's exp summing to 1)."""
         self._check(q, k)
         layout = self._layout(q.shape[-2], k.shape[-2], q.device)
+        if self.probes != (1, 1):
+            return self._probed(q, k, layout)
         constant = self.bias[:, layout.slot] + layout.constant
         return torch.log_softmax(self._scores(q, k, layout, constant), -1)
 
@@ -226,7 +298,10 @@ class BlockGate(nn.Module):
             layout = self._layout(q.shape[-2], k.shape[-2], q.device)
             # Ranked by the scores themselves (the softmax keeps each row's order); the diagonal
             # forced by +inf in the constant term, made once per layout and parameters' version.
-            scores = self._scores(q, k, layout, self._select_constant(layout))
+            if self.probes != (1, 1):  # ranked by the estimate itself, the diagonal forced
+                scores = self._probed(q, k, layout).masked_fill(layout.diagonal, math.inf)
+            else:
+                scores = self._scores(q, k, layout, self._select_constant(layout))
             kb = scores.shape[-1]
             top = scores.topk(max(1, round((1.0 - sparsity) * kb)), -1).indices
             keep = torch.zeros(scores.shape, dtype=torch.bool, device=q.device)

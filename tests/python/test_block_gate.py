@@ -49,6 +49,32 @@ def test_an_untrained_gate_is_the_pooled_estimate(causal):
     assert torch.allclose(got.sum(-1), torch.ones(H, got.shape[1], dtype=torch.float64))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n_q, n_k", [(200, 200), (256, 256), (130, 190)])
+def test_probes_of_one_row_are_the_true_block_mass(causal, n_q, n_k):
+    """Untrained, probes pool finer: with a probe per row and per key the gate's estimate is the
+    exact block mass (causal per row, ragged ends); probes (1, 1) are the plain gate."""
+    gen = torch.Generator().manual_seed(n_q + n_k)
+    q = torch.randn(H, n_q, D, generator=gen, dtype=torch.float64)
+    k = torch.randn(H, n_k, D, generator=gen, dtype=torch.float64)
+    gate = trisparse.BlockGate(H, D, G, causal=causal, probes=G).double()
+    with torch.no_grad():
+        got = gate(q, k).exp()
+        plain = trisparse.BlockGate(H, D, G, causal=causal, probes=(1, 1)).double()(q, k)
+        assert torch.equal(plain, trisparse.BlockGate(H, D, G, causal=causal).double()(q, k))
+    torch.testing.assert_close(got, trisparse.block_mass(q, k, G, causal), rtol=0, atol=1e-12)
+    # Coarser probes: an estimate between the two, each block row summing to 1, finite
+    # gradients (excluded terms never -inf inside the log-sum-exps), causal blocks excluded.
+    coarse = trisparse.BlockGate(H, D, G, causal=causal, probes=(4, 8)).double()
+    logp = coarse(q, k)
+    torch.testing.assert_close(logp.exp().sum(-1), torch.ones(logp.shape[:-1], dtype=q.dtype))
+    assert torch.equal(torch.isfinite(logp), torch.isfinite(plain))
+    coarse.loss(q, k, trisparse.block_mass(q, k, G, causal)).backward()
+    assert all(torch.isfinite(p.grad).all() for p in coarse.parameters())
+    with pytest.raises(ValueError, match="probes"):
+        trisparse.BlockGate(H, D, G, probes=(3, 1))
+
+
 def test_distillation_finds_planted_blocks_pooled_means_miss():
     n = 1024
     samples = [planted(n, seed) for seed in range(4)]
@@ -128,10 +154,11 @@ def test_gate_learner_distils_while_training_and_attends_under_its_blocks(device
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_select_is_prune_blocks_of_the_gates_mass(causal):
+@pytest.mark.parametrize("probes", [1, (2, 4)])
+def test_select_is_prune_blocks_of_the_gates_mass(causal, probes):
     gen = torch.Generator().manual_seed(4)
     q, k = torch.randn(2, H, 1000, D, generator=gen), torch.randn(2, H, 1000, D, generator=gen)
-    gate = trisparse.BlockGate(H, D, G, causal=causal)
+    gate = trisparse.BlockGate(H, D, G, causal=causal, probes=probes)
     with torch.no_grad():
         gate.bias.normal_(generator=gen)
         logp = gate(q, k)
