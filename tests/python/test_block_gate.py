@@ -63,8 +63,8 @@ def test_probes_of_one_row_are_the_true_block_mass(causal, n_q, n_k):
         plain = trisparse.BlockGate(H, D, G, causal=causal, probes=(1, 1)).double()(q, k)
         assert torch.equal(plain, trisparse.BlockGate(H, D, G, causal=causal).double()(q, k))
     torch.testing.assert_close(got, trisparse.block_mass(q, k, G, causal), rtol=0, atol=1e-12)
-    # Coarser probes: an estimate between the two, each block row summing to 1, finite
-    # gradients (excluded terms never -inf inside the log-sum-exps), causal blocks excluded.
+    # Coarser probes: each block row's estimate sums to 1, the blocks causal excludes stay
+    # excluded, and the gradients are finite (no -inf inside the log-sum-exps).
     coarse = trisparse.BlockGate(H, D, G, causal=causal, probes=(4, 8)).double()
     logp = coarse(q, k)
     torch.testing.assert_close(logp.exp().sum(-1), torch.ones(logp.shape[:-1], dtype=q.dtype))
