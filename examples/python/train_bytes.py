@@ -599,6 +599,7 @@ def train_table(args, data, split):
                     warmup=args.learner_warmup,
                     fit_every=args.learner_every,
                     fit_steps=args.gate_fit_steps,
+                    probes=args.gate_probes[0] if args.gate_probes else 1,
                 )
                 for _ in range(args.layers)
             ]
@@ -620,6 +621,7 @@ def train_table(args, data, split):
             row["track_every"] = args.track_every
         elif s > 0:
             row["gate_fit_steps"] = args.gate_fit_steps
+            row["gate_probes"] = list(args.gate_probes[0]) if args.gate_probes else [1, 1]
         print(json.dumps(row), flush=True)
 
 
@@ -657,7 +659,8 @@ def main():
         type=probe_pair,
         nargs="*",
         default=[],
-        help="--mode errors: a gate each with BlockGate probes S or SxT (columns gate_p<S>x<T>)",
+        help="--mode errors: a gate each with BlockGate probes S or SxT (columns gate_p<S>x<T>); "
+        "--mode train --learner gate: the GateLearners' probes (the first)",
     )
     ap.add_argument(
         "--learner",

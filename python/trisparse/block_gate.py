@@ -349,7 +349,8 @@ class GateLearner:
     (``learner.gate``), not the model's, so keep the learner a plain attribute of the module (as
     :class:`PatternLearner`), out of the model's optimizer. Evaluation calls (no gradients)
     attend only: dense before the warm-up's end, block-sparse after. ``last_loss`` is the latest
-    distillation loss (a device tensor: reading it synchronises)."""
+    distillation loss (a device tensor: reading it synchronises). ``probes``: the gate's
+    (:class:`BlockGate`)."""
 
     def __init__(
         self,
@@ -363,6 +364,7 @@ class GateLearner:
         fit_steps: int = 1,
         lr: float = 1e-2,
         max_distance: int = 64,
+        probes: int | tuple[int, int] = 1,
     ):
         if not 0.0 <= sparsity < 1.0:
             raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
@@ -371,7 +373,7 @@ class GateLearner:
                 f"fit_every must be >= 1, fit_steps and warmup >= 0, got {fit_every}, "
                 f"{fit_steps}, {warmup}"
             )
-        self.gate = BlockGate(heads, head_dim, block_size, causal, max_distance)
+        self.gate = BlockGate(heads, head_dim, block_size, causal, max_distance, probes=probes)
         self.sparsity, self.causal, self.warmup = sparsity, bool(causal), warmup
         self.fit_every, self.fit_steps, self.lr = fit_every, fit_steps, lr
         self.steps = 0

@@ -104,8 +104,10 @@ def _gate_learner_steps(learner, inputs, v):
     return out, [t.grad for t in leaves]
 
 
-@pytest.mark.parametrize("device", ["cpu", CUDA])
-def test_gate_learner_distils_while_training_and_attends_under_its_blocks(device):
+@pytest.mark.parametrize(
+    "device, probes", [("cpu", 1), ("cpu", (2, 4)), pytest.param("cuda", 1, marks=CUDA.marks)]
+)
+def test_gate_learner_distils_while_training_and_attends_under_its_blocks(device, probes):
     """A GateLearner called in place of the attention: dense through the warm-up, distilling
     the gate on each step's exact block mass; past it, block-sparse under each input's own
     blocks (the output and the gradients of q, k, v those of block_sparse_attention under the
@@ -116,8 +118,19 @@ def test_gate_learner_distils_while_training_and_attends_under_its_blocks(device
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     torch.manual_seed(0)
     learner = trisparse.GateLearner(
-        H, dim, G, 0.9, causal=True, warmup=4, fit_every=1, fit_steps=40, lr=3e-2, max_distance=8
+        H,
+        dim,
+        G,
+        0.9,
+        causal=True,
+        warmup=4,
+        fit_every=1,
+        fit_steps=40,
+        lr=3e-2,
+        max_distance=8,
+        probes=probes,
     )
+    assert learner.gate.probes == ((probes, probes) if isinstance(probes, int) else probes)
     v = torch.randn(H, n, dim, generator=torch.Generator().manual_seed(7)).to(device, dtype)
 
     def on_device(seed):

@@ -55,9 +55,11 @@ def test_error_table_from_saved_weights(tmp_path):
 
 @pytest.mark.parametrize("learner", ["pattern", "gate"])
 def test_train_rows(learner):
-    dense, learned = _rows("--mode", "train", "--learner", learner, "--learner-every", "1")
+    probes = ["--gate-probes", "2x4"] if learner == "gate" else []
+    dense, learned = _rows("--mode", "train", "--learner", learner, "--learner-every", "1", *probes)
     assert dense["mode"] == "dense" and learned["mode"] == "learned"
     assert learned["learner"] == learner and learned["sparsity"] == 0.5
+    assert learner == "pattern" or learned["gate_probes"] == [2, 4]
     for row in (dense, learned):  # 3 steps from uniform bytes (8 bits): a little learned
         assert 0.0 < row["bits_per_byte"] < 8.0 and row["step_ms"] is None  # (CPU: not timed)
     (only,) = _rows("--mode", "train", "--skip-dense", "--track-every", "1")
