@@ -584,6 +584,7 @@ def setting(args):
 
 
 def train_table(args, data, split):
+    probes = args.gate_probes[0] if args.gate_probes else (1, 1)  # --learner gate's
     for s in ([] if args.skip_dense else [0.0]) + args.sparsity:
         learners = None
         if s > 0 and args.learner == "pattern":
@@ -599,7 +600,7 @@ def train_table(args, data, split):
                     warmup=args.learner_warmup,
                     fit_every=args.learner_every,
                     fit_steps=args.gate_fit_steps,
-                    probes=args.gate_probes[0] if args.gate_probes else 1,
+                    probes=probes,
                 )
                 for _ in range(args.layers)
             ]
@@ -621,7 +622,7 @@ def train_table(args, data, split):
             row["track_every"] = args.track_every
         elif s > 0:
             row["gate_fit_steps"] = args.gate_fit_steps
-            row["gate_probes"] = list(args.gate_probes[0]) if args.gate_probes else [1, 1]
+            row["gate_probes"] = list(probes)
         print(json.dumps(row), flush=True)
 
 

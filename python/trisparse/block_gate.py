@@ -136,7 +136,6 @@ class BlockGate(nn.Module):
                 constant = constant.masked_fill(c * g > last, -math.inf)
             diagonal = torch.eye(qb, kb, dtype=torch.bool, device=device)
             allowed = torch.isfinite(constant) if self.causal else None
-            probed = self._probe_layout(n_q, n_k, rows, device) if self.probes != (1, 1) else ()
             hit = _Layout(
                 rows,
                 keys,
@@ -144,7 +143,7 @@ class BlockGate(nn.Module):
                 constant.contiguous(),
                 diagonal,
                 allowed,
-                *(probed or (None,) * 4),
+                *self._probe_layout(n_q, n_k, rows, device),
             )
             if len(self._layouts) >= 16:
                 self._layouts.clear()
@@ -157,7 +156,10 @@ class BlockGate(nn.Module):
         probes' log-counts, causal per probe (a key probe counts for a query probe where its
         first key is at or before the probe's last row; the diagonal block's first key probe
         always does). Excluded terms take a very low finite value, not -inf, so that the
-        log-sum-exps' gradients stay finite; blocks causal excludes are set to -inf after."""
+        log-sum-exps' gradients stay finite; blocks causal excludes are set to -inf after. None
+        of them without probes."""
+        if self.probes == (1, 1):
+            return (None,) * 4
         s, t = self.probes
         g, dtype = self.block_size, self.wq.dtype
         gs, gt = g // s, g // t
