@@ -257,10 +257,15 @@ class BlockGate(nn.Module):
         samples: Iterable[Sequence[Tensor]],
         steps: int = 300,
         lr: float = 1e-2,
+        schedule: str = "cosine",
     ) -> list[float]:
         """Trains the gate by distillation on attention samples: each a (q, k) pair ([(B,) H, N,
         D], its targets the exact :func:`block_mass`, computed once) or (q, k, mass). Adam over
-        the samples in turn for `steps` steps; returns the losses."""
+        the samples in turn for `steps` steps, its learning rate from `lr` down to zero along a
+        cosine (`schedule="cosine"`: the last steps settle, where a constant rate leaves the
+        gate wherever its last samples pushed it) or `"constant"`; returns the losses."""
+        if schedule not in ("cosine", "constant"):
+            raise ValueError(f'schedule must be "cosine" or "constant", got {schedule!r}')
         data = []
         for sample in samples:
             q, k = sample[0].detach(), sample[1].detach()
@@ -277,7 +282,15 @@ class BlockGate(nn.Module):
         if not data:
             raise ValueError("samples: give at least one (q, k) pair")
         opt = torch.optim.Adam(self.parameters(), lr=lr)
-        return [float(self._step(opt, *data[step % len(data)])) for step in range(steps)]
+        decay = None
+        if schedule == "cosine" and steps > 0:
+            decay = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+        losses = []
+        for step in range(steps):
+            losses.append(float(self._step(opt, *data[step % len(data)])))
+            if decay is not None:
+                decay.step()
+        return losses
 
     def _step(self, opt: torch.optim.Optimizer, q: Tensor, k: Tensor, mass: Tensor) -> Tensor:
         """One distillation step of `opt` on (q, k, mass); the loss before it (detached)."""

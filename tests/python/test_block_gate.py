@@ -94,6 +94,30 @@ def test_distillation_finds_planted_blocks_pooled_means_miss():
     assert gate.loss(q, k, mass) < trisparse.BlockGate(H, D, G, causal=True).loss(q, k, mass)
 
 
+def test_fit_decays_the_rate_along_a_cosine():
+    q, k = planted(256, seed=1)
+    mass = trisparse.block_mass(q, k, G, causal=True)
+    gates = [trisparse.BlockGate(H, D, G, causal=True, max_distance=8) for _ in range(3)]
+    for gate in gates[1:]:
+        gate.load_state_dict(gates[0].state_dict())
+    steps, lr = 6, 3e-2
+    gates[0].fit([(q, k)], steps=steps, lr=lr)
+    gates[1].fit([(q, k, mass)], steps=steps, lr=lr, schedule="constant")
+    opt = torch.optim.Adam(gates[2].parameters(), lr=lr)
+    for step in range(steps):  # the documented rate, step by step
+        for group in opt.param_groups:
+            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
+        loss = gates[2].loss(q, k, mass)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    for a, b in zip(gates[0].parameters(), gates[2].parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    assert any(not torch.equal(a, c) for a, c in zip(gates[0].parameters(), gates[1].parameters()))
+    with pytest.raises(ValueError, match="schedule"):
+        gates[0].fit([(q, k)], steps=1, schedule="linear")
+
+
 def _gate_learner_steps(learner, inputs, v):
     """Training steps as a model calls the learner: attention on [1, H, N, D], a loss,
     backward; returns the last step's (mask the learner attended under, output, gradients)."""
