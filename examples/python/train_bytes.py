@@ -13,9 +13,10 @@ at sparsity s keep, in each block row, the diagonal block and the best (1 - s) o
 blocks by: random scores; pooled q . k (topk: the routing rule of trisparse.topk_block_mask,
 pooled_block_mass); the exact attention mass summed over --learn-samples training sequences
 (learned: offline, then applied to the held-out sequence); a trisparse.BlockGate per layer trained
-by distillation on the same samples (gate: --gate-steps Adam steps against their block mass, then
-applied to the held-out sequence's own pooled q and k; gate_p<S>x<T>: the same with --gate-probes
-S x T, each block pooled as S query and T key probes); the held-out sequence's own blocks for the
+by distillation on the same samples (gate: --gate-steps Adam steps against their block mass, the
+rate along --gate-schedule, then applied to the held-out sequence's own pooled q and k;
+gate_p<S>x<T>: the same with --gate-probes S x T, each block pooled as S query and T key
+probes); the held-out sequence's own blocks for the
 output (output: trisparse.prune_blocks_by_output on its masses and value sums, per sample as the
 oracle); the held-out sequence's own mass (oracle: how sparse its attention really is;
 oracle_mass_kept is the mass its blocks hold). local_strided is a band of blocks and every stride-th
@@ -356,6 +357,7 @@ def error_table(args, data, split):
                 "learn_samples": args.learn_samples,
                 "gate_steps": args.gate_steps,
                 "gate_probes": args.gate_probes,
+                "gate_schedule": args.gate_schedule,
                 "device": args.device,
                 "cuda_graph": args.cuda_graph,
                 "loaded_from": args.load_model,
@@ -383,7 +385,7 @@ def error_table(args, data, split):
         ]
         for name, (steps, probes) in settings.items():
             gate = trisparse.BlockGate(q0.shape[0], q0.shape[2], g, causal=True, probes=probes)
-            gate.to(device).fit(samples, steps=steps)
+            gate.to(device).fit(samples, steps=steps, schedule=args.gate_schedule)
             gates[name].append(gate)
     causal_blocks = torch.ones(nb, nb, dtype=torch.bool).tril()
     for s in args.sparsity:
@@ -656,6 +658,12 @@ def main():
         nargs="+",
         default=[300],
         help="BlockGate distillation steps (several: a gate each, columns gate_<steps>)",
+    )
+    ap.add_argument(
+        "--gate-schedule",
+        choices=("cosine", "constant"),
+        default="cosine",
+        help="--mode errors: the distillation's learning rate (BlockGate.fit's schedule)",
     )
     ap.add_argument(
         "--gate-probes",
