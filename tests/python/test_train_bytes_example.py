@@ -33,6 +33,7 @@ def test_error_table_rows():
     )
     assert head["steps"] == 3 and math.isfinite(head["bits_per_byte_dense"])
     assert row["sparsity"] == 0.5 and head["gate_probes"] == [[4, 2]]
+    assert head["gate_schedule"] == "cosine" and not head["cuda_graph"]
     columns = ("random", "local_strided", "topk", "learned", "gate", "gate_p4x2", "output")
     for column in (*columns, "oracle"):
         assert 0.0 <= row[column] < 1.5, (column, row[column])
