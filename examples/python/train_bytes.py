@@ -16,9 +16,9 @@ pooled_block_mass); the exact attention mass summed over --learn-samples trainin
 by distillation on the same samples (gate: --gate-steps Adam steps against their block mass, the
 rate along --gate-schedule, then applied to the held-out sequence's own pooled q and k;
 gate_p<S>x<T>: the same with --gate-probes S x T, each block pooled as S query and T key
-probes); the held-out sequence's own blocks for the
-output (output: trisparse.prune_blocks_by_output on its masses and value sums, per sample as the
-oracle); the held-out sequence's own mass (oracle: how sparse its attention really is;
+probes); the held-out sequence's own blocks for the output (output:
+trisparse.prune_blocks_by_output on its masses and value sums, per sample as the oracle); the
+held-out sequence's own mass (oracle: how sparse its attention really is;
 oracle_mass_kept is the mass its blocks hold). local_strided is a band of blocks and every stride-th
 block below the diagonal, as close to (1 - s) of the causal blocks as its parameters come.
 
