@@ -14,7 +14,8 @@ blocks by: random scores; pooled q . k (topk: the routing rule of trisparse.topk
 pooled_block_mass); the exact attention mass summed over --learn-samples training sequences
 (learned: offline, then applied to the held-out sequence); a trisparse.BlockGate per layer trained
 by distillation on the same samples (gate: --gate-steps Adam steps against their block mass, the
-rate along --gate-schedule, then applied to the held-out sequence's own pooled q and k;
+rate along --gate-schedule, its loss the cross-entropy plus --gate-rank-weight times
+BlockGate.rank_loss, then applied to the held-out sequence's own pooled q and k;
 gate_p<S>x<T>: the same with --gate-probes S x T, each block pooled as S query and T key
 probes); the held-out sequence's own blocks for the output (output:
 trisparse.prune_blocks_by_output on its masses and value sums, per sample as the oracle); the
@@ -358,6 +359,7 @@ def error_table(args, data, split):
                 "gate_steps": args.gate_steps,
                 "gate_probes": args.gate_probes,
                 "gate_schedule": args.gate_schedule,
+                "gate_rank_weight": args.gate_rank_weight,
                 "device": args.device,
                 "cuda_graph": args.cuda_graph,
                 "loaded_from": args.load_model,
@@ -385,7 +387,12 @@ def error_table(args, data, split):
         ]
         for name, (steps, probes) in settings.items():
             gate = trisparse.BlockGate(q0.shape[0], q0.shape[2], g, causal=True, probes=probes)
-            gate.to(device).fit(samples, steps=steps, schedule=args.gate_schedule)
+            gate.to(device).fit(
+                samples,
+                steps=steps,
+                schedule=args.gate_schedule,
+                rank_weight=args.gate_rank_weight,
+            )
             gates[name].append(gate)
     causal_blocks = torch.ones(nb, nb, dtype=torch.bool).tril()
     for s in args.sparsity:
@@ -664,6 +671,13 @@ def main():
         choices=("cosine", "constant"),
         default="cosine",
         help="--mode errors: the distillation's learning rate (BlockGate.fit's schedule)",
+    )
+    ap.add_argument(
+        "--gate-rank-weight",
+        type=float,
+        default=0.0,
+        help="--mode errors: BlockGate.fit's rank_weight (the ranking loss beside the "
+        "cross-entropy)",
     )
     ap.add_argument(
         "--gate-probes",

@@ -242,15 +242,44 @@ class BlockGate(nn.Module):
         """The cross-entropy of the gate's block mass against `target` ([(B,) H, qb, kb], each
         block row's mass summing to 1, as :func:`block_mass` gives it), averaged over block
         rows."""
+        logp = self._against(q, k, target)
+        return self._cross_entropy(logp, target.to(logp.dtype))
+
+    def _against(self, q: Tensor, k: Tensor, target: Tensor) -> Tensor:
+        """The gate's log mass for (q, k), `target` checked against its shape."""
         logp = self(q, k)
         if target.shape != logp.shape:
             raise ValueError(
                 f"target must be the block mass [(B,) H, qb, kb] = {list(logp.shape)}, got "
                 f"{list(target.shape)}"
             )
-        target = target.to(logp.dtype)
+        return logp
+
+    @staticmethod
+    def _cross_entropy(logp: Tensor, target: Tensor) -> Tensor:
         terms = torch.where(target > 0, target * logp, torch.zeros_like(logp))
         return -terms.sum(-1).mean()
+
+    def rank_loss(self, q: Tensor, k: Tensor, target: Tensor, top: int = 32) -> Tensor:
+        """A pairwise ranking loss of the gate's estimate against `target` (as for :meth:`loss`):
+        per block row, each of the `top` blocks i of largest target mass against every block j,
+        ``(m_i - m_j)+ * softplus(s_j - s_i)`` (s the gate's log mass), summed per row and averaged
+        over rows. The cross-entropy weighs each block by its mass; this weighs the order of the
+        blocks a selection keeps against the ones it drops, where the top-k choice is made.
+        Costs a [(B,) H, qb, top, kb] tensor."""
+        logp = self._against(q, k, target)
+        return self._rank_terms(logp, target.to(logp.dtype), top)
+
+    @staticmethod
+    def _rank_terms(logp: Tensor, target: Tensor, top: int) -> Tensor:
+        if top < 1:
+            raise ValueError(f"top must be positive, got {top}")
+        # Excluded causal blocks (-inf, no mass) ranked last at a finite score: no NaN terms.
+        s = torch.where(torch.isfinite(logp), logp, torch.full_like(logp, -1e4))
+        mass, rows = target.topk(min(top, target.shape[-1]), -1)
+        weight = (mass.unsqueeze(-1) - target.unsqueeze(-2)).clamp_min(0)
+        pairs = torch.nn.functional.softplus(s.unsqueeze(-2) - s.gather(-1, rows).unsqueeze(-1))
+        return (weight * pairs).sum((-1, -2)).mean()
 
     def fit(
         self,
@@ -258,14 +287,22 @@ class BlockGate(nn.Module):
         steps: int = 300,
         lr: float = 1e-2,
         schedule: str = "cosine",
+        rank_weight: float = 0.0,
+        rank_top: int = 32,
     ) -> list[float]:
         """Trains the gate by distillation on attention samples: each a (q, k) pair ([(B,) H, N,
         D], its targets the exact :func:`block_mass`, computed once) or (q, k, mass). Adam over
         the samples in turn for `steps` steps, its learning rate from `lr` down to zero along a
         cosine (`schedule="cosine"`: the last steps settle, where a constant rate leaves the
-        gate wherever its last samples pushed it) or `"constant"`; returns the losses."""
+        gate wherever its last samples pushed it) or `"constant"`. `rank_weight` > 0 adds that
+        much of :meth:`rank_loss` (over each row's `rank_top` blocks) to the cross-entropy;
+        returns the losses."""
         if schedule not in ("cosine", "constant"):
             raise ValueError(f'schedule must be "cosine" or "constant", got {schedule!r}')
+        if rank_weight < 0 or rank_top < 1:
+            raise ValueError(
+                f"rank_weight must be >= 0 and rank_top positive, got {rank_weight}, {rank_top}"
+            )
         data = []
         for sample in samples:
             q, k = sample[0].detach(), sample[1].detach()
@@ -287,14 +324,30 @@ class BlockGate(nn.Module):
             decay = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
         losses = []
         for step in range(steps):
-            losses.append(float(self._step(opt, *data[step % len(data)])))
+            q, k, mass = data[step % len(data)]
+            losses.append(float(self._step(opt, q, k, mass, rank_weight, rank_top)))
             if decay is not None:
                 decay.step()
         return losses
 
-    def _step(self, opt: torch.optim.Optimizer, q: Tensor, k: Tensor, mass: Tensor) -> Tensor:
-        """One distillation step of `opt` on (q, k, mass); the loss before it (detached)."""
-        loss = self.loss(q, k, mass)
+    def _step(
+        self,
+        opt: torch.optim.Optimizer,
+        q: Tensor,
+        k: Tensor,
+        mass: Tensor,
+        rank_weight: float = 0.0,
+        rank_top: int = 32,
+    ) -> Tensor:
+        """One distillation step of `opt` on (q, k, mass), the cross-entropy plus `rank_weight`
+        times the ranking loss; the loss before it (detached)."""
+        if rank_weight > 0:
+            logp = self(q, k)
+            loss = self._cross_entropy(logp, mass) + rank_weight * self._rank_terms(
+                logp, mass, rank_top
+            )
+        else:
+            loss = self.loss(q, k, mass)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

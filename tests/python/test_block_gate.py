@@ -118,6 +118,53 @@ def test_fit_decays_the_rate_along_a_cosine():
         gates[0].fit([(q, k)], steps=1, schedule="linear")
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_rank_loss_matches_its_pairs_written_out(causal):
+    q, k = planted(192, seed=4)
+    gate = trisparse.BlockGate(H, D, G, causal=causal, max_distance=8, probes=(2, 4))
+    with torch.no_grad():
+        gate.wq.add_(0.05 * torch.randn(gate.wq.shape, generator=torch.Generator().manual_seed(1)))
+    mass = trisparse.block_mass(q, k, G, causal=causal)
+    logp = gate(q, k).detach().double()
+    top = 3
+    rows = []
+    for h in range(H):
+        for r in range(mass.shape[1]):
+            m, s = mass[h, r].double(), logp[h, r]
+            total = 0.0
+            for i in m.argsort(descending=True, stable=True)[:top].tolist():
+                for j in range(m.numel()):
+                    w = max(float(m[i] - m[j]), 0.0)
+                    if w > 0:  # j outside the causal blocks: m_j = 0 < m_i, s_j = -inf
+                        total += w * float(torch.nn.functional.softplus(s[j] - s[i]))
+            rows.append(total)
+    got = gate.rank_loss(q, k, mass, top=top)
+    assert torch.isfinite(got)
+    assert math.isclose(float(got.detach()), sum(rows) / len(rows), rel_tol=1e-4, abs_tol=1e-6)
+    got.backward()
+    assert all(torch.isfinite(p.grad).all() for p in gate.parameters())
+    with pytest.raises(ValueError, match="target"):
+        gate.rank_loss(q, k, mass[:, 1:])
+    with pytest.raises(ValueError, match="top"):
+        gate.rank_loss(q, k, mass, top=0)
+
+
+def test_fit_with_the_rank_loss_orders_the_planted_blocks_first():
+    samples = [planted(1024, seed) for seed in range(4)]
+    q, k = planted(1024, seed=98)
+    mass = trisparse.block_mass(q, k, G, causal=True)
+    gate = trisparse.BlockGate(H, D, G, causal=True, max_distance=8)
+    untrained = float(gate.rank_loss(q, k, mass, top=4).detach())
+    losses = gate.fit(samples, steps=150, lr=3e-2, rank_weight=1.0, rank_top=4)
+    assert losses[-1] < losses[0]
+    assert float(gate.rank_loss(q, k, mass, top=4).detach()) < 0.7 * untrained
+    found = gate.select(q, k, sparsity=0.9)
+    want = planted_blocks(1024).expand(H, -1, -1)
+    assert float((found & want).sum() / want.sum()) >= 0.95
+    with pytest.raises(ValueError, match="rank_weight"):
+        gate.fit(samples, steps=1, rank_weight=-1.0)
+
+
 def _gate_learner_steps(learner, inputs, v):
     """Training steps as a model calls the learner: attention on [1, H, N, D], a loss,
     backward; returns the last step's (mask the learner attended under, output, gradients)."""

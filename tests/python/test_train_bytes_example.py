@@ -29,11 +29,21 @@ def _rows(*args, ok=True):
 
 def test_error_table_rows():
     (head, row) = _rows(
-        "--mode", "errors", "--learn-samples", "1", "--gate-steps", "2", "--gate-probes", "4x2"
+        "--mode",
+        "errors",
+        "--learn-samples",
+        "1",
+        "--gate-steps",
+        "2",
+        "--gate-probes",
+        "4x2",
+        "--gate-rank-weight",
+        "0.5",
     )
     assert head["steps"] == 3 and math.isfinite(head["bits_per_byte_dense"])
     assert row["sparsity"] == 0.5 and head["gate_probes"] == [[4, 2]]
     assert head["gate_schedule"] == "cosine" and not head["cuda_graph"]
+    assert head["gate_rank_weight"] == 0.5
     columns = ("random", "local_strided", "topk", "learned", "gate", "gate_p4x2", "output")
     for column in (*columns, "oracle"):
         assert 0.0 <= row[column] < 1.5, (column, row[column])
