@@ -341,13 +341,11 @@ class BlockGate(nn.Module):
     ) -> Tensor:
         """One distillation step of `opt` on (q, k, mass), the cross-entropy plus `rank_weight`
         times the ranking loss; the loss before it (detached)."""
+        logp = self(q, k)
+        mass = mass.to(logp.dtype)
+        loss = self._cross_entropy(logp, mass)
         if rank_weight > 0:
-            logp = self(q, k)
-            loss = self._cross_entropy(logp, mass) + rank_weight * self._rank_terms(
-                logp, mass, rank_top
-            )
-        else:
-            loss = self.loss(q, k, mass)
+            loss = loss + rank_weight * self._rank_terms(logp, mass, rank_top)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
