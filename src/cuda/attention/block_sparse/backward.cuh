@@ -305,6 +305,14 @@ __device__ __forceinline__ void probabilities_and_ds(float (&s)[BN / 8][4], floa
   // tile's products) enters as lse2 - b2: per row for dq, per streamed query for dk/dv (a kernel
   // of its own: the unbiased kernels' registers stay as they were).
   const float lse_rows[2] = {row_lse[0] - b2, row_lse[1] - b2};
+  if constexpr (edge_biased<Walk>) {  // s = c S plus the edges' biases, then c = 1
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] *= c;
+    w.add_edge_bias(s, y);
+    c = 1.f;
+  }
   // Two copies of the loop, with and without the per-pair test: most tiles need none, and a test
   // inside the loop would cost a branch per pair there too.
   const auto step = [&]<bool MASKED>() {
@@ -352,6 +360,7 @@ __device__ __forceinline__ void probabilities_and_ds(float (&s)[BN / 8][4], floa
     step.template operator()<true>();
   else
     step.template operator()<false>();
+  if constexpr (edge_biased<Walk> && !KV) w.store_edge_grads(t, y);
 }
 
 /// Walk: void for the block mask's (tile_walk for dq, key_walk for dk/dv), or another walk with

@@ -223,6 +223,14 @@ inline constexpr bool pair_biased = requires {
   requires Walk::kPairBias;
 };
 
+/// Walks whose pairs carry the sum of their edges' biases (segments/walk.cuh: kEdgeBias, with
+/// add_edge_bias(s, j0) once a tile on the scaled scores, and for the dq pass
+/// store_edge_grads(dS, j0) after it).
+template <class Walk>
+inline constexpr bool edge_biased = requires {
+  requires Walk::kEdgeBias;
+};
+
 /// softmax_step's work after the masking: masked elements of s are NaN (which fmaxf skips), and
 /// with MASKED their P is set to 0. The scale c >= 0 (apply_score_sign) is folded into the
 /// exponent's FMA: max_j c s_j = c max_j s_j; with BIAS so is the tile's block bias b2 (log2
@@ -266,6 +274,18 @@ __device__ __forceinline__ void softmax_step(float (&s)[BN / 8][4], float (&m)[2
                                              float (&alpha)[2], const Walk& w, int j0, int i_lo,
                                              float b2 = 0.f) {
   const int tq = static_cast<int>(threadIdx.x) % 4;
+  if constexpr (edge_biased<Walk>) {  // s = c S, masked, plus the edges' biases, then c = 1
+#pragma unroll
+    for (int n = 0; n < BN / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = j0 + n * 8 + 2 * tq + (e & 1), i = i_lo + (e >> 1) * 8;
+        s[n][e] = w.hides(i, j, e >> 1) ? __int_as_float(0x7fffffff) : s[n][e] * w.p.scale_log2;
+      }
+    }
+    w.add_edge_bias(s, j0);
+    return softmax_rows<true, BN, BIAS>(s, m, l, alpha, 1.f, b2);
+  }
   if constexpr (pair_biased<Walk>) {  // s = c S + the pair's bias (log2 units), then c = 1
 #pragma unroll
     for (int n = 0; n < BN / 8; ++n) {
