@@ -23,7 +23,7 @@ out=${OUT:-/tmp/trisparse-dev}
 mkdir -p "$out"
 start=$SECONDS
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/gpu.txt"
-echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown) $(date -u +%FT%TZ)" | tee -a "$out/gpu.txt"
+scripts/describe_tree.sh | tee -a "$out/gpu.txt"
 build_module() {  # $1: the prebuilt library, or empty to build it from source
   cmake -S . -B build/device -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRISPARSE_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90 -DTRISPARSE_PYTHON=ON -DTRISPARSE_IO=OFF -DTRISPARSE_BUILD_TESTS=OFF \

@@ -20,7 +20,7 @@ what=${1:-all}
 status=0
 run() { [ "$what" = "$1" ] || { [ "$what" = all ] && [ "$1" != matrix ] && [ "$1" != large ] && [ "$1" != sweep ] && [ "$1" != sparse ] && [ "$1" != layers ]; }; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv | tee "$out/gpu.txt"
-echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown) $(date -u +%FT%TZ)" | tee -a "$out/gpu.txt"
+scripts/describe_tree.sh | tee -a "$out/gpu.txt"
 
 if run tests; then
   "$b/tests/gpu_tests" --gtest_brief=1 > "$out/gpu_tests.log" 2>&1 || status=1
