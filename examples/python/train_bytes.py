@@ -17,7 +17,7 @@ by distillation on the same samples (gate: --gate-steps Adam steps against their
 rate along --gate-schedule, its loss the cross-entropy plus --gate-rank-weight times
 BlockGate.rank_loss, then applied to the held-out sequence's own pooled q and k;
 gate_p<S>x<T>: the same with --gate-probes S x T, each block pooled as S query and T key
-probes); the held-out sequence's own blocks for the output (output:
+probes, a gate a rank weight, gate_p<S>x<T>_r<W> for each weight past the first); the held-out sequence's own blocks for the output (output:
 trisparse.prune_blocks_by_output on its masses and value sums, per sample as the oracle); the
 held-out sequence's own mass (oracle: how sparse its attention really is;
 oracle_mass_kept is the mass its blocks hold). local_strided is a band of blocks and every stride-th
@@ -374,9 +374,16 @@ def error_table(args, data, split):
     ]
     # A gate per layer and setting: "gate" the first distillation length, "gate_<steps>" the
     # others, "gate_p<S>x<T>" the first length with probes (S, T).
-    settings = {"gate": (args.gate_steps[0], 1)}
-    settings.update({f"gate_{n}": (n, 1) for n in args.gate_steps[1:]})
-    settings.update({f"gate_p{p[0]}x{p[1]}": (args.gate_steps[0], p) for p in args.gate_probes})
+    # With several rank weights, the probes' gates once a weight (gate_p<S>x<T>_r<W> past the
+    # first); the others take the first.
+    w0 = args.gate_rank_weight[0]
+    settings = {"gate": (args.gate_steps[0], 1, w0)}
+    settings.update({f"gate_{n}": (n, 1, w0) for n in args.gate_steps[1:]})
+    for i, w in enumerate(args.gate_rank_weight):
+        suffix = f"_r{w:g}" if i else ""
+        settings.update(
+            {f"gate_p{p[0]}x{p[1]}{suffix}": (args.gate_steps[0], p, w) for p in args.gate_probes}
+        )
     methods = ("random", "local_strided", "topk", "learned", *settings, "output", "oracle")
     gates = {name: [] for name in settings}
     for layer in range(args.layers):
@@ -385,13 +392,13 @@ def error_table(args, data, split):
             (x[layer][0].to(device), x[layer][1].to(device), m.to(device))
             for x, m in zip(learn, masses[layer], strict=True)
         ]
-        for name, (steps, probes) in settings.items():
+        for name, (steps, probes, weight) in settings.items():
             gate = trisparse.BlockGate(q0.shape[0], q0.shape[2], g, causal=True, probes=probes)
             gate.to(device).fit(
                 samples,
                 steps=steps,
                 schedule=args.gate_schedule,
-                rank_weight=args.gate_rank_weight,
+                rank_weight=weight,
             )
             gates[name].append(gate)
     causal_blocks = torch.ones(nb, nb, dtype=torch.bool).tril()
@@ -675,9 +682,10 @@ def main():
     ap.add_argument(
         "--gate-rank-weight",
         type=float,
-        default=0.0,
+        nargs="+",
+        default=[0.0],
         help="--mode errors: BlockGate.fit's rank_weight (the ranking loss beside the "
-        "cross-entropy)",
+        "cross-entropy); several: the --gate-probes gates once each (columns gate_p<S>x<T>_r<W>)",
     )
     ap.add_argument(
         "--gate-probes",

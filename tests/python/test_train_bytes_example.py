@@ -38,13 +38,15 @@ def test_error_table_rows():
         "--gate-probes",
         "4x2",
         "--gate-rank-weight",
+        "0",
         "0.5",
     )
     assert head["steps"] == 3 and math.isfinite(head["bits_per_byte_dense"])
     assert row["sparsity"] == 0.5 and head["gate_probes"] == [[4, 2]]
     assert head["gate_schedule"] == "cosine" and not head["cuda_graph"]
-    assert head["gate_rank_weight"] == 0.5
-    columns = ("random", "local_strided", "topk", "learned", "gate", "gate_p4x2", "output")
+    assert head["gate_rank_weight"] == [0.0, 0.5]
+    columns = ("random", "local_strided", "topk", "learned", "gate", "gate_p4x2", "gate_p4x2_r0.5")
+    columns = (*columns, "output")
     for column in (*columns, "oracle"):
         assert 0.0 <= row[column] < 1.5, (column, row[column])
     assert 0.0 < row["oracle_mass_kept"] <= 1.0
