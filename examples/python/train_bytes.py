@@ -17,10 +17,10 @@ by distillation on the same samples (gate: --gate-steps Adam steps against their
 rate along --gate-schedule, its loss the cross-entropy plus --gate-rank-weight times
 BlockGate.rank_loss, then applied to the held-out sequence's own pooled q and k;
 gate_p<S>x<T>: the same with --gate-probes S x T, each block pooled as S query and T key
-probes, a gate a rank weight, gate_p<S>x<T>_r<W> for each weight past the first); the held-out sequence's own blocks for the output (output:
-trisparse.prune_blocks_by_output on its masses and value sums, per sample as the oracle); the
-held-out sequence's own mass (oracle: how sparse its attention really is;
-oracle_mass_kept is the mass its blocks hold). local_strided is a band of blocks and every stride-th
+probes, a gate a rank weight: gate_p<S>x<T>_r<W> for each weight past the first); the held-out
+sequence's own blocks for the output (output: trisparse.prune_blocks_by_output on its masses and
+value sums, per sample as the oracle); the held-out sequence's own mass (oracle: how sparse its
+attention really is; oracle_mass_kept is the mass its blocks hold). local_strided is a band of blocks and every stride-th
 block below the diagonal, as close to (1 - s) of the causal blocks as its parameters come.
 
 --save-model PREFIX keeps the trained weights (bf16, files of at most 15 MiB) and --load-model PREFIX
@@ -373,9 +373,8 @@ def error_table(args, data, split):
         for layer in range(args.layers)
     ]
     # A gate per layer and setting: "gate" the first distillation length, "gate_<steps>" the
-    # others, "gate_p<S>x<T>" the first length with probes (S, T).
-    # With several rank weights, the probes' gates once a weight (gate_p<S>x<T>_r<W> past the
-    # first); the others take the first.
+    # others, "gate_p<S>x<T>" the first length with probes (S, T); with several rank weights the
+    # probes' gates once a weight ("gate_p<S>x<T>_r<W>" past the first), the others the first.
     w0 = args.gate_rank_weight[0]
     settings = {"gate": (args.gate_steps[0], 1, w0)}
     settings.update({f"gate_{n}": (n, 1, w0) for n in args.gate_steps[1:]})
