@@ -20,8 +20,9 @@ gate_p<S>x<T>: the same with --gate-probes S x T, each block pooled as S query a
 probes, a gate a rank weight: gate_p<S>x<T>_r<W> for each weight past the first); the held-out
 sequence's own blocks for the output (output: trisparse.prune_blocks_by_output on its masses and
 value sums, per sample as the oracle); the held-out sequence's own mass (oracle: how sparse its
-attention really is; oracle_mass_kept is the mass its blocks hold). local_strided is a band of blocks and every stride-th
-block below the diagonal, as close to (1 - s) of the causal blocks as its parameters come.
+attention really is; oracle_mass_kept is the mass its blocks hold). local_strided is a band of
+blocks and every stride-th block below the diagonal, as close to (1 - s) of the causal blocks as
+its parameters come.
 
 --save-model PREFIX keeps the trained weights (bf16, files of at most 15 MiB) and --load-model PREFIX
 takes them instead of training: the error table again, on another machine, without the training
