@@ -6,6 +6,7 @@ Usage: bench/compare_ab.py DIR [--markdown] [--limit 1.03]
 DIR holds {fused3s,sparse,block_sparse}_{base,new}_{round}.jsonl, or ab_*.jsonl with a "variant" and
 "round" field on every line.
 """
+
 import argparse
 import collections
 import glob
@@ -32,8 +33,12 @@ def load(directory):
     # best[bench][variant][point] = the lowest time over rounds
     best = collections.defaultdict(lambda: collections.defaultdict(dict))
     for path in sorted(glob.glob(os.path.join(directory, "*.jsonl"))):
-        m = re.match(r"(fused3s|sparse|block_sparse)_(base|new)_\d+\.jsonl$", os.path.basename(path))
-        for raw in open(path):
+        m = re.match(
+            r"(fused3s|sparse|block_sparse)_(base|new)_\d+\.jsonl$", os.path.basename(path)
+        )
+        with open(path) as f:
+            lines = f.readlines()
+        for raw in lines:
             line = json.loads(raw)
             bench = m.group(1) if m else line.get("bench")
             variant = m.group(2) if m else line.get("variant")
@@ -63,8 +68,10 @@ def main():
         worst = max(ratios)
         worst_all = max(worst_all, worst[0])
         over = [(r, p) for r, p in ratios if r > args.limit]
-        print(f"{bench}: {len(common)} points, new/base geomean {geo:.3f}, worst {worst[0]:.3f} "
-              f"({worst[1]}), over {args.limit}: {len(over)}")
+        print(
+            f"{bench}: {len(common)} points, new/base geomean {geo:.3f}, worst {worst[0]:.3f} "
+            f"({worst[1]}), over {args.limit}: {len(over)}"
+        )
         if args.markdown:
             print("\n| point | base ms | new ms | new/base |\n|---|---:|---:|---:|")
             for p in common:

@@ -8,14 +8,15 @@ SDPA and each kernel's time at G = 64.
     bench/plot_block_sparse.py RESULTS.jsonl [MORE.jsonl ...] OUT.png
 A later file's rows replace an earlier file's at the same N.
 """
+
 import argparse
 import statistics
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from table_block_sparse import load  # noqa: E402  (later files replace earlier ones' rows per N)
+import matplotlib.pyplot as plt
+from table_block_sparse import load
 
 
 def medians(rows, key):
@@ -31,7 +32,13 @@ def speedup_panel(ax, rows, key, title, bound):
     lines = medians(rows, key)
     ax.set_prop_cycle(color=[plt.cm.tab20(i % 20) for i in range(len(lines))])
     for (n, g), pts in sorted(lines.items()):
-        ax.plot([p for p, _ in pts], [s for _, s in pts], marker="o", ms=3, label=f"N={n // 1024}K G={g}")
+        ax.plot(
+            [p for p, _ in pts],
+            [s for _, s in pts],
+            marker="o",
+            ms=3,
+            label=f"N={n // 1024}K G={g}",
+        )
     if bound:
         ps = sorted({r["p"] for r in rows})
         ax.plot(ps, [1 / (1 - p) for p in ps], "k--", label="1/(1-p)")
@@ -49,9 +56,15 @@ def stage_panel(ax, rows, g):
     for i, n in enumerate(ns):
         for key, style in styles.items():
             pts = medians([r for r in rows if r["g"] == g], key).get((n, g), [])
-            ax.plot([p for p, _ in pts], [t for _, t in pts], style, marker="o", ms=3,
-                    color=plt.cm.tab10(i % 10),
-                    label=f"N={n // 1024}K {key.split('_')[1]}")
+            ax.plot(
+                [p for p, _ in pts],
+                [t for _, t in pts],
+                style,
+                marker="o",
+                ms=3,
+                color=plt.cm.tab10(i % 10),
+                label=f"N={n // 1024}K {key.split('_')[1]}",
+            )
     ax.set_yscale("log")
     ax.set_xlabel("sparsity p (fraction of blocks dropped)")
     ax.set_ylabel("kernel time (ms)")
@@ -66,21 +79,41 @@ def main():
     a = ap.parse_args()
     rows = [r for r in load(a.results) if "ms" in r]
     unfused = any("unfused_ms" in r for r in rows)
-    fig, axes = plt.subplots(2 if unfused else 1, 2, figsize=(14, 10 if unfused else 5), squeeze=False)
-    speedup_panel(axes[0][0], rows, "speedup_vs_sdpa_default", "fused kernel over dense SDPA (default backend)",
-                  True)
-    speedup_panel(axes[0][1], rows, "speedup_vs_flex", "fused kernel over flex_attention, same BlockMask", False)
+    fig, axes = plt.subplots(
+        2 if unfused else 1, 2, figsize=(14, 10 if unfused else 5), squeeze=False
+    )
+    speedup_panel(
+        axes[0][0],
+        rows,
+        "speedup_vs_sdpa_default",
+        "fused kernel over dense SDPA (default backend)",
+        True,
+    )
+    speedup_panel(
+        axes[0][1],
+        rows,
+        "speedup_vs_flex",
+        "fused kernel over flex_attention, same BlockMask",
+        False,
+    )
     if unfused:
         for r in rows:
             if "unfused_ms" in r and "sdpa_default_ms" in r:
                 r["unfused_vs_sdpa"] = r["sdpa_default_ms"] / r["unfused_ms"]
-        speedup_panel(axes[1][0], rows, "unfused_vs_sdpa",
-                      "the report's three kernels (SDDMM, softmax, SpMM) over dense SDPA", True)
+        speedup_panel(
+            axes[1][0],
+            rows,
+            "unfused_vs_sdpa",
+            "the report's three kernels (SDDMM, softmax, SpMM) over dense SDPA",
+            True,
+        )
         stage_panel(axes[1][1], rows, 64)
     r0 = rows[0]
     causal = ", causal" if all(r.get("causal", False) for r in rows) else ""
-    fig.suptitle(f"trisparse block-sparse attention, {r0['gpu']}, heads {r0['heads']}, D {r0['dim']}, "
-                 f"{r0['dtype']}{causal}")
+    fig.suptitle(
+        f"trisparse block-sparse attention, {r0['gpu']}, heads {r0['heads']}, D {r0['dim']}, "
+        f"{r0['dtype']}{causal}"
+    )
     fig.tight_layout()
     fig.savefig(a.out, dpi=110)
 

@@ -7,6 +7,7 @@ ratios of the medians.
     bench/table_block_sparse.py RESULTS.jsonl [MORE.jsonl ...] [--stage-g 64]
 Later files replace earlier ones' rows for the same N (so a re-run at some N supersedes them).
 """
+
 import argparse
 import json
 import statistics
@@ -17,7 +18,8 @@ PS = (0.5, 0.9, 0.95, 0.99)
 def load(paths):
     by_n = {}
     for path in paths:
-        rows = [json.loads(line) for line in open(path) if line.strip()]
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
         fresh = {}
         for r in rows:
             if "n" in r:
@@ -56,22 +58,28 @@ def main():
     rows = load(a.results)
     ns = sorted({r["n"] for r in rows})
     gs = sorted({r["g"] for r in rows})
-    print("| N | G | ours ms, p = 0.5 / 0.9 / 0.95 / 0.99 | × dense SDPA | × flex | three kernels ms | seeds |")
+    print(
+        "| N | G | ours ms, p = 0.5 / 0.9 / 0.95 / 0.99 | × dense SDPA | × flex | three kernels ms | seeds |"
+    )
     print("|---:|---:|---|---|---|---|---:|")
     for n in ns:
         for g in gs:
             ng = [r for r in rows if r["n"] == n and r["g"] == g]
             seeds = len({r["seed"] for r in ng if "ms" in r})
-            print(f"| {kib(n)} | {g} | {cells(ng, 'ms', '{:.3f}')} | "
-                  f"{cells(ng, 'sdpa_default_ms', '{:.1f}', 'ms')} | "
-                  f"{cells(ng, 'flex_ms', '{:.2f}', 'ms')} | {cells(ng, 'unfused_ms', '{:.2f}')} | {seeds} |")
+            print(
+                f"| {kib(n)} | {g} | {cells(ng, 'ms', '{:.3f}')} | "
+                f"{cells(ng, 'sdpa_default_ms', '{:.1f}', 'ms')} | "
+                f"{cells(ng, 'flex_ms', '{:.2f}', 'ms')} | {cells(ng, 'unfused_ms', '{:.2f}')} | {seeds} |"
+            )
     print("\nDense in the same run (ms):\n")
     print("| N | dense SDPA default / flash / cuDNN ms | dense ours (G=128 mask) ms |")
     print("|---:|---|---:|")
     for n in ns:
         nr = [r for r in rows if r["n"] == n]
-        sd = " / ".join("—" if med(nr, k) is None else f"{med(nr, k):.3f}"
-                        for k in ("sdpa_default_ms", "sdpa_flash_ms", "sdpa_cudnn_ms"))
+        sd = " / ".join(
+            "—" if med(nr, k) is None else f"{med(nr, k):.3f}"
+            for k in ("sdpa_default_ms", "sdpa_flash_ms", "sdpa_cudnn_ms")
+        )
         d = med(nr, "dense_ours_ms")
         print(f"| {kib(n)} | {sd} | {'—' if d is None else f'{d:.3f}'} |")
     print(f"\nThe three kernels at G = {a.stage_g}, SDDMM / softmax / SpMM (ms):\n")

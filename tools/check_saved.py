@@ -4,6 +4,7 @@
 O[i] = sum_j softmax_j(scale * Q[i] . K[j], j in row i of the pattern) V[j]; empty rows give 0.
 Exit 0 when the saved O agrees within the tolerance for its dtype, 1 otherwise.
 """
+
 import json
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ def main(directory: str) -> int:
     scale = meta["scale"]
     ref = np.zeros_like(o)
     for i in range(meta["rows"]):
-        cols = col_idx[row_ptr[i]:row_ptr[i + 1]]
+        cols = col_idx[row_ptr[i] : row_ptr[i + 1]]
         if cols.size == 0:
             continue
         s = scale * np.einsum("hd,nhd->nh", q[i], k[cols])  # [neighbours, heads]
@@ -31,7 +32,9 @@ def main(directory: str) -> int:
     u = {"f16": 2.0**-11, "bf16": 2.0**-8, "f32": 2.0**-24, "f64": 0.0}
     tol = 1e-5 + 4 * (u[meta["dtype"]] + u[meta["out_dtype"]])
     ok = bool(np.isfinite(o).all()) and err <= tol
-    print(f"independent NumPy check of {d}: max relative error {err:.3g} (tolerance {tol}): {'PASS' if ok else 'FAIL'}")
+    print(
+        f"independent NumPy check of {d}: max relative error {err:.3g} (tolerance {tol}): {'PASS' if ok else 'FAIL'}"
+    )
     return 0 if ok else 1
 
 
