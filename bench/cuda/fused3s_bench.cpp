@@ -88,7 +88,8 @@ struct settings {
   bool baselines = true;
   bool training = false;
   bool f32_dout = false;  // the training step's out and dout in f32, not the inputs' dtype
-  row_order order = row_order::automatic;  // the plans' windows (forward and backward)
+  row_order order = row_order::automatic;          // the plans' windows (forward and backward)
+  head_order heads_order = head_order::automatic;  // the (window, head) tasks' order
   double dense_budget_gib = 16;
 };
 
@@ -116,6 +117,7 @@ void bench_graph(const std::string& name, const csr_graph& g, const settings& cf
                                                     {.split_tcbs = split,
                                                      .team_tcbs = team,
                                                      .order = cfg.order,
+                                                     .heads = cfg.heads_order,
                                                      .workspace_heads = cfg.heads,
                                                      .workspace_dim = cfg.dim});
   check(cudaDeviceSynchronize(), "plan");
@@ -220,6 +222,7 @@ void bench_graph(const std::string& name, const csr_graph& g, const settings& cf
                    {"team_tcbs", team},
                    {"format", plan.report().format},
                    {"order", to_string(cfg.order)},
+                   {"head_order", to_string(cfg.heads_order)},
                    {"max_rel_error", acc.max_rel_error},
                    {"all_finite", acc.all_finite}};
   if (cfg.training) {
@@ -231,6 +234,7 @@ void bench_graph(const std::string& name, const csr_graph& g, const settings& cf
                                                     {.split_tcbs = split,
                                                      .team_tcbs = team,
                                                      .order = cfg.order,
+                                                     .heads = cfg.heads_order,
                                                      .workspace_heads = heads,
                                                      .workspace_dim = dim,
                                                      .gradients = true});
@@ -378,7 +382,7 @@ int main(int argc, char** argv) {
   settings cfg;
   std::vector<std::int32_t> splits{0}, teams{0};
   std::vector<std::string> paths, rmats, ers, batches;
-  std::string dtype_name = "f16", order_name = "automatic";
+  std::string dtype_name = "f16", order_name = "automatic", head_order_name = "automatic";
   CLI::App app{"GPU fused 3S benchmark"};
   app.add_option("graphs", paths, "graph files");
   app.add_option("--dim", cfg.dim, "head dimension")->capture_default_str();
@@ -407,6 +411,9 @@ int main(int argc, char** argv) {
   app.add_option("--order", order_name,
                  "the plans' row order from a host pattern: automatic, original, rcm or clustered")
       ->capture_default_str();
+  app.add_option("--head-order", head_order_name,
+                 "the kernels' (window, head) task order: automatic, by_window or by_head")
+      ->capture_default_str();
   app.add_option("--dense-budget-gib", cfg.dense_budget_gib,
                  "largest rows x cols score matrices the dense baseline allocates")
       ->capture_default_str();
@@ -417,6 +424,7 @@ int main(int argc, char** argv) {
   try {
     cfg.in = parse_dtype(dtype_name);
     cfg.order = parse_row_order(order_name);
+    cfg.heads_order = parse_head_order(head_order_name);
     cudaDeviceProp prop{};
     check(cudaGetDeviceProperties(&prop, 0), "properties");
     std::cout << nlohmann::json{{"device", prop.name},

@@ -54,6 +54,27 @@ algorithm parse_algorithm(std::string_view name) {
                       "' (automatic, blocked_reference, fused, unfused, block)");
 }
 
+std::string_view to_string(head_order o) {
+  switch (o) {
+    case head_order::automatic:
+      return "automatic";
+    case head_order::by_window:
+      return "by_window";
+    case head_order::by_head:
+      return "by_head";
+  }
+  return "?";
+}
+
+head_order parse_head_order(std::string_view name) {
+  for (const auto o : {head_order::automatic, head_order::by_window, head_order::by_head}) {
+    if (to_string(o) == name) return o;
+  }
+  if (name == "auto") return head_order::automatic;
+  throw invalid_input("unknown head order '" + std::string(name) +
+                      "' (automatic, by_window, by_head)");
+}
+
 bool runs_on(algorithm a, device_kind where) {
   switch (a) {
     case algorithm::automatic:
@@ -145,7 +166,7 @@ csr_graph binary_copy(const csr_graph& g) {
 using detail::transpose_with_entries;
 
 cuda::fused3s_limits fused3s_limits(const plan_options& o) {
-  return {o.split_tcbs, o.team_tcbs, o.workspace_heads, o.workspace_dim};
+  return {o.split_tcbs, o.team_tcbs, o.workspace_heads, o.workspace_dim, o.heads};
 }
 
 sparse_plan_options unfused_options(const plan_options& o) {
@@ -299,7 +320,7 @@ attention_plan attention_plan::build(const csr_graph& pattern, device_kind where
     constexpr std::int64_t keep = cuda::attention_backward::kRcmKeepPercent;
     s->device_grad = cuda::make_attention_backward_plan(
         b, transposed, entries, stream, window_order(rcm, keep),
-        window_order(symmetric ? rcm : recounted(rcm, transposed), keep));
+        window_order(symmetric ? rcm : recounted(rcm, transposed), keep), options.heads);
     own_backward(*s, options);
   }
   finish_report(s->report, algo, where, pattern.rows, pattern.cols, pattern.nnz(), bytes, t0);

@@ -8,6 +8,7 @@
 #include <numeric>
 #include <random>
 
+#include "../../src/cuda/common/gather_reuse.hpp"
 #include "device_tensor.hpp"
 
 namespace trisparse {
@@ -474,6 +475,50 @@ TEST(GpuAttentionBackward, TwoStreamsGiveTheSameBits) {
   for (auto& l : lanes) {
     cudaFree(l.ws);
     cudaStreamDestroy(l.s);
+  }
+}
+
+// The (window, head) tasks head by head give the bits that window by window gives: the forward's
+// out and lse (split windows merged; teams of warps) and both backward passes. On a graph whose
+// gathers scatter (a band with its rows shuffled; 8 heads' K and V rows outgrow the L2) the
+// automatic rule takes them head by head, within tolerance of the float64 reference.
+TEST(GpuAttentionBackward, HeadOrdersGiveTheSameBits) {
+  SKIP_WITHOUT_GPU();
+  const csr_graph g = test::shuffled_band(40000, 4, 61);
+  const grad_config c{dtype::f16, dtype::f16, dtype::f16, 64, 64, 8};
+  int device = 0, l2 = 0;
+  test::cuda_check(cudaGetDevice(&device), "device");
+  test::cuda_check(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device), "L2 size");
+  EXPECT_TRUE(
+      cuda::heads_outer(head_order::automatic, cuda::gather_reuse_of(g, {}), c.heads, c.dim, 2, l2))
+      << "a " << l2 << "-byte L2 holds 8 heads' rows: the test does not reach the by-head order";
+  check(g, c, 62, true, -1.0, 1.0, std::nullopt, false, false, row_order::original);
+  const double scale = effective_scale({}, c.dim);
+  const problem p = make_problem(g, c, 63, -1.0, 1.0, scale);
+  struct result {
+    host_tensor out, lse;
+    gradients grads;
+  };
+  const auto step = [&](plan_options o) {
+    o.order = row_order::original;
+    o.gradients = true;
+    const auto plan = attention_plan::build(g, device_kind::cuda, o);
+    test::device_tensor q(p.q), k(p.k), v(p.v), out(host_tensor(c.out, g.rows, c.heads, c.dim_v)),
+        lse(host_tensor(dtype::f32, g.rows, c.heads, 1));
+    out.poison();
+    lse.poison();
+    plan.run(q.view(), k.view(), v.view(), out.view(), {.scale = scale, .lse = lse.view()});
+    return result{out.download(), lse.download(), run_twice(plan, p, c, true, scale)};
+  };
+  for (const auto& [split, team] :
+       std::vector<std::pair<std::int32_t, std::int32_t>>{{0, 0}, {4, -1}, {1 << 30, 8}}) {
+    SCOPED_TRACE("split " + std::to_string(split) + " team " + std::to_string(team));
+    const result a = step({.split_tcbs = split, .team_tcbs = team, .heads = head_order::by_window});
+    const result b = step({.split_tcbs = split, .team_tcbs = team, .heads = head_order::by_head});
+    for (const auto& [x, y] :
+         {std::pair{&a.out, &b.out}, std::pair{&a.lse, &b.lse}, std::pair{&a.grads.dq, &b.grads.dq},
+          std::pair{&a.grads.dk, &b.grads.dk}, std::pair{&a.grads.dv, &b.grads.dv}})
+      EXPECT_EQ(std::memcmp(x->data(), y->data(), x->size_bytes()), 0);
   }
 }
 

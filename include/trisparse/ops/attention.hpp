@@ -40,6 +40,19 @@ bool runs_on(algorithm a, device_kind where);
 /// docs/design.md maps each to its folder, namespace, notes and benchmark.
 std::string backend_name(algorithm a, device_kind where, bool block_mask = false);
 
+/// The order in which the CUDA graph kernels (the fused 3S forward, the backward's tensor-core
+/// passes) take their (row window, head) tasks; the results are the same bits in either.
+enum class head_order : std::uint8_t {
+  automatic,  ///< by_head where a model of the L2 cache says it keeps >= 20 % of the row loads
+              ///< out of DRAM (scattered gathers whose rows, all heads', outgrow the L2), else
+              ///< by_window; plans from device patterns: by_window
+  by_window,  ///< a window's heads side by side (each row's heads read together)
+  by_head,    ///< every window of one head before the next head's (one head's rows in flight)
+};
+std::string_view to_string(head_order o);
+/// "automatic" (or "auto"), "by_window", "by_head". @throws invalid_input otherwise.
+head_order parse_head_order(std::string_view name);
+
 struct plan_options {
   algorithm algo = algorithm::automatic;  ///< what the plan prepares formats for
   int tcb_cols = 8;                       ///< BSB tensor-core block width (8 or 16)
@@ -57,6 +70,8 @@ struct plan_options {
   /// 4M nonzeros; the backward where it cuts a pass's TCBs by >= 10%, for the pattern and its
   /// transpose each), else the original order; unfused as sparse_plan does.
   row_order order = row_order::automatic;
+  /// CUDA, fused 3S and the backward's tensor-core passes: the order of their (window, head) tasks.
+  head_order heads = head_order::automatic;
   /// CUDA: the largest heads and head dim that the plan's own workspace, sized at build, serves
   /// (the workspace of runs not given one); larger runs pass their own (workspace_bytes()).
   std::int64_t workspace_heads = 8, workspace_dim = 256;

@@ -1,5 +1,6 @@
 #pragma once
-// The current CUDA device and its SM count (plans record both when they are built).
+// The current CUDA device, its SM count and L2 size (plans record them when they are built).
+#include <cstdint>
 #include <string>
 
 #include "error.cuh"
@@ -9,12 +10,16 @@ namespace trisparse::cuda {
 
 struct device_id_and_sms {
   int device = 0, sms = 0;
+  std::int64_t l2_bytes = 0;
 };
 
 inline device_id_and_sms current_device() {
   device_id_and_sms d;
   TRISPARSE_CUDA_TRY(cudaGetDevice(&d.device));
   TRISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, d.device));
+  int l2 = 0;
+  TRISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, d.device));
+  d.l2_bytes = l2;
   return d;
 }
 

@@ -24,6 +24,7 @@
 #include "../../common/current_device.cuh"
 #include "../../common/dispatch.cuh"
 #include "../../common/error.cuh"
+#include "../../common/gather_reuse.hpp"
 #include "../../formats/bsb_build.cuh"
 #include "../../formats/window_sort.cuh"
 #include "cuda_core.cuh"
@@ -66,6 +67,7 @@ struct tc_pass {
   device_buffer<std::int32_t> target;      // [nnz]: the dk/dv pass's slots (the dq pass only)
   device_buffer<std::int32_t> entry;       // [nnz]: the entry at each slot (the dq pass only)
   tc_work fine, coarse;
+  gather_reuse reuse;  // the windows' reuse distances (plans from host patterns): the task order
   std::int64_t tcbs() const { return static_cast<std::int64_t>(bitmap.size() / 2); }
   const tc_work& work(std::int64_t heads) const {
     return heads >= kCoarseFromHeads ? coarse : fine;
@@ -76,6 +78,8 @@ struct tc_pass {
 
 struct attention_backward_device_plan {
   std::int64_t rows = 0, cols = 0, nnz = 0;
+  std::int64_t l2_bytes = 0;                 // the device's L2 (the passes' task order)
+  head_order heads = head_order::automatic;  // the tensor-core passes' task order
   device_buffer<std::int64_t> row_ptr;       // A's offsets (the log-sum-exp recompute)
   device_buffer<std::int64_t> column_entry;  // A's entry of each of A^T's (a bias's reads)
   attention_backward::pass row, transposed;  // over A's rows (dq), over A^T's rows (dk, dv)
@@ -245,6 +249,7 @@ tc_pass make_tc_pass(const csr_graph& g, std::int64_t sms, std::span<const std::
                            device_buffer<std::uint64_t>(b.bitmap), sms);
   if (!order.empty())
     p.row_of = device_buffer<std::int32_t>(std::vector<std::int32_t>(order.begin(), order.end()));
+  p.reuse = gather_reuse_of(g, order);
   return p;
 }
 
@@ -293,7 +298,9 @@ void run_tensor_core(const attention_backward_device_plan& plan, const tensor_vi
                    pass.target.data(),
                    pds,
                    plan.nnz,
-                   arrivals};
+                   arrivals,
+                   heads_outer(plan.heads, pass.reuse, heads, q.dim,
+                               static_cast<std::int64_t>(size_of(q.type)), plan.l2_bytes)};
   };
   const tc_args row = args(plan.tc_row, plan.rows, row_arrivals),
                 column = args(plan.tc_column(), plan.cols, column_arrivals);
@@ -449,7 +456,8 @@ void link_slots(attention_backward_device_plan& p, cudaStream_t s) {
 std::shared_ptr<attention_backward_device_plan> make_attention_backward_plan(
     const csr_graph& pattern, const csr_graph& transposed,
     std::span<const std::int64_t> transposed_entry, stream_ref stream,
-    std::span<const std::int64_t> row_order, std::span<const std::int64_t> column_order) {
+    std::span<const std::int64_t> row_order, std::span<const std::int64_t> column_order,
+    head_order heads) {
   TRISPARSE_EXPECTS_INPUT(transposed.rows == pattern.cols && transposed.cols == pattern.rows &&
                               transposed.nnz() == pattern.nnz() &&
                               transposed_entry.size() == static_cast<std::size_t>(pattern.nnz()),
@@ -468,7 +476,10 @@ std::shared_ptr<attention_backward_device_plan> make_attention_backward_plan(
   p->row = make_pass(pattern.row_ptr, device_buffer<std::int32_t>(pattern.col_idx));
   if (!p->symmetric)
     p->transposed = make_pass(transposed.row_ptr, device_buffer<std::int32_t>(transposed.col_idx));
-  const std::int64_t sms = std::max(current_device().sms, 1);
+  const device_id_and_sms here = current_device();
+  p->l2_bytes = here.l2_bytes;
+  p->heads = heads;
+  const std::int64_t sms = std::max(here.sms, 1);
   p->tc_row = make_tc_pass(pattern, sms, row_order);
   if (!p->symmetric) p->tc_transposed = make_tc_pass(transposed, sms, column_order);
   p->row_ptr = device_buffer<std::int64_t>(pattern.row_ptr);

@@ -21,6 +21,7 @@
 #include "trisparse/core/tensor.hpp"
 #include "trisparse/core/workspace.hpp"
 #include "trisparse/graph/csr.hpp"
+#include "trisparse/ops/attention.hpp"
 
 namespace trisparse::cuda {
 
@@ -40,7 +41,8 @@ struct score_bias {
 TRISPARSE_CUDA_ENTRY(std::shared_ptr<attention_backward_device_plan> make_attention_backward_plan(
     const csr_graph& pattern, const csr_graph& transposed,
     std::span<const std::int64_t> transposed_entry, stream_ref stream,
-    std::span<const std::int64_t> row_order = {}, std::span<const std::int64_t> column_order = {}))
+    std::span<const std::int64_t> row_order = {}, std::span<const std::int64_t> column_order = {},
+    head_order heads = head_order::automatic))
 
 /// The same from a pattern in device memory (its columns strictly increasing within each row):
 /// checked, transposed (a stable sort of the entries by column) and blocked on the device; only

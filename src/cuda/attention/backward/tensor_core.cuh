@@ -39,6 +39,7 @@ struct tc_args {
   std::uint32_t* pds;              // [heads, nnz]: P and dS (16-bit each) per slot
   std::int64_t nnz;
   std::uint32_t* arrivals;  // [cut windows, heads]: chunks done (zeroed before the pass)
+  bool heads_outer;  // tasks head by head (item = head * n_chunks + chunk), not chunk by chunk
 };
 
 // A per-entry score bias and its gradient on the dq pass (the column pass reads P and dS as the
@@ -341,12 +342,14 @@ struct window_task {
   std::int64_t row0, row1;
 };
 
-// This warp's task (one per warp: item = chunk * heads + head), false past the last.
+// This warp's task (one per warp: item = chunk * heads + head, or head * n_chunks + chunk with
+// heads_outer), false past the last.
 __device__ __forceinline__ bool warp_task(const tc_args& a, int g, window_task& task) {
   const std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (item >= a.n_chunks * a.heads) return false;
-  task.w = a.chunks[item / a.heads];
-  task.h = static_cast<int>(item % a.heads);
+  const bool outer = a.heads_outer;
+  task.w = a.chunks[outer ? item % a.n_chunks : item / a.heads];
+  task.h = static_cast<int>(outer ? item / a.n_chunks : item % a.heads);
   const std::int64_t r0 = std::int64_t{task.w.window} * 16 + g;
   task.row0 = window_row(a, r0);
   task.row1 = window_row(a, r0 + 8);

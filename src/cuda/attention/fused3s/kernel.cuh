@@ -393,7 +393,23 @@ __device__ __forceinline__ void process_item(const params& p, const work_item& i
   }
 }
 
-/// Persistent warps: tasks (item, head) = (task / heads, task % heads), largest items first. The
+/// The item and head of `task` in the order p.heads_outer chooses (params.hpp).
+__device__ __forceinline__ int task_head(const params& p, std::int64_t task, std::int64_t& item) {
+  if (!p.heads_outer) {
+    item = task / p.heads;
+    return static_cast<int>(task % p.heads);
+  }
+  const std::int64_t team_tasks = std::int64_t{p.team_items} * p.heads;
+  if (task < team_tasks) {
+    item = task % p.team_items;
+    return static_cast<int>(task / p.team_items);
+  }
+  const std::int64_t rest = task - team_tasks, others = p.num_items - p.team_items;
+  item = p.team_items + rest % others;
+  return static_cast<int>(rest / others);
+}
+
+/// Persistent warps: tasks (item, head) as task_head orders them, largest items first. The
 /// first team_items * heads tasks run on whole blocks (teams): a block takes team task = its index
 /// first, then the next unclaimed one (queue[2]), until none is left. Then each warp takes the next
 /// unclaimed warp task (queue[0]) -- the first by its global index when there are no teams -- so
@@ -431,9 +447,10 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) fused3s_kernel(const 
     // Rows one TCB ahead up to D = 128 at 8 warps per SM; at D = 256, or D = 128 with 12 warps
     // (168 registers), the second copy of the rows does not fit.
     constexpr bool kPipelined = D <= 64 || (D <= 128 && kMinBlocks * kWarps <= 8);
-    process_item<T, D, O, kPipelined, kLse, kBias>(
-        p, p.items[task / p.heads], static_cast<int>(task % p.heads), lane, on_team ? warp : 0,
-        on_team ? kWarps : 1, team_state);
+    std::int64_t item = 0;
+    const int head = task_head(p, task, item);
+    process_item<T, D, O, kPipelined, kLse, kBias>(p, p.items[item], head, lane, on_team ? warp : 0,
+                                                   on_team ? kWarps : 1, team_state);
     if (!p.use_queue) return;  // one task per block (teams) or warp: no claims, nothing to reset
     if (on_team) {
       if (threadIdx.x == 0)

@@ -16,6 +16,7 @@
 #include "../../common/current_device.cuh"
 #include "../../common/dispatch.cuh"
 #include "../../common/error.cuh"
+#include "../../common/gather_reuse.hpp"
 #include "../../common/layout.hpp"
 #include "../../common/work_list.cuh"
 #include "../../formats/bsb_build.cuh"
@@ -64,7 +65,10 @@ class team_memo {
 
 struct fused3s_device_plan {
   int device = 0, sms = 0;
+  std::int64_t l2_bytes = 0;
   std::int64_t rows = 0, cols = 0;
+  head_order heads = head_order::automatic;  // fused3s_limits::heads
+  gather_reuse reuse;  // the windows' reuse distances (plans from host patterns): the task order
   device_buffer<std::int64_t> row_map;  // empty: windows hold rows in the caller's order
   device_buffer<std::int32_t> col_idx;
   device_buffer<std::uint64_t> bitmap;
@@ -177,6 +181,7 @@ std::shared_ptr<fused3s_device_plan> plan_from(device_bsb f, fused3s_limits limi
   const device_id_and_sms here = current_device();
   plan->device = here.device;
   plan->sms = here.sms;
+  plan->l2_bytes = here.l2_bytes;
   const int sms = plan->sms;
   plan->rows = f.rows;
   plan->cols = f.cols;
@@ -195,6 +200,7 @@ std::shared_ptr<fused3s_device_plan> plan_from(device_bsb f, fused3s_limits limi
   // launch chooses them from the host copy of the items.
   plan->tcbs = f.tcbs;
   plan->team_tcbs = limits.team_tcbs;
+  plan->heads = limits.heads;
   plan->host_items = fused3s::cut_windows(window_tcbs, limit);
   if (std::ssize(plan->host_items.tcbs) != list.num_items)
     throw std::logic_error("fused 3S: the host copy of the work list has " +
@@ -248,6 +254,7 @@ std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_graph& pattern,
   }
   auto plan = plan_from(std::move(b), limits, s);  // synchronises the stream
   plan->row_map = std::move(row_map);
+  plan->reuse = gather_reuse_of(pattern, row_order);
   plan->first_slot = std::move(first);
   plan->slot_entry = std::move(entry);
   return plan;
@@ -308,6 +315,8 @@ void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const te
   p.num_splits = plan.num_splits;
   p.scale_log2 = scale_log2(scale);
   p.heads = static_cast<std::int32_t>(q.heads);
+  p.heads_outer = heads_outer(plan.heads, plan.reuse, q.heads, q.dim,
+                              static_cast<std::int64_t>(size_of(q.type)), plan.l2_bytes);
   p.lse = static_cast<float*>(lse.data);
   p.lse_row = lse.row_stride;
   p.lse_head = lse.head_stride;

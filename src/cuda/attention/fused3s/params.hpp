@@ -30,6 +30,10 @@ struct params : attention_io {
   // between launches.
   std::uint64_t* queue;
   bool use_queue;  // false: a block per team task and a warp per other task, no claims
+  // Task order: false, a window's heads side by side (task = item * heads + head); true, every
+  // item of a head before the next head's (team tasks and warp tasks each), so that the K and V
+  // rows gathered at a time are one head's.
+  bool heads_outer;
   // Optional per-row log-sum-exp of the scaled scores (natural log, -inf for empty rows), what
   // the backward needs: nullptr = not written.
   float* lse;

@@ -9,6 +9,7 @@
 #include "trisparse/core/tensor.hpp"
 #include "trisparse/core/workspace.hpp"
 #include "trisparse/graph/csr.hpp"
+#include "trisparse/ops/attention.hpp"
 
 namespace trisparse::cuda {
 
@@ -22,6 +23,7 @@ struct fused3s_limits {
   std::int32_t split_tcbs = 0, team_tcbs = 0;
   /// The largest heads and head dim that the plan's own workspace serves.
   std::int64_t workspace_heads = 8, workspace_dim = 256;
+  head_order heads = head_order::automatic;  ///< the order of the (window, head) tasks
 };
 
 /// Builds the BSB (16x8) of a checked host pattern on the GPU (after uploading it) and the work
