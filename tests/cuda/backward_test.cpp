@@ -489,8 +489,9 @@ TEST(GpuAttentionBackward, HeadOrdersGiveTheSameBits) {
   int device = 0, l2 = 0;
   test::cuda_check(cudaGetDevice(&device), "device");
   test::cuda_check(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device), "L2 size");
-  EXPECT_TRUE(
-      cuda::heads_outer(head_order::automatic, cuda::gather_reuse_of(g, {}), c.heads, c.dim, 2, l2))
+  cuda::gather_reuse reuse = cuda::gather_reuse_of(g, {});
+  cuda::settle_head_orders(reuse, l2);
+  EXPECT_TRUE(cuda::heads_outer(head_order::automatic, reuse, c.heads, c.dim))
       << "a " << l2 << "-byte L2 holds 8 heads' rows: the test does not reach the by-head order";
   check(g, c, 62, true, -1.0, 1.0, std::nullopt, false, false, row_order::original);
   const double scale = effective_scale({}, c.dim);

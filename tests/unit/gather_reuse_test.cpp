@@ -53,24 +53,38 @@ TEST(GatherReuse, HeadsRunOneAfterTheOtherWhereGathersScatter) {
   // K and V rows (40K x 8 x 256 bytes) outgrow the L2; one head's fit. In RCM order the band's
   // gathers are neighbours: nothing to save.
   const csr_graph band = test::shuffled_band(40000, 4, 7);
-  const cuda::gather_reuse scattered = cuda::gather_reuse_of(band, {});
+  cuda::gather_reuse scattered = cuda::gather_reuse_of(band, {});
   const double saving = cuda::heads_outer_saving(scattered, 8, 64, 2, kL2);
   EXPECT_GT(saving, cuda::kHeadsOuterSaving);
   EXPECT_LE(saving, 1.0);
-  EXPECT_TRUE(cuda::heads_outer(head_order::automatic, scattered, 8, 64, 2, kL2));
-  const cuda::gather_reuse local = cuda::gather_reuse_of(band, reverse_cuthill_mckee(band));
+  EXPECT_EQ(cuda::heads_outer_saving(scattered, 1, 64, 2, kL2), 0.0);
+  EXPECT_FALSE(cuda::heads_outer(head_order::automatic, scattered, 8, 64)) << "not settled yet";
+  cuda::settle_head_orders(scattered, kL2);
+  EXPECT_TRUE(cuda::heads_outer(head_order::automatic, scattered, 8, 64));
+  // The fewest heads that save enough, per head dim: the saving grows with the heads.
+  for (std::size_t i = 0; i < scattered.min_heads.size(); ++i) {
+    const std::int64_t dim = std::int64_t{32} << i, least = scattered.min_heads[i];
+    ASSERT_GT(least, 1) << "dim " << dim;
+    EXPECT_GE(cuda::heads_outer_saving(scattered, least, dim, 2, kL2), cuda::kHeadsOuterSaving);
+    EXPECT_LT(cuda::heads_outer_saving(scattered, least - 1, dim, 2, kL2), cuda::kHeadsOuterSaving);
+    EXPECT_FALSE(cuda::heads_outer(head_order::automatic, scattered, least - 1, dim));
+    EXPECT_TRUE(cuda::heads_outer(head_order::automatic, scattered, least, dim));
+  }
+  EXPECT_FALSE(cuda::heads_outer(head_order::automatic, scattered, 8, 48)) << "no such kernel";
+  cuda::gather_reuse local = cuda::gather_reuse_of(band, reverse_cuthill_mckee(band));
   EXPECT_LT(cuda::heads_outer_saving(local, 8, 64, 2, kL2), 0.01);
-  EXPECT_FALSE(cuda::heads_outer(head_order::automatic, local, 8, 64, 2, kL2));
-  // One head, or every head's rows within the L2 (4K nodes), or a larger L2: nothing to save.
-  EXPECT_FALSE(cuda::heads_outer(head_order::automatic, scattered, 1, 64, 2, kL2));
-  const cuda::gather_reuse small = cuda::gather_reuse_of(test::shuffled_band(4000, 4, 8), {});
-  EXPECT_FALSE(cuda::heads_outer(head_order::automatic, small, 8, 64, 2, kL2));
-  EXPECT_FALSE(cuda::heads_outer(head_order::automatic, scattered, 8, 64, 2, 1024 * kL2));
+  cuda::settle_head_orders(local, kL2);
+  EXPECT_FALSE(cuda::heads_outer(head_order::automatic, local, 8, 64));
+  // Every head's rows within the L2 (4K nodes), or a larger L2: nothing to save.
+  cuda::gather_reuse small = cuda::gather_reuse_of(test::shuffled_band(4000, 4, 8), {});
+  cuda::settle_head_orders(small, kL2);
+  EXPECT_FALSE(cuda::heads_outer(head_order::automatic, small, 8, 64));
+  EXPECT_LT(cuda::heads_outer_saving(scattered, 8, 64, 2, 1024 * kL2), 0.01);
   // Asked for: as asked (with several heads); no statistics (a device pattern's plan): by window.
-  EXPECT_TRUE(cuda::heads_outer(head_order::by_head, local, 8, 64, 2, kL2));
-  EXPECT_FALSE(cuda::heads_outer(head_order::by_head, local, 1, 64, 2, kL2));
-  EXPECT_FALSE(cuda::heads_outer(head_order::by_window, scattered, 8, 64, 2, kL2));
-  EXPECT_FALSE(cuda::heads_outer(head_order::automatic, cuda::gather_reuse{}, 8, 64, 2, kL2));
+  EXPECT_TRUE(cuda::heads_outer(head_order::by_head, local, 8, 64));
+  EXPECT_FALSE(cuda::heads_outer(head_order::by_head, local, 1, 64));
+  EXPECT_FALSE(cuda::heads_outer(head_order::by_window, scattered, 8, 64));
+  EXPECT_FALSE(cuda::heads_outer(head_order::automatic, cuda::gather_reuse{}, 8, 64));
 }
 
 TEST(GatherReuse, HeadOrdersByName) {

@@ -64,11 +64,36 @@ double heads_outer_saving(const gather_reuse& reuse, std::int64_t heads, std::in
   return saved / static_cast<double>(reuse.rows + reuse.gathers);
 }
 
+void settle_head_orders(gather_reuse& reuse, std::int64_t l2_bytes) {
+  constexpr std::int64_t kMostHeads = 4096;
+  for (std::size_t i = 0; i < reuse.min_heads.size(); ++i) {
+    const std::int64_t dim = std::int64_t{32} << i;
+    const auto enough = [&](std::int64_t heads) {
+      return heads_outer_saving(reuse, heads, dim, 2, l2_bytes) >= kHeadsOuterSaving;
+    };
+    if (!enough(kMostHeads)) {
+      reuse.min_heads[i] = 0;
+      continue;
+    }
+    std::int64_t lo = 1, hi = kMostHeads;  // enough(hi), not enough(lo): one head saves nothing
+    while (hi - lo > 1) {
+      const std::int64_t mid = (lo + hi) / 2;
+      (enough(mid) ? hi : lo) = mid;
+    }
+    reuse.min_heads[i] = hi;
+  }
+}
+
 bool heads_outer(head_order asked, const gather_reuse& reuse, std::int64_t heads,
-                 std::int64_t head_dim, std::int64_t element_bytes, std::int64_t l2_bytes) {
+                 std::int64_t head_dim) {
   if (heads <= 1 || asked == head_order::by_window) return false;
-  return asked == head_order::by_head ||
-         heads_outer_saving(reuse, heads, head_dim, element_bytes, l2_bytes) >= kHeadsOuterSaving;
+  if (asked == head_order::by_head) return true;
+  const int i = std::countr_zero(static_cast<std::uint64_t>(head_dim)) - 5;  // 32 << i
+  if (head_dim <= 0 || !std::has_single_bit(static_cast<std::uint64_t>(head_dim)) || i < 0 ||
+      i >= static_cast<int>(reuse.min_heads.size()))
+    return false;
+  const std::int64_t least = reuse.min_heads[static_cast<std::size_t>(i)];
+  return least > 0 && heads >= least;
 }
 
 }  // namespace trisparse::cuda

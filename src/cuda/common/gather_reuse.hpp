@@ -37,6 +37,10 @@ struct gather_reuse {
   std::int64_t rows = 0, cols = 0, windows = 0;
   std::int64_t gathers = 0;  ///< distinct (window, column) pairs: the rows a pass gathers
   std::array<std::int64_t, kBins> by_distance{};
+  /// For 16-bit rows of head dim 32, 64, 128 and 256 (the tensor-core kernels' inputs): the fewest
+  /// heads whose tasks run head by head under head_order::automatic (0: never), as
+  /// settle_head_orders decides them for the plan's device.
+  std::array<std::int64_t, 4> min_heads{};
 };
 
 /// The reuse distances of a host pattern whose window position i holds row order[i] (empty: the
@@ -52,10 +56,15 @@ gather_reuse gather_reuse_of(const csr_graph& pattern, std::span<const std::int6
 double heads_outer_saving(const gather_reuse& reuse, std::int64_t heads, std::int64_t head_dim,
                           std::int64_t element_bytes, std::int64_t l2_bytes);
 
-/// Whether a pass takes its tasks head by head: as `asked`, and for head_order::automatic where
-/// it has several heads and a saving of at least kHeadsOuterSaving (not for an empty `reuse`:
-/// plans from device patterns, batches of small graphs whose gathers stay local).
+/// Fills reuse.min_heads for an L2 of `l2_bytes` (the saving grows with the heads: a search over
+/// them per head dim, at plan build, so that runs decide with a comparison).
+void settle_head_orders(gather_reuse& reuse, std::int64_t l2_bytes);
+
+/// Whether a pass of 16-bit rows takes its tasks head by head: as `asked`, and for
+/// head_order::automatic where it has at least reuse.min_heads heads (a saving of at least
+/// kHeadsOuterSaving; never for an unsettled or empty `reuse`: plans from device patterns,
+/// batches of small graphs whose gathers stay local).
 bool heads_outer(head_order asked, const gather_reuse& reuse, std::int64_t heads,
-                 std::int64_t head_dim, std::int64_t element_bytes, std::int64_t l2_bytes);
+                 std::int64_t head_dim);
 
 }  // namespace trisparse::cuda

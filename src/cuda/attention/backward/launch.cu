@@ -78,7 +78,6 @@ struct tc_pass {
 
 struct attention_backward_device_plan {
   std::int64_t rows = 0, cols = 0, nnz = 0;
-  std::int64_t l2_bytes = 0;                 // the device's L2 (the passes' task order)
   head_order heads = head_order::automatic;  // the tensor-core passes' task order
   device_buffer<std::int64_t> row_ptr;       // A's offsets (the log-sum-exp recompute)
   device_buffer<std::int64_t> column_entry;  // A's entry of each of A^T's (a bias's reads)
@@ -241,8 +240,10 @@ tc_pass make_tc_pass(std::span<const std::int64_t> tcb_offset,
   return p;
 }
 
-// `order` (empty: the rows' own): the row placed at each window position.
-tc_pass make_tc_pass(const csr_graph& g, std::int64_t sms, std::span<const std::int64_t> order) {
+// `order` (empty: the rows' own): the row placed at each window position; `l2_bytes`: the
+// device's L2 (the task order, gather_reuse.hpp).
+tc_pass make_tc_pass(const csr_graph& g, std::int64_t sms, std::int64_t l2_bytes,
+                     std::span<const std::int64_t> order) {
   const bsb b = build_bsb(order.empty() ? g : select_rows(g, order), 8);
   tc_pass p = make_tc_pass(b.tcb_offset, device_buffer<std::int64_t>(b.tcb_offset),
                            device_buffer<std::int32_t>(b.col_idx),
@@ -250,6 +251,7 @@ tc_pass make_tc_pass(const csr_graph& g, std::int64_t sms, std::span<const std::
   if (!order.empty())
     p.row_of = device_buffer<std::int32_t>(std::vector<std::int32_t>(order.begin(), order.end()));
   p.reuse = gather_reuse_of(g, order);
+  settle_head_orders(p.reuse, l2_bytes);
   return p;
 }
 
@@ -299,8 +301,7 @@ void run_tensor_core(const attention_backward_device_plan& plan, const tensor_vi
                    pds,
                    plan.nnz,
                    arrivals,
-                   heads_outer(plan.heads, pass.reuse, heads, q.dim,
-                               static_cast<std::int64_t>(size_of(q.type)), plan.l2_bytes)};
+                   heads_outer(plan.heads, pass.reuse, heads, q.dim)};
   };
   const tc_args row = args(plan.tc_row, plan.rows, row_arrivals),
                 column = args(plan.tc_column(), plan.cols, column_arrivals);
@@ -477,11 +478,10 @@ std::shared_ptr<attention_backward_device_plan> make_attention_backward_plan(
   if (!p->symmetric)
     p->transposed = make_pass(transposed.row_ptr, device_buffer<std::int32_t>(transposed.col_idx));
   const device_id_and_sms here = current_device();
-  p->l2_bytes = here.l2_bytes;
   p->heads = heads;
   const std::int64_t sms = std::max(here.sms, 1);
-  p->tc_row = make_tc_pass(pattern, sms, row_order);
-  if (!p->symmetric) p->tc_transposed = make_tc_pass(transposed, sms, column_order);
+  p->tc_row = make_tc_pass(pattern, sms, here.l2_bytes, row_order);
+  if (!p->symmetric) p->tc_transposed = make_tc_pass(transposed, sms, here.l2_bytes, column_order);
   p->row_ptr = device_buffer<std::int64_t>(pattern.row_ptr);
   p->column_entry = device_buffer<std::int64_t>(
       std::vector<std::int64_t>(transposed_entry.begin(), transposed_entry.end()));

@@ -65,7 +65,7 @@ class team_memo {
 
 struct fused3s_device_plan {
   int device = 0, sms = 0;
-  std::int64_t l2_bytes = 0;
+  std::int64_t l2_bytes = 0;  // the device's L2 (the head order, settled at build)
   std::int64_t rows = 0, cols = 0;
   head_order heads = head_order::automatic;  // fused3s_limits::heads
   gather_reuse reuse;  // the windows' reuse distances (plans from host patterns): the task order
@@ -255,6 +255,7 @@ std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_graph& pattern,
   auto plan = plan_from(std::move(b), limits, s);  // synchronises the stream
   plan->row_map = std::move(row_map);
   plan->reuse = gather_reuse_of(pattern, row_order);
+  settle_head_orders(plan->reuse, plan->l2_bytes);
   plan->first_slot = std::move(first);
   plan->slot_entry = std::move(entry);
   return plan;
@@ -315,8 +316,7 @@ void run_fused3s(const fused3s_device_plan& plan, const tensor_view& q, const te
   p.num_splits = plan.num_splits;
   p.scale_log2 = scale_log2(scale);
   p.heads = static_cast<std::int32_t>(q.heads);
-  p.heads_outer = heads_outer(plan.heads, plan.reuse, q.heads, q.dim,
-                              static_cast<std::int64_t>(size_of(q.type)), plan.l2_bytes);
+  p.heads_outer = heads_outer(plan.heads, plan.reuse, q.heads, q.dim);
   p.lse = static_cast<float*>(lse.data);
   p.lse_row = lse.row_stride;
   p.lse_head = lse.head_stride;
