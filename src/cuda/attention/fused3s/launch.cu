@@ -65,7 +65,6 @@ class team_memo {
 
 struct fused3s_device_plan {
   int device = 0, sms = 0;
-  std::int64_t l2_bytes = 0;  // the device's L2 (the head order, settled at build)
   std::int64_t rows = 0, cols = 0;
   head_order heads = head_order::automatic;  // fused3s_limits::heads
   gather_reuse reuse;  // the windows' reuse distances (plans from host patterns): the task order
@@ -181,7 +180,6 @@ std::shared_ptr<fused3s_device_plan> plan_from(device_bsb f, fused3s_limits limi
   const device_id_and_sms here = current_device();
   plan->device = here.device;
   plan->sms = here.sms;
-  plan->l2_bytes = here.l2_bytes;
   const int sms = plan->sms;
   plan->rows = f.rows;
   plan->cols = f.cols;
@@ -255,7 +253,7 @@ std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_graph& pattern,
   auto plan = plan_from(std::move(b), limits, s);  // synchronises the stream
   plan->row_map = std::move(row_map);
   plan->reuse = gather_reuse_of(pattern, row_order);
-  settle_head_orders(plan->reuse, plan->l2_bytes);
+  settle_head_orders(plan->reuse, current_device().l2_bytes);
   plan->first_slot = std::move(first);
   plan->slot_entry = std::move(entry);
   return plan;
