@@ -1,5 +1,6 @@
 #pragma once
-// The current CUDA device, its SM count and L2 size (plans record them when they are built).
+// The current CUDA device and its SM count (plans record both when they are built), and its L2
+// size (plans built from host patterns settle their task order with it).
 #include <cstdint>
 #include <string>
 
@@ -10,17 +11,22 @@ namespace trisparse::cuda {
 
 struct device_id_and_sms {
   int device = 0, sms = 0;
-  std::int64_t l2_bytes = 0;
 };
 
 inline device_id_and_sms current_device() {
   device_id_and_sms d;
   TRISPARSE_CUDA_TRY(cudaGetDevice(&d.device));
   TRISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, d.device));
-  int l2 = 0;
-  TRISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, d.device));
-  d.l2_bytes = l2;
   return d;
+}
+
+// The current device's L2 size; a query of its own, as only plan builds need it (launches call
+// current_device() on the run path).
+inline std::int64_t current_l2_bytes() {
+  int device = 0, l2 = 0;
+  TRISPARSE_CUDA_TRY(cudaGetDevice(&device));
+  TRISPARSE_CUDA_TRY(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device));
+  return l2;
 }
 
 /// Throws invalid_input unless `device` (where a plan was built, or where `what` lives) is the

@@ -477,11 +477,10 @@ std::shared_ptr<attention_backward_device_plan> make_attention_backward_plan(
   p->row = make_pass(pattern.row_ptr, device_buffer<std::int32_t>(pattern.col_idx));
   if (!p->symmetric)
     p->transposed = make_pass(transposed.row_ptr, device_buffer<std::int32_t>(transposed.col_idx));
-  const device_id_and_sms here = current_device();
   p->heads = heads;
-  const std::int64_t sms = std::max(here.sms, 1);
-  p->tc_row = make_tc_pass(pattern, sms, here.l2_bytes, row_order);
-  if (!p->symmetric) p->tc_transposed = make_tc_pass(transposed, sms, here.l2_bytes, column_order);
+  const std::int64_t sms = std::max(current_device().sms, 1), l2_bytes = current_l2_bytes();
+  p->tc_row = make_tc_pass(pattern, sms, l2_bytes, row_order);
+  if (!p->symmetric) p->tc_transposed = make_tc_pass(transposed, sms, l2_bytes, column_order);
   p->row_ptr = device_buffer<std::int64_t>(pattern.row_ptr);
   p->column_entry = device_buffer<std::int64_t>(
       std::vector<std::int64_t>(transposed_entry.begin(), transposed_entry.end()));

@@ -253,7 +253,7 @@ std::shared_ptr<fused3s_device_plan> make_fused3s_plan(const csr_graph& pattern,
   auto plan = plan_from(std::move(b), limits, s);  // synchronises the stream
   plan->row_map = std::move(row_map);
   plan->reuse = gather_reuse_of(pattern, row_order);
-  settle_head_orders(plan->reuse, current_device().l2_bytes);
+  settle_head_orders(plan->reuse, current_l2_bytes());
   plan->first_slot = std::move(first);
   plan->slot_entry = std::move(entry);
   return plan;
