@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
-#include <cstdlib>
 #include <initializer_list>
 #include <span>
 #include <string>
@@ -75,19 +74,10 @@ struct tc_pass {
   }
 };
 
-namespace {
-// The dq pass's D from its own products on uncut windows of at most this many TCBs:
-// kDeltaSweepTcbs, or TRISPARSE_DELTA_SWEEP where set (an A/B switch, read when a plan is built).
-std::int64_t delta_sweep_setting() {
-  const char* env = std::getenv("TRISPARSE_DELTA_SWEEP");
-  return env != nullptr ? std::atoll(env) : kDeltaSweepTcbs;
-}
-}  // namespace
 }  // namespace attention_backward
 
 struct attention_backward_device_plan {
   std::int64_t rows = 0, cols = 0, nnz = 0;
-  std::int64_t delta_sweep_tcbs = attention_backward::delta_sweep_setting();
   head_order heads = head_order::automatic;  // the tensor-core passes' task order
   device_buffer<std::int64_t> row_ptr;       // A's offsets (the log-sum-exp recompute)
   device_buffer<std::int64_t> column_entry;  // A's entry of each of A^T's (a bias's reads)
@@ -311,8 +301,7 @@ void run_tensor_core(const attention_backward_device_plan& plan, const tensor_vi
                    pds,
                    plan.nnz,
                    arrivals,
-                   heads_outer(plan.heads, pass.reuse, heads, q.dim),
-                   plan.delta_sweep_tcbs};
+                   heads_outer(plan.heads, pass.reuse, heads, q.dim)};
   };
   const tc_args row = args(plan.tc_row, plan.rows, row_arrivals),
                 column = args(plan.tc_column(), plan.cols, column_arrivals);

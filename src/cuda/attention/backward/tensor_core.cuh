@@ -40,9 +40,6 @@ struct tc_args {
   std::int64_t nnz;
   std::uint32_t* arrivals;  // [cut windows, heads]: chunks done (zeroed before the pass)
   bool heads_outer;  // tasks head by head (item = head * n_chunks + chunk), not chunk by chunk
-  // The dq pass's D = Σ_j P_ij dP_ij from its own products (a first sweep over the chunk's TCBs,
-  // no read of out) on uncut windows of at most this many TCBs; 0: D = <dout, out> everywhere.
-  std::int64_t delta_sweep_tcbs;
 };
 
 // A per-entry score bias and its gradient on the dq pass (the column pass reads P and dS as the
@@ -383,26 +380,23 @@ __device__ __forceinline__ float quarter_dot(const std::uint32_t (&a)[D / 8],
 }
 
 // The per-row terms of the task's rows g and g + 8: the log-sum-exp (base 2) and D. From the
-// forward's lse and, where `out` is given, D = <dout, out> (out in T, its quarters; with
-// read_out false D is left to the caller: delta_from_products), else both from the terms pass;
-// 0 past the last row (no entries there).
+// forward's lse and D = <dout, out> (out in T, its quarters) where `out` is given, else from the
+// terms pass; 0 past the last row (no entries there).
 template <class T, int D>
 __device__ __forceinline__ void row_terms_of(const window_task& task, int t, const tc_args& a,
-                                             view<const T> out, bool read_out,
-                                             view<const float> lse, const row_terms& terms,
+                                             view<const T> out, view<const float> lse,
+                                             const row_terms& terms,
                                              const std::uint32_t (&g0)[D / 8],
                                              const std::uint32_t (&g1)[D / 8], float (&l)[2],
                                              float (&d)[2]) {
   const std::int64_t rows[2] = {task.row0, task.row1};
   if (out.data != nullptr) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) l[i] = rows[i] >= 0 ? *lse.at(rows[i], task.h) * kLog2e : 0.0f;
-    d[0] = d[1] = 0.0f;
-    if (!read_out) return;
     std::uint32_t o0[D / 8], o1[D / 8];
     load_a_rows<T, D>(out, task, t, o0, o1);
     d[0] = quarter_dot<T, D>(g0, o0);
     d[1] = quarter_dot<T, D>(g1, o1);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) l[i] = rows[i] >= 0 ? *lse.at(rows[i], task.h) * kLog2e : 0.0f;
     return;
   }
 #pragma unroll
@@ -411,47 +405,6 @@ __device__ __forceinline__ void row_terms_of(const window_task& task, int t, con
     l[i] = rows[i] >= 0 ? terms.lse[at] * kLog2e : 0.0f;
     d[i] = rows[i] >= 0 ? terms.delta[at] : 0.0f;
   }
-}
-
-// The K and V quarter-rows of a TCB's col[g] (delta_from_products' operands).
-template <int D>
-struct kv_rows {
-  std::uint32_t kq[D / 8], vq[D / 8];
-};
-
-// D of the task's rows g and g + 8 as Σ_j P_ij dP_ij over the chunk's TCBs (the whole window: an
-// uncut chunk), which equals <dout, out> for out = P V: S and dP as the main sweep makes them,
-// each lane's sums over its entries in TCB order, then the quad's in a fixed order (bitwise
-// repeatable). Gathers K and V a second time (from L2 mostly); no row of out is read.
-template <class T, int D>
-__device__ __forceinline__ void delta_from_products(const tc_args& a, const tc_chunk& w, int h,
-                                                    int g, int t, view<const T> k, view<const T> v,
-                                                    const std::uint32_t (&q0)[D / 8],
-                                                    const std::uint32_t (&q1)[D / 8],
-                                                    const std::uint32_t (&g0)[D / 8],
-                                                    const std::uint32_t (&g1)[D / 8],
-                                                    const float (&lse)[4], float (&d)[2]) {
-  const int bit = g * 8 + 2 * t;
-  float sum0 = 0.0f, sum1 = 0.0f;
-  tcb_loop<kv_rows<D>>(
-      a, w, g, t,
-      [&](const tcb_meta& m, std::int32_t, kv_rows<D>& r) {
-        load_quarter<D>(row_or_null(k, m.cb, h, 0), t, r.kq);
-        load_quarter<D>(row_or_null(v, m.cb, h, 0), t, r.vq);
-      },
-      [&](const tcb_meta& m, const kv_rows<D>& r) {
-        float s[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dp[4] = {0.0f, 0.0f, 0.0f, 0.0f}, p[4];
-        product<T, D>(s, q0, q1, r.kq);
-        product<T, D>(dp, g0, g1, r.vq);
-        probabilities(m, bit, s, a.scale_log2, lse, p);
-        sum0 = fmaf(p[1], dp[1], fmaf(p[0], dp[0], sum0));
-        sum1 = fmaf(p[3], dp[3], fmaf(p[2], dp[2], sum1));
-      },
-      [](kv_rows<D>&) {});
-  sum0 += __shfl_xor_sync(0xffffffffu, sum0, 1);
-  sum1 += __shfl_xor_sync(0xffffffffu, sum1, 1);
-  d[0] = sum0 + __shfl_xor_sync(0xffffffffu, sum0, 2);
-  d[1] = sum1 + __shfl_xor_sync(0xffffffffu, sum1, 2);
 }
 
 // dq over the pattern's windows: one warp per (chunk, head). The per-row terms come from out and
@@ -470,15 +423,9 @@ __global__ void __launch_bounds__(kWarps * 32, kTcMinBlocks<D>)
   std::uint32_t q0[D / 8], q1[D / 8], g0[D / 8], g1[D / 8];
   load_a_rows<T, D>(q, task, t, q0, q1);
   load_a_rows<T, D>(dout, task, t, g0, g1);
-  // D from the products on a short uncut window (no read of out; a bias would need its loads in
-  // the first sweep too, so biased scores keep <dout, out>).
-  const bool sweep =
-      !kBias && out.data != nullptr && w.slot < 0 && w.end - w.begin <= a.delta_sweep_tcbs;
   float l[2], d[2];
-  row_terms_of<T, D>(task, t, a, out, !sweep, lse_in, terms, g0, g1, l, d);
-  const float lse[4] = {l[0], l[0], l[1], l[1]};
-  if (sweep) delta_from_products<T, D>(a, w, h, g, t, k, v, q0, q1, g0, g1, lse, d);
-  const float d0 = d[0], d1 = d[1];
+  row_terms_of<T, D>(task, t, a, out, lse_in, terms, g0, g1, l, d);
+  const float lse[4] = {l[0], l[0], l[1], l[1]}, d0 = d[0], d1 = d[1];
   float acc[D / 8][4];
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;

@@ -35,8 +35,5 @@ constexpr std::int64_t kRcmKeepPercent = 90;
 // The fine chunks run largest first (one head: the tail sets the time); the coarse ones largest
 // first too where true, else the cut windows' chunks first and the rest in window order.
 constexpr bool kCoarseLargestFirst = false;
-// The dq pass computes D = Σ_j P_ij dP_ij from its own products (a first sweep over the window's
-// TCBs, no read of out's rows) on uncut windows of at most this many TCBs; 0: never.
-constexpr std::int64_t kDeltaSweepTcbs = 0;
 
 }  // namespace trisparse::cuda::attention_backward
