@@ -14,10 +14,9 @@ mkdir -p .devpack
 # kernels): 15 MB where plain `tar -cJ` gave 36, leaving room in a call's 64 MiB carry for data/.
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-strip --strip-unneeded -o "$tmp/gpu_tests" "$build/tests/gpu_tests"
-strip --strip-unneeded -o "$tmp/op_gpu_tests" "$build/tests/op_gpu_tests"
-strip --strip-unneeded -o "$tmp/large_gpu_tests" "$build/tests/large_gpu_tests"
-tar -cf - -C "$tmp" gpu_tests op_gpu_tests large_gpu_tests | xz -9 -T0 > .devpack/gpu_tests.tar.xz
+tests=(gpu_tests op_gpu_tests large_gpu_tests)
+for t in "${tests[@]}"; do strip --strip-unneeded -o "$tmp/$t" "$build/tests/$t"; done
+tar -cf - -C "$tmp" "${tests[@]}" | xz -9 -T0 > .devpack/gpu_tests.tar.xz
 xz -T0 -c "$build/src/libtrisparse.a" > .devpack/libtrisparse.a.xz
 scripts/source_stamp.sh > .devpack/libtrisparse.stamp
 if [ -n "${BENCH_BINS:-}" ]; then
