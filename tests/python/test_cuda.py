@@ -1646,6 +1646,86 @@ def test_captured_steps_of_successive_models_hold_no_memory_after_they_go():
     assert held[2] <= held[1], held
 
 
+_EVALUATE_ON_THE_CAPTURE_STREAM = """
+import sys
+import torch, trisparse.nn
+from torch_geometric.nn import GINEConv
+from trisparse.nn.capture import CapturedStep, capture_stream, pad_batch
+from torch_geometric.data import Batch, Data
+
+torch.manual_seed(0)
+conv = trisparse.nn.GPSConv(64, GINEConv(torch.nn.Linear(64, 64), edge_dim=3), heads=4)
+model = torch.nn.ModuleDict({"conv": conv, "head": torch.nn.Linear(64, 1)}).cuda()
+opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
+g = torch.Generator().manual_seed(3)
+graphs = []
+for _ in range(24):
+    n = int(torch.randint(2, 30, (1,), generator=g))
+    graphs.append(Data(x=torch.randn(n, 64, generator=g), edge_attr=torch.randn(2 * n, 3,
+        generator=g), edge_index=torch.randint(0, n, (2, 2 * n), generator=g), y=torch.randn(1, 1)))
+p = pad_batch(Batch.from_data_list(graphs), 1024, 2048, 64)
+
+def forward(x, edge_index, edge_attr, batch, node_mask, graphs):
+    with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+        x = model["conv"](x, edge_index, batch, edge_attr=edge_attr, node_mask=node_mask)
+    pooled = torch.zeros(graphs, 64, device=x.device).index_add_(0, batch, x.float())
+    return model["head"](pooled)
+
+def step(x, edge_index, edge_attr, batch, y, node_mask):
+    out = forward(x, edge_index, edge_attr, batch, node_mask, y.size(0))
+    loss = torch.where(y.isnan(), 0.0, out - y.nan_to_num()).square().sum()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+captured = CapturedStep(step, model, opt)
+inputs = (p.x, p.edge_index, p.edge_attr, p.batch, p.y, p.node_mask)
+for _ in range(2):
+    captured(*inputs)
+torch.cuda.synchronize()
+
+def evaluate():
+    model.eval()
+    with torch.no_grad():
+        d = [t.cuda() for t in (p.x, p.edge_index, p.edge_attr, p.batch, p.node_mask)]
+        out = forward(*d, p.y.size(0)).float().cpu()
+    model.train()
+    torch.cuda.synchronize()
+    return out
+
+held = torch.cuda.memory_allocated()
+with capture_stream():
+    on_side = evaluate()
+side = torch.cuda.memory_allocated()
+on_default = evaluate()
+default = torch.cuda.memory_allocated()
+assert torch.allclose(on_side, on_default, rtol=1e-3, atol=1e-4), "either stream, one result"
+print((side - held) / 2**20, (default - side) / 2**20)
+"""
+
+
+def test_evaluation_on_the_capture_stream_makes_no_cublas_workspace():
+    """trisparse.nn.capture.capture_stream: a model trained by a CapturedStep and evaluated on
+    its stream (in a fresh process) holds no more memory afterwards, where the same evaluation
+    on the default stream holds torch's cuBLAS workspace for that stream (the control; skipped
+    where this torch keeps none); both evaluations give the same outputs."""
+    import subprocess
+    import sys
+
+    child = subprocess.run(
+        [sys.executable, "-c", _EVALUATE_ON_THE_CAPTURE_STREAM],
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=600,
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    side_mib, default_mib = map(float, child.stdout.split()[-2:])
+    if default_mib < 1.0:
+        pytest.skip(f"no cuBLAS workspace per stream in this torch ({default_mib} MiB)")
+    assert side_mib < 1.0, (side_mib, default_mib)
+
+
 @pytest.mark.parametrize("heads,a,b", [(8, 16, 16), (3, 5, 7), (4, 32, 8)])
 def test_head_product_kernels_equal_float64(heads, a, b):
     """TransformerConv's per-head W_e products on CUDA (`_per_head`, `_head_outer`: trisparse's

@@ -15,12 +15,13 @@ vectorised gathers (PyG's collation works graph by graph in Python).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 from torch import Tensor
 
-__all__ = ["CapturedStep", "PackedGraphs", "bucket", "pad_batch"]
+__all__ = ["CapturedStep", "PackedGraphs", "bucket", "capture_stream", "pad_batch"]
 
 
 def bucket(n: int, steps: int = 8, minimum: int = 64) -> int:
@@ -150,6 +151,34 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     if device not in _SIDE_STREAMS:
         _SIDE_STREAMS[device] = torch.cuda.Stream(device)
     return _SIDE_STREAMS[device]
+
+
+@contextlib.contextmanager
+def capture_stream(device: torch.device | str | None = None):
+    """Run eager work between captured steps (evaluation, above all) on the stream every
+    :class:`CapturedStep` of ``device`` warms up and captures on, ordered after the current
+    stream's work and before what the current stream does next. torch keeps a cuBLAS workspace
+    (32 MiB on Hopper) per thread and stream for the process's life: a model evaluated on the
+    default stream between replays adds a third one to the two the captured forward and backward
+    hold. Yields the stream. Tensors made inside and used outside on another stream must be
+    recorded there (``Tensor.record_stream``); reading results to the host inside is simplest::
+
+        with trisparse.nn.capture.capture_stream():
+            preds = [model(batch).float().cpu() for batch in loader]
+    """
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"capture_stream: a CUDA device, got {device}")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    side, current = _side_stream(device), torch.cuda.current_stream(device)
+    side.wait_stream(current)
+    try:
+        with torch.cuda.stream(side):
+            yield side
+    finally:
+        current.wait_stream(side)
 
 
 class CapturedStep:
