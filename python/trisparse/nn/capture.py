@@ -147,7 +147,7 @@ _SIDE_STREAMS: dict = {}
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     """One side stream per device for every CapturedStep's warm-ups and captures: torch keeps a
     cuBLAS workspace (32 MiB on Hopper) per thread and stream for the process's lifetime, so a
-    stream per CapturedStep would hold two more for each model trained in the process."""
+    stream per CapturedStep would hold another for each model trained in the process."""
     if device not in _SIDE_STREAMS:
         _SIDE_STREAMS[device] = torch.cuda.Stream(device)
     return _SIDE_STREAMS[device]
@@ -159,8 +159,8 @@ def capture_stream(device: torch.device | str | None = None):
     :class:`CapturedStep` of ``device`` warms up and captures on, ordered after the current
     stream's work and before what the current stream does next. torch keeps a cuBLAS workspace
     (32 MiB on Hopper) per thread and stream for the process's life: a model evaluated on the
-    default stream between replays adds a third one to the two the captured forward and backward
-    hold. Yields the stream. Tensors made inside and used outside on another stream must be
+    default stream between replays adds a second one to the one the captured steps hold (their
+    forward and backward run on one thread and stream). Yields the stream. Tensors made inside and used outside on another stream must be
     recorded there (``Tensor.record_stream``); reading results to the host inside is simplest::
 
         with trisparse.nn.capture.capture_stream():
@@ -187,7 +187,10 @@ class CapturedStep:
     inputs copied into the graph's own. The first call of a shape runs ``warmup`` eager steps on a
     side stream (as CUDA graph capture needs), puts back the model's parameters and buffers and
     the optimizer's state as they were before them, captures, and replays once: every call is one
-    training step on its own inputs. The graphs share one memory pool. The returned tensors are the
+    training step on its own inputs. Warm-ups and capture run their backward on the calling
+    thread (``torch.autograd.set_multithreading_enabled(False)``), so the forward and the backward
+    share one cuBLAS workspace; evaluate between calls under :func:`capture_stream` to keep it
+    at one. The graphs share one memory pool. The returned tensors are the
     graph's own, overwritten by the next call: read them before it.
 
     ``optimizer`` needs ``capturable=True`` (torch's Adam, AdamW, SGD...); state it creates during
@@ -227,16 +230,19 @@ class CapturedStep:
         saved = self._state()
         side = _side_stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(self._warmup):
-                self._optimizer.zero_grad(set_to_none=True)
-                self._step(*static)
-        torch.cuda.current_stream(device).wait_stream(side)
-        self._restore(saved)
-        self._optimizer.zero_grad(set_to_none=True)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=side):
-            outputs = self._step(*static)
+        # The backward on this thread, not autograd's device thread: its cuBLAS calls then share
+        # the forward's handle and workspace on the side stream (one workspace, not two).
+        with torch.autograd.set_multithreading_enabled(False):
+            with torch.cuda.stream(side):
+                for _ in range(self._warmup):
+                    self._optimizer.zero_grad(set_to_none=True)
+                    self._step(*static)
+            torch.cuda.current_stream(device).wait_stream(side)
+            self._restore(saved)
+            self._optimizer.zero_grad(set_to_none=True)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=side):
+                outputs = self._step(*static)
         if self._pool is None:
             self._pool = graph.pool()
         return graph, static, outputs
