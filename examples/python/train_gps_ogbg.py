@@ -170,7 +170,7 @@ def run(args, graphs, split, seed, device):
             return evaluate(model, loader, regression, device, args.bf16)
         from trisparse.nn.capture import capture_stream
 
-        with capture_stream(device):  # the captured steps' stream: no third cuBLAS workspace
+        with capture_stream(device):  # the captured steps' stream: no second cuBLAS workspace
             return evaluate(model, loader, regression, device, args.bf16)
 
     if cuda:

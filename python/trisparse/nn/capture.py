@@ -160,14 +160,14 @@ def capture_stream(device: torch.device | str | None = None):
     stream's work and before what the current stream does next. torch keeps a cuBLAS workspace
     (32 MiB on Hopper) per thread and stream for the process's life: a model evaluated on the
     default stream between replays adds a second one to the one the captured steps hold (their
-    forward and backward run on one thread and stream). Yields the stream. Tensors made inside and used outside on another stream must be
-    recorded there (``Tensor.record_stream``); reading results to the host inside is simplest::
+    forward and backward run on one thread and stream). Yields the stream. Tensors made inside
+    and used outside on another stream must be recorded there (``Tensor.record_stream``);
+    reading results to the host inside is simplest::
 
         with trisparse.nn.capture.capture_stream():
             preds = [model(batch).float().cpu() for batch in loader]
     """
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
-    device = torch.device(device)
+    device = torch.device("cuda" if device is None else device)
     if device.type != "cuda":
         raise ValueError(f"capture_stream: a CUDA device, got {device}")
     if device.index is None:
@@ -189,9 +189,9 @@ class CapturedStep:
     the optimizer's state as they were before them, captures, and replays once: every call is one
     training step on its own inputs. Warm-ups and capture run their backward on the calling
     thread (``torch.autograd.set_multithreading_enabled(False)``), so the forward and the backward
-    share one cuBLAS workspace; evaluate between calls under :func:`capture_stream` to keep it
-    at one. The graphs share one memory pool. The returned tensors are the
-    graph's own, overwritten by the next call: read them before it.
+    share one cuBLAS workspace; evaluate between calls under :func:`capture_stream` to keep it at
+    one. The graphs share one memory pool. The returned tensors are the graph's own, overwritten
+    by the next call: read them before it.
 
     ``optimizer`` needs ``capturable=True`` (torch's Adam, AdamW, SGD...); state it creates during
     the warm-up (the first step) is zeroed, which is how those optimizers start it. Use autocast
