@@ -26,6 +26,7 @@ __all__ = [
     "copy_weights",
     "gather_rows",
     "to_copies",
+    "weights_from_lse",
 ]
 
 
@@ -148,3 +149,44 @@ def copy_aggregate(w: Tensor, a: Tensor, pattern: Pattern) -> Tensor:
     a3 = a.to(torch.promote_types(a.dtype, w.dtype)).unsqueeze(1)
     heads = [edge_spmm(w[:, h : h + 1].contiguous(), a3, cp) for h in range(w.shape[1])]
     return torch.cat(heads, dim=1)
+
+
+def _row_sums(values: Tensor, pattern: Pattern) -> Tensor:
+    """[E_in, ...] values of the input's pairs -> [num_rows, ...]: each row's sum over its pairs,
+    in a fixed order (each entry's copies, then the row's entries)."""
+    entries = copy_sum(values, pattern)
+    rowptr = pattern.row_pointers(values.device)
+    return torch.segment_reduce(entries, "sum", offsets=rowptr, axis=0)
+
+
+class _WeightsFromLse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores, lse, targets, pattern):
+        weights = (scores.to(lse.dtype) - gather_rows(lse, targets)).exp()
+        ctx.save_for_backward(weights, targets)
+        ctx.pattern, ctx.dtype = pattern, scores.dtype
+        return weights.to(scores.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        weights, targets = ctx.saved_tensors
+        wg = weights * grad.to(weights.dtype)
+        sums = _row_sums(wg, ctx.pattern)
+        return (wg - weights * gather_rows(sums, targets)).to(ctx.dtype), None, None, None
+
+
+def weights_from_lse(scores: Tensor, lse: Tensor, pattern: Pattern) -> Tensor:
+    """[E_in, H]: each input pair's softmax weight exp(score - lse of its target row), from the
+    log-sum-exp [num_rows, H] that a fused forward returned (every copy of a repeated pair its own
+    term; a score's exponent is its copy's): no pass over the scores for the normaliser.
+    Differentiable in ``scores`` by the softmax's Jacobian, dL/ds = w (g - sum over the row of
+    w g) with the row sums in a fixed order; ``lse`` is taken as theirs (not differentiated).
+    float64 scores with a float32 lse (the multigraph engine's): the lse made float64's by one
+    pass, lse + log(sum over the row of exp(score - lse))."""
+    targets = pattern.input_pairs(scores.device)[0]
+    lse = lse.detach()
+    if scores.dtype == torch.float64 and lse.dtype != torch.float64:
+        lse = lse.double()
+        terms = (scores.detach() - gather_rows(lse, targets)).exp()
+        lse = lse + _row_sums(terms, pattern).log()
+    return _WeightsFromLse.apply(scores, lse, targets, pattern)

@@ -59,7 +59,8 @@ def edge_gat_attention(
     a_edge: Tensor | None = None,
     dropout: float = 0.0,
     pyg_dropout: bool = False,
-) -> Tensor:
+    return_lse: bool = False,
+):
     """out[i, h] = sum over the input pairs e = (i, j) of softmax_e(LeakyReLU(a_dst[i, h] + a_src[j,
     h] + a_edge[e, h])) x[j, h], each copy of a repeated pair its own term: GAT's attention (PyG's
     GATConv) over a multigraph with edge features, fused (CUDA or the CPU). x [num_cols, H, C],
@@ -68,7 +69,9 @@ def edge_gat_attention(
     mode), one draw per (input edge, head), made in the kernels (regenerated in the backward:
     nothing [E, H] is stored) or, with `pyg_dropout`, drawn as PyG's F.dropout over its [E, H]
     weights (the same factors as PyG's layer given torch's seed). Differentiable in all four;
-    deterministic given the draws."""
+    deterministic given the draws. ``return_lse``: also each row's log-sum-exp of the scores
+    [num_rows, H] (float32, float64 for the CPU's float64; -inf on rows without pairs; not
+    differentiable; dropout leaves it alone)."""
     _check_device(x)
     heads = x.shape[1]
     for name, t, rows in (
@@ -81,7 +84,7 @@ def edge_gat_attention(
         raise ValueError(f"a_edge must be [edges, {heads}], got {list(a_edge.shape)}")
     terms = {"dtype": _factor_dtype(x)}
     keep, p, state = _dropout_args(pattern, x, float(dropout), pyg_dropout)
-    out, _lse = _gat_forward_eager(
+    out, lse = _gat_forward_eager(
         _operand(x),
         a_src.to(**terms).contiguous(),
         a_dst.to(**terms).contiguous(),
@@ -92,7 +95,7 @@ def edge_gat_attention(
         p,
         state,
     )
-    return out
+    return (out, lse.detach()) if return_lse else out
 
 
 def _check_device(t: Tensor) -> None:
@@ -136,7 +139,8 @@ def edge_attention(
     dropout: float = 0.0,
     pyg_dropout: bool = False,
     bias: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None]:
+    return_lse: bool = False,
+) -> tuple:
     """(out [num_rows, H, C], out_edge [num_rows, H, F] or None; in q's dtype): the attention over
     the pattern's input pairs (each copy of a repeated pair a separate term) with scores
     scale q_i . k_j + r_i . a_e, out = sum alpha v_j and out_edge = sum alpha a_e. q [num_rows, H,
@@ -147,7 +151,8 @@ def edge_attention(
     per input pair, [E, H] or [E] (shared by the heads), rounded to q's dtype: the score term with
     H more features, r_i one-hot per head and a_e the bias (so `features` H more where
     :func:`edge_attention_supported` is asked). Differentiable in all six; deterministic given
-    the draws."""
+    the draws. ``return_lse``: also each row's log-sum-exp of the scores [num_rows, H] (as
+    :func:`edge_gat_attention`'s), a third result."""
     _check_device(q)
     if (r is None) != (a is None):
         raise ValueError("r and a come together (the edge features' score term) or not at all")
@@ -164,7 +169,7 @@ def edge_attention(
             a = F.pad(a, (0, width - total))
         r, a = r.contiguous(), a.contiguous()
     keep, p, state = _dropout_args(pattern, q, float(dropout), pyg_dropout)
-    out, out_edge, _lse = _forward_eager(
+    out, out_edge, lse = _forward_eager(
         _operand(q),
         _operand(k),
         _operand(v),
@@ -176,7 +181,8 @@ def edge_attention(
         p,
         state,
     )
-    return out, (None if features == 0 else out_edge[..., :features])
+    out_edge = None if features == 0 else out_edge[..., :features]
+    return (out, out_edge, lse.detach()) if return_lse else (out, out_edge)
 
 
 def _with_bias(q: Tensor, r, a, bias: Tensor, edges: int) -> tuple[Tensor, Tensor]:

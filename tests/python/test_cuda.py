@@ -72,6 +72,69 @@ def test_attention_layers_in_float32_match_pyg_on_cuda(name, layer, channels, he
     assert torch.equal(run(ours, x, ei)[1], gx)  # deterministic gradients
 
 
+@pytest.mark.parametrize(
+    "layer, channels, kwargs, repeats",
+    [
+        ("TransformerConv", 16, {"heads": 4, "edge_dim": 6}, True),  # multigraph kernels
+        ("TransformerConv", 128, {"heads": 2}, False),  # sparse_attention (row-wise float32)
+        ("GATConv", 16, {"heads": 4, "edge_dim": 6}, True),
+        ("GATConv", 8, {"heads": 8}, False),
+    ],
+)
+def test_attention_weights_from_the_lse_match_pyg_on_cuda(layer, channels, kwargs, repeats):
+    """return_attention_weights on CUDA (float32): the fused attention, then each input edge's
+    weight from the forward's lse, against PyG's layer on CUDA: the weights, the output and the
+    gradients of x, edge_attr and every parameter for a loss that reaches the weights too; the
+    same bits on a second run; no fallback."""
+    import warnings
+
+    n = 300
+    g = torch.Generator().manual_seed(61)
+    ei = random_edge_index(n, n, 8, seed=62, self_loops=True)
+    if repeats:
+        picks = torch.randint(0, ei.shape[1], (ei.shape[1] // 4,), generator=g)
+        ei = torch.cat([ei, ei[:, picks]], dim=1)
+    ei = ei[:, torch.randperm(ei.shape[1], generator=g)].cuda()
+    torch.manual_seed(0)
+    pyg = getattr(pyg_nn, layer)(24, channels, **kwargs).cuda()
+    ours = getattr(trisparse.nn, layer)(24, channels, **kwargs).cuda()
+    ours.load_state_dict(pyg.state_dict())
+    x = torch.randn(n, 24, generator=g).cuda()
+    ea = torch.randn(ei.shape[1], 6, generator=g).cuda() if "edge_dim" in kwargs else None
+
+    def result(model):
+        xs = x.clone().requires_grad_()
+        extra = {} if ea is None else {"edge_attr": ea.clone().requires_grad_()}
+        out, (edges, alpha) = model(xs, ei, **extra, return_attention_weights=True)
+        w = torch.Generator(device="cuda").manual_seed(5)
+        loss = (out * torch.randn(out.shape, generator=w, device="cuda")).sum()
+        loss = loss + (alpha * torch.randn(alpha.shape, generator=w, device="cuda")).sum()
+        loss.backward()
+        res = [out.detach(), alpha.detach(), xs.grad] + ([extra["edge_attr"].grad] if extra else [])
+        res += [p.grad for _, p in sorted(model.named_parameters()) if p.grad is not None]
+        model.zero_grad()
+        return edges, res
+
+    # torch warns once when a backward thread first meets cuBLAS: not ours, let it pass first.
+    torch.ones(2, 2, device="cuda", requires_grad=True).matmul(
+        torch.ones(2, 2, device="cuda")
+    ).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        edges, got = result(ours)
+        again = result(ours)[1]
+    want_edges, want = result(pyg)
+    assert torch.equal(edges, want_edges)
+    inputs = 4 if ea is not None else 3  # out, alpha, x's (and edge_attr's) gradients
+    norm = max(float(b.abs().max()) for b in want[inputs:])
+    for i, (a, b, c) in enumerate(zip(got, again, want, strict=True)):
+        assert torch.equal(a, b), i
+        if i < inputs:
+            assert relerr(a, c) <= 1e-3, i
+        else:  # parameters normwise (a key bias's gradient is 0 up to rounding)
+            assert (a - c).abs().max() <= 1e-3 * norm, i
+
+
 class _GraphTransformer(torch.nn.Module):
     """Two PyG TransformerConv layers (4 heads x 16 concatenated, then 2 heads x 8 averaged),
     joined by a GELU: a ReLU's kink flips wherever a pre-activation lies within rounding of zero,

@@ -10,7 +10,14 @@ from torch_geometric.nn import GATConv as _PygGATConv
 from torch_geometric.utils import scatter
 
 from ... import _C
-from ...copies import copy_logsumexp, copy_sum, copy_weights, gather_rows, to_copies
+from ...copies import (
+    copy_logsumexp,
+    copy_sum,
+    copy_weights,
+    gather_rows,
+    to_copies,
+    weights_from_lse,
+)
 from ...distributed import DistributedPattern
 from ...edge import edge_scores, edge_softmax, edge_spmm
 from ...edge_attention import edge_attention_supported, edge_gat_attention, neighbor_sum
@@ -106,9 +113,11 @@ class GATConv(_Fused, _PygGATConv):
     Repeated edges (each copy its own term, as in PyG) and edge features (``edge_dim``: the edge
     term a_edge . W_e a_ij becomes one [edge_dim, heads] product, with ``fill_value`` for the self
     loops as PyG) run fused over the input's edges (:func:`trisparse.edge_gat_attention`, CUDA
-    kernels or the CPU engine, attention dropout included). ``return_attention_weights`` and
-    heads wider than 512 channels run the per-edge path:
-    [E, heads] scores, their softmax and the per-edge SpMM (no [E, heads, channels] tensor).
+    kernels or the CPU engine, attention dropout included). ``return_attention_weights``: the
+    same fused attention, then the [E, heads] weights from its log-sum-exp; while training with
+    dropout (PyG returns the weights after it), under torch.compile, and for heads wider than
+    512 channels the per-edge path: [E, heads] scores, their softmax and the per-edge SpMM (no
+    [E, heads, channels] tensor).
     Bipartite inputs ``(x_src, x_dst)`` and ``size`` are taken as PyG takes them. ``edge_index``
     may also be a :class:`trisparse.Pattern` (built once, self loops included if wanted) or a
     :class:`trisparse.distributed.DistributedPattern` (this rank's rows of a partitioned graph).
@@ -204,6 +213,20 @@ class GATConv(_Fused, _PygGATConv):
         C = self.out_channels
         dropout = self.training and self.dropout > 0
         multigraph = edge_attr is not None or pattern.duplicates
+        # The weights from the fused forward's lse, where they are the softmax's (PyG returns them
+        # after dropout, whose draws in training the per-edge path makes; so does torch.compile).
+        from_lse = bool(weights) and not dropout and not torch.compiler.is_compiling()
+        if from_lse and edge_attention_supported(pattern, x_src):
+            a_edge = edge_terms() if edge_attr is not None else None
+            out, lse = edge_gat_attention(
+                x_src, alpha_src, alpha_dst, pattern, self.negative_slope, a_edge,
+                return_lse=True,
+            )  # fmt: skip
+            scores = to_copies(edge_scores(alpha_dst, alpha_src, pattern), pattern)
+            if a_edge is not None:
+                scores = scores + a_edge
+            scores = F.leaky_relu(scores, self.negative_slope)
+            return out, weights_from_lse(scores, lse, pattern)
         if multigraph and not weights and edge_attention_supported(pattern, x_src):
             # fused over the input's edges, each copy its own term and dropout draw
             a_edge = edge_terms() if edge_attr is not None else None
