@@ -72,6 +72,18 @@ def test_attention_layers_in_float32_match_pyg_on_cuda(name, layer, channels, he
     assert torch.equal(run(ours, x, ei)[1], gx)  # deterministic gradients
 
 
+def _shuffled_multigraph(n: int, seed: int, repeats: bool):
+    """edge_index [2, E] of n nodes (8 edges a node, self loops, isolated nodes), with a quarter
+    of its edges repeated where `repeats`, in shuffled order; and the generator (seeded `seed`)
+    for the test's other inputs."""
+    g = torch.Generator().manual_seed(seed)
+    ei = random_edge_index(n, n, 8, seed=seed + 1, self_loops=True)
+    if repeats:
+        picks = torch.randint(0, ei.shape[1], (ei.shape[1] // 4,), generator=g)
+        ei = torch.cat([ei, ei[:, picks]], dim=1)
+    return ei[:, torch.randperm(ei.shape[1], generator=g)], g
+
+
 @pytest.mark.parametrize(
     "layer, channels, kwargs, repeats",
     [
@@ -89,12 +101,8 @@ def test_attention_weights_from_the_lse_match_pyg_on_cuda(layer, channels, kwarg
     import warnings
 
     n = 300
-    g = torch.Generator().manual_seed(61)
-    ei = random_edge_index(n, n, 8, seed=62, self_loops=True)
-    if repeats:
-        picks = torch.randint(0, ei.shape[1], (ei.shape[1] // 4,), generator=g)
-        ei = torch.cat([ei, ei[:, picks]], dim=1)
-    ei = ei[:, torch.randperm(ei.shape[1], generator=g)].cuda()
+    ei, g = _shuffled_multigraph(n, 61, repeats)
+    ei = ei.cuda()
     torch.manual_seed(0)
     pyg = getattr(pyg_nn, layer)(24, channels, **kwargs).cuda()
     ours = getattr(trisparse.nn, layer)(24, channels, **kwargs).cuda()
@@ -761,12 +769,7 @@ def test_attention_dropout_with_pyg_draws_drops_what_pyg_drops(layer, kwargs, re
     gradients of x, edge_attr and every parameter equal PyG's layer on CUDA (float32), so the
     same edges were dropped; no fallback."""
     n = 300
-    g = torch.Generator().manual_seed(53)
-    ei = random_edge_index(n, n, 8, seed=54, self_loops=True)
-    if repeats:
-        picks = torch.randint(0, ei.shape[1], (ei.shape[1] // 4,), generator=g)
-        ei = torch.cat([ei, ei[:, picks]], dim=1)
-    ei = ei[:, torch.randperm(ei.shape[1], generator=g)]
+    ei, g = _shuffled_multigraph(n, 53, repeats)
     torch.manual_seed(0)
     pyg = getattr(pyg_nn, layer)(24, 16, dropout=0.3, **kwargs).cuda().train()
     ours = getattr(trisparse.nn, layer)(24, 16, dropout=0.3, **kwargs, pyg_dropout=True)
