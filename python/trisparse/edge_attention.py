@@ -139,8 +139,7 @@ def edge_attention(
     dropout: float = 0.0,
     pyg_dropout: bool = False,
     bias: Tensor | None = None,
-    return_lse: bool = False,
-) -> tuple:
+) -> tuple[Tensor, Tensor | None]:
     """(out [num_rows, H, C], out_edge [num_rows, H, F] or None; in q's dtype): the attention over
     the pattern's input pairs (each copy of a repeated pair a separate term) with scores
     scale q_i . k_j + r_i . a_e, out = sum alpha v_j and out_edge = sum alpha a_e. q [num_rows, H,
@@ -151,8 +150,7 @@ def edge_attention(
     per input pair, [E, H] or [E] (shared by the heads), rounded to q's dtype: the score term with
     H more features, r_i one-hot per head and a_e the bias (so `features` H more where
     :func:`edge_attention_supported` is asked). Differentiable in all six; deterministic given
-    the draws. ``return_lse``: also each row's log-sum-exp of the scores [num_rows, H] (as
-    :func:`edge_gat_attention`'s), a third result."""
+    the draws."""
     _check_device(q)
     if (r is None) != (a is None):
         raise ValueError("r and a come together (the edge features' score term) or not at all")
@@ -169,7 +167,7 @@ def edge_attention(
             a = F.pad(a, (0, width - total))
         r, a = r.contiguous(), a.contiguous()
     keep, p, state = _dropout_args(pattern, q, float(dropout), pyg_dropout)
-    out, out_edge, lse = _forward_eager(
+    out, out_edge, _lse = _forward_eager(
         _operand(q),
         _operand(k),
         _operand(v),
@@ -181,8 +179,7 @@ def edge_attention(
         p,
         state,
     )
-    out_edge = None if features == 0 else out_edge[..., :features]
-    return (out, out_edge, lse.detach()) if return_lse else (out, out_edge)
+    return out, (None if features == 0 else out_edge[..., :features])
 
 
 def _with_bias(q: Tensor, r, a, bias: Tensor, edges: int) -> tuple[Tensor, Tensor]:

@@ -87,17 +87,17 @@ def _shuffled_multigraph(n: int, seed: int, repeats: bool):
 @pytest.mark.parametrize(
     "layer, channels, kwargs, repeats",
     [
-        ("TransformerConv", 16, {"heads": 4, "edge_dim": 6}, True),  # multigraph kernels
-        ("TransformerConv", 128, {"heads": 2}, False),  # sparse_attention (row-wise float32)
+        ("TransformerConv", 16, {"heads": 4, "edge_dim": 6}, True),
+        ("TransformerConv", 128, {"heads": 2}, False),
         ("GATConv", 16, {"heads": 4, "edge_dim": 6}, True),
         ("GATConv", 8, {"heads": 8}, False),
     ],
 )
-def test_attention_weights_from_the_lse_match_pyg_on_cuda(layer, channels, kwargs, repeats):
-    """return_attention_weights on CUDA (float32): the fused attention, then each input edge's
-    weight from the forward's lse, against PyG's layer on CUDA: the weights, the output and the
-    gradients of x, edge_attr and every parameter for a loss that reaches the weights too; the
-    same bits on a second run; no fallback."""
+def test_attention_weights_match_pyg_on_cuda(layer, channels, kwargs, repeats):
+    """return_attention_weights on CUDA (float32; GATConv: the fused attention, then each input
+    edge's weight from the forward's lse; TransformerConv: the per-edge path) against PyG's layer
+    on CUDA: the weights, the output and the gradients of x, edge_attr and every parameter for a
+    loss that reaches the weights too; the same bits on a second run; no fallback."""
     import warnings
 
     n = 300

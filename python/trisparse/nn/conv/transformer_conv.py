@@ -10,15 +10,7 @@ from torch_geometric.nn import TransformerConv as _PygTransformerConv
 
 from ..._tensors import resolve_scale
 from ...attention import sparse_attention
-from ...copies import (
-    copy_aggregate,
-    copy_dot,
-    copy_logsumexp,
-    copy_sum,
-    copy_weights,
-    to_copies,
-    weights_from_lse,
-)
+from ...copies import copy_aggregate, copy_dot, copy_logsumexp, copy_sum, copy_weights, to_copies
 from ...distributed import DistributedPattern
 from ...edge import edge_softmax, edge_spmm, sddmm
 from ...edge_attention import edge_attention, edge_attention_supported
@@ -53,10 +45,9 @@ class TransformerConv(_Fused, _PygTransformerConv):
     ``pyg_dropout=True`` -- always on the CPU -- drawn as PyG draws it, the same edges as PyG's
     layer for the same seed, and read as an [E, heads] factor); an edge feature a_ij enters as
     q_i . W_e a_ij on the score and W_e sum_j alpha_ij a_ij on the output (exact by linearity), so
-    only [E, edge_dim] and [N, heads, edge_dim] tensors appear. ``return_attention_weights``: the
-    same fused attention, then the [E, heads] weights from its log-sum-exp (each edge's score by
-    SDDMM less its row's lse; under torch.compile the per-edge path: scores, softmax and dropout
-    per input edge, then the per-edge SpMM).
+    only [E, edge_dim] and [N, heads, edge_dim] tensors appear. ``return_attention_weights`` runs
+    the per-edge path: [E, heads] scores (SDDMM), softmax and dropout per input edge, then the
+    per-edge SpMM.
     With a :class:`trisparse.distributed.DistributedPattern` as ``edge_index`` and this rank's
     rows as ``x``, it computes this rank's rows of a partitioned graph (halo exchange included).
     Falls back to PyG's code, with a one-time warning, only for edge features or attention weights
@@ -70,7 +61,9 @@ class TransformerConv(_Fused, _PygTransformerConv):
     def forward(self, x, edge_index, edge_attr=None, return_attention_weights=None):
         if isinstance(edge_index, DistributedPattern):
             return self._distributed(x, edge_index, edge_attr, return_attention_weights)
-        edge_attr, _, unfused = self._edge_request(edge_index, edge_attr, return_attention_weights)
+        edge_attr, per_edge, unfused = self._edge_request(
+            edge_index, edge_attr, return_attention_weights
+        )
         if unfused:
             return super().forward(x, edge_index, edge_attr, return_attention_weights)
         if self.lin_edge is not None and edge_attr is None:
@@ -78,23 +71,22 @@ class TransformerConv(_Fused, _PygTransformerConv):
         x_src, x_dst = (x, x) if isinstance(x, Tensor) else x
         pattern = self._patterns.get(edge_index, x_src.size(0), x_dst.size(0))
         query, key, value, x_r = self._project(x_src, x_dst)
-        out, alpha = self._attend(query, key, value, pattern, edge_attr, return_attention_weights)
+        out, alpha = self._attend(
+            query, key, value, pattern, edge_attr, per_edge, return_attention_weights
+        )
         out = self._finish(out, x_r)
         if return_attention_weights:
             return out, (edge_index, alpha)
         return out
 
-    def _attend(self, query, key, value, pattern, edge_attr, return_weights):
+    def _attend(self, query, key, value, pattern, edge_attr, per_edge, return_weights):
         """The attention of projected [N, H, C] query, key and value over `pattern`: (out, the
-        input edges' weights where asked, else None)."""
+        input edges' weights where the per-edge path ran, else None)."""
         scale = resolve_scale(None, self.out_channels)
         dropout = self.dropout if self.training else 0.0
         features = self.edge_dim if edge_attr is not None else 0
         # Repeated edges, edge features and dropout take the multigraph kernels (each copy its
-        # own edge); a plain graph too where they measured faster, else sparse_attention. The
-        # attention weights come from the fused forward's lse (under torch.compile, the per-edge
-        # path's).
-        weights = bool(return_weights)
+        # own edge); a plain graph too where they measured faster, else sparse_attention.
         fused_edges = (
             (
                 edge_attr is not None
@@ -102,36 +94,15 @@ class TransformerConv(_Fused, _PygTransformerConv):
                 or pattern.duplicates > 0
                 or _plain_graph_on_edge_kernels(query)
             )
-            and not (weights and torch.compiler.is_compiling())
+            and not return_weights
             and edge_attention_supported(pattern, query, features)
         )
         if fused_edges:
-            out, lse = self._edge_attention(
-                query, key, value, edge_attr, pattern, scale, dropout, weights
-            )
-            alpha = self._weights(query, key, edge_attr, pattern, scale, lse) if weights else None
-            return out, alpha
-        if edge_attr is not None or dropout > 0 or (weights and torch.compiler.is_compiling()):
+            return self._edge_attention(query, key, value, edge_attr, pattern, scale, dropout), None
+        if per_edge or dropout > 0:
             return self._per_edge(query, key, value, edge_attr, pattern, scale, dropout > 0)
         bias = pattern.log_multiplicity(query.device)
-        if not weights:
-            return sparse_attention(query, key, value, pattern, scale=scale, bias=bias), None
-        out, lse = sparse_attention(
-            query, key, value, pattern, scale=scale, bias=bias, return_lse=True
-        )
-        return out, self._weights(query, key, None, pattern, scale, lse)
-
-    def _weights(self, query, key, edge_attr, pattern, scale, lse):
-        """The input edges' attention weights [E, heads] (before dropout, as PyG's layer returns
-        them) from the fused forward's lse: each copy's score scale q_i . k_j (+ q_i . W_e a_ij)
-        less its row's lse."""
-        scores = to_copies(scale * sddmm(query, key, pattern), pattern)
-        if edge_attr is not None:
-            edge_attr = _edge_features(edge_attr, pattern, self.edge_dim)
-            w_edge = self.lin_edge.weight.view(self.heads, self.out_channels, -1)
-            r = torch.einsum("nhc,hcd->nhd", query, w_edge)
-            scores = scores + scale * copy_dot(r, edge_attr, pattern)
-        return weights_from_lse(scores, lse, pattern)
+        return sparse_attention(query, key, value, pattern, scale=scale, bias=bias), None
 
     def _project(self, x_src, x_dst):
         """query [N_dst, H, C], key and value [N_src, H, C] and the skip term lin_skip(x_dst)
@@ -190,7 +161,9 @@ class TransformerConv(_Fused, _PygTransformerConv):
             if rows.stop > rows.start:
                 attr = dp.edge_rows(side, edge_attr)
                 pattern = dp.pattern(side)
-                out, _ = self._attend(query[rows], key, value, pattern, attr, None)
+                out, _ = self._attend(
+                    query[rows], key, value, pattern, attr, attr is not None, None
+                )
                 outs.append(out)
         out = dp.joined(outs[0] if len(outs) == 1 else torch.cat(outs), halo)
         return self._finish(out, self.lin_skip(x) if self.root_weight else None)
@@ -200,14 +173,14 @@ class TransformerConv(_Fused, _PygTransformerConv):
         (whose engine reads the factors; its draws then match PyG's layer as before)."""
         return self.pyg_dropout or query.is_cpu
 
-    def _edge_attention(self, query, key, value, edge_attr, pattern, scale, dropout, lse=False):
+    def _edge_attention(self, query, key, value, edge_attr, pattern, scale, dropout):
         """Edge features or attention dropout on CUDA, fused: the score term q_i . W_e a_ij =
         (W_e^T q_i) . a_ij and the message term W_e sum_j alpha_ij a_ij come from one kernel that
         reads a_ij per edge (trisparse.edge_attention), the dropout a factor per (edge, head) on
         the weights; no per-edge tensor but edge_attr itself. The per-head products with W_e are
-        :func:`_head_product`'s. Returns (out, the rows' lse where `lse`, else None)."""
+        :func:`_head_product`'s."""
         if edge_attr is None:
-            out, _, rows_lse = edge_attention(
+            out, _ = edge_attention(
                 query,
                 key,
                 value,
@@ -215,15 +188,14 @@ class TransformerConv(_Fused, _PygTransformerConv):
                 scale,
                 dropout=dropout,
                 pyg_dropout=self._pyg_draws(query),
-                return_lse=True,
             )
-            return out, rows_lse if lse else None
+            return out
         H, C = self.heads, self.out_channels
         edge_attr = _edge_features(edge_attr, pattern, self.edge_dim)
         n = query.shape[0]
         w_edge = self.lin_edge.weight.view(H, C, -1)  # W_e of head h: [C, edge_dim]
         r = _head_product(query, scale * w_edge)  # (W_e^T q_i) per head: [n, H, edge_dim]
-        out, out_edge, rows_lse = edge_attention(
+        out, out_edge = edge_attention(
             query,
             key,
             value,
@@ -233,10 +205,9 @@ class TransformerConv(_Fused, _PygTransformerConv):
             edge_attr.to(query.dtype),
             dropout=dropout,
             pyg_dropout=self._pyg_draws(query),
-            return_lse=True,
         )
         message = _head_product(out_edge.view(n, H, -1), w_edge.transpose(1, 2))
-        return out + message, rows_lse if lse else None
+        return out + message
 
     def _per_edge(self, query, key, value, edge_attr, pattern, scale, dropout):
         """The attention with [E, H] weights: returns the output [N, H, C] and the weights of the
