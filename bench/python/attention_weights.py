@@ -2,7 +2,7 @@
 """The cost of return_attention_weights=True on the CPU: trisparse.nn's TransformerConv and GATConv
 (128 -> 8 heads x 16, float32, without and with 16 edge features) on a random graph of 20,000
 nodes and 200,000 edges; a training step (forward, backward of out.sum() + alpha.sum()) and an
-eval forward under no_grad, wall-clock medians of 5 after 2 warm-ups. --label names the Python
+eval forward under no_grad, wall-clock medians of 5 after 3 warm-ups. --label names the Python
 tree in the record: an A/B of two trees runs the script once per tree (PYTHONPATH), interleaved.
 
     PYTHONPATH=build/cpu-only/python python3 bench/python/attention_weights.py --label new
@@ -10,22 +10,14 @@ tree in the record: an A/B of two trees runs the script once per tree (PYTHONPAT
 
 import argparse
 import json
-import statistics
-import time
+import os
+import sys
 
 import torch
 import trisparse.nn
 
-
-def median_ms(fn, repeat=5, warmup=2):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return round(statistics.median(times), 1)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attention_training import wall_ms
 
 
 def main():
@@ -55,7 +47,9 @@ def main():
                     m(x, ei, **kw, return_attention_weights=True)
 
                 m.train(mode == "train")
-                rec[f"{layer}/{edge_dim}"] = median_ms(train if mode == "train" else evaluate)
+                rec[f"{layer}/{edge_dim}"] = round(
+                    wall_ms(train if mode == "train" else evaluate, 5), 1
+                )
         print(json.dumps(rec), flush=True)
 
 
