@@ -180,13 +180,6 @@ def weights_from_lse(scores: Tensor, lse: Tensor, pattern: Pattern) -> Tensor:
     log-sum-exp [num_rows, H] that a fused forward returned (every copy of a repeated pair its own
     term; a score's exponent is its copy's): no pass over the scores for the normaliser.
     Differentiable in ``scores`` by the softmax's Jacobian, dL/ds = w (g - sum over the row of
-    w g) with the row sums in a fixed order; ``lse`` is taken as theirs (not differentiated).
-    float64 scores with a float32 lse (the multigraph engine's): the lse made float64's by one
-    pass, lse + log(sum over the row of exp(score - lse))."""
+    w g) with the row sums in a fixed order; ``lse`` is taken as theirs (not differentiated)."""
     targets = pattern.input_pairs(scores.device)[0]
-    lse = lse.detach()
-    if scores.dtype == torch.float64 and lse.dtype != torch.float64:
-        lse = lse.double()
-        terms = (scores.detach() - gather_rows(lse, targets)).exp()
-        lse = lse + _row_sums(terms, pattern).log()
-    return _WeightsFromLse.apply(scores, lse, targets, pattern)
+    return _WeightsFromLse.apply(scores, lse.detach(), targets, pattern)

@@ -70,8 +70,8 @@ def edge_gat_attention(
     nothing [E, H] is stored) or, with `pyg_dropout`, drawn as PyG's F.dropout over its [E, H]
     weights (the same factors as PyG's layer given torch's seed). Differentiable in all four;
     deterministic given the draws. ``return_lse``: also each row's log-sum-exp of the scores
-    [num_rows, H] (float32 in every dtype; -inf on rows without pairs; not differentiable;
-    dropout leaves it alone)."""
+    [num_rows, H] (float32; float64 for float64 x on the CPU; -inf on rows without pairs; not
+    differentiable; dropout leaves it alone)."""
     _check_device(x)
     heads = x.shape[1]
     for name, t, rows in (

@@ -24,14 +24,20 @@ def _edge_rows(a: Tensor | None) -> tuple | None:
     return None if a is None else _tensors.view(a.unsqueeze(1))
 
 
+def _lse_dtype(t: Tensor) -> torch.dtype:
+    """The lse's dtype: float64 where the CPU engine runs in float64, else float32 (the
+    kernels')."""
+    return torch.float64 if t.is_cpu and t.dtype == torch.float64 else torch.float32
+
+
 def _forward_outputs(q: Tensor, r: Tensor | None, rows: int) -> tuple[Tensor, Tensor, Tensor]:
-    """out and out_edge [rows, H, C], [rows, H, F] in q's dtype and lse [rows, H] float32,
+    """out and out_edge [rows, H, C], [rows, H, F] in q's dtype and lse [rows, H] (_lse_dtype),
     unwritten (the op's and its fake's)."""
     heads, features = q.shape[1], 0 if r is None else r.shape[2]
     return (
         q.new_empty(rows, heads, q.shape[2]),
         q.new_empty(rows, heads, features),
-        q.new_empty(rows, heads, dtype=torch.float32),
+        q.new_empty(rows, heads, dtype=_lse_dtype(q)),
     )
 
 
@@ -48,7 +54,7 @@ def _forward(
     dropout: float,
     dropout_state: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(out [rows, H, C] and out_edge [rows, H, F] in q's dtype, lse [rows, H] float32);
+    """(out [rows, H, C] and out_edge [rows, H, F] in q's dtype, lse [rows, H]);
     attention dropout as `keep`: [E, H] float32 factors on the weights, or drawn in the kernels
     with probability `dropout` from `dropout_state` ({seed, offset}, int64 [2] on q's device)."""
     p = lookup(pattern)
@@ -149,10 +155,11 @@ def _backward_fake(
 
 
 def _gat_outputs(x: Tensor, rows: int) -> tuple[Tensor, Tensor]:
-    """GAT's out [rows, H, C] in x's dtype and lse [rows, H] float32, unwritten (op and fake)."""
+    """GAT's out [rows, H, C] in x's dtype and lse [rows, H] (_lse_dtype), unwritten (op and
+    fake)."""
     return (
         x.new_empty(rows, x.shape[1], x.shape[2]),
-        x.new_empty(rows, x.shape[1], dtype=torch.float32),
+        x.new_empty(rows, x.shape[1], dtype=_lse_dtype(x)),
     )
 
 
@@ -168,7 +175,7 @@ def _gat_forward(
     dropout: float,
     dropout_state: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
-    """(out [rows, H, C] in x's dtype, lse [rows, H] float32); the dropout as edge_attention's."""
+    """(out [rows, H, C] in x's dtype, lse [rows, H]); the dropout as edge_attention's."""
     p = lookup(pattern)
     out, lse = _gat_outputs(x, p.num_rows)
     p.edge_attention_plan(x.device, backward=False).gat_forward(

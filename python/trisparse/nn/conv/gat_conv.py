@@ -222,10 +222,7 @@ class GATConv(_Fused, _PygGATConv):
                 x_src, alpha_src, alpha_dst, pattern, self.negative_slope, a_edge,
                 return_lse=True,
             )  # fmt: skip
-            scores = to_copies(edge_scores(alpha_dst, alpha_src, pattern), pattern)
-            if a_edge is not None:
-                scores = scores + a_edge
-            scores = F.leaky_relu(scores, self.negative_slope)
+            scores = self._copy_scores(alpha_src, alpha_dst, a_edge, pattern)
             return out, weights_from_lse(scores, lse, pattern)
         if multigraph and not weights and edge_attention_supported(pattern, x_src):
             # fused over the input's edges, each copy its own term and dropout draw
@@ -352,13 +349,17 @@ class GATConv(_Fused, _PygGATConv):
             values, loops = values @ to_heads, loops @ to_heads
         return torch.cat([values, loops])
 
-    def _per_edge(self, x_src, alpha_src, alpha_dst, a_edge, pattern, dropout):
-        """GAT's attention with [E, H] weights per input edge: the output [N, H, C] and the
-        weights (after dropout, as PyG's layer returns them)."""
+    def _copy_scores(self, alpha_src, alpha_dst, a_edge, pattern):
+        """[E, H]: each input edge's score LeakyReLU(alpha_dst_i + alpha_src_j + a_edge)."""
         scores = to_copies(edge_scores(alpha_dst, alpha_src, pattern), pattern)
         if a_edge is not None:
             scores = scores + a_edge
-        scores = F.leaky_relu(scores, self.negative_slope)
+        return F.leaky_relu(scores, self.negative_slope)
+
+    def _per_edge(self, x_src, alpha_src, alpha_dst, a_edge, pattern, dropout):
+        """GAT's attention with [E, H] weights per input edge: the output [N, H, C] and the
+        weights (after dropout, as PyG's layer returns them)."""
+        scores = self._copy_scores(alpha_src, alpha_dst, a_edge, pattern)
         entry = copy_logsumexp(scores, pattern)
         alpha = edge_softmax(entry, pattern)
         weights = to_copies(alpha, pattern)
